@@ -1,0 +1,47 @@
+//! `lake-bench`: Lake's benchmarks. Each subcommand measures a Lake path and
+//! the raw operation beneath it in the same run and prints, as its last
+//! line, one JSON object with both figures and their ratio.
+//!
+//! Run with `cargo run --release -p lake-bench -- SUBCOMMAND [--flag value]`.
+
+// Benchmarks report durations and byte counts as floating-point figures;
+// the precision lost above 2^52 ns or bytes does not matter to a ratio.
+#![allow(clippy::cast_precision_loss)]
+
+mod args;
+mod keys;
+mod report;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: lake-bench SUBCOMMAND [--flag value ...]
+
+subcommands:
+  keys   --tokens N --block-tokens N [--rounds N]
+         block-key chain cost vs one raw BLAKE3 keyed hash per block";
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let Some((command, rest)) = argv.split_first() else {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    };
+    let result = match command.as_str() {
+        "keys" => keys::run(rest),
+        "-h" | "--help" | "help" => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        other => Err(format!("unknown subcommand `{other}`\n{USAGE}")),
+    };
+    match result {
+        Ok(report) => {
+            println!("{}", report.line());
+            ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprintln!("lake-bench: {message}");
+            ExitCode::from(2)
+        }
+    }
+}

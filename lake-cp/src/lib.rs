@@ -1,0 +1,13 @@
+//! `lake-cp` is Lake's control plane. Per node it is the authority on that
+//! node's replicas: it holds the radix prefix index over [`lake_dp::BlockKey`]
+//! chains and the location view (which [`lake_dp::Replica`]s hold each
+//! block), grants leases and tracks pins, decides eviction and demotion, and
+//! is the one writer of the shared-memory mirror that engines and `lake-dp`
+//! read lock-free. One elected `lake-cp` is the leader: it aggregates
+//! (term, sequence)-numbered deltas from every node into the global summary
+//! and fences stale leaders by term. It speaks only the [`lake_dp::wire`]
+//! format and keeps everything heavy (etcd, object-store clients) out of the
+//! data plane. The index, the mirror and leadership arrive with issues [3]
+//! and [7]; today this crate holds nothing but this contract.
+
+#![warn(missing_docs)]

@@ -1,0 +1,33 @@
+//! `lake-dp` is Lake's data plane, and the home of the vocabulary every
+//! other crate speaks.
+//!
+//! It owns the core model of DESIGN §3 — [`Namespace`], the chained keyed
+//! [`BlockKey`], the byte [`Layout`] of a block and its shard, object kinds,
+//! [`Tier`] and [`Replica`] — plus the two formats that cross a process or a
+//! power cut: the [`wire`] frames exchanged by `lake-cp`, `lake-dp` and the
+//! engine's in-process agent, and the [`stored`] object format of L2 slots and
+//! L3 objects. No other crate redefines any of these. The zero-allocation
+//! polling engine (io_uring, RDMA completion queues, CUDA events) that moves
+//! blocks between tiers grows here too; it is embedded, owns no thread and
+//! uses no async runtime.
+
+#![cfg_attr(not(test), warn(missing_docs))]
+// Test fixtures are small numbers; the cast lints guard the library code.
+#![cfg_attr(test, allow(clippy::cast_possible_truncation))]
+
+// Every wire and stored format is little-endian and read by casting bytes to
+// `#[repr(C)]` structs; a big-endian build would silently misread them.
+#[cfg(target_endian = "big")]
+compile_error!("lake-dp assumes a little-endian target (wire and stored formats)");
+
+pub mod constants;
+pub mod model;
+pub mod stored;
+pub mod wire;
+
+pub use model::key::{BlockKey, ChainValue, KeyChain, KeyError};
+pub use model::layout::{Dtype, KvPlanes, Layout, LayoutError, RecurrentLayout, Shard};
+pub use model::namespace::{
+    Digest32, ExtraKeys, KeyScheme, ModelIdentity, Namespace, NamespaceError, NamespaceId, TenantKey,
+};
+pub use model::replica::{Durability, NodeId, ObjectKind, Priority, RegionId, Replica, Tier};

@@ -1,0 +1,317 @@
+//! Wire format v1: every message between `lake-cp`, `lake-dp` and the
+//! engine's in-process agent.
+//!
+//! A frame is a fixed 40-byte little-endian [`FrameHeader`] followed by a
+//! body of `body_len` bytes: one `#[repr(C)]` record per message kind,
+//! optionally followed by a counted list of fixed records (lookup keys,
+//! delta entries). The header carries the leader term (fencing), a request
+//! id, and two CRC32s: one over the body and one over the header itself, so
+//! a damaged length field is caught before it is trusted.
+//!
+//! Encoding writes into a caller's buffer and decoding borrows from one:
+//! neither allocates. Decoding checks every field and returns a typed
+//! [`WireError`] for any malformed input; it never panics and never reads
+//! past the buffer. A frame decodes only from its canonical encoding, so
+//! `encode(decode(bytes)) == bytes` for every accepted frame.
+//!
+//! The version is negotiated by a [`hello`] exchange; the hello records are
+//! frozen across versions so that any two builds can at least agree to
+//! disagree.
+
+pub mod hello;
+pub mod message;
+
+use core::fmt;
+use core::mem::size_of;
+
+use bytemuck::{Pod, Zeroable};
+
+pub use message::{Message, MessageKind, Records};
+
+use crate::constants::WIRE_FRAME_BYTES_MAX;
+
+/// The first four bytes of every frame: "LAKW".
+pub const WIRE_MAGIC: u32 = u32::from_le_bytes(*b"LAKW");
+
+/// Oldest wire version this build speaks.
+pub const WIRE_VERSION_MIN: u16 = 1;
+
+/// Newest wire version this build speaks.
+pub const WIRE_VERSION_MAX: u16 = 1;
+
+/// Bytes in a frame header.
+pub const FRAME_HEADER_BYTES: usize = size_of::<FrameHeader>();
+
+/// Flag: this frame answers the request with the same id.
+pub const FLAG_REPLY: u32 = 1;
+
+/// Flags defined in v1.
+const FLAGS_KNOWN: u32 = FLAG_REPLY;
+
+/// The fixed header in front of every frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct FrameHeader {
+    /// [`WIRE_MAGIC`].
+    pub magic: u32,
+    /// Wire version of the body.
+    pub version: u16,
+    /// [`MessageKind`] code.
+    pub kind: u16,
+    /// [`FLAG_REPLY`] and future flags.
+    pub flags: u32,
+    /// Bytes after the header.
+    pub body_len: u32,
+    /// Id chosen by the requester; replies echo it.
+    pub request_id: u64,
+    /// The leader term the sender acts under; receivers refuse lower terms.
+    pub leader_term: u64,
+    /// CRC32 of the body.
+    pub body_crc: u32,
+    /// CRC32 of the 36 bytes before this field.
+    pub header_crc: u32,
+}
+
+const _: () = assert!(FRAME_HEADER_BYTES == 40);
+const _: () = assert!(core::mem::offset_of!(FrameHeader, header_crc) == 36);
+
+/// The per-frame values a sender chooses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FrameMeta {
+    /// Wire version to encode with.
+    pub version: u16,
+    /// Flags ([`FLAG_REPLY`]).
+    pub flags: u32,
+    /// Request id.
+    pub request_id: u64,
+    /// Leader term.
+    pub leader_term: u64,
+}
+
+/// What a frame decoder enforces: the versions it accepts and the largest
+/// frame it will wait for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Oldest version accepted.
+    pub version_min: u16,
+    /// Newest version accepted.
+    pub version_max: u16,
+    /// Largest frame accepted, header included.
+    pub frame_bytes_max: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { version_min: WIRE_VERSION_MIN, version_max: WIRE_VERSION_MAX, frame_bytes_max: WIRE_FRAME_BYTES_MAX }
+    }
+}
+
+/// Why bytes were not a valid frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WireError {
+    /// Not enough bytes yet: read at least `needed` in total and try again.
+    /// The only error after which the stream is still usable.
+    Incomplete {
+        /// Total bytes needed (header, or header plus body).
+        needed: usize,
+    },
+    /// Not a Lake frame.
+    BadMagic(u32),
+    /// The header's own CRC does not match.
+    HeaderCrc,
+    /// A version outside the accepted range.
+    UnsupportedVersion(u16),
+    /// Flag bits this version does not define.
+    UnknownFlags(u32),
+    /// A frame larger than the limit.
+    FrameTooLarge {
+        /// Frame bytes announced.
+        bytes: u64,
+        /// The limit.
+        max: usize,
+    },
+    /// The body's CRC does not match.
+    BodyCrc,
+    /// An unknown message kind.
+    UnknownKind(u16),
+    /// A body of the wrong size for its kind.
+    BodyLength {
+        /// The kind.
+        kind: MessageKind,
+        /// Body bytes received.
+        actual: usize,
+    },
+    /// A record count that disagrees with the body size, or exceeds its limit.
+    Count {
+        /// The kind.
+        kind: MessageKind,
+        /// Count announced.
+        count: u32,
+    },
+    /// A field holds a value outside its domain.
+    Field {
+        /// The field, as `message.field`.
+        field: &'static str,
+        /// The value found (widened).
+        value: u64,
+    },
+    /// A reserved field is not zero.
+    Reserved(&'static str),
+    /// The hello exchange found no common version.
+    VersionMismatch {
+        /// Our range.
+        local: (u16, u16),
+        /// The peer's range.
+        remote: (u16, u16),
+    },
+    /// The output buffer is too small for the frame.
+    BufferTooSmall {
+        /// Bytes needed.
+        needed: usize,
+    },
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Incomplete { needed } => write!(f, "incomplete frame: need {needed} bytes"),
+            Self::BadMagic(m) => write!(f, "bad frame magic {m:#010x}"),
+            Self::HeaderCrc => f.write_str("frame header CRC mismatch"),
+            Self::UnsupportedVersion(v) => write!(f, "unsupported wire version {v}"),
+            Self::UnknownFlags(flags) => write!(f, "unknown frame flags {flags:#x}"),
+            Self::FrameTooLarge { bytes, max } => write!(f, "frame of {bytes} bytes exceeds {max}"),
+            Self::BodyCrc => f.write_str("frame body CRC mismatch"),
+            Self::UnknownKind(k) => write!(f, "unknown message kind {k}"),
+            Self::BodyLength { kind, actual } => write!(f, "{kind:?} body of {actual} bytes has the wrong size"),
+            Self::Count { kind, count } => write!(f, "{kind:?} record count {count} disagrees with its body"),
+            Self::Field { field, value } => write!(f, "field {field} holds invalid value {value}"),
+            Self::Reserved(field) => write!(f, "reserved field {field} is not zero"),
+            Self::VersionMismatch { local, remote } => {
+                write!(f, "no common wire version: ours {}..={}, peer's {}..={}", local.0, local.1, remote.0, remote.1)
+            }
+            Self::BufferTooSmall { needed } => write!(f, "output buffer too small: need {needed} bytes"),
+        }
+    }
+}
+
+impl std::error::Error for WireError {}
+
+/// A decoded frame: its header and its message, borrowing the input.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Frame<'a> {
+    /// The checked header.
+    pub header: FrameHeader,
+    /// The checked message.
+    pub message: Message<'a>,
+}
+
+impl Frame<'_> {
+    /// Bytes the frame occupied in the input.
+    pub fn len(&self) -> usize {
+        FRAME_HEADER_BYTES + self.header.body_len as usize
+    }
+
+    /// A frame is never empty; present for clippy's `len_without_is_empty`.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The frame's sender-chosen values.
+    pub fn meta(&self) -> FrameMeta {
+        FrameMeta {
+            version: self.header.version,
+            flags: self.header.flags,
+            request_id: self.header.request_id,
+            leader_term: self.header.leader_term,
+        }
+    }
+}
+
+/// Encodes `message` into `out`; returns the frame's length.
+pub fn encode_frame(meta: FrameMeta, message: &Message<'_>, out: &mut [u8]) -> Result<usize, WireError> {
+    if meta.flags & !FLAGS_KNOWN != 0 {
+        return Err(WireError::UnknownFlags(meta.flags));
+    }
+    if !(WIRE_VERSION_MIN..=WIRE_VERSION_MAX).contains(&meta.version) {
+        return Err(WireError::UnsupportedVersion(meta.version));
+    }
+    let body_len = message.body_len();
+    let total = FRAME_HEADER_BYTES + body_len;
+    if total > WIRE_FRAME_BYTES_MAX {
+        return Err(WireError::FrameTooLarge { bytes: total as u64, max: WIRE_FRAME_BYTES_MAX });
+    }
+    let Some(frame) = out.get_mut(..total) else {
+        return Err(WireError::BufferTooSmall { needed: total });
+    };
+    let (head, body) = frame.split_at_mut(FRAME_HEADER_BYTES);
+    message.encode_body(body)?;
+    let mut header = FrameHeader {
+        magic: WIRE_MAGIC,
+        version: meta.version,
+        kind: message.kind() as u16,
+        flags: meta.flags,
+        body_len: u32::try_from(body_len)
+            .map_err(|_| WireError::FrameTooLarge { bytes: total as u64, max: WIRE_FRAME_BYTES_MAX })?,
+        request_id: meta.request_id,
+        leader_term: meta.leader_term,
+        body_crc: crc32fast::hash(body),
+        header_crc: 0,
+    };
+    header.header_crc = header_crc(&header);
+    head.copy_from_slice(bytemuck::bytes_of(&header));
+    Ok(total)
+}
+
+/// Decodes one frame from the front of `input`. [`WireError::Incomplete`]
+/// asks for more bytes; any other error means the stream is corrupt and the
+/// connection should be closed.
+pub fn decode_frame<'a>(input: &'a [u8], limits: &Limits) -> Result<Frame<'a>, WireError> {
+    let header = decode_header(input, limits)?;
+    let total = FRAME_HEADER_BYTES + header.body_len as usize;
+    let Some(body) = input.get(FRAME_HEADER_BYTES..total) else {
+        return Err(WireError::Incomplete { needed: total });
+    };
+    if crc32fast::hash(body) != header.body_crc {
+        return Err(WireError::BodyCrc);
+    }
+    let kind = MessageKind::from_u16(header.kind).ok_or(WireError::UnknownKind(header.kind))?;
+    let message = Message::decode_body(kind, body)?;
+    Ok(Frame { header, message })
+}
+
+/// Decodes and checks just the header: enough to know how many bytes the
+/// whole frame needs, before waiting for them.
+pub fn decode_header(input: &[u8], limits: &Limits) -> Result<FrameHeader, WireError> {
+    let Some(head) = input.get(..FRAME_HEADER_BYTES) else {
+        return Err(WireError::Incomplete { needed: FRAME_HEADER_BYTES });
+    };
+    let header: FrameHeader = bytemuck::pod_read_unaligned(head);
+    if header.magic != WIRE_MAGIC {
+        return Err(WireError::BadMagic(header.magic));
+    }
+    if header.header_crc != header_crc(&header) {
+        return Err(WireError::HeaderCrc);
+    }
+    if header.version < limits.version_min || header.version > limits.version_max {
+        return Err(WireError::UnsupportedVersion(header.version));
+    }
+    if header.flags & !FLAGS_KNOWN != 0 {
+        return Err(WireError::UnknownFlags(header.flags));
+    }
+    let max = limits.frame_bytes_max.min(WIRE_FRAME_BYTES_MAX);
+    let total = FRAME_HEADER_BYTES as u64 + u64::from(header.body_len);
+    if total > max as u64 {
+        return Err(WireError::FrameTooLarge { bytes: total, max });
+    }
+    Ok(header)
+}
+
+fn header_crc(header: &FrameHeader) -> u32 {
+    crc32fast::hash(&bytemuck::bytes_of(header)[..36])
+}
+
+#[cfg(test)]
+mod tests;
+
+#[doc(hidden)]
+pub mod samples;

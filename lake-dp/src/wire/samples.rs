@@ -1,0 +1,174 @@
+//! One valid frame of every message kind: the seed corpus of the wire fuzz
+//! target and the fixtures of the round-trip tests.
+
+use super::message::*;
+use super::{FLAG_REPLY, FrameMeta, WIRE_VERSION_MAX, encode_frame};
+use crate::model::key::BlockKey;
+use crate::model::replica::{NodeId, RegionId, Replica, ReplicaWire, Tier};
+
+fn replica(tier: Tier, slot: u32) -> ReplicaWire {
+    Replica { tier, node: NodeId(2), region: RegionId(1), region_epoch: 9, slot, generation: 3 }.to_wire()
+}
+
+fn key(n: u8) -> BlockKey {
+    BlockKey([n; 16])
+}
+
+/// Every kind once, with its frame meta, handed to `visit`.
+pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
+    let meta = |request_id| FrameMeta { version: WIRE_VERSION_MAX, flags: 0, request_id, leader_term: 4 };
+    let reply = |request_id| FrameMeta { flags: FLAG_REPLY, ..meta(request_id) };
+    let name = |s: &str| text_field::<32>("sample", s).unwrap_or([0; 32]);
+    let hello = Hello {
+        role: Role::Agent as u8,
+        reserved_a: [0; 3],
+        version_min: 1,
+        version_max: 1,
+        node: 2,
+        pid: 1234,
+        region_epoch: 0,
+        features: 1,
+        frame_bytes_max: 1 << 20,
+        reserved_b: 0,
+        name: name("vllm-worker-0"),
+    };
+    visit(meta(1), Message::Hello(hello));
+    visit(
+        reply(1),
+        Message::HelloAck(HelloAck {
+            version: 1,
+            role: Role::DataPlane as u8,
+            reserved_a: 0,
+            node: 2,
+            region_epoch: 9,
+            features: 1,
+            leader_term_seen: 4,
+            frame_bytes_max: 1 << 20,
+            reserved_b: 0,
+        }),
+    );
+    visit(
+        meta(2),
+        Message::RegisterRegion(RegisterRegion {
+            region: 1,
+            tier: Tier::L1Dram as u8,
+            reserved_a: 0,
+            node: 2,
+            region_epoch: 9,
+            slot_bytes: 2 << 20,
+            slot_count: 512,
+            reserved_b: 0,
+            name: text_field::<48>("sample", "/dev/shm/lake-l1").unwrap_or([0; 48]),
+        }),
+    );
+    let record = BlockRecord {
+        replica: replica(Tier::L2Nvme, 77),
+        key: key(1),
+        parent_key: key(0),
+        namespace: 0xabc,
+        layout_fingerprint: 0xdef,
+        payload_len: 2 << 20,
+        block_index: 1,
+        kind: 1,
+        durability: 1,
+        flags: 0,
+    };
+    visit(meta(3), Message::BlockCommitted(record));
+    visit(meta(4), Message::BlockReadopted(BlockRecord { flags: BLOCK_FLAG_VERIFIED, ..record }));
+    visit(
+        meta(5),
+        Message::BlockEvicted(BlockEvicted {
+            replica: replica(Tier::L1Dram, 5),
+            key: key(1),
+            reason: EvictReason::Demoted as u8,
+            reserved: [0; 7],
+        }),
+    );
+    let transfer = Transfer {
+        source: replica(Tier::L2Nvme, 77),
+        target: ReplicaWire { slot: SLOT_ANY, ..replica(Tier::L1Dram, 0) },
+        key: key(1),
+        deadline_unix_ns: 1_764_000_000_000_000_000,
+        priority: 0,
+        reserved: [0; 7],
+    };
+    visit(meta(6), Message::MoveBlock(transfer));
+    visit(meta(7), Message::CopyBlock(Transfer { priority: 4, ..transfer }));
+    visit(
+        reply(7),
+        Message::TransferDone(TransferDone {
+            status: 0,
+            reserved: 0,
+            target: replica(Tier::L1Dram, 8),
+            bytes: 2 << 20,
+        }),
+    );
+    visit(meta(8), Message::Cancel(Cancel { request_id: 7 }));
+    let keys = [key(1), key(2), key(3)];
+    visit(
+        meta(9),
+        Message::LeaseRequest(LeaseRequest { namespace: 0xabc, ttl_ms: 5000, count: 3 }, Records::from_slice(&keys)),
+    );
+    let leased = [LeaseEntry { key: key(1), replica: replica(Tier::L2Nvme, 77) }];
+    visit(
+        reply(9),
+        Message::LeaseGrant(
+            LeaseGrant { lease_id: 55, deadline_unix_ns: 1_764_000_005_000_000_000, count: 1, reserved: 0 },
+            Records::from_slice(&leased),
+        ),
+    );
+    visit(meta(10), Message::LeaseRelease(LeaseRelease { lease_id: 55 }));
+    visit(
+        meta(11),
+        Message::PinDrop(PinDrop {
+            agent: 3,
+            pin_index: PIN_INDEX_ALL,
+            slot: 0,
+            generation: 0,
+            region: 0,
+            reserved: [0; 6],
+        }),
+    );
+    visit(meta(12), Message::Lookup(Lookup { namespace: 0xabc, count: 3, flags: 0 }, Records::from_slice(&keys)));
+    let hits = [
+        LookupEntry { key: key(1), replica: replica(Tier::L1Dram, 8), layout_fingerprint: 0xdef },
+        LookupEntry { key: key(2), replica: replica(Tier::L2Nvme, 78), layout_fingerprint: 0xdef },
+    ];
+    visit(reply(12), Message::LookupReply(LookupReply { count: 2, hit_blocks: 2 }, Records::from_slice(&hits)));
+    let changes = [DeltaEntry {
+        op: DeltaOp::Add as u8,
+        durability: 2,
+        kind: 1,
+        block_index: 0,
+        key: key(1),
+        parent_key: BlockKey::NONE,
+        namespace: 0xabc,
+        layout_fingerprint: 0xdef,
+        replica: replica(Tier::L2Nvme, 77),
+    }];
+    visit(meta(13), Message::Delta(Delta { term: 4, sequence: 100, node: 2, count: 1 }, Records::from_slice(&changes)));
+    visit(
+        reply(6),
+        Message::Error(ErrorBody {
+            code: ErrorCode::StaleGeneration as u32,
+            reserved: 0,
+            failed_request: 6,
+            detail: text_field::<48>("sample", "slot 77 generation 3 is gone").unwrap_or([0; 48]),
+        }),
+    );
+}
+
+/// [`each_message`] encoded: one frame per kind.
+pub fn frames() -> Vec<Vec<u8>> {
+    let mut frames = Vec::new();
+    each_message(|meta, message| {
+        let mut buf = vec![0u8; 4096];
+        // Samples are small and valid by construction; an error here is a
+        // bug in this file and shows as a missing frame in the tests.
+        if let Ok(len) = encode_frame(meta, &message, &mut buf) {
+            buf.truncate(len);
+            frames.push(buf);
+        }
+    });
+    frames
+}
