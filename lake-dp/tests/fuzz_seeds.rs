@@ -1,0 +1,71 @@
+//! The fuzz targets' seed corpora (`fuzz/seeds/`) are real, valid encodings
+//! made by this build. This test fails when a format change leaves them
+//! stale; `LAKE_UPDATE_SEEDS=1 cargo test -p lake-dp --test fuzz_seeds`
+//! rewrites them. Each seed starts with the target's mode byte (0: decode
+//! as is).
+
+use std::path::PathBuf;
+
+use lake_dp::stored::{ObjectMeta, decode_object, encode_object, object_bytes};
+use lake_dp::wire::{Limits, decode_frame, samples};
+use lake_dp::{BlockKey, NamespaceId, ObjectKind, RegionId};
+
+fn seeds_dir(target: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds").join(target)
+}
+
+fn stored_objects() -> Vec<Vec<u8>> {
+    [(100u64, 100u64, ObjectKind::KvBlock), (9000, 4096, ObjectKind::KvBlock), (5000, 1000, ObjectKind::RecurrentState)]
+        .into_iter()
+        .map(|(payload_len, segment_bytes, kind)| {
+            let meta = ObjectMeta {
+                kind,
+                key: BlockKey([0x11; 16]),
+                parent_key: BlockKey::NONE,
+                block_index: 0,
+                namespace: NamespaceId(42),
+                layout_fingerprint: 0x1234,
+                region: RegionId(1),
+                region_epoch: 2,
+                slot: 3,
+                generation: 4,
+                committed_unix_ns: 5,
+                payload_len,
+                segment_bytes,
+            };
+            let payload: Vec<u8> = (0..payload_len).map(|i| (i % 253) as u8).collect();
+            let mut out = vec![0u8; usize::try_from(object_bytes(payload_len)).unwrap()];
+            encode_object(&meta, &payload, &mut out).unwrap();
+            out
+        })
+        .collect()
+}
+
+fn check_or_write(target: &str, seeds: &[Vec<u8>], valid: impl Fn(&[u8]) -> bool) {
+    let dir = seeds_dir(target);
+    if std::env::var_os("LAKE_UPDATE_SEEDS").is_some() {
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, seed) in seeds.iter().enumerate() {
+            let mut bytes = vec![0u8];
+            bytes.extend_from_slice(seed);
+            std::fs::write(dir.join(format!("seed-{i:02}")), bytes).unwrap();
+        }
+    }
+    let mut count = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        assert!(valid(&bytes[1..]), "stale seed in {}", dir.display());
+        count += 1;
+    }
+    assert_eq!(count, seeds.len(), "seed count in {}", dir.display());
+}
+
+#[test]
+fn wire_seeds_are_current() {
+    check_or_write("wire_frame", &samples::frames(), |bytes| decode_frame(bytes, &Limits::default()).is_ok());
+}
+
+#[test]
+fn stored_seeds_are_current() {
+    check_or_write("stored_header", &stored_objects(), |bytes| decode_object(bytes).is_ok());
+}
