@@ -20,9 +20,29 @@
 #[cfg(target_endian = "big")]
 compile_error!("lake-dp assumes a little-endian target (wire and stored formats)");
 
+// Offsets and lengths are u64 on disk and usize in memory; on the 64-bit
+// targets Lake runs on, widening one into the other is lossless.
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!("lake-dp assumes a 64-bit target");
+
+/// A `u64` as a `usize`: lossless on the 64-bit targets Lake builds for
+/// (asserted by the `compile_error!` above).
+#[inline]
+pub(crate) fn usize_from(value: u64) -> usize {
+    #[allow(clippy::cast_possible_truncation)] // 64-bit targets only
+    let widened = value as usize;
+    widened
+}
+
 pub mod constants;
+pub mod io;
 pub mod model;
+pub mod op;
+pub mod region;
+pub mod ring;
+pub mod rng;
 pub mod stored;
+pub mod tag;
 pub mod wire;
 
 pub use model::key::{BlockKey, ChainValue, KeyChain, KeyError};
