@@ -178,25 +178,25 @@ impl Harness {
         self.poller.as_mut().expect("poller present between crashes")
     }
 
-    /// The bytes block (key, generation) holds: a pure function of both.
-    fn fill(key: &BlockKey, generation: u32, out: &mut [u8]) {
+    /// The generator of the bytes block (key, generation) holds: a pure
+    /// function of both.
+    fn content(key: &BlockKey, generation: u32) -> SimRng {
         let mut seed = u64::from(generation);
         for chunk in key.0.chunks_exact(8) {
             seed ^= u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]));
         }
-        let mut rng = SimRng::new(seed);
+        SimRng::new(seed)
+    }
+
+    fn fill(key: &BlockKey, generation: u32, out: &mut [u8]) {
+        let mut rng = Self::content(key, generation);
         for chunk in out.chunks_mut(8) {
-            let bytes = rng.next_u64().to_le_bytes();
-            chunk.copy_from_slice(&bytes[..chunk.len()]);
+            chunk.copy_from_slice(&rng.next_u64().to_le_bytes()[..chunk.len()]);
         }
     }
 
     fn matches(key: &BlockKey, generation: u32, data: &[u8]) -> bool {
-        let mut seed = u64::from(generation);
-        for chunk in key.0.chunks_exact(8) {
-            seed ^= u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]));
-        }
-        let mut rng = SimRng::new(seed);
+        let mut rng = Self::content(key, generation);
         data.chunks(8).all(|chunk| chunk == &rng.next_u64().to_le_bytes()[..chunk.len()])
     }
 
