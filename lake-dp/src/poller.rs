@@ -430,12 +430,16 @@ impl<B: IoBackend> Poller<B> {
 
     /// Cancels a request that has not started (or a read in flight, whose
     /// data is then discarded). Returns whether it will end as
-    /// [`OpError::Cancelled`]. Writes already sent to the device finish and
-    /// report what really happened.
+    /// [`OpError::Cancelled`]. Writes already sent to the device (in flight,
+    /// being retried, or waiting for their fdatasync) finish and report what
+    /// really happened.
     pub fn cancel(&mut self, ticket: Ticket) -> bool {
         let Some(index) = self.ticket_index(ticket) else { return false };
         let op = &mut self.ops[index as usize];
         match op.state {
+            // A write being retried was already (partly) sent to the device:
+            // it must finish and report what really happened.
+            OpState::Pending if op.retries > 0 && matches!(op.request.command, Command::Write(_)) => false,
             OpState::Pending => {
                 let queue = &mut self.pending[op.request.priority as usize];
                 if let Some(position) = queue.iter().position(|&i| i == index) {
@@ -627,6 +631,11 @@ impl<B: IoBackend> Poller<B> {
             return;
         };
         let result = completion.result;
+        if self.ops[index as usize].cancelled {
+            // Only reads are cancelled in flight; whatever the device did,
+            // the requester has given up on the data.
+            return self.finish(index, Err(OpError::Cancelled));
+        }
         if result < 0 {
             let errno = -result;
             if (errno == libc::EAGAIN || errno == libc::EINTR) && self.try_retry(index) {
@@ -648,9 +657,6 @@ impl<B: IoBackend> Poller<B> {
         }
         match op.request.command {
             Command::Read(read) => {
-                if op.cancelled {
-                    return self.finish(index, Err(OpError::Cancelled));
-                }
                 let outcome = self.verify_read(&read, op.io_len);
                 if outcome.is_ok() {
                     self.stats.l2_bytes_read += u64::from(op.io_len);
@@ -1149,6 +1155,21 @@ mod tests {
         assert!(outcomes.contains(&(2, Err(OpError::Cancelled))), "{outcomes:?}");
         assert!(outcomes.contains(&(1, Err(OpError::DeadlineExceeded))), "{outcomes:?}");
         assert!(!p.cancel(cancelled), "a reaped ticket is gone");
+    }
+
+    #[test]
+    fn a_read_cancelled_in_flight_ends_cancelled_and_frees_its_slot() {
+        let mut p = poller(2, 50_000, 4);
+        let mut now = 0;
+        let ticket = p.submit(read(0, 1)).unwrap();
+        p.poll(now, 8);
+        assert_eq!(p.backend().in_flight(), 1);
+        assert!(p.cancel(ticket));
+        let events = run_until_events(&mut p, &mut now, 1);
+        assert_eq!(events[0].outcome, Err(OpError::Cancelled));
+        assert_eq!(p.ops_in_use(), 0);
+        // L1 slot 0 is free again.
+        p.submit(read(0, 1)).unwrap();
     }
 
     struct Counter(Arc<std::sync::atomic::AtomicU32>);
