@@ -201,31 +201,29 @@ impl SimDisk {
 
     fn lose_power(&mut self, index: usize) {
         let file = &mut self.files[index];
-        let mut volatile = core::mem::take(&mut file.volatile);
-        let writes = core::mem::take(&mut file.unflushed);
-        let rollback: Vec<(u64, u64)> = writes.clone();
+        let shown = core::mem::take(&mut file.volatile);
+        let mut writes = core::mem::take(&mut file.unflushed);
         // Start from the media's certain state, then let each unflushed
         // write survive whole, torn, or not at all.
         let mut media = file.durable.clone();
-        for (offset, len) in rollback {
+        for &(offset, len) in &writes {
             let start = usize_from(offset);
             let end = start + usize_from(len);
             match self.rng.below(3) {
                 0 => {}
-                1 => media[start..end].copy_from_slice(&volatile[start..end]),
+                1 => media[start..end].copy_from_slice(&shown[start..end]),
                 _ => {
                     let cut = start + usize_from(self.rng.below(len));
-                    media[start..cut].copy_from_slice(&volatile[start..cut]);
+                    media[start..cut].copy_from_slice(&shown[start..cut]);
                     self.stats.torn += 1;
                 }
             }
         }
-        volatile.copy_from_slice(&media);
+        writes.clear();
         let file = &mut self.files[index];
-        file.volatile = volatile;
-        file.durable = media;
+        file.durable.copy_from_slice(&media);
+        file.volatile = media;
         file.unflushed = writes;
-        file.unflushed.clear();
     }
 
     /// Writes the first `len` bytes of `op`'s buffer to the device.
