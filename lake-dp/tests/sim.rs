@@ -56,6 +56,7 @@ fn simulation_over_many_seeds() {
                 total.crashes += tally.crashes;
                 total.polls += tally.polls;
                 total.stale_seen += tally.stale_seen;
+                total.stale_injected += tally.stale_injected;
             }
             Err(message) => panic!("{message}\nreplay: LAKE_SIM_SEED={seed} cargo test -p lake-dp --test sim"),
         }
