@@ -230,6 +230,8 @@ pub struct Poller<B: IoBackend> {
     stages: Vec<Box<dyn Stage + Send>>,
     stages_max: usize,
     sealed: bool,
+    /// Ops were pushed to the backend but not yet submitted to the device.
+    unsubmitted: bool,
     next_sweep_ns: u64,
     stats: PollerStats,
 }
@@ -301,6 +303,7 @@ impl<B: IoBackend> Poller<B> {
             stages: Vec::with_capacity(STAGES_MAX),
             stages_max: STAGES_MAX,
             sealed: false,
+            unsubmitted: false,
             next_sweep_ns: 0,
             stats: PollerStats::default(),
         })
@@ -776,6 +779,7 @@ impl<B: IoBackend> Poller<B> {
             let op = IoOp { kind: IoKind::Fsync, file, offset: 0, buf: core::ptr::null_mut(), len: 0, tag };
             // SAFETY: an fsync carries no buffer.
             if unsafe { self.backend.push(op) }.is_ok() {
+                self.unsubmitted = true;
                 let flush = &mut self.flush[usize::from(file)];
                 flush.in_flight = true;
                 flush.forced = false;
@@ -833,10 +837,16 @@ impl<B: IoBackend> Poller<B> {
                 break;
             }
         }
-        if issued > 0 || self.backend.in_flight() > 0 {
-            // A failed io_uring_enter is retried on the next pass; the ops
-            // stay queued in the backend meanwhile.
-            let _ = self.backend.submit(now_ns);
+        if issued > 0 {
+            self.unsubmitted = true;
+        }
+        if self.unsubmitted {
+            // One submission (one io_uring_enter) per pass, and only when
+            // something was queued; a failed one is retried next pass while
+            // the ops wait in the backend's queue.
+            if self.backend.submit(now_ns).is_ok() {
+                self.unsubmitted = false;
+            }
         }
         issued
     }
