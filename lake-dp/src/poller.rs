@@ -200,9 +200,9 @@ impl Op {
 /// Per-file fdatasync state. Fsyncs of one file are issued one at a time.
 #[derive(Clone, Copy, Debug, Default)]
 struct FileFlush {
-    /// Fsyncs submitted / completed (sequence numbers).
+    /// Fsyncs submitted (a sequence number; one in flight at a time, so
+    /// the one completing is always the latest submitted).
     submitted: u64,
-    completed: u64,
     in_flight: bool,
     /// Ops waiting on this file and when the oldest started waiting.
     waiters: u32,
@@ -414,11 +414,7 @@ impl<B: IoBackend> Poller<B> {
         if let Some(slot) = l1_slot {
             self.l1_busy[slot as usize] = true;
         }
-        let op = &mut self.ops[index as usize];
-        debug_assert_eq!(op.state, OpState::Free);
-        let (generation, io_generation) = (op.generation, op.io_generation);
-        *op = Op { generation, io_generation, state: OpState::Pending, request, l1_held: l1_slot, ..Op::free() };
-        self.stats.admitted += 1;
+        self.occupy(index, request, l1_slot);
         match request.command {
             Command::Flush { file } => {
                 // No I/O of its own: it waits for the next fdatasync, forced.
@@ -602,12 +598,18 @@ impl<B: IoBackend> Poller<B> {
         admitted
     }
 
+    /// Fills a free op slot with a new request, keeping its generations.
+    fn occupy(&mut self, index: u32, request: Request, l1_held: Option<u32>) {
+        let op = &mut self.ops[index as usize];
+        debug_assert_eq!(op.state, OpState::Free);
+        let (generation, io_generation) = (op.generation, op.io_generation);
+        *op = Op { generation, io_generation, state: OpState::Pending, request, l1_held, ..Op::free() };
+        self.stats.admitted += 1;
+    }
+
     fn admit_invalid(&mut self, request: Request, what: &'static str) -> bool {
         let Some(index) = self.free.pop() else { return false };
-        let op = &mut self.ops[index as usize];
-        let (generation, io_generation) = (op.generation, op.io_generation);
-        *op = Op { generation, io_generation, state: OpState::Pending, request, ..Op::free() };
-        self.stats.admitted += 1;
+        self.occupy(index, request, None);
         self.finish(index, Err(OpError::Invalid(what)));
         true
     }
@@ -722,8 +724,7 @@ impl<B: IoBackend> Poller<B> {
             return;
         }
         flush.in_flight = false;
-        flush.completed = flush.submitted;
-        let sequence = flush.completed;
+        let sequence = flush.submitted;
         self.stats.flushes += 1;
         let outcome_for = |op: &Op| -> Result<Done, OpError> {
             if result < 0 {
@@ -966,13 +967,22 @@ impl<B: IoBackend> Poller<B> {
         debug_assert!(self.done.len() <= self.ops.len());
     }
 
+    /// The event a done op ends with.
+    fn event_of(&self, index: u32) -> Event {
+        let op = &self.ops[index as usize];
+        debug_assert_eq!(op.state, OpState::Done);
+        Event {
+            ticket: Ticket(self.tag(index)),
+            cookie: op.request.cookie,
+            command: op.request.command,
+            outcome: op.outcome,
+        }
+    }
+
     /// Turns a done op into its event and frees its slots.
     fn release(&mut self, index: u32) -> Event {
-        let tag = self.tag(index);
+        let event = self.event_of(index);
         let op = &mut self.ops[index as usize];
-        debug_assert_eq!(op.state, OpState::Done);
-        let event =
-            Event { ticket: Ticket(tag), cookie: op.request.cookie, command: op.request.command, outcome: op.outcome };
         if let Some(slot) = op.l1_held.take() {
             self.l1_busy[slot as usize] = false;
         }
@@ -989,14 +999,7 @@ impl<B: IoBackend> Poller<B> {
                 break;
             }
             let Some(&index) = self.done.front() else { break };
-            let tag = self.tag(index);
-            let op = &self.ops[index as usize];
-            let event = Event {
-                ticket: Ticket(tag),
-                cookie: op.request.cookie,
-                command: op.request.command,
-                outcome: op.outcome,
-            };
+            let event = self.event_of(index);
             let Some(out) = self.events_out.as_mut() else { break };
             if out.push(event).is_err() {
                 break;
