@@ -39,3 +39,7 @@ const _: () = assert!(128 + SEGMENTS_MAX * 4 <= STORED_HEADER_BYTES - 4);
 const _: () = assert!(WIRE_FRAME_BYTES_MAX.is_power_of_two());
 const _: () = assert!(64 + LOOKUP_KEYS_MAX * 64 <= WIRE_FRAME_BYTES_MAX);
 const _: () = assert!(64 + DELTA_ENTRIES_MAX * 128 <= WIRE_FRAME_BYTES_MAX);
+
+/// Most slot size classes in one region (one per block layout a node
+/// serves: a few models, K/V shards, recurrent-state checkpoints).
+pub const SLOT_CLASSES_MAX: usize = 8;

@@ -279,9 +279,6 @@ impl<B: IoBackend> Poller<B> {
         {
             return Err(ConfigError::Field("l2.slot_bytes"));
         }
-        if config.l2.slot_bytes > l1.slot_bytes() as u64 {
-            return Err(ConfigError::Field("l2.slot_bytes (larger than an L1 slot)"));
-        }
         let ops = config.ops_max as usize;
         let queue = || VecDeque::with_capacity(ops);
         Ok(Self {
@@ -507,19 +504,20 @@ impl<B: IoBackend> Poller<B> {
             }
             Ok(())
         };
-        let check_len = |payload_len: u64| {
+        let check_len = |payload_len: u64, l1_slot: u32| {
+            let l1_bytes = self.l1.slot_len(l1_slot).ok_or("L1 slot out of range")?;
             if payload_len == 0 || object_bytes(payload_len) > l2.slot_bytes {
                 return Err("payload does not fit an L2 slot");
+            }
+            if object_bytes(payload_len) > l1_bytes as u64 {
+                return Err("payload does not fit the L1 slot");
             }
             Ok(())
         };
         match request.command {
             Command::Write(WriteBlock { l1_slot, target, meta, durability }) => {
-                if l1_slot >= self.l1.slots() {
-                    return Err("L1 slot out of range");
-                }
                 check_l2(target)?;
-                check_len(meta.payload_len)?;
+                check_len(meta.payload_len, l1_slot)?;
                 meta.segment_count().map_err(|_| "segment geometry")?;
                 if meta.slot != target.slot {
                     return Err("meta.slot differs from the target slot");
@@ -535,11 +533,8 @@ impl<B: IoBackend> Poller<B> {
                 }
             }
             Command::Read(ReadBlock { source, l1_slot, payload_len, .. }) => {
-                if l1_slot >= self.l1.slots() {
-                    return Err("L1 slot out of range");
-                }
                 check_l2(source)?;
-                check_len(payload_len)?;
+                check_len(payload_len, l1_slot)?;
             }
             Command::Flush { file } => {
                 if file >= l2.files {
