@@ -34,6 +34,7 @@ pub(crate) fn usize_from(value: u64) -> usize {
     widened
 }
 
+pub mod arena;
 pub mod constants;
 pub mod io;
 pub mod model;

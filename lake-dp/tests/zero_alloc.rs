@@ -5,6 +5,9 @@
 //! faults, retries, stale completions — for a million poll iterations, and
 //! the count of allocations in that window must be zero. (No test harness:
 //! `main` is this file's, so no other thread allocates meanwhile.)
+//!
+//! A second window does the same for the L1 arena's hot operations:
+//! allocate, pin, retire, reclaim, unpin, over a real `/dev/shm` arena.
 
 mod common;
 
@@ -86,5 +89,49 @@ fn main() {
     assert!(tally.polls >= polls, "ran {} polls", tally.polls);
     assert!(tally.writes_ok > 10_000 && tally.reads_ok > 10_000, "too little traffic: {tally:?}");
     assert_eq!(allocations, 0, "the sealed poll loop allocated");
-    println!("test zero_alloc_after_seal ... ok\n\n1 passed, 0 failed");
+    println!("test zero_alloc_after_seal ... ok");
+    arena_operations_do_not_allocate();
+    println!("\n2 passed, 0 failed");
+}
+
+fn arena_operations_do_not_allocate() {
+    use lake_dp::arena::{Arena, ArenaConfig};
+    use lake_dp::region::SlotClass;
+
+    const ROUNDS: u32 = 200_000;
+    let path = format!("/dev/shm/lake-zero-alloc-{}", std::process::id());
+    let classes = [SlotClass::for_payload(4096, 16), SlotClass::for_payload(65536, 8)];
+    let config = ArenaConfig { agents_max: 2, pins_per_agent: 8, ..ArenaConfig::shm(&path, &classes) };
+    let (arena, mut table) = Arena::create(&config).expect("create the arena");
+    let mut pins = arena.claim_agent().expect("claim an agent record");
+    let mut held = [None, None, None];
+    let (mut pinned, mut freed) = (0u64, 0u64);
+    ALLOCATIONS.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    for round in 0..ROUNDS {
+        let class = (round % 2) as usize;
+        let Some(grant) = table.allocate(class) else {
+            freed += u64::from(table.reclaim().freed);
+            continue;
+        };
+        let index = (round % 3) as usize;
+        if let Some(old) = held[index].take() {
+            pins.unpin(old);
+        }
+        if let Ok(pin) = pins.pin(grant.slot, grant.generation) {
+            held[index] = Some(pin);
+            pinned += 1;
+        }
+        table.retire(grant.slot).expect("retire a held slot");
+        freed += u64::from(table.reclaim().freed);
+    }
+    COUNTING.store(false, Ordering::SeqCst);
+    let allocations = ALLOCATIONS.load(Ordering::SeqCst);
+    for pin in held.into_iter().flatten() {
+        pins.unpin(pin);
+    }
+    println!("{ROUNDS} arena rounds: {pinned} pins, {freed} slots freed, {allocations} allocations");
+    assert!(pinned > u64::from(ROUNDS) / 2 && freed > u64::from(ROUNDS) / 2, "too little work");
+    assert_eq!(allocations, 0, "the arena's hot operations allocated");
+    println!("test zero_alloc_arena ... ok");
 }

@@ -1,0 +1,430 @@
+//! The arena's bytes. Everything is little-endian and at fixed offsets:
+//!
+//! ```text
+//! page 0      ArenaHeader (offset 0, immutable once ready, CRC'd)
+//!             ArenaControl (offset 2048: state, owner pid, claim counter)
+//! 4096        generations: one u32 per slot (written by lake-dp only)
+//! agents_off  agent records, `agent_stride` apart: AgentControl (64 bytes:
+//!             owner, high-water mark), then `pins_per_agent` u64 pins
+//!             (each written by its agent only)
+//! slots_off   the slots, size class after size class; page aligned, so
+//!             the slot area alone is what CUDA and RDMA register
+//! ```
+//!
+//! [`decode_header`] is the one place that trusts nothing: every other
+//! process's view of the arena goes through it.
+
+use core::mem::{offset_of, size_of};
+use core::sync::atomic::{AtomicU32, AtomicU64};
+
+use bytemuck::{Pod, Zeroable};
+
+use super::ArenaError;
+use crate::constants::{DIRECT_IO_ALIGN_BYTES, SLOT_CLASSES_MAX};
+use crate::region::{ClassSpan, SlotClass, check_spans, lay_out_classes};
+
+/// The first eight bytes of every L1 arena.
+pub const ARENA_MAGIC: [u8; 8] = *b"LAKEL1A\0";
+
+/// The layout version this build creates and attaches to.
+pub const ARENA_VERSION: u32 = 1;
+
+/// Where [`ArenaControl`] lies in page 0.
+pub const CONTROL_OFFSET: usize = 2048;
+
+/// Where the generation array starts.
+pub const GENERATIONS_OFFSET: u64 = 4096;
+
+/// Bytes of an agent record before its pins.
+pub const AGENT_CONTROL_BYTES: u64 = 64;
+
+/// Most agents (engine processes) one arena serves.
+pub const AGENTS_MAX: u32 = 1024;
+
+/// Most pins one agent holds at once.
+pub const PINS_PER_AGENT_MAX: u32 = 1 << 16;
+
+/// Page sizes an arena may be backed by: base pages, 2 MiB and 1 GiB huge
+/// pages.
+pub const PAGE_BYTES_ALLOWED: [u64; 3] = [4096, 2 << 20, 1 << 30];
+
+/// [`ArenaControl::state`] while the creator is still building the arena.
+pub const STATE_BUILDING: u32 = 0;
+/// [`ArenaControl::state`] once the arena may be attached to.
+pub const STATE_READY: u32 = 0x5944_4552; // "REDY"
+/// [`ArenaControl::state`] after its `lake-dp` retired it (shut down or
+/// replaced it); attached agents should detach.
+pub const STATE_RETIRED: u32 = 0x4552_5452; // "RTRE"
+
+/// One size class as recorded in the header.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct ClassRecord {
+    /// First slot number of the class.
+    pub first_slot: u32,
+    /// Slots in the class.
+    pub slots: u32,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// Offset of the class's first slot from the start of the slot area.
+    pub offset: u64,
+}
+
+/// The header at offset 0. Written once by the creator before the state
+/// turns ready, never again; attachers copy it out and check it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct ArenaHeader {
+    /// [`ARENA_MAGIC`].
+    pub magic: [u8; 8],
+    /// [`ARENA_VERSION`].
+    pub version: u32,
+    /// `size_of::<ArenaHeader>()`, so a later version can grow it.
+    pub header_bytes: u32,
+    /// Bytes of the whole arena (the file's size).
+    pub total_bytes: u64,
+    /// Page size backing the arena (4 KiB, or a huge page size).
+    pub page_bytes: u64,
+    /// The node this arena belongs to.
+    pub node: u32,
+    /// The region id of the arena.
+    pub region: u16,
+    /// Size classes in use in [`ArenaHeader::classes`].
+    pub class_count: u16,
+    /// The region epoch of the `lake-dp` incarnation that created it.
+    pub epoch: u64,
+    /// Slots, all classes together.
+    pub slots: u32,
+    /// Agent records.
+    pub agents_max: u32,
+    /// Pins per agent record.
+    pub pins_per_agent: u32,
+    /// Zero.
+    pub reserved_a: u32,
+    /// Offset of the generation array ([`GENERATIONS_OFFSET`]).
+    pub generations_offset: u64,
+    /// Offset of the first agent record.
+    pub agents_offset: u64,
+    /// Bytes from one agent record to the next.
+    pub agent_stride: u64,
+    /// Offset of the slot area.
+    pub slots_offset: u64,
+    /// Bytes of the slot area.
+    pub slots_bytes: u64,
+    /// The size classes; unused records are zero.
+    pub classes: [ClassRecord; SLOT_CLASSES_MAX],
+    /// Zero.
+    pub reserved_b: u32,
+    /// CRC32 of every byte before this field.
+    pub crc: u32,
+}
+
+const _: () = assert!(offset_of!(ArenaHeader, magic) == 0);
+const _: () = assert!(offset_of!(ArenaHeader, total_bytes) == 16);
+const _: () = assert!(offset_of!(ArenaHeader, epoch) == 40);
+const _: () = assert!(offset_of!(ArenaHeader, generations_offset) == 64);
+const _: () = assert!(offset_of!(ArenaHeader, slots_bytes) == 96);
+const _: () = assert!(offset_of!(ArenaHeader, classes) == 104);
+const _: () = assert!(size_of::<ClassRecord>() == 24);
+const _: () = assert!(offset_of!(ArenaHeader, crc) == 104 + 24 * SLOT_CLASSES_MAX + 4);
+const _: () = assert!(size_of::<ArenaHeader>() == offset_of!(ArenaHeader, crc) + 4);
+const _: () = assert!(size_of::<ArenaHeader>() <= CONTROL_OFFSET);
+
+#[allow(clippy::cast_possible_truncation)] // asserted below
+const HEADER_BYTES: u32 = size_of::<ArenaHeader>() as u32;
+const _: () = assert!(HEADER_BYTES as usize == size_of::<ArenaHeader>());
+
+/// The mutable words of page 0, shared by every process that maps the
+/// arena. Only atomics, so any bit pattern another process leaves is a
+/// valid value.
+#[derive(Debug)]
+#[repr(C, align(64))]
+pub struct ArenaControl {
+    /// [`STATE_BUILDING`], [`STATE_READY`] or [`STATE_RETIRED`]; written by
+    /// the creator only.
+    pub state: AtomicU32,
+    /// The creating process.
+    pub owner_pid: AtomicU32,
+    /// Agent claims so far; makes every claim's owner word unique.
+    pub claims: AtomicU32,
+    /// Zero.
+    pub reserved: AtomicU32,
+}
+
+const _: () = assert!(size_of::<ArenaControl>() == 64);
+const _: () = assert!(CONTROL_OFFSET + size_of::<ArenaControl>() <= DIRECT_IO_ALIGN_BYTES);
+const _: () = assert!(CONTROL_OFFSET.is_multiple_of(64));
+
+/// The head of one agent record.
+#[derive(Debug)]
+#[repr(C, align(64))]
+pub struct AgentControl {
+    /// 0 when free; else `pid << 32 | claim number`, set by the claiming
+    /// agent (compare-and-swap from 0) and cleared by it or, for a dead
+    /// agent, by `lake-dp`.
+    pub owner: AtomicU64,
+    /// One past the highest pin entry the agent has used, so a scan stops
+    /// there. Only grows while the record is owned.
+    pub high_water: AtomicU32,
+    /// Zero.
+    pub reserved: AtomicU32,
+}
+
+const _: () = assert!(size_of::<AgentControl>() as u64 == AGENT_CONTROL_BYTES);
+
+/// The arena's geometry, decoded and checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArenaGeometry {
+    /// The header, as checked.
+    pub header: ArenaHeader,
+    /// The size classes, offsets relative to the slot area.
+    pub spans: heapless::Vec<ClassSpan, SLOT_CLASSES_MAX>,
+}
+
+fn round_up(value: u64, align: u64) -> Option<u64> {
+    debug_assert!(align.is_power_of_two());
+    Some(value.checked_add(align - 1)? & !(align - 1))
+}
+
+fn header_crc(header: &ArenaHeader) -> u32 {
+    crc32fast::hash(&bytemuck::bytes_of(header)[..offset_of!(ArenaHeader, crc)])
+}
+
+/// What the creator asks for.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Plan<'a> {
+    pub classes: &'a [SlotClass],
+    pub agents_max: u32,
+    pub pins_per_agent: u32,
+    pub page_bytes: u64,
+    pub node: u32,
+    pub region: u16,
+    pub epoch: u64,
+}
+
+/// Lays an arena out; the result passes [`decode_header`].
+pub(super) fn plan(plan: &Plan<'_>) -> Result<ArenaGeometry, ArenaError> {
+    let too_big = || ArenaError::Config("arena: sizes overflow");
+    if !PAGE_BYTES_ALLOWED.contains(&plan.page_bytes) {
+        return Err(ArenaError::Config("page size: 4 KiB, 2 MiB or 1 GiB"));
+    }
+    if plan.agents_max == 0 || plan.agents_max > AGENTS_MAX {
+        return Err(ArenaError::Config("agents_max: between 1 and 1024"));
+    }
+    if plan.pins_per_agent == 0 || plan.pins_per_agent > PINS_PER_AGENT_MAX {
+        return Err(ArenaError::Config("pins_per_agent: between 1 and 65536"));
+    }
+    let (spans, slots_bytes) = lay_out_classes(plan.classes).map_err(ArenaError::Region)?;
+    let slots = spans.iter().map(|s| s.slots).sum::<u32>();
+    let generations_bytes = round_up(u64::from(slots) * 4, 4096).ok_or_else(too_big)?;
+    let agents_offset = GENERATIONS_OFFSET + generations_bytes;
+    let agent_stride = round_up(AGENT_CONTROL_BYTES + 8 * u64::from(plan.pins_per_agent), 64).ok_or_else(too_big)?;
+    let agents_bytes = round_up(agent_stride * u64::from(plan.agents_max), 4096).ok_or_else(too_big)?;
+    let slots_offset = round_up(agents_offset + agents_bytes, plan.page_bytes).ok_or_else(too_big)?;
+    let end = slots_offset.checked_add(slots_bytes).ok_or_else(too_big)?;
+    let total_bytes = round_up(end, plan.page_bytes).ok_or_else(too_big)?;
+    let mut classes = [ClassRecord::default(); SLOT_CLASSES_MAX];
+    for (record, span) in classes.iter_mut().zip(&spans) {
+        *record = ClassRecord {
+            first_slot: span.first_slot,
+            slots: span.slots,
+            slot_bytes: span.slot_bytes,
+            offset: span.offset,
+        };
+    }
+    let mut header = ArenaHeader {
+        magic: ARENA_MAGIC,
+        version: ARENA_VERSION,
+        header_bytes: HEADER_BYTES,
+        total_bytes,
+        page_bytes: plan.page_bytes,
+        node: plan.node,
+        region: plan.region,
+        class_count: u16::try_from(spans.len()).map_err(|_| ArenaError::Config("classes: too many"))?,
+        epoch: plan.epoch,
+        slots,
+        agents_max: plan.agents_max,
+        pins_per_agent: plan.pins_per_agent,
+        reserved_a: 0,
+        generations_offset: GENERATIONS_OFFSET,
+        agents_offset,
+        agent_stride,
+        slots_offset,
+        slots_bytes,
+        classes,
+        reserved_b: 0,
+        crc: 0,
+    };
+    header.crc = header_crc(&header);
+    debug_assert!(decode_header(bytemuck::bytes_of(&header), total_bytes).is_ok_and(|g| g.header == header));
+    Ok(ArenaGeometry { header, spans })
+}
+
+/// Reads and checks the header at the start of `page`, for an arena file of
+/// `file_bytes` bytes. Names the first field that is wrong.
+pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, ArenaError> {
+    let bad = ArenaError::Header;
+    let bytes = page.get(..size_of::<ArenaHeader>()).ok_or(bad("too short to hold an arena header"))?;
+    let header: ArenaHeader = bytemuck::pod_read_unaligned(bytes);
+    if header.magic != ARENA_MAGIC {
+        return Err(bad("magic: not a Lake L1 arena"));
+    }
+    if header.version != ARENA_VERSION {
+        return Err(ArenaError::Version { found: header.version, supported: ARENA_VERSION });
+    }
+    if header.header_bytes != HEADER_BYTES {
+        return Err(bad("header_bytes"));
+    }
+    if header.crc != header_crc(&header) {
+        return Err(bad("crc: the header is damaged"));
+    }
+    if header.reserved_a != 0 || header.reserved_b != 0 {
+        return Err(bad("reserved fields are not zero"));
+    }
+    if !PAGE_BYTES_ALLOWED.contains(&header.page_bytes) {
+        return Err(bad("page_bytes"));
+    }
+    if header.total_bytes != file_bytes {
+        return Err(bad("total_bytes differs from the file's size"));
+    }
+    if !header.total_bytes.is_multiple_of(header.page_bytes) {
+        return Err(bad("total_bytes is not a whole number of pages"));
+    }
+    if header.slots == 0 {
+        return Err(bad("slots"));
+    }
+    if header.agents_max == 0 || header.agents_max > AGENTS_MAX {
+        return Err(bad("agents_max"));
+    }
+    if header.pins_per_agent == 0 || header.pins_per_agent > PINS_PER_AGENT_MAX {
+        return Err(bad("pins_per_agent"));
+    }
+    if header.generations_offset != GENERATIONS_OFFSET {
+        return Err(bad("generations_offset"));
+    }
+    let generations_end = GENERATIONS_OFFSET + u64::from(header.slots) * 4;
+    if header.agents_offset < generations_end || !header.agents_offset.is_multiple_of(4096) {
+        return Err(bad("agents_offset"));
+    }
+    let stride_min = AGENT_CONTROL_BYTES + 8 * u64::from(header.pins_per_agent);
+    if header.agent_stride < stride_min || !header.agent_stride.is_multiple_of(64) {
+        return Err(bad("agent_stride"));
+    }
+    let agents_end = header
+        .agent_stride
+        .checked_mul(u64::from(header.agents_max))
+        .and_then(|bytes| bytes.checked_add(header.agents_offset))
+        .ok_or(bad("agent_stride"))?;
+    if header.slots_offset < agents_end || !header.slots_offset.is_multiple_of(header.page_bytes) {
+        return Err(bad("slots_offset"));
+    }
+    let slots_end = header.slots_offset.checked_add(header.slots_bytes).ok_or(bad("slots_bytes"))?;
+    if slots_end > header.total_bytes {
+        return Err(bad("slots_bytes runs past the end of the arena"));
+    }
+    let count = usize::from(header.class_count);
+    if count == 0 || count > SLOT_CLASSES_MAX {
+        return Err(bad("class_count"));
+    }
+    if header.classes[count..].iter().any(|record| *record != ClassRecord::default()) {
+        return Err(bad("classes: unused records are not zero"));
+    }
+    let mut spans = heapless::Vec::new();
+    for record in &header.classes[..count] {
+        let span = ClassSpan {
+            first_slot: record.first_slot,
+            slots: record.slots,
+            slot_bytes: record.slot_bytes,
+            offset: record.offset,
+        };
+        spans.push(span).map_err(|_| bad("class_count"))?;
+    }
+    let slots = check_spans(&spans, header.slots_bytes).map_err(|_| bad("classes"))?;
+    if slots != header.slots {
+        return Err(bad("slots differs from the size classes"));
+    }
+    Ok(ArenaGeometry { header, spans })
+}
+
+/// The atomics' types must match the header's word sizes.
+const _: () = assert!(size_of::<AtomicU32>() == 4 && size_of::<AtomicU64>() == 8);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ArenaGeometry {
+        let classes = [SlotClass { slot_bytes: 8192, slots: 10 }, SlotClass { slot_bytes: 20480, slots: 3 }];
+        plan(&Plan {
+            classes: &classes,
+            agents_max: 4,
+            pins_per_agent: 100,
+            page_bytes: 4096,
+            node: 7,
+            region: 3,
+            epoch: 9,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_plan_decodes_to_itself() {
+        let geometry = sample();
+        let header = &geometry.header;
+        assert_eq!(header.slots, 13);
+        assert_eq!(header.agent_stride, 896, "64 + 800 rounded up to a cache line");
+        assert!(header.slots_offset >= header.agents_offset + 4 * 896);
+        assert_eq!(header.total_bytes, header.slots_offset + 10 * 8192 + 3 * 20480);
+        let decoded = decode_header(bytemuck::bytes_of(header), header.total_bytes).unwrap();
+        assert_eq!(decoded, geometry);
+    }
+
+    #[test]
+    fn huge_pages_align_the_slot_area() {
+        let classes = [SlotClass { slot_bytes: 4096, slots: 1 }];
+        let geometry = plan(&Plan {
+            classes: &classes,
+            agents_max: 1,
+            pins_per_agent: 1,
+            page_bytes: 2 << 20,
+            node: 0,
+            region: 0,
+            epoch: 1,
+        })
+        .unwrap();
+        assert_eq!(geometry.header.slots_offset, 2 << 20);
+        assert_eq!(geometry.header.total_bytes, 4 << 20);
+    }
+
+    #[test]
+    fn every_damaged_field_is_named() {
+        let good = sample().header;
+        let len = good.total_bytes;
+        let check = |edit: &dyn Fn(&mut ArenaHeader), reseal: bool, expect: &str| {
+            let mut header = good;
+            edit(&mut header);
+            if reseal {
+                header.crc = header_crc(&header);
+            }
+            let err = decode_header(bytemuck::bytes_of(&header), len).unwrap_err().to_string();
+            assert!(err.contains(expect), "{expect}: got {err}");
+        };
+        check(&|h| h.magic[0] = b'X', false, "magic");
+        check(&|h| h.version = 2, false, "version 2");
+        check(&|h| h.slots += 1, false, "crc");
+        check(&|h| h.total_bytes += 4096, true, "total_bytes");
+        check(&|h| h.page_bytes = 8192, true, "page_bytes");
+        check(&|h| h.agents_max = 0, true, "agents_max");
+        check(&|h| h.pins_per_agent = PINS_PER_AGENT_MAX + 1, true, "pins_per_agent");
+        check(&|h| h.agents_offset = 4096, true, "agents_offset");
+        check(&|h| h.agent_stride = 64, true, "agent_stride");
+        check(&|h| h.slots_offset -= 4096, true, "slots_offset");
+        check(&|h| h.slots_bytes += 4096, true, "slots_bytes");
+        check(&|h| h.class_count = 9, true, "class_count");
+        check(&|h| h.classes[5].slots = 1, true, "unused records");
+        check(&|h| h.classes[1].first_slot = 11, true, "classes");
+        check(&|h| h.slots = 12, true, "slots");
+        check(&|h| h.reserved_a = 1, true, "reserved");
+        assert!(decode_header(&bytemuck::bytes_of(&good)[..100], len).is_err());
+    }
+}

@@ -1,0 +1,611 @@
+//! The L1 arena: host DRAM in shared memory, carved into fixed-size slots
+//! per size class, mapped by `lake-dp` and by every engine agent on the
+//! node.
+//!
+//! `lake-dp` creates it ([`Arena::create`]) — a file in `/dev/shm`, on a
+//! hugetlbfs mount, or a hugetlb memfd — pre-allocated with `fallocate` and
+//! mapped with `MAP_POPULATE` (never by touching pages), `mlock`ed, built
+//! under a temporary name and renamed into place once ready, so an attacher
+//! never sees half an arena. Agents map it ([`Arena::attach`]), check its
+//! versioned header, claim an agent record and pin slots through it
+//! ([`PinArray`]); `lake-dp` alone allocates and frees slots
+//! ([`SlotTable`]). The pin protocol (DESIGN §3) is in [`pins`]; the byte
+//! layout in [`layout`].
+//!
+//! Each slot holds a block as it lies in an L2 slot (4 KiB stored header,
+//! then the padded payload), so the slot area doubles as the poller's
+//! [`SlotRegion`] and as the buffer CUDA and RDMA register once
+//! ([`Arena::register`]).
+
+pub mod layout;
+pub mod pins;
+pub mod slots;
+
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use self::layout::{
+    AgentControl, ArenaControl, ArenaGeometry, ArenaHeader, CONTROL_OFFSET, Plan, STATE_BUILDING, STATE_READY,
+    STATE_RETIRED, decode_header,
+};
+pub use self::pins::{Pin, PinArray, PinError};
+pub use self::slots::{Reclaim, SlotError, SlotGrant, SlotStats, SlotTable};
+use crate::model::replica::{NodeId, RegionId};
+use crate::region::{RegionError, SlotClass, SlotRegion};
+use crate::usize_from;
+
+/// Filesystem magic numbers (statfs `f_type`).
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// Why an arena could not be created, attached or used.
+#[derive(Debug)]
+pub enum ArenaError {
+    /// A configuration field is wrong; the text names it.
+    Config(&'static str),
+    /// A system call failed.
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file, where there is one.
+        path: Option<PathBuf>,
+        /// The error.
+        source: io::Error,
+    },
+    /// Not enough shared memory or huge pages for the arena.
+    NoSpace {
+        /// Bytes asked for.
+        bytes: u64,
+        /// What to check.
+        hint: &'static str,
+    },
+    /// The header is wrong; the text names the field.
+    Header(&'static str),
+    /// The arena was made by another layout version.
+    Version {
+        /// The arena's version.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// The creator has not finished building the arena (or died doing it).
+    NotReady,
+    /// The owning `lake-dp` retired the arena; attach to its successor.
+    Retired,
+    /// A live process owns an arena at that path.
+    InUse {
+        /// Its pid.
+        pid: u32,
+    },
+    /// The slot geometry is wrong.
+    Region(RegionError),
+    /// Every agent record is claimed.
+    AgentsFull,
+    /// The arena is already registered with this kind of device.
+    AlreadyRegistered(&'static str),
+}
+
+impl core::fmt::Display for ArenaError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Config(what) => write!(f, "arena config: {what}"),
+            Self::Io { what, path: Some(path), source } => write!(f, "arena: {what} {}: {source}", path.display()),
+            Self::Io { what, path: None, source } => write!(f, "arena: {what}: {source}"),
+            Self::NoSpace { bytes, hint } => write!(f, "arena: cannot reserve {bytes} bytes: {hint}"),
+            Self::Header(field) => write!(f, "arena header: {field}"),
+            Self::Version { found, supported } => {
+                write!(f, "arena header: version {found}, this build reads version {supported}")
+            }
+            Self::NotReady => write!(f, "arena: not ready (its lake-dp is still building it, or died doing so)"),
+            Self::Retired => write!(f, "arena: retired by its lake-dp; attach to the current one"),
+            Self::InUse { pid } => write!(
+                f,
+                "arena: in use by live process {pid}; stop that lake-dp first (remove the file if that process is not one)"
+            ),
+            Self::Region(e) => write!(f, "arena: {e}"),
+            Self::AgentsFull => write!(f, "arena: every agent record is claimed (raise agents_max)"),
+            Self::AlreadyRegistered(kind) => write!(f, "arena: already registered with {kind}"),
+        }
+    }
+}
+
+impl std::error::Error for ArenaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { source, .. } => Some(source),
+            Self::Region(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+fn io_error(what: &'static str, path: Option<&Path>) -> impl FnOnce(io::Error) -> ArenaError {
+    let path = path.map(Path::to_path_buf);
+    move |source| ArenaError::Io { what, path, source }
+}
+
+/// What memory backs the arena.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ArenaBacking {
+    /// A file on a tmpfs, normally under `/dev/shm`; base pages.
+    Shm(PathBuf),
+    /// A file on a hugetlbfs mount; the mount's huge page size.
+    HugetlbFs(PathBuf),
+    /// An anonymous hugetlb memfd (the default huge page size). Agents map
+    /// it through a passed descriptor or `/proc/<pid>/fd/<fd>`.
+    HugetlbMemfd,
+}
+
+/// How to build an arena.
+#[derive(Clone, Debug)]
+pub struct ArenaConfig {
+    /// Where its memory comes from.
+    pub backing: ArenaBacking,
+    /// Size classes, one per block layout served (see [`SlotClass::for_payload`]).
+    pub classes: Vec<SlotClass>,
+    /// Agent records (engine processes attached at once).
+    pub agents_max: u32,
+    /// Pins one agent may hold at once.
+    pub pins_per_agent: u32,
+    /// The node.
+    pub node: NodeId,
+    /// The arena's region id.
+    pub region: RegionId,
+    /// The region epoch of this `lake-dp` incarnation.
+    pub epoch: u64,
+    /// `mlock` the arena (needs CAP_IPC_LOCK or a large enough
+    /// RLIMIT_MEMLOCK).
+    pub lock: bool,
+    /// Permission bits of the arena file.
+    pub mode: u32,
+}
+
+impl ArenaConfig {
+    /// A `/dev/shm` arena with the defaults: 64 agents of 4096 pins,
+    /// locked, readable and writable by the owner only.
+    pub fn shm(path: impl Into<PathBuf>, classes: &[SlotClass]) -> Self {
+        Self {
+            backing: ArenaBacking::Shm(path.into()),
+            classes: classes.to_vec(),
+            agents_max: 64,
+            pins_per_agent: 4096,
+            node: NodeId(0),
+            region: RegionId(0),
+            epoch: 1,
+            lock: true,
+            mode: 0o600,
+        }
+    }
+}
+
+impl SlotClass {
+    /// The class that holds objects of `payload_bytes` (4 KiB header plus
+    /// the payload padded to 4 KiB), `slots` of them.
+    pub fn for_payload(payload_bytes: u64, slots: u32) -> Self {
+        Self { slot_bytes: crate::stored::object_bytes(payload_bytes), slots }
+    }
+}
+
+/// A device that registers the slot area once: CUDA (`cuMemHostRegister`),
+/// RDMA (`ibv_reg_mr`), io_uring fixed buffers.
+pub trait MemoryRegistration {
+    /// A short name for errors ("cuda", "rdma", "io_uring").
+    fn kind(&self) -> &'static str;
+    /// Registers `len` bytes at `base`.
+    fn register(&mut self, base: NonNull<u8>, len: usize) -> io::Result<()>;
+}
+
+/// One mapping of an arena, shared by every handle in this process.
+struct ArenaMap {
+    map: MmapRaw,
+    file: File,
+    geometry: ArenaGeometry,
+    /// Set for the creator, which retires the arena and unlinks its file
+    /// when the last handle goes.
+    created: Option<Created>,
+    registered: Mutex<heapless::Vec<&'static str, 4>>,
+}
+
+struct Created {
+    path: Option<PathBuf>,
+    inode: u64,
+}
+
+impl ArenaMap {
+    fn header(&self) -> &ArenaHeader {
+        &self.geometry.header
+    }
+
+    fn control(&self) -> &ArenaControl {
+        control_of(&self.map)
+    }
+
+    /// The generation word of `slot` (in range).
+    fn generation(&self, slot: u32) -> &AtomicU32 {
+        assert!(slot < self.header().slots, "slot {slot} out of range");
+        let offset = self.header().generations_offset + u64::from(slot) * 4;
+        let ptr = self.map.as_mut_ptr().wrapping_add(usize_from(offset)).cast::<u32>();
+        // SAFETY: the checked header puts `slots` u32s at
+        // generations_offset inside the mapping, 4-byte aligned (the offset
+        // is 4096 and the base page aligned); the mapping lives as long as
+        // `self`; shared memory is only touched through atomics.
+        unsafe { AtomicU32::from_ptr(ptr) }
+    }
+
+    fn agent_base(&self, agent: u32) -> *mut u8 {
+        assert!(agent < self.header().agents_max, "agent {agent} out of range");
+        let offset = self.header().agents_offset + u64::from(agent) * self.header().agent_stride;
+        self.map.as_mut_ptr().wrapping_add(usize_from(offset))
+    }
+
+    /// The control words of agent record `agent` (in range).
+    fn agent(&self, agent: u32) -> &AgentControl {
+        let ptr = self.agent_base(agent).cast::<AgentControl>();
+        // SAFETY: the checked header puts agents_max records of
+        // agent_stride (a multiple of 64) bytes at agents_offset (a multiple
+        // of 4096) inside the mapping, so the record is in bounds and 64-byte
+        // aligned; AgentControl is atomics only, valid for any bits.
+        unsafe { &*ptr }
+    }
+
+    /// Pin entry `entry` of agent record `agent`.
+    fn pin(&self, agent: u32, entry: u32) -> &AtomicU64 {
+        assert!(entry < self.header().pins_per_agent, "pin entry {entry} out of range");
+        let offset = usize_from(layout::AGENT_CONTROL_BYTES) + entry as usize * 8;
+        let ptr = self.agent_base(agent).wrapping_add(offset).cast::<u64>();
+        // SAFETY: agent_stride >= 64 + 8 * pins_per_agent (checked header),
+        // so the entry is inside the record, 8-byte aligned; atomics only.
+        unsafe { AtomicU64::from_ptr(ptr) }
+    }
+}
+
+fn control_of(map: &MmapRaw) -> &ArenaControl {
+    assert!(map.len() >= CONTROL_OFFSET + size_of::<ArenaControl>());
+    let ptr = map.as_mut_ptr().wrapping_add(CONTROL_OFFSET).cast::<ArenaControl>();
+    // SAFETY: in bounds (asserted), 64-byte aligned (page-aligned base plus
+    // 2048), atomics only so any bits are a valid value, and the mapping
+    // outlives the borrow.
+    unsafe { &*ptr }
+}
+
+impl Drop for ArenaMap {
+    fn drop(&mut self) {
+        let Some(created) = &self.created else { return };
+        // Release: pairs with the Acquire of an attacher's state check, so
+        // whoever sees "retired" sees everything this process wrote.
+        self.control().state.store(STATE_RETIRED, Ordering::Release);
+        // Unlink only our own file, not a successor's under the same name.
+        if let Some(path) = &created.path
+            && std::fs::metadata(path).is_ok_and(|m| m.ino() == created.inode)
+        {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// A handle to a mapped arena; clones share one mapping.
+#[derive(Clone)]
+pub struct Arena {
+    map: Arc<ArenaMap>,
+}
+
+impl core::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Arena").field("header", self.header()).finish()
+    }
+}
+
+impl Arena {
+    /// Creates the arena described by `config` and returns it with the one
+    /// [`SlotTable`] that allocates its slots.
+    pub fn create(config: &ArenaConfig) -> Result<(Self, SlotTable), ArenaError> {
+        if config.mode & !0o777 != 0 {
+            return Err(ArenaError::Config("mode: permission bits only (at most 0o777)"));
+        }
+        let (file, target, building) = open_backing(config)?;
+        let result = build(config, file, target.as_deref(), building.as_deref());
+        if result.is_err()
+            && let Some(building) = &building
+        {
+            let _ = std::fs::remove_file(building);
+        }
+        let arena = result?;
+        let table = SlotTable::new(arena.clone());
+        Ok((arena, table))
+    }
+
+    /// Maps the arena at `path`, checking its header. The arena must be
+    /// ready, not retired.
+    pub fn attach(path: &Path) -> Result<Self, ArenaError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(io_error("opening", Some(path)))?;
+        Self::attach_file(file, Some(path))
+    }
+
+    /// Maps the arena behind `fd` (a memfd passed over a socket).
+    pub fn attach_fd(fd: OwnedFd) -> Result<Self, ArenaError> {
+        Self::attach_file(File::from(fd), None)
+    }
+
+    fn attach_file(file: File, path: Option<&Path>) -> Result<Self, ArenaError> {
+        let bytes = file.metadata().map_err(io_error("reading the size of", path))?.len();
+        if bytes < 4096 {
+            return Err(ArenaError::Header("too short to hold an arena header"));
+        }
+        let len = usize::try_from(bytes).map_err(|_| ArenaError::Header("total_bytes"))?;
+        let map = MmapOptions::new().len(len).populate().map_raw(&file).map_err(io_error("mapping", path))?;
+        // Acquire: pairs with the creator's Release store of READY, so the
+        // header it wrote before is visible here.
+        match control_of(&map).state.load(Ordering::Acquire) {
+            STATE_READY => {}
+            STATE_BUILDING => return Err(ArenaError::NotReady),
+            STATE_RETIRED => return Err(ArenaError::Retired),
+            _ => return Err(ArenaError::Header("state word")),
+        }
+        let mut page = [0u8; size_of::<ArenaHeader>()];
+        // SAFETY: the mapping is at least 4096 bytes, more than the header;
+        // the header is immutable once the state is ready (and a copy is
+        // all that is kept: everything below checks the copy).
+        unsafe { core::ptr::copy_nonoverlapping(map.as_ptr(), page.as_mut_ptr(), page.len()) };
+        let geometry = decode_header(&page, bytes)?;
+        let map = ArenaMap { map, file, geometry, created: None, registered: Mutex::new(heapless::Vec::new()) };
+        Ok(Self { map: Arc::new(map) })
+    }
+
+    /// The checked header.
+    pub fn header(&self) -> &ArenaHeader {
+        self.map.header()
+    }
+
+    /// The descriptor of the arena's memory (to pass a memfd to an agent).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.map.file.as_fd()
+    }
+
+    /// Whether the owning `lake-dp` still serves this arena.
+    pub fn is_live(&self) -> bool {
+        // Acquire: pairs with the Release of the retire in ArenaMap::drop.
+        self.map.control().state.load(Ordering::Acquire) == STATE_READY
+    }
+
+    /// The pid of the `lake-dp` that created it.
+    pub fn owner_pid(&self) -> u32 {
+        self.map.control().owner_pid.load(Ordering::Relaxed)
+    }
+
+    /// The current generation of `slot`, or `None` out of range.
+    pub fn generation(&self, slot: u32) -> Option<u32> {
+        // Acquire: pairs with lake-dp's generation bump; see pins.rs.
+        (slot < self.header().slots).then(|| self.map.generation(slot).load(Ordering::Acquire))
+    }
+
+    /// The slot area as a poller region (slots numbered across classes);
+    /// it keeps the mapping alive.
+    pub fn region(&self) -> Result<Arc<SlotRegion>, ArenaError> {
+        let (base, len) = self.slot_area();
+        let keeper: Arc<dyn Send + Sync> = self.map.clone();
+        // SAFETY: the slot area is `len` bytes inside the mapping (checked
+        // header), and `keeper` keeps the mapping alive for the region.
+        let region = unsafe { SlotRegion::from_spans(base, len as u64, &self.map.geometry.spans, Some(keeper)) };
+        region.map(Arc::new).map_err(ArenaError::Region)
+    }
+
+    /// The slot area: what CUDA, RDMA and io_uring register.
+    pub fn slot_area(&self) -> (NonNull<u8>, usize) {
+        let header = self.header();
+        let ptr = self.map.map.as_mut_ptr().wrapping_add(usize_from(header.slots_offset));
+        // The mapping's base is not null and the offset is inside it.
+        (NonNull::new(ptr).expect("mapping is not null"), usize_from(header.slots_bytes))
+    }
+
+    /// Registers the slot area with a device, once per kind.
+    pub fn register(&self, device: &mut dyn MemoryRegistration) -> Result<(), ArenaError> {
+        let kind = device.kind();
+        let mut registered = self.map.registered.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if registered.contains(&kind) {
+            return Err(ArenaError::AlreadyRegistered(kind));
+        }
+        if registered.is_full() {
+            return Err(ArenaError::Config("too many device registrations"));
+        }
+        let (base, len) = self.slot_area();
+        device.register(base, len).map_err(io_error("registering the slot area", None))?;
+        let _ = registered.push(kind);
+        Ok(())
+    }
+
+    /// Claims a free agent record for this process's pins.
+    pub fn claim_agent(&self) -> Result<PinArray, ArenaError> {
+        PinArray::claim(self.clone())
+    }
+
+    fn map(&self) -> &ArenaMap {
+        &self.map
+    }
+}
+
+/// Opens the backing memory: the file under its building name (for file
+/// backings) or a memfd. Returns the file, the final path and the building
+/// path.
+fn open_backing(config: &ArenaConfig) -> Result<(File, Option<PathBuf>, Option<PathBuf>), ArenaError> {
+    let path = match &config.backing {
+        ArenaBacking::Shm(path) | ArenaBacking::HugetlbFs(path) => path,
+        ArenaBacking::HugetlbMemfd => {
+            let name = CString::new("lake-l1").expect("no interior NUL");
+            // SAFETY: a valid NUL-terminated name; the flags are constants.
+            let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) };
+            if fd < 0 {
+                return Err(io_error("creating a hugetlb memfd", None)(io::Error::last_os_error()));
+            }
+            // SAFETY: a fresh descriptor that nothing else owns.
+            let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+            return Ok((file, None, None));
+        }
+    };
+    // A live owner keeps its arena; a stale one (its lake-dp died) is
+    // retired so agents still mapping it learn to detach. Anything else at
+    // the configured path is replaced by the rename below.
+    if let Err(e @ ArenaError::InUse { .. }) = retire_stale(path) {
+        return Err(e);
+    }
+    let mut building = path.as_os_str().to_owned();
+    building.push(format!(".building-{}", std::process::id()));
+    let building = PathBuf::from(building);
+    let _ = std::fs::remove_file(&building);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(config.mode)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&building)
+        .map_err(io_error("creating", Some(&building)))?;
+    // The umask may have narrowed the mode; set exactly what was asked.
+    file.set_permissions(std::fs::Permissions::from_mode(config.mode))
+        .map_err(io_error("setting the mode of", Some(&building)))?;
+    Ok((file, Some(path.clone()), Some(building)))
+}
+
+/// Whether a process with this pid exists (in this pid namespace).
+pub(crate) fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else { return false };
+    // SAFETY: signal 0 only checks for existence and permission.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+fn filesystem(file: &File, path: Option<&Path>) -> Result<(i64, u64), ArenaError> {
+    // SAFETY: statfs is plain data; all zeroes is a valid value.
+    let mut stat: libc::statfs = unsafe { core::mem::zeroed() };
+    // SAFETY: a valid descriptor and a valid out-pointer.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &raw mut stat) } != 0 {
+        return Err(io_error("reading the filesystem of", path)(io::Error::last_os_error()));
+    }
+    Ok((stat.f_type, u64::try_from(stat.f_bsize).unwrap_or(0)))
+}
+
+fn build(
+    config: &ArenaConfig,
+    file: File,
+    target: Option<&Path>,
+    building: Option<&Path>,
+) -> Result<Arena, ArenaError> {
+    let (fs_type, block_bytes) = filesystem(&file, building)?;
+    let huge = fs_type == HUGETLBFS_MAGIC;
+    match (&config.backing, fs_type) {
+        (ArenaBacking::Shm(_), TMPFS_MAGIC | HUGETLBFS_MAGIC) => {}
+        (ArenaBacking::Shm(_), _) => {
+            return Err(ArenaError::Config(
+                "backing: the path is not on a tmpfs (an L1 arena on a disk file would page to disk)",
+            ));
+        }
+        (ArenaBacking::HugetlbFs(_), HUGETLBFS_MAGIC) | (ArenaBacking::HugetlbMemfd, _) => {}
+        (ArenaBacking::HugetlbFs(_), _) => {
+            return Err(ArenaError::Config("backing: the path is not on a hugetlbfs mount"));
+        }
+    }
+    let page_bytes = if huge { block_bytes } else { 4096 };
+    let geometry = layout::plan(&Plan {
+        classes: &config.classes,
+        agents_max: config.agents_max,
+        pins_per_agent: config.pins_per_agent,
+        page_bytes,
+        node: config.node.0,
+        region: config.region.0,
+        epoch: config.epoch,
+    })?;
+    let bytes = geometry.header.total_bytes;
+    let len = i64::try_from(bytes).map_err(|_| ArenaError::Config("arena too large"))?;
+    file.set_len(bytes).map_err(io_error("sizing", building))?;
+    // Reserve every page now: a later page fault must not find the tmpfs
+    // or the huge page pool empty.
+    // SAFETY: a valid descriptor; mode 0 allocates the range.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::ENOSPC) {
+            let hint = if huge {
+                "not enough free huge pages (see /proc/sys/vm/nr_hugepages and HugePages_Free in /proc/meminfo)"
+            } else {
+                "the tmpfs is too small (see df /dev/shm; raise its size= mount option)"
+            };
+            return Err(ArenaError::NoSpace { bytes, hint });
+        }
+        return Err(io_error("reserving memory for", building)(error));
+    }
+    let map =
+        MmapOptions::new().len(usize_from(bytes)).populate().map_raw(&file).map_err(io_error("mapping", building))?;
+    if config.lock {
+        map.lock().map_err(|source| ArenaError::Io {
+            what: "locking (mlock; needs CAP_IPC_LOCK or RLIMIT_MEMLOCK above the arena size)",
+            path: building.map(Path::to_path_buf),
+            source,
+        })?;
+    }
+    let inode = file.metadata().map_err(io_error("reading", building))?.ino();
+    let arena = ArenaMap {
+        map,
+        file,
+        geometry,
+        // Until renamed into place there is nothing to unlink but the
+        // building name, which the caller removes on error.
+        created: Some(Created { path: None, inode }),
+        registered: Mutex::new(heapless::Vec::new()),
+    };
+    let header = bytemuck::bytes_of(arena.header());
+    // SAFETY: the header fits in page 0 of the fresh mapping, which no
+    // other process can have found yet (it is under its building name or
+    // an unshared memfd).
+    unsafe { core::ptr::copy_nonoverlapping(header.as_ptr(), arena.map.as_mut_ptr(), header.len()) };
+    for slot in 0..arena.header().slots {
+        // Generation 0 is never handed out, so a zeroed pin or mirror entry
+        // can never name a live slot.
+        arena.generation(slot).store(1, Ordering::Relaxed);
+    }
+    let control = arena.control();
+    control.owner_pid.store(std::process::id(), Ordering::Relaxed);
+    control.claims.store(0, Ordering::Relaxed);
+    // Release: publishes the header and generations above to attachers
+    // (their Acquire load of the state).
+    control.state.store(STATE_READY, Ordering::Release);
+    let mut arena = arena;
+    if let (Some(target), Some(building)) = (target, building) {
+        std::fs::rename(building, target).map_err(io_error("renaming into place", Some(target)))?;
+        arena.created = Some(Created { path: Some(target.to_path_buf()), inode });
+    }
+    Ok(Arena { map: Arc::new(arena) })
+}
+
+/// Retires `path`'s arena if its creator is gone (a stale file left by a
+/// crashed `lake-dp`), so agents still attached to it learn to detach.
+/// Returns whether a file was retired.
+pub fn retire_stale(path: &Path) -> Result<bool, ArenaError> {
+    let old = match Arena::attach(path) {
+        Ok(old) => old,
+        Err(ArenaError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    let pid = old.owner_pid();
+    if pid != 0 && process_alive(pid) {
+        return Err(ArenaError::InUse { pid });
+    }
+    // Release: as in ArenaMap::drop.
+    old.map.control().state.store(STATE_RETIRED, Ordering::Release);
+    std::fs::remove_file(path).map_err(io_error("removing", Some(path)))?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,500 @@
+//! Arena tests over real shared memory (`/dev/shm`, and hugetlb memfds
+//! where huge pages are reserved).
+
+use core::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::layout::{ARENA_VERSION, STATE_BUILDING};
+use super::*;
+
+/// A unique `/dev/shm` path, removed (with its building leftovers) on drop.
+struct ShmPath(PathBuf);
+
+impl ShmPath {
+    fn new(name: &str) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        Self(PathBuf::from(format!("/dev/shm/lake-test-{}-{name}-{n}", std::process::id())))
+    }
+}
+
+impl Drop for ShmPath {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+const CLASSES: [SlotClass; 2] = [SlotClass { slot_bytes: 8192, slots: 6 }, SlotClass { slot_bytes: 16384, slots: 3 }];
+
+fn config(path: &ShmPath) -> ArenaConfig {
+    ArenaConfig { agents_max: 4, pins_per_agent: 8, epoch: 5, ..ArenaConfig::shm(&path.0, &CLASSES) }
+}
+
+/// A pid that names no process (above any pid_max).
+const DEAD_PID: u32 = 0x7fff_fff0;
+
+#[test]
+fn create_then_attach_shares_the_memory() {
+    let path = ShmPath::new("attach");
+    let (arena, _table) = Arena::create(&config(&path)).unwrap();
+    let meta = std::fs::metadata(&path.0).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert_eq!(meta.len(), arena.header().total_bytes);
+    assert_eq!(arena.header().slots, 9);
+    assert_eq!(arena.header().epoch, 5);
+    assert_eq!(arena.owner_pid(), std::process::id());
+
+    let agent = Arena::attach(&path.0).unwrap();
+    assert_eq!(agent.header(), arena.header());
+    assert!(agent.is_live());
+    assert_eq!(agent.generation(0), Some(1));
+    assert_eq!(agent.generation(9), None);
+
+    let mine = arena.region().unwrap();
+    let theirs = agent.region().unwrap();
+    assert_eq!(theirs.slots(), 9);
+    assert_eq!(theirs.slot_len(5), Some(8192));
+    assert_eq!(theirs.slot_len(6), Some(16384));
+    assert_eq!(theirs.slot_ptr(0).unwrap() as usize % 4096, 0);
+    // SAFETY: the test owns every slot; no pins, no I/O.
+    unsafe { mine.slot_mut(7).unwrap()[100] = 0x5a };
+    // SAFETY: as above.
+    assert_eq!(unsafe { theirs.slot(7) }.unwrap()[100], 0x5a);
+}
+
+#[test]
+fn a_live_arena_is_not_replaced_and_a_dead_one_is() {
+    let path = ShmPath::new("owner");
+    let (first, table) = Arena::create(&config(&path)).unwrap();
+    let err = Arena::create(&config(&path)).unwrap_err();
+    assert!(matches!(err, ArenaError::InUse { pid } if pid == std::process::id()), "{err}");
+
+    // Its lake-dp "died": the owner pid names no process.
+    first.map().control().owner_pid.store(DEAD_PID, Ordering::Relaxed);
+    let attached = Arena::attach(&path.0).unwrap();
+    let (second, second_table) = Arena::create(&config(&path)).unwrap();
+    assert!(!attached.is_live(), "agents of the stale arena learn it is retired");
+    assert!(second.is_live());
+    drop(table);
+    drop(first);
+    // The stale arena's last handle must not unlink its successor's file.
+    assert!(path.0.exists());
+    assert_eq!(Arena::attach(&path.0).unwrap().header(), second.header());
+    drop(second);
+    assert!(path.0.exists(), "the slot table still holds the arena");
+    drop(second_table);
+    assert!(!path.0.exists(), "the creator unlinks its file when its last handle goes");
+    assert!(!attached.is_live());
+}
+
+#[test]
+fn attach_names_what_is_wrong() {
+    let path = ShmPath::new("bad");
+    let expect = |what: &str| {
+        let err = Arena::attach(&path.0).unwrap_err().to_string();
+        assert!(err.contains(what), "{what}: got {err}");
+    };
+    expect("No such file");
+    std::fs::write(&path.0, b"short").unwrap();
+    expect("too short");
+    std::fs::write(&path.0, vec![0u8; 8192]).unwrap();
+    expect("not ready");
+    assert_eq!(STATE_BUILDING, 0);
+    let mut junk = vec![0x41u8; 8192];
+    junk[CONTROL_OFFSET..CONTROL_OFFSET + 4].copy_from_slice(&STATE_READY.to_le_bytes());
+    std::fs::write(&path.0, &junk).unwrap();
+    expect("magic");
+
+    // A real arena, then damaged in place.
+    std::fs::remove_file(&path.0).unwrap();
+    let (arena, _table) = Arena::create(&config(&path)).unwrap();
+    let mut header = *arena.header();
+    header.version = ARENA_VERSION + 1;
+    let bytes = bytemuck::bytes_of(&header);
+    // SAFETY: page 0 of a mapping this test owns; nobody else reads it.
+    unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), arena.map().map.as_mut_ptr(), bytes.len()) };
+    expect("version 2");
+    header.version = ARENA_VERSION;
+    header.slots_bytes += 1;
+    let bytes = bytemuck::bytes_of(&header);
+    // SAFETY: as above.
+    unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), arena.map().map.as_mut_ptr(), bytes.len()) };
+    expect("crc");
+    // Truncated under the agent's feet.
+    let file = OpenOptions::new().write(true).open(&path.0).unwrap();
+    file.set_len(arena.header().total_bytes - 4096).unwrap();
+    // The header was damaged above; restore it so the size check is what fails.
+    let good = bytemuck::bytes_of(arena.header());
+    // SAFETY: as above.
+    unsafe { core::ptr::copy_nonoverlapping(good.as_ptr(), arena.map().map.as_mut_ptr(), good.len()) };
+    expect("total_bytes");
+}
+
+#[test]
+fn config_errors_are_named() {
+    let path = ShmPath::new("config");
+    let check = |config: ArenaConfig, what: &str| {
+        let err = Arena::create(&config).unwrap_err().to_string();
+        assert!(err.contains(what), "{what}: got {err}");
+        assert!(!path.0.exists(), "a failed create leaves no file");
+    };
+    check(ArenaConfig { agents_max: 0, ..config(&path) }, "agents_max");
+    check(ArenaConfig { pins_per_agent: 0, ..config(&path) }, "pins_per_agent");
+    check(ArenaConfig { mode: 0o1777, ..config(&path) }, "mode");
+    check(ArenaConfig { classes: vec![SlotClass { slot_bytes: 1000, slots: 1 }], ..config(&path) }, "multiple of 4096");
+    check(ArenaConfig { classes: vec![], ..config(&path) }, "size classes");
+    let tmp_is_tmpfs = filesystem(&File::open("/tmp").unwrap(), None).unwrap().0 == TMPFS_MAGIC;
+    if tmp_is_tmpfs {
+        println!("skipped the disk-file check: /tmp is a tmpfs here");
+    } else {
+        let disk = PathBuf::from(format!("/tmp/lake-test-{}-disk", std::process::id()));
+        let err = Arena::create(&ArenaConfig::shm(&disk, &CLASSES)).unwrap_err().to_string();
+        assert!(err.contains("not on a tmpfs"), "{err}");
+        assert!(!disk.exists());
+        let mut building = disk.into_os_string();
+        building.push(format!(".building-{}", std::process::id()));
+        assert!(!PathBuf::from(building).exists(), "the building file is removed");
+    }
+}
+
+#[test]
+fn slots_are_freed_only_when_unpinned() {
+    let path = ShmPath::new("pins");
+    let (arena, mut table) = Arena::create(&config(&path)).unwrap();
+    assert_eq!(table.class_for(8192), Some(0));
+    assert_eq!(table.class_for(8193), Some(1));
+    assert_eq!(table.class_for(16385), None);
+    let grant = table.allocate(0).unwrap();
+    assert_eq!((grant.slot, grant.generation, grant.slot_bytes), (0, 1, 8192));
+    assert_eq!(table.stats().bytes_in_use, 8192);
+
+    let agent_arena = Arena::attach(&path.0).unwrap();
+    let mut pins = agent_arena.claim_agent().unwrap();
+    assert_eq!(pins.pin(0, 2), Err(PinError::Stale { current: 1 }));
+    assert_eq!(pins.pin(9, 1), Err(PinError::OutOfRange));
+    let pin = pins.pin(0, 1).unwrap();
+    assert_eq!(pins.bytes(&pin).len(), 8192);
+
+    table.retire(0).unwrap();
+    assert_eq!(table.retire(0), Err(SlotError::NotHeld));
+    assert_eq!(arena.generation(0), Some(2));
+    assert_eq!(table.reclaim(), Reclaim { freed: 0, pinned: 1 });
+    assert_eq!(table.stats().draining, 1);
+    // A reader arriving after the retire misses.
+    assert_eq!(pins.pin(0, 1), Err(PinError::Stale { current: 2 }));
+    pins.unpin(pin);
+    assert_eq!(table.reclaim(), Reclaim { freed: 1, pinned: 0 });
+    assert_eq!(table.stats().bytes_in_use, 0);
+    let again = table.allocate(0).unwrap();
+    assert_eq!((again.slot, again.generation), (0, 2));
+
+    // A pin of another generation of the same slot does not hold it.
+    let other = pins.pin(0, 2).unwrap();
+    table.retire(0).unwrap();
+    let stale_pin_holds = table.reclaim();
+    assert_eq!(stale_pin_holds, Reclaim { freed: 0, pinned: 1 });
+    pins.unpin(other);
+    assert_eq!(table.reclaim().freed, 1);
+
+    // Entries run out, and come back.
+    let grants: Vec<_> = (0..8).map(|_| table.allocate(0)).collect();
+    assert_eq!(grants.iter().filter(|g| g.is_some()).count(), 6, "class 0 has six slots");
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(pins.pin(1, 1).unwrap());
+    }
+    assert_eq!(pins.pin(1, 1), Err(PinError::Full));
+    assert_eq!(pins.pinned(), 8);
+    for pin in held {
+        pins.unpin(pin);
+    }
+    assert_eq!(pins.pinned(), 0);
+}
+
+#[test]
+fn a_dead_agents_pins_are_dropped() {
+    let path = ShmPath::new("dead");
+    let (_arena, mut table) = Arena::create(&config(&path)).unwrap();
+    let agent_arena = Arena::attach(&path.0).unwrap();
+    let mut records: Vec<PinArray> = (0..4).map(|_| agent_arena.claim_agent().unwrap()).collect();
+    assert!(matches!(agent_arena.claim_agent(), Err(ArenaError::AgentsFull)));
+    // A dropped record is free again.
+    let freed_index = records.pop().unwrap().agent();
+    let reclaimed = agent_arena.claim_agent().unwrap();
+    assert_eq!(reclaimed.agent(), freed_index);
+    records.push(reclaimed);
+
+    let grant = table.allocate(1).unwrap();
+    let pin = records[2].pin(grant.slot, grant.generation).unwrap();
+    table.retire(grant.slot).unwrap();
+    assert_eq!(table.reclaim().pinned, 1);
+    assert_eq!(table.release_dead_agents(), 0, "every agent is alive");
+
+    // Agent 2's process dies: its owner word names a dead pid.
+    let dead = records[2].agent();
+    agent_arena.map().agent(dead).owner.store(u64::from(DEAD_PID) << 32 | 1, Ordering::Relaxed);
+    assert_eq!(table.release_dead_agents(), 1);
+    assert_eq!(table.reclaim(), Reclaim { freed: 1, pinned: 0 });
+    // The (supposedly dead) record's handle now finds it not its own and
+    // leaves it alone; the record can be claimed again.
+    let _abandoned = pin; // the dead process never unpins
+    drop(records.remove(2));
+    assert_eq!(agent_arena.claim_agent().unwrap().agent(), dead);
+    assert_eq!(table.release_agent(4), Err(SlotError::NoAgent));
+}
+
+#[test]
+fn registration_happens_once_per_device() {
+    struct Recorder(Vec<(usize, usize)>);
+    impl MemoryRegistration for Recorder {
+        fn kind(&self) -> &'static str {
+            "test-device"
+        }
+        fn register(&mut self, base: NonNull<u8>, len: usize) -> io::Result<()> {
+            self.0.push((base.as_ptr() as usize, len));
+            Ok(())
+        }
+    }
+    let path = ShmPath::new("register");
+    let (arena, _table) = Arena::create(&config(&path)).unwrap();
+    let mut device = Recorder(Vec::new());
+    arena.register(&mut device).unwrap();
+    let (base, len) = arena.slot_area();
+    assert_eq!(device.0, vec![(base.as_ptr() as usize, len)]);
+    assert_eq!(len, 6 * 8192 + 3 * 16384);
+    assert_eq!(base.as_ptr() as usize, arena.region().unwrap().base() as usize);
+    assert!(matches!(arena.clone().register(&mut device), Err(ArenaError::AlreadyRegistered("test-device"))));
+}
+
+fn stamp(slot: u32, generation: u32) -> u64 {
+    pins::encode(slot, generation) ^ 0x9e37_79b9_7f4a_7c15
+}
+
+/// Words of a slot, read and written atomically so that a broken protocol
+/// shows up as a wrong stamp rather than as undefined behaviour.
+fn words(region: &SlotRegion, slot: u32) -> &[AtomicU64] {
+    let ptr = region.slot_ptr(slot).unwrap().cast::<AtomicU64>();
+    // SAFETY: slots are 4 KiB aligned and at least 8 KiB long; only
+    // atomics touch these 64 words in this test.
+    unsafe { core::slice::from_raw_parts(ptr, 64) }
+}
+
+/// lake-dp retires, reclaims, reallocates and rewrites slots as fast as it
+/// can while agents pin whatever the "mirror" publishes and check that the
+/// bytes never change under a pin.
+#[test]
+fn pinned_bytes_never_change_under_churn() {
+    let path = ShmPath::new("churn");
+    let config = ArenaConfig { agents_max: 4, pins_per_agent: 16, ..config(&path) };
+    let (arena, mut table) = Arena::create(&config).unwrap();
+    let region = arena.region().unwrap();
+    let slots = arena.header().slots;
+    // The mirror: per published entry, encode(slot, generation), or 0.
+    let mirror: Arc<Vec<AtomicU64>> = Arc::new((0..4).map(|_| AtomicU64::new(0)).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let agents: Vec<_> = (0..2u64)
+        .map(|seed| {
+            let (arena, mirror, stop) = (Arena::attach(&path.0).unwrap(), mirror.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut pins = arena.claim_agent().unwrap();
+                let region = arena.region().unwrap();
+                let (mut read, mut missed, mut torn) = (0u64, 0u64, 0u64);
+                let mut i = seed;
+                while !stop.load(Ordering::Relaxed) {
+                    i = i.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    // Acquire: pairs with the publisher's Release; the
+                    // slot's bytes were written before.
+                    let entry = mirror[(i >> 40) as usize % mirror.len()].load(Ordering::Acquire);
+                    let Some((slot, generation)) = pins::decode(entry) else { continue };
+                    match pins.pin(slot, generation) {
+                        Ok(pin) => {
+                            let expect = stamp(slot, generation);
+                            for _ in 0..4 {
+                                torn +=
+                                    words(&region, slot).iter().filter(|w| w.load(Ordering::Relaxed) != expect).count()
+                                        as u64;
+                                std::hint::spin_loop();
+                            }
+                            pins.unpin(pin);
+                            read += 1;
+                        }
+                        Err(PinError::Stale { .. }) => missed += 1,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                (read, missed, torn)
+            })
+        })
+        .collect();
+
+    let publish = |table: &mut SlotTable, index: usize| {
+        let class = index % 2;
+        let grant = loop {
+            if let Some(grant) = table.allocate(class) {
+                break grant;
+            }
+            table.reclaim();
+        };
+        for word in words(&region, grant.slot) {
+            word.store(stamp(grant.slot, grant.generation), Ordering::Relaxed);
+        }
+        // Release: pairs with the agents' Acquire of the mirror.
+        mirror[index].store(pins::encode(grant.slot, grant.generation), Ordering::Release);
+    };
+    for index in 0..mirror.len() {
+        publish(&mut table, index);
+    }
+    let mut reclaimed = Reclaim::default();
+    for round in 0..20_000u32 {
+        let index = (round as usize * 7) % mirror.len();
+        let entry = mirror[index].swap(0, Ordering::AcqRel);
+        let (slot, _) = pins::decode(entry).unwrap();
+        table.retire(slot).unwrap();
+        let pass = table.reclaim();
+        reclaimed.freed += pass.freed;
+        reclaimed.pinned += pass.pinned;
+        publish(&mut table, index);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (mut read, mut missed, mut torn) = (0, 0, 0);
+    for agent in agents {
+        let (r, m, t) = agent.join().unwrap();
+        read += r;
+        missed += m;
+        torn += t;
+    }
+    println!("reads {read}, misses {missed}, torn words {torn}, reclaims {reclaimed:?}, slots {slots}");
+    assert_eq!(torn, 0, "bytes changed under a pin");
+    assert!(read > 0, "agents never pinned anything");
+    assert!(reclaimed.freed > 0);
+}
+
+/// Huge pages, where the machine has them reserved: an anonymous hugetlb
+/// memfd, mapped a second time through /proc as an agent would.
+#[test]
+fn hugetlb_memfd_arena_when_huge_pages_exist() {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let free_bytes = field("HugePages_Free:") * field("Hugepagesize:") * 1024;
+    let classes = [SlotClass { slot_bytes: 1 << 20, slots: 2 }];
+    if free_bytes < 8 << 20 {
+        println!(
+            "skipped: {free_bytes} bytes of free huge pages (want 8 MiB; reserve with \
+             `echo 8 > /proc/sys/vm/nr_hugepages`)"
+        );
+        return;
+    }
+    let config = ArenaConfig { backing: ArenaBacking::HugetlbMemfd, ..ArenaConfig::shm("", &classes) };
+    let (arena, mut table) = Arena::create(&config).unwrap();
+    let page = arena.header().page_bytes;
+    assert!(page >= 2 << 20, "page {page}");
+    assert_eq!(arena.header().slots_offset % page, 0);
+    let proc_path = PathBuf::from(format!("/proc/self/fd/{}", arena.fd().as_raw_fd()));
+    let agent = Arena::attach(&proc_path).unwrap();
+    assert_eq!(agent.header(), arena.header());
+    let grant = table.allocate(0).unwrap();
+    let mut pins = agent.claim_agent().unwrap();
+    let pin = pins.pin(grant.slot, grant.generation).unwrap();
+    // SAFETY: the table holds the slot; the pinned reader reads after.
+    unsafe { arena.region().unwrap().slot_mut(grant.slot).unwrap()[12345] = 7 };
+    assert_eq!(pins.bytes(&pin)[12345], 7);
+    pins.unpin(pin);
+}
+
+/// The poller moves blocks between arena slots of different classes and
+/// the (simulated) L2, and refuses an object larger than its L1 slot.
+#[test]
+fn the_poller_runs_over_the_arena() {
+    use crate::model::key::BlockKey;
+    use crate::model::namespace::NamespaceId;
+    use crate::model::replica::{Durability, ObjectKind, Priority};
+    use crate::op::{Command, L2Slot, ReadBlock, RejectReason, Request, WriteBlock};
+    use crate::poller::{L2Geometry, Poller, PollerConfig};
+    use crate::sim::{SimDisk, SimFaults};
+    use crate::stored::ObjectMeta;
+
+    let path = ShmPath::new("poller");
+    let (arena, mut table) = Arena::create(&config(&path)).unwrap();
+    let l2 = L2Geometry { files: 1, slots_per_file: 2, slot_bytes: 16384, region_first: 1 };
+    let config =
+        PollerConfig { epoch: 5, ops_max: 4, batch_max: 4, io_retries_max: 0, flush_delay_ns: 0, flush_batch: 1, l2 };
+    let disk = SimDisk::new(1, SimFaults::none(1_000), 4, 1, 2 * 16384);
+    let mut poller = Poller::new(config, disk, arena.region().unwrap()).unwrap();
+    poller.seal();
+
+    let payload_len = 10_000u64;
+    let class = table.class_for(crate::stored::object_bytes(payload_len)).unwrap();
+    assert_eq!(class, 1);
+    let source = table.allocate(class).unwrap();
+    // SAFETY: the table granted this slot to the test; no I/O yet.
+    unsafe { arena.region().unwrap().slot_mut(source.slot).unwrap()[4096..4096 + 10_000].fill(0x3c) };
+    let meta = ObjectMeta {
+        kind: ObjectKind::KvBlock,
+        key: BlockKey([9; 16]),
+        parent_key: BlockKey::NONE,
+        block_index: 0,
+        namespace: NamespaceId(1),
+        layout_fingerprint: 2,
+        region: RegionId(1),
+        region_epoch: 5,
+        slot: 1,
+        generation: 3,
+        committed_unix_ns: 0,
+        payload_len,
+        segment_bytes: 4096,
+    };
+    let target = L2Slot { file: 0, slot: 1 };
+    let write = WriteBlock { l1_slot: source.slot, target, meta, durability: Durability::Acked };
+    let request = |command| Request { command, priority: Priority::WriteBack, deadline_ns: 0, cookie: 0 };
+    poller.submit(request(Command::Write(write))).unwrap();
+
+    let small = table.allocate(0).unwrap();
+    let read = |l1_slot| ReadBlock { source: target, l1_slot, key: BlockKey([9; 16]), generation: 3, payload_len };
+    let refused = poller.submit(request(Command::Read(read(small.slot)))).unwrap_err();
+    assert_eq!(refused.reason, RejectReason::Invalid("payload does not fit the L1 slot"));
+
+    let mut now = 0;
+    let mut events = Vec::new();
+    let mut buf = [crate::op::Event {
+        ticket: crate::op::Ticket(Default::default()),
+        cookie: 0,
+        command: Command::Flush { file: 0 },
+        outcome: Err(crate::op::OpError::Cancelled),
+    }; 4];
+    let mut run = |poller: &mut Poller<SimDisk>, events: &mut Vec<_>| {
+        for _ in 0..1000 {
+            now += 1_000;
+            poller.poll(now, 8);
+            let n = poller.reap(&mut buf);
+            events.extend_from_slice(&buf[..n]);
+            if !poller.has_work() {
+                break;
+            }
+        }
+    };
+    run(&mut poller, &mut events);
+    let landing = table.allocate(1).unwrap();
+    poller.submit(request(Command::Read(read(landing.slot)))).unwrap();
+    run(&mut poller, &mut events);
+    assert_eq!(events.len(), 2);
+    assert!(events.iter().all(|e| e.outcome.is_ok()), "{events:?}");
+    // The agent sees the promoted block through its own mapping.
+    let agent = Arena::attach(&path.0).unwrap();
+    let mut pins = agent.claim_agent().unwrap();
+    let pin = pins.pin(landing.slot, landing.generation).unwrap();
+    let bytes = pins.bytes(&pin);
+    let header = crate::stored::decode_header(bytes).unwrap();
+    assert_eq!(header.meta().key, BlockKey([9; 16]));
+    header.verify_payload(&bytes[4096..4096 + 10_000]).unwrap();
+    assert!(bytes[4096..4096 + 10_000].iter().all(|&b| b == 0x3c));
+    pins.unpin(pin);
+}
