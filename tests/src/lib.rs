@@ -23,3 +23,53 @@ pub fn namespace_from(tenant: u8, revision: &str, lora: &str, salt: &str) -> Nam
 pub fn prompt(tokens: u32) -> Vec<u32> {
     (0..tokens).map(|i| i.wrapping_mul(2_654_435_761) % 151_936).collect()
 }
+
+/// Payload bytes of the stamped objects the arena tests move between
+/// processes.
+pub const STAMPED_PAYLOAD_BYTES: u64 = 60 * 1024;
+
+/// The stored-object header a stamped object carries for `(slot,
+/// generation)`.
+pub fn stamped_meta(slot: u32, generation: u32) -> lake_dp::stored::ObjectMeta {
+    let mut key = [0u8; 16];
+    key[..4].copy_from_slice(&slot.to_le_bytes());
+    key[4..8].copy_from_slice(&generation.to_le_bytes());
+    lake_dp::stored::ObjectMeta {
+        kind: lake_dp::ObjectKind::KvBlock,
+        key: lake_dp::BlockKey(key),
+        parent_key: lake_dp::BlockKey::NONE,
+        block_index: generation,
+        namespace: lake_dp::NamespaceId(7),
+        layout_fingerprint: 0x1a7e,
+        region: lake_dp::RegionId(0),
+        region_epoch: 1,
+        slot,
+        generation,
+        committed_unix_ns: 0,
+        payload_len: STAMPED_PAYLOAD_BYTES,
+        segment_bytes: 16 * 1024,
+    }
+}
+
+/// Writes the stamped object for `(slot, generation)` into `out` (a slot).
+pub fn write_stamped(slot: u32, generation: u32, out: &mut [u8]) {
+    let seed = u64::from(slot) << 32 | u64::from(generation);
+    let payload: Vec<u8> = (0..STAMPED_PAYLOAD_BYTES)
+        .map(|i| (i.wrapping_mul(0x9e37_79b9).wrapping_add(seed) >> 7).to_le_bytes()[0])
+        .collect();
+    if let Err(e) = lake_dp::stored::encode_object(&stamped_meta(slot, generation), &payload, out) {
+        unreachable!("a fixed object does not encode: {e}");
+    }
+}
+
+/// Whether `bytes` hold the intact stamped object of `(slot, generation)`:
+/// header and payload CRCs good and the header naming that slot and
+/// generation.
+pub fn check_stamped(bytes: &[u8], slot: u32, generation: u32) -> Result<(), String> {
+    let (header, _payload) = lake_dp::stored::decode_object(bytes).map_err(|e| e.to_string())?;
+    let meta = header.meta();
+    if *meta != stamped_meta(slot, generation) {
+        return Err(format!("header names slot {} generation {}", meta.slot, meta.generation));
+    }
+    Ok(())
+}
