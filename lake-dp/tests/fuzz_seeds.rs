@@ -42,11 +42,15 @@ fn stored_objects() -> Vec<Vec<u8>> {
 }
 
 fn check_or_write(target: &str, seeds: &[Vec<u8>], valid: impl Fn(&[u8]) -> bool) {
+    check_or_write_mode(target, seeds, 0, valid);
+}
+
+fn check_or_write_mode(target: &str, seeds: &[Vec<u8>], mode: u8, valid: impl Fn(&[u8]) -> bool) {
     let dir = seeds_dir(target);
     if std::env::var_os("LAKE_UPDATE_SEEDS").is_some() {
         std::fs::create_dir_all(&dir).unwrap();
         for (i, seed) in seeds.iter().enumerate() {
-            let mut bytes = vec![0u8];
+            let mut bytes = vec![mode];
             bytes.extend_from_slice(seed);
             std::fs::write(dir.join(format!("seed-{i:02}")), bytes).unwrap();
         }
@@ -68,4 +72,35 @@ fn wire_seeds_are_current() {
 #[test]
 fn stored_seeds_are_current() {
     check_or_write("stored_header", &stored_objects(), |bytes| decode_object(bytes).is_ok());
+}
+
+#[test]
+fn arena_seeds_are_current() {
+    use lake_dp::arena::layout::decode_header;
+    use lake_dp::arena::{Arena, ArenaConfig};
+    use lake_dp::region::SlotClass;
+
+    let classes = [
+        vec![SlotClass::for_payload(60 * 1024, 16)],
+        vec![SlotClass::for_payload(4096, 3), SlotClass::for_payload(1 << 20, 2), SlotClass::for_payload(1, 1)],
+    ];
+    let headers: Vec<Vec<u8>> = classes
+        .iter()
+        .enumerate()
+        .map(|(i, classes)| {
+            let path = format!("/dev/shm/lake-seed-{}-{i}", std::process::id());
+            let config = ArenaConfig {
+                agents_max: 2 + u32::try_from(i).unwrap(),
+                pins_per_agent: 16,
+                ..ArenaConfig::shm(&path, classes)
+            };
+            let (arena, _table) = Arena::create(&config).expect("create a seed arena");
+            bytemuck::bytes_of(arena.header()).to_vec()
+        })
+        .collect();
+    // Mode 2: the fuzz target takes the file size from the header.
+    check_or_write_mode("arena_header", &headers, 2, |bytes| {
+        let total = u64::from_le_bytes(bytes[16..24].try_into().unwrap());
+        decode_header(bytes, total).is_ok()
+    });
 }
