@@ -2,14 +2,17 @@
 //! blocks in a tenant's namespace, lay out one block of a Qwen3-8B-shaped KV
 //! cache, store it in the v1 stored-object format in a file, read it back
 //! and verify every segment, corrupt one byte and watch the CRC catch it,
-//! and frame a "block committed" message on the wire.
+//! frame a "block committed" message on the wire, and hold the block in an
+//! L1 shared-memory arena that an agent pins without a round trip.
 //!
 //! This is the placeholder main job until issue [3] delivers the embedded
 //! single-node pool. Run: `cargo run --release -p lake-dp --example tour`.
 
 use std::io::{Read, Seek, SeekFrom, Write};
 
+use lake_dp::arena::{Arena, ArenaConfig};
 use lake_dp::model::layout::LayoutParams;
+use lake_dp::region::SlotClass;
 use lake_dp::stored::{ObjectMeta, decode_object, encode_object, object_bytes};
 use lake_dp::wire::message::BlockRecord;
 use lake_dp::wire::{FrameMeta, Limits, Message, WIRE_VERSION_MAX, decode_frame, encode_frame};
@@ -132,5 +135,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let len = encode_frame(frame_meta, &Message::BlockCommitted(record), &mut buf)?;
     let frame = decode_frame(&buf[..len], &Limits::default())?;
     println!("wire: {:?} frame of {len} bytes for replica {replica}", frame.message.kind());
+
+    // 7. The L1 arena: lake-dp creates it in /dev/shm with a size class for
+    //    this layout; an agent (here a second mapping in this process) pins
+    //    the block by writing its own pin entry, no RPC; eviction waits for
+    //    the pin.
+    let arena_path = format!("/dev/shm/lake-tour-{}", std::process::id());
+    let classes = [SlotClass::for_payload(meta.payload_len, 64)];
+    let (arena, mut table) = Arena::create(&ArenaConfig { lock: false, ..ArenaConfig::shm(&arena_path, &classes) })?;
+    let grant = table.allocate(0).ok_or("no free L1 slot")?;
+    let region = arena.region()?;
+    // SAFETY: the slot table just granted this slot; no agent knows it yet.
+    let slot = unsafe { region.slot_mut(grant.slot) }.ok_or("slot out of range")?;
+    slot[..object.len()].copy_from_slice(&object);
+    let agent = Arena::attach(std::path::Path::new(&arena_path))?;
+    let mut pins = agent.claim_agent()?;
+    let pin = pins.pin(grant.slot, grant.generation)?;
+    let (pinned_header, _) = decode_object(pins.bytes(&pin))?;
+    table.retire(grant.slot)?;
+    let while_pinned = table.reclaim();
+    pins.unpin(pin);
+    let after = table.reclaim();
+    println!(
+        "L1 arena {} ({} bytes, {} slots of {} bytes): agent {} pinned slot {} generation {} (key {}); \
+         eviction waited ({} pinned), then freed {}",
+        arena_path,
+        arena.header().total_bytes,
+        arena.header().slots,
+        grant.slot_bytes,
+        pins.agent(),
+        grant.slot,
+        grant.generation,
+        pinned_header.meta().key,
+        while_pinned.pinned,
+        after.freed
+    );
     Ok(())
 }
