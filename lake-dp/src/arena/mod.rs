@@ -167,6 +167,9 @@ pub struct ArenaConfig {
     pub lock: bool,
     /// Permission bits of the arena file.
     pub mode: u32,
+    /// Allocate every page of the arena on this NUMA node (the node of the
+    /// `lake-dp` that serves it and of the NICs and GPUs it feeds).
+    pub numa_node: Option<u32>,
 }
 
 impl ArenaConfig {
@@ -183,6 +186,7 @@ impl ArenaConfig {
             epoch: 1,
             lock: true,
             mode: 0o600,
+            numa_node: None,
         }
     }
 }
@@ -528,25 +532,8 @@ fn build(
         epoch: config.epoch,
     })?;
     let bytes = geometry.header.total_bytes;
-    let len = i64::try_from(bytes).map_err(|_| ArenaError::Config("arena too large"))?;
     file.set_len(bytes).map_err(io_error("sizing", building))?;
-    // Reserve every page now: a later page fault must not find the tmpfs
-    // or the huge page pool empty.
-    // SAFETY: a valid descriptor; mode 0 allocates the range.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
-        let error = io::Error::last_os_error();
-        if error.raw_os_error() == Some(libc::ENOSPC) {
-            let hint = if huge {
-                "not enough free huge pages (see /proc/sys/vm/nr_hugepages and HugePages_Free in /proc/meminfo)"
-            } else {
-                "the tmpfs is too small (see df /dev/shm; raise its size= mount option)"
-            };
-            return Err(ArenaError::NoSpace { bytes, hint });
-        }
-        return Err(io_error("reserving memory for", building)(error));
-    }
-    let map =
-        MmapOptions::new().len(usize_from(bytes)).populate().map_raw(&file).map_err(io_error("mapping", building))?;
+    let map = on_numa_node(config.numa_node, || reserve_and_map(&file, bytes, huge, building))?;
     if config.lock {
         map.lock().map_err(|source| ArenaError::Io {
             what: "locking (mlock; needs CAP_IPC_LOCK or RLIMIT_MEMLOCK above the arena size)",
@@ -586,6 +573,57 @@ fn build(
         arena.created = Some(Created { path: Some(target.to_path_buf()), inode });
     }
     Ok(Arena { map: Arc::new(arena) })
+}
+
+/// Reserves every page of the arena now — a later page fault must not find
+/// the tmpfs or the huge page pool empty — and maps it, populated.
+fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<MmapRaw, ArenaError> {
+    let len = i64::try_from(bytes).map_err(|_| ArenaError::Config("arena too large"))?;
+    // SAFETY: a valid descriptor; mode 0 allocates the range.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::ENOSPC) {
+            let hint = if huge {
+                "not enough free huge pages (see /proc/sys/vm/nr_hugepages and HugePages_Free in /proc/meminfo)"
+            } else {
+                "the tmpfs is too small (see df /dev/shm; raise its size= mount option)"
+            };
+            return Err(ArenaError::NoSpace { bytes, hint });
+        }
+        return Err(io_error("reserving memory for", building)(error));
+    }
+    MmapOptions::new().len(usize_from(bytes)).populate().map_raw(file).map_err(io_error("mapping", building))
+}
+
+/// Most NUMA nodes a node mask here can name.
+const NUMA_NODES_MAX: u32 = 1024;
+
+/// Runs `f` with this thread's memory policy bound to `node`, so the pages
+/// it allocates (tmpfs and hugetlb pages alike fall back to the task's
+/// policy) come from that node; restores the default policy after.
+fn on_numa_node<T>(node: Option<u32>, f: impl FnOnce() -> Result<T, ArenaError>) -> Result<T, ArenaError> {
+    let Some(node) = node else { return f() };
+    if node >= NUMA_NODES_MAX || !Path::new(&format!("/sys/devices/system/node/node{node}")).exists() {
+        return Err(ArenaError::Config("numa_node: no such NUMA node on this machine"));
+    }
+    let mut mask = [0u64; NUMA_NODES_MAX as usize / 64];
+    mask[(node / 64) as usize] = 1 << (node % 64);
+    let set = |mode: libc::c_int, mask: Option<&[u64]>| {
+        let (ptr, bits) = mask.map_or((core::ptr::null(), 0), |m| (m.as_ptr(), m.len() as u64 * 64 + 1));
+        // SAFETY: set_mempolicy reads `bits` bits from `ptr` (the mask
+        // array, or nothing for the default policy); it touches no other
+        // memory.
+        let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, mode, ptr, bits) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io_error("binding memory to the NUMA node", None)(io::Error::last_os_error()))
+        }
+    };
+    set(libc::MPOL_BIND, Some(&mask))?;
+    let result = f();
+    set(libc::MPOL_DEFAULT, None)?;
+    result
 }
 
 /// Retires `path`'s arena if its creator is gone (a stale file left by a

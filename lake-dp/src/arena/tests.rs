@@ -498,3 +498,37 @@ fn the_poller_runs_over_the_arena() {
     assert!(bytes[4096..4096 + 10_000].iter().all(|&b| b == 0x3c));
     pins.unpin(pin);
 }
+
+/// Every page of an arena bound to a NUMA node is on that node and
+/// present (fallocate + MAP_POPULATE, not first touch). Binds to the
+/// highest node, so that on a machine with several the default (local)
+/// placement would not pass by accident.
+#[test]
+fn numa_binding_places_every_page_on_its_node() {
+    let node = std::fs::read_dir("/sys/devices/system/node")
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.strip_prefix("node")?.parse::<u32>().ok())
+        .max();
+    let Some(node) = node else {
+        println!("skipped: no /sys/devices/system/node on this machine");
+        return;
+    };
+    let path = ShmPath::new("numa");
+    let (arena, _table) = Arena::create(&ArenaConfig { numa_node: Some(node), ..config(&path) }).unwrap();
+    let maps = std::fs::read_to_string("/proc/self/numa_maps").unwrap();
+    let name = path.0.to_str().unwrap();
+    let line = maps.lines().find(|l| l.contains(name)).expect("the arena in numa_maps");
+    let mut on_node = 0u64;
+    for field in line.split_whitespace() {
+        let Some((key, value)) = field.split_once('=') else { continue };
+        let Some(n) = key.strip_prefix('N').and_then(|n| n.parse::<u32>().ok()) else { continue };
+        assert_eq!(n, node, "pages on node {n}: {line}");
+        on_node += value.parse::<u64>().unwrap();
+    }
+    assert_eq!(on_node * 4096, arena.header().total_bytes, "every page present: {line}");
+
+    let other = ShmPath::new("numa-bad");
+    let err = Arena::create(&ArenaConfig { numa_node: Some(1000), ..config(&other) }).unwrap_err().to_string();
+    assert!(err.contains("numa_node"), "{err}");
+}
