@@ -233,16 +233,9 @@ impl ArenaMap {
         control_of(&self.map)
     }
 
-    /// The generation word of `slot` (in range).
+    /// The generation word of `slot` (panics out of range).
     fn generation(&self, slot: u32) -> &AtomicU32 {
-        assert!(slot < self.header().slots, "slot {slot} out of range");
-        let offset = self.header().generations_offset + u64::from(slot) * 4;
-        let ptr = self.map.as_mut_ptr().wrapping_add(usize_from(offset)).cast::<u32>();
-        // SAFETY: the checked header puts `slots` u32s at
-        // generations_offset inside the mapping, 4-byte aligned (the offset
-        // is 4096 and the base page aligned); the mapping lives as long as
-        // `self`; shared memory is only touched through atomics.
-        unsafe { AtomicU32::from_ptr(ptr) }
+        &self.generations()[slot as usize]
     }
 
     fn agent_base(&self, agent: u32) -> *mut u8 {
@@ -261,14 +254,24 @@ impl ArenaMap {
         unsafe { &*ptr }
     }
 
-    /// Pin entry `entry` of agent record `agent`.
-    fn pin(&self, agent: u32, entry: u32) -> &AtomicU64 {
-        assert!(entry < self.header().pins_per_agent, "pin entry {entry} out of range");
-        let offset = usize_from(layout::AGENT_CONTROL_BYTES) + entry as usize * 8;
-        let ptr = self.agent_base(agent).wrapping_add(offset).cast::<u64>();
+    /// The pin entries of agent record `agent` (in range).
+    fn pins(&self, agent: u32) -> &[AtomicU64] {
+        let ptr = self.agent_base(agent).wrapping_add(usize_from(layout::AGENT_CONTROL_BYTES)).cast::<AtomicU64>();
         // SAFETY: agent_stride >= 64 + 8 * pins_per_agent (checked header),
-        // so the entry is inside the record, 8-byte aligned; atomics only.
-        unsafe { AtomicU64::from_ptr(ptr) }
+        // so the entries lie inside the record, 8-byte aligned; AtomicU64
+        // has u64's layout and any bits are valid; the mapping outlives the
+        // borrow; shared memory is only touched through atomics.
+        unsafe { core::slice::from_raw_parts(ptr, self.header().pins_per_agent as usize) }
+    }
+
+    /// The generation words, one per slot.
+    fn generations(&self) -> &[AtomicU32] {
+        let offset = usize_from(self.header().generations_offset);
+        let ptr = self.map.as_mut_ptr().wrapping_add(offset).cast::<AtomicU32>();
+        // SAFETY: the checked header puts `slots` u32s at
+        // generations_offset (4096) inside the mapping, 4-byte aligned;
+        // atomics only, valid for any bits; the mapping outlives the borrow.
+        unsafe { core::slice::from_raw_parts(ptr, self.header().slots as usize) }
     }
 }
 

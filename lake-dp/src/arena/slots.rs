@@ -191,8 +191,8 @@ impl SlotTable {
             // Acquire: with the entries' Acquire below, pairs with the
             // agent's Release clears (its reads of a slot happen first).
             let high = map.agent(agent).high_water.load(Ordering::Acquire).min(header.pins_per_agent);
-            for entry in 0..high {
-                let Some((slot, generation)) = decode(map.pin(agent, entry).load(Ordering::Acquire)) else {
+            for word in &map.pins(agent)[..high as usize] {
+                let Some((slot, generation)) = decode(word.load(Ordering::Acquire)) else {
                     continue;
                 };
                 let index = slot as usize;
@@ -241,9 +241,9 @@ impl SlotTable {
         }
         let mut dropped = 0;
         let high = record.high_water.load(Ordering::Acquire).min(header.pins_per_agent);
-        for entry in 0..high {
+        for word in &map.pins(agent)[..high as usize] {
             // The owner is dead, so this table is the record's only writer.
-            if map.pin(agent, entry).swap(0, Ordering::AcqRel) != 0 {
+            if word.swap(0, Ordering::AcqRel) != 0 {
                 dropped += 1;
             }
         }
