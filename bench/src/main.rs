@@ -8,6 +8,7 @@
 // the precision lost above 2^52 ns or bytes does not matter to a ratio.
 #![allow(clippy::cast_precision_loss)]
 
+mod arena;
 mod args;
 mod keys;
 mod report;
@@ -18,7 +19,10 @@ const USAGE: &str = "usage: lake-bench SUBCOMMAND [--flag value ...]
 
 subcommands:
   keys   --tokens N --block-tokens N [--rounds N]
-         block-key chain cost vs one raw BLAKE3 keyed hash per block";
+         block-key chain cost vs one raw BLAKE3 keyed hash per block
+  pin    [--agents N] [--pins N] [--pairs N] [--rounds N]
+         L1 arena pin+unpin vs raw store/fence/load; reclaim scan vs a raw
+         load loop over the same number of pin entries";
 
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -28,6 +32,7 @@ fn main() -> ExitCode {
     };
     let result = match command.as_str() {
         "keys" => keys::run(rest),
+        "pin" => arena::run(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
