@@ -82,6 +82,10 @@ pub struct SlotStats {
 pub struct SlotTable {
     arena: Arena,
     state: Vec<SlotState>,
+    /// Each slot's current generation. The arena's generation words are
+    /// this table's published copy: it writes them and never reads them
+    /// back, so an agent scribbling on shared memory cannot steer it.
+    generation: Vec<u32>,
     /// The generation each draining slot retired.
     retired_generation: Vec<u32>,
     /// The reclaim pass that last saw each draining slot pinned.
@@ -115,6 +119,8 @@ impl SlotTable {
         Self {
             arena,
             state: vec![SlotState::Free; slots],
+            // Arena::create published 1 for every slot.
+            generation: vec![1; slots],
             retired_generation: vec![0; slots],
             pinned_in_pass: vec![0; slots],
             free,
@@ -149,9 +155,7 @@ impl SlotTable {
         let slot_bytes = self.slot_bytes(slot);
         self.bytes_in_use += slot_bytes;
         self.held += 1;
-        // Relaxed: only this table writes generations.
-        let generation = self.arena.map().generation(slot).load(Ordering::Relaxed);
-        debug_assert_ne!(generation, 0);
+        let generation = self.generation[slot as usize];
         Some(SlotGrant { slot, generation, class, slot_bytes })
     }
 
@@ -165,10 +169,11 @@ impl SlotTable {
         }
         *state = SlotState::Draining;
         self.held -= 1;
-        let word = self.arena.map().generation(slot);
-        let old = word.load(Ordering::Relaxed);
+        let old = self.generation[slot as usize];
+        let new = next_generation(old);
+        self.generation[slot as usize] = new;
         // Relaxed: ordered before the scan by the SeqCst fence in reclaim.
-        word.store(next_generation(old), Ordering::Relaxed);
+        self.arena.map().generation(slot).store(new, Ordering::Relaxed);
         self.retired_generation[slot as usize] = old;
         self.draining.push(slot);
         Ok(())

@@ -532,3 +532,64 @@ fn numa_binding_places_every_page_on_its_node() {
     let err = Arena::create(&ArenaConfig { numa_node: Some(1000), ..config(&other) }).unwrap_err().to_string();
     assert!(err.contains("numa_node"), "{err}");
 }
+
+/// Agents map the arena writable; what one scribbles on shared memory
+/// must not steer or crash lake-dp's slot table.
+#[test]
+fn scribbled_shared_memory_does_not_steer_the_slot_table() {
+    let path = ShmPath::new("scribble");
+    let (arena, mut table) = Arena::create(&config(&path)).unwrap();
+    let grant = table.allocate(0).unwrap();
+    let map = arena.map();
+    // A rogue agent zeroes a generation, fills its pin entries with
+    // nonsense and claims an absurd high-water mark.
+    map.generation(grant.slot).store(0, Ordering::Relaxed);
+    let mut rogue = arena.claim_agent().unwrap();
+    let record = rogue.agent();
+    map.agent(record).high_water.store(u32::MAX, Ordering::Relaxed);
+    for (i, word) in map.pins(record).iter().enumerate() {
+        word.store(u64::MAX - i as u64, Ordering::Relaxed);
+    }
+    table.retire(grant.slot).unwrap();
+    assert_eq!(arena.generation(grant.slot), Some(2), "the table publishes its own count");
+    let reclaim = table.reclaim();
+    assert_eq!(reclaim.freed, 1, "nonsense entries pin nothing");
+    let again = table.allocate(0).unwrap();
+    assert_eq!((again.slot, again.generation), (grant.slot, 2));
+    // The rogue's own record still works once it stops scribbling.
+    for word in map.pins(record) {
+        word.store(0, Ordering::Relaxed);
+    }
+    let pin = rogue.pin(again.slot, again.generation).unwrap();
+    rogue.unpin(pin);
+}
+
+/// A hugetlbfs backing must be on a hugetlbfs mount; where one exists, an
+/// arena is built there with its page size.
+#[test]
+fn hugetlbfs_backing_needs_a_hugetlbfs_mount() {
+    let path = ShmPath::new("not-hugetlbfs");
+    let config = ArenaConfig { backing: ArenaBacking::HugetlbFs(path.0.clone()), ..config(&path) };
+    let err = Arena::create(&config).unwrap_err().to_string();
+    assert!(err.contains("not on a hugetlbfs mount"), "{err}");
+    assert!(!path.0.exists());
+
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    let Some(mount) = mounts.lines().find_map(|l| {
+        let mut fields = l.split_whitespace();
+        let dir = fields.nth(1)?;
+        (fields.next()? == "hugetlbfs").then(|| dir.to_owned())
+    }) else {
+        println!("skipped the hugetlbfs arena: no hugetlbfs mount in /proc/mounts");
+        return;
+    };
+    let file = PathBuf::from(format!("{mount}/lake-test-{}", std::process::id()));
+    let classes = [SlotClass { slot_bytes: 1 << 20, slots: 2 }];
+    let config = ArenaConfig { backing: ArenaBacking::HugetlbFs(file.clone()), ..ArenaConfig::shm(&file, &classes) };
+    match Arena::create(&config) {
+        Ok((arena, _table)) => assert!(arena.header().page_bytes >= 2 << 20),
+        Err(ArenaError::NoSpace { .. }) => println!("skipped the hugetlbfs arena: no free huge pages"),
+        Err(e) => panic!("{e}"),
+    }
+    let _ = std::fs::remove_file(file);
+}
