@@ -1,7 +1,7 @@
 //! The L1 arena shared between a `lake-dp` (this test) and engine agents
 //! in other processes: pins taken in another process hold slots against
-//! reuse, bytes never change under a pin, and a killed agent's pins are
-//! dropped.
+//! reuse, bytes never change under a pin, a killed agent's pins are
+//! dropped, and a killed `lake-dp`'s arena is noticed and replaced.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -50,14 +50,12 @@ impl Drop for Agent {
 }
 
 fn agent(path: &ShmPath, mode: &str) -> Agent {
-    let child = Command::new(env!("CARGO_BIN_EXE_lake-arena-agent"))
-        .arg(&path.0)
-        .arg(mode)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start lake-arena-agent");
+    spawn(Command::new(env!("CARGO_BIN_EXE_lake-arena-agent")).arg(&path.0).arg(mode))
+}
+
+fn spawn(command: &mut Command) -> Agent {
+    let child =
+        command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("start the child");
     Agent(Some(child))
 }
 
@@ -149,4 +147,30 @@ fn an_agent_cannot_attach_to_a_retired_arena() {
     let child = agent(&path, "read");
     let output = child.wait_with_output();
     assert!(!output.status.success(), "attached to an arena whose lake-dp is gone");
+}
+
+#[test]
+fn a_killed_lake_dps_arena_is_noticed_and_replaced() {
+    let path = ShmPath(PathBuf::from(format!("/dev/shm/lake-xproc-{}-owner", std::process::id())));
+    let mut owner = spawn(Command::new(env!("CARGO_BIN_EXE_lake-arena-owner")).arg(&path.0));
+    let mut line = String::new();
+    BufReader::new(owner.child().stdout.take().expect("stdout")).read_line(&mut line).expect("owner report");
+    assert_eq!(line.trim(), "ready");
+
+    let attached = Arena::attach(&path.0).expect("attach to the child's arena");
+    assert!(attached.is_live());
+    assert_ne!(attached.owner_pid(), std::process::id());
+    let classes = [SlotClass::for_payload(STAMPED_PAYLOAD_BYTES, 4)];
+    let config = ArenaConfig { agents_max: 4, pins_per_agent: 16, ..ArenaConfig::shm(&path.0, &classes) };
+    let refused = Arena::create(&config).expect_err("a live lake-dp's arena must not be replaced");
+    assert!(refused.to_string().contains("live lake-dp"), "{refused}");
+
+    owner.child().kill().expect("SIGKILL the owner");
+    owner.child().wait().expect("reap the owner");
+    assert!(!attached.is_live(), "the agent notices its lake-dp died");
+    let (successor, _table) = Arena::create(&config).expect("replace the dead lake-dp's arena");
+    assert!(successor.is_live());
+    assert!(!attached.is_live());
+    let reattached = Arena::attach(&path.0).expect("attach to the successor");
+    assert_eq!(reattached.owner_pid(), std::process::id());
 }

@@ -18,6 +18,7 @@
 //! ([`Arena::register`]).
 
 pub mod layout;
+mod lock;
 pub mod pins;
 pub mod slots;
 
@@ -42,6 +43,16 @@ pub use self::slots::{Reclaim, SlotError, SlotGrant, SlotStats, SlotTable};
 use crate::model::replica::{NodeId, RegionId};
 use crate::region::{RegionError, SlotClass, SlotRegion};
 use crate::usize_from;
+
+/// The byte of the arena file whose lock `lake-dp` holds while it serves
+/// the arena (see [`lock`]).
+const OWNER_LOCK_BYTE: u64 = 0;
+
+/// The byte of the arena file whose lock agent record `agent` holds while
+/// its agent owns it: the record's first byte.
+fn agent_lock_byte(header: &ArenaHeader, agent: u32) -> u64 {
+    header.agents_offset + u64::from(agent) * header.agent_stride
+}
 
 /// Filesystem magic numbers (statfs `f_type`).
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -81,9 +92,10 @@ pub enum ArenaError {
     NotReady,
     /// The owning `lake-dp` retired the arena; attach to its successor.
     Retired,
-    /// A live process owns an arena at that path.
+    /// A live `lake-dp` serves an arena at that path (it holds the owner
+    /// lock).
     InUse {
-        /// Its pid.
+        /// Its pid as recorded in the arena (0 if unreadable).
         pid: u32,
     },
     /// The slot geometry is wrong.
@@ -107,10 +119,8 @@ impl core::fmt::Display for ArenaError {
             }
             Self::NotReady => write!(f, "arena: not ready (its lake-dp is still building it, or died doing so)"),
             Self::Retired => write!(f, "arena: retired by its lake-dp; attach to the current one"),
-            Self::InUse { pid } => write!(
-                f,
-                "arena: in use by live process {pid}; stop that lake-dp first (remove the file if that process is not one)"
-            ),
+            Self::InUse { pid: 0 } => write!(f, "arena: held by a live process (an arena this build cannot read)"),
+            Self::InUse { pid } => write!(f, "arena: served by a live lake-dp (pid {pid}); stop it first"),
             Self::Region(e) => write!(f, "arena: {e}"),
             Self::AgentsFull => write!(f, "arena: every agent record is claimed (raise agents_max)"),
             Self::AlreadyRegistered(kind) => write!(f, "arena: already registered with {kind}"),
@@ -382,10 +392,18 @@ impl Arena {
         self.map.file.as_fd()
     }
 
-    /// Whether the owning `lake-dp` still serves this arena.
+    /// Whether the owning `lake-dp` still serves this arena: it has not
+    /// retired it and its process is alive (it holds the owner lock; a
+    /// `lake-dp` killed outright retires nothing, but the kernel drops its
+    /// lock).
     pub fn is_live(&self) -> bool {
         // Acquire: pairs with the Release of the retire in ArenaMap::drop.
-        self.map.control().state.load(Ordering::Acquire) == STATE_READY
+        if self.map.control().state.load(Ordering::Acquire) != STATE_READY {
+            return false;
+        }
+        // The creator's own handle holds the lock itself. On doubt (a
+        // failing fcntl), call the owner alive.
+        self.map.created.is_some() || lock::held_by_other(&self.map.file, OWNER_LOCK_BYTE).unwrap_or(true)
     }
 
     /// The pid of the `lake-dp` that created it.
@@ -486,14 +504,6 @@ fn open_backing(config: &ArenaConfig) -> Result<(File, Option<PathBuf>, Option<P
     Ok((file, Some(path.clone()), Some(building)))
 }
 
-/// Whether a process with this pid exists (in this pid namespace).
-pub(crate) fn process_alive(pid: u32) -> bool {
-    let Ok(pid) = i32::try_from(pid) else { return false };
-    // SAFETY: signal 0 only checks for existence and permission.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
 fn filesystem(file: &File, path: Option<&Path>) -> Result<(i64, u64), ArenaError> {
     // SAFETY: statfs is plain data; all zeroes is a valid value.
     let mut stat: libc::statfs = unsafe { core::mem::zeroed() };
@@ -536,6 +546,11 @@ fn build(
     })?;
     let bytes = geometry.header.total_bytes;
     file.set_len(bytes).map_err(io_error("sizing", building))?;
+    // Held for the arena's life by this open file: how agents and a
+    // successor tell that this lake-dp is alive.
+    if !lock::try_lock(&file, OWNER_LOCK_BYTE).map_err(io_error("locking", building))? {
+        return Err(ArenaError::Config("backing: another process locked the new arena file"));
+    }
     let map = on_numa_node(config.numa_node, || reserve_and_map(&file, bytes, huge, building))?;
     if config.lock {
         map.lock().map_err(|source| ArenaError::Io {
@@ -630,20 +645,30 @@ fn on_numa_node<T>(node: Option<u32>, f: impl FnOnce() -> Result<T, ArenaError>)
 }
 
 /// Retires `path`'s arena if its creator is gone (a stale file left by a
-/// crashed `lake-dp`), so agents still attached to it learn to detach.
-/// Returns whether a file was retired.
+/// crashed `lake-dp`), so agents still attached to it learn to detach, and
+/// removes the file. Refuses while a live `lake-dp` holds it. Returns
+/// whether a file was removed.
 pub fn retire_stale(path: &Path) -> Result<bool, ArenaError> {
-    let old = match Arena::attach(path) {
-        Ok(old) => old,
-        Err(ArenaError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e),
+    let file = match OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(io_error("opening", Some(path))(e)),
     };
-    let pid = old.owner_pid();
-    if pid != 0 && process_alive(pid) {
-        return Err(ArenaError::InUse { pid });
+    let old = Arena::attach_file(file, Some(path));
+    if let Ok(old) = &old {
+        if lock::held_by_other(&old.map.file, OWNER_LOCK_BYTE).map_err(io_error("checking the lock of", Some(path)))? {
+            return Err(ArenaError::InUse { pid: old.owner_pid() });
+        }
+        // Release: as in ArenaMap::drop.
+        old.map.control().state.store(STATE_RETIRED, Ordering::Release);
+    } else {
+        // Not an arena this build can read (another version, or damaged):
+        // still refuse to remove it while its owner lives.
+        let file = File::open(path).map_err(io_error("opening", Some(path)))?;
+        if lock::held_by_other(&file, OWNER_LOCK_BYTE).map_err(io_error("checking the lock of", Some(path)))? {
+            return Err(ArenaError::InUse { pid: 0 });
+        }
     }
-    // Release: as in ArenaMap::drop.
-    old.map.control().state.store(STATE_RETIRED, Ordering::Release);
     std::fs::remove_file(path).map_err(io_error("removing", Some(path)))?;
     Ok(true)
 }

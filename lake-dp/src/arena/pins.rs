@@ -21,7 +21,7 @@ use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::sync::Arc;
 
-use super::{Arena, ArenaError};
+use super::{Arena, ArenaError, agent_lock_byte, io_error, lock};
 use crate::region::SlotRegion;
 
 /// The entry value naming `(slot, generation)`; 0 is an empty entry.
@@ -117,6 +117,10 @@ pub struct PinArray {
     free: Vec<u32>,
     held: u32,
     high_water: u32,
+    /// This record's own open file of the arena, holding the record's lock
+    /// (see [`super::lock`]): the kernel drops it when this process dies,
+    /// which is how `lake-dp` tells a dead agent from a live one.
+    lock_file: std::fs::File,
 }
 
 // SAFETY: the two pointers are views into the mapping the `arena` field
@@ -137,11 +141,20 @@ impl PinArray {
         let sequence = map.control().claims.fetch_add(1, Ordering::Relaxed);
         let owner = u64::from(std::process::id()) << 32 | u64::from(sequence);
         debug_assert_ne!(owner, 0);
+        let lock_file = lock::reopen(&map.file).map_err(io_error("reopening the arena", None))?;
         for agent in 0..header.agents_max {
             let record = map.agent(agent);
+            // Lock first, then own: whenever lake-dp sees an owner, the
+            // lock is already held (or its holder is dead).
+            let byte = agent_lock_byte(&header, agent);
+            if !lock::try_lock(&lock_file, byte).map_err(io_error("locking an agent record", None))? {
+                continue;
+            }
             // Acquire: pairs with the Release that freed the record, so the
             // entries its last owner (or lake-dp) cleared read as cleared.
             if record.owner.compare_exchange(0, owner, Ordering::Acquire, Ordering::Relaxed).is_err() {
+                // Owned by a dead agent lake-dp has not released yet.
+                lock::unlock(&lock_file, byte).map_err(io_error("unlocking an agent record", None))?;
                 continue;
             }
             // The record is ours alone now; leftovers cannot name a live
@@ -155,7 +168,18 @@ impl PinArray {
             let (entries, generations) = (NonNull::from(entries), NonNull::from(map.generations()));
             let region = arena.region()?;
             let free = (0..header.pins_per_agent).rev().collect();
-            return Ok(Self { arena, region, entries, generations, agent, owner, free, held: 0, high_water: 0 });
+            return Ok(Self {
+                arena,
+                region,
+                entries,
+                generations,
+                agent,
+                owner,
+                free,
+                held: 0,
+                high_water: 0,
+                lock_file,
+            });
         }
         Err(ArenaError::AgentsFull)
     }
@@ -171,6 +195,14 @@ impl PinArray {
     fn generations(&self) -> &[AtomicU32] {
         // SAFETY: as for entries.
         unsafe { self.generations.as_ref() }
+    }
+
+    /// Drops the record's lock as the kernel would if this process died
+    /// (tests of dead-agent release).
+    #[cfg(test)]
+    pub(super) fn simulate_death(&self) {
+        let byte = agent_lock_byte(self.arena.header(), self.agent);
+        lock::unlock(&self.lock_file, byte).expect("unlock");
     }
 
     /// This agent's record index.
@@ -266,6 +298,8 @@ impl Drop for PinArray {
         record.high_water.store(0, Ordering::Release);
         // Release: pairs with the Acquire of the next claim.
         let _ = record.owner.compare_exchange(self.owner, 0, Ordering::Release, Ordering::Relaxed);
+        // Unlock after giving up ownership (closing the file would too).
+        let _ = lock::unlock(&self.lock_file, agent_lock_byte(self.arena.header(), self.agent));
     }
 }
 

@@ -8,7 +8,7 @@
 use core::sync::atomic::{Ordering, fence};
 
 use super::pins::decode;
-use super::{Arena, process_alive};
+use super::{Arena, agent_lock_byte, lock};
 use crate::constants::SLOT_CLASSES_MAX;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -258,16 +258,22 @@ impl SlotTable {
         Ok(dropped)
     }
 
-    /// Releases the records of agents whose process no longer exists.
-    /// A fallback for when no attach socket reports deaths: it trusts pids
-    /// of this pid namespace. Returns the records released.
+    /// Releases the records of agents whose process has died: an owned
+    /// record whose lock no process holds any more (the kernel dropped it
+    /// with the process). Exact whatever the pid namespace, and immune to
+    /// pid reuse; on any doubt the agent counts as alive. Returns the
+    /// records released.
     pub fn release_dead_agents(&mut self) -> u32 {
-        let agents = self.arena.header().agents_max;
+        let header = *self.arena.header();
         let mut released = 0;
-        for agent in 0..agents {
-            let owner = self.arena.map().agent(agent).owner.load(Ordering::Acquire);
-            let pid = (owner >> 32) as u32;
-            if owner != 0 && !process_alive(pid) && self.release_agent(agent).is_ok() {
+        for agent in 0..header.agents_max {
+            // Acquire: pairs with the claim's CAS, which came after the lock.
+            if self.arena.map().agent(agent).owner.load(Ordering::Acquire) == 0 {
+                continue;
+            }
+            let byte = agent_lock_byte(&header, agent);
+            let alive = lock::held_by_other(&self.arena.map().file, byte).unwrap_or(true);
+            if !alive && self.release_agent(agent).is_ok() {
                 released += 1;
             }
         }

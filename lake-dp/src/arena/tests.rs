@@ -33,9 +33,6 @@ fn config(path: &ShmPath) -> ArenaConfig {
     ArenaConfig { agents_max: 4, pins_per_agent: 8, epoch: 5, ..ArenaConfig::shm(&path.0, &CLASSES) }
 }
 
-/// A pid that names no process (above any pid_max).
-const DEAD_PID: u32 = 0x7fff_fff0;
-
 #[test]
 fn create_then_attach_shares_the_memory() {
     let path = ShmPath::new("attach");
@@ -72,9 +69,11 @@ fn a_live_arena_is_not_replaced_and_a_dead_one_is() {
     let err = Arena::create(&config(&path)).unwrap_err();
     assert!(matches!(err, ArenaError::InUse { pid } if pid == std::process::id()), "{err}");
 
-    // Its lake-dp "died": the owner pid names no process.
-    first.map().control().owner_pid.store(DEAD_PID, Ordering::Relaxed);
     let attached = Arena::attach(&path.0).unwrap();
+    assert!(attached.is_live());
+    // Its lake-dp "dies": the kernel would drop its owner lock.
+    lock::unlock(&first.map().file, OWNER_LOCK_BYTE).unwrap();
+    assert!(!attached.is_live(), "an agent notices its lake-dp is gone");
     let (second, second_table) = Arena::create(&config(&path)).unwrap();
     assert!(!attached.is_live(), "agents of the stale arena learn it is retired");
     assert!(second.is_live());
@@ -233,9 +232,9 @@ fn a_dead_agents_pins_are_dropped() {
     assert_eq!(table.reclaim().pinned, 1);
     assert_eq!(table.release_dead_agents(), 0, "every agent is alive");
 
-    // Agent 2's process dies: its owner word names a dead pid.
+    // Agent 2's process dies: the kernel drops its record lock.
     let dead = records[2].agent();
-    agent_arena.map().agent(dead).owner.store(u64::from(DEAD_PID) << 32 | 1, Ordering::Relaxed);
+    records[2].simulate_death();
     assert_eq!(table.release_dead_agents(), 1);
     assert_eq!(table.reclaim(), Reclaim { freed: 1, pinned: 0 });
     // The (supposedly dead) record's handle now finds it not its own and
