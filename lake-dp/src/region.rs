@@ -181,6 +181,8 @@ impl SlotRegion {
     /// A zeroed region of several size classes on the heap.
     pub fn heap_classes(classes: &[SlotClass]) -> Result<Self, RegionError> {
         let (spans, bytes) = lay_out_classes(classes)?;
+        // Checked before allocating: nothing to free on an error.
+        let slots = check_spans(&spans, bytes)?;
         let len = usize::try_from(bytes).map_err(|_| RegionError::Geometry("region too large"))?;
         let layout = std::alloc::Layout::from_size_align(len, DIRECT_IO_ALIGN_BYTES)
             .map_err(|_| RegionError::Geometry("region too large"))?;
@@ -188,7 +190,6 @@ impl SlotRegion {
         // at least 4 KiB).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let base = NonNull::new(ptr).ok_or_else(|| RegionError::Memory(std::io::ErrorKind::OutOfMemory.into()))?;
-        let slots = check_spans(&spans, bytes)?;
         Ok(Self { base, len, spans, slots, backing: Backing::Heap(layout) })
     }
 
