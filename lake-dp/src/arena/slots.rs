@@ -142,8 +142,10 @@ impl SlotTable {
         (0..spans.len()).filter(|&c| spans[c].slot_bytes >= object_bytes).min_by_key(|&c| spans[c].slot_bytes)
     }
 
-    fn slot_bytes(&self, slot: u32) -> u64 {
-        self.arena.map().geometry.spans.iter().find(|s| s.contains(slot)).map_or(0, |s| s.slot_bytes)
+    /// The size class of `slot` and its slot size.
+    fn class_of(&self, slot: u32) -> (usize, u64) {
+        let spans = &self.arena.map().geometry.spans;
+        spans.iter().position(|s| s.contains(slot)).map_or((0, 0), |c| (c, spans[c].slot_bytes))
     }
 
     /// Takes a free slot of `class`, or `None` when the class is full
@@ -152,7 +154,7 @@ impl SlotTable {
         let slot = self.free.get_mut(class)?.pop()?;
         debug_assert_eq!(self.state[slot as usize], SlotState::Free);
         self.state[slot as usize] = SlotState::Held;
-        let slot_bytes = self.slot_bytes(slot);
+        let (_, slot_bytes) = self.class_of(slot);
         self.bytes_in_use += slot_bytes;
         self.held += 1;
         let generation = self.generation[slot as usize];
@@ -220,8 +222,8 @@ impl SlotTable {
                 continue;
             }
             self.state[slot as usize] = SlotState::Free;
-            self.bytes_in_use -= self.slot_bytes(slot);
-            let class = map.geometry.spans.iter().position(|s| s.contains(slot)).expect("slot in a class");
+            let (class, slot_bytes) = self.class_of(slot);
+            self.bytes_in_use -= slot_bytes;
             // Capacity is the class's slot count: never grows.
             self.free[class].push(slot);
             result.freed += 1;
