@@ -74,6 +74,12 @@ fn fill(table: &mut SlotTable, region: &SlotRegion) -> (u32, u32) {
     }
 }
 
+/// Tells the agent a block to pin: a stand-in for the mirror (a pipe
+/// orders the slot's bytes, written before, ahead of the agent's read).
+fn publish(to_agent: &mut impl Write, (slot, generation): (u32, u32)) {
+    writeln!(to_agent, "{slot} {generation}").expect("write to agent");
+}
+
 #[test]
 fn pins_from_another_process_hold_slots_against_reuse() {
     let (path, arena, mut table) = arena("churn", 6);
@@ -83,10 +89,7 @@ fn pins_from_another_process_hold_slots_against_reuse() {
     let mut published: Vec<(u32, u32)> = (0..4).map(|_| fill(&mut table, &region)).collect();
     let mut pinned_seen = 0u64;
     for round in 0..3000usize {
-        // Publish the current set to the agent (a stand-in for the mirror:
-        // a pipe orders the bytes written above before the agent's read).
-        let (slot, generation) = published[round % published.len()];
-        writeln!(to_child, "{slot} {generation}").expect("write to agent");
+        publish(&mut to_child, published[round % published.len()]);
         if round % 3 == 0 {
             // Evict one: retire it, then refill from whatever is free.
             let victim = (round / 3) % published.len();
@@ -114,8 +117,8 @@ fn a_killed_agents_pins_are_dropped() {
     let mut child = agent(&path, "hold");
     let mut to_child = child.child().stdin.take().expect("stdin");
     let held: Vec<(u32, u32)> = (0..5).map(|_| fill(&mut table, &region)).collect();
-    for (slot, generation) in &held {
-        writeln!(to_child, "{slot} {generation}").expect("write to agent");
+    for &block in &held {
+        publish(&mut to_child, block);
     }
     drop(to_child);
     let mut line = String::new();
