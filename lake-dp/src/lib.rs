@@ -37,6 +37,7 @@ pub(crate) fn usize_from(value: u64) -> usize {
 pub mod arena;
 pub mod constants;
 pub mod io;
+pub(crate) mod lock;
 pub mod model;
 pub mod op;
 pub mod poller;

@@ -18,7 +18,7 @@
 //! ([`Arena::register`]).
 
 pub mod layout;
-mod lock;
+
 pub mod pins;
 pub mod slots;
 
@@ -40,6 +40,7 @@ use self::layout::{
 };
 pub use self::pins::{Pin, PinArray, PinError};
 pub use self::slots::{Reclaim, SlotError, SlotGrant, SlotStats, SlotTable};
+use crate::lock;
 use crate::model::replica::{NodeId, RegionId};
 use crate::region::{RegionError, SlotClass, SlotRegion};
 use crate::usize_from;

@@ -21,7 +21,8 @@ use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::sync::Arc;
 
-use super::{Arena, ArenaError, agent_lock_byte, io_error, lock};
+use super::{Arena, ArenaError, agent_lock_byte, io_error};
+use crate::lock;
 use crate::region::SlotRegion;
 
 /// The entry value naming `(slot, generation)`; 0 is an empty entry.

@@ -8,8 +8,9 @@
 use core::sync::atomic::{Ordering, fence};
 
 use super::pins::decode;
-use super::{Arena, agent_lock_byte, lock};
+use super::{Arena, agent_lock_byte};
 use crate::constants::SLOT_CLASSES_MAX;
+use crate::lock;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SlotState {

@@ -1,11 +1,12 @@
-//! Liveness through the kernel: open-file-description byte-range locks on
-//! the arena file. A lock lives exactly as long as the open file that took
-//! it — the kernel drops it when the process dies, however it dies — and
-//! unlike a pid it cannot be reused by an unrelated process or mean
-//! something else in another pid namespace (engines run in containers).
+//! Liveness through the kernel: open-file-description byte-range locks. A
+//! lock lives exactly as long as the open file that took it — the kernel
+//! drops it when the process dies, however it dies — and unlike a pid it
+//! cannot be reused by an unrelated process or mean something else in
+//! another pid namespace (engines run in containers).
 //!
-//! `lake-dp` holds byte 0 while it serves the arena; each agent holds the
-//! first byte of its agent record while it owns the record. Locks are
+//! In the L1 arena, `lake-dp` holds byte 0 while it serves the arena and
+//! each agent holds the first byte of its agent record while it owns the
+//! record; `lake-dp` holds byte 0 of every L2 file it drives. Locks are
 //! advisory: they guard nothing by themselves, they only answer "is the
 //! holder alive?".
 
@@ -35,7 +36,7 @@ fn fcntl(file: &File, command: libc::c_int, lock: &mut libc::flock) -> io::Resul
 
 /// Takes the write lock on `byte` for `file`'s open file description.
 /// `Ok(false)`: another open file holds it.
-pub(super) fn try_lock(file: &File, byte: u64) -> io::Result<bool> {
+pub(crate) fn try_lock(file: &File, byte: u64) -> io::Result<bool> {
     let mut lock = flock(libc::F_WRLCK, byte)?;
     match fcntl(file, libc::F_OFD_SETLK, &mut lock) {
         Ok(()) => Ok(true),
@@ -45,13 +46,13 @@ pub(super) fn try_lock(file: &File, byte: u64) -> io::Result<bool> {
 }
 
 /// Drops `file`'s lock on `byte` (closing the file drops it too).
-pub(super) fn unlock(file: &File, byte: u64) -> io::Result<()> {
+pub(crate) fn unlock(file: &File, byte: u64) -> io::Result<()> {
     let mut lock = flock(libc::F_UNLCK, byte)?;
     fcntl(file, libc::F_OFD_SETLK, &mut lock)
 }
 
 /// Whether an open file other than `file`'s holds a lock on `byte`.
-pub(super) fn held_by_other(file: &File, byte: u64) -> io::Result<bool> {
+pub(crate) fn held_by_other(file: &File, byte: u64) -> io::Result<bool> {
     let mut lock = flock(libc::F_WRLCK, byte)?;
     fcntl(file, libc::F_OFD_GETLK, &mut lock)?;
     Ok(i32::from(lock.l_type) != libc::F_UNLCK)
@@ -60,7 +61,7 @@ pub(super) fn held_by_other(file: &File, byte: u64) -> io::Result<bool> {
 /// A second open file description of `file` (through /proc, which works
 /// for memfds too), so that a lock taken on it is independent of every
 /// other handle in this process.
-pub(super) fn reopen(file: &File) -> io::Result<File> {
+pub(crate) fn reopen(file: &File) -> io::Result<File> {
     std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
