@@ -37,6 +37,7 @@ pub(crate) fn usize_from(value: u64) -> usize {
 pub mod arena;
 pub mod constants;
 pub mod io;
+pub mod l2;
 pub(crate) mod lock;
 pub mod model;
 pub mod op;
@@ -47,6 +48,7 @@ pub mod rng;
 pub mod sim;
 pub mod stored;
 pub mod tag;
+pub mod uring;
 pub mod wire;
 
 pub use model::key::{BlockKey, ChainValue, KeyChain, KeyError};
