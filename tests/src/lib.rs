@@ -73,3 +73,50 @@ pub fn check_stamped(bytes: &[u8], slot: u32, generation: u32) -> Result<(), Str
     }
     Ok(())
 }
+
+/// The L2 tier of the crash test: one file of 64 slots of 64 KiB in `dir`.
+pub fn crash_l2_config(dir: &std::path::Path) -> lake_dp::l2::L2Config {
+    lake_dp::l2::L2Config {
+        paths: vec![dir.join("l2-0.lake")],
+        slots_per_file: 64,
+        slot_bytes: 64 * 1024,
+        region_first: 1,
+    }
+}
+
+/// Payload bytes of a crash-test block.
+pub const CRASH_PAYLOAD_BYTES: u64 = CRASH_PAYLOAD_LEN as u64;
+const CRASH_PAYLOAD_LEN: usize = 60 * 1024 - 100;
+
+/// The key of the crash-test block written as number `seq` into `slot`.
+pub fn crash_key(slot: u32, seq: u64) -> lake_dp::BlockKey {
+    let mut key = [0u8; 16];
+    key[..4].copy_from_slice(&slot.to_le_bytes());
+    key[4..12].copy_from_slice(&seq.to_le_bytes());
+    key[12..].copy_from_slice(b"CRSH");
+    lake_dp::BlockKey(key)
+}
+
+/// Fills an L1 slot with the payload of crash-test block `(slot, seq)` and
+/// returns the header the poller should seal for it.
+pub fn crash_write(slot: u32, seq: u64, l1_slot: &mut [u8]) -> lake_dp::stored::ObjectMeta {
+    let payload = &mut l1_slot[4096..4096 + CRASH_PAYLOAD_LEN];
+    for (i, byte) in (0u64..).zip(payload.iter_mut()) {
+        *byte = (seq.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(i) >> 13).to_le_bytes()[0];
+    }
+    lake_dp::stored::ObjectMeta {
+        kind: lake_dp::ObjectKind::KvBlock,
+        key: crash_key(slot, seq),
+        parent_key: lake_dp::BlockKey::NONE,
+        block_index: slot,
+        namespace: lake_dp::NamespaceId(3),
+        layout_fingerprint: 0xc4a5,
+        region: lake_dp::RegionId(1),
+        region_epoch: seq >> 32,
+        slot,
+        generation: u32::try_from(seq & 0xffff_ffff).unwrap_or(0),
+        committed_unix_ns: 0,
+        payload_len: CRASH_PAYLOAD_BYTES,
+        segment_bytes: 8 * 1024,
+    }
+}
