@@ -179,3 +179,16 @@ pub struct Event {
     /// Success or the reason for failure.
     pub outcome: Result<Done, OpError>,
 }
+
+impl Event {
+    /// A filler for the event buffers callers hand to `reap`, before it
+    /// writes real events there (no request ends with it).
+    pub fn placeholder() -> Self {
+        Self {
+            ticket: Ticket(crate::tag::Tag::default()),
+            cookie: 0,
+            command: Command::Flush { file: 0 },
+            outcome: Err(OpError::Cancelled),
+        }
+    }
+}

@@ -1071,12 +1071,7 @@ mod tests {
 
     fn run_until_events(poller: &mut Poller<SimDisk>, now: &mut u64, want: usize) -> Vec<Event> {
         let mut events = Vec::new();
-        let mut buf = [Event {
-            ticket: Ticket(Tag::default()),
-            cookie: 0,
-            command: Command::Flush { file: 0 },
-            outcome: Err(OpError::Cancelled),
-        }; 8];
+        let mut buf = [Event::placeholder(); 8];
         for _ in 0..10_000 {
             *now += 1_000;
             poller.poll(*now, 8);

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use lake_dp::arena::{Arena, ArenaConfig, SlotTable};
 use lake_dp::l2::{L2Config, L2Tier, format};
-use lake_dp::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, WriteBlock};
+use lake_dp::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, WriteBlock};
 use lake_dp::poller::{Poller, PollerConfig};
 use lake_dp::region::{SlotClass, SlotRegion};
 use lake_dp::stored::ObjectMeta;
@@ -101,12 +101,7 @@ fn fill(file: u16, slot: u32, epoch: u64) -> u8 {
 
 fn run(node: &mut Node, want: usize) -> Vec<Event> {
     let mut events = Vec::new();
-    let mut buf = [Event {
-        ticket: Ticket(Default::default()),
-        cookie: 0,
-        command: Command::Flush { file: 0 },
-        outcome: Err(OpError::Cancelled),
-    }; 8];
+    let mut buf = [Event::placeholder(); 8];
     for _ in 0..1_000_000 {
         node.now += 1_000;
         node.poller.poll(node.now, 8);

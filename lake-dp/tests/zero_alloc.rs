@@ -144,7 +144,7 @@ fn io_uring_traffic_does_not_allocate(polls: u64) {
     use std::sync::Arc;
 
     use lake_dp::l2::{L2Config, L2Tier, format};
-    use lake_dp::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, WriteBlock};
+    use lake_dp::op::{Command, Event, L2Slot, ReadBlock, Request, WriteBlock};
     use lake_dp::poller::{Poller, PollerConfig};
     use lake_dp::region::SlotRegion;
     use lake_dp::stored::ObjectMeta;
@@ -202,12 +202,7 @@ fn io_uring_traffic_does_not_allocate(polls: u64) {
     // One op per L2 slot at a time: a read racing a write of the same slot
     // could see it half written.
     let mut busy = [false; L2_SLOTS as usize];
-    let mut events = [Event {
-        ticket: Ticket(Default::default()),
-        cookie: 0,
-        command: Command::Flush { file: 0 },
-        outcome: Err(OpError::Cancelled),
-    }; 8];
+    let mut events = [Event::placeholder(); 8];
     let (mut writes, mut reads, mut next) = (0u64, 0u64, 0u32);
     let clock = lake_dp::io::MonotonicClock;
     ALLOCATIONS.store(0, Ordering::SeqCst);

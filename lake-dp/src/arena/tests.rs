@@ -463,12 +463,7 @@ fn the_poller_runs_over_the_arena() {
 
     let mut now = 0;
     let mut events = Vec::new();
-    let mut buf = [crate::op::Event {
-        ticket: crate::op::Ticket(Default::default()),
-        cookie: 0,
-        command: Command::Flush { file: 0 },
-        outcome: Err(crate::op::OpError::Cancelled),
-    }; 4];
+    let mut buf = [crate::op::Event::placeholder(); 4];
     let mut run = |poller: &mut Poller<SimDisk>, events: &mut Vec<_>| {
         for _ in 0..1000 {
             now += 1_000;

@@ -158,15 +158,7 @@ impl Harness {
                 usize::from(L2_FILES) * L2_SLOTS as usize
             ],
             outstanding: Vec::with_capacity(64),
-            events: vec![
-                Event {
-                    ticket: Ticket(Default::default()),
-                    cookie: 0,
-                    command: Command::Flush { file: 0 },
-                    outcome: Err(OpError::Cancelled)
-                };
-                16
-            ],
+            events: vec![Event::placeholder(); 16],
             next_cookie: 1,
             crashes_allowed,
             tally: Tally::default(),

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use lake_dp::l2::{L2Tier, format};
-use lake_dp::op::{Command, Event, L2Slot, OpError, Request, Ticket, WriteBlock};
+use lake_dp::op::{Command, Event, L2Slot, Request, WriteBlock};
 use lake_dp::poller::{Poller, PollerConfig};
 use lake_dp::region::SlotRegion;
 use lake_dp::uring::UringBackend;
@@ -60,12 +60,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut free_l1: Vec<u32> = (0..l1_slots).collect();
     let mut next_slot = u32::try_from(epoch % u64::from(config.slots_per_file))?;
     let mut counter = 0u32;
-    let mut events = [Event {
-        ticket: Ticket(Default::default()),
-        cookie: 0,
-        command: Command::Flush { file: 0 },
-        outcome: Err(OpError::Cancelled),
-    }; 8];
+    let mut events = [Event::placeholder(); 8];
     let clock = lake_dp::io::MonotonicClock;
     loop {
         while let Some(l1_slot) = free_l1.pop() {
