@@ -11,6 +11,7 @@
 mod arena;
 mod args;
 mod keys;
+mod l2;
 mod report;
 
 use std::process::ExitCode;
@@ -22,7 +23,13 @@ subcommands:
          block-key chain cost vs one raw BLAKE3 keyed hash per block
   pin    [--agents N] [--pins N] [--pairs N] [--rounds N]
          L1 arena pin+unpin vs raw store/fence/load; reclaim scan vs a raw
-         load loop over the same number of pin entries";
+         load loop over the same number of pin entries
+  l2     --dir DIR [--block-bytes N] [--total-bytes N] [--queue-depth N] [--rounds N]
+         L2 write and read throughput through Lake vs a raw O_DIRECT
+         io_uring loop over the same file, queue depth and bytes
+  block-latency [--path l2-to-l1] [--block-bytes N] [--samples N] [--dir DIR]
+         per-block submit-to-complete latency, Lake vs one raw io_uring
+         read; CRC cost and the poller's own cost (no-op backend) apart";
 
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -33,6 +40,8 @@ fn main() -> ExitCode {
     let result = match command.as_str() {
         "keys" => keys::run(rest),
         "pin" => arena::run(rest),
+        "l2" => l2::run_l2(rest),
+        "block-latency" => l2::run_block_latency(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
