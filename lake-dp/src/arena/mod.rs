@@ -40,10 +40,10 @@ use self::layout::{
 };
 pub use self::pins::{Pin, PinArray, PinError};
 pub use self::slots::{Reclaim, SlotError, SlotGrant, SlotStats, SlotTable};
-use crate::lock;
 use crate::model::replica::{NodeId, RegionId};
 use crate::region::{RegionError, SlotClass, SlotRegion};
 use crate::usize_from;
+use crate::{lock, numa};
 
 /// The byte of the arena file whose lock `lake-dp` holds while it serves
 /// the arena (see [`lock`]).
@@ -614,34 +614,17 @@ fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>)
     MmapOptions::new().len(usize_from(bytes)).populate().map_raw(file).map_err(io_error("mapping", building))
 }
 
-/// Most NUMA nodes a node mask here can name.
-const NUMA_NODES_MAX: u32 = 1024;
-
 /// Runs `f` with this thread's memory policy bound to `node`, so the pages
 /// it allocates (tmpfs and hugetlb pages alike fall back to the task's
 /// policy) come from that node; restores the default policy after.
 fn on_numa_node<T>(node: Option<u32>, f: impl FnOnce() -> Result<T, ArenaError>) -> Result<T, ArenaError> {
     let Some(node) = node else { return f() };
-    if node >= NUMA_NODES_MAX || !Path::new(&format!("/sys/devices/system/node/node{node}")).exists() {
+    if !numa::node_exists(node) {
         return Err(ArenaError::Config("numa_node: no such NUMA node on this machine"));
     }
-    let mut mask = [0u64; NUMA_NODES_MAX as usize / 64];
-    mask[(node / 64) as usize] = 1 << (node % 64);
-    let set = |mode: libc::c_int, mask: Option<&[u64]>| {
-        let (ptr, bits) = mask.map_or((core::ptr::null(), 0), |m| (m.as_ptr(), m.len() as u64 * 64 + 1));
-        // SAFETY: set_mempolicy reads `bits` bits from `ptr` (the mask
-        // array, or nothing for the default policy); it touches no other
-        // memory.
-        let rc = unsafe { libc::syscall(libc::SYS_set_mempolicy, mode, ptr, bits) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io_error("binding memory to the NUMA node", None)(io::Error::last_os_error()))
-        }
-    };
-    set(libc::MPOL_BIND, Some(&mask))?;
+    numa::bind_thread(node).map_err(io_error("binding memory to the NUMA node", None))?;
     let result = f();
-    set(libc::MPOL_DEFAULT, None)?;
+    numa::unbind_thread().map_err(io_error("restoring the memory policy", None))?;
     result
 }
 
