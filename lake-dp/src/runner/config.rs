@@ -1,0 +1,368 @@
+//! The `lake-dp` configuration file (TOML). Unknown fields are errors, and
+//! every error names the field: a typo must not silently fall back to a
+//! default on a production node.
+//!
+//! ```toml
+//! [node]
+//! id = 0
+//! numa_node = 0            # optional: bind memory and the arena here
+//! cores = [2]              # optional: the poll thread's core (--cores)
+//!
+//! [l1]
+//! path = "/dev/shm/lake-l1-node0"
+//! backing = "shm"          # "shm" | "hugetlbfs" | "hugetlb-memfd"
+//! classes = [{ payload_bytes = 2359296, slots = 1024 }]
+//! agents_max = 64
+//! pins_per_agent = 4096
+//! lock = true
+//!
+//! [l2]
+//! paths = ["/nvme0/lake/l2-0.lake", "/nvme1/lake/l2-1.lake"]
+//! slots_per_file = 4096
+//! slot_bytes = 2363392
+//! region_first = 1
+//! format_if_missing = true
+//! queue_depth = 64
+//!
+//! [poller]
+//! ops_max = 256
+//! batch_max = 32
+//! io_retries_max = 2
+//! flush_delay_us = 200
+//! flush_batch = 16
+//! spin_us = 50             # idle spin before parking
+//! park_max_ms = 100        # longest park with nothing in flight
+//! drain_timeout_ms = 30000 # SIGTERM: longest wait for in-flight work
+//! ```
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use crate::arena::{ArenaBacking, ArenaConfig};
+use crate::l2::L2Config;
+use crate::model::replica::{NodeId, RegionId};
+use crate::region::SlotClass;
+
+/// Why a configuration was refused.
+#[derive(Debug)]
+pub struct ConfigError(pub String);
+
+impl core::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "config: {}", self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn bad(field: &str, why: &str) -> ConfigError {
+    ConfigError(format!("{field}: {why}"))
+}
+
+/// `[node]`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSection {
+    /// Node id in the pool.
+    pub id: u32,
+    /// NUMA node to bind to.
+    pub numa_node: Option<u32>,
+    /// Cores the poll thread may run on (the first is used).
+    #[serde(default)]
+    pub cores: Vec<usize>,
+}
+
+/// One size class of `[l1]`.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ClassEntry {
+    /// Payload bytes of a block of this class (the slot adds its 4 KiB
+    /// header and rounds up to 4 KiB).
+    pub payload_bytes: u64,
+    /// Slots of this class.
+    pub slots: u32,
+}
+
+/// `[l1]`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct L1Section {
+    /// The arena file (unused for `hugetlb-memfd`).
+    pub path: PathBuf,
+    /// `shm`, `hugetlbfs` or `hugetlb-memfd`.
+    #[serde(default = "default_backing")]
+    pub backing: String,
+    /// Size classes.
+    pub classes: Vec<ClassEntry>,
+    /// Agent records.
+    #[serde(default = "default_agents")]
+    pub agents_max: u32,
+    /// Pins per agent.
+    #[serde(default = "default_pins")]
+    pub pins_per_agent: u32,
+    /// mlock the arena.
+    #[serde(default = "default_true")]
+    pub lock: bool,
+}
+
+/// `[l2]`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct L2Section {
+    /// One file per path.
+    pub paths: Vec<PathBuf>,
+    /// Slots per file.
+    pub slots_per_file: u32,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// Region id of the first file.
+    #[serde(default = "default_region_first")]
+    pub region_first: u16,
+    /// Format the files when none exists yet.
+    #[serde(default)]
+    pub format_if_missing: bool,
+    /// io_uring entries.
+    #[serde(default = "default_queue_depth")]
+    pub queue_depth: u32,
+}
+
+/// `[poller]`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PollerSection {
+    /// Operation slots.
+    #[serde(default = "default_ops")]
+    pub ops_max: u32,
+    /// Items per stage per pass.
+    #[serde(default = "default_batch")]
+    pub batch_max: u32,
+    /// Resubmissions after a short transfer or EAGAIN.
+    #[serde(default = "default_retries")]
+    pub io_retries_max: u8,
+    /// Longest a durable write waits for a batched fdatasync.
+    #[serde(default = "default_flush_delay")]
+    pub flush_delay_us: u64,
+    /// Durable writes that trigger an fdatasync at once.
+    #[serde(default = "default_flush_batch")]
+    pub flush_batch: u32,
+    /// Idle spin before parking.
+    #[serde(default = "default_spin")]
+    pub spin_us: u64,
+    /// Longest park with nothing in flight.
+    #[serde(default = "default_park")]
+    pub park_max_ms: u64,
+    /// On SIGTERM, the longest wait for in-flight work.
+    #[serde(default = "default_drain")]
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for PollerSection {
+    fn default() -> Self {
+        Self {
+            ops_max: default_ops(),
+            batch_max: default_batch(),
+            io_retries_max: default_retries(),
+            flush_delay_us: default_flush_delay(),
+            flush_batch: default_flush_batch(),
+            spin_us: default_spin(),
+            park_max_ms: default_park(),
+            drain_timeout_ms: default_drain(),
+        }
+    }
+}
+
+fn default_backing() -> String {
+    "shm".into()
+}
+fn default_agents() -> u32 {
+    64
+}
+fn default_pins() -> u32 {
+    4096
+}
+fn default_true() -> bool {
+    true
+}
+fn default_region_first() -> u16 {
+    1
+}
+fn default_queue_depth() -> u32 {
+    64
+}
+fn default_ops() -> u32 {
+    256
+}
+fn default_batch() -> u32 {
+    32
+}
+fn default_retries() -> u8 {
+    2
+}
+fn default_flush_delay() -> u64 {
+    200
+}
+fn default_flush_batch() -> u32 {
+    16
+}
+fn default_spin() -> u64 {
+    50
+}
+fn default_park() -> u64 {
+    100
+}
+fn default_drain() -> u64 {
+    30_000
+}
+
+/// The whole file.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RunnerConfig {
+    /// `[node]`.
+    pub node: NodeSection,
+    /// `[l1]`.
+    pub l1: L1Section,
+    /// `[l2]`.
+    pub l2: L2Section,
+    /// `[poller]`.
+    #[serde(default)]
+    pub poller: PollerSection,
+}
+
+impl RunnerConfig {
+    /// Parses and checks a config; errors name the field (and, for syntax,
+    /// the line).
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let config: Self = toml::from_str(text).map_err(|e| ConfigError(e.to_string().trim_end().to_owned()))?;
+        config.check()?;
+        Ok(config)
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        let backings = ["shm", "hugetlbfs", "hugetlb-memfd"];
+        if !backings.contains(&self.l1.backing.as_str()) {
+            return Err(bad("l1.backing", "one of \"shm\", \"hugetlbfs\", \"hugetlb-memfd\""));
+        }
+        if self.l1.classes.is_empty() || self.l1.classes.len() > crate::constants::SLOT_CLASSES_MAX {
+            return Err(bad("l1.classes", "between 1 and 8 size classes"));
+        }
+        for (i, class) in self.l1.classes.iter().enumerate() {
+            if class.payload_bytes == 0 || class.payload_bytes > crate::constants::STORED_PAYLOAD_BYTES_MAX {
+                return Err(ConfigError(format!("l1.classes[{i}].payload_bytes: between 1 and 4 GiB")));
+            }
+            if class.slots == 0 {
+                return Err(ConfigError(format!("l1.classes[{i}].slots: at least 1")));
+            }
+        }
+        if self.l2.paths.is_empty() {
+            return Err(bad("l2.paths", "at least one file"));
+        }
+        if self.l2.slot_bytes < 8192 || !self.l2.slot_bytes.is_multiple_of(4096) {
+            return Err(bad("l2.slot_bytes", "a multiple of 4096, at least 8192"));
+        }
+        if self.l2.slots_per_file == 0 {
+            return Err(bad("l2.slots_per_file", "at least 1"));
+        }
+        if !self.l2.queue_depth.is_power_of_two() || self.l2.queue_depth > 32_768 {
+            return Err(bad("l2.queue_depth", "a power of two up to 32768"));
+        }
+        if self.poller.ops_max == 0 {
+            return Err(bad("poller.ops_max", "at least 1"));
+        }
+        if self.poller.batch_max == 0 {
+            return Err(bad("poller.batch_max", "at least 1"));
+        }
+        if self.poller.flush_batch == 0 {
+            return Err(bad("poller.flush_batch", "at least 1"));
+        }
+        if let Some(node) = self.node.numa_node
+            && !crate::numa::node_exists(node)
+        {
+            return Err(bad("node.numa_node", "no such NUMA node on this machine"));
+        }
+        Ok(())
+    }
+
+    /// The arena this config describes, for region epoch `epoch`.
+    pub fn arena(&self, epoch: u64) -> ArenaConfig {
+        let classes: Vec<SlotClass> =
+            self.l1.classes.iter().map(|c| SlotClass::for_payload(c.payload_bytes, c.slots)).collect();
+        let backing = match self.l1.backing.as_str() {
+            "hugetlbfs" => ArenaBacking::HugetlbFs(self.l1.path.clone()),
+            "hugetlb-memfd" => ArenaBacking::HugetlbMemfd,
+            _ => ArenaBacking::Shm(self.l1.path.clone()),
+        };
+        ArenaConfig {
+            backing,
+            agents_max: self.l1.agents_max,
+            pins_per_agent: self.l1.pins_per_agent,
+            node: NodeId(self.node.id),
+            region: RegionId(0),
+            epoch,
+            lock: self.l1.lock,
+            numa_node: self.node.numa_node,
+            ..ArenaConfig::shm(&self.l1.path, &classes)
+        }
+    }
+
+    /// The L2 tier this config describes.
+    pub fn l2(&self) -> L2Config {
+        L2Config {
+            paths: self.l2.paths.clone(),
+            slots_per_file: self.l2.slots_per_file,
+            slot_bytes: self.l2.slot_bytes,
+            region_first: self.l2.region_first,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[node]
+id = 3
+cores = [0]
+
+[l1]
+path = "/dev/shm/x"
+classes = [{ payload_bytes = 65536, slots = 16 }]
+
+[l2]
+paths = ["/tmp/a.lake"]
+slots_per_file = 64
+slot_bytes = 69632
+"#;
+
+    #[test]
+    fn a_good_config_parses_with_defaults() {
+        let config = RunnerConfig::parse(GOOD).unwrap();
+        assert_eq!(config.node.id, 3);
+        assert_eq!(config.poller, PollerSection::default());
+        assert_eq!(config.l1.backing, "shm");
+        assert_eq!(config.arena(7).epoch, 7);
+        assert_eq!(config.arena(7).classes[0].slot_bytes, 69632);
+        assert_eq!(config.l2().geometry().region_first, 1);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let check = |text: &str, expect: &str| {
+            let err = RunnerConfig::parse(text).unwrap_err().to_string();
+            assert!(err.contains(expect), "{expect}: got {err}");
+        };
+        check(&GOOD.replace("slots_per_file = 64", "slots_per_fil = 64"), "slots_per_fil");
+        check(&GOOD.replace("slots_per_file = 64", "slots_per_file = -1"), "slots_per_file");
+        check(&GOOD.replace("slot_bytes = 69632", "slot_bytes = 5000"), "l2.slot_bytes");
+        check(&GOOD.replace("id = 3", "id = \"three\""), "id");
+        check(&GOOD.replace("[node]\nid = 3", "[node]"), "missing field `id`");
+        check(&GOOD.replace("slots = 16", "slots = 0"), "l1.classes[0].slots");
+        check(&format!("{GOOD}\n[poller]\nops_max = 0\n"), "poller.ops_max");
+        check(&format!("{GOOD}\n[poller]\nspin = 3\n"), "spin");
+        check(&GOOD.replace("[l1]", "[l1]\nbacking = \"disk\""), "l1.backing");
+        check(&GOOD.replace("cores = [0]", "cores = [0]\nnuma_node = 999"), "node.numa_node");
+        check("[node", "line 1");
+    }
+}
