@@ -128,6 +128,12 @@ impl UringBackend {
         (end <= span.start + span.len).then(|| u16::try_from(index).ok()).flatten()
     }
 
+    /// Has the kernel signal `eventfd` on every completion, so a parked
+    /// runner wakes when I/O finishes.
+    pub fn register_eventfd(&self, eventfd: RawFd) -> io::Result<()> {
+        self.ring.submitter().register_eventfd(eventfd)
+    }
+
     /// Registered buffers.
     pub fn fixed_buffers(&self) -> usize {
         self.fixed.len()
