@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use lake_dp::io::{IoBackend, IoCompletion, IoKind, IoOp};
 use lake_dp::l2::{L2Config, L2Tier, format};
-use lake_dp::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, WriteBlock};
+use lake_dp::op::{Command, Event, L2Slot, ReadBlock, Request, WriteBlock};
 use lake_dp::poller::{L2Geometry, Poller, PollerConfig};
 use lake_dp::region::SlotRegion;
 use lake_dp::stored::{ObjectMeta, decode_object, object_bytes};
@@ -63,15 +63,6 @@ fn meta(geometry: &L2Geometry, epoch: u64, slot: u32, payload_len: u64) -> Objec
         payload_len,
         // Per-layer segments of a 32-layer model.
         segment_bytes: payload_len.div_ceil(32).next_multiple_of(4096).min(payload_len),
-    }
-}
-
-fn no_event() -> Event {
-    Event {
-        ticket: Ticket(Tag::default()),
-        cookie: 0,
-        command: Command::Flush { file: 0 },
-        outcome: Err(OpError::Cancelled),
     }
 }
 
@@ -134,7 +125,7 @@ fn lake_pass(setup: &Setup, poller: &mut Poller<UringBackend>, write: bool) -> R
     let epoch = setup.tier.epoch();
     let l1_slots = setup.l1.slots();
     let mut free: Vec<u32> = (0..l1_slots).collect();
-    let mut events = vec![no_event(); l1_slots as usize];
+    let mut events = vec![Event::placeholder(); l1_slots as usize];
     let (mut next, mut done) = (0u32, 0u32);
     let clock = lake_dp::io::MonotonicClock;
     let start = Instant::now();
@@ -312,7 +303,7 @@ fn lake_read_once<B: IoBackend>(poller: &mut Poller<B>, setup: &Setup, slot: u32
     let read =
         ReadBlock { source: L2Slot { file: 0, slot }, l1_slot: 0, key, generation: 1, payload_len: setup.payload };
     let request = Request { command: Command::Read(read), priority: Priority::CriticalLoad, deadline_ns: 0, cookie: 0 };
-    let mut events = [no_event()];
+    let mut events = [Event::placeholder()];
     let clock = lake_dp::io::MonotonicClock;
     let start = Instant::now();
     poller.submit(request).map_err(|r| format!("submit: {}", r.reason))?;
@@ -375,7 +366,7 @@ pub(crate) fn run_block_latency(raw: &[String]) -> Result<Report, String> {
         let request =
             Request { command: Command::Write(write), priority: Priority::WriteBack, deadline_ns: 0, cookie: 0 };
         lake.submit(request).map_err(|r| format!("submit: {}", r.reason))?;
-        let mut events = [no_event()];
+        let mut events = [Event::placeholder()];
         let clock = lake_dp::io::MonotonicClock;
         while lake.reap(&mut events) == 0 {
             lake.poll(lake_dp::io::Clock::now_ns(&clock), 8);

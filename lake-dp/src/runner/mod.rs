@@ -27,11 +27,10 @@ use crate::l2::{L2Slots, L2Tier, format};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
 use crate::model::replica::{Durability, ObjectKind, Priority};
-use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, WriteBlock};
+use crate::op::{Command, Event, L2Slot, ReadBlock, Request, WriteBlock};
 use crate::poller::{PollResult, Poller, PollerConfig};
 use crate::region::SlotRegion;
 use crate::stored::{ObjectMeta, object_bytes};
-use crate::tag::Tag;
 use crate::uring::UringBackend;
 
 /// Command-line choices that override or add to the config file.
@@ -353,15 +352,7 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
             issued: 0,
         }
     });
-    let mut events = vec![
-        Event {
-            ticket: Ticket(Tag::default()),
-            cookie: 0,
-            command: Command::Flush { file: 0 },
-            outcome: Err(OpError::Cancelled)
-        };
-        p.batch_max as usize
-    ];
+    let mut events = vec![Event::placeholder(); p.batch_max as usize];
     poller.seal();
     let _ = writeln!(
         out,
