@@ -13,6 +13,7 @@ mod args;
 mod keys;
 mod l2;
 mod report;
+mod trace;
 
 use std::process::ExitCode;
 
@@ -29,7 +30,11 @@ subcommands:
          io_uring loop over the same file, queue depth and bytes
   block-latency [--path l2-to-l1] [--block-bytes N] [--samples N] [--dir DIR]
          per-block submit-to-complete latency, Lake vs one raw io_uring
-         read; CRC cost and the poller's own cost (no-op backend) apart";
+         read; CRC cost and the poller's own cost (no-op backend) apart
+  trace  --file F.jsonl (--capacity-blocks N | --capacity-ratio R) [--policy lake|lru]
+         replay a hash_ids trace through the real index and eviction code
+  trace-gen --kind agent|chat|scan --out F.jsonl [--requests N] [--seed S]
+         write a trace in the Mooncake format";
 
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -42,6 +47,8 @@ fn main() -> ExitCode {
         "pin" => arena::run(rest),
         "l2" => l2::run_l2(rest),
         "block-latency" => l2::run_block_latency(rest),
+        "trace" => trace::run_trace(rest),
+        "trace-gen" => trace::run_trace_gen(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

@@ -11,3 +11,6 @@
 //! and [7]; today this crate holds nothing but this contract.
 
 #![warn(missing_docs)]
+
+pub mod evict;
+pub mod index;

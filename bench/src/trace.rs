@@ -1,0 +1,282 @@
+//! `trace` and `trace-gen`: replay request traces through the real index
+//! and eviction code, and make such traces.
+//!
+//! A trace is JSON lines in the format of the public Mooncake traces: each
+//! line an object whose `hash_ids` lists the request's prefix-chained
+//! blocks in order (the same id in two requests means the same prefix up
+//! to and including that block).
+
+// Trace generation and capacity ratios do small positive float arithmetic
+// and index small vectors; the values are bounded by the trace's size.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+
+use std::io::{BufRead, Write};
+
+use lake_cp::evict::{Cache, Lake, Lru, Policy};
+use lake_dp::BlockKey;
+use lake_dp::rng::SimRng;
+
+use crate::args::Args;
+use crate::report::Report;
+
+/// The block key a trace's hash id stands for (uniform bytes, as a real
+/// chained key is).
+fn key_of(id: u64) -> BlockKey {
+    let mut rng = SimRng::new(id ^ 0x6c61_6b65_7472_6163);
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&rng.next_u64().to_le_bytes());
+    key[8..].copy_from_slice(&rng.next_u64().to_le_bytes());
+    if key == [0; 16] {
+        key[0] = 1;
+    }
+    BlockKey(key)
+}
+
+/// The `hash_ids` list of one JSON line, or an error naming the problem.
+fn hash_ids(line: &str) -> Result<Vec<u64>, String> {
+    let at = line.find("\"hash_ids\"").ok_or("no \"hash_ids\" field")?;
+    let rest = &line[at + "\"hash_ids\"".len()..];
+    let open = rest.find('[').ok_or("hash_ids is not a list")?;
+    let close = rest.find(']').ok_or("hash_ids list is not closed")?;
+    if close < open {
+        return Err("hash_ids is not a list".into());
+    }
+    rest[open + 1..close]
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u64>().map_err(|_| format!("hash_ids holds {s:?}, not an integer")))
+        .collect()
+}
+
+fn load(path: &str) -> Result<Vec<Vec<BlockKey>>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("--file {path}: {e}"))?;
+    let mut requests = Vec::new();
+    for (number, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| format!("{path}: {e}"))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let ids = hash_ids(&line).map_err(|e| format!("{path} line {}: {e}", number + 1))?;
+        requests.push(ids.into_iter().map(key_of).collect());
+    }
+    Ok(requests)
+}
+
+fn replay<P: Policy>(requests: &[Vec<BlockKey>], capacity: usize, policy: P) -> (u64, u64, u64) {
+    let mut cache = Cache::new(capacity, policy);
+    let (mut blocks, mut hits) = (0u64, 0u64);
+    for keys in requests {
+        blocks += keys.len() as u64;
+        hits += cache.request(keys) as u64;
+    }
+    (blocks, hits, cache.evictions)
+}
+
+pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
+    let args = Args::parse(raw, &["file", "capacity-blocks", "capacity-ratio", "policy", "credit"])?;
+    let path: String = args.get("file", String::new())?;
+    if path.is_empty() {
+        return Err("--file is required (JSON lines with hash_ids)".into());
+    }
+    let requests = load(&path)?;
+    let mut distinct: Vec<BlockKey> = requests.iter().flatten().copied().collect();
+    distinct.sort_unstable_by_key(|k| k.0);
+    distinct.dedup();
+    let ratio: f64 = args.get("capacity-ratio", 0.0)?;
+    let capacity: usize = args.get("capacity-blocks", 0)?;
+    let capacity = if capacity > 0 {
+        capacity
+    } else if ratio > 0.0 {
+        ((distinct.len() as f64 * ratio).round() as usize).max(1)
+    } else {
+        return Err("--capacity-blocks N or --capacity-ratio R is required".into());
+    };
+    let policy: String = args.get("policy", "lake".to_owned())?;
+    let credit: u64 = args.get("credit", 0)?;
+    let (blocks, hits, evictions) = match policy.as_str() {
+        "lru" => replay(&requests, capacity, Lru::default()),
+        "lake" => {
+            let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
+            replay(&requests, capacity, Lake::new(capacity, credit))
+        }
+        other => return Err(format!("--policy {other}: lru or lake")),
+    };
+    let mut report = Report::new("trace");
+    report.text("file", &path);
+    report.text("policy", &policy);
+    report.int("requests", requests.len() as u64);
+    report.int("blocks", blocks);
+    report.int("distinct_blocks", distinct.len() as u64);
+    report.int("capacity_blocks", capacity as u64);
+    report.int("hit_blocks", hits);
+    report.int("evictions", evictions);
+    report.float("prefix_hit_ratio", hits as f64 / blocks.max(1) as f64);
+    Ok(report)
+}
+
+/// The default policy's credit: how many requests of extra life a doubling
+/// of reuse buys — the requests the tier takes to turn over once (its
+/// capacity over the mean blocks per request), so a block reused twice as
+/// often as its peers survives one more turnover.
+pub(crate) fn default_credit(capacity: usize, requests: &[Vec<BlockKey>]) -> u64 {
+    let blocks: usize = requests.iter().map(Vec::len).sum();
+    let mean = (blocks / requests.len().max(1)).max(1);
+    (capacity / mean).max(1) as u64
+}
+
+/// Trace families for `trace-gen`.
+struct Gen {
+    rng: SimRng,
+    next_id: u64,
+}
+
+impl Gen {
+    fn fresh(&mut self, count: u64) -> Vec<u64> {
+        let ids = (self.next_id..self.next_id + count).collect();
+        self.next_id += count;
+        ids
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.rng.below(n)
+    }
+
+    /// Zipf-ish pick in 0..n: small indices far more often.
+    fn skewed(&mut self, n: u64) -> u64 {
+        let u = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        ((n as f64).powf(u) - 1.0).floor().min(n as f64 - 1.0) as u64
+    }
+}
+
+fn line(out: &mut dyn Write, t: u64, ids: &[u64]) -> Result<(), String> {
+    let list: Vec<String> = ids.iter().map(u64::to_string).collect();
+    writeln!(
+        out,
+        "{{\"timestamp\": {t}, \"input_length\": {}, \"output_length\": 512, \"hash_ids\": [{}]}}",
+        ids.len() * 512,
+        list.join(", ")
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// Tool-using agents: a few long system prompts shared by every session,
+/// sessions whose histories grow turn by turn, many sessions interleaved.
+fn agent(g: &mut Gen, requests: u64, out: &mut dyn Write) -> Result<(), String> {
+    let prompts: Vec<Vec<u64>> = (0..4)
+        .map(|_| {
+            let n = 16 + g.below(24);
+            g.fresh(n)
+        })
+        .collect();
+    let mut active: Vec<(Vec<u64>, u64)> = Vec::new();
+    for t in 0..requests {
+        if active.len() < 48 || g.below(10) == 0 {
+            let prompt = prompts[g.skewed(4) as usize].clone();
+            let turns = 3 + g.below(25);
+            active.push((prompt, turns));
+        }
+        let i = g.below(active.len() as u64) as usize;
+        let added = 1 + g.below(4);
+        let new = g.fresh(added);
+        let (history, turns_left) = &mut active[i];
+        history.extend(new);
+        line(out, t, history)?;
+        // The reply joins the history for the next turn.
+        history.extend(g.fresh(1));
+        *turns_left -= 1;
+        if *turns_left == 0 {
+            active.swap_remove(i);
+        }
+    }
+    Ok(())
+}
+
+/// Chat: a short system prompt everyone shares, short conversations.
+fn chat(g: &mut Gen, requests: u64, out: &mut dyn Write) -> Result<(), String> {
+    let system = g.fresh(2);
+    let mut active: Vec<(Vec<u64>, u64)> = Vec::new();
+    for t in 0..requests {
+        if active.len() < 200 || g.below(4) == 0 {
+            active.push((system.clone(), 1 + g.below(6)));
+        }
+        let i = g.below(active.len() as u64) as usize;
+        let added = 1 + g.below(2);
+        let new = g.fresh(added);
+        let (history, turns_left) = &mut active[i];
+        history.extend(new);
+        line(out, t, history)?;
+        history.extend(g.fresh(1));
+        *turns_left -= 1;
+        if *turns_left == 0 {
+            active.swap_remove(i);
+        }
+    }
+    Ok(())
+}
+
+/// Scan-heavy: half the requests are one-off long documents, half come
+/// from a skewed set of hot prompts.
+fn scan(g: &mut Gen, requests: u64, out: &mut dyn Write) -> Result<(), String> {
+    let hot: Vec<Vec<u64>> = (0..40)
+        .map(|_| {
+            let n = 8 + g.below(24);
+            g.fresh(n)
+        })
+        .collect();
+    for t in 0..requests {
+        if g.below(2) == 0 {
+            let n = 20 + g.below(80);
+            let doc = g.fresh(n);
+            line(out, t, &doc)?;
+        } else {
+            let prompt = &hot[g.skewed(40) as usize];
+            let mut ids = prompt.clone();
+            let extra = 1 + g.below(3);
+            ids.extend(g.fresh(extra));
+            line(out, t, &ids)?;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn run_trace_gen(raw: &[String]) -> Result<Report, String> {
+    let args = Args::parse(raw, &["kind", "requests", "seed", "out"])?;
+    let kind: String = args.get("kind", "agent".to_owned())?;
+    let requests: u64 = args.get("requests", 20_000)?;
+    let seed: u64 = args.get("seed", 1)?;
+    let path: String = args.get("out", String::new())?;
+    if path.is_empty() {
+        return Err("--out FILE is required".into());
+    }
+    let file = std::fs::File::create(&path).map_err(|e| format!("--out {path}: {e}"))?;
+    let mut out = std::io::BufWriter::new(file);
+    let mut g = Gen { rng: SimRng::new(seed), next_id: 1 };
+    match kind.as_str() {
+        "agent" => agent(&mut g, requests, &mut out)?,
+        "chat" => chat(&mut g, requests, &mut out)?,
+        "scan" => scan(&mut g, requests, &mut out)?,
+        other => return Err(format!("--kind {other}: agent, chat or scan")),
+    }
+    out.flush().map_err(|e| e.to_string())?;
+    let mut report = Report::new("trace-gen");
+    report.text("kind", &kind);
+    report.int("requests", requests);
+    report.int("ids", g.next_id - 1);
+    report.text("out", &path);
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_ids_are_read_or_named_as_bad() {
+        assert_eq!(hash_ids(r#"{"timestamp": 1, "hash_ids": [3, 4, 5]}"#).unwrap(), vec![3, 4, 5]);
+        assert_eq!(hash_ids(r#"{"hash_ids": []}"#).unwrap(), Vec::<u64>::new());
+        assert!(hash_ids(r#"{"ids": [1]}"#).unwrap_err().contains("no \"hash_ids\""));
+        assert!(hash_ids(r#"{"hash_ids": [1, x]}"#).unwrap_err().contains("\"x\""));
+        assert!(hash_ids(r#"{"hash_ids": 5}"#).is_err());
+    }
+}

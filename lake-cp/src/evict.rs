@@ -1,0 +1,332 @@
+//! Eviction: which cached block goes when a tier is full. Only leaves of
+//! the radix index are candidates (so the cached set stays prefix-closed
+//! and shared prefixes outlive their tails), and never a block the current
+//! request has touched.
+//!
+//! Policies keep their own bookkeeping beside the index and learn of every
+//! insert, access and removal. [`Lru`] is the baseline; [`Lake`] is the
+//! default (see its docs).
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+use crate::index::{BlockRef, Index};
+
+/// An eviction policy over one index.
+pub trait Policy {
+    /// A short name for reports.
+    fn name(&self) -> &'static str;
+    /// A block was inserted (it is a leaf, touched once).
+    fn inserted(&mut self, index: &mut Index, block: BlockRef);
+    /// A cached block was accessed (the index already counted it).
+    fn accessed(&mut self, index: &Index, block: BlockRef);
+    /// A block became a leaf again (its last child was removed).
+    fn became_leaf(&mut self, index: &Index, block: BlockRef);
+    /// The next leaf to evict, not touched at `index.now()`; `None` if
+    /// nothing may go.
+    fn victim(&mut self, index: &Index) -> Option<BlockRef>;
+    /// Whether a new block may replace `victim` (admission). Refusing
+    /// keeps the victim cached (the policy re-queues it) and the new block
+    /// out. The default admits everything.
+    fn admit(&mut self, _index: &Index, _victim: BlockRef) -> bool {
+        true
+    }
+    /// `block` is about to be evicted.
+    fn evicting(&mut self, _index: &Index, _block: BlockRef) {}
+}
+
+/// Entries of a lazy priority queue: (priority, block, the block's access
+/// time when pushed). Stale entries (the block was touched since, or is
+/// gone) are skipped when popped.
+type Queue = BinaryHeap<Reverse<(u64, u32, u32)>>;
+
+/// Pops the lowest-priority live, evictable leaf whose entry is current.
+fn pop_victim(queue: &mut Queue, index: &Index, stash: &mut Vec<Reverse<(u64, u32, u32)>>) -> Option<BlockRef> {
+    let now = index.now();
+    let mut found = None;
+    while let Some(entry) = queue.pop() {
+        let Reverse((_, raw, touched)) = entry;
+        let block = BlockRef(raw);
+        if !index.is_live(block) || index.touched(block) != touched {
+            continue; // stale: a newer entry exists, or the block is gone
+        }
+        if !index.is_leaf(block) {
+            continue; // re-queued by became_leaf when its children go
+        }
+        if touched == now {
+            stash.push(entry); // the current request's: keep, not now
+            continue;
+        }
+        found = Some(block);
+        break;
+    }
+    queue.extend(stash.drain(..));
+    found
+}
+
+/// Least recently used leaf first.
+#[derive(Debug, Default)]
+pub struct Lru {
+    queue: Queue,
+    stash: Vec<Reverse<(u64, u32, u32)>>,
+}
+
+impl Lru {
+    fn push(&mut self, index: &Index, block: BlockRef) {
+        let touched = index.touched(block);
+        self.queue.push(Reverse((u64::from(touched), block.0, touched)));
+    }
+}
+
+impl Policy for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+    fn inserted(&mut self, index: &mut Index, block: BlockRef) {
+        self.push(index, block);
+    }
+    fn accessed(&mut self, index: &Index, block: BlockRef) {
+        self.push(index, block);
+    }
+    fn became_leaf(&mut self, index: &Index, block: BlockRef) {
+        self.push(index, block);
+    }
+    fn victim(&mut self, index: &Index) -> Option<BlockRef> {
+        pop_victim(&mut self.queue, index, &mut self.stash)
+    }
+}
+
+/// The default: recency weighted by proven reuse, with admission and a
+/// memory of evicted blocks.
+///
+/// - A block's priority is its last access time plus a credit that grows
+///   with the log of its reuses: `credit_per_doubling` requests of extra
+///   life per doubling. A shared system prompt or a session that keeps
+///   coming back outlives one-off tails; a block never reused carries no
+///   credit.
+/// - Admission: a new block (no credit yet) does not replace a block whose
+///   priority is still ahead of now — it is not cached, and the tail of a
+///   one-off scan stops there instead of flushing the tier.
+/// - Ghosts: the reuse counts of recently evicted blocks are remembered (as
+///   many as the tier holds blocks); a block that comes back gets its count
+///   back, so reuse at a distance longer than the tier's reach is learnt.
+#[derive(Debug)]
+pub struct Lake {
+    queue: Queue,
+    stash: Vec<Reverse<(u64, u32, u32)>>,
+    /// Extra life (in requests) per doubling of a block's reuses.
+    pub credit_per_doubling: u64,
+    ghosts: HashMap<u64, u32>,
+    ghost_order: VecDeque<u64>,
+    ghosts_max: usize,
+}
+
+fn ghost_id(key: &lake_dp::BlockKey) -> u64 {
+    u64::from_le_bytes([key.0[0], key.0[1], key.0[2], key.0[3], key.0[4], key.0[5], key.0[6], key.0[7]])
+}
+
+impl Lake {
+    /// The default policy for a tier of `capacity` blocks.
+    pub fn new(capacity: usize, credit_per_doubling: u64) -> Self {
+        Self {
+            queue: Queue::new(),
+            stash: Vec::new(),
+            credit_per_doubling,
+            ghosts: HashMap::with_capacity(capacity),
+            ghost_order: VecDeque::with_capacity(capacity),
+            ghosts_max: capacity.max(1),
+        }
+    }
+
+    fn priority(&self, index: &Index, block: BlockRef) -> u64 {
+        let reuse = index.hits(block).saturating_sub(1);
+        let credit = u64::from(u32::BITS - reuse.leading_zeros()) * self.credit_per_doubling;
+        u64::from(index.touched(block)) + credit
+    }
+
+    fn push(&mut self, index: &Index, block: BlockRef) {
+        let priority = self.priority(index, block);
+        self.queue.push(Reverse((priority, block.0, index.touched(block))));
+    }
+}
+
+impl Policy for Lake {
+    fn name(&self) -> &'static str {
+        "lake"
+    }
+    fn inserted(&mut self, index: &mut Index, block: BlockRef) {
+        if let Some(hits) = self.ghosts.remove(&ghost_id(&index.key(block))) {
+            // Its earlier accesses, plus this one.
+            index.set_hits(block, hits.saturating_add(1));
+        }
+        self.push(index, block);
+    }
+    fn accessed(&mut self, index: &Index, block: BlockRef) {
+        self.push(index, block);
+    }
+    fn became_leaf(&mut self, index: &Index, block: BlockRef) {
+        self.push(index, block);
+    }
+    fn victim(&mut self, index: &Index) -> Option<BlockRef> {
+        pop_victim(&mut self.queue, index, &mut self.stash)
+    }
+    fn admit(&mut self, index: &Index, victim: BlockRef) -> bool {
+        // A new block's priority is now (no credit): it may replace only
+        // a block whose credit has run out.
+        if self.priority(index, victim) <= u64::from(index.now()) {
+            return true;
+        }
+        self.push(index, victim);
+        false
+    }
+    fn evicting(&mut self, index: &Index, block: BlockRef) {
+        let id = ghost_id(&index.key(block));
+        if self.ghost_order.len() >= self.ghosts_max
+            && let Some(old) = self.ghost_order.pop_front()
+        {
+            self.ghosts.remove(&old);
+        }
+        self.ghosts.insert(id, index.hits(block));
+        self.ghost_order.push_back(id);
+    }
+}
+
+/// A block cache over the real index and a policy: what the trace replay
+/// drives, and the shape the tier manager grows into.
+#[derive(Debug)]
+pub struct Cache<P: Policy> {
+    /// The index.
+    pub index: Index,
+    /// The policy.
+    pub policy: P,
+    capacity: usize,
+    chain: Vec<BlockRef>,
+    /// Blocks evicted so far.
+    pub evictions: u64,
+    /// New blocks not cached (admission refused or nothing evictable).
+    pub refused: u64,
+}
+
+impl<P: Policy> Cache<P> {
+    /// A cache of `capacity` blocks.
+    pub fn new(capacity: usize, policy: P) -> Self {
+        Self { index: Index::with_capacity(capacity), policy, capacity, chain: Vec::new(), evictions: 0, refused: 0 }
+    }
+
+    fn evict_one(&mut self) -> bool {
+        let Some(victim) = self.policy.victim(&self.index) else { return false };
+        if !self.policy.admit(&self.index, victim) {
+            return false;
+        }
+        self.policy.evicting(&self.index, victim);
+        let parent = self.index.parent(victim);
+        if self.index.remove(victim).is_err() {
+            return false;
+        }
+        self.evictions += 1;
+        if let Some(parent) = parent
+            && self.index.is_leaf(parent)
+        {
+            self.policy.became_leaf(&self.index, parent);
+        }
+        true
+    }
+
+    /// One request: how many leading blocks of `keys` were cached (and are
+    /// now touched); the rest are inserted as far as room allows.
+    pub fn request(&mut self, keys: &[lake_dp::BlockKey]) -> usize {
+        self.index.tick();
+        let hit = self.index.longest_prefix(keys);
+        for key in &keys[..hit] {
+            if let Some(block) = self.index.get(key) {
+                self.index.touch(block);
+                self.policy.accessed(&self.index, block);
+            }
+        }
+        let mut parent = hit.checked_sub(1).map(|i| keys[i]);
+        for (depth, key) in keys.iter().enumerate().skip(hit) {
+            if self.index.len() >= self.capacity && !self.evict_one() {
+                self.refused += (keys.len() - depth) as u64;
+                break;
+            }
+            match self.index.insert(parent, *key, lake_dp::ObjectKind::KvBlock) {
+                Ok(block) => {
+                    self.index.touch(block);
+                    self.policy.inserted(&mut self.index, block);
+                }
+                Err(_) => {
+                    self.refused += (keys.len() - depth) as u64;
+                    break;
+                }
+            }
+            parent = Some(*key);
+        }
+        self.chain.clear();
+        hit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u64) -> lake_dp::BlockKey {
+        let mut k = [0u8; 16];
+        k[..8].copy_from_slice(&lake_dp::rng::SimRng::new(i).next_u64().to_le_bytes());
+        k[8..].copy_from_slice(&i.to_le_bytes());
+        lake_dp::BlockKey(k)
+    }
+
+    fn keys(ids: &[u64]) -> Vec<lake_dp::BlockKey> {
+        ids.iter().map(|&i| key(i)).collect()
+    }
+
+    #[test]
+    fn lru_evicts_the_oldest_leaf_and_never_a_prefix() {
+        let mut cache = Cache::new(4, Lru::default());
+        assert_eq!(cache.request(&keys(&[1, 2, 3])), 0);
+        assert_eq!(cache.request(&keys(&[1, 2, 3])), 3);
+        // [1, 9, 10]: needs 2 blocks, 1 free: evicts the oldest leaf (3),
+        // never 1 or 2's prefix 1 (touched now) .
+        assert_eq!(cache.request(&keys(&[1, 9, 10])), 1);
+        assert_eq!(cache.index.len(), 4);
+        assert!(!cache.index.contains(&key(3)));
+        assert!(cache.index.contains(&key(2)));
+        assert_eq!(cache.request(&keys(&[1, 2])), 2);
+        assert_eq!(cache.evictions, 1);
+    }
+
+    #[test]
+    fn a_request_larger_than_the_cache_keeps_its_prefix() {
+        let mut cache = Cache::new(3, Lru::default());
+        assert_eq!(cache.request(&keys(&[1, 2, 3, 4, 5])), 0);
+        assert_eq!(cache.index.len(), 3, "only what fits");
+        assert_eq!(cache.refused, 2);
+        assert_eq!(cache.request(&keys(&[1, 2, 3, 4, 5])), 3);
+    }
+
+    #[test]
+    fn lake_keeps_reused_blocks_through_a_scan() {
+        let mut lru = Cache::new(10, Lru::default());
+        let mut lake = Cache::new(10, Lake::new(10, 50));
+        let hot: Vec<u64> = (1..=5).collect();
+        let mut next = 100;
+        let (mut lru_hits, mut lake_hits) = (0, 0);
+        for round in 0..50 {
+            if round % 2 == 0 {
+                lru_hits += lru.request(&keys(&hot));
+                lake_hits += lake.request(&keys(&hot));
+            } else {
+                // A one-off scan of 8 blocks.
+                let scan: Vec<u64> = (next..next + 8).collect();
+                next += 8;
+                lru_hits += lru.request(&keys(&scan));
+                lake_hits += lake.request(&keys(&scan));
+            }
+        }
+        assert!(lake_hits > 2 * lru_hits, "lake {lake_hits} vs lru {lru_hits}");
+        // The first scan costs the hot prompt its uncredited tail (3
+        // blocks); from then on every hot request hits fully.
+        assert_eq!(lake_hits, 5 * 24 - 3);
+    }
+}

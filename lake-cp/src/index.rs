@@ -1,0 +1,505 @@
+//! The radix prefix index: every cached block of this node, as a tree of
+//! chained block keys. A key names a whole prefix (DESIGN §3), so a block's
+//! parent is the block before it in the prompt, and the tree is the radix
+//! tree of all cached prompts with one node per block.
+//!
+//! Nodes live in one `Vec` with a free list, addressed by `u32` index; a
+//! hash table maps a key to its node index, hashing with the key's own
+//! bytes (a BLAKE3 output is already uniform). Removal is leaf-only, so
+//! the cached set is always prefix-closed: a node's presence implies its
+//! whole prefix is present. That is what lets [`Index::longest_prefix`]
+//! binary-search a prompt's keys with a logarithmic number of probes.
+
+use hashbrown::HashTable;
+use lake_dp::{BlockKey, ObjectKind};
+
+/// A node's index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockRef(pub u32);
+
+const NONE: u32 = u32::MAX;
+
+/// A replica as the index keeps it: 12 bytes. The region names tier,
+/// node and region epoch (a region table holds those once per region).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Loc {
+    /// The region.
+    pub region: u16,
+    /// [`LocState`].
+    pub state: LocState,
+    /// The slot in the region.
+    pub slot: u32,
+    /// The slot's generation when this replica was written.
+    pub generation: u32,
+}
+
+/// Where a replica is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum LocState {
+    /// Reserved; bytes being written. Not served.
+    Writing = 1,
+    /// Committed; served.
+    Ready = 2,
+    /// Being evicted; not served to new readers.
+    Evicting = 3,
+}
+
+const LOC_EMPTY_REGION: u16 = u16::MAX;
+
+impl Loc {
+    const EMPTY: Self = Self { region: LOC_EMPTY_REGION, state: LocState::Writing, slot: 0, generation: 0 };
+
+    fn is_empty(&self) -> bool {
+        self.region == LOC_EMPTY_REGION
+    }
+}
+
+/// Replicas held inline per block; more than this is refused (the compact
+/// layout is the point; a third replica of a KV block on one node is not).
+pub const REPLICAS_INLINE: usize = 2;
+
+/// One cached block.
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    key: BlockKey,
+    parent: u32,
+    /// Children present (a leaf has none: only leaves may be removed).
+    children: u32,
+    locs: [Loc; REPLICAS_INLINE],
+    /// Logical time of the last access (eviction policies read it).
+    touched: u32,
+    /// Bit 0-1: object kind; bits 8..32: accesses (saturating).
+    meta: u32,
+}
+
+const _: () = assert!(size_of::<Node>() <= 56);
+
+const META_KIND_MASK: u32 = 0b11;
+const META_HITS_SHIFT: u32 = 8;
+const META_HITS_MAX: u32 = (1 << 24) - 1;
+
+fn kind_bits(kind: ObjectKind) -> u32 {
+    match kind {
+        ObjectKind::KvBlock => 1,
+        ObjectKind::RecurrentState => 2,
+    }
+}
+
+/// Why an index operation was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexError {
+    /// The parent key is not in the index (insert prefixes first).
+    NoParent,
+    /// The key is already present under another parent.
+    ParentMismatch,
+    /// Only leaves can be removed (the set stays prefix-closed).
+    HasChildren,
+    /// No such block.
+    Unknown,
+    /// Every inline replica is in use.
+    ReplicasFull,
+    /// No such replica.
+    NoReplica,
+    /// The index holds `u32::MAX - 1` blocks.
+    Full,
+    /// The all-zero key is reserved ("no parent").
+    NoneKey,
+}
+
+impl core::fmt::Display for IndexError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            Self::NoParent => "index: the parent block is not cached",
+            Self::ParentMismatch => "index: the block is cached under another parent",
+            Self::HasChildren => "index: only a leaf block can be removed",
+            Self::Unknown => "index: no such block",
+            Self::ReplicasFull => "index: every replica slot of the block is in use",
+            Self::NoReplica => "index: no such replica",
+            Self::Full => "index: full",
+            Self::NoneKey => "index: the all-zero key is reserved",
+        })
+    }
+}
+
+impl std::error::Error for IndexError {}
+
+#[inline]
+fn hash(key: &BlockKey) -> u64 {
+    // The key is a BLAKE3 output: its bytes are the hash.
+    u64::from_le_bytes([key.0[0], key.0[1], key.0[2], key.0[3], key.0[4], key.0[5], key.0[6], key.0[7]])
+}
+
+/// The index. See the module docs.
+#[derive(Debug, Default)]
+pub struct Index {
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    table: HashTable<u32>,
+    len: usize,
+    clock: u32,
+}
+
+impl Index {
+    /// An empty index with room for `blocks` before growing.
+    pub fn with_capacity(blocks: usize) -> Self {
+        Self {
+            nodes: Vec::with_capacity(blocks),
+            free: Vec::new(),
+            table: HashTable::with_capacity(blocks),
+            len: 0,
+            clock: 0,
+        }
+    }
+
+    /// Blocks cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no block is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Heap bytes held (nodes, free list, hash table), for the
+    /// bytes-per-block figure.
+    pub fn heap_bytes(&self) -> usize {
+        self.nodes.capacity() * size_of::<Node>()
+            + self.free.capacity() * 4
+            + self.table.capacity() * (size_of::<u32>() + 1)
+    }
+
+    /// Advances and returns the logical clock (one tick per request).
+    pub fn tick(&mut self) -> u32 {
+        self.clock = self.clock.wrapping_add(1);
+        self.clock
+    }
+
+    /// The current logical time.
+    pub fn now(&self) -> u32 {
+        self.clock
+    }
+
+    /// The node holding `key`.
+    #[inline]
+    pub fn get(&self, key: &BlockKey) -> Option<BlockRef> {
+        let nodes = &self.nodes;
+        self.table.find(hash(key), |&i| nodes[i as usize].key == *key).map(|&i| BlockRef(i))
+    }
+
+    /// Whether `key` is cached.
+    #[inline]
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Inserts `key` under `parent` (`None`: the first block of a prompt).
+    /// Inserting a present key returns it (idempotent) if its parent
+    /// matches.
+    pub fn insert(
+        &mut self,
+        parent: Option<BlockKey>,
+        key: BlockKey,
+        kind: ObjectKind,
+    ) -> Result<BlockRef, IndexError> {
+        if key.is_none() {
+            return Err(IndexError::NoneKey);
+        }
+        let parent_index = match parent {
+            None => NONE,
+            Some(p) => self.get(&p).ok_or(IndexError::NoParent)?.0,
+        };
+        if let Some(existing) = self.get(&key) {
+            return if self.nodes[existing.0 as usize].parent == parent_index {
+                Ok(existing)
+            } else {
+                Err(IndexError::ParentMismatch)
+            };
+        }
+        let node = Node {
+            key,
+            parent: parent_index,
+            children: 0,
+            locs: [Loc::EMPTY; REPLICAS_INLINE],
+            touched: self.clock,
+            meta: kind_bits(kind),
+        };
+        let index = match self.free.pop() {
+            Some(index) => {
+                self.nodes[index as usize] = node;
+                index
+            }
+            None => {
+                let index = u32::try_from(self.nodes.len()).ok().filter(|&i| i != NONE).ok_or(IndexError::Full)?;
+                self.nodes.push(node);
+                index
+            }
+        };
+        if parent_index != NONE {
+            self.nodes[parent_index as usize].children += 1;
+        }
+        let nodes = &self.nodes;
+        self.table.insert_unique(hash(&key), index, |&i| hash(&nodes[i as usize].key));
+        self.len += 1;
+        Ok(BlockRef(index))
+    }
+
+    /// Inserts a prompt's chain of keys (each the parent of the next), the
+    /// first under `parent`. Returns the refs of every key, present or new.
+    pub fn insert_chain(
+        &mut self,
+        parent: Option<BlockKey>,
+        keys: &[BlockKey],
+        out: &mut Vec<BlockRef>,
+    ) -> Result<(), IndexError> {
+        let mut parent = parent;
+        for key in keys {
+            out.push(self.insert(parent, *key, ObjectKind::KvBlock)?);
+            parent = Some(*key);
+        }
+        Ok(())
+    }
+
+    /// How many leading keys of `keys` (a prompt's chain, `keys[0]` its
+    /// first block) are cached, with O(log n) probes: the cached set is
+    /// prefix-closed (removal is leaf-only), so presence is monotone along
+    /// a chain. The boundary's link to its parent is checked; should it not
+    /// hold (keys not one chain), a linear scan that checks every link
+    /// answers instead.
+    pub fn longest_prefix(&self, keys: &[BlockKey]) -> usize {
+        // Invariant: keys[..lo] cached, keys[hi..] not.
+        let (mut lo, mut hi) = (0usize, keys.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.contains(&keys[mid]) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        if lo == 0 || self.linked(keys, lo - 1) {
+            return lo;
+        }
+        (0..keys.len()).take_while(|&i| self.linked(keys, i)).count()
+    }
+
+    /// Whether `keys[position]` is cached with `keys[position - 1]` (or no
+    /// parent, at position 0) as its parent.
+    fn linked(&self, keys: &[BlockKey], position: usize) -> bool {
+        let Some(node) = self.get(&keys[position]) else { return false };
+        let parent = self.nodes[node.0 as usize].parent;
+        match position.checked_sub(1) {
+            None => parent == NONE,
+            Some(before) => parent != NONE && self.nodes[parent as usize].key == keys[before],
+        }
+    }
+
+    /// Records an access: the node's time becomes now, its count grows.
+    #[inline]
+    pub fn touch(&mut self, block: BlockRef) {
+        let now = self.clock;
+        let node = &mut self.nodes[block.0 as usize];
+        node.touched = now;
+        let hits = (node.meta >> META_HITS_SHIFT).saturating_add(1).min(META_HITS_MAX);
+        node.meta = (node.meta & ((1 << META_HITS_SHIFT) - 1)) | hits << META_HITS_SHIFT;
+    }
+
+    /// The key of a node.
+    pub fn key(&self, block: BlockRef) -> BlockKey {
+        self.nodes[block.0 as usize].key
+    }
+
+    /// The parent of a node.
+    pub fn parent(&self, block: BlockRef) -> Option<BlockRef> {
+        let parent = self.nodes[block.0 as usize].parent;
+        (parent != NONE).then_some(BlockRef(parent))
+    }
+
+    /// Whether a node has no cached children (only leaves are evictable).
+    pub fn is_leaf(&self, block: BlockRef) -> bool {
+        self.nodes[block.0 as usize].children == 0
+    }
+
+    /// Sets a block's access count (a policy restoring what it remembered
+    /// of an evicted block).
+    pub fn set_hits(&mut self, block: BlockRef, hits: u32) {
+        let node = &mut self.nodes[block.0 as usize];
+        node.meta = (node.meta & ((1 << META_HITS_SHIFT) - 1)) | hits.min(META_HITS_MAX) << META_HITS_SHIFT;
+    }
+
+    /// Last access time.
+    pub fn touched(&self, block: BlockRef) -> u32 {
+        self.nodes[block.0 as usize].touched
+    }
+
+    /// Accesses so far (saturating).
+    pub fn hits(&self, block: BlockRef) -> u32 {
+        self.nodes[block.0 as usize].meta >> META_HITS_SHIFT
+    }
+
+    /// The object kind.
+    pub fn kind(&self, block: BlockRef) -> ObjectKind {
+        if self.nodes[block.0 as usize].meta & META_KIND_MASK == 2 {
+            ObjectKind::RecurrentState
+        } else {
+            ObjectKind::KvBlock
+        }
+    }
+
+    /// Whether `block` names a live node (not freed).
+    pub fn is_live(&self, block: BlockRef) -> bool {
+        self.nodes.get(block.0 as usize).is_some_and(|n| !n.key.is_none())
+    }
+
+    /// Removes a leaf. Its parent may become a leaf.
+    pub fn remove(&mut self, block: BlockRef) -> Result<BlockKey, IndexError> {
+        let node = *self.nodes.get(block.0 as usize).filter(|n| !n.key.is_none()).ok_or(IndexError::Unknown)?;
+        if node.children != 0 {
+            return Err(IndexError::HasChildren);
+        }
+        let nodes = &self.nodes;
+        match self.table.find_entry(hash(&node.key), |&i| nodes[i as usize].key == node.key) {
+            Ok(entry) => {
+                entry.remove();
+            }
+            Err(_) => return Err(IndexError::Unknown),
+        }
+        if node.parent != NONE {
+            self.nodes[node.parent as usize].children -= 1;
+        }
+        self.nodes[block.0 as usize].key = BlockKey::NONE;
+        self.free.push(block.0);
+        self.len -= 1;
+        Ok(node.key)
+    }
+
+    /// Adds a replica; at most [`REPLICAS_INLINE`].
+    pub fn add_replica(&mut self, block: BlockRef, loc: Loc) -> Result<(), IndexError> {
+        let node = self.nodes.get_mut(block.0 as usize).ok_or(IndexError::Unknown)?;
+        let free = node.locs.iter_mut().find(|l| l.is_empty()).ok_or(IndexError::ReplicasFull)?;
+        *free = loc;
+        Ok(())
+    }
+
+    /// Changes the state of the replica in `region`.
+    pub fn set_replica_state(&mut self, block: BlockRef, region: u16, state: LocState) -> Result<(), IndexError> {
+        let node = self.nodes.get_mut(block.0 as usize).ok_or(IndexError::Unknown)?;
+        let loc = node.locs.iter_mut().find(|l| !l.is_empty() && l.region == region).ok_or(IndexError::NoReplica)?;
+        loc.state = state;
+        Ok(())
+    }
+
+    /// Removes the replica in `region`.
+    pub fn remove_replica(&mut self, block: BlockRef, region: u16) -> Result<Loc, IndexError> {
+        let node = self.nodes.get_mut(block.0 as usize).ok_or(IndexError::Unknown)?;
+        let loc = node.locs.iter_mut().find(|l| !l.is_empty() && l.region == region).ok_or(IndexError::NoReplica)?;
+        let old = *loc;
+        *loc = Loc::EMPTY;
+        Ok(old)
+    }
+
+    /// The replicas of a block.
+    pub fn replicas(&self, block: BlockRef) -> impl Iterator<Item = Loc> + '_ {
+        self.nodes[block.0 as usize].locs.iter().copied().filter(|l| !l.is_empty())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u32) -> BlockKey {
+        let mut k = [0u8; 16];
+        let h = lake_dp::rng::SimRng::new(u64::from(i) + 1).next_u64();
+        k[..8].copy_from_slice(&h.to_le_bytes());
+        k[8..12].copy_from_slice(&i.to_le_bytes());
+        k[12] = 1;
+        BlockKey(k)
+    }
+
+    fn chain(from: u32, len: u32) -> Vec<BlockKey> {
+        (from..from + len).map(key).collect()
+    }
+
+    #[test]
+    fn chains_insert_and_match() {
+        let mut index = Index::default();
+        let a = chain(0, 10);
+        let mut refs = Vec::new();
+        index.insert_chain(None, &a, &mut refs).unwrap();
+        assert_eq!(index.len(), 10);
+        assert_eq!(index.longest_prefix(&a), 10);
+        // A branch sharing 4 blocks.
+        let mut b = a[..4].to_vec();
+        b.extend(chain(100, 3));
+        assert_eq!(index.longest_prefix(&b), 4);
+        refs.clear();
+        index.insert_chain(None, &b, &mut refs).unwrap();
+        assert_eq!(index.len(), 13);
+        assert_eq!(index.longest_prefix(&b), 7);
+        assert!(!index.is_leaf(index.get(&a[3]).unwrap()));
+        assert_eq!(index.longest_prefix(&[]), 0);
+        assert_eq!(index.longest_prefix(&chain(500, 5)), 0);
+        // Idempotent; a mismatched parent is refused.
+        assert_eq!(index.insert(Some(a[0]), a[1], ObjectKind::KvBlock).unwrap(), index.get(&a[1]).unwrap());
+        assert_eq!(index.insert(Some(a[2]), a[1], ObjectKind::KvBlock), Err(IndexError::ParentMismatch));
+        assert_eq!(index.insert(Some(key(999)), key(1000), ObjectKind::KvBlock), Err(IndexError::NoParent));
+        assert_eq!(index.insert(None, BlockKey::NONE, ObjectKind::KvBlock), Err(IndexError::NoneKey));
+    }
+
+    #[test]
+    fn removal_is_leaf_only_and_keeps_the_set_prefix_closed() {
+        let mut index = Index::default();
+        let a = chain(0, 6);
+        let mut refs = Vec::new();
+        index.insert_chain(None, &a, &mut refs).unwrap();
+        assert_eq!(index.remove(refs[2]), Err(IndexError::HasChildren));
+        for r in refs[3..].iter().rev() {
+            index.remove(*r).unwrap();
+        }
+        assert_eq!(index.longest_prefix(&a), 3);
+        assert!(index.is_leaf(refs[2]));
+        assert_eq!(index.remove(refs[5]), Err(IndexError::Unknown));
+        // Freed nodes are reused.
+        let before = index.heap_bytes();
+        refs.clear();
+        index.insert_chain(Some(a[2]), &chain(50, 3), &mut refs).unwrap();
+        assert_eq!(index.heap_bytes(), before);
+    }
+
+    #[test]
+    fn a_key_cached_under_another_parent_ends_the_match() {
+        let mut index = Index::default();
+        let mut refs = Vec::new();
+        index.insert_chain(None, &chain(0, 3), &mut refs).unwrap();
+        // keys 10, 11 cached as their own chain; a prompt [0, 1, 11]
+        // (never produced by a real chain) must match 2, not 3.
+        index.insert_chain(None, &[key(10), key(11)], &mut refs).unwrap();
+        assert_eq!(index.longest_prefix(&[key(0), key(1), key(11)]), 2);
+        assert_eq!(index.longest_prefix(&[key(0), key(11)]), 1);
+        assert_eq!(index.longest_prefix(&[key(11), key(1)]), 0);
+    }
+
+    #[test]
+    fn replicas_and_counters() {
+        let mut index = Index::default();
+        let r = index.insert(None, key(1), ObjectKind::RecurrentState).unwrap();
+        assert_eq!(index.kind(r), ObjectKind::RecurrentState);
+        let loc = Loc { region: 3, state: LocState::Writing, slot: 9, generation: 2 };
+        index.add_replica(r, loc).unwrap();
+        index.add_replica(r, Loc { region: 4, ..loc }).unwrap();
+        assert_eq!(index.add_replica(r, Loc { region: 5, ..loc }), Err(IndexError::ReplicasFull));
+        index.set_replica_state(r, 3, LocState::Ready).unwrap();
+        assert_eq!(
+            index.replicas(r).map(|l| (l.region, l.state)).collect::<Vec<_>>(),
+            vec![(3, LocState::Ready), (4, LocState::Writing)]
+        );
+        assert_eq!(index.remove_replica(r, 4).unwrap().slot, 9);
+        assert_eq!(index.remove_replica(r, 4), Err(IndexError::NoReplica));
+        index.tick();
+        index.touch(r);
+        index.touch(r);
+        assert_eq!((index.touched(r), index.hits(r)), (1, 2));
+    }
+}
