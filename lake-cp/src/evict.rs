@@ -25,10 +25,13 @@ pub trait Policy {
     /// The next leaf to evict, not touched at `index.now()`; `None` if
     /// nothing may go.
     fn victim(&mut self, index: &Index) -> Option<BlockRef>;
-    /// Whether a new block may replace `victim` (admission). Refusing
-    /// keeps the victim cached (the policy re-queues it) and the new block
-    /// out. The default admits everything.
-    fn admit(&mut self, _index: &Index, _victim: BlockRef) -> bool {
+    /// A request arrived for these blocks (hits and misses alike), before
+    /// any of them is touched or inserted.
+    fn requested(&mut self, _keys: &[lake_dp::BlockKey]) {}
+    /// Whether the new block `key` may replace `victim` (admission).
+    /// Refusing keeps the victim cached (the policy re-queues it) and the
+    /// new block out. The default admits everything.
+    fn admit(&mut self, _index: &Index, _victim: BlockRef, _key: &lake_dp::BlockKey) -> bool {
         true
     }
     /// `block` is about to be evicted.
@@ -170,7 +173,7 @@ impl Policy for Lake {
     fn victim(&mut self, index: &Index) -> Option<BlockRef> {
         pop_victim(&mut self.queue, index, &mut self.stash)
     }
-    fn admit(&mut self, index: &Index, victim: BlockRef) -> bool {
+    fn admit(&mut self, index: &Index, victim: BlockRef, _key: &lake_dp::BlockKey) -> bool {
         // A new block's priority is now (no credit): it may replace only
         // a block whose credit has run out.
         if self.priority(index, victim) <= u64::from(index.now()) {
@@ -188,6 +191,210 @@ impl Policy for Lake {
         }
         self.ghosts.insert(id, index.hits(block));
         self.ghost_order.push_back(id);
+    }
+}
+
+/// A count-min sketch of access frequencies with 4-bit counters, halved
+/// every `sample` increments so old popularity fades (TinyLFU).
+#[derive(Debug)]
+pub struct Sketch {
+    counters: Vec<u8>,
+    mask: usize,
+    added: usize,
+    sample: usize,
+}
+
+impl Sketch {
+    /// A sketch for a cache of `capacity` blocks.
+    pub fn new(capacity: usize) -> Self {
+        let width = (capacity.max(16) * 4).next_power_of_two();
+        Self { counters: vec![0; width], mask: width - 1, added: 0, sample: capacity.max(16) * 10 }
+    }
+
+    fn slots(&self, key: &lake_dp::BlockKey) -> [usize; 4] {
+        let mut out = [0; 4];
+        for (row, slot) in out.iter_mut().enumerate() {
+            let bytes = &key.0[row * 4..row * 4 + 4];
+            *slot = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize & self.mask;
+        }
+        out
+    }
+
+    /// Counts one access.
+    pub fn add(&mut self, key: &lake_dp::BlockKey) {
+        let slots = self.slots(key);
+        let least = slots.iter().map(|&s| self.counters[s]).min().unwrap_or(0);
+        if least < 15 {
+            for s in slots {
+                if self.counters[s] == least {
+                    self.counters[s] += 1;
+                }
+            }
+        }
+        self.added += 1;
+        if self.added >= self.sample {
+            for c in &mut self.counters {
+                *c /= 2;
+            }
+            self.added /= 2;
+        }
+    }
+
+    /// The estimated access count.
+    pub fn estimate(&self, key: &lake_dp::BlockKey) -> u8 {
+        self.slots(key).iter().map(|&s| self.counters[s]).min().unwrap_or(0)
+    }
+}
+
+/// LRU eviction with TinyLFU admission: a new block replaces the LRU leaf
+/// only if it has been requested more often (by the sketch) than that
+/// leaf.
+#[derive(Debug)]
+pub struct TinyLfu {
+    lru: Lru,
+    sketch: Sketch,
+}
+
+impl TinyLfu {
+    /// For a tier of `capacity` blocks.
+    pub fn new(capacity: usize) -> Self {
+        Self { lru: Lru::default(), sketch: Sketch::new(capacity) }
+    }
+}
+
+impl Policy for TinyLfu {
+    fn name(&self) -> &'static str {
+        "tinylfu"
+    }
+    fn inserted(&mut self, index: &mut Index, block: BlockRef) {
+        self.lru.inserted(index, block);
+    }
+    fn accessed(&mut self, index: &Index, block: BlockRef) {
+        self.lru.accessed(index, block);
+    }
+    fn became_leaf(&mut self, index: &Index, block: BlockRef) {
+        self.lru.became_leaf(index, block);
+    }
+    fn victim(&mut self, index: &Index) -> Option<BlockRef> {
+        self.lru.victim(index)
+    }
+    fn requested(&mut self, keys: &[lake_dp::BlockKey]) {
+        for key in keys {
+            self.sketch.add(key);
+        }
+    }
+    fn admit(&mut self, index: &Index, victim: BlockRef, key: &lake_dp::BlockKey) -> bool {
+        if self.sketch.estimate(key) > self.sketch.estimate(&index.key(victim)) {
+            return true;
+        }
+        self.lru.became_leaf(index, victim);
+        false
+    }
+}
+
+/// W-TinyLFU under the leaf-first rule: new blocks enter a small LRU
+/// window unconditionally (recency gets its chance); when the window is
+/// over its share, its LRU leaf competes with the main area's LRU leaf and
+/// the one requested more often (by the sketch) stays.
+#[derive(Debug)]
+pub struct WTinyLfu {
+    window: Lru,
+    main: Lru,
+    in_window: Vec<bool>,
+    window_len: usize,
+    window_max: usize,
+    capacity: usize,
+    sketch: Sketch,
+}
+
+impl WTinyLfu {
+    /// For a tier of `capacity` blocks, `window_percent` of it the window.
+    pub fn new(capacity: usize, window_percent: usize) -> Self {
+        Self {
+            window: Lru::default(),
+            main: Lru::default(),
+            in_window: Vec::new(),
+            window_len: 0,
+            window_max: (capacity * window_percent / 100).max(1),
+            capacity,
+            sketch: Sketch::new(capacity),
+        }
+    }
+
+    fn is_window(&self, block: BlockRef) -> bool {
+        self.in_window.get(block.0 as usize).copied().unwrap_or(false)
+    }
+
+    fn set_window(&mut self, block: BlockRef, window: bool) {
+        let i = block.0 as usize;
+        if self.in_window.len() <= i {
+            self.in_window.resize(i + 1, false);
+        }
+        if self.in_window[i] != window {
+            self.in_window[i] = window;
+            if window {
+                self.window_len += 1;
+            } else {
+                self.window_len -= 1;
+            }
+        }
+    }
+}
+
+impl Policy for WTinyLfu {
+    fn name(&self) -> &'static str {
+        "w-tinylfu"
+    }
+    fn inserted(&mut self, index: &mut Index, block: BlockRef) {
+        self.set_window(block, true);
+        self.window.inserted(index, block);
+        // Filling up: window overflow moves to the main area while it has
+        // room (nothing is evicted before the tier is full).
+        if self.window_len > self.window_max
+            && index.len() - self.window_len < self.capacity - self.window_max
+            && let Some(candidate) = self.window.victim(index)
+        {
+            self.set_window(candidate, false);
+            self.main.became_leaf(index, candidate);
+        }
+    }
+    fn accessed(&mut self, index: &Index, block: BlockRef) {
+        if self.is_window(block) {
+            self.window.accessed(index, block);
+        } else {
+            self.main.accessed(index, block);
+        }
+    }
+    fn became_leaf(&mut self, index: &Index, block: BlockRef) {
+        if self.is_window(block) {
+            self.window.became_leaf(index, block);
+        } else {
+            self.main.became_leaf(index, block);
+        }
+    }
+    fn requested(&mut self, keys: &[lake_dp::BlockKey]) {
+        for key in keys {
+            self.sketch.add(key);
+        }
+    }
+    fn victim(&mut self, index: &Index) -> Option<BlockRef> {
+        if self.window_len > self.window_max
+            && let Some(candidate) = self.window.victim(index)
+        {
+            let Some(incumbent) = self.main.victim(index) else { return Some(candidate) };
+            if self.sketch.estimate(&index.key(candidate)) > self.sketch.estimate(&index.key(incumbent)) {
+                // The candidate earns a place in the main area.
+                self.set_window(candidate, false);
+                self.main.became_leaf(index, candidate);
+                return Some(incumbent);
+            }
+            self.main.became_leaf(index, incumbent);
+            return Some(candidate);
+        }
+        self.main.victim(index).or_else(|| self.window.victim(index))
+    }
+    fn evicting(&mut self, _index: &Index, block: BlockRef) {
+        self.set_window(block, false);
     }
 }
 
@@ -213,9 +420,9 @@ impl<P: Policy> Cache<P> {
         Self { index: Index::with_capacity(capacity), policy, capacity, chain: Vec::new(), evictions: 0, refused: 0 }
     }
 
-    fn evict_one(&mut self) -> bool {
+    fn evict_one(&mut self, key: &lake_dp::BlockKey) -> bool {
         let Some(victim) = self.policy.victim(&self.index) else { return false };
-        if !self.policy.admit(&self.index, victim) {
+        if !self.policy.admit(&self.index, victim, key) {
             return false;
         }
         self.policy.evicting(&self.index, victim);
@@ -236,6 +443,7 @@ impl<P: Policy> Cache<P> {
     /// now touched); the rest are inserted as far as room allows.
     pub fn request(&mut self, keys: &[lake_dp::BlockKey]) -> usize {
         self.index.tick();
+        self.policy.requested(keys);
         let hit = self.index.longest_prefix(keys);
         for key in &keys[..hit] {
             if let Some(block) = self.index.get(key) {
@@ -245,7 +453,7 @@ impl<P: Policy> Cache<P> {
         }
         let mut parent = hit.checked_sub(1).map(|i| keys[i]);
         for (depth, key) in keys.iter().enumerate().skip(hit) {
-            if self.index.len() >= self.capacity && !self.evict_one() {
+            if self.index.len() >= self.capacity && !self.evict_one(key) {
                 self.refused += (keys.len() - depth) as u64;
                 break;
             }
