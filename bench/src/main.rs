@@ -10,6 +10,7 @@
 
 mod arena;
 mod args;
+mod cp_scale;
 mod keys;
 mod l2;
 mod report;
@@ -31,6 +32,9 @@ subcommands:
   block-latency [--path l2-to-l1] [--block-bytes N] [--samples N] [--dir DIR]
          per-block submit-to-complete latency, Lake vs one raw io_uring
          read; CRC cost and the poller's own cost (no-op backend) apart
+  cp-scale [--blocks N] [--chain N] [--matches N]
+         the radix index at scale: inserts/s, matches/s, heap bytes per
+         block (two replicas each), RSS; a std HashMap insert beside it
   trace  --file F.jsonl (--capacity-blocks N | --capacity-ratio R) [--policy lake|lru]
          replay a hash_ids trace through the real index and eviction code
   trace-gen --kind agent|chat|scan --out F.jsonl [--requests N] [--seed S]
@@ -48,6 +52,7 @@ fn main() -> ExitCode {
         "l2" => l2::run_l2(rest),
         "block-latency" => l2::run_block_latency(rest),
         "trace" => trace::run_trace(rest),
+        "cp-scale" => cp_scale::run(rest),
         "trace-gen" => trace::run_trace_gen(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");

@@ -11,6 +11,7 @@
 //! binary-search a prompt's keys with a logarithmic number of probes.
 
 use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
 use lake_dp::{BlockKey, ObjectKind};
 
 /// A node's index.
@@ -203,19 +204,47 @@ impl Index {
         key: BlockKey,
         kind: ObjectKind,
     ) -> Result<BlockRef, IndexError> {
+        let parent = match parent {
+            None => None,
+            Some(p) => Some(self.get(&p).ok_or(IndexError::NoParent)?),
+        };
+        self.insert_child(parent, key, kind)
+    }
+
+    /// Inserts `key` under the node `parent` (`None`: a prompt's first
+    /// block); one hash probe, no lookup of the parent's key. Idempotent
+    /// like [`Index::insert`].
+    pub fn insert_child(
+        &mut self,
+        parent: Option<BlockRef>,
+        key: BlockKey,
+        kind: ObjectKind,
+    ) -> Result<BlockRef, IndexError> {
         if key.is_none() {
             return Err(IndexError::NoneKey);
         }
         let parent_index = match parent {
             None => NONE,
-            Some(p) => self.get(&p).ok_or(IndexError::NoParent)?.0,
+            Some(p) if self.is_live(p) => p.0,
+            Some(_) => return Err(IndexError::NoParent),
         };
-        if let Some(existing) = self.get(&key) {
-            return if self.nodes[existing.0 as usize].parent == parent_index {
-                Ok(existing)
-            } else {
-                Err(IndexError::ParentMismatch)
-            };
+        let index = match self.free.last() {
+            Some(&free) => free,
+            None => u32::try_from(self.nodes.len()).ok().filter(|&i| i != NONE).ok_or(IndexError::Full)?,
+        };
+        let nodes = &self.nodes;
+        match self.table.entry(hash(&key), |&i| nodes[i as usize].key == key, |&i| hash(&nodes[i as usize].key)) {
+            Entry::Occupied(existing) => {
+                let existing = *existing.get();
+                return if self.nodes[existing as usize].parent == parent_index {
+                    Ok(BlockRef(existing))
+                } else {
+                    Err(IndexError::ParentMismatch)
+                };
+            }
+            Entry::Vacant(vacant) => {
+                vacant.insert(index);
+            }
         }
         let node = Node {
             key,
@@ -225,22 +254,14 @@ impl Index {
             touched: self.clock,
             meta: kind_bits(kind),
         };
-        let index = match self.free.pop() {
-            Some(index) => {
-                self.nodes[index as usize] = node;
-                index
-            }
-            None => {
-                let index = u32::try_from(self.nodes.len()).ok().filter(|&i| i != NONE).ok_or(IndexError::Full)?;
-                self.nodes.push(node);
-                index
-            }
-        };
+        if self.free.pop().is_some() {
+            self.nodes[index as usize] = node;
+        } else {
+            self.nodes.push(node);
+        }
         if parent_index != NONE {
             self.nodes[parent_index as usize].children += 1;
         }
-        let nodes = &self.nodes;
-        self.table.insert_unique(hash(&key), index, |&i| hash(&nodes[i as usize].key));
         self.len += 1;
         Ok(BlockRef(index))
     }
@@ -253,10 +274,14 @@ impl Index {
         keys: &[BlockKey],
         out: &mut Vec<BlockRef>,
     ) -> Result<(), IndexError> {
-        let mut parent = parent;
+        let mut parent = match parent {
+            None => None,
+            Some(p) => Some(self.get(&p).ok_or(IndexError::NoParent)?),
+        };
         for key in keys {
-            out.push(self.insert(parent, *key, ObjectKind::KvBlock)?);
-            parent = Some(*key);
+            let block = self.insert_child(parent, *key, ObjectKind::KvBlock)?;
+            out.push(block);
+            parent = Some(block);
         }
         Ok(())
     }
