@@ -172,6 +172,10 @@ pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
         }
         "belady" => replay(&requests, capacity, Belady::new(&requests)),
         "tinylfu" => replay(&requests, capacity, TinyLfu::new(capacity)),
+        "adaptive" => {
+            let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
+            replay(&requests, capacity, Lake::adaptive(capacity, credit))
+        }
         "w1" => replay(&requests, capacity, WTinyLfu::new(capacity, 1)),
         "w5" => replay(&requests, capacity, WTinyLfu::new(capacity, 5)),
         "w20" => replay(&requests, capacity, WTinyLfu::new(capacity, 20)),

@@ -36,6 +36,8 @@ pub trait Policy {
     }
     /// `block` is about to be evicted.
     fn evicting(&mut self, _index: &Index, _block: BlockRef) {}
+    /// A request finished: `hits` of its `blocks` were a cached prefix.
+    fn finished(&mut self, _hits: usize, _blocks: usize) {}
 }
 
 /// Entries of a lazy priority queue: (priority, block, the block's access
@@ -122,6 +124,21 @@ pub struct Lake {
     ghosts: HashMap<u64, u32>,
     ghost_order: VecDeque<u64>,
     ghosts_max: usize,
+    /// Hill climbing on the credit: hits and blocks of the current epoch,
+    /// the previous epoch's hit ratio, the direction of the last step.
+    adapt: Option<Climb>,
+}
+
+/// Hill-climbing state (see [`Lake::adaptive`]).
+#[derive(Debug, Clone, Copy)]
+struct Climb {
+    epoch_blocks: usize,
+    hits: usize,
+    blocks: usize,
+    previous: i64,
+    up: bool,
+    min: u64,
+    max: u64,
 }
 
 fn ghost_id(key: &lake_dp::BlockKey) -> u64 {
@@ -138,7 +155,26 @@ impl Lake {
             ghosts: HashMap::with_capacity(capacity),
             ghost_order: VecDeque::with_capacity(capacity),
             ghosts_max: capacity.max(1),
+            adapt: None,
         }
+    }
+
+    /// The default policy whose credit adapts: every epoch of `capacity`
+    /// × 8 requested blocks the credit moves by a factor of two in the
+    /// direction that last raised the hit ratio (and turns when it fell),
+    /// within [`start / 16`, `start × 64`].
+    pub fn adaptive(capacity: usize, start: u64) -> Self {
+        let mut lake = Self::new(capacity, start);
+        lake.adapt = Some(Climb {
+            epoch_blocks: capacity.max(64) * 8,
+            hits: 0,
+            blocks: 0,
+            previous: -1,
+            up: true,
+            min: (start / 16).max(1),
+            max: start.saturating_mul(64),
+        });
+        lake
     }
 
     fn priority(&self, index: &Index, block: BlockRef) -> u64 {
@@ -181,6 +217,27 @@ impl Policy for Lake {
         }
         self.push(index, victim);
         false
+    }
+    fn finished(&mut self, hits: usize, blocks: usize) {
+        let Some(climb) = &mut self.adapt else { return };
+        climb.hits += hits;
+        climb.blocks += blocks;
+        if climb.blocks < climb.epoch_blocks {
+            return;
+        }
+        // Parts per million: integer arithmetic, no float casts.
+        let ratio = i64::try_from(climb.hits as u64 * 1_000_000 / climb.blocks as u64).unwrap_or(i64::MAX);
+        if ratio < climb.previous {
+            climb.up = !climb.up;
+        }
+        climb.previous = ratio;
+        climb.hits = 0;
+        climb.blocks = 0;
+        self.credit_per_doubling = if climb.up {
+            self.credit_per_doubling.saturating_mul(2).min(climb.max)
+        } else {
+            (self.credit_per_doubling / 2).max(climb.min)
+        };
     }
     fn evicting(&mut self, index: &Index, block: BlockRef) {
         let id = ghost_id(&index.key(block));
@@ -470,6 +527,7 @@ impl<P: Policy> Cache<P> {
             parent = Some(*key);
         }
         self.chain.clear();
+        self.policy.finished(hit, keys.len());
         hit
     }
 }
