@@ -59,7 +59,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
         for (i, k) in prompt.iter().enumerate() {
             let block = index.insert_child(parent, *k, lake_dp::ObjectKind::KvBlock).map_err(|e| e.to_string())?;
             let slot = u32::try_from(i).unwrap_or(0);
-            let loc = Loc { region: 1, state: LocState::Ready, slot, generation: 1 };
+            let loc = Loc { region: 1, state: LocState::Ready, epoch_tag: 0, slot, generation: 1 };
             index.add_replica(block, loc).map_err(|e| e.to_string())?;
             index.add_replica(block, Loc { region: 2, ..loc }).map_err(|e| e.to_string())?;
             parent = Some(block);

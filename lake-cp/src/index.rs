@@ -28,6 +28,9 @@ pub struct Loc {
     pub region: u16,
     /// [`LocState`].
     pub state: LocState,
+    /// The region epoch it was written under, as the location view's
+    /// one-byte tag for that epoch.
+    pub epoch_tag: u8,
     /// The slot in the region.
     pub slot: u32,
     /// The slot's generation when this replica was written.
@@ -49,7 +52,8 @@ pub enum LocState {
 const LOC_EMPTY_REGION: u16 = u16::MAX;
 
 impl Loc {
-    const EMPTY: Self = Self { region: LOC_EMPTY_REGION, state: LocState::Writing, slot: 0, generation: 0 };
+    const EMPTY: Self =
+        Self { region: LOC_EMPTY_REGION, state: LocState::Writing, epoch_tag: 0, slot: 0, generation: 0 };
 
     fn is_empty(&self) -> bool {
         self.region == LOC_EMPTY_REGION
@@ -511,7 +515,7 @@ mod tests {
         let mut index = Index::default();
         let r = index.insert(None, key(1), ObjectKind::RecurrentState).unwrap();
         assert_eq!(index.kind(r), ObjectKind::RecurrentState);
-        let loc = Loc { region: 3, state: LocState::Writing, slot: 9, generation: 2 };
+        let loc = Loc { region: 3, state: LocState::Writing, epoch_tag: 0, slot: 9, generation: 2 };
         index.add_replica(r, loc).unwrap();
         index.add_replica(r, Loc { region: 4, ..loc }).unwrap();
         assert_eq!(index.add_replica(r, Loc { region: 5, ..loc }), Err(IndexError::ReplicasFull));

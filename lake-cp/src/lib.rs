@@ -14,3 +14,4 @@
 
 pub mod evict;
 pub mod index;
+pub mod location;

@@ -1,0 +1,401 @@
+//! The location view: which replicas hold each block, in which state, and
+//! the two-phase put that creates them. This node's `lake-cp` is the
+//! authority for this node's replicas; every change is numbered
+//! (term, sequence) for the cluster summary.
+//!
+//! ```text
+//! reserve(key, parent, region, slot, generation, deadline) ── Writing
+//!    │ commit(epoch, generation) ──► Ready      (stale epoch/generation: refused, dropped)
+//!    │ abort / deadline passed   ──► removed    (an empty leaf block goes too)
+//! evict ──► Evicting ──► removed
+//! ```
+//!
+//! A region's epoch is bumped whenever its `lake-dp` restarts; replicas
+//! carry a one-byte tag of the epoch they were written under, so a region
+//! re-registered under a new epoch makes its old replicas stale at once
+//! (they are dropped as they are met, and never served).
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use lake_dp::{BlockKey, NodeId, ObjectKind, Replica, Tier};
+
+use crate::index::{BlockRef, Index, IndexError, Loc, LocState};
+
+/// A region as the location view knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// Its tier.
+    pub tier: Tier,
+    /// Its node.
+    pub node: NodeId,
+    /// Its current epoch.
+    pub epoch: u64,
+    /// The tag replicas of this epoch carry.
+    tag: u8,
+}
+
+/// Why a location operation was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LocationError {
+    /// The index refused.
+    Index(IndexError),
+    /// No such region registered.
+    UnknownRegion,
+    /// The epoch named is not the region's current one (a stale `lake-dp`
+    /// incarnation, or a message from before a restart).
+    StaleEpoch,
+    /// The generation named is not the reserved one.
+    StaleGeneration,
+    /// No reservation for this block in this region.
+    NoReservation,
+    /// A reservation exists under another request id.
+    Conflict,
+}
+
+impl core::fmt::Display for LocationError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Index(e) => write!(f, "{e}"),
+            Self::UnknownRegion => f.write_str("location: unknown region"),
+            Self::StaleEpoch => f.write_str("location: stale region epoch"),
+            Self::StaleGeneration => f.write_str("location: stale slot generation"),
+            Self::NoReservation => f.write_str("location: no reservation"),
+            Self::Conflict => f.write_str("location: reserved under another request"),
+        }
+    }
+}
+
+impl std::error::Error for LocationError {}
+
+impl From<IndexError> for LocationError {
+    fn from(e: IndexError) -> Self {
+        Self::Index(e)
+    }
+}
+
+/// What changed, numbered for the cluster summary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Change {
+    /// The term of the sequence.
+    pub term: u64,
+    /// Sequence within the term (no gaps).
+    pub sequence: u64,
+    /// Added (ready), or removed.
+    pub op: ChangeOp,
+    /// The block.
+    pub key: BlockKey,
+    /// The replica.
+    pub replica: Replica,
+}
+
+/// A change's kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChangeOp {
+    /// A replica became ready.
+    Ready,
+    /// A ready replica went away.
+    Removed,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Reservation {
+    block: BlockRef,
+    region: u16,
+    generation: u32,
+    deadline_ns: u64,
+    request: u64,
+}
+
+/// The location view over the index. See the module docs.
+#[derive(Debug)]
+pub struct Locations {
+    /// The index it keeps replicas in.
+    pub index: Index,
+    regions: HashMap<u16, RegionInfo>,
+    reservations: HashMap<(BlockRef, u16), Reservation>,
+    deadlines: BinaryHeap<Reverse<(u64, u32, u16)>>,
+    term: u64,
+    sequence: u64,
+    changes: Vec<Change>,
+}
+
+impl Locations {
+    /// An empty view for `term`.
+    pub fn new(term: u64) -> Self {
+        Self {
+            index: Index::default(),
+            regions: HashMap::new(),
+            reservations: HashMap::new(),
+            deadlines: BinaryHeap::new(),
+            term,
+            sequence: 0,
+            changes: Vec::new(),
+        }
+    }
+
+    /// Registers a region, or re-registers it under a new epoch (its
+    /// `lake-dp` restarted): the replicas of earlier epochs become stale.
+    pub fn register_region(&mut self, region: u16, tier: Tier, node: NodeId, epoch: u64) -> Result<(), LocationError> {
+        match self.regions.get_mut(&region) {
+            Some(info) if epoch < info.epoch => Err(LocationError::StaleEpoch),
+            Some(info) if epoch == info.epoch => Ok(()),
+            Some(info) => {
+                info.epoch = epoch;
+                info.tag = info.tag.wrapping_add(1);
+                info.tier = tier;
+                info.node = node;
+                Ok(())
+            }
+            None => {
+                self.regions.insert(region, RegionInfo { tier, node, epoch, tag: 0 });
+                Ok(())
+            }
+        }
+    }
+
+    /// A region's current state.
+    pub fn region(&self, region: u16) -> Option<RegionInfo> {
+        self.regions.get(&region).copied()
+    }
+
+    fn replica(&self, loc: Loc) -> Option<Replica> {
+        let info = self.regions.get(&loc.region)?;
+        Some(Replica {
+            tier: info.tier,
+            node: info.node,
+            region: lake_dp::RegionId(loc.region),
+            region_epoch: info.epoch,
+            slot: loc.slot,
+            generation: loc.generation,
+        })
+    }
+
+    fn is_current(&self, loc: &Loc) -> bool {
+        self.regions.get(&loc.region).is_some_and(|info| info.tag == loc.epoch_tag)
+    }
+
+    fn record(&mut self, op: ChangeOp, key: BlockKey, loc: Loc) {
+        if let Some(replica) = self.replica(loc) {
+            self.sequence += 1;
+            self.changes.push(Change { term: self.term, sequence: self.sequence, op, key, replica });
+        }
+    }
+
+    /// Phase one of a put: reserves `slot` of `region` (at `generation`)
+    /// for `key` under `parent`, inserting the block if needed. Idempotent
+    /// per `request`: the same request reserving again gets the same
+    /// reservation back.
+    #[allow(clippy::too_many_arguments)] // the fields of one reservation
+    pub fn reserve(
+        &mut self,
+        parent: Option<BlockKey>,
+        key: BlockKey,
+        kind: ObjectKind,
+        region: u16,
+        slot: u32,
+        generation: u32,
+        deadline_ns: u64,
+        request: u64,
+    ) -> Result<BlockRef, LocationError> {
+        let info = self.regions.get(&region).copied().ok_or(LocationError::UnknownRegion)?;
+        let block = self.index.insert(parent, key, kind)?;
+        if let Some(existing) = self.reservations.get(&(block, region)) {
+            return if existing.request == request { Ok(block) } else { Err(LocationError::Conflict) };
+        }
+        let loc = Loc { region, state: LocState::Writing, epoch_tag: info.tag, slot, generation };
+        if let Err(e) = self.index.add_replica(block, loc) {
+            self.drop_if_empty_leaf(block);
+            return Err(e.into());
+        }
+        self.reservations.insert((block, region), Reservation { block, region, generation, deadline_ns, request });
+        self.deadlines.push(Reverse((deadline_ns, block.0, region)));
+        Ok(block)
+    }
+
+    /// Phase two: the bytes are written; the replica becomes ready. A stale
+    /// epoch or generation is refused and the reservation dropped.
+    pub fn commit(&mut self, key: &BlockKey, region: u16, epoch: u64, generation: u32) -> Result<(), LocationError> {
+        let block = self.index.get(key).ok_or(LocationError::NoReservation)?;
+        let reservation = self.reservations.get(&(block, region)).copied().ok_or(LocationError::NoReservation)?;
+        let info = self.regions.get(&region).copied().ok_or(LocationError::UnknownRegion)?;
+        let stale = if epoch != info.epoch {
+            Some(LocationError::StaleEpoch)
+        } else if generation != reservation.generation {
+            Some(LocationError::StaleGeneration)
+        } else {
+            None
+        };
+        if let Some(error) = stale {
+            self.abort_reservation(reservation);
+            return Err(error);
+        }
+        self.reservations.remove(&(block, region));
+        self.index.set_replica_state(block, region, LocState::Ready)?;
+        let loc = self.index.replicas(block).find(|l| l.region == region).ok_or(LocationError::NoReservation)?;
+        if !self.is_current(&loc) {
+            // The region restarted between reserve and commit.
+            self.abort_reservation(reservation);
+            return Err(LocationError::StaleEpoch);
+        }
+        self.record(ChangeOp::Ready, *key, loc);
+        Ok(())
+    }
+
+    /// Drops a reservation (the write failed or was cancelled).
+    pub fn abort(&mut self, key: &BlockKey, region: u16) -> Result<(), LocationError> {
+        let block = self.index.get(key).ok_or(LocationError::NoReservation)?;
+        let reservation = self.reservations.get(&(block, region)).copied().ok_or(LocationError::NoReservation)?;
+        self.abort_reservation(reservation);
+        Ok(())
+    }
+
+    fn abort_reservation(&mut self, reservation: Reservation) {
+        self.reservations.remove(&(reservation.block, reservation.region));
+        let _ = self.index.remove_replica(reservation.block, reservation.region);
+        self.drop_if_empty_leaf(reservation.block);
+    }
+
+    fn drop_if_empty_leaf(&mut self, block: BlockRef) {
+        if self.index.is_live(block) && self.index.is_leaf(block) && self.index.replicas(block).next().is_none() {
+            let _ = self.index.remove(block);
+        }
+    }
+
+    /// Aborts every reservation whose deadline has passed (an abandoned
+    /// put). Returns how many.
+    pub fn reap_expired(&mut self, now_ns: u64) -> usize {
+        let mut reaped = 0;
+        while let Some(Reverse((deadline, raw, region))) = self.deadlines.peek().copied() {
+            if deadline > now_ns {
+                break;
+            }
+            self.deadlines.pop();
+            let key = (BlockRef(raw), region);
+            // Only if this entry still names the live reservation.
+            if let Some(reservation) = self.reservations.get(&key).copied()
+                && reservation.deadline_ns == deadline
+            {
+                self.abort_reservation(reservation);
+                reaped += 1;
+            }
+        }
+        reaped
+    }
+
+    /// The ready, current replicas of `key` (what a reader may be sent to).
+    pub fn ready(&self, key: &BlockKey) -> impl Iterator<Item = Replica> + '_ {
+        self.index
+            .get(key)
+            .into_iter()
+            .flat_map(move |block| self.index.replicas(block))
+            .filter(move |loc| loc.state == LocState::Ready && self.is_current(loc))
+            .filter_map(move |loc| self.replica(loc))
+    }
+
+    /// Removes the replica of `key` in `region` (evicted or lost); the
+    /// block goes too when it was its last replica and it is a leaf.
+    pub fn remove(&mut self, key: &BlockKey, region: u16) -> Result<(), LocationError> {
+        let block = self.index.get(key).ok_or(LocationError::Index(IndexError::Unknown))?;
+        let loc = self.index.remove_replica(block, region)?;
+        if loc.state == LocState::Ready && self.is_current(&loc) {
+            self.record(ChangeOp::Removed, *key, loc);
+        }
+        self.reservations.remove(&(block, region));
+        self.drop_if_empty_leaf(block);
+        Ok(())
+    }
+
+    /// Takes the changes recorded since the last call, in sequence order.
+    pub fn drain_changes(&mut self) -> std::vec::Drain<'_, Change> {
+        self.changes.drain(..)
+    }
+
+    /// Reservations outstanding.
+    pub fn reservations(&self) -> usize {
+        self.reservations.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u8) -> BlockKey {
+        BlockKey([i; 16])
+    }
+
+    fn view() -> Locations {
+        let mut view = Locations::new(7);
+        view.register_region(1, Tier::L1Dram, NodeId(3), 10).unwrap();
+        view.register_region(2, Tier::L2Nvme, NodeId(3), 10).unwrap();
+        view
+    }
+
+    #[test]
+    fn reserve_then_commit_makes_a_ready_replica_and_a_change() {
+        let mut v = view();
+        v.reserve(None, key(1), ObjectKind::KvBlock, 1, 5, 9, 1_000, 42).unwrap();
+        assert_eq!(v.ready(&key(1)).count(), 0, "a writing replica is not served");
+        // The same request again: the same reservation; another: refused.
+        v.reserve(None, key(1), ObjectKind::KvBlock, 1, 5, 9, 1_000, 42).unwrap();
+        assert_eq!(v.reserve(None, key(1), ObjectKind::KvBlock, 1, 6, 9, 1_000, 43), Err(LocationError::Conflict));
+        v.commit(&key(1), 1, 10, 9).unwrap();
+        let ready: Vec<Replica> = v.ready(&key(1)).collect();
+        assert_eq!(ready.len(), 1);
+        assert_eq!(
+            (ready[0].tier, ready[0].slot, ready[0].generation, ready[0].region_epoch),
+            (Tier::L1Dram, 5, 9, 10)
+        );
+        let changes: Vec<Change> = v.drain_changes().collect();
+        assert_eq!(changes.len(), 1);
+        assert_eq!((changes[0].term, changes[0].sequence, changes[0].op), (7, 1, ChangeOp::Ready));
+        v.remove(&key(1), 1).unwrap();
+        assert_eq!(v.drain_changes().map(|c| (c.sequence, c.op)).collect::<Vec<_>>(), vec![(2, ChangeOp::Removed)]);
+        assert!(!v.index.contains(&key(1)), "the block went with its last replica");
+    }
+
+    #[test]
+    fn stale_epochs_and_generations_are_refused() {
+        let mut v = view();
+        v.reserve(None, key(1), ObjectKind::KvBlock, 2, 5, 9, 1_000, 1).unwrap();
+        assert_eq!(v.commit(&key(1), 2, 9, 9), Err(LocationError::StaleEpoch));
+        assert_eq!(v.reservations(), 0, "a refused commit drops the reservation");
+        assert!(!v.index.contains(&key(1)));
+        v.reserve(None, key(1), ObjectKind::KvBlock, 2, 5, 9, 1_000, 2).unwrap();
+        assert_eq!(v.commit(&key(1), 2, 10, 8), Err(LocationError::StaleGeneration));
+        // A ready replica of a region that restarts is no longer served.
+        v.reserve(None, key(2), ObjectKind::KvBlock, 2, 6, 1, 1_000, 3).unwrap();
+        v.commit(&key(2), 2, 10, 1).unwrap();
+        assert_eq!(v.ready(&key(2)).count(), 1);
+        v.register_region(2, Tier::L2Nvme, NodeId(3), 11).unwrap();
+        assert_eq!(v.ready(&key(2)).count(), 0);
+        assert_eq!(v.register_region(2, Tier::L2Nvme, NodeId(3), 10), Err(LocationError::StaleEpoch));
+        // A commit under the old epoch after the restart is refused.
+        v.reserve(None, key(3), ObjectKind::KvBlock, 2, 7, 1, 1_000, 4).unwrap();
+        assert_eq!(v.commit(&key(3), 2, 10, 1), Err(LocationError::StaleEpoch));
+        assert_eq!(v.commit(&key(9), 2, 11, 1), Err(LocationError::NoReservation));
+        assert_eq!(v.reserve(None, key(4), ObjectKind::KvBlock, 9, 7, 1, 1_000, 5), Err(LocationError::UnknownRegion));
+    }
+
+    #[test]
+    fn abandoned_reservations_are_reclaimed_after_their_deadline() {
+        let mut v = view();
+        v.reserve(None, key(1), ObjectKind::KvBlock, 1, 1, 1, 500, 1).unwrap();
+        v.reserve(Some(key(1)), key(2), ObjectKind::KvBlock, 1, 2, 1, 900, 2).unwrap();
+        assert_eq!(v.reap_expired(499), 0);
+        // key(1)'s reservation expires, but key(2) (its child) keeps the
+        // block in the index.
+        assert_eq!(v.reap_expired(500), 1);
+        assert!(v.index.contains(&key(1)));
+        assert_eq!(v.reap_expired(1_000), 1);
+        assert!(!v.index.contains(&key(2)));
+        assert_eq!(v.reservations(), 0);
+        // A committed reservation's old deadline reaps nothing.
+        v.reserve(None, key(5), ObjectKind::KvBlock, 1, 3, 1, 2_000, 3).unwrap();
+        v.commit(&key(5), 1, 10, 1).unwrap();
+        assert_eq!(v.reap_expired(3_000), 0);
+        assert_eq!(v.ready(&key(5)).count(), 1);
+        v.abort(&key(5), 1).unwrap_err();
+    }
+}
