@@ -12,7 +12,7 @@
 
 use std::io::{BufRead, Write};
 
-use lake_cp::evict::{Cache, Lake, Lru, Policy, TinyLfu, WTinyLfu};
+use lake_cp::evict::{Cache, Lake, Lru, Policy, Switching, TinyLfu, WTinyLfu};
 use lake_dp::BlockKey;
 use lake_dp::rng::SimRng;
 
@@ -172,6 +172,7 @@ pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
         }
         "belady" => replay(&requests, capacity, Belady::new(&requests)),
         "tinylfu" => replay(&requests, capacity, TinyLfu::new(capacity)),
+        "switching" => replay(&requests, capacity, Switching::new(capacity)),
         "adaptive" => {
             let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
             replay(&requests, capacity, Lake::adaptive(capacity, credit))

@@ -596,3 +596,77 @@ mod tests {
         assert_eq!(lake_hits, 5 * 24 - 3);
     }
 }
+
+/// Chooses between LRU and TinyLFU admission by running both, on the same
+/// request stream, as shadow caches (index only, no data) and following
+/// whichever served more hits recently. The main tier evicts LRU leaves and
+/// admits by frequency only while the frequency shadow is ahead.
+#[derive(Debug)]
+pub struct Switching {
+    lru: Lru,
+    sketch: Sketch,
+    by_frequency: bool,
+    shadow_lru: Box<Cache<Lru>>,
+    shadow_lfu: Box<Cache<TinyLfu>>,
+    /// Exponentially decayed hits of each shadow.
+    score_lru: u64,
+    score_lfu: u64,
+}
+
+impl Switching {
+    /// For a tier of `capacity` blocks.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            lru: Lru::default(),
+            sketch: Sketch::new(capacity),
+            by_frequency: false,
+            shadow_lru: Box::new(Cache::new(capacity, Lru::default())),
+            shadow_lfu: Box::new(Cache::new(capacity, TinyLfu::new(capacity))),
+            score_lru: 0,
+            score_lfu: 0,
+        }
+    }
+
+    /// Whether admission currently follows frequency.
+    pub fn by_frequency(&self) -> bool {
+        self.by_frequency
+    }
+}
+
+impl Policy for Switching {
+    fn name(&self) -> &'static str {
+        "switching"
+    }
+    fn inserted(&mut self, index: &mut Index, block: BlockRef) {
+        self.lru.inserted(index, block);
+    }
+    fn accessed(&mut self, index: &Index, block: BlockRef) {
+        self.lru.accessed(index, block);
+    }
+    fn became_leaf(&mut self, index: &Index, block: BlockRef) {
+        self.lru.became_leaf(index, block);
+    }
+    fn victim(&mut self, index: &Index) -> Option<BlockRef> {
+        self.lru.victim(index)
+    }
+    fn requested(&mut self, keys: &[lake_dp::BlockKey]) {
+        for key in keys {
+            self.sketch.add(key);
+        }
+        let a = self.shadow_lru.request(keys) as u64;
+        let b = self.shadow_lfu.request(keys) as u64;
+        // Decay by 1/1024 per request: a memory of about a thousand requests.
+        self.score_lru = self.score_lru - self.score_lru / 1024 + a * 1024;
+        self.score_lfu = self.score_lfu - self.score_lfu / 1024 + b * 1024;
+        // Follow frequency only while it is clearly ahead (by a quarter):
+        // a near tie keeps plain LRU, which never refuses a new block.
+        self.by_frequency = self.score_lfu > self.score_lru + self.score_lru / 4;
+    }
+    fn admit(&mut self, index: &Index, victim: BlockRef, key: &lake_dp::BlockKey) -> bool {
+        if !self.by_frequency || self.sketch.estimate(key) > self.sketch.estimate(&index.key(victim)) {
+            return true;
+        }
+        self.lru.became_leaf(index, victim);
+        false
+    }
+}
