@@ -12,7 +12,7 @@
 
 use std::io::{BufRead, Write};
 
-use lake_cp::evict::{Cache, Lake, Lru, Policy, Switching, TinyLfu, WTinyLfu};
+use lake_cp::evict::{Cache, Experts, Ladder, Lake, Lru, Policy, Switching, TinyLfu, WTinyLfu};
 use lake_dp::BlockKey;
 use lake_dp::rng::SimRng;
 
@@ -140,11 +140,30 @@ fn replay<P: Policy>(requests: &[Vec<BlockKey>], capacity: usize, policy: P) -> 
         blocks += keys.len() as u64;
         hits += cache.request(keys) as u64;
     }
+    let summary = cache.policy.summary();
+    if !summary.is_empty() {
+        eprintln!("{}: {summary}", cache.policy.name());
+    }
     (blocks, hits, cache.evictions)
 }
 
 pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["file", "capacity-blocks", "capacity-ratio", "policy", "credit"])?;
+    let args = Args::parse(
+        raw,
+        &[
+            "file",
+            "capacity-blocks",
+            "capacity-ratio",
+            "policy",
+            "credit",
+            "margin",
+            "memory",
+            "window",
+            "sample",
+            "hold",
+            "inherit",
+        ],
+    )?;
     let path: String = args.get("file", String::new())?;
     if path.is_empty() {
         return Err("--file is required (JSON lines with hash_ids)".into());
@@ -168,19 +187,47 @@ pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
         "lru" => replay(&requests, capacity, Lru::default()),
         "lake" => {
             let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
-            replay(&requests, capacity, Lake::new(capacity, credit))
+            let mut lake = Lake::new(capacity, if credit == u64::MAX { 0 } else { credit });
+            let hold: f64 = args.get("hold", 0.0)?;
+            lake.hold = (hold * default_credit(capacity, &requests) as f64) as u64;
+            lake.inherit = args.get("inherit", 0u64)? == 1;
+            replay(&requests, capacity, lake)
         }
         "belady" => replay(&requests, capacity, Belady::new(&requests)),
         "tinylfu" => replay(&requests, capacity, TinyLfu::new(capacity)),
+        "ladder" => {
+            let credit = if credit == u64::MAX {
+                0
+            } else if credit > 0 {
+                credit
+            } else {
+                default_credit(capacity, &requests)
+            };
+            let mut ladder = Ladder::new(capacity, default_credit(capacity, &requests), credit);
+            ladder.memory = args.get("memory", 1024)?;
+            replay(&requests, capacity, ladder)
+        }
         "switching" => replay(&requests, capacity, Switching::new(capacity)),
+        "experts" => {
+            let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
+            let margin: u64 = args.get("margin", 20)?;
+            let mut experts = Experts::new(capacity, credit, margin);
+            experts.memory = args.get("memory", 1024)?;
+            replay(&requests, capacity, experts)
+        }
         "adaptive" => {
             let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
             replay(&requests, capacity, Lake::adaptive(capacity, credit))
         }
-        "w1" => replay(&requests, capacity, WTinyLfu::new(capacity, 1)),
-        "w5" => replay(&requests, capacity, WTinyLfu::new(capacity, 5)),
-        "w20" => replay(&requests, capacity, WTinyLfu::new(capacity, 20)),
-        "w50" => replay(&requests, capacity, WTinyLfu::new(capacity, 50)),
+        "w-tinylfu" => {
+            let window: usize = args.get("window", 1)?;
+            let sample: usize = args.get("sample", 0)?;
+            if sample > 0 {
+                replay(&requests, capacity, WTinyLfu::adaptive(capacity, window, sample))
+            } else {
+                replay(&requests, capacity, WTinyLfu::new(capacity, window))
+            }
+        }
         other => return Err(format!("--policy {other}: lru, lake or belady (offline bound)")),
     };
     let mut report = Report::new("trace");

@@ -38,6 +38,10 @@ pub trait Policy {
     fn evicting(&mut self, _index: &Index, _block: BlockRef) {}
     /// A request finished: `hits` of its `blocks` were a cached prefix.
     fn finished(&mut self, _hits: usize, _blocks: usize) {}
+    /// What the policy has learnt, for reports (empty if nothing).
+    fn summary(&self) -> String {
+        String::new()
+    }
 }
 
 /// Entries of a lazy priority queue: (priority, block, the block's access
@@ -121,6 +125,11 @@ pub struct Lake {
     stash: Vec<Reverse<(u64, u32, u32)>>,
     /// Extra life (in requests) per doubling of a block's reuses.
     pub credit_per_doubling: u64,
+    /// Life (in requests) every block is held before a new block may
+    /// replace it.
+    pub hold: u64,
+    /// Whether a block that extends a leaf inherits its reuse count.
+    pub inherit: bool,
     ghosts: HashMap<u64, u32>,
     ghost_order: VecDeque<u64>,
     ghosts_max: usize,
@@ -152,6 +161,8 @@ impl Lake {
             queue: Queue::new(),
             stash: Vec::new(),
             credit_per_doubling,
+            hold: 0,
+            inherit: false,
             ghosts: HashMap::with_capacity(capacity),
             ghost_order: VecDeque::with_capacity(capacity),
             ghosts_max: capacity.max(1),
@@ -180,7 +191,7 @@ impl Lake {
     fn priority(&self, index: &Index, block: BlockRef) -> u64 {
         let reuse = index.hits(block).saturating_sub(1);
         let credit = u64::from(u32::BITS - reuse.leading_zeros()) * self.credit_per_doubling;
-        u64::from(index.touched(block)) + credit
+        u64::from(index.touched(block)) + credit + self.hold
     }
 
     fn push(&mut self, index: &Index, block: BlockRef) {
@@ -197,6 +208,16 @@ impl Policy for Lake {
         if let Some(hits) = self.ghosts.remove(&ghost_id(&index.key(block))) {
             // Its earlier accesses, plus this one.
             index.set_hits(block, hits.saturating_add(1));
+        }
+        if self.inherit
+            && let Some(parent) = index.parent(block)
+            && index.children(parent) == 1
+            && index.touched(parent) == index.now()
+        {
+            // A continuation of a path (the next turn of a conversation):
+            // its new blocks are worth what the path has proven.
+            let inherited = index.hits(parent).max(index.hits(block));
+            index.set_hits(block, inherited);
         }
         self.push(index, block);
     }
@@ -349,33 +370,80 @@ impl Policy for TinyLfu {
     }
 }
 
-/// W-TinyLFU under the leaf-first rule: new blocks enter a small LRU
-/// window unconditionally (recency gets its chance); when the window is
-/// over its share, its LRU leaf competes with the main area's LRU leaf and
-/// the one requested more often (by the sketch) stays.
+/// W-TinyLFU under the leaf-first rule, with a window that adapts.
+///
+/// New blocks enter a window (recency gets its chance); when the window
+/// is over its share, its least recent block leaves it: a block that is a
+/// prefix of others simply joins the main area (it cannot go), a leaf
+/// competes with the main area's least recent leaf and the one requested
+/// more often (by the sketch) stays. The window's share is hill-climbed
+/// on the hit ratio (as Caffeine does): it grows while growing helps, so a
+/// recency-friendly load ends near LRU and a frequency-friendly one near
+/// TinyLFU.
 #[derive(Debug)]
 pub struct WTinyLfu {
-    window: Lru,
+    /// Every window block by recency (not only leaves).
+    window: Queue,
     main: Lru,
+    stash: Vec<Reverse<(u64, u32, u32)>>,
     in_window: Vec<bool>,
     window_len: usize,
     window_max: usize,
     capacity: usize,
     sketch: Sketch,
+    climb: Option<WindowClimb>,
+}
+
+/// Hill-climbing state of the window share.
+#[derive(Debug, Clone, Copy)]
+struct WindowClimb {
+    sample: usize,
+    hits: usize,
+    blocks: usize,
+    /// Hit ratio of the previous sample, parts per million (-1: none yet).
+    previous: i64,
+    /// Blocks the next step moves the window by (the sign is the direction).
+    step: i64,
+    initial_step: i64,
 }
 
 impl WTinyLfu {
-    /// For a tier of `capacity` blocks, `window_percent` of it the window.
+    /// For a tier of `capacity` blocks, `window_percent` of it the window
+    /// (fixed).
     pub fn new(capacity: usize, window_percent: usize) -> Self {
         Self {
-            window: Lru::default(),
+            window: Queue::new(),
             main: Lru::default(),
+            stash: Vec::new(),
             in_window: Vec::new(),
             window_len: 0,
             window_max: (capacity * window_percent / 100).max(1),
             capacity,
             sketch: Sketch::new(capacity),
+            climb: None,
         }
+    }
+
+    /// The window starts at `window_percent` and climbs: every `sample`
+    /// requested blocks ×`capacity`, the share moves by a step (first
+    /// 1/16 of the tier, decaying) in the direction that last helped.
+    pub fn adaptive(capacity: usize, window_percent: usize, sample: usize) -> Self {
+        let mut policy = Self::new(capacity, window_percent);
+        let initial_step = (capacity as i64 / 16).max(1);
+        policy.climb = Some(WindowClimb {
+            sample: capacity.max(64) * sample,
+            hits: 0,
+            blocks: 0,
+            previous: -1,
+            step: initial_step,
+            initial_step,
+        });
+        policy
+    }
+
+    /// The window's share now, in blocks.
+    pub fn window_max(&self) -> usize {
+        self.window_max
     }
 
     fn is_window(&self, block: BlockRef) -> bool {
@@ -396,6 +464,22 @@ impl WTinyLfu {
             }
         }
     }
+
+    fn push_window(&mut self, index: &Index, block: BlockRef) {
+        let touched = index.touched(block);
+        self.window.push(Reverse((u64::from(touched), block.0, touched)));
+    }
+
+    /// The window's least recent block (leaf or not), with a current entry.
+    fn pop_window(&mut self, index: &Index) -> Option<BlockRef> {
+        while let Some(Reverse((_, raw, touched))) = self.window.pop() {
+            let block = BlockRef(raw);
+            if index.is_live(block) && self.is_window(block) && index.touched(block) == touched {
+                return Some(block);
+            }
+        }
+        None
+    }
 }
 
 impl Policy for WTinyLfu {
@@ -404,27 +488,18 @@ impl Policy for WTinyLfu {
     }
     fn inserted(&mut self, index: &mut Index, block: BlockRef) {
         self.set_window(block, true);
-        self.window.inserted(index, block);
-        // Filling up: window overflow moves to the main area while it has
-        // room (nothing is evicted before the tier is full).
-        if self.window_len > self.window_max
-            && index.len() - self.window_len < self.capacity - self.window_max
-            && let Some(candidate) = self.window.victim(index)
-        {
-            self.set_window(candidate, false);
-            self.main.became_leaf(index, candidate);
-        }
+        self.push_window(index, block);
     }
     fn accessed(&mut self, index: &Index, block: BlockRef) {
         if self.is_window(block) {
-            self.window.accessed(index, block);
+            self.push_window(index, block);
         } else {
             self.main.accessed(index, block);
         }
     }
     fn became_leaf(&mut self, index: &Index, block: BlockRef) {
         if self.is_window(block) {
-            self.window.became_leaf(index, block);
+            self.push_window(index, block);
         } else {
             self.main.became_leaf(index, block);
         }
@@ -435,12 +510,22 @@ impl Policy for WTinyLfu {
         }
     }
     fn victim(&mut self, index: &Index) -> Option<BlockRef> {
-        if self.window_len > self.window_max
-            && let Some(candidate) = self.window.victim(index)
-        {
+        let now = index.now();
+        while self.window_len > self.window_max {
+            let Some(candidate) = self.pop_window(index) else { break };
+            if index.touched(candidate) == now {
+                // The window holds only the current request: it overflows
+                // into the main area's room this time.
+                self.push_window(index, candidate);
+                break;
+            }
+            if !index.is_leaf(candidate) {
+                // A prefix of other blocks cannot go: it joins the main area.
+                self.set_window(candidate, false);
+                continue;
+            }
             let Some(incumbent) = self.main.victim(index) else { return Some(candidate) };
             if self.sketch.estimate(&index.key(candidate)) > self.sketch.estimate(&index.key(incumbent)) {
-                // The candidate earns a place in the main area.
                 self.set_window(candidate, false);
                 self.main.became_leaf(index, candidate);
                 return Some(incumbent);
@@ -448,10 +533,54 @@ impl Policy for WTinyLfu {
             self.main.became_leaf(index, incumbent);
             return Some(candidate);
         }
-        self.main.victim(index).or_else(|| self.window.victim(index))
+        if let Some(block) = self.main.victim(index) {
+            return Some(block);
+        }
+        // Nothing in the main area may go: the window's least recent leaf.
+        loop {
+            let candidate = self.pop_window(index)?;
+            if index.is_leaf(candidate) && index.touched(candidate) != now {
+                self.stash.clear();
+                return Some(candidate);
+            }
+            if index.touched(candidate) == now {
+                self.push_window(index, candidate);
+                return None;
+            }
+            // An internal window block: re-queued when it becomes a leaf.
+        }
     }
     fn evicting(&mut self, _index: &Index, block: BlockRef) {
         self.set_window(block, false);
+    }
+    fn finished(&mut self, hits: usize, blocks: usize) {
+        let Some(climb) = &mut self.climb else { return };
+        climb.hits += hits;
+        climb.blocks += blocks;
+        if climb.blocks < climb.sample {
+            return;
+        }
+        let ratio = i64::try_from(climb.hits as u64 * 1_000_000 / climb.blocks as u64).unwrap_or(i64::MAX);
+        climb.hits = 0;
+        climb.blocks = 0;
+        if climb.previous < 0 {
+            climb.previous = ratio;
+            return;
+        }
+        let delta = ratio - climb.previous;
+        climb.previous = ratio;
+        let amount = if delta >= 0 { climb.step } else { -climb.step };
+        // A big change of load restarts the search with a full step.
+        climb.step = if delta.abs() >= 50_000 { climb.initial_step * amount.signum() } else { amount * 98 / 100 };
+        if climb.step == 0 {
+            climb.step = amount.signum();
+        }
+        let capacity = self.capacity as i64;
+        let next = (self.window_max as i64 + amount).clamp(1, capacity - 1);
+        self.window_max = usize::try_from(next).unwrap_or(1);
+    }
+    fn summary(&self) -> String {
+        format!("window {} of {} blocks", self.window_max, self.capacity)
     }
 }
 
@@ -469,12 +598,25 @@ pub struct Cache<P: Policy> {
     pub evictions: u64,
     /// New blocks not cached (admission refused or nothing evictable).
     pub refused: u64,
+    /// Keys evicted by the latest request, kept when `log_evictions`.
+    pub evicted: Vec<lake_dp::BlockKey>,
+    /// Whether to keep `evicted`.
+    pub log_evictions: bool,
 }
 
 impl<P: Policy> Cache<P> {
     /// A cache of `capacity` blocks.
     pub fn new(capacity: usize, policy: P) -> Self {
-        Self { index: Index::with_capacity(capacity), policy, capacity, chain: Vec::new(), evictions: 0, refused: 0 }
+        Self {
+            index: Index::with_capacity(capacity),
+            policy,
+            capacity,
+            chain: Vec::new(),
+            evictions: 0,
+            refused: 0,
+            evicted: Vec::new(),
+            log_evictions: false,
+        }
     }
 
     fn evict_one(&mut self, key: &lake_dp::BlockKey) -> bool {
@@ -483,6 +625,9 @@ impl<P: Policy> Cache<P> {
             return false;
         }
         self.policy.evicting(&self.index, victim);
+        if self.log_evictions {
+            self.evicted.push(self.index.key(victim));
+        }
         let parent = self.index.parent(victim);
         if self.index.remove(victim).is_err() {
             return false;
@@ -500,6 +645,7 @@ impl<P: Policy> Cache<P> {
     /// now touched); the rest are inserted as far as room allows.
     pub fn request(&mut self, keys: &[lake_dp::BlockKey]) -> usize {
         self.index.tick();
+        self.evicted.clear();
         self.policy.requested(keys);
         let hit = self.index.longest_prefix(keys);
         for key in &keys[..hit] {
@@ -668,5 +814,253 @@ impl Policy for Switching {
         }
         self.lru.became_leaf(index, victim);
         false
+    }
+}
+
+/// Which expert the [`Experts`] policy follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expert {
+    /// Plain LRU over leaves.
+    Recency,
+    /// Recency plus credit for proven reuse, with the credit's admission.
+    Credit,
+    /// LRU eviction, admission by frequency (TinyLFU).
+    Frequency,
+}
+
+/// Follows whichever of three experts — LRU, reuse credit, frequency
+/// admission — served the most hits recently, judged by shadow caches
+/// that see the same requests.
+#[derive(Debug)]
+pub struct Experts {
+    main: Lake,
+    sketch: Sketch,
+    expert: Expert,
+    credit: u64,
+    shadow_lru: Box<Cache<Lru>>,
+    shadow_credit: Box<Cache<Lake>>,
+    shadow_lfu: Box<Cache<TinyLfu>>,
+    scores: [u64; 3],
+    /// A challenger must beat LRU by `1 / margin` of LRU's score.
+    pub margin: u64,
+    /// Requests each expert was followed for.
+    pub followed: [u64; 3],
+    /// Scores decay by `1 / memory` per request.
+    pub memory: u64,
+    totals: [u64; 3],
+    /// Keys the followed shadow evicted: the tier evicts them first.
+    doomed: VecDeque<lake_dp::BlockKey>,
+}
+
+impl Experts {
+    /// For a tier of `capacity` blocks; `credit` as [`Lake::new`].
+    pub fn new(capacity: usize, credit: u64, margin: u64) -> Self {
+        let mut shadow_lru = Box::new(Cache::new(capacity, Lru::default()));
+        let mut shadow_credit = Box::new(Cache::new(capacity, Lake::new(capacity, credit)));
+        let mut shadow_lfu = Box::new(Cache::new(capacity, TinyLfu::new(capacity)));
+        shadow_lru.log_evictions = true;
+        shadow_credit.log_evictions = true;
+        shadow_lfu.log_evictions = true;
+        Self {
+            main: Lake::new(capacity, 0),
+            sketch: Sketch::new(capacity),
+            expert: Expert::Recency,
+            credit,
+            shadow_lru,
+            shadow_credit,
+            shadow_lfu,
+            scores: [0; 3],
+            margin,
+            followed: [0; 3],
+            memory: 1024,
+            totals: [0; 3],
+            doomed: VecDeque::new(),
+        }
+    }
+
+    /// The expert followed now.
+    pub fn expert(&self) -> Expert {
+        self.expert
+    }
+
+    fn followed_holds(&self, key: &lake_dp::BlockKey) -> bool {
+        match self.expert {
+            Expert::Recency => self.shadow_lru.index.contains(key),
+            Expert::Credit => self.shadow_credit.index.contains(key),
+            Expert::Frequency => self.shadow_lfu.index.contains(key),
+        }
+    }
+}
+
+impl Policy for Experts {
+    fn name(&self) -> &'static str {
+        "experts"
+    }
+    fn inserted(&mut self, index: &mut Index, block: BlockRef) {
+        self.main.inserted(index, block);
+    }
+    fn accessed(&mut self, index: &Index, block: BlockRef) {
+        self.main.accessed(index, block);
+    }
+    fn became_leaf(&mut self, index: &Index, block: BlockRef) {
+        self.main.became_leaf(index, block);
+    }
+    fn victim(&mut self, index: &Index) -> Option<BlockRef> {
+        // First what the followed shadow has let go of (while it is still
+        // let go of, is a leaf and is not the current request's).
+        while let Some(key) = self.doomed.pop_front() {
+            if let Some(block) = index.get(&key)
+                && index.is_leaf(block)
+                && index.touched(block) != index.now()
+                && !self.followed_holds(&key)
+            {
+                return Some(block);
+            }
+        }
+        self.main.victim(index)
+    }
+    fn requested(&mut self, keys: &[lake_dp::BlockKey]) {
+        for key in keys {
+            self.sketch.add(key);
+        }
+        let hits = [
+            self.shadow_lru.request(keys) as u64,
+            self.shadow_credit.request(keys) as u64,
+            self.shadow_lfu.request(keys) as u64,
+        ];
+        let log = match self.expert {
+            Expert::Recency => &mut self.shadow_lru.evicted,
+            Expert::Credit => &mut self.shadow_credit.evicted,
+            Expert::Frequency => &mut self.shadow_lfu.evicted,
+        };
+        self.doomed.extend(log.drain(..));
+        for (total, hit) in self.totals.iter_mut().zip(hits) {
+            *total += hit;
+        }
+        for (score, hit) in self.scores.iter_mut().zip(hits) {
+            *score = *score - *score / self.memory + hit * 1024;
+        }
+        // LRU unless a challenger is clearly ahead of it, so noise does not
+        // flip the tier between behaviours.
+        let bar = self.scores[0] + self.scores[0] / self.margin;
+        let best = if self.scores[1] >= self.scores[2] { 1 } else { 2 };
+        self.expert = if self.scores[best] > bar {
+            [Expert::Recency, Expert::Credit, Expert::Frequency][best]
+        } else {
+            Expert::Recency
+        };
+        self.followed[self.expert as usize] += 1;
+        self.main.credit_per_doubling = if self.expert == Expert::Credit { self.credit } else { 0 };
+    }
+    fn admit(&mut self, index: &Index, victim: BlockRef, key: &lake_dp::BlockKey) -> bool {
+        // The tier keeps a new block only if the followed shadow kept it.
+        if self.followed_holds(key) {
+            return true;
+        }
+        self.main.became_leaf(index, victim);
+        false
+    }
+    fn evicting(&mut self, index: &Index, block: BlockRef) {
+        self.main.evicting(index, block);
+    }
+    fn summary(&self) -> String {
+        let totals = [self.totals[0], self.totals[1], self.totals[2]];
+        format!("followed recency/credit/frequency {:?}, shadow hits {totals:?}", self.followed)
+    }
+}
+
+/// Recency with a hold time that adapts: every block is held at least
+/// `hold` requests before a new block may replace it (0: plain LRU; long:
+/// the tier keeps what it has and admits new blocks only as old ones
+/// expire, which bridges reuse gaps longer than the tier's reach). Shadow
+/// caches run a ladder of hold times on the same requests; the tier moves
+/// one rung at a time toward the rung that served the most hits lately.
+#[derive(Debug)]
+pub struct Ladder {
+    main: Lake,
+    rungs: Vec<u64>,
+    shadows: Vec<Cache<Lake>>,
+    scores: Vec<u64>,
+    at: usize,
+    /// Scores decay by `1 / memory` per request.
+    pub memory: u64,
+    /// Requests spent on each rung.
+    pub followed: Vec<u64>,
+    /// Requests since the last move.
+    dwell: u64,
+    /// Requests to stay on a rung before the next move.
+    pub min_dwell: u64,
+    oracle: u64,
+}
+
+impl Ladder {
+    /// For a tier of `capacity` blocks turning over every `turnover`
+    /// requests: rungs of 0, ½, 1, 2, 4, 8 turnovers; `credit` as [`Lake::new`].
+    pub fn new(capacity: usize, turnover: u64, credit: u64) -> Self {
+        let rungs: Vec<u64> = [0, turnover / 2, turnover, turnover * 2, turnover * 4, turnover * 8].into();
+        let shadows = rungs
+            .iter()
+            .map(|&hold| {
+                let mut lake = Lake::new(capacity, credit);
+                lake.hold = hold;
+                Cache::new(capacity, lake)
+            })
+            .collect();
+        Self {
+            main: Lake::new(capacity, credit),
+            scores: vec![0; rungs.len()],
+            followed: vec![0; rungs.len()],
+            rungs,
+            shadows,
+            at: 0,
+            memory: 1024,
+            dwell: 0,
+            min_dwell: turnover,
+            oracle: 0,
+        }
+    }
+}
+
+impl Policy for Ladder {
+    fn name(&self) -> &'static str {
+        "ladder"
+    }
+    fn inserted(&mut self, index: &mut Index, block: BlockRef) {
+        self.main.inserted(index, block);
+    }
+    fn accessed(&mut self, index: &Index, block: BlockRef) {
+        self.main.accessed(index, block);
+    }
+    fn became_leaf(&mut self, index: &Index, block: BlockRef) {
+        self.main.became_leaf(index, block);
+    }
+    fn victim(&mut self, index: &Index) -> Option<BlockRef> {
+        self.main.victim(index)
+    }
+    fn admit(&mut self, index: &Index, victim: BlockRef, key: &lake_dp::BlockKey) -> bool {
+        self.main.admit(index, victim, key)
+    }
+    fn evicting(&mut self, index: &Index, block: BlockRef) {
+        self.main.evicting(index, block);
+    }
+    fn requested(&mut self, keys: &[lake_dp::BlockKey]) {
+        for (i, (shadow, score)) in self.shadows.iter_mut().zip(&mut self.scores).enumerate() {
+            let hit = shadow.request(keys) as u64;
+            if i == self.at {
+                self.oracle += hit;
+            }
+            *score = *score - *score / self.memory + hit * 1024;
+        }
+        self.dwell += 1;
+        let best = (0..self.rungs.len()).max_by_key(|&i| (self.scores[i], std::cmp::Reverse(i))).unwrap_or(0);
+        if self.dwell >= self.min_dwell && best != self.at {
+            self.at = if best > self.at { self.at + 1 } else { self.at - 1 };
+            self.main.hold = self.rungs[self.at];
+            self.dwell = 0;
+        }
+        self.followed[self.at] += 1;
+    }
+    fn summary(&self) -> String {
+        format!("rungs {:?}, requests per rung {:?}, followed shadow's hits {}", self.rungs, self.followed, self.oracle)
     }
 }
