@@ -12,7 +12,7 @@
 
 use std::io::{BufRead, Write};
 
-use lake_cp::evict::{Cache, Experts, Ladder, Lake, Lru, Policy, Switching, TinyLfu, WTinyLfu};
+use lake_cp::evict::{Cache, Credit, Lake, Lru, Policy, TinyLfu};
 use lake_dp::BlockKey;
 use lake_dp::rng::SimRng;
 
@@ -133,18 +133,16 @@ impl Policy for Belady {
     }
 }
 
-fn replay<P: Policy>(requests: &[Vec<BlockKey>], capacity: usize, policy: P) -> (u64, u64, u64) {
+/// Replays the trace: (blocks requested, blocks hit, evictions, what the
+/// policy learnt).
+fn replay<P: Policy>(requests: &[Vec<BlockKey>], capacity: usize, policy: P) -> (u64, u64, u64, String) {
     let mut cache = Cache::new(capacity, policy);
     let (mut blocks, mut hits) = (0u64, 0u64);
     for keys in requests {
         blocks += keys.len() as u64;
         hits += cache.request(keys) as u64;
     }
-    let summary = cache.policy.summary();
-    if !summary.is_empty() {
-        eprintln!("{}: {summary}", cache.policy.name());
-    }
-    (blocks, hits, cache.evictions)
+    (blocks, hits, cache.evictions, cache.policy.summary())
 }
 
 pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
@@ -182,53 +180,25 @@ pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
         return Err("--capacity-blocks N or --capacity-ratio R is required".into());
     };
     let policy: String = args.get("policy", "lake".to_owned())?;
-    let credit: u64 = args.get("credit", 0)?;
-    let (blocks, hits, evictions) = match policy.as_str() {
+    let turnover = turnover(capacity, &requests);
+    let credit: u64 = args.get("credit", turnover)?;
+    let (blocks, hits, evictions, learnt) = match policy.as_str() {
         "lru" => replay(&requests, capacity, Lru::default()),
+        "credit" => replay(&requests, capacity, Credit::new(capacity, credit)),
+        "tinylfu" => replay(&requests, capacity, TinyLfu::new(capacity)),
         "lake" => {
-            let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
-            let mut lake = Lake::new(capacity, if credit == u64::MAX { 0 } else { credit });
-            let hold: f64 = args.get("hold", 0.0)?;
-            lake.hold = (hold * default_credit(capacity, &requests) as f64) as u64;
-            lake.inherit = args.get("inherit", 0u64)? == 1;
+            let mut lake = Lake::new(capacity);
+            lake.margin = args.get("margin", lake.margin)?;
+            lake.memory = args.get("memory", lake.memory)?;
+            if lake.margin == 0 || lake.memory == 0 {
+                return Err("--margin and --memory must be at least 1".into());
+            }
             replay(&requests, capacity, lake)
         }
         "belady" => replay(&requests, capacity, Belady::new(&requests)),
-        "tinylfu" => replay(&requests, capacity, TinyLfu::new(capacity)),
-        "ladder" => {
-            let credit = if credit == u64::MAX {
-                0
-            } else if credit > 0 {
-                credit
-            } else {
-                default_credit(capacity, &requests)
-            };
-            let mut ladder = Ladder::new(capacity, default_credit(capacity, &requests), credit);
-            ladder.memory = args.get("memory", 1024)?;
-            replay(&requests, capacity, ladder)
+        other => {
+            return Err(format!("--policy {other}: lake (default), lru, credit, tinylfu, or belady (offline bound)"));
         }
-        "switching" => replay(&requests, capacity, Switching::new(capacity)),
-        "experts" => {
-            let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
-            let margin: u64 = args.get("margin", 20)?;
-            let mut experts = Experts::new(capacity, credit, margin);
-            experts.memory = args.get("memory", 1024)?;
-            replay(&requests, capacity, experts)
-        }
-        "adaptive" => {
-            let credit = if credit > 0 { credit } else { default_credit(capacity, &requests) };
-            replay(&requests, capacity, Lake::adaptive(capacity, credit))
-        }
-        "w-tinylfu" => {
-            let window: usize = args.get("window", 1)?;
-            let sample: usize = args.get("sample", 0)?;
-            if sample > 0 {
-                replay(&requests, capacity, WTinyLfu::adaptive(capacity, window, sample))
-            } else {
-                replay(&requests, capacity, WTinyLfu::new(capacity, window))
-            }
-        }
-        other => return Err(format!("--policy {other}: lru, lake or belady (offline bound)")),
     };
     let mut report = Report::new("trace");
     report.text("file", &path);
@@ -240,14 +210,16 @@ pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
     report.int("hit_blocks", hits);
     report.int("evictions", evictions);
     report.float("prefix_hit_ratio", hits as f64 / blocks.max(1) as f64);
+    if !learnt.is_empty() {
+        report.text("policy_state", &learnt);
+    }
     Ok(report)
 }
 
-/// The default policy's credit: how many requests of extra life a doubling
-/// of reuse buys — the requests the tier takes to turn over once (its
-/// capacity over the mean blocks per request), so a block reused twice as
-/// often as its peers survives one more turnover.
-pub(crate) fn default_credit(capacity: usize, requests: &[Vec<BlockKey>]) -> u64 {
+/// Requests a tier of `capacity` blocks takes to turn over once: its
+/// capacity over the trace's mean blocks per request (the `credit`
+/// policy's default credit).
+fn turnover(capacity: usize, requests: &[Vec<BlockKey>]) -> u64 {
     let blocks: usize = requests.iter().map(Vec::len).sum();
     let mean = (blocks / requests.len().max(1)).max(1);
     (capacity / mean).max(1) as u64

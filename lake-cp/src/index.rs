@@ -350,11 +350,6 @@ impl Index {
         self.nodes[block.0 as usize].children == 0
     }
 
-    /// How many cached children a node has.
-    pub fn children(&self, block: BlockRef) -> u32 {
-        self.nodes[block.0 as usize].children
-    }
-
     /// Sets a block's access count (a policy restoring what it remembered
     /// of an evicted block).
     pub fn set_hits(&mut self, block: BlockRef, hits: u32) {
