@@ -190,8 +190,9 @@ pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
             let mut lake = Lake::new(capacity);
             lake.margin = args.get("margin", lake.margin)?;
             lake.memory = args.get("memory", lake.memory)?;
-            if lake.margin == 0 || lake.memory == 0 {
-                return Err("--margin and --memory must be at least 1".into());
+            lake.guard = args.get("guard", lake.guard)?;
+            if lake.margin == 0 || lake.memory == 0 || lake.guard == 0 {
+                return Err("--margin, --memory and --guard must be at least 1".into());
             }
             replay(&requests, capacity, lake)
         }

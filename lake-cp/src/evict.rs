@@ -40,6 +40,8 @@ pub trait Policy {
     fn admit(&mut self, _index: &Index, _victim: BlockRef, _key: &BlockKey) -> bool {
         true
     }
+    /// A request ended: `hits` of its blocks were a cached prefix.
+    fn finished(&mut self, _hits: usize) {}
     /// `block` is about to be evicted.
     fn evicting(&mut self, _index: &Index, _block: BlockRef) {}
     /// What the policy has learnt, for reports (empty if nothing).
@@ -327,7 +329,10 @@ impl Expert {
 /// LRU. Following an expert means the tier orders its leaves as that
 /// expert does, keeps a new block only if that expert's shadow kept it,
 /// and evicts first what that shadow has evicted — so the tier converges
-/// on the followed shadow's contents instead of mixing behaviours.
+/// on the followed shadow's contents instead of mixing behaviours. A
+/// shadow's lead comes from contents the tier may not have, so the tier
+/// also scores its own hits: following a challenger that leaves the tier
+/// behind the LRU shadow (by `1 / guard`) sends it back to LRU for a while.
 ///
 /// Why these three: LRU is right when reuse comes soon; credit keeps what
 /// is reused again and again (turns of long sessions) when the tier is a
@@ -350,6 +355,10 @@ pub struct Lake {
     pub margin: u64,
     /// Scores decay by `1 / memory` per request.
     pub memory: u64,
+    /// While following a challenger, falling behind the LRU shadow by
+    /// `1 / guard` of its score sends the tier back to LRU for `memory`
+    /// requests.
+    pub guard: u64,
     /// Requests each expert was followed for.
     pub followed: [u64; 3],
     /// Hits of each shadow so far.
@@ -358,6 +367,12 @@ pub struct Lake {
     blocks: u64,
     /// Keys the followed shadow evicted: the tier evicts them first.
     doomed: VecDeque<BlockKey>,
+    /// The tier's own hits, decayed as the scores.
+    own: u64,
+    /// Requests left in which the tier follows LRU whatever the scores.
+    cooldown: u64,
+    /// Times the tier fell behind the LRU shadow and went back to LRU.
+    pub backoffs: u64,
 }
 
 impl Lake {
@@ -379,11 +394,15 @@ impl Lake {
             scores: [0; 3],
             margin: 10,
             memory: 1024,
+            guard: 50,
             followed: [0; 3],
             shadow_hits: [0; 3],
             requests: 0,
             blocks: 0,
             doomed: VecDeque::new(),
+            own: 0,
+            cooldown: 0,
+            backoffs: 0,
         }
     }
 
@@ -443,7 +462,8 @@ impl Policy for Lake {
         }
         let bar = self.scores[0] + self.scores[0] / self.margin;
         let best = if self.scores[1] >= self.scores[2] { 1 } else { 2 };
-        self.expert = if self.scores[best] > bar { Expert::ALL[best] } else { Expert::Recency };
+        self.cooldown = self.cooldown.saturating_sub(1);
+        self.expert = if self.scores[best] > bar && self.cooldown == 0 { Expert::ALL[best] } else { Expert::Recency };
         self.followed[self.expert as usize] += 1;
         self.main.credit_per_doubling = if self.expert == Expert::Credit { turnover } else { 0 };
         let log = match self.expert {
@@ -468,6 +488,15 @@ impl Policy for Lake {
     }
     fn evicting(&mut self, index: &Index, block: BlockRef) {
         self.main.evicting(index, block);
+    }
+    fn finished(&mut self, hits: usize) {
+        self.own = self.own - self.own / self.memory + hits as u64 * 1024;
+        if self.expert != Expert::Recency && self.own < self.scores[0] - self.scores[0] / self.guard {
+            // Following a challenger has not paid here: back to LRU for a
+            // while (the tier converges on the LRU shadow meanwhile).
+            self.backoffs += 1;
+            self.cooldown = self.memory;
+        }
     }
     fn summary(&self) -> String {
         format!("requests following recency/credit/frequency {:?}; shadow hits {:?}", self.followed, self.shadow_hits)
@@ -560,6 +589,7 @@ impl<P: Policy> Cache<P> {
             }
             parent = Some(*key);
         }
+        self.policy.finished(hit);
         hit
     }
 }
