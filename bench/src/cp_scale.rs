@@ -54,15 +54,17 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
 
     let mut index = Index::with_capacity(keys.len());
     let start = Instant::now();
+    let mut refs = Vec::with_capacity(chain);
     for prompt in keys.chunks_exact(chain) {
-        let mut parent = None;
-        for (i, k) in prompt.iter().enumerate() {
-            let block = index.insert_child(parent, *k, lake_dp::ObjectKind::KvBlock).map_err(|e| e.to_string())?;
+        // A prompt's blocks arrive together (one put of a request's
+        // chain), then their replicas.
+        refs.clear();
+        index.insert_chain(None, prompt, &mut refs).map_err(|e| e.to_string())?;
+        for (i, &block) in refs.iter().enumerate() {
             let slot = u32::try_from(i).unwrap_or(0);
             let loc = Loc { region: 1, state: LocState::Ready, epoch_tag: 0, slot, generation: 1 };
             index.add_replica(block, loc).map_err(|e| e.to_string())?;
             index.add_replica(block, Loc { region: 2, ..loc }).map_err(|e| e.to_string())?;
-            parent = Some(block);
         }
     }
     let insert_s = start.elapsed().as_secs_f64();

@@ -474,7 +474,7 @@ impl Policy for Lake {
         self.doomed.extend(log.drain(..));
         // Doomed keys the tier no longer holds are dropped as they are
         // met; bound the list so a long run of them cannot grow it.
-        while self.doomed.len() > self.capacity as usize {
+        while self.doomed.len() as u64 > self.capacity {
             self.doomed.pop_front();
         }
     }
@@ -595,6 +595,7 @@ impl<P: Policy> Cache<P> {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)] // test sizes and seeds are small
 mod tests {
     use super::*;
 

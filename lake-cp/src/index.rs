@@ -10,9 +10,9 @@
 //! whole prefix is present. That is what lets [`Index::longest_prefix`]
 //! binary-search a prompt's keys with a logarithmic number of probes.
 
-use hashbrown::HashTable;
-use hashbrown::hash_table::Entry;
 use lake_dp::{BlockKey, ObjectKind};
+
+use crate::table::{KeyTable, Probe};
 
 /// A node's index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -140,7 +140,7 @@ fn hash(key: &BlockKey) -> u64 {
 pub struct Index {
     nodes: Vec<Node>,
     free: Vec<u32>,
-    table: HashTable<u32>,
+    table: KeyTable,
     len: usize,
     clock: u32,
 }
@@ -148,13 +148,9 @@ pub struct Index {
 impl Index {
     /// An empty index with room for `blocks` before growing.
     pub fn with_capacity(blocks: usize) -> Self {
-        Self {
-            nodes: Vec::with_capacity(blocks),
-            free: Vec::new(),
-            table: HashTable::with_capacity(blocks),
-            len: 0,
-            clock: 0,
-        }
+        let nodes = Vec::with_capacity(blocks);
+        crate::huge::advise(&nodes);
+        Self { nodes, free: Vec::new(), table: KeyTable::with_capacity(blocks), len: 0, clock: 0 }
     }
 
     /// Blocks cached.
@@ -170,9 +166,7 @@ impl Index {
     /// Heap bytes held (nodes, free list, hash table), for the
     /// bytes-per-block figure.
     pub fn heap_bytes(&self) -> usize {
-        self.nodes.capacity() * size_of::<Node>()
-            + self.free.capacity() * 4
-            + self.table.capacity() * (size_of::<u32>() + 1)
+        self.nodes.capacity() * size_of::<Node>() + self.free.capacity() * 4 + self.table.heap_bytes()
     }
 
     /// Advances and returns the logical clock (one tick per request).
@@ -190,7 +184,7 @@ impl Index {
     #[inline]
     pub fn get(&self, key: &BlockKey) -> Option<BlockRef> {
         let nodes = &self.nodes;
-        self.table.find(hash(key), |&i| nodes[i as usize].key == *key).map(|&i| BlockRef(i))
+        self.table.find(hash(key), |i| nodes[i as usize].key == *key).map(BlockRef)
     }
 
     /// Whether `key` is cached.
@@ -237,19 +231,19 @@ impl Index {
             None => u32::try_from(self.nodes.len()).ok().filter(|&i| i != NONE).ok_or(IndexError::Full)?,
         };
         let nodes = &self.nodes;
-        match self.table.entry(hash(&key), |&i| nodes[i as usize].key == key, |&i| hash(&nodes[i as usize].key)) {
-            Entry::Occupied(existing) => {
-                let existing = *existing.get();
+        self.table.reserve_one(|i| hash(&nodes[i as usize].key));
+        let nodes = &self.nodes;
+        let vacant = match self.table.probe(hash(&key), |i| nodes[i as usize].key == key) {
+            Probe::Found(existing) => {
                 return if self.nodes[existing as usize].parent == parent_index {
                     Ok(BlockRef(existing))
                 } else {
                     Err(IndexError::ParentMismatch)
                 };
             }
-            Entry::Vacant(vacant) => {
-                vacant.insert(index);
-            }
-        }
+            Probe::Vacant(at) => at,
+        };
+        self.table.fill(vacant, hash(&key), index);
         let node = Node {
             key,
             parent: parent_index,
@@ -261,7 +255,11 @@ impl Index {
         if self.free.pop().is_some() {
             self.nodes[index as usize] = node;
         } else {
+            let capacity = self.nodes.capacity();
             self.nodes.push(node);
+            if self.nodes.capacity() != capacity {
+                crate::huge::advise(&self.nodes);
+            }
         }
         if parent_index != NONE {
             self.nodes[parent_index as usize].children += 1;
@@ -282,7 +280,16 @@ impl Index {
             None => None,
             Some(p) => Some(self.get(&p).ok_or(IndexError::NoParent)?),
         };
-        for key in keys {
+        // The buckets of keys a few places ahead are fetched while this
+        // one is inserted: their cache misses overlap.
+        const AHEAD: usize = 4;
+        for key in keys.iter().take(AHEAD) {
+            self.table.prefetch(hash(key));
+        }
+        for (i, key) in keys.iter().enumerate() {
+            if let Some(ahead) = keys.get(i + AHEAD) {
+                self.table.prefetch(hash(ahead));
+            }
             let block = self.insert_child(parent, *key, ObjectKind::KvBlock)?;
             out.push(block);
             parent = Some(block);
@@ -301,6 +308,12 @@ impl Index {
         let (mut lo, mut hi) = (0usize, keys.len());
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
+            // Either half may come next: fetch both next probes' buckets
+            // while this one is answered.
+            if let Some(next) = keys.get(mid + 1 + (hi - mid - 1) / 2) {
+                self.table.prefetch(hash(next));
+            }
+            self.table.prefetch(hash(&keys[lo + (mid - lo) / 2]));
             if self.contains(&keys[mid]) {
                 lo = mid + 1;
             } else {
@@ -388,11 +401,9 @@ impl Index {
             return Err(IndexError::HasChildren);
         }
         let nodes = &self.nodes;
-        match self.table.find_entry(hash(&node.key), |&i| nodes[i as usize].key == node.key) {
-            Ok(entry) => {
-                entry.remove();
-            }
-            Err(_) => return Err(IndexError::Unknown),
+        let key = node.key;
+        if !self.table.remove(hash(&key), |i| nodes[i as usize].key == key, |i| hash(&nodes[i as usize].key)) {
+            return Err(IndexError::Unknown);
         }
         if node.parent != NONE {
             self.nodes[node.parent as usize].children -= 1;

@@ -13,5 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod evict;
+mod huge;
 pub mod index;
 pub mod location;
+mod table;
