@@ -74,13 +74,15 @@ struct Node {
     locs: [Loc; REPLICAS_INLINE],
     /// Logical time of the last access (eviction policies read it).
     touched: u32,
-    /// Bit 0-1: object kind; bits 8..32: accesses (saturating).
+    /// Bit 0-1: object kind; bit 2: a recurrent-state checkpoint hangs
+    /// under this block; bits 8..32: accesses (saturating).
     meta: u32,
 }
 
 const _: () = assert!(size_of::<Node>() <= 56);
 
 const META_KIND_MASK: u32 = 0b11;
+const META_HAS_STATE: u32 = 0b100;
 const META_HITS_SHIFT: u32 = 8;
 const META_HITS_MAX: u32 = (1 << 24) - 1;
 
@@ -262,7 +264,11 @@ impl Index {
             }
         }
         if parent_index != NONE {
-            self.nodes[parent_index as usize].children += 1;
+            let parent = &mut self.nodes[parent_index as usize];
+            parent.children += 1;
+            if kind == ObjectKind::RecurrentState {
+                parent.meta |= META_HAS_STATE;
+            }
         }
         self.len += 1;
         Ok(BlockRef(index))
@@ -324,6 +330,43 @@ impl Index {
             return lo;
         }
         (0..keys.len()).take_while(|&i| self.linked(keys, i)).count()
+    }
+
+    /// Inserts the recurrent-state checkpoint taken after `block` (keyed
+    /// [`BlockKey::state_key`]) as a leaf under it: the block, and so its
+    /// whole prefix, stays cached while the checkpoint is.
+    pub fn insert_state(&mut self, block: BlockRef) -> Result<BlockRef, IndexError> {
+        if !self.is_live(block) {
+            return Err(IndexError::NoParent);
+        }
+        if self.kind(block) == ObjectKind::RecurrentState {
+            return Err(IndexError::ParentMismatch);
+        }
+        let key = self.nodes[block.0 as usize].key.state_key();
+        self.insert_child(Some(block), key, ObjectKind::RecurrentState)
+    }
+
+    /// The longest prefix a hybrid model can resume from: `(kv, state)`,
+    /// where `kv` is [`Index::longest_prefix`] and `state` the deepest
+    /// position at most `kv` whose block has a recurrent-state checkpoint
+    /// (0: none). Walks parent links up from the hit, so it costs the
+    /// distance back to that checkpoint.
+    pub fn longest_prefix_with_state(&self, keys: &[BlockKey]) -> (usize, usize) {
+        let kv = self.longest_prefix(keys);
+        let Some(mut node) = kv.checked_sub(1).and_then(|last| self.get(&keys[last])) else { return (kv, 0) };
+        let mut position = kv;
+        loop {
+            if self.nodes[node.0 as usize].meta & META_HAS_STATE != 0 {
+                return (kv, position);
+            }
+            match self.parent(node) {
+                Some(parent) if position > 1 => {
+                    node = parent;
+                    position -= 1;
+                }
+                _ => return (kv, 0),
+            }
+        }
     }
 
     /// Whether `keys[position]` is cached with `keys[position - 1]` (or no
@@ -406,7 +449,11 @@ impl Index {
             return Err(IndexError::Unknown);
         }
         if node.parent != NONE {
-            self.nodes[node.parent as usize].children -= 1;
+            let parent = &mut self.nodes[node.parent as usize];
+            parent.children -= 1;
+            if node.meta & META_KIND_MASK == kind_bits(ObjectKind::RecurrentState) {
+                parent.meta &= !META_HAS_STATE;
+            }
         }
         self.nodes[block.0 as usize].key = BlockKey::NONE;
         self.free.push(block.0);
@@ -519,6 +566,36 @@ mod tests {
         assert_eq!(index.longest_prefix(&[key(0), key(1), key(11)]), 2);
         assert_eq!(index.longest_prefix(&[key(0), key(11)]), 1);
         assert_eq!(index.longest_prefix(&[key(11), key(1)]), 0);
+    }
+
+    #[test]
+    fn recurrent_state_checkpoints_are_leaves_under_their_block() {
+        let mut index = Index::default();
+        let prompt = chain(0, 8);
+        let mut refs = Vec::new();
+        index.insert_chain(None, &prompt, &mut refs).unwrap();
+        assert_eq!(index.longest_prefix_with_state(&prompt), (8, 0));
+        let at3 = index.insert_state(refs[2]).unwrap();
+        let at6 = index.insert_state(refs[5]).unwrap();
+        assert_eq!(index.kind(at6), ObjectKind::RecurrentState);
+        assert!(index.contains(&prompt[5].state_key()));
+        assert_eq!(index.longest_prefix_with_state(&prompt), (8, 6));
+        assert_eq!(index.longest_prefix_with_state(&prompt[..5]), (5, 3));
+        // A checkpoint holds its block: the block is no leaf now.
+        assert_eq!(index.remove(refs[7]).unwrap(), prompt[7]);
+        assert_eq!(index.remove(refs[6]).unwrap(), prompt[6]);
+        assert_eq!(index.remove(refs[5]), Err(IndexError::HasChildren));
+        index.remove(at6).unwrap();
+        assert_eq!(index.longest_prefix_with_state(&prompt), (6, 3));
+        index.remove(refs[5]).unwrap();
+        index.remove(refs[4]).unwrap();
+        index.remove(refs[3]).unwrap();
+        index.remove(at3).unwrap();
+        assert_eq!(index.longest_prefix_with_state(&prompt), (3, 0));
+        // No checkpoint of a checkpoint, none under a freed block.
+        let state = index.insert_state(refs[1]).unwrap();
+        assert_eq!(index.insert_state(state), Err(IndexError::ParentMismatch));
+        assert_eq!(index.insert_state(refs[5]), Err(IndexError::NoParent));
     }
 
     #[test]

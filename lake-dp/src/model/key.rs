@@ -31,6 +31,14 @@ impl BlockKey {
     pub fn is_none(&self) -> bool {
         *self == Self::NONE
     }
+
+    /// The name of the recurrent-state checkpoint taken after this block
+    /// (a hybrid model's Mamba or linear-attention layers carry state, not
+    /// KV): an object of its own beside the block. Every bit is flipped,
+    /// so it hashes far from the block's key without a second hash.
+    pub fn state_key(&self) -> BlockKey {
+        BlockKey(self.0.map(|b| !b))
+    }
 }
 
 impl fmt::Debug for BlockKey {
