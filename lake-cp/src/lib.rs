@@ -7,8 +7,10 @@
 //! (term, sequence)-numbered deltas from every node into the global summary
 //! and fences stale leaders by term. It speaks only the [`lake_dp::wire`]
 //! format and keeps everything heavy (etcd, object-store clients) out of the
-//! data plane. The index, the mirror and leadership arrive with issues [3]
-//! and [7]; today this crate holds nothing but this contract.
+//! data plane. Today it holds the radix index ([`index`]), the location
+//! view with its two-phase put ([`location`]) and the eviction policies
+//! ([`evict`]); the mirror, leases and tier moves arrive with the rest of
+//! issue [3], leadership with [7]. See `docs/controlplane.md`.
 
 #![warn(missing_docs)]
 
