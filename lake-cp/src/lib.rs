@@ -10,7 +10,7 @@
 //! data plane. Today it holds the radix index ([`index`]), the location
 //! view with its two-phase put ([`location`]) and the eviction policies
 //! ([`evict`]); the mirror, leases and tier moves arrive with the rest of
-//! issue [3], leadership with [7]. See `docs/controlplane.md`.
+//! issue \[3\], leadership with \[7\]. See `docs/controlplane.md`.
 
 #![warn(missing_docs)]
 
