@@ -98,22 +98,8 @@ impl KeyTable {
 
     /// Finds the entry for which `eq(node)` holds.
     #[inline]
-    pub(crate) fn find(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
-        if self.ctrl.is_empty() {
-            return None;
-        }
-        let tag = tag(hash);
-        let mut pos = self.home(hash);
-        loop {
-            let c = self.ctrl[pos];
-            if c == EMPTY {
-                return None;
-            }
-            if c == tag && eq(self.slots[pos]) {
-                return Some(self.slots[pos]);
-            }
-            pos = self.next(pos);
-        }
+    pub(crate) fn find(&self, hash: u64, eq: impl FnMut(u32) -> bool) -> Option<u32> {
+        self.position(hash, eq).map(|pos| self.slots[pos])
     }
 
     /// Finds the entry, or the bucket where it would go. Call
@@ -192,6 +178,7 @@ impl KeyTable {
         true
     }
 
+    #[inline]
     fn position(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Option<usize> {
         if self.ctrl.is_empty() {
             return None;
