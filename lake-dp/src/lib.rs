@@ -39,6 +39,15 @@ pub mod constants;
 pub mod io;
 pub mod l2;
 pub(crate) mod lock;
+#[cfg(not(loom))]
+pub mod mirror;
+/// Under `--cfg loom` only the mirror's sequence lock is built, for its
+/// model check; nothing else is run over loom's atomics.
+#[cfg(loom)]
+pub mod mirror {
+    #[path = "seqlock.rs"]
+    pub mod seqlock;
+}
 pub mod model;
 pub mod numa;
 pub mod op;

@@ -1,0 +1,1010 @@
+//! The shared-memory mirror of a node's location view: the table engines
+//! and `lake-dp` read, lock-free, to find a prompt's longest cached prefix
+//! and its block table without asking `lake-cp`.
+//!
+//! One writer — the node's `lake-cp`, holding an OFD lock on byte 0 of the
+//! file for as long as it writes — and any number of readers in other
+//! processes, who map the file read-only. The table is open addressing
+//! with linear probing from a key's home bucket (the key's first eight
+//! bytes scaled to the bucket count); each 32-byte bucket holds the whole
+//! key and a compact location under a per-bucket sequence lock
+//! ([`seqlock`]), so a reader verifies the key and never sees a torn entry.
+//!
+//! - **Removal leaves a marker** (state "removed") rather than moving
+//!   entries back: a moving entry could be missed by a reader probing past
+//!   it. Inserts reuse markers on their path; the writer counts both, and
+//!   refuses to fill the table beyond 9/10 so every miss ends at an empty
+//!   bucket. [`MirrorControl::max_probe`](layout::MirrorControl) bounds
+//!   every probe.
+//! - **A writer that dies mid-update** leaves one bucket with an odd count:
+//!   readers give up on it after a few attempts (a miss, never a wrong
+//!   answer), and the next writer's [`MirrorWriter::take_over`] repairs it
+//!   (marks it removed; the new `lake-cp` re-publishes what its index
+//!   holds) and writes its higher term.
+//! - **Generation-checked**: an entry names the replica's slot and the
+//!   slot's generation; a reader pins the slot and re-checks the
+//!   generation in the arena before trusting the bytes (DESIGN §3), so a
+//!   stale entry costs a miss, not wrong data.
+//!
+//! Layout in [`layout`]; `docs/formats.md` has the same in prose.
+
+pub mod layout;
+pub mod seqlock;
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use memmap2::{Mmap, MmapOptions, MmapRaw};
+
+use crate::lock;
+use crate::model::key::BlockKey;
+use crate::model::replica::{NodeId, ObjectKind, RegionId, Tier};
+use layout::{
+    BUCKET_BYTES, BUCKETS_OFFSET, CONTROL_OFFSET, MirrorControl, MirrorHeader, REGIONS_MAX, REGIONS_OFFSET,
+    STATE_READY, STATE_RETIRED,
+};
+use seqlock::{Bucket, Snapshot};
+
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// The lock byte the writer holds.
+const WRITER_LOCK_BYTE: u64 = 0;
+
+/// Why a mirror operation failed.
+#[derive(Debug)]
+pub enum MirrorError {
+    /// A configuration field is wrong; the text names it.
+    Config(&'static str),
+    /// A system call failed.
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file, where there is one.
+        path: Option<PathBuf>,
+        /// The error.
+        source: io::Error,
+    },
+    /// Not enough shared memory or huge pages.
+    NoSpace {
+        /// Bytes asked for.
+        bytes: u64,
+        /// What to check.
+        hint: &'static str,
+    },
+    /// The header is wrong; the text names the field.
+    Header(&'static str),
+    /// Another layout version made the mirror.
+    Version {
+        /// The mirror's version.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// The writer has not finished building it (or died doing it).
+    NotReady,
+    /// Its writer retired it.
+    Retired,
+    /// A live writer holds it.
+    InUse {
+        /// Its pid as recorded (0 if unreadable).
+        pid: u32,
+    },
+    /// Taking over needs a term above the mirror's.
+    StaleTerm {
+        /// The mirror's term.
+        current: u64,
+        /// The term offered.
+        offered: u64,
+    },
+    /// The table is as full as it may get (9/10 of its buckets used by
+    /// live entries and removal markers).
+    Full,
+    /// An entry cannot be stored; the text names the field.
+    Entry(&'static str),
+}
+
+impl PartialEq for MirrorError {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Config(a), Self::Config(b))
+            | (Self::Header(a), Self::Header(b))
+            | (Self::Entry(a), Self::Entry(b)) => a == b,
+            (Self::Io { what: a, path: p, source: s }, Self::Io { what: b, path: q, source: t }) => {
+                a == b && p == q && s.kind() == t.kind()
+            }
+            (Self::NoSpace { bytes: a, .. }, Self::NoSpace { bytes: b, .. }) => a == b,
+            (Self::Version { found: a, supported: x }, Self::Version { found: b, supported: y }) => a == b && x == y,
+            (Self::InUse { pid: a }, Self::InUse { pid: b }) => a == b,
+            (Self::StaleTerm { current: a, offered: x }, Self::StaleTerm { current: b, offered: y }) => {
+                a == b && x == y
+            }
+            (Self::NotReady, Self::NotReady) | (Self::Retired, Self::Retired) | (Self::Full, Self::Full) => true,
+            _ => false,
+        }
+    }
+}
+
+impl core::fmt::Display for MirrorError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Config(field) => write!(f, "mirror config: {field}"),
+            Self::Io { what, path: Some(path), source } => write!(f, "mirror: {what} {}: {source}", path.display()),
+            Self::Io { what, path: None, source } => write!(f, "mirror: {what}: {source}"),
+            Self::NoSpace { bytes, hint } => write!(f, "mirror: no room for {bytes} bytes: {hint}"),
+            Self::Header(field) => write!(f, "mirror header: {field}"),
+            Self::Version { found, supported } => {
+                write!(f, "mirror layout version {found}; this build reads version {supported}")
+            }
+            Self::NotReady => f.write_str("mirror: its writer has not finished building it"),
+            Self::Retired => f.write_str("mirror: retired by its writer"),
+            Self::InUse { pid } => write!(f, "mirror: a live writer (pid {pid}) holds it"),
+            Self::StaleTerm { current, offered } => {
+                write!(f, "mirror: term {offered} offered, the mirror is at term {current}")
+            }
+            Self::Full => f.write_str("mirror: table full (9/10 of buckets used); rebuild it larger"),
+            Self::Entry(field) => write!(f, "mirror entry: {field}"),
+        }
+    }
+}
+
+impl std::error::Error for MirrorError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+fn io_error(what: &'static str, path: Option<&Path>) -> impl FnOnce(io::Error) -> MirrorError {
+    let path = path.map(Path::to_path_buf);
+    move |source| MirrorError::Io { what, path, source }
+}
+
+/// What memory backs the mirror.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MirrorBacking {
+    /// A file on a tmpfs (`/dev/shm`); base pages. A later writer can take
+    /// it over.
+    Shm(PathBuf),
+    /// A file on a hugetlbfs mount.
+    HugetlbFs(PathBuf),
+    /// An anonymous hugetlb memfd; readers map it through a passed
+    /// descriptor or `/proc/<pid>/fd/<fd>`.
+    HugetlbMemfd,
+}
+
+/// How to build a mirror.
+#[derive(Clone, Debug)]
+pub struct MirrorConfig {
+    /// Where its memory comes from.
+    pub backing: MirrorBacking,
+    /// Buckets in the table (rounded up to fill the last page).
+    pub buckets: u64,
+    /// The node whose replicas it shows.
+    pub node: NodeId,
+    /// The writer's term.
+    pub term: u64,
+    /// Permission bits of the file.
+    pub mode: u32,
+}
+
+impl MirrorConfig {
+    /// A mirror for `entries` live entries at a load of 0.7 (probes stay
+    /// short; a tenth of the buckets is kept for removal markers).
+    pub fn for_entries(backing: MirrorBacking, entries: u64) -> Self {
+        Self { backing, buckets: (entries.saturating_mul(10) / 7).max(64), node: NodeId(0), term: 1, mode: 0o600 }
+    }
+}
+
+/// A mirror entry: where the block's fastest ready replica is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MirrorEntry {
+    /// What the object is.
+    pub kind: ObjectKind,
+    /// The tier of the replica named here.
+    pub tier: Tier,
+    /// Every tier holding a ready replica: bit `tier as u8`.
+    pub tiers: u8,
+    /// The replica's region (below [`layout::REGIONS_MAX`]).
+    pub region: RegionId,
+    /// The region epoch's tag (see [`RegionRecord::epoch_tag`]).
+    pub epoch_tag: u8,
+    /// The slot in the region.
+    pub slot: u32,
+    /// The slot's generation when the replica was written.
+    pub generation: u32,
+}
+
+const STATE_EMPTY: u32 = 0;
+const STATE_LIVE: u32 = 1;
+const STATE_REMOVED: u32 = 2;
+
+fn tier_from(bits: u32) -> Tier {
+    Tier::ALL[(bits & 3) as usize]
+}
+
+fn kind_bits(kind: ObjectKind) -> u32 {
+    match kind {
+        ObjectKind::KvBlock => 1,
+        ObjectKind::RecurrentState => 2,
+    }
+}
+
+impl MirrorEntry {
+    fn encode(&self, key: &BlockKey) -> Result<Snapshot, MirrorError> {
+        if u32::from(self.region.0) >= REGIONS_MAX {
+            return Err(MirrorError::Entry("region: at most 1023 in a mirror"));
+        }
+        if self.tiers > 0xf {
+            return Err(MirrorError::Entry("tiers: one bit per tier, four tiers"));
+        }
+        let meta = STATE_LIVE
+            | kind_bits(self.kind) << 2
+            | (self.tier as u32) << 4
+            | u32::from(self.tiers) << 6
+            | u32::from(self.epoch_tag) << 10
+            | u32::from(self.region.0) << 18;
+        let (lo, hi) = key_words(key);
+        Ok(Snapshot { meta, words: [lo, hi, u64::from(self.slot) | u64::from(self.generation) << 32] })
+    }
+
+    fn decode(snapshot: &Snapshot) -> Option<Self> {
+        let meta = snapshot.meta;
+        if meta & 3 != STATE_LIVE {
+            return None;
+        }
+        let kind = match (meta >> 2) & 3 {
+            1 => ObjectKind::KvBlock,
+            2 => ObjectKind::RecurrentState,
+            _ => return None,
+        };
+        #[allow(clippy::cast_possible_truncation)] // masked fields of a packed word
+        Some(Self {
+            kind,
+            tier: tier_from(meta >> 4),
+            tiers: ((meta >> 6) & 0xf) as u8,
+            epoch_tag: ((meta >> 10) & 0xff) as u8,
+            region: RegionId(((meta >> 18) & 0x3ff) as u16),
+            slot: snapshot.words[2] as u32,
+            generation: (snapshot.words[2] >> 32) as u32,
+        })
+    }
+}
+
+/// A region as the mirror records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionRecord {
+    /// Its tier.
+    pub tier: Tier,
+    /// Its current epoch.
+    pub epoch: u64,
+    /// The tag entries written under this epoch carry.
+    pub epoch_tag: u8,
+    /// Its node.
+    pub node: NodeId,
+}
+
+impl RegionRecord {
+    fn encode(&self) -> Snapshot {
+        Snapshot {
+            meta: 1 | (self.tier as u32) << 1 | u32::from(self.epoch_tag) << 8,
+            words: [self.epoch, u64::from(self.node.0), 0],
+        }
+    }
+
+    fn decode(snapshot: &Snapshot) -> Option<Self> {
+        if snapshot.meta & 1 == 0 {
+            return None;
+        }
+        #[allow(clippy::cast_possible_truncation)] // masked fields of a packed word
+        Some(Self {
+            tier: tier_from(snapshot.meta >> 1),
+            epoch: snapshot.words[0],
+            epoch_tag: ((snapshot.meta >> 8) & 0xff) as u8,
+            node: NodeId(snapshot.words[1] as u32),
+        })
+    }
+}
+
+#[inline]
+fn key_words(key: &BlockKey) -> (u64, u64) {
+    let k = &key.0;
+    (
+        u64::from_le_bytes([k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7]]),
+        u64::from_le_bytes([k[8], k[9], k[10], k[11], k[12], k[13], k[14], k[15]]),
+    )
+}
+
+/// The home bucket of a key: its first eight bytes (a keyed BLAKE3
+/// output, uniform) scaled to the bucket count.
+#[inline]
+fn home(key_lo: u64, buckets: u64) -> u64 {
+    #[allow(clippy::cast_possible_truncation)] // below `buckets`, a u64
+    let home = ((u128::from(key_lo) * u128::from(buckets)) >> 64) as u64;
+    home
+}
+
+/// The mapped file, for reader and writer alike.
+struct Shared {
+    base: *const u8,
+    header: MirrorHeader,
+}
+
+// SAFETY: `base` points into a shared mapping that lives as long as the
+// owning reader or writer; every access through it is an atomic access of
+// a `Bucket` or of the control words, which are safe to share.
+unsafe impl Send for Shared {}
+// SAFETY: as above: only atomics are reached through `base`.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn control(&self) -> &MirrorControl {
+        // SAFETY: the mapping holds page 0 (decode_header checked the file
+        // size, which is at least BUCKETS_OFFSET); CONTROL_OFFSET is 8-byte
+        // aligned in a page-aligned mapping; the control words are atomics,
+        // valid for any bit pattern.
+        unsafe { &*self.base.wrapping_add(CONTROL_OFFSET).cast::<MirrorControl>() }
+    }
+
+    fn buckets(&self) -> &[Bucket] {
+        // SAFETY: decode_header checked total_bytes = BUCKETS_OFFSET +
+        // buckets × 32 and that it equals the mapped file's size; the
+        // offset is 32-byte aligned in a page-aligned mapping; a Bucket is
+        // atomics only, valid for any bit pattern and shared by design.
+        unsafe {
+            core::slice::from_raw_parts(
+                self.base.wrapping_add(crate::usize_from(BUCKETS_OFFSET)).cast::<Bucket>(),
+                crate::usize_from(self.header.buckets),
+            )
+        }
+    }
+
+    fn regions(&self) -> &[Bucket] {
+        // SAFETY: as for `buckets`: the region records lie between page 0
+        // and the table, inside the checked mapping.
+        unsafe {
+            core::slice::from_raw_parts(
+                self.base.wrapping_add(crate::usize_from(REGIONS_OFFSET)).cast::<Bucket>(),
+                REGIONS_MAX as usize,
+            )
+        }
+    }
+
+    #[inline]
+    fn bucket(&self, position: u64) -> &Bucket {
+        &self.buckets()[crate::usize_from(position)]
+    }
+
+    #[inline]
+    fn next(&self, position: u64) -> u64 {
+        if position + 1 == self.header.buckets { 0 } else { position + 1 }
+    }
+
+    #[inline]
+    fn prefetch(&self, key: &BlockKey) {
+        let (lo, _) = key_words(key);
+        let position = home(lo, self.header.buckets);
+        prefetch(core::ptr::from_ref(self.bucket(position)).cast());
+    }
+
+    /// The live entry for `key`: `Ok(None)` if absent, `Err(())` if a
+    /// bucket on its path could not be read (left mid-update).
+    #[inline]
+    fn find(&self, key: &BlockKey) -> Result<Option<MirrorEntry>, ()> {
+        let (lo, hi) = key_words(key);
+        let mut position = home(lo, self.header.buckets);
+        // Acquire: pairs with the writer's Release store of a larger bound
+        // before it writes an entry that far from home.
+        let bound = self.control().max_probe.load(Ordering::Acquire);
+        for _ in 0..=bound {
+            let snapshot = self.bucket(position).read().ok_or(())?;
+            match snapshot.meta & 3 {
+                STATE_EMPTY => return Ok(None),
+                STATE_LIVE if snapshot.words[0] == lo && snapshot.words[1] == hi => {
+                    return Ok(MirrorEntry::decode(&snapshot));
+                }
+                _ => {}
+            }
+            position = self.next(position);
+        }
+        Ok(None)
+    }
+}
+
+#[inline]
+fn prefetch(ptr: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults, whatever the address;
+    // SSE is part of the x86_64 baseline.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(ptr.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = ptr;
+}
+
+fn filesystem(file: &File, path: Option<&Path>) -> Result<(i64, u64), MirrorError> {
+    // SAFETY: statfs is plain data; all zeroes is a valid value.
+    let mut stat: libc::statfs = unsafe { core::mem::zeroed() };
+    // SAFETY: a valid descriptor and a valid out-pointer.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &raw mut stat) } != 0 {
+        return Err(io_error("reading the filesystem of", path)(io::Error::last_os_error()));
+    }
+    Ok((stat.f_type, u64::try_from(stat.f_bsize).unwrap_or(0)))
+}
+
+/// The writer: the node's `lake-cp`. See the module docs.
+pub struct MirrorWriter {
+    shared: Shared,
+    map: MmapRaw,
+    file: File,
+    path: Option<PathBuf>,
+    max_probe: u32,
+    live: u64,
+    removed: u64,
+}
+
+impl core::fmt::Debug for MirrorWriter {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("MirrorWriter")
+            .field("path", &self.path)
+            .field("buckets", &self.shared.header.buckets)
+            .field("live", &self.live)
+            .field("removed", &self.removed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MirrorWriter {
+    /// Builds a new mirror (under a temporary name, renamed into place when
+    /// ready, so a reader never finds half a mirror). A file at the path
+    /// whose writer is alive is refused; one whose writer is gone is
+    /// replaced.
+    pub fn create(config: &MirrorConfig) -> Result<Self, MirrorError> {
+        let (file, target, building) = open_backing(config)?;
+        let result = Self::build(config, file, target.as_deref(), building.as_deref());
+        if result.is_err()
+            && let Some(building) = &building
+        {
+            let _ = std::fs::remove_file(building);
+        }
+        result
+    }
+
+    fn build(
+        config: &MirrorConfig,
+        file: File,
+        target: Option<&Path>,
+        building: Option<&Path>,
+    ) -> Result<Self, MirrorError> {
+        let (fs_type, block_bytes) = filesystem(&file, building)?;
+        let huge = fs_type == HUGETLBFS_MAGIC;
+        match (&config.backing, fs_type) {
+            (MirrorBacking::Shm(_), TMPFS_MAGIC | HUGETLBFS_MAGIC)
+            | (MirrorBacking::HugetlbFs(_), HUGETLBFS_MAGIC)
+            | (MirrorBacking::HugetlbMemfd, _) => {}
+            (MirrorBacking::Shm(_), _) => {
+                return Err(MirrorError::Config("backing: the path is not on a tmpfs"));
+            }
+            (MirrorBacking::HugetlbFs(_), _) => {
+                return Err(MirrorError::Config("backing: the path is not on a hugetlbfs mount"));
+            }
+        }
+        let page = if huge { block_bytes.max(4096) } else { 4096 };
+        if config.buckets == 0 {
+            return Err(MirrorError::Config("buckets: at least 1"));
+        }
+        // Fill the last page with buckets.
+        let bytes = (BUCKETS_OFFSET + config.buckets.saturating_mul(u64::from(BUCKET_BYTES))).next_multiple_of(page);
+        let buckets = (bytes - BUCKETS_OFFSET) / u64::from(BUCKET_BYTES);
+        let header = layout::plan(buckets, config.node.0)?;
+        file.set_len(header.total_bytes).map_err(io_error("sizing", building))?;
+        if !lock::try_lock(&file, WRITER_LOCK_BYTE).map_err(io_error("locking", building))? {
+            return Err(MirrorError::Config("backing: another process locked the new mirror file"));
+        }
+        let map = reserve_and_map(&file, header.total_bytes, huge, building)?;
+        let bytes = bytemuck::bytes_of(&header);
+        // SAFETY: the header fits in page 0 of the fresh mapping, which no
+        // reader can have found yet (building name or unshared memfd).
+        unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), map.as_mut_ptr(), bytes.len()) };
+        // The buckets and region records are zero: empty, absent.
+        let writer = Self {
+            shared: Shared { base: map.as_ptr(), header },
+            map,
+            file,
+            path: target.map(Path::to_path_buf),
+            max_probe: 0,
+            live: 0,
+            removed: 0,
+        };
+        let control = writer.shared.control();
+        control.term.store(config.term, Ordering::Relaxed);
+        control.writer_pid.store(std::process::id(), Ordering::Relaxed);
+        // Release: publishes the header to readers' Acquire load of the
+        // state.
+        control.state.store(STATE_READY, Ordering::Release);
+        if let (Some(target), Some(building)) = (target, building) {
+            std::fs::rename(building, target).map_err(io_error("renaming into place", Some(target)))?;
+        }
+        Ok(writer)
+    }
+
+    /// Takes over the mirror at `path` whose writer died: checks it, takes
+    /// the writer lock, repairs every bucket left mid-update (marks it
+    /// removed), recounts, and writes `term` (which must be above the
+    /// mirror's). Readers keep reading throughout. Returns the writer and
+    /// how many buckets were repaired.
+    pub fn take_over(path: &Path, term: u64) -> Result<(Self, u64), MirrorError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(io_error("opening", Some(path)))?;
+        let size = file.metadata().map_err(io_error("reading", Some(path)))?.len();
+        let mut page = vec![0u8; size_of::<MirrorHeader>()];
+        read_exact_at(&file, &mut page, 0).map_err(io_error("reading the header of", Some(path)))?;
+        let header = layout::decode_header(&page, size)?;
+        if !lock::try_lock(&file, WRITER_LOCK_BYTE).map_err(io_error("locking", Some(path)))? {
+            let map = MmapOptions::new().len(HEADER_BYTES_USIZE).map_raw_read_only(&file);
+            let pid =
+                map.map_or(0, |map| Shared { base: map.as_ptr(), header }.control().writer_pid.load(Ordering::Relaxed));
+            return Err(MirrorError::InUse { pid });
+        }
+        let map = MmapOptions::new()
+            .len(crate::usize_from(header.total_bytes))
+            .map_raw(&file)
+            .map_err(io_error("mapping", Some(path)))?;
+        let mut writer = Self {
+            shared: Shared { base: map.as_ptr(), header },
+            map,
+            file,
+            path: Some(path.to_path_buf()),
+            max_probe: 0,
+            live: 0,
+            removed: 0,
+        };
+        let control = writer.shared.control();
+        match control.state.load(Ordering::Acquire) {
+            STATE_READY => {}
+            STATE_RETIRED => return Err(MirrorError::Retired),
+            _ => return Err(MirrorError::NotReady),
+        }
+        let current = control.term.load(Ordering::Relaxed);
+        if term <= current {
+            return Err(MirrorError::StaleTerm { current, offered: term });
+        }
+        let repaired = writer.repair();
+        let control = writer.shared.control();
+        control.repaired.fetch_add(repaired, Ordering::Relaxed);
+        control.writer_pid.store(std::process::id(), Ordering::Relaxed);
+        control.term.store(term, Ordering::Release);
+        Ok((writer, repaired))
+    }
+
+    /// Repairs buckets left mid-update and recounts live entries, markers
+    /// and the probe bound.
+    fn repair(&mut self) -> u64 {
+        let removed = Snapshot { meta: STATE_REMOVED, words: [0; 3] };
+        let mut repaired = 0;
+        for record in self.shared.regions() {
+            if record.is_mid_update() {
+                record.repair(Snapshot { meta: 0, words: [0; 3] });
+                repaired += 1;
+            }
+        }
+        let buckets = self.shared.header.buckets;
+        let (mut live, mut markers, mut max_probe) = (0u64, 0u64, 0u64);
+        for (position, bucket) in self.shared.buckets().iter().enumerate() {
+            if bucket.is_mid_update() {
+                bucket.repair(removed);
+                repaired += 1;
+            }
+            let snapshot = bucket.peek();
+            match snapshot.meta & 3 {
+                STATE_LIVE => {
+                    live += 1;
+                    let home = home(snapshot.words[0], buckets);
+                    let position = position as u64;
+                    let distance = if position >= home { position - home } else { position + buckets - home };
+                    max_probe = max_probe.max(distance);
+                }
+                STATE_REMOVED => markers += 1,
+                _ => {}
+            }
+        }
+        self.live = live;
+        self.removed = markers;
+        self.max_probe = u32::try_from(max_probe).unwrap_or(u32::MAX);
+        let control = self.shared.control();
+        control.max_probe.store(self.max_probe, Ordering::Release);
+        control.live.store(live, Ordering::Relaxed);
+        control.removed.store(markers, Ordering::Relaxed);
+        repaired
+    }
+
+    /// Publishes `entry` for `key` (inserting or replacing).
+    pub fn upsert(&mut self, key: &BlockKey, entry: &MirrorEntry) -> Result<(), MirrorError> {
+        if key.is_none() {
+            return Err(MirrorError::Entry("key: the all-zero key is reserved"));
+        }
+        let snapshot = entry.encode(key)?;
+        let (lo, hi) = key_words(key);
+        let buckets = self.shared.header.buckets;
+        let mut position = home(lo, buckets);
+        let mut free: Option<(u64, u64)> = None;
+        let mut distance = 0u64;
+        let target = loop {
+            let seen = self.shared.bucket(position).peek();
+            match seen.meta & 3 {
+                STATE_LIVE if seen.words[0] == lo && seen.words[1] == hi => {
+                    self.shared.bucket(position).write(snapshot);
+                    return Ok(());
+                }
+                STATE_EMPTY => break free.unwrap_or((position, distance)),
+                STATE_REMOVED if free.is_none() => free = Some((position, distance)),
+                _ => {}
+            }
+            // Past the bound no live entry lies: a marker seen is the place.
+            if distance > u64::from(self.max_probe)
+                && let Some(found) = free
+            {
+                break found;
+            }
+            distance += 1;
+            if distance >= buckets {
+                break free.ok_or(MirrorError::Full)?;
+            }
+            position = self.shared.next(position);
+        };
+        let (position, distance) = target;
+        let reuses_marker = self.shared.bucket(position).peek().meta & 3 == STATE_REMOVED;
+        if !reuses_marker && (self.live + self.removed + 1) * 10 > buckets * 9 {
+            return Err(MirrorError::Full);
+        }
+        if distance > u64::from(self.max_probe) {
+            self.max_probe = u32::try_from(distance).map_err(|_| MirrorError::Full)?;
+            // Release: a reader that loads the larger bound will find the
+            // entry written below (or see it being written).
+            self.shared.control().max_probe.store(self.max_probe, Ordering::Release);
+        }
+        self.shared.bucket(position).write(snapshot);
+        self.live += 1;
+        if reuses_marker {
+            self.removed -= 1;
+        }
+        self.publish_counts();
+        Ok(())
+    }
+
+    /// Withdraws `key`. Returns whether it was published.
+    pub fn remove(&mut self, key: &BlockKey) -> bool {
+        let Some(position) = self.position(key) else { return false };
+        self.shared.bucket(position).write(Snapshot { meta: STATE_REMOVED, words: [0; 3] });
+        self.live -= 1;
+        self.removed += 1;
+        self.publish_counts();
+        true
+    }
+
+    fn position(&self, key: &BlockKey) -> Option<u64> {
+        let (lo, hi) = key_words(key);
+        let mut position = home(lo, self.shared.header.buckets);
+        for _ in 0..=self.max_probe {
+            let seen = self.shared.bucket(position).peek();
+            match seen.meta & 3 {
+                STATE_EMPTY => return None,
+                STATE_LIVE if seen.words[0] == lo && seen.words[1] == hi => return Some(position),
+                _ => {}
+            }
+            position = self.shared.next(position);
+        }
+        None
+    }
+
+    /// The entry published for `key`, as the writer sees it.
+    pub fn get(&self, key: &BlockKey) -> Option<MirrorEntry> {
+        self.position(key).and_then(|p| MirrorEntry::decode(&self.shared.bucket(p).peek()))
+    }
+
+    fn publish_counts(&self) {
+        let control = self.shared.control();
+        control.live.store(self.live, Ordering::Relaxed);
+        control.removed.store(self.removed, Ordering::Relaxed);
+    }
+
+    /// Publishes a region's record (tier, epoch, tag).
+    pub fn set_region(&mut self, region: RegionId, record: &RegionRecord) -> Result<(), MirrorError> {
+        let slot =
+            self.shared.regions().get(usize::from(region.0)).ok_or(MirrorError::Entry("region: at most 1023"))?;
+        slot.write(record.encode());
+        Ok(())
+    }
+
+    /// Withdraws a region's record.
+    pub fn clear_region(&mut self, region: RegionId) -> Result<(), MirrorError> {
+        let slot =
+            self.shared.regions().get(usize::from(region.0)).ok_or(MirrorError::Entry("region: at most 1023"))?;
+        slot.write(Snapshot { meta: 0, words: [0; 3] });
+        Ok(())
+    }
+
+    /// Marks the mirror retired (readers detach) and lets go of it.
+    pub fn retire(self) {
+        self.shared.control().state.store(STATE_RETIRED, Ordering::Release);
+    }
+
+    /// Live entries.
+    pub fn live(&self) -> u64 {
+        self.live
+    }
+
+    /// Removal markers occupying buckets.
+    pub fn removed(&self) -> u64 {
+        self.removed
+    }
+
+    /// The longest probe a live entry needs.
+    pub fn max_probe(&self) -> u32 {
+        self.max_probe
+    }
+
+    /// The header.
+    pub fn header(&self) -> &MirrorHeader {
+        &self.shared.header
+    }
+
+    /// The file's path (none for a memfd).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The mirror's descriptor (to pass a memfd to readers).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Leaves the bucket of `key` mid-update, as a writer killed inside a
+    /// write would (for tests of the repair).
+    #[doc(hidden)]
+    pub fn abandon_update_of(&self, key: &BlockKey) -> bool {
+        self.position(key).is_some_and(|p| {
+            self.shared.bucket(p).abandon_update();
+            true
+        })
+    }
+
+    /// Bytes mapped (for reports).
+    pub fn mapped_bytes(&self) -> usize {
+        self.map.len()
+    }
+}
+
+const HEADER_BYTES_USIZE: usize = layout::HEADER_BYTES as usize;
+
+fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+}
+
+fn open_backing(config: &MirrorConfig) -> Result<(File, Option<PathBuf>, Option<PathBuf>), MirrorError> {
+    let path = match &config.backing {
+        MirrorBacking::Shm(path) | MirrorBacking::HugetlbFs(path) => path,
+        MirrorBacking::HugetlbMemfd => {
+            let name = CString::new("lake-mirror").expect("no interior NUL");
+            // SAFETY: a valid NUL-terminated name; the flags are constants.
+            let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) };
+            if fd < 0 {
+                return Err(io_error("creating a hugetlb memfd", None)(io::Error::last_os_error()));
+            }
+            // SAFETY: a fresh descriptor that nothing else owns.
+            let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+            return Ok((file, None, None));
+        }
+    };
+    // A live writer keeps its mirror.
+    if let Ok(existing) = OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path)
+        && lock::held_by_other(&existing, WRITER_LOCK_BYTE).map_err(io_error("checking the lock of", Some(path)))?
+    {
+        return Err(MirrorError::InUse { pid: 0 });
+    }
+    let mut building = path.as_os_str().to_owned();
+    building.push(format!(".building-{}", std::process::id()));
+    let building = PathBuf::from(building);
+    let _ = std::fs::remove_file(&building);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(config.mode)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&building)
+        .map_err(io_error("creating", Some(&building)))?;
+    file.set_permissions(std::fs::Permissions::from_mode(config.mode))
+        .map_err(io_error("setting the mode of", Some(&building)))?;
+    Ok((file, Some(path.clone()), Some(building)))
+}
+
+fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<MmapRaw, MirrorError> {
+    let len = i64::try_from(bytes).map_err(|_| MirrorError::Config("mirror too large"))?;
+    // SAFETY: a valid descriptor; mode 0 allocates the range.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::ENOSPC) {
+            let hint = if huge {
+                "not enough free huge pages (see /proc/sys/vm/nr_hugepages and HugePages_Free in /proc/meminfo)"
+            } else {
+                "the tmpfs is too small (see df /dev/shm)"
+            };
+            return Err(MirrorError::NoSpace { bytes, hint });
+        }
+        return Err(io_error("reserving memory for", building)(error));
+    }
+    MmapOptions::new().len(crate::usize_from(bytes)).populate().map_raw(file).map_err(io_error("mapping", building))
+}
+
+/// A reader: an engine's agent or `lake-dp`. Maps the mirror read-only.
+pub struct MirrorReader {
+    shared: Shared,
+    _map: Mmap,
+    file: File,
+}
+
+impl core::fmt::Debug for MirrorReader {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("MirrorReader").field("buckets", &self.shared.header.buckets).finish_non_exhaustive()
+    }
+}
+
+/// What a lookup of one key found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// Published: where.
+    Hit(MirrorEntry),
+    /// Not published.
+    Miss,
+    /// A bucket on the key's path was left mid-update by a dead writer
+    /// (treat as a miss until the next writer repairs it).
+    Unreadable,
+}
+
+impl MirrorReader {
+    /// Maps the mirror at `path`.
+    pub fn attach(path: &Path) -> Result<Self, MirrorError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(io_error("opening", Some(path)))?;
+        Self::attach_file(file, Some(path))
+    }
+
+    /// Maps the mirror behind `fd` (a memfd passed over a socket).
+    pub fn attach_fd(fd: OwnedFd) -> Result<Self, MirrorError> {
+        Self::attach_file(File::from(fd), None)
+    }
+
+    fn attach_file(file: File, path: Option<&Path>) -> Result<Self, MirrorError> {
+        let size = file.metadata().map_err(io_error("reading", path))?.len();
+        let mut page = vec![0u8; size_of::<MirrorHeader>()];
+        read_exact_at(&file, &mut page, 0).map_err(io_error("reading the header of", path))?;
+        let header = layout::decode_header(&page, size)?;
+        // SAFETY: the file is a mirror of `size` bytes (checked above);
+        // mapped shared and read-only, it is only ever read through
+        // atomics, so the writer's concurrent stores are no data race.
+        let map =
+            unsafe { MmapOptions::new().len(crate::usize_from(size)).map(&file) }.map_err(io_error("mapping", path))?;
+        let reader = Self { shared: Shared { base: map.as_ptr(), header }, _map: map, file };
+        match reader.shared.control().state.load(Ordering::Acquire) {
+            STATE_READY => Ok(reader),
+            STATE_RETIRED => Err(MirrorError::Retired),
+            _ => Err(MirrorError::NotReady),
+        }
+    }
+
+    /// Whether the mirror is valid (its writer has not retired it).
+    pub fn is_ready(&self) -> bool {
+        self.shared.control().state.load(Ordering::Acquire) == STATE_READY
+    }
+
+    /// The writer's term.
+    pub fn term(&self) -> u64 {
+        self.shared.control().term.load(Ordering::Acquire)
+    }
+
+    /// Whether a writer holds the mirror now (a system call: ask now and
+    /// then, not per lookup).
+    pub fn writer_alive(&self) -> bool {
+        lock::held_by_other(&self.file, WRITER_LOCK_BYTE).unwrap_or(false)
+    }
+
+    /// Buckets found mid-update and repaired so far.
+    pub fn repaired(&self) -> u64 {
+        self.shared.control().repaired.load(Ordering::Relaxed)
+    }
+
+    /// Live entries (as the writer last counted).
+    pub fn live(&self) -> u64 {
+        self.shared.control().live.load(Ordering::Relaxed)
+    }
+
+    /// The header.
+    pub fn header(&self) -> &MirrorHeader {
+        &self.shared.header
+    }
+
+    /// Looks one key up.
+    #[inline]
+    pub fn get(&self, key: &BlockKey) -> Lookup {
+        match self.shared.find(key) {
+            Ok(Some(entry)) => Lookup::Hit(entry),
+            Ok(None) => Lookup::Miss,
+            Err(()) => Lookup::Unreadable,
+        }
+    }
+
+    /// A region's record.
+    pub fn region(&self, region: RegionId) -> Option<RegionRecord> {
+        let record = self.shared.regions().get(usize::from(region.0))?.read()?;
+        RegionRecord::decode(&record)
+    }
+
+    /// How many leading keys of a prompt's chain are published, assuming
+    /// the published set is prefix-closed (eviction is leaf-first): a
+    /// binary search, prefetching both possible next probes. Cheap, and an
+    /// upper bound only where the set has a hole: [`MirrorReader::block_table`]
+    /// reads every entry and stops at the first missing one, which makes
+    /// the pair exact whatever the set.
+    pub fn longest_prefix(&self, keys: &[BlockKey]) -> usize {
+        let (mut lo, mut hi) = (0usize, keys.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if let Some(next) = keys.get(mid + 1 + (hi - mid - 1) / 2) {
+                self.shared.prefetch(next);
+            }
+            self.shared.prefetch(&keys[lo + (mid - lo) / 2]);
+            if matches!(self.shared.find(&keys[mid]), Ok(Some(_))) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// The entries of `keys` in order, into `out` (cleared first), up to
+    /// the first key not published (or unreadable). Returns how many.
+    pub fn block_table(&self, keys: &[BlockKey], out: &mut Vec<MirrorEntry>) -> usize {
+        const AHEAD: usize = 8;
+        out.clear();
+        for key in keys.iter().take(AHEAD) {
+            self.shared.prefetch(key);
+        }
+        for (i, key) in keys.iter().enumerate() {
+            if let Some(ahead) = keys.get(i + AHEAD) {
+                self.shared.prefetch(ahead);
+            }
+            match self.shared.find(key) {
+                Ok(Some(entry)) => out.push(entry),
+                _ => break,
+            }
+        }
+        out.len()
+    }
+
+    /// The longest usable prefix and its block table: a binary search, then
+    /// every entry read and checked (see [`MirrorReader::longest_prefix`]).
+    pub fn lookup(&self, keys: &[BlockKey], out: &mut Vec<MirrorEntry>) -> usize {
+        let bound = self.longest_prefix(keys);
+        self.block_table(&keys[..bound], out)
+    }
+}
+
+#[cfg(test)]
+mod tests;
