@@ -120,3 +120,27 @@ pub fn crash_write(slot: u32, seq: u64, l1_slot: &mut [u8]) -> lake_dp::stored::
         segment_bytes: 8 * 1024,
     }
 }
+
+/// The key of the mirror stress test's entry `i`.
+pub fn mirror_key(i: u64) -> lake_dp::BlockKey {
+    let mut k = [0u8; 16];
+    k[..8].copy_from_slice(&lake_dp::rng::SimRng::new(i ^ 0x6d69_7272).next_u64().to_le_bytes());
+    k[8..].copy_from_slice(&i.to_le_bytes());
+    lake_dp::BlockKey(k)
+}
+
+/// The entry the mirror stress test's writer publishes for key `i` at its
+/// `version`: every field derived from both, so a reader can tell a whole
+/// entry from a torn one.
+pub fn mirror_entry(i: u64, version: u32) -> lake_dp::mirror::MirrorEntry {
+    let mix = lake_dp::rng::SimRng::new(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(version)).next_u64();
+    lake_dp::mirror::MirrorEntry {
+        kind: lake_dp::ObjectKind::KvBlock,
+        tier: lake_dp::Tier::ALL[(version % 4) as usize],
+        tiers: (mix & 0xf) as u8,
+        region: lake_dp::RegionId(((mix >> 8) % 1024) as u16),
+        epoch_tag: (mix >> 24) as u8,
+        slot: version,
+        generation: (mix >> 32) as u32,
+    }
+}
