@@ -132,6 +132,7 @@ pub fn mirror_key(i: u64) -> lake_dp::BlockKey {
 /// The entry the mirror stress test's writer publishes for key `i` at its
 /// `version`: every field derived from both, so a reader can tell a whole
 /// entry from a torn one.
+#[allow(clippy::cast_possible_truncation)] // fields cut from one random word
 pub fn mirror_entry(i: u64, version: u32) -> lake_dp::mirror::MirrorEntry {
     let mix = lake_dp::rng::SimRng::new(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(version)).next_u64();
     lake_dp::mirror::MirrorEntry {
