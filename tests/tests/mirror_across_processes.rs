@@ -6,7 +6,7 @@
 //! must see the terms advance, and the mirror must end consistent.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -35,7 +35,7 @@ impl Drop for Killed {
 }
 
 /// Starts a writer at `term` and waits for its "ready <repaired>" line.
-fn writer(path: &PathBuf, term: u64) -> (Killed, u64) {
+fn writer(path: &Path, term: u64) -> (Killed, u64) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_lake-mirror-writer"))
         .args([path.to_str().unwrap(), &KEYS.to_string(), &term.to_string(), &(term * 7919).to_string()])
         .stdout(Stdio::piped())
