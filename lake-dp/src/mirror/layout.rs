@@ -10,7 +10,7 @@
 //! A table bucket's words (see [`super::seqlock::Bucket`]):
 //!
 //! ```text
-//! meta      bits 0-1 state (0 empty, 1 live, 2 removed), 2-3 object kind,
+//! meta      bits 0-1 state (0 empty, 1 live, 2 void: repaired, skipped), 2-3 kind,
 //!           4-5 tier of the replica named, 6-9 tiers holding a ready
 //!           replica (bit per tier), 10-17 region epoch tag, 18-27 region,
 //!           28-31 zero
@@ -120,6 +120,10 @@ pub struct MirrorControl {
     pub removed: AtomicU64,
     /// Buckets found mid-update and repaired by a later writer, in all.
     pub repaired: AtomicU64,
+    /// Odd while the writer moves entries back after a removal: a reader
+    /// whose probe missed re-checks it, and looks again if it changed (a
+    /// moving entry may have passed behind its probe).
+    pub moves: AtomicU64,
 }
 
 const _: () = assert!(CONTROL_OFFSET + size_of::<MirrorControl>() <= HEADER_BYTES as usize);

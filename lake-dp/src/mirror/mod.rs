@@ -10,17 +10,23 @@
 //! key and a compact location under a per-bucket sequence lock
 //! ([`seqlock`]), so a reader verifies the key and never sees a torn entry.
 //!
-//! - **Removal leaves a marker** (state "removed") rather than moving
-//!   entries back: a moving entry could be missed by a reader probing past
-//!   it. Inserts reuse markers on their path; the writer counts both, and
-//!   refuses to fill the table beyond 9/10 so every miss ends at an empty
-//!   bucket. [`MirrorControl::max_probe`](layout::MirrorControl) bounds
-//!   every probe.
+//! - **Removal moves entries back** (backward-shift deletion), so probes
+//!   stay short under churn and the table never fills with markers. An
+//!   entry is copied to its new bucket before its old one is reused, so it
+//!   is never absent — but a reader whose probe passed the new bucket just
+//!   before the copy could miss it. A table-wide move count (odd while
+//!   moving, like a bucket's sequence count) closes that: a reader whose
+//!   probe missed re-checks the count and looks again if it changed. Hits
+//!   need no such check. The writer keeps a tenth of the buckets empty, so
+//!   every miss ends at an empty bucket;
+//!   [`MirrorControl::max_probe`](layout::MirrorControl) bounds every
+//!   probe.
 //! - **A writer that dies mid-update** leaves one bucket with an odd count:
 //!   readers give up on it after a few attempts (a miss, never a wrong
 //!   answer), and the next writer's [`MirrorWriter::take_over`] repairs it
-//!   (marks it removed; the new `lake-cp` re-publishes what its index
-//!   holds) and writes its higher term.
+//!   (marks it void: skipped by probes, reused by inserts; the new
+//!   `lake-cp` re-publishes what its index holds), drops the duplicate a
+//!   move cut short may have left, and writes its higher term.
 //! - **Generation-checked**: an entry names the replica's slot and the
 //!   slot's generation; a reader pins the slot and re-checks the
 //!   generation in the arena before trusting the bytes (DESIGN §3), so a
@@ -37,7 +43,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{Ordering, fence};
 
 use memmap2::{Mmap, MmapOptions, MmapRaw};
 
@@ -102,8 +108,7 @@ pub enum MirrorError {
         /// The term offered.
         offered: u64,
     },
-    /// The table is as full as it may get (9/10 of its buckets used by
-    /// live entries and removal markers).
+    /// The table is as full as it may get (9/10 of its buckets used).
     Full,
     /// An entry cannot be stored; the text names the field.
     Entry(&'static str),
@@ -197,7 +202,7 @@ pub struct MirrorConfig {
 
 impl MirrorConfig {
     /// A mirror for `entries` live entries at a load of 0.7 (probes stay
-    /// short; a tenth of the buckets is kept for removal markers).
+    /// short).
     pub fn for_entries(backing: MirrorBacking, entries: u64) -> Self {
         Self { backing, buckets: (entries.saturating_mul(10) / 7).max(64), node: NodeId(0), term: 1, mode: 0o600 }
     }
@@ -224,7 +229,12 @@ pub struct MirrorEntry {
 
 const STATE_EMPTY: u32 = 0;
 const STATE_LIVE: u32 = 1;
-const STATE_REMOVED: u32 = 2;
+/// A bucket a dead writer left mid-update, repaired: skipped by probes,
+/// reused by inserts.
+const STATE_VOID: u32 = 2;
+
+/// How often a reader looks again after a miss that raced entries moving.
+const MISS_ATTEMPTS: u32 = 32;
 
 fn tier_from(bits: u32) -> Tier {
     Tier::ALL[(bits & 3) as usize]
@@ -394,10 +404,34 @@ impl Shared {
         prefetch(core::ptr::from_ref(self.bucket(position)).cast());
     }
 
-    /// The live entry for `key`: `Ok(None)` if absent, `Err(())` if a
-    /// bucket on its path could not be read (left mid-update).
+    /// The live entry for `key`: `Ok(None)` if absent, `Err(())` if that
+    /// could not be told: a bucket on its path was left mid-update, or
+    /// entries kept moving under every attempt.
     #[inline]
     fn find(&self, key: &BlockKey) -> Result<Option<MirrorEntry>, ()> {
+        let moves = &self.control().moves;
+        for _ in 0..MISS_ATTEMPTS {
+            // Acquire: pairs with the writer's Release of the even count
+            // after moving, as a bucket's count does.
+            let m1 = moves.load(Ordering::Acquire);
+            if m1 & 1 == 1 {
+                core::hint::spin_loop();
+                continue;
+            }
+            if let Some(entry) = self.probe(key)? {
+                return Ok(Some(entry));
+            }
+            // A miss is only trusted if nothing moved meanwhile.
+            fence(Ordering::Acquire);
+            if moves.load(Ordering::Relaxed) == m1 {
+                return Ok(None);
+            }
+        }
+        Err(())
+    }
+
+    #[inline]
+    fn probe(&self, key: &BlockKey) -> Result<Option<MirrorEntry>, ()> {
         let (lo, hi) = key_words(key);
         let mut position = home(lo, self.header.buckets);
         // Acquire: pairs with the writer's Release store of a larger bound
@@ -415,6 +449,12 @@ impl Shared {
             position = self.next(position);
         }
         Ok(None)
+    }
+
+    /// Buckets from `from` forward to `to`, wrapping.
+    #[inline]
+    fn distance(&self, from: u64, to: u64) -> u64 {
+        if to >= from { to - from } else { to + self.header.buckets - from }
     }
 }
 
@@ -589,10 +629,11 @@ impl MirrorWriter {
         Ok((writer, repaired))
     }
 
-    /// Repairs buckets left mid-update and recounts live entries, markers
-    /// and the probe bound.
+    /// Repairs buckets left mid-update (voids them), drops the duplicate a
+    /// move cut short may have left, and recounts live entries, voids and
+    /// the probe bound.
     fn repair(&mut self) -> u64 {
-        let removed = Snapshot { meta: STATE_REMOVED, words: [0; 3] };
+        let void = Snapshot { meta: STATE_VOID, words: [0; 3] };
         let mut repaired = 0;
         for record in self.shared.regions() {
             if record.is_mid_update() {
@@ -600,33 +641,55 @@ impl MirrorWriter {
                 repaired += 1;
             }
         }
-        let buckets = self.shared.header.buckets;
-        let (mut live, mut markers, mut max_probe) = (0u64, 0u64, 0u64);
-        for (position, bucket) in self.shared.buckets().iter().enumerate() {
+        for bucket in self.shared.buckets() {
             if bucket.is_mid_update() {
-                bucket.repair(removed);
+                bucket.repair(void);
                 repaired += 1;
             }
-            let snapshot = bucket.peek();
+        }
+        let moves = &self.shared.control().moves;
+        let cut_short = moves.load(Ordering::Relaxed) & 1 == 1;
+        let buckets = self.shared.header.buckets;
+        let (mut live, mut voids, mut max_probe) = (0u64, 0u64, 0u64);
+        for position in 0..buckets {
+            let snapshot = self.shared.bucket(position).peek();
             match snapshot.meta & 3 {
                 STATE_LIVE => {
-                    live += 1;
                     let home = home(snapshot.words[0], buckets);
-                    let position = position as u64;
-                    let distance = if position >= home { position - home } else { position + buckets - home };
-                    max_probe = max_probe.max(distance);
+                    max_probe = max_probe.max(self.shared.distance(home, position));
+                    live += 1;
                 }
-                STATE_REMOVED => markers += 1,
+                STATE_VOID => voids += 1,
                 _ => {}
             }
         }
-        self.live = live;
-        self.removed = markers;
         self.max_probe = u32::try_from(max_probe).unwrap_or(u32::MAX);
+        if cut_short {
+            // A move copies an entry back before reusing its old bucket;
+            // cut short, the entry may be in both. Keep the first.
+            for position in 0..buckets {
+                let snapshot = self.shared.bucket(position).peek();
+                if snapshot.meta & 3 != STATE_LIVE {
+                    continue;
+                }
+                let mut key = [0u8; 16];
+                key[..8].copy_from_slice(&snapshot.words[0].to_le_bytes());
+                key[8..].copy_from_slice(&snapshot.words[1].to_le_bytes());
+                if self.position(&BlockKey(key)).is_some_and(|first| first != position) {
+                    self.shared.bucket(position).write(void);
+                    live -= 1;
+                    voids += 1;
+                    repaired += 1;
+                }
+            }
+            moves.store(moves.load(Ordering::Relaxed).wrapping_add(1), Ordering::Release);
+        }
+        self.live = live;
+        self.removed = voids;
         let control = self.shared.control();
         control.max_probe.store(self.max_probe, Ordering::Release);
         control.live.store(live, Ordering::Relaxed);
-        control.removed.store(markers, Ordering::Relaxed);
+        control.removed.store(voids, Ordering::Relaxed);
         repaired
     }
 
@@ -649,10 +712,10 @@ impl MirrorWriter {
                     return Ok(());
                 }
                 STATE_EMPTY => break free.unwrap_or((position, distance)),
-                STATE_REMOVED if free.is_none() => free = Some((position, distance)),
+                STATE_VOID if free.is_none() => free = Some((position, distance)),
                 _ => {}
             }
-            // Past the bound no live entry lies: a marker seen is the place.
+            // Past the bound no live entry lies: a void seen is the place.
             if distance > u64::from(self.max_probe)
                 && let Some(found) = free
             {
@@ -665,7 +728,7 @@ impl MirrorWriter {
             position = self.shared.next(position);
         };
         let (position, distance) = target;
-        let reuses_marker = self.shared.bucket(position).peek().meta & 3 == STATE_REMOVED;
+        let reuses_marker = self.shared.bucket(position).peek().meta & 3 == STATE_VOID;
         if !reuses_marker && (self.live + self.removed + 1) * 10 > buckets * 9 {
             return Err(MirrorError::Full);
         }
@@ -684,12 +747,42 @@ impl MirrorWriter {
         Ok(())
     }
 
-    /// Withdraws `key`. Returns whether it was published.
+    /// Withdraws `key`, moving later entries of its cluster back (see the
+    /// module docs). Returns whether it was published.
     pub fn remove(&mut self, key: &BlockKey) -> bool {
         let Some(position) = self.position(key) else { return false };
-        self.shared.bucket(position).write(Snapshot { meta: STATE_REMOVED, words: [0; 3] });
+        let moves = &self.shared.control().moves;
+        let count = moves.load(Ordering::Relaxed);
+        // Odd while moving; the Release fence orders the odd count before
+        // the bucket writes below for any reader whose Acquire fence saw
+        // one of them (the bucket protocol, table-wide).
+        moves.store(count.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        let mut hole = position;
+        let mut next = self.shared.next(hole);
+        loop {
+            let snapshot = self.shared.bucket(next).peek();
+            match snapshot.meta & 3 {
+                STATE_EMPTY => break,
+                STATE_LIVE => {
+                    let home = home(snapshot.words[0], self.shared.header.buckets);
+                    // It may fill the hole if its home is not inside
+                    // (hole, next]: it is then still found from its home.
+                    if self.shared.distance(home, next) >= self.shared.distance(hole, next) {
+                        // Copy first: the entry is in both buckets until
+                        // the next step reuses this one.
+                        self.shared.bucket(hole).write(snapshot);
+                        hole = next;
+                    }
+                }
+                _ => {} // a void stays where it is
+            }
+            next = self.shared.next(next);
+        }
+        self.shared.bucket(hole).write(Snapshot { meta: STATE_EMPTY, words: [0; 3] });
+        // Release: a reader that sees the even count sees the moves.
+        moves.store(count.wrapping_add(2), Ordering::Release);
         self.live -= 1;
-        self.removed += 1;
         self.publish_counts();
         true
     }
@@ -746,7 +839,7 @@ impl MirrorWriter {
         self.live
     }
 
-    /// Removal markers occupying buckets.
+    /// Void buckets (repaired after a dead writer) occupying the table.
     pub fn removed(&self) -> u64 {
         self.removed
     }
@@ -869,8 +962,9 @@ pub enum Lookup {
     Hit(MirrorEntry),
     /// Not published.
     Miss,
-    /// A bucket on the key's path was left mid-update by a dead writer
-    /// (treat as a miss until the next writer repairs it).
+    /// Could not be told: a bucket on the key's path was left mid-update
+    /// by a dead writer (until the next writer repairs it), or the writer
+    /// kept moving entries under every attempt. Treat as a miss.
     Unreadable,
 }
 
