@@ -41,12 +41,15 @@ pub mod l2;
 pub(crate) mod lock;
 #[cfg(not(loom))]
 pub mod mirror;
-/// Under `--cfg loom` only the mirror's sequence lock is built, for its
-/// model check; nothing else is run over loom's atomics.
+/// Under `--cfg loom` only the mirror's sequence lock and table algorithms
+/// are built, for their model checks; nothing else runs over loom's
+/// atomics.
 #[cfg(loom)]
 pub mod mirror {
     #[path = "seqlock.rs"]
     pub mod seqlock;
+    #[path = "table.rs"]
+    pub mod table;
 }
 pub mod model;
 pub mod numa;

@@ -36,6 +36,7 @@
 
 pub mod layout;
 pub mod seqlock;
+pub mod table;
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -43,7 +44,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::Ordering;
 
 use memmap2::{Mmap, MmapOptions, MmapRaw};
 
@@ -55,6 +56,7 @@ use layout::{
     STATE_READY, STATE_RETIRED,
 };
 use seqlock::{Bucket, Snapshot};
+use table::{Place, STATE_LIVE, STATE_VOID, Table, home};
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
@@ -227,15 +229,6 @@ pub struct MirrorEntry {
     pub generation: u32,
 }
 
-const STATE_EMPTY: u32 = 0;
-const STATE_LIVE: u32 = 1;
-/// A bucket a dead writer left mid-update, repaired: skipped by probes,
-/// reused by inserts.
-const STATE_VOID: u32 = 2;
-
-/// How often a reader looks again after a miss that raced entries moving.
-const MISS_ATTEMPTS: u32 = 32;
-
 fn tier_from(bits: u32) -> Tier {
     Tier::ALL[(bits & 3) as usize]
 }
@@ -332,15 +325,6 @@ fn key_words(key: &BlockKey) -> (u64, u64) {
     )
 }
 
-/// The home bucket of a key: its first eight bytes (a keyed BLAKE3
-/// output, uniform) scaled to the bucket count.
-#[inline]
-fn home(key_lo: u64, buckets: u64) -> u64 {
-    #[allow(clippy::cast_possible_truncation)] // below `buckets`, a u64
-    let home = ((u128::from(key_lo) * u128::from(buckets)) >> 64) as u64;
-    home
-}
-
 /// The mapped file, for reader and writer alike.
 struct Shared {
     base: *const u8,
@@ -392,9 +376,9 @@ impl Shared {
         &self.buckets()[crate::usize_from(position)]
     }
 
-    #[inline]
-    fn next(&self, position: u64) -> u64 {
-        if position + 1 == self.header.buckets { 0 } else { position + 1 }
+    fn table(&self) -> Table<'_> {
+        let control = self.control();
+        Table { buckets: self.buckets(), moves: &control.moves, max_probe: &control.max_probe }
     }
 
     #[inline]
@@ -405,56 +389,12 @@ impl Shared {
     }
 
     /// The live entry for `key`: `Ok(None)` if absent, `Err(())` if that
-    /// could not be told: a bucket on its path was left mid-update, or
-    /// entries kept moving under every attempt.
+    /// could not be told (see [`Table::find`]).
     #[inline]
     fn find(&self, key: &BlockKey) -> Result<Option<MirrorEntry>, ()> {
-        let moves = &self.control().moves;
-        for _ in 0..MISS_ATTEMPTS {
-            // Acquire: pairs with the writer's Release of the even count
-            // after moving, as a bucket's count does.
-            let m1 = moves.load(Ordering::Acquire);
-            if m1 & 1 == 1 {
-                core::hint::spin_loop();
-                continue;
-            }
-            if let Some(entry) = self.probe(key)? {
-                return Ok(Some(entry));
-            }
-            // A miss is only trusted if nothing moved meanwhile.
-            fence(Ordering::Acquire);
-            if moves.load(Ordering::Relaxed) == m1 {
-                return Ok(None);
-            }
-        }
-        Err(())
-    }
-
-    #[inline]
-    fn probe(&self, key: &BlockKey) -> Result<Option<MirrorEntry>, ()> {
         let (lo, hi) = key_words(key);
-        let mut position = home(lo, self.header.buckets);
-        // Acquire: pairs with the writer's Release store of a larger bound
-        // before it writes an entry that far from home.
-        let bound = self.control().max_probe.load(Ordering::Acquire);
-        for _ in 0..=bound {
-            let snapshot = self.bucket(position).read().ok_or(())?;
-            match snapshot.meta & 3 {
-                STATE_EMPTY => return Ok(None),
-                STATE_LIVE if snapshot.words[0] == lo && snapshot.words[1] == hi => {
-                    return Ok(MirrorEntry::decode(&snapshot));
-                }
-                _ => {}
-            }
-            position = self.next(position);
-        }
-        Ok(None)
-    }
-
-    /// Buckets from `from` forward to `to`, wrapping.
-    #[inline]
-    fn distance(&self, from: u64, to: u64) -> u64 {
-        if to >= from { to - from } else { to + self.header.buckets - from }
+        let found = self.table().find(lo, hi).map_err(|table::Untold| ())?;
+        Ok(found.and_then(|snapshot| MirrorEntry::decode(&snapshot)))
     }
 }
 
@@ -486,7 +426,6 @@ pub struct MirrorWriter {
     map: MmapRaw,
     file: File,
     path: Option<PathBuf>,
-    max_probe: u32,
     live: u64,
     removed: u64,
 }
@@ -560,7 +499,6 @@ impl MirrorWriter {
             map,
             file,
             path: target.map(Path::to_path_buf),
-            max_probe: 0,
             live: 0,
             removed: 0,
         };
@@ -607,7 +545,6 @@ impl MirrorWriter {
             map,
             file,
             path: Some(path.to_path_buf()),
-            max_probe: 0,
             live: 0,
             removed: 0,
         };
@@ -656,14 +593,15 @@ impl MirrorWriter {
             match snapshot.meta & 3 {
                 STATE_LIVE => {
                     let home = home(snapshot.words[0], buckets);
-                    max_probe = max_probe.max(self.shared.distance(home, position));
+                    max_probe = max_probe.max(self.shared.table().distance(home, position));
                     live += 1;
                 }
                 STATE_VOID => voids += 1,
                 _ => {}
             }
         }
-        self.max_probe = u32::try_from(max_probe).unwrap_or(u32::MAX);
+        let bound = u32::try_from(max_probe).unwrap_or(u32::MAX);
+        self.shared.control().max_probe.store(bound, Ordering::Release);
         if cut_short {
             // A move copies an entry back before reusing its old bucket;
             // cut short, the entry may be in both. Keep the first.
@@ -687,7 +625,6 @@ impl MirrorWriter {
         self.live = live;
         self.removed = voids;
         let control = self.shared.control();
-        control.max_probe.store(self.max_probe, Ordering::Release);
         control.live.store(live, Ordering::Relaxed);
         control.removed.store(voids, Ordering::Relaxed);
         repaired
@@ -700,47 +637,23 @@ impl MirrorWriter {
         }
         let snapshot = entry.encode(key)?;
         let (lo, hi) = key_words(key);
-        let buckets = self.shared.header.buckets;
-        let mut position = home(lo, buckets);
-        let mut free: Option<(u64, u64)> = None;
-        let mut distance = 0u64;
-        let target = loop {
-            let seen = self.shared.bucket(position).peek();
-            match seen.meta & 3 {
-                STATE_LIVE if seen.words[0] == lo && seen.words[1] == hi => {
-                    self.shared.bucket(position).write(snapshot);
-                    return Ok(());
-                }
-                STATE_EMPTY => break free.unwrap_or((position, distance)),
-                STATE_VOID if free.is_none() => free = Some((position, distance)),
-                _ => {}
+        let table = self.shared.table();
+        let (position, distance, void) = match table.place(lo, hi) {
+            Place::Existing(position) => {
+                table.bucket(position).write(snapshot);
+                return Ok(());
             }
-            // Past the bound no live entry lies: a void seen is the place.
-            if distance > u64::from(self.max_probe)
-                && let Some(found) = free
-            {
-                break found;
-            }
-            distance += 1;
-            if distance >= buckets {
-                break free.ok_or(MirrorError::Full)?;
-            }
-            position = self.shared.next(position);
+            Place::Free { position, distance, void } => (position, distance, void),
+            Place::Full => return Err(MirrorError::Full),
         };
-        let (position, distance) = target;
-        let reuses_marker = self.shared.bucket(position).peek().meta & 3 == STATE_VOID;
-        if !reuses_marker && (self.live + self.removed + 1) * 10 > buckets * 9 {
+        if !void && (self.live + self.removed + 1) * 10 > table.len() * 9 {
             return Err(MirrorError::Full);
         }
-        if distance > u64::from(self.max_probe) {
-            self.max_probe = u32::try_from(distance).map_err(|_| MirrorError::Full)?;
-            // Release: a reader that loads the larger bound will find the
-            // entry written below (or see it being written).
-            self.shared.control().max_probe.store(self.max_probe, Ordering::Release);
+        if !table.fill(position, distance, snapshot) {
+            return Err(MirrorError::Full);
         }
-        self.shared.bucket(position).write(snapshot);
         self.live += 1;
-        if reuses_marker {
+        if void {
             self.removed -= 1;
         }
         self.publish_counts();
@@ -751,37 +664,7 @@ impl MirrorWriter {
     /// module docs). Returns whether it was published.
     pub fn remove(&mut self, key: &BlockKey) -> bool {
         let Some(position) = self.position(key) else { return false };
-        let moves = &self.shared.control().moves;
-        let count = moves.load(Ordering::Relaxed);
-        // Odd while moving; the Release fence orders the odd count before
-        // the bucket writes below for any reader whose Acquire fence saw
-        // one of them (the bucket protocol, table-wide).
-        moves.store(count.wrapping_add(1), Ordering::Relaxed);
-        fence(Ordering::Release);
-        let mut hole = position;
-        let mut next = self.shared.next(hole);
-        loop {
-            let snapshot = self.shared.bucket(next).peek();
-            match snapshot.meta & 3 {
-                STATE_EMPTY => break,
-                STATE_LIVE => {
-                    let home = home(snapshot.words[0], self.shared.header.buckets);
-                    // It may fill the hole if its home is not inside
-                    // (hole, next]: it is then still found from its home.
-                    if self.shared.distance(home, next) >= self.shared.distance(hole, next) {
-                        // Copy first: the entry is in both buckets until
-                        // the next step reuses this one.
-                        self.shared.bucket(hole).write(snapshot);
-                        hole = next;
-                    }
-                }
-                _ => {} // a void stays where it is
-            }
-            next = self.shared.next(next);
-        }
-        self.shared.bucket(hole).write(Snapshot { meta: STATE_EMPTY, words: [0; 3] });
-        // Release: a reader that sees the even count sees the moves.
-        moves.store(count.wrapping_add(2), Ordering::Release);
+        self.shared.table().remove_at(position);
         self.live -= 1;
         self.publish_counts();
         true
@@ -789,17 +672,7 @@ impl MirrorWriter {
 
     fn position(&self, key: &BlockKey) -> Option<u64> {
         let (lo, hi) = key_words(key);
-        let mut position = home(lo, self.shared.header.buckets);
-        for _ in 0..=self.max_probe {
-            let seen = self.shared.bucket(position).peek();
-            match seen.meta & 3 {
-                STATE_EMPTY => return None,
-                STATE_LIVE if seen.words[0] == lo && seen.words[1] == hi => return Some(position),
-                _ => {}
-            }
-            position = self.shared.next(position);
-        }
-        None
+        self.shared.table().position(lo, hi)
     }
 
     /// The entry published for `key`, as the writer sees it.
@@ -846,7 +719,7 @@ impl MirrorWriter {
 
     /// The longest probe a live entry needs.
     pub fn max_probe(&self) -> u32 {
-        self.max_probe
+        self.shared.control().max_probe.load(Ordering::Relaxed)
     }
 
     /// The header.
