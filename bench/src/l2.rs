@@ -30,7 +30,7 @@ use lake_dp::uring::UringBackend;
 use lake_dp::{BlockKey, Durability, NamespaceId, ObjectKind, Priority};
 
 use crate::args::Args;
-use crate::report::{Report, median};
+use crate::report::{Report, median, percentile};
 
 /// Goals of issue [2] on this machine's virtual disk.
 const GOAL_RATIO: f64 = 0.9;
@@ -286,15 +286,6 @@ impl IoBackend for NoopBackend {
         }
         count
     }
-}
-
-/// The `per_mille`/1000 quantile (nearest rank).
-fn percentile(values: &mut [f64], per_mille: usize) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    values[(values.len() - 1) * per_mille.min(1000) / 1000]
 }
 
 /// One Lake read at queue depth 1, submit to event. Returns microseconds.

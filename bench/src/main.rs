@@ -13,6 +13,7 @@ mod args;
 mod cp_scale;
 mod keys;
 mod l2;
+mod lookup;
 mod report;
 mod trace;
 
@@ -35,6 +36,10 @@ subcommands:
   cp-scale [--blocks N] [--chain N] [--matches N]
          the radix index at scale: inserts/s, matches/s, heap bytes per
          block (two replicas each), RSS; a std HashMap insert beside it
+  lookup [--tokens N] [--block-tokens N] [--entries N] [--prompts N] [--lookups N] [--backing auto|memfd|shm]
+         longest-prefix lookup and block table of a prompt read from the
+         shared-memory mirror while its writer changes it, among N other
+         entries; one probe vs one raw bucket load
   trace  --file F.jsonl (--capacity-blocks N | --capacity-ratio R) [--policy lake|lru]
          replay a hash_ids trace through the real index and eviction code
   trace-gen --kind agent|chat|scan --out F.jsonl [--requests N] [--seed S]
@@ -53,6 +58,7 @@ fn main() -> ExitCode {
         "block-latency" => l2::run_block_latency(rest),
         "trace" => trace::run_trace(rest),
         "cp-scale" => cp_scale::run(rest),
+        "lookup" => lookup::run(rest),
         "trace-gen" => trace::run_trace_gen(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");

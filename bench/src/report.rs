@@ -65,6 +65,15 @@ fn write_json_string(out: &mut String, value: &str) {
     out.push('"');
 }
 
+/// The `per_mille`/1000 quantile (nearest rank).
+pub(crate) fn percentile(values: &mut [f64], per_mille: usize) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    values[(values.len() - 1) * per_mille.min(1000) / 1000]
+}
+
 /// The median of `values` (the mean of the middle two for an even count).
 pub(crate) fn median(values: &mut [f64]) -> f64 {
     if values.is_empty() {

@@ -100,9 +100,13 @@ pub struct MirrorHeader {
 const _: () = assert!(size_of::<MirrorHeader>() == 72);
 const _: () = assert!(offset_of!(MirrorHeader, crc) == 64);
 
-/// The words in page 0 that change while the mirror lives.
+/// The words in page 0 that change while the mirror lives, on three cache
+/// lines by how often the writer stores them: every probe reads the first
+/// (which changes almost never), a miss the second (changed by every
+/// removal), reports the third (changed by every write) — so a busy
+/// writer does not pull the probe's line away from the readers.
 #[derive(Debug)]
-#[repr(C)]
+#[repr(C, align(64))]
 pub struct MirrorControl {
     /// [`STATE_BUILDING`], [`STATE_READY`] or [`STATE_RETIRED`].
     pub state: AtomicU32,
@@ -112,20 +116,22 @@ pub struct MirrorControl {
     pub term: AtomicU64,
     /// The longest probe any live entry needs (readers stop there).
     pub max_probe: AtomicU32,
-    /// Zero.
-    pub reserved: AtomicU32,
-    /// Live entries.
-    pub live: AtomicU64,
-    /// Removed entries still occupying a bucket.
-    pub removed: AtomicU64,
-    /// Buckets found mid-update and repaired by a later writer, in all.
-    pub repaired: AtomicU64,
+    _pad_a: [u8; 44],
     /// Odd while the writer moves entries back after a removal: a reader
     /// whose probe missed re-checks it, and looks again if it changed (a
     /// moving entry may have passed behind its probe).
     pub moves: AtomicU64,
+    _pad_b: [u8; 56],
+    /// Live entries.
+    pub live: AtomicU64,
+    /// Void buckets (repaired after a dead writer).
+    pub removed: AtomicU64,
+    /// Buckets found mid-update and repaired by a later writer, in all.
+    pub repaired: AtomicU64,
 }
 
+const _: () = assert!(offset_of!(MirrorControl, moves) == 64);
+const _: () = assert!(offset_of!(MirrorControl, live) == 128);
 const _: () = assert!(CONTROL_OFFSET + size_of::<MirrorControl>() <= HEADER_BYTES as usize);
 const _: () = assert!(size_of::<Bucket>() == BUCKET_BYTES as usize);
 

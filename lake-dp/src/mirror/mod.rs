@@ -916,6 +916,15 @@ impl MirrorReader {
         }
     }
 
+    /// The raw operation beneath a probe, for benchmarks: loads each named
+    /// bucket's words (no sequence check, no key compare) and sums their
+    /// first word.
+    #[doc(hidden)]
+    pub fn raw_bucket_sum(&self, positions: &[u64]) -> u64 {
+        let buckets = self.shared.header.buckets;
+        positions.iter().map(|&p| u64::from(self.shared.bucket(p % buckets).peek().meta)).fold(0, u64::wrapping_add)
+    }
+
     /// A region's record.
     pub fn region(&self, region: RegionId) -> Option<RegionRecord> {
         let record = self.shared.regions().get(usize::from(region.0))?.read()?;
@@ -948,14 +957,15 @@ impl MirrorReader {
     /// The entries of `keys` in order, into `out` (cleared first), up to
     /// the first key not published (or unreadable). Returns how many.
     pub fn block_table(&self, keys: &[BlockKey], out: &mut Vec<MirrorEntry>) -> usize {
-        const AHEAD: usize = 8;
+        // Buckets are fetched this many keys ahead, so their misses overlap.
+        const AHEAD: usize = 16;
         out.clear();
         for key in keys.iter().take(AHEAD) {
             self.shared.prefetch(key);
         }
         for (i, key) in keys.iter().enumerate() {
-            if let Some(ahead) = keys.get(i + AHEAD) {
-                self.shared.prefetch(ahead);
+            if let Some(next) = keys.get(i + AHEAD) {
+                self.shared.prefetch(next);
             }
             match self.shared.find(key) {
                 Ok(Some(entry)) => out.push(entry),

@@ -104,14 +104,16 @@ impl Table<'_> {
     /// `Ok(None)`: absent.
     #[inline]
     pub fn find(&self, lo: u64, hi: u64) -> Result<Option<Snapshot>, Untold> {
+        // A hit needs no check: its bucket read was consistent and named
+        // the key (a copy being moved is the same entry). So the common
+        // case never touches the move count, a line the writer dirties.
+        if let Some(found) = self.probe(lo, hi)? {
+            return Ok(Some(found));
+        }
         for _ in 0..MISS_ATTEMPTS {
             // Acquire: pairs with the writer's Release of the even count
             // after moving, as a bucket's count does.
             let m1 = self.moves.load(Ordering::Acquire);
-            if m1 & 1 == 1 {
-                spin();
-                continue;
-            }
             if let Some(found) = self.probe(lo, hi)? {
                 return Ok(Some(found));
             }
@@ -119,9 +121,10 @@ impl Table<'_> {
             // Acquire fence pairs with the writer's Release fence after
             // the odd count (the bucket protocol, table-wide).
             fence(Ordering::Acquire);
-            if self.moves.load(Ordering::Relaxed) == m1 {
+            if m1 & 1 == 0 && self.moves.load(Ordering::Relaxed) == m1 {
                 return Ok(None);
             }
+            spin();
         }
         Err(Untold)
     }
