@@ -925,6 +925,19 @@ impl MirrorReader {
         positions.iter().map(|&p| u64::from(self.shared.bucket(p % buckets).peek().meta)).fold(0, u64::wrapping_add)
     }
 
+    /// The raw latency beneath one cold probe, for benchmarks: `count`
+    /// bucket loads, each address depending on the word loaded before (a
+    /// chase, so no two overlap).
+    #[doc(hidden)]
+    pub fn raw_bucket_chase(&self, mut position: u64, count: usize) -> u64 {
+        let buckets = self.shared.header.buckets;
+        for step in 0..count as u64 {
+            let word = self.shared.bucket(position % buckets).peek().words[2];
+            position = position.wrapping_add(word | 1).wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(step) >> 11;
+        }
+        position
+    }
+
     /// A region's record.
     pub fn region(&self, region: RegionId) -> Option<RegionRecord> {
         let record = self.shared.regions().get(usize::from(region.0))?.read()?;
