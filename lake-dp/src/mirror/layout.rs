@@ -10,7 +10,8 @@
 //! A table bucket's words (see [`super::seqlock::Bucket`]):
 //!
 //! ```text
-//! meta      bits 0-1 state (0 empty, 1 live, 2 void: repaired, skipped), 2-3 kind,
+//! meta      bits 0-1 state (0 empty, 1 live, 2 void: left mid-update by a
+//!           dead writer, until the next rebuilds its cluster), 2-3 kind,
 //!           4-5 tier of the replica named, 6-9 tiers holding a ready
 //!           replica (bit per tier), 10-17 region epoch tag, 18-27 region,
 //!           28-31 zero
@@ -124,8 +125,6 @@ pub struct MirrorControl {
     _pad_b: [u8; 56],
     /// Live entries.
     pub live: AtomicU64,
-    /// Void buckets (repaired after a dead writer).
-    pub removed: AtomicU64,
     /// Buckets found mid-update and repaired by a later writer, in all.
     pub repaired: AtomicU64,
 }

@@ -56,7 +56,7 @@ use layout::{
     STATE_READY, STATE_RETIRED,
 };
 use seqlock::{Bucket, Snapshot};
-use table::{Place, STATE_LIVE, STATE_VOID, Table, home};
+use table::{STATE_LIVE, STATE_VOID, Table, home};
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
@@ -110,7 +110,7 @@ pub enum MirrorError {
         /// The term offered.
         offered: u64,
     },
-    /// The table is as full as it may get (9/10 of its buckets used).
+    /// The table is as full as it may get (9/10 of its buckets live).
     Full,
     /// An entry cannot be stored; the text names the field.
     Entry(&'static str),
@@ -427,7 +427,6 @@ pub struct MirrorWriter {
     file: File,
     path: Option<PathBuf>,
     live: u64,
-    removed: u64,
 }
 
 impl core::fmt::Debug for MirrorWriter {
@@ -436,7 +435,6 @@ impl core::fmt::Debug for MirrorWriter {
             .field("path", &self.path)
             .field("buckets", &self.shared.header.buckets)
             .field("live", &self.live)
-            .field("removed", &self.removed)
             .finish_non_exhaustive()
     }
 }
@@ -500,7 +498,6 @@ impl MirrorWriter {
             file,
             path: target.map(Path::to_path_buf),
             live: 0,
-            removed: 0,
         };
         let control = writer.shared.control();
         control.term.store(config.term, Ordering::Relaxed);
@@ -516,7 +513,7 @@ impl MirrorWriter {
 
     /// Takes over the mirror at `path` whose writer died: checks it, takes
     /// the writer lock, repairs every bucket left mid-update (marks it
-    /// removed), recounts, and writes `term` (which must be above the
+    /// void and rebuilds its cluster), recounts, and writes `term` (which must be above the
     /// mirror's). Readers keep reading throughout. Returns the writer and
     /// how many buckets were repaired.
     pub fn take_over(path: &Path, term: u64) -> Result<(Self, u64), MirrorError> {
@@ -540,14 +537,8 @@ impl MirrorWriter {
             .len(crate::usize_from(header.total_bytes))
             .map_raw(&file)
             .map_err(io_error("mapping", Some(path)))?;
-        let mut writer = Self {
-            shared: Shared { base: map.as_ptr(), header },
-            map,
-            file,
-            path: Some(path.to_path_buf()),
-            live: 0,
-            removed: 0,
-        };
+        let mut writer =
+            Self { shared: Shared { base: map.as_ptr(), header }, map, file, path: Some(path.to_path_buf()), live: 0 };
         let control = writer.shared.control();
         match control.state.load(Ordering::Acquire) {
             STATE_READY => {}
@@ -566,9 +557,11 @@ impl MirrorWriter {
         Ok((writer, repaired))
     }
 
-    /// Repairs buckets left mid-update (voids them), drops the duplicate a
-    /// move cut short may have left, and recounts live entries, voids and
-    /// the probe bound.
+    /// Repairs what a dead writer left: buckets mid-update are voided and
+    /// their clusters rebuilt (every cluster, if it died moving entries),
+    /// so each entry is in the table once and in order; recounts live
+    /// entries and the probe bound. Returns how many buckets and
+    /// duplicates it fixed.
     fn repair(&mut self) -> u64 {
         let void = Snapshot { meta: STATE_VOID, words: [0; 3] };
         let mut repaired = 0;
@@ -584,50 +577,12 @@ impl MirrorWriter {
                 repaired += 1;
             }
         }
-        let moves = &self.shared.control().moves;
-        let cut_short = moves.load(Ordering::Relaxed) & 1 == 1;
-        let buckets = self.shared.header.buckets;
-        let (mut live, mut voids, mut max_probe) = (0u64, 0u64, 0u64);
-        for position in 0..buckets {
-            let snapshot = self.shared.bucket(position).peek();
-            match snapshot.meta & 3 {
-                STATE_LIVE => {
-                    let home = home(snapshot.words[0], buckets);
-                    max_probe = max_probe.max(self.shared.table().distance(home, position));
-                    live += 1;
-                }
-                STATE_VOID => voids += 1,
-                _ => {}
-            }
-        }
-        let bound = u32::try_from(max_probe).unwrap_or(u32::MAX);
-        self.shared.control().max_probe.store(bound, Ordering::Release);
-        if cut_short {
-            // A move copies an entry back before reusing its old bucket;
-            // cut short, the entry may be in both. Keep the first.
-            for position in 0..buckets {
-                let snapshot = self.shared.bucket(position).peek();
-                if snapshot.meta & 3 != STATE_LIVE {
-                    continue;
-                }
-                let mut key = [0u8; 16];
-                key[..8].copy_from_slice(&snapshot.words[0].to_le_bytes());
-                key[8..].copy_from_slice(&snapshot.words[1].to_le_bytes());
-                if self.position(&BlockKey(key)).is_some_and(|first| first != position) {
-                    self.shared.bucket(position).write(void);
-                    live -= 1;
-                    voids += 1;
-                    repaired += 1;
-                }
-            }
-            moves.store(moves.load(Ordering::Relaxed).wrapping_add(1), Ordering::Release);
-        }
+        let table = self.shared.table();
+        let moving = table.moves.load(Ordering::Relaxed) & 1 == 1;
+        let (live, dropped, _) = table.rebuild(moving);
         self.live = live;
-        self.removed = voids;
-        let control = self.shared.control();
-        control.live.store(live, Ordering::Relaxed);
-        control.removed.store(voids, Ordering::Relaxed);
-        repaired
+        self.publish_counts();
+        repaired + dropped
     }
 
     /// Publishes `entry` for `key` (inserting or replacing).
@@ -638,24 +593,14 @@ impl MirrorWriter {
         let snapshot = entry.encode(key)?;
         let (lo, hi) = key_words(key);
         let table = self.shared.table();
-        let (position, distance, void) = match table.place(lo, hi) {
-            Place::Existing(position) => {
-                table.bucket(position).write(snapshot);
-                return Ok(());
-            }
-            Place::Free { position, distance, void } => (position, distance, void),
-            Place::Full => return Err(MirrorError::Full),
-        };
-        if !void && (self.live + self.removed + 1) * 10 > table.len() * 9 {
-            return Err(MirrorError::Full);
+        if let Some(position) = table.position(lo, hi) {
+            table.bucket(position).write(snapshot);
+            return Ok(());
         }
-        if !table.fill(position, distance, snapshot) {
+        if (self.live + 1) * 10 > table.len() * 9 || !table.insert(snapshot) {
             return Err(MirrorError::Full);
         }
         self.live += 1;
-        if void {
-            self.removed -= 1;
-        }
         self.publish_counts();
         Ok(())
     }
@@ -681,9 +626,7 @@ impl MirrorWriter {
     }
 
     fn publish_counts(&self) {
-        let control = self.shared.control();
-        control.live.store(self.live, Ordering::Relaxed);
-        control.removed.store(self.removed, Ordering::Relaxed);
+        self.shared.control().live.store(self.live, Ordering::Relaxed);
     }
 
     /// Publishes a region's record (tier, epoch, tag).
@@ -710,11 +653,6 @@ impl MirrorWriter {
     /// Live entries.
     pub fn live(&self) -> u64 {
         self.live
-    }
-
-    /// Void buckets (repaired after a dead writer) occupying the table.
-    pub fn removed(&self) -> u64 {
-        self.removed
     }
 
     /// The longest probe a live entry needs.

@@ -1,8 +1,16 @@
 //! The mirror's table algorithms over its buckets: the reader's lookup
-//! with its move check, and the writer's placement and backward-shift
-//! removal. Plain slices of [`Bucket`]s and two control words, so the same
-//! code runs over the shared mapping and, for the model check, over
-//! `loom`'s atomics.
+//! with its move check, and the writer's Robin Hood insertion and
+//! backward-shift removal. Plain slices of [`Bucket`]s and two control
+//! words, so the same code runs over the shared mapping and, for the model
+//! check, over `loom`'s atomics.
+//!
+//! Robin Hood: an insert walking from its home takes the bucket of any
+//! entry nearer its own home than the insert is to its, and carries that
+//! entry on. Entries of a cluster then lie in the order of their homes, so
+//! no entry sits far from home because it came late (with plain linear
+//! probing the newest — the blocks just computed, the ones engines look up
+//! — sit furthest), and a probe may stop as soon as it meets an entry
+//! nearer home than the probe has come: the key is not further on.
 
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
@@ -51,24 +59,6 @@ pub struct Table<'a> {
 /// under every attempt. Callers treat it as a miss.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Untold;
-
-/// Where an insert of a key goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Place {
-    /// The key is live here already.
-    Existing(u64),
-    /// A free bucket (empty, or void if `void`) `distance` from home.
-    Free {
-        /// The bucket.
-        position: u64,
-        /// From the key's home.
-        distance: u64,
-        /// It is a void bucket (reused), not an empty one.
-        void: bool,
-    },
-    /// No free bucket anywhere.
-    Full,
-}
 
 impl Table<'_> {
     /// Buckets.
@@ -135,11 +125,14 @@ impl Table<'_> {
         // Acquire: pairs with the writer's Release store of a larger bound
         // before it writes an entry that far from home.
         let bound = self.max_probe.load(Ordering::Acquire);
-        for _ in 0..=bound {
+        for distance in 0..=u64::from(bound) {
             let snapshot = self.bucket(position).read().ok_or(Untold)?;
             match snapshot.meta & 3 {
                 STATE_EMPTY => return Ok(None),
                 STATE_LIVE if snapshot.words[0] == lo && snapshot.words[1] == hi => return Ok(Some(snapshot)),
+                // Robin Hood order: an entry nearer its home than this probe
+                // is to the key's means the key is not further on.
+                STATE_LIVE if self.displacement(&snapshot, position) < distance => return Ok(None),
                 _ => {}
             }
             position = self.next(position);
@@ -147,14 +140,22 @@ impl Table<'_> {
         Ok(None)
     }
 
+    /// How far the entry in `snapshot`, lying at `position`, is from its
+    /// home.
+    #[inline]
+    pub fn displacement(&self, snapshot: &Snapshot, position: u64) -> u64 {
+        self.distance(home(snapshot.words[0], self.len()), position)
+    }
+
     /// Writer: the bucket holding the key (its own stores, no lock).
     pub fn position(&self, lo: u64, hi: u64) -> Option<u64> {
         let mut position = home(lo, self.len());
-        for _ in 0..=self.max_probe.load(Ordering::Relaxed) {
+        for distance in 0..=u64::from(self.max_probe.load(Ordering::Relaxed)) {
             let seen = self.bucket(position).peek();
             match seen.meta & 3 {
                 STATE_EMPTY => return None,
                 STATE_LIVE if seen.words[0] == lo && seen.words[1] == hi => return Some(position),
+                STATE_LIVE if self.displacement(&seen, position) < distance => return None,
                 _ => {}
             }
             position = self.next(position);
@@ -162,54 +163,61 @@ impl Table<'_> {
         None
     }
 
-    /// Writer: where the key goes.
-    pub fn place(&self, lo: u64, hi: u64) -> Place {
-        let bound = u64::from(self.max_probe.load(Ordering::Relaxed));
-        let mut position = home(lo, self.len());
-        let mut void: Option<(u64, u64)> = None;
-        for distance in 0..self.len() {
-            let seen = self.bucket(position).peek();
-            match seen.meta & 3 {
-                STATE_LIVE if seen.words[0] == lo && seen.words[1] == hi => return Place::Existing(position),
-                STATE_EMPTY => {
-                    return match void {
-                        Some((position, distance)) => Place::Free { position, distance, void: true },
-                        None => Place::Free { position, distance, void: false },
-                    };
-                }
-                STATE_VOID if void.is_none() => void = Some((position, distance)),
-                _ => {}
-            }
-            // Past the bound no live entry lies: a void seen is the place.
-            if distance > bound
-                && let Some((position, distance)) = void
-            {
-                return Place::Free { position, distance, void: true };
-            }
-            position = self.next(position);
-        }
-        match void {
-            Some((position, distance)) => Place::Free { position, distance, void: true },
-            None => Place::Full,
-        }
+    /// Writer: inserts `snapshot`, whose key is absent (see
+    /// [`Table::position`]), the Robin Hood way. The table must have an
+    /// empty bucket. False, with nothing changed, only if a displacement
+    /// would not fit the probe bound's 32 bits.
+    pub fn insert(&self, snapshot: Snapshot) -> bool {
+        self.insert_inner(snapshot, true)
     }
 
-    /// Writer: writes `snapshot` at a free place `distance` from its home,
-    /// raising the probe bound first if needed. False (nothing written) if
-    /// the distance does not fit the bound's 32 bits.
-    pub fn fill(&self, position: u64, distance: u64, snapshot: Snapshot) -> bool {
-        if distance > u64::from(self.max_probe.load(Ordering::Relaxed)) {
-            let Ok(bound) = u32::try_from(distance) else { return false };
-            // Release: a reader that loads the larger bound will find the
-            // entry written below (or see it being written).
-            self.max_probe.store(bound, Ordering::Release);
+    /// [`Table::insert`]; `guard`: raise the move count around carrying
+    /// (not when the caller already holds it odd).
+    fn insert_inner(&self, snapshot: Snapshot, guard: bool) -> bool {
+        let count = self.moves.load(Ordering::Relaxed);
+        let mut moving = !guard;
+        let mut carry = snapshot;
+        let mut position = home(carry.words[0], self.len());
+        let mut distance = 0u64;
+        loop {
+            let seen = self.bucket(position).peek();
+            let free = seen.meta & 3 != STATE_LIVE;
+            let richer = !free && self.displacement(&seen, position) < distance;
+            if free || richer {
+                if distance > u64::from(self.max_probe.load(Ordering::Relaxed)) {
+                    let Ok(bound) = u32::try_from(distance) else { return false };
+                    // Release: a reader that loads the larger bound finds
+                    // the entry written below (or sees it being written).
+                    self.max_probe.store(bound, Ordering::Release);
+                }
+                if richer && !moving {
+                    // An entry is about to be carried (absent until it is
+                    // written again further on): odd count, as a removal.
+                    self.moves.store(count.wrapping_add(1), Ordering::Relaxed);
+                    fence(Ordering::Release);
+                    moving = true;
+                }
+                self.bucket(position).write(carry);
+                if free {
+                    break;
+                }
+                distance = self.displacement(&seen, position);
+                carry = seen;
+            }
+            position = self.next(position);
+            distance += 1;
         }
-        self.bucket(position).write(snapshot);
+        if moving && guard {
+            // Release: a reader that sees the even count sees the moves.
+            self.moves.store(count.wrapping_add(2), Ordering::Release);
+        }
         true
     }
 
-    /// Writer: removes the live entry at `position`, moving later entries
-    /// of its cluster back (backward shift) under the odd move count.
+    /// Writer: removes the live entry at `position`, moving the entries
+    /// after it that are away from home back by one (backward shift)
+    /// under the odd move count. Each is copied before its old bucket is
+    /// reused, so it is never absent.
     pub fn remove_at(&self, position: u64) {
         let count = self.moves.load(Ordering::Relaxed);
         // Odd while moving; the Release fence orders the odd count before
@@ -217,30 +225,94 @@ impl Table<'_> {
         // one of them.
         self.moves.store(count.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
-        let mut hole = position;
-        let mut next = self.next(hole);
-        loop {
-            let snapshot = self.bucket(next).peek();
-            match snapshot.meta & 3 {
-                STATE_EMPTY => break,
-                STATE_LIVE => {
-                    let home = home(snapshot.words[0], self.len());
-                    // It may fill the hole if its home is not inside
-                    // (hole, next]: it is then still found from its home.
-                    if self.distance(home, next) >= self.distance(hole, next) {
-                        // Copy first: the entry is in both buckets until
-                        // the next step reuses this one.
-                        self.bucket(hole).write(snapshot);
-                        hole = next;
-                    }
-                }
-                _ => {} // a void stays where it is
-            }
-            next = self.next(next);
-        }
-        self.bucket(hole).write(Snapshot { meta: STATE_EMPTY, words: [0; 3] });
+        self.shift_into(position);
         // Release: a reader that sees the even count sees the moves.
         self.moves.store(count.wrapping_add(2), Ordering::Release);
+    }
+
+    /// Fills the hole at `hole` from the entries after it that are away
+    /// from home, and empties the last bucket moved from.
+    fn shift_into(&self, mut hole: u64) {
+        loop {
+            let next = self.next(hole);
+            let snapshot = self.bucket(next).peek();
+            if snapshot.meta & 3 != STATE_LIVE || self.displacement(&snapshot, next) == 0 {
+                break;
+            }
+            self.bucket(hole).write(snapshot);
+            hole = next;
+        }
+        self.bucket(hole).write(Snapshot { meta: STATE_EMPTY, words: [0; 3] });
+    }
+
+    /// Writer, taking over from a dead one: rebuilds every cluster that
+    /// holds a void (a bucket it left mid-update), and every cluster at all
+    /// if it died moving entries (one may be carried nowhere, or be in two
+    /// buckets, and the order may be broken). Entries are re-inserted once
+    /// each. Returns (live entries, duplicates dropped, longest
+    /// displacement).
+    pub fn rebuild(&self, everything: bool) -> (u64, u64, u64) {
+        let count = self.moves.load(Ordering::Relaxed);
+        let odd = count | 1;
+        self.moves.store(odd, Ordering::Relaxed);
+        fence(Ordering::Release);
+        let n = self.len();
+        let mut dropped = 0;
+        // Start right after an empty bucket, so no cluster wraps unseen.
+        let Some(start) = (0..n).find(|&p| self.bucket(p).peek().meta & 3 == STATE_EMPTY) else {
+            return (0, 0, 0);
+        };
+        let mut cluster: Vec<Snapshot> = Vec::new();
+        let mut at = self.next(start);
+        let mut walked = 0;
+        while walked < n {
+            if self.bucket(at).peek().meta & 3 == STATE_EMPTY {
+                at = self.next(at);
+                walked += 1;
+                continue;
+            }
+            // A cluster: [first, at).
+            let first = at;
+            let mut void = false;
+            cluster.clear();
+            while self.bucket(at).peek().meta & 3 != STATE_EMPTY {
+                let seen = self.bucket(at).peek();
+                if seen.meta & 3 == STATE_LIVE {
+                    cluster.push(seen);
+                } else {
+                    void = true;
+                }
+                at = self.next(at);
+                walked += 1;
+            }
+            if !(void || everything) {
+                continue;
+            }
+            let before = cluster.len();
+            cluster.sort_unstable_by_key(|s| (s.words[0], s.words[1]));
+            cluster.dedup_by_key(|s| (s.words[0], s.words[1]));
+            dropped += (before - cluster.len()) as u64;
+            let mut p = first;
+            while p != at {
+                self.bucket(p).write(Snapshot { meta: STATE_EMPTY, words: [0; 3] });
+                p = self.next(p);
+            }
+            for snapshot in &cluster {
+                // Fits: the cluster held at least these entries.
+                self.insert_inner(*snapshot, false);
+            }
+        }
+        let (mut live, mut longest) = (0, 0);
+        for p in 0..n {
+            let seen = self.bucket(p).peek();
+            if seen.meta & 3 == STATE_LIVE {
+                live += 1;
+                longest = longest.max(self.displacement(&seen, p));
+            }
+        }
+        self.max_probe.store(u32::try_from(longest).unwrap_or(u32::MAX), Ordering::Release);
+        self.moves.store(odd.wrapping_add(1), Ordering::Release);
+        (live, dropped, longest)
     }
 }
 
@@ -302,6 +374,36 @@ mod loom_tests {
             writer.join().unwrap();
             assert_eq!(owned.table().find(b, 7), Ok(Some(live(b))));
             assert_eq!(owned.table().find(a, 7), Ok(None));
+        });
+    }
+
+    /// A (home 0) at 0, B (home 1) at 1. Inserting C (home 0) takes B's
+    /// bucket and carries B on to 2 (Robin Hood). In no interleaving may a
+    /// reader looking for B report it absent.
+    #[test]
+    fn a_key_carried_by_an_insert_is_never_reported_absent() {
+        let mut model = loom::model::Builder::new();
+        model.preemption_bound = Some(2);
+        model.check(|| {
+            let owned = Arc::new(Owned {
+                buckets: (0..4).map(|_| Bucket::default()).collect(),
+                moves: AtomicU64::new(0),
+                max_probe: AtomicU32::new(0),
+            });
+            let (a, b, c) = (1u64, 1u64 << 62 | 5, 3u64);
+            assert_eq!((home(a, 4), home(b, 4), home(c, 4)), (0, 1, 0));
+            owned.table().bucket(0).write(live(a));
+            owned.table().bucket(1).write(live(b));
+            let reader = {
+                let owned = owned.clone();
+                loom::thread::spawn(move || owned.table().find(b, 7))
+            };
+            assert!(owned.table().insert(live(c)));
+            let found = reader.join().unwrap();
+            assert_ne!(found, Ok(None), "B reported absent while it was carried");
+            assert_eq!(owned.table().find(b, 7), Ok(Some(live(b))));
+            assert_eq!(owned.table().find(c, 7), Ok(Some(live(c))));
+            assert_eq!(owned.table().bucket(2).peek(), live(b));
         });
     }
 }
