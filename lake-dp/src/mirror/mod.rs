@@ -889,17 +889,29 @@ impl MirrorReader {
     /// reads every entry and stops at the first missing one, which makes
     /// the pair exact whatever the set.
     pub fn longest_prefix(&self, keys: &[BlockKey]) -> usize {
+        fn mid(lo: usize, hi: usize) -> usize {
+            lo + (hi - lo) / 2
+        }
         let (mut lo, mut hi) = (0usize, keys.len());
         while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if let Some(next) = keys.get(mid + 1 + (hi - mid - 1) / 2) {
-                self.shared.prefetch(next);
+            let m = mid(lo, hi);
+            // Two levels ahead: whichever way this probe and the next go,
+            // their buckets are already on the way.
+            for (a, b) in [(m + 1, hi), (lo, m)] {
+                if a < b {
+                    let n = mid(a, b);
+                    self.shared.prefetch(&keys[n]);
+                    for (c, d) in [(n + 1, b), (a, n)] {
+                        if c < d {
+                            self.shared.prefetch(&keys[mid(c, d)]);
+                        }
+                    }
+                }
             }
-            self.shared.prefetch(&keys[lo + (mid - lo) / 2]);
-            if matches!(self.shared.find(&keys[mid]), Ok(Some(_))) {
-                lo = mid + 1;
+            if matches!(self.shared.find(&keys[m]), Ok(Some(_))) {
+                lo = m + 1;
             } else {
-                hi = mid;
+                hi = m;
             }
         }
         lo
@@ -908,7 +920,8 @@ impl MirrorReader {
     /// The entries of `keys` in order, into `out` (cleared first), up to
     /// the first key not published (or unreadable). Returns how many.
     pub fn block_table(&self, keys: &[BlockKey], out: &mut Vec<MirrorEntry>) -> usize {
-        // Buckets are fetched this many keys ahead, so their misses overlap.
+        // Buckets are fetched this many keys ahead, so their misses overlap
+        // (Robin Hood order keeps most entries on their home's line).
         const AHEAD: usize = 16;
         out.clear();
         for key in keys.iter().take(AHEAD) {

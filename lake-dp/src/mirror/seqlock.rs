@@ -73,31 +73,47 @@ impl Bucket {
     #[inline]
     pub fn read(&self) -> Option<Snapshot> {
         for _ in 0..READ_ATTEMPTS {
-            // Acquire: pairs with the writer's Release of the even count.
-            let s1 = self.seq.load(Ordering::Acquire);
+            let (s1, snapshot) = self.read_begin();
             if s1 & 1 == 1 {
                 spin();
                 continue;
             }
-            let snapshot = Snapshot {
-                meta: self.meta.load(Ordering::Relaxed),
-                words: [
-                    self.words[0].load(Ordering::Relaxed),
-                    self.words[1].load(Ordering::Relaxed),
-                    self.words[2].load(Ordering::Relaxed),
-                ],
-            };
             // Acquire fence: pairs with the writer's Release fence after
-            // the odd count, so a word from a later update implies s2 sees
-            // that update's odd (or a later) count.
+            // the odd count, so a word from a later update implies the
+            // re-check sees that update's odd (or a later) count.
             fence(Ordering::Acquire);
-            let s2 = self.seq.load(Ordering::Relaxed);
-            if s1 == s2 {
+            if self.read_end(s1) {
                 return Some(snapshot);
             }
             spin();
         }
         None
+    }
+
+    /// The first half of a read, for reading many buckets at once (their
+    /// cache misses overlap): the count (Acquire: pairs with the writer's
+    /// Release of the even count) and the words (Relaxed). Then one
+    /// `fence(Acquire)` after every `read_begin` of the batch, then
+    /// [`Bucket::read_end`] for each.
+    #[inline]
+    pub fn read_begin(&self) -> (u32, Snapshot) {
+        let s1 = self.seq.load(Ordering::Acquire);
+        let snapshot = Snapshot {
+            meta: self.meta.load(Ordering::Relaxed),
+            words: [
+                self.words[0].load(Ordering::Relaxed),
+                self.words[1].load(Ordering::Relaxed),
+                self.words[2].load(Ordering::Relaxed),
+            ],
+        };
+        (s1, snapshot)
+    }
+
+    /// The second half: whether the snapshot begun with count `s1` is
+    /// whole. Only after an Acquire fence that follows the `read_begin`.
+    #[inline]
+    pub fn read_end(&self, s1: u32) -> bool {
+        s1 & 1 == 0 && self.seq.load(Ordering::Relaxed) == s1
     }
 
     /// Writes the payload. Only the mirror's one writer may call this
