@@ -142,3 +142,19 @@ fn l2_superblock_seeds_are_current() {
         decode_superblock(&resealed).is_ok()
     });
 }
+
+#[test]
+fn mirror_seeds_are_current() {
+    use lake_dp::mirror::layout::{MirrorHeader, decode_header, plan};
+
+    let headers: Vec<Vec<u8>> = [(64u64, 0u32), (1000, 3), (1 << 20, 7)]
+        .iter()
+        .map(|&(b, n)| bytemuck::bytes_of(&plan(b, n).unwrap()).to_vec())
+        .collect();
+    // Mode 2: the fuzz target takes the file size from the header.
+    check_or_write_mode("mirror_header", &headers, 2, |bytes| {
+        let at = core::mem::offset_of!(MirrorHeader, total_bytes);
+        let total = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        decode_header(bytes, total).is_ok()
+    });
+}
