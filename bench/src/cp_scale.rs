@@ -1,8 +1,10 @@
 //! `cp-scale`: the radix index at scale. Inserts `--blocks` blocks as
 //! prompts of `--chain` blocks (each prompt sharing a first block with its
 //! group, as real prompts share system prompts), with two replicas each,
-//! then matches prompts against it. Reports inserts per second, matches per
-//! second, heap bytes per block and the process's RSS. The raw figure
+//! then matches prompts against it, then publishes them all into a
+//! shared-memory mirror. Reports inserts per second, matches per second,
+//! heap bytes per block, the process's RSS, and the mirror's bytes per
+//! entry and per block. The raw figure
 //! beside inserts is a plain `std::collections::HashMap<BlockKey, u32>`
 //! insert of the same keys, in the same run.
 
@@ -25,6 +27,30 @@ fn key(rng: &mut SimRng) -> BlockKey {
     k[..8].copy_from_slice(&rng.next_u64().to_le_bytes());
     k[8..].copy_from_slice(&rng.next_u64().to_le_bytes());
     BlockKey(k)
+}
+
+/// Publishes every key into a mirror (a /dev/shm file, removed after);
+/// returns its mapped bytes and the seconds the upserts took.
+fn mirror_of(keys: &[BlockKey]) -> Result<(usize, f64), String> {
+    use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorEntry, MirrorWriter};
+    let path = std::path::PathBuf::from(format!("/dev/shm/lake-bench-cp-scale-{}", std::process::id()));
+    let config = MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), keys.len() as u64);
+    let mut writer = MirrorWriter::create(&config).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_file(&path);
+    let entry = MirrorEntry {
+        kind: lake_dp::ObjectKind::KvBlock,
+        tier: lake_dp::Tier::L1Dram,
+        tiers: 0b0110,
+        region: lake_dp::RegionId(1),
+        epoch_tag: 0,
+        slot: 0,
+        generation: 1,
+    };
+    let start = Instant::now();
+    for key in keys {
+        writer.upsert(key, &entry).map_err(|e| e.to_string())?;
+    }
+    Ok((writer.mapped_bytes(), start.elapsed().as_secs_f64()))
 }
 
 fn rss_bytes() -> u64 {
@@ -108,7 +134,12 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     report.float("ns_per_match", match_s * 1e9 / matches as f64);
     report.int("rss_bytes", rss_after);
     report.int("rss_index_bytes", rss_after.saturating_sub(rss_before));
-    report.text("mirror_bytes_per_entry", "not built yet ([3] b)");
+    // The shared-memory mirror of the same blocks: one 32-byte bucket an
+    // entry, at the load the writer keeps (0.7).
+    let (mirror_bytes, mirror_s) = mirror_of(&keys)?;
+    report.int("mirror_bytes_per_entry", u64::from(lake_dp::mirror::layout::BUCKET_BYTES));
+    report.float("mirror_bytes_per_block", mirror_bytes as f64 / n);
+    report.float("mirror_upserts_per_s", n / mirror_s);
     report.float("goal_bytes_per_block", GOAL_BYTES_PER_BLOCK);
     report.float("goal_inserts_per_s", GOAL_INSERTS_PER_S);
     let met = bytes_per_block <= GOAL_BYTES_PER_BLOCK && inserts_per_s >= GOAL_INSERTS_PER_S;
