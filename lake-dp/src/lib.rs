@@ -59,6 +59,7 @@ pub mod region;
 pub mod ring;
 pub mod rng;
 pub mod runner;
+pub(crate) mod shm;
 pub mod sim;
 pub mod stored;
 pub mod tag;

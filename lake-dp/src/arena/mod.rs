@@ -24,11 +24,10 @@ pub mod slots;
 
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -43,7 +42,7 @@ pub use self::slots::{Reclaim, SlotError, SlotGrant, SlotStats, SlotTable};
 use crate::model::replica::{NodeId, RegionId};
 use crate::region::{RegionError, SlotClass, SlotRegion};
 use crate::usize_from;
-use crate::{lock, numa};
+use crate::{lock, numa, shm};
 
 /// The byte of the arena file whose lock `lake-dp` holds while it serves
 /// the arena (see [`lock`]).
@@ -54,10 +53,6 @@ const OWNER_LOCK_BYTE: u64 = 0;
 fn agent_lock_byte(header: &ArenaHeader, agent: u32) -> u64 {
     header.agents_offset + u64::from(agent) * header.agent_stride
 }
-
-/// Filesystem magic numbers (statfs `f_type`).
-const TMPFS_MAGIC: i64 = 0x0102_1994;
-const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 
 /// Why an arena could not be created, attached or used.
 #[derive(Debug)]
@@ -470,14 +465,7 @@ fn open_backing(config: &ArenaConfig) -> Result<(File, Option<PathBuf>, Option<P
     let path = match &config.backing {
         ArenaBacking::Shm(path) | ArenaBacking::HugetlbFs(path) => path,
         ArenaBacking::HugetlbMemfd => {
-            let name = CString::new("lake-l1").expect("no interior NUL");
-            // SAFETY: a valid NUL-terminated name; the flags are constants.
-            let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) };
-            if fd < 0 {
-                return Err(io_error("creating a hugetlb memfd", None)(io::Error::last_os_error()));
-            }
-            // SAFETY: a fresh descriptor that nothing else owns.
-            let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+            let file = shm::hugetlb_memfd("lake-l1").map_err(io_error("creating a hugetlb memfd", None))?;
             return Ok((file, None, None));
         }
     };
@@ -487,32 +475,13 @@ fn open_backing(config: &ArenaConfig) -> Result<(File, Option<PathBuf>, Option<P
     if let Err(e @ ArenaError::InUse { .. }) = retire_stale(path) {
         return Err(e);
     }
-    let mut building = path.as_os_str().to_owned();
-    building.push(format!(".building-{}", std::process::id()));
-    let building = PathBuf::from(building);
-    let _ = std::fs::remove_file(&building);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(config.mode)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(&building)
-        .map_err(io_error("creating", Some(&building)))?;
-    // The umask may have narrowed the mode; set exactly what was asked.
-    file.set_permissions(std::fs::Permissions::from_mode(config.mode))
-        .map_err(io_error("setting the mode of", Some(&building)))?;
+    let building = shm::building_path(path);
+    let file = shm::create_building(&building, config.mode).map_err(io_error("creating", Some(&building)))?;
     Ok((file, Some(path.clone()), Some(building)))
 }
 
 fn filesystem(file: &File, path: Option<&Path>) -> Result<(i64, u64), ArenaError> {
-    // SAFETY: statfs is plain data; all zeroes is a valid value.
-    let mut stat: libc::statfs = unsafe { core::mem::zeroed() };
-    // SAFETY: a valid descriptor and a valid out-pointer.
-    if unsafe { libc::fstatfs(file.as_raw_fd(), &raw mut stat) } != 0 {
-        return Err(io_error("reading the filesystem of", path)(io::Error::last_os_error()));
-    }
-    Ok((stat.f_type, u64::try_from(stat.f_bsize).unwrap_or(0)))
+    shm::filesystem(file).map_err(io_error("reading the filesystem of", path))
 }
 
 fn build(
@@ -522,15 +491,15 @@ fn build(
     building: Option<&Path>,
 ) -> Result<Arena, ArenaError> {
     let (fs_type, block_bytes) = filesystem(&file, building)?;
-    let huge = fs_type == HUGETLBFS_MAGIC;
+    let huge = fs_type == shm::HUGETLBFS_MAGIC;
     match (&config.backing, fs_type) {
-        (ArenaBacking::Shm(_), TMPFS_MAGIC | HUGETLBFS_MAGIC) => {}
+        (ArenaBacking::Shm(_), shm::TMPFS_MAGIC | shm::HUGETLBFS_MAGIC) => {}
         (ArenaBacking::Shm(_), _) => {
             return Err(ArenaError::Config(
                 "backing: the path is not on a tmpfs (an L1 arena on a disk file would page to disk)",
             ));
         }
-        (ArenaBacking::HugetlbFs(_), HUGETLBFS_MAGIC) | (ArenaBacking::HugetlbMemfd, _) => {}
+        (ArenaBacking::HugetlbFs(_), shm::HUGETLBFS_MAGIC) | (ArenaBacking::HugetlbMemfd, _) => {}
         (ArenaBacking::HugetlbFs(_), _) => {
             return Err(ArenaError::Config("backing: the path is not on a hugetlbfs mount"));
         }
@@ -597,21 +566,16 @@ fn build(
 /// Reserves every page of the arena now — a later page fault must not find
 /// the tmpfs or the huge page pool empty — and maps it, populated.
 fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<MmapRaw, ArenaError> {
-    let len = i64::try_from(bytes).map_err(|_| ArenaError::Config("arena too large"))?;
-    // SAFETY: a valid descriptor; mode 0 allocates the range.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
-        let error = io::Error::last_os_error();
-        if error.raw_os_error() == Some(libc::ENOSPC) {
-            let hint = if huge {
-                "not enough free huge pages (see /proc/sys/vm/nr_hugepages and HugePages_Free in /proc/meminfo)"
-            } else {
-                "the tmpfs is too small (see df /dev/shm; raise its size= mount option)"
-            };
+    match shm::reserve(file, bytes) {
+        Ok(()) => {}
+        Err(shm::ReserveError::NoSpace) => {
+            let hint = if huge { shm::NO_HUGE_PAGES } else { shm::NO_TMPFS_ROOM };
             return Err(ArenaError::NoSpace { bytes, hint });
         }
-        return Err(io_error("reserving memory for", building)(error));
+        Err(shm::ReserveError::TooLarge) => return Err(ArenaError::Config("arena too large")),
+        Err(shm::ReserveError::Io(e)) => return Err(io_error("reserving memory for", building)(e)),
     }
-    MmapOptions::new().len(usize_from(bytes)).populate().map_raw(file).map_err(io_error("mapping", building))
+    shm::map_populated(file, bytes).map_err(io_error("mapping", building))
 }
 
 /// Runs `f` with this thread's memory policy bound to `node`, so the pages

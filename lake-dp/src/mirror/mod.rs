@@ -38,28 +38,24 @@ pub mod layout;
 pub mod seqlock;
 pub mod table;
 
-use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 use memmap2::{Mmap, MmapOptions, MmapRaw};
 
-use crate::lock;
 use crate::model::key::BlockKey;
 use crate::model::replica::{NodeId, ObjectKind, RegionId, Tier};
+use crate::{lock, shm};
 use layout::{
     BUCKET_BYTES, BUCKETS_OFFSET, CONTROL_OFFSET, MirrorControl, MirrorHeader, REGIONS_MAX, REGIONS_OFFSET,
     STATE_READY, STATE_RETIRED,
 };
 use seqlock::{Bucket, Snapshot};
 use table::{STATE_LIVE, STATE_VOID, Table, home};
-
-const TMPFS_MAGIC: i64 = 0x0102_1994;
-const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 
 /// The lock byte the writer holds.
 const WRITER_LOCK_BYTE: u64 = 0;
@@ -411,13 +407,7 @@ fn prefetch(ptr: *const u8) {
 }
 
 fn filesystem(file: &File, path: Option<&Path>) -> Result<(i64, u64), MirrorError> {
-    // SAFETY: statfs is plain data; all zeroes is a valid value.
-    let mut stat: libc::statfs = unsafe { core::mem::zeroed() };
-    // SAFETY: a valid descriptor and a valid out-pointer.
-    if unsafe { libc::fstatfs(file.as_raw_fd(), &raw mut stat) } != 0 {
-        return Err(io_error("reading the filesystem of", path)(io::Error::last_os_error()));
-    }
-    Ok((stat.f_type, u64::try_from(stat.f_bsize).unwrap_or(0)))
+    shm::filesystem(file).map_err(io_error("reading the filesystem of", path))
 }
 
 /// The writer: the node's `lake-cp`. See the module docs.
@@ -462,10 +452,10 @@ impl MirrorWriter {
         building: Option<&Path>,
     ) -> Result<Self, MirrorError> {
         let (fs_type, block_bytes) = filesystem(&file, building)?;
-        let huge = fs_type == HUGETLBFS_MAGIC;
+        let huge = fs_type == shm::HUGETLBFS_MAGIC;
         match (&config.backing, fs_type) {
-            (MirrorBacking::Shm(_), TMPFS_MAGIC | HUGETLBFS_MAGIC)
-            | (MirrorBacking::HugetlbFs(_), HUGETLBFS_MAGIC)
+            (MirrorBacking::Shm(_), shm::TMPFS_MAGIC | shm::HUGETLBFS_MAGIC)
+            | (MirrorBacking::HugetlbFs(_), shm::HUGETLBFS_MAGIC)
             | (MirrorBacking::HugetlbMemfd, _) => {}
             (MirrorBacking::Shm(_), _) => {
                 return Err(MirrorError::Config("backing: the path is not on a tmpfs"));
@@ -701,14 +691,7 @@ fn open_backing(config: &MirrorConfig) -> Result<(File, Option<PathBuf>, Option<
     let path = match &config.backing {
         MirrorBacking::Shm(path) | MirrorBacking::HugetlbFs(path) => path,
         MirrorBacking::HugetlbMemfd => {
-            let name = CString::new("lake-mirror").expect("no interior NUL");
-            // SAFETY: a valid NUL-terminated name; the flags are constants.
-            let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) };
-            if fd < 0 {
-                return Err(io_error("creating a hugetlb memfd", None)(io::Error::last_os_error()));
-            }
-            // SAFETY: a fresh descriptor that nothing else owns.
-            let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+            let file = shm::hugetlb_memfd("lake-mirror").map_err(io_error("creating a hugetlb memfd", None))?;
             return Ok((file, None, None));
         }
     };
@@ -718,39 +701,22 @@ fn open_backing(config: &MirrorConfig) -> Result<(File, Option<PathBuf>, Option<
     {
         return Err(MirrorError::InUse { pid: 0 });
     }
-    let mut building = path.as_os_str().to_owned();
-    building.push(format!(".building-{}", std::process::id()));
-    let building = PathBuf::from(building);
-    let _ = std::fs::remove_file(&building);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(config.mode)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(&building)
-        .map_err(io_error("creating", Some(&building)))?;
-    file.set_permissions(std::fs::Permissions::from_mode(config.mode))
-        .map_err(io_error("setting the mode of", Some(&building)))?;
+    let building = shm::building_path(path);
+    let file = shm::create_building(&building, config.mode).map_err(io_error("creating", Some(&building)))?;
     Ok((file, Some(path.clone()), Some(building)))
 }
 
 fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<MmapRaw, MirrorError> {
-    let len = i64::try_from(bytes).map_err(|_| MirrorError::Config("mirror too large"))?;
-    // SAFETY: a valid descriptor; mode 0 allocates the range.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
-        let error = io::Error::last_os_error();
-        if error.raw_os_error() == Some(libc::ENOSPC) {
-            let hint = if huge {
-                "not enough free huge pages (see /proc/sys/vm/nr_hugepages and HugePages_Free in /proc/meminfo)"
-            } else {
-                "the tmpfs is too small (see df /dev/shm)"
-            };
+    match shm::reserve(file, bytes) {
+        Ok(()) => {}
+        Err(shm::ReserveError::NoSpace) => {
+            let hint = if huge { shm::NO_HUGE_PAGES } else { shm::NO_TMPFS_ROOM };
             return Err(MirrorError::NoSpace { bytes, hint });
         }
-        return Err(io_error("reserving memory for", building)(error));
+        Err(shm::ReserveError::TooLarge) => return Err(MirrorError::Config("mirror too large")),
+        Err(shm::ReserveError::Io(e)) => return Err(io_error("reserving memory for", building)(e)),
     }
-    MmapOptions::new().len(crate::usize_from(bytes)).populate().map_raw(file).map_err(io_error("mapping", building))
+    shm::map_populated(file, bytes).map_err(io_error("mapping", building))
 }
 
 /// A reader: an engine's agent or `lake-dp`. Maps the mirror read-only.

@@ -1,0 +1,102 @@
+//! The shared-memory files the L1 arena and the mirror are both made of:
+//! a hugetlb memfd, or a file created under a temporary name (renamed into
+//! place once built, so nobody finds it half made); the filesystem check;
+//! reserving every page up front (a later page fault must not find the
+//! tmpfs or the huge page pool empty); mapping it populated. Each caller
+//! turns these errors into its own, naming its own file.
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+/// `statfs.f_type` of a tmpfs.
+pub(crate) const TMPFS_MAGIC: i64 = 0x0102_1994;
+/// `statfs.f_type` of a hugetlbfs.
+pub(crate) const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// What to check when a hugetlb reservation fails.
+pub(crate) const NO_HUGE_PAGES: &str =
+    "not enough free huge pages (see /proc/sys/vm/nr_hugepages and HugePages_Free in /proc/meminfo)";
+/// What to check when a tmpfs reservation fails.
+pub(crate) const NO_TMPFS_ROOM: &str = "the tmpfs is too small (see df /dev/shm; raise its size= mount option)";
+
+/// An anonymous hugetlb memfd named `name` (close-on-exec).
+pub(crate) fn hugetlb_memfd(name: &str) -> io::Result<File> {
+    let name = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: a valid NUL-terminated name; the flags are constants.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The temporary name a file for `path` is built under.
+pub(crate) fn building_path(path: &Path) -> PathBuf {
+    let mut building = path.as_os_str().to_owned();
+    building.push(format!(".building-{}", std::process::id()));
+    PathBuf::from(building)
+}
+
+/// Creates `building` afresh (a leftover of an earlier attempt by this pid
+/// goes) with exactly `mode` (the umask may not narrow it).
+pub(crate) fn create_building(building: &Path, mode: u32) -> io::Result<File> {
+    let _ = std::fs::remove_file(building);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(building)?;
+    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    Ok(file)
+}
+
+/// The filesystem type and block size under `file`.
+pub(crate) fn filesystem(file: &File) -> io::Result<(i64, u64)> {
+    // SAFETY: statfs is plain data; all zeroes is a valid value.
+    let mut stat: libc::statfs = unsafe { core::mem::zeroed() };
+    // SAFETY: a valid descriptor and a valid out-pointer.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &raw mut stat) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((stat.f_type, u64::try_from(stat.f_bsize).unwrap_or(0)))
+}
+
+/// Why [`reserve`] failed.
+#[derive(Debug)]
+pub(crate) enum ReserveError {
+    /// No room: the pool or the tmpfs is too small (hint: [`NO_HUGE_PAGES`]
+    /// or [`NO_TMPFS_ROOM`]).
+    NoSpace,
+    /// Larger than a file can be.
+    TooLarge,
+    /// Anything else.
+    Io(io::Error),
+}
+
+/// Allocates every page of `file`'s first `bytes` now.
+pub(crate) fn reserve(file: &File, bytes: u64) -> Result<(), ReserveError> {
+    let len = i64::try_from(bytes).map_err(|_| ReserveError::TooLarge)?;
+    // SAFETY: a valid descriptor; mode 0 allocates the range.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::ENOSPC) {
+            return Err(ReserveError::NoSpace);
+        }
+        return Err(ReserveError::Io(error));
+    }
+    Ok(())
+}
+
+/// Maps `bytes` of `file` shared and writable, every page populated.
+pub(crate) fn map_populated(file: &File, bytes: u64) -> io::Result<MmapRaw> {
+    MmapOptions::new().len(crate::usize_from(bytes)).populate().map_raw(file)
+}
