@@ -14,14 +14,9 @@ use crate::report::{Report, median};
 /// The figure issue [1] asks for.
 const GOAL_NS_PER_BLOCK: f64 = 100.0;
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["tokens", "block-tokens", "rounds"])?;
-    let tokens: u32 = args.get("tokens", 32_768)?;
-    let block_tokens: u32 = args.get("block-tokens", 16)?;
-    let rounds: usize = args.get("rounds", 31)?;
-    if rounds == 0 {
-        return Err("--rounds must be positive".into());
-    }
+/// The namespace the key benches hash in, and how many whole blocks
+/// `tokens` make.
+pub(crate) fn bench_namespace(tokens: u32, block_tokens: u32) -> Result<(Namespace, usize), String> {
     let model = ModelIdentity { weights_revision: "bench", tokenizer: "bench", kv_dtype: "bfloat16", kv_scales: &[] }
         .fingerprint();
     let namespace = Namespace::new(
@@ -36,6 +31,18 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     if blocks == 0 {
         return Err(format!("--tokens {tokens} is less than one block of {block_tokens}"));
     }
+    Ok((namespace, blocks))
+}
+
+pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
+    let args = Args::parse(raw, &["tokens", "block-tokens", "rounds"])?;
+    let tokens: u32 = args.get("tokens", 32_768)?;
+    let block_tokens: u32 = args.get("block-tokens", 16)?;
+    let rounds: usize = args.get("rounds", 31)?;
+    if rounds == 0 {
+        return Err("--rounds must be positive".into());
+    }
+    let (namespace, blocks) = bench_namespace(tokens, block_tokens)?;
     // A deterministic spread of realistic token ids (vocabulary ~152k).
     let ids: Vec<u32> = (0..tokens).map(|i| i.wrapping_mul(2_654_435_761) % 151_936).collect();
     let mut keys = vec![BlockKey::NONE; blocks];

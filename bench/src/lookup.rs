@@ -28,9 +28,7 @@ use std::time::Instant;
 
 use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorEntry, MirrorReader, MirrorWriter};
 use lake_dp::rng::SimRng;
-use lake_dp::{
-    BlockKey, ExtraKeys, KeyChain, KeyScheme, ModelIdentity, Namespace, ObjectKind, RegionId, TenantKey, Tier,
-};
+use lake_dp::{BlockKey, KeyChain, ObjectKind, RegionId, Tier};
 
 use crate::args::Args;
 use crate::report::{Report, median, percentile};
@@ -98,20 +96,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     if prompts == 0 || lookups == 0 || probes == 0 {
         return Err("--prompts, --lookups and --probes must be positive".into());
     }
-    let model = ModelIdentity { weights_revision: "bench", tokenizer: "bench", kv_dtype: "bfloat16", kv_scales: &[] }
-        .fingerprint();
-    let namespace = Namespace::new(
-        &TenantKey([0x5a; 32]),
-        KeyScheme::TokenIdsV1,
-        block_tokens,
-        model,
-        ExtraKeys::default().digest(),
-    )
-    .map_err(|e| e.to_string())?;
-    let blocks = (tokens / block_tokens) as usize;
-    if blocks == 0 {
-        return Err(format!("--tokens {tokens} is less than one block of {block_tokens}"));
-    }
+    let (namespace, blocks) = crate::keys::bench_namespace(tokens, block_tokens)?;
 
     // The prompts' keys; the first prompt's hashing is timed.
     let mut hash_ns = Vec::new();
