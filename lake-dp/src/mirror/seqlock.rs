@@ -211,23 +211,30 @@ mod tests {
         let bucket = std::sync::Arc::new(Bucket::default());
         bucket.write(value(0));
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let total = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let readers: Vec<_> = (0..2)
             .map(|_| {
-                let (bucket, stop) = (bucket.clone(), stop.clone());
+                let (bucket, stop, total) = (bucket.clone(), stop.clone(), total.clone());
                 std::thread::spawn(move || {
                     let (mut reads, mut torn) = (0u64, 0u64);
                     while !stop.load(Ordering::Relaxed) {
                         if let Some(s) = bucket.read() {
                             reads += 1;
                             torn += u64::from(!consistent(&s));
+                            total.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                     (reads, torn)
                 })
             })
             .collect();
-        for v in 1..200_000u64 {
+        // At least 200,000 writes, and on until the readers (which a busy
+        // machine may schedule late) have read a good many times.
+        let started = std::time::Instant::now();
+        let mut v = 1u64;
+        while v < 200_000 || (total.load(Ordering::Relaxed) < 20_000 && started.elapsed().as_secs() < 20) {
             bucket.write(value(v));
+            v += 1;
         }
         stop.store(true, Ordering::Relaxed);
         for reader in readers {
