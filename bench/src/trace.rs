@@ -277,18 +277,7 @@ fn agent(g: &mut Gen, requests: u64, out: &mut dyn Write) -> Result<(), String> 
             let turns = 3 + g.below(25);
             active.push((prompt, turns));
         }
-        let i = g.below(active.len() as u64) as usize;
-        let added = 1 + g.below(4);
-        let new = g.fresh(added);
-        let (history, turns_left) = &mut active[i];
-        history.extend(new);
-        line(out, t, history)?;
-        // The reply joins the history for the next turn.
-        history.extend(g.fresh(1));
-        *turns_left -= 1;
-        if *turns_left == 0 {
-            active.swap_remove(i);
-        }
+        turn(g, &mut active, 4, t, out)?;
     }
     Ok(())
 }
@@ -301,17 +290,32 @@ fn chat(g: &mut Gen, requests: u64, out: &mut dyn Write) -> Result<(), String> {
         if active.len() < 200 || g.below(4) == 0 {
             active.push((system.clone(), 1 + g.below(6)));
         }
-        let i = g.below(active.len() as u64) as usize;
-        let added = 1 + g.below(2);
-        let new = g.fresh(added);
-        let (history, turns_left) = &mut active[i];
-        history.extend(new);
-        line(out, t, history)?;
-        history.extend(g.fresh(1));
-        *turns_left -= 1;
-        if *turns_left == 0 {
-            active.swap_remove(i);
-        }
+        turn(g, &mut active, 2, t, out)?;
+    }
+    Ok(())
+}
+
+/// One turn of a conversation picked at random among `active`: 1 to
+/// `most_added` new blocks join its history, the request is written, the
+/// reply joins the history for the next turn; a conversation out of turns
+/// ends. (The draws keep their order: a seed gives the same trace.)
+fn turn(
+    g: &mut Gen,
+    active: &mut Vec<(Vec<u64>, u64)>,
+    most_added: u64,
+    t: u64,
+    out: &mut dyn Write,
+) -> Result<(), String> {
+    let i = g.below(active.len() as u64) as usize;
+    let added = 1 + g.below(most_added);
+    let new = g.fresh(added);
+    let (history, turns_left) = &mut active[i];
+    history.extend(new);
+    line(out, t, history)?;
+    history.extend(g.fresh(1));
+    *turns_left -= 1;
+    if *turns_left == 0 {
+        active.swap_remove(i);
     }
     Ok(())
 }

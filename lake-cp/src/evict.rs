@@ -50,6 +50,39 @@ pub trait Policy {
     }
 }
 
+impl<P: Policy + ?Sized> Policy for Box<P> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn inserted(&mut self, index: &mut Index, block: BlockRef) {
+        (**self).inserted(index, block);
+    }
+    fn accessed(&mut self, index: &Index, block: BlockRef) {
+        (**self).accessed(index, block);
+    }
+    fn became_leaf(&mut self, index: &Index, block: BlockRef) {
+        (**self).became_leaf(index, block);
+    }
+    fn victim(&mut self, index: &Index) -> Option<BlockRef> {
+        (**self).victim(index)
+    }
+    fn requested(&mut self, keys: &[BlockKey]) {
+        (**self).requested(keys);
+    }
+    fn admit(&mut self, index: &Index, victim: BlockRef, key: &BlockKey) -> bool {
+        (**self).admit(index, victim, key)
+    }
+    fn finished(&mut self, hits: usize) {
+        (**self).finished(hits);
+    }
+    fn evicting(&mut self, index: &Index, block: BlockRef) {
+        (**self).evicting(index, block);
+    }
+    fn summary(&self) -> String {
+        (**self).summary()
+    }
+}
+
 /// Entries of a lazy priority queue: (priority, block, the block's access
 /// time when pushed). Stale entries (the block was touched since, or is
 /// gone) are skipped when popped.
@@ -536,6 +569,21 @@ impl<P: Policy> Cache<P> {
         }
     }
 
+    /// A cache for a live tier: it grows as blocks arrive (no capacity
+    /// reserved up front) and holds what it is told; the tier manager
+    /// decides when to take victims.
+    pub fn live(policy: P) -> Self {
+        Self {
+            index: Index::default(),
+            policy,
+            capacity: usize::MAX,
+            evictions: 0,
+            refused: 0,
+            evicted: Vec::new(),
+            log_evictions: false,
+        }
+    }
+
     fn evict_one(&mut self, key: &BlockKey) -> bool {
         let Some(victim) = self.policy.victim(&self.index) else { return false };
         if !self.policy.admit(&self.index, victim, key) {
@@ -591,6 +639,130 @@ impl<P: Policy> Cache<P> {
         }
         self.policy.finished(hit);
         hit
+    }
+}
+
+/// What the live tier manager asks of a candidate victim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// It goes: removed from the cache and handed to the caller.
+    Evict,
+    /// It is already gone from the tier (a replica lost or evicted while it
+    /// still had children here): removed from the cache, not handed out.
+    Gone,
+    /// It may not go now (a reader holds a lease): it counts as accessed
+    /// and another is looked for.
+    Keep,
+}
+
+/// The live side of a cache: the tier manager learns of blocks as
+/// `lake-dp` commits and evicts them, of accesses as agents report their
+/// lookups, and asks for victims when the tier is over its capacity.
+impl<P: Policy> Cache<P> {
+    /// An agent's request: its keys in prefix order. Every key this cache
+    /// holds counts as accessed; the policy sees the whole request.
+    pub fn accessed(&mut self, keys: &[BlockKey]) {
+        self.index.tick();
+        self.policy.requested(keys);
+        let mut leading = 0;
+        let mut leading_run = true;
+        for key in keys {
+            match self.index.get(key) {
+                Some(block) => {
+                    self.index.touch(block);
+                    self.policy.accessed(&self.index, block);
+                    leading += usize::from(leading_run);
+                }
+                None => leading_run = false,
+            }
+        }
+        self.policy.finished(leading);
+    }
+
+    /// A block arrived in the tier, under `parent` if the parent is here
+    /// too (otherwise it starts a subtree of its own). Returns whether it
+    /// is new to the cache; a block already here counts as accessed.
+    pub fn add(&mut self, parent: Option<BlockKey>, key: BlockKey, kind: lake_dp::ObjectKind) -> bool {
+        self.index.tick();
+        if let Some(block) = self.index.get(&key) {
+            self.index.touch(block);
+            self.policy.accessed(&self.index, block);
+            return false;
+        }
+        let parent = parent.filter(|p| self.index.contains(p));
+        match self.index.insert(parent, key, kind) {
+            Ok(block) => {
+                self.index.touch(block);
+                self.policy.inserted(&mut self.index, block);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// A block left the tier. A leaf leaves the cache; a block with
+    /// children here stays as their parent until they go (a victim then,
+    /// which `take_victim`'s verdict finds gone). Returns whether it left.
+    pub fn remove(&mut self, key: &BlockKey) -> bool {
+        let Some(block) = self.index.get(key) else { return false };
+        if !self.index.is_leaf(block) {
+            return false;
+        }
+        self.remove_block(block)
+    }
+
+    fn remove_block(&mut self, block: BlockRef) -> bool {
+        self.policy.evicting(&self.index, block);
+        let parent = self.index.parent(block);
+        if self.index.remove(block).is_err() {
+            return false;
+        }
+        if let Some(parent) = parent
+            && self.index.is_leaf(parent)
+        {
+            self.policy.became_leaf(&self.index, parent);
+        }
+        true
+    }
+
+    /// The policy's next victim that `verdict` lets go, removed from the
+    /// cache; at most `tries` candidates are looked at.
+    pub fn take_victim(&mut self, tries: usize, mut verdict: impl FnMut(&BlockKey) -> Verdict) -> Option<BlockKey> {
+        for _ in 0..tries {
+            // A fresh tick: blocks touched by the last request are
+            // candidates too (the live tier has no request in progress).
+            self.index.tick();
+            let block = self.policy.victim(&self.index)?;
+            let key = self.index.key(block);
+            match verdict(&key) {
+                Verdict::Evict => {
+                    self.remove_block(block);
+                    self.evictions += 1;
+                    return Some(key);
+                }
+                Verdict::Gone => {
+                    self.remove_block(block);
+                }
+                Verdict::Keep => {
+                    self.index.touch(block);
+                    self.policy.accessed(&self.index, block);
+                }
+            }
+        }
+        None
+    }
+
+    /// Whether the policy would let `key` in over its current victim
+    /// (admission for a tier that is full). The victim stays.
+    pub fn admits(&mut self, key: &BlockKey) -> bool {
+        self.index.tick();
+        let Some(victim) = self.policy.victim(&self.index) else { return true };
+        let admitted = self.policy.admit(&self.index, victim, key);
+        if admitted {
+            // Not evicted after all: back in the policy's queue.
+            self.policy.became_leaf(&self.index, victim);
+        }
+        admitted
     }
 }
 

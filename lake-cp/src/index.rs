@@ -133,8 +133,11 @@ impl std::error::Error for IndexError {}
 
 #[inline]
 fn hash(key: &BlockKey) -> u64 {
-    // The key is a BLAKE3 output: its bytes are the hash.
+    // The key is a BLAKE3 output, so its bytes are nearly the hash; the
+    // multiply (one cycle) spreads keys that are not, so an engine handing
+    // in low-entropy keys cannot pile them into one cluster.
     u64::from_le_bytes([key.0[0], key.0[1], key.0[2], key.0[3], key.0[4], key.0[5], key.0[6], key.0[7]])
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// The index. See the module docs.

@@ -7,15 +7,26 @@
 //! (term, sequence)-numbered deltas from every node into the global summary
 //! and fences stale leaders by term. It speaks only the [`lake_dp::wire`]
 //! format and keeps everything heavy (etcd, object-store clients) out of the
-//! data plane. Today it holds the radix index ([`index`]), the location
-//! view with its two-phase put ([`location`]) and the eviction policies
-//! ([`evict`]); the mirror, leases and tier moves arrive with the rest of
-//! issue \[3\], leadership with \[7\]. See `docs/controlplane.md`.
+//! data plane. It holds the radix index ([`index`]), the location view
+//! with its two-phase put ([`location`]), the eviction policies
+//! ([`evict`]), the node authority over `lake-dp` reports ([`node`]),
+//! leases ([`lease`]), the tier manager that turns capacities and quotas
+//! into moves ([`tier`]), the cp↔dp server ([`server`]), metrics
+//! ([`metrics`]) and the embedded single-node pool ([`demo`], the `lake`
+//! command); leadership arrives with issue \[7\]. See `docs/controlplane.md`.
 
 #![warn(missing_docs)]
 
+pub mod demo;
+pub mod embedded;
 pub mod evict;
 mod huge;
 pub mod index;
+pub mod l0;
+pub mod lease;
 pub mod location;
+pub mod metrics;
+pub mod node;
+pub mod server;
 mod table;
+pub mod tier;

@@ -35,6 +35,14 @@ pub struct RegionInfo {
     tag: u8,
 }
 
+impl RegionInfo {
+    /// The one-byte tag replicas written under the current epoch carry
+    /// (what the mirror publishes beside a slot).
+    pub fn epoch_tag(&self) -> u8 {
+        self.tag
+    }
+}
+
 /// Why a location operation was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LocationError {
@@ -283,6 +291,45 @@ impl Locations {
         reaped
     }
 
+    /// Records a ready replica no put reserved: one `lake-dp` re-adopted
+    /// from its files after a restart, or wrote on its own. The epoch must
+    /// be the region's current one. Idempotent: the same replica again
+    /// changes nothing; another slot in the same region replaces it.
+    #[allow(clippy::too_many_arguments)] // the fields of one replica
+    pub fn adopt(
+        &mut self,
+        parent: Option<BlockKey>,
+        key: BlockKey,
+        kind: ObjectKind,
+        region: u16,
+        epoch: u64,
+        slot: u32,
+        generation: u32,
+    ) -> Result<BlockRef, LocationError> {
+        let info = self.regions.get(&region).copied().ok_or(LocationError::UnknownRegion)?;
+        if epoch != info.epoch {
+            return Err(LocationError::StaleEpoch);
+        }
+        let block = self.index.insert(parent, key, kind)?;
+        let old = self.index.replicas(block).find(|l| l.region == region);
+        if let Some(old) = old {
+            if old.slot == slot && old.generation == generation && old.state == LocState::Ready && self.is_current(&old)
+            {
+                return Ok(block);
+            }
+            self.remove(&key, region)?;
+            // The block may have gone with its last replica: insert again.
+            return self.adopt(parent, key, kind, region, epoch, slot, generation);
+        }
+        let loc = Loc { region, state: LocState::Ready, epoch_tag: info.tag, slot, generation };
+        if let Err(e) = self.index.add_replica(block, loc) {
+            self.drop_if_empty_leaf(block);
+            return Err(e.into());
+        }
+        self.record(ChangeOp::Ready, key, loc);
+        Ok(block)
+    }
+
     /// The ready, current replicas of `key` (what a reader may be sent to).
     pub fn ready(&self, key: &BlockKey) -> impl Iterator<Item = Replica> + '_ {
         self.index
@@ -376,6 +423,27 @@ mod tests {
         assert_eq!(v.commit(&key(3), 2, 10, 1), Err(LocationError::StaleEpoch));
         assert_eq!(v.commit(&key(9), 2, 11, 1), Err(LocationError::NoReservation));
         assert_eq!(v.reserve(None, key(4), ObjectKind::KvBlock, 9, 7, 1, 1_000, 5), Err(LocationError::UnknownRegion));
+    }
+
+    #[test]
+    fn adopted_replicas_are_ready_at_once_and_stale_epochs_refused() {
+        let mut view = view();
+        view.adopt(None, key(1), ObjectKind::KvBlock, 2, 10, 4, 9).unwrap();
+        view.adopt(Some(key(1)), key(2), ObjectKind::KvBlock, 2, 10, 5, 9).unwrap();
+        assert_eq!(view.ready(&key(2)).map(|r| (r.slot, r.generation)).collect::<Vec<_>>(), vec![(5, 9)]);
+        // Again: nothing changes; another slot replaces it.
+        view.adopt(Some(key(1)), key(2), ObjectKind::KvBlock, 2, 10, 5, 9).unwrap();
+        assert_eq!(view.drain_changes().len(), 2);
+        view.adopt(Some(key(1)), key(2), ObjectKind::KvBlock, 2, 10, 6, 1).unwrap();
+        let changes: Vec<_> = view.drain_changes().map(|c| (c.op, c.replica.slot)).collect();
+        assert_eq!(changes, vec![(ChangeOp::Removed, 5), (ChangeOp::Ready, 6)]);
+        assert_eq!(view.adopt(None, key(3), ObjectKind::KvBlock, 2, 9, 1, 1), Err(LocationError::StaleEpoch));
+        assert_eq!(view.adopt(None, key(3), ObjectKind::KvBlock, 7, 10, 1, 1), Err(LocationError::UnknownRegion));
+        assert_eq!(
+            view.adopt(Some(key(99)), key(3), ObjectKind::KvBlock, 2, 10, 1, 1),
+            Err(LocationError::Index(IndexError::NoParent))
+        );
+        assert!(!view.index.contains(&key(3)));
     }
 
     #[test]

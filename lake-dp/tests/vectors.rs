@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use lake_dp::model::layout::LayoutParams;
 use lake_dp::{
     Dtype, ExtraKeys, KeyChain, KeyScheme, KvPlanes, Layout, ModelIdentity, Namespace, RecurrentLayout, Shard,
-    TenantKey,
+    TenantKey, engine_prefix_key,
 };
 
 const VECTORS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/vectors/v1.txt");
@@ -34,6 +34,7 @@ fn namespaces() -> Vec<(&'static str, Namespace)> {
         ("tenant0.qwen3-8b.bt16.lora", make(0, KeyScheme::TokenIdsV1, 16, "Qwen/Qwen3-8B@main", lora)),
         ("tenant0.qwen3-8b.bt32", make(0, KeyScheme::TokenIdsV1, 32, "Qwen/Qwen3-8B@main", plain)),
         ("tenant0.qwen3-8b.enginehash", make(0, KeyScheme::EngineHashV1, 64, "Qwen/Qwen3-8B@main", plain)),
+        ("tenant0.qwen3-8b.engineprefix", make(0, KeyScheme::EnginePrefixHashV1, 64, "Qwen/Qwen3-8B@main", plain)),
     ]
 }
 
@@ -105,6 +106,9 @@ fn render() -> String {
             KeyScheme::EngineHashV1 => {
                 let mut chain = KeyChain::new(&namespace);
                 (0u8..3).map(|page| chain.extend_engine_hash(&[page + 1; 32]).unwrap()).collect()
+            }
+            KeyScheme::EnginePrefixHashV1 => {
+                (0u8..3).map(|page| engine_prefix_key(&namespace, &[page + 1; 32]).unwrap()).collect()
             }
         };
         for (i, key) in keys.iter().enumerate() {

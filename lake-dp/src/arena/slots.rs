@@ -19,6 +19,11 @@ enum SlotState {
     Held,
     /// Retired; waiting for pins of its old generation to go.
     Draining,
+    /// Retired to be kept: once unpinned it becomes `Drained`, not free.
+    DrainingKept,
+    /// Retired, unpinned and kept: its holder reads or writes it freely
+    /// (nobody can pin it: its generation moved on), then frees it.
+    Drained,
 }
 
 /// A slot handed out by [`SlotTable::allocate`].
@@ -97,6 +102,7 @@ pub struct SlotTable {
     pass: u32,
     bytes_in_use: u64,
     held: u32,
+    drained: u32,
 }
 
 impl core::fmt::Debug for SlotTable {
@@ -129,6 +135,7 @@ impl SlotTable {
             pass: 0,
             bytes_in_use: 0,
             held: 0,
+            drained: 0,
         }
     }
 
@@ -182,6 +189,37 @@ impl SlotTable {
         Ok(())
     }
 
+    /// Retires a held slot like [`SlotTable::retire`], but keeps it: once
+    /// no agent pins its old generation, [`SlotTable::reclaim`] leaves it
+    /// `drained` (see [`SlotTable::is_drained`]) for the caller to use
+    /// exclusively — rewriting its header for a demotion, say — and free
+    /// with [`SlotTable::free_drained`].
+    pub fn retire_kept(&mut self, slot: u32) -> Result<(), SlotError> {
+        self.retire(slot)?;
+        self.state[slot as usize] = SlotState::DrainingKept;
+        Ok(())
+    }
+
+    /// Whether a slot retired with [`SlotTable::retire_kept`] is unpinned
+    /// now (after a [`SlotTable::reclaim`]).
+    pub fn is_drained(&self, slot: u32) -> bool {
+        self.state.get(slot as usize) == Some(&SlotState::Drained)
+    }
+
+    /// Frees a drained slot.
+    pub fn free_drained(&mut self, slot: u32) -> Result<(), SlotError> {
+        let state = self.state.get_mut(slot as usize).ok_or(SlotError::OutOfRange)?;
+        if *state != SlotState::Drained {
+            return Err(SlotError::NotHeld);
+        }
+        *state = SlotState::Free;
+        let (class, slot_bytes) = self.class_of(slot);
+        self.bytes_in_use -= slot_bytes;
+        self.drained -= 1;
+        self.free[class].push(slot);
+        Ok(())
+    }
+
     /// Frees every retired slot that no agent pins; a bounded scan of the
     /// agents' pin entries (up to each record's high-water mark).
     pub fn reclaim(&mut self) -> Reclaim {
@@ -205,7 +243,7 @@ impl SlotTable {
                 };
                 let index = slot as usize;
                 if index < self.state.len()
-                    && self.state[index] == SlotState::Draining
+                    && matches!(self.state[index], SlotState::Draining | SlotState::DrainingKept)
                     && self.retired_generation[index] == generation
                 {
                     self.pinned_in_pass[index] = self.pass;
@@ -220,6 +258,11 @@ impl SlotTable {
                 self.draining[kept] = slot;
                 kept += 1;
                 result.pinned += 1;
+                continue;
+            }
+            if self.state[slot as usize] == SlotState::DrainingKept {
+                self.state[slot as usize] = SlotState::Drained;
+                self.drained += 1;
                 continue;
             }
             self.state[slot as usize] = SlotState::Free;
@@ -281,6 +324,24 @@ impl SlotTable {
             }
         }
         released
+    }
+
+    /// Pins the agents hold now (a scan of their pin arrays up to each
+    /// one's high-water mark; for metrics, not the hot path).
+    pub fn pins_held(&self) -> u32 {
+        let map = self.arena.map();
+        let header = *map.header();
+        let mut held = 0u32;
+        for agent in 0..header.agents_max {
+            // Acquire: as in reclaim.
+            let high = map.agent(agent).high_water.load(Ordering::Acquire).min(header.pins_per_agent);
+            for word in &map.pins(agent)[..high as usize] {
+                if decode(word.load(Ordering::Acquire)).is_some() {
+                    held += 1;
+                }
+            }
+        }
+        held
     }
 
     /// Counts.

@@ -214,6 +214,33 @@ fn slots_are_freed_only_when_unpinned() {
 }
 
 #[test]
+fn a_kept_slot_drains_to_its_holder_not_to_the_free_list() {
+    let path = ShmPath::new("kept");
+    let (_arena, mut table) = Arena::create(&config(&path)).unwrap();
+    let agent_arena = Arena::attach(&path.0).unwrap();
+    let mut pins = agent_arena.claim_agent().unwrap();
+    let grant = table.allocate(0).unwrap();
+    let pin = pins.pin(grant.slot, grant.generation).unwrap();
+    table.retire_kept(grant.slot).unwrap();
+    assert_eq!(table.reclaim(), Reclaim { freed: 0, pinned: 1 });
+    assert!(!table.is_drained(grant.slot), "still pinned");
+    assert_eq!(table.free_drained(grant.slot), Err(SlotError::NotHeld));
+    pins.unpin(pin);
+    assert_eq!(table.reclaim(), Reclaim { freed: 0, pinned: 0 });
+    assert!(table.is_drained(grant.slot));
+    // Neither free nor pinnable: every other slot of the class is handed
+    // out, this one is not.
+    let others: Vec<_> = std::iter::from_fn(|| table.allocate(0)).collect();
+    assert_eq!(others.len(), 5);
+    assert!(others.iter().all(|g| g.slot != grant.slot));
+    assert!(pins.pin(grant.slot, grant.generation).is_err());
+    assert_eq!(table.stats().bytes_in_use, 6 * 8192);
+    table.free_drained(grant.slot).unwrap();
+    assert_eq!(table.stats().bytes_in_use, 5 * 8192);
+    assert_eq!(table.allocate(0).map(|g| g.slot), Some(grant.slot));
+}
+
+#[test]
 fn a_dead_agents_pins_are_dropped() {
     let path = ShmPath::new("dead");
     let (_arena, mut table) = Arena::create(&config(&path)).unwrap();

@@ -20,7 +20,7 @@
 //! ```
 //!
 //! A region record: meta bit 0 present, bits 1-2 tier, bits 8-15 the
-//! epoch tag entries carry; words[0] the region epoch, words[1] the node.
+//! epoch tag entries carry; `words[0]` the region epoch, `words[1]` the node.
 //!
 //! [`decode_header`] trusts nothing; every attacher goes through it.
 

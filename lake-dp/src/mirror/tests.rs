@@ -234,6 +234,8 @@ fn files_that_are_not_mirrors_are_refused_by_name() {
     );
     // A disk file is no place for a mirror.
     let disk = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/lake-test-not-a-tmpfs-mirror"));
+    // The build may have put its target directory elsewhere.
+    std::fs::create_dir_all(disk.parent().unwrap()).unwrap();
     assert_eq!(
         MirrorWriter::create(&MirrorConfig { backing: MirrorBacking::Shm(disk.clone()), ..config(&scratch, 10) }).err(),
         Some(MirrorError::Config("backing: the path is not on a tmpfs"))

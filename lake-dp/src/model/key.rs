@@ -111,6 +111,25 @@ pub fn token_bytes(tokens: &[u32]) -> &[u8] {
     bytemuck::cast_slice(tokens)
 }
 
+/// The key of a page named by an engine hash that already covers its whole
+/// prefix (namespace scheme [`KeyScheme::EnginePrefixHashV1`]): one keyed
+/// BLAKE3 of the page hash under the namespace root, truncated to 128 bits.
+/// Lake adds no chaining of its own — the engine's hash is the chain — so a
+/// page's key needs nothing but its hash, and a tenant's keys stay
+/// unguessable to another tenant even when the engine hashes without a key.
+pub fn engine_prefix_key(namespace: &Namespace, page_hash: &[u8]) -> Result<BlockKey, KeyError> {
+    if namespace.scheme() != KeyScheme::EnginePrefixHashV1 {
+        return Err(KeyError::SchemeMismatch { chain: namespace.scheme() });
+    }
+    if page_hash.is_empty() || page_hash.len() > ENGINE_HASH_BYTES_MAX {
+        return Err(KeyError::EngineHashLength(page_hash.len()));
+    }
+    let hash = blake3::keyed_hash(namespace.root(), page_hash);
+    let mut key = [0u8; 16];
+    key.copy_from_slice(&hash.as_bytes()[..16]);
+    Ok(BlockKey(key))
+}
+
 /// An incremental key chain over one namespace. Extending a prefix hashes
 /// only the new blocks; [`KeyChain::resume`] continues a chain saved earlier.
 #[derive(Clone, Debug)]
@@ -287,6 +306,14 @@ mod tests {
         let mut chain = KeyChain::new(&hash_ns);
         assert_eq!(chain.extend_engine_hash(&[]), Err(KeyError::EngineHashLength(0)));
         assert_eq!(chain.extend_engine_hash(&[0; 65]), Err(KeyError::EngineHashLength(65)));
+        let prefix_ns = namespace(1, KeyScheme::EnginePrefixHashV1);
+        assert!(KeyChain::new(&prefix_ns).extend_tokens(&tokens(16), &mut out).is_err());
+        assert!(engine_prefix_key(&hash_ns, &[9; 32]).is_err(), "a chained namespace is not a prefix-hash one");
+        assert_eq!(engine_prefix_key(&prefix_ns, &[]), Err(KeyError::EngineHashLength(0)));
+        let page = engine_prefix_key(&prefix_ns, &[9; 32]).unwrap();
+        assert_eq!(page.0, blake3::keyed_hash(prefix_ns.root(), &[9; 32]).as_bytes()[..16]);
+        assert_eq!(page, engine_prefix_key(&prefix_ns, &[9; 32]).unwrap(), "a page alone names its key");
+        assert_ne!(page, engine_prefix_key(&namespace(2, KeyScheme::EnginePrefixHashV1), &[9; 32]).unwrap());
         let a = chain.extend_engine_hash(&[9; 32]).unwrap();
         let b = chain.extend_engine_hash(&[9; 32]).unwrap();
         assert_ne!(a, b, "the same page hash at two depths names two prefixes");

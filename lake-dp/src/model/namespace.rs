@@ -38,6 +38,13 @@ pub enum KeyScheme {
     /// Each block's message is the engine's own page hash (SGLang's SHA-256
     /// chain), for deployments that hand Lake those instead of tokens.
     EngineHashV1 = 2,
+    /// Each key is the keyed hash of the engine's page hash alone, under
+    /// the namespace root: for engines whose page hash already names the
+    /// whole prefix (SGLang's SHA-256 chain over parent hash and tokens)
+    /// and whose storage calls hand over runs of pages that may start
+    /// mid-prompt, without the pages before them. See
+    /// [`crate::model::key::engine_prefix_key`].
+    EnginePrefixHashV1 = 3,
 }
 
 impl KeyScheme {
@@ -46,6 +53,7 @@ impl KeyScheme {
         match value {
             1 => Ok(Self::TokenIdsV1),
             2 => Ok(Self::EngineHashV1),
+            3 => Ok(Self::EnginePrefixHashV1),
             other => Err(NamespaceError::UnknownKeyScheme(other)),
         }
     }

@@ -24,6 +24,11 @@
 //! format_if_missing = true
 //! queue_depth = 64
 //!
+//! [agents]
+//! socket = "/run/lake/dp0.sock"  # optional: engines in other processes
+//! ports = 16               # agents attached at once
+//! depth = 256              # requests in flight per agent
+//!
 //! [poller]
 //! ops_max = 256
 //! batch_max = 32
@@ -228,6 +233,55 @@ pub struct RunnerConfig {
     /// `[poller]`.
     #[serde(default)]
     pub poller: PollerSection,
+    /// `[cp]`: the node's `lake-cp` (none: run alone).
+    #[serde(default)]
+    pub cp: CpSection,
+    /// `[agents]`: engines in other processes attach here.
+    #[serde(default)]
+    pub agents: AgentsSection,
+}
+
+/// `[agents]`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AgentsSection {
+    /// The Unix socket agents attach on (none: in-process agents only).
+    pub socket: Option<PathBuf>,
+    /// Agents attached at once, at most.
+    #[serde(default = "default_ports")]
+    pub ports: u32,
+    /// Requests in flight per agent (a power of two).
+    #[serde(default = "default_port_depth")]
+    pub depth: u32,
+}
+
+impl Default for AgentsSection {
+    fn default() -> Self {
+        Self { socket: None, ports: default_ports(), depth: default_port_depth() }
+    }
+}
+
+fn default_ports() -> u32 {
+    16
+}
+
+fn default_port_depth() -> u32 {
+    256
+}
+
+/// `[cp]`.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CpSection {
+    /// The Unix socket `lake-cp` listens on for its `lake-dp`s.
+    pub socket: Option<PathBuf>,
+    /// How long to wait for its hello answer at start (ms).
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+}
+
+fn default_connect_timeout_ms() -> u64 {
+    5000
 }
 
 impl RunnerConfig {
@@ -240,6 +294,12 @@ impl RunnerConfig {
     }
 
     fn check(&self) -> Result<(), ConfigError> {
+        if self.agents.ports == 0 || self.agents.ports > 1024 {
+            return Err(bad("agents.ports", "must be 1 to 1024"));
+        }
+        if !self.agents.depth.is_power_of_two() || self.agents.depth > crate::agent::shm::DEPTH_MAX {
+            return Err(bad("agents.depth", "must be a power of two up to 65536"));
+        }
         let backings = ["shm", "hugetlbfs", "hugetlb-memfd"];
         if !backings.contains(&self.l1.backing.as_str()) {
             return Err(bad("l1.backing", "one of \"shm\", \"hugetlbfs\", \"hugetlb-memfd\""));

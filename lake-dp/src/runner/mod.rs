@@ -8,30 +8,42 @@
 //! flushes every file and records a clean shutdown.
 //!
 //! Busy, idle-spin and parked time are counted per poller and reported.
-//! Commands reach the poller from `lake-cp` once [3]'s protocol exists;
-//! until then `--selftest-blocks` runs a built-in write-back and promotion
-//! workload through the same loop.
+//! Work reaches the poller from `lake-cp` (tier moves and evictions, over
+//! the link of [`crate::cplink`]) and from agents (saves and loads, over
+//! in-process ports; see [`pool`]); `--selftest-blocks` runs a built-in
+//! write-back and promotion workload through the same loop.
 
+pub mod attach;
 pub mod config;
 pub mod os;
+pub mod pool;
 
 use std::collections::VecDeque;
 use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use self::config::RunnerConfig;
 use self::os::{Signals, Wakeup};
 use crate::arena::{Arena, SlotTable};
+use crate::cplink::CpLink;
 use crate::io::{Clock, MonotonicClock};
 use crate::l2::{L2Slots, L2Tier, format};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
-use crate::model::replica::{Durability, ObjectKind, Priority};
+use crate::model::replica::{Durability, ObjectKind, Priority, ReplicaWire, Tier};
 use crate::op::{Command, Event, L2Slot, ReadBlock, Request, WriteBlock};
-use crate::poller::{PollResult, Poller, PollerConfig};
+use crate::poller::{L2Geometry, PollResult, Poller, PollerConfig};
 use crate::region::SlotRegion;
 use crate::stored::{ObjectMeta, object_bytes};
 use crate::uring::UringBackend;
+use crate::wire::hello::Identity;
+use crate::wire::message::{
+    BLOCK_FLAG_VERIFIED, BlockEvicted, BlockRecord, DataPlaneStats, EvictReason, RegisterRegion, Role, text_field,
+};
 
 /// Command-line choices that override or add to the config file.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -42,6 +54,40 @@ pub struct RunnerOptions {
     pub numa_node: Option<u32>,
     /// `--selftest-blocks`: blocks the built-in workload writes (0: none).
     pub selftest_blocks: u64,
+}
+
+/// What an embedder connects to the runner besides its config: agents in
+/// the same process, a shared wake-up, a stop flag.
+#[derive(Debug, Default)]
+pub struct RunnerPorts {
+    /// The data plane's ends of in-process agent ports.
+    pub agents: Vec<crate::agent::port::DpPort>,
+    /// The wake-up those ports signal (the runner makes its own if none).
+    pub wakeup: Option<Arc<Wakeup>>,
+    /// Set to stop the runner (like SIGTERM).
+    pub stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// How commits' payloads are checked (default: before publishing).
+    pub commit_check: pool::CommitCheck,
+    /// Where the node's transport listens for blocks peers send into its
+    /// L1 (P→D, replication); none: it takes none.
+    pub transport_listen: Option<std::net::SocketAddr>,
+    /// The nodes this node's transport sends to (`lake-cp`'s copies to
+    /// another node's L1): node id and address.
+    pub transport_peers: Vec<(u32, std::net::SocketAddr)>,
+}
+
+/// The wire's error code for a transfer that did not land.
+fn transfer_code(error: &crate::transport::TransferError) -> crate::wire::message::ErrorCode {
+    use crate::transport::TransferError as E;
+    use crate::wire::message::ErrorCode as C;
+    match error {
+        E::Refused => C::StaleEpoch,
+        E::Corrupt => C::Checksum,
+        E::Busy => C::QueueFull,
+        E::PeerLost(_) => C::Io,
+        E::Timeout => C::DeadlineExceeded,
+        E::Invalid(_) => C::BadFrame,
+    }
 }
 
 /// Why the runner stopped with an error.
@@ -89,16 +135,31 @@ pub struct RunnerStats {
     pub selftest_written: u64,
     /// Self-test blocks read back and verified.
     pub selftest_read: u64,
+    /// Reports sent to `lake-cp`.
+    pub cp_sent: u64,
+    /// Reports dropped (the link's buffer was full or it was closed).
+    pub cp_dropped: u64,
+    /// Reports `lake-cp` refused.
+    pub cp_refused: u64,
     /// Operations still in flight when the drain timed out (0 after a
     /// clean drain).
     pub abandoned: u64,
+    /// Agent records released because their process died (their pins
+    /// dropped).
+    pub agents_released: u64,
+    /// Agents that attached through the attach socket.
+    pub agents_attached: u64,
+    /// The block service's figures.
+    pub pool: pool::PoolStats,
 }
 
 impl RunnerStats {
     fn json(&self, event: &str) -> String {
         format!(
             "{{\"event\":\"{event}\",\"polls\":{},\"busy_polls\":{},\"busy_ns\":{},\"idle_ns\":{},\"parked_ns\":{},\
-             \"parks\":{},\"ops_ok\":{},\"ops_failed\":{},\"selftest_written\":{},\"selftest_read\":{},\"abandoned\":{}}}",
+             \"parks\":{},\"ops_ok\":{},\"ops_failed\":{},\"selftest_written\":{},\"selftest_read\":{},\
+             \"cp_sent\":{},\"cp_dropped\":{},\"cp_refused\":{},\"abandoned\":{},\"agents_released\":{},\"saves\":{},\"saves_refused\":{},\
+             \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{}}}",
             self.polls,
             self.busy_polls,
             self.busy_ns,
@@ -109,9 +170,34 @@ impl RunnerStats {
             self.ops_failed,
             self.selftest_written,
             self.selftest_read,
-            self.abandoned
+            self.cp_sent,
+            self.cp_dropped,
+            self.cp_refused,
+            self.abandoned,
+            self.agents_released,
+            self.pool.saves,
+            self.pool.saves_refused,
+            self.pool.commits_corrupt,
+            self.pool.commits_corrupt_late,
+            self.pool.commits_verified,
+            self.pool.promotions,
+            self.pool.demotions,
+            self.pool.evictions,
+            self.pool.commands_failed
         )
     }
+}
+
+/// The runner's parts, borrowed together for the block service and the
+/// self-test.
+pub(crate) struct Parts<'a> {
+    pub poller: &'a mut Poller<UringBackend>,
+    pub table: &'a mut SlotTable,
+    pub l2: &'a mut L2Slots,
+    pub region: &'a SlotRegion,
+    pub link: &'a mut Option<CpLink>,
+    /// The pass's clock.
+    pub now_ns: u64,
 }
 
 /// The built-in workload: write-back of synthetic blocks from arena slots
@@ -126,6 +212,9 @@ struct Selftest {
     written: VecDeque<Block>,
     in_flight: u32,
     issued: u64,
+    /// This node and the L2 geometry, for reports to `lake-cp`.
+    node: u32,
+    geometry: L2Geometry,
 }
 
 /// A block on L2 the self-test may read back or evict.
@@ -147,14 +236,9 @@ fn selftest_key(slot: L2Slot, generation: u32) -> BlockKey {
 }
 
 impl Selftest {
-    fn feed(
-        &mut self,
-        poller: &mut Poller<UringBackend>,
-        table: &mut SlotTable,
-        l2: &mut L2Slots,
-        region: &SlotRegion,
-        epoch: u64,
-    ) {
+    fn feed(&mut self, parts: &mut Parts<'_>, epoch: u64, pool: &mut pool::Pool) {
+        let Parts { poller, table, l2, region, link, .. } = parts;
+        let poller = &mut **poller;
         while self.remaining > 0 {
             let recent = self.written.back().copied();
             let read = self.issued % 3 == 2 && self.written.len() > 2 * poller_ops(poller);
@@ -181,7 +265,29 @@ impl Selftest {
                             let _ = table.retire(grant.slot);
                             return;
                         };
-                        let _ = l2.release(oldest.slot);
+                        if !pool.l2_holds(oldest.slot, oldest.generation) || l2.release(oldest.slot).is_err() {
+                            // Evicted on lake-cp's command already: try
+                            // the next oldest.
+                            let _ = table.retire(grant.slot);
+                            continue;
+                        }
+                        pool.l2_released(oldest.slot);
+                        if let Some(link) = link {
+                            link.evicted(&BlockEvicted {
+                                replica: ReplicaWire {
+                                    tier: Tier::L2Nvme as u8,
+                                    reserved: 0,
+                                    region: self.geometry.region(oldest.slot.file).0,
+                                    node: self.node,
+                                    region_epoch: epoch,
+                                    slot: oldest.slot.slot,
+                                    generation: oldest.generation,
+                                },
+                                key: oldest.key,
+                                reason: EvictReason::Capacity as u8,
+                                reserved: [0; 7],
+                            });
+                        }
                         let Some(target) = l2.allocate() else {
                             let _ = table.retire(grant.slot);
                             return;
@@ -234,11 +340,17 @@ impl Selftest {
         }
     }
 
-    fn done(&mut self, event: &Event, table: &mut SlotTable, l2: &mut L2Slots, stats: &mut RunnerStats) {
+    fn done(&mut self, event: &Event, parts: &mut Parts<'_>, stats: &mut RunnerStats, pool: &mut pool::Pool) {
+        let Parts { table, l2, link, .. } = parts;
         self.in_flight = self.in_flight.saturating_sub(1);
         match (event.command, event.outcome) {
             (Command::Write(write), Ok(_)) => {
                 stats.selftest_written += 1;
+                pool.l2_written(write.target, write.meta.generation, write.meta.payload_len);
+                if let Some(link) = link {
+                    let epoch = write.meta.region_epoch;
+                    link.committed(&l2_record(&self.geometry, self.node, epoch, write.target, &write.meta));
+                }
                 let _ = table.retire(write.l1_slot);
                 if self.written.len() < self.written.capacity() {
                     let meta = write.meta;
@@ -267,6 +379,108 @@ impl Selftest {
     }
 }
 
+/// The wire record of a block in an L2 slot.
+pub(crate) fn l2_record(geometry: &L2Geometry, node: u32, epoch: u64, slot: L2Slot, meta: &ObjectMeta) -> BlockRecord {
+    let replica = ReplicaWire {
+        tier: Tier::L2Nvme as u8,
+        reserved: 0,
+        region: geometry.region(slot.file).0,
+        node,
+        region_epoch: epoch,
+        slot: slot.slot,
+        generation: meta.generation,
+    };
+    block_record(replica, meta, Durability::Acked)
+}
+
+/// The wire record of the replica `replica` of the object `meta` describes.
+pub(crate) fn block_record(replica: ReplicaWire, meta: &ObjectMeta, durability: Durability) -> BlockRecord {
+    BlockRecord {
+        replica,
+        key: meta.key,
+        parent_key: meta.parent_key,
+        namespace: meta.namespace.0,
+        layout_fingerprint: meta.layout_fingerprint,
+        payload_len: meta.payload_len,
+        block_index: meta.block_index,
+        kind: meta.kind as u16,
+        durability: durability as u8,
+        flags: 0,
+    }
+}
+
+/// Connects to `lake-cp` and reports the regions and what re-adoption
+/// found.
+fn link_to_cp(
+    config: &RunnerConfig,
+    tier: &L2Tier,
+    found: &crate::l2::Readoption,
+    arena: &Arena,
+) -> Result<Option<CpLink>, RunnerError> {
+    let Some(socket) = &config.cp.socket else { return Ok(None) };
+    let epoch = tier.epoch();
+    let identity = Identity {
+        role: Role::DataPlane,
+        node: config.node.id,
+        pid: std::process::id(),
+        region_epoch: epoch,
+        features: 0,
+        name: "lake-dp",
+    };
+    let deadline = Duration::from_millis(config.cp.connect_timeout_ms);
+    let mut link = CpLink::connect(socket, &identity, deadline)
+        .map_err(|e| RunnerError(format!("cp.socket {}: {e}", socket.display())))?;
+    let geometry = tier.geometry();
+    let name = |path: &Path| text_field::<48>("region.name", &path.to_string_lossy()).unwrap_or([0; 48]);
+    for file in 0..geometry.files {
+        link.register_region(&RegisterRegion {
+            region: geometry.region(file).0,
+            tier: Tier::L2Nvme as u8,
+            reserved_a: 0,
+            node: config.node.id,
+            region_epoch: epoch,
+            slot_bytes: geometry.slot_bytes,
+            slot_count: geometry.slots_per_file,
+            reserved_b: 0,
+            name: config.l2.paths.get(usize::from(file)).map_or([0; 48], |p| name(p)),
+        });
+    }
+    let header = arena.header();
+    link.register_region(&RegisterRegion {
+        region: header.region,
+        tier: Tier::L1Dram as u8,
+        reserved_a: 0,
+        node: config.node.id,
+        region_epoch: epoch,
+        slot_bytes: header.classes[0].slot_bytes,
+        slot_count: header.slots,
+        reserved_b: 0,
+        name: name(&config.l1.path),
+    });
+    for adopted in &found.adopted {
+        let slot = L2Slot { file: adopted.file, slot: adopted.slot };
+        let mut record = l2_record(&geometry, config.node.id, epoch, slot, &adopted.meta);
+        if adopted.verified {
+            record.flags = BLOCK_FLAG_VERIFIED;
+        }
+        link.readopted(&record);
+        // Re-adoption can report more than the buffer holds: write as we go.
+        if link.pump().is_err() {
+            break;
+        }
+    }
+    Ok(Some(link))
+}
+
+/// Says the runner parks (or woke), to in-process submitters and to
+/// agents in other processes.
+fn set_parked(wakeup: &Wakeup, attach: Option<&attach::AttachServer>, parked: bool) {
+    wakeup.set_parked(parked);
+    if let Some(attach) = attach {
+        attach.set_parked(parked);
+    }
+}
+
 fn poller_ops(poller: &Poller<UringBackend>) -> usize {
     poller.config().ops_max as usize
 }
@@ -275,6 +489,16 @@ fn poller_ops(poller: &Poller<UringBackend>) -> usize {
 /// signal, until the self-test is done). Writes one JSON line when serving
 /// and one when stopped to `out`.
 pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) -> Result<RunnerStats, RunnerError> {
+    run_with(config, options, RunnerPorts::default(), out)
+}
+
+/// [`run`], with agents in this process (and a stop flag) attached.
+pub fn run_with(
+    config: &RunnerConfig,
+    options: &RunnerOptions,
+    ports: RunnerPorts,
+    out: &mut dyn Write,
+) -> Result<RunnerStats, RunnerError> {
     // Before anything else: later threads inherit the blocked mask.
     let signals = try_to!("blocking SIGTERM/SIGINT", Signals::new());
     let cores = options.cores.clone().unwrap_or_else(|| config.node.cores.clone());
@@ -307,7 +531,11 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
     arena_config.numa_node = numa_node;
     let (arena, mut table) = try_to!("creating the L1 arena", Arena::create(&arena_config));
     let region = try_to!("mapping the L1 slots", arena.region());
-    let wakeup = try_to!("creating the wake-up eventfd", Wakeup::new());
+    let mut link = link_to_cp(config, &tier, &found, &arena)?;
+    let wakeup = match ports.wakeup {
+        Some(wakeup) => wakeup,
+        None => Arc::new(try_to!("creating the wake-up eventfd", Wakeup::new())),
+    };
     let mut backend = try_to!(
         "setting up io_uring",
         UringBackend::new(try_to!("opening L2 files for io_uring", tier.backend_files()), config.l2.queue_depth)
@@ -328,6 +556,64 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
     };
     let mut poller = try_to!("building the poller", Poller::new(poller_config, backend, Arc::clone(&region)));
     let mut l2_slots = L2Slots::from_readoption(tier.geometry(), &found);
+    let header = *arena.header();
+    let shape = pool::PoolShape {
+        node: config.node.id,
+        epoch,
+        l1_region: header.region,
+        l1_slots: header.slots,
+        geometry: tier.geometry(),
+        ops: p.ops_max,
+    };
+    let shared_ports = if config.agents.socket.is_some() { config.agents.ports } else { 0 };
+    let mut pool = pool::Pool::new(&shape, ports.agents, shared_ports);
+    let mut attach = match &config.agents.socket {
+        None => None,
+        Some(socket) => {
+            let files = Arc::new(try_to!(
+                "creating the agent ports",
+                crate::agent::shm::PortFile::create(config.agents.ports, config.agents.depth)
+            ));
+            let identity = Identity {
+                role: Role::DataPlane,
+                node: config.node.id,
+                pid: std::process::id(),
+                region_epoch: epoch,
+                features: 0,
+                name: "lake-dp",
+            };
+            let server = attach::AttachServer::bind(socket, files, &identity, header.region)
+                .map_err(|e| RunnerError(format!("agents.socket {}: {e}", socket.display())))?;
+            Some(server)
+        }
+    };
+    let mut park_fds: Vec<libc::pollfd> = Vec::with_capacity(os::PARK_FDS_MAX);
+    let mut extra_fds = vec![-1; os::PARK_FDS_MAX];
+    pool.set_commit_check(ports.commit_check);
+    // Blocks peers send into this node's L1 (P→D, replication), and the
+    // copies lake-cp asks of this node for others.
+    let mut transport = if ports.transport_listen.is_some() || !ports.transport_peers.is_empty() {
+        let config = crate::transport::tcp::TcpConfig::default();
+        let listen = ports.transport_listen;
+        Some(
+            crate::transport::tcp::TcpTransport::new(config, listen)
+                .map_err(|e| RunnerError(format!("transport.listen {listen:?}: {e}")))?,
+        )
+    } else {
+        None
+    };
+    let mut peers_by_node = Vec::with_capacity(ports.transport_peers.len());
+    if let Some(transport) = &mut transport {
+        for &(node, address) in &ports.transport_peers {
+            let peer = transport.add_peer(address).map_err(|e| RunnerError(format!("transport peer {node}: {e}")))?;
+            peers_by_node.push((node, peer));
+        }
+    }
+    let mut transfers_done = Vec::with_capacity(256);
+    for adopted in &found.adopted {
+        let slot = L2Slot { file: adopted.file, slot: adopted.slot };
+        pool.l2_written(slot, adopted.meta.generation, adopted.meta.payload_len);
+    }
     let l2_total = u64::from(tier.geometry().files) * u64::from(tier.geometry().slots_per_file);
     let mut selftest = (options.selftest_blocks > 0).then(|| {
         let payload = config.l1.classes[0].payload_bytes.min(l2_config.slot_bytes - 4096);
@@ -350,6 +636,8 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
             written,
             in_flight: 0,
             issued: 0,
+            node: config.node.id,
+            geometry: tier.geometry(),
         }
     });
     let mut events = vec![Event::placeholder(); p.batch_max as usize];
@@ -376,10 +664,15 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
     let spin_ns = p.spin_us * 1000;
     let mut idle_since: Option<u64> = None;
     let mut stopping: Option<u64> = None;
+    let mut next_stats_ns = 0;
     let budget = p.batch_max;
     loop {
         let now = clock.now_ns();
-        if stopping.is_none() && (stats.polls.is_multiple_of(256) || idle_since.is_some()) && signals.take().is_some() {
+        let mut served = 0;
+        if stopping.is_none()
+            && (stats.polls.is_multiple_of(256) || idle_since.is_some())
+            && (signals.take().is_some() || ports.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)))
+        {
             stopping = Some(now + p.drain_timeout_ms * 1_000_000);
         }
         let selftest_done = selftest.as_ref().is_none_or(|s| s.remaining == 0 && s.in_flight == 0);
@@ -394,8 +687,62 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
                 stats.abandoned = poller.stats().admitted.saturating_sub(stats.ops_ok + stats.ops_failed);
                 break;
             }
-        } else if let Some(test) = &mut selftest {
-            test.feed(&mut poller, &mut table, &mut l2_slots, &region, epoch);
+        } else {
+            let mut parts = Parts {
+                poller: &mut poller,
+                table: &mut table,
+                l2: &mut l2_slots,
+                region: &region,
+                link: &mut link,
+                now_ns: now,
+            };
+            if let Some(test) = &mut selftest {
+                test.feed(&mut parts, epoch, &mut pool);
+            }
+            served = pool.serve(&mut parts, now, budget);
+            match &mut transport {
+                Some(transport) => {
+                    let region = parts.region;
+                    pool.take_sends(|send| {
+                        let Some(&(_, peer)) = peers_by_node.iter().find(|(n, _)| *n == send.target.node) else {
+                            return false;
+                        };
+                        let Some(source) = region.slot_ptr(send.slot) else { return false };
+                        let block = crate::transport::tcp::Outgoing {
+                            transfer: send.request,
+                            peer,
+                            source,
+                            len: send.len,
+                            target: crate::transport::frame::BlockAddr {
+                                region: send.target.region,
+                                epoch: send.target.region_epoch,
+                                slot: crate::transport::ANY_SLOT,
+                                generation: 0,
+                            },
+                            priority: send.priority,
+                        };
+                        // SAFETY: the source slot is held (busy) by the pool
+                        // until `send_ended`, after this transfer's end.
+                        unsafe { transport.write(&block, now) }.is_ok()
+                    });
+                    let mut landing = pool::PoolLanding { pool: &mut pool, parts: &mut parts };
+                    if transport.poll(&mut landing, now, &mut transfers_done) {
+                        served += 1;
+                    }
+                    for done in transfers_done.drain(..) {
+                        let landed = done.result.map(|()| done.target).map_err(|e| transfer_code(&e));
+                        pool.send_ended(done.transfer, landed, &mut parts);
+                    }
+                }
+                // No transport: a copy to another node cannot go.
+                None => pool.take_sends(|_| false),
+            }
+            pool.end_failed_sends(&mut parts);
+            if let Some(attach) = &mut attach
+                && (stats.polls.is_multiple_of(256) || idle_since.is_some())
+            {
+                attach.poll(&mut pool, &mut table, arena.fd().as_raw_fd(), wakeup.fd(), now);
+            }
         }
         let result = poller.poll(now, budget);
         let count = poller.reap(&mut events);
@@ -405,13 +752,57 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
             } else {
                 stats.ops_failed += 1;
             }
-            if let Some(test) = &mut selftest {
-                test.done(event, &mut table, &mut l2_slots, &mut stats);
+            let mut parts = Parts {
+                poller: &mut poller,
+                table: &mut table,
+                l2: &mut l2_slots,
+                region: &region,
+                link: &mut link,
+                now_ns: now,
+            };
+            if event.cookie & pool::POOL_COOKIE != 0 {
+                pool.finished(event, &mut parts);
+            } else if let Some(test) = &mut selftest {
+                test.done(event, &mut parts, &mut stats, &mut pool);
             }
+        }
+        if table.stats().draining > 0 {
+            table.reclaim();
+        }
+        if now >= next_stats_ns {
+            next_stats_ns = now + 1_000_000_000;
+            // Pins of agents whose process died go with it (their record's
+            // lock went with the process).
+            stats.agents_released += u64::from(table.release_dead_agents());
+            if let Some(link) = &mut link {
+                link.stats(&DataPlaneStats {
+                    busy_ns: stats.busy_ns,
+                    idle_ns: stats.idle_ns,
+                    parked_ns: stats.parked_ns,
+                    bytes_l1_to_l2: pool.stats.bytes_down,
+                    bytes_l2_to_l1: pool.stats.bytes_up,
+                    saves: pool.stats.saves,
+                    saves_refused: pool.stats.saves_refused,
+                    // Refused at commit, or found out after it.
+                    commits_corrupt: pool.stats.commits_corrupt + pool.stats.commits_corrupt_late,
+                    promotions: pool.stats.promotions,
+                    demotions: pool.stats.demotions,
+                    evictions: pool.stats.evictions,
+                    pins: table.pins_held(),
+                    draining: table.stats().draining,
+                });
+            }
+        }
+        if let Some(link) = &mut link
+            && (!link.is_flushed() || stats.polls.is_multiple_of(1024))
+            && link.pump().is_err()
+        {
+            // The control plane went away: serve on; reports are counted
+            // as dropped until a restart reconnects.
         }
         let end = clock.now_ns();
         stats.polls += 1;
-        if result == PollResult::Busy || count > 0 {
+        if result == PollResult::Busy || count > 0 || served > 0 {
             stats.busy_polls += 1;
             stats.busy_ns += end - now;
             idle_since = None;
@@ -424,8 +815,34 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
         }
         // Idle past the spin budget: park until a completion, a wake-up or
         // a signal; briefly when timers (flush batching, deadlines) wait.
-        let timeout_ms = if poller.has_work() { 1 } else { p.park_max_ms };
-        try_to!("parking", os::park(&wakeup, &signals, timeout_ms));
+        let timeout_ms = if poller.has_work() || table.stats().draining > 0 { 1 } else { p.park_max_ms };
+        set_parked(&wakeup, attach.as_ref(), true);
+        // Once more after saying so: work queued before the flag was seen
+        // did not wake us.
+        if pool.has_agent_work() || link.as_ref().is_some_and(CpLink::has_commands) {
+            set_parked(&wakeup, attach.as_ref(), false);
+            idle_since = None;
+            continue;
+        }
+        let mut extra = 0;
+        if let Some(socket) = link.as_ref().filter(|l| !l.is_closed()).map(CpLink::raw_fd) {
+            extra_fds[0] = socket;
+            extra = 1;
+        }
+        if let Some(transport) = &transport {
+            extra_fds[extra] = transport.raw_fd();
+            extra += 1;
+        }
+        if let Some(attach) = &attach {
+            extra += attach.fds(&mut extra_fds[extra..]);
+        }
+        let parked = os::park(&wakeup, &signals, &extra_fds[..extra], &mut park_fds, timeout_ms);
+        set_parked(&wakeup, attach.as_ref(), false);
+        try_to!("parking", parked);
+        if let Some(link) = &mut link {
+            // Commands that arrived while parked.
+            let _ = link.pump();
+        }
         let woke = clock.now_ns();
         stats.parks += 1;
         stats.parked_ns += woke - end;
@@ -447,6 +864,23 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
         let _ = poller.reap(&mut events);
     }
     let clean = !poller.has_work() && stats.abandoned == 0;
+    if let Some(link) = &mut link {
+        let deadline = clock.now_ns() + p.drain_timeout_ms * 1_000_000;
+        while !link.is_flushed() && !link.is_closed() && clock.now_ns() < deadline {
+            if link.pump().is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        stats.cp_sent = link.counters.sent;
+        stats.cp_dropped = link.counters.dropped;
+        stats.cp_refused = link.counters.refused;
+    }
+    stats.pool = pool.stats;
+    if let Some(attach) = &attach {
+        stats.agents_attached = attach.counters.attached;
+    }
+    drop(attach);
     drop(poller);
     drop(region);
     if clean {

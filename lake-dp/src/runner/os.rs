@@ -4,6 +4,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 
 fn check(rc: libc::c_int) -> io::Result<libc::c_int> {
     if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
@@ -34,9 +35,11 @@ pub fn pin_to_core(core: usize) -> io::Result<()> {
 }
 
 /// An eventfd: the runner parks on it, and whoever has work for it (the
-/// io_uring on a completion, a submitter) writes to it.
+/// io_uring on a completion, a submitter) writes to it. Submitters write
+/// only while the runner says it is parked, so a busy runner costs them no
+/// system call.
 #[derive(Debug)]
-pub struct Wakeup(OwnedFd);
+pub struct Wakeup(OwnedFd, AtomicBool);
 
 impl Wakeup {
     /// A non-blocking eventfd.
@@ -44,7 +47,25 @@ impl Wakeup {
         // SAFETY: plain syscall; the result is checked.
         let fd = check(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
         // SAFETY: a fresh descriptor nothing else owns.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }, AtomicBool::new(false)))
+    }
+
+    /// The runner is about to park (`true`) or has woken (`false`). After
+    /// `true` the runner must look for work once more before it parks: a
+    /// submitter that queued work before seeing the flag did not wake it.
+    pub fn set_parked(&self, parked: bool) {
+        self.1.store(parked, Ordering::Relaxed);
+        // SeqCst: with the fence in wake_if_parked (store-buffer pattern),
+        // either the submitter sees the flag or the runner sees the work.
+        fence(Ordering::SeqCst);
+    }
+
+    /// Wakes the runner if it is parked (call after queueing work).
+    pub fn wake_if_parked(&self) {
+        fence(Ordering::SeqCst);
+        if self.1.load(Ordering::Relaxed) {
+            self.wake();
+        }
     }
 
     /// Wakes the runner.
@@ -113,20 +134,129 @@ impl Signals {
     }
 }
 
-/// Parks until the wake-up fires, a signal arrives or `timeout_ms` passes.
-/// Returns whether something (rather than the timeout) woke it.
-pub fn park(wakeup: &Wakeup, signals: &Signals, timeout_ms: u64) -> io::Result<bool> {
-    let mut fds = [
-        libc::pollfd { fd: wakeup.0.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        libc::pollfd { fd: signals.0.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-    ];
+/// Descriptors besides the wake-up and the signals a park waits on, at
+/// most: the link to `lake-cp`, the transport's poll, the attach socket
+/// and its agents.
+pub const PARK_FDS_MAX: usize = 1 + 1 + 1 + 1024;
+
+/// Parks until the wake-up fires, a signal arrives, one of `extra` (the
+/// link to `lake-cp`, the attach socket and its agents) has input or
+/// closes, or `timeout_ms` passes. Returns whether something (rather than
+/// the timeout) woke it. `fds` is the caller's scratch, sized once.
+pub fn park(
+    wakeup: &Wakeup,
+    signals: &Signals,
+    extra: &[RawFd],
+    fds: &mut Vec<libc::pollfd>,
+    timeout_ms: u64,
+) -> io::Result<bool> {
+    fds.clear();
+    fds.push(libc::pollfd { fd: wakeup.0.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+    fds.push(libc::pollfd { fd: signals.0.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+    for &fd in extra.iter().take(fds.capacity().saturating_sub(2)) {
+        fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+    }
     let timeout = libc::c_int::try_from(timeout_ms).unwrap_or(libc::c_int::MAX);
-    // SAFETY: a valid array of two pollfds.
-    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+    let count = libc::nfds_t::try_from(fds.len()).unwrap_or(2);
+    // SAFETY: a valid array of `count` pollfds.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), count, timeout) };
     if rc < 0 {
         let error = io::Error::last_os_error();
         return if error.kind() == io::ErrorKind::Interrupted { Ok(true) } else { Err(error) };
     }
     wakeup.drain();
     Ok(rc > 0)
+}
+
+/// Most descriptors passed in one message.
+pub const FDS_MAX: usize = 4;
+
+/// Sends `bytes` on the Unix stream `socket` with `fds` attached
+/// (`SCM_RIGHTS`, at most [`FDS_MAX`]). Returns the bytes sent.
+pub fn send_with_fds(socket: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize> {
+    if fds.len() > FDS_MAX {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr().cast_mut().cast(), iov_len: bytes.len() };
+    // Room for the control message, aligned for cmsghdr.
+    let mut control = [0u64; 8];
+    let fd_bytes = u32::try_from(size_of_val(fds)).unwrap_or(0);
+    // SAFETY: a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+    // SAFETY: msghdr is plain data; all zeroes is valid.
+    let mut message: libc::msghdr = unsafe { core::mem::zeroed() };
+    message.msg_iov = &raw mut iov;
+    message.msg_iovlen = 1;
+    if !fds.is_empty() {
+        message.msg_control = control.as_mut_ptr().cast();
+        message.msg_controllen = space;
+        // SAFETY: msg_control points at `control` (64 bytes ≥ space for four
+        // descriptors), so the first header is inside it.
+        let header = unsafe { libc::CMSG_FIRSTHDR(&raw const message) };
+        // SAFETY: a pure size computation.
+        let len = unsafe { libc::CMSG_LEN(fd_bytes) } as usize;
+        let value = libc::cmsghdr { cmsg_len: len, cmsg_level: libc::SOL_SOCKET, cmsg_type: libc::SCM_RIGHTS };
+        // SAFETY: `header` is inside `control`, aligned for cmsghdr.
+        unsafe { header.write(value) };
+        // SAFETY: `header` is a valid header inside `control`.
+        let data = unsafe { libc::CMSG_DATA(header) }.cast::<RawFd>();
+        // SAFETY: `data` has room for `fds` (CMSG_SPACE counted them) and
+        // does not overlap them.
+        unsafe { core::ptr::copy_nonoverlapping(fds.as_ptr(), data, fds.len()) };
+    }
+    // SAFETY: a valid message over live buffers; MSG_NOSIGNAL: a closed
+    // peer is an error, not a signal.
+    let sent = unsafe { libc::sendmsg(socket, &raw const message, libc::MSG_NOSIGNAL) };
+    usize::try_from(sent).map_err(|_| io::Error::last_os_error())
+}
+
+/// Receives into `buffer` from the Unix stream `socket`, appending the
+/// descriptors that came with it to `fds` (each close-on-exec). Returns the
+/// bytes received (0: the peer closed).
+pub fn recv_with_fds(socket: RawFd, buffer: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+    let mut iov = libc::iovec { iov_base: buffer.as_mut_ptr().cast(), iov_len: buffer.len() };
+    let mut control = [0u64; 8];
+    // SAFETY: msghdr is plain data; all zeroes is valid.
+    let mut message: libc::msghdr = unsafe { core::mem::zeroed() };
+    message.msg_iov = &raw mut iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.as_mut_ptr().cast();
+    message.msg_controllen = size_of_val(&control);
+    // SAFETY: a valid message over live buffers.
+    let received = unsafe { libc::recvmsg(socket, &raw mut message, libc::MSG_CMSG_CLOEXEC) };
+    let received = usize::try_from(received).map_err(|_| io::Error::last_os_error())?;
+    // SAFETY: the kernel filled the control area; the macros walk it
+    // within msg_controllen.
+    let mut header = unsafe { libc::CMSG_FIRSTHDR(&raw const message) };
+    while !header.is_null() {
+        // SAFETY: a header the kernel wrote inside `control`.
+        let value = unsafe { header.read() };
+        if value.cmsg_level == libc::SOL_SOCKET && value.cmsg_type == libc::SCM_RIGHTS {
+            // SAFETY: pure size computation.
+            let header_len = unsafe { libc::CMSG_LEN(0) } as usize;
+            let count = value.cmsg_len.saturating_sub(header_len) / size_of::<RawFd>();
+            // SAFETY: a valid header inside `control`.
+            let data = unsafe { libc::CMSG_DATA(header) }.cast::<RawFd>();
+            for i in 0..count {
+                // SAFETY: within the header's data (count from its length);
+                // unaligned read tolerated.
+                let fd = unsafe { data.wrapping_add(i).read_unaligned() };
+                // SAFETY: the kernel installed this descriptor for us; we
+                // are its only owner.
+                fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+        // SAFETY: walks to the next header within msg_controllen.
+        header = unsafe { libc::CMSG_NXTHDR(&raw const message, header) };
+    }
+    Ok(received)
+}
+
+/// Whether the peer of the stream socket `fd` has closed it (without
+/// waiting, and without consuming anything it sent).
+pub fn peer_closed(fd: RawFd) -> bool {
+    let mut poll = libc::pollfd { fd, events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
+    // SAFETY: one valid pollfd; zero timeout.
+    let rc = unsafe { libc::poll(&raw mut poll, 1, 0) };
+    rc > 0 && poll.revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0
 }

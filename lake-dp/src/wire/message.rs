@@ -448,7 +448,9 @@ impl Record for BlockRecord {
     }
 }
 
-/// A replica went away.
+/// A replica went away (`BlockEvicted`, from `lake-dp`), or is to go
+/// (`EvictBlock`, from `lake-cp`: the data plane frees the slot and reports
+/// `BlockEvicted`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
 pub struct BlockEvicted {
@@ -467,6 +469,70 @@ impl Record for BlockEvicted {
         check_replica("evicted.replica", &self.replica)?;
         EvictReason::from_u8(self.reason).ok_or(field_err("evicted.reason", self.reason))?;
         reserved_zero("evicted.reserved", &self.reserved)
+    }
+}
+
+/// A request's keys as an agent looked them up, and how many of them were
+/// a hit: the access stream the control plane's eviction policies learn
+/// from. Agents read the mirror without a round trip; they send these
+/// afterwards, batched and off the request's path, and a lost one costs
+/// only some precision of eviction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Accessed {
+    /// Namespace id.
+    pub namespace: u64,
+    /// The leading keys that were a hit (at most `count`).
+    pub hit_blocks: u32,
+    /// Keys that follow, in prefix order.
+    pub count: u32,
+}
+
+impl Record for Accessed {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.hit_blocks > self.count {
+            return Err(field_err("accessed.hit_blocks", self.hit_blocks));
+        }
+        Ok(())
+    }
+}
+
+impl ListHead for Accessed {
+    const RECORDS_MAX: usize = LOOKUP_KEYS_MAX;
+    fn count(&self) -> u32 {
+        self.count
+    }
+}
+
+/// Blocks an engine holds in its own GPU memory (HBM, L0), or no longer
+/// does: advisory replicas the control plane records for routing a request
+/// to the engine that already has its prefix. Never leased, placed or
+/// evicted by Lake (the engine owns that memory); they go when the agent
+/// reports them gone or disconnects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Resident {
+    /// Namespace id.
+    pub namespace: u64,
+    /// 1: the keys that follow are now resident; 0: they are gone.
+    pub resident: u32,
+    /// Keys that follow.
+    pub count: u32,
+}
+
+impl Record for Resident {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.resident > 1 {
+            return Err(field_err("resident.resident", self.resident));
+        }
+        Ok(())
+    }
+}
+
+impl ListHead for Resident {
+    const RECORDS_MAX: usize = LOOKUP_KEYS_MAX;
+    fn count(&self) -> u32 {
+        self.count
     }
 }
 
@@ -648,6 +714,73 @@ pub struct PinDrop {
 impl Record for PinDrop {
     fn validate(&self) -> Result<(), WireError> {
         reserved_zero("pin_drop.reserved", &self.reserved)
+    }
+}
+
+/// A `lake-dp`'s running figures, sent to its `lake-cp` about once a
+/// second for metrics: counters since the `lake-dp` started, gauges now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct DataPlaneStats {
+    /// Time in busy poll passes (ns).
+    pub busy_ns: u64,
+    /// Time spinning idle (ns).
+    pub idle_ns: u64,
+    /// Time parked (ns).
+    pub parked_ns: u64,
+    /// Bytes moved L1→L2 (demotions, write-back).
+    pub bytes_l1_to_l2: u64,
+    /// Bytes moved L2→L1 (promotions, loads).
+    pub bytes_l2_to_l1: u64,
+    /// Blocks saved by agents.
+    pub saves: u64,
+    /// Saves refused (no L1 slot).
+    pub saves_refused: u64,
+    /// Commits refused (the object failed its checks).
+    pub commits_corrupt: u64,
+    /// Blocks promoted L2→L1.
+    pub promotions: u64,
+    /// Blocks demoted L1→L2.
+    pub demotions: u64,
+    /// Replicas evicted on command.
+    pub evictions: u64,
+    /// Pins agents hold now.
+    pub pins: u32,
+    /// L1 slots retired and still pinned.
+    pub draining: u32,
+}
+
+impl Record for DataPlaneStats {
+    fn validate(&self) -> Result<(), WireError> {
+        Ok(())
+    }
+}
+
+/// `lake-dp`'s answer to an agent attaching on its attach socket (after
+/// `HelloAck`): the agent's port in the shared port file. The same
+/// message carries, as `SCM_RIGHTS`, the L1 arena, the port file and the
+/// data plane's wake-up eventfd, in that order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Attached {
+    /// The agent's port.
+    pub port: u32,
+    /// Entries per ring.
+    pub depth: u32,
+    /// The data plane's region epoch.
+    pub epoch: u64,
+    /// The L1 arena's region.
+    pub arena_region: u16,
+    /// Zero.
+    pub reserved: [u8; 6],
+}
+
+impl Record for Attached {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.depth == 0 || !self.depth.is_power_of_two() {
+            return Err(field_err("attached.depth", self.depth));
+        }
+        reserved_zero("attached.reserved", &self.reserved)
     }
 }
 
@@ -971,6 +1104,9 @@ messages! {
         LeaseRelease(LeaseRelease) = 12,
         PinDrop(PinDrop) = 14,
         Error(ErrorBody) = 18,
+        EvictBlock(BlockEvicted) = 19,
+        DataPlaneStats(DataPlaneStats) = 21,
+        Attached(Attached) = 22,
     }
     listed {
         LeaseRequest(LeaseRequest, BlockKey) = 11,
@@ -978,6 +1114,8 @@ messages! {
         Lookup(Lookup, BlockKey) = 15,
         LookupReply(LookupReply, LookupEntry) = 16,
         Delta(Delta, DeltaEntry) = 17,
+        Accessed(Accessed, BlockKey) = 20,
+        Resident(Resident, BlockKey) = 23,
     }
 }
 
@@ -990,6 +1128,10 @@ const _: () = assert!(size_of::<Transfer>() == 80);
 const _: () = assert!(size_of::<TransferDone>() == 40);
 const _: () = assert!(size_of::<LeaseEntry>() == 40);
 const _: () = assert!(size_of::<PinDrop>() == 24);
+const _: () = assert!(size_of::<Accessed>() == 16);
+const _: () = assert!(size_of::<Resident>() == 16);
+const _: () = assert!(size_of::<DataPlaneStats>() == 96);
+const _: () = assert!(size_of::<Attached>() == 24);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);
 const _: () = assert!(size_of::<ErrorBody>() == 64);

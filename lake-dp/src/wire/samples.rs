@@ -148,6 +148,38 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
     }];
     visit(meta(13), Message::Delta(Delta { term: 4, sequence: 100, node: 2, count: 1 }, Records::from_slice(&changes)));
     visit(
+        meta(14),
+        Message::EvictBlock(BlockEvicted {
+            replica: replica(Tier::L2Nvme, 77),
+            key: key(1),
+            reason: EvictReason::Capacity as u8,
+            reserved: [0; 7],
+        }),
+    );
+    visit(
+        meta(15),
+        Message::Accessed(Accessed { namespace: 0xabc, hit_blocks: 2, count: 3 }, Records::from_slice(&keys)),
+    );
+    visit(
+        meta(16),
+        Message::DataPlaneStats(DataPlaneStats {
+            busy_ns: 1_000_000,
+            idle_ns: 2_000_000,
+            parked_ns: 97_000_000,
+            bytes_l1_to_l2: 1 << 30,
+            bytes_l2_to_l1: 1 << 29,
+            saves: 4096,
+            saves_refused: 3,
+            commits_corrupt: 0,
+            promotions: 2048,
+            demotions: 4000,
+            evictions: 100,
+            pins: 12,
+            draining: 2,
+        }),
+    );
+    visit(reply(1), Message::Attached(Attached { port: 3, depth: 256, epoch: 9, arena_region: 0, reserved: [0; 6] }));
+    visit(
         reply(6),
         Message::Error(ErrorBody {
             code: ErrorCode::StaleGeneration as u32,
@@ -155,6 +187,10 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
             failed_request: 6,
             detail: text_field::<48>("sample", "slot 77 generation 3 is gone").unwrap_or([0; 48]),
         }),
+    );
+    visit(
+        meta(15),
+        Message::Resident(Resident { namespace: 0xabc, resident: 1, count: 3 }, Records::from_slice(&keys)),
     );
 }
 

@@ -1,0 +1,224 @@
+//! `lake`: the operator's command. `lake demo` runs the embedded
+//! single-node pool — control plane, data plane and engine agents in one
+//! process, nothing external — under a multi-turn agent workload, and
+//! reports hit rate, bytes per tier, tier moves and latencies.
+
+use std::process::ExitCode;
+
+use lake_cp::demo::{DemoConfig, DemoReport, Percentiles};
+
+const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [--system-blocks N]
+                 [--message-blocks N] [--reply-blocks N] [--l1-slots N] [--l2-slots N]
+                 [--seed N] [--dir DIR]
+       lake serve [--dir DIR] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
+                  [--commit-check inline|background|trust] [--transport-listen IP:PORT]
+                  [--node N] [--transport-peer NODE=IP:PORT ...]
+                  (the embedded pool for engines in other processes, until SIGTERM/SIGINT)";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("demo") => match demo(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lake demo: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Some("serve") => match serve(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lake serve: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Some("help" | "--help" | "-h") => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn demo(args: &[String]) -> Result<(), String> {
+    let mut config = DemoConfig::default();
+    let mut iter = args.iter();
+    while let Some(flag) = iter.next() {
+        let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let number = || value.parse::<u32>().map_err(|e| format!("{flag} {value}: {e}"));
+        match flag.as_str() {
+            "--sessions" => config.sessions = number()?,
+            "--turns" => config.turns = number()?,
+            "--engines" => config.engines = number()?,
+            "--system-blocks" => config.system_blocks = number()?,
+            "--message-blocks" => config.message_blocks = number()?,
+            "--reply-blocks" => config.reply_blocks = number()?,
+            "--l1-slots" => config.l1_slots = number()?,
+            "--l2-slots" => config.l2_slots_per_file = number()?,
+            "--seed" => config.seed = value.parse().map_err(|e| format!("{flag} {value}: {e}"))?,
+            "--dir" => config.dir = value.into(),
+            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
+        }
+    }
+    println!(
+        "lake demo: one process — lake-cp, lake-dp (L1 in /dev/shm, L2 files in {}), {} engine agents; \
+         {} conversations x {} turns sharing a {}-block system prompt",
+        config.dir.display(),
+        config.engines,
+        config.sessions,
+        config.turns,
+        config.system_blocks
+    );
+    let report = lake_cp::demo::run(&config, &mut std::io::stdout())?;
+    print_report(&report);
+    if report.mismatches > 0 {
+        return Err(format!("{} payloads differed from the model's", report.mismatches));
+    }
+    Ok(())
+}
+
+fn serve(args: &[String]) -> Result<(), String> {
+    use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+    // Before any thread starts: the pool's threads inherit the blocked
+    // signals, and this one takes them.
+    let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
+    let mut config = EmbeddedConfig {
+        dir: std::env::temp_dir().join(format!("lake-serve-{}", std::process::id())),
+        block_bytes: 64 * 1024,
+        l1_slots: 1024,
+        l2_slots_per_file: 4096,
+        local_agents: 0,
+        remote_agents: 16,
+        tiers: lake_cp::tier::TierConfig::default(),
+        metrics: true,
+        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
+        transport_listen: None,
+        transport_peers: Vec::new(),
+        node: 0,
+    };
+    let mut iter = args.iter();
+    while let Some(flag) = iter.next() {
+        let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let number = || value.parse::<u64>().map_err(|e| format!("{flag} {value}: {e}"));
+        let small = || u32::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"));
+        match flag.as_str() {
+            "--dir" => config.dir = value.into(),
+            "--block-bytes" => config.block_bytes = number()?,
+            "--l1-slots" => config.l1_slots = small()?,
+            "--l2-slots" => config.l2_slots_per_file = small()?,
+            "--agents" => config.remote_agents = small()?,
+            "--node" => config.node = small()?,
+            "--transport-peer" => {
+                let (node, address) = value.split_once('=').ok_or_else(|| format!("{flag} {value}: NODE=IP:PORT"))?;
+                let node = node.parse().map_err(|e| format!("{flag} {value}: node: {e}"))?;
+                let address = address.parse().map_err(|e| format!("{flag} {value}: address: {e}"))?;
+                config.transport_peers.push((node, address));
+            }
+            "--transport-listen" => {
+                config.transport_listen = Some(value.parse().map_err(|e| format!("{flag} {value}: {e}"))?);
+            }
+            "--commit-check" => {
+                use lake_dp::runner::pool::CommitCheck;
+                config.commit_check = match value.as_str() {
+                    "inline" => CommitCheck::Inline,
+                    "background" => CommitCheck::Background,
+                    "trust" => CommitCheck::Trust,
+                    other => return Err(format!("--commit-check is inline, background or trust, not {other}")),
+                }
+            }
+            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
+        }
+    }
+    let pool = EmbeddedPool::start(&config)?;
+    println!(
+        "{{\"event\":\"serving\",\"dp_socket\":\"{}\",\"cp_socket\":\"{}\",\"mirror\":\"{}\",\"metrics\":\"{}\",\
+         \"block_bytes\":{}}}",
+        pool.dp_socket.display(),
+        pool.cp_socket.display(),
+        pool.mirror.display(),
+        pool.metrics.map_or_else(String::new, |a| a.to_string()),
+        config.block_bytes
+    );
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    while signals.take().is_none() {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let (stats, _) = pool.stop()?;
+    println!(
+        "{{\"event\":\"stopped\",\"agents_attached\":{},\"saves\":{},\"promotions\":{},\"demotions\":{}}}",
+        stats.agents_attached, stats.pool.saves, stats.pool.promotions, stats.pool.demotions
+    );
+    Ok(())
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn print_report(r: &DemoReport) {
+    let mib = |bytes: u64| bytes as f64 / f64::from(1 << 20);
+    let p = |x: &Percentiles| format!("p50 {:.1} µs, p90 {:.1}, p99 {:.1}, max {:.1}", x.p50, x.p90, x.p99, x.max);
+    let dp = &r.data_plane;
+    println!();
+    println!("turns              {} in {:.1} s", r.turns, r.seconds);
+    println!(
+        "hit rate           {:.1}% of {} prompt blocks served from the pool ({} from L1, {} promoted from L2); \
+         {} looked-up blocks recomputed",
+        100.0 * r.hit_rate(),
+        r.blocks_requested,
+        r.served_l1,
+        r.served_l2,
+        r.fetch_failures
+    );
+    println!("integrity          {} payload mismatches (every served block compared)", r.mismatches);
+    println!(
+        "saves              {} blocks saved, {} skipped ({} KiB each)",
+        r.saves.0,
+        r.saves.1,
+        r.block_bytes / 1024
+    );
+    for (name, usage) in ["L1", "L2"].iter().zip(&r.tiers) {
+        println!(
+            "{name} now            {:.1} of {:.1} MiB ({} blocks)",
+            mib(usage.bytes),
+            mib(usage.capacity_bytes),
+            usage.blocks
+        );
+    }
+    println!(
+        "tier moves         {} demoted L1->L2, {} dropped from L1, {} dropped from L2; {} promoted L2->L1",
+        r.moves.0, r.moves.1, r.moves.2, dp.pool.promotions
+    );
+    println!("bytes moved        {:.1} MiB L1->L2, {:.1} MiB L2->L1", mib(dp.pool.bytes_down), mib(dp.pool.bytes_up));
+    println!("lookup (mirror)    {}", p(&r.lookup_us));
+    println!("fetch per request  {}", p(&r.fetch_us));
+    println!("save per request   {}", p(&r.save_us));
+    #[allow(clippy::cast_precision_loss)]
+    let busy = dp.busy_ns as f64 / (dp.busy_ns + dp.idle_ns + dp.parked_ns).max(1) as f64;
+    println!("lake-dp            {:.1}% of its loop busy, {} parks", 100.0 * busy, dp.parks);
+    if let Some(address) = r.metrics {
+        println!("metrics            http://{address}/metrics served {} lines while the pool ran", r.metrics_lines);
+    }
+    println!(
+        "{{\"turns\":{},\"blocks_requested\":{},\"blocks_served\":{},\"hit_rate\":{:.4},\"mismatches\":{},\
+         \"demotions\":{},\"promotions\":{},\"l1_bytes\":{},\"l2_bytes\":{},\"lookup_p50_us\":{:.2},\
+         \"lookup_p99_us\":{:.2},\"fetch_p50_us\":{:.1},\"fetch_p99_us\":{:.1},\"save_p50_us\":{:.1},\
+         \"save_p99_us\":{:.1},\"seconds\":{:.2}}}",
+        r.turns,
+        r.blocks_requested,
+        r.blocks_served,
+        r.hit_rate(),
+        r.mismatches,
+        r.moves.0,
+        dp.pool.promotions,
+        r.tiers[0].bytes,
+        r.tiers[1].bytes,
+        r.lookup_us.p50,
+        r.lookup_us.p99,
+        r.fetch_us.p50,
+        r.fetch_us.p99,
+        r.save_us.p50,
+        r.save_us.p99,
+        r.seconds
+    );
+}

@@ -1,0 +1,294 @@
+//! The embedded single-node pool: `lake-cp` (server, tier manager, mirror,
+//! metrics) and a `lake-dp` runner (L1 arena in /dev/shm, L2 files in a
+//! directory, the attach socket for engines in other processes, and
+//! in-process agent ports if asked), each on its own thread of this
+//! process, with nothing external. `lake demo` drives one; `lake serve`
+//! runs one until stopped.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lake_dp::NodeId;
+use lake_dp::Tier;
+use lake_dp::agent::port::{AgentPort, port};
+use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
+use lake_dp::runner::config::RunnerConfig;
+use lake_dp::runner::os::Wakeup;
+use lake_dp::runner::{RunnerError, RunnerOptions, RunnerPorts, RunnerStats, run_with};
+
+use crate::node::Node;
+use crate::server::Server;
+use crate::tier::TierConfig;
+
+/// What the embedded pool is made of.
+#[derive(Clone, Debug)]
+pub struct EmbeddedConfig {
+    /// Where the L2 files and the sockets go (created; removed at stop).
+    pub dir: PathBuf,
+    /// Payload bytes of a block (the L1 slot and L2 slot add their header).
+    pub block_bytes: u64,
+    /// L1 slots.
+    pub l1_slots: u32,
+    /// L2 slots per file (two files).
+    pub l2_slots_per_file: u32,
+    /// In-process agent ports to make (for engines in this process).
+    pub local_agents: u32,
+    /// Ports for engines in other processes (on the attach socket).
+    pub remote_agents: u32,
+    /// The tier manager's settings.
+    pub tiers: TierConfig,
+    /// Serve `/metrics` on a local port.
+    pub metrics: bool,
+    /// How the data plane checks a commit's payload against the CRCs the
+    /// agent wrote (readers check every segment whatever this is).
+    pub commit_check: lake_dp::runner::pool::CommitCheck,
+    /// Where the data plane's transport listens for blocks peers send into
+    /// its L1 (P→D, replication); none: it takes none.
+    pub transport_listen: Option<std::net::SocketAddr>,
+    /// The nodes its transport sends to (copies `lake-cp` asks for):
+    /// node id and address.
+    pub transport_peers: Vec<(u32, std::net::SocketAddr)>,
+    /// This node's id (a pool of several nodes gives each its own).
+    pub node: u32,
+}
+
+/// Gauges the control plane thread updates after every pass.
+#[derive(Debug, Default)]
+pub struct Gauges {
+    /// L1 bytes held.
+    pub l1_bytes: AtomicU64,
+    /// L2 bytes held.
+    pub l2_bytes: AtomicU64,
+    /// Demotions asked so far.
+    pub demotions: AtomicU64,
+    /// Copies to other nodes that landed there.
+    pub copies_landed: AtomicU64,
+}
+
+/// A copy to another node asked of the control plane's thread, and where
+/// its request id (or why not) goes.
+type CpRequest = (
+    lake_dp::BlockKey,
+    lake_dp::model::replica::ReplicaWire,
+    lake_dp::Priority,
+    std::sync::mpsc::SyncSender<Result<u64, String>>,
+);
+
+/// A running embedded pool.
+#[derive(Debug)]
+pub struct EmbeddedPool {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// The L1 arena's path.
+    pub arena: PathBuf,
+    /// The mirror's path.
+    pub mirror: PathBuf,
+    /// `lake-cp`'s socket (leases, access reports).
+    pub cp_socket: PathBuf,
+    /// `lake-dp`'s attach socket (engines in other processes).
+    pub dp_socket: PathBuf,
+    /// `/metrics`, if served.
+    pub metrics: Option<std::net::SocketAddr>,
+    /// The agents' ends of the in-process ports, to take.
+    pub local_ports: Vec<AgentPort>,
+    /// Live gauges.
+    pub gauges: Arc<Gauges>,
+    stop_cp: Arc<AtomicBool>,
+    stop_dp: Arc<AtomicBool>,
+    /// Requests for the control plane's thread (copies to other nodes).
+    requests: std::sync::mpsc::Sender<CpRequest>,
+    cp: Option<JoinHandle<Result<Server, String>>>,
+    dp: Option<JoinHandle<Result<RunnerStats, RunnerError>>>,
+}
+
+fn runner_config(config: &EmbeddedConfig, arena: &Path, cp: &Path, dp: &Path) -> Result<RunnerConfig, String> {
+    let slot_bytes = lake_dp::stored::object_bytes(config.block_bytes);
+    RunnerConfig::parse(&format!(
+        r#"
+[node]
+id = {node}
+
+[l1]
+path = "{arena}"
+classes = [{{ payload_bytes = {payload}, slots = {l1} }}]
+lock = false
+agents_max = {agents}
+
+[l2]
+paths = ["{dir}/l2-0.lake", "{dir}/l2-1.lake"]
+slots_per_file = {l2}
+slot_bytes = {slot_bytes}
+format_if_missing = true
+queue_depth = 32
+
+[poller]
+ops_max = 64
+batch_max = 32
+park_max_ms = 20
+
+[cp]
+socket = "{cp}"
+
+[agents]
+socket = "{dp}"
+ports = {remote}
+"#,
+        arena = arena.display(),
+        dir = config.dir.display(),
+        cp = cp.display(),
+        dp = dp.display(),
+        node = config.node,
+        payload = config.block_bytes,
+        l1 = config.l1_slots,
+        l2 = config.l2_slots_per_file,
+        agents = (config.local_agents + config.remote_agents + 2).min(1024),
+        remote = config.remote_agents.clamp(1, 1024),
+    ))
+    .map_err(|e| e.to_string())
+}
+
+impl EmbeddedPool {
+    /// Starts the pool; returns once engines can attach.
+    pub fn start(config: &EmbeddedConfig) -> Result<Self, String> {
+        static POOLS: AtomicU64 = AtomicU64::new(0);
+        let unique = format!("{}-{}", std::process::id(), POOLS.fetch_add(1, Ordering::Relaxed));
+        let arena = PathBuf::from(format!("/dev/shm/lake-l1-{unique}"));
+        let mirror = PathBuf::from(format!("/dev/shm/lake-mirror-{unique}"));
+        std::fs::create_dir_all(&config.dir).map_err(|e| format!("{}: {e}", config.dir.display()))?;
+        let cp_socket = config.dir.join("cp.sock");
+        let dp_socket = config.dir.join("dp.sock");
+        let entries = u64::from(config.l1_slots) + 2 * u64::from(config.l2_slots_per_file);
+        let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
+            .map_err(|e| format!("mirror: {e}"))?;
+        config.tiers.validate()?;
+        let node = Node::new(NodeId(config.node), 1, Some(writer)).with_tiers(config.tiers.clone());
+        let mut server = Server::bind(&cp_socket, node, 1).map_err(|e| format!("{}: {e}", cp_socket.display()))?;
+        let metrics = if config.metrics {
+            Some(server.serve_metrics("127.0.0.1:0".parse().map_err(|_| "address")?).map_err(|e| e.to_string())?)
+        } else {
+            None
+        };
+        let gauges = Arc::new(Gauges::default());
+        let stop_cp = Arc::new(AtomicBool::new(false));
+        let (requests, asked) = std::sync::mpsc::channel::<CpRequest>();
+        let cp = {
+            let (gauges, stop) = (Arc::clone(&gauges), Arc::clone(&stop_cp));
+            std::thread::Builder::new()
+                .name("lake-cp".into())
+                .spawn(move || -> Result<Server, String> {
+                    while !stop.load(Ordering::Acquire) {
+                        while let Ok((key, to, priority, reply)) = asked.try_recv() {
+                            let _ =
+                                reply.send(server.node_mut().copy_to(&key, to, priority).map_err(|e| e.to_string()));
+                        }
+                        server.poll_once(Some(Duration::from_millis(2))).map_err(|e| format!("lake-cp: {e}"))?;
+                        let node = server.node();
+                        gauges.l1_bytes.store(node.tiers.usage(Tier::L1Dram).bytes, Ordering::Relaxed);
+                        gauges.l2_bytes.store(node.tiers.usage(Tier::L2Nvme).bytes, Ordering::Relaxed);
+                        gauges.demotions.store(node.tiers.counters.demotions, Ordering::Relaxed);
+                        gauges.copies_landed.store(node.copies_landed, Ordering::Relaxed);
+                    }
+                    Ok(server)
+                })
+                .map_err(|e| e.to_string())?
+        };
+        let wakeup = Arc::new(Wakeup::new().map_err(|e| format!("eventfd: {e}"))?);
+        let mut local_ports = Vec::new();
+        let mut dp_ports = Vec::new();
+        for _ in 0..config.local_agents {
+            let (agent_port, dp_port) = port(256, Arc::clone(&wakeup));
+            local_ports.push(agent_port);
+            dp_ports.push(dp_port);
+        }
+        let stop_dp = Arc::new(AtomicBool::new(false));
+        let runner = runner_config(config, &arena, &cp_socket, &dp_socket)?;
+        let ports = RunnerPorts {
+            agents: dp_ports,
+            wakeup: Some(wakeup),
+            stop: Some(Arc::clone(&stop_dp)),
+            commit_check: config.commit_check,
+            transport_listen: config.transport_listen,
+            transport_peers: config.transport_peers.clone(),
+        };
+        let dp = std::thread::Builder::new()
+            .name("lake-dp".into())
+            .spawn(move || run_with(&runner, &RunnerOptions::default(), ports, &mut std::io::sink()))
+            .map_err(|e| e.to_string())?;
+        let mut pool = Self {
+            dir: config.dir.clone(),
+            arena,
+            mirror,
+            cp_socket,
+            dp_socket,
+            metrics,
+            local_ports,
+            gauges,
+            stop_cp,
+            stop_dp,
+            requests,
+            cp: Some(cp),
+            dp: Some(dp),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::fs::metadata(&pool.dp_socket).is_err() {
+            if pool.dp.as_ref().is_some_and(JoinHandle::is_finished) || Instant::now() > deadline {
+                let why = match pool.dp.take().map(JoinHandle::join) {
+                    Some(Ok(Err(e))) => e.to_string(),
+                    _ => "the data plane did not start".to_owned(),
+                };
+                return Err(why);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(pool)
+    }
+
+    /// Asks this node to copy block `key` (its L1 replica) into any slot of
+    /// another node's L1 `to` (node, region, epoch; see
+    /// [`Node::copy_to`]); returns the request id.
+    pub fn copy_to(
+        &self,
+        key: &lake_dp::BlockKey,
+        to: lake_dp::model::replica::ReplicaWire,
+        priority: lake_dp::Priority,
+    ) -> Result<u64, String> {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.requests.send((*key, to, priority, reply)).map_err(|_| "the control plane stopped".to_owned())?;
+        answer.recv_timeout(Duration::from_secs(10)).map_err(|_| "the control plane did not answer".to_owned())?
+    }
+
+    /// Stops the data plane (drained, flushed, clean) then the control
+    /// plane; returns their final state. Files are removed.
+    pub fn stop(mut self) -> Result<(RunnerStats, Server), String> {
+        self.stop_dp.store(true, Ordering::Release);
+        let stats = match self.dp.take().map(JoinHandle::join) {
+            Some(Ok(result)) => result.map_err(|e| e.to_string())?,
+            _ => return Err("the data plane panicked".into()),
+        };
+        self.stop_cp.store(true, Ordering::Release);
+        let server = match self.cp.take().map(JoinHandle::join) {
+            Some(Ok(result)) => result?,
+            _ => return Err("the control plane panicked".into()),
+        };
+        Ok((stats, server))
+    }
+}
+
+impl Drop for EmbeddedPool {
+    fn drop(&mut self) {
+        self.stop_dp.store(true, Ordering::Release);
+        if let Some(dp) = self.dp.take() {
+            let _ = dp.join();
+        }
+        self.stop_cp.store(true, Ordering::Release);
+        if let Some(cp) = self.cp.take() {
+            let _ = cp.join();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.arena);
+        let _ = std::fs::remove_file(&self.mirror);
+    }
+}

@@ -1,0 +1,286 @@
+//! The Prometheus text endpoint: `GET /metrics` on a TCP port, served from
+//! the same event loop as the protocol (no thread of its own). One request
+//! per connection; anything but `GET /metrics` gets 404, a request larger
+//! than 8 KiB or slower than the loop's patience is dropped.
+
+use std::fmt::Write as _;
+
+use crate::node::Node;
+use crate::server::ServerCounters;
+
+/// Bytes of request a client may send before it is dropped.
+pub const REQUEST_BYTES_MAX: usize = 8 << 10;
+
+/// What a request gets: the whole response.
+pub fn respond(request: &[u8], body: impl FnOnce() -> String) -> Option<Vec<u8>> {
+    let end = request.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&request[..end]).ok();
+    let line = head.and_then(|h| h.lines().next()).unwrap_or("");
+    let mut words = line.split_whitespace();
+    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    let (status, content_type, body) = if method == "GET" && (path == "/metrics" || path.starts_with("/metrics?")) {
+        ("200 OK", "text/plain; version=0.0.4; charset=utf-8", body())
+    } else if method == "GET" && path == "/healthz" {
+        ("200 OK", "text/plain; charset=utf-8", "ok\n".to_owned())
+    } else {
+        ("404 Not Found", "text/plain; charset=utf-8", "only GET /metrics and GET /healthz\n".to_owned())
+    };
+    let mut out = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    out.push_str(&body);
+    Some(out.into_bytes())
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+    for (labels, value) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {value}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    }
+}
+
+/// The exposition of the node and the server.
+pub fn render(node: &Node, server: &ServerCounters) -> String {
+    let mut out = String::new();
+    let c = node.counters;
+    metric(
+        &mut out,
+        "lake_cp_blocks",
+        "gauge",
+        "Blocks in the radix index.",
+        &[("", node.locations.index.len() as u64)],
+    );
+    metric(
+        &mut out,
+        "lake_cp_replica_reports_total",
+        "counter",
+        "Replica reports from lake-dp, by kind.",
+        &[("kind=\"committed\"", c.committed), ("kind=\"readopted\"", c.readopted), ("kind=\"evicted\"", c.evicted)],
+    );
+    metric(
+        &mut out,
+        "lake_cp_reports_refused_total",
+        "counter",
+        "Reports refused (stale epoch, unknown region, ...).",
+        &[("", c.refused)],
+    );
+    metric(&mut out, "lake_cp_regions_registered_total", "counter", "Region registrations.", &[("", c.regions)]);
+    metric(
+        &mut out,
+        "lake_cp_blocks_waiting",
+        "gauge",
+        "Reported blocks waiting for their parent.",
+        &[("", node.waiting() as u64)],
+    );
+    metric(
+        &mut out,
+        "lake_cp_mirror_skipped_total",
+        "counter",
+        "Mirror updates not written.",
+        &[("", c.mirror_skipped)],
+    );
+    if let Some(mirror) = node.mirror() {
+        metric(
+            &mut out,
+            "lake_cp_mirror_entries",
+            "gauge",
+            "Live entries in the shared-memory mirror.",
+            &[("", mirror.live())],
+        );
+        metric(
+            &mut out,
+            "lake_cp_mirror_max_probe",
+            "gauge",
+            "Longest probe a mirror entry needs.",
+            &[("", u64::from(mirror.max_probe()))],
+        );
+    }
+    tier_metrics(&mut out, node);
+    metric(&mut out, "lake_cp_lookups_total", "counter", "Lookups agents reported.", &[("", c.accesses)]);
+    metric(
+        &mut out,
+        "lake_cp_lookup_blocks_total",
+        "counter",
+        "Blocks looked up, by outcome.",
+        &[("result=\"hit\"", c.hit_blocks), ("result=\"miss\"", c.requested_blocks.saturating_sub(c.hit_blocks))],
+    );
+    metric(&mut out, "lake_cp_leases", "gauge", "Leases held now.", &[("", node.leases.len() as u64)]);
+    metric(
+        &mut out,
+        "lake_l0_blocks",
+        "gauge",
+        "Blocks engines report holding in their own GPU memory (advisory L0).",
+        &[("", node.l0.blocks() as u64)],
+    );
+    metric(&mut out, "lake_l0_engines", "gauge", "Engines reporting L0 blocks.", &[("", node.l0.engines() as u64)]);
+    metric(&mut out, "lake_l0_reports_total", "counter", "L0 reports applied.", &[("", node.l0.reports)]);
+    metric(
+        &mut out,
+        "lake_l0_refused_keys_total",
+        "counter",
+        "L0 keys refused: an engine reported more than its bound.",
+        &[("", node.l0.refused)],
+    );
+    metric(
+        &mut out,
+        "lake_cp_leases_total",
+        "counter",
+        "Leases granted, and ended at their deadline.",
+        &[("event=\"granted\"", node.leases.granted), ("event=\"expired\"", node.leases.expired)],
+    );
+    if let Some(dp) = &node.data_plane {
+        data_plane_metrics(&mut out, dp);
+    }
+    metric(
+        &mut out,
+        "lake_cp_connections_accepted_total",
+        "counter",
+        "lake-dp connections accepted.",
+        &[("", server.accepted)],
+    );
+    metric(
+        &mut out,
+        "lake_cp_connections_closed_total",
+        "counter",
+        "lake-dp connections closed.",
+        &[("", server.closed)],
+    );
+    metric(&mut out, "lake_cp_frames_total", "counter", "Frames applied.", &[("", server.frames)]);
+    metric(
+        &mut out,
+        "lake_cp_bad_frames_total",
+        "counter",
+        "Connections closed for a malformed frame.",
+        &[("", server.bad_frames)],
+    );
+    out
+}
+
+fn as_refs(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
+    samples.iter().map(|(label, value)| (label.as_str(), *value)).collect()
+}
+
+fn tier_metrics(out: &mut String, node: &Node) {
+    use lake_dp::Tier;
+    let tiers = [("L1", Tier::L1Dram), ("L2", Tier::L2Nvme)];
+    let usage: Vec<(String, crate::tier::TierUsage)> =
+        tiers.iter().map(|(name, tier)| (format!("tier=\"{name}\""), node.tiers.usage(*tier))).collect();
+    let samples = |f: fn(&crate::tier::TierUsage) -> u64| -> Vec<(String, u64)> {
+        usage.iter().map(|(label, u)| (label.clone(), f(u))).collect()
+    };
+    let bytes = samples(|u| u.bytes);
+    metric(out, "lake_tier_bytes", "gauge", "Bytes held per tier (slots in use).", &as_refs(&bytes));
+    let blocks = samples(|u| u.blocks);
+    metric(out, "lake_tier_blocks", "gauge", "Blocks held per tier.", &as_refs(&blocks));
+    let capacity = samples(|u| u.capacity_bytes);
+    metric(out, "lake_tier_capacity_bytes", "gauge", "Bytes each tier is kept under.", &as_refs(&capacity));
+    let t = node.tiers.counters;
+    metric(
+        out,
+        "lake_tier_moves_total",
+        "counter",
+        "Tier moves asked of the data plane.",
+        &[
+            ("move=\"demote_l1_l2\"", t.demotions),
+            ("move=\"drop_l1\"", t.drops[Tier::L1Dram as usize]),
+            ("move=\"drop_l2\"", t.drops[Tier::L2Nvme as usize]),
+        ],
+    );
+    metric(
+        out,
+        "lake_tier_admission_refused_total",
+        "counter",
+        "L1 victims dropped because L2's policy would not admit them.",
+        &[("", t.admission_refused)],
+    );
+    metric(
+        out,
+        "lake_tier_leased_kept_total",
+        "counter",
+        "Eviction candidates passed over because a lease held them.",
+        &[("", t.leased_kept)],
+    );
+    metric(
+        out,
+        "lake_tier_commands_failed_total",
+        "counter",
+        "Tier commands that failed or timed out.",
+        &[("", t.failed)],
+    );
+    metric(
+        out,
+        "lake_tier_commands_pending",
+        "gauge",
+        "Tier commands in flight.",
+        &[("", node.tiers.pending() as u64)],
+    );
+}
+
+fn data_plane_metrics(out: &mut String, dp: &lake_dp::wire::message::DataPlaneStats) {
+    metric(
+        out,
+        "lake_dp_poller_ns_total",
+        "counter",
+        "Poll-loop time by state, in nanoseconds.",
+        &[("state=\"busy\"", dp.busy_ns), ("state=\"idle\"", dp.idle_ns), ("state=\"parked\"", dp.parked_ns)],
+    );
+    metric(
+        out,
+        "lake_dp_path_bytes_total",
+        "counter",
+        "Bytes moved per path.",
+        &[("path=\"l1_to_l2\"", dp.bytes_l1_to_l2), ("path=\"l2_to_l1\"", dp.bytes_l2_to_l1)],
+    );
+    metric(
+        out,
+        "lake_dp_blocks_total",
+        "counter",
+        "Blocks handled by the data plane, by event.",
+        &[
+            ("event=\"saved\"", dp.saves),
+            ("event=\"save_refused\"", dp.saves_refused),
+            ("event=\"commit_corrupt\"", dp.commits_corrupt),
+            ("event=\"promoted\"", dp.promotions),
+            ("event=\"demoted\"", dp.demotions),
+            ("event=\"evicted\"", dp.evictions),
+        ],
+    );
+    metric(out, "lake_dp_pins", "gauge", "Pins agents hold on L1 slots.", &[("", u64::from(dp.pins))]);
+    metric(out, "lake_dp_slots_draining", "gauge", "Retired L1 slots still pinned.", &[("", u64::from(dp.draining))]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_whole_get_requests_for_known_paths_are_answered() {
+        assert_eq!(respond(b"GET /metrics HTTP/1.1\r\nHost: x\r\n", String::new), None, "not whole yet");
+        let ok = String::from_utf8(respond(b"GET /metrics HTTP/1.1\r\n\r\n", || "a 1\n".to_owned()).unwrap()).unwrap();
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.ends_with("\r\n\r\na 1\n"), "{ok}");
+        assert!(ok.contains("Content-Length: 4\r\n"));
+        let missing = String::from_utf8(respond(b"POST /metrics HTTP/1.1\r\n\r\n", String::new).unwrap()).unwrap();
+        assert!(missing.starts_with("HTTP/1.1 404"));
+        let junk = String::from_utf8(respond(b"\xff\xfe\r\n\r\n", String::new).unwrap()).unwrap();
+        assert!(junk.starts_with("HTTP/1.1 404"));
+    }
+
+    #[test]
+    fn the_exposition_is_prometheus_text() {
+        let node = Node::new(lake_dp::NodeId(0), 1, None);
+        let text = render(&node, &ServerCounters::default());
+        for line in text.lines() {
+            assert!(
+                line.starts_with("# HELP lake_") || line.starts_with("# TYPE lake_") || line.starts_with("lake_"),
+                "{line}"
+            );
+        }
+        assert!(text.contains("lake_cp_replica_reports_total{kind=\"committed\"} 0\n"));
+    }
+}

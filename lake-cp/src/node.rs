@@ -1,0 +1,625 @@
+//! The node authority: what this node's `lake-dp`s report — regions,
+//! blocks written, blocks re-adopted after a restart, blocks evicted — is
+//! applied to the location view, and every block whose ready replicas
+//! changed is republished in the shared-memory mirror.
+//!
+//! A re-adopted block whose parent is not known yet (a `lake-dp`
+//! re-adopts its files in disk order, not prefix order) waits under its
+//! parent's key, in a bounded set, and is applied as soon as the parent
+//! is. One whose parent never comes (it was evicted before the restart)
+//! is applied as a root of its own after [`ORPHAN_WAIT_NS`]; so is a
+//! committed block whose parent was evicted while it was being saved. A
+//! block the data plane holds is never left unknown to the control plane:
+//! that would hold its slot forever.
+
+use std::collections::HashMap;
+
+use lake_dp::mirror::{MirrorEntry, MirrorError, MirrorWriter, RegionRecord};
+use lake_dp::model::replica::ReplicaWire;
+use lake_dp::wire::message::{BlockEvicted, BlockRecord, RegisterRegion, Transfer};
+use lake_dp::wire::{Message, MessageKind};
+use lake_dp::{BlockKey, NodeId, ObjectKind, Priority, RegionId, Replica, Tier};
+
+use crate::index::IndexError;
+use crate::lease::Leases;
+use crate::location::{LocationError, Locations};
+use crate::tier::{TierAction, TierCommand, TierConfig, Tiers};
+
+/// Request ids of copies to other nodes ([`Node::copy_to`]): apart from
+/// the tier manager's.
+const COPY_REQUESTS: u64 = 1 << 62;
+
+/// Blocks that may wait for their parent at once; beyond that the oldest
+/// waiting ones are applied as roots (and counted).
+pub const PENDING_MAX: usize = 1 << 16;
+
+/// How long a re-adopted block waits for its parent before it is applied
+/// as a root of its own.
+pub const ORPHAN_WAIT_NS: u64 = 2_000_000_000;
+
+/// Why a report was not applied. The connection stays up: the report is
+/// dropped and counted; only malformed frames close a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeError {
+    /// The location view refused (stale epoch, unknown region, ...).
+    Location(LocationError),
+    /// A message a `lake-dp` does not send.
+    Unexpected(MessageKind),
+    /// A field out of its domain (the wire checks most; this is the rest).
+    Field(&'static str),
+}
+
+impl core::fmt::Display for NodeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Location(e) => write!(f, "{e}"),
+            Self::Unexpected(kind) => write!(f, "node: {kind:?} is not expected from this peer"),
+            Self::Field(field) => write!(f, "node: {field}"),
+        }
+    }
+}
+
+impl std::error::Error for NodeError {}
+
+impl From<LocationError> for NodeError {
+    fn from(e: LocationError) -> Self {
+        Self::Location(e)
+    }
+}
+
+/// What the node has done, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeCounters {
+    /// Regions registered (again after a restart included).
+    pub regions: u64,
+    /// Replicas committed by a `lake-dp`.
+    pub committed: u64,
+    /// Replicas re-adopted from disk.
+    pub readopted: u64,
+    /// Replicas evicted.
+    pub evicted: u64,
+    /// Reports refused (stale epoch, unknown region, ...).
+    pub refused: u64,
+    /// Blocks that waited for their parent.
+    pub waited: u64,
+    /// Blocks applied as roots because their parent was gone (or too
+    /// many waited).
+    pub rooted: u64,
+    /// Mirror entries refused or not written (table full, region id too
+    /// large for the mirror).
+    pub mirror_skipped: u64,
+    /// Requests agents reported (lookups).
+    pub accesses: u64,
+    /// Blocks those requests asked for.
+    pub requested_blocks: u64,
+    /// Blocks of them that were a cached prefix (hits).
+    pub hit_blocks: u64,
+}
+
+/// The node authority. See the module docs.
+#[derive(Debug)]
+pub struct Node {
+    /// The location view.
+    pub locations: Locations,
+    mirror: Option<MirrorWriter>,
+    node: NodeId,
+    /// Blocks waiting for their parent, by the parent's key.
+    waiting: HashMap<BlockKey, Vec<(BlockRecord, bool)>>,
+    waiting_count: usize,
+    /// Parents waited for, oldest first, with when the wait began.
+    waiting_order: std::collections::VecDeque<(BlockKey, u64)>,
+    /// The time of the latest planning pass (Unix ns).
+    now_ns: u64,
+    /// What it has done.
+    pub counters: NodeCounters,
+    /// Leases granted to readers.
+    pub leases: Leases,
+    /// Placement and eviction across the tiers.
+    pub tiers: Tiers,
+    /// Keys of an access report, reused.
+    scratch: Vec<BlockKey>,
+    /// The latest figures the data plane sent.
+    pub data_plane: Option<lake_dp::wire::message::DataPlaneStats>,
+    /// Copies to other nodes asked and not yet sent to `lake-dp`.
+    copies: Vec<TierCommand>,
+    copy_requests: u64,
+    /// Copies to other nodes that landed there, and that failed.
+    pub copies_landed: u64,
+    /// See `copies_landed`.
+    pub copies_failed: u64,
+    /// Blocks engines hold in their own GPU memory (advisory L0).
+    pub l0: crate::l0::L0,
+}
+
+impl Node {
+    /// The authority for `node` at `term`, publishing into `mirror` if
+    /// given.
+    pub fn new(node: NodeId, term: u64, mirror: Option<MirrorWriter>) -> Self {
+        Self {
+            locations: Locations::new(term),
+            mirror,
+            node,
+            waiting: HashMap::new(),
+            waiting_count: 0,
+            waiting_order: std::collections::VecDeque::new(),
+            now_ns: 0,
+            counters: NodeCounters::default(),
+            leases: Leases::new(),
+            tiers: Tiers::new(TierConfig::default()),
+            scratch: Vec::new(),
+            l0: crate::l0::L0::default(),
+            data_plane: None,
+            copies: Vec::new(),
+            copy_requests: 0,
+            copies_landed: 0,
+            copies_failed: 0,
+        }
+    }
+
+    /// Manages the tiers under `config` from now on (call before any
+    /// region registers).
+    pub fn with_tiers(mut self, config: TierConfig) -> Self {
+        self.tiers = Tiers::new(config);
+        self
+    }
+
+    /// One planning pass of the tier manager (see [`Tiers::plan`]): the
+    /// moves and evictions to send, appended to `out`.
+    pub fn plan(&mut self, now_ns: u64, out: &mut Vec<TierCommand>) {
+        self.now_ns = now_ns;
+        out.append(&mut self.copies);
+        self.root_orphans(|since| since.saturating_add(ORPHAN_WAIT_NS) < now_ns);
+        self.tiers.plan(&self.locations, &self.leases, now_ns, out);
+    }
+
+    /// Applies as roots the waiting blocks whose wait began when `due`
+    /// says, oldest first.
+    fn root_orphans(&mut self, mut due: impl FnMut(u64) -> bool) {
+        while let Some(&(parent, since)) = self.waiting_order.front() {
+            if !due(since) {
+                break;
+            }
+            self.waiting_order.pop_front();
+            let Some(list) = self.waiting.remove(&parent) else { continue };
+            self.waiting_count -= list.len();
+            for (block, readopted) in list {
+                self.counters.rooted += 1;
+                if self.add_as(&block, readopted, true).is_err() {
+                    self.counters.refused += 1;
+                }
+            }
+        }
+    }
+
+    /// Asks this node's `lake-dp` to copy block `key` (its ready L1
+    /// replica here) into any slot of another node's L1 (`to`: its node,
+    /// region and epoch) — replication, or a write-back elsewhere; the
+    /// copy lands there checked and is published by that node's
+    /// `lake-cp`. Sent with the next plan; returns its request id.
+    pub fn copy_to(&mut self, key: &BlockKey, to: ReplicaWire, priority: Priority) -> Result<u64, NodeError> {
+        if to.node == self.node.0 || to.tier != Tier::L1Dram as u8 {
+            return Err(NodeError::Field("copy_to: another node's L1"));
+        }
+        let source = self
+            .locations
+            .ready(key)
+            .find(|r| r.tier == Tier::L1Dram && r.node == self.node)
+            .ok_or(NodeError::Field("copy_to: no ready L1 replica here"))?;
+        self.copy_requests += 1;
+        let request = COPY_REQUESTS | self.copy_requests;
+        let target = ReplicaWire { slot: lake_dp::wire::message::SLOT_ANY, generation: 0, ..to };
+        let transfer = Transfer {
+            source: source.to_wire(),
+            target,
+            key: *key,
+            deadline_unix_ns: 0,
+            priority: priority as u8,
+            reserved: [0; 7],
+        };
+        self.copies.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
+        Ok(request)
+    }
+
+    /// The node.
+    pub fn node(&self) -> NodeId {
+        self.node
+    }
+
+    /// The mirror, if the node publishes one.
+    pub fn mirror(&self) -> Option<&MirrorWriter> {
+        self.mirror.as_ref()
+    }
+
+    /// Blocks waiting for their parent.
+    pub fn waiting(&self) -> usize {
+        self.waiting_count
+    }
+
+    /// Applies one report from a `lake-dp` (`request`: the frame's request
+    /// id; a `TransferDone` echoes the command's).
+    pub fn on_data_plane(&mut self, request: u64, message: &Message<'_>) -> Result<(), NodeError> {
+        let result = match message {
+            Message::RegisterRegion(region) => self.register(region),
+            Message::BlockCommitted(block) => self.add(block, false),
+            Message::BlockReadopted(block) => self.add(block, true),
+            Message::BlockEvicted(evicted) => self.evict(evicted),
+            Message::TransferDone(done) => {
+                if request & COPY_REQUESTS != 0 {
+                    if done.status == 0 {
+                        self.copies_landed += 1;
+                    } else {
+                        self.copies_failed += 1;
+                    }
+                } else {
+                    self.tiers.done(request, done.status == 0);
+                }
+                Ok(())
+            }
+            Message::DataPlaneStats(stats) => {
+                self.data_plane = Some(*stats);
+                Ok(())
+            }
+            other => Err(NodeError::Unexpected(other.kind())),
+        };
+        if result.is_err() {
+            self.counters.refused += 1;
+        }
+        result
+    }
+
+    /// Applies one request from an engine's agent (`peer` names its
+    /// connection; leases are idempotent per peer and request id). Returns
+    /// the lease granted, for a lease request.
+    pub fn on_agent(
+        &mut self,
+        peer: u64,
+        request: u64,
+        message: &Message<'_>,
+        now_ns: u64,
+    ) -> Result<Option<&crate::lease::Lease>, NodeError> {
+        match message {
+            Message::LeaseRequest(head, keys) => {
+                let locations = &self.locations;
+                // The fastest ready replica of each key.
+                let replica_of = |key: &BlockKey| locations.ready(key).min_by_key(|r| r.tier as u8);
+                Ok(Some(self.leases.grant(peer, request, keys.iter(), replica_of, head.ttl_ms, now_ns)))
+            }
+            Message::LeaseRelease(release) => {
+                self.leases.release(release.lease_id);
+                Ok(None)
+            }
+            Message::Resident(head, keys) => {
+                self.l0.report(peer, keys.iter(), head.resident == 1);
+                Ok(None)
+            }
+            Message::Accessed(head, keys) => {
+                self.counters.accesses += 1;
+                self.counters.requested_blocks += u64::from(head.count);
+                self.counters.hit_blocks += u64::from(head.hit_blocks);
+                self.scratch.clear();
+                self.scratch.extend(keys.iter());
+                self.tiers.accessed(head.namespace, &self.scratch);
+                Ok(None)
+            }
+            other => {
+                self.counters.refused += 1;
+                Err(NodeError::Unexpected(other.kind()))
+            }
+        }
+    }
+
+    fn register(&mut self, region: &RegisterRegion) -> Result<(), NodeError> {
+        let tier = Tier::from_u8(region.tier).ok_or(NodeError::Field("register_region.tier"))?;
+        if region.node != self.node.0 {
+            return Err(NodeError::Field("register_region.node: another node's region"));
+        }
+        self.locations.register_region(region.region, tier, self.node, region.region_epoch)?;
+        self.tiers.register(
+            region.region,
+            tier,
+            self.node.0,
+            region.region_epoch,
+            region.slot_bytes,
+            u64::from(region.slot_count),
+        );
+        self.counters.regions += 1;
+        if let (Some(mirror), Some(info)) = (&mut self.mirror, self.locations.region(region.region)) {
+            let record = RegionRecord { tier, epoch: info.epoch, epoch_tag: info.epoch_tag(), node: self.node };
+            if mirror.set_region(RegionId(region.region), &record).is_err() {
+                self.counters.mirror_skipped += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn add(&mut self, block: &BlockRecord, readopted: bool) -> Result<(), NodeError> {
+        self.add_as(block, readopted, false)
+    }
+
+    /// Adds a reported block; `as_root`: without its parent (gone).
+    fn add_as(&mut self, block: &BlockRecord, readopted: bool, as_root: bool) -> Result<(), NodeError> {
+        let replica = Replica::from_wire(&block.replica).ok_or(NodeError::Field("block.replica.tier"))?;
+        if replica.node != self.node {
+            return Err(NodeError::Field("block.replica.node: another node's replica"));
+        }
+        let kind = ObjectKind::from_u16(block.kind).ok_or(NodeError::Field("block.kind"))?;
+        let parent = (!block.parent_key.is_none() && !as_root).then_some(block.parent_key);
+        let existing = self.locations.ready(&block.key).find(|r| r.region == replica.region);
+        if let Some(existing) = existing
+            && (existing.slot, existing.generation) != (replica.slot, replica.generation)
+            && !readopted
+        {
+            // Two agents saved the same block at once: the first copy
+            // stays (readers may hold it), the second is freed.
+            self.tiers.duplicate(block.key, replica);
+            return Ok(());
+        }
+        let new = existing.is_none();
+        let result = self.locations.adopt(
+            parent,
+            block.key,
+            kind,
+            replica.region.0,
+            replica.region_epoch,
+            replica.slot,
+            replica.generation,
+        );
+        match result {
+            Ok(_) => {
+                if readopted {
+                    self.counters.readopted += 1;
+                } else {
+                    self.counters.committed += 1;
+                }
+                self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new);
+                self.publish(&block.key);
+                self.release_children(block.key);
+                Ok(())
+            }
+            Err(LocationError::Index(IndexError::NoParent)) if readopted => {
+                self.wait(block, readopted);
+                Ok(())
+            }
+            Err(LocationError::Index(IndexError::NoParent)) => {
+                // Committed after its parent was evicted: a root of its own.
+                self.counters.rooted += 1;
+                self.add_as(block, readopted, true)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn wait(&mut self, block: &BlockRecord, readopted: bool) {
+        if self.waiting_count >= PENDING_MAX {
+            // Too many wait: the oldest stop waiting.
+            let mut first = true;
+            self.root_orphans(|_| std::mem::take(&mut first));
+        }
+        let list = self.waiting.entry(block.parent_key).or_default();
+        if list.is_empty() {
+            self.waiting_order.push_back((block.parent_key, self.now_ns));
+        }
+        list.push((*block, readopted));
+        self.waiting_count += 1;
+        self.counters.waited += 1;
+    }
+
+    /// Applies the blocks that waited for `parent`, and theirs in turn.
+    fn release_children(&mut self, parent: BlockKey) {
+        let mut ready = vec![parent];
+        while let Some(key) = ready.pop() {
+            let Some(children) = self.waiting.remove(&key) else { continue };
+            self.waiting_count -= children.len();
+            for (child, readopted) in children {
+                // A refusal now (stale epoch after a restart) is counted.
+                if self.add(&child, readopted).is_err() {
+                    self.counters.refused += 1;
+                }
+                ready.push(child.key);
+            }
+        }
+    }
+
+    fn evict(&mut self, evicted: &BlockEvicted) -> Result<(), NodeError> {
+        let replica = Replica::from_wire(&evicted.replica).ok_or(NodeError::Field("evicted.replica.tier"))?;
+        let current = self.locations.ready(&evicted.key).find(|r| r.region == replica.region);
+        // Only the replica the report names: a later one in the same region
+        // (another slot or generation) stays.
+        match current {
+            Some(r) if r.slot == replica.slot && r.generation == replica.generation => {}
+            _ if self.tiers.take_duplicate(&evicted.key, &replica) => return Ok(()),
+            _ => return Err(NodeError::Location(LocationError::StaleGeneration)),
+        }
+        self.locations.remove(&evicted.key, replica.region.0)?;
+        self.tiers.removed(replica.region.0, &evicted.key);
+        self.counters.evicted += 1;
+        self.publish(&evicted.key);
+        Ok(())
+    }
+
+    /// Republishes `key` in the mirror: its fastest ready replica and every
+    /// tier holding one, or nothing if none is ready.
+    fn publish(&mut self, key: &BlockKey) {
+        let Some(mirror) = &mut self.mirror else { return };
+        let ready: Vec<Replica> = self.locations.ready(key).collect();
+        let Some(best) = ready.iter().min_by_key(|r| r.tier as u8) else {
+            mirror.remove(key);
+            return;
+        };
+        let tiers = ready.iter().fold(0u8, |bits, r| bits | 1 << (r.tier as u8));
+        let kind = self.locations.index.get(key).map_or(ObjectKind::KvBlock, |b| self.locations.index.kind(b));
+        let epoch_tag = self.locations.region(best.region.0).map_or(0, |info| info.epoch_tag());
+        let entry = MirrorEntry {
+            kind,
+            tier: best.tier,
+            tiers,
+            region: best.region,
+            epoch_tag,
+            slot: best.slot,
+            generation: best.generation,
+        };
+        match mirror.upsert(key, &entry) {
+            Ok(()) => {}
+            Err(MirrorError::Full | MirrorError::Entry(_)) => self.counters.mirror_skipped += 1,
+            Err(_) => self.counters.mirror_skipped += 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lake_dp::Durability;
+    use lake_dp::mirror::{Lookup, MirrorBacking, MirrorConfig, MirrorReader};
+    use lake_dp::model::replica::ReplicaWire;
+    use lake_dp::wire::message::BlockEvicted;
+
+    fn key(i: u8) -> BlockKey {
+        BlockKey([i; 16])
+    }
+
+    fn region(id: u16, tier: Tier, epoch: u64) -> RegisterRegion {
+        RegisterRegion {
+            region: id,
+            tier: tier as u8,
+            reserved_a: 0,
+            node: 3,
+            region_epoch: epoch,
+            slot_bytes: 65536,
+            slot_count: 64,
+            reserved_b: 0,
+            name: [0; 48],
+        }
+    }
+
+    fn block(k: u8, parent: Option<u8>, tier: Tier, region: u16, epoch: u64, slot: u32) -> BlockRecord {
+        BlockRecord {
+            replica: ReplicaWire {
+                tier: tier as u8,
+                reserved: 0,
+                region,
+                node: 3,
+                region_epoch: epoch,
+                slot,
+                generation: 7,
+            },
+            key: key(k),
+            parent_key: parent.map_or(BlockKey::NONE, key),
+            namespace: 1,
+            layout_fingerprint: 2,
+            payload_len: 4096,
+            block_index: 0,
+            kind: ObjectKind::KvBlock as u16,
+            durability: Durability::Acked as u8,
+            flags: 0,
+        }
+    }
+
+    struct Scratch(std::path::PathBuf);
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[test]
+    fn reports_reach_the_view_and_the_mirror() {
+        let scratch = Scratch(format!("/dev/shm/lake-test-node-{}", std::process::id()).into());
+        let mirror =
+            MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(scratch.0.clone()), 100)).unwrap();
+        let reader = MirrorReader::attach(&scratch.0).unwrap();
+        let mut node = Node::new(NodeId(3), 1, Some(mirror));
+        node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+        node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();
+        assert_eq!(reader.region(RegionId(2)).map(|r| r.tier), Some(Tier::L2Nvme));
+        // A child re-adopted before its parent waits, then follows it.
+        node.on_data_plane(0, &Message::BlockReadopted(block(2, Some(1), Tier::L2Nvme, 2, 5, 11))).unwrap();
+        assert_eq!(node.waiting(), 1);
+        assert_eq!(reader.get(&key(2)), Lookup::Miss);
+        node.on_data_plane(0, &Message::BlockReadopted(block(1, None, Tier::L2Nvme, 2, 5, 10))).unwrap();
+        assert_eq!(node.waiting(), 0);
+        let Lookup::Hit(entry) = reader.get(&key(2)) else { panic!("block 2 not published") };
+        assert_eq!((entry.tier, entry.slot, entry.tiers), (Tier::L2Nvme, 11, 0b100));
+        // Promoted to L1: the mirror names the faster copy, both tiers.
+        node.on_data_plane(0, &Message::BlockCommitted(block(2, Some(1), Tier::L1Dram, 1, 5, 3))).unwrap();
+        let Lookup::Hit(entry) = reader.get(&key(2)) else { panic!() };
+        assert_eq!((entry.tier, entry.slot, entry.tiers), (Tier::L1Dram, 3, 0b110));
+        // Evicted from L1: back to L2.
+        let evicted = BlockEvicted {
+            replica: block(2, Some(1), Tier::L1Dram, 1, 5, 3).replica,
+            key: key(2),
+            reason: 1,
+            reserved: [0; 7],
+        };
+        node.on_data_plane(0, &Message::BlockEvicted(evicted)).unwrap();
+        let Lookup::Hit(entry) = reader.get(&key(2)) else { panic!() };
+        assert_eq!((entry.tier, entry.slot), (Tier::L2Nvme, 11));
+        // A stale eviction (wrong slot) changes nothing.
+        let stale = BlockEvicted { replica: block(2, Some(1), Tier::L2Nvme, 2, 5, 99).replica, ..evicted };
+        assert!(node.on_data_plane(0, &Message::BlockEvicted(stale)).is_err());
+        assert!(matches!(reader.get(&key(2)), Lookup::Hit(_)));
+        // A restart: the region comes back under epoch 6; reports of epoch
+        // 5 are refused.
+        node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 6))).unwrap();
+        assert_eq!(
+            node.on_data_plane(0, &Message::BlockReadopted(block(3, Some(2), Tier::L2Nvme, 2, 5, 12))),
+            Err(NodeError::Location(LocationError::StaleEpoch))
+        );
+        assert_eq!(node.counters.readopted, 2);
+        assert_eq!(node.counters.committed, 1);
+        assert_eq!(node.counters.evicted, 1);
+        assert_eq!(node.counters.refused, 2);
+        // Another node's reports are refused.
+        let mut foreign = block(4, None, Tier::L2Nvme, 2, 6, 1);
+        foreign.replica.node = 9;
+        assert!(node.on_data_plane(0, &Message::BlockCommitted(foreign)).is_err());
+    }
+
+    #[test]
+    fn waiting_blocks_are_bounded() {
+        let mut node = Node::new(NodeId(3), 1, None);
+        node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();
+        for i in 0..PENDING_MAX + 10 {
+            let mut orphan = block(0, None, Tier::L2Nvme, 2, 5, 0);
+            let bytes = (i as u64 + 1).to_le_bytes();
+            orphan.key.0[..8].copy_from_slice(&bytes);
+            orphan.parent_key.0[..8].copy_from_slice(&bytes);
+            orphan.parent_key.0[8] = 0xff;
+            node.on_data_plane(0, &Message::BlockReadopted(orphan)).unwrap();
+        }
+        assert_eq!(node.waiting(), PENDING_MAX);
+        // The oldest stopped waiting: applied as roots, not dropped (their
+        // slots are held by the data plane).
+        assert_eq!(node.counters.rooted, 10);
+        assert_eq!(node.locations.index.len(), 10);
+        // Past the wait, the rest are too.
+        let mut commands = Vec::new();
+        node.plan(ORPHAN_WAIT_NS * 2, &mut commands);
+        assert_eq!(node.waiting(), 0);
+        assert_eq!(node.counters.rooted, PENDING_MAX as u64 + 10);
+        assert_eq!(node.locations.index.len(), PENDING_MAX + 10);
+    }
+
+    #[test]
+    fn a_block_committed_after_its_parent_left_is_a_root() {
+        let mut node = Node::new(NodeId(3), 1, None);
+        node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+        node.on_data_plane(0, &Message::BlockCommitted(block(9, Some(8), Tier::L1Dram, 1, 5, 4))).unwrap();
+        assert_eq!(node.waiting(), 0);
+        assert_eq!(node.counters.rooted, 1);
+        assert_eq!(node.locations.ready(&key(9)).count(), 1);
+        // A second copy in the same region is a duplicate: the first stays,
+        // the second is evicted at the next pass, and its report accepted.
+        let second = block(9, Some(8), Tier::L1Dram, 1, 5, 6);
+        node.on_data_plane(0, &Message::BlockCommitted(second)).unwrap();
+        assert_eq!(node.locations.ready(&key(9)).map(|r| r.slot).collect::<Vec<_>>(), vec![4]);
+        let mut commands = Vec::new();
+        node.plan(1, &mut commands);
+        assert_eq!(commands.len(), 1);
+        let crate::tier::TierAction::Evict(evict) = commands[0].action else { panic!("{commands:?}") };
+        assert_eq!(evict.replica.slot, 6);
+        node.on_data_plane(0, &Message::BlockEvicted(evict)).unwrap();
+        assert_eq!(node.locations.ready(&key(9)).map(|r| r.slot).collect::<Vec<_>>(), vec![4]);
+        assert_eq!(node.counters.refused, 0);
+    }
+}

@@ -1,0 +1,692 @@
+//! The control plane's end of the cp↔dp protocol: a mio event loop on a
+//! Unix socket that `lake-dp`s connect to, speaking the v1 wire format.
+//!
+//! Each connection starts with the hello exchange (a `Hello` from the
+//! `lake-dp`, answered with `HelloAck` naming the common version and frame
+//! limit); then every frame is decoded as it completes and handed to the
+//! [`Node`]. A malformed frame — bad magic, CRC, version, kind, length or
+//! field — gets an `Error` frame naming what was wrong, and that one
+//! connection is closed once the error is sent; every other connection,
+//! and everything already applied, is untouched. A report the node
+//! refuses (a stale epoch, say) is answered with an `Error` frame and the
+//! connection stays up. Buffers are bounded: a peer that sends more than a
+//! frame's worth without completing one, or does not read its replies, is
+//! closed.
+//!
+//! The loop is a value the embedder drives (`poll_once`), like the data
+//! plane's poller; it owns no thread.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
+use lake_dp::wire::message::{ErrorBody, ErrorCode, LeaseEntry, LeaseGrant, Role, text_field};
+use lake_dp::wire::{FLAG_REPLY, FrameMeta, Limits, Message, Records, WireError, decode_frame, encode_frame};
+use mio::net::{UnixListener, UnixStream};
+use mio::{Events, Interest, Poll, Token};
+
+use crate::node::{Node, NodeError};
+use crate::tier::{TierAction, TierCommand};
+
+const LISTENER: Token = Token(0);
+const METRICS: Token = Token(1);
+
+/// A client of the metrics endpoint.
+struct HttpClient {
+    stream: mio::net::TcpStream,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    written: usize,
+}
+
+/// Replies queued for one peer beyond which it is closed as not reading.
+const OUT_BYTES_MAX: usize = 4 << 20;
+
+/// Where a connection is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Waiting for the peer's hello.
+    Hello,
+    /// Exchanging messages under these limits.
+    Open(Limits),
+    /// An error was queued; close once it is written.
+    Closing,
+}
+
+struct Peer {
+    stream: UnixStream,
+    session: Session,
+    output: Vec<u8>,
+}
+
+/// One connection's protocol state, apart from its socket: received bytes
+/// go in, complete frames are applied to the node, reply frames come out.
+/// The server drives one per connection; the fuzz target drives it with
+/// raw bytes.
+#[derive(Debug)]
+pub struct Session {
+    input: Vec<u8>,
+    stage: Stage,
+    name: String,
+    role: Option<Role>,
+    peer: u64,
+    /// Regions this peer registered (commands for them go to it).
+    regions: Vec<u16>,
+}
+
+/// Whether a session goes on after a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Keep the connection.
+    Open,
+    /// Send what was queued, then close.
+    Close,
+}
+
+impl Session {
+    /// Connection `peer` (an id unique in the server), before its hello.
+    pub fn new(peer: u64) -> Self {
+        Self { input: Vec::new(), stage: Stage::Hello, name: String::new(), role: None, peer, regions: Vec::new() }
+    }
+
+    /// The regions this peer registered.
+    pub fn regions(&self) -> &[u16] {
+        &self.regions
+    }
+
+    /// The wire version agreed at hello, once open.
+    pub fn version(&self) -> Option<u16> {
+        match self.stage {
+            Stage::Open(limits) => Some(limits.version_max),
+            _ => None,
+        }
+    }
+
+    /// The peer's role, after its hello.
+    pub fn role(&self) -> Option<Role> {
+        self.role
+    }
+
+    /// The peer's name from its hello (empty before).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Bytes received and not yet a whole frame.
+    pub fn buffered(&self) -> usize {
+        self.input.len()
+    }
+
+    /// Takes `bytes` received; applies every complete frame to `node`
+    /// (answering the hello, and refusals, into `out`). After `Close`
+    /// nothing more is applied.
+    pub fn feed(&mut self, bytes: &[u8], ctx: &mut Context<'_>, out: &mut Vec<u8>) -> Flow {
+        if self.stage == Stage::Closing {
+            return Flow::Close;
+        }
+        self.input.extend_from_slice(bytes);
+        loop {
+            let limits = match self.stage {
+                Stage::Hello => Limits::default(),
+                Stage::Open(limits) => limits,
+                Stage::Closing => return Flow::Close,
+            };
+            let (used, outcome) = match decode_frame(&self.input, &limits) {
+                Err(WireError::Incomplete { .. }) => {
+                    // More than a frame's worth without one completing is
+                    // refused by the decoder's size check before this.
+                    return Flow::Open;
+                }
+                Err(e) => (0, Err(Refusal::Frame(e.to_string()))),
+                Ok(frame) => {
+                    let used = frame.len();
+                    let request = frame.header.request_id;
+                    let outcome = match (self.stage, &frame.message) {
+                        (Stage::Hello, Message::Hello(remote)) => match Role::from_u8(remote.role) {
+                            Some(role @ (Role::DataPlane | Role::Agent)) => {
+                                hello::accept(ctx.local_hello, remote, ctx.term)
+                                    .and_then(|ack| hello::limits_after(&ack).map(|limits| (ack, limits)))
+                                    .map(|(ack, limits)| {
+                                        self.stage = Stage::Open(limits);
+                                        self.name = remote.name().to_owned();
+                                        self.role = Some(role);
+                                        Some(Reply::Fixed(request, Message::HelloAck(ack), HELLO_WIRE_VERSION))
+                                    })
+                                    .map_err(|e| Refusal::Frame(e.to_string()))
+                            }
+                            _ => Err(Refusal::Frame("hello: only lake-dp and agents connect here".to_owned())),
+                        },
+                        (Stage::Hello, _) => Err(Refusal::Frame("the first frame must be a hello".to_owned())),
+                        (Stage::Open(limits), message) if self.role == Some(Role::Agent) => {
+                            match ctx.node.on_agent(self.peer, request, message, ctx.now_ns) {
+                                Ok(Some(lease)) => {
+                                    Ok(Some(Reply::Lease(request, lease_reply(lease), limits.version_max)))
+                                }
+                                Ok(None) => Ok(None),
+                                Err(e) => Err(Refusal::Report(request, e, limits.version_max)),
+                            }
+                        }
+                        (Stage::Open(limits), message) => match ctx.node.on_data_plane(request, message) {
+                            Ok(()) => {
+                                if let Message::RegisterRegion(region) = message
+                                    && !self.regions.contains(&region.region)
+                                {
+                                    self.regions.push(region.region);
+                                }
+                                Ok(None)
+                            }
+                            Err(e) => Err(Refusal::Report(request, e, limits.version_max)),
+                        },
+                        (Stage::Closing, _) => Ok(None),
+                    };
+                    (used, outcome)
+                }
+            };
+            match outcome {
+                Ok(reply) => {
+                    self.input.drain(..used);
+                    ctx.counters.frames += 1;
+                    match reply {
+                        Some(Reply::Fixed(request, message, version)) => {
+                            encode_into(out, request, &message, version, ctx.term);
+                        }
+                        Some(Reply::Lease(request, (head, entries), version)) => {
+                            let message = Message::LeaseGrant(head, Records::from_slice(&entries));
+                            encode_into(out, request, &message, version, ctx.term);
+                        }
+                        None => {}
+                    }
+                }
+                Err(Refusal::Report(request, error, version)) => {
+                    self.input.drain(..used);
+                    ctx.counters.refused += 1;
+                    let body = error_body(code_of(&error), request, &error.to_string());
+                    encode_into(out, request, &Message::Error(body), version, ctx.term);
+                }
+                Err(Refusal::Frame(detail)) => {
+                    ctx.counters.bad_frames += 1;
+                    let body = error_body(ErrorCode::BadFrame, 0, &detail);
+                    encode_into(out, 0, &Message::Error(body), HELLO_WIRE_VERSION, ctx.term);
+                    self.stage = Stage::Closing;
+                    self.input.clear();
+                    return Flow::Close;
+                }
+            }
+        }
+    }
+}
+
+/// What a session works on: the node, the local hello, the term, counters.
+#[derive(Debug)]
+pub struct Context<'a> {
+    /// The node authority.
+    pub node: &'a mut Node,
+    /// This side's hello.
+    pub local_hello: &'a lake_dp::wire::message::Hello,
+    /// The leader term acted under.
+    pub term: u64,
+    /// Wall-clock time (Unix ns), for lease deadlines.
+    pub now_ns: u64,
+    /// Counters to bump.
+    pub counters: &'a mut ServerCounters,
+}
+
+/// A reply to a frame.
+enum Reply<'a> {
+    /// A fixed message.
+    Fixed(u64, Message<'a>, u16),
+    /// A lease grant: head and entries.
+    Lease(u64, (LeaseGrant, Vec<LeaseEntry>), u16),
+}
+
+fn lease_reply(lease: &crate::lease::Lease) -> (LeaseGrant, Vec<LeaseEntry>) {
+    let entries: Vec<LeaseEntry> =
+        lease.entries.iter().map(|(key, replica)| LeaseEntry { key: *key, replica: replica.to_wire() }).collect();
+    let head = LeaseGrant {
+        lease_id: lease.id,
+        deadline_unix_ns: lease.deadline_ns,
+        count: u32::try_from(entries.len()).unwrap_or(u32::MAX),
+        reserved: 0,
+    };
+    (head, entries)
+}
+
+/// Appends one reply frame to `out`.
+fn encode_into(out: &mut Vec<u8>, request: u64, message: &Message<'_>, version: u16, term: u64) {
+    let meta = FrameMeta { version, flags: FLAG_REPLY, request_id: request, leader_term: term };
+    let start = out.len();
+    out.resize(start + 1024, 0);
+    let needed = match encode_frame(meta, message, &mut out[start..]) {
+        Ok(len) => {
+            out.truncate(start + len);
+            return;
+        }
+        Err(WireError::BufferTooSmall { needed }) => needed,
+        Err(_) => {
+            out.truncate(start);
+            return;
+        }
+    };
+    // A lease grant of many entries: room for exactly what it needs.
+    out.resize(start + needed, 0);
+    match encode_frame(meta, message, &mut out[start..]) {
+        Ok(len) => out.truncate(start + len),
+        Err(_) => out.truncate(start),
+    }
+}
+
+/// What the server has seen, for metrics and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServerCounters {
+    /// Connections accepted.
+    pub accepted: u64,
+    /// Connections closed (by either side).
+    pub closed: u64,
+    /// Frames applied.
+    pub frames: u64,
+    /// Connections closed for a malformed frame or a bad hello.
+    pub bad_frames: u64,
+    /// Reports the node refused (connection kept).
+    pub refused: u64,
+    /// Tier commands sent to data planes.
+    pub commands: u64,
+}
+
+/// The cp↔dp server. See the module docs.
+pub struct Server {
+    poll: Poll,
+    events: Events,
+    listener: UnixListener,
+    path: PathBuf,
+    peers: HashMap<Token, Peer>,
+    metrics: Option<mio::net::TcpListener>,
+    http: HashMap<Token, HttpClient>,
+    next_token: usize,
+    node: Node,
+    local_hello: lake_dp::wire::message::Hello,
+    term: u64,
+    commands: Vec<TierCommand>,
+    /// What it has seen.
+    pub counters: ServerCounters,
+}
+
+impl core::fmt::Debug for Server {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Server").field("path", &self.path).field("peers", &self.peers.len()).finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// Listens on the Unix socket `path` (a stale socket file is replaced)
+    /// for `node`, acting under leader `term`.
+    pub fn bind(path: &Path, node: Node, term: u64) -> io::Result<Self> {
+        let _ = std::fs::remove_file(path);
+        let mut listener = UnixListener::bind(path)?;
+        let poll = Poll::new()?;
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        let identity = Identity {
+            role: Role::ControlPlane,
+            node: node.node().0,
+            pid: std::process::id(),
+            region_epoch: 0,
+            features: 0,
+            name: "lake-cp",
+        };
+        let local_hello =
+            hello::hello(&identity).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        Ok(Self {
+            poll,
+            events: Events::with_capacity(256),
+            listener,
+            path: path.to_path_buf(),
+            peers: HashMap::new(),
+            metrics: None,
+            http: HashMap::new(),
+            next_token: 2,
+            node,
+            local_hello,
+            term,
+            commands: Vec::new(),
+            counters: ServerCounters::default(),
+        })
+    }
+
+    /// Serves `GET /metrics` (Prometheus text) and `GET /healthz` on
+    /// `address` from this loop. Returns the bound address (port 0 picks
+    /// one).
+    pub fn serve_metrics(&mut self, address: std::net::SocketAddr) -> io::Result<std::net::SocketAddr> {
+        let mut listener = mio::net::TcpListener::bind(address)?;
+        self.poll.registry().register(&mut listener, METRICS, Interest::READABLE)?;
+        let bound = listener.local_addr()?;
+        self.metrics = Some(listener);
+        Ok(bound)
+    }
+
+    /// The node authority.
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// The node authority, to change (tests, the embedded pool).
+    pub fn node_mut(&mut self) -> &mut Node {
+        &mut self.node
+    }
+
+    /// This side's hello (for driving a [`Session`] by hand).
+    pub fn local_hello(&self) -> &lake_dp::wire::message::Hello {
+        &self.local_hello
+    }
+
+    /// Connections open.
+    pub fn peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// One pass: accepts, reads and applies whatever is ready, writes what
+    /// is queued; waits at most `timeout` for something to happen.
+    pub fn poll_once(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        match self.poll.poll(&mut self.events, timeout) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        self.node.leases.reap(unix_ns());
+        let ready: Vec<(Token, bool, bool)> =
+            self.events.iter().map(|e| (e.token(), e.is_readable() || e.is_read_closed(), e.is_writable())).collect();
+        for (token, readable, writable) in ready {
+            if token == LISTENER {
+                self.accept()?;
+                continue;
+            }
+            if token == METRICS {
+                self.accept_http()?;
+                continue;
+            }
+            if self.http.contains_key(&token) {
+                self.serve_http(token);
+                continue;
+            }
+            if readable {
+                self.read(token);
+            }
+            if writable {
+                self.flush(token);
+            }
+        }
+        self.send_commands();
+        Ok(())
+    }
+
+    /// Plans tier moves and sends each to the `lake-dp` that registered
+    /// its region; a command with no such peer fails at once.
+    fn send_commands(&mut self) {
+        self.commands.clear();
+        self.node.plan(unix_ns(), &mut self.commands);
+        if self.commands.is_empty() {
+            return;
+        }
+        let mut touched = Vec::new();
+        for command in &self.commands {
+            let peer = self
+                .peers
+                .iter_mut()
+                .find(|(_, p)| p.session.role == Some(Role::DataPlane) && p.session.regions.contains(&command.region));
+            let Some((&token, peer)) = peer.and_then(|(t, p)| p.session.version().map(|_| (t, p))) else {
+                self.node.tiers.done(command.request, false);
+                continue;
+            };
+            let version = peer.session.version().unwrap_or(HELLO_WIRE_VERSION);
+            let message = match command.action {
+                TierAction::Move(transfer) => Message::MoveBlock(transfer),
+                TierAction::Copy(transfer) => Message::CopyBlock(transfer),
+                TierAction::Evict(evict) => Message::EvictBlock(evict),
+            };
+            let meta = FrameMeta { version, flags: 0, request_id: command.request, leader_term: self.term };
+            let start = peer.output.len();
+            peer.output.resize(start + 256, 0);
+            match encode_frame(meta, &message, &mut peer.output[start..]) {
+                Ok(len) => peer.output.truncate(start + len),
+                Err(_) => {
+                    peer.output.truncate(start);
+                    self.node.tiers.done(command.request, false);
+                    continue;
+                }
+            }
+            self.counters.commands += 1;
+            if !touched.contains(&token) {
+                touched.push(token);
+            }
+        }
+        for token in touched {
+            self.flush(token);
+        }
+    }
+
+    fn accept(&mut self) -> io::Result<()> {
+        loop {
+            match self.listener.accept() {
+                Ok((mut stream, _)) => {
+                    let token = Token(self.next_token);
+                    self.next_token += 1;
+                    self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
+                    self.peers
+                        .insert(token, Peer { stream, session: Session::new(token.0 as u64), output: Vec::new() });
+                    self.counters.accepted += 1;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn read(&mut self, token: Token) {
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        let mut ctx = Context {
+            node: &mut self.node,
+            local_hello: &self.local_hello,
+            term: self.term,
+            now_ns: unix_ns(),
+            counters: &mut self.counters,
+        };
+        let mut chunk = [0u8; 64 * 1024];
+        let mut flow = Flow::Open;
+        let mut eof = false;
+        loop {
+            match peer.stream.read(&mut chunk) {
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
+                Ok(n) => {
+                    flow = peer.session.feed(&chunk[..n], &mut ctx, &mut peer.output);
+                    if flow == Flow::Close {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    eof = true;
+                    break;
+                }
+            }
+        }
+        if peer.output.len() > OUT_BYTES_MAX {
+            // Not reading its replies: it goes.
+            flow = Flow::Close;
+            peer.output.clear();
+        }
+        if eof {
+            self.close(token);
+            return;
+        }
+        self.flush(token);
+        if flow == Flow::Close {
+            let done = self.peers.get(&token).is_none_or(|peer| peer.output.is_empty());
+            if done {
+                self.close(token);
+            } else if let Some(peer) = self.peers.get_mut(&token) {
+                peer.session.stage = Stage::Closing;
+            }
+        }
+    }
+
+    fn flush(&mut self, token: Token) {
+        let mut gone = false;
+        if let Some(peer) = self.peers.get_mut(&token) {
+            while !peer.output.is_empty() {
+                match peer.stream.write(&peer.output) {
+                    Ok(0) => {
+                        gone = true;
+                        break;
+                    }
+                    Ok(n) => {
+                        peer.output.drain(..n);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => {
+                        gone = true;
+                        break;
+                    }
+                }
+            }
+            if peer.session.stage == Stage::Closing && peer.output.is_empty() {
+                gone = true;
+            }
+        }
+        if gone {
+            self.close(token);
+        }
+    }
+
+    fn accept_http(&mut self) -> io::Result<()> {
+        let Some(listener) = &self.metrics else { return Ok(()) };
+        loop {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    let token = Token(self.next_token);
+                    self.next_token += 1;
+                    self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
+                    self.http.insert(token, HttpClient { stream, input: Vec::new(), output: Vec::new(), written: 0 });
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn serve_http(&mut self, token: Token) {
+        let Some(client) = self.http.get_mut(&token) else { return };
+        let mut done = false;
+        if client.output.is_empty() {
+            let mut chunk = [0u8; 1024];
+            loop {
+                match client.stream.read(&mut chunk) {
+                    Ok(0) => {
+                        done = true;
+                        break;
+                    }
+                    Ok(n) => client.input.extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => {
+                        done = true;
+                        break;
+                    }
+                }
+                if client.input.len() > crate::metrics::REQUEST_BYTES_MAX {
+                    done = true;
+                    break;
+                }
+            }
+            let (node, counters) = (&self.node, &self.counters);
+            if let Some(response) = crate::metrics::respond(&client.input, || crate::metrics::render(node, counters)) {
+                client.output = response;
+                done = false;
+            }
+        }
+        while client.written < client.output.len() {
+            match client.stream.write(&client.output[client.written..]) {
+                Ok(0) => {
+                    done = true;
+                    break;
+                }
+                Ok(n) => client.written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    done = true;
+                    break;
+                }
+            }
+        }
+        if !client.output.is_empty() && client.written == client.output.len() {
+            done = true;
+        }
+        if done && let Some(mut client) = self.http.remove(&token) {
+            let _ = self.poll.registry().deregister(&mut client.stream);
+        }
+    }
+
+    fn close(&mut self, token: Token) {
+        if let Some(mut peer) = self.peers.remove(&token) {
+            // An agent's leases end with its connection; a data plane's
+            // commands in flight are given up.
+            self.node.leases.release_peer(peer.session.peer);
+            self.node.l0.engine_gone(peer.session.peer);
+            self.node.tiers.lost_regions(&peer.session.regions);
+            let _ = self.poll.registry().deregister(&mut peer.stream);
+            self.counters.closed += 1;
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Wall-clock now, in Unix ns.
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+enum Refusal {
+    /// The stream is corrupt (or the hello failed): error, then close.
+    Frame(String),
+    /// A well-formed report the node refused: error, connection kept.
+    Report(u64, NodeError, u16),
+}
+
+fn code_of(error: &NodeError) -> ErrorCode {
+    use crate::location::LocationError;
+    match error {
+        NodeError::Location(LocationError::StaleEpoch) => ErrorCode::StaleEpoch,
+        NodeError::Location(LocationError::StaleGeneration) => ErrorCode::StaleGeneration,
+        NodeError::Location(LocationError::NoReservation | LocationError::UnknownRegion) => ErrorCode::NoSuchBlock,
+        NodeError::Location(_) => ErrorCode::Internal,
+        NodeError::Unexpected(_) | NodeError::Field(_) => ErrorCode::BadFrame,
+    }
+}
+
+fn error_body(code: ErrorCode, request: u64, detail: &str) -> ErrorBody {
+    // The detail field holds 48 bytes: cut at a character boundary.
+    let mut end = detail.len().min(48);
+    while !detail.is_char_boundary(end) {
+        end -= 1;
+    }
+    ErrorBody {
+        code: code as u32,
+        reserved: 0,
+        failed_request: request,
+        detail: text_field("error.detail", &detail[..end]).unwrap_or([0; 48]),
+    }
+}

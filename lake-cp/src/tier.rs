@@ -1,0 +1,810 @@
+//! Placement and eviction across this node's tiers: per-tier byte
+//! capacities, per-namespace quotas, leaf-first victims chosen by the
+//! eviction policies of [`crate::evict`], demotion before a drop, and
+//! admission for L2 writes.
+//!
+//! Each (tier, namespace) pair is a *space* with its own cache — the radix
+//! of the blocks that have a replica in that tier, under the tier's policy
+//! — and its own byte count. A block whose parent is not in the same tier
+//! starts a subtree of its own there, so "leaf-first" holds per tier: a
+//! block leaves L1 only when none of its continuations is in L1.
+//!
+//! When a tier is above its high-water mark (or a namespace above its
+//! quota) the manager takes victims — from the space furthest over its
+//! share — until the tier is back under the low-water mark, and turns each
+//! into a command for the `lake-dp` that holds it:
+//!
+//! - an L1 victim with a ready L2 copy is dropped from L1 (`EvictBlock`);
+//! - an L1 victim without one is demoted (`MoveBlock` L1→L2; the data plane
+//!   writes L2, reports the new replica, then frees L1), unless L2 is full
+//!   and L2's policy would not admit the block over its own victim: then
+//!   it is dropped (admission control for L2 writes);
+//! - an L2 victim is dropped (L3 arrives with issue \[7\]).
+//!
+//! A replica a reader holds a lease on is passed over. Bytes of commands in
+//! flight count as already gone, so one pass does not ask twice; a command
+//! that fails (or is not answered within [`PENDING_TIMEOUT_NS`]) puts its
+//! block back in the cache.
+//!
+//! Accounting is by slot: a block costs its region's slot size. Byte counts
+//! are kept per (region, namespace), so a `lake-dp` restart (a region's new
+//! epoch) resets exactly what that region held.
+
+use std::collections::{HashMap, HashSet};
+
+use lake_dp::model::replica::ReplicaWire;
+use lake_dp::wire::message::{BlockEvicted, EvictReason, SLOT_ANY, Transfer};
+use lake_dp::{BlockKey, ObjectKind, Priority, Replica, Tier};
+
+use crate::evict::{Cache, Lake, Lru, Policy, Verdict};
+use crate::lease::Leases;
+use crate::location::Locations;
+
+/// A command not answered within this time is given up (its block goes
+/// back in the cache).
+pub const PENDING_TIMEOUT_NS: u64 = 30_000_000_000;
+
+/// Commands one planning pass may issue at most (the rest wait for the
+/// next pass, so a burst of pressure does not flood the data plane).
+pub const COMMANDS_PER_PASS: usize = 256;
+
+/// Which policy each space runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// [`Lake`]: shadow experts (the default).
+    #[default]
+    Lake,
+    /// [`Lru`]: the baseline.
+    Lru,
+}
+
+impl PolicyKind {
+    /// By name: `lake` or `lru`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "lake" => Some(Self::Lake),
+            "lru" => Some(Self::Lru),
+            _ => None,
+        }
+    }
+
+    fn build(self, capacity_blocks: usize) -> Box<dyn Policy + Send> {
+        match self {
+            Self::Lake => Box::new(Lake::new(capacity_blocks.max(1))),
+            Self::Lru => Box::new(Lru::default()),
+        }
+    }
+}
+
+/// A namespace's byte quota in one tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quota {
+    /// The namespace id.
+    pub namespace: u64,
+    /// The tier.
+    pub tier: Tier,
+    /// Bytes it may hold there.
+    pub bytes: u64,
+}
+
+/// How the tiers are managed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierConfig {
+    /// Bytes each tier may hold, by `Tier as usize` (`None`: what its
+    /// regions hold).
+    pub capacity_bytes: [Option<u64>; 4],
+    /// Per-namespace quotas.
+    pub quotas: Vec<Quota>,
+    /// Eviction starts above this percentage of a tier's capacity...
+    pub high_percent: u8,
+    /// ...and stops below this one.
+    pub low_percent: u8,
+    /// The policy of every space.
+    pub policy: PolicyKind,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        Self {
+            capacity_bytes: [None; 4],
+            quotas: Vec::new(),
+            high_percent: 95,
+            low_percent: 90,
+            policy: PolicyKind::Lake,
+        }
+    }
+}
+
+impl TierConfig {
+    /// Checks the values; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.low_percent == 0 || self.low_percent >= self.high_percent || self.high_percent > 100 {
+            return Err(format!(
+                "tiers: need 0 < low_percent ({}) < high_percent ({}) <= 100",
+                self.low_percent, self.high_percent
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A command for the `lake-dp` holding `region`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierCommand {
+    /// Its request id (the data plane's `TransferDone` echoes it).
+    pub request: u64,
+    /// The region of the replica it acts on (routes it to its `lake-dp`).
+    pub region: u16,
+    /// What to do.
+    pub action: TierAction,
+}
+
+/// What a [`TierCommand`] asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierAction {
+    /// Write the source into the target tier, then free the source.
+    Move(Transfer),
+    /// Write the source into the target (another node's L1), keep it.
+    Copy(Transfer),
+    /// Free the replica.
+    Evict(BlockEvicted),
+}
+
+/// What the manager has done, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierCounters {
+    /// Demotions asked (L1→L2).
+    pub demotions: u64,
+    /// Drops asked, by the tier dropped from (`Tier as usize`).
+    pub drops: [u64; 4],
+    /// L1 victims dropped rather than demoted because L2's policy did not
+    /// admit them into a full L2.
+    pub admission_refused: u64,
+    /// Victims passed over because a lease held them.
+    pub leased_kept: u64,
+    /// Commands that failed or timed out (their blocks went back).
+    pub failed: u64,
+    /// Evictions reported for a block no space knew (not counted off).
+    pub unattributed: u64,
+    /// Second copies of a block in one region, evicted.
+    pub duplicates: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct RegionUse {
+    tier: Tier,
+    slot_bytes: u64,
+    slots: u64,
+    epoch: u64,
+    node: u32,
+}
+
+struct Space {
+    cache: Cache<Box<dyn Policy + Send>>,
+    quota: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    key: BlockKey,
+    parent: Option<BlockKey>,
+    kind: ObjectKind,
+    namespace: u64,
+    tier: Tier,
+    region: u16,
+    bytes: u64,
+    deadline_ns: u64,
+}
+
+/// The tier manager. See the module docs.
+pub struct Tiers {
+    config: TierConfig,
+    regions: HashMap<u16, RegionUse>,
+    /// Bytes held, by (region, namespace).
+    used: HashMap<(u16, u64), u64>,
+    spaces: HashMap<(Tier, u64), Space>,
+    pending: HashMap<u64, Pending>,
+    /// The pending request of a (key, region), to resolve it when the
+    /// eviction is reported.
+    pending_of: HashMap<(BlockKey, u16), u64>,
+    next_request: u64,
+    /// Second copies of a block in a region (two agents saved the same
+    /// block at once): evicted at the next pass; their reports expected.
+    duplicates: Vec<(BlockKey, Replica)>,
+    /// Evictions of duplicates sent and not yet reported.
+    duplicates_sent: HashSet<(BlockKey, u16, u32, u32)>,
+    /// What it has done.
+    pub counters: TierCounters,
+}
+
+impl core::fmt::Debug for Tiers {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Tiers")
+            .field("regions", &self.regions.len())
+            .field("spaces", &self.spaces.len())
+            .field("pending", &self.pending.len())
+            .field("counters", &self.counters)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One tier's figures, for metrics and the demo.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierUsage {
+    /// Bytes held (slots in use × slot size).
+    pub bytes: u64,
+    /// Blocks held.
+    pub blocks: u64,
+    /// The capacity eviction keeps it under.
+    pub capacity_bytes: u64,
+    /// Bytes of commands in flight that will free space here.
+    pub pending_bytes: u64,
+}
+
+impl Tiers {
+    /// A manager under `config` (checked with [`TierConfig::validate`]).
+    pub fn new(config: TierConfig) -> Self {
+        Self {
+            config,
+            regions: HashMap::new(),
+            used: HashMap::new(),
+            spaces: HashMap::new(),
+            pending: HashMap::new(),
+            pending_of: HashMap::new(),
+            // Request ids of commands: high bit set, apart from the data
+            // plane's own report ids.
+            next_request: 1 << 63,
+            duplicates: Vec::new(),
+            duplicates_sent: HashSet::new(),
+            counters: TierCounters::default(),
+        }
+    }
+
+    /// A region was registered (again after a restart: a new epoch resets
+    /// what it held).
+    pub fn register(&mut self, region: u16, tier: Tier, node: u32, epoch: u64, slot_bytes: u64, slots: u64) {
+        let previous = self.regions.insert(region, RegionUse { tier, slot_bytes, slots, epoch, node });
+        if previous.is_some_and(|p| p.epoch != epoch) {
+            self.used.retain(|(r, _), _| *r != region);
+            let gone: Vec<u64> =
+                self.pending.iter().filter(|(_, p)| p.region == region).map(|(&request, _)| request).collect();
+            for request in gone {
+                self.forget(request);
+            }
+        }
+    }
+
+    /// A replica of `key` became ready in `region` (`new`: the region held
+    /// none of it before).
+    pub fn added(
+        &mut self,
+        region: u16,
+        namespace: u64,
+        parent: Option<BlockKey>,
+        key: BlockKey,
+        kind: ObjectKind,
+        new: bool,
+    ) {
+        let Some(info) = self.regions.get(&region).copied() else { return };
+        if new {
+            *self.used.entry((region, namespace)).or_default() += info.slot_bytes;
+        }
+        let space = self.space(info.tier, namespace);
+        space.cache.add(parent, key, kind);
+    }
+
+    /// A second replica of `key` in a region that holds one already (two
+    /// agents saved the same block at once): the first stays, this one is
+    /// evicted at the next pass.
+    pub fn duplicate(&mut self, key: BlockKey, replica: Replica) {
+        if self.duplicates.len() < COMMANDS_PER_PASS * 16 {
+            self.counters.duplicates += 1;
+            self.duplicates.push((key, replica));
+        }
+    }
+
+    /// Whether a reported eviction is that of a duplicate this manager
+    /// asked for (it was never in the location view).
+    pub fn take_duplicate(&mut self, key: &BlockKey, replica: &Replica) -> bool {
+        self.duplicates_sent.remove(&(*key, replica.region.0, replica.slot, replica.generation))
+    }
+
+    /// The replica of `key` in `region` went away.
+    pub fn removed(&mut self, region: u16, key: &BlockKey) {
+        let Some(info) = self.regions.get(&region).copied() else { return };
+        let namespace = match self.pending_of.remove(&(*key, region)) {
+            Some(request) => self.pending.remove(&request).map(|p| p.namespace),
+            None => None,
+        };
+        let namespace = namespace.or_else(|| {
+            let found =
+                self.spaces.iter_mut().find(|((tier, _), space)| *tier == info.tier && space.cache.index.contains(key));
+            found.map(|((_, namespace), space)| {
+                space.cache.remove(key);
+                *namespace
+            })
+        });
+        match namespace {
+            Some(namespace) => {
+                if let Some(bytes) = self.used.get_mut(&(region, namespace)) {
+                    *bytes = bytes.saturating_sub(info.slot_bytes);
+                }
+            }
+            None => self.counters.unattributed += 1,
+        }
+    }
+
+    /// An agent's request: its keys in prefix order.
+    pub fn accessed(&mut self, namespace: u64, keys: &[BlockKey]) {
+        for ((_, ns), space) in &mut self.spaces {
+            if *ns == namespace {
+                space.cache.accessed(keys);
+            }
+        }
+    }
+
+    /// The data plane answered command `request` (`ok`: it did it).
+    pub fn done(&mut self, request: u64, ok: bool) {
+        if ok {
+            if let Some(pending) = self.pending.remove(&request) {
+                self.pending_of.remove(&(pending.key, pending.region));
+            }
+        } else if self.pending.contains_key(&request) {
+            self.counters.failed += 1;
+            self.forget(request);
+        }
+    }
+
+    /// Every command sent to the `lake-dp` holding `regions` failed (its
+    /// connection closed).
+    pub fn lost_regions(&mut self, regions: &[u16]) {
+        let gone: Vec<u64> =
+            self.pending.iter().filter(|(_, p)| regions.contains(&p.region)).map(|(&request, _)| request).collect();
+        for request in gone {
+            self.counters.failed += 1;
+            self.forget(request);
+        }
+    }
+
+    /// Drops a pending command and puts its block back in its cache.
+    fn forget(&mut self, request: u64) {
+        let Some(pending) = self.pending.remove(&request) else { return };
+        self.pending_of.remove(&(pending.key, pending.region));
+        let space = self.space(pending.tier, pending.namespace);
+        space.cache.add(pending.parent, pending.key, pending.kind);
+    }
+
+    fn space(&mut self, tier: Tier, namespace: u64) -> &mut Space {
+        let quota = self.config.quotas.iter().find(|q| q.namespace == namespace && q.tier == tier).map(|q| q.bytes);
+        let slot_bytes =
+            self.regions.values().filter(|r| r.tier == tier).map(|r| r.slot_bytes).max().unwrap_or(1).max(1);
+        let capacity = quota.unwrap_or_else(|| self.capacity(tier));
+        let policy = self.config.policy;
+        self.spaces.entry((tier, namespace)).or_insert_with(|| Space {
+            cache: Cache::live(policy.build(usize::try_from(capacity / slot_bytes).unwrap_or(usize::MAX))),
+            quota,
+        })
+    }
+
+    /// The bytes `tier` may hold.
+    pub fn capacity(&self, tier: Tier) -> u64 {
+        self.config.capacity_bytes[tier as usize]
+            .unwrap_or_else(|| self.regions.values().filter(|r| r.tier == tier).map(|r| r.slot_bytes * r.slots).sum())
+    }
+
+    fn used_by(&self, tier: Tier, namespace: Option<u64>) -> u64 {
+        self.used
+            .iter()
+            .filter(|((region, ns), _)| {
+                self.regions.get(region).is_some_and(|r| r.tier == tier) && namespace.is_none_or(|n| n == *ns)
+            })
+            .map(|(_, bytes)| bytes)
+            .sum()
+    }
+
+    fn pending_by(&self, tier: Tier, namespace: Option<u64>) -> u64 {
+        self.pending
+            .values()
+            .filter(|p| p.tier == tier && namespace.is_none_or(|n| n == p.namespace))
+            .map(|p| p.bytes)
+            .sum()
+    }
+
+    /// A tier's figures.
+    pub fn usage(&self, tier: Tier) -> TierUsage {
+        let bytes = self.used_by(tier, None);
+        let blocks = self
+            .used
+            .iter()
+            .filter_map(|((region, _), bytes)| {
+                self.regions.get(region).filter(|r| r.tier == tier).map(|r| bytes / r.slot_bytes.max(1))
+            })
+            .sum();
+        TierUsage { bytes, blocks, capacity_bytes: self.capacity(tier), pending_bytes: self.pending_by(tier, None) }
+    }
+
+    /// Commands in flight.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// One planning pass: gives up commands past their deadline, then
+    /// takes victims wherever a quota or a tier's high-water mark is
+    /// exceeded, appending the commands to `out`.
+    pub fn plan(&mut self, locations: &Locations, leases: &Leases, now_ns: u64, out: &mut Vec<TierCommand>) {
+        let late: Vec<u64> =
+            self.pending.iter().filter(|(_, p)| p.deadline_ns < now_ns).map(|(&request, _)| request).collect();
+        for request in late {
+            self.counters.failed += 1;
+            self.forget(request);
+        }
+        let start = out.len();
+        for (key, replica) in self.duplicates.drain(..) {
+            let request = self.next_request;
+            self.next_request += 1;
+            if self.duplicates_sent.len() < COMMANDS_PER_PASS * 64 {
+                self.duplicates_sent.insert((key, replica.region.0, replica.slot, replica.generation));
+            }
+            let action = TierAction::Evict(evict_body(&replica, &key, EvictReason::Released));
+            out.push(TierCommand { request, region: replica.region.0, action });
+        }
+        for tier in [Tier::L1Dram, Tier::L2Nvme] {
+            if !self.regions.values().any(|r| r.tier == tier) {
+                continue;
+            }
+            // Quotas first: a namespace over its quota gives up its own.
+            let quotas: Vec<(u64, u64)> =
+                self.config.quotas.iter().filter(|q| q.tier == tier).map(|q| (q.namespace, q.bytes)).collect();
+            for (namespace, quota) in quotas {
+                while out.len() - start < COMMANDS_PER_PASS
+                    && self.used_by(tier, Some(namespace)).saturating_sub(self.pending_by(tier, Some(namespace)))
+                        > quota
+                {
+                    if !self.evict_one(tier, namespace, locations, leases, now_ns, out) {
+                        break;
+                    }
+                }
+            }
+            let capacity = self.capacity(tier);
+            let high = percent_of(capacity, self.config.high_percent);
+            let low = percent_of(capacity, self.config.low_percent);
+            let live = |tiers: &Self| tiers.used_by(tier, None).saturating_sub(tiers.pending_by(tier, None));
+            if live(self) <= high {
+                continue;
+            }
+            while out.len() - start < COMMANDS_PER_PASS && live(self) > low {
+                // The space furthest over its share: bytes over its quota
+                // (or over the whole tier, for namespaces without one).
+                let mut candidates: Vec<(u64, u64)> = self
+                    .spaces
+                    .iter()
+                    .filter(|((t, _), space)| *t == tier && !space.cache.index.is_empty())
+                    .map(|((_, namespace), space)| {
+                        let live = self
+                            .used_by(tier, Some(*namespace))
+                            .saturating_sub(self.pending_by(tier, Some(*namespace)));
+                        let share = space.quota.unwrap_or(capacity).max(1);
+                        (live.saturating_mul(1024) / share, *namespace)
+                    })
+                    .collect();
+                candidates.sort_unstable_by(|a, b| b.cmp(a));
+                let evicted = candidates
+                    .iter()
+                    .any(|&(_, namespace)| self.evict_one(tier, namespace, locations, leases, now_ns, out));
+                if !evicted {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Takes one victim from the space (tier, namespace) and appends its
+    /// command; false when nothing there may go.
+    fn evict_one(
+        &mut self,
+        tier: Tier,
+        namespace: u64,
+        locations: &Locations,
+        leases: &Leases,
+        now_ns: u64,
+        out: &mut Vec<TierCommand>,
+    ) -> bool {
+        let pending_of = &self.pending_of;
+        let mut kept = 0;
+        let Some(space) = self.spaces.get_mut(&(tier, namespace)) else { return false };
+        let verdict = |key: &BlockKey| {
+            let Some(replica) = locations.ready(key).find(|r| r.tier == tier) else { return Verdict::Gone };
+            if pending_of.contains_key(&(*key, replica.region.0)) {
+                return Verdict::Gone; // already on its way out
+            }
+            if leases.is_held(key, replica.region.0) {
+                kept += 1;
+                return Verdict::Keep;
+            }
+            Verdict::Evict
+        };
+        let victim = space.cache.take_victim(64, verdict);
+        self.counters.leased_kept += kept;
+        let Some(key) = victim else { return false };
+        let Some(source) = locations.ready(&key).find(|r| r.tier == tier) else { return false };
+        let (parent, kind) = locations
+            .index
+            .get(&key)
+            .map(|b| {
+                let parent = locations.index.parent(b).map(|p| locations.index.key(p));
+                (parent, locations.index.kind(b))
+            })
+            .unwrap_or((None, ObjectKind::KvBlock));
+        let info = self.regions.get(&source.region.0).copied();
+        let bytes = info.map_or(0, |r| r.slot_bytes);
+        let request = self.next_request;
+        self.next_request += 1;
+        let action = match tier {
+            Tier::L1Dram if locations.ready(&key).any(|r| r.tier == Tier::L2Nvme) => {
+                self.counters.drops[tier as usize] += 1;
+                TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
+            }
+            Tier::L1Dram => match self.demotion_target(namespace, &key, source.node.0) {
+                Some(target) => {
+                    self.counters.demotions += 1;
+                    TierAction::Move(Transfer {
+                        source: source.to_wire(),
+                        target,
+                        key,
+                        deadline_unix_ns: 0,
+                        priority: Priority::Demotion as u8,
+                        reserved: [0; 7],
+                    })
+                }
+                None => {
+                    self.counters.drops[tier as usize] += 1;
+                    TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
+                }
+            },
+            _ => {
+                self.counters.drops[tier as usize] += 1;
+                TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
+            }
+        };
+        self.pending.insert(
+            request,
+            Pending {
+                key,
+                parent,
+                kind,
+                namespace,
+                tier,
+                region: source.region.0,
+                bytes,
+                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+            },
+        );
+        self.pending_of.insert((key, source.region.0), request);
+        out.push(TierCommand { request, region: source.region.0, action });
+        true
+    }
+
+    /// Where an L1 victim of `namespace` is demoted to, or `None` when it
+    /// is dropped: no L2 on its node, or L2 is full and its policy would
+    /// not admit the block.
+    fn demotion_target(&mut self, namespace: u64, key: &BlockKey, node: u32) -> Option<ReplicaWire> {
+        let (&region, info) =
+            self.regions.iter().filter(|(_, r)| r.tier == Tier::L2Nvme && r.node == node).min_by_key(|(id, _)| **id)?;
+        let info = *info;
+        let capacity = self.capacity(Tier::L2Nvme);
+        let high = percent_of(capacity, self.config.high_percent);
+        let live = self.used_by(Tier::L2Nvme, None).saturating_sub(self.pending_by(Tier::L2Nvme, None));
+        if live + info.slot_bytes > high && !self.space(Tier::L2Nvme, namespace).cache.admits(key) {
+            self.counters.admission_refused += 1;
+            return None;
+        }
+        // The data plane picks the file and slot within the tier.
+        Some(ReplicaWire {
+            tier: Tier::L2Nvme as u8,
+            reserved: 0,
+            region,
+            node: info.node,
+            region_epoch: info.epoch,
+            slot: SLOT_ANY,
+            generation: 0,
+        })
+    }
+}
+
+fn percent_of(bytes: u64, percent: u8) -> u64 {
+    u64::try_from(u128::from(bytes) * u128::from(percent) / 100).unwrap_or(u64::MAX)
+}
+
+fn evict_body(replica: &Replica, key: &BlockKey, reason: EvictReason) -> BlockEvicted {
+    BlockEvicted { replica: replica.to_wire(), key: *key, reason: reason as u8, reserved: [0; 7] }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lake_dp::NodeId;
+
+    const SLOT: u64 = 1024;
+
+    fn key(i: u8) -> BlockKey {
+        BlockKey([i; 16])
+    }
+
+    /// A node with L1 (region 0) and L2 (region 1), ten slots each.
+    struct World {
+        locations: Locations,
+        leases: Leases,
+        tiers: Tiers,
+        next_slot: u32,
+    }
+
+    impl World {
+        fn new(config: TierConfig) -> Self {
+            let mut world =
+                Self { locations: Locations::new(1), leases: Leases::new(), tiers: Tiers::new(config), next_slot: 0 };
+            for (region, tier) in [(0, Tier::L1Dram), (1, Tier::L2Nvme)] {
+                world.locations.register_region(region, tier, NodeId(0), 5).unwrap();
+                world.tiers.register(region, tier, 0, 5, SLOT, 10);
+            }
+            world
+        }
+
+        /// Block `k` (under `parent`) of `namespace` lands in `region`.
+        fn add(&mut self, region: u16, namespace: u64, parent: Option<u8>, k: u8) {
+            self.next_slot += 1;
+            let parent = parent.map(key);
+            self.locations.adopt(parent, key(k), ObjectKind::KvBlock, region, 5, self.next_slot, 1).unwrap();
+            self.tiers.added(region, namespace, parent, key(k), ObjectKind::KvBlock, true);
+        }
+
+        fn plan(&mut self) -> Vec<TierCommand> {
+            let mut out = Vec::new();
+            self.tiers.plan(&self.locations, &self.leases, 0, &mut out);
+            out
+        }
+
+        /// The data plane carried `command` out.
+        fn carry_out(&mut self, command: &TierCommand) {
+            match command.action {
+                TierAction::Move(transfer) => {
+                    let source = Replica::from_wire(&transfer.source).unwrap();
+                    let parent = self
+                        .locations
+                        .index
+                        .get(&transfer.key)
+                        .and_then(|b| self.locations.index.parent(b))
+                        .map(|p| self.locations.index.key(p));
+                    self.next_slot += 1;
+                    self.locations.adopt(parent, transfer.key, ObjectKind::KvBlock, 1, 5, self.next_slot, 1).unwrap();
+                    self.tiers.added(1, 7, parent, transfer.key, ObjectKind::KvBlock, true);
+                    self.locations.remove(&transfer.key, source.region.0).unwrap();
+                    self.tiers.removed(source.region.0, &transfer.key);
+                }
+                TierAction::Evict(evict) => {
+                    self.locations.remove(&evict.key, evict.replica.region).unwrap();
+                    self.tiers.removed(evict.replica.region, &evict.key);
+                }
+                // The tier manager plans no copies to other nodes.
+                TierAction::Copy(_) => unreachable!("a tier plan holds no copy"),
+            }
+            self.tiers.done(command.request, true);
+        }
+    }
+
+    fn keys_of(commands: &[TierCommand]) -> Vec<(u8, &'static str)> {
+        commands
+            .iter()
+            .map(|c| match c.action {
+                TierAction::Move(t) => (t.key.0[0], "move"),
+                TierAction::Evict(e) => (e.key.0[0], "evict"),
+                TierAction::Copy(t) => (t.key.0[0], "copy"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn above_high_water_the_coldest_leaves_are_demoted_then_dropped() {
+        let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        // A chain 1..=9 in L1: 9 of 10 slots, above 80%.
+        world.add(0, 7, None, 1);
+        for k in 2..=9 {
+            world.add(0, 7, Some(k - 1), k);
+        }
+        let commands = world.plan();
+        // Down to 50% (5 blocks): the chain's tail goes, leaf first,
+        // demoted because L2 holds none of it.
+        assert_eq!(keys_of(&commands), vec![(9, "move"), (8, "move"), (7, "move"), (6, "move")]);
+        for command in &commands {
+            let TierAction::Move(t) = command.action else { unreachable!() };
+            assert_eq!((t.target.tier, t.target.slot, t.priority), (2, SLOT_ANY, Priority::Demotion as u8));
+        }
+        // In flight, they count as gone: no second ask.
+        assert!(world.plan().is_empty());
+        assert_eq!(world.tiers.usage(Tier::L1Dram).pending_bytes, 4 * SLOT);
+        for command in &commands {
+            world.carry_out(command);
+        }
+        assert_eq!(world.tiers.usage(Tier::L1Dram).bytes, 5 * SLOT);
+        assert_eq!(world.tiers.usage(Tier::L2Nvme).bytes, 4 * SLOT);
+        // Promoted back (a hit), block 9 is in both tiers; the coldest when
+        // L1 fills again, it is dropped from L1, not written again.
+        world.add(0, 7, Some(8), 9);
+        for k in 20..24 {
+            world.add(0, 7, None, k);
+        }
+        world.tiers.accessed(7, &[key(1), key(2), key(3), key(4), key(5), key(20), key(21), key(22), key(23)]);
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands)[0], (9, "evict"), "{:?}", keys_of(&commands));
+        assert_eq!(world.tiers.counters.drops[Tier::L1Dram as usize], 1);
+    }
+
+    #[test]
+    fn a_namespace_over_its_quota_gives_up_its_own_blocks() {
+        let config = TierConfig {
+            quotas: vec![Quota { namespace: 2, tier: Tier::L1Dram, bytes: 2 * SLOT }],
+            policy: PolicyKind::Lru,
+            ..TierConfig::default()
+        };
+        let mut world = World::new(config);
+        world.add(0, 1, None, 1);
+        world.add(0, 2, None, 2);
+        world.add(0, 2, None, 3);
+        world.add(0, 2, None, 4);
+        // The tier is far from full; namespace 2 is one over its quota.
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands), vec![(2, "move")]);
+    }
+
+    #[test]
+    fn a_leased_replica_is_passed_over_and_a_failed_command_puts_its_block_back() {
+        let config = TierConfig { high_percent: 80, low_percent: 70, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        for k in 1..=9 {
+            world.add(0, 7, None, k);
+        }
+        // A reader holds block 1 (the coldest) under a lease.
+        let replica = |locations: &Locations, k: &BlockKey| locations.ready(k).next();
+        world.leases.grant(1, 1, [key(1)], |k| replica(&world.locations, k), 1000, 0);
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands), vec![(2, "move"), (3, "move")]);
+        assert!(world.tiers.counters.leased_kept > 0);
+        // The data plane could not do the first: the block is back (as the
+        // most recent, so a refusal is not retried at once).
+        world.tiers.done(commands[0].request, false);
+        world.carry_out(&commands[1]);
+        assert_eq!(world.tiers.counters.failed, 1);
+        assert_eq!(world.tiers.usage(Tier::L1Dram).bytes, 8 * SLOT);
+        world.add(0, 7, None, 10);
+        let again = world.plan();
+        assert_eq!(keys_of(&again), vec![(4, "move"), (5, "move")]);
+        // Its data plane went away: everything in flight fails.
+        world.tiers.lost_regions(&[0]);
+        assert_eq!(world.tiers.pending(), 0);
+        assert_eq!(world.tiers.counters.failed, 3);
+    }
+
+    #[test]
+    fn a_full_l2_admits_a_demotion_only_where_its_policy_would() {
+        let config =
+            TierConfig { high_percent: 50, low_percent: 40, policy: PolicyKind::Lake, ..TierConfig::default() };
+        let mut world = World::new(config);
+        // L2 above its high-water mark with blocks read again and again.
+        for k in 30..36 {
+            world.add(1, 7, None, k);
+        }
+        for _ in 0..50 {
+            world.tiers.accessed(7, &[key(30), key(31), key(32), key(33), key(34), key(35)]);
+        }
+        // L1 over its mark with one-off blocks: demoting them would push
+        // the reused ones out of L2.
+        for k in 1..=6 {
+            world.add(0, 7, None, k);
+        }
+        let commands = world.plan();
+        let l1: Vec<_> = commands.iter().filter(|c| c.region == 0).collect();
+        assert!(!l1.is_empty());
+        assert!(world.tiers.counters.admission_refused > 0, "{:?}", world.tiers.counters);
+        assert!(l1.iter().any(|c| matches!(c.action, TierAction::Evict(_))));
+    }
+}

@@ -1,0 +1,99 @@
+//! The `cp_session` fuzz target's seeds (`fuzz/seeds/cp_session/`) are
+//! real streams a `lake-dp` sends, made by this build: this test fails
+//! when they go stale; `LAKE_UPDATE_SEEDS=1 cargo test -p lake-cp --test
+//! fuzz_seeds` rewrites them. Each seed starts with the read size.
+
+use std::path::PathBuf;
+
+use lake_cp::node::Node;
+use lake_cp::server::{Context, Flow, ServerCounters, Session};
+use lake_dp::model::replica::ReplicaWire;
+use lake_dp::wire::hello::{Identity, hello};
+use lake_dp::wire::message::{BlockEvicted, BlockRecord, RegisterRegion, Role};
+use lake_dp::wire::{FrameMeta, Message, encode_frame};
+use lake_dp::{BlockKey, Durability, NodeId, ObjectKind, Tier};
+
+fn frame(out: &mut Vec<u8>, request: u64, message: &Message<'_>) {
+    let mut buf = vec![0u8; 4096];
+    let len = encode_frame(FrameMeta { version: 1, flags: 0, request_id: request, leader_term: 0 }, message, &mut buf)
+        .unwrap();
+    out.extend_from_slice(&buf[..len]);
+}
+
+fn block(k: u8, parent: Option<u8>, tier: Tier, region: u16, slot: u32) -> BlockRecord {
+    BlockRecord {
+        replica: ReplicaWire { tier: tier as u8, reserved: 0, region, node: 3, region_epoch: 5, slot, generation: 1 },
+        key: BlockKey([k; 16]),
+        parent_key: parent.map_or(BlockKey::NONE, |p| BlockKey([p; 16])),
+        namespace: 1,
+        layout_fingerprint: 2,
+        payload_len: 4096,
+        block_index: u32::from(k),
+        kind: ObjectKind::KvBlock as u16,
+        durability: Durability::Acked as u8,
+        flags: 0,
+    }
+}
+
+fn streams() -> Vec<Vec<u8>> {
+    let identity = Identity { role: Role::DataPlane, node: 3, pid: 1, region_epoch: 5, features: 0, name: "dp" };
+    let mut stream = Vec::new();
+    frame(&mut stream, 1, &Message::Hello(hello(&identity).unwrap()));
+    for (id, tier) in [(1u16, Tier::L1Dram), (2, Tier::L2Nvme)] {
+        let region = RegisterRegion {
+            region: id,
+            tier: tier as u8,
+            reserved_a: 0,
+            node: 3,
+            region_epoch: 5,
+            slot_bytes: 65536,
+            slot_count: 64,
+            reserved_b: 0,
+            name: [0; 48],
+        };
+        frame(&mut stream, 2, &Message::RegisterRegion(region));
+    }
+    frame(&mut stream, 3, &Message::BlockReadopted(block(2, Some(1), Tier::L2Nvme, 2, 11)));
+    frame(&mut stream, 4, &Message::BlockReadopted(block(1, None, Tier::L2Nvme, 2, 10)));
+    frame(&mut stream, 5, &Message::BlockCommitted(block(2, Some(1), Tier::L1Dram, 1, 3)));
+    let evicted = BlockEvicted {
+        replica: block(2, Some(1), Tier::L1Dram, 1, 3).replica,
+        key: BlockKey([2; 16]),
+        reason: 1,
+        reserved: [0; 7],
+    };
+    frame(&mut stream, 6, &Message::BlockEvicted(evicted));
+    vec![stream]
+}
+
+#[test]
+fn cp_session_seeds_are_current() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/cp_session");
+    let seeds = streams();
+    if std::env::var_os("LAKE_UPDATE_SEEDS").is_some() {
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, seed) in seeds.iter().enumerate() {
+            let mut bytes = vec![37u8]; // reads of 37 bytes: frames split across reads
+            bytes.extend_from_slice(seed);
+            std::fs::write(dir.join(format!("seed-{i:02}")), bytes).unwrap();
+        }
+    }
+    let identity = Identity { role: Role::ControlPlane, node: 3, pid: 1, region_epoch: 0, features: 0, name: "cp" };
+    let local = hello(&identity).unwrap();
+    let mut count = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        let mut node = Node::new(NodeId(3), 1, None);
+        let mut counters = ServerCounters::default();
+        let mut session = Session::new(1);
+        let mut out = Vec::new();
+        for piece in bytes[1..].chunks(usize::from(bytes[0]).max(1)) {
+            let mut ctx = Context { node: &mut node, local_hello: &local, term: 1, now_ns: 0, counters: &mut counters };
+            assert_eq!(session.feed(piece, &mut ctx, &mut out), Flow::Open, "stale seed in {}", dir.display());
+        }
+        assert_eq!(node.counters.readopted, 2, "the seed's blocks all apply");
+        assert_eq!((node.counters.committed, node.counters.evicted), (1, 1));
+        count += 1;
+    }
+    assert_eq!(count, seeds.len());
+}

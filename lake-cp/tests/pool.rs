@@ -1,0 +1,234 @@
+//! The whole single-node pool, each part real: `lake-cp` (server, tier
+//! manager, mirror) on one thread, a `lake-dp` runner (io_uring on files,
+//! the L1 arena in /dev/shm) on another, and an engine's agent on the
+//! test's thread. The agent saves more than L1 holds; the control plane
+//! demotes the coldest leaves to L2; a later lookup finds the whole prompt
+//! across both tiers, and fetching it promotes the L2 blocks back through
+//! leases — every payload byte checked.
+
+use std::time::{Duration, Instant};
+
+use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+use lake_cp::tier::TierConfig;
+use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::{BlockKey, NamespaceId, Tier};
+
+const PAYLOAD: usize = 60 * 1024;
+
+fn key(prompt: u8, block: u32) -> BlockKey {
+    let mut bytes = [0x5a; 16];
+    bytes[0] = prompt;
+    bytes[1..5].copy_from_slice(&block.to_le_bytes());
+    BlockKey(bytes)
+}
+
+fn payload(key: &BlockKey) -> Vec<u8> {
+    (0..PAYLOAD).map(|i| key.0[i % 5] ^ (i / 7).to_le_bytes()[0]).collect()
+}
+
+/// The test engine's agent, in-process, on the pool's first local port.
+fn attach(pool: &mut EmbeddedPool) -> Agent {
+    let config = AgentConfig {
+        arena: &pool.arena,
+        mirror: &pool.mirror,
+        cp_socket: Some(&pool.cp_socket),
+        name: "test-engine",
+        namespace: NamespaceId(7),
+        layout_fingerprint: 0xfeed,
+        segment_bytes: 16 * 1024,
+    };
+    Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
+}
+
+#[test]
+fn saves_overflow_l1_into_l2_and_fetching_promotes_them_back() {
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+        dir: std::env::temp_dir().join(format!("lake-cp-pool-{}", std::process::id())),
+        block_bytes: 65536,
+        l1_slots: 64,
+        l2_slots_per_file: 128,
+        local_agents: 1,
+        remote_agents: 1,
+        tiers: TierConfig { high_percent: 80, low_percent: 60, ..TierConfig::default() },
+        metrics: true,
+        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
+        transport_listen: None,
+        transport_peers: Vec::new(),
+        node: 0,
+    })
+    .unwrap();
+    let metrics = pool.metrics.unwrap();
+    let mut agent = attach(&mut pool);
+
+    // Prompt A: 48 blocks. Prompt B: A's first 16 (a shared system
+    // prompt), then 40 of its own. Together more than L1's 64 slots.
+    let prompt_a: Vec<BlockKey> = (0..48).map(|i| key(1, i)).collect();
+    let prompt_b: Vec<BlockKey> = prompt_a[..16].iter().copied().chain((16..56).map(|i| key(2, i))).collect();
+    let save = |agent: &mut Agent, keys: &[BlockKey], from: usize| {
+        let payloads: Vec<Vec<u8>> = keys[from..].iter().map(payload).collect();
+        let blocks: Vec<SaveBlock<'_>> = (from..keys.len())
+            .map(|i| SaveBlock {
+                key: keys[i],
+                parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+                block_index: u32::try_from(i).unwrap(),
+                payload: SavePayload::Bytes(&payloads[i - from]),
+            })
+            .collect();
+        // In batches, as an engine saves after each forward pass; L1 is
+        // kept under its high-water mark meanwhile.
+        let mut saved = 0;
+        for chunk in blocks.chunks(8) {
+            saved += agent.save(chunk);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        saved
+    };
+    assert_eq!(save(&mut agent, &prompt_a, 0), 48);
+    assert_eq!(save(&mut agent, &prompt_b, 16), 40);
+
+    // Both prompts are found whole, across the tiers, once the demotions
+    // have landed.
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let a = agent.lookup(&prompt_a, &mut table);
+        let in_l2 = table.iter().filter(|e| e.tier == Tier::L2Nvme).count();
+        if a == 48 && in_l2 > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "prompt A: {a} hits, {in_l2} in L2");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let in_l2 = table.iter().filter(|e| e.tier == Tier::L2Nvme).count() as u64;
+    // Leaf-first: A's tail went down before its shared head.
+    assert!(table[..16].iter().all(|e| e.tier == Tier::L1Dram), "the shared prompt stays in L1: {table:?}");
+
+    let mut seen = [false; 48];
+    let delivered = agent.fetch(&prompt_a, &table, |i, bytes| {
+        assert_eq!(bytes, &payload(&prompt_a[i])[..], "block {i}");
+        seen[i] = true;
+    });
+    assert_eq!(delivered, 48, "{:?}", agent.stats);
+    assert!(seen.iter().all(|&s| s));
+    assert_eq!(agent.stats.l2_loads, in_l2);
+    let hits_b = agent.lookup(&prompt_b, &mut table);
+    assert_eq!(hits_b, 56);
+
+    // The operator's view: tier bytes, moves, hits, the data plane's own
+    // figures.
+    let text = http_get(metrics, "/metrics");
+    let value = |line: &str| -> u64 {
+        let found = text.lines().find(|l| l.starts_with(line)).unwrap_or_else(|| panic!("no {line} in {text}"));
+        found.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(value("lake_tier_moves_total{move=\"demote_l1_l2\"}") > 0);
+    assert!(value("lake_tier_bytes{tier=\"L2\"}") > 0);
+    assert!(value("lake_cp_lookup_blocks_total{result=\"hit\"}") >= 48);
+    assert!(text.contains("lake_dp_pins "), "{text}");
+
+    drop(agent);
+    let (stats, server) = pool.stop().unwrap();
+    assert!(stats.pool.saves >= 88, "{stats:?}");
+    assert!(stats.pool.demotions > 0 && stats.pool.promotions >= in_l2, "{stats:?}");
+    assert_eq!((stats.pool.commits_corrupt, stats.pool.commands_failed), (0, 0), "{stats:?}");
+    let counters = server.node().tiers.counters;
+    assert!(counters.demotions >= stats.pool.demotions, "{counters:?}");
+    assert_eq!(counters.failed, 0, "{counters:?}");
+    assert_eq!(server.counters.bad_frames, 0);
+}
+
+fn http_get(address: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: lake\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    response
+}
+
+/// An agent that commits bytes its CRCs do not describe (a GPU gather
+/// that had not landed, a bug): checked inline, the commit is refused;
+/// checked in the background, the block is published, then found out,
+/// evicted as corrupt and gone from the mirror — the sound blocks beside
+/// it stay, read through and counted.
+#[test]
+fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
+    use lake_dp::agent::PreparedSave;
+    use lake_dp::runner::pool::CommitCheck;
+    for check in [CommitCheck::Inline, CommitCheck::Background] {
+        let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+            dir: std::env::temp_dir().join(format!("lake-cp-check-{check:?}-{}", std::process::id())),
+            block_bytes: 65536,
+            l1_slots: 32,
+            l2_slots_per_file: 32,
+            local_agents: 1,
+            remote_agents: 0,
+            tiers: TierConfig::default(),
+            metrics: false,
+            commit_check: check,
+            transport_listen: None,
+            transport_peers: Vec::new(),
+            node: 0,
+        })
+        .unwrap();
+        let mut agent = attach(&mut pool);
+        let keys: Vec<BlockKey> = (0..4).map(|i| key(9, i)).collect();
+        let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
+        let segment = usize::try_from(agent.segment_bytes_for(PAYLOAD as u64)).unwrap();
+        let crcs: Vec<Vec<u32>> = payloads.iter().map(|p| p.chunks(segment).map(crc32fast::hash).collect()).collect();
+        let blocks: Vec<PreparedSave<'_>> = (0..4)
+            .map(|i| PreparedSave {
+                key: keys[i],
+                parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+                block_index: u32::try_from(i).unwrap(),
+                len: PAYLOAD,
+                crcs: &crcs[i],
+            })
+            .collect();
+        // Block 3's third segment is written wrong.
+        let committed = agent.save_prepared(&blocks, |bodies| {
+            for &(i, body) in bodies {
+                let mut bytes = payloads[i].clone();
+                if i == 3 {
+                    bytes[2 * segment + 5] ^= 0x40;
+                }
+                // SAFETY: a reserved slot's payload area of PAYLOAD bytes.
+                unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), body, PAYLOAD) };
+            }
+            true
+        });
+        let mut table = Vec::new();
+        let settled = |agent: &mut Agent, table: &mut Vec<_>, want: usize| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let hits = agent.lookup(&keys, table);
+                if hits == want {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{check:?}: {hits} hits, never {want}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        match check {
+            CommitCheck::Inline => assert_eq!(committed, 3, "the lying commit is refused"),
+            _ => assert_eq!(committed, 4, "published before its payload is read"),
+        }
+        // Either way the mirror ends with the three sound blocks.
+        settled(&mut agent, &mut table, 3);
+        let delivered = agent.fetch(&keys[..3], &table[..3], |i, bytes| assert_eq!(bytes, &payloads[i][..]));
+        assert_eq!(delivered, 3);
+        drop(agent);
+        let (stats, _server) = pool.stop().unwrap();
+        match check {
+            CommitCheck::Inline => {
+                assert_eq!((stats.pool.commits_corrupt, stats.pool.commits_corrupt_late), (1, 0), "{stats:?}");
+            }
+            _ => {
+                assert_eq!((stats.pool.commits_corrupt, stats.pool.commits_corrupt_late), (0, 1), "{stats:?}");
+                assert_eq!(stats.pool.commits_verified, 3, "{stats:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,901 @@
+//! The agent itself (see the module docs of [`crate::agent`]).
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::port::{AgentCompletion, AgentError, AgentPort, AgentRequest};
+use super::shm::AgentShmPort;
+use crate::arena::{Arena, PinArray};
+use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
+use crate::cplink::{CpLink, Granted};
+use crate::mirror::{MirrorEntry, MirrorReader};
+use crate::model::key::BlockKey;
+use crate::model::namespace::NamespaceId;
+use crate::model::replica::{ObjectKind, Priority, ReplicaWire, Tier};
+use crate::region::SlotRegion;
+use crate::runner::os::recv_with_fds;
+use crate::stored::{ObjectMeta, decode_header, encode_header, object_bytes, segment_crcs};
+use crate::wire::hello::{HELLO_WIRE_VERSION, Identity};
+use crate::wire::message::Role;
+use crate::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
+
+/// How long a blocking call waits for the data plane or `lake-cp`.
+pub const WAIT_MAX: Duration = Duration::from_secs(10);
+
+/// Lease length asked for a fetch.
+pub const LEASE_TTL_MS: u32 = 10_000;
+
+/// L2 blocks loaded at once by a fetch.
+pub const LOAD_BATCH: usize = 8;
+
+/// How long a fetch retries loads refused for want of an L1 slot (while
+/// `lake-cp` makes room) before it gives up on the rest and the engine
+/// recomputes them.
+pub const LOAD_RETRY_MAX: Duration = Duration::from_millis(500);
+
+/// Why attaching failed.
+#[derive(Debug)]
+pub struct AttachError(pub String);
+
+impl core::fmt::Display for AttachError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "agent attach: {}", self.0)
+    }
+}
+
+impl std::error::Error for AttachError {}
+
+/// Where the pool is.
+#[derive(Clone, Copy, Debug)]
+pub struct AgentConfig<'a> {
+    /// The L1 arena's path.
+    pub arena: &'a Path,
+    /// The mirror's path.
+    pub mirror: &'a Path,
+    /// The control plane's socket (leases and access reports); without
+    /// it only L1 hits are served.
+    pub cp_socket: Option<&'a Path>,
+    /// A name for the control plane's logs.
+    pub name: &'a str,
+    /// The namespace blocks are saved in.
+    pub namespace: NamespaceId,
+    /// Fingerprint of the payload layout saved.
+    pub layout_fingerprint: u64,
+    /// Bytes per CRC segment of a saved payload (a layer's share, say).
+    pub segment_bytes: u64,
+}
+
+/// One block to save.
+#[derive(Clone, Copy)]
+pub struct SaveBlock<'a> {
+    /// Its key.
+    pub key: BlockKey,
+    /// The previous block's key ([`BlockKey::NONE`] for the first).
+    pub parent: BlockKey,
+    /// Its position in the prompt.
+    pub block_index: u32,
+    /// Its bytes.
+    pub payload: SavePayload<'a>,
+}
+
+impl core::fmt::Debug for SaveBlock<'_> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("SaveBlock").field("key", &self.key).field("len", &self.payload.len()).finish_non_exhaustive()
+    }
+}
+
+/// A block saved by [`Agent::save_prepared`]: its payload written by the
+/// caller, its segment CRCs known.
+#[derive(Clone, Copy, Debug)]
+pub struct PreparedSave<'a> {
+    /// Its key.
+    pub key: BlockKey,
+    /// The previous block's key.
+    pub parent: BlockKey,
+    /// Its position in the prompt.
+    pub block_index: u32,
+    /// Payload bytes.
+    pub len: usize,
+    /// The CRC of each segment ([`Agent::segment_bytes_for`] bytes each).
+    pub crcs: &'a [u32],
+}
+
+/// Where a saved block's bytes come from.
+#[derive(Clone, Copy)]
+pub enum SavePayload<'a> {
+    /// One contiguous run, copied as it is.
+    Bytes(&'a [u8]),
+    /// `len` bytes that `fill` writes, in payload order, into the slot it
+    /// is given (engine memory laid out otherwise: gathered per layer and
+    /// plane straight into shared memory, no staging copy).
+    Gather {
+        /// Payload length.
+        len: usize,
+        /// Writes exactly the payload into its argument (`len` bytes).
+        fill: &'a dyn Fn(&mut [u8]),
+    },
+}
+
+impl core::fmt::Debug for SavePayload<'_> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Bytes(bytes) => write!(f, "Bytes({})", bytes.len()),
+            Self::Gather { len, .. } => write!(f, "Gather({len})"),
+        }
+    }
+}
+
+impl SavePayload<'_> {
+    /// Payload length.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Bytes(bytes) => bytes.len(),
+            Self::Gather { len, .. } => *len,
+        }
+    }
+
+    /// Whether there is no payload.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Why a fetch stopped before the end of the hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FetchFailure {
+    /// The block left its slot between lookup and read (evicted,
+    /// replaced), or its lower-tier load found it gone.
+    Evicted,
+    /// The block failed its header or CRC checks.
+    Corrupt,
+    /// The block was saved under another layout (another shard, dtype or
+    /// geometry) or namespace than this agent's: its bytes are not this
+    /// reader's to use.
+    Foreign,
+    /// A lower-tier block could not be leased or loaded (no `lake-cp`, a
+    /// refused lease, no L1 room in time, a device error).
+    Unavailable,
+}
+
+/// What the agent has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AgentStats {
+    /// Lookups.
+    pub lookups: u64,
+    /// Blocks a lookup found.
+    pub hit_blocks: u64,
+    /// Blocks read from L1.
+    pub l1_reads: u64,
+    /// Blocks loaded from L2 (promoted into L1).
+    pub l2_loads: u64,
+    /// Hit blocks that could not be delivered (evicted under the lookup,
+    /// lease refused, corrupt): the engine recomputed them.
+    pub fetch_failures: u64,
+    /// Blocks saved.
+    pub saves: u64,
+    /// Saves skipped (no slot free, or the data plane busy).
+    pub saves_skipped: u64,
+    /// Payload bytes delivered.
+    pub bytes_read: u64,
+    /// Payload bytes saved.
+    pub bytes_saved: u64,
+}
+
+/// The agent. See the module docs.
+pub struct Agent {
+    arena: Arena,
+    region: Arc<SlotRegion>,
+    pins: PinArray,
+    mirror: MirrorReader,
+    port: AgentPort,
+    cp: Option<CpLink>,
+    namespace: NamespaceId,
+    layout_fingerprint: u64,
+    segment_bytes: u64,
+    next_cookie: u64,
+    /// Completions that arrived for other requests than the one waited on.
+    early: Vec<AgentCompletion>,
+    /// The attach socket to a `lake-dp` in another process (kept open: it
+    /// is this agent's liveness).
+    attach_socket: Option<UnixStream>,
+    /// Why the last fetch stopped short, if it did.
+    last_failure: Option<FetchFailure>,
+    /// The priority of the data plane loads a fetch asks for.
+    load_priority: Priority,
+    /// What it has done.
+    pub stats: AgentStats,
+}
+
+impl core::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Agent").field("stats", &self.stats).finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    /// Attaches to the pool through `port` (one of the runner's agent
+    /// ports).
+    pub fn attach(config: &AgentConfig<'_>, port: AgentPort) -> Result<Self, AttachError> {
+        let arena = Arena::attach(config.arena).map_err(|e| AttachError(e.to_string()))?;
+        Self::with(config, arena, port, None)
+    }
+
+    /// Attaches to the `lake-dp` listening on `dp_socket` (its `[agents]
+    /// socket`) from another process: hello, then the arena, the port file
+    /// and the wake-up eventfd arrive over the socket, which stays open as
+    /// this agent's liveness (`config.arena` is not used).
+    pub fn connect(config: &AgentConfig<'_>, dp_socket: &Path) -> Result<Self, AttachError> {
+        let fail = |what: &'static str| {
+            move |e: &dyn core::fmt::Display| AttachError(format!("{}: {what}: {e}", dp_socket.display()))
+        };
+        let stream = UnixStream::connect(dp_socket).map_err(|e| fail("connecting")(&e))?;
+        stream.set_read_timeout(Some(WAIT_MAX)).map_err(|e| fail("socket")(&e))?;
+        let identity = Identity {
+            role: Role::Agent,
+            node: 0,
+            pid: std::process::id(),
+            region_epoch: 0,
+            features: 0,
+            name: config.name,
+        };
+        let hello = crate::wire::hello::hello(&identity).map_err(|e| fail("hello")(&e))?;
+        let mut frame = [0u8; 256];
+        let meta = FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id: 1, leader_term: 0 };
+        let len = encode_frame(meta, &Message::Hello(hello), &mut frame).map_err(|e| fail("hello")(&e))?;
+        (&stream).write_all(&frame[..len]).map_err(|e| fail("sending the hello")(&e))?;
+        let mut input = [0u8; 512];
+        let mut have = 0;
+        let mut fds = Vec::new();
+        let mut ack = None;
+        let mut found = None;
+        let attached = loop {
+            let n = recv_with_fds(stream.as_raw_fd(), &mut input[have..], &mut fds)
+                .map_err(|e| fail("waiting for the answer")(&e))?;
+            if n == 0 {
+                return Err(AttachError(format!("{}: lake-dp closed the connection", dp_socket.display())));
+            }
+            have += n;
+            loop {
+                let frame = match decode_frame(&input[..have], &Limits::default()) {
+                    Err(WireError::Incomplete { .. }) => break,
+                    Err(e) => return Err(fail("answer")(&e)),
+                    Ok(frame) => frame,
+                };
+                let used = frame.len();
+                let message = frame.message;
+                match message {
+                    Message::HelloAck(a) => ack = Some(a),
+                    Message::Attached(attached) if ack.is_some() => found = Some(attached),
+                    Message::Error(e) => {
+                        let code = crate::wire::message::ErrorCode::from_u32(e.code);
+                        return Err(AttachError(format!(
+                            "{}: refused ({code:?}): {}",
+                            dp_socket.display(),
+                            e.detail()
+                        )));
+                    }
+                    _ => return Err(AttachError(format!("{}: unexpected answer", dp_socket.display()))),
+                }
+                input.copy_within(used..have, 0);
+                have -= used;
+            }
+            if let Some(attached) = found {
+                break attached;
+            }
+        };
+        if fds.len() != 3 {
+            return Err(AttachError(format!("{}: expected 3 descriptors, got {}", dp_socket.display(), fds.len())));
+        }
+        let wakeup = fds.pop().ok_or_else(|| AttachError("no wake-up".into()))?;
+        let ports = File::from(fds.pop().ok_or_else(|| AttachError("no port file".into()))?);
+        let arena_fd = fds.pop().ok_or_else(|| AttachError("no arena".into()))?;
+        let arena = Arena::attach_fd(arena_fd).map_err(|e| AttachError(e.to_string()))?;
+        if arena.header().epoch != attached.epoch || arena.header().region != attached.arena_region {
+            return Err(AttachError("the arena passed is not the one announced".into()));
+        }
+        let port = AgentShmPort::attach(ports, attached.port).map_err(|e| AttachError(e.to_string()))?;
+        Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream))
+    }
+
+    fn with(
+        config: &AgentConfig<'_>,
+        arena: Arena,
+        port: AgentPort,
+        attach_socket: Option<UnixStream>,
+    ) -> Result<Self, AttachError> {
+        let region = arena.region().map_err(|e| AttachError(e.to_string()))?;
+        let pins = arena.claim_agent().map_err(|e| AttachError(e.to_string()))?;
+        let mirror = MirrorReader::attach(config.mirror).map_err(|e| AttachError(e.to_string()))?;
+        let cp = match config.cp_socket {
+            Some(socket) => {
+                let identity = Identity {
+                    role: Role::Agent,
+                    node: arena.header().node,
+                    pid: std::process::id(),
+                    region_epoch: 0,
+                    features: 0,
+                    name: config.name,
+                };
+                Some(CpLink::connect(socket, &identity, WAIT_MAX).map_err(|e| AttachError(e.to_string()))?)
+            }
+            None => None,
+        };
+        if config.segment_bytes == 0 {
+            return Err(AttachError("segment_bytes: must be above 0".into()));
+        }
+        Ok(Self {
+            arena,
+            region,
+            pins,
+            mirror,
+            port,
+            cp,
+            namespace: config.namespace,
+            layout_fingerprint: config.layout_fingerprint,
+            segment_bytes: config.segment_bytes,
+            next_cookie: 1,
+            early: Vec::new(),
+            attach_socket,
+            last_failure: None,
+            load_priority: Priority::CriticalLoad,
+            stats: AgentStats::default(),
+        })
+    }
+
+    /// Whether the data plane is still there: its attach socket open (an
+    /// agent that connected), or its arena live (an in-process one). When
+    /// it is not, nothing this agent holds is valid any more: attach again.
+    pub fn data_plane_alive(&self) -> bool {
+        match &self.attach_socket {
+            Some(socket) => !crate::runner::os::peer_closed(socket.as_raw_fd()),
+            None => self.arena.is_live(),
+        }
+    }
+
+    /// A second pin array in this agent's arena, for another thread of the
+    /// engine (a pin array has one writer); its pins go with it, or with
+    /// the process.
+    pub fn claim_pin_array(&self) -> Result<PinArray, AttachError> {
+        self.arena.claim_agent().map_err(|e| AttachError(e.to_string()))
+    }
+
+    /// Where this process maps the L1 arena's slots: base and length (to
+    /// register them once with a device, so kernels read and write slots
+    /// across the bus).
+    pub fn slot_area(&self) -> (*mut u8, usize) {
+        (self.region.base(), self.region.len())
+    }
+
+    /// The L1 arena's region (block-table entries naming it are L1 hits).
+    pub fn arena_region(&self) -> u16 {
+        self.arena.header().region
+    }
+
+    /// The L1 arena's epoch (its `lake-dp`'s start): blocks a peer sends
+    /// into this node's L1 name it.
+    pub fn arena_epoch(&self) -> u64 {
+        self.arena.header().epoch
+    }
+
+    /// The mirror this agent reads.
+    pub fn mirror(&self) -> &MirrorReader {
+        &self.mirror
+    }
+
+    /// The longest cached prefix of `keys` and its block table (into
+    /// `table`); reports the request to `lake-cp` for eviction.
+    pub fn lookup(&mut self, keys: &[BlockKey], table: &mut Vec<MirrorEntry>) -> usize {
+        let hit = self.mirror.lookup(keys, table);
+        self.stats.lookups += 1;
+        self.stats.hit_blocks += hit as u64;
+        // Queued only: it goes out with the next call that talks to
+        // lake-cp (or `pump`), off the lookup's path.
+        if let Some(cp) = &mut self.cp {
+            cp.accessed(self.namespace.0, keys, hit);
+        }
+        hit
+    }
+
+    /// Reports a lookup made elsewhere (another thread read the mirror) to
+    /// `lake-cp`, like [`Agent::lookup`] does.
+    pub fn report_access(&mut self, keys: &[BlockKey], hit: usize) {
+        self.stats.lookups += 1;
+        self.stats.hit_blocks += hit as u64;
+        if let Some(cp) = &mut self.cp {
+            cp.accessed(self.namespace.0, keys, hit);
+        }
+    }
+
+    /// Whether this agent talks to a `lake-cp` (attached with its socket).
+    pub fn has_control_plane(&self) -> bool {
+        self.cp.is_some()
+    }
+
+    /// Reports that the engine now holds `keys` in its own GPU memory
+    /// (`resident`), or has dropped them: advisory L0 replicas `lake-cp`
+    /// keeps for routing until this agent says otherwise or disconnects.
+    /// Queued like an access report. False when no `lake-cp` is attached.
+    pub fn report_resident(&mut self, keys: &[BlockKey], resident: bool) -> bool {
+        let Some(cp) = &mut self.cp else { return false };
+        cp.resident(self.namespace.0, keys, resident);
+        true
+    }
+
+    /// Delivers the payloads of the looked-up blocks `keys[i]` (entries
+    /// `table[i]`), in order, to `sink(i, payload)`; stops at the first
+    /// that cannot be delivered. Returns how many were.
+    pub fn fetch(&mut self, keys: &[BlockKey], table: &[MirrorEntry], mut sink: impl FnMut(usize, &[u8])) -> usize {
+        self.fetch_with(keys, table, false, &mut |i, _, bytes| sink(i, bytes))
+    }
+
+    /// Like [`Agent::fetch`], but each block is handed over segment by
+    /// segment — `sink(i, offset, segment)` — as soon as that segment has
+    /// matched its CRC, while it is still in the cache: a copy into engine
+    /// memory then reads memory once. A block whose later segment fails
+    /// has had its earlier segments delivered; it counts as not delivered
+    /// (the engine recomputes it), like any failed block.
+    pub fn fetch_segments(
+        &mut self,
+        keys: &[BlockKey],
+        table: &[MirrorEntry],
+        sink: impl FnMut(usize, usize, &[u8]),
+    ) -> usize {
+        self.fetch_segments_at(keys, table, Priority::CriticalLoad, sink)
+    }
+
+    /// Like [`Agent::fetch_segments`], with the data plane's loads from
+    /// lower tiers queued at `priority` (a prefetch behind the loads a
+    /// request waits for).
+    pub fn fetch_segments_at(
+        &mut self,
+        keys: &[BlockKey],
+        table: &[MirrorEntry],
+        priority: Priority,
+        mut sink: impl FnMut(usize, usize, &[u8]),
+    ) -> usize {
+        self.load_priority = priority;
+        let delivered = self.fetch_with(keys, table, true, &mut sink);
+        self.load_priority = Priority::CriticalLoad;
+        delivered
+    }
+
+    fn fetch_with(
+        &mut self,
+        keys: &[BlockKey],
+        table: &[MirrorEntry],
+        segmented: bool,
+        sink: &mut dyn FnMut(usize, usize, &[u8]),
+    ) -> usize {
+        let count = keys.len().min(table.len());
+        let region = self.arena.header().region;
+        self.last_failure = None;
+        let mut failure = None;
+        // The lease, and the index of the key its first entry names.
+        let mut lease: Option<(Granted, usize)> = None;
+        let mut delivered = 0;
+        'blocks: while delivered < count {
+            let i = delivered;
+            if table[i].tier == Tier::L1Dram && table[i].region.0 == region {
+                match self.read_l1(&keys[i], table[i].slot, table[i].generation, segmented, &mut |o, p| sink(i, o, p)) {
+                    Ok(bytes) => {
+                        self.stats.l1_reads += 1;
+                        self.stats.bytes_read += bytes as u64;
+                        delivered += 1;
+                        continue;
+                    }
+                    Err(why) => {
+                        failure = Some(why);
+                        break;
+                    }
+                }
+            }
+            // Below L1: one lease for the rest of the prefix, then loads in
+            // small batches (each load takes an L1 slot until evicted).
+            if lease.is_none() {
+                match self.lease(&keys[i..count]) {
+                    Some(granted) => lease = Some((granted, i)),
+                    None => {
+                        failure = Some(FetchFailure::Unavailable);
+                        break;
+                    }
+                }
+            }
+            let Some((granted, base)) = &lease else { break };
+            let mut batch: Vec<(usize, ReplicaWire)> = Vec::with_capacity(LOAD_BATCH);
+            for j in i..count.min(i + LOAD_BATCH) {
+                if table[j].tier == Tier::L1Dram {
+                    break;
+                }
+                let Some(&(key, replica)) = granted.entries.get(j - base) else { break };
+                if key != keys[j] || replica.tier != Tier::L2Nvme {
+                    break;
+                }
+                batch.push((j, replica.to_wire()));
+            }
+            if batch.is_empty() {
+                failure = Some(FetchFailure::Evicted);
+                break;
+            }
+            let slots = self.load_batch(keys, &batch);
+            for ((j, _), slot) in batch.iter().zip(slots) {
+                let Some((slot, generation)) = slot else {
+                    failure = Some(FetchFailure::Unavailable);
+                    break 'blocks;
+                };
+                match self.read_l1(&keys[*j], slot, generation, segmented, &mut |o, p| sink(*j, o, p)) {
+                    Ok(bytes) => {
+                        self.stats.l2_loads += 1;
+                        self.stats.bytes_read += bytes as u64;
+                        delivered += 1;
+                    }
+                    Err(why) => {
+                        failure = Some(why);
+                        break 'blocks;
+                    }
+                }
+            }
+        }
+        self.stats.fetch_failures += (count - delivered) as u64;
+        self.last_failure = failure;
+        if let (Some(cp), Some((granted, _))) = (&mut self.cp, lease) {
+            cp.release_lease(granted.lease_id);
+            let _ = cp.pump();
+        }
+        delivered
+    }
+
+    /// Why the last fetch stopped before the end of its hit (`None` when
+    /// it delivered every block).
+    pub fn last_fetch_failure(&self) -> Option<FetchFailure> {
+        self.last_failure
+    }
+
+    /// Reads one L1 block through a pin: the generation must still be
+    /// `generation`, the header must name `key` in this agent's namespace
+    /// and layout, the payload must match its CRCs. Returns the payload
+    /// length.
+    fn read_l1(
+        &mut self,
+        key: &BlockKey,
+        slot: u32,
+        generation: u32,
+        segmented: bool,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<usize, FetchFailure> {
+        let pin = self.pins.pin(slot, generation).map_err(|_| FetchFailure::Evicted)?;
+        let result = (|| {
+            let bytes = self.pins.bytes(&pin);
+            let header = decode_header(bytes).map_err(|_| FetchFailure::Corrupt)?;
+            let meta = header.meta();
+            if meta.key != *key {
+                return Err(FetchFailure::Evicted);
+            }
+            if meta.namespace != self.namespace || meta.layout_fingerprint != self.layout_fingerprint {
+                return Err(FetchFailure::Foreign);
+            }
+            let len = usize::try_from(meta.payload_len).map_err(|_| FetchFailure::Corrupt)?;
+            let payload = bytes.get(STORED_HEADER_BYTES..STORED_HEADER_BYTES + len).ok_or(FetchFailure::Corrupt)?;
+            if segmented {
+                let segment_bytes = usize::try_from(meta.segment_bytes).map_err(|_| FetchFailure::Corrupt)?;
+                if segment_bytes == 0 {
+                    return Err(FetchFailure::Corrupt);
+                }
+                for (index, segment) in (0u16..).zip(payload.chunks(segment_bytes)) {
+                    header.verify_segment(index, segment).map_err(|_| FetchFailure::Corrupt)?;
+                    sink(usize::from(index) * segment_bytes, segment);
+                }
+            } else {
+                header.verify_payload(payload).map_err(|_| FetchFailure::Corrupt)?;
+                sink(0, payload);
+            }
+            Ok(len)
+        })();
+        self.pins.unpin(pin);
+        result
+    }
+
+    /// A lease on the replicas of `keys` (their leading run that has one).
+    fn lease(&mut self, keys: &[BlockKey]) -> Option<Granted> {
+        self.lease_for(keys, LEASE_TTL_MS)
+    }
+
+    /// Asks `lake-cp` for a lease on the replicas of `keys` (their leading
+    /// run that has a ready one) for `ttl_ms`, and waits for the grant (at
+    /// most [`WAIT_MAX`]). `None` without a `lake-cp` or without an answer.
+    /// While held, eviction passes those replicas over; release it with
+    /// [`Agent::release_lease`] (it also ends at its deadline, or when this
+    /// agent goes).
+    pub fn lease_for(&mut self, keys: &[BlockKey], ttl_ms: u32) -> Option<Granted> {
+        let cp = self.cp.as_mut()?;
+        let request = cp.request_lease(self.namespace.0, keys, ttl_ms);
+        let deadline = Instant::now() + WAIT_MAX;
+        loop {
+            cp.pump().ok()?;
+            if let Some(grant) = cp.take_grant(request) {
+                return Some(grant);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+
+    /// Loads a batch of L2 blocks into L1: the L1 slot of each (`None`
+    /// where it failed). A load refused for want of an L1 slot is retried
+    /// while `lake-cp` makes room, for at most [`LOAD_RETRY_MAX`].
+    fn load_batch(&mut self, keys: &[BlockKey], batch: &[(usize, ReplicaWire)]) -> Vec<Option<(u32, u32)>> {
+        let deadline = Instant::now() + LOAD_RETRY_MAX;
+        let mut slots = vec![None; batch.len()];
+        let mut pending: Vec<usize> = (0..batch.len()).collect();
+        while !pending.is_empty() {
+            let mut cookies = Vec::with_capacity(pending.len());
+            for &b in &pending {
+                let (j, source) = batch[b];
+                let cookie = self.cookie();
+                let load = AgentRequest::Load { cookie, key: keys[j], source, priority: self.load_priority };
+                if self.port.submit(load).is_err() {
+                    break;
+                }
+                cookies.push((b, cookie));
+            }
+            let mut retry = Vec::new();
+            for (b, cookie) in cookies {
+                match self.wait(cookie) {
+                    Ok(slot) => slots[b] = Some(slot),
+                    Err(AgentError::NoSpace | AgentError::Busy) => retry.push(b),
+                    Err(_) => {}
+                }
+            }
+            // Only a failure-free prefix is useful.
+            let first_failed = (0..batch.len()).find(|&b| slots[b].is_none() && !retry.contains(&b));
+            retry.retain(|&b| first_failed.is_none_or(|f| b < f));
+            if retry.is_empty() || Instant::now() > deadline {
+                break;
+            }
+            pending = retry;
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        slots
+    }
+
+    /// Saves `blocks` (best effort); returns how many were committed.
+    pub fn save(&mut self, blocks: &[SaveBlock<'_>]) -> usize {
+        let mut reserved = Vec::with_capacity(blocks.len());
+        for block in blocks {
+            let cookie = self.cookie();
+            let object_bytes = object_bytes(block.payload.len() as u64);
+            if self.port.submit(AgentRequest::Reserve { cookie, object_bytes }).is_err() {
+                break;
+            }
+            reserved.push(cookie);
+        }
+        let header = *self.arena.header();
+        let mut commits = Vec::with_capacity(reserved.len());
+        for (block, cookie) in blocks.iter().zip(&reserved) {
+            let Ok((slot, generation)) = self.wait(*cookie) else { continue };
+            let meta = self.object_meta(
+                &header,
+                (block.key, block.parent, block.block_index),
+                slot,
+                generation,
+                block.payload.len(),
+            );
+            let cookie = self.cookie();
+            let written = self.write_object(slot, &meta, &block.payload);
+            let request = if written {
+                AgentRequest::Commit { cookie, slot, generation }
+            } else {
+                AgentRequest::Abort { cookie, slot, generation }
+            };
+            if self.port.submit(request).is_ok() && written {
+                commits.push((cookie, block.payload.len()));
+            }
+        }
+        self.await_commits(commits, blocks.len())
+    }
+
+    /// Waits for the commits sent (cookie, payload bytes) of a save of
+    /// `asked` blocks, counts them; returns how many were committed.
+    fn await_commits(&mut self, commits: Vec<(u64, usize)>, asked: usize) -> usize {
+        let mut saved = 0;
+        for (cookie, len) in commits {
+            if self.wait(cookie).is_ok() {
+                saved += 1;
+                self.stats.bytes_saved += len as u64;
+            }
+        }
+        self.stats.saves += saved as u64;
+        self.stats.saves_skipped += (asked - saved) as u64;
+        saved
+    }
+
+    /// The stored header of a block this agent saves into `slot`:
+    /// `(key, parent, block index)`, its payload length.
+    fn object_meta(
+        &self,
+        arena: &crate::arena::layout::ArenaHeader,
+        (key, parent_key, block_index): (BlockKey, BlockKey, u32),
+        slot: u32,
+        generation: u32,
+        len: usize,
+    ) -> ObjectMeta {
+        ObjectMeta {
+            kind: ObjectKind::KvBlock,
+            key,
+            parent_key,
+            block_index,
+            namespace: self.namespace,
+            layout_fingerprint: self.layout_fingerprint,
+            region: crate::model::replica::RegionId(arena.region),
+            region_epoch: arena.epoch,
+            slot,
+            generation,
+            committed_unix_ns: unix_ns(),
+            payload_len: len as u64,
+            segment_bytes: self.segment_bytes_for(len as u64),
+        }
+    }
+
+    /// Bytes per CRC segment of a payload of `len` bytes saved by this
+    /// agent (what a caller computing the CRCs itself must use).
+    pub fn segment_bytes_for(&self, len: u64) -> u64 {
+        self.segment_bytes.min(len).max(1)
+    }
+
+    /// Saves blocks whose payloads someone else writes and whose segment
+    /// CRCs are already known (a GPU gathers them straight into the slots
+    /// and computed the CRCs from the engine's memory): reserves a slot per
+    /// block, writes each header with the given CRCs, hands every payload
+    /// area to `fill` at once — `(block index, where its payload goes)` —
+    /// and commits them if `fill` returns true (aborts them otherwise).
+    /// The data plane checks the CRCs against the bytes at commit, as for
+    /// any save. Best effort; returns how many were committed.
+    pub fn save_prepared(
+        &mut self,
+        blocks: &[PreparedSave<'_>],
+        fill: impl FnOnce(&[(usize, *mut u8)]) -> bool,
+    ) -> usize {
+        let mut reserved = Vec::with_capacity(blocks.len());
+        for block in blocks {
+            let cookie = self.cookie();
+            if self.port.submit(AgentRequest::Reserve { cookie, object_bytes: object_bytes(block.len as u64) }).is_err()
+            {
+                break;
+            }
+            reserved.push(cookie);
+        }
+        let header = *self.arena.header();
+        let mut slots = Vec::with_capacity(reserved.len());
+        let mut bodies = Vec::with_capacity(reserved.len());
+        for (i, (block, cookie)) in blocks.iter().zip(&reserved).enumerate() {
+            let Ok((slot, generation)) = self.wait(*cookie) else { continue };
+            let meta =
+                self.object_meta(&header, (block.key, block.parent, block.block_index), slot, generation, block.len);
+            // SAFETY: reserved to this agent (see write_object).
+            let body = match unsafe { self.region.slot_mut(slot) } {
+                Some(bytes) if bytes.len() >= STORED_HEADER_BYTES + block.len => {
+                    let (head, body) = bytes.split_at_mut(STORED_HEADER_BYTES);
+                    let encoded = <&mut [u8; STORED_HEADER_BYTES]>::try_from(head)
+                        .is_ok_and(|head| encode_header(&meta, block.crcs, head).is_ok());
+                    encoded.then_some(body.as_mut_ptr())
+                }
+                _ => None,
+            };
+            match body {
+                Some(body) => {
+                    slots.push((slot, generation, block.len));
+                    bodies.push((i, body));
+                }
+                None => {
+                    let cookie = self.cookie();
+                    let _ = self.port.submit(AgentRequest::Abort { cookie, slot, generation });
+                }
+            }
+        }
+        let filled = !bodies.is_empty() && fill(&bodies);
+        let mut commits = Vec::with_capacity(slots.len());
+        for &(slot, generation, len) in &slots {
+            let cookie = self.cookie();
+            let request = if filled {
+                AgentRequest::Commit { cookie, slot, generation }
+            } else {
+                AgentRequest::Abort { cookie, slot, generation }
+            };
+            if self.port.submit(request).is_ok() && filled {
+                commits.push((cookie, len));
+            }
+        }
+        self.await_commits(commits, blocks.len())
+    }
+
+    /// Writes a stored object into the reserved `slot`: the payload first
+    /// (copied or gathered), then its CRCs, taken from the slot itself.
+    fn write_object(&mut self, slot: u32, meta: &ObjectMeta, payload: &SavePayload<'_>) -> bool {
+        // SAFETY: the data plane reserved this slot to this agent: nobody
+        // else writes it, and it is not published (so nobody reads it)
+        // until this agent commits it.
+        let Some(bytes) = (unsafe { self.region.slot_mut(slot) }) else { return false };
+        let len = payload.len();
+        if bytes.len() < STORED_HEADER_BYTES + len {
+            return false;
+        }
+        let (head, body) = bytes.split_at_mut(STORED_HEADER_BYTES);
+        let body = &mut body[..len];
+        match payload {
+            SavePayload::Bytes(source) => body.copy_from_slice(source),
+            SavePayload::Gather { fill, .. } => fill(body),
+        }
+        let mut crcs = [0u32; SEGMENTS_MAX];
+        let Ok(count) = segment_crcs(body, meta.segment_bytes, &mut crcs) else { return false };
+        let Ok(head) = <&mut [u8; STORED_HEADER_BYTES]>::try_from(head) else { return false };
+        encode_header(meta, &crcs[..usize::from(count)], head).is_ok()
+    }
+
+    fn cookie(&mut self) -> u64 {
+        self.next_cookie += 1;
+        self.next_cookie
+    }
+
+    /// Waits for the completion of `cookie` (others that arrive meanwhile
+    /// are kept for their own waits).
+    fn wait(&mut self, cookie: u64) -> Result<(u32, u32), AgentError> {
+        if let Some(at) = self.early.iter().position(|c| c.cookie == cookie) {
+            return self.early.swap_remove(at).result;
+        }
+        let deadline = Instant::now() + WAIT_MAX;
+        let mut spins = 0u32;
+        loop {
+            while let Some(completion) = self.port.complete() {
+                if completion.cookie == cookie {
+                    return completion.result;
+                }
+                // Bounded: answers to waits that timed out are dropped
+                // oldest first.
+                if self.early.len() >= 4096 {
+                    self.early.remove(0);
+                }
+                self.early.push(completion);
+            }
+            if let Some(cp) = &mut self.cp {
+                let _ = cp.pump();
+            }
+            spins += 1;
+            if spins > 64 {
+                if Instant::now() > deadline {
+                    return Err(AgentError::Busy);
+                }
+                std::thread::sleep(Duration::from_micros(10));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Releases a lease from [`Agent::lease_for`] (sent with the next
+    /// call that talks to `lake-cp`, or [`Agent::pump`]).
+    pub fn release_lease(&mut self, lease_id: u64) {
+        if let Some(cp) = &mut self.cp {
+            cp.release_lease(lease_id);
+            let _ = cp.pump();
+        }
+    }
+
+    /// Sends what is queued to `lake-cp` (access reports, lease releases).
+    pub fn pump(&mut self) {
+        if let Some(cp) = &mut self.cp {
+            let _ = cp.pump();
+        }
+    }
+}
+
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}

@@ -1,0 +1,36 @@
+//! The in-process agent: what an engine links to use the pool.
+//!
+//! - **Lookup** reads the mirror in shared memory: the longest cached
+//!   prefix of a prompt's keys and its block table, with no round trip.
+//!   The keys and the hit count are then reported to `lake-cp`, batched
+//!   and off the request's path, so eviction learns what is used.
+//! - **Fetch** delivers the hit blocks' payloads in order. An L1 block is
+//!   read through the agent's own pin (generation re-checked, CRCs
+//!   verified). Lower-tier blocks are leased from `lake-cp` first (so they
+//!   are not evicted under the read), then the data plane reads each into
+//!   a fresh L1 slot — verified, and kept there: a hit promotes — and the
+//!   agent reads it like any L1 block. A block that fails (gone, corrupt)
+//!   ends the delivered prefix; the engine recomputes from there.
+//! - **Save** is two-phase: reserve L1 slots, write each stored object
+//!   (header naming its slot and generation, CRCs, payload) straight into
+//!   shared memory, commit. The data plane checks and publishes it.
+//!   Saves are best effort: with no slot free they are skipped and
+//!   counted, never waited for.
+//!
+//! Issue \[4\] wraps this in the C ABI and moves the port onto rings in
+//! shared memory; the calls here block their caller until the data plane
+//! answers (bounded by a deadline), which is what an engine's own worker
+//! thread does around them.
+
+#[cfg(not(loom))]
+mod client;
+pub mod port;
+#[cfg(not(loom))]
+pub mod push;
+pub mod shm;
+
+#[cfg(not(loom))]
+pub use client::{
+    Agent, AgentConfig, AgentStats, AttachError, FetchFailure, LEASE_TTL_MS, LOAD_BATCH, LOAD_RETRY_MAX, PreparedSave,
+    SaveBlock, SavePayload, WAIT_MAX,
+};

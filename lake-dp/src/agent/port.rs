@@ -1,0 +1,228 @@
+//! The in-process port between an agent and the `lake-dp` runner: a
+//! request ring and a completion ring (bounded SPSC, allocated at start)
+//! and the runner's wake-up eventfd. Issue \[4\] moves the same requests
+//! onto rings in shared memory for agents in other processes.
+
+use std::sync::Arc;
+
+use crate::model::key::BlockKey;
+use crate::model::replica::{Priority, ReplicaWire};
+use crate::ring::{Consumer, Producer, ring};
+use crate::runner::os::Wakeup;
+
+/// What an agent asks of the data plane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentRequest {
+    /// Reserve an L1 slot for an object of `object_bytes` (stored header
+    /// included). Phase one of a save.
+    Reserve {
+        /// Echoed in the completion.
+        cookie: u64,
+        /// Header plus padded payload.
+        object_bytes: u64,
+    },
+    /// The reserved slot holds a complete object (header naming this slot
+    /// and generation, payload matching its CRCs): publish it. Phase two.
+    Commit {
+        /// Echoed in the completion.
+        cookie: u64,
+        /// The reserved slot.
+        slot: u32,
+        /// Its generation at reservation.
+        generation: u32,
+    },
+    /// Give a reserved slot back unused.
+    Abort {
+        /// Echoed in the completion.
+        cookie: u64,
+        /// The reserved slot.
+        slot: u32,
+        /// Its generation at reservation.
+        generation: u32,
+    },
+    /// Bring a block from L2 into L1, verified, and keep it there (the
+    /// agent then reads it through a pin, like any L1 hit).
+    Load {
+        /// Echoed in the completion.
+        cookie: u64,
+        /// The block.
+        key: BlockKey,
+        /// Its L2 replica (from a lease).
+        source: ReplicaWire,
+        /// Its class.
+        priority: Priority,
+    },
+}
+
+/// Why an agent request failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentError {
+    /// No free slot (L1 full, or no L2 room).
+    NoSpace,
+    /// The slot or replica named is not what it was (evicted, reused).
+    Stale,
+    /// The object failed its checks (header, CRC): not published; the
+    /// engine recomputes.
+    Corrupt,
+    /// The device failed.
+    Io,
+    /// The data plane is too busy to start it now (retry later).
+    Busy,
+    /// The request was malformed.
+    Invalid,
+}
+
+impl core::fmt::Display for AgentError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            Self::NoSpace => "no space in the tier",
+            Self::Stale => "the slot or replica is gone",
+            Self::Corrupt => "the block failed its checks",
+            Self::Io => "device error",
+            Self::Busy => "data plane busy",
+            Self::Invalid => "invalid request",
+        })
+    }
+}
+
+impl std::error::Error for AgentError {}
+
+/// The answer to one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgentCompletion {
+    /// The request's cookie.
+    pub cookie: u64,
+    /// The L1 slot and generation (reserved, committed or loaded into), or
+    /// why not.
+    pub result: Result<(u32, u32), AgentError>,
+}
+
+/// The data plane's end of a port: in-process rings, or a port in shared
+/// memory for an agent in another process.
+pub enum DpPort {
+    /// In-process rings.
+    Local {
+        /// Requests in.
+        requests: Consumer<AgentRequest>,
+        /// Completions out.
+        completions: Producer<AgentCompletion>,
+    },
+    /// A shared-memory port.
+    Shared(super::shm::DpShmPort),
+}
+
+impl DpPort {
+    /// The next request (or a malformed one, or a broken ring).
+    pub(crate) fn pop(&mut self) -> Option<super::shm::Popped> {
+        match self {
+            Self::Local { requests, .. } => requests.pop().map(super::shm::Popped::Request),
+            Self::Shared(port) => port.pop(),
+        }
+    }
+
+    /// Whether a request waits.
+    pub(crate) fn has_requests(&mut self) -> bool {
+        match self {
+            Self::Local { requests, .. } => !requests.is_empty(),
+            Self::Shared(port) => port.has_requests(),
+        }
+    }
+
+    /// Free completion places.
+    pub(crate) fn free(&mut self) -> usize {
+        match self {
+            Self::Local { completions, .. } => completions.free(),
+            Self::Shared(port) => port.free(),
+        }
+    }
+
+    /// Queues a completion (room was checked with `free`).
+    pub(crate) fn push(&mut self, completion: AgentCompletion) {
+        match self {
+            Self::Local { completions, .. } => {
+                let _ = completions.push(completion);
+            }
+            Self::Shared(port) => {
+                let _ = port.push(&completion);
+            }
+        }
+    }
+}
+
+impl core::fmt::Debug for DpPort {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("DpPort").finish_non_exhaustive()
+    }
+}
+
+/// The agent's end of a port.
+pub enum AgentPort {
+    /// In-process rings to a runner in this process.
+    Local {
+        /// Requests out.
+        requests: Producer<AgentRequest>,
+        /// Completions in.
+        completions: Consumer<AgentCompletion>,
+        /// The runner's wake-up.
+        wakeup: Arc<Wakeup>,
+    },
+    /// A port in shared memory of a `lake-dp` in another process.
+    Shared {
+        /// The port.
+        port: super::shm::AgentShmPort,
+        /// The data plane's wake-up eventfd.
+        wakeup: std::os::fd::OwnedFd,
+    },
+}
+
+impl core::fmt::Debug for AgentPort {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("AgentPort").finish_non_exhaustive()
+    }
+}
+
+/// A port with room for `depth` requests in flight (a power of two).
+pub fn port(depth: usize, wakeup: Arc<Wakeup>) -> (AgentPort, DpPort) {
+    let (request_tx, request_rx) = ring(depth);
+    let (completion_tx, completion_rx) = ring(depth);
+    (
+        AgentPort::Local { requests: request_tx, completions: completion_rx, wakeup },
+        DpPort::Local { requests: request_rx, completions: completion_tx },
+    )
+}
+
+impl AgentPort {
+    /// Queues a request and wakes the data plane; a full ring hands it
+    /// back.
+    pub fn submit(&mut self, request: AgentRequest) -> Result<(), AgentRequest> {
+        match self {
+            Self::Local { requests, wakeup, .. } => {
+                requests.push(request)?;
+                wakeup.wake_if_parked();
+            }
+            Self::Shared { port, wakeup } => {
+                port.push(&request).map_err(|_| request)?;
+                if port.file.wake_needed() {
+                    wake_fd(wakeup);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next completion, if any.
+    pub fn complete(&mut self) -> Option<AgentCompletion> {
+        match self {
+            Self::Local { completions, .. } => completions.pop(),
+            Self::Shared { port, .. } => port.pop(),
+        }
+    }
+}
+
+/// Writes 1 to an eventfd (a full counter already means "awake").
+fn wake_fd(fd: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let one = 1u64;
+    // SAFETY: writes 8 bytes from a valid u64 to a descriptor we own.
+    let _ = unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
+}

@@ -1,0 +1,456 @@
+//! The data plane's end of the cp↔dp protocol: one Unix-socket connection
+//! to the node's `lake-cp`, over which `lake-dp` reports its regions and
+//! every block it commits, re-adopts or evicts.
+//!
+//! The hello exchange is done at connect (blocking, with a deadline);
+//! after that the socket is non-blocking and the runner calls
+//! [`CpLink::pump`] from its loop. Reports go into a bounded buffer
+//! allocated at connect: when it is full (the control plane is not
+//! reading) a report is dropped and counted — never a block and never a
+//! stall of the poll loop; the control plane learns the truth again from
+//! the re-adoption a reconnect reports. Frames the control plane sends are
+//! decoded as they complete: `Error` frames are counted (a refused report
+//! is the control plane's call); tier commands (`MoveBlock`, `CopyBlock`,
+//! `EvictBlock`) wait in a bounded queue for the runner, which answers each
+//! with a `TransferDone` (a command that finds the queue full is answered
+//! `QueueFull` at once); lease grants wait for the agent that asked; a
+//! malformed stream closes the link.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::wire::hello::{self, Identity};
+use std::collections::VecDeque;
+
+use crate::model::key::BlockKey;
+use crate::model::replica::Replica;
+use crate::wire::message::{
+    Accessed, BlockEvicted, BlockRecord, ErrorCode, HelloAck, LeaseRelease, LeaseRequest, RegisterRegion, Resident,
+    Transfer, TransferDone,
+};
+use crate::wire::{FLAG_REPLY, FrameMeta, Limits, Message, Records, WireError, decode_frame, encode_frame};
+
+/// Tier commands the link holds for the runner before it answers
+/// `QueueFull`.
+pub const COMMANDS_MAX: usize = 4096;
+
+/// A tier command from the control plane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpCommand {
+    /// Write the source into the target tier, then free the source.
+    Move {
+        /// The command's request id (the answer echoes it).
+        request: u64,
+        /// What to move.
+        transfer: Transfer,
+    },
+    /// Write the source into the target tier and keep the source.
+    Copy {
+        /// The command's request id.
+        request: u64,
+        /// What to copy.
+        transfer: Transfer,
+    },
+    /// Free the replica.
+    Evict {
+        /// The command's request id.
+        request: u64,
+        /// What to free.
+        replica: BlockEvicted,
+    },
+}
+
+/// A lease the control plane granted to this link's agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Granted {
+    /// The request id it answers.
+    pub request: u64,
+    /// The lease (release it when done).
+    pub lease_id: u64,
+    /// Wall-clock expiry.
+    pub deadline_unix_ns: u64,
+    /// The replicas held, in key order.
+    pub entries: Vec<(BlockKey, Replica)>,
+}
+
+/// Bytes of reports the link buffers before it drops reports.
+pub const OUT_BYTES: usize = 1 << 20;
+
+/// Why the link failed.
+#[derive(Debug)]
+pub enum CpLinkError {
+    /// The socket failed.
+    Io(io::Error),
+    /// The control plane sent something that is not the protocol.
+    Wire(WireError),
+    /// The control plane answered the hello with something else, or not
+    /// within the deadline.
+    Hello(&'static str),
+}
+
+impl core::fmt::Display for CpLinkError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Io(e) => write!(f, "link to lake-cp: {e}"),
+            Self::Wire(e) => write!(f, "link to lake-cp: {e}"),
+            Self::Hello(what) => write!(f, "link to lake-cp: hello: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for CpLinkError {}
+
+impl From<io::Error> for CpLinkError {
+    fn from(e: io::Error) -> Self {
+        Self::Io(e)
+    }
+}
+
+/// What the link has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpLinkCounters {
+    /// Reports queued.
+    pub sent: u64,
+    /// Reports dropped because the buffer was full.
+    pub dropped: u64,
+    /// Error frames received (reports the control plane refused).
+    pub refused: u64,
+    /// Frames received in all.
+    pub received: u64,
+}
+
+/// The link. See the module docs.
+#[derive(Debug)]
+pub struct CpLink {
+    stream: UnixStream,
+    out: Vec<u8>,
+    sent_upto: usize,
+    input: Vec<u8>,
+    input_len: usize,
+    limits: Limits,
+    ack: HelloAck,
+    next_request: u64,
+    closed: bool,
+    commands: VecDeque<CpCommand>,
+    grants: VecDeque<Granted>,
+    /// What it has done.
+    pub counters: CpLinkCounters,
+}
+
+impl CpLink {
+    /// Connects to the control plane at `path` and exchanges hellos within
+    /// `deadline`.
+    pub fn connect(path: &Path, identity: &Identity<'_>, deadline: Duration) -> Result<Self, CpLinkError> {
+        let mut stream = UnixStream::connect(path)?;
+        let local = hello::hello(identity).map_err(CpLinkError::Wire)?;
+        let mut frame = [0u8; 256];
+        let meta = FrameMeta { version: hello::HELLO_WIRE_VERSION, flags: 0, request_id: 1, leader_term: 0 };
+        let len = encode_frame(meta, &Message::Hello(local), &mut frame).map_err(CpLinkError::Wire)?;
+        stream.write_all(&frame[..len])?;
+        let end = Instant::now() + deadline;
+        let mut input = vec![0u8; crate::constants::WIRE_FRAME_BYTES_MAX.min(1 << 20)];
+        let mut have = 0;
+        let ack = loop {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CpLinkError::Hello("no answer before the deadline"));
+            }
+            stream.set_read_timeout(Some(left))?;
+            let n = match stream.read(&mut input[have..]) {
+                Ok(0) => return Err(CpLinkError::Hello("the control plane closed the connection")),
+                Ok(n) => n,
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    return Err(CpLinkError::Hello("no answer before the deadline"));
+                }
+                Err(e) => return Err(e.into()),
+            };
+            have += n;
+            match decode_frame(&input[..have], &Limits::default()) {
+                Err(WireError::Incomplete { .. }) => {}
+                Err(e) => return Err(CpLinkError::Wire(e)),
+                Ok(frame) => match frame.message {
+                    Message::HelloAck(ack) => {
+                        let used = frame.len();
+                        input.copy_within(used..have, 0);
+                        have -= used;
+                        break ack;
+                    }
+                    Message::Error(_) => return Err(CpLinkError::Hello("the control plane refused the hello")),
+                    _ => return Err(CpLinkError::Hello("the control plane answered with something else")),
+                },
+            }
+        };
+        let limits = hello::limits_after(&ack).map_err(CpLinkError::Wire)?;
+        stream.set_read_timeout(None)?;
+        stream.set_nonblocking(true)?;
+        Ok(Self {
+            stream,
+            out: Vec::with_capacity(OUT_BYTES),
+            sent_upto: 0,
+            input,
+            input_len: have,
+            limits,
+            ack,
+            next_request: 2,
+            closed: false,
+            commands: VecDeque::with_capacity(COMMANDS_MAX),
+            grants: VecDeque::new(),
+            counters: CpLinkCounters::default(),
+        })
+    }
+
+    /// The control plane's answer to the hello.
+    pub fn ack(&self) -> &HelloAck {
+        &self.ack
+    }
+
+    /// The socket (to wait on for input).
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.stream.as_raw_fd()
+    }
+
+    /// Whether tier commands wait.
+    pub fn has_commands(&self) -> bool {
+        !self.commands.is_empty()
+    }
+
+    /// Whether the control plane closed the link (or it failed).
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Whether every queued report has been written to the socket.
+    pub fn is_flushed(&self) -> bool {
+        self.sent_upto == self.out.len()
+    }
+
+    /// Reports a region (at start, and again after every restart).
+    pub fn register_region(&mut self, region: &RegisterRegion) {
+        self.queue(&Message::RegisterRegion(*region));
+    }
+
+    /// Reports a block written and acked.
+    pub fn committed(&mut self, block: &BlockRecord) {
+        self.queue(&Message::BlockCommitted(*block));
+    }
+
+    /// Reports a block found on disk at start.
+    pub fn readopted(&mut self, block: &BlockRecord) {
+        self.queue(&Message::BlockReadopted(*block));
+    }
+
+    /// Reports the data plane's running figures.
+    pub fn stats(&mut self, stats: &crate::wire::message::DataPlaneStats) {
+        self.queue(&Message::DataPlaneStats(*stats));
+    }
+
+    /// Reports a block whose slot was given up.
+    pub fn evicted(&mut self, evicted: &BlockEvicted) {
+        self.queue(&Message::BlockEvicted(*evicted));
+    }
+
+    /// The next tier command, oldest first.
+    pub fn next_command(&mut self) -> Option<CpCommand> {
+        self.commands.pop_front()
+    }
+
+    /// Answers tier command `request`.
+    pub fn transfer_done(&mut self, request: u64, done: &TransferDone) {
+        self.queue_frame(&Message::TransferDone(*done), Some(request));
+    }
+
+    /// Reports an agent's request (its keys, how many hit) for eviction.
+    /// Keys past the wire's limit are left out.
+    pub fn accessed(&mut self, namespace: u64, keys: &[BlockKey], hit_blocks: usize) {
+        let keys = &keys[..keys.len().min(crate::constants::LOOKUP_KEYS_MAX)];
+        let count = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        let hit_blocks = u32::try_from(hit_blocks).unwrap_or(u32::MAX).min(count);
+        let head = Accessed { namespace, hit_blocks, count };
+        self.queue(&Message::Accessed(head, Records::from_slice(keys)));
+    }
+
+    /// Reports that the engine now holds `keys` in its own GPU memory
+    /// (`resident`), or no longer does: advisory L0 replicas. Long lists go
+    /// as several frames rather than cut short (a lost "gone" would leave
+    /// the control plane routing to blocks the engine dropped); a full
+    /// buffer drops and counts them like any report.
+    pub fn resident(&mut self, namespace: u64, keys: &[BlockKey], resident: bool) {
+        for chunk in keys.chunks(crate::constants::LOOKUP_KEYS_MAX) {
+            let count = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+            let head = Resident { namespace, resident: u32::from(resident), count };
+            self.queue(&Message::Resident(head, Records::from_slice(chunk)));
+        }
+    }
+
+    /// Asks for a lease on the replicas of `keys` (their leading run that
+    /// has one) for `ttl_ms`; returns the request id its grant will carry.
+    pub fn request_lease(&mut self, namespace: u64, keys: &[BlockKey], ttl_ms: u32) -> u64 {
+        let keys = &keys[..keys.len().min(crate::constants::LOOKUP_KEYS_MAX)];
+        let request = self.next_request;
+        let count = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        self.queue(&Message::LeaseRequest(LeaseRequest { namespace, ttl_ms, count }, Records::from_slice(keys)));
+        request
+    }
+
+    /// Releases a lease.
+    pub fn release_lease(&mut self, lease_id: u64) {
+        self.queue(&Message::LeaseRelease(LeaseRelease { lease_id }));
+    }
+
+    /// The grant answering `request`, once it has arrived.
+    pub fn take_grant(&mut self, request: u64) -> Option<Granted> {
+        let at = self.grants.iter().position(|g| g.request == request)?;
+        self.grants.remove(at)
+    }
+
+    fn queue(&mut self, message: &Message<'_>) {
+        self.queue_frame(message, None);
+    }
+
+    /// Queues one frame: a report with the next request id, or the answer
+    /// to `reply_to`.
+    fn queue_frame(&mut self, message: &Message<'_>, reply_to: Option<u64>) {
+        if self.closed {
+            self.counters.dropped += 1;
+            return;
+        }
+        // Written reports are dropped from the front first, so the buffer
+        // never grows past what was allocated at connect.
+        if self.sent_upto > 0 && self.out.len() + 256 > self.out.capacity() {
+            self.out.drain(..self.sent_upto);
+            self.sent_upto = 0;
+        }
+        let start = self.out.len();
+        let room = self.out.capacity() - start;
+        let needed = message.body_len() + crate::wire::FRAME_HEADER_BYTES;
+        if room < needed {
+            self.counters.dropped += 1;
+            return;
+        }
+        self.out.resize(start + needed, 0);
+        let meta = FrameMeta {
+            version: self.limits.version_max,
+            flags: if reply_to.is_some() { FLAG_REPLY } else { 0 },
+            request_id: reply_to.unwrap_or(self.next_request),
+            leader_term: self.ack.leader_term_seen,
+        };
+        match encode_frame(meta, message, &mut self.out[start..]) {
+            Ok(len) => {
+                self.out.truncate(start + len);
+                if reply_to.is_none() {
+                    self.next_request += 1;
+                }
+                self.counters.sent += 1;
+            }
+            Err(_) => {
+                self.out.truncate(start);
+                self.counters.dropped += 1;
+            }
+        }
+    }
+
+    /// Writes what is queued and reads what arrived, without blocking.
+    pub fn pump(&mut self) -> Result<(), CpLinkError> {
+        if self.closed {
+            return Ok(());
+        }
+        while self.sent_upto < self.out.len() {
+            match self.stream.write(&self.out[self.sent_upto..]) {
+                Ok(0) => return self.close(CpLinkError::Hello("the control plane closed the connection")),
+                Ok(n) => self.sent_upto += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return self.close(e.into()),
+            }
+        }
+        if self.sent_upto == self.out.len() {
+            self.out.clear();
+            self.sent_upto = 0;
+        }
+        loop {
+            if self.input_len == self.input.len() {
+                return self.close(CpLinkError::Wire(WireError::FrameTooLarge {
+                    bytes: self.input_len as u64,
+                    max: self.input.len(),
+                }));
+            }
+            match self.stream.read(&mut self.input[self.input_len..]) {
+                Ok(0) => return self.close(CpLinkError::Hello("the control plane closed the connection")),
+                Ok(n) => self.input_len += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return self.close(e.into()),
+            }
+            loop {
+                let (used, incoming) = match decode_frame(&self.input[..self.input_len], &self.limits) {
+                    Err(WireError::Incomplete { .. }) => break,
+                    Err(e) => return self.close(CpLinkError::Wire(e)),
+                    Ok(frame) => {
+                        let request = frame.header.request_id;
+                        let incoming = match frame.message {
+                            Message::Error(_) => Incoming::Refused,
+                            Message::MoveBlock(transfer) => Incoming::Command(CpCommand::Move { request, transfer }),
+                            Message::CopyBlock(transfer) => Incoming::Command(CpCommand::Copy { request, transfer }),
+                            Message::EvictBlock(replica) => Incoming::Command(CpCommand::Evict { request, replica }),
+                            Message::LeaseGrant(head, entries) => Incoming::Grant(Granted {
+                                request,
+                                lease_id: head.lease_id,
+                                deadline_unix_ns: head.deadline_unix_ns,
+                                entries: entries
+                                    .iter()
+                                    .filter_map(|e| Replica::from_wire(&e.replica).map(|r| (e.key, r)))
+                                    .collect(),
+                            }),
+                            _ => Incoming::Other,
+                        };
+                        (frame.len(), incoming)
+                    }
+                };
+                self.counters.received += 1;
+                match incoming {
+                    Incoming::Refused => self.counters.refused += 1,
+                    Incoming::Command(command) => self.take_command(command),
+                    Incoming::Grant(grant) => {
+                        // Bounded: grants nobody collects do not pile up.
+                        if self.grants.len() >= 64 {
+                            self.grants.pop_front();
+                        }
+                        self.grants.push_back(grant);
+                    }
+                    Incoming::Other => {}
+                }
+                self.input.copy_within(used..self.input_len, 0);
+                self.input_len -= used;
+            }
+        }
+        Ok(())
+    }
+
+    fn take_command(&mut self, command: CpCommand) {
+        if self.commands.len() < COMMANDS_MAX {
+            self.commands.push_back(command);
+            return;
+        }
+        let (request, target) = match command {
+            CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer } => (request, transfer.target),
+            CpCommand::Evict { request, replica } => (request, replica.replica),
+        };
+        let done = TransferDone { status: ErrorCode::QueueFull as u32, reserved: 0, target, bytes: 0 };
+        self.transfer_done(request, &done);
+    }
+
+    fn close(&mut self, error: CpLinkError) -> Result<(), CpLinkError> {
+        self.closed = true;
+        Err(error)
+    }
+}
+
+enum Incoming {
+    Refused,
+    Command(CpCommand),
+    Grant(Granted),
+    Other,
+}

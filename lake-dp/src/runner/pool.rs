@@ -1,0 +1,1173 @@
+//! The runner's block service: what `lake-dp` does for the control plane
+//! (tier moves and evictions) and for agents (two-phase saves into L1,
+//! loads from L2 that promote into L1), on top of the poller.
+//!
+//! - **Saves**: an agent reserves an L1 slot, writes the stored object
+//!   (header naming this slot and generation, then the payload) straight
+//!   into shared memory, and commits; the data plane checks the header —
+//!   and the payload CRCs, before publishing ([`CommitCheck::Inline`]) or
+//!   after, off the commit's path ([`CommitCheck::Background`]: a block
+//!   that fails is evicted as corrupt) — then reports the block to
+//!   `lake-cp`, which publishes it. A reservation not committed within
+//!   [`RESERVATION_TIMEOUT_NS`] is taken back.
+//! - **Demotion** (`MoveBlock` L1→L2): the L1 slot's header says what the
+//!   block is. The slot is retired first but kept (its generation moves
+//!   on, so no new reader pins it; readers already in it finish), and once
+//!   no pin is left the data plane owns it alone: the write to a free L2
+//!   slot rewrites its header to name the L2 slot and sends header and
+//!   payload in one transfer, with no copy and no reader seeing the header
+//!   change. Then the L2 replica is reported, the L1 one evicted, and the
+//!   slot freed. Readers between the retire and the report miss in L1 (the
+//!   block is a cold victim) and find it in L2 right after.
+//! - **Promotion** (an agent's `Load`, or `CopyBlock` L2→L1): the block is
+//!   read into a free L1 slot and verified against its CRCs; the copy's
+//!   header is rewritten to name its L1 slot (so an L1 slot always
+//!   describes itself), and the L1 replica is reported.
+//! - **Evictions** (`EvictBlock`): the named replica is freed if it is
+//!   still the one named (generation checked), and reported.
+//!
+//! Every command is answered (`TransferDone`), success or not. All tables
+//! are sized at start; nothing here allocates once the runner is sealed.
+
+use std::collections::VecDeque;
+
+use crate::agent::port::{AgentCompletion, AgentError, AgentRequest, DpPort};
+use crate::agent::shm::Popped;
+use crate::arena::SlotTable;
+use crate::constants::STORED_HEADER_BYTES;
+use crate::cplink::{CpCommand, CpLink};
+use crate::model::key::BlockKey;
+use crate::model::replica::{Durability, Priority, ReplicaWire, Tier};
+use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, WriteBlock};
+use crate::poller::L2Geometry;
+use crate::region::SlotRegion;
+use crate::runner::Parts;
+use crate::stored::{StoredError, decode_header, encode_header, object_bytes};
+use crate::transport::Landing;
+use crate::transport::frame::{AckStatus, BlockAddr};
+use crate::wire::message::{BlockEvicted, BlockRecord, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone};
+
+/// A reservation not committed within this time is taken back.
+pub const RESERVATION_TIMEOUT_NS: u64 = 30_000_000_000;
+
+/// Cookies of the pool's own poller requests carry this bit (the
+/// self-test's do not).
+pub const POOL_COOKIE: u64 = 1 << 63;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum L1State {
+    Free,
+    Reserved {
+        agent: u16,
+        since_ns: u64,
+    },
+    Ready,
+    /// Being written to L2 or read from it.
+    Busy,
+}
+
+/// What an operation in flight is for.
+#[derive(Clone, Copy, Debug)]
+enum Purpose {
+    /// Demotion for `lake-cp`: L1 `l1_slot` → L2, once the slot drained.
+    Demote { request: u64, l1_generation: u32, write: WriteBlock },
+    /// Promotion into `l1_slot`, for an agent (`agent`, `cookie`) or for
+    /// `lake-cp` (`request`).
+    Promote { to: Requester, l1_slot: u32, l1_generation: u32 },
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Requester {
+    Agent { agent: u16, cookie: u64 },
+    Cp { request: u64 },
+}
+
+/// What the pool has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Blocks saved by agents (committed).
+    pub saves: u64,
+    /// Saves refused: no L1 slot free.
+    pub saves_refused: u64,
+    /// Commits refused: the object failed its checks.
+    pub commits_corrupt: u64,
+    /// Published blocks the background commit check found corrupt (and
+    /// evicted).
+    pub commits_corrupt_late: u64,
+    /// Commits the background check read through and found sound.
+    pub commits_verified: u64,
+    /// Blocks peers sent over the transport that landed here.
+    pub remote_landed: u64,
+    /// Blocks this node sent to peers that landed there.
+    pub remote_sent: u64,
+    /// Requests refused as malformed (a field out of its domain).
+    pub requests_invalid: u64,
+    /// Reservations taken back after their timeout.
+    pub reservations_expired: u64,
+    /// Blocks promoted L2→L1 (agent loads and control-plane copies).
+    pub promotions: u64,
+    /// Blocks demoted L1→L2.
+    pub demotions: u64,
+    /// Replicas evicted on command.
+    pub evictions: u64,
+    /// Commands answered with an error.
+    pub commands_failed: u64,
+    /// Bytes moved L1→L2.
+    pub bytes_down: u64,
+    /// Bytes moved L2→L1.
+    pub bytes_up: u64,
+}
+
+/// What a pool is sized for.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolShape {
+    /// This node.
+    pub node: u32,
+    /// The data plane's region epoch.
+    pub epoch: u64,
+    /// The L1 arena's region.
+    pub l1_region: u16,
+    /// Its slots.
+    pub l1_slots: u32,
+    /// The L2 tier.
+    pub geometry: L2Geometry,
+    /// Operations in flight at most (the poller's).
+    pub ops: u32,
+}
+
+/// How a commit's payload is checked against the CRCs its agent wrote in
+/// the header. Every reader checks every segment it reads whatever this
+/// is; this is about what the pool publishes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CommitCheck {
+    /// Before the block is published: a commit whose bytes fail is refused
+    /// (`Corrupt`). Costs the poller a CPU pass over every saved byte on
+    /// the commit's path.
+    #[default]
+    Inline,
+    /// Published at once (header checked), the payload checked by the
+    /// poller off the commit's path, a bounded number of bytes per pass,
+    /// oldest commit first; a block that fails is evicted (`Corrupt`, and
+    /// counted) before or while readers, who check it themselves, meet it.
+    Background,
+    /// Header only: the agent's CRCs are taken as they are (readers still
+    /// check every segment).
+    Trust,
+}
+
+/// A copy of an L1 block to another node, handed to the runner's
+/// transport.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RemoteSend {
+    /// The command's request id.
+    pub request: u64,
+    /// The source slot and its generation.
+    pub slot: u32,
+    /// See `slot`.
+    pub generation: u32,
+    /// The stored object's bytes.
+    pub len: u64,
+    /// Where it goes: node, region and epoch (any slot).
+    pub target: ReplicaWire,
+    /// Its class.
+    pub priority: Priority,
+    /// Given to the transport already.
+    pub handed: bool,
+}
+
+/// Copies to other nodes in flight at most.
+const REMOTE_SENDS_MAX: usize = 256;
+
+/// The slot bytes a stored object of `len` bytes (its header and payload,
+/// as it travels) needs: the payload padded as a slot pads it.
+fn stored_object_room(len: u64) -> u64 {
+    object_bytes(len.saturating_sub(STORED_HEADER_BYTES as u64))
+}
+
+/// The owner of an L1 reservation made for a peer's block arriving over
+/// the transport (no local agent's port).
+const REMOTE_AGENT: u16 = u16::MAX;
+
+/// The pool as the transport's [`Landing`]: blocks that peers send to this
+/// node's L1 (P→D, replication) are reserved, landed, checked and
+/// published like commits.
+pub(crate) struct PoolLanding<'p, 'a> {
+    /// The pool.
+    pub pool: &'p mut Pool,
+    /// The runner's parts.
+    pub parts: &'p mut Parts<'a>,
+}
+
+impl Landing for PoolLanding<'_, '_> {
+    fn place(&mut self, target: &BlockAddr, len: u64) -> Result<*mut u8, AckStatus> {
+        self.pool.remote_place(target, len, self.parts)
+    }
+
+    fn landed(&mut self, target: &BlockAddr, len: u64) -> AckStatus {
+        self.pool.remote_landed(target, len, self.parts)
+    }
+
+    fn abandoned(&mut self, target: &BlockAddr) {
+        self.pool.remote_abandoned(target, self.parts);
+    }
+
+    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
+        self.pool.remote_reserve(region, epoch, len, self.parts)
+    }
+}
+
+/// Payload bytes the background check reads per pass at most (at least
+/// one segment): bounds what it adds to a pass's latency.
+const VERIFY_BYTES_PER_PASS: u64 = 1 << 20;
+
+/// A committed L1 block whose payload the background check has not
+/// finished.
+#[derive(Clone, Copy, Debug)]
+struct Unverified {
+    slot: u32,
+    generation: u32,
+    next_segment: u16,
+}
+
+/// The block service. See the module docs.
+pub struct Pool {
+    node: u32,
+    epoch: u64,
+    l1_region: u16,
+    geometry: L2Geometry,
+    commit_check: CommitCheck,
+    /// Commits the background check has yet to read, oldest first (at
+    /// most one per L1 slot: allocated once).
+    unverified: VecDeque<Unverified>,
+    /// Copies of L1 blocks to other nodes in flight (allocated once).
+    sends: Vec<RemoteSend>,
+    /// Sends the transport refused, to end.
+    failed_sends: Vec<u64>,
+    l1: Vec<L1State>,
+    reserved: u32,
+    /// Per L2 slot: the generation of the object there (0: none) and its
+    /// payload length.
+    l2_generation: Vec<u32>,
+    l2_len: Vec<u64>,
+    ops: Vec<Option<Purpose>>,
+    free_ops: Vec<u32>,
+    /// Demotions waiting for their L1 slot to drain: (slot, op cookie).
+    draining: Vec<(u32, u64)>,
+    /// Agent ports: the in-process ones given at start, then one place per
+    /// shared port (`None` while no agent holds it).
+    agents: Vec<Option<DpPort>>,
+    /// Ports the agent broke (an index ran ahead): to detach.
+    broken: Vec<u16>,
+    /// The place of shared port 0.
+    shared_base: usize,
+    /// Requests popped per agent and not yet answered.
+    outstanding: Vec<u32>,
+    passes: u64,
+    /// What it has done.
+    pub stats: PoolStats,
+}
+
+impl core::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Pool").field("stats", &self.stats).finish_non_exhaustive()
+    }
+}
+
+impl Pool {
+    /// A pool over `l1_slots` arena slots and the L2 `geometry`, with room
+    /// for `ops` operations in flight, serving `agents`.
+    pub fn new(shape: &PoolShape, agents: Vec<DpPort>, shared_ports: u32) -> Self {
+        let PoolShape { node, epoch, l1_region, l1_slots, geometry, ops } = *shape;
+        let shared_base = agents.len();
+        let l2_slots = usize::from(geometry.files) * geometry.slots_per_file as usize;
+        let mut agents: Vec<Option<DpPort>> = agents.into_iter().map(Some).collect();
+        agents.extend((0..shared_ports).map(|_| None));
+        let agents_len = agents.len();
+        Self {
+            node,
+            epoch,
+            l1_region,
+            geometry,
+            commit_check: CommitCheck::Inline,
+            unverified: VecDeque::with_capacity(l1_slots as usize),
+            sends: Vec::with_capacity(REMOTE_SENDS_MAX),
+            failed_sends: Vec::with_capacity(REMOTE_SENDS_MAX),
+            l1: vec![L1State::Free; l1_slots as usize],
+            reserved: 0,
+            l2_generation: vec![0; l2_slots],
+            l2_len: vec![0; l2_slots],
+            ops: vec![None; ops as usize],
+            free_ops: (0..ops).rev().collect(),
+            draining: Vec::with_capacity(ops as usize),
+            agents,
+            broken: Vec::with_capacity(agents_len),
+            shared_base,
+            outstanding: vec![0; agents_len],
+            passes: 0,
+            stats: PoolStats::default(),
+        }
+    }
+
+    /// How commits are checked (default [`CommitCheck::Inline`]).
+    pub fn set_commit_check(&mut self, check: CommitCheck) {
+        self.commit_check = check;
+    }
+
+    /// Commits whose payload the background check has yet to read.
+    pub fn unverified(&self) -> usize {
+        self.unverified.len()
+    }
+
+    fn l2_index(&self, slot: L2Slot) -> Option<usize> {
+        (slot.file < self.geometry.files && slot.slot < self.geometry.slots_per_file)
+            .then(|| usize::from(slot.file) * self.geometry.slots_per_file as usize + slot.slot as usize)
+    }
+
+    fn l2_slot_of(&self, replica: &ReplicaWire) -> Option<L2Slot> {
+        let file = replica.region.checked_sub(self.geometry.region_first)?;
+        let slot = L2Slot { file, slot: replica.slot };
+        self.l2_index(slot).map(|_| slot)
+    }
+
+    /// An object now lives in an L2 slot (written, or found at start).
+    pub fn l2_written(&mut self, slot: L2Slot, generation: u32, payload_len: u64) {
+        if let Some(index) = self.l2_index(slot) {
+            self.l2_generation[index] = generation;
+            self.l2_len[index] = payload_len;
+        }
+    }
+
+    /// Whether `slot` still holds the object of `generation`.
+    pub fn l2_holds(&self, slot: L2Slot, generation: u32) -> bool {
+        self.l2_index(slot).is_some_and(|index| self.l2_generation[index] == generation && generation != 0)
+    }
+
+    /// An L2 slot was given up.
+    pub fn l2_released(&mut self, slot: L2Slot) {
+        if let Some(index) = self.l2_index(slot) {
+            self.l2_generation[index] = 0;
+            self.l2_len[index] = 0;
+        }
+    }
+
+    /// Whether an agent has requests waiting (checked before parking).
+    pub fn has_agent_work(&mut self) -> bool {
+        self.agents.iter_mut().flatten().any(DpPort::has_requests)
+    }
+
+    /// The place of shared port `port` among the agents.
+    pub fn shared_place(&self, port: u32) -> usize {
+        self.shared_base + port as usize
+    }
+
+    /// An agent attached at `place` (see [`Pool::shared_place`]).
+    pub fn attach(&mut self, place: usize, port: DpPort) {
+        if let Some(slot) = self.agents.get_mut(place) {
+            *slot = Some(port);
+            self.outstanding[place] = 0;
+        }
+    }
+
+    /// The agent on `place` detached (or died): its port goes, its
+    /// reservations are taken back (loads in flight finish; their copies
+    /// stay in L1, reported).
+    pub fn detach(&mut self, place: usize, table: &mut SlotTable) {
+        if let Some(slot) = self.agents.get_mut(place) {
+            *slot = None;
+        }
+        let agent = u16::try_from(place).unwrap_or(u16::MAX);
+        for slot in 0..self.l1.len() {
+            if matches!(self.l1[slot], L1State::Reserved { agent: owner, .. } if owner == agent) {
+                self.release_l1(u32::try_from(slot).unwrap_or(u32::MAX), table);
+            }
+        }
+    }
+
+    /// Ports agents broke since the last call (places), to detach.
+    pub fn take_broken(&mut self) -> Option<u16> {
+        self.broken.pop()
+    }
+
+    fn take_op(&mut self, purpose: Purpose) -> Option<u64> {
+        let index = self.free_ops.pop()?;
+        self.ops[index as usize] = Some(purpose);
+        Some(POOL_COOKIE | u64::from(index))
+    }
+
+    fn put_op(&mut self, cookie: u64) -> Option<Purpose> {
+        let index = u32::try_from(cookie & !POOL_COOKIE).ok()?;
+        let purpose = self.ops.get_mut(index as usize)?.take()?;
+        self.free_ops.push(index);
+        Some(purpose)
+    }
+
+    fn l1_record(&self, slot: u32, generation: u32, meta: &crate::stored::ObjectMeta) -> BlockRecord {
+        crate::runner::block_record(self.l1_replica(slot, generation), meta, Durability::Volatile)
+    }
+
+    fn l1_replica(&self, slot: u32, generation: u32) -> ReplicaWire {
+        ReplicaWire {
+            tier: Tier::L1Dram as u8,
+            reserved: 0,
+            region: self.l1_region,
+            node: self.node,
+            region_epoch: self.epoch,
+            slot,
+            generation,
+        }
+    }
+
+    /// Serves the agents' rings and the control plane's commands; submits
+    /// what needs I/O to the poller. Bounded by `budget` items.
+    pub(crate) fn serve(&mut self, parts: &mut Parts<'_>, now_ns: u64, budget: u32) -> u32 {
+        let mut done = 0;
+        for agent in 0..self.agents.len() {
+            while done < budget {
+                let Some(port) = self.agents[agent].as_mut() else { break };
+                // Never more answers owed than the completion ring holds.
+                if self.outstanding[agent] as usize >= port.free() {
+                    break;
+                }
+                let Some(popped) = port.pop() else { break };
+                done += 1;
+                let place = u16::try_from(agent).unwrap_or(u16::MAX);
+                match popped {
+                    Popped::Request(request) => {
+                        self.outstanding[agent] += 1;
+                        self.agent_request(place, request, parts, now_ns);
+                    }
+                    Popped::Invalid(cookie) => {
+                        self.outstanding[agent] += 1;
+                        self.stats.requests_invalid += 1;
+                        self.answer(place, cookie, Err(AgentError::Invalid));
+                    }
+                    Popped::Broken => {
+                        self.agents[agent] = None;
+                        if self.broken.len() < self.broken.capacity() {
+                            self.broken.push(place);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        while done < budget {
+            let Some(command) = parts.link.as_mut().and_then(CpLink::next_command) else { break };
+            done += 1;
+            self.command(command, parts);
+        }
+        done += self.start_drained(parts);
+        done += self.verify_backlog(parts);
+        self.passes = self.passes.wrapping_add(1);
+        if self.reserved > 0 && self.passes.is_multiple_of(4096) {
+            self.expire_reservations(parts.table, now_ns);
+        }
+        done
+    }
+
+    /// Starts the writes of demotions whose L1 slot has drained.
+    fn start_drained(&mut self, parts: &mut Parts<'_>) -> u32 {
+        let mut started = 0;
+        let mut at = 0;
+        while at < self.draining.len() {
+            let (slot, cookie) = self.draining[at];
+            if !parts.table.is_drained(slot) {
+                at += 1;
+                continue;
+            }
+            let Some(Some(Purpose::Demote { write, .. })) = self.ops.get((cookie & !POOL_COOKIE) as usize) else {
+                self.draining.swap_remove(at);
+                continue;
+            };
+            let request =
+                Request { command: Command::Write(*write), priority: Priority::Demotion, deadline_ns: 0, cookie };
+            if parts.poller.submit(request).is_err() {
+                // The poller is full: next pass.
+                break;
+            }
+            self.draining.swap_remove(at);
+            started += 1;
+        }
+        started
+    }
+
+    fn answer(&mut self, agent: u16, cookie: u64, result: Result<(u32, u32), AgentError>) {
+        let place = usize::from(agent);
+        let Some(Some(port)) = self.agents.get_mut(place) else { return };
+        self.outstanding[place] = self.outstanding[place].saturating_sub(1);
+        // Room was checked before the request was taken.
+        port.push(AgentCompletion { cookie, result });
+    }
+
+    fn agent_request(&mut self, agent: u16, request: AgentRequest, parts: &mut Parts<'_>, now_ns: u64) {
+        let table = &mut *parts.table;
+        match request {
+            AgentRequest::Reserve { cookie, object_bytes } => {
+                let grant = table.class_for(object_bytes).and_then(|class| table.allocate(class));
+                match grant {
+                    Some(grant) => {
+                        self.l1[grant.slot as usize] = L1State::Reserved { agent, since_ns: now_ns };
+                        self.reserved += 1;
+                        self.answer(agent, cookie, Ok((grant.slot, grant.generation)));
+                    }
+                    None => {
+                        self.stats.saves_refused += 1;
+                        self.answer(agent, cookie, Err(AgentError::NoSpace));
+                    }
+                }
+            }
+            AgentRequest::Commit { cookie, slot, generation } => {
+                let result = self.commit(agent, slot, generation, parts);
+                self.answer(agent, cookie, result.map(|()| (slot, generation)));
+            }
+            AgentRequest::Abort { cookie, slot, generation } => {
+                let result = match self.l1.get(slot as usize) {
+                    Some(L1State::Reserved { agent: owner, .. })
+                        if *owner == agent && table.arena().generation(slot) == Some(generation) =>
+                    {
+                        self.release_l1(slot, table);
+                        Ok((slot, generation))
+                    }
+                    _ => Err(AgentError::Stale),
+                };
+                self.answer(agent, cookie, result);
+            }
+            AgentRequest::Load { cookie, key, source, priority } => {
+                let to = Requester::Agent { agent, cookie };
+                if let Err(e) = self.promote(to, key, &source, priority, parts) {
+                    self.answer(agent, cookie, Err(e));
+                }
+            }
+        }
+    }
+
+    /// The background commit check: reads up to [`VERIFY_BYTES_PER_PASS`]
+    /// of the oldest unchecked commits' payloads (at least one segment); a
+    /// block that fails is evicted as corrupt and reported. Returns the
+    /// segments read (work done, so the runner does not park meanwhile).
+    fn verify_backlog(&mut self, parts: &mut Parts<'_>) -> u32 {
+        let mut read = 0u64;
+        let mut segments = 0;
+        while read < VERIFY_BYTES_PER_PASS {
+            let Some(&Unverified { slot, generation, next_segment }) = self.unverified.front() else { break };
+            // Evicted, demoted or freed since: nothing left to check.
+            if self.l1.get(slot as usize) != Some(&L1State::Ready)
+                || parts.table.arena().generation(slot) != Some(generation)
+            {
+                self.unverified.pop_front();
+                continue;
+            }
+            // SAFETY: a ready slot is not written again until it is
+            // retired, which this thread alone does.
+            let Some(bytes) = (unsafe { parts.region.slot(slot) }) else {
+                self.unverified.pop_front();
+                continue;
+            };
+            let Ok(decoded) = decode_header(bytes) else {
+                // Its header was checked at commit: the slot changed under
+                // us, which only a broken agent does. Treat it as corrupt.
+                self.unverified.pop_front();
+                self.evict_corrupt(slot, generation, None, parts);
+                continue;
+            };
+            let meta = *decoded.meta();
+            let Some((offset, len)) = meta.segment_range(next_segment) else {
+                self.unverified.pop_front();
+                self.stats.commits_verified += 1;
+                continue;
+            };
+            let start = STORED_HEADER_BYTES as u64 + offset;
+            let segment = usize::try_from(start)
+                .ok()
+                .zip(usize::try_from(start + len).ok())
+                .and_then(|(from, to)| bytes.get(from..to));
+            segments += 1;
+            read += len;
+            match segment.map(|s| decoded.verify_segment(next_segment, s)) {
+                Some(Ok(())) => {
+                    if let Some(front) = self.unverified.front_mut() {
+                        front.next_segment += 1;
+                    }
+                }
+                _ => {
+                    self.unverified.pop_front();
+                    self.evict_corrupt(slot, generation, Some(meta.key), parts);
+                }
+            }
+        }
+        segments
+    }
+
+    /// A published L1 block failed the background check: freed (once no
+    /// reader pins it) and reported evicted as corrupt.
+    fn evict_corrupt(&mut self, slot: u32, generation: u32, key: Option<BlockKey>, parts: &mut Parts<'_>) {
+        self.stats.commits_corrupt_late += 1;
+        self.release_l1(slot, parts.table);
+        self.stats.evictions += 1;
+        if let (Some(cp), Some(key)) = (parts.link.as_mut(), key) {
+            let replica = self.l1_replica(slot, generation);
+            cp.evicted(&BlockEvicted { replica, key, reason: EvictReason::Corrupt as u8, reserved: [0; 7] });
+        }
+    }
+
+    /// A copy of an L1 block to another node's L1 (replication, or a
+    /// node's write-back elsewhere): the slot is held (no eviction or
+    /// demotion while it is read) and the send handed to the runner's
+    /// transport ([`Pool::take_sends`]).
+    fn send_remote(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+        let source = &transfer.source;
+        if source.region_epoch != self.epoch || source.node != self.node || source.region != self.l1_region {
+            return Err(ErrorCode::StaleEpoch);
+        }
+        let slot = source.slot;
+        if self.l1.get(slot as usize) != Some(&L1State::Ready)
+            || parts.table.arena().generation(slot) != Some(source.generation)
+        {
+            return Err(ErrorCode::StaleGeneration);
+        }
+        // SAFETY: a ready slot is not written until it is retired, which
+        // this thread alone does (and not while it is held below).
+        let bytes = unsafe { parts.region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
+        let meta = *decode_header(bytes).map_err(|_| ErrorCode::Checksum)?.meta();
+        if meta.key != transfer.key {
+            return Err(ErrorCode::NoSuchBlock);
+        }
+        if self.sends.len() >= self.sends.capacity() {
+            return Err(ErrorCode::QueueFull);
+        }
+        self.l1[slot as usize] = L1State::Busy;
+        self.sends.push(RemoteSend {
+            request,
+            slot,
+            generation: source.generation,
+            len: STORED_HEADER_BYTES as u64 + meta.payload_len,
+            target: transfer.target,
+            priority: Priority::from_u8(transfer.priority).unwrap_or(Priority::Replication),
+            handed: false,
+        });
+        Ok(())
+    }
+
+    /// Sends not yet handed to the transport: marked handed as they are
+    /// taken.
+    pub(crate) fn take_sends(&mut self, mut hand: impl FnMut(&RemoteSend) -> bool) {
+        let mut failed = Vec::new();
+        for send in self.sends.iter_mut().filter(|s| !s.handed) {
+            send.handed = true;
+            if !hand(send) {
+                failed.push(send.request);
+            }
+        }
+        self.failed_sends.extend(failed);
+    }
+
+    /// A send ended (`landed`: the slot it landed in, or why not): the
+    /// slot goes back to ready and `lake-cp` is answered.
+    pub(crate) fn send_ended(&mut self, request: u64, landed: Result<BlockAddr, ErrorCode>, parts: &mut Parts<'_>) {
+        let Some(at) = self.sends.iter().position(|s| s.request == request) else { return };
+        let send = self.sends.swap_remove(at);
+        if self.l1.get(send.slot as usize) == Some(&L1State::Busy)
+            && parts.table.arena().generation(send.slot) == Some(send.generation)
+        {
+            self.l1[send.slot as usize] = L1State::Ready;
+        }
+        let (status, target, bytes) = match landed {
+            Ok(at) => {
+                self.stats.remote_sent += 1;
+                let target = ReplicaWire { slot: at.slot, generation: at.generation, ..send.target };
+                (0, target, send.len)
+            }
+            Err(code) => {
+                self.stats.commands_failed += 1;
+                (code as u32, send.target, 0)
+            }
+        };
+        if let Some(cp) = parts.link {
+            cp.transfer_done(send.request, &TransferDone { status, reserved: 0, target, bytes });
+        }
+    }
+
+    /// Sends the transport would not take: ended as failed.
+    pub(crate) fn end_failed_sends(&mut self, parts: &mut Parts<'_>) {
+        while let Some(request) = self.failed_sends.pop() {
+            self.send_ended(request, Err(ErrorCode::Io), parts);
+        }
+    }
+
+    /// A peer's block is coming over the transport for this node's L1:
+    /// a slot of its size is reserved for it (by no local agent; the
+    /// reservation's timeout applies), its address given.
+    fn remote_reserve(
+        &mut self,
+        region: u16,
+        epoch: u64,
+        len: u64,
+        parts: &mut Parts<'_>,
+    ) -> Result<BlockAddr, AckStatus> {
+        if region != self.l1_region || epoch != self.epoch {
+            return Err(AckStatus::Refused);
+        }
+        let table = &mut *parts.table;
+        let need = stored_object_room(len);
+        let grant = table.class_for(need).and_then(|class| table.allocate(class)).ok_or(AckStatus::Busy)?;
+        self.l1[grant.slot as usize] = L1State::Reserved { agent: REMOTE_AGENT, since_ns: parts.now_ns };
+        self.reserved += 1;
+        Ok(BlockAddr { region, epoch, slot: grant.slot, generation: grant.generation })
+    }
+
+    /// Where a block reserved by [`Pool::remote_reserve`] lands.
+    fn remote_place(&mut self, target: &BlockAddr, len: u64, parts: &mut Parts<'_>) -> Result<*mut u8, AckStatus> {
+        let fits = parts.region.slot_len(target.slot).is_some_and(|room| stored_object_room(len) <= room as u64);
+        if !self.remote_owns(target, parts) || !fits {
+            return Err(AckStatus::Refused);
+        }
+        parts.region.slot_ptr(target.slot).ok_or(AckStatus::Refused)
+    }
+
+    fn remote_owns(&self, target: &BlockAddr, parts: &Parts<'_>) -> bool {
+        target.region == self.l1_region
+            && target.epoch == self.epoch
+            && matches!(self.l1.get(target.slot as usize), Some(L1State::Reserved { agent: REMOTE_AGENT, .. }))
+            && parts.table.arena().generation(target.slot) == Some(target.generation)
+    }
+
+    /// A peer's block arrived whole: checked (header, every CRC), its
+    /// header rewritten to name its slot, published like a commit.
+    fn remote_landed(&mut self, target: &BlockAddr, len: u64, parts: &mut Parts<'_>) -> AckStatus {
+        if !self.remote_owns(target, parts) {
+            return AckStatus::Refused;
+        }
+        // SAFETY: as in `remote_place`: the slot is this transfer's.
+        let Some(bytes) = (unsafe { parts.region.slot_mut(target.slot) }) else { return AckStatus::Refused };
+        match crate::transport::check_and_adopt(bytes, len, target) {
+            Ok(meta) => {
+                self.reserved = self.reserved.saturating_sub(1);
+                self.l1[target.slot as usize] = L1State::Ready;
+                self.stats.saves += 1;
+                self.stats.remote_landed += 1;
+                if let Some(cp) = parts.link {
+                    cp.committed(&self.l1_record(target.slot, target.generation, &meta));
+                }
+                AckStatus::Landed
+            }
+            Err(status) => {
+                self.stats.commits_corrupt += 1;
+                self.release_l1(target.slot, parts.table);
+                status
+            }
+        }
+    }
+
+    /// A peer's block will not come: its slot goes back.
+    fn remote_abandoned(&mut self, target: &BlockAddr, parts: &mut Parts<'_>) {
+        if self.remote_owns(target, parts) {
+            self.release_l1(target.slot, parts.table);
+        }
+    }
+
+    fn release_l1(&mut self, slot: u32, table: &mut SlotTable) {
+        if let Some(state) = self.l1.get_mut(slot as usize) {
+            if matches!(state, L1State::Reserved { .. }) {
+                self.reserved = self.reserved.saturating_sub(1);
+            }
+            *state = L1State::Free;
+        }
+        let _ = table.retire(slot);
+    }
+
+    fn commit(&mut self, agent: u16, slot: u32, generation: u32, parts: &mut Parts<'_>) -> Result<(), AgentError> {
+        let table = &mut *parts.table;
+        match self.l1.get(slot as usize) {
+            Some(L1State::Reserved { agent: owner, .. })
+                if *owner == agent && table.arena().generation(slot) == Some(generation) => {}
+            _ => return Err(AgentError::Stale),
+        }
+        // SAFETY: the slot is reserved to this agent, which has finished
+        // writing it (it committed); nobody else writes a reserved slot.
+        let bytes = unsafe { parts.region.slot(slot) }.ok_or(AgentError::Invalid)?;
+        // The header must name this very slot, generation and epoch: an
+        // object copied from elsewhere, or written for an old reservation,
+        // is not published.
+        let checked = check_object(bytes, self.commit_check == CommitCheck::Inline).ok().filter(|meta| {
+            meta.region.0 == self.l1_region
+                && meta.slot == slot
+                && meta.generation == generation
+                && meta.region_epoch == self.epoch
+        });
+        let meta = match checked {
+            Some(meta) => meta,
+            None => {
+                self.stats.commits_corrupt += 1;
+                self.release_l1(slot, table);
+                return Err(AgentError::Corrupt);
+            }
+        };
+        self.reserved = self.reserved.saturating_sub(1);
+        self.l1[slot as usize] = L1State::Ready;
+        self.stats.saves += 1;
+        if self.commit_check == CommitCheck::Background && self.unverified.len() < self.l1.len() {
+            self.unverified.push_back(Unverified { slot, generation, next_segment: 0 });
+        }
+        if let Some(cp) = parts.link {
+            cp.committed(&self.l1_record(slot, generation, &meta));
+        }
+        Ok(())
+    }
+
+    fn expire_reservations(&mut self, table: &mut SlotTable, now_ns: u64) {
+        for slot in 0..self.l1.len() {
+            if let L1State::Reserved { since_ns, .. } = self.l1[slot]
+                && now_ns.saturating_sub(since_ns) > RESERVATION_TIMEOUT_NS
+            {
+                self.stats.reservations_expired += 1;
+                self.release_l1(u32::try_from(slot).unwrap_or(u32::MAX), table);
+            }
+        }
+    }
+
+    /// Starts reading `source` (an L2 replica of `key`) into a new L1 slot.
+    fn promote(
+        &mut self,
+        to: Requester,
+        key: BlockKey,
+        source: &ReplicaWire,
+        priority: Priority,
+        parts: &mut Parts<'_>,
+    ) -> Result<(), AgentError> {
+        let table = &mut *parts.table;
+        if source.tier != Tier::L2Nvme as u8 || source.region_epoch != self.epoch || source.node != self.node {
+            return Err(AgentError::Stale);
+        }
+        let slot = self.l2_slot_of(source).ok_or(AgentError::Invalid)?;
+        let index = self.l2_index(slot).ok_or(AgentError::Invalid)?;
+        if self.l2_generation[index] != source.generation || source.generation == 0 {
+            return Err(AgentError::Stale);
+        }
+        let payload_len = self.l2_len[index];
+        let grant = table
+            .class_for(object_bytes(payload_len))
+            .and_then(|class| table.allocate(class))
+            .ok_or(AgentError::NoSpace)?;
+        let purpose = Purpose::Promote { to, l1_slot: grant.slot, l1_generation: grant.generation };
+        let Some(cookie) = self.take_op(purpose) else {
+            let _ = table.retire(grant.slot);
+            return Err(AgentError::Busy);
+        };
+        self.l1[grant.slot as usize] = L1State::Busy;
+        let command = Command::Read(ReadBlock {
+            source: slot,
+            l1_slot: grant.slot,
+            key,
+            generation: source.generation,
+            payload_len,
+        });
+        if parts.poller.submit(Request { command, priority, deadline_ns: 0, cookie }).is_err() {
+            self.put_op(cookie);
+            self.release_l1(grant.slot, table);
+            return Err(AgentError::Busy);
+        }
+        Ok(())
+    }
+
+    fn command(&mut self, command: CpCommand, parts: &mut Parts<'_>) {
+        let (request, target, outcome) = match command {
+            CpCommand::Evict { request, replica } => (request, replica.replica, self.evict(&replica, parts)),
+            CpCommand::Move { request, transfer }
+                if transfer.source.tier == Tier::L1Dram as u8 && transfer.target.tier == Tier::L2Nvme as u8 =>
+            {
+                let outcome = self.demote(request, &transfer.source, &transfer.key, parts);
+                match outcome {
+                    // Answered when the write completes.
+                    Ok(()) => return,
+                    Err(code) => (request, transfer.target, Err(code)),
+                }
+            }
+            CpCommand::Copy { request, transfer }
+                if transfer.source.tier == Tier::L2Nvme as u8 && transfer.target.tier == Tier::L1Dram as u8 =>
+            {
+                let priority = Priority::from_u8(transfer.priority).unwrap_or(Priority::Replication);
+                let to = Requester::Cp { request };
+                match self.promote(to, transfer.key, &transfer.source, priority, parts) {
+                    Ok(()) => return,
+                    Err(e) => (request, transfer.target, Err(code_of(e))),
+                }
+            }
+            CpCommand::Copy { request, transfer }
+                if transfer.source.tier == Tier::L1Dram as u8
+                    && transfer.target.tier == Tier::L1Dram as u8
+                    && transfer.target.node != self.node =>
+            {
+                match self.send_remote(request, &transfer, parts) {
+                    // Answered when the peer says it landed, or why not.
+                    Ok(()) => return,
+                    Err(code) => (request, transfer.target, Err(code)),
+                }
+            }
+            CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer } => {
+                (request, transfer.target, Err(ErrorCode::BadFrame))
+            }
+        };
+        let status = match outcome {
+            Ok(()) => 0,
+            Err(code) => {
+                self.stats.commands_failed += 1;
+                code as u32
+            }
+        };
+        if let Some(cp) = parts.link {
+            cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes: 0 });
+        }
+    }
+
+    fn evict(&mut self, evict: &BlockEvicted, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+        let (table, l2) = (&mut *parts.table, &mut *parts.l2);
+        let replica = &evict.replica;
+        if replica.region_epoch != self.epoch || replica.node != self.node {
+            return Err(ErrorCode::StaleEpoch);
+        }
+        if replica.tier == Tier::L1Dram as u8 && replica.region == self.l1_region {
+            let slot = replica.slot;
+            if self.l1.get(slot as usize) != Some(&L1State::Ready)
+                || table.arena().generation(slot) != Some(replica.generation)
+            {
+                return Err(ErrorCode::StaleGeneration);
+            }
+            self.release_l1(slot, table);
+        } else if replica.tier == Tier::L2Nvme as u8 {
+            let slot = self.l2_slot_of(replica).ok_or(ErrorCode::NoSuchBlock)?;
+            let index = self.l2_index(slot).ok_or(ErrorCode::NoSuchBlock)?;
+            if self.l2_generation[index] != replica.generation || replica.generation == 0 {
+                return Err(ErrorCode::StaleGeneration);
+            }
+            l2.release(slot).map_err(|_| ErrorCode::StaleGeneration)?;
+            self.l2_released(slot);
+        } else {
+            return Err(ErrorCode::NoSuchBlock);
+        }
+        self.stats.evictions += 1;
+        let reason = EvictReason::from_u8(evict.reason).unwrap_or(EvictReason::Capacity);
+        let Some(cp) = parts.link else { return Ok(()) };
+        cp.evicted(&BlockEvicted { replica: *replica, key: evict.key, reason: reason as u8, reserved: [0; 7] });
+        Ok(())
+    }
+
+    fn demote(
+        &mut self,
+        request: u64,
+        source: &ReplicaWire,
+        key: &BlockKey,
+        parts: &mut Parts<'_>,
+    ) -> Result<(), ErrorCode> {
+        let (table, l2) = (&mut *parts.table, &mut *parts.l2);
+        if source.region_epoch != self.epoch || source.node != self.node || source.region != self.l1_region {
+            return Err(ErrorCode::StaleEpoch);
+        }
+        let slot = source.slot;
+        if self.l1.get(slot as usize) != Some(&L1State::Ready)
+            || table.arena().generation(slot) != Some(source.generation)
+        {
+            return Err(ErrorCode::StaleGeneration);
+        }
+        // SAFETY: the slot is Ready: committed, and written by nobody.
+        let bytes = unsafe { parts.region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
+        let mut meta = *decode_header(bytes).map_err(|_| ErrorCode::Checksum)?.meta();
+        if meta.key != *key {
+            return Err(ErrorCode::NoSuchBlock);
+        }
+        if self.draining.len() == self.draining.capacity() {
+            return Err(ErrorCode::QueueFull);
+        }
+        let grant = l2.allocate().ok_or(ErrorCode::NoSpace)?;
+        meta.region = self.geometry.region(grant.slot.file);
+        meta.region_epoch = self.epoch;
+        meta.slot = grant.slot.slot;
+        meta.generation = grant.generation;
+        let write = WriteBlock { l1_slot: slot, target: grant.slot, meta, durability: Durability::Acked };
+        let purpose = Purpose::Demote { request, l1_generation: source.generation, write };
+        let Some(cookie) = self.take_op(purpose) else {
+            let _ = l2.release(grant.slot);
+            return Err(ErrorCode::QueueFull);
+        };
+        if table.retire_kept(slot).is_err() {
+            self.put_op(cookie);
+            let _ = l2.release(grant.slot);
+            return Err(ErrorCode::StaleGeneration);
+        }
+        self.l1[slot as usize] = L1State::Busy;
+        self.draining.push((slot, cookie));
+        Ok(())
+    }
+
+    /// An operation of the pool finished (`event.cookie` has
+    /// [`POOL_COOKIE`]).
+    pub(crate) fn finished(&mut self, event: &Event, parts: &mut Parts<'_>) {
+        let Some(purpose) = self.put_op(event.cookie) else { return };
+        let (table, l2, region) = (&mut *parts.table, &mut *parts.l2, parts.region);
+        let link = &mut *parts.link;
+        match (purpose, event.command) {
+            (Purpose::Demote { request, l1_generation, .. }, Command::Write(write)) => {
+                let l1_slot = write.l1_slot;
+                // The slot drained before the write: it is ours to free,
+                // and its L1 replica is gone whatever the write did.
+                let _ = table.free_drained(l1_slot);
+                self.l1[l1_slot as usize] = L1State::Free;
+                let l1_evicted = BlockEvicted {
+                    replica: self.l1_replica(l1_slot, l1_generation),
+                    key: write.meta.key,
+                    reason: EvictReason::Demoted as u8,
+                    reserved: [0; 7],
+                };
+                let target;
+                let status = match event.outcome {
+                    Ok(done) => {
+                        self.stats.demotions += 1;
+                        self.stats.bytes_down += done.bytes;
+                        self.l2_written(write.target, write.meta.generation, write.meta.payload_len);
+                        let record =
+                            crate::runner::l2_record(&self.geometry, self.node, self.epoch, write.target, &write.meta);
+                        target = record.replica;
+                        if let Some(cp) = link {
+                            cp.committed(&record);
+                            cp.evicted(&l1_evicted);
+                        }
+                        0
+                    }
+                    Err(e) => {
+                        self.stats.commands_failed += 1;
+                        let _ = l2.release(write.target);
+                        if let Some(cp) = link {
+                            cp.evicted(&BlockEvicted { reason: EvictReason::Capacity as u8, ..l1_evicted });
+                        }
+                        target = ReplicaWire { slot: SLOT_ANY, ..self.l1_replica(l1_slot, l1_generation) };
+                        op_code(e) as u32
+                    }
+                };
+                if let Some(cp) = link {
+                    cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes: 0 });
+                }
+            }
+            (Purpose::Promote { to, l1_slot, l1_generation }, Command::Read(read)) => {
+                let result = match event.outcome {
+                    Ok(done) => self.promoted(l1_slot, l1_generation, region, link).map(|()| done.bytes),
+                    Err(OpError::Corrupt(_)) => {
+                        // The L2 copy is bad: it goes, and the reader
+                        // recomputes.
+                        if l2.release(read.source).is_ok() {
+                            self.l2_released(read.source);
+                            if let Some(cp) = link {
+                                let replica = ReplicaWire {
+                                    tier: Tier::L2Nvme as u8,
+                                    reserved: 0,
+                                    region: self.geometry.region(read.source.file).0,
+                                    node: self.node,
+                                    region_epoch: self.epoch,
+                                    slot: read.source.slot,
+                                    generation: read.generation,
+                                };
+                                let reason = EvictReason::Corrupt as u8;
+                                cp.evicted(&BlockEvicted { replica, key: read.key, reason, reserved: [0; 7] });
+                            }
+                        }
+                        Err(AgentError::Corrupt)
+                    }
+                    Err(OpError::Mismatch(_)) => Err(AgentError::Stale),
+                    Err(_) => Err(AgentError::Io),
+                };
+                if let Ok(bytes) = result {
+                    self.stats.promotions += 1;
+                    self.stats.bytes_up += bytes;
+                } else {
+                    self.release_l1(l1_slot, table);
+                }
+                match to {
+                    Requester::Agent { agent, cookie } => {
+                        self.answer(agent, cookie, result.map(|_| (l1_slot, l1_generation)));
+                    }
+                    Requester::Cp { request } => {
+                        if let Some(cp) = link {
+                            let status = match result {
+                                Ok(_) => 0,
+                                Err(e) => code_of(e) as u32,
+                            };
+                            let target = self.l1_replica(l1_slot, l1_generation);
+                            let bytes = result.unwrap_or(0);
+                            cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes });
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A block read into `l1_slot`: its header is rewritten to name the L1
+    /// slot, and the replica is reported.
+    fn promoted(
+        &mut self,
+        l1_slot: u32,
+        l1_generation: u32,
+        region: &SlotRegion,
+        link: &mut Option<CpLink>,
+    ) -> Result<(), AgentError> {
+        // SAFETY: the slot was allocated for this read, which completed; no
+        // agent can pin it before it is reported.
+        let bytes = unsafe { region.slot_mut(l1_slot) }.ok_or(AgentError::Invalid)?;
+        let decoded = decode_header(bytes).map_err(|_| AgentError::Corrupt)?;
+        let mut meta = *decoded.meta();
+        let mut crcs = [0u32; crate::constants::SEGMENTS_MAX];
+        let count = decoded.crcs().len();
+        crcs[..count].copy_from_slice(decoded.crcs());
+        meta.region = crate::model::replica::RegionId(self.l1_region);
+        meta.region_epoch = self.epoch;
+        meta.slot = l1_slot;
+        meta.generation = l1_generation;
+        let header: &mut [u8; STORED_HEADER_BYTES] =
+            (&mut bytes[..STORED_HEADER_BYTES]).try_into().map_err(|_| AgentError::Invalid)?;
+        encode_header(&meta, &crcs[..count], header).map_err(|_| AgentError::Corrupt)?;
+        self.l1[l1_slot as usize] = L1State::Ready;
+        if let Some(cp) = link {
+            cp.committed(&self.l1_record(l1_slot, l1_generation, &meta));
+        }
+        Ok(())
+    }
+}
+
+/// Decodes the object in `bytes` (a whole slot) and, if `verify`, checks
+/// its payload CRCs.
+fn check_object(bytes: &[u8], verify: bool) -> Result<crate::stored::ObjectMeta, StoredError> {
+    let decoded = decode_header(bytes)?;
+    let meta = *decoded.meta();
+    if verify {
+        let end = usize::try_from(meta.payload_len)
+            .ok()
+            .and_then(|len| len.checked_add(STORED_HEADER_BYTES))
+            .filter(|&end| end <= bytes.len())
+            .ok_or(StoredError::PayloadLength { expected: meta.payload_len, actual: bytes.len() as u64 })?;
+        decoded.verify_payload(&bytes[STORED_HEADER_BYTES..end])?;
+    } else if object_bytes(meta.payload_len) > bytes.len() as u64 {
+        return Err(StoredError::PayloadLength { expected: meta.payload_len, actual: bytes.len() as u64 });
+    }
+    Ok(meta)
+}
+
+fn code_of(error: AgentError) -> ErrorCode {
+    match error {
+        AgentError::NoSpace => ErrorCode::NoSpace,
+        AgentError::Stale => ErrorCode::StaleGeneration,
+        AgentError::Corrupt => ErrorCode::Checksum,
+        AgentError::Io => ErrorCode::Io,
+        AgentError::Busy => ErrorCode::QueueFull,
+        AgentError::Invalid => ErrorCode::BadFrame,
+    }
+}
+
+fn op_code(error: OpError) -> ErrorCode {
+    match error {
+        OpError::Corrupt(_) => ErrorCode::Checksum,
+        OpError::Mismatch(_) => ErrorCode::StaleGeneration,
+        OpError::Cancelled => ErrorCode::Cancelled,
+        OpError::DeadlineExceeded => ErrorCode::DeadlineExceeded,
+        OpError::Invalid(_) => ErrorCode::BadFrame,
+        OpError::Io(_) | OpError::Short { .. } | OpError::FlushFailed(_) => ErrorCode::Io,
+    }
+}
