@@ -34,8 +34,10 @@ pub(crate) fn usize_from(value: u64) -> usize {
     widened
 }
 
+pub mod agent;
 pub mod arena;
 pub mod constants;
+pub mod cplink;
 pub mod io;
 pub mod l2;
 pub(crate) mod lock;
@@ -63,10 +65,11 @@ pub(crate) mod shm;
 pub mod sim;
 pub mod stored;
 pub mod tag;
+pub mod transport;
 pub mod uring;
 pub mod wire;
 
-pub use model::key::{BlockKey, ChainValue, KeyChain, KeyError};
+pub use model::key::{BlockKey, ChainValue, KeyChain, KeyError, engine_prefix_key};
 pub use model::layout::{Dtype, KvPlanes, Layout, LayoutError, RecurrentLayout, Shard};
 pub use model::namespace::{
     Digest32, ExtraKeys, KeyScheme, ModelIdentity, Namespace, NamespaceError, NamespaceId, TenantKey,

@@ -4,6 +4,10 @@
 
 #![warn(missing_docs)]
 
+pub mod fault_proxy;
+pub mod netns;
+pub mod transport;
+
 use lake_dp::{ExtraKeys, KeyScheme, ModelIdentity, Namespace, TenantKey};
 
 /// The namespace both sides of a cross-process key test build from the same

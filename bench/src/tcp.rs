@@ -1,0 +1,324 @@
+//! `lake-bench tcp`: blocks from one node's slots into another's over
+//! loopback TCP through Lake's transport — striped over several
+//! connections, received straight into the target slots, every block's
+//! CRCs checked there before its ack — against one plain TCP stream
+//! moving the same bytes (an iperf-style loop: one writer, one reader,
+//! no framing, no checks) in the same run.
+
+// Sizes and counts here are small (slots < 2^24, nanoseconds < 2^64).
+#![allow(clippy::cast_possible_truncation)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use lake_dp::Priority;
+use lake_dp::model::replica::ObjectKind;
+use lake_dp::stored::{ObjectMeta, encode_object};
+use lake_dp::transport::frame::{AckStatus, BlockAddr};
+use lake_dp::transport::tcp::{Outgoing, TcpConfig, TcpTransport};
+use lake_dp::transport::{Landing, check_and_adopt};
+use lake_dp::{BlockKey, NamespaceId, RegionId};
+
+use crate::args::Args;
+use crate::report::Report;
+
+const HEADER: usize = lake_dp::constants::STORED_HEADER_BYTES;
+
+/// The receiving node: slots in memory; a slot is filled by one block at a
+/// time (the sender reuses a slot only after its block was acked).
+struct Slots {
+    memory: memmap2::MmapMut,
+    slot_bytes: usize,
+    filling: Vec<bool>,
+    corrupt: u64,
+}
+
+impl Landing for Slots {
+    fn place(&mut self, target: &BlockAddr, len: u64) -> Result<*mut u8, AckStatus> {
+        let slot = target.slot as usize;
+        if slot >= self.filling.len() || self.filling[slot] || len > self.slot_bytes as u64 {
+            return Err(AckStatus::Refused);
+        }
+        self.filling[slot] = true;
+        Ok(self.memory[slot * self.slot_bytes..].as_mut_ptr())
+    }
+
+    fn landed(&mut self, target: &BlockAddr, len: u64) -> AckStatus {
+        let slot = target.slot as usize;
+        self.filling[slot] = false;
+        let bytes = &mut self.memory[slot * self.slot_bytes..(slot + 1) * self.slot_bytes];
+        match check_and_adopt(bytes, len, target) {
+            Ok(_) => AckStatus::Landed,
+            Err(status) => {
+                self.corrupt += 1;
+                status
+            }
+        }
+    }
+
+    fn abandoned(&mut self, target: &BlockAddr) {
+        if let Some(f) = self.filling.get_mut(target.slot as usize) {
+            *f = false;
+        }
+    }
+}
+
+fn object(block_bytes: usize, seed: u32) -> Result<Vec<u8>, String> {
+    let payload_len = block_bytes - HEADER;
+    let mut key = [0u8; 16];
+    key[..4].copy_from_slice(&seed.to_le_bytes());
+    let meta = ObjectMeta {
+        kind: ObjectKind::KvBlock,
+        key: BlockKey(key),
+        parent_key: BlockKey::NONE,
+        block_index: seed,
+        namespace: NamespaceId(1),
+        layout_fingerprint: 1,
+        region: RegionId(1),
+        region_epoch: 1,
+        slot: seed,
+        generation: 1,
+        committed_unix_ns: 1,
+        payload_len: payload_len as u64,
+        segment_bytes: (payload_len as u64).div_ceil(64).next_multiple_of(4096).max(4096),
+    };
+    let payload: Vec<u8> = (0..payload_len).map(|i| (i as u32).wrapping_mul(seed | 1).to_le_bytes()[1]).collect();
+    let mut out = vec![0u8; lake_dp::stored::object_bytes(payload_len as u64) as usize];
+    let len = encode_object(&meta, &payload, &mut out).map_err(|e| format!("encoding a block: {e}"))?;
+    out.truncate(len);
+    Ok(out)
+}
+
+/// `len` bytes of anonymous memory as a node's arena is: backed by huge
+/// pages where the kernel gives them (transparent, on request), touched
+/// once up front — no page faults, and few TLB misses, inside a
+/// measurement.
+fn arena_memory(len: usize) -> Result<memmap2::MmapMut, String> {
+    let mut map =
+        memmap2::MmapOptions::new().len(len.max(1)).map_anon().map_err(|e| format!("mapping {len} bytes: {e}"))?;
+    let _ = map.advise(memmap2::Advice::HugePage);
+    map.fill(0xee);
+    Ok(map)
+}
+
+fn cpu_seconds() -> f64 {
+    let mut usage = core::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: a valid out-pointer for getrusage.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } != 0 {
+        return 0.0;
+    }
+    // SAFETY: initialised by the successful call above.
+    let usage = unsafe { usage.assume_init() };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
+/// Lake's transport: GB/s, CPU cores used.
+fn lake(
+    block_bytes: usize,
+    total: u64,
+    config: TcpConfig,
+    window_bytes: u64,
+    arena_bytes: u64,
+) -> Result<(f64, f64, u64), String> {
+    let in_flight = (window_bytes / block_bytes as u64).clamp(2, 4096) as usize;
+    // Slots at the receiver: twice what may be in flight (ids carry them
+    // in 24 bits).
+    // The receiver's slots span an arena (used round-robin, so blocks land
+    // in cold memory as on a node whose arena is far larger than a cache).
+    let slots = (in_flight * 2).max((arena_bytes / block_bytes as u64) as usize).min(1 << 24);
+    let mut receiver = TcpTransport::new(config, Some("127.0.0.1:0".parse().map_err(|e| format!("{e}"))?))
+        .map_err(|e| e.to_string())?;
+    let address = receiver.local_addr().ok_or("no listening address")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    // Made (and touched) before any clock starts.
+    let memory = arena_memory(slots * block_bytes)?;
+    let receiving = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut node = Slots { memory, slot_bytes: block_bytes, filling: vec![false; slots], corrupt: 0 };
+            let start = Instant::now();
+            let mut sink = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let now = start.elapsed().as_nanos() as u64;
+                receiver.poll_wait(&mut node, now, &mut sink, std::time::Duration::from_millis(1));
+            }
+            (receiver.stats, node.corrupt)
+        })
+    };
+    let mut sender = TcpTransport::new(config, None).map_err(|e| e.to_string())?;
+    let peer = sender.add_peer(address).map_err(|e| e.to_string())?;
+    // The sender's blocks span a quarter of that (cold as well).
+    let distinct = ((arena_bytes / 4 / block_bytes as u64) as usize).clamp(16, 4096);
+    let mut sources = arena_memory(distinct * block_bytes)?;
+    for (i, place) in sources.chunks_mut(block_bytes).enumerate() {
+        let block = object(block_bytes, i as u32)?;
+        place[..block.len()].copy_from_slice(&block);
+    }
+    let source_len = object(block_bytes, 0)?.len();
+    let start = Instant::now();
+    let clock = || start.elapsed().as_nanos() as u64;
+    let mut none = Slots { memory: arena_memory(0)?, slot_bytes: 0, filling: Vec::new(), corrupt: 0 };
+    while sender.connected(peer) < config.streams_per_peer {
+        if start.elapsed().as_secs() > 10 {
+            return Err("the transport's connections never came up".into());
+        }
+        sender.poll(&mut none, clock(), &mut Vec::new());
+    }
+    let blocks = total.div_ceil(block_bytes as u64);
+    let mut done = Vec::with_capacity(in_flight);
+    let mut free: std::collections::VecDeque<u32> = (0..slots as u32).collect();
+    let (mut sent, mut completed, mut failed) = (0u64, 0u64, 0u64);
+    let cpu_before = cpu_seconds();
+    let started = Instant::now();
+    while completed < blocks {
+        while sent < blocks && sender.in_flight() < in_flight {
+            let Some(slot) = free.pop_front() else { break };
+            let source = &sources[(sent % distinct as u64) as usize * block_bytes..][..source_len];
+            // The transfer id carries its slot (completions come in any
+            // order across the connections).
+            let block = Outgoing {
+                transfer: (sent << 24) | u64::from(slot),
+                peer,
+                source: source.as_ptr(),
+                len: source.len() as u64,
+                target: BlockAddr { region: 1, epoch: 1, slot, generation: 1 },
+                priority: Priority::WriteBack,
+            };
+            // SAFETY: `sources` outlives every transfer (all complete
+            // before this function returns).
+            if unsafe { sender.write(&block, clock()) }.is_err() {
+                free.push_front(slot);
+                break;
+            }
+            sent += 1;
+        }
+        // Nothing more to send until acks come: sleep for them.
+        let wait = if sent < blocks && sender.in_flight() < in_flight {
+            std::time::Duration::ZERO
+        } else {
+            std::time::Duration::from_millis(1)
+        };
+        sender.poll_wait(&mut none, clock(), &mut done, wait);
+        for completion in done.drain(..) {
+            completed += 1;
+            if completion.result.is_err() {
+                failed += 1;
+            }
+            free.push_back((completion.transfer & 0xff_ffff) as u32);
+        }
+        if start.elapsed().as_secs() > 120 {
+            return Err(format!("{completed} of {blocks} blocks in 120 s"));
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let cores = (cpu_seconds() - cpu_before) / seconds;
+    stop.store(true, Ordering::Relaxed);
+    let (stats, corrupt) = receiving.join().map_err(|_| "the receiving thread panicked")?;
+    if failed > 0 || corrupt > 0 || stats.landed != blocks {
+        return Err(format!("{failed} failed, {corrupt} corrupt, {} of {blocks} landed", stats.landed));
+    }
+    Ok((blocks as f64 * block_bytes as f64 / seconds / 1e9, cores, blocks))
+}
+
+/// One plain TCP stream over loopback: a writer and a reader thread,
+/// `chunk` bytes a call; the reader reads into a buffer of `spread` bytes
+/// (touched up front), moving through it — one chunk, reused, as iperf
+/// does, or a whole arena's worth of cold memory.
+fn raw_stream(total: u64, chunk: usize, spread: usize) -> Result<f64, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let address = listener.local_addr().map_err(|e| e.to_string())?;
+    // Made before the clock starts.
+    let mut buffer = arena_memory(spread.max(chunk))?;
+    let reader = std::thread::spawn(move || -> Result<u64, String> {
+        let (mut stream, _) = listener.accept().map_err(|e| e.to_string())?;
+        let mut got = 0u64;
+        let mut at = 0;
+        while got < total {
+            if at + chunk > buffer.len() {
+                at = 0;
+            }
+            match stream.read(&mut buffer[at..at + chunk]) {
+                Ok(0) => break,
+                Ok(n) => {
+                    got += n as u64;
+                    at += n;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(got)
+    });
+    let mut stream = TcpStream::connect(address).map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let data = vec![0x5au8; chunk];
+    let started = Instant::now();
+    let mut sent = 0u64;
+    while sent < total {
+        let n = chunk.min((total - sent) as usize);
+        stream.write_all(&data[..n]).map_err(|e| e.to_string())?;
+        sent += n as u64;
+    }
+    drop(stream);
+    let got = reader.join().map_err(|_| "the reader panicked")??;
+    let seconds = started.elapsed().as_secs_f64();
+    if got != total {
+        return Err(format!("the raw stream moved {got} of {total} bytes"));
+    }
+    Ok(total as f64 / seconds / 1e9)
+}
+
+pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
+    let args = Args::parse(
+        raw,
+        &["block-bytes", "total-bytes", "streams", "slice-bytes", "window-bytes", "arena-bytes", "rounds"],
+    )?;
+    let block_bytes: usize = args.get("block-bytes", 1 << 20)?;
+    let total: u64 = args.get("total-bytes", 1 << 30)?;
+    let streams: usize = args.get("streams", 4)?;
+    let slice_bytes: u32 = args.get("slice-bytes", 1 << 20)?;
+    let window: u64 = args.get("window-bytes", 16 << 20)?;
+    let arena: u64 = args.get("arena-bytes", 1 << 30)?;
+    let rounds: usize = args.get("rounds", 3)?;
+    if block_bytes <= HEADER {
+        return Err(format!("--block-bytes must exceed the {HEADER}-byte stored header"));
+    }
+    let config = TcpConfig { streams_per_peer: streams, slice_bytes, ..TcpConfig::default() };
+    let (mut lake_gbps, mut raw_gbps, mut cores) = (Vec::new(), Vec::new(), Vec::new());
+    let mut arena_gbps = Vec::new();
+    let mut blocks = 0;
+    // Interleaved, so both meet the same machine.
+    for _ in 0..rounds {
+        let (gbps, used, moved) = lake(block_bytes, total, config, window, arena)?;
+        lake_gbps.push(gbps);
+        cores.push(used);
+        blocks = moved;
+        let chunk = block_bytes.min(1 << 20);
+        raw_gbps.push(raw_stream(total, chunk, chunk)?);
+        arena_gbps.push(raw_stream(total, chunk, usize::try_from(arena).unwrap_or(usize::MAX))?);
+    }
+    let lake = crate::report::median(&mut lake_gbps);
+    let raw = crate::report::median(&mut raw_gbps);
+    let mut report = Report::new("tcp");
+    report.int("block_bytes", block_bytes as u64);
+    report.int("blocks", blocks);
+    report.int("streams", streams as u64);
+    report.int("slice_bytes", u64::from(slice_bytes));
+    report.float("lake_gbps", lake);
+    report.float("iperf_gbps", raw);
+    report.float("ratio", lake / raw);
+    // Beside the goal's baseline: the same plain stream read into cold
+    // memory spanning the arena, as Lake's blocks land.
+    let into_arena = crate::report::median(&mut arena_gbps);
+    report.float("raw_into_arena_gbps", into_arena);
+    report.float("ratio_vs_raw_into_arena", lake / into_arena);
+    report.int("window_bytes", window);
+    report.int("arena_bytes", arena);
+    report.float("cpu_cores_used", crate::report::median(&mut cores));
+    report.float("ratio_goal", if block_bytes <= 64 * 1024 { 0.5 } else { 0.9 });
+    Ok(report)
+}

@@ -1,0 +1,310 @@
+//! P→D's receiving half: a peer (a prefill node's agent) sends blocks over
+//! TCP to any slot of this node's L1; the node's `lake-dp` reserves a slot
+//! for each, lands it, checks it (header and every CRC) and reports it to
+//! its `lake-cp`, which publishes it — and this node's engine finds the
+//! prefix in shared memory and loads it, byte for byte. A block whose
+//! bytes lie is refused as corrupt and never published.
+
+#![allow(clippy::cast_possible_truncation)] // small test sizes
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+use lake_cp::tier::TierConfig;
+use lake_dp::agent::{Agent, AgentConfig};
+use lake_dp::stored::{ObjectMeta, encode_object, object_bytes};
+use lake_dp::transport::frame::BlockAddr;
+use lake_dp::transport::tcp::{Outgoing, TcpConfig, TcpTransport};
+use lake_dp::transport::{ANY_SLOT, Completion, Landing, TransferError};
+use lake_dp::{BlockKey, NamespaceId, ObjectKind, Priority, RegionId};
+
+const PAYLOAD: usize = 100 * 1024;
+
+fn key(i: u32) -> BlockKey {
+    let mut bytes = [0x3c; 16];
+    bytes[..4].copy_from_slice(&i.to_le_bytes());
+    BlockKey(bytes)
+}
+
+fn payload(i: u32) -> Vec<u8> {
+    (0..PAYLOAD).map(|b| (b as u32).wrapping_mul(i + 7).to_le_bytes()[1]).collect()
+}
+
+/// Block `i` of the prompt as the prefill node's slot holds it.
+fn object(i: u32) -> Vec<u8> {
+    let meta = ObjectMeta {
+        kind: ObjectKind::KvBlock,
+        key: key(i),
+        parent_key: if i == 0 { BlockKey::NONE } else { key(i - 1) },
+        block_index: i,
+        namespace: NamespaceId(7),
+        layout_fingerprint: 0xfeed,
+        region: RegionId(40),
+        region_epoch: 3,
+        slot: 100 + i,
+        generation: 9,
+        committed_unix_ns: 1,
+        payload_len: PAYLOAD as u64,
+        segment_bytes: 16 * 1024,
+    };
+    let mut out = vec![0u8; object_bytes(PAYLOAD as u64) as usize];
+    let len = encode_object(&meta, &payload(i), &mut out).unwrap();
+    out.truncate(len);
+    out
+}
+
+/// The sender keeps nothing landing: it only sends.
+struct NoLanding;
+
+impl Landing for NoLanding {
+    fn place(&mut self, _: &BlockAddr, _: u64) -> Result<*mut u8, lake_dp::transport::frame::AckStatus> {
+        Err(lake_dp::transport::frame::AckStatus::Refused)
+    }
+    fn landed(&mut self, _: &BlockAddr, _: u64) -> lake_dp::transport::frame::AckStatus {
+        lake_dp::transport::frame::AckStatus::Refused
+    }
+    fn abandoned(&mut self, _: &BlockAddr) {}
+}
+
+fn free_port() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// A pool of node `node`, its transport listening on `listen` and sending
+/// to `peers` (node, address).
+fn start(name: &str, node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, SocketAddr)>) -> EmbeddedPool {
+    EmbeddedPool::start(&EmbeddedConfig {
+        dir: std::env::temp_dir().join(format!("lake-cp-transport-{name}-{}", std::process::id())),
+        block_bytes: 131_072,
+        l1_slots: 32,
+        l2_slots_per_file: 32,
+        local_agents: 1,
+        remote_agents: 0,
+        tiers: TierConfig::default(),
+        metrics: false,
+        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
+        transport_listen: listen,
+        transport_peers: peers,
+        node,
+    })
+    .unwrap()
+}
+
+/// The pool's engine (in-process agent, namespace 7, layout 0xfeed).
+fn engine(pool: &mut EmbeddedPool, name: &'static str) -> Agent {
+    let config = AgentConfig {
+        arena: &pool.arena,
+        mirror: &pool.mirror,
+        cp_socket: Some(&pool.cp_socket),
+        name,
+        namespace: NamespaceId(7),
+        layout_fingerprint: 0xfeed,
+        segment_bytes: 16 * 1024,
+    };
+    Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
+}
+
+/// Saves blocks `first..first + count` as one prompt through `agent` and
+/// waits until they are published; their keys and payloads.
+fn save_prompt(agent: &mut Agent, first: u32, count: u32) -> (Vec<BlockKey>, Vec<Vec<u8>>) {
+    use lake_dp::agent::{SaveBlock, SavePayload};
+    let keys: Vec<BlockKey> = (first..first + count).map(key).collect();
+    let payloads: Vec<Vec<u8>> = (first..first + count).map(payload).collect();
+    let blocks: Vec<SaveBlock<'_>> = (0..count as usize)
+        .map(|i| SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: i as u32,
+            payload: SavePayload::Bytes(&payloads[i]),
+        })
+        .collect();
+    assert_eq!(agent.save(&blocks), count as usize);
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.lookup(&keys, &mut table) < count as usize {
+        assert!(Instant::now() < deadline, "the saves were not published");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    (keys, payloads)
+}
+
+#[test]
+fn blocks_a_peer_sends_land_in_the_pool_checked_and_published() {
+    let listen = free_port();
+    let mut pool = start("push", 0, Some(listen), Vec::new());
+    let mut agent = engine(&mut pool, "decode-engine");
+    let any = BlockAddr { region: agent.arena_region(), epoch: agent.arena_epoch(), slot: ANY_SLOT, generation: 0 };
+
+    // The prefill side: 6 blocks of a prompt, and one whose bytes lie.
+    let start = Instant::now();
+    let now = || start.elapsed().as_nanos() as u64;
+    let mut sender = TcpTransport::new(TcpConfig::default(), None).unwrap();
+    let peer = sender.add_peer(listen).unwrap();
+    let mut blocks: Vec<Vec<u8>> = (0..6).map(object).collect();
+    let mut lying = object(6);
+    let at = lying.len() - 1000;
+    lying[at] ^= 0x11;
+    blocks.push(lying);
+    let mut written = 0;
+    let mut done: Vec<Completion> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while done.len() < blocks.len() {
+        assert!(Instant::now() < deadline, "{} of {} ended: {done:?}", done.len(), blocks.len());
+        if written < blocks.len() {
+            let bytes = &blocks[written];
+            let block = Outgoing {
+                transfer: written as u64,
+                peer,
+                source: bytes.as_ptr(),
+                len: bytes.len() as u64,
+                target: any,
+                priority: Priority::PrefillToDecode,
+            };
+            // SAFETY: `blocks` outlives every completion.
+            match unsafe { sender.write(&block, now()) } {
+                Ok(()) => written += 1,
+                Err(TransferError::PeerLost(_)) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        sender.poll_wait(&mut NoLanding, now(), &mut done, Duration::from_millis(1));
+    }
+    done.sort_by_key(|c| c.transfer);
+    assert!(done[..6].iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(done[6].result, Err(TransferError::Corrupt));
+    let mut slots: Vec<u32> = done[..6].iter().map(|c| c.target.slot).collect();
+    slots.sort_unstable();
+    slots.dedup();
+    assert_eq!(slots.len(), 6, "each block in a slot of its own: {done:?}");
+
+    // The decode engine finds the prefix and loads it.
+    let keys: Vec<BlockKey> = (0..6).map(key).collect();
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.lookup(&keys, &mut table) < 6 {
+        assert!(Instant::now() < deadline, "the pushed blocks were not published");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let delivered = agent.fetch(&keys, &table, |i, bytes| assert_eq!(bytes, &payload(i as u32)[..], "block {i}"));
+    assert_eq!(delivered, 6);
+    let mut lied = Vec::new();
+    assert_eq!(agent.lookup(&[key(6)], &mut lied), 0, "the lying block is not published");
+
+    drop(agent);
+    let (stats, _server) = pool.stop().unwrap();
+    assert_eq!(stats.pool.remote_landed, 6, "{stats:?}");
+    assert_eq!(stats.pool.commits_corrupt, 1, "{stats:?}");
+}
+
+/// P→D whole: the prefill node's engine saves a prompt's blocks into its
+/// own pool, then its agent pushes them from the pinned L1 slots to the
+/// decode node's pool (another `lake-cp` + `lake-dp`, over TCP); the
+/// decode engine finds the prompt in its own shared memory and loads it.
+#[test]
+fn prefill_pushes_a_prompt_to_the_decode_pool_and_decode_loads_it() {
+    use lake_dp::agent::push::Pusher;
+    let decode_address = free_port();
+    let mut prefill = start("prefill", 0, None, Vec::new());
+    let mut decode = start("decode", 0, Some(decode_address), Vec::new());
+    let mut prefill_agent = engine(&mut prefill, "prefill-engine");
+    let mut decode_agent = engine(&mut decode, "decode-engine");
+
+    // Prefill computes and saves 8 blocks locally...
+    let (keys, payloads) = save_prompt(&mut prefill_agent, 100, 8);
+    let mut table = Vec::new();
+    assert_eq!(prefill_agent.lookup(&keys, &mut table), 8);
+
+    // ...and pushes them to the decode node.
+    let start = Instant::now();
+    let now = || start.elapsed().as_nanos() as u64;
+    let pins = prefill_agent.claim_pin_array().unwrap();
+    let mut pusher =
+        Pusher::new(TcpTransport::new(TcpConfig::default(), None).unwrap(), pins, prefill_agent.arena_region());
+    let peer = pusher.transport().add_peer(decode_address).unwrap();
+    let to = (decode_agent.arena_region(), decode_agent.arena_epoch());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pusher.transport().connected(peer) == 0 {
+        assert!(Instant::now() < deadline, "no connection to the decode node");
+        pusher.poll(now(), &mut Vec::new());
+    }
+    for (key, entry) in keys.iter().zip(&table) {
+        pusher.push(key, entry, peer, to, Priority::PrefillToDecode, now()).unwrap();
+    }
+    let mut done = Vec::new();
+    while done.len() < 8 {
+        assert!(Instant::now() < deadline, "{} of 8 pushed: {done:?}", done.len());
+        pusher.poll(now(), &mut done);
+    }
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(pusher.in_flight(), 0, "every pin released");
+
+    // Decode finds the whole prompt in its own pool and loads it.
+    let mut decode_table = Vec::new();
+    while decode_agent.lookup(&keys, &mut decode_table) < 8 {
+        assert!(Instant::now() < deadline, "the pushed prompt was not published at the decode node");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let delivered =
+        decode_agent.fetch(&keys, &decode_table, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
+    assert_eq!(delivered, 8);
+    drop((prefill_agent, decode_agent, pusher));
+    let (decode_stats, _) = decode.stop().unwrap();
+    assert_eq!(decode_stats.pool.remote_landed, 8, "{decode_stats:?}");
+    drop(prefill.stop());
+}
+
+/// Replication driven by `lake-cp`: node 1's control plane asks its data
+/// plane to copy blocks into node 2's L1; the copies go over TCP from the
+/// held L1 slots, land checked, are published by node 2's control plane,
+/// and node 1 hears each landed (its TransferDone names the slot).
+#[test]
+fn a_control_plane_copies_blocks_into_another_nodes_l1() {
+    use lake_dp::model::replica::ReplicaWire;
+    let node_b = free_port();
+    let mut a = start("copy-a", 1, None, vec![(2, node_b)]);
+    let mut b = start("copy-b", 2, Some(node_b), Vec::new());
+    let mut engine_a = engine(&mut a, "engine-a");
+    let mut engine_b = engine(&mut b, "engine-b");
+    let (keys, payloads) = save_prompt(&mut engine_a, 200, 5);
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let to = ReplicaWire {
+        tier: lake_dp::Tier::L1Dram as u8,
+        reserved: 0,
+        region: engine_b.arena_region(),
+        node: 2,
+        region_epoch: engine_b.arena_epoch(),
+        slot: 0,
+        generation: 0,
+    };
+    for key in &keys {
+        a.copy_to(key, to, Priority::Replication).unwrap();
+    }
+    // A copy to this node itself, or of a block it does not hold, is refused.
+    assert!(a.copy_to(&keys[0], ReplicaWire { node: 1, ..to }, Priority::Replication).is_err());
+    assert!(a.copy_to(&key(999), to, Priority::Replication).is_err());
+
+    let mut copied = Vec::new();
+    while engine_b.lookup(&keys, &mut copied) < 5 {
+        assert!(Instant::now() < deadline, "the copies were not published at node 2");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let delivered = engine_b.fetch(&keys, &copied, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
+    assert_eq!(delivered, 5);
+    // Node 1 keeps its own copies.
+    assert_eq!(engine_a.lookup(&keys, &mut table), 5);
+    drop((engine_a, engine_b));
+    // Node 1's control plane hears each copy landed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.gauges.copies_landed.load(std::sync::atomic::Ordering::Relaxed) < 5 {
+        assert!(Instant::now() < deadline, "node 1 never heard its copies landed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (stats_b, _) = b.stop().unwrap();
+    let (stats_a, server_a) = a.stop().unwrap();
+    assert_eq!(stats_b.pool.remote_landed, 5, "{stats_b:?}");
+    assert_eq!(stats_a.pool.remote_sent, 5, "{stats_a:?}");
+    assert_eq!((server_a.node().copies_landed, server_a.node().copies_failed), (5, 0));
+}

@@ -1,0 +1,135 @@
+//! P→D's sending half, from the engine's side: blocks this node's L1
+//! holds (the prefill engine saved them) are pinned where they sit and
+//! sent over the compute network's transport to any slot of another
+//! node's L1 (the decode node's pool picks the slot, checks the block and
+//! publishes it). The bytes go from the pinned slot to the socket; the pin
+//! is held until the peer says the block landed or why not.
+
+use std::collections::HashMap;
+
+use crate::arena::{Pin, PinArray};
+use crate::constants::STORED_HEADER_BYTES;
+use crate::mirror::MirrorEntry;
+use crate::model::key::BlockKey;
+use crate::model::replica::{Priority, Tier};
+use crate::stored::decode_header;
+use crate::transport::frame::BlockAddr;
+use crate::transport::tcp::{Outgoing, PeerId, TcpTransport};
+use crate::transport::{ANY_SLOT, Completion, Landing, TransferError};
+
+/// Why a block was not sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PushError {
+    /// Not an L1 hit of this node's arena (only those are sent from here).
+    NotInL1,
+    /// Evicted (or reused) since the lookup: its pin failed.
+    Evicted,
+    /// The slot does not hold this key's block.
+    Mismatch,
+    /// The transport refused it (its reason).
+    Transport(TransferError),
+}
+
+/// Sends L1 blocks to peers' pools and holds their pins until each lands.
+pub struct Pusher {
+    transport: TcpTransport,
+    pins: PinArray,
+    held: HashMap<u64, Pin>,
+    next: u64,
+    arena_region: u16,
+    landed: Vec<Completion>,
+}
+
+impl core::fmt::Debug for Pusher {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Pusher").field("held", &self.held.len()).finish_non_exhaustive()
+    }
+}
+
+/// The sending side keeps nothing landing.
+struct Sends;
+
+impl Landing for Sends {
+    fn place(&mut self, _: &BlockAddr, _: u64) -> Result<*mut u8, crate::transport::frame::AckStatus> {
+        Err(crate::transport::frame::AckStatus::Refused)
+    }
+    fn landed(&mut self, _: &BlockAddr, _: u64) -> crate::transport::frame::AckStatus {
+        crate::transport::frame::AckStatus::Refused
+    }
+    fn abandoned(&mut self, _: &BlockAddr) {}
+}
+
+impl Pusher {
+    /// A pusher over `transport`, pinning through `pins` (a pin array of
+    /// this node's arena, whose region is `arena_region`).
+    pub fn new(transport: TcpTransport, pins: PinArray, arena_region: u16) -> Self {
+        Self { transport, pins, held: HashMap::new(), next: 1, arena_region, landed: Vec::new() }
+    }
+
+    /// The transport (to add peers, read its figures).
+    pub fn transport(&mut self) -> &mut TcpTransport {
+        &mut self.transport
+    }
+
+    /// Sends block `key` (this node's L1 `entry`, from a lookup) to any
+    /// slot of `peer`'s L1 `(region, epoch)`; returns the transfer's id
+    /// (its completion carries it and the slot it landed in).
+    pub fn push(
+        &mut self,
+        key: &BlockKey,
+        entry: &MirrorEntry,
+        peer: PeerId,
+        (region, epoch): (u16, u64),
+        priority: Priority,
+        now_ns: u64,
+    ) -> Result<u64, PushError> {
+        if entry.tier != Tier::L1Dram || entry.region.0 != self.arena_region {
+            return Err(PushError::NotInL1);
+        }
+        let pin = self.pins.pin(entry.slot, entry.generation).map_err(|_| PushError::Evicted)?;
+        let bytes = self.pins.bytes(&pin);
+        let len = match decode_header(bytes) {
+            Ok(header) if header.meta().key == *key => STORED_HEADER_BYTES as u64 + header.meta().payload_len,
+            _ => {
+                self.pins.unpin(pin);
+                return Err(PushError::Mismatch);
+            }
+        };
+        let transfer = self.next;
+        self.next += 1;
+        let block = Outgoing {
+            transfer,
+            peer,
+            source: bytes.as_ptr(),
+            len,
+            target: BlockAddr { region, epoch, slot: ANY_SLOT, generation: 0 },
+            priority,
+        };
+        // SAFETY: the source is a pinned slot's stored object; the pin is
+        // held (the slot unchanged) until this transfer's completion.
+        if let Err(e) = unsafe { self.transport.write(&block, now_ns) } {
+            self.pins.unpin(pin);
+            return Err(PushError::Transport(e));
+        }
+        self.held.insert(transfer, pin);
+        Ok(transfer)
+    }
+
+    /// Moves bytes; each ended transfer's pin is released and its
+    /// completion (landed in which slot, or why not) goes to `out`.
+    pub fn poll(&mut self, now_ns: u64, out: &mut Vec<Completion>) -> bool {
+        let busy = self.transport.poll(&mut Sends, now_ns, &mut self.landed);
+        for completion in self.landed.drain(..) {
+            if let Some(pin) = self.held.remove(&completion.transfer) {
+                self.pins.unpin(pin);
+            }
+            out.push(completion);
+        }
+        busy
+    }
+
+    /// Transfers not ended yet.
+    pub fn in_flight(&self) -> usize {
+        self.held.len()
+    }
+}

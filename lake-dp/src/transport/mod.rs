@@ -1,0 +1,135 @@
+//! Blocks between nodes: the transport one node uses to send blocks into
+//! another node's slots and to land blocks sent to it.
+//!
+//! One library, embedded where the bytes are — the engine's agent for the
+//! compute network (P→D, D→P) and `lake-dp` for the storage network (tier
+//! traffic, replication) — driven by its owner's poll loop: no thread and
+//! no runtime of its own. A block is addressed at the receiver by the slot
+//! it goes to, `(region, epoch, slot, generation)`, never by a per-transfer
+//! descriptor; it travels as the stored object it is (its self-validating
+//! header, then the payload), so the receiver checks it where it lands.
+//! "Complete" means landed and checked at the target, not merely sent.
+//!
+//! - [`frame`]: the frames on a byte stream.
+//! - [`tcp`]: TCP, several connections per peer, slices striped and
+//!   pipelined, sent from and received into slots.
+//! - [`rdma`]: RDMA READs of a peer's slot into this node's (the `rdma`
+//!   feature; runs where a device exists).
+
+pub mod frame;
+pub mod rdma;
+pub mod tcp;
+
+use frame::{AckStatus, BlockAddr};
+
+/// The end of one transfer this node sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The caller's id of the transfer.
+    pub transfer: u64,
+    /// Landed and checked at the target, or why not.
+    pub result: Result<(), TransferError>,
+    /// Where it landed (or was to land): for a block sent to
+    /// [`ANY_SLOT`], the slot the peer reserved for it.
+    pub target: BlockAddr,
+}
+
+/// A target slot the sender leaves to the receiver: the block goes to a
+/// slot the receiver reserves for it ([`Landing::reserve`]) when asked.
+pub const ANY_SLOT: u32 = u32::MAX;
+
+/// Why a transfer did not complete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransferError {
+    /// The target slot was not the peer's to fill for this block (stale
+    /// epoch or generation, not reserved, a length that does not fit).
+    Refused,
+    /// It arrived whole but does not check (header or CRCs): not published.
+    Corrupt,
+    /// Too much in flight here or at the peer: try again later.
+    Busy,
+    /// The connection it travelled on broke (the reason).
+    PeerLost(String),
+    /// No answer before its deadline.
+    Timeout,
+    /// The request itself was malformed (the field).
+    Invalid(&'static str),
+}
+
+impl core::fmt::Display for TransferError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Refused => f.write_str("refused by the peer: not its slot to fill for this block"),
+            Self::Corrupt => f.write_str("the block arrived but did not check at the peer"),
+            Self::Busy => f.write_str("too much in flight: try again"),
+            Self::PeerLost(why) => write!(f, "peer lost: {why}"),
+            Self::Timeout => f.write_str("no answer before the deadline"),
+            Self::Invalid(what) => write!(f, "invalid transfer: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for TransferError {}
+
+/// What the receiving node does with blocks sent to it: where they land,
+/// and whether they check once whole. The transport calls these from its
+/// owner's poll loop.
+pub trait Landing {
+    /// Where the `len` bytes of a block for `target` go: the start of the
+    /// target slot's memory (at least `len` bytes, written by the transport
+    /// only until [`Landing::landed`] or [`Landing::abandoned`]), or the
+    /// verdict that refuses it.
+    fn place(&mut self, target: &BlockAddr, len: u64) -> Result<*mut u8, AckStatus>;
+
+    /// All `len` bytes for `target` are there: check them (the stored
+    /// header names this target; the segment CRCs match) and publish.
+    fn landed(&mut self, target: &BlockAddr, len: u64) -> AckStatus;
+
+    /// A block placed for `target` will not complete (its connection broke
+    /// or it timed out): the slot is the node's again, unpublished.
+    fn abandoned(&mut self, target: &BlockAddr);
+
+    /// A peer asks for a slot of this node's `region` at `epoch` for a
+    /// `len`-byte block (it sent it to [`ANY_SLOT`]): the slot reserved for
+    /// it — then placed, landed or given back like any target — or the
+    /// verdict refusing it. By default a node takes no block it did not
+    /// name the slot of.
+    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
+        let _ = (region, epoch, len);
+        Err(AckStatus::Refused)
+    }
+}
+
+/// Checks a stored object that arrived whole in `bytes` (its `len` bytes)
+/// and rewrites its header to name the slot it landed in, `target` (an
+/// object names the slot it sits in, as a promoted one does): the header
+/// must decode, its length be `len`, every segment match its CRC. What a
+/// [`Landing`] does in [`Landing::landed`] before it publishes the block;
+/// returns the object's metadata as rewritten.
+pub fn check_and_adopt(bytes: &mut [u8], len: u64, target: &BlockAddr) -> Result<crate::stored::ObjectMeta, AckStatus> {
+    use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
+    use crate::stored::{decode_header, encode_header, object_bytes};
+    let whole = usize::try_from(len).ok().and_then(|len| bytes.get_mut(..len)).ok_or(AckStatus::Refused)?;
+    let decoded = decode_header(whole).map_err(|_| AckStatus::Corrupt)?;
+    let mut meta = *decoded.meta();
+    let payload_end = STORED_HEADER_BYTES as u64 + meta.payload_len;
+    // The object as sent: its header, its payload, at most the padding a
+    // slot rounds it to.
+    if payload_end > len || len > object_bytes(meta.payload_len) {
+        return Err(AckStatus::Corrupt);
+    }
+    let payload_end = usize::try_from(payload_end).map_err(|_| AckStatus::Corrupt)?;
+    let payload = whole.get(STORED_HEADER_BYTES..payload_end).ok_or(AckStatus::Corrupt)?;
+    decoded.verify_payload(payload).map_err(|_| AckStatus::Corrupt)?;
+    let mut crcs = [0u32; SEGMENTS_MAX];
+    let count = decoded.crcs().len();
+    crcs[..count].copy_from_slice(decoded.crcs());
+    meta.region = crate::model::replica::RegionId(target.region);
+    meta.region_epoch = target.epoch;
+    meta.slot = target.slot;
+    meta.generation = target.generation;
+    let header: &mut [u8; STORED_HEADER_BYTES] =
+        (&mut whole[..STORED_HEADER_BYTES]).try_into().map_err(|_| AckStatus::Corrupt)?;
+    encode_header(&meta, &crcs[..count], header).map_err(|_| AckStatus::Corrupt)?;
+    Ok(meta)
+}

@@ -1,0 +1,194 @@
+//! RDMA (ibverbs) for the transport, behind the `rdma` cargo feature: RC
+//! queue pairs, one-sided READs of a peer's slot into a local slot, the
+//! completion queue polled by the owner's loop, each work request tagged
+//! `epoch | slot | generation` ([`Tag`]).
+//!
+//! Pull, not push: a node reads the block it wants from the peer's slot
+//! into its own reserved slot, then checks it where it landed — the header
+//! must name the slot and generation it was read from (a one-sided read
+//! cannot be fenced against the owner reusing the slot, so a reused slot
+//! shows in the header) and every segment must match its CRC — before it
+//! is published. Each peer reads through its own registration of the
+//! arena (its own remote key, revoked by dropping it), never one key for
+//! every peer.
+//!
+//! The [`Endpoint`] a peer needs to connect (queue pair number, address,
+//! the exported region and its key) travels over TCP first; it is plain
+//! data and is always compiled and tested. The verbs themselves need
+//! `libibverbs` and a device: this machine has neither an RDMA NIC nor a
+//! kernel with soft-RoCE, so they compile here (CI builds them) and run
+//! only where a device exists.
+
+use bytemuck::{Pod, Zeroable};
+
+/// Why RDMA could not be set up or a work request failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RdmaError(pub String);
+
+impl core::fmt::Display for RdmaError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RdmaError {}
+
+/// "LKRD", little-endian.
+const ENDPOINT_MAGIC: u32 = u32::from_le_bytes(*b"LKRD");
+const ENDPOINT_VERSION: u16 = 1;
+
+/// Bytes of an encoded [`Endpoint`].
+pub const ENDPOINT_BYTES: usize = 72;
+
+/// One end of an RC queue pair, as the other end needs it to connect and
+/// to address its slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Endpoint {
+    magic: u32,
+    version: u16,
+    /// The port's LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// The queue pair's number (24 bits).
+    pub qp_num: u32,
+    /// Its first packet sequence number (24 bits).
+    pub psn: u32,
+    /// The port's GID (RoCE and routed InfiniBand).
+    pub gid: [u8; 16],
+    /// Where the exported slots start, in the exporter's address space.
+    pub region_base: u64,
+    /// Their bytes.
+    pub region_len: u64,
+    /// The remote key this peer reads them with.
+    pub rkey: u32,
+    /// Bytes of one slot.
+    pub slot_bytes: u32,
+    /// The exporter's region epoch (a restarted node's slots are others).
+    pub epoch: u64,
+    reserved: u32,
+    crc: u32,
+}
+
+const _: () = assert!(size_of::<Endpoint>() == ENDPOINT_BYTES);
+
+impl Endpoint {
+    /// An endpoint (checked when decoded by the peer).
+    #[allow(clippy::too_many_arguments)] // the fields of one record
+    pub fn new(
+        lid: u16,
+        qp_num: u32,
+        psn: u32,
+        gid: [u8; 16],
+        (region_base, region_len): (u64, u64),
+        rkey: u32,
+        slot_bytes: u32,
+        epoch: u64,
+    ) -> Self {
+        Self {
+            magic: ENDPOINT_MAGIC,
+            version: ENDPOINT_VERSION,
+            lid,
+            qp_num,
+            psn,
+            gid,
+            region_base,
+            region_len,
+            rkey,
+            slot_bytes,
+            epoch,
+            reserved: 0,
+            crc: 0,
+        }
+    }
+
+    /// Its bytes (little-endian hosts only: RDMA here is x86-64 and arm64).
+    pub fn encode(&self) -> [u8; ENDPOINT_BYTES] {
+        let mut copy = *self;
+        copy.crc = 0;
+        copy.crc = crc32fast::hash(&bytemuck::bytes_of(&copy)[..ENDPOINT_BYTES - 4]);
+        let mut out = [0u8; ENDPOINT_BYTES];
+        out.copy_from_slice(bytemuck::bytes_of(&copy));
+        out
+    }
+
+    /// Decodes and checks a peer's endpoint: a bad one is refused by name
+    /// before any queue pair is touched.
+    pub fn decode(bytes: &[u8; ENDPOINT_BYTES]) -> Result<Self, RdmaError> {
+        let endpoint: Self = bytemuck::pod_read_unaligned(bytes);
+        let field = |what: &str| Err(RdmaError(format!("peer endpoint: {what}")));
+        if endpoint.magic != ENDPOINT_MAGIC {
+            return field("not a Lake RDMA endpoint (magic)");
+        }
+        if endpoint.version != ENDPOINT_VERSION {
+            return field("a version this end does not speak");
+        }
+        if crc32fast::hash(&bytes[..ENDPOINT_BYTES - 4]) != endpoint.crc {
+            return field("CRC mismatch");
+        }
+        if endpoint.reserved != 0 {
+            return field("reserved bytes set");
+        }
+        if endpoint.qp_num >= 1 << 24 || endpoint.psn >= 1 << 24 {
+            return field("queue pair number or PSN past 24 bits");
+        }
+        if endpoint.slot_bytes == 0
+            || endpoint.region_len == 0
+            || !endpoint.region_len.is_multiple_of(u64::from(endpoint.slot_bytes))
+            || endpoint.region_base.checked_add(endpoint.region_len).is_none()
+        {
+            return field("exported region and slot size do not fit");
+        }
+        Ok(endpoint)
+    }
+
+    /// The address of slot `slot` in the exporter's space, if it has it.
+    pub fn slot_address(&self, slot: u32) -> Option<u64> {
+        let offset = u64::from(slot).checked_mul(u64::from(self.slot_bytes))?;
+        (offset < self.region_len).then(|| self.region_base + offset)
+    }
+}
+
+#[cfg(feature = "rdma")]
+pub mod verbs;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint() -> Endpoint {
+        Endpoint::new(7, 0x12_3456, 0xab_cdef, [3; 16], (0x7f00_0000_0000, 64 << 20), 0xdead_beef, 1 << 20, 9)
+    }
+
+    #[test]
+    fn endpoints_round_trip_and_a_flipped_bit_is_refused() {
+        let bytes = endpoint().encode();
+        assert_eq!(Endpoint::decode(&bytes), Ok(endpoint().with_crc_of(&bytes)));
+        for bit in 0..ENDPOINT_BYTES * 8 {
+            let mut bad = bytes;
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(Endpoint::decode(&bad).is_err(), "bit {bit}");
+        }
+    }
+
+    #[test]
+    fn fields_that_do_not_fit_are_named_and_slots_stay_inside() {
+        let mut wide = endpoint();
+        wide.qp_num = 1 << 24;
+        assert!(Endpoint::decode(&wide.encode()).unwrap_err().0.contains("24 bits"));
+        let mut ragged = endpoint();
+        ragged.region_len += 1;
+        assert!(Endpoint::decode(&ragged.encode()).unwrap_err().0.contains("do not fit"));
+        let e = endpoint();
+        assert_eq!(e.slot_address(0), Some(0x7f00_0000_0000));
+        assert_eq!(e.slot_address(63), Some(0x7f00_0000_0000 + (63 << 20)));
+        assert_eq!(e.slot_address(64), None);
+        assert_eq!(e.slot_address(u32::MAX), None);
+    }
+
+    impl Endpoint {
+        fn with_crc_of(mut self, bytes: &[u8; ENDPOINT_BYTES]) -> Self {
+            self.crc = u32::from_le_bytes(bytes[ENDPOINT_BYTES - 4..].try_into().unwrap());
+            self
+        }
+    }
+}

@@ -1,0 +1,1392 @@
+//! Blocks between nodes over TCP: several connections per peer, slices
+//! striped across them and pipelined, sent straight from the sender's
+//! slots (`writev` of frame header and slot bytes, many frames a call),
+//! received straight into the target slot, checked there before the `Ack`.
+//!
+//! No thread and no runtime of its own: [`TcpTransport::poll`] is driven by
+//! the caller's loop (non-blocking sockets under one `mio::Poll`, asked
+//! with a zero timeout). Connections are outbound (this end's writes go
+//! out, their acks come back) or inbound (a peer's writes come in, this
+//! end's acks go back).
+//!
+//! A connection that breaks fails what depended on it — each transfer
+//! that had a slice on it (sender), each block that was landing through
+//! it (receiver: given back through [`Landing::abandoned`]) — with a clear
+//! error; it is reconnected with backoff. Nothing waits past a transfer's
+//! deadline.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::SocketAddr;
+
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+
+use super::frame::{AckStatus, BlockAddr, FRAME_HEADER_BYTES, FrameError, FrameHeader, FrameKind};
+use super::{ANY_SLOT, Completion, Landing, TransferError};
+use crate::model::replica::Priority;
+
+/// How a transport is set up.
+#[derive(Clone, Copy, Debug)]
+pub struct TcpConfig {
+    /// Connections to each peer (slices are striped across them); at most
+    /// [`STREAMS_PER_PEER_MAX`].
+    pub streams_per_peer: usize,
+    /// Bytes of a slice: a larger block goes as several, over several
+    /// connections.
+    pub slice_bytes: u32,
+    /// A transfer not acknowledged by then fails (`Timeout`).
+    pub transfer_timeout_ns: u64,
+    /// Transfers in flight at most (a write past it is refused `Busy`).
+    pub in_flight_max: usize,
+    /// Blocks landing at once at most, from all peers.
+    pub landing_max: usize,
+    /// First wait before reconnecting a broken connection (doubles, to
+    /// 64 times this).
+    pub reconnect_ns: u64,
+    /// A connection with bytes to move that moves none for this long (no
+    /// byte written or read, nothing acknowledged by the peer's kernel —
+    /// a cut link, a dead host) is treated as broken; one not up this long
+    /// after its connect is given up.
+    pub stall_ns: u64,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            streams_per_peer: 4,
+            slice_bytes: 1 << 20,
+            transfer_timeout_ns: 10_000_000_000,
+            in_flight_max: 4096,
+            landing_max: 4096,
+            reconnect_ns: 10_000_000,
+            stall_ns: 2_000_000_000,
+        }
+    }
+}
+
+/// Connections to one peer at most.
+pub const STREAMS_PER_PEER_MAX: usize = 64;
+
+/// Frames one `writev` takes at most (two slices each).
+const FRAMES_PER_WRITE: usize = 32;
+
+/// Bytes of a connection's receive buffer (headers and small slices are
+/// read through it; large slices straight into their target).
+const RECV_BUFFER_BYTES: usize = 256 * 1024;
+
+/// A slice bigger than this whose bytes are not in the buffer yet is read
+/// straight into its target.
+const DIRECT_READ_MIN: usize = 16 * 1024;
+
+/// Bytes a buffered read asks for after a large slice (the next header and
+/// a little more).
+const SMALL_READ_BYTES: usize = 4096;
+
+/// A peer this transport writes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PeerId(pub u32);
+
+/// One block to send.
+#[derive(Clone, Copy, Debug)]
+pub struct Outgoing {
+    /// The caller's id for it (its completion carries it).
+    pub transfer: u64,
+    /// To whom.
+    pub peer: PeerId,
+    /// The stored object to send (header and payload, as in the slot).
+    pub source: *const u8,
+    /// Its bytes.
+    pub len: u64,
+    /// Where it goes at the peer.
+    pub target: BlockAddr,
+    /// Its class: the peer's slices wait per class, and a connection with
+    /// room takes the most urgent first.
+    pub priority: Priority,
+}
+
+/// A frame waiting to go out on a connection: its header, then `len`
+/// bytes at `bytes` (none for an ack), `sent` of the two so far.
+#[derive(Clone, Copy)]
+struct QueuedFrame {
+    /// The transfer a data frame belongs to (acks: none).
+    transfer: Option<u64>,
+    header: [u8; FRAME_HEADER_BYTES],
+    bytes: *const u8,
+    len: usize,
+    sent: usize,
+}
+
+impl QueuedFrame {
+    fn total(&self) -> usize {
+        FRAME_HEADER_BYTES + self.len
+    }
+}
+
+/// What a connection is reading.
+#[derive(Clone, Copy, Debug)]
+enum ReadState {
+    /// The next frame header.
+    Header,
+    /// A slice's bytes, into its target (`at`, `left` to go), for the
+    /// landing keyed `key`.
+    Slice { key: BlockAddr, attempt: u32, at: *mut u8, left: usize },
+    /// A refused slice's bytes, read and dropped.
+    Discard { left: usize },
+}
+
+struct Stream {
+    socket: TcpStream,
+    /// Outbound: the peer it serves and its index among the peer's.
+    peer: Option<(PeerId, usize)>,
+    connected: bool,
+    readable: bool,
+    writable: bool,
+    queue: std::collections::VecDeque<QueuedFrame>,
+    queued_bytes: usize,
+    buffer: Box<[u8]>,
+    /// Bytes of `buffer` read, and parsed.
+    filled: usize,
+    /// The last slice was large (read mostly straight into its target).
+    large_slices: bool,
+    /// Bytes the kernel held unacknowledged when last asked, and when.
+    unsent: usize,
+    unsent_at: u64,
+    /// When bytes last moved on it (or it was made).
+    progress_ns: u64,
+    parsed: usize,
+    state: ReadState,
+}
+
+impl Stream {
+    fn new(socket: TcpStream, peer: Option<(PeerId, usize)>, connected: bool, now_ns: u64) -> Self {
+        Self {
+            progress_ns: now_ns,
+            socket,
+            peer,
+            connected,
+            readable: false,
+            writable: false,
+            queue: std::collections::VecDeque::with_capacity(256),
+            queued_bytes: 0,
+            buffer: vec![0u8; RECV_BUFFER_BYTES].into_boxed_slice(),
+            filled: 0,
+            large_slices: false,
+            unsent: 0,
+            unsent_at: 0,
+            parsed: 0,
+            state: ReadState::Header,
+        }
+    }
+
+    /// Bytes written to the socket that the peer has not acknowledged
+    /// (`SIOCOUTQ`), asked at most every 200 µs.
+    fn kernel_unsent(&mut self, now_ns: u64) -> usize {
+        use std::os::fd::AsRawFd;
+        if now_ns.saturating_sub(self.unsent_at) > 200_000 || self.unsent_at == 0 {
+            let mut unsent: libc::c_int = 0;
+            // SAFETY: a valid socket and an int-sized out value.
+            if unsafe { libc::ioctl(self.socket.as_raw_fd(), libc::TIOCOUTQ, &raw mut unsent) } == 0 {
+                let unsent = usize::try_from(unsent).unwrap_or(0);
+                // The peer's kernel acknowledged some: the path moves.
+                if unsent < self.unsent {
+                    self.progress_ns = now_ns;
+                }
+                self.unsent = unsent;
+            }
+
+            self.unsent_at = now_ns.max(1);
+        }
+        self.unsent
+    }
+
+    fn push(&mut self, frame: QueuedFrame) {
+        self.queued_bytes += frame.total() - frame.sent;
+        self.queue.push_back(frame);
+    }
+}
+
+/// One path to a peer: its address there and, optionally, the local
+/// address (interface) to leave from — one rail of a multi-NIC node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rail {
+    /// The peer's address on this rail.
+    pub remote: SocketAddr,
+    /// The local address to bind to (`None`: the kernel's choice).
+    pub local: Option<std::net::IpAddr>,
+}
+
+impl Rail {
+    /// A rail to `remote`, leaving from wherever the kernel routes it.
+    pub fn to(remote: SocketAddr) -> Self {
+        Self { remote, local: None }
+    }
+}
+
+/// A rail's state at one peer.
+struct RailState {
+    rail: Rail,
+    /// No new slices before this (it broke lately), and the next wait.
+    cooldown_until: u64,
+    cooldown_ns: u64,
+    /// Bytes written on it.
+    bytes: u64,
+}
+
+/// A slice waiting for a connection with room.
+#[derive(Clone, Copy, Debug)]
+struct PendingSlice {
+    transfer: u64,
+    attempt: u32,
+    offset: u64,
+    /// 0: the request for a slot (a block sent to [`ANY_SLOT`]).
+    len: u64,
+}
+
+/// Slices a connection is given at a time at most (with what its kernel
+/// queue still holds, over several rails) — or [`FEED_BYTES_MIN`] of small
+/// ones: enough for many frames a `writev`, few enough that a slow rail
+/// does not hoard slices a fast one could send.
+const FEED_SLICES: usize = 2;
+
+/// See [`FEED_SLICES`].
+const FEED_BYTES_MIN: usize = 1 << 20;
+
+/// A rail that broke is passed over this long at first (doubling while it
+/// keeps breaking, to 64 times; back to this once a block is acked on it).
+const RAIL_COOLDOWN_NS: u64 = 200_000_000;
+
+/// A peer's connections: `streams_per_peer` on each rail, rail after rail.
+struct Peer {
+    rails: Vec<RailState>,
+    /// Token of each connection, `None` while it is down.
+    streams: Vec<Option<usize>>,
+    /// Slices not yet given to a connection, per class, oldest first.
+    pending: [std::collections::VecDeque<PendingSlice>; Priority::COUNT],
+    /// When each down connection may be tried again, and the next wait.
+    retry_at: Vec<(u64, u64)>,
+}
+
+/// A transfer this end sent, until its ack.
+struct Sending {
+    block: Outgoing,
+    deadline_ns: u64,
+    /// Which sending of it this is.
+    attempt: u32,
+    /// Which of the peer's connections carry a slice of this attempt (0:
+    /// waiting for one to come up).
+    streams: u64,
+}
+
+/// Sendings of one transfer beyond one per connection of its peer: a
+/// transfer whose connection broke is sent again, whole, over the peer's
+/// other connections (or the next to come up), this many times more than
+/// the peer has connections — each may have died unnoticed at once.
+const EXTRA_ATTEMPTS: u32 = 2;
+
+/// A block landing here, until it is whole. A connection that brought
+/// some of it may break: the sender then sends it again (a later attempt)
+/// over another, or the deadline gives the slot back.
+struct Arriving {
+    transfer: u64,
+    attempt: u32,
+    base: *mut u8,
+    total: u64,
+    received: u64,
+    deadline_ns: u64,
+}
+
+/// What the transport has done.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TcpStats {
+    /// Blocks sent and acknowledged landed.
+    pub sent: u64,
+    /// Bytes of those.
+    pub bytes_sent: u64,
+    /// Blocks that landed here.
+    pub landed: u64,
+    /// Bytes of those.
+    pub bytes_landed: u64,
+    /// Transfers failed (any reason).
+    pub failed: u64,
+    /// Connections lost.
+    pub streams_lost: u64,
+    /// Transfers sent again after a connection broke.
+    pub retried: u64,
+    /// Times a rail was set aside after a connection on it broke.
+    pub rail_cooldowns: u64,
+    /// Frames refused as malformed (their connection was closed).
+    pub bad_frames: u64,
+    /// `writev` / read calls.
+    pub write_calls: u64,
+    /// Read calls.
+    pub read_calls: u64,
+}
+
+/// Why the transport could not start or take a write.
+#[derive(Debug)]
+pub struct TcpError(pub String);
+
+impl core::fmt::Display for TcpError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TcpError {}
+
+const LISTENER: Token = Token(usize::MAX);
+
+/// The TCP transport of one node.
+pub struct TcpTransport {
+    config: TcpConfig,
+    poll: Poll,
+    events: Events,
+    listener: Option<TcpListener>,
+    streams: Vec<Option<Stream>>,
+    peers: Vec<Peer>,
+    sending: HashMap<u64, Sending>,
+    landing: HashMap<BlockAddr, Arriving>,
+    /// Blocks landed lately: (transfer, attempt acked, when). A later
+    /// attempt of the same transfer (its sender did not hear the ack) is
+    /// answered `Landed` again, its bytes dropped.
+    landed: HashMap<BlockAddr, (u64, u32, u64)>,
+    done: Vec<Completion>,
+    /// Tokens touched by the last events (reused).
+    touched: Vec<usize>,
+    last_sweep_ns: u64,
+    /// The time the current poll was given.
+    now_ns: u64,
+    /// What it has done.
+    pub stats: TcpStats,
+}
+
+// SAFETY: the raw addresses it holds are of memory its caller keeps valid
+// until the transfer's completion (`write`'s contract) or of slots its
+// `Landing` placed; a process's memory is the same from any thread, so the
+// transport may move to (and be driven from) another thread. It is never
+// shared: every method takes it by `&mut`.
+unsafe impl Send for TcpTransport {}
+
+impl core::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("TcpTransport").field("stats", &self.stats).finish_non_exhaustive()
+    }
+}
+
+fn io_error(what: &str) -> impl Fn(std::io::Error) -> TcpError + '_ {
+    move |e| TcpError(format!("{what}: {e}"))
+}
+
+impl TcpTransport {
+    /// A transport; listening on `listen` if given (port 0: any).
+    pub fn new(config: TcpConfig, listen: Option<SocketAddr>) -> Result<Self, TcpError> {
+        if config.streams_per_peer == 0 || config.streams_per_peer > STREAMS_PER_PEER_MAX {
+            return Err(TcpError(format!("streams_per_peer is 1..={STREAMS_PER_PEER_MAX}")));
+        }
+        if config.slice_bytes == 0 || config.slice_bytes > super::frame::SLICE_BYTES_MAX {
+            return Err(TcpError(format!("slice_bytes is 1..={}", super::frame::SLICE_BYTES_MAX)));
+        }
+        let poll = Poll::new().map_err(io_error("creating the poll"))?;
+        let listener = match listen {
+            None => None,
+            Some(address) => {
+                let mut listener = TcpListener::bind(address).map_err(io_error("listening"))?;
+                poll.registry()
+                    .register(&mut listener, LISTENER, Interest::READABLE)
+                    .map_err(io_error("registering the listener"))?;
+                Some(listener)
+            }
+        };
+        Ok(Self {
+            config,
+            poll,
+            events: Events::with_capacity(256),
+            listener,
+            streams: Vec::new(),
+            peers: Vec::new(),
+            sending: HashMap::with_capacity(config.in_flight_max),
+            landing: HashMap::with_capacity(config.landing_max),
+            landed: HashMap::with_capacity(config.landing_max),
+            done: Vec::with_capacity(config.in_flight_max),
+            touched: Vec::with_capacity(256),
+            last_sweep_ns: 0,
+            now_ns: 0,
+            stats: TcpStats::default(),
+        })
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// The descriptor to wait on (readable when there is work) for a
+    /// caller that parks.
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.poll.as_raw_fd()
+    }
+
+    /// A peer at `address`: its connections are opened (non-blocking) now.
+    pub fn add_peer(&mut self, address: SocketAddr) -> Result<PeerId, TcpError> {
+        self.add_peer_rails(&[Rail::to(address)])
+    }
+
+    /// A peer reached over several rails (NICs): `streams_per_peer`
+    /// connections on each; slices go to the connections that drain
+    /// fastest, away from rails that broke lately.
+    pub fn add_peer_rails(&mut self, rails: &[Rail]) -> Result<PeerId, TcpError> {
+        let id = PeerId(u32::try_from(self.peers.len()).map_err(|_| TcpError("too many peers".into()))?);
+        let streams = self.config.streams_per_peer * rails.len();
+        if rails.is_empty() || streams > STREAMS_PER_PEER_MAX {
+            return Err(TcpError(format!(
+                "a peer has 1 or more rails and at most {STREAMS_PER_PEER_MAX} connections in all"
+            )));
+        }
+        self.peers.push(Peer {
+            rails: rails
+                .iter()
+                .map(|&rail| RailState { rail, cooldown_until: 0, cooldown_ns: RAIL_COOLDOWN_NS, bytes: 0 })
+                .collect(),
+            streams: vec![None; streams],
+            pending: core::array::from_fn(|_| std::collections::VecDeque::with_capacity(256)),
+            retry_at: vec![(0, self.config.reconnect_ns); streams],
+        });
+        for index in 0..streams {
+            self.connect(id, index)?;
+        }
+        Ok(id)
+    }
+
+    /// Connections to `peer` that are up.
+    pub fn connected(&self, peer: PeerId) -> usize {
+        self.peers.get(peer.0 as usize).map_or(0, |p| {
+            p.streams.iter().flatten().filter(|&&t| self.streams[t].as_ref().is_some_and(|s| s.connected)).count()
+        })
+    }
+
+    /// Bytes written to `peer` on each of its rails.
+    pub fn rail_bytes(&self, peer: PeerId) -> Vec<u64> {
+        self.peers.get(peer.0 as usize).map_or_else(Vec::new, |p| p.rails.iter().map(|r| r.bytes).collect())
+    }
+
+    fn connect(&mut self, peer: PeerId, index: usize) -> Result<(), TcpError> {
+        let rail = self.peers[peer.0 as usize].rails[index / self.config.streams_per_peer].rail;
+        let mut socket = match rail.local {
+            None => TcpStream::connect(rail.remote).map_err(io_error("connecting"))?,
+            Some(local) => connect_from(local, rail.remote).map_err(io_error("connecting from a rail's address"))?,
+        };
+        let _ = socket.set_nodelay(true);
+        let token = self.free_token();
+        self.poll
+            .registry()
+            .register(&mut socket, Token(token), Interest::READABLE | Interest::WRITABLE)
+            .map_err(io_error("registering a connection"))?;
+        self.streams[token] = Some(Stream::new(socket, Some((peer, index)), false, self.now_ns));
+        self.peers[peer.0 as usize].streams[index] = Some(token);
+        Ok(())
+    }
+
+    fn free_token(&mut self) -> usize {
+        if let Some(free) = self.streams.iter().position(Option::is_none) {
+            return free;
+        }
+        self.streams.push(None);
+        self.streams.len() - 1
+    }
+
+    /// Queues `block` for its peer: split into slices over the peer's
+    /// connections that are up. Completes (once) through [`poll`].
+    ///
+    /// # Safety
+    ///
+    /// `block.source` is valid for `block.len` bytes, unchanged, until the
+    /// transfer's completion has been returned by [`poll`].
+    ///
+    /// [`poll`]: TcpTransport::poll
+    pub unsafe fn write(&mut self, block: &Outgoing, now_ns: u64) -> Result<(), TransferError> {
+        if block.len == 0 || block.len > super::frame::OBJECT_BYTES_MAX {
+            return Err(TransferError::Invalid("length"));
+        }
+        if self.sending.len() >= self.config.in_flight_max {
+            return Err(TransferError::Busy);
+        }
+        if self.sending.contains_key(&block.transfer) {
+            return Err(TransferError::Invalid("transfer id in flight"));
+        }
+        if self.peers.get(block.peer.0 as usize).is_none() {
+            return Err(TransferError::Invalid("peer"));
+        }
+        let mut sending =
+            Sending { block: *block, deadline_ns: now_ns + self.config.transfer_timeout_ns, attempt: 0, streams: 0 };
+        // No connection up (yet, or again): it waits for one, or its deadline.
+        self.queue_slices(&mut sending, false)?;
+        self.sending.insert(block.transfer, sending);
+        self.feed(block.peer);
+        Ok(())
+    }
+
+    /// Queues the slices of `sending` (its current attempt) over its peer's
+    /// connections that are up, the least loaded first.
+    /// Cuts `sending` (its current attempt) into slices waiting for a
+    /// connection: behind what waits already, or — a transfer sent again —
+    /// ahead of it (it is the oldest, nearest its deadline).
+    fn queue_slices(&mut self, sending: &mut Sending, first: bool) -> Result<(), TransferError> {
+        let block = sending.block;
+        let peer = self.peers.get_mut(block.peer.0 as usize).ok_or(TransferError::Invalid("peer"))?;
+        sending.streams = 0;
+        if block.target.slot == ANY_SLOT {
+            // No slot yet: ask for one first (a slice of no bytes).
+            let ask = PendingSlice { transfer: block.transfer, attempt: sending.attempt, offset: 0, len: 0 };
+            let queue = &mut peer.pending[block.priority as usize];
+            if first {
+                queue.push_front(ask);
+            } else {
+                queue.push_back(ask);
+            }
+            return Ok(());
+        }
+        let slice = u64::from(self.config.slice_bytes);
+        let count = block.len.div_ceil(slice);
+        for k in 0..count {
+            // Ahead: pushed last slice first, so they keep their order.
+            let k = if first { count - 1 - k } else { k };
+            let offset = k * slice;
+            let len = slice.min(block.len - offset);
+            let pending = PendingSlice { transfer: block.transfer, attempt: sending.attempt, offset, len };
+            let queue = &mut peer.pending[block.priority as usize];
+            if first {
+                queue.push_front(pending);
+            } else {
+                queue.push_back(pending);
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands `peer`'s pending slices, oldest first, to its connections that
+    /// have room ([`FEED_SLICES`] queued at most), the least loaded first,
+    /// on rails that did not break lately (any rail, when every one did).
+    /// A connection that drains faster comes back for more sooner: the
+    /// slices spread by each rail's measured speed.
+    fn feed(&mut self, peer: PeerId) {
+        let per_rail = self.config.streams_per_peer;
+        let bound = (FEED_SLICES * (self.config.slice_bytes as usize + FRAME_HEADER_BYTES)).max(FEED_BYTES_MIN);
+        let Some(p) = self.peers.get_mut(peer.0 as usize) else { return };
+        loop {
+            // The most urgent class first.
+            let Some(class) = p.pending.iter().position(|q| !q.is_empty()) else { return };
+            let Some(&next) = p.pending[class].front() else { return };
+            // A slice of a transfer that ended or was sent again since.
+            let Some(sending) = self.sending.get_mut(&next.transfer).filter(|s| s.attempt == next.attempt) else {
+                p.pending[class].pop_front();
+                continue;
+            };
+            let mut best: Option<(usize, usize, usize)> = None;
+            // Over several rails, what the kernel still holds counts too:
+            // its send buffers would otherwise hide a slow rail.
+            let rails = p.rails.len() > 1;
+            for healthy_only in [true, false] {
+                for (index, token) in p.streams.iter().enumerate() {
+                    let cooling = p.rails[index / per_rail].cooldown_until > self.now_ns;
+                    let Some(token) = *token else { continue };
+                    let Some(stream) = self.streams[token].as_mut().filter(|s| s.connected) else { continue };
+                    let load = stream.queued_bytes + if rails { stream.kernel_unsent(self.now_ns) } else { 0 };
+                    if (healthy_only && cooling) || load >= bound {
+                        continue;
+                    }
+                    if best.is_none_or(|(_, _, least)| load < least) {
+                        best = Some((index, token, load));
+                    }
+                }
+                if best.is_some() {
+                    break;
+                }
+            }
+            let Some((index, token, _)) = best else { return };
+            p.pending[class].pop_front();
+            let block = sending.block;
+            sending.streams |= 1 << index;
+            let slice_len = u32::try_from(next.len).unwrap_or(self.config.slice_bytes);
+            let header = if next.len == 0 {
+                let (region, epoch) = (block.target.region, block.target.epoch);
+                FrameHeader::reserve((block.transfer, next.attempt), region, epoch, block.len)
+            } else {
+                FrameHeader::data((block.transfer, next.attempt), block.target, block.len, next.offset, slice_len)
+            }
+            .with_priority(block.priority)
+            .encode();
+            if let Some(stream) = self.streams[token].as_mut() {
+                stream.push(QueuedFrame {
+                    transfer: Some(block.transfer),
+                    header,
+                    bytes: block.source.wrapping_add(bytes(next.offset)),
+                    len: bytes(next.len),
+                    sent: 0,
+                });
+            }
+        }
+    }
+
+    /// Transfers waiting for their ack.
+    pub fn in_flight(&self) -> usize {
+        self.sending.len()
+    }
+
+    /// Moves bytes: accepts, connects, reads and lands, writes and acks,
+    /// fails what broke or timed out. Completions of this end's writes go
+    /// to `out`; returns whether anything happened.
+    pub fn poll(&mut self, landing: &mut dyn Landing, now_ns: u64, out: &mut Vec<Completion>) -> bool {
+        self.poll_wait(landing, now_ns, out, std::time::Duration::ZERO)
+    }
+
+    /// [`TcpTransport::poll`], but when nothing is left to do without a new
+    /// event, the calling thread sleeps for one, up to `wait` (a caller with
+    /// nothing else to drive parks here instead of spinning).
+    pub fn poll_wait(
+        &mut self,
+        landing: &mut dyn Landing,
+        now_ns: u64,
+        out: &mut Vec<Completion>,
+        wait: std::time::Duration,
+    ) -> bool {
+        let mut busy = false;
+        self.now_ns = now_ns;
+        let ready =
+            self.streams.iter().flatten().any(|s| s.readable || (s.connected && s.writable && !s.queue.is_empty()));
+        // Slices waiting for a kernel queue to drain: no event says when,
+        // so look again soon.
+        let waiting = self.peers.iter().any(|p| p.pending.iter().any(|q| !q.is_empty()));
+        let timeout = if ready || !self.done.is_empty() {
+            std::time::Duration::ZERO
+        } else if waiting {
+            wait.min(std::time::Duration::from_micros(200))
+        } else {
+            wait
+        };
+        if self.poll.poll(&mut self.events, Some(timeout)).is_err() {
+            return false;
+        }
+        // Events first noted (the event list borrows the poll's buffer),
+        // then acted on.
+        let mut accept = false;
+        self.touched.clear();
+        for event in &self.events {
+            if event.token() == LISTENER {
+                accept = true;
+                continue;
+            }
+            let token = event.token().0;
+            if let Some(stream) = self.streams.get_mut(token).and_then(Option::as_mut) {
+                stream.readable |= event.is_readable() || event.is_read_closed() || event.is_error();
+                stream.writable |= event.is_writable();
+                if !stream.connected && (event.is_writable() || event.is_error()) {
+                    self.touched.push(token);
+                }
+            }
+        }
+        if accept {
+            busy |= self.accept();
+        }
+        for i in 0..self.touched.len() {
+            let token = self.touched[i];
+            let Some(stream) = self.streams[token].as_mut() else { continue };
+            let up = stream.socket.take_error().ok().flatten().is_none() && stream.socket.peer_addr().is_ok();
+            if up {
+                stream.connected = true;
+                // Up again: the next break waits the base time, and the
+                // transfers waiting for a connection go.
+                if let Some((peer, index)) = stream.peer {
+                    if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+                        p.retry_at[index].1 = self.config.reconnect_ns;
+                    }
+                    self.feed(peer);
+                }
+            } else {
+                self.lose(token, "connect failed");
+            }
+        }
+        for token in 0..self.streams.len() {
+            let Some(stream) = self.streams[token].as_ref() else { continue };
+            if stream.readable {
+                busy |= self.read(token, landing, now_ns);
+            }
+            let Some(stream) = self.streams[token].as_ref() else { continue };
+            if stream.connected && stream.writable && !stream.queue.is_empty() {
+                busy |= self.flush(token);
+            }
+        }
+        // Slices waiting while the connections' kernel queues drain.
+        for peer in 0..self.peers.len() {
+            let waiting = |p: &Peer| p.pending.iter().map(std::collections::VecDeque::len).sum::<usize>();
+            let before = waiting(&self.peers[peer]);
+            if before > 0 {
+                self.feed(PeerId(u32::try_from(peer).unwrap_or(u32::MAX)));
+                busy |= waiting(&self.peers[peer]) != before;
+            }
+        }
+        if now_ns.saturating_sub(self.last_sweep_ns) > 1_000_000 {
+            self.last_sweep_ns = now_ns;
+            self.sweep(landing, now_ns);
+        }
+        busy |= !self.done.is_empty();
+        out.append(&mut self.done);
+        busy
+    }
+
+    fn accept(&mut self) -> bool {
+        let mut accepted = false;
+        loop {
+            let Some(listener) = self.listener.as_ref() else { return accepted };
+            match listener.accept() {
+                Ok((mut socket, _)) => {
+                    let _ = socket.set_nodelay(true);
+                    let token = self.free_token();
+                    if self
+                        .poll
+                        .registry()
+                        .register(&mut socket, Token(token), Interest::READABLE | Interest::WRITABLE)
+                        .is_ok()
+                    {
+                        self.streams[token] = Some(Stream::new(socket, None, true, self.now_ns));
+                        accepted = true;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return accepted,
+                Err(_) => return accepted,
+            }
+        }
+    }
+
+    /// Reads what the connection has, frame by frame.
+    fn read(&mut self, token: usize, landing: &mut dyn Landing, now_ns: u64) -> bool {
+        let mut busy = false;
+        loop {
+            let Some(stream) = self.streams[token].as_mut() else { return busy };
+            // Bytes already buffered first.
+            match stream.state {
+                ReadState::Header => {
+                    if stream.filled - stream.parsed >= FRAME_HEADER_BYTES {
+                        let mut header = [0u8; FRAME_HEADER_BYTES];
+                        header.copy_from_slice(&stream.buffer[stream.parsed..stream.parsed + FRAME_HEADER_BYTES]);
+                        stream.parsed += FRAME_HEADER_BYTES;
+                        busy = true;
+                        match FrameHeader::decode(&header) {
+                            Ok(frame) => self.on_frame(token, &frame, landing, now_ns),
+                            Err(e) => {
+                                self.stats.bad_frames += 1;
+                                self.lose(token, &bad_frame(e));
+                                return true;
+                            }
+                        }
+                        continue;
+                    }
+                }
+                ReadState::Slice { key, attempt, at, left } => {
+                    let buffered = (stream.filled - stream.parsed).min(left);
+                    if buffered > 0 {
+                        let from = &stream.buffer[stream.parsed..stream.parsed + buffered];
+                        // SAFETY: `at` points into the target `Landing`
+                        // placed for this block, `left` >= `buffered` bytes
+                        // of room; the buffer is this stream's own.
+                        unsafe { core::ptr::copy_nonoverlapping(from.as_ptr(), at, buffered) };
+                        stream.parsed += buffered;
+                        busy = true;
+                        self.advance(token, (key, attempt), at, left, buffered, landing);
+                        continue;
+                    }
+                    if left >= DIRECT_READ_MIN {
+                        // SAFETY: as above: `left` bytes of the target.
+                        let target = unsafe { core::slice::from_raw_parts_mut(at, left) };
+                        self.stats.read_calls += 1;
+                        match stream.socket.read(target) {
+                            Ok(0) => {
+                                self.lose(token, "closed by the peer");
+                                return true;
+                            }
+                            Ok(n) => {
+                                busy = true;
+                                stream.progress_ns = self.now_ns;
+                                self.advance(token, (key, attempt), at, left, n, landing);
+                                continue;
+                            }
+                            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                                stream.readable = false;
+                                return busy;
+                            }
+                            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                            Err(e) => {
+                                self.lose(token, &e.to_string());
+                                return true;
+                            }
+                        }
+                    }
+                }
+                ReadState::Discard { left } => {
+                    let buffered = (stream.filled - stream.parsed).min(left);
+                    if buffered > 0 {
+                        stream.parsed += buffered;
+                        stream.state = if left == buffered {
+                            ReadState::Header
+                        } else {
+                            ReadState::Discard { left: left - buffered }
+                        };
+                        busy = true;
+                        continue;
+                    }
+                }
+            }
+            // Refill the buffer.
+            if stream.parsed == stream.filled {
+                stream.parsed = 0;
+                stream.filled = 0;
+            } else if stream.parsed > 0 && stream.filled == stream.buffer.len() {
+                stream.buffer.copy_within(stream.parsed..stream.filled, 0);
+                stream.filled -= stream.parsed;
+                stream.parsed = 0;
+            }
+            self.stats.read_calls += 1;
+            let filled = stream.filled;
+            // After a large slice the next one is likely large too: read
+            // little through the buffer, so its bytes go straight to their
+            // target instead of being copied out of the buffer.
+            let end = if stream.large_slices {
+                (filled + SMALL_READ_BYTES).min(stream.buffer.len())
+            } else {
+                stream.buffer.len()
+            };
+            match stream.socket.read(&mut stream.buffer[filled..end]) {
+                Ok(0) => {
+                    self.lose(token, "closed by the peer");
+                    return true;
+                }
+                Ok(n) => {
+                    stream.filled += n;
+                    stream.progress_ns = self.now_ns;
+                    busy = true;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    stream.readable = false;
+                    return busy;
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.lose(token, &e.to_string());
+                    return true;
+                }
+            }
+        }
+    }
+
+    /// `n` more bytes of a slice of attempt `attempt` arrived at `at`.
+    fn advance(
+        &mut self,
+        token: usize,
+        (key, attempt): (BlockAddr, u32),
+        at: *mut u8,
+        left: usize,
+        n: usize,
+        landing: &mut dyn Landing,
+    ) {
+        let Some(stream) = self.streams[token].as_mut() else { return };
+        if n < left {
+            stream.state = ReadState::Slice { key, attempt, at: at.wrapping_add(n), left: left - n };
+        } else {
+            stream.state = ReadState::Header;
+        }
+        let Some(entry) = self.landing.get_mut(&key).filter(|e| e.attempt == attempt) else { return };
+        entry.received += n as u64;
+        if entry.received < entry.total {
+            return;
+        }
+        let Some(entry) = self.landing.remove(&key) else { return };
+        self.detach_readers(key);
+        let status = landing.landed(&key, entry.total);
+        if status == AckStatus::Landed {
+            self.stats.landed += 1;
+            self.stats.bytes_landed += entry.total;
+            self.landed.insert(key, (entry.transfer, entry.attempt, self.now_ns));
+        }
+        self.ack(token, (entry.transfer, entry.attempt), key, entry.total, status);
+    }
+
+    fn ack(&mut self, token: usize, transfer: (u64, u32), target: BlockAddr, total: u64, status: AckStatus) {
+        if let Some(stream) = self.streams[token].as_mut() {
+            let header = FrameHeader::ack(transfer, target, total, status).encode();
+            stream.push(QueuedFrame { transfer: None, header, bytes: core::ptr::null(), len: 0, sent: 0 });
+            if stream.writable {
+                self.flush(token);
+            }
+        }
+    }
+
+    fn on_frame(&mut self, token: usize, frame: &FrameHeader, landing: &mut dyn Landing, now_ns: u64) {
+        match frame.kind {
+            FrameKind::Ack => {
+                // An answer on a rail: it works again; its next break waits
+                // the base time.
+                if let Some((peer, index)) = self.streams[token].as_ref().and_then(|s| s.peer)
+                    && let Some(p) = self.peers.get_mut(peer.0 as usize)
+                {
+                    p.rails[index / self.config.streams_per_peer].cooldown_ns = RAIL_COOLDOWN_NS;
+                }
+                let Some(sending) = self.sending.get(&frame.transfer) else { return };
+                // A landing is final whichever attempt it answers; any other
+                // verdict only for the attempt in flight.
+                if frame.status != AckStatus::Landed && frame.attempt != sending.attempt {
+                    return;
+                }
+                self.sending.remove(&frame.transfer);
+                let result = match frame.status {
+                    AckStatus::Landed => {
+                        self.stats.sent += 1;
+                        self.stats.bytes_sent += frame.total_len;
+                        Ok(())
+                    }
+                    AckStatus::Refused => Err(TransferError::Refused),
+                    AckStatus::Corrupt => Err(TransferError::Corrupt),
+                    AckStatus::Busy => Err(TransferError::Busy),
+                };
+                if result.is_err() {
+                    self.stats.failed += 1;
+                }
+                self.done.push(Completion { transfer: frame.transfer, result, target: frame.target });
+            }
+            FrameKind::Data => self.on_slice(token, frame, landing, now_ns),
+            FrameKind::Reserve => self.on_reserve(token, frame, landing, now_ns),
+            FrameKind::Reserved => {
+                let Some(sending) = self.sending.get_mut(&frame.transfer) else { return };
+                if frame.attempt != sending.attempt || sending.block.target.slot != ANY_SLOT {
+                    return;
+                }
+                if frame.status != AckStatus::Landed {
+                    let Some(sending) = self.sending.remove(&frame.transfer) else { return };
+                    let result = Err(match frame.status {
+                        AckStatus::Busy => TransferError::Busy,
+                        _ => TransferError::Refused,
+                    });
+                    self.stats.failed += 1;
+                    self.done.push(Completion { transfer: frame.transfer, result, target: sending.block.target });
+                    return;
+                }
+                // A slot of the region asked for: the block goes there.
+                let (asked, given) = (sending.block.target, frame.target);
+                if given.region != asked.region || given.epoch != asked.epoch || given.slot == ANY_SLOT {
+                    return;
+                }
+                let mut sending = match self.sending.remove(&frame.transfer) {
+                    Some(sending) => sending,
+                    None => return,
+                };
+                sending.block.target = given;
+                let peer = sending.block.peer;
+                if self.queue_slices(&mut sending, true).is_ok() {
+                    self.sending.insert(frame.transfer, sending);
+                    self.feed(peer);
+                }
+            }
+        }
+    }
+
+    /// A peer asks for a slot: the node reserves one (or refuses), the
+    /// transport places it and answers. Asked again for the same transfer
+    /// (its sender did not hear the answer), the same slot is given.
+    fn on_reserve(&mut self, token: usize, frame: &FrameHeader, landing: &mut dyn Landing, now_ns: u64) {
+        let key = (frame.transfer, frame.attempt);
+        let known = self.landing.iter().find(|(_, a)| a.transfer == frame.transfer).map(|(&target, _)| target);
+        let answer = match known {
+            Some(target) => Ok(target),
+            None if self.landing.len() >= self.config.landing_max => Err(AckStatus::Busy),
+            None => landing.reserve(frame.target.region, frame.target.epoch, frame.total_len).and_then(|target| {
+                let base = landing.place(&target, frame.total_len)?;
+                self.landing.insert(
+                    target,
+                    Arriving {
+                        transfer: frame.transfer,
+                        attempt: frame.attempt,
+                        base,
+                        total: frame.total_len,
+                        received: 0,
+                        deadline_ns: now_ns + self.config.transfer_timeout_ns,
+                    },
+                );
+                Ok(target)
+            }),
+        };
+        let (target, status) = match answer {
+            Ok(target) => (target, AckStatus::Landed),
+            Err(status) => (frame.target, status),
+        };
+        if let Some(stream) = self.streams[token].as_mut() {
+            let header = FrameHeader::reserved(key, target, frame.total_len, status).encode();
+            stream.push(QueuedFrame { transfer: None, header, bytes: core::ptr::null(), len: 0, sent: 0 });
+            if stream.writable {
+                self.flush(token);
+            }
+        }
+    }
+
+    /// A slice's header: where its bytes go, or that they are dropped.
+    fn on_slice(&mut self, token: usize, frame: &FrameHeader, landing: &mut dyn Landing, now_ns: u64) {
+        enum Verdict {
+            Into(*mut u8),
+            Drop,
+            Answer(AckStatus),
+        }
+        let key = frame.target;
+        let full = self.landing.len() >= self.config.landing_max;
+        let mut restarted = false;
+        let verdict = match self.landing.get_mut(&key) {
+            Some(entry) if entry.transfer == frame.transfer && entry.total == frame.total_len => {
+                if frame.attempt == entry.attempt {
+                    Verdict::Into(entry.base)
+                } else if frame.attempt > entry.attempt {
+                    // Sent again (a connection broke): start over.
+                    entry.attempt = frame.attempt;
+                    entry.received = 0;
+                    restarted = true;
+                    Verdict::Into(entry.base)
+                } else {
+                    Verdict::Drop
+                }
+            }
+            Some(_) => Verdict::Answer(AckStatus::Refused),
+            None => match self.landed.get_mut(&key) {
+                // Landed already; the sender did not hear so.
+                Some((transfer, acked, _)) if *transfer == frame.transfer => {
+                    if frame.attempt > *acked {
+                        *acked = frame.attempt;
+                        Verdict::Answer(AckStatus::Landed)
+                    } else {
+                        Verdict::Drop
+                    }
+                }
+                _ if full => Verdict::Answer(AckStatus::Busy),
+                _ => match landing.place(&key, frame.total_len) {
+                    Ok(base) => {
+                        self.landing.insert(
+                            key,
+                            Arriving {
+                                transfer: frame.transfer,
+                                attempt: frame.attempt,
+                                base,
+                                total: frame.total_len,
+                                received: 0,
+                                deadline_ns: now_ns + self.config.transfer_timeout_ns,
+                            },
+                        );
+                        Verdict::Into(base)
+                    }
+                    Err(status) => Verdict::Answer(status),
+                },
+            },
+        };
+        if restarted {
+            // Slices of the older attempt still arriving on other
+            // connections must not write into the slot any more.
+            self.detach_readers(key);
+        }
+        let len = frame.slice_len as usize;
+        let Some(stream) = self.streams[token].as_mut() else { return };
+        match verdict {
+            Verdict::Into(base) => {
+                let at = base.wrapping_add(bytes(frame.offset));
+                stream.state = ReadState::Slice { key, attempt: frame.attempt, at, left: len };
+                stream.large_slices = len >= DIRECT_READ_MIN;
+            }
+            Verdict::Drop => stream.state = ReadState::Discard { left: len },
+            Verdict::Answer(status) => {
+                stream.state = ReadState::Discard { left: len };
+                self.ack(token, (frame.transfer, frame.attempt), key, frame.total_len, status);
+            }
+        }
+    }
+
+    /// Connections reading a slice into `key`'s slot read the rest of it
+    /// into nowhere: the slot is no longer theirs to write (its block
+    /// landed, was given back, or is being sent again).
+    fn detach_readers(&mut self, key: BlockAddr) {
+        for stream in self.streams.iter_mut().flatten() {
+            if let ReadState::Slice { key: k, left, .. } = stream.state
+                && k == key
+            {
+                stream.state = ReadState::Discard { left };
+            }
+        }
+    }
+
+    /// Writes what the connection has queued, many frames a call.
+    fn flush(&mut self, token: usize) -> bool {
+        let mut busy = false;
+        loop {
+            let Some(stream) = self.streams[token].as_mut() else { return busy };
+            if stream.queue.is_empty() {
+                return busy;
+            }
+            let mut slices: [IoSlice<'_>; FRAMES_PER_WRITE * 2] = [IoSlice::new(&[]); FRAMES_PER_WRITE * 2];
+            let mut count = 0;
+            for frame in stream.queue.iter().take(FRAMES_PER_WRITE) {
+                if frame.sent < FRAME_HEADER_BYTES {
+                    slices[count] = IoSlice::new(&frame.header[frame.sent..]);
+                    count += 1;
+                }
+                if frame.len > 0 {
+                    let from = frame.sent.saturating_sub(FRAME_HEADER_BYTES);
+                    let start = frame.bytes.wrapping_add(from);
+                    // SAFETY: the caller of `write` keeps the source valid
+                    // for `len` bytes until the transfer completes.
+                    let bytes = unsafe { core::slice::from_raw_parts(start, frame.len - from) };
+                    slices[count] = IoSlice::new(bytes);
+                    count += 1;
+                }
+            }
+            self.stats.write_calls += 1;
+            match stream.socket.write_vectored(&slices[..count]) {
+                Ok(0) => {
+                    self.lose(token, "the connection took no bytes");
+                    return true;
+                }
+                Ok(mut n) => {
+                    busy = true;
+                    stream.queued_bytes -= n;
+                    // Held by the kernel now, until the next time it is asked.
+                    stream.unsent += n;
+                    stream.progress_ns = self.now_ns;
+                    if let Some((peer, index)) = stream.peer
+                        && let Some(p) = self.peers.get_mut(peer.0 as usize)
+                    {
+                        p.rails[index / self.config.streams_per_peer].bytes += n as u64;
+                    }
+                    while n > 0 {
+                        let Some(front) = stream.queue.front_mut() else { break };
+                        let left = front.total() - front.sent;
+                        if n >= left {
+                            n -= left;
+                            stream.queue.pop_front();
+                        } else {
+                            front.sent += n;
+                            n = 0;
+                        }
+                    }
+                    // Room again: more of the peer's slices.
+                    if let Some((peer, _)) = stream.peer
+                        && self.peers.get(peer.0 as usize).is_some_and(|p| p.pending.iter().any(|q| !q.is_empty()))
+                    {
+                        self.feed(peer);
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    stream.writable = false;
+                    return busy;
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.lose(token, &e.to_string());
+                    return true;
+                }
+            }
+        }
+    }
+
+    /// A connection is gone. Each transfer that had a slice on it is sent
+    /// again, whole, over the peer's other connections (at most
+    /// [`ATTEMPTS_MAX`] sendings), or fails; an outbound connection is
+    /// tried again later. Blocks landing here through it wait for their
+    /// sender's next attempt, or their deadline.
+    fn lose(&mut self, token: usize, why: &str) {
+        let Some(mut stream) = self.streams[token].take() else { return };
+        let _ = self.poll.registry().deregister(&mut stream.socket);
+        self.stats.streams_lost += 1;
+        let Some((peer, index)) = stream.peer else { return };
+        if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+            p.streams[index] = None;
+            let (_, wait) = p.retry_at[index];
+            p.retry_at[index] = (self.now_ns + wait, (wait * 2).min(self.config.reconnect_ns * 64));
+            // Its rail is passed over for a while (one cooldown per break,
+            // not per connection: they often break together).
+            let rail = &mut p.rails[index / self.config.streams_per_peer];
+            if rail.cooldown_until <= self.now_ns {
+                rail.cooldown_until = self.now_ns + rail.cooldown_ns;
+                rail.cooldown_ns = (rail.cooldown_ns * 2).min(RAIL_COOLDOWN_NS * 64);
+                self.stats.rail_cooldowns += 1;
+            }
+        }
+        let hit: Vec<u64> = self
+            .sending
+            .iter()
+            .filter(|(_, s)| s.block.peer == peer && s.streams & (1 << index) != 0)
+            .map(|(&t, _)| t)
+            .collect();
+        for transfer in hit {
+            let Some(mut sending) = self.sending.remove(&transfer) else { continue };
+            // Its slices still queued elsewhere are of the old attempt.
+            self.unqueue(peer, transfer);
+            let attempts = u32::try_from(self.config.streams_per_peer).unwrap_or(u32::MAX) + EXTRA_ATTEMPTS;
+            let retried = sending.attempt + 1 < attempts && {
+                sending.attempt += 1;
+                self.queue_slices(&mut sending, true).is_ok()
+            };
+            if retried {
+                self.stats.retried += 1;
+                self.sending.insert(transfer, sending);
+            } else {
+                self.stats.failed += 1;
+                self.done.push(Completion {
+                    transfer,
+                    result: Err(TransferError::PeerLost(format!("connection {index} to the peer: {why}"))),
+                    target: sending.block.target,
+                });
+            }
+        }
+        self.feed(peer);
+    }
+
+    /// Drops the frames of `transfer` not yet started from `peer`'s
+    /// connections (one partly written must finish: the stream's framing).
+    fn unqueue(&mut self, peer: PeerId, transfer: u64) {
+        let Some(p) = self.peers.get(peer.0 as usize) else { return };
+        for token in p.streams.iter().flatten() {
+            let Some(stream) = self.streams[*token].as_mut() else { continue };
+            let before = stream.queue.len();
+            let mut dropped = 0;
+            stream.queue.retain(|f| {
+                let drop = f.transfer == Some(transfer) && f.sent == 0;
+                if drop {
+                    dropped += f.total();
+                }
+                !drop
+            });
+            if stream.queue.len() != before {
+                stream.queued_bytes -= dropped;
+            }
+        }
+    }
+
+    /// Deadlines, stalls, reconnects, abandoned landings.
+    fn sweep(&mut self, landing: &mut dyn Landing, now_ns: u64) {
+        // Connections that stopped moving: a cut link sends no error for
+        // minutes, so silence with bytes to move counts as a break.
+        for token in 0..self.streams.len() {
+            let Some(stream) = self.streams[token].as_mut() else { continue };
+            let why = if !stream.connected {
+                (now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns).then_some("connect timed out")
+            } else {
+                let owed = !stream.queue.is_empty() || stream.kernel_unsent(now_ns) > 0;
+                (owed && now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns)
+                    .then_some("stalled: nothing moved with bytes to move")
+            };
+            if let Some(why) = why {
+                self.lose(token, why);
+            }
+        }
+        let late: Vec<u64> = self.sending.iter().filter(|(_, s)| s.deadline_ns <= now_ns).map(|(&t, _)| t).collect();
+        for transfer in late {
+            let Some(sending) = self.sending.remove(&transfer) else { continue };
+            self.unqueue(sending.block.peer, transfer);
+            self.stats.failed += 1;
+            let result = if sending.streams == 0 && self.connected(sending.block.peer) == 0 {
+                Err(TransferError::PeerLost("no connection to the peer came up before the deadline".into()))
+            } else {
+                Err(TransferError::Timeout)
+            };
+            self.done.push(Completion { transfer, result, target: sending.block.target });
+        }
+        let stale: Vec<BlockAddr> =
+            self.landing.iter().filter(|(_, l)| l.deadline_ns <= now_ns).map(|(&k, _)| k).collect();
+        for key in stale {
+            self.landing.remove(&key);
+            // Nothing writes into the slot once it is given back.
+            self.detach_readers(key);
+            landing.abandoned(&key);
+        }
+        let keep_ns = self.config.transfer_timeout_ns;
+        self.landed.retain(|_, &mut (_, _, at)| now_ns.saturating_sub(at) < keep_ns);
+        for peer in 0..self.peers.len() {
+            for index in 0..self.peers[peer].streams.len() {
+                let (at, _) = self.peers[peer].retry_at[index];
+                if self.peers[peer].streams[index].is_none() && at <= now_ns {
+                    let id = PeerId(u32::try_from(peer).unwrap_or(u32::MAX));
+                    if self.connect(id, index).is_err() {
+                        let (_, wait) = self.peers[peer].retry_at[index];
+                        self.peers[peer].retry_at[index] =
+                            (now_ns + wait, (wait * 2).min(self.config.reconnect_ns * 64));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A non-blocking connection to `remote` leaving from `local` (a rail's
+/// interface): bound first, then connected.
+fn connect_from(local: std::net::IpAddr, remote: SocketAddr) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let domain = if remote.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: plain socket creation; the descriptor is owned below.
+    let fd = unsafe { libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor this function owns from here on (closed
+    // on every error path by the std stream's drop).
+    let owned = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    let (bind_to, bind_len) = socket_address(SocketAddr::new(local, 0));
+    // SAFETY: a valid socket and a sockaddr of the length given.
+    if unsafe { libc::bind(fd, (&raw const bind_to).cast(), bind_len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let (to, to_len) = socket_address(remote);
+    // SAFETY: as above.
+    if unsafe { libc::connect(fd, (&raw const to).cast(), to_len) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(e);
+        }
+    }
+    Ok(TcpStream::from_std(owned))
+}
+
+/// `address` as a C socket address and its length.
+fn socket_address(address: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero is a valid sockaddr_storage.
+    let mut storage: libc::sockaddr_storage = unsafe { core::mem::zeroed() };
+    let len = match address {
+        SocketAddr::V4(v4) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::sa_family_t::try_from(libc::AF_INET).unwrap_or(0),
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(v4.ip().octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is large and aligned enough for any
+            // socket address.
+            unsafe { (&raw mut storage).cast::<libc::sockaddr_in>().write(sin) };
+            size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(v6) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::sa_family_t::try_from(libc::AF_INET6).unwrap_or(0),
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: v6.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: v6.ip().octets() },
+                sin6_scope_id: v6.scope_id(),
+            };
+            // SAFETY: as above.
+            unsafe { (&raw mut storage).cast::<libc::sockaddr_in6>().write(sin6) };
+            size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, libc::socklen_t::try_from(len).unwrap_or(0))
+}
+
+/// A length or offset inside one object as an address offset: objects are
+/// at most [`OBJECT_BYTES_MAX`](super::frame::OBJECT_BYTES_MAX) bytes,
+/// which an address always holds.
+fn bytes(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+fn bad_frame(e: FrameError) -> String {
+    format!("bad frame: {e}")
+}

@@ -1,0 +1,128 @@
+//! Network namespaces for multi-host tests on one machine: two namespaces
+//! joined by veth pairs (one per rail), rate limits (`tbf`), cuts (`ip
+//! link set … down`), and the test binary run again inside a namespace
+//! as a child playing a role. Needs root; a test that cannot make them
+//! says so and skips.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// Two namespaces and veth pairs between them (one per rail), removed
+/// when dropped.
+#[derive(Debug)]
+pub struct Link {
+    /// The A namespace (senders).
+    pub a: String,
+    /// The B namespace (receivers).
+    pub b: String,
+    /// The A side's end of each pair, and each pair's /24.
+    veths: Vec<String>,
+    /// Each pair's /24 (A end `.1`, B end `.2`).
+    pub subnets: Vec<String>,
+    /// The test the children run (this binary, again).
+    test: &'static str,
+}
+
+impl Link {
+    /// Namespaces A and B and `rails` veth pairs; `tag` keeps tests of one
+    /// process apart; the children run `test` of this binary.
+    pub fn new(rails: usize, tag: u32, test: &'static str) -> Result<Self, String> {
+        let id = std::process::id() % 100_000;
+        let mut link = Self {
+            a: format!("lake-a{tag}-{id}"),
+            b: format!("lake-b{tag}-{id}"),
+            veths: Vec::new(),
+            subnets: Vec::new(),
+            test,
+        };
+        ip(&["netns", "add", &link.a])?;
+        ip(&["netns", "add", &link.b])?;
+        for ns in [&link.a, &link.b] {
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        for rail in 0..rails {
+            let (veth_a, veth_b) = (format!("lk{tag}{rail}a{id}"), format!("lk{tag}{rail}b{id}"));
+            let subnet = format!("10.{}.{}", 90 + tag as usize * 4 + rail, id % 250);
+            ip(&["link", "add", &veth_a, "type", "veth", "peer", "name", &veth_b])?;
+            ip(&["link", "set", &veth_a, "netns", &link.a])?;
+            ip(&["link", "set", &veth_b, "netns", &link.b])?;
+            ip(&["-n", &link.a, "addr", "add", &format!("{subnet}.1/24"), "dev", &veth_a])?;
+            ip(&["-n", &link.b, "addr", "add", &format!("{subnet}.2/24"), "dev", &veth_b])?;
+            ip(&["-n", &link.a, "link", "set", &veth_a, "up"])?;
+            ip(&["-n", &link.b, "link", "set", &veth_b, "up"])?;
+            link.veths.push(veth_a);
+            link.subnets.push(subnet);
+        }
+        Ok(link)
+    }
+
+    /// Rail `rail`'s link up or down (its A end).
+    pub fn up(&self, rail: usize, up: bool) -> Result<(), String> {
+        ip(&["-n", &self.a, "link", "set", &self.veths[rail], if up { "up" } else { "down" }])
+    }
+
+    /// Rail `rail` limited to `rate` (`tbf` on its A end).
+    pub fn rate(&self, rail: usize, rate: &str) -> Result<(), String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.a, "tc", "qdisc", "replace", "dev", &self.veths[rail], "root", "tbf"])
+            .args(["rate", rate, "burst", "256kb", "latency", "100ms"])
+            .output()
+            .map_err(|e| format!("tc: {e}"))?;
+        if out.status.success() { Ok(()) } else { Err(String::from_utf8_lossy(&out.stderr).into_owned()) }
+    }
+
+    /// Rails from A to the receiver's `port` in B: each pair's addresses.
+    pub fn rails(&self, port: u16) -> String {
+        self.subnets.iter().map(|s| format!("{s}.1>{s}.2:{port}")).collect::<Vec<_>>().join(",")
+    }
+
+    /// This test binary as `role` inside namespace `ns`, given `rails`.
+    pub fn spawn(&self, ns: &str, role: &str, rails: &str) -> Child {
+        let exe = std::env::current_exe().unwrap();
+        Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(exe)
+            .args(["--exact", self.test, "--nocapture"])
+            .env("LAKE_NETNS_ROLE", role)
+            .env("LAKE_NETNS_RAILS", rails)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap()
+    }
+}
+
+/// A child process killed when dropped (a failed assertion must not leave
+/// a receiver running in a namespace).
+#[derive(Debug)]
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.a]);
+        let _ = ip(&["netns", "del", &self.b]);
+    }
+}
+
+/// A child's stdout lines that start with one of `ours` (the test
+/// harness's lines around them left out).
+pub fn child_lines(child: &mut Child, ours: &'static [&'static str]) -> impl Iterator<Item = String> + use<> {
+    let out = child.stdout.take().expect("the child's stdout is piped");
+    BufReader::new(out).lines().map_while(Result::ok).filter(move |l| ours.iter().any(|m| l.starts_with(m)))
+}

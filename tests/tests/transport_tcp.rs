@@ -1,0 +1,294 @@
+//! Blocks between two nodes over real TCP on loopback: a sender's stored
+//! objects land in the receiver's reserved slots, striped over several
+//! connections, checked there and their headers rewritten to name the slot
+//! they landed in. A slot not reserved is refused, a block whose bytes lie
+//! is reported corrupt and never published, a peer that dies fails what
+//! was in flight within a bounded time and is reconnected when it is back,
+//! and garbage on a connection closes that connection only.
+
+#![allow(clippy::cast_possible_truncation)] // small test sizes and counts
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use lake_dp::Priority;
+use lake_dp::stored::decode_object;
+use lake_dp::transport::frame::BlockAddr;
+use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpTransport};
+use lake_dp::transport::{Completion, TransferError};
+use lake_tests::transport::{EPOCH, Node, REGION, SLOT_BYTES, now_ns, object, outgoing};
+
+fn config() -> TcpConfig {
+    TcpConfig { streams_per_peer: 4, slice_bytes: 1 << 20, transfer_timeout_ns: 2_000_000_000, ..TcpConfig::default() }
+}
+
+/// Polls both ends until `want` completions came back (or 10 s passed).
+fn drive(
+    sender: &mut TcpTransport,
+    receiver: &mut TcpTransport,
+    node: &mut Node,
+    start: Instant,
+    want: usize,
+) -> Vec<Completion> {
+    let mut done = Vec::new();
+    let mut none = Node::new(0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while done.len() < want {
+        assert!(Instant::now() < deadline, "{} of {want} completions in 10 s", done.len());
+        sender.poll(&mut none, now_ns(start), &mut done);
+        receiver.poll(node, now_ns(start), &mut Vec::new());
+    }
+    done
+}
+
+fn connected(sender: &mut TcpTransport, receiver: &mut TcpTransport, node: &mut Node, peer: PeerId, start: Instant) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut none = Node::new(0);
+    while sender.connected(peer) < 4 {
+        assert!(Instant::now() < deadline, "only {} connections up", sender.connected(peer));
+        sender.poll(&mut none, now_ns(start), &mut Vec::new());
+        receiver.poll(node, now_ns(start), &mut Vec::new());
+    }
+}
+
+fn pair() -> (TcpTransport, TcpTransport, PeerId, SocketAddr) {
+    let receiver = TcpTransport::new(config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    let address = receiver.local_addr().unwrap();
+    let mut sender = TcpTransport::new(config(), None).unwrap();
+    let peer = sender.add_peer(address).unwrap();
+    (sender, receiver, peer, address)
+}
+
+#[test]
+fn blocks_of_every_size_land_checked_in_their_slots() {
+    let start = Instant::now();
+    let (mut sender, mut receiver, peer, _) = pair();
+    let mut node = Node::new(64);
+    connected(&mut sender, &mut receiver, &mut node, peer, start);
+    let sizes = [1usize, 4096, 65_536, 1 << 20, (1 << 20) + 1, 3 << 20, 333_333];
+    let objects: Vec<Vec<u8>> = (0..48).map(|i| object(i, sizes[i as usize % sizes.len()], i)).collect();
+    for (i, bytes) in objects.iter().enumerate() {
+        let target = node.reserve(i as u32, 100 + i as u32);
+        let block = outgoing(i as u64, peer, bytes, target, Priority::WriteBack);
+        // SAFETY: `objects` outlives every completion (driven below).
+        unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    }
+    let done = drive(&mut sender, &mut receiver, &mut node, start, objects.len());
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(node.published.len(), objects.len());
+    for (target, meta) in &node.published {
+        let sent = &objects[target.slot as usize];
+        let landed = &node.memory[target.slot as usize * SLOT_BYTES..][..sent.len()];
+        let (header, payload) = decode_object(landed).unwrap();
+        // The header now names the slot it sits in; the payload is as sent.
+        assert_eq!(
+            (meta.slot, meta.generation, meta.region.0, meta.region_epoch),
+            (target.slot, target.generation, REGION, EPOCH)
+        );
+        assert_eq!(header.meta(), meta);
+        assert_eq!(payload, decode_object(sent).unwrap().1, "slot {}", target.slot);
+    }
+    // The large ones went in slices over more than one connection.
+    assert!(receiver.stats.read_calls > 0 && sender.stats.write_calls > 0);
+    assert_eq!(sender.stats.sent, objects.len() as u64);
+    assert_eq!(receiver.stats.landed, objects.len() as u64);
+}
+
+#[test]
+fn unreserved_slots_are_refused_lies_are_corrupt_and_the_connection_goes_on() {
+    let start = Instant::now();
+    let (mut sender, mut receiver, peer, _) = pair();
+    let mut node = Node::new(8);
+    connected(&mut sender, &mut receiver, &mut node, peer, start);
+    let good = object(1, 200_000, 0);
+    let mut lying = object(2, 2 << 20, 1);
+    // A payload byte in the second segment changed after its CRC was set.
+    let at = lying.len() - 100_000;
+    lying[at] ^= 0x20;
+    let unreserved = BlockAddr { region: REGION, epoch: EPOCH, slot: 3, generation: 1 };
+    let stale = {
+        let target = node.reserve(4, 7);
+        BlockAddr { generation: 6, ..target }
+    };
+    let lying_target = node.reserve(1, 1);
+    let good_target = node.reserve(0, 1);
+    let writes = [(10, &good, unreserved), (11, &good, stale), (12, &lying, lying_target), (13, &good, good_target)];
+    for (transfer, bytes, target) in writes {
+        let block = outgoing(transfer, peer, bytes, target, Priority::WriteBack);
+        // SAFETY: the objects outlive the completions.
+        unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    }
+    let mut done = drive(&mut sender, &mut receiver, &mut node, start, 4);
+    done.sort_by_key(|c| c.transfer);
+    let results: Vec<_> = done.iter().map(|c| c.result.clone()).collect();
+    assert_eq!(
+        results,
+        [Err(TransferError::Refused), Err(TransferError::Refused), Err(TransferError::Corrupt), Ok(())],
+        "{done:?}"
+    );
+    assert_eq!(node.published.len(), 1, "only the sound block is published");
+    assert_eq!(node.published[0].0, good_target);
+    // A bad request is refused before anything is sent.
+    let block = outgoing(14, PeerId(9), &good, good_target, Priority::WriteBack);
+    // SAFETY: as above.
+    assert_eq!(unsafe { sender.write(&block, now_ns(start)) }, Err(TransferError::Invalid("peer")));
+}
+
+#[test]
+fn a_dead_peer_fails_what_was_in_flight_and_a_returning_one_is_reconnected() {
+    let start = Instant::now();
+    let (mut sender, mut receiver, peer, address) = pair();
+    let mut node = Node::new(16);
+    connected(&mut sender, &mut receiver, &mut node, peer, start);
+    let big = object(5, 3 << 20, 0);
+    for i in 0..8u32 {
+        let target = node.reserve(i, 1);
+        let block = outgoing(u64::from(i), peer, &big, target, Priority::WriteBack);
+        // SAFETY: `big` outlives the completions.
+        unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    }
+    // The sender puts the blocks on the wire; the receiver dies before it
+    // reads them (its sockets close under unread bytes).
+    for _ in 0..3 {
+        sender.poll(&mut Node::new(0), now_ns(start), &mut Vec::new());
+    }
+    drop(receiver);
+    let mut done = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sender.in_flight() > 0 {
+        assert!(Instant::now() < deadline, "{} transfers still in flight", sender.in_flight());
+        sender.poll(&mut Node::new(0), now_ns(start), &mut done);
+    }
+    // Each failed, said why, within its deadline; none claims to have
+    // landed.
+    assert_eq!(done.len(), 8, "{done:?}");
+    assert_eq!(sender.stats.sent, 0);
+    assert!(done.iter().all(|c| matches!(&c.result, Err(TransferError::PeerLost(_)))), "{done:?}");
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    // Back on the same address: the sender reconnects on its own and the
+    // next block lands.
+    let mut receiver = TcpTransport::new(config(), Some(address)).unwrap();
+    let mut node = Node::new(4);
+    connected(&mut sender, &mut receiver, &mut node, peer, start);
+    let target = node.reserve(2, 3);
+    let block = outgoing(99, peer, &big, target, Priority::WriteBack);
+    // SAFETY: as above.
+    unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    let done = drive(&mut sender, &mut receiver, &mut node, start, 1);
+    assert_eq!(done.iter().map(|c| (c.transfer, c.result.clone())).collect::<Vec<_>>(), [(99, Ok(()))]);
+}
+
+#[test]
+fn garbage_closes_its_connection_and_nothing_else() {
+    let start = Instant::now();
+    let (mut sender, mut receiver, peer, address) = pair();
+    let mut node = Node::new(4);
+    connected(&mut sender, &mut receiver, &mut node, peer, start);
+    let mut rogue = std::net::TcpStream::connect(address).unwrap();
+    rogue.write_all(&[0x5a; 64]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while receiver.stats.bad_frames == 0 {
+        assert!(Instant::now() < deadline, "the garbage was never read");
+        receiver.poll(&mut node, now_ns(start), &mut Vec::new());
+    }
+    let good = object(8, 100_000, 0);
+    let target = node.reserve(0, 1);
+    let block = outgoing(1, peer, &good, target, Priority::WriteBack);
+    // SAFETY: `good` outlives the completion.
+    unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    let done = drive(&mut sender, &mut receiver, &mut node, start, 1);
+    assert_eq!(done.iter().map(|c| (c.transfer, c.result.clone())).collect::<Vec<_>>(), [(1, Ok(()))]);
+}
+
+#[test]
+fn a_sender_that_dies_mid_block_leaves_nothing_published_and_the_slot_given_back() {
+    use lake_dp::transport::frame::FrameHeader;
+    let start = Instant::now();
+    let mut receiver = TcpTransport::new(config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    let mut node = Node::new(2);
+    let target = node.reserve(1, 4);
+    let block = object(3, 1 << 20, 0);
+    let mut rogue = std::net::TcpStream::connect(receiver.local_addr().unwrap()).unwrap();
+    let header = FrameHeader::data((7, 0), target, block.len() as u64, 0, block.len() as u32).encode();
+    rogue.write_all(&header).unwrap();
+    rogue.write_all(&block[..block.len() / 2]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while receiver.stats.read_calls < 2 || node.reserved.get(&target) != Some(&false) {
+        assert!(Instant::now() < deadline, "the half block never started landing");
+        receiver.poll(&mut node, now_ns(start), &mut Vec::new());
+    }
+    drop(rogue);
+    // Past the transfer deadline the slot is given back, unpublished.
+    while node.abandoned == 0 {
+        assert!(Instant::now() < deadline, "the half block was never given back");
+        receiver.poll(&mut node, now_ns(start), &mut Vec::new());
+    }
+    assert!(node.published.is_empty());
+    assert!(!node.reserved.contains_key(&target));
+    assert_eq!(receiver.stats.landed, 0);
+}
+
+#[test]
+fn urgent_blocks_overtake_queued_write_back() {
+    let start = Instant::now();
+    let (mut sender, mut receiver, peer, _) = pair();
+    let mut node = Node::new(48);
+    connected(&mut sender, &mut receiver, &mut node, peer, start);
+    // 40 blocks of write-back queued first, then 4 critical loads.
+    let objects: Vec<Vec<u8>> = (0..44).map(|i| object(i, 1 << 20, i)).collect();
+    for (i, bytes) in objects.iter().enumerate() {
+        let priority = if i < 40 { Priority::WriteBack } else { Priority::CriticalLoad };
+        let target = node.reserve(i as u32, 1);
+        let block = outgoing(i as u64, peer, bytes, target, priority);
+        // SAFETY: `objects` outlives the completions.
+        unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    }
+    let done = drive(&mut sender, &mut receiver, &mut node, start, objects.len());
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    // Only what the connections already held (two slices each) goes
+    // before them.
+    let order: Vec<u64> = done.iter().map(|c| c.transfer).collect();
+    let last_critical = order.iter().rposition(|&t| t >= 40).unwrap();
+    assert!(last_critical < 4 * 2 + 4 + 4, "critical loads finished at position {last_critical}: {order:?}");
+}
+
+#[test]
+fn blocks_sent_to_any_slot_land_where_the_receiver_reserves_them() {
+    use lake_dp::transport::ANY_SLOT;
+    let start = Instant::now();
+    let (mut sender, mut receiver, peer, _) = pair();
+    let mut node = Node::new(6);
+    connected(&mut sender, &mut receiver, &mut node, peer, start);
+    let objects: Vec<Vec<u8>> = (0..8).map(|i| object(i, 300_000 + i as usize * 1000, 40 + i)).collect();
+    for (i, bytes) in objects.iter().enumerate() {
+        let any = BlockAddr { region: REGION, epoch: EPOCH, slot: ANY_SLOT, generation: 0 };
+        let block = outgoing(i as u64, peer, bytes, any, Priority::PrefillToDecode);
+        // SAFETY: `objects` outlives the completions.
+        unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    }
+    let mut done = drive(&mut sender, &mut receiver, &mut node, start, objects.len());
+    done.sort_by_key(|c| c.transfer);
+    // Six slots: six land, each where the receiver put it; two find none.
+    let landed: Vec<_> = done.iter().filter(|c| c.result.is_ok()).collect();
+    assert_eq!(landed.len(), 6, "{done:?}");
+    assert!(done.iter().filter(|c| c.result.is_err()).all(|c| c.result == Err(TransferError::Busy)), "{done:?}");
+    for completion in &landed {
+        let target = completion.target;
+        assert!(target.slot < 6 && target.generation == 1, "{target:?}");
+        let sent = &objects[completion.transfer as usize];
+        let (header, payload) = decode_object(node.landed_bytes(&target, sent.len())).unwrap();
+        assert_eq!(payload, decode_object(sent).unwrap().1);
+        assert_eq!(header.meta().slot, target.slot, "the header names the slot it landed in");
+    }
+    let mut slots: Vec<u32> = landed.iter().map(|c| c.target.slot).collect();
+    slots.dedup();
+    assert_eq!(slots.len(), 6, "each in a slot of its own");
+    // A region the receiver does not have is refused.
+    let elsewhere = BlockAddr { region: REGION + 1, epoch: EPOCH, slot: ANY_SLOT, generation: 0 };
+    let block = outgoing(50, peer, &objects[0], elsewhere, Priority::WriteBack);
+    // SAFETY: as above.
+    unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    let done = drive(&mut sender, &mut receiver, &mut node, start, 1);
+    assert_eq!(done[0].result, Err(TransferError::Refused));
+}
