@@ -4,10 +4,21 @@
 //! table from the shared-memory mirror, writes its own pin array, submits
 //! loads and saves over shared-memory rings and polls for completion — no
 //! syscall on the fast path. Every argument crossing the boundary is checked
-//! and reported as an error code; nothing panics across it. Issue [4] builds
-//! the surface; today it exports the versions an engine checks at attach.
+//! and reported as an error code; nothing panics across it.
+//!
+//! The header `ffi/include/lake.h` is generated from this crate by
+//! cbindgen and checked in; `cargo test -p lake-ffi --test header` fails
+//! when it is stale (`LAKE_UPDATE_HEADER=1` rewrites it).
 
 #![warn(missing_docs)]
+
+mod gpu;
+mod lanes;
+pub mod layout;
+mod memory;
+pub mod pool;
+mod push;
+pub mod status;
 
 use lake_dp::wire::{WIRE_VERSION_MAX, WIRE_VERSION_MIN};
 

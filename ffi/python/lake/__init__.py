@@ -1,0 +1,774 @@
+"""Lake's engine surface for Python, over the C ABI (``liblake.so``).
+
+numpy in, numpy out: keys are ``(n, 16) uint8`` arrays, block tables and
+completions are structured arrays; no Python object per block on the hot
+paths. Every call checks its arguments before they cross into C; every C
+status other than ``LAKE_OK`` raises :class:`LakeError` with the library's
+message.
+
+The library is found through ``LAKE_LIBRARY`` (a path to ``liblake.so``),
+else in ``target/release`` or ``target/debug`` of the checkout this
+package sits in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "LakeError",
+    "Layout",
+    "Namespace",
+    "KeyChain",
+    "Pool",
+    "KEY_DTYPE",
+    "LOCATION_DTYPE",
+    "COMPLETION_DTYPE",
+    "STATUS",
+]
+
+STATUS = {
+    0: "LAKE_OK",
+    1: "LAKE_NULL_ARGUMENT",
+    2: "LAKE_INVALID_ARGUMENT",
+    3: "LAKE_BAD_STRUCT_SIZE",
+    4: "LAKE_BUFFER_TOO_SMALL",
+    5: "LAKE_NOT_ATTACHED",
+    6: "LAKE_VERSION_MISMATCH",
+    7: "LAKE_NO_SPACE",
+    8: "LAKE_EVICTED",
+    9: "LAKE_BAD_CRC",
+    10: "LAKE_IO",
+    11: "LAKE_BUSY",
+    12: "LAKE_CANCELLED",
+    13: "LAKE_INTERNAL",
+    14: "LAKE_LAYOUT_MISMATCH",
+    15: "LAKE_UNAVAILABLE",
+    16: "LAKE_PREFIX_BROKEN",
+}
+OK, BUFFER_TOO_SMALL, EVICTED, BAD_CRC, CANCELLED = 0, 4, 8, 9, 12
+LAYOUT_MISMATCH, UNAVAILABLE, PREFIX_BROKEN = 14, 15, 16
+
+#: Element type codes of :class:`Layout` (``dtype`` accepts the name or a
+#: numpy/torch dtype's name).
+DTYPES = {"float16": 1, "bfloat16": 2, "float32": 3, "float8_e4m3fn": 4, "float8_e5m2": 5, "int8": 6, "uint8": 6}
+DTYPE_BYTES = {1: 2, 2: 2, 3: 4, 4: 1, 5: 1, 6: 1}
+
+KEY_DTYPE = np.dtype((np.uint8, 16))
+LOCATION_DTYPE = np.dtype(
+    [
+        ("tier", np.uint8),
+        ("tiers", np.uint8),
+        ("kind", np.uint8),
+        ("epoch_tag", np.uint8),
+        ("region", np.uint16),
+        ("reserved", np.uint16),
+        ("slot", np.uint32),
+        ("generation", np.uint32),
+    ]
+)
+COMPLETION_DTYPE = np.dtype([("request_id", np.uint64), ("index", np.uint32), ("status", np.int32)])
+assert LOCATION_DTYPE.itemsize == 16 and COMPLETION_DTYPE.itemsize == 16
+
+
+class LakeError(Exception):
+    """A call returned a status other than ``LAKE_OK``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{STATUS.get(status, status)}: {message}")
+        self.status = status
+        self.name = STATUS.get(status, str(status))
+        self.message = message
+
+
+class _NamespaceOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("tenant_key", ctypes.c_uint8 * 32),
+        ("block_tokens", ctypes.c_uint32),
+        ("model_fingerprint", ctypes.c_uint8 * 32),
+        ("extra_keys_digest", ctypes.c_uint8 * 32),
+        ("key_scheme", ctypes.c_uint32),
+    ]
+
+
+class _AttachOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("dp_socket", ctypes.c_char_p),
+        ("mirror_path", ctypes.c_char_p),
+        ("cp_socket", ctypes.c_char_p),
+        ("name", ctypes.c_char_p),
+        ("namespace", ctypes.c_void_p),
+        ("layout_fingerprint", ctypes.c_uint64),
+        ("segment_bytes", ctypes.c_uint64),
+        ("pin_agent", ctypes.c_uint32),
+        ("agent_core", ctypes.c_uint32),
+        ("copy_threads", ctypes.c_uint32),
+    ]
+
+
+class _LayoutOptions(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t)] + [
+        (name, ctypes.c_uint32)
+        for name in (
+            "layers",
+            "planes",
+            "kv_heads",
+            "shard_start",
+            "shard_end",
+            "head_dim",
+            "dtype",
+            "block_tokens",
+            "layers_per_segment",
+        )
+    ]
+
+
+class _LayoutInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("fingerprint", ctypes.c_uint64),
+        ("block_bytes", ctypes.c_uint64),
+        ("segment_bytes", ctypes.c_uint64),
+        ("heads", ctypes.c_uint32),
+        ("head_bytes", ctypes.c_uint32),
+    ]
+
+
+class _KvMemoryOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("layout", ctypes.c_void_p),
+        ("block_count", ctypes.c_uint32),
+        ("pieces", ctypes.c_void_p),
+        ("piece_count", ctypes.c_size_t),
+        ("memory_kind", ctypes.c_uint32),
+        ("device", ctypes.c_uint32),
+        ("gpu_path", ctypes.c_uint32),
+    ]
+
+
+#: One (layer, plane) of engine memory: address of block 0, then the byte
+#: strides of blocks, tokens and heads (``LakeKvPiece``).
+PIECE_DTYPE = np.dtype(
+    [("address", np.uint64), ("block_stride", np.int64), ("token_stride", np.int64), ("head_stride", np.int64)]
+)
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t)] + [
+        (name, ctypes.c_uint64)
+        for name in (
+            "lookups",
+            "hit_blocks",
+            "l1_loads",
+            "l2_loads",
+            "load_failures",
+            "saves",
+            "saves_skipped",
+            "bytes_loaded",
+            "bytes_saved",
+        )
+    ]
+
+
+def _find_library() -> str:
+    explicit = os.environ.get("LAKE_LIBRARY")
+    if explicit:
+        return explicit
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        for profile in ("release", "debug"):
+            candidate = parent / "target" / profile / "liblake.so"
+            if candidate.exists():
+                return str(candidate)
+    raise OSError("liblake.so not found: build it (cargo build -p lake-ffi) or set LAKE_LIBRARY")
+
+
+_lib = None
+
+
+def _library():
+    global _lib
+    if _lib is not None:
+        return _lib
+    lib = ctypes.CDLL(_find_library())
+    p, u8p, sz, u32, u64 = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint64
+    signatures = {
+        "lake_wire_version_max": ([], ctypes.c_uint16),
+        "lake_namespace_new": ([p, ctypes.POINTER(p)], ctypes.c_int),
+        "lake_namespace_free": ([p], None),
+        "lake_namespace_id": ([p, ctypes.POINTER(u64)], ctypes.c_int),
+        "lake_keychain_new": ([p, ctypes.POINTER(p)], ctypes.c_int),
+        "lake_keychain_extend": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_keychain_free": ([p], None),
+        "lake_page_keys": ([p, p, sz, sz, p], ctypes.c_int),
+        "lake_attach": ([p, ctypes.POINTER(p)], ctypes.c_int),
+        "lake_detach": ([p], None),
+        "lake_register_host_memory": ([p, u8p, sz, u32, ctypes.POINTER(u32)], ctypes.c_int),
+        "lake_layout_describe": ([p, p], ctypes.c_int),
+        "lake_register_kv_memory": ([p, p, ctypes.POINTER(u32)], ctypes.c_int),
+        "lake_lookup": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_submit_load": ([p, u32, p, p, p, sz, u32, ctypes.POINTER(u64)], ctypes.c_int),
+        "lake_submit_save": ([p, u32, p, p, p, sz, u32, ctypes.POINTER(u64)], ctypes.c_int),
+        "lake_lease": ([p, p, sz, u32, ctypes.POINTER(sz), ctypes.POINTER(u64), ctypes.POINTER(p)], ctypes.c_int),
+        "lake_lease_release": ([p], None),
+        "lake_report_resident": ([p, p, sz, u32], ctypes.c_int),
+        "lake_wait_layer": ([p, u64, u32, u64], ctypes.c_int),
+        "lake_slot_space": ([p, ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(u64)], ctypes.c_int),
+        "lake_push": ([p, ctypes.c_char_p, p, p, sz, ctypes.c_uint16, u64, u32, ctypes.POINTER(u64)], ctypes.c_int),
+        "lake_cancel": ([p, u64], ctypes.c_int),
+        "lake_poll": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_stats": ([p, p], ctypes.c_int),
+        "lake_alive": ([p], ctypes.c_int),
+        "lake_lookup_pinned": ([p, p, sz, p, sz, ctypes.POINTER(sz), ctypes.POINTER(p)], ctypes.c_int),
+        "lake_load_pinned": ([p, p, u32, p, sz, p], ctypes.c_int),
+        "lake_pins_release": ([p], None),
+        "lake_last_error": ([ctypes.c_char_p, sz], sz),
+    }
+    for name, (args, result) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes = args
+        function.restype = result
+    _lib = lib
+    return lib
+
+
+def _check(status: int) -> None:
+    if status != OK:
+        buffer = ctypes.create_string_buffer(512)
+        _library().lake_last_error(buffer, len(buffer))
+        raise LakeError(status, buffer.value.decode("utf-8", "replace"))
+
+
+def _ptr(array: np.ndarray):
+    return array.ctypes.data_as(ctypes.c_void_p) if array.size else None
+
+
+def _keys(keys) -> np.ndarray:
+    array = np.ascontiguousarray(keys, dtype=np.uint8)
+    if array.ndim != 2 or array.shape[1] != 16:
+        raise ValueError(f"keys must have shape (n, 16), not {array.shape}")
+    return array
+
+
+def _blocks(blocks, count: int) -> np.ndarray:
+    array = np.ascontiguousarray(blocks, dtype=np.uint32)
+    if array.ndim != 1 or array.shape[0] != count:
+        raise ValueError(f"engine blocks must have shape ({count},), not {array.shape}")
+    return array
+
+
+def _is_hex(text: str) -> bool:
+    return len(text) % 2 == 0 and len(text) > 0 and all(c in "0123456789abcdefABCDEF" for c in text)
+
+
+def _digest(value: bytes, what: str) -> ctypes.Array:
+    if len(value) != 32:
+        raise ValueError(f"{what} must be 32 bytes, not {len(value)}")
+    return (ctypes.c_uint8 * 32).from_buffer_copy(value)
+
+
+class Layout:
+    """A block's geometry as this engine rank holds it; Lake gives back the
+    fingerprint blocks are saved under (readers with another layout — another
+    tensor-parallel shard, dtype or block size — never get these bytes) and
+    the sizes.
+
+    ``shard`` is ``(first_head, end_head)`` of the model's ``kv_heads`` this
+    rank holds, or ``None`` when every rank holds them all (MLA)."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        block_tokens: int,
+        planes: int = 2,
+        shard: tuple[int, int] | None = None,
+        layers_per_segment: int = 1,
+    ):
+        code = dtype if isinstance(dtype, int) else DTYPES.get(str(dtype).replace("torch.", ""))
+        if code not in DTYPE_BYTES:
+            raise ValueError(f"unknown KV dtype {dtype!r}: one of {sorted(DTYPES)}")
+        options = _LayoutOptions()
+        options.struct_size = ctypes.sizeof(_LayoutOptions)
+        options.layers, options.planes, options.kv_heads = layers, planes, kv_heads
+        options.shard_start, options.shard_end = shard if shard is not None else (0, 0)
+        options.head_dim, options.dtype, options.block_tokens = head_dim, code, block_tokens
+        options.layers_per_segment = layers_per_segment
+        info = _LayoutInfo()
+        info.struct_size = ctypes.sizeof(_LayoutInfo)
+        _check(_library().lake_layout_describe(ctypes.byref(options), ctypes.byref(info)))
+        self._options = options
+        self.layers, self.planes, self.kv_heads, self.head_dim = layers, planes, kv_heads, head_dim
+        self.dtype, self.block_tokens, self.shard = code, block_tokens, shard
+        self.fingerprint = info.fingerprint
+        self.block_bytes = info.block_bytes
+        self.segment_bytes = info.segment_bytes
+        self.heads = info.heads
+        self.head_bytes = info.head_bytes
+
+    def __repr__(self):
+        return (
+            f"Layout(layers={self.layers}, planes={self.planes}, heads={self.heads}/{self.kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, block_tokens={self.block_tokens}, "
+            f"fingerprint={self.fingerprint:#x})"
+        )
+
+
+#: Priorities of loads and saves (``LakeStatus``-style codes of the ABI).
+PRIORITY = {"critical_load": 0, "prefill_to_decode": 1, "write_back": 2, "demotion": 3, "replication": 4}
+
+#: Key schemes of :class:`Namespace`.
+KEY_SCHEMES = {"tokens": 1, "engine_prefix_hash": 3}
+
+
+class Namespace:
+    """A tenant's namespace for one model: two requests share KV only inside one.
+
+    ``key_scheme`` is ``"tokens"`` (keys chained over token ids: :meth:`keys`)
+    or ``"engine_prefix_hash"`` (each key derived from an engine page hash
+    that already names its prefix, such as SGLang's: :meth:`page_keys`)."""
+
+    def __init__(
+        self,
+        tenant_key: bytes,
+        block_tokens: int,
+        model_fingerprint: bytes,
+        extra_keys_digest=bytes(32),
+        key_scheme: str = "tokens",
+    ):
+        if key_scheme not in KEY_SCHEMES:
+            raise ValueError(f"key_scheme is one of {sorted(KEY_SCHEMES)}, not {key_scheme!r}")
+        options = _NamespaceOptions()
+        options.key_scheme = KEY_SCHEMES[key_scheme]
+        options.struct_size = ctypes.sizeof(_NamespaceOptions)
+        options.tenant_key = _digest(tenant_key, "tenant_key")
+        options.block_tokens = block_tokens
+        options.model_fingerprint = _digest(model_fingerprint, "model_fingerprint")
+        options.extra_keys_digest = _digest(extra_keys_digest, "extra_keys_digest")
+        handle = ctypes.c_void_p()
+        _check(_library().lake_namespace_new(ctypes.byref(options), ctypes.byref(handle)))
+        self._handle = handle
+        self.block_tokens = block_tokens
+
+    @property
+    def id(self) -> int:
+        value = ctypes.c_uint64()
+        _check(_library().lake_namespace_id(self._handle, ctypes.byref(value)))
+        return value.value
+
+    def keys(self, tokens) -> np.ndarray:
+        """The keys of every full block of a prompt."""
+        return KeyChain(self).extend(tokens)
+
+    def page_keys(self, hashes) -> np.ndarray:
+        """The keys of pages named by engine page hashes (bytes, or strings:
+        hex digests are decoded, other strings taken as UTF-8)."""
+        raw = [bytes.fromhex(h) if isinstance(h, str) and _is_hex(h) else h.encode() if isinstance(h, str) else bytes(h) for h in hashes]
+        out = np.zeros((len(raw), 16), dtype=np.uint8)
+        if not raw:
+            return out
+        lengths = {len(r) for r in raw}
+        groups = [(0, len(raw))] if len(lengths) == 1 else [(i, i + 1) for i in range(len(raw))]
+        for start, end in groups:
+            joined = np.frombuffer(b"".join(raw[start:end]), dtype=np.uint8)
+            _check(
+                _library().lake_page_keys(
+                    self._handle, _ptr(joined), len(raw[start]), end - start, out[start:end].ctypes.data
+                )
+            )
+        return out
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle and _lib is not None:
+            _lib.lake_namespace_free(handle)
+            self._handle = None
+
+
+class KeyChain:
+    """Block keys of a growing prompt, hashing only what is new."""
+
+    def __init__(self, namespace: Namespace):
+        self._namespace = namespace
+        handle = ctypes.c_void_p()
+        _check(_library().lake_keychain_new(namespace._handle, ctypes.byref(handle)))
+        self._handle = handle
+
+    def extend(self, tokens) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        if tokens.ndim != 1:
+            raise ValueError("tokens must be one-dimensional")
+        written = ctypes.c_size_t()
+        capacity = (tokens.shape[0] // self._namespace.block_tokens) + 1
+        out = np.zeros((capacity, 16), dtype=np.uint8)
+        _check(
+            _library().lake_keychain_extend(
+                self._handle, _ptr(tokens), tokens.shape[0], _ptr(out), capacity, ctypes.byref(written)
+            )
+        )
+        return out[: written.value]
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle and _lib is not None:
+            _lib.lake_keychain_free(handle)
+            self._handle = None
+
+
+class _Handle:
+    """A library object freed once: by ``release()``, at the end of a
+    ``with`` block, or when collected. Subclasses name the freeing call."""
+
+    _free = ""
+    _handle = None
+
+    def release(self) -> None:
+        if self._handle:
+            getattr(_library(), self._free)(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __del__(self):
+        self.release() if _lib is not None and getattr(self, "_handle", None) else None
+
+
+class Pins(_Handle):
+    """L1 blocks pinned by :meth:`Pool.lookup_pinned`."""
+
+    _free = "lake_pins_release"
+
+    def __init__(self, pool, handle, count):
+        self._pool, self._handle, self.count = pool, handle, count
+
+    def load(self, memory_id: int, engine_blocks) -> np.ndarray:
+        """Copies the pinned blocks into engine blocks now, in this thread;
+        one status per block (``LAKE_EVICTED`` for one the lookup did not pin)."""
+        if not self._handle:
+            raise LakeError(2, "these pins were released")
+        blocks = np.ascontiguousarray(engine_blocks, dtype=np.uint32)
+        if blocks.ndim != 1:
+            raise ValueError("engine blocks must be one-dimensional")
+        statuses = np.zeros(blocks.shape[0], dtype=np.int32)
+        _check(
+            _library().lake_load_pinned(
+                self._pool._h(), self._handle, memory_id, _ptr(blocks), blocks.shape[0], _ptr(statuses)
+            )
+        )
+        return statuses
+
+
+
+class Lease(_Handle):
+    """Replicas held for a planned load (:meth:`Pool.lease`): ``granted``
+    keys covered, until ``deadline_unix_ns`` or :meth:`release`."""
+
+    _free = "lake_lease_release"
+
+    def __init__(self, handle, granted: int, deadline_unix_ns: int):
+        self._handle, self.granted, self.deadline_unix_ns = handle, granted, deadline_unix_ns
+
+
+class Pool:
+    """An attached pool: lookups read shared memory; loads and saves run on the agent's thread."""
+
+    def __init__(
+        self,
+        dp_socket: str,
+        mirror: str,
+        namespace: Namespace,
+        cp_socket: str | None = None,
+        layout_fingerprint: int = 0,
+        segment_bytes: int = 4096,
+        name: str = "python-engine",
+        layout: Layout | None = None,
+        agent_core: int | None = None,
+        copy_threads: int = 0,
+    ):
+        if layout is not None:
+            layout_fingerprint, segment_bytes = layout.fingerprint, layout.segment_bytes
+        options = _AttachOptions()
+        options.struct_size = ctypes.sizeof(_AttachOptions)
+        options.dp_socket = os.fsencode(dp_socket)
+        options.mirror_path = os.fsencode(mirror)
+        options.cp_socket = os.fsencode(cp_socket) if cp_socket else None
+        options.name = name.encode()
+        options.namespace = namespace._handle
+        options.layout_fingerprint = layout_fingerprint
+        options.segment_bytes = segment_bytes
+        if agent_core is not None:
+            if agent_core < 0:
+                raise ValueError(f"agent_core must be a core number, not {agent_core}")
+            options.pin_agent, options.agent_core = 1, agent_core
+        options.copy_threads = copy_threads
+        handle = ctypes.c_void_p()
+        _check(_library().lake_attach(ctypes.byref(options), ctypes.byref(handle)))
+        self._handle = handle
+        self._namespace = namespace
+        self._memories: list = []
+        # Completions taken by try_wait, by request: (statuses, how many).
+        self._partial: dict[int, tuple[np.ndarray, int]] = {}
+        self._lock = threading.Lock()
+
+    def _h(self):
+        if not self._handle:
+            raise LakeError(5, "this pool was closed")
+        return self._handle
+
+    def register_host_memory(self, blocks: np.ndarray) -> int:
+        """Registers a ``(count, block_bytes) uint8`` C-contiguous array; it is kept alive here."""
+        if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 2:
+            raise ValueError("engine memory must be a 2-D uint8 numpy array (blocks, block_bytes)")
+        if not blocks.flags["C_CONTIGUOUS"] or not blocks.flags["WRITEABLE"]:
+            raise ValueError("engine memory must be C-contiguous and writeable")
+        memory_id = ctypes.c_uint32()
+        _check(
+            _library().lake_register_host_memory(
+                self._h(), _ptr(blocks), blocks.shape[1], blocks.shape[0], ctypes.byref(memory_id)
+            )
+        )
+        self._memories.append(blocks)
+        return memory_id.value
+
+    def register_kv_memory(
+        self, layout: Layout, block_count: int, pieces, keep_alive=None, device=None, gpu_path: str = "copy_engine"
+    ) -> int:
+        """Registers an engine's paged KV cache in host memory, described as
+        one piece per (layer, plane), layer-major (``PIECE_DTYPE`` records or
+        an ``(n, 4)`` array of address, block, token and head byte strides).
+        Loads scatter into it and saves gather from it in the engine's own
+        order. ``keep_alive`` (the tensors) is held as long as the pool.
+        ``device``: the CUDA device ordinal when the pieces are GPU memory
+        (moved by Lake's kernels), ``None`` for host memory; ``gpu_path``:
+        ``"copy_engine"`` (the bus crossed by the copy engines, the layout
+        changed in HBM; keeps the bus while the GPU computes) or
+        ``"direct"`` (one kernel across the bus; fastest on an idle GPU)."""
+        array = np.asarray(pieces)
+        if array.dtype != PIECE_DTYPE:
+            array = np.asarray(pieces, dtype=np.int64)
+            if array.ndim != 2 or array.shape[1] != 4:
+                raise ValueError(f"pieces must be PIECE_DTYPE records or shape (n, 4), not {array.shape}")
+            records = np.zeros(array.shape[0], dtype=PIECE_DTYPE)
+            records["address"] = array[:, 0].astype(np.uint64)
+            for i, name in enumerate(("block_stride", "token_stride", "head_stride"), start=1):
+                records[name] = array[:, i]
+            array = records
+        array = np.ascontiguousarray(array)
+        options = _KvMemoryOptions()
+        options.struct_size = ctypes.sizeof(_KvMemoryOptions)
+        options.layout = ctypes.addressof(layout._options)
+        options.block_count = block_count
+        options.pieces = array.ctypes.data if array.size else None
+        options.piece_count = array.shape[0]
+        if device is not None:
+            options.memory_kind, options.device = 1, int(device)
+            paths = {"copy_engine": 0, "direct": 1}
+            if gpu_path not in paths:
+                raise ValueError(f"gpu_path is one of {sorted(paths)}, not {gpu_path!r}")
+            options.gpu_path = paths[gpu_path]
+        memory_id = ctypes.c_uint32()
+        _check(_library().lake_register_kv_memory(self._h(), ctypes.byref(options), ctypes.byref(memory_id)))
+        self._memories.append(keep_alive)
+        return memory_id.value
+
+    def lookup(self, keys):
+        """``(hits, table)``: the longest cached prefix and its block table."""
+        keys = _keys(keys)
+        table = np.zeros(keys.shape[0], dtype=LOCATION_DTYPE)
+        hits = ctypes.c_size_t()
+        _check(
+            _library().lake_lookup(self._h(), _ptr(keys), keys.shape[0], _ptr(table), keys.shape[0], ctypes.byref(hits))
+        )
+        return hits.value, table[: hits.value]
+
+    def lookup_pinned(self, keys):
+        """``(hits, table, pins)``: like :meth:`lookup`, with the L1 hits
+        pinned until ``pins.release()`` (or the ``with`` block ends)."""
+        keys = _keys(keys)
+        table = np.zeros(keys.shape[0], dtype=LOCATION_DTYPE)
+        hits = ctypes.c_size_t()
+        handle = ctypes.c_void_p()
+        _check(
+            _library().lake_lookup_pinned(
+                self._h(), _ptr(keys), keys.shape[0], _ptr(table), keys.shape[0], ctypes.byref(hits),
+                ctypes.byref(handle),
+            )
+        )
+        return hits.value, table[: hits.value], Pins(self, handle, hits.value)
+
+    def submit_load(self, memory_id: int, keys, table, engine_blocks, priority: int = PRIORITY["critical_load"]) -> int:
+        """Loads the looked-up blocks into engine blocks on the agent's
+        thread; ``priority`` (see ``PRIORITY``) puts a request's own loads
+        ahead of prefetches and saves."""
+        keys = _keys(keys)
+        table = np.ascontiguousarray(table, dtype=LOCATION_DTYPE)
+        if table.shape != (keys.shape[0],):
+            raise ValueError("one location per key")
+        blocks = _blocks(engine_blocks, keys.shape[0])
+        request = ctypes.c_uint64()
+        _check(
+            _library().lake_submit_load(
+                self._h(), memory_id, _ptr(keys), _ptr(table), _ptr(blocks), keys.shape[0], priority,
+                ctypes.byref(request),
+            )
+        )
+        return request.value
+
+    def submit_save(self, memory_id: int, keys, engine_blocks, parent=None, priority: int = PRIORITY["write_back"]) -> int:
+        keys = _keys(keys)
+        blocks = _blocks(engine_blocks, keys.shape[0])
+        parent_array = None if parent is None else np.ascontiguousarray(parent, dtype=np.uint8).reshape(16)
+        request = ctypes.c_uint64()
+        _check(
+            _library().lake_submit_save(
+                self._h(),
+                memory_id,
+                None if parent_array is None else _ptr(parent_array),
+                _ptr(keys),
+                _ptr(blocks),
+                keys.shape[0],
+                priority,
+                ctypes.byref(request),
+            )
+        )
+        return request.value
+
+    def lease(self, keys, ttl_ms: int = 10_000) -> "Lease":
+        """Holds the replicas of the leading run of ``keys`` that has one
+        (L2 blocks, which no pin covers) for ``ttl_ms``, so a load planned
+        now finds them; a round trip to lake-cp."""
+        keys = _keys(keys)
+        granted, deadline, handle = ctypes.c_size_t(), ctypes.c_uint64(), ctypes.c_void_p()
+        _check(
+            _library().lake_lease(
+                self._h(), _ptr(keys), keys.shape[0], ttl_ms, ctypes.byref(granted), ctypes.byref(deadline),
+                ctypes.byref(handle),
+            )
+        )
+        return Lease(handle, granted.value, deadline.value)
+
+    def report_resident(self, keys, resident: bool = True) -> None:
+        """Tells lake-cp the engine now keeps ``keys`` in its own GPU memory
+        (or, with ``resident=False``, has freed them): advisory L0 replicas
+        for routing, forgotten when the engine detaches. Returns at once."""
+        keys = _keys(keys)
+        _check(_library().lake_report_resident(self._h(), _ptr(keys), keys.shape[0], 1 if resident else 0))
+
+    def wait_layer(self, request_id: int, layer: int, stream: int = 0) -> None:
+        """Makes CUDA stream ``stream`` (a raw handle: PyTorch's
+        ``torch.cuda.current_stream().cuda_stream``) wait, on the GPU, until
+        layer ``layer`` of GPU load ``request_id`` has landed; the host
+        returns at once. The load's completions still say whether every
+        block passed its CRC check."""
+        _check(_library().lake_wait_layer(self._h(), request_id, layer, stream))
+
+    def slot_space(self) -> tuple:
+        """This node's L1 as a push target: (region, epoch), for the node
+        that pushes blocks here (``push``)."""
+        region, epoch = ctypes.c_uint16(), ctypes.c_uint64()
+        _check(_library().lake_slot_space(self._h(), ctypes.byref(region), ctypes.byref(epoch)))
+        return region.value, epoch.value
+
+    def push(self, address: str, keys, table, region: int, epoch: int, priority: int = 1) -> int:
+        """Pushes looked-up L1 blocks (``lookup``'s keys and table) to the
+        node at ``address`` ("IP:PORT", its transport), into any slot of
+        its L1 (``slot_space`` there): P→D. Returns the request id; one
+        completion per block (``wait``)."""
+        keys = _keys(keys)
+        table = np.ascontiguousarray(table, dtype=LOCATION_DTYPE)
+        if table.shape != (keys.shape[0],):
+            raise ValueError("one location per key")
+        request = ctypes.c_uint64()
+        _check(
+            _library().lake_push(
+                self._h(), address.encode(), _ptr(keys), _ptr(table), keys.shape[0], region, epoch, priority,
+                ctypes.byref(request),
+            )
+        )
+        return request.value
+
+    def cancel(self, request_id: int) -> None:
+        _check(_library().lake_cancel(self._h(), request_id))
+
+    def poll(self, capacity: int = 256) -> np.ndarray:
+        """Raw completions, as the library hands them out (what this takes,
+        :meth:`wait` and :meth:`try_wait` will not see: use one or the other)."""
+        out = np.zeros(capacity, dtype=COMPLETION_DTYPE)
+        written = ctypes.c_size_t()
+        _check(_library().lake_poll(self._h(), _ptr(out), capacity, ctypes.byref(written)))
+        return out[: written.value]
+
+    def try_wait(self, request_id: int, count: int):
+        """The per-block statuses of a request once all ``count`` arrived,
+        else ``None``; never blocks. Completions of other requests seen
+        meanwhile are kept for theirs. Thread-safe (one request, one waiter)."""
+        with self._lock:
+            for completion in self.poll():
+                request = int(completion["request_id"])
+                statuses, left = self._partial.get(request, (None, 0))
+                if statuses is None:
+                    # Its waiter has not asked yet: the array grows on demand.
+                    statuses, left = np.full(0, -1, dtype=np.int32), 0
+                index = int(completion["index"])
+                if index >= len(statuses):
+                    grown = np.full(index + 1, -1, dtype=np.int32)
+                    grown[: len(statuses)] = statuses
+                    statuses = grown
+                statuses[index] = completion["status"]
+                self._partial[request] = (statuses, left + 1)
+            statuses, seen = self._partial.get(request_id, (None, 0))
+            if seen < count:
+                return None
+            del self._partial[request_id]
+            return statuses[:count]
+
+    def wait(self, request_id: int, count: int, timeout: float = 10.0) -> np.ndarray:
+        """The per-block statuses of a request, once all ``count`` arrived
+        (completions of other requests seen meanwhile are kept for theirs).
+        Thread-safe: each thread waits for its own requests."""
+        deadline = time.monotonic() + timeout
+        while True:
+            statuses = self.try_wait(request_id, count)
+            if statuses is not None:
+                return statuses
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"request {request_id}: not complete in {timeout} s")
+            time.sleep(0.0002)
+
+    def stats(self) -> dict:
+        stats = _Stats()
+        stats.struct_size = ctypes.sizeof(_Stats)
+        _check(_library().lake_stats(self._h(), ctypes.byref(stats)))
+        return {name: getattr(stats, name) for name, _ in _Stats._fields_[1:]}
+
+    def alive(self) -> bool:
+        return bool(self._handle) and _library().lake_alive(self._handle) == OK
+
+    def close(self) -> None:
+        if self._handle:
+            _library().lake_detach(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close() if _lib is not None and getattr(self, "_handle", None) else None

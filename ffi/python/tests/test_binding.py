@@ -1,0 +1,376 @@
+"""The binding against a real pool: the call sequence an engine makes
+(keys, attach, register memory, save, lookup, load, poll), numpy in and
+out, and bad arguments that must raise, never crash or write wrong bytes."""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import lake
+from conftest import needs
+
+TOKENS = 16
+
+
+def namespace(tenant=7):
+    return lake.Namespace(bytes([tenant]) * 32, TOKENS, bytes([3]) * 32)
+
+
+def attach(paths, ns):
+    return lake.Pool(paths["DP_SOCKET"], paths["MIRROR"], ns, cp_socket=paths["CP_SOCKET"], segment_bytes=4096)
+
+
+def kv(keys, block_bytes):
+    """The stand-in model's KV: a function of each key."""
+    out = np.empty((len(keys), block_bytes), dtype=np.uint8)
+    for i, key in enumerate(keys):
+        rng = np.random.default_rng(int.from_bytes(key[:8].tobytes(), "little"))
+        out[i] = rng.integers(0, 256, block_bytes, dtype=np.uint8)
+    return out
+
+
+def wait_hits(pool, keys, want, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        hits, table = pool.lookup(keys)
+        if hits >= want or time.monotonic() > deadline:
+            return hits, table
+        time.sleep(0.005)
+
+
+def test_keys_are_deterministic_incremental_and_tenant_bound():
+    tokens = np.arange(10 * TOKENS + 3, dtype=np.uint32) * 31
+    ns = namespace()
+    whole = ns.keys(tokens)
+    assert whole.shape == (10, 16) and whole.dtype == np.uint8
+    chain = lake.KeyChain(ns)
+    parts = [chain.extend(tokens[:37]), chain.extend(tokens[37:38]), chain.extend(tokens[38:])]
+    assert np.array_equal(np.concatenate(parts), whole)
+    assert not np.array_equal(namespace(tenant=8).keys(tokens), whole), "another tenant, other keys"
+    assert namespace().id == ns.id and namespace(tenant=8).id != ns.id
+
+
+def test_save_lookup_load_round_trip(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(12 * TOKENS, dtype=np.uint32) + 1000)
+    with attach(pool_paths, ns) as pool:
+        memory = np.zeros((24, block_bytes), dtype=np.uint8)
+        memory[:12] = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        request = pool.submit_save(memory_id, keys, np.arange(12))
+        assert (pool.wait(request, 12) == 0).all()
+        hits, table = wait_hits(pool, keys, 12)
+        assert hits == 12 and table.dtype == lake.LOCATION_DTYPE
+        assert set(table["tier"]) <= {1, 2}
+        request = pool.submit_load(memory_id, keys, table, np.arange(12, 24))
+        assert (pool.wait(request, 12) == 0).all()
+        assert np.array_equal(memory[12:], memory[:12]), "the bytes came back"
+        stats = pool.stats()
+        assert stats["saves"] == 12 and stats["l1_loads"] + stats["l2_loads"] >= 12
+
+
+def test_pinned_hits_load_in_the_calling_thread(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(4 * TOKENS, dtype=np.uint32) + 7000)
+    with attach(pool_paths, ns) as pool:
+        memory = np.zeros((8, block_bytes), dtype=np.uint8)
+        memory[:4] = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        assert (pool.wait(pool.submit_save(memory_id, keys, np.arange(4)), 4) == 0).all()
+        wait_hits(pool, keys, 4)
+        hits, table, pins = pool.lookup_pinned(keys)
+        with pins:
+            assert hits == 4 and (table["tier"] == 1).all()
+            statuses = pins.load(memory_id, np.arange(4, 8))
+            assert (statuses == 0).all(), statuses
+            assert np.array_equal(memory[4:], memory[:4])
+            with pytest.raises(lake.LakeError):
+                pins.load(memory_id, np.arange(3, 8))
+        with pytest.raises(lake.LakeError):
+            pins.load(memory_id, np.arange(4, 8))
+
+
+def test_a_block_evicted_between_lookup_and_load_fails_cleanly(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(3 * TOKENS, dtype=np.uint32) + 5000)
+    with attach(pool_paths, ns) as pool:
+        memory = np.zeros((6, block_bytes), dtype=np.uint8)
+        memory[:3] = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        assert (pool.wait(pool.submit_save(memory_id, keys, np.arange(3)), 3) == 0).all()
+        hits, table = wait_hits(pool, keys, 3)
+        assert hits == 3
+        # What an eviction does to a reader: the slot's generation moved on.
+        stale = table.copy()
+        stale["generation"][1] += 1000
+        statuses = pool.wait(pool.submit_load(memory_id, keys, stale, np.arange(3, 6)), 3)
+        assert list(statuses) == [lake.OK, lake.EVICTED, lake.PREFIX_BROKEN], statuses
+        assert np.array_equal(memory[3], memory[0])
+        assert not memory[4:].any(), "nothing was written for the failed blocks"
+
+
+def test_bad_arguments_raise_and_change_nothing(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(2 * TOKENS, dtype=np.uint32) + 9000)
+    with attach(pool_paths, ns) as pool:
+        memory = np.zeros((2, block_bytes), dtype=np.uint8)
+        memory_id = pool.register_host_memory(memory)
+        with pytest.raises(ValueError):
+            pool.lookup(np.zeros((2, 15), dtype=np.uint8))
+        with pytest.raises(ValueError):
+            pool.submit_save(memory_id, keys, np.arange(3))
+        with pytest.raises(ValueError):
+            pool.register_host_memory(np.zeros(10, dtype=np.float32))
+        with pytest.raises(lake.LakeError) as error:
+            pool.submit_save(memory_id + 7, keys, np.arange(2))
+        assert error.value.name == "LAKE_INVALID_ARGUMENT" and "not registered" in error.value.message
+        with pytest.raises(lake.LakeError) as error:
+            pool.submit_save(memory_id, keys, np.array([0, 99]))
+        assert error.value.name == "LAKE_INVALID_ARGUMENT"
+        bad_table = np.zeros(2, dtype=lake.LOCATION_DTYPE)
+        bad_table["tier"] = 9
+        with pytest.raises(lake.LakeError):
+            pool.submit_load(memory_id, keys, bad_table, np.arange(2))
+        assert pool.poll().size == 0, "refused calls queue nothing"
+    with pytest.raises(lake.LakeError) as error:
+        pool.lookup(keys)
+    assert error.value.name == "LAKE_NOT_ATTACHED", "a closed pool refuses, it does not crash"
+    with pytest.raises(lake.LakeError) as error:
+        lake.Pool("/nonexistent/dp.sock", pool_paths["MIRROR"], ns)
+    assert error.value.name == "LAKE_NOT_ATTACHED"
+    with pytest.raises(ValueError):
+        lake.Namespace(b"short", TOKENS, bytes(32))
+    with pytest.raises(lake.LakeError):
+        lake.Namespace(bytes(32), 0, bytes(32))
+
+
+def test_cancel_before_it_runs(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    with attach(pool_paths, ns) as pool:
+        memory = np.zeros((64, block_bytes), dtype=np.uint8)
+        memory_id = pool.register_host_memory(memory)
+        requests = []
+        for round in range(8):
+            keys = ns.keys(np.arange(8 * TOKENS, dtype=np.uint32) + 20000 + round * 1000)
+            requests.append((pool.submit_save(memory_id, keys, np.arange(8) + round * 8), 8))
+        last, count = requests[-1]
+        pool.cancel(last)
+        statuses = pool.wait(last, count)
+        # Either it had started (done) or it was cancelled whole.
+        assert (statuses == 0).all() or (statuses == lake.CANCELLED).all(), statuses
+        for request, count in requests[:-1]:
+            pool.wait(request, count)
+
+
+def test_a_pool_that_goes_away_is_reported_not_crashed(doomed_paths):
+    ns = namespace()
+    pool = attach(doomed_paths, ns)
+    assert pool.alive()
+    with open(doomed_paths["STOP_FILE"], "w") as f:
+        f.write("stop")
+    deadline = time.monotonic() + 20
+    while pool.alive():
+        assert time.monotonic() < deadline, "the agent never noticed its lake-dp left"
+        time.sleep(0.02)
+    with pytest.raises(lake.LakeError) as error:
+        pool.lookup(ns.keys(np.arange(TOKENS, dtype=np.uint32)))
+    assert error.value.name == "LAKE_NOT_ATTACHED"
+    pool.close()
+
+
+def metric(paths, name):
+    text = urllib.request.urlopen(f"http://{paths['METRICS']}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return int(float(line.split()[1]))
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+# The engine process that dies: attaches, pins a hit, says so, waits to be
+# killed (SIGKILL: no destructor, no detach, no goodbye).
+DYING_ENGINE = """
+import sys, time
+import numpy as np
+import lake
+ns = lake.Namespace(bytes([7]) * 32, 16, bytes([3]) * 32)
+pool = lake.Pool(sys.argv[1], sys.argv[2], ns, cp_socket=sys.argv[3])
+keys = ns.keys(np.arange(3 * 16, dtype=np.uint32) + 70000)
+hits, table, pins = pool.lookup_pinned(keys)
+print(hits, flush=True)
+time.sleep(120)
+"""
+
+
+def test_an_engine_killed_holding_pins_loses_them_and_nothing_else(pool_paths):
+    needs(pool_paths, "METRICS")
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(3 * TOKENS, dtype=np.uint32) + 70000)
+    with attach(pool_paths, ns) as pool:
+        memory = np.zeros((6, block_bytes), dtype=np.uint8)
+        memory[:3] = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        assert (pool.wait(pool.submit_save(memory_id, keys, np.arange(3)), 3) == lake.OK).all()
+        assert wait_hits(pool, keys, 3)[0] == 3
+        before = metric(pool_paths, "lake_dp_pins")
+        child = subprocess.Popen(
+            [sys.executable, "-c", DYING_ENGINE, pool_paths["DP_SOCKET"], pool_paths["MIRROR"], pool_paths["CP_SOCKET"]],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout.readline().strip() == "3", "the child did not pin the three blocks"
+            deadline = time.monotonic() + 20
+            while metric(pool_paths, "lake_dp_pins") < before + 3:
+                assert time.monotonic() < deadline, "the child's pins never showed"
+                time.sleep(0.05)
+        finally:
+            child.kill()
+            child.wait()
+        deadline = time.monotonic() + 20
+        while metric(pool_paths, "lake_dp_pins") > before:
+            assert time.monotonic() < deadline, "the dead engine's pins stayed"
+            time.sleep(0.05)
+        # This engine goes on: its blocks are still there, bytes intact.
+        hits, table = pool.lookup(keys)
+        assert hits == 3
+        assert (pool.wait(pool.submit_load(memory_id, keys, table, np.arange(3, 6)), 3) == lake.OK).all()
+        assert np.array_equal(memory[3:], memory[:3])
+
+
+def test_a_daemon_with_no_wire_version_in_common_is_refused_by_name(pool_paths):
+    needs(pool_paths, "FUTURE_DP_SOCKET")
+    with pytest.raises(lake.LakeError) as error:
+        lake.Pool(pool_paths["FUTURE_DP_SOCKET"], pool_paths["MIRROR"], namespace())
+    assert error.value.name == "LAKE_VERSION_MISMATCH", error.value
+    # The real pool is unaffected.
+    with attach(pool_paths, namespace()) as pool:
+        assert pool.alive()
+
+
+def test_leases_priorities_and_a_pinned_agent_thread(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(4 * TOKENS, dtype=np.uint32) + 80000)
+    with pytest.raises(lake.LakeError) as error:
+        lake.Pool(pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns, agent_core=1 << 20)
+    assert error.value.name == "LAKE_INVALID_ARGUMENT" and "may run on" in error.value.message
+    with lake.Pool(
+        pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns, cp_socket=pool_paths["CP_SOCKET"], agent_core=0
+    ) as pool:
+        memory = np.zeros((8, block_bytes), dtype=np.uint8)
+        memory[:4] = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        assert (pool.wait(pool.submit_save(memory_id, keys, np.arange(4)), 4) == lake.OK).all()
+        hits, table = wait_hits(pool, keys, 4)
+        assert hits == 4
+        with pool.lease(keys, ttl_ms=3000) as lease:
+            assert lease.granted == 4
+            assert 0 < lease.deadline_unix_ns - time.time_ns() <= 3_100_000_000
+            # A prefetch, behind critical loads, loads the same bytes.
+            request = pool.submit_load(memory_id, keys, table, np.arange(4, 8), priority=lake.PRIORITY["write_back"])
+            assert (pool.wait(request, 4) == lake.OK).all()
+        assert np.array_equal(memory[4:], memory[:4])
+        unknown = ns.keys(np.arange(2 * TOKENS, dtype=np.uint32) + 990000)
+        with pool.lease(unknown) as nothing:
+            assert nothing.granted == 0
+        with pytest.raises(lake.LakeError) as error:
+            pool.submit_load(memory_id, keys, table, np.arange(4, 8), priority=7)
+        assert error.value.name == "LAKE_INVALID_ARGUMENT" and "priority" in error.value.message
+    # Without lake-cp there is no one to lease from: said, not hidden.
+    with lake.Pool(pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns) as pool:
+        with pytest.raises(lake.LakeError) as error:
+            pool.lease(keys)
+        assert error.value.name == "LAKE_UNAVAILABLE"
+
+
+def wait_metric(paths, name, want, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while (value := metric(paths, name)) != want:
+        assert time.monotonic() < deadline, f"{name} is {value}, never {want}"
+        time.sleep(0.02)
+
+
+def test_blocks_kept_in_the_engines_gpu_are_reported_and_forgotten_on_detach(pool_paths):
+    needs(pool_paths, "METRICS")
+    ns = namespace()
+    keys = ns.keys(np.arange(6 * TOKENS, dtype=np.uint32) + 150000)
+    base = metric(pool_paths, "lake_l0_blocks")
+    with attach(pool_paths, ns) as pool:
+        pool.report_resident(keys)
+        wait_metric(pool_paths, "lake_l0_blocks", base + 6)
+        pool.report_resident(keys[4:], resident=False)
+        wait_metric(pool_paths, "lake_l0_blocks", base + 4)
+        with pytest.raises(lake.LakeError) as error:
+            lake._check(lake._library().lake_report_resident(pool._h(), None, 3, 1))
+        assert error.value.name == "LAKE_NULL_ARGUMENT"
+        with pytest.raises(lake.LakeError) as error:
+            lake._check(lake._library().lake_report_resident(pool._h(), lake._ptr(keys), 1, 2))
+        assert error.value.name == "LAKE_INVALID_ARGUMENT" and "0 or 1" in error.value.message
+    wait_metric(pool_paths, "lake_l0_blocks", base)
+    # Without lake-cp there is no one to tell: said, not hidden.
+    with lake.Pool(pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns) as pool:
+        with pytest.raises(lake.LakeError) as error:
+            pool.report_resident(keys)
+        assert error.value.name == "LAKE_UNAVAILABLE"
+
+
+def test_slot_space_names_this_pools_l1_and_a_bad_push_is_refused(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(2 * TOKENS, dtype=np.uint32) + 170000)
+    with attach(pool_paths, ns) as pool:
+        memory = np.zeros((2, block_bytes), dtype=np.uint8)
+        memory[:] = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        assert (pool.wait(pool.submit_save(memory_id, keys, np.arange(2)), 2) == lake.OK).all()
+        hits, table = wait_hits(pool, keys, 2)
+        region, epoch = pool.slot_space()
+        assert hits == 2 and all(int(e["region"]) == region for e in table), (region, table)
+        assert epoch > 0
+        with pytest.raises(lake.LakeError) as error:
+            pool.push("not an address", keys, table, region, epoch)
+        assert error.value.name == "LAKE_INVALID_ARGUMENT" and "IP:PORT" in error.value.message
+        with pytest.raises(ValueError):
+            pool.push("127.0.0.1:1", keys, table[:1], region, epoch)
+
+
+def test_copy_lanes_split_a_large_load_and_keep_its_prefix_rule(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(32 * TOKENS, dtype=np.uint32) + 120000)
+    with lake.Pool(
+        pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns, cp_socket=pool_paths["CP_SOCKET"], copy_threads=2
+    ) as pool:
+        memory = np.zeros((64, block_bytes), dtype=np.uint8)
+        memory[:32] = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        assert (pool.wait(pool.submit_save(memory_id, keys, np.arange(32)), 32) == lake.OK).all()
+        hits, table = wait_hits(pool, keys, 32)
+        assert hits == 32
+        before = pool.stats()
+        assert (pool.wait(pool.submit_load(memory_id, keys, table, np.arange(32, 64)), 32) == lake.OK).all()
+        assert np.array_equal(memory[32:], memory[:32])
+        after = pool.stats()
+        assert after["l1_loads"] - before["l1_loads"] == 32
+        assert after["bytes_loaded"] - before["bytes_loaded"] == 32 * block_bytes
+        # A block gone in the middle of one lane's share: it fails, every
+        # block after it is reported broken whichever lane copied it.
+        memory[32:] = 0
+        stale = table.copy()
+        stale["generation"][20] += 1000
+        statuses = pool.wait(pool.submit_load(memory_id, keys, stale, np.arange(32, 64)), 32)
+        assert (statuses[:20] == lake.OK).all(), statuses
+        assert statuses[20] == lake.EVICTED and (statuses[21:] == lake.PREFIX_BROKEN).all(), statuses
+        assert np.array_equal(memory[32:52], memory[:20])
+        assert not memory[52].any(), "the failed block was not written"

@@ -1,0 +1,134 @@
+//! Layouts across the boundary: the engine describes its KV geometry, Lake
+//! answers with the fingerprint blocks are saved under and their sizes.
+
+use lake_dp::model::layout::{Dtype, KvPlanes, Layout, LayoutParams, Shard};
+
+use crate::pool::read_options;
+use crate::status::{LakeStatus, fail, guard};
+
+/// A block's geometry, as the engine knows it (see [`lake_layout_describe`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LakeLayoutOptions {
+    /// `sizeof(LakeLayoutOptions)`.
+    pub struct_size: usize,
+    /// Attention layers whose KV a block holds.
+    pub layers: u32,
+    /// 2: separate K and V planes; 1: one latent per token (MLA).
+    pub planes: u32,
+    /// The model's KV heads, all ranks together.
+    pub kv_heads: u32,
+    /// First KV head this engine rank holds (tensor parallelism).
+    pub shard_start: u32,
+    /// One past the last head it holds; 0 with `shard_start` 0: every rank
+    /// holds the whole cache (MLA latents, replicated).
+    pub shard_end: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Element type: 1 f16, 2 bf16, 3 f32, 4 fp8 e4m3, 5 fp8 e5m2, 6 int8.
+    pub dtype: u32,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Layers per CRC segment (1: one segment per layer).
+    pub layers_per_segment: u32,
+}
+
+/// What Lake makes of a [`LakeLayoutOptions`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LakeLayoutInfo {
+    /// `sizeof(LakeLayoutInfo)`, set by the caller.
+    pub struct_size: usize,
+    /// The stable fingerprint blocks of this layout are saved under (give
+    /// it to `lake_attach`).
+    pub fingerprint: u64,
+    /// Payload bytes of one block.
+    pub block_bytes: u64,
+    /// Bytes of one CRC segment (give it to `lake_attach`).
+    pub segment_bytes: u64,
+    /// KV heads this rank holds.
+    pub heads: u32,
+    /// Bytes of one head of one token (`head_dim` × element size).
+    pub head_bytes: u32,
+}
+
+fn field(value: u32, name: &str) -> Result<u16, LakeStatus> {
+    u16::try_from(value)
+        .map_err(|_| fail(LakeStatus::LakeInvalidArgument, format!("layout: {name} {value} is too large")))
+}
+
+/// Validates a layout description into Lake's layout.
+pub(crate) fn layout_of(o: &LakeLayoutOptions) -> Result<Layout, LakeStatus> {
+    let planes = match o.planes {
+        1 => KvPlanes::Latent,
+        2 => KvPlanes::KeyValue,
+        other => return Err(fail(LakeStatus::LakeInvalidArgument, format!("layout: planes is 1 or 2, not {other}"))),
+    };
+    let dtype = u8::try_from(o.dtype)
+        .ok()
+        .and_then(|code| Dtype::from_u8(code).ok())
+        .ok_or_else(|| fail(LakeStatus::LakeInvalidArgument, format!("layout: unknown dtype code {}", o.dtype)))?;
+    let shard = if o.shard_start == 0 && o.shard_end == 0 {
+        Shard::Replicated
+    } else {
+        Shard::Heads { start: field(o.shard_start, "shard_start")?, end: field(o.shard_end, "shard_end")? }
+    };
+    Layout::new(LayoutParams {
+        layers: field(o.layers, "layers")?,
+        planes,
+        kv_heads: field(o.kv_heads, "kv_heads")?,
+        shard,
+        head_dim: field(o.head_dim, "head_dim")?,
+        dtype,
+        block_tokens: field(o.block_tokens, "block_tokens")?,
+        layers_per_segment: field(o.layers_per_segment, "layers_per_segment")?,
+    })
+    .map_err(|e| fail(LakeStatus::LakeInvalidArgument, format!("layout: {e}")))
+}
+
+/// Describes a block geometry: its fingerprint and sizes into `info`
+/// (whose `struct_size` must be set). Pure; thread-safe.
+///
+/// # Safety
+///
+/// `options` points at a `LakeLayoutOptions`; `info` at a writable
+/// `LakeLayoutInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_layout_describe(
+    options: *const LakeLayoutOptions,
+    info: *mut LakeLayoutInfo,
+) -> LakeStatus {
+    guard(|| {
+        let result = (|| {
+            if info.is_null() {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_layout_describe: info is required"));
+            }
+            // SAFETY: null or a LakeLayoutOptions (contract).
+            let o = unsafe { read_options(options, "LakeLayoutOptions") }?;
+            // SAFETY: non-null (checked), a LakeLayoutInfo (contract).
+            let size = unsafe { (*info).struct_size };
+            if size != size_of::<LakeLayoutInfo>() {
+                return Err(fail(
+                    LakeStatus::LakeBadStructSize,
+                    format!("LakeLayoutInfo.struct_size is {size}, this library knows {}", size_of::<LakeLayoutInfo>()),
+                ));
+            }
+            let layout = layout_of(&o)?;
+            let value = LakeLayoutInfo {
+                struct_size: size,
+                fingerprint: layout.fingerprint(),
+                block_bytes: layout.block_bytes(),
+                segment_bytes: layout.segment_bytes(),
+                heads: u32::from(layout.shard_heads()),
+                head_bytes: u32::try_from(u64::from(layout.head_dim()) * layout.dtype().bytes()).unwrap_or(u32::MAX),
+            };
+            // SAFETY: writable (contract), size checked.
+            unsafe { info.write(value) };
+            Ok(())
+        })();
+        match result {
+            Ok(()) => LakeStatus::LakeOk,
+            Err(status) => status,
+        }
+    })
+}

@@ -1,0 +1,111 @@
+//! P→D from the engine: blocks this node's L1 holds, pushed by the agent's
+//! thread to any slot of another node's L1 over the compute network's
+//! transport, one completion per block.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use lake_dp::BlockKey;
+use lake_dp::Priority;
+use lake_dp::agent::Agent;
+use lake_dp::agent::push::{PushError, Pusher};
+use lake_dp::mirror::MirrorEntry;
+use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpTransport};
+use lake_dp::transport::{Completion, TransferError};
+
+use crate::status::LakeStatus;
+
+/// A push asked of the agent's thread.
+pub(crate) struct PushJob {
+    pub request: u64,
+    pub peer: SocketAddr,
+    pub keys: Vec<BlockKey>,
+    pub table: Vec<MirrorEntry>,
+    pub to: (u16, u64),
+    pub priority: Priority,
+}
+
+/// The agent thread's pushes: made on the first, kept for the pool's life.
+#[derive(Default)]
+pub(crate) struct Pushes {
+    pusher: Option<Pusher>,
+    peers: Vec<(SocketAddr, PeerId)>,
+    /// Transfer → (request, block index).
+    blocks: HashMap<u64, (u64, u32)>,
+    ended: Vec<Completion>,
+}
+
+fn status_of(error: &TransferError) -> LakeStatus {
+    match error {
+        TransferError::Corrupt => LakeStatus::LakeBadCrc,
+        TransferError::Busy => LakeStatus::LakeBusy,
+        TransferError::Invalid(_) => LakeStatus::LakeInvalidArgument,
+        TransferError::Refused | TransferError::PeerLost(_) | TransferError::Timeout => LakeStatus::LakeUnavailable,
+    }
+}
+
+impl Pushes {
+    /// Starts `job`'s blocks; those that cannot start end at once, in
+    /// `(request, index, status)`.
+    pub(crate) fn start(&mut self, agent: &Agent, job: &PushJob, now_ns: u64, ended: &mut Vec<(u64, u32, LakeStatus)>) {
+        let fail_all = |ended: &mut Vec<(u64, u32, LakeStatus)>, status| {
+            for i in 0..job.keys.len() {
+                ended.push((job.request, u32::try_from(i).unwrap_or(u32::MAX), status));
+            }
+        };
+        if self.pusher.is_none() {
+            let made = TcpTransport::new(TcpConfig::default(), None)
+                .ok()
+                .zip(agent.claim_pin_array().ok())
+                .map(|(transport, pins)| Pusher::new(transport, pins, agent.arena_region()));
+            let Some(pusher) = made else { return fail_all(ended, LakeStatus::LakeUnavailable) };
+            self.pusher = Some(pusher);
+        }
+        let Some(pusher) = self.pusher.as_mut() else { return };
+        let peer = match self.peers.iter().find(|(a, _)| *a == job.peer) {
+            Some(&(_, peer)) => peer,
+            None => match pusher.transport().add_peer(job.peer) {
+                Ok(peer) => {
+                    self.peers.push((job.peer, peer));
+                    peer
+                }
+                Err(_) => return fail_all(ended, LakeStatus::LakeUnavailable),
+            },
+        };
+        for (i, (key, entry)) in job.keys.iter().zip(&job.table).enumerate() {
+            let index = u32::try_from(i).unwrap_or(u32::MAX);
+            match pusher.push(key, entry, peer, job.to, job.priority, now_ns) {
+                Ok(transfer) => {
+                    self.blocks.insert(transfer, (job.request, index));
+                }
+                Err(e) => {
+                    let status = match e {
+                        PushError::Evicted | PushError::Mismatch => LakeStatus::LakeEvicted,
+                        PushError::NotInL1 => LakeStatus::LakeUnavailable,
+                        PushError::Transport(e) => status_of(&e),
+                    };
+                    ended.push((job.request, index, status));
+                }
+            }
+        }
+    }
+
+    /// Blocks still on their way.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Moves bytes; the blocks that ended go to `ended`.
+    pub(crate) fn poll(&mut self, now_ns: u64, ended: &mut Vec<(u64, u32, LakeStatus)>) {
+        let Some(pusher) = self.pusher.as_mut() else { return };
+        pusher.poll(now_ns, &mut self.ended);
+        for completion in self.ended.drain(..) {
+            let Some((request, index)) = self.blocks.remove(&completion.transfer) else { continue };
+            let status = match &completion.result {
+                Ok(()) => LakeStatus::LakeOk,
+                Err(e) => status_of(e),
+            };
+            ended.push((request, index, status));
+        }
+    }
+}

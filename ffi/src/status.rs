@@ -1,0 +1,101 @@
+//! Status codes, the per-thread last error, and the guard every export
+//! runs its body in: arguments are checked, a panic never crosses the
+//! boundary (it becomes `LAKE_INTERNAL` with its message).
+
+use std::cell::RefCell;
+use std::ffi::c_char;
+
+/// What every call returns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LakeStatus {
+    /// Done.
+    LakeOk = 0,
+    /// A pointer argument was null.
+    LakeNullArgument = 1,
+    /// An argument is out of its domain (`lake_last_error` says which).
+    LakeInvalidArgument = 2,
+    /// An option struct's `struct_size` is not one this library knows.
+    LakeBadStructSize = 3,
+    /// The output buffer is too small; the count needed is returned.
+    LakeBufferTooSmall = 4,
+    /// The pool is not there (never attached, or its `lake-dp` went away).
+    LakeNotAttached = 5,
+    /// The library and the daemon have no wire version in common.
+    LakeVersionMismatch = 6,
+    /// No room in the pool (a save skipped).
+    LakeNoSpace = 7,
+    /// The block was evicted or replaced between lookup and load:
+    /// recompute it.
+    LakeEvicted = 8,
+    /// The block failed its CRC checks: recompute it.
+    LakeBadCrc = 9,
+    /// A device or socket failed.
+    LakeIo = 10,
+    /// A queue is full: retry later.
+    LakeBusy = 11,
+    /// The request was cancelled.
+    LakeCancelled = 12,
+    /// A bug in this library (a panic caught at the boundary).
+    LakeInternal = 13,
+    /// The block was saved under another layout (another shard, dtype or
+    /// geometry) or namespace than this engine's memory: its bytes are not
+    /// this reader's; recompute it.
+    LakeLayoutMismatch = 14,
+    /// A lower-tier block could not be leased or brought into L1 in time
+    /// (no `lake-cp`, a refused lease, no room, a device error): recompute
+    /// it.
+    LakeUnavailable = 15,
+    /// An earlier block of the same request failed, so this one was not
+    /// loaded (a prefix is only of use whole): recompute it.
+    LakePrefixBroken = 16,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// Records `message` as this thread's last error and returns `status`.
+pub(crate) fn fail(status: LakeStatus, message: impl Into<String>) -> LakeStatus {
+    let message = message.into();
+    LAST_ERROR.with(|last| *last.borrow_mut() = message);
+    status
+}
+
+/// Runs an export's body: a panic becomes `LakeInternal`.
+pub(crate) fn guard(body: impl FnOnce() -> LakeStatus) -> LakeStatus {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+        Ok(status) => status,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".to_owned());
+            fail(LakeStatus::LakeInternal, format!("internal error: {what}"))
+        }
+    }
+}
+
+/// Copies this thread's last error message into `buffer` (`capacity`
+/// bytes, NUL-terminated, cut to fit) and returns the message's full
+/// length. Thread-safe: each thread has its own last error.
+///
+/// # Safety
+///
+/// `buffer` must be null or point at `capacity` writable bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_last_error(buffer: *mut c_char, capacity: usize) -> usize {
+    LAST_ERROR.with(|last| {
+        let last = last.borrow();
+        let bytes = last.as_bytes();
+        if !buffer.is_null() && capacity > 0 {
+            let n = bytes.len().min(capacity - 1);
+            // SAFETY: the caller gave `capacity` writable bytes; n < capacity.
+            unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), buffer.cast::<u8>(), n) };
+            // SAFETY: n < capacity.
+            unsafe { buffer.wrapping_add(n).write(0) };
+        }
+        bytes.len()
+    })
+}

@@ -1,0 +1,197 @@
+//! P→D through the C ABI: two pools (two `lake-cp`s and `lake-dp`s in one
+//! process); the prefill engine saves a prompt into its pool, asks the
+//! decode pool where its L1 is (`lake_slot_space`), pushes the prompt
+//! there (`lake_push`), and the decode engine finds it with `lake_lookup`
+//! and loads it byte for byte. Bad arguments are refused by name.
+
+#![allow(clippy::cast_possible_truncation)] // small test numbers
+
+mod common;
+
+use common::{ok, statuses};
+
+use std::ffi::CString;
+use std::time::{Duration, Instant};
+
+use lake::pool::{
+    LakeAttachOptions, LakeBlockKey, LakeLocation, LakeNamespace, LakeNamespaceOptions, LakePool, lake_attach,
+    lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_lookup, lake_namespace_free,
+    lake_namespace_new, lake_push, lake_register_host_memory, lake_slot_space, lake_submit_load, lake_submit_save,
+};
+use lake::status::LakeStatus;
+use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+use lake_cp::tier::TierConfig;
+
+const BLOCK: usize = 64 * 1024;
+const BLOCKS: usize = 10;
+
+fn start(name: &str, listen: Option<std::net::SocketAddr>) -> EmbeddedPool {
+    EmbeddedPool::start(&EmbeddedConfig {
+        dir: std::env::temp_dir().join(format!("lake-ffi-push-{name}-{}", std::process::id())),
+        block_bytes: BLOCK as u64,
+        l1_slots: 32,
+        l2_slots_per_file: 32,
+        local_agents: 0,
+        remote_agents: 4,
+        tiers: TierConfig::default(),
+        metrics: false,
+        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
+        transport_listen: listen,
+        transport_peers: Vec::new(),
+        node: 0,
+    })
+    .unwrap()
+}
+
+/// An engine attached to `pool` through the C ABI; the strings it points
+/// at live as long as the returned handle's holder keeps them.
+fn attach(pool: &EmbeddedPool, namespace: *mut LakeNamespace, strings: &mut Vec<CString>) -> *mut LakePool {
+    for path in [&pool.dp_socket, &pool.mirror, &pool.cp_socket] {
+        strings.push(CString::new(path.display().to_string()).unwrap());
+    }
+    let n = strings.len();
+    let options = LakeAttachOptions {
+        struct_size: size_of::<LakeAttachOptions>(),
+        dp_socket: strings[n - 3].as_ptr(),
+        mirror_path: strings[n - 2].as_ptr(),
+        cp_socket: strings[n - 1].as_ptr(),
+        name: c"engine".as_ptr(),
+        namespace,
+        layout_fingerprint: 11,
+        segment_bytes: 16 * 1024,
+        pin_agent: 0,
+        agent_core: 0,
+        copy_threads: 0,
+    };
+    let mut handle: *mut LakePool = core::ptr::null_mut();
+    // SAFETY: valid options; the strings outlive the pool (kept by the caller).
+    ok(unsafe { lake_attach(&raw const options, &raw mut handle) }, "attach");
+    handle
+}
+
+fn lookup(handle: *mut LakePool, keys: &[LakeBlockKey]) -> Vec<LakeLocation> {
+    let mut table = vec![LakeLocation::default(); keys.len()];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut hits = 0;
+        // SAFETY: arrays of their lengths.
+        let status =
+            unsafe { lake_lookup(handle, keys.as_ptr(), keys.len(), table.as_mut_ptr(), keys.len(), &raw mut hits) };
+        ok(status, "lookup");
+        if hits == keys.len() {
+            return table;
+        }
+        assert!(Instant::now() < deadline, "{hits} of {} published", keys.len());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let decode_address = listener.local_addr().unwrap();
+    drop(listener);
+    let prefill = start("prefill", None);
+    let decode = start("decode", Some(decode_address));
+
+    let options = LakeNamespaceOptions {
+        struct_size: size_of::<LakeNamespaceOptions>(),
+        tenant_key: [1; 32],
+        block_tokens: 16,
+        model_fingerprint: [2; 32],
+        extra_keys_digest: [0; 32],
+        key_scheme: 1,
+    };
+    let mut namespace: *mut LakeNamespace = core::ptr::null_mut();
+    // SAFETY: valid options and out-pointer.
+    ok(unsafe { lake_namespace_new(&raw const options, &raw mut namespace) }, "namespace");
+    let tokens: Vec<u32> = (0..(BLOCKS * 16) as u32).map(|i| i * 31 + 5).collect();
+    let mut keys = vec![LakeBlockKey::default(); BLOCKS];
+    let (mut chain, mut written) = (core::ptr::null_mut(), 0);
+    // SAFETY: a valid namespace and out-pointer.
+    ok(unsafe { lake_keychain_new(namespace, &raw mut chain) }, "chain");
+    // SAFETY: arrays of their lengths.
+    let extended = unsafe {
+        lake_keychain_extend(chain, tokens.as_ptr(), tokens.len(), keys.as_mut_ptr(), BLOCKS, &raw mut written)
+    };
+    ok(extended, "keys");
+    // SAFETY: from lake_keychain_new, freed once.
+    unsafe { lake_keychain_free(chain) };
+
+    let mut strings = Vec::new();
+    let p = attach(&prefill, namespace, &mut strings);
+    let d = attach(&decode, namespace, &mut strings);
+
+    // Prefill's KV, saved into its own pool.
+    let mut kv = vec![0u8; BLOCKS * BLOCK];
+    for (i, byte) in kv.iter_mut().enumerate() {
+        *byte = (i.wrapping_mul(40_503) >> 9) as u8;
+    }
+    let (mut memory, mut request) = (0, 0);
+    let blocks: Vec<u32> = (0..BLOCKS as u32).collect();
+    // SAFETY: the memory lives until detach.
+    ok(unsafe { lake_register_host_memory(p, kv.as_mut_ptr(), BLOCK, BLOCKS as u32, &raw mut memory) }, "register");
+    // SAFETY: arrays of BLOCKS entries.
+    let saved = unsafe {
+        lake_submit_save(p, memory, core::ptr::null(), keys.as_ptr(), blocks.as_ptr(), BLOCKS, 2, &raw mut request)
+    };
+    ok(saved, "save");
+    assert!(statuses(p, request, BLOCKS).iter().all(|&s| s == LakeStatus::LakeOk));
+    let table = lookup(p, &keys);
+
+    // Where the decode pool takes blocks, and the push.
+    let (mut region, mut epoch) = (0u16, 0u64);
+    // SAFETY: writable out-values.
+    ok(unsafe { lake_slot_space(d, &raw mut region, &raw mut epoch) }, "slot space");
+    let address = CString::new(decode_address.to_string()).unwrap();
+    // SAFETY: arrays of BLOCKS entries; a C string.
+    let pushed = unsafe {
+        lake_push(p, address.as_ptr(), keys.as_ptr(), table.as_ptr(), BLOCKS, region, epoch, 1, &raw mut request)
+    };
+    ok(pushed, "push");
+    assert_eq!(statuses(p, request, BLOCKS), vec![LakeStatus::LakeOk; BLOCKS], "every block landed");
+
+    // The decode engine finds the prompt in its own pool and loads it.
+    let found = lookup(d, &keys);
+    let mut into = vec![0u8; BLOCKS * BLOCK];
+    let mut decode_memory = 0;
+    // SAFETY: the memory lives until detach.
+    let registered =
+        unsafe { lake_register_host_memory(d, into.as_mut_ptr(), BLOCK, BLOCKS as u32, &raw mut decode_memory) };
+    ok(registered, "register at decode");
+    // SAFETY: arrays of BLOCKS entries.
+    let loaded = unsafe {
+        lake_submit_load(d, decode_memory, keys.as_ptr(), found.as_ptr(), blocks.as_ptr(), BLOCKS, 0, &raw mut request)
+    };
+    ok(loaded, "load at decode");
+    assert!(statuses(d, request, BLOCKS).iter().all(|&s| s == LakeStatus::LakeOk));
+    assert!(into == kv, "the decode engine loaded other bytes");
+
+    // Bad arguments, refused by name; a region the peer does not have is
+    // refused by the peer, block by block.
+    // SAFETY: as above.
+    let bad = unsafe {
+        lake_push(p, c"not an address".as_ptr(), keys.as_ptr(), table.as_ptr(), 1, region, epoch, 1, &raw mut request)
+    };
+    assert_eq!(bad, LakeStatus::LakeInvalidArgument);
+    // SAFETY: as above.
+    let bad =
+        unsafe { lake_push(p, address.as_ptr(), keys.as_ptr(), table.as_ptr(), 1, region, epoch, 9, &raw mut request) };
+    assert_eq!(bad, LakeStatus::LakeInvalidArgument);
+    // SAFETY: as above.
+    let elsewhere = unsafe {
+        lake_push(p, address.as_ptr(), keys.as_ptr(), table.as_ptr(), 2, region + 1, epoch, 1, &raw mut request)
+    };
+    ok(elsewhere, "push to another region");
+    assert_eq!(statuses(p, request, 2), vec![LakeStatus::LakeUnavailable; 2]);
+
+    // SAFETY: attached above, detached once; then the namespace.
+    unsafe { lake_detach(p) };
+    // SAFETY: as above.
+    unsafe { lake_detach(d) };
+    // SAFETY: from lake_namespace_new, freed once.
+    unsafe { lake_namespace_free(namespace) };
+    let (decode_stats, _) = decode.stop().unwrap();
+    assert_eq!(decode_stats.pool.remote_landed, BLOCKS as u64);
+    drop(prefill.stop());
+}
