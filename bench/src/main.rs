@@ -11,10 +11,13 @@
 mod arena;
 mod args;
 mod cp_scale;
+mod ffi;
+mod gpu;
 mod keys;
 mod l2;
 mod lookup;
 mod report;
+mod tcp;
 mod trace;
 
 use std::process::ExitCode;
@@ -40,6 +43,17 @@ subcommands:
          longest-prefix lookup and block table of a prompt read from the
          shared-memory mirror while its writer changes it, among N other
          entries; one probe vs one raw bucket load
+  ffi    [--block-bytes N] [--blocks N] [--rounds N] [--samples N] [--copy-threads N]
+         the engine's path through the C ABI against an embedded pool:
+         lookups per block, L1 loads into engine memory vs memcpy, one
+         block's submit-to-complete vs memcpy + CRC
+  gpu    [--block-bytes N] [--total-bytes N] [--rounds N] [--samples N]
+         (GPU machine) the kernels moving KV between a vLLM paged cache on
+         the GPU and pool blocks in pinned host memory vs plain pinned
+         copies; one block (64 KiB, and the block size) vs a raw copy
+  tcp    [--block-bytes N] [--total-bytes N] [--streams N] [--slice-bytes N] [--window-bytes N] [--rounds N]
+         blocks between two nodes' slots over loopback TCP through Lake's
+         transport (striped, checked at the target) vs one plain TCP stream
   trace  --file F.jsonl (--capacity-blocks N | --capacity-ratio R) [--policy lake|lru]
          replay a hash_ids trace through the real index and eviction code
   trace-gen --kind agent|chat|scan --out F.jsonl [--requests N] [--seed S]
@@ -59,6 +73,9 @@ fn main() -> ExitCode {
         "trace" => trace::run_trace(rest),
         "cp-scale" => cp_scale::run(rest),
         "lookup" => lookup::run(rest),
+        "ffi" => ffi::run(rest),
+        "gpu" => gpu::run(rest),
+        "tcp" => tcp::run(rest),
         "trace-gen" => trace::run_trace_gen(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");

@@ -6,7 +6,16 @@
 //! engine's stream. The kernel sources are compiled at run time with NVRTC
 //! through `cudarc`'s dynamic loading, so this crate builds, and its tests
 //! skip with a printed reason, on machines with no CUDA toolkit or GPU.
-//! Issue [5] writes the kernels; today the crate is only this contract and
-//! carries no CUDA dependency, keeping CI's build lean.
+//!
+//! Status (issue \[5\] milestone (a), in progress): the gather and scatter
+//! kernels and their host side ([`KvCopier`], [`RegisteredHost`],
+//! [`probe`]); the segment CRCs on the GPU, the poller stage with events,
+//! layer-wise events and the bench come next.
 
 #![warn(missing_docs)]
+
+pub mod crc;
+mod gpu;
+pub mod source;
+
+pub use gpu::{DeviceKv, GpuError, KvCopier, Piece, QueuedCrcs, RegisteredHost, probe};

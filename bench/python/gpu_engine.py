@@ -1,0 +1,124 @@
+"""Store and retrieve through Lake's Python binding, as an engine calls it,
+for a Qwen3-8B-like paged KV cache on the GPU — the measurement LMCache's
+figures come from (docs/gpu.md has both side by side).
+
+Layout: 36 layers, 8 KV heads, head dim 128, bf16, vLLM flash-attention
+paged blocks of 16 tokens, one tensor per layer (2, blocks, 16, 8, 128).
+For each token count: the prompt's blocks live at scattered engine block
+ids; a store saves them into the pool (the GPU gathers them straight into
+L1 slots), a retrieve loads them into other scattered blocks of a second
+cache; the bytes are compared after every retrieve. Raw pinned copies of
+the same bytes each way are measured in the same run.
+
+Run on the GPU machine against a pool started by hand:
+
+    lake serve --dir /tmp/lk --block-bytes 2359296 --l1-slots 4000 --l2-slots 64 --agents 8
+    LAKE_LIBRARY=.../liblake.so PYTHONPATH=ffi/python python3 bench/python/gpu_engine.py \\
+        /tmp/lk/dp.sock MIRROR /tmp/lk/cp.sock [copy_engine|direct]
+
+Prints one JSON line per token count."""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import lake
+
+LAYERS, HEADS, DIM, TOKENS = 36, 8, 128, 16
+CACHE_BLOCKS = 2304  # engine blocks per cache (36 layers x 1.1 GiB)
+
+
+def cache():
+    return [torch.zeros((2, CACHE_BLOCKS, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+
+
+def pieces(layers):
+    out = []
+    for t in layers:
+        s, e = t.stride(), t.element_size()
+        for plane in (0, 1):
+            out.append((t.data_ptr() + plane * s[0] * e, s[1] * e, s[2] * e, s[3] * e))
+    return np.array(out, dtype=np.int64)
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(dp, mirror, cp, gpu_path="copy_engine"):
+    layout = lake.Layout(layers=LAYERS, kv_heads=HEADS, head_dim=DIM, dtype="bfloat16", block_tokens=TOKENS)
+    block_bytes = layout.block_bytes
+    # A seed of its own per run: two runs against one pool must not share
+    # keys (a key names the bytes; the pool keeps the first copy it got).
+    rng = np.random.default_rng([os.getpid(), time.time_ns()])
+    source, target = cache(), cache()
+    for t in source:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32, device="cuda").to(torch.bfloat16))
+    for tokens in (512, 8192, 32768):
+        ns = lake.Namespace(rng.bytes(32), TOKENS, rng.bytes(32))  # a fresh namespace per size
+        pool = lake.Pool(dp, mirror, ns, cp_socket=cp, layout=layout, name="gpu-bench")
+        memory_src = pool.register_kv_memory(layout, CACHE_BLOCKS, pieces(source), keep_alive=source, device=0, gpu_path=gpu_path)
+        memory_dst = pool.register_kv_memory(layout, CACHE_BLOCKS, pieces(target), keep_alive=target, device=0, gpu_path=gpu_path)
+        blocks = tokens // TOKENS
+        keys = ns.keys(rng.integers(0, 150_000, tokens, dtype=np.uint32))
+        src_ids = rng.permutation(CACHE_BLOCKS)[:blocks].astype(np.uint32)
+        dst_ids = rng.permutation(CACHE_BLOCKS)[:blocks].astype(np.uint32)
+        store = timed(lambda: pool.wait(pool.submit_save(memory_src, keys, src_ids), blocks, timeout=120))
+        for _ in range(500):
+            hits, table = pool.lookup(keys)
+            if hits == blocks:
+                break
+            time.sleep(0.01)
+        assert hits == blocks, f"{hits} of {blocks} published"
+        statuses = []
+        retrieve = timed(lambda: statuses.append(pool.wait(pool.submit_load(memory_dst, keys, table, dst_ids), blocks, timeout=120)))
+        assert (statuses[0] == lake.OK).all(), statuses[0]
+        src, dst = torch.as_tensor(src_ids.astype(np.int64), device="cuda"), torch.as_tensor(dst_ids.astype(np.int64), device="cuda")
+        for s, d in zip(source, target):
+            assert torch.equal(s[:, src], d[:, dst]), "retrieved bytes differ"
+        # Layer by layer: how soon the engine's stream may use layer 0
+        # (direct loads of L1 hits land in layer groups; others whole).
+        stream = torch.cuda.current_stream()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        request = pool.submit_load(memory_dst, keys, table, dst_ids)
+        pool.wait_layer(request, 0, stream.cuda_stream)
+        stream.synchronize()
+        first_layer = time.perf_counter() - start
+        assert (pool.wait(request, blocks, timeout=120) == lake.OK).all()
+        whole = time.perf_counter() - start
+        # Raw: pinned copies of the same bytes each way.
+        nbytes = blocks * block_bytes
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        d2h = timed(lambda: host.copy_(device, non_blocking=True))
+        h2d = timed(lambda: device.copy_(host, non_blocking=True))
+        print(
+            json.dumps(
+                {
+                    "gpu_path": gpu_path,
+                    "tokens": tokens,
+                    "bytes": nbytes,
+                    "store_gbps": round(nbytes / store / 1e9, 2),
+                    "retrieve_gbps": round(nbytes / retrieve / 1e9, 2),
+                    "raw_d2h_gbps": round(nbytes / d2h / 1e9, 2),
+                    "raw_h2d_gbps": round(nbytes / h2d / 1e9, 2),
+                    "layer0_ms": round(first_layer * 1e3, 2),
+                    "whole_ms": round(whole * 1e3, 2),
+                }
+            ),
+            flush=True,
+        )
+        pool.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

@@ -1,0 +1,632 @@
+//! The CUDA side: probing for a driver and a device, compiling the kernels,
+//! registering host memory, and launching gathers and scatters on a stream.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
+};
+
+use crate::crc::{Shift, chunk_bytes};
+use crate::source::{CRC_CHUNKS, CRC_FOLD, GATHER, SCATTER, SOURCE};
+
+/// Why the GPU path is not available, or failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuError(pub String);
+
+impl core::fmt::Display for GpuError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for GpuError {}
+
+fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> GpuError + '_ {
+    move |e| GpuError(format!("{what}: {e:?}"))
+}
+
+/// Whether this machine can run the kernels: the driver library, NVRTC and
+/// at least one device. Checked before any context is made (a context
+/// made without the driver library panics inside cudarc).
+pub fn probe() -> Result<usize, GpuError> {
+    // SAFETY: only tries to load the library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(GpuError("no CUDA driver library (libcuda.so) on this machine".into()));
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(GpuError("no NVRTC library (libnvrtc.so) on this machine".into()));
+    }
+    let count = CudaContext::device_count().map_err(driver("counting CUDA devices"))?;
+    match usize::try_from(count) {
+        Ok(0) | Err(_) => Err(GpuError("the CUDA driver sees no device".into())),
+        Ok(n) => Ok(n),
+    }
+}
+
+/// One (layer, plane) of an engine's paged KV cache in device memory: the
+/// address of block 0, token 0, head 0, and the byte strides (layout of
+/// the kernels' `struct Piece`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Piece {
+    /// Device address of block 0, token 0, head 0.
+    pub base: u64,
+    /// Bytes from one engine block to the next.
+    pub block_stride: i64,
+    /// Bytes from one token to the next.
+    pub token_stride: i64,
+    /// Bytes from one head to the next.
+    pub head_stride: i64,
+}
+
+// SAFETY: plain old data of the layout the kernel reads.
+unsafe impl cudarc::driver::DeviceRepr for Piece {}
+
+/// An engine's paged KV cache on one device, as the kernels see it.
+#[derive(Debug)]
+pub struct DeviceKv {
+    pieces: CudaSlice<Piece>,
+    count: usize,
+    tokens: u32,
+    heads: u32,
+    head_bytes: u32,
+}
+
+impl DeviceKv {
+    /// Pieces of a block ((layer, plane) pairs, layer-major).
+    pub fn pieces(&self) -> usize {
+        self.count
+    }
+
+    /// Payload bytes of one block.
+    pub fn block_bytes(&self) -> usize {
+        self.count * self.tokens as usize * self.heads as usize * self.head_bytes as usize
+    }
+}
+
+/// Gathers and scatters between engine KV in device memory and payloads at
+/// device-accessible addresses, on one stream of one device.
+#[derive(Debug)]
+pub struct KvCopier {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    gather: CudaFunction,
+    scatter: CudaFunction,
+    crc_chunks: CudaFunction,
+    crc_fold: CudaFunction,
+    descriptors: Mutex<Descriptors>,
+    /// The CRC fold's shift tables on the device, per chunk size.
+    shifts: Mutex<Vec<(usize, Arc<CudaSlice<u32>>)>>,
+    /// Spare page-locked buffers segment CRCs are copied into.
+    crc_hosts: Arc<Mutex<Vec<PinnedHostSlice<u32>>>>,
+}
+
+/// Threads per block of a launch.
+const THREADS: u32 = 256;
+
+/// Bytes one thread block copies at most: a piece is split into chunks so
+/// that a launch of a few blocks still runs on many SMs.
+const CHUNK_BYTES: usize = 4096;
+
+/// Blocks one launch takes at most (a larger batch is several launches).
+const SLOT_BLOCKS: usize = 4096;
+
+/// Launches whose descriptors can be in flight at once.
+const SLOTS: usize = 64;
+
+/// Launch descriptors — payload addresses and engine block ids — live in
+/// page-locked, device-mapped host memory: a launch writes them with plain
+/// stores and the kernel reads them across the bus, so a launch costs no
+/// copy call and no allocation. A slot is reused only once the event
+/// recorded after its launch has passed.
+#[derive(Debug)]
+struct Descriptors {
+    memory: *mut u8,
+    layout: std::alloc::Layout,
+    registered: Option<RegisteredHost>,
+    /// One event per slot, recorded after the slot's launch.
+    events: Vec<CudaEvent>,
+    used: Vec<bool>,
+    next: usize,
+}
+
+// SAFETY: the memory is owned by this value and only touched under the
+// copier's mutex (and by kernels of launches whose events are waited for
+// before the slot is written again).
+unsafe impl Send for Descriptors {}
+
+/// Bytes of one slot: `SLOT_BLOCKS` payload addresses, then as many ids.
+const SLOT_BYTES: usize = SLOT_BLOCKS * 8 + SLOT_BLOCKS * 4;
+
+impl Descriptors {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self, GpuError> {
+        let layout = std::alloc::Layout::from_size_align(SLOTS * SLOT_BYTES, 4096)
+            .map_err(|e| GpuError(format!("descriptor memory: {e}")))?;
+        // SAFETY: a non-zero size.
+        let memory = unsafe { std::alloc::alloc_zeroed(layout) };
+        if memory.is_null() {
+            return Err(GpuError("allocating descriptor memory".into()));
+        }
+        let mut descriptors =
+            Self { memory, layout, registered: None, events: Vec::new(), used: vec![false; SLOTS], next: 0 };
+        // SAFETY: owned page-aligned memory, unregistered before it is
+        // freed (Drop below).
+        descriptors.registered = Some(unsafe { RegisteredHost::register_in(ctx, memory, layout.size()) }?);
+        for _ in 0..SLOTS {
+            descriptors.events.push(ctx.new_event(None).map_err(driver("creating an event"))?);
+        }
+        Ok(descriptors)
+    }
+
+    /// Writes one launch's descriptors into the next free slot; their
+    /// device addresses (payload addresses, block ids).
+    fn write(&mut self, engine_blocks: &[u32], payloads: &[u64]) -> Result<(usize, u64, u64), GpuError> {
+        let slot = self.next;
+        self.next = (self.next + 1) % SLOTS;
+        if self.used[slot] {
+            self.events[slot].synchronize().map_err(driver("waiting for a descriptor slot"))?;
+        }
+        let base = slot * SLOT_BYTES;
+        let ids = base + SLOT_BLOCKS * 8;
+        if engine_blocks.len() > SLOT_BLOCKS || payloads.len() > engine_blocks.len() {
+            return Err(GpuError("a launch's descriptors overflow their slot".into()));
+        }
+        for (i, &id) in engine_blocks.iter().enumerate() {
+            let id_at = self.memory.wrapping_add(ids + i * 4).cast::<u32>();
+            // SAFETY: inside this slot (at most SLOT_BLOCKS entries, checked
+            // above), 4-aligned (slot bases are 4 KiB-aligned).
+            unsafe { id_at.write_volatile(id) };
+        }
+        for (i, &payload) in payloads.iter().enumerate() {
+            let address_at = self.memory.wrapping_add(base + i * 8).cast::<u64>();
+            // SAFETY: as above, 8-aligned.
+            unsafe { address_at.write_volatile(payload) };
+        }
+        // The stores above must be visible before the launch's doorbell.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let registered = self.registered.as_ref().ok_or_else(|| GpuError("descriptors not registered".into()))?;
+        let at = |offset| registered.device_address(offset).ok_or_else(|| GpuError("descriptor offset".into()));
+        Ok((slot, at(base)?, at(ids)?))
+    }
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        for (event, &used) in self.events.iter().zip(&self.used) {
+            if used {
+                let _ = event.synchronize();
+            }
+        }
+        self.registered = None;
+        // SAFETY: allocated with this layout, no longer registered.
+        unsafe { std::alloc::dealloc(self.memory, self.layout) };
+    }
+}
+
+impl KvCopier {
+    /// A context on device `ordinal`, a stream of its own, the kernels
+    /// compiled for that device. Call [`probe`] first.
+    pub fn new(ordinal: usize) -> Result<Self, GpuError> {
+        let ctx = CudaContext::new(ordinal).map_err(driver("creating a CUDA context"))?;
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        let ptx = cudarc::nvrtc::compile_ptx(SOURCE).map_err(|e| GpuError(format!("compiling the kernels: {e:?}")))?;
+        let module = ctx.load_module(ptx).map_err(driver("loading the kernels"))?;
+        let gather = module.load_function(GATHER).map_err(driver("finding the gather kernel"))?;
+        let scatter = module.load_function(SCATTER).map_err(driver("finding the scatter kernel"))?;
+        let crc_chunks = module.load_function(CRC_CHUNKS).map_err(driver("finding the CRC kernel"))?;
+        let crc_fold = module.load_function(CRC_FOLD).map_err(driver("finding the CRC fold kernel"))?;
+        let descriptors = Mutex::new(Descriptors::new(&ctx)?);
+        Ok(Self {
+            ctx,
+            stream,
+            gather,
+            scatter,
+            crc_chunks,
+            crc_fold,
+            descriptors,
+            shifts: Mutex::new(Vec::new()),
+            crc_hosts: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every launch goes on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Describes an engine's KV cache: `pieces` (layer-major, then plane),
+    /// each `tokens × heads × head_bytes` per block.
+    pub fn describe(&self, pieces: &[Piece], tokens: u32, heads: u32, head_bytes: u32) -> Result<DeviceKv, GpuError> {
+        if pieces.is_empty() || tokens == 0 || heads == 0 || head_bytes == 0 {
+            return Err(GpuError("a KV description needs pieces, tokens, heads and head bytes".into()));
+        }
+        let on_device = self.stream.clone_htod(pieces).map_err(driver("copying the pieces"))?;
+        Ok(DeviceKv { pieces: on_device, count: pieces.len(), tokens, heads, head_bytes })
+    }
+
+    fn launch(
+        &self,
+        function: &CudaFunction,
+        kv: &DeviceKv,
+        engine_blocks: &[u32],
+        payloads: &[u64],
+        pieces: core::ops::Range<usize>,
+    ) -> Result<(), GpuError> {
+        if engine_blocks.len() != payloads.len() {
+            return Err(GpuError("one payload address per engine block".into()));
+        }
+        if pieces.is_empty() || pieces.end > kv.count {
+            return Err(GpuError(format!("pieces {pieces:?} of {}", kv.count)));
+        }
+        let too_many = |_| GpuError("too many pieces".into());
+        let grid_x = u32::try_from(pieces.len()).map_err(too_many)?;
+        let first_piece = u32::try_from(pieces.start).map_err(too_many)?;
+        let piece_bytes = kv.tokens as usize * kv.heads as usize * kv.head_bytes as usize;
+        let grid_z = u32::try_from(piece_bytes.div_ceil(CHUNK_BYTES).clamp(1, 65_535)).unwrap_or(1);
+        let mut descriptors = self.descriptors.lock().map_err(|_| GpuError("descriptor lock poisoned".into()))?;
+        for (ids, addresses) in engine_blocks.chunks(SLOT_BLOCKS).zip(payloads.chunks(SLOT_BLOCKS)) {
+            let (slot, payloads_at, ids_at) = descriptors.write(ids, addresses)?;
+            let grid_y = u32::try_from(ids.len()).map_err(|_| GpuError("too many blocks".into()))?;
+            let config =
+                LaunchConfig { grid_dim: (grid_x, grid_y, grid_z), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let mut args = self.stream.launch_builder(function);
+            args.arg(&kv.pieces).arg(&ids_at).arg(&payloads_at).arg(&kv.tokens).arg(&kv.heads).arg(&kv.head_bytes);
+            args.arg(&first_piece);
+            // SAFETY: the kernel's parameters are these seven, in this order
+            // and of these sizes (the two descriptor arrays as device
+            // addresses of mapped host memory, written above and not
+            // rewritten until this launch's event passes); every address
+            // it touches lies in the engine KV `kv` describes (the caller's
+            // blocks) or in the caller's payloads (each `kv.block_bytes()`
+            // long and device-accessible until the stream passes this).
+            unsafe { args.launch(config) }.map_err(driver("launching"))?;
+            descriptors.events[slot].record(&self.stream).map_err(driver("recording an event"))?;
+            descriptors.used[slot] = true;
+        }
+        Ok(())
+    }
+
+    /// Queues the gather of engine blocks `engine_blocks[i]` into the
+    /// payload at `payloads[i]` (each [`DeviceKv::block_bytes`] long and
+    /// device-accessible: registered host memory or device memory).
+    ///
+    /// # Safety
+    ///
+    /// Every engine block id is below the engine's block count; every
+    /// payload address is valid and writable for a block's bytes until the
+    /// stream has passed this work (synchronize or an event).
+    pub unsafe fn gather(&self, kv: &DeviceKv, engine_blocks: &[u32], payloads: &[u64]) -> Result<(), GpuError> {
+        self.launch(&self.gather, kv, engine_blocks, payloads, 0..kv.count)
+    }
+
+    /// Queues the scatter of payloads into engine blocks (see
+    /// [`KvCopier::gather`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`KvCopier::gather`], the payloads readable.
+    pub unsafe fn scatter(&self, kv: &DeviceKv, engine_blocks: &[u32], payloads: &[u64]) -> Result<(), GpuError> {
+        self.launch(&self.scatter, kv, engine_blocks, payloads, 0..kv.count)
+    }
+
+    /// Queues the scatter of pieces `pieces` only (a layer's, for a
+    /// layer-wise load) of each payload into its engine block; the payload
+    /// addresses are still the blocks' starts.
+    ///
+    /// # Safety
+    ///
+    /// As [`KvCopier::scatter`].
+    pub unsafe fn scatter_pieces(
+        &self,
+        kv: &DeviceKv,
+        engine_blocks: &[u32],
+        payloads: &[u64],
+        pieces: core::ops::Range<usize>,
+    ) -> Result<(), GpuError> {
+        self.launch(&self.scatter, kv, engine_blocks, payloads, pieces)
+    }
+
+    /// An event recorded on the stream now: it passes once everything
+    /// queued so far has run.
+    pub fn record(&self) -> Result<CudaEvent, GpuError> {
+        let event = self.ctx.new_event(None).map_err(driver("creating an event"))?;
+        event.record(&self.stream).map_err(driver("recording an event"))?;
+        Ok(event)
+    }
+
+    /// Makes another stream of this device's primary context (an engine's:
+    /// `stream` is its raw `CUstream`, 0 for the legacy default stream)
+    /// wait, on the GPU, for `event`; the host does not wait.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this device's primary context (or 0).
+    pub unsafe fn stream_wait(&self, stream: u64, event: &CudaEvent) -> Result<(), GpuError> {
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        // SAFETY: a live stream (contract) and a live event of this context.
+        unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, event.cu_event(), 0) }
+            .result()
+            .map_err(driver("making a stream wait for an event"))
+    }
+
+    /// The segment CRCs (`segment_bytes` each, the last one shorter where
+    /// it falls so) of the payloads of `engine_blocks`, computed on the GPU
+    /// from the engine's own memory: block after block, segment after
+    /// segment. The CPU never reads the payload. Waits for the result.
+    ///
+    /// # Safety
+    ///
+    /// Every engine block id is below the engine's block count.
+    pub unsafe fn segment_crcs(
+        &self,
+        kv: &DeviceKv,
+        engine_blocks: &[u32],
+        segment_bytes: usize,
+    ) -> Result<Vec<u32>, GpuError> {
+        let mut crcs = Vec::new();
+        for group in engine_blocks.chunks(SLOT_BLOCKS) {
+            // SAFETY: the caller's contract.
+            let mut queued = unsafe { self.segment_crcs_queued(kv, group, segment_bytes) }?;
+            queued.done.synchronize().map_err(driver("waiting for segment CRCs"))?;
+            crcs.extend(queued.take_ready()?.unwrap_or_default());
+        }
+        Ok(crcs)
+    }
+
+    /// [`KvCopier::segment_crcs`] queued behind what the stream has: the
+    /// CRCs land in page-locked host memory, read once
+    /// [`QueuedCrcs::take_ready`] says the stream has passed them — the
+    /// host never waits.
+    ///
+    /// # Safety
+    ///
+    /// As [`KvCopier::segment_crcs`].
+    pub unsafe fn segment_crcs_queued(
+        &self,
+        kv: &DeviceKv,
+        engine_blocks: &[u32],
+        segment_bytes: usize,
+    ) -> Result<QueuedCrcs, GpuError> {
+        let block_bytes = kv.block_bytes();
+        if segment_bytes == 0 || engine_blocks.is_empty() || engine_blocks.len() > SLOT_BLOCKS {
+            return Err(GpuError(format!("segment CRCs need a segment size and 1..={SLOT_BLOCKS} blocks")));
+        }
+        let gcd = |mut a: usize, mut b: usize| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        let chunk = chunk_bytes(gcd(segment_bytes, block_bytes), 4096);
+        let too_many = |_| GpuError("too many chunks".into());
+        let chunks_per_block = u32::try_from(block_bytes / chunk).map_err(too_many)?;
+        let chunks_per_segment = u32::try_from(segment_bytes.min(block_bytes) / chunk).map_err(too_many)?;
+        let segments = u32::try_from(block_bytes.div_ceil(segment_bytes)).map_err(too_many)?;
+        let blocks = u32::try_from(engine_blocks.len()).map_err(too_many)?;
+        let count = segments as usize * engine_blocks.len();
+        let chunk_u32 = u32::try_from(chunk).map_err(too_many)?;
+        // Nothing below copies from pageable memory (that would wait for
+        // the stream): block ids go through the mapped descriptor ring,
+        // the shift table is made once per chunk size.
+        let shift = self.shift(chunk)?;
+        let mut descriptors = self.descriptors.lock().map_err(|_| GpuError("descriptor lock poisoned".into()))?;
+        let (slot, _, ids_at) = descriptors.write(engine_blocks, &[])?;
+        let mut chunk_crcs = self
+            .stream
+            .alloc_zeros::<u32>(chunks_per_block as usize * engine_blocks.len())
+            .map_err(driver("allocating chunk CRCs"))?;
+        let mut segment_crcs = self.stream.alloc_zeros::<u32>(count).map_err(driver("allocating"))?;
+        let config = LaunchConfig {
+            grid_dim: (chunks_per_block.div_ceil(THREADS), blocks, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = self.stream.launch_builder(&self.crc_chunks);
+        args.arg(&kv.pieces).arg(&ids_at).arg(&mut chunk_crcs).arg(&kv.tokens).arg(&kv.heads).arg(&kv.head_bytes);
+        args.arg(&chunk_u32).arg(&chunks_per_block);
+        // SAFETY: the kernel's eight parameters in order and type; reads
+        // the engine blocks `kv` describes (ids valid: contract; in the
+        // mapped ring slot written above, kept until this slot's event),
+        // writes `chunks_per_block` CRCs per block into an allocation that
+        // size.
+        unsafe { args.launch(config) }.map_err(driver("launching the CRC kernel"))?;
+        descriptors.events[slot].record(&self.stream).map_err(driver("recording an event"))?;
+        descriptors.used[slot] = true;
+        drop(descriptors);
+        let config =
+            LaunchConfig { grid_dim: (segments.div_ceil(64), blocks, 1), block_dim: (64, 1, 1), shared_mem_bytes: 0 };
+        let mut args = self.stream.launch_builder(&self.crc_fold);
+        args.arg(&chunk_crcs).arg(&mut segment_crcs).arg(&*shift).arg(&chunks_per_block).arg(&chunks_per_segment);
+        args.arg(&segments);
+        // SAFETY: the kernel's six parameters in order and type; reads the
+        // chunk CRCs just computed, writes `segments` per block.
+        unsafe { args.launch(config) }.map_err(driver("launching the CRC fold"))?;
+        let mut host = self.crc_host(count)?;
+        // Exactly `count` CRCs (cudarc's copy would take the whole spare).
+        let to = host.as_mut_ptr().map_err(driver("page-locked CRC memory"))?;
+        {
+            let (from, _record) = segment_crcs.device_ptr(&self.stream);
+            // SAFETY: `count` u32 on both sides (the spare holds at least
+            // that many); the host side is page-locked and read only after
+            // `done`.
+            unsafe { sys::cuMemcpyDtoHAsync_v2(to.cast(), from, count * 4, self.stream.cu_stream()) }
+                .result()
+                .map_err(driver("copying segment CRCs"))?;
+        }
+        let done = self.record()?;
+        // The device buffers are stream-ordered: freed after the copy.
+        drop((chunk_crcs, segment_crcs));
+        Ok(QueuedCrcs { host: Some(host), count, done, spare: Arc::clone(&self.crc_hosts) })
+    }
+
+    /// The fold's shift table for `chunk`-byte chunks, on the device.
+    fn shift(&self, chunk: usize) -> Result<Arc<CudaSlice<u32>>, GpuError> {
+        let mut shifts = self.shifts.lock().map_err(|_| GpuError("shift lock poisoned".into()))?;
+        if let Some((_, table)) = shifts.iter().find(|(c, _)| *c == chunk) {
+            return Ok(Arc::clone(table));
+        }
+        let table = self.stream.clone_htod(&Shift::new(chunk as u64).columns).map_err(driver("copying the shift"))?;
+        let table = Arc::new(table);
+        shifts.push((chunk, Arc::clone(&table)));
+        Ok(table)
+    }
+
+    /// Page-locked host memory for `count` CRCs: a spare one, or a new
+    /// one (allocating page-locked memory is slow: they are kept).
+    fn crc_host(&self, count: usize) -> Result<PinnedHostSlice<u32>, GpuError> {
+        let mut spare = self.crc_hosts.lock().map_err(|_| GpuError("CRC buffer lock poisoned".into()))?;
+        if let Some(at) = spare.iter().position(|h| h.len() >= count) {
+            return Ok(spare.swap_remove(at));
+        }
+        drop(spare);
+        // SAFETY: written by the copy queued next, read only after it.
+        unsafe { self.ctx.alloc_pinned_with_flags::<u32>(count.max(CRC_HOST_MIN), 0) }
+            .map_err(driver("allocating page-locked memory for CRCs"))
+    }
+
+    /// Waits for everything queued on the stream (tests and benchmarks;
+    /// the data plane polls events instead).
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream.synchronize().map_err(driver("synchronizing"))
+    }
+
+    /// Queues a plain copy of `len` bytes from host memory at `source` to
+    /// the device at `destination` (the raw operation benches compare the
+    /// kernels with).
+    ///
+    /// # Safety
+    ///
+    /// Both ranges valid for `len` bytes until the stream passes this copy;
+    /// the host range page-locked (registered) for it to be asynchronous.
+    pub unsafe fn copy_to_device(&self, destination: u64, source: *const u8, len: usize) -> Result<(), GpuError> {
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        // SAFETY: valid ranges (contract); the stream is this context's.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(destination, source.cast(), len, self.stream.cu_stream()) }
+            .result()
+            .map_err(driver("copying to the device"))
+    }
+
+    /// Queues a plain copy of `len` bytes from the device at `source` to
+    /// host memory at `destination` (see [`KvCopier::copy_to_device`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`KvCopier::copy_to_device`].
+    pub unsafe fn copy_to_host(&self, destination: *mut u8, source: u64, len: usize) -> Result<(), GpuError> {
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        // SAFETY: valid ranges (contract); the stream is this context's.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(destination.cast(), source, len, self.stream.cu_stream()) }
+            .result()
+            .map_err(driver("copying to the host"))
+    }
+
+    /// The device address of a device allocation.
+    pub fn address<T>(&self, slice: &CudaSlice<T>) -> u64 {
+        let (address, _record) = slice.device_ptr(&self.stream);
+        address
+    }
+}
+
+/// Segment CRCs on their way to the host (see
+/// [`KvCopier::segment_crcs_queued`]).
+#[derive(Debug)]
+pub struct QueuedCrcs {
+    host: Option<PinnedHostSlice<u32>>,
+    count: usize,
+    done: CudaEvent,
+    spare: Arc<Mutex<Vec<PinnedHostSlice<u32>>>>,
+}
+
+impl QueuedCrcs {
+    /// The CRCs once the stream has passed them (taken once; `None` while
+    /// they are on their way). An error of the stream is returned as such.
+    pub fn take_ready(&mut self) -> Result<Option<Vec<u32>>, GpuError> {
+        if !self.done.try_is_complete().map_err(driver("querying an event"))? {
+            return Ok(None);
+        }
+        let Some(host) = self.host.take() else { return Ok(None) };
+        let crcs = host.as_slice().map_err(driver("reading segment CRCs"))?[..self.count].to_vec();
+        if let Ok(mut spare) = self.spare.lock()
+            && spare.len() < CRC_HOSTS_KEPT
+        {
+            spare.push(host);
+        }
+        Ok(Some(crcs))
+    }
+}
+
+impl Drop for QueuedCrcs {
+    fn drop(&mut self) {
+        // Never read: the copy into it may still be queued; freeing it
+        // waits for that (cudarc synchronizes its event).
+        drop(self.host.take());
+    }
+}
+
+/// CRCs a spare page-locked buffer holds at least, and spares kept.
+const CRC_HOST_MIN: usize = 1 << 16;
+const CRC_HOSTS_KEPT: usize = 8;
+
+/// Host memory registered with the driver (page-locked, mapped for the
+/// device): the kernels read and write it across the bus directly.
+#[derive(Debug)]
+pub struct RegisteredHost {
+    address: usize,
+    len: usize,
+    device_address: u64,
+}
+
+impl RegisteredHost {
+    /// Registers `len` bytes at `address` (portable, device-mapped).
+    ///
+    /// # Safety
+    ///
+    /// The range is valid host memory that outlives this value, and is
+    /// not registered twice.
+    pub unsafe fn register(copier: &KvCopier, address: *mut u8, len: usize) -> Result<Self, GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe { Self::register_in(&copier.ctx, address, len) }
+    }
+
+    /// [`RegisteredHost::register`] in a context.
+    ///
+    /// # Safety
+    ///
+    /// As [`RegisteredHost::register`].
+    unsafe fn register_in(ctx: &Arc<CudaContext>, address: *mut u8, len: usize) -> Result<Self, GpuError> {
+        ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: valid memory of `len` bytes (contract).
+        unsafe { sys::cuMemHostRegister_v2(address.cast(), len, flags) }.result().map_err(driver("registering"))?;
+        let mut device_address: sys::CUdeviceptr = 0;
+        // SAFETY: the range was just registered as device-mapped.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&raw mut device_address, address.cast(), 0) };
+        if let Err(e) = mapped.result() {
+            // SAFETY: registered above.
+            let _ = unsafe { sys::cuMemHostUnregister(address.cast()) };
+            return Err(driver("mapping registered memory")(e));
+        }
+        Ok(Self { address: address as usize, len, device_address })
+    }
+
+    /// The device address of host byte `offset`.
+    pub fn device_address(&self, offset: usize) -> Option<u64> {
+        (offset <= self.len).then(|| self.device_address + offset as u64)
+    }
+}
+
+impl Drop for RegisteredHost {
+    fn drop(&mut self) {
+        // SAFETY: registered by `register`, once.
+        let _ = unsafe { sys::cuMemHostUnregister(self.address as *mut core::ffi::c_void) };
+    }
+}
