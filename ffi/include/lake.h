@@ -189,6 +189,12 @@ typedef struct LakeLayoutInfo {
    Bytes of one head of one token (`head_dim` × element size).
    */
   uint32_t head_bytes;
+  /*
+   The shard's code (give it to `lake_attach`): 0 when a replica holds
+   the whole block (every head, or MLA latents), else the code
+   `lake_shard_code` gives for its heads.
+   */
+  uint64_t shard_code;
 } LakeLayoutInfo;
 
 /*
@@ -287,6 +293,13 @@ typedef struct LakeAttachOptions {
    array of the arena's; fewer start if the arena has fewer free.
    */
   uint32_t copy_threads;
+  /*
+   The shard this engine rank holds: `LakeLayoutInfo.shard_code` of
+   its layout (0: the whole block — one rank, or MLA). Every key this
+   pool is given names that shard's replica of the block, so a rank
+   finds only blocks saved by a rank holding the same heads.
+   */
+  uint64_t shard_code;
 } LakeAttachOptions;
 
 /*
@@ -493,6 +506,22 @@ uint16_t lake_stored_version(void);
  */
 enum LakeStatus lake_layout_describe(const struct LakeLayoutOptions *options,
                                      struct LakeLayoutInfo *info);
+
+/*
+ The shard code of KV heads `shard_start..shard_end` of a model's
+ `kv_heads` into `code`: what `lake_layout_describe` gives a rank holding
+ those heads, for a caller that holds no layout — a scheduler planning
+ for every rank of a tensor-parallel group (`lake_lookup_shards`). 0 for
+ the whole range. Pure; thread-safe.
+
+ # Safety
+
+ `code` writable.
+ */
+enum LakeStatus lake_shard_code(uint32_t kv_heads,
+                                uint32_t shard_start,
+                                uint32_t shard_end,
+                                uint64_t *code);
 
 /*
  Makes a namespace. Thread-safe.
@@ -708,6 +737,27 @@ enum LakeStatus lake_lookup(const struct LakePool *pool,
                             struct LakeLocation *locations,
                             uintptr_t capacity,
                             uintptr_t *hits);
+
+/*
+ The longest prefix of `keys` (`count`) cached for every one of the
+ shards `shard_codes` (`shards` of them; `lake_shard_code` gives a
+ rank's): the hit of a tensor-parallel group, each of whose ranks loads
+ its own heads, is the shortest of its ranks' hits. To `hits`. For a
+ scheduler that plans for ranks it is not (vLLM's): reads shared memory
+ only, pins nothing and reports no access (the ranks' own lookups at
+ load time do). The pool's own shard code plays no part. Thread-safe.
+
+ # Safety
+
+ `keys` points at `count` keys, `shard_codes` at `shards` codes; `hits`
+ writable.
+ */
+enum LakeStatus lake_lookup_shards(const struct LakePool *pool,
+                                   const struct LakeBlockKey *keys,
+                                   uintptr_t count,
+                                   const uint64_t *shard_codes,
+                                   uintptr_t shards,
+                                   uintptr_t *hits);
 
 /*
  Loads the looked-up blocks `keys[i]` (entries `locations[i]`) into

@@ -50,6 +50,10 @@ pub struct LakeLayoutInfo {
     pub heads: u32,
     /// Bytes of one head of one token (`head_dim` × element size).
     pub head_bytes: u32,
+    /// The shard's code (give it to `lake_attach`): 0 when a replica holds
+    /// the whole block (every head, or MLA latents), else the code
+    /// `lake_shard_code` gives for its heads.
+    pub shard_code: u64,
 }
 
 fn field(value: u32, name: &str) -> Result<u16, LakeStatus> {
@@ -121,9 +125,46 @@ pub unsafe extern "C" fn lake_layout_describe(
                 segment_bytes: layout.segment_bytes(),
                 heads: u32::from(layout.shard_heads()),
                 head_bytes: u32::try_from(u64::from(layout.head_dim()) * layout.dtype().bytes()).unwrap_or(u32::MAX),
+                shard_code: layout.shard_code(),
             };
             // SAFETY: writable (contract), size checked.
             unsafe { info.write(value) };
+            Ok(())
+        })();
+        match result {
+            Ok(()) => LakeStatus::LakeOk,
+            Err(status) => status,
+        }
+    })
+}
+
+/// The shard code of KV heads `shard_start..shard_end` of a model's
+/// `kv_heads` into `code`: what `lake_layout_describe` gives a rank holding
+/// those heads, for a caller that holds no layout — a scheduler planning
+/// for every rank of a tensor-parallel group (`lake_lookup_shards`). 0 for
+/// the whole range. Pure; thread-safe.
+///
+/// # Safety
+///
+/// `code` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_shard_code(
+    kv_heads: u32,
+    shard_start: u32,
+    shard_end: u32,
+    code: *mut u64,
+) -> LakeStatus {
+    guard(|| {
+        let result = (|| {
+            if code.is_null() {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_shard_code: code is required"));
+            }
+            let (heads, start, end) =
+                (field(kv_heads, "kv_heads")?, field(shard_start, "shard_start")?, field(shard_end, "shard_end")?);
+            let value = lake_dp::shard_code(heads, start, end)
+                .map_err(|e| fail(LakeStatus::LakeInvalidArgument, format!("lake_shard_code: {e}")))?;
+            // SAFETY: non-null (checked), writable (contract).
+            unsafe { code.write(value) };
             Ok(())
         })();
         match result {

@@ -15,7 +15,7 @@ use lake_dp::agent::{Agent, AgentConfig, AgentStats, FetchFailure, SaveBlock, Sa
 use lake_dp::arena::{Pin, PinArray};
 use lake_dp::cplink::Granted;
 use lake_dp::mirror::{MirrorEntry, MirrorReader};
-use lake_dp::{BlockKey, KeyChain, KeyScheme, Namespace, ObjectKind, Priority, RegionId, TenantKey, Tier};
+use lake_dp::{BlockKey, KeyChain, KeyScheme, Namespace, ObjectKind, Priority, RegionId, ShardMask, TenantKey, Tier};
 
 use crate::gpu::{self, Gpu, GpuMemory, GpuPath};
 use crate::lanes::{LANE_BLOCKS_MIN, Lanes, Reader, SPLIT_BLOCK_BYTES_MIN, Share, copy_checked, load_run, load_split};
@@ -129,6 +129,11 @@ pub struct LakeAttachOptions {
     /// with the agent's thread (0: none; at most 64). Each takes a pin
     /// array of the arena's; fewer start if the arena has fewer free.
     pub copy_threads: u32,
+    /// The shard this engine rank holds: `LakeLayoutInfo.shard_code` of
+    /// its layout (0: the whole block — one rank, or MLA). Every key this
+    /// pool is given names that shard's replica of the block, so a rank
+    /// finds only blocks saved by a rank holding the same heads.
+    pub shard_code: u64,
 }
 
 /// The pool's figures as this agent sees them.
@@ -253,6 +258,10 @@ pub struct LakePool {
     /// The namespace and layout this engine saves under and may read.
     namespace: lake_dp::model::namespace::NamespaceId,
     layout_fingerprint: u64,
+    /// The shard this engine holds ([`LakeAttachOptions::shard_code`]) and
+    /// the mask its keys are indexed under: applied where keys come in.
+    shard_code: u64,
+    shard: ShardMask,
     /// Whether the agent talks to a `lake-cp`.
     has_control_plane: bool,
     /// Per-layer events of GPU loads, for `lake_wait_layer`.
@@ -630,7 +639,9 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
             }
             let lane_pins: Vec<PinArray> = (0..o.copy_threads).map_while(|_| agent.claim_pin_array().ok()).collect();
             let reader = Reader { namespace, layout_fingerprint: o.layout_fingerprint };
-            let pool = start(agent, mirror, pins, reader, agent_core, lane_pins)?;
+            let mut pool = start(agent, mirror, pins, reader, agent_core, lane_pins)?;
+            pool.shard_code = o.shard_code;
+            pool.shard = ShardMask::from_code(o.shard_code);
             // SAFETY: writable (contract).
             unsafe { out.write(Box::into_raw(Box::new(pool))) };
             Ok(())
@@ -710,6 +721,8 @@ fn start(
         slot_area,
         namespace: reader.namespace,
         layout_fingerprint: reader.layout_fingerprint,
+        shard_code: 0,
+        shard: ShardMask::WHOLE,
         has_control_plane,
         layers,
         next_request: AtomicU64::new(1),
@@ -1169,7 +1182,7 @@ pub unsafe extern "C" fn lake_lease(
             if ttl_ms == 0 {
                 return Err(fail(LakeStatus::LakeInvalidArgument, "lake_lease: ttl_ms is zero"));
             }
-            let keys = read_keys(keys, count);
+            let keys = read_keys(pool, keys, count);
             let jobs = pool.jobs.as_ref().ok_or_else(|| fail(LakeStatus::LakeNotAttached, "detached"))?;
             let (reply, answer) = sync_channel(1);
             jobs.push(true, Job::Lease { keys, ttl_ms, reply }).map_err(|e| match e {
@@ -1257,7 +1270,7 @@ pub unsafe extern "C" fn lake_report_resident(
             if count == 0 {
                 return Ok(());
             }
-            let keys = read_keys(keys, count);
+            let keys = read_keys(pool, keys, count);
             let jobs = pool.jobs.as_ref().ok_or_else(|| fail(LakeStatus::LakeNotAttached, "detached"))?;
             jobs.push(false, Job::Resident { keys, resident: resident == 1 }).map_err(|e| match e {
                 TrySendError::Full(_) => fail(LakeStatus::LakeBusy, "the agent's queue is full: retry"),
@@ -1388,6 +1401,17 @@ pub unsafe extern "C" fn lake_register_kv_memory(
                     ),
                 ));
             }
+            if layout.shard_code() != pool.shard_code {
+                return Err(fail(
+                    LakeStatus::LakeLayoutMismatch,
+                    format!(
+                        "lake_register_kv_memory: the layout's shard code {:#x} is not the pool's {:#x} (attach \
+                         with the shard_code lake_layout_describe gives)",
+                        layout.shard_code(),
+                        pool.shard_code
+                    ),
+                ));
+            }
             if o.pieces.is_null() {
                 return Err(fail(LakeStatus::LakeNullArgument, "lake_register_kv_memory: pieces is required"));
             }
@@ -1464,7 +1488,7 @@ pub unsafe extern "C" fn lake_lookup(
             if hits.is_null() || (keys.is_null() && count > 0) || (locations.is_null() && capacity > 0) {
                 return Err(fail(LakeStatus::LakeNullArgument, "lake_lookup: a required pointer is null"));
             }
-            let keys = read_keys(keys, count);
+            let keys = read_keys(pool, keys, count);
             let mut table = Vec::with_capacity(count);
             let found = pool.mirror.lookup(&keys, &mut table);
             for (i, entry) in table.iter().take(capacity).enumerate() {
@@ -1486,13 +1510,79 @@ pub unsafe extern "C" fn lake_lookup(
     })
 }
 
-fn read_keys(keys: *const LakeBlockKey, count: usize) -> Vec<BlockKey> {
+/// The longest prefix of `keys` (`count`) cached for every one of the
+/// shards `shard_codes` (`shards` of them; `lake_shard_code` gives a
+/// rank's): the hit of a tensor-parallel group, each of whose ranks loads
+/// its own heads, is the shortest of its ranks' hits. To `hits`. For a
+/// scheduler that plans for ranks it is not (vLLM's): reads shared memory
+/// only, pins nothing and reports no access (the ranks' own lookups at
+/// load time do). The pool's own shard code plays no part. Thread-safe.
+///
+/// # Safety
+///
+/// `keys` points at `count` keys, `shard_codes` at `shards` codes; `hits`
+/// writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_lookup_shards(
+    pool: *const LakePool,
+    keys: *const LakeBlockKey,
+    count: usize,
+    shard_codes: *const u64,
+    shards: usize,
+    hits: *mut usize,
+) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if hits.is_null() || (keys.is_null() && count > 0) || shard_codes.is_null() {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_lookup_shards: a required pointer is null"));
+            }
+            if shards == 0 || shards > SHARDS_MAX {
+                return Err(fail(
+                    LakeStatus::LakeInvalidArgument,
+                    format!("lake_lookup_shards: shards is 1 to {SHARDS_MAX}, not {shards}"),
+                ));
+            }
+            let given: &[LakeBlockKey] = if count == 0 {
+                &[]
+            } else {
+                // SAFETY: `count` keys (contract), non-null (checked).
+                unsafe { core::slice::from_raw_parts(keys, count) }
+            };
+            // SAFETY: `shards` codes (contract), non-null (checked), bounded.
+            let codes = unsafe { core::slice::from_raw_parts(shard_codes, shards) };
+            let mut shortest = count;
+            let mut masked = Vec::with_capacity(count);
+            let mut table = Vec::with_capacity(count);
+            for &code in codes {
+                let mask = ShardMask::from_code(code);
+                masked.clear();
+                masked.extend(given.iter().take(shortest).map(|k| mask.apply(BlockKey(k.bytes))));
+                shortest = pool.mirror.lookup(&masked, &mut table);
+                if shortest == 0 {
+                    break;
+                }
+            }
+            // SAFETY: writable (contract).
+            unsafe { hits.write(shortest) };
+            Ok(())
+        })())
+    })
+}
+
+/// Shards one [`lake_lookup_shards`] may ask for (tensor parallelism of at
+/// most this many ranks).
+const SHARDS_MAX: usize = 256;
+
+/// The engine's `count` keys as this pool's shard names them (the keys
+/// the mirror, the pool and the stored headers use).
+fn read_keys(pool: &LakePool, keys: *const LakeBlockKey, count: usize) -> Vec<BlockKey> {
     if count == 0 {
         return Vec::new();
     }
     // SAFETY: `count` keys (the callers' contract, checked non-null).
     let keys = unsafe { core::slice::from_raw_parts(keys, count) };
-    keys.iter().map(|k| BlockKey(k.bytes)).collect()
+    keys.iter().map(|k| pool.shard.apply(BlockKey(k.bytes))).collect()
 }
 
 fn location_of(entry: &MirrorEntry) -> LakeLocation {
@@ -1670,7 +1760,7 @@ pub unsafe extern "C" fn lake_submit_load(
             {
                 return Err(fail(LakeStatus::LakeNullArgument, "lake_submit_load: a required pointer is null"));
             }
-            let keys = read_keys(keys, count);
+            let keys = read_keys(pool, keys, count);
             let (locations, blocks) = if count == 0 {
                 (&[][..], &[][..])
             } else {
@@ -1827,7 +1917,7 @@ pub unsafe extern "C" fn lake_push(
             let peer: std::net::SocketAddr = text.to_str().ok().and_then(|t| t.parse().ok()).ok_or_else(|| {
                 fail(LakeStatus::LakeInvalidArgument, format!("lake_push: address {text:?}: IP:PORT"))
             })?;
-            let keys = read_keys(keys, count);
+            let keys = read_keys(pool, keys, count);
             let locations = if count == 0 {
                 &[][..]
             } else {
@@ -1875,7 +1965,7 @@ pub unsafe extern "C" fn lake_submit_save(
             if request_id.is_null() || (count > 0 && (keys.is_null() || engine_blocks.is_null())) {
                 return Err(fail(LakeStatus::LakeNullArgument, "lake_submit_save: a required pointer is null"));
             }
-            let keys = read_keys(keys, count);
+            let keys = read_keys(pool, keys, count);
             let blocks = if count == 0 {
                 &[][..]
             } else {
@@ -1887,7 +1977,7 @@ pub unsafe extern "C" fn lake_submit_save(
                 BlockKey::NONE
             } else {
                 // SAFETY: one key (contract).
-                BlockKey(unsafe { (*parent).bytes })
+                pool.shard.apply(BlockKey(unsafe { (*parent).bytes }))
             };
             let parents: Vec<BlockKey> =
                 core::iter::once(first_parent).chain(keys.iter().copied()).take(keys.len()).collect();
@@ -2038,7 +2128,7 @@ pub unsafe extern "C" fn lake_lookup_pinned(
             {
                 return Err(fail(LakeStatus::LakeNullArgument, "lake_lookup_pinned: a required pointer is null"));
             }
-            let keys = read_keys(keys, count);
+            let keys = read_keys(pool, keys, count);
             let mut table = Vec::with_capacity(count);
             let mut found = pool.mirror.lookup(&keys, &mut table);
             if found > capacity {

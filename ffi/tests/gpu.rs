@@ -155,6 +155,7 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
         pin_agent: 0,
         agent_core: 0,
         copy_threads: 0,
+        shard_code: info.shard_code,
     };
     let mut handle: *mut LakePool = core::ptr::null_mut();
     // SAFETY: valid options; strings live to the end of the test.

@@ -69,8 +69,8 @@ pub mod transport;
 pub mod uring;
 pub mod wire;
 
-pub use model::key::{BlockKey, ChainValue, KeyChain, KeyError, engine_prefix_key};
-pub use model::layout::{Dtype, KvPlanes, Layout, LayoutError, RecurrentLayout, Shard};
+pub use model::key::{BlockKey, ChainValue, KeyChain, KeyError, ShardMask, engine_prefix_key};
+pub use model::layout::{Dtype, KvPlanes, Layout, LayoutError, RecurrentLayout, Shard, shard_code};
 pub use model::namespace::{
     Digest32, ExtraKeys, KeyScheme, ModelIdentity, Namespace, NamespaceError, NamespaceId, TenantKey,
 };

@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use lake_dp::model::layout::LayoutParams;
 use lake_dp::{
     Dtype, ExtraKeys, KeyChain, KeyScheme, KvPlanes, Layout, ModelIdentity, Namespace, RecurrentLayout, Shard,
-    TenantKey, engine_prefix_key,
+    ShardMask, TenantKey, engine_prefix_key, shard_code,
 };
 
 const VECTORS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/vectors/v1.txt");
@@ -118,6 +118,14 @@ fn render() -> String {
     for (name, fingerprint) in layouts() {
         let _ = writeln!(out, "{name} {fingerprint:016x}");
     }
+    // A tensor-parallel rank's replica of tenant 0's first block (8 heads,
+    // two ranks): the shard codes and the keys they are indexed under.
+    let first = KeyChain::keys(&namespaces()[0].1, &prompt(16)).unwrap()[0];
+    for (name, start, end) in [("shard.8heads.0-4", 0, 4), ("shard.8heads.4-8", 4, 8)] {
+        let code = shard_code(8, start, end).unwrap();
+        let _ = writeln!(out, "{name}.code {code:016x}");
+        let _ = writeln!(out, "{name}.key0 {}", ShardMask::from_code(code).apply(first));
+    }
     out
 }
 
@@ -156,6 +164,10 @@ fn committed_vectors_show_the_promised_separations() {
         }
     }
     assert_ne!(value("layout.qwen3-8b.tp2-rank0"), value("layout.qwen3-8b.tp2-rank1"));
+    // Each rank's replica is named apart from the block and from the other.
+    let block = value(&format!("{base}.key0"));
+    let (rank0, rank1) = (value("shard.8heads.0-4.key0"), value("shard.8heads.4-8.key0"));
+    assert!(rank0 != block && rank1 != block && rank0 != rank1);
     // Extending the prompt reproduces the earlier keys.
     let namespace = &namespaces()[0].1;
     let longer = KeyChain::keys(namespace, &prompt(48 + 160)).unwrap();

@@ -116,6 +116,14 @@ static void kv_memory(const char *dp, const char *mirror, const char *cp, LakeNa
     LakeLayoutInfo other_info = info;
     CHECK(lake_layout_describe(&other_shard, &other_info) == LAKE_OK && other_info.fingerprint != info.fingerprint,
           "another shard, another fingerprint");
+    uint64_t code = 0;
+    CHECK(info.shard_code != 0 && other_info.shard_code != 0 && other_info.shard_code != info.shard_code,
+          "each rank's heads their own shard code");
+    CHECK(lake_shard_code(4, 2, 2 + KV_HEADS, &code) == LAKE_OK && code == info.shard_code,
+          "a scheduler computes a rank's shard code from its heads");
+    CHECK(lake_shard_code(4, 0, 4, &code) == LAKE_OK && code == 0, "every head: the whole block, code 0");
+    CHECK(lake_shard_code(4, 3, 3, &code) == LAKE_INVALID_ARGUMENT, "an empty head range is refused");
+    CHECK(lake_shard_code(4, 0, 4, NULL) == LAKE_NULL_ARGUMENT, "a null code is refused");
     LakeLayoutOptions bad = layout;
     bad.dtype = 77;
     CHECK(lake_layout_describe(&bad, &other_info) == LAKE_INVALID_ARGUMENT, "an unknown dtype is refused");
@@ -162,6 +170,7 @@ static void kv_memory(const char *dp, const char *mirror, const char *cp, LakeNa
     options.namespace_ = ns;
     options.layout_fingerprint = info.fingerprint;
     options.segment_bytes = info.segment_bytes;
+    options.shard_code = info.shard_code;
     LakePool *pool = NULL;
     CHECK(lake_attach(&options, &pool) == LAKE_OK && pool != NULL, "attach under the layout");
     if (!pool) return;
@@ -215,19 +224,48 @@ static void kv_memory(const char *dp, const char *mirror, const char *cp, LakeNa
     CHECK(wrong == 0, "%zu elements misplaced", wrong);
     CHECK(stray == 0, "%zu elements written outside the loaded blocks", stray);
 
-    /* The raw pool, attached under another layout, gets these blocks'
-     * bytes never: each completes LAKE_LAYOUT_MISMATCH. */
+    /* The raw pool holds the whole block (no shard): it does not find this
+     * rank's replicas, and handed their locations anyway, its load
+     * completes LAKE_EVICTED (the slots hold another object than the one
+     * its keys name) and writes nothing. */
+    size_t raw_hits = 9;
+    LakeLocation scratch[3];
+    CHECK(lake_lookup(raw_pool, keys, 3, scratch, 3, &raw_hits) == LAKE_OK && raw_hits == 0,
+          "a whole-block reader finds no shard's replica (%zu)", raw_hits);
     uint8_t *plain = calloc(1, info.block_bytes);
     uint32_t plain_id = 0;
     CHECK(lake_register_host_memory(raw_pool, plain, info.block_bytes, 1, &plain_id) == LAKE_OK, "plain memory");
     uint32_t zero[1] = {0};
     LakeStatus status[1] = {LAKE_OK};
     CHECK(lake_submit_load(raw_pool, plain_id, keys, table, zero, 1, 0, &request) == LAKE_OK, "foreign load");
-    CHECK(wait_request_statuses(raw_pool, request, 1, status) && status[0] == LAKE_LAYOUT_MISMATCH,
-          "another layout's block completes LAKE_LAYOUT_MISMATCH (%d)", (int)status[0]);
+    CHECK(wait_request_statuses(raw_pool, request, 1, status) && status[0] == LAKE_EVICTED,
+          "another shard's replica completes LAKE_EVICTED (%d)", (int)status[0]);
     size_t touched = 0;
     for (size_t i = 0; i < info.block_bytes; i++) touched += plain[i] != 0;
     CHECK(touched == 0, "a foreign block wrote %zu bytes", touched);
+
+    /* A pool of the same shard under another layout (another geometry of
+     * the same heads) finds the blocks, and their bytes never: the load
+     * completes LAKE_LAYOUT_MISMATCH. */
+    LakeAttachOptions same_heads = options;
+    same_heads.name = "c-engine-other-geometry";
+    same_heads.layout_fingerprint = info.fingerprint ^ 1;
+    LakePool *other = NULL;
+    CHECK(lake_attach(&same_heads, &other) == LAKE_OK && other != NULL, "attach under another geometry");
+    if (other) {
+        uint32_t other_id = 0;
+        CHECK(lake_register_host_memory(other, plain, info.block_bytes, 1, &other_id) == LAKE_OK, "plain memory");
+        size_t other_hits = 0;
+        CHECK(lake_lookup(other, keys, 3, table, 3, &other_hits) == LAKE_OK && other_hits == 3,
+              "the same shard's keys are found (%zu)", other_hits);
+        CHECK(lake_submit_load(other, other_id, keys, table, zero, 1, 0, &request) == LAKE_OK, "mismatched load");
+        CHECK(wait_request_statuses(other, request, 1, status) && status[0] == LAKE_LAYOUT_MISMATCH,
+              "another layout's block completes LAKE_LAYOUT_MISMATCH (%d)", (int)status[0]);
+        touched = 0;
+        for (size_t i = 0; i < info.block_bytes; i++) touched += plain[i] != 0;
+        CHECK(touched == 0, "a mismatched block wrote %zu bytes", touched);
+        lake_detach(other);
+    }
 
     lake_detach(pool);
     free(plain);

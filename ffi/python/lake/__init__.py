@@ -111,6 +111,7 @@ class _AttachOptions(ctypes.Structure):
         ("pin_agent", ctypes.c_uint32),
         ("agent_core", ctypes.c_uint32),
         ("copy_threads", ctypes.c_uint32),
+        ("shard_code", ctypes.c_uint64),
     ]
 
 
@@ -139,6 +140,7 @@ class _LayoutInfo(ctypes.Structure):
         ("segment_bytes", ctypes.c_uint64),
         ("heads", ctypes.c_uint32),
         ("head_bytes", ctypes.c_uint32),
+        ("shard_code", ctypes.c_uint64),
     ]
 
 
@@ -216,6 +218,8 @@ def _library():
         "lake_layout_describe": ([p, p], ctypes.c_int),
         "lake_register_kv_memory": ([p, p, ctypes.POINTER(u32)], ctypes.c_int),
         "lake_lookup": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_lookup_shards": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_shard_code": ([u32, u32, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_submit_load": ([p, u32, p, p, p, sz, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_submit_save": ([p, u32, p, p, p, sz, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_lease": ([p, p, sz, u32, ctypes.POINTER(sz), ctypes.POINTER(u64), ctypes.POINTER(p)], ctypes.c_int),
@@ -316,6 +320,9 @@ class Layout:
         self.segment_bytes = info.segment_bytes
         self.heads = info.heads
         self.head_bytes = info.head_bytes
+        #: What names this rank's replicas apart from other ranks' (0: the
+        #: whole block). A pool attached with this layout uses it.
+        self.shard_code = info.shard_code
 
     def __repr__(self):
         return (
@@ -323,6 +330,15 @@ class Layout:
             f"head_dim={self.head_dim}, dtype={self.dtype}, block_tokens={self.block_tokens}, "
             f"fingerprint={self.fingerprint:#x})"
         )
+
+
+def shard_code(kv_heads: int, start: int, end: int) -> int:
+    """The shard code of heads ``start..end`` of a model's ``kv_heads`` (0
+    for all of them): what :class:`Layout` gives the rank holding them, for
+    a scheduler that plans for every rank (:meth:`Pool.lookup_shards`)."""
+    code = ctypes.c_uint64()
+    _check(_library().lake_shard_code(kv_heads, start, end, ctypes.byref(code)))
+    return code.value
 
 
 #: Priorities of loads and saves (``LakeStatus``-style codes of the ABI).
@@ -500,8 +516,10 @@ class Pool:
         agent_core: int | None = None,
         copy_threads: int = 0,
     ):
+        shard = 0
         if layout is not None:
             layout_fingerprint, segment_bytes = layout.fingerprint, layout.segment_bytes
+            shard = layout.shard_code
         options = _AttachOptions()
         options.struct_size = ctypes.sizeof(_AttachOptions)
         options.dp_socket = os.fsencode(dp_socket)
@@ -516,6 +534,7 @@ class Pool:
                 raise ValueError(f"agent_core must be a core number, not {agent_core}")
             options.pin_agent, options.agent_core = 1, agent_core
         options.copy_threads = copy_threads
+        options.shard_code = shard
         handle = ctypes.c_void_p()
         _check(_library().lake_attach(ctypes.byref(options), ctypes.byref(handle)))
         self._handle = handle
@@ -595,6 +614,22 @@ class Pool:
             _library().lake_lookup(self._h(), _ptr(keys), keys.shape[0], _ptr(table), keys.shape[0], ctypes.byref(hits))
         )
         return hits.value, table[: hits.value]
+
+    def lookup_shards(self, keys, shard_codes) -> int:
+        """The longest prefix of ``keys`` cached for every shard of
+        ``shard_codes`` (a tensor-parallel group's ranks, :func:`shard_code`):
+        the shortest of their hits. Shared memory only; no access report."""
+        keys = _keys(keys)
+        codes = np.ascontiguousarray(shard_codes, dtype=np.uint64)
+        if codes.ndim != 1 or codes.size == 0:
+            raise ValueError(f"shard_codes must be a non-empty 1-D array, not shape {codes.shape}")
+        hits = ctypes.c_size_t()
+        _check(
+            _library().lake_lookup_shards(
+                self._h(), _ptr(keys), keys.shape[0], _ptr(codes), codes.shape[0], ctypes.byref(hits)
+            )
+        )
+        return hits.value
 
     def lookup_pinned(self, keys):
         """``(hits, table, pins)``: like :meth:`lookup`, with the L1 hits

@@ -80,12 +80,12 @@ except ImportError:
 
 @dataclass
 class LoadSpec:
-    """Blocks to load for one request: keys, their block-table entries, and
-    the vLLM block ids they go to."""
+    """Blocks to load for one request: their keys and the vLLM block ids
+    they go to. Each worker looks the keys up itself: under tensor
+    parallelism every rank reads its own shard's replicas."""
 
     request_id: str
     keys: np.ndarray
-    table: np.ndarray
     block_ids: list[int]
 
 
@@ -189,8 +189,13 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra = extra
         self._vllm_config = vllm_config
         self.pool = None
+        # The shard codes of every tensor-parallel rank (None: the ranks
+        # hold the whole block alike — one rank, or MLA).
+        self._shards: list[int] | None = None
         if role == KVConnectorRole.SCHEDULER:
-            # Lookups only: no layout of its own.
+            # Lookups only: no layout of its own; a hit must hold for the
+            # shard of every rank.
+            self._shards = _group_shard_codes(vllm_config, extra)
             self.pool = self._attach(None, "vllm-scheduler")
         self._loads: dict[str, LoadSpec] = {}
         self._pending_loads: list[LoadSpec] = []
@@ -226,13 +231,19 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         full = (len(tokens) // self.block_size) * self.block_size
         return self.namespace.keys(tokens[:full])
 
+    def _hits(self, keys) -> int:
+        """The cached prefix every rank can load (its own heads' replicas)."""
+        if self._shards is None:
+            return self.pool.lookup(keys)[0]
+        return self.pool.lookup_shards(keys, self._shards)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Tokens Lake can supply beyond vLLM's own prefix hit, read from
         the mirror: no pin, no lease, no state kept (it may be asked again)."""
         keys = self._prompt_keys(request)
         if len(keys) == 0:
             return 0, False
-        hits, _ = self.pool.lookup(keys)
+        hits = self._hits(keys)
         matched = hits * self.block_size
         # vLLM must compute at least the last prompt token itself.
         prompt = len(request.prompt_token_ids)
@@ -248,13 +259,13 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             return
         block_ids = blocks.get_block_ids()[0] if hasattr(blocks, "get_block_ids") else list(blocks)
         keys = self._prompt_keys(request)
-        hits, table = self.pool.lookup(keys)
+        hits = self._hits(keys)
         first = (request.num_computed_tokens if hasattr(request, "num_computed_tokens") else 0) // self.block_size
         count = num_external_tokens // self.block_size
         last = min(first + count, hits)
         if last <= first:
             return
-        spec = LoadSpec(request.request_id, keys[first:last], table[first:last], list(block_ids[first:last]))
+        spec = LoadSpec(request.request_id, keys[first:last], list(block_ids[first:last]))
         self._loads[request.request_id] = spec
         self._pending_loads.append(spec)
 
@@ -371,8 +382,21 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             return
         pool = self._worker()
         for spec in meta.loads:
-            request = pool.submit_load(self.memory_id, spec.keys, spec.table, spec.block_ids)
-            self._loading[request] = np.asarray(spec.block_ids, dtype=np.int64)
+            # This rank's own replicas (its shard); what went since the
+            # scheduler planned is reported and recomputed.
+            hits, table = pool.lookup(spec.keys)
+            block_ids = np.asarray(spec.block_ids, dtype=np.int64)
+            if hits < len(block_ids):
+                self._load_errors.update(int(b) for b in block_ids[hits:])
+                logger.warning(
+                    "lake.vllm: %d of %d planned blocks are no longer cached for this rank; vLLM recomputes them",
+                    len(block_ids) - hits,
+                    len(block_ids),
+                )
+            if hits == 0:
+                continue
+            request = pool.submit_load(self.memory_id, spec.keys[:hits], table, block_ids[:hits])
+            self._loading[request] = block_ids[:hits]
 
     def wait_for_layer_load(self, layer_name):
         """On a GPU, the current CUDA stream waits (on the GPU, the host
@@ -492,6 +516,27 @@ def _tensor_facts(tensor) -> _TensorFacts:
             tensor.shape, tuple(s // item for s in tensor.strides), item, tensor.ctypes.data, tensor.dtype.name, "cpu"
         )
     raise TypeError(f"lake.vllm: a KV cache must be a torch tensor or numpy array, not {type(tensor).__name__}")
+
+
+def _group_shard_codes(vllm_config, extra) -> list[int] | None:
+    """The shard code of every rank of the tensor-parallel group, as its
+    worker's layout will have it (``register_kv_caches``: each rank holds
+    ``max(1, total // size)`` heads of a layout of that many times ``size``);
+    None where every rank holds the whole block (one rank, or MLA)."""
+    size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+    model = getattr(vllm_config, "model_config", None)
+    if size == 1 or getattr(model, "use_mla", False):
+        return None
+    total = extra.get("kv_heads")
+    if total is None and hasattr(model, "get_total_num_kv_heads"):
+        total = model.get_total_num_kv_heads()
+    if total is None:
+        raise ValueError(
+            "lake.vllm: tensor parallelism needs the model's KV head count: model_config.get_total_num_kv_heads()"
+            " or kv_connector_extra_config['kv_heads']"
+        )
+    per_rank = max(1, int(total) // size)
+    return [lake.shard_code(per_rank * size, r * per_rank, (r + 1) * per_rank) for r in range(size)]
 
 
 def _tensor_parallel(vllm_config, extra) -> tuple[int, int]:

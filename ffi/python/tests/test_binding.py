@@ -140,7 +140,29 @@ def test_bad_arguments_raise_and_change_nothing(pool_paths):
         bad_table["tier"] = 9
         with pytest.raises(lake.LakeError):
             pool.submit_load(memory_id, keys, bad_table, np.arange(2))
+        with pytest.raises(ValueError):
+            pool.lookup_shards(keys, [])
+        with pytest.raises(lake.LakeError) as error:
+            pool.lookup_shards(keys, np.zeros(257, dtype=np.uint64))
+        assert error.value.name == "LAKE_INVALID_ARGUMENT" and "shards" in error.value.message
+        with pytest.raises(lake.LakeError) as error:
+            lake.shard_code(8, 4, 4)
+        assert error.value.name == "LAKE_INVALID_ARGUMENT" and "head" in error.value.message
+        with pytest.raises(lake.LakeError) as error:
+            lake.shard_code(8, 2, 70000)
+        assert error.value.name == "LAKE_INVALID_ARGUMENT"
+        assert lake.shard_code(8, 0, 8) == 0, "every head: the whole block"
         assert pool.poll().size == 0, "refused calls queue nothing"
+    # A layout's shard must be the pool's: a pool attached without the
+    # shard code of the rank whose memory it registers is refused by name.
+    rank1 = lake.Layout(layers=2, kv_heads=4, head_dim=8, dtype="float16", block_tokens=TOKENS, shard=(2, 4))
+    with lake.Pool(
+        pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns, layout_fingerprint=rank1.fingerprint,
+        segment_bytes=rank1.segment_bytes,
+    ) as unsharded:
+        with pytest.raises(lake.LakeError) as error:
+            unsharded.register_kv_memory(rank1, 2, np.zeros((4, 4), dtype=np.int64))
+        assert error.value.name == "LAKE_LAYOUT_MISMATCH" and "shard code" in error.value.message
     with pytest.raises(lake.LakeError) as error:
         pool.lookup(keys)
     assert error.value.name == "LAKE_NOT_ATTACHED", "a closed pool refuses, it does not crash"

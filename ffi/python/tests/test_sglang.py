@@ -256,21 +256,36 @@ def test_configuration_errors_are_named(pool_paths):
         store.register_mem_pool_host(wrong)
 
 
-def test_another_tensor_parallel_rank_never_reads_these_pages(pool_paths):
+def test_each_tensor_parallel_rank_backs_up_and_reads_its_own_pages(pool_paths):
     model = "test/sglang-tp"
     keys = page_hashes(list(range(1000, 1000 + 4 * PAGE)))
     rank0 = lake_sglang.LakeStore(storage_config(pool_paths, model, tp_rank=0, tp_size=2), {})
-    rank0.register_mem_pool_host(host_pool("page_first", fill=np.random.default_rng(5)))
+    pool0 = host_pool("page_first", fill=np.random.default_rng(5))
+    rank0.register_mem_pool_host(pool0)
     write_back(rank0, keys, [0, 1, 2, 3])
     wait_held(rank0, keys, 4)
     rank1 = lake_sglang.LakeStore(storage_config(pool_paths, model, tp_rank=1, tp_size=2), {})
-    pool1 = host_pool("page_first")
+    pool1 = host_pool("page_first", fill=np.random.default_rng(6))
     rank1.register_mem_pool_host(pool1)
     assert rank1.layout.fingerprint != rank0.layout.fingerprint
-    # The key is the logical page, so the mirror names it; its bytes are
-    # rank 0's heads, so rank 1's load fails and writes nothing.
-    assert rank1.batch_exists(keys) == 4
+    assert rank1.layout.shard_code != rank0.layout.shard_code
+    # Each rank (SGLang runs a cache controller per rank) asks for its own
+    # heads: rank 0's pages are no hit for rank 1, whose bytes they are not.
+    assert rank1.batch_exists(keys) == 0
+    untouched = pool1.kv_buffer.copy()
     assert rank1.batch_get_v1(keys, host_indices([4, 5, 6, 7])) == [False] * 4
-    assert not pool1.kv_buffer.any()
+    assert np.array_equal(pool1.kv_buffer, untouched), "a failed get wrote into the host pool"
+    # Rank 1 backs up its own; each rank then reads back exactly its pages.
+    write_back(rank1, keys, [0, 1, 2, 3])
+    wait_held(rank1, keys, 4)
+    assert rank1.batch_exists(keys) == 4 and rank0.batch_exists(keys) == 4
+    for store, pool in ((rank0, host_pool("page_first")), (rank1, host_pool("page_first"))):
+        reader = lake_sglang.LakeStore(storage_config(pool_paths, model, tp_rank=store.tp_rank, tp_size=2), {})
+        reader.register_mem_pool_host(pool)
+        assert reader.batch_get_v1(keys, host_indices([8, 9, 10, 11])) == [True] * 4
+        source = pool0 if store is rank0 else pool1
+        for page, saved in zip([8, 9, 10, 11], [0, 1, 2, 3]):
+            assert np.array_equal(page_view(pool, page), page_view(source, saved)), (store.tp_rank, page)
+        reader.close()
     rank0.close()
     rank1.close()

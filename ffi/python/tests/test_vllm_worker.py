@@ -58,7 +58,7 @@ def backends():
     ]
 
 
-def config(paths, model, tp_rank=0):
+def config(paths, model, tp_rank=0, tp_size=1, mla=False):
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
             kv_connector_extra_config={
@@ -70,8 +70,15 @@ def config(paths, model, tp_rank=0):
             }
         ),
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
-        model_config=SimpleNamespace(model=model, revision="main", tokenizer=model, dtype="float16"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=TP_SIZE),
+        model_config=SimpleNamespace(
+            model=model,
+            revision="main",
+            tokenizer=model,
+            dtype="float16",
+            use_mla=mla,
+            get_total_num_kv_heads=lambda: HEADS * tp_size,
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
     )
 
 
@@ -130,18 +137,26 @@ def step(scheduler, worker, caches, finished=frozenset()):
     return sending or set(), errors
 
 
-def instance(paths, kind, backend, model, tp_rank=0, fill=None):
-    scheduler = lake_vllm.LakeConnector(config(paths, model, tp_rank), lake_vllm.KVConnectorRole.SCHEDULER)
-    worker = lake_vllm.LakeConnector(config(paths, model, tp_rank), lake_vllm.KVConnectorRole.WORKER)
+def instance(paths, kind, backend, model, fill=None):
+    """One vLLM instance of one rank: its scheduler and its worker."""
+    scheduler = lake_vllm.LakeConnector(config(paths, model, mla=kind == "mla"), lake_vllm.KVConnectorRole.SCHEDULER)
+    worker, caches = rank_worker(paths, kind, backend, model, 0, 1, fill)
+    return scheduler, worker, caches
+
+
+def rank_worker(paths, kind, backend, model, tp_rank, tp_size, fill=None):
+    """The worker of one tensor-parallel rank, with its own KV tensors."""
+    cfg = config(paths, model, tp_rank, tp_size, mla=kind == "mla")
+    worker = lake_vllm.LakeConnector(cfg, lake_vllm.KVConnectorRole.WORKER)
     caches = {f"model.layers.{i}.self_attn.attn": paged(kind, backend, fill) for i in range(LAYERS)}
     worker.register_kv_caches(caches)
-    return scheduler, worker, caches
+    return worker, caches
 
 
 def wait_cached(scheduler, tokens, blocks):
     keys = scheduler.namespace.keys(np.asarray(tokens[: blocks * BLOCK], dtype=np.uint32))
     for _ in range(500):
-        if scheduler.pool.lookup(keys)[0] >= blocks:
+        if scheduler._hits(keys) >= blocks:
             return
         time.sleep(0.01)
     raise AssertionError("the saved blocks never showed in the mirror")
@@ -220,36 +235,105 @@ def test_one_instance_saves_and_another_loads_bit_exact(pool_paths, saver, loade
         connector.shutdown()
 
 
-def test_another_shard_never_reads_these_bytes_and_vllm_recomputes(pool_paths):
+def group_step(scheduler, ranks, finished=frozenset()):
+    """One engine step of a tensor-parallel group: the scheduler's plan goes
+    to every rank's worker, as vLLM's executor ships it. Returns each rank's
+    (finished saves, load errors)."""
+    meta = scheduler.build_connector_meta(SimpleNamespace())
+    answers = []
+    for worker, caches in ranks:
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(SimpleNamespace())
+        for name, tensor in caches.items():
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, tensor, SimpleNamespace())
+        worker.wait_for_save()
+        sending, _ = worker.get_finished(set(finished))
+        answers.append((sending or set(), worker.get_block_ids_with_load_errors()))
+        worker.clear_connector_metadata()
+    return answers
+
+
+def save_group(scheduler, ranks, request_id, tokens, ids):
+    """A finished request saved by every rank (vLLM's output aggregator
+    reports it once all ranks have)."""
+    scheduler.update_state_after_alloc(request(request_id, tokens), allocated(ids), 0)
+    assert scheduler.request_finished(request(request_id, tokens), ids) == (True, None)
+    pending = set(range(len(ranks)))
+    deadline = time.monotonic() + 10
+    while pending:
+        assert time.monotonic() < deadline, "a rank's save was never reported finished"
+        for rank, (sending, errors) in enumerate(group_step(scheduler, ranks, {request_id})):
+            assert errors == set()
+            if request_id in sending:
+                pending.discard(rank)
+        time.sleep(0.001)
+
+
+def test_each_tensor_parallel_rank_reads_its_own_shard(pool_paths):
     model = "test/shards"
     rng = np.random.default_rng(7)
     tokens = (np.arange(4 * BLOCK) * 31 + 1).tolist()
-    sched_a, worker_a, caches_a = instance(pool_paths, "flash_nhd", "numpy", model, tp_rank=0, fill=rng)
+    scheduler = lake_vllm.LakeConnector(config(pool_paths, model, 0, TP_SIZE), lake_vllm.KVConnectorRole.SCHEDULER)
+    ranks = [rank_worker(pool_paths, "flash_nhd", "numpy", model, r, TP_SIZE, fill=rng) for r in range(TP_SIZE)]
+    assert ranks[0][0].layout.shard_code != ranks[1][0].layout.shard_code != 0
     ids = [1, 2, 3, 4]
-    sched_a.update_state_after_alloc(request("s-1", tokens), allocated(ids), 0)
-    assert sched_a.request_finished(request("s-1", tokens), ids) == (True, None)
-    deadline = time.monotonic() + 10
-    while "s-1" not in step(sched_a, worker_a, caches_a)[0]:
-        assert time.monotonic() < deadline, "the save was never reported finished"
-        time.sleep(0.001)
-    wait_cached(sched_a, tokens, 4)
 
-    # Rank 1 holds the other heads: the mirror names the blocks (a key is
-    # the logical block), but their bytes are rank 0's. Its load fails
-    # block by block, vLLM is told which, and nothing is written.
-    sched_c, worker_c, caches_c = instance(pool_paths, "flash_nhd", "numpy", model, tp_rank=1)
-    assert worker_c.layout.fingerprint != worker_a.layout.fingerprint
+    # Only rank 0 saved (rank 1's save was skipped, say): its blocks are
+    # no hit for the group — rank 1 has nothing to load — and rank 1's own
+    # lookup never finds rank 0's bytes.
+    save_group(scheduler, ranks[:1], "s-0", tokens, ids)
+    keys = scheduler.namespace.keys(np.asarray(tokens, dtype=np.uint32))
+    assert ranks[0][0].pool.lookup(keys)[0] == 4
+    assert ranks[1][0].pool.lookup(keys)[0] == 0
+    assert scheduler.get_num_new_matched_tokens(request("s-1", tokens + [9]), 0) == (0, False)
+
+    # Both ranks saved: the group hits the whole prefix.
+    save_group(scheduler, ranks, "s-2", tokens, ids)
+    wait_cached(scheduler, tokens, 4)
+    assert scheduler.get_num_new_matched_tokens(request("s-3", tokens + [9]), 0) == (4 * BLOCK, False)
+
+    # A second group (new tensors, other block ids) loads it: each rank gets
+    # its own heads' bytes, bit for bit.
+    readers = [rank_worker(pool_paths, "flash_nhd", "numpy", model, r, TP_SIZE) for r in range(TP_SIZE)]
     third = request("c-1", tokens + [9])
-    matched, _ = sched_c.get_num_new_matched_tokens(third, 0)
-    assert matched == 4 * BLOCK
     ids_c = [10, 11, 12, 13, 14]
-    sched_c.update_state_after_alloc(third, allocated(ids_c), matched)
-    _, errors = step(sched_c, worker_c, caches_c)
-    assert errors == set(ids_c[:4])
-    assert not any(t.any() for t in caches_c.values())
-    assert worker_c.pool.stats()["load_failures"] >= 4
-    for connector in (sched_a, worker_a, sched_c, worker_c):
-        connector.shutdown()
+    scheduler.update_state_after_alloc(third, allocated(ids_c), 4 * BLOCK)
+    assert [errors for _, errors in group_step(scheduler, readers)] == [set(), set()]
+    for (_, saved), (_, loaded) in zip(ranks, readers):
+        for name in saved:
+            for a, c in zip(ids, ids_c[:4]):
+                assert np.array_equal(block_of("flash_nhd", loaded[name], c), block_of("flash_nhd", saved[name], a))
+    assert not np.array_equal(ranks[0][1][name][:, 1], ranks[1][1][name][:, 1]), "the ranks' heads differ"
+
+    # Another prompt, of which rank 1 holds only the first two blocks: the
+    # group's hit is the shorter one.
+    tokens2 = (np.arange(4 * BLOCK) * 5 + 2).tolist()
+    save_group(scheduler, ranks[:1], "p-0", tokens2, ids)
+    save_group(scheduler, ranks[1:], "p-1", tokens2[: 2 * BLOCK], ids[:2])
+    assert scheduler.get_num_new_matched_tokens(request("p-2", tokens2 + [9]), 0) == (2 * BLOCK, False)
+
+    # A plan made before rank 1 lost the other two (as when they are
+    # evicted between the plan and the load): rank 0 loads all four, rank 1
+    # loads its two and reports the rest, which vLLM recomputes; nothing
+    # else is written.
+    keys2 = scheduler.namespace.keys(np.asarray(tokens2, dtype=np.uint32))
+    ids_d = [20, 21, 22, 23]
+    for worker, caches in readers:
+        worker.bind_connector_metadata(lake_vllm.LakeConnectorMetadata(loads=[lake_vllm.LoadSpec("p-3", keys2, ids_d)]))
+        worker.start_load_kv(SimpleNamespace())
+        for name in caches:
+            worker.wait_for_layer_load(name)
+        worker.wait_for_save()
+    assert readers[0][0].get_block_ids_with_load_errors() == set()
+    assert readers[1][0].get_block_ids_with_load_errors() == {22, 23}
+    for name in ranks[1][1]:
+        for a, d in zip(ids[:2], ids_d[:2]):
+            assert np.array_equal(block_of("flash_nhd", readers[1][1][name], d), block_of("flash_nhd", ranks[1][1][name], a))
+        assert not block_of("flash_nhd", readers[1][1][name], 22).any() and not block_of("flash_nhd", readers[1][1][name], 23).any()
+    for worker, _ in readers + ranks:
+        worker.shutdown()
+    scheduler.shutdown()
 
 
 def test_bad_kv_caches_are_refused_by_name(pool_paths):
@@ -266,5 +350,5 @@ def test_bad_kv_caches_are_refused_by_name(pool_paths):
     with pytest.raises(ValueError, match="innermost"):
         worker.register_kv_caches({"a": odd})
     with pytest.raises(RuntimeError, match="register_kv_caches"):
-        worker.bind_connector_metadata(lake_vllm.LakeConnectorMetadata(loads=[lake_vllm.LoadSpec("x", np.zeros((1, 16), np.uint8), np.zeros(1, lake.LOCATION_DTYPE), [0])]))
+        worker.bind_connector_metadata(lake_vllm.LakeConnectorMetadata(loads=[lake_vllm.LoadSpec("x", np.zeros((1, 16), np.uint8), [0])]))
         worker.start_load_kv(SimpleNamespace())

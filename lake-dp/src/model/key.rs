@@ -41,6 +41,59 @@ impl BlockKey {
     }
 }
 
+/// How the replicas of one shard of a block are named (DESIGN §3: a key
+/// names the logical block; a replica holds one shard). A replica of the
+/// whole block — every KV head, or an MLA latent every rank holds alike —
+/// is indexed under the block's own key. A replica of part of the heads
+/// (one tensor-parallel rank's) is an object of its own, indexed under the
+/// key XOR a 128-bit mask derived from the shard ([`crate::Layout::shard_code`]):
+/// each rank's blocks form their own prefix chain, so a lookup hits only
+/// blocks whose bytes that rank can use, and a hit for a whole tensor-
+/// parallel group is the shortest of its ranks' hits. XOR keeps it one
+/// instruction per key and invertible, so a stored header that names the
+/// masked key loses nothing; the mask is a keyed derivation, so masked keys
+/// are as unpredictable as the keys themselves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ShardMask([u8; 16]);
+
+/// BLAKE3 derivation context of [`ShardMask`] (part of the key scheme:
+/// changing it renames every shard's blocks).
+const CONTEXT_SHARD: &str = "lake 2026-11 shard key mask v1";
+
+impl ShardMask {
+    /// The whole block: keys as they are.
+    pub const WHOLE: Self = Self([0; 16]);
+
+    /// The mask of shard `code` (0: the whole block).
+    pub fn from_code(code: u64) -> Self {
+        if code == 0 {
+            return Self::WHOLE;
+        }
+        let digest = blake3::derive_key(CONTEXT_SHARD, &code.to_le_bytes());
+        let mut mask = [0u8; 16];
+        mask.copy_from_slice(&digest[..16]);
+        Self(mask)
+    }
+
+    /// Whether keys stay as they are.
+    pub fn is_whole(&self) -> bool {
+        *self == Self::WHOLE
+    }
+
+    /// The key this shard's replica of `key` is indexed under;
+    /// [`BlockKey::NONE`] ("no parent") stays itself.
+    pub fn apply(&self, key: BlockKey) -> BlockKey {
+        if key.is_none() {
+            return key;
+        }
+        let mut out = key.0;
+        for (byte, mask) in out.iter_mut().zip(self.0) {
+            *byte ^= mask;
+        }
+        BlockKey(out)
+    }
+}
+
 impl fmt::Debug for BlockKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "BlockKey({self})")

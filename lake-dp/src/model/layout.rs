@@ -278,6 +278,16 @@ impl Layout {
         self.layers_per_segment
     }
 
+    /// The code of this layout's shard for [`crate::ShardMask`]: 0 when a
+    /// replica holds the whole block (every head, or replicated latents),
+    /// else [`shard_code`] of its head range.
+    pub fn shard_code(&self) -> u64 {
+        match self.shard {
+            Shard::Heads { start, end } => shard_code(self.kv_heads, start, end).unwrap_or(0),
+            Shard::Replicated => 0,
+        }
+    }
+
     /// Heads this replica holds.
     pub fn shard_heads(&self) -> u16 {
         match self.shard {
@@ -508,6 +518,20 @@ pub(crate) fn segment_range(payload_bytes: u64, segment_bytes: u64, index: u16) 
     (offset < payload_bytes).then(|| (offset, segment_bytes.min(payload_bytes - offset)))
 }
 
+/// The shard code of KV heads `start..end` of a model's `kv_heads`: 0 for
+/// the whole range (such a replica is the block itself), else
+/// `kv_heads << 32 | start << 16 | end`. A scheduler that holds no layout
+/// (vLLM's) computes its ranks' codes from this alone.
+pub fn shard_code(kv_heads: u16, start: u16, end: u16) -> Result<u64, LayoutError> {
+    if start >= end || end > kv_heads {
+        return Err(LayoutError::HeadRange { start, end, kv_heads });
+    }
+    if start == 0 && end == kv_heads {
+        return Ok(0);
+    }
+    Ok(u64::from(kv_heads) << 32 | u64::from(start) << 16 | u64::from(end))
+}
+
 fn fingerprint(context: &str, canonical: &[u8]) -> u64 {
     let digest = blake3::derive_key(context, canonical);
     let mut first = [0u8; 8];
@@ -604,5 +628,27 @@ mod tests {
         assert_eq!(state.segment_range(0), Some((0, 65_536)));
         assert_ne!(state.fingerprint(), qwen3_8b(Shard::Replicated).fingerprint());
         assert!(RecurrentLayout::new(36, 0, Dtype::Bf16, Shard::Replicated, 1).is_err());
+    }
+
+    #[test]
+    fn a_partial_shard_is_named_apart_and_the_whole_block_is_not() {
+        use crate::{BlockKey, ShardMask};
+        // The whole block, either way it can be said: keys as they are.
+        assert_eq!(qwen3_8b(Shard::Replicated).shard_code(), 0);
+        assert_eq!(qwen3_8b(Shard::Heads { start: 0, end: 8 }).shard_code(), 0);
+        let rank0 = qwen3_8b(Shard::Heads { start: 0, end: 4 }).shard_code();
+        let rank1 = qwen3_8b(Shard::Heads { start: 4, end: 8 }).shard_code();
+        assert_eq!(rank0, shard_code(8, 0, 4).unwrap());
+        assert_eq!(rank1, 8 << 32 | 4 << 16 | 8);
+        assert_ne!(rank0, rank1);
+        assert!(shard_code(8, 4, 4).is_err() && shard_code(8, 2, 9).is_err());
+        let key = BlockKey([7; 16]);
+        let (m0, m1) = (ShardMask::from_code(rank0), ShardMask::from_code(rank1));
+        assert_eq!(ShardMask::from_code(0).apply(key), key);
+        assert_ne!(m0.apply(key), key);
+        assert_ne!(m0.apply(key), m1.apply(key));
+        // Invertible, and "no parent" stays "no parent".
+        assert_eq!(m0.apply(m0.apply(key)), key);
+        assert_eq!(m1.apply(BlockKey::NONE), BlockKey::NONE);
     }
 }
