@@ -69,6 +69,19 @@ fn wire_seeds_are_current() {
     check_or_write("wire_frame", &samples::frames(), |bytes| decode_frame(bytes, &Limits::default()).is_ok());
 }
 
+/// Wire v1 is frozen (docs/formats.md): every kind's committed frame is
+/// exactly what this build encodes, byte for byte, so a change to a body
+/// or a check cannot slip into version 1 (it is version 2).
+#[test]
+fn wire_v1_is_frozen() {
+    let dir = seeds_dir("wire_frame");
+    for (i, frame) in samples::frames().iter().enumerate() {
+        let committed = std::fs::read(dir.join(format!("seed-{i:02}"))).unwrap();
+        assert_eq!(committed[0], 0, "seed-{i:02}: mode byte");
+        assert!(&committed[1..] == frame.as_slice(), "wire v1 frame {i} encodes differently from its committed bytes");
+    }
+}
+
 #[test]
 fn stored_seeds_are_current() {
     check_or_write("stored_header", &stored_objects(), |bytes| decode_object(bytes).is_ok());
