@@ -85,16 +85,26 @@ pub(crate) enum ReserveError {
 /// Allocates every page of `file`'s first `bytes` now.
 pub(crate) fn reserve(file: &File, bytes: u64) -> Result<(), ReserveError> {
     let len = i64::try_from(bytes).map_err(|_| ReserveError::TooLarge)?;
-    // SAFETY: a valid descriptor; mode 0 allocates the range.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } != 0 {
-        let error = io::Error::last_os_error();
-        if error.raw_os_error() == Some(libc::ENOSPC) {
-            return Err(ReserveError::NoSpace);
+    // hugetlbfs checks for a pending signal between pages and gives up with
+    // EINTR (seen with a process whose other threads take signals); mode 0
+    // keeps what is already allocated, so asking again finishes the rest.
+    for _ in 0..RESERVE_ATTEMPTS_MAX {
+        // SAFETY: a valid descriptor; mode 0 allocates the range.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } == 0 {
+            return Ok(());
         }
-        return Err(ReserveError::Io(error));
+        let error = io::Error::last_os_error();
+        match error.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::ENOSPC) => return Err(ReserveError::NoSpace),
+            _ => return Err(ReserveError::Io(error)),
+        }
     }
-    Ok(())
+    Err(ReserveError::Io(io::Error::from_raw_os_error(libc::EINTR)))
 }
+
+/// Times [`reserve`] asks again after an interrupted allocation.
+const RESERVE_ATTEMPTS_MAX: u32 = 1000;
 
 /// Maps `bytes` of `file` shared and writable, every page populated.
 pub(crate) fn map_populated(file: &File, bytes: u64) -> io::Result<MmapRaw> {
