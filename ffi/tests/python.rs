@@ -135,4 +135,6 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     for line in stdout.lines().filter(|l| l.starts_with("SKIPPED")) {
         assert!(line.contains("torch"), "unexpected skip: {line}");
     }
+    // What ran and what skipped, in the test's output (`--nocapture`).
+    println!("pytest: {}", stdout.lines().rev().find(|l| l.contains("passed")).unwrap_or(""));
 }
