@@ -499,8 +499,15 @@ pub fn run_with(
     ports: RunnerPorts,
     out: &mut dyn Write,
 ) -> Result<RunnerStats, RunnerError> {
-    // Before anything else: later threads inherit the blocked mask.
-    let signals = try_to!("blocking SIGTERM/SIGINT", Signals::new());
+    // Before anything else: later threads inherit the blocked mask. An
+    // embedder that passes a stop flag owns termination (`lake serve` reads
+    // SIGTERM itself and stops the pool through the flag): a second
+    // signalfd here would take the one signal from it, and the embedder
+    // would wait for ever on a pool already stopped.
+    let signals = match ports.stop {
+        None => Some(try_to!("blocking SIGTERM/SIGINT", Signals::new())),
+        Some(_) => None,
+    };
     let cores = options.cores.clone().unwrap_or_else(|| config.node.cores.clone());
     if let Some(&core) = cores.first() {
         let allowed = try_to!("reading the allowed cores", os::allowed_cores());
@@ -671,7 +678,8 @@ pub fn run_with(
         let mut served = 0;
         if stopping.is_none()
             && (stats.polls.is_multiple_of(256) || idle_since.is_some())
-            && (signals.take().is_some() || ports.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)))
+            && (signals.as_ref().is_some_and(|s| s.take().is_some())
+                || ports.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)))
         {
             stopping = Some(now + p.drain_timeout_ms * 1_000_000);
         }
@@ -836,7 +844,7 @@ pub fn run_with(
         if let Some(attach) = &attach {
             extra += attach.fds(&mut extra_fds[extra..]);
         }
-        let parked = os::park(&wakeup, &signals, &extra_fds[..extra], &mut park_fds, timeout_ms);
+        let parked = os::park(&wakeup, signals.as_ref(), &extra_fds[..extra], &mut park_fds, timeout_ms);
         set_parked(&wakeup, attach.as_ref(), false);
         try_to!("parking", parked);
         if let Some(link) = &mut link {

@@ -145,14 +145,16 @@ pub const PARK_FDS_MAX: usize = 1 + 1 + 1 + 1024;
 /// the timeout) woke it. `fds` is the caller's scratch, sized once.
 pub fn park(
     wakeup: &Wakeup,
-    signals: &Signals,
+    signals: Option<&Signals>,
     extra: &[RawFd],
     fds: &mut Vec<libc::pollfd>,
     timeout_ms: u64,
 ) -> io::Result<bool> {
     fds.clear();
     fds.push(libc::pollfd { fd: wakeup.0.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-    fds.push(libc::pollfd { fd: signals.0.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+    // A negative descriptor is skipped by poll(2): no signals to watch.
+    let signal_fd = signals.map_or(-1, |s| s.0.as_raw_fd());
+    fds.push(libc::pollfd { fd: signal_fd, events: libc::POLLIN, revents: 0 });
     for &fd in extra.iter().take(fds.capacity().saturating_sub(2)) {
         fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
     }
