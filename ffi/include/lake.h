@@ -856,7 +856,11 @@ enum LakeStatus lake_push(const struct LakePool *pool,
  be null for a prompt's first block), on the agent's thread, behind
  its urgent work unless `priority` is 0 or 1 (2, write-back, is what a
  save usually is). Best effort: a block with no room completes
- `LakeNoSpace`. Thread-safe.
+ `LakeNoSpace`. GPU memory: Lake reads the blocks on a stream of its own,
+ not ordered after the engine's, so the engine's writes to them must be
+ complete when it calls (blocks of earlier steps, or its stream
+ synchronized); a save ordered on the engine's stream is not built yet.
+ Thread-safe.
 
  # Safety
 

@@ -232,3 +232,46 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
         }
     }
 }
+
+/// One save of more blocks than the agent's port has request slots (256)
+/// is carried out whole: it goes in windows, and a full ring is not taken
+/// for a full pool (it was: every block past the 256th came back skipped).
+#[test]
+fn a_save_larger_than_the_port_is_saved_whole() {
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+        dir: std::env::temp_dir().join(format!("lake-cp-pool-big-{}", std::process::id())),
+        block_bytes: 4096,
+        l1_slots: 1024,
+        l2_slots_per_file: 64,
+        local_agents: 1,
+        remote_agents: 1,
+        tiers: TierConfig::default(),
+        metrics: false,
+        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
+        transport_listen: None,
+        transport_peers: Vec::new(),
+        node: 0,
+    })
+    .unwrap();
+    let mut agent = attach(&mut pool);
+    let keys: Vec<BlockKey> = (0..600).map(|i| key(9, i)).collect();
+    let payloads: Vec<Vec<u8>> = keys.iter().map(|k| payload(k)[..4096].to_vec()).collect();
+    let blocks: Vec<SaveBlock<'_>> = (0..keys.len())
+        .map(|i| SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            payload: SavePayload::Bytes(&payloads[i]),
+        })
+        .collect();
+    assert_eq!(agent.save(&blocks), 600);
+    assert_eq!(agent.stats.saves_skipped, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut table = Vec::new();
+    while agent.lookup(&keys, &mut table) < 600 {
+        assert!(Instant::now() < deadline, "the 600 blocks never all showed in the mirror");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(agent);
+    pool.stop().unwrap();
+}

@@ -33,6 +33,11 @@ pub const LEASE_TTL_MS: u32 = 10_000;
 /// L2 blocks loaded at once by a fetch.
 pub const LOAD_BATCH: usize = 8;
 
+/// Blocks a save reserves at a time: its reservations, then its commits,
+/// must fit the port's request ring (a larger save goes in windows, so a
+/// ring that is full is never mistaken for a pool that is).
+pub const SAVE_WINDOW: usize = 64;
+
 /// How long a fetch retries loads refused for want of an L1 slot (while
 /// `lake-cp` makes room) before it gives up on the rest and the engine
 /// recomputes them.
@@ -666,6 +671,12 @@ impl Agent {
 
     /// Saves `blocks` (best effort); returns how many were committed.
     pub fn save(&mut self, blocks: &[SaveBlock<'_>]) -> usize {
+        blocks.chunks(SAVE_WINDOW).map(|window| self.save_window(window)).sum()
+    }
+
+    /// [`Agent::save`] of at most [`SAVE_WINDOW`] blocks.
+    fn save_window(&mut self, blocks: &[SaveBlock<'_>]) -> usize {
+        debug_assert!(blocks.len() <= SAVE_WINDOW);
         let mut reserved = Vec::with_capacity(blocks.len());
         for block in blocks {
             let cookie = self.cookie();
