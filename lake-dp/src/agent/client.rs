@@ -36,7 +36,7 @@ pub const LOAD_BATCH: usize = 8;
 /// Blocks a save reserves at a time: its reservations, then its commits,
 /// must fit the port's request ring (a larger save goes in windows, so a
 /// ring that is full is never mistaken for a pool that is).
-pub const SAVE_WINDOW: usize = 64;
+pub(super) const SAVE_WINDOW: usize = 64;
 
 /// How long a fetch retries loads refused for want of an L1 slot (while
 /// `lake-cp` makes room) before it gives up on the rest and the engine
