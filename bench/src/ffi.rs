@@ -18,7 +18,6 @@ use lake::pool::{
 };
 use lake::status::LakeStatus;
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 use lake_dp::runner::pool::CommitCheck;
 
 use crate::args::Args;
@@ -94,21 +93,15 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
 
     let dir = std::env::temp_dir().join(format!("lake-bench-ffi-{}", std::process::id()));
     let pool = EmbeddedPool::start(&EmbeddedConfig {
-        dir,
         block_bytes,
         // Room for every block and the single-block loads, so everything
         // measured is an L1 hit.
         l1_slots: blocks + 1024,
         l2_slots_per_file: 64,
-        local_agents: 0,
         // Each attach takes two pin arrays, and one per copy lane.
         remote_agents: 2 + copy_threads,
-        tiers: TierConfig::default(),
-        metrics: false,
         commit_check,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(dir)
     })?;
 
     // Namespace and keys through the ABI.

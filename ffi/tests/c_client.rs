@@ -8,7 +8,6 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 
 const BLOCK_BYTES: u64 = 32 * 1024;
 
@@ -30,18 +29,11 @@ fn a_c_engine_saves_looks_up_and_loads_through_the_header() {
     let library = library_dir();
     assert!(library.join("liblake.so").exists(), "no liblake.so in {}", library.display());
     let pool = EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-ffi-c-{}", std::process::id())),
         block_bytes: BLOCK_BYTES,
         l1_slots: 64,
         l2_slots_per_file: 32,
-        local_agents: 0,
         remote_agents: 4,
-        tiers: TierConfig::default(),
-        metrics: false,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-ffi-c-{}", std::process::id())))
     })
     .unwrap();
     let dir = pool.dir.clone();

@@ -28,7 +28,6 @@ use lake::pool::{
 };
 use lake::status::LakeStatus;
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 use lake_dp::BlockKey;
 use lake_dp::stored::decode_header;
 
@@ -100,18 +99,11 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
     ok(unsafe { lake_layout_describe(&raw const layout, &raw mut info) }, "layout");
     let block_bytes = info.block_bytes as usize;
     let pool = EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-gpu-{}", std::process::id())),
         block_bytes: info.block_bytes,
         l1_slots: 64,
         l2_slots_per_file: 64,
-        local_agents: 0,
         remote_agents: 4,
-        tiers: TierConfig::default(),
-        metrics: false,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-gpu-{}", std::process::id())))
     })
     .unwrap();
 

@@ -21,7 +21,6 @@ use lake::pool::{
 };
 use lake::status::LakeStatus;
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 use lake_dp::BlockKey;
 use lake_dp::stored::decode_header;
 
@@ -32,18 +31,11 @@ const BLOCKS: usize = 12;
 #[test]
 fn lanes_split_loads_by_blocks_and_by_segments_and_catch_a_flipped_byte() {
     let pool = EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-lanes-{}", std::process::id())),
         block_bytes: BLOCK as u64,
         l1_slots: 32,
         l2_slots_per_file: 32,
-        local_agents: 0,
         remote_agents: 8,
-        tiers: TierConfig::default(),
-        metrics: false,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-lanes-{}", std::process::id())))
     })
     .unwrap();
 

@@ -20,25 +20,18 @@ use lake::pool::{
 };
 use lake::status::LakeStatus;
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 
 const BLOCK: usize = 64 * 1024;
 const BLOCKS: usize = 10;
 
 fn start(name: &str, listen: Option<std::net::SocketAddr>) -> EmbeddedPool {
     EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-ffi-push-{name}-{}", std::process::id())),
         block_bytes: BLOCK as u64,
         l1_slots: 32,
         l2_slots_per_file: 32,
-        local_agents: 0,
         remote_agents: 4,
-        tiers: TierConfig::default(),
-        metrics: false,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
         transport_listen: listen,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-ffi-push-{name}-{}", std::process::id())))
     })
     .unwrap()
 }

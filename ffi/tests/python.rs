@@ -16,7 +16,6 @@ use lake_dp::wire::message::{ErrorBody, ErrorCode, text_field};
 use lake_dp::wire::{FLAG_REPLY, FrameMeta, Message, encode_frame};
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 
 const BLOCK_BYTES: u64 = 16 * 1024;
 
@@ -56,18 +55,11 @@ fn future_daemon(path: &Path) {
 
 fn config(dir: PathBuf) -> EmbeddedConfig {
     EmbeddedConfig {
-        dir,
         block_bytes: BLOCK_BYTES,
         l1_slots: 256,
         l2_slots_per_file: 256,
-        local_agents: 0,
         remote_agents: 32,
-        tiers: TierConfig::default(),
-        metrics: false,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(dir)
     }
 }
 

@@ -198,7 +198,6 @@ pub fn run(config: &DemoConfig, progress: &mut dyn Write) -> Result<DemoReport, 
     let layout = layout()?;
     let block_bytes = layout.block_bytes();
     let mut pool = EmbeddedPool::start(&EmbeddedConfig {
-        dir: config.dir.clone(),
         block_bytes,
         l1_slots: config.l1_slots,
         l2_slots_per_file: config.l2_slots_per_file,
@@ -207,10 +206,7 @@ pub fn run(config: &DemoConfig, progress: &mut dyn Write) -> Result<DemoReport, 
         // Headroom in L1 for bursts of saves and promotions between passes.
         tiers: TierConfig { high_percent: 80, low_percent: 60, ..TierConfig::default() },
         metrics: true,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(config.dir.clone())
     })?;
     let live = Arc::new(Live::default());
     let metrics = pool.metrics;

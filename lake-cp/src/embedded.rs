@@ -55,6 +55,30 @@ pub struct EmbeddedConfig {
     pub node: u32,
 }
 
+impl EmbeddedConfig {
+    /// A pool in `dir` with `lake serve`'s defaults: 64 KiB blocks, 1,024
+    /// L1 slots, 2 × 4,096 L2 slots, 16 ports for engines in other
+    /// processes and none in this one, the default tiers, commits checked
+    /// inline, no metrics, no transport, node 0. Set what differs with
+    /// `EmbeddedConfig { l1_slots: 64, ..EmbeddedConfig::new(dir) }`.
+    pub fn new(dir: PathBuf) -> Self {
+        Self {
+            dir,
+            block_bytes: 64 * 1024,
+            l1_slots: 1024,
+            l2_slots_per_file: 4096,
+            local_agents: 0,
+            remote_agents: 16,
+            tiers: TierConfig::default(),
+            metrics: false,
+            commit_check: lake_dp::runner::pool::CommitCheck::Inline,
+            transport_listen: None,
+            transport_peers: Vec::new(),
+            node: 0,
+        }
+    }
+}
+
 /// Gauges the control plane thread updates after every pass.
 #[derive(Debug, Default)]
 pub struct Gauges {

@@ -43,18 +43,13 @@ fn attach(pool: &mut EmbeddedPool) -> Agent {
 #[test]
 fn saves_overflow_l1_into_l2_and_fetching_promotes_them_back() {
     let mut pool = EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-cp-pool-{}", std::process::id())),
-        block_bytes: 65536,
         l1_slots: 64,
         l2_slots_per_file: 128,
         local_agents: 1,
         remote_agents: 1,
         tiers: TierConfig { high_percent: 80, low_percent: 60, ..TierConfig::default() },
         metrics: true,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-pool-{}", std::process::id())))
     })
     .unwrap();
     let metrics = pool.metrics.unwrap();
@@ -159,18 +154,12 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
     use lake_dp::runner::pool::CommitCheck;
     for check in [CommitCheck::Inline, CommitCheck::Background] {
         let mut pool = EmbeddedPool::start(&EmbeddedConfig {
-            dir: std::env::temp_dir().join(format!("lake-cp-check-{check:?}-{}", std::process::id())),
-            block_bytes: 65536,
             l1_slots: 32,
             l2_slots_per_file: 32,
             local_agents: 1,
             remote_agents: 0,
-            tiers: TierConfig::default(),
-            metrics: false,
             commit_check: check,
-            transport_listen: None,
-            transport_peers: Vec::new(),
-            node: 0,
+            ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-check-{check:?}-{}", std::process::id())))
         })
         .unwrap();
         let mut agent = attach(&mut pool);
@@ -239,18 +228,11 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
 #[test]
 fn a_save_larger_than_the_port_is_saved_whole() {
     let mut pool = EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-cp-pool-big-{}", std::process::id())),
         block_bytes: 4096,
-        l1_slots: 1024,
         l2_slots_per_file: 64,
         local_agents: 1,
         remote_agents: 1,
-        tiers: TierConfig::default(),
-        metrics: false,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-pool-big-{}", std::process::id())))
     })
     .unwrap();
     let mut agent = attach(&mut pool);

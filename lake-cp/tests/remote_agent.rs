@@ -13,7 +13,6 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::{BlockKey, NamespaceId};
 
@@ -74,18 +73,12 @@ fn an_agent_in_another_process_saves_and_loads_and_its_pins_die_with_it() {
         return;
     }
     let pool = EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-cp-remote-{}", std::process::id())),
         block_bytes: 40960,
         l1_slots: 32,
         l2_slots_per_file: 32,
-        local_agents: 0,
         remote_agents: 4,
-        tiers: TierConfig::default(),
         metrics: true,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-remote-{}", std::process::id())))
     })
     .unwrap();
     let metrics = pool.metrics.unwrap();

@@ -11,7 +11,6 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 use lake_dp::agent::{Agent, AgentConfig};
 use lake_dp::stored::{ObjectMeta, encode_object, object_bytes};
 use lake_dp::transport::frame::BlockAddr;
@@ -76,18 +75,15 @@ fn free_port() -> SocketAddr {
 /// to `peers` (node, address).
 fn start(name: &str, node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, SocketAddr)>) -> EmbeddedPool {
     EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-cp-transport-{name}-{}", std::process::id())),
         block_bytes: 131_072,
         l1_slots: 32,
         l2_slots_per_file: 32,
         local_agents: 1,
         remote_agents: 0,
-        tiers: TierConfig::default(),
-        metrics: false,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
         transport_listen: listen,
         transport_peers: peers,
         node,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-transport-{name}-{}", std::process::id())))
     })
     .unwrap()
 }

@@ -12,7 +12,6 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_cp::tier::TierConfig;
 use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::model::replica::ReplicaWire;
 use lake_dp::{BlockKey, NamespaceId, Priority, Tier};
@@ -35,18 +34,15 @@ fn payload(i: u32) -> Vec<u8> {
 
 fn pool(node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, SocketAddr)>) -> EmbeddedPool {
     EmbeddedPool::start(&EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-netns-pool-{node}-{}", std::process::id())),
         block_bytes: 262_144,
         l1_slots: 32,
         l2_slots_per_file: 32,
         local_agents: 1,
         remote_agents: 0,
-        tiers: TierConfig::default(),
-        metrics: false,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
         transport_listen: listen,
         transport_peers: peers,
         node,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-netns-pool-{node}-{}", std::process::id())))
     })
     .expect("the pool starts")
 }

@@ -86,18 +86,8 @@ fn serve(args: &[String]) -> Result<(), String> {
     // signals, and this one takes them.
     let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let mut config = EmbeddedConfig {
-        dir: std::env::temp_dir().join(format!("lake-serve-{}", std::process::id())),
-        block_bytes: 64 * 1024,
-        l1_slots: 1024,
-        l2_slots_per_file: 4096,
-        local_agents: 0,
-        remote_agents: 16,
-        tiers: lake_cp::tier::TierConfig::default(),
         metrics: true,
-        commit_check: lake_dp::runner::pool::CommitCheck::Inline,
-        transport_listen: None,
-        transport_peers: Vec::new(),
-        node: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-serve-{}", std::process::id())))
     };
     let mut iter = args.iter();
     while let Some(flag) = iter.next() {
