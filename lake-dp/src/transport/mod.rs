@@ -16,11 +16,74 @@
 //! - [`rdma`]: RDMA READs of a peer's slot into this node's (the `rdma`
 //!   feature; runs where a device exists).
 
+pub mod faults;
 pub mod frame;
 pub mod rdma;
 pub mod tcp;
 
 use frame::{AckStatus, BlockAddr};
+
+use crate::Priority;
+
+/// A peer a transport writes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PeerId(pub u32);
+
+/// One block to send.
+#[derive(Clone, Copy, Debug)]
+pub struct Outgoing {
+    /// The caller's id for it (its completion carries it).
+    pub transfer: u64,
+    /// To whom.
+    pub peer: PeerId,
+    /// The stored object to send (header and payload, as in the slot).
+    pub source: *const u8,
+    /// Its bytes.
+    pub len: u64,
+    /// Where it goes at the peer.
+    pub target: BlockAddr,
+    /// Its class: the peer's slices wait per class, and a connection with
+    /// room takes the most urgent first.
+    pub priority: Priority,
+}
+
+/// What moves blocks to other nodes, whatever the wire: TCP
+/// ([`tcp::TcpTransport`]), or a decorator around one that injects faults
+/// ([`faults::FaultyTransport`]). Driven from its owner's poll loop; what
+/// is above it is the same whichever it is.
+pub trait Transport {
+    /// Queues `block` for its peer; it completes (once) through
+    /// [`Transport::poll`]. A full transport hands it back (`Busy`).
+    ///
+    /// # Safety
+    ///
+    /// `block.source` is valid for `block.len` bytes, unchanged, until the
+    /// transfer's completion has been returned by [`Transport::poll`].
+    unsafe fn write(&mut self, block: &Outgoing, now_ns: u64) -> Result<(), TransferError>;
+
+    /// Moves bytes: lands what peers send into `landing`, and puts the
+    /// completions of this end's writes into `out`; returns whether
+    /// anything happened.
+    fn poll(&mut self, landing: &mut dyn Landing, now_ns: u64, out: &mut Vec<Completion>) -> bool;
+
+    /// Transfers written and not yet completed.
+    fn in_flight(&self) -> usize;
+}
+
+impl Transport for tcp::TcpTransport {
+    unsafe fn write(&mut self, block: &Outgoing, now_ns: u64) -> Result<(), TransferError> {
+        // SAFETY: the caller's contract is this method's.
+        unsafe { tcp::TcpTransport::write(self, block, now_ns) }
+    }
+
+    fn poll(&mut self, landing: &mut dyn Landing, now_ns: u64, out: &mut Vec<Completion>) -> bool {
+        tcp::TcpTransport::poll(self, landing, now_ns, out)
+    }
+
+    fn in_flight(&self) -> usize {
+        tcp::TcpTransport::in_flight(self)
+    }
+}
 
 /// The end of one transfer this node sent.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -83,27 +83,7 @@ const DIRECT_READ_MIN: usize = 16 * 1024;
 /// a little more).
 const SMALL_READ_BYTES: usize = 4096;
 
-/// A peer this transport writes to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PeerId(pub u32);
-
-/// One block to send.
-#[derive(Clone, Copy, Debug)]
-pub struct Outgoing {
-    /// The caller's id for it (its completion carries it).
-    pub transfer: u64,
-    /// To whom.
-    pub peer: PeerId,
-    /// The stored object to send (header and payload, as in the slot).
-    pub source: *const u8,
-    /// Its bytes.
-    pub len: u64,
-    /// Where it goes at the peer.
-    pub target: BlockAddr,
-    /// Its class: the peer's slices wait per class, and a connection with
-    /// room takes the most urgent first.
-    pub priority: Priority,
-}
+pub use super::{Outgoing, PeerId};
 
 /// A frame waiting to go out on a connection: its header, then `len`
 /// bytes at `bytes` (none for an ack), `sent` of the two so far.
