@@ -16,6 +16,7 @@
 //! - [`rdma`]: RDMA READs of a peer's slot into this node's (the `rdma`
 //!   feature; runs where a device exists).
 
+pub mod fallback;
 pub mod faults;
 pub mod frame;
 pub mod rdma;
@@ -48,8 +49,9 @@ pub struct Outgoing {
 }
 
 /// What moves blocks to other nodes, whatever the wire: TCP
-/// ([`tcp::TcpTransport`]), or a decorator around one that injects faults
-/// ([`faults::FaultyTransport`]). Driven from its owner's poll loop; what
+/// ([`tcp::TcpTransport`]), one transport in front of another
+/// ([`fallback::Fallback`]: RDMA degrading to TCP), or a decorator around
+/// one that injects faults ([`faults::FaultyTransport`]). Driven from its owner's poll loop; what
 /// is above it is the same whichever it is.
 pub trait Transport {
     /// Queues `block` for its peer; it completes (once) through
