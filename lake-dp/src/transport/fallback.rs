@@ -137,7 +137,11 @@ impl<P: Transport, S: Transport> Transport for Fallback<P, S> {
             };
             match completion.result {
                 Err(TransferError::PeerLost(_) | TransferError::Timeout) => {
-                    let Some(ways) = self.peers.get_mut(block.peer.0 as usize) else { continue };
+                    let Some(ways) = self.peers.get_mut(block.peer.0 as usize) else {
+                        // Checked at write: cannot happen; the transfer still ends once.
+                        out.push(completion);
+                        continue;
+                    };
                     ways.primary_down_until_ns = now_ns.saturating_add(self.cooldown_ns);
                     let ways = *ways;
                     // SAFETY: the caller's bytes stay valid until this
