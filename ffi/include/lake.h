@@ -859,7 +859,7 @@ enum LakeStatus lake_push(const struct LakePool *pool,
  `LakeNoSpace`. GPU memory: Lake reads the blocks on a stream of its own,
  not ordered after the engine's, so the engine's writes to them must be
  complete when it calls (blocks of earlier steps, or its stream
- synchronized); a save ordered on the engine's stream is not built yet.
+ synchronized) — or it calls [`lake_submit_save_on_stream`] instead.
  Thread-safe.
 
  # Safety
@@ -875,6 +875,31 @@ enum LakeStatus lake_submit_save(const struct LakePool *pool,
                                  uintptr_t count,
                                  uint32_t priority,
                                  uint64_t *request_id);
+
+/*
+ Like [`lake_submit_save`], with the save's reads of GPU memory ordered
+ on the GPU after everything the engine has queued on `cuda_stream` so
+ far (a raw `CUstream` of the device's primary context, PyTorch's
+ `torch.cuda.current_stream().cuda_stream`; 0 for the legacy default
+ stream): the engine may submit right after queuing the kernels that
+ write the blocks, with no synchronization of its own. An event is
+ recorded on that stream in this call; the host waits for nothing. For
+ host memory the stream plays no part. Thread-safe.
+
+ # Safety
+
+ As [`lake_submit_save`]; `cuda_stream` a live stream of the GPU
+ memory's device (primary context), or 0.
+ */
+enum LakeStatus lake_submit_save_on_stream(const struct LakePool *pool,
+                                           uint32_t memory_id,
+                                           const struct LakeBlockKey *parent,
+                                           const struct LakeBlockKey *keys,
+                                           const uint32_t *engine_blocks,
+                                           uintptr_t count,
+                                           uint32_t priority,
+                                           uint64_t cuda_stream,
+                                           uint64_t *request_id);
 
 /*
  Cancels a request not yet started: its blocks complete

@@ -57,6 +57,19 @@ pub(crate) struct Gpu {
     pub ordinal: usize,
 }
 
+impl Gpu {
+    /// An event recorded now on the engine's `stream`, for a save to wait
+    /// for (see `KvCopier::record_on`).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this device's primary context (or 0).
+    pub(crate) unsafe fn record_on(&self, stream: u64) -> Result<CudaEvent, lake_kernels::GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.copier.record_on(stream) }
+    }
+}
+
 // SAFETY: the copier's CUDA objects are used from any thread (cudarc binds
 // the context per call); the registration is plain addresses.
 unsafe impl Send for Gpu {}
@@ -561,9 +574,16 @@ pub(crate) fn save(
     keys: &[BlockKey],
     parents: &[BlockKey],
     blocks: &[u32],
+    after: Option<&CudaEvent>,
 ) -> Vec<LakeStatus> {
     let len = memory.block_bytes();
     let copier = &memory.gpu.copier;
+    // Ordered after the engine's writes to the blocks, on the GPU.
+    if let Some(event) = after
+        && copier.wait_for(event).is_err()
+    {
+        return vec![LakeStatus::LakeIo; keys.len()];
+    }
     let segment = usize::try_from(agent.segment_bytes_for(len as u64)).unwrap_or(len);
     let mut statuses = vec![LakeStatus::LakeNoSpace; keys.len()];
     if keys.is_empty() {

@@ -194,6 +194,9 @@ enum Job {
         keys: Vec<BlockKey>,
         parents: Vec<BlockKey>,
         blocks: Vec<u32>,
+        /// GPU memory: an event on the engine's stream the save's reads
+        /// wait for (`lake_submit_save_on_stream`).
+        after: Option<Arc<cudarc::driver::CudaEvent>>,
     },
 }
 
@@ -867,8 +870,8 @@ fn agent_thread(
                     }
                     statuses.resize(count, LakeStatus::LakePrefixBroken);
                 }
-                Job::Save { memory: Memory::Gpu(memory), keys, parents, blocks, .. } => {
-                    statuses = gpu::save(&mut agent, &memory, &keys, &parents, &blocks);
+                Job::Save { memory: Memory::Gpu(memory), keys, parents, blocks, after, .. } => {
+                    statuses = gpu::save(&mut agent, &memory, &keys, &parents, &blocks, after.as_deref());
                 }
                 Job::Load { memory: Memory::Host(memory), keys, table, blocks, priority, .. } => {
                     let load = LoadJob { memory, keys, table, blocks, priority };
@@ -1944,7 +1947,7 @@ pub unsafe extern "C" fn lake_push(
 /// `LakeNoSpace`. GPU memory: Lake reads the blocks on a stream of its own,
 /// not ordered after the engine's, so the engine's writes to them must be
 /// complete when it calls (blocks of earlier steps, or its stream
-/// synchronized); a save ordered on the engine's stream is not built yet.
+/// synchronized) — or it calls [`lake_submit_save_on_stream`] instead.
 /// Thread-safe.
 ///
 /// # Safety
@@ -1962,36 +1965,99 @@ pub unsafe extern "C" fn lake_submit_save(
     priority: u32,
     request_id: *mut u64,
 ) -> LakeStatus {
-    guard(|| {
-        status_of((|| {
-            let pool = pool_ref(pool)?;
-            let priority = priority_of(priority)?;
-            if request_id.is_null() || (count > 0 && (keys.is_null() || engine_blocks.is_null())) {
-                return Err(fail(LakeStatus::LakeNullArgument, "lake_submit_save: a required pointer is null"));
-            }
-            let keys = read_keys(pool, keys, count);
-            let blocks = if count == 0 {
-                &[][..]
-            } else {
-                // SAFETY: `count` entries (contract).
-                unsafe { core::slice::from_raw_parts(engine_blocks, count) }
-            };
-            let memory = memory(pool, memory_id, blocks)?;
-            let first_parent = if parent.is_null() {
-                BlockKey::NONE
-            } else {
-                // SAFETY: one key (contract).
-                pool.shard.apply(BlockKey(unsafe { (*parent).bytes }))
-            };
-            let parents: Vec<BlockKey> =
-                core::iter::once(first_parent).chain(keys.iter().copied()).take(keys.len()).collect();
-            let request = pool.next_request.fetch_add(1, Ordering::Relaxed);
-            submit(pool, urgent(priority), Job::Save { request, memory, keys, parents, blocks: blocks.to_vec() })?;
-            // SAFETY: writable (contract).
-            unsafe { request_id.write(request) };
-            Ok(())
-        })())
-    })
+    let save = SaveArgs { memory_id, parent, keys, engine_blocks, count, priority, request_id };
+    // SAFETY: the caller's contract is this function's.
+    guard(|| status_of(unsafe { submit_save(pool, &save, None, "lake_submit_save") }))
+}
+
+/// Like [`lake_submit_save`], with the save's reads of GPU memory ordered
+/// on the GPU after everything the engine has queued on `cuda_stream` so
+/// far (a raw `CUstream` of the device's primary context, PyTorch's
+/// `torch.cuda.current_stream().cuda_stream`; 0 for the legacy default
+/// stream): the engine may submit right after queuing the kernels that
+/// write the blocks, with no synchronization of its own. An event is
+/// recorded on that stream in this call; the host waits for nothing. For
+/// host memory the stream plays no part. Thread-safe.
+///
+/// # Safety
+///
+/// As [`lake_submit_save`]; `cuda_stream` a live stream of the GPU
+/// memory's device (primary context), or 0.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_submit_save_on_stream(
+    pool: *const LakePool,
+    memory_id: u32,
+    parent: *const LakeBlockKey,
+    keys: *const LakeBlockKey,
+    engine_blocks: *const u32,
+    count: usize,
+    priority: u32,
+    cuda_stream: u64,
+    request_id: *mut u64,
+) -> LakeStatus {
+    let save = SaveArgs { memory_id, parent, keys, engine_blocks, count, priority, request_id };
+    // SAFETY: the caller's contract is this function's.
+    guard(|| status_of(unsafe { submit_save(pool, &save, Some(cuda_stream), "lake_submit_save_on_stream") }))
+}
+
+/// The arguments both save calls take.
+struct SaveArgs {
+    memory_id: u32,
+    parent: *const LakeBlockKey,
+    keys: *const LakeBlockKey,
+    engine_blocks: *const u32,
+    count: usize,
+    priority: u32,
+    request_id: *mut u64,
+}
+
+/// Queues a save; `stream`: the engine's stream its GPU reads are ordered
+/// after.
+///
+/// # Safety
+///
+/// As [`lake_submit_save_on_stream`].
+unsafe fn submit_save(
+    pool: *const LakePool,
+    save: &SaveArgs,
+    stream: Option<u64>,
+    call: &str,
+) -> Result<(), LakeStatus> {
+    let &SaveArgs { memory_id, parent, keys, engine_blocks, count, priority, request_id } = save;
+    let pool = pool_ref(pool)?;
+    let priority = priority_of(priority)?;
+    if request_id.is_null() || (count > 0 && (keys.is_null() || engine_blocks.is_null())) {
+        return Err(fail(LakeStatus::LakeNullArgument, format!("{call}: a required pointer is null")));
+    }
+    let keys = read_keys(pool, keys, count);
+    let blocks = if count == 0 {
+        &[][..]
+    } else {
+        // SAFETY: `count` entries (contract).
+        unsafe { core::slice::from_raw_parts(engine_blocks, count) }
+    };
+    let memory = memory(pool, memory_id, blocks)?;
+    let first_parent = if parent.is_null() {
+        BlockKey::NONE
+    } else {
+        // SAFETY: one key (contract).
+        pool.shard.apply(BlockKey(unsafe { (*parent).bytes }))
+    };
+    let parents: Vec<BlockKey> = core::iter::once(first_parent).chain(keys.iter().copied()).take(keys.len()).collect();
+    let after = match (&memory, stream) {
+        (Memory::Gpu(gpu), Some(stream)) => {
+            // SAFETY: a live stream of the memory's device (contract).
+            let event =
+                unsafe { gpu.gpu.record_on(stream) }.map_err(|e| fail(LakeStatus::LakeIo, format!("{call}: {e}")))?;
+            Some(Arc::new(event))
+        }
+        _ => None,
+    };
+    let request = pool.next_request.fetch_add(1, Ordering::Relaxed);
+    submit(pool, urgent(priority), Job::Save { request, memory, keys, parents, blocks: blocks.to_vec(), after })?;
+    // SAFETY: writable (contract).
+    unsafe { request_id.write(request) };
+    Ok(())
 }
 
 /// Cancels a request not yet started: its blocks complete

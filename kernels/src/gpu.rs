@@ -343,6 +343,31 @@ impl KvCopier {
         Ok(event)
     }
 
+    /// An event recorded now on another stream of this device's primary
+    /// context (an engine's: `stream` is its raw `CUstream`, 0 for the
+    /// legacy default stream): it passes once everything the engine queued
+    /// there so far has run. With [`KvCopier::wait_for`], work of this
+    /// copier is ordered after the engine's, with no host wait.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this device's primary context (or 0).
+    pub unsafe fn record_on(&self, stream: u64) -> Result<CudaEvent, GpuError> {
+        let event = self.ctx.new_event(None).map_err(driver("creating an event"))?;
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        // SAFETY: a live stream (contract) and a live event of this context.
+        unsafe { sys::cuEventRecord(event.cu_event(), stream as sys::CUstream) }
+            .result()
+            .map_err(driver("recording an event on the engine's stream"))?;
+        Ok(event)
+    }
+
+    /// Makes this copier's stream wait, on the GPU, for `event` (recorded
+    /// by [`KvCopier::record_on`]): what it queues next runs after it.
+    pub fn wait_for(&self, event: &CudaEvent) -> Result<(), GpuError> {
+        self.stream.wait(event).map_err(driver("waiting for the engine's event"))
+    }
+
     /// Makes another stream of this device's primary context (an engine's:
     /// `stream` is its raw `CUstream`, 0 for the legacy default stream)
     /// wait, on the GPU, for `event`; the host does not wait.

@@ -385,7 +385,11 @@ int main(int argc, char **argv) {
     uint32_t outside[1] = {1000};
     CHECK(lake_submit_save(pool, memory_id, NULL, keys, outside, 1, 2, &request) == LAKE_INVALID_ARGUMENT,
           "a block outside the memory is refused");
-    CHECK(lake_submit_save(pool, memory_id, NULL, keys, saved_blocks, BLOCKS, 2, &request) == LAKE_OK, "save");
+    CHECK(lake_submit_save_on_stream(pool, memory_id, NULL, keys, saved_blocks, BLOCKS, 9, 0, &request) ==
+              LAKE_INVALID_ARGUMENT, "an unknown priority is refused on the stream call too");
+    /* Host memory: the stream plays no part. */
+    CHECK(lake_submit_save_on_stream(pool, memory_id, NULL, keys, saved_blocks, BLOCKS, 2, 0, &request) == LAKE_OK,
+          "save");
     CHECK(wait_request(pool, request, BLOCKS) == BLOCKS, "every block saved");
 
     /* Found in the mirror once published. */

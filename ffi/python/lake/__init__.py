@@ -222,6 +222,7 @@ def _library():
         "lake_shard_code": ([u32, u32, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_submit_load": ([p, u32, p, p, p, sz, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_submit_save": ([p, u32, p, p, p, sz, u32, ctypes.POINTER(u64)], ctypes.c_int),
+        "lake_submit_save_on_stream": ([p, u32, p, p, p, sz, u32, u64, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_lease": ([p, p, sz, u32, ctypes.POINTER(sz), ctypes.POINTER(u64), ctypes.POINTER(p)], ctypes.c_int),
         "lake_lease_release": ([p], None),
         "lake_report_resident": ([p, p, sz, u32], ctypes.c_int),
@@ -664,23 +665,31 @@ class Pool:
         )
         return request.value
 
-    def submit_save(self, memory_id: int, keys, engine_blocks, parent=None, priority: int = PRIORITY["write_back"]) -> int:
+    def submit_save(
+        self, memory_id: int, keys, engine_blocks, parent=None, priority: int = PRIORITY["write_back"], stream=None
+    ) -> int:
+        """Saves engine blocks as ``keys`` (the first under ``parent``).
+        ``stream``: for GPU memory, the raw CUDA stream (``torch.cuda.
+        current_stream().cuda_stream``) whose queued work writes the blocks —
+        the save's reads wait for it on the GPU; without it the engine's
+        writes must have landed already."""
         keys = _keys(keys)
         blocks = _blocks(engine_blocks, keys.shape[0])
         parent_array = None if parent is None else np.ascontiguousarray(parent, dtype=np.uint8).reshape(16)
         request = ctypes.c_uint64()
-        _check(
-            _library().lake_submit_save(
-                self._h(),
-                memory_id,
-                None if parent_array is None else _ptr(parent_array),
-                _ptr(keys),
-                _ptr(blocks),
-                keys.shape[0],
-                priority,
-                ctypes.byref(request),
-            )
+        args = (
+            self._h(),
+            memory_id,
+            None if parent_array is None else _ptr(parent_array),
+            _ptr(keys),
+            _ptr(blocks),
+            keys.shape[0],
+            priority,
         )
+        if stream is None:
+            _check(_library().lake_submit_save(*args, ctypes.byref(request)))
+        else:
+            _check(_library().lake_submit_save_on_stream(*args, int(stream), ctypes.byref(request)))
         return request.value
 
     def lease(self, keys, ttl_ms: int = 10_000) -> "Lease":

@@ -453,8 +453,15 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         if meta is None or not meta.saves:
             return
         pool = self._worker()
+        # On a GPU the saves' reads wait, on the GPU, for what this step
+        # queued on the current stream (the forward that wrote the blocks).
+        stream = None
+        if self._on_gpu:
+            import torch
+
+            stream = torch.cuda.current_stream().cuda_stream
         for spec in meta.saves:
-            request = pool.submit_save(self.memory_id, spec.keys, spec.block_ids)
+            request = pool.submit_save(self.memory_id, spec.keys, spec.block_ids, stream=stream)
             self._saves[request] = (spec.request_id, len(spec.block_ids))
 
     def get_finished(self, finished_req_ids):

@@ -396,3 +396,56 @@ def test_copy_lanes_split_a_large_load_and_keep_its_prefix_rule(pool_paths):
         assert statuses[20] == lake.EVICTED and (statuses[21:] == lake.PREFIX_BROKEN).all(), statuses
         assert np.array_equal(memory[32:52], memory[:20])
         assert not memory[52].any(), "the failed block was not written"
+
+
+try:
+    import torch
+except ImportError:  # the machines without a GPU
+    torch = None
+
+
+def _cuda_pieces(layers):
+    out = []
+    for t in layers:
+        s, e = t.stride(), t.element_size()
+        out += [(t.data_ptr() + p * s[0] * e, s[1] * e, s[2] * e, s[3] * e) for p in (0, 1)]
+    return np.array(out, dtype=np.int64)
+
+
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="torch with a CUDA GPU is not here")
+def test_a_gpu_save_on_the_engines_stream_waits_for_its_writes(pool_paths):
+    """The engine queues its writes to the blocks behind ~0.1 s of GPU work
+    and submits the save at once, on its stream: Lake's reads wait on the
+    GPU, so what is saved (and loaded back elsewhere) is what was written,
+    not what the blocks held before."""
+    layout = lake.Layout(layers=2, kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=TOKENS)
+    assert layout.block_bytes <= pool_paths["BLOCK_BYTES"]
+    blocks = 8
+    shape = (2, 16, TOKENS, 2, 64)
+    source = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    target = [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    ns = namespace(tenant=31)
+    keys = ns.keys(np.arange(blocks * TOKENS, dtype=np.uint32) + 123_000)
+    with lake.Pool(
+        pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns, cp_socket=pool_paths["CP_SOCKET"], layout=layout,
+    ) as pool:
+        saved = pool.register_kv_memory(layout, 16, _cuda_pieces(source), keep_alive=source, device=0)
+        loaded = pool.register_kv_memory(layout, 16, _cuda_pieces(target), keep_alive=target, device=0)
+        values = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(2)]
+        torch.cuda.synchronize()
+        stream = torch.cuda.current_stream()
+        torch.cuda._sleep(200_000_000)
+        for t, v in zip(source, values):
+            t.copy_(v)
+        request = pool.submit_save(saved, keys, np.arange(blocks), stream=stream.cuda_stream)
+        assert (pool.wait(request, blocks, timeout=30) == lake.OK).all()
+        for _ in range(500):
+            hits, table = pool.lookup(keys)
+            if hits == blocks:
+                break
+            time.sleep(0.01)
+        assert hits == blocks
+        assert (pool.wait(pool.submit_load(loaded, keys, table, np.arange(blocks)), blocks, timeout=30) == lake.OK).all()
+        torch.cuda.synchronize()
+        for v, t in zip(values, target):
+            assert torch.equal(v[:, :blocks], t[:, :blocks]), "the save read the blocks before the engine wrote them"
