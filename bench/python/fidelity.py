@@ -25,6 +25,10 @@ the working set) demotes older conversations to L2. Every turn:
 - the context's new full blocks are saved (the engine goes on with the
   restored cache, as a real one does).
 
+A speculative-decoding draft model runs beside the target (``--no-draft``
+leaves it out): a second, smaller KV layout in its own namespace, pooled,
+restored and checked exactly like the target's, turn by turn.
+
 ``ttft`` (the Qwen3-8B shape: 36 layers, 32 heads, 8 KV heads, head dim
 128, bf16): prefill of N tokens against a full-prefix hit from L1 (the
 KV of N tokens loaded, one token computed), whole and layer by layer
@@ -65,6 +69,17 @@ SHAPES = {
         intermediate_size=1408,
         vocab_size=32000,
     ),
+    # A speculative-decoding draft beside the small target: same vocabulary,
+    # a second, smaller KV layout.
+    "draft": dict(
+        num_hidden_layers=2,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        intermediate_size=512,
+        vocab_size=32000,
+    ),
     "qwen3-8b": dict(
         num_hidden_layers=36,
         hidden_size=4096,
@@ -79,11 +94,18 @@ SHAPES = {
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def build_model(shape, dtype, seed):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def build_config(shape):
+    from transformers import Qwen3Config
 
     config = Qwen3Config(**SHAPES[shape], max_position_embeddings=65536, tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
+    return config
+
+
+def build_model(shape, dtype, seed):
+    from transformers import Qwen3ForCausalLM
+
+    config = build_config(shape)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -240,110 +262,110 @@ def wait_published(handle, keys, count):
     return handle.lookup(keys)
 
 
-def fidelity(args):
-    dtype = DTYPES[args.dtype]
-    model, config = build_model("small", dtype, args.seed)
-    layout = layout_of(config, dtype)
-    rng = np.random.default_rng(args.seed)
-    vocab = config.vocab_size
-    engine = PagedCache(config, 4096, dtype)
-    pool = Pool(args.lake, layout.block_bytes, args.l1_slots, 4096)
-    namespace = lake.Namespace(bytes(rng.integers(0, 256, 32, dtype=np.uint8)), BLOCK, b"fidelity-small".ljust(32, b"\0"))
-    handle, memory = attach(pool, namespace, layout, engine, args.gpu_path)
-    system = rng.integers(0, vocab, args.system_tokens).tolist()
-    conversations = [{"context": list(system)} for _ in range(args.conversations)]
-    # The engine's own prefix cache: every block it computed and saved,
-    # kept (key -> its engine block), the reference the pool is held to.
-    retained = {}
-    rows, failures = [], 0
-    # Warm the kernels and the model (not timed).
-    forward(model, system[:64], None, 0)
-    for turn in range(args.turns):
-        for c, conv in enumerate(conversations):
-            message = rng.integers(0, vocab, int(rng.integers(24, 96))).tolist()
-            prompt = conv["context"] + message
-            full = len(prompt) // BLOCK
-            keys = namespace.keys(np.asarray(prompt[: full * BLOCK], dtype=np.uint32))
-            # Without Lake: the whole prompt.
-            reference, ttft_plain = synced(lambda: forward(model, prompt, None, 0))
-            # With Lake: the cached prefix, loaded, then the suffix.
-            def with_lake():
-                hits, table = handle.lookup(keys)
-                # The engine computes at least the last prompt token.
-                hits = min(hits, (len(prompt) - 1) // BLOCK)
-                ids = engine.alloc(hits)
-                if hits:
-                    statuses = handle.wait(handle.submit_load(memory, keys[:hits], table[:hits], ids), hits, timeout=60)
-                    if not (statuses == lake.OK).all():
-                        bad = int(np.argmax(statuses != lake.OK))
-                        engine.release(ids[bad:])
-                        ids, hits = ids[:bad], bad
-                # The restored cache (empty on a miss) goes on to hold the
-                # whole prompt.
-                cache = engine.dynamic(ids)
-                logits = forward(model, prompt[hits * BLOCK :], cache, hits * BLOCK)
-                return hits, table, ids, cache, logits
-            (hits, table, ids, cache, logits), ttft_lake = synced(with_lake)
-            tiers = np.asarray(table["tier"][:hits])
-            row = {
-                "turn": turn,
-                "conversation": c,
-                "prompt_tokens": len(prompt),
-                "hit_blocks": hits,
-                "from_l1": int((tiers == 1).sum()),
-                "from_l2": int((tiers == 2).sum()),
-                "ttft_plain_ms": round(ttft_plain, 3),
-                "ttft_lake_ms": round(ttft_lake, 3),
-            }
-            # Bitwise: the restored blocks are the engine's own, and so are
-            # the logits of its own prefix-cache-hit path.
-            own = [retained[k.tobytes()] for k in keys[:hits]]
+class Engine:
+    """One model of the engine — the target, or the speculative-decoding
+    draft beside it — with its own paged cache, namespace (its model
+    fingerprint), layout and pool attachment, and its own prefix cache
+    (every block it computed and saved: the reference the pool is held
+    to)."""
+
+    def __init__(self, name, shape, dtype, seed, pool, tenant, gpu_path):
+        self.name = name
+        self.model, self.config = build_model(shape, dtype, seed)
+        self.layout = layout_of(self.config, dtype)
+        self.paged = PagedCache(self.config, 4096, dtype)
+        self.namespace = lake.Namespace(tenant, BLOCK, f"fidelity-{name}".encode().ljust(32, b"\0"))
+        self.handle, self.memory = attach(pool, self.namespace, self.layout, self.paged, gpu_path)
+        self.retained = {}
+
+    def turn(self, prompt, reply):
+        """One turn of a conversation: the prompt's prefix restored from
+        the pool and checked, then the reply, then the context's new full
+        blocks saved. Returns the row and the count of failed bitwise
+        checks."""
+        model, paged, handle, memory = self.model, self.paged, self.handle, self.memory
+        full = len(prompt) // BLOCK
+        keys = self.namespace.keys(np.asarray(prompt[: full * BLOCK], dtype=np.uint32))
+        # Without Lake: the whole prompt.
+        reference, ttft_plain = synced(lambda: forward(model, prompt, None, 0))
+
+        # With Lake: the cached prefix, loaded, then the suffix.
+        def with_lake():
+            hits, table = handle.lookup(keys)
+            # The engine computes at least the last prompt token.
+            hits = min(hits, (len(prompt) - 1) // BLOCK)
+            ids = paged.alloc(hits)
             if hits:
-                row["kv_bitwise"] = bool(engine.equal(ids, own))
-                own_logits = forward(model, prompt[hits * BLOCK :], engine.dynamic(own), hits * BLOCK)
-                row["logits_bitwise_vs_own_hit"] = bool(torch.equal(own_logits, logits))
-                failures += (not row["kv_bitwise"]) + (not row["logits_bitwise_vs_own_hit"])
-            diff = (logits.float() - reference.float()).abs().max().item()
-            row["max_abs_logit_diff_vs_recompute"] = round(diff, 6)
-            row["top1_same_as_recompute"] = bool(int(logits.argmax()) == int(reference.argmax()))
-            # The model is not degenerate: logits spread, top-1 varies.
-            row["top1"] = int(logits.argmax())
-            row["logit_std"] = round(float(logits.float().std()), 5)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            # The reply, computed on the restored cache (teacher-forced), then
-            # the context's new full blocks saved and retained.
-            reply = rng.integers(0, vocab, int(rng.integers(16, 48))).tolist()
-            forward(model, reply, cache, len(prompt))
-            context = prompt + reply
-            blocks = len(context) // BLOCK
-            context_keys = namespace.keys(np.asarray(context[: blocks * BLOCK], dtype=np.uint32))
-            # Blocks the engine already holds (another conversation's, or a
-            # prefix the cap above left to compute) are not saved twice.
-            first = hits
-            while first < blocks and context_keys[first].tobytes() in retained:
-                first += 1
-            new_ids = engine.alloc(blocks - first)
-            saved = np.zeros(0, dtype=np.int32)
-            if new_ids:
-                engine.write(cache, first, new_ids)
-                # Lake reads on a stream of its own: the engine's writes
-                # must have landed (lake_submit_save's contract).
-                torch.cuda.current_stream().synchronize()
-                parent = context_keys[first - 1] if first else None
-                request = handle.submit_save(memory, context_keys[first:], new_ids, parent=parent)
-                saved = handle.wait(request, blocks - first, timeout=60)
-            for k, block in zip(context_keys[first:], new_ids):
-                retained[k.tobytes()] = block
-            # The engine keeps its own copy of the prefix and drops the
-            # loaded one.
-            engine.release(ids)
-            conv["context"] = context
-            if not (saved == lake.OK).all():
-                print(json.dumps({"turn": turn, "conversation": c, "saves_skipped": int((saved != lake.OK).sum())}))
-            wait_published(handle, context_keys, blocks)
-    summary = {
+                statuses = handle.wait(handle.submit_load(memory, keys[:hits], table[:hits], ids), hits, timeout=60)
+                if not (statuses == lake.OK).all():
+                    bad = int(np.argmax(statuses != lake.OK))
+                    paged.release(ids[bad:])
+                    ids, hits = ids[:bad], bad
+            # The restored cache (empty on a miss) goes on to hold the
+            # whole prompt.
+            cache = paged.dynamic(ids)
+            logits = forward(model, prompt[hits * BLOCK :], cache, hits * BLOCK)
+            return hits, table, ids, cache, logits
+
+        (hits, table, ids, cache, logits), ttft_lake = synced(with_lake)
+        tiers = np.asarray(table["tier"][:hits])
+        row = {
+            "model": self.name,
+            "prompt_tokens": len(prompt),
+            "hit_blocks": hits,
+            "from_l1": int((tiers == 1).sum()),
+            "from_l2": int((tiers == 2).sum()),
+            "ttft_plain_ms": round(ttft_plain, 3),
+            "ttft_lake_ms": round(ttft_lake, 3),
+        }
+        failures = 0
+        # Bitwise: the restored blocks are the engine's own, and so are the
+        # logits of its own prefix-cache-hit path.
+        own = [self.retained[k.tobytes()] for k in keys[:hits]]
+        if hits:
+            row["kv_bitwise"] = bool(paged.equal(ids, own))
+            own_logits = forward(model, prompt[hits * BLOCK :], paged.dynamic(own), hits * BLOCK)
+            row["logits_bitwise_vs_own_hit"] = bool(torch.equal(own_logits, logits))
+            failures += (not row["kv_bitwise"]) + (not row["logits_bitwise_vs_own_hit"])
+        diff = (logits.float() - reference.float()).abs().max().item()
+        row["max_abs_logit_diff_vs_recompute"] = round(diff, 6)
+        row["top1_same_as_recompute"] = bool(int(logits.argmax()) == int(reference.argmax()))
+        # The model is not degenerate: logits spread, top-1 varies.
+        row["top1"] = int(logits.argmax())
+        row["logit_std"] = round(float(logits.float().std()), 5)
+        # The reply, computed on the restored cache (teacher-forced), then
+        # the context's new full blocks saved and retained.
+        forward(model, reply, cache, len(prompt))
+        context = prompt + reply
+        blocks = len(context) // BLOCK
+        context_keys = self.namespace.keys(np.asarray(context[: blocks * BLOCK], dtype=np.uint32))
+        # Blocks the engine already holds (another conversation's, or a
+        # prefix the cap above left to compute) are not saved twice.
+        first = hits
+        while first < blocks and context_keys[first].tobytes() in self.retained:
+            first += 1
+        new_ids = paged.alloc(blocks - first)
+        if new_ids:
+            paged.write(cache, first, new_ids)
+            parent = context_keys[first - 1] if first else None
+            # The save's reads wait, on the GPU, for the writes above.
+            stream = torch.cuda.current_stream().cuda_stream
+            request = handle.submit_save(memory, context_keys[first:], new_ids, parent=parent, stream=stream)
+            saved = handle.wait(request, blocks - first, timeout=60)
+            row["saves_skipped"] = int((saved != lake.OK).sum())
+        for k, block in zip(context_keys[first:], new_ids):
+            self.retained[k.tobytes()] = block
+        # The engine keeps its own copy of the prefix and drops the loaded one.
+        paged.release(ids)
+        wait_published(handle, context_keys, blocks)
+        return row, failures
+
+
+def summary_of(rows, name, args):
+    rows = [r for r in rows if r["model"] == name]
+    return {
         "summary": "fidelity",
+        "model": name,
         "dtype": args.dtype,
         "gpu_path": args.gpu_path,
         "turns": len(rows),
@@ -356,15 +378,50 @@ def fidelity(args):
         "distinct_top1": len({r["top1"] for r in rows}),
         "logit_std_min": min(r["logit_std"] for r in rows),
         "max_abs_logit_diff_vs_recompute": max(r["max_abs_logit_diff_vs_recompute"] for r in rows),
+        "saves_skipped": sum(r.get("saves_skipped", 0) for r in rows),
         "ttft_plain_ms_median": float(np.median([r["ttft_plain_ms"] for r in rows])),
         "ttft_lake_ms_median": float(np.median([r["ttft_lake_ms"] for r in rows])),
     }
-    print(json.dumps(summary), flush=True)
+
+
+def fidelity(args):
+    dtype = DTYPES[args.dtype]
+    rng = np.random.default_rng(args.seed)
+    tenant = bytes(rng.integers(0, 256, 32, dtype=np.uint8))
+    # The pool's slots fit the larger (the target's) blocks.
+    target_layout = layout_of(build_config("small"), dtype)
+    pool = Pool(args.lake, target_layout.block_bytes, args.l1_slots, 4096)
+    engines = [Engine("small", "small", dtype, args.seed, pool, tenant, args.gpu_path)]
+    if args.draft:
+        engines.append(Engine("draft", "draft", dtype, args.seed + 1, pool, tenant, args.gpu_path))
+    vocab = engines[0].config.vocab_size
+    system = rng.integers(0, vocab, args.system_tokens).tolist()
+    conversations = [list(system) for _ in range(args.conversations)]
+    rows, failures = [], 0
+    # Warm the kernels and the models (not timed).
+    for engine in engines:
+        forward(engine.model, system[:64], None, 0)
+    for turn in range(args.turns):
+        for c in range(len(conversations)):
+            message = rng.integers(0, vocab, int(rng.integers(24, 96))).tolist()
+            reply = rng.integers(0, vocab, int(rng.integers(16, 48))).tolist()
+            prompt = conversations[c] + message
+            for engine in engines:
+                row, failed = engine.turn(prompt, reply)
+                row = {"turn": turn, "conversation": c, **row}
+                failures += failed
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            conversations[c] = prompt + reply
+    summaries = [summary_of(rows, engine.name, args) for engine in engines]
+    for summary in summaries:
+        print(json.dumps(summary), flush=True)
     with open(os.path.join(args.out, "fidelity.json"), "w") as f:
-        for r in rows + [summary]:
+        for r in rows + summaries:
             f.write(json.dumps(r) + "\n")
-    plot(rows, os.path.join(args.out, "ttft_per_turn.png"))
-    detach(handle)
+    plot([r for r in rows if r["model"] == "small"], os.path.join(args.out, "ttft_per_turn.png"))
+    for engine in engines:
+        detach(engine.handle)
     pool.stop()
     return failures
 
@@ -563,6 +620,9 @@ def main():
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=400)
     parser.add_argument("--l1-slots", type=int, default=160)
+    parser.add_argument(
+        "--no-draft", dest="draft", action="store_false", help="fidelity without the speculative-decoding draft model"
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
