@@ -40,6 +40,7 @@ pub mod constants;
 pub mod cplink;
 pub mod io;
 pub mod l2;
+pub mod l3;
 pub(crate) mod lock;
 #[cfg(not(loom))]
 pub mod mirror;

@@ -1,0 +1,333 @@
+//! L3, the object store: the single source of truth (DESIGN §1, §3). A
+//! block is one object in the stored-object format v1 — its
+//! self-describing header, then the payload — named
+//! `{prefix}/{namespace}/{key}`, so a store holds enough to rebuild the
+//! index from its objects alone.
+//!
+//! - [`ObjectStore`]: what a store does (put, get, delete, list), with the
+//!   two kinds of failure that matter — worth another try, or not.
+//! - [`dir::DirStore`]: a directory (the embedded default); [`s3::S3Store`]:
+//!   an S3-compatible service over HTTP.
+//! - [`L3Client`]: the stores' calls block, so they run on worker threads
+//!   of their own, never on a poll core; the poller hands requests over a
+//!   bounded queue and takes completions from another, without blocking.
+//!   Every object read is checked (header, key, namespace, every segment
+//!   CRC) before it is reported landed; transient failures are retried with
+//!   backoff, a bounded number of times.
+
+pub mod dir;
+pub mod s3;
+
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::BlockKey;
+use crate::model::namespace::NamespaceId;
+use crate::stored::decode_object;
+
+/// Why a store call failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// The service or the network failed this time (a connection refused
+    /// or reset, a 5xx, a timeout): another try may work.
+    Transient(String),
+    /// It will fail again the same way (refused credentials, a bad name, a
+    /// missing bucket).
+    Permanent(String),
+}
+
+impl core::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Transient(why) => write!(f, "object store (transient): {why}"),
+            Self::Permanent(why) => write!(f, "object store: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// An object store. Calls block; [`L3Client`] runs them off the poll core.
+pub trait ObjectStore: Send {
+    /// Stores `bytes` as `name` (whole, or not at all).
+    fn put(&mut self, name: &str, bytes: &[u8]) -> Result<(), StoreError>;
+    /// The object `name`, or `None` if there is none.
+    fn get(&mut self, name: &str) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Removes `name` (absent already is fine).
+    fn delete(&mut self, name: &str) -> Result<(), StoreError>;
+    /// The names under `prefix`.
+    fn list(&mut self, prefix: &str) -> Result<Vec<String>, StoreError>;
+}
+
+/// The name of a block's object: `{prefix}/{namespace:016x}/{key}`.
+pub fn object_name(prefix: &str, namespace: NamespaceId, key: &BlockKey) -> String {
+    format!("{prefix}/{:016x}/{key}", namespace.0)
+}
+
+/// Checks an object read back as the block `key` of `namespace`: the
+/// stored header decodes, names that key and namespace, and every segment
+/// matches its CRC.
+pub fn verify(bytes: &[u8], namespace: NamespaceId, key: &BlockKey) -> Result<(), L3Error> {
+    let (header, _) = decode_object(bytes).map_err(|e| L3Error::Corrupt(e.to_string()))?;
+    let meta = header.meta();
+    if meta.key != *key || meta.namespace != namespace {
+        return Err(L3Error::Corrupt("the object names another block".into()));
+    }
+    Ok(())
+}
+
+/// Why an L3 request did not complete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum L3Error {
+    /// No such object.
+    NotFound,
+    /// The object read back does not check: never handed on.
+    Corrupt(String),
+    /// It does not fit the memory given for it (its length).
+    TooLarge(u64),
+    /// The store failed: permanently, or transiently every time it was
+    /// tried (the last reason).
+    Store(StoreError),
+}
+
+impl core::fmt::Display for L3Error {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::NotFound => f.write_str("no such object in L3"),
+            Self::Corrupt(why) => write!(f, "the L3 object does not check: {why}"),
+            Self::TooLarge(len) => write!(f, "the L3 object ({len} bytes) does not fit the memory given"),
+            Self::Store(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for L3Error {}
+
+/// A request to L3. The memory a put reads or a get writes is the caller's
+/// (an L1 or L2 staging slot), held unchanged until the request completes.
+#[derive(Clone, Copy, Debug)]
+pub enum L3Request {
+    /// Store the stored object at `source` (`len` bytes) as block `key`.
+    Put {
+        /// The block.
+        key: BlockKey,
+        /// Its namespace.
+        namespace: NamespaceId,
+        /// The stored object.
+        source: *const u8,
+        /// Its bytes.
+        len: u64,
+    },
+    /// Read block `key` into `target` (room for `capacity` bytes), checked.
+    Get {
+        /// The block.
+        key: BlockKey,
+        /// Its namespace.
+        namespace: NamespaceId,
+        /// Where it goes.
+        target: *mut u8,
+        /// Room there.
+        capacity: u64,
+    },
+    /// Remove block `key`.
+    Delete {
+        /// The block.
+        key: BlockKey,
+        /// Its namespace.
+        namespace: NamespaceId,
+    },
+}
+
+// SAFETY: the pointers name memory the caller keeps valid and unchanged
+// (or written by this request only) until the request's completion, the
+// contract of `L3Client::submit`; the worker thread is the only one that
+// touches it meanwhile.
+unsafe impl Send for L3Request {}
+
+/// The end of a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct L3Completion {
+    /// The caller's id for the request.
+    pub id: u64,
+    /// Bytes moved (the object's length), or why not.
+    pub result: Result<u64, L3Error>,
+}
+
+/// How the client runs.
+#[derive(Clone, Copy, Debug)]
+pub struct L3Config {
+    /// Worker threads (requests in flight at once), 1 to 64.
+    pub workers: usize,
+    /// Requests waiting at most (the queue is bounded: a full one hands
+    /// the request back).
+    pub queue_depth: usize,
+    /// Tries of a call that fails transiently, at least 1.
+    pub attempts: u32,
+    /// The first retry's wait; each next one doubles it.
+    pub backoff: Duration,
+}
+
+impl Default for L3Config {
+    fn default() -> Self {
+        Self { workers: 4, queue_depth: 256, attempts: 4, backoff: Duration::from_millis(20) }
+    }
+}
+
+/// The client the poller drives (see the module docs).
+#[derive(Debug)]
+pub struct L3Client {
+    requests: Option<SyncSender<(u64, L3Request)>>,
+    completions: Receiver<L3Completion>,
+    workers: Vec<JoinHandle<()>>,
+    prefix: String,
+    in_flight: usize,
+}
+
+impl L3Client {
+    /// Starts `config.workers` threads, each with a store from
+    /// `make_store`, naming objects under `prefix`.
+    pub fn start(
+        config: L3Config,
+        prefix: &str,
+        make_store: impl Fn() -> Result<Box<dyn ObjectStore>, StoreError>,
+    ) -> Result<Self, StoreError> {
+        if !(1..=64).contains(&config.workers) || config.queue_depth == 0 || config.attempts == 0 {
+            return Err(StoreError::Permanent("L3 config: 1 to 64 workers, a queue and at least one try".into()));
+        }
+        let (requests, requests_rx) = sync_channel::<(u64, L3Request)>(config.queue_depth);
+        // Room for every request that can be in flight: a worker never
+        // waits to hand a completion back.
+        let (completions_tx, completions) = sync_channel(config.queue_depth + config.workers);
+        let shared = std::sync::Arc::new(std::sync::Mutex::new(requests_rx));
+        let mut workers = Vec::with_capacity(config.workers);
+        for n in 0..config.workers {
+            let mut store = make_store()?;
+            let (queue, done) = (std::sync::Arc::clone(&shared), completions_tx.clone());
+            let prefix = prefix.to_owned();
+            let worker = std::thread::Builder::new()
+                .name(format!("lake-l3-{n}"))
+                .spawn(move || {
+                    loop {
+                        // One worker takes the next request; the others wait.
+                        let next = queue.lock().map_err(|_| ()).and_then(|rx| rx.recv().map_err(|_| ()));
+                        let Ok((id, request)) = next else { return };
+                        let result = run(store.as_mut(), &prefix, &request, &config);
+                        if done.send(L3Completion { id, result }).is_err() {
+                            return;
+                        }
+                    }
+                })
+                .map_err(|e| StoreError::Permanent(format!("starting an L3 worker: {e}")))?;
+            workers.push(worker);
+        }
+        Ok(Self { requests: Some(requests), completions, workers, prefix: prefix.to_owned(), in_flight: 0 })
+    }
+
+    /// Queues `request` as `id`; a full queue hands it back.
+    ///
+    /// # Safety
+    ///
+    /// The memory the request names is valid for its length and, for a
+    /// put, unchanged — for a get, not read or written by anyone else —
+    /// until its completion has been returned by [`L3Client::poll`].
+    pub unsafe fn submit(&mut self, id: u64, request: L3Request) -> Result<(), (u64, L3Request)> {
+        let Some(requests) = &self.requests else { return Err((id, request)) };
+        match requests.try_send((id, request)) {
+            Ok(()) => {
+                self.in_flight += 1;
+                Ok(())
+            }
+            Err(TrySendError::Full(back) | TrySendError::Disconnected(back)) => Err(back),
+        }
+    }
+
+    /// Moves up to `max` completions into `out`, without waiting; returns
+    /// how many.
+    pub fn poll(&mut self, out: &mut Vec<L3Completion>, max: usize) -> usize {
+        let mut taken = 0;
+        while taken < max {
+            match self.completions.try_recv() {
+                Ok(completion) => {
+                    out.push(completion);
+                    taken += 1;
+                }
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+            }
+        }
+        self.in_flight -= taken;
+        taken
+    }
+
+    /// Requests submitted and not yet returned by [`L3Client::poll`].
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// The name prefix of this client's objects.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+}
+
+impl Drop for L3Client {
+    fn drop(&mut self) {
+        // Closing the queue ends every worker once its request is done.
+        self.requests = None;
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
+}
+
+/// Runs one request on a worker thread, retrying transient failures.
+fn run(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request, config: &L3Config) -> Result<u64, L3Error> {
+    let mut wait = config.backoff;
+    let mut attempt = 1;
+    loop {
+        match once(store, prefix, request) {
+            Err(L3Error::Store(StoreError::Transient(_))) if attempt < config.attempts => {
+                std::thread::sleep(wait);
+                wait = wait.saturating_mul(2);
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Result<u64, L3Error> {
+    match *request {
+        L3Request::Put { key, namespace, source, len } => {
+            let len_usize = usize::try_from(len).map_err(|_| L3Error::TooLarge(len))?;
+            // SAFETY: `len` valid, unchanged bytes until this request
+            // completes (the contract of `L3Client::submit`).
+            let bytes = unsafe { core::slice::from_raw_parts(source, len_usize) };
+            // What goes to the source of truth is checked first: a block
+            // that does not check here would never read back.
+            verify(bytes, namespace, &key)?;
+            store.put(&object_name(prefix, namespace, &key), bytes).map_err(L3Error::Store)?;
+            Ok(len)
+        }
+        L3Request::Get { key, namespace, target, capacity } => {
+            let bytes = store.get(&object_name(prefix, namespace, &key)).map_err(L3Error::Store)?;
+            let bytes = bytes.ok_or(L3Error::NotFound)?;
+            let len = bytes.len() as u64;
+            if len > capacity {
+                return Err(L3Error::TooLarge(len));
+            }
+            verify(&bytes, namespace, &key)?;
+            // SAFETY: room for `capacity` >= len bytes that only this
+            // request writes until it completes (the contract of `submit`).
+            unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), target, bytes.len()) };
+            Ok(len)
+        }
+        L3Request::Delete { key, namespace } => {
+            store.delete(&object_name(prefix, namespace, &key)).map_err(L3Error::Store)?;
+            Ok(0)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

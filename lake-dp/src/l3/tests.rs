@@ -1,0 +1,211 @@
+//! The client over the directory store (the S3 service is exercised in
+//! `tests/l3_s3.rs`, against a real server).
+
+use super::dir::DirStore;
+use super::*;
+use crate::model::replica::{ObjectKind, RegionId};
+use crate::stored::{ObjectMeta, encode_object, object_bytes};
+
+fn object(key: &BlockKey, namespace: NamespaceId, payload_len: usize) -> Vec<u8> {
+    let meta = ObjectMeta {
+        kind: ObjectKind::KvBlock,
+        key: *key,
+        parent_key: BlockKey::NONE,
+        block_index: 0,
+        namespace,
+        layout_fingerprint: 9,
+        region: RegionId(2),
+        region_epoch: 1,
+        slot: 3,
+        generation: 1,
+        committed_unix_ns: 1,
+        payload_len: payload_len as u64,
+        segment_bytes: 16 * 1024,
+    };
+    let payload: Vec<u8> = (0..payload_len).map(|i| (i % 251) as u8 ^ key.0[0]).collect();
+    let mut out = vec![0u8; usize::try_from(object_bytes(payload_len as u64)).unwrap()];
+    let len = encode_object(&meta, &payload, &mut out).unwrap();
+    out.truncate(len);
+    out
+}
+
+fn wait(client: &mut L3Client, want: usize) -> Vec<L3Completion> {
+    let mut done = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while done.len() < want {
+        assert!(std::time::Instant::now() < deadline, "{} of {want} L3 completions", done.len());
+        if client.poll(&mut done, 64) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    done
+}
+
+#[test]
+fn blocks_go_to_the_directory_and_come_back_checked() {
+    let root = std::env::temp_dir().join(format!("lake-l3-dir-{}", std::process::id()));
+    let store_root = root.clone();
+    let mut client = L3Client::start(L3Config { workers: 3, ..L3Config::default() }, "pool-a", move || {
+        Ok(Box::new(DirStore::open(&store_root)?) as Box<dyn ObjectStore>)
+    })
+    .unwrap();
+    let namespace = NamespaceId(77);
+    let keys: Vec<BlockKey> = (0..24u8).map(|i| BlockKey([i + 1; 16])).collect();
+    let objects: Vec<Vec<u8>> = keys.iter().enumerate().map(|(i, k)| object(k, namespace, 1000 + 997 * i)).collect();
+    for (i, (key, bytes)) in keys.iter().zip(&objects).enumerate() {
+        let request = L3Request::Put { key: *key, namespace, source: bytes.as_ptr(), len: bytes.len() as u64 };
+        // SAFETY: `objects` outlives the completions (waited for below).
+        unsafe { client.submit(i as u64, request) }.unwrap();
+    }
+    let done = wait(&mut client, keys.len());
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(client.in_flight(), 0);
+
+    // Read back into other memory, every object checked.
+    let mut back: Vec<Vec<u8>> = objects.iter().map(|o| vec![0u8; o.len() + 4096]).collect();
+    for (i, (key, target)) in keys.iter().zip(back.iter_mut()).enumerate() {
+        let request =
+            L3Request::Get { key: *key, namespace, target: target.as_mut_ptr(), capacity: target.len() as u64 };
+        // SAFETY: `back` outlives the completions and nothing else touches it.
+        unsafe { client.submit(100 + i as u64, request) }.unwrap();
+    }
+    for completion in wait(&mut client, keys.len()) {
+        let i = (completion.id - 100) as usize;
+        assert_eq!(completion.result, Ok(objects[i].len() as u64));
+        assert!(back[i][..objects[i].len()] == objects[i][..], "object {i} read back differs");
+    }
+
+    // A changed byte on disk is caught, not handed on; a missing object and
+    // a block of another namespace are told apart; a put that does not
+    // check is refused before it reaches the source of truth.
+    let name = object_name("pool-a", namespace, &keys[5]);
+    let mut file = std::fs::read(root.join(&name)).unwrap();
+    file[4096 + 10] ^= 1;
+    std::fs::write(root.join(&name), &file).unwrap();
+    let mut target = vec![0u8; objects[5].len()];
+    let requests = [
+        L3Request::Get { key: keys[5], namespace, target: target.as_mut_ptr(), capacity: target.len() as u64 },
+        L3Request::Get {
+            key: BlockKey([200; 16]),
+            namespace,
+            target: target.as_mut_ptr(),
+            capacity: target.len() as u64,
+        },
+        L3Request::Get {
+            key: keys[6],
+            namespace: NamespaceId(78),
+            target: target.as_mut_ptr(),
+            capacity: target.len() as u64,
+        },
+    ];
+    for (i, request) in requests.into_iter().enumerate() {
+        // SAFETY: `target` outlives the completion; one request at a time.
+        unsafe { client.submit(200 + i as u64, request) }.unwrap();
+        let done = wait(&mut client, 1);
+        match (i, &done[0].result) {
+            (0, Err(L3Error::Corrupt(_))) | (1 | 2, Err(L3Error::NotFound)) => {}
+            other => panic!("request {i}: {other:?}"),
+        }
+    }
+    let mut lying = objects[7].clone();
+    lying[5000] ^= 0x40;
+    let request = L3Request::Put { key: keys[7], namespace, source: lying.as_ptr(), len: lying.len() as u64 };
+    // SAFETY: `lying` outlives the completion.
+    unsafe { client.submit(300, request) }.unwrap();
+    assert!(matches!(wait(&mut client, 1)[0].result, Err(L3Error::Corrupt(_))));
+    let mut small = vec![0u8; 100];
+    let request = L3Request::Get { key: keys[8], namespace, target: small.as_mut_ptr(), capacity: 100 };
+    // SAFETY: `small` outlives the completion.
+    unsafe { client.submit(301, request) }.unwrap();
+    assert!(matches!(wait(&mut client, 1)[0].result, Err(L3Error::TooLarge(_))));
+
+    // Delete, and list what is left.
+    let request = L3Request::Delete { key: keys[0], namespace };
+    // SAFETY: no memory.
+    unsafe { client.submit(400, request) }.unwrap();
+    assert_eq!(wait(&mut client, 1)[0].result, Ok(0));
+    let mut store = DirStore::open(&root).unwrap();
+    let listed = store.list("pool-a/").unwrap();
+    assert_eq!(listed.len(), keys.len() - 1);
+    assert!(!listed.contains(&object_name("pool-a", namespace, &keys[0])));
+    assert!(store.put("../outside", b"x").is_err(), "a name that leaves the store is refused");
+    drop(client);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A store that fails transiently a number of times before it works.
+struct Flaky {
+    failures_left: u32,
+    inner: DirStore,
+}
+
+impl ObjectStore for Flaky {
+    fn put(&mut self, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
+        if self.failures_left > 0 {
+            self.failures_left -= 1;
+            return Err(StoreError::Transient("connection reset (injected)".into()));
+        }
+        self.inner.put(name, bytes)
+    }
+    fn get(&mut self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.get(name)
+    }
+    fn delete(&mut self, name: &str) -> Result<(), StoreError> {
+        self.inner.delete(name)
+    }
+    fn list(&mut self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        self.inner.list(prefix)
+    }
+}
+
+#[test]
+fn transient_failures_are_retried_a_bounded_number_of_times() {
+    let root = std::env::temp_dir().join(format!("lake-l3-flaky-{}", std::process::id()));
+    let namespace = NamespaceId(5);
+    let key = BlockKey([3; 16]);
+    let bytes = object(&key, namespace, 5000);
+    for (failures, attempts, ok) in [(2, 4, true), (4, 4, false)] {
+        let store_root = root.clone();
+        let config = L3Config { workers: 1, attempts, backoff: Duration::from_millis(1), ..L3Config::default() };
+        let mut client = L3Client::start(config, "p", move || {
+            Ok(Box::new(Flaky { failures_left: failures, inner: DirStore::open(&store_root)? }) as Box<dyn ObjectStore>)
+        })
+        .unwrap();
+        let request = L3Request::Put { key, namespace, source: bytes.as_ptr(), len: bytes.len() as u64 };
+        // SAFETY: `bytes` outlives the completion.
+        unsafe { client.submit(1, request) }.unwrap();
+        let result = wait(&mut client, 1).remove(0).result;
+        assert_eq!(result.is_ok(), ok, "{failures} failures, {attempts} tries: {result:?}");
+        if !ok {
+            assert!(matches!(result, Err(L3Error::Store(StoreError::Transient(_)))));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_full_queue_hands_the_request_back() {
+    let root = std::env::temp_dir().join(format!("lake-l3-full-{}", std::process::id()));
+    let store_root = root.clone();
+    let config = L3Config { workers: 1, queue_depth: 2, ..L3Config::default() };
+    let mut client =
+        L3Client::start(config, "p", move || Ok(Box::new(DirStore::open(&store_root)?) as Box<dyn ObjectStore>))
+            .unwrap();
+    let namespace = NamespaceId(1);
+    let objects: Vec<Vec<u8>> = (0..64u8).map(|i| object(&BlockKey([i + 1; 16]), namespace, 200_000)).collect();
+    let mut refused = 0;
+    for (i, bytes) in objects.iter().enumerate() {
+        let key = BlockKey([i as u8 + 1; 16]);
+        let request = L3Request::Put { key, namespace, source: bytes.as_ptr(), len: bytes.len() as u64 };
+        // SAFETY: `objects` outlives the completions.
+        if unsafe { client.submit(i as u64, request) }.is_err() {
+            refused += 1;
+        }
+    }
+    assert!(refused > 0, "a queue of 2 took 64 requests at once");
+    let accepted = objects.len() - refused;
+    assert!(wait(&mut client, accepted).iter().all(|c| c.result.is_ok()));
+    assert!(L3Client::start(L3Config { workers: 0, ..L3Config::default() }, "p", || unreachable!()).is_err());
+    drop(client);
+    let _ = std::fs::remove_dir_all(&root);
+}

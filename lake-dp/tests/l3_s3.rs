@@ -1,0 +1,191 @@
+//! L3 against a real S3-compatible server the test starts (moto's
+//! `moto_server`, from PyPI: `.ci/run` installs it into
+//! `~/.cache/lake-moto`; `LAKE_MOTO_SERVER` names another). Blocks go in
+//! through the client's worker threads and come back checked; a changed
+//! object is caught; a server that goes away fails requests with a clear
+//! error after bounded retries, and one that comes back serves again.
+//! Skips, saying why, where no moto_server is installed.
+
+#![allow(clippy::cast_possible_truncation)] // small test sizes and ids
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lake_dp::l3::s3::{S3Config, S3Store};
+use lake_dp::l3::{L3Client, L3Completion, L3Config, L3Error, L3Request, ObjectStore, StoreError, object_name};
+use lake_dp::model::replica::{ObjectKind, RegionId};
+use lake_dp::stored::{ObjectMeta, encode_object, object_bytes};
+use lake_dp::{BlockKey, NamespaceId};
+
+fn moto_server() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("LAKE_MOTO_SERVER") {
+        return Some(path.into());
+    }
+    let home = std::env::var_os("HOME")?;
+    let path = PathBuf::from(home).join(".cache/lake-moto/bin/moto_server");
+    path.exists().then_some(path)
+}
+
+struct Server {
+    child: Child,
+    port: u16,
+    binary: PathBuf,
+}
+
+impl Server {
+    fn start(binary: PathBuf, port: u16) -> Self {
+        let child = Command::new(&binary)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting moto_server");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "moto_server did not listen on {port} within 30 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, port, binary }
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn object(key: &BlockKey, namespace: NamespaceId, payload_len: usize) -> Vec<u8> {
+    let meta = ObjectMeta {
+        kind: ObjectKind::KvBlock,
+        key: *key,
+        parent_key: BlockKey::NONE,
+        block_index: 0,
+        namespace,
+        layout_fingerprint: 9,
+        region: RegionId(2),
+        region_epoch: 1,
+        slot: 3,
+        generation: 1,
+        committed_unix_ns: 1,
+        payload_len: payload_len as u64,
+        segment_bytes: 64 * 1024,
+    };
+    let payload: Vec<u8> = (0..payload_len).map(|i| ((i * 31) % 253) as u8 ^ key.0[0]).collect();
+    let mut out = vec![0u8; usize::try_from(object_bytes(payload_len as u64)).unwrap()];
+    let len = encode_object(&meta, &payload, &mut out).unwrap();
+    out.truncate(len);
+    out
+}
+
+fn wait(client: &mut L3Client, want: usize, within: Duration) -> Vec<L3Completion> {
+    let mut done = Vec::new();
+    let deadline = Instant::now() + within;
+    while done.len() < want {
+        assert!(Instant::now() < deadline, "{} of {want} L3 completions", done.len());
+        if client.poll(&mut done, 64) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    done
+}
+
+#[test]
+fn blocks_round_trip_through_a_real_s3_server() {
+    let Some(binary) = moto_server() else {
+        // CI installs it (.ci/run): there, its absence is a failure.
+        assert!(std::env::var_os("CI").is_none(), "CI: .ci/run should have installed moto_server");
+        println!(
+            "SKIPPED: no moto_server (python3 -m venv ~/.cache/lake-moto && ~/.cache/lake-moto/bin/pip install \
+             'moto[server]')"
+        );
+        return;
+    };
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut server = Server::start(binary, port);
+    let config = S3Config {
+        endpoint: format!("http://127.0.0.1:{}", server.port),
+        // The client names its region as the bucket's location constraint,
+        // which S3 refuses for us-east-1: a bucket there is made beforehand.
+        region: "eu-west-1".into(),
+        bucket: "lake-l3-test".into(),
+        access_key: "lake".into(),
+        secret_key: "lake-secret".into(),
+    };
+    S3Store::create_bucket(&config).unwrap();
+    S3Store::create_bucket(&config).expect("a bucket that exists already is fine");
+    let store_config = config.clone();
+    let l3 = L3Config { workers: 4, attempts: 3, backoff: Duration::from_millis(50), ..L3Config::default() };
+    let mut client =
+        L3Client::start(l3, "node-1", move || Ok(Box::new(S3Store::open(&store_config)?) as Box<dyn ObjectStore>))
+            .unwrap();
+
+    let namespace = NamespaceId(0xabc);
+    let keys: Vec<BlockKey> = (0..32u8).map(|i| BlockKey([i + 1; 16])).collect();
+    let objects: Vec<Vec<u8>> = keys.iter().enumerate().map(|(i, k)| object(k, namespace, 4096 + 40_000 * i)).collect();
+    for (i, (key, bytes)) in keys.iter().zip(&objects).enumerate() {
+        let request = L3Request::Put { key: *key, namespace, source: bytes.as_ptr(), len: bytes.len() as u64 };
+        // SAFETY: `objects` outlives the completions (waited for below).
+        unsafe { client.submit(i as u64, request) }.unwrap();
+    }
+    let done = wait(&mut client, keys.len(), Duration::from_secs(60));
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+
+    let mut back: Vec<Vec<u8>> = objects.iter().map(|o| vec![0u8; o.len()]).collect();
+    for (i, (key, target)) in keys.iter().zip(back.iter_mut()).enumerate() {
+        let request =
+            L3Request::Get { key: *key, namespace, target: target.as_mut_ptr(), capacity: target.len() as u64 };
+        // SAFETY: `back` outlives the completions and nothing else touches it.
+        unsafe { client.submit(100 + i as u64, request) }.unwrap();
+    }
+    for completion in wait(&mut client, keys.len(), Duration::from_secs(60)) {
+        let i = (completion.id - 100) as usize;
+        assert_eq!(completion.result, Ok(objects[i].len() as u64), "object {i}");
+        assert!(back[i] == objects[i], "object {i} read back differs");
+    }
+
+    // Listed by prefix; a changed object in the bucket is caught on read.
+    let mut store = S3Store::open(&config).unwrap();
+    let listed = store.list("node-1/").unwrap();
+    assert_eq!(listed.len(), keys.len());
+    let name = object_name("node-1", namespace, &keys[3]);
+    let mut changed = store.get(&name).unwrap().unwrap();
+    changed[4096 + 7] ^= 0x10;
+    store.put(&name, &changed).unwrap();
+    let mut target = vec![0u8; objects[3].len()];
+    let request =
+        L3Request::Get { key: keys[3], namespace, target: target.as_mut_ptr(), capacity: target.len() as u64 };
+    // SAFETY: `target` outlives the completion.
+    unsafe { client.submit(200, request) }.unwrap();
+    assert!(matches!(wait(&mut client, 1, Duration::from_secs(30))[0].result, Err(L3Error::Corrupt(_))));
+    assert_eq!(store.get("node-1/nothing/here").unwrap(), None);
+
+    // The server goes away: requests fail by name after their retries,
+    // within a bounded time; back again, it serves.
+    server.stop();
+    let started = Instant::now();
+    let request =
+        L3Request::Get { key: keys[4], namespace, target: target.as_mut_ptr(), capacity: target.len() as u64 };
+    // SAFETY: `target` outlives the completion.
+    unsafe { client.submit(300, request) }.unwrap();
+    let failed = wait(&mut client, 1, Duration::from_secs(60)).remove(0);
+    assert!(matches!(failed.result, Err(L3Error::Store(StoreError::Transient(_)))), "{failed:?}");
+    println!("server gone: failed after {:?} ({})", started.elapsed(), failed.result.unwrap_err());
+    let binary = server.binary.clone();
+    drop(server);
+    let mut again = Server::start(binary, port);
+    S3Store::create_bucket(&config).unwrap();
+    let request = L3Request::Put { key: keys[4], namespace, source: objects[4].as_ptr(), len: objects[4].len() as u64 };
+    // SAFETY: `objects` outlives the completion.
+    unsafe { client.submit(301, request) }.unwrap();
+    assert_eq!(wait(&mut client, 1, Duration::from_secs(30))[0].result, Ok(objects[4].len() as u64));
+    drop(client);
+    again.stop();
+}
