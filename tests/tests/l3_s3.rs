@@ -15,9 +15,8 @@ use std::time::{Duration, Instant};
 
 use lake_dp::l3::s3::{S3Config, S3Store};
 use lake_dp::l3::{L3Client, L3Completion, L3Config, L3Error, L3Request, ObjectStore, StoreError, object_name};
-use lake_dp::model::replica::{ObjectKind, RegionId};
-use lake_dp::stored::{ObjectMeta, encode_object, object_bytes};
 use lake_dp::{BlockKey, NamespaceId};
+use lake_tests::transport::object;
 
 fn moto_server() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("LAKE_MOTO_SERVER") {
@@ -62,29 +61,6 @@ impl Drop for Server {
     }
 }
 
-fn object(key: &BlockKey, namespace: NamespaceId, payload_len: usize) -> Vec<u8> {
-    let meta = ObjectMeta {
-        kind: ObjectKind::KvBlock,
-        key: *key,
-        parent_key: BlockKey::NONE,
-        block_index: 0,
-        namespace,
-        layout_fingerprint: 9,
-        region: RegionId(2),
-        region_epoch: 1,
-        slot: 3,
-        generation: 1,
-        committed_unix_ns: 1,
-        payload_len: payload_len as u64,
-        segment_bytes: 64 * 1024,
-    };
-    let payload: Vec<u8> = (0..payload_len).map(|i| ((i * 31) % 253) as u8 ^ key.0[0]).collect();
-    let mut out = vec![0u8; usize::try_from(object_bytes(payload_len as u64)).unwrap()];
-    let len = encode_object(&meta, &payload, &mut out).unwrap();
-    out.truncate(len);
-    out
-}
-
 fn wait(client: &mut L3Client, want: usize, within: Duration) -> Vec<L3Completion> {
     let mut done = Vec::new();
     let deadline = Instant::now() + within;
@@ -127,9 +103,16 @@ fn blocks_round_trip_through_a_real_s3_server() {
         L3Client::start(l3, "node-1", move || Ok(Box::new(S3Store::open(&store_config)?) as Box<dyn ObjectStore>))
             .unwrap();
 
-    let namespace = NamespaceId(0xabc);
-    let keys: Vec<BlockKey> = (0..32u8).map(|i| BlockKey([i + 1; 16])).collect();
-    let objects: Vec<Vec<u8>> = keys.iter().enumerate().map(|(i, k)| object(k, namespace, 4096 + 40_000 * i)).collect();
+    // The shared test objects: block `i`'s key starts with `i`, in namespace 3.
+    let namespace = NamespaceId(3);
+    let objects: Vec<Vec<u8>> = (0..32u32).map(|i| object(i, 4096 + 40_000 * i as usize, i)).collect();
+    let keys: Vec<BlockKey> = (0..32u32)
+        .map(|i| {
+            let mut key = [0u8; 16];
+            key[..4].copy_from_slice(&i.to_le_bytes());
+            BlockKey(key)
+        })
+        .collect();
     for (i, (key, bytes)) in keys.iter().zip(&objects).enumerate() {
         let request = L3Request::Put { key: *key, namespace, source: bytes.as_ptr(), len: bytes.len() as u64 };
         // SAFETY: `objects` outlives the completions (waited for below).
