@@ -1393,27 +1393,21 @@ pub unsafe extern "C" fn lake_register_kv_memory(
             // SAFETY: null or a LakeLayoutOptions (contract).
             let layout = unsafe { read_options(o.layout, "LakeLayoutOptions") }?;
             let layout = crate::layout::layout_of(&layout)?;
-            if layout.fingerprint() != pool.layout_fingerprint {
-                return Err(fail(
-                    LakeStatus::LakeLayoutMismatch,
-                    format!(
-                        "lake_register_kv_memory: the layout's fingerprint {:#x} is not the pool's {:#x} (attach \
-                         with the fingerprint lake_layout_describe gives)",
-                        layout.fingerprint(),
-                        pool.layout_fingerprint
-                    ),
-                ));
-            }
-            if layout.shard_code() != pool.shard_code {
-                return Err(fail(
-                    LakeStatus::LakeLayoutMismatch,
-                    format!(
-                        "lake_register_kv_memory: the layout's shard code {:#x} is not the pool's {:#x} (attach \
-                         with the shard_code lake_layout_describe gives)",
-                        layout.shard_code(),
-                        pool.shard_code
-                    ),
-                ));
+            // The memory must be of the layout and the shard the pool saves
+            // and reads under (both come from lake_layout_describe).
+            for (what, field, memory, attached) in [
+                ("fingerprint", "fingerprint", layout.fingerprint(), pool.layout_fingerprint),
+                ("shard code", "shard_code", layout.shard_code(), pool.shard_code),
+            ] {
+                if memory != attached {
+                    return Err(fail(
+                        LakeStatus::LakeLayoutMismatch,
+                        format!(
+                            "lake_register_kv_memory: the layout's {what} {memory:#x} is not the pool's {attached:#x} \
+                             (attach with the {field} lake_layout_describe gives)"
+                        ),
+                    ));
+                }
             }
             if o.pieces.is_null() {
                 return Err(fail(LakeStatus::LakeNullArgument, "lake_register_kv_memory: pieces is required"));
