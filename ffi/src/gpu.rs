@@ -31,15 +31,16 @@ use lake_kernels::{DeviceKv, KvCopier, Piece, QueuedCrcs, RegisteredHost};
 use crate::lanes::{Reader, Stored, stored};
 use crate::status::LakeStatus;
 
-/// Blocks the staging buffer holds (a larger batch goes in turns), and the
-/// blocks of a save's turn (each reserves a slot through the agent's port).
+/// Blocks the host staging buffer holds (lower-tier loads through the
+/// agent go in turns of this many), and the blocks of a save's turn (each
+/// reserves a slot through the agent's port).
 const STAGING_BLOCKS: usize = 64;
 
 /// L1 blocks a load pins and moves in one turn (one scatter, one CRC pass).
 const LOAD_TURN: usize = 512;
 
-/// A direct load of L1 hits at most this long runs layer by layer and
-/// completes from the poller stage (pinned throughout, so it is bounded).
+/// A load of L1 hits at most this long runs layer by layer and completes
+/// from the poller stage (pinned throughout, so it is bounded).
 pub(crate) const LAYERED_BLOCKS_MAX: usize = 2048;
 
 /// Launches a layered load makes at most: layers go in this many groups,
@@ -141,7 +142,6 @@ pub(crate) struct GpuMemory {
     pub layers: usize,
     pub path: GpuPath,
     staging: Mutex<Option<Staging>>,
-    device_staging: Mutex<Option<cudarc::driver::CudaSlice<u8>>>,
 }
 
 // SAFETY: DeviceKv is a device allocation handle and plain numbers; the
@@ -152,7 +152,7 @@ unsafe impl Sync for GpuMemory {}
 
 impl GpuMemory {
     pub(crate) fn new(gpu: Arc<Gpu>, kv: DeviceKv, blocks: u32, layers: usize, path: GpuPath) -> Self {
-        Self { gpu, kv, blocks, layers, path, staging: Mutex::new(None), device_staging: Mutex::new(None) }
+        Self { gpu, kv, blocks, layers, path, staging: Mutex::new(None) }
     }
 
     /// The pieces of layer `layer`.
@@ -161,25 +161,30 @@ impl GpuMemory {
         layer * per_layer..(layer + 1) * per_layer
     }
 
-    /// Blocks one turn of a load moves.
-    fn turn(&self) -> usize {
-        match self.path {
-            GpuPath::Direct => LOAD_TURN,
-            GpuPath::CopyEngine => STAGING_BLOCKS,
-        }
+    /// The pieces of each layer group of a layered load (at most
+    /// `LAYER_GROUPS_MAX` groups of equal layer counts, the last shorter).
+    fn layer_groups(&self) -> Vec<core::ops::Range<usize>> {
+        let group = self.layers.div_ceil(LAYER_GROUPS_MAX).max(1);
+        (0..self.layers)
+            .step_by(group)
+            .map(|first| {
+                let last = (first + group).min(self.layers);
+                self.layer_pieces(first).start..self.layer_pieces(last - 1).end
+            })
+            .collect()
     }
 
-    /// The staging buffer in HBM (made on first use): the device address
-    /// of each of its `STAGING_BLOCKS` block slots.
-    fn device_staging(&self) -> Result<Vec<u64>, LakeStatus> {
-        let mut staging = self.device_staging.lock().map_err(|_| LakeStatus::LakeInternal)?;
-        if staging.is_none() {
-            let bytes = STAGING_BLOCKS * self.block_bytes();
-            *staging = Some(self.gpu.copier.stream().alloc_zeros::<u8>(bytes).map_err(|_| LakeStatus::LakeNoSpace)?);
+    /// Whether a load can go layer by layer on this memory's path: always
+    /// directly; through the copy engines when a layer group of a block
+    /// fits a unit of the HBM staging region.
+    fn layered_fits(&self) -> bool {
+        match self.path {
+            GpuPath::Direct => true,
+            GpuPath::CopyEngine => {
+                let piece_bytes = self.block_bytes() / self.kv.pieces().max(1);
+                self.layer_groups().iter().all(|g| g.len() * piece_bytes <= lake_kernels::STAGING_UNIT_BYTES)
+            }
         }
-        let slice = staging.as_ref().ok_or(LakeStatus::LakeInternal)?;
-        let base = self.gpu.copier.address(slice);
-        Ok((0..STAGING_BLOCKS).map(|i| base + (i * self.block_bytes()) as u64).collect())
     }
 
     pub(crate) fn block_bytes(&self) -> usize {
@@ -234,7 +239,7 @@ pub(crate) fn load(
 ) -> Loaded {
     let count = keys.len();
     let run = table.iter().take_while(|e| e.tier == Tier::L1Dram && e.region.0 == arena_region).count();
-    if memory.path == GpuPath::Direct && run == count && (1..=LAYERED_BLOCKS_MAX).contains(&count) {
+    if run == count && (1..=LAYERED_BLOCKS_MAX).contains(&count) && memory.layered_fits() {
         return match pins.lock() {
             Ok(mut pins) => load_layered(&mut pins, reader, memory, (request, layers), keys, table, blocks),
             Err(_) => Loaded::Done(vec![LakeStatus::LakeInternal; count]),
@@ -264,7 +269,7 @@ fn load_in_turns(
     // In turns of a bounded number of pins (a pin array is finite).
     let mut from = 0;
     while from < run {
-        let to = (from + memory.turn()).min(run);
+        let to = (from + LOAD_TURN).min(run);
         let direct = match pins.lock() {
             Ok(mut pins) => {
                 load_pinned_run(&mut pins, reader, memory, &keys[from..to], &table[from..to], &blocks[from..to])
@@ -283,7 +288,7 @@ fn load_in_turns(
     }
     while from < count {
         let to = (from + STAGING_BLOCKS).min(count);
-        let done = load_staged(agent, memory, &keys[from..to], &table[from..to], &blocks[from..to], priority);
+        let done = load_fetched(agent, memory, &keys[from..to], &table[from..to], &blocks[from..to], priority);
         let failed = done.iter().position(|&s| s != LakeStatus::LakeOk);
         statuses[from..from + done.len()].copy_from_slice(&done);
         if failed.is_some() {
@@ -315,15 +320,45 @@ fn pin_checked(
     keys: &[BlockKey],
     table: &[MirrorEntry],
 ) -> Pinned {
-    let mut out = Pinned {
-        statuses: Vec::with_capacity(keys.len()),
-        held: Vec::with_capacity(keys.len()),
-        addresses: Vec::with_capacity(keys.len()),
-        hosts: Vec::with_capacity(keys.len()),
-        stored_crcs: Vec::with_capacity(keys.len()),
-        segment_bytes: 0,
-    };
-    for (i, entry) in table.iter().enumerate() {
+    let mut out = Pinned::with_capacity(keys.len());
+    pin_checked_through(&mut out, pins, reader, memory, keys, table, keys.len());
+    out
+}
+
+impl Pinned {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            statuses: Vec::with_capacity(n),
+            held: Vec::with_capacity(n),
+            addresses: Vec::with_capacity(n),
+            hosts: Vec::with_capacity(n),
+            stored_crcs: Vec::with_capacity(n),
+            segment_bytes: 0,
+        }
+    }
+
+    /// Whether a block failed (the run ends there).
+    fn stopped(&self) -> bool {
+        self.statuses.len() > self.held.len()
+    }
+}
+
+/// [`pin_checked`] continued through block `through` (from where `out`
+/// stopped), unless a block already failed.
+fn pin_checked_through(
+    out: &mut Pinned,
+    pins: &mut PinArray,
+    reader: Reader,
+    memory: &GpuMemory,
+    keys: &[BlockKey],
+    table: &[MirrorEntry],
+    through: usize,
+) {
+    let from = out.held.len();
+    if out.stopped() {
+        return;
+    }
+    for (i, entry) in table.iter().enumerate().take(through).skip(from) {
         let Ok(pin) = pins.pin(entry.slot, entry.generation) else {
             out.statuses.push(LakeStatus::LakeEvicted);
             break;
@@ -361,7 +396,6 @@ fn pin_checked(
             }
         }
     }
-    out
 }
 
 /// A direct load of L1 hits, layer by layer: every block's layer 0, its
@@ -376,28 +410,57 @@ fn load_layered(
     table: &[MirrorEntry],
     blocks: &[u32],
 ) -> Loaded {
-    let Pinned { mut statuses, held, addresses, stored_crcs, segment_bytes, .. } =
-        pin_checked(pins, reader, memory, keys, table);
-    let ok = held.len();
     let copier = &memory.gpu.copier;
+    let groups = memory.layer_groups();
+    // The layers through the end of group g, for its event.
+    let per_layer = (memory.kv.pieces() / memory.layers.max(1)).max(1);
+    let last_layer = |g: usize| groups[g].end / per_layer;
+    // The first block sets the load's segment size. The kernel across the
+    // bus takes every block at once, so all are checked first; the copy
+    // engines take a unit at a time, so each unit is checked while the one
+    // before is on the bus.
+    let mut pinned = Pinned::with_capacity(keys.len());
+    let first = if memory.path == GpuPath::Direct { keys.len() } else { 1 };
+    pin_checked_through(&mut pinned, pins, reader, memory, keys, table, first);
     let queued = (|| {
-        if ok == 0 {
+        if pinned.held.is_empty() {
             return Ok(None);
         }
-        let group = memory.layers.div_ceil(LAYER_GROUPS_MAX).max(1);
-        for first in (0..memory.layers).step_by(group) {
-            let last = (first + group).min(memory.layers);
-            let pieces = memory.layer_pieces(first).start..memory.layer_pieces(last - 1).end;
-            // SAFETY: the blocks were checked against the memory's block
-            // count at submit; each payload address is a pinned slot's,
-            // unchanged until unpinned once the CRCs queued after it (same
-            // stream) have landed.
-            unsafe { copier.scatter_pieces(&memory.kv, &blocks[..ok], &addresses, pieces) }?;
-            layers.recorded(request, &Arc::new(copier.record()?), last);
+        let segment_bytes = pinned.segment_bytes;
+        match memory.path {
+            GpuPath::Direct => {
+                let ok = pinned.held.len();
+                for (g, pieces) in groups.iter().enumerate() {
+                    // SAFETY: the blocks were checked against the memory's
+                    // block count at submit; each payload address is a
+                    // pinned slot's, unchanged until unpinned once the CRCs
+                    // queued after it (same stream) have landed.
+                    unsafe { copier.scatter_pieces(&memory.kv, &blocks[..ok], &pinned.addresses, pieces.clone()) }?;
+                    layers.recorded(request, &Arc::new(copier.record()?), last_layer(g));
+                }
+                // SAFETY: as above.
+                unsafe { copier.segment_crcs_queued(&memory.kv, &blocks[..ok], segment_bytes) }.map(Some)
+            }
+            GpuPath::CopyEngine => {
+                let more = |through: usize, sources: &mut Vec<*const u8>| {
+                    pin_checked_through(&mut pinned, pins, reader, memory, keys, table, through);
+                    sources.extend_from_slice(&pinned.hosts[sources.len().min(pinned.hosts.len())..]);
+                };
+                // SAFETY: as above; each host address is a pinned slot's
+                // payload in the registered arena, unchanged until the
+                // returned CRCs have landed (after every copy and kernel).
+                let (_, crcs) = unsafe {
+                    copier.load_staged(&memory.kv, blocks, segment_bytes, &groups, more, |g| {
+                        layers.recorded(request, &Arc::new(copier.record()?), last_layer(g));
+                        Ok(())
+                    })
+                }?;
+                Ok(crcs)
+            }
         }
-        // SAFETY: as above.
-        unsafe { copier.segment_crcs_queued(&memory.kv, &blocks[..ok], segment_bytes) }.map(Some)
     })();
+    let Pinned { mut statuses, held, stored_crcs, .. } = pinned;
+    let ok = held.len();
     layers.finished(request);
     let crcs = match queued {
         Ok(crcs) => crcs,
@@ -440,35 +503,30 @@ fn load_pinned_run(
     let ok = held.len();
     if ok > 0 {
         let copier = &memory.gpu.copier;
-        // SAFETY: the blocks were checked against the memory's block count
-        // at submit; each payload address is a pinned slot's (unchanged
-        // until unpinned below, after the stream has passed the kernel:
-        // segment_crcs waits for its result on the same stream).
-        let moved = match memory.path {
-            // SAFETY: as above.
-            GpuPath::Direct => unsafe { copier.scatter(&memory.kv, &blocks[..ok], &addresses) },
-            GpuPath::CopyEngine => match memory.device_staging() {
-                Ok(staging) => (|| {
-                    let len = memory.block_bytes();
-                    for (host, &device) in hosts.iter().zip(&staging) {
-                        // SAFETY: a pinned, registered slot payload of `len`
-                        // bytes into a staging block of `len` bytes (ok <=
-                        // STAGING_BLOCKS: a turn's size on this path).
-                        unsafe { copier.copy_to_device(device, *host, len) }?;
-                    }
-                    // SAFETY: the staging blocks hold the payloads (same
-                    // stream, after the copies).
-                    unsafe { copier.scatter(&memory.kv, &blocks[..ok], &staging[..ok]) }
-                })(),
-                Err(_) => Err(lake_kernels::GpuError("no HBM for the staging buffer".into())),
-            },
-        };
-        let landed = moved
-            .and_then(|()| {
+        let landed = if memory.path == GpuPath::CopyEngine && memory.layered_fits() {
+            // The copy engines into the staging region; the CRCs of what
+            // crossed the bus.
+            let groups = memory.layer_groups();
+            let all = |n: usize, s: &mut Vec<*const u8>| s.extend_from_slice(&hosts[s.len()..n]);
+            // SAFETY: the blocks were checked against the memory's block
+            // count at submit; each host address is a pinned slot's
+            // payload in the registered arena, unpinned below only after
+            // the streams are synchronized.
+            unsafe { copier.load_staged(&memory.kv, &blocks[..ok], segment_bytes, &groups, all, |_| Ok(())) }.and_then(
+                |(_, crcs)| {
+                    copier.synchronize()?;
+                    let mut crcs = crcs.ok_or_else(|| lake_kernels::GpuError("nothing loaded".into()))?;
+                    crcs.take_ready()?.ok_or_else(|| lake_kernels::GpuError("CRCs not back".into()))
+                },
+            )
+        } else {
+            // SAFETY: as above, the payload addresses device-mapped; the
+            // CRCs are computed on the same stream after the kernel.
+            unsafe { copier.scatter(&memory.kv, &blocks[..ok], &addresses) }
                 // SAFETY: as above.
-                unsafe { copier.segment_crcs(&memory.kv, &blocks[..ok], segment_bytes) }
-            })
-            .and_then(|crcs| copier.synchronize().map(|()| crcs));
+                .and_then(|()| unsafe { copier.segment_crcs(&memory.kv, &blocks[..ok], segment_bytes) })
+                .and_then(|crcs| copier.synchronize().map(|()| crcs))
+        };
         match landed {
             Ok(crcs) => {
                 let per_block = crcs.len() / ok;
@@ -497,7 +555,7 @@ fn load_pinned_run(
 
 /// Blocks through the agent (leases, lower-tier loads, CPU CRC checks)
 /// into the staging buffer, then one scatter kernel.
-fn load_staged(
+fn load_fetched(
     agent: &mut Agent,
     memory: &GpuMemory,
     keys: &[BlockKey],
@@ -611,31 +669,22 @@ pub(crate) fn save(
         let saved_before = agent.stats.saves;
         agent.save_prepared(&prepared, |bodies| {
             let ids: Vec<u32> = bodies.iter().map(|&(i, _)| blocks[first + i]).collect();
-            let moved = match memory.path {
-                GpuPath::Direct => {
-                    let addresses: Option<Vec<u64>> =
-                        bodies.iter().map(|&(_, body)| memory.gpu.arena_address(body)).collect();
-                    let Some(addresses) = addresses else { return false };
-                    // SAFETY: the bodies are reserved slots of the
-                    // registered arena, `len` bytes each; the stream is
-                    // synchronized before they are committed.
-                    unsafe { copier.gather(&memory.kv, &ids, &addresses) }
-                }
-                GpuPath::CopyEngine => {
-                    let Ok(staging) = memory.device_staging() else { return false };
-                    // SAFETY: staging blocks of `len` bytes (a turn is at
-                    // most STAGING_BLOCKS blocks).
-                    let gathered = unsafe { copier.gather(&memory.kv, &ids, &staging[..ids.len()]) };
-                    gathered.and_then(|()| {
-                        for (&(_, body), &device) in bodies.iter().zip(&staging) {
-                            // SAFETY: a reserved, registered slot body of
-                            // `len` bytes, written by this copy only;
-                            // synchronized before the commit.
-                            unsafe { copier.copy_to_host(body, device, len) }?;
-                        }
-                        Ok(())
-                    })
-                }
+            // Blocks larger than a staging unit cross the bus by the kernel.
+            let staged = memory.path == GpuPath::CopyEngine && len <= lake_kernels::STAGING_UNIT_BYTES;
+            let moved = if staged {
+                let destinations: Vec<*mut u8> = bodies.iter().map(|&(_, body)| body).collect();
+                // SAFETY: the bodies are reserved slots of the registered
+                // arena, `len` bytes each, written by these copies only; the
+                // streams are synchronized before they are committed.
+                unsafe { copier.save_staged(&memory.kv, &ids, &destinations) }
+            } else {
+                let addresses: Option<Vec<u64>> =
+                    bodies.iter().map(|&(_, body)| memory.gpu.arena_address(body)).collect();
+                let Some(addresses) = addresses else { return false };
+                // SAFETY: the bodies are reserved slots of the registered
+                // arena, `len` bytes each; the stream is synchronized before
+                // they are committed.
+                unsafe { copier.gather(&memory.kv, &ids, &addresses) }
             };
             moved.and_then(|()| copier.synchronize()).is_ok()
         });

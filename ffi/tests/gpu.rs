@@ -237,24 +237,27 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
         }
     }
 
-    // Layer by layer: B zeroed, loaded again; an engine stream waits for
-    // each layer on the GPU and reads B right after, before anyone polls.
-    let mut b = b;
-    for tensor in &mut b {
-        stream.memset_zeros(tensor).unwrap();
-    }
-    stream.synchronize().unwrap();
+    // Layer by layer, on both paths: B and C zeroed, loaded again; an
+    // engine stream waits for each layer on the GPU and reads the tensors
+    // right after, before anyone polls.
     let engine = ctx.new_stream().unwrap();
-    let request = submit(memory_b, 6);
-    for layer in 0..LAYERS as u32 {
-        // SAFETY: a live stream of device 0's primary context.
-        ok(unsafe { lake_wait_layer(handle, request, layer, engine.cu_stream() as u64) }, "wait for a layer");
+    let mut request = 0;
+    for (memory, mut tensors) in [(memory_b, b), (memory_c, c)] {
+        for tensor in &mut tensors {
+            stream.memset_zeros(tensor).unwrap();
+        }
+        stream.synchronize().unwrap();
+        request = submit(memory, 6);
+        for layer in 0..LAYERS as u32 {
+            // SAFETY: a live stream of device 0's primary context.
+            ok(unsafe { lake_wait_layer(handle, request, layer, engine.cu_stream() as u64) }, "wait for a layer");
+        }
+        let host: Vec<Vec<u8>> = tensors.iter().map(|t| engine.clone_dtoh(t).unwrap()).collect();
+        for (i, (&f, &t)) in from.iter().zip(&into).enumerate() {
+            assert!(block(true, &host, t as usize) == block(false, &host_a, f as usize), "layered {memory} block {i}");
+        }
+        assert_eq!(statuses(handle, request, 6), [LakeStatus::LakeOk; 6], "the layered load's completions");
     }
-    let host: Vec<Vec<u8>> = b.iter().map(|t| engine.clone_dtoh(t).unwrap()).collect();
-    for (i, (&f, &t)) in from.iter().zip(&into).enumerate() {
-        assert!(block(true, &host, t as usize) == block(false, &host_a, f as usize), "layered block {i}");
-    }
-    assert_eq!(statuses(handle, request, 6), [LakeStatus::LakeOk; 6], "the layered load's completions");
     // SAFETY: 0 is the legacy default stream.
     assert_eq!(unsafe { lake_wait_layer(handle, request, LAYERS as u32, 0) }, LakeStatus::LakeInvalidArgument);
     // SAFETY: as above.

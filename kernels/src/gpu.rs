@@ -10,7 +10,7 @@ use cudarc::driver::{
 };
 
 use crate::crc::{Shift, chunk_bytes};
-use crate::source::{CRC_CHUNKS, CRC_FOLD, GATHER, SCATTER, SOURCE};
+use crate::source::{CRC_CHUNKS, CRC_FOLD, CRC_RUNS, GATHER, SCATTER, SOURCE};
 
 /// Why the GPU path is not available, or failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +98,15 @@ pub struct KvCopier {
     scatter: CudaFunction,
     crc_chunks: CudaFunction,
     crc_fold: CudaFunction,
+    crc_runs: CudaFunction,
+    /// The stream the copy engines' work of a staged load goes on.
+    copy_stream: Arc<CudaStream>,
+    /// The HBM staging region of staged loads (made on first use).
+    staging: Mutex<Option<Staging>>,
+    /// Whether batched copies are tried (`cuMemcpyBatchAsync_v2`: drivers of
+    /// CUDA 13 and later); cleared the first time the driver refuses one,
+    /// then copies go one by one.
+    batch_copies: std::sync::atomic::AtomicBool,
     descriptors: Mutex<Descriptors>,
     /// The CRC fold's shift tables on the device, per chunk size.
     shifts: Mutex<Vec<(usize, Arc<CudaSlice<u32>>)>>,
@@ -112,11 +121,38 @@ const THREADS: u32 = 256;
 /// that a launch of a few blocks still runs on many SMs.
 const CHUNK_BYTES: usize = 4096;
 
+/// Bytes one GPU thread checksums at most: the CRC is a serial chain per
+/// thread, so the GPU needs many short chunks in flight to keep up with
+/// the bus (the fold joins them into segment CRCs).
+const CRC_CHUNK_MAX: usize = 1024;
+
 /// Blocks one launch takes at most (a larger batch is several launches).
 const SLOT_BLOCKS: usize = 4096;
 
 /// Launches whose descriptors can be in flight at once.
 const SLOTS: usize = 64;
+
+/// Bytes of one unit of the HBM staging region, and units in it: a staged
+/// load moves a unit's worth of blocks' layer group across the bus with
+/// the copy engines while the kernels change the layout of the unit
+/// before it, so the region bounds the HBM a load borrows from the engine.
+pub const STAGING_UNIT_BYTES: usize = 32 << 20;
+/// See [`STAGING_UNIT_BYTES`].
+pub const STAGING_UNITS: usize = 4;
+
+/// The HBM staging region: `STAGING_UNITS` units, each with the event its
+/// copies were queued before (the kernels wait for it) and the event its
+/// kernels were queued before (the next copies into it wait for that).
+#[derive(Debug)]
+struct Staging {
+    /// The region's memory (held for `base`).
+    _memory: CudaSlice<u8>,
+    base: u64,
+    copied: Vec<CudaEvent>,
+    freed: Vec<CudaEvent>,
+    used: Vec<bool>,
+    next: usize,
+}
 
 /// Launch descriptors — payload addresses and engine block ids — live in
 /// page-locked, device-mapped host memory: a launch writes them with plain
@@ -219,18 +255,43 @@ impl KvCopier {
         let scatter = module.load_function(SCATTER).map_err(driver("finding the scatter kernel"))?;
         let crc_chunks = module.load_function(CRC_CHUNKS).map_err(driver("finding the CRC kernel"))?;
         let crc_fold = module.load_function(CRC_FOLD).map_err(driver("finding the CRC fold kernel"))?;
+        let crc_runs = module.load_function(CRC_RUNS).map_err(driver("finding the CRC kernel of runs"))?;
+        let copy_stream = ctx.new_stream().map_err(driver("creating a copy stream"))?;
+        // Entry points newer drivers have (cudarc panics on a missing one:
+        // asked for only where the driver's version has them).
+        let mut version = 0;
+        // SAFETY: writes one int.
+        unsafe { sys::cuDriverGetVersion(&raw mut version) }.result().map_err(driver("the driver's version"))?;
+        if version >= 12_040 {
+            // Loaded now, not at each kernel's first launch (the driver
+            // loads modules lazily): a first request pays no JIT.
+            for function in [&gather, &scatter, &crc_chunks, &crc_fold, &crc_runs] {
+                // SAFETY: a function of a module loaded in this context.
+                unsafe { sys::cuFuncLoad(function.cu_function()) }.result().map_err(driver("loading a kernel"))?;
+            }
+        }
         let descriptors = Mutex::new(Descriptors::new(&ctx)?);
-        Ok(Self {
+        let mut copier = Self {
             ctx,
             stream,
             gather,
             scatter,
             crc_chunks,
             crc_fold,
+            crc_runs,
+            copy_stream,
+            staging: Mutex::new(None),
+            batch_copies: std::sync::atomic::AtomicBool::new(version >= 13_000),
             descriptors,
             shifts: Mutex::new(Vec::new()),
             crc_hosts: Arc::new(Mutex::new(Vec::new())),
-        })
+        };
+        // The staging region is the pool's from the start: a first load
+        // does not pay for making it, and an engine that fills HBM later
+        // cannot leave Lake without one.
+        let staging = copier.new_staging()?;
+        copier.staging = Mutex::new(Some(staging));
+        Ok(copier)
     }
 
     /// The context.
@@ -431,13 +492,12 @@ impl KvCopier {
             }
             a
         };
-        let chunk = chunk_bytes(gcd(segment_bytes, block_bytes), 4096);
+        let chunk = chunk_bytes(gcd(segment_bytes, block_bytes), CRC_CHUNK_MAX);
         let too_many = |_| GpuError("too many chunks".into());
         let chunks_per_block = u32::try_from(block_bytes / chunk).map_err(too_many)?;
         let chunks_per_segment = u32::try_from(segment_bytes.min(block_bytes) / chunk).map_err(too_many)?;
         let segments = u32::try_from(block_bytes.div_ceil(segment_bytes)).map_err(too_many)?;
         let blocks = u32::try_from(engine_blocks.len()).map_err(too_many)?;
-        let count = segments as usize * engine_blocks.len();
         let chunk_u32 = u32::try_from(chunk).map_err(too_many)?;
         // Nothing below copies from pageable memory (that would wait for
         // the stream): block ids go through the mapped descriptor ring,
@@ -449,7 +509,6 @@ impl KvCopier {
             .stream
             .alloc_zeros::<u32>(chunks_per_block as usize * engine_blocks.len())
             .map_err(driver("allocating chunk CRCs"))?;
-        let mut segment_crcs = self.stream.alloc_zeros::<u32>(count).map_err(driver("allocating"))?;
         let config = LaunchConfig {
             grid_dim: (chunks_per_block.div_ceil(THREADS), blocks, 1),
             block_dim: (THREADS, 1, 1),
@@ -467,10 +526,26 @@ impl KvCopier {
         descriptors.events[slot].record(&self.stream).map_err(driver("recording an event"))?;
         descriptors.used[slot] = true;
         drop(descriptors);
+        self.fold_queued(chunk_crcs, &shift, chunks_per_block, chunks_per_segment, segments, blocks)
+    }
+
+    /// Folds chunk CRCs (`chunks_per_block` a block) into segment CRCs
+    /// on the stream and queues their copy to page-locked host memory.
+    fn fold_queued(
+        &self,
+        chunk_crcs: CudaSlice<u32>,
+        shift: &CudaSlice<u32>,
+        chunks_per_block: u32,
+        chunks_per_segment: u32,
+        segments: u32,
+        blocks: u32,
+    ) -> Result<QueuedCrcs, GpuError> {
+        let count = segments as usize * blocks as usize;
+        let mut segment_crcs = self.stream.alloc_zeros::<u32>(count).map_err(driver("allocating"))?;
         let config =
             LaunchConfig { grid_dim: (segments.div_ceil(64), blocks, 1), block_dim: (64, 1, 1), shared_mem_bytes: 0 };
         let mut args = self.stream.launch_builder(&self.crc_fold);
-        args.arg(&chunk_crcs).arg(&mut segment_crcs).arg(&*shift).arg(&chunks_per_block).arg(&chunks_per_segment);
+        args.arg(&chunk_crcs).arg(&mut segment_crcs).arg(shift).arg(&chunks_per_block).arg(&chunks_per_segment);
         args.arg(&segments);
         // SAFETY: the kernel's six parameters in order and type; reads the
         // chunk CRCs just computed, writes `segments` per block.
@@ -491,6 +566,272 @@ impl KvCopier {
         // The device buffers are stream-ordered: freed after the copy.
         drop((chunk_crcs, segment_crcs));
         Ok(QueuedCrcs { host: Some(host), count, done, spare: Arc::clone(&self.crc_hosts) })
+    }
+
+    /// Queues a load of whole blocks from registered host memory into
+    /// engine blocks `engine_blocks` through the HBM staging region, layer
+    /// group after layer group (`groups`: piece ranges in order, covering
+    /// the block): a unit of blocks' bytes of a group crosses the bus by the
+    /// copy engines (one batched copy, on a stream of their own) while the
+    /// kernels scatter the unit before it into the engine's layout and
+    /// compute its chunk CRCs from the staged bytes — exactly what crossed
+    /// the bus.
+    ///
+    /// The sources come as the first group goes: `sources_through(n, s)`
+    /// appends to `s` the payload addresses (`kv.block_bytes()` each) of
+    /// blocks `s.len()..n` — fewer where a block cannot be read, which ends
+    /// the load there — so the caller checks a unit of blocks while the
+    /// one before is on the bus. `group_queued(g)` runs once group `g`'s
+    /// scatters are on the stream (a caller records its layer event there).
+    /// Returns how many blocks were loaded and, if any, their segment CRCs
+    /// (`segment_bytes` each, as [`KvCopier::segment_crcs`]) queued.
+    /// Nothing is queued unless the load is valid: blocks `1..=4096`,
+    /// groups covering the pieces, each group of a block at most
+    /// [`STAGING_UNIT_BYTES`].
+    ///
+    /// # Safety
+    ///
+    /// Every engine block id is below the engine's block count; every
+    /// source appended is registered host memory of a block's bytes,
+    /// unchanged until the returned CRCs are ready (or
+    /// [`KvCopier::synchronize`]).
+    pub unsafe fn load_staged(
+        &self,
+        kv: &DeviceKv,
+        engine_blocks: &[u32],
+        segment_bytes: usize,
+        groups: &[core::ops::Range<usize>],
+        mut sources_through: impl FnMut(usize, &mut Vec<*const u8>),
+        mut group_queued: impl FnMut(usize) -> Result<(), GpuError>,
+    ) -> Result<(usize, Option<QueuedCrcs>), GpuError> {
+        let mut count = engine_blocks.len();
+        let piece_bytes = kv.tokens as usize * kv.heads as usize * kv.head_bytes as usize;
+        let block_bytes = kv.block_bytes();
+        if count == 0 || count > SLOT_BLOCKS || segment_bytes == 0 {
+            return Err(GpuError(format!("a staged load takes 1..={SLOT_BLOCKS} blocks and a segment size")));
+        }
+        let mut covered = 0;
+        for range in groups {
+            if range.start != covered || range.is_empty() || range.len() * piece_bytes > STAGING_UNIT_BYTES {
+                return Err(GpuError(format!("layer groups {groups:?} of {} pieces", kv.count)));
+            }
+            covered = range.end;
+        }
+        if covered != kv.count {
+            return Err(GpuError(format!("layer groups {groups:?} of {} pieces", kv.count)));
+        }
+        let gcd = |mut a: usize, mut b: usize| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        // Group boundaries fall on pieces, segments on their size.
+        let chunk = chunk_bytes(gcd(gcd(segment_bytes, block_bytes), piece_bytes), CRC_CHUNK_MAX);
+        let too_many = |_| GpuError("too many chunks".into());
+        let chunks_per_block = u32::try_from(block_bytes / chunk).map_err(too_many)?;
+        let chunks_per_segment = u32::try_from(segment_bytes.min(block_bytes) / chunk).map_err(too_many)?;
+        let segments = u32::try_from(block_bytes.div_ceil(segment_bytes)).map_err(too_many)?;
+        let chunk_u32 = u32::try_from(chunk).map_err(too_many)?;
+        let shift = self.shift(chunk)?;
+        let mut staging = self.staging.lock().map_err(|_| GpuError("staging lock poisoned".into()))?;
+        if staging.is_none() {
+            *staging = Some(self.new_staging()?);
+        }
+        let ring = staging.as_mut().ok_or_else(|| GpuError("no staging region".into()))?;
+        let mut chunk_crcs = self
+            .stream
+            .alloc_zeros::<u32>(chunks_per_block as usize * count)
+            .map_err(driver("allocating chunk CRCs"))?;
+        let mut sources: Vec<*const u8> = Vec::with_capacity(count);
+        for (g, range) in groups.iter().enumerate() {
+            let offset = range.start * piece_bytes;
+            let run = range.len() * piece_bytes;
+            let per_unit = STAGING_UNIT_BYTES / run;
+            let first_chunk = u32::try_from(offset / chunk).map_err(too_many)?;
+            let chunks = u32::try_from(run / chunk).map_err(too_many)?;
+            for first in (0..count).step_by(per_unit) {
+                let mut last = (first + per_unit).min(count);
+                if g == 0 {
+                    sources_through(last, &mut sources);
+                    if sources.len() < last {
+                        // A block that cannot be read ends the load.
+                        count = sources.len().min(count);
+                        last = count;
+                    }
+                }
+                if last <= first {
+                    break;
+                }
+                let unit = ring.next;
+                ring.next = (unit + 1) % STAGING_UNITS;
+                let base = ring.base + (unit * STAGING_UNIT_BYTES) as u64;
+                if ring.used[unit] {
+                    // The unit's last kernels must have read it.
+                    self.copy_stream.wait(&ring.freed[unit]).map_err(driver("ordering a staging unit"))?;
+                }
+                let mut destinations: Vec<u64> = (0..last - first).map(|j| base + (j * run) as u64).collect();
+                let mut from: Vec<u64> = sources[first..last].iter().map(|s| s.wrapping_add(offset) as u64).collect();
+                // SAFETY: each destination is `run` bytes inside this unit
+                // (at most STAGING_UNIT_BYTES / run runs); each source is
+                // the group's `run` bytes inside a block's registered
+                // payload (contract; offset + run <= block_bytes).
+                unsafe { self.copy_batch(&mut destinations, &mut from, run) }?;
+                ring.copied[unit].record(&self.copy_stream).map_err(driver("recording a copy"))?;
+                self.stream.wait(&ring.copied[unit]).map_err(driver("ordering the kernels after a copy"))?;
+                // The scatter addresses a payload by its start: the run
+                // sits where piece `range.start` would.
+                let payloads: Vec<u64> = destinations.iter().map(|d| d.wrapping_sub(offset as u64)).collect();
+                self.launch(&self.scatter, kv, &engine_blocks[first..last], &payloads, range.clone())?;
+                let runs = u32::try_from(last - first).map_err(too_many)?;
+                let first_block = u32::try_from(first).map_err(too_many)?;
+                let config = LaunchConfig {
+                    grid_dim: (chunks.div_ceil(THREADS), runs, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let run_stride = run as u64;
+                let mut args = self.stream.launch_builder(&self.crc_runs);
+                args.arg(&base).arg(&run_stride).arg(&mut chunk_crcs).arg(&chunk_u32).arg(&chunks);
+                args.arg(&chunks_per_block).arg(&first_chunk).arg(&first_block);
+                // SAFETY: the kernel's eight parameters in order and type;
+                // reads `runs` runs of `chunks` chunks inside this staging
+                // unit, writes rows `first..last` (each `chunks_per_block`,
+                // columns from `first_chunk`, inside it: offset + run <=
+                // block_bytes) of an allocation of `count` rows.
+                unsafe { args.launch(config) }.map_err(driver("launching the CRC kernel of runs"))?;
+                ring.freed[unit].record(&self.stream).map_err(driver("recording a staging unit's kernels"))?;
+                ring.used[unit] = true;
+            }
+            if count == 0 {
+                return Ok((0, None));
+            }
+            group_queued(g)?;
+        }
+        drop(staging);
+        let blocks = u32::try_from(count).map_err(too_many)?;
+        let crcs = self.fold_queued(chunk_crcs, &shift, chunks_per_block, chunks_per_segment, segments, blocks)?;
+        Ok((count, Some(crcs)))
+    }
+
+    /// Queues a save of whole engine blocks into registered host memory
+    /// (`destinations[i]`, `kv.block_bytes()` each, for engine block
+    /// `engine_blocks[i]`) through the HBM staging region: a unit of blocks
+    /// is gathered into Lake's order in HBM by the kernel while the copy
+    /// engines carry the unit before it across the bus (one batched copy
+    /// on their own stream). Done once [`KvCopier::synchronize`] returns.
+    /// Nothing is queued unless every block fits a staging unit.
+    ///
+    /// # Safety
+    ///
+    /// Every engine block id is below the engine's block count; every
+    /// destination is registered host memory of a block's bytes, not read
+    /// or written by anyone else until the synchronize.
+    pub unsafe fn save_staged(
+        &self,
+        kv: &DeviceKv,
+        engine_blocks: &[u32],
+        destinations: &[*mut u8],
+    ) -> Result<(), GpuError> {
+        let block_bytes = kv.block_bytes();
+        if engine_blocks.len() != destinations.len() || block_bytes > STAGING_UNIT_BYTES || block_bytes == 0 {
+            return Err(GpuError(format!(
+                "a staged save takes a destination a block and blocks of at most {STAGING_UNIT_BYTES} bytes"
+            )));
+        }
+        let per_unit = STAGING_UNIT_BYTES / block_bytes;
+        let mut staging = self.staging.lock().map_err(|_| GpuError("staging lock poisoned".into()))?;
+        let ring = staging.as_mut().ok_or_else(|| GpuError("no staging region".into()))?;
+        for first in (0..engine_blocks.len()).step_by(per_unit) {
+            let last = (first + per_unit).min(engine_blocks.len());
+            let unit = ring.next;
+            ring.next = (unit + 1) % STAGING_UNITS;
+            let base = ring.base + (unit * STAGING_UNIT_BYTES) as u64;
+            if ring.used[unit] {
+                // The unit's last copies (or a load's kernels) must be done.
+                self.stream.wait(&ring.freed[unit]).map_err(driver("ordering a staging unit"))?;
+            }
+            let mut staged: Vec<u64> = (0..last - first).map(|j| base + (j * block_bytes) as u64).collect();
+            self.launch(&self.gather, kv, &engine_blocks[first..last], &staged, 0..kv.count)?;
+            ring.copied[unit].record(&self.stream).map_err(driver("recording a gather"))?;
+            self.copy_stream.wait(&ring.copied[unit]).map_err(driver("ordering copies after a gather"))?;
+            let mut to: Vec<u64> = destinations[first..last].iter().map(|&d| d as u64).collect();
+            // SAFETY: each source is a block inside this unit; each
+            // destination a registered block (contract).
+            unsafe { self.copy_batch(&mut to, &mut staged, block_bytes) }?;
+            ring.freed[unit].record(&self.copy_stream).map_err(driver("recording a staging unit's copies"))?;
+            ring.used[unit] = true;
+        }
+        Ok(())
+    }
+
+    /// The HBM staging region, ready for the copy stream.
+    fn new_staging(&self) -> Result<Staging, GpuError> {
+        let buffer = self
+            .stream
+            .alloc_zeros::<u8>(STAGING_UNITS * STAGING_UNIT_BYTES)
+            .map_err(driver("allocating the HBM staging region"))?;
+        let base = self.address(&buffer);
+        // Made on the kernels' stream; the copy stream writes it next.
+        self.stream.synchronize().map_err(driver("making the staging region"))?;
+        let event = || self.ctx.new_event(None).map_err(driver("creating an event"));
+        let copied = (0..STAGING_UNITS).map(|_| event()).collect::<Result<Vec<_>, _>>()?;
+        let freed = (0..STAGING_UNITS).map(|_| event()).collect::<Result<Vec<_>, _>>()?;
+        Ok(Staging { _memory: buffer, base, copied, freed, used: vec![false; STAGING_UNITS], next: 0 })
+    }
+
+    /// Queues copies of `len` bytes each between the staging region and
+    /// registered host memory, either way, on the copy stream: one batched
+    /// call where the driver takes it, else one call a copy.
+    ///
+    /// # Safety
+    ///
+    /// Every range is device memory or registered host memory, valid for
+    /// `len` bytes until the copy stream passes them.
+    unsafe fn copy_batch(&self, destinations: &mut [u64], sources: &mut [u64], len: usize) -> Result<(), GpuError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        let stream = self.copy_stream.cu_stream();
+        if self.batch_copies.load(Relaxed) {
+            let mut sizes = vec![len; destinations.len()];
+            let nowhere = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID, id: 0 };
+            let mut attributes = sys::CUmemcpyAttributes {
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: nowhere,
+                dstLocHint: nowhere,
+                flags: 0,
+            };
+            let mut applies_from = 0usize;
+            // SAFETY: three arrays of `destinations.len()` entries, one
+            // attribute set applying from copy 0, a live stream; the
+            // ranges are valid (contract).
+            let batched = unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    destinations.as_mut_ptr(),
+                    sources.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    destinations.len(),
+                    &raw mut attributes,
+                    &raw mut applies_from,
+                    1,
+                    stream,
+                )
+            };
+            if batched.result().is_ok() {
+                return Ok(());
+            }
+            // An older driver: copy one by one from now on (a copy the
+            // refused batch did queue is queued again, the same bytes).
+            self.batch_copies.store(false, Relaxed);
+        }
+        for (&destination, &source) in destinations.iter().zip(sources.iter()) {
+            // SAFETY: valid ranges (contract), a live stream; the driver
+            // tells host from device memory by address (unified).
+            unsafe { sys::cuMemcpyAsync(destination, source, len, stream) }
+                .result()
+                .map_err(driver("copying through the staging region"))?;
+        }
+        Ok(())
     }
 
     /// The fold's shift table for `chunk`-byte chunks, on the device.
@@ -521,6 +862,7 @@ impl KvCopier {
     /// Waits for everything queued on the stream (tests and benchmarks;
     /// the data plane polls events instead).
     pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.copy_stream.synchronize().map_err(driver("synchronizing the copy stream"))?;
         self.stream.synchronize().map_err(driver("synchronizing"))
     }
 

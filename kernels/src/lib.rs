@@ -7,10 +7,12 @@
 //! through `cudarc`'s dynamic loading, so this crate builds, and its tests
 //! skip with a printed reason, on machines with no CUDA toolkit or GPU.
 //!
-//! Status (issue \[5\] milestone (a), in progress): the gather and scatter
-//! kernels and their host side ([`KvCopier`], [`RegisteredHost`],
-//! [`probe`]); the segment CRCs on the GPU, the poller stage with events,
-//! layer-wise events and the bench come next.
+//! What is here: the gather and scatter kernels and their host side
+//! ([`KvCopier`], [`RegisteredHost`], [`probe`]); segment CRCs computed on
+//! the GPU; staged loads ([`KvCopier::load_staged`]: the copy engines move
+//! the bytes into an HBM staging region of [`STAGING_UNITS`] ×
+//! [`STAGING_UNIT_BYTES`] while the kernels change the layout of the unit
+//! before). The poller stage that completes loads lives in `lake-ffi`.
 
 #![warn(missing_docs)]
 
@@ -18,4 +20,6 @@ pub mod crc;
 mod gpu;
 pub mod source;
 
-pub use gpu::{DeviceKv, GpuError, KvCopier, Piece, QueuedCrcs, RegisteredHost, probe};
+pub use gpu::{
+    DeviceKv, GpuError, KvCopier, Piece, QueuedCrcs, RegisteredHost, STAGING_UNIT_BYTES, STAGING_UNITS, probe,
+};

@@ -18,6 +18,9 @@ pub const SCATTER: &str = "lake_scatter";
 pub const CRC_CHUNKS: &str = "lake_crc_chunks";
 /// See [`GATHER`]: chunk CRCs folded into segment CRCs.
 pub const CRC_FOLD: &str = "lake_crc_fold";
+/// See [`GATHER`]: the CRC of every chunk of payload runs laid out one
+/// after another (a staging unit in HBM).
+pub const CRC_RUNS: &str = "lake_crc_runs";
 
 /// The kernels.
 pub const SOURCE: &str = r#"
@@ -83,6 +86,55 @@ __device__ unsigned int crc_table_entry(unsigned int n)
     return c;
 }
 
+// The four slice-by-4 tables in shared memory: table k, entry n = the CRC
+// register after byte n and k zero bytes. Every thread of the block calls
+// it (it synchronizes them).
+__device__ void crc_tables(unsigned int* t)
+{
+    for (unsigned int n = threadIdx.x; n < 256; n += blockDim.x) {
+        unsigned int c = crc_table_entry(n);
+        t[n] = c;
+        for (int k = 1; k < 4; k++) {
+            c = (c >> 8) ^ crc_table_entry(c & 0xffu);
+            t[k * 256 + n] = c;
+        }
+    }
+    __syncthreads();
+}
+
+// Four bytes (little-endian in `w`) into the CRC register.
+__device__ __forceinline__ unsigned int crc_word(const unsigned int* t, unsigned int crc, unsigned int w)
+{
+    crc ^= w;
+    return t[768 + (crc & 0xffu)] ^ t[512 + ((crc >> 8) & 0xffu)] ^ t[256 + ((crc >> 16) & 0xffu)] ^ t[crc >> 24];
+}
+
+// `len` bytes at `src` into the CRC register: 16-byte loads where the
+// address and length allow, words, else bytes.
+__device__ __forceinline__ unsigned int crc_run(const unsigned int* t, unsigned int crc, const unsigned char* src, u64 len)
+{
+    if ((((u64)src | len) & 15) == 0) {
+        const uint4* words = (const uint4*)src;
+        for (u64 w = 0; w < len / 16; w++) {
+            const uint4 v = words[w];
+            crc = crc_word(t, crc, v.x);
+            crc = crc_word(t, crc, v.y);
+            crc = crc_word(t, crc, v.z);
+            crc = crc_word(t, crc, v.w);
+        }
+    } else if ((((u64)src | len) & 3) == 0) {
+        const unsigned int* words = (const unsigned int*)src;
+        for (u64 w = 0; w < len / 4; w++) {
+            crc = crc_word(t, crc, words[w]);
+        }
+    } else {
+        for (u64 k = 0; k < len; k++) {
+            crc = t[(crc ^ src[k]) & 0xffu] ^ (crc >> 8);
+        }
+    }
+    return crc;
+}
+
 // CRC-32 (IEEE, reflected, as crc32fast) of chunk `c` of the payload of
 // engine block `engine_blocks[blockIdx.y]`, read from the engine's own
 // memory in Lake's payload order. One thread per chunk.
@@ -91,11 +143,8 @@ extern "C" __global__ void lake_crc_chunks(
     unsigned int tokens, unsigned int heads, unsigned int head_bytes,
     unsigned int chunk_bytes, unsigned int chunks_per_block)
 {
-    __shared__ unsigned int table[256];
-    for (unsigned int n = threadIdx.x; n < 256; n += blockDim.x) {
-        table[n] = crc_table_entry(n);
-    }
-    __syncthreads();
+    __shared__ unsigned int table[1024];
+    crc_tables(table);
     const unsigned int c = blockIdx.x * blockDim.x + threadIdx.x;
     const unsigned int i = blockIdx.y;
     if (c >= chunks_per_block) {
@@ -116,12 +165,30 @@ extern "C" __global__ void lake_crc_chunks(
         const unsigned char* src = (const unsigned char*)(pc.base
             + (long long)engine_blocks[i] * pc.block_stride + t * pc.token_stride + h * pc.head_stride) + in_unit;
         const u64 run = min((u64)(head_bytes - in_unit), end - off);
-        for (u64 k = 0; k < run; k++) {
-            crc = table[(crc ^ src[k]) & 0xffu] ^ (crc >> 8);
-        }
+        crc = crc_run(table, crc, src, run);
         off += run;
     }
     chunk_crcs[(u64)i * chunks_per_block + c] = crc ^ 0xffffffffu;
+}
+
+// CRC-32 of chunk `c` of run `blockIdx.y` of a staging unit — runs of
+// payload bytes `run_stride` apart from `base`, run y belonging to block
+// `first_block + y` and starting at its chunk `first_chunk` — into that
+// block's row of `chunk_crcs` (`chunks_per_block` a row). One thread per
+// chunk.
+extern "C" __global__ void lake_crc_runs(
+    u64 base, u64 run_stride, unsigned int* chunk_crcs, unsigned int chunk_bytes, unsigned int chunks,
+    unsigned int chunks_per_block, unsigned int first_chunk, unsigned int first_block)
+{
+    __shared__ unsigned int table[1024];
+    crc_tables(table);
+    const unsigned int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= chunks) {
+        return;
+    }
+    const unsigned char* start = (const unsigned char*)(base + (u64)blockIdx.y * run_stride + (u64)c * chunk_bytes);
+    const unsigned int crc = crc_run(table, 0xffffffffu, start, chunk_bytes);
+    chunk_crcs[(u64)(first_block + blockIdx.y) * chunks_per_block + first_chunk + c] = crc ^ 0xffffffffu;
 }
 
 // Folds equal-sized chunk CRCs into segment CRCs: crc(A||B) = shift(crc(A))

@@ -4,7 +4,9 @@
 //! registered host memory in Lake's canonical payload order (checked byte
 //! for byte against a CPU reference) and scattered back into another
 //! layout's tensors (checked element for element, other blocks untouched);
-//! segment CRCs computed on the GPU equal the CRCs of the payload.
+//! segment CRCs computed on the GPU equal the CRCs of the payload; staged
+//! loads (copy engines into HBM, then the scatter) land the same bytes and
+//! report a corrupted segment.
 //! Skips, saying why, where there is no CUDA driver, NVRTC or GPU (CI).
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap, clippy::cast_sign_loss)] // test geometry
@@ -201,6 +203,74 @@ fn every_vllm_layout_gathers_in_lake_order_and_scatters_into_any_other_bit_exact
         for b in (0..BLOCKS).filter(|b| !into.contains(&(*b as u32))) {
             assert!(canonical(loader, &loaded, b).iter().all(|&x| x == 0), "{loader:?}: block {b} was written");
         }
+
+        // The staged path: the copy engines into the HBM staging region,
+        // a layer a group, the scatter and the CRCs of what crossed the
+        // bus behind them.
+        let zeros: Vec<_> =
+            (0..LAYERS).map(|_| stream.alloc_zeros::<u8>(loader.elements() * ELEMENT).unwrap()).collect();
+        let bases: Vec<u64> = zeros.iter().map(|t| copier.address(t)).collect();
+        let target = copier.describe(&loader.pieces(&bases), TOKENS as u32, heads, head_bytes).unwrap();
+        let sources: Vec<*const u8> =
+            (0..from.len()).map(|i| payload.ptr.wrapping_add(i * block_bytes).cast_const()).collect();
+        let planes = loader.planes();
+        let groups: Vec<_> = (0..LAYERS).map(|l| l * planes..(l + 1) * planes).collect();
+        let expected: Vec<u32> =
+            payload.bytes()[..from.len() * block_bytes].chunks(layer_bytes).map(crc32fast::hash).collect();
+        let mut queued = Vec::new();
+        let all = |n: usize, s: &mut Vec<*const u8>| s.extend_from_slice(&sources[s.len()..n]);
+        // SAFETY: block ids below BLOCKS; every source is a block's payload
+        // in registered memory, unchanged until the synchronize.
+        let (landed, crcs) = unsafe {
+            copier.load_staged(&target, &into, layer_bytes, &groups, all, |g| {
+                queued.push(g);
+                Ok(())
+            })
+        }
+        .unwrap();
+        let mut crcs = crcs.unwrap();
+        copier.synchronize().unwrap();
+        assert_eq!(landed, into.len());
+        assert_eq!(queued, (0..LAYERS).collect::<Vec<_>>(), "a callback per layer group, in order");
+        assert_eq!(crcs.take_ready().unwrap(), Some(expected.clone()), "{saver:?} -> {loader:?}: staged CRCs");
+        let loaded: Vec<Vec<u8>> = zeros.iter().map(|t| stream.clone_dtoh(t).unwrap()).collect();
+        for (i, &b) in into.iter().enumerate() {
+            assert!(
+                canonical(loader, &loaded, b as usize) == canonical(saver, &host, from[i] as usize),
+                "staged {saver:?} -> {loader:?}: block {b}"
+            );
+        }
+        for b in (0..BLOCKS).filter(|b| !into.contains(&(*b as u32))) {
+            assert!(canonical(loader, &loaded, b).iter().all(|&x| x == 0), "staged {loader:?}: block {b} was written");
+        }
+        // A byte of the second block's first layer flipped in host memory:
+        // that segment's CRC, and only that one, differs from the stored.
+        let byte = payload.ptr.wrapping_add(block_bytes + 7);
+        // SAFETY: inside the payload allocation; no copy in flight.
+        unsafe { *byte ^= 0x40 };
+        // SAFETY: as above.
+        let (_, crcs) = unsafe { copier.load_staged(&target, &into, layer_bytes, &groups, all, |_| Ok(())) }.unwrap();
+        copier.synchronize().unwrap();
+        let got = crcs.unwrap().take_ready().unwrap().unwrap();
+        let differ: Vec<usize> = (0..got.len()).filter(|&i| got[i] != expected[i]).collect();
+        assert_eq!(differ, vec![LAYERS], "{saver:?}: the corrupted segment is the one reported");
+        // A source that cannot be read (the caller's check failed) ends the
+        // load there: two of three blocks, their CRCs only.
+        let two = |n: usize, s: &mut Vec<*const u8>| s.extend_from_slice(&sources[s.len()..n.min(2)]);
+        // SAFETY: as above.
+        let (landed, crcs) =
+            unsafe { copier.load_staged(&target, &into, layer_bytes, &groups, two, |_| Ok(())) }.unwrap();
+        copier.synchronize().unwrap();
+        assert_eq!(landed, 2, "the load ends at the block with no source");
+        assert_eq!(crcs.unwrap().take_ready().unwrap().unwrap().len(), 2 * LAYERS);
+        // SAFETY: as above.
+        let none = unsafe { copier.load_staged(&target, &into, layer_bytes, &groups, |_, _| {}, |_| Ok(())) }.unwrap();
+        assert!(none.0 == 0 && none.1.is_none(), "no source at all: nothing queued");
+        // Layer groups that do not cover the block are refused before
+        // anything is queued.
+        // SAFETY: as above.
+        let refused = unsafe { copier.load_staged(&target, &into, layer_bytes, &groups[1..], all, |_| Ok(())) };
+        assert!(refused.is_err(), "groups missing layer 0 refused");
         drop(registered);
     }
 }
