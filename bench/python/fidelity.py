@@ -174,13 +174,22 @@ class PagedCache:
                 self.layers[layer][plane].index_copy_(0, index, paged)
 
     def layer(self, layer, ids):
-        """One layer's K and V of blocks ``ids`` as (1, heads, tokens, dim)."""
-        index = torch.as_tensor(ids, device="cuda")
+        """One layer's K and V of blocks ``ids`` (a list, or an index tensor
+        already on the GPU) as (1, heads, tokens, dim)."""
+        index = ids if torch.is_tensor(ids) else torch.as_tensor(ids, device="cuda")
         out = []
         for plane in (0, 1):
             x = self.layers[layer][plane].index_select(0, index)
             out.append(x.reshape(len(ids) * BLOCK, self.heads, self.dim).transpose(0, 1).unsqueeze(0).contiguous())
         return out
+
+    def layer_into(self, layer, index, keys, values):
+        """One layer's K and V of the blocks of ``index`` (on the GPU)
+        copied into ``keys`` and ``values`` (1, heads, tokens, dim): one
+        gather and one strided copy a plane."""
+        for plane, out in ((0, keys), (1, values)):
+            x = self.layers[layer][plane].index_select(0, index)
+            out[0].copy_(x.view(-1, self.heads, self.dim).transpose(0, 1))
 
     def dynamic(self, ids):
         """A DynamicCache holding blocks ``ids`` (empty for none)."""
@@ -531,19 +540,20 @@ def ttft(args):
 
             def lake_layered():
                 found, table = handle.lookup(keys)
+                # The index goes to the GPU before the load: a copy from
+                # pageable memory inside a hook would hold the host until
+                # the stream reached it, behind that layer's wait.
+                index = torch.as_tensor(ids, device="cuda")
                 request = handle.submit_load(memory, keys, table, ids)
                 stream = torch.cuda.current_stream().cuda_stream
                 cache = engine.placeholder(n)
                 hooks = []
-                for index, block in enumerate(model.model.layers):
-                    def pre(module, inputs, index=index):
+                for layer_index, block in enumerate(model.model.layers):
+                    def pre(module, inputs, layer_index=layer_index):
                         # The layer's attention waits on the GPU (not the
                         # host) for its KV to land, then takes it.
-                        handle.wait_layer(request, index, stream)
-                        k, v = engine.layer(index, ids)
-                        keys_, values_ = layer_kv(cache)[index]
-                        keys_.copy_(k)
-                        values_.copy_(v)
+                        handle.wait_layer(request, layer_index, stream)
+                        engine.layer_into(layer_index, index, *layer_kv(cache)[layer_index])
                     hooks.append(block.register_forward_pre_hook(pre))
                 try:
                     logits = forward(model, prompt[n:], cache, n)
@@ -614,7 +624,7 @@ def main():
     parser.add_argument("--lake", required=True, help="the `lake` binary")
     parser.add_argument("--out", default=".")
     parser.add_argument("--seed", type=int, default=2026)
-    parser.add_argument("--gpu-path", default="direct", choices=["direct", "copy_engine"])
+    parser.add_argument("--gpu-path", default="copy_engine", choices=["direct", "copy_engine"])
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=8)
