@@ -272,6 +272,160 @@ fn raw_stream(total: u64, chunk: usize, spread: usize) -> Result<f64, String> {
     Ok(total as f64 / seconds / 1e9)
 }
 
+/// `SO_ZEROCOPY` (linux/asm-generic/socket.h): lets a socket take
+/// `MSG_ZEROCOPY` sends.
+const SO_ZEROCOPY: libc::c_int = 60;
+/// `SO_EE_ORIGIN_ZEROCOPY` (linux/errqueue.h): a send's pages released.
+const SO_EE_ORIGIN_ZEROCOPY: u8 = 5;
+/// `SO_EE_CODE_ZEROCOPY_COPIED`: the kernel copied after all.
+const SO_EE_CODE_ZEROCOPY_COPIED: u8 = 1;
+
+/// Source buffers a zero-copy stream cycles through (a buffer is reused
+/// only once the kernel says it let go of its pages).
+const ZEROCOPY_BUFFERS: usize = 64;
+
+/// Reads the zero-copy notifications queued on `fd`'s error queue (waits
+/// for one first if `wait`): returns how many sends they release, and how
+/// many of those the kernel copied anyway.
+fn reap_zerocopy(fd: libc::c_int, wait: bool, done: &mut u64, copied: &mut u64) -> Result<(), String> {
+    if wait {
+        let mut pfd = libc::pollfd { fd, events: 0, revents: 0 };
+        // SAFETY: one valid pollfd; POLLERR is always reported.
+        if unsafe { libc::poll(&raw mut pfd, 1, 1000) } < 0 {
+            return Err(std::io::Error::last_os_error().to_string());
+        }
+    }
+    loop {
+        let mut control = [0u64; 16];
+        let mut msg: libc::msghdr = empty_msghdr();
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = core::mem::size_of_val(&control) as _;
+        // SAFETY: a msghdr with no data buffers and a control buffer of
+        // its stated size.
+        let n = unsafe { libc::recvmsg(fd, &raw mut msg, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            return if e.kind() == std::io::ErrorKind::WouldBlock { Ok(()) } else { Err(e.to_string()) };
+        }
+        // SAFETY: the control buffer the kernel filled, walked with the
+        // libc macros within `msg_controllen`.
+        let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&raw const msg) };
+        while !cmsg.is_null() {
+            // SAFETY: a header inside the control buffer (CMSG_FIRSTHDR and
+            // CMSG_NXTHDR keep it inside).
+            let header = unsafe { cmsg.read_unaligned() };
+            let err = (header.cmsg_level == libc::SOL_IP && header.cmsg_type == libc::IP_RECVERR).then(|| {
+                // SAFETY: an IP_RECVERR message's data is a sock_extended_err.
+                let data = unsafe { libc::CMSG_DATA(cmsg) };
+                // SAFETY: as above, inside the control buffer.
+                unsafe { data.cast::<libc::sock_extended_err>().read_unaligned() }
+            });
+            // SAFETY: as above.
+            cmsg = unsafe { libc::CMSG_NXTHDR(&raw const msg, cmsg) };
+            if let Some(err) = err
+                && err.ee_origin == SO_EE_ORIGIN_ZEROCOPY
+            {
+                // Sends `ee_info..=ee_data` (numbered from 0) released.
+                let released = u64::from(err.ee_data.wrapping_sub(err.ee_info)) + 1;
+                *done = (*done).max(u64::from(err.ee_data) + 1);
+                if err.ee_code & SO_EE_CODE_ZEROCOPY_COPIED != 0 {
+                    *copied += released;
+                }
+            }
+        }
+    }
+}
+
+fn empty_msghdr() -> libc::msghdr {
+    // SAFETY: msghdr is plain old data; all-zero is an empty message.
+    unsafe { core::mem::zeroed() }
+}
+
+/// The plain stream of [`raw_stream`] sent with `MSG_ZEROCOPY` instead of
+/// copies: the rate, and the fraction of sends the kernel copied anyway
+/// (loopback and veth deliver locally, where the kernel must copy).
+fn zerocopy_stream(total: u64, chunk: usize) -> Result<(f64, f64), String> {
+    use std::os::fd::AsRawFd;
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let address = listener.local_addr().map_err(|e| e.to_string())?;
+    let mut buffer = arena_memory(chunk)?;
+    let reader = std::thread::spawn(move || -> Result<u64, String> {
+        let (mut stream, _) = listener.accept().map_err(|e| e.to_string())?;
+        let mut got = 0u64;
+        while got < total {
+            match stream.read(&mut buffer[..]) {
+                Ok(0) => break,
+                Ok(n) => got += n as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(got)
+    });
+    let stream = TcpStream::connect(address).map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let fd = stream.as_raw_fd();
+    let on: libc::c_int = 1;
+    // SAFETY: an int option of its size on a live socket.
+    let set = unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, SO_ZEROCOPY, (&raw const on).cast(), size_of::<libc::c_int>() as _)
+    };
+    if set != 0 {
+        return Err(format!("SO_ZEROCOPY: {}", std::io::Error::last_os_error()));
+    }
+    let mut sources = arena_memory(chunk * ZEROCOPY_BUFFERS)?;
+    sources.fill(0x5a);
+    // The send number that last used each buffer.
+    let mut last_send = [None::<u64>; ZEROCOPY_BUFFERS];
+    let (mut issued, mut done, mut copied) = (0u64, 0u64, 0u64);
+    let started = Instant::now();
+    let mut sent = 0u64;
+    let mut turn = 0usize;
+    while sent < total {
+        let slot = turn % ZEROCOPY_BUFFERS;
+        turn += 1;
+        while last_send[slot].is_some_and(|s| s >= done) {
+            reap_zerocopy(fd, true, &mut done, &mut copied)?;
+        }
+        let n = chunk.min((total - sent) as usize);
+        let mut at = slot * chunk;
+        let end = at + n;
+        while at < end {
+            let from = sources.as_ptr().wrapping_add(at);
+            // SAFETY: a live socket; the range lies in `sources`, not
+            // written again until the kernel releases this send.
+            let wrote = unsafe { libc::send(fd, from.cast(), end - at, libc::MSG_ZEROCOPY) };
+            if wrote < 0 {
+                let e = std::io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    // Too many sends' pages held: wait for releases.
+                    Some(libc::ENOBUFS) => {
+                        reap_zerocopy(fd, true, &mut done, &mut copied)?;
+                        continue;
+                    }
+                    _ => return Err(e.to_string()),
+                }
+            }
+            last_send[slot] = Some(issued);
+            issued += 1;
+            at += wrote.cast_unsigned();
+        }
+        sent += n as u64;
+        reap_zerocopy(fd, false, &mut done, &mut copied)?;
+    }
+    while done < issued {
+        reap_zerocopy(fd, true, &mut done, &mut copied)?;
+    }
+    drop(stream);
+    let got = reader.join().map_err(|_| "the reader panicked")??;
+    let seconds = started.elapsed().as_secs_f64();
+    if got != total {
+        return Err(format!("the zero-copy stream moved {got} of {total} bytes"));
+    }
+    Ok((total as f64 / seconds / 1e9, copied as f64 / issued.max(1) as f64))
+}
+
 pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     let args = Args::parse(
         raw,
@@ -290,6 +444,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     let config = TcpConfig { streams_per_peer: streams, slice_bytes, ..TcpConfig::default() };
     let (mut lake_gbps, mut raw_gbps, mut cores) = (Vec::new(), Vec::new(), Vec::new());
     let mut arena_gbps = Vec::new();
+    let (mut zerocopy_gbps, mut zerocopy_copied) = (Vec::new(), Vec::new());
     let mut blocks = 0;
     // Interleaved, so both meet the same machine.
     for _ in 0..rounds {
@@ -300,6 +455,9 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
         let chunk = block_bytes.min(1 << 20);
         raw_gbps.push(raw_stream(total, chunk, chunk)?);
         arena_gbps.push(raw_stream(total, chunk, usize::try_from(arena).unwrap_or(usize::MAX))?);
+        let (gbps, copied) = zerocopy_stream(total, chunk)?;
+        zerocopy_gbps.push(gbps);
+        zerocopy_copied.push(copied);
     }
     let lake = crate::report::median(&mut lake_gbps);
     let raw = crate::report::median(&mut raw_gbps);
@@ -316,6 +474,11 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     let into_arena = crate::report::median(&mut arena_gbps);
     report.float("raw_into_arena_gbps", into_arena);
     report.float("ratio_vs_raw_into_arena", lake / into_arena);
+    // The same plain stream with MSG_ZEROCOPY sends (the transport writes
+    // with writev: zero-copy would be worth its page pinning and error-
+    // queue reaping only where it beats this copy).
+    report.float("raw_zerocopy_gbps", crate::report::median(&mut zerocopy_gbps));
+    report.float("zerocopy_copied_fraction", crate::report::median(&mut zerocopy_copied));
     report.int("window_bytes", window);
     report.int("arena_bytes", arena);
     report.float("cpu_cores_used", crate::report::median(&mut cores));
