@@ -48,9 +48,9 @@ pub struct EmbeddedConfig {
     /// Where the data plane's transport listens for blocks peers send into
     /// its L1 (P→D, replication); none: it takes none.
     pub transport_listen: Option<std::net::SocketAddr>,
-    /// The nodes its transport sends to (copies `lake-cp` asks for):
-    /// node id and address.
-    pub transport_peers: Vec<(u32, std::net::SocketAddr)>,
+    /// The nodes its transport sends to over the storage network (copies
+    /// `lake-cp` asks for): node id and its rails, one per NIC.
+    pub transport_peers: Vec<(u32, Vec<lake_dp::transport::tcp::Rail>)>,
     /// This node's id (a pool of several nodes gives each its own).
     pub node: u32,
 }

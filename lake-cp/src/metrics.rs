@@ -137,6 +137,7 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
     if let Some(dp) = &node.data_plane {
         data_plane_metrics(&mut out, dp);
     }
+    rail_metrics(&mut out, &node.rails);
     metric(
         &mut out,
         "lake_cp_connections_accepted_total",
@@ -222,6 +223,43 @@ fn tier_metrics(out: &mut String, node: &Node) {
     );
 }
 
+/// Each rail's bytes, breaks and state, labelled by network (storage:
+/// `lake-dp`'s transport; compute: an engine agent's), peer node and rail.
+fn rail_metrics(out: &mut String, rails: &[(lake_dp::wire::message::Network, Vec<lake_dp::wire::message::RailEntry>)]) {
+    if rails.is_empty() {
+        return;
+    }
+    let labelled = |value: fn(&lake_dp::wire::message::RailEntry) -> u64| -> Vec<(String, u64)> {
+        rails
+            .iter()
+            .flat_map(|(network, entries)| {
+                entries.iter().map(move |e| {
+                    (format!("network=\"{}\",node=\"{}\",rail=\"{}\"", network.name(), e.node, e.rail), value(e))
+                })
+            })
+            .collect()
+    };
+    let emit = |out: &mut String, name: &str, kind: &str, help: &str, samples: Vec<(String, u64)>| {
+        let borrowed: Vec<(&str, u64)> = samples.iter().map(|(l, v)| (l.as_str(), *v)).collect();
+        metric(out, name, kind, help, &borrowed);
+    };
+    emit(out, "lake_rail_bytes_total", "counter", "Bytes written on each rail to each peer.", labelled(|e| e.bytes));
+    emit(
+        out,
+        "lake_rail_breaks_total",
+        "counter",
+        "Times a rail was set aside after a connection on it broke.",
+        labelled(|e| e.breaks),
+    );
+    emit(
+        out,
+        "lake_rail_up",
+        "gauge",
+        "1 while a rail takes new slices, 0 while it cools down.",
+        labelled(|e| u64::from(e.up)),
+    );
+}
+
 fn data_plane_metrics(out: &mut String, dp: &lake_dp::wire::message::DataPlaneStats) {
     metric(
         out,
@@ -282,5 +320,25 @@ mod tests {
             );
         }
         assert!(text.contains("lake_cp_replica_reports_total{kind=\"committed\"} 0\n"));
+        assert!(!text.contains("lake_rail_"), "no rails reported, none shown");
+    }
+
+    #[test]
+    fn each_rail_of_each_network_is_its_own_series() {
+        use lake_dp::wire::message::{Network, RailEntry};
+        let mut node = Node::new(lake_dp::NodeId(0), 1, None);
+        let rail = |node, rail, up, bytes, breaks| RailEntry { node, rail, up, reserved: 0, bytes, breaks };
+        node.rails.push((Network::Storage, vec![rail(2, 0, 1, 1000, 0), rail(2, 1, 0, 500, 3)]));
+        node.rails.push((Network::Compute, vec![rail(3, 0, 1, 7, 0)]));
+        let text = render(&node, &ServerCounters::default());
+        for line in [
+            "lake_rail_bytes_total{network=\"storage\",node=\"2\",rail=\"0\"} 1000",
+            "lake_rail_bytes_total{network=\"storage\",node=\"2\",rail=\"1\"} 500",
+            "lake_rail_bytes_total{network=\"compute\",node=\"3\",rail=\"0\"} 7",
+            "lake_rail_breaks_total{network=\"storage\",node=\"2\",rail=\"1\"} 3",
+            "lake_rail_up{network=\"storage\",node=\"2\",rail=\"1\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
+        }
     }
 }

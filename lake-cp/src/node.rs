@@ -120,6 +120,9 @@ pub struct Node {
     scratch: Vec<BlockKey>,
     /// The latest figures the data plane sent.
     pub data_plane: Option<lake_dp::wire::message::DataPlaneStats>,
+    /// The latest rail figures of each network's transport (what each
+    /// rail to each peer carried).
+    pub rails: Vec<(lake_dp::wire::message::Network, Vec<lake_dp::wire::message::RailEntry>)>,
     /// Copies to other nodes asked and not yet sent to `lake-dp`.
     copies: Vec<TierCommand>,
     copy_requests: u64,
@@ -149,6 +152,7 @@ impl Node {
             scratch: Vec::new(),
             l0: crate::l0::L0::default(),
             data_plane: None,
+            rails: Vec::new(),
             copies: Vec::new(),
             copy_requests: 0,
             copies_landed: 0,
@@ -257,6 +261,18 @@ impl Node {
             }
             Message::DataPlaneStats(stats) => {
                 self.data_plane = Some(*stats);
+                Ok(())
+            }
+            Message::RailStats(head, entries) => {
+                // Validated on decode: a known network.
+                let Some(network) = lake_dp::wire::message::Network::from_u8(head.network) else {
+                    return Err(NodeError::Unexpected(message.kind()));
+                };
+                let entries: Vec<_> = entries.iter().collect();
+                match self.rails.iter_mut().find(|(n, _)| *n == network) {
+                    Some((_, latest)) => *latest = entries,
+                    None => self.rails.push((network, entries)),
+                }
                 Ok(())
             }
             other => Err(NodeError::Unexpected(other.kind())),

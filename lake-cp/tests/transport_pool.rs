@@ -81,7 +81,7 @@ fn start(name: &str, node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, Soc
         local_agents: 1,
         remote_agents: 0,
         transport_listen: listen,
-        transport_peers: peers,
+        transport_peers: peers.into_iter().map(|(n, a)| (n, vec![lake_dp::transport::tcp::Rail::to(a)])).collect(),
         node,
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-transport-{name}-{}", std::process::id())))
     })

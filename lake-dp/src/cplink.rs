@@ -247,6 +247,16 @@ impl CpLink {
         self.queue(&Message::DataPlaneStats(*stats));
     }
 
+    /// Reports what each rail of a transport carried.
+    pub fn rails(&mut self, network: crate::wire::message::Network, rails: &[crate::wire::message::RailEntry]) {
+        use crate::wire::message::{RAILS_REPORTED_MAX, RailStats};
+        for chunk in rails.chunks(RAILS_REPORTED_MAX) {
+            let count = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+            let head = RailStats { count, network: network as u8, reserved: [0; 3] };
+            self.queue(&Message::RailStats(head, Records::from_slice(chunk)));
+        }
+    }
+
     /// Reports a block whose slot was given up.
     pub fn evicted(&mut self, evicted: &BlockEvicted) {
         self.queue(&Message::BlockEvicted(*evicted));

@@ -3,8 +3,10 @@
 //! control plane copies a prompt's blocks into node 2's L1 over the link
 //! while the link is cut for a second and restored; every copy lands,
 //! checked, node 2's engine loads the prompt byte for byte, and node 1
-//! hears each copy landed. Needs root (CI is); elsewhere it says why it
-//! skipped.
+//! hears each copy landed. And two pools joined by two veth pairs (two
+//! rails of the storage network): the copies spread over both, and node
+//! 1's control plane accounts for each rail's bytes in its metrics. Needs
+//! root (CI is); elsewhere it says why it skipped.
 
 #![allow(clippy::cast_possible_truncation)] // small test sizes
 
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::model::replica::ReplicaWire;
+use lake_dp::transport::tcp::Rail;
 use lake_dp::{BlockKey, NamespaceId, Priority, Tier};
 use lake_tests::netns::{Killed, Link, child_lines};
 
@@ -21,6 +24,8 @@ const TEST: &str = "a_prompt_copied_between_pools_in_two_namespaces_survives_a_c
 const BLOCKS: u32 = 12;
 const PAYLOAD: usize = 200 * 1024;
 const PORT: u16 = 7421;
+const RAILS_TEST: &str = "copies_spread_over_two_rails_and_each_rail_is_accounted";
+const RAILS_PORT: u16 = 7425;
 
 fn key(i: u32) -> BlockKey {
     let mut bytes = [0x77; 16];
@@ -32,7 +37,7 @@ fn payload(i: u32) -> Vec<u8> {
     (0..PAYLOAD).map(|b| (b as u32 ^ i.wrapping_mul(40_503)).to_le_bytes()[0]).collect()
 }
 
-fn pool(node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, SocketAddr)>) -> EmbeddedPool {
+fn pool(node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, Vec<Rail>)>) -> EmbeddedPool {
     EmbeddedPool::start(&EmbeddedConfig {
         block_bytes: 262_144,
         l1_slots: 32,
@@ -41,6 +46,7 @@ fn pool(node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, SocketAddr)>) ->
         remote_agents: 0,
         transport_listen: listen,
         transport_peers: peers,
+        metrics: true,
         node,
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-netns-pool-{node}-{}", std::process::id())))
     })
@@ -81,10 +87,37 @@ fn node_two(listen: SocketAddr) {
     }
 }
 
+/// `local>remote:port` rails, comma-separated.
+fn parse_rails(text: &str) -> Vec<Rail> {
+    text.split(',')
+        .map(|rail| {
+            let (local, remote) = rail.split_once('>').unwrap();
+            Rail { remote: remote.parse().unwrap(), local: Some(local.parse().unwrap()) }
+        })
+        .collect()
+}
+
+/// Node 1's storage-network rail bytes to node 2, from its `/metrics`.
+fn rail_bytes(pool: &EmbeddedPool) -> Vec<u64> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(pool.metrics.expect("metrics served")).unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    let mut bytes = Vec::new();
+    for rail in 0.. {
+        let label = format!("lake_rail_bytes_total{{network=\"storage\",node=\"2\",rail=\"{rail}\"}} ");
+        let Some(line) = text.lines().find(|l| l.starts_with(&label)) else { break };
+        bytes.push(line[label.len()..].trim().parse().unwrap());
+    }
+    bytes
+}
+
 /// Node 1: saves the prompt, asks its control plane to copy every block to
-/// node 2, waits to hear them all landed.
-fn node_one(peer: SocketAddr, region: u16, epoch: u64) {
-    let mut pool = pool(1, None, vec![(2, peer)]);
+/// node 2 over `rails`, waits to hear them all landed; with `report`, says
+/// what its metrics say each rail carried.
+fn node_one(rails: Vec<Rail>, region: u16, epoch: u64, report: bool) {
+    let mut pool = pool(1, None, vec![(2, rails)]);
     let mut engine = engine(&mut pool);
     let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
     let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(payload).collect();
@@ -125,20 +158,75 @@ fn node_one(peer: SocketAddr, region: u16, epoch: u64) {
     }
     let landed = pool.gauges.copies_landed.load(std::sync::atomic::Ordering::Relaxed);
     println!("COPIED {landed} {}", asked.elapsed().as_millis());
+    if report {
+        // The data plane reports its rails with its stats, once a second.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut bytes = rail_bytes(&pool);
+        while bytes.iter().sum::<u64>() < u64::from(BLOCKS) * PAYLOAD as u64 {
+            assert!(Instant::now() < deadline, "the rails' bytes never reached the metrics: {bytes:?}");
+            std::thread::sleep(Duration::from_millis(200));
+            bytes = rail_bytes(&pool);
+        }
+        println!("RAILS {}", bytes.iter().map(u64::to_string).collect::<Vec<_>>().join(" "));
+    }
+}
+
+/// A child's role: `two`, or `one:REGION:EPOCH[:report]`.
+fn child(role: &str) {
+    let rails = parse_rails(&std::env::var("LAKE_NETNS_RAILS").unwrap());
+    let parts: Vec<&str> = role.split(':').collect();
+    match parts[0] {
+        "two" => node_two(SocketAddr::from(([0, 0, 0, 0], rails[0].remote.port()))),
+        "one" => node_one(rails, parts[1].parse().unwrap(), parts[2].parse().unwrap(), parts.len() > 3),
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+fn copies_spread_over_two_rails_and_each_rail_is_accounted() {
+    if let Ok(role) = std::env::var("LAKE_NETNS_ROLE") {
+        child(&role);
+        return;
+    }
+    let link = match Link::new(2, 3, RAILS_TEST) {
+        Ok(link) => link,
+        Err(why) => {
+            println!("SKIPPED: network namespaces are not available here ({why})");
+            return;
+        }
+    };
+    let rails = link.rails(RAILS_PORT);
+    for rail in 0..2 {
+        link.rate(rail, "200mbit").expect("a tbf rate limit");
+    }
+    const OURS: &[&str] = &["READY", "VERIFIED", "SAVED", "COPIED", "RAILS"];
+    let mut two = Killed(link.spawn(&link.b, "two", &rails));
+    let mut from_two = child_lines(&mut two.0, OURS);
+    let ready = from_two.next().expect("node 2 starts");
+    let parts: Vec<&str> = ready.split(' ').collect();
+    assert_eq!(parts[0], "READY", "{ready}");
+    let mut one = Killed(link.spawn(&link.a, &format!("one:{}:{}:report", parts[1], parts[2]), &rails));
+    let mut from_one = child_lines(&mut one.0, OURS);
+    assert_eq!(from_one.next().as_deref(), Some("SAVED"));
+    let copied = from_one.next().expect("node 1 copies");
+    assert!(copied.starts_with(&format!("COPIED {BLOCKS} ")), "{copied}");
+    let accounted = from_one.next().expect("node 1 reports its rails");
+    let bytes: Vec<u64> = accounted.split(' ').skip(1).map(|b| b.parse().unwrap()).collect();
+    assert_eq!(bytes.len(), 2, "one figure per rail: {accounted}");
+    assert!(bytes.iter().all(|&b| b > 0), "both rails carried copies: {bytes:?}");
+    // Each block crossed once (plus frame headers; retries would add more).
+    let payloads = u64::from(BLOCKS) * PAYLOAD as u64;
+    assert!(bytes.iter().sum::<u64>() < 2 * payloads, "{bytes:?} for {payloads} bytes of blocks");
+    let verified = from_two.next().expect("node 2 loads the prompt");
+    assert_eq!(verified, format!("VERIFIED {BLOCKS} {BLOCKS}"), "every block loaded, every byte right");
+    one.0.wait().unwrap();
+    println!("{BLOCKS} blocks copied over two rails, {bytes:?} bytes on each, all loaded");
 }
 
 #[test]
 fn a_prompt_copied_between_pools_in_two_namespaces_survives_a_cut() {
     if let Ok(role) = std::env::var("LAKE_NETNS_ROLE") {
-        let rails = std::env::var("LAKE_NETNS_RAILS").unwrap();
-        let (_, remote) = rails.split_once('>').unwrap();
-        let address: SocketAddr = remote.parse().unwrap();
-        let parts: Vec<&str> = role.split(':').collect();
-        match parts[0] {
-            "two" => node_two(SocketAddr::from(([0, 0, 0, 0], address.port()))),
-            "one" => node_one(address, parts[1].parse().unwrap(), parts[2].parse().unwrap()),
-            other => panic!("unknown role {other}"),
-        }
+        child(&role);
         return;
     }
     let link = match Link::new(1, 2, TEST) {

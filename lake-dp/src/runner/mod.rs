@@ -72,8 +72,31 @@ pub struct RunnerPorts {
     /// L1 (P→D, replication); none: it takes none.
     pub transport_listen: Option<std::net::SocketAddr>,
     /// The nodes this node's transport sends to (`lake-cp`'s copies to
-    /// another node's L1): node id and address.
-    pub transport_peers: Vec<(u32, std::net::SocketAddr)>,
+    /// another node's L1) over the storage network: node id and its rails
+    /// (one per NIC: the peer's address there, and the local address to
+    /// leave from), slices spread over them by measured speed.
+    pub transport_peers: Vec<(u32, Vec<crate::transport::tcp::Rail>)>,
+}
+
+/// What each rail to each peer carried, for the control plane's metrics.
+fn rail_entries(
+    transport: &crate::transport::tcp::TcpTransport,
+    peers: &[(u32, crate::transport::PeerId)],
+) -> Vec<crate::wire::message::RailEntry> {
+    let mut entries = Vec::new();
+    for &(node, peer) in peers {
+        for (rail, report) in transport.rail_reports(peer).iter().enumerate() {
+            entries.push(crate::wire::message::RailEntry {
+                node,
+                rail: u16::try_from(rail).unwrap_or(u16::MAX),
+                up: u8::from(report.up),
+                reserved: 0,
+                bytes: report.bytes,
+                breaks: report.breaks,
+            });
+        }
+    }
+    entries
 }
 
 /// The wire's error code for a transfer that did not land.
@@ -611,9 +634,10 @@ pub fn run_with(
     };
     let mut peers_by_node = Vec::with_capacity(ports.transport_peers.len());
     if let Some(transport) = &mut transport {
-        for &(node, address) in &ports.transport_peers {
-            let peer = transport.add_peer(address).map_err(|e| RunnerError(format!("transport peer {node}: {e}")))?;
-            peers_by_node.push((node, peer));
+        for (node, rails) in &ports.transport_peers {
+            let peer =
+                transport.add_peer_rails(rails).map_err(|e| RunnerError(format!("transport peer {node}: {e}")))?;
+            peers_by_node.push((*node, peer));
         }
     }
     let mut transfers_done = Vec::with_capacity(256);
@@ -799,6 +823,9 @@ pub fn run_with(
                     pins: table.pins_held(),
                     draining: table.stats().draining,
                 });
+                if let Some(transport) = &transport {
+                    link.rails(crate::wire::message::Network::Storage, &rail_entries(transport, &peers_by_node));
+                }
             }
         }
         if let Some(link) = &mut link

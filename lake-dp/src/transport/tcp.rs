@@ -211,6 +211,21 @@ struct RailState {
     cooldown_ns: u64,
     /// Bytes written on it.
     bytes: u64,
+    /// Times it was set aside after a connection on it broke.
+    breaks: u64,
+}
+
+/// What one rail to a peer carried (for accounting and metrics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RailReport {
+    /// The rail as configured.
+    pub rail: Rail,
+    /// Bytes written on it.
+    pub bytes: u64,
+    /// Times it was set aside after a connection on it broke.
+    pub breaks: u64,
+    /// Whether it takes new slices now (not cooling down after a break).
+    pub up: bool,
 }
 
 /// A slice waiting for a connection with room.
@@ -427,7 +442,7 @@ impl TcpTransport {
         self.peers.push(Peer {
             rails: rails
                 .iter()
-                .map(|&rail| RailState { rail, cooldown_until: 0, cooldown_ns: RAIL_COOLDOWN_NS, bytes: 0 })
+                .map(|&rail| RailState { rail, cooldown_until: 0, cooldown_ns: RAIL_COOLDOWN_NS, bytes: 0, breaks: 0 })
                 .collect(),
             streams: vec![None; streams],
             pending: core::array::from_fn(|_| std::collections::VecDeque::with_capacity(256)),
@@ -449,6 +464,22 @@ impl TcpTransport {
     /// Bytes written to `peer` on each of its rails.
     pub fn rail_bytes(&self, peer: PeerId) -> Vec<u64> {
         self.peers.get(peer.0 as usize).map_or_else(Vec::new, |p| p.rails.iter().map(|r| r.bytes).collect())
+    }
+
+    /// Each of `peer`'s rails, in configured order: what it carried and
+    /// whether it is in use now.
+    pub fn rail_reports(&self, peer: PeerId) -> Vec<RailReport> {
+        self.peers.get(peer.0 as usize).map_or_else(Vec::new, |p| {
+            p.rails
+                .iter()
+                .map(|r| RailReport {
+                    rail: r.rail,
+                    bytes: r.bytes,
+                    breaks: r.breaks,
+                    up: r.cooldown_until <= self.now_ns,
+                })
+                .collect()
+        })
     }
 
     fn connect(&mut self, peer: PeerId, index: usize) -> Result<(), TcpError> {
@@ -1189,6 +1220,7 @@ impl TcpTransport {
             if rail.cooldown_until <= self.now_ns {
                 rail.cooldown_until = self.now_ns + rail.cooldown_ns;
                 rail.cooldown_ns = (rail.cooldown_ns * 2).min(RAIL_COOLDOWN_NS * 64);
+                rail.breaks += 1;
                 self.stats.rail_cooldowns += 1;
             }
         }

@@ -536,6 +536,97 @@ impl ListHead for Resident {
     }
 }
 
+/// Which network a transport's rails belong to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Network {
+    /// The storage network (SNIC): `lake-dp`'s tier traffic and copies.
+    Storage = 0,
+    /// The compute network (CNIC): an engine agent's P→D and D→P blocks.
+    Compute = 1,
+}
+
+impl Network {
+    /// The network of a wire byte.
+    pub fn from_u8(value: u8) -> Option<Self> {
+        match value {
+            0 => Some(Self::Storage),
+            1 => Some(Self::Compute),
+            _ => None,
+        }
+    }
+
+    /// Its name in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Storage => "storage",
+            Self::Compute => "compute",
+        }
+    }
+}
+
+/// The rails of one transport and what each carried: sent about once a
+/// second with the stats, one entry per (peer node, rail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct RailStats {
+    /// Entries that follow.
+    pub count: u32,
+    /// A [`Network`].
+    pub network: u8,
+    /// Zero.
+    pub reserved: [u8; 3],
+}
+
+impl Record for RailStats {
+    fn validate(&self) -> Result<(), WireError> {
+        if Network::from_u8(self.network).is_none() {
+            return Err(field_err("rail_stats.network", self.network));
+        }
+        reserved_zero("rail_stats.reserved", &self.reserved)
+    }
+}
+
+impl ListHead for RailStats {
+    const RECORDS_MAX: usize = RAILS_REPORTED_MAX;
+    fn count(&self) -> u32 {
+        self.count
+    }
+}
+
+/// Rails one [`RailStats`] reports at most.
+pub const RAILS_REPORTED_MAX: usize = 4096;
+
+/// One rail to one peer: counters since the transport started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct RailEntry {
+    /// The peer's node.
+    pub node: u32,
+    /// The rail's index among the peer's rails (in configured order).
+    pub rail: u16,
+    /// 1: in use now; 0: set aside after a break (cooling down).
+    pub up: u8,
+    /// Zero.
+    pub reserved: u8,
+    /// Bytes written on it.
+    pub bytes: u64,
+    /// Times a connection on it broke.
+    pub breaks: u64,
+}
+
+impl Record for RailEntry {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.up > 1 {
+            return Err(field_err("rail_entry.up", self.up));
+        }
+        if self.reserved != 0 {
+            return Err(field_err("rail_entry.reserved", self.reserved));
+        }
+        Ok(())
+    }
+}
+
 /// [`Transfer::target`]'s slot when the target's owner picks the slot.
 pub const SLOT_ANY: u32 = u32::MAX;
 
@@ -1116,6 +1207,7 @@ messages! {
         Delta(Delta, DeltaEntry) = 17,
         Accessed(Accessed, BlockKey) = 20,
         Resident(Resident, BlockKey) = 23,
+        RailStats(RailStats, RailEntry) = 24,
     }
 }
 
@@ -1132,6 +1224,8 @@ const _: () = assert!(size_of::<Accessed>() == 16);
 const _: () = assert!(size_of::<Resident>() == 16);
 const _: () = assert!(size_of::<DataPlaneStats>() == 96);
 const _: () = assert!(size_of::<Attached>() == 24);
+const _: () = assert!(size_of::<RailStats>() == 8);
+const _: () = assert!(size_of::<RailEntry>() == 24);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);
 const _: () = assert!(size_of::<ErrorBody>() == 64);

@@ -192,6 +192,17 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
         meta(15),
         Message::Resident(Resident { namespace: 0xabc, resident: 1, count: 3 }, Records::from_slice(&keys)),
     );
+    let rails = [
+        RailEntry { node: 2, rail: 0, up: 1, reserved: 0, bytes: 1 << 30, breaks: 0 },
+        RailEntry { node: 2, rail: 1, up: 0, reserved: 0, bytes: 1 << 20, breaks: 3 },
+    ];
+    visit(
+        meta(17),
+        Message::RailStats(
+            RailStats { count: 2, network: Network::Storage as u8, reserved: [0; 3] },
+            Records::from_slice(&rails),
+        ),
+    );
 }
 
 /// [`each_message`] encoded: one frame per kind.

@@ -134,6 +134,17 @@ fn sealed_but_invalid_bodies_are_refused() {
     reseal_body(&mut bad);
     assert_eq!(decode_frame(&bad, &limits()), Err(WireError::Field { field: "transfer.source", value: 4 }));
 
+    // Rail figures of an unknown network, then a rail neither up nor down.
+    let rails = frames.iter().find(|f| f[6] == MessageKind::RailStats as u8).unwrap();
+    let mut bad = rails.clone();
+    bad[40 + 4] = 7;
+    reseal_body(&mut bad);
+    assert_eq!(decode_frame(&bad, &limits()), Err(WireError::Field { field: "rail_stats.network", value: 7 }));
+    let mut bad = rails.clone();
+    bad[40 + 8 + 6] = 2;
+    reseal_body(&mut bad);
+    assert_eq!(decode_frame(&bad, &limits()), Err(WireError::Field { field: "rail_entry.up", value: 2 }));
+
     // A hello whose name is not UTF-8.
     let hello = &frames[0];
     let mut bad = hello.clone();
