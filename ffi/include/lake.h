@@ -411,6 +411,42 @@ typedef struct LakeLocation {
 } LakeLocation;
 
 /*
+ One rail of the compute network's transport to one peer: what pushes
+ carried on it (`lake_push_rails`).
+ */
+typedef struct LakeRailStat {
+  /*
+   The peer, numbered in the order this pool first pushed to it.
+   */
+  uint32_t peer;
+  /*
+   The rail's index among the peer's rails, as given to `lake_push`.
+   */
+  uint32_t rail;
+  /*
+   1 while the rail takes new slices; 0 while it cools down after a
+   connection on it broke.
+   */
+  uint32_t up;
+  /*
+   Zero.
+   */
+  uint32_t reserved;
+  /*
+   Bytes written on it.
+   */
+  uint64_t bytes;
+  /*
+   Times it was set aside after a connection on it broke.
+   */
+  uint64_t breaks;
+  /*
+   The rail as given (`[LOCAL>]IP:PORT`), NUL-terminated.
+   */
+  char address[64];
+} LakeRailStat;
+
+/*
  One block's outcome.
  */
 typedef struct LakeCompletion {
@@ -823,7 +859,10 @@ enum LakeStatus lake_slot_space(const struct LakePool *pool, uint16_t *region, u
 /*
  Pushes the looked-up L1 blocks `keys[i]` (entries `locations[i]`, from
  [`lake_lookup`]) to another node's pool — the node at `address`
- (`"IP:PORT"`, its data plane's transport) — into any slot of its L1
+ (`"IP:PORT"`, its data plane's transport; or its rails on the compute
+ network, one per NIC, `"LOCAL>IP:PORT,LOCAL>IP:PORT"`: slices spread
+ over them by measured speed, a broken one passed over, each accounted
+ in [`lake_push_rails`]) — into any slot of its L1
  `region` at `epoch` ([`lake_slot_space`] there): P→D, the prefill
  engine handing its prompt's KV to the decode node. Each block is
  pinned where it sits and sent from there on the agent's thread; the
@@ -849,6 +888,23 @@ enum LakeStatus lake_push(const struct LakePool *pool,
                           uint64_t epoch,
                           uint32_t priority,
                           uint64_t *request_id);
+
+/*
+ What each rail of the compute network carried for this pool's pushes
+ (P→D, D→P): up to `capacity` entries into `out` — peer after peer in
+ the order first pushed to, rail after rail as given — and into
+ `written` how many there are in all (call with `capacity` 0 to size
+ the array). Figures as of the agent thread's last turn. Thread-safe.
+
+ # Safety
+
+ `out` points at `capacity` writable entries (or is null with
+ `capacity` 0); `written` writable.
+ */
+enum LakeStatus lake_push_rails(const struct LakePool *pool,
+                                struct LakeRailStat *out,
+                                uintptr_t capacity,
+                                uintptr_t *written);
 
 /*
  Saves engine blocks `engine_blocks[i]` of memory `memory_id` as blocks

@@ -2,6 +2,7 @@
 //! registering engine memory, lookups from the mirror, asynchronous loads
 //! and saves run by the agent's own thread, completions, cancel, stats.
 
+pub use crate::push::LakeRailStat;
 use std::collections::{HashSet, VecDeque};
 use std::ffi::{CStr, c_char};
 use std::path::PathBuf;
@@ -171,7 +172,7 @@ enum Job {
         keys: Vec<BlockKey>,
         resident: bool,
     },
-    Push(crate::push::PushJob),
+    Push(Box<crate::push::PushJob>),
     Lease {
         keys: Vec<BlockKey>,
         ttl_ms: u32,
@@ -273,6 +274,8 @@ pub struct LakePool {
     thread: Option<JoinHandle<()>>,
     /// Set by detach: the agent thread ends at its next turn.
     stop: Arc<AtomicBool>,
+    /// The compute network's rails as the agent thread last saw them.
+    push_rails: Arc<Mutex<Vec<LakeRailStat>>>,
 }
 
 impl LakePool {
@@ -680,9 +683,10 @@ fn start(
     let stats = Arc::new(Mutex::new(AgentStats::default()));
     let alive = Arc::new(AtomicBool::new(true));
     let stop = Arc::new(AtomicBool::new(false));
+    let push_rails = Arc::new(Mutex::new(Vec::new()));
     let thread = {
         let (cancelled, stats, alive) = (Arc::clone(&cancelled), Arc::clone(&stats), Arc::clone(&alive));
-        let stop = Arc::clone(&stop);
+        let (stop, push_rails) = (Arc::clone(&stop), Arc::clone(&push_rails));
         std::thread::Builder::new()
             .name("lake-agent".into())
             .spawn(move || {
@@ -694,7 +698,7 @@ fn start(
                 }
                 let _ = ready_tx.send(Ok(()));
                 let queues = (urgent_rx, background_rx);
-                let signals = Signals { cancelled, stats, alive, stop };
+                let signals = Signals { cancelled, stats, alive, stop, push_rails };
                 agent_thread(agent, &queues, &shared, &signals, &done_tx);
             })
             .map_err(|e| fail(LakeStatus::LakeInternal, format!("starting the agent thread: {e}")))?
@@ -731,6 +735,7 @@ fn start(
         next_request: AtomicU64::new(1),
         thread: Some(thread),
         stop,
+        push_rails,
     })
 }
 
@@ -742,7 +747,7 @@ fn agent_thread(
     signals: &Signals,
     done: &std::sync::mpsc::Sender<LakeCompletion>,
 ) {
-    let Signals { cancelled, stats, alive, stop } = signals;
+    let Signals { cancelled, stats, alive, stop, push_rails } = signals;
     let mut last_job = std::time::Instant::now();
     let mut last_pump = last_job;
     // The poller stage: GPU loads on their way, completed when their
@@ -764,6 +769,13 @@ fn agent_thread(
         if pushes.in_flight() > 0 {
             let mut ended = Vec::new();
             pushes.poll(nanos_since(epoch_start), &mut ended);
+            if !ended.is_empty()
+                && let Ok(mut rails) = push_rails.lock()
+            {
+                // Before the completions: a caller that saw its push end
+                // sees the bytes it moved.
+                *rails = pushes.rail_stats();
+            }
             if !complete_each(done, &ended) {
                 return;
             }
@@ -966,6 +978,7 @@ struct Signals {
     stats: Arc<Mutex<AgentStats>>,
     alive: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
+    push_rails: Arc<Mutex<Vec<LakeRailStat>>>,
 }
 
 /// What the agent thread shares with its lanes and the engine threads.
@@ -1874,7 +1887,10 @@ pub unsafe extern "C" fn lake_slot_space(pool: *const LakePool, region: *mut u16
 
 /// Pushes the looked-up L1 blocks `keys[i]` (entries `locations[i]`, from
 /// [`lake_lookup`]) to another node's pool — the node at `address`
-/// (`"IP:PORT"`, its data plane's transport) — into any slot of its L1
+/// (`"IP:PORT"`, its data plane's transport; or its rails on the compute
+/// network, one per NIC, `"LOCAL>IP:PORT,LOCAL>IP:PORT"`: slices spread
+/// over them by measured speed, a broken one passed over, each accounted
+/// in [`lake_push_rails`]) — into any slot of its L1
 /// `region` at `epoch` ([`lake_slot_space`] there): P→D, the prefill
 /// engine handing its prompt's KV to the decode node. Each block is
 /// pinned where it sits and sent from there on the agent's thread; the
@@ -1911,9 +1927,14 @@ pub unsafe extern "C" fn lake_push(
             }
             // SAFETY: a C string (contract).
             let text = unsafe { std::ffi::CStr::from_ptr(address) };
-            let peer: std::net::SocketAddr = text.to_str().ok().and_then(|t| t.parse().ok()).ok_or_else(|| {
-                fail(LakeStatus::LakeInvalidArgument, format!("lake_push: address {text:?}: IP:PORT"))
+            let rails = text.to_str().map_err(|e| e.to_string()).and_then(lake_dp::transport::tcp::Rail::parse_list);
+            let rails = rails.map_err(|e| {
+                fail(
+                    LakeStatus::LakeInvalidArgument,
+                    format!("lake_push: address {text:?}: [LOCAL>]IP:PORT[,...]: {e}"),
+                )
             })?;
+            let peer = (text.to_string_lossy().into_owned(), rails);
             let keys = read_keys(pool, keys, count);
             let locations = if count == 0 {
                 &[][..]
@@ -1925,9 +1946,44 @@ pub unsafe extern "C" fn lake_push(
             let table = table.ok_or_else(|| fail(LakeStatus::LakeInvalidArgument, "a location's tier or kind"))?;
             let request = pool.next_request.fetch_add(1, Ordering::Relaxed);
             let job = crate::push::PushJob { request, peer, keys, table, to: (region, epoch), priority };
-            submit(pool, urgent(priority), Job::Push(job))?;
+            submit(pool, urgent(priority), Job::Push(Box::new(job)))?;
             // SAFETY: writable (contract).
             unsafe { request_id.write(request) };
+            Ok(())
+        })())
+    })
+}
+
+/// What each rail of the compute network carried for this pool's pushes
+/// (P→D, D→P): up to `capacity` entries into `out` — peer after peer in
+/// the order first pushed to, rail after rail as given — and into
+/// `written` how many there are in all (call with `capacity` 0 to size
+/// the array). Figures as of the agent thread's last turn. Thread-safe.
+///
+/// # Safety
+///
+/// `out` points at `capacity` writable entries (or is null with
+/// `capacity` 0); `written` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_push_rails(
+    pool: *const LakePool,
+    out: *mut LakeRailStat,
+    capacity: usize,
+    written: *mut usize,
+) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if written.is_null() || (out.is_null() && capacity > 0) {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_push_rails: a required pointer is null"));
+            }
+            let rails = pool.push_rails.lock().map_err(|_| fail(LakeStatus::LakeInternal, "poisoned"))?;
+            for (i, rail) in rails.iter().take(capacity).enumerate() {
+                // SAFETY: i < capacity writable entries (contract).
+                unsafe { out.wrapping_add(i).write(*rail) };
+            }
+            // SAFETY: writable (contract).
+            unsafe { written.write(rails.len()) };
             Ok(())
         })())
     })

@@ -3,22 +3,44 @@
 //! transport, one completion per block.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 
 use lake_dp::BlockKey;
 use lake_dp::Priority;
 use lake_dp::agent::Agent;
 use lake_dp::agent::push::{PushError, Pusher};
 use lake_dp::mirror::MirrorEntry;
-use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpTransport};
+use lake_dp::transport::tcp::{PeerId, Rail, TcpConfig, TcpTransport};
 use lake_dp::transport::{Completion, TransferError};
 
 use crate::status::LakeStatus;
 
+/// One rail of the compute network's transport to one peer: what pushes
+/// carried on it (`lake_push_rails`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LakeRailStat {
+    /// The peer, numbered in the order this pool first pushed to it.
+    pub peer: u32,
+    /// The rail's index among the peer's rails, as given to `lake_push`.
+    pub rail: u32,
+    /// 1 while the rail takes new slices; 0 while it cools down after a
+    /// connection on it broke.
+    pub up: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// Bytes written on it.
+    pub bytes: u64,
+    /// Times it was set aside after a connection on it broke.
+    pub breaks: u64,
+    /// The rail as given (`[LOCAL>]IP:PORT`), NUL-terminated.
+    pub address: [core::ffi::c_char; 64],
+}
+
 /// A push asked of the agent's thread.
 pub(crate) struct PushJob {
     pub request: u64,
-    pub peer: SocketAddr,
+    /// The peer's rails on the compute network, as the engine wrote them.
+    pub peer: (String, Vec<Rail>),
     pub keys: Vec<BlockKey>,
     pub table: Vec<MirrorEntry>,
     pub to: (u16, u64),
@@ -29,7 +51,8 @@ pub(crate) struct PushJob {
 #[derive(Default)]
 pub(crate) struct Pushes {
     pusher: Option<Pusher>,
-    peers: Vec<(SocketAddr, PeerId)>,
+    /// Peers by their rails' text, in the order first pushed to.
+    peers: Vec<(String, PeerId)>,
     /// Transfer → (request, block index).
     blocks: HashMap<u64, (u64, u32)>,
     ended: Vec<Completion>,
@@ -62,11 +85,11 @@ impl Pushes {
             self.pusher = Some(pusher);
         }
         let Some(pusher) = self.pusher.as_mut() else { return };
-        let peer = match self.peers.iter().find(|(a, _)| *a == job.peer) {
+        let peer = match self.peers.iter().find(|(a, _)| *a == job.peer.0) {
             Some(&(_, peer)) => peer,
-            None => match pusher.transport().add_peer(job.peer) {
+            None => match pusher.transport().add_peer_rails(&job.peer.1) {
                 Ok(peer) => {
-                    self.peers.push((job.peer, peer));
+                    self.peers.push((job.peer.0.clone(), peer));
                     peer
                 }
                 Err(_) => return fail_all(ended, LakeStatus::LakeUnavailable),
@@ -88,6 +111,31 @@ impl Pushes {
                 }
             }
         }
+    }
+
+    /// What each rail to each peer carried (the compute network's own
+    /// accounting), peers in the order first pushed to.
+    pub(crate) fn rail_stats(&mut self) -> Vec<LakeRailStat> {
+        let Some(pusher) = self.pusher.as_mut() else { return Vec::new() };
+        let mut out = Vec::new();
+        for (index, (_, peer)) in self.peers.iter().enumerate() {
+            for (rail, report) in pusher.transport().rail_reports(*peer).iter().enumerate() {
+                let mut address = [0 as core::ffi::c_char; 64];
+                for (to, from) in address.iter_mut().zip(report.rail.to_string().bytes().take(63)) {
+                    *to = from.cast_signed();
+                }
+                out.push(LakeRailStat {
+                    peer: u32::try_from(index).unwrap_or(u32::MAX),
+                    rail: u32::try_from(rail).unwrap_or(u32::MAX),
+                    up: u32::from(report.up),
+                    reserved: 0,
+                    bytes: report.bytes,
+                    breaks: report.breaks,
+                    address,
+                });
+            }
+        }
+        out
     }
 
     /// Blocks still on their way.

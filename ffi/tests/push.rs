@@ -14,9 +14,10 @@ use std::ffi::CString;
 use std::time::{Duration, Instant};
 
 use lake::pool::{
-    LakeAttachOptions, LakeBlockKey, LakeLocation, LakeNamespace, LakeNamespaceOptions, LakePool, lake_attach,
-    lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_lookup, lake_namespace_free,
-    lake_namespace_new, lake_push, lake_register_host_memory, lake_slot_space, lake_submit_load, lake_submit_save,
+    LakeAttachOptions, LakeBlockKey, LakeLocation, LakeNamespace, LakeNamespaceOptions, LakePool, LakeRailStat,
+    lake_attach, lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_lookup,
+    lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory, lake_slot_space,
+    lake_submit_load, lake_submit_save,
 };
 use lake::status::LakeStatus;
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
@@ -137,13 +138,33 @@ fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
     let (mut region, mut epoch) = (0u16, 0u64);
     // SAFETY: writable out-values.
     ok(unsafe { lake_slot_space(d, &raw mut region, &raw mut epoch) }, "slot space");
-    let address = CString::new(decode_address.to_string()).unwrap();
+    // Over two rails of the compute network (two local addresses).
+    let rails = format!("127.0.0.1>{decode_address},127.0.0.2>{decode_address}");
+    let address = CString::new(rails.clone()).unwrap();
     // SAFETY: arrays of BLOCKS entries; a C string.
     let pushed = unsafe {
         lake_push(p, address.as_ptr(), keys.as_ptr(), table.as_ptr(), BLOCKS, region, epoch, 1, &raw mut request)
     };
     ok(pushed, "push");
     assert_eq!(statuses(p, request, BLOCKS), vec![LakeStatus::LakeOk; BLOCKS], "every block landed");
+    // Each rail's own accounting: both carried blocks, the bytes of the
+    // blocks in all (and little more: headers and frames).
+    let mut count = 0;
+    // SAFETY: capacity 0 with a null array; writable count.
+    ok(unsafe { lake_push_rails(p, core::ptr::null_mut(), 0, &raw mut count) }, "rail count");
+    assert_eq!(count, 2, "one peer, two rails");
+    let mut rail_stats = vec![empty_rail(); count];
+    // SAFETY: `count` writable entries.
+    ok(unsafe { lake_push_rails(p, rail_stats.as_mut_ptr(), count, &raw mut count) }, "rails");
+    let given: Vec<&str> = rails.split(',').collect();
+    for (i, stat) in rail_stats.iter().enumerate() {
+        // SAFETY: NUL-terminated by the library.
+        let text = unsafe { std::ffi::CStr::from_ptr(stat.address.as_ptr()) }.to_str().unwrap();
+        assert_eq!((stat.peer, stat.rail as usize, text), (0, i, given[i]), "{stat:?}");
+        assert!(stat.bytes > 0 && stat.up == 1, "rail {i} carried nothing: {stat:?}");
+    }
+    let total: u64 = rail_stats.iter().map(|s| s.bytes).sum();
+    assert!((BLOCKS * BLOCK) as u64 <= total && total < 2 * (BLOCKS * BLOCK) as u64 + (1 << 20), "{total} bytes");
 
     // The decode engine finds the prompt in its own pool and loads it.
     let found = lookup(d, &keys);
@@ -169,6 +190,21 @@ fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
     };
     assert_eq!(bad, LakeStatus::LakeInvalidArgument);
     // SAFETY: as above.
+    let bad = unsafe {
+        lake_push(
+            p,
+            c"eth0>10.0.0.2:7000".as_ptr(),
+            keys.as_ptr(),
+            table.as_ptr(),
+            1,
+            region,
+            epoch,
+            1,
+            &raw mut request,
+        )
+    };
+    assert_eq!(bad, LakeStatus::LakeInvalidArgument, "a rail's local side is an address");
+    // SAFETY: as above.
     let bad =
         unsafe { lake_push(p, address.as_ptr(), keys.as_ptr(), table.as_ptr(), 1, region, epoch, 9, &raw mut request) };
     assert_eq!(bad, LakeStatus::LakeInvalidArgument);
@@ -188,4 +224,8 @@ fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
     let (decode_stats, _) = decode.stop().unwrap();
     assert_eq!(decode_stats.pool.remote_landed, BLOCKS as u64);
     drop(prefill.stop());
+}
+
+fn empty_rail() -> LakeRailStat {
+    LakeRailStat { peer: 0, rail: 0, up: 0, reserved: 0, bytes: 0, breaks: 0, address: [0; 64] }
 }

@@ -30,6 +30,7 @@ __all__ = [
     "KEY_DTYPE",
     "LOCATION_DTYPE",
     "COMPLETION_DTYPE",
+    "RAIL_DTYPE",
     "STATUS",
 ]
 
@@ -74,6 +75,18 @@ LOCATION_DTYPE = np.dtype(
     ]
 )
 COMPLETION_DTYPE = np.dtype([("request_id", np.uint64), ("index", np.uint32), ("status", np.int32)])
+# LakeRailStat: one rail of the compute network to one peer (``push_rails``).
+RAIL_DTYPE = np.dtype(
+    [
+        ("peer", np.uint32),
+        ("rail", np.uint32),
+        ("up", np.uint32),
+        ("reserved", np.uint32),
+        ("bytes", np.uint64),
+        ("breaks", np.uint64),
+        ("address", "S64"),
+    ]
+)
 assert LOCATION_DTYPE.itemsize == 16 and COMPLETION_DTYPE.itemsize == 16
 
 
@@ -229,6 +242,7 @@ def _library():
         "lake_wait_layer": ([p, u64, u32, u64], ctypes.c_int),
         "lake_slot_space": ([p, ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(u64)], ctypes.c_int),
         "lake_push": ([p, ctypes.c_char_p, p, p, sz, ctypes.c_uint16, u64, u32, ctypes.POINTER(u64)], ctypes.c_int),
+        "lake_push_rails": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_cancel": ([p, u64], ctypes.c_int),
         "lake_poll": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_stats": ([p, p], ctypes.c_int),
@@ -730,8 +744,9 @@ class Pool:
 
     def push(self, address: str, keys, table, region: int, epoch: int, priority: int = 1) -> int:
         """Pushes looked-up L1 blocks (``lookup``'s keys and table) to the
-        node at ``address`` ("IP:PORT", its transport), into any slot of
-        its L1 (``slot_space`` there): P→D. Returns the request id; one
+        node at ``address`` ("IP:PORT", its transport; or its rails, one
+        per NIC, "LOCAL>IP:PORT,LOCAL>IP:PORT"), into any slot of its L1
+        (``slot_space`` there): P→D. Returns the request id; one
         completion per block (``wait``)."""
         keys = _keys(keys)
         table = np.ascontiguousarray(table, dtype=LOCATION_DTYPE)
@@ -745,6 +760,17 @@ class Pool:
             )
         )
         return request.value
+
+    def push_rails(self) -> np.ndarray:
+        """What each rail of the compute network carried for this pool's
+        pushes (``RAIL_DTYPE``: peer, rail, up, bytes, breaks, address),
+        peers in the order first pushed to."""
+        count = ctypes.c_size_t()
+        _check(_library().lake_push_rails(self._h(), None, 0, ctypes.byref(count)))
+        out = np.zeros(count.value, dtype=RAIL_DTYPE)
+        if count.value:
+            _check(_library().lake_push_rails(self._h(), _ptr(out), count.value, ctypes.byref(count)))
+        return out[: count.value]
 
     def cancel(self, request_id: int) -> None:
         _check(_library().lake_cancel(self._h(), request_id))

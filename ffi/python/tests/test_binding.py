@@ -365,6 +365,11 @@ def test_slot_space_names_this_pools_l1_and_a_bad_push_is_refused(pool_paths):
         assert error.value.name == "LAKE_INVALID_ARGUMENT" and "IP:PORT" in error.value.message
         with pytest.raises(ValueError):
             pool.push("127.0.0.1:1", keys, table[:1], region, epoch)
+        with pytest.raises(lake.LakeError) as error:
+            pool.push("eth0>127.0.0.1:1", keys, table, region, epoch)
+        assert "local address" in error.value.message
+        rails = pool.push_rails()
+        assert rails.dtype == lake.RAIL_DTYPE and len(rails) == 0, "nothing pushed: no rails"
 
 
 def test_copy_lanes_split_a_large_load_and_keep_its_prefix_rule(pool_paths):

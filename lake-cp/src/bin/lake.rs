@@ -105,10 +105,8 @@ fn serve(args: &[String]) -> Result<(), String> {
                 let (node, rails) =
                     value.split_once('=').ok_or_else(|| format!("{flag} {value}: NODE=[LOCAL>]IP:PORT[,...]"))?;
                 let node = node.parse().map_err(|e| format!("{flag} {value}: node: {e}"))?;
-                let rails = rails
-                    .split(',')
-                    .map(|rail| parse_rail(rail).map_err(|e| format!("{flag} {value}: rail {rail}: {e}")))
-                    .collect::<Result<Vec<_>, _>>()?;
+                let rails =
+                    lake_dp::transport::tcp::Rail::parse_list(rails).map_err(|e| format!("{flag} {value}: {e}"))?;
                 config.transport_peers.push((node, rails));
             }
             "--transport-listen" => {
@@ -215,32 +213,4 @@ fn print_report(r: &DemoReport) {
         r.save_us.p99,
         r.seconds
     );
-}
-
-/// One rail of `--transport-peer`: `IP:PORT` (the peer's address on that
-/// network, leaving from wherever the kernel routes it) or
-/// `LOCAL>IP:PORT` (leaving from local address `LOCAL`: one NIC).
-fn parse_rail(text: &str) -> Result<lake_dp::transport::tcp::Rail, String> {
-    let (local, remote) = match text.split_once('>') {
-        Some((local, remote)) => (Some(local.parse().map_err(|e| format!("local address: {e}"))?), remote),
-        None => (None, text),
-    };
-    let remote = remote.parse().map_err(|e| format!("address: {e}"))?;
-    Ok(lake_dp::transport::tcp::Rail { remote, local })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_rail;
-
-    #[test]
-    fn a_rail_is_an_address_with_an_optional_local_one() {
-        let bare = parse_rail("10.0.0.2:7000").unwrap();
-        assert_eq!((bare.remote.to_string(), bare.local), ("10.0.0.2:7000".to_owned(), None));
-        let nic = parse_rail("10.0.1.1>10.0.1.2:7000").unwrap();
-        assert_eq!(nic.local.map(|l| l.to_string()).as_deref(), Some("10.0.1.1"));
-        assert!(parse_rail("10.0.1.1>").unwrap_err().starts_with("address:"));
-        assert!(parse_rail("nic0>10.0.1.2:7000").unwrap_err().starts_with("local address:"));
-        assert!(parse_rail("10.0.1.2").unwrap_err().starts_with("address:"), "a port is needed");
-    }
 }

@@ -201,6 +201,38 @@ impl Rail {
     pub fn to(remote: SocketAddr) -> Self {
         Self { remote, local: None }
     }
+
+    /// A rail as an operator writes it: `IP:PORT` (the peer's address on
+    /// that network, leaving by the kernel's route) or `LOCAL>IP:PORT`
+    /// (leaving from local address `LOCAL`: one NIC).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let (local, remote) = match text.split_once('>') {
+            Some((local, remote)) => {
+                (Some(local.parse().map_err(|e| format!("local address {local:?}: {e}"))?), remote)
+            }
+            None => (None, text),
+        };
+        let remote = remote.parse().map_err(|e| format!("address {remote:?}: {e}"))?;
+        Ok(Self { remote, local })
+    }
+
+    /// Rails separated by commas (one peer reached over several NICs).
+    pub fn parse_list(text: &str) -> Result<Vec<Self>, String> {
+        let rails = text.split(',').map(Self::parse).collect::<Result<Vec<_>, _>>()?;
+        if rails.len() > STREAMS_PER_PEER_MAX {
+            return Err(format!("{} rails: at most {STREAMS_PER_PEER_MAX}", rails.len()));
+        }
+        Ok(rails)
+    }
+}
+
+impl core::fmt::Display for Rail {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self.local {
+            Some(local) => write!(f, "{local}>{}", self.remote),
+            None => write!(f, "{}", self.remote),
+        }
+    }
 }
 
 /// A rail's state at one peer.
@@ -1401,4 +1433,24 @@ fn bytes(n: u64) -> usize {
 
 fn bad_frame(e: FrameError) -> String {
     format!("bad frame: {e}")
+}
+
+#[cfg(test)]
+mod rail_tests {
+    use super::Rail;
+
+    #[test]
+    fn a_rail_is_an_address_with_an_optional_local_one() {
+        let bare = Rail::parse("10.0.0.2:7000").unwrap();
+        assert_eq!((bare.remote.to_string(), bare.local), ("10.0.0.2:7000".to_owned(), None));
+        let nic = Rail::parse("10.0.1.1>10.0.1.2:7000").unwrap();
+        assert_eq!(nic.to_string(), "10.0.1.1>10.0.1.2:7000", "written back as given");
+        assert!(Rail::parse("10.0.1.1>").unwrap_err().starts_with("address"));
+        assert!(Rail::parse("nic0>10.0.1.2:7000").unwrap_err().starts_with("local address"));
+        assert!(Rail::parse("10.0.1.2").unwrap_err().starts_with("address"), "a port is needed");
+        let two = Rail::parse_list("127.0.0.1>127.0.0.1:9,127.0.0.2>127.0.0.1:9").unwrap();
+        assert_eq!(two.len(), 2);
+        assert!(Rail::parse_list(&vec!["127.0.0.1:9"; 65].join(",")).is_err(), "more rails than connections");
+        assert!(Rail::parse_list("").is_err());
+    }
 }
