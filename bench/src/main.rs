@@ -17,6 +17,7 @@ mod keys;
 mod l2;
 mod lookup;
 mod report;
+mod route_sim;
 mod tcp;
 mod trace;
 
@@ -54,6 +55,10 @@ subcommands:
   tcp    [--block-bytes N] [--total-bytes N] [--streams N] [--slice-bytes N] [--window-bytes N] [--rounds N]
          blocks between two nodes' slots over loopback TCP through Lake's
          transport (striped, checked at the target) vs one plain TCP stream
+  route  [--nodes N] [--conversations N] [--turns N] [--seed S] [--utilization U]
+         simulated agent conversations over several nodes routed by
+         lake_cp::route vs always-PD and always-colocated: hit rate, bytes
+         between nodes, modelled TTFT, modes chosen
   trace  --file F.jsonl (--capacity-blocks N | --capacity-ratio R) [--policy lake|lru]
          replay a hash_ids trace through the real index and eviction code
   trace-gen --kind agent|chat|scan --out F.jsonl [--requests N] [--seed S]
@@ -76,6 +81,7 @@ fn main() -> ExitCode {
         "ffi" => ffi::run(rest),
         "gpu" => gpu::run(rest),
         "tcp" => tcp::run(rest),
+        "route" => route_sim::run(rest),
         "trace-gen" => trace::run_trace_gen(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");

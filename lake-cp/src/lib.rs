@@ -11,9 +11,10 @@
 //! with its two-phase put ([`location`]), the eviction policies
 //! ([`evict`]), the node authority over `lake-dp` reports ([`node`]),
 //! leases ([`lease`]), the tier manager that turns capacities and quotas
-//! into moves ([`tier`]), the cp↔dp server ([`server`]), metrics
-//! ([`metrics`]) and the embedded single-node pool ([`demo`], the `lake`
-//! command); leadership arrives with issue \[7\]. See `docs/controlplane.md`.
+//! into moves ([`tier`]), execution-mode routing ([`route`]), the cp↔dp
+//! server ([`server`]), metrics ([`metrics`]) and the embedded single-node
+//! pool ([`demo`], the `lake` command); leadership arrives with issue
+//! \[7\]. See `docs/controlplane.md`.
 
 #![warn(missing_docs)]
 
@@ -27,6 +28,7 @@ pub mod lease;
 pub mod location;
 pub mod metrics;
 pub mod node;
+pub mod route;
 pub mod server;
 mod table;
 pub mod tier;
