@@ -57,7 +57,7 @@ subcommands:
          transport (striped, checked at the target) vs one plain TCP stream
   route  [--nodes N] [--conversations N] [--turns N] [--seed S] [--utilization U]
          simulated agent conversations over several nodes routed by
-         lake_cp::route vs always-PD and always-colocated: hit rate, bytes
+         lake_dp::route vs always-PD and always-colocated: hit rate, bytes
          between nodes, modelled TTFT, modes chosen
   trace  --file F.jsonl (--capacity-blocks N | --capacity-ratio R) [--policy lake|lru]
          replay a hash_ids trace through the real index and eviction code

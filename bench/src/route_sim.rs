@@ -1,7 +1,7 @@
 //! `lake-bench route`: a trace-driven simulation of execution-mode routing
 //! over several nodes — agent multi-turn conversations (each turn the
 //! previous context, the reply and a new message) — through the real
-//! `lake_cp::route::route`, against "always PD" and "always colocated".
+//! `lake_dp::route::route`, against "always PD" and "always colocated".
 //!
 //! Each node has an HBM (L0), DRAM (L1) and NVMe (L2) share of KV, LRU per
 //! tier: a turn's context lands in the HBM of the node that decoded it and
@@ -16,8 +16,8 @@
 // A model: node indices, block counts and times far below the limits.
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
-use lake_cp::route::{HitView, LoadView, Mode, NodeHits, NodeLoad, Plan, Policy, Request, route};
 use lake_dp::NodeId;
+use lake_dp::route::{HitView, LoadView, Mode, NodeHits, NodeLoad, Plan, Policy, Request, route};
 
 use crate::args::Args;
 use crate::report::Report;

@@ -7,6 +7,46 @@
 #include <stdint.h>
 
 /*
+ [`LakeNodeLoad::roles`]: the node runs prefill work.
+ */
+#define LAKE_ROLE_PREFILL 1
+
+/*
+ [`LakeNodeLoad::roles`]: the node runs decode work.
+ */
+#define LAKE_ROLE_DECODE 2
+
+/*
+ [`LakeRoutePlan::mode`].
+ */
+#define LAKE_MODE_COLOCATED 0
+
+/*
+ See [`LAKE_MODE_COLOCATED`].
+ */
+#define LAKE_MODE_PD 1
+
+/*
+ See [`LAKE_MODE_COLOCATED`].
+ */
+#define LAKE_MODE_DDIRECT 2
+
+/*
+ [`LakeRouteMove::network`]: a node's own tiers into its HBM.
+ */
+#define LAKE_NETWORK_LOCAL 0
+
+/*
+ See [`LAKE_NETWORK_LOCAL`]: the storage network.
+ */
+#define LAKE_NETWORK_STORAGE 1
+
+/*
+ See [`LAKE_NETWORK_LOCAL`]: the compute network.
+ */
+#define LAKE_NETWORK_COMPUTE 2
+
+/*
  What every call returns.
  */
 typedef enum LakeStatus {
@@ -510,6 +550,180 @@ typedef struct LakeStats {
    */
   uint64_t bytes_saved;
 } LakeStats;
+
+/*
+ What another node holds of the request's prefix: blocks available at
+ L0, L0–L1, L0–L2, L0–L3 (never decreasing).
+ */
+typedef struct LakeNodeHits {
+  /*
+   The node.
+   */
+  uint32_t node;
+  /*
+   Prefix blocks through each tier.
+   */
+  uint32_t through[4];
+  /*
+   Zero.
+   */
+  uint32_t reserved;
+} LakeNodeHits;
+
+/*
+ One node as the router sees it (`lake_dp::route::NodeLoad`).
+ */
+typedef struct LakeNodeLoad {
+  /*
+   The node.
+   */
+  uint32_t node;
+  /*
+   `LAKE_ROLE_PREFILL | LAKE_ROLE_DECODE`, either or both.
+   */
+  uint32_t roles;
+  /*
+   Time before a new request's prefill would start there (ns).
+   */
+  uint64_t queue_ns;
+  /*
+   Recomputing one block there (ns).
+   */
+  uint64_t compute_ns_per_block;
+  /*
+   Moving one block into its HBM from L0 (0), L1, L2, L3 (ns).
+   */
+  uint64_t load_ns_per_block[4];
+  /*
+   Moving one block over the compute network to or from it (ns).
+   */
+  uint64_t cnic_ns_per_block;
+} LakeNodeLoad;
+
+/*
+ A routing question (`lake_route`).
+ */
+typedef struct LakeRouteRequest {
+  /*
+   `sizeof(LakeRouteRequest)`.
+   */
+  uintptr_t struct_size;
+  /*
+   The prompt's block keys (`count`), in order.
+   */
+  const struct LakeBlockKey *keys;
+  /*
+   Blocks of the prompt.
+   */
+  uintptr_t count;
+  /*
+   This node's id (its hits come from its mirror).
+   */
+  uint32_t local_node;
+  /*
+   Prefix blocks an engine of this node holds in its HBM (the mirror
+   does not carry L0; the engine knows).
+   */
+  uint32_t local_l0_blocks;
+  /*
+   Prefix blocks in the object store.
+   */
+  uint32_t l3_blocks;
+  /*
+   0: whatever is fastest; 1: PD only; 2: colocated only.
+   */
+  uint32_t policy;
+  /*
+   Other nodes' hits (`others_count`), as the caller knows them.
+   */
+  const struct LakeNodeHits *others;
+  /*
+   See `others`.
+   */
+  uintptr_t others_count;
+  /*
+   Every node that may run work (`loads_count`), this one included.
+   */
+  const struct LakeNodeLoad *loads;
+  /*
+   See `loads`.
+   */
+  uintptr_t loads_count;
+  /*
+   Nodes a failed execution ran on (`avoid_count`): routed around.
+   */
+  const uint32_t *avoid;
+  /*
+   See `avoid`.
+   */
+  uintptr_t avoid_count;
+} LakeRouteRequest;
+
+/*
+ The plan (`lake_dp::route::Plan`).
+ */
+typedef struct LakeRoutePlan {
+  /*
+   `LAKE_MODE_*`.
+   */
+  uint32_t mode;
+  /*
+   Where the prompt is computed.
+   */
+  uint32_t prefill_node;
+  /*
+   Where tokens are generated (the prefill node but for PD).
+   */
+  uint32_t decode_node;
+  /*
+   Prefix blocks loaded or already in HBM.
+   */
+  uint32_t hit_blocks;
+  /*
+   Blocks recomputed.
+   */
+  uint32_t recomputed_blocks;
+  /*
+   Moves in the plan (those past the caller's capacity are not
+   written).
+   */
+  uint32_t moves;
+  /*
+   The modelled time to first token (ns).
+   */
+  uint64_t ttft_ns;
+} LakeRoutePlan;
+
+/*
+ Blocks `first..last` moving from (`from_node`, `from_tier`) into
+ `to_node`'s HBM over `network`.
+ */
+typedef struct LakeRouteMove {
+  /*
+   First block.
+   */
+  uint32_t first;
+  /*
+   One past the last.
+   */
+  uint32_t last;
+  /*
+   Where they are.
+   */
+  uint32_t from_node;
+  /*
+   Their tier there (0 L0 … 3 L3).
+   */
+  uint32_t from_tier;
+  /*
+   Where they go.
+   */
+  uint32_t to_node;
+  /*
+   `LAKE_NETWORK_*`.
+   */
+  uint32_t network;
+} LakeRouteMove;
 
 #ifdef __cplusplus
 extern "C" {
@@ -1048,6 +1262,26 @@ enum LakeStatus lake_load_pinned(const struct LakePool *pool,
  `pins` null or from `lake_lookup_pinned`, released once.
  */
 void lake_pins_release(struct LakePins *pins);
+
+/*
+ Where `request` should run: this node's hits read from its mirror
+ (the longest prefix in L1, then in L1 or L2), the rest as given; the
+ plan into `plan`, its moves into `moves` (room for `moves_capacity`;
+ `plan->moves` says how many there are). `LAKE_UNAVAILABLE` when no node
+ may run it (every one avoided, or none with the roles a mode needs).
+ Reads shared memory only; thread-safe.
+
+ # Safety
+
+ `request` points at a `LakeRouteRequest` whose arrays hold their
+ counts; `plan` writable; `moves` at `moves_capacity` writable entries
+ (or null with 0).
+ */
+enum LakeStatus lake_route(const struct LakePool *pool,
+                           const struct LakeRouteRequest *request,
+                           struct LakeRoutePlan *plan,
+                           struct LakeRouteMove *moves,
+                           uintptr_t moves_capacity);
 
 /*
  Copies this thread's last error message into `buffer` (`capacity`

@@ -18,6 +18,7 @@ pub mod layout;
 mod memory;
 pub mod pool;
 mod push;
+pub mod route;
 pub mod status;
 
 use lake_dp::wire::{WIRE_VERSION_MAX, WIRE_VERSION_MIN};

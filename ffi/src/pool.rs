@@ -240,7 +240,7 @@ impl core::fmt::Debug for LakePins {
 
 /// An attached pool: the engine's side of Lake.
 pub struct LakePool {
-    mirror: MirrorReader,
+    pub(crate) mirror: MirrorReader,
     arena_region: u16,
     /// The L1 arena's epoch (with its region: where peers push blocks).
     arena_epoch: u64,
@@ -359,7 +359,7 @@ pub(crate) unsafe fn read_options<T: Copy>(options: *const T, what: &str) -> Res
     Ok(unsafe { options.read() })
 }
 
-fn status_of(result: Result<(), LakeStatus>) -> LakeStatus {
+pub(crate) fn status_of(result: Result<(), LakeStatus>) -> LakeStatus {
     match result {
         Ok(()) => LakeStatus::LakeOk,
         Err(status) => status,
@@ -1118,7 +1118,7 @@ fn fetch_through_agent(agent: &mut Agent, job: &LoadJob, from: usize) -> Vec<Lak
     statuses
 }
 
-fn pool_ref<'a>(pool: *const LakePool) -> Result<&'a LakePool, LakeStatus> {
+pub(crate) fn pool_ref<'a>(pool: *const LakePool) -> Result<&'a LakePool, LakeStatus> {
     if pool.is_null() {
         return Err(fail(LakeStatus::LakeNullArgument, "pool is null"));
     }
@@ -1586,7 +1586,7 @@ const SHARDS_MAX: usize = 256;
 
 /// The engine's `count` keys as this pool's shard names them (the keys
 /// the mirror, the pool and the stored headers use).
-fn read_keys(pool: &LakePool, keys: *const LakeBlockKey, count: usize) -> Vec<BlockKey> {
+pub(crate) fn read_keys(pool: &LakePool, keys: *const LakeBlockKey, count: usize) -> Vec<BlockKey> {
     if count == 0 {
         return Vec::new();
     }

@@ -2,7 +2,9 @@
 //! process); the prefill engine saves a prompt into its pool, asks the
 //! decode pool where its L1 is (`lake_slot_space`), pushes the prompt
 //! there (`lake_push`), and the decode engine finds it with `lake_lookup`
-//! and loads it byte for byte. Bad arguments are refused by name.
+//! and loads it byte for byte. Bad arguments are refused by name. And the
+//! routing question before such a push (`lake_route`): this node's hits
+//! read from its mirror, another node's as given.
 
 #![allow(clippy::cast_possible_truncation)] // small test numbers
 
@@ -18,6 +20,10 @@ use lake::pool::{
     lake_attach, lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_lookup,
     lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory, lake_slot_space,
     lake_submit_load, lake_submit_save,
+};
+use lake::route::{
+    LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_ROLE_DECODE, LAKE_ROLE_PREFILL, LakeNodeHits,
+    LakeNodeLoad, LakeRouteMove, LakeRoutePlan, LakeRouteRequest, lake_route,
 };
 use lake::status::LakeStatus;
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
@@ -228,4 +234,110 @@ fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
 
 fn empty_rail() -> LakeRailStat {
     LakeRailStat { peer: 0, rail: 0, up: 0, reserved: 0, bytes: 0, breaks: 0, address: [0; 64] }
+}
+
+#[test]
+fn the_router_reads_this_nodes_hits_from_its_mirror() {
+    let pool = start("route", None);
+    let options = LakeNamespaceOptions {
+        struct_size: size_of::<LakeNamespaceOptions>(),
+        tenant_key: [3; 32],
+        block_tokens: 16,
+        model_fingerprint: [4; 32],
+        extra_keys_digest: [0; 32],
+        key_scheme: 1,
+    };
+    let mut namespace: *mut LakeNamespace = core::ptr::null_mut();
+    // SAFETY: valid options and out-pointer.
+    ok(unsafe { lake_namespace_new(&raw const options, &raw mut namespace) }, "namespace");
+    let tokens: Vec<u32> = (0..8 * 16).map(|i| i * 7 + 1).collect();
+    let mut keys = vec![LakeBlockKey::default(); 8];
+    let (mut chain, mut written) = (core::ptr::null_mut(), 0);
+    // SAFETY: a valid namespace and out-pointer.
+    ok(unsafe { lake_keychain_new(namespace, &raw mut chain) }, "chain");
+    // SAFETY: arrays of their lengths.
+    ok(
+        unsafe { lake_keychain_extend(chain, tokens.as_ptr(), tokens.len(), keys.as_mut_ptr(), 8, &raw mut written) },
+        "keys",
+    );
+    // SAFETY: from lake_keychain_new, freed once.
+    unsafe { lake_keychain_free(chain) };
+    let mut strings = Vec::new();
+    let p = attach(&pool, namespace, &mut strings);
+    // The first 6 of the prompt's 8 blocks saved here (L1).
+    let mut kv = vec![7u8; 6 * BLOCK];
+    let (mut memory, mut request) = (0, 0);
+    let blocks: Vec<u32> = (0..6).collect();
+    // SAFETY: the memory lives until detach.
+    ok(unsafe { lake_register_host_memory(p, kv.as_mut_ptr(), BLOCK, 6, &raw mut memory) }, "register");
+    // SAFETY: arrays of 6 entries.
+    ok(
+        unsafe {
+            lake_submit_save(p, memory, core::ptr::null(), keys.as_ptr(), blocks.as_ptr(), 6, 2, &raw mut request)
+        },
+        "save",
+    );
+    assert!(statuses(p, request, 6).iter().all(|&s| s == LakeStatus::LakeOk));
+    lookup(p, &keys[..6]);
+
+    let node = |id, queue_ns| LakeNodeLoad {
+        node: id,
+        roles: LAKE_ROLE_PREFILL | LAKE_ROLE_DECODE,
+        queue_ns,
+        compute_ns_per_block: 500_000,
+        load_ns_per_block: [0, 50_000, 400_000, 3_000_000],
+        cnic_ns_per_block: 100_000,
+    };
+    let loads = [node(0, 0), node(1, 0)];
+    // Node 1's engine holds the whole prompt in its HBM.
+    let others = [LakeNodeHits { node: 1, through: [8; 4], reserved: 0 }];
+    let ask = |avoid: &[u32], loads: &[LakeNodeLoad], policy: u32, size: usize| {
+        let request = LakeRouteRequest {
+            struct_size: size,
+            keys: keys.as_ptr(),
+            count: 8,
+            local_node: 0,
+            local_l0_blocks: 0,
+            l3_blocks: 0,
+            policy,
+            others: others.as_ptr(),
+            others_count: others.len(),
+            loads: loads.as_ptr(),
+            loads_count: loads.len(),
+            avoid: avoid.as_ptr(),
+            avoid_count: avoid.len(),
+        };
+        let mut plan = LakeRoutePlan::default();
+        let mut moves = [LakeRouteMove::default(); 4];
+        // SAFETY: a request whose arrays hold their counts; writable plan and moves.
+        let status = unsafe { lake_route(p, &raw const request, &raw mut plan, moves.as_mut_ptr(), moves.len()) };
+        (status, plan, moves)
+    };
+    let size = size_of::<LakeRouteRequest>();
+    let (status, plan, _) = ask(&[], &loads, 0, size);
+    ok(status, "route");
+    assert_eq!((plan.mode, plan.prefill_node, plan.hit_blocks, plan.moves), (LAKE_MODE_DDIRECT, 1, 8, 0), "{plan:?}");
+    // Node 1 failed the request: routed again around it, this node's own
+    // six blocks in L1 (read from its mirror) load, two are computed.
+    let (status, plan, moves) = ask(&[1], &loads, 0, size);
+    ok(status, "reroute");
+    assert_eq!((plan.mode, plan.prefill_node, plan.hit_blocks, plan.recomputed_blocks), (LAKE_MODE_COLOCATED, 0, 6, 2));
+    assert_eq!((plan.moves, moves[0].first, moves[0].last, moves[0].from_tier), (1, 0, 6, 1));
+    assert_eq!((moves[0].from_node, moves[0].to_node, moves[0].network), (0, 0, LAKE_NETWORK_LOCAL));
+    assert_eq!(plan.ttft_ns, 1_000_000, "two blocks computed hide six loaded");
+    // Bad questions, refused by name; no node left is `LAKE_UNAVAILABLE`.
+    assert_eq!(ask(&[0, 1], &loads, 0, size).0, LakeStatus::LakeUnavailable);
+    assert_eq!(ask(&[], &loads, 7, size).0, LakeStatus::LakeInvalidArgument);
+    assert_eq!(ask(&[], &loads, 0, size - 8).0, LakeStatus::LakeInvalidArgument);
+    let odd = [LakeNodeLoad { roles: 4, ..node(0, 0) }];
+    assert_eq!(ask(&[], &odd, 0, size).0, LakeStatus::LakeInvalidArgument);
+    let mut plan = LakeRoutePlan::default();
+    // SAFETY: a null request is the point.
+    let null = unsafe { lake_route(p, core::ptr::null(), &raw mut plan, core::ptr::null_mut(), 0) };
+    assert_eq!(null, LakeStatus::LakeNullArgument);
+    // SAFETY: attached above, detached once; then the namespace.
+    unsafe { lake_detach(p) };
+    // SAFETY: from lake_namespace_new, freed once.
+    unsafe { lake_namespace_free(namespace) };
+    drop(pool.stop());
 }

@@ -61,6 +61,7 @@ pub mod poller;
 pub mod region;
 pub mod ring;
 pub mod rng;
+pub mod route;
 pub mod runner;
 pub(crate) mod shm;
 pub mod sim;

@@ -243,6 +243,7 @@ def _library():
         "lake_slot_space": ([p, ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(u64)], ctypes.c_int),
         "lake_push": ([p, ctypes.c_char_p, p, p, sz, ctypes.c_uint16, u64, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_push_rails": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_route": ([p, p, p, p, sz], ctypes.c_int),
         "lake_cancel": ([p, u64], ctypes.c_int),
         "lake_poll": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_stats": ([p, p], ctypes.c_int),
@@ -265,6 +266,60 @@ def _check(status: int) -> None:
         buffer = ctypes.create_string_buffer(512)
         _library().lake_last_error(buffer, len(buffer))
         raise LakeError(status, buffer.value.decode("utf-8", "replace"))
+
+
+class _NodeLoad(ctypes.Structure):
+    _fields_ = [
+        ("node", ctypes.c_uint32),
+        ("roles", ctypes.c_uint32),
+        ("queue_ns", ctypes.c_uint64),
+        ("compute_ns_per_block", ctypes.c_uint64),
+        ("load_ns_per_block", ctypes.c_uint64 * 4),
+        ("cnic_ns_per_block", ctypes.c_uint64),
+    ]
+
+
+class _NodeHits(ctypes.Structure):
+    _fields_ = [("node", ctypes.c_uint32), ("through", ctypes.c_uint32 * 4), ("reserved", ctypes.c_uint32)]
+
+
+class _RouteRequest(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("keys", ctypes.c_void_p),
+        ("count", ctypes.c_size_t),
+        ("local_node", ctypes.c_uint32),
+        ("local_l0_blocks", ctypes.c_uint32),
+        ("l3_blocks", ctypes.c_uint32),
+        ("policy", ctypes.c_uint32),
+        ("others", ctypes.c_void_p),
+        ("others_count", ctypes.c_size_t),
+        ("loads", ctypes.c_void_p),
+        ("loads_count", ctypes.c_size_t),
+        ("avoid", ctypes.c_void_p),
+        ("avoid_count", ctypes.c_size_t),
+    ]
+
+
+class _RoutePlan(ctypes.Structure):
+    _fields_ = [
+        ("mode", ctypes.c_uint32),
+        ("prefill_node", ctypes.c_uint32),
+        ("decode_node", ctypes.c_uint32),
+        ("hit_blocks", ctypes.c_uint32),
+        ("recomputed_blocks", ctypes.c_uint32),
+        ("moves", ctypes.c_uint32),
+        ("ttft_ns", ctypes.c_uint64),
+    ]
+
+
+class _RouteMove(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint32) for name in ("first", "last", "from_node", "from_tier", "to_node", "network")]
+
+
+ROUTE_MODES = ("colocated", "pd", "d_direct")
+ROUTE_NETWORKS = ("local", "storage", "compute")
+ROUTE_POLICIES = {"any": 0, "always_pd": 1, "always_colocated": 2}
 
 
 def _ptr(array: np.ndarray):
@@ -771,6 +826,54 @@ class Pool:
         if count.value:
             _check(_library().lake_push_rails(self._h(), _ptr(out), count.value, ctypes.byref(count)))
         return out[: count.value]
+
+    def route(self, keys, loads, others=(), local_node=0, local_l0_blocks=0, l3_blocks=0, avoid=(), policy="any"):
+        """Where a request with block ``keys`` should run (``lake_route``):
+        this node's hits from its mirror, ``others`` as ``{"node": n,
+        "through": [l0, l1, l2, l3]}``, every node in ``loads`` as
+        ``{"node", "prefill", "decode", "queue_ns", "compute_ns_per_block",
+        "load_ns_per_block": [l0, l1, l2, l3], "cnic_ns_per_block"}``;
+        ``avoid``: nodes a failed execution ran on. Returns the plan as a
+        dict (``mode``: "colocated", "pd" or "d_direct"; its ``moves``)."""
+        if policy not in ROUTE_POLICIES:
+            raise ValueError(f"policy {policy!r}: one of {sorted(ROUTE_POLICIES)}")
+        keys = _keys(keys)
+        load_array = (_NodeLoad * max(len(loads), 1))()
+        for i, load in enumerate(loads):
+            roles = (1 if load.get("prefill", True) else 0) | (2 if load.get("decode", True) else 0)
+            load_array[i] = _NodeLoad(
+                load["node"], roles, load.get("queue_ns", 0), load["compute_ns_per_block"],
+                (ctypes.c_uint64 * 4)(*load["load_ns_per_block"]), load["cnic_ns_per_block"],
+            )
+        other_array = (_NodeHits * max(len(others), 1))()
+        for i, other in enumerate(others):
+            other_array[i] = _NodeHits(other["node"], (ctypes.c_uint32 * 4)(*other["through"]), 0)
+        avoid_array = (ctypes.c_uint32 * max(len(avoid), 1))(*avoid)
+        request = _RouteRequest(
+            ctypes.sizeof(_RouteRequest), _ptr(keys), keys.shape[0], local_node, local_l0_blocks, l3_blocks,
+            ROUTE_POLICIES[policy], ctypes.cast(other_array, ctypes.c_void_p), len(others),
+            ctypes.cast(load_array, ctypes.c_void_p), len(loads), ctypes.cast(avoid_array, ctypes.c_void_p), len(avoid),
+        )
+        plan = _RoutePlan()
+        moves = (_RouteMove * 16)()
+        _check(_library().lake_route(self._h(), ctypes.byref(request), ctypes.byref(plan), moves, 16))
+        return {
+            "mode": ROUTE_MODES[plan.mode],
+            "prefill_node": plan.prefill_node,
+            "decode_node": plan.decode_node,
+            "hit_blocks": plan.hit_blocks,
+            "recomputed_blocks": plan.recomputed_blocks,
+            "ttft_ns": plan.ttft_ns,
+            "moves": [
+                {
+                    "blocks": (m.first, m.last),
+                    "from": (m.from_node, m.from_tier),
+                    "to": m.to_node,
+                    "network": ROUTE_NETWORKS[m.network],
+                }
+                for m in moves[: min(plan.moves, 16)]
+            ],
+        }
 
     def cancel(self, request_id: int) -> None:
         _check(_library().lake_cancel(self._h(), request_id))

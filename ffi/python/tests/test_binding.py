@@ -454,3 +454,24 @@ def test_a_gpu_save_on_the_engines_stream_waits_for_its_writes(pool_paths):
         torch.cuda.synchronize()
         for v, t in zip(values, target):
             assert torch.equal(v[:, :blocks], t[:, :blocks]), "the save read the blocks before the engine wrote them"
+
+
+def test_route_places_a_request_by_its_hits_and_routes_around_a_failed_node(pool_paths):
+    ns = namespace()
+    keys = ns.keys(np.arange(4 * TOKENS, dtype=np.uint32) + 190000)
+    node = lambda n, queue: {
+        "node": n, "queue_ns": queue, "compute_ns_per_block": 500_000,
+        "load_ns_per_block": [0, 50_000, 400_000, 3_000_000], "cnic_ns_per_block": 100_000,
+    }
+    with attach(pool_paths, ns) as pool:
+        # Nothing cached here; node 1's engine holds all 4 blocks in HBM.
+        others = [{"node": 1, "through": [4, 4, 4, 4]}]
+        plan = pool.route(keys, [node(0, 0), node(1, 1_000_000)], others=others)
+        assert plan["mode"] == "d_direct" and plan["prefill_node"] == 1 and plan["hit_blocks"] == 4, plan
+        again = pool.route(keys, [node(0, 0), node(1, 1_000_000)], others=others, avoid=[1])
+        assert again["mode"] == "colocated" and again["prefill_node"] == 0 and again["recomputed_blocks"] == 4, again
+        with pytest.raises(lake.LakeError) as error:
+            pool.route(keys, [node(0, 0)], avoid=[0])
+        assert error.value.name == "LAKE_UNAVAILABLE"
+        with pytest.raises(ValueError):
+            pool.route(keys, [node(0, 0)], policy="sometimes")

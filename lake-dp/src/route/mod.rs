@@ -21,7 +21,7 @@
 //! compute still cost bandwidth). A failed execution is routed again with the failed node in
 //! [`Request::avoid`] (F4 reroute): the same function, no fallback ladder.
 
-use lake_dp::{NodeId, Tier};
+use crate::{NodeId, Tier};
 
 /// What is asked: a prompt of `blocks` blocks (its leading blocks are the
 /// prefix the pool may hold) and the nodes not to use.
