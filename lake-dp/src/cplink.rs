@@ -119,6 +119,10 @@ pub struct CpLinkCounters {
     pub refused: u64,
     /// Frames received in all.
     pub received: u64,
+    /// Commands refused for a leader term below the fence's.
+    pub stale_terms: u64,
+    /// Commands refused because a newer term could not be made durable.
+    pub fence_errors: u64,
 }
 
 /// The link. See the module docs.
@@ -135,6 +139,8 @@ pub struct CpLink {
     closed: bool,
     commands: VecDeque<CpCommand>,
     grants: VecDeque<Granted>,
+    /// The data plane's fence: commands below its term are refused.
+    fence: Option<crate::fence::TermFence>,
     /// What it has done.
     pub counters: CpLinkCounters,
 }
@@ -197,8 +203,23 @@ impl CpLink {
             closed: false,
             commands: VecDeque::with_capacity(COMMANDS_MAX),
             grants: VecDeque::new(),
+            fence: None,
             counters: CpLinkCounters::default(),
         })
+    }
+
+    /// Fences commands by leader term from now on (a data plane's link;
+    /// an agent's takes no commands): one below `fence`'s term is answered
+    /// `StaleTerm` and never queued; one of a newer term is queued only
+    /// once that term is durable in the fence's file (`Io` if it cannot
+    /// be made so).
+    pub fn fence_with(&mut self, fence: crate::fence::TermFence) {
+        self.fence = Some(fence);
+    }
+
+    /// The highest leader term seen (0 without a fence).
+    pub fn term_floor(&self) -> u64 {
+        self.fence.as_ref().map_or(0, crate::fence::TermFence::floor)
     }
 
     /// The control plane's answer to the hello.
@@ -380,6 +401,7 @@ impl CpLink {
             self.out.clear();
             self.sent_upto = 0;
         }
+        self.drain_input()?;
         loop {
             if self.input_len == self.input.len() {
                 return self.close(CpLinkError::Wire(WireError::FrameTooLarge {
@@ -394,47 +416,67 @@ impl CpLink {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return self.close(e.into()),
             }
-            loop {
-                let (used, incoming) = match decode_frame(&self.input[..self.input_len], &self.limits) {
-                    Err(WireError::Incomplete { .. }) => break,
-                    Err(e) => return self.close(CpLinkError::Wire(e)),
-                    Ok(frame) => {
-                        let request = frame.header.request_id;
-                        let incoming = match frame.message {
-                            Message::Error(_) => Incoming::Refused,
-                            Message::MoveBlock(transfer) => Incoming::Command(CpCommand::Move { request, transfer }),
-                            Message::CopyBlock(transfer) => Incoming::Command(CpCommand::Copy { request, transfer }),
-                            Message::EvictBlock(replica) => Incoming::Command(CpCommand::Evict { request, replica }),
-                            Message::LeaseGrant(head, entries) => Incoming::Grant(Granted {
-                                request,
-                                lease_id: head.lease_id,
-                                deadline_unix_ns: head.deadline_unix_ns,
-                                entries: entries
-                                    .iter()
-                                    .filter_map(|e| Replica::from_wire(&e.replica).map(|r| (e.key, r)))
-                                    .collect(),
-                            }),
-                            _ => Incoming::Other,
-                        };
-                        (frame.len(), incoming)
-                    }
-                };
-                self.counters.received += 1;
-                match incoming {
-                    Incoming::Refused => self.counters.refused += 1,
-                    Incoming::Command(command) => self.take_command(command),
-                    Incoming::Grant(grant) => {
-                        // Bounded: grants nobody collects do not pile up.
-                        if self.grants.len() >= 64 {
-                            self.grants.pop_front();
-                        }
-                        self.grants.push_back(grant);
-                    }
-                    Incoming::Other => {}
+            self.drain_input()?;
+        }
+        Ok(())
+    }
+
+    /// Takes every whole frame the input holds (what came with the hello
+    /// ack included).
+    fn drain_input(&mut self) -> Result<(), CpLinkError> {
+        loop {
+            let (used, incoming) = match decode_frame(&self.input[..self.input_len], &self.limits) {
+                Err(WireError::Incomplete { .. }) => break,
+                Err(e) => return self.close(CpLinkError::Wire(e)),
+                Ok(frame) => {
+                    let request = frame.header.request_id;
+                    let term = frame.header.leader_term;
+                    let incoming = match frame.message {
+                        Message::Error(_) => Incoming::Refused,
+                        Message::MoveBlock(transfer) => Incoming::Command(CpCommand::Move { request, transfer }),
+                        Message::CopyBlock(transfer) => Incoming::Command(CpCommand::Copy { request, transfer }),
+                        Message::EvictBlock(replica) => Incoming::Command(CpCommand::Evict { request, replica }),
+                        Message::LeaseGrant(head, entries) => Incoming::Grant(Granted {
+                            request,
+                            lease_id: head.lease_id,
+                            deadline_unix_ns: head.deadline_unix_ns,
+                            entries: entries
+                                .iter()
+                                .filter_map(|e| Replica::from_wire(&e.replica).map(|r| (e.key, r)))
+                                .collect(),
+                        }),
+                        _ => Incoming::Other,
+                    };
+                    (frame.len(), (incoming, term))
                 }
-                self.input.copy_within(used..self.input_len, 0);
-                self.input_len -= used;
+            };
+            let (incoming, term) = incoming;
+            self.counters.received += 1;
+            match incoming {
+                Incoming::Refused => self.counters.refused += 1,
+                Incoming::Command(command) => match self.fence.as_mut().map(|f| f.admit(term)) {
+                    None | Some(Ok(true)) => self.take_command(command),
+                    Some(Ok(false)) => {
+                        self.counters.stale_terms += 1;
+                        self.answer(command, ErrorCode::StaleTerm);
+                    }
+                    // Not durable, so not run: the leader hears why.
+                    Some(Err(_)) => {
+                        self.counters.fence_errors += 1;
+                        self.answer(command, ErrorCode::Io);
+                    }
+                },
+                Incoming::Grant(grant) => {
+                    // Bounded: grants nobody collects do not pile up.
+                    if self.grants.len() >= 64 {
+                        self.grants.pop_front();
+                    }
+                    self.grants.push_back(grant);
+                }
+                Incoming::Other => {}
             }
+            self.input.copy_within(used..self.input_len, 0);
+            self.input_len -= used;
         }
         Ok(())
     }
@@ -444,11 +486,16 @@ impl CpLink {
             self.commands.push_back(command);
             return;
         }
+        self.answer(command, ErrorCode::QueueFull);
+    }
+
+    /// Answers a command that will not run.
+    fn answer(&mut self, command: CpCommand, code: ErrorCode) {
         let (request, target) = match command {
             CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer } => (request, transfer.target),
             CpCommand::Evict { request, replica } => (request, replica.replica),
         };
-        let done = TransferDone { status: ErrorCode::QueueFull as u32, reserved: 0, target, bytes: 0 };
+        let done = TransferDone { status: code as u32, reserved: 0, target, bytes: 0 };
         self.transfer_done(request, &done);
     }
 

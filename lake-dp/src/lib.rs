@@ -38,6 +38,7 @@ pub mod agent;
 pub mod arena;
 pub mod constants;
 pub mod cplink;
+pub mod fence;
 pub mod io;
 pub mod l2;
 pub mod l3;

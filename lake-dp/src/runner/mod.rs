@@ -453,6 +453,11 @@ fn link_to_cp(
     let deadline = Duration::from_millis(config.cp.connect_timeout_ms);
     let mut link = CpLink::connect(socket, &identity, deadline)
         .map_err(|e| RunnerError(format!("cp.socket {}: {e}", socket.display())))?;
+    // The leader-term fence lives beside the L2 tier, the recovery point.
+    let fence_dir = config.l2.paths.first().and_then(|p| p.parent()).filter(|d| !d.as_os_str().is_empty());
+    let fence_dir = fence_dir.unwrap_or_else(|| Path::new("."));
+    let fence = crate::fence::TermFence::open(fence_dir).map_err(|e| RunnerError(format!("term fence: {e}")))?;
+    link.fence_with(fence);
     let geometry = tier.geometry();
     let name = |path: &Path| text_field::<48>("region.name", &path.to_string_lossy()).unwrap_or([0; 48]);
     for file in 0..geometry.files {
