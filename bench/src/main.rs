@@ -15,6 +15,7 @@ mod ffi;
 mod gpu;
 mod keys;
 mod l2;
+mod l3;
 mod lookup;
 mod report;
 mod route_sim;
@@ -34,6 +35,10 @@ subcommands:
   l2     --dir DIR [--block-bytes N] [--total-bytes N] [--queue-depth N] [--rounds N]
          L2 write and read throughput through Lake vs a raw O_DIRECT
          io_uring loop over the same file, queue depth and bytes
+  l3     [--block-bytes N] [--blocks N] [--workers N] [--endpoint URL]
+         blocks through Lake's L3 client into an S3-compatible store (its
+         own moto_server unless --endpoint) vs a raw loop of the same S3
+         client on as many threads
   block-latency [--path l2-to-l1] [--block-bytes N] [--samples N] [--dir DIR]
          per-block submit-to-complete latency, Lake vs one raw io_uring
          read; CRC cost and the poller's own cost (no-op backend) apart
@@ -74,6 +79,7 @@ fn main() -> ExitCode {
         "keys" => keys::run(rest),
         "pin" => arena::run(rest),
         "l2" => l2::run_l2(rest),
+        "l3" => l3::run(rest),
         "block-latency" => l2::run_block_latency(rest),
         "trace" => trace::run_trace(rest),
         "cp-scale" => cp_scale::run(rest),

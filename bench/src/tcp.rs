@@ -66,7 +66,9 @@ impl Landing for Slots {
     }
 }
 
-fn object(block_bytes: usize, seed: u32) -> Result<Vec<u8>, String> {
+/// A stored object of `block_bytes` (header and payload), key `seed`, in
+/// namespace 1.
+pub(crate) fn object(block_bytes: usize, seed: u32) -> Result<Vec<u8>, String> {
     let payload_len = block_bytes - HEADER;
     let mut key = [0u8; 16];
     key[..4].copy_from_slice(&seed.to_le_bytes());
