@@ -167,6 +167,9 @@ impl CpLink {
             let n = match stream.read(&mut input[have..]) {
                 Ok(0) => return Err(CpLinkError::Hello("the control plane closed the connection")),
                 Ok(n) => n,
+                // A signal landed on this thread: read again (the deadline
+                // still holds).
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                     return Err(CpLinkError::Hello("no answer before the deadline"));
                 }
