@@ -1,5 +1,6 @@
 //! Network namespaces for multi-host tests on one machine: two namespaces
-//! joined by veth pairs (one per rail), rate limits (`tbf`), cuts (`ip
+//! joined by veth pairs (one per rail), or a hub and several leaves (three
+//! or more nodes), rate limits (`tbf`), cuts (`ip
 //! link set … down`), and the test binary run again inside a namespace
 //! as a child playing a role. Needs root; a test that cannot make them
 //! says so and skips.
@@ -87,18 +88,90 @@ impl Link {
 
     /// This test binary as `role` inside namespace `ns`, given `rails`.
     pub fn spawn(&self, ns: &str, role: &str, rails: &str) -> Child {
-        let exe = std::env::current_exe().unwrap();
-        Command::new("ip")
-            .args(["netns", "exec", ns])
-            .arg(exe)
-            .args(["--exact", self.test, "--nocapture"])
-            .env("LAKE_NETNS_ROLE", role)
-            .env("LAKE_NETNS_RAILS", rails)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap()
+        spawn_in(self.test, ns, role, rails)
     }
+}
+
+/// A hub namespace joined to each of several leaf namespaces by a veth
+/// pair of its own (three or more nodes: the hub's node reaches each leaf
+/// over its own link, cut or limited apart), removed when dropped.
+#[derive(Debug)]
+pub struct Star {
+    /// The hub namespace.
+    pub hub: String,
+    /// The leaf namespaces.
+    pub leaves: Vec<String>,
+    veths: Vec<String>,
+    subnets: Vec<String>,
+    test: &'static str,
+}
+
+impl Star {
+    /// A hub and `leaves` leaves; `tag` keeps tests of one process apart.
+    pub fn new(leaves: usize, tag: u32, test: &'static str) -> Result<Self, String> {
+        let id = std::process::id() % 100_000;
+        let mut star =
+            Self { hub: format!("lake-h{tag}-{id}"), leaves: Vec::new(), veths: Vec::new(), subnets: Vec::new(), test };
+        ip(&["netns", "add", &star.hub])?;
+        ip(&["-n", &star.hub, "link", "set", "lo", "up"])?;
+        for leaf in 0..leaves {
+            let ns = format!("lake-l{tag}{leaf}-{id}");
+            ip(&["netns", "add", &ns])?;
+            star.leaves.push(ns.clone());
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            let (hub_end, leaf_end) = (format!("ls{tag}{leaf}h{id}"), format!("ls{tag}{leaf}l{id}"));
+            let subnet = format!("10.{}.{}", 200 + tag as usize * 4 + leaf, id % 250);
+            ip(&["link", "add", &hub_end, "type", "veth", "peer", "name", &leaf_end])?;
+            ip(&["link", "set", &hub_end, "netns", &star.hub])?;
+            ip(&["link", "set", &leaf_end, "netns", &ns])?;
+            ip(&["-n", &star.hub, "addr", "add", &format!("{subnet}.1/24"), "dev", &hub_end])?;
+            ip(&["-n", &ns, "addr", "add", &format!("{subnet}.2/24"), "dev", &leaf_end])?;
+            ip(&["-n", &star.hub, "link", "set", &hub_end, "up"])?;
+            ip(&["-n", &ns, "link", "set", &leaf_end, "up"])?;
+            star.veths.push(hub_end);
+            star.subnets.push(subnet);
+        }
+        Ok(star)
+    }
+
+    /// The link to leaf `leaf` up or down (its hub end).
+    pub fn up(&self, leaf: usize, up: bool) -> Result<(), String> {
+        ip(&["-n", &self.hub, "link", "set", &self.veths[leaf], if up { "up" } else { "down" }])
+    }
+
+    /// The rail from the hub to leaf `leaf`'s `port`: `hub>leaf:port`.
+    pub fn rail(&self, leaf: usize, port: u16) -> String {
+        let s = &self.subnets[leaf];
+        format!("{s}.1>{s}.2:{port}")
+    }
+
+    /// This test binary as `role` inside namespace `ns`, given `rails`.
+    pub fn spawn(&self, ns: &str, role: &str, rails: &str) -> Child {
+        spawn_in(self.test, ns, role, rails)
+    }
+}
+
+impl Drop for Star {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.hub]);
+        for leaf in &self.leaves {
+            let _ = ip(&["netns", "del", leaf]);
+        }
+    }
+}
+
+fn spawn_in(test: &str, ns: &str, role: &str, rails: &str) -> Child {
+    let exe = std::env::current_exe().unwrap();
+    Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg(exe)
+        .args(["--exact", test, "--nocapture"])
+        .env("LAKE_NETNS_ROLE", role)
+        .env("LAKE_NETNS_RAILS", rails)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
 }
 
 /// A child process killed when dropped (a failed assertion must not leave

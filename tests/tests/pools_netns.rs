@@ -18,7 +18,7 @@ use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::model::replica::ReplicaWire;
 use lake_dp::transport::tcp::Rail;
 use lake_dp::{BlockKey, NamespaceId, Priority, Tier};
-use lake_tests::netns::{Killed, Link, child_lines};
+use lake_tests::netns::{Killed, Link, Star, child_lines};
 
 const TEST: &str = "a_prompt_copied_between_pools_in_two_namespaces_survives_a_cut";
 const BLOCKS: u32 = 12;
@@ -26,6 +26,8 @@ const PAYLOAD: usize = 200 * 1024;
 const PORT: u16 = 7421;
 const RAILS_TEST: &str = "copies_spread_over_two_rails_and_each_rail_is_accounted";
 const RAILS_PORT: u16 = 7425;
+const THREE_TEST: &str = "a_cut_link_to_one_peer_leaves_the_copies_to_another_unaffected";
+const THREE_PORT: u16 = 7429;
 
 fn key(i: u32) -> BlockKey {
     let mut bytes = [0x77; 16];
@@ -66,10 +68,11 @@ fn engine(pool: &mut EmbeddedPool) -> Agent {
     Agent::attach(&config, pool.local_ports.remove(0)).expect("the engine attaches")
 }
 
-/// Node 2: serves, says where its L1 is, loads the prompt once it is
-/// published, says how many blocks were right; runs until killed.
-fn node_two(listen: SocketAddr) {
-    let mut pool = pool(2, Some(listen), Vec::new());
+/// Node `node` (2 or 3): serves, says where its L1 is, loads the prompt
+/// once it is published, says how many blocks were right; runs until
+/// killed.
+fn node_two(node: u32, listen: SocketAddr) {
+    let mut pool = pool(node, Some(listen), Vec::new());
     let mut engine = engine(&mut pool);
     println!("READY {} {}", engine.arena_region(), engine.arena_epoch());
     let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
@@ -171,15 +174,119 @@ fn node_one(rails: Vec<Rail>, region: u16, epoch: u64, report: bool) {
     }
 }
 
-/// A child's role: `two`, or `one:REGION:EPOCH[:report]`.
+/// Node 1 of three: copies the prompt to node 2 over the first rail and to
+/// node 3 over the second, each its own link.
+fn hub(rails: &[Rail], targets: [(u16, u64); 2]) {
+    let mut pool = pool(1, None, vec![(2, vec![rails[0]]), (3, vec![rails[1]])]);
+    let mut engine = engine(&mut pool);
+    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
+    let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(payload).collect();
+    let blocks: Vec<SaveBlock<'_>> = (0..BLOCKS as usize)
+        .map(|i| SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: i as u32,
+            payload: SavePayload::Bytes(&payloads[i]),
+        })
+        .collect();
+    assert_eq!(engine.save(&blocks), BLOCKS as usize);
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while engine.lookup(&keys, &mut table) < BLOCKS as usize {
+        assert!(Instant::now() < deadline, "the saves were not published");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("SAVED");
+    std::thread::sleep(Duration::from_millis(300));
+    for (node, (region, epoch)) in [2u32, 3].into_iter().zip(targets) {
+        let to = ReplicaWire {
+            tier: Tier::L1Dram as u8,
+            reserved: 0,
+            region,
+            node,
+            region_epoch: epoch,
+            slot: 0,
+            generation: 0,
+        };
+        for key in &keys {
+            pool.copy_to(key, to, Priority::Replication).expect("the copy is asked");
+        }
+    }
+    while pool.gauges.copies_landed.load(std::sync::atomic::Ordering::Relaxed) < 2 * u64::from(BLOCKS) {
+        assert!(Instant::now() < deadline, "node 1 never heard all its copies landed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    println!("COPIED {}", pool.gauges.copies_landed.load(std::sync::atomic::Ordering::Relaxed));
+}
+
+/// A child's role: `two`, `leaf:NODE`, `hub:R2:E2:R3:E3` or
+/// `one:REGION:EPOCH[:report]`.
 fn child(role: &str) {
     let rails = parse_rails(&std::env::var("LAKE_NETNS_RAILS").unwrap());
     let parts: Vec<&str> = role.split(':').collect();
+    let any = |port: u16| SocketAddr::from(([0, 0, 0, 0], port));
     match parts[0] {
-        "two" => node_two(SocketAddr::from(([0, 0, 0, 0], rails[0].remote.port()))),
+        "two" => node_two(2, any(rails[0].remote.port())),
+        "leaf" => node_two(parts[1].parse().unwrap(), any(rails[0].remote.port())),
+        "hub" => {
+            let n: Vec<u64> = parts[1..5].iter().map(|p| p.parse().unwrap()).collect();
+            hub(&rails, [(n[0] as u16, n[1]), (n[2] as u16, n[3])]);
+        }
         "one" => node_one(rails, parts[1].parse().unwrap(), parts[2].parse().unwrap(), parts.len() > 3),
         other => panic!("unknown role {other}"),
     }
+}
+
+#[test]
+fn a_cut_link_to_one_peer_leaves_the_copies_to_another_unaffected() {
+    if let Ok(role) = std::env::var("LAKE_NETNS_ROLE") {
+        child(&role);
+        return;
+    }
+    let star = match Star::new(2, 4, THREE_TEST) {
+        Ok(star) => star,
+        Err(why) => {
+            println!("SKIPPED: network namespaces are not available here ({why})");
+            return;
+        }
+    };
+    let rails = format!("{},{}", star.rail(0, THREE_PORT), star.rail(1, THREE_PORT));
+    const OURS: &[&str] = &["READY", "VERIFIED", "SAVED", "COPIED"];
+    let mut leaves = Vec::new();
+    let mut targets = Vec::new();
+    for (leaf, node) in [(0, 2), (1, 3)] {
+        let mut child = Killed(star.spawn(&star.leaves[leaf], &format!("leaf:{node}"), &star.rail(leaf, THREE_PORT)));
+        let mut lines = child_lines(&mut child.0, OURS);
+        let ready = lines.next().expect("a leaf node starts");
+        let parts: Vec<String> = ready.split(' ').map(str::to_owned).collect();
+        assert_eq!(parts[0], "READY", "{ready}");
+        targets.push(format!("{}:{}", parts[1], parts[2]));
+        leaves.push((child, lines));
+    }
+    let mut one = Killed(star.spawn(&star.hub, &format!("hub:{}:{}", targets[0], targets[1]), &rails));
+    let mut from_one = child_lines(&mut one.0, OURS);
+    assert_eq!(from_one.next().as_deref(), Some("SAVED"));
+    // Node 3's link is cut before the copies are asked, for 1.2 s (within
+    // the transport's stall limit: its connections wait, then carry on).
+    star.up(1, false).unwrap();
+    let cut = Instant::now();
+    let verified = leaves[0].1.next().expect("node 2 loads the prompt");
+    let node_two_ms = cut.elapsed().as_millis();
+    assert_eq!(verified, format!("VERIFIED {BLOCKS} {BLOCKS}"));
+    assert!(node_two_ms < 1200, "node 2's copies waited for node 3's link: {node_two_ms} ms");
+    std::thread::sleep(Duration::from_millis(1200).saturating_sub(cut.elapsed()));
+    star.up(1, true).unwrap();
+    let restored_ms = cut.elapsed().as_millis();
+    let verified = leaves[1].1.next().expect("node 3 loads the prompt");
+    let node_three_ms = cut.elapsed().as_millis();
+    assert_eq!(verified, format!("VERIFIED {BLOCKS} {BLOCKS}"));
+    assert!(node_three_ms >= restored_ms, "node 3 had its blocks through a cut link");
+    assert_eq!(from_one.next(), Some(format!("COPIED {}", 2 * BLOCKS)));
+    one.0.wait().unwrap();
+    println!(
+        "three nodes: node 2's {BLOCKS} copies landed {node_two_ms} ms into node 3's 1.2 s cut; node 3's \
+         {node_three_ms} ms after it began ({restored_ms} ms restored)"
+    );
 }
 
 #[test]
