@@ -64,6 +64,12 @@ enum L1State {
     Ready,
     /// Being written to L2 or read from it.
     Busy,
+    /// Being read by `readers` sends to other nodes (a block copied to
+    /// several nodes at once is read by each): not evicted, demoted or
+    /// rewritten until the last one ends.
+    Sending {
+        readers: u16,
+    },
 }
 
 /// What an operation in flight is for.
@@ -620,9 +626,12 @@ impl Pool {
             return Err(ErrorCode::StaleEpoch);
         }
         let slot = source.slot;
-        if self.l1.get(slot as usize) != Some(&L1State::Ready)
-            || parts.table.arena().generation(slot) != Some(source.generation)
-        {
+        let readers = match self.l1.get(slot as usize) {
+            Some(L1State::Ready) => 0,
+            Some(&L1State::Sending { readers }) if readers < u16::MAX => readers,
+            _ => return Err(ErrorCode::StaleGeneration),
+        };
+        if parts.table.arena().generation(slot) != Some(source.generation) {
             return Err(ErrorCode::StaleGeneration);
         }
         // SAFETY: a ready slot is not written until it is retired, which
@@ -635,7 +644,7 @@ impl Pool {
         if self.sends.len() >= self.sends.capacity() {
             return Err(ErrorCode::QueueFull);
         }
-        self.l1[slot as usize] = L1State::Busy;
+        self.l1[slot as usize] = L1State::Sending { readers: readers + 1 };
         self.sends.push(RemoteSend {
             request,
             slot,
@@ -662,14 +671,16 @@ impl Pool {
     }
 
     /// A send ended (`landed`: the slot it landed in, or why not): the
-    /// slot goes back to ready and `lake-cp` is answered.
+    /// slot goes back to ready once no other send reads it, and `lake-cp`
+    /// is answered.
     pub(crate) fn send_ended(&mut self, request: u64, landed: Result<BlockAddr, ErrorCode>, parts: &mut Parts<'_>) {
         let Some(at) = self.sends.iter().position(|s| s.request == request) else { return };
         let send = self.sends.swap_remove(at);
-        if self.l1.get(send.slot as usize) == Some(&L1State::Busy)
+        if let Some(&L1State::Sending { readers }) = self.l1.get(send.slot as usize)
             && parts.table.arena().generation(send.slot) == Some(send.generation)
         {
-            self.l1[send.slot as usize] = L1State::Ready;
+            self.l1[send.slot as usize] =
+                if readers > 1 { L1State::Sending { readers: readers - 1 } } else { L1State::Ready };
         }
         let (status, target, bytes) = match landed {
             Ok(at) => {
