@@ -90,16 +90,6 @@ fn node_two(node: u32, listen: SocketAddr) {
     }
 }
 
-/// `local>remote:port` rails, comma-separated.
-fn parse_rails(text: &str) -> Vec<Rail> {
-    text.split(',')
-        .map(|rail| {
-            let (local, remote) = rail.split_once('>').unwrap();
-            Rail { remote: remote.parse().unwrap(), local: Some(local.parse().unwrap()) }
-        })
-        .collect()
-}
-
 /// Node 1's storage-network rail bytes to node 2, from its `/metrics`.
 fn rail_bytes(pool: &EmbeddedPool) -> Vec<u64> {
     use std::io::{Read, Write};
@@ -116,12 +106,10 @@ fn rail_bytes(pool: &EmbeddedPool) -> Vec<u64> {
     bytes
 }
 
-/// Node 1: saves the prompt, asks its control plane to copy every block to
-/// node 2 over `rails`, waits to hear them all landed; with `report`, says
-/// what its metrics say each rail carried.
-fn node_one(rails: Vec<Rail>, region: u16, epoch: u64, report: bool) {
-    let mut pool = pool(1, None, vec![(2, rails)]);
-    let mut engine = engine(&mut pool);
+/// Node 1's engine saves the prompt and waits until it is published; says
+/// `SAVED`. The engine (kept attached) and the prompt's keys.
+fn save_prompt(pool: &mut EmbeddedPool) -> (Agent, Vec<BlockKey>) {
+    let mut engine = engine(pool);
     let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
     let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(payload).collect();
     let blocks: Vec<SaveBlock<'_>> = (0..BLOCKS as usize)
@@ -140,21 +128,29 @@ fn node_one(rails: Vec<Rail>, region: u16, epoch: u64, report: bool) {
         std::thread::sleep(Duration::from_millis(5));
     }
     println!("SAVED");
-    // The parent cuts the link on hearing that: the copies go into a cut.
-    std::thread::sleep(Duration::from_millis(300));
-    let to = ReplicaWire {
-        tier: Tier::L1Dram as u8,
-        reserved: 0,
-        region,
-        node: 2,
-        region_epoch: epoch,
-        slot: 0,
-        generation: 0,
-    };
-    let asked = Instant::now();
-    for key in &keys {
+    (engine, keys)
+}
+
+/// Asks node 1's control plane to copy every block of `keys` to any slot
+/// of `node`'s L1 (its region and epoch).
+fn copy_all(pool: &EmbeddedPool, keys: &[BlockKey], node: u32, (region, region_epoch): (u16, u64)) {
+    let to = ReplicaWire { tier: Tier::L1Dram as u8, reserved: 0, region, node, region_epoch, slot: 0, generation: 0 };
+    for key in keys {
         pool.copy_to(key, to, Priority::Replication).expect("the copy is asked");
     }
+}
+
+/// Node 1: saves the prompt, asks its control plane to copy every block to
+/// node 2 over `rails`, waits to hear them all landed; with `report`, says
+/// what its metrics say each rail carried.
+fn node_one(rails: Vec<Rail>, region: u16, epoch: u64, report: bool) {
+    let mut pool = pool(1, None, vec![(2, rails)]);
+    let (_engine, keys) = save_prompt(&mut pool);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // The parent cuts the link on hearing that: the copies go into a cut.
+    std::thread::sleep(Duration::from_millis(300));
+    let asked = Instant::now();
+    copy_all(&pool, &keys, 2, (region, epoch));
     while pool.gauges.copies_landed.load(std::sync::atomic::Ordering::Relaxed) < u64::from(BLOCKS) {
         assert!(Instant::now() < deadline, "node 1 never heard its copies landed");
         std::thread::sleep(Duration::from_millis(10));
@@ -178,39 +174,11 @@ fn node_one(rails: Vec<Rail>, region: u16, epoch: u64, report: bool) {
 /// node 3 over the second, each its own link.
 fn hub(rails: &[Rail], targets: [(u16, u64); 2]) {
     let mut pool = pool(1, None, vec![(2, vec![rails[0]]), (3, vec![rails[1]])]);
-    let mut engine = engine(&mut pool);
-    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
-    let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(payload).collect();
-    let blocks: Vec<SaveBlock<'_>> = (0..BLOCKS as usize)
-        .map(|i| SaveBlock {
-            key: keys[i],
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: i as u32,
-            payload: SavePayload::Bytes(&payloads[i]),
-        })
-        .collect();
-    assert_eq!(engine.save(&blocks), BLOCKS as usize);
-    let mut table = Vec::new();
+    let (_engine, keys) = save_prompt(&mut pool);
     let deadline = Instant::now() + Duration::from_secs(60);
-    while engine.lookup(&keys, &mut table) < BLOCKS as usize {
-        assert!(Instant::now() < deadline, "the saves were not published");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    println!("SAVED");
     std::thread::sleep(Duration::from_millis(300));
-    for (node, (region, epoch)) in [2u32, 3].into_iter().zip(targets) {
-        let to = ReplicaWire {
-            tier: Tier::L1Dram as u8,
-            reserved: 0,
-            region,
-            node,
-            region_epoch: epoch,
-            slot: 0,
-            generation: 0,
-        };
-        for key in &keys {
-            pool.copy_to(key, to, Priority::Replication).expect("the copy is asked");
-        }
+    for (node, target) in [2u32, 3].into_iter().zip(targets) {
+        copy_all(&pool, &keys, node, target);
     }
     while pool.gauges.copies_landed.load(std::sync::atomic::Ordering::Relaxed) < 2 * u64::from(BLOCKS) {
         assert!(Instant::now() < deadline, "node 1 never heard all its copies landed");
@@ -222,7 +190,7 @@ fn hub(rails: &[Rail], targets: [(u16, u64); 2]) {
 /// A child's role: `two`, `leaf:NODE`, `hub:R2:E2:R3:E3` or
 /// `one:REGION:EPOCH[:report]`.
 fn child(role: &str) {
-    let rails = parse_rails(&std::env::var("LAKE_NETNS_RAILS").unwrap());
+    let rails = Rail::parse_list(&std::env::var("LAKE_NETNS_RAILS").unwrap()).unwrap();
     let parts: Vec<&str> = role.split(':').collect();
     let any = |port: u16| SocketAddr::from(([0, 0, 0, 0], port));
     match parts[0] {

@@ -86,16 +86,6 @@ fn receiver(port: u16) {
     }
 }
 
-/// `local>remote:port` rails, comma-separated.
-fn parse_rails(text: &str) -> Vec<Rail> {
-    text.split(',')
-        .map(|rail| {
-            let (local, remote) = rail.split_once('>').unwrap();
-            Rail { remote: remote.parse().unwrap(), local: Some(local.parse().unwrap()) }
-        })
-        .collect()
-}
-
 /// Sends blocks `first..last` to slots of the same numbers over `rails`;
 /// prints each ending and how long it took, then the bytes per rail.
 fn sender(rails: &[Rail], first: u32, last: u32, deadline_ns: u64) {
@@ -153,7 +143,7 @@ fn lines(child: &mut Child) -> impl Iterator<Item = String> + use<> {
 /// Run as a child (`LAKE_NETNS_ROLE` set): plays its role and returns true.
 fn child_role() -> bool {
     let Ok(role) = std::env::var("LAKE_NETNS_ROLE") else { return false };
-    let rails = parse_rails(&std::env::var("LAKE_NETNS_RAILS").unwrap());
+    let rails = Rail::parse_list(&std::env::var("LAKE_NETNS_RAILS").unwrap()).unwrap();
     let span: Vec<u32> = role.split(':').skip(1).map(|n| n.parse().unwrap()).collect();
     match role.split(':').next() {
         Some("receiver") => receiver(rails[0].remote.port()),
