@@ -126,6 +126,19 @@ const CHUNK_BYTES: usize = 4096;
 /// the bus (the fold joins them into segment CRCs).
 const CRC_CHUNK_MAX: usize = 1024;
 
+/// The chunk size the GPU checksums in: the largest power of two, at most
+/// [`CRC_CHUNK_MAX`], dividing every one of `lengths` (so chunks never
+/// straddle a segment, block or piece boundary).
+fn crc_chunk(lengths: &[usize]) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    chunk_bytes(lengths.iter().fold(0, |g, &l| gcd(g, l)), CRC_CHUNK_MAX)
+}
+
 /// Blocks one launch takes at most (a larger batch is several launches).
 const SLOT_BLOCKS: usize = 4096;
 
@@ -486,13 +499,7 @@ impl KvCopier {
         if segment_bytes == 0 || engine_blocks.is_empty() || engine_blocks.len() > SLOT_BLOCKS {
             return Err(GpuError(format!("segment CRCs need a segment size and 1..={SLOT_BLOCKS} blocks")));
         }
-        let gcd = |mut a: usize, mut b: usize| {
-            while b != 0 {
-                (a, b) = (b, a % b);
-            }
-            a
-        };
-        let chunk = chunk_bytes(gcd(segment_bytes, block_bytes), CRC_CHUNK_MAX);
+        let chunk = crc_chunk(&[segment_bytes, block_bytes]);
         let too_many = |_| GpuError("too many chunks".into());
         let chunks_per_block = u32::try_from(block_bytes / chunk).map_err(too_many)?;
         let chunks_per_segment = u32::try_from(segment_bytes.min(block_bytes) / chunk).map_err(too_many)?;
@@ -620,14 +627,8 @@ impl KvCopier {
         if covered != kv.count {
             return Err(GpuError(format!("layer groups {groups:?} of {} pieces", kv.count)));
         }
-        let gcd = |mut a: usize, mut b: usize| {
-            while b != 0 {
-                (a, b) = (b, a % b);
-            }
-            a
-        };
         // Group boundaries fall on pieces, segments on their size.
-        let chunk = chunk_bytes(gcd(gcd(segment_bytes, block_bytes), piece_bytes), CRC_CHUNK_MAX);
+        let chunk = crc_chunk(&[segment_bytes, block_bytes, piece_bytes]);
         let too_many = |_| GpuError("too many chunks".into());
         let chunks_per_block = u32::try_from(block_bytes / chunk).map_err(too_many)?;
         let chunks_per_segment = u32::try_from(segment_bytes.min(block_bytes) / chunk).map_err(too_many)?;

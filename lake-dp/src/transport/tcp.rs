@@ -495,7 +495,7 @@ impl TcpTransport {
 
     /// Bytes written to `peer` on each of its rails.
     pub fn rail_bytes(&self, peer: PeerId) -> Vec<u64> {
-        self.peers.get(peer.0 as usize).map_or_else(Vec::new, |p| p.rails.iter().map(|r| r.bytes).collect())
+        self.rail_reports(peer).iter().map(|r| r.bytes).collect()
     }
 
     /// Each of `peer`'s rails, in configured order: what it carried and
