@@ -146,6 +146,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
         agent_core: 0,
         copy_threads,
         shard_code: 0,
+        object_kind: 1,
     };
     let mut handle: *mut LakePool = core::ptr::null_mut();
     // SAFETY: valid options (strings live to the end of this function).

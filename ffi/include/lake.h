@@ -154,6 +154,68 @@ typedef struct LakePins LakePins;
 typedef struct LakePool LakePool;
 
 /*
+ A hybrid model's recurrent-state checkpoint as this engine rank holds
+ it (linear-attention, GDN or Mamba layers: conv and recurrent state, no
+ tokens): an object of its own, saved under a fingerprint apart from
+ every KV layout's.
+ */
+typedef struct LakeStateLayoutOptions {
+  /*
+   `sizeof(LakeStateLayoutOptions)`.
+   */
+  uintptr_t struct_size;
+  /*
+   Layers that carry state.
+   */
+  uint32_t layers;
+  /*
+   This rank's state bytes per layer (conv and recurrent state
+   together, in the engine's own order).
+   */
+  uint32_t state_bytes_per_layer;
+  /*
+   The state's element type (codes as `LakeLayoutOptions.dtype`); a
+   state of several types names its widest.
+   */
+  uint32_t dtype;
+  /*
+   First state head this rank holds (tensor parallelism).
+   */
+  uint32_t shard_start;
+  /*
+   One past the last; 0 with `shard_start` 0: the whole state.
+   */
+  uint32_t shard_end;
+  /*
+   Layers per CRC segment (1: one segment per layer).
+   */
+  uint32_t layers_per_segment;
+} LakeStateLayoutOptions;
+
+/*
+ What Lake makes of a [`LakeStateLayoutOptions`].
+ */
+typedef struct LakeStateLayoutInfo {
+  /*
+   `sizeof(LakeStateLayoutInfo)`, set by the caller.
+   */
+  uintptr_t struct_size;
+  /*
+   The fingerprint checkpoints are saved under (give it to
+   `lake_attach`, with `object_kind` 2).
+   */
+  uint64_t fingerprint;
+  /*
+   Payload bytes of one checkpoint.
+   */
+  uint64_t block_bytes;
+  /*
+   Bytes of one CRC segment (give it to `lake_attach`).
+   */
+  uint64_t segment_bytes;
+} LakeStateLayoutInfo;
+
+/*
  A block's geometry, as the engine knows it (see [`lake_layout_describe`]).
  */
 typedef struct LakeLayoutOptions {
@@ -340,6 +402,15 @@ typedef struct LakeAttachOptions {
    finds only blocks saved by a rank holding the same heads.
    */
   uint64_t shard_code;
+  /*
+   What this attachment saves and reads: 0 or 1 KV blocks; 2 a hybrid
+   model's recurrent-state checkpoints, under the fingerprint and
+   segment bytes `lake_state_layout_describe` gives and the rank's KV
+   `shard_code` (so `lake_lookup_state` reads the rank's own KV chain).
+   A reader of one kind never gets bytes of the other
+   (`LAKE_LAYOUT_MISMATCH`).
+   */
+  uint32_t object_kind;
 } LakeAttachOptions;
 
 /*
@@ -746,6 +817,18 @@ uint16_t lake_wire_version_min(void);
 uint16_t lake_stored_version(void);
 
 /*
+ Describes a recurrent-state checkpoint: its fingerprint and sizes into
+ `info` (whose `struct_size` must be set). Pure; thread-safe.
+
+ # Safety
+
+ `options` points at a `LakeStateLayoutOptions`; `info` at a writable
+ `LakeStateLayoutInfo`.
+ */
+enum LakeStatus lake_state_layout_describe(const struct LakeStateLayoutOptions *options,
+                                           struct LakeStateLayoutInfo *info);
+
+/*
  Describes a block geometry: its fingerprint and sizes into `info`
  (whose `struct_size` must be set). Pure; thread-safe.
 
@@ -987,6 +1070,32 @@ enum LakeStatus lake_lookup(const struct LakePool *pool,
                             struct LakeLocation *locations,
                             uintptr_t capacity,
                             uintptr_t *hits);
+
+/*
+ Where a hybrid model resumes (DESIGN §3): the longest cached prefix of
+ `keys` (`count`) and its block table, as [`lake_lookup`] gives them
+ (`hits`, `locations`), and the deepest position at most `hits` whose
+ block has a recurrent-state checkpoint — the checkpoint taken after
+ `keys[state_blocks - 1]` — to `state_blocks` (0: none) with the
+ checkpoint's location to `state_location` (zeroed when none). Load the
+ checkpoint (its key: every bit of that block's key flipped) with the
+ KV of `keys[..state_blocks]`, and compute from there. Called on a pool
+ attached for recurrent state (`object_kind` 2), the shard code the
+ rank's KV pool has. Shared memory only; access reports as
+ `lake_lookup`'s. Thread-safe.
+
+ # Safety
+
+ As [`lake_lookup`]; `state_blocks` and `state_location` writable.
+ */
+enum LakeStatus lake_lookup_state(const struct LakePool *pool,
+                                  const struct LakeBlockKey *keys,
+                                  uintptr_t count,
+                                  struct LakeLocation *locations,
+                                  uintptr_t capacity,
+                                  uintptr_t *hits,
+                                  uintptr_t *state_blocks,
+                                  struct LakeLocation *state_location);
 
 /*
  The longest prefix of `keys` (`count`) cached for every one of the

@@ -43,6 +43,8 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 pub(crate) struct Reader {
     pub namespace: NamespaceId,
     pub layout_fingerprint: u64,
+    /// KV blocks or recurrent-state checkpoints: never one for the other.
+    pub kind: lake_dp::ObjectKind,
 }
 
 /// One share of a load.
@@ -302,7 +304,10 @@ pub(crate) fn stored<'a>(
     if meta.key != *key {
         return Err(LakeStatus::LakeEvicted);
     }
-    if meta.namespace != reader.namespace || meta.layout_fingerprint != reader.layout_fingerprint {
+    if meta.namespace != reader.namespace
+        || meta.layout_fingerprint != reader.layout_fingerprint
+        || meta.kind != reader.kind
+    {
         return Err(LakeStatus::LakeLayoutMismatch);
     }
     let (Ok(len), Ok(segment_bytes)) = (usize::try_from(meta.payload_len), usize::try_from(meta.segment_bytes)) else {

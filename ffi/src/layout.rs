@@ -1,7 +1,8 @@
 //! Layouts across the boundary: the engine describes its KV geometry, Lake
-//! answers with the fingerprint blocks are saved under and their sizes.
+//! answers with the fingerprint blocks are saved under and their sizes;
+//! the same for a hybrid model's recurrent-state checkpoints.
 
-use lake_dp::model::layout::{Dtype, KvPlanes, Layout, LayoutParams, Shard};
+use lake_dp::model::layout::{Dtype, KvPlanes, Layout, LayoutParams, RecurrentLayout, Shard};
 
 use crate::pool::read_options;
 use crate::status::{LakeStatus, fail, guard};
@@ -54,6 +55,109 @@ pub struct LakeLayoutInfo {
     /// the whole block (every head, or MLA latents), else the code
     /// `lake_shard_code` gives for its heads.
     pub shard_code: u64,
+}
+
+/// A hybrid model's recurrent-state checkpoint as this engine rank holds
+/// it (linear-attention, GDN or Mamba layers: conv and recurrent state, no
+/// tokens): an object of its own, saved under a fingerprint apart from
+/// every KV layout's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LakeStateLayoutOptions {
+    /// `sizeof(LakeStateLayoutOptions)`.
+    pub struct_size: usize,
+    /// Layers that carry state.
+    pub layers: u32,
+    /// This rank's state bytes per layer (conv and recurrent state
+    /// together, in the engine's own order).
+    pub state_bytes_per_layer: u32,
+    /// The state's element type (codes as `LakeLayoutOptions.dtype`); a
+    /// state of several types names its widest.
+    pub dtype: u32,
+    /// First state head this rank holds (tensor parallelism).
+    pub shard_start: u32,
+    /// One past the last; 0 with `shard_start` 0: the whole state.
+    pub shard_end: u32,
+    /// Layers per CRC segment (1: one segment per layer).
+    pub layers_per_segment: u32,
+}
+
+/// What Lake makes of a [`LakeStateLayoutOptions`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LakeStateLayoutInfo {
+    /// `sizeof(LakeStateLayoutInfo)`, set by the caller.
+    pub struct_size: usize,
+    /// The fingerprint checkpoints are saved under (give it to
+    /// `lake_attach`, with `object_kind` 2).
+    pub fingerprint: u64,
+    /// Payload bytes of one checkpoint.
+    pub block_bytes: u64,
+    /// Bytes of one CRC segment (give it to `lake_attach`).
+    pub segment_bytes: u64,
+}
+
+/// Describes a recurrent-state checkpoint: its fingerprint and sizes into
+/// `info` (whose `struct_size` must be set). Pure; thread-safe.
+///
+/// # Safety
+///
+/// `options` points at a `LakeStateLayoutOptions`; `info` at a writable
+/// `LakeStateLayoutInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_state_layout_describe(
+    options: *const LakeStateLayoutOptions,
+    info: *mut LakeStateLayoutInfo,
+) -> LakeStatus {
+    guard(|| {
+        let result = (|| {
+            if info.is_null() {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_state_layout_describe: info is required"));
+            }
+            // SAFETY: null or a LakeStateLayoutOptions (contract).
+            let o = unsafe { read_options(options, "LakeStateLayoutOptions") }?;
+            // SAFETY: non-null (checked), a LakeStateLayoutInfo (contract).
+            let size = unsafe { (*info).struct_size };
+            if size != size_of::<LakeStateLayoutInfo>() {
+                return Err(fail(
+                    LakeStatus::LakeBadStructSize,
+                    format!(
+                        "LakeStateLayoutInfo.struct_size is {size}, this library knows {}",
+                        size_of::<LakeStateLayoutInfo>()
+                    ),
+                ));
+            }
+            let dtype = u8::try_from(o.dtype).ok().and_then(|code| Dtype::from_u8(code).ok()).ok_or_else(|| {
+                fail(LakeStatus::LakeInvalidArgument, format!("state layout: unknown dtype code {}", o.dtype))
+            })?;
+            let shard = if o.shard_start == 0 && o.shard_end == 0 {
+                Shard::Replicated
+            } else {
+                Shard::Heads { start: field(o.shard_start, "shard_start")?, end: field(o.shard_end, "shard_end")? }
+            };
+            let layout = RecurrentLayout::new(
+                field(o.layers, "layers")?,
+                o.state_bytes_per_layer,
+                dtype,
+                shard,
+                field(o.layers_per_segment, "layers_per_segment")?,
+            )
+            .map_err(|e| fail(LakeStatus::LakeInvalidArgument, format!("state layout: {e}")))?;
+            let value = LakeStateLayoutInfo {
+                struct_size: size,
+                fingerprint: layout.fingerprint(),
+                block_bytes: layout.block_bytes(),
+                segment_bytes: layout.segment_bytes(),
+            };
+            // SAFETY: writable (contract), size checked.
+            unsafe { info.write(value) };
+            Ok(())
+        })();
+        match result {
+            Ok(()) => LakeStatus::LakeOk,
+            Err(status) => status,
+        }
+    })
 }
 
 fn field(value: u32, name: &str) -> Result<u16, LakeStatus> {

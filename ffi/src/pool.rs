@@ -135,6 +135,13 @@ pub struct LakeAttachOptions {
     /// pool is given names that shard's replica of the block, so a rank
     /// finds only blocks saved by a rank holding the same heads.
     pub shard_code: u64,
+    /// What this attachment saves and reads: 0 or 1 KV blocks; 2 a hybrid
+    /// model's recurrent-state checkpoints, under the fingerprint and
+    /// segment bytes `lake_state_layout_describe` gives and the rank's KV
+    /// `shard_code` (so `lake_lookup_state` reads the rank's own KV chain).
+    /// A reader of one kind never gets bytes of the other
+    /// (`LAKE_LAYOUT_MISMATCH`).
+    pub object_kind: u32,
 }
 
 /// The pool's figures as this agent sees them.
@@ -262,6 +269,8 @@ pub struct LakePool {
     /// The namespace and layout this engine saves under and may read.
     namespace: lake_dp::model::namespace::NamespaceId,
     layout_fingerprint: u64,
+    /// What it saves and reads ([`LakeAttachOptions::object_kind`]).
+    object_kind: ObjectKind,
     /// The shard this engine holds ([`LakeAttachOptions::shard_code`]) and
     /// the mask its keys are indexed under: applied where keys come in.
     shard_code: u64,
@@ -280,7 +289,7 @@ pub struct LakePool {
 
 impl LakePool {
     fn reader(&self) -> Reader {
-        Reader { namespace: self.namespace, layout_fingerprint: self.layout_fingerprint }
+        Reader { namespace: self.namespace, layout_fingerprint: self.layout_fingerprint, kind: self.object_kind }
     }
 }
 
@@ -598,6 +607,16 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
             // SAFETY: non-null, from lake_namespace_new (contract).
             let namespace = unsafe { (*o.namespace).0.id() };
             // Checked before connecting: a refused option attaches nothing.
+            let object_kind = match o.object_kind {
+                0 | 1 => ObjectKind::KvBlock,
+                2 => ObjectKind::RecurrentState,
+                other => {
+                    return Err(fail(
+                        LakeStatus::LakeInvalidArgument,
+                        format!("object_kind is 1 (KV blocks) or 2 (recurrent state), not {other}"),
+                    ));
+                }
+            };
             let agent_core = match o.pin_agent {
                 0 => None,
                 1 => {
@@ -624,6 +643,7 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
                 namespace,
                 layout_fingerprint: o.layout_fingerprint,
                 segment_bytes: o.segment_bytes,
+                object_kind,
             };
             let agent = Agent::connect(&config, &dp).map_err(|e| {
                 let status = if e.to_string().contains("(Some(VersionMismatch))") {
@@ -644,7 +664,7 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
                 ));
             }
             let lane_pins: Vec<PinArray> = (0..o.copy_threads).map_while(|_| agent.claim_pin_array().ok()).collect();
-            let reader = Reader { namespace, layout_fingerprint: o.layout_fingerprint };
+            let reader = Reader { namespace, layout_fingerprint: o.layout_fingerprint, kind: object_kind };
             let mut pool = start(agent, mirror, pins, reader, agent_core, lane_pins)?;
             pool.shard_code = o.shard_code;
             pool.shard = ShardMask::from_code(o.shard_code);
@@ -728,6 +748,7 @@ fn start(
         slot_area,
         namespace: reader.namespace,
         layout_fingerprint: reader.layout_fingerprint,
+        object_kind: reader.kind,
         shard_code: 0,
         shard: ShardMask::WHOLE,
         has_control_plane,
@@ -1514,6 +1535,84 @@ pub unsafe extern "C" fn lake_lookup(
             }
             if found > capacity {
                 return Err(fail(LakeStatus::LakeBufferTooSmall, format!("lake_lookup: {found} entries need room")));
+            }
+            Ok(())
+        })())
+    })
+}
+
+/// Where a hybrid model resumes (DESIGN §3): the longest cached prefix of
+/// `keys` (`count`) and its block table, as [`lake_lookup`] gives them
+/// (`hits`, `locations`), and the deepest position at most `hits` whose
+/// block has a recurrent-state checkpoint — the checkpoint taken after
+/// `keys[state_blocks - 1]` — to `state_blocks` (0: none) with the
+/// checkpoint's location to `state_location` (zeroed when none). Load the
+/// checkpoint (its key: every bit of that block's key flipped) with the
+/// KV of `keys[..state_blocks]`, and compute from there. Called on a pool
+/// attached for recurrent state (`object_kind` 2), the shard code the
+/// rank's KV pool has. Shared memory only; access reports as
+/// `lake_lookup`'s. Thread-safe.
+///
+/// # Safety
+///
+/// As [`lake_lookup`]; `state_blocks` and `state_location` writable.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)] // lake_lookup's, and the checkpoint's two
+pub unsafe extern "C" fn lake_lookup_state(
+    pool: *const LakePool,
+    keys: *const LakeBlockKey,
+    count: usize,
+    locations: *mut LakeLocation,
+    capacity: usize,
+    hits: *mut usize,
+    state_blocks: *mut usize,
+    state_location: *mut LakeLocation,
+) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if hits.is_null()
+                || state_blocks.is_null()
+                || state_location.is_null()
+                || (keys.is_null() && count > 0)
+                || (locations.is_null() && capacity > 0)
+            {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_lookup_state: a required pointer is null"));
+            }
+            let keys = read_keys(pool, keys, count);
+            let mut table = Vec::with_capacity(count);
+            let (found, state, entry) = pool.mirror.lookup_with_state(&keys, &mut table);
+            for (i, entry) in table.iter().take(capacity).enumerate() {
+                // SAFETY: i < capacity writable entries (contract).
+                unsafe { locations.wrapping_add(i).write(location_of(entry)) };
+            }
+            let checkpoint = entry.map(|e| location_of(&e)).unwrap_or(LakeLocation {
+                tier: 0,
+                tiers: 0,
+                kind: 0,
+                epoch_tag: 0,
+                region: 0,
+                reserved: 0,
+                slot: 0,
+                generation: 0,
+            });
+            // SAFETY: writable (contract).
+            unsafe { hits.write(found) };
+            // SAFETY: writable (contract).
+            unsafe { state_blocks.write(state) };
+            // SAFETY: writable (contract).
+            unsafe { state_location.write(checkpoint) };
+            if let Some(jobs) = &pool.jobs {
+                if state > 0 {
+                    let _ = jobs.push(false, Job::Accessed { keys: vec![keys[state - 1].state_key()], hits: 1 });
+                }
+                let _ = jobs.push(false, Job::Accessed { keys, hits: found });
+            }
+            if found > capacity {
+                return Err(fail(
+                    LakeStatus::LakeBufferTooSmall,
+                    format!("lake_lookup_state: {found} entries need room"),
+                ));
             }
             Ok(())
         })())

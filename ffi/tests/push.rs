@@ -63,6 +63,7 @@ fn attach(pool: &EmbeddedPool, namespace: *mut LakeNamespace, strings: &mut Vec<
         agent_core: 0,
         copy_threads: 0,
         shard_code: 0,
+        object_kind: 1,
     };
     let mut handle: *mut LakePool = core::ptr::null_mut();
     // SAFETY: valid options; the strings outlive the pool (kept by the caller).

@@ -238,6 +238,7 @@ pub fn run(config: &DemoConfig, progress: &mut dyn Write) -> Result<DemoReport, 
             namespace: namespace.id(),
             layout_fingerprint: layout.fingerprint(),
             segment_bytes: layout.segment_bytes(),
+            object_kind: lake_dp::ObjectKind::KvBlock,
         };
         let agent = Agent::attach(&agent_config, agent_port).map_err(|e| e.to_string())?;
         let (config, live) = (config.clone(), Arc::clone(&live));

@@ -37,6 +37,7 @@ fn agent_config<'a>(mirror: &'a Path, cp: &'a Path) -> AgentConfig<'a> {
         namespace: NamespaceId(11),
         layout_fingerprint: 0xabc,
         segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
     }
 }
 

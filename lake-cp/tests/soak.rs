@@ -50,6 +50,7 @@ fn agent_config<'a>(mirror: &'a Path, cp: &'a Path) -> AgentConfig<'a> {
         namespace: NamespaceId(21),
         layout_fingerprint: 0x50a4,
         segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
     }
 }
 

@@ -98,6 +98,7 @@ fn engine(pool: &mut EmbeddedPool, name: &'static str) -> Agent {
         namespace: NamespaceId(7),
         layout_fingerprint: 0xfeed,
         segment_bytes: 16 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
     };
     Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
 }

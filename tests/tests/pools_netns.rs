@@ -64,6 +64,7 @@ fn engine(pool: &mut EmbeddedPool) -> Agent {
         namespace: NamespaceId(5),
         layout_fingerprint: 0xabc,
         segment_bytes: 32 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
     };
     Agent::attach(&config, pool.local_ports.remove(0)).expect("the engine attaches")
 }

@@ -24,6 +24,7 @@ import numpy as np
 __all__ = [
     "LakeError",
     "Layout",
+    "StateLayout",
     "Namespace",
     "KeyChain",
     "Pool",
@@ -125,6 +126,7 @@ class _AttachOptions(ctypes.Structure):
         ("agent_core", ctypes.c_uint32),
         ("copy_threads", ctypes.c_uint32),
         ("shard_code", ctypes.c_uint64),
+        ("object_kind", ctypes.c_uint32),
     ]
 
 
@@ -154,6 +156,22 @@ class _LayoutInfo(ctypes.Structure):
         ("heads", ctypes.c_uint32),
         ("head_bytes", ctypes.c_uint32),
         ("shard_code", ctypes.c_uint64),
+    ]
+
+
+class _StateLayoutOptions(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t)] + [
+        (name, ctypes.c_uint32)
+        for name in ("layers", "state_bytes_per_layer", "dtype", "shard_start", "shard_end", "layers_per_segment")
+    ]
+
+
+class _StateLayoutInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("fingerprint", ctypes.c_uint64),
+        ("block_bytes", ctypes.c_uint64),
+        ("segment_bytes", ctypes.c_uint64),
     ]
 
 
@@ -232,6 +250,8 @@ def _library():
         "lake_register_kv_memory": ([p, p, ctypes.POINTER(u32)], ctypes.c_int),
         "lake_lookup": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_lookup_shards": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_lookup_state": ([p, p, sz, p, sz, ctypes.POINTER(sz), ctypes.POINTER(sz), p], ctypes.c_int),
+        "lake_state_layout_describe": ([p, p], ctypes.c_int),
         "lake_shard_code": ([u32, u32, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_submit_load": ([p, u32, p, p, p, sz, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_submit_save": ([p, u32, p, p, p, sz, u32, ctypes.POINTER(u64)], ctypes.c_int),
@@ -400,6 +420,58 @@ class Layout:
             f"head_dim={self.head_dim}, dtype={self.dtype}, block_tokens={self.block_tokens}, "
             f"fingerprint={self.fingerprint:#x})"
         )
+
+
+class StateLayout:
+    """A hybrid model's recurrent-state checkpoint as this rank holds it:
+    ``layers`` linear-attention (GDN, Mamba) layers of
+    ``state_bytes_per_layer`` bytes each (conv and recurrent state, in the
+    engine's own order). Checkpoints are objects of their own (DESIGN §3):
+    a :class:`Pool` attached with this layout saves and loads them only,
+    under a fingerprint apart from every KV layout's. Give it the rank's KV
+    ``shard_code`` so :meth:`Pool.lookup_state` reads the rank's own KV
+    chain; ``shard`` is the state heads this rank holds (``None``: all)."""
+
+    #: ``LakeAttachOptions.object_kind`` of a pool attached with it.
+    object_kind = 2
+
+    def __init__(
+        self,
+        layers: int,
+        state_bytes_per_layer: int,
+        dtype="float32",
+        shard: tuple[int, int] | None = None,
+        layers_per_segment: int = 1,
+        shard_code: int = 0,
+    ):
+        code = dtype if isinstance(dtype, int) else DTYPES.get(str(dtype).replace("torch.", ""))
+        if code not in DTYPE_BYTES:
+            raise ValueError(f"unknown state dtype {dtype!r}: one of {sorted(DTYPES)}")
+        options = _StateLayoutOptions()
+        options.struct_size = ctypes.sizeof(_StateLayoutOptions)
+        options.layers, options.state_bytes_per_layer, options.dtype = layers, state_bytes_per_layer, code
+        options.shard_start, options.shard_end = shard if shard is not None else (0, 0)
+        options.layers_per_segment = layers_per_segment
+        info = _StateLayoutInfo()
+        info.struct_size = ctypes.sizeof(_StateLayoutInfo)
+        _check(_library().lake_state_layout_describe(ctypes.byref(options), ctypes.byref(info)))
+        self.layers, self.state_bytes_per_layer, self.dtype, self.shard = layers, state_bytes_per_layer, code, shard
+        self.fingerprint = info.fingerprint
+        self.block_bytes = info.block_bytes
+        self.segment_bytes = info.segment_bytes
+        self.shard_code = shard_code
+
+    def __repr__(self):
+        return (
+            f"StateLayout(layers={self.layers}, state_bytes_per_layer={self.state_bytes_per_layer}, "
+            f"dtype={self.dtype}, fingerprint={self.fingerprint:#x})"
+        )
+
+
+def state_keys(keys) -> np.ndarray:
+    """The names of the recurrent-state checkpoints taken after each of
+    ``keys``' blocks: every bit of the block's key flipped."""
+    return np.bitwise_not(_keys(keys))
 
 
 def shard_code(kv_heads: int, start: int, end: int) -> int:
@@ -582,14 +654,15 @@ class Pool:
         layout_fingerprint: int = 0,
         segment_bytes: int = 4096,
         name: str = "python-engine",
-        layout: Layout | None = None,
+        layout: Layout | StateLayout | None = None,
         agent_core: int | None = None,
         copy_threads: int = 0,
     ):
-        shard = 0
+        shard, kind = 0, 1
         if layout is not None:
             layout_fingerprint, segment_bytes = layout.fingerprint, layout.segment_bytes
             shard = layout.shard_code
+            kind = getattr(layout, "object_kind", 1)
         options = _AttachOptions()
         options.struct_size = ctypes.sizeof(_AttachOptions)
         options.dp_socket = os.fsencode(dp_socket)
@@ -605,6 +678,7 @@ class Pool:
             options.pin_agent, options.agent_core = 1, agent_core
         options.copy_threads = copy_threads
         options.shard_code = shard
+        options.object_kind = kind
         handle = ctypes.c_void_p()
         _check(_library().lake_attach(ctypes.byref(options), ctypes.byref(handle)))
         self._handle = handle
@@ -700,6 +774,26 @@ class Pool:
             )
         )
         return hits.value
+
+    def lookup_state(self, keys):
+        """Where a hybrid model resumes: ``(hits, table, state_blocks,
+        state_location)`` — the longest cached KV prefix and its block table
+        (as :meth:`lookup`), and the deepest position at most ``hits`` whose
+        block has a recurrent-state checkpoint (0: none) with that
+        checkpoint's location (a one-entry table; load it under
+        ``state_keys(keys[state_blocks - 1 : state_blocks])``). On a pool
+        attached with a :class:`StateLayout`; shared memory only."""
+        keys = _keys(keys)
+        table = np.zeros(keys.shape[0], dtype=LOCATION_DTYPE)
+        state = np.zeros(1, dtype=LOCATION_DTYPE)
+        hits, blocks = ctypes.c_size_t(), ctypes.c_size_t()
+        _check(
+            _library().lake_lookup_state(
+                self._h(), _ptr(keys), keys.shape[0], _ptr(table), keys.shape[0], ctypes.byref(hits),
+                ctypes.byref(blocks), _ptr(state),
+            )
+        )
+        return hits.value, table[: hits.value], blocks.value, state
 
     def lookup_pinned(self, keys):
         """``(hits, table, pins)``: like :meth:`lookup`, with the L1 hits

@@ -117,6 +117,60 @@ def test_a_block_evicted_between_lookup_and_load_fails_cleanly(pool_paths):
         assert not memory[4:].any(), "nothing was written for the failed blocks"
 
 
+def test_hybrid_state_checkpoints_are_objects_of_their_own(pool_paths):
+    """A hybrid model's recurrent state, checkpointed after blocks 4 and 8
+    of a 12-block prompt: the resume point is the deepest checkpoint at or
+    below the KV hit, its bytes come back exact, and neither kind of reader
+    is ever handed the other kind's bytes."""
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace(tenant=11)
+    keys = ns.keys(np.arange(12 * TOKENS, dtype=np.uint32) + 9000)
+    state_layout = lake.StateLayout(layers=3, state_bytes_per_layer=block_bytes // 4, dtype="float32")
+    assert state_layout.block_bytes == 3 * (block_bytes // 4) and state_layout.segment_bytes == block_bytes // 4
+    assert state_layout.fingerprint != lake.StateLayout(3, block_bytes // 8).fingerprint
+    with attach(pool_paths, ns) as kv_pool, lake.Pool(
+        pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns, cp_socket=pool_paths["CP_SOCKET"], layout=state_layout
+    ) as state_pool:
+        memory = np.zeros((24, block_bytes), dtype=np.uint8)
+        memory[:12] = kv(keys, block_bytes)
+        kv_id = kv_pool.register_host_memory(memory)
+        assert (kv_pool.wait(kv_pool.submit_save(kv_id, keys, np.arange(12)), 12) == 0).all()
+        wait_hits(kv_pool, keys, 12)
+        # Nothing checkpointed yet: the KV hit, no resume point.
+        hits, table, state_blocks, _ = state_pool.lookup_state(keys)
+        assert (hits, state_blocks) == (12, 0) and len(table) == 12
+        states = np.zeros((4, state_layout.block_bytes), dtype=np.uint8)
+        states[:2] = kv(lake.state_keys(keys[[3, 7]]), state_layout.block_bytes)
+        state_id = state_pool.register_host_memory(states)
+        for slot, block in enumerate((3, 7)):
+            checkpoint = lake.state_keys(keys[block : block + 1])
+            request = state_pool.submit_save(state_id, checkpoint, [slot], parent=keys[block])
+            assert (state_pool.wait(request, 1) == 0).all()
+        deadline = time.monotonic() + 10
+        while state_pool.lookup_state(keys)[2] < 8 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        hits, table, state_blocks, where = state_pool.lookup_state(keys)
+        assert (hits, state_blocks) == (12, 8) and where["kind"][0] == 2 and where["tier"][0] in (1, 2)
+        assert state_pool.lookup_state(keys[:7])[:3:2] == (7, 4)
+        assert state_pool.lookup_state(keys[:3])[:3:2] == (3, 0)
+        # The KV chain itself did not grow: a checkpoint is no block of it.
+        assert kv_pool.lookup(keys)[0] == 12
+        # The checkpoint after block 8 loads back exact.
+        checkpoint = lake.state_keys(keys[7:8])
+        statuses = state_pool.wait(state_pool.submit_load(state_id, checkpoint, where, [3]), 1)
+        assert list(statuses) == [lake.OK] and np.array_equal(states[3], states[1])
+        # A KV reader is never given a checkpoint's bytes, nor a state
+        # reader a KV block's; neither memory is written.
+        before = memory.copy()
+        statuses = kv_pool.wait(kv_pool.submit_load(kv_id, checkpoint, where, [12]), 1)
+        assert list(statuses) == [lake.LAYOUT_MISMATCH] and np.array_equal(memory, before)
+        states[2] = 0
+        statuses = state_pool.wait(state_pool.submit_load(state_id, keys[:1], table[:1], [2]), 1)
+        assert list(statuses) == [lake.LAYOUT_MISMATCH] and not states[2].any()
+    with pytest.raises(lake.LakeError, match="state layout"):
+        lake.StateLayout(layers=0, state_bytes_per_layer=64)
+
+
 def test_bad_arguments_raise_and_change_nothing(pool_paths):
     block_bytes = pool_paths["BLOCK_BYTES"]
     ns = namespace()

@@ -73,6 +73,10 @@ pub struct AgentConfig<'a> {
     pub layout_fingerprint: u64,
     /// Bytes per CRC segment of a saved payload (a layer's share, say).
     pub segment_bytes: u64,
+    /// What this agent saves and reads: KV blocks, or a hybrid model's
+    /// recurrent-state checkpoints (an attachment of their own, under
+    /// their [`crate::RecurrentLayout`]'s fingerprint).
+    pub object_kind: ObjectKind,
 }
 
 /// One block to save.
@@ -159,7 +163,7 @@ pub enum FetchFailure {
     /// The block failed its header or CRC checks.
     Corrupt,
     /// The block was saved under another layout (another shard, dtype or
-    /// geometry) or namespace than this agent's: its bytes are not this
+    /// geometry), namespace or object kind than this agent's: its bytes are not this
     /// reader's to use.
     Foreign,
     /// A lower-tier block could not be leased or loaded (no `lake-cp`, a
@@ -202,6 +206,7 @@ pub struct Agent {
     namespace: NamespaceId,
     layout_fingerprint: u64,
     segment_bytes: u64,
+    object_kind: ObjectKind,
     next_cookie: u64,
     /// Completions that arrived for other requests than the one waited on.
     early: Vec<AgentCompletion>,
@@ -343,6 +348,7 @@ impl Agent {
             namespace: config.namespace,
             layout_fingerprint: config.layout_fingerprint,
             segment_bytes: config.segment_bytes,
+            object_kind: config.object_kind,
             next_cookie: 1,
             early: Vec::new(),
             attach_socket,
@@ -580,7 +586,10 @@ impl Agent {
             if meta.key != *key {
                 return Err(FetchFailure::Evicted);
             }
-            if meta.namespace != self.namespace || meta.layout_fingerprint != self.layout_fingerprint {
+            if meta.namespace != self.namespace
+                || meta.layout_fingerprint != self.layout_fingerprint
+                || meta.kind != self.object_kind
+            {
                 return Err(FetchFailure::Foreign);
             }
             let len = usize::try_from(meta.payload_len).map_err(|_| FetchFailure::Corrupt)?;
@@ -737,7 +746,7 @@ impl Agent {
         len: usize,
     ) -> ObjectMeta {
         ObjectMeta {
-            kind: ObjectKind::KvBlock,
+            kind: self.object_kind,
             key,
             parent_key,
             block_index,

@@ -911,6 +911,29 @@ impl MirrorReader {
         let bound = self.longest_prefix(keys);
         self.block_table(&keys[..bound], out)
     }
+
+    /// Where a hybrid model resumes: the KV hit of [`MirrorReader::lookup`]
+    /// (its block table into `out`), the deepest position `p` at most that
+    /// hit whose block `keys[p - 1]` has a recurrent-state checkpoint
+    /// published ([`BlockKey::state_key`]; 0 for none), and the
+    /// checkpoint's entry. Probes back from the hit one key at a time: it
+    /// costs the distance to the checkpoint (the engine's checkpoint
+    /// interval), not the prompt.
+    pub fn lookup_with_state(
+        &self,
+        keys: &[BlockKey],
+        out: &mut Vec<MirrorEntry>,
+    ) -> (usize, usize, Option<MirrorEntry>) {
+        let kv = self.lookup(keys, out);
+        for position in (1..=kv).rev() {
+            if let Ok(Some(entry)) = self.shared.find(&keys[position - 1].state_key())
+                && entry.kind == ObjectKind::RecurrentState
+            {
+                return (kv, position, Some(entry));
+            }
+        }
+        (kv, 0, None)
+    }
 }
 
 #[cfg(test)]

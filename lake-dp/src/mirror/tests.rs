@@ -184,6 +184,36 @@ fn lookup_finds_the_longest_prefix_and_stops_at_a_hole() {
 }
 
 #[test]
+fn a_hybrid_resumes_from_the_deepest_checkpoint_at_or_below_its_kv_hit() {
+    let scratch = Scratch::new("state");
+    let mut writer = MirrorWriter::create(&config(&scratch, 10_000)).unwrap();
+    let reader = MirrorReader::attach(&scratch.0).unwrap();
+    let prompt = chain(500, 40);
+    for (i, k) in prompt.iter().enumerate().take(30) {
+        writer.upsert(k, &entry(i as u32)).unwrap();
+    }
+    let state = |i: u32| MirrorEntry { kind: ObjectKind::RecurrentState, ..entry(1000 + i) };
+    let mut table = Vec::new();
+    // No checkpoint: the KV hit alone.
+    assert_eq!(reader.lookup_with_state(&prompt, &mut table), (30, 0, None));
+    assert_eq!(table.len(), 30);
+    // Checkpoints after blocks 8 and 16 (positions 8, 16), and one after
+    // block 35, past the KV hit: never a resume point.
+    for position in [8u32, 16, 36] {
+        writer.upsert(&prompt[position as usize - 1].state_key(), &state(position)).unwrap();
+    }
+    assert_eq!(reader.lookup_with_state(&prompt, &mut table), (30, 16, Some(state(16))));
+    assert_eq!(reader.lookup_with_state(&prompt[..15], &mut table), (15, 8, Some(state(8))));
+    assert_eq!(reader.lookup_with_state(&prompt[..7], &mut table), (7, 0, None));
+    // A KV block published under a checkpoint's name is not a checkpoint.
+    writer.upsert(&prompt[19].state_key(), &entry(77)).unwrap();
+    assert_eq!(reader.lookup_with_state(&prompt, &mut table).1, 16);
+    // The checkpoint goes (evicted leaf first): the one before it serves.
+    writer.remove(&prompt[15].state_key());
+    assert_eq!(reader.lookup_with_state(&prompt, &mut table), (30, 8, Some(state(8))));
+}
+
+#[test]
 fn a_writer_that_died_mid_update_is_repaired_by_the_next() {
     let scratch = Scratch::new("repair");
     let mut writer = MirrorWriter::create(&config(&scratch, 1000)).unwrap();
