@@ -29,6 +29,17 @@ A speculative-decoding draft model runs beside the target (``--no-draft``
 leaves it out): a second, smaller KV layout in its own namespace, pooled,
 restored and checked exactly like the target's, turn by turn.
 
+``hybrid`` (milestone c): the same workload on a hybrid linear-attention
+model, transformers' Qwen3-Next (Gated DeltaNet layers, full attention
+every fourth layer; small, dense, random weights): the attention layers'
+KV pooled as blocks, the linear layers' conv and recurrent state as
+checkpoint objects of their own (``lake.StateLayout``) after every
+``--checkpoint-every`` blocks and each context's last full block. A turn
+resumes from the deepest checkpoint at or below its KV hit
+(``Pool.lookup_state``); KV and state restored are bitwise the engine's
+own, and so are the logits (its own checkpoint and blocks, the same
+chunking); against a full recomputation within tolerance, same top-1.
+
 ``ttft`` (the Qwen3-8B shape: 36 layers, 32 heads, 8 KV heads, head dim
 128, bf16): prefill of N tokens against a full-prefix hit from L1 (the
 KV of N tokens loaded, one token computed), whole and layer by layer
@@ -37,9 +48,10 @@ layer to land: ``Pool.wait_layer``); the bound is prefill time over the
 time to move the KV bytes at the raw H2D rate of the same run.
 
     python3 bench/python/fidelity.py fidelity --lake target/release/lake --out DIR
+    python3 bench/python/fidelity.py hybrid --lake target/release/lake --out DIR
     python3 bench/python/fidelity.py ttft --lake target/release/lake --out DIR --tokens 8192 32768
 
-Writes ``DIR/fidelity.json`` / ``DIR/ttft.json`` (one JSON object a line)
+Writes ``DIR/fidelity.json`` / ``DIR/hybrid.json`` / ``DIR/ttft.json`` (one JSON object a line)
 and, for fidelity, ``DIR/ttft_per_turn.png``. Exits non-zero when a
 bitwise check fails."""
 
@@ -91,19 +103,47 @@ SHAPES = {
     ),
 }
 
+# A hybrid linear-attention model (transformers' Qwen3-Next: Gated DeltaNet
+# layers, a full-attention layer every fourth), small and dense (no MoE).
+HYBRID = dict(
+    num_hidden_layers=8,
+    hidden_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=1408,
+    vocab_size=32000,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+)
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def build_config(shape):
-    from transformers import Qwen3Config
+    if shape == "hybrid":
+        from transformers import Qwen3NextConfig
 
-    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=65536, tie_word_embeddings=False)
+        layers = HYBRID["num_hidden_layers"]
+        config = Qwen3NextConfig(
+            **HYBRID, mlp_only_layers=list(range(layers)), max_position_embeddings=65536, tie_word_embeddings=False
+        )
+    else:
+        from transformers import Qwen3Config
+
+        config = Qwen3Config(**SHAPES[shape], max_position_embeddings=65536, tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     return config
 
 
 def build_model(shape, dtype, seed):
-    from transformers import Qwen3ForCausalLM
+    if shape == "hybrid":
+        from transformers import Qwen3NextForCausalLM as Model
+    else:
+        from transformers import Qwen3ForCausalLM as Model
 
     config = build_config(shape)
     torch.manual_seed(seed)
@@ -111,7 +151,7 @@ def build_model(shape, dtype, seed):
     torch.set_default_dtype(dtype)
     try:
         with torch.device("cuda"):
-            model = Qwen3ForCausalLM(config)
+            model = Model(config)
     finally:
         torch.set_default_dtype(previous)
     model.eval()
@@ -138,12 +178,14 @@ class Pool:
 
 
 class PagedCache:
-    """The engine's paged KV cache: one flash-attention tensor per layer."""
+    """The engine's paged KV cache: one flash-attention tensor per layer
+    (per attention layer of ``model_layers``, a hybrid's; default all)."""
 
-    def __init__(self, config, blocks, dtype):
+    def __init__(self, config, blocks, dtype, model_layers=None):
         self.heads, self.dim = config.num_key_value_heads, config.head_dim
+        self.model_layers = list(range(config.num_hidden_layers)) if model_layers is None else list(model_layers)
         shape = (2, blocks, BLOCK, self.heads, self.dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(config.num_hidden_layers)]
+        self.layers = [torch.zeros(shape, dtype=dtype, device="cuda") for _ in self.model_layers]
         self.free = list(range(blocks - 1, -1, -1))
 
     def alloc(self, n):
@@ -167,7 +209,8 @@ class PagedCache:
             return
         index = torch.as_tensor(ids, device="cuda")
         start, end = first_block * BLOCK, (first_block + len(ids)) * BLOCK
-        for layer, (k, v) in enumerate(layer_kv(cache)):
+        every = layer_kv(cache)
+        for layer, (k, v) in enumerate(every[m] for m in self.model_layers):
             for plane, x in ((0, k), (1, v)):
                 # (1, heads, tokens, dim) -> (blocks, 16, heads, dim)
                 paged = x[0, :, start:end].transpose(0, 1).reshape(len(ids), BLOCK, self.heads, self.dim)
@@ -221,9 +264,10 @@ class PagedCache:
 
 
 def layer_kv(cache):
-    """(keys, values) per layer, whatever this transformers calls them."""
+    """(keys, values) per layer, whatever this transformers calls them
+    (``None`` for a hybrid's linear-attention layers)."""
     if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
+        return [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
     return list(zip(cache.key_cache, cache.value_cache))
 
 
@@ -370,6 +414,216 @@ class Engine:
         return row, failures
 
 
+class HybridEngine:
+    """A hybrid linear-attention model (Qwen3-Next: Gated DeltaNet layers
+    with a full-attention layer every fourth) as an engine would pool it:
+    the attention layers' KV as blocks (a layout of those layers alone),
+    and the linear layers' conv and recurrent state as checkpoint objects
+    of their own (a :class:`lake.StateLayout`, its own attachment), taken
+    after every ``every``-th block and after each context's last full
+    block, keyed by that block (``lake.state_keys``). A prompt resumes from
+    the deepest checkpoint at or below its KV hit (``Pool.lookup_state``):
+    the KV of the blocks before it and the state are loaded, the rest is
+    computed. The reference is the engine's own: every block and
+    checkpoint it computed, retained on the GPU."""
+
+    def __init__(self, dtype, seed, every):
+        from transformers import DynamicCache
+
+        self.name, self.every = "hybrid", every
+        self.model, self.config = build_model("hybrid", dtype, seed)
+        types = self.config.layer_types
+        self.full = [i for i, t in enumerate(types) if t == "full_attention"]
+        self.linear = [i for i, t in enumerate(types) if t == "linear_attention"]
+        self.layout = lake.Layout(
+            layers=len(self.full),
+            kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim,
+            dtype={torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
+            block_tokens=BLOCK,
+        )
+        self.paged = PagedCache(self.config, 4096, dtype, model_layers=self.full)
+        # The state's geometry, as this transformers keeps it.
+        probe = DynamicCache(config=self.config)
+        forward(self.model, [1] * BLOCK, probe, 0)
+        self.shapes = []
+        for i in self.linear:
+            layer = probe.layers[i]
+            self.shapes.append([(t.shape, t.dtype) for t in (layer.conv_states[0], layer.recurrent_states[0])])
+        per_layer = sum(torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+                        for shape, kind in self.shapes[0])
+        self.state_layout = lake.StateLayout(
+            layers=len(self.linear), state_bytes_per_layer=per_layer, dtype="float32", shard_code=self.layout.shard_code
+        )
+        self.slot_bytes = max(self.layout.block_bytes, self.state_layout.block_bytes)
+        self.retained, self.checkpoints = {}, {}
+
+    def attach(self, pool, tenant, gpu_path):
+        self.namespace = lake.Namespace(tenant, BLOCK, b"fidelity-hybrid".ljust(32, b"\0"))
+        self.handle, self.memory = attach(pool, self.namespace, self.layout, self.paged, gpu_path)
+        self.state_handle = lake.Pool(
+            pool.dp, pool.mirror, self.namespace, cp_socket=pool.cp, layout=self.state_layout, name="fidelity-state"
+        )
+        # Pinned host slots the checkpoints cross in (two: one loaded, one saved).
+        self.state_host = torch.zeros((2, self.state_layout.block_bytes), dtype=torch.uint8, pin_memory=True)
+        self.state_memory = self.state_handle.register_host_memory(self.state_host.numpy())
+
+    def snapshot(self, cache):
+        """The linear layers' state now, as checkpoint bytes (on the GPU)."""
+        parts = []
+        for i in self.linear:
+            layer = cache.layers[i]
+            for t in (layer.conv_states[0], layer.recurrent_states[0]):
+                parts.append(t.contiguous().view(torch.uint8).reshape(-1))
+        return torch.cat(parts)
+
+    def cache(self, ids, state):
+        """A cache resuming after ``len(ids)`` blocks: their KV in the
+        attention layers, checkpoint ``state`` (GPU bytes) in the others."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        if not ids:
+            return cache
+        for j, m in enumerate(self.full):
+            k, v = self.paged.layer(j, ids)
+            cache.update(k, v, m)
+        offset = 0
+        for i, shapes in zip(self.linear, self.shapes):
+            tensors = []
+            for shape, kind in shapes:
+                n = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+                tensors.append(state[offset : offset + n].clone().view(kind).reshape(shape))
+                offset += n
+            layer = cache.layers[i]
+            layer.lazy_initialization(conv_states=tensors[0], recurrent_states=tensors[1])
+            layer.conv_states[0].copy_(tensors[0])
+            layer.recurrent_states[0].copy_(tensors[1])
+            layer.has_previous_state[0] = True
+        return cache
+
+    def run(self, tokens, cache, start, cuts):
+        """Forward ``tokens`` from position ``start``, split at the block
+        positions ``cuts`` (a checkpoint is taken at each); returns the
+        last token's logits and ``{position: state bytes}``."""
+        taken, at, logits = {}, start, None
+        ends = {c * BLOCK for c in cuts if start < c * BLOCK <= start + len(tokens)} | {start + len(tokens)}
+        for cut in sorted(ends):
+            if cut > at:
+                logits = forward(self.model, tokens[at - start : cut - start], cache, at)
+                at = cut
+            if cut % BLOCK == 0 and cut // BLOCK in cuts:
+                taken[cut // BLOCK] = self.snapshot(cache)
+        return logits, taken
+
+    def turn(self, prompt, reply):
+        model, paged, handle, memory = self.model, self.paged, self.handle, self.memory
+        context = prompt + reply
+        blocks = len(context) // BLOCK
+        context_keys = self.namespace.keys(np.asarray(context[: blocks * BLOCK], dtype=np.uint32))
+        full = len(prompt) // BLOCK
+        keys = context_keys[:full]
+        cap = (len(prompt) - 1) // BLOCK
+        reference, ttft_plain = synced(lambda: forward(model, prompt, None, 0))
+
+        def cuts(start):
+            return {p for p in range(start + 1, blocks + 1) if p % self.every == 0 or p == blocks}
+
+        def with_lake():
+            hits, table, at, where = self.state_handle.lookup_state(keys[:cap])
+            ids, state = paged.alloc(at), None
+            if at:
+                request = handle.submit_load(memory, keys[:at], table[:at], ids)
+                checkpoint = lake.state_keys(keys[at - 1 : at])
+                state_request = self.state_handle.submit_load(self.state_memory, checkpoint, where, [0])
+                statuses = handle.wait(request, at, timeout=60)
+                state_ok = (self.state_handle.wait(state_request, 1, timeout=60) == lake.OK).all()
+                if not ((statuses == lake.OK).all() and state_ok):
+                    # A hybrid cannot resume part way without its state: compute it all.
+                    paged.release(ids)
+                    ids, at = [], 0
+                else:
+                    state = self.state_host[0].to("cuda", non_blocking=True)
+            cache = self.cache(ids, state)
+            logits, taken = self.run(prompt[at * BLOCK :], cache, at * BLOCK, cuts(at))
+            return hits, table, at, where, ids, state, cache, logits, taken
+
+        (hits, table, at, where, ids, state, cache, logits, taken), ttft_lake = synced(with_lake)
+        tiers = np.asarray(table["tier"][:at])
+        row = {
+            "model": self.name,
+            "prompt_tokens": len(prompt),
+            "kv_hit_blocks": hits,
+            "hit_blocks": at,
+            "from_l1": int((tiers == 1).sum()),
+            "from_l2": int((tiers == 2).sum()),
+            "state_tier": int(where["tier"][0]) if at else 0,
+            "ttft_plain_ms": round(ttft_plain, 3),
+            "ttft_lake_ms": round(ttft_lake, 3),
+        }
+        failures = 0
+        if at:
+            own = [self.retained[k.tobytes()] for k in keys[:at]]
+            own_state = self.checkpoints[keys[at - 1].tobytes()]
+            row["kv_bitwise"] = bool(paged.equal(ids, own))
+            row["state_bitwise"] = bool(torch.equal(state, own_state))
+            own_logits, _ = self.run(prompt[at * BLOCK :], self.cache(own, own_state), at * BLOCK, cuts(at))
+            row["logits_bitwise_vs_own_hit"] = bool(torch.equal(own_logits, logits))
+            failures += sum(not row[k] for k in ("kv_bitwise", "state_bitwise", "logits_bitwise_vs_own_hit"))
+        diff = (logits.float() - reference.float()).abs().max().item()
+        row["max_abs_logit_diff_vs_recompute"] = round(diff, 6)
+        row["top1_same_as_recompute"] = bool(int(logits.argmax()) == int(reference.argmax()))
+        # How near a tie the recomputation's top two are: a top-1 that
+        # differs where this is within the logit difference is a near-tie
+        # the chunking broke the other way, not a wrong state.
+        top2 = reference.float().topk(2).values
+        row["recompute_top1_margin"] = round(float(top2[0] - top2[1]), 6)
+        row["top1"] = int(logits.argmax())
+        row["logit_std"] = round(float(logits.float().std()), 5)
+        # The reply (teacher-forced), checkpointing on the way; then the
+        # new blocks saved, and once they are published, the checkpoints
+        # under them.
+        _, later = self.run(reply, cache, len(prompt), cuts(at))
+        taken.update(later)
+        first = at
+        while first < blocks and context_keys[first].tobytes() in self.retained:
+            first += 1
+        new_ids = paged.alloc(blocks - first)
+        if new_ids:
+            paged.write(cache, first, new_ids)
+            parent = context_keys[first - 1] if first else None
+            stream = torch.cuda.current_stream().cuda_stream
+            request = handle.submit_save(memory, context_keys[first:], new_ids, parent=parent, stream=stream)
+            saved = handle.wait(request, blocks - first, timeout=60)
+            row["saves_skipped"] = int((saved != lake.OK).sum())
+        for k, block in zip(context_keys[first:], new_ids):
+            self.retained[k.tobytes()] = block
+        paged.release(ids)
+        wait_published(handle, context_keys, blocks)
+        saved_states = 0
+        for position, bytes_ in sorted(taken.items()):
+            key = context_keys[position - 1]
+            if key.tobytes() in self.checkpoints:
+                continue
+            self.checkpoints[key.tobytes()] = bytes_
+            self.state_host[1].copy_(bytes_)
+            request = self.state_handle.submit_save(
+                self.state_memory, lake.state_keys(key[None]), [1], parent=key, priority=lake.PRIORITY["write_back"]
+            )
+            saved_states += int((self.state_handle.wait(request, 1, timeout=60) == lake.OK).all())
+        row["checkpoints_saved"] = saved_states
+        # Published before the conversation's next turn looks for them.
+        deepest = max((p for p in taken if p % self.every == 0 or p == blocks), default=0)
+        for _ in range(1000):
+            if self.state_handle.lookup_state(context_keys[:deepest])[2] >= deepest:
+                break
+            time.sleep(0.005)
+        return row, failures
+
+    def close(self):
+        detach(self.state_handle)
+
+
 def summary_of(rows, name, args):
     rows = [r for r in rows if r["model"] == name]
     return {
@@ -388,6 +642,23 @@ def summary_of(rows, name, args):
         "logit_std_min": min(r["logit_std"] for r in rows),
         "max_abs_logit_diff_vs_recompute": max(r["max_abs_logit_diff_vs_recompute"] for r in rows),
         "saves_skipped": sum(r.get("saves_skipped", 0) for r in rows),
+        **(
+            {
+                "kv_hit_blocks": sum(r["kv_hit_blocks"] for r in rows),
+                "state_from_l1": sum(1 for r in rows if r["state_tier"] == 1),
+                "state_from_l2": sum(1 for r in rows if r["state_tier"] == 2),
+                "state_bitwise_failures": sum(1 for r in rows if r.get("state_bitwise") is False),
+                "checkpoints_saved": sum(r["checkpoints_saved"] for r in rows),
+                "top1_differs_beyond_twice_the_logit_diff": sum(
+                    1
+                    for r in rows
+                    if not r["top1_same_as_recompute"]
+                    and r["recompute_top1_margin"] > 2 * r["max_abs_logit_diff_vs_recompute"]
+                ),
+            }
+            if name == "hybrid"
+            else {}
+        ),
         "ttft_plain_ms_median": float(np.median([r["ttft_plain_ms"] for r in rows])),
         "ttft_lake_ms_median": float(np.median([r["ttft_lake_ms"] for r in rows])),
     }
@@ -397,12 +668,19 @@ def fidelity(args):
     dtype = DTYPES[args.dtype]
     rng = np.random.default_rng(args.seed)
     tenant = bytes(rng.integers(0, 256, 32, dtype=np.uint8))
-    # The pool's slots fit the larger (the target's) blocks.
-    target_layout = layout_of(build_config("small"), dtype)
-    pool = Pool(args.lake, target_layout.block_bytes, args.l1_slots, 4096)
-    engines = [Engine("small", "small", dtype, args.seed, pool, tenant, args.gpu_path)]
-    if args.draft:
-        engines.append(Engine("draft", "draft", dtype, args.seed + 1, pool, tenant, args.gpu_path))
+    if args.mode == "hybrid":
+        hybrid = HybridEngine(dtype, args.seed, args.checkpoint_every)
+        # The slots fit the larger of a KV block and a checkpoint.
+        pool = Pool(args.lake, hybrid.slot_bytes, args.l1_slots, 2048)
+        hybrid.attach(pool, tenant, args.gpu_path)
+        engines = [hybrid]
+    else:
+        # The pool's slots fit the larger (the target's) blocks.
+        target_layout = layout_of(build_config("small"), dtype)
+        pool = Pool(args.lake, target_layout.block_bytes, args.l1_slots, 4096)
+        engines = [Engine("small", "small", dtype, args.seed, pool, tenant, args.gpu_path)]
+        if args.draft:
+            engines.append(Engine("draft", "draft", dtype, args.seed + 1, pool, tenant, args.gpu_path))
     vocab = engines[0].config.vocab_size
     system = rng.integers(0, vocab, args.system_tokens).tolist()
     conversations = [list(system) for _ in range(args.conversations)]
@@ -425,11 +703,14 @@ def fidelity(args):
     summaries = [summary_of(rows, engine.name, args) for engine in engines]
     for summary in summaries:
         print(json.dumps(summary), flush=True)
-    with open(os.path.join(args.out, "fidelity.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.mode}.json"), "w") as f:
         for r in rows + summaries:
             f.write(json.dumps(r) + "\n")
-    plot([r for r in rows if r["model"] == "small"], os.path.join(args.out, "ttft_per_turn.png"))
+    if args.mode == "fidelity":
+        plot([r for r in rows if r["model"] == "small"], os.path.join(args.out, "ttft_per_turn.png"))
     for engine in engines:
+        if hasattr(engine, "close"):
+            engine.close()
         detach(engine.handle)
     pool.stop()
     return failures
@@ -620,7 +901,7 @@ def note(text):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=["fidelity", "ttft"])
+    parser.add_argument("mode", choices=["fidelity", "hybrid", "ttft"])
     parser.add_argument("--lake", required=True, help="the `lake` binary")
     parser.add_argument("--out", default=".")
     parser.add_argument("--seed", type=int, default=2026)
@@ -632,6 +913,9 @@ def main():
     parser.add_argument("--l1-slots", type=int, default=160)
     parser.add_argument(
         "--no-draft", dest="draft", action="store_false", help="fidelity without the speculative-decoding draft model"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=8, help="hybrid: blocks between recurrent-state checkpoints"
     )
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--repeats", type=int, default=3)
@@ -648,7 +932,7 @@ def main():
         print("SKIPPED: no CUDA GPU here (the harness runs on the GPU machine)")
         return 0
     os.makedirs(args.out, exist_ok=True)
-    failures = fidelity(args) if args.mode == "fidelity" else ttft(args)
+    failures = ttft(args) if args.mode == "ttft" else fidelity(args)
     if failures:
         print(f"FAILED: {failures} bitwise checks", flush=True)
         return 1
