@@ -14,7 +14,11 @@ Run on the GPU machine against a pool started by hand:
 
     lake serve --dir /tmp/lk --block-bytes 2359296 --l1-slots 4000 --l2-slots 64 --agents 8
     LAKE_LIBRARY=.../liblake.so PYTHONPATH=ffi/python python3 bench/python/gpu_engine.py \\
-        /tmp/lk/dp.sock MIRROR /tmp/lk/cp.sock [copy_engine|direct]
+        /tmp/lk/dp.sock MIRROR /tmp/lk/cp.sock [copy_engine|direct] [LAYER_GROUPS]
+
+LAYER_GROUPS: the groups the retrieving memory's loads go in (0, the
+default: 8, for layer-by-layer waits; 1: every block whole, for an engine
+that waits for the whole retrieve, as LMCache's figures do).
 
 Prints one JSON line per token count."""
 
@@ -53,7 +57,8 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def main(dp, mirror, cp, gpu_path="copy_engine"):
+def main(dp, mirror, cp, gpu_path="copy_engine", layer_groups="0"):
+    layer_groups = int(layer_groups)
     layout = lake.Layout(layers=LAYERS, kv_heads=HEADS, head_dim=DIM, dtype="bfloat16", block_tokens=TOKENS)
     block_bytes = layout.block_bytes
     # A seed of its own per run: two runs against one pool must not share
@@ -66,7 +71,9 @@ def main(dp, mirror, cp, gpu_path="copy_engine"):
         ns = lake.Namespace(rng.bytes(32), TOKENS, rng.bytes(32))  # a fresh namespace per size
         pool = lake.Pool(dp, mirror, ns, cp_socket=cp, layout=layout, name="gpu-bench")
         memory_src = pool.register_kv_memory(layout, CACHE_BLOCKS, pieces(source), keep_alive=source, device=0, gpu_path=gpu_path)
-        memory_dst = pool.register_kv_memory(layout, CACHE_BLOCKS, pieces(target), keep_alive=target, device=0, gpu_path=gpu_path)
+        memory_dst = pool.register_kv_memory(
+            layout, CACHE_BLOCKS, pieces(target), keep_alive=target, device=0, gpu_path=gpu_path, layer_groups=layer_groups
+        )
         blocks = tokens // TOKENS
         keys = ns.keys(rng.integers(0, 150_000, tokens, dtype=np.uint32))
         src_ids = rng.permutation(CACHE_BLOCKS)[:blocks].astype(np.uint32)
@@ -116,6 +123,7 @@ def main(dp, mirror, cp, gpu_path="copy_engine"):
             json.dumps(
                 {
                     "gpu_path": gpu_path,
+                    "layer_groups": layer_groups,
                     "tokens": tokens,
                     "bytes": nbytes,
                     "store_gbps": round(nbytes / store / 1e9, 2),
@@ -135,4 +143,4 @@ def main(dp, mirror, cp, gpu_path="copy_engine"):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

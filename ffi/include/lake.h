@@ -481,6 +481,15 @@ typedef struct LakeKvMemoryOptions {
    GPU). See docs/gpu.md.
    */
   uint32_t gpu_path;
+  /*
+   For GPU memory, the layer groups a load of L1 hits goes in (each
+   one copy a block over the copy engines, and one event
+   `lake_wait_layer` waits on): 0 the default, 8; 1 every block whole
+   — for an engine that waits for the whole load, not layer by layer
+   (vLLM's connector): fewer, larger copies, 0.96 of the bus against
+   0.90 for 8 groups of 2 MiB blocks on the H200. At most 64.
+   */
+  uint32_t layer_groups;
 } LakeKvMemoryOptions;
 
 /*

@@ -43,10 +43,11 @@ const LOAD_TURN: usize = 512;
 /// from the poller stage (pinned throughout, so it is bounded).
 pub(crate) const LAYERED_BLOCKS_MAX: usize = 2048;
 
-/// Launches a layered load makes at most: layers go in this many groups,
-/// each one launch and one event (a launch costs microseconds of the agent
-/// thread; a small load would pay more for launches than for bytes).
-const LAYER_GROUPS_MAX: usize = 8;
+/// The layer groups a layered load goes in unless the memory says
+/// otherwise: each one launch (or one copy a block) and one event (a launch
+/// costs microseconds of the agent thread; a small load would pay more for
+/// launches than for bytes).
+pub(crate) const LAYER_GROUPS_DEFAULT: usize = 8;
 
 /// One device of an attached pool: its kernels and the arena's slots as
 /// the device sees them.
@@ -141,6 +142,8 @@ pub(crate) struct GpuMemory {
     /// The model's layers (the pieces are `layers` runs, layer-major).
     pub layers: usize,
     pub path: GpuPath,
+    /// The layer groups of a layered load (`LakeKvMemoryOptions::layer_groups`).
+    groups: usize,
     staging: Mutex<Option<Staging>>,
 }
 
@@ -151,8 +154,8 @@ unsafe impl Send for GpuMemory {}
 unsafe impl Sync for GpuMemory {}
 
 impl GpuMemory {
-    pub(crate) fn new(gpu: Arc<Gpu>, kv: DeviceKv, blocks: u32, layers: usize, path: GpuPath) -> Self {
-        Self { gpu, kv, blocks, layers, path, staging: Mutex::new(None) }
+    pub(crate) fn new(gpu: Arc<Gpu>, kv: DeviceKv, blocks: u32, layers: usize, path: GpuPath, groups: usize) -> Self {
+        Self { gpu, kv, blocks, layers, path, groups, staging: Mutex::new(None) }
     }
 
     /// The pieces of layer `layer`.
@@ -162,9 +165,9 @@ impl GpuMemory {
     }
 
     /// The pieces of each layer group of a layered load (at most
-    /// `LAYER_GROUPS_MAX` groups of equal layer counts, the last shorter).
+    /// `groups` groups of equal layer counts, the last shorter).
     fn layer_groups(&self) -> Vec<core::ops::Range<usize>> {
-        let group = self.layers.div_ceil(LAYER_GROUPS_MAX).max(1);
+        let group = self.layers.div_ceil(self.groups.max(1)).max(1);
         (0..self.layers)
             .step_by(group)
             .map(|first| {

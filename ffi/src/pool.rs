@@ -1396,6 +1396,13 @@ pub struct LakeKvMemoryOptions {
     /// reading or writing the pinned slots directly (fastest on an idle
     /// GPU). See docs/gpu.md.
     pub gpu_path: u32,
+    /// For GPU memory, the layer groups a load of L1 hits goes in (each
+    /// one copy a block over the copy engines, and one event
+    /// `lake_wait_layer` waits on): 0 the default, 8; 1 every block whole
+    /// — for an engine that waits for the whole load, not layer by layer
+    /// (vLLM's connector): fewer, larger copies, 0.96 of the bus against
+    /// 0.90 for 8 groups of 2 MiB blocks on the H200. At most 64.
+    pub layer_groups: u32,
 }
 
 /// Registers the engine's paged KV cache in host memory — any order of
@@ -1802,7 +1809,17 @@ fn gpu_memory(
             ));
         }
     };
-    Ok(GpuMemory::new(gpu, kv, o.block_count, usize::from(layout.layers()), path))
+    let groups = match o.layer_groups {
+        0 => gpu::LAYER_GROUPS_DEFAULT,
+        n @ 1..=64 => n as usize,
+        other => {
+            return Err(fail(
+                LakeStatus::LakeInvalidArgument,
+                format!("lake_register_kv_memory: layer_groups {other}: 0 (the default) to 64"),
+            ));
+        }
+    };
+    Ok(GpuMemory::new(gpu, kv, o.block_count, usize::from(layout.layers()), path, groups))
 }
 
 fn add_memory(pool: &LakePool, memory: Memory) -> Result<u32, LakeStatus> {

@@ -173,8 +173,9 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
     let a: Vec<_> = host_a.iter().map(|h| stream.clone_htod(h).unwrap()).collect();
     let b: Vec<_> = (0..LAYERS).map(|_| stream.alloc_zeros::<u8>(LAYER_ELEMENTS * E).unwrap()).collect();
     let c: Vec<_> = (0..LAYERS).map(|_| stream.alloc_zeros::<u8>(LAYER_ELEMENTS * E).unwrap()).collect();
+    let d: Vec<_> = (0..LAYERS).map(|_| stream.alloc_zeros::<u8>(LAYER_ELEMENTS * E).unwrap()).collect();
     let base = |t: &cudarc::driver::CudaSlice<u8>| t.device_ptr(&stream).0;
-    let register = |pieces: &[LakeKvPiece], gpu_path: u32| {
+    let register = |pieces: &[LakeKvPiece], gpu_path: u32, layer_groups: u32| {
         let options = LakeKvMemoryOptions {
             struct_size: size_of::<LakeKvMemoryOptions>(),
             layout: &raw const layout,
@@ -184,6 +185,7 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
             memory_kind: 1,
             device: 0,
             gpu_path,
+            layer_groups,
         };
         let mut id = 0;
         // SAFETY: valid options; the tensors live to the end of the test.
@@ -191,10 +193,12 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
         id
     };
     // A saves through the copy engines, B loads by kernel across the bus,
-    // C loads through the copy engines: both ways, both directions.
-    let memory_a = register(&pieces(false, &a.iter().map(base).collect::<Vec<_>>()), 0);
-    let memory_b = register(&pieces(true, &b.iter().map(base).collect::<Vec<_>>()), 1);
-    let memory_c = register(&pieces(true, &c.iter().map(base).collect::<Vec<_>>()), 0);
+    // C loads through the copy engines, D too with every block whole (one
+    // layer group): both ways, both directions.
+    let memory_a = register(&pieces(false, &a.iter().map(base).collect::<Vec<_>>()), 0, 0);
+    let memory_b = register(&pieces(true, &b.iter().map(base).collect::<Vec<_>>()), 1, 0);
+    let memory_c = register(&pieces(true, &c.iter().map(base).collect::<Vec<_>>()), 0, 0);
+    let memory_d = register(&pieces(true, &d.iter().map(base).collect::<Vec<_>>()), 0, 1);
 
     let from: [u32; 6] = [3, 1, 4, 9, 15, 0];
     let into: [u32; 6] = [2, 7, 1, 8, 11, 5];
@@ -227,7 +231,7 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
         request
     };
     let load = |memory: u32, count: usize| statuses(handle, submit(memory, count), count);
-    for (memory, tensors) in [(memory_b, &b), (memory_c, &c)] {
+    for (memory, tensors) in [(memory_b, &b), (memory_c, &c), (memory_d, &d)] {
         assert_eq!(load(memory, 6), [LakeStatus::LakeOk; 6], "loaded into HBM");
         let host: Vec<Vec<u8>> = tensors.iter().map(|t| stream.clone_dtoh(t).unwrap()).collect();
         for (i, (&f, &t)) in from.iter().zip(&into).enumerate() {
@@ -243,7 +247,7 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
     // right after, before anyone polls.
     let engine = ctx.new_stream().unwrap();
     let mut request = 0;
-    for (memory, mut tensors) in [(memory_b, b), (memory_c, c)] {
+    for (memory, mut tensors) in [(memory_b, b), (memory_c, c), (memory_d, d)] {
         for tensor in &mut tensors {
             stream.memset_zeros(tensor).unwrap();
         }
@@ -276,7 +280,7 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
         .find(|&at| decode_header(&map[at..]).is_ok_and(|h| h.meta().key == key))
         .expect("block 2's slot");
     map[slot + 4096 + block_bytes / 2 + 17] ^= 0x08;
-    for memory in [memory_b, memory_c] {
+    for memory in [memory_b, memory_c, memory_d] {
         let got = load(memory, 6);
         assert_eq!(got[..2], [LakeStatus::LakeOk; 2], "{got:?}");
         assert_eq!(got[2], LakeStatus::LakeBadCrc, "{got:?}");

@@ -185,6 +185,7 @@ class _KvMemoryOptions(ctypes.Structure):
         ("memory_kind", ctypes.c_uint32),
         ("device", ctypes.c_uint32),
         ("gpu_path", ctypes.c_uint32),
+        ("layer_groups", ctypes.c_uint32),
     ]
 
 
@@ -709,7 +710,14 @@ class Pool:
         return memory_id.value
 
     def register_kv_memory(
-        self, layout: Layout, block_count: int, pieces, keep_alive=None, device=None, gpu_path: str = "copy_engine"
+        self,
+        layout: Layout,
+        block_count: int,
+        pieces,
+        keep_alive=None,
+        device=None,
+        gpu_path: str = "copy_engine",
+        layer_groups: int = 0,
     ) -> int:
         """Registers an engine's paged KV cache in host memory, described as
         one piece per (layer, plane), layer-major (``PIECE_DTYPE`` records or
@@ -720,7 +728,10 @@ class Pool:
         (moved by Lake's kernels), ``None`` for host memory; ``gpu_path``:
         ``"copy_engine"`` (the bus crossed by the copy engines, the layout
         changed in HBM; keeps the bus while the GPU computes) or
-        ``"direct"`` (one kernel across the bus; fastest on an idle GPU)."""
+        ``"direct"`` (one kernel across the bus; fastest on an idle GPU);
+        ``layer_groups``: the groups a GPU load's layers go in (0: 8; 1:
+        every block whole, fastest over the copy engines, for an engine that
+        waits for the whole load rather than layer by layer)."""
         array = np.asarray(pieces)
         if array.dtype != PIECE_DTYPE:
             array = np.asarray(pieces, dtype=np.int64)
@@ -744,6 +755,7 @@ class Pool:
             if gpu_path not in paths:
                 raise ValueError(f"gpu_path is one of {sorted(paths)}, not {gpu_path!r}")
             options.gpu_path = paths[gpu_path]
+            options.layer_groups = int(layer_groups)
         memory_id = ctypes.c_uint32()
         _check(_library().lake_register_kv_memory(self._h(), ctypes.byref(options), ctypes.byref(memory_id)))
         self._memories.append(keep_alive)
