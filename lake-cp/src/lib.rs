@@ -12,15 +12,18 @@
 //! ([`evict`]), the node authority over `lake-dp` reports ([`node`]),
 //! leases ([`lease`]), the tier manager that turns capacities and quotas
 //! into moves ([`tier`]), execution-mode routing ([`route`]), the cp↔dp
-//! server ([`server`]), metrics ([`metrics`]) and the embedded single-node
-//! pool ([`demo`], the `lake` command); leadership arrives with issue
-//! \[7\]. See `docs/controlplane.md`.
+//! server ([`server`]), metrics ([`metrics`]), leadership, membership and
+//! the checkpoint pointer in etcd ([`ha`] over [`etcd`]) and the embedded
+//! single-node pool ([`demo`], the `lake` command). See
+//! `docs/controlplane.md`.
 
 #![warn(missing_docs)]
 
 pub mod demo;
 pub mod embedded;
+pub mod etcd;
 pub mod evict;
+pub mod ha;
 mod huge;
 pub mod index;
 pub mod l0;

@@ -1,0 +1,240 @@
+//! Leadership, membership and the checkpoint pointer, kept in etcd
+//! (DESIGN §4; issue \[7\]). etcd holds only small things with leases:
+//!
+//! - `/lake/{cluster}/leader` — the leader `lake-cp`'s id, created under
+//!   its lease only if absent. Its create revision is the leader's
+//!   **term**: every new leadership creates the key again, so terms only
+//!   grow, and a deposed leader's term is below its successor's. Every
+//!   cp→dp command carries it; `lake-dp` refuses lower ones
+//!   ([`lake_dp::fence`]).
+//! - `/lake/{cluster}/nodes/{node}` — a node's address, under the node's
+//!   own lease: a node that stops renewing leaves the membership when the
+//!   lease runs out (its L1 replicas leave the summary; its L2 ones are
+//!   unavailable until it returns).
+//! - `/lake/{cluster}/checkpoint` — where the latest checkpoint of the
+//!   cluster summary lives (on L2 or L3, never in etcd: etcd caps requests
+//!   at 1.5 MiB) and the term that wrote it. Written only while the
+//!   writer's leadership key still stands, so a deposed leader cannot move
+//!   it.
+//!
+//! Nothing here is on a request path: the control plane calls it from its
+//! housekeeping, at a fraction of the lease's time to live.
+
+use std::time::{Duration, Instant};
+
+use crate::etcd::{Etcd, EtcdError, Lease};
+
+/// One Lake cluster's keys in etcd.
+#[derive(Debug)]
+pub struct Cluster {
+    etcd: Etcd,
+    name: String,
+}
+
+/// What a campaign found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// This candidate leads, in `term`.
+    Leader {
+        /// The leadership's term (the leader key's create revision).
+        term: u64,
+    },
+    /// Another leads.
+    Standby {
+        /// The leader's id.
+        leader: String,
+        /// Its term.
+        term: u64,
+    },
+}
+
+/// Where the latest checkpoint of the summary is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointPointer {
+    /// The term of the leader that wrote it.
+    pub term: u64,
+    /// Where it lives (an L2 path or an L3 object name).
+    pub location: String,
+}
+
+fn term_of(revision: i64) -> Result<u64, EtcdError> {
+    u64::try_from(revision).ok().filter(|&t| t > 0).ok_or_else(|| EtcdError::Malformed(format!("revision {revision}")))
+}
+
+impl Cluster {
+    /// The cluster `name` (letters, digits, `-`, `_`) in `etcd`.
+    pub fn new(etcd: Etcd, name: &str) -> Result<Self, EtcdError> {
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err(EtcdError::Malformed(format!("cluster name {name:?}: letters, digits, - and _ only")));
+        }
+        Ok(Self { etcd, name: name.to_owned() })
+    }
+
+    /// The client.
+    pub fn etcd(&self) -> &Etcd {
+        &self.etcd
+    }
+
+    fn key(&self, rest: &str) -> Vec<u8> {
+        format!("/lake/{}/{rest}", self.name).into_bytes()
+    }
+
+    /// The leader's id and term, if any leads.
+    pub fn leader(&self) -> Result<Option<(String, u64)>, EtcdError> {
+        match self.etcd.get(&self.key("leader"))? {
+            None => Ok(None),
+            Some(kv) => Ok(Some((String::from_utf8_lossy(&kv.value).into_owned(), term_of(kv.create_revision)?))),
+        }
+    }
+
+    /// A candidate for leadership named `id`, with a lease of `ttl`
+    /// seconds (a leader that stops renewing is replaced within it).
+    pub fn candidate(&self, id: &str, ttl: i64) -> Result<Candidate<'_>, EtcdError> {
+        if id.is_empty() {
+            return Err(EtcdError::Malformed("a candidate needs an id".into()));
+        }
+        let lease = self.etcd.grant(ttl)?;
+        Ok(Candidate { cluster: self, id: id.to_owned(), lease, term: None })
+    }
+
+    /// Node `node` joins at `address` under a lease of `ttl` seconds.
+    pub fn join(&self, node: u32, address: &str, ttl: i64) -> Result<Member<'_>, EtcdError> {
+        let lease = self.etcd.grant(ttl)?;
+        self.etcd.put(&self.key(&format!("nodes/{node:010}")), address.as_bytes(), Some(lease))?;
+        Ok(Member { cluster: self, lease })
+    }
+
+    /// The nodes whose leases stand: `(node, address)`, by node.
+    pub fn members(&self) -> Result<Vec<(u32, String)>, EtcdError> {
+        let prefix = self.key("nodes/");
+        let mut out = Vec::new();
+        for kv in self.etcd.list(&prefix)? {
+            let tail = &kv.key[prefix.len()..];
+            let node = std::str::from_utf8(tail).ok().and_then(|t| t.parse().ok());
+            let node =
+                node.ok_or_else(|| EtcdError::Malformed(format!("member key {:?}", String::from_utf8_lossy(&kv.key))))?;
+            out.push((node, String::from_utf8_lossy(&kv.value).into_owned()));
+        }
+        Ok(out)
+    }
+
+    /// The latest checkpoint pointer, if one was written.
+    pub fn checkpoint(&self) -> Result<Option<CheckpointPointer>, EtcdError> {
+        let Some(kv) = self.etcd.get(&self.key("checkpoint"))? else { return Ok(None) };
+        let text = String::from_utf8_lossy(&kv.value);
+        let (term, location) =
+            text.split_once(' ').ok_or_else(|| EtcdError::Malformed(format!("checkpoint pointer {text:?}")))?;
+        let term = term.parse().map_err(|_| EtcdError::Malformed(format!("checkpoint pointer {text:?}")))?;
+        Ok(Some(CheckpointPointer { term, location: location.to_owned() }))
+    }
+}
+
+/// A `lake-cp` standing for leadership.
+#[derive(Debug)]
+pub struct Candidate<'a> {
+    cluster: &'a Cluster,
+    id: String,
+    lease: Lease,
+    term: Option<u64>,
+}
+
+impl Candidate<'_> {
+    /// Tries to lead: creates the leader key under this candidate's lease
+    /// if no one holds it. A leader campaigning again keeps its term.
+    pub fn campaign(&mut self) -> Result<Role, EtcdError> {
+        let key = self.cluster.key("leader");
+        let created = match self.cluster.etcd.create(&key, self.id.as_bytes(), self.lease) {
+            // A standby's lease ran out while it waited: a new one.
+            Err(EtcdError::Server { code: 5, .. }) => {
+                self.lease = self.cluster.etcd.grant(self.lease.ttl.max(1))?;
+                self.cluster.etcd.create(&key, self.id.as_bytes(), self.lease)
+            }
+            other => other,
+        };
+        match created? {
+            Ok(revision) => {
+                let term = term_of(revision)?;
+                self.term = Some(term);
+                Ok(Role::Leader { term })
+            }
+            Err(existing) => {
+                let term = term_of(existing.create_revision)?;
+                if existing.lease == self.lease.id && existing.value == self.id.as_bytes() {
+                    self.term = Some(term);
+                    return Ok(Role::Leader { term });
+                }
+                self.term = None;
+                Ok(Role::Standby { leader: String::from_utf8_lossy(&existing.value).into_owned(), term })
+            }
+        }
+    }
+
+    /// Campaigns every `every` until it leads or `deadline` passes; the
+    /// term, or `None` at the deadline. etcd unreachable counts as not
+    /// leading (and is tried again).
+    pub fn campaign_until(&mut self, every: Duration, deadline: Instant) -> Option<u64> {
+        loop {
+            if let Ok(Role::Leader { term }) = self.campaign() {
+                return Some(term);
+            }
+            if Instant::now() + every > deadline {
+                return None;
+            }
+            std::thread::sleep(every);
+        }
+    }
+
+    /// Renews the lease. `Ok(false)`: it had expired — leadership (if
+    /// held) is lost, and a new lease is taken for the next campaign.
+    pub fn keep_alive(&mut self) -> Result<bool, EtcdError> {
+        if self.cluster.etcd.keep_alive(self.lease)? > 0 {
+            return Ok(true);
+        }
+        self.term = None;
+        self.lease = self.cluster.etcd.grant(self.lease.ttl.max(1))?;
+        Ok(false)
+    }
+
+    /// The term this candidate leads in, as it last knew.
+    pub fn term(&self) -> Option<u64> {
+        self.term
+    }
+
+    /// Points the cluster at a checkpoint written in this leadership. Does
+    /// nothing and says `false` unless this candidate still holds the
+    /// leader key of its term.
+    pub fn publish_checkpoint(&self, location: &str) -> Result<bool, EtcdError> {
+        let Some(term) = self.term else { return Ok(false) };
+        let revision = i64::try_from(term).map_err(|_| EtcdError::Malformed(format!("term {term}")))?;
+        let value = format!("{term} {location}");
+        let guard = self.cluster.key("leader");
+        let key = self.cluster.key("checkpoint");
+        self.cluster.etcd.put_if(&guard, revision, Some(self.id.as_bytes()), &key, value.as_bytes())
+    }
+
+    /// Gives leadership up now (the standby need not wait out the lease).
+    pub fn resign(mut self) -> Result<(), EtcdError> {
+        self.term = None;
+        self.cluster.etcd.revoke(self.lease)
+    }
+}
+
+/// A node's membership.
+#[derive(Debug)]
+pub struct Member<'a> {
+    cluster: &'a Cluster,
+    lease: Lease,
+}
+
+impl Member<'_> {
+    /// Renews it; `Ok(false)` when it had expired (the node has left: it
+    /// must join again, and its replicas are re-adopted).
+    pub fn keep_alive(&self) -> Result<bool, EtcdError> {
+        Ok(self.cluster.etcd.keep_alive(self.lease)? > 0)
+    }
+
+    /// Leaves now.
+    pub fn leave(self) -> Result<(), EtcdError> {
+        self.cluster.etcd.revoke(self.lease)
+    }
+}
