@@ -79,6 +79,7 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     let future = root.join("future-dp.sock");
     future_daemon(&future);
     let doomed = EmbeddedPool::start(&config(root.join("doomed"))).unwrap();
+    let small = EmbeddedPool::start(&EmbeddedConfig { l1_slots: 16, ..config(root.join("small")) }).unwrap();
     let stop_file = root.join("stop-doomed");
     let (doomed_dp, doomed_mirror, doomed_cp) =
         (doomed.dp_socket.clone(), doomed.mirror.clone(), doomed.cp_socket.clone());
@@ -112,6 +113,10 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
         .env("LAKE_DOOMED_CP_SOCKET", &doomed_cp)
         .env("LAKE_DOOMED_BLOCK_BYTES", BLOCK_BYTES.to_string())
         .env("LAKE_DOOMED_STOP_FILE", &stop_file)
+        .env("LAKE_SMALL_DP_SOCKET", &small.dp_socket)
+        .env("LAKE_SMALL_MIRROR", &small.mirror)
+        .env("LAKE_SMALL_CP_SOCKET", &small.cp_socket)
+        .env("LAKE_SMALL_BLOCK_BYTES", BLOCK_BYTES.to_string())
         .output()
         .unwrap();
     let _ = std::fs::write(&stop_file, "done");
@@ -119,6 +124,7 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     let stdout = String::from_utf8_lossy(&run.stdout);
     let stderr = String::from_utf8_lossy(&run.stderr);
     drop(pool);
+    drop(small);
     let _ = std::fs::remove_dir_all(&root);
     assert!(run.status.success(), "pytest failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("passed"), "{stdout}");
@@ -127,6 +133,10 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     for line in stdout.lines().filter(|l| l.starts_with("SKIPPED")) {
         assert!(line.contains("torch"), "unexpected skip: {line}");
     }
-    // What ran and what skipped, in the test's output (`--nocapture`).
+    // What ran and what skipped, in the test's output (`--nocapture`),
+    // with the figures tests print (shown with PYTEST_ADDOPTS=-rP).
+    for line in stdout.lines().filter(|l| l.starts_with("F4:")) {
+        println!("{line}");
+    }
     println!("pytest: {}", stdout.lines().rev().find(|l| l.contains("passed")).unwrap_or(""));
 }

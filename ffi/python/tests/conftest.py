@@ -37,3 +37,9 @@ def doomed_paths():
     paths = _pool("LAKE_DOOMED_")
     paths["STOP_FILE"] = os.environ["LAKE_DOOMED_STOP_FILE"]
     return paths
+
+
+@pytest.fixture(scope="session")
+def small_paths():
+    """A pool whose L1 holds 16 blocks: most of a long request is in L2."""
+    return _pool("LAKE_SMALL_")
