@@ -13,7 +13,11 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
        lake serve [--dir DIR] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
                   [--commit-check inline|background|trust] [--transport-listen IP:PORT]
                   [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
-                  (the embedded pool for engines in other processes, until SIGTERM/SIGINT)";
+                  (the embedded pool for engines in other processes, until SIGTERM/SIGINT)
+       lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
+               [--ttl SECONDS] [--node N] [--entries N]
+               (a control plane standing for leadership in etcd: a standby until it leads,
+                then serving the socket and writing the mirror under its term)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -29,6 +33,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("lake serve: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Some("cp") => match control_plane(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lake cp: {e}");
                 ExitCode::FAILURE
             }
         },
@@ -144,6 +155,101 @@ fn serve(args: &[String]) -> Result<(), String> {
         stats.agents_attached, stats.pool.saves, stats.pool.promotions, stats.pool.demotions
     );
     Ok(())
+}
+
+/// `lake cp`: one control plane of a node, standing for leadership.
+fn control_plane(args: &[String]) -> Result<(), String> {
+    use std::time::{Duration, Instant};
+
+    use lake_cp::etcd::Etcd;
+    use lake_cp::ha::{Cluster, Role};
+    use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
+
+    let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
+    let (mut socket, mut mirror, mut etcd, mut cluster, mut id) = (None, None, None, None, None);
+    let (mut ttl, mut node, mut entries) = (5i64, 0u32, 1u64 << 20);
+    let mut iter = args.iter();
+    while let Some(flag) = iter.next() {
+        let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let number = || value.parse::<u64>().map_err(|e| format!("{flag} {value}: {e}"));
+        match flag.as_str() {
+            "--socket" => socket = Some(std::path::PathBuf::from(value)),
+            "--mirror" => mirror = Some(std::path::PathBuf::from(value)),
+            "--etcd" => etcd = Some(value.clone()),
+            "--cluster" => cluster = Some(value.clone()),
+            "--id" => id = Some(value.clone()),
+            "--ttl" => ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
+            "--node" => node = u32::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?,
+            "--entries" => entries = number()?,
+            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
+        }
+    }
+    fn need<T>(what: Option<T>, flag: &str) -> Result<T, String> {
+        what.ok_or_else(|| format!("{flag} is required\n{USAGE}"))
+    }
+    let (socket, mirror) = (need(socket, "--socket")?, need(mirror, "--mirror")?);
+    let (etcd, cluster, id) = (need(etcd, "--etcd")?, need(cluster, "--cluster")?, need(id, "--id")?);
+    let endpoints: Vec<&str> = etcd.split(',').collect();
+    let cluster = Cluster::new(Etcd::new(&endpoints, Duration::from_secs(2)).map_err(|e| e.to_string())?, &cluster)
+        .map_err(|e| e.to_string())?;
+    let mut candidate = cluster.candidate(&id, ttl).map_err(|e| e.to_string())?;
+    let every = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 4).max(Duration::from_millis(50));
+    let say = |line: String| {
+        println!("{line}");
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    };
+    // A standby until it leads (or is told to stop).
+    let term = loop {
+        match candidate.campaign() {
+            Ok(Role::Leader { term }) => break term,
+            Ok(Role::Standby { leader, term }) => {
+                say(format!("{{\"event\":\"standby\",\"id\":\"{id}\",\"leader\":\"{leader}\",\"term\":{term}}}"));
+            }
+            Err(e) => eprintln!("lake cp: campaigning: {e}"),
+        }
+        let woke = Instant::now();
+        while woke.elapsed() < every {
+            if signals.take().is_some() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // A standby keeps its own lease, so that it can take over at once.
+        let _ = candidate.keep_alive();
+    };
+    let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
+        .map_err(|e| format!("mirror {}: {e}", mirror.display()))?;
+    let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer));
+    let mut server =
+        lake_cp::server::Server::bind(&socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;
+    say(format!(
+        "{{\"event\":\"leading\",\"id\":\"{id}\",\"term\":{term},\"socket\":\"{}\",\"mirror\":\"{}\"}}",
+        socket.display(),
+        mirror.display()
+    ));
+    let renew = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 3);
+    let (mut last_renewal, mut confirmed) = (Instant::now(), Instant::now());
+    loop {
+        if signals.take().is_some() {
+            // Handing over now: the standby need not wait out the lease.
+            let _ = candidate.resign();
+            say(format!("{{\"event\":\"resigned\",\"id\":\"{id}\",\"term\":{term}}}"));
+            return Ok(());
+        }
+        server.poll_once(Some(Duration::from_millis(5))).map_err(|e| format!("serving: {e}"))?;
+        if last_renewal.elapsed() >= renew {
+            last_renewal = Instant::now();
+            match candidate.keep_alive() {
+                Ok(true) => confirmed = Instant::now(),
+                Ok(false) => return Err(format!("deposed: the lease of term {term} expired; stopping")),
+                // etcd unreachable: lead on only while the lease may stand.
+                Err(e) if confirmed.elapsed() < Duration::from_secs(u64::try_from(ttl).unwrap_or(1)) => {
+                    eprintln!("lake cp: renewing the lease: {e}");
+                }
+                Err(e) => return Err(format!("deposed: no renewal for a whole lease ({e}); stopping")),
+            }
+        }
+    }
 }
 
 #[allow(clippy::cast_precision_loss)]

@@ -162,6 +162,9 @@ pub struct RunnerStats {
     pub cp_sent: u64,
     /// Reports dropped (the link's buffer was full or it was closed).
     pub cp_dropped: u64,
+    /// Links to a control plane made again after one closed (a standby
+    /// that took over, or a restart), each with a re-adoption report.
+    pub cp_reconnects: u64,
     /// Reports `lake-cp` refused.
     pub cp_refused: u64,
     /// Operations still in flight when the drain timed out (0 after a
@@ -181,7 +184,7 @@ impl RunnerStats {
         format!(
             "{{\"event\":\"{event}\",\"polls\":{},\"busy_polls\":{},\"busy_ns\":{},\"idle_ns\":{},\"parked_ns\":{},\
              \"parks\":{},\"ops_ok\":{},\"ops_failed\":{},\"selftest_written\":{},\"selftest_read\":{},\
-             \"cp_sent\":{},\"cp_dropped\":{},\"cp_refused\":{},\"abandoned\":{},\"agents_released\":{},\"saves\":{},\"saves_refused\":{},\
+             \"cp_sent\":{},\"cp_dropped\":{},\"cp_reconnects\":{},\"cp_refused\":{},\"abandoned\":{},\"agents_released\":{},\"saves\":{},\"saves_refused\":{},\
              \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{}}}",
             self.polls,
             self.busy_polls,
@@ -195,6 +198,7 @@ impl RunnerStats {
             self.selftest_read,
             self.cp_sent,
             self.cp_dropped,
+            self.cp_reconnects,
             self.cp_refused,
             self.abandoned,
             self.agents_released,
@@ -369,7 +373,7 @@ impl Selftest {
         match (event.command, event.outcome) {
             (Command::Write(write), Ok(_)) => {
                 stats.selftest_written += 1;
-                pool.l2_written(write.target, write.meta.generation, write.meta.payload_len);
+                pool.l2_written(write.target, &write.meta);
                 if let Some(link) = link {
                     let epoch = write.meta.region_epoch;
                     link.committed(&l2_record(&self.geometry, self.node, epoch, write.target, &write.meta));
@@ -441,7 +445,35 @@ fn link_to_cp(
     arena: &Arena,
 ) -> Result<Option<CpLink>, RunnerError> {
     let Some(socket) = &config.cp.socket else { return Ok(None) };
-    let epoch = tier.epoch();
+    let deadline = Duration::from_millis(config.cp.connect_timeout_ms);
+    let geometry = tier.geometry();
+    let mut link = open_link(config, socket, &geometry, tier.epoch(), arena.header(), deadline)?;
+    for adopted in &found.adopted {
+        let slot = L2Slot { file: adopted.file, slot: adopted.slot };
+        let mut record = l2_record(&geometry, config.node.id, tier.epoch(), slot, &adopted.meta);
+        if adopted.verified {
+            record.flags = BLOCK_FLAG_VERIFIED;
+        }
+        link.readopted(&record);
+        // Re-adoption can report more than the buffer holds: write as we go.
+        if link.pump().is_err() {
+            break;
+        }
+    }
+    Ok(Some(link))
+}
+
+/// A link to the `lake-cp` at `socket`: connected (versions and identity
+/// checked), fenced by the persisted leader term, and told this node's
+/// regions.
+fn open_link(
+    config: &RunnerConfig,
+    socket: &Path,
+    geometry: &L2Geometry,
+    epoch: u64,
+    header: &crate::arena::layout::ArenaHeader,
+    deadline: Duration,
+) -> Result<CpLink, RunnerError> {
     let identity = Identity {
         role: Role::DataPlane,
         node: config.node.id,
@@ -450,7 +482,6 @@ fn link_to_cp(
         features: 0,
         name: "lake-dp",
     };
-    let deadline = Duration::from_millis(config.cp.connect_timeout_ms);
     let mut link = CpLink::connect(socket, &identity, deadline)
         .map_err(|e| RunnerError(format!("cp.socket {}: {e}", socket.display())))?;
     // The leader-term fence lives beside the L2 tier, the recovery point.
@@ -458,7 +489,6 @@ fn link_to_cp(
     let fence_dir = fence_dir.unwrap_or_else(|| Path::new("."));
     let fence = crate::fence::TermFence::open(fence_dir).map_err(|e| RunnerError(format!("term fence: {e}")))?;
     link.fence_with(fence);
-    let geometry = tier.geometry();
     let name = |path: &Path| text_field::<48>("region.name", &path.to_string_lossy()).unwrap_or([0; 48]);
     for file in 0..geometry.files {
         link.register_region(&RegisterRegion {
@@ -473,7 +503,6 @@ fn link_to_cp(
             name: config.l2.paths.get(usize::from(file)).map_or([0; 48], |p| name(p)),
         });
     }
-    let header = arena.header();
     link.register_region(&RegisterRegion {
         region: header.region,
         tier: Tier::L1Dram as u8,
@@ -485,19 +514,60 @@ fn link_to_cp(
         reserved_b: 0,
         name: name(&config.l1.path),
     });
-    for adopted in &found.adopted {
-        let slot = L2Slot { file: adopted.file, slot: adopted.slot };
-        let mut record = l2_record(&geometry, config.node.id, epoch, slot, &adopted.meta);
-        if adopted.verified {
-            record.flags = BLOCK_FLAG_VERIFIED;
+    Ok(link)
+}
+
+/// When the control plane's link closed (it died, or gave up its
+/// leadership), tries now and then to connect again — to a standby that
+/// took over, or the same one restarted — and re-adopts everything this
+/// node holds, so the new control plane's view is rebuilt from it. A try
+/// costs a connect on a Unix socket (refused at once while nobody
+/// listens); the waits double from 50 ms to 1 s.
+struct Reconnect {
+    next_ns: u64,
+    wait_ns: u64,
+    /// Links made again.
+    made: u64,
+}
+
+impl Reconnect {
+    const FIRST_NS: u64 = 50_000_000;
+    const MAX_NS: u64 = 1_000_000_000;
+
+    fn new() -> Self {
+        Self { next_ns: 0, wait_ns: Self::FIRST_NS, made: 0 }
+    }
+
+    /// A new link, once the old one is closed and the wait is over.
+    #[allow(clippy::too_many_arguments)] // the runner's parts a link is made from
+    fn poll(
+        &mut self,
+        now_ns: u64,
+        link: &mut Option<CpLink>,
+        config: &RunnerConfig,
+        geometry: &L2Geometry,
+        epoch: u64,
+        header: &crate::arena::layout::ArenaHeader,
+        report: impl FnOnce(&mut CpLink),
+    ) {
+        let Some(socket) = &config.cp.socket else { return };
+        if !link.as_ref().is_some_and(CpLink::is_closed) || now_ns < self.next_ns {
+            return;
         }
-        link.readopted(&record);
-        // Re-adoption can report more than the buffer holds: write as we go.
-        if link.pump().is_err() {
-            break;
+        match open_link(config, socket, geometry, epoch, header, Duration::from_millis(200)) {
+            Ok(mut new) => {
+                report(&mut new);
+                let _ = new.pump();
+                *link = Some(new);
+                self.made += 1;
+                self.wait_ns = Self::FIRST_NS;
+            }
+            Err(_) => {
+                self.next_ns = now_ns + self.wait_ns;
+                self.wait_ns = (self.wait_ns * 2).min(Self::MAX_NS);
+            }
         }
     }
-    Ok(Some(link))
 }
 
 /// Says the runner parks (or woke), to in-process submitters and to
@@ -648,7 +718,7 @@ pub fn run_with(
     let mut transfers_done = Vec::with_capacity(256);
     for adopted in &found.adopted {
         let slot = L2Slot { file: adopted.file, slot: adopted.slot };
-        pool.l2_written(slot, adopted.meta.generation, adopted.meta.payload_len);
+        pool.l2_written(slot, &adopted.meta);
     }
     let l2_total = u64::from(tier.geometry().files) * u64::from(tier.geometry().slots_per_file);
     let mut selftest = (options.selftest_blocks > 0).then(|| {
@@ -697,6 +767,7 @@ pub fn run_with(
 
     let clock = MonotonicClock;
     let mut stats = RunnerStats::default();
+    let mut reconnect = Reconnect::new();
     let spin_ns = p.spin_us * 1000;
     let mut idle_since: Option<u64> = None;
     let mut stopping: Option<u64> = None;
@@ -838,8 +909,14 @@ pub fn run_with(
             && link.pump().is_err()
         {
             // The control plane went away: serve on; reports are counted
-            // as dropped until a restart reconnects.
+            // as dropped until a control plane takes the link again.
         }
+        reconnect.poll(clock.now_ns(), &mut link, config, &tier.geometry(), epoch, &header, |new| {
+            pool.resident_records(&region, &table, &mut |record| {
+                new.readopted(&record);
+                let _ = new.pump();
+            });
+        });
         let end = clock.now_ns();
         stats.polls += 1;
         if result == PollResult::Busy || count > 0 || served > 0 {
@@ -912,6 +989,7 @@ pub fn run_with(
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+        stats.cp_reconnects = reconnect.made;
         stats.cp_sent = link.counters.sent;
         stats.cp_dropped = link.counters.dropped;
         stats.cp_refused = link.counters.refused;

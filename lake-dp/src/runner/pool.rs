@@ -42,7 +42,7 @@ use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, WriteBlock}
 use crate::poller::L2Geometry;
 use crate::region::SlotRegion;
 use crate::runner::Parts;
-use crate::stored::{StoredError, decode_header, encode_header, object_bytes};
+use crate::stored::{ObjectMeta, StoredError, decode_header, encode_header, object_bytes};
 use crate::transport::Landing;
 use crate::transport::frame::{AckStatus, BlockAddr};
 use crate::wire::message::{BlockEvicted, BlockRecord, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone};
@@ -251,10 +251,11 @@ pub struct Pool {
     failed_sends: Vec<u64>,
     l1: Vec<L1State>,
     reserved: u32,
-    /// Per L2 slot: the generation of the object there (0: none) and its
-    /// payload length.
+    /// Per L2 slot: the generation of the object there (0: none), its
+    /// payload length and its header (what a re-adoption report says).
     l2_generation: Vec<u32>,
     l2_len: Vec<u64>,
+    l2_meta: Vec<Option<ObjectMeta>>,
     ops: Vec<Option<Purpose>>,
     free_ops: Vec<u32>,
     /// Demotions waiting for their L1 slot to drain: (slot, op cookie).
@@ -302,6 +303,7 @@ impl Pool {
             reserved: 0,
             l2_generation: vec![0; l2_slots],
             l2_len: vec![0; l2_slots],
+            l2_meta: vec![None; l2_slots],
             ops: vec![None; ops as usize],
             free_ops: (0..ops).rev().collect(),
             draining: Vec::with_capacity(ops as usize),
@@ -336,10 +338,42 @@ impl Pool {
     }
 
     /// An object now lives in an L2 slot (written, or found at start).
-    pub fn l2_written(&mut self, slot: L2Slot, generation: u32, payload_len: u64) {
+    pub fn l2_written(&mut self, slot: L2Slot, meta: &ObjectMeta) {
         if let Some(index) = self.l2_index(slot) {
-            self.l2_generation[index] = generation;
-            self.l2_len[index] = payload_len;
+            self.l2_generation[index] = meta.generation;
+            self.l2_len[index] = meta.payload_len;
+            self.l2_meta[index] = Some(*meta);
+        }
+    }
+
+    /// The report of every block this node holds, L1 and L2, as
+    /// re-adoption gives it to a control plane that connects anew (one
+    /// that took over, or restarted). L1 blocks are read from their slot's
+    /// header, checked against the slot's generation.
+    pub(crate) fn resident_records(&self, region: &SlotRegion, table: &SlotTable, out: &mut dyn FnMut(BlockRecord)) {
+        for (slot, state) in (0u32..).zip(&self.l1) {
+            if !matches!(state, L1State::Ready | L1State::Sending { .. }) {
+                continue;
+            }
+            // SAFETY: a ready (or sending) slot is written by nobody until
+            // the pool frees it, which this thread alone does.
+            let Some(bytes) = (unsafe { region.slot(slot) }) else { continue };
+            let Ok(header) = decode_header(bytes) else { continue };
+            let meta = header.meta();
+            if table.arena().generation(slot) == Some(meta.generation) {
+                out(self.l1_record(slot, meta.generation, meta));
+            }
+        }
+        for file in 0..self.geometry.files {
+            for slot in 0..self.geometry.slots_per_file {
+                let slot = L2Slot { file, slot };
+                let Some(index) = self.l2_index(slot) else { continue };
+                if let Some(meta) = &self.l2_meta[index]
+                    && self.l2_generation[index] == meta.generation
+                {
+                    out(crate::runner::l2_record(&self.geometry, self.node, self.epoch, slot, meta));
+                }
+            }
         }
     }
 
@@ -353,6 +387,7 @@ impl Pool {
         if let Some(index) = self.l2_index(slot) {
             self.l2_generation[index] = 0;
             self.l2_len[index] = 0;
+            self.l2_meta[index] = None;
         }
     }
 
@@ -1033,7 +1068,7 @@ impl Pool {
                     Ok(done) => {
                         self.stats.demotions += 1;
                         self.stats.bytes_down += done.bytes;
-                        self.l2_written(write.target, write.meta.generation, write.meta.payload_len);
+                        self.l2_written(write.target, &write.meta);
                         let record =
                             crate::runner::l2_record(&self.geometry, self.node, self.epoch, write.target, &write.meta);
                         target = record.replica;
