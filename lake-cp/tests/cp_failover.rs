@@ -196,8 +196,10 @@ fn the_leader_killed_a_standby_takes_over_and_the_data_plane_readopts_everything
     // demotes the oldest to L2.
     let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
     let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
+    // This engine stays attached through the failover.
+    let mut engine = Agent::connect(&agent_config(&mirror, &cp_socket), &dp_socket).unwrap();
     {
-        let mut agent = Agent::connect(&agent_config(&mirror, &cp_socket), &dp_socket).unwrap();
+        let agent = &mut engine;
         for first in (0..BLOCKS as usize).step_by(2) {
             let blocks: Vec<SaveBlock<'_>> = (first..first + 2)
                 .map(|i| SaveBlock {
@@ -231,10 +233,11 @@ fn the_leader_killed_a_standby_takes_over_and_the_data_plane_readopts_everything
         std::thread::sleep(Duration::from_millis(10));
     }
     let rebuilt = killed.elapsed();
-    // What was counted is the new leader's mirror, written by a live writer.
-    let new_mirror = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&mirror).unwrap());
-    assert_ne!(old_mirror, new_mirror, "the new leader writes a mirror of its own");
-    assert!(MirrorReader::attach(&mirror).unwrap().writer_alive());
+    // The new leader took the mirror over: the same file engines mapped,
+    // its term the new one, a live writer.
+    let reader = MirrorReader::attach(&mirror).unwrap();
+    assert_eq!(std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&mirror).unwrap()), old_mirror);
+    assert!(reader.writer_alive() && reader.term() == second, "term {} of {second}", reader.term());
     println!(
         "failover: standby leading {} ms after the SIGKILL (lease 2 s), every block in its mirror at {} ms",
         took_over.as_millis(),
@@ -242,31 +245,36 @@ fn the_leader_killed_a_standby_takes_over_and_the_data_plane_readopts_everything
     );
     assert!(rebuilt < Duration::from_secs(8), "{rebuilt:?}");
 
-    // A new engine, through the new leader, loads every block exactly.
-    let mut agent = Agent::connect(&agent_config(&mirror, &cp_socket), &dp_socket).unwrap();
-    let mut table = Vec::new();
-    assert_eq!(agent.lookup(&keys, &mut table), keys.len());
-    let l2_only = table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count();
-    println!("after failover: {} blocks, {l2_only} of them re-adopted from L2", keys.len());
-    assert!(l2_only > 0, "L2 blocks are re-adopted too");
-    // Four at a time, each after a fresh lookup: the L2 blocks are promoted
-    // into an L1 of 24 slots that the leader keeps below 95% (one fetch of
-    // all 40 would run out of L1 part-way, failover or not).
-    let mut delivered = 0;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while delivered < keys.len() {
-        assert!(Instant::now() < deadline, "{delivered} of {} blocks loaded", keys.len());
-        let end = (delivered + 4).min(keys.len());
-        assert!(agent.lookup(&keys[..end], &mut table) == end, "block {delivered}.. went missing");
-        let from = delivered;
-        delivered += agent.fetch(&keys[from..end], &table[from..end], |i, bytes| {
-            assert_eq!(bytes, &payloads[from + i][..], "block {}", from + i);
-        });
-        if delivered < end {
-            std::thread::sleep(Duration::from_millis(20));
+    // The engine attached before the kill and a new one both load every
+    // block exactly, the L2 ones under leases of the new leader.
+    let fresh = Agent::connect(&agent_config(&mirror, &cp_socket), &dp_socket).unwrap();
+    for (name, mut agent) in [("the engine from before", engine), ("a new engine", fresh)] {
+        let mut table = Vec::new();
+        assert_eq!(agent.lookup(&keys, &mut table), keys.len(), "{name}");
+        let l2_only = table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count();
+        println!("after failover, {name}: {} blocks, {l2_only} re-adopted from L2", keys.len());
+        assert!(l2_only > 0, "L2 blocks are re-adopted too");
+        // Four at a time, each after a fresh lookup: the L2 blocks are
+        // promoted into an L1 of 24 slots that the leader keeps below 95%
+        // (one fetch of all 40 would run out of L1 part-way, failover or not).
+        let mut delivered = 0;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while delivered < keys.len() {
+            assert!(Instant::now() < deadline, "{name}: {delivered} of {} blocks loaded", keys.len());
+            let end = (delivered + 4).min(keys.len());
+            assert!(agent.lookup(&keys[..end], &mut table) == end, "block {delivered}.. went missing");
+            let from = delivered;
+            delivered += agent.fetch(&keys[from..end], &table[from..end], |i, bytes| {
+                assert_eq!(bytes, &payloads[from + i][..], "{name}: block {}", from + i);
+            });
+            if delivered < end {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        if name == "the engine from before" {
+            assert_eq!(agent.stats.cp_relinks, 1, "its lake-cp link was made again");
         }
     }
-    drop(agent);
 
     stop.store(true, Ordering::Release);
     let stats = dp.join().unwrap();

@@ -217,8 +217,21 @@ fn control_plane(args: &[String]) -> Result<(), String> {
         // A standby keeps its own lease, so that it can take over at once.
         let _ = candidate.keep_alive();
     };
-    let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
-        .map_err(|e| format!("mirror {}: {e}", mirror.display()))?;
+    // The mirror engines already read is taken over (their mappings stay
+    // good) and emptied: the view is rebuilt from what the data planes
+    // re-adopt. One that is not there, or not a mirror, is made anew; one
+    // whose writer lives is another leader's — not ours to write.
+    let writer = match MirrorWriter::take_over(&mirror, term) {
+        Ok((mut writer, _)) => {
+            writer.clear();
+            writer
+        }
+        Err(lake_dp::mirror::MirrorError::InUse { pid }) => {
+            return Err(format!("mirror {}: written by a live process ({pid})", mirror.display()));
+        }
+        Err(_) => MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
+            .map_err(|e| format!("mirror {}: {e}", mirror.display()))?,
+    };
     let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer));
     let mut server =
         lake_cp::server::Server::bind(&socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;

@@ -43,6 +43,12 @@ pub(super) const SAVE_WINDOW: usize = 64;
 /// recomputes them.
 pub const LOAD_RETRY_MAX: Duration = Duration::from_millis(500);
 
+/// How often an agent whose `lake-cp` link closed tries to make it again
+/// (to a standby that took over, or the same one restarted), and how long
+/// a try waits for the hello.
+const RELINK_EVERY: Duration = Duration::from_millis(200);
+const RELINK_WAIT: Duration = Duration::from_millis(200);
+
 /// Why attaching failed.
 #[derive(Debug)]
 pub struct AttachError(pub String);
@@ -193,6 +199,8 @@ pub struct AgentStats {
     pub bytes_read: u64,
     /// Payload bytes saved.
     pub bytes_saved: u64,
+    /// Links to `lake-cp` made again after one closed.
+    pub cp_relinks: u64,
 }
 
 /// The agent. See the module docs.
@@ -203,6 +211,11 @@ pub struct Agent {
     mirror: MirrorReader,
     port: AgentPort,
     cp: Option<CpLink>,
+    /// Where `lake-cp` listens and the name the agent gives it, to link
+    /// again when the link closes; the next try not before `relink_at`.
+    cp_socket: Option<std::path::PathBuf>,
+    cp_name: String,
+    relink_at: Instant,
     namespace: NamespaceId,
     layout_fingerprint: u64,
     segment_bytes: u64,
@@ -345,6 +358,9 @@ impl Agent {
             mirror,
             port,
             cp,
+            cp_socket: config.cp_socket.map(Path::to_path_buf),
+            cp_name: config.name.to_owned(),
+            relink_at: Instant::now(),
             namespace: config.namespace,
             layout_fingerprint: config.layout_fingerprint,
             segment_bytes: config.segment_bytes,
@@ -422,6 +438,31 @@ impl Agent {
         }
     }
 
+    /// Makes the `lake-cp` link again if it closed (its control plane died
+    /// or gave up a leadership), at most every [`RELINK_EVERY`]: the next
+    /// control plane serving the socket gets this agent's reports and
+    /// lease requests; what was queued on the closed link is lost (access
+    /// reports, residency: advisory).
+    fn relink(&mut self) {
+        let Some(socket) = &self.cp_socket else { return };
+        if !self.cp.as_ref().is_some_and(CpLink::is_closed) || Instant::now() < self.relink_at {
+            return;
+        }
+        self.relink_at = Instant::now() + RELINK_EVERY;
+        let identity = Identity {
+            role: Role::Agent,
+            node: self.arena.header().node,
+            pid: std::process::id(),
+            region_epoch: 0,
+            features: 0,
+            name: &self.cp_name,
+        };
+        if let Ok(link) = CpLink::connect(socket, &identity, RELINK_WAIT) {
+            self.cp = Some(link);
+            self.stats.cp_relinks += 1;
+        }
+    }
+
     /// Whether this agent talks to a `lake-cp` (attached with its socket).
     pub fn has_control_plane(&self) -> bool {
         self.cp.is_some()
@@ -432,6 +473,7 @@ impl Agent {
     /// keeps for routing until this agent says otherwise or disconnects.
     /// Queued like an access report. False when no `lake-cp` is attached.
     pub fn report_resident(&mut self, keys: &[BlockKey], resident: bool) -> bool {
+        self.relink();
         let Some(cp) = &mut self.cp else { return false };
         cp.resident(self.namespace.0, keys, resident);
         true
@@ -625,6 +667,7 @@ impl Agent {
     /// [`Agent::release_lease`] (it also ends at its deadline, or when this
     /// agent goes).
     pub fn lease_for(&mut self, keys: &[BlockKey], ttl_ms: u32) -> Option<Granted> {
+        self.relink();
         let cp = self.cp.as_mut()?;
         let request = cp.request_lease(self.namespace.0, keys, ttl_ms);
         let deadline = Instant::now() + WAIT_MAX;
@@ -908,6 +951,7 @@ impl Agent {
 
     /// Sends what is queued to `lake-cp` (access reports, lease releases).
     pub fn pump(&mut self) {
+        self.relink();
         if let Some(cp) = &mut self.cp {
             let _ = cp.pump();
         }

@@ -605,6 +605,25 @@ impl MirrorWriter {
         true
     }
 
+    /// Withdraws every entry (a new leader that took the mirror over
+    /// republishes what its data planes re-adopt; nothing of its
+    /// predecessor's view outlives that). Readers see misses meanwhile.
+    /// Returns how many were withdrawn.
+    pub fn clear(&mut self) -> u64 {
+        let table = self.shared.table();
+        let mut removed = 0;
+        for position in 0..table.len() {
+            // A removal moves a later entry of the cluster into the hole.
+            while table.bucket(position).peek().meta & 3 == STATE_LIVE {
+                table.remove_at(position);
+                removed += 1;
+            }
+        }
+        self.live = 0;
+        self.publish_counts();
+        removed
+    }
+
     fn position(&self, key: &BlockKey) -> Option<u64> {
         let (lo, hi) = key_words(key);
         self.shared.table().position(lo, hi)

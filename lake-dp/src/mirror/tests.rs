@@ -214,6 +214,25 @@ fn a_hybrid_resumes_from_the_deepest_checkpoint_at_or_below_its_kv_hit() {
 }
 
 #[test]
+fn a_writer_that_takes_over_can_withdraw_its_predecessors_view() {
+    let scratch = Scratch::new("clear");
+    let mut writer = MirrorWriter::create(&config(&scratch, 1000)).unwrap();
+    let reader = MirrorReader::attach(&scratch.0).unwrap();
+    for i in 0..700 {
+        writer.upsert(&key(i), &entry(i as u32)).unwrap();
+    }
+    drop(writer);
+    let (mut next, _) = MirrorWriter::take_over(&scratch.0, 7).unwrap();
+    assert_eq!(next.clear(), 700);
+    assert_eq!((next.live(), reader.live(), reader.term()), (0, 0, 7));
+    assert!((0..700).all(|i| reader.get(&key(i)) == Lookup::Miss));
+    // The table works on after it: the reader that stayed sees the new view.
+    next.upsert(&key(5), &entry(55)).unwrap();
+    assert_eq!(reader.get(&key(5)), Lookup::Hit(entry(55)));
+    assert_eq!(next.clear(), 1);
+}
+
+#[test]
 fn a_writer_that_died_mid_update_is_repaired_by_the_next() {
     let scratch = Scratch::new("repair");
     let mut writer = MirrorWriter::create(&config(&scratch, 1000)).unwrap();
