@@ -161,45 +161,62 @@ fn in_l1(path: &Path, keys: &[BlockKey]) -> usize {
     table.iter().filter(|e| e.tiers & (1 << lake_dp::Tier::L1Dram as u8) != 0).count()
 }
 
-#[test]
-fn the_leader_killed_a_standby_takes_over_and_the_data_plane_readopts_everything() {
-    let Some(etcd) = EtcdServer::start("cp-failover") else { return };
-    let pid = std::process::id();
-    let dir = std::env::temp_dir().join(format!("lake-cp-failover-{pid}"));
-    let shm = format!("/dev/shm/lake-cp-failover-l1-{pid}");
-    let mirror = PathBuf::from(format!("/dev/shm/lake-cp-failover-mirror-{pid}"));
-    let _scratch = Scratch(dir.clone(), vec![PathBuf::from(&shm), mirror.clone()]);
-    std::fs::create_dir_all(&dir).unwrap();
-    let (cp_socket, dp_socket) = (dir.join("cp.sock"), dir.join("dp.sock"));
+/// Two `lake cp` (A leading, B standing by), a `lake-dp` and an engine
+/// that saved `BLOCKS` blocks, some of them demoted to L2 only.
+struct Rig {
+    // Dropped in this order: the engine and the data plane before the
+    // control planes, the files last.
+    engine: Option<Agent>,
+    stop: Arc<AtomicBool>,
+    dp: Option<std::thread::JoinHandle<lake_dp::runner::RunnerStats>>,
+    a: Cp,
+    b: Cp,
+    first: u64,
+    keys: Vec<BlockKey>,
+    payloads: Vec<Vec<u8>>,
+    mirror: PathBuf,
+    cp_socket: PathBuf,
+    dp_socket: PathBuf,
+    _etcd: EtcdServer,
+    _scratch: Scratch,
+}
 
-    let mut a = Cp::start(&etcd.endpoint(), &cp_socket, &mirror, "cp-a");
-    let first = a.wait_for("leading");
-    let mut b = Cp::start(&etcd.endpoint(), &cp_socket, &mirror, "cp-b");
-    assert_eq!(b.wait_for("standby"), first, "the standby sees the leader's term");
+impl Rig {
+    fn start(name: &str) -> Option<Self> {
+        let etcd = EtcdServer::start(name)?;
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("lake-{name}-{pid}"));
+        let shm = format!("/dev/shm/lake-{name}-l1-{pid}");
+        let mirror = PathBuf::from(format!("/dev/shm/lake-{name}-mirror-{pid}"));
+        let scratch = Scratch(dir.clone(), vec![PathBuf::from(&shm), mirror.clone()]);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cp_socket, dp_socket) = (dir.join("cp.sock"), dir.join("dp.sock"));
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let dp = {
-        let (config, stop) = (dp_config(&dir, &shm, &cp_socket, &dp_socket), Arc::clone(&stop));
-        std::thread::spawn(move || {
-            let ports = RunnerPorts { stop: Some(stop), ..RunnerPorts::default() };
-            run_with(&config, &RunnerOptions::default(), ports, &mut std::io::sink()).expect("the data plane runs")
-        })
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !dp_socket.exists() {
-        assert!(Instant::now() < deadline && !dp.is_finished(), "the data plane did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+        let mut a = Cp::start(&etcd.endpoint(), &cp_socket, &mirror, "cp-a");
+        let first = a.wait_for("leading");
+        let mut b = Cp::start(&etcd.endpoint(), &cp_socket, &mirror, "cp-b");
+        assert_eq!(b.wait_for("standby"), first, "the standby sees the leader's term");
 
-    // An engine saves a prompt's blocks, two at a time; the leader
-    // publishes them and, L1 holding 24 (demotion above 95%, down to 90%),
-    // demotes the oldest to L2.
-    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
-    let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
-    // This engine stays attached through the failover.
-    let mut engine = Agent::connect(&agent_config(&mirror, &cp_socket), &dp_socket).unwrap();
-    {
-        let agent = &mut engine;
+        let stop = Arc::new(AtomicBool::new(false));
+        let dp = {
+            let (config, stop) = (dp_config(&dir, &shm, &cp_socket, &dp_socket), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let ports = RunnerPorts { stop: Some(stop), ..RunnerPorts::default() };
+                run_with(&config, &RunnerOptions::default(), ports, &mut std::io::sink()).expect("the data plane runs")
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !dp_socket.exists() {
+            assert!(Instant::now() < deadline && !dp.is_finished(), "the data plane did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+
+        // An engine saves a prompt's blocks, two at a time; the leader
+        // publishes them and, L1 holding 24 (demotion above 95%, down to
+        // 90%), demotes the oldest to L2. It stays attached throughout.
+        let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
+        let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
+        let mut engine = Agent::connect(&agent_config(&mirror, &cp_socket), &dp_socket).unwrap();
         for first in (0..BLOCKS as usize).step_by(2) {
             let blocks: Vec<SaveBlock<'_>> = (first..first + 2)
                 .map(|i| SaveBlock {
@@ -209,30 +226,112 @@ fn the_leader_killed_a_standby_takes_over_and_the_data_plane_readopts_everything
                     payload: SavePayload::Bytes(&payloads[i]),
                 })
                 .collect();
-            assert_eq!(agent.save(&blocks), 2, "blocks {first}..");
+            assert_eq!(engine.save(&blocks), 2, "blocks {first}..");
             let deadline = Instant::now() + Duration::from_secs(10);
             while published(&mirror, &keys[..first + 2]) < first + 2 || in_l1(&mirror, &keys) > 22 {
                 assert!(Instant::now() < deadline, "the leader never published (or demoted) the blocks");
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
+        assert!(in_l1(&mirror, &keys) < keys.len(), "some blocks are in L2 only");
+        Some(Self {
+            engine: Some(engine),
+            stop,
+            dp: Some(dp),
+            a,
+            b,
+            first,
+            keys,
+            payloads,
+            mirror,
+            cp_socket,
+            dp_socket,
+            _etcd: etcd,
+            _scratch: scratch,
+        })
     }
-    assert!(in_l1(&mirror, &keys) < keys.len(), "some blocks are in L2 only");
+
+    /// Waits until the mirror holds every block; the time since `since`.
+    fn rebuilt(&self, since: Instant) -> Duration {
+        let deadline = since + Duration::from_secs(15);
+        while published(&self.mirror, &self.keys) < self.keys.len() {
+            assert!(
+                Instant::now() < deadline,
+                "the new leader's view lacks blocks: {}",
+                published(&self.mirror, &self.keys)
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        since.elapsed()
+    }
+
+    /// The engine from before and a new one load every block exactly, the
+    /// L2 ones under the new leader's leases.
+    fn load_everything(&mut self) {
+        let fresh = Agent::connect(&agent_config(&self.mirror, &self.cp_socket), &self.dp_socket).unwrap();
+        let engines = [("the engine from before", self.engine.take().unwrap()), ("a new engine", fresh)];
+        for (name, mut agent) in engines {
+            let mut table = Vec::new();
+            let keys = &self.keys;
+            assert_eq!(agent.lookup(keys, &mut table), keys.len(), "{name}");
+            let l2_only = table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count();
+            println!("after failover, {name}: {} blocks, {l2_only} re-adopted from L2", keys.len());
+            assert!(l2_only > 0, "L2 blocks are re-adopted too");
+            // Four at a time, each after a fresh lookup: the L2 blocks are
+            // promoted into an L1 of 24 slots that the leader keeps below
+            // 95% (one fetch of all 40 would run out of L1 part-way,
+            // failover or not).
+            let mut delivered = 0;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while delivered < keys.len() {
+                assert!(Instant::now() < deadline, "{name}: {delivered} of {} blocks loaded", keys.len());
+                let end = (delivered + 4).min(keys.len());
+                assert!(agent.lookup(&keys[..end], &mut table) == end, "block {delivered}.. went missing");
+                let from = delivered;
+                delivered += agent.fetch(&keys[from..end], &table[from..end], |i, bytes| {
+                    assert_eq!(bytes, &self.payloads[from + i][..], "{name}: block {}", from + i);
+                });
+                if delivered < end {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            if name == "the engine from before" {
+                assert_eq!(agent.stats.cp_relinks, 1, "its lake-cp link was made again");
+            }
+        }
+    }
+
+    /// Stops the data plane; its figures.
+    fn stop_dp(&mut self) -> lake_dp::runner::RunnerStats {
+        self.stop.store(true, Ordering::Release);
+        self.dp.take().unwrap().join().unwrap()
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.engine = None;
+        self.stop.store(true, Ordering::Release);
+        if let Some(dp) = self.dp.take() {
+            let _ = dp.join();
+        }
+    }
+}
+
+#[test]
+fn the_leader_killed_a_standby_takes_over_and_the_data_plane_readopts_everything() {
+    let Some(mut rig) = Rig::start("cp-failover") else { return };
+    let (first, mirror) = (rig.first, rig.mirror.clone());
 
     // The leader dies.
     let old_mirror = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&mirror).unwrap());
     let killed = Instant::now();
-    let _ = a.child.kill();
-    let _ = a.child.wait();
-    let second = b.wait_for("leading");
+    let _ = rig.a.child.kill();
+    let _ = rig.a.child.wait();
+    let second = rig.b.wait_for("leading");
     let took_over = killed.elapsed();
     assert!(second > first, "terms only grow: {first} then {second}");
-    let deadline = killed + Duration::from_secs(15);
-    while published(&mirror, &keys) < keys.len() {
-        assert!(Instant::now() < deadline, "the new leader's view lacks blocks: {}", published(&mirror, &keys));
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let rebuilt = killed.elapsed();
+    let rebuilt = rig.rebuilt(killed);
     // The new leader took the mirror over: the same file engines mapped,
     // its term the new one, a live writer.
     let reader = MirrorReader::attach(&mirror).unwrap();
@@ -244,40 +343,39 @@ fn the_leader_killed_a_standby_takes_over_and_the_data_plane_readopts_everything
         rebuilt.as_millis()
     );
     assert!(rebuilt < Duration::from_secs(8), "{rebuilt:?}");
+    rig.load_everything();
+    assert_eq!(rig.stop_dp().cp_reconnects, 1, "one new link, to the new leader");
+}
 
-    // The engine attached before the kill and a new one both load every
-    // block exactly, the L2 ones under leases of the new leader.
-    let fresh = Agent::connect(&agent_config(&mirror, &cp_socket), &dp_socket).unwrap();
-    for (name, mut agent) in [("the engine from before", engine), ("a new engine", fresh)] {
-        let mut table = Vec::new();
-        assert_eq!(agent.lookup(&keys, &mut table), keys.len(), "{name}");
-        let l2_only = table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count();
-        println!("after failover, {name}: {} blocks, {l2_only} re-adopted from L2", keys.len());
-        assert!(l2_only > 0, "L2 blocks are re-adopted too");
-        // Four at a time, each after a fresh lookup: the L2 blocks are
-        // promoted into an L1 of 24 slots that the leader keeps below 95%
-        // (one fetch of all 40 would run out of L1 part-way, failover or not).
-        let mut delivered = 0;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while delivered < keys.len() {
-            assert!(Instant::now() < deadline, "{name}: {delivered} of {} blocks loaded", keys.len());
-            let end = (delivered + 4).min(keys.len());
-            assert!(agent.lookup(&keys[..end], &mut table) == end, "block {delivered}.. went missing");
-            let from = delivered;
-            delivered += agent.fetch(&keys[from..end], &table[from..end], |i, bytes| {
-                assert_eq!(bytes, &payloads[from + i][..], "{name}: block {}", from + i);
-            });
-            if delivered < end {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-        if name == "the engine from before" {
-            assert_eq!(agent.stats.cp_relinks, 1, "its lake-cp link was made again");
-        }
-    }
-
-    stop.store(true, Ordering::Release);
-    let stats = dp.join().unwrap();
-    assert_eq!(stats.cp_reconnects, 1, "one new link, to the new leader");
-    drop(b);
+#[test]
+fn a_leader_stopped_past_its_lease_is_deposed_when_it_wakes_and_hands_over() {
+    let Some(mut rig) = Rig::start("cp-stopped") else { return };
+    let first = rig.first;
+    let pid = i32::try_from(rig.a.child.id()).unwrap();
+    // SAFETY: a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Instant::now();
+    // The standby wins the election but cannot write the mirror: the
+    // stopped leader still holds it, so it waits (no two writers).
+    let second = rig.b.wait_for("elected");
+    let elected = stopped.elapsed();
+    assert!(second > first);
+    assert_eq!(rig.b.wait_for("waiting"), second);
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let woke = Instant::now();
+    // It renews before it acts: deposed, it stops; the new leader serves.
+    assert_eq!(rig.a.wait_for("deposed"), first);
+    assert!(!rig.a.child.wait().unwrap().success(), "a deposed leader exits with a failure");
+    assert_eq!(rig.b.wait_for("leading"), second);
+    let rebuilt = rig.rebuilt(woke);
+    println!(
+        "stopped leader: the standby elected {} ms into the stop; the old leader deposed on waking, \
+         every block in the new mirror {} ms after",
+        elected.as_millis(),
+        rebuilt.as_millis()
+    );
+    rig.load_everything();
+    assert_eq!(rig.stop_dp().cp_reconnects, 1);
 }

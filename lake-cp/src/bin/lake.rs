@@ -217,20 +217,39 @@ fn control_plane(args: &[String]) -> Result<(), String> {
         // A standby keeps its own lease, so that it can take over at once.
         let _ = candidate.keep_alive();
     };
+    say(format!("{{\"event\":\"elected\",\"id\":\"{id}\",\"term\":{term}}}"));
     // The mirror engines already read is taken over (their mappings stay
     // good) and emptied: the view is rebuilt from what the data planes
-    // re-adopt. One that is not there, or not a mirror, is made anew; one
-    // whose writer lives is another leader's — not ours to write.
-    let writer = match MirrorWriter::take_over(&mirror, term) {
-        Ok((mut writer, _)) => {
-            writer.clear();
-            writer
+    // re-adopt. One that is not there, or not a mirror, is made anew. One
+    // whose writer lives belongs to a predecessor that is stopped, not
+    // dead: it is deposed when it wakes (it renews before it acts) and
+    // lets go; until then this leader waits, renewing its own lease.
+    let mut said_waiting = false;
+    let writer = loop {
+        match MirrorWriter::take_over(&mirror, term) {
+            Ok((mut writer, _)) => {
+                writer.clear();
+                break writer;
+            }
+            Err(lake_dp::mirror::MirrorError::InUse { pid }) => {
+                if !said_waiting {
+                    said_waiting = true;
+                    say(format!("{{\"event\":\"waiting\",\"id\":\"{id}\",\"term\":{term},\"mirror_writer\":{pid}}}"));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                if signals.take().is_some() {
+                    let _ = candidate.resign();
+                    return Ok(());
+                }
+                if !candidate.keep_alive().unwrap_or(true) {
+                    return Err(format!("deposed while waiting for the mirror (term {term})"));
+                }
+            }
+            Err(_) => {
+                break MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
+                    .map_err(|e| format!("mirror {}: {e}", mirror.display()))?;
+            }
         }
-        Err(lake_dp::mirror::MirrorError::InUse { pid }) => {
-            return Err(format!("mirror {}: written by a live process ({pid})", mirror.display()));
-        }
-        Err(_) => MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
-            .map_err(|e| format!("mirror {}: {e}", mirror.display()))?,
     };
     let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer));
     let mut server =
@@ -241,6 +260,7 @@ fn control_plane(args: &[String]) -> Result<(), String> {
         mirror.display()
     ));
     let renew = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 3);
+    let lease = Duration::from_secs(u64::try_from(ttl).unwrap_or(1));
     let (mut last_renewal, mut confirmed) = (Instant::now(), Instant::now());
     loop {
         if signals.take().is_some() {
@@ -249,19 +269,29 @@ fn control_plane(args: &[String]) -> Result<(), String> {
             say(format!("{{\"event\":\"resigned\",\"id\":\"{id}\",\"term\":{term}}}"));
             return Ok(());
         }
-        server.poll_once(Some(Duration::from_millis(5))).map_err(|e| format!("serving: {e}"))?;
+        // Renewed before serving: a leader that was stopped (SIGSTOP, a
+        // stalled host) past its lease finds out before it acts again.
         if last_renewal.elapsed() >= renew {
             last_renewal = Instant::now();
-            match candidate.keep_alive() {
-                Ok(true) => confirmed = Instant::now(),
-                Ok(false) => return Err(format!("deposed: the lease of term {term} expired; stopping")),
-                // etcd unreachable: lead on only while the lease may stand.
-                Err(e) if confirmed.elapsed() < Duration::from_secs(u64::try_from(ttl).unwrap_or(1)) => {
-                    eprintln!("lake cp: renewing the lease: {e}");
+            let deposed = match candidate.keep_alive() {
+                Ok(true) => {
+                    confirmed = Instant::now();
+                    None
                 }
-                Err(e) => return Err(format!("deposed: no renewal for a whole lease ({e}); stopping")),
+                Ok(false) => Some(format!("the lease of term {term} expired")),
+                // etcd unreachable: lead on only while the lease may stand.
+                Err(e) if confirmed.elapsed() < lease => {
+                    eprintln!("lake cp: renewing the lease: {e}");
+                    None
+                }
+                Err(e) => Some(format!("no renewal for a whole lease ({e})")),
+            };
+            if let Some(why) = deposed {
+                say(format!("{{\"event\":\"deposed\",\"id\":\"{id}\",\"term\":{term}}}"));
+                return Err(format!("deposed: {why}; stopping"));
             }
         }
+        server.poll_once(Some(Duration::from_millis(5))).map_err(|e| format!("serving: {e}"))?;
     }
 }
 

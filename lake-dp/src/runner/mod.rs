@@ -522,7 +522,7 @@ fn open_link(
 /// took over, or the same one restarted — and re-adopts everything this
 /// node holds, so the new control plane's view is rebuilt from it. A try
 /// costs a connect on a Unix socket (refused at once while nobody
-/// listens); the waits double from 50 ms to 1 s.
+/// listens); the waits double from 50 ms to 250 ms.
 struct Reconnect {
     next_ns: u64,
     wait_ns: u64,
@@ -532,7 +532,7 @@ struct Reconnect {
 
 impl Reconnect {
     const FIRST_NS: u64 = 50_000_000;
-    const MAX_NS: u64 = 1_000_000_000;
+    const MAX_NS: u64 = 250_000_000;
 
     fn new() -> Self {
         Self { next_ns: 0, wait_ns: Self::FIRST_NS, made: 0 }
