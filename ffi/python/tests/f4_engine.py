@@ -22,6 +22,7 @@ import lake
 
 TOKENS = 16
 VOCAB = 50_000
+NO_SPACE = 7  # LAKE_NO_SPACE
 
 
 def namespace(seed):
@@ -96,9 +97,16 @@ def main(dp, mirror, cp, block_bytes, seed, prompt_tokens, new_tokens):
         while saved < len(engine.kv):
             memory[0] = np.frombuffer(engine.kv[saved], dtype=np.uint8)
             parent = keys[saved - 1] if saved else None
-            statuses = pool.wait(pool.submit_save(memory_id, keys[saved : saved + 1], [0], parent=parent), 1)
-            if statuses[0] != lake.OK:
-                raise SystemExit(f"save of block {saved} failed: {statuses[0]}")
+            # A save the pool skips for want of an L1 slot (its tier
+            # manager is still demoting) is tried again, for a while.
+            deadline = time.monotonic() + 10
+            while True:
+                statuses = pool.wait(pool.submit_save(memory_id, keys[saved : saved + 1], [0], parent=parent), 1)
+                if statuses[0] == lake.OK:
+                    break
+                if statuses[0] != NO_SPACE or time.monotonic() > deadline:
+                    raise SystemExit(f"save of block {saved} failed: {statuses[0]}")
+                time.sleep(0.01)
             saved += 1
 
     save_full_blocks()
