@@ -315,6 +315,32 @@ def wait_published(handle, keys, count):
     return handle.lookup(keys)
 
 
+def save_context(engine, cache, context_keys, hits, ids, row):
+    """After a turn: the context's full blocks the engine does not hold yet
+    (another conversation's, or a prefix the cap left to compute, are not
+    saved twice) written into its paged cache from ``cache``, saved to the
+    pool and retained; the loaded copies ``ids`` released (the engine keeps
+    its own); returns once the saved blocks are published."""
+    paged, handle, memory = engine.paged, engine.handle, engine.memory
+    blocks = len(context_keys)
+    first = hits
+    while first < blocks and context_keys[first].tobytes() in engine.retained:
+        first += 1
+    new_ids = paged.alloc(blocks - first)
+    if new_ids:
+        paged.write(cache, first, new_ids)
+        parent = context_keys[first - 1] if first else None
+        # The save's reads wait, on the GPU, for the writes above.
+        stream = torch.cuda.current_stream().cuda_stream
+        request = handle.submit_save(memory, context_keys[first:], new_ids, parent=parent, stream=stream)
+        saved = handle.wait(request, blocks - first, timeout=60)
+        row["saves_skipped"] = int((saved != lake.OK).sum())
+    for k, block in zip(context_keys[first:], new_ids):
+        engine.retained[k.tobytes()] = block
+    paged.release(ids)
+    wait_published(handle, context_keys, blocks)
+
+
 class Engine:
     """One model of the engine — the target, or the speculative-decoding
     draft beside it — with its own paged cache, namespace (its model
@@ -392,25 +418,7 @@ class Engine:
         context = prompt + reply
         blocks = len(context) // BLOCK
         context_keys = self.namespace.keys(np.asarray(context[: blocks * BLOCK], dtype=np.uint32))
-        # Blocks the engine already holds (another conversation's, or a
-        # prefix the cap above left to compute) are not saved twice.
-        first = hits
-        while first < blocks and context_keys[first].tobytes() in self.retained:
-            first += 1
-        new_ids = paged.alloc(blocks - first)
-        if new_ids:
-            paged.write(cache, first, new_ids)
-            parent = context_keys[first - 1] if first else None
-            # The save's reads wait, on the GPU, for the writes above.
-            stream = torch.cuda.current_stream().cuda_stream
-            request = handle.submit_save(memory, context_keys[first:], new_ids, parent=parent, stream=stream)
-            saved = handle.wait(request, blocks - first, timeout=60)
-            row["saves_skipped"] = int((saved != lake.OK).sum())
-        for k, block in zip(context_keys[first:], new_ids):
-            self.retained[k.tobytes()] = block
-        # The engine keeps its own copy of the prefix and drops the loaded one.
-        paged.release(ids)
-        wait_published(handle, context_keys, blocks)
+        save_context(self, cache, context_keys, hits, ids, row)
         return row, failures
 
 
@@ -446,12 +454,13 @@ class HybridEngine:
         # The state's geometry, as this transformers keeps it.
         probe = DynamicCache(config=self.config)
         forward(self.model, [1] * BLOCK, probe, 0)
+        # Per linear layer: (shape, dtype, bytes) of its conv and recurrent state.
         self.shapes = []
         for i in self.linear:
             layer = probe.layers[i]
-            self.shapes.append([(t.shape, t.dtype) for t in (layer.conv_states[0], layer.recurrent_states[0])])
-        per_layer = sum(torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
-                        for shape, kind in self.shapes[0])
+            states = (layer.conv_states[0], layer.recurrent_states[0])
+            self.shapes.append([(t.shape, t.dtype, t.numel() * t.element_size()) for t in states])
+        per_layer = sum(n for _, _, n in self.shapes[0])
         self.state_layout = lake.StateLayout(
             layers=len(self.linear), state_bytes_per_layer=per_layer, dtype="float32", shard_code=self.layout.shard_code
         )
@@ -491,8 +500,7 @@ class HybridEngine:
         offset = 0
         for i, shapes in zip(self.linear, self.shapes):
             tensors = []
-            for shape, kind in shapes:
-                n = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+            for shape, kind, n in shapes:
                 tensors.append(state[offset : offset + n].clone().view(kind).reshape(shape))
                 offset += n
             layer = cache.layers[i]
@@ -585,21 +593,7 @@ class HybridEngine:
         # under them.
         _, later = self.run(reply, cache, len(prompt), cuts(at))
         taken.update(later)
-        first = at
-        while first < blocks and context_keys[first].tobytes() in self.retained:
-            first += 1
-        new_ids = paged.alloc(blocks - first)
-        if new_ids:
-            paged.write(cache, first, new_ids)
-            parent = context_keys[first - 1] if first else None
-            stream = torch.cuda.current_stream().cuda_stream
-            request = handle.submit_save(memory, context_keys[first:], new_ids, parent=parent, stream=stream)
-            saved = handle.wait(request, blocks - first, timeout=60)
-            row["saves_skipped"] = int((saved != lake.OK).sum())
-        for k, block in zip(context_keys[first:], new_ids):
-            self.retained[k.tobytes()] = block
-        paged.release(ids)
-        wait_published(handle, context_keys, blocks)
+        save_context(self, cache, context_keys, at, ids, row)
         saved_states = 0
         for position, bytes_ in sorted(taken.items()):
             key = context_keys[position - 1]

@@ -4,7 +4,7 @@
 
 use lake_dp::model::layout::{Dtype, KvPlanes, Layout, LayoutParams, RecurrentLayout, Shard};
 
-use crate::pool::read_options;
+use crate::pool::{check_size, read_options};
 use crate::status::{LakeStatus, fail, guard};
 
 /// A block's geometry, as the engine knows it (see [`lake_layout_describe`]).
@@ -118,28 +118,12 @@ pub unsafe extern "C" fn lake_state_layout_describe(
             let o = unsafe { read_options(options, "LakeStateLayoutOptions") }?;
             // SAFETY: non-null (checked), a LakeStateLayoutInfo (contract).
             let size = unsafe { (*info).struct_size };
-            if size != size_of::<LakeStateLayoutInfo>() {
-                return Err(fail(
-                    LakeStatus::LakeBadStructSize,
-                    format!(
-                        "LakeStateLayoutInfo.struct_size is {size}, this library knows {}",
-                        size_of::<LakeStateLayoutInfo>()
-                    ),
-                ));
-            }
-            let dtype = u8::try_from(o.dtype).ok().and_then(|code| Dtype::from_u8(code).ok()).ok_or_else(|| {
-                fail(LakeStatus::LakeInvalidArgument, format!("state layout: unknown dtype code {}", o.dtype))
-            })?;
-            let shard = if o.shard_start == 0 && o.shard_end == 0 {
-                Shard::Replicated
-            } else {
-                Shard::Heads { start: field(o.shard_start, "shard_start")?, end: field(o.shard_end, "shard_end")? }
-            };
+            check_size(size, size_of::<LakeStateLayoutInfo>(), "LakeStateLayoutInfo")?;
             let layout = RecurrentLayout::new(
                 field(o.layers, "layers")?,
                 o.state_bytes_per_layer,
-                dtype,
-                shard,
+                dtype_of(o.dtype, "state layout")?,
+                shard_of(o.shard_start, o.shard_end)?,
                 field(o.layers_per_segment, "layers_per_segment")?,
             )
             .map_err(|e| fail(LakeStatus::LakeInvalidArgument, format!("state layout: {e}")))?;
@@ -165,6 +149,22 @@ fn field(value: u32, name: &str) -> Result<u16, LakeStatus> {
         .map_err(|_| fail(LakeStatus::LakeInvalidArgument, format!("layout: {name} {value} is too large")))
 }
 
+/// An element type code (`LakeLayoutOptions.dtype`'s).
+fn dtype_of(code: u32, what: &str) -> Result<Dtype, LakeStatus> {
+    u8::try_from(code)
+        .ok()
+        .and_then(|code| Dtype::from_u8(code).ok())
+        .ok_or_else(|| fail(LakeStatus::LakeInvalidArgument, format!("{what}: unknown dtype code {code}")))
+}
+
+/// The heads `start..end` a rank holds; `0..0`: all of them (replicated).
+fn shard_of(start: u32, end: u32) -> Result<Shard, LakeStatus> {
+    if start == 0 && end == 0 {
+        return Ok(Shard::Replicated);
+    }
+    Ok(Shard::Heads { start: field(start, "shard_start")?, end: field(end, "shard_end")? })
+}
+
 /// Validates a layout description into Lake's layout.
 pub(crate) fn layout_of(o: &LakeLayoutOptions) -> Result<Layout, LakeStatus> {
     let planes = match o.planes {
@@ -172,15 +172,8 @@ pub(crate) fn layout_of(o: &LakeLayoutOptions) -> Result<Layout, LakeStatus> {
         2 => KvPlanes::KeyValue,
         other => return Err(fail(LakeStatus::LakeInvalidArgument, format!("layout: planes is 1 or 2, not {other}"))),
     };
-    let dtype = u8::try_from(o.dtype)
-        .ok()
-        .and_then(|code| Dtype::from_u8(code).ok())
-        .ok_or_else(|| fail(LakeStatus::LakeInvalidArgument, format!("layout: unknown dtype code {}", o.dtype)))?;
-    let shard = if o.shard_start == 0 && o.shard_end == 0 {
-        Shard::Replicated
-    } else {
-        Shard::Heads { start: field(o.shard_start, "shard_start")?, end: field(o.shard_end, "shard_end")? }
-    };
+    let dtype = dtype_of(o.dtype, "layout")?;
+    let shard = shard_of(o.shard_start, o.shard_end)?;
     Layout::new(LayoutParams {
         layers: field(o.layers, "layers")?,
         planes,
@@ -215,12 +208,7 @@ pub unsafe extern "C" fn lake_layout_describe(
             let o = unsafe { read_options(options, "LakeLayoutOptions") }?;
             // SAFETY: non-null (checked), a LakeLayoutInfo (contract).
             let size = unsafe { (*info).struct_size };
-            if size != size_of::<LakeLayoutInfo>() {
-                return Err(fail(
-                    LakeStatus::LakeBadStructSize,
-                    format!("LakeLayoutInfo.struct_size is {size}, this library knows {}", size_of::<LakeLayoutInfo>()),
-                ));
-            }
+            check_size(size, size_of::<LakeLayoutInfo>(), "LakeLayoutInfo")?;
             let layout = layout_of(&o)?;
             let value = LakeLayoutInfo {
                 struct_size: size,

@@ -342,7 +342,7 @@ fn c_path(ptr: *const c_char, what: &str) -> Result<Option<PathBuf>, LakeStatus>
     Ok(Some(PathBuf::from(text)))
 }
 
-fn check_size(size: usize, expected: usize, what: &str) -> Result<(), LakeStatus> {
+pub(crate) fn check_size(size: usize, expected: usize, what: &str) -> Result<(), LakeStatus> {
     if size == expected {
         Ok(())
     } else {
@@ -1528,24 +1528,43 @@ pub unsafe extern "C" fn lake_lookup(
             }
             let keys = read_keys(pool, keys, count);
             let mut table = Vec::with_capacity(count);
-            let found = pool.mirror.lookup(&keys, &mut table);
-            for (i, entry) in table.iter().take(capacity).enumerate() {
-                // SAFETY: i < capacity writable entries (contract).
-                unsafe { locations.wrapping_add(i).write(location_of(entry)) };
-            }
-            // SAFETY: writable (contract).
-            unsafe { hits.write(found) };
-            // The access report goes to lake-cp through the agent's thread,
-            // off this path; dropped if its queue is full.
-            if let Some(jobs) = &pool.jobs {
-                let _ = jobs.push(false, Job::Accessed { keys, hits: found });
-            }
-            if found > capacity {
-                return Err(fail(LakeStatus::LakeBufferTooSmall, format!("lake_lookup: {found} entries need room")));
-            }
-            Ok(())
+            pool.mirror.lookup(&keys, &mut table);
+            // SAFETY: the caller's contract is this function's.
+            unsafe { hand_out(pool, keys, &table, (locations, capacity), hits, "lake_lookup") }
         })())
     })
+}
+
+/// A lookup's answer to the caller: the block table into `locations`
+/// (room for `capacity`), the hit into `hits`, and the access report queued
+/// for `lake-cp` on the agent's thread, off this path (dropped if its queue
+/// is full). `LAKE_BUFFER_TOO_SMALL` when the hit needs more room.
+///
+/// # Safety
+///
+/// `locations` points at `capacity` writable entries; `hits` writable.
+unsafe fn hand_out(
+    pool: &LakePool,
+    keys: Vec<BlockKey>,
+    table: &[MirrorEntry],
+    (locations, capacity): (*mut LakeLocation, usize),
+    hits: *mut usize,
+    what: &str,
+) -> Result<(), LakeStatus> {
+    let found = table.len();
+    for (i, entry) in table.iter().take(capacity).enumerate() {
+        // SAFETY: i < capacity writable entries (contract).
+        unsafe { locations.wrapping_add(i).write(location_of(entry)) };
+    }
+    // SAFETY: writable (contract).
+    unsafe { hits.write(found) };
+    if let Some(jobs) = &pool.jobs {
+        let _ = jobs.push(false, Job::Accessed { keys, hits: found });
+    }
+    if found > capacity {
+        return Err(fail(LakeStatus::LakeBufferTooSmall, format!("{what}: {found} entries need room")));
+    }
+    Ok(())
 }
 
 /// Where a hybrid model resumes (DESIGN §3): the longest cached prefix of
@@ -1588,40 +1607,16 @@ pub unsafe extern "C" fn lake_lookup_state(
             }
             let keys = read_keys(pool, keys, count);
             let mut table = Vec::with_capacity(count);
-            let (found, state, entry) = pool.mirror.lookup_with_state(&keys, &mut table);
-            for (i, entry) in table.iter().take(capacity).enumerate() {
-                // SAFETY: i < capacity writable entries (contract).
-                unsafe { locations.wrapping_add(i).write(location_of(entry)) };
-            }
-            let checkpoint = entry.map(|e| location_of(&e)).unwrap_or(LakeLocation {
-                tier: 0,
-                tiers: 0,
-                kind: 0,
-                epoch_tag: 0,
-                region: 0,
-                reserved: 0,
-                slot: 0,
-                generation: 0,
-            });
-            // SAFETY: writable (contract).
-            unsafe { hits.write(found) };
+            let (_, state, entry) = pool.mirror.lookup_with_state(&keys, &mut table);
             // SAFETY: writable (contract).
             unsafe { state_blocks.write(state) };
             // SAFETY: writable (contract).
-            unsafe { state_location.write(checkpoint) };
-            if let Some(jobs) = &pool.jobs {
-                if state > 0 {
-                    let _ = jobs.push(false, Job::Accessed { keys: vec![keys[state - 1].state_key()], hits: 1 });
-                }
-                let _ = jobs.push(false, Job::Accessed { keys, hits: found });
+            unsafe { state_location.write(entry.map(|e| location_of(&e)).unwrap_or_default()) };
+            if let (Some(jobs), Some(block)) = (&pool.jobs, state.checked_sub(1)) {
+                let _ = jobs.push(false, Job::Accessed { keys: vec![keys[block].state_key()], hits: 1 });
             }
-            if found > capacity {
-                return Err(fail(
-                    LakeStatus::LakeBufferTooSmall,
-                    format!("lake_lookup_state: {found} entries need room"),
-                ));
-            }
-            Ok(())
+            // SAFETY: the caller's contract is this function's.
+            unsafe { hand_out(pool, keys, &table, (locations, capacity), hits, "lake_lookup_state") }
         })())
     })
 }

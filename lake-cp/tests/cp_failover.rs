@@ -30,16 +30,9 @@ use etcd_server::EtcdServer;
 const PAYLOAD: usize = 16 * 1024;
 const BLOCKS: u32 = 40;
 
-struct Scratch(PathBuf, Vec<PathBuf>);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-        for file in &self.1 {
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
+#[path = "common/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
 
 /// A `lake cp` child and its event lines.
 struct Cp {

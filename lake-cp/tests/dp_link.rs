@@ -13,16 +13,9 @@ use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorReader, MirrorWriter};
 use lake_dp::runner::config::RunnerConfig;
 use lake_dp::runner::{RunnerOptions, RunnerStats, run};
 
-struct Scratch(PathBuf, Vec<PathBuf>);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-        for file in &self.1 {
-            let _ = std::fs::remove_file(file);
-        }
-    }
-}
+#[path = "common/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
 
 fn config(dir: &std::path::Path, shm: &str, socket: &std::path::Path) -> RunnerConfig {
     RunnerConfig::parse(&format!(

@@ -214,8 +214,6 @@ fn control_plane(args: &[String]) -> Result<(), String> {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        // A standby keeps its own lease, so that it can take over at once.
-        let _ = candidate.keep_alive();
     };
     say(format!("{{\"event\":\"elected\",\"id\":\"{id}\",\"term\":{term}}}"));
     // The mirror engines already read is taken over (their mappings stay

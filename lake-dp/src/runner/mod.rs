@@ -538,7 +538,8 @@ impl Reconnect {
         Self { next_ns: 0, wait_ns: Self::FIRST_NS, made: 0 }
     }
 
-    /// A new link, once the old one is closed and the wait is over.
+    /// A new link in place of the closed one in `link`, once the wait is
+    /// over.
     #[allow(clippy::too_many_arguments)] // the runner's parts a link is made from
     fn poll(
         &mut self,
@@ -551,7 +552,7 @@ impl Reconnect {
         report: impl FnOnce(&mut CpLink),
     ) {
         let Some(socket) = &config.cp.socket else { return };
-        if !link.as_ref().is_some_and(CpLink::is_closed) || now_ns < self.next_ns {
+        if now_ns < self.next_ns {
             return;
         }
         match open_link(config, socket, geometry, epoch, header, Duration::from_millis(200)) {
@@ -911,12 +912,14 @@ pub fn run_with(
             // The control plane went away: serve on; reports are counted
             // as dropped until a control plane takes the link again.
         }
-        reconnect.poll(clock.now_ns(), &mut link, config, &tier.geometry(), epoch, &header, |new| {
-            pool.resident_records(&region, &table, &mut |record| {
-                new.readopted(&record);
-                let _ = new.pump();
+        if link.as_ref().is_some_and(CpLink::is_closed) {
+            reconnect.poll(clock.now_ns(), &mut link, config, &tier.geometry(), epoch, &header, |new| {
+                pool.resident_records(&region, &table, &mut |record| {
+                    new.readopted(&record);
+                    let _ = new.pump();
+                });
             });
-        });
+        }
         let end = clock.now_ns();
         stats.polls += 1;
         if result == PollResult::Busy || count > 0 || served > 0 {

@@ -251,10 +251,8 @@ pub struct Pool {
     failed_sends: Vec<u64>,
     l1: Vec<L1State>,
     reserved: u32,
-    /// Per L2 slot: the generation of the object there (0: none), its
-    /// payload length and its header (what a re-adoption report says).
-    l2_generation: Vec<u32>,
-    l2_len: Vec<u64>,
+    /// Per L2 slot: the header of the object there (its generation and
+    /// length; what a re-adoption report says), `None` when empty.
     l2_meta: Vec<Option<ObjectMeta>>,
     ops: Vec<Option<Purpose>>,
     free_ops: Vec<u32>,
@@ -301,8 +299,6 @@ impl Pool {
             failed_sends: Vec::with_capacity(REMOTE_SENDS_MAX),
             l1: vec![L1State::Free; l1_slots as usize],
             reserved: 0,
-            l2_generation: vec![0; l2_slots],
-            l2_len: vec![0; l2_slots],
             l2_meta: vec![None; l2_slots],
             ops: vec![None; ops as usize],
             free_ops: (0..ops).rev().collect(),
@@ -340,8 +336,6 @@ impl Pool {
     /// An object now lives in an L2 slot (written, or found at start).
     pub fn l2_written(&mut self, slot: L2Slot, meta: &ObjectMeta) {
         if let Some(index) = self.l2_index(slot) {
-            self.l2_generation[index] = meta.generation;
-            self.l2_len[index] = meta.payload_len;
             self.l2_meta[index] = Some(*meta);
         }
     }
@@ -364,29 +358,30 @@ impl Pool {
                 out(self.l1_record(slot, meta.generation, meta));
             }
         }
-        for file in 0..self.geometry.files {
-            for slot in 0..self.geometry.slots_per_file {
-                let slot = L2Slot { file, slot };
-                let Some(index) = self.l2_index(slot) else { continue };
-                if let Some(meta) = &self.l2_meta[index]
-                    && self.l2_generation[index] == meta.generation
-                {
-                    out(crate::runner::l2_record(&self.geometry, self.node, self.epoch, slot, meta));
-                }
-            }
+        let per_file = self.geometry.slots_per_file as usize;
+        for (index, meta) in self.l2_meta.iter().enumerate() {
+            let Some(meta) = meta else { continue };
+            let (Ok(file), Ok(slot)) = (u16::try_from(index / per_file), u32::try_from(index % per_file)) else {
+                continue;
+            };
+            out(crate::runner::l2_record(&self.geometry, self.node, self.epoch, L2Slot { file, slot }, meta));
         }
     }
 
     /// Whether `slot` still holds the object of `generation`.
     pub fn l2_holds(&self, slot: L2Slot, generation: u32) -> bool {
-        self.l2_index(slot).is_some_and(|index| self.l2_generation[index] == generation && generation != 0)
+        generation != 0 && self.l2_object(slot, generation).is_some()
+    }
+
+    /// The header of the object of `generation` in `slot`, if it is there.
+    fn l2_object(&self, slot: L2Slot, generation: u32) -> Option<&ObjectMeta> {
+        let meta = self.l2_meta.get(self.l2_index(slot)?)?.as_ref()?;
+        (meta.generation == generation).then_some(meta)
     }
 
     /// An L2 slot was given up.
     pub fn l2_released(&mut self, slot: L2Slot) {
         if let Some(index) = self.l2_index(slot) {
-            self.l2_generation[index] = 0;
-            self.l2_len[index] = 0;
             self.l2_meta[index] = None;
         }
     }
@@ -885,11 +880,11 @@ impl Pool {
             return Err(AgentError::Stale);
         }
         let slot = self.l2_slot_of(source).ok_or(AgentError::Invalid)?;
-        let index = self.l2_index(slot).ok_or(AgentError::Invalid)?;
-        if self.l2_generation[index] != source.generation || source.generation == 0 {
-            return Err(AgentError::Stale);
-        }
-        let payload_len = self.l2_len[index];
+        self.l2_index(slot).ok_or(AgentError::Invalid)?;
+        let payload_len = match self.l2_object(slot, source.generation) {
+            Some(meta) if source.generation != 0 => meta.payload_len,
+            _ => return Err(AgentError::Stale),
+        };
         let grant = table
             .class_for(object_bytes(payload_len))
             .and_then(|class| table.allocate(class))
@@ -981,8 +976,8 @@ impl Pool {
             self.release_l1(slot, table);
         } else if replica.tier == Tier::L2Nvme as u8 {
             let slot = self.l2_slot_of(replica).ok_or(ErrorCode::NoSuchBlock)?;
-            let index = self.l2_index(slot).ok_or(ErrorCode::NoSuchBlock)?;
-            if self.l2_generation[index] != replica.generation || replica.generation == 0 {
+            self.l2_index(slot).ok_or(ErrorCode::NoSuchBlock)?;
+            if replica.generation == 0 || self.l2_object(slot, replica.generation).is_none() {
                 return Err(ErrorCode::StaleGeneration);
             }
             l2.release(slot).map_err(|_| ErrorCode::StaleGeneration)?;
