@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::port::{AgentCompletion, AgentError, AgentPort, AgentRequest};
 use super::shm::AgentShmPort;
-use crate::arena::{Arena, PinArray};
+use crate::arena::{Arena, Pin, PinArray};
 use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
 use crate::cplink::{CpLink, Granted};
 use crate::mirror::{MirrorEntry, MirrorReader};
@@ -32,6 +32,10 @@ pub const LEASE_TTL_MS: u32 = 10_000;
 
 /// L2 blocks loaded at once by a fetch.
 pub const LOAD_BATCH: usize = 8;
+
+/// Blocks one lease of a fetch covers at most (the next window is leased
+/// when the fetch gets there).
+pub(crate) const LEASE_WINDOW: usize = 64;
 
 /// Blocks a save reserves at a time: its reservations, then its commits,
 /// must fit the port's request ring (a larger save goes in windows, so a
@@ -188,6 +192,8 @@ pub struct AgentStats {
     pub l1_reads: u64,
     /// Blocks loaded from L2 (promoted into L1).
     pub l2_loads: u64,
+    /// Blocks loaded from L3 (read through into L1).
+    pub l3_loads: u64,
     /// Hit blocks that could not be delivered (evicted under the lookup,
     /// lease refused, corrupt): the engine recomputed them.
     pub fetch_failures: u64,
@@ -547,10 +553,21 @@ impl Agent {
                     }
                 }
             }
-            // Below L1: one lease for the rest of the prefix, then loads in
-            // small batches (each load takes an L1 slot until evicted).
+            // Below L1: a lease for the next window of the prefix, then
+            // loads in small batches (each load takes an L1 slot until
+            // evicted). A window, not the whole rest: what a lease holds
+            // cannot be moved to make room for the loads.
+            if let Some((granted, base)) = &lease
+                && i - base >= granted.entries.len()
+                && granted.entries.len() == LEASE_WINDOW
+            {
+                if let Some(cp) = &mut self.cp {
+                    cp.release_lease(granted.lease_id);
+                }
+                lease = None;
+            }
             if lease.is_none() {
-                match self.lease(&keys[i..count]) {
+                match self.lease(&keys[i..count.min(i + LEASE_WINDOW)]) {
                     Some(granted) => lease = Some((granted, i)),
                     None => {
                         failure = Some(FetchFailure::Unavailable);
@@ -565,7 +582,7 @@ impl Agent {
                     break;
                 }
                 let Some(&(key, replica)) = granted.entries.get(j - base) else { break };
-                if key != keys[j] || replica.tier != Tier::L2Nvme {
+                if key != keys[j] || !matches!(replica.tier, Tier::L2Nvme | Tier::L3Object) {
                     break;
                 }
                 batch.push((j, replica.to_wire()));
@@ -574,23 +591,39 @@ impl Agent {
                 failure = Some(FetchFailure::Evicted);
                 break;
             }
-            let slots = self.load_batch(keys, &batch);
-            for ((j, _), slot) in batch.iter().zip(slots) {
-                let Some((slot, generation)) = slot else {
+            let mut pinned = self.load_batch(keys, &batch);
+            let mut stop = false;
+            for ((j, source), pin) in batch.iter().zip(pinned.iter_mut()) {
+                let Some(pin) = pin.take() else {
                     failure = Some(FetchFailure::Unavailable);
-                    break 'blocks;
+                    stop = true;
+                    break;
                 };
-                match self.read_l1(&keys[*j], slot, generation, segmented, &mut |o, p| sink(*j, o, p)) {
+                let read = self.read_pinned(&keys[*j], &pin, segmented, &mut |o, p| sink(*j, o, p));
+                self.pins.unpin(pin);
+                match read {
                     Ok(bytes) => {
-                        self.stats.l2_loads += 1;
+                        if source.tier == Tier::L3Object as u8 {
+                            self.stats.l3_loads += 1;
+                        } else {
+                            self.stats.l2_loads += 1;
+                        }
                         self.stats.bytes_read += bytes as u64;
                         delivered += 1;
                     }
                     Err(why) => {
                         failure = Some(why);
-                        break 'blocks;
+                        stop = true;
+                        break;
                     }
                 }
+            }
+            // Blocks after a failure are not delivered: their pins go.
+            for pin in pinned.into_iter().flatten() {
+                self.pins.unpin(pin);
+            }
+            if stop {
+                break 'blocks;
             }
         }
         self.stats.fetch_failures += (count - delivered) as u64;
@@ -621,8 +654,21 @@ impl Agent {
         sink: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<usize, FetchFailure> {
         let pin = self.pins.pin(slot, generation).map_err(|_| FetchFailure::Evicted)?;
-        let result = (|| {
-            let bytes = self.pins.bytes(&pin);
+        let result = self.read_pinned(key, &pin, segmented, sink);
+        self.pins.unpin(pin);
+        result
+    }
+
+    /// [`Agent::read_l1`] of a block pinned already.
+    fn read_pinned(
+        &self,
+        key: &BlockKey,
+        pin: &Pin,
+        segmented: bool,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<usize, FetchFailure> {
+        {
+            let bytes = self.pins.bytes(pin);
             let header = decode_header(bytes).map_err(|_| FetchFailure::Corrupt)?;
             let meta = header.meta();
             if meta.key != *key {
@@ -650,9 +696,7 @@ impl Agent {
                 sink(0, payload);
             }
             Ok(len)
-        })();
-        self.pins.unpin(pin);
-        result
+        }
     }
 
     /// A lease on the replicas of `keys` (their leading run that has one).
@@ -683,12 +727,14 @@ impl Agent {
         }
     }
 
-    /// Loads a batch of L2 blocks into L1: the L1 slot of each (`None`
-    /// where it failed). A load refused for want of an L1 slot is retried
+    /// Loads a batch of L2 (or L3) blocks into L1, each pinned as soon as
+    /// its load is answered (before the control plane, seeing L1 over its
+    /// mark, can take the new copy away): its pin, `None` where it failed.
+    /// A load refused for want of an L1 slot is retried
     /// while `lake-cp` makes room, for at most [`LOAD_RETRY_MAX`].
-    fn load_batch(&mut self, keys: &[BlockKey], batch: &[(usize, ReplicaWire)]) -> Vec<Option<(u32, u32)>> {
+    fn load_batch(&mut self, keys: &[BlockKey], batch: &[(usize, ReplicaWire)]) -> Vec<Option<Pin>> {
         let deadline = Instant::now() + LOAD_RETRY_MAX;
-        let mut slots = vec![None; batch.len()];
+        let mut slots: Vec<Option<Pin>> = (0..batch.len()).map(|_| None).collect();
         let mut pending: Vec<usize> = (0..batch.len()).collect();
         while !pending.is_empty() {
             let mut cookies = Vec::with_capacity(pending.len());
@@ -704,7 +750,7 @@ impl Agent {
             let mut retry = Vec::new();
             for (b, cookie) in cookies {
                 match self.wait(cookie) {
-                    Ok(slot) => slots[b] = Some(slot),
+                    Ok((slot, generation)) => slots[b] = self.pins.pin(slot, generation).ok(),
                     Err(AgentError::NoSpace | AgentError::Busy) => retry.push(b),
                     Err(_) => {}
                 }

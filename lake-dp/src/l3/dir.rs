@@ -58,6 +58,19 @@ impl ObjectStore for DirStore {
         }
     }
 
+    fn get_head(&mut self, name: &str, len: usize) -> Result<Option<Vec<u8>>, StoreError> {
+        use std::io::Read;
+        let path = self.path(name)?;
+        let file = match std::fs::File::open(&path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io("opening", &path)(e)),
+        };
+        let mut head = Vec::with_capacity(len);
+        file.take(len as u64).read_to_end(&mut head).map_err(io("reading", &path))?;
+        Ok(Some(head))
+    }
+
     fn delete(&mut self, name: &str) -> Result<(), StoreError> {
         let path = self.path(name)?;
         match std::fs::remove_file(&path) {

@@ -23,8 +23,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::BlockKey;
+use crate::constants::STORED_HEADER_BYTES;
 use crate::model::namespace::NamespaceId;
-use crate::stored::decode_object;
+use crate::stored::{ObjectMeta, decode_header, decode_object};
 
 /// Why a store call failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,6 +59,15 @@ pub trait ObjectStore: Send {
     fn delete(&mut self, name: &str) -> Result<(), StoreError>;
     /// The names under `prefix`.
     fn list(&mut self, prefix: &str) -> Result<Vec<String>, StoreError>;
+    /// The first `len` bytes of `name` (fewer if it is shorter), or `None`
+    /// if there is none: what a catalog scan reads of each object (its
+    /// header). The default reads the whole object.
+    fn get_head(&mut self, name: &str, len: usize) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.get(name)?.map(|mut bytes| {
+            bytes.truncate(len);
+            bytes
+        }))
+    }
 }
 
 /// The name of a block's object: `{prefix}/{namespace:016x}/{key}`.
@@ -118,6 +128,22 @@ pub enum L3Request {
         source: *const u8,
         /// Its bytes.
         len: u64,
+    },
+    /// Store block `key` as the header at `header` (its
+    /// `STORED_HEADER_BYTES`, naming the object as it will be stored) and
+    /// the payload at `payload` (`payload_len` bytes): a block whose slot
+    /// keeps its own header for its readers.
+    PutWithHeader {
+        /// The block.
+        key: BlockKey,
+        /// Its namespace.
+        namespace: NamespaceId,
+        /// The stored header.
+        header: *const u8,
+        /// The payload.
+        payload: *const u8,
+        /// Its bytes.
+        payload_len: u64,
     },
     /// Read block `key` into `target` (room for `capacity` bytes), checked.
     Get {
@@ -192,6 +218,17 @@ impl L3Client {
         prefix: &str,
         make_store: impl Fn() -> Result<Box<dyn ObjectStore>, StoreError>,
     ) -> Result<Self, StoreError> {
+        Self::start_notifying(config, prefix, make_store, None)
+    }
+
+    /// [`L3Client::start`], with `notify` called after every completion is
+    /// handed back (a poller parked on an eventfd is woken by it).
+    pub fn start_notifying(
+        config: L3Config,
+        prefix: &str,
+        make_store: impl Fn() -> Result<Box<dyn ObjectStore>, StoreError>,
+        notify: Option<std::sync::Arc<dyn Fn() + Send + Sync>>,
+    ) -> Result<Self, StoreError> {
         if !(1..=64).contains(&config.workers) || config.queue_depth == 0 || config.attempts == 0 {
             return Err(StoreError::Permanent("L3 config: 1 to 64 workers, a queue and at least one try".into()));
         }
@@ -205,6 +242,7 @@ impl L3Client {
             let mut store = make_store()?;
             let (queue, done) = (std::sync::Arc::clone(&shared), completions_tx.clone());
             let prefix = prefix.to_owned();
+            let notify = notify.clone();
             let worker = std::thread::Builder::new()
                 .name(format!("lake-l3-{n}"))
                 .spawn(move || {
@@ -215,6 +253,9 @@ impl L3Client {
                         let result = run(store.as_mut(), &prefix, &request, &config);
                         if done.send(L3Completion { id, result }).is_err() {
                             return;
+                        }
+                        if let Some(notify) = &notify {
+                            notify();
                         }
                     }
                 })
@@ -309,6 +350,20 @@ fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Resul
             store.put(&object_name(prefix, namespace, &key), bytes).map_err(L3Error::Store)?;
             Ok(len)
         }
+        L3Request::PutWithHeader { key, namespace, header, payload, payload_len } => {
+            let len = usize::try_from(payload_len).map_err(|_| L3Error::TooLarge(payload_len))?;
+            let mut bytes = Vec::with_capacity(STORED_HEADER_BYTES + len);
+            // SAFETY: a header's bytes, valid and unchanged until this
+            // request completes (the contract of `L3Client::submit`).
+            let header = unsafe { core::slice::from_raw_parts(header, STORED_HEADER_BYTES) };
+            // SAFETY: `payload_len` payload bytes, likewise.
+            let payload = unsafe { core::slice::from_raw_parts(payload, len) };
+            bytes.extend_from_slice(header);
+            bytes.extend_from_slice(payload);
+            verify(&bytes, namespace, &key)?;
+            store.put(&object_name(prefix, namespace, &key), &bytes).map_err(L3Error::Store)?;
+            Ok(bytes.len() as u64)
+        }
         L3Request::Get { key, namespace, target, capacity } => {
             let bytes = store.get(&object_name(prefix, namespace, &key)).map_err(L3Error::Store)?;
             let bytes = bytes.ok_or(L3Error::NotFound)?;
@@ -327,6 +382,41 @@ fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Resul
             Ok(0)
         }
     }
+}
+
+/// What a catalog scan found in a store.
+#[derive(Debug, Default)]
+pub struct Scan {
+    /// The headers of the objects whose header checks and names them.
+    pub objects: Vec<ObjectMeta>,
+    /// Objects whose header does not decode or names another block
+    /// (left in place, never served).
+    pub damaged: Vec<String>,
+    /// Objects past `limit`, not read.
+    pub skipped: usize,
+}
+
+/// Reads the header of every object under `prefix` (at most `limit`):
+/// the catalog a data plane starts with, or — every process lost — the
+/// blocks a control plane rebuilds its index from. The payloads are
+/// checked when read.
+pub fn scan(store: &mut dyn ObjectStore, prefix: &str, limit: usize) -> Result<Scan, StoreError> {
+    let mut scan = Scan::default();
+    let names = store.list(&format!("{prefix}/"))?;
+    for name in names {
+        if scan.objects.len() >= limit {
+            scan.skipped += 1;
+            continue;
+        }
+        let Some(head) = store.get_head(&name, STORED_HEADER_BYTES)? else { continue };
+        match decode_header(&head) {
+            Ok(header) if object_name(prefix, header.meta().namespace, &header.meta().key) == name => {
+                scan.objects.push(*header.meta());
+            }
+            _ => scan.damaged.push(name),
+        }
+    }
+    Ok(scan)
 }
 
 #[cfg(test)]

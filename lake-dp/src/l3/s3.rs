@@ -79,6 +79,15 @@ impl ObjectStore for S3Store {
         }
     }
 
+    fn get_head(&mut self, name: &str, len: usize) -> Result<Option<Vec<u8>>, StoreError> {
+        let last = (len as u64).saturating_sub(1);
+        match self.bucket.get_object_range(name, 0, Some(last)) {
+            Ok(response) => Ok(Some(response.to_vec())),
+            Err(S3Error::HttpFailWithBody(404, _)) => Ok(None),
+            Err(e) => Err(error("get (range)")(e)),
+        }
+    }
+
     fn delete(&mut self, name: &str) -> Result<(), StoreError> {
         match self.bucket.delete_object(name) {
             Ok(_) | Err(S3Error::HttpFailWithBody(404, _)) => Ok(()),

@@ -209,3 +209,70 @@ fn a_full_queue_hands_the_request_back() {
     drop(client);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn a_header_given_apart_is_stored_with_its_payload_and_a_scan_reads_the_headers_back() {
+    let root = std::env::temp_dir().join(format!("lake-l3-scan-{}", std::process::id()));
+    let store_root = root.clone();
+    let woken = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let count = std::sync::Arc::clone(&woken);
+    let notify: std::sync::Arc<dyn Fn() + Send + Sync> =
+        std::sync::Arc::new(move || _ = count.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let mut client = L3Client::start_notifying(
+        L3Config::default(),
+        "scan",
+        move || Ok(Box::new(DirStore::open(&store_root)?) as Box<dyn ObjectStore>),
+        Some(notify),
+    )
+    .unwrap();
+    let namespace = NamespaceId(5);
+    let keys: Vec<BlockKey> = (0..6u8).map(|i| BlockKey([0x40 + i; 16])).collect();
+    let objects: Vec<Vec<u8>> = keys.iter().map(|k| object(k, namespace, 20_000)).collect();
+    for (i, (key, bytes)) in keys.iter().zip(&objects).enumerate() {
+        // The header and the payload from two places (a slot keeps its
+        // own header for its readers).
+        let (header, payload) = bytes.split_at(STORED_HEADER_BYTES);
+        let request = L3Request::PutWithHeader {
+            key: *key,
+            namespace,
+            header: header.as_ptr(),
+            payload: payload.as_ptr(),
+            payload_len: payload.len() as u64,
+        };
+        // SAFETY: `objects` outlives the completions (waited for below).
+        unsafe { client.submit(i as u64, request) }.unwrap();
+    }
+    let done = wait(&mut client, keys.len());
+    assert!(done.iter().all(|c| c.result == Ok(objects[0].len() as u64)), "{done:?}");
+    assert_eq!(woken.load(std::sync::atomic::Ordering::Relaxed), 6, "notified after each completion");
+    // A header given apart must still name the block: one for another key
+    // is refused before it goes.
+    let wrong = L3Request::PutWithHeader {
+        key: keys[0],
+        namespace,
+        header: objects[1].as_ptr(),
+        payload: objects[0][STORED_HEADER_BYTES..].as_ptr(),
+        payload_len: (objects[0].len() - STORED_HEADER_BYTES) as u64,
+    };
+    // SAFETY: as above.
+    unsafe { client.submit(9, wrong) }.unwrap();
+    assert!(matches!(wait(&mut client, 1)[0].result, Err(L3Error::Corrupt(_))));
+    drop(client);
+
+    // One object's header damaged, one foreign file under the prefix.
+    let damaged = root.join(object_name("scan", namespace, &keys[2]));
+    let mut bytes = std::fs::read(&damaged).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&damaged, &bytes).unwrap();
+    std::fs::write(root.join("scan/0000000000000005/not-a-block"), b"hello").unwrap();
+    let mut store = DirStore::open(&root).unwrap();
+    let scan = scan(&mut store, "scan", 100).unwrap();
+    let mut found: Vec<BlockKey> = scan.objects.iter().map(|m| m.key).collect();
+    found.sort_unstable();
+    assert_eq!(found, [keys[0], keys[1], keys[3], keys[4], keys[5]]);
+    assert_eq!(scan.damaged.len(), 2, "{:?}", scan.damaged);
+    // A limit stops the scan: the rest are counted, not read.
+    let limited = super::scan(&mut store, "scan", 2).unwrap();
+    assert_eq!((limited.objects.len(), limited.skipped), (2, 5));
+    let _ = std::fs::remove_dir_all(&root);
+}

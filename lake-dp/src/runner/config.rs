@@ -24,6 +24,21 @@
 //! format_if_missing = true
 //! queue_depth = 64
 //!
+//! [l3]                     # optional: the object store tier
+//! dir = "/var/lib/lake/l3" # a directory, or an S3-compatible service:
+//! # endpoint = "http://10.0.0.5:9000"
+//! # bucket = "lake"
+//! # region_name = "us-east-1"
+//! # access_key, secret_key  # else $LAKE_S3_ACCESS_KEY, $LAKE_S3_SECRET_KEY
+//! # create_bucket = false
+//! prefix = "lake"          # object names: {prefix}/{namespace}/{key}
+//! region = 1023            # the L3 region's id
+//! objects = 65536          # the catalog: objects this node tracks
+//! workers = 4              # store calls in flight (threads, off the poll core)
+//! queue_depth = 64
+//! attempts = 4             # tries of a call that fails transiently
+//! backoff_ms = 20          # the first retry's wait (doubling)
+//!
 //! [agents]
 //! socket = "/run/lake/dp0.sock"  # optional: engines in other processes
 //! ports = 16               # agents attached at once
@@ -130,6 +145,163 @@ pub struct L2Section {
     /// io_uring entries.
     #[serde(default = "default_queue_depth")]
     pub queue_depth: u32,
+}
+
+/// `[l3]`: the object store tier.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct L3Section {
+    /// A directory as the store.
+    pub dir: Option<PathBuf>,
+    /// Or an S3-compatible service (`http://host:port`)...
+    pub endpoint: Option<String>,
+    /// ...and its bucket.
+    pub bucket: Option<String>,
+    /// The region name the service expects.
+    #[serde(default = "default_s3_region")]
+    pub region_name: String,
+    /// Access key id (else `$LAKE_S3_ACCESS_KEY`).
+    pub access_key: Option<String>,
+    /// Secret key (else `$LAKE_S3_SECRET_KEY`).
+    pub secret_key: Option<String>,
+    /// Create the bucket at start if it is missing.
+    #[serde(default)]
+    pub create_bucket: bool,
+    /// Object names start with this.
+    #[serde(default = "default_l3_prefix")]
+    pub prefix: String,
+    /// The L3 region's id.
+    #[serde(default = "default_l3_region")]
+    pub region: u16,
+    /// Objects the catalog holds.
+    #[serde(default = "default_l3_objects")]
+    pub objects: u32,
+    /// Store calls in flight at once (worker threads).
+    #[serde(default = "default_l3_workers")]
+    pub workers: u32,
+    /// Requests queued or in flight at most.
+    #[serde(default = "default_l3_queue")]
+    pub queue_depth: u32,
+    /// Tries of a call that fails transiently.
+    #[serde(default = "default_l3_attempts")]
+    pub attempts: u32,
+    /// The first retry's wait (each next one doubles it).
+    #[serde(default = "default_l3_backoff")]
+    pub backoff_ms: u64,
+}
+
+impl L3Section {
+    /// A directory store with the defaults.
+    pub fn dir(dir: PathBuf) -> Self {
+        Self { dir: Some(dir), ..Self::none() }
+    }
+
+    /// The defaults, naming no store yet (set `dir`, or `endpoint` and
+    /// `bucket`).
+    pub fn none() -> Self {
+        Self {
+            dir: None,
+            endpoint: None,
+            bucket: None,
+            region_name: default_s3_region(),
+            access_key: None,
+            secret_key: None,
+            create_bucket: false,
+            prefix: default_l3_prefix(),
+            region: default_l3_region(),
+            objects: default_l3_objects(),
+            workers: default_l3_workers(),
+            queue_depth: default_l3_queue(),
+            attempts: default_l3_attempts(),
+            backoff_ms: default_l3_backoff(),
+        }
+    }
+
+    /// The S3 service this names, if it names one (credentials from the
+    /// file, else from the environment).
+    pub fn s3(&self) -> Result<Option<crate::l3::s3::S3Config>, ConfigError> {
+        let Some(endpoint) = &self.endpoint else { return Ok(None) };
+        let bucket = self.bucket.clone().ok_or_else(|| bad("l3.bucket", "needed with l3.endpoint"))?;
+        let from_env = |field: &Option<String>, var: &str, name: &str| {
+            field.clone().or_else(|| std::env::var(var).ok()).ok_or_else(|| bad(name, &format!("not set, nor ${var}")))
+        };
+        Ok(Some(crate::l3::s3::S3Config {
+            endpoint: endpoint.clone(),
+            region: self.region_name.clone(),
+            bucket,
+            access_key: from_env(&self.access_key, "LAKE_S3_ACCESS_KEY", "l3.access_key")?,
+            secret_key: from_env(&self.secret_key, "LAKE_S3_SECRET_KEY", "l3.secret_key")?,
+        }))
+    }
+
+    /// The client's settings.
+    pub fn client(&self) -> crate::l3::L3Config {
+        crate::l3::L3Config {
+            workers: self.workers as usize,
+            queue_depth: self.queue_depth as usize,
+            attempts: self.attempts,
+            backoff: std::time::Duration::from_millis(self.backoff_ms),
+        }
+    }
+
+    fn check(&self, l2: &L2Section) -> Result<(), ConfigError> {
+        match (&self.dir, &self.endpoint) {
+            (Some(_), None) => {}
+            (None, Some(_)) => {
+                self.s3()?;
+            }
+            _ => return Err(bad("l3", "one of l3.dir or l3.endpoint")),
+        }
+        if self.prefix.is_empty() || self.prefix.split('/').any(|p| p.is_empty() || p == "." || p == "..") {
+            return Err(bad("l3.prefix", "a plain name (parts separated by /)"));
+        }
+        let first = usize::from(l2.region_first);
+        let l2_regions = first..first + l2.paths.len();
+        if self.region == 0 || l2_regions.contains(&usize::from(self.region)) {
+            return Err(bad("l3.region", "taken by L1 (0) or an L2 file"));
+        }
+        if u32::from(self.region) >= crate::mirror::layout::REGIONS_MAX {
+            return Err(bad("l3.region", "below the mirror's region count (1024)"));
+        }
+        if self.objects == 0 || self.objects > 1 << 24 {
+            return Err(bad("l3.objects", "1 to 16777216"));
+        }
+        if !(1..=64).contains(&self.workers) {
+            return Err(bad("l3.workers", "1 to 64"));
+        }
+        if self.queue_depth == 0 || self.queue_depth > 4096 {
+            return Err(bad("l3.queue_depth", "1 to 4096"));
+        }
+        if self.attempts == 0 {
+            return Err(bad("l3.attempts", "at least 1"));
+        }
+        Ok(())
+    }
+}
+
+fn default_s3_region() -> String {
+    "us-east-1".into()
+}
+fn default_l3_prefix() -> String {
+    "lake".into()
+}
+fn default_l3_region() -> u16 {
+    1023
+}
+fn default_l3_objects() -> u32 {
+    65_536
+}
+fn default_l3_workers() -> u32 {
+    4
+}
+fn default_l3_queue() -> u32 {
+    64
+}
+fn default_l3_attempts() -> u32 {
+    4
+}
+fn default_l3_backoff() -> u64 {
+    20
 }
 
 /// `[poller]`.
@@ -239,6 +411,9 @@ pub struct RunnerConfig {
     /// `[agents]`: engines in other processes attach here.
     #[serde(default)]
     pub agents: AgentsSection,
+    /// `[l3]`: the object store tier (none: no L3).
+    #[serde(default)]
+    pub l3: Option<L3Section>,
 }
 
 /// `[agents]`.
@@ -293,7 +468,9 @@ impl RunnerConfig {
         Ok(config)
     }
 
-    fn check(&self) -> Result<(), ConfigError> {
+    /// Checks the values (what [`RunnerConfig::parse`] does after
+    /// parsing); the error names the field.
+    pub fn check(&self) -> Result<(), ConfigError> {
         if self.agents.ports == 0 || self.agents.ports > 1024 {
             return Err(bad("agents.ports", "must be 1 to 1024"));
         }
@@ -335,6 +512,9 @@ impl RunnerConfig {
         }
         if self.poller.flush_batch == 0 {
             return Err(bad("poller.flush_batch", "at least 1"));
+        }
+        if let Some(l3) = &self.l3 {
+            l3.check(&self.l2)?;
         }
         if let Some(node) = self.node.numa_node
             && !crate::numa::node_exists(node)
@@ -424,5 +604,13 @@ slot_bytes = 69632
         check(&GOOD.replace("[l1]", "[l1]\nbacking = \"disk\""), "l1.backing");
         check(&GOOD.replace("cores = [0]", "cores = [0]\nnuma_node = 999"), "node.numa_node");
         check("[node", "line 1");
+        check(&format!("{GOOD}\n[l3]\nprefix = \"x\"\n"), "one of l3.dir or l3.endpoint");
+        check(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\nregion = 1\n"), "l3.region");
+        check(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\nregion = 5000\n"), "l3.region");
+        check(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\nprefix = \"a/../b\"\n"), "l3.prefix");
+        check(&format!("{GOOD}\n[l3]\nendpoint = \"http://127.0.0.1:1\"\n"), "l3.bucket");
+        check(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\nworkers = 0\n"), "l3.workers");
+        let l3 = RunnerConfig::parse(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\n")).unwrap().l3.unwrap();
+        assert_eq!((l3.region, l3.objects, l3.prefix.as_str()), (1023, 65_536, "lake"));
     }
 }

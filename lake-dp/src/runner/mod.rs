@@ -177,6 +177,8 @@ pub struct RunnerStats {
     pub agents_attached: u64,
     /// The block service's figures.
     pub pool: pool::PoolStats,
+    /// The object store tier's.
+    pub l3: pool::L3Stats,
 }
 
 impl RunnerStats {
@@ -185,7 +187,8 @@ impl RunnerStats {
             "{{\"event\":\"{event}\",\"polls\":{},\"busy_polls\":{},\"busy_ns\":{},\"idle_ns\":{},\"parked_ns\":{},\
              \"parks\":{},\"ops_ok\":{},\"ops_failed\":{},\"selftest_written\":{},\"selftest_read\":{},\
              \"cp_sent\":{},\"cp_dropped\":{},\"cp_reconnects\":{},\"cp_refused\":{},\"abandoned\":{},\"agents_released\":{},\"saves\":{},\"saves_refused\":{},\
-             \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{}}}",
+             \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{},\
+             \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{},\"l3_failed\":{},\"l3_lost\":{}}}",
             self.polls,
             self.busy_polls,
             self.busy_ns,
@@ -210,7 +213,12 @@ impl RunnerStats {
             self.pool.promotions,
             self.pool.demotions,
             self.pool.evictions,
-            self.pool.commands_failed
+            self.pool.commands_failed,
+            self.l3.writes,
+            self.l3.reads,
+            self.l3.deletes,
+            self.l3.failed,
+            self.l3.lost
         )
     }
 }
@@ -514,7 +522,70 @@ fn open_link(
         reserved_b: 0,
         name: name(&config.l1.path),
     });
+    if let Some(l3) = &config.l3 {
+        let where_ =
+            l3.dir.as_ref().map_or_else(|| l3.endpoint.clone().unwrap_or_default(), |d| d.display().to_string());
+        link.register_region(&RegisterRegion {
+            region: l3.region,
+            tier: Tier::L3Object as u8,
+            reserved_a: 0,
+            node: config.node.id,
+            region_epoch: epoch,
+            // Objects up to the largest L1 slot: they are read back into one.
+            slot_bytes: header.classes[..usize::from(header.class_count)]
+                .iter()
+                .map(|c| c.slot_bytes)
+                .max()
+                .unwrap_or(0),
+            slot_count: l3.objects,
+            reserved_b: 0,
+            name: text_field::<48>("region.name", &where_).unwrap_or([0; 48]),
+        });
+    }
     Ok(link)
+}
+
+/// The object store tier `config` names: its catalog scanned from the
+/// store, its client started (waking the runner on every completion).
+fn start_l3(
+    config: &self::config::L3Section,
+    ops: u32,
+    wakeup: &Arc<Wakeup>,
+) -> Result<(pool::L3Tier, crate::l3::Scan, Duration), RunnerError> {
+    use crate::l3::{ObjectStore, StoreError};
+    let s3 = config.s3().map_err(|e| RunnerError(e.to_string()))?;
+    let dir = config.dir.clone();
+    let make = move || -> Result<Box<dyn ObjectStore>, StoreError> {
+        match (&dir, &s3) {
+            (Some(dir), _) => Ok(Box::new(crate::l3::dir::DirStore::open(dir)?)),
+            (None, Some(s3)) => Ok(Box::new(crate::l3::s3::S3Store::open(s3)?)),
+            (None, None) => Err(StoreError::Permanent("l3: no store named".into())),
+        }
+    };
+    if config.create_bucket
+        && let Some(s3) = config.s3().map_err(|e| RunnerError(e.to_string()))?
+    {
+        try_to!("l3: creating the bucket", crate::l3::s3::S3Store::create_bucket(&s3));
+    }
+    let started = std::time::Instant::now();
+    let mut store = try_to!("l3: opening the store", make());
+    let scan = try_to!(
+        "l3: scanning the store's objects",
+        crate::l3::scan(store.as_mut(), &config.prefix, config.objects as usize)
+    );
+    let took = started.elapsed();
+    let waker = Arc::clone(wakeup);
+    let client = try_to!(
+        "l3: starting the client",
+        crate::l3::L3Client::start_notifying(
+            config.client(),
+            &config.prefix,
+            make,
+            Some(Arc::new(move || waker.wake_if_parked())),
+        )
+    );
+    let ops = ops.min(config.queue_depth);
+    Ok((pool::L3Tier::new(client, config.region, config.objects, ops, &scan.objects), scan, took))
 }
 
 /// When the control plane's link closed (it died, or gave up its
@@ -673,6 +744,18 @@ pub fn run_with(
     };
     let shared_ports = if config.agents.socket.is_some() { config.agents.ports } else { 0 };
     let mut pool = pool::Pool::new(&shape, ports.agents, shared_ports);
+    let mut l3_found = (0, 0, 0, 0);
+    if let Some(l3) = &config.l3 {
+        let (tier, scan, took) = start_l3(l3, l3.queue_depth, &wakeup)?;
+        l3_found = (scan.objects.len(), scan.damaged.len(), scan.skipped, took.as_millis());
+        pool.set_l3(tier);
+        if let Some(link) = &mut link {
+            pool.l3_records(&mut |record| {
+                link.readopted(&record);
+                let _ = link.pump();
+            });
+        }
+    }
     let mut attach = match &config.agents.socket {
         None => None,
         Some(socket) => {
@@ -752,7 +835,8 @@ pub fn run_with(
     let _ = writeln!(
         out,
         "{{\"event\":\"serving\",\"pid\":{},\"epoch\":{epoch},\"previous_shutdown_clean\":{},\"adopted\":{},\
-         \"scrubbed\":{},\"torn\":{},\"damaged\":{},\"l1_bytes\":{},\"l2_free_slots\":{},\"core\":{},\"numa_node\":{}}}",
+         \"scrubbed\":{},\"torn\":{},\"damaged\":{},\"l1_bytes\":{},\"l2_free_slots\":{},\"core\":{},\"numa_node\":{},\
+         \"l3_objects\":{},\"l3_damaged\":{},\"l3_skipped\":{},\"l3_scan_ms\":{}}}",
         std::process::id(),
         tier.previous_shutdown_clean(),
         found.adopted.len(),
@@ -763,6 +847,10 @@ pub fn run_with(
         l2_slots.free_slots(),
         cores.first().map_or("null".into(), ToString::to_string),
         numa_node.map_or("null".into(), |n| n.to_string()),
+        l3_found.0,
+        l3_found.1,
+        l3_found.2,
+        l3_found.3,
     );
     let _ = out.flush();
 
@@ -789,7 +877,17 @@ pub fn run_with(
             stopping = Some(now + p.drain_timeout_ms * 1_000_000);
         }
         if let Some(deadline) = stopping {
-            if !poller.has_work() {
+            // Stored objects still get reported while the rest drains.
+            let mut parts = Parts {
+                poller: &mut poller,
+                table: &mut table,
+                l2: &mut l2_slots,
+                region: &region,
+                link: &mut link,
+                now_ns: now,
+            };
+            served += pool.poll_l3(&mut parts);
+            if !poller.has_work() && pool.l3_in_flight() == 0 {
                 break;
             }
             if now > deadline {
@@ -935,7 +1033,8 @@ pub fn run_with(
         }
         // Idle past the spin budget: park until a completion, a wake-up or
         // a signal; briefly when timers (flush batching, deadlines) wait.
-        let timeout_ms = if poller.has_work() || table.stats().draining > 0 { 1 } else { p.park_max_ms };
+        let timeout_ms =
+            if poller.has_work() || table.stats().draining > 0 || pool.l3_in_flight() > 0 { 1 } else { p.park_max_ms };
         set_parked(&wakeup, attach.as_ref(), true);
         // Once more after saying so: work queued before the flag was seen
         // did not wake us.
@@ -969,6 +1068,10 @@ pub fn run_with(
         idle_since = None;
     }
 
+    // The object store's workers end (what they hold is done first): the
+    // arena their requests name outlives them.
+    let l3_stats = pool.l3_stats();
+    pool.stop_l3();
     // Make every acked write durable, then mark the shutdown clean.
     let files = tier.geometry().files;
     for file in 0..files {
@@ -998,6 +1101,7 @@ pub fn run_with(
         stats.cp_refused = link.counters.refused;
     }
     stats.pool = pool.stats;
+    stats.l3 = l3_stats.unwrap_or_default();
     if let Some(attach) = &attach {
         stats.agents_attached = attach.counters.attached;
     }

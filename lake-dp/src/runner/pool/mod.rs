@@ -29,7 +29,12 @@
 //! Every command is answered (`TransferDone`), success or not. All tables
 //! are sized at start; nothing here allocates once the runner is sealed.
 
+mod l3;
+
 use std::collections::VecDeque;
+
+pub use self::l3::L3Stats;
+pub(crate) use self::l3::L3Tier;
 
 use crate::agent::port::{AgentCompletion, AgentError, AgentRequest, DpPort};
 use crate::agent::shm::Popped;
@@ -80,6 +85,8 @@ enum Purpose {
     /// Promotion into `l1_slot`, for an agent (`agent`, `cookie`) or for
     /// `lake-cp` (`request`).
     Promote { to: Requester, l1_slot: u32, l1_generation: u32 },
+    /// An L2 block read into a staging L1 slot for the L3 write `op`.
+    StageL3 { op: u32 },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -268,6 +275,8 @@ pub struct Pool {
     /// Requests popped per agent and not yet answered.
     outstanding: Vec<u32>,
     passes: u64,
+    /// The object store tier, if this node has one.
+    l3: Option<L3Tier>,
     /// What it has done.
     pub stats: PoolStats,
 }
@@ -308,6 +317,7 @@ impl Pool {
             shared_base,
             outstanding: vec![0; agents_len],
             passes: 0,
+            l3: None,
             stats: PoolStats::default(),
         }
     }
@@ -366,6 +376,7 @@ impl Pool {
             };
             out(crate::runner::l2_record(&self.geometry, self.node, self.epoch, L2Slot { file, slot }, meta));
         }
+        self.l3_records(out);
     }
 
     /// Whether `slot` still holds the object of `generation`.
@@ -494,6 +505,7 @@ impl Pool {
         }
         done += self.start_drained(parts);
         done += self.verify_backlog(parts);
+        done += self.poll_l3(parts);
         self.passes = self.passes.wrapping_add(1);
         if self.reserved > 0 && self.passes.is_multiple_of(4096) {
             self.expire_reservations(parts.table, now_ns);
@@ -875,6 +887,9 @@ impl Pool {
         priority: Priority,
         parts: &mut Parts<'_>,
     ) -> Result<(), AgentError> {
+        if source.tier == Tier::L3Object as u8 {
+            return self.promote_l3(to, key, source, parts);
+        }
         let table = &mut *parts.table;
         if source.tier != Tier::L2Nvme as u8 || source.region_epoch != self.epoch || source.node != self.node {
             return Err(AgentError::Stale);
@@ -913,6 +928,25 @@ impl Pool {
     fn command(&mut self, command: CpCommand, parts: &mut Parts<'_>) {
         let (request, target, outcome) = match command {
             CpCommand::Evict { request, replica } => (request, replica.replica, self.evict(&replica, parts)),
+            CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer }
+                if transfer.target.tier == Tier::L3Object as u8 =>
+            {
+                let evict = matches!(command, CpCommand::Move { .. });
+                match self.write_l3(request, &transfer, evict, parts) {
+                    // Answered when the object is stored.
+                    Ok(()) => return,
+                    Err(code) => (request, transfer.target, Err(code)),
+                }
+            }
+            CpCommand::Copy { request, transfer }
+                if transfer.source.tier == Tier::L3Object as u8 && transfer.target.tier == Tier::L1Dram as u8 =>
+            {
+                let to = Requester::Cp { request };
+                match self.promote_l3(to, transfer.key, &transfer.source, parts) {
+                    Ok(()) => return,
+                    Err(e) => (request, transfer.target, Err(code_of(e))),
+                }
+            }
             CpCommand::Move { request, transfer }
                 if transfer.source.tier == Tier::L1Dram as u8 && transfer.target.tier == Tier::L2Nvme as u8 =>
             {
@@ -982,6 +1016,8 @@ impl Pool {
             }
             l2.release(slot).map_err(|_| ErrorCode::StaleGeneration)?;
             self.l2_released(slot);
+        } else if replica.tier == Tier::L3Object as u8 {
+            self.evict_l3(replica, &evict.key)?;
         } else {
             return Err(ErrorCode::NoSuchBlock);
         }
@@ -1087,6 +1123,7 @@ impl Pool {
                     cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes: 0 });
                 }
             }
+            (Purpose::StageL3 { op }, Command::Read(_)) => self.l3_staged(op, event.outcome.is_ok(), parts),
             (Purpose::Promote { to, l1_slot, l1_generation }, Command::Read(read)) => {
                 let result = match event.outcome {
                     Ok(done) => self.promoted(l1_slot, l1_generation, region, link).map(|()| done.bytes),
@@ -1120,24 +1157,36 @@ impl Pool {
                 } else {
                     self.release_l1(l1_slot, table);
                 }
-                match to {
-                    Requester::Agent { agent, cookie } => {
-                        self.answer(agent, cookie, result.map(|_| (l1_slot, l1_generation)));
-                    }
-                    Requester::Cp { request } => {
-                        if let Some(cp) = link {
-                            let status = match result {
-                                Ok(_) => 0,
-                                Err(e) => code_of(e) as u32,
-                            };
-                            let target = self.l1_replica(l1_slot, l1_generation);
-                            let bytes = result.unwrap_or(0);
-                            cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes });
-                        }
-                    }
-                }
+                self.promotion_answered(to, l1_slot, l1_generation, result, parts);
             }
             _ => {}
+        }
+    }
+
+    /// Answers the requester of a promotion into `l1_slot`.
+    fn promotion_answered(
+        &mut self,
+        to: Requester,
+        l1_slot: u32,
+        l1_generation: u32,
+        result: Result<u64, AgentError>,
+        parts: &mut Parts<'_>,
+    ) {
+        match to {
+            Requester::Agent { agent, cookie } => {
+                self.answer(agent, cookie, result.map(|_| (l1_slot, l1_generation)));
+            }
+            Requester::Cp { request } => {
+                if let Some(cp) = parts.link.as_mut() {
+                    let status = match result {
+                        Ok(_) => 0,
+                        Err(e) => code_of(e) as u32,
+                    };
+                    let target = self.l1_replica(l1_slot, l1_generation);
+                    let bytes = result.unwrap_or(0);
+                    cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes });
+                }
+            }
         }
     }
 
