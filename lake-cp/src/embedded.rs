@@ -53,6 +53,9 @@ pub struct EmbeddedConfig {
     pub transport_peers: Vec<(u32, Vec<lake_dp::transport::tcp::Rail>)>,
     /// This node's id (a pool of several nodes gives each its own).
     pub node: u32,
+    /// The object store tier, if any (its directory or bucket outlives
+    /// the pool: it is not under `dir`, and not removed at stop).
+    pub l3: Option<lake_dp::runner::config::L3Section>,
 }
 
 impl EmbeddedConfig {
@@ -75,6 +78,7 @@ impl EmbeddedConfig {
             transport_listen: None,
             transport_peers: Vec::new(),
             node: 0,
+            l3: None,
         }
     }
 }
@@ -172,6 +176,12 @@ ports = {remote}
         remote = config.remote_agents.clamp(1, 1024),
     ))
     .map_err(|e| e.to_string())
+    .and_then(|mut runner| {
+        runner.l3 = config.l3.clone();
+        // Checked as a file's section would be: the error names the field.
+        runner.check().map_err(|e| e.to_string())?;
+        Ok(runner)
+    })
 }
 
 impl EmbeddedPool {
@@ -184,7 +194,9 @@ impl EmbeddedPool {
         std::fs::create_dir_all(&config.dir).map_err(|e| format!("{}: {e}", config.dir.display()))?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
-        let entries = u64::from(config.l1_slots) + 2 * u64::from(config.l2_slots_per_file);
+        let entries = u64::from(config.l1_slots)
+            + 2 * u64::from(config.l2_slots_per_file)
+            + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
             .map_err(|e| format!("mirror: {e}"))?;
         config.tiers.validate()?;

@@ -169,7 +169,7 @@ fn as_refs(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
 
 fn tier_metrics(out: &mut String, node: &Node) {
     use lake_dp::Tier;
-    let tiers = [("L1", Tier::L1Dram), ("L2", Tier::L2Nvme)];
+    let tiers = [("L1", Tier::L1Dram), ("L2", Tier::L2Nvme), ("L3", Tier::L3Object)];
     let usage: Vec<(String, crate::tier::TierUsage)> =
         tiers.iter().map(|(name, tier)| (format!("tier=\"{name}\""), node.tiers.usage(*tier))).collect();
     let samples = |f: fn(&crate::tier::TierUsage) -> u64| -> Vec<(String, u64)> {
@@ -191,6 +191,9 @@ fn tier_metrics(out: &mut String, node: &Node) {
             ("move=\"demote_l1_l2\"", t.demotions),
             ("move=\"drop_l1\"", t.drops[Tier::L1Dram as usize]),
             ("move=\"drop_l2\"", t.drops[Tier::L2Nvme as usize]),
+            ("move=\"move_to_l3\"", t.l3_moves),
+            ("move=\"copy_to_l3\"", t.l3_copies),
+            ("move=\"delete_l3\"", t.drops[Tier::L3Object as usize]),
         ],
     );
     metric(

@@ -371,6 +371,11 @@ impl Node {
             return Ok(());
         }
         let new = existing.is_none();
+        // A new L1 copy of a block a lower tier holds: a promotion.
+        let promoted = new
+            && !readopted
+            && replica.tier == Tier::L1Dram
+            && self.locations.ready(&block.key).any(|r| r.tier > Tier::L1Dram);
         let result = self.locations.adopt(
             parent,
             block.key,
@@ -388,6 +393,11 @@ impl Node {
                     self.counters.committed += 1;
                 }
                 self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new);
+                if promoted {
+                    // Read through for a reader that is about to pin it: it
+                    // counts as accessed now, so the next victim is another.
+                    self.tiers.accessed(block.namespace, &[block.key]);
+                }
                 self.publish(&block.key);
                 self.release_children(block.key);
                 Ok(())

@@ -17,9 +17,19 @@
 //! - an L1 victim with a ready L2 copy is dropped from L1 (`EvictBlock`);
 //! - an L1 victim without one is demoted (`MoveBlock` L1→L2; the data plane
 //!   writes L2, reports the new replica, then frees L1), unless L2 is full
-//!   and L2's policy would not admit the block over its own victim: then
-//!   it is dropped (admission control for L2 writes);
-//! - an L2 victim is dropped (L3 arrives with issue \[7\]).
+//!   and L2's policy would not admit the block over its own victim (or the
+//!   node has no L2): then it goes to L3 if the node has an object store
+//!   and L3 holds none of it, else it is dropped (admission control for L2
+//!   writes);
+//! - an L2 victim with a ready L3 copy is dropped; one without is moved to
+//!   L3 (`MoveBlock` L2→L3: the object is stored, reported `Durable`, then
+//!   the L2 slot freed) where the node has an object store, else dropped;
+//! - an L3 victim (past the catalog's capacity) is deleted.
+//!
+//! With [`L3WriteBack::Eager`], every block saved (or landed) in L1 or L2
+//! is also copied to L3 soon after (`CopyBlock`, from L2 if it is there
+//! by then, at write-back priority, a bounded number per pass), so L3
+//! holds the whole pool and an eviction from L2 is a drop.
 //!
 //! A replica a reader holds a lease on is passed over. Bytes of commands in
 //! flight count as already gone, so one pass does not ask twice; a command
@@ -43,6 +53,10 @@ use crate::location::Locations;
 /// A command not answered within this time is given up (its block goes
 /// back in the cache).
 pub const PENDING_TIMEOUT_NS: u64 = 30_000_000_000;
+
+/// A block whose command the data plane refused waits this long before
+/// it may be chosen again.
+pub const RETRY_WAIT_NS: u64 = 50_000_000;
 
 /// Commands one planning pass may issue at most (the rest wait for the
 /// next pass, so a burst of pressure does not flood the data plane).
@@ -76,6 +90,35 @@ impl PolicyKind {
     }
 }
 
+/// When blocks are written to L3 (the object store).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum L3WriteBack {
+    /// When they leave L2 (or L1 with nowhere else to go): L3 holds what
+    /// the node's faster tiers could not.
+    #[default]
+    OnEviction,
+    /// As soon as they are saved, whatever the pressure: L3 holds
+    /// everything, the source of truth.
+    Eager,
+}
+
+impl L3WriteBack {
+    /// By name: `evict` or `eager`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "evict" => Some(Self::OnEviction),
+            "eager" => Some(Self::Eager),
+            _ => None,
+        }
+    }
+}
+
+/// Write-backs queued at most; beyond, the oldest are let go (counted).
+const WRITE_BACK_QUEUE_MAX: usize = 1 << 20;
+
+/// Write-backs one pass may ask at most.
+const WRITE_BACKS_PER_PASS: usize = COMMANDS_PER_PASS / 4;
+
 /// A namespace's byte quota in one tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Quota {
@@ -101,6 +144,8 @@ pub struct TierConfig {
     pub low_percent: u8,
     /// The policy of every space.
     pub policy: PolicyKind,
+    /// When blocks go to L3 (where a node has an object store).
+    pub l3_write_back: L3WriteBack,
 }
 
 impl Default for TierConfig {
@@ -111,6 +156,7 @@ impl Default for TierConfig {
             high_percent: 95,
             low_percent: 90,
             policy: PolicyKind::Lake,
+            l3_write_back: L3WriteBack::OnEviction,
         }
     }
 }
@@ -155,6 +201,12 @@ pub enum TierAction {
 pub struct TierCounters {
     /// Demotions asked (L1→L2).
     pub demotions: u64,
+    /// Moves to L3 asked (L2→L3, or L1→L3 on a node without room in L2).
+    pub l3_moves: u64,
+    /// Eager write-backs asked (copies to L3).
+    pub l3_copies: u64,
+    /// Eager write-backs let go because the queue was full.
+    pub l3_copies_dropped: u64,
     /// Drops asked, by the tier dropped from (`Tier as usize`).
     pub drops: [u64; 4],
     /// L1 victims dropped rather than demoted because L2's policy did not
@@ -194,6 +246,10 @@ struct Pending {
     region: u16,
     bytes: u64,
     deadline_ns: u64,
+    /// It frees its source (a move or a drop), not a copy.
+    frees: bool,
+    /// The tier it writes to (a move or a copy).
+    to: Option<Tier>,
 }
 
 /// The tier manager. See the module docs.
@@ -213,6 +269,13 @@ pub struct Tiers {
     duplicates: Vec<(BlockKey, Replica)>,
     /// Evictions of duplicates sent and not yet reported.
     duplicates_sent: HashSet<(BlockKey, u16, u32, u32)>,
+    /// Blocks whose command was refused, back in their cache at the time
+    /// given.
+    cooling: Vec<(u64, Pending)>,
+    /// The latest planning pass's time.
+    now_ns: u64,
+    /// Blocks to copy to L3 ([`L3WriteBack::Eager`]), oldest first.
+    write_back: std::collections::VecDeque<(BlockKey, u64)>,
     /// What it has done.
     pub counters: TierCounters,
 }
@@ -256,6 +319,9 @@ impl Tiers {
             next_request: 1 << 63,
             duplicates: Vec::new(),
             duplicates_sent: HashSet::new(),
+            write_back: std::collections::VecDeque::new(),
+            cooling: Vec::new(),
+            now_ns: 0,
             counters: TierCounters::default(),
         }
     }
@@ -289,8 +355,28 @@ impl Tiers {
         if new {
             *self.used.entry((region, namespace)).or_default() += info.slot_bytes;
         }
+        let eager = self.config.l3_write_back == L3WriteBack::Eager
+            && new
+            && matches!(info.tier, Tier::L1Dram | Tier::L2Nvme)
+            && self.region_on(Tier::L3Object, info.node).is_some();
+        if eager {
+            if self.write_back.len() >= WRITE_BACK_QUEUE_MAX {
+                self.write_back.pop_front();
+                self.counters.l3_copies_dropped += 1;
+            }
+            self.write_back.push_back((key, namespace));
+        }
         let space = self.space(info.tier, namespace);
         space.cache.add(parent, key, kind);
+    }
+
+    /// The region of `tier` on `node` (the lowest id), if it has one.
+    fn region_on(&self, tier: Tier, node: u32) -> Option<(u16, RegionUse)> {
+        self.regions
+            .iter()
+            .filter(|(_, r)| r.tier == tier && r.node == node)
+            .min_by_key(|(id, _)| **id)
+            .map(|(id, r)| (*id, *r))
     }
 
     /// A second replica of `key` in a region that holds one already (two
@@ -349,9 +435,17 @@ impl Tiers {
             if let Some(pending) = self.pending.remove(&request) {
                 self.pending_of.remove(&(pending.key, pending.region));
             }
-        } else if self.pending.contains_key(&request) {
+        } else if let Some(pending) = self.pending.remove(&request) {
+            // Refused (the slot is held for a reader, the target full...):
+            // the block goes back after a wait, so a pass does not ask the
+            // same again at once.
             self.counters.failed += 1;
-            self.forget(request);
+            self.pending_of.remove(&(pending.key, pending.region));
+            if pending.frees && self.cooling.len() < COMMANDS_PER_PASS * 64 {
+                self.cooling.push((self.now_ns.saturating_add(RETRY_WAIT_NS), pending));
+            } else if pending.frees {
+                self.space(pending.tier, pending.namespace).cache.add(pending.parent, pending.key, pending.kind);
+            }
         }
     }
 
@@ -366,10 +460,14 @@ impl Tiers {
         }
     }
 
-    /// Drops a pending command and puts its block back in its cache.
+    /// Drops a pending command and puts its block back in its cache (a
+    /// copy never took it out).
     fn forget(&mut self, request: u64) {
         let Some(pending) = self.pending.remove(&request) else { return };
         self.pending_of.remove(&(pending.key, pending.region));
+        if !pending.frees {
+            return;
+        }
         let space = self.space(pending.tier, pending.namespace);
         space.cache.add(pending.parent, pending.key, pending.kind);
     }
@@ -405,7 +503,7 @@ impl Tiers {
     fn pending_by(&self, tier: Tier, namespace: Option<u64>) -> u64 {
         self.pending
             .values()
-            .filter(|p| p.tier == tier && namespace.is_none_or(|n| n == p.namespace))
+            .filter(|p| p.frees && p.tier == tier && namespace.is_none_or(|n| n == p.namespace))
             .map(|p| p.bytes)
             .sum()
     }
@@ -432,6 +530,16 @@ impl Tiers {
     /// takes victims wherever a quota or a tier's high-water mark is
     /// exceeded, appending the commands to `out`.
     pub fn plan(&mut self, locations: &Locations, leases: &Leases, now_ns: u64, out: &mut Vec<TierCommand>) {
+        self.now_ns = now_ns;
+        let mut at = 0;
+        while at < self.cooling.len() {
+            if self.cooling[at].0 <= now_ns {
+                let (_, p) = self.cooling.swap_remove(at);
+                self.space(p.tier, p.namespace).cache.add(p.parent, p.key, p.kind);
+            } else {
+                at += 1;
+            }
+        }
         let late: Vec<u64> =
             self.pending.iter().filter(|(_, p)| p.deadline_ns < now_ns).map(|(&request, _)| request).collect();
         for request in late {
@@ -448,7 +556,8 @@ impl Tiers {
             let action = TierAction::Evict(evict_body(&replica, &key, EvictReason::Released));
             out.push(TierCommand { request, region: replica.region.0, action });
         }
-        for tier in [Tier::L1Dram, Tier::L2Nvme] {
+        self.plan_write_backs(locations, now_ns, out);
+        for tier in [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object] {
             if !self.regions.values().any(|r| r.tier == tier) {
                 continue;
             }
@@ -539,32 +648,41 @@ impl Tiers {
         let bytes = info.map_or(0, |r| r.slot_bytes);
         let request = self.next_request;
         self.next_request += 1;
-        let action = match tier {
-            Tier::L1Dram if locations.ready(&key).any(|r| r.tier == Tier::L2Nvme) => {
-                self.counters.drops[tier as usize] += 1;
-                TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
-            }
-            Tier::L1Dram => match self.demotion_target(namespace, &key, source.node.0) {
-                Some(target) => {
-                    self.counters.demotions += 1;
-                    TierAction::Move(Transfer {
-                        source: source.to_wire(),
-                        target,
-                        key,
-                        deadline_unix_ns: 0,
-                        priority: Priority::Demotion as u8,
-                        reserved: [0; 7],
-                    })
-                }
-                None => {
-                    self.counters.drops[tier as usize] += 1;
-                    TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
-                }
-            },
-            _ => {
-                self.counters.drops[tier as usize] += 1;
-                TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
-            }
+        let held_in = |t: Tier| locations.ready(&key).any(|r| r.tier == t);
+        let move_to = |target: ReplicaWire| {
+            TierAction::Move(Transfer {
+                source: source.to_wire(),
+                target,
+                key,
+                deadline_unix_ns: 0,
+                priority: Priority::Demotion as u8,
+                reserved: [0; 7],
+            })
+        };
+        let node = source.node.0;
+        // An L1 victim L3 holds is only worth writing to L2 while L2 has
+        // room: otherwise the write pushes another block out of L2.
+        let l2_full = || {
+            let (over_high, no_room) = self.l2_pressure(bytes);
+            over_high || no_room
+        };
+        let action = if tier == Tier::L1Dram && (held_in(Tier::L2Nvme) || (held_in(Tier::L3Object) && l2_full())) {
+            self.counters.drops[tier as usize] += 1;
+            TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
+        } else if let Some(target) =
+            (tier == Tier::L1Dram).then(|| self.demotion_target(namespace, &key, node)).flatten()
+        {
+            self.counters.demotions += 1;
+            move_to(target)
+        } else if tier != Tier::L3Object && held_in(Tier::L3Object) {
+            self.counters.drops[tier as usize] += 1;
+            TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
+        } else if let Some(target) = (tier != Tier::L3Object).then(|| self.l3_target(node)).flatten() {
+            self.counters.l3_moves += 1;
+            move_to(target)
+        } else {
+            self.counters.drops[tier as usize] += 1;
+            TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
         };
         self.pending.insert(
             request,
@@ -577,6 +695,11 @@ impl Tiers {
                 region: source.region.0,
                 bytes,
                 deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+                frees: true,
+                to: match action {
+                    TierAction::Move(t) | TierAction::Copy(t) => Tier::from_u8(t.target.tier),
+                    TierAction::Evict(_) => None,
+                },
             },
         );
         self.pending_of.insert((key, source.region.0), request);
@@ -584,17 +707,95 @@ impl Tiers {
         true
     }
 
+    /// The L3 region of `node` as a target (the data plane picks the
+    /// catalog entry), if it has an object store.
+    fn l3_target(&self, node: u32) -> Option<ReplicaWire> {
+        let (region, info) = self.region_on(Tier::L3Object, node)?;
+        Some(ReplicaWire {
+            tier: Tier::L3Object as u8,
+            reserved: 0,
+            region,
+            node,
+            region_epoch: info.epoch,
+            slot: SLOT_ANY,
+            generation: 0,
+        })
+    }
+
+    /// Eager write-back: copies to L3 of blocks queued by
+    /// [`Tiers::added`] that are still where they landed and not in L3
+    /// yet, a bounded number per pass.
+    fn plan_write_backs(&mut self, locations: &Locations, now_ns: u64, out: &mut Vec<TierCommand>) {
+        let mut asked = 0;
+        while asked < WRITE_BACKS_PER_PASS {
+            let Some((key, namespace)) = self.write_back.pop_front() else { break };
+            let ready: Vec<Replica> = locations.ready(&key).collect();
+            if ready.iter().any(|r| r.tier == Tier::L3Object) {
+                continue;
+            }
+            // From L2 if it is there, else from L1.
+            let Some(source) = ready
+                .iter()
+                .filter(|r| matches!(r.tier, Tier::L1Dram | Tier::L2Nvme))
+                .max_by_key(|r| r.tier as u8)
+                .copied()
+            else {
+                continue;
+            };
+            if self.pending_of.contains_key(&(key, source.region.0)) {
+                continue;
+            }
+            let Some(target) = self.l3_target(source.node.0) else { continue };
+            let request = self.next_request;
+            self.next_request += 1;
+            let bytes = self.regions.get(&source.region.0).map_or(0, |r| r.slot_bytes);
+            self.pending.insert(
+                request,
+                Pending {
+                    key,
+                    parent: None,
+                    kind: ObjectKind::KvBlock,
+                    namespace,
+                    tier: source.tier,
+                    region: source.region.0,
+                    bytes,
+                    deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+                    frees: false,
+                    to: Some(Tier::L3Object),
+                },
+            );
+            self.pending_of.insert((key, source.region.0), request);
+            let transfer = Transfer {
+                source: source.to_wire(),
+                target,
+                key,
+                deadline_unix_ns: 0,
+                priority: Priority::WriteBack as u8,
+                reserved: [0; 7],
+            };
+            out.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
+            self.counters.l3_copies += 1;
+            asked += 1;
+        }
+    }
+
+    /// Write-backs queued and not yet asked.
+    pub fn write_backs_queued(&self) -> usize {
+        self.write_back.len()
+    }
+
     /// Where an L1 victim of `namespace` is demoted to, or `None` when it
     /// is dropped: no L2 on its node, or L2 is full and its policy would
     /// not admit the block.
     fn demotion_target(&mut self, namespace: u64, key: &BlockKey, node: u32) -> Option<ReplicaWire> {
-        let (&region, info) =
-            self.regions.iter().filter(|(_, r)| r.tier == Tier::L2Nvme && r.node == node).min_by_key(|(id, _)| **id)?;
-        let info = *info;
-        let capacity = self.capacity(Tier::L2Nvme);
-        let high = percent_of(capacity, self.config.high_percent);
-        let live = self.used_by(Tier::L2Nvme, None).saturating_sub(self.pending_by(Tier::L2Nvme, None));
-        if live + info.slot_bytes > high && !self.space(Tier::L2Nvme, namespace).cache.admits(key) {
+        let (region, info) = self.region_on(Tier::L2Nvme, node)?;
+        let (over_high, no_room) = self.l2_pressure(info.slot_bytes);
+        if no_room {
+            // Every slot is taken or promised (moves out of L2 still in
+            // flight hold theirs): the write would fail.
+            return None;
+        }
+        if over_high && !self.space(Tier::L2Nvme, namespace).cache.admits(key) {
             self.counters.admission_refused += 1;
             return None;
         }
@@ -608,6 +809,21 @@ impl Tiers {
             slot: SLOT_ANY,
             generation: 0,
         })
+    }
+}
+
+impl Tiers {
+    /// L2's pressure for one more block of `bytes`: above the high-water
+    /// mark (counting moves out in flight as gone), and with no slot left
+    /// at all (counting them as still there, and writes in flight into L2
+    /// as landed).
+    fn l2_pressure(&self, bytes: u64) -> (bool, bool) {
+        let capacity = self.capacity(Tier::L2Nvme);
+        let used = self.used_by(Tier::L2Nvme, None);
+        let live = used.saturating_sub(self.pending_by(Tier::L2Nvme, None));
+        let inbound: u64 = self.pending.values().filter(|p| p.to == Some(Tier::L2Nvme)).map(|p| p.bytes).sum();
+        let over_high = live + bytes > percent_of(capacity, self.config.high_percent);
+        (over_high, used + inbound + bytes > capacity)
     }
 }
 
@@ -782,6 +998,57 @@ mod tests {
         world.tiers.lost_regions(&[0]);
         assert_eq!(world.tiers.pending(), 0);
         assert_eq!(world.tiers.counters.failed, 3);
+    }
+
+    #[test]
+    fn l2_victims_go_to_l3_and_eager_write_back_copies_every_saved_block() {
+        let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        world.locations.register_region(9, Tier::L3Object, NodeId(0), 5).unwrap();
+        world.tiers.register(9, Tier::L3Object, 0, 5, SLOT, 100);
+        // L2 over its mark: the coldest go to L3, not away.
+        for k in 1..=9 {
+            world.add(1, 7, None, k);
+        }
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands), vec![(1, "move"), (2, "move"), (3, "move"), (4, "move")]);
+        for command in &commands {
+            let TierAction::Move(t) = command.action else { unreachable!() };
+            assert_eq!((t.source.tier, t.target.tier, t.target.region, t.target.slot), (2, 3, 9, SLOT_ANY));
+        }
+        assert_eq!(world.tiers.counters.l3_moves, 4);
+        // A block L3 holds already is dropped from L2, not written again.
+        let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        world.locations.register_region(9, Tier::L3Object, NodeId(0), 5).unwrap();
+        world.tiers.register(9, Tier::L3Object, 0, 5, SLOT, 100);
+        for k in 1..=9 {
+            world.add(1, 7, None, k);
+        }
+        world.locations.adopt(None, key(1), ObjectKind::KvBlock, 9, 5, 1, 1).unwrap();
+        world.tiers.added(9, 7, None, key(1), ObjectKind::KvBlock, true);
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands)[..2], [(1, "evict"), (2, "move")], "{:?}", keys_of(&commands));
+
+        // Eager: a block saved into L1 is copied to L3 (kept in L1), once.
+        let config = TierConfig { l3_write_back: L3WriteBack::Eager, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        world.locations.register_region(9, Tier::L3Object, NodeId(0), 5).unwrap();
+        world.tiers.register(9, Tier::L3Object, 0, 5, SLOT, 100);
+        world.add(0, 7, None, 1);
+        world.add(0, 7, Some(1), 2);
+        let copies = world.plan();
+        assert_eq!(keys_of(&copies), vec![(1, "copy"), (2, "copy")]);
+        let TierAction::Copy(t) = copies[0].action else { unreachable!() };
+        assert_eq!((t.source.tier, t.target.tier, t.priority), (1, 3, Priority::WriteBack as u8));
+        // A copy frees nothing: L1's figures do not count it as leaving.
+        assert_eq!(world.tiers.usage(Tier::L1Dram).pending_bytes, 0);
+        assert!(world.plan().is_empty(), "asked once");
+        // Refused, it is not asked again by itself (the next save of the
+        // block, or its eviction, writes L3).
+        world.tiers.done(copies[0].request, false);
+        assert!(world.plan().is_empty());
+        assert_eq!(world.tiers.counters.l3_copies, 2);
     }
 
     #[test]

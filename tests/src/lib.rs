@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 
 pub mod fault_proxy;
+pub mod moto;
 pub mod netns;
 pub mod transport;
 

@@ -9,57 +9,13 @@
 #![allow(clippy::cast_possible_truncation)] // small test sizes and ids
 
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lake_dp::l3::s3::{S3Config, S3Store};
 use lake_dp::l3::{L3Client, L3Completion, L3Config, L3Error, L3Request, ObjectStore, StoreError, object_name};
 use lake_dp::{BlockKey, NamespaceId};
+use lake_tests::moto::{Server, moto_server};
 use lake_tests::transport::object;
-
-fn moto_server() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("LAKE_MOTO_SERVER") {
-        return Some(path.into());
-    }
-    let home = std::env::var_os("HOME")?;
-    let path = PathBuf::from(home).join(".cache/lake-moto/bin/moto_server");
-    path.exists().then_some(path)
-}
-
-struct Server {
-    child: Child,
-    port: u16,
-    binary: PathBuf,
-}
-
-impl Server {
-    fn start(binary: PathBuf, port: u16) -> Self {
-        let child = Command::new(&binary)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting moto_server");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "moto_server did not listen on {port} within 30 s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self { child, port, binary }
-    }
-
-    fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
 
 fn wait(client: &mut L3Client, want: usize, within: Duration) -> Vec<L3Completion> {
     let mut done = Vec::new();
@@ -171,4 +127,104 @@ fn blocks_round_trip_through_a_real_s3_server() {
     assert_eq!(wait(&mut client, 1, Duration::from_secs(30))[0].result, Ok(objects[4].len() as u64));
     drop(client);
     again.stop();
+}
+
+/// The pool's L3 tier over the same server: blocks past L1 and L2 are
+/// moved into the bucket and read back through, every byte checked.
+#[test]
+fn the_pool_moves_blocks_past_l2_into_a_real_s3_bucket_and_reads_them_back() {
+    use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+    use lake_cp::tier::TierConfig;
+    use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+    use lake_dp::runner::config::L3Section;
+
+    let Some(binary) = moto_server() else {
+        assert!(std::env::var_os("CI").is_none(), "CI: .ci/run should have installed moto_server");
+        println!("SKIPPED: no moto_server (see blocks_round_trip_through_a_real_s3_server)");
+        return;
+    };
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _server = Server::start(binary, port);
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let l3 = L3Section {
+        endpoint: Some(endpoint.clone()),
+        bucket: Some("lake-pool".into()),
+        region_name: "eu-west-1".into(),
+        access_key: Some("lake".into()),
+        secret_key: Some("lake-secret".into()),
+        create_bucket: true,
+        objects: 1024,
+        ..L3Section::none()
+    };
+    let dir = std::env::temp_dir().join(format!("lake-l3-s3-pool-{}", std::process::id()));
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+        l1_slots: 48,
+        l2_slots_per_file: 16,
+        local_agents: 1,
+        remote_agents: 1,
+        tiers: TierConfig { high_percent: 80, low_percent: 60, ..TierConfig::default() },
+        l3: Some(l3),
+        ..EmbeddedConfig::new(dir)
+    })
+    .unwrap();
+    let config = AgentConfig {
+        arena: &pool.arena,
+        mirror: &pool.mirror,
+        cp_socket: Some(&pool.cp_socket),
+        name: "s3-engine",
+        namespace: NamespaceId(3),
+        layout_fingerprint: 7,
+        segment_bytes: 16 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = Agent::attach(&config, pool.local_ports.remove(0)).unwrap();
+    let keys: Vec<BlockKey> = (0..112u32)
+        .map(|i| {
+            let mut k = [0x53; 16];
+            k[..4].copy_from_slice(&i.to_le_bytes());
+            BlockKey(k)
+        })
+        .collect();
+    let payload = |i: usize| -> Vec<u8> { (0..60 * 1024).map(|b: usize| (b / 3 + i * 7) as u8).collect() };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (i, key) in keys.iter().enumerate() {
+        let bytes = payload(i);
+        let block = SaveBlock {
+            key: *key,
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: i as u32,
+            payload: SavePayload::Bytes(&bytes),
+        };
+        while agent.save(&[block]) == 0 {
+            assert!(Instant::now() < deadline, "block {i} not saved");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let mut table = Vec::new();
+    loop {
+        let hits = agent.lookup(&keys, &mut table);
+        let in_l3 = table.iter().filter(|e| e.tier == lake_dp::Tier::L3Object).count();
+        if hits == keys.len() && in_l3 >= 32 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{hits} found, {in_l3} in L3");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut delivered = 0;
+    for _ in 0..32 {
+        let from = delivered;
+        delivered += agent.fetch(&keys[from..], &table[from..], |i, got| {
+            assert_eq!(got, &payload(from + i)[..], "block {}", from + i);
+        });
+        if delivered == keys.len() {
+            break;
+        }
+        assert_eq!(agent.lookup(&keys, &mut table), keys.len());
+    }
+    assert_eq!(delivered, keys.len(), "{:?} {:?}", agent.stats, agent.last_fetch_failure());
+    assert!(agent.stats.l3_loads > 0, "{:?}", agent.stats);
+    drop(agent);
+    let (stats, _) = pool.stop().unwrap();
+    println!("pool over S3: {:?}", stats.l3);
+    assert!(stats.l3.writes >= 32 && stats.l3.reads > 0 && stats.l3.lost == 0, "{:?}", stats.l3);
 }

@@ -13,6 +13,8 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
        lake serve [--dir DIR] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
                   [--commit-check inline|background|trust] [--transport-listen IP:PORT]
                   [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
+                  [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
+                  [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
                [--ttl SECONDS] [--node N] [--entries N]
@@ -93,6 +95,7 @@ fn demo(args: &[String]) -> Result<(), String> {
 
 fn serve(args: &[String]) -> Result<(), String> {
     use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+    use lake_dp::runner::config::L3Section;
     // Before any thread starts: the pool's threads inherit the blocked
     // signals, and this one takes them.
     let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
@@ -100,6 +103,7 @@ fn serve(args: &[String]) -> Result<(), String> {
         metrics: true,
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-serve-{}", std::process::id())))
     };
+    let mut l3 = L3Section::none();
     let mut iter = args.iter();
     while let Some(flag) = iter.next() {
         let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
@@ -123,6 +127,16 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--transport-listen" => {
                 config.transport_listen = Some(value.parse().map_err(|e| format!("{flag} {value}: {e}"))?);
             }
+            "--l3-dir" => l3.dir = Some(value.into()),
+            "--l3-endpoint" => l3.endpoint = Some(value.clone()),
+            "--l3-bucket" => l3.bucket = Some(value.clone()),
+            "--l3-create-bucket" => l3.create_bucket = value == "yes",
+            "--l3-prefix" => l3.prefix = value.clone(),
+            "--l3-objects" => l3.objects = small()?,
+            "--l3-write-back" => {
+                config.tiers.l3_write_back = lake_cp::tier::L3WriteBack::parse(value)
+                    .ok_or_else(|| format!("--l3-write-back is evict or eager, not {value}"))?;
+            }
             "--commit-check" => {
                 use lake_dp::runner::pool::CommitCheck;
                 config.commit_check = match value.as_str() {
@@ -134,6 +148,12 @@ fn serve(args: &[String]) -> Result<(), String> {
             }
             _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
         }
+    }
+    if l3 != L3Section::none() {
+        if l3.dir.is_none() && l3.endpoint.is_none() {
+            return Err("--l3-* options need --l3-dir or --l3-endpoint".into());
+        }
+        config.l3 = Some(l3);
     }
     let pool = EmbeddedPool::start(&config)?;
     println!(
@@ -151,8 +171,15 @@ fn serve(args: &[String]) -> Result<(), String> {
     }
     let (stats, _) = pool.stop()?;
     println!(
-        "{{\"event\":\"stopped\",\"agents_attached\":{},\"saves\":{},\"promotions\":{},\"demotions\":{}}}",
-        stats.agents_attached, stats.pool.saves, stats.pool.promotions, stats.pool.demotions
+        "{{\"event\":\"stopped\",\"agents_attached\":{},\"saves\":{},\"promotions\":{},\"demotions\":{},\
+         \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{}}}",
+        stats.agents_attached,
+        stats.pool.saves,
+        stats.pool.promotions,
+        stats.pool.demotions,
+        stats.l3.writes,
+        stats.l3.reads,
+        stats.l3.deletes
     );
     Ok(())
 }
