@@ -43,3 +43,6 @@ const _: () = assert!(64 + DELTA_ENTRIES_MAX * 128 <= WIRE_FRAME_BYTES_MAX);
 /// Most slot size classes in one region (one per block layout a node
 /// serves: a few models, K/V shards, recurrent-state checkpoints).
 pub const SLOT_CLASSES_MAX: usize = 8;
+
+/// Region records a mirror holds (region ids `0..MIRROR_REGIONS_MAX`).
+pub const MIRROR_REGIONS_MAX: u32 = 1024;

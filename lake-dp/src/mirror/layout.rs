@@ -45,7 +45,7 @@ pub const HEADER_BYTES: u32 = 4096;
 pub const CONTROL_OFFSET: usize = 2048;
 
 /// Region records (region ids `0..REGIONS_MAX`).
-pub const REGIONS_MAX: u32 = 1024;
+pub const REGIONS_MAX: u32 = crate::constants::MIRROR_REGIONS_MAX;
 
 /// Bytes of a bucket (table entry or region record).
 pub const BUCKET_BYTES: u32 = 32;

@@ -260,7 +260,7 @@ impl L3Section {
         if self.region == 0 || l2_regions.contains(&usize::from(self.region)) {
             return Err(bad("l3.region", "taken by L1 (0) or an L2 file"));
         }
-        if u32::from(self.region) >= crate::mirror::layout::REGIONS_MAX {
+        if u32::from(self.region) >= crate::constants::MIRROR_REGIONS_MAX {
             return Err(bad("l3.region", "below the mirror's region count (1024)"));
         }
         if self.objects == 0 || self.objects > 1 << 24 {
