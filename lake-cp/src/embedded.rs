@@ -56,6 +56,9 @@ pub struct EmbeddedConfig {
     /// The object store tier, if any (its directory or bucket outlives
     /// the pool: it is not under `dir`, and not removed at stop).
     pub l3: Option<lake_dp::runner::config::L3Section>,
+    /// The leader's summary aggregators this node reports its replicas to
+    /// (whichever accepts; none: it reports to none).
+    pub summary_to: Vec<std::net::SocketAddr>,
 }
 
 impl EmbeddedConfig {
@@ -79,6 +82,7 @@ impl EmbeddedConfig {
             transport_peers: Vec::new(),
             node: 0,
             l3: None,
+            summary_to: Vec::new(),
         }
     }
 }
@@ -200,8 +204,17 @@ impl EmbeddedPool {
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
             .map_err(|e| format!("mirror: {e}"))?;
         config.tiers.validate()?;
-        let node = Node::new(NodeId(config.node), 1, Some(writer)).with_tiers(config.tiers.clone());
+        // The view's changes are numbered in a term of this incarnation's own
+        // (its start in ms): a restarted pool's changes are never taken
+        // for the old one's by the leader's summary.
+        let incarnation = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let node = Node::new(NodeId(config.node), incarnation, Some(writer)).with_tiers(config.tiers.clone());
         let mut server = Server::bind(&cp_socket, node, 1).map_err(|e| format!("{}: {e}", cp_socket.display()))?;
+        if !config.summary_to.is_empty() {
+            server.report_to(config.summary_to.clone());
+        }
         let metrics = if config.metrics {
             Some(server.serve_metrics("127.0.0.1:0".parse().map_err(|_| "address")?).map_err(|e| e.to_string())?)
         } else {

@@ -435,6 +435,11 @@ impl Index {
         }
     }
 
+    /// Every live block.
+    pub fn blocks(&self) -> impl Iterator<Item = BlockRef> + '_ {
+        (0u32..).zip(&self.nodes).filter(|(_, n)| !n.key.is_none()).map(|(i, _)| BlockRef(i))
+    }
+
     /// Whether `block` names a live node (not freed).
     pub fn is_live(&self, block: BlockRef) -> bool {
         self.nodes.get(block.0 as usize).is_some_and(|n| !n.key.is_none())

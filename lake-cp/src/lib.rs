@@ -33,5 +33,6 @@ pub mod metrics;
 pub mod node;
 pub mod route;
 pub mod server;
+pub mod summary;
 mod table;
 pub mod tier;

@@ -353,6 +353,24 @@ impl Locations {
         Ok(())
     }
 
+    /// The term its changes are numbered in.
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+
+    /// The sequence of the latest change recorded.
+    pub fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    /// Every ready, current replica of every block.
+    pub fn ready_all(&self) -> impl Iterator<Item = (BlockKey, Replica)> + '_ {
+        self.index.blocks().flat_map(move |block| {
+            let key = self.index.key(block);
+            self.ready(&key).map(move |replica| (key, replica)).collect::<Vec<_>>()
+        })
+    }
+
     /// Takes the changes recorded since the last call, in sequence order.
     pub fn drain_changes(&mut self) -> std::vec::Drain<'_, Change> {
         self.changes.drain(..)

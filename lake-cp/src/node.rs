@@ -224,6 +224,13 @@ impl Node {
         Ok(request)
     }
 
+    /// Moves the location view's numbered changes since the last call
+    /// into `out` (for the cluster summary); they are dropped if nobody
+    /// takes them, so they never pile up.
+    pub fn take_changes(&mut self, out: &mut Vec<crate::location::Change>) {
+        out.extend(self.locations.drain_changes());
+    }
+
     /// The node.
     pub fn node(&self) -> NodeId {
         self.node

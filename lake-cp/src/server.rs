@@ -308,6 +308,9 @@ pub struct Server {
     local_hello: lake_dp::wire::message::Hello,
     term: u64,
     commands: Vec<TierCommand>,
+    /// The link to the leader's summary, if this node reports to one.
+    uplink: Option<crate::summary::link::Uplink>,
+    changes: Vec<crate::location::Change>,
     /// What it has seen.
     pub counters: ServerCounters,
 }
@@ -349,6 +352,8 @@ impl Server {
             local_hello,
             term,
             commands: Vec::new(),
+            uplink: None,
+            changes: Vec::new(),
             counters: ServerCounters::default(),
         })
     }
@@ -362,6 +367,17 @@ impl Server {
         let bound = listener.local_addr()?;
         self.metrics = Some(listener);
         Ok(bound)
+    }
+
+    /// Reports this node's replicas to the leader's summary at whichever
+    /// of `leaders` accepts (see [`crate::summary::link`]).
+    pub fn report_to(&mut self, leaders: Vec<std::net::SocketAddr>) {
+        self.uplink = Some(crate::summary::link::Uplink::new(self.node.node().0, leaders));
+    }
+
+    /// The link to the leader's summary, if any.
+    pub fn uplink(&self) -> Option<&crate::summary::link::Uplink> {
+        self.uplink.as_ref()
     }
 
     /// The node authority.
@@ -416,6 +432,12 @@ impl Server {
             }
         }
         self.send_commands();
+        // The location view's changes go to the leader's summary, or away.
+        self.changes.clear();
+        self.node.take_changes(&mut self.changes);
+        if let Some(uplink) = &mut self.uplink {
+            uplink.pump(&self.node.locations, &self.changes);
+        }
         Ok(())
     }
 

@@ -97,3 +97,51 @@ fn cp_session_seeds_are_current() {
     }
     assert_eq!(count, seeds.len());
 }
+
+/// The `summary_checkpoint` target's seed: a checkpoint of two nodes, one
+/// a lapsed member, written by this build.
+#[test]
+fn summary_checkpoint_seeds_are_current() {
+    use lake_cp::summary::Summary;
+    use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp};
+
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/summary_checkpoint");
+    let mut summary = Summary::new();
+    for node in [1u32, 2] {
+        let entries: Vec<DeltaEntry> = [(Tier::L1Dram, 1u16), (Tier::L2Nvme, 2), (Tier::L3Object, 9)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(tier, region))| DeltaEntry {
+                op: DeltaOp::Add as u8,
+                durability: Durability::Acked as u8,
+                kind: ObjectKind::KvBlock as u16,
+                block_index: 0,
+                key: BlockKey([u8::try_from(i).unwrap() + 1; 16]),
+                parent_key: BlockKey::NONE,
+                namespace: 0,
+                layout_fingerprint: 0,
+                replica: ReplicaWire {
+                    tier: tier as u8,
+                    reserved: 0,
+                    region,
+                    node,
+                    region_epoch: 5,
+                    slot: 7,
+                    generation: 1,
+                },
+            })
+            .collect();
+        let head = Delta { term: 4, sequence: 1, node, count: 3 };
+        summary.delta(&head, entries);
+    }
+    summary.membership(&[2]);
+    let seed = summary.checkpoint(11);
+    if std::env::var_os("LAKE_UPDATE_SEEDS").is_some() {
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("seed-00"), &seed).unwrap();
+    }
+    let committed = std::fs::read(dir.join("seed-00")).unwrap();
+    assert_eq!(committed, seed, "stale seed in {}", dir.display());
+    let (back, term) = Summary::restore(&committed).unwrap();
+    assert_eq!((term, back.nodes()), (11, vec![1, 2]));
+}

@@ -15,11 +15,16 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
                   [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
                   [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
+                  [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
                [--ttl SECONDS] [--node N] [--entries N]
                (a control plane standing for leadership in etcd: a standby until it leads,
-                then serving the socket and writing the mirror under its term)";
+                then serving the socket and writing the mirror under its term)
+       lake summary --listen IP:PORT [--etcd URL --cluster NAME --id ID [--ttl SECONDS]]
+                    [--checkpoint-dir DIR] [--checkpoint-ms N]
+               (the leader's cluster summary: the nodes' deltas applied in order, a gap resynced
+                by snapshot, lapsed members' L1 dropped, checkpoints on DIR with the pointer in etcd)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -42,6 +47,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("lake cp: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Some("summary") => match summary_leader(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lake summary: {e}");
                 ExitCode::FAILURE
             }
         },
@@ -104,6 +116,7 @@ fn serve(args: &[String]) -> Result<(), String> {
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-serve-{}", std::process::id())))
     };
     let mut l3 = L3Section::none();
+    let (mut etcd, mut cluster, mut member_ttl) = (None::<String>, None::<String>, 3i64);
     let mut iter = args.iter();
     while let Some(flag) = iter.next() {
         let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
@@ -133,6 +146,14 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--l3-create-bucket" => l3.create_bucket = value == "yes",
             "--l3-prefix" => l3.prefix = value.clone(),
             "--l3-objects" => l3.objects = small()?,
+            "--summary-to" => {
+                for address in value.split(',') {
+                    config.summary_to.push(address.parse().map_err(|e| format!("{flag} {address}: {e}"))?);
+                }
+            }
+            "--etcd" => etcd = Some(value.clone()),
+            "--cluster" => cluster = Some(value.clone()),
+            "--member-ttl" => member_ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
             "--l3-write-back" => {
                 config.tiers.l3_write_back = lake_cp::tier::L3WriteBack::parse(value)
                     .ok_or_else(|| format!("--l3-write-back is evict or eager, not {value}"))?;
@@ -155,7 +176,27 @@ fn serve(args: &[String]) -> Result<(), String> {
         }
         config.l3 = Some(l3);
     }
+    // Membership: this node's key in etcd under a lease it renews; a node
+    // that stops (or is killed) leaves the summary's members when it runs
+    // out.
+    let cluster = match (&etcd, &cluster) {
+        (Some(etcd), Some(name)) => {
+            let endpoints: Vec<&str> = etcd.split(',').collect();
+            let client = lake_cp::etcd::Etcd::new(&endpoints, std::time::Duration::from_secs(2))
+                .map_err(|e| format!("--etcd {etcd}: {e}"))?;
+            Some(lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("--cluster {name}: {e}"))?)
+        }
+        (None, None) => None,
+        _ => return Err("--etcd and --cluster go together".into()),
+    };
     let pool = EmbeddedPool::start(&config)?;
+    let address = config.transport_listen.map_or_else(|| pool.cp_socket.display().to_string(), |a| a.to_string());
+    let mut member = match &cluster {
+        Some(cluster) => Some(cluster.join(config.node, &address, member_ttl).map_err(|e| format!("joining: {e}"))?),
+        None => None,
+    };
+    let renew_every = std::time::Duration::from_millis(u64::try_from(member_ttl).unwrap_or(1) * 1000 / 3);
+    let mut renewed = std::time::Instant::now();
     println!(
         "{{\"event\":\"serving\",\"dp_socket\":\"{}\",\"cp_socket\":\"{}\",\"mirror\":\"{}\",\"metrics\":\"{}\",\
          \"block_bytes\":{}}}",
@@ -168,6 +209,21 @@ fn serve(args: &[String]) -> Result<(), String> {
     let _ = std::io::Write::flush(&mut std::io::stdout());
     while signals.take().is_none() {
         std::thread::sleep(std::time::Duration::from_millis(50));
+        if renewed.elapsed() >= renew_every
+            && let (Some(cluster), Some(current)) = (&cluster, &member)
+        {
+            renewed = std::time::Instant::now();
+            match current.keep_alive() {
+                Ok(true) => {}
+                // Lapsed (a long stall): join again; the summary gets this
+                // node's replicas back from its next snapshot.
+                Ok(false) => member = cluster.join(config.node, &address, member_ttl).ok(),
+                Err(e) => eprintln!("lake serve: renewing membership: {e}"),
+            }
+        }
+    }
+    if let Some(member) = member {
+        let _ = member.leave();
     }
     let (stats, _) = pool.stop()?;
     println!(
@@ -387,4 +443,188 @@ fn print_report(r: &DemoReport) {
         r.save_us.p99,
         r.seconds
     );
+}
+
+/// `lake summary`: the leader's cluster summary (see `lake_cp::summary`).
+fn summary_leader(args: &[String]) -> Result<(), String> {
+    use std::time::{Duration, Instant};
+
+    use lake_cp::ha::{Cluster, Role};
+    use lake_cp::summary::Summary;
+    use lake_cp::summary::link::Aggregator;
+    use lake_dp::l3::ObjectStore;
+
+    let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
+    let (mut listen, mut etcd, mut cluster, mut id, mut dir) = (None, None, None, None, None);
+    let (mut ttl, mut checkpoint_ms) = (3i64, 1000u64);
+    let mut iter = args.iter();
+    while let Some(flag) = iter.next() {
+        let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let number = || value.parse::<u64>().map_err(|e| format!("{flag} {value}: {e}"));
+        match flag.as_str() {
+            "--listen" => {
+                listen = Some(value.parse::<std::net::SocketAddr>().map_err(|e| format!("{flag} {value}: {e}"))?)
+            }
+            "--etcd" => etcd = Some(value.clone()),
+            "--cluster" => cluster = Some(value.clone()),
+            "--id" => id = Some(value.clone()),
+            "--ttl" => ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
+            "--checkpoint-dir" => dir = Some(std::path::PathBuf::from(value)),
+            "--checkpoint-ms" => checkpoint_ms = number()?.max(10),
+            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
+        }
+    }
+    let listen = listen.ok_or_else(|| format!("--listen is required\n{USAGE}"))?;
+    let say = |line: String| {
+        println!("{line}");
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    };
+    let cluster = match (&etcd, &cluster) {
+        (Some(etcd), Some(name)) => {
+            let endpoints: Vec<&str> = etcd.split(',').collect();
+            let client = lake_cp::etcd::Etcd::new(&endpoints, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+            Some(Cluster::new(client, name).map_err(|e| e.to_string())?)
+        }
+        (None, None) => None,
+        _ => return Err("--etcd and --cluster go together".into()),
+    };
+    let mut store = match &dir {
+        Some(dir) => Some(lake_dp::l3::dir::DirStore::open(dir).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let id = id.unwrap_or_else(|| format!("summary-{}", std::process::id()));
+    let mut candidate = match &cluster {
+        Some(cluster) => Some(cluster.candidate(&id, ttl).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    // A standby until it leads.
+    let every = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 4).max(Duration::from_millis(50));
+    let mut term = 1;
+    if let Some(candidate) = &mut candidate {
+        term = loop {
+            match candidate.campaign() {
+                Ok(Role::Leader { term }) => break term,
+                Ok(Role::Standby { leader, term }) => {
+                    say(format!("{{\"event\":\"standby\",\"id\":\"{id}\",\"leader\":\"{leader}\",\"term\":{term}}}"));
+                }
+                Err(e) => eprintln!("lake summary: campaigning: {e}"),
+            }
+            let woke = Instant::now();
+            while woke.elapsed() < every {
+                if signals.take().is_some() {
+                    return Ok(());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        say(format!("{{\"event\":\"elected\",\"id\":\"{id}\",\"term\":{term}}}"));
+    }
+    // Where the last leader left the summary: its checkpoint, then the
+    // nodes' snapshots (each node sends one as it connects).
+    let mut summary = Summary::new();
+    if let (Some(cluster), Some(store)) = (&cluster, &mut store)
+        && let Some(pointer) = cluster.checkpoint().map_err(|e| e.to_string())?
+    {
+        match store.get(&pointer.location) {
+            Ok(Some(bytes)) => match Summary::restore(&bytes) {
+                Ok((restored, written_in)) => {
+                    summary = restored;
+                    say(format!(
+                        "{{\"event\":\"restored\",\"location\":\"{}\",\"term\":{written_in},\"nodes\":{}}}",
+                        pointer.location,
+                        nodes_json(&summary)
+                    ));
+                }
+                Err(e) => eprintln!("lake summary: checkpoint {}: {e} (starting empty)", pointer.location),
+            },
+            Ok(None) => eprintln!("lake summary: checkpoint {} is gone (starting empty)", pointer.location),
+            Err(e) => eprintln!("lake summary: checkpoint {}: {e} (starting empty)", pointer.location),
+        }
+    }
+    let mut aggregator = Aggregator::bind(listen, summary).map_err(|e| format!("--listen {listen}: {e}"))?;
+    say(format!(
+        "{{\"event\":\"leading\",\"listen\":\"{}\",\"term\":{term}}}",
+        aggregator.local_addr().map_err(|e| e.to_string())?
+    ));
+    let (mut last_report, mut last_checkpoint, mut last_renew) = (Instant::now(), Instant::now(), Instant::now());
+    let mut written = 0u64;
+    let mut previous: Option<String> = None;
+    while signals.take().is_none() {
+        aggregator.pump();
+        std::thread::sleep(Duration::from_millis(2));
+        if last_renew.elapsed() >= every {
+            last_renew = Instant::now();
+            if let (Some(cluster), Some(candidate)) = (&cluster, &mut candidate) {
+                if !matches!(candidate.keep_alive(), Ok(true))
+                    || !matches!(candidate.campaign(), Ok(Role::Leader { .. }))
+                {
+                    say(format!("{{\"event\":\"deposed\",\"id\":\"{id}\",\"term\":{term}}}"));
+                    return Ok(());
+                }
+                match cluster.members() {
+                    Ok(members) => {
+                        let nodes: Vec<u32> = members.iter().map(|(node, _)| *node).collect();
+                        aggregator.summary.membership(&nodes);
+                    }
+                    Err(e) => eprintln!("lake summary: members: {e}"),
+                }
+            }
+        }
+        if let Some(store) = &mut store
+            && last_checkpoint.elapsed() >= Duration::from_millis(checkpoint_ms)
+        {
+            last_checkpoint = Instant::now();
+            written += 1;
+            let name = format!("summary/{term:020}-{written:010}");
+            let bytes = aggregator.summary.checkpoint(term);
+            match store.put(&name, &bytes) {
+                Ok(()) => {
+                    let published = match &candidate {
+                        Some(candidate) => candidate.publish_checkpoint(&name).unwrap_or(false),
+                        None => true,
+                    };
+                    if published {
+                        if let Some(old) = previous.replace(name.clone()) {
+                            let _ = store.delete(&old);
+                        }
+                        say(format!("{{\"event\":\"checkpoint\",\"location\":\"{name}\",\"bytes\":{}}}", bytes.len()));
+                    } else {
+                        let _ = store.delete(&name);
+                    }
+                }
+                Err(e) => eprintln!("lake summary: writing {name}: {e}"),
+            }
+        }
+        if last_report.elapsed() >= Duration::from_secs(1) {
+            last_report = Instant::now();
+            let c = aggregator.counters;
+            say(format!(
+                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"nodes\":{}}}",
+                aggregator.connected(),
+                c.applied,
+                c.snapshot_frames,
+                c.gaps,
+                nodes_json(&aggregator.summary)
+            ));
+        }
+    }
+    if let Some(candidate) = candidate {
+        let _ = candidate.resign();
+    }
+    Ok(())
+}
+
+fn nodes_json(summary: &lake_cp::summary::Summary) -> String {
+    let nodes: Vec<String> = summary
+        .nodes()
+        .into_iter()
+        .filter_map(|node| summary.figures(node).map(|f| (node, f)))
+        .map(|(node, f)| {
+            format!(
+                "{{\"node\":{node},\"term\":{},\"sequence\":{},\"member\":{},\"gap\":{},\"replicas\":{:?},\"available\":{:?}}}",
+                f.term, f.sequence, f.member, f.gap, f.replicas, f.available
+            )
+        })
+        .collect();
+    format!("[{}]", nodes.join(","))
 }

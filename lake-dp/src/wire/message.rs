@@ -781,6 +781,28 @@ impl Record for LeaseRelease {
     }
 }
 
+/// The leader asks a node's `lake-cp` for a snapshot of its replicas (it
+/// saw a gap in the node's deltas, or it has just taken over).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct SnapshotRequest {
+    /// The node.
+    pub node: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// The node's term the leader last saw (0: none).
+    pub term: u64,
+}
+
+impl Record for SnapshotRequest {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.reserved != 0 {
+            return Err(field_err("snapshot_request.reserved", self.reserved));
+        }
+        Ok(())
+    }
+}
+
 /// [`PinDrop::pin_index`] meaning every pin of the agent.
 pub const PIN_INDEX_ALL: u32 = u32::MAX;
 
@@ -948,8 +970,12 @@ impl Record for LookupEntry {
     }
 }
 
-/// A numbered batch of index changes from one node's `lake-cp`. A receiver
-/// that sees a gap in `sequence` within a term asks for a snapshot.
+/// A numbered batch of index changes from one node's `lake-cp`: its
+/// entries carry `sequence`, `sequence + 1`, ... of `term`. A receiver that
+/// sees a gap in the sequence within a term asks for a snapshot. In a
+/// [`Message::Snapshot`] frame, `sequence` is the last change the snapshot
+/// covers (its frames follow each other; the first starts it over) and the
+/// entries are every ready replica.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
 pub struct Delta {
@@ -1198,6 +1224,7 @@ messages! {
         EvictBlock(BlockEvicted) = 19,
         DataPlaneStats(DataPlaneStats) = 21,
         Attached(Attached) = 22,
+        SnapshotRequest(SnapshotRequest) = 26,
     }
     listed {
         LeaseRequest(LeaseRequest, BlockKey) = 11,
@@ -1208,6 +1235,7 @@ messages! {
         Accessed(Accessed, BlockKey) = 20,
         Resident(Resident, BlockKey) = 23,
         RailStats(RailStats, RailEntry) = 24,
+        Snapshot(Delta, DeltaEntry) = 25,
     }
 }
 
@@ -1228,6 +1256,7 @@ const _: () = assert!(size_of::<RailStats>() == 8);
 const _: () = assert!(size_of::<RailEntry>() == 24);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);
+const _: () = assert!(size_of::<SnapshotRequest>() == 16);
 const _: () = assert!(size_of::<ErrorBody>() == 64);
 // Every fixed body fits the smallest frame limit a peer may announce.
 const _: () = assert!(super::FRAME_HEADER_BYTES + 88 <= PEER_FRAME_BYTES_MIN as usize);

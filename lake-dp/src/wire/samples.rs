@@ -203,6 +203,22 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
             Records::from_slice(&rails),
         ),
     );
+    let snapshot = [DeltaEntry {
+        op: DeltaOp::Add as u8,
+        durability: 1,
+        kind: 1,
+        block_index: 3,
+        key: key(5),
+        parent_key: key(4),
+        namespace: 0xabc,
+        layout_fingerprint: 0xdef,
+        replica: replica(Tier::L1Dram, 12),
+    }];
+    visit(
+        meta(30),
+        Message::Snapshot(Delta { term: 4, sequence: 100, node: 2, count: 1 }, Records::from_slice(&snapshot)),
+    );
+    visit(reply(30), Message::SnapshotRequest(SnapshotRequest { node: 2, reserved: 0, term: 4 }));
 }
 
 /// [`each_message`] encoded: one frame per kind.

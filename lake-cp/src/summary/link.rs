@@ -1,0 +1,466 @@
+//! The summary's wire: each node's `lake-cp` streams its location view's
+//! numbered changes to the leader over TCP ([`Uplink`]); the leader applies
+//! them to its [`Summary`] and asks for a snapshot where it finds a gap
+//! ([`Aggregator`]).
+//!
+//! ```text
+//! node lake-cp ── Hello ─────────────────────────────▶ leader
+//!              ── Snapshot × n (its ready replicas) ─▶   (every connect)
+//!              ── Delta (term, sequence, changes) ───▶   applied in order
+//!              ◀── SnapshotRequest (gap seen) ────────
+//! ```
+//!
+//! Frames are the wire v1 format of every other link (CRC'd, checked).
+//! Neither side blocks: the uplink is pumped from the node's loop, the
+//! aggregator from the leader's. A node whose link is down drops its
+//! changes (counted) and sends a snapshot when it is back, so what the
+//! leader misses is bounded by one snapshot, never by a queue.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use lake_dp::constants::DELTA_ENTRIES_MAX;
+use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
+use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SnapshotRequest};
+use lake_dp::wire::{FLAG_REPLY, FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
+use lake_dp::{BlockKey, Durability, ObjectKind, Replica, Tier};
+
+use super::{Outcome, Summary};
+use crate::location::{Change, ChangeOp, Locations};
+
+/// A connection's output past this is cut (the peer does not read): the
+/// node reconnects and sends a snapshot.
+const OUTPUT_MAX: usize = 64 << 20;
+
+/// The wire record of `replica` of `key`, as `locations` knows the block.
+pub fn entry_of(locations: &Locations, key: &BlockKey, replica: &Replica, op: DeltaOp) -> DeltaEntry {
+    let block = locations.index.get(key);
+    let parent = block.and_then(|b| locations.index.parent(b)).map_or(BlockKey::NONE, |p| locations.index.key(p));
+    let kind = block.map_or(ObjectKind::KvBlock, |b| locations.index.kind(b));
+    let durability = match replica.tier {
+        Tier::L0Hbm | Tier::L1Dram => Durability::Volatile,
+        Tier::L2Nvme => Durability::Acked,
+        Tier::L3Object => Durability::Durable,
+    };
+    DeltaEntry {
+        op: op as u8,
+        durability: durability as u8,
+        kind: kind as u16,
+        block_index: 0,
+        key: *key,
+        parent_key: parent,
+        namespace: 0,
+        layout_fingerprint: 0,
+        replica: replica.to_wire(),
+    }
+}
+
+/// The deltas of `changes` (in sequence order) for `node`: runs of
+/// consecutive sequences of one term, at most [`DELTA_ENTRIES_MAX`] each.
+pub fn deltas(node: u32, locations: &Locations, changes: &[Change]) -> Vec<(Delta, Vec<DeltaEntry>)> {
+    let mut out: Vec<(Delta, Vec<DeltaEntry>)> = Vec::new();
+    for change in changes {
+        let op = match change.op {
+            ChangeOp::Ready => DeltaOp::Add,
+            ChangeOp::Removed => DeltaOp::Remove,
+        };
+        let entry = entry_of(locations, &change.key, &change.replica, op);
+        match out.last_mut() {
+            Some((head, entries))
+                if head.term == change.term
+                    && head.sequence + u64::from(head.count) == change.sequence
+                    && entries.len() < DELTA_ENTRIES_MAX =>
+            {
+                entries.push(entry);
+                head.count += 1;
+            }
+            _ => out.push((Delta { term: change.term, sequence: change.sequence, node, count: 1 }, vec![entry])),
+        }
+    }
+    out
+}
+
+/// `node`'s whole view as snapshot frames: every ready replica, at the
+/// view's latest sequence.
+pub fn snapshot(node: u32, locations: &Locations) -> Vec<(Delta, Vec<DeltaEntry>)> {
+    let entries: Vec<DeltaEntry> =
+        locations.ready_all().map(|(key, replica)| entry_of(locations, &key, &replica, DeltaOp::Add)).collect();
+    let head = |count: usize| Delta {
+        term: locations.term(),
+        sequence: locations.sequence(),
+        node,
+        count: u32::try_from(count).unwrap_or(u32::MAX),
+    };
+    if entries.is_empty() {
+        return vec![(head(0), Vec::new())];
+    }
+    entries.chunks(DELTA_ENTRIES_MAX).map(|chunk| (head(chunk.len()), chunk.to_vec())).collect()
+}
+
+fn push_frame(out: &mut Vec<u8>, meta: FrameMeta, message: &Message<'_>) -> Result<(), WireError> {
+    let start = out.len();
+    out.resize(start + lake_dp::constants::WIRE_FRAME_BYTES_MAX, 0);
+    match encode_frame(meta, message, &mut out[start..]) {
+        Ok(len) => {
+            out.truncate(start + len);
+            Ok(())
+        }
+        Err(e) => {
+            out.truncate(start);
+            Err(e)
+        }
+    }
+}
+
+fn meta(request_id: u64) -> FrameMeta {
+    FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id, leader_term: 0 }
+}
+
+/// Writes what `stream` takes of `output` now; false when it closed.
+fn write_some(stream: &mut TcpStream, output: &mut Vec<u8>) -> bool {
+    while !output.is_empty() {
+        match stream.write(output) {
+            Ok(0) => return false,
+            Ok(n) => {
+                output.drain(..n);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
+/// Reads what `stream` has into `input`; false when it closed.
+fn read_some(stream: &mut TcpStream, input: &mut Vec<u8>) -> bool {
+    let mut buf = [0u8; 64 * 1024];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return false,
+            Ok(n) => input.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+/// What an uplink has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UplinkCounters {
+    /// Connections made to the leader.
+    pub connects: u64,
+    /// Delta frames sent.
+    pub deltas: u64,
+    /// Snapshots sent (one per connection, and one per request).
+    pub snapshots: u64,
+    /// Changes dropped while no leader was connected (a snapshot follows).
+    pub dropped: u64,
+}
+
+/// A node's link to the leader's aggregator. See the module docs.
+#[derive(Debug)]
+pub struct Uplink {
+    node: u32,
+    leaders: Vec<SocketAddr>,
+    next: usize,
+    stream: Option<TcpStream>,
+    output: Vec<u8>,
+    input: Vec<u8>,
+    snapshot_due: bool,
+    retry_at: Instant,
+    wait: Duration,
+    request: u64,
+    /// What it has done.
+    pub counters: UplinkCounters,
+}
+
+impl Uplink {
+    /// An uplink for `node` to whichever of `leaders` accepts (tried in
+    /// turn; only the leading aggregator listens).
+    pub fn new(node: u32, leaders: Vec<SocketAddr>) -> Self {
+        Self {
+            node,
+            leaders,
+            next: 0,
+            stream: None,
+            output: Vec::new(),
+            input: Vec::new(),
+            snapshot_due: true,
+            retry_at: Instant::now(),
+            wait: Duration::from_millis(50),
+            request: 0,
+            counters: UplinkCounters::default(),
+        }
+    }
+
+    /// Whether a leader is connected.
+    pub fn is_connected(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    fn close(&mut self) {
+        self.stream = None;
+        self.output.clear();
+        self.input.clear();
+        self.snapshot_due = true;
+        self.retry_at = Instant::now() + self.wait;
+        self.wait = (self.wait * 2).min(Duration::from_secs(1));
+    }
+
+    fn connect(&mut self) {
+        if self.leaders.is_empty() || Instant::now() < self.retry_at {
+            return;
+        }
+        let address = self.leaders[self.next % self.leaders.len()];
+        self.next += 1;
+        let Ok(stream) = TcpStream::connect_timeout(&address, Duration::from_millis(200)) else {
+            self.retry_at = Instant::now() + self.wait;
+            self.wait = (self.wait * 2).min(Duration::from_secs(1));
+            return;
+        };
+        let identity = Identity {
+            role: Role::ControlPlane,
+            node: self.node,
+            pid: std::process::id(),
+            region_epoch: 0,
+            features: 0,
+            name: "lake-cp",
+        };
+        let Ok(local) = hello::hello(&identity) else { return };
+        if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
+            return;
+        }
+        self.output.clear();
+        self.input.clear();
+        if push_frame(&mut self.output, meta(0), &Message::Hello(local)).is_err() {
+            return;
+        }
+        self.stream = Some(stream);
+        self.snapshot_due = true;
+        self.wait = Duration::from_millis(50);
+        self.counters.connects += 1;
+    }
+
+    fn send(&mut self, frames: Vec<(Delta, Vec<DeltaEntry>)>, as_snapshot: bool) -> bool {
+        for (head, entries) in frames {
+            self.request += 1;
+            let records = Records::from_slice(&entries);
+            let message = if as_snapshot { Message::Snapshot(head, records) } else { Message::Delta(head, records) };
+            if push_frame(&mut self.output, meta(self.request), &message).is_err() {
+                return false;
+            }
+            if as_snapshot {
+                continue;
+            }
+            self.counters.deltas += 1;
+        }
+        if as_snapshot {
+            self.counters.snapshots += 1;
+        }
+        true
+    }
+
+    /// One pass: (re)connects, sends a snapshot where one is due, then
+    /// `changes` as deltas (or drops them, counted, with no leader), and
+    /// takes the leader's requests.
+    pub fn pump(&mut self, locations: &Locations, changes: &[Change]) {
+        if self.stream.is_none() {
+            self.connect();
+        }
+        if self.stream.is_none() {
+            self.counters.dropped += changes.len() as u64;
+            return;
+        }
+        if self.snapshot_due {
+            // The snapshot covers what the changes say too.
+            self.snapshot_due = false;
+            if !self.send(snapshot(self.node, locations), true) {
+                return self.close();
+            }
+        } else if !changes.is_empty() && !self.send(deltas(self.node, locations, changes), false) {
+            return self.close();
+        }
+        let Some(stream) = self.stream.as_mut() else { return };
+        let open = read_some(stream, &mut self.input) && write_some(stream, &mut self.output);
+        if !open || self.output.len() > OUTPUT_MAX {
+            return self.close();
+        }
+        loop {
+            let frame = match decode_frame(&self.input, &Limits::default()) {
+                Err(WireError::Incomplete { .. }) => break,
+                Err(_) => return self.close(),
+                Ok(frame) => frame,
+            };
+            let used = frame.len();
+            let again = match frame.message {
+                Message::HelloAck(_) => false,
+                Message::SnapshotRequest(request) => request.node == self.node,
+                _ => return self.close(),
+            };
+            self.input.drain(..used);
+            if again {
+                self.snapshot_due = true;
+            }
+        }
+    }
+}
+
+/// What the aggregator has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AggregatorCounters {
+    /// Node connections accepted.
+    pub accepted: u64,
+    /// Deltas applied.
+    pub applied: u64,
+    /// Snapshot frames applied.
+    pub snapshot_frames: u64,
+    /// Gaps found (a snapshot asked for).
+    pub gaps: u64,
+    /// Deltas dropped as older than what the summary holds.
+    pub stale: u64,
+    /// Connections closed for a bad frame.
+    pub bad_frames: u64,
+}
+
+#[derive(Debug)]
+struct NodeConnection {
+    stream: TcpStream,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    node: Option<u32>,
+}
+
+/// The leader's end: accepts the nodes' uplinks and applies what they
+/// send to its summary.
+#[derive(Debug)]
+pub struct Aggregator {
+    listener: TcpListener,
+    connections: Vec<NodeConnection>,
+    local: lake_dp::wire::message::Hello,
+    /// The summary it keeps.
+    pub summary: Summary,
+    /// What it has done.
+    pub counters: AggregatorCounters,
+}
+
+impl Aggregator {
+    /// Listens on `address` with `summary` to start from.
+    pub fn bind(address: SocketAddr, summary: Summary) -> io::Result<Self> {
+        let listener = TcpListener::bind(address)?;
+        listener.set_nonblocking(true)?;
+        let identity = Identity {
+            role: Role::ControlPlane,
+            node: 0,
+            pid: std::process::id(),
+            region_epoch: 0,
+            features: 0,
+            name: "lake-leader",
+        };
+        let local = hello::hello(&identity).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        Ok(Self { listener, connections: Vec::new(), local, summary, counters: AggregatorCounters::default() })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Nodes connected now.
+    pub fn connected(&self) -> Vec<u32> {
+        self.connections.iter().filter_map(|c| c.node).collect()
+    }
+
+    /// One pass: accepts, reads and applies, answers.
+    pub fn pump(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if stream.set_nonblocking(true).is_ok() && stream.set_nodelay(true).is_ok() {
+                        self.counters.accepted += 1;
+                        self.connections.push(NodeConnection {
+                            stream,
+                            input: Vec::new(),
+                            output: Vec::new(),
+                            node: None,
+                        });
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        let mut at = 0;
+        while at < self.connections.len() {
+            let open = self.serve(at);
+            if open {
+                at += 1;
+            } else {
+                self.connections.swap_remove(at);
+            }
+        }
+    }
+
+    /// Serves connection `at`; false when it is to be closed.
+    fn serve(&mut self, at: usize) -> bool {
+        let connection = &mut self.connections[at];
+        if !read_some(&mut connection.stream, &mut connection.input) {
+            return false;
+        }
+        let mut used_total = 0;
+        loop {
+            let input = &connection.input[used_total..];
+            let frame = match decode_frame(input, &Limits::default()) {
+                Err(WireError::Incomplete { .. }) => break,
+                Err(_) => {
+                    self.counters.bad_frames += 1;
+                    return false;
+                }
+                Ok(frame) => frame,
+            };
+            used_total += frame.len();
+            let reply = FrameMeta { flags: FLAG_REPLY, ..frame.meta() };
+            match frame.message {
+                Message::Hello(remote) if connection.node.is_none() => {
+                    let Ok(ack) = hello::accept(&self.local, &remote, 0) else {
+                        self.counters.bad_frames += 1;
+                        return false;
+                    };
+                    connection.node = Some(remote.node);
+                    if push_frame(&mut connection.output, reply, &Message::HelloAck(ack)).is_err() {
+                        return false;
+                    }
+                }
+                Message::Delta(head, entries) | Message::Snapshot(head, entries)
+                    if connection.node == Some(head.node) =>
+                {
+                    let outcome = if matches!(frame.message, Message::Snapshot(..)) {
+                        self.counters.snapshot_frames += 1;
+                        self.summary.snapshot(&head, entries.iter())
+                    } else {
+                        self.summary.delta(&head, entries.iter())
+                    };
+                    match outcome {
+                        Outcome::Applied { .. } => self.counters.applied += 1,
+                        Outcome::Stale => self.counters.stale += 1,
+                        Outcome::NeedSnapshot { node, term } => {
+                            self.counters.gaps += 1;
+                            let request = Message::SnapshotRequest(SnapshotRequest { node, reserved: 0, term });
+                            if push_frame(&mut connection.output, reply, &request).is_err() {
+                                return false;
+                            }
+                        }
+                    }
+                }
+                _ => {
+                    self.counters.bad_frames += 1;
+                    return false;
+                }
+            }
+        }
+        connection.input.drain(..used_total);
+        write_some(&mut connection.stream, &mut connection.output) && connection.output.len() <= OUTPUT_MAX
+    }
+}

@@ -1,0 +1,458 @@
+//! The cluster summary (DESIGN §4; issue \[7\]): what the leader knows of
+//! every node's replicas, built from the nodes' numbered deltas.
+//!
+//! Each node's `lake-cp` is the authority for its own replicas; every
+//! change its location view makes is numbered (term, sequence), the term
+//! being that control plane's incarnation. The leader applies a node's
+//! deltas in order:
+//!
+//! - the next sequence of the node's current term: applied;
+//! - a sequence past the next (a delta was lost): a **gap** — nothing more
+//!   of that node is applied until it sends a snapshot, which the leader
+//!   asks for ([`Outcome::NeedSnapshot`]);
+//! - a newer term (the node's control plane restarted, or a standby took
+//!   over): its view starts again from that term's first delta, or from a
+//!   snapshot;
+//! - an older term, or a sequence already applied: dropped ([`Outcome::Stale`]).
+//!
+//! A snapshot is the node's whole set of ready replicas at a sequence,
+//! sent as [`Message::Snapshot`] frames in a row (its first frame starts
+//! it over); deltas continue after that sequence.
+//!
+//! **Membership**: a node whose etcd lease has expired loses its volatile
+//! (L1) replicas from the summary at once; its L2 replicas stay, marked
+//! unavailable (not offered to readers) until it is a member again; its L3
+//! replicas are the object store's and stay available.
+//!
+//! **Checkpoint**: [`Summary::checkpoint`] writes the whole summary in a
+//! self-checking format (magic, version, every node's term and sequence,
+//! its replicas as wire [`DeltaEntry`] records, a CRC over all of it) to
+//! be stored on L2 or L3 — never in etcd, which holds only its pointer.
+//! A new leader starts from it ([`Summary::restore`]) and the nodes'
+//! snapshots bring it up to date.
+//!
+//! [`Message::Snapshot`]: lake_dp::wire::Message::Snapshot
+
+pub mod link;
+
+use std::collections::HashMap;
+
+use lake_dp::model::replica::ReplicaWire;
+use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp};
+use lake_dp::{BlockKey, Durability, Replica, Tier};
+
+/// What applying a delta or a snapshot frame did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Applied: the node's view is at `sequence`.
+    Applied {
+        /// The last sequence applied.
+        sequence: u64,
+    },
+    /// Not applied: the node's view has a gap (or is of an older term);
+    /// ask it for a snapshot.
+    NeedSnapshot {
+        /// The node.
+        node: u32,
+        /// The term it is in.
+        term: u64,
+    },
+    /// Not applied: older than what the summary holds.
+    Stale,
+}
+
+/// One replica as the summary holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    entry: DeltaEntry,
+}
+
+#[derive(Clone, Debug, Default)]
+struct NodeView {
+    term: u64,
+    /// The last sequence applied (0: none yet in this term).
+    sequence: u64,
+    /// Waiting for a snapshot (a gap was seen): deltas are not applied.
+    gap: bool,
+    /// Its membership lease stands.
+    member: bool,
+    /// The snapshot being received: its (term, sequence).
+    receiving: Option<(u64, u64)>,
+    /// Its replicas, by block (one per region).
+    replicas: HashMap<BlockKey, Vec<Held>>,
+}
+
+impl NodeView {
+    fn held(&self) -> impl Iterator<Item = &Held> + '_ {
+        self.replicas.values().flatten()
+    }
+
+    fn count(&self) -> usize {
+        self.replicas.values().map(Vec::len).sum()
+    }
+}
+
+/// Figures of one node's view.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeFigures {
+    /// Its term.
+    pub term: u64,
+    /// The last sequence applied.
+    pub sequence: u64,
+    /// Whether its membership stands.
+    pub member: bool,
+    /// Whether a gap waits for a snapshot.
+    pub gap: bool,
+    /// Replicas per tier (`Tier as usize`).
+    pub replicas: [u64; 4],
+    /// Of them, offered to readers (L2 of a lapsed node is not).
+    pub available: [u64; 4],
+}
+
+/// One node's run of a prefix in the cluster-wide hit view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeHits {
+    /// The node.
+    pub node: u32,
+    /// The leading blocks it can serve from L1 or faster, L2 or faster,
+    /// L3 or faster (`[L1, L2, L3]`).
+    pub through: [usize; 3],
+}
+
+/// Why a checkpoint could not be read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckpointError {
+    /// Shorter than its own header or its counts say.
+    Truncated,
+    /// Not a summary checkpoint (magic), or of a version this build does
+    /// not read.
+    Format(String),
+    /// The CRC does not match: damaged.
+    Crc,
+    /// A record's field is out of its domain.
+    Field(&'static str),
+}
+
+impl core::fmt::Display for CheckpointError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Truncated => f.write_str("summary checkpoint: truncated"),
+            Self::Format(why) => write!(f, "summary checkpoint: {why}"),
+            Self::Crc => f.write_str("summary checkpoint: CRC mismatch (damaged)"),
+            Self::Field(field) => write!(f, "summary checkpoint: {field} out of its domain"),
+        }
+    }
+}
+
+impl std::error::Error for CheckpointError {}
+
+const MAGIC: [u8; 8] = *b"LAKESUM\0";
+const VERSION: u32 = 1;
+const HEAD_BYTES: usize = 8 + 4 + 4 + 8;
+const NODE_BYTES: usize = 4 + 4 + 8 + 8 + 8;
+const ENTRY_BYTES: usize = size_of::<DeltaEntry>();
+
+/// The cluster summary. See the module docs.
+#[derive(Debug, Default)]
+pub struct Summary {
+    nodes: HashMap<u32, NodeView>,
+}
+
+fn tier_of(entry: &DeltaEntry) -> Option<Tier> {
+    Tier::from_u8(entry.replica.tier)
+}
+
+impl Summary {
+    /// An empty summary.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies one delta of a node.
+    pub fn delta(&mut self, head: &Delta, entries: impl IntoIterator<Item = DeltaEntry>) -> Outcome {
+        let view = self.nodes.entry(head.node).or_insert_with(|| NodeView { member: true, ..NodeView::default() });
+        view.receiving = None;
+        if head.term < view.term {
+            return Outcome::Stale;
+        }
+        if head.term > view.term {
+            // A new incarnation: its view starts over, from its first
+            // delta or from a snapshot.
+            view.term = head.term;
+            view.sequence = 0;
+            view.replicas.clear();
+            view.gap = head.sequence != 1;
+        }
+        if view.gap {
+            return Outcome::NeedSnapshot { node: head.node, term: view.term };
+        }
+        let last = head.sequence.saturating_add(u64::from(head.count)).saturating_sub(1);
+        if head.count == 0 || last <= view.sequence {
+            return Outcome::Stale;
+        }
+        if head.sequence != view.sequence + 1 {
+            view.gap = true;
+            return Outcome::NeedSnapshot { node: head.node, term: view.term };
+        }
+        for entry in entries {
+            apply(view, &entry);
+        }
+        view.sequence = last;
+        Outcome::Applied { sequence: last }
+    }
+
+    /// Applies one frame of a node's snapshot: `head.sequence` is the last
+    /// sequence it covers; the first frame of a snapshot clears the node's
+    /// view.
+    pub fn snapshot(&mut self, head: &Delta, entries: impl IntoIterator<Item = DeltaEntry>) -> Outcome {
+        let view = self.nodes.entry(head.node).or_insert_with(|| NodeView { member: true, ..NodeView::default() });
+        if head.term < view.term {
+            return Outcome::Stale;
+        }
+        if view.receiving != Some((head.term, head.sequence)) {
+            view.receiving = Some((head.term, head.sequence));
+            view.replicas.clear();
+        }
+        view.term = head.term;
+        view.sequence = head.sequence;
+        view.gap = false;
+        for entry in entries {
+            apply(view, &entry);
+        }
+        Outcome::Applied { sequence: head.sequence }
+    }
+
+    /// The nodes whose membership leases stand now: the others lose their
+    /// L1 replicas (and their L2 ones are not offered) until they return.
+    pub fn membership(&mut self, members: &[u32]) {
+        for (node, view) in &mut self.nodes {
+            let member = members.contains(node);
+            if view.member && !member {
+                for held in view.replicas.values_mut() {
+                    held.retain(|h| tier_of(&h.entry) != Some(Tier::L1Dram));
+                }
+                view.replicas.retain(|_, held| !held.is_empty());
+            }
+            view.member = member;
+        }
+    }
+
+    /// Nodes the summary knows.
+    pub fn nodes(&self) -> Vec<u32> {
+        let mut nodes: Vec<u32> = self.nodes.keys().copied().collect();
+        nodes.sort_unstable();
+        nodes
+    }
+
+    /// One node's figures.
+    pub fn figures(&self, node: u32) -> Option<NodeFigures> {
+        let view = self.nodes.get(&node)?;
+        let mut figures = NodeFigures {
+            term: view.term,
+            sequence: view.sequence,
+            member: view.member,
+            gap: view.gap,
+            ..NodeFigures::default()
+        };
+        for held in view.held() {
+            let Some(tier) = tier_of(&held.entry) else { continue };
+            figures.replicas[tier as usize] += 1;
+            if available(view, tier) {
+                figures.available[tier as usize] += 1;
+            }
+        }
+        Some(figures)
+    }
+
+    /// The cluster-wide hit view of a prefix: for every node holding its
+    /// first block, how far it reaches through each tier (only replicas
+    /// offered to readers count).
+    pub fn hits(&self, keys: &[BlockKey]) -> Vec<NodeHits> {
+        let mut out = Vec::new();
+        for node in self.nodes() {
+            let view = &self.nodes[&node];
+            let mut best = Vec::with_capacity(keys.len());
+            for key in keys {
+                let fastest = view
+                    .replicas
+                    .get(key)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|held| tier_of(&held.entry))
+                    .filter(|&t| t != Tier::L0Hbm && available(view, t))
+                    .min();
+                match fastest {
+                    Some(tier) => best.push(tier),
+                    None => break,
+                }
+            }
+            if best.is_empty() {
+                continue;
+            }
+            let run = |slowest: Tier| best.iter().take_while(|t| **t <= slowest).count();
+            out.push(NodeHits { node, through: [run(Tier::L1Dram), run(Tier::L2Nvme), run(Tier::L3Object)] });
+        }
+        out
+    }
+
+    /// The replicas of `key` offered to readers, on every node.
+    pub fn replicas(&self, key: &BlockKey) -> Vec<Replica> {
+        let mut out = Vec::new();
+        for view in self.nodes.values() {
+            for held in view.replicas.get(key).into_iter().flatten() {
+                if let Some(replica) = Replica::from_wire(&held.entry.replica)
+                    && available(view, replica.tier)
+                {
+                    out.push(replica);
+                }
+            }
+        }
+        out.sort_unstable_by_key(|r| (r.tier as u8, r.node.0, r.region.0));
+        out
+    }
+
+    /// The whole summary as a checkpoint (see the module docs), written
+    /// by the leader of `term`.
+    pub fn checkpoint(&self, term: u64) -> Vec<u8> {
+        let entries: usize = self.nodes.values().map(NodeView::count).sum();
+        let mut out = Vec::with_capacity(HEAD_BYTES + self.nodes.len() * NODE_BYTES + entries * ENTRY_BYTES + 4);
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&u32::try_from(self.nodes.len()).unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(&term.to_le_bytes());
+        for node in self.nodes() {
+            let view = &self.nodes[&node];
+            out.extend_from_slice(&node.to_le_bytes());
+            out.extend_from_slice(&u32::from(view.member).to_le_bytes());
+            out.extend_from_slice(&view.term.to_le_bytes());
+            out.extend_from_slice(&view.sequence.to_le_bytes());
+            out.extend_from_slice(&(view.count() as u64).to_le_bytes());
+            let mut held: Vec<&Held> = view.held().collect();
+            held.sort_unstable_by_key(|h| (h.entry.key, h.entry.replica.region));
+            for h in held {
+                out.extend_from_slice(bytemuck::bytes_of(&h.entry));
+            }
+        }
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// A summary read back from a checkpoint, and the term that wrote it.
+    /// Every node's view comes back marked as needing a snapshot only if
+    /// its deltas do not continue where the checkpoint left it — which is
+    /// what [`Summary::delta`] finds out.
+    pub fn restore(bytes: &[u8]) -> Result<(Self, u64), CheckpointError> {
+        let Some((body, crc)) = bytes.split_last_chunk::<4>() else { return Err(CheckpointError::Truncated) };
+        if bytes.len() < HEAD_BYTES + 4 {
+            return Err(CheckpointError::Truncated);
+        }
+        if body[..8] != MAGIC {
+            return Err(CheckpointError::Format("not a summary checkpoint (magic)".into()));
+        }
+        if crc32fast::hash(body) != u32::from_le_bytes(*crc) {
+            return Err(CheckpointError::Crc);
+        }
+        let mut at: usize = 8;
+        let mut take = |n: usize| -> Result<&[u8], CheckpointError> {
+            let end = at.checked_add(n).ok_or(CheckpointError::Truncated)?;
+            let part = body.get(at..end).ok_or(CheckpointError::Truncated)?;
+            at = end;
+            Ok(part)
+        };
+        let u32_at = |b: &[u8]| u32::from_le_bytes(b.try_into().unwrap_or([0; 4]));
+        let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+        let version = u32_at(take(4)?);
+        if version != VERSION {
+            return Err(CheckpointError::Format(format!("version {version} (this build reads {VERSION})")));
+        }
+        let nodes = u32_at(take(4)?);
+        let term = u64_at(take(8)?);
+        let mut summary = Self::new();
+        for _ in 0..nodes {
+            let node = u32_at(take(4)?);
+            let member = match u32_at(take(4)?) {
+                0 => false,
+                1 => true,
+                _ => return Err(CheckpointError::Field("node.member")),
+            };
+            let node_term = u64_at(take(8)?);
+            let sequence = u64_at(take(8)?);
+            let count = u64_at(take(8)?);
+            let bytes = usize::try_from(count)
+                .ok()
+                .and_then(|c| c.checked_mul(ENTRY_BYTES))
+                .ok_or(CheckpointError::Truncated)?;
+            let records = take(bytes)?;
+            let mut view = NodeView { term: node_term, sequence, member, ..NodeView::default() };
+            for record in records.chunks_exact(ENTRY_BYTES) {
+                let entry: DeltaEntry = bytemuck::pod_read_unaligned(record);
+                check_entry(&entry, node)?;
+                let held = view.replicas.entry(entry.key).or_default();
+                if held.iter().any(|h| h.entry.replica.region == entry.replica.region) {
+                    return Err(CheckpointError::Field("entry (a region twice)"));
+                }
+                held.push(Held { entry });
+            }
+            if summary.nodes.insert(node, view).is_some() {
+                return Err(CheckpointError::Field("node (twice)"));
+            }
+        }
+        if at != body.len() {
+            return Err(CheckpointError::Format("bytes after the last node".into()));
+        }
+        Ok((summary, term))
+    }
+}
+
+fn check_entry(entry: &DeltaEntry, node: u32) -> Result<(), CheckpointError> {
+    if DeltaOp::from_u8(entry.op) != Some(DeltaOp::Add) {
+        return Err(CheckpointError::Field("entry.op"));
+    }
+    if Durability::from_u8(entry.durability).is_none() {
+        return Err(CheckpointError::Field("entry.durability"));
+    }
+    if lake_dp::ObjectKind::from_u16(entry.kind).is_none() {
+        return Err(CheckpointError::Field("entry.kind"));
+    }
+    match Replica::from_wire(&entry.replica) {
+        Some(replica) if replica.node.0 == node => Ok(()),
+        Some(_) => Err(CheckpointError::Field("entry.replica.node")),
+        None => Err(CheckpointError::Field("entry.replica.tier")),
+    }
+}
+
+/// Whether a replica of `tier` in `view` is offered to readers.
+fn available(view: &NodeView, tier: Tier) -> bool {
+    view.member || tier == Tier::L3Object
+}
+
+fn apply(view: &mut NodeView, entry: &DeltaEntry) {
+    let region = entry.replica.region;
+    match DeltaOp::from_u8(entry.op) {
+        Some(DeltaOp::Add | DeltaOp::Update) => {
+            let held = Held { entry: DeltaEntry { op: DeltaOp::Add as u8, ..*entry } };
+            let list = view.replicas.entry(entry.key).or_default();
+            match list.iter_mut().find(|h| h.entry.replica.region == region) {
+                Some(old) => *old = held,
+                None => list.push(held),
+            }
+        }
+        Some(DeltaOp::Remove) => {
+            let Some(list) = view.replicas.get_mut(&entry.key) else { return };
+            // Only the replica it names: a later one in the region stays.
+            list.retain(|h| h.entry.replica.region != region || !same_replica(&h.entry.replica, &entry.replica));
+            if list.is_empty() {
+                view.replicas.remove(&entry.key);
+            }
+        }
+        None => {}
+    }
+}
+
+fn same_replica(a: &ReplicaWire, b: &ReplicaWire) -> bool {
+    (a.region_epoch, a.slot, a.generation) == (b.region_epoch, b.slot, b.generation)
+}
+
+#[cfg(test)]
+mod tests;

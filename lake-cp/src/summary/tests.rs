@@ -1,0 +1,166 @@
+use super::link::{Aggregator, Uplink, deltas, snapshot};
+use super::*;
+use crate::location::Locations;
+use lake_dp::NodeId;
+use std::time::Duration;
+
+fn key(i: u8) -> BlockKey {
+    BlockKey([i; 16])
+}
+
+/// Node `node`'s location view with an L1 (region 0), an L2 (1) and an L3
+/// (9) region, under control-plane term `term`.
+fn view(node: u32, term: u64) -> Locations {
+    let mut locations = Locations::new(term);
+    for (region, tier) in [(0, Tier::L1Dram), (1, Tier::L2Nvme), (9, Tier::L3Object)] {
+        locations.register_region(region, tier, NodeId(node), 5).unwrap();
+    }
+    locations
+}
+
+fn apply_all(summary: &mut Summary, frames: Vec<(Delta, Vec<DeltaEntry>)>) -> Vec<Outcome> {
+    frames.into_iter().map(|(head, entries)| summary.delta(&head, entries)).collect()
+}
+
+#[test]
+fn deltas_in_order_build_the_view_a_gap_waits_for_a_snapshot() {
+    let mut node = view(3, 7);
+    let mut summary = Summary::new();
+    node.adopt(None, key(1), lake_dp::ObjectKind::KvBlock, 0, 5, 10, 1).unwrap();
+    node.adopt(Some(key(1)), key(2), lake_dp::ObjectKind::KvBlock, 1, 5, 11, 1).unwrap();
+    let changes: Vec<_> = node.drain_changes().collect();
+    let outcomes = apply_all(&mut summary, deltas(3, &node, &changes));
+    assert_eq!(outcomes, [Outcome::Applied { sequence: 2 }]);
+    let figures = summary.figures(3).unwrap();
+    assert_eq!((figures.term, figures.sequence, figures.replicas), (7, 2, [0, 1, 1, 0]));
+    // The same delta again changes nothing.
+    assert_eq!(apply_all(&mut summary, deltas(3, &node, &changes)), [Outcome::Stale]);
+
+    // Change 3 is lost on the way; 4 arrives: a gap.
+    node.adopt(None, key(3), lake_dp::ObjectKind::KvBlock, 0, 5, 12, 1).unwrap();
+    let _lost: Vec<_> = node.drain_changes().collect();
+    node.remove(&key(1), 0).unwrap();
+    let after: Vec<_> = node.drain_changes().collect();
+    let outcome = apply_all(&mut summary, deltas(3, &node, &after));
+    assert_eq!(outcome, [Outcome::NeedSnapshot { node: 3, term: 7 }]);
+    assert!(summary.figures(3).unwrap().gap);
+    // Nothing of the node is applied until the snapshot comes.
+    node.adopt(None, key(4), lake_dp::ObjectKind::KvBlock, 0, 5, 13, 1).unwrap();
+    let more: Vec<_> = node.drain_changes().collect();
+    assert_eq!(apply_all(&mut summary, deltas(3, &node, &more)), [Outcome::NeedSnapshot { node: 3, term: 7 }]);
+    for (head, entries) in snapshot(3, &node) {
+        assert_eq!(summary.snapshot(&head, entries), Outcome::Applied { sequence: 5 });
+    }
+    let figures = summary.figures(3).unwrap();
+    assert_eq!((figures.sequence, figures.gap, figures.replicas), (5, false, [0, 2, 1, 0]));
+    assert!(summary.replicas(&key(1)).is_empty(), "the removal the gap hid is in the snapshot");
+    // Deltas continue after the snapshot's sequence.
+    node.remove(&key(3), 0).unwrap();
+    let next: Vec<_> = node.drain_changes().collect();
+    assert_eq!(apply_all(&mut summary, deltas(3, &node, &next)), [Outcome::Applied { sequence: 6 }]);
+    assert_eq!(summary.figures(3).unwrap().replicas, [0, 1, 1, 0]);
+
+    // The node's control plane restarts (term 8): its view starts over
+    // from that term's first delta.
+    let mut again = view(3, 8);
+    again.adopt(None, key(9), lake_dp::ObjectKind::KvBlock, 1, 5, 20, 1).unwrap();
+    let first: Vec<_> = again.drain_changes().collect();
+    assert_eq!(apply_all(&mut summary, deltas(3, &again, &first)), [Outcome::Applied { sequence: 1 }]);
+    assert_eq!(summary.figures(3).unwrap().replicas, [0, 0, 1, 0]);
+    // A delta of the old term now is stale.
+    assert_eq!(apply_all(&mut summary, deltas(3, &node, &next)), [Outcome::Stale]);
+}
+
+#[test]
+fn a_lapsed_node_loses_its_l1_replicas_and_its_l2_ones_are_not_offered_until_it_returns() {
+    let mut summary = Summary::new();
+    for node in [1, 2] {
+        let mut locations = view(node, 1);
+        for (i, region) in [(1u8, 0u16), (2, 1), (3, 9)] {
+            locations.adopt(None, key(i), lake_dp::ObjectKind::KvBlock, region, 5, u32::from(i), 1).unwrap();
+        }
+        let changes: Vec<_> = locations.drain_changes().collect();
+        apply_all(&mut summary, deltas(node, &locations, &changes));
+    }
+    let chain = [key(1)];
+    assert_eq!(summary.hits(&chain).len(), 2);
+    summary.membership(&[2]);
+    let lapsed = summary.figures(1).unwrap();
+    assert_eq!((lapsed.member, lapsed.replicas, lapsed.available), (false, [0, 0, 1, 1], [0, 0, 0, 1]));
+    assert_eq!(summary.hits(&chain), [NodeHits { node: 2, through: [1, 1, 1] }]);
+    // Key 2 lives in both nodes' L2: only node 2's is offered now.
+    let offered: Vec<u32> = summary.replicas(&key(2)).iter().map(|r| r.node.0).collect();
+    assert_eq!(offered, [2]);
+    summary.membership(&[1, 2]);
+    assert_eq!(summary.figures(1).unwrap().available, [0, 0, 1, 1], "its L2 is back, its L1 is not");
+}
+
+#[test]
+fn a_checkpoint_reads_back_whole_and_a_damaged_one_is_refused() {
+    let mut summary = Summary::new();
+    let mut locations = view(4, 3);
+    for i in 1..=50u8 {
+        let region = [0u16, 1, 9][usize::from(i % 3)];
+        let parent = (i > 1).then(|| key(i - 1));
+        locations.adopt(parent, key(i), lake_dp::ObjectKind::KvBlock, region, 5, u32::from(i), 1).unwrap();
+    }
+    let changes: Vec<_> = locations.drain_changes().collect();
+    apply_all(&mut summary, deltas(4, &locations, &changes));
+    summary.membership(&[]);
+    let bytes = summary.checkpoint(12);
+    let (back, term) = Summary::restore(&bytes).unwrap();
+    assert_eq!(term, 12);
+    assert_eq!(back.figures(4), summary.figures(4));
+    assert_eq!(back.replicas(&key(3)), summary.replicas(&key(3)));
+    assert_eq!(back.checkpoint(12), bytes, "the same summary writes the same bytes");
+    // A flipped byte anywhere, a cut, another file: refused by name.
+    let mut flipped = bytes.clone();
+    flipped[40] ^= 1;
+    assert_eq!(Summary::restore(&flipped).unwrap_err(), CheckpointError::Crc);
+    assert_eq!(Summary::restore(&bytes[..bytes.len() - 7]).unwrap_err(), CheckpointError::Crc);
+    assert_eq!(Summary::restore(&bytes[..10]).unwrap_err(), CheckpointError::Truncated);
+    assert!(matches!(Summary::restore(b"not a checkpoint at all, just text"), Err(CheckpointError::Format(_))));
+}
+
+#[test]
+fn an_uplink_feeds_the_aggregator_over_tcp_and_reconnects_with_a_snapshot() {
+    let mut aggregator = Aggregator::bind("127.0.0.1:0".parse().unwrap(), Summary::new()).unwrap();
+    let address = aggregator.local_addr().unwrap();
+    let mut locations = view(6, 2);
+    let mut uplink = Uplink::new(6, vec![address]);
+    let step = |locations: &mut Locations, uplink: &mut Uplink, aggregator: &mut Aggregator| {
+        for _ in 0..50 {
+            let changes: Vec<_> = locations.drain_changes().collect();
+            uplink.pump(locations, &changes);
+            aggregator.pump();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    for i in 1..=10u8 {
+        locations.adopt(None, key(i), lake_dp::ObjectKind::KvBlock, 0, 5, u32::from(i), 1).unwrap();
+    }
+    step(&mut locations, &mut uplink, &mut aggregator);
+    assert_eq!(aggregator.summary.figures(6).unwrap().replicas, [0, 10, 0, 0]);
+    assert_eq!(aggregator.connected(), [6]);
+    locations.remove(&key(1), 0).unwrap();
+    step(&mut locations, &mut uplink, &mut aggregator);
+    assert_eq!(aggregator.summary.figures(6).unwrap().replicas, [0, 9, 0, 0]);
+    assert!(aggregator.counters.applied >= 2, "{:?}", aggregator.counters);
+
+    // The leader goes; a new one starts from nothing: the node reconnects
+    // and its snapshot brings the new summary up to date.
+    drop(aggregator);
+    let mut second = Aggregator::bind(address, Summary::new()).unwrap();
+    locations.remove(&key(2), 0).unwrap();
+    for _ in 0..100 {
+        let changes: Vec<_> = locations.drain_changes().collect();
+        uplink.pump(&locations, &changes);
+        second.pump();
+        if second.summary.figures(6).is_some_and(|f| f.replicas == [0, 8, 0, 0]) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(second.summary.figures(6).map(|f| f.replicas), Some([0, 8, 0, 0]));
+    assert!(uplink.counters.connects >= 2 && uplink.counters.snapshots >= 2, "{:?}", uplink.counters);
+}

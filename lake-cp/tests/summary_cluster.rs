@@ -1,0 +1,208 @@
+//! The cluster summary across processes: two nodes (`lake serve`, each a
+//! member of the cluster in a real etcd) stream their replicas to the
+//! leader's summary (`lake summary`); a node SIGKILLed drops out of the
+//! membership when its lease runs out, and with it its L1 replicas from
+//! the summary; the summary's leader SIGKILLed, a standby takes over from
+//! the last checkpoint (its pointer in etcd, the checkpoint itself on
+//! disk) and the live node's snapshot brings it up to date.
+
+#[path = "common/etcd.rs"]
+mod etcd_server;
+#[path = "common/scratch.rs"]
+mod scratch;
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::{BlockKey, NamespaceId};
+
+use scratch::Scratch;
+
+/// A child process whose stdout lines arrive on a channel.
+struct Proc {
+    child: Child,
+    lines: Receiver<String>,
+}
+
+impl Proc {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// The first line (from now) that `want` accepts.
+    fn wait_for(&self, what: &str, within: Duration, want: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + within;
+        let mut last = String::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if want(&line) => return line,
+                Ok(line) => last = line,
+                Err(_) => panic!("{what}: not within {within:?}; last line: {last}"),
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn field(line: &str, name: &str) -> String {
+    let start = line.find(&format!("\"{name}\":\"")).unwrap_or_else(|| panic!("{name} in {line}")) + name.len() + 4;
+    line[start..start + line[start..].find('"').unwrap()].to_owned()
+}
+
+/// `node`'s entry in a summary line: its JSON object.
+fn node_in(line: &str, node: u32) -> Option<String> {
+    let start = line.find(&format!("{{\"node\":{node},"))?;
+    let end = start + line[start..].find('}')?;
+    Some(line[start..=end].to_owned())
+}
+
+fn key(node: u32, i: u32) -> BlockKey {
+    let mut bytes = [0x77; 16];
+    bytes[..4].copy_from_slice(&node.to_le_bytes());
+    bytes[4..8].copy_from_slice(&i.to_le_bytes());
+    BlockKey(bytes)
+}
+
+fn save(serving: &str, node: u32, blocks: std::ops::Range<u32>) {
+    let (dp, cp, mirror) = (field(serving, "dp_socket"), field(serving, "cp_socket"), field(serving, "mirror"));
+    let config = AgentConfig {
+        arena: Path::new("/nonexistent"),
+        mirror: Path::new(&mirror),
+        cp_socket: Some(Path::new(&cp)),
+        name: "summary-test",
+        namespace: NamespaceId(31),
+        layout_fingerprint: 0x31,
+        segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = Agent::connect(&config, Path::new(&dp)).unwrap();
+    let payload = vec![node.to_le_bytes()[0]; 16 * 1024];
+    for i in blocks {
+        let block = SaveBlock {
+            key: key(node, i),
+            parent: if i == 0 { BlockKey::NONE } else { key(node, i - 1) },
+            block_index: i,
+            payload: SavePayload::Bytes(&payload),
+        };
+        assert_eq!(agent.save(&[block]), 1, "node {node} block {i}");
+    }
+}
+
+#[test]
+fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_death() {
+    let Some(etcd) = etcd_server::EtcdServer::start("summary") else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-summary-{}", std::process::id()));
+    let _scratch = Scratch(base.clone(), Vec::new());
+    let checkpoints: PathBuf = base.join("checkpoints");
+    let listen =
+        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let summary_args = |id: &'static str| -> Vec<String> {
+        ["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "sum", "--id", id, "--ttl", "2"]
+            .iter()
+            .map(ToString::to_string)
+            .chain([
+                "--checkpoint-dir".into(),
+                checkpoints.display().to_string(),
+                "--checkpoint-ms".into(),
+                "300".into(),
+            ])
+            .collect()
+    };
+    let first_args = summary_args("leader-a");
+    let mut leader = Proc::start(&first_args.iter().map(String::as_str).collect::<Vec<_>>());
+    leader.wait_for("the first summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+
+    let node_args = |node: u32| -> Vec<String> {
+        let dir = base.join(format!("node{node}"));
+        ["serve", "--node", &node.to_string(), "--dir", &dir.display().to_string(), "--block-bytes", "16384"]
+            .iter()
+            .map(ToString::to_string)
+            .chain(
+                ["--summary-to", &listen, "--etcd", &endpoint, "--cluster", "sum", "--member-ttl", "2"]
+                    .map(String::from),
+            )
+            .collect()
+    };
+    let one_args = node_args(1);
+    let two_args = node_args(2);
+    let mut one = Proc::start(&one_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let two = Proc::start(&two_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let serving_one = one.wait_for("node 1 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
+    let serving_two = two.wait_for("node 2 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
+    save(&serving_one, 1, 0..20);
+    save(&serving_two, 2, 0..30);
+    let has = |line: &str, node: u32, l1: u64, member: bool| {
+        node_in(line, node).is_some_and(|n| {
+            n.contains(&format!("\"replicas\":[0, {l1}, 0, 0]")) && n.contains(&format!("\"member\":{member}"))
+        })
+    };
+    leader.wait_for("both nodes' blocks in the summary", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"") && has(l, 1, 20, true) && has(l, 2, 30, true)
+    });
+
+    // Node 1 dies: once its membership lease (2 s) runs out, its L1
+    // replicas leave the summary.
+    one.kill();
+    let killed = Instant::now();
+    leader.wait_for("node 1 leaves the membership", Duration::from_secs(15), |l| {
+        l.contains("\"event\":\"summary\"") && has(l, 1, 0, false) && has(l, 2, 30, true)
+    });
+    let lapsed = killed.elapsed();
+    println!("summary: node 1 SIGKILLed, out of the summary {lapsed:?} later (membership lease 2 s)");
+    assert!(lapsed >= Duration::from_secs(1), "it left before its lease could have run out ({lapsed:?})");
+
+    // A checkpoint with node 1 gone is written; then the leader dies. A
+    // standby takes over from that checkpoint.
+    leader.wait_for("a checkpoint after node 1 left", Duration::from_secs(10), |l| {
+        l.contains("\"event\":\"checkpoint\"")
+    });
+    leader.kill();
+    let died = Instant::now();
+    let second_args = summary_args("leader-b");
+    let second = Proc::start(&second_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let restored = second.wait_for("the standby restores the checkpoint", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"restored\"")
+    });
+    assert!(has(&restored, 1, 0, false) && has(&restored, 2, 30, true), "{restored}");
+    second.wait_for("the standby leads", Duration::from_secs(10), |l| l.contains("\"event\":\"leading\""));
+    let took_over = died.elapsed();
+    // Node 2 reconnects (its snapshot) and goes on: 5 more blocks show.
+    save(&serving_two, 2, 30..35);
+    second.wait_for("node 2's new blocks in the new summary", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"") && l.contains("\"connected\":[2]") && has(l, 2, 35, true)
+    });
+    println!("summary: leader SIGKILLed, the standby led from its checkpoint {took_over:?} later (lease 2 s)");
+    drop(two);
+}
