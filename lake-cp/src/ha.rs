@@ -143,6 +143,15 @@ impl Candidate<'_> {
     /// if no one holds it. A leader campaigning again keeps its term.
     pub fn campaign(&mut self) -> Result<Role, EtcdError> {
         let key = self.cluster.key("leader");
+        if self.term.is_none() {
+            // A standby's lease is renewed while it waits: elected, it
+            // must hold a whole lease, not what is left of the one it was
+            // granted when it started waiting (it would be deposed at its
+            // first renewal).
+            if self.cluster.etcd.keep_alive(self.lease)? <= 0 {
+                self.lease = self.cluster.etcd.grant(self.lease.ttl.max(1))?;
+            }
+        }
         let created = match self.cluster.etcd.create(&key, self.id.as_bytes(), self.lease) {
             // A standby's lease ran out while it waited: a new one.
             Err(EtcdError::Server { code: 5, .. }) => {

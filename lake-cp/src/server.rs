@@ -437,6 +437,14 @@ impl Server {
         self.node.take_changes(&mut self.changes);
         if let Some(uplink) = &mut self.uplink {
             uplink.pump(&self.node.locations, &self.changes);
+            // Replication the leader asked: copies of this node's L1
+            // blocks into other nodes' L1, sent with the next plan.
+            for transfer in uplink.take_copies() {
+                let priority = lake_dp::Priority::from_u8(transfer.priority).unwrap_or(lake_dp::Priority::Replication);
+                if self.node.copy_to(&transfer.key, transfer.target, priority).is_err() {
+                    self.counters.refused += 1;
+                }
+            }
         }
         Ok(())
     }

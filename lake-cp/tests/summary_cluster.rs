@@ -4,7 +4,10 @@
 //! membership when its lease runs out, and with it its L1 replicas from
 //! the summary; the summary's leader SIGKILLed, a standby takes over from
 //! the last checkpoint (its pointer in etcd, the checkpoint itself on
-//! disk) and the live node's snapshot brings it up to date.
+//! disk) and the live node's snapshot brings it up to date. A prefix that
+//! many blocks continue (a shared system prompt) on node 1 is copied by
+//! the leader's replication into node 2's L1, over the nodes' transport,
+//! and node 2's engine reads it there byte for byte.
 
 #[path = "common/etcd.rs"]
 mod etcd_server;
@@ -94,7 +97,7 @@ fn key(node: u32, i: u32) -> BlockKey {
     BlockKey(bytes)
 }
 
-fn save(serving: &str, node: u32, blocks: std::ops::Range<u32>) {
+fn agent(serving: &str) -> Agent {
     let (dp, cp, mirror) = (field(serving, "dp_socket"), field(serving, "cp_socket"), field(serving, "mirror"));
     let config = AgentConfig {
         arena: Path::new("/nonexistent"),
@@ -106,8 +109,18 @@ fn save(serving: &str, node: u32, blocks: std::ops::Range<u32>) {
         segment_bytes: 8192,
         object_kind: lake_dp::ObjectKind::KvBlock,
     };
-    let mut agent = Agent::connect(&config, Path::new(&dp)).unwrap();
-    let payload = vec![node.to_le_bytes()[0]; 16 * 1024];
+    Agent::connect(&config, Path::new(&dp)).unwrap()
+}
+
+fn payload(node: u32) -> Vec<u8> {
+    vec![node.to_le_bytes()[0]; 16 * 1024]
+}
+
+/// Saves the chain of `node`'s blocks `blocks` (each continues the one
+/// before).
+fn save(serving: &str, node: u32, blocks: std::ops::Range<u32>) {
+    let mut agent = agent(serving);
+    let payload = payload(node);
     for i in blocks {
         let block = SaveBlock {
             key: key(node, i),
@@ -116,6 +129,18 @@ fn save(serving: &str, node: u32, blocks: std::ops::Range<u32>) {
             payload: SavePayload::Bytes(&payload),
         };
         assert_eq!(agent.save(&[block]), 1, "node {node} block {i}");
+    }
+}
+
+/// A shared prefix on `node`: block `root`, continued by `children` blocks.
+fn save_shared(serving: &str, node: u32, root: BlockKey, children: u32) {
+    let mut agent = agent(serving);
+    let payload = payload(node);
+    let block =
+        |key, parent, block_index| SaveBlock { key, parent, block_index, payload: SavePayload::Bytes(&payload) };
+    assert_eq!(agent.save(&[block(root, BlockKey::NONE, 0)]), 1);
+    for c in 0..children {
+        assert_eq!(agent.save(&[block(key(node, 1000 + c), root, 1)]), 1);
     }
 }
 
@@ -137,6 +162,8 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
                 checkpoints.display().to_string(),
                 "--checkpoint-ms".into(),
                 "300".into(),
+                "--replicate-children".into(),
+                "3".into(),
             ])
             .collect()
     };
@@ -144,40 +171,56 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     let mut leader = Proc::start(&first_args.iter().map(String::as_str).collect::<Vec<_>>());
     leader.wait_for("the first summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
 
-    let node_args = |node: u32| -> Vec<String> {
+    // Node 1 sends blocks to node 2 over the storage network's transport.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let transport = format!("127.0.0.1:{port}");
+    let node_args = |node: u32, transport_flags: [String; 2]| -> Vec<String> {
         let dir = base.join(format!("node{node}"));
-        ["serve", "--node", &node.to_string(), "--dir", &dir.display().to_string(), "--block-bytes", "16384"]
+        let mut args: Vec<String> = ["serve", "--node", &node.to_string(), "--dir", &dir.display().to_string()]
             .iter()
             .map(ToString::to_string)
-            .chain(
-                ["--summary-to", &listen, "--etcd", &endpoint, "--cluster", "sum", "--member-ttl", "2"]
-                    .map(String::from),
-            )
-            .collect()
+            .collect();
+        args.extend(["--block-bytes", "16384", "--summary-to", &listen].map(String::from));
+        args.extend(["--etcd", &endpoint, "--cluster", "sum", "--member-ttl", "2"].map(String::from));
+        args.extend(transport_flags);
+        args
     };
-    let one_args = node_args(1);
-    let two_args = node_args(2);
+    let one_args = node_args(1, ["--transport-peer".into(), format!("2={transport}")]);
+    let two_args = node_args(2, ["--transport-listen".into(), transport.clone()]);
     let mut one = Proc::start(&one_args.iter().map(String::as_str).collect::<Vec<_>>());
     let two = Proc::start(&two_args.iter().map(String::as_str).collect::<Vec<_>>());
     let serving_one = one.wait_for("node 1 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
     let serving_two = two.wait_for("node 2 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
     save(&serving_one, 1, 0..20);
     save(&serving_two, 2, 0..30);
+    // A system prompt three requests continue, on node 1: the leader
+    // copies it into node 2's L1 (node 2 holds 30 + 1 then).
+    let root = key(1, 999);
+    let replicated = Instant::now();
+    save_shared(&serving_one, 1, root, 3);
     let has = |line: &str, node: u32, l1: u64, member: bool| {
         node_in(line, node).is_some_and(|n| {
             n.contains(&format!("\"replicas\":[0, {l1}, 0, 0]")) && n.contains(&format!("\"member\":{member}"))
         })
     };
-    leader.wait_for("both nodes' blocks in the summary", Duration::from_secs(20), |l| {
-        l.contains("\"event\":\"summary\"") && has(l, 1, 20, true) && has(l, 2, 30, true)
+    leader.wait_for("both nodes' blocks in the summary, the shared root replicated", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"") && has(l, 1, 24, true) && has(l, 2, 31, true)
     });
+    println!("summary: node 1's shared root in node 2's L1 within {:?} of its save", replicated.elapsed());
+    let mut reader = agent(&serving_two);
+    let mut table = Vec::new();
+    assert_eq!(reader.lookup(&[root], &mut table), 1, "node 2's mirror has the copy");
+    assert_eq!(table[0].tier, lake_dp::Tier::L1Dram);
+    let delivered = reader.fetch(&[root], &table, |_, bytes| assert_eq!(bytes, &payload(1)[..], "the copy's bytes"));
+    assert_eq!(delivered, 1, "{:?}", reader.last_fetch_failure());
+    drop(reader);
 
     // Node 1 dies: once its membership lease (2 s) runs out, its L1
     // replicas leave the summary.
     one.kill();
     let killed = Instant::now();
     leader.wait_for("node 1 leaves the membership", Duration::from_secs(15), |l| {
-        l.contains("\"event\":\"summary\"") && has(l, 1, 0, false) && has(l, 2, 30, true)
+        l.contains("\"event\":\"summary\"") && has(l, 1, 0, false) && has(l, 2, 31, true)
     });
     let lapsed = killed.elapsed();
     println!("summary: node 1 SIGKILLed, out of the summary {lapsed:?} later (membership lease 2 s)");
@@ -195,13 +238,13 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     let restored = second.wait_for("the standby restores the checkpoint", Duration::from_secs(20), |l| {
         l.contains("\"event\":\"restored\"")
     });
-    assert!(has(&restored, 1, 0, false) && has(&restored, 2, 30, true), "{restored}");
+    assert!(has(&restored, 1, 0, false) && has(&restored, 2, 31, true), "{restored}");
     second.wait_for("the standby leads", Duration::from_secs(10), |l| l.contains("\"event\":\"leading\""));
     let took_over = died.elapsed();
     // Node 2 reconnects (its snapshot) and goes on: 5 more blocks show.
     save(&serving_two, 2, 30..35);
     second.wait_for("node 2's new blocks in the new summary", Duration::from_secs(20), |l| {
-        l.contains("\"event\":\"summary\"") && l.contains("\"connected\":[2]") && has(l, 2, 35, true)
+        l.contains("\"event\":\"summary\"") && l.contains("\"connected\":[2]") && has(l, 2, 36, true)
     });
     println!("summary: leader SIGKILLed, the standby led from its checkpoint {took_over:?} later (lease 2 s)");
     drop(two);

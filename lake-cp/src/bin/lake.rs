@@ -22,9 +22,10 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                (a control plane standing for leadership in etcd: a standby until it leads,
                 then serving the socket and writing the mirror under its term)
        lake summary --listen IP:PORT [--etcd URL --cluster NAME --id ID [--ttl SECONDS]]
-                    [--checkpoint-dir DIR] [--checkpoint-ms N]
+                    [--checkpoint-dir DIR] [--checkpoint-ms N] [--replicate-children K]
                (the leader's cluster summary: the nodes' deltas applied in order, a gap resynced
-                by snapshot, lapsed members' L1 dropped, checkpoints on DIR with the pointer in etcd)";
+                by snapshot, lapsed members' L1 dropped, checkpoints on DIR with the pointer in etcd;
+                a block K or more blocks continue is copied into every member's L1)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -456,7 +457,7 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
 
     let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (mut listen, mut etcd, mut cluster, mut id, mut dir) = (None, None, None, None, None);
-    let (mut ttl, mut checkpoint_ms) = (3i64, 1000u64);
+    let (mut ttl, mut checkpoint_ms, mut replicate_children) = (3i64, 1000u64, 0usize);
     let mut iter = args.iter();
     while let Some(flag) = iter.next() {
         let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
@@ -471,6 +472,9 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
             "--ttl" => ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
             "--checkpoint-dir" => dir = Some(std::path::PathBuf::from(value)),
             "--checkpoint-ms" => checkpoint_ms = number()?.max(10),
+            "--replicate-children" => {
+                replicate_children = usize::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?;
+            }
             _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
         }
     }
@@ -547,6 +551,7 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
         aggregator.local_addr().map_err(|e| e.to_string())?
     ));
     let (mut last_report, mut last_checkpoint, mut last_renew) = (Instant::now(), Instant::now(), Instant::now());
+    let mut last_answer = Instant::now();
     let mut written = 0u64;
     let mut previous: Option<String> = None;
     while signals.take().is_none() {
@@ -555,11 +560,25 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
         if last_renew.elapsed() >= every {
             last_renew = Instant::now();
             if let (Some(cluster), Some(candidate)) = (&cluster, &mut candidate) {
-                if !matches!(candidate.keep_alive(), Ok(true))
-                    || !matches!(candidate.campaign(), Ok(Role::Leader { .. }))
-                {
-                    say(format!("{{\"event\":\"deposed\",\"id\":\"{id}\",\"term\":{term}}}"));
-                    return Ok(());
+                // Lost: the lease expired, or another leads. etcd not
+                // answering is not known to be lost — until a whole lease
+                // has passed since the last renewal it answered.
+                let renewed = match candidate.keep_alive() {
+                    Ok(true) => match candidate.campaign() {
+                        Ok(Role::Leader { .. }) => Some(true),
+                        Ok(Role::Standby { .. }) => Some(false),
+                        Err(_) => None,
+                    },
+                    Ok(false) => Some(false),
+                    Err(_) => None,
+                };
+                match renewed {
+                    Some(true) => last_answer = Instant::now(),
+                    None if last_answer.elapsed() < Duration::from_secs(u64::try_from(ttl).unwrap_or(1)) => {}
+                    _ => {
+                        say(format!("{{\"event\":\"deposed\",\"id\":\"{id}\",\"term\":{term}}}"));
+                        return Err("deposed: the lease is lost or another leads; stopping".into());
+                    }
                 }
                 match cluster.members() {
                     Ok(members) => {
@@ -597,13 +616,17 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
         }
         if last_report.elapsed() >= Duration::from_secs(1) {
             last_report = Instant::now();
+            // Hot prefixes into every member's L1 (each copy asked at most
+            // once per 10 s: it shows in the summary once it lands).
+            aggregator.replicate(replicate_children, 64, Duration::from_secs(10));
             let c = aggregator.counters;
             say(format!(
-                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"nodes\":{}}}",
+                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"nodes\":{}}}",
                 aggregator.connected(),
                 c.applied,
                 c.snapshot_frames,
                 c.gaps,
+                c.copies_asked,
                 nodes_json(&aggregator.summary)
             ));
         }

@@ -158,6 +158,8 @@ pub struct UplinkCounters {
     pub snapshots: u64,
     /// Changes dropped while no leader was connected (a snapshot follows).
     pub dropped: u64,
+    /// Copies to other nodes the leader asked of this node.
+    pub copies_asked: u64,
 }
 
 /// A node's link to the leader's aggregator. See the module docs.
@@ -170,6 +172,9 @@ pub struct Uplink {
     output: Vec<u8>,
     input: Vec<u8>,
     snapshot_due: bool,
+    /// Copies the leader asked of this node, to hand to its tier
+    /// manager ([`Uplink::take_copies`]).
+    copies: Vec<lake_dp::wire::message::Transfer>,
     retry_at: Instant,
     wait: Duration,
     request: u64,
@@ -189,6 +194,7 @@ impl Uplink {
             output: Vec::new(),
             input: Vec::new(),
             snapshot_due: true,
+            copies: Vec::new(),
             retry_at: Instant::now(),
             wait: Duration::from_millis(50),
             request: 0,
@@ -263,6 +269,11 @@ impl Uplink {
         true
     }
 
+    /// The copies the leader asked since the last call.
+    pub fn take_copies(&mut self) -> Vec<lake_dp::wire::message::Transfer> {
+        core::mem::take(&mut self.copies)
+    }
+
     /// One pass: (re)connects, sends a snapshot where one is due, then
     /// `changes` as deltas (or drops them, counted, with no leader), and
     /// takes the leader's requests.
@@ -298,6 +309,13 @@ impl Uplink {
             let again = match frame.message {
                 Message::HelloAck(_) => false,
                 Message::SnapshotRequest(request) => request.node == self.node,
+                Message::CopyBlock(transfer) if transfer.source.node == self.node => {
+                    if self.copies.len() < 4096 {
+                        self.copies.push(transfer);
+                        self.counters.copies_asked += 1;
+                    }
+                    false
+                }
                 _ => return self.close(),
             };
             self.input.drain(..used);
@@ -323,6 +341,8 @@ pub struct AggregatorCounters {
     pub stale: u64,
     /// Connections closed for a bad frame.
     pub bad_frames: u64,
+    /// Replication copies asked of nodes.
+    pub copies_asked: u64,
 }
 
 #[derive(Debug)]
@@ -340,6 +360,8 @@ pub struct Aggregator {
     listener: TcpListener,
     connections: Vec<NodeConnection>,
     local: lake_dp::wire::message::Hello,
+    /// Replication copies asked, and when.
+    asked: std::collections::HashMap<(BlockKey, u32), Instant>,
     /// The summary it keeps.
     pub summary: Summary,
     /// What it has done.
@@ -360,7 +382,14 @@ impl Aggregator {
             name: "lake-leader",
         };
         let local = hello::hello(&identity).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-        Ok(Self { listener, connections: Vec::new(), local, summary, counters: AggregatorCounters::default() })
+        Ok(Self {
+            listener,
+            connections: Vec::new(),
+            local,
+            asked: std::collections::HashMap::new(),
+            summary,
+            counters: AggregatorCounters::default(),
+        })
     }
 
     /// The address it listens on.
@@ -371,6 +400,37 @@ impl Aggregator {
     /// Nodes connected now.
     pub fn connected(&self) -> Vec<u32> {
         self.connections.iter().filter_map(|c| c.node).collect()
+    }
+
+    /// Asks the nodes for the copies of [`Summary::replication_plan`]
+    /// (`min_children`, at most `max` a call), each (block, target node)
+    /// at most once per `again` (the copy shows in the summary once it
+    /// lands). Returns how many were asked.
+    pub fn replicate(&mut self, min_children: usize, max: usize, again: Duration) -> usize {
+        let now = Instant::now();
+        self.asked.retain(|_, at| now.duration_since(*at) < again);
+        let asked = &self.asked;
+        let plan = self.summary.replication_plan(min_children, max, |key, node| asked.contains_key(&(*key, node)));
+        let mut sent = 0;
+        for copy in plan {
+            let Some(connection) = self.connections.iter_mut().find(|c| c.node == Some(copy.from.node.0)) else {
+                continue;
+            };
+            let transfer = lake_dp::wire::message::Transfer {
+                source: copy.from.to_wire(),
+                target: copy.to,
+                key: copy.key,
+                deadline_unix_ns: 0,
+                priority: lake_dp::Priority::Replication as u8,
+                reserved: [0; 7],
+            };
+            if push_frame(&mut connection.output, meta(0), &Message::CopyBlock(transfer)).is_ok() {
+                self.asked.insert((copy.key, copy.to.node), now);
+                self.counters.copies_asked += 1;
+                sent += 1;
+            }
+        }
+        sent
     }
 
     /// One pass: accepts, reads and applies, answers.

@@ -119,6 +119,18 @@ pub struct NodeHits {
     pub through: [usize; 3],
 }
 
+/// A copy the leader asks of a node: its L1 replica of `key` into any
+/// slot of another node's L1 (replication of a hot block).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replication {
+    /// The block.
+    pub key: BlockKey,
+    /// The L1 replica it is copied from (its node is asked).
+    pub from: Replica,
+    /// The node, region and epoch it goes to (any slot).
+    pub to: ReplicaWire,
+}
+
 /// Why a checkpoint could not be read back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CheckpointError {
@@ -308,6 +320,68 @@ impl Summary {
             }
         }
         out.sort_unstable_by_key(|r| (r.tier as u8, r.node.0, r.region.0));
+        out
+    }
+
+    /// Replication of hot prefixes: a block that at least `min_children`
+    /// distinct blocks continue, anywhere in the cluster (a shared system
+    /// prompt, a popular few-shot preamble: what many requests start
+    /// with), is copied from a member's L1 into the L1 of every other
+    /// member that holds no L1 copy of it. `skip(key, node)` leaves out
+    /// copies already asked. At most `max`, the most continued first.
+    ///
+    /// The children are counted over every node's replicas on each call
+    /// (a pass over the summary).
+    pub fn replication_plan(
+        &self,
+        min_children: usize,
+        max: usize,
+        mut skip: impl FnMut(&BlockKey, u32) -> bool,
+    ) -> Vec<Replication> {
+        if min_children == 0 || max == 0 {
+            return Vec::new();
+        }
+        let mut children: HashMap<BlockKey, std::collections::HashSet<BlockKey>> = HashMap::new();
+        for view in self.nodes.values() {
+            for held in view.held() {
+                if !held.entry.parent_key.is_none() {
+                    children.entry(held.entry.parent_key).or_default().insert(held.entry.key);
+                }
+            }
+        }
+        let mut hot: Vec<(usize, BlockKey)> =
+            children.iter().filter(|(_, c)| c.len() >= min_children).map(|(k, c)| (c.len(), *k)).collect();
+        hot.sort_unstable_by(|a, b| b.cmp(a));
+        // Each member's L1 region and epoch, from any L1 replica it holds.
+        let l1_of =
+            |view: &NodeView| view.held().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram)).map(|h| h.entry.replica);
+        let mut out = Vec::new();
+        for (_, key) in hot {
+            let in_l1 = |view: &NodeView| {
+                view.replicas.get(&key).is_some_and(|l| l.iter().any(|h| tier_of(&h.entry) == Some(Tier::L1Dram)))
+            };
+            let source = self.nodes().into_iter().find_map(|node| {
+                let view = &self.nodes[&node];
+                if !view.member {
+                    return None;
+                }
+                let held = view.replicas.get(&key)?.iter().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram))?;
+                Replica::from_wire(&held.entry.replica)
+            });
+            let Some(from) = source else { continue };
+            for node in self.nodes() {
+                let view = &self.nodes[&node];
+                if node == from.node.0 || !view.member || in_l1(view) || skip(&key, node) {
+                    continue;
+                }
+                let Some(l1) = l1_of(view) else { continue };
+                let to = ReplicaWire { slot: lake_dp::wire::message::SLOT_ANY, generation: 0, ..l1 };
+                out.push(Replication { key, from, to });
+                if out.len() >= max {
+                    return out;
+                }
+            }
+        }
         out
     }
 

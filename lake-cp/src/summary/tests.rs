@@ -164,3 +164,38 @@ fn an_uplink_feeds_the_aggregator_over_tcp_and_reconnects_with_a_snapshot() {
     assert_eq!(second.summary.figures(6).map(|f| f.replicas), Some([0, 8, 0, 0]));
     assert!(uplink.counters.connects >= 2 && uplink.counters.snapshots >= 2, "{:?}", uplink.counters);
 }
+
+#[test]
+fn a_prefix_many_blocks_continue_is_planned_into_every_other_members_l1() {
+    let mut summary = Summary::new();
+    // Node 1: a root continued by three blocks, and a chain of two.
+    let mut one = view(1, 1);
+    one.adopt(None, key(1), lake_dp::ObjectKind::KvBlock, 0, 5, 1, 1).unwrap();
+    for child in 2..=4 {
+        one.adopt(Some(key(1)), key(child), lake_dp::ObjectKind::KvBlock, 0, 5, u32::from(child), 1).unwrap();
+    }
+    one.adopt(None, key(10), lake_dp::ObjectKind::KvBlock, 0, 5, 10, 1).unwrap();
+    one.adopt(Some(key(10)), key(11), lake_dp::ObjectKind::KvBlock, 0, 5, 11, 1).unwrap();
+    // Node 2 holds an L1 block of its own (its L1 region is known); node 3
+    // holds the root already, in L1.
+    let mut two = view(2, 1);
+    two.adopt(None, key(20), lake_dp::ObjectKind::KvBlock, 0, 5, 3, 1).unwrap();
+    let mut three = view(3, 1);
+    three.adopt(None, key(1), lake_dp::ObjectKind::KvBlock, 0, 5, 7, 1).unwrap();
+    for (node, locations) in [(1, &mut one), (2, &mut two), (3, &mut three)] {
+        let changes: Vec<_> = locations.drain_changes().collect();
+        apply_all(&mut summary, deltas(node, locations, &changes));
+    }
+    let plan = summary.replication_plan(3, 10, |_, _| false);
+    assert_eq!(plan.len(), 1, "{plan:?}");
+    let copy = plan[0];
+    assert_eq!((copy.key, copy.to.node, copy.to.tier, copy.to.slot), (key(1), 2, 1, lake_dp::wire::message::SLOT_ANY));
+    assert_eq!(copy.from.tier, Tier::L1Dram);
+    // Asked already: not again; a lapsed target is not planned for.
+    assert!(summary.replication_plan(3, 10, |k, n| *k == key(1) && n == 2).is_empty());
+    summary.membership(&[1, 3]);
+    assert!(summary.replication_plan(3, 10, |_, _| false).is_empty());
+    // Fewer children than asked for: nothing.
+    summary.membership(&[1, 2, 3]);
+    assert!(summary.replication_plan(4, 10, |_, _| false).is_empty());
+}
