@@ -330,6 +330,10 @@ const SPIN: Duration = Duration::from_micros(50);
 
 /// How often the agent thread sends what it queued for `lake-cp` and
 /// checks that its `lake-dp` is there (it sleeps at most this long).
+/// How often, at most, the compute network's rails are reported to the
+/// control plane while pushes go on.
+const RAILS_REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
 const PUMP_EVERY: Duration = Duration::from_millis(5);
 
 fn c_path(ptr: *const c_char, what: &str) -> Result<Option<PathBuf>, LakeStatus> {
@@ -777,6 +781,9 @@ fn agent_thread(
     // Pushes to other nodes' pools (P→D), polled like loads in flight.
     let mut pushes = crate::push::Pushes::default();
     let epoch_start = std::time::Instant::now();
+    // The compute network's rails go to the control plane's metrics too:
+    // when pushes end, at most every quarter second while they go on.
+    let mut rails_reported = epoch_start;
     loop {
         if stop.load(Ordering::Acquire) {
             for load in in_flight.drain(..) {
@@ -796,6 +803,22 @@ fn agent_thread(
                 // Before the completions: a caller that saw its push end
                 // sees the bytes it moved.
                 *rails = pushes.rail_stats();
+                if pushes.in_flight() == 0 || rails_reported.elapsed() >= RAILS_REPORT_EVERY {
+                    rails_reported = std::time::Instant::now();
+                    let entries: Vec<lake_dp::wire::message::RailEntry> = rails
+                        .iter()
+                        .map(|r| lake_dp::wire::message::RailEntry {
+                            node: r.peer,
+                            rail: u16::try_from(r.rail).unwrap_or(u16::MAX),
+                            up: u8::from(r.up != 0),
+                            reserved: 0,
+                            bytes: r.bytes,
+                            breaks: r.breaks,
+                        })
+                        .collect();
+                    agent.report_rails(lake_dp::wire::message::Network::Compute, &entries);
+                    agent.pump();
+                }
             }
             if !complete_each(done, &ended) {
                 return;

@@ -38,6 +38,7 @@ fn start(name: &str, listen: Option<std::net::SocketAddr>) -> EmbeddedPool {
         l2_slots_per_file: 32,
         remote_agents: 4,
         transport_listen: listen,
+        metrics: true,
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-ffi-push-{name}-{}", std::process::id())))
     })
     .unwrap()
@@ -172,6 +173,32 @@ fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
     }
     let total: u64 = rail_stats.iter().map(|s| s.bytes).sum();
     assert!((BLOCKS * BLOCK) as u64 <= total && total < 2 * (BLOCKS * BLOCK) as u64 + (1 << 20), "{total} bytes");
+    // The same figures reach the prefill node's control plane: its
+    // /metrics shows the engine's compute rails, each its own series.
+    let metrics = prefill.metrics.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let shown = loop {
+        let text = http_get(metrics, "/metrics");
+        let rails: Vec<(u64, u64)> = text
+            .lines()
+            .filter(|l| l.starts_with("lake_rail_bytes_total{network=\"compute\",sender=\"engine-"))
+            .filter_map(|l| {
+                let rail = l.split("rail=\"").nth(1)?.split('"').next()?.parse().ok()?;
+                Some((rail, l.rsplit(' ').next()?.parse().ok()?))
+            })
+            .collect();
+        if rails.iter().map(|(_, b)| b).sum::<u64>() == total {
+            break rails;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "compute rails in /metrics: {rails:?}, want {total} bytes\n{text}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut by_rail: Vec<(u64, u64)> = shown;
+    by_rail.sort_unstable();
+    assert_eq!(by_rail, rail_stats.iter().map(|s| (u64::from(s.rail), s.bytes)).collect::<Vec<_>>());
 
     // The decode engine finds the prompt in its own pool and loads it.
     let found = lookup(d, &keys);
@@ -341,4 +368,13 @@ fn the_router_reads_this_nodes_hits_from_its_mirror() {
     // SAFETY: from lake_namespace_new, freed once.
     unsafe { lake_namespace_free(namespace) };
     drop(pool.stop());
+}
+
+fn http_get(address: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: lake\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text
 }

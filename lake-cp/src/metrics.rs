@@ -137,7 +137,7 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
     if let Some(dp) = &node.data_plane {
         data_plane_metrics(&mut out, dp);
     }
-    rail_metrics(&mut out, &node.rails);
+    rail_metrics(&mut out, &node.rails, &node.engine_rails);
     metric(
         &mut out,
         "lake_cp_connections_accepted_total",
@@ -227,17 +227,36 @@ fn tier_metrics(out: &mut String, node: &Node) {
 }
 
 /// Each rail's bytes, breaks and state, labelled by network (storage:
-/// `lake-dp`'s transport; compute: an engine agent's), peer node and rail.
-fn rail_metrics(out: &mut String, rails: &[(lake_dp::wire::message::Network, Vec<lake_dp::wire::message::RailEntry>)]) {
-    if rails.is_empty() {
+/// `lake-dp`'s transport; compute: an engine agent's), sender (`dp`, or
+/// the engine's connection number), peer and rail. A data plane's peers
+/// are nodes; an engine's are numbered in the order it first pushed to
+/// them.
+fn rail_metrics(
+    out: &mut String,
+    rails: &[(lake_dp::wire::message::Network, Vec<lake_dp::wire::message::RailEntry>)],
+    engines: &[(u64, Vec<lake_dp::wire::message::RailEntry>)],
+) {
+    use lake_dp::wire::message::Network;
+    if rails.is_empty() && engines.is_empty() {
         return;
     }
+    let senders: Vec<(Network, String, &Vec<lake_dp::wire::message::RailEntry>)> = rails
+        .iter()
+        .map(|(network, entries)| (*network, "dp".to_owned(), entries))
+        .chain(engines.iter().map(|(peer, entries)| (Network::Compute, format!("engine-{peer}"), entries)))
+        .collect();
     let labelled = |value: fn(&lake_dp::wire::message::RailEntry) -> u64| -> Vec<(String, u64)> {
-        rails
+        senders
             .iter()
-            .flat_map(|(network, entries)| {
+            .flat_map(|(network, sender, entries)| {
                 entries.iter().map(move |e| {
-                    (format!("network=\"{}\",node=\"{}\",rail=\"{}\"", network.name(), e.node, e.rail), value(e))
+                    let labels = format!(
+                        "network=\"{}\",sender=\"{sender}\",node=\"{}\",rail=\"{}\"",
+                        network.name(),
+                        e.node,
+                        e.rail
+                    );
+                    (labels, value(e))
                 })
             })
             .collect()
@@ -333,13 +352,19 @@ mod tests {
         let rail = |node, rail, up, bytes, breaks| RailEntry { node, rail, up, reserved: 0, bytes, breaks };
         node.rails.push((Network::Storage, vec![rail(2, 0, 1, 1000, 0), rail(2, 1, 0, 500, 3)]));
         node.rails.push((Network::Compute, vec![rail(3, 0, 1, 7, 0)]));
+        // Two engines' compute rails: each its own series.
+        node.engine_rails.push((5, vec![rail(0, 0, 1, 64, 0), rail(0, 1, 1, 32, 1)]));
+        node.engine_rails.push((6, vec![rail(0, 0, 0, 9, 2)]));
         let text = render(&node, &ServerCounters::default());
         for line in [
-            "lake_rail_bytes_total{network=\"storage\",node=\"2\",rail=\"0\"} 1000",
-            "lake_rail_bytes_total{network=\"storage\",node=\"2\",rail=\"1\"} 500",
-            "lake_rail_bytes_total{network=\"compute\",node=\"3\",rail=\"0\"} 7",
-            "lake_rail_breaks_total{network=\"storage\",node=\"2\",rail=\"1\"} 3",
-            "lake_rail_up{network=\"storage\",node=\"2\",rail=\"1\"} 0",
+            "lake_rail_bytes_total{network=\"storage\",sender=\"dp\",node=\"2\",rail=\"0\"} 1000",
+            "lake_rail_bytes_total{network=\"storage\",sender=\"dp\",node=\"2\",rail=\"1\"} 500",
+            "lake_rail_bytes_total{network=\"compute\",sender=\"dp\",node=\"3\",rail=\"0\"} 7",
+            "lake_rail_breaks_total{network=\"storage\",sender=\"dp\",node=\"2\",rail=\"1\"} 3",
+            "lake_rail_up{network=\"storage\",sender=\"dp\",node=\"2\",rail=\"1\"} 0",
+            "lake_rail_bytes_total{network=\"compute\",sender=\"engine-5\",node=\"0\",rail=\"1\"} 32",
+            "lake_rail_breaks_total{network=\"compute\",sender=\"engine-5\",node=\"0\",rail=\"1\"} 1",
+            "lake_rail_up{network=\"compute\",sender=\"engine-6\",node=\"0\",rail=\"0\"} 0",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
         }

@@ -132,6 +132,9 @@ pub struct Node {
     pub copies_failed: u64,
     /// Blocks engines hold in their own GPU memory (advisory L0).
     pub l0: crate::l0::L0,
+    /// Each engine's compute-network rails, by its connection, as it last
+    /// reported them (gone with the connection).
+    pub engine_rails: Vec<(u64, Vec<lake_dp::wire::message::RailEntry>)>,
 }
 
 impl Node {
@@ -151,6 +154,7 @@ impl Node {
             tiers: Tiers::new(TierConfig::default()),
             scratch: Vec::new(),
             l0: crate::l0::L0::default(),
+            engine_rails: Vec::new(),
             data_plane: None,
             rails: Vec::new(),
             copies: Vec::new(),
@@ -313,6 +317,14 @@ impl Node {
             }
             Message::Resident(head, keys) => {
                 self.l0.report(peer, keys.iter(), head.resident == 1);
+                Ok(None)
+            }
+            Message::RailStats(head, entries) if head.network == lake_dp::wire::message::Network::Compute as u8 => {
+                let entries: Vec<_> = entries.iter().collect();
+                match self.engine_rails.iter_mut().find(|(p, _)| *p == peer) {
+                    Some((_, latest)) => *latest = entries,
+                    None => self.engine_rails.push((peer, entries)),
+                }
                 Ok(None)
             }
             Message::Accessed(head, keys) => {

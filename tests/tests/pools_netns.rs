@@ -100,7 +100,7 @@ fn rail_bytes(pool: &EmbeddedPool) -> Vec<u64> {
     stream.read_to_string(&mut text).unwrap();
     let mut bytes = Vec::new();
     for rail in 0.. {
-        let label = format!("lake_rail_bytes_total{{network=\"storage\",node=\"2\",rail=\"{rail}\"}} ");
+        let label = format!("lake_rail_bytes_total{{network=\"storage\",sender=\"dp\",node=\"2\",rail=\"{rail}\"}} ");
         let Some(line) = text.lines().find(|l| l.starts_with(&label)) else { break };
         bytes.push(line[label.len()..].trim().parse().unwrap());
     }

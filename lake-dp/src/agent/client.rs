@@ -474,10 +474,23 @@ impl Agent {
         self.cp.is_some()
     }
 
+    /// Reports what each rail of this engine's transport carried (its
+    /// compute network: `node` is the peer's number in the order the
+    /// engine first pushed to it); false without a control plane.
+    pub fn report_rails(
+        &mut self,
+        network: crate::wire::message::Network,
+        rails: &[crate::wire::message::RailEntry],
+    ) -> bool {
+        self.relink();
+        let Some(cp) = &mut self.cp else { return false };
+        cp.rails(network, rails);
+        true
+    }
+
     /// Reports that the engine now holds `keys` in its own GPU memory
-    /// (`resident`), or has dropped them: advisory L0 replicas `lake-cp`
-    /// keeps for routing until this agent says otherwise or disconnects.
-    /// Queued like an access report. False when no `lake-cp` is attached.
+    /// (`resident`), or no longer does (see [`CpLink::resident`]); false
+    /// without a control plane.
     pub fn report_resident(&mut self, keys: &[BlockKey], resident: bool) -> bool {
         self.relink();
         let Some(cp) = &mut self.cp else { return false };
