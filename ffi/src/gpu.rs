@@ -617,6 +617,7 @@ fn load_fetched(
             Some(FetchFailure::Corrupt) => LakeStatus::LakeBadCrc,
             Some(FetchFailure::Foreign) => LakeStatus::LakeLayoutMismatch,
             Some(FetchFailure::Unavailable) => LakeStatus::LakeUnavailable,
+            Some(FetchFailure::Cancelled) => LakeStatus::LakeCancelled,
         };
         statuses.truncate(delivered + 1);
     }

@@ -930,8 +930,13 @@ fn agent_thread(
                     statuses = gpu::save(&mut agent, &memory, &keys, &parents, &blocks, after.as_deref());
                 }
                 Job::Load { memory: Memory::Host(memory), keys, table, blocks, priority, .. } => {
-                    let load = LoadJob { memory, keys, table, blocks, priority };
+                    let load =
+                        LoadJob { memory, keys, table, blocks, priority, request, cancelled: Arc::clone(cancelled) };
                     statuses = run_load(&mut agent, shared, load);
+                    // A cancel that came while it ran is spent.
+                    if let Ok(mut set) = cancelled.lock() {
+                        set.remove(&request);
+                    }
                 }
                 Job::Save { memory: Memory::Host(memory), keys, parents, blocks, .. } => {
                     let fills: Vec<_> = blocks
@@ -1043,6 +1048,10 @@ struct LoadJob {
     table: Vec<MirrorEntry>,
     blocks: Vec<u32>,
     priority: Priority,
+    /// Its request, and the requests `lake_cancel` named: checked between
+    /// the blocks the agent loads, so a cancel reaches a load under way.
+    request: u64,
+    cancelled: Arc<Mutex<HashSet<u64>>>,
 }
 
 /// Runs one load; a status per block: the first failure says why, the
@@ -1138,7 +1147,8 @@ fn fetch_through_agent(agent: &mut Agent, job: &LoadJob, from: usize) -> Vec<Lak
     let (keys, table, blocks) = (&job.keys[from..], &job.table[from..], &job.blocks[from..]);
     let mut statuses = vec![LakeStatus::LakeOk; keys.len()];
     let mut misfit = None;
-    let delivered = agent.fetch_segments_at(keys, table, job.priority, |i, offset, segment| {
+    let cancelled = || job.cancelled.lock().is_ok_and(|set| set.contains(&job.request));
+    let delivered = agent.fetch_segments_cancellable(keys, table, job.priority, &cancelled, |i, offset, segment| {
         if misfit.is_none() && !job.memory.scatter(blocks[i], offset, segment) {
             misfit = Some(i);
         }
@@ -1148,6 +1158,7 @@ fn fetch_through_agent(agent: &mut Agent, job: &LoadJob, from: usize) -> Vec<Lak
         Some(FetchFailure::Corrupt) => LakeStatus::LakeBadCrc,
         Some(FetchFailure::Foreign) => LakeStatus::LakeLayoutMismatch,
         Some(FetchFailure::Unavailable) => LakeStatus::LakeUnavailable,
+        Some(FetchFailure::Cancelled) => LakeStatus::LakeCancelled,
     };
     // A payload that does not fit the engine's block (raw memory
     // registered smaller than what was saved) is not this reader's:
@@ -1156,8 +1167,11 @@ fn fetch_through_agent(agent: &mut Agent, job: &LoadJob, from: usize) -> Vec<Lak
     if let Some(status) = statuses.get_mut(good) {
         *status = if good < delivered { LakeStatus::LakeLayoutMismatch } else { failure };
     }
+    // Cancelled: every block not delivered says so; otherwise the ones
+    // after the first failure break the prefix.
+    let after = if failure == LakeStatus::LakeCancelled { failure } else { LakeStatus::LakePrefixBroken };
     for status in statuses.iter_mut().skip(good + 1) {
-        *status = LakeStatus::LakePrefixBroken;
+        *status = after;
     }
     statuses
 }

@@ -1,9 +1,11 @@
 //! Load and soak: engines in other processes run a bounded mixed workload
 //! against one pool — lookups, loads of what they find (L1 pins, leased
-//! L2 loads), saves of what they miss — over a key universe larger than
-//! L1 and L2 together, so the tier manager demotes, promotes and evicts
-//! all along. Every delivered block is compared with the bytes its key
-//! names; the pool's process (its `lake-cp` and `lake-dp`) must keep its
+//! L2 and L3 loads), saves of what they miss, and loads cancelled part
+//! way (an aborted request) — over a key universe larger than L1 and L2
+//! together, so the tier manager demotes, promotes, moves to L3 and
+//! evicts all along. Every delivered block is compared with the bytes its
+//! key names; a cancelled load reads nothing past where it was stopped;
+//! the pool's process (its `lake-cp` and `lake-dp`) must keep its
 //! anonymous memory flat once warm.
 //!
 //! `LAKE_SOAK_SECS` sets the length: 60 by default (CI), 600 on demand
@@ -25,7 +27,8 @@ const TEST: &str = "engines_in_other_processes_soak_the_pool_with_every_byte_rig
 const PAYLOAD: usize = 16 * 1024;
 /// Blocks of one prompt (a conversation's prefix).
 const PROMPT: u32 = 8;
-/// Distinct blocks: about 2.6× what L1 and L2 hold together.
+/// Distinct blocks: about 8× what L1 and L2 hold together (L3 holds them
+/// all: its catalog is larger).
 const UNIVERSE: u32 = 3000;
 const ENGINES: usize = 3;
 /// Growth of the pool process's anonymous memory allowed after warm-up.
@@ -79,6 +82,7 @@ fn child(dp: &Path, mirror: &Path, cp: &Path, seed: u64, seconds: u64) {
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let (mut turns, mut delivered, mut wrong, mut saved) = (0u64, 0u64, 0u64, 0u64);
+    let (mut cancelled, mut overran) = (0u64, 0u64);
     let mut table = Vec::new();
     while Instant::now() < deadline {
         state ^= state << 13;
@@ -90,7 +94,25 @@ fn child(dp: &Path, mirror: &Path, cp: &Path, seed: u64, seconds: u64) {
         let blocks: Vec<u32> = (prompt * PROMPT..(prompt + 1) * PROMPT).collect();
         let keys: Vec<BlockKey> = blocks.iter().map(|&b| key(b)).collect();
         let hits = agent.lookup(&keys, &mut table);
-        if hits > 0 {
+        if hits > 1 && state.is_multiple_of(5) {
+            // The request is aborted after `stop` blocks: the load stops
+            // there, its pins and lease let go.
+            let stop = 1 + (state >> 20) as usize % (hits - 1);
+            let seen = std::cell::Cell::new(0usize);
+            let got = agent.fetch_cancellable(&keys[..hits], &table[..hits], &|| seen.get() >= stop, |i, bytes| {
+                seen.set(seen.get() + 1);
+                if bytes != payload(blocks[i]).as_slice() {
+                    wrong += 1;
+                }
+            });
+            delivered += got as u64;
+            if got > stop {
+                overran += 1;
+            }
+            if got == stop && agent.last_fetch_failure() == Some(lake_dp::agent::FetchFailure::Cancelled) {
+                cancelled += 1;
+            }
+        } else if hits > 0 {
             delivered += agent.fetch(&keys[..hits], &table[..hits], |i, bytes| {
                 if bytes != payload(blocks[i]).as_slice() {
                     wrong += 1;
@@ -114,7 +136,7 @@ fn child(dp: &Path, mirror: &Path, cp: &Path, seed: u64, seconds: u64) {
             agent.pump();
         }
     }
-    println!("DONE {turns} {delivered} {wrong} {saved}");
+    println!("DONE {turns} {delivered} {wrong} {saved} {cancelled} {overran} {}", agent.stats.l3_loads);
 }
 
 #[test]
@@ -126,12 +148,18 @@ fn engines_in_other_processes_soak_the_pool_with_every_byte_right_and_memory_fla
         child(Path::new(parts[0]), Path::new(parts[1]), Path::new(parts[2]), seed, seconds);
         return;
     }
+    // L3 in a directory of its own (the pool removes its own at stop).
+    let l3 = std::env::temp_dir().join(format!("lake-cp-soak-l3-{}", std::process::id()));
     let mut pool = EmbeddedPool::start(&EmbeddedConfig {
         block_bytes: PAYLOAD as u64,
         l1_slots: 128,
-        l2_slots_per_file: 512,
+        l2_slots_per_file: 128,
         remote_agents: 4,
         metrics: true,
+        l3: Some(lake_dp::runner::config::L3Section {
+            objects: 8192,
+            ..lake_dp::runner::config::L3Section::dir(l3.clone())
+        }),
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-soak-{}", std::process::id())))
     })
     .unwrap();
@@ -158,7 +186,7 @@ fn engines_in_other_processes_soak_the_pool_with_every_byte_right_and_memory_fla
         std::thread::sleep(Duration::from_secs(1));
         samples.push((started.elapsed().as_secs(), rss_anon_kb()));
     }
-    let mut totals = [0u64; 4];
+    let mut totals = [0u64; 7];
     for child in &mut children {
         let out = child.stdout.take().unwrap();
         // Read to the end: a closed pipe would fail the child's last prints.
@@ -170,7 +198,8 @@ fn engines_in_other_processes_soak_the_pool_with_every_byte_right_and_memory_fla
         }
         assert!(child.wait().unwrap().success(), "an engine failed");
     }
-    let [turns, delivered, wrong, saved] = totals;
+    let [turns, delivered, wrong, saved, cancelled, overran, l3_loads] = totals;
+    let to_l3 = metric(metrics, "lake_tier_moves_total{move=\"move_to_l3\"}").unwrap_or(0);
     let promoted = metric(metrics, "lake_dp_blocks_total{event=\"promoted\"}").unwrap_or(0);
     let demoted = metric(metrics, "lake_dp_blocks_total{event=\"demoted\"}").unwrap_or(0);
     let evicted = metric(metrics, "lake_dp_blocks_total{event=\"evicted\"}").unwrap_or(0);
@@ -178,14 +207,19 @@ fn engines_in_other_processes_soak_the_pool_with_every_byte_right_and_memory_fla
     let (first, peak) = (warm[0], *warm.iter().max().unwrap());
     println!(
         "{seconds} s, {ENGINES} engines: {turns} turns, {delivered} blocks loaded ({wrong} wrong), {saved} saved; \
-         {promoted} promoted, {demoted} demoted, {evicted} evicted; pool RssAnon {first} KiB warm, {peak} KiB peak, \
-         {} KiB at the end",
+         {promoted} promoted, {demoted} demoted, {evicted} evicted, {to_l3} moved to L3, {l3_loads} loaded from L3; \
+         {cancelled} loads cancelled part way ({overran} read past their stop); pool RssAnon {first} KiB warm, \
+         {peak} KiB peak, {} KiB at the end",
         warm[warm.len() - 1]
     );
     assert_eq!(wrong, 0, "every loaded block holds its key's bytes");
     assert!(delivered > 0 && saved > 0, "the mix loaded and saved");
     assert!(promoted > 0 && demoted > 0 && evicted > 0, "the tiers moved blocks: {promoted} {demoted} {evicted}");
+    assert!(to_l3 > 0 && l3_loads > 0, "L3 took blocks ({to_l3}) and gave them back ({l3_loads})");
+    assert!(cancelled > 0, "loads were cancelled part way");
+    assert_eq!(overran, 0, "a cancelled load read past its stop");
     assert!(peak - first <= RSS_GROWTH_MAX_KB, "the pool's memory grew {} KiB once warm: {samples:?}", peak - first);
     drop(pool.local_ports.drain(..));
     drop(pool.stop());
+    let _ = std::fs::remove_dir_all(&l3);
 }

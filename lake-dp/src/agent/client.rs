@@ -179,6 +179,9 @@ pub enum FetchFailure {
     /// A lower-tier block could not be leased or loaded (no `lake-cp`, a
     /// refused lease, no L1 room in time, a device error).
     Unavailable,
+    /// The caller cancelled the fetch (its request was aborted or
+    /// preempted): nothing past the block it stopped before was read.
+    Cancelled,
 }
 
 /// What the agent has done.
@@ -502,7 +505,21 @@ impl Agent {
     /// `table[i]`), in order, to `sink(i, payload)`; stops at the first
     /// that cannot be delivered. Returns how many were.
     pub fn fetch(&mut self, keys: &[BlockKey], table: &[MirrorEntry], mut sink: impl FnMut(usize, &[u8])) -> usize {
-        self.fetch_with(keys, table, false, &mut |i, _, bytes| sink(i, bytes))
+        self.fetch_with(keys, table, false, &|| false, &mut |i, _, bytes| sink(i, bytes))
+    }
+
+    /// Like [`Agent::fetch`], stopping before the next block (or batch of
+    /// lower-tier loads) once `cancelled()` says so: an aborted or
+    /// preempted request reads no more, its pins and lease let go at once
+    /// ([`FetchFailure::Cancelled`]).
+    pub fn fetch_cancellable(
+        &mut self,
+        keys: &[BlockKey],
+        table: &[MirrorEntry],
+        cancelled: &dyn Fn() -> bool,
+        mut sink: impl FnMut(usize, &[u8]),
+    ) -> usize {
+        self.fetch_with(keys, table, false, cancelled, &mut |i, _, bytes| sink(i, bytes))
     }
 
     /// Like [`Agent::fetch`], but each block is handed over segment by
@@ -528,10 +545,23 @@ impl Agent {
         keys: &[BlockKey],
         table: &[MirrorEntry],
         priority: Priority,
+        sink: impl FnMut(usize, usize, &[u8]),
+    ) -> usize {
+        self.fetch_segments_cancellable(keys, table, priority, &|| false, sink)
+    }
+
+    /// [`Agent::fetch_segments_at`] that stops once `cancelled()` says so
+    /// (see [`Agent::fetch_cancellable`]).
+    pub fn fetch_segments_cancellable(
+        &mut self,
+        keys: &[BlockKey],
+        table: &[MirrorEntry],
+        priority: Priority,
+        cancelled: &dyn Fn() -> bool,
         mut sink: impl FnMut(usize, usize, &[u8]),
     ) -> usize {
         self.load_priority = priority;
-        let delivered = self.fetch_with(keys, table, true, &mut sink);
+        let delivered = self.fetch_with(keys, table, true, cancelled, &mut sink);
         self.load_priority = Priority::CriticalLoad;
         delivered
     }
@@ -541,6 +571,7 @@ impl Agent {
         keys: &[BlockKey],
         table: &[MirrorEntry],
         segmented: bool,
+        cancelled: &dyn Fn() -> bool,
         sink: &mut dyn FnMut(usize, usize, &[u8]),
     ) -> usize {
         let count = keys.len().min(table.len());
@@ -552,6 +583,10 @@ impl Agent {
         let mut delivered = 0;
         'blocks: while delivered < count {
             let i = delivered;
+            if cancelled() {
+                failure = Some(FetchFailure::Cancelled);
+                break;
+            }
             if table[i].tier == Tier::L1Dram && table[i].region.0 == region {
                 match self.read_l1(&keys[i], table[i].slot, table[i].generation, segmented, &mut |o, p| sink(i, o, p)) {
                     Ok(bytes) => {
@@ -607,6 +642,11 @@ impl Agent {
             let mut pinned = self.load_batch(keys, &batch);
             let mut stop = false;
             for ((j, source), pin) in batch.iter().zip(pinned.iter_mut()) {
+                if cancelled() {
+                    failure = Some(FetchFailure::Cancelled);
+                    stop = true;
+                    break;
+                }
                 let Some(pin) = pin.take() else {
                     failure = Some(FetchFailure::Unavailable);
                     stop = true;
