@@ -105,6 +105,14 @@ fn blocks_round_trip_through_a_real_s3_server() {
     unsafe { client.submit(200, request) }.unwrap();
     assert!(matches!(wait(&mut client, 1, Duration::from_secs(30))[0].result, Err(L3Error::Corrupt(_))));
     assert_eq!(store.get("node-1/nothing/here").unwrap(), None);
+    // One multi-object delete takes several (one not there, which is fine).
+    let batch =
+        [(namespace, keys[20]), (namespace, keys[21]), (namespace, BlockKey([0xee; 16])), (namespace, keys[22])];
+    // SAFETY: `batch` outlives the completion.
+    unsafe { client.submit(250, L3Request::DeleteMany { blocks: batch.as_ptr(), count: batch.len() }) }.unwrap();
+    assert_eq!(wait(&mut client, 1, Duration::from_secs(30))[0].result, Ok(4));
+    assert_eq!(store.list("node-1/").unwrap().len(), keys.len() - 3);
+    assert_eq!(store.get(&object_name("node-1", namespace, &keys[21])).unwrap(), None);
 
     // The server goes away: requests fail by name after their retries,
     // within a bounded time; back again, it serves.

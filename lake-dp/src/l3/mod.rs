@@ -57,6 +57,11 @@ pub trait ObjectStore: Send {
     fn get(&mut self, name: &str) -> Result<Option<Vec<u8>>, StoreError>;
     /// Removes `name` (absent already is fine).
     fn delete(&mut self, name: &str) -> Result<(), StoreError>;
+    /// Removes every one of `names` (absent ones are fine), in as few
+    /// calls as the store allows; the default removes them one by one.
+    fn delete_many(&mut self, names: &[String]) -> Result<(), StoreError> {
+        names.iter().try_for_each(|name| self.delete(name))
+    }
     /// The names under `prefix`.
     fn list(&mut self, prefix: &str) -> Result<Vec<String>, StoreError>;
     /// The first `len` bytes of `name` (fewer if it is shorter), or `None`
@@ -162,6 +167,14 @@ pub enum L3Request {
         key: BlockKey,
         /// Its namespace.
         namespace: NamespaceId,
+    },
+    /// Remove the `count` blocks at `blocks` in one batch (S3's
+    /// multi-object delete: up to 1,000 a call).
+    DeleteMany {
+        /// The blocks, with their namespaces.
+        blocks: *const (NamespaceId, BlockKey),
+        /// How many.
+        count: usize,
     },
 }
 
@@ -380,6 +393,14 @@ fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Resul
         L3Request::Delete { key, namespace } => {
             store.delete(&object_name(prefix, namespace, &key)).map_err(L3Error::Store)?;
             Ok(0)
+        }
+        L3Request::DeleteMany { blocks, count } => {
+            // SAFETY: `count` pairs, valid and unchanged until this request
+            // completes (the contract of `L3Client::submit`).
+            let blocks = unsafe { core::slice::from_raw_parts(blocks, count) };
+            let names: Vec<String> = blocks.iter().map(|(ns, key)| object_name(prefix, *ns, key)).collect();
+            store.delete_many(&names).map_err(L3Error::Store)?;
+            Ok(count as u64)
         }
     }
 }

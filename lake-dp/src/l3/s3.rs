@@ -95,6 +95,23 @@ impl ObjectStore for S3Store {
         }
     }
 
+    fn delete_many(&mut self, names: &[String]) -> Result<(), StoreError> {
+        let objects: Vec<s3::serde_types::ObjectIdentifier> =
+            names.iter().map(|n| s3::serde_types::ObjectIdentifier::new(n.as_str())).collect();
+        let result = self.bucket.delete_objects(objects).map_err(error("delete (batch)"))?;
+        // A key that is not there is not an error of S3's multi-delete.
+        match result.errors.first() {
+            None => Ok(()),
+            Some(first) => Err(StoreError::Transient(format!(
+                "delete (batch): {} of {} failed, the first {:?}: {:?}",
+                result.errors.len(),
+                names.len(),
+                first.key,
+                first.message
+            ))),
+        }
+    }
+
     fn list(&mut self, prefix: &str) -> Result<Vec<String>, StoreError> {
         let pages = self.bucket.list(prefix.to_owned(), None).map_err(error("list"))?;
         let mut names: Vec<String> = pages.into_iter().flat_map(|page| page.contents).map(|o| o.key).collect();

@@ -274,5 +274,18 @@ fn a_header_given_apart_is_stored_with_its_payload_and_a_scan_reads_the_headers_
     // A limit stops the scan: the rest are counted, not read.
     let limited = super::scan(&mut store, "scan", 2).unwrap();
     assert_eq!((limited.objects.len(), limited.skipped), (2, 5));
+    // One batched delete takes three objects (one was gone already).
+    let store_root = root.clone();
+    let mut client = L3Client::start(L3Config::default(), "scan", move || {
+        Ok(Box::new(DirStore::open(&store_root)?) as Box<dyn ObjectStore>)
+    })
+    .unwrap();
+    let _ = std::fs::remove_file(root.join(object_name("scan", namespace, &keys[1])));
+    let batch = [(namespace, keys[0]), (namespace, keys[1]), (namespace, keys[4])];
+    // SAFETY: `batch` outlives the completion (waited for below).
+    unsafe { client.submit(1, L3Request::DeleteMany { blocks: batch.as_ptr(), count: batch.len() }) }.unwrap();
+    assert_eq!(wait(&mut client, 1)[0].result, Ok(3));
+    let left: Vec<BlockKey> = super::scan(&mut store, "scan", 100).unwrap().objects.iter().map(|m| m.key).collect();
+    assert!(left.len() == 2 && left.contains(&keys[3]) && left.contains(&keys[5]), "{left:?}");
     let _ = std::fs::remove_dir_all(&root);
 }

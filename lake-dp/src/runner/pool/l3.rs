@@ -20,9 +20,11 @@
 //!   the worker, its header rewritten to name the slot, and reported like
 //!   any promotion. An object gone from the store or failing its check
 //!   leaves the catalog (reported evicted) and the reader recomputes.
-//! - **Deletes** (`EvictBlock` of an L3 replica): the catalog entry goes at
-//!   once; a write of the same block waits until the delete is done, so
-//!   the two never race in the store.
+//! - **Deletes** (`EvictBlock` of an L3 replica): the entry goes at once;
+//!   the object joins a batch, sent as one multi-object delete
+//!   ([`L3Request::DeleteMany`]) at the next pass or when the batch is full
+//!   ([`DELETE_BATCH_MAX`]); a write of the same block waits until the
+//!   delete is done, so the two never race in the store.
 
 use std::collections::HashMap;
 
@@ -31,11 +33,18 @@ use crate::agent::port::AgentError;
 use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
 use crate::l3::{L3Client, L3Completion, L3Error, L3Request};
 use crate::model::key::BlockKey;
+use crate::model::namespace::NamespaceId;
 use crate::model::replica::{Durability, Priority, RegionId, ReplicaWire, Tier};
 use crate::op::{Command, L2Slot, ReadBlock, Request};
 use crate::runner::Parts;
 use crate::stored::{ObjectMeta, decode_header, encode_header, object_bytes};
 use crate::wire::message::{BlockEvicted, BlockRecord, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone};
+
+/// Objects one batched delete removes at most.
+pub const DELETE_BATCH_MAX: usize = 256;
+
+/// Batched deletes in flight at most.
+const DELETE_BATCHES: u32 = 4;
 
 /// Where a write's bytes come from.
 #[derive(Clone, Copy, Debug)]
@@ -62,9 +71,9 @@ enum Op {
         l1_slot: u32,
         l1_generation: u32,
     },
-    Delete {
-        namespace: u64,
-        key: BlockKey,
+    /// A batch of deletes: the blocks in `delete_buffers[buffer]`.
+    DeleteMany {
+        buffer: u32,
     },
 }
 
@@ -77,6 +86,8 @@ pub struct L3Stats {
     pub reads: u64,
     /// Objects deleted.
     pub deletes: u64,
+    /// Batched deletes sent (each up to [`DELETE_BATCH_MAX`] objects).
+    pub delete_batches: u64,
     /// Requests that failed (the store, or a check).
     pub failed: u64,
     /// Objects read that did not check, or were gone (left the catalog).
@@ -102,6 +113,11 @@ pub(crate) struct L3Tier {
     /// header's place.
     headers: Vec<[u8; STORED_HEADER_BYTES]>,
     completions: Vec<L3Completion>,
+    /// Deletes not sent yet (the next batch).
+    pending_deletes: Vec<(NamespaceId, BlockKey)>,
+    /// The batches in flight (each an op's), and which are free.
+    delete_buffers: Vec<Vec<(NamespaceId, BlockKey)>>,
+    free_buffers: Vec<u32>,
     /// What it has done.
     pub stats: L3Stats,
 }
@@ -141,6 +157,9 @@ impl L3Tier {
             free_ops: (0..ops).rev().collect(),
             headers: vec![[0; STORED_HEADER_BYTES]; ops as usize],
             completions: Vec::with_capacity(ops as usize),
+            pending_deletes: Vec::with_capacity(DELETE_BATCH_MAX),
+            delete_buffers: (0..DELETE_BATCHES).map(|_| Vec::with_capacity(DELETE_BATCH_MAX)).collect(),
+            free_buffers: (0..DELETE_BATCHES).rev().collect(),
             stats: L3Stats::default(),
         }
     }
@@ -157,7 +176,8 @@ impl L3Tier {
 
     /// Requests in flight.
     pub(crate) fn in_flight(&self) -> usize {
-        self.ops.len() - self.free_ops.len()
+        // Deletes waiting for their batch count as one.
+        self.ops.len() - self.free_ops.len() + usize::from(!self.pending_deletes.is_empty())
     }
 
     fn take_op(&mut self, op: Op) -> Option<u32> {
@@ -173,10 +193,39 @@ impl L3Tier {
     }
 
     fn deleting(&self, namespace: u64, key: &BlockKey) -> bool {
-        self.ops
-            .iter()
-            .flatten()
-            .any(|op| matches!(op, Op::Delete { namespace: n, key: k } if *n == namespace && k == key))
+        let is = |(ns, k): &(NamespaceId, BlockKey)| ns.0 == namespace && k == key;
+        self.pending_deletes.iter().any(is)
+            || self.ops.iter().flatten().any(|op| match op {
+                Op::DeleteMany { buffer } => self.delete_buffers[*buffer as usize].iter().any(is),
+                _ => false,
+            })
+    }
+
+    /// Sends the pending deletes as one batch, if a batch and an op are
+    /// free; false when they stay pending.
+    fn flush_deletes(&mut self) -> bool {
+        if self.pending_deletes.is_empty() {
+            return true;
+        }
+        let Some(buffer) = self.free_buffers.pop() else { return false };
+        let Some(index) = self.take_op(Op::DeleteMany { buffer }) else {
+            self.free_buffers.push(buffer);
+            return false;
+        };
+        let batch = &mut self.delete_buffers[buffer as usize];
+        batch.clear();
+        batch.append(&mut self.pending_deletes);
+        let request = L3Request::DeleteMany { blocks: batch.as_ptr(), count: batch.len() };
+        // SAFETY: the batch's buffer is this op's alone (not touched, not
+        // grown) until its completion frees it.
+        if unsafe { self.client.submit(u64::from(index), request) }.is_err() {
+            let batch = &mut self.delete_buffers[buffer as usize];
+            self.pending_deletes.append(batch);
+            self.put_op(index);
+            self.free_buffers.push(buffer);
+            return false;
+        }
+        true
     }
 
     /// A free catalog entry, its generation moved on.
@@ -566,8 +615,8 @@ impl Pool {
         Ok(())
     }
 
-    /// Evicts an L3 replica: the catalog entry goes now, the object once
-    /// the delete is done.
+    /// Evicts an L3 replica: the catalog entry goes now, the object with
+    /// the next batch of deletes.
     pub(super) fn evict_l3(&mut self, replica: &ReplicaWire, key: &BlockKey) -> Result<(), ErrorCode> {
         let Some(tier) = self.l3.as_mut() else { return Err(ErrorCode::NoSuchBlock) };
         if replica.region != tier.region {
@@ -577,15 +626,10 @@ impl Pool {
         if meta.key != *key {
             return Err(ErrorCode::StaleGeneration);
         }
-        let Some(index) = tier.take_op(Op::Delete { namespace: meta.namespace.0, key: meta.key }) else {
-            return Err(ErrorCode::QueueFull);
-        };
-        let delete = L3Request::Delete { key: meta.key, namespace: meta.namespace };
-        // SAFETY: a delete names no memory.
-        if unsafe { tier.client.submit(u64::from(index), delete) }.is_err() {
-            tier.put_op(index);
+        if tier.pending_deletes.len() >= DELETE_BATCH_MAX && !tier.flush_deletes() {
             return Err(ErrorCode::QueueFull);
         }
+        tier.pending_deletes.push((meta.namespace, meta.key));
         tier.forget(replica.slot);
         Ok(())
     }
@@ -594,6 +638,7 @@ impl Pool {
     /// Returns how many.
     pub(crate) fn poll_l3(&mut self, parts: &mut Parts<'_>) -> u32 {
         let Some(tier) = self.l3.as_mut() else { return 0 };
+        tier.flush_deletes();
         let mut completions = core::mem::take(&mut tier.completions);
         let max = completions.capacity().max(1);
         tier.client.poll(&mut completions, max);
@@ -706,10 +751,19 @@ impl Pool {
                 }
                 self.promotion_answered(to, l1_slot, l1_generation, result, parts);
             }
-            Op::Delete { .. } => match completion.result {
-                Ok(_) => tier.stats.deletes += 1,
-                Err(_) => tier.stats.failed += 1,
-            },
+            Op::DeleteMany { buffer } => {
+                match completion.result {
+                    Ok(count) => {
+                        tier.stats.deletes += count;
+                        tier.stats.delete_batches += 1;
+                    }
+                    // The objects stay in the store (out of the catalog):
+                    // a scan at the next start finds them again.
+                    Err(_) => tier.stats.failed += 1,
+                }
+                tier.delete_buffers[buffer as usize].clear();
+                tier.free_buffers.push(buffer);
+            }
         }
     }
 }

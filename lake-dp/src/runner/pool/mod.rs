@@ -33,8 +33,8 @@ mod l3;
 
 use std::collections::VecDeque;
 
-pub use self::l3::L3Stats;
 pub(crate) use self::l3::L3Tier;
+pub use self::l3::{DELETE_BATCH_MAX, L3Stats};
 
 use crate::agent::port::{AgentCompletion, AgentError, AgentRequest, DpPort};
 use crate::agent::shm::Popped;
