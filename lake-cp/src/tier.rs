@@ -873,6 +873,19 @@ mod tests {
             self.tiers.added(region, namespace, parent, key(k), ObjectKind::KvBlock, true);
         }
 
+        /// With an L3 region (9) too, and L2 holding blocks 1..=9 (over its
+        /// mark of 80%, to come down to 50%; LRU).
+        fn with_l3(config: TierConfig) -> Self {
+            let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..config };
+            let mut world = Self::new(config);
+            world.locations.register_region(9, Tier::L3Object, NodeId(0), 5).unwrap();
+            world.tiers.register(9, Tier::L3Object, 0, 5, SLOT, 100);
+            for k in 1..=9 {
+                world.add(1, 7, None, k);
+            }
+            world
+        }
+
         fn plan(&mut self) -> Vec<TierCommand> {
             let mut out = Vec::new();
             self.tiers.plan(&self.locations, &self.leases, 0, &mut out);
@@ -1002,14 +1015,8 @@ mod tests {
 
     #[test]
     fn l2_victims_go_to_l3_and_eager_write_back_copies_every_saved_block() {
-        let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
-        let mut world = World::new(config);
-        world.locations.register_region(9, Tier::L3Object, NodeId(0), 5).unwrap();
-        world.tiers.register(9, Tier::L3Object, 0, 5, SLOT, 100);
         // L2 over its mark: the coldest go to L3, not away.
-        for k in 1..=9 {
-            world.add(1, 7, None, k);
-        }
+        let mut world = World::with_l3(TierConfig::default());
         let commands = world.plan();
         assert_eq!(keys_of(&commands), vec![(1, "move"), (2, "move"), (3, "move"), (4, "move")]);
         for command in &commands {
@@ -1018,13 +1025,7 @@ mod tests {
         }
         assert_eq!(world.tiers.counters.l3_moves, 4);
         // A block L3 holds already is dropped from L2, not written again.
-        let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
-        let mut world = World::new(config);
-        world.locations.register_region(9, Tier::L3Object, NodeId(0), 5).unwrap();
-        world.tiers.register(9, Tier::L3Object, 0, 5, SLOT, 100);
-        for k in 1..=9 {
-            world.add(1, 7, None, k);
-        }
+        let mut world = World::with_l3(TierConfig::default());
         world.locations.adopt(None, key(1), ObjectKind::KvBlock, 9, 5, 1, 1).unwrap();
         world.tiers.added(9, 7, None, key(1), ObjectKind::KvBlock, true);
         let commands = world.plan();

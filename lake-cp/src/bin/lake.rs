@@ -246,7 +246,7 @@ fn control_plane(args: &[String]) -> Result<(), String> {
     use std::time::{Duration, Instant};
 
     use lake_cp::etcd::Etcd;
-    use lake_cp::ha::{Cluster, Role};
+    use lake_cp::ha::Cluster;
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
     let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
@@ -283,23 +283,7 @@ fn control_plane(args: &[String]) -> Result<(), String> {
         let _ = std::io::Write::flush(&mut std::io::stdout());
     };
     // A standby until it leads (or is told to stop).
-    let term = loop {
-        match candidate.campaign() {
-            Ok(Role::Leader { term }) => break term,
-            Ok(Role::Standby { leader, term }) => {
-                say(format!("{{\"event\":\"standby\",\"id\":\"{id}\",\"leader\":\"{leader}\",\"term\":{term}}}"));
-            }
-            Err(e) => eprintln!("lake cp: campaigning: {e}"),
-        }
-        let woke = Instant::now();
-        while woke.elapsed() < every {
-            if signals.take().is_some() {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    };
-    say(format!("{{\"event\":\"elected\",\"id\":\"{id}\",\"term\":{term}}}"));
+    let Some(term) = stand_by(&mut candidate, &id, every, &signals, "lake cp") else { return Ok(()) };
     // The mirror engines already read is taken over (their mappings stay
     // good) and emptied: the view is rebuilt from what the data planes
     // re-adopt. One that is not there, or not a mirror, is made anew. One
@@ -505,23 +489,8 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
     let every = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 4).max(Duration::from_millis(50));
     let mut term = 1;
     if let Some(candidate) = &mut candidate {
-        term = loop {
-            match candidate.campaign() {
-                Ok(Role::Leader { term }) => break term,
-                Ok(Role::Standby { leader, term }) => {
-                    say(format!("{{\"event\":\"standby\",\"id\":\"{id}\",\"leader\":\"{leader}\",\"term\":{term}}}"));
-                }
-                Err(e) => eprintln!("lake summary: campaigning: {e}"),
-            }
-            let woke = Instant::now();
-            while woke.elapsed() < every {
-                if signals.take().is_some() {
-                    return Ok(());
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        };
-        say(format!("{{\"event\":\"elected\",\"id\":\"{id}\",\"term\":{term}}}"));
+        let Some(elected) = stand_by(candidate, &id, every, &signals, "lake summary") else { return Ok(()) };
+        term = elected;
     }
     // Where the last leader left the summary: its checkpoint, then the
     // nodes' snapshots (each node sends one as it connects).
@@ -650,4 +619,38 @@ fn nodes_json(summary: &lake_cp::summary::Summary) -> String {
         })
         .collect();
     format!("[{}]", nodes.join(","))
+}
+
+/// Campaigns every `every` until `candidate` leads (printing `standby`
+/// events, then `elected`): its term, or `None` when a signal says stop.
+fn stand_by(
+    candidate: &mut lake_cp::ha::Candidate<'_>,
+    id: &str,
+    every: std::time::Duration,
+    signals: &lake_dp::runner::os::Signals,
+    who: &str,
+) -> Option<u64> {
+    use lake_cp::ha::Role;
+    let say = |line: String| {
+        println!("{line}");
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    };
+    let term = loop {
+        match candidate.campaign() {
+            Ok(Role::Leader { term }) => break term,
+            Ok(Role::Standby { leader, term }) => {
+                say(format!("{{\"event\":\"standby\",\"id\":\"{id}\",\"leader\":\"{leader}\",\"term\":{term}}}"));
+            }
+            Err(e) => eprintln!("{who}: campaigning: {e}"),
+        }
+        let woke = std::time::Instant::now();
+        while woke.elapsed() < every {
+            if signals.take().is_some() {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    say(format!("{{\"event\":\"elected\",\"id\":\"{id}\",\"term\":{term}}}"));
+    Some(term)
 }

@@ -862,6 +862,19 @@ pub fn run_with(
     let mut stopping: Option<u64> = None;
     let mut next_stats_ns = 0;
     let budget = p.batch_max;
+    // The runner's parts, borrowed afresh where the block service runs.
+    macro_rules! parts {
+        ($now:expr) => {
+            Parts {
+                poller: &mut poller,
+                table: &mut table,
+                l2: &mut l2_slots,
+                region: &region,
+                link: &mut link,
+                now_ns: $now,
+            }
+        };
+    }
     loop {
         let now = clock.now_ns();
         let mut served = 0;
@@ -878,14 +891,7 @@ pub fn run_with(
         }
         if let Some(deadline) = stopping {
             // Stored objects still get reported while the rest drains.
-            let mut parts = Parts {
-                poller: &mut poller,
-                table: &mut table,
-                l2: &mut l2_slots,
-                region: &region,
-                link: &mut link,
-                now_ns: now,
-            };
+            let mut parts = parts!(now);
             served += pool.poll_l3(&mut parts);
             if !poller.has_work() && pool.l3_in_flight() == 0 {
                 break;
@@ -895,14 +901,7 @@ pub fn run_with(
                 break;
             }
         } else {
-            let mut parts = Parts {
-                poller: &mut poller,
-                table: &mut table,
-                l2: &mut l2_slots,
-                region: &region,
-                link: &mut link,
-                now_ns: now,
-            };
+            let mut parts = parts!(now);
             if let Some(test) = &mut selftest {
                 test.feed(&mut parts, epoch, &mut pool);
             }
@@ -959,14 +958,7 @@ pub fn run_with(
             } else {
                 stats.ops_failed += 1;
             }
-            let mut parts = Parts {
-                poller: &mut poller,
-                table: &mut table,
-                l2: &mut l2_slots,
-                region: &region,
-                link: &mut link,
-                now_ns: now,
-            };
+            let mut parts = parts!(now);
             if event.cookie & pool::POOL_COOKIE != 0 {
                 pool.finished(event, &mut parts);
             } else if let Some(test) = &mut selftest {
