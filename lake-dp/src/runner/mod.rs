@@ -545,13 +545,76 @@ fn open_link(
     Ok(link)
 }
 
-/// The object store tier `config` names: its catalog scanned from the
-/// store, its client started (waking the runner on every completion).
+/// Objects one message of the background scan carries.
+const SCAN_BATCH: usize = 32;
+
+/// What the background scan of the store sends the runner.
+#[allow(clippy::large_enum_variant)] // a batch travels by value: the runner's side never touches the heap for it
+enum ScanMessage {
+    /// Objects found (the first `count`).
+    Found { objects: [Option<ObjectMeta>; SCAN_BATCH], count: usize },
+    /// The scan ended: what it found, damaged and skipped, in how long.
+    Done { found: u64, damaged: usize, skipped: usize, ms: u128 },
+    /// The store could not be listed or read (the reason).
+    Failed(String),
+}
+
+/// Scans the store on a thread of its own, handing the headers it reads
+/// to the runner in batches (the runner serves meanwhile: a store of many
+/// objects does not hold the node up). Ends when the runner stops taking
+/// them.
+fn scan_in_background(
+    mut store: Box<dyn crate::l3::ObjectStore>,
+    prefix: String,
+    limit: usize,
+    wakeup: Arc<Wakeup>,
+) -> Result<std::sync::mpsc::Receiver<ScanMessage>, RunnerError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(64);
+    let thread = std::thread::Builder::new().name("lake-l3-scan".into()).spawn(move || {
+        let started = std::time::Instant::now();
+        let mut batch = [None; SCAN_BATCH];
+        let mut count = 0;
+        let mut found = 0u64;
+        let send = |message: ScanMessage| {
+            let sent = tx.send(message).is_ok();
+            wakeup.wake_if_parked();
+            sent
+        };
+        let scan = crate::l3::scan_with(store.as_mut(), &prefix, limit, &mut |meta| {
+            batch[count] = Some(*meta);
+            count += 1;
+            found += 1;
+            if count < SCAN_BATCH {
+                return true;
+            }
+            count = 0;
+            send(ScanMessage::Found { objects: core::mem::replace(&mut batch, [None; SCAN_BATCH]), count: SCAN_BATCH })
+        });
+        if count > 0 && !send(ScanMessage::Found { objects: batch, count }) {
+            return;
+        }
+        let _ = match scan {
+            Ok(scan) => send(ScanMessage::Done {
+                found,
+                damaged: scan.damaged.len(),
+                skipped: scan.skipped,
+                ms: started.elapsed().as_millis(),
+            }),
+            Err(e) => send(ScanMessage::Failed(e.to_string())),
+        };
+    });
+    thread.map_err(|e| RunnerError(format!("l3: starting the scan: {e}")))?;
+    Ok(rx)
+}
+
+/// The object store tier `config` names: its client started (waking the
+/// runner on every completion), its catalog empty, and the scan that
+/// fills it started in the background.
 fn start_l3(
     config: &self::config::L3Section,
     ops: u32,
     wakeup: &Arc<Wakeup>,
-) -> Result<(pool::L3Tier, crate::l3::Scan, Duration), RunnerError> {
+) -> Result<(pool::L3Tier, std::sync::mpsc::Receiver<ScanMessage>), RunnerError> {
     use crate::l3::{ObjectStore, StoreError};
     let s3 = config.s3().map_err(|e| RunnerError(e.to_string()))?;
     let dir = config.dir.clone();
@@ -567,13 +630,8 @@ fn start_l3(
     {
         try_to!("l3: creating the bucket", crate::l3::s3::S3Store::create_bucket(&s3));
     }
-    let started = std::time::Instant::now();
-    let mut store = try_to!("l3: opening the store", make());
-    let scan = try_to!(
-        "l3: scanning the store's objects",
-        crate::l3::scan(store.as_mut(), &config.prefix, config.objects as usize)
-    );
-    let took = started.elapsed();
+    let store = try_to!("l3: opening the store", make());
+    let scan = scan_in_background(store, config.prefix.clone(), config.objects as usize, Arc::clone(wakeup))?;
     let waker = Arc::clone(wakeup);
     let client = try_to!(
         "l3: starting the client",
@@ -585,7 +643,7 @@ fn start_l3(
         )
     );
     let ops = ops.min(config.queue_depth);
-    Ok((pool::L3Tier::new(client, config.region, config.objects, ops, &scan.objects), scan, took))
+    Ok((pool::L3Tier::new(client, config.region, config.objects, ops, &[]), scan))
 }
 
 /// When the control plane's link closed (it died, or gave up its
@@ -744,17 +802,11 @@ pub fn run_with(
     };
     let shared_ports = if config.agents.socket.is_some() { config.agents.ports } else { 0 };
     let mut pool = pool::Pool::new(&shape, ports.agents, shared_ports);
-    let mut l3_found = (0, 0, 0, 0);
+    let mut l3_scan = None;
     if let Some(l3) = &config.l3 {
-        let (tier, scan, took) = start_l3(l3, l3.queue_depth, &wakeup)?;
-        l3_found = (scan.objects.len(), scan.damaged.len(), scan.skipped, took.as_millis());
+        let (tier, scan) = start_l3(l3, l3.queue_depth, &wakeup)?;
         pool.set_l3(tier);
-        if let Some(link) = &mut link {
-            pool.l3_records(&mut |record| {
-                link.readopted(&record);
-                let _ = link.pump();
-            });
-        }
+        l3_scan = Some(scan);
     }
     let mut attach = match &config.agents.socket {
         None => None,
@@ -835,8 +887,7 @@ pub fn run_with(
     let _ = writeln!(
         out,
         "{{\"event\":\"serving\",\"pid\":{},\"epoch\":{epoch},\"previous_shutdown_clean\":{},\"adopted\":{},\
-         \"scrubbed\":{},\"torn\":{},\"damaged\":{},\"l1_bytes\":{},\"l2_free_slots\":{},\"core\":{},\"numa_node\":{},\
-         \"l3_objects\":{},\"l3_damaged\":{},\"l3_skipped\":{},\"l3_scan_ms\":{}}}",
+         \"scrubbed\":{},\"torn\":{},\"damaged\":{},\"l1_bytes\":{},\"l2_free_slots\":{},\"core\":{},\"numa_node\":{},\"l3\":{}}}",
         std::process::id(),
         tier.previous_shutdown_clean(),
         found.adopted.len(),
@@ -847,10 +898,7 @@ pub fn run_with(
         l2_slots.free_slots(),
         cores.first().map_or("null".into(), ToString::to_string),
         numa_node.map_or("null".into(), |n| n.to_string()),
-        l3_found.0,
-        l3_found.1,
-        l3_found.2,
-        l3_found.3,
+        config.l3.is_some(),
     );
     let _ = out.flush();
 
@@ -888,6 +936,42 @@ pub fn run_with(
         let selftest_done = selftest.as_ref().is_none_or(|s| s.remaining == 0 && s.in_flight == 0);
         if options.selftest_blocks > 0 && selftest_done && stopping.is_none() {
             stopping = Some(now + p.drain_timeout_ms * 1_000_000);
+        }
+        // The store's objects the background scan found: into the catalog
+        // and re-adopted, a few batches a pass.
+        if let Some(scan) = &l3_scan {
+            for _ in 0..4 {
+                match scan.try_recv() {
+                    Ok(ScanMessage::Found { objects, count }) => {
+                        for meta in objects[..count].iter().flatten() {
+                            pool.l3_adopt(meta, &mut link);
+                        }
+                        served += 1;
+                    }
+                    Ok(ScanMessage::Done { found, damaged, skipped, ms }) => {
+                        let _ = writeln!(
+                            out,
+                            "{{\"event\":\"l3_scanned\",\"found\":{found},\"objects\":{},\"damaged\":{damaged},\
+                             \"skipped\":{skipped},\"ms\":{ms}}}",
+                            pool.l3_objects()
+                        );
+                        let _ = out.flush();
+                        l3_scan = None;
+                        break;
+                    }
+                    Ok(ScanMessage::Failed(why)) => {
+                        let _ = writeln!(out, "{{\"event\":\"l3_scan_failed\",\"why\":{why:?}}}");
+                        let _ = out.flush();
+                        l3_scan = None;
+                        break;
+                    }
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        l3_scan = None;
+                        break;
+                    }
+                }
+            }
         }
         if let Some(deadline) = stopping {
             // Stored objects still get reported while the rest drains.

@@ -289,6 +289,27 @@ impl Pool {
         self.l3 = None;
     }
 
+    /// An object the background scan found: into the catalog (unless it
+    /// is there already — written since the pool started — or the
+    /// catalog is full) and re-adopted to the control plane. Returns
+    /// whether it went in.
+    pub(crate) fn l3_adopt(&mut self, found: &ObjectMeta, link: &mut Option<crate::cplink::CpLink>) -> bool {
+        let (node, epoch) = (self.node, self.epoch);
+        let Some(tier) = self.l3.as_mut() else { return false };
+        if tier.by_key.contains_key(&(found.namespace.0, found.key)) || tier.deleting(found.namespace.0, &found.key) {
+            return false;
+        }
+        let Some((entry, generation)) = tier.take_entry() else { return false };
+        let meta = ObjectMeta { slot: entry, generation, ..*found };
+        tier.catalog[entry as usize] = Some(meta);
+        tier.by_key.insert((meta.namespace.0, meta.key), entry);
+        if let Some(cp) = link.as_mut() {
+            let replica = tier.replica(node, epoch, entry, generation);
+            cp.readopted(&crate::runner::block_record(replica, &meta, Durability::Durable));
+        }
+        true
+    }
+
     /// The record of every L3 object in the catalog (re-adoption).
     pub(crate) fn l3_records(&self, out: &mut dyn FnMut(BlockRecord)) {
         let Some(tier) = &self.l3 else { return };
