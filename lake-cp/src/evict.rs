@@ -88,6 +88,20 @@ impl<P: Policy + ?Sized> Policy for Box<P> {
 /// gone) are skipped when popped.
 type Queue = BinaryHeap<Reverse<(u64, u32, u32)>>;
 
+/// Drops the stale entries of `queue` once they far outnumber the live
+/// blocks. Every access pushes an entry and only a victim search pops the
+/// stale ones, so a tier that seldom evicts (an L3 larger than what is
+/// stored, a shadow cache of that size) grew its queue with every access,
+/// for ever. Amortized: a rebuild at most every `len + 1024` pushes.
+fn compact(queue: &mut Queue, index: &Index) {
+    if queue.len() > 2 * index.len() + 1024 {
+        queue.retain(|&Reverse((_, raw, touched))| {
+            let block = BlockRef(raw);
+            index.is_live(block) && index.touched(block) == touched
+        });
+    }
+}
+
 /// Pops the lowest-priority live, evictable leaf whose entry is current.
 fn pop_victim(queue: &mut Queue, index: &Index, stash: &mut Vec<Reverse<(u64, u32, u32)>>) -> Option<BlockRef> {
     let now = index.now();
@@ -120,9 +134,15 @@ pub struct Lru {
 }
 
 impl Lru {
+    /// Entries in its queue (live and stale).
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
     fn push(&mut self, index: &Index, block: BlockRef) {
         let touched = index.touched(block);
         self.queue.push(Reverse((u64::from(touched), block.0, touched)));
+        compact(&mut self.queue, index);
     }
 }
 
@@ -186,6 +206,11 @@ impl Credit {
         }
     }
 
+    /// Entries in its queue (live and stale).
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
     fn priority(&self, index: &Index, block: BlockRef) -> u64 {
         let reuse = index.hits(block).saturating_sub(1);
         let credit = u64::from(u32::BITS - reuse.leading_zeros()) * self.credit_per_doubling;
@@ -195,6 +220,7 @@ impl Credit {
     fn push(&mut self, index: &Index, block: BlockRef) {
         let priority = self.priority(index, block);
         self.queue.push(Reverse((priority, block.0, index.touched(block))));
+        compact(&mut self.queue, index);
     }
 }
 
@@ -437,6 +463,11 @@ impl Lake {
             cooldown: 0,
             backoffs: 0,
         }
+    }
+
+    /// Entries in its queues and its shadows' (live and stale).
+    pub fn queued(&self) -> usize {
+        self.main.queued() + self.recency.policy.queued() + self.credit.policy.queued()
     }
 
     /// The expert followed now.
@@ -1010,5 +1041,25 @@ mod tests {
         let lake_hits = replay(&far, &mut lake);
         assert!(lake_hits >= 2 * lru, "far: lake {lake_hits} vs lru {lru}: {}", lake.policy.summary());
         assert_ne!(lake.policy.expert(), Expert::Recency, "{}", lake.policy.summary());
+    }
+
+    #[test]
+    fn a_cache_that_never_evicts_keeps_its_queue_bounded() {
+        // Room for everything: no victim search ever pops the queue; the
+        // same 64 blocks accessed 20,000 times.
+        let blocks: Vec<BlockKey> = (1..=64u64).map(key).collect();
+        let mut lru = Cache::live(Lru::default());
+        let mut lake = Cache::live(Lake::new(4096));
+        for k in &blocks {
+            lru.add(None, *k, lake_dp::ObjectKind::KvBlock);
+            lake.add(None, *k, lake_dp::ObjectKind::KvBlock);
+        }
+        for _ in 0..20_000 {
+            lru.accessed(&blocks);
+            lake.accessed(&blocks);
+        }
+        // Without compaction: 1.28M entries each.
+        assert!(lru.policy.queued() <= 2 * 64 + 1024 + 1, "lru: {} entries for 64 blocks", lru.policy.queued());
+        assert!(lake.policy.queued() <= 3 * (2 * 64 + 1025), "lake: {} entries for 64 blocks", lake.policy.queued());
     }
 }
