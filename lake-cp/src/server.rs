@@ -256,25 +256,8 @@ fn lease_reply(lease: &crate::lease::Lease) -> (LeaseGrant, Vec<LeaseEntry>) {
 /// Appends one reply frame to `out`.
 fn encode_into(out: &mut Vec<u8>, request: u64, message: &Message<'_>, version: u16, term: u64) {
     let meta = FrameMeta { version, flags: FLAG_REPLY, request_id: request, leader_term: term };
-    let start = out.len();
-    out.resize(start + 1024, 0);
-    let needed = match encode_frame(meta, message, &mut out[start..]) {
-        Ok(len) => {
-            out.truncate(start + len);
-            return;
-        }
-        Err(WireError::BufferTooSmall { needed }) => needed,
-        Err(_) => {
-            out.truncate(start);
-            return;
-        }
-    };
-    // A lease grant of many entries: room for exactly what it needs.
-    out.resize(start + needed, 0);
-    match encode_frame(meta, message, &mut out[start..]) {
-        Ok(len) => out.truncate(start + len),
-        Err(_) => out.truncate(start),
-    }
+    // A frame this side builds encodes, or is left out (nothing appended).
+    let _ = lake_dp::wire::append_frame(out, meta, message);
 }
 
 /// What the server has seen, for metrics and tests.

@@ -312,6 +312,24 @@ impl DecodedHeader {
         &self.segment_crcs[..usize::from(self.segment_count)]
     }
 
+    /// Encodes this header again into `out`, naming the replica it is to
+    /// describe — `region`, `region_epoch`, `slot`, `generation` — the block
+    /// and its CRCs unchanged (an object copied into another slot, or
+    /// stored as an object, describes where it sits). Returns the metadata
+    /// written.
+    pub fn encode_moved(
+        &self,
+        region: RegionId,
+        region_epoch: u64,
+        slot: u32,
+        generation: u32,
+        out: &mut [u8; STORED_HEADER_BYTES],
+    ) -> Result<ObjectMeta, StoredError> {
+        let meta = ObjectMeta { region, region_epoch, slot, generation, ..self.meta };
+        encode_header(&meta, self.crcs(), out)?;
+        Ok(meta)
+    }
+
     /// Checks one segment's bytes against its CRC (layer-wise loads verify
     /// each segment as it lands).
     pub fn verify_segment(&self, index: u16, bytes: &[u8]) -> Result<(), StoredError> {

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use lake_dp::constants::DELTA_ENTRIES_MAX;
 use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
 use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SnapshotRequest};
-use lake_dp::wire::{FLAG_REPLY, FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
+use lake_dp::wire::{FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame, decode_frame};
 use lake_dp::{BlockKey, Durability, ObjectKind, Replica, Tier};
 
 use super::{Outcome, Summary};
@@ -96,21 +96,6 @@ pub fn snapshot(node: u32, locations: &Locations) -> Vec<(Delta, Vec<DeltaEntry>
         return vec![(head(0), Vec::new())];
     }
     entries.chunks(DELTA_ENTRIES_MAX).map(|chunk| (head(chunk.len()), chunk.to_vec())).collect()
-}
-
-fn push_frame(out: &mut Vec<u8>, meta: FrameMeta, message: &Message<'_>) -> Result<(), WireError> {
-    let start = out.len();
-    out.resize(start + lake_dp::constants::WIRE_FRAME_BYTES_MAX, 0);
-    match encode_frame(meta, message, &mut out[start..]) {
-        Ok(len) => {
-            out.truncate(start + len);
-            Ok(())
-        }
-        Err(e) => {
-            out.truncate(start);
-            Err(e)
-        }
-    }
 }
 
 fn meta(request_id: u64) -> FrameMeta {
@@ -241,7 +226,7 @@ impl Uplink {
         }
         self.output.clear();
         self.input.clear();
-        if push_frame(&mut self.output, meta(0), &Message::Hello(local)).is_err() {
+        if append_frame(&mut self.output, meta(0), &Message::Hello(local)).is_err() {
             return;
         }
         self.stream = Some(stream);
@@ -255,7 +240,7 @@ impl Uplink {
             self.request += 1;
             let records = Records::from_slice(&entries);
             let message = if as_snapshot { Message::Snapshot(head, records) } else { Message::Delta(head, records) };
-            if push_frame(&mut self.output, meta(self.request), &message).is_err() {
+            if append_frame(&mut self.output, meta(self.request), &message).is_err() {
                 return false;
             }
             if as_snapshot {
@@ -424,7 +409,7 @@ impl Aggregator {
                 priority: lake_dp::Priority::Replication as u8,
                 reserved: [0; 7],
             };
-            if push_frame(&mut connection.output, meta(0), &Message::CopyBlock(transfer)).is_ok() {
+            if append_frame(&mut connection.output, meta(0), &Message::CopyBlock(transfer)).is_ok() {
                 self.asked.insert((copy.key, copy.to.node), now);
                 self.counters.copies_asked += 1;
                 sent += 1;
@@ -489,7 +474,7 @@ impl Aggregator {
                         return false;
                     };
                     connection.node = Some(remote.node);
-                    if push_frame(&mut connection.output, reply, &Message::HelloAck(ack)).is_err() {
+                    if append_frame(&mut connection.output, reply, &Message::HelloAck(ack)).is_err() {
                         return false;
                     }
                 }
@@ -508,7 +493,7 @@ impl Aggregator {
                         Outcome::NeedSnapshot { node, term } => {
                             self.counters.gaps += 1;
                             let request = Message::SnapshotRequest(SnapshotRequest { node, reserved: 0, term });
-                            if push_frame(&mut connection.output, reply, &request).is_err() {
+                            if append_frame(&mut connection.output, reply, &request).is_err() {
                                 return false;
                             }
                         }

@@ -405,11 +405,9 @@ fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Resul
     }
 }
 
-/// What a catalog scan found in a store.
+/// What a catalog scan met besides the objects it handed on.
 #[derive(Debug, Default)]
 pub struct Scan {
-    /// The headers of the objects whose header checks and names them.
-    pub objects: Vec<ObjectMeta>,
     /// Objects whose header does not decode or names another block
     /// (left in place, never served).
     pub damaged: Vec<String>,
@@ -417,24 +415,12 @@ pub struct Scan {
     pub skipped: usize,
 }
 
-/// Reads the header of every object under `prefix` (at most `limit`):
-/// the catalog a data plane starts with, or — every process lost — the
-/// blocks a control plane rebuilds its index from. The payloads are
-/// checked when read.
-pub fn scan(store: &mut dyn ObjectStore, prefix: &str, limit: usize) -> Result<Scan, StoreError> {
-    let mut objects = Vec::new();
-    let mut scan = scan_with(store, prefix, limit, &mut |meta| {
-        objects.push(*meta);
-        true
-    })?;
-    scan.objects = objects;
-    Ok(scan)
-}
-
-/// [`scan`], handing each object's header to `found` as it is read
-/// (`false` from it stops the scan); the [`Scan`] it returns lists the
-/// damaged and the skipped, not the objects.
-pub fn scan_with(
+/// Reads the header of every object under `prefix` (at most `limit`) and
+/// hands each one that checks and names its object to `found`, as it is
+/// read (`false` from it stops the scan): the catalog a data plane starts
+/// with, or — every process lost — the blocks a control plane rebuilds
+/// its index from. The payloads are checked when read.
+pub fn scan(
     store: &mut dyn ObjectStore,
     prefix: &str,
     limit: usize,

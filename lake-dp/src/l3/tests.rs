@@ -266,14 +266,22 @@ fn a_header_given_apart_is_stored_with_its_payload_and_a_scan_reads_the_headers_
     std::fs::write(&damaged, &bytes).unwrap();
     std::fs::write(root.join("scan/0000000000000005/not-a-block"), b"hello").unwrap();
     let mut store = DirStore::open(&root).unwrap();
-    let scan = scan(&mut store, "scan", 100).unwrap();
-    let mut found: Vec<BlockKey> = scan.objects.iter().map(|m| m.key).collect();
+    let scanned = |store: &mut DirStore, limit| {
+        let mut keys = Vec::new();
+        let scan = scan(store, "scan", limit, &mut |meta| {
+            keys.push(meta.key);
+            true
+        })
+        .unwrap();
+        (keys, scan)
+    };
+    let (mut found, scan) = scanned(&mut store, 100);
     found.sort_unstable();
     assert_eq!(found, [keys[0], keys[1], keys[3], keys[4], keys[5]]);
     assert_eq!(scan.damaged.len(), 2, "{:?}", scan.damaged);
     // A limit stops the scan: the rest are counted, not read.
-    let limited = super::scan(&mut store, "scan", 2).unwrap();
-    assert_eq!((limited.objects.len(), limited.skipped), (2, 5));
+    let (limited, scan) = scanned(&mut store, 2);
+    assert_eq!((limited.len(), scan.skipped), (2, 5));
     // One batched delete takes three objects (one was gone already).
     let store_root = root.clone();
     let mut client = L3Client::start(L3Config::default(), "scan", move || {
@@ -285,7 +293,7 @@ fn a_header_given_apart_is_stored_with_its_payload_and_a_scan_reads_the_headers_
     // SAFETY: `batch` outlives the completion (waited for below).
     unsafe { client.submit(1, L3Request::DeleteMany { blocks: batch.as_ptr(), count: batch.len() }) }.unwrap();
     assert_eq!(wait(&mut client, 1)[0].result, Ok(3));
-    let left: Vec<BlockKey> = super::scan(&mut store, "scan", 100).unwrap().objects.iter().map(|m| m.key).collect();
+    let (left, _) = scanned(&mut store, 100);
     assert!(left.len() == 2 && left.contains(&keys[3]) && left.contains(&keys[5]), "{left:?}");
     let _ = std::fs::remove_dir_all(&root);
 }

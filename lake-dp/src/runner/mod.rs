@@ -309,15 +309,7 @@ impl Selftest {
                         pool.l2_released(oldest.slot);
                         if let Some(link) = link {
                             link.evicted(&BlockEvicted {
-                                replica: ReplicaWire {
-                                    tier: Tier::L2Nvme as u8,
-                                    reserved: 0,
-                                    region: self.geometry.region(oldest.slot.file).0,
-                                    node: self.node,
-                                    region_epoch: epoch,
-                                    slot: oldest.slot.slot,
-                                    generation: oldest.generation,
-                                },
+                                replica: l2_replica(&self.geometry, self.node, epoch, oldest.slot, oldest.generation),
                                 key: oldest.key,
                                 reason: EvictReason::Capacity as u8,
                                 reserved: [0; 7],
@@ -414,18 +406,22 @@ impl Selftest {
     }
 }
 
-/// The wire record of a block in an L2 slot.
-pub(crate) fn l2_record(geometry: &L2Geometry, node: u32, epoch: u64, slot: L2Slot, meta: &ObjectMeta) -> BlockRecord {
-    let replica = ReplicaWire {
+/// The wire replica of the object of `generation` in an L2 slot.
+pub(crate) fn l2_replica(geometry: &L2Geometry, node: u32, epoch: u64, slot: L2Slot, generation: u32) -> ReplicaWire {
+    ReplicaWire {
         tier: Tier::L2Nvme as u8,
         reserved: 0,
         region: geometry.region(slot.file).0,
         node,
         region_epoch: epoch,
         slot: slot.slot,
-        generation: meta.generation,
-    };
-    block_record(replica, meta, Durability::Acked)
+        generation,
+    }
+}
+
+/// The wire record of a block in an L2 slot.
+pub(crate) fn l2_record(geometry: &L2Geometry, node: u32, epoch: u64, slot: L2Slot, meta: &ObjectMeta) -> BlockRecord {
+    block_record(l2_replica(geometry, node, epoch, slot, meta.generation), meta, Durability::Acked)
 }
 
 /// The wire record of the replica `replica` of the object `meta` describes.
@@ -551,8 +547,8 @@ const SCAN_BATCH: usize = 32;
 /// What the background scan of the store sends the runner.
 #[allow(clippy::large_enum_variant)] // a batch travels by value: the runner's side never touches the heap for it
 enum ScanMessage {
-    /// Objects found (the first `count`).
-    Found { objects: [Option<ObjectMeta>; SCAN_BATCH], count: usize },
+    /// Objects found (a batch's last message may hold fewer).
+    Found([Option<ObjectMeta>; SCAN_BATCH]),
     /// The scan ended: what it found, damaged and skipped, in how long.
     Done { found: u64, damaged: usize, skipped: usize, ms: u128 },
     /// The store could not be listed or read (the reason).
@@ -580,7 +576,7 @@ fn scan_in_background(
             wakeup.wake_if_parked();
             sent
         };
-        let scan = crate::l3::scan_with(store.as_mut(), &prefix, limit, &mut |meta| {
+        let scan = crate::l3::scan(store.as_mut(), &prefix, limit, &mut |meta| {
             batch[count] = Some(*meta);
             count += 1;
             found += 1;
@@ -588,9 +584,9 @@ fn scan_in_background(
                 return true;
             }
             count = 0;
-            send(ScanMessage::Found { objects: core::mem::replace(&mut batch, [None; SCAN_BATCH]), count: SCAN_BATCH })
+            send(ScanMessage::Found(core::mem::replace(&mut batch, [None; SCAN_BATCH])))
         });
-        if count > 0 && !send(ScanMessage::Found { objects: batch, count }) {
+        if count > 0 && !send(ScanMessage::Found(batch)) {
             return;
         }
         let _ = match scan {
@@ -607,16 +603,55 @@ fn scan_in_background(
     Ok(rx)
 }
 
+/// Takes up to four batches of what the background scan found into the
+/// catalog (re-adopted to the control plane); says when the scan ended (a
+/// line on `out`). Returns the batches taken and whether it ended.
+fn take_scanned(
+    scan: &std::sync::mpsc::Receiver<ScanMessage>,
+    pool: &mut pool::Pool,
+    link: &mut Option<CpLink>,
+    out: &mut dyn Write,
+) -> (u32, bool) {
+    let mut batches = 0;
+    for _ in 0..4 {
+        let line = match scan.try_recv() {
+            Ok(ScanMessage::Found(objects)) => {
+                for meta in objects.iter().flatten() {
+                    pool.l3_adopt(meta, link);
+                }
+                batches += 1;
+                continue;
+            }
+            Ok(ScanMessage::Done { found, damaged, skipped, ms }) => format!(
+                "{{\"event\":\"l3_scanned\",\"found\":{found},\"objects\":{},\"damaged\":{damaged},\
+                 \"skipped\":{skipped},\"ms\":{ms}}}",
+                pool.l3_objects()
+            ),
+            Ok(ScanMessage::Failed(why)) => format!("{{\"event\":\"l3_scan_failed\",\"why\":{why:?}}}"),
+            Err(std::sync::mpsc::TryRecvError::Empty) => return (batches, false),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return (batches, true),
+        };
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+        return (batches, true);
+    }
+    (batches, false)
+}
+
 /// The object store tier `config` names: its client started (waking the
 /// runner on every completion), its catalog empty, and the scan that
 /// fills it started in the background.
 fn start_l3(
     config: &self::config::L3Section,
-    ops: u32,
     wakeup: &Arc<Wakeup>,
 ) -> Result<(pool::L3Tier, std::sync::mpsc::Receiver<ScanMessage>), RunnerError> {
     use crate::l3::{ObjectStore, StoreError};
     let s3 = config.s3().map_err(|e| RunnerError(e.to_string()))?;
+    if config.create_bucket
+        && let Some(s3) = &s3
+    {
+        try_to!("l3: creating the bucket", crate::l3::s3::S3Store::create_bucket(s3));
+    }
     let dir = config.dir.clone();
     let make = move || -> Result<Box<dyn ObjectStore>, StoreError> {
         match (&dir, &s3) {
@@ -625,11 +660,6 @@ fn start_l3(
             (None, None) => Err(StoreError::Permanent("l3: no store named".into())),
         }
     };
-    if config.create_bucket
-        && let Some(s3) = config.s3().map_err(|e| RunnerError(e.to_string()))?
-    {
-        try_to!("l3: creating the bucket", crate::l3::s3::S3Store::create_bucket(&s3));
-    }
     let store = try_to!("l3: opening the store", make());
     let scan = scan_in_background(store, config.prefix.clone(), config.objects as usize, Arc::clone(wakeup))?;
     let waker = Arc::clone(wakeup);
@@ -642,8 +672,7 @@ fn start_l3(
             Some(Arc::new(move || waker.wake_if_parked())),
         )
     );
-    let ops = ops.min(config.queue_depth);
-    Ok((pool::L3Tier::new(client, config.region, config.objects, ops, &[]), scan))
+    Ok((pool::L3Tier::new(client, config.region, config.objects, config.queue_depth), scan))
 }
 
 /// When the control plane's link closed (it died, or gave up its
@@ -804,7 +833,7 @@ pub fn run_with(
     let mut pool = pool::Pool::new(&shape, ports.agents, shared_ports);
     let mut l3_scan = None;
     if let Some(l3) = &config.l3 {
-        let (tier, scan) = start_l3(l3, l3.queue_depth, &wakeup)?;
+        let (tier, scan) = start_l3(l3, &wakeup)?;
         pool.set_l3(tier);
         l3_scan = Some(scan);
     }
@@ -940,37 +969,10 @@ pub fn run_with(
         // The store's objects the background scan found: into the catalog
         // and re-adopted, a few batches a pass.
         if let Some(scan) = &l3_scan {
-            for _ in 0..4 {
-                match scan.try_recv() {
-                    Ok(ScanMessage::Found { objects, count }) => {
-                        for meta in objects[..count].iter().flatten() {
-                            pool.l3_adopt(meta, &mut link);
-                        }
-                        served += 1;
-                    }
-                    Ok(ScanMessage::Done { found, damaged, skipped, ms }) => {
-                        let _ = writeln!(
-                            out,
-                            "{{\"event\":\"l3_scanned\",\"found\":{found},\"objects\":{},\"damaged\":{damaged},\
-                             \"skipped\":{skipped},\"ms\":{ms}}}",
-                            pool.l3_objects()
-                        );
-                        let _ = out.flush();
-                        l3_scan = None;
-                        break;
-                    }
-                    Ok(ScanMessage::Failed(why)) => {
-                        let _ = writeln!(out, "{{\"event\":\"l3_scan_failed\",\"why\":{why:?}}}");
-                        let _ = out.flush();
-                        l3_scan = None;
-                        break;
-                    }
-                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                        l3_scan = None;
-                        break;
-                    }
-                }
+            let (batches, ended) = take_scanned(scan, &mut pool, &mut link, out);
+            served += batches;
+            if ended {
+                l3_scan = None;
             }
         }
         if let Some(deadline) = stopping {

@@ -172,11 +172,11 @@ pub trait Landing {
 /// [`Landing`] does in [`Landing::landed`] before it publishes the block;
 /// returns the object's metadata as rewritten.
 pub fn check_and_adopt(bytes: &mut [u8], len: u64, target: &BlockAddr) -> Result<crate::stored::ObjectMeta, AckStatus> {
-    use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
-    use crate::stored::{decode_header, encode_header, object_bytes};
+    use crate::constants::STORED_HEADER_BYTES;
+    use crate::stored::{decode_header, object_bytes};
     let whole = usize::try_from(len).ok().and_then(|len| bytes.get_mut(..len)).ok_or(AckStatus::Refused)?;
     let decoded = decode_header(whole).map_err(|_| AckStatus::Corrupt)?;
-    let mut meta = *decoded.meta();
+    let meta = *decoded.meta();
     let payload_end = STORED_HEADER_BYTES as u64 + meta.payload_len;
     // The object as sent: its header, its payload, at most the padding a
     // slot rounds it to.
@@ -186,15 +186,8 @@ pub fn check_and_adopt(bytes: &mut [u8], len: u64, target: &BlockAddr) -> Result
     let payload_end = usize::try_from(payload_end).map_err(|_| AckStatus::Corrupt)?;
     let payload = whole.get(STORED_HEADER_BYTES..payload_end).ok_or(AckStatus::Corrupt)?;
     decoded.verify_payload(payload).map_err(|_| AckStatus::Corrupt)?;
-    let mut crcs = [0u32; SEGMENTS_MAX];
-    let count = decoded.crcs().len();
-    crcs[..count].copy_from_slice(decoded.crcs());
-    meta.region = crate::model::replica::RegionId(target.region);
-    meta.region_epoch = target.epoch;
-    meta.slot = target.slot;
-    meta.generation = target.generation;
     let header: &mut [u8; STORED_HEADER_BYTES] =
         (&mut whole[..STORED_HEADER_BYTES]).try_into().map_err(|_| AckStatus::Corrupt)?;
-    encode_header(&meta, &crcs[..count], header).map_err(|_| AckStatus::Corrupt)?;
-    Ok(meta)
+    let region = crate::model::replica::RegionId(target.region);
+    decoded.encode_moved(region, target.epoch, target.slot, target.generation, header).map_err(|_| AckStatus::Corrupt)
 }

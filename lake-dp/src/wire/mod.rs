@@ -262,6 +262,23 @@ pub fn encode_frame(meta: FrameMeta, message: &Message<'_>, out: &mut [u8]) -> R
     Ok(total)
 }
 
+/// Encodes `message` at the end of `out`, which grows by exactly the
+/// frame's length (nothing is appended on an error).
+pub fn append_frame(out: &mut Vec<u8>, meta: FrameMeta, message: &Message<'_>) -> Result<(), WireError> {
+    let start = out.len();
+    out.resize(start + FRAME_HEADER_BYTES + message.body_len(), 0);
+    match encode_frame(meta, message, &mut out[start..]) {
+        Ok(len) => {
+            out.truncate(start + len);
+            Ok(())
+        }
+        Err(e) => {
+            out.truncate(start);
+            Err(e)
+        }
+    }
+}
+
 /// Decodes one frame from the front of `input`. [`WireError::Incomplete`]
 /// asks for more bytes; any other error means the stream is corrupt and the
 /// connection should be closed.

@@ -30,14 +30,14 @@ use std::collections::HashMap;
 
 use super::{L1State, Pool, Requester};
 use crate::agent::port::AgentError;
-use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
+use crate::constants::STORED_HEADER_BYTES;
 use crate::l3::{L3Client, L3Completion, L3Error, L3Request};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
 use crate::model::replica::{Durability, Priority, RegionId, ReplicaWire, Tier};
 use crate::op::{Command, L2Slot, ReadBlock, Request};
 use crate::runner::Parts;
-use crate::stored::{ObjectMeta, decode_header, encode_header, object_bytes};
+use crate::stored::{ObjectMeta, decode_header, object_bytes};
 use crate::wire::message::{BlockEvicted, BlockRecord, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone};
 
 /// Objects one batched delete removes at most.
@@ -130,29 +130,18 @@ impl core::fmt::Debug for L3Tier {
 
 impl L3Tier {
     /// The tier over `client`, as region `region`, with room for
-    /// `entries` objects, `found` (a scan's headers) in it already, and
-    /// `ops` requests in flight (at most the client's queue).
-    pub(crate) fn new(client: L3Client, region: u16, entries: u32, ops: u32, found: &[ObjectMeta]) -> Self {
+    /// `entries` objects (the catalog starts empty: the store's scan fills
+    /// it, [`Pool::l3_adopt`]) and `ops` requests in flight (at most the
+    /// client's queue).
+    pub(crate) fn new(client: L3Client, region: u16, entries: u32, ops: u32) -> Self {
         let entries = entries as usize;
-        let mut catalog = vec![None; entries];
-        let mut by_key = HashMap::with_capacity(entries);
-        let mut next = 0u32;
-        for meta in found {
-            if (next as usize) >= entries || by_key.contains_key(&(meta.namespace.0, meta.key)) {
-                continue;
-            }
-            by_key.insert((meta.namespace.0, meta.key), next);
-            catalog[next as usize] = Some(ObjectMeta { slot: next, generation: 1, ..*meta });
-            next += 1;
-        }
-        let free = (next..u32::try_from(entries).unwrap_or(u32::MAX)).rev().collect();
         Self {
             client,
             region,
-            catalog,
+            catalog: vec![None; entries],
             generations: vec![1; entries],
-            free,
-            by_key,
+            free: (0..u32::try_from(entries).unwrap_or(u32::MAX)).rev().collect(),
+            by_key: HashMap::with_capacity(entries),
             ops: vec![None; ops as usize],
             free_ops: (0..ops).rev().collect(),
             headers: vec![[0; STORED_HEADER_BYTES]; ops as usize],
@@ -340,9 +329,9 @@ impl Pool {
             return Err(ErrorCode::StaleEpoch);
         }
         let priority = Priority::from_u8(transfer.priority).unwrap_or(Priority::WriteBack);
-        // The object's header as it will be stored (and, from L1, its CRCs
-        // copied from the slot's own header).
-        let (meta, crcs, count, l2_slot) = if source.tier == Tier::L1Dram as u8 && source.region == l1_region {
+        // The block as its source describes it (from L1, the slot's own
+        // header, which the stored object's is made from).
+        let (meta, l1_header, l2_slot) = if source.tier == Tier::L1Dram as u8 && source.region == l1_region {
             let slot = source.slot;
             match self.l1.get(slot as usize) {
                 Some(L1State::Ready) => {}
@@ -356,14 +345,11 @@ impl Pool {
             // which this thread alone does.
             let bytes = unsafe { parts.region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
             let decoded = decode_header(bytes).map_err(|_| ErrorCode::Checksum)?;
-            let mut crcs = [0u32; SEGMENTS_MAX];
-            let count = decoded.crcs().len();
-            crcs[..count].copy_from_slice(decoded.crcs());
-            (*decoded.meta(), crcs, count, None)
+            (*decoded.meta(), Some(decoded), None)
         } else if source.tier == Tier::L2Nvme as u8 {
             let slot = self.l2_slot_of(&source).ok_or(ErrorCode::NoSuchBlock)?;
             let meta = *self.l2_object(slot, source.generation).ok_or(ErrorCode::StaleGeneration)?;
-            (meta, [0; SEGMENTS_MAX], 0, Some(slot))
+            (meta, None, Some(slot))
         } else {
             return Err(ErrorCode::BadFrame);
         };
@@ -394,7 +380,7 @@ impl Pool {
         }
         let (entry, generation) = tier.take_entry().ok_or(ErrorCode::NoSpace)?;
         let stored = ObjectMeta { region: RegionId(tier.region), region_epoch: epoch, slot: entry, generation, ..meta };
-        if l2_slot.is_none() {
+        if let Some(decoded) = l1_header {
             let slot = source.slot;
             let op = Op::Put {
                 request,
@@ -408,7 +394,7 @@ impl Pool {
                 return Err(ErrorCode::QueueFull);
             };
             let header = &mut tier.headers[index as usize];
-            if encode_header(&stored, &crcs[..count], header).is_err() {
+            if decoded.encode_moved(stored.region, epoch, entry, generation, header).is_err() {
                 tier.put_op(index);
                 tier.free.push(entry);
                 return Err(ErrorCode::Checksum);
@@ -516,11 +502,8 @@ impl Pool {
             return fail(self, ErrorCode::NoSuchBlock, parts);
         };
         let rewritten = decode_header(bytes).ok().and_then(|decoded| {
-            let mut crcs = [0u32; SEGMENTS_MAX];
-            let count = decoded.crcs().len();
-            crcs[..count].copy_from_slice(decoded.crcs());
             let header: &mut [u8; STORED_HEADER_BYTES] = (&mut bytes[..STORED_HEADER_BYTES]).try_into().ok()?;
-            encode_header(&meta, &crcs[..count], header).ok()
+            decoded.encode_moved(meta.region, meta.region_epoch, meta.slot, meta.generation, header).ok()
         });
         if rewritten.is_none() {
             return fail(self, ErrorCode::Checksum, parts);
@@ -694,15 +677,7 @@ impl Pool {
                     }
                     Source::L2 { slot, generation, stage, .. } => {
                         self.release_l1(stage, parts.table);
-                        ReplicaWire {
-                            tier: Tier::L2Nvme as u8,
-                            reserved: 0,
-                            region: self.geometry.region(slot.file).0,
-                            node,
-                            region_epoch: epoch,
-                            slot: slot.slot,
-                            generation,
-                        }
+                        crate::runner::l2_replica(&self.geometry, node, epoch, slot, generation)
                     }
                 };
                 let Some(tier) = self.l3.as_mut() else { return };

@@ -47,7 +47,7 @@ use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, WriteBlock}
 use crate::poller::L2Geometry;
 use crate::region::SlotRegion;
 use crate::runner::Parts;
-use crate::stored::{ObjectMeta, StoredError, decode_header, encode_header, object_bytes};
+use crate::stored::{ObjectMeta, StoredError, decode_header, object_bytes};
 use crate::transport::Landing;
 use crate::transport::frame::{AckStatus, BlockAddr};
 use crate::wire::message::{BlockEvicted, BlockRecord, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone};
@@ -1133,15 +1133,13 @@ impl Pool {
                         if l2.release(read.source).is_ok() {
                             self.l2_released(read.source);
                             if let Some(cp) = link {
-                                let replica = ReplicaWire {
-                                    tier: Tier::L2Nvme as u8,
-                                    reserved: 0,
-                                    region: self.geometry.region(read.source.file).0,
-                                    node: self.node,
-                                    region_epoch: self.epoch,
-                                    slot: read.source.slot,
-                                    generation: read.generation,
-                                };
+                                let replica = crate::runner::l2_replica(
+                                    &self.geometry,
+                                    self.node,
+                                    self.epoch,
+                                    read.source,
+                                    read.generation,
+                                );
                                 let reason = EvictReason::Corrupt as u8;
                                 cp.evicted(&BlockEvicted { replica, key: read.key, reason, reserved: [0; 7] });
                             }
@@ -1203,17 +1201,12 @@ impl Pool {
         // agent can pin it before it is reported.
         let bytes = unsafe { region.slot_mut(l1_slot) }.ok_or(AgentError::Invalid)?;
         let decoded = decode_header(bytes).map_err(|_| AgentError::Corrupt)?;
-        let mut meta = *decoded.meta();
-        let mut crcs = [0u32; crate::constants::SEGMENTS_MAX];
-        let count = decoded.crcs().len();
-        crcs[..count].copy_from_slice(decoded.crcs());
-        meta.region = crate::model::replica::RegionId(self.l1_region);
-        meta.region_epoch = self.epoch;
-        meta.slot = l1_slot;
-        meta.generation = l1_generation;
         let header: &mut [u8; STORED_HEADER_BYTES] =
             (&mut bytes[..STORED_HEADER_BYTES]).try_into().map_err(|_| AgentError::Invalid)?;
-        encode_header(&meta, &crcs[..count], header).map_err(|_| AgentError::Corrupt)?;
+        let region = crate::model::replica::RegionId(self.l1_region);
+        let meta = decoded
+            .encode_moved(region, self.epoch, l1_slot, l1_generation, header)
+            .map_err(|_| AgentError::Corrupt)?;
         self.l1[l1_slot as usize] = L1State::Ready;
         if let Some(cp) = link {
             cp.committed(&self.l1_record(l1_slot, l1_generation, &meta));
