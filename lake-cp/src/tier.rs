@@ -431,21 +431,18 @@ impl Tiers {
 
     /// The data plane answered command `request` (`ok`: it did it).
     pub fn done(&mut self, request: u64, ok: bool) {
+        let Some(pending) = self.pending.remove(&request) else { return };
+        self.pending_of.remove(&(pending.key, pending.region));
         if ok {
-            if let Some(pending) = self.pending.remove(&request) {
-                self.pending_of.remove(&(pending.key, pending.region));
-            }
-        } else if let Some(pending) = self.pending.remove(&request) {
-            // Refused (the slot is held for a reader, the target full...):
-            // the block goes back after a wait, so a pass does not ask the
-            // same again at once.
-            self.counters.failed += 1;
-            self.pending_of.remove(&(pending.key, pending.region));
-            if pending.frees && self.cooling.len() < COMMANDS_PER_PASS * 64 {
-                self.cooling.push((self.now_ns.saturating_add(RETRY_WAIT_NS), pending));
-            } else if pending.frees {
-                self.space(pending.tier, pending.namespace).cache.add(pending.parent, pending.key, pending.kind);
-            }
+            return;
+        }
+        // Refused (the target full, the slot held...): the block goes back
+        // after a wait, so a pass does not ask the same again at once.
+        self.counters.failed += 1;
+        if pending.frees && self.cooling.len() < COMMANDS_PER_PASS * 64 {
+            self.cooling.push((self.now_ns.saturating_add(RETRY_WAIT_NS), pending));
+        } else {
+            self.put_back(&pending);
         }
     }
 
@@ -465,11 +462,29 @@ impl Tiers {
     fn forget(&mut self, request: u64) {
         let Some(pending) = self.pending.remove(&request) else { return };
         self.pending_of.remove(&(pending.key, pending.region));
-        if !pending.frees {
-            return;
+        self.put_back(&pending);
+    }
+
+    /// The block of a command that did not happen goes back in its cache
+    /// (a copy never took it out).
+    fn put_back(&mut self, pending: &Pending) {
+        if pending.frees {
+            self.space(pending.tier, pending.namespace).cache.add(pending.parent, pending.key, pending.kind);
         }
-        let space = self.space(pending.tier, pending.namespace);
-        space.cache.add(pending.parent, pending.key, pending.kind);
+    }
+
+    /// Sends `action` for the block `pending` describes: numbered, kept
+    /// until answered, queued in `out`.
+    fn ask(&mut self, mut pending: Pending, action: TierAction, out: &mut Vec<TierCommand>) {
+        let request = self.next_request;
+        self.next_request += 1;
+        pending.to = match action {
+            TierAction::Move(t) | TierAction::Copy(t) => Tier::from_u8(t.target.tier),
+            TierAction::Evict(_) => None,
+        };
+        self.pending.insert(request, pending);
+        self.pending_of.insert((pending.key, pending.region), request);
+        out.push(TierCommand { request, region: pending.region, action });
     }
 
     fn space(&mut self, tier: Tier, namespace: u64) -> &mut Space {
@@ -534,8 +549,8 @@ impl Tiers {
         let mut at = 0;
         while at < self.cooling.len() {
             if self.cooling[at].0 <= now_ns {
-                let (_, p) = self.cooling.swap_remove(at);
-                self.space(p.tier, p.namespace).cache.add(p.parent, p.key, p.kind);
+                let (_, pending) = self.cooling.swap_remove(at);
+                self.put_back(&pending);
             } else {
                 at += 1;
             }
@@ -644,33 +659,23 @@ impl Tiers {
                 (parent, locations.index.kind(b))
             })
             .unwrap_or((None, ObjectKind::KvBlock));
-        let info = self.regions.get(&source.region.0).copied();
-        let bytes = info.map_or(0, |r| r.slot_bytes);
-        let request = self.next_request;
-        self.next_request += 1;
+        let bytes = self.regions.get(&source.region.0).map_or(0, |r| r.slot_bytes);
         let held_in = |t: Tier| locations.ready(&key).any(|r| r.tier == t);
-        let move_to = |target: ReplicaWire| {
-            TierAction::Move(Transfer {
-                source: source.to_wire(),
-                target,
-                key,
-                deadline_unix_ns: 0,
-                priority: Priority::Demotion as u8,
-                reserved: [0; 7],
-            })
-        };
+        let move_to = |target| TierAction::Move(transfer(&source, target, key, Priority::Demotion));
         let node = source.node.0;
+        // For an L1 victim: L2's pressure for one more of its blocks.
+        let l2 = (tier == Tier::L1Dram)
+            .then(|| self.region_on(Tier::L2Nvme, node))
+            .flatten()
+            .map(|(region, info)| (region, info, self.l2_pressure(info.slot_bytes)));
         // An L1 victim L3 holds is only worth writing to L2 while L2 has
         // room: otherwise the write pushes another block out of L2.
-        let l2_full = || {
-            let (over_high, no_room) = self.l2_pressure(bytes);
-            over_high || no_room
-        };
-        let action = if tier == Tier::L1Dram && (held_in(Tier::L2Nvme) || (held_in(Tier::L3Object) && l2_full())) {
+        let l2_full = l2.is_some_and(|(_, _, (over_high, no_room))| over_high || no_room);
+        let action = if tier == Tier::L1Dram && (held_in(Tier::L2Nvme) || (held_in(Tier::L3Object) && l2_full)) {
             self.counters.drops[tier as usize] += 1;
             TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
         } else if let Some(target) =
-            (tier == Tier::L1Dram).then(|| self.demotion_target(namespace, &key, node)).flatten()
+            l2.and_then(|(region, info, pressure)| self.demotion_target(namespace, &key, region, &info, pressure))
         {
             self.counters.demotions += 1;
             move_to(target)
@@ -684,26 +689,19 @@ impl Tiers {
             self.counters.drops[tier as usize] += 1;
             TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
         };
-        self.pending.insert(
-            request,
-            Pending {
-                key,
-                parent,
-                kind,
-                namespace,
-                tier,
-                region: source.region.0,
-                bytes,
-                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
-                frees: true,
-                to: match action {
-                    TierAction::Move(t) | TierAction::Copy(t) => Tier::from_u8(t.target.tier),
-                    TierAction::Evict(_) => None,
-                },
-            },
-        );
-        self.pending_of.insert((key, source.region.0), request);
-        out.push(TierCommand { request, region: source.region.0, action });
+        let pending = Pending {
+            key,
+            parent,
+            kind,
+            namespace,
+            tier,
+            region: source.region.0,
+            bytes,
+            deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+            frees: true,
+            to: None,
+        };
+        self.ask(pending, action, out);
         true
     }
 
@@ -746,34 +744,19 @@ impl Tiers {
                 continue;
             }
             let Some(target) = self.l3_target(source.node.0) else { continue };
-            let request = self.next_request;
-            self.next_request += 1;
-            let bytes = self.regions.get(&source.region.0).map_or(0, |r| r.slot_bytes);
-            self.pending.insert(
-                request,
-                Pending {
-                    key,
-                    parent: None,
-                    kind: ObjectKind::KvBlock,
-                    namespace,
-                    tier: source.tier,
-                    region: source.region.0,
-                    bytes,
-                    deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
-                    frees: false,
-                    to: Some(Tier::L3Object),
-                },
-            );
-            self.pending_of.insert((key, source.region.0), request);
-            let transfer = Transfer {
-                source: source.to_wire(),
-                target,
+            let pending = Pending {
                 key,
-                deadline_unix_ns: 0,
-                priority: Priority::WriteBack as u8,
-                reserved: [0; 7],
+                parent: None,
+                kind: ObjectKind::KvBlock,
+                namespace,
+                tier: source.tier,
+                region: source.region.0,
+                bytes: self.regions.get(&source.region.0).map_or(0, |r| r.slot_bytes),
+                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+                frees: false,
+                to: None,
             };
-            out.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
+            self.ask(pending, TierAction::Copy(transfer(&source, target, key, Priority::WriteBack)), out);
             self.counters.l3_copies += 1;
             asked += 1;
         }
@@ -784,12 +767,18 @@ impl Tiers {
         self.write_back.len()
     }
 
-    /// Where an L1 victim of `namespace` is demoted to, or `None` when it
-    /// is dropped: no L2 on its node, or L2 is full and its policy would
+    /// Where an L1 victim of `namespace` is demoted to — `region` of its
+    /// node's L2, under `pressure` ([`Tiers::l2_pressure`]) — or `None`
+    /// when it is not: L2 is full, or over its mark and its policy would
     /// not admit the block.
-    fn demotion_target(&mut self, namespace: u64, key: &BlockKey, node: u32) -> Option<ReplicaWire> {
-        let (region, info) = self.region_on(Tier::L2Nvme, node)?;
-        let (over_high, no_room) = self.l2_pressure(info.slot_bytes);
+    fn demotion_target(
+        &mut self,
+        namespace: u64,
+        key: &BlockKey,
+        region: u16,
+        info: &RegionUse,
+        (over_high, no_room): (bool, bool),
+    ) -> Option<ReplicaWire> {
         if no_room {
             // Every slot is taken or promised (moves out of L2 still in
             // flight hold theirs): the write would fail.
@@ -825,6 +814,10 @@ impl Tiers {
         let over_high = live + bytes > percent_of(capacity, self.config.high_percent);
         (over_high, used + inbound + bytes > capacity)
     }
+}
+
+fn transfer(source: &Replica, target: ReplicaWire, key: BlockKey, priority: Priority) -> Transfer {
+    Transfer { source: source.to_wire(), target, key, deadline_unix_ns: 0, priority: priority as u8, reserved: [0; 7] }
 }
 
 fn percent_of(bytes: u64, percent: u8) -> u64 {
