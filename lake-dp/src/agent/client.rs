@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::port::{AgentCompletion, AgentError, AgentPort, AgentRequest};
 use super::shm::AgentShmPort;
-use crate::arena::{Arena, Pin, PinArray};
+use crate::arena::{Arena, Pin, PinArray, PinError};
 use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
 use crate::cplink::{CpLink, Granted};
 use crate::mirror::{MirrorEntry, MirrorReader};
@@ -784,7 +784,9 @@ impl Agent {
     /// its load is answered (before the control plane, seeing L1 over its
     /// mark, can take the new copy away): its pin, `None` where it failed.
     /// A load refused for want of an L1 slot is retried
-    /// while `lake-cp` makes room, for at most [`LOAD_RETRY_MAX`].
+    /// while `lake-cp` makes room, for at most [`LOAD_RETRY_MAX`]; so is one
+    /// whose new copy was taken away between the answer and the pin (an L1
+    /// of a few slots under demotions can pick it as its next victim).
     fn load_batch(&mut self, keys: &[BlockKey], batch: &[(usize, ReplicaWire)]) -> Vec<Option<Pin>> {
         let deadline = Instant::now() + LOAD_RETRY_MAX;
         let mut slots: Vec<Option<Pin>> = (0..batch.len()).map(|_| None).collect();
@@ -803,7 +805,11 @@ impl Agent {
             let mut retry = Vec::new();
             for (b, cookie) in cookies {
                 match self.wait(cookie) {
-                    Ok((slot, generation)) => slots[b] = self.pins.pin(slot, generation).ok(),
+                    Ok((slot, generation)) => match self.pins.pin(slot, generation) {
+                        Ok(pin) => slots[b] = Some(pin),
+                        Err(PinError::Stale { .. }) => retry.push(b),
+                        Err(_) => {}
+                    },
                     Err(AgentError::NoSpace | AgentError::Busy) => retry.push(b),
                     Err(_) => {}
                 }
