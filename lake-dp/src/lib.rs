@@ -36,6 +36,7 @@ pub(crate) fn usize_from(value: u64) -> usize {
 
 pub mod agent;
 pub mod arena;
+pub mod auth;
 pub mod constants;
 pub mod cplink;
 pub mod fence;

@@ -171,3 +171,34 @@ fn mirror_seeds_are_current() {
         decode_header(bytes, total).is_ok()
     });
 }
+
+#[test]
+fn link_handshake_seeds_are_current() {
+    use lake_dp::auth::{ClientHandshake, LinkKey, ServerHandshake};
+    // The fuzz target's key: real handshake messages under it, and one
+    // under another key, so mutations start from the real shapes.
+    let key = LinkKey::from_bytes([0x5a; 32]);
+    let other = LinkKey::from_bytes([0x11; 32]);
+    let (client, hello) = ClientHandshake::start(&key, 1, [1; 32]);
+    let (_, answer) = ServerHandshake::answer(&key, 2, [2; 32], &hello).unwrap();
+    let (finish, _, _) = client.finish(&answer).unwrap();
+    let (_, stranger) = ClientHandshake::start(&other, 1, [1; 32]);
+    let seeds: Vec<(u8, Vec<u8>)> = vec![
+        (0, [&hello[..], &finish[..]].concat()),
+        (0, stranger.to_vec()),
+        // An answer to another hello than the target's client sends.
+        (1, answer.to_vec()),
+        (2, [&[8u8, 0, 0, 0][..], &[0u8; 32][..]].concat()),
+    ];
+    let dir = seeds_dir("link_handshake");
+    if std::env::var_os("LAKE_UPDATE_SEEDS").is_some() {
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, (mode, seed)) in seeds.iter().enumerate() {
+            std::fs::write(dir.join(format!("seed-{i:02}")), [&[*mode][..], seed].concat()).unwrap();
+        }
+    }
+    for (i, (mode, seed)) in seeds.iter().enumerate() {
+        let written = std::fs::read(dir.join(format!("seed-{i:02}"))).unwrap();
+        assert_eq!(written, [&[*mode][..], seed].concat(), "stale seed {i} in {}", dir.display());
+    }
+}
