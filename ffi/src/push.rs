@@ -58,6 +58,35 @@ pub(crate) struct Pushes {
     ended: Vec<Completion>,
 }
 
+/// The environment variable naming the cluster's link key file: set, the
+/// engine's pushes to other nodes' pools authenticate with it (as the
+/// pools do with theirs: `lake serve --link-key`).
+pub(crate) const LINK_KEY_ENV: &str = "LAKE_LINK_KEY_FILE";
+
+/// `transport`, authenticated with the key [`LINK_KEY_ENV`] names, if it
+/// names one; `None` (the push fails, the reason said on stderr) if that
+/// key cannot be read.
+fn authenticated(mut transport: TcpTransport) -> Option<TcpTransport> {
+    let Some(path) = std::env::var_os(LINK_KEY_ENV) else { return Some(transport) };
+    let loaded = lake_dp::auth::LinkKey::load(std::path::Path::new(&path));
+    let key = match loaded {
+        Ok(key) => key,
+        Err(e) => {
+            // On the agent's thread, where no caller reads a last error:
+            // said once on stderr, and every push fails `LAKE_UNAVAILABLE`.
+            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                eprintln!("lake: {LINK_KEY_ENV}: {e}; pushes to other pools fail LAKE_UNAVAILABLE");
+            }
+            return None;
+        }
+    };
+    // The engine names itself by its process in handshakes.
+    let node = 1 << 63 | u64::from(std::process::id());
+    transport.authenticate(key, node).ok()?;
+    Some(transport)
+}
+
 fn status_of(error: &TransferError) -> LakeStatus {
     match error {
         TransferError::Corrupt => LakeStatus::LakeBadCrc,
@@ -79,6 +108,7 @@ impl Pushes {
         if self.pusher.is_none() {
             let made = TcpTransport::new(TcpConfig::default(), None)
                 .ok()
+                .and_then(authenticated)
                 .zip(agent.claim_pin_array().ok())
                 .map(|(transport, pins)| Pusher::new(transport, pins, agent.arena_region()));
             let Some(pusher) = made else { return fail_all(ended, LakeStatus::LakeUnavailable) };

@@ -59,6 +59,27 @@ pub struct EmbeddedConfig {
     /// The leader's summary aggregators this node reports its replicas to
     /// (whichever accepts; none: it reports to none).
     pub summary_to: Vec<std::net::SocketAddr>,
+    /// The cluster's link key: the transport's connections and the summary
+    /// link are authenticated with it (every peer must hold it).
+    pub link_key: Option<lake_dp::auth::LinkKey>,
+    /// Who may connect to the pool's sockets (`lake-dp`'s attach socket,
+    /// `lake-cp`'s), and their files' group and mode: the `[agents]`
+    /// fields of the same names (by default this process's user and root;
+    /// mode 0o600).
+    pub access: LocalAccess,
+}
+
+/// Who may use a pool's local sockets. See [`EmbeddedConfig::access`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalAccess {
+    /// Users allowed (with `allow_gids` empty too: this user and root).
+    pub allow_uids: Vec<u32>,
+    /// Groups allowed.
+    pub allow_gids: Vec<u32>,
+    /// The sockets' group (a name or a number).
+    pub group: Option<String>,
+    /// The sockets' mode (default 0o600; 0o660 with a group).
+    pub socket_mode: Option<u32>,
 }
 
 impl EmbeddedConfig {
@@ -83,6 +104,8 @@ impl EmbeddedConfig {
             node: 0,
             l3: None,
             summary_to: Vec::new(),
+            link_key: None,
+            access: LocalAccess::default(),
         }
     }
 }
@@ -182,6 +205,10 @@ ports = {remote}
     .map_err(|e| e.to_string())
     .and_then(|mut runner| {
         runner.l3 = config.l3.clone();
+        runner.agents.allow_uids.clone_from(&config.access.allow_uids);
+        runner.agents.allow_gids.clone_from(&config.access.allow_gids);
+        runner.agents.group.clone_from(&config.access.group);
+        runner.agents.socket_mode = config.access.socket_mode;
         // Checked as a file's section would be: the error names the field.
         runner.check().map_err(|e| e.to_string())?;
         Ok(runner)
@@ -212,8 +239,17 @@ impl EmbeddedPool {
             .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let node = Node::new(NodeId(config.node), incarnation, Some(writer)).with_tiers(config.tiers.clone());
         let mut server = Server::bind(&cp_socket, node, 1).map_err(|e| format!("{}: {e}", cp_socket.display()))?;
+        let agents = lake_dp::runner::config::AgentsSection {
+            allow_uids: config.access.allow_uids.clone(),
+            allow_gids: config.access.allow_gids.clone(),
+            group: config.access.group.clone(),
+            socket_mode: config.access.socket_mode,
+            ..lake_dp::runner::config::AgentsSection::default()
+        };
+        let (gid, mode, policy) = agents.access().map_err(|e| e.0)?;
+        server.restrict(policy, mode, gid).map_err(|e| format!("{}: mode and group: {e}", cp_socket.display()))?;
         if !config.summary_to.is_empty() {
-            server.report_to(config.summary_to.clone());
+            server.report_to(config.summary_to.clone(), config.link_key.clone());
         }
         let metrics = if config.metrics {
             Some(server.serve_metrics("127.0.0.1:0".parse().map_err(|_| "address")?).map_err(|e| e.to_string())?)
@@ -234,6 +270,9 @@ impl EmbeddedPool {
                                 reply.send(server.node_mut().copy_to(&key, to, priority).map_err(|e| e.to_string()));
                         }
                         server.poll_once(Some(Duration::from_millis(2))).map_err(|e| format!("lake-cp: {e}"))?;
+                        for why in server.take_refusals() {
+                            eprintln!("{{\"event\":\"cp_refused\",\"why\":{why:?}}}");
+                        }
                         let node = server.node();
                         gauges.l1_bytes.store(node.tiers.usage(Tier::L1Dram).bytes, Ordering::Relaxed);
                         gauges.l2_bytes.store(node.tiers.usage(Tier::L2Nvme).bytes, Ordering::Relaxed);
@@ -261,6 +300,7 @@ impl EmbeddedPool {
             commit_check: config.commit_check,
             transport_listen: config.transport_listen,
             transport_peers: config.transport_peers.clone(),
+            link_key: config.link_key.clone(),
         };
         let dp = std::thread::Builder::new()
             .name("lake-dp".into())

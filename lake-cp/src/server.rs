@@ -275,6 +275,9 @@ pub struct ServerCounters {
     pub refused: u64,
     /// Tier commands sent to data planes.
     pub commands: u64,
+    /// Connections refused for their peer's credentials (not on the
+    /// allow-list).
+    pub strangers: u64,
 }
 
 /// The cp↔dp server. See the module docs.
@@ -284,6 +287,10 @@ pub struct Server {
     listener: UnixListener,
     path: PathBuf,
     peers: HashMap<Token, Peer>,
+    /// Who may connect to the socket.
+    policy: lake_dp::auth::PeerPolicy,
+    /// Connections refused and why, for the log.
+    refusals: Vec<String>,
     metrics: Option<mio::net::TcpListener>,
     http: HashMap<Token, HttpClient>,
     next_token: usize,
@@ -328,6 +335,8 @@ impl Server {
             listener,
             path: path.to_path_buf(),
             peers: HashMap::new(),
+            policy: lake_dp::auth::PeerPolicy::own_user(),
+            refusals: Vec::new(),
             metrics: None,
             http: HashMap::new(),
             next_token: 2,
@@ -339,6 +348,20 @@ impl Server {
             changes: Vec::new(),
             counters: ServerCounters::default(),
         })
+    }
+
+    /// Who may connect (checked on the peer's credentials as the kernel
+    /// gives them; by default this process's user and root), and the
+    /// socket file's mode and group.
+    pub fn restrict(&mut self, policy: lake_dp::auth::PeerPolicy, mode: u32, gid: Option<u32>) -> io::Result<()> {
+        lake_dp::auth::peer::restrict(&self.path, mode, gid)?;
+        self.policy = policy;
+        Ok(())
+    }
+
+    /// Connections refused since the last call and why (for the log).
+    pub fn take_refusals(&mut self) -> Vec<String> {
+        core::mem::take(&mut self.refusals)
     }
 
     /// Serves `GET /metrics` (Prometheus text) and `GET /healthz` on
@@ -354,8 +377,13 @@ impl Server {
 
     /// Reports this node's replicas to the leader's summary at whichever
     /// of `leaders` accepts (see [`crate::summary::link`]).
-    pub fn report_to(&mut self, leaders: Vec<std::net::SocketAddr>) {
-        self.uplink = Some(crate::summary::link::Uplink::new(self.node.node().0, leaders));
+    /// With `key`, the link is authenticated (the leader must hold it too).
+    pub fn report_to(&mut self, leaders: Vec<std::net::SocketAddr>, key: Option<lake_dp::auth::LinkKey>) {
+        let uplink = crate::summary::link::Uplink::new(self.node.node().0, leaders);
+        self.uplink = Some(match key {
+            Some(key) => uplink.authenticated(key),
+            None => uplink,
+        });
     }
 
     /// The link to the leader's summary, if any.
@@ -481,6 +509,13 @@ impl Server {
         loop {
             match self.listener.accept() {
                 Ok((mut stream, _)) => {
+                    if let Err(why) = self.policy.check(&stream) {
+                        self.counters.strangers += 1;
+                        if self.refusals.len() < 64 {
+                            self.refusals.push(format!("{}: {why}", self.path.display()));
+                        }
+                        continue;
+                    }
                     let token = Token(self.next_token);
                     self.next_token += 1;
                     self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;

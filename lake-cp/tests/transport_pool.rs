@@ -74,7 +74,19 @@ fn free_port() -> SocketAddr {
 /// A pool of node `node`, its transport listening on `listen` and sending
 /// to `peers` (node, address).
 fn start(name: &str, node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, SocketAddr)>) -> EmbeddedPool {
+    start_keyed(name, node, listen, peers, None)
+}
+
+/// [`start`], its links authenticated with `key` if given.
+fn start_keyed(
+    name: &str,
+    node: u32,
+    listen: Option<SocketAddr>,
+    peers: Vec<(u32, SocketAddr)>,
+    key: Option<lake_dp::auth::LinkKey>,
+) -> EmbeddedPool {
     EmbeddedPool::start(&EmbeddedConfig {
+        link_key: key,
         block_bytes: 131_072,
         l1_slots: 32,
         l2_slots_per_file: 32,
@@ -304,4 +316,54 @@ fn a_control_plane_copies_blocks_into_another_nodes_l1() {
     assert_eq!(stats_b.pool.remote_landed, 5, "{stats_b:?}");
     assert_eq!(stats_a.pool.remote_sent, 5, "{stats_a:?}");
     assert_eq!((server_a.node().copies_landed, server_a.node().copies_failed), (5, 0));
+}
+
+#[test]
+fn pools_holding_the_link_key_copy_blocks_and_one_holding_another_gets_none_in() {
+    use lake_dp::auth::LinkKey;
+    use lake_dp::model::replica::ReplicaWire;
+    let (cluster, stranger) = (LinkKey::from_bytes([0x21; 32]), LinkKey::from_bytes([0x22; 32]));
+    let node_b = free_port();
+    let mut a = start_keyed("keyed-a", 1, None, vec![(2, node_b)], Some(cluster.clone()));
+    let mut b = start_keyed("keyed-b", 2, Some(node_b), Vec::new(), Some(cluster));
+    let mut c = start_keyed("keyed-c", 3, None, vec![(2, node_b)], Some(stranger));
+    let mut engine_a = engine(&mut a, "engine-a");
+    let mut engine_b = engine(&mut b, "engine-b");
+    let mut engine_c = engine(&mut c, "engine-c");
+    let (keys, payloads) = save_prompt(&mut engine_a, 300, 3);
+    let (strange_keys, _) = save_prompt(&mut engine_c, 400, 3);
+    let to = ReplicaWire {
+        tier: lake_dp::Tier::L1Dram as u8,
+        reserved: 0,
+        region: engine_b.arena_region(),
+        node: 2,
+        region_epoch: engine_b.arena_epoch(),
+        slot: 0,
+        generation: 0,
+    };
+    for (key, strange) in keys.iter().zip(&strange_keys) {
+        a.copy_to(key, to, Priority::Replication).unwrap();
+        c.copy_to(strange, to, Priority::Replication).unwrap();
+    }
+    let mut copied = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine_b.lookup(&keys, &mut copied) < 3 {
+        assert!(Instant::now() < deadline, "the key holder's copies were not published at node 2");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let delivered = engine_b.fetch(&keys, &copied, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
+    assert_eq!(delivered, 3);
+    // The stranger's copies fail at their deadline (no connection of its
+    // ever passes the handshake); none reaches node 2 — given the time the
+    // key holder's took, and as long again.
+    std::thread::sleep(Duration::from_millis(500));
+    drop((engine_a, engine_c));
+    let (stats_c, server_c) = c.stop().unwrap();
+    assert_eq!(stats_c.pool.remote_sent, 0, "{stats_c:?}");
+    let _ = server_c;
+    assert_eq!(engine_b.lookup(&strange_keys, &mut copied), 0, "a stranger's block was published");
+    drop(engine_b);
+    let (stats_b, _) = b.stop().unwrap();
+    assert_eq!(stats_b.pool.remote_landed, 3, "{stats_b:?}");
+    drop(a);
 }

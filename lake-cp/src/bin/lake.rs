@@ -16,16 +16,22 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
                   [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
                   [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
-                  (the embedded pool for engines in other processes, until SIGTERM/SIGINT)
+                  [--link-key FILE] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
+                  [--socket-group NAME] [--socket-mode OCTAL]
+                  (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
+                   with a link key every transport and summary connection is authenticated)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
                [--ttl SECONDS] [--node N] [--entries N]
                (a control plane standing for leadership in etcd: a standby until it leads,
                 then serving the socket and writing the mirror under its term)
        lake summary --listen IP:PORT [--etcd URL --cluster NAME --id ID [--ttl SECONDS]]
                     [--checkpoint-dir DIR] [--checkpoint-ms N] [--replicate-children K]
+                    [--link-key FILE]
                (the leader's cluster summary: the nodes' deltas applied in order, a gap resynced
                 by snapshot, lapsed members' L1 dropped, checkpoints on DIR with the pointer in etcd;
-                a block K or more blocks continue is copied into every member's L1)";
+                a block K or more blocks continue is copied into every member's L1)
+       lake keygen FILE
+               (a new cluster link key, readable by its owner only; an existing file is kept)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -51,6 +57,13 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Some("keygen") => match keygen(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lake keygen: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Some("summary") => match summary_leader(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -67,6 +80,20 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+fn keygen(args: &[String]) -> Result<(), String> {
+    let [path] = args else { return Err(format!("one FILE, no more\n{USAGE}")) };
+    let path = std::path::Path::new(path);
+    let key = lake_dp::auth::LinkKey::generate().map_err(|e| format!("random bytes: {e}"))?;
+    key.write_new(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    println!("{{\"event\":\"keygen\",\"file\":{:?},\"key_id\":\"{:016x}\"}}", path.display().to_string(), key.id());
+    Ok(())
+}
+
+/// The link key in `path` (`--link-key`).
+fn link_key(path: &str) -> Result<lake_dp::auth::LinkKey, String> {
+    lake_dp::auth::LinkKey::load(std::path::Path::new(path)).map_err(|e| e.to_string())
 }
 
 fn demo(args: &[String]) -> Result<(), String> {
@@ -140,6 +167,23 @@ fn serve(args: &[String]) -> Result<(), String> {
             }
             "--transport-listen" => {
                 config.transport_listen = Some(value.parse().map_err(|e| format!("{flag} {value}: {e}"))?);
+            }
+            "--link-key" => config.link_key = Some(link_key(value)?),
+            "--allow-uid" | "--allow-gid" => {
+                let ids = value
+                    .split(',')
+                    .map(|id| id.parse::<u32>().map_err(|e| format!("{flag} {id}: {e}")))
+                    .collect::<Result<Vec<u32>, String>>()?;
+                let list =
+                    if flag == "--allow-uid" { &mut config.access.allow_uids } else { &mut config.access.allow_gids };
+                list.extend(ids);
+            }
+            "--socket-group" => config.access.group = Some(value.clone()),
+            "--socket-mode" => {
+                config.access.socket_mode = Some(
+                    u32::from_str_radix(value.trim_start_matches("0o"), 8)
+                        .map_err(|e| format!("{flag} {value}: {e}"))?,
+                );
             }
             "--l3-dir" => l3.dir = Some(value.into()),
             "--l3-endpoint" => l3.endpoint = Some(value.clone()),
@@ -442,6 +486,7 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
     let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (mut listen, mut etcd, mut cluster, mut id, mut dir) = (None, None, None, None, None);
     let (mut ttl, mut checkpoint_ms, mut replicate_children) = (3i64, 1000u64, 0usize);
+    let mut key = None;
     let mut iter = args.iter();
     while let Some(flag) = iter.next() {
         let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
@@ -456,6 +501,7 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
             "--ttl" => ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
             "--checkpoint-dir" => dir = Some(std::path::PathBuf::from(value)),
             "--checkpoint-ms" => checkpoint_ms = number()?.max(10),
+            "--link-key" => key = Some(link_key(value)?),
             "--replicate-children" => {
                 replicate_children = usize::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?;
             }
@@ -515,6 +561,9 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
         }
     }
     let mut aggregator = Aggregator::bind(listen, summary).map_err(|e| format!("--listen {listen}: {e}"))?;
+    if let Some(key) = key {
+        aggregator.authenticate(key);
+    }
     say(format!(
         "{{\"event\":\"leading\",\"listen\":\"{}\",\"term\":{term}}}",
         aggregator.local_addr().map_err(|e| e.to_string())?
@@ -525,6 +574,9 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
     let mut previous: Option<String> = None;
     while signals.take().is_none() {
         aggregator.pump();
+        for what in aggregator.take_security_events() {
+            say(format!("{{\"event\":\"link_refused\",\"what\":{what:?}}}"));
+        }
         std::thread::sleep(Duration::from_millis(2));
         if last_renew.elapsed() >= every {
             last_renew = Instant::now();

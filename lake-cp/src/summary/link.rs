@@ -11,6 +11,11 @@
 //! ```
 //!
 //! Frames are the wire v1 format of every other link (CRC'd, checked).
+//! With the cluster's link key set on both ends ([`Uplink::authenticated`],
+//! [`Aggregator::authenticate`]) the connection opens with the handshake
+//! of [`lake_dp::auth`] and every frame travels in a tagged record: a
+//! connection that fails its handshake or a record's tag is closed, and
+//! said so ([`Aggregator::take_security_events`]).
 //! Neither side blocks: the uplink is pumped from the node's loop, the
 //! aggregator from the leader's. A node whose link is down drops its
 //! changes (counted) and sends a snapshot when it is back, so what the
@@ -20,6 +25,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use lake_dp::auth::{AuthError, LinkKey, RecordLink};
 use lake_dp::constants::DELTA_ENTRIES_MAX;
 use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
 use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SnapshotRequest};
@@ -132,6 +138,62 @@ fn read_some(stream: &mut TcpStream, input: &mut Vec<u8>) -> bool {
     }
 }
 
+/// Bytes a record of the link carries at most (a snapshot frame of
+/// [`DELTA_ENTRIES_MAX`] entries is far smaller).
+const RECORD_MAX: usize = 16 << 20;
+
+/// Security events an aggregator keeps for its caller, at most.
+const SECURITY_EVENTS_MAX: usize = 64;
+
+/// One connection's bytes: plain frames in and out, through the link's
+/// authentication where a key is set.
+#[derive(Debug)]
+struct Wire {
+    stream: TcpStream,
+    link: Option<RecordLink>,
+    /// Frames to send.
+    output: Vec<u8>,
+    /// Bytes for the socket: handshake and sealed records.
+    sealed: Vec<u8>,
+    /// Frames received (checked, where authenticated).
+    input: Vec<u8>,
+}
+
+impl Wire {
+    fn new(stream: TcpStream, link: Option<(RecordLink, Vec<u8>)>) -> Self {
+        let (link, sealed) = match link {
+            Some((link, first)) => (Some(link), first),
+            None => (None, Vec::new()),
+        };
+        Self { stream, link, output: Vec::new(), sealed, input: Vec::new() }
+    }
+
+    /// Reads what the socket has into `input`: `Ok(false)` when it closed,
+    /// an error when the peer failed its authentication.
+    fn read(&mut self) -> Result<bool, AuthError> {
+        let Some(link) = &mut self.link else { return Ok(read_some(&mut self.stream, &mut self.input)) };
+        let mut raw = Vec::new();
+        let open = read_some(&mut self.stream, &mut raw);
+        link.receive(&raw, &mut self.input, &mut self.sealed)?;
+        Ok(open)
+    }
+
+    /// Writes what the socket takes; false when it closed.
+    fn write(&mut self) -> bool {
+        let Some(link) = &mut self.link else { return write_some(&mut self.stream, &mut self.output) };
+        if !self.output.is_empty() {
+            link.send(&self.output, &mut self.sealed);
+            self.output.clear();
+        }
+        write_some(&mut self.stream, &mut self.sealed)
+    }
+
+    /// Bytes not yet written.
+    fn unsent(&self) -> usize {
+        self.output.len() + self.sealed.len()
+    }
+}
+
 /// What an uplink has done.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct UplinkCounters {
@@ -145,6 +207,9 @@ pub struct UplinkCounters {
     pub dropped: u64,
     /// Copies to other nodes the leader asked of this node.
     pub copies_asked: u64,
+    /// Connections closed because the leader failed its authentication
+    /// (another key, a bad proof, a record's tag).
+    pub refused: u64,
 }
 
 /// A node's link to the leader's aggregator. See the module docs.
@@ -153,9 +218,10 @@ pub struct Uplink {
     node: u32,
     leaders: Vec<SocketAddr>,
     next: usize,
-    stream: Option<TcpStream>,
-    output: Vec<u8>,
-    input: Vec<u8>,
+    wire: Option<Wire>,
+    key: Option<LinkKey>,
+    /// Why the last connection was refused, if it was.
+    last_refusal: Option<String>,
     snapshot_due: bool,
     /// Copies the leader asked of this node, to hand to its tier
     /// manager ([`Uplink::take_copies`]).
@@ -175,9 +241,9 @@ impl Uplink {
             node,
             leaders,
             next: 0,
-            stream: None,
-            output: Vec::new(),
-            input: Vec::new(),
+            wire: None,
+            key: None,
+            last_refusal: None,
             snapshot_due: true,
             copies: Vec::new(),
             retry_at: Instant::now(),
@@ -187,15 +253,25 @@ impl Uplink {
         }
     }
 
+    /// Authenticates every connection to the leader with `key`.
+    #[must_use]
+    pub fn authenticated(mut self, key: LinkKey) -> Self {
+        self.key = Some(key);
+        self
+    }
+
     /// Whether a leader is connected.
     pub fn is_connected(&self) -> bool {
-        self.stream.is_some()
+        self.wire.is_some()
+    }
+
+    /// Why the last connection to a leader was refused, if it was.
+    pub fn last_refusal(&self) -> Option<&str> {
+        self.last_refusal.as_deref()
     }
 
     fn close(&mut self) {
-        self.stream = None;
-        self.output.clear();
-        self.input.clear();
+        self.wire = None;
         self.snapshot_due = true;
         self.retry_at = Instant::now() + self.wait;
         self.wait = (self.wait * 2).min(Duration::from_secs(1));
@@ -224,23 +300,30 @@ impl Uplink {
         if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
             return;
         }
-        self.output.clear();
-        self.input.clear();
-        if append_frame(&mut self.output, meta(0), &Message::Hello(local)).is_err() {
+        let link = match &self.key {
+            None => None,
+            Some(key) => match RecordLink::client(key, u64::from(self.node), RECORD_MAX) {
+                Ok(link) => Some(link),
+                Err(_) => return,
+            },
+        };
+        let mut wire = Wire::new(stream, link);
+        if append_frame(&mut wire.output, meta(0), &Message::Hello(local)).is_err() {
             return;
         }
-        self.stream = Some(stream);
+        self.wire = Some(wire);
         self.snapshot_due = true;
         self.wait = Duration::from_millis(50);
         self.counters.connects += 1;
     }
 
     fn send(&mut self, frames: Vec<(Delta, Vec<DeltaEntry>)>, as_snapshot: bool) -> bool {
+        let Some(wire) = self.wire.as_mut() else { return false };
         for (head, entries) in frames {
             self.request += 1;
             let records = Records::from_slice(&entries);
             let message = if as_snapshot { Message::Snapshot(head, records) } else { Message::Delta(head, records) };
-            if append_frame(&mut self.output, meta(self.request), &message).is_err() {
+            if append_frame(&mut wire.output, meta(self.request), &message).is_err() {
                 return false;
             }
             if as_snapshot {
@@ -263,10 +346,10 @@ impl Uplink {
     /// `changes` as deltas (or drops them, counted, with no leader), and
     /// takes the leader's requests.
     pub fn pump(&mut self, locations: &Locations, changes: &[Change]) {
-        if self.stream.is_none() {
+        if self.wire.is_none() {
             self.connect();
         }
-        if self.stream.is_none() {
+        if self.wire.is_none() {
             self.counters.dropped += changes.len() as u64;
             return;
         }
@@ -279,13 +362,23 @@ impl Uplink {
         } else if !changes.is_empty() && !self.send(deltas(self.node, locations, changes), false) {
             return self.close();
         }
-        let Some(stream) = self.stream.as_mut() else { return };
-        let open = read_some(stream, &mut self.input) && write_some(stream, &mut self.output);
-        if !open || self.output.len() > OUTPUT_MAX {
+        let Some(wire) = self.wire.as_mut() else { return };
+        let open = match wire.read() {
+            Ok(open) => open && wire.write(),
+            Err(e) => {
+                self.counters.refused += 1;
+                self.last_refusal = Some(e.to_string());
+                // Told why (a wrong key's answer) before the close, if it can.
+                wire.write();
+                return self.close();
+            }
+        };
+        if !open || wire.unsent() > OUTPUT_MAX {
             return self.close();
         }
         loop {
-            let frame = match decode_frame(&self.input, &Limits::default()) {
+            let Some(wire) = self.wire.as_mut() else { return };
+            let frame = match decode_frame(&wire.input, &Limits::default()) {
                 Err(WireError::Incomplete { .. }) => break,
                 Err(_) => return self.close(),
                 Ok(frame) => frame,
@@ -303,7 +396,7 @@ impl Uplink {
                 }
                 _ => return self.close(),
             };
-            self.input.drain(..used);
+            wire.input.drain(..used);
             if again {
                 self.snapshot_due = true;
             }
@@ -328,13 +421,14 @@ pub struct AggregatorCounters {
     pub bad_frames: u64,
     /// Replication copies asked of nodes.
     pub copies_asked: u64,
+    /// Connections closed for failing their authentication (no handshake,
+    /// another key, a bad proof, a record's tag).
+    pub refused: u64,
 }
 
 #[derive(Debug)]
 struct NodeConnection {
-    stream: TcpStream,
-    input: Vec<u8>,
-    output: Vec<u8>,
+    wire: Wire,
     node: Option<u32>,
 }
 
@@ -347,6 +441,8 @@ pub struct Aggregator {
     local: lake_dp::wire::message::Hello,
     /// Replication copies asked, and when.
     asked: std::collections::HashMap<(BlockKey, u32), Instant>,
+    key: Option<LinkKey>,
+    security_events: std::collections::VecDeque<String>,
     /// The summary it keeps.
     pub summary: Summary,
     /// What it has done.
@@ -372,9 +468,23 @@ impl Aggregator {
             connections: Vec::new(),
             local,
             asked: std::collections::HashMap::new(),
+            key: None,
+            security_events: std::collections::VecDeque::new(),
             summary,
             counters: AggregatorCounters::default(),
         })
+    }
+
+    /// Authenticates every node connection accepted from now on with
+    /// `key`: a node without it gets no frame applied.
+    pub fn authenticate(&mut self, key: LinkKey) {
+        self.key = Some(key);
+    }
+
+    /// What was refused since the last call, one line each, oldest first:
+    /// for the leader's log.
+    pub fn take_security_events(&mut self) -> Vec<String> {
+        self.security_events.drain(..).collect()
     }
 
     /// The address it listens on.
@@ -401,6 +511,7 @@ impl Aggregator {
             let Some(connection) = self.connections.iter_mut().find(|c| c.node == Some(copy.from.node.0)) else {
                 continue;
             };
+            let connection = &mut connection.wire;
             let transfer = lake_dp::wire::message::Transfer {
                 source: copy.from.to_wire(),
                 target: copy.to,
@@ -425,12 +536,8 @@ impl Aggregator {
                 Ok((stream, _)) => {
                     if stream.set_nonblocking(true).is_ok() && stream.set_nodelay(true).is_ok() {
                         self.counters.accepted += 1;
-                        self.connections.push(NodeConnection {
-                            stream,
-                            input: Vec::new(),
-                            output: Vec::new(),
-                            node: None,
-                        });
+                        let link = self.key.as_ref().map(|key| (RecordLink::server(key, 0, RECORD_MAX), Vec::new()));
+                        self.connections.push(NodeConnection { wire: Wire::new(stream, link), node: None });
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -451,12 +558,24 @@ impl Aggregator {
     /// Serves connection `at`; false when it is to be closed.
     fn serve(&mut self, at: usize) -> bool {
         let connection = &mut self.connections[at];
-        if !read_some(&mut connection.stream, &mut connection.input) {
-            return false;
+        match connection.wire.read() {
+            Ok(true) => {}
+            Ok(false) => return false,
+            Err(e) => {
+                self.counters.refused += 1;
+                let from = connection.wire.stream.peer_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
+                if self.security_events.len() >= SECURITY_EVENTS_MAX {
+                    self.security_events.pop_front();
+                }
+                self.security_events.push_back(format!("summary connection from {from} refused: {e}"));
+                // A wrong key's answer says so to the node, if it can.
+                connection.wire.write();
+                return false;
+            }
         }
         let mut used_total = 0;
         loop {
-            let input = &connection.input[used_total..];
+            let input = &connection.wire.input[used_total..];
             let frame = match decode_frame(input, &Limits::default()) {
                 Err(WireError::Incomplete { .. }) => break,
                 Err(_) => {
@@ -474,7 +593,7 @@ impl Aggregator {
                         return false;
                     };
                     connection.node = Some(remote.node);
-                    if append_frame(&mut connection.output, reply, &Message::HelloAck(ack)).is_err() {
+                    if append_frame(&mut connection.wire.output, reply, &Message::HelloAck(ack)).is_err() {
                         return false;
                     }
                 }
@@ -493,7 +612,7 @@ impl Aggregator {
                         Outcome::NeedSnapshot { node, term } => {
                             self.counters.gaps += 1;
                             let request = Message::SnapshotRequest(SnapshotRequest { node, reserved: 0, term });
-                            if append_frame(&mut connection.output, reply, &request).is_err() {
+                            if append_frame(&mut connection.wire.output, reply, &request).is_err() {
                                 return false;
                             }
                         }
@@ -505,7 +624,7 @@ impl Aggregator {
                 }
             }
         }
-        connection.input.drain(..used_total);
-        write_some(&mut connection.stream, &mut connection.output) && connection.output.len() <= OUTPUT_MAX
+        connection.wire.input.drain(..used_total);
+        connection.wire.write() && connection.wire.unsent() <= OUTPUT_MAX
     }
 }

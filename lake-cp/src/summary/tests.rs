@@ -166,6 +166,48 @@ fn an_uplink_feeds_the_aggregator_over_tcp_and_reconnects_with_a_snapshot() {
 }
 
 #[test]
+fn an_authenticated_uplink_feeds_the_leader_and_one_with_another_key_is_refused() {
+    use lake_dp::auth::LinkKey;
+    let key_of = |b: u8| LinkKey::from_bytes([b; 32]);
+    let mut aggregator = Aggregator::bind("127.0.0.1:0".parse().unwrap(), Summary::new()).unwrap();
+    aggregator.authenticate(key_of(1));
+    let address = aggregator.local_addr().unwrap();
+    let mut locations = view(6, 2);
+    for i in 1..=4u8 {
+        locations.adopt(None, key(i), lake_dp::ObjectKind::KvBlock, 0, 5, u32::from(i), 1).unwrap();
+    }
+    let mut strange = view(7, 2);
+    strange.adopt(None, key(9), lake_dp::ObjectKind::KvBlock, 0, 5, 9, 1).unwrap();
+    let mut member = Uplink::new(6, vec![address]).authenticated(key_of(1));
+    let mut stranger = Uplink::new(7, vec![address]).authenticated(key_of(2));
+    let mut plain = Uplink::new(8, vec![address]);
+    let empty = view(8, 2);
+    for _ in 0..100 {
+        let changes: Vec<_> = locations.drain_changes().collect();
+        member.pump(&locations, &changes);
+        let changes: Vec<_> = strange.drain_changes().collect();
+        stranger.pump(&strange, &changes);
+        plain.pump(&empty, &[]);
+        aggregator.pump();
+        if aggregator.summary.figures(6).is_some() && aggregator.counters.refused >= 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(aggregator.summary.figures(6).map(|f| f.replicas), Some([0, 4, 0, 0]));
+    assert!(aggregator.summary.figures(7).is_none() && aggregator.summary.figures(8).is_none());
+    assert!(aggregator.counters.refused >= 2, "{:?}", aggregator.counters);
+    let events = aggregator.take_security_events();
+    assert!(events.iter().any(|e| e.contains("another link key")), "{events:?}");
+    assert!(events.iter().any(|e| e.contains("not a Lake handshake")), "{events:?}");
+    assert!(
+        stranger.last_refusal().is_some_and(|why| why.contains("another link key")),
+        "{:?}",
+        stranger.last_refusal()
+    );
+}
+
+#[test]
 fn a_prefix_many_blocks_continue_is_planned_into_every_other_members_l1() {
     let mut summary = Summary::new();
     // Node 1: a root continued by three blocks, and a chain of two.

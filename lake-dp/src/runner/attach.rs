@@ -62,6 +62,9 @@ pub struct AttachCounters {
     pub refused: u64,
     /// Agents detached for breaking their ring.
     pub broken: u64,
+    /// Connections refused for their peer's credentials (not on the
+    /// allow-list).
+    pub strangers: u64,
 }
 
 /// The attach socket. See the module docs.
@@ -74,6 +77,11 @@ pub struct AttachServer {
     local: Hello,
     epoch: u64,
     arena_region: u16,
+    /// Who may attach.
+    policy: crate::auth::PeerPolicy,
+    /// The last connection refused for its credentials, and why (for the
+    /// log; taken by [`AttachServer::take_refusal`]).
+    refusal: Option<String>,
     /// What it has done.
     pub counters: AttachCounters,
 }
@@ -101,8 +109,25 @@ impl AttachServer {
             local,
             epoch: identity.region_epoch,
             arena_region,
+            policy: crate::auth::PeerPolicy::own_user(),
+            refusal: None,
             counters: AttachCounters::default(),
         })
+    }
+
+    /// Who may attach (checked on the peer's credentials as the kernel
+    /// gives them; by default this process's user and root), and the
+    /// socket file's mode and group.
+    pub fn restrict(&mut self, policy: crate::auth::PeerPolicy, mode: u32, gid: Option<u32>) -> io::Result<()> {
+        crate::auth::peer::restrict(&self.path, mode, gid)?;
+        self.policy = policy;
+        Ok(())
+    }
+
+    /// The last connection refused for its credentials since the last
+    /// call, and why.
+    pub fn take_refusal(&mut self) -> Option<String> {
+        self.refusal.take()
     }
 
     /// Tells agents whether the runner parks (they write its eventfd only
@@ -148,6 +173,12 @@ impl AttachServer {
     }
 
     fn take(&mut self, stream: UnixStream, now_ns: u64) {
+        if let Err(why) = self.policy.check(&stream) {
+            refuse(&stream, ErrorCode::Unauthorized, "this user may not attach");
+            self.counters.strangers += 1;
+            self.refusal = Some(why);
+            return;
+        }
         let Some(port) = self.connections.iter().position(Option::is_none) else {
             refuse(&stream, ErrorCode::QueueFull, "every agent port is taken");
             self.counters.refused += 1;

@@ -428,11 +428,50 @@ pub struct AgentsSection {
     /// Requests in flight per agent (a power of two).
     #[serde(default = "default_port_depth")]
     pub depth: u32,
+    /// Users who may attach, by the credentials the kernel gives for the
+    /// connection (`SO_PEERCRED`). With `allow_gids` also empty: this
+    /// process's own user and root.
+    #[serde(default)]
+    pub allow_uids: Vec<u32>,
+    /// Groups who may attach (the peer's effective group).
+    #[serde(default)]
+    pub allow_gids: Vec<u32>,
+    /// The group the socket file is given (a name or a number), if any.
+    #[serde(default)]
+    pub group: Option<String>,
+    /// The socket file's mode (default `0o600`; `0o660` with a group).
+    #[serde(default)]
+    pub socket_mode: Option<u32>,
 }
 
 impl Default for AgentsSection {
     fn default() -> Self {
-        Self { socket: None, ports: default_ports(), depth: default_port_depth() }
+        Self {
+            socket: None,
+            ports: default_ports(),
+            depth: default_port_depth(),
+            allow_uids: Vec::new(),
+            allow_gids: Vec::new(),
+            group: None,
+            socket_mode: None,
+        }
+    }
+}
+
+impl AgentsSection {
+    /// The socket file's group id, its mode, and who may attach.
+    pub fn access(&self) -> Result<(Option<u32>, u32, crate::auth::PeerPolicy), ConfigError> {
+        let gid = match &self.group {
+            Some(name) => {
+                Some(crate::auth::peer::group_id(name).map_err(|e| ConfigError(format!("agents.group: {e}")))?)
+            }
+            None => None,
+        };
+        let mode = self.socket_mode.unwrap_or(if gid.is_some() { 0o660 } else { 0o600 });
+        if mode & !0o777 != 0 {
+            return Err(ConfigError(format!("agents.socket_mode {mode:o}: permission bits only (0o600, 0o660)")));
+        }
+        Ok((gid, mode, crate::auth::PeerPolicy::of(&self.allow_uids, &self.allow_gids)))
     }
 }
 

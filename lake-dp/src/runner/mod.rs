@@ -76,6 +76,10 @@ pub struct RunnerPorts {
     /// (one per NIC: the peer's address there, and the local address to
     /// leave from), slices spread over them by measured speed.
     pub transport_peers: Vec<(u32, Vec<crate::transport::tcp::Rail>)>,
+    /// The cluster's link key: every transport connection is then
+    /// authenticated and every frame tagged (see [`crate::auth`]); a peer
+    /// without the key gets nothing through.
+    pub link_key: Option<crate::auth::LinkKey>,
 }
 
 /// What each rail to each peer carried, for the control plane's metrics.
@@ -852,8 +856,12 @@ pub fn run_with(
                 features: 0,
                 name: "lake-dp",
             };
-            let server = attach::AttachServer::bind(socket, files, &identity, header.region)
+            let mut server = attach::AttachServer::bind(socket, files, &identity, header.region)
                 .map_err(|e| RunnerError(format!("agents.socket {}: {e}", socket.display())))?;
+            let (gid, mode, policy) = config.agents.access().map_err(|e| RunnerError(e.0))?;
+            server
+                .restrict(policy, mode, gid)
+                .map_err(|e| RunnerError(format!("agents.socket {}: mode and group: {e}", socket.display())))?;
             Some(server)
         }
     };
@@ -862,13 +870,18 @@ pub fn run_with(
     pool.set_commit_check(ports.commit_check);
     // Blocks peers send into this node's L1 (P→D, replication), and the
     // copies lake-cp asks of this node for others.
+    let node_id = config.node.id;
     let mut transport = if ports.transport_listen.is_some() || !ports.transport_peers.is_empty() {
         let config = crate::transport::tcp::TcpConfig::default();
         let listen = ports.transport_listen;
-        Some(
-            crate::transport::tcp::TcpTransport::new(config, listen)
-                .map_err(|e| RunnerError(format!("transport.listen {listen:?}: {e}")))?,
-        )
+        let mut transport = crate::transport::tcp::TcpTransport::new(config, listen)
+            .map_err(|e| RunnerError(format!("transport.listen {listen:?}: {e}")))?;
+        if let Some(key) = &ports.link_key {
+            transport
+                .authenticate(key.clone(), u64::from(node_id))
+                .map_err(|e| RunnerError(format!("transport: {e}")))?;
+        }
+        Some(transport)
     } else {
         None
     };
@@ -1025,6 +1038,11 @@ pub fn run_with(
                         let landed = done.result.map(|()| done.target).map_err(|e| transfer_code(&e));
                         pool.send_ended(done.transfer, landed, &mut parts);
                     }
+                    // What was refused on the links: the operator's log
+                    // (nothing taken, nothing allocated, when all is well).
+                    for what in transport.take_security_events() {
+                        let _ = writeln!(out, "{{\"event\":\"link_refused\",\"what\":{what:?}}}");
+                    }
                 }
                 // No transport: a copy to another node cannot go.
                 None => pool.take_sends(|_| false),
@@ -1034,6 +1052,9 @@ pub fn run_with(
                 && (stats.polls.is_multiple_of(256) || idle_since.is_some())
             {
                 attach.poll(&mut pool, &mut table, arena.fd().as_raw_fd(), wakeup.fd(), now);
+                if let Some(why) = attach.take_refusal() {
+                    let _ = writeln!(out, "{{\"event\":\"attach_refused\",\"why\":{why:?}}}");
+                }
             }
         }
         let result = poller.poll(now, budget);

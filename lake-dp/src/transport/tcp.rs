@@ -14,6 +14,13 @@
 //! it (receiver: given back through [`Landing::abandoned`]) — with a clear
 //! error; it is reconnected with backoff. Nothing waits past a transfer's
 //! deadline.
+//!
+//! With a link key ([`TcpTransport::authenticate`]) every connection opens
+//! with the handshake of [`crate::auth`] and every frame carries its two
+//! tags after its header: a frame whose header tag fails is not acted on,
+//! a slice whose bytes fail theirs never counts toward its block (the
+//! block is given back unpublished); either closes the connection, and is
+//! counted and logged ([`TcpTransport::take_security_events`]).
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, IoSlice, Read, Write};
@@ -24,6 +31,8 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::frame::{AckStatus, BlockAddr, FRAME_HEADER_BYTES, FrameError, FrameHeader, FrameKind};
 use super::{ANY_SLOT, Completion, Landing, TransferError};
+use crate::auth::handshake::{CLIENT_FINISH_BYTES, CLIENT_HELLO_BYTES, SERVER_HELLO_BYTES};
+use crate::auth::{AuthError, ClientHandshake, LinkKey, PayloadCheck, ServerHandshake, Session, TAGS_BYTES};
 use crate::model::replica::Priority;
 
 /// How a transport is set up.
@@ -83,24 +92,74 @@ const DIRECT_READ_MIN: usize = 16 * 1024;
 /// a little more).
 const SMALL_READ_BYTES: usize = 4096;
 
+/// Bytes before a frame's slice on an authenticated connection: the
+/// header, then its tags.
+const SEALED_PREFIX_BYTES: usize = FRAME_HEADER_BYTES + TAGS_BYTES;
+
+/// Bytes of frames sealed ahead of what a connection has written, at most
+/// (past one frame): tags are made just before their frame goes out, in
+/// the order frames go out.
+const SEAL_AHEAD_BYTES: usize = 2 << 20;
+
+/// Inbound connections that have not finished their handshake, at most;
+/// more are closed as they come.
+const HANDSHAKING_MAX: usize = 64;
+
+/// Security events kept for the caller to log, at most (older ones are
+/// counted and dropped).
+const SECURITY_EVENTS_MAX: usize = 64;
+
 pub use super::{Outgoing, PeerId};
 
-/// A frame waiting to go out on a connection: its header, then `len`
-/// bytes at `bytes` (none for an ack), `sent` of the two so far.
+/// A frame waiting to go out on a connection: its prefix (header, and its
+/// tags on an authenticated connection), then `len` bytes at `bytes`
+/// (none for an ack), `sent` of the two so far.
 #[derive(Clone, Copy)]
 struct QueuedFrame {
     /// The transfer a data frame belongs to (acks: none).
     transfer: Option<u64>,
-    header: [u8; FRAME_HEADER_BYTES],
+    header: [u8; SEALED_PREFIX_BYTES],
+    /// Bytes of `header` sent: [`FRAME_HEADER_BYTES`], or
+    /// [`SEALED_PREFIX_BYTES`] once sealed.
+    prefix: usize,
+    /// Its tags are made (its place in the connection's sequence taken):
+    /// it must go out, even if its transfer ends first.
+    sealed: bool,
     bytes: *const u8,
     len: usize,
     sent: usize,
 }
 
 impl QueuedFrame {
-    fn total(&self) -> usize {
-        FRAME_HEADER_BYTES + self.len
+    fn new(
+        transfer: Option<u64>,
+        header: [u8; FRAME_HEADER_BYTES],
+        bytes: *const u8,
+        len: usize,
+        prefix: usize,
+    ) -> Self {
+        let mut full = [0u8; SEALED_PREFIX_BYTES];
+        full[..FRAME_HEADER_BYTES].copy_from_slice(&header);
+        Self { transfer, header: full, prefix, sealed: false, bytes, len, sent: 0 }
     }
+
+    fn total(&self) -> usize {
+        self.prefix + self.len
+    }
+}
+
+/// Where a connection's authentication stands.
+enum Link {
+    /// No link key: frames go bare.
+    Plain,
+    /// Outbound: hello sent, waiting for the answer.
+    Client(Option<ClientHandshake>),
+    /// Inbound: waiting for the hello.
+    Server,
+    /// Inbound: answered, waiting for the finish.
+    Answered(Option<ServerHandshake>),
+    /// Authenticated.
+    Ready(Session),
 }
 
 /// What a connection is reading.
@@ -109,8 +168,8 @@ enum ReadState {
     /// The next frame header.
     Header,
     /// A slice's bytes, into its target (`at`, `left` to go), for the
-    /// landing keyed `key`.
-    Slice { key: BlockAddr, attempt: u32, at: *mut u8, left: usize },
+    /// landing keyed `key`; the slice is the `len` bytes from `start`.
+    Slice { key: BlockAddr, attempt: u32, at: *mut u8, left: usize, start: *mut u8, len: usize },
     /// A refused slice's bytes, read and dropped.
     Discard { left: usize },
 }
@@ -119,7 +178,16 @@ struct Stream {
     socket: TcpStream,
     /// Outbound: the peer it serves and its index among the peer's.
     peer: Option<(PeerId, usize)>,
+    /// The TCP connection is up.
+    up: bool,
+    /// Frames may go: up, and authenticated where a key is set.
     connected: bool,
+    link: Link,
+    /// Handshake bytes to write before any frame, and how many went.
+    handshake_out: Vec<u8>,
+    handshake_sent: usize,
+    /// What the slice being read must hash to (authenticated links).
+    payload_check: Option<PayloadCheck>,
     readable: bool,
     writable: bool,
     queue: std::collections::VecDeque<QueuedFrame>,
@@ -139,12 +207,17 @@ struct Stream {
 }
 
 impl Stream {
-    fn new(socket: TcpStream, peer: Option<(PeerId, usize)>, connected: bool, now_ns: u64) -> Self {
+    fn new(socket: TcpStream, peer: Option<(PeerId, usize)>, up: bool, link: Link, now_ns: u64) -> Self {
         Self {
             progress_ns: now_ns,
             socket,
             peer,
-            connected,
+            up,
+            connected: up && matches!(link, Link::Plain),
+            link,
+            handshake_out: Vec::new(),
+            handshake_sent: 0,
+            payload_check: None,
             readable: false,
             writable: false,
             queue: std::collections::VecDeque::with_capacity(256),
@@ -183,6 +256,26 @@ impl Stream {
     fn push(&mut self, frame: QueuedFrame) {
         self.queued_bytes += frame.total() - frame.sent;
         self.queue.push_back(frame);
+    }
+
+    /// Bytes before a frame's slice on this connection.
+    fn prefix(&self) -> usize {
+        if matches!(self.link, Link::Plain) { FRAME_HEADER_BYTES } else { SEALED_PREFIX_BYTES }
+    }
+
+    /// Whether it has bytes to write and may write them now.
+    fn wants_write(&self) -> bool {
+        self.up && self.writable && (self.handshake_pending() || (self.connected && !self.queue.is_empty()))
+    }
+
+    /// Handshake bytes still to write.
+    fn handshake_pending(&self) -> bool {
+        self.handshake_sent < self.handshake_out.len()
+    }
+
+    /// Whether the handshake is under way (a key is set, not yet done).
+    fn handshaking(&self) -> bool {
+        matches!(self.link, Link::Client(_) | Link::Server | Link::Answered(_))
     }
 }
 
@@ -292,6 +385,9 @@ struct Peer {
     pending: [std::collections::VecDeque<PendingSlice>; Priority::COUNT],
     /// When each down connection may be tried again, and the next wait.
     retry_at: Vec<(u64, u64)>,
+    /// Why its last connection broke (for a transfer that fails with none
+    /// up: "another link key" says more than "no connection").
+    last_break: Option<String>,
 }
 
 /// A transfer this end sent, until its ack.
@@ -344,6 +440,16 @@ pub struct TcpStats {
     pub rail_cooldowns: u64,
     /// Frames refused as malformed (their connection was closed).
     pub bad_frames: u64,
+    /// Connections authenticated (handshakes completed, either side).
+    pub handshakes: u64,
+    /// Handshakes refused: no handshake, another key, a bad proof, no
+    /// answer in time (the connection was closed).
+    pub handshakes_refused: u64,
+    /// Frames whose tags failed: tampered, replayed, reordered (the
+    /// connection was closed; a slice's block given back unpublished).
+    pub bad_tags: u64,
+    /// Security events dropped because the caller did not take them.
+    pub security_events_dropped: u64,
     /// `writev` / read calls.
     pub write_calls: u64,
     /// Read calls.
@@ -384,6 +490,10 @@ pub struct TcpTransport {
     last_sweep_ns: u64,
     /// The time the current poll was given.
     now_ns: u64,
+    /// The link key and this node's id, where links are authenticated.
+    auth: Option<(LinkKey, u64)>,
+    /// What was refused and why, for the caller's log.
+    security_events: std::collections::VecDeque<String>,
     /// What it has done.
     pub stats: TcpStats,
 }
@@ -439,8 +549,44 @@ impl TcpTransport {
             touched: Vec::with_capacity(256),
             last_sweep_ns: 0,
             now_ns: 0,
+            auth: None,
+            security_events: std::collections::VecDeque::new(),
             stats: TcpStats::default(),
         })
+    }
+
+    /// Authenticates every connection with `key` from now on (this node
+    /// named `node` in handshakes): a peer without the key gets no frame
+    /// through. Set before any peer is added.
+    pub fn authenticate(&mut self, key: LinkKey, node: u64) -> Result<(), TcpError> {
+        if self.streams.iter().any(Option::is_some) {
+            return Err(TcpError("authenticate before adding peers or accepting connections".into()));
+        }
+        self.auth = Some((key, node));
+        Ok(())
+    }
+
+    /// Whether links are authenticated.
+    pub fn is_authenticated(&self) -> bool {
+        self.auth.is_some()
+    }
+
+    /// What was refused since the last call (a handshake, a frame's tag),
+    /// one line each, oldest first: for the node's log.
+    pub fn take_security_events(&mut self) -> Vec<String> {
+        self.security_events.drain(..).collect()
+    }
+
+    fn security_event(&mut self, token: usize, what: &str) {
+        let from = self.streams[token]
+            .as_ref()
+            .and_then(|s| s.socket.peer_addr().ok())
+            .map_or_else(|| "an unknown address".to_string(), |a| a.to_string());
+        if self.security_events.len() >= SECURITY_EVENTS_MAX {
+            self.security_events.pop_front();
+            self.stats.security_events_dropped += 1;
+        }
+        self.security_events.push_back(format!("connection with {from}: {what}"));
     }
 
     /// Where it listens.
@@ -479,6 +625,7 @@ impl TcpTransport {
             streams: vec![None; streams],
             pending: core::array::from_fn(|_| std::collections::VecDeque::with_capacity(256)),
             retry_at: vec![(0, self.config.reconnect_ns); streams],
+            last_break: None,
         });
         for index in 0..streams {
             self.connect(id, index)?;
@@ -526,7 +673,8 @@ impl TcpTransport {
             .registry()
             .register(&mut socket, Token(token), Interest::READABLE | Interest::WRITABLE)
             .map_err(io_error("registering a connection"))?;
-        self.streams[token] = Some(Stream::new(socket, Some((peer, index)), false, self.now_ns));
+        let link = if self.auth.is_some() { Link::Client(None) } else { Link::Plain };
+        self.streams[token] = Some(Stream::new(socket, Some((peer, index)), false, link, self.now_ns));
         self.peers[peer.0 as usize].streams[index] = Some(token);
         Ok(())
     }
@@ -661,13 +809,9 @@ impl TcpTransport {
             .with_priority(block.priority)
             .encode();
             if let Some(stream) = self.streams[token].as_mut() {
-                stream.push(QueuedFrame {
-                    transfer: Some(block.transfer),
-                    header,
-                    bytes: block.source.wrapping_add(bytes(next.offset)),
-                    len: bytes(next.len),
-                    sent: 0,
-                });
+                let prefix = stream.prefix();
+                let source = block.source.wrapping_add(bytes(next.offset));
+                stream.push(QueuedFrame::new(Some(block.transfer), header, source, bytes(next.len), prefix));
             }
         }
     }
@@ -696,8 +840,7 @@ impl TcpTransport {
     ) -> bool {
         let mut busy = false;
         self.now_ns = now_ns;
-        let ready =
-            self.streams.iter().flatten().any(|s| s.readable || (s.connected && s.writable && !s.queue.is_empty()));
+        let ready = self.streams.iter().flatten().any(|s| s.readable || s.wants_write());
         // Slices waiting for a kernel queue to drain: no event says when,
         // so look again soon.
         let waiting = self.peers.iter().any(|p| p.pending.iter().any(|q| !q.is_empty()));
@@ -724,7 +867,7 @@ impl TcpTransport {
             if let Some(stream) = self.streams.get_mut(token).and_then(Option::as_mut) {
                 stream.readable |= event.is_readable() || event.is_read_closed() || event.is_error();
                 stream.writable |= event.is_writable();
-                if !stream.connected && (event.is_writable() || event.is_error()) {
+                if !stream.up && (event.is_writable() || event.is_error()) {
                     self.touched.push(token);
                 }
             }
@@ -736,18 +879,24 @@ impl TcpTransport {
             let token = self.touched[i];
             let Some(stream) = self.streams[token].as_mut() else { continue };
             let up = stream.socket.take_error().ok().flatten().is_none() && stream.socket.peer_addr().is_ok();
-            if up {
-                stream.connected = true;
-                // Up again: the next break waits the base time, and the
-                // transfers waiting for a connection go.
-                if let Some((peer, index)) = stream.peer {
-                    if let Some(p) = self.peers.get_mut(peer.0 as usize) {
-                        p.retry_at[index].1 = self.config.reconnect_ns;
-                    }
-                    self.feed(peer);
-                }
-            } else {
+            if !up {
                 self.lose(token, "connect failed");
+                continue;
+            }
+            stream.up = true;
+            stream.progress_ns = now_ns;
+            match &self.auth {
+                None => self.on_connected(token),
+                Some((key, node)) => {
+                    let Ok(nonce) = crate::auth::nonce() else {
+                        self.lose(token, "no random nonce for the handshake");
+                        continue;
+                    };
+                    let (handshake, hello) = ClientHandshake::start(key, *node, nonce);
+                    stream.link = Link::Client(Some(handshake));
+                    stream.handshake_out = hello.to_vec();
+                    busy |= self.flush(token);
+                }
             }
         }
         for token in 0..self.streams.len() {
@@ -756,7 +905,7 @@ impl TcpTransport {
                 busy |= self.read(token, landing, now_ns);
             }
             let Some(stream) = self.streams[token].as_ref() else { continue };
-            if stream.connected && stream.writable && !stream.queue.is_empty() {
+            if stream.wants_write() {
                 busy |= self.flush(token);
             }
         }
@@ -778,13 +927,40 @@ impl TcpTransport {
         busy
     }
 
+    /// A connection may carry frames (up, and authenticated where a key
+    /// is set): an outbound one's next break waits the base time, and the
+    /// transfers waiting for a connection go.
+    fn on_connected(&mut self, token: usize) {
+        let Some(stream) = self.streams[token].as_mut() else { return };
+        stream.connected = true;
+        if let Some((peer, index)) = stream.peer {
+            if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+                p.retry_at[index].1 = self.config.reconnect_ns;
+            }
+            self.feed(peer);
+        }
+    }
+
     fn accept(&mut self) -> bool {
         let mut accepted = false;
         loop {
             let Some(listener) = self.listener.as_ref() else { return accepted };
             match listener.accept() {
-                Ok((mut socket, _)) => {
+                Ok((mut socket, from)) => {
                     let _ = socket.set_nodelay(true);
+                    let link = if self.auth.is_some() { Link::Server } else { Link::Plain };
+                    if !matches!(link, Link::Plain)
+                        && self.streams.iter().flatten().filter(|s| s.handshaking()).count() >= HANDSHAKING_MAX
+                    {
+                        self.stats.handshakes_refused += 1;
+                        let what = format!("connection with {from}: refused, {HANDSHAKING_MAX} handshakes under way");
+                        if self.security_events.len() < SECURITY_EVENTS_MAX {
+                            self.security_events.push_back(what);
+                        } else {
+                            self.stats.security_events_dropped += 1;
+                        }
+                        continue;
+                    }
                     let token = self.free_token();
                     if self
                         .poll
@@ -792,7 +968,7 @@ impl TcpTransport {
                         .register(&mut socket, Token(token), Interest::READABLE | Interest::WRITABLE)
                         .is_ok()
                     {
-                        self.streams[token] = Some(Stream::new(socket, None, true, self.now_ns));
+                        self.streams[token] = Some(Stream::new(socket, None, true, link, self.now_ns));
                         accepted = true;
                     }
                 }
@@ -809,14 +985,57 @@ impl TcpTransport {
             let Some(stream) = self.streams[token].as_mut() else { return busy };
             // Bytes already buffered first.
             match stream.state {
+                ReadState::Header if stream.handshaking() => {
+                    let need = match stream.link {
+                        Link::Server => CLIENT_HELLO_BYTES,
+                        Link::Client(_) => SERVER_HELLO_BYTES,
+                        _ => CLIENT_FINISH_BYTES,
+                    };
+                    if stream.filled - stream.parsed >= need {
+                        let mut message = [0u8; SERVER_HELLO_BYTES];
+                        message[..need].copy_from_slice(&stream.buffer[stream.parsed..stream.parsed + need]);
+                        stream.parsed += need;
+                        busy = true;
+                        if !self.on_handshake(token, &message[..need]) {
+                            return true;
+                        }
+                        continue;
+                    }
+                }
                 ReadState::Header => {
-                    if stream.filled - stream.parsed >= FRAME_HEADER_BYTES {
+                    let prefix = stream.prefix();
+                    if stream.filled - stream.parsed >= prefix {
                         let mut header = [0u8; FRAME_HEADER_BYTES];
                         header.copy_from_slice(&stream.buffer[stream.parsed..stream.parsed + FRAME_HEADER_BYTES]);
-                        stream.parsed += FRAME_HEADER_BYTES;
+                        if let Link::Ready(session) = &mut stream.link {
+                            let mut tags = [0u8; TAGS_BYTES];
+                            tags.copy_from_slice(
+                                &stream.buffer[stream.parsed + FRAME_HEADER_BYTES..stream.parsed + prefix],
+                            );
+                            match session.open_header(&header, &tags) {
+                                Ok(check) => stream.payload_check = Some(check),
+                                Err(e) => {
+                                    self.refuse_frame(token, &e);
+                                    return true;
+                                }
+                            }
+                        }
+                        stream.parsed += prefix;
                         busy = true;
                         match FrameHeader::decode(&header) {
-                            Ok(frame) => self.on_frame(token, &frame, landing, now_ns),
+                            Ok(frame) => {
+                                // A frame with no bytes after it: its bytes' tag
+                                // is checked now.
+                                let bare = frame.kind != FrameKind::Data || frame.slice_len == 0;
+                                if bare
+                                    && let Some(check) = stream.payload_check.take()
+                                    && let Err(e) = check.verify(&[])
+                                {
+                                    self.refuse_frame(token, &e);
+                                    return true;
+                                }
+                                self.on_frame(token, &frame, landing, now_ns);
+                            }
                             Err(e) => {
                                 self.stats.bad_frames += 1;
                                 self.lose(token, &bad_frame(e));
@@ -826,7 +1045,7 @@ impl TcpTransport {
                         continue;
                     }
                 }
-                ReadState::Slice { key, attempt, at, left } => {
+                ReadState::Slice { key, attempt, at, left, .. } => {
                     let buffered = (stream.filled - stream.parsed).min(left);
                     if buffered > 0 {
                         let from = &stream.buffer[stream.parsed..stream.parsed + buffered];
@@ -933,10 +1152,25 @@ impl TcpTransport {
         landing: &mut dyn Landing,
     ) {
         let Some(stream) = self.streams[token].as_mut() else { return };
+        let (start, len) = match stream.state {
+            ReadState::Slice { start, len, .. } => (start, len),
+            _ => (at, n),
+        };
         if n < left {
-            stream.state = ReadState::Slice { key, attempt, at: at.wrapping_add(n), left: left - n };
+            stream.state = ReadState::Slice { key, attempt, at: at.wrapping_add(n), left: left - n, start, len };
         } else {
             stream.state = ReadState::Header;
+            // The whole slice is in its target: its bytes count only if
+            // they are the ones sealed.
+            if let Some(check) = stream.payload_check.take() {
+                // SAFETY: the slice's `len` bytes from `start` lie in the
+                // target placed for this block, every one written now.
+                let slice = unsafe { core::slice::from_raw_parts(start.cast_const(), len) };
+                if let Err(e) = check.verify(slice) {
+                    self.refuse_slice(token, (key, attempt), &e);
+                    return;
+                }
+            }
         }
         let Some(entry) = self.landing.get_mut(&key).filter(|e| e.attempt == attempt) else { return };
         entry.received += n as u64;
@@ -954,10 +1188,106 @@ impl TcpTransport {
         self.ack(token, (entry.transfer, entry.attempt), key, entry.total, status);
     }
 
+    /// The next handshake message of connection `token` arrived: answers
+    /// it, or completes the handshake. Returns whether the connection
+    /// lives on.
+    fn on_handshake(&mut self, token: usize, message: &[u8]) -> bool {
+        let Some((key, node)) = self.auth.clone() else { return false };
+        let Some(stream) = self.streams[token].as_mut() else { return false };
+        let link = core::mem::replace(&mut stream.link, Link::Plain);
+        let outcome: Result<Option<Session>, AuthError> = match link {
+            Link::Server => {
+                let mut hello = [0u8; CLIENT_HELLO_BYTES];
+                hello.copy_from_slice(message);
+                match crate::auth::nonce() {
+                    Err(_) => Err(AuthError::NotAHandshake),
+                    Ok(nonce) => match ServerHandshake::answer(&key, node, nonce, &hello) {
+                        Ok((handshake, answer)) => {
+                            stream.link = Link::Answered(Some(handshake));
+                            stream.handshake_out = answer.to_vec();
+                            stream.handshake_sent = 0;
+                            Ok(None)
+                        }
+                        Err((e, answer)) => {
+                            // Told why (another key, another version), best
+                            // effort, before the close.
+                            if let Some(answer) = answer {
+                                let _ = stream.socket.write(&answer);
+                            }
+                            Err(e)
+                        }
+                    },
+                }
+            }
+            Link::Answered(Some(handshake)) => {
+                let mut finish = [0u8; CLIENT_FINISH_BYTES];
+                finish.copy_from_slice(message);
+                handshake.finish(&finish).map(|(session, _)| Some(session))
+            }
+            Link::Client(Some(handshake)) => {
+                let mut answer = [0u8; SERVER_HELLO_BYTES];
+                answer.copy_from_slice(message);
+                handshake.finish(&answer).map(|(finish, session, _)| {
+                    stream.handshake_out = finish.to_vec();
+                    stream.handshake_sent = 0;
+                    Some(session)
+                })
+            }
+            _ => Err(AuthError::NotAHandshake),
+        };
+        match outcome {
+            Ok(None) => {
+                self.flush(token);
+                true
+            }
+            Ok(Some(session)) => {
+                stream.link = Link::Ready(session);
+                self.stats.handshakes += 1;
+                self.on_connected(token);
+                self.flush(token);
+                true
+            }
+            Err(e) => {
+                self.stats.handshakes_refused += 1;
+                let what = format!("handshake refused: {e}");
+                self.security_event(token, &what);
+                self.lose(token, &what);
+                false
+            }
+        }
+    }
+
+    /// A frame's header failed its tag: nothing of it is acted on; the
+    /// connection is closed.
+    fn refuse_frame(&mut self, token: usize, why: &AuthError) {
+        self.stats.bad_tags += 1;
+        let what = format!("frame refused: {why}");
+        self.security_event(token, &what);
+        self.lose(token, &what);
+    }
+
+    /// A slice's bytes failed their tag: they never count. The block they
+    /// were for waits for its sender's next attempt (its slices of this
+    /// attempt on other connections are dropped too), or its deadline;
+    /// the connection is closed.
+    fn refuse_slice(&mut self, token: usize, (key, attempt): (BlockAddr, u32), why: &AuthError) {
+        if let Some(entry) = self.landing.get_mut(&key)
+            && entry.attempt == attempt
+        {
+            entry.received = 0;
+            self.detach_readers(key);
+        }
+        self.stats.bad_tags += 1;
+        let what = format!("slice for slot {} refused: {why}", key.slot);
+        self.security_event(token, &what);
+        self.lose(token, &what);
+    }
+
     fn ack(&mut self, token: usize, transfer: (u64, u32), target: BlockAddr, total: u64, status: AckStatus) {
         if let Some(stream) = self.streams[token].as_mut() {
             let header = FrameHeader::ack(transfer, target, total, status).encode();
-            stream.push(QueuedFrame { transfer: None, header, bytes: core::ptr::null(), len: 0, sent: 0 });
+            let prefix = stream.prefix();
+            stream.push(QueuedFrame::new(None, header, core::ptr::null(), 0, prefix));
             if stream.writable {
                 self.flush(token);
             }
@@ -1063,7 +1393,8 @@ impl TcpTransport {
         };
         if let Some(stream) = self.streams[token].as_mut() {
             let header = FrameHeader::reserved(key, target, frame.total_len, status).encode();
-            stream.push(QueuedFrame { transfer: None, header, bytes: core::ptr::null(), len: 0, sent: 0 });
+            let prefix = stream.prefix();
+            stream.push(QueuedFrame::new(None, header, core::ptr::null(), 0, prefix));
             if stream.writable {
                 self.flush(token);
             }
@@ -1135,12 +1466,16 @@ impl TcpTransport {
         match verdict {
             Verdict::Into(base) => {
                 let at = base.wrapping_add(bytes(frame.offset));
-                stream.state = ReadState::Slice { key, attempt: frame.attempt, at, left: len };
+                stream.state = ReadState::Slice { key, attempt: frame.attempt, at, left: len, start: at, len };
                 stream.large_slices = len >= DIRECT_READ_MIN;
             }
-            Verdict::Drop => stream.state = ReadState::Discard { left: len },
+            Verdict::Drop => {
+                stream.state = ReadState::Discard { left: len };
+                stream.payload_check = None;
+            }
             Verdict::Answer(status) => {
                 stream.state = ReadState::Discard { left: len };
+                stream.payload_check = None;
                 self.ack(token, (frame.transfer, frame.attempt), key, frame.total_len, status);
             }
         }
@@ -1164,18 +1499,69 @@ impl TcpTransport {
         let mut busy = false;
         loop {
             let Some(stream) = self.streams[token].as_mut() else { return busy };
-            if stream.queue.is_empty() {
+            // Handshake bytes before anything else.
+            while stream.handshake_pending() {
+                match stream.socket.write(&stream.handshake_out[stream.handshake_sent..]) {
+                    Ok(0) => {
+                        self.lose(token, "the connection took no bytes");
+                        return true;
+                    }
+                    Ok(n) => {
+                        stream.handshake_sent += n;
+                        stream.progress_ns = self.now_ns;
+                        busy = true;
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        stream.writable = false;
+                        return busy;
+                    }
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        self.lose(token, &e.to_string());
+                        return true;
+                    }
+                }
+            }
+            if !stream.connected || stream.queue.is_empty() {
                 return busy;
             }
+            // Tags for the frames about to go, made in the order they go
+            // (a few MiB ahead at most).
+            if let Link::Ready(session) = &mut stream.link {
+                let mut ahead = 0;
+                for frame in stream.queue.iter_mut().take(FRAMES_PER_WRITE) {
+                    if !frame.sealed {
+                        if ahead > SEAL_AHEAD_BYTES {
+                            break;
+                        }
+                        let payload: &[u8] = if frame.len == 0 {
+                            &[]
+                        } else {
+                            // SAFETY: the caller of `write` keeps the source
+                            // valid and unchanged for `len` bytes until the
+                            // transfer completes.
+                            unsafe { core::slice::from_raw_parts(frame.bytes, frame.len) }
+                        };
+                        let tags = session.seal(&frame.header[..FRAME_HEADER_BYTES], payload);
+                        frame.header[FRAME_HEADER_BYTES..].copy_from_slice(&tags);
+                        frame.sealed = true;
+                    }
+                    ahead += frame.total() - frame.sent;
+                }
+            }
+            let authenticated = !matches!(stream.link, Link::Plain);
             let mut slices: [IoSlice<'_>; FRAMES_PER_WRITE * 2] = [IoSlice::new(&[]); FRAMES_PER_WRITE * 2];
             let mut count = 0;
             for frame in stream.queue.iter().take(FRAMES_PER_WRITE) {
-                if frame.sent < FRAME_HEADER_BYTES {
-                    slices[count] = IoSlice::new(&frame.header[frame.sent..]);
+                if authenticated && !frame.sealed {
+                    break;
+                }
+                if frame.sent < frame.prefix {
+                    slices[count] = IoSlice::new(&frame.header[frame.sent..frame.prefix]);
                     count += 1;
                 }
                 if frame.len > 0 {
-                    let from = frame.sent.saturating_sub(FRAME_HEADER_BYTES);
+                    let from = frame.sent.saturating_sub(frame.prefix);
                     let start = frame.bytes.wrapping_add(from);
                     // SAFETY: the caller of `write` keeps the source valid
                     // for `len` bytes until the transfer completes.
@@ -1244,6 +1630,7 @@ impl TcpTransport {
         let Some((peer, index)) = stream.peer else { return };
         if let Some(p) = self.peers.get_mut(peer.0 as usize) {
             p.streams[index] = None;
+            p.last_break = Some(why.to_string());
             let (_, wait) = p.retry_at[index];
             p.retry_at[index] = (self.now_ns + wait, (wait * 2).min(self.config.reconnect_ns * 64));
             // Its rail is passed over for a while (one cooldown per break,
@@ -1295,7 +1682,7 @@ impl TcpTransport {
             let before = stream.queue.len();
             let mut dropped = 0;
             stream.queue.retain(|f| {
-                let drop = f.transfer == Some(transfer) && f.sent == 0;
+                let drop = f.transfer == Some(transfer) && f.sent == 0 && !f.sealed;
                 if drop {
                     dropped += f.total();
                 }
@@ -1313,8 +1700,15 @@ impl TcpTransport {
         // minutes, so silence with bytes to move counts as a break.
         for token in 0..self.streams.len() {
             let Some(stream) = self.streams[token].as_mut() else { continue };
-            let why = if !stream.connected {
-                (now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns).then_some("connect timed out")
+            let late = now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns;
+            let why = if stream.up && stream.handshaking() {
+                if late {
+                    self.stats.handshakes_refused += 1;
+                    self.security_event(token, "handshake refused: not done in time");
+                }
+                late.then_some("the handshake was not done in time")
+            } else if !stream.connected {
+                late.then_some("connect timed out")
             } else {
                 let owed = !stream.queue.is_empty() || stream.kernel_unsent(now_ns) > 0;
                 (owed && now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns)
@@ -1330,7 +1724,9 @@ impl TcpTransport {
             self.unqueue(sending.block.peer, transfer);
             self.stats.failed += 1;
             let result = if sending.streams == 0 && self.connected(sending.block.peer) == 0 {
-                Err(TransferError::PeerLost("no connection to the peer came up before the deadline".into()))
+                let last = self.peers.get(sending.block.peer.0 as usize).and_then(|p| p.last_break.as_deref());
+                let why = last.map_or_else(String::new, |why| format!(" (the last one broke: {why})"));
+                Err(TransferError::PeerLost(format!("no connection to the peer came up before the deadline{why}")))
             } else {
                 Err(TransferError::Timeout)
             };
