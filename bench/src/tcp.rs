@@ -125,8 +125,9 @@ fn lake(
     config: TcpConfig,
     window_bytes: u64,
     arena_bytes: u64,
+    key: Option<&lake_dp::auth::LinkKey>,
 ) -> Result<(f64, f64, u64), String> {
-    let in_flight = (window_bytes / block_bytes as u64).clamp(2, 4096) as usize;
+    let in_flight = (window_bytes / block_bytes as u64).clamp(1, 4096) as usize;
     // Slots at the receiver: twice what may be in flight (ids carry them
     // in 24 bits).
     // The receiver's slots span an arena (used round-robin, so blocks land
@@ -134,6 +135,9 @@ fn lake(
     let slots = (in_flight * 2).max((arena_bytes / block_bytes as u64) as usize).min(1 << 24);
     let mut receiver = TcpTransport::new(config, Some("127.0.0.1:0".parse().map_err(|e| format!("{e}"))?))
         .map_err(|e| e.to_string())?;
+    if let Some(key) = key {
+        receiver.authenticate(key.clone(), 2).map_err(|e| e.to_string())?;
+    }
     let address = receiver.local_addr().ok_or("no listening address")?;
     let stop = Arc::new(AtomicBool::new(false));
     // Made (and touched) before any clock starts.
@@ -152,6 +156,9 @@ fn lake(
         })
     };
     let mut sender = TcpTransport::new(config, None).map_err(|e| e.to_string())?;
+    if let Some(key) = key {
+        sender.authenticate(key.clone(), 1).map_err(|e| e.to_string())?;
+    }
     let peer = sender.add_peer(address).map_err(|e| e.to_string())?;
     // The sender's blocks span a quarter of that (cold as well).
     let distinct = ((arena_bytes / 4 / block_bytes as u64) as usize).clamp(16, 4096);
@@ -431,8 +438,15 @@ fn zerocopy_stream(total: u64, chunk: usize) -> Result<(f64, f64), String> {
 pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     let args = Args::parse(
         raw,
-        &["block-bytes", "total-bytes", "streams", "slice-bytes", "window-bytes", "arena-bytes", "rounds"],
+        &["block-bytes", "total-bytes", "streams", "slice-bytes", "window-bytes", "arena-bytes", "rounds", "auth"],
     )?;
+    // `--auth on`: every round also runs the transport with a link key
+    // (handshake, two tags a frame), for the ratio and the added latency.
+    let auth = match args.get::<String>("auth", "off".into())?.as_str() {
+        "on" => Some(lake_dp::auth::LinkKey::from_bytes([0x42; 32])),
+        "off" => None,
+        other => return Err(format!("--auth is on or off, not {other}")),
+    };
     let block_bytes: usize = args.get("block-bytes", 1 << 20)?;
     let total: u64 = args.get("total-bytes", 1 << 30)?;
     let streams: usize = args.get("streams", 4)?;
@@ -448,12 +462,25 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     let mut arena_gbps = Vec::new();
     let (mut zerocopy_gbps, mut zerocopy_copied) = (Vec::new(), Vec::new());
     let mut blocks = 0;
+    let (mut auth_gbps, mut auth_cores, mut plain_us, mut auth_us) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // Interleaved, so both meet the same machine.
     for _ in 0..rounds {
-        let (gbps, used, moved) = lake(block_bytes, total, config, window, arena)?;
+        let (gbps, used, moved) = lake(block_bytes, total, config, window, arena, None)?;
         lake_gbps.push(gbps);
         cores.push(used);
         blocks = moved;
+        if let Some(key) = &auth {
+            let (gbps, used, _) = lake(block_bytes, total, config, window, arena, Some(key))?;
+            auth_gbps.push(gbps);
+            auth_cores.push(used);
+            // One block in flight at a time: a block's time end to end.
+            let probe = (block_bytes as u64 * 256).min(total);
+            let per_block_us = |gbps: f64| block_bytes as f64 / (gbps * 1e9) * 1e6;
+            let (gbps, _, _) = lake(block_bytes, probe, config, block_bytes as u64, arena, None)?;
+            plain_us.push(per_block_us(gbps));
+            let (gbps, _, _) = lake(block_bytes, probe, config, block_bytes as u64, arena, Some(key))?;
+            auth_us.push(per_block_us(gbps));
+        }
         let chunk = block_bytes.min(1 << 20);
         raw_gbps.push(raw_stream(total, chunk, chunk)?);
         arena_gbps.push(raw_stream(total, chunk, usize::try_from(arena).unwrap_or(usize::MAX))?);
@@ -485,5 +512,16 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     report.int("arena_bytes", arena);
     report.float("cpu_cores_used", crate::report::median(&mut cores));
     report.float("ratio_goal", if block_bytes <= 64 * 1024 { 0.5 } else { 0.9 });
+    if auth.is_some() {
+        let authenticated = crate::report::median(&mut auth_gbps);
+        report.float("lake_auth_gbps", authenticated);
+        report.float("auth_ratio", authenticated / lake);
+        report.float("auth_ratio_goal", 0.9);
+        report.float("auth_cpu_cores_used", crate::report::median(&mut auth_cores));
+        let (plain, tagged) = (crate::report::median(&mut plain_us), crate::report::median(&mut auth_us));
+        report.float("block_us_plain", plain);
+        report.float("block_us_auth", tagged);
+        report.float("auth_added_us_per_block", tagged - plain);
+    }
     Ok(report)
 }
