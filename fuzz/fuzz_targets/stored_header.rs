@@ -1,6 +1,7 @@
 //! Stored-object headers (and whole objects): any bytes decode or give a
 //! typed error, never a panic; an accepted header re-encodes to the same
-//! 4 KiB; an accepted object's payload passes its segment CRCs.
+//! 4 KiB (its seal too, for a sealed object); an accepted object's payload
+//! passes its segment CRCs.
 //!
 //! The first input byte picks a mode. Odd: the header CRC is fixed up before
 //! decoding, so mutations reach the field checks. Even: decoded as is.
@@ -8,7 +9,7 @@
 #![no_main]
 
 use lake_dp::constants::STORED_HEADER_BYTES;
-use lake_dp::stored::{decode_header, decode_object, encode_header};
+use lake_dp::stored::{decode_header, decode_object, encode_header_sealed};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -20,9 +21,11 @@ fuzz_target!(|data: &[u8]| {
     }
     let Ok(header) = decode_header(&input) else { return };
     let mut again = [0u8; STORED_HEADER_BYTES];
-    encode_header(header.meta(), header.crcs(), &mut again).expect("an accepted header re-encodes");
+    encode_header_sealed(header.meta(), header.crcs(), header.seal(), &mut again)
+        .expect("an accepted header re-encodes");
     assert_eq!(&again[..], &input[..STORED_HEADER_BYTES], "decode(encode(x)) must give back x");
-    assert_eq!(decode_header(&again).expect("re-encoded header decodes").meta(), header.meta());
+    let back = decode_header(&again).expect("re-encoded header decodes");
+    assert_eq!((back.meta(), back.seal()), (header.meta(), header.seal()));
     if let Ok((whole, payload)) = decode_object(&input) {
         assert_eq!(payload.len() as u64, whole.meta().payload_len);
         whole.verify_payload(payload).expect("decode_object verified the payload");

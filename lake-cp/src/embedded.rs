@@ -67,6 +67,15 @@ pub struct EmbeddedConfig {
     /// fields of the same names (by default this process's user and root;
     /// mode 0o600).
     pub access: LocalAccess,
+    /// Tenants' data keys at start: blocks of these namespaces are sealed
+    /// (AES-256-GCM) below L1; change them while the pool runs through
+    /// [`EmbeddedPool::tenant_keys`].
+    pub tenant_keys: Vec<(lake_dp::NamespaceId, lake_dp::auth::at_rest::DataKey)>,
+    /// Namespaces without a data key are kept out of L2 and L3.
+    pub require_encryption: bool,
+    /// The data plane's event lines (JSON: refused links and agents, L3
+    /// scans, its final figures) go to stderr (`lake serve`), not nowhere.
+    pub events_to_stderr: bool,
 }
 
 /// Who may use a pool's local sockets. See [`EmbeddedConfig::access`].
@@ -106,6 +115,9 @@ impl EmbeddedConfig {
             summary_to: Vec::new(),
             link_key: None,
             access: LocalAccess::default(),
+            tenant_keys: Vec::new(),
+            require_encryption: false,
+            events_to_stderr: false,
         }
     }
 }
@@ -151,6 +163,9 @@ pub struct EmbeddedPool {
     pub local_ports: Vec<AgentPort>,
     /// Live gauges.
     pub gauges: Arc<Gauges>,
+    /// The data plane's key ring, to change while it runs (a key set, a
+    /// tenant forgotten and purged).
+    pub tenant_keys: Arc<lake_dp::auth::at_rest::TenantKeys>,
     stop_cp: Arc<AtomicBool>,
     stop_dp: Arc<AtomicBool>,
     /// Requests for the control plane's thread (copies to other nodes).
@@ -293,6 +308,11 @@ impl EmbeddedPool {
         }
         let stop_dp = Arc::new(AtomicBool::new(false));
         let runner = runner_config(config, &arena, &cp_socket, &dp_socket)?;
+        let tenant_keys = Arc::new(lake_dp::auth::at_rest::TenantKeys::default());
+        tenant_keys.change(lake_dp::auth::at_rest::KeyChange::Require(config.require_encryption));
+        for (namespace, key) in &config.tenant_keys {
+            tenant_keys.change(lake_dp::auth::at_rest::KeyChange::Set(*namespace, key.clone()));
+        }
         let ports = RunnerPorts {
             agents: dp_ports,
             wakeup: Some(wakeup),
@@ -301,10 +321,18 @@ impl EmbeddedPool {
             transport_listen: config.transport_listen,
             transport_peers: config.transport_peers.clone(),
             link_key: config.link_key.clone(),
+            tenant_keys: Some(Arc::clone(&tenant_keys)),
         };
+        let events = config.events_to_stderr;
         let dp = std::thread::Builder::new()
             .name("lake-dp".into())
-            .spawn(move || run_with(&runner, &RunnerOptions::default(), ports, &mut std::io::sink()))
+            .spawn(move || {
+                // The data plane's event lines (refused links and agents,
+                // L3 scans) go to stderr where asked.
+                let mut out: Box<dyn std::io::Write> =
+                    if events { Box::new(std::io::stderr()) } else { Box::new(std::io::sink()) };
+                run_with(&runner, &RunnerOptions::default(), ports, &mut out)
+            })
             .map_err(|e| e.to_string())?;
         let mut pool = Self {
             dir: config.dir.clone(),
@@ -315,6 +343,7 @@ impl EmbeddedPool {
             metrics,
             local_ports,
             gauges,
+            tenant_keys,
             stop_cp,
             stop_dp,
             requests,

@@ -32,6 +32,9 @@ pub struct WriteBlock {
     /// [`Durability::Acked`]: done when the write completes.
     /// [`Durability::Durable`]: done when a later fdatasync completes.
     pub durability: Durability,
+    /// The payload in the slot is sealed (encrypted at rest) so: its header
+    /// says so, its CRCs are over the ciphertext.
+    pub seal: Option<crate::stored::Seal>,
 }
 
 /// Read a block from an L2 slot into an L1 slot (promotion, load). Done only

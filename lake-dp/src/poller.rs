@@ -28,7 +28,7 @@ use crate::op::{
 };
 use crate::region::SlotRegion;
 use crate::ring::{Consumer, Producer};
-use crate::stored::{decode_header, encode_header, object_bytes, segment_crcs};
+use crate::stored::{decode_header, encode_header_sealed, object_bytes, segment_crcs};
 use crate::tag::{TAG_SLOTS_MAX, Tag};
 
 /// Sizes and policies of one poller, fixed at construction.
@@ -515,7 +515,7 @@ impl<B: IoBackend> Poller<B> {
             Ok(())
         };
         match request.command {
-            Command::Write(WriteBlock { l1_slot, target, meta, durability }) => {
+            Command::Write(WriteBlock { l1_slot, target, meta, durability, .. }) => {
                 check_l2(target)?;
                 check_len(meta.payload_len, l1_slot)?;
                 meta.segment_count().map_err(|_| "segment geometry")?;
@@ -918,7 +918,8 @@ impl<B: IoBackend> Poller<B> {
         let count =
             segment_crcs(&body[..payload_len], write.meta.segment_bytes, &mut crcs).map_err(OpError::Corrupt)?;
         let header: &mut [u8; STORED_HEADER_BYTES] = header.try_into().map_err(|_| OpError::Io(libc::EINVAL))?;
-        encode_header(&write.meta, &crcs[..usize::from(count)], header).map_err(OpError::Corrupt)?;
+        encode_header_sealed(&write.meta, &crcs[..usize::from(count)], write.seal.as_ref(), header)
+            .map_err(OpError::Corrupt)?;
         // Zero the padding so the object on disk is deterministic.
         slot[end..padded].fill(0);
         Ok(())
@@ -1054,7 +1055,7 @@ mod tests {
             segment_bytes: 4096,
         };
         let target = L2Slot { file: 0, slot };
-        let command = Command::Write(WriteBlock { l1_slot, target, meta, durability });
+        let command = Command::Write(WriteBlock { l1_slot, target, meta, durability, seal: None });
         Request { command, priority: Priority::WriteBack, deadline_ns: 0, cookie: u64::from(slot) }
     }
 

@@ -33,6 +33,44 @@ pub const STORED_VERSION: u16 = 1;
 /// Bytes covered by the header CRC: everything before it.
 const HEADER_CRC_OFFSET: usize = STORED_HEADER_BYTES - 4;
 
+/// Header flag: the payload is sealed (encrypted at rest, issue [9]); the
+/// [`Seal`] is in the header, the segment CRCs are over the ciphertext.
+pub const FLAG_SEALED: u16 = 1;
+
+/// Bytes of a seal in the header (its reserved tail's start).
+const SEAL_BYTES: usize = 40;
+
+/// How a sealed payload was encrypted: the data key's id, the object's
+/// salt, the AEAD tag (see [`crate::auth::at_rest`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seal {
+    /// The id of the tenant's data key.
+    pub key_id: u64,
+    /// The salt the object's own key was derived with.
+    pub salt: [u8; 16],
+    /// The AES-256-GCM tag.
+    pub tag: [u8; 16],
+}
+
+impl Seal {
+    fn to_bytes(self) -> [u8; SEAL_BYTES] {
+        let mut out = [0u8; SEAL_BYTES];
+        out[..8].copy_from_slice(&self.key_id.to_le_bytes());
+        out[8..24].copy_from_slice(&self.salt);
+        out[24..40].copy_from_slice(&self.tag);
+        out
+    }
+
+    fn from_bytes(bytes: &[u8]) -> Self {
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&bytes[..8]);
+        let (mut salt, mut tag) = ([0u8; 16], [0u8; 16]);
+        salt.copy_from_slice(&bytes[8..24]);
+        tag.copy_from_slice(&bytes[24..40]);
+        Self { key_id: u64::from_le_bytes(id), salt, tag }
+    }
+}
+
 /// The header exactly as it lies on disk.
 #[derive(Clone, Copy, Pod, Zeroable)]
 #[repr(C)]
@@ -247,6 +285,17 @@ pub fn segment_crcs(payload: &[u8], segment_bytes: u64, out: &mut [u32]) -> Resu
 
 /// Writes the header for `meta` with the given segment CRCs into `out`.
 pub fn encode_header(meta: &ObjectMeta, crcs: &[u32], out: &mut [u8; STORED_HEADER_BYTES]) -> Result<(), StoredError> {
+    encode_header_sealed(meta, crcs, None, out)
+}
+
+/// [`encode_header`] of a payload sealed with `seal` (CRCs over its
+/// ciphertext), or of one in the clear (`None`).
+pub fn encode_header_sealed(
+    meta: &ObjectMeta,
+    crcs: &[u32],
+    seal: Option<&Seal>,
+    out: &mut [u8; STORED_HEADER_BYTES],
+) -> Result<(), StoredError> {
     let count = meta.segment_count()?;
     if crcs.len() != usize::from(count) {
         return Err(StoredError::Geometry {
@@ -275,6 +324,10 @@ pub fn encode_header(meta: &ObjectMeta, crcs: &[u32], out: &mut [u8; STORED_HEAD
     raw.region = meta.region.0;
     raw.committed_unix_ns = meta.committed_unix_ns;
     raw.segment_crcs[..crcs.len()].copy_from_slice(crcs);
+    if let Some(seal) = seal {
+        raw.flags = FLAG_SEALED;
+        raw.reserved_c[..SEAL_BYTES].copy_from_slice(&seal.to_bytes());
+    }
     raw.header_crc = crc32fast::hash(&bytemuck::bytes_of(&raw)[..HEADER_CRC_OFFSET]);
     out.copy_from_slice(bytemuck::bytes_of(&raw));
     Ok(())
@@ -293,6 +346,7 @@ pub struct DecodedHeader {
     meta: ObjectMeta,
     segment_count: u16,
     segment_crcs: [u32; SEGMENTS_MAX],
+    seal: Option<Seal>,
 }
 
 impl fmt::Debug for DecodedHeader {
@@ -312,6 +366,12 @@ impl DecodedHeader {
         &self.segment_crcs[..usize::from(self.segment_count)]
     }
 
+    /// How the payload is sealed, if it is (its CRCs are then over the
+    /// ciphertext).
+    pub fn seal(&self) -> Option<&Seal> {
+        self.seal.as_ref()
+    }
+
     /// Encodes this header again into `out`, naming the replica it is to
     /// describe — `region`, `region_epoch`, `slot`, `generation` — the block
     /// and its CRCs unchanged (an object copied into another slot, or
@@ -326,7 +386,7 @@ impl DecodedHeader {
         out: &mut [u8; STORED_HEADER_BYTES],
     ) -> Result<ObjectMeta, StoredError> {
         let meta = ObjectMeta { region, region_epoch, slot, generation, ..self.meta };
-        encode_header(&meta, self.crcs(), out)?;
+        encode_header_sealed(&meta, self.crcs(), self.seal.as_ref(), out)?;
         Ok(meta)
     }
 
@@ -397,10 +457,13 @@ pub fn decode_header(bytes: &[u8]) -> Result<DecodedHeader, StoredError> {
         return Err(StoredError::UnsupportedVersion(raw.version));
     }
     let kind = ObjectKind::from_u16(raw.kind).ok_or(StoredError::UnknownKind(raw.kind))?;
-    if raw.flags != 0 {
-        return Err(StoredError::UnsupportedFlags(raw.flags));
-    }
-    if raw.reserved_a != 0 || !all_zero(&raw.reserved_b) || !all_zero(&raw.reserved_c) {
+    let seal = match raw.flags {
+        0 => None,
+        FLAG_SEALED => Some(Seal::from_bytes(&raw.reserved_c[..SEAL_BYTES])),
+        other => return Err(StoredError::UnsupportedFlags(other)),
+    };
+    let unused = if seal.is_some() { &raw.reserved_c[SEAL_BYTES..] } else { &raw.reserved_c[..] };
+    if raw.reserved_a != 0 || !all_zero(&raw.reserved_b) || !all_zero(unused) {
         return Err(StoredError::ReservedNotZero);
     }
     let count = check_geometry(raw.payload_len, raw.segment_bytes)?;
@@ -429,7 +492,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<DecodedHeader, StoredError> {
         payload_len: raw.payload_len,
         segment_bytes: raw.segment_bytes,
     };
-    Ok(DecodedHeader { meta, segment_count: count, segment_crcs: raw.segment_crcs })
+    Ok(DecodedHeader { meta, segment_count: count, segment_crcs: raw.segment_crcs, seal })
 }
 
 /// Writes a whole object (header, payload, zero padding) into `out`, which
@@ -552,7 +615,7 @@ mod tests {
         let cases: [(usize, u8, StoredError); 5] = [
             (8, 2, StoredError::UnsupportedVersion(2)),
             (10, 9, StoredError::UnknownKind(9)),
-            (14, 1, StoredError::UnsupportedFlags(1)),
+            (14, 2, StoredError::UnsupportedFlags(2)),
             (120, 1, StoredError::ReservedNotZero),
             (128 + 4 * 5, 1, StoredError::SpareCrcNotZero),
         ];
@@ -566,6 +629,30 @@ mod tests {
         bad[12] = 3; // segment_count disagrees with payload/segment bytes
         reseal(&mut bad);
         assert!(matches!(decode_header(&bad), Err(StoredError::Geometry { .. })));
+    }
+
+    #[test]
+    fn a_seal_round_trips_and_its_unused_bytes_must_stay_zero() {
+        let m = meta(8192, 4096);
+        let seal = Seal { key_id: 0x1122_3344_5566_7788, salt: [7; 16], tag: [9; 16] };
+        let mut header = [0u8; STORED_HEADER_BYTES];
+        encode_header_sealed(&m, &[1, 2], Some(&seal), &mut header).unwrap();
+        let decoded = decode_header(&header).unwrap();
+        assert_eq!(decoded.seal(), Some(&seal));
+        let mut moved = [0u8; STORED_HEADER_BYTES];
+        decoded.encode_moved(RegionId(3), 4, 5, 6, &mut moved).unwrap();
+        assert_eq!(decode_header(&moved).unwrap().seal(), Some(&seal), "a move keeps the seal");
+        // Flag 1 with nothing past the seal: the byte after it must be 0.
+        header[3968 + 40] = 1;
+        reseal(&mut header);
+        assert_eq!(decode_header(&header).unwrap_err(), StoredError::ReservedNotZero);
+        // Clear headers keep the whole tail zero.
+        let mut clear = [0u8; STORED_HEADER_BYTES];
+        encode_header(&m, &[1, 2], &mut clear).unwrap();
+        assert_eq!(decode_header(&clear).unwrap().seal(), None);
+        clear[3968] = 1;
+        reseal(&mut clear);
+        assert_eq!(decode_header(&clear).unwrap_err(), StoredError::ReservedNotZero);
     }
 
     #[test]

@@ -135,7 +135,7 @@ fn write_block(node: &mut Node, tier: &L2Tier, file: u16, slot: u32, durability:
         payload_len: PAYLOAD,
         segment_bytes: 16 * 1024,
     };
-    let write = WriteBlock { l1_slot: grant.slot, target: L2Slot { file, slot }, meta, durability };
+    let write = WriteBlock { l1_slot: grant.slot, target: L2Slot { file, slot }, meta, durability, seal: None };
     let request = Request { command: Command::Write(write), priority: Priority::WriteBack, deadline_ns: 0, cookie: 0 };
     node.poller.submit(request).unwrap();
     let events = run(node, 1);

@@ -228,7 +228,13 @@ fn io_uring_traffic_does_not_allocate(polls: u64) {
                 })
             } else {
                 let durability = if next % 5 == 0 { Durability::Durable } else { Durability::Acked };
-                Command::Write(WriteBlock { l1_slot, target: L2Slot { file: 0, slot }, meta: meta(slot), durability })
+                Command::Write(WriteBlock {
+                    l1_slot,
+                    target: L2Slot { file: 0, slot },
+                    meta: meta(slot),
+                    durability,
+                    seal: None,
+                })
             };
             let request = Request { command, priority: Priority::WriteBack, deadline_ns: 0, cookie: u64::from(slot) };
             if poller.submit(request).is_ok() {

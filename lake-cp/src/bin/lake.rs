@@ -18,6 +18,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
                   [--link-key FILE] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
                   [--socket-group NAME] [--socket-mode OCTAL]
+                  [--tenant-key NAMESPACE=FILE ...] [--require-encryption yes]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
                    with a link key every transport and summary connection is authenticated)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
@@ -141,6 +142,7 @@ fn serve(args: &[String]) -> Result<(), String> {
     let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let mut config = EmbeddedConfig {
         metrics: true,
+        events_to_stderr: true,
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-serve-{}", std::process::id())))
     };
     let mut l3 = L3Section::none();
@@ -179,6 +181,16 @@ fn serve(args: &[String]) -> Result<(), String> {
                 list.extend(ids);
             }
             "--socket-group" => config.access.group = Some(value.clone()),
+            "--tenant-key" => {
+                let (namespace, file) =
+                    value.split_once('=').ok_or_else(|| format!("{flag} {value}: NAMESPACE(hex)=FILE"))?;
+                let namespace = u64::from_str_radix(namespace.trim_start_matches("0x"), 16)
+                    .map_err(|e| format!("{flag} {value}: namespace: {e}"))?;
+                let key = lake_dp::auth::at_rest::DataKey::load(std::path::Path::new(file))
+                    .map_err(|e| format!("{flag} {value}: {e}"))?;
+                config.tenant_keys.push((lake_dp::NamespaceId(namespace), key));
+            }
+            "--require-encryption" => config.require_encryption = value == "yes",
             "--socket-mode" => {
                 config.access.socket_mode = Some(
                     u32::from_str_radix(value.trim_start_matches("0o"), 8)

@@ -479,7 +479,7 @@ fn the_poller_runs_over_the_arena() {
         segment_bytes: 4096,
     };
     let target = L2Slot { file: 0, slot: 1 };
-    let write = WriteBlock { l1_slot: source.slot, target, meta, durability: Durability::Acked };
+    let write = WriteBlock { l1_slot: source.slot, target, meta, durability: Durability::Acked, seal: None };
     let request = |command| Request { command, priority: Priority::WriteBack, deadline_ns: 0, cookie: 0 };
     poller.submit(request(Command::Write(write))).unwrap();
 

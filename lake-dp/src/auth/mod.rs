@@ -22,6 +22,7 @@
 //! (`SO_PEERCRED`) are checked against an allow-list ([`peer`]), and the
 //! sockets and shared-memory files are created with restrictive modes.
 
+pub mod at_rest;
 pub mod handshake;
 pub mod key;
 pub mod peer;

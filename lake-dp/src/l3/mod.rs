@@ -80,6 +80,24 @@ pub fn object_name(prefix: &str, namespace: NamespaceId, key: &BlockKey) -> Stri
     format!("{prefix}/{:016x}/{key}", namespace.0)
 }
 
+/// Seals the stored object in `bytes` (checked, in the clear) under
+/// `data_key`: its payload encrypted in place, its header saying so, its
+/// CRCs over the ciphertext.
+fn seal_object(data_key: &crate::auth::at_rest::DataKey, bytes: &mut [u8]) -> Result<(), L3Error> {
+    use crate::stored::{decode_header, encode_header_sealed, segment_crcs};
+    let meta = *decode_header(bytes).map_err(|e| L3Error::Corrupt(e.to_string()))?.meta();
+    let (head, body) = bytes.split_at_mut(STORED_HEADER_BYTES);
+    let len = usize::try_from(meta.payload_len).map_err(|_| L3Error::TooLarge(meta.payload_len))?;
+    let payload = body.get_mut(..len).ok_or_else(|| L3Error::Corrupt("payload shorter than its header says".into()))?;
+    let seal = crate::auth::at_rest::seal(data_key, &meta, payload).map_err(|e| L3Error::Corrupt(e.to_string()))?;
+    let mut crcs = [0u32; crate::constants::SEGMENTS_MAX];
+    let count = segment_crcs(payload, meta.segment_bytes, &mut crcs).map_err(|e| L3Error::Corrupt(e.to_string()))?;
+    let head: &mut [u8; STORED_HEADER_BYTES] =
+        head.try_into().map_err(|_| L3Error::Corrupt("a short header".into()))?;
+    encode_header_sealed(&meta, &crcs[..usize::from(count)], Some(&seal), head)
+        .map_err(|e| L3Error::Corrupt(e.to_string()))
+}
+
 /// Checks an object read back as the block `key` of `namespace`: the
 /// stored header decodes, names that key and namespace, and every segment
 /// matches its CRC.
@@ -149,6 +167,10 @@ pub enum L3Request {
         payload: *const u8,
         /// Its bytes.
         payload_len: u64,
+        /// The tenant's data key to seal the payload with on its way out
+        /// (encryption at rest; the object stored is then sealed, its CRCs
+        /// over the ciphertext), or null to store it in the clear.
+        seal_with: *const crate::auth::at_rest::DataKey,
     },
     /// Read block `key` into `target` (room for `capacity` bytes), checked.
     Get {
@@ -363,7 +385,7 @@ fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Resul
             store.put(&object_name(prefix, namespace, &key), bytes).map_err(L3Error::Store)?;
             Ok(len)
         }
-        L3Request::PutWithHeader { key, namespace, header, payload, payload_len } => {
+        L3Request::PutWithHeader { key, namespace, header, payload, payload_len, seal_with } => {
             let len = usize::try_from(payload_len).map_err(|_| L3Error::TooLarge(payload_len))?;
             let mut bytes = Vec::with_capacity(STORED_HEADER_BYTES + len);
             // SAFETY: a header's bytes, valid and unchanged until this
@@ -374,6 +396,13 @@ fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Resul
             bytes.extend_from_slice(header);
             bytes.extend_from_slice(payload);
             verify(&bytes, namespace, &key)?;
+            if !seal_with.is_null() {
+                // SAFETY: the caller's key, held unchanged until this
+                // request completes (the contract of `L3Client::submit`).
+                let data_key = unsafe { &*seal_with };
+                seal_object(data_key, &mut bytes)?;
+                verify(&bytes, namespace, &key)?;
+            }
             store.put(&object_name(prefix, namespace, &key), &bytes).map_err(L3Error::Store)?;
             Ok(bytes.len() as u64)
         }

@@ -238,6 +238,7 @@ fn a_header_given_apart_is_stored_with_its_payload_and_a_scan_reads_the_headers_
             header: header.as_ptr(),
             payload: payload.as_ptr(),
             payload_len: payload.len() as u64,
+            seal_with: core::ptr::null(),
         };
         // SAFETY: `objects` outlives the completions (waited for below).
         unsafe { client.submit(i as u64, request) }.unwrap();
@@ -253,6 +254,7 @@ fn a_header_given_apart_is_stored_with_its_payload_and_a_scan_reads_the_headers_
         header: objects[1].as_ptr(),
         payload: objects[0][STORED_HEADER_BYTES..].as_ptr(),
         payload_len: (objects[0].len() - STORED_HEADER_BYTES) as u64,
+        seal_with: core::ptr::null(),
     };
     // SAFETY: as above.
     unsafe { client.submit(9, wrong) }.unwrap();

@@ -80,6 +80,10 @@ pub struct RunnerPorts {
     /// authenticated and every frame tagged (see [`crate::auth`]); a peer
     /// without the key gets nothing through.
     pub link_key: Option<crate::auth::LinkKey>,
+    /// The tenants' data keys, changed while it runs: a namespace with one
+    /// is sealed below L1 (see [`crate::auth::at_rest`]); one forgotten is
+    /// purged.
+    pub tenant_keys: Option<Arc<crate::auth::at_rest::TenantKeys>>,
 }
 
 /// What each rail to each peer carried, for the control plane's metrics.
@@ -353,6 +357,7 @@ impl Selftest {
                     target: target.slot,
                     meta,
                     durability: Durability::Acked,
+                    seal: None,
                 })
             };
             let request = Request { command, priority: Priority::WriteBack, deadline_ns: 0, cookie: 0 };
@@ -1001,6 +1006,11 @@ pub fn run_with(
             }
         } else {
             let mut parts = parts!(now);
+            if let Some(keys) = &ports.tenant_keys {
+                for change in keys.take() {
+                    pool.key_change(change, &mut parts);
+                }
+            }
             if let Some(test) = &mut selftest {
                 test.feed(&mut parts, epoch, &mut pool);
             }

@@ -176,6 +176,12 @@ pub fn check_and_adopt(bytes: &mut [u8], len: u64, target: &BlockAddr) -> Result
     use crate::stored::{decode_header, object_bytes};
     let whole = usize::try_from(len).ok().and_then(|len| bytes.get_mut(..len)).ok_or(AckStatus::Refused)?;
     let decoded = decode_header(whole).map_err(|_| AckStatus::Corrupt)?;
+    // L1 holds blocks in the clear only (sealed ones are opened on their
+    // way in): a sealed object would pass its CRCs and hand readers
+    // ciphertext.
+    if decoded.seal().is_some() {
+        return Err(AckStatus::Corrupt);
+    }
     let meta = *decoded.meta();
     let payload_end = STORED_HEADER_BYTES as u64 + meta.payload_len;
     // The object as sent: its header, its payload, at most the padding a

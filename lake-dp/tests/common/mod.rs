@@ -267,7 +267,7 @@ impl Harness {
         let cookie = self.next_cookie;
         self.next_cookie += 1;
         let request = Request {
-            command: Command::Write(WriteBlock { l1_slot: l1, target, meta, durability }),
+            command: Command::Write(WriteBlock { l1_slot: l1, target, meta, durability, seal: None }),
             priority: self.priority(),
             deadline_ns: self.deadline(),
             cookie,

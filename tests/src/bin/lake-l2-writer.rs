@@ -71,7 +71,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             // SAFETY: this L1 slot is free: no op uses it.
             let bytes = unsafe { l1.slot_mut(l1_slot) }.ok_or("L1 slot")?;
             let meta = lake_tests::crash_write(slot, seq, bytes);
-            let write = WriteBlock { l1_slot, target: L2Slot { file: 0, slot }, meta, durability: Durability::Acked };
+            let write = WriteBlock {
+                l1_slot,
+                target: L2Slot { file: 0, slot },
+                meta,
+                durability: Durability::Acked,
+                seal: None,
+            };
             let request =
                 Request { command: Command::Write(write), priority: Priority::WriteBack, deadline_ns: 0, cookie: seq };
             writeln!(out, "submit {slot} {seq}")?;

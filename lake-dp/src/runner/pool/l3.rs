@@ -112,6 +112,9 @@ pub(crate) struct L3Tier {
     /// One header per op: what a write from L1 stores in the slot's
     /// header's place.
     headers: Vec<[u8; STORED_HEADER_BYTES]>,
+    /// Per op: the data key a put from L1 is sealed with (held until it
+    /// completes).
+    seal_keys: Vec<Option<crate::auth::at_rest::DataKey>>,
     completions: Vec<L3Completion>,
     /// Deletes not sent yet (the next batch).
     pending_deletes: Vec<(NamespaceId, BlockKey)>,
@@ -145,6 +148,7 @@ impl L3Tier {
             ops: vec![None; ops as usize],
             free_ops: (0..ops).rev().collect(),
             headers: vec![[0; STORED_HEADER_BYTES]; ops as usize],
+            seal_keys: vec![None; ops as usize],
             completions: Vec::with_capacity(ops as usize),
             pending_deletes: Vec::with_capacity(DELETE_BATCH_MAX),
             delete_buffers: (0..DELETE_BATCHES).map(|_| Vec::with_capacity(DELETE_BATCH_MAX)).collect(),
@@ -177,6 +181,9 @@ impl L3Tier {
 
     fn put_op(&mut self, index: u32) -> Option<Op> {
         let op = self.ops.get_mut(index as usize)?.take()?;
+        if let Some(key) = self.seal_keys.get_mut(index as usize) {
+            *key = None;
+        }
         self.free_ops.push(index);
         Some(op)
     }
@@ -356,6 +363,11 @@ impl Pool {
         if meta.key != transfer.key {
             return Err(ErrorCode::NoSuchBlock);
         }
+        if !self.keys.may_store(meta.namespace) {
+            // Encryption at rest is required and its tenant gave no key.
+            return Err(ErrorCode::Unauthorized);
+        }
+        let seal_key = if l1_header.is_some() { self.keys.get(meta.namespace).cloned() } else { None };
         let Some(tier) = self.l3.as_mut() else { return Err(ErrorCode::NoSuchBlock) };
         if tier.deleting(meta.namespace.0, &meta.key) {
             return Err(ErrorCode::QueueFull);
@@ -405,12 +417,18 @@ impl Pool {
                 tier.free.push(entry);
                 return Err(ErrorCode::NoSuchBlock);
             };
+            // A block from L1 is in the clear there: sealed by the worker
+            // on its way out, where its tenant has a key (one from L2 is
+            // sealed already).
+            tier.seal_keys[index as usize] = seal_key;
+            let seal_with = tier.seal_keys[index as usize].as_ref().map_or(core::ptr::null(), core::ptr::from_ref);
             let put = L3Request::PutWithHeader {
                 key: meta.key,
                 namespace: meta.namespace,
                 header: header.as_ptr(),
                 payload,
                 payload_len: meta.payload_len,
+                seal_with,
             };
             // SAFETY: the header buffer is this op's until its completion;
             // the slot is held below (no eviction, demotion or rewrite)
@@ -621,6 +639,18 @@ impl Pool {
 
     /// Evicts an L3 replica: the catalog entry goes now, the object with
     /// the next batch of deletes.
+    /// The L3 replicas of `namespace` in the catalog.
+    pub(super) fn l3_of(&self, namespace: crate::NamespaceId) -> Vec<(ReplicaWire, BlockKey)> {
+        let Some(tier) = self.l3.as_ref() else { return Vec::new() };
+        (0u32..)
+            .zip(&tier.catalog)
+            .filter_map(|(entry, meta)| {
+                let meta = meta.as_ref().filter(|m| m.namespace == namespace)?;
+                Some((tier.replica(self.node, self.epoch, entry, meta.generation), meta.key))
+            })
+            .collect()
+    }
+
     pub(super) fn evict_l3(&mut self, replica: &ReplicaWire, key: &BlockKey) -> Result<(), ErrorCode> {
         let Some(tier) = self.l3.as_mut() else { return Err(ErrorCode::NoSuchBlock) };
         if replica.region != tier.region {
@@ -720,7 +750,11 @@ impl Pool {
                         tier.stats.failed += 1;
                         Err(AgentError::Io)
                     }
-                    Err(_) => {
+                    Err(_) => Err(AgentError::Corrupt),
+                };
+                let result = match result {
+                    Err(AgentError::Corrupt) => {
+                        let Some(tier) = self.l3.as_mut() else { return };
                         // Gone from the store, or not what it should be: it
                         // leaves the catalog (reported), the reader
                         // recomputes.
@@ -738,6 +772,7 @@ impl Pool {
                         }
                         Err(AgentError::Corrupt)
                     }
+                    other => other,
                 };
                 if let Ok(bytes) = result {
                     self.stats.promotions += 1;

@@ -129,6 +129,15 @@ pub struct PoolStats {
     pub bytes_down: u64,
     /// Bytes moved L2→L1.
     pub bytes_up: u64,
+    /// Blocks sealed (encrypted) on their way below L1.
+    pub sealed: u64,
+    /// Sealed blocks opened on their way back into L1.
+    pub opened: u64,
+    /// Sealed blocks that could not be opened (their namespace's key
+    /// forgotten or replaced, or their tag failed): dropped.
+    pub unreadable: u64,
+    /// Replicas dropped by a purge of their namespace.
+    pub purged: u64,
 }
 
 /// What a pool is sized for.
@@ -277,6 +286,9 @@ pub struct Pool {
     passes: u64,
     /// The object store tier, if this node has one.
     l3: Option<L3Tier>,
+    /// The tenants' data keys: blocks of a namespace with one are sealed
+    /// below L1.
+    keys: crate::auth::at_rest::KeyRing,
     /// What it has done.
     pub stats: PoolStats,
 }
@@ -318,6 +330,7 @@ impl Pool {
             outstanding: vec![0; agents_len],
             passes: 0,
             l3: None,
+            keys: crate::auth::at_rest::KeyRing::new(),
             stats: PoolStats::default(),
         }
     }
@@ -527,8 +540,38 @@ impl Pool {
                 self.draining.swap_remove(at);
                 continue;
             };
+            let mut write = *write;
+            // Drained: nobody reads the slot, and it is freed after the
+            // write, so its payload is sealed where it lies.
+            if write.seal.is_none()
+                && let Some(key) = self.keys.get(write.meta.namespace)
+            {
+                // SAFETY: the slot drained (no pins) and is Busy: this
+                // thread alone touches it until the write's end frees it.
+                let bytes = unsafe { parts.region.slot_mut(slot) };
+                let payload_len = usize::try_from(write.meta.payload_len).unwrap_or(usize::MAX);
+                let payload =
+                    bytes.and_then(|b| b.get_mut(STORED_HEADER_BYTES..).and_then(|p| p.get_mut(..payload_len)));
+                match payload.map(|p| crate::auth::at_rest::seal(key, &write.meta, p)) {
+                    Some(Ok(seal)) => {
+                        write.seal = Some(seal);
+                        self.stats.sealed += 1;
+                        if let Some(Some(Purpose::Demote { write: kept, .. })) =
+                            self.ops.get_mut((cookie & !POOL_COOKIE) as usize)
+                        {
+                            kept.seal = Some(seal);
+                        }
+                    }
+                    // No random salt, or no slot: not written in the clear.
+                    _ => {
+                        self.draining.swap_remove(at);
+                        self.seal_failed(cookie, parts);
+                        continue;
+                    }
+                }
+            }
             let request =
-                Request { command: Command::Write(*write), priority: Priority::Demotion, deadline_ns: 0, cookie };
+                Request { command: Command::Write(write), priority: Priority::Demotion, deadline_ns: 0, cookie };
             if parts.poller.submit(request).is_err() {
                 // The poller is full: next pass.
                 break;
@@ -1054,12 +1097,17 @@ impl Pool {
         if self.draining.len() == self.draining.capacity() {
             return Err(ErrorCode::QueueFull);
         }
+        if !self.keys.may_store(meta.namespace) {
+            // Encryption at rest is required and its tenant gave no key.
+            return Err(ErrorCode::Unauthorized);
+        }
         let grant = l2.allocate().ok_or(ErrorCode::NoSpace)?;
         meta.region = self.geometry.region(grant.slot.file);
         meta.region_epoch = self.epoch;
         meta.slot = grant.slot.slot;
         meta.generation = grant.generation;
-        let write = WriteBlock { l1_slot: slot, target: grant.slot, meta, durability: Durability::Acked };
+        // Sealed (if its namespace has a data key) once the slot drains.
+        let write = WriteBlock { l1_slot: slot, target: grant.slot, meta, durability: Durability::Acked, seal: None };
         let purpose = Purpose::Demote { request, l1_generation: source.generation, write };
         let Some(cookie) = self.take_op(purpose) else {
             let _ = l2.release(grant.slot);
@@ -1125,10 +1173,18 @@ impl Pool {
             }
             (Purpose::StageL3 { op }, Command::Read(_)) => self.l3_staged(op, event.outcome.is_ok(), parts),
             (Purpose::Promote { to, l1_slot, l1_generation }, Command::Read(read)) => {
-                let result = match event.outcome {
+                let opened = match event.outcome {
                     Ok(done) => self.promoted(l1_slot, l1_generation, region, link).map(|()| done.bytes),
-                    Err(OpError::Corrupt(_)) => {
-                        // The L2 copy is bad: it goes, and the reader
+                    Err(e) => Err(match e {
+                        OpError::Corrupt(_) => AgentError::Corrupt,
+                        OpError::Mismatch(_) => AgentError::Stale,
+                        _ => AgentError::Io,
+                    }),
+                };
+                let result = match opened {
+                    Err(AgentError::Corrupt) => {
+                        // The L2 copy is bad (or sealed with a key this
+                        // node no longer has): it goes, and the reader
                         // recomputes.
                         if l2.release(read.source).is_ok() {
                             self.l2_released(read.source);
@@ -1146,8 +1202,7 @@ impl Pool {
                         }
                         Err(AgentError::Corrupt)
                     }
-                    Err(OpError::Mismatch(_)) => Err(AgentError::Stale),
-                    Err(_) => Err(AgentError::Io),
+                    other => other,
                 };
                 if let Ok(bytes) = result {
                     self.stats.promotions += 1;
@@ -1159,6 +1214,81 @@ impl Pool {
             }
             _ => {}
         }
+    }
+
+    /// A demotion whose payload could not be sealed ends failed: the L1
+    /// copy goes (it drained for the move), the L2 slot is given back, and
+    /// nothing is written in the clear.
+    fn seal_failed(&mut self, cookie: u64, parts: &mut Parts<'_>) {
+        let Some(Purpose::Demote { request, l1_generation, write }) = self.put_op(cookie) else { return };
+        let _ = parts.table.free_drained(write.l1_slot);
+        self.l1[write.l1_slot as usize] = L1State::Free;
+        let _ = parts.l2.release(write.target);
+        self.stats.commands_failed += 1;
+        let replica = self.l1_replica(write.l1_slot, l1_generation);
+        if let Some(cp) = parts.link.as_mut() {
+            let reason = EvictReason::Capacity as u8;
+            cp.evicted(&BlockEvicted { replica, key: write.meta.key, reason, reserved: [0; 7] });
+            let target = ReplicaWire { slot: SLOT_ANY, ..replica };
+            cp.transfer_done(request, &TransferDone { status: ErrorCode::Io as u32, reserved: 0, target, bytes: 0 });
+        }
+    }
+
+    /// Applies a change to the key ring; a forgotten namespace is purged.
+    pub(crate) fn key_change(&mut self, change: crate::auth::at_rest::KeyChange, parts: &mut Parts<'_>) {
+        use crate::auth::at_rest::KeyChange;
+        match change {
+            KeyChange::Set(namespace, key) => self.keys.insert(namespace, key),
+            KeyChange::Require(required) => self.keys.required = required,
+            KeyChange::Forget(namespace) => {
+                self.keys.forget(namespace);
+                self.purge(namespace, parts);
+            }
+        }
+    }
+
+    /// Drops every replica of `namespace` this node holds, L1, L2 and L3,
+    /// found from the headers it keeps (L2, L3) or reads (L1) — no payload
+    /// is read — each reported to `lake-cp` as released. Returns how many.
+    pub(crate) fn purge(&mut self, namespace: crate::NamespaceId, parts: &mut Parts<'_>) -> u64 {
+        let mut victims: Vec<(ReplicaWire, BlockKey)> = Vec::new();
+        for (slot, state) in (0u32..).zip(&self.l1) {
+            if *state != L1State::Ready {
+                continue;
+            }
+            // SAFETY: a ready slot is written by nobody until the pool
+            // frees it, which this thread alone does.
+            let Some(bytes) = (unsafe { parts.region.slot(slot) }) else { continue };
+            let Ok(header) = decode_header(bytes) else { continue };
+            if header.meta().namespace == namespace {
+                victims.push((self.l1_replica(slot, header.meta().generation), header.meta().key));
+            }
+        }
+        let per_file = self.geometry.slots_per_file as usize;
+        for (index, meta) in self.l2_meta.iter().enumerate() {
+            let Some(meta) = meta.filter(|m| m.namespace == namespace) else { continue };
+            let (Ok(file), Ok(slot)) = (u16::try_from(index / per_file), u32::try_from(index % per_file)) else {
+                continue;
+            };
+            let replica = crate::runner::l2_replica(
+                &self.geometry,
+                self.node,
+                self.epoch,
+                L2Slot { file, slot },
+                meta.generation,
+            );
+            victims.push((replica, meta.key));
+        }
+        victims.extend(self.l3_of(namespace));
+        let mut purged = 0;
+        for (replica, key) in victims {
+            let evict = BlockEvicted { replica, key, reason: EvictReason::Released as u8, reserved: [0; 7] };
+            if self.evict(&evict, parts).is_ok() {
+                purged += 1;
+            }
+        }
+        self.stats.purged += purged;
+        purged
     }
 
     /// Answers the requester of a promotion into `l1_slot`.
@@ -1201,12 +1331,43 @@ impl Pool {
         // agent can pin it before it is reported.
         let bytes = unsafe { region.slot_mut(l1_slot) }.ok_or(AgentError::Invalid)?;
         let decoded = decode_header(bytes).map_err(|_| AgentError::Corrupt)?;
-        let header: &mut [u8; STORED_HEADER_BYTES] =
-            (&mut bytes[..STORED_HEADER_BYTES]).try_into().map_err(|_| AgentError::Invalid)?;
+        let (header, body) = bytes.split_at_mut(STORED_HEADER_BYTES);
+        let header: &mut [u8; STORED_HEADER_BYTES] = header.try_into().map_err(|_| AgentError::Invalid)?;
         let region = crate::model::replica::RegionId(self.l1_region);
-        let meta = decoded
-            .encode_moved(region, self.epoch, l1_slot, l1_generation, header)
-            .map_err(|_| AgentError::Corrupt)?;
+        let meta = match decoded.seal() {
+            None => decoded
+                .encode_moved(region, self.epoch, l1_slot, l1_generation, header)
+                .map_err(|_| AgentError::Corrupt)?,
+            Some(seal) => {
+                // Opened in the slot (its CRCs, over the ciphertext, were
+                // checked by the read), then headed anew with the
+                // plaintext's CRCs, as L1 readers check them.
+                let meta = ObjectMeta {
+                    region,
+                    region_epoch: self.epoch,
+                    slot: l1_slot,
+                    generation: l1_generation,
+                    ..*decoded.meta()
+                };
+                let payload_len = usize::try_from(meta.payload_len).map_err(|_| AgentError::Invalid)?;
+                let payload = body.get_mut(..payload_len).ok_or(AgentError::Invalid)?;
+                let Some(key) = self.keys.get(meta.namespace) else {
+                    self.stats.unreadable += 1;
+                    return Err(AgentError::Corrupt);
+                };
+                if crate::auth::at_rest::open(key, decoded.meta(), seal, payload).is_err() {
+                    self.stats.unreadable += 1;
+                    return Err(AgentError::Corrupt);
+                }
+                let mut crcs = [0u32; crate::constants::SEGMENTS_MAX];
+                let count = crate::stored::segment_crcs(payload, meta.segment_bytes, &mut crcs)
+                    .map_err(|_| AgentError::Corrupt)?;
+                crate::stored::encode_header(&meta, &crcs[..usize::from(count)], header)
+                    .map_err(|_| AgentError::Corrupt)?;
+                self.stats.opened += 1;
+                meta
+            }
+        };
         self.l1[l1_slot as usize] = L1State::Ready;
         if let Some(cp) = link {
             cp.committed(&self.l1_record(l1_slot, l1_generation, &meta));
@@ -1219,6 +1380,11 @@ impl Pool {
 /// its payload CRCs.
 fn check_object(bytes: &[u8], verify: bool) -> Result<crate::stored::ObjectMeta, StoredError> {
     let decoded = decode_header(bytes)?;
+    // L1 holds blocks in the clear only: a commit of a sealed object would
+    // hand readers ciphertext that passes its CRCs.
+    if decoded.seal().is_some() {
+        return Err(StoredError::UnsupportedFlags(crate::stored::FLAG_SEALED));
+    }
     let meta = *decoded.meta();
     if verify {
         let end = usize::try_from(meta.payload_len)
