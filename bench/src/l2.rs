@@ -120,7 +120,45 @@ fn poller<B: IoBackend>(setup: &Setup, backend: B, ops: u32) -> Result<Poller<B>
 
 /// Lake: every slot written (or read) through the poller, `depth` at once.
 /// Returns seconds.
-fn lake_pass(setup: &Setup, poller: &mut Poller<UringBackend>, write: bool) -> Result<f64, String> {
+/// The L1 slot's payload bytes, to seal or open in place.
+///
+/// # Safety
+///
+/// The slot is the caller's alone (not in flight) while the slice lives.
+unsafe fn payload_of<'slot>(setup: &Setup, l1_slot: u32) -> Result<&'slot mut [u8], String> {
+    let base = setup.l1.slot_ptr(l1_slot).ok_or("L1 slot")?;
+    let len = usize::try_from(setup.payload).map_err(|_| "payload")?;
+    // SAFETY: a slot holds its header and at least `payload` bytes; the
+    // caller owns it.
+    Ok(unsafe { core::slice::from_raw_parts_mut(base.wrapping_add(lake_dp::constants::STORED_HEADER_BYTES), len) })
+}
+
+/// What the pool does to a sealed block read into L1: the payload opened
+/// in place, its CRCs made anew over the plaintext, the header rewritten.
+fn open_in_slot(setup: &Setup, l1_slot: u32, key: &lake_dp::auth::at_rest::DataKey) -> Result<(), String> {
+    let base = setup.l1.slot_ptr(l1_slot).ok_or("L1 slot")?;
+    let len = usize::try_from(setup.slot_bytes).map_err(|_| "slot")?;
+    // SAFETY: the read completed; the slot is this loop's until it is
+    // pushed back on the free list.
+    let slot = unsafe { core::slice::from_raw_parts_mut(base, len) };
+    let decoded = lake_dp::stored::decode_header(slot).map_err(|e| e.to_string())?;
+    let seal = *decoded.seal().ok_or("the block read is not sealed")?;
+    let meta = *decoded.meta();
+    let (header, body) = slot.split_at_mut(lake_dp::constants::STORED_HEADER_BYTES);
+    let payload = &mut body[..usize::try_from(meta.payload_len).map_err(|_| "payload")?];
+    lake_dp::auth::at_rest::open(key, &meta, &seal, payload).map_err(|e| e.to_string())?;
+    let mut crcs = [0u32; lake_dp::constants::SEGMENTS_MAX];
+    let count = lake_dp::stored::segment_crcs(payload, meta.segment_bytes, &mut crcs).map_err(|e| e.to_string())?;
+    let header: &mut [u8; lake_dp::constants::STORED_HEADER_BYTES] = header.try_into().map_err(|_| "header")?;
+    lake_dp::stored::encode_header(&meta, &crcs[..usize::from(count)], header).map_err(|e| e.to_string())
+}
+
+fn lake_pass(
+    setup: &Setup,
+    poller: &mut Poller<UringBackend>,
+    write: bool,
+    key: Option<&lake_dp::auth::at_rest::DataKey>,
+) -> Result<f64, String> {
     let geometry = setup.tier.geometry();
     let epoch = setup.tier.epoch();
     let l1_slots = setup.l1.slots();
@@ -135,7 +173,16 @@ fn lake_pass(setup: &Setup, poller: &mut Poller<UringBackend>, write: bool) -> R
             let target = L2Slot { file: 0, slot: next };
             let command = if write {
                 let meta = meta(&geometry, epoch, next, setup.payload);
-                Command::Write(WriteBlock { l1_slot, target, meta, durability: Durability::Acked })
+                // Sealed where it lies, as the pool seals a drained slot.
+                let seal = match key {
+                    None => None,
+                    // SAFETY: the slot is off the free list, not in flight.
+                    Some(key) => Some(
+                        lake_dp::auth::at_rest::seal(key, &meta, unsafe { payload_of(setup, l1_slot)? })
+                            .map_err(|e| e.to_string())?,
+                    ),
+                };
+                Command::Write(WriteBlock { l1_slot, target, meta, durability: Durability::Acked, seal })
             } else {
                 let key = meta(&geometry, epoch, next, setup.payload).key;
                 Command::Read(ReadBlock { source: target, l1_slot, key, generation: 1, payload_len: setup.payload })
@@ -150,7 +197,12 @@ fn lake_pass(setup: &Setup, poller: &mut Poller<UringBackend>, write: bool) -> R
             event.outcome.map_err(|e| format!("Lake {}: {e}", if write { "write" } else { "read" }))?;
             match event.command {
                 Command::Write(w) => free.push(w.l1_slot),
-                Command::Read(r) => free.push(r.l1_slot),
+                Command::Read(r) => {
+                    if let Some(key) = key {
+                        open_in_slot(setup, r.l1_slot, key)?;
+                    }
+                    free.push(r.l1_slot);
+                }
                 Command::Flush { .. } => {}
             }
             done += 1;
@@ -197,7 +249,15 @@ fn raw_pass(setup: &Setup, backend: &mut UringBackend, write: bool) -> Result<f6
 }
 
 pub(crate) fn run_l2(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["block-bytes", "total-bytes", "dir", "queue-depth", "rounds"])?;
+    let args = Args::parse(raw, &["block-bytes", "total-bytes", "dir", "queue-depth", "rounds", "encrypt"])?;
+    // `--encrypt on`: every round also writes and reads every block sealed
+    // (AES-256-GCM in the slot before the write, opened and its CRCs made
+    // anew after the read, as the pool does), for the ratio to plain.
+    let encrypt = match args.get::<String>("encrypt", "off".into())?.as_str() {
+        "on" => Some(lake_dp::auth::at_rest::DataKey::from_bytes([0x24; 32])),
+        "off" => None,
+        other => return Err(format!("--encrypt is on or off, not {other}")),
+    };
     let payload: u64 = args.get("block-bytes", 262_144)?;
     let total: u64 = args.get("total-bytes", 1 << 30)?;
     let dir: String = args.get("dir", String::new())?;
@@ -219,13 +279,18 @@ pub(crate) fn run_l2(raw: &[String]) -> Result<Report, String> {
     let bytes = setup.slot_bytes as f64 * f64::from(slots);
     let gbps = |seconds: f64| bytes / seconds / 1e9;
     let (mut lw, mut lr, mut rw, mut rr) = (vec![], vec![], vec![], vec![]);
+    let (mut ew, mut er) = (vec![], vec![]);
     for _ in 0..rounds {
         // Raw write first: Lake's write then puts back valid objects for
         // Lake's read; the raw read reads whatever is there.
         rw.push(gbps(raw_pass(&setup, &mut raw_backend, true)?));
-        lw.push(gbps(lake_pass(&setup, &mut lake, true)?));
-        lr.push(gbps(lake_pass(&setup, &mut lake, false)?));
+        lw.push(gbps(lake_pass(&setup, &mut lake, true, None)?));
+        lr.push(gbps(lake_pass(&setup, &mut lake, false, None)?));
         rr.push(gbps(raw_pass(&setup, &mut raw_backend, false)?));
+        if let Some(key) = &encrypt {
+            ew.push(gbps(lake_pass(&setup, &mut lake, true, Some(key))?));
+            er.push(gbps(lake_pass(&setup, &mut lake, false, Some(key))?));
+        }
     }
     let stats = lake.backend_mut().stats();
     let (lw, lr, rw, rr) = (median(&mut lw), median(&mut lr), median(&mut rw), median(&mut rr));
@@ -245,6 +310,19 @@ pub(crate) fn run_l2(raw: &[String]) -> Result<Report, String> {
     report.float("goal_ratio", GOAL_RATIO);
     let met = lr / rr >= GOAL_RATIO && lw / rw >= GOAL_RATIO;
     report.text("goal_met", if met { "yes" } else { "no" });
+    if encrypt.is_some() {
+        let (ew, er) = (median(&mut ew), median(&mut er));
+        report.float("sealed_write_gbps", ew);
+        report.float("sealed_read_gbps", er);
+        report.float("sealed_write_ratio", ew / lw);
+        report.float("sealed_read_ratio", er / lr);
+        report.float("sealed_ratio_goal", 0.9);
+        // Time added to each block, from the throughput (queue depth
+        // blocks in flight hide part of it).
+        let per_block_us = |gbps: f64| setup.slot_bytes as f64 / (gbps * 1e9) * 1e6;
+        report.float("sealed_write_added_us_per_block", per_block_us(ew) - per_block_us(lw));
+        report.float("sealed_read_added_us_per_block", per_block_us(er) - per_block_us(lr));
+    }
     drop(lake);
     drop(raw_backend);
     Ok(report)
@@ -353,7 +431,13 @@ pub(crate) fn run_block_latency(raw: &[String]) -> Result<Report, String> {
     // Fill every block through Lake so that reads verify real objects.
     for slot in 0..blocks {
         let meta = meta(&setup.tier.geometry(), setup.tier.epoch(), slot, payload);
-        let write = WriteBlock { l1_slot: 0, target: L2Slot { file: 0, slot }, meta, durability: Durability::Durable };
+        let write = WriteBlock {
+            l1_slot: 0,
+            target: L2Slot { file: 0, slot },
+            meta,
+            durability: Durability::Durable,
+            seal: None,
+        };
         let request =
             Request { command: Command::Write(write), priority: Priority::WriteBack, deadline_ns: 0, cookie: 0 };
         lake.submit(request).map_err(|r| format!("submit: {}", r.reason))?;

@@ -20,6 +20,7 @@ mod lookup;
 mod report;
 mod route_sim;
 mod tcp;
+mod tenants;
 mod trace;
 
 use std::process::ExitCode;
@@ -45,6 +46,9 @@ subcommands:
   cp-scale [--blocks N] [--chain N] [--matches N]
          the radix index at scale: inserts/s, matches/s, heap bytes per
          block (two replicas each), RSS; a std HashMap insert beside it
+  tenants [--entries N] [--prompts N] [--blocks N] [--lookups N]
+         two tenants, the same prompts: tenant B's lookups of prompts tenant A
+         cached against prompts nobody cached (no hit; the timing ratio), and A's hits
   lookup [--tokens N] [--block-tokens N] [--entries N] [--prompts N] [--lookups N] [--backing auto|memfd|shm]
          longest-prefix lookup and block table of a prompt read from the
          shared-memory mirror while its writer changes it, among N other
@@ -84,6 +88,7 @@ fn main() -> ExitCode {
         "trace" => trace::run_trace(rest),
         "cp-scale" => cp_scale::run(rest),
         "lookup" => lookup::run(rest),
+        "tenants" => tenants::run(rest),
         "ffi" => ffi::run(rest),
         "gpu" => gpu::run(rest),
         "tcp" => tcp::run(rest),

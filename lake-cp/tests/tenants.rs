@@ -1,0 +1,87 @@
+//! Two tenants, the same tokens (issue [9]): their namespaces key the
+//! prompt to unrelated blocks, so in one real pool tenant B finds none of
+//! what tenant A saved, each finds and loads only its own bytes, and a
+//! forged lookup with A's namespace id but B's keys finds nothing either.
+//! That B cannot time A's cache is measured by `lake-bench tenants`.
+
+use std::time::{Duration, Instant};
+
+use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::{BlockKey, ExtraKeys, KeyChain, KeyScheme, ModelIdentity, Namespace, TenantKey};
+
+fn namespace(tenant: u8) -> Namespace {
+    let model =
+        ModelIdentity { weights_revision: "r1", tokenizer: "tok", kv_dtype: "bfloat16", kv_scales: &[] }.fingerprint();
+    Namespace::new(&TenantKey([tenant; 32]), KeyScheme::TokenIdsV1, 16, model, ExtraKeys::default().digest()).unwrap()
+}
+
+fn engine(pool: &mut EmbeddedPool, ns: &Namespace) -> Agent {
+    let config = AgentConfig {
+        arena: &pool.arena,
+        mirror: &pool.mirror,
+        cp_socket: Some(&pool.cp_socket),
+        name: "tenant",
+        namespace: ns.id(),
+        layout_fingerprint: 0xabc,
+        segment_bytes: 16 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
+}
+
+fn save(agent: &mut Agent, keys: &[BlockKey], fill: u8) {
+    let payload = vec![fill; 32 * 1024];
+    let blocks: Vec<SaveBlock<'_>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| SaveBlock {
+            key: *key,
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            payload: SavePayload::Bytes(&payload),
+        })
+        .collect();
+    assert_eq!(agent.save(&blocks), keys.len());
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.lookup(keys, &mut table) < keys.len() {
+        assert!(Instant::now() < deadline, "the saves were not published");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn two_tenants_with_the_same_tokens_never_see_each_others_blocks() {
+    let dir = std::env::temp_dir().join(format!("lake-cp-tenants-{}", std::process::id()));
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig { local_agents: 2, ..EmbeddedConfig::new(dir) }).unwrap();
+    let (a, b) = (namespace(1), namespace(2));
+    assert_ne!(a.id(), b.id());
+    let tokens: Vec<u32> = (0..16 * 8).map(|t| t * 7 + 3).collect();
+    let (a_keys, b_keys) = (KeyChain::keys(&a, &tokens).unwrap(), KeyChain::keys(&b, &tokens).unwrap());
+    assert!(a_keys.iter().all(|k| !b_keys.contains(k)), "the same tokens gave a shared key");
+    let mut engine_a = engine(&mut pool, &a);
+    let mut engine_b = engine(&mut pool, &b);
+    save(&mut engine_a, &a_keys, 0xaa);
+    let mut table = Vec::new();
+    // B, with the same tokens, finds none of A's prompt.
+    assert_eq!(engine_b.lookup(&b_keys, &mut table), 0);
+    save(&mut engine_b, &b_keys, 0xbb);
+    // Each loads its own bytes only.
+    for (agent, keys, fill) in [(&mut engine_a, &a_keys, 0xaa), (&mut engine_b, &b_keys, 0xbb)] {
+        let hits = agent.lookup(keys, &mut table);
+        assert_eq!(hits, keys.len());
+        let got = agent.fetch(keys, &table, |i, bytes| assert!(bytes.iter().all(|&x| x == fill), "block {i}"));
+        assert_eq!(got, keys.len());
+    }
+    // A's keys through B's engine: found in the mirror (keys are not
+    // secret to whoever holds them), but B's reads refuse bytes saved in
+    // another namespace.
+    let hits = engine_b.lookup(&a_keys, &mut table);
+    assert_eq!(hits, a_keys.len());
+    let got = engine_b.fetch(&a_keys, &table, |_, _| panic!("tenant B read tenant A's bytes"));
+    assert_eq!(got, 0);
+    assert_eq!(engine_b.last_fetch_failure(), Some(lake_dp::agent::FetchFailure::Foreign));
+    drop((engine_a, engine_b));
+    pool.stop().unwrap();
+}
