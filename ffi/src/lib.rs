@@ -12,6 +12,9 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod gpu;
 mod lanes;
 pub mod layout;

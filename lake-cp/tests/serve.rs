@@ -44,3 +44,62 @@ fn serve_stops_on_sigterm_and_cleans_up() {
     assert!(rest.contains("\"event\":\"stopped\""), "{rest}");
     assert!(!dir.exists(), "lake serve removes its directory");
 }
+
+/// `lake serve`'s security flags: a key file others may read is refused
+/// by name before anything starts; a good link key, a tenant key, a quota
+/// and the socket's mode are taken, and the socket is made so.
+#[test]
+fn serve_takes_its_keys_only_from_owner_only_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let base = std::env::temp_dir().join(format!("lake-serve-keys-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).unwrap();
+    let keygen = |name: &str| {
+        let path = base.join(name);
+        let out = Command::new(env!("CARGO_BIN_EXE_lake")).arg("keygen").arg(&path).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("\"key_id\""));
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        path
+    };
+    let (link, tenant) = (keygen("cluster.key"), keygen("tenant.key"));
+    // keygen never overwrites a key.
+    let again = Command::new(env!("CARGO_BIN_EXE_lake")).arg("keygen").arg(&link).output().unwrap();
+    assert!(!again.status.success());
+
+    let exposed = base.join("exposed.key");
+    std::fs::copy(&link, &exposed).unwrap();
+    std::fs::set_permissions(&exposed, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let dir = base.join("pool");
+    let refused = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--link-key"])
+        .arg(&exposed)
+        .arg("--dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("chmod 600") && said.contains("exposed.key"), "{said}");
+    assert!(!dir.exists(), "nothing started");
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32", "--link-key"])
+        .arg(&link)
+        .arg("--tenant-key")
+        .arg(format!("7e7e={}", tenant.display()))
+        .args(["--quota", "7e7e:l2=1048576", "--socket-mode", "660", "--transport-listen", "127.0.0.1:0", "--dir"])
+        .arg(&dir)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut serving = String::new();
+    out.read_line(&mut serving).unwrap();
+    assert!(serving.contains("\"event\":\"serving\""), "{serving}");
+    assert_eq!(std::fs::metadata(dir.join("dp.sock")).unwrap().permissions().mode() & 0o777, 0o660);
+    // SAFETY: a plain syscall on the child's pid.
+    assert_eq!(unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGTERM) }, 0);
+    assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&base);
+}

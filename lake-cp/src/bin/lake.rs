@@ -19,6 +19,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--link-key FILE] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
                   [--socket-group NAME] [--socket-mode OCTAL]
                   [--tenant-key NAMESPACE=FILE ...] [--require-encryption yes]
+                  [--quota NAMESPACE:l1|l2|l3=BYTES ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
                    with a link key every transport and summary connection is authenticated)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
@@ -191,6 +192,20 @@ fn serve(args: &[String]) -> Result<(), String> {
                 config.tenant_keys.push((lake_dp::NamespaceId(namespace), key));
             }
             "--require-encryption" => config.require_encryption = value == "yes",
+            "--quota" => {
+                let bad = || format!("{flag} {value}: NAMESPACE(hex):l1|l2|l3=BYTES");
+                let (place, bytes) = value.split_once('=').ok_or_else(bad)?;
+                let (namespace, tier) = place.split_once(':').ok_or_else(bad)?;
+                let namespace = u64::from_str_radix(namespace.trim_start_matches("0x"), 16).map_err(|_| bad())?;
+                let tier = match tier {
+                    "l1" => lake_dp::Tier::L1Dram,
+                    "l2" => lake_dp::Tier::L2Nvme,
+                    "l3" => lake_dp::Tier::L3Object,
+                    _ => return Err(bad()),
+                };
+                let bytes = bytes.parse().map_err(|_| bad())?;
+                config.tiers.quotas.push(lake_cp::tier::Quota { namespace, tier, bytes });
+            }
             "--socket-mode" => {
                 config.access.socket_mode = Some(
                     u32::from_str_radix(value.trim_start_matches("0o"), 8)
