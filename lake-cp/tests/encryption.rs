@@ -212,17 +212,22 @@ fn a_tenants_blocks_lie_sealed_in_l2_come_back_whole_and_die_with_its_key() {
     assert!(stats.pool.purged >= 1 && stats.pool.unreadable >= 1, "{:?}", stats.pool);
 }
 
-/// Every file under `dir`, read.
+/// Every whole object file under `dir`, read (the store writes each as
+/// a `.part-` file renamed into place, and deletes some while this runs:
+/// a file gone between the listing and the read is skipped).
 fn all_files(dir: &Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(at) = stack.pop() {
-        for entry in std::fs::read_dir(&at).unwrap() {
-            let path = entry.unwrap().path();
+        let Ok(entries) = std::fs::read_dir(&at) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
             if path.is_dir() {
                 stack.push(path);
-            } else {
-                out.push((path.clone(), std::fs::read(&path).unwrap()));
+            } else if !path.to_string_lossy().contains(".part-")
+                && let Ok(bytes) = std::fs::read(&path)
+            {
+                out.push((path, bytes));
             }
         }
     }
@@ -307,13 +312,10 @@ fn blocks_written_from_l1_to_l3_are_sealed_too_and_read_back_through() {
     save_roots(&mut other, CLEAR_NS);
     let objects = |ns: NamespaceId| {
         let name = format!("{:016x}", ns.0);
-        all_files(&l3)
-            .into_iter()
-            .filter(|(p, _)| p.to_string_lossy().contains(&name) && !p.to_string_lossy().contains(".part-"))
-            .count()
+        all_files(&l3).into_iter().filter(|(p, _)| p.to_string_lossy().contains(&name)).count()
     };
     wait_until("both namespaces in L3", || objects(SEALED_NS) >= 30 && objects(CLEAR_NS) >= 30);
-    let files: Vec<_> = all_files(&l3).into_iter().filter(|(p, _)| !p.to_string_lossy().contains(".part-")).collect();
+    let files = all_files(&l3);
     let mut sealed = 0;
     for (path, bytes) in &files {
         let header = lake_dp::stored::decode_header(bytes).unwrap();

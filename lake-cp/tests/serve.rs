@@ -63,6 +63,9 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
         path
     };
     let (link, tenant) = (keygen("cluster.key"), keygen("tenant.key"));
+    let keys = base.join("tenants");
+    std::fs::create_dir_all(&keys).unwrap();
+    let other_tenant = keygen("tenants/8e8e.key");
     // keygen never overwrites a key.
     let again = Command::new(env!("CARGO_BIN_EXE_lake")).arg("keygen").arg(&link).output().unwrap();
     assert!(!again.status.success());
@@ -90,6 +93,8 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
         .arg(format!("7e7e={}", tenant.display()))
         .args(["--quota", "7e7e:l2=1048576", "--socket-mode", "660", "--transport-listen", "127.0.0.1:0", "--dir"])
         .arg(&dir)
+        .arg("--tenant-keys")
+        .arg(&keys)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -98,6 +103,18 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
     out.read_line(&mut serving).unwrap();
     assert!(serving.contains("\"event\":\"serving\""), "{serving}");
     assert_eq!(std::fs::metadata(dir.join("dp.sock")).unwrap().permissions().mode() & 0o777, 0o660);
+    // Crypto-shredding from the shell: the tenant's key file goes, SIGHUP,
+    // and the pool forgets it (purging its blocks).
+    std::fs::remove_file(&other_tenant).unwrap();
+    let pid = i32::try_from(child.id()).unwrap();
+    // SAFETY: a plain syscall on the child's pid.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0);
+    let mut reloaded = String::new();
+    out.read_line(&mut reloaded).unwrap();
+    assert!(
+        reloaded.contains("\"event\":\"tenant_keys\"") && reloaded.contains("\"forgotten\":[\"0000000000008e8e\"]"),
+        "{reloaded}"
+    );
     // SAFETY: a plain syscall on the child's pid.
     assert_eq!(unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGTERM) }, 0);
     assert!(child.wait().unwrap().success());

@@ -18,10 +18,11 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
                   [--link-key FILE] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
                   [--socket-group NAME] [--socket-mode OCTAL]
-                  [--tenant-key NAMESPACE=FILE ...] [--require-encryption yes]
+                  [--tenant-key NAMESPACE=FILE ...] [--tenant-keys DIR] [--require-encryption yes]
                   [--quota NAMESPACE:l1|l2|l3=BYTES ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
-                   with a link key every transport and summary connection is authenticated)
+                   with a link key every transport and summary connection is authenticated;
+                   SIGHUP reads --tenant-keys DIR's NAMESPACE.key files again: one gone is purged)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
                [--ttl SECONDS] [--node N] [--entries N]
                (a control plane standing for leadership in etcd: a standby until it leads,
@@ -93,6 +94,64 @@ fn keygen(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// The tenant keys in `dir`: every `NAMESPACE.key` file (the namespace
+/// in hex), each readable by its owner only.
+fn read_tenant_keys(
+    dir: &std::path::Path,
+) -> Result<Vec<(lake_dp::NamespaceId, lake_dp::auth::at_rest::DataKey)>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("--tenant-keys {}: {e}", dir.display()))?;
+    let mut keys = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|e| format!("--tenant-keys {}: {e}", dir.display()))?.path();
+        if path.extension().is_none_or(|x| x != "key") {
+            continue;
+        }
+        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        let namespace = u64::from_str_radix(stem, 16)
+            .map_err(|_| format!("{}: the name is not a namespace in hex", path.display()))?;
+        let key = lake_dp::auth::at_rest::DataKey::load(&path).map_err(|e| e.to_string())?;
+        keys.push((lake_dp::NamespaceId(namespace), key));
+    }
+    Ok(keys)
+}
+
+/// SIGHUP: the tenant keys read again; a new or changed file sets its
+/// key, a file gone forgets its tenant (purged from every tier). A
+/// directory that cannot be read changes nothing (said so).
+fn reload_tenant_keys(
+    dir: &std::path::Path,
+    pool: &lake_cp::embedded::EmbeddedPool,
+    known: &mut std::collections::HashMap<lake_dp::NamespaceId, u64>,
+) {
+    use lake_dp::auth::at_rest::KeyChange;
+    let keys = match read_tenant_keys(dir) {
+        Ok(keys) => keys,
+        Err(e) => {
+            println!("{{\"event\":\"tenant_keys_refused\",\"why\":{e:?}}}");
+            return;
+        }
+    };
+    let (mut set, mut forgotten) = (Vec::new(), Vec::new());
+    let present: std::collections::HashSet<lake_dp::NamespaceId> = keys.iter().map(|(ns, _)| *ns).collect();
+    for (namespace, key) in keys {
+        if known.get(&namespace) != Some(&key.id()) {
+            known.insert(namespace, key.id());
+            set.push(format!("\"{:016x}\"", namespace.0));
+            pool.tenant_keys.change(KeyChange::Set(namespace, key));
+        }
+    }
+    known.retain(|namespace, _| {
+        let keep = present.contains(namespace);
+        if !keep {
+            forgotten.push(format!("\"{:016x}\"", namespace.0));
+            pool.tenant_keys.change(KeyChange::Forget(*namespace));
+        }
+        keep
+    });
+    println!("{{\"event\":\"tenant_keys\",\"set\":[{}],\"forgotten\":[{}]}}", set.join(","), forgotten.join(","));
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+}
+
 /// The link key in `path` (`--link-key`).
 fn link_key(path: &str) -> Result<lake_dp::auth::LinkKey, String> {
     lake_dp::auth::LinkKey::load(std::path::Path::new(path)).map_err(|e| e.to_string())
@@ -140,7 +199,8 @@ fn serve(args: &[String]) -> Result<(), String> {
     use lake_dp::runner::config::L3Section;
     // Before any thread starts: the pool's threads inherit the blocked
     // signals, and this one takes them.
-    let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
+    let signals = lake_dp::runner::os::Signals::with_hangup().map_err(|e| format!("signals: {e}"))?;
+    let mut key_dir: Option<std::path::PathBuf> = None;
     let mut config = EmbeddedConfig {
         metrics: true,
         events_to_stderr: true,
@@ -192,6 +252,7 @@ fn serve(args: &[String]) -> Result<(), String> {
                 config.tenant_keys.push((lake_dp::NamespaceId(namespace), key));
             }
             "--require-encryption" => config.require_encryption = value == "yes",
+            "--tenant-keys" => key_dir = Some(value.into()),
             "--quota" => {
                 let bad = || format!("{flag} {value}: NAMESPACE(hex):l1|l2|l3=BYTES");
                 let (place, bytes) = value.split_once('=').ok_or_else(bad)?;
@@ -261,6 +322,15 @@ fn serve(args: &[String]) -> Result<(), String> {
         (None, None) => None,
         _ => return Err("--etcd and --cluster go together".into()),
     };
+    // Tenant keys from a directory (NAMESPACE.key files), read again on
+    // SIGHUP: a file gone is a tenant forgotten (its blocks purged).
+    let mut tenant_files = std::collections::HashMap::new();
+    if let Some(dir) = &key_dir {
+        for (namespace, key) in read_tenant_keys(dir)? {
+            tenant_files.insert(namespace, key.id());
+            config.tenant_keys.push((namespace, key));
+        }
+    }
     let pool = EmbeddedPool::start(&config)?;
     let address = config.transport_listen.map_or_else(|| pool.cp_socket.display().to_string(), |a| a.to_string());
     let mut member = match &cluster {
@@ -279,7 +349,16 @@ fn serve(args: &[String]) -> Result<(), String> {
         config.block_bytes
     );
     let _ = std::io::Write::flush(&mut std::io::stdout());
-    while signals.take().is_none() {
+    loop {
+        match signals.take() {
+            Some(libc::SIGHUP) => {
+                if let Some(dir) = &key_dir {
+                    reload_tenant_keys(dir, &pool, &mut tenant_files);
+                }
+            }
+            Some(_) => break,
+            None => {}
+        }
         std::thread::sleep(std::time::Duration::from_millis(50));
         if renewed.elapsed() >= renew_every
             && let (Some(cluster), Some(current)) = (&cluster, &member)

@@ -98,6 +98,17 @@ impl Signals {
     /// Blocks SIGTERM and SIGINT (call before starting other threads, which
     /// inherit the mask) and opens a signalfd for them.
     pub fn new() -> io::Result<Self> {
+        Self::with(&[])
+    }
+
+    /// [`Signals::new`], and SIGHUP too (`lake serve` re-reads its tenant
+    /// keys on it): [`Signals::take`] then gives it like the others, and
+    /// the caller tells them apart.
+    pub fn with_hangup() -> io::Result<Self> {
+        Self::with(&[libc::SIGHUP])
+    }
+
+    fn with(extra: &[libc::c_int]) -> io::Result<Self> {
         // SAFETY: sigset_t is plain data; sigemptyset initialises it.
         let mut set: libc::sigset_t = unsafe { core::mem::zeroed() };
         // SAFETY: valid pointers to the set above.
@@ -111,6 +122,12 @@ impl Signals {
         // SAFETY: as above.
         unsafe {
             libc::sigaddset(&raw mut set, libc::SIGINT);
+        }
+        for &signal in extra {
+            // SAFETY: as above.
+            unsafe {
+                libc::sigaddset(&raw mut set, signal);
+            }
         }
         // SAFETY: a valid set; the old mask is not wanted.
         let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &raw const set, core::ptr::null_mut()) };
