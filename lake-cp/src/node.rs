@@ -78,6 +78,11 @@ pub struct NodeCounters {
     pub readopted: u64,
     /// Replicas evicted.
     pub evicted: u64,
+    /// L2 replicas given up for a faster copy of a block L3 holds too (the
+    /// index keeps two a block).
+    pub replicas_given_up: u64,
+    /// L3 copies not tracked: their block was in L1 and in a leased L2.
+    pub l3_untracked: u64,
     /// Reports refused (stale epoch, unknown region, ...).
     pub refused: u64,
     /// Blocks that waited for their parent.
@@ -390,6 +395,13 @@ impl Node {
             return Ok(());
         }
         let new = existing.is_none();
+        if new && !readopted && !self.make_room_for(&block.key, replica.tier) {
+            // An L3 copy of a block in L1 and a leased L2: not tracked
+            // (the object stays in the store and the data plane's catalog,
+            // reported again when the block next moves to L3).
+            self.counters.l3_untracked += 1;
+            return Ok(());
+        }
         // A new L1 copy of a block a lower tier holds: a promotion.
         let promoted = new
             && !readopted
@@ -463,6 +475,65 @@ impl Node {
                 ready.push(child.key);
             }
         }
+    }
+
+    /// A block holds [`crate::index::REPLICAS_INLINE`] replicas at most.
+    /// With eager write-back a block can be in L1, L2 and L3 at once — an
+    /// L1 copy read through for a block L2 and L3 hold, an L3 copy landing
+    /// for one in L1 and L2 — and the third report used to be refused,
+    /// leaving the data plane holding a slot nobody freed (a pool of 16 L1
+    /// slots stopped taking saves at 32 blocks). The new replica takes the
+    /// place of the L2 copy, the redundant middle one, asked of the data
+    /// plane to free — unless a reader leases it; then a new L1 copy takes
+    /// the L3 one's place in this view only (the object stays in the store
+    /// and the data plane's catalog, which reports it again when the block
+    /// next moves to L3).
+    ///
+    /// Returns false for a new L3 copy that finds no room (its block in L1
+    /// and in a leased L2): it is then not tracked.
+    fn make_room_for(&mut self, key: &BlockKey, tier: Tier) -> bool {
+        let ready: Vec<Replica> = self.locations.ready(key).collect();
+        if ready.len() < crate::index::REPLICAS_INLINE {
+            return true;
+        }
+        if tier == Tier::L2Nvme {
+            // A demotion's L2 copy of a block L3 holds too: its L1 copy is
+            // on its way out (the data plane reports its eviction next), so
+            // it leaves the view now — the block is never missing from it.
+            if let Some(l1) = ready.iter().find(|r| r.tier == Tier::L1Dram).copied()
+                && self.tiers.is_leaving(key, l1.region.0)
+                && self.locations.remove(key, l1.region.0).is_ok()
+            {
+                self.tiers.removed(l1.region.0, key);
+                self.tiers.expect_eviction(*key, l1);
+                self.counters.replicas_given_up += 1;
+            }
+            return true;
+        }
+        let l2 = ready.iter().find(|r| r.tier == Tier::L2Nvme).copied();
+        let l3 = ready.iter().find(|r| r.tier == Tier::L3Object).copied();
+        // One with a command in flight is on its way out already (or being
+        // copied): not asked twice.
+        let free =
+            |node: &Self, r: &Replica| !node.leases.is_held(key, r.region.0) && !node.tiers.is_pending(key, r.region.0);
+        if let Some(l2) = l2
+            && free(self, &l2)
+            && self.locations.remove(key, l2.region.0).is_ok()
+        {
+            self.tiers.removed(l2.region.0, key);
+            self.tiers.duplicate(*key, l2);
+            self.counters.replicas_given_up += 1;
+        } else if tier == Tier::L1Dram
+            && let Some(l3) = l3
+            && free(self, &l3)
+            && self.locations.remove(key, l3.region.0).is_ok()
+        {
+            self.tiers.removed(l3.region.0, key);
+            self.counters.replicas_given_up += 1;
+        } else if tier == Tier::L3Object {
+            return false;
+        }
+        true
     }
 
     fn evict(&mut self, evicted: &BlockEvicted) -> Result<(), NodeError> {

@@ -379,6 +379,26 @@ impl Tiers {
             .map(|(id, r)| (*id, *r))
     }
 
+    /// Whether a command about the replica of `key` in `region` is in
+    /// flight (it is on its way out, or being copied).
+    pub fn is_pending(&self, key: &BlockKey, region: u16) -> bool {
+        self.pending_of.contains_key(&(*key, region))
+    }
+
+    /// Whether the replica of `key` in `region` is on its way out: a move
+    /// or an eviction of it is in flight (not a copy).
+    pub fn is_leaving(&self, key: &BlockKey, region: u16) -> bool {
+        self.pending_of.get(&(*key, region)).and_then(|r| self.pending.get(r)).is_some_and(|p| p.frees)
+    }
+
+    /// The report of `replica`'s eviction, when it comes, is of one this
+    /// manager already let go (taken out of the view ahead of it).
+    pub fn expect_eviction(&mut self, key: BlockKey, replica: Replica) {
+        if self.duplicates_sent.len() < COMMANDS_PER_PASS * 64 {
+            self.duplicates_sent.insert((key, replica.region.0, replica.slot, replica.generation));
+        }
+    }
+
     /// A second replica of `key` in a region that holds one already (two
     /// agents saved the same block at once): the first stays, this one is
     /// evicted at the next pass.

@@ -382,3 +382,71 @@ fn l3_past_its_catalog_deletes_the_coldest_objects_in_batches() {
     // some more, partly the same blocks.
     assert!(found >= 24, "what the pool still holds is found and reads back ({found})");
 }
+
+/// Eager write-back over a pool whose L1 and L2 are small (24 and 16
+/// slots): once a block is in L1 and L3, its demotion to L2 briefly made a
+/// third replica, which the index (two a block) refused — the data plane
+/// kept the L2 copy the control plane never knew, L2 filled with them, and
+/// saves stopped for good when L1 and L2 were full, at block 40 every run
+/// (found in issue [9]'s tests). Every save goes through now, no report is
+/// refused, and every block reads back (one read through from L2 while L3
+/// holds it too takes the place of its L2 copy).
+#[test]
+fn eager_write_back_over_a_small_l1_never_stalls_or_loses_a_report() {
+    let base = std::env::temp_dir().join(format!("lake-cp-l3-small-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let l3 = base.join("l3");
+    let _scratch = Scratch(base.clone(), Vec::new());
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+        l1_slots: 24,
+        l2_slots_per_file: 8,
+        local_agents: 1,
+        remote_agents: 0,
+        tiers: TierConfig {
+            high_percent: 80,
+            low_percent: 60,
+            l3_write_back: L3WriteBack::Eager,
+            ..TierConfig::default()
+        },
+        l3: Some(L3Section { objects: 4096, ..L3Section::dir(l3) }),
+        ..EmbeddedConfig::new(base.join("pool"))
+    })
+    .unwrap();
+    let mut agent = attach(&mut pool);
+    for i in 0..80 {
+        let payload = payload(&key(i));
+        let block =
+            || SaveBlock { key: key(i), parent: BlockKey::NONE, block_index: 0, payload: SavePayload::Bytes(&payload) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while agent.save(&[block()]) != 1 {
+            assert!(Instant::now() < deadline, "saves stopped at block {i}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    // Every block back, byte for byte, from wherever it is.
+    let mut table = Vec::new();
+    for i in 0..80 {
+        let keys = [key(i)];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if Instant::now() >= deadline {
+                let hits = agent.lookup(&keys, &mut table);
+                panic!(
+                    "block {i} never read back: hits {hits} {:?} failure {:?}",
+                    table.first(),
+                    agent.last_fetch_failure()
+                );
+            }
+            if agent.lookup(&keys, &mut table) == 1
+                && agent.fetch(&keys, &table, |_, bytes| assert_eq!(bytes, &payload(&key(i))[..], "block {i}")) == 1
+            {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    drop(agent);
+    let (_, server) = pool.stop().unwrap();
+    assert_eq!(server.counters.refused, 0, "reports refused: {:?}", server.counters);
+    assert_eq!(server.node().tiers.counters.failed, 0, "{:?}", server.node().tiers.counters);
+}
