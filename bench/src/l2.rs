@@ -142,15 +142,8 @@ fn open_in_slot(setup: &Setup, l1_slot: u32, key: &lake_dp::auth::at_rest::DataK
     // pushed back on the free list.
     let slot = unsafe { core::slice::from_raw_parts_mut(base, len) };
     let decoded = lake_dp::stored::decode_header(slot).map_err(|e| e.to_string())?;
-    let seal = *decoded.seal().ok_or("the block read is not sealed")?;
     let meta = *decoded.meta();
-    let (header, body) = slot.split_at_mut(lake_dp::constants::STORED_HEADER_BYTES);
-    let payload = &mut body[..usize::try_from(meta.payload_len).map_err(|_| "payload")?];
-    lake_dp::auth::at_rest::open(key, &meta, &seal, payload).map_err(|e| e.to_string())?;
-    let mut crcs = [0u32; lake_dp::constants::SEGMENTS_MAX];
-    let count = lake_dp::stored::segment_crcs(payload, meta.segment_bytes, &mut crcs).map_err(|e| e.to_string())?;
-    let header: &mut [u8; lake_dp::constants::STORED_HEADER_BYTES] = header.try_into().map_err(|_| "header")?;
-    lake_dp::stored::encode_header(&meta, &crcs[..usize::from(count)], header).map_err(|e| e.to_string())
+    lake_dp::auth::at_rest::open_object(key, &decoded, &meta, slot).map_err(|e| e.to_string())
 }
 
 fn lake_pass(

@@ -492,15 +492,17 @@ impl Node {
     /// Returns false for a new L3 copy that finds no room (its block in L1
     /// and in a leased L2): it is then not tracked.
     fn make_room_for(&mut self, key: &BlockKey, tier: Tier) -> bool {
-        let ready: Vec<Replica> = self.locations.ready(key).collect();
-        if ready.len() < crate::index::REPLICAS_INLINE {
+        // Every commit passes here: the common case costs a count, no
+        // allocation.
+        if self.locations.ready(key).count() < crate::index::REPLICAS_INLINE {
             return true;
         }
+        let held_in = |node: &Self, tier: Tier| node.locations.ready(key).find(|r| r.tier == tier);
         if tier == Tier::L2Nvme {
             // A demotion's L2 copy of a block L3 holds too: its L1 copy is
             // on its way out (the data plane reports its eviction next), so
             // it leaves the view now — the block is never missing from it.
-            if let Some(l1) = ready.iter().find(|r| r.tier == Tier::L1Dram).copied()
+            if let Some(l1) = held_in(self, Tier::L1Dram)
                 && self.tiers.is_leaving(key, l1.region.0)
                 && self.locations.remove(key, l1.region.0).is_ok()
             {
@@ -510,8 +512,7 @@ impl Node {
             }
             return true;
         }
-        let l2 = ready.iter().find(|r| r.tier == Tier::L2Nvme).copied();
-        let l3 = ready.iter().find(|r| r.tier == Tier::L3Object).copied();
+        let (l2, l3) = (held_in(self, Tier::L2Nvme), held_in(self, Tier::L3Object));
         // One with a command in flight is on its way out already (or being
         // copied): not asked twice.
         let free =

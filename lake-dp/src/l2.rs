@@ -267,9 +267,7 @@ fn now_unix_ns() -> u64 {
 
 fn random_set_id() -> [u8; 16] {
     let mut id = [0u8; 16];
-    // SAFETY: getrandom writes at most `id.len()` bytes into `id`.
-    let got = unsafe { libc::getrandom(id.as_mut_ptr().cast(), id.len(), 0) };
-    if got != 16 {
+    if crate::auth::random_bytes(&mut id).is_err() {
         // No entropy source: time and pid still tell two tiers apart.
         id[..8].copy_from_slice(&now_unix_ns().to_le_bytes());
         id[8..12].copy_from_slice(&std::process::id().to_le_bytes());

@@ -94,6 +94,11 @@ fn keygen(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// A namespace id in hex (`7e7e`, `0x7e7e`), as `lake` prints them.
+fn namespace_hex(text: &str) -> Option<lake_dp::NamespaceId> {
+    u64::from_str_radix(text.trim_start_matches("0x"), 16).ok().map(lake_dp::NamespaceId)
+}
+
 /// The tenant keys in `dir`: every `NAMESPACE.key` file (the namespace
 /// in hex), each readable by its owner only.
 fn read_tenant_keys(
@@ -107,10 +112,10 @@ fn read_tenant_keys(
             continue;
         }
         let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-        let namespace = u64::from_str_radix(stem, 16)
-            .map_err(|_| format!("{}: the name is not a namespace in hex", path.display()))?;
+        let namespace =
+            namespace_hex(stem).ok_or_else(|| format!("{}: the name is not a namespace in hex", path.display()))?;
         let key = lake_dp::auth::at_rest::DataKey::load(&path).map_err(|e| e.to_string())?;
-        keys.push((lake_dp::NamespaceId(namespace), key));
+        keys.push((namespace, key));
     }
     Ok(keys)
 }
@@ -245,11 +250,11 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--tenant-key" => {
                 let (namespace, file) =
                     value.split_once('=').ok_or_else(|| format!("{flag} {value}: NAMESPACE(hex)=FILE"))?;
-                let namespace = u64::from_str_radix(namespace.trim_start_matches("0x"), 16)
-                    .map_err(|e| format!("{flag} {value}: namespace: {e}"))?;
+                let namespace =
+                    namespace_hex(namespace).ok_or_else(|| format!("{flag} {value}: the namespace is not hex"))?;
                 let key = lake_dp::auth::at_rest::DataKey::load(std::path::Path::new(file))
                     .map_err(|e| format!("{flag} {value}: {e}"))?;
-                config.tenant_keys.push((lake_dp::NamespaceId(namespace), key));
+                config.tenant_keys.push((namespace, key));
             }
             "--require-encryption" => config.require_encryption = value == "yes",
             "--tenant-keys" => key_dir = Some(value.into()),
@@ -257,7 +262,7 @@ fn serve(args: &[String]) -> Result<(), String> {
                 let bad = || format!("{flag} {value}: NAMESPACE(hex):l1|l2|l3=BYTES");
                 let (place, bytes) = value.split_once('=').ok_or_else(bad)?;
                 let (namespace, tier) = place.split_once(':').ok_or_else(bad)?;
-                let namespace = u64::from_str_radix(namespace.trim_start_matches("0x"), 16).map_err(|_| bad())?;
+                let namespace = namespace_hex(namespace).ok_or_else(bad)?.0;
                 let tier = match tier {
                     "l1" => lake_dp::Tier::L1Dram,
                     "l2" => lake_dp::Tier::L2Nvme,

@@ -17,8 +17,9 @@ use std::collections::HashMap;
 
 use zeroize::Zeroize;
 
+use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
 use crate::model::namespace::NamespaceId;
-use crate::stored::{ObjectMeta, Seal};
+use crate::stored::{DecodedHeader, ObjectMeta, Seal, encode_header, segment_crcs};
 
 const CONTEXT_KEY_ID: &str = "lake 2026-12 data key id";
 const CONTEXT_BLOCK_KEY: &str = "lake 2026-12 at-rest object key";
@@ -89,6 +90,8 @@ pub enum OpenError {
     },
     /// The tag does not check: tampered, or moved under another header.
     Tag,
+    /// Not a sealed object, or shorter than its header says.
+    Malformed,
 }
 
 impl core::fmt::Display for OpenError {
@@ -99,6 +102,7 @@ impl core::fmt::Display for OpenError {
                 write!(f, "sealed with data key {sealed_with:016x}, the namespace now has {held:016x}")
             }
             Self::Tag => f.write_str("its AEAD tag does not check"),
+            Self::Malformed => f.write_str("not a whole sealed object"),
         }
     }
 }
@@ -156,6 +160,27 @@ pub fn open(key: &DataKey, meta: &ObjectMeta, seal: &Seal, payload: &mut [u8]) -
         )
         .map(|_| ())
         .map_err(|_| OpenError::Tag)
+}
+
+/// Opens the sealed stored object in `bytes` (its header decoded as
+/// `decoded`, its CRCs over the ciphertext already checked) where it lies:
+/// the payload decrypted, the header rewritten as `meta` in the clear,
+/// with the plaintext's CRCs — what L1 readers check.
+pub fn open_object(
+    key: &DataKey,
+    decoded: &DecodedHeader,
+    meta: &ObjectMeta,
+    bytes: &mut [u8],
+) -> Result<(), OpenError> {
+    let seal = decoded.seal().ok_or(OpenError::Malformed)?;
+    let (header, body) = bytes.split_at_mut_checked(STORED_HEADER_BYTES).ok_or(OpenError::Malformed)?;
+    let header: &mut [u8; STORED_HEADER_BYTES] = header.try_into().map_err(|_| OpenError::Malformed)?;
+    let payload_len = usize::try_from(meta.payload_len).map_err(|_| OpenError::Malformed)?;
+    let payload = body.get_mut(..payload_len).ok_or(OpenError::Malformed)?;
+    open(key, decoded.meta(), seal, payload)?;
+    let mut crcs = [0u32; SEGMENTS_MAX];
+    let count = segment_crcs(payload, meta.segment_bytes, &mut crcs).map_err(|_| OpenError::Malformed)?;
+    encode_header(meta, &crcs[..usize::from(count)], header).map_err(|_| OpenError::Malformed)
 }
 
 /// The data keys of the namespaces whose blocks are sealed at rest, and

@@ -582,11 +582,17 @@ impl TcpTransport {
             .as_ref()
             .and_then(|s| s.socket.peer_addr().ok())
             .map_or_else(|| "an unknown address".to_string(), |a| a.to_string());
+        self.note(format!("connection with {from}: {what}"));
+    }
+
+    /// Keeps `line` for the caller's log, the oldest dropped (counted)
+    /// past [`SECURITY_EVENTS_MAX`].
+    fn note(&mut self, line: String) {
         if self.security_events.len() >= SECURITY_EVENTS_MAX {
             self.security_events.pop_front();
             self.stats.security_events_dropped += 1;
         }
-        self.security_events.push_back(format!("connection with {from}: {what}"));
+        self.security_events.push_back(line);
     }
 
     /// Where it listens.
@@ -953,12 +959,7 @@ impl TcpTransport {
                         && self.streams.iter().flatten().filter(|s| s.handshaking()).count() >= HANDSHAKING_MAX
                     {
                         self.stats.handshakes_refused += 1;
-                        let what = format!("connection with {from}: refused, {HANDSHAKING_MAX} handshakes under way");
-                        if self.security_events.len() < SECURITY_EVENTS_MAX {
-                            self.security_events.push_back(what);
-                        } else {
-                            self.stats.security_events_dropped += 1;
-                        }
+                        self.note(format!("connection with {from}: refused, {HANDSHAKING_MAX} handshakes under way"));
                         continue;
                     }
                     let token = self.free_token();

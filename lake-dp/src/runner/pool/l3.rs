@@ -639,18 +639,6 @@ impl Pool {
 
     /// Evicts an L3 replica: the catalog entry goes now, the object with
     /// the next batch of deletes.
-    /// The L3 replicas of `namespace` in the catalog.
-    pub(super) fn l3_of(&self, namespace: crate::NamespaceId) -> Vec<(ReplicaWire, BlockKey)> {
-        let Some(tier) = self.l3.as_ref() else { return Vec::new() };
-        (0u32..)
-            .zip(&tier.catalog)
-            .filter_map(|(entry, meta)| {
-                let meta = meta.as_ref().filter(|m| m.namespace == namespace)?;
-                Some((tier.replica(self.node, self.epoch, entry, meta.generation), meta.key))
-            })
-            .collect()
-    }
-
     pub(super) fn evict_l3(&mut self, replica: &ReplicaWire, key: &BlockKey) -> Result<(), ErrorCode> {
         let Some(tier) = self.l3.as_mut() else { return Err(ErrorCode::NoSuchBlock) };
         if replica.region != tier.region {

@@ -1248,38 +1248,17 @@ impl Pool {
     }
 
     /// Drops every replica of `namespace` this node holds, L1, L2 and L3,
-    /// found from the headers it keeps (L2, L3) or reads (L1) — no payload
-    /// is read — each reported to `lake-cp` as released. Returns how many.
+    /// found from the headers it keeps (L2, L3) or reads (L1) as
+    /// re-adoption does — no payload is read — each reported to `lake-cp`
+    /// as released. Returns how many.
     pub(crate) fn purge(&mut self, namespace: crate::NamespaceId, parts: &mut Parts<'_>) -> u64 {
+        // What re-adoption reports of this node, the namespace's part.
         let mut victims: Vec<(ReplicaWire, BlockKey)> = Vec::new();
-        for (slot, state) in (0u32..).zip(&self.l1) {
-            if *state != L1State::Ready {
-                continue;
+        self.resident_records(parts.region, parts.table, &mut |record| {
+            if record.namespace == namespace.0 {
+                victims.push((record.replica, record.key));
             }
-            // SAFETY: a ready slot is written by nobody until the pool
-            // frees it, which this thread alone does.
-            let Some(bytes) = (unsafe { parts.region.slot(slot) }) else { continue };
-            let Ok(header) = decode_header(bytes) else { continue };
-            if header.meta().namespace == namespace {
-                victims.push((self.l1_replica(slot, header.meta().generation), header.meta().key));
-            }
-        }
-        let per_file = self.geometry.slots_per_file as usize;
-        for (index, meta) in self.l2_meta.iter().enumerate() {
-            let Some(meta) = meta.filter(|m| m.namespace == namespace) else { continue };
-            let (Ok(file), Ok(slot)) = (u16::try_from(index / per_file), u32::try_from(index % per_file)) else {
-                continue;
-            };
-            let replica = crate::runner::l2_replica(
-                &self.geometry,
-                self.node,
-                self.epoch,
-                L2Slot { file, slot },
-                meta.generation,
-            );
-            victims.push((replica, meta.key));
-        }
-        victims.extend(self.l3_of(namespace));
+        });
         let mut purged = 0;
         for (replica, key) in victims {
             let evict = BlockEvicted { replica, key, reason: EvictReason::Released as u8, reserved: [0; 7] };
@@ -1331,14 +1310,16 @@ impl Pool {
         // agent can pin it before it is reported.
         let bytes = unsafe { region.slot_mut(l1_slot) }.ok_or(AgentError::Invalid)?;
         let decoded = decode_header(bytes).map_err(|_| AgentError::Corrupt)?;
-        let (header, body) = bytes.split_at_mut(STORED_HEADER_BYTES);
-        let header: &mut [u8; STORED_HEADER_BYTES] = header.try_into().map_err(|_| AgentError::Invalid)?;
         let region = crate::model::replica::RegionId(self.l1_region);
         let meta = match decoded.seal() {
-            None => decoded
-                .encode_moved(region, self.epoch, l1_slot, l1_generation, header)
-                .map_err(|_| AgentError::Corrupt)?,
-            Some(seal) => {
+            None => {
+                let header: &mut [u8; STORED_HEADER_BYTES] =
+                    (&mut bytes[..STORED_HEADER_BYTES]).try_into().map_err(|_| AgentError::Invalid)?;
+                decoded
+                    .encode_moved(region, self.epoch, l1_slot, l1_generation, header)
+                    .map_err(|_| AgentError::Corrupt)?
+            }
+            Some(_) => {
                 // Opened in the slot (its CRCs, over the ciphertext, were
                 // checked by the read), then headed anew with the
                 // plaintext's CRCs, as L1 readers check them.
@@ -1349,21 +1330,18 @@ impl Pool {
                     generation: l1_generation,
                     ..*decoded.meta()
                 };
-                let payload_len = usize::try_from(meta.payload_len).map_err(|_| AgentError::Invalid)?;
-                let payload = body.get_mut(..payload_len).ok_or(AgentError::Invalid)?;
                 let Some(key) = self.keys.get(meta.namespace) else {
                     self.stats.unreadable += 1;
                     return Err(AgentError::Corrupt);
                 };
-                if crate::auth::at_rest::open(key, decoded.meta(), seal, payload).is_err() {
-                    self.stats.unreadable += 1;
-                    return Err(AgentError::Corrupt);
+                match crate::auth::at_rest::open_object(key, &decoded, &meta, bytes) {
+                    Ok(()) => {}
+                    Err(crate::auth::at_rest::OpenError::Malformed) => return Err(AgentError::Invalid),
+                    Err(_) => {
+                        self.stats.unreadable += 1;
+                        return Err(AgentError::Corrupt);
+                    }
                 }
-                let mut crcs = [0u32; crate::constants::SEGMENTS_MAX];
-                let count = crate::stored::segment_crcs(payload, meta.segment_bytes, &mut crcs)
-                    .map_err(|_| AgentError::Corrupt)?;
-                crate::stored::encode_header(&meta, &crcs[..usize::from(count)], header)
-                    .map_err(|_| AgentError::Corrupt)?;
                 self.stats.opened += 1;
                 meta
             }
