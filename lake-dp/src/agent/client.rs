@@ -279,15 +279,23 @@ impl Agent {
         let mut frame = [0u8; 256];
         let meta = FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id: 1, leader_term: 0 };
         let len = encode_frame(meta, &Message::Hello(hello), &mut frame).map_err(|e| fail("hello")(&e))?;
-        (&stream).write_all(&frame[..len]).map_err(|e| fail("sending the hello")(&e))?;
+        // A refusal may come before the hello is read (lake-dp refuses a
+        // peer it does not allow as it connects, and closes): the answer is
+        // read even when sending failed, so the refusal is what is said.
+        let sent = (&stream).write_all(&frame[..len]);
         let mut input = [0u8; 512];
         let mut have = 0;
         let mut fds = Vec::new();
         let mut ack = None;
         let mut found = None;
         let attached = loop {
-            let n = recv_with_fds(stream.as_raw_fd(), &mut input[have..], &mut fds)
-                .map_err(|e| fail("waiting for the answer")(&e))?;
+            let received = recv_with_fds(stream.as_raw_fd(), &mut input[have..], &mut fds);
+            if let Err(e) = &sent
+                && !matches!(received, Ok(n) if n > 0)
+            {
+                return Err(fail("sending the hello")(e));
+            }
+            let n = received.map_err(|e| fail("waiting for the answer")(&e))?;
             if n == 0 {
                 return Err(AttachError(format!("{}: lake-dp closed the connection", dp_socket.display())));
             }
