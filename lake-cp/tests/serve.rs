@@ -8,12 +8,14 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[test]
-fn serve_stops_on_sigterm_and_cleans_up() {
-    let dir = std::env::temp_dir().join(format!("lake-serve-test-{}", std::process::id()));
+/// `lake serve` of a small pool with `extra` arguments, once it says it is
+/// serving; its stdout, past that line.
+fn serving<S: AsRef<std::ffi::OsStr>>(
+    extra: impl IntoIterator<Item = S>,
+) -> (std::process::Child, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
-        .args(["serve", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32", "--dir"])
-        .arg(&dir)
+        .args(["serve", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32"])
+        .args(extra)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -21,6 +23,13 @@ fn serve_stops_on_sigterm_and_cleans_up() {
     let mut serving = String::new();
     out.read_line(&mut serving).unwrap();
     assert!(serving.contains("\"event\":\"serving\""), "{serving}");
+    (child, out)
+}
+
+#[test]
+fn serve_stops_on_sigterm_and_cleans_up() {
+    let dir = std::env::temp_dir().join(format!("lake-serve-test-{}", std::process::id()));
+    let (mut child, out) = serving([std::ffi::OsStr::new("--dir"), dir.as_os_str()]);
     assert!(dir.join("dp.sock").exists(), "the attach socket is there while serving");
 
     // SAFETY: a plain syscall on the child's pid.
@@ -86,22 +95,12 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
     assert!(said.contains("chmod 600") && said.contains("exposed.key"), "{said}");
     assert!(!dir.exists(), "nothing started");
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
-        .args(["serve", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32", "--link-key"])
-        .arg(&link)
-        .arg("--tenant-key")
-        .arg(format!("7e7e={}", tenant.display()))
-        .args(["--quota", "7e7e:l2=1048576", "--socket-mode", "660", "--transport-listen", "127.0.0.1:0", "--dir"])
-        .arg(&dir)
-        .arg("--tenant-keys")
-        .arg(&keys)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut serving = String::new();
-    out.read_line(&mut serving).unwrap();
-    assert!(serving.contains("\"event\":\"serving\""), "{serving}");
+    let quota = ["--quota", "7e7e:l2=1048576", "--socket-mode", "660", "--transport-listen", "127.0.0.1:0"];
+    let mut extra: Vec<std::ffi::OsString> = quota.iter().map(std::ffi::OsString::from).collect();
+    extra.extend(["--link-key".into(), link.clone().into_os_string(), "--tenant-key".into()]);
+    extra.push(format!("7e7e={}", tenant.display()).into());
+    extra.extend(["--dir".into(), dir.clone().into_os_string(), "--tenant-keys".into(), keys.clone().into_os_string()]);
+    let (mut child, mut out) = serving(extra);
     assert_eq!(std::fs::metadata(dir.join("dp.sock")).unwrap().permissions().mode() & 0o777, 0o660);
     // Crypto-shredding from the shell: the tenant's key file goes, SIGHUP,
     // and the pool forgets it (purging its blocks).

@@ -115,6 +115,20 @@ fn engine(pool: &mut EmbeddedPool, name: &'static str) -> Agent {
     Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
 }
 
+/// The L1 of node `node`, whose engine is `engine`, as a copy's target
+/// (any slot).
+fn l1_of(engine: &Agent, node: u32) -> lake_dp::model::replica::ReplicaWire {
+    lake_dp::model::replica::ReplicaWire {
+        tier: lake_dp::Tier::L1Dram as u8,
+        reserved: 0,
+        region: engine.arena_region(),
+        node,
+        region_epoch: engine.arena_epoch(),
+        slot: 0,
+        generation: 0,
+    }
+}
+
 /// Saves blocks `first..first + count` as one prompt through `agent` and
 /// waits until they are published; their keys and payloads.
 fn save_prompt(agent: &mut Agent, first: u32, count: u32) -> (Vec<BlockKey>, Vec<Vec<u8>>) {
@@ -279,15 +293,7 @@ fn a_control_plane_copies_blocks_into_another_nodes_l1() {
     let (keys, payloads) = save_prompt(&mut engine_a, 200, 5);
     let mut table = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
-    let to = ReplicaWire {
-        tier: lake_dp::Tier::L1Dram as u8,
-        reserved: 0,
-        region: engine_b.arena_region(),
-        node: 2,
-        region_epoch: engine_b.arena_epoch(),
-        slot: 0,
-        generation: 0,
-    };
+    let to = l1_of(&engine_b, 2);
     for key in &keys {
         a.copy_to(key, to, Priority::Replication).unwrap();
     }
@@ -321,7 +327,6 @@ fn a_control_plane_copies_blocks_into_another_nodes_l1() {
 #[test]
 fn pools_holding_the_link_key_copy_blocks_and_one_holding_another_gets_none_in() {
     use lake_dp::auth::LinkKey;
-    use lake_dp::model::replica::ReplicaWire;
     let (cluster, stranger) = (LinkKey::from_bytes([0x21; 32]), LinkKey::from_bytes([0x22; 32]));
     let node_b = free_port();
     let mut a = start_keyed("keyed-a", 1, None, vec![(2, node_b)], Some(cluster.clone()));
@@ -332,15 +337,7 @@ fn pools_holding_the_link_key_copy_blocks_and_one_holding_another_gets_none_in()
     let mut engine_c = engine(&mut c, "engine-c");
     let (keys, payloads) = save_prompt(&mut engine_a, 300, 3);
     let (strange_keys, _) = save_prompt(&mut engine_c, 400, 3);
-    let to = ReplicaWire {
-        tier: lake_dp::Tier::L1Dram as u8,
-        reserved: 0,
-        region: engine_b.arena_region(),
-        node: 2,
-        region_epoch: engine_b.arena_epoch(),
-        slot: 0,
-        generation: 0,
-    };
+    let to = l1_of(&engine_b, 2);
     for (key, strange) in keys.iter().zip(&strange_keys) {
         a.copy_to(key, to, Priority::Replication).unwrap();
         c.copy_to(strange, to, Priority::Replication).unwrap();

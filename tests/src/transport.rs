@@ -151,3 +151,23 @@ pub fn outgoing(
 pub fn now_ns(start: std::time::Instant) -> u64 {
     u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
+
+/// Polls `sender` and `receiver` (landing into `node`) until `want` of the
+/// sender's completions came back; fails after 10 s.
+pub fn drive(
+    sender: &mut lake_dp::transport::tcp::TcpTransport,
+    receiver: &mut lake_dp::transport::tcp::TcpTransport,
+    node: &mut Node,
+    start: std::time::Instant,
+    want: usize,
+) -> Vec<lake_dp::transport::Completion> {
+    let mut done = Vec::new();
+    let mut none = Node::new(0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while done.len() < want {
+        assert!(std::time::Instant::now() < deadline, "{} of {want} completions in 10 s", done.len());
+        sender.poll(&mut none, now_ns(start), &mut done);
+        receiver.poll(node, now_ns(start), &mut Vec::new());
+    }
+    done
+}

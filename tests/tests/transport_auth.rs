@@ -19,11 +19,10 @@ use std::time::{Duration, Instant};
 use lake_dp::Priority;
 use lake_dp::auth::handshake::SERVER_HELLO_BYTES;
 use lake_dp::auth::{ClientHandshake, LinkKey, Session};
-use lake_dp::transport::Completion;
 use lake_dp::transport::frame::{BlockAddr, FrameHeader};
 use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpTransport};
 use lake_tests::fault_proxy::{FaultProxy, Faults};
-use lake_tests::transport::{Node, now_ns, object, outgoing};
+use lake_tests::transport::{Node, drive, now_ns, object, outgoing};
 
 fn config() -> TcpConfig {
     TcpConfig { streams_per_peer: 2, transfer_timeout_ns: 3_000_000_000, ..TcpConfig::default() }
@@ -47,25 +46,6 @@ fn sender(key: Option<LinkKey>, to: SocketAddr) -> (TcpTransport, PeerId) {
     }
     let peer = sender.add_peer(to).unwrap();
     (sender, peer)
-}
-
-/// Polls both until `want` completions came back (10 s at most).
-fn drive(
-    sender: &mut TcpTransport,
-    receiver: &mut TcpTransport,
-    node: &mut Node,
-    start: Instant,
-    want: usize,
-) -> Vec<Completion> {
-    let mut done = Vec::new();
-    let mut none = Node::new(0);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while done.len() < want {
-        assert!(Instant::now() < deadline, "{} of {want} completions in 10 s", done.len());
-        sender.poll(&mut none, now_ns(start), &mut done);
-        receiver.poll(node, now_ns(start), &mut Vec::new());
-    }
-    done
 }
 
 /// Sends one good block from a fresh authenticated sender and checks it

@@ -14,32 +14,13 @@ use std::time::{Duration, Instant};
 
 use lake_dp::Priority;
 use lake_dp::stored::decode_object;
+use lake_dp::transport::TransferError;
 use lake_dp::transport::frame::BlockAddr;
 use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpTransport};
-use lake_dp::transport::{Completion, TransferError};
-use lake_tests::transport::{EPOCH, Node, REGION, SLOT_BYTES, now_ns, object, outgoing};
+use lake_tests::transport::{EPOCH, Node, REGION, SLOT_BYTES, drive, now_ns, object, outgoing};
 
 fn config() -> TcpConfig {
     TcpConfig { streams_per_peer: 4, slice_bytes: 1 << 20, transfer_timeout_ns: 2_000_000_000, ..TcpConfig::default() }
-}
-
-/// Polls both ends until `want` completions came back (or 10 s passed).
-fn drive(
-    sender: &mut TcpTransport,
-    receiver: &mut TcpTransport,
-    node: &mut Node,
-    start: Instant,
-    want: usize,
-) -> Vec<Completion> {
-    let mut done = Vec::new();
-    let mut none = Node::new(0);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while done.len() < want {
-        assert!(Instant::now() < deadline, "{} of {want} completions in 10 s", done.len());
-        sender.poll(&mut none, now_ns(start), &mut done);
-        receiver.poll(node, now_ns(start), &mut Vec::new());
-    }
-    done
 }
 
 fn connected(sender: &mut TcpTransport, receiver: &mut TcpTransport, node: &mut Node, peer: PeerId, start: Instant) {
