@@ -92,7 +92,10 @@ fn status_of(error: &TransferError) -> LakeStatus {
         TransferError::Corrupt => LakeStatus::LakeBadCrc,
         TransferError::Busy => LakeStatus::LakeBusy,
         TransferError::Invalid(_) => LakeStatus::LakeInvalidArgument,
-        TransferError::Refused | TransferError::PeerLost(_) | TransferError::Timeout => LakeStatus::LakeUnavailable,
+        TransferError::Refused
+        | TransferError::PeerLost(_)
+        | TransferError::Timeout
+        | TransferError::Unreachable(_) => LakeStatus::LakeUnavailable,
     }
 }
 

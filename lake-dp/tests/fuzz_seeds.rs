@@ -190,7 +190,13 @@ fn link_handshake_seeds_are_current() {
         (1, answer.to_vec()),
         (2, [&[8u8, 0, 0, 0][..], &[0u8; 32][..]].concat()),
     ];
-    let dir = seeds_dir("link_handshake");
+    check_or_write_modes("link_handshake", &seeds);
+}
+
+/// Seeds each with its own mode byte: written under `LAKE_UPDATE_SEEDS`,
+/// else checked byte for byte.
+fn check_or_write_modes(target: &str, seeds: &[(u8, Vec<u8>)]) {
+    let dir = seeds_dir(target);
     if std::env::var_os("LAKE_UPDATE_SEEDS").is_some() {
         std::fs::create_dir_all(&dir).unwrap();
         for (i, (mode, seed)) in seeds.iter().enumerate() {
@@ -201,4 +207,19 @@ fn link_handshake_seeds_are_current() {
         let written = std::fs::read(dir.join(format!("seed-{i:02}"))).unwrap();
         assert_eq!(written, [&[*mode][..], seed].concat(), "stale seed {i} in {}", dir.display());
     }
+}
+
+#[test]
+fn rdma_message_seeds_are_current() {
+    use lake_dp::Priority;
+    use lake_dp::transport::frame::{AckStatus, BlockAddr};
+    use lake_dp::transport::rdma::Endpoint;
+    use lake_dp::transport::rdma::pull::Message;
+    let target = BlockAddr { region: 1, epoch: 2, slot: 3, generation: 4 };
+    let offer = Message::Offer { transfer: 7, source: 1 << 40, len: 1 << 20, target, priority: Priority::WriteBack };
+    let answer = Message::Answer { transfer: 7, status: AckStatus::Landed, target };
+    let endpoint = Endpoint::new(1, 0x1234, 0x5678, [9; 16], (1 << 40, 64 << 20), 0xabcd, 1 << 20, 2);
+    let seeds: Vec<(u8, Vec<u8>)> =
+        vec![(0, offer.encode().to_vec()), (0, answer.encode().to_vec()), (2, endpoint.encode().to_vec())];
+    check_or_write_modes("rdma_message", &seeds);
 }

@@ -101,3 +101,75 @@ fn a_block_is_read_from_a_peers_slot_and_checked_where_it_lands() {
     assert_eq!(landed, &payload[..]);
     drop((reader, owner, export, local));
 }
+
+#[test]
+fn the_rdma_transport_carries_an_offered_block_between_two_arenas() {
+    use lake_dp::Priority;
+    use lake_dp::transport::rdma::pull::{RdmaConfig, RdmaTransport};
+    use lake_dp::transport::rdma::verbs::IbVerbs;
+    use lake_dp::transport::{Outgoing, Transport};
+
+    let open = || Device::open(None, 1, 0);
+    let (first, second) = match (open(), open()) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(why), _) | (_, Err(why)) => {
+            println!("SKIPPED: {why}");
+            assert!(!why.0.is_empty());
+            return;
+        }
+    };
+    let meta = ObjectMeta {
+        kind: ObjectKind::KvBlock,
+        key: BlockKey([6; 16]),
+        parent_key: BlockKey::NONE,
+        block_index: 0,
+        namespace: NamespaceId(1),
+        layout_fingerprint: 1,
+        region: RegionId(1),
+        region_epoch: 9,
+        slot: 1,
+        generation: 2,
+        committed_unix_ns: 1,
+        payload_len: 700_000,
+        segment_bytes: 65536,
+    };
+    let payload: Vec<u8> = (0..700_000u32).map(|i| (i % 253) as u8).collect();
+    let mut sender_arena = vec![0u8; 4 * SLOT];
+    let len = encode_object(&meta, &payload, &mut sender_arena[SLOT..2 * SLOT]).unwrap();
+    let mut receiving = Slots { memory: vec![0u8; 4 * SLOT], published: Vec::new() };
+    // SAFETY: both arenas outlive the verbs (dropped first, below).
+    let mut a = unsafe { IbVerbs::new(first, sender_arena.as_mut_ptr(), sender_arena.len(), SLOT as u32, 9) }.unwrap();
+    // SAFETY: as above.
+    let mut b =
+        unsafe { IbVerbs::new(second, receiving.memory.as_mut_ptr(), receiving.memory.len(), SLOT as u32, 1) }.unwrap();
+    let (to_b, a_end) = a.add_peer().unwrap();
+    let (to_a, b_end) = b.add_peer().unwrap();
+    a.connect(to_b, &Endpoint::decode(&b_end.encode()).unwrap()).unwrap();
+    b.connect(to_a, &Endpoint::decode(&a_end.encode()).unwrap()).unwrap();
+    let mut sender = RdmaTransport::new(a, RdmaConfig::default());
+    let mut receiver = RdmaTransport::new(b, RdmaConfig::default());
+    let target = BlockAddr { region: 3, epoch: 1, slot: 2, generation: 1 };
+    let block = Outgoing {
+        transfer: 5,
+        peer: to_b,
+        source: sender_arena[SLOT..].as_ptr(),
+        len: len as u64,
+        target,
+        priority: Priority::PrefillToDecode,
+    };
+    // SAFETY: the sender's arena is left alone until the completion.
+    unsafe { sender.write(&block, 0) }.unwrap();
+    let mut done = Vec::new();
+    let mut none = Slots { memory: Vec::new(), published: Vec::new() };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while done.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no completion in 10 s");
+        sender.poll(&mut none, 1, &mut done);
+        receiver.poll(&mut receiving, 1, &mut Vec::new());
+    }
+    assert_eq!(done[0].result, Ok(()));
+    assert_eq!(receiving.published, [2]);
+    let (_, landed) = decode_object(&receiving.memory[2 * SLOT..2 * SLOT + len]).unwrap();
+    assert_eq!(landed, &payload[..]);
+    drop((sender, receiver));
+}

@@ -154,9 +154,9 @@ pub fn now_ns(start: std::time::Instant) -> u64 {
 
 /// Polls `sender` and `receiver` (landing into `node`) until `want` of the
 /// sender's completions came back; fails after 10 s.
-pub fn drive(
-    sender: &mut lake_dp::transport::tcp::TcpTransport,
-    receiver: &mut lake_dp::transport::tcp::TcpTransport,
+pub fn drive<S: lake_dp::transport::Transport, R: lake_dp::transport::Transport>(
+    sender: &mut S,
+    receiver: &mut R,
     node: &mut Node,
     start: std::time::Instant,
     want: usize,

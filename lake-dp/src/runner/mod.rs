@@ -115,7 +115,7 @@ fn transfer_code(error: &crate::transport::TransferError) -> crate::wire::messag
         E::Refused => C::StaleEpoch,
         E::Corrupt => C::Checksum,
         E::Busy => C::QueueFull,
-        E::PeerLost(_) => C::Io,
+        E::PeerLost(_) | E::Unreachable(_) => C::Io,
         E::Timeout => C::DeadlineExceeded,
         E::Invalid(_) => C::BadFrame,
     }

@@ -13,8 +13,10 @@
 //! - [`frame`]: the frames on a byte stream.
 //! - [`tcp`]: TCP, several connections per peer, slices striped and
 //!   pipelined, sent from and received into slots.
-//! - [`rdma`]: RDMA READs of a peer's slot into this node's (the `rdma`
-//!   feature; runs where a device exists).
+//! - [`rdma`]: RDMA, the same [`Transport`] ([`rdma::pull::RdmaTransport`]:
+//!   the receiver READs each offered block from the sender's memory into
+//!   its slot); the verbs are the `rdma` feature's and run where a device
+//!   exists.
 
 pub mod fallback;
 pub mod faults;
@@ -49,7 +51,8 @@ pub struct Outgoing {
 }
 
 /// What moves blocks to other nodes, whatever the wire: TCP
-/// ([`tcp::TcpTransport`]), one transport in front of another
+/// ([`tcp::TcpTransport`]), RDMA ([`rdma::pull::RdmaTransport`]), one
+/// transport in front of another
 /// ([`fallback::Fallback`]: RDMA degrading to TCP), or a decorator around
 /// one that injects faults ([`faults::FaultyTransport`]). Driven from its owner's poll loop; what
 /// is above it is the same whichever it is.
@@ -119,6 +122,9 @@ pub enum TransferError {
     Timeout,
     /// The request itself was malformed (the field).
     Invalid(&'static str),
+    /// This transport cannot carry it (why), though another may: a block
+    /// outside the memory registered for RDMA to that peer.
+    Unreachable(&'static str),
 }
 
 impl core::fmt::Display for TransferError {
@@ -130,6 +136,7 @@ impl core::fmt::Display for TransferError {
             Self::PeerLost(why) => write!(f, "peer lost: {why}"),
             Self::Timeout => f.write_str("no answer before the deadline"),
             Self::Invalid(what) => write!(f, "invalid transfer: {what}"),
+            Self::Unreachable(why) => write!(f, "not carried by this transport: {why}"),
         }
     }
 }

@@ -1,23 +1,31 @@
-//! RDMA (ibverbs) for the transport, behind the `rdma` cargo feature: RC
-//! queue pairs, one-sided READs of a peer's slot into a local slot, the
-//! completion queue polled by the owner's loop, each work request tagged
-//! `epoch | slot | generation` ([`Tag`]).
+//! RDMA for the transport: RC queue pairs, one-sided READs into this
+//! node's slots, the completion queue polled by the owner's loop, each
+//! READ tagged `epoch | slot | generation` ([`Tag`]).
 //!
-//! Pull, not push: a node reads the block it wants from the peer's slot
-//! into its own reserved slot, then checks it where it landed — the header
-//! must name the slot and generation it was read from (a one-sided read
-//! cannot be fenced against the owner reusing the slot, so a reused slot
-//! shows in the header) and every segment must match its CRC — before it
-//! is published. Each peer reads through its own registration of the
-//! arena (its own remote key, revoked by dropping it), never one key for
-//! every peer.
+//! Two ways to use it, both pulls — a node's slots are only ever written
+//! by the node's own READs, and each peer reads through its own, read-only
+//! registration of the arena (its own remote key, revoked by dropping it),
+//! never one key for every peer:
+//!
+//! - [`pull::RdmaTransport`], the [`crate::transport::Transport`]: a
+//!   sender offers a block (a small message: where it is, where it goes),
+//!   the receiver READs it into the target slot, checks it there and
+//!   answers. The sender's source is fenced by its transfer (unchanged
+//!   until the answer). Above it, everything is as over TCP, and
+//!   [`crate::transport::fallback::Fallback`] puts it in front of TCP.
+//! - [`verbs::RdmaReader`]: a node reads a block it knows by name from the
+//!   peer's slot. That read cannot be fenced against the owner reusing the
+//!   slot, so the header must name the slot and generation read, and every
+//!   segment match its CRC, before it is published.
 //!
 //! The [`Endpoint`] a peer needs to connect (queue pair number, address,
 //! the exported region and its key) travels over TCP first; it is plain
-//! data and is always compiled and tested. The verbs themselves need
-//! `libibverbs` and a device: this machine has neither an RDMA NIC nor a
-//! kernel with soft-RoCE, so they compile here (CI builds them) and run
-//! only where a device exists.
+//! data and is always compiled and tested, as are the transport's
+//! protocol ([`pull`]) and the in-process verbs that test it
+//! ([`loopback`]). The device verbs ([`verbs`]) need `libibverbs` and a
+//! device: this machine has neither an RDMA NIC nor a kernel with
+//! soft-RoCE, so they compile here (CI builds them under the `rdma`
+//! feature) and run only where a device exists.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -148,6 +156,8 @@ impl Endpoint {
     }
 }
 
+pub mod loopback;
+pub mod pull;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 

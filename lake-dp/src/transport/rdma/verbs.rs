@@ -7,11 +7,12 @@ use std::collections::HashMap;
 
 use ibverbs_sys as ffi;
 
+use super::pull::{MESSAGE_BYTES, Verbs, VerbsError, VerbsEvent};
 use super::{Endpoint, RdmaError};
 use crate::constants::STORED_HEADER_BYTES;
 use crate::tag::Tag;
 use crate::transport::frame::{AckStatus, BlockAddr};
-use crate::transport::{Completion, Landing, TransferError};
+use crate::transport::{Completion, Landing, PeerId, TransferError};
 
 fn os_error(what: &str) -> RdmaError {
     RdmaError(format!("{what}: {}", std::io::Error::last_os_error()))
@@ -174,7 +175,21 @@ impl QueuePair {
         epoch: u64,
         depth: u32,
     ) -> Result<Self, RdmaError> {
-        let entries = i32::try_from(depth).map_err(|_| RdmaError("queue depth".into()))?;
+        Self::with_receives(device, exported, slot_bytes, epoch, depth, 1)
+    }
+
+    /// As [`QueuePair::new`], with `receives` receive requests besides
+    /// (two-sided messages); its completion queue holds both.
+    pub fn with_receives(
+        device: &Device,
+        exported: (&Region, u64, u64),
+        slot_bytes: u32,
+        epoch: u64,
+        depth: u32,
+        receives: u32,
+    ) -> Result<Self, RdmaError> {
+        let entries =
+            depth.checked_add(receives).and_then(|n| i32::try_from(n).ok()).ok_or(RdmaError("queue depth".into()))?;
         // SAFETY: an open context; no channel, no context pointer.
         let cq =
             unsafe { ffi::ibv_create_cq(device.context, entries, core::ptr::null_mut(), core::ptr::null_mut(), 0) };
@@ -188,7 +203,7 @@ impl QueuePair {
             srq: core::ptr::null_mut(),
             cap: ffi::ibv_qp_cap {
                 max_send_wr: depth,
-                max_recv_wr: 1,
+                max_recv_wr: receives,
                 max_send_sge: 1,
                 max_recv_sge: 1,
                 max_inline_data: 0,
@@ -334,6 +349,70 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Posts `wr` on the send queue (a SEND or a READ the caller built and
+    /// counts).
+    ///
+    /// # Safety
+    ///
+    /// Its scatter entries name registered memory left alone until its
+    /// completion is polled.
+    unsafe fn post_send(&mut self, wr: &mut ffi::ibv_send_wr) -> Result<(), RdmaError> {
+        let mut bad = core::ptr::null_mut();
+        // SAFETY: a live queue pair.
+        let context = unsafe { (*self.qp).context };
+        // SAFETY: its live context's operations table.
+        let post = unsafe { (*context).ops.post_send }.ok_or(RdmaError("no post_send".into()))?;
+        // SAFETY: a live queue pair and a valid request (contract); the
+        // driver copies the request and its scatter list.
+        match unsafe { post(self.qp, wr, &raw mut bad) } {
+            0 => Ok(()),
+            rc => Err(RdmaError(format!("posting on the send queue: error {rc}"))),
+        }
+    }
+
+    /// Posts a receive of up to `len` bytes into `into` (key `lkey`).
+    ///
+    /// # Safety
+    ///
+    /// `into` is valid for `len` bytes of the registration `lkey` names
+    /// and left alone until the receive completes.
+    unsafe fn post_recv(&mut self, wr_id: u64, into: *mut u8, len: u32, lkey: u32) -> Result<(), RdmaError> {
+        let mut sge = ffi::ibv_sge { addr: into as u64, length: len, lkey };
+        let mut wr = ffi::ibv_recv_wr { wr_id, next: core::ptr::null_mut(), sg_list: &raw mut sge, num_sge: 1 };
+        let mut bad = core::ptr::null_mut();
+        // SAFETY: a live queue pair.
+        let context = unsafe { (*self.qp).context };
+        // SAFETY: its live context's operations table.
+        let post = unsafe { (*context).ops.post_recv }.ok_or(RdmaError("no post_recv".into()))?;
+        // SAFETY: a live queue pair and a valid request (contract).
+        match unsafe { post(self.qp, &raw mut wr, &raw mut bad) } {
+            0 => Ok(()),
+            rc => Err(RdmaError(format!("posting a receive: error {rc}"))),
+        }
+    }
+
+    /// Completions since the last poll, as the device reports them.
+    fn poll_raw<'a>(&mut self, wc: &'a mut [ffi::ibv_wc]) -> &'a [ffi::ibv_wc] {
+        // SAFETY: a live completion queue.
+        let context = unsafe { (*self.cq).context };
+        // SAFETY: its live context's operations table.
+        let Some(poll) = (unsafe { (*context).ops.poll_cq }) else { return &[] };
+        let room = i32::try_from(wc.len()).unwrap_or(i32::MAX);
+        // SAFETY: a live completion queue and room for `room` completions.
+        let n = unsafe { poll(self.cq, room, wc.as_mut_ptr()) };
+        &wc[..usize::try_from(n).unwrap_or(0)]
+    }
+
+    /// Moves the queue pair to the error state: nothing more is sent or
+    /// answered on it (a peer's READs of this node's memory included);
+    /// what was posted completes flushed.
+    fn break_off(&mut self) {
+        let mut attr = ffi::ibv_qp_attr { qp_state: ffi::ibv_qp_state::IBV_QPS_ERR, ..Default::default() };
+        // Failing to move it leaves it where it was; the caller also
+        // revokes the peer's key.
+        let _ = self.modify(&mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE, "ERR");
+    }
+
     /// Completions since the last poll: each READ's tag and whether it
     /// succeeded. Never blocks.
     pub fn poll(&mut self, out: &mut Vec<(Tag, Result<(), RdmaError>)>) -> usize {
@@ -474,5 +553,271 @@ impl RdmaReader {
             out.push(Completion { transfer: read.transfer, result, target: read.target });
         }
         done
+    }
+}
+
+/// Receive requests per peer (offers and answers it may send at once).
+const RECEIVES: u32 = 128;
+/// Messages this end may have in flight to one peer.
+const SENDS: u32 = 64;
+/// READs this end may have in flight from one peer.
+const READS: u32 = 32;
+/// Bytes of a message, as a scatter entry's length.
+#[allow(clippy::cast_possible_truncation)] // 64, checked below
+const MESSAGE_LEN: u32 = MESSAGE_BYTES as u32;
+const _: () = assert!(MESSAGE_LEN as usize == MESSAGE_BYTES);
+/// Work-request ids of messages: above every READ's tag this end posts.
+const MESSAGE_WR_BASE: u64 = u64::MAX - (RECEIVES + SENDS) as u64;
+
+/// One peer's queue pair, its read-only registration of the arena and its
+/// message buffers. Fields drop in order: the queue pair before the
+/// memory it names.
+#[derive(Debug)]
+struct IbPeer {
+    pair: QueuePair,
+    /// The peer's key to this node's arena (read-only); dropped — revoked —
+    /// when the peer is shut.
+    export: Option<Region>,
+    messages: Region,
+    buffers: Box<[u8]>,
+    remote: Option<Endpoint>,
+    sends: u32,
+    next_send: u32,
+    reads: u32,
+    broken: Option<String>,
+    reported: bool,
+}
+
+/// [`super::pull::Verbs`] over a device: one RC queue pair per peer, the
+/// arena registered once for local READ targets and once per peer,
+/// read-only, for that peer's READs. Fields drop in order: peers, then the
+/// arena's registration, then the device.
+#[derive(Debug)]
+pub struct IbVerbs {
+    peers: Vec<IbPeer>,
+    local: Region,
+    arena: (u64, u64),
+    slot_bytes: u32,
+    epoch: u64,
+    device: Device,
+}
+
+// SAFETY: the verbs objects are used from whichever one thread owns this
+// (libibverbs allows any thread, one at a time).
+unsafe impl Send for IbVerbs {}
+
+impl IbVerbs {
+    /// Verbs on `device` over the arena of `len` bytes at `base` (slots of
+    /// `slot_bytes`, region epoch `epoch`).
+    ///
+    /// # Safety
+    ///
+    /// The arena stays mapped while this lives.
+    pub unsafe fn new(
+        device: Device,
+        base: *mut u8,
+        len: usize,
+        slot_bytes: u32,
+        epoch: u64,
+    ) -> Result<Self, RdmaError> {
+        // SAFETY: the arena stays mapped (contract).
+        let local = unsafe { device.register(base, len, false) }?;
+        Ok(Self { peers: Vec::new(), local, arena: (base as u64, len as u64), slot_bytes, epoch, device })
+    }
+
+    /// A queue pair for a new peer and the endpoint to give it (over TCP);
+    /// [`IbVerbs::connect`] it with the peer's.
+    pub fn add_peer(&mut self) -> Result<(PeerId, Endpoint), RdmaError> {
+        let (base, len) = self.arena;
+        let bytes = usize::try_from(len).map_err(|_| RdmaError("arena size".into()))?;
+        // SAFETY: the arena stays mapped while this lives (`new`'s
+        // contract); the registration is dropped with the peer.
+        let export = unsafe { self.device.register(base as *mut u8, bytes, true) }?;
+        let pair = QueuePair::with_receives(
+            &self.device,
+            (&export, base, len),
+            self.slot_bytes,
+            self.epoch,
+            SENDS + READS,
+            RECEIVES,
+        )?;
+        let mut buffers = vec![0u8; (RECEIVES + SENDS) as usize * MESSAGE_BYTES].into_boxed_slice();
+        // SAFETY: the buffers live in the peer, dropped after the
+        // registration and the queue pair.
+        let messages = unsafe { self.device.register(buffers.as_mut_ptr(), buffers.len(), false) }?;
+        let endpoint = pair.endpoint();
+        self.peers.push(IbPeer {
+            pair,
+            export: Some(export),
+            messages,
+            buffers,
+            remote: None,
+            sends: 0,
+            next_send: 0,
+            reads: 0,
+            broken: None,
+            reported: false,
+        });
+        Ok((PeerId(u32::try_from(self.peers.len() - 1).unwrap_or(u32::MAX)), endpoint))
+    }
+
+    /// Connects `peer` to the endpoint it sent (checked by
+    /// [`Endpoint::decode`]) and posts its receives.
+    pub fn connect(&mut self, peer: PeerId, remote: &Endpoint) -> Result<(), RdmaError> {
+        let p = self.peers.get_mut(peer.0 as usize).ok_or(RdmaError("no such peer".into()))?;
+        p.pair.connect(&self.device, remote)?;
+        p.remote = Some(*remote);
+        for i in 0..RECEIVES {
+            let into = p.buffers[i as usize * MESSAGE_BYTES..].as_mut_ptr();
+            // SAFETY: a message buffer of the registration, reposted only
+            // once its receive completed.
+            unsafe { p.pair.post_recv(MESSAGE_WR_BASE + u64::from(i), into, MESSAGE_LEN, p.messages.lkey()) }?;
+        }
+        Ok(())
+    }
+
+    fn usable(&mut self, peer: PeerId) -> Result<&mut IbPeer, VerbsError> {
+        let p = self.peers.get_mut(peer.0 as usize).ok_or_else(|| VerbsError::Broken("no such peer".into()))?;
+        if let Some(why) = &p.broken {
+            return Err(VerbsError::Broken(why.clone()));
+        }
+        if p.remote.is_none() {
+            return Err(VerbsError::Broken("not connected yet".into()));
+        }
+        Ok(p)
+    }
+}
+
+fn inside((base, len): (u64, u64), address: u64, bytes: u64) -> bool {
+    address >= base && address.checked_add(bytes).is_some_and(|end| end <= base + len)
+}
+
+impl Verbs for IbVerbs {
+    fn send(&mut self, peer: PeerId, message: &[u8; MESSAGE_BYTES]) -> Result<(), VerbsError> {
+        let p = self.usable(peer)?;
+        if p.sends >= SENDS {
+            return Err(VerbsError::Full);
+        }
+        let index = RECEIVES + p.next_send % SENDS;
+        let at = index as usize * MESSAGE_BYTES;
+        p.buffers[at..at + MESSAGE_BYTES].copy_from_slice(message);
+        let mut sge =
+            ffi::ibv_sge { addr: p.buffers[at..].as_ptr() as u64, length: MESSAGE_LEN, lkey: p.messages.lkey() };
+        let mut wr = ffi::ibv_send_wr {
+            wr_id: MESSAGE_WR_BASE + u64::from(index),
+            next: core::ptr::null_mut(),
+            sg_list: &raw mut sge,
+            num_sge: 1,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_SEND,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        // SAFETY: the message buffer is registered and not rewritten until
+        // its send completes (at most `SENDS` in flight, in ring order).
+        unsafe { p.pair.post_send(&mut wr) }.map_err(|e| VerbsError::Broken(e.0))?;
+        p.sends += 1;
+        p.next_send = p.next_send.wrapping_add(1);
+        Ok(())
+    }
+
+    unsafe fn read(
+        &mut self,
+        peer: PeerId,
+        wr_id: u64,
+        remote: u64,
+        len: u32,
+        into: *mut u8,
+    ) -> Result<(), VerbsError> {
+        if wr_id >= MESSAGE_WR_BASE {
+            return Err(VerbsError::Broken("a READ tag in the message work-request range".into()));
+        }
+        let lkey = self.local.lkey();
+        let p = self.usable(peer)?;
+        let rkey = p.remote.map_or(0, |r| r.rkey);
+        if p.reads >= READS {
+            return Err(VerbsError::Full);
+        }
+        let mut sge = ffi::ibv_sge { addr: into as u64, length: len, lkey };
+        let mut wr = ffi::ibv_send_wr {
+            wr_id,
+            next: core::ptr::null_mut(),
+            sg_list: &raw mut sge,
+            num_sge: 1,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr: remote, rkey };
+        // SAFETY: `into` is registered under `lkey` and left alone until
+        // the READ completes (the caller's contract).
+        unsafe { p.pair.post_send(&mut wr) }.map_err(|e| VerbsError::Broken(e.0))?;
+        p.reads += 1;
+        Ok(())
+    }
+
+    fn exports(&self, peer: PeerId, address: u64, len: u64) -> bool {
+        self.peers.get(peer.0 as usize).is_some_and(|p| p.export.is_some()) && inside(self.arena, address, len)
+    }
+
+    fn imports(&self, peer: PeerId, address: u64, len: u64) -> bool {
+        self.peers
+            .get(peer.0 as usize)
+            .and_then(|p| p.remote)
+            .is_some_and(|r| inside((r.region_base, r.region_len), address, len))
+    }
+
+    fn registered(&self, into: *const u8, len: u64) -> bool {
+        inside(self.arena, into as u64, len)
+    }
+
+    fn poll(&mut self, out: &mut Vec<VerbsEvent>) {
+        let mut wc = [ffi::ibv_wc::default(); 32];
+        for (index, p) in self.peers.iter_mut().enumerate() {
+            let peer = PeerId(u32::try_from(index).unwrap_or(u32::MAX));
+            for c in p.pair.poll_raw(&mut wc) {
+                let wr_id = c.wr_id();
+                let failed =
+                    c.error().map(|(status, vendor)| format!("work request failed: status {status}, vendor {vendor}"));
+                if wr_id < MESSAGE_WR_BASE {
+                    p.reads = p.reads.saturating_sub(1);
+                    out.push(VerbsEvent::ReadDone { wr_id, result: failed.clone().map_or(Ok(()), Err) });
+                } else if wr_id - MESSAGE_WR_BASE >= u64::from(RECEIVES) {
+                    p.sends = p.sends.saturating_sub(1);
+                } else if failed.is_none() {
+                    let i = usize::try_from(wr_id - MESSAGE_WR_BASE).unwrap_or(0);
+                    let at = i * MESSAGE_BYTES;
+                    let mut message = [0u8; MESSAGE_BYTES];
+                    if c.len() == MESSAGE_BYTES {
+                        message.copy_from_slice(&p.buffers[at..at + MESSAGE_BYTES]);
+                    }
+                    // A short message decodes as bad: the transport shuts the peer.
+                    out.push(VerbsEvent::Received { peer, message });
+                    let into = p.buffers[at..].as_mut_ptr();
+                    // SAFETY: the buffer's receive completed and its
+                    // bytes were copied out.
+                    if let Err(e) = unsafe { p.pair.post_recv(wr_id, into, MESSAGE_LEN, p.messages.lkey()) } {
+                        p.broken.get_or_insert(e.0);
+                    }
+                }
+                if let Some(why) = failed {
+                    p.broken.get_or_insert(why);
+                }
+            }
+            if let Some(why) = &p.broken
+                && !p.reported
+            {
+                p.reported = true;
+                out.push(VerbsEvent::Broken { peer, why: why.clone() });
+            }
+        }
+    }
+
+    fn shut(&mut self, peer: PeerId, why: &str) {
+        let Some(p) = self.peers.get_mut(peer.0 as usize) else { return };
+        p.pair.break_off();
+        // Revoke its key too: no READ of this node's memory with it.
+        p.export = None;
+        p.broken.get_or_insert_with(|| format!("shut: {why}"));
+        p.reported = true;
     }
 }

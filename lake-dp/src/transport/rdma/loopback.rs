@@ -1,0 +1,305 @@
+//! Verbs between ends in one process: a [`Fabric`] joins
+//! [`LoopbackVerbs`] ends with reliable in-order message queues of a fixed
+//! depth, and a READ is a copy from the peer's memory, made only inside
+//! what the peer exported to this end and into what this end registered —
+//! the checks a device makes with its keys. Links can be cut (both ends
+//! see `Broken`, READs in flight fail) and an end muted (its messages are
+//! lost: the other side sees silence).
+//!
+//! This is how the RDMA transport's protocol ([`super::pull`]) is tested
+//! where no RDMA device exists (this machine and CI): everything above the
+//! verbs runs as it does over a device. It is not a device: no DMA, no
+//! queue pair states, no remote keys on a wire.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::pull::{MESSAGE_BYTES, Verbs, VerbsError, VerbsEvent};
+use crate::transport::PeerId;
+
+/// Address ranges, `(base, bytes)`.
+type Ranges = Vec<(u64, u64)>;
+
+#[derive(Debug)]
+struct Link {
+    ends: (usize, usize),
+    /// Why it is cut.
+    cut: Option<String>,
+    /// Messages in flight towards each end (`.0` to `ends.0`).
+    to: (VecDeque<[u8; MESSAGE_BYTES]>, VecDeque<[u8; MESSAGE_BYTES]>),
+    /// Ranges each end lets the other read (`.0`: `ends.0`'s).
+    exported: (Ranges, Ranges),
+}
+
+impl Link {
+    fn side(&self, node: usize) -> bool {
+        self.ends.1 == node
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    links: Vec<Link>,
+    muted: Vec<usize>,
+    nodes: usize,
+}
+
+/// Joins loopback ends. Cloning shares it.
+#[derive(Clone, Debug, Default)]
+pub struct Fabric(Arc<Mutex<State>>);
+
+impl Fabric {
+    /// An empty fabric.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A new end with queues `depth` messages deep towards it per peer.
+    pub fn end(&self, depth: usize) -> LoopbackVerbs {
+        let mut state = self.state();
+        state.nodes += 1;
+        LoopbackVerbs {
+            fabric: self.clone(),
+            node: state.nodes - 1,
+            depth,
+            peers: Vec::new(),
+            registered: Vec::new(),
+            reads: Vec::new(),
+        }
+    }
+
+    /// Connects `a` and `b`: the peer ids each knows the other by.
+    pub fn connect(a: &mut LoopbackVerbs, b: &mut LoopbackVerbs) -> (PeerId, PeerId) {
+        let mut state = a.fabric.state();
+        state.links.push(Link {
+            ends: (a.node, b.node),
+            cut: None,
+            to: Default::default(),
+            exported: Default::default(),
+        });
+        let link = state.links.len() - 1;
+        drop(state);
+        a.peers.push(End { link, reported: false });
+        b.peers.push(End { link, reported: false });
+        (
+            PeerId(u32::try_from(a.peers.len() - 1).unwrap_or(u32::MAX)),
+            PeerId(u32::try_from(b.peers.len() - 1).unwrap_or(u32::MAX)),
+        )
+    }
+
+    /// Cuts every link of `node`'s (as a dead NIC would): both ends see
+    /// `Broken` at their next poll; READs in flight fail.
+    pub fn cut(&self, node: usize, why: &str) {
+        for link in &mut self.state().links {
+            if (link.ends.0 == node || link.ends.1 == node) && link.cut.is_none() {
+                link.cut = Some(why.to_owned());
+            }
+        }
+    }
+
+    /// Loses every message `node` sends from now on (a peer gone silent;
+    /// its links stay up).
+    pub fn mute(&self, node: usize) {
+        self.state().muted.push(node);
+    }
+}
+
+#[derive(Debug)]
+struct End {
+    link: usize,
+    /// Whether its cut was reported.
+    reported: bool,
+}
+
+#[derive(Debug)]
+struct Read {
+    peer: PeerId,
+    wr_id: u64,
+    remote: u64,
+    len: u32,
+    into: *mut u8,
+}
+
+/// One end of a [`Fabric`].
+#[derive(Debug)]
+pub struct LoopbackVerbs {
+    fabric: Fabric,
+    node: usize,
+    depth: usize,
+    peers: Vec<End>,
+    registered: Vec<(u64, u64)>,
+    reads: Vec<Read>,
+}
+
+// SAFETY: the pointers it holds are READ targets the transport placed, as
+// valid on the owner's thread as on any (the `Verbs::read` contract).
+unsafe impl Send for LoopbackVerbs {}
+
+fn covers(ranges: &[(u64, u64)], address: u64, len: u64) -> bool {
+    ranges
+        .iter()
+        .any(|&(base, bytes)| address >= base && address.checked_add(len).is_some_and(|end| end <= base + bytes))
+}
+
+impl LoopbackVerbs {
+    /// Its node number in the fabric (for [`Fabric::cut`] and
+    /// [`Fabric::mute`]).
+    pub fn node(&self) -> usize {
+        self.node
+    }
+
+    /// Registers `len` bytes at `base` as memory READs may land in.
+    ///
+    /// # Safety
+    ///
+    /// The range stays valid while this end lives.
+    pub unsafe fn register(&mut self, base: *mut u8, len: usize) {
+        self.registered.push((base as u64, len as u64));
+    }
+
+    /// Lets `peer` read `len` bytes at `base`.
+    ///
+    /// # Safety
+    ///
+    /// The range stays valid (its bytes readable) while this end lives.
+    pub unsafe fn export(&mut self, peer: PeerId, base: *const u8, len: usize) {
+        let Some(end) = self.peers.get(peer.0 as usize) else { return };
+        let mut state = self.fabric.state();
+        let link = &mut state.links[end.link];
+        let range = (base as u64, len as u64);
+        if link.side(self.node) { link.exported.1.push(range) } else { link.exported.0.push(range) }
+    }
+
+    fn link_of(&self, peer: PeerId) -> Option<usize> {
+        self.peers.get(peer.0 as usize).map(|e| e.link)
+    }
+}
+
+impl Verbs for LoopbackVerbs {
+    fn send(&mut self, peer: PeerId, message: &[u8; MESSAGE_BYTES]) -> Result<(), VerbsError> {
+        let link = self.link_of(peer).ok_or_else(|| VerbsError::Broken("no such peer".into()))?;
+        let mut state = self.fabric.state();
+        let muted = state.muted.contains(&self.node);
+        let node = self.node;
+        let link = &mut state.links[link];
+        if let Some(why) = &link.cut {
+            return Err(VerbsError::Broken(why.clone()));
+        }
+        let inbox = if link.side(node) { &mut link.to.0 } else { &mut link.to.1 };
+        if inbox.len() >= self.depth {
+            return Err(VerbsError::Full);
+        }
+        if !muted {
+            inbox.push_back(*message);
+        }
+        Ok(())
+    }
+
+    unsafe fn read(
+        &mut self,
+        peer: PeerId,
+        wr_id: u64,
+        remote: u64,
+        len: u32,
+        into: *mut u8,
+    ) -> Result<(), VerbsError> {
+        if self.reads.len() >= self.depth {
+            return Err(VerbsError::Full);
+        }
+        if self.link_of(peer).is_none() {
+            return Err(VerbsError::Broken("no such peer".into()));
+        }
+        self.reads.push(Read { peer, wr_id, remote, len, into });
+        Ok(())
+    }
+
+    fn exports(&self, peer: PeerId, address: u64, len: u64) -> bool {
+        let Some(link) = self.link_of(peer) else { return false };
+        let state = self.fabric.state();
+        let link = &state.links[link];
+        covers(if link.side(self.node) { &link.exported.1 } else { &link.exported.0 }, address, len)
+    }
+
+    fn imports(&self, peer: PeerId, address: u64, len: u64) -> bool {
+        let Some(link) = self.link_of(peer) else { return false };
+        let state = self.fabric.state();
+        let link = &state.links[link];
+        covers(if link.side(self.node) { &link.exported.0 } else { &link.exported.1 }, address, len)
+    }
+
+    fn registered(&self, into: *const u8, len: u64) -> bool {
+        covers(&self.registered, into as u64, len)
+    }
+
+    fn poll(&mut self, out: &mut Vec<VerbsEvent>) {
+        let node = self.node;
+        let fabric = self.fabric.clone();
+        let mut state = fabric.state();
+        // READs first: each a copy the peer's registration allows, or a
+        // failure (a cut link, outside the peer's export or this end's
+        // registration — the remote and local key checks).
+        for read in self.reads.drain(..) {
+            let end = &self.peers[read.peer.0 as usize];
+            let link = &state.links[end.link];
+            let exported = if link.side(node) { &link.exported.0 } else { &link.exported.1 };
+            let len = u64::from(read.len);
+            let result = if let Some(why) = &link.cut {
+                Err(format!("flushed: {why}"))
+            } else if !covers(exported, read.remote, len) {
+                Err("remote access error: outside the peer's registration".into())
+            } else if !covers(&self.registered, read.into as u64, len) {
+                Err("local protection error: outside this end's registration".into())
+            } else {
+                // SAFETY: the source lies in what the peer exported (valid
+                // while it lives: `export`'s contract) and the target in
+                // what this end registered and the transport placed for
+                // this READ (`read`'s contract); they are distinct slots.
+                unsafe { core::ptr::copy_nonoverlapping(read.remote as *const u8, read.into, read.len as usize) };
+                Ok(())
+            };
+            out.push(VerbsEvent::ReadDone { wr_id: read.wr_id, result });
+        }
+        for (index, end) in self.peers.iter_mut().enumerate() {
+            let peer = PeerId(u32::try_from(index).unwrap_or(u32::MAX));
+            let link = &mut state.links[end.link];
+            if let Some(why) = &link.cut {
+                if !end.reported {
+                    end.reported = true;
+                    out.push(VerbsEvent::Broken { peer, why: why.clone() });
+                }
+                continue;
+            }
+            let inbox = if link.side(node) { &mut link.to.1 } else { &mut link.to.0 };
+            out.extend(inbox.drain(..).map(|message| VerbsEvent::Received { peer, message }));
+        }
+    }
+
+    fn shut(&mut self, peer: PeerId, why: &str) {
+        let Some(link) = self.link_of(peer) else { return };
+        let mut state = self.fabric.state();
+        let link = &mut state.links[link];
+        if link.cut.is_none() {
+            link.cut = Some(format!("shut by the peer: {why}"));
+        }
+        // This end's READs through it fail now, before the call returns.
+        drop(state);
+        let mut flushed = Vec::new();
+        self.reads.retain(|r| {
+            if r.peer == peer {
+                flushed.push(r.wr_id);
+            }
+            r.peer != peer
+        });
+        // Reported by the next poll, as a device's flushed completions.
+        for wr_id in flushed {
+            self.reads.push(Read { peer, wr_id, remote: 0, len: 0, into: core::ptr::null_mut() });
+        }
+        if let Some(end) = self.peers.get_mut(peer.0 as usize) {
+            end.reported = true;
+        }
+    }
+}

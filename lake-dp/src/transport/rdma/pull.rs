@@ -1,0 +1,689 @@
+//! The RDMA transport: [`super::super::Transport`] over verbs, so that
+//! everything above it is the same as over TCP.
+//!
+//! A write is a pull. The sender posts a small two-sided message, an
+//! *offer* — "transfer T: `len` bytes at address A of my memory, for your
+//! slot S" — and the receiver, once it has room, places the target slot,
+//! READs the bytes one-sided from the sender's memory straight into it,
+//! checks them where they landed ([`super::super::Landing::landed`]) and
+//! sends back an *answer* with the verdict. The sender's transfer
+//! completes on the answer: "complete" means landed and checked at the
+//! target, as over TCP.
+//!
+//! Why pull and not one-sided WRITE: a node's slots are only ever written
+//! by the node itself (its own READs), so no peer holds a key that writes
+//! its memory; each peer holds a read-only key to the sender's arena, its
+//! own registration, revoked by dropping it. And the read is fenced: the
+//! sender keeps the source unchanged until its transfer completes (the
+//! [`super::super::Transport::write`] contract), which is after the answer.
+//!
+//! Where a peer falls silent past a transfer's deadline, its queue pair is
+//! shut ([`Verbs::shut`]) before the transfers end, so no READ of this
+//! node's memory through it can still complete once the caller has been
+//! told and reuses the source.
+//!
+//! Offers wait at the receiver by priority class and the most urgent is
+//! read first (work keeps its class on the wire). The verbs themselves are
+//! behind [`Verbs`]: [`super::verbs::IbVerbs`] (the `rdma` feature, where
+//! a device is) and [`super::loopback`] (two ends in one process, memory
+//! copies for READs: how the protocol is tested where no device exists).
+
+use std::collections::{HashMap, VecDeque};
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::Priority;
+use crate::tag::Tag;
+use crate::transport::frame::{AckStatus, BlockAddr};
+use crate::transport::{ANY_SLOT, Completion, Landing, Outgoing, PeerId, TransferError, Transport};
+
+/// Bytes of one offer or answer.
+pub const MESSAGE_BYTES: usize = 64;
+
+/// "LKRM", little-endian.
+const MESSAGE_MAGIC: u32 = u32::from_le_bytes(*b"LKRM");
+const MESSAGE_VERSION: u8 = 1;
+const KIND_OFFER: u8 = 1;
+const KIND_ANSWER: u8 = 2;
+
+/// An offer or an answer as it travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+struct RawMessage {
+    magic: u32,
+    version: u8,
+    kind: u8,
+    priority: u8,
+    status: u8,
+    transfer: u64,
+    source: u64,
+    len: u64,
+    epoch: u64,
+    slot: u32,
+    generation: u32,
+    region: u16,
+    reserved: [u8; 10],
+    crc: u32,
+}
+
+const _: () = assert!(size_of::<RawMessage>() == MESSAGE_BYTES);
+
+/// A decoded message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// "Read `len` bytes at `source` of my memory into your `target`."
+    Offer {
+        /// The sender's transfer id.
+        transfer: u64,
+        /// Where the stored object is, in the sender's address space.
+        source: u64,
+        /// Its bytes.
+        len: u64,
+        /// Where it goes at the receiver ([`ANY_SLOT`]: a slot it reserves).
+        target: BlockAddr,
+        /// Its class.
+        priority: Priority,
+    },
+    /// The receiver's verdict on an offer.
+    Answer {
+        /// The offer's transfer id.
+        transfer: u64,
+        /// Landed and checked, or why not.
+        status: AckStatus,
+        /// The slot it landed in (or was to).
+        target: BlockAddr,
+    },
+}
+
+impl Message {
+    /// Its bytes.
+    pub fn encode(&self) -> [u8; MESSAGE_BYTES] {
+        let (kind, priority, status, transfer, source, len, target) = match *self {
+            Self::Offer { transfer, source, len, target, priority } => {
+                (KIND_OFFER, priority as u8, 0, transfer, source, len, target)
+            }
+            Self::Answer { transfer, status, target } => (KIND_ANSWER, 0, status as u8, transfer, 0, 0, target),
+        };
+        let mut raw = RawMessage {
+            magic: MESSAGE_MAGIC,
+            version: MESSAGE_VERSION,
+            kind,
+            priority,
+            status,
+            transfer,
+            source,
+            len,
+            epoch: target.epoch,
+            slot: target.slot,
+            generation: target.generation,
+            region: target.region,
+            reserved: [0; 10],
+            crc: 0,
+        };
+        raw.crc = crc32fast::hash(&bytemuck::bytes_of(&raw)[..MESSAGE_BYTES - 4]);
+        let mut out = [0u8; MESSAGE_BYTES];
+        out.copy_from_slice(bytemuck::bytes_of(&raw));
+        out
+    }
+
+    /// Decodes and checks a message; a bad one is named.
+    pub fn decode(bytes: &[u8; MESSAGE_BYTES]) -> Result<Self, &'static str> {
+        let raw: RawMessage = bytemuck::pod_read_unaligned(bytes);
+        if raw.magic != MESSAGE_MAGIC {
+            return Err("not a Lake RDMA message (magic)");
+        }
+        if raw.version != MESSAGE_VERSION {
+            return Err("a message version this end does not speak");
+        }
+        if crc32fast::hash(&bytes[..MESSAGE_BYTES - 4]) != raw.crc {
+            return Err("message CRC mismatch");
+        }
+        if raw.reserved != [0; 10] {
+            return Err("reserved message bytes set");
+        }
+        let target = BlockAddr { region: raw.region, epoch: raw.epoch, slot: raw.slot, generation: raw.generation };
+        match raw.kind {
+            KIND_OFFER => {
+                let priority = Priority::from_u8(raw.priority).ok_or("unknown priority class")?;
+                if raw.status != 0 {
+                    return Err("an offer with a status");
+                }
+                Ok(Self::Offer { transfer: raw.transfer, source: raw.source, len: raw.len, target, priority })
+            }
+            KIND_ANSWER => {
+                let status = AckStatus::from_u16(u16::from(raw.status)).ok_or("unknown answer status")?;
+                if raw.priority != 0 || raw.source != 0 || raw.len != 0 {
+                    return Err("an answer with offer fields");
+                }
+                Ok(Self::Answer { transfer: raw.transfer, status, target })
+            }
+            _ => Err("unknown message kind"),
+        }
+    }
+}
+
+/// Why a verb could not be posted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VerbsError {
+    /// The peer's queue is full: try again after a poll.
+    Full,
+    /// The peer's queue pair is broken or shut (why).
+    Broken(String),
+}
+
+/// What the verbs report from a poll.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VerbsEvent {
+    /// A message arrived from `peer`.
+    Received {
+        /// From whom.
+        peer: PeerId,
+        /// Its bytes, to decode.
+        message: [u8; MESSAGE_BYTES],
+    },
+    /// A READ posted with `wr_id` completed: its bytes are in place, or
+    /// the queue pair failed it (and no byte more will be written for it).
+    ReadDone {
+        /// As posted.
+        wr_id: u64,
+        /// Whether it read.
+        result: Result<(), String>,
+    },
+    /// `peer`'s queue pair broke (a failed send, a remote error, shut):
+    /// nothing more travels on it.
+    Broken {
+        /// Whose.
+        peer: PeerId,
+        /// Why.
+        why: String,
+    },
+}
+
+/// The verbs the RDMA transport needs, one reliable connection per peer.
+pub trait Verbs {
+    /// Posts a two-sided SEND of `message` to `peer`.
+    fn send(&mut self, peer: PeerId, message: &[u8; MESSAGE_BYTES]) -> Result<(), VerbsError>;
+
+    /// Posts a one-sided READ of `len` bytes at `remote` in `peer`'s
+    /// memory into `into`, tagged `wr_id`; it ends in a
+    /// [`VerbsEvent::ReadDone`].
+    ///
+    /// # Safety
+    ///
+    /// `into` is valid for `len` bytes of this node's registered memory and
+    /// left alone until the READ's `ReadDone` has been polled.
+    unsafe fn read(&mut self, peer: PeerId, wr_id: u64, remote: u64, len: u32, into: *mut u8)
+    -> Result<(), VerbsError>;
+
+    /// Whether `len` bytes at `address` of this node's memory are in what
+    /// `peer` may read (its registration).
+    fn exports(&self, peer: PeerId, address: u64, len: u64) -> bool;
+
+    /// Whether `len` bytes at `address` of `peer`'s memory are in what it
+    /// lets this node read.
+    fn imports(&self, peer: PeerId, address: u64, len: u64) -> bool;
+
+    /// Whether `len` bytes at `into` are this node's registered memory (a
+    /// READ may land there).
+    fn registered(&self, into: *const u8, len: u64) -> bool;
+
+    /// Moves the queue pairs on: what completed or arrived goes to `out`.
+    fn poll(&mut self, out: &mut Vec<VerbsEvent>);
+
+    /// Shuts `peer`'s queue pair: no READ through it completes after this
+    /// returns (those in flight end failed, as [`VerbsEvent::ReadDone`]).
+    fn shut(&mut self, peer: PeerId, why: &str);
+}
+
+/// How the RDMA transport runs.
+#[derive(Clone, Copy, Debug)]
+pub struct RdmaConfig {
+    /// Offers in flight to one peer (the peer's receive queue must hold
+    /// these and the answers this end owes it).
+    pub offers_per_peer: usize,
+    /// READs in flight at this end, over all peers.
+    pub reads_max: usize,
+    /// A transfer with no answer by then ends `Timeout` (and its peer is
+    /// shut).
+    pub transfer_timeout_ns: u64,
+    /// The largest block taken (a READ is at most `u32::MAX` bytes).
+    pub max_block_bytes: u64,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        Self { offers_per_peer: 32, reads_max: 32, transfer_timeout_ns: 5_000_000_000, max_block_bytes: 64 << 20 }
+    }
+}
+
+/// What the RDMA transport did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RdmaStats {
+    /// Offers this end sent.
+    pub offered: u64,
+    /// Blocks this end read from peers.
+    pub read: u64,
+    /// Bytes of them.
+    pub read_bytes: u64,
+    /// Of them, landed and checked.
+    pub landed: u64,
+    /// Offers refused here (no such target, a source outside what the
+    /// peer exports) or read and found corrupt.
+    pub refused: u64,
+    /// Messages from peers that did not decode or answered nothing asked
+    /// (the peer is shut).
+    pub bad_messages: u64,
+    /// Peers shut: broken, silent past a deadline, or sending bad
+    /// messages.
+    pub peers_shut: u64,
+}
+
+/// A transfer this end offered, awaiting its answer.
+#[derive(Clone, Copy, Debug)]
+struct Offered {
+    peer: PeerId,
+    target: BlockAddr,
+    deadline_ns: u64,
+}
+
+/// An offer this end took and has not read yet.
+#[derive(Clone, Copy, Debug)]
+struct Waiting {
+    peer: PeerId,
+    transfer: u64,
+    source: u64,
+    len: u64,
+    target: BlockAddr,
+    /// Reserved here for it (sent to [`ANY_SLOT`]): given back if dropped.
+    reserved: bool,
+    /// Placed already (a READ found its queue full): the slot's memory.
+    placed: Option<*mut u8>,
+}
+
+/// A READ in flight into a placed slot.
+#[derive(Clone, Copy, Debug)]
+struct Pulling {
+    peer: PeerId,
+    transfer: u64,
+    target: BlockAddr,
+    len: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+struct PeerState {
+    offered: usize,
+    /// Why it is shut (nothing more is sent to it).
+    down: Option<String>,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct RdmaTransport<V> {
+    verbs: V,
+    config: RdmaConfig,
+    peers: Vec<PeerState>,
+    offered: HashMap<u64, Offered>,
+    waiting: [VecDeque<Waiting>; Priority::COUNT],
+    pulling: HashMap<u64, Pulling>,
+    /// Answers owed whose send found the peer's queue full.
+    owed: VecDeque<(PeerId, [u8; MESSAGE_BYTES])>,
+    events: Vec<VerbsEvent>,
+    /// What it did.
+    pub stats: RdmaStats,
+}
+
+// SAFETY: the pointers it holds (slots placed, their READs waiting for
+// room) are the landing's memory, used from whichever thread polls it,
+// as the `Landing` contract allows; the verbs are `Send` themselves.
+unsafe impl<V: Send> Send for RdmaTransport<V> {}
+
+impl<V: Verbs> RdmaTransport<V> {
+    /// A transport over `verbs`.
+    pub fn new(verbs: V, config: RdmaConfig) -> Self {
+        Self {
+            verbs,
+            config,
+            peers: Vec::new(),
+            offered: HashMap::new(),
+            waiting: Default::default(),
+            pulling: HashMap::new(),
+            owed: VecDeque::new(),
+            events: Vec::new(),
+            stats: RdmaStats::default(),
+        }
+    }
+
+    /// The verbs (to add and connect peers).
+    pub fn verbs(&mut self) -> &mut V {
+        &mut self.verbs
+    }
+
+    /// Why `peer` is shut, if it is.
+    pub fn peer_down(&self, peer: PeerId) -> Option<&str> {
+        self.peers.get(peer.0 as usize).and_then(|p| p.down.as_deref())
+    }
+
+    fn peer(&mut self, peer: PeerId) -> &mut PeerState {
+        let index = peer.0 as usize;
+        if index >= self.peers.len() {
+            self.peers.resize_with(index + 1, PeerState::default);
+        }
+        &mut self.peers[index]
+    }
+
+    /// Shuts `peer`: its verbs first (no READ of this node's memory
+    /// completes after), then every transfer offered to it ends —
+    /// `Timeout` those past their deadline, `PeerLost` the rest — and the
+    /// offers it made here are dropped.
+    fn shut(&mut self, peer: PeerId, why: &str, now_ns: u64, landing: &mut dyn Landing, out: &mut Vec<Completion>) {
+        let state = self.peer(peer);
+        if state.down.is_none() {
+            state.down = Some(why.to_owned());
+            self.stats.peers_shut += 1;
+        }
+        self.verbs.shut(peer, why);
+        let mut ended: Vec<(u64, Offered)> =
+            self.offered.iter().filter(|(_, o)| o.peer == peer).map(|(&t, &o)| (t, o)).collect();
+        ended.sort_unstable_by_key(|&(t, _)| t);
+        for (transfer, offered) in ended {
+            self.offered.remove(&transfer);
+            let result = if now_ns >= offered.deadline_ns {
+                Err(TransferError::Timeout)
+            } else {
+                Err(TransferError::PeerLost(format!("RDMA queue pair shut: {why}")))
+            };
+            out.push(Completion { transfer, result, target: offered.target });
+        }
+        self.peer(peer).offered = 0;
+        for queue in &mut self.waiting {
+            queue.retain(|w| {
+                if w.peer == peer && (w.reserved || w.placed.is_some()) {
+                    landing.abandoned(&w.target);
+                }
+                w.peer != peer
+            });
+        }
+        self.owed.retain(|&(p, _)| p != peer);
+    }
+
+    /// Sends `answer` to `peer`, or owes it until the peer's queue has room.
+    fn answer(&mut self, peer: PeerId, transfer: u64, status: AckStatus, target: BlockAddr) {
+        if status != AckStatus::Landed {
+            self.stats.refused += 1;
+        }
+        let message = Message::Answer { transfer, status, target }.encode();
+        if !self.owed.is_empty() || self.verbs.send(peer, &message) == Err(VerbsError::Full) {
+            self.owed.push_back((peer, message));
+        }
+        // A broken peer shows as its `Broken` event.
+    }
+
+    /// Takes an offer from `peer`: checks it, reserves a slot for one sent
+    /// to [`ANY_SLOT`], and queues it by class.
+    fn take_offer(&mut self, peer: PeerId, offer: Message, landing: &mut dyn Landing) {
+        let Message::Offer { transfer, source, len, target, priority } = offer else { return };
+        if len == 0 || len > self.config.max_block_bytes.min(u64::from(u32::MAX)) {
+            return self.answer(peer, transfer, AckStatus::Refused, target);
+        }
+        // Only what the peer registered for this node to read.
+        if !self.verbs.imports(peer, source, len) {
+            return self.answer(peer, transfer, AckStatus::Refused, target);
+        }
+        let (target, reserved) = if target.slot == ANY_SLOT {
+            match landing.reserve(target.region, target.epoch, len) {
+                Ok(slot) => (slot, true),
+                Err(status) => return self.answer(peer, transfer, status, target),
+            }
+        } else {
+            (target, false)
+        };
+        self.waiting[priority as usize].push_back(Waiting {
+            peer,
+            transfer,
+            source,
+            len,
+            target,
+            reserved,
+            placed: None,
+        });
+    }
+
+    /// Starts READs of waiting offers, most urgent first, while there is
+    /// room.
+    fn start_reads(&mut self, landing: &mut dyn Landing) {
+        while self.pulling.len() < self.config.reads_max {
+            let Some(next) = self.waiting.iter_mut().find_map(VecDeque::pop_front) else { return };
+            let into = match next.placed {
+                Some(into) => into,
+                None => match landing.place(&next.target, next.len) {
+                    Ok(into) => into,
+                    Err(status) => {
+                        if next.reserved {
+                            landing.abandoned(&next.target);
+                        }
+                        self.answer(next.peer, next.transfer, status, next.target);
+                        continue;
+                    }
+                },
+            };
+            let wr_id = Tag::new(next.target.epoch, next.target.slot, next.target.generation).raw();
+            // A landing that placed outside the registered memory is
+            // refused here, by name, before any READ.
+            if self.pulling.contains_key(&wr_id) || !self.verbs.registered(into, next.len) {
+                landing.abandoned(&next.target);
+                self.answer(next.peer, next.transfer, AckStatus::Refused, next.target);
+                continue;
+            }
+            // Checked at the offer: at most `u32::MAX`.
+            let len = u32::try_from(next.len).unwrap_or(u32::MAX);
+            // SAFETY: `into` is the placed target slot, at least `len`
+            // bytes of registered memory, left to this READ until its
+            // `ReadDone`: the landing's contract until landed or abandoned.
+            match unsafe { self.verbs.read(next.peer, wr_id, next.source, len, into) } {
+                Ok(()) => {
+                    let pull = Pulling { peer: next.peer, transfer: next.transfer, target: next.target, len: next.len };
+                    self.pulling.insert(wr_id, pull);
+                }
+                Err(VerbsError::Full) => {
+                    // Placed, kept, and read first once the queue drains.
+                    self.waiting[0].push_front(Waiting { placed: Some(into), ..next });
+                    return;
+                }
+                Err(VerbsError::Broken(_)) => {
+                    // Its `Broken` event ends the peer's other work.
+                    landing.abandoned(&next.target);
+                }
+            }
+        }
+    }
+
+    fn read_done(&mut self, wr_id: u64, result: Result<(), String>, landing: &mut dyn Landing) {
+        let Some(pull) = self.pulling.remove(&wr_id) else { return };
+        if result.is_err() {
+            // The queue pair failed it: no answer can reach the peer
+            // either (its `Broken` event follows); the slot is the node's.
+            landing.abandoned(&pull.target);
+            return;
+        }
+        self.stats.read += 1;
+        self.stats.read_bytes += pull.len;
+        let status = landing.landed(&pull.target, pull.len);
+        if status == AckStatus::Landed {
+            self.stats.landed += 1;
+        }
+        self.answer(pull.peer, pull.transfer, status, pull.target);
+    }
+
+    fn take_answer(&mut self, peer: PeerId, answer: Message, out: &mut Vec<Completion>) -> bool {
+        let Message::Answer { transfer, status, target } = answer else { return false };
+        match self.offered.get(&transfer) {
+            Some(offered) if offered.peer == peer => {}
+            _ => return false,
+        }
+        self.offered.remove(&transfer);
+        let state = self.peer(peer);
+        state.offered = state.offered.saturating_sub(1);
+        let result = match status {
+            AckStatus::Landed => Ok(()),
+            AckStatus::Refused => Err(TransferError::Refused),
+            AckStatus::Corrupt => Err(TransferError::Corrupt),
+            AckStatus::Busy => Err(TransferError::Busy),
+        };
+        out.push(Completion { transfer, result, target });
+        true
+    }
+}
+
+impl<V: Verbs> Transport for RdmaTransport<V> {
+    unsafe fn write(&mut self, block: &Outgoing, now_ns: u64) -> Result<(), TransferError> {
+        if block.len == 0 || block.len > self.config.max_block_bytes.min(u64::from(u32::MAX)) {
+            return Err(TransferError::Invalid("length"));
+        }
+        if self.offered.contains_key(&block.transfer) {
+            return Err(TransferError::Invalid("transfer id in flight"));
+        }
+        let limit = self.config.offers_per_peer;
+        let state = self.peer(block.peer);
+        if let Some(why) = &state.down {
+            return Err(TransferError::PeerLost(format!("RDMA queue pair shut: {why}")));
+        }
+        if state.offered >= limit {
+            return Err(TransferError::Busy);
+        }
+        // The peer reads the block where it is: it must be in what this
+        // node registered for that peer.
+        let source = block.source as u64;
+        if !self.verbs.exports(block.peer, source, block.len) {
+            return Err(TransferError::Unreachable("the block is not in memory registered for RDMA to that peer"));
+        }
+        let offer = Message::Offer {
+            transfer: block.transfer,
+            source,
+            len: block.len,
+            target: block.target,
+            priority: block.priority,
+        };
+        match self.verbs.send(block.peer, &offer.encode()) {
+            Ok(()) => {}
+            Err(VerbsError::Full) => return Err(TransferError::Busy),
+            Err(VerbsError::Broken(why)) => return Err(TransferError::PeerLost(why)),
+        }
+        self.peer(block.peer).offered += 1;
+        let deadline_ns = now_ns.saturating_add(self.config.transfer_timeout_ns);
+        self.offered.insert(block.transfer, Offered { peer: block.peer, target: block.target, deadline_ns });
+        self.stats.offered += 1;
+        Ok(())
+    }
+
+    fn poll(&mut self, landing: &mut dyn Landing, now_ns: u64, out: &mut Vec<Completion>) -> bool {
+        let before = out.len();
+        let mut moved = false;
+        // Answers owed first: the peer's transfers wait on them.
+        while let Some(&(peer, message)) = self.owed.front() {
+            match self.verbs.send(peer, &message) {
+                Err(VerbsError::Full) => break,
+                Ok(()) | Err(VerbsError::Broken(_)) => {
+                    self.owed.pop_front();
+                    moved = true;
+                }
+            }
+        }
+        let mut events = std::mem::take(&mut self.events);
+        events.clear();
+        self.verbs.poll(&mut events);
+        moved |= !events.is_empty();
+        for event in events.drain(..) {
+            match event {
+                VerbsEvent::ReadDone { wr_id, result } => self.read_done(wr_id, result, landing),
+                VerbsEvent::Broken { peer, why } => self.shut(peer, &why, now_ns, landing, out),
+                VerbsEvent::Received { peer, message } => {
+                    if self.peer_down(peer).is_some() {
+                        continue;
+                    }
+                    match Message::decode(&message) {
+                        Ok(offer @ Message::Offer { .. }) => self.take_offer(peer, offer, landing),
+                        Ok(answer) => {
+                            if !self.take_answer(peer, answer, out) {
+                                self.stats.bad_messages += 1;
+                                self.shut(peer, "it answered an offer this end did not make", now_ns, landing, out);
+                            }
+                        }
+                        Err(why) => {
+                            self.stats.bad_messages += 1;
+                            self.shut(peer, &format!("bad message from the peer: {why}"), now_ns, landing, out);
+                        }
+                    }
+                }
+            }
+        }
+        self.events = events;
+        self.start_reads(landing);
+        // A peer silent past a transfer's deadline is shut before any of
+        // its transfers end, so no READ of their sources can follow.
+        let late: Option<PeerId> = self.offered.values().find(|o| now_ns >= o.deadline_ns).map(|o| o.peer);
+        if let Some(peer) = late {
+            self.shut(peer, "no answer before the deadline", now_ns, landing, out);
+        }
+        moved || out.len() > before
+    }
+
+    fn in_flight(&self) -> usize {
+        self.offered.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target() -> BlockAddr {
+        BlockAddr { region: 3, epoch: 0x1234_5678_9abc, slot: 17, generation: 99 }
+    }
+
+    #[test]
+    fn messages_round_trip_and_any_flipped_bit_is_refused() {
+        let messages = [
+            Message::Offer {
+                transfer: 7,
+                source: 0x7f00_1234_0000,
+                len: 1 << 20,
+                target: target(),
+                priority: Priority::Demotion,
+            },
+            Message::Answer { transfer: 7, status: AckStatus::Corrupt, target: target() },
+        ];
+        for message in messages {
+            let bytes = message.encode();
+            assert_eq!(Message::decode(&bytes), Ok(message));
+            for bit in 0..MESSAGE_BYTES * 8 {
+                let mut bad = bytes;
+                bad[bit / 8] ^= 1 << (bit % 8);
+                assert!(Message::decode(&bad).is_err(), "bit {bit} of {message:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn fields_out_of_range_are_named_even_with_a_good_crc() {
+        let reseal = |mut raw: RawMessage| {
+            raw.crc = crc32fast::hash(&bytemuck::bytes_of(&raw)[..MESSAGE_BYTES - 4]);
+            let mut out = [0u8; MESSAGE_BYTES];
+            out.copy_from_slice(bytemuck::bytes_of(&raw));
+            out
+        };
+        let offer =
+            Message::Offer { transfer: 1, source: 64, len: 64, target: target(), priority: Priority::WriteBack };
+        let raw: RawMessage = bytemuck::pod_read_unaligned(&offer.encode());
+        let cases: [(RawMessage, &str); 5] = [
+            (RawMessage { priority: 9, ..raw }, "priority"),
+            (RawMessage { kind: 3, ..raw }, "kind"),
+            (RawMessage { status: 1, ..raw }, "status"),
+            (RawMessage { kind: KIND_ANSWER, status: 7, priority: 0, ..raw }, "status"),
+            (RawMessage { kind: KIND_ANSWER, priority: 0, ..raw }, "offer fields"),
+        ];
+        for (bad, named) in cases {
+            let why = Message::decode(&reseal(bad)).unwrap_err();
+            assert!(why.contains(named), "{why} should name {named}");
+        }
+    }
+}

@@ -1,0 +1,374 @@
+//! The RDMA transport's protocol over in-process verbs (no RDMA device on
+//! this machine or in CI: `lake_dp::transport::rdma::loopback` stands in
+//! for the device, a READ a copy made only inside what the peer exported):
+//! offered blocks are read into the receiver's slots and checked there;
+//! corrupt, stale and unregistered ones are never published; offers are
+//! read most urgent first; a silent peer times out and is shut before its
+//! transfers end, so nothing reads their sources after; a cut link ends
+//! every transfer and gives back every slot; a peer sending garbage is
+//! shut; and in front of TCP, a dead RDMA link is absorbed.
+
+#![allow(clippy::cast_possible_truncation)] // small test sizes and counts
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use lake_dp::Priority;
+use lake_dp::constants::STORED_HEADER_BYTES;
+use lake_dp::transport::fallback::Fallback;
+use lake_dp::transport::frame::{AckStatus, BlockAddr};
+use lake_dp::transport::rdma::loopback::{Fabric, LoopbackVerbs};
+use lake_dp::transport::rdma::pull::{MESSAGE_BYTES, Message, RdmaConfig, RdmaTransport, Verbs, VerbsEvent};
+use lake_dp::transport::tcp::{TcpConfig, TcpTransport};
+use lake_dp::transport::{ANY_SLOT, Completion, PeerId, TransferError, Transport};
+use lake_tests::transport::{EPOCH, Node, REGION, drive, now_ns, object, outgoing};
+
+type Rdma = RdmaTransport<LoopbackVerbs>;
+
+/// A sender and a receiver joined by a fabric; the sender exports
+/// `objects` to the receiver, the receiver's node memory is registered.
+struct Pair {
+    fabric: Fabric,
+    sender: Rdma,
+    receiver: Rdma,
+    /// The receiver, as the sender knows it.
+    peer: PeerId,
+    receiver_node: usize,
+    node: Node,
+}
+
+fn pair(config: RdmaConfig, slots: usize, objects: &[Vec<u8>]) -> Pair {
+    let fabric = Fabric::new();
+    let mut a = fabric.end(64);
+    let mut b = fabric.end(64);
+    let (to_b, _) = Fabric::connect(&mut a, &mut b);
+    for o in objects {
+        // SAFETY: the objects outlive the pair (each test holds them).
+        unsafe { a.export(to_b, o.as_ptr(), o.len()) };
+    }
+    let mut node = Node::new(slots);
+    // SAFETY: the node's memory is a heap buffer living as long as it, and
+    // the node lives in the pair with the verbs.
+    unsafe { b.register(node.memory.as_mut_ptr(), node.memory.len()) };
+    let receiver_node = b.node();
+    Pair {
+        fabric,
+        sender: RdmaTransport::new(a, config),
+        receiver: RdmaTransport::new(b, config),
+        peer: to_b,
+        receiver_node,
+        node,
+    }
+}
+
+fn any_slot() -> BlockAddr {
+    BlockAddr { region: REGION, epoch: EPOCH, slot: ANY_SLOT, generation: 0 }
+}
+
+fn write(sender: &mut Rdma, transfer: u64, peer: PeerId, bytes: &[u8], target: BlockAddr, priority: Priority) {
+    let block = outgoing(transfer, peer, bytes, target, priority);
+    // SAFETY: every test keeps its objects alive and unchanged past the
+    // completions it drives.
+    unsafe { sender.write(&block, now()) }.unwrap();
+}
+
+thread_local! {
+    static START: Instant = Instant::now();
+}
+
+fn now() -> u64 {
+    now_ns(START.with(|s| *s))
+}
+
+fn by_transfer(mut done: Vec<Completion>) -> Vec<Completion> {
+    done.sort_by_key(|c| c.transfer);
+    done
+}
+
+#[test]
+fn offered_blocks_land_checked_in_the_receivers_slots() {
+    let sizes = [1_000usize, 65_536, 300_000, 1 << 20, 3 << 20, 17, 250_000, 2 << 20];
+    let objects: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| object(i as u32, n, i as u32)).collect();
+    let mut p = pair(RdmaConfig::default(), 16, &objects);
+    for (i, o) in objects.iter().enumerate() {
+        // Half to named slots, half to slots the receiver picks.
+        let target = if i % 2 == 0 { p.node.reserve(i as u32, 3 + i as u32) } else { any_slot() };
+        write(&mut p.sender, i as u64, p.peer, o, target, Priority::PrefillToDecode);
+    }
+    assert_eq!(p.sender.in_flight(), objects.len());
+    let start = START.with(|s| *s);
+    let done = by_transfer(drive(&mut p.sender, &mut p.receiver, &mut p.node, start, objects.len()));
+    for (c, o) in done.iter().zip(&objects) {
+        assert_eq!(c.result, Ok(()), "transfer {}", c.transfer);
+        assert_ne!(c.target.slot, ANY_SLOT, "the completion names the slot it landed in");
+        let landed = p.node.landed_bytes(&c.target, o.len());
+        assert!(landed[STORED_HEADER_BYTES..] == o[STORED_HEADER_BYTES..], "transfer {}'s bytes", c.transfer);
+    }
+    assert_eq!(p.node.published.len(), objects.len());
+    // Each landed header names the slot it sits in.
+    for (target, meta) in &p.node.published {
+        assert_eq!((meta.slot, meta.generation, meta.region_epoch), (target.slot, target.generation, target.epoch));
+    }
+    let bytes: usize = objects.iter().map(Vec::len).sum();
+    assert_eq!((p.receiver.stats.read, p.receiver.stats.read_bytes), (objects.len() as u64, bytes as u64));
+    assert_eq!((p.sender.stats.offered, p.sender.in_flight()), (objects.len() as u64, 0));
+}
+
+#[test]
+fn corrupt_and_stale_blocks_are_never_published() {
+    let good = object(1, 100_000, 1);
+    let mut corrupt = object(2, 100_000, 2);
+    corrupt[STORED_HEADER_BYTES + 5_000] ^= 0x40;
+    let stale = object(3, 100_000, 3);
+    let objects = [good, corrupt, stale];
+    let mut p = pair(RdmaConfig::default(), 8, &objects);
+    let targets = [p.node.reserve(0, 1), p.node.reserve(1, 1)];
+    write(&mut p.sender, 0, p.peer, &objects[0], targets[0], Priority::WriteBack);
+    write(&mut p.sender, 1, p.peer, &objects[1], targets[1], Priority::WriteBack);
+    // Slot 2 was never reserved for this block (or its generation moved on).
+    let never = BlockAddr { region: REGION, epoch: EPOCH, slot: 2, generation: 9 };
+    write(&mut p.sender, 2, p.peer, &objects[2], never, Priority::WriteBack);
+    let start = START.with(|s| *s);
+    let done = by_transfer(drive(&mut p.sender, &mut p.receiver, &mut p.node, start, 3));
+    let results: Vec<_> = done.iter().map(|c| c.result.clone()).collect();
+    assert_eq!(results, [Ok(()), Err(TransferError::Corrupt), Err(TransferError::Refused)]);
+    assert_eq!(p.node.published.len(), 1);
+    assert_eq!(p.node.published[0].0, targets[0]);
+    assert_eq!(p.receiver.stats.refused, 2);
+    // The stale one was refused before any READ.
+    assert_eq!(p.receiver.stats.read, 2);
+}
+
+#[test]
+fn memory_not_registered_for_the_peer_is_neither_offered_nor_read() {
+    let exported = object(1, 50_000, 1);
+    let mut p = pair(RdmaConfig::default(), 4, std::slice::from_ref(&exported));
+    // The sender's own block outside its registration: not this transport's
+    // to carry (a fallback sends it on TCP).
+    let other = object(2, 50_000, 2);
+    let target = p.node.reserve(0, 1);
+    let block = outgoing(9, p.peer, &other, target, Priority::WriteBack);
+    // SAFETY: `other` outlives the call; it is refused before anything is posted.
+    let refused = unsafe { p.sender.write(&block, now()) };
+    assert!(matches!(refused, Err(TransferError::Unreachable(_))), "{refused:?}");
+    assert_eq!(p.sender.in_flight(), 0);
+
+    // A forged offer from a third end naming memory it never exported.
+    let secret = vec![0x5au8; 4096];
+    let mut forger = p.fabric.end(64);
+    let (to_receiver, _) = Fabric::connect(&mut forger, p.receiver.verbs());
+    let offer = Message::Offer {
+        transfer: 1,
+        source: secret.as_ptr() as u64,
+        len: 4096,
+        target,
+        priority: Priority::CriticalLoad,
+    };
+    forger.send(to_receiver, &offer.encode()).unwrap();
+    let mut answer = None;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while answer.is_none() {
+        assert!(Instant::now() < deadline, "no answer to the forged offer");
+        p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+        let mut events = Vec::new();
+        forger.poll(&mut events);
+        for e in events {
+            if let VerbsEvent::Received { message, .. } = e {
+                answer = Some(Message::decode(&message).unwrap());
+            }
+        }
+    }
+    assert_eq!(answer, Some(Message::Answer { transfer: 1, status: AckStatus::Refused, target }));
+    assert_eq!(p.receiver.stats.read, 0, "nothing was read");
+    assert!(p.node.slot(0).iter().all(|&b| b == 0), "no byte of the forger's memory landed");
+    assert!(p.node.published.is_empty());
+}
+
+#[test]
+fn offers_are_read_most_urgent_first() {
+    let objects: Vec<Vec<u8>> = (0..6).map(|i| object(i, 20_000, i)).collect();
+    let config = RdmaConfig { reads_max: 1, ..RdmaConfig::default() };
+    let mut p = pair(config, 8, &objects);
+    // Three replication copies offered first, then three critical loads.
+    for (i, o) in objects.iter().enumerate() {
+        let target = p.node.reserve(i as u32, 1);
+        let class = if i < 3 { Priority::Replication } else { Priority::CriticalLoad };
+        write(&mut p.sender, i as u64, p.peer, o, target, class);
+    }
+    let start = START.with(|s| *s);
+    let done = drive(&mut p.sender, &mut p.receiver, &mut p.node, start, 6);
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    let order: Vec<u32> = p.node.published.iter().map(|(t, _)| t.slot).collect();
+    assert_eq!(order, [3, 4, 5, 0, 1, 2], "critical loads were read first");
+}
+
+/// The oldest transfer ended `Timeout`; the others, not yet at their own
+/// deadlines when the peer was shut, ended lost for the same reason.
+fn assert_silent(done: Vec<Completion>) {
+    let done = by_transfer(done);
+    assert_eq!(done[0].result, Err(TransferError::Timeout), "{done:?}");
+    for c in &done[1..] {
+        let silent = match &c.result {
+            Err(TransferError::Timeout) => true,
+            Err(TransferError::PeerLost(why)) => why.contains("deadline"),
+            _ => false,
+        };
+        assert!(silent, "{c:?}");
+    }
+}
+
+#[test]
+fn a_silent_peer_times_out_and_is_shut_before_anything_reads_the_sources() {
+    let objects: Vec<Vec<u8>> = (0..3).map(|i| object(i, 40_000, i)).collect();
+    let config = RdmaConfig { transfer_timeout_ns: 200_000_000, ..RdmaConfig::default() };
+    let mut p = pair(config, 4, &objects);
+    for (i, o) in objects.iter().enumerate() {
+        let target = p.node.reserve(i as u32, 1);
+        write(&mut p.sender, i as u64, p.peer, o, target, Priority::PrefillToDecode);
+    }
+    // The receiver does not run until the sender gave up.
+    let mut done = Vec::new();
+    let mut none = Node::new(0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while done.len() < 3 {
+        assert!(Instant::now() < deadline, "{done:?}");
+        p.sender.poll(&mut none, now(), &mut done);
+    }
+    assert_silent(done);
+    assert!(p.sender.peer_down(p.peer).is_some_and(|why| why.contains("deadline")));
+    let again = outgoing(7, p.peer, &objects[0], p.node.reserve(3, 1), Priority::PrefillToDecode);
+    // SAFETY: refused before anything is posted.
+    assert!(matches!(unsafe { p.sender.write(&again, now()) }, Err(TransferError::PeerLost(_))));
+    // Now the receiver runs: its link is shut, so the offers it holds are
+    // not read — the sources are the caller's again.
+    for _ in 0..10 {
+        p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+    }
+    assert!(p.node.published.is_empty());
+    assert_eq!(p.receiver.stats.read, 0);
+    assert!(p.receiver.peer_down(PeerId(0)).is_some());
+}
+
+#[test]
+fn a_muted_receiver_reads_but_its_answers_are_lost_and_the_sender_times_out() {
+    let objects: Vec<Vec<u8>> = (0..2).map(|i| object(i, 40_000, i)).collect();
+    let config = RdmaConfig { transfer_timeout_ns: 300_000_000, ..RdmaConfig::default() };
+    let mut p = pair(config, 4, &objects);
+    p.fabric.mute(p.receiver_node);
+    for (i, o) in objects.iter().enumerate() {
+        let target = p.node.reserve(i as u32, 1);
+        write(&mut p.sender, i as u64, p.peer, o, target, Priority::WriteBack);
+    }
+    let start = START.with(|s| *s);
+    let done = drive(&mut p.sender, &mut p.receiver, &mut p.node, start, 2);
+    assert_silent(done);
+    // Landed though unanswered: a named slot sent again is refused as filled.
+    assert_eq!(p.node.published.len(), 2);
+}
+
+#[test]
+fn a_cut_link_ends_every_transfer_and_gives_back_every_slot() {
+    let objects: Vec<Vec<u8>> = (0..4).map(|i| object(i, 200_000, i)).collect();
+    let mut p = pair(RdmaConfig::default(), 8, &objects);
+    for (i, o) in objects.iter().enumerate() {
+        let target = if i < 2 { p.node.reserve(i as u32, 1) } else { any_slot() };
+        write(&mut p.sender, i as u64, p.peer, o, target, Priority::WriteBack);
+    }
+    // The receiver takes the offers and posts its READs; then the link dies.
+    p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+    assert_eq!(p.node.reserved.len(), 4, "two named, two reserved, all placed");
+    p.fabric.cut(p.receiver_node, "the NIC went away");
+    let mut done = Vec::new();
+    let mut none = Node::new(0);
+    p.sender.poll(&mut none, now(), &mut done);
+    let done = by_transfer(done);
+    assert_eq!(done.len(), 4);
+    for c in &done {
+        assert!(matches!(&c.result, Err(TransferError::PeerLost(why)) if why.contains("NIC")), "{c:?}");
+    }
+    p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+    assert!(p.node.published.is_empty());
+    assert_eq!(p.node.abandoned, 4);
+    assert!(p.node.reserved.is_empty(), "every slot is the node's again");
+}
+
+#[test]
+fn a_peer_sending_garbage_is_shut_and_the_others_go_on() {
+    let objects = [object(1, 30_000, 1)];
+    let mut p = pair(RdmaConfig::default(), 4, &objects);
+    let mut rogue = p.fabric.end(64);
+    let (to_receiver, rogue_at_receiver) = Fabric::connect(&mut rogue, p.receiver.verbs());
+    rogue.send(to_receiver, &[0xee; MESSAGE_BYTES]).unwrap();
+    p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+    assert_eq!(p.receiver.stats.bad_messages, 1);
+    assert!(p.receiver.peer_down(rogue_at_receiver).is_some_and(|why| why.contains("magic")));
+    let mut events = Vec::new();
+    rogue.poll(&mut events);
+    assert!(events.iter().any(|e| matches!(e, VerbsEvent::Broken { .. })), "the rogue is cut off: {events:?}");
+    // The honest sender is unaffected.
+    let target = p.node.reserve(0, 1);
+    write(&mut p.sender, 0, p.peer, &objects[0], target, Priority::WriteBack);
+    let start = START.with(|s| *s);
+    let done = drive(&mut p.sender, &mut p.receiver, &mut p.node, start, 1);
+    assert_eq!(done[0].result, Ok(()));
+}
+
+fn tcp_config() -> TcpConfig {
+    TcpConfig { streams_per_peer: 2, transfer_timeout_ns: 5_000_000_000, ..TcpConfig::default() }
+}
+
+#[test]
+fn in_front_of_tcp_a_dead_rdma_link_is_absorbed() {
+    let objects: Vec<Vec<u8>> = (0..20).map(|i| object(i, 30_000 + 9_000 * i as usize, i)).collect();
+    let p = pair(RdmaConfig::default(), 32, &objects);
+    let mut tcp_receiver = TcpTransport::new(tcp_config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    let address: SocketAddr = tcp_receiver.local_addr().unwrap();
+    let mut secondary = TcpTransport::new(tcp_config(), None).unwrap();
+    let tcp_peer = secondary.add_peer(address).unwrap();
+    let Pair { fabric, sender, mut receiver, peer, receiver_node, mut node } = p;
+    let mut sender = Fallback::new(sender, secondary, 10_000_000_000);
+    let peer = sender.add_peer(Some(peer), tcp_peer);
+    let targets: Vec<BlockAddr> = (0..20).map(|i| node.reserve(i, 1)).collect();
+    let drive_all = |sender: &mut Fallback<Rdma, TcpTransport>,
+                     receiver: &mut Rdma,
+                     tcp_receiver: &mut TcpTransport,
+                     node: &mut Node,
+                     want: usize| {
+        let mut done = Vec::new();
+        let mut none = Node::new(0);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while done.len() < want {
+            assert!(Instant::now() < deadline, "{} of {want}", done.len());
+            sender.poll(&mut none, now(), &mut done);
+            receiver.poll(node, now(), &mut Vec::new());
+            tcp_receiver.poll(node, now(), &mut Vec::new());
+        }
+        by_transfer(done)
+    };
+    // Ten on a healthy RDMA link.
+    for i in 0..10 {
+        let block = outgoing(i as u64, peer, &objects[i], targets[i], Priority::PrefillToDecode);
+        // SAFETY: the objects outlive every completion driven below.
+        unsafe { sender.write(&block, now()) }.unwrap();
+    }
+    let done = drive_all(&mut sender, &mut receiver, &mut tcp_receiver, &mut node, 10);
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!((sender.stats.primary, sender.stats.moved), (10, 0));
+    // Ten more, then the RDMA link dies before the receiver reads them:
+    // each is carried by TCP under its own transfer id, once.
+    for i in 10..20 {
+        let block = outgoing(i as u64, peer, &objects[i], targets[i], Priority::PrefillToDecode);
+        // SAFETY: as above.
+        unsafe { sender.write(&block, now()) }.unwrap();
+    }
+    fabric.cut(receiver_node, "port down");
+    let done = drive_all(&mut sender, &mut receiver, &mut tcp_receiver, &mut node, 10);
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(done.iter().map(|c| c.transfer).collect::<Vec<_>>(), (10..20).collect::<Vec<u64>>());
+    assert_eq!((sender.stats.primary, sender.stats.moved), (20, 10));
+    assert_eq!(node.published.len(), 20, "each block landed once");
+    for (i, o) in objects.iter().enumerate() {
+        assert!(node.landed_bytes(&targets[i], o.len())[STORED_HEADER_BYTES..] == o[STORED_HEADER_BYTES..]);
+    }
+    assert_eq!(sender.in_flight(), 0);
+}
