@@ -438,8 +438,22 @@ fn zerocopy_stream(total: u64, chunk: usize) -> Result<(f64, f64), String> {
 pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     let args = Args::parse(
         raw,
-        &["block-bytes", "total-bytes", "streams", "slice-bytes", "window-bytes", "arena-bytes", "rounds", "auth"],
+        &[
+            "block-bytes",
+            "total-bytes",
+            "streams",
+            "slice-bytes",
+            "window-bytes",
+            "arena-bytes",
+            "rounds",
+            "auth",
+            "tag-threads",
+        ],
     )?;
+    // `--tag-threads N`: payload tags of large slices spread over N
+    // threads (`lake_dp::auth::spread_tags`, as `lake serve --tag-threads`).
+    let tag_threads: usize = args.get("tag-threads", 0)?;
+    lake_dp::auth::spread_tags(tag_threads)?;
     // `--auth on`: every round also runs the transport with a link key
     // (handshake, two tags a frame), for the ratio and the added latency.
     let auth = match args.get::<String>("auth", "off".into())?.as_str() {
@@ -517,6 +531,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
         report.float("lake_auth_gbps", authenticated);
         report.float("auth_ratio", authenticated / lake);
         report.float("auth_ratio_goal", 0.9);
+        report.int("tag_threads", lake_dp::auth::tag_threads() as u64);
         report.float("auth_cpu_cores_used", crate::report::median(&mut auth_cores));
         let (plain, tagged) = (crate::report::median(&mut plain_us), crate::report::median(&mut auth_us));
         report.float("block_us_plain", plain);

@@ -63,6 +63,10 @@ pub(crate) struct Pushes {
 /// pools do with theirs: `lake serve --link-key`).
 pub(crate) const LINK_KEY_ENV: &str = "LAKE_LINK_KEY_FILE";
 
+/// The environment variable spreading an authenticated push's tags over
+/// that many threads (`lake_dp::auth::spread_tags`).
+pub(crate) const TAG_THREADS_ENV: &str = "LAKE_TAG_THREADS";
+
 /// `transport`, authenticated with the key [`LINK_KEY_ENV`] names, if it
 /// names one; `None` (the push fails, the reason said on stderr) if that
 /// key cannot be read.
@@ -81,6 +85,14 @@ fn authenticated(mut transport: TcpTransport) -> Option<TcpTransport> {
             return None;
         }
     };
+    // `LAKE_TAG_THREADS=N` spreads large slices' tags over N threads, as
+    // `lake serve --tag-threads` does; a bad value is said and ignored.
+    if let Some(threads) = std::env::var_os(TAG_THREADS_ENV) {
+        let spread = threads.to_str().and_then(|t| t.parse::<usize>().ok()).ok_or("not a number".to_string());
+        if let Err(e) = spread.and_then(lake_dp::auth::spread_tags) {
+            eprintln!("lake: {TAG_THREADS_ENV}={threads:?}: {e}; tags stay on the pusher's thread");
+        }
+    }
     // The engine names itself by its process in handshakes.
     let node = 1 << 63 | u64::from(std::process::id());
     transport.authenticate(key, node).ok()?;

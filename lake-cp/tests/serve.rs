@@ -94,10 +94,19 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
     let said = String::from_utf8_lossy(&refused.stderr);
     assert!(said.contains("chmod 600") && said.contains("exposed.key"), "{said}");
     assert!(!dir.exists(), "nothing started");
+    let too_many = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--tag-threads", "1000", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!too_many.status.success());
+    assert!(String::from_utf8_lossy(&too_many.stderr).contains("--tag-threads 1000: 1000 tag threads: at most 64"));
+    assert!(!dir.exists(), "nothing started");
 
     let quota = ["--quota", "7e7e:l2=1048576", "--socket-mode", "660", "--transport-listen", "127.0.0.1:0"];
     let mut extra: Vec<std::ffi::OsString> = quota.iter().map(std::ffi::OsString::from).collect();
-    extra.extend(["--link-key".into(), link.clone().into_os_string(), "--tenant-key".into()]);
+    extra.extend(["--link-key".into(), link.clone().into_os_string(), "--tag-threads".into(), "2".into()]);
+    extra.push("--tenant-key".into());
     extra.push(format!("7e7e={}", tenant.display()).into());
     extra.extend(["--dir".into(), dir.clone().into_os_string(), "--tenant-keys".into(), keys.clone().into_os_string()]);
     let (mut child, mut out) = serving(extra);

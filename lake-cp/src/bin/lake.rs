@@ -16,12 +16,13 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
                   [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
                   [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
-                  [--link-key FILE] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
+                  [--link-key FILE] [--tag-threads N] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
                   [--socket-group NAME] [--socket-mode OCTAL]
                   [--tenant-key NAMESPACE=FILE ...] [--tenant-keys DIR] [--require-encryption yes]
                   [--quota NAMESPACE:l1|l2|l3=BYTES ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
-                   with a link key every transport and summary connection is authenticated;
+                   with a link key every transport and summary connection is authenticated,
+                   --tag-threads spreading the tags of large slices over N threads;
                    SIGHUP reads --tenant-keys DIR's NAMESPACE.key files again: one gone is purged)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
                [--ttl SECONDS] [--node N] [--entries N]
@@ -237,6 +238,10 @@ fn serve(args: &[String]) -> Result<(), String> {
                 config.transport_listen = Some(value.parse().map_err(|e| format!("{flag} {value}: {e}"))?);
             }
             "--link-key" => config.link_key = Some(link_key(value)?),
+            "--tag-threads" => {
+                let threads = usize::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?;
+                lake_dp::auth::spread_tags(threads).map_err(|e| format!("{flag} {value}: {e}"))?;
+            }
             "--allow-uid" | "--allow-gid" => {
                 let ids = value
                     .split(',')

@@ -31,8 +31,10 @@ pub const CLIENT_FINISH_BYTES: usize = 32;
 
 /// "LKAU", little-endian: the first bytes of an authenticated link.
 pub const AUTH_MAGIC: [u8; 4] = *b"LKAU";
-/// The handshake version this code speaks.
-pub const AUTH_VERSION: u8 = 1;
+/// The link protocol version this code speaks (2: a payload tag hashes
+/// the bytes before the sequence number, so it can be spread over threads;
+/// a peer speaking 1 is told so by the handshake).
+pub const AUTH_VERSION: u8 = 2;
 
 const KIND_CLIENT_HELLO: u8 = 1;
 const KIND_SERVER_HELLO: u8 = 2;

@@ -1,9 +1,9 @@
 //! A link's session after its handshake: each frame's two tags.
 //!
 //! Each direction has its own header key, payload key and frame counter.
-//! A frame's payload tag is the keyed BLAKE3 hash of its sequence number
-//! and bytes; its header tag that of its sequence number, header and
-//! payload tag. The sequence number is not sent: each end counts frames,
+//! A frame's payload tag is the keyed BLAKE3 hash of its bytes and then
+//! its sequence number; its header tag that of its sequence number, header
+//! and payload tag. The sequence number is not sent: each end counts frames,
 //! so a frame replayed, dropped or moved fails at the next tag. Tags are
 //! the hashes' first 16 bytes.
 
@@ -29,10 +29,63 @@ impl Drop for Direction {
     }
 }
 
+/// The threads payload tags are spread over, once set for the process.
+static TAG_THREADS: std::sync::OnceLock<rayon_core::ThreadPool> = std::sync::OnceLock::new();
+
+/// Most threads tags may be spread over.
+pub const TAG_THREADS_MAX: usize = 64;
+
+/// Payloads shorter than this are tagged on the calling thread: spreading
+/// one costs more than it saves.
+pub const SPREAD_MIN_BYTES: usize = 256 * 1024;
+
+/// Spreads the tags of payloads of [`SPREAD_MIN_BYTES`] or more over
+/// `threads` threads of their own (`lake-tag-N`) for the rest of the
+/// process: the thread that asks waits for them, so a link's one polling
+/// thread tags at several cores' rate. Same tags either way (BLAKE3's
+/// tree). Set once; 0 or 1 keeps tagging on the caller's thread.
+pub fn spread_tags(threads: usize) -> Result<(), String> {
+    if threads <= 1 {
+        return Ok(());
+    }
+    if threads > TAG_THREADS_MAX {
+        return Err(format!("{threads} tag threads: at most {TAG_THREADS_MAX}"));
+    }
+    if let Some(pool) = TAG_THREADS.get() {
+        return if pool.current_num_threads() == threads {
+            Ok(())
+        } else {
+            Err(format!("tags are already spread over {} threads", pool.current_num_threads()))
+        };
+    }
+    let pool = rayon_core::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("lake-tag-{i}"))
+        .build()
+        .map_err(|e| format!("starting {threads} tag threads: {e}"))?;
+    // A racing caller's pool wins; the same count either way.
+    let _ = TAG_THREADS.set(pool);
+    Ok(())
+}
+
+/// The threads tags are spread over (0: the caller's own).
+pub fn tag_threads() -> usize {
+    TAG_THREADS.get().map_or(0, rayon_core::ThreadPool::current_num_threads)
+}
+
 fn payload_tag(key: &[u8; 32], seq: u64, payload: &[u8]) -> [u8; TAG_BYTES] {
     let mut hasher = blake3::Hasher::new_keyed(key);
+    // The payload first, from BLAKE3's chunk 0, so its subtrees align and
+    // spread evenly; the fixed-size sequence number after it.
+    match TAG_THREADS.get() {
+        Some(pool) if payload.len() >= SPREAD_MIN_BYTES => pool.install(|| {
+            hasher.update_rayon(payload);
+        }),
+        _ => {
+            hasher.update(payload);
+        }
+    }
     hasher.update(&seq.to_le_bytes());
-    hasher.update(payload);
     let mut tag = [0u8; TAG_BYTES];
     tag.copy_from_slice(&hasher.finalize().as_bytes()[..TAG_BYTES]);
     tag
@@ -157,6 +210,18 @@ mod tests {
     fn pair() -> (Session, Session) {
         let keys = [[1u8; 32], [2; 32], [3; 32], [4; 32]];
         (Session::client(keys), Session::server(keys))
+    }
+
+    #[test]
+    fn spread_tags_are_the_same_tags() {
+        let payload: Vec<u8> = (0..3 * SPREAD_MIN_BYTES + 4321).map(|i| (i % 251) as u8).collect();
+        let alone = payload_tag(&[7; 32], 9, &payload);
+        spread_tags(3).unwrap();
+        assert_eq!(tag_threads(), 3);
+        assert!(spread_tags(4).unwrap_err().contains("already"));
+        assert!(spread_tags(TAG_THREADS_MAX + 1).unwrap_err().contains("at most"));
+        assert_eq!(payload_tag(&[7; 32], 9, &payload), alone);
+        assert_ne!(payload_tag(&[7; 32], 10, &payload), alone);
     }
 
     #[test]
