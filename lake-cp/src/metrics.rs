@@ -45,6 +45,11 @@ fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str
     }
 }
 
+/// Samples with labels made at run time, as `metric` takes them.
+fn borrowed(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
+    samples.iter().map(|(labels, value)| (labels.as_str(), *value)).collect()
+}
+
 /// The exposition of the node and the server.
 pub fn render(node: &Node, server: &ServerCounters) -> String {
     let mut out = String::new();
@@ -205,6 +210,13 @@ fn tier_metrics(out: &mut String, node: &Node) {
     );
     metric(
         out,
+        "lake_tier_tenant_quota_evictions_total",
+        "counter",
+        "Blocks asked out of a tier because their tenant was over its quota there.",
+        &[("", t.tenant_quota_evictions)],
+    );
+    metric(
+        out,
         "lake_tier_leased_kept_total",
         "counter",
         "Eviction candidates passed over because a lease held them.",
@@ -217,6 +229,23 @@ fn tier_metrics(out: &mut String, node: &Node) {
         "Tier commands that failed or timed out.",
         &[("", t.failed)],
     );
+    let tenants = node.tiers.tenant_usage();
+    let tier_name = |t: Tier| match t {
+        Tier::L0Hbm => "l0",
+        Tier::L1Dram => "l1",
+        Tier::L2Nvme => "l2",
+        Tier::L3Object => "l3",
+    };
+    let used: Vec<(String, u64)> = tenants
+        .iter()
+        .map(|&(name, tier, used, _)| (format!("tenant=\"{name}\",tier=\"{}\"", tier_name(tier)), used))
+        .collect();
+    let quota: Vec<(String, u64)> = tenants
+        .iter()
+        .map(|&(name, tier, _, q)| (format!("tenant=\"{name}\",tier=\"{}\"", tier_name(tier)), q))
+        .collect();
+    metric(out, "lake_tenant_bytes", "gauge", "Bytes a tenant's namespaces hold in a tier.", &borrowed(&used));
+    metric(out, "lake_tenant_quota_bytes", "gauge", "A tenant's quota in a tier.", &borrowed(&quota));
     metric(
         out,
         "lake_tier_commands_pending",

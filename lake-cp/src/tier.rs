@@ -130,6 +130,21 @@ pub struct Quota {
     pub bytes: u64,
 }
 
+/// A tenant's byte quota in one tier, over all its namespaces (the
+/// namespaces are the tenant's as the operator says: a namespace id names
+/// a tenant key only to those who hold it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantQuota {
+    /// The tenant's name (for logs and `/metrics`).
+    pub tenant: String,
+    /// Its namespaces.
+    pub namespaces: Vec<u64>,
+    /// The tier.
+    pub tier: Tier,
+    /// Bytes its namespaces may hold there together.
+    pub bytes: u64,
+}
+
 /// How the tiers are managed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TierConfig {
@@ -138,6 +153,8 @@ pub struct TierConfig {
     pub capacity_bytes: [Option<u64>; 4],
     /// Per-namespace quotas.
     pub quotas: Vec<Quota>,
+    /// Per-tenant quotas, over several namespaces.
+    pub tenant_quotas: Vec<TenantQuota>,
     /// Eviction starts above this percentage of a tier's capacity...
     pub high_percent: u8,
     /// ...and stops below this one.
@@ -153,6 +170,7 @@ impl Default for TierConfig {
         Self {
             capacity_bytes: [None; 4],
             quotas: Vec::new(),
+            tenant_quotas: Vec::new(),
             high_percent: 95,
             low_percent: 90,
             policy: PolicyKind::Lake,
@@ -220,6 +238,8 @@ pub struct TierCounters {
     pub unattributed: u64,
     /// Second copies of a block in one region, evicted.
     pub duplicates: u64,
+    /// Blocks asked out because their tenant was over its quota.
+    pub tenant_quota_evictions: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -556,6 +576,23 @@ impl Tiers {
         TierUsage { bytes, blocks, capacity_bytes: self.capacity(tier), pending_bytes: self.pending_by(tier, None) }
     }
 
+    /// Each tenant quota's tenant, tier, bytes its namespaces hold there
+    /// (less what is on its way out) and the quota.
+    pub fn tenant_usage(&self) -> Vec<(&str, Tier, u64, u64)> {
+        self.config
+            .tenant_quotas
+            .iter()
+            .map(|q| {
+                let live: u64 = q
+                    .namespaces
+                    .iter()
+                    .map(|&n| self.used_by(q.tier, Some(n)).saturating_sub(self.pending_by(q.tier, Some(n))))
+                    .sum();
+                (q.tenant.as_str(), q.tier, live, q.bytes)
+            })
+            .collect()
+    }
+
     /// Commands in flight.
     pub fn pending(&self) -> usize {
         self.pending.len()
@@ -596,7 +633,34 @@ impl Tiers {
             if !self.regions.values().any(|r| r.tier == tier) {
                 continue;
             }
-            // Quotas first: a namespace over its quota gives up its own.
+            // Quotas first. A tenant over its quota gives up blocks of its
+            // namespace holding the most there, until it is under.
+            let tenants: Vec<(Vec<u64>, u64)> = self
+                .config
+                .tenant_quotas
+                .iter()
+                .filter(|q| q.tier == tier)
+                .map(|q| (q.namespaces.clone(), q.bytes))
+                .collect();
+            for (namespaces, quota) in tenants {
+                let live = |tiers: &Self, namespace: u64| {
+                    tiers.used_by(tier, Some(namespace)).saturating_sub(tiers.pending_by(tier, Some(namespace)))
+                };
+                while out.len() - start < COMMANDS_PER_PASS
+                    && namespaces.iter().map(|&n| live(self, n)).sum::<u64>() > quota
+                {
+                    let mut largest: Vec<(u64, u64)> = namespaces.iter().map(|&n| (live(self, n), n)).collect();
+                    largest.sort_unstable_by(|a, b| b.cmp(a));
+                    let evicted = largest
+                        .iter()
+                        .any(|&(_, namespace)| self.evict_one(tier, namespace, locations, leases, now_ns, out));
+                    if !evicted {
+                        break;
+                    }
+                    self.counters.tenant_quota_evictions += 1;
+                }
+            }
+            // A namespace over its own quota gives up its own.
             let quotas: Vec<(u64, u64)> =
                 self.config.quotas.iter().filter(|q| q.tier == tier).map(|q| (q.namespace, q.bytes)).collect();
             for (namespace, quota) in quotas {
@@ -996,6 +1060,35 @@ mod tests {
         // The tier is far from full; namespace 2 is one over its quota.
         let commands = world.plan();
         assert_eq!(keys_of(&commands), vec![(2, "move")]);
+    }
+
+    #[test]
+    fn a_tenant_over_its_quota_gives_up_blocks_of_its_largest_namespace() {
+        let tenant = TenantQuota { tenant: "acme".into(), namespaces: vec![2, 3], tier: Tier::L1Dram, bytes: 3 * SLOT };
+        let config = TierConfig { tenant_quotas: vec![tenant], policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        // Namespace 1 is another tenant's, far larger, and left alone.
+        for k in 1..=5 {
+            world.add(0, 1, None, k);
+        }
+        // Acme: namespace 2 holds three, namespace 3 two — five against a
+        // quota of three, though neither namespace alone is over it.
+        world.add(0, 2, None, 10);
+        world.add(0, 2, None, 11);
+        world.add(0, 2, None, 12);
+        world.add(0, 3, None, 20);
+        world.add(0, 3, None, 21);
+        let commands = world.plan();
+        // The largest first (namespace 2's coldest), then, even at two
+        // each, namespace 3's (the larger id among equals).
+        assert_eq!(keys_of(&commands), vec![(10, "move"), (20, "move")]);
+        assert_eq!(world.tiers.counters.tenant_quota_evictions, 2);
+        // What is on its way out counts as gone.
+        assert_eq!(world.tiers.tenant_usage(), vec![("acme", Tier::L1Dram, 3 * SLOT, 3 * SLOT)]);
+        for command in &commands {
+            world.carry_out(command);
+        }
+        assert!(world.plan().is_empty(), "at its quota: nothing more");
     }
 
     #[test]

@@ -101,9 +101,32 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
         .unwrap();
     assert!(!too_many.status.success());
     assert!(String::from_utf8_lossy(&too_many.stderr).contains("--tag-threads 1000: 1000 tag threads: at most 64"));
+    // A tenant quota needs the tenant's namespaces; a namespace has one tenant.
+    for (args, said) in [
+        (&["--tenant-quota", "acme:l1=4096"][..], "no --tenant acme=NAMESPACE"),
+        (&["--tenant", "acme=7e7e,7f7f", "--tenant", "beta=7f7f"][..], "tenant acme's already"),
+        (&["--tenant", "acme=7e7e,zz"][..], "NAME=NAMESPACE(hex)"),
+    ] {
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_lake")).arg("serve").args(args).arg("--dir").arg(&dir).output().unwrap();
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(said), "{args:?}: {stderr}");
+    }
     assert!(!dir.exists(), "nothing started");
 
-    let quota = ["--quota", "7e7e:l2=1048576", "--socket-mode", "660", "--transport-listen", "127.0.0.1:0"];
+    let quota = [
+        "--quota",
+        "7e7e:l2=1048576",
+        "--tenant",
+        "acme=7e7e,7f7f",
+        "--tenant-quota",
+        "acme:l1=4194304",
+        "--socket-mode",
+        "660",
+        "--transport-listen",
+        "127.0.0.1:0",
+    ];
     let mut extra: Vec<std::ffi::OsString> = quota.iter().map(std::ffi::OsString::from).collect();
     extra.extend(["--link-key".into(), link.clone().into_os_string(), "--tag-threads".into(), "2".into()]);
     extra.push("--tenant-key".into());

@@ -85,3 +85,75 @@ fn two_tenants_with_the_same_tokens_never_see_each_others_blocks() {
     drop((engine_a, engine_b));
     pool.stop().unwrap();
 }
+
+fn metric(address: std::net::SocketAddr, name: &str) -> Option<u64> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).ok()?;
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: lake\r\n\r\n").ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    let line = text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))?;
+    line.rsplit(' ').next()?.parse().ok()
+}
+
+/// A tenant of two namespaces over its L1 quota gives up L1 blocks of
+/// its own — demoted to L2, still found and loaded byte for byte — while
+/// another tenant's blocks stay in L1, though the tier is far from full
+/// and neither of the first tenant's namespaces alone is over the quota.
+#[test]
+fn a_tenant_over_its_quota_across_namespaces_gives_up_its_own_l1() {
+    use lake_cp::tier::TenantQuota;
+    use lake_dp::Tier;
+    let dir = std::env::temp_dir().join(format!("lake-cp-tenant-quota-{}", std::process::id()));
+    let (a1, a2, b) = (namespace(1), namespace(3), namespace(2));
+    // Model change inside tenant 1: a second namespace under the same
+    // tenant (another fingerprint), as a rolled model would give.
+    let slot = lake_dp::stored::object_bytes(64 * 1024);
+    let quota = |tenant: &str, namespaces: Vec<u64>, bytes| TenantQuota {
+        tenant: tenant.into(),
+        namespaces,
+        tier: Tier::L1Dram,
+        bytes,
+    };
+    let mut config = EmbeddedConfig { local_agents: 3, metrics: true, l1_slots: 64, ..EmbeddedConfig::new(dir) };
+    config.tiers.tenant_quotas =
+        vec![quota("acme", vec![a1.id().0, a2.id().0], 6 * slot), quota("other", vec![b.id().0], 64 * slot)];
+    let mut pool = EmbeddedPool::start(&config).unwrap();
+    let address = pool.metrics.unwrap();
+    let tokens = |seed: u32| (0..16 * 5).map(|t| t * 13 + seed).collect::<Vec<u32>>();
+    let (a1_keys, a2_keys, b_keys) = (
+        KeyChain::keys(&a1, &tokens(1)).unwrap(),
+        KeyChain::keys(&a2, &tokens(2)).unwrap(),
+        KeyChain::keys(&b, &tokens(3)).unwrap(),
+    );
+    let mut engines = [engine(&mut pool, &a1), engine(&mut pool, &a2), engine(&mut pool, &b)];
+    save(&mut engines[0], &a1_keys, 0xa1);
+    save(&mut engines[1], &a2_keys, 0xa2);
+    save(&mut engines[2], &b_keys, 0xbb);
+    // Acme holds 10 blocks against a quota of 6: four go down to L2.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let acme = metric(address, "lake_tenant_bytes{tenant=\"acme\",tier=\"l1\"}");
+        let evicted = metric(address, "lake_tier_tenant_quota_evictions_total").unwrap_or(0);
+        if acme.is_some_and(|bytes| bytes <= 6 * slot) && evicted >= 4 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "acme holds {acme:?} bytes of L1 after {evicted} quota evictions");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(metric(address, "lake_tenant_quota_bytes{tenant=\"acme\",tier=\"l1\"}"), Some(6 * slot));
+    assert_eq!(
+        metric(address, "lake_tenant_bytes{tenant=\"other\",tier=\"l1\"}"),
+        Some(5 * slot),
+        "the other tenant keeps its L1"
+    );
+    // Nothing lost: every block of every namespace is found and its bytes are its own.
+    let mut table = Vec::new();
+    for (agent, (keys, fill)) in engines.iter_mut().zip([(&a1_keys, 0xa1), (&a2_keys, 0xa2), (&b_keys, 0xbb)]) {
+        assert_eq!(agent.lookup(keys, &mut table), keys.len());
+        let got = agent.fetch(keys, &table, |i, bytes| assert!(bytes.iter().all(|&x| x == fill), "block {i}"));
+        assert_eq!(got, keys.len());
+    }
+    drop(engines);
+    pool.stop().unwrap();
+}

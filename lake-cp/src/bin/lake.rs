@@ -20,6 +20,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--socket-group NAME] [--socket-mode OCTAL]
                   [--tenant-key NAMESPACE=FILE ...] [--tenant-keys DIR] [--require-encryption yes]
                   [--quota NAMESPACE:l1|l2|l3=BYTES ...]
+                  [--tenant NAME=NAMESPACE[,NAMESPACE...] ...] [--tenant-quota NAME:l1|l2|l3=BYTES ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
                    with a link key every transport and summary connection is authenticated,
                    --tag-threads spreading the tags of large slices over N threads;
@@ -158,6 +159,16 @@ fn reload_tenant_keys(
     let _ = std::io::Write::flush(&mut std::io::stdout());
 }
 
+/// A tier by its flag name: `l1`, `l2` or `l3`.
+fn tier_named(name: &str) -> Option<lake_dp::Tier> {
+    match name {
+        "l1" => Some(lake_dp::Tier::L1Dram),
+        "l2" => Some(lake_dp::Tier::L2Nvme),
+        "l3" => Some(lake_dp::Tier::L3Object),
+        _ => None,
+    }
+}
+
 /// The link key in `path` (`--link-key`).
 fn link_key(path: &str) -> Result<lake_dp::auth::LinkKey, String> {
     lake_dp::auth::LinkKey::load(std::path::Path::new(path)).map_err(|e| e.to_string())
@@ -207,6 +218,9 @@ fn serve(args: &[String]) -> Result<(), String> {
     // signals, and this one takes them.
     let signals = lake_dp::runner::os::Signals::with_hangup().map_err(|e| format!("signals: {e}"))?;
     let mut key_dir: Option<std::path::PathBuf> = None;
+    // Tenants' namespaces and quotas, joined once every flag is read.
+    let mut tenants: Vec<(String, Vec<u64>)> = Vec::new();
+    let mut tenant_quotas: Vec<(String, lake_dp::Tier, u64)> = Vec::new();
     let mut config = EmbeddedConfig {
         metrics: true,
         events_to_stderr: true,
@@ -268,14 +282,32 @@ fn serve(args: &[String]) -> Result<(), String> {
                 let (place, bytes) = value.split_once('=').ok_or_else(bad)?;
                 let (namespace, tier) = place.split_once(':').ok_or_else(bad)?;
                 let namespace = namespace_hex(namespace).ok_or_else(bad)?.0;
-                let tier = match tier {
-                    "l1" => lake_dp::Tier::L1Dram,
-                    "l2" => lake_dp::Tier::L2Nvme,
-                    "l3" => lake_dp::Tier::L3Object,
-                    _ => return Err(bad()),
-                };
+                let tier = tier_named(tier).ok_or_else(bad)?;
                 let bytes = bytes.parse().map_err(|_| bad())?;
                 config.tiers.quotas.push(lake_cp::tier::Quota { namespace, tier, bytes });
+            }
+            "--tenant" => {
+                let bad = || format!("{flag} {value}: NAME=NAMESPACE(hex)[,NAMESPACE...]");
+                let (name, list) = value.split_once('=').ok_or_else(bad)?;
+                let namespaces = list
+                    .split(',')
+                    .map(|n| namespace_hex(n).map(|n| n.0))
+                    .collect::<Option<Vec<u64>>>()
+                    .ok_or_else(bad)?;
+                if name.is_empty() || tenants.iter().any(|(n, _)| n == name) {
+                    return Err(format!("{flag} {value}: a tenant is named once, and not empty"));
+                }
+                if let Some((other, _)) = tenants.iter().find(|(_, ns)| ns.iter().any(|n| namespaces.contains(n))) {
+                    return Err(format!("{flag} {value}: a namespace of it is tenant {other}'s already"));
+                }
+                tenants.push((name.to_owned(), namespaces));
+            }
+            "--tenant-quota" => {
+                let bad = || format!("{flag} {value}: NAME:l1|l2|l3=BYTES");
+                let (place, bytes) = value.split_once('=').ok_or_else(bad)?;
+                let (name, tier) = place.split_once(':').ok_or_else(bad)?;
+                let tier = tier_named(tier).ok_or_else(bad)?;
+                tenant_quotas.push((name.to_owned(), tier, bytes.parse().map_err(|_| bad())?));
             }
             "--socket-mode" => {
                 config.access.socket_mode = Some(
@@ -312,6 +344,13 @@ fn serve(args: &[String]) -> Result<(), String> {
             }
             _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
         }
+    }
+    for (name, tier, bytes) in tenant_quotas {
+        let namespaces =
+            tenants.iter().find(|(n, _)| *n == name).map(|(_, ns)| ns.clone()).ok_or_else(|| {
+                format!("--tenant-quota {name}: no --tenant {name}=NAMESPACE,... says its namespaces")
+            })?;
+        config.tiers.tenant_quotas.push(lake_cp::tier::TenantQuota { tenant: name, namespaces, tier, bytes });
     }
     if l3 != L3Section::none() {
         if l3.dir.is_none() && l3.endpoint.is_none() {
