@@ -35,6 +35,14 @@ use lake_dp::{
 use crate::embedded::{EmbeddedConfig, EmbeddedPool, Gauges};
 use crate::tier::{TierConfig, TierUsage};
 
+/// The shared system prompt: the same tokens in every conversation.
+fn system_prompt(config: &DemoConfig, block_tokens: usize) -> Vec<u32> {
+    let mut system = SimRng::new(config.seed ^ 0x5157_5e70);
+    (0..config.system_blocks as usize * block_tokens)
+        .map(|_| u32::try_from(system.below(151_936)).unwrap_or(0))
+        .collect()
+}
+
 /// What the demo runs.
 #[derive(Clone, Debug)]
 pub struct DemoConfig {
@@ -58,6 +66,9 @@ pub struct DemoConfig {
     pub l2_slots_per_file: u32,
     /// Seed of the token streams.
     pub seed: u64,
+    /// Seconds to keep the pool up after the conversations, for the
+    /// operator's commands (`lake top`, `lake inspect`; 0: none).
+    pub hold_s: u64,
 }
 
 impl Default for DemoConfig {
@@ -73,6 +84,7 @@ impl Default for DemoConfig {
             l1_slots: 384,
             l2_slots_per_file: 4096,
             seed: 1,
+            hold_s: 0,
         }
     }
 }
@@ -289,6 +301,25 @@ pub fn run(config: &DemoConfig, progress: &mut dyn Write) -> Result<DemoReport, 
     }
     let _ = writeln!(progress, "{}", progress_line(&live, &pool.gauges, total_turns, started, config, block_bytes));
 
+    if config.hold_s > 0 {
+        // A block every conversation shares, for `lake inspect`.
+        let first = system_prompt(config, namespace.block_tokens() as usize);
+        let block = first.get(..namespace.block_tokens() as usize).unwrap_or_default();
+        let key = KeyChain::keys(&namespace, block).unwrap_or_default();
+        let key: String = key.first().map(|k| k.0.iter().map(|b| format!("{b:02x}")).collect()).unwrap_or_default();
+        let _ = writeln!(
+            progress,
+            "{{\"event\":\"holding\",\"seconds\":{},\"admin_socket\":\"{}\",\"arena\":\"{}\",\"metrics\":\"{}\",\
+             \"namespace\":\"{:016x}\",\"system_prompt_first_key\":\"{key}\"}}",
+            config.hold_s,
+            pool.admin_socket.display(),
+            pool.arena.display(),
+            metrics.map_or_else(String::new, |a| a.to_string()),
+            namespace.id().0,
+        );
+        let _ = progress.flush();
+        std::thread::sleep(Duration::from_secs(config.hold_s));
+    }
     let (data_plane, server) = pool.stop()?;
     report.data_plane = data_plane;
     let tiers = &server.node().tiers;
@@ -355,11 +386,7 @@ struct EngineDone {
 impl Engine {
     fn new(agent: Agent, namespace: Namespace, engine: u32, config: &DemoConfig, block_bytes: u64) -> Self {
         let block_tokens = namespace.block_tokens() as usize;
-        // The shared system prompt: the same tokens in every conversation.
-        let mut system = SimRng::new(config.seed ^ 0x5157_5e70);
-        let system: Vec<u32> = (0..config.system_blocks as usize * block_tokens)
-            .map(|_| u32::try_from(system.below(151_936)).unwrap_or(0))
-            .collect();
+        let system = system_prompt(config, block_tokens);
         let sessions = (0..config.sessions)
             .filter(|s| s % config.engines == engine)
             .map(|s| Session {

@@ -157,6 +157,9 @@ pub struct EmbeddedPool {
     pub cp_socket: PathBuf,
     /// `lake-dp`'s attach socket (engines in other processes).
     pub dp_socket: PathBuf,
+    /// The operator's socket (`lake inspect`, `lake top`, `lake purge`;
+    /// [`crate::admin`]).
+    pub admin_socket: PathBuf,
     /// `/metrics`, if served.
     pub metrics: Option<std::net::SocketAddr>,
     /// The agents' ends of the in-process ports, to take.
@@ -240,6 +243,7 @@ impl EmbeddedPool {
         std::fs::create_dir_all(&config.dir).map_err(|e| format!("{}: {e}", config.dir.display()))?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
+        let admin_socket = config.dir.join("admin.sock");
         let entries = u64::from(config.l1_slots)
             + 2 * u64::from(config.l2_slots_per_file)
             + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));
@@ -263,6 +267,7 @@ impl EmbeddedPool {
         };
         let (gid, mode, policy) = agents.access().map_err(|e| e.0)?;
         server.restrict(policy, mode, gid).map_err(|e| format!("{}: mode and group: {e}", cp_socket.display()))?;
+        server.serve_admin(&admin_socket).map_err(|e| format!("{}: {e}", admin_socket.display()))?;
         if !config.summary_to.is_empty() {
             server.report_to(config.summary_to.clone(), config.link_key.clone());
         }
@@ -340,6 +345,7 @@ impl EmbeddedPool {
             mirror,
             cp_socket,
             dp_socket,
+            admin_socket,
             metrics,
             local_ports,
             gauges,

@@ -106,6 +106,20 @@ impl Leases {
         self.held.contains_key(&(*key, region))
     }
 
+    /// The leases holding a replica of `key`: id, region, deadline (Unix
+    /// ns), by id. Walks every lease (for the operator, not the data path).
+    pub fn holding(&self, key: &BlockKey) -> Vec<(u64, u16, u64)> {
+        let mut out: Vec<(u64, u16, u64)> = self
+            .leases
+            .values()
+            .flat_map(|l| {
+                l.entries.iter().filter(|(k, _)| k == key).map(move |(_, r)| (l.id, r.region.0, l.deadline_ns))
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     /// Gives a lease back. Returns whether it was held.
     pub fn release(&mut self, id: u64) -> bool {
         let Some(lease) = self.leases.remove(&id) else { return false };

@@ -19,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod admin;
 pub mod demo;
 pub mod embedded;
 pub mod etcd;

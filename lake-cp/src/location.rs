@@ -264,8 +264,17 @@ impl Locations {
         self.drop_if_empty_leaf(reservation.block);
     }
 
+    /// Drops `block` if it is a leaf without replicas, and then each
+    /// ancestor the drop leaves a leaf without replicas (one kept only as
+    /// the path to a child that is gone now).
     fn drop_if_empty_leaf(&mut self, block: BlockRef) {
-        if self.index.is_live(block) && self.index.is_leaf(block) && self.index.replicas(block).next().is_none() {
+        let mut at = Some(block);
+        while let Some(block) = at {
+            if !(self.index.is_live(block) && self.index.is_leaf(block) && self.index.replicas(block).next().is_none())
+            {
+                return;
+            }
+            at = self.index.parent(block);
             let _ = self.index.remove(block);
         }
     }

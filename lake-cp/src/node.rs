@@ -101,6 +101,51 @@ pub struct NodeCounters {
     pub hit_blocks: u64,
 }
 
+/// What happened to a block, as `lake inspect` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockEventKind {
+    /// A replica was committed (saved, landed, promoted, moved in).
+    Committed,
+    /// A replica was re-adopted from a restarted data plane's media.
+    Readopted,
+    /// A replica went away (the wire's `EvictReason` code).
+    Evicted(u8),
+    /// The tier manager asked a move of it to `Tier as u8`.
+    MoveAsked(u8),
+    /// The tier manager (or a replication) asked a copy of it to
+    /// `Tier as u8`.
+    CopyAsked(u8),
+    /// The tier manager asked a replica of it dropped.
+    DropAsked,
+    /// A second copy of it in one region (two engines saved it at once)
+    /// was asked dropped; the first stays.
+    SecondCopyDropAsked,
+}
+
+/// One entry of the node's recent history.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockEvent {
+    /// When (Unix ns).
+    pub unix_ns: u64,
+    /// The block.
+    pub key: BlockKey,
+    /// What happened.
+    pub what: BlockEventKind,
+    /// The region of the replica it happened to (for asks: the source's).
+    pub region: u16,
+    /// That replica's slot.
+    pub slot: u32,
+}
+
+/// Events kept in the node's history, the oldest let go first.
+pub const HISTORY_MAX: usize = 1 << 16;
+
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
 /// The node authority. See the module docs.
 #[derive(Debug)]
 pub struct Node {
@@ -140,6 +185,8 @@ pub struct Node {
     /// Each engine's compute-network rails, by its connection, as it last
     /// reported them (gone with the connection).
     pub engine_rails: Vec<(u64, Vec<lake_dp::wire::message::RailEntry>)>,
+    /// What happened to blocks lately, oldest first ([`HISTORY_MAX`]).
+    history: std::collections::VecDeque<BlockEvent>,
 }
 
 impl Node {
@@ -166,7 +213,21 @@ impl Node {
             copy_requests: 0,
             copies_landed: 0,
             copies_failed: 0,
+            history: std::collections::VecDeque::new(),
         }
+    }
+
+    fn record(&mut self, key: BlockKey, what: BlockEventKind, (region, slot): (u16, u32)) {
+        if self.history.len() >= HISTORY_MAX {
+            self.history.pop_front();
+        }
+        self.history.push_back(BlockEvent { unix_ns: unix_ns(), key, what, region, slot });
+    }
+
+    /// What happened to `key` lately, oldest first (at most the node's
+    /// last [`HISTORY_MAX`] events of all blocks are kept).
+    pub fn history_of(&self, key: &BlockKey) -> Vec<BlockEvent> {
+        self.history.iter().filter(|e| e.key == *key).copied().collect()
     }
 
     /// Manages the tiers under `config` from now on (call before any
@@ -182,7 +243,23 @@ impl Node {
         self.now_ns = now_ns;
         out.append(&mut self.copies);
         self.root_orphans(|since| since.saturating_add(ORPHAN_WAIT_NS) < now_ns);
+        let from = out.len();
         self.tiers.plan(&self.locations, &self.leases, now_ns, out);
+        for command in &out[from..] {
+            let (key, what, slot) = match &command.action {
+                TierAction::Move(t) => (t.key, BlockEventKind::MoveAsked(t.target.tier), t.source.slot),
+                TierAction::Copy(t) => (t.key, BlockEventKind::CopyAsked(t.target.tier), t.source.slot),
+                TierAction::Evict(e) => {
+                    let tracked = self
+                        .locations
+                        .ready(&e.key)
+                        .any(|r| r.region.0 == e.replica.region && r.slot == e.replica.slot);
+                    let what = if tracked { BlockEventKind::DropAsked } else { BlockEventKind::SecondCopyDropAsked };
+                    (e.key, what, e.replica.slot)
+                }
+            };
+            self.record(key, what, (command.region, slot));
+        }
     }
 
     /// Applies as roots the waiting blocks whose wait began when `due`
@@ -423,6 +500,8 @@ impl Node {
                 } else {
                     self.counters.committed += 1;
                 }
+                let what = if readopted { BlockEventKind::Readopted } else { BlockEventKind::Committed };
+                self.record(block.key, what, (replica.region.0, replica.slot));
                 self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new);
                 if promoted {
                     // Read through for a reader that is about to pin it: it
@@ -544,12 +623,16 @@ impl Node {
         // (another slot or generation) stays.
         match current {
             Some(r) if r.slot == replica.slot && r.generation == replica.generation => {}
-            _ if self.tiers.take_duplicate(&evicted.key, &replica) => return Ok(()),
+            _ if self.tiers.take_duplicate(&evicted.key, &replica) => {
+                self.record(evicted.key, BlockEventKind::Evicted(evicted.reason), (replica.region.0, replica.slot));
+                return Ok(());
+            }
             _ => return Err(NodeError::Location(LocationError::StaleGeneration)),
         }
         self.locations.remove(&evicted.key, replica.region.0)?;
         self.tiers.removed(replica.region.0, &evicted.key);
         self.counters.evicted += 1;
+        self.record(evicted.key, BlockEventKind::Evicted(evicted.reason), (replica.region.0, replica.slot));
         self.publish(&evicted.key);
         Ok(())
     }

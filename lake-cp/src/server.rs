@@ -32,6 +32,16 @@ use crate::tier::{TierAction, TierCommand};
 
 const LISTENER: Token = Token(0);
 const METRICS: Token = Token(1);
+const ADMIN: Token = Token(usize::MAX);
+
+/// A client of the operator's socket ([`crate::admin`]).
+struct AdminClient {
+    stream: UnixStream,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    /// Close once the output is written (a line too long).
+    closing: bool,
+}
 
 /// A client of the metrics endpoint.
 struct HttpClient {
@@ -293,6 +303,9 @@ pub struct Server {
     refusals: Vec<String>,
     metrics: Option<mio::net::TcpListener>,
     http: HashMap<Token, HttpClient>,
+    /// The operator's socket and its clients.
+    admin: Option<(UnixListener, PathBuf)>,
+    admin_clients: HashMap<Token, AdminClient>,
     next_token: usize,
     node: Node,
     local_hello: lake_dp::wire::message::Hello,
@@ -339,6 +352,8 @@ impl Server {
             refusals: Vec::new(),
             metrics: None,
             http: HashMap::new(),
+            admin: None,
+            admin_clients: HashMap::new(),
             next_token: 2,
             node,
             local_hello,
@@ -373,6 +388,18 @@ impl Server {
         let bound = listener.local_addr()?;
         self.metrics = Some(listener);
         Ok(bound)
+    }
+
+    /// Serves the operator's socket ([`crate::admin`]) at `path` (a stale
+    /// file is replaced) from this loop: mode 0600, this user and root
+    /// only.
+    pub fn serve_admin(&mut self, path: &Path) -> io::Result<()> {
+        let _ = std::fs::remove_file(path);
+        let mut listener = UnixListener::bind(path)?;
+        lake_dp::auth::peer::restrict(path, 0o600, None)?;
+        self.poll.registry().register(&mut listener, ADMIN, Interest::READABLE)?;
+        self.admin = Some((listener, path.to_path_buf()));
+        Ok(())
     }
 
     /// Reports this node's replicas to the leader's summary at whichever
@@ -433,6 +460,14 @@ impl Server {
             }
             if self.http.contains_key(&token) {
                 self.serve_http(token);
+                continue;
+            }
+            if token == ADMIN {
+                self.accept_admin()?;
+                continue;
+            }
+            if self.admin_clients.contains_key(&token) {
+                self.serve_admin_client(token);
                 continue;
             }
             if readable {
@@ -681,6 +716,92 @@ impl Server {
         }
     }
 
+    fn accept_admin(&mut self) -> io::Result<()> {
+        let Some((listener, path)) = &self.admin else { return Ok(()) };
+        loop {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    // The operator's socket: this user and root, whatever
+                    // the cp socket's allow-list lets in.
+                    if let Err(why) = lake_dp::auth::PeerPolicy::own_user().check(&stream) {
+                        self.counters.strangers += 1;
+                        if self.refusals.len() < 64 {
+                            self.refusals.push(format!("{}: {why}", path.display()));
+                        }
+                        continue;
+                    }
+                    let token = Token(self.next_token);
+                    self.next_token += 1;
+                    self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
+                    let client = AdminClient { stream, input: Vec::new(), output: Vec::new(), closing: false };
+                    self.admin_clients.insert(token, client);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn serve_admin_client(&mut self, token: Token) {
+        let peers = self.peers.len();
+        let Some(client) = self.admin_clients.get_mut(&token) else { return };
+        let mut done = false;
+        let mut chunk = [0u8; 4096];
+        while !client.closing {
+            match client.stream.read(&mut chunk) {
+                Ok(0) => {
+                    done = true;
+                    break;
+                }
+                Ok(n) => client.input.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    done = true;
+                    break;
+                }
+            }
+        }
+        while let Some(end) = client.input.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = client.input.drain(..=end).collect();
+            let answer = crate::admin::respond(&mut self.node, &self.counters, peers, &line[..end]);
+            client.output.extend_from_slice(answer.to_string().as_bytes());
+            client.output.push(b'\n');
+        }
+        if client.input.len() > crate::admin::LINE_BYTES_MAX {
+            let why = format!("a request line longer than {} bytes", crate::admin::LINE_BYTES_MAX);
+            client.output.extend_from_slice(serde_json::json!({ "error": why }).to_string().as_bytes());
+            client.output.push(b'\n');
+            client.input.clear();
+            client.closing = true;
+        }
+        while !client.output.is_empty() {
+            match client.stream.write(&client.output) {
+                Ok(0) => {
+                    done = true;
+                    break;
+                }
+                Ok(n) => {
+                    client.output.drain(..n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    done = true;
+                    break;
+                }
+            }
+        }
+        // A client not reading its answers is let go.
+        if client.output.len() > OUT_BYTES_MAX || (client.closing && client.output.is_empty()) {
+            done = true;
+        }
+        if done && let Some(mut client) = self.admin_clients.remove(&token) {
+            let _ = self.poll.registry().deregister(&mut client.stream);
+        }
+    }
+
     fn close(&mut self, token: Token) {
         if let Some(mut peer) = self.peers.remove(&token) {
             // An agent's leases end with its connection; a data plane's
@@ -698,6 +819,9 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        if let Some((_, path)) = &self.admin {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 

@@ -240,6 +240,13 @@ pub struct TierCounters {
     pub duplicates: u64,
     /// Blocks asked out because their tenant was over its quota.
     pub tenant_quota_evictions: u64,
+    /// Replicas dropped by purges of their namespace.
+    pub purged: u64,
+    /// Purges asked, and those that finished (the namespace held nothing
+    /// more in any tier).
+    pub purges_started: u64,
+    /// See `purges_started`.
+    pub purges_done: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -296,6 +303,9 @@ pub struct Tiers {
     now_ns: u64,
     /// Blocks to copy to L3 ([`L3WriteBack::Eager`]), oldest first.
     write_back: std::collections::VecDeque<(BlockKey, u64)>,
+    /// Namespaces being purged: every replica of theirs dropped from
+    /// every tier, until they hold nothing.
+    purging: Vec<u64>,
     /// What it has done.
     pub counters: TierCounters,
 }
@@ -340,6 +350,7 @@ impl Tiers {
             duplicates: Vec::new(),
             duplicates_sent: HashSet::new(),
             write_back: std::collections::VecDeque::new(),
+            purging: Vec::new(),
             cooling: Vec::new(),
             now_ns: 0,
             counters: TierCounters::default(),
@@ -576,6 +587,120 @@ impl Tiers {
         TierUsage { bytes, blocks, capacity_bytes: self.capacity(tier), pending_bytes: self.pending_by(tier, None) }
     }
 
+    /// Purges `namespace`: from the next pass on, every replica of its
+    /// blocks is dropped from every tier (a leased one once its lease
+    /// ends), until it holds nothing — an old model version, or a tenant
+    /// secret rotated away. Blocks it saves while purging go too.
+    pub fn purge(&mut self, namespace: u64) {
+        if !self.purging.contains(&namespace) {
+            self.purging.push(namespace);
+            self.counters.purges_started += 1;
+        }
+    }
+
+    /// Where the tier manager tracks `key`: each tier's space holding it,
+    /// as (tier, namespace, hits the tier's policy counted). Walks every
+    /// space (for the operator, not the data path).
+    pub fn tracked(&self, key: &BlockKey) -> Vec<(Tier, u64, u32)> {
+        let mut out: Vec<(Tier, u64, u32)> = self
+            .spaces
+            .iter()
+            .filter_map(|(&(tier, namespace), space)| {
+                space.cache.index.get(key).map(|b| (tier, namespace, space.cache.index.hits(b)))
+            })
+            .collect();
+        out.sort_unstable_by_key(|&(tier, namespace, _)| (tier as u8, namespace));
+        out
+    }
+
+    /// Namespaces being purged.
+    pub fn purging(&self) -> &[u64] {
+        &self.purging
+    }
+
+    /// Bytes `namespace` holds in `tier` (commands in flight included).
+    pub fn namespace_bytes(&self, tier: Tier, namespace: u64) -> u64 {
+        self.used_by(tier, Some(namespace))
+    }
+
+    /// Every namespace with bytes in some tier, and its bytes by
+    /// `Tier as usize`.
+    pub fn namespaces(&self) -> Vec<(u64, [u64; 4])> {
+        let mut by: HashMap<u64, [u64; 4]> = HashMap::new();
+        for (&(region, namespace), &bytes) in &self.used {
+            if let Some(r) = self.regions.get(&region) {
+                by.entry(namespace).or_default()[r.tier as usize] += bytes;
+            }
+        }
+        let mut out: Vec<(u64, [u64; 4])> = by.into_iter().filter(|(_, b)| b.iter().any(|&n| n > 0)).collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Drops what purged namespaces still hold, tier by tier, within this
+    /// pass's budget; a namespace holding nothing more is done.
+    fn plan_purges(
+        &mut self,
+        locations: &Locations,
+        leases: &Leases,
+        now_ns: u64,
+        start: usize,
+        out: &mut Vec<TierCommand>,
+    ) {
+        for namespace in self.purging.clone() {
+            for tier in [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object] {
+                let Some(space) = self.spaces.get(&(tier, namespace)) else { continue };
+                let keys: Vec<BlockKey> = space.cache.index.blocks().map(|b| space.cache.index.key(b)).collect();
+                for key in keys {
+                    if out.len() - start >= COMMANDS_PER_PASS {
+                        return;
+                    }
+                    let Some(replica) = locations.ready(&key).find(|r| r.tier == tier) else { continue };
+                    if self.pending_of.contains_key(&(key, replica.region.0)) {
+                        continue;
+                    }
+                    if leases.is_held(&key, replica.region.0) {
+                        self.counters.leased_kept += 1;
+                        continue;
+                    }
+                    let (parent, kind) = locations
+                        .index
+                        .get(&key)
+                        .map(|b| (locations.index.parent(b).map(|p| locations.index.key(p)), locations.index.kind(b)))
+                        .unwrap_or((None, ObjectKind::KvBlock));
+                    if let Some(space) = self.spaces.get_mut(&(tier, namespace)) {
+                        space.cache.remove(&key);
+                    }
+                    let bytes = self.regions.get(&replica.region.0).map_or(0, |r| r.slot_bytes);
+                    let pending = Pending {
+                        key,
+                        parent,
+                        kind,
+                        namespace,
+                        tier,
+                        region: replica.region.0,
+                        bytes,
+                        deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+                        frees: true,
+                        to: None,
+                    };
+                    self.counters.purged += 1;
+                    self.ask(pending, TierAction::Evict(evict_body(&replica, &key, EvictReason::Released)), out);
+                }
+            }
+        }
+        let done: Vec<u64> = self
+            .purging
+            .iter()
+            .copied()
+            .filter(|&n| [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object].iter().all(|&t| self.used_by(t, Some(n)) == 0))
+            .collect();
+        for namespace in done {
+            self.purging.retain(|&n| n != namespace);
+            self.counters.purges_done += 1;
+        }
+    }
+
     /// Each tenant quota's tenant, tier, bytes its namespaces hold there
     /// (less what is on its way out) and the quota.
     pub fn tenant_usage(&self) -> Vec<(&str, Tier, u64, u64)> {
@@ -629,6 +754,7 @@ impl Tiers {
             out.push(TierCommand { request, region: replica.region.0, action });
         }
         self.plan_write_backs(locations, now_ns, out);
+        self.plan_purges(locations, leases, now_ns, start, out);
         for tier in [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object] {
             if !self.regions.values().any(|r| r.tier == tier) {
                 continue;
@@ -1089,6 +1215,41 @@ mod tests {
             world.carry_out(command);
         }
         assert!(world.plan().is_empty(), "at its quota: nothing more");
+    }
+
+    #[test]
+    fn a_purged_namespace_loses_every_replica_in_every_tier_and_the_purge_ends() {
+        let config = TierConfig { policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        world.locations.register_region(9, Tier::L3Object, NodeId(0), 5).unwrap();
+        world.tiers.register(9, Tier::L3Object, 0, 5, SLOT, 100);
+        // Namespace 7 in L1, L2 and L3; namespace 8 in L1.
+        world.add(0, 7, None, 40);
+        world.add(0, 7, Some(40), 41);
+        world.add(1, 7, None, 42);
+        world.add(9, 7, None, 43);
+        world.add(9, 7, None, 40);
+        world.add(0, 8, None, 50);
+        let before = world.tiers.namespaces();
+        let held = |n: u64| before.iter().find(|(ns, _)| *ns == n).map(|(_, b)| *b).unwrap_or_default();
+        assert!(held(7).iter().sum::<u64>() > 0 && held(8)[Tier::L1Dram as usize] > 0);
+        world.tiers.purge(7);
+        world.tiers.purge(7);
+        assert_eq!((world.tiers.purging(), world.tiers.counters.purges_started), (&[7][..], 1));
+        let commands = world.plan();
+        assert!(!commands.is_empty());
+        for command in &commands {
+            assert!(matches!(command.action, TierAction::Evict(_)), "{command:?}");
+            world.carry_out(command);
+        }
+        // Nothing of namespace 7 anywhere; namespace 8 untouched.
+        for tier in [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object] {
+            assert_eq!(world.tiers.namespace_bytes(tier, 7), 0, "{tier:?}");
+        }
+        assert_eq!(world.tiers.namespace_bytes(Tier::L1Dram, 8), held(8)[Tier::L1Dram as usize]);
+        assert_eq!(world.tiers.counters.purged, commands.len() as u64);
+        assert!(world.plan().is_empty());
+        assert_eq!((world.tiers.purging(), world.tiers.counters.purges_done), (&[][..], 1));
     }
 
     #[test]

@@ -18,6 +18,7 @@ fn the_embedded_pool_serves_conversations_across_tiers_byte_exact() {
         l1_slots: 64,
         l2_slots_per_file: 256,
         seed: 3,
+        hold_s: 0,
     };
     let mut progress = Vec::new();
     let report = run(&config, &mut progress).expect("the demo runs");

@@ -9,7 +9,7 @@ use lake_cp::demo::{DemoConfig, DemoReport, Percentiles};
 
 const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [--system-blocks N]
                  [--message-blocks N] [--reply-blocks N] [--l1-slots N] [--l2-slots N]
-                 [--seed N] [--dir DIR]
+                 [--seed N] [--dir DIR] [--hold SECONDS]
        lake serve [--dir DIR] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
                   [--commit-check inline|background|trust] [--transport-listen IP:PORT]
                   [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
@@ -36,7 +36,15 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                 by snapshot, lapsed members' L1 dropped, checkpoints on DIR with the pointer in etcd;
                 a block K or more blocks continue is copied into every member's L1)
        lake keygen FILE
-               (a new cluster link key, readable by its owner only; an existing file is kept)";
+               (a new cluster link key, readable by its owner only; an existing file is kept)
+       lake top --admin PATH [--once] [--interval-ms N] [--json]
+               (the pool at a glance from a running lake-cp's operator socket, DIR/admin.sock)
+       lake inspect --admin PATH [--arena PATH] [--json] KEY
+               (one block: its replicas, leases, L1 pins (with --arena) and recent history)
+       lake namespaces --admin PATH [--json]
+               (every namespace holding bytes, by tier)
+       lake purge --admin PATH [--wait SECONDS] NAMESPACE
+               (drop every replica of a namespace from every tier: an old model, a rotated tenant key)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -59,6 +67,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("lake cp: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Some(op @ ("top" | "inspect" | "namespaces" | "purge")) => match operator(op, &args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lake {op}: {e}");
                 ExitCode::FAILURE
             }
         },
@@ -191,6 +206,7 @@ fn demo(args: &[String]) -> Result<(), String> {
             "--l2-slots" => config.l2_slots_per_file = number()?,
             "--seed" => config.seed = value.parse().map_err(|e| format!("{flag} {value}: {e}"))?,
             "--dir" => config.dir = value.into(),
+            "--hold" => config.hold_s = u64::from(number()?),
             _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
         }
     }
@@ -389,10 +405,12 @@ fn serve(args: &[String]) -> Result<(), String> {
     let renew_every = std::time::Duration::from_millis(u64::try_from(member_ttl).unwrap_or(1) * 1000 / 3);
     let mut renewed = std::time::Instant::now();
     println!(
-        "{{\"event\":\"serving\",\"dp_socket\":\"{}\",\"cp_socket\":\"{}\",\"mirror\":\"{}\",\"metrics\":\"{}\",\
-         \"block_bytes\":{}}}",
+        "{{\"event\":\"serving\",\"dp_socket\":\"{}\",\"cp_socket\":\"{}\",\"admin_socket\":\"{}\",\
+         \"arena\":\"{}\",\"mirror\":\"{}\",\"metrics\":\"{}\",\"block_bytes\":{}}}",
         pool.dp_socket.display(),
         pool.cp_socket.display(),
+        pool.admin_socket.display(),
+        pool.arena.display(),
         pool.mirror.display(),
         pool.metrics.map_or_else(String::new, |a| a.to_string()),
         config.block_bytes
@@ -860,4 +878,259 @@ fn stand_by(
     };
     say(format!("{{\"event\":\"elected\",\"id\":\"{id}\",\"term\":{term}}}"));
     Some(term)
+}
+
+/// One request to a running `lake-cp`'s operator socket, its answer.
+fn ask_admin(path: &std::path::Path, request: &serde_json::Value) -> Result<serde_json::Value, String> {
+    use std::io::{BufRead, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(path)
+        .map_err(|e| format!("{}: {e} (is lake serve running there?)", path.display()))?;
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    writeln!(stream, "{request}").map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut line = String::new();
+    std::io::BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("{}: {e}", path.display()))?;
+    let answer: serde_json::Value =
+        serde_json::from_str(&line).map_err(|e| format!("{}: an answer that is not JSON: {e}", path.display()))?;
+    match answer.get("error").and_then(serde_json::Value::as_str) {
+        Some(why) => Err(why.to_owned()),
+        None => Ok(answer),
+    }
+}
+
+#[allow(clippy::cast_precision_loss)] // bytes shown in MiB to an operator
+fn mib(bytes: &serde_json::Value) -> String {
+    format!("{:.1}", bytes.as_u64().unwrap_or(0) as f64 / f64::from(1 << 20))
+}
+
+/// `lake top`, `lake inspect`, `lake namespaces`, `lake purge`.
+fn operator(op: &str, args: &[String]) -> Result<(), String> {
+    use serde_json::json;
+    let (mut admin, mut arena, mut json_out, mut once, mut interval_ms, mut wait_s) =
+        (None, None, false, false, 1000, 0);
+    let mut positional = Vec::new();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let mut value = || iter.next().ok_or_else(|| format!("{arg} needs a value\n{USAGE}"));
+        match arg.as_str() {
+            "--admin" => admin = Some(std::path::PathBuf::from(value()?)),
+            "--arena" => arena = Some(std::path::PathBuf::from(value()?)),
+            "--json" => json_out = true,
+            "--once" => once = true,
+            "--interval-ms" => {
+                let v = value()?;
+                interval_ms = v.parse::<u64>().map_err(|e| format!("--interval-ms {v}: {e}"))?.max(100);
+            }
+            "--wait" => {
+                let v = value()?;
+                wait_s = v.parse::<u64>().map_err(|e| format!("--wait {v}: {e}"))?;
+            }
+            flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}\n{USAGE}")),
+            other => positional.push(other.to_owned()),
+        }
+    }
+    let admin = admin.ok_or_else(|| format!("--admin PATH (lake serve's DIR/admin.sock) is required\n{USAGE}"))?;
+    let show = |value: &serde_json::Value, text: String| {
+        if json_out { println!("{value}") } else { print!("{text}") }
+    };
+    match op {
+        "top" => loop {
+            let top = ask_admin(&admin, &json!({ "op": "top" }))?;
+            if !once && !json_out {
+                // Clear the terminal, as top does.
+                print!("\x1b[H\x1b[2J");
+            }
+            show(&top, render_top(&top));
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+            if once {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(interval_ms));
+        },
+        "inspect" => {
+            let [key] = positional.as_slice() else {
+                return Err(format!("inspect takes one KEY (32 hex digits)\n{USAGE}"));
+            };
+            let mut block = ask_admin(&admin, &json!({ "op": "inspect", "key": key }))?;
+            if let Some(path) = &arena {
+                let attached =
+                    lake_dp::arena::Arena::attach(path).map_err(|e| format!("--arena {}: {e}", path.display()))?;
+                let region_of_l1 = block["replicas"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|r| r["tier"] == "l1")
+                    .filter_map(|r| Some((r["slot"].as_u64()?, r["generation"].as_u64()?)))
+                    .collect::<Vec<_>>();
+                let mut pins = Vec::new();
+                for (slot, generation) in region_of_l1 {
+                    let slot = u32::try_from(slot).map_err(|e| e.to_string())?;
+                    for (agent, pinned) in attached.pins_on(slot) {
+                        pins.push(json!({ "slot": slot, "agent": agent, "generation": pinned, "current": u64::from(pinned) == generation }));
+                    }
+                }
+                block["pins"] = json!(pins);
+            }
+            show(&block, render_block(&block));
+            Ok(())
+        }
+        "namespaces" => {
+            let list = ask_admin(&admin, &json!({ "op": "namespaces" }))?;
+            let mut text = format!("{:<18} {:>10} {:>10} {:>10}  purging\n", "namespace", "L1 MiB", "L2 MiB", "L3 MiB");
+            for n in list["namespaces"].as_array().into_iter().flatten() {
+                text.push_str(&format!(
+                    "{:<18} {:>10} {:>10} {:>10}  {}\n",
+                    n["namespace"].as_str().unwrap_or("?"),
+                    mib(&n["l1_bytes"]),
+                    mib(&n["l2_bytes"]),
+                    mib(&n["l3_bytes"]),
+                    if n["purging"] == true { "yes" } else { "" }
+                ));
+            }
+            show(&list, text);
+            Ok(())
+        }
+        "purge" => {
+            let [namespace] = positional.as_slice() else {
+                return Err(format!("purge takes one NAMESPACE (hex)\n{USAGE}"));
+            };
+            let answer = ask_admin(&admin, &json!({ "op": "purge", "namespace": namespace }))?;
+            let wanted =
+                format!("{:016x}", u64::from_str_radix(namespace, 16).map_err(|e| format!("{namespace}: {e}"))?);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_s);
+            loop {
+                let top = ask_admin(&admin, &json!({ "op": "top" }))?;
+                let still = top["purging"].as_array().is_some_and(|p| p.iter().any(|n| n == wanted.as_str()));
+                if !still {
+                    println!("{{\"event\":\"purged\",\"namespace\":\"{wanted}\"}}");
+                    return Ok(());
+                }
+                if std::time::Instant::now() >= deadline {
+                    if wait_s > 0 {
+                        return Err(format!(
+                            "{wanted} still holds blocks after {wait_s} s (leased ones wait for their leases)"
+                        ));
+                    }
+                    println!("{{\"event\":\"purging\",\"purging\":{}}}", answer["purging"]);
+                    return Ok(());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+        _ => Err(format!("unknown operator command {op}")),
+    }
+}
+
+#[allow(clippy::cast_precision_loss)] // percentages shown to an operator
+fn render_top(top: &serde_json::Value) -> String {
+    let mut text = format!(
+        "lake-cp node {}  blocks {}  leases {}  sessions {}  waiting {}\n",
+        top["node"], top["blocks"], top["leases"], top["sessions"], top["waiting_for_parent"]
+    );
+    let lookups = &top["lookups"];
+    let ratio = lookups["hit_ratio"].as_f64().map_or_else(|| "-".to_owned(), |r| format!("{:.1}%", r * 100.0));
+    text.push_str(&format!(
+        "lookups: {} blocks asked, {} hit ({ratio})   committed {}  evicted {}\n\n",
+        lookups["requested_blocks"], lookups["hit_blocks"], top["blocks_committed"], top["blocks_evicted"]
+    ));
+    text.push_str(&format!(
+        "{:<5} {:>10} {:>12} {:>7} {:>9} {:>12}\n",
+        "tier", "MiB", "capacity", "used", "blocks", "leaving MiB"
+    ));
+    for tier in top["tiers"].as_array().into_iter().flatten() {
+        let (bytes, capacity) = (tier["bytes"].as_u64().unwrap_or(0), tier["capacity_bytes"].as_u64().unwrap_or(0));
+        let used =
+            if capacity == 0 { "-".to_owned() } else { format!("{:.0}%", bytes as f64 * 100.0 / capacity as f64) };
+        text.push_str(&format!(
+            "{:<5} {:>10} {:>12} {:>7} {:>9} {:>12}\n",
+            tier["tier"].as_str().unwrap_or("?"),
+            mib(&tier["bytes"]),
+            mib(&tier["capacity_bytes"]),
+            used,
+            tier["blocks"].as_u64().unwrap_or(0),
+            mib(&tier["pending_bytes"])
+        ));
+    }
+    let t = &top["tier_commands"];
+    text.push_str(&format!(
+        "\ntier commands: {} in flight, {} demotions, {} to L3, {} copies to L3, {} failed, {} purged, {} over tenant quotas\n",
+        t["pending"], t["demotions"], t["to_l3"], t["copies_to_l3"], t["failed"], t["purged"], t["tenant_quota_evictions"]
+    ));
+    if top["purging"].as_array().is_some_and(|p| !p.is_empty()) {
+        text.push_str(&format!("purging: {}\n", top["purging"]));
+    }
+    text
+}
+
+#[allow(clippy::cast_precision_loss)] // seconds shown to an operator
+fn render_block(block: &serde_json::Value) -> String {
+    let mut text = format!("block {}\n", block["key"].as_str().unwrap_or("?"));
+    if block["known"] != true {
+        text.push_str("  not in this node's index\n");
+    } else {
+        text.push_str(&format!(
+            "  kind {}  namespace {}  parent {}  leaf {}\n",
+            block["kind"].as_str().unwrap_or("?"),
+            block["namespace"].as_str().unwrap_or("?"),
+            block["parent"].as_str().unwrap_or("none (a root)"),
+            block["leaf"]
+        ));
+        for t in block["tiers"].as_array().into_iter().flatten() {
+            text.push_str(&format!(
+                "  {}: {} hits counted by its policy\n",
+                t["tier"].as_str().unwrap_or("?"),
+                t["hits"]
+            ));
+        }
+        text.push_str("  replicas:\n");
+        for r in block["replicas"].as_array().into_iter().flatten() {
+            text.push_str(&format!(
+                "    {} region {} node {} epoch {} slot {} generation {} {}\n",
+                r["tier"].as_str().unwrap_or("?"),
+                r["region"],
+                r["node"],
+                r["epoch"],
+                r["slot"],
+                r["generation"],
+                r["state"].as_str().unwrap_or("?")
+            ));
+        }
+        let leases = block["leases"].as_array().map_or(0, Vec::len);
+        text.push_str(&format!("  leases: {}\n", if leases == 0 { "none".to_owned() } else { leases.to_string() }));
+        for l in block["leases"].as_array().into_iter().flatten() {
+            text.push_str(&format!(
+                "    lease {} on region {}, {} ms left\n",
+                l["id"], l["region"], l["expires_in_ms"]
+            ));
+        }
+    }
+    match block["pins"].as_array() {
+        Some(pins) if pins.is_empty() => text.push_str("  L1 pins: none\n"),
+        Some(pins) => {
+            for p in pins {
+                text.push_str(&format!(
+                    "  L1 pin: slot {} by agent {} (generation {}{})\n",
+                    p["slot"],
+                    p["agent"],
+                    p["generation"],
+                    if p["current"] == true { "" } else { ", an older one" }
+                ));
+            }
+        }
+        None => text.push_str("  L1 pins: give --arena PATH to read them\n"),
+    }
+    text.push_str("  history (oldest first):\n");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    for e in block["history"].as_array().into_iter().flatten() {
+        let ago_ms = now.saturating_sub(e["unix_ns"].as_u64().unwrap_or(0)) / 1_000_000;
+        text.push_str(&format!(
+            "    {:>9.3} s ago  {} (region {} slot {})\n",
+            ago_ms as f64 / 1000.0,
+            e["what"].as_str().unwrap_or("?"),
+            e["region"],
+            e["slot"]
+        ));
+    }
+    text
 }

@@ -453,6 +453,27 @@ impl Arena {
         PinArray::claim(self.clone())
     }
 
+    /// The pins agents hold on `slot` now, each as (agent, generation
+    /// pinned): a scan of every agent's pin array up to its high-water
+    /// mark — for the operator (`lake inspect --arena`), not the data path.
+    pub fn pins_on(&self, slot: u32) -> Vec<(u32, u32)> {
+        let map = self.map();
+        let header = *map.header();
+        let mut out = Vec::new();
+        for agent in 0..header.agents_max {
+            // Acquire: pairs with the agent's release of each pin word.
+            let high = map.agent(agent).high_water.load(Ordering::Acquire).min(header.pins_per_agent);
+            for word in &map.pins(agent)[..high as usize] {
+                if let Some((pinned, generation)) = pins::decode(word.load(Ordering::Acquire))
+                    && pinned == slot
+                {
+                    out.push((agent, generation));
+                }
+            }
+        }
+        out
+    }
+
     fn map(&self) -> &ArenaMap {
         &self.map
     }

@@ -1,0 +1,285 @@
+//! The operator's socket: what `lake inspect`, `lake top`, `lake
+//! namespaces` and `lake purge` ask a running `lake-cp`.
+//!
+//! A Unix socket beside `lake-cp`'s own (`admin.sock`), mode 0600 and
+//! open to this user and root only (checked on the peer's credentials, as
+//! the cp socket is). One request a line, one JSON object, answered by one
+//! line, one JSON object; a connection may ask many. A request that is not
+//! JSON, names no known `op` or gives a bad field is answered
+//! `{"error": "..."}` naming it, and the connection stays; a line longer
+//! than [`LINE_BYTES_MAX`] closes the connection after its error.
+//!
+//! | request | answer |
+//! |---|---|
+//! | `{"op":"top"}` | the pool at a glance: tiers (bytes, capacity, blocks, pending), leases, sessions, counters, purges |
+//! | `{"op":"inspect","key":"<32 hex>"}` | one block: its parent, kind, hits, every replica (tier, region, node, epoch, slot, generation, state), the leases holding it and its recent history |
+//! | `{"op":"namespaces"}` | every namespace holding bytes, by tier, and whether it is being purged |
+//! | `{"op":"purge","namespace":"<16 hex>"}` | starts dropping every replica of the namespace from every tier ([`crate::tier::Tiers::purge`]) |
+//!
+//! Pins are not here: an L1 pin is a count in the arena's shared memory,
+//! taken and dropped by agents without a message; `lake inspect --arena`
+//! reads it there.
+
+use serde_json::{Value, json};
+
+use crate::node::{BlockEventKind, Node};
+use crate::server::ServerCounters;
+use lake_dp::{BlockKey, Tier};
+
+/// Longest request line.
+pub const LINE_BYTES_MAX: usize = 4096;
+
+fn tier_name(tier: Tier) -> &'static str {
+    match tier {
+        Tier::L0Hbm => "l0",
+        Tier::L1Dram => "l1",
+        Tier::L2Nvme => "l2",
+        Tier::L3Object => "l3",
+    }
+}
+
+fn tier_code_name(code: u8) -> &'static str {
+    Tier::from_u8(code).map_or("unknown", tier_name)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex<const N: usize>(text: &str) -> Option<[u8; N]> {
+    if text.len() != 2 * N || !text.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// A namespace id as `lake` prints and takes it: 16 hex digits, big-endian.
+pub fn namespace_text(namespace: u64) -> String {
+    format!("{namespace:016x}")
+}
+
+fn reason_name(code: u8) -> &'static str {
+    use lake_dp::wire::message::EvictReason as R;
+    match R::from_u8(code) {
+        Some(R::Capacity) => "capacity",
+        Some(R::Quota) => "quota",
+        Some(R::Demoted) => "demoted",
+        Some(R::Corrupt) => "corrupt",
+        Some(R::Released) => "released",
+        None => "unknown",
+    }
+}
+
+fn error(why: impl Into<String>) -> Value {
+    json!({ "error": why.into() })
+}
+
+/// The answer to one request line (without its newline).
+pub fn respond(node: &mut Node, server: &ServerCounters, peers: usize, line: &[u8]) -> Value {
+    let request: Value = match serde_json::from_slice(line) {
+        Ok(value) => value,
+        Err(e) => return error(format!("not a JSON request: {e}")),
+    };
+    match request.get("op").and_then(Value::as_str) {
+        Some("top") => top(node, server, peers),
+        Some("inspect") => match request.get("key").and_then(Value::as_str).and_then(unhex::<16>) {
+            Some(key) => inspect(node, &BlockKey(key)),
+            None => error("inspect: \"key\" must be the block key as 32 hex digits"),
+        },
+        Some("namespaces") => namespaces(node),
+        Some("purge") => {
+            let Some(namespace) =
+                request.get("namespace").and_then(Value::as_str).and_then(|t| u64::from_str_radix(t, 16).ok())
+            else {
+                return error("purge: \"namespace\" must be the namespace id in hex");
+            };
+            node.tiers.purge(namespace);
+            let purging: Vec<String> = node.tiers.purging().iter().map(|&n| namespace_text(n)).collect();
+            json!({ "purging": purging })
+        }
+        Some(other) => error(format!("unknown op {other:?}: top, inspect, namespaces or purge")),
+        None => error("a request is {\"op\": ...}"),
+    }
+}
+
+#[allow(clippy::cast_precision_loss)] // a ratio of block counts, shown to an operator
+fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
+    let tiers: Vec<Value> = [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object]
+        .into_iter()
+        .map(|tier| {
+            let u = node.tiers.usage(tier);
+            json!({
+                "tier": tier_name(tier),
+                "bytes": u.bytes,
+                "capacity_bytes": u.capacity_bytes,
+                "blocks": u.blocks,
+                "pending_bytes": u.pending_bytes,
+            })
+        })
+        .collect();
+    let c = node.counters;
+    let t = node.tiers.counters;
+    let hit_ratio =
+        if c.requested_blocks == 0 { Value::Null } else { json!(c.hit_blocks as f64 / c.requested_blocks as f64) };
+    json!({
+        "node": node.node().0,
+        "blocks": node.locations.index.len(),
+        "tiers": tiers,
+        "leases": node.leases.len(),
+        "sessions": peers,
+        "waiting_for_parent": node.waiting(),
+        "lookups": { "requested_blocks": c.requested_blocks, "hit_blocks": c.hit_blocks, "hit_ratio": hit_ratio },
+        "blocks_committed": c.committed,
+        "blocks_evicted": c.evicted,
+        "tier_commands": {
+            "pending": node.tiers.pending(),
+            "demotions": t.demotions,
+            "to_l3": t.l3_moves,
+            "copies_to_l3": t.l3_copies,
+            "failed": t.failed,
+            "purged": t.purged,
+            "tenant_quota_evictions": t.tenant_quota_evictions,
+        },
+        "purging": node.tiers.purging().iter().map(|&n| namespace_text(n)).collect::<Vec<_>>(),
+        "server": {
+            "frames": server.frames,
+            "bad_frames": server.bad_frames,
+            "refused": server.refused,
+            "strangers": server.strangers,
+        },
+    })
+}
+
+fn inspect(node: &Node, key: &BlockKey) -> Value {
+    let locations = &node.locations;
+    let history: Vec<Value> = node
+        .history_of(key)
+        .iter()
+        .map(|e| {
+            let what = match e.what {
+                BlockEventKind::Committed => "committed".to_owned(),
+                BlockEventKind::Readopted => "readopted".to_owned(),
+                BlockEventKind::Evicted(reason) => format!("evicted ({})", reason_name(reason)),
+                BlockEventKind::MoveAsked(to) => format!("move to {} asked", tier_code_name(to)),
+                BlockEventKind::CopyAsked(to) => format!("copy to {} asked", tier_code_name(to)),
+                BlockEventKind::DropAsked => "drop asked".to_owned(),
+                BlockEventKind::SecondCopyDropAsked => "drop of a second copy asked".to_owned(),
+            };
+            json!({ "unix_ns": e.unix_ns, "what": what, "region": e.region, "slot": e.slot })
+        })
+        .collect();
+    let Some(block) = locations.index.get(key) else {
+        return json!({ "key": hex(&key.0), "known": false, "history": history });
+    };
+    let index = &locations.index;
+    let replicas: Vec<Value> = index
+        .replicas(block)
+        .map(|loc| {
+            let region = locations.region(loc.region);
+            let state = match loc.state {
+                crate::index::LocState::Writing => "writing",
+                crate::index::LocState::Ready => "ready",
+                crate::index::LocState::Evicting => "evicting",
+            };
+            json!({
+                "region": loc.region,
+                "tier": region.map_or("unknown", |r| tier_name(r.tier)),
+                "node": region.map(|r| r.node.0),
+                "epoch": region.map(|r| r.epoch),
+                "slot": loc.slot,
+                "generation": loc.generation,
+                "state": state,
+            })
+        })
+        .collect();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    let leases: Vec<Value> = node
+        .leases
+        .holding(key)
+        .into_iter()
+        .map(|(id, region, deadline_ns)| {
+            json!({ "id": id, "region": region, "expires_in_ms": deadline_ns.saturating_sub(now) / 1_000_000 })
+        })
+        .collect();
+    let kind = match index.kind(block) {
+        lake_dp::ObjectKind::KvBlock => "kv_block",
+        lake_dp::ObjectKind::RecurrentState => "recurrent_state",
+    };
+    let tracked: Vec<Value> = node
+        .tiers
+        .tracked(key)
+        .into_iter()
+        .map(|(tier, namespace, hits)| {
+            json!({ "tier": tier_name(tier), "namespace": namespace_text(namespace), "hits": hits })
+        })
+        .collect();
+    json!({
+        "key": hex(&key.0),
+        "known": true,
+        "kind": kind,
+        "parent": index.parent(block).map(|p| hex(&index.key(p).0)),
+        "leaf": index.is_leaf(block),
+        "namespace": node.tiers.tracked(key).first().map(|&(_, n, _)| namespace_text(n)),
+        "tiers": tracked,
+        "replicas": replicas,
+        "leases": leases,
+        "history": history,
+    })
+}
+
+fn namespaces(node: &Node) -> Value {
+    let purging = node.tiers.purging();
+    let list: Vec<Value> = node
+        .tiers
+        .namespaces()
+        .into_iter()
+        .map(|(namespace, bytes)| {
+            json!({
+                "namespace": namespace_text(namespace),
+                "l1_bytes": bytes[Tier::L1Dram as usize],
+                "l2_bytes": bytes[Tier::L2Nvme as usize],
+                "l3_bytes": bytes[Tier::L3Object as usize],
+                "purging": purging.contains(&namespace),
+            })
+        })
+        .collect();
+    json!({ "namespaces": list })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(node: &mut Node, line: &str) -> Value {
+        respond(node, &ServerCounters::default(), 0, line.as_bytes())
+    }
+
+    #[test]
+    fn bad_requests_are_named_and_change_nothing() {
+        let mut node = Node::new(lake_dp::NodeId(0), 1, None);
+        for (line, said) in [
+            ("not json", "not a JSON request"),
+            ("{}", "{\"op\""),
+            ("{\"op\":\"reboot\"}", "unknown op \"reboot\""),
+            ("{\"op\":\"inspect\",\"key\":\"12\"}", "32 hex digits"),
+            ("{\"op\":\"inspect\",\"key\":\"zz000000000000000000000000000000\"}", "32 hex digits"),
+            ("{\"op\":\"purge\"}", "namespace id in hex"),
+            ("{\"op\":\"purge\",\"namespace\":\"not hex\"}", "namespace id in hex"),
+        ] {
+            let answer = ask(&mut node, line);
+            let why = answer["error"].as_str().unwrap_or_default();
+            assert!(why.contains(said), "{line}: {answer}");
+        }
+        assert!(node.tiers.purging().is_empty());
+        assert_eq!(ask(&mut node, "{\"op\":\"purge\",\"namespace\":\"7e\"}")["purging"], json!(["000000000000007e"]));
+        let unknown = ask(&mut node, "{\"op\":\"inspect\",\"key\":\"00112233445566778899aabbccddeeff\"}");
+        assert_eq!((unknown["known"].as_bool(), unknown["history"].as_array().map(Vec::len)), (Some(false), Some(0)));
+        assert_eq!(ask(&mut node, "{\"op\":\"top\"}")["blocks"], json!(0));
+    }
+}
