@@ -71,7 +71,11 @@ subcommands:
   trace  --file F.jsonl (--capacity-blocks N | --capacity-ratio R) [--policy lake|lru]
          replay a hash_ids trace through the real index and eviction code
   trace-gen --kind agent|chat|scan --out F.jsonl [--requests N] [--seed S]
-         write a trace in the Mooncake format";
+         write a trace in the Mooncake format
+  trace-tiers --file F.jsonl [--l1-ratio R] [--l2-ratio R] [--policy lake|lru]
+         replay a trace through the real tier manager, L1 over L2, with every
+         L1 victim written to L2 and with the second-access filter: L2 blocks
+         written and hit ratio of each";
 
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -94,6 +98,7 @@ fn main() -> ExitCode {
         "tcp" => tcp::run(rest),
         "route" => route_sim::run(rest),
         "trace-gen" => trace::run_trace_gen(rest),
+        "trace-tiers" => trace::run_trace_tiers(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

@@ -385,3 +385,144 @@ mod tests {
         assert!(hash_ids(r#"{"hash_ids": 5}"#).is_err());
     }
 }
+
+/// What one two-tier replay measured.
+#[derive(Clone, Copy, Debug, Default)]
+struct TierReplay {
+    blocks: u64,
+    l1_hits: u64,
+    l2_hits: u64,
+    l2_writes: u64,
+    l1_drops: u64,
+    filtered: u64,
+}
+
+/// Replays `requests` through the real location view and tier manager: an
+/// L1 of `l1` blocks over an L2 of `l2`, every command carried out at once
+/// as a data plane would. A request's leading blocks with a replica are
+/// its hits (an L2-only one is promoted into L1, as a load is); the rest
+/// are saved into L1; then the manager plans and its moves and drops are
+/// applied. Block bytes are one unit: writes count blocks.
+fn replay_tiers(
+    requests: &[Vec<BlockKey>],
+    (l1, l2): (u64, u64),
+    policy: lake_cp::tier::PolicyKind,
+    admission: lake_cp::tier::L2Admission,
+) -> Result<TierReplay, String> {
+    use lake_cp::lease::Leases;
+    use lake_cp::location::Locations;
+    use lake_cp::tier::{TierAction, TierConfig, Tiers};
+    use lake_dp::{NodeId, ObjectKind, Replica, Tier};
+    const NS: u64 = 1;
+    let config = TierConfig { policy, l2_admission: admission, ..TierConfig::default() };
+    let mut tiers = Tiers::new(config);
+    let mut locations = Locations::new(1);
+    let leases = Leases::new();
+    for (region, tier, slots) in [(0u16, Tier::L1Dram, l1), (1, Tier::L2Nvme, l2)] {
+        locations.register_region(region, tier, NodeId(0), 1).map_err(|e| format!("{e:?}"))?;
+        tiers.register(region, tier, 0, 1, 1, slots);
+    }
+    let mut next_slot = 0u32;
+    let mut put = |locations: &mut Locations, tiers: &mut Tiers, parent: Option<BlockKey>, key: BlockKey, region| {
+        next_slot = next_slot.wrapping_add(1);
+        let parent = parent.filter(|p| locations.index.contains(p));
+        if locations.adopt(parent, key, ObjectKind::KvBlock, region, 1, next_slot, 1).is_ok() {
+            tiers.added(region, NS, parent, key, ObjectKind::KvBlock, true);
+        }
+    };
+    let mut out = TierReplay::default();
+    let mut commands = Vec::new();
+    for (t, keys) in requests.iter().enumerate() {
+        out.blocks += keys.len() as u64;
+        let hits = keys.iter().take_while(|k| locations.ready(k).next().is_some()).count();
+        for (i, key) in keys[..hits].iter().enumerate() {
+            if locations.ready(key).any(|r| r.tier == Tier::L1Dram) {
+                out.l1_hits += 1;
+            } else {
+                out.l2_hits += 1;
+                put(&mut locations, &mut tiers, i.checked_sub(1).map(|p| keys[p]), *key, 0);
+            }
+        }
+        tiers.accessed(NS, keys);
+        tiers.reused(&keys[..hits]);
+        for i in hits..keys.len() {
+            put(&mut locations, &mut tiers, i.checked_sub(1).map(|p| keys[p]), keys[i], 0);
+        }
+        commands.clear();
+        tiers.plan(&locations, &leases, t as u64, &mut commands);
+        for command in &commands {
+            match command.action {
+                TierAction::Move(transfer) => {
+                    let source = Replica::from_wire(&transfer.source).ok_or("a move from nowhere")?;
+                    let parent = locations
+                        .index
+                        .get(&transfer.key)
+                        .and_then(|b| locations.index.parent(b))
+                        .map(|p| locations.index.key(p));
+                    if transfer.target.tier == Tier::L2Nvme as u8 {
+                        out.l2_writes += 1;
+                    }
+                    put(&mut locations, &mut tiers, parent, transfer.key, transfer.target.region);
+                    let _ = locations.remove(&transfer.key, source.region.0);
+                    tiers.removed(source.region.0, &transfer.key);
+                }
+                TierAction::Evict(evict) => {
+                    if evict.replica.region == 0 && !locations.ready(&evict.key).any(|r| r.tier == Tier::L2Nvme) {
+                        out.l1_drops += 1;
+                    }
+                    let _ = locations.remove(&evict.key, evict.replica.region);
+                    tiers.removed(evict.replica.region, &evict.key);
+                }
+                TierAction::Copy(_) => {}
+            }
+            tiers.done(command.request, true);
+        }
+    }
+    out.filtered = tiers.counters.l2_filtered;
+    Ok(out)
+}
+
+/// `trace-tiers`: the same trace through L1 over L2 with every L1 victim
+/// written to L2, and with the second-access filter, in one run.
+pub(crate) fn run_trace_tiers(raw: &[String]) -> Result<Report, String> {
+    use lake_cp::tier::{L2Admission, PolicyKind};
+    let args = Args::parse(raw, &["file", "l1-ratio", "l2-ratio", "policy"])?;
+    let path: String = args.get("file", String::new())?;
+    if path.is_empty() {
+        return Err("--file is required (JSON lines with hash_ids)".into());
+    }
+    let requests = load(&path)?;
+    let mut distinct: Vec<BlockKey> = requests.iter().flatten().copied().collect();
+    distinct.sort_unstable_by_key(|k| k.0);
+    distinct.dedup();
+    let (l1_ratio, l2_ratio): (f64, f64) = (args.get("l1-ratio", 0.02)?, args.get("l2-ratio", 0.2)?);
+    if !(l1_ratio > 0.0 && l2_ratio > 0.0) {
+        return Err("--l1-ratio and --l2-ratio must be above 0".into());
+    }
+    let blocks_for = |ratio: f64| ((distinct.len() as f64 * ratio).round() as u64).max(4);
+    let (l1, l2) = (blocks_for(l1_ratio), blocks_for(l2_ratio));
+    let policy_name: String = args.get("policy", "lake".to_owned())?;
+    let policy = PolicyKind::parse(&policy_name).ok_or_else(|| format!("--policy {policy_name}: lake or lru"))?;
+    let always = replay_tiers(&requests, (l1, l2), policy, L2Admission::Always)?;
+    let filtered = replay_tiers(&requests, (l1, l2), policy, L2Admission::SecondAccess)?;
+    let mut report = Report::new("trace-tiers");
+    report.text("file", &path);
+    report.text("policy", &policy_name);
+    report.int("requests", requests.len() as u64);
+    report.int("blocks", always.blocks);
+    report.int("distinct_blocks", distinct.len() as u64);
+    report.int("l1_blocks", l1);
+    report.int("l2_blocks", l2);
+    let ratio = |r: &TierReplay| (r.l1_hits + r.l2_hits) as f64 / r.blocks.max(1) as f64;
+    for (name, r) in [("always", &always), ("second_access", &filtered)] {
+        report.int(&format!("{name}_l2_blocks_written"), r.l2_writes);
+        report.int(&format!("{name}_l1_hit_blocks"), r.l1_hits);
+        report.int(&format!("{name}_l2_hit_blocks"), r.l2_hits);
+        report.int(&format!("{name}_l1_drops"), r.l1_drops);
+        report.float(&format!("{name}_hit_ratio"), ratio(r));
+    }
+    report.int("second_access_filtered", filtered.filtered);
+    report.float("l2_writes_ratio", filtered.l2_writes as f64 / always.l2_writes.max(1) as f64);
+    report.float("hit_ratio_change", ratio(&filtered) - ratio(&always));
+    Ok(report)
+}

@@ -210,6 +210,13 @@ fn tier_metrics(out: &mut String, node: &Node) {
     );
     metric(
         out,
+        "lake_tier_l2_filtered_total",
+        "counter",
+        "L1 victims dropped, not written to L2, because the second-access filter had not seen them twice.",
+        &[("", t.l2_filtered)],
+    );
+    metric(
+        out,
         "lake_tier_tenant_quota_evictions_total",
         "counter",
         "Blocks asked out of a tier because their tenant was over its quota there.",

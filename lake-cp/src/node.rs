@@ -416,6 +416,9 @@ impl Node {
                 self.scratch.clear();
                 self.scratch.extend(keys.iter());
                 self.tiers.accessed(head.namespace, &self.scratch);
+                // The leading hits were found and served: seen again.
+                let hits = usize::try_from(head.hit_blocks).unwrap_or(usize::MAX).min(self.scratch.len());
+                self.tiers.reused(&self.scratch[..hits]);
                 Ok(None)
             }
             other => {
@@ -507,6 +510,7 @@ impl Node {
                     // Read through for a reader that is about to pin it: it
                     // counts as accessed now, so the next victim is another.
                     self.tiers.accessed(block.namespace, &[block.key]);
+                    self.tiers.reused(&[block.key]);
                 }
                 self.publish(&block.key);
                 self.release_children(block.key);

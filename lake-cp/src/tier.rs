@@ -119,6 +119,61 @@ const WRITE_BACK_QUEUE_MAX: usize = 1 << 20;
 /// Write-backs one pass may ask at most.
 const WRITE_BACKS_PER_PASS: usize = COMMANDS_PER_PASS / 4;
 
+/// Which L1 victims are written to L2 (the rest are dropped from L1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum L2Admission {
+    /// Every victim L2 has room for; once L2 is over its high-water mark
+    /// its policy also judges each against its own victim.
+    #[default]
+    Always,
+    /// Only a block seen a second time — looked up and hit after it was
+    /// saved, or saved again after an earlier victim of it was dropped —
+    /// or the continuation of a prefix seen a second time (its parent
+    /// was: a conversation's next turn). A block used once (a one-off
+    /// document) is not worth an L2 write. Remembered for the last
+    /// [`SEEN_MAX`] blocks of each kind.
+    SecondAccess,
+}
+
+impl L2Admission {
+    /// By name: `always` or `second-access`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "always" => Some(Self::Always),
+            "second-access" => Some(Self::SecondAccess),
+            _ => None,
+        }
+    }
+}
+
+/// Blocks the second-access filter remembers, of those seen again and of
+/// those dropped (each a bounded FIFO set).
+pub const SEEN_MAX: usize = 1 << 20;
+
+/// A set that forgets its oldest members beyond a bound.
+#[derive(Debug, Default)]
+struct Remembered {
+    members: HashSet<BlockKey>,
+    order: std::collections::VecDeque<BlockKey>,
+}
+
+impl Remembered {
+    fn note(&mut self, key: BlockKey) {
+        if self.members.insert(key) {
+            self.order.push_back(key);
+            if self.order.len() > SEEN_MAX
+                && let Some(old) = self.order.pop_front()
+            {
+                self.members.remove(&old);
+            }
+        }
+    }
+
+    fn contains(&self, key: &BlockKey) -> bool {
+        self.members.contains(key)
+    }
+}
+
 /// A namespace's byte quota in one tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Quota {
@@ -163,6 +218,8 @@ pub struct TierConfig {
     pub policy: PolicyKind,
     /// When blocks go to L3 (where a node has an object store).
     pub l3_write_back: L3WriteBack,
+    /// Which L1 victims are written to L2.
+    pub l2_admission: L2Admission,
 }
 
 impl Default for TierConfig {
@@ -175,6 +232,7 @@ impl Default for TierConfig {
             low_percent: 90,
             policy: PolicyKind::Lake,
             l3_write_back: L3WriteBack::OnEviction,
+            l2_admission: L2Admission::Always,
         }
     }
 }
@@ -240,6 +298,9 @@ pub struct TierCounters {
     pub duplicates: u64,
     /// Blocks asked out because their tenant was over its quota.
     pub tenant_quota_evictions: u64,
+    /// L1 victims dropped rather than written to L2 because the
+    /// second-access filter had not seen them twice.
+    pub l2_filtered: u64,
     /// Replicas dropped by purges of their namespace.
     pub purged: u64,
     /// Purges asked, and those that finished (the namespace held nothing
@@ -306,6 +367,10 @@ pub struct Tiers {
     /// Namespaces being purged: every replica of theirs dropped from
     /// every tier, until they hold nothing.
     purging: Vec<u64>,
+    /// For [`L2Admission::SecondAccess`]: blocks seen a second time, and
+    /// L1 victims it dropped (one saved again is seen a second time).
+    seen_twice: Remembered,
+    dropped_once: Remembered,
     /// What it has done.
     pub counters: TierCounters,
 }
@@ -351,6 +416,8 @@ impl Tiers {
             duplicates_sent: HashSet::new(),
             write_back: std::collections::VecDeque::new(),
             purging: Vec::new(),
+            seen_twice: Remembered::default(),
+            dropped_once: Remembered::default(),
             cooling: Vec::new(),
             now_ns: 0,
             counters: TierCounters::default(),
@@ -385,6 +452,12 @@ impl Tiers {
         let Some(info) = self.regions.get(&region).copied() else { return };
         if new {
             *self.used.entry((region, namespace)).or_default() += info.slot_bytes;
+        }
+        if self.config.l2_admission == L2Admission::SecondAccess
+            && info.tier == Tier::L1Dram
+            && self.dropped_once.contains(&key)
+        {
+            self.seen_twice.note(key);
         }
         let eager = self.config.l3_write_back == L3WriteBack::Eager
             && new
@@ -468,6 +541,16 @@ impl Tiers {
                 }
             }
             None => self.counters.unattributed += 1,
+        }
+    }
+
+    /// Blocks hit (found and served) by a request: seen a second time,
+    /// for [`L2Admission::SecondAccess`].
+    pub fn reused(&mut self, keys: &[BlockKey]) {
+        if self.config.l2_admission == L2Admission::SecondAccess {
+            for key in keys {
+                self.seen_twice.note(*key);
+            }
         }
     }
 
@@ -884,6 +967,19 @@ impl Tiers {
         let action = if tier == Tier::L1Dram && (held_in(Tier::L2Nvme) || (held_in(Tier::L3Object) && l2_full)) {
             self.counters.drops[tier as usize] += 1;
             TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
+        } else if tier == Tier::L1Dram
+            && l2.is_some()
+            && self.config.l2_admission == L2Admission::SecondAccess
+            && !self.seen_twice.contains(&key)
+            && !parent.is_some_and(|p| self.seen_twice.contains(&p))
+            && !held_in(Tier::L3Object)
+        {
+            // Used once: not worth an L2 write. Remembered, so a block
+            // saved again after this is written next time.
+            self.counters.l2_filtered += 1;
+            self.counters.drops[tier as usize] += 1;
+            self.dropped_once.note(key);
+            TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
         } else if let Some(target) =
             l2.and_then(|(region, info, pressure)| self.demotion_target(namespace, &key, region, &info, pressure))
         {
@@ -1250,6 +1346,53 @@ mod tests {
         assert_eq!(world.tiers.counters.purged, commands.len() as u64);
         assert!(world.plan().is_empty());
         assert_eq!((world.tiers.purging(), world.tiers.counters.purges_done), (&[][..], 1));
+    }
+
+    #[test]
+    fn the_second_access_filter_writes_only_blocks_seen_twice_to_l2() {
+        let config = TierConfig {
+            high_percent: 80,
+            low_percent: 50,
+            policy: PolicyKind::Lru,
+            l2_admission: L2Admission::SecondAccess,
+            ..TierConfig::default()
+        };
+        let mut world = World::new(config);
+        for k in 1..=9 {
+            world.add(0, 7, None, k);
+        }
+        // Blocks 2 and 4 were hit after their save; the others never.
+        for k in [2, 4] {
+            world.tiers.accessed(7, &[key(k)]);
+            world.tiers.reused(&[key(k)]);
+        }
+        // 9 of 10 slots, down to 5: the four coldest (LRU: 1, 3, 5, 6) go,
+        // each used once, so dropped rather than written to L2.
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands), vec![(1, "evict"), (3, "evict"), (5, "evict"), (6, "evict")]);
+        assert_eq!((world.tiers.counters.l2_filtered, world.tiers.counters.demotions), (4, 0));
+        for command in &commands {
+            world.carry_out(command);
+        }
+        // Block 1 saved again: its second life. Then 10..=12, and a
+        // request touching all but 1 (only 2 and 4 of it hits).
+        world.add(0, 7, None, 1);
+        for k in 10..=12 {
+            world.add(0, 7, None, k);
+        }
+        let touched: Vec<BlockKey> = [2, 4, 7, 8, 9, 10, 11, 12].map(key).to_vec();
+        world.tiers.accessed(7, &touched);
+        world.tiers.reused(&[key(2), key(4)]);
+        // Four victims again: those seen twice (1, 2, 4) are written, the
+        // others dropped.
+        let commands = keys_of(&world.plan());
+        assert_eq!(commands.len(), 4);
+        assert_eq!(commands[0], (1, "move"), "{commands:?}");
+        for &(k, action) in &commands {
+            assert_eq!(action, if [1, 2, 4].contains(&k) { "move" } else { "evict" }, "{commands:?}");
+        }
+        let moves = commands.iter().filter(|(_, a)| *a == "move").count() as u64;
+        assert_eq!((world.tiers.counters.l2_filtered, world.tiers.counters.demotions), (4 + 4 - moves, moves));
     }
 
     #[test]

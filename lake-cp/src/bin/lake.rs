@@ -15,6 +15,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
                   [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
                   [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
+                  [--l2-admission always|second-access]
                   [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
                   [--link-key FILE] [--tag-threads N] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
                   [--socket-group NAME] [--socket-mode OCTAL]
@@ -345,6 +346,10 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--etcd" => etcd = Some(value.clone()),
             "--cluster" => cluster = Some(value.clone()),
             "--member-ttl" => member_ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
+            "--l2-admission" => {
+                config.tiers.l2_admission = lake_cp::tier::L2Admission::parse(value)
+                    .ok_or_else(|| format!("--l2-admission is always or second-access, not {value}"))?;
+            }
             "--l3-write-back" => {
                 config.tiers.l3_write_back = lake_cp::tier::L3WriteBack::parse(value)
                     .ok_or_else(|| format!("--l3-write-back is evict or eager, not {value}"))?;
