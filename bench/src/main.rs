@@ -17,6 +17,7 @@ mod keys;
 mod l2;
 mod l3;
 mod lookup;
+mod qos;
 mod report;
 mod route_sim;
 mod tcp;
@@ -72,6 +73,9 @@ subcommands:
          replay a hash_ids trace through the real index and eviction code
   trace-gen --kind agent|chat|scan --out F.jsonl [--requests N] [--seed S]
          write a trace in the Mooncake format
+  qos    [--dir DIR] [--block-bytes N] [--l1-slots N] [--set N] [--loads N] [--writers N]
+         a critical-path load from L2, one block at a time, unloaded and while
+         writers flood the pool with saves (demotions to L2): p50/p99 of each
   trace-tiers --file F.jsonl [--l1-ratio R] [--l2-ratio R] [--policy lake|lru]
          replay a trace through the real tier manager, L1 over L2, with every
          L1 victim written to L2 and with the second-access filter: L2 blocks
@@ -99,6 +103,7 @@ fn main() -> ExitCode {
         "route" => route_sim::run(rest),
         "trace-gen" => trace::run_trace_gen(rest),
         "trace-tiers" => trace::run_trace_tiers(rest),
+        "qos" => qos::run(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

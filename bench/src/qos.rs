@@ -1,0 +1,206 @@
+//! `qos`: does a critical-path load stay fast while the pool is flooded
+//! with write-back?
+//!
+//! One embedded pool (`lake-cp` and `lake-dp` in this process, L2 files in
+//! `--dir`, on the disk unless told otherwise). A reader engine saves
+//! `--set` one-block prompts; L1 holds far fewer (`--l1-slots`), so most
+//! are demoted to L2. Then, one at a time, it looks up a random prompt of
+//! the set that the mirror shows in L2 and fetches it — the load a request
+//! waits for before its first token (lease, the L2 read into an L1 slot,
+//! the pinned read) — and times it end to end: first with nothing else
+//! running (`unloaded`), then while `--writers` engines save new blocks as
+//! fast as the pool takes them, each save pushing an older block out of L1
+//! and onto L2 (`loaded`: write-back and demotion saturating the disk
+//! and the data plane). The goal: the loaded p99 within 2× the unloaded
+//! p99, the same run. A refused save (the pool is full: saves are best
+//! effort) is counted and the writer waits `--writer-pause-us` before its
+//! next, as an engine goes on computing; 0 makes it spin.
+
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss, clippy::cast_sign_loss)] // percentiles of small positive sample counts
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::rng::SimRng;
+use lake_dp::{BlockKey, KeyChain, Namespace, Tier};
+
+use crate::args::Args;
+use crate::report::Report;
+
+fn namespace() -> Result<Namespace, String> {
+    let model =
+        lake_dp::ModelIdentity { weights_revision: "qos", tokenizer: "tok", kv_dtype: "bfloat16", kv_scales: &[] }
+            .fingerprint();
+    let extra = lake_dp::ExtraKeys::default().digest();
+    Namespace::new(&lake_dp::TenantKey([7; 32]), lake_dp::KeyScheme::TokenIdsV1, 16, model, extra)
+        .map_err(|e| e.to_string())
+}
+
+/// The key of one-block prompt `n` (16 tokens of its own).
+fn prompt_key(ns: &Namespace, n: u64) -> Result<BlockKey, String> {
+    let tokens: Vec<u32> = (0..16).map(|t| (n * 16 + t) as u32).collect();
+    KeyChain::keys(ns, &tokens).map_err(|e| e.to_string())?.first().copied().ok_or_else(|| "no key".into())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Loads of random L2-resident prompts of `set`, one at a time, until
+/// `loads` are timed (µs, sorted) or `limit` passes.
+fn time_loads(agent: &mut Agent, set: &[BlockKey], loads: usize, rng: &mut SimRng, limit: Duration) -> Vec<f64> {
+    let mut timed = Vec::with_capacity(loads);
+    let mut table = Vec::new();
+    let until = Instant::now() + limit;
+    while timed.len() < loads && Instant::now() < until {
+        let key = set[rng.below(set.len() as u64) as usize];
+        let started = Instant::now();
+        if agent.lookup(&[key], &mut table) != 1 || table[0].tier != Tier::L2Nvme {
+            continue;
+        }
+        if agent.fetch(&[key], &table, |_, bytes| {
+            std::hint::black_box(bytes);
+        }) == 1
+        {
+            timed.push(started.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    timed.sort_by(f64::total_cmp);
+    timed
+}
+
+pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
+    let args =
+        Args::parse(raw, &["dir", "block-bytes", "l1-slots", "set", "loads", "writers", "seconds", "writer-pause-us"])?;
+    let dir: String = args.get("dir", std::env::temp_dir().join("lake-bench-qos").display().to_string())?;
+    let block_bytes: u64 = args.get("block-bytes", 256 * 1024)?;
+    let l1_slots: u32 = args.get("l1-slots", 64)?;
+    let set_size: u64 = args.get("set", 512)?;
+    let loads: usize = args.get("loads", 400)?;
+    let writers: u32 = args.get("writers", 1)?;
+    let seconds: u64 = args.get("seconds", 30)?;
+    // How long a writer waits after a refused save (0: it spins, trying
+    // new blocks at once — on a small machine that takes a core from the
+    // pool's own threads).
+    let pause_us: u64 = args.get("writer-pause-us", 200)?;
+    if writers == 0 || set_size < u64::from(l1_slots) * 2 {
+        return Err("--writers must be at least 1, --set at least twice --l1-slots".into());
+    }
+    let dir = std::path::PathBuf::from(dir).join(format!("run-{}", std::process::id()));
+    let config = EmbeddedConfig {
+        block_bytes,
+        l1_slots,
+        l2_slots_per_file: (set_size as u32).max(1024) * 4,
+        local_agents: 1 + writers,
+        ..EmbeddedConfig::new(dir.clone())
+    };
+    let mut pool = EmbeddedPool::start(&config)?;
+    let ns = namespace()?;
+    let payload = vec![0x5au8; block_bytes as usize];
+    let payload = &payload[..];
+    let attach = |pool: &mut EmbeddedPool, name: &'static str| {
+        let agent_config = AgentConfig {
+            arena: &pool.arena,
+            mirror: &pool.mirror,
+            cp_socket: Some(&pool.cp_socket),
+            name,
+            namespace: ns.id(),
+            layout_fingerprint: 0x9005,
+            segment_bytes: 64 * 1024,
+            object_kind: lake_dp::ObjectKind::KvBlock,
+        };
+        Agent::attach(&agent_config, pool.local_ports.remove(0)).map_err(|e| e.to_string())
+    };
+    let mut reader = attach(&mut pool, "qos-reader")?;
+    // The set, saved a window at a time as L1 makes room.
+    let set: Vec<BlockKey> = (0..set_size).map(|n| prompt_key(&ns, n)).collect::<Result<_, _>>()?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for key in &set {
+        let block =
+            SaveBlock { key: *key, parent: BlockKey::NONE, block_index: 0, payload: SavePayload::Bytes(payload) };
+        while reader.save(std::slice::from_ref(&block)) != 1 {
+            if Instant::now() > deadline {
+                return Err("the set could not be saved in 120 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    // Settled: L1 down to its marks, the rest in L2.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut rng = SimRng::new(11);
+    let limit = Duration::from_secs(seconds);
+    let unloaded = time_loads(&mut reader, &set, loads, &mut rng, limit);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let saved = Arc::new(AtomicU64::new(0));
+    let refused = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for w in 0..writers {
+        let mut writer = attach(&mut pool, "qos-writer")?;
+        let (stop, saved, refused, ns) = (Arc::clone(&stop), Arc::clone(&saved), Arc::clone(&refused), ns);
+        let payload = payload.to_vec();
+        threads.push(std::thread::spawn(move || {
+            let mut n = 1_000_000 * (u64::from(w) + 1);
+            while !stop.load(Ordering::Acquire) {
+                let Ok(key) = prompt_key(&ns, n) else { return };
+                n += 1;
+                let block =
+                    SaveBlock { key, parent: BlockKey::NONE, block_index: 0, payload: SavePayload::Bytes(&payload) };
+                if writer.save(std::slice::from_ref(&block)) == 1 {
+                    saved.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    // Best effort under pressure: skipped, counted; the
+                    // engine goes on with its work (here: a short wait,
+                    // as its next block takes to compute) rather than spin.
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    if pause_us > 0 {
+                        std::thread::sleep(Duration::from_micros(pause_us));
+                    }
+                }
+            }
+        }));
+    }
+    // Let the flood reach its steady state, then time the same loads.
+    std::thread::sleep(Duration::from_millis(500));
+    let demotions_before = pool.gauges.demotions.load(Ordering::Relaxed);
+    let (saved_before, started) = (saved.load(Ordering::Relaxed), Instant::now());
+    let loaded = time_loads(&mut reader, &set, loads, &mut rng, limit);
+    let elapsed = started.elapsed().as_secs_f64();
+    let demoted = pool.gauges.demotions.load(Ordering::Relaxed) - demotions_before;
+    let saved_during = saved.load(Ordering::Relaxed) - saved_before;
+    stop.store(true, Ordering::Release);
+    for thread in threads {
+        let _ = thread.join();
+    }
+    drop(reader);
+    pool.stop()?;
+    let _ = std::fs::remove_dir_all(&dir);
+
+    if unloaded.len() < 20 || loaded.len() < 20 {
+        return Err(format!("too few L2 loads timed: {} unloaded, {} loaded", unloaded.len(), loaded.len()));
+    }
+    let mut report = Report::new("qos");
+    report.int("block_bytes", block_bytes);
+    report.int("l1_slots", u64::from(l1_slots));
+    report.int("set_blocks", set_size);
+    report.int("writers", u64::from(writers));
+    report.int("loads_unloaded", unloaded.len() as u64);
+    report.int("loads_loaded", loaded.len() as u64);
+    report.float("load_us_p50_unloaded", percentile(&unloaded, 0.5));
+    report.float("load_us_p99_unloaded", percentile(&unloaded, 0.99));
+    report.float("load_us_p50_loaded", percentile(&loaded, 0.5));
+    report.float("load_us_p99_loaded", percentile(&loaded, 0.99));
+    report.float("p99_ratio", percentile(&loaded, 0.99) / percentile(&unloaded, 0.99).max(1e-9));
+    report.float("p99_ratio_goal", 2.0);
+    report.float("writeback_saves_per_s", saved_during as f64 / elapsed);
+    report.float("demotion_mb_per_s", (demoted * block_bytes) as f64 / elapsed / 1e6);
+    report.int("saves_refused", refused.load(Ordering::Relaxed));
+    report.int("writer_pause_us", pause_us);
+    Ok(report)
+}
