@@ -1,6 +1,8 @@
 //! The Prometheus text endpoint: `GET /metrics` on a TCP port, served from
 //! the same event loop as the protocol (no thread of its own). One request
-//! per connection; anything but `GET /metrics` gets 404, a request larger
+//! per connection; `GET /healthz` says the loop runs, `GET /readyz`
+//! whether a data plane has registered its L1 with this node (503 and
+//! why, until then); anything else gets 404, a request larger
 //! than 8 KiB or slower than the loop's patience is dropped.
 
 use std::fmt::Write as _;
@@ -11,8 +13,13 @@ use crate::server::ServerCounters;
 /// Bytes of request a client may send before it is dropped.
 pub const REQUEST_BYTES_MAX: usize = 8 << 10;
 
-/// What a request gets: the whole response.
-pub fn respond(request: &[u8], body: impl FnOnce() -> String) -> Option<Vec<u8>> {
+/// What a request gets: the whole response. `ready` answers `GET
+/// /readyz`: whether the node can serve engines now (why not, if not).
+pub fn respond(
+    request: &[u8],
+    body: impl FnOnce() -> String,
+    ready: impl FnOnce() -> Result<(), String>,
+) -> Option<Vec<u8>> {
     let end = request.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head = std::str::from_utf8(&request[..end]).ok();
     let line = head.and_then(|h| h.lines().next()).unwrap_or("");
@@ -22,8 +29,13 @@ pub fn respond(request: &[u8], body: impl FnOnce() -> String) -> Option<Vec<u8>>
         ("200 OK", "text/plain; version=0.0.4; charset=utf-8", body())
     } else if method == "GET" && path == "/healthz" {
         ("200 OK", "text/plain; charset=utf-8", "ok\n".to_owned())
+    } else if method == "GET" && path == "/readyz" {
+        match ready() {
+            Ok(()) => ("200 OK", "text/plain; charset=utf-8", "ready\n".to_owned()),
+            Err(why) => ("503 Service Unavailable", "text/plain; charset=utf-8", format!("not ready: {why}\n")),
+        }
     } else {
-        ("404 Not Found", "text/plain; charset=utf-8", "only GET /metrics and GET /healthz\n".to_owned())
+        ("404 Not Found", "text/plain; charset=utf-8", "only GET /metrics, /healthz and /readyz\n".to_owned())
     };
     let mut out = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -357,14 +369,20 @@ mod tests {
 
     #[test]
     fn only_whole_get_requests_for_known_paths_are_answered() {
-        assert_eq!(respond(b"GET /metrics HTTP/1.1\r\nHost: x\r\n", String::new), None, "not whole yet");
-        let ok = String::from_utf8(respond(b"GET /metrics HTTP/1.1\r\n\r\n", || "a 1\n".to_owned()).unwrap()).unwrap();
+        let ready = || Ok(());
+        assert_eq!(respond(b"GET /metrics HTTP/1.1\r\nHost: x\r\n", String::new, ready), None, "not whole yet");
+        let ok = String::from_utf8(respond(b"GET /metrics HTTP/1.1\r\n\r\n", || "a 1\n".to_owned(), ready).unwrap())
+            .unwrap();
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.ends_with("\r\n\r\na 1\n"), "{ok}");
         assert!(ok.contains("Content-Length: 4\r\n"));
-        let missing = String::from_utf8(respond(b"POST /metrics HTTP/1.1\r\n\r\n", String::new).unwrap()).unwrap();
+        let missing =
+            String::from_utf8(respond(b"POST /metrics HTTP/1.1\r\n\r\n", String::new, ready).unwrap()).unwrap();
         assert!(missing.starts_with("HTTP/1.1 404"));
-        let junk = String::from_utf8(respond(b"\xff\xfe\r\n\r\n", String::new).unwrap()).unwrap();
+        let junk = String::from_utf8(respond(b"\xff\xfe\r\n\r\n", String::new, ready).unwrap()).unwrap();
         assert!(junk.starts_with("HTTP/1.1 404"));
+        let waiting = || Err("no L1 yet".to_owned());
+        let not = String::from_utf8(respond(b"GET /readyz HTTP/1.1\r\n\r\n", String::new, waiting).unwrap()).unwrap();
+        assert!(not.starts_with("HTTP/1.1 503") && not.ends_with("not ready: no L1 yet\n"), "{not}");
     }
 
     #[test]

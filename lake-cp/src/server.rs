@@ -687,8 +687,20 @@ impl Server {
                     break;
                 }
             }
-            let (node, counters) = (&self.node, &self.counters);
-            if let Some(response) = crate::metrics::respond(&client.input, || crate::metrics::render(node, counters)) {
+            let (node, counters, peers) = (&self.node, &self.counters, &self.peers);
+            let ready = || {
+                let l1 = peers.values().any(|p| {
+                    p.session.role == Some(Role::DataPlane)
+                        && p.session
+                            .regions
+                            .iter()
+                            .any(|&r| node.locations.region(r).is_some_and(|i| i.tier == lake_dp::Tier::L1Dram))
+                });
+                if l1 { Ok(()) } else { Err("no data plane has registered its L1 with this node".to_owned()) }
+            };
+            if let Some(response) =
+                crate::metrics::respond(&client.input, || crate::metrics::render(node, counters), ready)
+            {
                 client.output = response;
                 done = false;
             }

@@ -187,6 +187,16 @@ fn metrics_are_served_from_the_same_loop() {
     assert!(metrics.contains("lake_cp_connections_accepted_total 1\n"));
     assert!(get("/healthz", &mut server).ends_with("\r\n\r\nok\n"));
     assert!(get("/other", &mut server).starts_with("HTTP/1.1 404"));
+    // Only an L2 registered so far: not ready for engines.
+    let not_ready = get("/readyz", &mut server);
+    assert!(not_ready.starts_with("HTTP/1.1 503") && not_ready.contains("registered its L1"), "{not_ready}");
+    dp.write_all(&frame(4, &region(1, Tier::L1Dram, 5))).unwrap();
+    pump(&mut server, |s| s.node().counters.regions == 2);
+    assert!(get("/readyz", &mut server).ends_with("\r\n\r\nready\n"));
+    // The data plane gone: not ready again.
+    drop(dp);
+    pump(&mut server, |s| s.peers() == 0);
+    assert!(get("/readyz", &mut server).starts_with("HTTP/1.1 503"));
 }
 
 #[test]
