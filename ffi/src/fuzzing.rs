@@ -117,3 +117,299 @@ pub fn exercise_entry_points(data: &[u8]) {
     // SAFETY: from lake_namespace_new, freed once.
     unsafe { lake_namespace_free(namespace) };
 }
+
+/// The entry points that take a pool handle, on one pool attached to a
+/// running `lake-dp`/`lake-cp` (the `ffi_pool` fuzz target starts an
+/// embedded one and attaches once): lookups, leases, residency reports,
+/// pinned lookups, host memory registration, saves and loads with any
+/// keys, block indices, block tables, counts, capacities, priorities and
+/// request ids the input gives. Every status is one of the C ABI's, never
+/// a panic (not even a caught one); what succeeds is consistent (a hit
+/// never longer than asked, a written count within the capacity).
+pub struct PoolHarness {
+    pool: *mut crate::pool::LakePool,
+    namespace: *mut crate::pool::LakeNamespace,
+    /// Host memory registered (id, blocks); the bytes are kept in
+    /// [`REGISTERED`] until the process ends (a registration must outlive
+    /// the pool's use of it).
+    memory: Vec<(u32, u32)>,
+    requests: Vec<u64>,
+}
+
+impl core::fmt::Debug for PoolHarness {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("PoolHarness").field("memory", &self.memory.len()).finish_non_exhaustive()
+    }
+}
+
+/// The bytes of every registration the harness made, reachable until the
+/// process ends.
+static REGISTERED: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
+
+/// Registrations the harness makes at most, and bytes each.
+const HARNESS_REGISTRATIONS_MAX: usize = 8;
+const HARNESS_MEMORY_MAX: usize = 4 << 20;
+
+impl PoolHarness {
+    /// Attaches to the pool whose sockets and mirror these are.
+    pub fn attach(dp_socket: &str, mirror: &str, cp_socket: &str) -> Result<Self, LakeStatus> {
+        use crate::pool::{LakeAttachOptions, lake_attach};
+        let options = LakeNamespaceOptions {
+            struct_size: size_of::<LakeNamespaceOptions>(),
+            tenant_key: [0x33; 32],
+            block_tokens: 16,
+            model_fingerprint: [0x44; 32],
+            extra_keys_digest: [0; 32],
+            key_scheme: 1,
+        };
+        let mut namespace = core::ptr::null_mut();
+        // SAFETY: live options and out pointer.
+        let status = unsafe { lake_namespace_new(&options, &mut namespace) };
+        if status != LakeStatus::LakeOk {
+            return Err(status);
+        }
+        let c = |s: &str| std::ffi::CString::new(s).map_err(|_| LakeStatus::LakeInvalidArgument);
+        let (dp, mirror, cp) = (c(dp_socket)?, c(mirror)?, c(cp_socket)?);
+        let attach = LakeAttachOptions {
+            struct_size: size_of::<LakeAttachOptions>(),
+            dp_socket: dp.as_ptr(),
+            mirror_path: mirror.as_ptr(),
+            cp_socket: cp.as_ptr(),
+            name: c"fuzz".as_ptr(),
+            namespace,
+            layout_fingerprint: 0xf022,
+            segment_bytes: 4096,
+            pin_agent: 0,
+            agent_core: 0,
+            copy_threads: 1,
+            shard_code: 0,
+            object_kind: 1,
+        };
+        let mut pool = core::ptr::null_mut();
+        // SAFETY: live options whose strings live through the call.
+        let status = unsafe { lake_attach(&attach, &mut pool) };
+        if status != LakeStatus::LakeOk {
+            return Err(status);
+        }
+        Ok(Self { pool, namespace, memory: Vec::new(), requests: Vec::new() })
+    }
+
+    /// Runs the input's operations on the pool.
+    pub fn exercise(&mut self, data: &[u8]) {
+        use crate::pool::{
+            LakeCompletion, LakeLocation, LakeStats, lake_alive, lake_cancel, lake_lease, lake_lease_release,
+            lake_lookup, lake_lookup_pinned, lake_lookup_shards, lake_lookup_state, lake_pins_release, lake_poll,
+            lake_register_host_memory, lake_report_resident, lake_slot_space, lake_stats, lake_submit_load,
+            lake_submit_save,
+        };
+        let mut input = data;
+        let byte = |input: &mut &[u8]| -> u8 {
+            let (&b, rest) = input.split_first().unwrap_or((&0, &[]));
+            *input = rest;
+            b
+        };
+        let word = |input: &mut &[u8]| -> u32 {
+            let mut bytes = [0u8; 4];
+            for b in &mut bytes {
+                let (&x, rest) = input.split_first().unwrap_or((&0, &[]));
+                *b = x;
+                *input = rest;
+            }
+            u32::from_le_bytes(bytes)
+        };
+        let pool = self.pool.cast_const();
+        for _ in 0..8 {
+            if input.is_empty() {
+                return;
+            }
+            let op = byte(&mut input) % 10;
+            let count = usize::from(byte(&mut input) % 40);
+            let capacity = usize::from(byte(&mut input) % 48);
+            // Keys: some from the namespace's chain (they may hit), the
+            // rest the input's bytes.
+            let mut keys = vec![LakeBlockKey::default(); count];
+            for key in &mut keys {
+                for b in &mut key.bytes {
+                    *b = byte(&mut input);
+                }
+            }
+            let mut table = vec![LakeLocation::default(); capacity.max(count)];
+            let mut hits = usize::MAX;
+            match op {
+                0 => {
+                    // SAFETY: `count` keys, `capacity` writable locations.
+                    let s = unsafe { lake_lookup(pool, keys.as_ptr(), count, table.as_mut_ptr(), capacity, &mut hits) };
+                    if no_panic(s, "lake_lookup") == LakeStatus::LakeOk {
+                        assert!(hits <= count.min(capacity), "{hits} hits of {count} keys into {capacity}");
+                    }
+                }
+                1 => {
+                    let (mut state_blocks, mut state) = (0usize, LakeLocation::default());
+                    // SAFETY: as above, and live outs.
+                    let s = unsafe {
+                        lake_lookup_state(
+                            pool,
+                            keys.as_ptr(),
+                            count,
+                            table.as_mut_ptr(),
+                            capacity,
+                            &mut hits,
+                            &mut state_blocks,
+                            &mut state,
+                        )
+                    };
+                    if no_panic(s, "lake_lookup_state") == LakeStatus::LakeOk {
+                        assert!(hits <= count && state_blocks <= hits.max(count), "{hits} {state_blocks}");
+                    }
+                }
+                2 => {
+                    let codes: Vec<u64> = (0..capacity % 5).map(|_| u64::from(word(&mut input))).collect();
+                    // SAFETY: `count` keys, `codes.len()` codes, a live out.
+                    let s = unsafe {
+                        lake_lookup_shards(pool, keys.as_ptr(), count, codes.as_ptr(), codes.len(), &mut hits)
+                    };
+                    no_panic(s, "lake_lookup_shards");
+                }
+                3 => {
+                    let (mut granted, mut deadline, mut lease) = (0usize, 0u64, core::ptr::null_mut());
+                    let ttl = word(&mut input);
+                    // SAFETY: `count` keys and live outs.
+                    let s =
+                        unsafe { lake_lease(pool, keys.as_ptr(), count, ttl, &mut granted, &mut deadline, &mut lease) };
+                    if no_panic(s, "lake_lease") == LakeStatus::LakeOk {
+                        assert!(granted <= count);
+                    }
+                    // SAFETY: null or from lake_lease, released once.
+                    unsafe { lake_lease_release(lease) };
+                }
+                4 => {
+                    let resident = word(&mut input);
+                    // SAFETY: `count` keys.
+                    no_panic(unsafe { lake_report_resident(pool, keys.as_ptr(), count, resident) }, "report_resident");
+                }
+                5 => {
+                    let mut pins = core::ptr::null_mut();
+                    // SAFETY: as lake_lookup, and a live out.
+                    let s = unsafe {
+                        lake_lookup_pinned(
+                            pool,
+                            keys.as_ptr(),
+                            count,
+                            table.as_mut_ptr(),
+                            capacity,
+                            &mut hits,
+                            &mut pins,
+                        )
+                    };
+                    if no_panic(s, "lake_lookup_pinned") == LakeStatus::LakeOk {
+                        assert!(hits <= count.min(capacity));
+                    }
+                    // SAFETY: null or from lake_lookup_pinned, released once.
+                    unsafe { lake_pins_release(pins) };
+                }
+                6 => {
+                    let block_bytes = (word(&mut input) % (1 << 20)) as usize;
+                    let blocks = word(&mut input) % 64;
+                    let bytes = block_bytes.saturating_mul(blocks as usize);
+                    if self.memory.len() < HARNESS_REGISTRATIONS_MAX && bytes <= HARNESS_MEMORY_MAX {
+                        let mut memory = vec![0u8; bytes.max(1)];
+                        let mut id = u32::MAX;
+                        // SAFETY: `bytes` bytes live for the process (kept in the harness).
+                        let s = unsafe {
+                            lake_register_host_memory(pool, memory.as_mut_ptr(), block_bytes, blocks, &mut id)
+                        };
+                        if no_panic(s, "lake_register_host_memory") == LakeStatus::LakeOk {
+                            self.memory.push((id, blocks));
+                        }
+                        // Kept either way: a failed call may have looked at it.
+                        REGISTERED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(memory);
+                    }
+                }
+                7 | 8 => {
+                    // A memory id the harness registered, or any.
+                    let pick = byte(&mut input);
+                    let memory_id = self.memory.get(usize::from(pick) % 9).map_or(u32::from(pick), |m| m.0);
+                    let indices: Vec<u32> = (0..count).map(|_| word(&mut input) % 80).collect();
+                    let priority = u32::from(byte(&mut input) % 7);
+                    let mut request = 0u64;
+                    let s = if op == 7 {
+                        // SAFETY: `count` keys and block indices, a live out;
+                        // the memory registered lives for the process.
+                        unsafe {
+                            lake_submit_save(
+                                pool,
+                                memory_id,
+                                core::ptr::null(),
+                                keys.as_ptr(),
+                                indices.as_ptr(),
+                                count,
+                                priority,
+                                &mut request,
+                            )
+                        }
+                    } else {
+                        for location in table.iter_mut().take(count) {
+                            location.tier = byte(&mut input) % 4;
+                            location.region = u16::from(byte(&mut input));
+                            location.slot = word(&mut input);
+                            location.generation = word(&mut input);
+                        }
+                        // SAFETY: `count` keys, locations and block indices,
+                        // a live out; the memory lives for the process.
+                        unsafe {
+                            lake_submit_load(
+                                pool,
+                                memory_id,
+                                keys.as_ptr(),
+                                table.as_ptr(),
+                                indices.as_ptr(),
+                                count,
+                                priority,
+                                &mut request,
+                            )
+                        }
+                    };
+                    if no_panic(s, "lake_submit_save/load") == LakeStatus::LakeOk {
+                        self.requests.push(request);
+                    }
+                }
+                _ => {
+                    // The bookkeeping calls, with any request id.
+                    let id = self.requests.last().copied().unwrap_or(0) ^ u64::from(byte(&mut input) & 1);
+                    // SAFETY: a pool handle.
+                    no_panic(unsafe { lake_cancel(pool, id) }, "lake_cancel");
+                    let mut out =
+                        vec![LakeCompletion { request_id: 0, index: 0, status: LakeStatus::LakeOk }; capacity];
+                    let mut written = usize::MAX;
+                    // SAFETY: `capacity` writable completions, a live out.
+                    let s = unsafe { lake_poll(pool, out.as_mut_ptr(), capacity, &mut written) };
+                    if no_panic(s, "lake_poll") == LakeStatus::LakeOk {
+                        assert!(written <= capacity, "{written} completions into {capacity}");
+                    }
+                    let mut stats = LakeStats { struct_size: size_of::<LakeStats>(), ..LakeStats::default() };
+                    if byte(&mut input) & 1 == 1 {
+                        stats.struct_size = word(&mut input) as usize;
+                    }
+                    // SAFETY: a live LakeStats (its size field the input's).
+                    no_panic(unsafe { lake_stats(pool, &mut stats) }, "lake_stats");
+                    let (mut region, mut epoch) = (0u16, 0u64);
+                    // SAFETY: live outs.
+                    no_panic(unsafe { lake_slot_space(pool, &mut region, &mut epoch) }, "lake_slot_space");
+                    // SAFETY: a pool handle.
+                    no_panic(unsafe { lake_alive(pool) }, "lake_alive");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for PoolHarness {
+    fn drop(&mut self) {
+        // SAFETY: from lake_attach and lake_namespace_new, released once.
+        unsafe {
+            crate::pool::lake_detach(self.pool);
+        }
+        // SAFETY: as above.
+        unsafe { lake_namespace_free(self.namespace) };
+    }
+}

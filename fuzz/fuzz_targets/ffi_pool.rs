@@ -1,0 +1,41 @@
+//! The C ABI's entry points that take a pool handle (issue [9]), on one
+//! embedded pool started and attached once per fuzzing process:
+//! `lake::fuzzing::PoolHarness::exercise` runs lookups, leases, residency
+//! reports, pinned lookups, memory registration, saves, loads with any
+//! block tables, and the bookkeeping calls, with the input's keys,
+//! counts, capacities, indices, priorities and ids. Any values give a
+//! status, never a panic (not even one the boundary catches), and what
+//! succeeds is consistent. See ffi/src/fuzzing.rs.
+
+#![no_main]
+
+use std::cell::RefCell;
+
+use lake::fuzzing::PoolHarness;
+use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+use libfuzzer_sys::fuzz_target;
+
+thread_local! {
+    static POOL: RefCell<Option<(EmbeddedPool, PoolHarness)>> = const { RefCell::new(None) };
+}
+
+fn start() -> (EmbeddedPool, PoolHarness) {
+    let dir = std::env::temp_dir().join(format!("lake-fuzz-ffi-pool-{}", std::process::id()));
+    let config = EmbeddedConfig { l1_slots: 64, l2_slots_per_file: 256, remote_agents: 2, ..EmbeddedConfig::new(dir) };
+    let pool = EmbeddedPool::start(&config).expect("the embedded pool starts");
+    let harness = PoolHarness::attach(
+        &pool.dp_socket.display().to_string(),
+        &pool.mirror.display().to_string(),
+        &pool.cp_socket.display().to_string(),
+    )
+    .expect("the harness attaches");
+    (pool, harness)
+}
+
+fuzz_target!(|data: &[u8]| {
+    POOL.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let (_, harness) = slot.get_or_insert_with(start);
+        harness.exercise(data);
+    });
+});
