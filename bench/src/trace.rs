@@ -49,6 +49,15 @@ fn hash_ids(line: &str) -> Result<Vec<u64>, String> {
         .collect()
 }
 
+/// The trace's requests and its distinct blocks.
+fn load_distinct(path: &str) -> Result<(Vec<Vec<BlockKey>>, Vec<BlockKey>), String> {
+    let requests = load(path)?;
+    let mut distinct: Vec<BlockKey> = requests.iter().flatten().copied().collect();
+    distinct.sort_unstable_by_key(|k| k.0);
+    distinct.dedup();
+    Ok((requests, distinct))
+}
+
 fn load(path: &str) -> Result<Vec<Vec<BlockKey>>, String> {
     let file = std::fs::File::open(path).map_err(|e| format!("--file {path}: {e}"))?;
     let mut requests = Vec::new();
@@ -166,10 +175,7 @@ pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
     if path.is_empty() {
         return Err("--file is required (JSON lines with hash_ids)".into());
     }
-    let requests = load(&path)?;
-    let mut distinct: Vec<BlockKey> = requests.iter().flatten().copied().collect();
-    distinct.sort_unstable_by_key(|k| k.0);
-    distinct.dedup();
+    let (requests, distinct) = load_distinct(&path)?;
     let ratio: f64 = args.get("capacity-ratio", 0.0)?;
     let capacity: usize = args.get("capacity-blocks", 0)?;
     let capacity = if capacity > 0 {
@@ -491,10 +497,7 @@ pub(crate) fn run_trace_tiers(raw: &[String]) -> Result<Report, String> {
     if path.is_empty() {
         return Err("--file is required (JSON lines with hash_ids)".into());
     }
-    let requests = load(&path)?;
-    let mut distinct: Vec<BlockKey> = requests.iter().flatten().copied().collect();
-    distinct.sort_unstable_by_key(|k| k.0);
-    distinct.dedup();
+    let (requests, distinct) = load_distinct(&path)?;
     let (l1_ratio, l2_ratio): (f64, f64) = (args.get("l1-ratio", 0.02)?, args.get("l2-ratio", 0.2)?);
     if !(l1_ratio > 0.0 && l2_ratio > 0.0) {
         return Err("--l1-ratio and --l2-ratio must be above 0".into());

@@ -667,26 +667,7 @@ impl Server {
         let Some(client) = self.http.get_mut(&token) else { return };
         let mut done = false;
         if client.output.is_empty() {
-            let mut chunk = [0u8; 1024];
-            loop {
-                match client.stream.read(&mut chunk) {
-                    Ok(0) => {
-                        done = true;
-                        break;
-                    }
-                    Ok(n) => client.input.extend_from_slice(&chunk[..n]),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(_) => {
-                        done = true;
-                        break;
-                    }
-                }
-                if client.input.len() > crate::metrics::REQUEST_BYTES_MAX {
-                    done = true;
-                    break;
-                }
-            }
+            done = read_available(&mut client.stream, &mut client.input, crate::metrics::REQUEST_BYTES_MAX);
             let (node, counters, peers) = (&self.node, &self.counters, &self.peers);
             let ready = || {
                 let l1 = peers.values().any(|p| {
@@ -705,21 +686,7 @@ impl Server {
                 done = false;
             }
         }
-        while client.written < client.output.len() {
-            match client.stream.write(&client.output[client.written..]) {
-                Ok(0) => {
-                    done = true;
-                    break;
-                }
-                Ok(n) => client.written += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => {
-                    done = true;
-                    break;
-                }
-            }
-        }
+        done |= write_pending(&mut client.stream, &client.output, &mut client.written);
         if !client.output.is_empty() && client.written == client.output.len() {
             done = true;
         }
@@ -758,23 +725,8 @@ impl Server {
     fn serve_admin_client(&mut self, token: Token) {
         let peers = self.peers.len();
         let Some(client) = self.admin_clients.get_mut(&token) else { return };
-        let mut done = false;
-        let mut chunk = [0u8; 4096];
-        while !client.closing {
-            match client.stream.read(&mut chunk) {
-                Ok(0) => {
-                    done = true;
-                    break;
-                }
-                Ok(n) => client.input.extend_from_slice(&chunk[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => {
-                    done = true;
-                    break;
-                }
-            }
-        }
+        let mut done = !client.closing
+            && read_available(&mut client.stream, &mut client.input, crate::admin::LINE_BYTES_MAX + 4096);
         while let Some(end) = client.input.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = client.input.drain(..=end).collect();
             let answer = crate::admin::respond(&mut self.node, &self.counters, peers, &line[..end]);
@@ -788,23 +740,9 @@ impl Server {
             client.input.clear();
             client.closing = true;
         }
-        while !client.output.is_empty() {
-            match client.stream.write(&client.output) {
-                Ok(0) => {
-                    done = true;
-                    break;
-                }
-                Ok(n) => {
-                    client.output.drain(..n);
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => {
-                    done = true;
-                    break;
-                }
-            }
-        }
+        let mut written = 0;
+        done |= write_pending(&mut client.stream, &client.output, &mut written);
+        client.output.drain(..written);
         // A client not reading its answers is let go.
         if client.output.len() > OUT_BYTES_MAX || (client.closing && client.output.is_empty()) {
             done = true;
@@ -826,6 +764,40 @@ impl Server {
             self.counters.closed += 1;
         }
     }
+}
+
+/// Reads what `stream` has into `input`, until it would block or `input`
+/// holds more than `limit` bytes. Returns whether the connection is done
+/// (closed by the peer, failed, or over the limit).
+fn read_available(stream: &mut impl Read, input: &mut Vec<u8>, limit: usize) -> bool {
+    let mut chunk = [0u8; 4096];
+    loop {
+        match stream.read(&mut chunk) {
+            Ok(0) => return true,
+            Ok(n) => input.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return true,
+        }
+        if input.len() > limit {
+            return true;
+        }
+    }
+}
+
+/// Writes `output[*written..]` to `stream` until it would block, moving
+/// `written` on. Returns whether the connection failed.
+fn write_pending(stream: &mut impl Write, output: &[u8], written: &mut usize) -> bool {
+    while *written < output.len() {
+        match stream.write(&output[*written..]) {
+            Ok(0) => return true,
+            Ok(n) => *written += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return true,
+        }
+    }
+    false
 }
 
 impl Drop for Server {

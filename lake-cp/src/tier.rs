@@ -746,27 +746,10 @@ impl Tiers {
                         self.counters.leased_kept += 1;
                         continue;
                     }
-                    let (parent, kind) = locations
-                        .index
-                        .get(&key)
-                        .map(|b| (locations.index.parent(b).map(|p| locations.index.key(p)), locations.index.kind(b)))
-                        .unwrap_or((None, ObjectKind::KvBlock));
                     if let Some(space) = self.spaces.get_mut(&(tier, namespace)) {
                         space.cache.remove(&key);
                     }
-                    let bytes = self.regions.get(&replica.region.0).map_or(0, |r| r.slot_bytes);
-                    let pending = Pending {
-                        key,
-                        parent,
-                        kind,
-                        namespace,
-                        tier,
-                        region: replica.region.0,
-                        bytes,
-                        deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
-                        frees: true,
-                        to: None,
-                    };
+                    let pending = self.leaving(locations, key, (namespace, tier), replica.region.0, now_ns);
                     self.counters.purged += 1;
                     self.ask(pending, TierAction::Evict(evict_body(&replica, &key, EvictReason::Released)), out);
                 }
@@ -915,6 +898,36 @@ impl Tiers {
         }
     }
 
+    /// The pending entry of a command that frees `key`'s replica in
+    /// `region` (a move down or a drop): its parent and kind from the
+    /// index, its bytes from the region.
+    fn leaving(
+        &self,
+        locations: &Locations,
+        key: BlockKey,
+        (namespace, tier): (u64, Tier),
+        region: u16,
+        now_ns: u64,
+    ) -> Pending {
+        let (parent, kind) = locations
+            .index
+            .get(&key)
+            .map(|b| (locations.index.parent(b).map(|p| locations.index.key(p)), locations.index.kind(b)))
+            .unwrap_or((None, ObjectKind::KvBlock));
+        Pending {
+            key,
+            parent,
+            kind,
+            namespace,
+            tier,
+            region,
+            bytes: self.regions.get(&region).map_or(0, |r| r.slot_bytes),
+            deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+            frees: true,
+            to: None,
+        }
+    }
+
     /// Takes one victim from the space (tier, namespace) and appends its
     /// command; false when nothing there may go.
     fn evict_one(
@@ -944,15 +957,8 @@ impl Tiers {
         self.counters.leased_kept += kept;
         let Some(key) = victim else { return false };
         let Some(source) = locations.ready(&key).find(|r| r.tier == tier) else { return false };
-        let (parent, kind) = locations
-            .index
-            .get(&key)
-            .map(|b| {
-                let parent = locations.index.parent(b).map(|p| locations.index.key(p));
-                (parent, locations.index.kind(b))
-            })
-            .unwrap_or((None, ObjectKind::KvBlock));
-        let bytes = self.regions.get(&source.region.0).map_or(0, |r| r.slot_bytes);
+        let pending = self.leaving(locations, key, (namespace, tier), source.region.0, now_ns);
+        let parent = pending.parent;
         let held_in = |t: Tier| locations.ready(&key).any(|r| r.tier == t);
         let move_to = |target| TierAction::Move(transfer(&source, target, key, Priority::Demotion));
         let node = source.node.0;
@@ -994,18 +1000,6 @@ impl Tiers {
         } else {
             self.counters.drops[tier as usize] += 1;
             TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
-        };
-        let pending = Pending {
-            key,
-            parent,
-            kind,
-            namespace,
-            tier,
-            region: source.region.0,
-            bytes,
-            deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
-            frees: true,
-            to: None,
         };
         self.ask(pending, action, out);
         true

@@ -8,52 +8,15 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
-use lake_dp::{BlockKey, ExtraKeys, KeyChain, KeyScheme, ModelIdentity, Namespace, TenantKey};
+use lake_dp::{BlockKey, KeyChain};
 
-fn namespace(tenant: u8) -> Namespace {
-    let model =
-        ModelIdentity { weights_revision: "r1", tokenizer: "tok", kv_dtype: "bfloat16", kv_scales: &[] }.fingerprint();
-    Namespace::new(&TenantKey([tenant; 32]), KeyScheme::TokenIdsV1, 16, model, ExtraKeys::default().digest()).unwrap()
-}
+#[path = "common/engines.rs"]
+mod engines;
 
-fn engine(pool: &mut EmbeddedPool, ns: &Namespace) -> Agent {
-    let config = AgentConfig {
-        arena: &pool.arena,
-        mirror: &pool.mirror,
-        cp_socket: Some(&pool.cp_socket),
-        name: "operator-test",
-        namespace: ns.id(),
-        layout_fingerprint: 0xabc,
-        segment_bytes: 16 * 1024,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
-}
-
-fn save(agent: &mut Agent, keys: &[BlockKey], fill: u8) {
-    let payload = vec![fill; 32 * 1024];
-    let blocks: Vec<SaveBlock<'_>> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, key)| SaveBlock {
-            key: *key,
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: u32::try_from(i).unwrap(),
-            payload: SavePayload::Bytes(&payload),
-        })
-        .collect();
-    assert_eq!(agent.save(&blocks), keys.len());
-    let mut table = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while agent.lookup(keys, &mut table) < keys.len() {
-        assert!(Instant::now() < deadline, "the saves were not published");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
+use engines::{engine, namespace, save};
 
 /// Runs `lake ARGS`; its stdout, or its stderr if it failed.
 fn lake(args: &[&str]) -> Result<String, String> {

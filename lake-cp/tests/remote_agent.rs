@@ -16,6 +16,11 @@ use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::{BlockKey, NamespaceId};
 
+#[path = "common/metrics.rs"]
+mod metrics;
+
+use metrics::metric;
+
 const PAYLOAD: usize = 40 * 1024;
 
 fn key(block: u32) -> BlockKey {
@@ -39,16 +44,6 @@ fn agent_config<'a>(mirror: &'a Path, cp: &'a Path) -> AgentConfig<'a> {
         segment_bytes: 8192,
         object_kind: lake_dp::ObjectKind::KvBlock,
     }
-}
-
-fn metric(address: std::net::SocketAddr, name: &str) -> Option<u64> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(address).ok()?;
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: lake\r\n\r\n").ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).ok()?;
-    let line = text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))?;
-    line.rsplit(' ').next()?.parse().ok()
 }
 
 /// The child: attach, report blocks 0..4 resident in its GPU, pin block 0

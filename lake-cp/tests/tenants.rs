@@ -7,49 +7,15 @@
 use std::time::{Duration, Instant};
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
-use lake_dp::{BlockKey, ExtraKeys, KeyChain, KeyScheme, ModelIdentity, Namespace, TenantKey};
+use lake_dp::KeyChain;
 
-fn namespace(tenant: u8) -> Namespace {
-    let model =
-        ModelIdentity { weights_revision: "r1", tokenizer: "tok", kv_dtype: "bfloat16", kv_scales: &[] }.fingerprint();
-    Namespace::new(&TenantKey([tenant; 32]), KeyScheme::TokenIdsV1, 16, model, ExtraKeys::default().digest()).unwrap()
-}
+#[path = "common/engines.rs"]
+mod engines;
+#[path = "common/metrics.rs"]
+mod metrics;
 
-fn engine(pool: &mut EmbeddedPool, ns: &Namespace) -> Agent {
-    let config = AgentConfig {
-        arena: &pool.arena,
-        mirror: &pool.mirror,
-        cp_socket: Some(&pool.cp_socket),
-        name: "tenant",
-        namespace: ns.id(),
-        layout_fingerprint: 0xabc,
-        segment_bytes: 16 * 1024,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
-}
-
-fn save(agent: &mut Agent, keys: &[BlockKey], fill: u8) {
-    let payload = vec![fill; 32 * 1024];
-    let blocks: Vec<SaveBlock<'_>> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, key)| SaveBlock {
-            key: *key,
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: u32::try_from(i).unwrap(),
-            payload: SavePayload::Bytes(&payload),
-        })
-        .collect();
-    assert_eq!(agent.save(&blocks), keys.len());
-    let mut table = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while agent.lookup(keys, &mut table) < keys.len() {
-        assert!(Instant::now() < deadline, "the saves were not published");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
+use engines::{engine, namespace, save};
+use metrics::metric;
 
 #[test]
 fn two_tenants_with_the_same_tokens_never_see_each_others_blocks() {
@@ -84,16 +50,6 @@ fn two_tenants_with_the_same_tokens_never_see_each_others_blocks() {
     assert_eq!(engine_b.last_fetch_failure(), Some(lake_dp::agent::FetchFailure::Foreign));
     drop((engine_a, engine_b));
     pool.stop().unwrap();
-}
-
-fn metric(address: std::net::SocketAddr, name: &str) -> Option<u64> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(address).ok()?;
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: lake\r\n\r\n").ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).ok()?;
-    let line = text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))?;
-    line.rsplit(' ').next()?.parse().ok()
 }
 
 /// A tenant of two namespaces over its L1 quota gives up L1 blocks of
