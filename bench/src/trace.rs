@@ -383,6 +383,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn second_access_writes_fewer_one_off_blocks_to_l2_and_keeps_the_hot_ones() {
+        use lake_cp::tier::{L2Admission, PolicyKind};
+        // Half one-off documents of 30 blocks, half one of 4 hot prompts.
+        let mut g = Gen { rng: SimRng::new(5), next_id: 1 };
+        let hot: Vec<Vec<u64>> = (0..4).map(|_| g.fresh(12)).collect();
+        let requests: Vec<Vec<BlockKey>> = (0..600)
+            .map(|i| if i % 2 == 0 { g.fresh(30) } else { hot[g.below(4) as usize].clone() })
+            .map(|ids| ids.into_iter().map(key_of).collect())
+            .collect();
+        let tiers = (40, 400);
+        let always = replay_tiers(&requests, tiers, PolicyKind::Lru, L2Admission::Always).unwrap();
+        let filtered = replay_tiers(&requests, tiers, PolicyKind::Lru, L2Admission::SecondAccess).unwrap();
+        assert_eq!(always.blocks, filtered.blocks);
+        assert!(filtered.l2_writes * 4 < always.l2_writes, "{filtered:?} vs {always:?}");
+        assert!(filtered.filtered > 0);
+        let hits = |r: &TierReplay| r.l1_hits + r.l2_hits;
+        assert!(hits(&filtered) * 100 >= hits(&always) * 95, "{filtered:?} vs {always:?}");
+    }
+
+    #[test]
     fn hash_ids_are_read_or_named_as_bad() {
         assert_eq!(hash_ids(r#"{"timestamp": 1, "hash_ids": [3, 4, 5]}"#).unwrap(), vec![3, 4, 5]);
         assert_eq!(hash_ids(r#"{"hash_ids": []}"#).unwrap(), Vec::<u64>::new());
