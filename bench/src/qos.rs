@@ -174,6 +174,52 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     let elapsed = started.elapsed().as_secs_f64();
     let demoted = pool.gauges.demotions.load(Ordering::Relaxed) - demotions_before;
     let saved_during = saved.load(Ordering::Relaxed) - saved_before;
+    // Aborted requests, still under the flood: a fetch of 64 L2 blocks
+    // cancelled 1 ms after it starts (by another thread, as an engine
+    // aborting a request would); how long until it returns, and how many
+    // of its loads the data plane dropped unread.
+    let mut stop_us = Vec::new();
+    let (mut delivered, mut asked) = (0usize, 0usize);
+    let cancelled_before = reader.stats.loads_cancelled;
+    let mut table = Vec::new();
+    for trial in 0..30u64 {
+        let mut keys: Vec<BlockKey> = Vec::with_capacity(64);
+        let mut pick = SimRng::new(1000 + trial);
+        while keys.len() < 64 {
+            let key = set[pick.below(set.len() as u64) as usize];
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+        let found = reader.lookup(&keys, &mut table);
+        let in_l2 = table[..found].iter().take_while(|e| e.tier == Tier::L2Nvme).count();
+        if in_l2 < 16 {
+            continue;
+        }
+        let flag = Arc::new(AtomicBool::new(false));
+        let at = Arc::new(std::sync::Mutex::new(None::<Instant>));
+        let timer = {
+            let (flag, at) = (Arc::clone(&flag), Arc::clone(&at));
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(1));
+                *at.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+                flag.store(true, Ordering::Release);
+            })
+        };
+        let cancelled = || flag.load(Ordering::Acquire);
+        let got = reader.fetch_cancellable(&keys[..in_l2], &table[..in_l2], &cancelled, |_, bytes| {
+            std::hint::black_box(bytes);
+        });
+        let returned = Instant::now();
+        let _ = timer.join();
+        if let Some(at) = *at.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            stop_us.push(returned.saturating_duration_since(at).as_secs_f64() * 1e6);
+        }
+        delivered += got;
+        asked += in_l2;
+    }
+    stop_us.sort_by(f64::total_cmp);
+    let loads_dropped = reader.stats.loads_cancelled - cancelled_before;
     stop.store(true, Ordering::Release);
     for thread in threads {
         let _ = thread.join();
@@ -202,5 +248,11 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     report.float("demotion_mb_per_s", (demoted * block_bytes) as f64 / elapsed / 1e6);
     report.int("saves_refused", refused.load(Ordering::Relaxed));
     report.int("writer_pause_us", pause_us);
+    report.int("cancel_trials", stop_us.len() as u64);
+    report.int("cancel_blocks_asked", asked as u64);
+    report.int("cancel_blocks_delivered", delivered as u64);
+    report.int("cancel_loads_dropped_unread", loads_dropped);
+    report.float("cancel_to_return_us_p50", percentile(&stop_us, 0.5));
+    report.float("cancel_to_return_us_max", stop_us.last().copied().unwrap_or(0.0));
     Ok(report)
 }

@@ -200,6 +200,9 @@ pub struct AgentStats {
     /// Hit blocks that could not be delivered (evicted under the lookup,
     /// lease refused, corrupt): the engine recomputed them.
     pub fetch_failures: u64,
+    /// Loads stopped in the data plane before their read, their fetch
+    /// cancelled.
+    pub loads_cancelled: u64,
     /// Blocks saved.
     pub saves: u64,
     /// Saves skipped (no slot free, or the data plane busy).
@@ -647,7 +650,7 @@ impl Agent {
                 failure = Some(FetchFailure::Evicted);
                 break;
             }
-            let mut pinned = self.load_batch(keys, &batch);
+            let mut pinned = self.load_batch(keys, &batch, cancelled);
             let mut stop = false;
             for ((j, source), pin) in batch.iter().zip(pinned.iter_mut()) {
                 if cancelled() {
@@ -795,10 +798,20 @@ impl Agent {
     /// while `lake-cp` makes room, for at most [`LOAD_RETRY_MAX`]; so is one
     /// whose new copy was taken away between the answer and the pin (an L1
     /// of a few slots under demotions can pick it as its next victim).
-    fn load_batch(&mut self, keys: &[BlockKey], batch: &[(usize, ReplicaWire)]) -> Vec<Option<Pin>> {
+    ///
+    /// Once `cancelled` says so, the loads still queued in the data plane
+    /// are cancelled there ([`AgentRequest::Cancel`]): they stop using the
+    /// disk at once, and none is retried.
+    fn load_batch(
+        &mut self,
+        keys: &[BlockKey],
+        batch: &[(usize, ReplicaWire)],
+        cancelled: &dyn Fn() -> bool,
+    ) -> Vec<Option<Pin>> {
         let deadline = Instant::now() + LOAD_RETRY_MAX;
         let mut slots: Vec<Option<Pin>> = (0..batch.len()).map(|_| None).collect();
         let mut pending: Vec<usize> = (0..batch.len()).collect();
+        let mut stopped = false;
         while !pending.is_empty() {
             let mut cookies = Vec::with_capacity(pending.len());
             for &b in &pending {
@@ -811,7 +824,13 @@ impl Agent {
                 cookies.push((b, cookie));
             }
             let mut retry = Vec::new();
-            for (b, cookie) in cookies {
+            for at in 0..cookies.len() {
+                if !stopped && cancelled() {
+                    stopped = true;
+                    let loads: Vec<u64> = cookies[at..].iter().map(|&(_, c)| c).collect();
+                    self.cancel_loads(&loads);
+                }
+                let (b, cookie) = cookies[at];
                 match self.wait(cookie) {
                     Ok((slot, generation)) => match self.pins.pin(slot, generation) {
                         Ok(pin) => slots[b] = Some(pin),
@@ -825,13 +844,31 @@ impl Agent {
             // Only a failure-free prefix is useful.
             let first_failed = (0..batch.len()).find(|&b| slots[b].is_none() && !retry.contains(&b));
             retry.retain(|&b| first_failed.is_none_or(|f| b < f));
-            if retry.is_empty() || Instant::now() > deadline {
+            if retry.is_empty() || stopped || cancelled() || Instant::now() > deadline {
                 break;
             }
             pending = retry;
             std::thread::sleep(Duration::from_micros(200));
         }
         slots
+    }
+
+    /// Asks the data plane to stop each of `loads` (their cookies) still
+    /// queued; waits for its answers (each at once), so none is left for
+    /// a later wait to trip over. The loads' own answers still come.
+    fn cancel_loads(&mut self, loads: &[u64]) {
+        let mut asked = Vec::with_capacity(loads.len());
+        for &load in loads {
+            let cookie = self.cookie();
+            if self.port.submit(AgentRequest::Cancel { cookie, load }).is_ok() {
+                asked.push(cookie);
+            }
+        }
+        for cookie in asked {
+            if self.wait(cookie).is_ok() {
+                self.stats.loads_cancelled += 1;
+            }
+        }
     }
 
     /// Saves `blocks` (best effort); returns how many were committed.

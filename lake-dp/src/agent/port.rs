@@ -52,6 +52,17 @@ pub enum AgentRequest {
         /// Its class.
         priority: Priority,
     },
+    /// Stop the load asked with cookie `load` if it has not been read yet
+    /// (its request was aborted): a load still queued is dropped — its
+    /// answer `Cancelled` — and one already reading is answered when the
+    /// read ends. Answered `Ok` when it stopped one, `Stale` when there was
+    /// none left to stop.
+    Cancel {
+        /// Echoed in the completion.
+        cookie: u64,
+        /// The load's cookie.
+        load: u64,
+    },
 }
 
 /// Why an agent request failed.
@@ -70,6 +81,8 @@ pub enum AgentError {
     Busy,
     /// The request was malformed.
     Invalid,
+    /// The agent cancelled it ([`AgentRequest::Cancel`]).
+    Cancelled,
 }
 
 impl core::fmt::Display for AgentError {
@@ -81,6 +94,7 @@ impl core::fmt::Display for AgentError {
             Self::Io => "device error",
             Self::Busy => "data plane busy",
             Self::Invalid => "invalid request",
+            Self::Cancelled => "cancelled by the agent",
         })
     }
 }

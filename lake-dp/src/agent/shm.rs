@@ -86,7 +86,8 @@ const HEADER_CRC_END: usize = core::mem::offset_of!(PortHeader, crc);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
 pub struct RequestEntry {
-    /// 1 reserve, 2 commit, 3 abort, 4 load.
+    /// 1 reserve, 2 commit, 3 abort, 4 load, 5 cancel a load (its cookie
+    /// in `object_bytes`).
     pub kind: u8,
     /// [`Priority`] code (loads).
     pub priority: u8,
@@ -140,6 +141,7 @@ impl AgentError {
             Self::Io => 4,
             Self::Busy => 5,
             Self::Invalid => 6,
+            Self::Cancelled => 7,
         }
     }
 
@@ -151,6 +153,7 @@ impl AgentError {
             3 => Self::Corrupt,
             4 => Self::Io,
             5 => Self::Busy,
+            7 => Self::Cancelled,
             _ => Self::Invalid,
         }
     }
@@ -185,6 +188,12 @@ impl RequestEntry {
                 entry.source = source;
                 entry.priority = priority as u8;
             }
+            AgentRequest::Cancel { cookie, load } => {
+                entry.kind = 5;
+                entry.cookie = cookie;
+                // The load's cookie rides in the size field.
+                entry.object_bytes = load;
+            }
         }
         entry
     }
@@ -208,6 +217,7 @@ impl RequestEntry {
                 }
                 Ok(AgentRequest::Load { cookie, key: self.key, source: self.source, priority })
             }
+            5 => Ok(AgentRequest::Cancel { cookie, load: self.object_bytes }),
             _ => Err(cookie),
         }
     }
@@ -590,6 +600,7 @@ mod tests {
                 },
                 priority: Priority::CriticalLoad,
             },
+            AgentRequest::Cancel { cookie: 5, load: 4 },
         ];
         for request in &requests {
             agent.push(request).unwrap();

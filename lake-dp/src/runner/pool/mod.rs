@@ -43,7 +43,7 @@ use crate::constants::STORED_HEADER_BYTES;
 use crate::cplink::{CpCommand, CpLink};
 use crate::model::key::BlockKey;
 use crate::model::replica::{Durability, Priority, ReplicaWire, Tier};
-use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, WriteBlock};
+use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, WriteBlock};
 use crate::poller::L2Geometry;
 use crate::region::SlotRegion;
 use crate::runner::Parts;
@@ -102,6 +102,8 @@ pub struct PoolStats {
     pub saves: u64,
     /// Saves refused: no L1 slot free.
     pub saves_refused: u64,
+    /// Loads an agent cancelled before their read (`AgentRequest::Cancel`).
+    pub loads_cancelled: u64,
     /// Commits refused: the object failed its checks.
     pub commits_corrupt: u64,
     /// Published blocks the background commit check found corrupt (and
@@ -271,6 +273,8 @@ pub struct Pool {
     /// length; what a re-adoption report says), `None` when empty.
     l2_meta: Vec<Option<ObjectMeta>>,
     ops: Vec<Option<Purpose>>,
+    /// The poller's ticket of each op's request (to cancel a promotion).
+    tickets: Vec<Option<Ticket>>,
     free_ops: Vec<u32>,
     /// Demotions waiting for their L1 slot to drain: (slot, op cookie).
     draining: Vec<(u32, u64)>,
@@ -322,6 +326,7 @@ impl Pool {
             reserved: 0,
             l2_meta: vec![None; l2_slots],
             ops: vec![None; ops as usize],
+            tickets: vec![None; ops as usize],
             free_ops: (0..ops).rev().collect(),
             draining: Vec::with_capacity(ops as usize),
             agents,
@@ -457,6 +462,9 @@ impl Pool {
     fn put_op(&mut self, cookie: u64) -> Option<Purpose> {
         let index = u32::try_from(cookie & !POOL_COOKIE).ok()?;
         let purpose = self.ops.get_mut(index as usize)?.take()?;
+        if let Some(ticket) = self.tickets.get_mut(index as usize) {
+            *ticket = None;
+        }
         self.free_ops.push(index);
         Some(purpose)
     }
@@ -628,6 +636,19 @@ impl Pool {
                 if let Err(e) = self.promote(to, key, &source, priority, parts) {
                     self.answer(agent, cookie, Err(e));
                 }
+            }
+            AgentRequest::Cancel { cookie, load } => {
+                // The agent's own load, still with the poller.
+                let op = self.ops.iter().position(|purpose| {
+                    matches!(purpose, Some(Purpose::Promote { to: Requester::Agent { agent: a, cookie: c }, .. })
+                        if *a == agent && *c == load)
+                });
+                let ticket = op.and_then(|i| self.tickets.get(i).copied().flatten());
+                let stopped = ticket.is_some_and(|t| parts.poller.cancel(t));
+                if stopped {
+                    self.stats.loads_cancelled += 1;
+                }
+                self.answer(agent, cookie, if stopped { Ok((0, 0)) } else { Err(AgentError::Stale) });
             }
         }
     }
@@ -960,12 +981,20 @@ impl Pool {
             generation: source.generation,
             payload_len,
         });
-        if parts.poller.submit(Request { command, priority, deadline_ns: 0, cookie }).is_err() {
-            self.put_op(cookie);
-            self.release_l1(grant.slot, table);
-            return Err(AgentError::Busy);
+        match parts.poller.submit(Request { command, priority, deadline_ns: 0, cookie }) {
+            Ok(ticket) => {
+                let index = usize::try_from(cookie & !POOL_COOKIE).unwrap_or(usize::MAX);
+                if let Some(slot) = self.tickets.get_mut(index) {
+                    *slot = Some(ticket);
+                }
+                Ok(())
+            }
+            Err(_) => {
+                self.put_op(cookie);
+                self.release_l1(grant.slot, table);
+                Err(AgentError::Busy)
+            }
         }
-        Ok(())
     }
 
     fn command(&mut self, command: CpCommand, parts: &mut Parts<'_>) {
@@ -1178,6 +1207,7 @@ impl Pool {
                     Err(e) => Err(match e {
                         OpError::Corrupt(_) => AgentError::Corrupt,
                         OpError::Mismatch(_) => AgentError::Stale,
+                        OpError::Cancelled => AgentError::Cancelled,
                         _ => AgentError::Io,
                     }),
                 };
@@ -1385,6 +1415,7 @@ fn code_of(error: AgentError) -> ErrorCode {
         AgentError::Io => ErrorCode::Io,
         AgentError::Busy => ErrorCode::QueueFull,
         AgentError::Invalid => ErrorCode::BadFrame,
+        AgentError::Cancelled => ErrorCode::Cancelled,
     }
 }
 
