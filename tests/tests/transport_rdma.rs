@@ -61,6 +61,31 @@ fn pair(config: RdmaConfig, slots: usize, objects: &[Vec<u8>]) -> Pair {
     }
 }
 
+/// As [`pair`], with the receiver's end `depth` deep (its answers and its
+/// READs).
+fn shallow_pair(config: RdmaConfig, slots: usize, objects: &[Vec<u8>], depth: usize) -> Pair {
+    let fabric = Fabric::new();
+    let mut a = fabric.end(64);
+    let mut b = fabric.end(depth);
+    let (to_b, _) = Fabric::connect(&mut a, &mut b);
+    for o in objects {
+        // SAFETY: the objects outlive the pair (each test holds them).
+        unsafe { a.export(to_b, o.as_ptr(), o.len()) };
+    }
+    let mut node = Node::new(slots);
+    // SAFETY: as in `pair`.
+    unsafe { b.register(node.memory.as_mut_ptr(), node.memory.len()) };
+    let receiver_node = b.node();
+    Pair {
+        fabric,
+        sender: RdmaTransport::new(a, config),
+        receiver: RdmaTransport::new(b, config),
+        peer: to_b,
+        receiver_node,
+        node,
+    }
+}
+
 fn any_slot() -> BlockAddr {
     BlockAddr { region: REGION, epoch: EPOCH, slot: ANY_SLOT, generation: 0 }
 }
@@ -112,6 +137,33 @@ fn offered_blocks_land_checked_in_the_receivers_slots() {
     let bytes: usize = objects.iter().map(Vec::len).sum();
     assert_eq!((p.receiver.stats.read, p.receiver.stats.read_bytes), (objects.len() as u64, bytes as u64));
     assert_eq!((p.sender.stats.offered, p.sender.in_flight()), (objects.len() as u64, 0));
+}
+
+#[test]
+fn full_queues_hold_answers_and_reads_back_without_losing_any() {
+    // The receiver may have 2 answers in flight and 2 READs posted: the
+    // rest of 12 blocks wait — answers owed, READs placed and kept — and
+    // every one lands once.
+    let objects: Vec<Vec<u8>> = (0..12).map(|i| object(i, 30_000 + 1_000 * i as usize, i)).collect();
+    let mut p = shallow_pair(RdmaConfig::default(), 16, &objects, 2);
+    for (i, o) in objects.iter().enumerate() {
+        let target = if i % 3 == 0 { any_slot() } else { p.node.reserve(i as u32, 1) };
+        write(&mut p.sender, i as u64, p.peer, o, target, Priority::WriteBack);
+    }
+    // The receiver runs four times before the sender takes any answer:
+    // from the third on, its answers find the sender's queue full.
+    for _ in 0..4 {
+        p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+    }
+    let start = START.with(|s| *s);
+    let done = by_transfer(drive(&mut p.sender, &mut p.receiver, &mut p.node, start, objects.len()));
+    for (c, o) in done.iter().zip(&objects) {
+        assert_eq!(c.result, Ok(()), "transfer {}", c.transfer);
+        assert!(p.node.landed_bytes(&c.target, o.len())[STORED_HEADER_BYTES..] == o[STORED_HEADER_BYTES..]);
+    }
+    assert_eq!(p.node.published.len(), objects.len());
+    assert_eq!(p.node.abandoned, 0, "a READ that found its queue full kept its slot");
+    assert_eq!(p.receiver.stats.landed, objects.len() as u64);
 }
 
 #[test]

@@ -58,7 +58,9 @@ impl Fabric {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A new end with queues `depth` messages deep towards it per peer.
+    /// A new end that may have `depth` messages in flight to each peer
+    /// (a send beyond is `Full` until the peer polls) and `depth` READs
+    /// posted.
     pub fn end(&self, depth: usize) -> LoopbackVerbs {
         let mut state = self.state();
         state.nodes += 1;
