@@ -211,9 +211,9 @@ fn inspect(node: &Node, key: &BlockKey) -> Value {
         lake_dp::ObjectKind::KvBlock => "kv_block",
         lake_dp::ObjectKind::RecurrentState => "recurrent_state",
     };
-    let tracked: Vec<Value> = node
-        .tiers
-        .tracked(key)
+    let tracked = node.tiers.tracked(key);
+    let namespace = tracked.first().map(|&(_, n, _)| namespace_text(n));
+    let tracked: Vec<Value> = tracked
         .into_iter()
         .map(|(tier, namespace, hits)| {
             json!({ "tier": tier_name(tier), "namespace": namespace_text(namespace), "hits": hits })
@@ -225,7 +225,7 @@ fn inspect(node: &Node, key: &BlockKey) -> Value {
         "kind": kind,
         "parent": index.parent(block).map(|p| hex(&index.key(p).0)),
         "leaf": index.is_leaf(block),
-        "namespace": node.tiers.tracked(key).first().map(|&(_, n, _)| namespace_text(n)),
+        "namespace": namespace,
         "tiers": tracked,
         "replicas": replicas,
         "leases": leases,

@@ -39,6 +39,26 @@ impl Landing for Slots {
     fn abandoned(&mut self, _target: &BlockAddr) {}
 }
 
+/// A block of key byte `key` in the exporter's slot (region 1, epoch 9)
+/// `slot` at `generation`, `payload_len` bytes.
+fn block_meta(key: u8, (slot, generation): (u32, u32), payload_len: u64) -> ObjectMeta {
+    ObjectMeta {
+        kind: ObjectKind::KvBlock,
+        key: BlockKey([key; 16]),
+        parent_key: BlockKey::NONE,
+        block_index: 0,
+        namespace: NamespaceId(1),
+        layout_fingerprint: 1,
+        region: RegionId(1),
+        region_epoch: 9,
+        slot,
+        generation,
+        committed_unix_ns: 1,
+        payload_len,
+        segment_bytes: 65536,
+    }
+}
+
 #[test]
 fn a_block_is_read_from_a_peers_slot_and_checked_where_it_lands() {
     let device = match Device::open(None, 1, 0) {
@@ -52,21 +72,7 @@ fn a_block_is_read_from_a_peers_slot_and_checked_where_it_lands() {
     // The exporting node: slot 2 holds a block written for (region 1,
     // epoch 9, slot 2, generation 5).
     let mut exported = vec![0u8; 4 * SLOT];
-    let meta = ObjectMeta {
-        kind: ObjectKind::KvBlock,
-        key: BlockKey([4; 16]),
-        parent_key: BlockKey::NONE,
-        block_index: 0,
-        namespace: NamespaceId(1),
-        layout_fingerprint: 1,
-        region: RegionId(1),
-        region_epoch: 9,
-        slot: 2,
-        generation: 5,
-        committed_unix_ns: 1,
-        payload_len: 300_000,
-        segment_bytes: 65536,
-    };
+    let meta = block_meta(4, (2, 5), 300_000);
     let payload: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
     let len = encode_object(&meta, &payload, &mut exported[2 * SLOT..3 * SLOT]).unwrap();
     let mut reading = Slots { memory: vec![0u8; 4 * SLOT], published: Vec::new() };
@@ -118,21 +124,7 @@ fn the_rdma_transport_carries_an_offered_block_between_two_arenas() {
             return;
         }
     };
-    let meta = ObjectMeta {
-        kind: ObjectKind::KvBlock,
-        key: BlockKey([6; 16]),
-        parent_key: BlockKey::NONE,
-        block_index: 0,
-        namespace: NamespaceId(1),
-        layout_fingerprint: 1,
-        region: RegionId(1),
-        region_epoch: 9,
-        slot: 1,
-        generation: 2,
-        committed_unix_ns: 1,
-        payload_len: 700_000,
-        segment_bytes: 65536,
-    };
+    let meta = block_meta(6, (1, 2), 700_000);
     let payload: Vec<u8> = (0..700_000u32).map(|i| (i % 253) as u8).collect();
     let mut sender_arena = vec![0u8; 4 * SLOT];
     let len = encode_object(&meta, &payload, &mut sender_arena[SLOT..2 * SLOT]).unwrap();

@@ -38,32 +38,12 @@ struct Pair {
 }
 
 fn pair(config: RdmaConfig, slots: usize, objects: &[Vec<u8>]) -> Pair {
-    let fabric = Fabric::new();
-    let mut a = fabric.end(64);
-    let mut b = fabric.end(64);
-    let (to_b, _) = Fabric::connect(&mut a, &mut b);
-    for o in objects {
-        // SAFETY: the objects outlive the pair (each test holds them).
-        unsafe { a.export(to_b, o.as_ptr(), o.len()) };
-    }
-    let mut node = Node::new(slots);
-    // SAFETY: the node's memory is a heap buffer living as long as it, and
-    // the node lives in the pair with the verbs.
-    unsafe { b.register(node.memory.as_mut_ptr(), node.memory.len()) };
-    let receiver_node = b.node();
-    Pair {
-        fabric,
-        sender: RdmaTransport::new(a, config),
-        receiver: RdmaTransport::new(b, config),
-        peer: to_b,
-        receiver_node,
-        node,
-    }
+    pair_with_depth(config, slots, objects, 64)
 }
 
-/// As [`pair`], with the receiver's end `depth` deep (its answers and its
-/// READs).
-fn shallow_pair(config: RdmaConfig, slots: usize, objects: &[Vec<u8>], depth: usize) -> Pair {
+/// As [`pair`], with the receiver's end `depth` deep (its answers in
+/// flight and its READs posted).
+fn pair_with_depth(config: RdmaConfig, slots: usize, objects: &[Vec<u8>], depth: usize) -> Pair {
     let fabric = Fabric::new();
     let mut a = fabric.end(64);
     let mut b = fabric.end(depth);
@@ -73,7 +53,8 @@ fn shallow_pair(config: RdmaConfig, slots: usize, objects: &[Vec<u8>], depth: us
         unsafe { a.export(to_b, o.as_ptr(), o.len()) };
     }
     let mut node = Node::new(slots);
-    // SAFETY: as in `pair`.
+    // SAFETY: the node's memory is a heap buffer living as long as it, and
+    // the node lives in the pair with the verbs.
     unsafe { b.register(node.memory.as_mut_ptr(), node.memory.len()) };
     let receiver_node = b.node();
     Pair {
@@ -145,7 +126,7 @@ fn full_queues_hold_answers_and_reads_back_without_losing_any() {
     // rest of 12 blocks wait — answers owed, READs placed and kept — and
     // every one lands once.
     let objects: Vec<Vec<u8>> = (0..12).map(|i| object(i, 30_000 + 1_000 * i as usize, i)).collect();
-    let mut p = shallow_pair(RdmaConfig::default(), 16, &objects, 2);
+    let mut p = pair_with_depth(RdmaConfig::default(), 16, &objects, 2);
     for (i, o) in objects.iter().enumerate() {
         let target = if i % 3 == 0 { any_slot() } else { p.node.reserve(i as u32, 1) };
         write(&mut p.sender, i as u64, p.peer, o, target, Priority::WriteBack);

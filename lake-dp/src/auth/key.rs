@@ -60,10 +60,7 @@ impl std::error::Error for KeyError {}
 impl LinkKey {
     /// A key of these bytes.
     pub fn from_bytes(bytes: [u8; 32]) -> Self {
-        let id_bytes = blake3::derive_key(CONTEXT_KEY_ID, &bytes);
-        let mut first = [0u8; 8];
-        first.copy_from_slice(&id_bytes[..8]);
-        Self { bytes, id: u64::from_le_bytes(first) }
+        Self { id: super::key_id(CONTEXT_KEY_ID, &bytes), bytes }
     }
 
     /// A fresh random key.

@@ -105,6 +105,15 @@ pub fn nonce() -> std::io::Result<[u8; 32]> {
 }
 
 /// Compares two tags in time that does not depend on where they differ.
+/// A secret key's public id: the first 8 bytes of BLAKE3's derivation
+/// of it under `context`, little-endian.
+pub(crate) fn key_id(context: &str, secret: &[u8; 32]) -> u64 {
+    let derived = blake3::derive_key(context, secret);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&derived[..8]);
+    u64::from_le_bytes(first)
+}
+
 pub(crate) fn tags_equal(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;

@@ -156,6 +156,12 @@ impl Endpoint {
     }
 }
 
+/// Whether `bytes` bytes at `address` lie inside the range `(base, len)`
+/// (the check a remote or local key makes).
+fn inside((base, len): (u64, u64), address: u64, bytes: u64) -> bool {
+    address >= base && address.checked_add(bytes).is_some_and(|end| base.checked_add(len).is_some_and(|top| end <= top))
+}
+
 pub mod loopback;
 pub mod pull;
 #[cfg(feature = "rdma")]

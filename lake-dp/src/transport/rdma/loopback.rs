@@ -142,9 +142,7 @@ pub struct LoopbackVerbs {
 unsafe impl Send for LoopbackVerbs {}
 
 fn covers(ranges: &[(u64, u64)], address: u64, len: u64) -> bool {
-    ranges
-        .iter()
-        .any(|&(base, bytes)| address >= base && address.checked_add(len).is_some_and(|end| end <= base + bytes))
+    ranges.iter().any(|&range| super::inside(range, address, len))
 }
 
 impl LoopbackVerbs {

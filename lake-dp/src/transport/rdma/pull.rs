@@ -358,6 +358,12 @@ impl<V: Verbs> RdmaTransport<V> {
         &mut self.verbs
     }
 
+    /// Whether a block of `len` bytes is one this transport takes (a READ
+    /// is at most `u32::MAX` bytes).
+    fn carries(&self, len: u64) -> bool {
+        len > 0 && len <= self.config.max_block_bytes.min(u64::from(u32::MAX))
+    }
+
     /// Why `peer` is shut, if it is.
     pub fn peer_down(&self, peer: PeerId) -> Option<&str> {
         self.peers.get(peer.0 as usize).and_then(|p| p.down.as_deref())
@@ -422,7 +428,7 @@ impl<V: Verbs> RdmaTransport<V> {
     /// to [`ANY_SLOT`], and queues it by class.
     fn take_offer(&mut self, peer: PeerId, offer: Message, landing: &mut dyn Landing) {
         let Message::Offer { transfer, source, len, target, priority } = offer else { return };
-        if len == 0 || len > self.config.max_block_bytes.min(u64::from(u32::MAX)) {
+        if !self.carries(len) {
             return self.answer(peer, transfer, AckStatus::Refused, target);
         }
         // Only what the peer registered for this node to read.
@@ -536,7 +542,7 @@ impl<V: Verbs> RdmaTransport<V> {
 
 impl<V: Verbs> Transport for RdmaTransport<V> {
     unsafe fn write(&mut self, block: &Outgoing, now_ns: u64) -> Result<(), TransferError> {
-        if block.len == 0 || block.len > self.config.max_block_bytes.min(u64::from(u32::MAX)) {
+        if !self.carries(block.len) {
             return Err(TransferError::Invalid("length"));
         }
         if self.offered.contains_key(&block.transfer) {

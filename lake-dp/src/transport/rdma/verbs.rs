@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use ibverbs_sys as ffi;
 
 use super::pull::{MESSAGE_BYTES, Verbs, VerbsError, VerbsEvent};
-use super::{Endpoint, RdmaError};
+use super::{Endpoint, RdmaError, inside};
 use crate::constants::STORED_HEADER_BYTES;
 use crate::tag::Tag;
 use crate::transport::frame::{AckStatus, BlockAddr};
@@ -323,9 +323,28 @@ impl QueuePair {
         if self.posted >= self.depth {
             return Err(RdmaError("queue pair full".into()));
         }
+        // SAFETY: the caller's contract is this one's.
+        unsafe { self.post_read(tag.raw(), (remote_address, rkey), into, (len, lkey)) }?;
+        self.posted += 1;
+        Ok(())
+    }
+
+    /// Posts a signalled one-sided READ, tagged `wr_id` (counted by the
+    /// caller).
+    ///
+    /// # Safety
+    ///
+    /// As [`QueuePair::read`].
+    unsafe fn post_read(
+        &mut self,
+        wr_id: u64,
+        (remote_address, rkey): (u64, u32),
+        into: *mut u8,
+        (len, lkey): (u32, u32),
+    ) -> Result<(), RdmaError> {
         let mut sge = ffi::ibv_sge { addr: into as u64, length: len, lkey };
         let mut wr = ffi::ibv_send_wr {
-            wr_id: tag.raw(),
+            wr_id,
             next: core::ptr::null_mut(),
             sg_list: &raw mut sge,
             num_sge: 1,
@@ -334,19 +353,9 @@ impl QueuePair {
             ..Default::default()
         };
         wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr: remote_address, rkey };
-        let mut bad = core::ptr::null_mut();
-        // SAFETY: a live queue pair.
-        let context = unsafe { (*self.qp).context };
-        // SAFETY: its live context's operations table.
-        let post = unsafe { (*context).ops.post_send }.ok_or(RdmaError("no post_send".into()))?;
-        // SAFETY: a live queue pair, a valid work request (its scatter
-        // entry lives until the call returns: the driver copies it).
-        let rc = unsafe { post(self.qp, &raw mut wr, &raw mut bad) };
-        if rc != 0 {
-            return Err(RdmaError(format!("posting a READ: error {rc}")));
-        }
-        self.posted += 1;
-        Ok(())
+        // SAFETY: the scatter entry names registered memory left alone
+        // until the READ completes (contract); it lives through the call.
+        unsafe { self.post_send(&mut wr) }
     }
 
     /// Posts `wr` on the send queue (a SEND or a READ the caller built and
@@ -417,22 +426,16 @@ impl QueuePair {
     /// succeeded. Never blocks.
     pub fn poll(&mut self, out: &mut Vec<(Tag, Result<(), RdmaError>)>) -> usize {
         let mut wc = [ffi::ibv_wc::default(); 32];
-        // SAFETY: a live completion queue.
-        let context = unsafe { (*self.cq).context };
-        // SAFETY: its live context's operations table.
-        let Some(poll) = (unsafe { (*context).ops.poll_cq }) else { return 0 };
-        // SAFETY: a live completion queue and room for 32 completions.
-        let n = unsafe { poll(self.cq, 32, wc.as_mut_ptr()) };
-        let n = usize::try_from(n).unwrap_or(0);
-        for c in &wc[..n] {
-            self.posted = self.posted.saturating_sub(1);
+        let done = self.poll_raw(&mut wc);
+        for c in done {
             let result = match c.error() {
                 None => Ok(()),
                 Some((status, vendor)) => Err(RdmaError(format!("READ failed: status {status}, vendor {vendor}"))),
             };
             out.push((Tag::from_raw(c.wr_id()), result));
         }
-        n
+        self.posted = self.posted.saturating_sub(u32::try_from(done.len()).unwrap_or(u32::MAX));
+        done.len()
     }
 }
 
@@ -688,10 +691,6 @@ impl IbVerbs {
     }
 }
 
-fn inside((base, len): (u64, u64), address: u64, bytes: u64) -> bool {
-    address >= base && address.checked_add(bytes).is_some_and(|end| end <= base + len)
-}
-
 impl Verbs for IbVerbs {
     fn send(&mut self, peer: PeerId, message: &[u8; MESSAGE_BYTES]) -> Result<(), VerbsError> {
         let p = self.usable(peer)?;
@@ -737,20 +736,9 @@ impl Verbs for IbVerbs {
         if p.reads >= READS {
             return Err(VerbsError::Full);
         }
-        let mut sge = ffi::ibv_sge { addr: into as u64, length: len, lkey };
-        let mut wr = ffi::ibv_send_wr {
-            wr_id,
-            next: core::ptr::null_mut(),
-            sg_list: &raw mut sge,
-            num_sge: 1,
-            opcode: ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
-            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-            ..Default::default()
-        };
-        wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr: remote, rkey };
         // SAFETY: `into` is registered under `lkey` and left alone until
         // the READ completes (the caller's contract).
-        unsafe { p.pair.post_send(&mut wr) }.map_err(|e| VerbsError::Broken(e.0))?;
+        unsafe { p.pair.post_read(wr_id, (remote, rkey), into, (len, lkey)) }.map_err(|e| VerbsError::Broken(e.0))?;
         p.reads += 1;
         Ok(())
     }
