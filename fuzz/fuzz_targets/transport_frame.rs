@@ -1,13 +1,16 @@
 //! Transport frame headers: any 64 bytes decode or give a typed error,
 //! never a panic; an accepted header re-encodes to the same bytes and
-//! keeps its slice inside its object.
+//! keeps its slice inside its object (a negotiation frame: its bytes
+//! within their bound).
 //!
 //! The first input byte picks a mode. Odd: the header CRC is fixed up before
 //! decoding, so mutations reach the field checks. Even: decoded as is.
 
 #![no_main]
 
-use lake_dp::transport::frame::{FRAME_HEADER_BYTES, FrameHeader, FrameKind, OBJECT_BYTES_MAX, SLICE_BYTES_MAX};
+use lake_dp::transport::frame::{
+    FRAME_HEADER_BYTES, FrameHeader, FrameKind, NEGOTIATE_BYTES_MAX, OBJECT_BYTES_MAX, SLICE_BYTES_MAX,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -21,7 +24,9 @@ fuzz_target!(|data: &[u8]| {
     }
     let Ok(frame) = FrameHeader::decode(&input) else { return };
     assert_eq!(frame.encode(), input, "decode(encode(x)) must give back x");
-    assert!(frame.total_len > 0 && frame.total_len <= OBJECT_BYTES_MAX);
+    assert!(frame.total_len <= OBJECT_BYTES_MAX);
+    let negotiation = matches!(frame.kind, FrameKind::Negotiate | FrameKind::Negotiated);
+    assert!(frame.total_len > 0 || negotiation);
     match frame.kind {
         FrameKind::Data => {
             assert!(frame.slice_len > 0 && frame.slice_len <= SLICE_BYTES_MAX);
@@ -30,6 +35,12 @@ fuzz_target!(|data: &[u8]| {
         FrameKind::Ack | FrameKind::Reserved => assert_eq!((frame.slice_len, frame.offset), (0, 0)),
         FrameKind::Reserve => {
             assert_eq!((frame.slice_len, frame.offset, frame.target.slot, frame.target.generation), (0, 0, 0, 0));
+        }
+        // An offer carries bytes; an answer carries them or none (declined).
+        FrameKind::Negotiate | FrameKind::Negotiated => {
+            assert!(frame.slice_len <= NEGOTIATE_BYTES_MAX);
+            assert!(frame.slice_len > 0 || frame.kind == FrameKind::Negotiated);
+            assert_eq!((frame.total_len, frame.offset), (u64::from(frame.slice_len), 0));
         }
     }
 });

@@ -51,6 +51,9 @@ pub struct EmbeddedConfig {
     /// The nodes its transport sends to over the storage network (copies
     /// `lake-cp` asks for): node id and its rails, one per NIC.
     pub transport_peers: Vec<(u32, Vec<lake_dp::transport::tcp::Rail>)>,
+    /// An RDMA device: each peer's link negotiates RDMA over its TCP
+    /// connection (a `lake-dp` built with the `rdma` feature).
+    pub rdma: Option<lake_dp::runner::RdmaDevice>,
     /// This node's id (a pool of several nodes gives each its own).
     pub node: u32,
     /// The object store tier, if any (its directory or bucket outlives
@@ -110,6 +113,7 @@ impl EmbeddedConfig {
             commit_check: lake_dp::runner::pool::CommitCheck::Inline,
             transport_listen: None,
             transport_peers: Vec::new(),
+            rdma: None,
             node: 0,
             l3: None,
             summary_to: Vec::new(),
@@ -327,6 +331,7 @@ impl EmbeddedPool {
             transport_peers: config.transport_peers.clone(),
             link_key: config.link_key.clone(),
             tenant_keys: Some(Arc::clone(&tenant_keys)),
+            rdma: config.rdma.clone(),
         };
         let events = config.events_to_stderr;
         let dp = std::thread::Builder::new()

@@ -364,3 +364,23 @@ fn pools_holding_the_link_key_copy_blocks_and_one_holding_another_gets_none_in()
     assert_eq!(stats_b.pool.remote_landed, 3, "{stats_b:?}");
     drop(a);
 }
+
+#[test]
+fn a_pool_asked_for_rdma_it_cannot_open_says_why_and_does_not_start() {
+    let dir = std::env::temp_dir().join(format!("lake-cp-transport-rdma-{}", std::process::id()));
+    let refused = EmbeddedPool::start(&EmbeddedConfig {
+        l1_slots: 8,
+        l2_slots_per_file: 8,
+        local_agents: 1,
+        remote_agents: 0,
+        transport_listen: Some(free_port()),
+        rdma: Some(lake_dp::runner::RdmaDevice::parse("any").unwrap()),
+        ..EmbeddedConfig::new(dir.clone())
+    });
+    let Err(why) = refused else { panic!("no RDMA device here (and none in CI): the pool must not start") };
+    // Built without the feature it says so; built with it, there is no
+    // device to open on this machine.
+    assert!(why.contains("transport.rdma"), "{why}");
+    assert!(why.contains("`rdma` feature") || why.to_lowercase().contains("device"), "{why}");
+    let _ = std::fs::remove_dir_all(dir);
+}

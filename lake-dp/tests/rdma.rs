@@ -111,7 +111,7 @@ fn a_block_is_read_from_a_peers_slot_and_checked_where_it_lands() {
 #[test]
 fn the_rdma_transport_carries_an_offered_block_between_two_arenas() {
     use lake_dp::Priority;
-    use lake_dp::transport::rdma::pull::{RdmaConfig, RdmaTransport};
+    use lake_dp::transport::rdma::pull::{RdmaConfig, RdmaTransport, Verbs};
     use lake_dp::transport::rdma::verbs::IbVerbs;
     use lake_dp::transport::{Outgoing, Transport};
 

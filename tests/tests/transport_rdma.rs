@@ -6,7 +6,10 @@
 //! read most urgent first; a silent peer times out and is shut before its
 //! transfers end, so nothing reads their sources after; a cut link ends
 //! every transfer and gives back every slot; a peer sending garbage is
-//! shut; and in front of TCP, a dead RDMA link is absorbed.
+//! shut; and in front of TCP, a dead RDMA link is absorbed. Over TCP, the
+//! endpoints are negotiated on the (authenticated) link, a receiver
+//! without RDMA or an offer that is not an endpoint is declined, and a
+//! link whose queue pair broke is negotiated again.
 
 #![allow(clippy::cast_possible_truncation)] // small test sizes and counts
 
@@ -18,8 +21,9 @@ use lake_dp::constants::STORED_HEADER_BYTES;
 use lake_dp::transport::fallback::Fallback;
 use lake_dp::transport::frame::{AckStatus, BlockAddr};
 use lake_dp::transport::rdma::loopback::{Fabric, LoopbackVerbs};
+use lake_dp::transport::rdma::over_tcp::{OverTcpConfig, RdmaOverTcp};
 use lake_dp::transport::rdma::pull::{MESSAGE_BYTES, Message, RdmaConfig, RdmaTransport, Verbs, VerbsEvent};
-use lake_dp::transport::tcp::{TcpConfig, TcpTransport};
+use lake_dp::transport::tcp::{Negotiation, Rail, TcpConfig, TcpTransport};
 use lake_dp::transport::{ANY_SLOT, Completion, PeerId, TransferError, Transport};
 use lake_tests::transport::{EPOCH, Node, REGION, drive, now_ns, object, outgoing};
 
@@ -404,4 +408,192 @@ fn in_front_of_tcp_a_dead_rdma_link_is_absorbed() {
         assert!(node.landed_bytes(&targets[i], o.len())[STORED_HEADER_BYTES..] == o[STORED_HEADER_BYTES..]);
     }
     assert_eq!(sender.in_flight(), 0);
+}
+
+/// A sender's arena holding `objects`, one per `SENDER_SLOT` bytes, and
+/// where each starts.
+const SENDER_SLOT: usize = 1 << 20;
+
+fn sender_arena(objects: &[Vec<u8>]) -> (Vec<u8>, Vec<usize>) {
+    let mut arena = vec![0u8; objects.len() * SENDER_SLOT];
+    for (i, o) in objects.iter().enumerate() {
+        arena[i * SENDER_SLOT..][..o.len()].copy_from_slice(o);
+    }
+    (arena, (0..objects.len()).map(|i| i * SENDER_SLOT).collect())
+}
+
+type OverTcp = RdmaOverTcp<LoopbackVerbs>;
+
+fn over_tcp(config: OverTcpConfig) -> OverTcpConfig {
+    OverTcpConfig { retry_ns: 50_000_000, cooldown_ns: 50_000_000, ..config }
+}
+
+/// Polls both until `up(sender)` holds; fails after 10 s.
+fn drive_until<R: Transport>(sender: &mut OverTcp, receiver: &mut R, node: &mut Node, up: impl Fn(&OverTcp) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut none = Node::new(0);
+    while !up(sender) {
+        if Instant::now() > deadline {
+            let stats = sender.stats;
+            panic!("not reached in 10 s: {stats:?} {:?}", sender.take_events());
+        }
+        sender.poll(&mut none, now(), &mut Vec::new());
+        receiver.poll(node, now(), &mut Vec::new());
+    }
+}
+
+/// Writes `objects[range]` (in `arena` at `at`) to `peer`'s named slots.
+fn write_from_arena(
+    sender: &mut OverTcp,
+    peer: PeerId,
+    arena: &[u8],
+    at: &[usize],
+    lens: &[usize],
+    range: std::ops::Range<usize>,
+    targets: &[BlockAddr],
+) {
+    for i in range {
+        let block = outgoing(i as u64, peer, &arena[at[i]..at[i] + lens[i]], targets[i], Priority::PrefillToDecode);
+        // SAFETY: the arena outlives every completion the test drives.
+        unsafe { sender.write(&block, now()) }.unwrap();
+    }
+}
+
+#[test]
+fn rdma_is_negotiated_over_the_authenticated_tcp_link_and_renegotiated_after_it_breaks() {
+    let objects: Vec<Vec<u8>> = (0..24).map(|i| object(i, 20_000 + 31_000 * i as usize, i)).collect();
+    let lens: Vec<usize> = objects.iter().map(Vec::len).collect();
+    let (mut arena, at) = sender_arena(&objects);
+    let key = lake_dp::auth::LinkKey::from_bytes([7; 32]);
+    let fabric = Fabric::new();
+    let mut node = Node::new(32);
+    let mut b = fabric.end(64);
+    // SAFETY: the node's memory and the sender's arena outlive the ends.
+    unsafe {
+        b.register_arena(node.memory.as_mut_ptr(), node.memory.len(), lake_tests::transport::SLOT_BYTES as u32, EPOCH)
+    };
+    let receiver_node = b.node();
+    let mut a = fabric.end(64);
+    // SAFETY: as above.
+    unsafe { a.register_arena(arena.as_mut_ptr(), arena.len(), SENDER_SLOT as u32, 1) };
+    let mut tcp_b = TcpTransport::new(tcp_config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    tcp_b.authenticate(key.clone(), 2).unwrap();
+    let address = tcp_b.local_addr().unwrap();
+    let mut tcp_a = TcpTransport::new(tcp_config(), None).unwrap();
+    tcp_a.authenticate(key, 1).unwrap();
+    let mut receiver =
+        RdmaOverTcp::new(RdmaTransport::new(b, RdmaConfig::default()), tcp_b, over_tcp(OverTcpConfig::default()));
+    let mut sender =
+        RdmaOverTcp::new(RdmaTransport::new(a, RdmaConfig::default()), tcp_a, over_tcp(OverTcpConfig::default()));
+    let peer = sender.add_peer_rails(&[Rail::to(address)]).unwrap();
+    let targets: Vec<BlockAddr> = (0..24).map(|i| node.reserve(i, 1)).collect();
+    let start = START.with(|s| *s);
+
+    // Up over TCP (after the handshake), then RDMA carries every block.
+    drive_until(&mut sender, &mut receiver, &mut node, |s| s.rdma_up(peer));
+    assert_eq!((sender.stats.offered, sender.stats.up, receiver.stats.accepted), (1, 1, 1));
+    assert!(sender.tcp().stats.handshakes >= 1, "the endpoint went over an authenticated link");
+    write_from_arena(&mut sender, peer, &arena, &at, &lens, 0..12, &targets);
+    let done = by_transfer(drive(&mut sender, &mut receiver, &mut node, start, 12));
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(sender.fallback_stats().primary, 12);
+    assert_eq!(sender.tcp().stats.sent, 0, "no block went over TCP");
+    assert_eq!(receiver.rdma().stats.landed, 12);
+
+    // The RDMA link dies with blocks offered: TCP carries them, each once.
+    write_from_arena(&mut sender, peer, &arena, &at, &lens, 12..18, &targets);
+    fabric.cut(receiver_node, "port down");
+    let done = by_transfer(drive(&mut sender, &mut receiver, &mut node, start, 6));
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(sender.fallback_stats().moved + sender.fallback_stats().secondary, 6);
+    assert!(sender.tcp().stats.sent >= 6);
+
+    // After its wait the link offers again: a new queue pair, and RDMA
+    // carries the rest.
+    drive_until(&mut sender, &mut receiver, &mut node, |s| s.stats.up == 2 && s.rdma_up(peer));
+    assert_eq!(sender.stats.downs, 1);
+    let tcp_sent = sender.tcp().stats.sent;
+    write_from_arena(&mut sender, peer, &arena, &at, &lens, 18..24, &targets);
+    let done = by_transfer(drive(&mut sender, &mut receiver, &mut node, start, 6));
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(sender.tcp().stats.sent, tcp_sent, "the renegotiated link carries them");
+    assert_eq!(node.published.len(), 24, "each block landed once");
+    for (i, o) in objects.iter().enumerate() {
+        assert!(node.landed_bytes(&targets[i], o.len())[STORED_HEADER_BYTES..] == o[STORED_HEADER_BYTES..]);
+    }
+    assert_eq!(sender.in_flight(), 0);
+}
+
+#[test]
+fn a_receiver_without_rdma_declines_and_the_link_stays_on_tcp() {
+    let objects: Vec<Vec<u8>> = (0..6).map(|i| object(i, 50_000, i)).collect();
+    let lens: Vec<usize> = objects.iter().map(Vec::len).collect();
+    let (mut arena, at) = sender_arena(&objects);
+    let fabric = Fabric::new();
+    let mut a = fabric.end(64);
+    // SAFETY: the arena outlives the end.
+    unsafe { a.register_arena(arena.as_mut_ptr(), arena.len(), SENDER_SLOT as u32, 1) };
+    // A plain TCP receiver: it takes no offer.
+    let mut receiver = TcpTransport::new(tcp_config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    let address = receiver.local_addr().unwrap();
+    let tcp_a = TcpTransport::new(tcp_config(), None).unwrap();
+    let mut sender =
+        RdmaOverTcp::new(RdmaTransport::new(a, RdmaConfig::default()), tcp_a, over_tcp(OverTcpConfig::default()));
+    let peer = sender.add_peer_rails(&[Rail::to(address)]).unwrap();
+    let mut node = Node::new(8);
+    let targets: Vec<BlockAddr> = (0..6).map(|i| node.reserve(i, 1)).collect();
+    drive_until(&mut sender, &mut receiver, &mut node, |s| s.stats.failed == 1);
+    assert!(!sender.rdma_up(peer));
+    assert!(sender.take_events().iter().any(|e| e.contains("declined")));
+    write_from_arena(&mut sender, peer, &arena, &at, &lens, 0..6, &targets);
+    let done = drive(&mut sender, &mut receiver, &mut node, START.with(|s| *s), 6);
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!((sender.fallback_stats().primary, sender.fallback_stats().secondary), (0, 6));
+    assert_eq!(node.published.len(), 6);
+}
+
+#[test]
+fn an_offer_that_is_not_an_endpoint_is_declined_and_the_link_carries_on() {
+    let fabric = Fabric::new();
+    let mut node = Node::new(4);
+    let mut b = fabric.end(64);
+    // SAFETY: the node's memory outlives the end.
+    unsafe {
+        b.register_arena(node.memory.as_mut_ptr(), node.memory.len(), lake_tests::transport::SLOT_BYTES as u32, EPOCH)
+    };
+    let tcp_b = TcpTransport::new(tcp_config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    let address = tcp_b.local_addr().unwrap();
+    let mut receiver = RdmaOverTcp::new(RdmaTransport::new(b, RdmaConfig::default()), tcp_b, OverTcpConfig::default());
+    // A sender that offers garbage where an endpoint goes.
+    let mut sender = TcpTransport::new(tcp_config(), None).unwrap();
+    let peer = sender.add_peer(address).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut none = Node::new(0);
+    while sender.offer_transport(peer, &[0x5a; 72]).is_err() {
+        assert!(Instant::now() < deadline, "no connection up");
+        sender.poll(&mut none, now(), &mut Vec::new());
+        receiver.poll(&mut node, now(), &mut Vec::new());
+    }
+    assert!(sender.offer_transport(peer, &[]).is_err(), "an empty offer is refused before the wire");
+    assert!(sender.offer_transport(peer, &[0; 257]).is_err(), "so is one too long");
+    let answers = loop {
+        assert!(Instant::now() < deadline, "no answer");
+        sender.poll(&mut none, now(), &mut Vec::new());
+        receiver.poll(&mut node, now(), &mut Vec::new());
+        let answers = sender.take_negotiations();
+        if !answers.is_empty() {
+            break answers;
+        }
+    };
+    assert_eq!(answers, vec![Negotiation::Answered { peer, bytes: None }]);
+    assert_eq!((receiver.stats.declined, receiver.stats.accepted), (1, 0));
+    assert!(receiver.take_events().iter().any(|e| e.contains("declined") && e.contains("magic")));
+    // The same link still lands blocks.
+    let o = object(1, 40_000, 0);
+    let target = node.reserve(0, 1);
+    // SAFETY: `o` outlives the completion driven below.
+    unsafe { sender.write(&outgoing(1, peer, &o, target, Priority::WriteBack), now()) }.unwrap();
+    let done = drive(&mut sender, &mut receiver, &mut node, START.with(|s| *s), 1);
+    assert_eq!(done[0].result, Ok(()));
+    assert_eq!(sender.stats.bad_frames + receiver.tcp().stats.bad_frames, 0);
 }

@@ -13,6 +13,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
        lake serve [--dir DIR] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
                   [--commit-check inline|background|trust] [--transport-listen IP:PORT]
                   [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
+                  [--rdma-device NAME|any[:PORT[:GID_INDEX]]]
                   [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
                   [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
                   [--l2-admission always|second-access]
@@ -23,7 +24,8 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--quota NAMESPACE:l1|l2|l3=BYTES ...]
                   [--tenant NAME=NAMESPACE[,NAMESPACE...] ...] [--tenant-quota NAME:l1|l2|l3=BYTES ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
-                   with a link key every transport and summary connection is authenticated,
+                   with a link key every transport and summary connection is authenticated;
+                   with an RDMA device each peer's link negotiates RDMA over TCP, falling back to it;
                    --tag-threads spreading the tags of large slices over N threads;
                    SIGHUP reads --tenant-keys DIR's NAMESPACE.key files again: one gone is purged)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
@@ -267,6 +269,9 @@ fn serve(args: &[String]) -> Result<(), String> {
             }
             "--transport-listen" => {
                 config.transport_listen = Some(value.parse().map_err(|e| format!("{flag} {value}: {e}"))?);
+            }
+            "--rdma-device" => {
+                config.rdma = Some(lake_dp::runner::RdmaDevice::parse(value).map_err(|e| format!("{flag}: {e}"))?);
             }
             "--link-key" => config.link_key = Some(link_key(value)?),
             "--tag-threads" => {

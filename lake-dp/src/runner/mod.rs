@@ -84,6 +84,132 @@ pub struct RunnerPorts {
     /// is sealed below L1 (see [`crate::auth::at_rest`]); one forgotten is
     /// purged.
     pub tenant_keys: Option<Arc<crate::auth::at_rest::TenantKeys>>,
+    /// An RDMA device: each peer's link then negotiates RDMA over its TCP
+    /// connection and falls back to TCP (needs the `rdma` feature).
+    pub rdma: Option<RdmaDevice>,
+}
+
+/// An RDMA device as an operator names it: `NAME[:PORT[:GID_INDEX]]`, or
+/// `any` (the first device), port 1 and GID index 0 unless given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RdmaDevice {
+    /// The device's name (`mlx5_0`); none: the first.
+    pub name: Option<String>,
+    /// Its port.
+    pub port: u8,
+    /// The GID index (RoCE v2 is often 1 or 3).
+    pub gid_index: u8,
+}
+
+impl RdmaDevice {
+    /// Parses `NAME[:PORT[:GID_INDEX]]` or `any[:PORT[:GID_INDEX]]`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut parts = text.split(':');
+        let name = parts.next().filter(|n| !n.is_empty()).ok_or("an RDMA device is NAME[:PORT[:GID_INDEX]]")?;
+        let number = |what: &str, value: Option<&str>, default: u8| {
+            value.map_or(Ok(default), |v| v.parse::<u8>().map_err(|e| format!("RDMA device {what} {v:?}: {e}")))
+        };
+        let port = number("port", parts.next(), 1)?;
+        let gid_index = number("GID index", parts.next(), 0)?;
+        if parts.next().is_some() {
+            return Err(format!("RDMA device {text:?}: NAME[:PORT[:GID_INDEX]]"));
+        }
+        Ok(Self { name: (name != "any").then(|| name.to_owned()), port, gid_index })
+    }
+}
+
+/// The node's transport: TCP, or RDMA negotiated over TCP with each peer
+/// where a device is.
+#[allow(clippy::large_enum_variant)] // one per node, made once
+enum NodeTransport {
+    Tcp(crate::transport::tcp::TcpTransport),
+    #[cfg(feature = "rdma")]
+    Rdma(Box<crate::transport::rdma::over_tcp::RdmaOverTcp<crate::transport::rdma::verbs::IbVerbs>>),
+}
+
+impl NodeTransport {
+    /// `tcp`, with RDMA in front of it over `device` where one is named;
+    /// `region` is the L1 arena peers read blocks from.
+    fn open(
+        tcp: crate::transport::tcp::TcpTransport,
+        device: Option<&RdmaDevice>,
+        region: &SlotRegion,
+        epoch: u64,
+    ) -> Result<Self, RunnerError> {
+        let Some(device) = device else { return Ok(Self::Tcp(tcp)) };
+        #[cfg(feature = "rdma")]
+        {
+            use crate::transport::rdma::over_tcp::{OverTcpConfig, RdmaOverTcp};
+            use crate::transport::rdma::pull::{RdmaConfig, RdmaTransport};
+            use crate::transport::rdma::verbs::{Device, IbVerbs};
+            let fail = |e: &dyn core::fmt::Display| RunnerError(format!("transport.rdma {device:?}: {e}"));
+            let opened = Device::open(device.name.as_deref(), device.port, device.gid_index).map_err(|e| fail(&e))?;
+            let page: u32 = 4096;
+            if !region.len().is_multiple_of(page as usize) {
+                return Err(fail(&"the L1 arena is not a whole number of pages"));
+            }
+            // SAFETY: the region keeps the arena mapped, and the transport
+            // is dropped before it at the end of `run`.
+            let verbs =
+                unsafe { IbVerbs::new(opened, region.base(), region.len(), page, epoch) }.map_err(|e| fail(&e))?;
+            let rdma = RdmaTransport::new(verbs, RdmaConfig::default());
+            Ok(Self::Rdma(Box::new(RdmaOverTcp::new(rdma, tcp, OverTcpConfig::default()))))
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = (tcp, region, epoch);
+            Err(RunnerError(format!("transport.rdma {device:?}: this lake-dp was built without the `rdma` feature")))
+        }
+    }
+
+    fn tcp(&mut self) -> &mut crate::transport::tcp::TcpTransport {
+        match self {
+            Self::Tcp(tcp) => tcp,
+            #[cfg(feature = "rdma")]
+            Self::Rdma(rdma) => rdma.tcp(),
+        }
+    }
+
+    fn tcp_ref(&self) -> &crate::transport::tcp::TcpTransport {
+        match self {
+            Self::Tcp(tcp) => tcp,
+            #[cfg(feature = "rdma")]
+            Self::Rdma(rdma) => rdma.tcp_ref(),
+        }
+    }
+
+    fn add_peer_rails(
+        &mut self,
+        rails: &[crate::transport::tcp::Rail],
+    ) -> Result<crate::transport::PeerId, crate::transport::tcp::TcpError> {
+        match self {
+            Self::Tcp(tcp) => tcp.add_peer_rails(rails),
+            #[cfg(feature = "rdma")]
+            Self::Rdma(rdma) => rdma.add_peer_rails(rails),
+        }
+    }
+
+    fn transport(&mut self) -> &mut dyn crate::transport::Transport {
+        match self {
+            Self::Tcp(tcp) => tcp,
+            #[cfg(feature = "rdma")]
+            Self::Rdma(rdma) => rdma.as_mut(),
+        }
+    }
+
+    /// Lines for the operator's log: links refused, RDMA links that came
+    /// up or fell back (nothing allocated when there are none).
+    fn log(&mut self, out: &mut dyn Write) {
+        for what in self.tcp().take_security_events() {
+            let _ = writeln!(out, "{{\"event\":\"link_refused\",\"what\":{what:?}}}");
+        }
+        #[cfg(feature = "rdma")]
+        if let Self::Rdma(rdma) = self {
+            for what in rdma.take_events() {
+                let _ = writeln!(out, "{{\"event\":\"rdma_link\",\"what\":{what:?}}}");
+            }
+        }
+    }
 }
 
 /// What each rail to each peer carried, for the control plane's metrics.
@@ -886,7 +1012,11 @@ pub fn run_with(
                 .authenticate(key.clone(), u64::from(node_id))
                 .map_err(|e| RunnerError(format!("transport: {e}")))?;
         }
-        Some(transport)
+        Some(NodeTransport::open(transport, ports.rdma.as_ref(), &region, epoch)?)
+    } else if let Some(device) = &ports.rdma {
+        return Err(RunnerError(format!(
+            "transport.rdma {device:?}: RDMA runs under the node's transport; give it a listen address or peers"
+        )));
     } else {
         None
     };
@@ -1038,21 +1168,19 @@ pub fn run_with(
                         };
                         // SAFETY: the source slot is held (busy) by the pool
                         // until `send_ended`, after this transfer's end.
-                        unsafe { transport.write(&block, now) }.is_ok()
+                        unsafe { transport.transport().write(&block, now) }.is_ok()
                     });
                     let mut landing = pool::PoolLanding { pool: &mut pool, parts: &mut parts };
-                    if transport.poll(&mut landing, now, &mut transfers_done) {
+                    if transport.transport().poll(&mut landing, now, &mut transfers_done) {
                         served += 1;
                     }
                     for done in transfers_done.drain(..) {
                         let landed = done.result.map(|()| done.target).map_err(|e| transfer_code(&e));
                         pool.send_ended(done.transfer, landed, &mut parts);
                     }
-                    // What was refused on the links: the operator's log
-                    // (nothing taken, nothing allocated, when all is well).
-                    for what in transport.take_security_events() {
-                        let _ = writeln!(out, "{{\"event\":\"link_refused\",\"what\":{what:?}}}");
-                    }
+                    // What was refused on the links, RDMA links up or
+                    // down: the operator's log.
+                    transport.log(out);
                 }
                 // No transport: a copy to another node cannot go.
                 None => pool.take_sends(|_| false),
@@ -1108,7 +1236,10 @@ pub fn run_with(
                     draining: table.stats().draining,
                 });
                 if let Some(transport) = &transport {
-                    link.rails(crate::wire::message::Network::Storage, &rail_entries(transport, &peers_by_node));
+                    link.rails(
+                        crate::wire::message::Network::Storage,
+                        &rail_entries(transport.tcp_ref(), &peers_by_node),
+                    );
                 }
             }
         }
@@ -1158,7 +1289,7 @@ pub fn run_with(
             extra = 1;
         }
         if let Some(transport) = &transport {
-            extra_fds[extra] = transport.raw_fd();
+            extra_fds[extra] = transport.tcp_ref().raw_fd();
             extra += 1;
         }
         if let Some(attach) = &attach {
@@ -1216,6 +1347,8 @@ pub fn run_with(
     }
     drop(attach);
     drop(poller);
+    // The transport before the arena: RDMA registrations name its memory.
+    drop(transport);
     drop(region);
     if clean {
         try_to!("recording the clean shutdown", tier.shut_down_clean());
@@ -1225,4 +1358,20 @@ pub fn run_with(
     let _ = writeln!(out, "{}", stats.json(if clean { "stopped" } else { "stopped-unclean" }));
     let _ = out.flush();
     Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RdmaDevice;
+
+    #[test]
+    fn an_rdma_device_is_a_name_or_any_with_an_optional_port_and_gid() {
+        let named = RdmaDevice { name: Some("mlx5_0".into()), port: 1, gid_index: 0 };
+        assert_eq!(RdmaDevice::parse("mlx5_0"), Ok(named.clone()));
+        assert_eq!(RdmaDevice::parse("mlx5_0:2:3"), Ok(RdmaDevice { port: 2, gid_index: 3, ..named }));
+        assert_eq!(RdmaDevice::parse("any:1:1").map(|d| d.name), Ok(None));
+        for bad in ["", ":1", "mlx5_0:x", "mlx5_0:1:300", "mlx5_0:1:1:1"] {
+            assert!(RdmaDevice::parse(bad).is_err(), "{bad:?}");
+        }
+    }
 }

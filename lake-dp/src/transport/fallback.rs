@@ -73,6 +73,16 @@ impl<P: Transport, S: Transport> Fallback<P, S> {
         PeerId(u32::try_from(self.peers.len() - 1).unwrap_or(u32::MAX))
     }
 
+    /// Sets how `peer` is reached on the primary (none: the secondary
+    /// only), as a link's primary comes up or goes; an unknown peer is
+    /// left alone.
+    pub fn set_primary(&mut self, peer: PeerId, primary: Option<PeerId>) {
+        if let Some(ways) = self.peers.get_mut(peer.0 as usize) {
+            ways.primary = primary;
+            ways.primary_down_until_ns = 0;
+        }
+    }
+
     /// The primary transport (to add its peers).
     pub fn primary(&mut self) -> &mut P {
         &mut self.primary
@@ -81,6 +91,11 @@ impl<P: Transport, S: Transport> Fallback<P, S> {
     /// The secondary transport (to add its peers).
     pub fn secondary(&mut self) -> &mut S {
         &mut self.secondary
+    }
+
+    /// The secondary transport, to read.
+    pub fn secondary_ref(&self) -> &S {
+        &self.secondary
     }
 
     /// Whether `peer`'s writes go on the primary now.

@@ -44,7 +44,18 @@ pub enum FrameKind {
     Reserve = 3,
     /// The answer: the slot reserved for it (status 0), or why none.
     Reserved = 4,
+    /// An offer of another transport for this link (an RDMA endpoint):
+    /// `slice_len` bytes follow, opaque to TCP. Sent by the connection's
+    /// writer once the link is up (authenticated where a key is set).
+    Negotiate = 5,
+    /// The answer: the receiver's half (`slice_len` bytes, status 0), or
+    /// none (status `Refused`: it has no such transport, or refused the
+    /// offer) — the link then stays on TCP.
+    Negotiated = 6,
 }
+
+/// Bytes a negotiation frame carries at most.
+pub const NEGOTIATE_BYTES_MAX: u32 = 256;
 
 /// The receiver's verdict on a block, carried by an `Ack`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,6 +237,29 @@ impl FrameHeader {
         Self { kind: FrameKind::Reserved, ..Self::ack((transfer, attempt), target, total_len, status) }
     }
 
+    /// An offer of another transport: `len` bytes (1 to
+    /// [`NEGOTIATE_BYTES_MAX`]) follow.
+    pub fn negotiate(len: u32) -> Self {
+        Self {
+            kind: FrameKind::Negotiate,
+            transfer: 0,
+            attempt: 0,
+            priority: Priority::CriticalLoad,
+            target: BlockAddr::default(),
+            total_len: u64::from(len),
+            offset: 0,
+            slice_len: len,
+            status: AckStatus::Landed,
+        }
+    }
+
+    /// The answer to an offer: `len` bytes follow (accepted), or none
+    /// (declined).
+    pub fn negotiated(len: u32) -> Self {
+        let status = if len == 0 { AckStatus::Refused } else { AckStatus::Landed };
+        Self { kind: FrameKind::Negotiated, status, ..Self::negotiate(len) }
+    }
+
     /// The same frame in class `priority`.
     pub fn with_priority(mut self, priority: Priority) -> Self {
         self.priority = priority;
@@ -238,8 +272,12 @@ impl FrameHeader {
             magic: FRAME_MAGIC.to_le(),
             version: FRAME_VERSION,
             kind: self.kind as u8,
-            status: (if matches!(self.kind, FrameKind::Ack | FrameKind::Reserved) { self.status as u16 } else { 0 })
-                .to_le(),
+            status: (if matches!(self.kind, FrameKind::Ack | FrameKind::Reserved | FrameKind::Negotiated) {
+                self.status as u16
+            } else {
+                0
+            })
+            .to_le(),
             transfer: self.transfer.to_le(),
             region: self.target.region.to_le(),
             priority: self.priority as u8,
@@ -286,9 +324,12 @@ impl FrameHeader {
             2 => FrameKind::Ack,
             3 => FrameKind::Reserve,
             4 => FrameKind::Reserved,
+            5 => FrameKind::Negotiate,
+            6 => FrameKind::Negotiated,
             _ => return Err(FrameError::Field("kind")),
         };
-        if total_len == 0 || total_len > OBJECT_BYTES_MAX {
+        let negotiation = matches!(kind, FrameKind::Negotiate | FrameKind::Negotiated);
+        if (total_len == 0 && !negotiation) || total_len > OBJECT_BYTES_MAX {
             return Err(FrameError::Field("total_len"));
         }
         let status = match kind {
@@ -315,6 +356,24 @@ impl FrameHeader {
                     return Err(FrameError::Field("reserve"));
                 }
                 AckStatus::Landed
+            }
+            FrameKind::Negotiate | FrameKind::Negotiated => {
+                let status = AckStatus::from_u16(status).ok_or(FrameError::Field("status"))?;
+                let fits = match (kind, status) {
+                    (FrameKind::Negotiate, AckStatus::Landed) | (FrameKind::Negotiated, AckStatus::Landed) => {
+                        (1..=NEGOTIATE_BYTES_MAX).contains(&slice_len)
+                    }
+                    (FrameKind::Negotiated, AckStatus::Refused) => slice_len == 0,
+                    _ => false,
+                };
+                if !fits || total_len != u64::from(slice_len) || offset != 0 {
+                    return Err(FrameError::Field("negotiation"));
+                }
+                let addressed = raw.transfer != 0 || raw.attempt != 0 || raw.slot != 0 || raw.generation != 0;
+                if addressed || raw.region != 0 || raw.epoch != 0 {
+                    return Err(FrameError::Field("negotiation"));
+                }
+                status
             }
         };
         Ok(Self {
@@ -352,6 +411,9 @@ mod tests {
             FrameHeader::ack((u64::MAX, u32::MAX), target(), 1, AckStatus::Landed),
             FrameHeader::reserve((7, 2), 3, 9, 1 << 20).with_priority(Priority::PrefillToDecode),
             FrameHeader::reserved((7, 2), target(), 1 << 20, AckStatus::Busy),
+            FrameHeader::negotiate(72),
+            FrameHeader::negotiated(72),
+            FrameHeader::negotiated(0),
         ];
         for frame in frames {
             let bytes = frame.encode();
@@ -379,5 +441,11 @@ mod tests {
         wrong_version[4] = 2;
         assert_eq!(FrameHeader::decode(&wrong_version), Err(FrameError::Version(2)));
         assert_eq!(FrameHeader::decode(&[0; FRAME_HEADER_BYTES]), Err(FrameError::Magic));
+        let negotiation = Err(FrameError::Field("negotiation"));
+        assert_eq!(check(FrameHeader::negotiate(0)), negotiation);
+        assert_eq!(check(FrameHeader::negotiate(NEGOTIATE_BYTES_MAX + 1)), negotiation);
+        assert_eq!(check(FrameHeader { total_len: 10, ..FrameHeader::negotiate(72) }), negotiation);
+        assert_eq!(check(FrameHeader { status: AckStatus::Refused, ..FrameHeader::negotiated(72) }), negotiation);
+        assert_eq!(check(FrameHeader { target: target(), ..FrameHeader::negotiate(72) }), negotiation);
     }
 }

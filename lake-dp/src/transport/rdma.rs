@@ -163,6 +163,7 @@ fn inside((base, len): (u64, u64), address: u64, bytes: u64) -> bool {
 }
 
 pub mod loopback;
+pub mod over_tcp;
 pub mod pull;
 #[cfg(feature = "rdma")]
 pub mod verbs;

@@ -109,6 +109,47 @@ const HANDSHAKING_MAX: usize = 64;
 /// counted and dropped).
 const SECURITY_EVENTS_MAX: usize = 64;
 
+/// Negotiation frames one connection carries at most (their bytes are
+/// kept with it while it lives); a peer that sends more is cut off.
+const NEGOTIATIONS_PER_STREAM_MAX: usize = 16;
+
+/// Negotiations waiting for the owner to take them, at most; a frame
+/// past it cuts its connection off (the owner takes them every poll).
+const NEGOTIATIONS_WAITING_MAX: usize = 64;
+
+/// One inbound connection, as the owner answers an offer made on it (a
+/// closed and reused connection is another).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct InboundLink {
+    token: usize,
+    serial: u64,
+}
+
+/// A negotiation of another transport for a link (RDMA over TCP), for the
+/// transport's owner: TCP carries the bytes, authenticated like any frame,
+/// and does not read them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Negotiation {
+    /// A peer writing to this node offers its half on an inbound link:
+    /// answer with [`TcpTransport::answer_transport`].
+    Offered {
+        /// The link to answer on.
+        from: InboundLink,
+        /// The peer's address.
+        address: Option<SocketAddr>,
+        /// Its half.
+        bytes: Vec<u8>,
+    },
+    /// The peer this node writes to answered this node's offer: its half,
+    /// or none (declined: the link stays on TCP).
+    Answered {
+        /// The peer.
+        peer: PeerId,
+        /// Its half, if it accepted.
+        bytes: Option<Vec<u8>>,
+    },
+}
+
 pub use super::{Outgoing, PeerId};
 
 /// A frame waiting to go out on a connection: its prefix (header, and its
@@ -172,6 +213,8 @@ enum ReadState {
     Slice { key: BlockAddr, attempt: u32, at: *mut u8, left: usize, start: *mut u8, len: usize },
     /// A refused slice's bytes, read and dropped.
     Discard { left: usize },
+    /// A negotiation frame's `len` bytes, read whole from the buffer.
+    Negotiation { kind: FrameKind, len: usize },
 }
 
 struct Stream {
@@ -204,6 +247,12 @@ struct Stream {
     progress_ns: u64,
     parsed: usize,
     state: ReadState,
+    /// Which connection this is (a reused token is another).
+    serial: u64,
+    /// Bytes of the negotiation frames queued on it, kept while it lives.
+    owned: Vec<Box<[u8]>>,
+    /// Negotiation frames it brought.
+    negotiations_in: usize,
 }
 
 impl Stream {
@@ -229,6 +278,9 @@ impl Stream {
             unsent_at: 0,
             parsed: 0,
             state: ReadState::Header,
+            serial: 0,
+            owned: Vec::new(),
+            negotiations_in: 0,
         }
     }
 
@@ -494,6 +546,12 @@ pub struct TcpTransport {
     auth: Option<(LinkKey, u64)>,
     /// What was refused and why, for the caller's log.
     security_events: std::collections::VecDeque<String>,
+    /// Offers of another transport are passed to the owner (else each is
+    /// declined at once).
+    negotiates: bool,
+    negotiations: Vec<Negotiation>,
+    /// The serial of the next connection made.
+    next_serial: u64,
     /// What it has done.
     pub stats: TcpStats,
 }
@@ -551,6 +609,9 @@ impl TcpTransport {
             now_ns: 0,
             auth: None,
             security_events: std::collections::VecDeque::new(),
+            negotiates: false,
+            negotiations: Vec::new(),
+            next_serial: 1,
             stats: TcpStats::default(),
         })
     }
@@ -680,7 +741,10 @@ impl TcpTransport {
             .register(&mut socket, Token(token), Interest::READABLE | Interest::WRITABLE)
             .map_err(io_error("registering a connection"))?;
         let link = if self.auth.is_some() { Link::Client(None) } else { Link::Plain };
-        self.streams[token] = Some(Stream::new(socket, Some((peer, index)), false, link, self.now_ns));
+        let mut stream = Stream::new(socket, Some((peer, index)), false, link, self.now_ns);
+        stream.serial = self.next_serial;
+        self.next_serial += 1;
+        self.streams[token] = Some(stream);
         self.peers[peer.0 as usize].streams[index] = Some(token);
         Ok(())
     }
@@ -969,7 +1033,10 @@ impl TcpTransport {
                         .register(&mut socket, Token(token), Interest::READABLE | Interest::WRITABLE)
                         .is_ok()
                     {
-                        self.streams[token] = Some(Stream::new(socket, None, true, link, self.now_ns));
+                        let mut stream = Stream::new(socket, None, true, link, self.now_ns);
+                        stream.serial = self.next_serial;
+                        self.next_serial += 1;
+                        self.streams[token] = Some(stream);
                         accepted = true;
                     }
                 }
@@ -1025,15 +1092,23 @@ impl TcpTransport {
                         busy = true;
                         match FrameHeader::decode(&header) {
                             Ok(frame) => {
+                                let carries = matches!(
+                                    frame.kind,
+                                    FrameKind::Data | FrameKind::Negotiate | FrameKind::Negotiated
+                                ) && frame.slice_len > 0;
                                 // A frame with no bytes after it: its bytes' tag
                                 // is checked now.
-                                let bare = frame.kind != FrameKind::Data || frame.slice_len == 0;
-                                if bare
+                                if !carries
                                     && let Some(check) = stream.payload_check.take()
                                     && let Err(e) = check.verify(&[])
                                 {
                                     self.refuse_frame(token, &e);
                                     return true;
+                                }
+                                if carries && frame.kind != FrameKind::Data {
+                                    stream.state =
+                                        ReadState::Negotiation { kind: frame.kind, len: bytes(frame.total_len) };
+                                    continue;
                                 }
                                 self.on_frame(token, &frame, landing, now_ns);
                             }
@@ -1084,6 +1159,23 @@ impl TcpTransport {
                                 return true;
                             }
                         }
+                    }
+                }
+                ReadState::Negotiation { kind, len } => {
+                    if stream.filled - stream.parsed >= len {
+                        let mut message = [0u8; super::frame::NEGOTIATE_BYTES_MAX as usize];
+                        message[..len].copy_from_slice(&stream.buffer[stream.parsed..stream.parsed + len]);
+                        stream.parsed += len;
+                        stream.state = ReadState::Header;
+                        busy = true;
+                        if let Some(check) = stream.payload_check.take()
+                            && let Err(e) = check.verify(&message[..len])
+                        {
+                            self.refuse_frame(token, &e);
+                            return true;
+                        }
+                        self.on_negotiation(token, kind, &message[..len]);
+                        continue;
                     }
                 }
                 ReadState::Discard { left } => {
@@ -1295,6 +1387,106 @@ impl TcpTransport {
         }
     }
 
+    /// Passes offers of another transport on inbound links to the owner
+    /// ([`TcpTransport::take_negotiations`]) from now on; off (the
+    /// default), each is declined at once.
+    pub fn negotiate(&mut self, on: bool) {
+        self.negotiates = on;
+    }
+
+    /// Offers `bytes` (this node's half of another transport for the link,
+    /// 1 to [`super::frame::NEGOTIATE_BYTES_MAX`]) to `peer` on its first
+    /// connection that may carry frames; the answer comes as
+    /// [`Negotiation::Answered`]. None up: an error (offer again later).
+    pub fn offer_transport(&mut self, peer: PeerId, bytes: &[u8]) -> Result<(), TcpError> {
+        let len = u32::try_from(bytes.len()).ok().filter(|l| (1..=super::frame::NEGOTIATE_BYTES_MAX).contains(l));
+        let len =
+            len.ok_or_else(|| TcpError(format!("an offer is 1 to {} bytes", super::frame::NEGOTIATE_BYTES_MAX)))?;
+        let p = self.peers.get(peer.0 as usize).ok_or_else(|| TcpError("no such peer".into()))?;
+        let token = p
+            .streams
+            .iter()
+            .flatten()
+            .copied()
+            .find(|&t| self.streams[t].as_ref().is_some_and(|s| s.connected))
+            .ok_or_else(|| TcpError("no connection to the peer is up".into()))?;
+        self.queue_negotiation(token, FrameHeader::negotiate(len), bytes)
+    }
+
+    /// Answers the offer made on `to`: this node's half (accepted) or none
+    /// (declined). The link closed since: an error, nothing sent.
+    pub fn answer_transport(&mut self, to: InboundLink, bytes: Option<&[u8]>) -> Result<(), TcpError> {
+        let open = self.streams.get(to.token).and_then(Option::as_ref).is_some_and(|s| s.serial == to.serial);
+        if !open {
+            return Err(TcpError("the link the offer came on is closed".into()));
+        }
+        let bytes = bytes.unwrap_or(&[]);
+        let len = u32::try_from(bytes.len())
+            .ok()
+            .filter(|&l| l <= super::frame::NEGOTIATE_BYTES_MAX)
+            .ok_or_else(|| TcpError(format!("an answer is at most {} bytes", super::frame::NEGOTIATE_BYTES_MAX)))?;
+        self.queue_negotiation(to.token, FrameHeader::negotiated(len), bytes)
+    }
+
+    /// Negotiations since the last call, oldest first.
+    pub fn take_negotiations(&mut self) -> Vec<Negotiation> {
+        core::mem::take(&mut self.negotiations)
+    }
+
+    /// Queues a negotiation frame carrying `bytes` (kept with the
+    /// connection while it lives).
+    fn queue_negotiation(&mut self, token: usize, header: FrameHeader, bytes: &[u8]) -> Result<(), TcpError> {
+        let stream = self.streams[token].as_mut().ok_or_else(|| TcpError("connection closed".into()))?;
+        if stream.owned.len() >= NEGOTIATIONS_PER_STREAM_MAX {
+            return Err(TcpError(format!("{NEGOTIATIONS_PER_STREAM_MAX} negotiations on one connection already")));
+        }
+        let owned: Box<[u8]> = bytes.into();
+        // The boxed bytes do not move while the connection keeps them.
+        let at = if owned.is_empty() { core::ptr::null() } else { owned.as_ptr() };
+        stream.owned.push(owned);
+        let prefix = stream.prefix();
+        stream.push(QueuedFrame::new(None, header.encode(), at, bytes.len(), prefix));
+        if stream.writable {
+            self.flush(token);
+        }
+        Ok(())
+    }
+
+    /// A negotiation frame: an offer on an inbound link (for the owner, or
+    /// declined), an answer on an outbound one; either on the wrong side,
+    /// or too many, cuts the connection off.
+    fn on_negotiation(&mut self, token: usize, kind: FrameKind, bytes: &[u8]) {
+        let Some(stream) = self.streams[token].as_mut() else { return };
+        stream.state = ReadState::Header;
+        stream.negotiations_in += 1;
+        let flooded =
+            stream.negotiations_in > NEGOTIATIONS_PER_STREAM_MAX || self.negotiations.len() >= NEGOTIATIONS_WAITING_MAX;
+        match (kind, stream.peer) {
+            _ if flooded => {
+                self.stats.bad_frames += 1;
+                self.lose(token, "too many negotiations on one connection");
+            }
+            (FrameKind::Negotiate, None) => {
+                let from = InboundLink { token, serial: stream.serial };
+                let address = stream.socket.peer_addr().ok();
+                if self.negotiates {
+                    self.negotiations.push(Negotiation::Offered { from, address, bytes: bytes.to_vec() });
+                } else {
+                    // Not offered to anyone here: TCP it stays.
+                    let _ = self.answer_transport(from, None);
+                }
+            }
+            (FrameKind::Negotiated, Some((peer, _))) => {
+                let bytes = (!bytes.is_empty()).then(|| bytes.to_vec());
+                self.negotiations.push(Negotiation::Answered { peer, bytes });
+            }
+            _ => {
+                self.stats.bad_frames += 1;
+                self.lose(token, "a negotiation frame on the wrong side of a connection");
+            }
+        }
+    }
+
     fn on_frame(&mut self, token: usize, frame: &FrameHeader, landing: &mut dyn Landing, now_ns: u64) {
         match frame.kind {
             FrameKind::Ack => {
@@ -1328,6 +1520,8 @@ impl TcpTransport {
                 self.done.push(Completion { transfer: frame.transfer, result, target: frame.target });
             }
             FrameKind::Data => self.on_slice(token, frame, landing, now_ns),
+            // A declined offer (the others carry bytes: read whole first).
+            FrameKind::Negotiate | FrameKind::Negotiated => self.on_negotiation(token, frame.kind, &[]),
             FrameKind::Reserve => self.on_reserve(token, frame, landing, now_ns),
             FrameKind::Reserved => {
                 let Some(sending) = self.sending.get_mut(&frame.transfer) else { return };

@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::pull::{MESSAGE_BYTES, Verbs, VerbsError, VerbsEvent};
+use super::{Endpoint, RdmaError};
 use crate::transport::PeerId;
 
 /// Address ranges, `(base, bytes)`.
@@ -23,6 +24,9 @@ type Ranges = Vec<(u64, u64)>;
 #[derive(Debug)]
 struct Link {
     ends: (usize, usize),
+    /// The ends' peer ids for each other, where made from endpoints
+    /// (`.0`: `ends.0`'s id for `ends.1`).
+    ids: Option<(u32, u32)>,
     /// Why it is cut.
     cut: Option<String>,
     /// Messages in flight towards each end (`.0` to `ends.0`).
@@ -71,6 +75,7 @@ impl Fabric {
             peers: Vec::new(),
             registered: Vec::new(),
             reads: Vec::new(),
+            arena: None,
         }
     }
 
@@ -79,14 +84,15 @@ impl Fabric {
         let mut state = a.fabric.state();
         state.links.push(Link {
             ends: (a.node, b.node),
+            ids: None,
             cut: None,
             to: Default::default(),
             exported: Default::default(),
         });
         let link = state.links.len() - 1;
         drop(state);
-        a.peers.push(End { link, reported: false });
-        b.peers.push(End { link, reported: false });
+        a.peers.push(End { link: Some(link), reported: false });
+        b.peers.push(End { link: Some(link), reported: false });
         (
             PeerId(u32::try_from(a.peers.len() - 1).unwrap_or(u32::MAX)),
             PeerId(u32::try_from(b.peers.len() - 1).unwrap_or(u32::MAX)),
@@ -112,7 +118,8 @@ impl Fabric {
 
 #[derive(Debug)]
 struct End {
-    link: usize,
+    /// None until connected.
+    link: Option<usize>,
     /// Whether its cut was reported.
     reported: bool,
 }
@@ -135,6 +142,9 @@ pub struct LoopbackVerbs {
     peers: Vec<End>,
     registered: Vec<(u64, u64)>,
     reads: Vec<Read>,
+    /// What each peer added by endpoint may read (the arena), and its
+    /// slots' bytes and region epoch, as a device's endpoint tells them.
+    arena: Option<((u64, u64), u32, u64)>,
 }
 
 // SAFETY: the pointers it holds are READ targets the transport placed, as
@@ -167,19 +177,81 @@ impl LoopbackVerbs {
     ///
     /// The range stays valid (its bytes readable) while this end lives.
     pub unsafe fn export(&mut self, peer: PeerId, base: *const u8, len: usize) {
-        let Some(end) = self.peers.get(peer.0 as usize) else { return };
+        let Some(link) = self.link_of(peer) else { return };
         let mut state = self.fabric.state();
-        let link = &mut state.links[end.link];
+        let link = &mut state.links[link];
         let range = (base as u64, len as u64);
         if link.side(self.node) { link.exported.1.push(range) } else { link.exported.0.push(range) }
     }
 
+    /// Registers the arena of `len` bytes at `base` (slots of
+    /// `slot_bytes`, region epoch `epoch`) for READs to land in, and lets
+    /// each peer added by endpoint ([`Verbs::add_peer`]) read it, as
+    /// [`super::verbs::IbVerbs`] does.
+    ///
+    /// # Safety
+    ///
+    /// The range stays valid while this end lives.
+    pub unsafe fn register_arena(&mut self, base: *mut u8, len: usize, slot_bytes: u32, epoch: u64) {
+        self.registered.push((base as u64, len as u64));
+        self.arena = Some(((base as u64, len as u64), slot_bytes, epoch));
+    }
+
     fn link_of(&self, peer: PeerId) -> Option<usize> {
-        self.peers.get(peer.0 as usize).map(|e| e.link)
+        self.peers.get(peer.0 as usize).and_then(|e| e.link)
     }
 }
 
 impl Verbs for LoopbackVerbs {
+    fn add_peer(&mut self) -> Result<(PeerId, Endpoint), RdmaError> {
+        let ((base, len), slot_bytes, epoch) =
+            self.arena.ok_or_else(|| RdmaError("no arena registered (register_arena)".into()))?;
+        let id = u32::try_from(self.peers.len()).ok().filter(|&i| i < 1 << 24);
+        let id = id.ok_or_else(|| RdmaError("too many peers".into()))?;
+        self.peers.push(End { link: None, reported: false });
+        // The node in the GID, the peer id as the queue pair number.
+        let mut gid = [0u8; 16];
+        gid[..8].copy_from_slice(&(self.node as u64).to_le_bytes());
+        Ok((PeerId(id), Endpoint::new(0, id, 0, gid, (base, len), 0, slot_bytes, epoch)))
+    }
+
+    fn connect(&mut self, peer: PeerId, remote: &Endpoint) -> Result<(), RdmaError> {
+        let ((base, len), _, _) = self.arena.ok_or_else(|| RdmaError("no arena registered".into()))?;
+        let end = self.peers.get(peer.0 as usize).ok_or_else(|| RdmaError("no such peer".into()))?;
+        if end.link.is_some() {
+            return Err(RdmaError("already connected".into()));
+        }
+        let mut node = [0u8; 8];
+        node.copy_from_slice(&remote.gid[..8]);
+        let other = usize::try_from(u64::from_le_bytes(node)).map_err(|_| RdmaError("no such node".into()))?;
+        let mut state = self.fabric.state();
+        if other >= state.nodes || other == self.node {
+            return Err(RdmaError(format!("no node {other} on the fabric")));
+        }
+        // The link the other end made for this pair already, or a new one.
+        let found =
+            state.links.iter().position(|l| l.ends == (other, self.node) && l.ids == Some((remote.qp_num, peer.0)));
+        let link = match found {
+            Some(link) => {
+                state.links[link].exported.1.push((base, len));
+                link
+            }
+            None => {
+                state.links.push(Link {
+                    ends: (self.node, other),
+                    ids: Some((peer.0, remote.qp_num)),
+                    cut: None,
+                    to: Default::default(),
+                    exported: (vec![(base, len)], Vec::new()),
+                });
+                state.links.len() - 1
+            }
+        };
+        drop(state);
+        self.peers[peer.0 as usize].link = Some(link);
+        Ok(())
+    }
+
     fn send(&mut self, peer: PeerId, message: &[u8; MESSAGE_BYTES]) -> Result<(), VerbsError> {
         let link = self.link_of(peer).ok_or_else(|| VerbsError::Broken("no such peer".into()))?;
         let mut state = self.fabric.state();
@@ -243,8 +315,8 @@ impl Verbs for LoopbackVerbs {
         // failure (a cut link, outside the peer's export or this end's
         // registration — the remote and local key checks).
         for read in self.reads.drain(..) {
-            let end = &self.peers[read.peer.0 as usize];
-            let link = &state.links[end.link];
+            let Some(link) = self.peers[read.peer.0 as usize].link else { continue };
+            let link = &state.links[link];
             let exported = if link.side(node) { &link.exported.0 } else { &link.exported.1 };
             let len = u64::from(read.len);
             let result = if let Some(why) = &link.cut {
@@ -265,7 +337,8 @@ impl Verbs for LoopbackVerbs {
         }
         for (index, end) in self.peers.iter_mut().enumerate() {
             let peer = PeerId(u32::try_from(index).unwrap_or(u32::MAX));
-            let link = &mut state.links[end.link];
+            let Some(link) = end.link else { continue };
+            let link = &mut state.links[link];
             if let Some(why) = &link.cut {
                 if !end.reported {
                     end.reported = true;

@@ -32,6 +32,7 @@ use std::collections::{HashMap, VecDeque};
 
 use bytemuck::{Pod, Zeroable};
 
+use super::{Endpoint, RdmaError};
 use crate::Priority;
 use crate::tag::Tag;
 use crate::transport::frame::{AckStatus, BlockAddr};
@@ -201,6 +202,15 @@ pub enum VerbsEvent {
 
 /// The verbs the RDMA transport needs, one reliable connection per peer.
 pub trait Verbs {
+    /// A new peer: its id here and the endpoint the other end needs to
+    /// reach it and read what it exports (carried over the TCP link:
+    /// [`super::over_tcp`]); nothing travels until [`Verbs::connect`].
+    fn add_peer(&mut self) -> Result<(PeerId, Endpoint), RdmaError>;
+
+    /// Connects `peer` to the endpoint the other end sent (decoded and
+    /// checked by [`Endpoint::decode`]).
+    fn connect(&mut self, peer: PeerId, remote: &Endpoint) -> Result<(), RdmaError>;
+
     /// Posts a two-sided SEND of `message` to `peer`.
     fn send(&mut self, peer: PeerId, message: &[u8; MESSAGE_BYTES]) -> Result<(), VerbsError>;
 
@@ -328,6 +338,8 @@ pub struct RdmaTransport<V> {
     /// Answers owed whose send found the peer's queue full.
     owed: VecDeque<(PeerId, [u8; MESSAGE_BYTES])>,
     events: Vec<VerbsEvent>,
+    /// Peers the owner asked to shut, at the next poll.
+    closing: Vec<(PeerId, String)>,
     /// What it did.
     pub stats: RdmaStats,
 }
@@ -349,6 +361,7 @@ impl<V: Verbs> RdmaTransport<V> {
             pulling: HashMap::new(),
             owed: VecDeque::new(),
             events: Vec::new(),
+            closing: Vec::new(),
             stats: RdmaStats::default(),
         }
     }
@@ -362,6 +375,12 @@ impl<V: Verbs> RdmaTransport<V> {
     /// is at most `u32::MAX` bytes).
     fn carries(&self, len: u64) -> bool {
         len > 0 && len <= self.config.max_block_bytes.min(u64::from(u32::MAX))
+    }
+
+    /// Shuts `peer` at the next poll (its queue pair replaced, or given
+    /// up): as a broken one, its transfers end and its slots go back.
+    pub fn close_peer(&mut self, peer: PeerId, why: &str) {
+        self.closing.push((peer, why.to_owned()));
     }
 
     /// Why `peer` is shut, if it is.
@@ -583,7 +602,10 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
 
     fn poll(&mut self, landing: &mut dyn Landing, now_ns: u64, out: &mut Vec<Completion>) -> bool {
         let before = out.len();
-        let mut moved = false;
+        let mut moved = !self.closing.is_empty();
+        for (peer, why) in std::mem::take(&mut self.closing) {
+            self.shut(peer, &why, now_ns, landing, out);
+        }
         // Answers owed first: the peer's transfers wait on them.
         while let Some(&(peer, message)) = self.owed.front() {
             match self.verbs.send(peer, &message) {

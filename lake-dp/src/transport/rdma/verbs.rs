@@ -628,9 +628,22 @@ impl IbVerbs {
         Ok(Self { peers: Vec::new(), local, arena: (base as u64, len as u64), slot_bytes, epoch, device })
     }
 
+    fn usable(&mut self, peer: PeerId) -> Result<&mut IbPeer, VerbsError> {
+        let p = self.peers.get_mut(peer.0 as usize).ok_or_else(|| VerbsError::Broken("no such peer".into()))?;
+        if let Some(why) = &p.broken {
+            return Err(VerbsError::Broken(why.clone()));
+        }
+        if p.remote.is_none() {
+            return Err(VerbsError::Broken("not connected yet".into()));
+        }
+        Ok(p)
+    }
+}
+
+impl Verbs for IbVerbs {
     /// A queue pair for a new peer and the endpoint to give it (over TCP);
-    /// [`IbVerbs::connect`] it with the peer's.
-    pub fn add_peer(&mut self) -> Result<(PeerId, Endpoint), RdmaError> {
+    /// [`Verbs::connect`] it with the peer's.
+    fn add_peer(&mut self) -> Result<(PeerId, Endpoint), RdmaError> {
         let (base, len) = self.arena;
         let bytes = usize::try_from(len).map_err(|_| RdmaError("arena size".into()))?;
         // SAFETY: the arena stays mapped while this lives (`new`'s
@@ -666,7 +679,7 @@ impl IbVerbs {
 
     /// Connects `peer` to the endpoint it sent (checked by
     /// [`Endpoint::decode`]) and posts its receives.
-    pub fn connect(&mut self, peer: PeerId, remote: &Endpoint) -> Result<(), RdmaError> {
+    fn connect(&mut self, peer: PeerId, remote: &Endpoint) -> Result<(), RdmaError> {
         let p = self.peers.get_mut(peer.0 as usize).ok_or(RdmaError("no such peer".into()))?;
         p.pair.connect(&self.device, remote)?;
         p.remote = Some(*remote);
@@ -679,19 +692,6 @@ impl IbVerbs {
         Ok(())
     }
 
-    fn usable(&mut self, peer: PeerId) -> Result<&mut IbPeer, VerbsError> {
-        let p = self.peers.get_mut(peer.0 as usize).ok_or_else(|| VerbsError::Broken("no such peer".into()))?;
-        if let Some(why) = &p.broken {
-            return Err(VerbsError::Broken(why.clone()));
-        }
-        if p.remote.is_none() {
-            return Err(VerbsError::Broken("not connected yet".into()));
-        }
-        Ok(p)
-    }
-}
-
-impl Verbs for IbVerbs {
     fn send(&mut self, peer: PeerId, message: &[u8; MESSAGE_BYTES]) -> Result<(), VerbsError> {
         let p = self.usable(peer)?;
         if p.sends >= SENDS {
