@@ -24,8 +24,23 @@ use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpTransport};
 use lake_tests::fault_proxy::{FaultProxy, Faults};
 use lake_tests::transport::{Node, drive, now_ns, object, outgoing};
 
+thread_local! {
+    /// This test's transports make and check large slices' tags on the
+    /// tag threads (set by the `_tags_later` twins).
+    static LATER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `test` with large slices' tags made and checked on two tag
+/// threads while the links go on, as `lake serve --tag-threads 2` does.
+fn tags_later(test: fn()) {
+    lake_dp::auth::spread_tags(2).unwrap();
+    LATER.with(|l| l.set(true));
+    test();
+}
+
 fn config() -> TcpConfig {
-    TcpConfig { streams_per_peer: 2, transfer_timeout_ns: 3_000_000_000, ..TcpConfig::default() }
+    let tags_later = LATER.with(std::cell::Cell::get);
+    TcpConfig { streams_per_peer: 2, transfer_timeout_ns: 3_000_000_000, tags_later, ..TcpConfig::default() }
 }
 
 fn key() -> LinkKey {
@@ -147,6 +162,10 @@ fn holders_of_the_key_move_blocks_and_the_log_is_quiet() {
     assert!(receiver.stats.handshakes >= 1 && sender.stats.handshakes >= 1);
     assert_eq!((receiver.stats.bad_tags, receiver.stats.handshakes_refused), (0, 0));
     assert!(receiver.take_security_events().is_empty());
+    // With tags made later, the large slices' tags were made and checked
+    // on the tag threads (the small ones here).
+    let later = LATER.with(std::cell::Cell::get);
+    assert_eq!(sender.stats.sealed_later > 0 && receiver.stats.checked_later > 0, later);
 }
 
 #[test]
@@ -276,11 +295,9 @@ fn bytes_flipped_on_the_path_are_caught_and_the_block_sent_again() {
     let (mut receiver, address) = receiver();
     let faults = Faults { seed: 91, chunk_bytes: 64 * 1024, flip: 15_000, ..Faults::default() };
     let proxy = FaultProxy::start(address, faults).unwrap();
-    let mut sender = TcpTransport::new(
-        TcpConfig { streams_per_peer: 4, transfer_timeout_ns: 8_000_000_000, ..TcpConfig::default() },
-        None,
-    )
-    .unwrap();
+    let mut sender =
+        TcpTransport::new(TcpConfig { streams_per_peer: 4, transfer_timeout_ns: 8_000_000_000, ..config() }, None)
+            .unwrap();
     sender.authenticate(key(), 1).unwrap();
     let peer = sender.add_peer(proxy.address()).unwrap();
     let mut node = Node::new(8);
@@ -319,4 +336,24 @@ fn bytes_flipped_on_the_path_are_caught_and_the_block_sent_again() {
             || sender.stats.bad_tags + sender.stats.bad_frames + sender.stats.handshakes_refused > 0
     );
     assert!(landed * 2 > sent, "only {landed} of {sent} landed");
+}
+
+#[test]
+fn holders_of_the_key_move_blocks_and_the_log_is_quiet_tags_later() {
+    tags_later(holders_of_the_key_move_blocks_and_the_log_is_quiet);
+}
+
+#[test]
+fn a_tampered_frame_is_refused_logged_and_nothing_else_is_affected_tags_later() {
+    tags_later(a_tampered_frame_is_refused_logged_and_nothing_else_is_affected);
+}
+
+#[test]
+fn a_replayed_or_truncated_frame_is_refused_tags_later() {
+    tags_later(a_replayed_or_truncated_frame_is_refused);
+}
+
+#[test]
+fn bytes_flipped_on_the_path_are_caught_and_the_block_sent_again_tags_later() {
+    tags_later(bytes_flipped_on_the_path_are_caught_and_the_block_sent_again);
 }

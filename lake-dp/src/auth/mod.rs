@@ -33,7 +33,9 @@ pub use handshake::{ClientHandshake, ServerHandshake};
 pub use key::{KeyError, LinkKey};
 pub use peer::{Credentials, PeerPolicy};
 pub use record::RecordLink;
-pub use session::{PayloadCheck, SPREAD_MIN_BYTES, Session, TAGS_BYTES, spread_tags, tag_threads};
+pub use session::{
+    LATER_MIN_BYTES, Later, PayloadCheck, SPREAD_MIN_BYTES, Session, TAGS_BYTES, spread_tags, tag_threads, tags_later,
+};
 
 /// Why a link's authentication failed.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -73,6 +73,45 @@ pub fn tag_threads() -> usize {
     TAG_THREADS.get().map_or(0, rayon_core::ThreadPool::current_num_threads)
 }
 
+/// Payloads at least this long are tagged or checked on the tag threads
+/// while the link's thread goes on ([`Session::seal_later`],
+/// [`PayloadCheck::verify_later`]), where tags are spread.
+pub const LATER_MIN_BYTES: usize = 64 * 1024;
+
+/// Whether a payload of `len` bytes is tagged or checked on the tag
+/// threads while the caller goes on.
+pub fn tags_later(len: usize) -> bool {
+    len >= LATER_MIN_BYTES && TAG_THREADS.get().is_some()
+}
+
+/// A pointer a tag thread reads through.
+struct Bytes(*const u8, usize);
+
+// SAFETY: only read, while the caller of `seal_later` / `verify_later`
+// keeps the bytes valid and unchanged (their contract).
+unsafe impl Send for Bytes {}
+
+/// Tags (or a verdict) being made on the tag threads.
+#[derive(Debug)]
+pub struct Later<T>(std::sync::Arc<std::sync::OnceLock<T>>);
+
+impl<T: Copy> Later<T> {
+    /// What was made, if it is done.
+    pub fn get(&self) -> Option<T> {
+        self.0.get().copied()
+    }
+
+    /// Waits for it (a tag thread is on it: a hash's time at most).
+    pub fn wait(&self) -> T {
+        loop {
+            if let Some(done) = self.get() {
+                return done;
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
 fn payload_tag(key: &[u8; 32], seq: u64, payload: &[u8]) -> [u8; TAG_BYTES] {
     let mut hasher = blake3::Hasher::new_keyed(key);
     // The payload first, from BLAKE3's chunk 0, so its subtrees align and
@@ -150,6 +189,50 @@ impl Session {
         tags
     }
 
+    /// [`Session::seal`], the tags made on the tag threads: the frame's
+    /// place in the count is taken now, its tags come with the returned
+    /// [`Later`]. Where tags are not spread ([`tags_later`] false), `Err`
+    /// with the tags made here.
+    ///
+    /// # Safety
+    ///
+    /// `payload` is valid for `len` bytes, unchanged, until the tags are
+    /// done (`get` returns them, or `wait` returned).
+    pub unsafe fn seal_later(
+        &mut self,
+        header: &[u8; 64],
+        payload: *const u8,
+        len: usize,
+    ) -> Result<Later<[u8; TAGS_BYTES]>, [u8; TAGS_BYTES]> {
+        let pool = TAG_THREADS.get().filter(|_| len >= LATER_MIN_BYTES);
+        let Some(pool) = pool else {
+            // SAFETY: valid for `len` bytes (contract).
+            let bytes = if len == 0 { &[][..] } else { unsafe { core::slice::from_raw_parts(payload, len) } };
+            return Err(self.seal(header, bytes));
+        };
+        let seq = self.send.seq;
+        self.send.seq += 1;
+        let (mut header_key, mut payload_key) = (self.send.header_key, self.send.payload_key);
+        let header = *header;
+        let done = std::sync::Arc::new(std::sync::OnceLock::new());
+        let out = std::sync::Arc::clone(&done);
+        let bytes = Bytes(payload, len);
+        pool.spawn(move || {
+            let bytes = bytes;
+            // SAFETY: valid and unchanged until the tags are set (contract).
+            let payload = unsafe { core::slice::from_raw_parts(bytes.0, bytes.1) };
+            let payload = payload_tag(&payload_key, seq, payload);
+            let header = header_tag(&header_key, seq, &header, &payload);
+            header_key.zeroize();
+            payload_key.zeroize();
+            let mut tags = [0u8; TAGS_BYTES];
+            tags[..TAG_BYTES].copy_from_slice(&header);
+            tags[TAG_BYTES..].copy_from_slice(&payload);
+            let _ = out.set(tags);
+        });
+        Ok(Later(done))
+    }
+
     /// Checks the next frame received's header against its tags; the
     /// header may then be acted on. Returns the check its payload must
     /// pass before its bytes count.
@@ -201,6 +284,33 @@ impl PayloadCheck {
     pub fn verify(&self, payload: &[u8]) -> Result<(), AuthError> {
         if tags_equal(&payload_tag(&self.key, self.seq, payload), &self.tag) { Ok(()) } else { Err(AuthError::BadTag) }
     }
+
+    /// [`PayloadCheck::verify`] on the tag threads: the verdict (`true`:
+    /// the sealed payload) comes with the returned [`Later`]. Where tags
+    /// are not spread ([`tags_later`] false), `Err` with the verdict made
+    /// here.
+    ///
+    /// # Safety
+    ///
+    /// `payload` is valid for `len` bytes, unchanged, until the verdict is
+    /// done (`get` returns it, or `wait` returned).
+    pub unsafe fn verify_later(self, payload: *const u8, len: usize) -> Result<Later<bool>, Result<(), AuthError>> {
+        let Some(pool) = TAG_THREADS.get().filter(|_| len >= LATER_MIN_BYTES) else {
+            // SAFETY: valid for `len` bytes (contract).
+            let bytes = if len == 0 { &[][..] } else { unsafe { core::slice::from_raw_parts(payload, len) } };
+            return Err(self.verify(bytes));
+        };
+        let done = std::sync::Arc::new(std::sync::OnceLock::new());
+        let out = std::sync::Arc::clone(&done);
+        let bytes = Bytes(payload, len);
+        pool.spawn(move || {
+            let bytes = bytes;
+            // SAFETY: valid and unchanged until the verdict is set (contract).
+            let payload = unsafe { core::slice::from_raw_parts(bytes.0, bytes.1) };
+            let _ = out.set(self.verify(payload).is_ok());
+        });
+        Ok(Later(done))
+    }
 }
 
 #[cfg(test)]
@@ -222,6 +332,35 @@ mod tests {
         assert!(spread_tags(TAG_THREADS_MAX + 1).unwrap_err().contains("at most"));
         assert_eq!(payload_tag(&[7; 32], 9, &payload), alone);
         assert_ne!(payload_tag(&[7; 32], 10, &payload), alone);
+    }
+
+    #[test]
+    fn tags_made_later_are_the_tags_made_now_and_a_bent_payload_fails_later_too() {
+        spread_tags(3).unwrap();
+        let payload: Vec<u8> = (0..LATER_MIN_BYTES * 5 + 17).map(|i| (i % 253) as u8).collect();
+        let header = [9u8; 64];
+        let (mut now, mut later) = (pair().0, pair().0);
+        let (_, mut server) = pair();
+        for _ in 0..3 {
+            let tags = now.seal(&header, &payload);
+            // SAFETY: `payload` outlives the wait.
+            let made = unsafe { later.seal_later(&header, payload.as_ptr(), payload.len()) }.unwrap();
+            assert_eq!(made.wait(), tags);
+            let check = server.open_header(&header, &tags).unwrap();
+            // SAFETY: as above.
+            let verdict = unsafe { check.verify_later(payload.as_ptr(), payload.len()) }.unwrap();
+            assert!(verdict.wait());
+        }
+        // Short payloads are tagged on the caller's thread.
+        // SAFETY: as above.
+        let short = unsafe { pair().0.seal_later(&header, payload.as_ptr(), 100) };
+        assert_eq!(short.unwrap_err(), pair().0.seal(&header, &payload[..100]));
+        let tags = now.seal(&header, &payload);
+        let check = server.open_header(&header, &tags).unwrap();
+        let mut bent = payload.clone();
+        bent[LATER_MIN_BYTES * 3] ^= 1;
+        // SAFETY: `bent` outlives the wait.
+        assert!(!unsafe { check.verify_later(bent.as_ptr(), bent.len()) }.unwrap().wait());
     }
 
     #[test]

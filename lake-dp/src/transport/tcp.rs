@@ -32,7 +32,7 @@ use mio::{Events, Interest, Poll, Token};
 use super::frame::{AckStatus, BlockAddr, FRAME_HEADER_BYTES, FrameError, FrameHeader, FrameKind};
 use super::{ANY_SLOT, Completion, Landing, TransferError};
 use crate::auth::handshake::{CLIENT_FINISH_BYTES, CLIENT_HELLO_BYTES, SERVER_HELLO_BYTES};
-use crate::auth::{AuthError, ClientHandshake, LinkKey, PayloadCheck, ServerHandshake, Session, TAGS_BYTES};
+use crate::auth::{AuthError, ClientHandshake, Later, LinkKey, PayloadCheck, ServerHandshake, Session, TAGS_BYTES};
 use crate::model::replica::Priority;
 
 /// How a transport is set up.
@@ -58,6 +58,12 @@ pub struct TcpConfig {
     /// a cut link, a dead host) is treated as broken; one not up this long
     /// after its connect is given up.
     pub stall_ns: u64,
+    /// On authenticated links, where the process spreads tags over threads
+    /// ([`crate::auth::spread_tags`]): a large slice's tags are made, and a
+    /// received one's checked, on those threads while the connection moves
+    /// other frames (a block lands once all its slices checked). Off: the
+    /// polling thread waits for each.
+    pub tags_later: bool,
 }
 
 impl Default for TcpConfig {
@@ -70,6 +76,7 @@ impl Default for TcpConfig {
             landing_max: 4096,
             reconnect_ns: 10_000_000,
             stall_ns: 2_000_000_000,
+            tags_later: true,
         }
     }
 }
@@ -155,7 +162,6 @@ pub use super::{Outgoing, PeerId};
 /// A frame waiting to go out on a connection: its prefix (header, and its
 /// tags on an authenticated connection), then `len` bytes at `bytes`
 /// (none for an ack), `sent` of the two so far.
-#[derive(Clone, Copy)]
 struct QueuedFrame {
     /// The transfer a data frame belongs to (acks: none).
     transfer: Option<u64>,
@@ -166,6 +172,8 @@ struct QueuedFrame {
     /// Its tags are made (its place in the connection's sequence taken):
     /// it must go out, even if its transfer ends first.
     sealed: bool,
+    /// Its tags, being made on the tag threads (sealed, not ready yet).
+    later: Option<Later<[u8; TAGS_BYTES]>>,
     bytes: *const u8,
     len: usize,
     sent: usize,
@@ -181,11 +189,24 @@ impl QueuedFrame {
     ) -> Self {
         let mut full = [0u8; SEALED_PREFIX_BYTES];
         full[..FRAME_HEADER_BYTES].copy_from_slice(&header);
-        Self { transfer, header: full, prefix, sealed: false, bytes, len, sent: 0 }
+        Self { transfer, header: full, prefix, sealed: false, later: None, bytes, len, sent: 0 }
     }
 
     fn total(&self) -> usize {
         self.prefix + self.len
+    }
+
+    /// Whether it may go out: sealed with its tags in place (or on a
+    /// plain link).
+    fn ready(&mut self, authenticated: bool) -> bool {
+        if !authenticated {
+            return true;
+        }
+        if let Some(tags) = self.later.as_ref().and_then(Later::get) {
+            self.header[FRAME_HEADER_BYTES..].copy_from_slice(&tags);
+            self.later = None;
+        }
+        self.sealed && self.later.is_none()
     }
 }
 
@@ -468,7 +489,25 @@ struct Arriving {
     base: *mut u8,
     total: u64,
     received: u64,
+    /// Of `received`, bytes whose payload tag is being checked on the tag
+    /// threads: the block is whole only once none are.
+    unverified: u64,
+    /// Times its count was reset within one attempt (a slice that failed
+    /// its tag): a verdict for an earlier count is dropped.
+    resets: u32,
     deadline_ns: u64,
+}
+
+/// A slice's payload tag being checked on the tag threads, its bytes in
+/// the target.
+struct Checking {
+    token: usize,
+    serial: u64,
+    key: BlockAddr,
+    attempt: u32,
+    resets: u32,
+    len: u64,
+    verdict: Later<bool>,
 }
 
 /// What the transport has done.
@@ -502,6 +541,11 @@ pub struct TcpStats {
     pub bad_tags: u64,
     /// Security events dropped because the caller did not take them.
     pub security_events_dropped: u64,
+    /// Frames whose tags were made on the tag threads while the link went
+    /// on ([`TcpConfig::tags_later`]).
+    pub sealed_later: u64,
+    /// Slices whose payload tag was checked on the tag threads.
+    pub checked_later: u64,
     /// `writev` / read calls.
     pub write_calls: u64,
     /// Read calls.
@@ -552,6 +596,8 @@ pub struct TcpTransport {
     negotiations: Vec<Negotiation>,
     /// The serial of the next connection made.
     next_serial: u64,
+    /// Slices' payload tags being checked on the tag threads.
+    checking: Vec<Checking>,
     /// What it has done.
     pub stats: TcpStats,
 }
@@ -612,6 +658,7 @@ impl TcpTransport {
             negotiates: false,
             negotiations: Vec::new(),
             next_serial: 1,
+            checking: Vec::new(),
             stats: TcpStats::default(),
         })
     }
@@ -882,6 +929,8 @@ impl TcpTransport {
                 let prefix = stream.prefix();
                 let source = block.source.wrapping_add(bytes(next.offset));
                 stream.push(QueuedFrame::new(Some(block.transfer), header, source, bytes(next.len), prefix));
+                // Its tags are begun now, while earlier frames go out.
+                self.stats.sealed_later += seal_ahead(stream, self.config.tags_later);
             }
         }
     }
@@ -914,7 +963,7 @@ impl TcpTransport {
         // Slices waiting for a kernel queue to drain: no event says when,
         // so look again soon.
         let waiting = self.peers.iter().any(|p| p.pending.iter().any(|q| !q.is_empty()));
-        let timeout = if ready || !self.done.is_empty() {
+        let timeout = if ready || !self.done.is_empty() || !self.checking.is_empty() {
             std::time::Duration::ZERO
         } else if waiting {
             wait.min(std::time::Duration::from_micros(200))
@@ -979,6 +1028,9 @@ impl TcpTransport {
                 busy |= self.flush(token);
             }
         }
+        if !self.checking.is_empty() {
+            busy |= self.take_verdicts(landing);
+        }
         // Slices waiting while the connections' kernel queues drain.
         for peer in 0..self.peers.len() {
             let waiting = |p: &Peer| p.pending.iter().map(std::collections::VecDeque::len).sum::<usize>();
@@ -993,8 +1045,27 @@ impl TcpTransport {
             self.sweep(landing, now_ns);
         }
         busy |= !self.done.is_empty();
-        out.append(&mut self.done);
+        self.release_done(out);
         busy
+    }
+
+    /// Moves the completions that may go to `out`: a transfer with a frame
+    /// still queued (one already tagged must go out whole even after its
+    /// transfer ended) keeps its completion, so its source stays the
+    /// caller's to keep, until the frame is written or its connection gone.
+    fn release_done(&mut self, out: &mut Vec<Completion>) {
+        let streams = &self.streams;
+        let queued =
+            |transfer: u64| streams.iter().flatten().any(|s| s.queue.iter().any(|f| f.transfer == Some(transfer)));
+        if self.done.iter().all(|c| !queued(c.transfer)) {
+            out.append(&mut self.done);
+            return;
+        }
+        let mut held = Vec::new();
+        for completion in self.done.drain(..) {
+            if queued(completion.transfer) { held.push(completion) } else { out.push(completion) }
+        }
+        self.done = held;
     }
 
     /// A connection may carry frames (up, and authenticated where a key
@@ -1249,6 +1320,7 @@ impl TcpTransport {
             ReadState::Slice { start, len, .. } => (start, len),
             _ => (at, n),
         };
+        let mut checking = None;
         if n < left {
             stream.state = ReadState::Slice { key, attempt, at: at.wrapping_add(n), left: left - n, start, len };
         } else {
@@ -1256,18 +1328,44 @@ impl TcpTransport {
             // The whole slice is in its target: its bytes count only if
             // they are the ones sealed.
             if let Some(check) = stream.payload_check.take() {
-                // SAFETY: the slice's `len` bytes from `start` lie in the
-                // target placed for this block, every one written now.
-                let slice = unsafe { core::slice::from_raw_parts(start.cast_const(), len) };
-                if let Err(e) = check.verify(slice) {
-                    self.refuse_slice(token, (key, attempt), &e);
-                    return;
+                let verdict = if self.config.tags_later {
+                    // SAFETY: the slice's `len` bytes from `start` lie in
+                    // the target placed for this block, every one written
+                    // now; the slot is neither written again nor given back
+                    // before the verdict is in (`settle_checks`).
+                    unsafe { check.verify_later(start.cast_const(), len) }
+                } else {
+                    // SAFETY: as above, and the check ends here.
+                    Err(check.verify(unsafe { core::slice::from_raw_parts(start.cast_const(), len) }))
+                };
+                match verdict {
+                    Err(Ok(())) => {}
+                    Err(Err(e)) => {
+                        self.refuse_slice(token, (key, attempt), &e);
+                        return;
+                    }
+                    Ok(verdict) => checking = Some((stream.serial, verdict)),
                 }
             }
         }
         let Some(entry) = self.landing.get_mut(&key).filter(|e| e.attempt == attempt) else { return };
         entry.received += n as u64;
-        if entry.received < entry.total {
+        if let Some((serial, verdict)) = checking {
+            self.stats.checked_later += 1;
+            entry.unverified += len as u64;
+            let (resets, len) = (entry.resets, len as u64);
+            self.checking.push(Checking { token, serial, key, attempt, resets, len, verdict });
+            return;
+        }
+        self.complete_landing(Some(token), key, landing);
+    }
+
+    /// Lands `key`'s block if it is whole and checked, and acks it on
+    /// connection `token` (if given and still open; else the sender's
+    /// next attempt hears it).
+    fn complete_landing(&mut self, token: Option<usize>, key: BlockAddr, landing: &mut dyn Landing) {
+        let Some(entry) = self.landing.get(&key) else { return };
+        if entry.received < entry.total || entry.unverified > 0 {
             return;
         }
         let Some(entry) = self.landing.remove(&key) else { return };
@@ -1278,7 +1376,60 @@ impl TcpTransport {
             self.stats.bytes_landed += entry.total;
             self.landed.insert(key, (entry.transfer, entry.attempt, self.now_ns));
         }
-        self.ack(token, (entry.transfer, entry.attempt), key, entry.total, status);
+        if let Some(token) = token {
+            self.ack(token, (entry.transfer, entry.attempt), key, entry.total, status);
+        }
+    }
+
+    /// Verdicts of payload tags checked on the tag threads: a slice that
+    /// passed counts toward its block (which may land now); one that failed
+    /// is refused as a slice failing its tag here is.
+    fn take_verdicts(&mut self, landing: &mut dyn Landing) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.checking.len() {
+            let Some(passed) = self.checking[i].verdict.get() else {
+                i += 1;
+                continue;
+            };
+            any = true;
+            let Checking { token, serial, key, attempt, resets, len, .. } = self.checking.swap_remove(i);
+            let current = self.landing.get(&key).is_some_and(|e| e.attempt == attempt && e.resets == resets);
+            if !current {
+                continue;
+            }
+            let open = self.streams.get(token).and_then(Option::as_ref).is_some_and(|s| s.serial == serial);
+            if passed {
+                if let Some(entry) = self.landing.get_mut(&key) {
+                    entry.unverified -= len;
+                }
+                self.complete_landing(open.then_some(token), key, landing);
+            } else if open {
+                self.refuse_slice(token, (key, attempt), &AuthError::BadTag);
+            } else {
+                // Its connection is gone already: the count starts again.
+                self.stats.bad_tags += 1;
+                if let Some(entry) = self.landing.get_mut(&key) {
+                    entry.received = 0;
+                    entry.unverified = 0;
+                    entry.resets += 1;
+                }
+                self.detach_readers(key);
+                self.settle_checks(key);
+            }
+        }
+        any
+    }
+
+    /// Waits for, and drops, the checks still reading `key`'s slot (it is
+    /// about to be written again or given back).
+    fn settle_checks(&mut self, key: BlockAddr) {
+        self.checking.retain(|c| {
+            if c.key == key {
+                c.verdict.wait();
+            }
+            c.key != key
+        });
     }
 
     /// The next handshake message of connection `token` arrived: answers
@@ -1368,7 +1519,10 @@ impl TcpTransport {
             && entry.attempt == attempt
         {
             entry.received = 0;
+            entry.unverified = 0;
+            entry.resets += 1;
             self.detach_readers(key);
+            self.settle_checks(key);
         }
         self.stats.bad_tags += 1;
         let what = format!("slice for slot {} refused: {why}", key.slot);
@@ -1576,6 +1730,8 @@ impl TcpTransport {
                         base,
                         total: frame.total_len,
                         received: 0,
+                        unverified: 0,
+                        resets: 0,
                         deadline_ns: now_ns + self.config.transfer_timeout_ns,
                     },
                 );
@@ -1642,6 +1798,8 @@ impl TcpTransport {
                                 base,
                                 total: frame.total_len,
                                 received: 0,
+                                unverified: 0,
+                                resets: 0,
                                 deadline_ns: now_ns + self.config.transfer_timeout_ns,
                             },
                         );
@@ -1653,8 +1811,13 @@ impl TcpTransport {
         };
         if restarted {
             // Slices of the older attempt still arriving on other
-            // connections must not write into the slot any more.
+            // connections must not write into the slot any more, nor tag
+            // threads read it.
             self.detach_readers(key);
+            self.settle_checks(key);
+            if let Some(entry) = self.landing.get_mut(&key) {
+                entry.unverified = 0;
+            }
         }
         let len = frame.slice_len as usize;
         let Some(stream) = self.streams[token].as_mut() else { return };
@@ -1720,37 +1883,23 @@ impl TcpTransport {
             if !stream.connected || stream.queue.is_empty() {
                 return busy;
             }
-            // Tags for the frames about to go, made in the order they go
-            // (a few MiB ahead at most).
-            if let Link::Ready(session) = &mut stream.link {
-                let mut ahead = 0;
-                for frame in stream.queue.iter_mut().take(FRAMES_PER_WRITE) {
-                    if !frame.sealed {
-                        if ahead > SEAL_AHEAD_BYTES {
-                            break;
-                        }
-                        let payload: &[u8] = if frame.len == 0 {
-                            &[]
-                        } else {
-                            // SAFETY: the caller of `write` keeps the source
-                            // valid and unchanged for `len` bytes until the
-                            // transfer completes.
-                            unsafe { core::slice::from_raw_parts(frame.bytes, frame.len) }
-                        };
-                        let tags = session.seal(&frame.header[..FRAME_HEADER_BYTES], payload);
-                        frame.header[FRAME_HEADER_BYTES..].copy_from_slice(&tags);
-                        frame.sealed = true;
-                    }
-                    ahead += frame.total() - frame.sent;
-                }
-            }
+            self.stats.sealed_later += seal_ahead(stream, self.config.tags_later);
             let authenticated = !matches!(stream.link, Link::Plain);
-            let mut slices: [IoSlice<'_>; FRAMES_PER_WRITE * 2] = [IoSlice::new(&[]); FRAMES_PER_WRITE * 2];
-            let mut count = 0;
-            for frame in stream.queue.iter().take(FRAMES_PER_WRITE) {
-                if authenticated && !frame.sealed {
+            // Frames whose tags are made go; one still being tagged holds
+            // those behind it (a frame's tags follow the ones before it).
+            let mut going = 0;
+            for frame in stream.queue.iter_mut().take(FRAMES_PER_WRITE) {
+                if !frame.ready(authenticated) {
                     break;
                 }
+                going += 1;
+            }
+            if going == 0 {
+                return busy;
+            }
+            let mut slices: [IoSlice<'_>; FRAMES_PER_WRITE * 2] = [IoSlice::new(&[]); FRAMES_PER_WRITE * 2];
+            let mut count = 0;
+            for frame in stream.queue.iter().take(going) {
                 if frame.sent < frame.prefix {
                     slices[count] = IoSlice::new(&frame.header[frame.sent..frame.prefix]);
                     count += 1;
@@ -1820,6 +1969,8 @@ impl TcpTransport {
     /// sender's next attempt, or their deadline.
     fn lose(&mut self, token: usize, why: &str) {
         let Some(mut stream) = self.streams[token].take() else { return };
+        // Tags still being made read their frames' sources: done first.
+        settle(&stream);
         let _ = self.poll.registry().deregister(&mut stream.socket);
         self.stats.streams_lost += 1;
         let Some((peer, index)) = stream.peer else { return };
@@ -1931,8 +2082,10 @@ impl TcpTransport {
             self.landing.iter().filter(|(_, l)| l.deadline_ns <= now_ns).map(|(&k, _)| k).collect();
         for key in stale {
             self.landing.remove(&key);
-            // Nothing writes into the slot once it is given back.
+            // Nothing writes into the slot once it is given back, nor
+            // reads it.
             self.detach_readers(key);
+            self.settle_checks(key);
             landing.abandoned(&key);
         }
         let keep_ns = self.config.transfer_timeout_ns;
@@ -1955,6 +2108,71 @@ impl TcpTransport {
 
 /// A non-blocking connection to `remote` leaving from `local` (a rail's
 /// interface): bound first, then connected.
+/// Waits for the tags still being made for `stream`'s frames (their tag
+/// threads read the frames' bytes).
+fn settle(stream: &Stream) {
+    for frame in &stream.queue {
+        if let Some(later) = &frame.later {
+            later.wait();
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        // No tag thread may read a source or a slot once the transport is
+        // gone and its callers take their memory back.
+        for stream in self.streams.iter().flatten() {
+            settle(stream);
+        }
+        for check in &self.checking {
+            check.verdict.wait();
+        }
+    }
+}
+
+/// Tags for the frames about to go on an authenticated connection, in the
+/// order they go (a few MiB ahead at most); a large payload's are made on
+/// the tag threads while the connection sends what is ready.
+/// Returns how many frames' tags went to the tag threads.
+fn seal_ahead(stream: &mut Stream, later: bool) -> u64 {
+    let Link::Ready(session) = &mut stream.link else { return 0 };
+    let (mut ahead, mut sent_off) = (0, 0);
+    for frame in stream.queue.iter_mut().take(FRAMES_PER_WRITE) {
+        if !frame.sealed {
+            if ahead > SEAL_AHEAD_BYTES {
+                break;
+            }
+            let mut header = [0u8; FRAME_HEADER_BYTES];
+            header.copy_from_slice(&frame.header[..FRAME_HEADER_BYTES]);
+            // The caller of `write` keeps the source valid and unchanged
+            // for `len` bytes until the transfer completes, and a
+            // transfer's completion is held while a frame of it is queued
+            // (`TcpTransport::release_done`) or being tagged (`settle`); a
+            // frame's own bytes live with its connection.
+            let sealed = if later {
+                // SAFETY: as just said.
+                unsafe { session.seal_later(&header, frame.bytes, frame.len) }
+            } else if frame.len == 0 {
+                Err(session.seal(&header, &[]))
+            } else {
+                // SAFETY: as just said.
+                Err(session.seal(&header, unsafe { core::slice::from_raw_parts(frame.bytes, frame.len) }))
+            };
+            match sealed {
+                Ok(later) => {
+                    frame.later = Some(later);
+                    sent_off += 1;
+                }
+                Err(tags) => frame.header[FRAME_HEADER_BYTES..].copy_from_slice(&tags),
+            }
+            frame.sealed = true;
+        }
+        ahead += frame.total() - frame.sent;
+    }
+    sent_off
+}
+
 fn connect_from(local: std::net::IpAddr, remote: SocketAddr) -> std::io::Result<TcpStream> {
     use std::os::fd::FromRawFd;
     let domain = if remote.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
