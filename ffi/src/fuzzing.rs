@@ -146,6 +146,28 @@ impl core::fmt::Debug for PoolHarness {
 /// process ends.
 static REGISTERED: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
 
+/// The harness pool's layout: 2 layers of K and V, 2 heads of 64 f16, 16
+/// tokens a block — 4 pieces of 4 KiB a block.
+fn harness_layout() -> LakeLayoutOptions {
+    LakeLayoutOptions {
+        struct_size: size_of::<LakeLayoutOptions>(),
+        layers: 2,
+        planes: 2,
+        kv_heads: 2,
+        shard_start: 0,
+        shard_end: 2,
+        head_dim: 64,
+        dtype: 1,
+        block_tokens: 16,
+        layers_per_segment: 1,
+    }
+}
+
+/// Bytes of one piece of one block in [`harness_layout`] (16 tokens × 2
+/// heads × 128 bytes), and its pieces.
+const HARNESS_PIECE_BYTES: usize = 16 * 2 * 128;
+const HARNESS_PIECES: usize = 4;
+
 /// Registrations the harness makes at most, and bytes each.
 const HARNESS_REGISTRATIONS_MAX: usize = 8;
 const HARNESS_MEMORY_MAX: usize = 4 << 20;
@@ -162,6 +184,15 @@ impl PoolHarness {
             extra_keys_digest: [0; 32],
             key_scheme: 1,
         };
+        // The pool's layout: KV memory registered with it gets past the
+        // fingerprint check to the rest.
+        let layout = harness_layout();
+        let mut info = LakeLayoutInfo { struct_size: size_of::<LakeLayoutInfo>(), ..LakeLayoutInfo::default() };
+        // SAFETY: both live.
+        let status = unsafe { lake_layout_describe(&layout, &mut info) };
+        if status != LakeStatus::LakeOk {
+            return Err(status);
+        }
         let mut namespace = core::ptr::null_mut();
         // SAFETY: live options and out pointer.
         let status = unsafe { lake_namespace_new(&options, &mut namespace) };
@@ -177,12 +208,12 @@ impl PoolHarness {
             cp_socket: cp.as_ptr(),
             name: c"fuzz".as_ptr(),
             namespace,
-            layout_fingerprint: 0xf022,
+            layout_fingerprint: info.fingerprint,
             segment_bytes: 4096,
             pin_agent: 0,
             agent_core: 0,
             copy_threads: 1,
-            shard_code: 0,
+            shard_code: info.shard_code,
             object_kind: 1,
         };
         let mut pool = core::ptr::null_mut();
@@ -198,9 +229,10 @@ impl PoolHarness {
     pub fn exercise(&mut self, data: &[u8]) {
         use crate::pool::{
             LakeCompletion, LakeLocation, LakeStats, lake_alive, lake_cancel, lake_lease, lake_lease_release,
-            lake_lookup, lake_lookup_pinned, lake_lookup_shards, lake_lookup_state, lake_pins_release, lake_poll,
-            lake_register_host_memory, lake_report_resident, lake_slot_space, lake_stats, lake_submit_load,
-            lake_submit_save,
+            lake_load_pinned, lake_lookup, lake_lookup_pinned, lake_lookup_shards, lake_lookup_state,
+            lake_pins_release, lake_poll, lake_push, lake_push_rails, lake_register_host_memory,
+            lake_register_kv_memory, lake_report_resident, lake_slot_space, lake_stats, lake_submit_load,
+            lake_submit_save, lake_submit_save_on_stream, lake_wait_layer,
         };
         let mut input = data;
         let byte = |input: &mut &[u8]| -> u8 {
@@ -222,7 +254,7 @@ impl PoolHarness {
             if input.is_empty() {
                 return;
             }
-            let op = byte(&mut input) % 10;
+            let op = byte(&mut input) % 14;
             let count = usize::from(byte(&mut input) % 40);
             let capacity = usize::from(byte(&mut input) % 48);
             // Keys: some from the namespace's chain (they may hit), the
@@ -303,6 +335,18 @@ impl PoolHarness {
                     };
                     if no_panic(s, "lake_lookup_pinned") == LakeStatus::LakeOk {
                         assert!(hits <= count.min(capacity));
+                        // Copied out into a registered memory, or any id.
+                        let pick = byte(&mut input);
+                        let memory_id = self.memory.get(usize::from(pick) % 9).map_or(u32::from(pick), |m| m.0);
+                        let blocks = usize::from(byte(&mut input) % 48);
+                        let indices: Vec<u32> = (0..blocks).map(|_| word(&mut input) % 80).collect();
+                        let mut statuses = vec![LakeStatus::LakeOk; blocks];
+                        // SAFETY: live pins, `blocks` indices and statuses;
+                        // the memory registered lives for the process.
+                        let s = unsafe {
+                            lake_load_pinned(pool, pins, memory_id, indices.as_ptr(), blocks, statuses.as_mut_ptr())
+                        };
+                        no_panic(s, "lake_load_pinned");
                     }
                     // SAFETY: null or from lake_lookup_pinned, released once.
                     unsafe { lake_pins_release(pins) };
@@ -325,14 +369,30 @@ impl PoolHarness {
                         REGISTERED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(memory);
                     }
                 }
-                7 | 8 => {
+                7 | 8 | 12 => {
                     // A memory id the harness registered, or any.
                     let pick = byte(&mut input);
                     let memory_id = self.memory.get(usize::from(pick) % 9).map_or(u32::from(pick), |m| m.0);
                     let indices: Vec<u32> = (0..count).map(|_| word(&mut input) % 80).collect();
                     let priority = u32::from(byte(&mut input) % 7);
                     let mut request = 0u64;
-                    let s = if op == 7 {
+                    let s = if op == 12 {
+                        // SAFETY: as lake_submit_save; stream 0 (the legacy
+                        // default), which host memory does not use.
+                        unsafe {
+                            lake_submit_save_on_stream(
+                                pool,
+                                memory_id,
+                                core::ptr::null(),
+                                keys.as_ptr(),
+                                indices.as_ptr(),
+                                count,
+                                priority,
+                                0,
+                                &mut request,
+                            )
+                        }
+                    } else if op == 7 {
                         // SAFETY: `count` keys and block indices, a live out;
                         // the memory registered lives for the process.
                         unsafe {
@@ -372,6 +432,122 @@ impl PoolHarness {
                     if no_panic(s, "lake_submit_save/load") == LakeStatus::LakeOk {
                         self.requests.push(request);
                     }
+                }
+                10 => {
+                    // A push to an address of a few (bounded peers: each
+                    // keeps its connections), good, refused or malformed.
+                    const ADDRESSES: [&core::ffi::CStr; 6] = [
+                        c"127.0.0.1:9",
+                        c"",
+                        c"not an address",
+                        c"10.255.255.1>127.0.0.1:9",
+                        c"127.0.0.1:9,127.0.0.1:10",
+                        c"127.0.0.1:99999",
+                    ];
+                    let address = ADDRESSES[usize::from(byte(&mut input)) % ADDRESSES.len()];
+                    for location in table.iter_mut().take(count) {
+                        location.tier = byte(&mut input) % 4;
+                        location.region = u16::from(byte(&mut input));
+                        location.slot = word(&mut input);
+                        location.generation = word(&mut input);
+                    }
+                    let (region, epoch) = (u16::from(byte(&mut input)), u64::from(word(&mut input)));
+                    let priority = u32::from(byte(&mut input) % 7);
+                    let mut request = 0u64;
+                    // SAFETY: a C string, `count` keys and locations, a live out.
+                    let s = unsafe {
+                        lake_push(
+                            pool,
+                            address.as_ptr(),
+                            keys.as_ptr(),
+                            table.as_ptr(),
+                            count,
+                            region,
+                            epoch,
+                            priority,
+                            &mut request,
+                        )
+                    };
+                    if no_panic(s, "lake_push") == LakeStatus::LakeOk {
+                        self.requests.push(request);
+                    }
+                    let empty = crate::pool::LakeRailStat {
+                        peer: 0,
+                        rail: 0,
+                        up: 0,
+                        reserved: 0,
+                        bytes: 0,
+                        breaks: 0,
+                        address: [0; 64],
+                    };
+                    let mut rails = vec![empty; capacity % 9];
+                    let mut written = usize::MAX;
+                    // SAFETY: `rails.len()` writable entries, a live out.
+                    let s = unsafe { lake_push_rails(pool, rails.as_mut_ptr(), rails.len(), &mut written) };
+                    no_panic(s, "lake_push_rails");
+                }
+                11 => {
+                    // Any request id and layer, on the legacy default stream.
+                    let id = self.requests.last().copied().unwrap_or(0) ^ u64::from(byte(&mut input) & 1);
+                    // SAFETY: a pool handle; stream 0.
+                    no_panic(unsafe { lake_wait_layer(pool, id, word(&mut input), 0) }, "lake_wait_layer");
+                }
+                13 => {
+                    // KV memory: the pool's layout or any; pieces laid out
+                    // right over memory the harness keeps (then loads and
+                    // saves scatter and gather through them), or none, or
+                    // too few; any sizes, counts and memory kinds (a GPU one
+                    // fails cleanly where there is none).
+                    let mut layout: LakeLayoutOptions = take(&mut input);
+                    let flags = byte(&mut input);
+                    if flags & 1 == 1 {
+                        layout.struct_size = size_of::<LakeLayoutOptions>();
+                    }
+                    if flags & 2 == 2 {
+                        layout = harness_layout();
+                    }
+                    let block_count = if flags & 4 == 4 { u32::from(byte(&mut input) % 64) } else { word(&mut input) };
+                    let with_pieces =
+                        flags & 8 == 8 && block_count <= 64 && self.memory.len() < HARNESS_REGISTRATIONS_MAX;
+                    let block_bytes = HARNESS_PIECE_BYTES * HARNESS_PIECES;
+                    let mut memory = vec![0u8; if with_pieces { block_bytes * block_count.max(1) as usize } else { 0 }];
+                    let base = memory.as_mut_ptr() as usize;
+                    // Block b's piece p at (b × pieces + p) × piece bytes;
+                    // tokens of 2 heads of 128 bytes.
+                    let pieces: Vec<crate::pool::LakeKvPiece> = (0..HARNESS_PIECES)
+                        .map(|p| crate::pool::LakeKvPiece {
+                            address: base + p * HARNESS_PIECE_BYTES,
+                            block_stride: i64::try_from(block_bytes).unwrap_or(0),
+                            token_stride: 256,
+                            head_stride: 128,
+                        })
+                        .collect();
+                    let piece_count = if with_pieces { HARNESS_PIECES - usize::from(flags & 16 == 16) } else { 0 };
+                    let options = crate::pool::LakeKvMemoryOptions {
+                        struct_size: if byte(&mut input) & 1 == 1 {
+                            size_of::<crate::pool::LakeKvMemoryOptions>()
+                        } else {
+                            word(&mut input) as usize
+                        },
+                        layout: if byte(&mut input) & 1 == 1 { &raw const layout } else { core::ptr::null() },
+                        block_count,
+                        pieces: if with_pieces { pieces.as_ptr() } else { core::ptr::null() },
+                        piece_count,
+                        memory_kind: u32::from(byte(&mut input) % 3),
+                        device: u32::from(byte(&mut input) % 2),
+                        gpu_path: u32::from(byte(&mut input) % 3),
+                        layer_groups: u32::from(byte(&mut input)),
+                    };
+                    let mut id = u32::MAX;
+                    // SAFETY: live options (a live layout or null; pieces
+                    // null or `piece_count` of them, each block's bytes in
+                    // `memory`, kept for the process), a live out.
+                    let s = unsafe { lake_register_kv_memory(pool, &options, &mut id) };
+                    if no_panic(s, "lake_register_kv_memory") == LakeStatus::LakeOk {
+                        assert!(with_pieces && piece_count == HARNESS_PIECES, "registered with {piece_count} pieces");
+                        self.memory.push((id, block_count));
+                    }
+                    REGISTERED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(memory);
                 }
                 _ => {
                     // The bookkeeping calls, with any request id.

@@ -1,8 +1,12 @@
 //! The C ABI's entry points that take a pool handle (issue [9]), on one
 //! embedded pool started and attached once per fuzzing process:
 //! `lake::fuzzing::PoolHarness::exercise` runs lookups, leases, residency
-//! reports, pinned lookups, memory registration, saves, loads with any
-//! block tables, and the bookkeeping calls, with the input's keys,
+//! reports, pinned lookups and their copies out (`lake_load_pinned`), host
+//! and KV memory registration (`lake_register_kv_memory`: any options, and
+//! pieces laid out right over memory it keeps), saves (also on a stream),
+//! loads with any block tables, layer waits, pushes to good, refused and
+//! malformed addresses and their rail figures, and the bookkeeping calls,
+//! with the input's keys,
 //! counts, capacities, indices, priorities and ids. Any values give a
 //! status, never a panic (not even one the boundary catches), and what
 //! succeeds is consistent. See ffi/src/fuzzing.rs.
