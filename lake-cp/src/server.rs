@@ -337,7 +337,7 @@ impl Server {
             node: node.node().0,
             pid: std::process::id(),
             region_epoch: 0,
-            features: 0,
+            features: lake_dp::wire::FEATURES,
             name: "lake-cp",
         };
         let local_hello =

@@ -123,6 +123,9 @@ pub struct CpLinkCounters {
     pub stale_terms: u64,
     /// Commands refused because a newer term could not be made durable.
     pub fence_errors: u64,
+    /// Rail reports not sent: the control plane does not take them (an
+    /// older build, [`crate::wire::FEATURE_RAIL_STATS`]).
+    pub rails_withheld: u64,
 }
 
 /// The link. See the module docs.
@@ -274,6 +277,11 @@ impl CpLink {
     /// Reports what each rail of a transport carried.
     pub fn rails(&mut self, network: crate::wire::message::Network, rails: &[crate::wire::message::RailEntry]) {
         use crate::wire::message::{RAILS_REPORTED_MAX, RailStats};
+        // Only to a control plane that said it takes them.
+        if self.ack.features & crate::wire::FEATURE_RAIL_STATS == 0 {
+            self.counters.rails_withheld += 1;
+            return;
+        }
         for chunk in rails.chunks(RAILS_REPORTED_MAX) {
             let count = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
             let head = RailStats { count, network: network as u8, reserved: [0; 3] };

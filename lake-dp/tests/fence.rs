@@ -114,3 +114,66 @@ fn a_command_of_an_older_term_is_refused_and_the_term_outlives_a_restart() {
     assert!(!fence.admit(4).unwrap());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A stand-in control plane offering `features`: it answers the hello,
+/// then reads frames until a `DataPlaneStats` (sent after any rail report)
+/// and says whether a `RailStats` came first.
+fn control_plane(socket: &std::path::Path, features: u64) -> std::thread::JoinHandle<bool> {
+    let listener = UnixListener::bind(socket).unwrap();
+    std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        let remote = read_until(&mut stream, |f| match f.message {
+            Message::Hello(h) => Some(h),
+            _ => None,
+        });
+        let identity = Identity { role: Role::ControlPlane, node: 1, pid: 1, region_epoch: 0, features, name: "cp" };
+        let ack = hello::accept(&hello::hello(&identity).unwrap(), &remote, 1).unwrap();
+        let reply = FrameMeta { version: HELLO_WIRE_VERSION, flags: FLAG_REPLY, request_id: 1, leader_term: 1 };
+        send(&mut stream, reply, &Message::HelloAck(ack));
+        let mut rails = false;
+        read_until(&mut stream, |f| match f.message {
+            Message::RailStats(..) => {
+                rails = true;
+                None
+            }
+            Message::DataPlaneStats(_) => Some(()),
+            _ => None,
+        });
+        rails
+    })
+}
+
+#[test]
+fn rail_reports_go_only_to_a_control_plane_that_takes_them() {
+    use lake_dp::wire::message::{Network, RailEntry};
+    let dir = std::env::temp_dir().join(format!("lake-rails-feature-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // A control plane built before kind 24 offers no features (it would
+    // close the link on one); this build's offers the bit.
+    for (name, features, sent) in [("old", 0, false), ("new", lake_dp::wire::FEATURE_RAIL_STATS, true)] {
+        let socket = dir.join(format!("{name}.sock"));
+        let cp = control_plane(&socket, features);
+        let identity = Identity {
+            role: Role::DataPlane,
+            node: 1,
+            pid: 2,
+            region_epoch: 1,
+            features: lake_dp::wire::FEATURES,
+            name: "dp",
+        };
+        let mut link = CpLink::connect(&socket, &identity, Duration::from_secs(10)).unwrap();
+        let entry = RailEntry { node: 2, rail: 0, up: 1, reserved: 0, bytes: 4096, breaks: 0 };
+        link.rails(Network::Storage, &[entry]);
+        link.stats(&bytemuck::Zeroable::zeroed());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cp.is_finished() {
+            assert!(Instant::now() < deadline, "the stand-in never got the stats");
+            let _ = link.pump();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(cp.join().unwrap(), sent, "{name} control plane");
+        assert_eq!(link.counters.rails_withheld, u64::from(!sent), "{name} control plane");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -357,3 +357,58 @@ fn a_replayed_or_truncated_frame_is_refused_tags_later() {
 fn bytes_flipped_on_the_path_are_caught_and_the_block_sent_again_tags_later() {
     tags_later(bytes_flipped_on_the_path_are_caught_and_the_block_sent_again);
 }
+
+/// Polls `sender` and `receiver` until `want` completions; each must land.
+fn send_and_land(sender: &mut TcpTransport, peer: PeerId, receiver: &mut TcpTransport, node: &mut Node, first: u32) {
+    let start = Instant::now();
+    let objects: Vec<Vec<u8>> = (0..4).map(|i| object(first + i, 150_000 + 1000 * i as usize, first + i)).collect();
+    for (i, bytes) in objects.iter().enumerate() {
+        let target = node.reserve(first + i as u32, 1);
+        // SAFETY: `objects` outlives every completion, driven below.
+        unsafe {
+            sender
+                .write(&outgoing(u64::from(first) + i as u64, peer, bytes, target, Priority::WriteBack), now_ns(start))
+        }
+        .unwrap();
+    }
+    let done = drive(sender, receiver, node, start, objects.len());
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+}
+
+#[test]
+fn nodes_one_link_version_apart_move_blocks_and_speak_the_latest_once_both_do() {
+    // A rolling upgrade: this build (link version 2) beside one a release
+    // behind (version 1: it offers 1, and refuses a later offer naming 1,
+    // as version 1 code does) — held there with speak_link_versions_up_to.
+    let mut node = Node::new(16);
+    let mut old = TcpTransport::new(config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    old.authenticate(key(), 2).unwrap();
+    old.speak_link_versions_up_to(1).unwrap();
+    let address = old.local_addr().unwrap();
+    // New → old: its first offer is refused, it offers 1 and blocks land.
+    let (mut new, peer) = sender(Some(key()), address);
+    send_and_land(&mut new, peer, &mut old, &mut node, 0);
+    assert_eq!(new.link_version(peer), Some(1));
+    assert!(old.stats.handshakes_refused >= 1, "the old node refused version 2 first");
+    assert!(events_mention(&new.take_security_events(), "speaking link version 1"));
+    // Old → new: it offers 1, the new node answers in 1, nothing refused.
+    let (mut receiver, new_address) = receiver();
+    let mut behind = TcpTransport::new(config(), None).unwrap();
+    behind.authenticate(key(), 3).unwrap();
+    behind.speak_link_versions_up_to(1).unwrap();
+    let to_new = behind.add_peer(new_address).unwrap();
+    send_and_land(&mut behind, to_new, &mut receiver, &mut node, 4);
+    assert_eq!(receiver.stats.handshakes_refused, 0);
+    // The old node is upgraded in place (same address): the new sender's
+    // links break, and its next handshakes offer 2 again — and get it.
+    drop(old);
+    let mut upgraded = TcpTransport::new(config(), Some(address)).unwrap();
+    upgraded.authenticate(key(), 2).unwrap();
+    send_and_land(&mut new, peer, &mut upgraded, &mut node, 8);
+    assert_eq!(new.link_version(peer), Some(2));
+    assert_eq!(upgraded.stats.handshakes_refused, 0);
+    assert_eq!(node.published.len(), 12);
+    // A version this build does not speak is refused by name.
+    let mut odd = TcpTransport::new(config(), None).unwrap();
+    assert!(odd.speak_link_versions_up_to(3).unwrap_err().0.contains("speaks 1 to 2"));
+}

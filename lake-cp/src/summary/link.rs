@@ -229,6 +229,9 @@ pub struct Uplink {
     retry_at: Instant,
     wait: Duration,
     request: u64,
+    /// The link version its handshakes offer: the latest, until a leader
+    /// says it speaks only an older one (a rolling upgrade).
+    link_version: u8,
     /// What it has done.
     pub counters: UplinkCounters,
 }
@@ -249,6 +252,7 @@ impl Uplink {
             retry_at: Instant::now(),
             wait: Duration::from_millis(50),
             request: 0,
+            link_version: lake_dp::auth::handshake::AUTH_VERSION,
             counters: UplinkCounters::default(),
         }
     }
@@ -302,7 +306,7 @@ impl Uplink {
         }
         let link = match &self.key {
             None => None,
-            Some(key) => match RecordLink::client(key, u64::from(self.node), RECORD_MAX) {
+            Some(key) => match RecordLink::client_offering(key, u64::from(self.node), RECORD_MAX, self.link_version) {
                 Ok(link) => Some(link),
                 Err(_) => return,
             },
@@ -370,7 +374,17 @@ impl Uplink {
                 self.last_refusal = Some(e.to_string());
                 // Told why (a wrong key's answer) before the close, if it can.
                 wire.write();
-                return self.close();
+                self.close();
+                // A leader one release behind: its version from the next
+                // connection on, made at once.
+                if let AuthError::Version(v) = e
+                    && lake_dp::auth::handshake::speaks(v)
+                    && v < self.link_version
+                {
+                    self.link_version = v;
+                    self.retry_at = Instant::now();
+                }
+                return;
             }
         };
         if !open || wire.unsent() > OUTPUT_MAX {

@@ -5,7 +5,7 @@
 //!
 //! | message | bytes | fields |
 //! |---|---:|---|
-//! | client hello | 64 | magic `LKAU`, version 1, kind 1, key id, node id, the client's 32-byte nonce |
+//! | client hello | 64 | magic `LKAU`, version, kind 1, key id, node id, the client's 32-byte nonce |
 //! | server hello | 96 | magic, version, kind 2, status, key id, node id, the server's nonce, the server's 32-byte proof |
 //! | client finish | 32 | the client's proof |
 //!
@@ -15,8 +15,19 @@
 //! nothing on another (each side's nonce is fresh). The session's four
 //! keys (each direction's header and payload keys) are derived from the
 //! link key and the whole transcript. A server that holds another key, or
-//! speaks another version, answers with a status saying so (and no proof)
-//! and closes, so the operator on either side reads which.
+//! does not speak the version offered, answers with a status saying so
+//! (and no proof, and for a version the latest it speaks) and closes, so
+//! the operator on either side reads which.
+//!
+//! Versions, for rolling upgrades: a client offers the latest it speaks
+//! to that peer; a server takes any version from [`AUTH_VERSION_MIN`] to
+//! its latest and answers in it, and refuses a later one naming its own
+//! latest, which the client then offers on its next connection (as
+//! version 1 code answers version 2). Both proofs cover the version bytes,
+//! so what a completed handshake settled on was not changed on the way; a
+//! forged refusal can only make two nodes speak an older version, which
+//! is as safe (version 1's tags are as strong; they spread less well over
+//! threads).
 
 use super::key::LinkKey;
 use super::session::Session;
@@ -35,6 +46,10 @@ pub const AUTH_MAGIC: [u8; 4] = *b"LKAU";
 /// the bytes before the sequence number, so it can be spread over threads;
 /// a peer speaking 1 is told so by the handshake).
 pub const AUTH_VERSION: u8 = 2;
+
+/// The oldest link protocol version this code still speaks (to a peer
+/// one release behind during a rolling upgrade).
+pub const AUTH_VERSION_MIN: u8 = 1;
 
 const KIND_CLIENT_HELLO: u8 = 1;
 const KIND_SERVER_HELLO: u8 = 2;
@@ -80,15 +95,21 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(word)
 }
 
-/// The opening checks every handshake message gets: magic, version, kind.
-fn check_opening(bytes: &[u8], kind: u8) -> Result<(), AuthError> {
+/// The opening checks every handshake message gets: magic, kind, a
+/// version from [`AUTH_VERSION_MIN`] to `latest`.
+fn check_opening(bytes: &[u8], kind: u8, latest: u8) -> Result<(), AuthError> {
     if bytes[..4] != AUTH_MAGIC || bytes[5] != kind {
         return Err(AuthError::NotAHandshake);
     }
-    if bytes[4] != AUTH_VERSION {
+    if !(AUTH_VERSION_MIN..=latest).contains(&bytes[4]) {
         return Err(AuthError::Version(bytes[4]));
     }
     Ok(())
+}
+
+/// Whether this code speaks link version `version`.
+pub fn speaks(version: u8) -> bool {
+    (AUTH_VERSION_MIN..=AUTH_VERSION).contains(&version)
 }
 
 /// The client's side, between its hello and the server's answer.
@@ -99,12 +120,19 @@ pub struct ClientHandshake {
 }
 
 impl ClientHandshake {
-    /// Starts a handshake as `node` with `nonce` (fresh: [`super::nonce`]);
-    /// returns it and the hello to send.
+    /// Starts a handshake as `node` with `nonce` (fresh: [`super::nonce`]),
+    /// offering the latest version; returns it and the hello to send.
     pub fn start(key: &LinkKey, node: u64, nonce: [u8; 32]) -> (Self, [u8; CLIENT_HELLO_BYTES]) {
+        Self::offering(key, node, nonce, AUTH_VERSION)
+    }
+
+    /// [`ClientHandshake::start`], offering `version` (one this code
+    /// speaks, [`speaks`]; else the latest): to a peer that refused a
+    /// later one.
+    pub fn offering(key: &LinkKey, node: u64, nonce: [u8; 32], version: u8) -> (Self, [u8; CLIENT_HELLO_BYTES]) {
         let mut hello = [0u8; CLIENT_HELLO_BYTES];
         hello[..4].copy_from_slice(&AUTH_MAGIC);
-        hello[4] = AUTH_VERSION;
+        hello[4] = if speaks(version) { version } else { AUTH_VERSION };
         hello[5] = KIND_CLIENT_HELLO;
         hello[8..16].copy_from_slice(&key.id().to_le_bytes());
         hello[16..24].copy_from_slice(&node.to_le_bytes());
@@ -118,13 +146,22 @@ impl ClientHandshake {
         self,
         answer: &[u8; SERVER_HELLO_BYTES],
     ) -> Result<([u8; CLIENT_FINISH_BYTES], Session, u64), AuthError> {
-        check_opening(answer, KIND_SERVER_HELLO)?;
+        // A refusal may come in any version (a later server's, or an
+        // earlier one naming the latest it speaks).
+        if answer[..4] != AUTH_MAGIC || answer[5] != KIND_SERVER_HELLO {
+            return Err(AuthError::NotAHandshake);
+        }
         let theirs = u64_at(answer, 8);
         match answer[6] {
             STATUS_OK => {}
             STATUS_WRONG_KEY => return Err(AuthError::WrongKey { theirs, ours: self.key.id() }),
             STATUS_VERSION => return Err(AuthError::Version(answer[7])),
             _ => return Err(AuthError::NotAHandshake),
+        }
+        // Accepted: in the version offered, and no other.
+        let version = self.hello[4];
+        if answer[4] != version {
+            return Err(AuthError::Version(answer[4]));
         }
         if theirs != self.key.id() {
             return Err(AuthError::WrongKey { theirs, ours: self.key.id() });
@@ -135,7 +172,7 @@ impl ClientHandshake {
         }
         let finish = proof(&self.key, b"client", &[&self.hello, answer]);
         let keys = session_keys(&self.key, &self.hello, answer);
-        Ok((finish, Session::client(keys), u64_at(answer, 16)))
+        Ok((finish, Session::client(keys, version), u64_at(answer, 16)))
     }
 }
 
@@ -156,9 +193,10 @@ pub struct ServerHandshake {
 }
 
 impl ServerHandshake {
-    /// Answers a client's hello as `node` with `nonce`. On an error the
-    /// bytes to send before closing come with it, if any (a status the
-    /// client can report: another key, another version).
+    /// Answers a client's hello as `node` with `nonce`, speaking any
+    /// version up to the latest. On an error the bytes to send before
+    /// closing come with it, if any (a status the client can report:
+    /// another key, another version).
     #[allow(clippy::result_large_err)] // the refusal carries the answer to send
     pub fn answer(
         key: &LinkKey,
@@ -166,21 +204,37 @@ impl ServerHandshake {
         nonce: [u8; 32],
         hello: &[u8; CLIENT_HELLO_BYTES],
     ) -> Result<(Self, ServerHello), Refusal> {
+        Self::answer_up_to(key, node, nonce, hello, AUTH_VERSION)
+    }
+
+    /// [`ServerHandshake::answer`], speaking versions up to `latest` (a
+    /// node held at an older version while its peers are upgraded).
+    #[allow(clippy::result_large_err)] // the refusal carries the answer to send
+    pub fn answer_up_to(
+        key: &LinkKey,
+        node: u64,
+        nonce: [u8; 32],
+        hello: &[u8; CLIENT_HELLO_BYTES],
+        latest: u8,
+    ) -> Result<(Self, ServerHello), Refusal> {
+        let latest = if speaks(latest) { latest } else { AUTH_VERSION };
         let mut answer = [0u8; SERVER_HELLO_BYTES];
         answer[..4].copy_from_slice(&AUTH_MAGIC);
-        answer[4] = AUTH_VERSION;
+        answer[4] = latest;
         answer[5] = KIND_SERVER_HELLO;
         answer[8..16].copy_from_slice(&key.id().to_le_bytes());
         answer[16..24].copy_from_slice(&node.to_le_bytes());
-        match check_opening(hello, KIND_CLIENT_HELLO) {
+        match check_opening(hello, KIND_CLIENT_HELLO, latest) {
             Ok(()) => {}
             Err(AuthError::Version(v)) => {
                 answer[6] = STATUS_VERSION;
-                answer[7] = AUTH_VERSION;
+                answer[7] = latest;
                 return Err((AuthError::Version(v), Some(answer)));
             }
             Err(e) => return Err((e, None)),
         }
+        // In the client's version.
+        answer[4] = hello[4];
         let theirs = u64_at(hello, 8);
         if theirs != key.id() {
             answer[6] = STATUS_WRONG_KEY;
@@ -200,7 +254,8 @@ impl ServerHandshake {
         if !tags_equal(&expected, finish) {
             return Err(AuthError::BadProof);
         }
-        Ok((Session::server(session_keys(&self.key, &self.hello, &self.answer)), self.peer_node))
+        let version = self.answer[4];
+        Ok((Session::server(session_keys(&self.key, &self.hello, &self.answer), version), self.peer_node))
     }
 }
 
@@ -252,6 +307,42 @@ mod tests {
         let (_, old_answer) = ServerHandshake::answer(&key, 2, [3; 32], &hello).unwrap();
         let (old_finish, _, _) = client.finish(&old_answer).unwrap();
         assert_eq!(server.finish(&old_finish).unwrap_err(), AuthError::BadProof);
+    }
+
+    #[test]
+    fn versions_settle_on_the_older_side_and_a_later_offer_is_told_the_latest() {
+        let key = LinkKey::from_bytes([9; 32]);
+        // An older client (version 1) to this server: answered in 1.
+        let (client, hello) = ClientHandshake::offering(&key, 1, [1; 32], 1);
+        assert_eq!(hello[4], 1);
+        let (server, answer) = ServerHandshake::answer(&key, 2, [2; 32], &hello).unwrap();
+        let (finish, mut ours, _) = client.finish(&answer).unwrap();
+        let (mut theirs, _) = server.finish(&finish).unwrap();
+        assert_eq!((ours.version(), theirs.version()), (1, 1));
+        let tags = ours.seal(b"h", b"p");
+        assert!(theirs.open_header(b"h", &tags).unwrap().verify(b"p").is_ok());
+        // This client to a server held at 1 (as version 1 code was): told
+        // 1, and a second offer of 1 goes through.
+        let (client, hello) = ClientHandshake::start(&key, 1, [1; 32]);
+        let (error, answer) = ServerHandshake::answer_up_to(&key, 2, [2; 32], &hello, 1).unwrap_err();
+        assert_eq!(error, AuthError::Version(2));
+        assert_eq!(client.finish(&answer.unwrap()).unwrap_err(), AuthError::Version(1));
+        let (client, hello) = ClientHandshake::offering(&key, 1, [1; 32], 1);
+        let (server, answer) = ServerHandshake::answer_up_to(&key, 2, [2; 32], &hello, 1).unwrap();
+        let (finish, ours, _) = client.finish(&answer).unwrap();
+        assert_eq!((ours.version(), server.finish(&finish).unwrap().0.version()), (1, 1));
+        // An answer in another version than offered, its proof aside, is
+        // refused; so is one whose version byte was bent (the proof).
+        let (client, hello) = ClientHandshake::start(&key, 1, [1; 32]);
+        let (_, mut answer) = ServerHandshake::answer(&key, 2, [2; 32], &hello).unwrap();
+        answer[4] = 1;
+        assert_eq!(client.finish(&answer).unwrap_err(), AuthError::Version(1));
+        let (client, mut hello) = ClientHandshake::start(&key, 1, [1; 32]);
+        let (_, answer) = ServerHandshake::answer(&key, 2, [2; 32], &hello).unwrap();
+        hello[4] = 1;
+        let bent = ClientHandshake { key: key.clone(), hello };
+        assert_eq!(bent.finish(&answer).unwrap_err(), AuthError::Version(2));
+        let _ = client;
     }
 
     #[test]

@@ -18,8 +18,8 @@ pub const RECORD_HEAD_BYTES: usize = 4 + TAGS_BYTES;
 enum State {
     /// A client that sent its hello.
     Client(Option<ClientHandshake>),
-    /// A server waiting for the hello.
-    Server { key: LinkKey, node: u64 },
+    /// A server waiting for the hello, speaking versions up to `latest`.
+    Server { key: LinkKey, node: u64, latest: u8 },
     /// A server that answered, waiting for the finish.
     Answered(Option<ServerHandshake>),
     /// Up.
@@ -49,13 +49,29 @@ impl core::fmt::Debug for RecordLink {
 impl RecordLink {
     /// A client end as `node`: the link and the hello to send first.
     pub fn client(key: &LinkKey, node: u64, record_max: usize) -> std::io::Result<(Self, Vec<u8>)> {
-        let (handshake, hello) = ClientHandshake::start(key, node, super::nonce()?);
+        Self::client_offering(key, node, record_max, super::handshake::AUTH_VERSION)
+    }
+
+    /// [`RecordLink::client`] offering link version `version` (to a peer
+    /// that said it speaks no later one: [`AuthError::Version`]).
+    pub fn client_offering(
+        key: &LinkKey,
+        node: u64,
+        record_max: usize,
+        version: u8,
+    ) -> std::io::Result<(Self, Vec<u8>)> {
+        let (handshake, hello) = ClientHandshake::offering(key, node, super::nonce()?, version);
         Ok((Self::with(State::Client(Some(handshake)), record_max), hello.to_vec()))
     }
 
     /// A server end as `node`.
     pub fn server(key: &LinkKey, node: u64, record_max: usize) -> Self {
-        Self::with(State::Server { key: key.clone(), node }, record_max)
+        Self::server_up_to(key, node, record_max, super::handshake::AUTH_VERSION)
+    }
+
+    /// [`RecordLink::server`] speaking link versions up to `latest`.
+    pub fn server_up_to(key: &LinkKey, node: u64, record_max: usize, latest: u8) -> Self {
+        Self::with(State::Server { key: key.clone(), node, latest }, record_max)
     }
 
     fn with(state: State, record_max: usize) -> Self {
@@ -124,7 +140,7 @@ impl RecordLink {
                     }
                     self.state = State::Ready { session, peer };
                 }
-                State::Server { key, node } => {
+                State::Server { key, node, latest } => {
                     let Some(hello) = input.get(..CLIENT_HELLO_BYTES) else { break Ok(()) };
                     let mut fixed = [0u8; CLIENT_HELLO_BYTES];
                     fixed.copy_from_slice(hello);
@@ -133,7 +149,7 @@ impl RecordLink {
                         Ok(nonce) => nonce,
                         Err(_) => break Err(AuthError::NotAHandshake),
                     };
-                    match ServerHandshake::answer(key, *node, nonce, &fixed) {
+                    match ServerHandshake::answer_up_to(key, *node, nonce, &fixed, *latest) {
                         Ok((handshake, answer)) => {
                             wire.extend_from_slice(&answer);
                             self.state = State::Answered(Some(handshake));
@@ -227,6 +243,28 @@ mod tests {
         assert_eq!(deliver(&mut server, &mut to_server, &mut to_client)?, b"early");
         assert_eq!((client.peer_node(), server.peer_node()), (Some(2), Some(1)));
         Ok((client, server))
+    }
+
+    #[test]
+    fn a_client_told_an_older_version_offers_it_and_the_link_comes_up() {
+        let key = LinkKey::from_bytes([5; 32]);
+        let (mut client, to_server) = RecordLink::client(&key, 1, 1 << 20).unwrap();
+        let mut old = RecordLink::server_up_to(&key, 2, 1 << 20, 1);
+        let (mut plain, mut back) = (Vec::new(), Vec::new());
+        assert_eq!(old.receive(&to_server, &mut plain, &mut back).unwrap_err(), AuthError::Version(2));
+        assert_eq!(client.receive(&back, &mut plain, &mut Vec::new()).unwrap_err(), AuthError::Version(1));
+        let (mut client, to_server) = RecordLink::client_offering(&key, 1, 1 << 20, 1).unwrap();
+        let mut old = RecordLink::server_up_to(&key, 2, 1 << 20, 1);
+        let mut back = Vec::new();
+        old.receive(&to_server, &mut plain, &mut back).unwrap();
+        let mut finish = Vec::new();
+        client.receive(&back, &mut plain, &mut finish).unwrap();
+        old.receive(&finish, &mut plain, &mut Vec::new()).unwrap();
+        assert!(client.is_ready() && old.is_ready());
+        let mut wire = Vec::new();
+        client.send(b"a delta", &mut wire);
+        old.receive(&wire, &mut plain, &mut Vec::new()).unwrap();
+        assert_eq!(plain, b"a delta");
     }
 
     #[test]

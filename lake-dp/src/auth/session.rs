@@ -2,8 +2,9 @@
 //!
 //! Each direction has its own header key, payload key and frame counter.
 //! A frame's payload tag is the keyed BLAKE3 hash of its bytes and then
-//! its sequence number; its header tag that of its sequence number, header
-//! and payload tag. The sequence number is not sent: each end counts frames,
+//! its sequence number (link version 2; version 1, which a node still
+//! speaks to a peer that speaks no later one, hashed the number first);
+//! its header tag that of its sequence number, header and payload tag. The sequence number is not sent: each end counts frames,
 //! so a frame replayed, dropped or moved fails at the next tag. Tags are
 //! the hashes' first 16 bytes.
 
@@ -112,8 +113,16 @@ impl<T: Copy> Later<T> {
     }
 }
 
-fn payload_tag(key: &[u8; 32], seq: u64, payload: &[u8]) -> [u8; TAG_BYTES] {
+fn payload_tag(key: &[u8; 32], seq: u64, payload: &[u8], version: u8) -> [u8; TAG_BYTES] {
     let mut hasher = blake3::Hasher::new_keyed(key);
+    if version == 1 {
+        // Version 1: the sequence number first (no spreading gains much).
+        hasher.update(&seq.to_le_bytes());
+        hasher.update(payload);
+        let mut tag = [0u8; TAG_BYTES];
+        tag.copy_from_slice(&hasher.finalize().as_bytes()[..TAG_BYTES]);
+        return tag;
+    }
     // The payload first, from BLAKE3's chunk 0, so its subtrees align and
     // spread evenly; the fixed-size sequence number after it.
     match TAG_THREADS.get() {
@@ -145,6 +154,8 @@ fn header_tag(key: &[u8; 32], seq: u64, header: &[u8], payload_tag: &[u8]) -> [u
 pub struct Session {
     send: Direction,
     recv: Direction,
+    /// The link version the handshake settled on.
+    version: u8,
 }
 
 impl core::fmt::Debug for Session {
@@ -154,26 +165,32 @@ impl core::fmt::Debug for Session {
 }
 
 impl Session {
-    fn of(send: (&[u8; 32], &[u8; 32]), recv: (&[u8; 32], &[u8; 32])) -> Self {
+    fn of(send: (&[u8; 32], &[u8; 32]), recv: (&[u8; 32], &[u8; 32]), version: u8) -> Self {
         Self {
             send: Direction { header_key: *send.0, payload_key: *send.1, seq: 0 },
             recv: Direction { header_key: *recv.0, payload_key: *recv.1, seq: 0 },
+            version,
         }
     }
 
     /// The client's session from the four derived keys (client-to-server
-    /// header and payload, then server-to-client).
-    pub(crate) fn client(mut keys: [[u8; 32]; 4]) -> Self {
-        let session = Self::of((&keys[0], &keys[1]), (&keys[2], &keys[3]));
+    /// header and payload, then server-to-client), at link `version`.
+    pub(crate) fn client(mut keys: [[u8; 32]; 4], version: u8) -> Self {
+        let session = Self::of((&keys[0], &keys[1]), (&keys[2], &keys[3]), version);
         keys.zeroize();
         session
     }
 
     /// The server's session from the same keys.
-    pub(crate) fn server(mut keys: [[u8; 32]; 4]) -> Self {
-        let session = Self::of((&keys[2], &keys[3]), (&keys[0], &keys[1]));
+    pub(crate) fn server(mut keys: [[u8; 32]; 4], version: u8) -> Self {
+        let session = Self::of((&keys[2], &keys[3]), (&keys[0], &keys[1]), version);
         keys.zeroize();
         session
+    }
+
+    /// The link version the handshake settled on.
+    pub fn version(&self) -> u8 {
+        self.version
     }
 
     /// The tags of the next frame sent (`header`, then `payload`): header
@@ -181,7 +198,7 @@ impl Session {
     pub fn seal(&mut self, header: &[u8], payload: &[u8]) -> [u8; TAGS_BYTES] {
         let seq = self.send.seq;
         self.send.seq += 1;
-        let payload = payload_tag(&self.send.payload_key, seq, payload);
+        let payload = payload_tag(&self.send.payload_key, seq, payload, self.version);
         let header = header_tag(&self.send.header_key, seq, header, &payload);
         let mut tags = [0u8; TAGS_BYTES];
         tags[..TAG_BYTES].copy_from_slice(&header);
@@ -212,6 +229,7 @@ impl Session {
         };
         let seq = self.send.seq;
         self.send.seq += 1;
+        let version = self.version;
         let (mut header_key, mut payload_key) = (self.send.header_key, self.send.payload_key);
         let header = *header;
         let done = std::sync::Arc::new(std::sync::OnceLock::new());
@@ -221,7 +239,7 @@ impl Session {
             let bytes = bytes;
             // SAFETY: valid and unchanged until the tags are set (contract).
             let payload = unsafe { core::slice::from_raw_parts(bytes.0, bytes.1) };
-            let payload = payload_tag(&payload_key, seq, payload);
+            let payload = payload_tag(&payload_key, seq, payload, version);
             let header = header_tag(&header_key, seq, &header, &payload);
             header_key.zeroize();
             payload_key.zeroize();
@@ -246,7 +264,7 @@ impl Session {
         self.recv.seq += 1;
         let mut tag = [0u8; TAG_BYTES];
         tag.copy_from_slice(payload_got);
-        Ok(PayloadCheck { key: self.recv.payload_key, seq, tag })
+        Ok(PayloadCheck { key: self.recv.payload_key, seq, tag, version: self.version })
     }
 
     /// Frames sealed so far.
@@ -265,6 +283,7 @@ pub struct PayloadCheck {
     key: [u8; 32],
     seq: u64,
     tag: [u8; TAG_BYTES],
+    version: u8,
 }
 
 impl core::fmt::Debug for PayloadCheck {
@@ -282,7 +301,8 @@ impl Drop for PayloadCheck {
 impl PayloadCheck {
     /// Whether `payload` is the payload the header was sealed with.
     pub fn verify(&self, payload: &[u8]) -> Result<(), AuthError> {
-        if tags_equal(&payload_tag(&self.key, self.seq, payload), &self.tag) { Ok(()) } else { Err(AuthError::BadTag) }
+        let tag = payload_tag(&self.key, self.seq, payload, self.version);
+        if tags_equal(&tag, &self.tag) { Ok(()) } else { Err(AuthError::BadTag) }
     }
 
     /// [`PayloadCheck::verify`] on the tag threads: the verdict (`true`:
@@ -319,19 +339,37 @@ mod tests {
 
     fn pair() -> (Session, Session) {
         let keys = [[1u8; 32], [2; 32], [3; 32], [4; 32]];
-        (Session::client(keys), Session::server(keys))
+        (Session::client(keys, 2), Session::server(keys, 2))
+    }
+
+    #[test]
+    fn version_1_tags_hash_the_sequence_number_first_as_that_version_did() {
+        let keys = [[1u8; 32], [2; 32], [3; 32], [4; 32]];
+        let (mut client, mut server) = (Session::client(keys, 1), Session::server(keys, 1));
+        let payload = b"a block's bytes";
+        let tags = client.seal(b"header", payload);
+        // Version 1's payload tag, from its definition (docs/formats.md).
+        let mut v1 = blake3::Hasher::new_keyed(&[2; 32]);
+        v1.update(&0u64.to_le_bytes());
+        v1.update(payload);
+        assert_eq!(tags[TAG_BYTES..], v1.finalize().as_bytes()[..TAG_BYTES]);
+        assert!(server.open_header(b"header", &tags).unwrap().verify(payload).is_ok());
+        // A version 2 end does not take them.
+        let mut later = Session::server(keys, 2);
+        let check = later.open_header(b"header", &tags);
+        assert!(check.is_err() || check.unwrap().verify(payload).is_err());
     }
 
     #[test]
     fn spread_tags_are_the_same_tags() {
         let payload: Vec<u8> = (0..3 * SPREAD_MIN_BYTES + 4321).map(|i| (i % 251) as u8).collect();
-        let alone = payload_tag(&[7; 32], 9, &payload);
+        let alone = payload_tag(&[7; 32], 9, &payload, 2);
         spread_tags(3).unwrap();
         assert_eq!(tag_threads(), 3);
         assert!(spread_tags(4).unwrap_err().contains("already"));
         assert!(spread_tags(TAG_THREADS_MAX + 1).unwrap_err().contains("at most"));
-        assert_eq!(payload_tag(&[7; 32], 9, &payload), alone);
-        assert_ne!(payload_tag(&[7; 32], 10, &payload), alone);
+        assert_eq!(payload_tag(&[7; 32], 9, &payload, 2), alone);
+        assert_ne!(payload_tag(&[7; 32], 10, &payload, 2), alone);
     }
 
     #[test]

@@ -618,7 +618,7 @@ fn open_link(
         node: config.node.id,
         pid: std::process::id(),
         region_epoch: epoch,
-        features: 0,
+        features: crate::wire::FEATURES,
         name: "lake-dp",
     };
     let mut link = CpLink::connect(socket, &identity, deadline)

@@ -461,6 +461,9 @@ struct Peer {
     /// Why its last connection broke (for a transfer that fails with none
     /// up: "another link key" says more than "no connection").
     last_break: Option<String>,
+    /// The link version its handshakes offer: this node's latest, until
+    /// the peer says it speaks only an older one.
+    link_version: u8,
 }
 
 /// A transfer this end sent, until its ack.
@@ -590,6 +593,9 @@ pub struct TcpTransport {
     auth: Option<(LinkKey, u64)>,
     /// What was refused and why, for the caller's log.
     security_events: std::collections::VecDeque<String>,
+    /// The latest link version this end speaks (its handshakes offer it and
+    /// answer up to it).
+    link_version: u8,
     /// Offers of another transport are passed to the owner (else each is
     /// declined at once).
     negotiates: bool,
@@ -655,6 +661,7 @@ impl TcpTransport {
             now_ns: 0,
             auth: None,
             security_events: std::collections::VecDeque::new(),
+            link_version: crate::auth::handshake::AUTH_VERSION,
             negotiates: false,
             negotiations: Vec::new(),
             next_serial: 1,
@@ -672,6 +679,31 @@ impl TcpTransport {
         }
         self.auth = Some((key, node));
         Ok(())
+    }
+
+    /// Speaks link versions up to `latest` only (from
+    /// [`crate::auth::handshake::AUTH_VERSION_MIN`]): a node held at its
+    /// peers' older version during a rolling upgrade (`lake serve
+    /// --link-version`). Set before any peer is added.
+    pub fn speak_link_versions_up_to(&mut self, latest: u8) -> Result<(), TcpError> {
+        if !crate::auth::handshake::speaks(latest) {
+            return Err(TcpError(format!(
+                "link version {latest}: this build speaks {} to {}",
+                crate::auth::handshake::AUTH_VERSION_MIN,
+                crate::auth::handshake::AUTH_VERSION
+            )));
+        }
+        if !self.peers.is_empty() {
+            return Err(TcpError("set the link version before adding peers".into()));
+        }
+        self.link_version = latest;
+        Ok(())
+    }
+
+    /// The link version each authenticated connection to `peer` offers
+    /// (this node's latest, or the older one the peer said it speaks).
+    pub fn link_version(&self, peer: PeerId) -> Option<u8> {
+        self.peers.get(peer.0 as usize).map(|p| p.link_version)
     }
 
     /// Whether links are authenticated.
@@ -740,6 +772,7 @@ impl TcpTransport {
             pending: core::array::from_fn(|_| std::collections::VecDeque::with_capacity(256)),
             retry_at: vec![(0, self.config.reconnect_ns); streams],
             last_break: None,
+            link_version: self.link_version,
         });
         for index in 0..streams {
             self.connect(id, index)?;
@@ -1011,7 +1044,11 @@ impl TcpTransport {
                         self.lose(token, "no random nonce for the handshake");
                         continue;
                     };
-                    let (handshake, hello) = ClientHandshake::start(key, *node, nonce);
+                    let version = stream
+                        .peer
+                        .and_then(|(peer, _)| self.peers.get(peer.0 as usize))
+                        .map_or(self.link_version, |p| p.link_version);
+                    let (handshake, hello) = ClientHandshake::offering(key, *node, nonce, version);
                     stream.link = Link::Client(Some(handshake));
                     stream.handshake_out = hello.to_vec();
                     busy |= self.flush(token);
@@ -1438,6 +1475,7 @@ impl TcpTransport {
     fn on_handshake(&mut self, token: usize, message: &[u8]) -> bool {
         let Some((key, node)) = self.auth.clone() else { return false };
         let Some(stream) = self.streams[token].as_mut() else { return false };
+        let stream_peer = stream.peer;
         let link = core::mem::replace(&mut stream.link, Link::Plain);
         let outcome: Result<Option<Session>, AuthError> = match link {
             Link::Server => {
@@ -1445,7 +1483,7 @@ impl TcpTransport {
                 hello.copy_from_slice(message);
                 match crate::auth::nonce() {
                     Err(_) => Err(AuthError::NotAHandshake),
-                    Ok(nonce) => match ServerHandshake::answer(&key, node, nonce, &hello) {
+                    Ok(nonce) => match ServerHandshake::answer_up_to(&key, node, nonce, &hello, self.link_version) {
                         Ok((handshake, answer)) => {
                             stream.link = Link::Answered(Some(handshake));
                             stream.handshake_out = answer.to_vec();
@@ -1495,7 +1533,22 @@ impl TcpTransport {
                 self.stats.handshakes_refused += 1;
                 let what = format!("handshake refused: {e}");
                 self.security_event(token, &what);
+                // A peer that speaks only an older link version (one
+                // release behind, in a rolling upgrade) is offered that one
+                // from its next connection on, made at once.
+                let older = match e {
+                    AuthError::Version(v) if crate::auth::handshake::speaks(v) => Some(v),
+                    _ => None,
+                };
                 self.lose(token, &what);
+                if let (Some(version), Some((peer, index))) = (older, stream_peer)
+                    && let Some(p) = self.peers.get_mut(peer.0 as usize)
+                    && version < p.link_version
+                {
+                    p.link_version = version;
+                    p.retry_at[index].0 = self.now_ns;
+                    self.note(format!("peer {}: speaking link version {version}, the latest it speaks", peer.0));
+                }
                 false
             }
         }
@@ -1977,6 +2030,11 @@ impl TcpTransport {
         if let Some(p) = self.peers.get_mut(peer.0 as usize) {
             p.streams[index] = None;
             p.last_break = Some(why.to_string());
+            // A link that was up broke: the peer may come back upgraded,
+            // so the next handshake offers this node's latest again.
+            if stream.connected {
+                p.link_version = self.link_version;
+            }
             let (_, wait) = p.retry_at[index];
             p.retry_at[index] = (self.now_ns + wait, (wait * 2).min(self.config.reconnect_ns * 64));
             // Its rail is passed over for a while (one cooldown per break,

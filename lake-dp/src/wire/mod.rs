@@ -39,6 +39,16 @@ pub const WIRE_VERSION_MIN: u16 = 1;
 /// Newest wire version this build speaks.
 pub const WIRE_VERSION_MAX: u16 = 1;
 
+/// Feature bit (hello `features`): the side takes [`message::RailStats`]
+/// (kind 24, added to version 1 after it was frozen). A data plane sends
+/// it only where the control plane's answer names this bit, so a
+/// `lake-cp` built before kind 24 — which would take it for a bad frame
+/// and close the link — never meets it, whichever side is upgraded first.
+pub const FEATURE_RAIL_STATS: u64 = 1 << 0;
+
+/// The feature bits this build offers.
+pub const FEATURES: u64 = FEATURE_RAIL_STATS;
+
 /// Bytes in a frame header.
 pub const FRAME_HEADER_BYTES: usize = size_of::<FrameHeader>();
 
