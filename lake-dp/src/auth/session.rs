@@ -92,6 +92,39 @@ struct Bytes(*const u8, usize);
 // keeps the bytes valid and unchanged (their contract).
 unsafe impl Send for Bytes {}
 
+/// The `len` bytes at `at` (none for 0).
+///
+/// # Safety
+///
+/// Valid for `len` bytes while the slice lives.
+unsafe fn bytes_at<'a>(at: *const u8, len: usize) -> &'a [u8] {
+    // SAFETY: valid for `len` bytes (contract).
+    if len == 0 { &[] } else { unsafe { core::slice::from_raw_parts(at, len) } }
+}
+
+/// Runs `work` over the `len` bytes at `at` on one of `pool`'s threads;
+/// what it makes comes with the returned [`Later`].
+///
+/// # Safety
+///
+/// The bytes stay valid and unchanged until it is made.
+unsafe fn on_tag_thread<T: Send + Sync + 'static>(
+    pool: &rayon_core::ThreadPool,
+    at: *const u8,
+    len: usize,
+    work: impl FnOnce(&[u8]) -> T + Send + 'static,
+) -> Later<T> {
+    let done = std::sync::Arc::new(std::sync::OnceLock::new());
+    let out = std::sync::Arc::clone(&done);
+    let bytes = Bytes(at, len);
+    pool.spawn(move || {
+        let bytes = bytes;
+        // SAFETY: valid and unchanged until the result is set (contract).
+        let _ = out.set(work(unsafe { bytes_at(bytes.0, bytes.1) }));
+    });
+    Later(done)
+}
+
 /// Tags (or a verdict) being made on the tag threads.
 #[derive(Debug)]
 pub struct Later<T>(std::sync::Arc<std::sync::OnceLock<T>>);
@@ -221,34 +254,29 @@ impl Session {
         payload: *const u8,
         len: usize,
     ) -> Result<Later<[u8; TAGS_BYTES]>, [u8; TAGS_BYTES]> {
-        let pool = TAG_THREADS.get().filter(|_| len >= LATER_MIN_BYTES);
-        let Some(pool) = pool else {
+        let Some(pool) = TAG_THREADS.get().filter(|_| len >= LATER_MIN_BYTES) else {
             // SAFETY: valid for `len` bytes (contract).
-            let bytes = if len == 0 { &[][..] } else { unsafe { core::slice::from_raw_parts(payload, len) } };
-            return Err(self.seal(header, bytes));
+            return Err(self.seal(header, unsafe { bytes_at(payload, len) }));
         };
         let seq = self.send.seq;
         self.send.seq += 1;
         let version = self.version;
         let (mut header_key, mut payload_key) = (self.send.header_key, self.send.payload_key);
         let header = *header;
-        let done = std::sync::Arc::new(std::sync::OnceLock::new());
-        let out = std::sync::Arc::clone(&done);
-        let bytes = Bytes(payload, len);
-        pool.spawn(move || {
-            let bytes = bytes;
-            // SAFETY: valid and unchanged until the tags are set (contract).
-            let payload = unsafe { core::slice::from_raw_parts(bytes.0, bytes.1) };
-            let payload = payload_tag(&payload_key, seq, payload, version);
-            let header = header_tag(&header_key, seq, &header, &payload);
-            header_key.zeroize();
-            payload_key.zeroize();
-            let mut tags = [0u8; TAGS_BYTES];
-            tags[..TAG_BYTES].copy_from_slice(&header);
-            tags[TAG_BYTES..].copy_from_slice(&payload);
-            let _ = out.set(tags);
-        });
-        Ok(Later(done))
+        // SAFETY: valid and unchanged until the tags are made (contract).
+        let later = unsafe {
+            on_tag_thread(pool, payload, len, move |payload| {
+                let payload = payload_tag(&payload_key, seq, payload, version);
+                let header = header_tag(&header_key, seq, &header, &payload);
+                header_key.zeroize();
+                payload_key.zeroize();
+                let mut tags = [0u8; TAGS_BYTES];
+                tags[..TAG_BYTES].copy_from_slice(&header);
+                tags[TAG_BYTES..].copy_from_slice(&payload);
+                tags
+            })
+        };
+        Ok(later)
     }
 
     /// Checks the next frame received's header against its tags; the
@@ -317,19 +345,10 @@ impl PayloadCheck {
     pub unsafe fn verify_later(self, payload: *const u8, len: usize) -> Result<Later<bool>, Result<(), AuthError>> {
         let Some(pool) = TAG_THREADS.get().filter(|_| len >= LATER_MIN_BYTES) else {
             // SAFETY: valid for `len` bytes (contract).
-            let bytes = if len == 0 { &[][..] } else { unsafe { core::slice::from_raw_parts(payload, len) } };
-            return Err(self.verify(bytes));
+            return Err(self.verify(unsafe { bytes_at(payload, len) }));
         };
-        let done = std::sync::Arc::new(std::sync::OnceLock::new());
-        let out = std::sync::Arc::clone(&done);
-        let bytes = Bytes(payload, len);
-        pool.spawn(move || {
-            let bytes = bytes;
-            // SAFETY: valid and unchanged until the verdict is set (contract).
-            let payload = unsafe { core::slice::from_raw_parts(bytes.0, bytes.1) };
-            let _ = out.set(self.verify(payload).is_ok());
-        });
-        Ok(Later(done))
+        // SAFETY: valid and unchanged until the verdict is made (contract).
+        Ok(unsafe { on_tag_thread(pool, payload, len, move |payload| self.verify(payload).is_ok()) })
     }
 }
 
