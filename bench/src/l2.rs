@@ -112,6 +112,7 @@ fn poller<B: IoBackend>(setup: &Setup, backend: B, ops: u32) -> Result<Poller<B>
         flush_delay_ns: 0,
         flush_batch: 1,
         l2: setup.tier.geometry(),
+        background_in_flight_max: 0,
     };
     let mut poller = Poller::new(config, backend, setup.l1.clone()).map_err(|e| e.to_string())?;
     poller.seal();

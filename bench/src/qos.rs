@@ -76,8 +76,20 @@ fn time_loads(agent: &mut Agent, set: &[BlockKey], loads: usize, rng: &mut SimRn
 }
 
 pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args =
-        Args::parse(raw, &["dir", "block-bytes", "l1-slots", "set", "loads", "writers", "seconds", "writer-pause-us"])?;
+    let args = Args::parse(
+        raw,
+        &[
+            "dir",
+            "block-bytes",
+            "l1-slots",
+            "set",
+            "loads",
+            "writers",
+            "seconds",
+            "writer-pause-us",
+            "background-depth",
+        ],
+    )?;
     let dir: String = args.get("dir", std::env::temp_dir().join("lake-bench-qos").display().to_string())?;
     let block_bytes: u64 = args.get("block-bytes", 256 * 1024)?;
     let l1_slots: u32 = args.get("l1-slots", 64)?;
@@ -89,6 +101,10 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     // new blocks at once — on a small machine that takes a core from the
     // pool's own threads).
     let pause_us: u64 = args.get("writer-pause-us", 200)?;
+    // `--background-depth N`: write-back and demotion I/O in the L2
+    // device at once, at most (0: no cap), as `lake serve
+    // --l2-background-depth`.
+    let background_depth: u32 = args.get("background-depth", 0)?;
     if writers == 0 || set_size < u64::from(l1_slots) * 2 {
         return Err("--writers must be at least 1, --set at least twice --l1-slots".into());
     }
@@ -98,6 +114,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
         l1_slots,
         l2_slots_per_file: (set_size as u32).max(1024) * 4,
         local_agents: 1 + writers,
+        l2_background_depth: background_depth,
         ..EmbeddedConfig::new(dir.clone())
     };
     let mut pool = EmbeddedPool::start(&config)?;
@@ -248,6 +265,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     report.float("demotion_mb_per_s", (demoted * block_bytes) as f64 / elapsed / 1e6);
     report.int("saves_refused", refused.load(Ordering::Relaxed));
     report.int("writer_pause_us", pause_us);
+    report.int("background_depth", u64::from(background_depth));
     report.int("cancel_trials", stop_us.len() as u64);
     report.int("cancel_blocks_asked", asked as u64);
     report.int("cancel_blocks_delivered", delivered as u64);

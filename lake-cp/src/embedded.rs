@@ -51,6 +51,10 @@ pub struct EmbeddedConfig {
     /// The nodes its transport sends to over the storage network (copies
     /// `lake-cp` asks for): node id and its rails, one per NIC.
     pub transport_peers: Vec<(u32, Vec<lake_dp::transport::tcp::Rail>)>,
+    /// Write-back, demotion and replication reads and writes in the L2
+    /// device at once, at most (0: no cap; below 32, the queue's depth):
+    /// the rest stays for loads requests wait on.
+    pub l2_background_depth: u32,
     /// An RDMA device: each peer's link negotiates RDMA over its TCP
     /// connection (a `lake-dp` built with the `rdma` feature).
     pub rdma: Option<lake_dp::runner::RdmaDevice>,
@@ -114,6 +118,7 @@ impl EmbeddedConfig {
             transport_listen: None,
             transport_peers: Vec::new(),
             rdma: None,
+            l2_background_depth: 0,
             node: 0,
             l3: None,
             summary_to: Vec::new(),
@@ -200,6 +205,7 @@ slots_per_file = {l2}
 slot_bytes = {slot_bytes}
 format_if_missing = true
 queue_depth = 32
+background_depth = {background}
 
 [poller]
 ops_max = 64
@@ -221,6 +227,7 @@ ports = {remote}
         payload = config.block_bytes,
         l1 = config.l1_slots,
         l2 = config.l2_slots_per_file,
+        background = config.l2_background_depth,
         agents = (config.local_agents + config.remote_agents + 2).min(1024),
         remote = config.remote_agents.clamp(1, 1024),
     ))

@@ -48,6 +48,17 @@ pub struct PollerConfig {
     pub flush_batch: u32,
     /// L2 geometry.
     pub l2: L2Geometry,
+    /// Ops of the background classes (write-back, demotion, replication)
+    /// in the device at once, at most; 0: no cap. The device serves what
+    /// it holds in its own order, so a critical load issued behind a full
+    /// queue of writes waits for them: a cap keeps room ahead of it.
+    pub background_in_flight_max: u32,
+}
+
+/// Whether work of class `priority` is background (write-back, demotion,
+/// replication: nobody waits on it), not a load a request waits for.
+fn is_background(priority: Priority) -> bool {
+    !matches!(priority, Priority::CriticalLoad | Priority::PrefillToDecode)
 }
 
 /// The L2 tier as the poller addresses it: `files` files of
@@ -219,6 +230,9 @@ pub struct Poller<B: IoBackend> {
     ops: Vec<Op>,
     free: Vec<u32>,
     pending: [VecDeque<u32>; Priority::COUNT],
+    /// Background-class ops in the device now
+    /// ([`PollerConfig::background_in_flight_max`]).
+    background_in_flight: u32,
     retry: VecDeque<u32>,
     awaiting_flush: Vec<u32>,
     done: VecDeque<u32>,
@@ -288,6 +302,7 @@ impl<B: IoBackend> Poller<B> {
             // Popped from the end: slot 0 first.
             free: (0..config.ops_max).rev().collect(),
             pending: core::array::from_fn(|_| queue()),
+            background_in_flight: 0,
             retry: queue(),
             awaiting_flush: Vec::with_capacity(ops),
             done: queue(),
@@ -630,6 +645,10 @@ impl<B: IoBackend> Poller<B> {
             self.stats.stale_completions += 1;
             return;
         };
+        // It left the device, whatever comes of it.
+        if is_background(self.ops[index as usize].request.priority) {
+            self.background_in_flight = self.background_in_flight.saturating_sub(1);
+        }
         let result = completion.result;
         if self.ops[index as usize].cancelled {
             // Only reads are cancelled in flight; whatever the device did,
@@ -788,6 +807,11 @@ impl<B: IoBackend> Poller<B> {
         work
     }
 
+    /// Background-class ops in the device now.
+    pub fn background_in_flight(&self) -> u32 {
+        self.background_in_flight
+    }
+
     /// Queue `class`: 0 is the retry queue, `1 + p` the queue of priority p.
     fn queue_mut(&mut self, class: usize) -> &mut VecDeque<u32> {
         if class == 0 { &mut self.retry } else { &mut self.pending[class - 1] }
@@ -801,6 +825,13 @@ impl<B: IoBackend> Poller<B> {
             while issued < budget && !device_full {
                 let Some(&index) = self.queue_mut(class).front() else { break };
                 let op = self.ops[index as usize];
+                // Background work waits while it fills its share of the
+                // device (resumed transfers, in the retry queue, go on).
+                let background = is_background(op.request.priority);
+                let cap = self.config.background_in_flight_max;
+                if class > 0 && background && cap > 0 && self.background_in_flight >= cap {
+                    break;
+                }
                 if op.request.deadline_ns != 0 && now_ns > op.request.deadline_ns && op.io_done == 0 {
                     self.queue_mut(class).pop_front();
                     self.finish(index, Err(OpError::DeadlineExceeded));
@@ -824,6 +855,9 @@ impl<B: IoBackend> Poller<B> {
                     break;
                 }
                 self.queue_mut(class).pop_front();
+                if background {
+                    self.background_in_flight += 1;
+                }
                 let op = &mut self.ops[index as usize];
                 op.state = OpState::InFlight;
                 self.stats.issued_by_priority[op.request.priority as usize] += 1;
@@ -1022,6 +1056,7 @@ mod tests {
 
     fn config(ops_max: u32) -> PollerConfig {
         PollerConfig {
+            background_in_flight_max: 0,
             epoch: 3,
             ops_max,
             batch_max: 8,
@@ -1174,6 +1209,29 @@ mod tests {
         assert_eq!(p.ops_in_use(), 0);
         // L1 slot 0 is free again.
         p.submit(read(0, 1)).unwrap();
+    }
+
+    #[test]
+    fn background_work_keeps_to_its_share_of_the_device_and_loads_go_past_it() {
+        for (cap, expected) in [(0, 4), (2, 3)] {
+            let disk = SimDisk::new(1, SimFaults::none(50_000), 8, 1, 4 * SLOT as usize);
+            let region = Arc::new(SlotRegion::heap(SLOT, 4).unwrap());
+            let config = PollerConfig { background_in_flight_max: cap, ..config(4) };
+            let mut p = Poller::new(config, disk, region).unwrap();
+            let mut now = 0;
+            for slot in 0..3 {
+                p.submit(write(slot, slot, Durability::Acked)).unwrap();
+            }
+            p.submit(read(3, 3)).unwrap();
+            p.poll(now, 8);
+            // With a cap of 2, the third write waits and the load is in.
+            assert_eq!(p.backend().in_flight(), expected, "cap {cap}");
+            assert_eq!(p.background_in_flight(), if cap == 0 { 3 } else { cap });
+            let events = run_until_events(&mut p, &mut now, 4);
+            assert_eq!(events.len(), 4, "cap {cap}: every op ends");
+            assert_eq!(events.iter().filter(|e| e.outcome.is_ok()).count(), 3, "the three writes land");
+            assert_eq!(p.background_in_flight(), 0);
+        }
     }
 
     struct Counter(Arc<std::sync::atomic::AtomicU32>);

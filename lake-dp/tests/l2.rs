@@ -81,6 +81,7 @@ fn node(tier: &L2Tier, name: &str) -> Node {
         flush_delay_ns: 0,
         flush_batch: 1,
         l2: tier.geometry(),
+        background_in_flight_max: 0,
     };
     let mut poller = Poller::new(config, backend, region.clone()).unwrap();
     poller.seal();

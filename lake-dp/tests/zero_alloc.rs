@@ -179,6 +179,7 @@ fn io_uring_traffic_does_not_allocate(polls: u64) {
         flush_delay_ns: 50_000,
         flush_batch: 4,
         l2: tier.geometry(),
+        background_in_flight_max: 0,
     };
     let mut poller = Poller::new(poller_config, backend, l1.clone()).expect("poller");
     poller.seal();

@@ -451,8 +451,16 @@ fn the_poller_runs_over_the_arena() {
     let path = ShmPath::new("poller");
     let (arena, mut table) = Arena::create(&config(&path)).unwrap();
     let l2 = L2Geometry { files: 1, slots_per_file: 2, slot_bytes: 16384, region_first: 1 };
-    let config =
-        PollerConfig { epoch: 5, ops_max: 4, batch_max: 4, io_retries_max: 0, flush_delay_ns: 0, flush_batch: 1, l2 };
+    let config = PollerConfig {
+        epoch: 5,
+        ops_max: 4,
+        batch_max: 4,
+        io_retries_max: 0,
+        flush_delay_ns: 0,
+        flush_batch: 1,
+        l2,
+        background_in_flight_max: 0,
+    };
     let disk = SimDisk::new(1, SimFaults::none(1_000), 4, 1, 2 * 16384);
     let mut poller = Poller::new(config, disk, arena.region().unwrap()).unwrap();
     poller.seal();

@@ -145,6 +145,11 @@ pub struct L2Section {
     /// io_uring entries.
     #[serde(default = "default_queue_depth")]
     pub queue_depth: u32,
+    /// Write-back, demotion and replication I/O in the device at once, at
+    /// most (0: no cap, up to `queue_depth`): the rest of the queue stays
+    /// for loads a request waits on.
+    #[serde(default)]
+    pub background_depth: u32,
 }
 
 /// `[l3]`: the object store tier.
@@ -542,6 +547,9 @@ impl RunnerConfig {
         }
         if !self.l2.queue_depth.is_power_of_two() || self.l2.queue_depth > 32_768 {
             return Err(bad("l2.queue_depth", "a power of two up to 32768"));
+        }
+        if self.l2.background_depth >= self.l2.queue_depth {
+            return Err(bad("l2.background_depth", "0 (no cap) or below l2.queue_depth"));
         }
         if self.poller.ops_max == 0 {
             return Err(bad("poller.ops_max", "at least 1"));

@@ -952,6 +952,7 @@ pub fn run_with(
         flush_delay_ns: p.flush_delay_us * 1000,
         flush_batch: p.flush_batch,
         l2: tier.geometry(),
+        background_in_flight_max: config.l2.background_depth,
     };
     let mut poller = try_to!("building the poller", Poller::new(poller_config, backend, Arc::clone(&region)));
     let mut l2_slots = L2Slots::from_readoption(tier.geometry(), &found);

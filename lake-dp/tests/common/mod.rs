@@ -135,6 +135,7 @@ impl Harness {
             flush_delay_ns: rng.below(100_000),
             flush_batch: 1 + rng.below(4) as u32,
             l2: L2Geometry { files: L2_FILES, slots_per_file: L2_SLOTS, slot_bytes: SLOT_BYTES, region_first: 10 },
+            background_in_flight_max: 0,
         };
         let disk = SimDisk::new(
             rng.next_u64(),

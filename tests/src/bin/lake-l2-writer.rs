@@ -51,6 +51,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         flush_delay_ns: 0,
         flush_batch: 1,
         l2: tier.geometry(),
+        background_in_flight_max: 0,
     };
     let mut poller = Poller::new(poller_config, backend, l1.clone())?;
     poller.seal();
