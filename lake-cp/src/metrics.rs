@@ -155,6 +155,7 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
         data_plane_metrics(&mut out, dp);
     }
     rail_metrics(&mut out, &node.rails, &node.engine_rails);
+    path_metrics(&mut out, &node.paths);
     metric(
         &mut out,
         "lake_cp_connections_accepted_total",
@@ -272,6 +273,35 @@ fn tier_metrics(out: &mut String, node: &Node) {
         "Tier commands in flight.",
         &[("", node.tiers.pending() as u64)],
     );
+}
+
+/// The data plane's per-path latency histograms, as Prometheus histograms
+/// in seconds (`le` the bucket bounds, cumulative; `_count` is how often
+/// the path was taken).
+#[allow(clippy::cast_precision_loss)] // bounds below 2^21 µs; a sum past 2^52 µs (142 years) may round
+fn path_metrics(out: &mut String, paths: &[lake_dp::wire::message::PathEntry]) {
+    if paths.is_empty() {
+        return;
+    }
+    let name = "lake_path_latency_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} How long operations took, by the path their bytes took (L2 reads a request waits on, other L2 reads, L2 writes, transfers to other nodes)."
+    );
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    for entry in paths {
+        let Some(path) = entry.path() else { continue };
+        let path = path.name();
+        let mut cumulative = 0;
+        for (i, count) in entry.buckets.iter().enumerate() {
+            cumulative += count;
+            let le = (1u64 << i) as f64 / 1e6;
+            let _ = writeln!(out, "{name}_bucket{{path=\"{path}\",le=\"{le}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{path=\"{path}\",le=\"+Inf\"}} {}", entry.count);
+        let _ = writeln!(out, "{name}_sum{{path=\"{path}\"}} {}", entry.sum_us as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count{{path=\"{path}\"}} {}", entry.count);
+    }
 }
 
 /// Each rail's bytes, breaks and state, labelled by network (storage:
@@ -397,6 +427,33 @@ mod tests {
         }
         assert!(text.contains("lake_cp_replica_reports_total{kind=\"committed\"} 0\n"));
         assert!(!text.contains("lake_rail_"), "no rails reported, none shown");
+    }
+
+    #[test]
+    fn each_path_is_a_histogram_counting_how_often_it_was_taken() {
+        use lake_dp::wire::message::{Path, PathEntry};
+        let mut node = Node::new(lake_dp::NodeId(0), 1, None);
+        let mut critical = PathEntry::new(Path::L2ReadCritical);
+        for ns in [800, 3_000, 3_500, 900_000, 5_000_000_000] {
+            critical.record(ns);
+        }
+        node.paths = vec![critical, PathEntry::new(Path::L2Write)];
+        let text = render(&node, &ServerCounters::default());
+        for line in [
+            "# TYPE lake_path_latency_seconds histogram",
+            // 800 ns is within 1 µs; 3 and 3.5 µs within 4 µs; 900 µs
+            // within 1.024 ms; 5 s past every bound.
+            "lake_path_latency_seconds_bucket{path=\"l2_read_critical\",le=\"0.000001\"} 1",
+            "lake_path_latency_seconds_bucket{path=\"l2_read_critical\",le=\"0.000002\"} 1",
+            "lake_path_latency_seconds_bucket{path=\"l2_read_critical\",le=\"0.000004\"} 3",
+            "lake_path_latency_seconds_bucket{path=\"l2_read_critical\",le=\"0.001024\"} 4",
+            "lake_path_latency_seconds_bucket{path=\"l2_read_critical\",le=\"1.048576\"} 4",
+            "lake_path_latency_seconds_bucket{path=\"l2_read_critical\",le=\"+Inf\"} 5",
+            "lake_path_latency_seconds_count{path=\"l2_read_critical\"} 5",
+            "lake_path_latency_seconds_count{path=\"l2_write\"} 0",
+        ] {
+            assert!(text.contains(&format!("{line}\n")), "{line} not in:\n{text}");
+        }
     }
 
     #[test]

@@ -173,6 +173,8 @@ pub struct Node {
     /// The latest rail figures of each network's transport (what each
     /// rail to each peer carried).
     pub rails: Vec<(lake_dp::wire::message::Network, Vec<lake_dp::wire::message::RailEntry>)>,
+    /// The data plane's latency histogram of each path, as last sent.
+    pub paths: Vec<lake_dp::wire::message::PathEntry>,
     /// Copies to other nodes asked and not yet sent to `lake-dp`.
     copies: Vec<TierCommand>,
     copy_requests: u64,
@@ -209,6 +211,7 @@ impl Node {
             engine_rails: Vec::new(),
             data_plane: None,
             rails: Vec::new(),
+            paths: Vec::new(),
             copies: Vec::new(),
             copy_requests: 0,
             copies_landed: 0,
@@ -366,6 +369,11 @@ impl Node {
                     Some((_, latest)) => *latest = entries,
                     None => self.rails.push((network, entries)),
                 }
+                Ok(())
+            }
+            Message::PathLatency(_, entries) => {
+                // Validated on decode: known paths, buckets within counts.
+                self.paths = entries.iter().collect();
                 Ok(())
             }
             other => Err(NodeError::Unexpected(other.kind())),

@@ -121,6 +121,26 @@ fn saves_overflow_l1_into_l2_and_fetching_promotes_them_back() {
     assert!(value("lake_tier_bytes{tier=\"L2\"}") > 0);
     assert!(value("lake_cp_lookup_blocks_total{result=\"hit\"}") >= 48);
     assert!(text.contains("lake_dp_pins "), "{text}");
+    // Every path the blocks took is timed and counted: the demotions' L2
+    // writes, and the L2 reads the fetch waited on (sent with the data
+    // plane's stats, once a second).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = http_get(metrics, "/metrics");
+        let count = |path: &str| -> u64 {
+            let name = format!("lake_path_latency_seconds_count{{path=\"{path}\"}} ");
+            text.lines().find_map(|l| l.strip_prefix(name.as_str())).map_or(0, |v| v.parse().unwrap())
+        };
+        if count("l2_write") >= stats_demotions_floor(&text)
+            && count("l2_read_critical") >= in_l2
+            && count("l2_write") > 0
+        {
+            assert!(text.contains("lake_path_latency_seconds_bucket{path=\"l2_read_critical\",le=\"+Inf\"}"));
+            break;
+        }
+        assert!(Instant::now() < deadline, "paths not timed: {text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     drop(agent);
     let (stats, server) = pool.stop().unwrap();
@@ -131,6 +151,13 @@ fn saves_overflow_l1_into_l2_and_fetching_promotes_them_back() {
     assert!(counters.demotions >= stats.pool.demotions, "{counters:?}");
     assert_eq!(counters.failed, 0, "{counters:?}");
     assert_eq!(server.counters.bad_frames, 0);
+}
+
+/// The demotions `lake-cp` counted (each an L2 write the data plane timed).
+fn stats_demotions_floor(text: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix("lake_tier_moves_total{move=\"demote_l1_l2\"} "))
+        .map_or(0, |v| v.parse().unwrap())
 }
 
 fn http_get(address: std::net::SocketAddr, path: &str) -> String {

@@ -289,6 +289,17 @@ impl CpLink {
         }
     }
 
+    /// Reports how long each path's operations took (to a control plane
+    /// that takes it: [`crate::wire::FEATURE_PATH_LATENCY`]).
+    pub fn path_latency(&mut self, entries: &[crate::wire::message::PathEntry]) {
+        use crate::wire::message::PathLatency;
+        if self.ack.features & crate::wire::FEATURE_PATH_LATENCY == 0 || entries.is_empty() {
+            return;
+        }
+        let count = u32::try_from(entries.len()).unwrap_or(u32::MAX);
+        self.queue(&Message::PathLatency(PathLatency { count, reserved: 0 }, Records::from_slice(entries)));
+    }
+
     /// Reports a block whose slot was given up.
     pub fn evicted(&mut self, evicted: &BlockEvicted) {
         self.queue(&Message::BlockEvicted(*evicted));

@@ -30,6 +30,7 @@ use crate::region::SlotRegion;
 use crate::ring::{Consumer, Producer};
 use crate::stored::{decode_header, encode_header_sealed, object_bytes, segment_crcs};
 use crate::tag::{TAG_SLOTS_MAX, Tag};
+use crate::wire::message::{Path, PathEntry};
 
 /// Sizes and policies of one poller, fixed at construction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +150,10 @@ pub struct PollerStats {
     pub flushes: u64,
     /// Ops issued per priority class.
     pub issued_by_priority: [u64; Priority::COUNT],
+    /// How long ops took, submission to end, by path: L2 reads a request
+    /// waits on, other L2 reads, L2 writes (time as the poller's passes
+    /// see it).
+    pub latency: [PathEntry; 3],
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,6 +188,8 @@ struct Op {
     /// The L1 slot this op holds busy until it is reaped.
     l1_held: Option<u32>,
     outcome: Result<Done, OpError>,
+    /// When it was submitted (the poller's last pass).
+    submitted_ns: u64,
 }
 
 impl Op {
@@ -204,6 +211,7 @@ impl Op {
             flush_needed: 0,
             l1_held: None,
             outcome: Err(OpError::Cancelled),
+            submitted_ns: 0,
         }
     }
 }
@@ -233,6 +241,8 @@ pub struct Poller<B: IoBackend> {
     /// Background-class ops in the device now
     /// ([`PollerConfig::background_in_flight_max`]).
     background_in_flight: u32,
+    /// The time the last pass was given.
+    now_ns: u64,
     retry: VecDeque<u32>,
     awaiting_flush: Vec<u32>,
     done: VecDeque<u32>,
@@ -303,6 +313,7 @@ impl<B: IoBackend> Poller<B> {
             free: (0..config.ops_max).rev().collect(),
             pending: core::array::from_fn(|_| queue()),
             background_in_flight: 0,
+            now_ns: 0,
             retry: queue(),
             awaiting_flush: Vec::with_capacity(ops),
             done: queue(),
@@ -317,7 +328,10 @@ impl<B: IoBackend> Poller<B> {
             sealed: false,
             unsubmitted: false,
             next_sweep_ns: 0,
-            stats: PollerStats::default(),
+            stats: PollerStats {
+                latency: [Path::L2ReadCritical, Path::L2ReadBackground, Path::L2Write].map(PathEntry::new),
+                ..PollerStats::default()
+            },
         })
     }
 
@@ -484,6 +498,7 @@ impl<B: IoBackend> Poller<B> {
     /// One bounded pass over every stage. `budget` bounds the items each
     /// stage handles (and is itself capped by `batch_max`).
     pub fn poll(&mut self, now_ns: u64, budget: u32) -> PollResult {
+        self.now_ns = now_ns;
         let budget = budget.clamp(1, self.config.batch_max);
         let mut work = 0u32;
         work += self.drain_intake(budget);
@@ -613,7 +628,8 @@ impl<B: IoBackend> Poller<B> {
         let op = &mut self.ops[index as usize];
         debug_assert_eq!(op.state, OpState::Free);
         let (generation, io_generation) = (op.generation, op.io_generation);
-        *op = Op { generation, io_generation, state: OpState::Pending, request, l1_held, ..Op::free() };
+        let submitted_ns = self.now_ns;
+        *op = Op { generation, io_generation, state: OpState::Pending, request, l1_held, submitted_ns, ..Op::free() };
         self.stats.admitted += 1;
     }
 
@@ -988,6 +1004,15 @@ impl<B: IoBackend> Poller<B> {
         debug_assert!(op.state != OpState::Free && op.state != OpState::Done);
         op.state = OpState::Done;
         op.outcome = outcome;
+        let path = match op.request.command {
+            Command::Read(_) if !is_background(op.request.priority) => Some(0),
+            Command::Read(_) => Some(1),
+            Command::Write(_) => Some(2),
+            Command::Flush { .. } => None,
+        };
+        if let Some(path) = path {
+            self.stats.latency[path].record(self.now_ns.saturating_sub(op.submitted_ns));
+        }
         if outcome.is_ok() {
             self.stats.completed_ok += 1;
         } else {

@@ -117,8 +117,8 @@ fn a_command_of_an_older_term_is_refused_and_the_term_outlives_a_restart() {
 
 /// A stand-in control plane offering `features`: it answers the hello,
 /// then reads frames until a `DataPlaneStats` (sent after any rail report)
-/// and says whether a `RailStats` came first.
-fn control_plane(socket: &std::path::Path, features: u64) -> std::thread::JoinHandle<bool> {
+/// and says whether a `RailStats` and a `PathLatency` came first.
+fn control_plane(socket: &std::path::Path, features: u64) -> std::thread::JoinHandle<(bool, bool)> {
     let listener = UnixListener::bind(socket).unwrap();
     std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().unwrap();
@@ -130,28 +130,32 @@ fn control_plane(socket: &std::path::Path, features: u64) -> std::thread::JoinHa
         let ack = hello::accept(&hello::hello(&identity).unwrap(), &remote, 1).unwrap();
         let reply = FrameMeta { version: HELLO_WIRE_VERSION, flags: FLAG_REPLY, request_id: 1, leader_term: 1 };
         send(&mut stream, reply, &Message::HelloAck(ack));
-        let mut rails = false;
+        let (mut rails, mut paths) = (false, false);
         read_until(&mut stream, |f| match f.message {
             Message::RailStats(..) => {
                 rails = true;
                 None
             }
+            Message::PathLatency(..) => {
+                paths = true;
+                None
+            }
             Message::DataPlaneStats(_) => Some(()),
             _ => None,
         });
-        rails
+        (rails, paths)
     })
 }
 
 #[test]
-fn rail_reports_go_only_to_a_control_plane_that_takes_them() {
-    use lake_dp::wire::message::{Network, RailEntry};
+fn rail_reports_and_path_latencies_go_only_to_a_control_plane_that_takes_them() {
+    use lake_dp::wire::message::{Network, Path, PathEntry, RailEntry};
     let dir = std::env::temp_dir().join(format!("lake-rails-feature-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    // A control plane built before kind 24 offers no features (it would
-    // close the link on one); this build's offers the bit.
-    for (name, features, sent) in [("old", 0, false), ("new", lake_dp::wire::FEATURE_RAIL_STATS, true)] {
+    // A control plane built before kinds 24 and 27 offers no features (it
+    // would close the link on one); this build's offers both bits.
+    for (name, features, sent) in [("old", 0, false), ("new", lake_dp::wire::FEATURES, true)] {
         let socket = dir.join(format!("{name}.sock"));
         let cp = control_plane(&socket, features);
         let identity = Identity {
@@ -165,6 +169,9 @@ fn rail_reports_go_only_to_a_control_plane_that_takes_them() {
         let mut link = CpLink::connect(&socket, &identity, Duration::from_secs(10)).unwrap();
         let entry = RailEntry { node: 2, rail: 0, up: 1, reserved: 0, bytes: 4096, breaks: 0 };
         link.rails(Network::Storage, &[entry]);
+        let mut timed = PathEntry::new(Path::L2Write);
+        timed.record(250_000);
+        link.path_latency(&[timed]);
         link.stats(&bytemuck::Zeroable::zeroed());
         let deadline = Instant::now() + Duration::from_secs(10);
         while !cp.is_finished() {
@@ -172,7 +179,7 @@ fn rail_reports_go_only_to_a_control_plane_that_takes_them() {
             let _ = link.pump();
             std::thread::sleep(Duration::from_millis(2));
         }
-        assert_eq!(cp.join().unwrap(), sent, "{name} control plane");
+        assert_eq!(cp.join().unwrap(), (sent, sent), "{name} control plane");
         assert_eq!(link.counters.rails_withheld, u64::from(!sent), "{name} control plane");
     }
     let _ = std::fs::remove_dir_all(&dir);

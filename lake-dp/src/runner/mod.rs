@@ -1030,6 +1030,10 @@ pub fn run_with(
         }
     }
     let mut transfers_done = Vec::with_capacity(256);
+    // When each transfer to another node was written, until it ends (room
+    // for the transport's most in flight: no allocation while it runs).
+    let mut transfers_started: std::collections::HashMap<u64, u64> = std::collections::HashMap::with_capacity(4096);
+    let mut transfer_latency = crate::wire::message::PathEntry::new(crate::wire::message::Path::TransferStorage);
     for adopted in &found.adopted {
         let slot = L2Slot { file: adopted.file, slot: adopted.slot };
         pool.l2_written(slot, &adopted.meta);
@@ -1169,13 +1173,20 @@ pub fn run_with(
                         };
                         // SAFETY: the source slot is held (busy) by the pool
                         // until `send_ended`, after this transfer's end.
-                        unsafe { transport.transport().write(&block, now) }.is_ok()
+                        let written = unsafe { transport.transport().write(&block, now) }.is_ok();
+                        if written && transfers_started.len() < transfers_started.capacity() {
+                            transfers_started.insert(send.request, now);
+                        }
+                        written
                     });
                     let mut landing = pool::PoolLanding { pool: &mut pool, parts: &mut parts };
                     if transport.transport().poll(&mut landing, now, &mut transfers_done) {
                         served += 1;
                     }
                     for done in transfers_done.drain(..) {
+                        if let Some(started) = transfers_started.remove(&done.transfer) {
+                            transfer_latency.record(now.saturating_sub(started));
+                        }
                         let landed = done.result.map(|()| done.target).map_err(|e| transfer_code(&e));
                         pool.send_ended(done.transfer, landed, &mut parts);
                     }
@@ -1242,6 +1253,8 @@ pub fn run_with(
                         &rail_entries(transport.tcp_ref(), &peers_by_node),
                     );
                 }
+                let l2 = poller.stats().latency;
+                link.path_latency(&[l2[0], l2[1], l2[2], transfer_latency]);
             }
         }
         if let Some(link) = &mut link

@@ -627,6 +627,130 @@ impl Record for RailEntry {
     }
 }
 
+/// The paths a data plane times ([`PathLatency`]): each an operation by
+/// where its bytes went, so no slow path is silent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Path {
+    /// An L2 read a request waits on (critical load, P→D).
+    L2ReadCritical = 1,
+    /// An L2 read nobody waits on (a copy, a promotion in the background).
+    L2ReadBackground = 2,
+    /// An L2 write (write-back, demotion).
+    L2Write = 3,
+    /// A block sent to another node over the storage network, until it
+    /// landed and checked there.
+    TransferStorage = 4,
+}
+
+impl Path {
+    /// Every path, in code order.
+    pub const ALL: [Self; 4] = [Self::L2ReadCritical, Self::L2ReadBackground, Self::L2Write, Self::TransferStorage];
+
+    /// Decodes a path code.
+    pub fn from_u8(code: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| *p as u8 == code)
+    }
+
+    /// Its name in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::L2ReadCritical => "l2_read_critical",
+            Self::L2ReadBackground => "l2_read_background",
+            Self::L2Write => "l2_write",
+            Self::TransferStorage => "transfer_storage",
+        }
+    }
+}
+
+/// Buckets of a [`PathEntry`]: bucket `i` counts operations that took at
+/// most `2^i` µs (and more than `2^(i-1)`); slower ones count in `count`
+/// only.
+pub const LATENCY_BUCKETS: usize = 21;
+
+/// How long each path's operations took, since the data plane started:
+/// sent with the stats, to a control plane that offered
+/// [`super::FEATURE_PATH_LATENCY`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct PathLatency {
+    /// Entries that follow.
+    pub count: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+impl Record for PathLatency {
+    fn validate(&self) -> Result<(), WireError> {
+        reserved_zero("path_latency.reserved", &self.reserved.to_le_bytes())
+    }
+}
+
+impl ListHead for PathLatency {
+    const RECORDS_MAX: usize = Path::ALL.len();
+    fn count(&self) -> u32 {
+        self.count
+    }
+}
+
+/// One path's latency histogram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct PathEntry {
+    /// A [`Path`].
+    pub path: u8,
+    /// Zero.
+    pub reserved: [u8; 7],
+    /// Operations timed.
+    pub count: u64,
+    /// Their microseconds, summed.
+    pub sum_us: u64,
+    /// Per bucket ([`LATENCY_BUCKETS`]; not cumulative).
+    pub buckets: [u64; LATENCY_BUCKETS],
+}
+
+impl Default for PathEntry {
+    fn default() -> Self {
+        bytemuck::Zeroable::zeroed()
+    }
+}
+
+impl PathEntry {
+    /// An empty histogram of `path`.
+    pub fn new(path: Path) -> Self {
+        Self { path: path as u8, ..bytemuck::Zeroable::zeroed() }
+    }
+
+    /// Counts one operation that took `ns` nanoseconds.
+    pub fn record(&mut self, ns: u64) {
+        let us = ns / 1000;
+        self.count += 1;
+        self.sum_us = self.sum_us.saturating_add(us);
+        // The first bucket whose bound (2^i µs) it is within.
+        let bucket = if us <= 1 { 0 } else { (64 - (us - 1).leading_zeros()) as usize };
+        if let Some(b) = self.buckets.get_mut(bucket) {
+            *b += 1;
+        }
+    }
+
+    /// Its path (an entry this build made or decoded has a known one).
+    pub fn path(&self) -> Option<Path> {
+        Path::from_u8(self.path)
+    }
+}
+
+impl Record for PathEntry {
+    fn validate(&self) -> Result<(), WireError> {
+        Path::from_u8(self.path).ok_or(field_err("path_entry.path", self.path))?;
+        reserved_zero("path_entry.reserved", &self.reserved)?;
+        let bucketed = self.buckets.iter().try_fold(0u64, |sum, &b| sum.checked_add(b));
+        if bucketed.is_none_or(|b| b > self.count) {
+            return Err(field_err("path_entry.buckets", self.count));
+        }
+        Ok(())
+    }
+}
+
 /// [`Transfer::target`]'s slot when the target's owner picks the slot.
 pub const SLOT_ANY: u32 = u32::MAX;
 
@@ -1236,6 +1360,7 @@ messages! {
         Resident(Resident, BlockKey) = 23,
         RailStats(RailStats, RailEntry) = 24,
         Snapshot(Delta, DeltaEntry) = 25,
+        PathLatency(PathLatency, PathEntry) = 27,
     }
 }
 
@@ -1254,6 +1379,8 @@ const _: () = assert!(size_of::<DataPlaneStats>() == 96);
 const _: () = assert!(size_of::<Attached>() == 24);
 const _: () = assert!(size_of::<RailStats>() == 8);
 const _: () = assert!(size_of::<RailEntry>() == 24);
+const _: () = assert!(size_of::<PathLatency>() == 8);
+const _: () = assert!(size_of::<PathEntry>() == 24 + 8 * LATENCY_BUCKETS);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);
 const _: () = assert!(size_of::<SnapshotRequest>() == 16);

@@ -46,8 +46,12 @@ pub const WIRE_VERSION_MAX: u16 = 1;
 /// and close the link — never meets it, whichever side is upgraded first.
 pub const FEATURE_RAIL_STATS: u64 = 1 << 0;
 
+/// Feature bit: the side takes [`message::PathLatency`] (kind 27, the
+/// data plane's per-path latency histograms), sent only where offered.
+pub const FEATURE_PATH_LATENCY: u64 = 1 << 1;
+
 /// The feature bits this build offers.
-pub const FEATURES: u64 = FEATURE_RAIL_STATS;
+pub const FEATURES: u64 = FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY;
 
 /// Bytes in a frame header.
 pub const FRAME_HEADER_BYTES: usize = size_of::<FrameHeader>();

@@ -219,6 +219,12 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
         Message::Snapshot(Delta { term: 4, sequence: 100, node: 2, count: 1 }, Records::from_slice(&snapshot)),
     );
     visit(reply(30), Message::SnapshotRequest(SnapshotRequest { node: 2, reserved: 0, term: 4 }));
+    let mut critical = PathEntry::new(Path::L2ReadCritical);
+    for ns in [800, 120_000, 450_000, 2_000_000] {
+        critical.record(ns);
+    }
+    let paths = [critical, PathEntry::new(Path::TransferStorage)];
+    visit(meta(18), Message::PathLatency(PathLatency { count: 2, reserved: 0 }, Records::from_slice(&paths)));
 }
 
 /// [`each_message`] encoded: one frame per kind.
