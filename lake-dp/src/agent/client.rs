@@ -275,7 +275,7 @@ impl Agent {
             node: 0,
             pid: std::process::id(),
             region_epoch: 0,
-            features: 0,
+            features: crate::wire::FEATURES,
             name: config.name,
         };
         let hello = crate::wire::hello::hello(&identity).map_err(|e| fail("hello")(&e))?;
@@ -361,7 +361,7 @@ impl Agent {
                     node: arena.header().node,
                     pid: std::process::id(),
                     region_epoch: 0,
-                    features: 0,
+                    features: crate::wire::FEATURES,
                     name: config.name,
                 };
                 Some(CpLink::connect(socket, &identity, WAIT_MAX).map_err(|e| AttachError(e.to_string()))?)
@@ -474,7 +474,7 @@ impl Agent {
             node: self.arena.header().node,
             pid: std::process::id(),
             region_epoch: 0,
-            features: 0,
+            features: crate::wire::FEATURES,
             name: &self.cp_name,
         };
         if let Ok(link) = CpLink::connect(socket, &identity, RELINK_WAIT) {
