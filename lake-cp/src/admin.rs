@@ -145,6 +145,18 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
             "tenant_quota_evictions": t.tenant_quota_evictions,
         },
         "purging": node.tiers.purging().iter().map(|&n| namespace_text(n)).collect::<Vec<_>>(),
+        // How long the data plane's operations took, by path (bucket
+        // bounds: at most that long).
+        "paths": node.paths.iter().filter_map(|p| {
+            let count = p.count;
+            Some(json!({
+                "path": p.path()?.name(),
+                "count": count,
+                "mean_us": p.sum_us.checked_div(count),
+                "p50_us": p.quantile_us(0.5),
+                "p99_us": p.quantile_us(0.99),
+            }))
+        }).collect::<Vec<_>>(),
         "server": {
             "frames": server.frames,
             "bad_frames": server.bad_frames,

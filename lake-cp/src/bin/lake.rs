@@ -1069,6 +1069,24 @@ fn render_top(top: &serde_json::Value) -> String {
     if top["purging"].as_array().is_some_and(|p| !p.is_empty()) {
         text.push_str(&format!("purging: {}\n", top["purging"]));
     }
+    let paths = top["paths"].as_array().into_iter().flatten().collect::<Vec<_>>();
+    if !paths.is_empty() {
+        text.push_str(&format!(
+            "\n{:<20} {:>10} {:>10} {:>10} {:>10}\n",
+            "path", "count", "mean µs", "p50 ≤ µs", "p99 ≤ µs"
+        ));
+        let number = |v: &serde_json::Value| v.as_u64().map_or_else(|| "-".to_owned(), |n| n.to_string());
+        for path in paths {
+            text.push_str(&format!(
+                "{:<20} {:>10} {:>10} {:>10} {:>10}\n",
+                path["path"].as_str().unwrap_or("?"),
+                number(&path["count"]),
+                number(&path["mean_us"]),
+                number(&path["p50_us"]),
+                number(&path["p99_us"])
+            ));
+        }
+    }
     text
 }
 

@@ -733,6 +733,25 @@ impl PathEntry {
         }
     }
 
+    /// The bound (µs) of the bucket the `q` quantile (0 to 1) falls in: at
+    /// most that long for a `q` share of its operations; none when nothing
+    /// was timed or it falls past the last bucket (over 1.05 s).
+    pub fn quantile_us(&self, q: f64) -> Option<u64> {
+        if self.count == 0 {
+            return None;
+        }
+        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let rank = ((q.clamp(0.0, 1.0) * self.count as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (i, &count) in self.buckets.iter().enumerate() {
+            seen += count;
+            if seen >= rank {
+                return Some(1 << i);
+            }
+        }
+        None
+    }
+
     /// Its path (an entry this build made or decoded has a known one).
     pub fn path(&self) -> Option<Path> {
         Path::from_u8(self.path)

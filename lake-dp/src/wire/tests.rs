@@ -232,3 +232,22 @@ proptest! {
         prop_assert!(decode_frame(&bad, &Limits::default()).is_err());
     }
 }
+
+#[test]
+fn a_path_histogram_buckets_by_powers_of_two_and_reads_its_quantiles() {
+    use super::message::{LATENCY_BUCKETS, Path, PathEntry};
+    let mut entry = PathEntry::new(Path::L2Write);
+    assert_eq!(entry.quantile_us(0.5), None, "nothing timed");
+    // 1 µs and less, 3 µs, 100 µs (within 128), 2 s (past every bucket).
+    for ns in [500, 1_000, 3_000, 100_000, 2_000_000_000] {
+        entry.record(ns);
+    }
+    assert_eq!((entry.buckets[0], entry.buckets[2], entry.buckets[7]), (2, 1, 1));
+    assert_eq!(entry.buckets.iter().sum::<u64>(), 4);
+    assert_eq!((entry.count, entry.sum_us), (5, 2_000_104));
+    assert_eq!(entry.quantile_us(0.4), Some(1));
+    assert_eq!(entry.quantile_us(0.6), Some(4));
+    assert_eq!(entry.quantile_us(0.8), Some(128));
+    assert_eq!(entry.quantile_us(0.99), None, "the slowest is past the last bucket");
+    assert_eq!(1u64 << (LATENCY_BUCKETS - 1), 1_048_576);
+}
