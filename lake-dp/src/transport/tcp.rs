@@ -683,8 +683,8 @@ impl TcpTransport {
 
     /// Speaks link versions up to `latest` only (from
     /// [`crate::auth::handshake::AUTH_VERSION_MIN`]): a node held at its
-    /// peers' older version during a rolling upgrade (`lake serve
-    /// --link-version`). Set before any peer is added.
+    /// peers' older version (how a test runs one a release behind). Set
+    /// before any peer is added.
     pub fn speak_link_versions_up_to(&mut self, latest: u8) -> Result<(), TcpError> {
         if !crate::auth::handshake::speaks(latest) {
             return Err(TcpError(format!(
@@ -1438,7 +1438,7 @@ impl TcpTransport {
             let open = self.streams.get(token).and_then(Option::as_ref).is_some_and(|s| s.serial == serial);
             if passed {
                 if let Some(entry) = self.landing.get_mut(&key) {
-                    entry.unverified -= len;
+                    entry.unverified = entry.unverified.saturating_sub(len);
                 }
                 self.complete_landing(open.then_some(token), key, landing);
             } else if open {
