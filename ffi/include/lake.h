@@ -17,6 +17,12 @@
 #define LAKE_ROLE_DECODE 2
 
 /*
+ A [`LakeNodeLoad::load_ns_per_block`] entry of this node: the cost this
+ pool's agent measured (live), not one the caller gives.
+ */
+#define LAKE_COST_MEASURED UINT64_MAX
+
+/*
  [`LakeRoutePlan::mode`].
  */
 #define LAKE_MODE_COLOCATED 0
@@ -671,7 +677,10 @@ typedef struct LakeNodeLoad {
    */
   uint64_t compute_ns_per_block;
   /*
-   Moving one block into its HBM from L0 (0), L1, L2, L3 (ns).
+   Moving one block into its HBM from L0 (0), L1, L2, L3 (ns); for
+   this node, [`LAKE_COST_MEASURED`] in a tier takes what this pool's
+   agent measured on its own loads (`lake_load_costs`; not measured
+   yet: the block is not loaded from that tier, it is recomputed).
    */
   uint64_t load_ns_per_block[4];
   /*
@@ -1322,6 +1331,20 @@ enum LakeStatus lake_poll(const struct LakePool *pool,
  `stats` writable, its `struct_size` set.
  */
 enum LakeStatus lake_stats(const struct LakePool *pool, struct LakeStats *stats);
+
+/*
+ What loading one block into engine memory costs this pool's agent from
+ each tier, as it measured on its own loads (ns, a moving average; 0 not
+ measured yet): `out[0]` L0 (the engine's own, always 0), `out[1]` L1,
+ `out[2]` L2, `out[3]` L3 — the live inputs `lake_route` takes for this
+ node with `LAKE_COST_MEASURED`. Up to `capacity` entries are written.
+ Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `out` points at `capacity` writable entries.
+ */
+enum LakeStatus lake_load_costs(const struct LakePool *pool, uint64_t *out, uintptr_t capacity);
 
 /*
  `LakeOk` while the pool's `lake-dp` is there, `LakeNotAttached` once it

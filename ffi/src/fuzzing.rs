@@ -573,6 +573,10 @@ impl PoolHarness {
                     no_panic(unsafe { lake_slot_space(pool, &mut region, &mut epoch) }, "lake_slot_space");
                     // SAFETY: a pool handle.
                     no_panic(unsafe { lake_alive(pool) }, "lake_alive");
+                    let mut costs = vec![0u64; capacity % 7];
+                    // SAFETY: `costs.len()` writable entries.
+                    let s = unsafe { crate::pool::lake_load_costs(pool, costs.as_mut_ptr(), costs.len()) };
+                    no_panic(s, "lake_load_costs");
                 }
             }
         }

@@ -105,6 +105,20 @@ pub(crate) struct LaneStats {
     pub l1_reads: AtomicU64,
     pub bytes_read: AtomicU64,
     pub failures: AtomicU64,
+    /// What one L1 block's copy into engine memory took, ns (a moving
+    /// average over the lanes' copies; 0 before the first).
+    pub l1_ns_per_block: AtomicU64,
+}
+
+impl LaneStats {
+    /// Folds one block's copy time into the moving average (weight 1/8;
+    /// lanes racing may drop a sample: it is an estimate).
+    fn took(&self, started: std::time::Instant) {
+        let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX).max(1);
+        let average = self.l1_ns_per_block.load(Ordering::Relaxed);
+        let next = if average == 0 { ns } else { (average.saturating_mul(7).saturating_add(ns)) / 8 };
+        self.l1_ns_per_block.store(next, Ordering::Relaxed);
+    }
 }
 
 /// The lanes of one attached pool.
@@ -196,11 +210,13 @@ pub(crate) fn load_split(
     memory: &Arc<EngineMemory>,
     block: u32,
 ) -> LakeStatus {
+    let started = std::time::Instant::now();
     let Ok(pin) = pins.pin(entry.slot, entry.generation) else { return LakeStatus::LakeEvicted };
     let status = split_pinned(lanes, pins.bytes(&pin), key, reader, memory, block);
     pins.unpin(pin);
     let stats = &lanes.stats;
     if status == LakeStatus::LakeOk {
+        stats.took(started);
         stats.l1_reads.fetch_add(1, Ordering::Relaxed);
         stats.bytes_read.fetch_add(memory.block_bytes() as u64, Ordering::Relaxed);
     } else {
@@ -262,6 +278,7 @@ pub(crate) fn load_run(pins: &mut PinArray, share: &Share, reader: Reader, stats
     let mut statuses = Vec::with_capacity(share.range.len());
     for i in share.range.clone() {
         let entry = &share.table[i];
+        let started = std::time::Instant::now();
         let status = match pins.pin(entry.slot, entry.generation) {
             Err(_) => LakeStatus::LakeEvicted,
             Ok(pin) => {
@@ -272,6 +289,7 @@ pub(crate) fn load_run(pins: &mut PinArray, share: &Share, reader: Reader, stats
         };
         statuses.push(status);
         if status == LakeStatus::LakeOk {
+            stats.took(started);
             stats.l1_reads.fetch_add(1, Ordering::Relaxed);
             stats.bytes_read.fetch_add(share.memory.block_bytes() as u64, Ordering::Relaxed);
         } else {

@@ -2356,6 +2356,48 @@ pub unsafe extern "C" fn lake_stats(pool: *const LakePool, stats: *mut LakeStats
     })
 }
 
+/// What loading one block from each tier has cost this pool's agent, as
+/// it measured on its own loads (a moving average).
+pub(crate) fn measured_load_costs(pool: &LakePool) -> Result<[u64; 4], LakeStatus> {
+    let mut costs = pool.stats.lock().map_err(|_| fail(LakeStatus::LakeInternal, "poisoned"))?.load_ns_per_block;
+    // L1 hits are mostly copied by the lanes: theirs, where they copied.
+    let lanes = pool.lane_stats.l1_ns_per_block.load(Ordering::Relaxed);
+    if lanes > 0 {
+        costs[1] = lanes;
+    }
+    Ok(costs)
+}
+
+/// What loading one block into engine memory costs this pool's agent from
+/// each tier, as it measured on its own loads (ns, a moving average; 0 not
+/// measured yet): `out[0]` L0 (the engine's own, always 0), `out[1]` L1,
+/// `out[2]` L2, `out[3]` L3 — the live inputs `lake_route` takes for this
+/// node with `LAKE_COST_MEASURED`. Up to `capacity` entries are written.
+/// Thread-safe.
+///
+/// # Safety
+///
+/// `pool` from `lake_attach`; `out` points at `capacity` writable entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_load_costs(pool: *const LakePool, out: *mut u64, capacity: usize) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if out.is_null() && capacity > 0 {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_load_costs: out is null"));
+            }
+            let costs = measured_load_costs(pool)?;
+            let n = costs.len().min(capacity);
+            if n > 0 {
+                // SAFETY: `capacity` writable entries (contract), n <= capacity.
+                let out = unsafe { core::slice::from_raw_parts_mut(out, n) };
+                out.copy_from_slice(&costs[..n]);
+            }
+            Ok(())
+        })())
+    })
+}
+
 /// `LakeOk` while the pool's `lake-dp` is there, `LakeNotAttached` once it
 /// went away (attach again). Thread-safe.
 ///

@@ -27,11 +27,18 @@ pub struct LakeNodeLoad {
     pub queue_ns: u64,
     /// Recomputing one block there (ns).
     pub compute_ns_per_block: u64,
-    /// Moving one block into its HBM from L0 (0), L1, L2, L3 (ns).
+    /// Moving one block into its HBM from L0 (0), L1, L2, L3 (ns); for
+    /// this node, [`LAKE_COST_MEASURED`] in a tier takes what this pool's
+    /// agent measured on its own loads (`lake_load_costs`; not measured
+    /// yet: the block is not loaded from that tier, it is recomputed).
     pub load_ns_per_block: [u64; 4],
     /// Moving one block over the compute network to or from it (ns).
     pub cnic_ns_per_block: u64,
 }
+
+/// A [`LakeNodeLoad::load_ns_per_block`] entry of this node: the cost this
+/// pool's agent measured (live), not one the caller gives.
+pub const LAKE_COST_MEASURED: u64 = u64::MAX;
 
 /// What another node holds of the request's prefix: blocks available at
 /// L0, L0–L1, L0–L2, L0–L3 (never decreasing).
@@ -219,6 +226,20 @@ pub unsafe extern "C" fn lake_route(
             let mut view = HitView { nodes: Vec::with_capacity(others.len() + 1), l3_through: r.l3_blocks };
             view.nodes.push(NodeHits { node: NodeId(r.local_node), through: [l0, l1.max(l0), l2.max(l1).max(l0), 0] });
             view.nodes.extend(others.iter().map(|h| NodeHits { node: NodeId(h.node), through: h.through }));
+            // This node's tiers asked to be measured: what the agent saw.
+            let measured = crate::pool::measured_load_costs(pool)?;
+            let live = |l: &LakeNodeLoad| {
+                let mut costs = l.load_ns_per_block;
+                if l.node == r.local_node {
+                    for (cost, seen) in costs.iter_mut().zip(measured) {
+                        if *cost == LAKE_COST_MEASURED {
+                            // Not measured yet: as dear as recomputing it.
+                            *cost = if seen == 0 { l.compute_ns_per_block } else { seen };
+                        }
+                    }
+                }
+                costs
+            };
             let load_view = LoadView {
                 nodes: loads
                     .iter()
@@ -228,7 +249,7 @@ pub unsafe extern "C" fn lake_route(
                         decode: l.roles & LAKE_ROLE_DECODE != 0,
                         queue_ns: l.queue_ns,
                         compute_ns_per_block: l.compute_ns_per_block,
-                        load_ns_per_block: l.load_ns_per_block,
+                        load_ns_per_block: live(l),
                         cnic_ns_per_block: l.cnic_ns_per_block,
                     })
                     .collect(),

@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 
 use lake::pool::{
     LakeAttachOptions, LakeBlockKey, LakeLocation, LakeNamespace, LakeNamespaceOptions, LakePool, LakeRailStat,
-    lake_attach, lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_lookup,
-    lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory, lake_slot_space,
-    lake_submit_load, lake_submit_save,
+    lake_attach, lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_load_costs,
+    lake_lookup, lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory,
+    lake_slot_space, lake_submit_load, lake_submit_save,
 };
 use lake::route::{
-    LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_ROLE_DECODE, LAKE_ROLE_PREFILL, LakeNodeHits,
-    LakeNodeLoad, LakeRouteMove, LakeRoutePlan, LakeRouteRequest, lake_route,
+    LAKE_COST_MEASURED, LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_ROLE_DECODE,
+    LAKE_ROLE_PREFILL, LakeNodeHits, LakeNodeLoad, LakeRouteMove, LakeRoutePlan, LakeRouteRequest, lake_route,
 };
 use lake::status::LakeStatus;
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
@@ -353,6 +353,38 @@ fn the_router_reads_this_nodes_hits_from_its_mirror() {
     assert_eq!((plan.moves, moves[0].first, moves[0].last, moves[0].from_tier), (1, 0, 6, 1));
     assert_eq!((moves[0].from_node, moves[0].to_node, moves[0].network), (0, 0, LAKE_NETWORK_LOCAL));
     assert_eq!(plan.ttft_ns, 1_000_000, "two blocks computed hide six loaded");
+    // Cost-aware with live inputs: nothing loaded yet, so this node's L1
+    // cost is unmeasured and counts as dear as recomputing.
+    let mut costs = [u64::MAX; 4];
+    // SAFETY: 4 writable entries.
+    ok(unsafe { lake_load_costs(p, costs.as_mut_ptr(), 4) }, "costs");
+    assert_eq!(costs, [0, 0, 0, 0], "nothing loaded, nothing measured");
+    let measured = |compute_ns_per_block| LakeNodeLoad {
+        compute_ns_per_block,
+        load_ns_per_block: [0, LAKE_COST_MEASURED, LAKE_COST_MEASURED, LAKE_COST_MEASURED],
+        ..node(0, 0)
+    };
+    let (status, plan, _) = ask(&[1], &[measured(500_000), node(1, 0)], 0, size);
+    ok(status, "route, unmeasured");
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (0, 8), "an unmeasured tier is not loaded from: {plan:?}");
+    // The engine loads its six L1 blocks: the copies are timed.
+    let table = lookup(p, &keys[..6]);
+    // SAFETY: arrays of 6 entries; the memory lives until detach.
+    ok(
+        unsafe { lake_submit_load(p, memory, keys.as_ptr(), table.as_ptr(), blocks.as_ptr(), 6, 0, &raw mut request) },
+        "load",
+    );
+    assert!(statuses(p, request, 6).iter().all(|&s| s == LakeStatus::LakeOk));
+    // SAFETY: 4 writable entries.
+    ok(unsafe { lake_load_costs(p, costs.as_mut_ptr(), 4) }, "costs");
+    assert!(costs[1] > 0 && costs[1] < 500_000_000, "L1 measured: {costs:?}");
+    // Loading beats recomputing at 0.5 s a block; not at 1 ns a block.
+    let (status, plan, _) = ask(&[1], &[measured(500_000_000), node(1, 0)], 0, size);
+    ok(status, "route, measured");
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (6, 2), "{plan:?} with L1 at {} ns", costs[1]);
+    let (status, plan, _) = ask(&[1], &[measured(1), node(1, 0)], 0, size);
+    ok(status, "route, cheap compute");
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (0, 8), "{plan:?}");
     // Bad questions, refused by name; no node left is `LAKE_UNAVAILABLE`.
     assert_eq!(ask(&[0, 1], &loads, 0, size).0, LakeStatus::LakeUnavailable);
     assert_eq!(ask(&[], &loads, 7, size).0, LakeStatus::LakeInvalidArgument);

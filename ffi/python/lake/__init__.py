@@ -265,6 +265,7 @@ def _library():
         "lake_push": ([p, ctypes.c_char_p, p, p, sz, ctypes.c_uint16, u64, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_push_rails": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_route": ([p, p, p, p, sz], ctypes.c_int),
+        "lake_load_costs": ([p, ctypes.POINTER(u64), sz], ctypes.c_int),
         "lake_cancel": ([p, u64], ctypes.c_int),
         "lake_poll": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_stats": ([p, p], ctypes.c_int),
@@ -341,6 +342,9 @@ class _RouteMove(ctypes.Structure):
 ROUTE_MODES = ("colocated", "pd", "d_direct")
 ROUTE_NETWORKS = ("local", "storage", "compute")
 ROUTE_POLICIES = {"any": 0, "always_pd": 1, "always_colocated": 2}
+# A ``load_ns_per_block`` entry of this node in ``route``: the cost this
+# pool's agent measured on its own loads (``load_costs``), live.
+COST_MEASURED = 2**64 - 1
 
 
 def _ptr(array: np.ndarray):
@@ -1038,6 +1042,15 @@ class Pool:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"request {request_id}: not complete in {timeout} s")
             time.sleep(0.0002)
+
+    def load_costs(self) -> list:
+        """What loading one block from each tier (L0, L1, L2, L3) has cost
+        this pool's agent, in ns, as it measured on its own loads (0: not
+        measured yet) — the live inputs ``route`` takes for this node where
+        its ``load_ns_per_block`` says ``COST_MEASURED``."""
+        costs = (ctypes.c_uint64 * 4)()
+        _check(_library().lake_load_costs(self._h(), costs, 4))
+        return list(costs)
 
     def stats(self) -> dict:
         stats = _Stats()

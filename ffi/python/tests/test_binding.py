@@ -529,3 +529,8 @@ def test_route_places_a_request_by_its_hits_and_routes_around_a_failed_node(pool
         assert error.value.name == "LAKE_UNAVAILABLE"
         with pytest.raises(ValueError):
             pool.route(keys, [node(0, 0)], policy="sometimes")
+        # Live costs: none measured yet, so a tier asked to be measured is
+        # not loaded from.
+        assert pool.load_costs() == [0, 0, 0, 0]
+        live = dict(node(0, 0), load_ns_per_block=[0] + [lake.COST_MEASURED] * 3)
+        assert pool.route(keys, [live])["hit_blocks"] == 0

@@ -213,6 +213,11 @@ pub struct AgentStats {
     pub bytes_saved: u64,
     /// Links to `lake-cp` made again after one closed.
     pub cp_relinks: u64,
+    /// What loading one block from each tier costs this agent, measured
+    /// on its own fetches (ns, a moving average; 0: not measured yet;
+    /// index by tier: 1 L1, 2 L2, 3 L3 — L0 is the engine's): the live
+    /// inputs of a cost-aware hit ([`crate::route`]).
+    pub load_ns_per_block: [u64; 4],
 }
 
 /// The agent. See the module docs.
@@ -599,8 +604,10 @@ impl Agent {
                 break;
             }
             if table[i].tier == Tier::L1Dram && table[i].region.0 == region {
+                let started = Instant::now();
                 match self.read_l1(&keys[i], table[i].slot, table[i].generation, segmented, &mut |o, p| sink(i, o, p)) {
                     Ok(bytes) => {
+                        self.cost(Tier::L1Dram, started.elapsed(), 1);
                         self.stats.l1_reads += 1;
                         self.stats.bytes_read += bytes as u64;
                         delivered += 1;
@@ -650,8 +657,10 @@ impl Agent {
                 failure = Some(FetchFailure::Evicted);
                 break;
             }
+            let started = Instant::now();
             let mut pinned = self.load_batch(keys, &batch, cancelled);
             let mut stop = false;
+            let mut batch_blocks = [0u32; 4];
             for ((j, source), pin) in batch.iter().zip(pinned.iter_mut()) {
                 if cancelled() {
                     failure = Some(FetchFailure::Cancelled);
@@ -669,8 +678,10 @@ impl Agent {
                     Ok(bytes) => {
                         if source.tier == Tier::L3Object as u8 {
                             self.stats.l3_loads += 1;
+                            batch_blocks[3] += 1;
                         } else {
                             self.stats.l2_loads += 1;
+                            batch_blocks[2] += 1;
                         }
                         self.stats.bytes_read += bytes as u64;
                         delivered += 1;
@@ -685,6 +696,16 @@ impl Agent {
             // Blocks after a failure are not delivered: their pins go.
             for pin in pinned.into_iter().flatten() {
                 self.pins.unpin(pin);
+            }
+            // The batch's time, shared by the blocks it delivered.
+            let delivered_here: u32 = batch_blocks.iter().sum();
+            if delivered_here > 0 {
+                let per_block = started.elapsed() / delivered_here;
+                for (tier, blocks) in [(Tier::L2Nvme, batch_blocks[2]), (Tier::L3Object, batch_blocks[3])] {
+                    if blocks > 0 {
+                        self.cost(tier, per_block * blocks, blocks);
+                    }
+                }
             }
             if stop {
                 break 'blocks;
@@ -724,6 +745,14 @@ impl Agent {
     }
 
     /// [`Agent::read_l1`] of a block pinned already.
+    /// Folds `blocks` blocks loaded from `tier` in `took` into the tier's
+    /// moving average (weight 1/8 per block-sample; the first sets it).
+    fn cost(&mut self, tier: Tier, took: Duration, blocks: u32) {
+        let Some(average) = self.stats.load_ns_per_block.get_mut(tier as usize) else { return };
+        let per_block = u64::try_from(took.as_nanos() / u128::from(blocks.max(1))).unwrap_or(u64::MAX).max(1);
+        *average = if *average == 0 { per_block } else { (*average * 7 + per_block) / 8 };
+    }
+
     fn read_pinned(
         &self,
         key: &BlockKey,
