@@ -276,6 +276,9 @@ impl Uplink {
 
     fn close(&mut self) {
         self.wire = None;
+        // The leader may come back upgraded: the next handshake offers the
+        // latest again (a refusal naming an older one steps down after).
+        self.link_version = lake_dp::auth::handshake::AUTH_VERSION;
         self.snapshot_due = true;
         self.retry_at = Instant::now() + self.wait;
         self.wait = (self.wait * 2).min(Duration::from_secs(1));
