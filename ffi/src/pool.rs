@@ -795,6 +795,12 @@ fn agent_thread(
             return;
         }
         if pushes.in_flight() > 0 {
+            // Pushes of requests aborted since: what has not gone out stays.
+            if let Ok(mut set) = cancelled.lock()
+                && !set.is_empty()
+            {
+                pushes.cancel(&mut set);
+            }
             let mut ended = Vec::new();
             pushes.poll(nanos_since(epoch_start), &mut ended);
             if !ended.is_empty()

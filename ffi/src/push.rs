@@ -104,6 +104,7 @@ fn status_of(error: &TransferError) -> LakeStatus {
         TransferError::Corrupt => LakeStatus::LakeBadCrc,
         TransferError::Busy => LakeStatus::LakeBusy,
         TransferError::Invalid(_) => LakeStatus::LakeInvalidArgument,
+        TransferError::Cancelled => LakeStatus::LakeCancelled,
         TransferError::Refused
         | TransferError::PeerLost(_)
         | TransferError::Timeout
@@ -181,6 +182,23 @@ impl Pushes {
             }
         }
         out
+    }
+
+    /// Cancels the blocks of the pushes whose request ids are in
+    /// `cancelled` that have not started out (the rest go on to their
+    /// end), and takes those ids out of it: a cancel is spent once.
+    pub(crate) fn cancel(&mut self, cancelled: &mut std::collections::HashSet<u64>) {
+        let Some(pusher) = self.pusher.as_mut() else { return };
+        let mut asked = Vec::new();
+        for (&transfer, &(request, _)) in &self.blocks {
+            if cancelled.contains(&request) {
+                pusher.cancel(transfer);
+                asked.push(request);
+            }
+        }
+        for request in asked {
+            cancelled.remove(&request);
+        }
     }
 
     /// Blocks still on their way.

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use lake::pool::{
     LakeAttachOptions, LakeBlockKey, LakeLocation, LakeNamespace, LakeNamespaceOptions, LakePool, LakeRailStat,
-    lake_attach, lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_load_costs,
-    lake_lookup, lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory,
-    lake_slot_space, lake_submit_load, lake_submit_save,
+    lake_attach, lake_cancel, lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new,
+    lake_load_costs, lake_lookup, lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails,
+    lake_register_host_memory, lake_slot_space, lake_submit_load, lake_submit_save,
 };
 use lake::route::{
     LAKE_COST_MEASURED, LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_ROLE_DECODE,
@@ -248,6 +248,18 @@ fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
     };
     ok(elsewhere, "push to another region");
     assert_eq!(statuses(p, request, 2), vec![LakeStatus::LakeUnavailable; 2]);
+    // A push to a node that does not answer, aborted: its blocks end
+    // cancelled at once, not at the transfer's 10 s deadline.
+    let asked = Instant::now();
+    // SAFETY: as above.
+    let stuck = unsafe {
+        lake_push(p, c"127.0.0.1:1".as_ptr(), keys.as_ptr(), table.as_ptr(), 2, region, epoch, 1, &raw mut request)
+    };
+    ok(stuck, "push to a closed port");
+    // SAFETY: an attached pool.
+    ok(unsafe { lake_cancel(p, request) }, "cancel");
+    assert_eq!(statuses(p, request, 2), vec![LakeStatus::LakeCancelled; 2]);
+    assert!(asked.elapsed() < Duration::from_secs(5), "cancelled in {:?}", asked.elapsed());
 
     // SAFETY: attached above, detached once; then the namespace.
     unsafe { lake_detach(p) };

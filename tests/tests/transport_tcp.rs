@@ -273,3 +273,36 @@ fn blocks_sent_to_any_slot_land_where_the_receiver_reserves_them() {
     let done = drive(&mut sender, &mut receiver, &mut node, start, 1);
     assert_eq!(done[0].result, Err(TransferError::Refused));
 }
+
+#[test]
+fn a_transfer_not_yet_out_is_cancelled_and_one_on_the_wire_goes_on() {
+    let start = Instant::now();
+    let (mut sender, mut receiver, peer, _) = pair();
+    let mut node = Node::new(24);
+    connected(&mut sender, &mut receiver, &mut node, peer, start);
+    // 24 blocks of 3 MiB: the first slices go out at once, the rest wait
+    // for the connections' kernel queues (the receiver is not polled
+    // meanwhile, so those fill).
+    let objects: Vec<Vec<u8>> = (0..24).map(|i| object(i, 3 << 20, i)).collect();
+    for (i, bytes) in objects.iter().enumerate() {
+        let target = node.reserve(i as u32, 1);
+        // SAFETY: `objects` outlives every completion driven below.
+        unsafe { sender.write(&outgoing(i as u64, peer, bytes, target, Priority::WriteBack), now_ns(start)) }.unwrap();
+    }
+    let mut none = Node::new(0);
+    let mut done = Vec::new();
+    for _ in 0..50 {
+        sender.poll(&mut none, now_ns(start), &mut done);
+    }
+    assert!(!sender.cancel(0), "the first block's bytes are on the wire: it goes on");
+    assert!(sender.cancel(23), "the last block has not started out");
+    assert!(!sender.cancel(23), "cancelled once");
+    assert!(!sender.cancel(99), "not in flight");
+    let done = drive(&mut sender, &mut receiver, &mut node, start, 24);
+    let cancelled: Vec<u64> =
+        done.iter().filter(|c| c.result == Err(TransferError::Cancelled)).map(|c| c.transfer).collect();
+    assert_eq!(cancelled, [23]);
+    assert!(done.iter().filter(|c| c.transfer != 23).all(|c| c.result.is_ok()), "{done:?}");
+    assert_eq!(node.published.len(), 23, "the cancelled block never landed");
+    assert_eq!(sender.in_flight(), 0);
+}

@@ -128,6 +128,13 @@ impl Pusher {
         busy
     }
 
+    /// Cancels `transfer` if none of its bytes went out yet
+    /// ([`TcpTransport::cancel`]): it ends `Cancelled` at the next poll,
+    /// its pin released then.
+    pub fn cancel(&mut self, transfer: u64) -> bool {
+        self.transport.cancel(transfer)
+    }
+
     /// Transfers not ended yet.
     pub fn in_flight(&self) -> usize {
         self.held.len()

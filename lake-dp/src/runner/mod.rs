@@ -244,6 +244,7 @@ fn transfer_code(error: &crate::transport::TransferError) -> crate::wire::messag
         E::PeerLost(_) | E::Unreachable(_) => C::Io,
         E::Timeout => C::DeadlineExceeded,
         E::Invalid(_) => C::BadFrame,
+        E::Cancelled => C::Cancelled,
     }
 }
 

@@ -125,6 +125,8 @@ pub enum TransferError {
     /// This transport cannot carry it (why), though another may: a block
     /// outside the memory registered for RDMA to that peer.
     Unreachable(&'static str),
+    /// Its sender cancelled it before any of its bytes went out.
+    Cancelled,
 }
 
 impl core::fmt::Display for TransferError {
@@ -137,6 +139,7 @@ impl core::fmt::Display for TransferError {
             Self::Timeout => f.write_str("no answer before the deadline"),
             Self::Invalid(what) => write!(f, "invalid transfer: {what}"),
             Self::Unreachable(why) => write!(f, "not carried by this transport: {why}"),
+            Self::Cancelled => f.write_str("cancelled by its sender before it went out"),
         }
     }
 }

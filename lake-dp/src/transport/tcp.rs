@@ -475,6 +475,8 @@ struct Sending {
     /// Which of the peer's connections carry a slice of this attempt (0:
     /// waiting for one to come up).
     streams: u64,
+    /// Some of its bytes were written (it can no longer be cancelled).
+    wrote: bool,
 }
 
 /// Sendings of one transfer beyond one per connection of its peer: a
@@ -859,8 +861,13 @@ impl TcpTransport {
         if self.peers.get(block.peer.0 as usize).is_none() {
             return Err(TransferError::Invalid("peer"));
         }
-        let mut sending =
-            Sending { block: *block, deadline_ns: now_ns + self.config.transfer_timeout_ns, attempt: 0, streams: 0 };
+        let mut sending = Sending {
+            block: *block,
+            deadline_ns: now_ns + self.config.transfer_timeout_ns,
+            attempt: 0,
+            streams: 0,
+            wrote: false,
+        };
         // No connection up (yet, or again): it waits for one, or its deadline.
         self.queue_slices(&mut sending, false)?;
         self.sending.insert(block.transfer, sending);
@@ -1984,8 +1991,16 @@ impl TcpTransport {
                     {
                         p.rails[index / self.config.streams_per_peer].bytes += n as u64;
                     }
+                    let mut wrote: [Option<u64>; FRAMES_PER_WRITE] = [None; FRAMES_PER_WRITE];
+                    let mut touched = 0;
                     while n > 0 {
                         let Some(front) = stream.queue.front_mut() else { break };
+                        // A slice's bytes went out: its transfer is past
+                        // cancelling.
+                        if front.len > 0 && touched < FRAMES_PER_WRITE {
+                            wrote[touched] = front.transfer;
+                            touched += 1;
+                        }
                         let left = front.total() - front.sent;
                         if n >= left {
                             n -= left;
@@ -1995,8 +2010,14 @@ impl TcpTransport {
                             n = 0;
                         }
                     }
+                    let stream_peer = stream.peer;
+                    for transfer in wrote[..touched].iter().flatten() {
+                        if let Some(sending) = self.sending.get_mut(transfer) {
+                            sending.wrote = true;
+                        }
+                    }
                     // Room again: more of the peer's slices.
-                    if let Some((peer, _)) = stream.peer
+                    if let Some((peer, _)) = stream_peer
                         && self.peers.get(peer.0 as usize).is_some_and(|p| p.pending.iter().any(|q| !q.is_empty()))
                     {
                         self.feed(peer);
@@ -2075,6 +2096,40 @@ impl TcpTransport {
             }
         }
         self.feed(peer);
+    }
+
+    /// Cancels `transfer` if none of its bytes went out yet (its slices
+    /// still wait for a connection, or are queued untouched and untagged):
+    /// it ends `Cancelled` at the next poll, and its source is the caller's
+    /// again then. One with a slice written or tagged goes on to its end
+    /// (the stream's framing and count need it whole): `false` then, or for
+    /// a transfer not in flight. A slot the peer reserved for it (sent to
+    /// `ANY_SLOT`) is given back there at its deadline.
+    pub fn cancel(&mut self, transfer: u64) -> bool {
+        let Some(sending) = self.sending.get(&transfer) else { return false };
+        if sending.wrote {
+            return false;
+        }
+        let peer = sending.block.peer;
+        let Some(p) = self.peers.get(peer.0 as usize) else { return false };
+        let started = p.streams.iter().flatten().any(|&t| {
+            self.streams[t]
+                .as_ref()
+                .is_some_and(|s| s.queue.iter().any(|f| f.transfer == Some(transfer) && (f.sent > 0 || f.sealed)))
+        });
+        if started {
+            return false;
+        }
+        let Some(sending) = self.sending.remove(&transfer) else { return false };
+        if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+            for class in &mut p.pending {
+                class.retain(|s| s.transfer != transfer);
+            }
+        }
+        self.unqueue(peer, transfer);
+        self.stats.failed += 1;
+        self.done.push(Completion { transfer, result: Err(TransferError::Cancelled), target: sending.block.target });
+        true
     }
 
     /// Drops the frames of `transfer` not yet started from `peer`'s
