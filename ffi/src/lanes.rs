@@ -114,9 +114,8 @@ impl LaneStats {
     /// Folds one block's copy time into the moving average (weight 1/8;
     /// lanes racing may drop a sample: it is an estimate).
     fn took(&self, started: std::time::Instant) {
-        let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX).max(1);
         let average = self.l1_ns_per_block.load(Ordering::Relaxed);
-        let next = if average == 0 { ns } else { (average.saturating_mul(7).saturating_add(ns)) / 8 };
+        let next = lake_dp::agent::fold_load_cost(average, started.elapsed());
         self.l1_ns_per_block.store(next, Ordering::Relaxed);
     }
 }

@@ -220,6 +220,13 @@ pub struct AgentStats {
     pub load_ns_per_block: [u64; 4],
 }
 
+/// A load cost's moving average with one more block's time folded in
+/// (weight 1/8; the first sample sets it; never 0 once measured).
+pub fn fold_load_cost(average_ns: u64, took: Duration) -> u64 {
+    let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX).max(1);
+    if average_ns == 0 { ns } else { average_ns.saturating_mul(7).saturating_add(ns) / 8 }
+}
+
 /// The agent. See the module docs.
 pub struct Agent {
     arena: Arena,
@@ -607,7 +614,7 @@ impl Agent {
                 let started = Instant::now();
                 match self.read_l1(&keys[i], table[i].slot, table[i].generation, segmented, &mut |o, p| sink(i, o, p)) {
                     Ok(bytes) => {
-                        self.cost(Tier::L1Dram, started.elapsed(), 1);
+                        self.cost(Tier::L1Dram, started.elapsed());
                         self.stats.l1_reads += 1;
                         self.stats.bytes_read += bytes as u64;
                         delivered += 1;
@@ -701,9 +708,9 @@ impl Agent {
             let delivered_here: u32 = batch_blocks.iter().sum();
             if delivered_here > 0 {
                 let per_block = started.elapsed() / delivered_here;
-                for (tier, blocks) in [(Tier::L2Nvme, batch_blocks[2]), (Tier::L3Object, batch_blocks[3])] {
-                    if blocks > 0 {
-                        self.cost(tier, per_block * blocks, blocks);
+                for tier in [Tier::L2Nvme, Tier::L3Object] {
+                    if batch_blocks[tier as usize] > 0 {
+                        self.cost(tier, per_block);
                     }
                 }
             }
@@ -744,15 +751,14 @@ impl Agent {
         result
     }
 
-    /// [`Agent::read_l1`] of a block pinned already.
-    /// Folds `blocks` blocks loaded from `tier` in `took` into the tier's
-    /// moving average (weight 1/8 per block-sample; the first sets it).
-    fn cost(&mut self, tier: Tier, took: Duration, blocks: u32) {
+    /// Folds one block's load from `tier`, which took `per_block`, into
+    /// the tier's cost ([`fold_load_cost`]).
+    fn cost(&mut self, tier: Tier, per_block: Duration) {
         let Some(average) = self.stats.load_ns_per_block.get_mut(tier as usize) else { return };
-        let per_block = u64::try_from(took.as_nanos() / u128::from(blocks.max(1))).unwrap_or(u64::MAX).max(1);
-        *average = if *average == 0 { per_block } else { (*average * 7 + per_block) / 8 };
+        *average = fold_load_cost(*average, per_block);
     }
 
+    /// [`Agent::read_l1`] of a block pinned already.
     fn read_pinned(
         &self,
         key: &BlockKey,
