@@ -274,11 +274,17 @@ impl CpLink {
         self.queue(&Message::DataPlaneStats(*stats));
     }
 
+    /// Whether the control plane's answer named `feature` (it takes what
+    /// that bit stands for).
+    fn takes(&self, feature: u64) -> bool {
+        self.ack.features & feature != 0
+    }
+
     /// Reports what each rail of a transport carried.
     pub fn rails(&mut self, network: crate::wire::message::Network, rails: &[crate::wire::message::RailEntry]) {
         use crate::wire::message::{RAILS_REPORTED_MAX, RailStats};
         // Only to a control plane that said it takes them.
-        if self.ack.features & crate::wire::FEATURE_RAIL_STATS == 0 {
+        if !self.takes(crate::wire::FEATURE_RAIL_STATS) {
             self.counters.rails_withheld += 1;
             return;
         }
@@ -293,7 +299,7 @@ impl CpLink {
     /// that takes it: [`crate::wire::FEATURE_PATH_LATENCY`]).
     pub fn path_latency(&mut self, entries: &[crate::wire::message::PathEntry]) {
         use crate::wire::message::PathLatency;
-        if self.ack.features & crate::wire::FEATURE_PATH_LATENCY == 0 || entries.is_empty() {
+        if !self.takes(crate::wire::FEATURE_PATH_LATENCY) || entries.is_empty() {
             return;
         }
         let count = u32::try_from(entries.len()).unwrap_or(u32::MAX);
