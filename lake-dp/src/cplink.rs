@@ -60,6 +60,35 @@ pub enum CpCommand {
         /// What to free.
         replica: BlockEvicted,
     },
+    /// Drain an L2 file (write nothing new there), or use it again.
+    Drain {
+        /// The command's request id.
+        request: u64,
+        /// Which region, and whether to drain it.
+        drain: crate::wire::message::DrainRegion,
+    },
+}
+
+impl CpCommand {
+    /// Its request id and the replica its answer names.
+    pub fn request_and_target(&self) -> (u64, crate::model::replica::ReplicaWire) {
+        match *self {
+            Self::Move { request, transfer } | Self::Copy { request, transfer } => (request, transfer.target),
+            Self::Evict { request, replica } => (request, replica.replica),
+            Self::Drain { request, drain } => (
+                request,
+                crate::model::replica::ReplicaWire {
+                    tier: crate::model::replica::Tier::L2Nvme as u8,
+                    reserved: 0,
+                    region: drain.region,
+                    node: 0,
+                    region_epoch: 0,
+                    slot: crate::wire::message::SLOT_ANY,
+                    generation: 0,
+                },
+            ),
+        }
+    }
 }
 
 /// A lease the control plane granted to this link's agent.
@@ -464,6 +493,7 @@ impl CpLink {
                         Message::MoveBlock(transfer) => Incoming::Command(CpCommand::Move { request, transfer }),
                         Message::CopyBlock(transfer) => Incoming::Command(CpCommand::Copy { request, transfer }),
                         Message::EvictBlock(replica) => Incoming::Command(CpCommand::Evict { request, replica }),
+                        Message::DrainRegion(drain) => Incoming::Command(CpCommand::Drain { request, drain }),
                         Message::LeaseGrant(head, entries) => Incoming::Grant(Granted {
                             request,
                             lease_id: head.lease_id,
@@ -519,10 +549,7 @@ impl CpLink {
 
     /// Answers a command that will not run.
     fn answer(&mut self, command: CpCommand, code: ErrorCode) {
-        let (request, target) = match command {
-            CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer } => (request, transfer.target),
-            CpCommand::Evict { request, replica } => (request, replica.replica),
-        };
+        let (request, target) = command.request_and_target();
         let done = TransferDone { status: code as u32, reserved: 0, target, bytes: 0 };
         self.transfer_done(request, &done);
     }

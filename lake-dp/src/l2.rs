@@ -754,6 +754,8 @@ pub struct L2Slots {
     /// The file the next allocation tries first (round robin spreads
     /// writes over devices).
     next_file: usize,
+    /// Files being drained: nothing new is written there.
+    draining: Vec<bool>,
     bytes_in_use: u64,
 }
 
@@ -807,7 +809,7 @@ impl L2Slots {
             })
             .collect();
         let bytes_in_use = in_use.iter().filter(|&&used| used).count() as u64 * geometry.slot_bytes;
-        Self { geometry, in_use, generation, free, next_file: 0, bytes_in_use }
+        Self { geometry, in_use, generation, free, next_file: 0, draining: vec![false; files], bytes_in_use }
     }
 
     fn index(&self, slot: crate::op::L2Slot) -> Option<usize> {
@@ -815,11 +817,21 @@ impl L2Slots {
             .then(|| usize::from(slot.file) * self.geometry.slots_per_file as usize + slot.slot as usize)
     }
 
-    /// A free slot (files taken in turn), or `None` when the tier is full.
+    /// A free slot (files taken in turn, draining ones passed over), or
+    /// `None` when the tier is full.
     pub fn allocate(&mut self) -> Option<L2Grant> {
+        self.allocate_avoiding(None)
+    }
+
+    /// A free slot as [`Self::allocate`] gives, in a file other than
+    /// `avoid` (a block moving off it).
+    pub fn allocate_avoiding(&mut self, avoid: Option<u16>) -> Option<L2Grant> {
         let files = self.free.len();
         for step in 0..files {
             let file = (self.next_file + step) % files;
+            if self.draining[file] || avoid.is_some_and(|a| usize::from(a) == file) {
+                continue;
+            }
             if let Some(slot) = self.free[file].pop() {
                 self.next_file = (file + 1) % files;
                 let slot = crate::op::L2Slot { file: u16::try_from(file).ok()?, slot };
@@ -856,5 +868,25 @@ impl L2Slots {
     /// Free slots, all files together.
     pub fn free_slots(&self) -> u64 {
         self.free.iter().map(|f| f.len() as u64).sum()
+    }
+
+    /// Drains `file` (nothing new is written there) or uses it again.
+    /// Errors if the tier has no such file.
+    pub fn set_draining(&mut self, file: u16, draining: bool) -> Result<(), L2SlotError> {
+        let flag = self.draining.get_mut(usize::from(file)).ok_or(L2SlotError::OutOfRange)?;
+        *flag = draining;
+        Ok(())
+    }
+
+    /// Whether `file` is being drained.
+    pub fn is_draining(&self, file: u16) -> bool {
+        self.draining.get(usize::from(file)).copied().unwrap_or(false)
+    }
+
+    /// Slots of `file` holding objects.
+    pub fn in_use_in(&self, file: u16) -> u64 {
+        let per_file = self.geometry.slots_per_file as usize;
+        let start = usize::from(file) * per_file;
+        self.in_use.get(start..start + per_file).map_or(0, |s| s.iter().filter(|&&u| u).count() as u64)
     }
 }

@@ -946,6 +946,32 @@ impl Record for SnapshotRequest {
     }
 }
 
+/// Drain an L2 region (one file of the tier, on its own device) or stop
+/// draining it, cp→dp: while draining, the data plane writes nothing new
+/// there (demotions and relocations take its other files) and the control
+/// plane moves what it holds elsewhere (`MoveBlock` L2→L2). Answered with
+/// `TransferDone` (its target the region, any slot). Sent only to a data
+/// plane whose hello offered [`super::FEATURE_DRAIN`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct DrainRegion {
+    /// The region (an L2 file of the data plane's).
+    pub region: u16,
+    /// 1: drain it; 0: use it again.
+    pub draining: u8,
+    /// Zero.
+    pub reserved: [u8; 5],
+}
+
+impl Record for DrainRegion {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.draining > 1 {
+            return Err(field_err("drain_region.draining", self.draining));
+        }
+        reserved_zero("drain_region.reserved", &self.reserved)
+    }
+}
+
 /// [`PinDrop::pin_index`] meaning every pin of the agent.
 pub const PIN_INDEX_ALL: u32 = u32::MAX;
 
@@ -1368,6 +1394,7 @@ messages! {
         DataPlaneStats(DataPlaneStats) = 21,
         Attached(Attached) = 22,
         SnapshotRequest(SnapshotRequest) = 26,
+        DrainRegion(DrainRegion) = 28,
     }
     listed {
         LeaseRequest(LeaseRequest, BlockKey) = 11,
@@ -1403,6 +1430,7 @@ const _: () = assert!(size_of::<PathEntry>() == 24 + 8 * LATENCY_BUCKETS);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);
 const _: () = assert!(size_of::<SnapshotRequest>() == 16);
+const _: () = assert!(size_of::<DrainRegion>() == 8);
 const _: () = assert!(size_of::<ErrorBody>() == 64);
 // Every fixed body fits the smallest frame limit a peer may announce.
 const _: () = assert!(super::FRAME_HEADER_BYTES + 88 <= PEER_FRAME_BYTES_MIN as usize);

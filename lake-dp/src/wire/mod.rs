@@ -50,8 +50,13 @@ pub const FEATURE_RAIL_STATS: u64 = 1 << 0;
 /// data plane's per-path latency histograms), sent only where offered.
 pub const FEATURE_PATH_LATENCY: u64 = 1 << 1;
 
+/// Feature bit: the side takes [`message::DrainRegion`] (kind 28) and
+/// moves blocks between its L2 files (`MoveBlock` L2→L2): a control plane
+/// drains a disk only through a data plane that offered it.
+pub const FEATURE_DRAIN: u64 = 1 << 2;
+
 /// The feature bits this build offers.
-pub const FEATURES: u64 = FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY;
+pub const FEATURES: u64 = FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY | FEATURE_DRAIN;
 
 /// Bytes in a frame header.
 pub const FRAME_HEADER_BYTES: usize = size_of::<FrameHeader>();

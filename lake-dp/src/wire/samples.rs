@@ -225,6 +225,7 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
     }
     let paths = [critical, PathEntry::new(Path::TransferStorage)];
     visit(meta(18), Message::PathLatency(PathLatency { count: 2, reserved: 0 }, Records::from_slice(&paths)));
+    visit(meta(31), Message::DrainRegion(DrainRegion { region: 3, draining: 1, reserved: [0; 5] }));
 }
 
 /// [`each_message`] encoded: one frame per kind.

@@ -41,6 +41,7 @@ use crate::agent::shm::Popped;
 use crate::arena::SlotTable;
 use crate::constants::STORED_HEADER_BYTES;
 use crate::cplink::{CpCommand, CpLink};
+use crate::l2::L2Grant;
 use crate::model::key::BlockKey;
 use crate::model::replica::{Durability, Priority, ReplicaWire, Tier};
 use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, WriteBlock};
@@ -50,7 +51,9 @@ use crate::runner::Parts;
 use crate::stored::{ObjectMeta, StoredError, decode_header, object_bytes};
 use crate::transport::Landing;
 use crate::transport::frame::{AckStatus, BlockAddr};
-use crate::wire::message::{BlockEvicted, BlockRecord, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone};
+use crate::wire::message::{
+    BlockEvicted, BlockRecord, DrainRegion, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone,
+};
 
 /// A reservation not committed within this time is taken back.
 pub const RESERVATION_TIMEOUT_NS: u64 = 30_000_000_000;
@@ -87,6 +90,10 @@ enum Purpose {
     Promote { to: Requester, l1_slot: u32, l1_generation: u32 },
     /// An L2 block read into a staging L1 slot for the L3 write `op`.
     StageL3 { op: u32 },
+    /// An L2 block moved to another L2 file (a drain), for `lake-cp`'s
+    /// `request`: read from `source` into the staging slot `stage`, then
+    /// written from there to `target`; the source is freed after.
+    Relocate { request: u64, stage: u32, source: L2Slot, source_generation: u32, target: L2Grant, priority: Priority },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -140,6 +147,8 @@ pub struct PoolStats {
     pub unreadable: u64,
     /// Replicas dropped by a purge of their namespace.
     pub purged: u64,
+    /// Blocks moved from one L2 file to another (off a drained disk).
+    pub relocations: u64,
 }
 
 /// What a pool is sized for.
@@ -1050,6 +1059,27 @@ impl Pool {
                     Err(code) => (request, transfer.target, Err(code)),
                 }
             }
+            CpCommand::Move { request, transfer }
+                if transfer.source.tier == Tier::L2Nvme as u8 && transfer.target.tier == Tier::L2Nvme as u8 =>
+            {
+                match self.relocate(request, &transfer, parts) {
+                    // Answered when the copy is written.
+                    Ok(()) => return,
+                    Err(code) => (request, transfer.target, Err(code)),
+                }
+            }
+            CpCommand::Drain { request, drain } => {
+                let target = ReplicaWire {
+                    tier: Tier::L2Nvme as u8,
+                    reserved: 0,
+                    region: drain.region,
+                    node: self.node,
+                    region_epoch: self.epoch,
+                    slot: SLOT_ANY,
+                    generation: 0,
+                };
+                (request, target, self.drain(&drain, parts))
+            }
             CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer } => {
                 (request, transfer.target, Err(ErrorCode::BadFrame))
             }
@@ -1063,6 +1093,173 @@ impl Pool {
         };
         if let Some(cp) = parts.link {
             cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes: 0 });
+        }
+    }
+
+    /// Drains one of this node's L2 files (no new object goes there) or
+    /// uses it again.
+    fn drain(&mut self, drain: &DrainRegion, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+        let file = drain
+            .region
+            .checked_sub(self.geometry.region_first)
+            .filter(|&f| f < self.geometry.files)
+            .ok_or(ErrorCode::NoSuchBlock)?;
+        parts.l2.set_draining(file, drain.draining == 1).map_err(|_| ErrorCode::NoSuchBlock)
+    }
+
+    /// Starts moving an L2 object to a slot of another L2 file (not one
+    /// being drained): read into a staging L1 slot first.
+    fn relocate(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+        let source = &transfer.source;
+        if source.region_epoch != self.epoch || source.node != self.node {
+            return Err(ErrorCode::StaleEpoch);
+        }
+        if transfer.target.node != self.node {
+            return Err(ErrorCode::BadFrame);
+        }
+        let slot = self.l2_slot_of(source).ok_or(ErrorCode::NoSuchBlock)?;
+        let meta = match self.l2_object(slot, source.generation) {
+            Some(meta) if source.generation != 0 => *meta,
+            _ => return Err(ErrorCode::StaleGeneration),
+        };
+        if meta.key != transfer.key {
+            return Err(ErrorCode::NoSuchBlock);
+        }
+        let (table, l2) = (&mut *parts.table, &mut *parts.l2);
+        let class = table.class_for(object_bytes(meta.payload_len)).ok_or(ErrorCode::NoSpace)?;
+        let target = l2.allocate_avoiding(Some(slot.file)).ok_or(ErrorCode::NoSpace)?;
+        let Some(stage) = table.allocate(class) else {
+            let _ = l2.release(target.slot);
+            return Err(ErrorCode::NoSpace);
+        };
+        let priority = Priority::from_u8(transfer.priority).unwrap_or(Priority::Demotion);
+        let purpose = Purpose::Relocate {
+            request,
+            stage: stage.slot,
+            source: slot,
+            source_generation: source.generation,
+            target,
+            priority,
+        };
+        let Some(cookie) = self.take_op(purpose) else {
+            let _ = l2.release(target.slot);
+            let _ = table.retire(stage.slot);
+            return Err(ErrorCode::QueueFull);
+        };
+        self.l1[stage.slot as usize] = L1State::Busy;
+        let command = Command::Read(ReadBlock {
+            source: slot,
+            l1_slot: stage.slot,
+            key: meta.key,
+            generation: source.generation,
+            payload_len: meta.payload_len,
+        });
+        if parts.poller.submit(Request { command, priority, deadline_ns: 0, cookie }).is_err() {
+            self.put_op(cookie);
+            self.release_l1(stage.slot, parts.table);
+            let _ = parts.l2.release(target.slot);
+            return Err(ErrorCode::QueueFull);
+        }
+        Ok(())
+    }
+
+    /// A relocation's read or write ended: after the read, the staged
+    /// object (sealed or not, as it lay) is written to its new slot with
+    /// a header naming it; after the write, the new replica is reported,
+    /// the source freed and reported, and the command answered.
+    fn relocation_step(&mut self, purpose: Purpose, event: &Event, parts: &mut Parts<'_>) {
+        let Purpose::Relocate { request, stage, source, source_generation, target, priority } = purpose else {
+            return;
+        };
+        let (node, epoch) = (self.node, self.epoch);
+        let fail = |pool: &mut Self, code: ErrorCode, parts: &mut Parts<'_>| {
+            pool.release_l1(stage, parts.table);
+            let _ = parts.l2.release(target.slot);
+            pool.stats.commands_failed += 1;
+            let target = ReplicaWire {
+                slot: SLOT_ANY,
+                ..crate::runner::l2_replica(&pool.geometry, node, epoch, target.slot, 0)
+            };
+            if let Some(cp) = parts.link.as_mut() {
+                cp.transfer_done(request, &TransferDone { status: code as u32, reserved: 0, target, bytes: 0 });
+            }
+        };
+        match (event.command, event.outcome) {
+            (Command::Read(read), Err(e)) => {
+                if matches!(e, OpError::Corrupt(_)) && parts.l2.release(source).is_ok() {
+                    // The source is bad: it goes, as a reader would drop it.
+                    self.l2_released(source);
+                    let replica = crate::runner::l2_replica(&self.geometry, node, epoch, source, source_generation);
+                    if let Some(cp) = parts.link.as_mut() {
+                        let reason = EvictReason::Corrupt as u8;
+                        cp.evicted(&BlockEvicted { replica, key: read.key, reason, reserved: [0; 7] });
+                    }
+                }
+                fail(self, op_code(e), parts);
+            }
+            (Command::Read(_), Ok(_)) => {
+                // SAFETY: the staging slot was allocated for this read,
+                // which completed; it is never reported, so nobody pins it.
+                let Some(decoded) = unsafe { parts.region.slot(stage) }.and_then(|b| decode_header(b).ok()) else {
+                    return fail(self, ErrorCode::Checksum, parts);
+                };
+                let meta = ObjectMeta {
+                    region: self.geometry.region(target.slot.file),
+                    region_epoch: epoch,
+                    slot: target.slot.slot,
+                    generation: target.generation,
+                    ..*decoded.meta()
+                };
+                let write = WriteBlock {
+                    l1_slot: stage,
+                    target: target.slot,
+                    meta,
+                    durability: Durability::Acked,
+                    seal: decoded.seal().copied(),
+                };
+                let Some(cookie) = self.take_op(purpose) else { return fail(self, ErrorCode::QueueFull, parts) };
+                let request = Request { command: Command::Write(write), priority, deadline_ns: 0, cookie };
+                if parts.poller.submit(request).is_err() {
+                    self.put_op(cookie);
+                    fail(self, ErrorCode::QueueFull, parts);
+                }
+            }
+            (Command::Write(write), outcome) => {
+                self.release_l1(stage, parts.table);
+                let Ok(done) = outcome else {
+                    let _ = parts.l2.release(target.slot);
+                    self.stats.commands_failed += 1;
+                    let status = outcome.err().map_or(ErrorCode::Io, op_code) as u32;
+                    let target = ReplicaWire {
+                        slot: SLOT_ANY,
+                        ..crate::runner::l2_replica(&self.geometry, node, epoch, target.slot, 0)
+                    };
+                    if let Some(cp) = parts.link.as_mut() {
+                        cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes: 0 });
+                    }
+                    return;
+                };
+                self.l2_written(target.slot, &write.meta);
+                let record = crate::runner::l2_record(&self.geometry, node, epoch, target.slot, &write.meta);
+                // The source goes if it still holds what was moved (a purge
+                // may have freed it meanwhile).
+                let freed = self.l2_object(source, source_generation).is_some() && parts.l2.release(source).is_ok();
+                if freed {
+                    self.l2_released(source);
+                }
+                self.stats.relocations += 1;
+                if let Some(cp) = parts.link.as_mut() {
+                    cp.committed(&record);
+                    if freed {
+                        let replica = crate::runner::l2_replica(&self.geometry, node, epoch, source, source_generation);
+                        let reason = EvictReason::Demoted as u8;
+                        cp.evicted(&BlockEvicted { replica, key: write.meta.key, reason, reserved: [0; 7] });
+                    }
+                    let done = TransferDone { status: 0, reserved: 0, target: record.replica, bytes: done.bytes };
+                    cp.transfer_done(request, &done);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -1201,6 +1398,7 @@ impl Pool {
                 }
             }
             (Purpose::StageL3 { op }, Command::Read(_)) => self.l3_staged(op, event.outcome.is_ok(), parts),
+            (relocate @ Purpose::Relocate { .. }, _) => self.relocation_step(relocate, event, parts),
             (Purpose::Promote { to, l1_slot, l1_generation }, Command::Read(read)) => {
                 let opened = match event.outcome {
                     Ok(done) => self.promoted(l1_slot, l1_generation, region, link).map(|()| done.bytes),
