@@ -15,6 +15,9 @@
 //! | `{"op":"inspect","key":"<32 hex>"}` | one block: its parent, kind, hits, every replica (tier, region, node, epoch, slot, generation, state), the leases holding it and its recent history |
 //! | `{"op":"namespaces"}` | every namespace holding bytes, by tier, and whether it is being purged |
 //! | `{"op":"purge","namespace":"<16 hex>"}` | starts dropping every replica of the namespace from every tier ([`crate::tier::Tiers::purge`]) |
+//! | `{"op":"regions"}` | every registered region: id, tier, node, name (an L2 file's path), bytes, blocks, capacity, draining |
+//! | `{"op":"drain","region":N}` or `{"op":"drain","name":"<path>"}`, with `"undo":true` to end it | starts (or ends) draining an L2 file ([`crate::tier::Tiers::drain`]); answers every drain and how far it is |
+//! | `{"op":"drains"}` | every drain and how far it is |
 //!
 //! Pins are not here: an L1 pin is a count in the arena's shared memory,
 //! taken and dropped by agents without a message; `lake inspect --arena`
@@ -101,9 +104,73 @@ pub fn respond(node: &mut Node, server: &ServerCounters, peers: usize, line: &[u
             let purging: Vec<String> = node.tiers.purging().iter().map(|&n| namespace_text(n)).collect();
             json!({ "purging": purging })
         }
-        Some(other) => error(format!("unknown op {other:?}: top, inspect, namespaces or purge")),
+        Some("regions") => regions(node),
+        Some("drains") => json!({ "drains": drains(node) }),
+        Some("drain") => {
+            let by_name = request.get("name").and_then(Value::as_str);
+            let region = match (request.get("region").and_then(Value::as_u64), by_name) {
+                (Some(id), None) => u16::try_from(id).map_err(|_| format!("drain: region {id} is out of range")),
+                (None, Some(name)) => node
+                    .tiers
+                    .regions()
+                    .iter()
+                    .find(|r| r.name == name)
+                    .map(|r| r.region)
+                    .ok_or_else(|| format!("drain: no region is named {name:?} (lake regions lists them)")),
+                _ => Err("drain: give \"region\" (its id) or \"name\" (its path), one of them".to_owned()),
+            };
+            let undo = request.get("undo").and_then(Value::as_bool).unwrap_or(false);
+            let done = region.and_then(|r| if undo { node.tiers.undrain(r) } else { node.tiers.drain(r) });
+            match done {
+                Ok(()) => json!({ "drains": drains(node) }),
+                Err(why) => error(why),
+            }
+        }
+        Some(other) => {
+            error(format!("unknown op {other:?}: top, inspect, namespaces, purge, regions, drain or drains"))
+        }
         None => error("a request is {\"op\": ...}"),
     }
+}
+
+fn regions(node: &Node) -> Value {
+    let regions: Vec<Value> = node
+        .tiers
+        .regions()
+        .iter()
+        .map(|r| {
+            json!({
+                "region": r.region,
+                "tier": tier_name(r.tier),
+                "node": r.node,
+                "name": r.name,
+                "bytes": r.bytes,
+                "blocks": r.blocks,
+                "capacity_bytes": r.capacity_bytes,
+                "draining": r.draining,
+            })
+        })
+        .collect();
+    json!({ "regions": regions })
+}
+
+fn drains(node: &Node) -> Vec<Value> {
+    node.tiers
+        .drains()
+        .iter()
+        .map(|d| {
+            json!({
+                "region": d.region,
+                "node": d.node,
+                "announced": d.announced,
+                "refused": d.refused,
+                "blocks_left": d.blocks_left,
+                "moves_asked": d.moved,
+                "drops_asked": d.dropped,
+                "done": d.done,
+            })
+        })
+        .collect()
 }
 
 #[allow(clippy::cast_precision_loss)] // a ratio of block counts, shown to an operator
@@ -143,8 +210,11 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
             "failed": t.failed,
             "purged": t.purged,
             "tenant_quota_evictions": t.tenant_quota_evictions,
+            "drain_moves": t.drain_moves,
+            "drain_drops": t.drain_drops,
         },
         "purging": node.tiers.purging().iter().map(|&n| namespace_text(n)).collect::<Vec<_>>(),
+        "drains": drains(node),
         // How long the data plane's operations took, by path (bucket
         // bounds: at most that long).
         "paths": node.paths.iter().filter_map(|p| {

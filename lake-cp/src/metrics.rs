@@ -212,7 +212,18 @@ fn tier_metrics(out: &mut String, node: &Node) {
             ("move=\"move_to_l3\"", t.l3_moves),
             ("move=\"copy_to_l3\"", t.l3_copies),
             ("move=\"delete_l3\"", t.drops[Tier::L3Object as usize]),
+            ("move=\"drain_move_l2\"", t.drain_moves),
+            ("move=\"drain_drop_l2\"", t.drain_drops),
         ],
+    );
+    let drains = node.tiers.drains();
+    let left: Vec<(String, u64)> = drains.iter().map(|d| (format!("region=\"{}\"", d.region), d.blocks_left)).collect();
+    metric(
+        out,
+        "lake_drain_blocks_left",
+        "gauge",
+        "Blocks an L2 region being drained still holds (0 and done: it may be taken away).",
+        &borrowed(&left),
     );
     metric(
         out,

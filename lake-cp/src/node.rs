@@ -260,6 +260,7 @@ impl Node {
                     let what = if tracked { BlockEventKind::DropAsked } else { BlockEventKind::SecondCopyDropAsked };
                     (e.key, what, e.replica.slot)
                 }
+                TierAction::Drain(_) => continue,
             };
             self.record(key, what, (command.region, slot));
         }
@@ -450,6 +451,7 @@ impl Node {
             region.slot_bytes,
             u64::from(region.slot_count),
         );
+        self.tiers.name_region(region.region, region.name());
         self.counters.regions += 1;
         if let (Some(mirror), Some(info)) = (&mut self.mirror, self.locations.region(region.region)) {
             let record = RegionRecord { tier, epoch: info.epoch, epoch_tag: info.epoch_tag(), node: self.node };
@@ -590,6 +592,20 @@ impl Node {
         }
         let held_in = |node: &Self, tier: Tier| node.locations.ready(key).find(|r| r.tier == tier);
         if tier == Tier::L2Nvme {
+            // The copy of a block moving between L2 files (a drain): the
+            // source leaves the view now so the copy fits beside an L1
+            // replica; the data plane frees it and reports that next.
+            let moving = {
+                let tiers = &self.tiers;
+                self.locations.ready(key).find(|r| r.tier == Tier::L2Nvme && tiers.is_relocating(key, r.region.0))
+            };
+            if let Some(source) = moving
+                && self.locations.remove(key, source.region.0).is_ok()
+            {
+                self.tiers.removed(source.region.0, key);
+                self.tiers.expect_eviction(*key, source);
+                return true;
+            }
             // A demotion's L2 copy of a block L3 holds too: its L1 copy is
             // on its way out (the data plane reports its eviction next), so
             // it leaves the view now — the block is never missing from it.

@@ -84,6 +84,8 @@ pub struct Session {
     peer: u64,
     /// Regions this peer registered (commands for them go to it).
     regions: Vec<u16>,
+    /// The feature bits both sides offered at hello.
+    features: u64,
 }
 
 /// Whether a session goes on after a call.
@@ -98,7 +100,21 @@ pub enum Flow {
 impl Session {
     /// Connection `peer` (an id unique in the server), before its hello.
     pub fn new(peer: u64) -> Self {
-        Self { input: Vec::new(), stage: Stage::Hello, name: String::new(), role: None, peer, regions: Vec::new() }
+        Self {
+            input: Vec::new(),
+            stage: Stage::Hello,
+            name: String::new(),
+            role: None,
+            peer,
+            regions: Vec::new(),
+            features: 0,
+        }
+    }
+
+    /// Whether the peer offered `feature` (a `lake_dp::wire::FEATURE_*`
+    /// bit) at hello, as this build does.
+    pub fn takes(&self, feature: u64) -> bool {
+        self.features & feature == feature
     }
 
     /// The regions this peer registered.
@@ -160,6 +176,7 @@ impl Session {
                                     .and_then(|ack| hello::limits_after(&ack).map(|limits| (ack, limits)))
                                     .map(|(ack, limits)| {
                                         self.stage = Stage::Open(limits);
+                                        self.features = ack.features;
                                         self.name = remote.name().to_owned();
                                         self.role = Some(role);
                                         Some(Reply::Fixed(request, Message::HelloAck(ack), HELLO_WIRE_VERSION))
@@ -518,6 +535,14 @@ impl Server {
                 TierAction::Move(transfer) => Message::MoveBlock(transfer),
                 TierAction::Copy(transfer) => Message::CopyBlock(transfer),
                 TierAction::Evict(evict) => Message::EvictBlock(evict),
+                // A data plane built before drains would close the link
+                // on the kind: it is told nothing, and the drain fails.
+                TierAction::Drain(_) if !peer.session.takes(lake_dp::wire::FEATURE_DRAIN) => {
+                    self.node.tiers.drain_refused(command.region, "its lake-dp does not drain (an older build)");
+                    self.node.tiers.done(command.request, false);
+                    continue;
+                }
+                TierAction::Drain(drain) => Message::DrainRegion(drain),
             };
             let meta = FrameMeta { version, flags: 0, request_id: command.request, leader_term: self.term };
             let start = peer.output.len();

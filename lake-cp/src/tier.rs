@@ -43,7 +43,7 @@
 use std::collections::{HashMap, HashSet};
 
 use lake_dp::model::replica::ReplicaWire;
-use lake_dp::wire::message::{BlockEvicted, EvictReason, SLOT_ANY, Transfer};
+use lake_dp::wire::message::{BlockEvicted, DrainRegion, EvictReason, SLOT_ANY, Transfer};
 use lake_dp::{BlockKey, ObjectKind, Priority, Replica, Tier};
 
 use crate::evict::{Cache, Lake, Lru, Policy, Verdict};
@@ -270,6 +270,9 @@ pub enum TierAction {
     Copy(Transfer),
     /// Free the replica.
     Evict(BlockEvicted),
+    /// Drain the L2 region (its data plane writes nothing new there), or
+    /// use it again.
+    Drain(DrainRegion),
 }
 
 /// What the manager has done, for metrics.
@@ -308,6 +311,12 @@ pub struct TierCounters {
     pub purges_started: u64,
     /// See `purges_started`.
     pub purges_done: u64,
+    /// Blocks moved off a drained L2 region to another (`MoveBlock`
+    /// L2→L2 asked).
+    pub drain_moves: u64,
+    /// Replicas in a drained L2 region dropped because another L2 region
+    /// or L3 holds the block.
+    pub drain_drops: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -340,6 +349,86 @@ struct Pending {
     to: Option<Tier>,
 }
 
+/// An L2 region being drained ([`Tiers::drain`]).
+#[derive(Debug, Default)]
+struct Drain {
+    /// The data plane took it: it writes nothing new there.
+    announced: bool,
+    /// The announcement in flight.
+    asking: Option<u64>,
+    /// Not announced again before this time (after a refusal).
+    retry_ns: u64,
+    /// Why the last announcement was refused.
+    refused: Option<String>,
+    /// Blocks to move off, from the last scan, taken from the end.
+    queue: Vec<BlockKey>,
+    /// When the region's blocks were last scanned for (never: `None`).
+    scanned_ns: Option<u64>,
+    /// Blocks moved off and replicas dropped (another copy kept).
+    moved: u64,
+    dropped: u64,
+}
+
+/// A drained region's blocks are looked for again at most this often
+/// (a block saved there before the data plane took the drain, one whose
+/// move failed, one a lease held).
+const DRAIN_SCAN_NS: u64 = 200_000_000;
+
+/// Moves off drained regions one pass may ask at most.
+const DRAINS_PER_PASS: usize = 16;
+
+/// Commands in flight from one drained region at most: a drain is
+/// background work, and each move holds a staging L1 slot and a device
+/// read then write.
+const DRAIN_IN_FLIGHT_MAX: usize = 16;
+
+/// A drained announcement refused is sent again after this.
+const DRAIN_RETRY_NS: u64 = 1_000_000_000;
+
+/// A drain, for the operator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DrainStatus {
+    /// The L2 region (one file).
+    pub region: u16,
+    /// Its node.
+    pub node: u32,
+    /// Whether its data plane took the drain (it writes nothing new there).
+    pub announced: bool,
+    /// Why its data plane refused it, if it did (retried each second).
+    pub refused: Option<String>,
+    /// Blocks it still holds.
+    pub blocks_left: u64,
+    /// Blocks moved off to another region, and replicas dropped because
+    /// another L2 region or L3 holds the block.
+    pub moved: u64,
+    /// See `moved`.
+    pub dropped: u64,
+    /// Announced, nothing left there, nothing in flight from it: the
+    /// file may be taken away.
+    pub done: bool,
+}
+
+/// A region, for the operator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionStatus {
+    /// Its id.
+    pub region: u16,
+    /// Its tier.
+    pub tier: Tier,
+    /// Its node.
+    pub node: u32,
+    /// Where it lives (an L2 file's path, the arena's), as registered.
+    pub name: String,
+    /// Bytes and blocks it holds.
+    pub bytes: u64,
+    /// See `bytes`.
+    pub blocks: u64,
+    /// Bytes its slots hold in all.
+    pub capacity_bytes: u64,
+    /// Whether it is being drained.
+    pub draining: bool,
+}
+
 /// The tier manager. See the module docs.
 pub struct Tiers {
     config: TierConfig,
@@ -367,6 +456,12 @@ pub struct Tiers {
     /// Namespaces being purged: every replica of theirs dropped from
     /// every tier, until they hold nothing.
     purging: Vec<u64>,
+    /// L2 regions being drained.
+    drains: std::collections::BTreeMap<u16, Drain>,
+    /// Regions to be used again: their data plane is told next pass.
+    undrained: Vec<u16>,
+    /// Regions' names as registered.
+    names: HashMap<u16, String>,
     /// For [`L2Admission::SecondAccess`]: blocks seen a second time, and
     /// L1 victims it dropped (one saved again is seen a second time).
     seen_twice: Remembered,
@@ -416,6 +511,9 @@ impl Tiers {
             duplicates_sent: HashSet::new(),
             write_back: std::collections::VecDeque::new(),
             purging: Vec::new(),
+            drains: std::collections::BTreeMap::new(),
+            undrained: Vec::new(),
+            names: HashMap::new(),
             seen_twice: Remembered::default(),
             dropped_once: Remembered::default(),
             cooling: Vec::new(),
@@ -428,6 +526,14 @@ impl Tiers {
     /// what it held).
     pub fn register(&mut self, region: u16, tier: Tier, node: u32, epoch: u64, slot_bytes: u64, slots: u64) {
         let previous = self.regions.insert(region, RegionUse { tier, slot_bytes, slots, epoch, node });
+        if let Some(drain) = self.drains.get_mut(&region)
+            && previous.is_none_or(|p| p.epoch != epoch)
+        {
+            // A restarted data plane forgot the drain: it is told again.
+            drain.announced = false;
+            drain.asking = None;
+            drain.retry_ns = 0;
+        }
         if previous.is_some_and(|p| p.epoch != epoch) {
             self.used.retain(|(r, _), _| *r != region);
             let gone: Vec<u64> =
@@ -471,7 +577,21 @@ impl Tiers {
             self.write_back.push_back((key, namespace));
         }
         let space = self.space(info.tier, namespace);
+        if info.tier == Tier::L2Nvme && space.cache.index.contains(&key) {
+            // A second L2 copy (a block moved off a drained file): the
+            // tier holds it already, and the move is not an access.
+            return;
+        }
         space.cache.add(parent, key, kind);
+    }
+
+    /// Whether the replica of `key` in `region` is being moved to another
+    /// L2 region (off a drained file).
+    pub fn is_relocating(&self, key: &BlockKey, region: u16) -> bool {
+        self.pending_of
+            .get(&(*key, region))
+            .and_then(|r| self.pending.get(r))
+            .is_some_and(|p| p.tier == Tier::L2Nvme && p.to == Some(Tier::L2Nvme))
     }
 
     /// The region of `tier` on `node` (the lowest id), if it has one.
@@ -565,6 +685,17 @@ impl Tiers {
 
     /// The data plane answered command `request` (`ok`: it did it).
     pub fn done(&mut self, request: u64, ok: bool) {
+        if let Some(drain) = self.drains.values_mut().find(|d| d.asking == Some(request)) {
+            drain.asking = None;
+            if ok {
+                drain.announced = true;
+                drain.refused = None;
+            } else {
+                drain.retry_ns = self.now_ns.saturating_add(DRAIN_RETRY_NS);
+                drain.refused.get_or_insert_with(|| "its lake-dp refused it".to_owned());
+            }
+            return;
+        }
         let Some(pending) = self.pending.remove(&request) else { return };
         self.pending_of.remove(&(pending.key, pending.region));
         if ok {
@@ -603,7 +734,12 @@ impl Tiers {
     /// (a copy never took it out).
     fn put_back(&mut self, pending: &Pending) {
         if pending.frees {
-            self.space(pending.tier, pending.namespace).cache.add(pending.parent, pending.key, pending.kind);
+            let space = self.space(pending.tier, pending.namespace);
+            // A block moving between regions of one tier never left its
+            // cache: it is not touched again.
+            if !space.cache.index.contains(&pending.key) {
+                space.cache.add(pending.parent, pending.key, pending.kind);
+            }
         }
     }
 
@@ -614,7 +750,7 @@ impl Tiers {
         self.next_request += 1;
         pending.to = match action {
             TierAction::Move(t) | TierAction::Copy(t) => Tier::from_u8(t.target.tier),
-            TierAction::Evict(_) => None,
+            TierAction::Evict(_) | TierAction::Drain(_) => None,
         };
         self.pending.insert(request, pending);
         self.pending_of.insert((pending.key, pending.region), request);
@@ -634,9 +770,21 @@ impl Tiers {
     }
 
     /// The bytes `tier` may hold.
+    /// Regions being drained are not counted: what they hold must fit in
+    /// the rest.
     pub fn capacity(&self, tier: Tier) -> u64 {
-        self.config.capacity_bytes[tier as usize]
-            .unwrap_or_else(|| self.regions.values().filter(|r| r.tier == tier).map(|r| r.slot_bytes * r.slots).sum())
+        let physical = || {
+            self.regions
+                .iter()
+                .filter(|(id, r)| r.tier == tier && !self.drains.contains_key(id))
+                .map(|(_, r)| r.slot_bytes * r.slots)
+                .sum()
+        };
+        match self.config.capacity_bytes[tier as usize] {
+            Some(configured) if self.drains.is_empty() => configured,
+            Some(configured) => configured.min(physical()),
+            None => physical(),
+        }
     }
 
     fn used_by(&self, tier: Tier, namespace: Option<u64>) -> u64 {
@@ -699,6 +847,222 @@ impl Tiers {
     /// Namespaces being purged.
     pub fn purging(&self) -> &[u64] {
         &self.purging
+    }
+
+    /// Drains the L2 region `region` (one file of a node's L2, on its own
+    /// device): its data plane is told to write nothing new there, then
+    /// every block it holds is moved to another L2 region of the node
+    /// (`MoveBlock` L2→L2), or dropped where another L2 region or L3
+    /// holds it; the tier's capacity leaves the region out meanwhile, so
+    /// if the rest cannot hold everything the usual eviction makes room
+    /// (the coldest go to L3, or away). [`Tiers::drains`] says when the
+    /// region is empty. Errors if no L2 region has that id.
+    pub fn drain(&mut self, region: u16) -> Result<(), String> {
+        match self.regions.get(&region) {
+            Some(r) if r.tier == Tier::L2Nvme => {}
+            Some(r) => return Err(format!("region {region} is not an L2 file (it is {:?})", r.tier)),
+            None => return Err(format!("no region {region} is registered")),
+        }
+        self.undrained.retain(|&r| r != region);
+        self.drains.entry(region).or_default();
+        Ok(())
+    }
+
+    /// Uses a drained region again (its data plane is told). Errors if it
+    /// was not being drained.
+    pub fn undrain(&mut self, region: u16) -> Result<(), String> {
+        if self.drains.remove(&region).is_none() {
+            return Err(format!("region {region} is not being drained"));
+        }
+        self.undrained.push(region);
+        Ok(())
+    }
+
+    /// The data plane holding `region` cannot take a drain (`why`).
+    pub fn drain_refused(&mut self, region: u16, why: &str) {
+        if let Some(drain) = self.drains.get_mut(&region) {
+            drain.refused = Some(why.to_owned());
+        }
+    }
+
+    /// Every drain and how far it is.
+    pub fn drains(&self) -> Vec<DrainStatus> {
+        self.drains
+            .iter()
+            .map(|(&region, d)| {
+                let info = self.regions.get(&region);
+                let blocks_left = self.region_bytes(region) / info.map_or(1, |r| r.slot_bytes.max(1));
+                let in_flight = self.pending.values().any(|p| p.region == region);
+                DrainStatus {
+                    region,
+                    node: info.map_or(0, |r| r.node),
+                    announced: d.announced,
+                    refused: d.refused.clone(),
+                    blocks_left,
+                    moved: d.moved,
+                    dropped: d.dropped,
+                    done: d.announced && blocks_left == 0 && !in_flight,
+                }
+            })
+            .collect()
+    }
+
+    /// Names a region as its data plane registered it (an L2 file's path).
+    pub fn name_region(&mut self, region: u16, name: &str) {
+        self.names.insert(region, name.to_owned());
+    }
+
+    /// Every registered region: what it is, what it holds, whether it is
+    /// being drained, by id.
+    pub fn regions(&self) -> Vec<RegionStatus> {
+        let mut out: Vec<RegionStatus> = self
+            .regions
+            .iter()
+            .map(|(&region, r)| {
+                let bytes = self.region_bytes(region);
+                RegionStatus {
+                    region,
+                    tier: r.tier,
+                    node: r.node,
+                    name: self.names.get(&region).cloned().unwrap_or_default(),
+                    bytes,
+                    blocks: bytes / r.slot_bytes.max(1),
+                    capacity_bytes: r.slot_bytes * r.slots,
+                    draining: self.drains.contains_key(&region),
+                }
+            })
+            .collect();
+        out.sort_unstable_by_key(|r| r.region);
+        out
+    }
+
+    /// Bytes `region` holds, all namespaces.
+    fn region_bytes(&self, region: u16) -> u64 {
+        self.used.iter().filter(|((r, _), _)| *r == region).map(|(_, b)| b).sum()
+    }
+
+    /// Tells data planes of drains begun and ended, then moves blocks off
+    /// the drained regions, within this pass's budget.
+    fn plan_drains(
+        &mut self,
+        locations: &Locations,
+        leases: &Leases,
+        now_ns: u64,
+        start: usize,
+        out: &mut Vec<TierCommand>,
+    ) {
+        for region in core::mem::take(&mut self.undrained) {
+            let request = self.next_request;
+            self.next_request += 1;
+            let action = TierAction::Drain(DrainRegion { region, draining: 0, reserved: [0; 5] });
+            out.push(TierCommand { request, region, action });
+        }
+        let regions: Vec<u16> = self.drains.keys().copied().collect();
+        let mut asked = 0;
+        for region in regions {
+            let Some(info) = self.regions.get(&region).copied() else { continue };
+            let Some(drain) = self.drains.get_mut(&region) else { continue };
+            if !drain.announced {
+                if drain.asking.is_none() && now_ns >= drain.retry_ns {
+                    let request = self.next_request;
+                    self.next_request += 1;
+                    drain.asking = Some(request);
+                    let action = TierAction::Drain(DrainRegion { region, draining: 1, reserved: [0; 5] });
+                    out.push(TierCommand { request, region, action });
+                }
+                continue;
+            }
+            let mut queue = core::mem::take(&mut drain.queue);
+            if queue.is_empty() && drain.scanned_ns.is_none_or(|t| now_ns >= t.saturating_add(DRAIN_SCAN_NS)) {
+                drain.scanned_ns = Some(now_ns);
+                if self.region_bytes(region) > 0 {
+                    queue = self
+                        .spaces
+                        .iter()
+                        .filter(|((tier, _), _)| *tier == Tier::L2Nvme)
+                        .flat_map(|(_, space)| space.cache.index.blocks().map(|b| space.cache.index.key(b)))
+                        .filter(|key| locations.ready(key).any(|r| r.region.0 == region))
+                        .collect();
+                }
+            }
+            let mut in_flight = self.pending.values().filter(|p| p.region == region).count();
+            while asked < DRAINS_PER_PASS && in_flight < DRAIN_IN_FLIGHT_MAX && out.len() - start < COMMANDS_PER_PASS {
+                let Some(key) = queue.pop() else { break };
+                let Some(source) = locations.ready(&key).find(|r| r.region.0 == region) else { continue };
+                if self.pending_of.contains_key(&(key, region)) {
+                    continue;
+                }
+                if leases.is_held(&key, region) {
+                    // Found again by a later scan.
+                    self.counters.leased_kept += 1;
+                    continue;
+                }
+                let Some(namespace) = self
+                    .spaces
+                    .iter()
+                    .find(|((tier, _), space)| *tier == Tier::L2Nvme && space.cache.index.contains(&key))
+                    .map(|((_, namespace), _)| *namespace)
+                else {
+                    continue;
+                };
+                let drains = &self.drains;
+                let other_l2 = locations
+                    .ready(&key)
+                    .any(|r| r.tier == Tier::L2Nvme && r.region.0 != region && !drains.contains_key(&r.region.0));
+                let in_l3 = locations.ready(&key).any(|r| r.tier == Tier::L3Object);
+                let pending = self.leaving(locations, key, (namespace, Tier::L2Nvme), region, now_ns);
+                let action = if other_l2 || in_l3 {
+                    if !other_l2 && let Some(space) = self.spaces.get_mut(&(Tier::L2Nvme, namespace)) {
+                        // L3 alone holds it after this: it leaves L2.
+                        space.cache.remove(&key);
+                    }
+                    self.counters.drain_drops += 1;
+                    TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
+                } else {
+                    let target = self
+                        .regions
+                        .iter()
+                        .filter(|(id, r)| {
+                            r.tier == Tier::L2Nvme && r.node == info.node && !self.drains.contains_key(id)
+                        })
+                        .min_by_key(|(id, _)| **id)
+                        .map(|(&id, r)| (id, *r));
+                    let Some((target_region, target_info)) = target else {
+                        // Nowhere to go on this node: the tier's capacity
+                        // (zero now) has its eviction take them.
+                        break;
+                    };
+                    if self.l2_pressure(info.slot_bytes).1 {
+                        // No room yet: eviction makes some first.
+                        queue.push(key);
+                        break;
+                    }
+                    self.counters.drain_moves += 1;
+                    let target = ReplicaWire {
+                        tier: Tier::L2Nvme as u8,
+                        reserved: 0,
+                        region: target_region,
+                        node: info.node,
+                        region_epoch: target_info.epoch,
+                        slot: SLOT_ANY,
+                        generation: 0,
+                    };
+                    TierAction::Move(transfer(&source, target, key, Priority::Demotion))
+                };
+                if let Some(drain) = self.drains.get_mut(&region) {
+                    match action {
+                        TierAction::Move(_) => drain.moved += 1,
+                        _ => drain.dropped += 1,
+                    }
+                }
+                self.ask(pending, action, out);
+                asked += 1;
+                in_flight += 1;
+            }
+            if let Some(drain) = self.drains.get_mut(&region) {
+                drain.queue = queue;
+            }
+        }
     }
 
     /// Bytes `namespace` holds in `tier` (commands in flight included).
@@ -821,6 +1185,7 @@ impl Tiers {
         }
         self.plan_write_backs(locations, now_ns, out);
         self.plan_purges(locations, leases, now_ns, start, out);
+        self.plan_drains(locations, leases, now_ns, start, out);
         for tier in [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object] {
             if !self.regions.values().any(|r| r.tier == tier) {
                 continue;
@@ -1112,7 +1477,9 @@ impl Tiers {
         let live = used.saturating_sub(self.pending_by(Tier::L2Nvme, None));
         let inbound: u64 = self.pending.values().filter(|p| p.to == Some(Tier::L2Nvme)).map(|p| p.bytes).sum();
         let over_high = live + bytes > percent_of(capacity, self.config.high_percent);
-        (over_high, used + inbound + bytes > capacity)
+        // Room is in the regions written to: not those being drained.
+        let drained: u64 = self.drains.keys().map(|&region| self.region_bytes(region)).sum();
+        (over_high, used.saturating_sub(drained) + inbound + bytes > capacity)
     }
 }
 
@@ -1188,6 +1555,19 @@ mod tests {
         /// The data plane carried `command` out.
         fn carry_out(&mut self, command: &TierCommand) {
             match command.action {
+                TierAction::Move(transfer) if transfer.source.tier == 2 && transfer.target.tier == 2 => {
+                    // A block moving off a drained region: the data plane
+                    // reports the copy, then frees the source.
+                    let source = Replica::from_wire(&transfer.source).unwrap();
+                    self.next_slot += 1;
+                    let target = transfer.target.region;
+                    self.locations
+                        .adopt(None, transfer.key, ObjectKind::KvBlock, target, 5, self.next_slot, 1)
+                        .unwrap();
+                    self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true);
+                    self.locations.remove(&transfer.key, source.region.0).unwrap();
+                    self.tiers.removed(source.region.0, &transfer.key);
+                }
                 TierAction::Move(transfer) => {
                     let source = Replica::from_wire(&transfer.source).unwrap();
                     let parent = self
@@ -1208,6 +1588,7 @@ mod tests {
                 }
                 // The tier manager plans no copies to other nodes.
                 TierAction::Copy(_) => unreachable!("a tier plan holds no copy"),
+                TierAction::Drain(_) => {}
             }
             self.tiers.done(command.request, true);
         }
@@ -1220,8 +1601,102 @@ mod tests {
                 TierAction::Move(t) => (t.key.0[0], "move"),
                 TierAction::Evict(e) => (e.key.0[0], "evict"),
                 TierAction::Copy(t) => (t.key.0[0], "copy"),
+                TierAction::Drain(d) => (u8::try_from(d.region).unwrap_or(u8::MAX), "drain"),
             })
             .collect()
+    }
+
+    #[test]
+    fn a_drained_l2_region_is_announced_then_emptied_into_the_others() {
+        let mut world = World::new(TierConfig { policy: PolicyKind::Lru, ..TierConfig::default() });
+        // A second L2 file (region 2) and an object store (region 9).
+        for (region, tier, slots) in [(2, Tier::L2Nvme, 10), (9, Tier::L3Object, 100)] {
+            world.locations.register_region(region, tier, NodeId(0), 5).unwrap();
+            world.tiers.register(region, tier, 0, 5, SLOT, slots);
+        }
+        world.tiers.name_region(1, "/disk/a/l2-0");
+        for k in 1..=5 {
+            world.add(1, 7, None, k);
+        }
+        // Block 5 is in L3 too.
+        world.locations.adopt(None, key(5), ObjectKind::KvBlock, 9, 5, 99, 1).unwrap();
+        world.tiers.added(9, 7, None, key(5), ObjectKind::KvBlock, true);
+        world.add(2, 7, None, 6);
+        assert_eq!(world.tiers.capacity(Tier::L2Nvme), 20 * SLOT);
+
+        assert!(world.tiers.drain(0).unwrap_err().contains("not an L2 file"));
+        assert!(world.tiers.drain(42).unwrap_err().contains("no region 42"));
+        world.tiers.drain(1).unwrap();
+        // Its room is no longer the tier's.
+        assert_eq!(world.tiers.capacity(Tier::L2Nvme), 10 * SLOT);
+        // The data plane is told first; nothing moves before it took it.
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands), vec![(1, "drain")]);
+        let TierAction::Drain(told) = commands[0].action else { unreachable!() };
+        assert_eq!((commands[0].region, told.draining), (1, 1));
+        assert!(world.plan().is_empty(), "asked once while in flight");
+        assert!(!world.tiers.drains()[0].announced);
+        world.tiers.done(commands[0].request, true);
+
+        // Blocks only there move to region 2; block 5, which L3 holds, is
+        // dropped from it.
+        let mut commands = world.plan();
+        commands.sort_unstable_by_key(|c| keys_of(core::slice::from_ref(c))[0]);
+        assert_eq!(keys_of(&commands), vec![(1, "move"), (2, "move"), (3, "move"), (4, "move"), (5, "evict")]);
+        for command in &commands[..4] {
+            let TierAction::Move(t) = command.action else { unreachable!() };
+            assert_eq!((t.source.region, t.target.tier, t.target.region, t.target.slot), (1, 2, 2, SLOT_ANY));
+        }
+        assert!(world.plan().is_empty(), "each asked once");
+        assert_eq!(world.tiers.drains()[0].blocks_left, 5);
+        assert!(!world.tiers.drains()[0].done);
+        for command in &commands {
+            world.carry_out(command);
+        }
+        let drain = &world.tiers.drains()[0];
+        assert_eq!((drain.blocks_left, drain.moved, drain.dropped, drain.done), (0, 4, 1, true), "{drain:?}");
+        let regions = world.tiers.regions();
+        let l2: Vec<(u16, u64, bool)> =
+            regions.iter().filter(|r| r.tier == Tier::L2Nvme).map(|r| (r.region, r.blocks, r.draining)).collect();
+        assert_eq!(l2, vec![(1, 0, true), (2, 5, false)]);
+        assert_eq!(regions[1].name, "/disk/a/l2-0");
+        // The moved blocks are still L2's, block 5 L3's alone.
+        assert!(world.tiers.tracked(&key(3)).iter().any(|&(t, _, _)| t == Tier::L2Nvme));
+        assert!(!world.tiers.tracked(&key(5)).iter().any(|&(t, _, _)| t == Tier::L2Nvme));
+        assert_eq!(world.tiers.counters.drain_moves, 4);
+
+        // Used again: its data plane is told, its room counted again.
+        world.tiers.undrain(1).unwrap();
+        assert!(world.tiers.undrain(1).is_err());
+        assert_eq!(world.tiers.capacity(Tier::L2Nvme), 20 * SLOT);
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands), vec![(1, "drain")]);
+        let TierAction::Drain(told) = commands[0].action else { unreachable!() };
+        assert_eq!(told.draining, 0);
+    }
+
+    #[test]
+    fn a_drain_the_data_plane_refused_is_asked_again_later_and_moves_nothing_meanwhile() {
+        let mut world = World::new(TierConfig::default());
+        world.locations.register_region(2, Tier::L2Nvme, NodeId(0), 5).unwrap();
+        world.tiers.register(2, Tier::L2Nvme, 0, 5, SLOT, 10);
+        world.add(1, 7, None, 1);
+        world.tiers.drain(1).unwrap();
+        let commands = world.plan();
+        world.tiers.drain_refused(1, "its lake-dp does not drain (an older build)");
+        world.tiers.done(commands[0].request, false);
+        let drain = &world.tiers.drains()[0];
+        assert_eq!(drain.refused.as_deref(), Some("its lake-dp does not drain (an older build)"));
+        assert!(!drain.announced && !drain.done);
+        assert!(world.plan().is_empty(), "not again within the retry wait, and no block moved");
+        let mut out = Vec::new();
+        world.tiers.plan(&world.locations, &world.leases, DRAIN_RETRY_NS, &mut out);
+        assert_eq!(keys_of(&out), vec![(1, "drain")]);
+        // A data plane that restarted forgets the drain: told again.
+        world.tiers.done(out[0].request, true);
+        assert!(world.tiers.drains()[0].announced);
+        world.tiers.register(1, Tier::L2Nvme, 0, 6, SLOT, 10);
+        assert!(!world.tiers.drains()[0].announced);
     }
 
     #[test]

@@ -257,3 +257,71 @@ fn agents_get_leases_idempotent_per_request_and_lose_them_when_they_go() {
     assert!(server.node().leases.is_empty());
     assert_eq!(server.peers(), 1);
 }
+
+/// A drain goes only to a data plane that offered `FEATURE_DRAIN` at
+/// hello (one built before kind 28 would close the link on it): an older
+/// one is sent nothing and the drain says why; this build's is told,
+/// answers, and the drain is taken.
+#[test]
+fn a_drain_is_told_only_to_a_data_plane_that_takes_it() {
+    use lake_dp::wire::message::TransferDone;
+    for (name, features) in [("old", 0), ("new", lake_dp::wire::FEATURE_DRAIN)] {
+        let path = socket(&format!("drain-{name}"));
+        let mut server = Server::bind(&path, Node::new(NodeId(3), 1, None), 1).unwrap();
+        let mut dp = UnixStream::connect(&path).unwrap();
+        let identity = Identity { role: Role::DataPlane, node: 3, pid: 1, region_epoch: 5, features, name: "dp-test" };
+        dp.write_all(&frame(1, &Message::Hello(hello(&identity).unwrap()))).unwrap();
+        dp.write_all(&frame(2, &region(2, Tier::L2Nvme, 5))).unwrap();
+        dp.write_all(&frame(3, &region(4, Tier::L2Nvme, 5))).unwrap();
+        pump(&mut server, |s| s.node().tiers.regions().len() == 2);
+        server.node_mut().tiers.drain(2).unwrap();
+        if features == 0 {
+            pump(&mut server, |s| s.node().tiers.drains()[0].refused.is_some());
+            let drain = &server.node().tiers.drains()[0];
+            assert_eq!(drain.refused.as_deref(), Some("its lake-dp does not drain (an older build)"));
+            assert!(!drain.announced);
+            // Only the hello's answer came: no frame it cannot read.
+            assert_eq!(replies(&mut dp, 1), vec![(lake_dp::wire::MessageKind::HelloAck as u16, None)]);
+            dp.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+            let mut byte = [0u8; 1];
+            assert!(dp.read(&mut byte).is_err(), "nothing more was sent");
+            assert_eq!(server.peers(), 1, "the link stays");
+            continue;
+        }
+        // Told: read the command, answer it.
+        let mut buffer = Vec::new();
+        let mut chunk = [0u8; 4096];
+        dp.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let (request, drain) = 'found: loop {
+            pump(&mut server, |_| true);
+            let n = dp.read(&mut chunk).unwrap();
+            buffer.extend_from_slice(&chunk[..n]);
+            while let Ok(frame) = decode_frame(&buffer, &Limits::default()) {
+                if let Message::DrainRegion(drain) = frame.message {
+                    break 'found (frame.header.request_id, drain);
+                }
+                let used = frame.len();
+                buffer.drain(..used);
+            }
+        };
+        assert_eq!((drain.region, drain.draining), (2, 1));
+        let target = ReplicaWire {
+            tier: Tier::L2Nvme as u8,
+            reserved: 0,
+            region: 2,
+            node: 3,
+            region_epoch: 5,
+            slot: u32::MAX,
+            generation: 0,
+        };
+        dp.write_all(&frame(
+            request,
+            &Message::TransferDone(TransferDone { status: 0, reserved: 0, target, bytes: 0 }),
+        ))
+        .unwrap();
+        pump(&mut server, |s| s.node().tiers.drains()[0].announced);
+        // Nothing there: done at once; its room is out of the tier's.
+        assert!(server.node().tiers.drains()[0].done);
+        assert_eq!(server.node().tiers.capacity(Tier::L2Nvme), 64 * 65536);
+    }
+}

@@ -47,7 +47,12 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
        lake namespaces --admin PATH [--json]
                (every namespace holding bytes, by tier)
        lake purge --admin PATH [--wait SECONDS] NAMESPACE
-               (drop every replica of a namespace from every tier: an old model, a rotated tenant key)";
+               (drop every replica of a namespace from every tier: an old model, a rotated tenant key)
+       lake regions --admin PATH [--json]
+               (every region: L1 arena, each L2 file, L3; what each holds, which are draining)
+       lake drain --admin PATH [--wait SECONDS] [--undo] REGION|FILE
+               (stop writing to an L2 file and move its blocks to the node's other files;
+                --wait: until it is empty, then it may be taken away; --undo: use it again)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -73,7 +78,8 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Some(op @ ("top" | "inspect" | "namespaces" | "purge")) => match operator(op, &args[1..]) {
+        Some(op @ ("top" | "inspect" | "namespaces" | "purge" | "regions" | "drain")) => match operator(op, &args[1..])
+        {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("lake {op}: {e}");
@@ -918,6 +924,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
     use serde_json::json;
     let (mut admin, mut arena, mut json_out, mut once, mut interval_ms, mut wait_s) =
         (None, None, false, false, 1000, 0);
+    let mut undo = false;
     let mut positional = Vec::new();
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
@@ -927,6 +934,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
             "--arena" => arena = Some(std::path::PathBuf::from(value()?)),
             "--json" => json_out = true,
             "--once" => once = true,
+            "--undo" => undo = true,
             "--interval-ms" => {
                 let v = value()?;
                 interval_ms = v.parse::<u64>().map_err(|e| format!("--interval-ms {v}: {e}"))?.max(100);
@@ -1027,6 +1035,81 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
                 std::thread::sleep(std::time::Duration::from_millis(100));
             }
         }
+        "regions" => {
+            let list = ask_admin(&admin, &json!({ "op": "regions" }))?;
+            let mut text = format!(
+                "{:>6} {:<4} {:>5} {:>10} {:>10} {:>8}  {:<9} name\n",
+                "region", "tier", "node", "MiB", "capacity", "blocks", "draining"
+            );
+            for r in list["regions"].as_array().into_iter().flatten() {
+                text.push_str(&format!(
+                    "{:>6} {:<4} {:>5} {:>10} {:>10} {:>8}  {:<9} {}\n",
+                    r["region"].as_u64().unwrap_or(0),
+                    r["tier"].as_str().unwrap_or("?"),
+                    r["node"].as_u64().unwrap_or(0),
+                    mib(&r["bytes"]),
+                    mib(&r["capacity_bytes"]),
+                    r["blocks"].as_u64().unwrap_or(0),
+                    if r["draining"] == true { "yes" } else { "" },
+                    r["name"].as_str().unwrap_or("")
+                ));
+            }
+            show(&list, text);
+            Ok(())
+        }
+        "drain" => {
+            let [which] = positional.as_slice() else {
+                return Err(format!("drain takes one REGION (its id) or FILE (its path)\n{USAGE}"));
+            };
+            let mut request = match which.parse::<u64>() {
+                Ok(region) => json!({ "op": "drain", "region": region }),
+                Err(_) => json!({ "op": "drain", "name": which }),
+            };
+            request["undo"] = json!(undo);
+            let answer = ask_admin(&admin, &request)?;
+            let region = match which.parse::<u64>() {
+                Ok(region) => region,
+                Err(_) => ask_admin(&admin, &json!({ "op": "regions" }))?["regions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .find(|r| r["name"] == which.as_str())
+                    .and_then(|r| r["region"].as_u64())
+                    .ok_or_else(|| format!("no region is named {which}"))?,
+            };
+            if undo {
+                println!("{{\"event\":\"undrained\",\"region\":{region}}}");
+                return Ok(());
+            }
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_s);
+            if answer["drains"].as_array().is_none() {
+                return Err(format!("unexpected answer: {answer}"));
+            }
+            loop {
+                let drains = ask_admin(&admin, &json!({ "op": "drains" }))?["drains"].clone();
+                let this = drains.as_array().into_iter().flatten().find(|d| d["region"] == region).cloned();
+                let Some(this) = this else { return Err(format!("region {region} is no longer being drained")) };
+                if this["done"] == true {
+                    println!(
+                        "{{\"event\":\"drained\",\"region\":{region},\"moves_asked\":{},\"drops_asked\":{}}}",
+                        this["moves_asked"], this["drops_asked"]
+                    );
+                    return Ok(());
+                }
+                if std::time::Instant::now() >= deadline {
+                    if wait_s > 0 {
+                        let why = this["refused"].as_str().map_or_else(String::new, |r| format!(" (refused: {r})"));
+                        return Err(format!(
+                            "region {region} still holds {} blocks after {wait_s} s{why}",
+                            this["blocks_left"]
+                        ));
+                    }
+                    println!("{{\"event\":\"draining\",\"drain\":{this}}}");
+                    return Ok(());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
         _ => Err(format!("unknown operator command {op}")),
     }
 }
@@ -1068,6 +1151,21 @@ fn render_top(top: &serde_json::Value) -> String {
     ));
     if top["purging"].as_array().is_some_and(|p| !p.is_empty()) {
         text.push_str(&format!("purging: {}\n", top["purging"]));
+    }
+    for d in top["drains"].as_array().into_iter().flatten() {
+        let state = if d["done"] == true {
+            "done".to_owned()
+        } else if let Some(why) = d["refused"].as_str() {
+            format!("refused: {why}")
+        } else if d["announced"] == true {
+            "moving".to_owned()
+        } else {
+            "telling its lake-dp".to_owned()
+        };
+        text.push_str(&format!(
+            "draining region {}: {} blocks left, {} moves and {} drops asked ({state})\n",
+            d["region"], d["blocks_left"], d["moves_asked"], d["drops_asked"]
+        ));
     }
     let paths = top["paths"].as_array().into_iter().flatten().collect::<Vec<_>>();
     if !paths.is_empty() {
