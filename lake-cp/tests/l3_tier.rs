@@ -120,6 +120,16 @@ fn small_pool(dir: PathBuf, l3: &Path, write_back: L3WriteBack) -> EmbeddedPool 
     .unwrap()
 }
 
+/// `{"op":"top"}` on the pool's operator socket.
+fn admin_top(socket: &Path) -> serde_json::Value {
+    use std::io::{BufRead, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream.write_all(b"{\"op\":\"top\"}\n").unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(stream).read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap()
+}
+
 fn attach(pool: &mut EmbeddedPool) -> Agent {
     let config = agent_config(&pool.arena, &pool.mirror, &pool.cp_socket);
     Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
@@ -159,10 +169,30 @@ fn blocks_past_l2_go_to_l3_and_a_fetch_reads_them_back() {
     assert_eq!(delivered, 128, "{:?} {:?}", agent.stats, agent.last_fetch_failure());
     assert!(seen.iter().all(|&s| s));
     assert!(agent.stats.l3_loads > 0, "{:?}", agent.stats);
+    // The store's reads and writes are timed paths too, in `lake top`
+    // (and `/metrics`) with the rest, once the next stats report is in.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let (reads, writes) = loop {
+        let top = admin_top(&pool.admin_socket);
+        let count = |name: &str| {
+            top["paths"].as_array().and_then(|p| p.iter().find(|e| e["path"] == name)).and_then(|e| e["count"].as_u64())
+        };
+        if let (Some(reads), Some(writes)) = (count("l3_read"), count("l3_write"))
+            && reads >= agent.stats.l3_loads
+            && writes >= in_l3
+        {
+            break (reads, writes);
+        }
+        assert!(std::time::Instant::now() < deadline, "no L3 path timings: {}", top["paths"]);
+        std::thread::sleep(Duration::from_millis(50));
+    };
     drop(agent);
     let (stats, server) = pool.stop().unwrap();
     let tiers = server.node().tiers.counters;
-    println!("l3 overflow: {in_l3} of 128 in L3; {:?}; tier manager {tiers:?}", stats.l3);
+    println!(
+        "l3 overflow: {in_l3} of 128 in L3; {:?}; tier manager {tiers:?}; timed {reads} reads, {writes} writes",
+        stats.l3
+    );
     assert!(tiers.l3_moves >= in_l3, "{tiers:?}");
     assert!(stats.l3.writes >= in_l3 && stats.l3.reads > 0, "{:?}", stats.l3);
     assert_eq!(stats.l3.lost, 0);

@@ -326,13 +326,27 @@ impl CpLink {
 
     /// Reports how long each path's operations took (to a control plane
     /// that takes it: [`crate::wire::FEATURE_PATH_LATENCY`]).
+    /// Paths past the first four go only where the answer names
+    /// [`crate::wire::FEATURE_PATHS_L3`]; at most one entry per path.
     pub fn path_latency(&mut self, entries: &[crate::wire::message::PathEntry]) {
-        use crate::wire::message::PathLatency;
-        if !self.takes(crate::wire::FEATURE_PATH_LATENCY) || entries.is_empty() {
+        use crate::wire::message::{Path, PathEntry, PathLatency};
+        if !self.takes(crate::wire::FEATURE_PATH_LATENCY) {
             return;
         }
-        let count = u32::try_from(entries.len()).unwrap_or(u32::MAX);
-        self.queue(&Message::PathLatency(PathLatency { count, reserved: 0 }, Records::from_slice(entries)));
+        let known = if self.takes(crate::wire::FEATURE_PATHS_L3) { Path::ALL.len() } else { Path::FIRST };
+        let mut sent = [PathEntry::new(Path::L2ReadCritical); Path::ALL.len()];
+        let mut count = 0;
+        for entry in entries {
+            if count < sent.len() && usize::from(entry.path) >= 1 && usize::from(entry.path) <= known {
+                sent[count] = *entry;
+                count += 1;
+            }
+        }
+        if count == 0 {
+            return;
+        }
+        let head = PathLatency { count: u32::try_from(count).unwrap_or(u32::MAX), reserved: 0 };
+        self.queue(&Message::PathLatency(head, Records::from_slice(&sent[..count])));
     }
 
     /// Reports a block whose slot was given up.

@@ -117,8 +117,9 @@ fn a_command_of_an_older_term_is_refused_and_the_term_outlives_a_restart() {
 
 /// A stand-in control plane offering `features`: it answers the hello,
 /// then reads frames until a `DataPlaneStats` (sent after any rail report)
-/// and says whether a `RailStats` and a `PathLatency` came first.
-fn control_plane(socket: &std::path::Path, features: u64) -> std::thread::JoinHandle<(bool, bool)> {
+/// and says whether a `RailStats` came first, and which paths a
+/// `PathLatency` named.
+fn control_plane(socket: &std::path::Path, features: u64) -> std::thread::JoinHandle<(bool, Vec<u8>)> {
     let listener = UnixListener::bind(socket).unwrap();
     std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().unwrap();
@@ -130,14 +131,14 @@ fn control_plane(socket: &std::path::Path, features: u64) -> std::thread::JoinHa
         let ack = hello::accept(&hello::hello(&identity).unwrap(), &remote, 1).unwrap();
         let reply = FrameMeta { version: HELLO_WIRE_VERSION, flags: FLAG_REPLY, request_id: 1, leader_term: 1 };
         send(&mut stream, reply, &Message::HelloAck(ack));
-        let (mut rails, mut paths) = (false, false);
+        let (mut rails, mut paths) = (false, Vec::new());
         read_until(&mut stream, |f| match f.message {
             Message::RailStats(..) => {
                 rails = true;
                 None
             }
-            Message::PathLatency(..) => {
-                paths = true;
+            Message::PathLatency(_, entries) => {
+                paths = entries.iter().map(|e| e.path).collect();
                 None
             }
             Message::DataPlaneStats(_) => Some(()),
@@ -154,8 +155,16 @@ fn rail_reports_and_path_latencies_go_only_to_a_control_plane_that_takes_them() 
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     // A control plane built before kinds 24 and 27 offers no features (it
-    // would close the link on one); this build's offers both bits.
-    for (name, features, sent) in [("old", 0, false), ("new", lake_dp::wire::FEATURES, true)] {
+    // would close the link on one); one built before the L3 paths offers
+    // the first two bits (it refuses path codes 5 and 6); this build's
+    // offers them all.
+    let first_paths = vec![3, 4];
+    let cases = [
+        ("old", 0, false, vec![]),
+        ("l2-paths", lake_dp::wire::FEATURE_RAIL_STATS | lake_dp::wire::FEATURE_PATH_LATENCY, true, first_paths),
+        ("new", lake_dp::wire::FEATURES, true, vec![3, 4, 5, 6]),
+    ];
+    for (name, features, sent, paths) in cases {
         let socket = dir.join(format!("{name}.sock"));
         let cp = control_plane(&socket, features);
         let identity = Identity {
@@ -171,7 +180,9 @@ fn rail_reports_and_path_latencies_go_only_to_a_control_plane_that_takes_them() 
         link.rails(Network::Storage, &[entry]);
         let mut timed = PathEntry::new(Path::L2Write);
         timed.record(250_000);
-        link.path_latency(&[timed]);
+        let mut l3 = PathEntry::new(Path::L3Read);
+        l3.record(9_000_000);
+        link.path_latency(&[timed, PathEntry::new(Path::TransferStorage), l3, PathEntry::new(Path::L3Write)]);
         link.stats(&bytemuck::Zeroable::zeroed());
         let deadline = Instant::now() + Duration::from_secs(10);
         while !cp.is_finished() {
@@ -179,7 +190,7 @@ fn rail_reports_and_path_latencies_go_only_to_a_control_plane_that_takes_them() 
             let _ = link.pump();
             std::thread::sleep(Duration::from_millis(2));
         }
-        assert_eq!(cp.join().unwrap(), (sent, sent), "{name} control plane");
+        assert_eq!(cp.join().unwrap(), (sent, paths), "{name} control plane");
         assert_eq!(link.counters.rails_withheld, u64::from(!sent), "{name} control plane");
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -1255,7 +1255,10 @@ pub fn run_with(
                     );
                 }
                 let l2 = poller.stats().latency;
-                link.path_latency(&[l2[0], l2[1], l2[2], transfer_latency]);
+                match pool.l3_latency() {
+                    Some([read, write]) => link.path_latency(&[l2[0], l2[1], l2[2], transfer_latency, read, write]),
+                    None => link.path_latency(&[l2[0], l2[1], l2[2], transfer_latency]),
+                }
             }
         }
         if let Some(link) = &mut link

@@ -641,11 +641,29 @@ pub enum Path {
     /// A block sent to another node over the storage network, until it
     /// landed and checked there.
     TransferStorage = 4,
+    /// An object read from the store into L1 (a load, a copy), checked.
+    /// Sent only to a control plane that offered
+    /// [`super::FEATURE_PATHS_L3`].
+    L3Read = 5,
+    /// An object written to the store (from L1, or from L2 through a
+    /// staging read), until stored. As `L3Read`.
+    L3Write = 6,
 }
 
 impl Path {
     /// Every path, in code order.
-    pub const ALL: [Self; 4] = [Self::L2ReadCritical, Self::L2ReadBackground, Self::L2Write, Self::TransferStorage];
+    pub const ALL: [Self; 6] = [
+        Self::L2ReadCritical,
+        Self::L2ReadBackground,
+        Self::L2Write,
+        Self::TransferStorage,
+        Self::L3Read,
+        Self::L3Write,
+    ];
+
+    /// The paths every build that takes [`super::FEATURE_PATH_LATENCY`]
+    /// knows (the first four).
+    pub const FIRST: usize = 4;
 
     /// Decodes a path code.
     pub fn from_u8(code: u8) -> Option<Self> {
@@ -659,6 +677,8 @@ impl Path {
             Self::L2ReadBackground => "l2_read_background",
             Self::L2Write => "l2_write",
             Self::TransferStorage => "transfer_storage",
+            Self::L3Read => "l3_read",
+            Self::L3Write => "l3_write",
         }
     }
 }

@@ -55,8 +55,14 @@ pub const FEATURE_PATH_LATENCY: u64 = 1 << 1;
 /// drains a disk only through a data plane that offered it.
 pub const FEATURE_DRAIN: u64 = 1 << 2;
 
+/// Feature bit: the side takes [`message::PathLatency`] entries of paths
+/// 5 and 6 (L3 reads and writes) and up to six entries; a control plane
+/// without it is sent the first four paths only (it refuses a path code
+/// it does not know, and more entries than four).
+pub const FEATURE_PATHS_L3: u64 = 1 << 3;
+
 /// The feature bits this build offers.
-pub const FEATURES: u64 = FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY | FEATURE_DRAIN;
+pub const FEATURES: u64 = FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY | FEATURE_DRAIN | FEATURE_PATHS_L3;
 
 /// Bytes in a frame header.
 pub const FRAME_HEADER_BYTES: usize = size_of::<FrameHeader>();

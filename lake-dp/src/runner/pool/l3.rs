@@ -31,6 +31,7 @@ use std::collections::HashMap;
 use super::{L1State, Pool, Requester};
 use crate::agent::port::AgentError;
 use crate::constants::STORED_HEADER_BYTES;
+use crate::io::{Clock, MonotonicClock};
 use crate::l3::{L3Client, L3Completion, L3Error, L3Request};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
@@ -38,7 +39,9 @@ use crate::model::replica::{Durability, Priority, RegionId, ReplicaWire, Tier};
 use crate::op::{Command, L2Slot, ReadBlock, Request};
 use crate::runner::Parts;
 use crate::stored::{ObjectMeta, decode_header, object_bytes};
-use crate::wire::message::{BlockEvicted, BlockRecord, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone};
+use crate::wire::message::{
+    BlockEvicted, BlockRecord, ErrorCode, EvictReason, Path, PathEntry, SLOT_ANY, Transfer, TransferDone,
+};
 
 /// Objects one batched delete removes at most.
 pub const DELETE_BATCH_MAX: usize = 256;
@@ -121,6 +124,12 @@ pub(crate) struct L3Tier {
     /// The batches in flight (each an op's), and which are free.
     delete_buffers: Vec<Vec<(NamespaceId, BlockKey)>>,
     free_buffers: Vec<u32>,
+    /// When each op began (monotonic ns): a write's staging read, if it
+    /// has one, is part of its time.
+    started_ns: Vec<u64>,
+    /// How long reads and writes took ([`Path::L3Read`], [`Path::L3Write`];
+    /// failed ones too: a slow failure is a slow path).
+    pub(crate) latency: [PathEntry; 2],
     /// What it has done.
     pub stats: L3Stats,
 }
@@ -153,6 +162,8 @@ impl L3Tier {
             pending_deletes: Vec::with_capacity(DELETE_BATCH_MAX),
             delete_buffers: (0..DELETE_BATCHES).map(|_| Vec::with_capacity(DELETE_BATCH_MAX)).collect(),
             free_buffers: (0..DELETE_BATCHES).rev().collect(),
+            started_ns: vec![0; ops as usize],
+            latency: [PathEntry::new(Path::L3Read), PathEntry::new(Path::L3Write)],
             stats: L3Stats::default(),
         }
     }
@@ -176,7 +187,19 @@ impl L3Tier {
     fn take_op(&mut self, op: Op) -> Option<u32> {
         let index = self.free_ops.pop()?;
         self.ops[index as usize] = Some(op);
+        self.started_ns[index as usize] = MonotonicClock.now_ns();
         Some(index)
+    }
+
+    /// Times op `index`, which just ended, on its path.
+    fn timed(&mut self, index: u32, op: &Op) {
+        let path = match op {
+            Op::Get { .. } => 0,
+            Op::Put { .. } => 1,
+            Op::DeleteMany { .. } => return,
+        };
+        let started = self.started_ns.get(index as usize).copied().unwrap_or(0);
+        self.latency[path].record(MonotonicClock.now_ns().saturating_sub(started));
     }
 
     fn put_op(&mut self, index: u32) -> Option<Op> {
@@ -267,6 +290,11 @@ impl Pool {
     /// The L3 tier's figures, if it has one.
     pub fn l3_stats(&self) -> Option<L3Stats> {
         self.l3.as_ref().map(|t| t.stats)
+    }
+
+    /// How long the L3 tier's reads and writes took, if it has one.
+    pub fn l3_latency(&self) -> Option<[PathEntry; 2]> {
+        self.l3.as_ref().map(|t| t.latency)
     }
 
     /// Objects in the L3 catalog.
@@ -679,6 +707,7 @@ impl Pool {
         let Some(tier) = self.l3.as_mut() else { return };
         let Some(index) = u32::try_from(completion.id).ok() else { return };
         let Some(op) = tier.put_op(index) else { return };
+        tier.timed(index, &op);
         match op {
             Op::Put { request, entry, meta, source, evict } => {
                 let source_wire = match source {
