@@ -18,6 +18,7 @@
 pub mod dir;
 pub mod s3;
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -122,6 +123,9 @@ pub enum L3Error {
     /// The store failed: permanently, or transiently every time it was
     /// tried (the last reason).
     Store(StoreError),
+    /// Cancelled before a worker took it ([`L3Client::cancel`]): the store
+    /// was not asked, its memory not touched.
+    Cancelled,
 }
 
 impl core::fmt::Display for L3Error {
@@ -131,6 +135,7 @@ impl core::fmt::Display for L3Error {
             Self::Corrupt(why) => write!(f, "the L3 object does not check: {why}"),
             Self::TooLarge(len) => write!(f, "the L3 object ({len} bytes) does not fit the memory given"),
             Self::Store(e) => e.fmt(f),
+            Self::Cancelled => f.write_str("cancelled before it started"),
         }
     }
 }
@@ -243,7 +248,17 @@ pub struct L3Client {
     workers: Vec<JoinHandle<()>>,
     prefix: String,
     in_flight: usize,
+    /// Per request id below the queue's depth: [`QUEUED`], [`STARTED`] or
+    /// [`CANCELLED`] — who came first, the worker or a cancel.
+    claims: std::sync::Arc<Vec<AtomicU8>>,
 }
+
+/// A request waits in the queue.
+const QUEUED: u8 = 0;
+/// A worker took it.
+const STARTED: u8 = 1;
+/// Cancelled before a worker took it: it ends [`L3Error::Cancelled`].
+const CANCELLED: u8 = 2;
 
 impl L3Client {
     /// Starts `config.workers` threads, each with a store from
@@ -272,10 +287,13 @@ impl L3Client {
         // waits to hand a completion back.
         let (completions_tx, completions) = sync_channel(config.queue_depth + config.workers);
         let shared = std::sync::Arc::new(std::sync::Mutex::new(requests_rx));
+        let claims: std::sync::Arc<Vec<AtomicU8>> =
+            std::sync::Arc::new((0..config.queue_depth).map(|_| AtomicU8::new(QUEUED)).collect());
         let mut workers = Vec::with_capacity(config.workers);
         for n in 0..config.workers {
             let mut store = make_store()?;
             let (queue, done) = (std::sync::Arc::clone(&shared), completions_tx.clone());
+            let claims = std::sync::Arc::clone(&claims);
             let prefix = prefix.to_owned();
             let notify = notify.clone();
             let worker = std::thread::Builder::new()
@@ -285,7 +303,15 @@ impl L3Client {
                         // One worker takes the next request; the others wait.
                         let next = queue.lock().map_err(|_| ()).and_then(|rx| rx.recv().map_err(|_| ()));
                         let Ok((id, request)) = next else { return };
-                        let result = run(store.as_mut(), &prefix, &request, &config);
+                        let claim = usize::try_from(id).ok().and_then(|i| claims.get(i));
+                        let cancelled = claim.is_some_and(|c| {
+                            c.compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire) == Err(CANCELLED)
+                        });
+                        let result = if cancelled {
+                            Err(L3Error::Cancelled)
+                        } else {
+                            run(store.as_mut(), &prefix, &request, &config)
+                        };
                         if done.send(L3Completion { id, result }).is_err() {
                             return;
                         }
@@ -297,7 +323,17 @@ impl L3Client {
                 .map_err(|e| StoreError::Permanent(format!("starting an L3 worker: {e}")))?;
             workers.push(worker);
         }
-        Ok(Self { requests: Some(requests), completions, workers, prefix: prefix.to_owned(), in_flight: 0 })
+        Ok(Self { requests: Some(requests), completions, workers, prefix: prefix.to_owned(), in_flight: 0, claims })
+    }
+
+    /// Cancels request `id` if no worker has taken it yet: it then
+    /// completes [`L3Error::Cancelled`] without the store being asked or
+    /// its memory touched. Returns whether it will (false: it runs, or ran,
+    /// and completes as it would have). Only ids below the queue's depth
+    /// can be cancelled.
+    pub fn cancel(&self, id: u64) -> bool {
+        let Some(claim) = usize::try_from(id).ok().and_then(|i| self.claims.get(i)) else { return false };
+        claim.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
     /// Queues `request` as `id`; a full queue hands it back.
@@ -309,6 +345,11 @@ impl L3Client {
     /// until its completion has been returned by [`L3Client::poll`].
     pub unsafe fn submit(&mut self, id: u64, request: L3Request) -> Result<(), (u64, L3Request)> {
         let Some(requests) = &self.requests else { return Err((id, request)) };
+        if let Some(claim) = usize::try_from(id).ok().and_then(|i| self.claims.get(i)) {
+            // The id's previous request has completed (ids are reused
+            // only then): this one starts queued.
+            claim.store(QUEUED, Ordering::Release);
+        }
         match requests.try_send((id, request)) {
             Ok(()) => {
                 self.in_flight += 1;

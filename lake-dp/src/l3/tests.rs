@@ -299,3 +299,82 @@ fn a_header_given_apart_is_stored_with_its_payload_and_a_scan_reads_the_headers_
     assert!(left.len() == 2 && left.contains(&keys[3]) && left.contains(&keys[5]), "{left:?}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A store whose gets wait until the test opens the gate, counting them.
+struct Gated {
+    inner: DirStore,
+    gets: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ObjectStore for Gated {
+    fn put(&mut self, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
+        self.inner.put(name, bytes)
+    }
+    fn get(&mut self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        while !self.open.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.inner.get(name)
+    }
+    fn delete(&mut self, name: &str) -> Result<(), StoreError> {
+        self.inner.delete(name)
+    }
+    fn list(&mut self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        self.inner.list(prefix)
+    }
+}
+
+#[test]
+fn a_read_cancelled_before_a_worker_takes_it_never_reaches_the_store() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    let root = std::env::temp_dir().join(format!("lake-l3-cancel-{}", std::process::id()));
+    let (gets, open) = (std::sync::Arc::new(AtomicU32::new(0)), std::sync::Arc::new(AtomicBool::new(true)));
+    let (store_root, store_gets, store_open) = (root.clone(), gets.clone(), open.clone());
+    let config = L3Config { workers: 1, ..L3Config::default() };
+    let mut client = L3Client::start(config, "c", move || {
+        let inner = DirStore::open(&store_root)?;
+        Ok(Box::new(Gated { inner, gets: store_gets.clone(), open: store_open.clone() }) as Box<dyn ObjectStore>)
+    })
+    .unwrap();
+    let namespace = NamespaceId(9);
+    let keys = [BlockKey([0x71; 16]), BlockKey([0x72; 16])];
+    let objects: Vec<Vec<u8>> = keys.iter().map(|k| object(k, namespace, 30_000)).collect();
+    for (i, (key, bytes)) in keys.iter().zip(&objects).enumerate() {
+        let request = L3Request::Put { key: *key, namespace, source: bytes.as_ptr(), len: bytes.len() as u64 };
+        // SAFETY: `objects` outlives the completions (waited for below).
+        unsafe { client.submit(i as u64, request) }.unwrap();
+    }
+    assert!(wait(&mut client, 2).iter().all(|c| c.result.is_ok()));
+
+    // The one worker holds the first read at the gate; the second waits
+    // in the queue.
+    open.store(false, Ordering::SeqCst);
+    let mut targets = vec![vec![0u8; 64 * 1024]; 2];
+    for (i, key) in keys.iter().enumerate() {
+        let request =
+            L3Request::Get { key: *key, namespace, target: targets[i].as_mut_ptr(), capacity: targets[i].len() as u64 };
+        // SAFETY: `targets` outlives the completions and nobody else
+        // touches them meanwhile.
+        unsafe { client.submit(i as u64, request) }.unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while gets.load(Ordering::SeqCst) == 0 {
+        assert!(std::time::Instant::now() < deadline, "the worker never took the first read");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!client.cancel(0), "the first read has started: it runs on");
+    assert!(client.cancel(1), "the second is still queued");
+    assert!(!client.cancel(1), "once");
+    open.store(true, Ordering::SeqCst);
+    let mut done = wait(&mut client, 2);
+    done.sort_unstable_by_key(|c| c.id);
+    assert_eq!(done[0].result, Ok(objects[0].len() as u64));
+    assert_eq!(done[1].result, Err(L3Error::Cancelled));
+    assert_eq!(gets.load(Ordering::SeqCst), 1, "the store was asked once");
+    assert!(targets[1].iter().all(|&b| b == 0), "the cancelled read's memory is untouched");
+    assert_eq!(&targets[0][..objects[0].len()], &objects[0][..]);
+    drop(client);
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -99,6 +99,8 @@ pub struct L3Stats {
     pub bytes_written: u64,
     /// Bytes read.
     pub bytes_read: u64,
+    /// Reads cancelled before a worker took them (their reader went).
+    pub cancelled: u64,
 }
 
 /// The L3 tier of a pool. See the module docs.
@@ -290,6 +292,17 @@ impl Pool {
     /// The L3 tier's figures, if it has one.
     pub fn l3_stats(&self) -> Option<L3Stats> {
         self.l3.as_ref().map(|t| t.stats)
+    }
+
+    /// Cancels agent `agent`'s load `load` if it is an L3 read no worker
+    /// has taken yet (it then ends `Cancelled`, its slot freed); whether
+    /// it was.
+    pub(super) fn cancel_l3_load(&mut self, agent: u16, load: u64) -> bool {
+        let Some(tier) = self.l3.as_ref() else { return false };
+        let op = tier.ops.iter().position(|op| {
+            matches!(op, Some(Op::Get { to: Requester::Agent { agent: a, cookie: c }, .. }) if *a == agent && *c == load)
+        });
+        op.is_some_and(|index| tier.client.cancel(index as u64))
     }
 
     /// How long the L3 tier's reads and writes took, if it has one.
@@ -750,6 +763,7 @@ impl Pool {
                             L3Error::Corrupt(_) => ErrorCode::Checksum,
                             L3Error::TooLarge(_) => ErrorCode::BadFrame,
                             L3Error::NotFound | L3Error::Store(_) => ErrorCode::Io,
+                            L3Error::Cancelled => ErrorCode::Cancelled,
                         };
                         self.l3_done(request, Err(code), parts);
                     }
@@ -766,6 +780,11 @@ impl Pool {
                     Err(L3Error::Store(_)) => {
                         tier.stats.failed += 1;
                         Err(AgentError::Io)
+                    }
+                    // Its reader went: nothing was read, the object stays.
+                    Err(L3Error::Cancelled) => {
+                        tier.stats.cancelled += 1;
+                        Err(AgentError::Cancelled)
                     }
                     Err(_) => Err(AgentError::Corrupt),
                 };

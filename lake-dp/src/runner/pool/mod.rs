@@ -653,7 +653,8 @@ impl Pool {
                         if *a == agent && *c == load)
                 });
                 let ticket = op.and_then(|i| self.tickets.get(i).copied().flatten());
-                let stopped = ticket.is_some_and(|t| parts.poller.cancel(t));
+                // Or an L3 read still queued for the store's workers.
+                let stopped = ticket.is_some_and(|t| parts.poller.cancel(t)) || self.cancel_l3_load(agent, load);
                 if stopped {
                     self.stats.loads_cancelled += 1;
                 }
