@@ -80,6 +80,9 @@ pub struct EmbeddedConfig {
     pub tenant_keys: Vec<(lake_dp::NamespaceId, lake_dp::auth::at_rest::DataKey)>,
     /// Namespaces without a data key are kept out of L2 and L3.
     pub require_encryption: bool,
+    /// Tenants' bandwidth caps on the node's tiers (the data plane's
+    /// `[[tenants]]`).
+    pub tenant_rates: Vec<lake_dp::runner::config::TenantSection>,
     /// The data plane's event lines (JSON: refused links and agents, L3
     /// scans, its final figures) go to stderr (`lake serve`), not nowhere.
     pub events_to_stderr: bool,
@@ -126,6 +129,7 @@ impl EmbeddedConfig {
             access: LocalAccess::default(),
             tenant_keys: Vec::new(),
             require_encryption: false,
+            tenant_rates: Vec::new(),
             events_to_stderr: false,
         }
     }
@@ -234,6 +238,7 @@ ports = {remote}
     .map_err(|e| e.to_string())
     .and_then(|mut runner| {
         runner.l3 = config.l3.clone();
+        runner.tenants.clone_from(&config.tenant_rates);
         runner.agents.allow_uids.clone_from(&config.access.allow_uids);
         runner.agents.allow_gids.clone_from(&config.access.allow_gids);
         runner.agents.group.clone_from(&config.access.group);

@@ -113,3 +113,86 @@ fn a_tenant_over_its_quota_across_namespaces_gives_up_its_own_l1() {
     drop(engines);
     pool.stop().unwrap();
 }
+
+/// Loads every block of `keys` (each `fill`), in as many fetches as it
+/// takes; how long that took.
+fn load_all(agent: &mut lake_dp::agent::Agent, keys: &[lake_dp::BlockKey], fill: u8) -> Duration {
+    let mut table = Vec::new();
+    let started = Instant::now();
+    let mut delivered = 0;
+    while delivered < keys.len() {
+        assert!(started.elapsed() < Duration::from_secs(60), "{delivered} of {} loaded in 60 s", keys.len());
+        assert_eq!(agent.lookup(keys, &mut table), keys.len(), "every block is still found");
+        delivered += agent.fetch(&keys[delivered..], &table[delivered..], |i, bytes| {
+            assert!(bytes.iter().all(|&x| x == fill), "block {i}");
+        });
+    }
+    started.elapsed()
+}
+
+/// A tenant capped at 512 KiB/s of L2 reads on this node loads its L2
+/// blocks no faster than that, every one whole; another tenant loading
+/// as much from the same L2 is not held back.
+#[test]
+fn a_tenant_capped_on_l2_reads_loads_no_faster_than_its_cap_and_the_other_is_not_held() {
+    use lake_cp::tier::TenantQuota;
+    use lake_dp::Tier;
+    use lake_dp::runner::config::TenantSection;
+    const RATE: u64 = 512 * 1024;
+    let dir = std::env::temp_dir().join(format!("lake-cp-tenant-rate-{}", std::process::id()));
+    let (capped, free) = (namespace(4), namespace(5));
+    let slot = lake_dp::stored::object_bytes(64 * 1024);
+    let mut config = EmbeddedConfig { local_agents: 2, ..EmbeddedConfig::new(dir) };
+    // An L1 quota of two blocks each: what they save goes down to L2.
+    for ns in [&capped, &free] {
+        let tenant = format!("{:x}", ns.id().0);
+        config.tiers.tenant_quotas.push(TenantQuota {
+            tenant,
+            namespaces: vec![ns.id().0],
+            tier: Tier::L1Dram,
+            bytes: 2 * slot,
+        });
+    }
+    config.tenant_rates = vec![TenantSection {
+        name: "capped".into(),
+        namespaces: vec![format!("{:016x}", capped.id().0)],
+        l2_read_bytes_per_s: Some(RATE),
+        l2_write_bytes_per_s: None,
+        l3_read_bytes_per_s: None,
+        l3_write_bytes_per_s: None,
+    }];
+    let mut pool = EmbeddedPool::start(&config).unwrap();
+    let tokens = |seed: u32| (0..16 * 40).map(|t| t * 11 + seed).collect::<Vec<u32>>();
+    let (capped_keys, free_keys) =
+        (KeyChain::keys(&capped, &tokens(1)).unwrap(), KeyChain::keys(&free, &tokens(2)).unwrap());
+    let mut engines = [engine(&mut pool, &capped), engine(&mut pool, &free)];
+    save(&mut engines[0], &capped_keys, 0xc1);
+    save(&mut engines[1], &free_keys, 0xf1);
+    // Both down to L2 but for their two L1 blocks.
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let in_l2 = |agent: &mut lake_dp::agent::Agent, keys: &[lake_dp::BlockKey], table: &mut Vec<_>| {
+        agent.lookup(keys, table);
+        table.iter().filter(|e: &&lake_dp::mirror::MirrorEntry| e.tier == Tier::L2Nvme).count() as u64
+    };
+    while in_l2(&mut engines[0], &capped_keys, &mut table) < 38 || in_l2(&mut engines[1], &free_keys, &mut table) < 38 {
+        assert!(Instant::now() < deadline, "not demoted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let capped_l2 = in_l2(&mut engines[0], &capped_keys, &mut table);
+    let free_time = load_all(&mut engines[1], &free_keys, 0xf1);
+    let capped_time = load_all(&mut engines[0], &capped_keys, 0xc1);
+    // At least its L2 bytes past the bucket's burst (a tenth of a second's
+    // worth), at the rate; a little slack for the clock's granularity.
+    // (A 32 KiB block is read as its 36 KiB object.)
+    let object = lake_dp::stored::object_bytes(32 * 1024);
+    let at_rate = Duration::from_nanos((capped_l2 * object - RATE / 10) * 1_000_000_000 / RATE);
+    println!(
+        "capped: {capped_l2} L2 blocks in {capped_time:?} (the cap allows {at_rate:?} at the least); free: {free_time:?}"
+    );
+    assert!(capped_time >= at_rate.mul_f64(0.9), "{capped_time:?} for {capped_l2} blocks at {RATE} B/s");
+    assert!(free_time < capped_time / 2, "the uncapped tenant was held: {free_time:?} vs {capped_time:?}");
+    drop(engines);
+    let (stats, _) = pool.stop().unwrap();
+    assert!(stats.pool.loads_throttled > 0, "{:?}", stats.pool);
+}

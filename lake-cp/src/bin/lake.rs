@@ -23,6 +23,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--tenant-key NAMESPACE=FILE ...] [--tenant-keys DIR] [--require-encryption yes]
                   [--quota NAMESPACE:l1|l2|l3=BYTES ...]
                   [--tenant NAME=NAMESPACE[,NAMESPACE...] ...] [--tenant-quota NAME:l1|l2|l3=BYTES ...]
+                  [--tenant-rate NAME:l2-read|l2-write|l3-read|l3-write=BYTES_PER_S ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
                    with a link key every transport and summary connection is authenticated;
                    with an RDMA device each peer's link negotiates RDMA over TCP, falling back to it;
@@ -246,6 +247,7 @@ fn serve(args: &[String]) -> Result<(), String> {
     // Tenants' namespaces and quotas, joined once every flag is read.
     let mut tenants: Vec<(String, Vec<u64>)> = Vec::new();
     let mut tenant_quotas: Vec<(String, lake_dp::Tier, u64)> = Vec::new();
+    let mut tenant_rates: Vec<(String, usize, u64)> = Vec::new();
     let mut config = EmbeddedConfig {
         metrics: true,
         events_to_stderr: true,
@@ -338,6 +340,18 @@ fn serve(args: &[String]) -> Result<(), String> {
                 let tier = tier_named(tier).ok_or_else(bad)?;
                 tenant_quotas.push((name.to_owned(), tier, bytes.parse().map_err(|_| bad())?));
             }
+            "--tenant-rate" => {
+                let bad = || format!("{flag} {value}: NAME:l2-read|l2-write|l3-read|l3-write=BYTES_PER_S (at least 1)");
+                let (place, rate) = value.split_once('=').ok_or_else(bad)?;
+                let (name, path) = place.split_once(':').ok_or_else(bad)?;
+                let path =
+                    ["l2-read", "l2-write", "l3-read", "l3-write"].iter().position(|p| *p == path).ok_or_else(bad)?;
+                let rate: u64 = rate.parse().map_err(|_| bad())?;
+                if rate == 0 {
+                    return Err(bad());
+                }
+                tenant_rates.push((name.to_owned(), path, rate));
+            }
             "--socket-mode" => {
                 config.access.socket_mode = Some(
                     u32::from_str_radix(value.trim_start_matches("0o"), 8)
@@ -384,6 +398,34 @@ fn serve(args: &[String]) -> Result<(), String> {
                 format!("--tenant-quota {name}: no --tenant {name}=NAMESPACE,... says its namespaces")
             })?;
         config.tiers.tenant_quotas.push(lake_cp::tier::TenantQuota { tenant: name, namespaces, tier, bytes });
+    }
+    for (name, path, rate) in tenant_rates {
+        let namespaces = tenants
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, ns)| ns.clone())
+            .ok_or_else(|| format!("--tenant-rate {name}: no --tenant {name}=NAMESPACE,... says its namespaces"))?;
+        let entry = match config.tenant_rates.iter_mut().position(|t| t.name == name) {
+            Some(at) => &mut config.tenant_rates[at],
+            None => {
+                config.tenant_rates.push(lake_dp::runner::config::TenantSection {
+                    name: name.clone(),
+                    namespaces: namespaces.iter().map(|n| format!("{n:016x}")).collect(),
+                    l2_read_bytes_per_s: None,
+                    l2_write_bytes_per_s: None,
+                    l3_read_bytes_per_s: None,
+                    l3_write_bytes_per_s: None,
+                });
+                config.tenant_rates.last_mut().ok_or("a tenant just added")?
+            }
+        };
+        let cap = match path {
+            0 => &mut entry.l2_read_bytes_per_s,
+            1 => &mut entry.l2_write_bytes_per_s,
+            2 => &mut entry.l3_read_bytes_per_s,
+            _ => &mut entry.l3_write_bytes_per_s,
+        };
+        *cap = Some(rate);
     }
     if l3 != L3Section::none() {
         if l3.dir.is_none() && l3.endpoint.is_none() {

@@ -53,6 +53,14 @@
 //! spin_us = 50             # idle spin before parking
 //! park_max_ms = 100        # longest park with nothing in flight
 //! drain_timeout_ms = 30000 # SIGTERM: longest wait for in-flight work
+//!
+//! [[tenants]]              # optional, any number: bandwidth caps
+//! name = "batch"
+//! namespaces = ["e6c40168c202f6d1"]
+//! l2_read_bytes_per_s = 200000000   # each cap optional
+//! l2_write_bytes_per_s = 100000000
+//! l3_read_bytes_per_s = 50000000
+//! l3_write_bytes_per_s = 50000000
 //! ```
 
 use std::path::PathBuf;
@@ -419,6 +427,74 @@ pub struct RunnerConfig {
     /// `[l3]`: the object store tier (none: no L3).
     #[serde(default)]
     pub l3: Option<L3Section>,
+    /// `[[tenants]]`: per-tenant bandwidth caps on this node's tiers.
+    #[serde(default)]
+    pub tenants: Vec<TenantSection>,
+}
+
+/// One `[[tenants]]` entry: a tenant's bandwidth caps, over its
+/// namespaces (16 hex digits each), in bytes per second; a cap left out
+/// is none.
+///
+/// ```toml
+/// [[tenants]]
+/// name = "batch"
+/// namespaces = ["e6c40168c202f6d1"]
+/// l2_read_bytes_per_s = 200000000
+/// l2_write_bytes_per_s = 100000000
+/// ```
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSection {
+    /// Its name.
+    pub name: String,
+    /// Its namespace ids, in hex.
+    pub namespaces: Vec<String>,
+    /// Bytes read from L2 per second at most.
+    pub l2_read_bytes_per_s: Option<u64>,
+    /// Bytes written to L2 per second at most.
+    pub l2_write_bytes_per_s: Option<u64>,
+    /// Bytes read from L3 per second at most.
+    pub l3_read_bytes_per_s: Option<u64>,
+    /// Bytes written to L3 per second at most.
+    pub l3_write_bytes_per_s: Option<u64>,
+}
+
+impl TenantSection {
+    /// The caps as the data plane keeps them; errors name the field.
+    pub fn rate(&self, index: usize) -> Result<crate::runner::rates::TenantRate, ConfigError> {
+        let field = |what: &str| format!("tenants[{index}].{what}");
+        if self.name.is_empty() {
+            return Err(ConfigError(format!("{}: must not be empty", field("name"))));
+        }
+        if self.namespaces.is_empty() {
+            return Err(ConfigError(format!("{}: at least one", field("namespaces"))));
+        }
+        let namespaces = self
+            .namespaces
+            .iter()
+            .map(|text| {
+                u64::from_str_radix(text, 16)
+                    .map_err(|_| ConfigError(format!("{}: {text:?} is not a namespace id in hex", field("namespaces"))))
+            })
+            .collect::<Result<Vec<u64>, ConfigError>>()?;
+        let caps = [
+            ("l2_read_bytes_per_s", self.l2_read_bytes_per_s),
+            ("l2_write_bytes_per_s", self.l2_write_bytes_per_s),
+            ("l3_read_bytes_per_s", self.l3_read_bytes_per_s),
+            ("l3_write_bytes_per_s", self.l3_write_bytes_per_s),
+        ];
+        for (name, cap) in caps {
+            if cap == Some(0) {
+                return Err(ConfigError(format!("{}: at least 1 (leave it out for no cap)", field(name))));
+            }
+        }
+        Ok(crate::runner::rates::TenantRate {
+            name: self.name.clone(),
+            namespaces,
+            bytes_per_s: caps.map(|(_, cap)| cap),
+        })
+    }
 }
 
 /// `[agents]`.
@@ -563,6 +639,16 @@ impl RunnerConfig {
         if let Some(l3) = &self.l3 {
             l3.check(&self.l2)?;
         }
+        let mut seen = std::collections::HashSet::new();
+        for (index, tenant) in self.tenants.iter().enumerate() {
+            for namespace in tenant.rate(index)?.namespaces {
+                if !seen.insert(namespace) {
+                    return Err(ConfigError(format!(
+                        "tenants[{index}].namespaces: {namespace:016x} is another tenant's already"
+                    )));
+                }
+            }
+        }
         if let Some(node) = self.node.numa_node
             && !crate::numa::node_exists(node)
         {
@@ -659,5 +745,25 @@ slot_bytes = 69632
         check(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\nworkers = 0\n"), "l3.workers");
         let l3 = RunnerConfig::parse(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\n")).unwrap().l3.unwrap();
         assert_eq!((l3.region, l3.objects, l3.prefix.as_str()), (1023, 65_536, "lake"));
+    }
+
+    #[test]
+    fn tenants_caps_parse_and_bad_ones_are_named() {
+        let tenant = |body: &str| format!("{GOOD}\n[[tenants]]\nname = \"batch\"\n{body}\n");
+        let config =
+            RunnerConfig::parse(&tenant("namespaces = [\"00000000000000ab\"]\nl2_read_bytes_per_s = 1000")).unwrap();
+        let rate = config.tenants[0].rate(0).unwrap();
+        assert_eq!((rate.namespaces, rate.bytes_per_s), (vec![0xab], [Some(1000), None, None, None]));
+        let check = |text: &str, expect: &str| {
+            let err = RunnerConfig::parse(text).unwrap_err().to_string();
+            assert!(err.contains(expect), "{expect}: got {err}");
+        };
+        check(&tenant("namespaces = [\"xyz\"]"), "tenants[0].namespaces: \"xyz\" is not a namespace id in hex");
+        check(&tenant("namespaces = []"), "tenants[0].namespaces: at least one");
+        check(&tenant("namespaces = [\"ab\"]\nl3_write_bytes_per_s = 0"), "tenants[0].l3_write_bytes_per_s");
+        check(&tenant("namespaces = [\"ab\"]\nl2_reads = 5"), "l2_reads");
+        let twice =
+            format!("{}[[tenants]]\nname = \"other\"\nnamespaces = [\"AB\"]\n", tenant("namespaces = [\"ab\"]"));
+        check(&twice, "tenants[1].namespaces: 00000000000000ab is another tenant's already");
     }
 }

@@ -17,6 +17,7 @@ pub mod attach;
 pub mod config;
 pub mod os;
 pub mod pool;
+pub mod rates;
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -1001,6 +1002,14 @@ pub fn run_with(
     let mut park_fds: Vec<libc::pollfd> = Vec::with_capacity(os::PARK_FDS_MAX);
     let mut extra_fds = vec![-1; os::PARK_FDS_MAX];
     pool.set_commit_check(ports.commit_check);
+    let tenants = config
+        .tenants
+        .iter()
+        .enumerate()
+        .map(|(index, tenant)| tenant.rate(index))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| RunnerError(e.to_string()))?;
+    pool.set_rates(rates::TenantRates::new(&tenants));
     // Blocks peers send into this node's L1 (P→D, replication), and the
     // copies lake-cp asks of this node for others.
     let node_id = config.node.id;

@@ -294,6 +294,14 @@ impl Pool {
         self.l3.as_ref().map(|t| t.stats)
     }
 
+    /// The catalog's header of the L3 replica `source`, if it is current.
+    pub(super) fn l3_object_meta(&self, source: &ReplicaWire) -> Option<ObjectMeta> {
+        let tier = self.l3.as_ref()?;
+        (source.region == tier.region && source.region_epoch == self.epoch)
+            .then(|| tier.object(source.slot, source.generation).copied())
+            .flatten()
+    }
+
     /// Cancels agent `agent`'s load `load` if it is an L3 read no worker
     /// has taken yet (it then ends `Cancelled`, its slot freed); whether
     /// it was.
@@ -407,6 +415,13 @@ impl Pool {
         if !self.keys.may_store(meta.namespace) {
             // Encryption at rest is required and its tenant gave no key.
             return Err(ErrorCode::Unauthorized);
+        }
+        let path = crate::runner::rates::RatePath::L3Write;
+        if !self.rates.admit(meta.namespace.0, path, object_bytes(meta.payload_len), MonotonicClock.now_ns()) {
+            // Its tenant is at its L3 write cap: not now (lake-cp asks
+            // again after its retry wait).
+            self.stats.writes_throttled += 1;
+            return Err(ErrorCode::QueueFull);
         }
         let seal_key = if l1_header.is_some() { self.keys.get(meta.namespace).cloned() } else { None };
         let Some(tier) = self.l3.as_mut() else { return Err(ErrorCode::NoSuchBlock) };

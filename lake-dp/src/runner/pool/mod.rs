@@ -149,6 +149,11 @@ pub struct PoolStats {
     pub purged: u64,
     /// Blocks moved from one L2 file to another (off a drained disk).
     pub relocations: u64,
+    /// Agent loads held for their tenant's read cap (L2 or L3).
+    pub loads_throttled: u64,
+    /// Passes a demotion waited for its tenant's L2 write cap, and L3
+    /// writes refused for a while for its L3 write cap.
+    pub writes_throttled: u64,
 }
 
 /// What a pool is sized for.
@@ -302,6 +307,11 @@ pub struct Pool {
     /// The tenants' data keys: blocks of a namespace with one are sealed
     /// below L1.
     keys: crate::auth::at_rest::KeyRing,
+    /// Per-tenant bandwidth caps.
+    rates: crate::runner::rates::TenantRates,
+    /// Per agent place: a load popped from its port that waits for its
+    /// tenant's bucket (the port is not read past it meanwhile).
+    held: Vec<Option<AgentRequest>>,
     /// What it has done.
     pub stats: PoolStats,
 }
@@ -345,8 +355,41 @@ impl Pool {
             passes: 0,
             l3: None,
             keys: crate::auth::at_rest::KeyRing::new(),
+            rates: crate::runner::rates::TenantRates::default(),
+            held: vec![None; agents_len],
             stats: PoolStats::default(),
         }
+    }
+
+    /// Caps tenants' bandwidth on this node's tiers (`[[tenants]]`).
+    pub fn set_rates(&mut self, rates: crate::runner::rates::TenantRates) {
+        self.rates = rates;
+    }
+
+    /// The tenants' caps and how often each waited.
+    pub fn rates(&self) -> &crate::runner::rates::TenantRates {
+        &self.rates
+    }
+
+    /// Whether `request` may start now under its tenant's caps (only loads
+    /// are capped here; their bytes are taken from the bucket when so).
+    fn admitted(&mut self, request: &AgentRequest, now_ns: u64) -> bool {
+        use crate::runner::rates::RatePath;
+        if self.rates.is_empty() {
+            return true;
+        }
+        let AgentRequest::Load { source, .. } = request else { return true };
+        let cost = if source.tier == Tier::L2Nvme as u8 {
+            self.l2_slot_of(source)
+                .and_then(|slot| self.l2_object(slot, source.generation))
+                .map(|meta| (meta.namespace.0, RatePath::L2Read, object_bytes(meta.payload_len)))
+        } else if source.tier == Tier::L3Object as u8 {
+            self.l3_object_meta(source).map(|meta| (meta.namespace.0, RatePath::L3Read, object_bytes(meta.payload_len)))
+        } else {
+            None
+        };
+        // A load of nothing known is answered (stale) at once, uncapped.
+        cost.is_none_or(|(namespace, path, bytes)| self.rates.admit(namespace, path, bytes, now_ns))
     }
 
     /// How commits are checked (default [`CommitCheck::Inline`]).
@@ -499,6 +542,17 @@ impl Pool {
     pub(crate) fn serve(&mut self, parts: &mut Parts<'_>, now_ns: u64, budget: u32) -> u32 {
         let mut done = 0;
         for agent in 0..self.agents.len() {
+            let place = u16::try_from(agent).unwrap_or(u16::MAX);
+            // A load waiting for its tenant's bucket goes first, or the
+            // port waits with it.
+            if let Some(request) = self.held[agent].take() {
+                if !self.admitted(&request, now_ns) {
+                    self.held[agent] = Some(request);
+                    continue;
+                }
+                done += 1;
+                self.agent_request(place, request, parts, now_ns);
+            }
             while done < budget {
                 let Some(port) = self.agents[agent].as_mut() else { break };
                 // Never more answers owed than the completion ring holds.
@@ -507,10 +561,14 @@ impl Pool {
                 }
                 let Some(popped) = port.pop() else { break };
                 done += 1;
-                let place = u16::try_from(agent).unwrap_or(u16::MAX);
                 match popped {
                     Popped::Request(request) => {
                         self.outstanding[agent] += 1;
+                        if !self.admitted(&request, now_ns) {
+                            self.stats.loads_throttled += 1;
+                            self.held[agent] = Some(request);
+                            break;
+                        }
                         self.agent_request(place, request, parts, now_ns);
                     }
                     Popped::Invalid(cookie) => {
@@ -533,7 +591,7 @@ impl Pool {
             done += 1;
             self.command(command, parts);
         }
-        done += self.start_drained(parts);
+        done += self.start_drained(parts, now_ns);
         done += self.verify_backlog(parts);
         done += self.poll_l3(parts);
         self.passes = self.passes.wrapping_add(1);
@@ -544,7 +602,7 @@ impl Pool {
     }
 
     /// Starts the writes of demotions whose L1 slot has drained.
-    fn start_drained(&mut self, parts: &mut Parts<'_>) -> u32 {
+    fn start_drained(&mut self, parts: &mut Parts<'_>, now_ns: u64) -> u32 {
         let mut started = 0;
         let mut at = 0;
         while at < self.draining.len() {
@@ -558,6 +616,13 @@ impl Pool {
                 continue;
             };
             let mut write = *write;
+            let bytes = object_bytes(write.meta.payload_len);
+            if !self.rates.admit(write.meta.namespace.0, crate::runner::rates::RatePath::L2Write, bytes, now_ns) {
+                // Its tenant is at its L2 write cap: it waits here.
+                self.stats.writes_throttled += 1;
+                at += 1;
+                continue;
+            }
             // Drained: nobody reads the slot, and it is freed after the
             // write, so its payload is sealed where it lies.
             if write.seal.is_none()

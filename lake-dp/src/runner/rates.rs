@@ -1,0 +1,155 @@
+//! Per-tenant bandwidth caps on this node's tiers (`[[tenants]]`): a token
+//! bucket per tenant and path — L2 reads, L2 writes, L3 reads, L3 writes —
+//! over the tenant's namespaces. Work of a tenant whose bucket is empty
+//! waits where it is (an agent's load in its port, a demotion in the
+//! drain list) and goes once the bucket has refilled: a cap slows its own
+//! tenant and nobody else, and nothing is refused or lost.
+//!
+//! A bucket holds up to a tenth of a second of its rate and may go into
+//! debt by one operation, so a block larger than the burst still goes;
+//! the next waits until the debt is paid. Lookups and refills allocate
+//! nothing.
+
+use std::collections::HashMap;
+
+/// What a cap applies to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RatePath {
+    /// Blocks read from L2 (loads, promotions).
+    L2Read = 0,
+    /// Blocks written to L2 (demotions).
+    L2Write = 1,
+    /// Objects read from L3 (loads read through).
+    L3Read = 2,
+    /// Objects written to L3.
+    L3Write = 3,
+}
+
+/// A token bucket in bytes.
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    bytes_per_s: u64,
+    burst: i64,
+    tokens: i64,
+    last_ns: u64,
+}
+
+impl Bucket {
+    fn new(bytes_per_s: u64) -> Self {
+        let burst = i64::try_from(bytes_per_s / 10).unwrap_or(i64::MAX).max(1);
+        Self { bytes_per_s, burst, tokens: burst, last_ns: 0 }
+    }
+
+    fn refill(&mut self, now_ns: u64) {
+        let elapsed = now_ns.saturating_sub(self.last_ns);
+        self.last_ns = self.last_ns.max(now_ns);
+        let earned = u128::from(elapsed) * u128::from(self.bytes_per_s) / 1_000_000_000;
+        let earned = i64::try_from(earned).unwrap_or(i64::MAX);
+        self.tokens = self.tokens.saturating_add(earned).min(self.burst);
+    }
+}
+
+/// One tenant's caps, as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantRate {
+    /// Its name (for logs).
+    pub name: String,
+    /// Its namespaces.
+    pub namespaces: Vec<u64>,
+    /// Bytes per second at most, by [`RatePath`] (`None`: no cap).
+    pub bytes_per_s: [Option<u64>; 4],
+}
+
+/// Every tenant's buckets on this node.
+#[derive(Debug, Default)]
+pub struct TenantRates {
+    by_namespace: HashMap<u64, usize>,
+    buckets: Vec<[Option<Bucket>; 4]>,
+    names: Vec<String>,
+    /// Times work waited for a bucket, by tenant and [`RatePath`].
+    waits: Vec<[u64; 4]>,
+}
+
+impl TenantRates {
+    /// The buckets of `tenants` (a namespace in two tenants counts for the
+    /// first).
+    pub fn new(tenants: &[TenantRate]) -> Self {
+        let mut rates = Self::default();
+        for (index, tenant) in tenants.iter().enumerate() {
+            for &namespace in &tenant.namespaces {
+                rates.by_namespace.entry(namespace).or_insert(index);
+            }
+            rates.buckets.push(tenant.bytes_per_s.map(|r| r.map(Bucket::new)));
+            rates.names.push(tenant.name.clone());
+            rates.waits.push([0; 4]);
+        }
+        rates
+    }
+
+    /// Whether any tenant has a cap.
+    pub fn is_empty(&self) -> bool {
+        self.buckets.is_empty()
+    }
+
+    /// Whether `bytes` of `namespace` may go on `path` now; if so they
+    /// are taken from its bucket. A namespace without a capped tenant
+    /// always may.
+    pub fn admit(&mut self, namespace: u64, path: RatePath, bytes: u64, now_ns: u64) -> bool {
+        let Some(&tenant) = self.by_namespace.get(&namespace) else { return true };
+        let Some(bucket) = self.buckets.get_mut(tenant).and_then(|b| b[path as usize].as_mut()) else {
+            return true;
+        };
+        bucket.refill(now_ns);
+        if bucket.tokens <= 0 {
+            if let Some(waits) = self.waits.get_mut(tenant) {
+                waits[path as usize] += 1;
+            }
+            return false;
+        }
+        bucket.tokens = bucket.tokens.saturating_sub(i64::try_from(bytes).unwrap_or(i64::MAX));
+        true
+    }
+
+    /// Each tenant's name and how often its work waited, by [`RatePath`].
+    pub fn waits(&self) -> impl Iterator<Item = (&str, [u64; 4])> {
+        self.names.iter().map(String::as_str).zip(self.waits.iter().copied())
+    }
+
+    /// Waits of every tenant on `path`.
+    pub fn total_waits(&self, path: RatePath) -> u64 {
+        self.waits.iter().map(|w| w[path as usize]).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_capped_tenant_gets_its_rate_and_others_are_untouched() {
+        let tenant =
+            TenantRate { name: "a".into(), namespaces: vec![7, 8], bytes_per_s: [Some(1000), None, None, None] };
+        let mut rates = TenantRates::new(&[tenant]);
+        // A burst of a tenth of a second (100 bytes), then debt by one op.
+        assert!(rates.admit(7, RatePath::L2Read, 300, 1));
+        assert!(!rates.admit(8, RatePath::L2Read, 10, 1), "its other namespace shares the bucket");
+        // 200 bytes of debt: paid after 0.2 s, not before.
+        assert!(!rates.admit(7, RatePath::L2Read, 10, 150_000_000));
+        assert!(rates.admit(7, RatePath::L2Read, 10, 202_000_001));
+        // Over 10 s it gets 1000 bytes a second (plus the burst), no more.
+        let (mut now, mut got) = (202_000_001, 0u64);
+        while now < 10_202_000_001 {
+            if rates.admit(7, RatePath::L2Read, 50, now) {
+                got += 50;
+            }
+            now += 1_000_000;
+        }
+        assert!((9_900..=10_200).contains(&got), "{got} bytes in 10 s at 1000 B/s");
+        // Other paths, namespaces and tenants are not capped.
+        assert!((0..100).all(|_| rates.admit(7, RatePath::L2Write, 1 << 20, now)));
+        assert!((0..100).all(|_| rates.admit(9, RatePath::L2Read, 1 << 20, now)));
+        let waits: Vec<(&str, [u64; 4])> = rates.waits().collect();
+        assert_eq!(waits.len(), 1);
+        assert!(waits[0].1[0] > 0 && waits[0].1[1] == 0, "{waits:?}");
+    }
+}
