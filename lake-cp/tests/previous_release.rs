@@ -1,0 +1,233 @@
+//! Rolling upgrade against a real binary of the previous release (issue
+//! [10]): the `lake-dp` of the last landed release (`tests/previous-release`
+//! names its commit; `.ci/run` builds it and names the binary in
+//! `LAKE_PREVIOUS_DP`) runs under this build's `lake-cp` with this build's
+//! agent attached over its socket. Blocks saved through it are demoted to
+//! its L2 by this control plane's tier manager and read back byte for
+//! byte; what it was built before — the drain (kind 28) and the L3 path
+//! timings — is never sent to it (the drain says why), and it stops clean
+//! on SIGTERM.
+//!
+//! Without `LAKE_PREVIOUS_DP` the test says SKIPPED and why (a checkout
+//! without the old binary built); CI always builds it.
+
+#![allow(clippy::cast_possible_truncation)] // small test sizes and counts
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use lake_cp::node::Node;
+use lake_cp::server::Server;
+use lake_cp::tier::TierConfig;
+use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
+use lake_dp::{BlockKey, NamespaceId, NodeId};
+
+const PAYLOAD: usize = 60 * 1024;
+const BLOCKS: u32 = 40;
+
+fn key(block: u32) -> BlockKey {
+    let mut bytes = [0x9b; 16];
+    bytes[..4].copy_from_slice(&block.to_le_bytes());
+    BlockKey(bytes)
+}
+
+fn payload(block: u32) -> Vec<u8> {
+    (0..PAYLOAD).map(|i| (i as u8).wrapping_mul(29) ^ (block as u8)).collect()
+}
+
+/// `request` on the operator socket; the answer.
+fn admin(socket: &Path, request: &str) -> serde_json::Value {
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream.write_all(format!("{request}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(stream).read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap()
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not within 30 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The old data plane, killed if the test fails before it stops it.
+struct OldDp(Child);
+
+impl Drop for OldDp {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn the_previous_releases_lake_dp_serves_this_releases_control_plane_and_agents() {
+    let Some(binary) = std::env::var_os("LAKE_PREVIOUS_DP").map(PathBuf::from) else {
+        println!("SKIPPED: LAKE_PREVIOUS_DP names no lake-dp of the previous release (.ci/run builds one)");
+        return;
+    };
+    assert!(binary.is_file(), "LAKE_PREVIOUS_DP={} is not a file", binary.display());
+    let unique = std::process::id();
+    let dir = std::env::temp_dir().join(format!("lake-previous-{unique}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (arena, mirror) = (
+        PathBuf::from(format!("/dev/shm/lake-l1-prev-{unique}")),
+        PathBuf::from(format!("/dev/shm/lake-mirror-prev-{unique}")),
+    );
+    let (cp_socket, dp_socket, admin_socket) = (dir.join("cp.sock"), dir.join("dp.sock"), dir.join("admin.sock"));
+
+    // This build's control plane, in this process.
+    let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), 1024)).unwrap();
+    let tiers = TierConfig { high_percent: 80, low_percent: 60, ..TierConfig::default() };
+    let node = Node::new(NodeId(0), 1, Some(writer)).with_tiers(tiers);
+    let mut server = Server::bind(&cp_socket, node, 1).unwrap();
+    server.serve_admin(&admin_socket).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let cp = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Acquire) {
+                server.poll_once(Some(Duration::from_millis(5))).unwrap();
+            }
+            server
+        })
+    };
+
+    // The previous release's data plane, with a config it reads (no field
+    // added since).
+    let slot_bytes = lake_dp::stored::object_bytes(PAYLOAD as u64);
+    let config = format!(
+        r#"
+[node]
+id = 0
+
+[l1]
+path = "{arena}"
+classes = [{{ payload_bytes = {PAYLOAD}, slots = 16 }}]
+lock = false
+agents_max = 8
+
+[l2]
+paths = ["{dir}/l2-0.lake", "{dir}/l2-1.lake"]
+slots_per_file = 64
+slot_bytes = {slot_bytes}
+format_if_missing = true
+queue_depth = 32
+
+[poller]
+ops_max = 64
+park_max_ms = 20
+
+[cp]
+socket = "{cp}"
+
+[agents]
+socket = "{dp}"
+ports = 2
+"#,
+        arena = arena.display(),
+        dir = dir.display(),
+        cp = cp_socket.display(),
+        dp = dp_socket.display(),
+    );
+    let config_path = dir.join("lake-dp.toml");
+    std::fs::write(&config_path, config).unwrap();
+    let log = std::fs::File::create(dir.join("lake-dp.log")).unwrap();
+    let mut old = OldDp(
+        Command::new(&binary)
+            .arg("--config")
+            .arg(&config_path)
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap(),
+    );
+    let log_text = || std::fs::read_to_string(dir.join("lake-dp.log")).unwrap_or_default();
+    wait_until("the old lake-dp registered L1 and both L2 files", || {
+        let regions = admin(&admin_socket, "{\"op\":\"regions\"}");
+        regions["regions"].as_array().is_some_and(|r| r.len() == 3) && dp_socket.exists()
+    });
+
+    // This build's agent attached to it.
+    let agent_config = AgentConfig {
+        arena: Path::new("/nonexistent"),
+        mirror: &mirror,
+        cp_socket: Some(&cp_socket),
+        name: "engine-n",
+        namespace: NamespaceId(0x5e),
+        layout_fingerprint: 0x77,
+        segment_bytes: 16 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = Agent::connect(&agent_config, &dp_socket).unwrap_or_else(|e| panic!("{e}\n{}", log_text()));
+    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
+    for i in 0..BLOCKS as usize {
+        let bytes = payload(i as u32);
+        let block = || SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: i as u32,
+            payload: SavePayload::Bytes(&bytes),
+        };
+        // L1 holds 16: a save waits while this control plane makes room.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while agent.save(&[block()]) != 1 {
+            assert!(Instant::now() < deadline, "block {i} not saved in 20 s\n{}", log_text());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    let mut table = Vec::new();
+    wait_until("the blocks demoted to the old data plane's L2", || {
+        let hits = agent.lookup(&keys, &mut table);
+        hits == keys.len() && table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count() >= 20
+    });
+    let mut delivered = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while delivered < keys.len() {
+        assert!(Instant::now() < deadline, "{delivered} of {BLOCKS} read back");
+        assert_eq!(agent.lookup(&keys, &mut table), keys.len());
+        let end = keys.len().min(delivered + 4);
+        delivered += agent.fetch(&keys[delivered..end], &table[delivered..end], |i, bytes| {
+            assert_eq!(bytes, &payload((delivered + i) as u32)[..], "block {}", delivered + i);
+        });
+    }
+
+    // What it was built before is never sent to it.
+    let drains = admin(&admin_socket, "{\"op\":\"drain\",\"region\":1}");
+    assert!(drains["drains"].is_array(), "{drains}");
+    wait_until("the drain's refusal", || {
+        let drains = admin(&admin_socket, "{\"op\":\"drains\"}");
+        drains["drains"][0]["refused"] == "its lake-dp does not drain (an older build)"
+    });
+    // Its stats (once a second) time its L2 writes, on the four paths it
+    // knows.
+    wait_until("its L2 writes timed", || {
+        let top = admin(&admin_socket, "{\"op\":\"top\"}");
+        top["paths"][2]["count"].as_u64().is_some_and(|n| n >= 20)
+    });
+    let top = admin(&admin_socket, "{\"op\":\"top\"}");
+    let paths: Vec<&str> = top["paths"].as_array().unwrap().iter().filter_map(|p| p["path"].as_str()).collect();
+    assert_eq!(paths, ["l2_read_critical", "l2_read_background", "l2_write", "transfer_storage"], "{top}");
+
+    // It stops clean on SIGTERM, its link to this control plane intact to
+    // the end.
+    drop(agent);
+    // SAFETY: kill(2) on the child's pid, which has not been reaped.
+    assert_eq!(unsafe { libc::kill(i32::try_from(old.0.id()).unwrap(), libc::SIGTERM) }, 0);
+    let status = old.0.wait().unwrap();
+    assert!(status.success(), "the old lake-dp exited {status}\n{}", log_text());
+    stop.store(true, Ordering::Release);
+    let server = cp.join().unwrap();
+    assert_eq!(server.counters.bad_frames, 0, "no frame either side could not read");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&arena);
+    let _ = std::fs::remove_file(&mirror);
+}
