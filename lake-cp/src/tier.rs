@@ -1038,15 +1038,7 @@ impl Tiers {
                         break;
                     }
                     self.counters.drain_moves += 1;
-                    let target = ReplicaWire {
-                        tier: Tier::L2Nvme as u8,
-                        reserved: 0,
-                        region: target_region,
-                        node: info.node,
-                        region_epoch: target_info.epoch,
-                        slot: SLOT_ANY,
-                        generation: 0,
-                    };
+                    let target = l2_target(target_region, &target_info);
                     TierAction::Move(transfer(&source, target, key, Priority::Demotion))
                 };
                 if let Some(drain) = self.drains.get_mut(&region) {
@@ -1453,16 +1445,7 @@ impl Tiers {
             self.counters.admission_refused += 1;
             return None;
         }
-        // The data plane picks the file and slot within the tier.
-        Some(ReplicaWire {
-            tier: Tier::L2Nvme as u8,
-            reserved: 0,
-            region,
-            node: info.node,
-            region_epoch: info.epoch,
-            slot: SLOT_ANY,
-            generation: 0,
-        })
+        Some(l2_target(region, info))
     }
 }
 
@@ -1480,6 +1463,20 @@ impl Tiers {
         // Room is in the regions written to: not those being drained.
         let drained: u64 = self.drains.keys().map(|&region| self.region_bytes(region)).sum();
         (over_high, used.saturating_sub(drained) + inbound + bytes > capacity)
+    }
+}
+
+/// The L2 tier of `region`'s node as a target: the data plane picks the
+/// file (not one being drained) and the slot.
+fn l2_target(region: u16, info: &RegionUse) -> ReplicaWire {
+    ReplicaWire {
+        tier: Tier::L2Nvme as u8,
+        reserved: 0,
+        region,
+        node: info.node,
+        region_epoch: info.epoch,
+        slot: SLOT_ANY,
+        generation: 0,
     }
 }
 

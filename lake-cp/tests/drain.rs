@@ -8,18 +8,20 @@
 
 #![allow(clippy::cast_possible_truncation)] // small test sizes and counts
 
+#[path = "common/chain.rs"]
+mod chain;
 #[path = "common/scratch.rs"]
 mod scratch;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::agent::{Agent, AgentConfig};
 use lake_dp::auth::at_rest::DataKey;
 use lake_dp::{BlockKey, NamespaceId, Tier};
 
+use chain::{lake, save_chain};
 use scratch::Scratch;
 
 const PAYLOAD: usize = 60 * 1024;
@@ -60,22 +62,7 @@ fn engine(pool: &mut EmbeddedPool, ns: NamespaceId) -> Agent {
 }
 
 fn save(agent: &mut Agent, ns: NamespaceId) {
-    let keys = keys(ns);
-    for i in 0..BLOCKS as usize {
-        let bytes = payload(ns, i as u32);
-        let block = || SaveBlock {
-            key: keys[i],
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: i as u32,
-            payload: SavePayload::Bytes(&bytes),
-        };
-        // L1 is small: a save waits while the tier manager makes room.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while agent.save(&[block()]) != 1 {
-            assert!(Instant::now() < deadline, "block {i} not saved in 20 s");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
+    save_chain(agent, &keys(ns), |i| payload(ns, i as u32));
 }
 
 /// Blocks of `ns` found, and how many of them in L2.
@@ -112,16 +99,6 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     while !done() {
         assert!(Instant::now() < deadline, "{what}: not within 20 s");
         std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Runs `lake ARGS`; its stdout, or its stderr if it failed.
-fn lake(args: &[&str]) -> Result<String, String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_lake")).args(args).output().unwrap();
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).into_owned())
     }
 }
 

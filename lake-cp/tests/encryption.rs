@@ -10,6 +10,8 @@
 
 #![allow(clippy::cast_possible_truncation)] // small test sizes and counts
 
+#[path = "common/chain.rs"]
+mod chain;
 #[path = "common/scratch.rs"]
 mod scratch;
 
@@ -21,6 +23,7 @@ use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::auth::at_rest::{DataKey, KeyChange};
 use lake_dp::{BlockKey, NamespaceId, Tier};
 
+use chain::save_chain;
 use scratch::Scratch;
 
 const PAYLOAD: usize = 60 * 1024;
@@ -83,22 +86,7 @@ fn keys(ns: NamespaceId) -> Vec<BlockKey> {
 }
 
 fn save(agent: &mut Agent, ns: NamespaceId) {
-    let keys = keys(ns);
-    let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(|i| payload(ns, i)).collect();
-    for i in 0..BLOCKS as usize {
-        let block = || SaveBlock {
-            key: keys[i],
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: i as u32,
-            payload: SavePayload::Bytes(&payloads[i]),
-        };
-        // L1 is small: a save waits while the tier manager makes room.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while agent.save(&[block()]) != 1 {
-            assert!(Instant::now() < deadline, "block {i} not saved in 20 s");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
+    save_chain(agent, &keys(ns), |i| payload(ns, i as u32));
 }
 
 /// Blocks of `ns` found, and how many of them in L2.

@@ -7,26 +7,18 @@
 //! tier while the other is untouched; bad requests are named.
 
 use std::os::unix::fs::PermissionsExt;
-use std::process::Command;
 use std::time::Duration;
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 use lake_dp::{BlockKey, KeyChain};
 
+#[path = "common/chain.rs"]
+mod chain;
 #[path = "common/engines.rs"]
 mod engines;
 
+use chain::lake;
 use engines::{engine, namespace, save};
-
-/// Runs `lake ARGS`; its stdout, or its stderr if it failed.
-fn lake(args: &[&str]) -> Result<String, String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_lake")).args(args).output().unwrap();
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).into_owned())
-    }
-}
 
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"))

@@ -13,6 +13,9 @@
 
 #![allow(clippy::cast_possible_truncation)] // small test sizes and counts
 
+#[path = "common/chain.rs"]
+mod chain;
+
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,10 +23,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use chain::save_chain;
 use lake_cp::node::Node;
 use lake_cp::server::Server;
 use lake_cp::tier::TierConfig;
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::agent::{Agent, AgentConfig};
 use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 use lake_dp::{BlockKey, NamespaceId, NodeId};
 
@@ -169,21 +173,7 @@ ports = 2
     };
     let mut agent = Agent::connect(&agent_config, &dp_socket).unwrap_or_else(|e| panic!("{e}\n{}", log_text()));
     let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
-    for i in 0..BLOCKS as usize {
-        let bytes = payload(i as u32);
-        let block = || SaveBlock {
-            key: keys[i],
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: i as u32,
-            payload: SavePayload::Bytes(&bytes),
-        };
-        // L1 holds 16: a save waits while this control plane makes room.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while agent.save(&[block()]) != 1 {
-            assert!(Instant::now() < deadline, "block {i} not saved in 20 s\n{}", log_text());
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
+    save_chain(&mut agent, &keys, |i| payload(i as u32));
     let mut table = Vec::new();
     wait_until("the blocks demoted to the old data plane's L2", || {
         let hits = agent.lookup(&keys, &mut table);

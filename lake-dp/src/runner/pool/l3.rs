@@ -36,7 +36,7 @@ use crate::l3::{L3Client, L3Completion, L3Error, L3Request};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
 use crate::model::replica::{Durability, Priority, RegionId, ReplicaWire, Tier};
-use crate::op::{Command, L2Slot, ReadBlock, Request};
+use crate::op::{L2Slot, ReadBlock};
 use crate::runner::Parts;
 use crate::stored::{ObjectMeta, decode_header, object_bytes};
 use crate::wire::message::{
@@ -417,7 +417,7 @@ impl Pool {
             return Err(ErrorCode::Unauthorized);
         }
         let path = crate::runner::rates::RatePath::L3Write;
-        if !self.rates.admit(meta.namespace.0, path, object_bytes(meta.payload_len), MonotonicClock.now_ns()) {
+        if !self.rates.admit(meta.namespace.0, path, object_bytes(meta.payload_len), parts.now_ns) {
             // Its tenant is at its L3 write cap: not now (lake-cp asks
             // again after its retry wait).
             self.stats.writes_throttled += 1;
@@ -519,15 +519,14 @@ impl Pool {
             self.abandon_put(index, table);
             return Err(ErrorCode::QueueFull);
         };
-        self.l1[grant.slot as usize] = L1State::Busy;
-        let command = Command::Read(ReadBlock {
+        let read = ReadBlock {
             source: l2_slot,
             l1_slot: grant.slot,
             key: meta.key,
             generation: source.generation,
             payload_len: meta.payload_len,
-        });
-        if parts.poller.submit(Request { command, priority, deadline_ns: 0, cookie }).is_err() {
+        };
+        if !self.read_into(cookie, read, priority, parts.poller) {
             self.put_op(cookie);
             self.abandon_put(index, parts.table);
             return Err(ErrorCode::QueueFull);

@@ -45,12 +45,13 @@ use crate::l2::L2Grant;
 use crate::model::key::BlockKey;
 use crate::model::replica::{Durability, Priority, ReplicaWire, Tier};
 use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, WriteBlock};
-use crate::poller::L2Geometry;
+use crate::poller::{L2Geometry, Poller};
 use crate::region::SlotRegion;
 use crate::runner::Parts;
 use crate::stored::{ObjectMeta, StoredError, decode_header, object_bytes};
 use crate::transport::Landing;
 use crate::transport::frame::{AckStatus, BlockAddr};
+use crate::uring::UringBackend;
 use crate::wire::message::{
     BlockEvicted, BlockRecord, DrainRegion, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone,
 };
@@ -1048,27 +1049,36 @@ impl Pool {
             let _ = table.retire(grant.slot);
             return Err(AgentError::Busy);
         };
-        self.l1[grant.slot as usize] = L1State::Busy;
-        let command = Command::Read(ReadBlock {
-            source: slot,
-            l1_slot: grant.slot,
-            key,
-            generation: source.generation,
-            payload_len,
-        });
-        match parts.poller.submit(Request { command, priority, deadline_ns: 0, cookie }) {
+        let read = ReadBlock { source: slot, l1_slot: grant.slot, key, generation: source.generation, payload_len };
+        if self.read_into(cookie, read, priority, parts.poller) {
+            Ok(())
+        } else {
+            self.put_op(cookie);
+            self.release_l1(grant.slot, parts.table);
+            Err(AgentError::Busy)
+        }
+    }
+
+    /// Submits op `cookie`'s read of an L2 object into the L1 slot it was
+    /// given (busy from now on; its ticket kept, so the read can be
+    /// cancelled). False when the poller is full: the caller undoes.
+    fn read_into(
+        &mut self,
+        cookie: u64,
+        read: ReadBlock,
+        priority: Priority,
+        poller: &mut Poller<UringBackend>,
+    ) -> bool {
+        self.l1[read.l1_slot as usize] = L1State::Busy;
+        match poller.submit(Request { command: Command::Read(read), priority, deadline_ns: 0, cookie }) {
             Ok(ticket) => {
                 let index = usize::try_from(cookie & !POOL_COOKIE).unwrap_or(usize::MAX);
                 if let Some(slot) = self.tickets.get_mut(index) {
                     *slot = Some(ticket);
                 }
-                Ok(())
+                true
             }
-            Err(_) => {
-                self.put_op(cookie);
-                self.release_l1(grant.slot, table);
-                Err(AgentError::Busy)
-            }
+            Err(_) => false,
         }
     }
 
@@ -1212,15 +1222,14 @@ impl Pool {
             let _ = table.retire(stage.slot);
             return Err(ErrorCode::QueueFull);
         };
-        self.l1[stage.slot as usize] = L1State::Busy;
-        let command = Command::Read(ReadBlock {
+        let read = ReadBlock {
             source: slot,
             l1_slot: stage.slot,
             key: meta.key,
             generation: source.generation,
             payload_len: meta.payload_len,
-        });
-        if parts.poller.submit(Request { command, priority, deadline_ns: 0, cookie }).is_err() {
+        };
+        if !self.read_into(cookie, read, priority, parts.poller) {
             self.put_op(cookie);
             self.release_l1(stage.slot, parts.table);
             let _ = parts.l2.release(target.slot);
