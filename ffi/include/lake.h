@@ -673,7 +673,10 @@ typedef struct LakeNodeLoad {
    */
   uint64_t queue_ns;
   /*
-   Recomputing one block there (ns).
+   Recomputing one block there (ns); for this node,
+   [`LAKE_COST_MEASURED`] takes what its engine reported of its
+   prefills (`lake_report_prefill`; not reported yet: dearer than any
+   load, so a measured hit is loaded).
    */
   uint64_t compute_ns_per_block;
   /*
@@ -1345,6 +1348,32 @@ enum LakeStatus lake_stats(const struct LakePool *pool, struct LakeStats *stats)
  `pool` from `lake_attach`; `out` points at `capacity` writable entries.
  */
 enum LakeStatus lake_load_costs(const struct LakePool *pool, uint64_t *out, uintptr_t capacity);
+
+/*
+ The engine computed `blocks` blocks of a prompt (a prefill, or the
+ part of one that was not loaded) in `elapsed_ns`: folded into the
+ moving average of what computing one block costs this engine (weight
+ 1/8), which `lake_route` takes for this node where its
+ `compute_ns_per_block` is `LAKE_COST_MEASURED`. Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`.
+ */
+enum LakeStatus lake_report_prefill(const struct LakePool *pool,
+                                    uint64_t blocks,
+                                    uint64_t elapsed_ns);
+
+/*
+ What computing one block costs this engine as it reported its prefills
+ (`lake_report_prefill`; ns, 0 not reported yet), into `*out`.
+ Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `out` writable.
+ */
+enum LakeStatus lake_compute_cost(const struct LakePool *pool, uint64_t *out);
 
 /*
  `LakeOk` while the pool's `lake-dp` is there, `LakeNotAttached` once it

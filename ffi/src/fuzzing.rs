@@ -577,6 +577,17 @@ impl PoolHarness {
                     // SAFETY: `costs.len()` writable entries.
                     let s = unsafe { crate::pool::lake_load_costs(pool, costs.as_mut_ptr(), costs.len()) };
                     no_panic(s, "lake_load_costs");
+                    // Any counts, zero ones included.
+                    let (blocks, elapsed) = (u64::from(word(&mut input) % 4096), u64::from(word(&mut input)));
+                    // SAFETY: a pool handle.
+                    no_panic(unsafe { crate::pool::lake_report_prefill(pool, blocks, elapsed) }, "lake_report_prefill");
+                    let mut compute = 0u64;
+                    // SAFETY: a live out.
+                    let s = unsafe { crate::pool::lake_compute_cost(pool, &mut compute) };
+                    no_panic(s, "lake_compute_cost");
+                    // SAFETY: a null out is refused by name.
+                    let s = unsafe { crate::pool::lake_compute_cost(pool, core::ptr::null_mut()) };
+                    assert_eq!(s, LakeStatus::LakeNullArgument, "lake_compute_cost(null)");
                 }
             }
         }

@@ -285,6 +285,10 @@ pub struct LakePool {
     stop: Arc<AtomicBool>,
     /// The compute network's rails as the agent thread last saw them.
     push_rails: Arc<Mutex<Vec<LakeRailStat>>>,
+    /// What computing one block of a prompt costs this engine, as it
+    /// reported its prefills ([`lake_report_prefill`]; ns, a moving
+    /// average; 0 not reported yet).
+    pub(crate) compute_ns_per_block: AtomicU64,
 }
 
 impl LakePool {
@@ -758,6 +762,7 @@ fn start(
         has_control_plane,
         layers,
         next_request: AtomicU64::new(1),
+        compute_ns_per_block: AtomicU64::new(0),
         thread: Some(thread),
         stop,
         push_rails,
@@ -2399,6 +2404,59 @@ pub unsafe extern "C" fn lake_load_costs(pool: *const LakePool, out: *mut u64, c
                 let out = unsafe { core::slice::from_raw_parts_mut(out, n) };
                 out.copy_from_slice(&costs[..n]);
             }
+            Ok(())
+        })())
+    })
+}
+
+/// The engine computed `blocks` blocks of a prompt (a prefill, or the
+/// part of one that was not loaded) in `elapsed_ns`: folded into the
+/// moving average of what computing one block costs this engine (weight
+/// 1/8), which `lake_route` takes for this node where its
+/// `compute_ns_per_block` is `LAKE_COST_MEASURED`. Thread-safe.
+///
+/// # Safety
+///
+/// `pool` from `lake_attach`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_report_prefill(pool: *const LakePool, blocks: u64, elapsed_ns: u64) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if blocks == 0 || elapsed_ns == 0 {
+                return Err(fail(
+                    LakeStatus::LakeInvalidArgument,
+                    format!("lake_report_prefill: {blocks} blocks in {elapsed_ns} ns (both at least 1)"),
+                ));
+            }
+            let per_block = std::time::Duration::from_nanos((elapsed_ns / blocks).max(1));
+            let folded = pool.compute_ns_per_block.fetch_update(Ordering::AcqRel, Ordering::Acquire, |average| {
+                Some(lake_dp::agent::fold_load_cost(average, per_block))
+            });
+            // The closure always answers: the update cannot fail.
+            let _ = folded;
+            Ok(())
+        })())
+    })
+}
+
+/// What computing one block costs this engine as it reported its prefills
+/// (`lake_report_prefill`; ns, 0 not reported yet), into `*out`.
+/// Thread-safe.
+///
+/// # Safety
+///
+/// `pool` from `lake_attach`; `out` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_compute_cost(pool: *const LakePool, out: *mut u64) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if out.is_null() {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_compute_cost: out is null"));
+            }
+            // SAFETY: writable (contract), checked non-null.
+            unsafe { out.write(pool.compute_ns_per_block.load(Ordering::Acquire)) };
             Ok(())
         })())
     })

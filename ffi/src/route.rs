@@ -4,6 +4,8 @@
 //! trip to any process — and the other nodes' hits and every node's load
 //! as it knows them.
 
+use std::sync::atomic::Ordering;
+
 use lake_dp::route::{HitView, LoadView, Mode, Network, NodeHits, NodeLoad, Policy, Request, route};
 use lake_dp::{NodeId, Tier};
 
@@ -25,7 +27,10 @@ pub struct LakeNodeLoad {
     pub roles: u32,
     /// Time before a new request's prefill would start there (ns).
     pub queue_ns: u64,
-    /// Recomputing one block there (ns).
+    /// Recomputing one block there (ns); for this node,
+    /// [`LAKE_COST_MEASURED`] takes what its engine reported of its
+    /// prefills (`lake_report_prefill`; not reported yet: dearer than any
+    /// load, so a measured hit is loaded).
     pub compute_ns_per_block: u64,
     /// Moving one block into its HBM from L0 (0), L1, L2, L3 (ns); for
     /// this node, [`LAKE_COST_MEASURED`] in a tier takes what this pool's
@@ -39,6 +44,11 @@ pub struct LakeNodeLoad {
 /// A [`LakeNodeLoad::load_ns_per_block`] entry of this node: the cost this
 /// pool's agent measured (live), not one the caller gives.
 pub const LAKE_COST_MEASURED: u64 = u64::MAX;
+
+/// This node's compute cost while its engine has reported no prefill: a
+/// second a block, dearer than any load (a measured hit is loaded), yet
+/// far enough below `u64::MAX` that the router's sums do not saturate.
+const UNMEASURED_COMPUTE_NS: u64 = 1_000_000_000;
 
 /// What another node holds of the request's prefix: blocks available at
 /// L0, L0–L1, L0–L2, L0–L3 (never decreasing).
@@ -226,6 +236,26 @@ pub unsafe extern "C" fn lake_route(
             let mut view = HitView { nodes: Vec::with_capacity(others.len() + 1), l3_through: r.l3_blocks };
             view.nodes.push(NodeHits { node: NodeId(r.local_node), through: [l0, l1.max(l0), l2.max(l1).max(l0), 0] });
             view.nodes.extend(others.iter().map(|h| NodeHits { node: NodeId(h.node), through: h.through }));
+            // Measured costs are this node's alone.
+            for load in loads {
+                let asks = load.compute_ns_per_block == LAKE_COST_MEASURED
+                    || load.load_ns_per_block.contains(&LAKE_COST_MEASURED);
+                if asks && load.node != r.local_node {
+                    return Err(fail(
+                        LakeStatus::LakeInvalidArgument,
+                        format!("lake_route: node {}'s costs: LAKE_COST_MEASURED is this node's alone", load.node),
+                    ));
+                }
+            }
+            // This node's compute asked to be measured: what its engine
+            // reported; not yet, dearer than any load.
+            let compute = |l: &LakeNodeLoad| match l.compute_ns_per_block {
+                LAKE_COST_MEASURED => match pool.compute_ns_per_block.load(Ordering::Acquire) {
+                    0 => UNMEASURED_COMPUTE_NS,
+                    measured => measured,
+                },
+                given => given,
+            };
             // This node's tiers asked to be measured: what the agent saw.
             let measured = crate::pool::measured_load_costs(pool)?;
             let live = |l: &LakeNodeLoad| {
@@ -234,7 +264,7 @@ pub unsafe extern "C" fn lake_route(
                     for (cost, seen) in costs.iter_mut().zip(measured) {
                         if *cost == LAKE_COST_MEASURED {
                             // Not measured yet: as dear as recomputing it.
-                            *cost = if seen == 0 { l.compute_ns_per_block } else { seen };
+                            *cost = if seen == 0 { compute(l) } else { seen };
                         }
                     }
                 }
@@ -248,7 +278,7 @@ pub unsafe extern "C" fn lake_route(
                         prefill: l.roles & LAKE_ROLE_PREFILL != 0,
                         decode: l.roles & LAKE_ROLE_DECODE != 0,
                         queue_ns: l.queue_ns,
-                        compute_ns_per_block: l.compute_ns_per_block,
+                        compute_ns_per_block: compute(l),
                         load_ns_per_block: live(l),
                         cnic_ns_per_block: l.cnic_ns_per_block,
                     })

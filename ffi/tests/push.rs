@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 
 use lake::pool::{
     LakeAttachOptions, LakeBlockKey, LakeLocation, LakeNamespace, LakeNamespaceOptions, LakePool, LakeRailStat,
-    lake_attach, lake_cancel, lake_detach, lake_keychain_extend, lake_keychain_free, lake_keychain_new,
-    lake_load_costs, lake_lookup, lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails,
-    lake_register_host_memory, lake_slot_space, lake_submit_load, lake_submit_save,
+    lake_attach, lake_cancel, lake_compute_cost, lake_detach, lake_keychain_extend, lake_keychain_free,
+    lake_keychain_new, lake_load_costs, lake_lookup, lake_namespace_free, lake_namespace_new, lake_push,
+    lake_push_rails, lake_register_host_memory, lake_report_prefill, lake_slot_space, lake_submit_load,
+    lake_submit_save,
 };
 use lake::route::{
     LAKE_COST_MEASURED, LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_ROLE_DECODE,
@@ -397,6 +398,45 @@ fn the_router_reads_this_nodes_hits_from_its_mirror() {
     let (status, plan, _) = ask(&[1], &[measured(1), node(1, 0)], 0, size);
     ok(status, "route, cheap compute");
     assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (0, 8), "{plan:?}");
+    // The compute cost measured too, as the engine reports its prefills.
+    let compute = || {
+        let mut ns = u64::MAX;
+        // SAFETY: a writable out.
+        ok(unsafe { lake_compute_cost(p, &raw mut ns) }, "compute cost");
+        ns
+    };
+    assert_eq!(compute(), 0, "no prefill reported");
+    let both = LakeNodeLoad { compute_ns_per_block: LAKE_COST_MEASURED, ..measured(0) };
+    let (status, plan, _) = ask(&[1], &[both, node(1, 0)], 0, size);
+    ok(status, "route, compute unmeasured");
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (6, 2), "unreported compute is dearer than a load: {plan:?}");
+    // SAFETY: a pool handle.
+    ok(unsafe { lake_report_prefill(p, 8, 4_000_000_000) }, "a slow prefill");
+    assert_eq!(compute(), 500_000_000);
+    let (status, plan, _) = ask(&[1], &[both, node(1, 0)], 0, size);
+    ok(status, "route, slow compute measured");
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (6, 2), "{plan:?}");
+    // Prefills turn fast (1 ns a block): the average follows, and
+    // recomputing wins.
+    for _ in 0..200 {
+        // SAFETY: a pool handle.
+        ok(unsafe { lake_report_prefill(p, 8, 8) }, "a fast prefill");
+    }
+    assert!(compute() < 10, "{} ns a block", compute());
+    let (status, plan, _) = ask(&[1], &[both, node(1, 0)], 0, size);
+    ok(status, "route, fast compute measured");
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (0, 8), "{plan:?}");
+    // Bad reports and questions, refused by name.
+    // SAFETY: a pool handle.
+    assert_eq!(unsafe { lake_report_prefill(p, 0, 5) }, LakeStatus::LakeInvalidArgument);
+    // SAFETY: as above.
+    assert_eq!(unsafe { lake_report_prefill(p, 5, 0) }, LakeStatus::LakeInvalidArgument);
+    // SAFETY: a pool handle; a null out, refused.
+    assert_eq!(unsafe { lake_compute_cost(p, core::ptr::null_mut()) }, LakeStatus::LakeNullArgument);
+    // SAFETY: a null pool, refused.
+    assert_eq!(unsafe { lake_report_prefill(core::ptr::null(), 1, 1) }, LakeStatus::LakeNullArgument);
+    let elsewhere = LakeNodeLoad { compute_ns_per_block: LAKE_COST_MEASURED, ..node(1, 0) };
+    assert_eq!(ask(&[], &[node(0, 0), elsewhere], 0, size).0, LakeStatus::LakeInvalidArgument);
     // Bad questions, refused by name; no node left is `LAKE_UNAVAILABLE`.
     assert_eq!(ask(&[0, 1], &loads, 0, size).0, LakeStatus::LakeUnavailable);
     assert_eq!(ask(&[], &loads, 7, size).0, LakeStatus::LakeInvalidArgument);

@@ -266,6 +266,8 @@ def _library():
         "lake_push_rails": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_route": ([p, p, p, p, sz], ctypes.c_int),
         "lake_load_costs": ([p, ctypes.POINTER(u64), sz], ctypes.c_int),
+        "lake_report_prefill": ([p, u64, u64], ctypes.c_int),
+        "lake_compute_cost": ([p, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_cancel": ([p, u64], ctypes.c_int),
         "lake_poll": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_stats": ([p, p], ctypes.c_int),
@@ -1051,6 +1053,20 @@ class Pool:
         costs = (ctypes.c_uint64 * 4)()
         _check(_library().lake_load_costs(self._h(), costs, 4))
         return list(costs)
+
+    def report_prefill(self, blocks: int, elapsed_ns: int) -> None:
+        """The engine computed ``blocks`` blocks of a prompt in ``elapsed_ns``:
+        folded into what computing a block costs it (``compute_cost``), which
+        ``route`` takes for this node where its ``compute_ns_per_block`` says
+        ``COST_MEASURED``. Both must be at least 1."""
+        _check(_library().lake_report_prefill(self._h(), int(blocks), int(elapsed_ns)))
+
+    def compute_cost(self) -> int:
+        """What computing one block costs this engine as it reported its
+        prefills, in ns (0: none reported yet)."""
+        out = ctypes.c_uint64()
+        _check(_library().lake_compute_cost(self._h(), ctypes.byref(out)))
+        return out.value
 
     def stats(self) -> dict:
         stats = _Stats()

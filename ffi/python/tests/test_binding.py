@@ -534,3 +534,10 @@ def test_route_places_a_request_by_its_hits_and_routes_around_a_failed_node(pool
         assert pool.load_costs() == [0, 0, 0, 0]
         live = dict(node(0, 0), load_ns_per_block=[0] + [lake.COST_MEASURED] * 3)
         assert pool.route(keys, [live])["hit_blocks"] == 0
+        # The engine's own compute cost, as it reports its prefills.
+        assert pool.compute_cost() == 0
+        pool.report_prefill(4, 8_000_000)
+        assert pool.compute_cost() == 2_000_000
+        with pytest.raises(lake.LakeError) as error:
+            pool.report_prefill(0, 1)
+        assert error.value.name == "LAKE_INVALID_ARGUMENT"
