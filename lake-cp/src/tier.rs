@@ -293,6 +293,9 @@ pub struct TierCounters {
     pub admission_refused: u64,
     /// Victims passed over because a lease held them.
     pub leased_kept: u64,
+    /// Victims passed over because a copy of them (to L3, to another
+    /// node) was in flight.
+    pub copying_kept: u64,
     /// Commands that failed or timed out (their blocks went back).
     pub failed: u64,
     /// Evictions reported for a block no space knew (not counted off).
@@ -1296,13 +1299,21 @@ impl Tiers {
         now_ns: u64,
         out: &mut Vec<TierCommand>,
     ) -> bool {
-        let pending_of = &self.pending_of;
-        let mut kept = 0;
+        let (pending_of, pending) = (&self.pending_of, &self.pending);
+        let (mut kept, mut copying) = (0, 0);
         let Some(space) = self.spaces.get_mut(&(tier, namespace)) else { return false };
         let verdict = |key: &BlockKey| {
             let Some(replica) = locations.ready(key).find(|r| r.tier == tier) else { return Verdict::Gone };
-            if pending_of.contains_key(&(*key, replica.region.0)) {
-                return Verdict::Gone; // already on its way out
+            match pending_of.get(&(*key, replica.region.0)).and_then(|request| pending.get(request)) {
+                // Already on its way out (moved or dropped).
+                Some(command) if command.frees => return Verdict::Gone,
+                // Being copied (to L3, to another node): it stays in this
+                // tier, so it stays in its cache; another victim this time.
+                Some(_) => {
+                    copying += 1;
+                    return Verdict::Keep;
+                }
+                None => {}
             }
             if leases.is_held(key, replica.region.0) {
                 kept += 1;
@@ -1312,6 +1323,7 @@ impl Tiers {
         };
         let victim = space.cache.take_victim(64, verdict);
         self.counters.leased_kept += kept;
+        self.counters.copying_kept += copying;
         let Some(key) = victim else { return false };
         let Some(source) = locations.ready(&key).find(|r| r.tier == tier) else { return false };
         let pending = self.leaving(locations, key, (namespace, tier), source.region.0, now_ns);
@@ -1583,8 +1595,15 @@ mod tests {
                     self.locations.remove(&evict.key, evict.replica.region).unwrap();
                     self.tiers.removed(evict.replica.region, &evict.key);
                 }
-                // The tier manager plans no copies to other nodes.
-                TierAction::Copy(_) => unreachable!("a tier plan holds no copy"),
+                // Copies it plans are eager write-backs to L3 (region 9).
+                TierAction::Copy(transfer) => {
+                    self.next_slot += 1;
+                    let target = transfer.target.region;
+                    self.locations
+                        .adopt(None, transfer.key, ObjectKind::KvBlock, target, 5, self.next_slot, 1)
+                        .unwrap();
+                    self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true);
+                }
                 TierAction::Drain(_) => {}
             }
             self.tiers.done(command.request, true);
@@ -1601,6 +1620,45 @@ mod tests {
                 TierAction::Drain(d) => (u8::try_from(d.region).unwrap_or(u8::MAX), "drain"),
             })
             .collect()
+    }
+
+    /// Found by issue [9]'s eager write-back over a 16-slot L1 (a stall
+    /// about one run in 13): an L1 victim whose copy to L3 was in flight
+    /// was taken for one on its way out and dropped from L1's cache while
+    /// it stayed in L1; once every block there was so, nothing in L1 could
+    /// be evicted again and saves stopped.
+    #[test]
+    fn a_victim_being_copied_stays_in_its_tiers_cache_and_goes_once_copied() {
+        let config = TierConfig {
+            high_percent: 80,
+            low_percent: 50,
+            policy: PolicyKind::Lru,
+            l3_write_back: L3WriteBack::Eager,
+            ..TierConfig::default()
+        };
+        let mut world = World::new(config);
+        world.locations.register_region(9, Tier::L3Object, NodeId(0), 5).unwrap();
+        world.tiers.register(9, Tier::L3Object, 0, 5, SLOT, 100);
+        for k in 1..=9 {
+            world.add(0, 7, None, k);
+        }
+        // L1 is over its mark, but every block's copy to L3 is asked first:
+        // none may go while it is read, and none is forgotten.
+        let commands = world.plan();
+        assert_eq!(commands.len(), 9, "{:?}", keys_of(&commands));
+        assert!(commands.iter().all(|c| matches!(c.action, TierAction::Copy(_))));
+        assert!(world.tiers.counters.copying_kept > 0);
+        assert!(
+            (1..=9).all(|k| world.tiers.tracked(&key(k)).iter().any(|&(t, _, _)| t == Tier::L1Dram)),
+            "a block being copied left L1's cache"
+        );
+        for command in &commands {
+            world.carry_out(command);
+        }
+        // Copied: the coldest now leave L1 down to its low mark (demoted:
+        // L2 has room; the block passed over first counts as touched).
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands), vec![(2, "move"), (3, "move"), (4, "move"), (5, "move")]);
     }
 
     #[test]

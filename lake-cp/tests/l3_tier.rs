@@ -423,12 +423,25 @@ fn l3_past_its_catalog_deletes_the_coldest_objects_in_batches() {
 /// holds it too takes the place of its L2 copy).
 #[test]
 fn eager_write_back_over_a_small_l1_never_stalls_or_loses_a_report() {
-    let base = std::env::temp_dir().join(format!("lake-cp-l3-small-{}", std::process::id()));
+    eager_write_back_over(24, true);
+}
+
+/// With 16 L1 slots every block in L1 is often being copied at once (the
+/// stall this found: docs/controlplane.md, "Three replicas"). A command
+/// the data plane refuses there under that churn is retried, so only
+/// stalls, losses and refused reports fail it.
+#[test]
+fn eager_write_back_over_sixteen_l1_slots_never_stalls_or_loses_a_block() {
+    eager_write_back_over(16, false);
+}
+
+fn eager_write_back_over(l1_slots: u32, no_command_fails: bool) {
+    let base = std::env::temp_dir().join(format!("lake-cp-l3-small-{}-{l1_slots}", std::process::id()));
     let _ = std::fs::remove_dir_all(&base);
     let l3 = base.join("l3");
     let _scratch = Scratch(base.clone(), Vec::new());
     let mut pool = EmbeddedPool::start(&EmbeddedConfig {
-        l1_slots: 24,
+        l1_slots,
         l2_slots_per_file: 8,
         local_agents: 1,
         remote_agents: 0,
@@ -478,5 +491,12 @@ fn eager_write_back_over_a_small_l1_never_stalls_or_loses_a_report() {
     drop(agent);
     let (_, server) = pool.stop().unwrap();
     assert_eq!(server.counters.refused, 0, "reports refused: {:?}", server.counters);
-    assert_eq!(server.node().tiers.counters.failed, 0, "{:?}", server.node().tiers.counters);
+    let tiers = server.node().tiers.counters;
+    println!(
+        "{l1_slots} L1 slots: {} commands failed and retried, {} victims passed over while copied",
+        tiers.failed, tiers.copying_kept
+    );
+    if no_command_fails {
+        assert_eq!(tiers.failed, 0, "{tiers:?}");
+    }
 }
