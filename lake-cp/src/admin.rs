@@ -212,6 +212,15 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
             "tenant_quota_evictions": t.tenant_quota_evictions,
             "drain_moves": t.drain_moves,
             "drain_drops": t.drain_drops,
+            // Why the failed ones failed.
+            "refused": lake_dp::wire::message::ErrorCode::ALL
+                .iter()
+                .filter(|&&code| t.refused[code as usize] > 0)
+                .map(|&code| (code.name().to_owned(), json!(t.refused[code as usize])))
+                .collect::<serde_json::Map<String, Value>>(),
+            "timed_out": t.timed_out,
+            "link_lost": t.link_lost,
+            "unrouted": t.unrouted,
         },
         "purging": node.tiers.purging().iter().map(|&n| namespace_text(n)).collect::<Vec<_>>(),
         "drains": drains(node),

@@ -260,6 +260,26 @@ fn tier_metrics(out: &mut String, node: &Node) {
         "Tier commands that failed or timed out.",
         &[("", t.failed)],
     );
+    let mut why: Vec<(String, u64)> = lake_dp::wire::message::ErrorCode::ALL
+        .iter()
+        .map(|&code| (format!("why=\"refused_{}\"", code.name()), t.refused[code as usize]))
+        .filter(|&(_, n)| n > 0)
+        .collect();
+    if t.refused[0] > 0 {
+        why.push(("why=\"refused_unknown\"".to_owned(), t.refused[0]));
+    }
+    why.extend([
+        ("why=\"timed_out\"".to_owned(), t.timed_out),
+        ("why=\"link_lost\"".to_owned(), t.link_lost),
+        ("why=\"unrouted\"".to_owned(), t.unrouted),
+    ]);
+    metric(
+        out,
+        "lake_tier_commands_failures_total",
+        "counter",
+        "Tier commands that failed, by why: refused by the data plane (by error code), timed out, in flight when its link closed, never sent.",
+        &borrowed(&why),
+    );
     let tenants = node.tiers.tenant_usage();
     let tier_name = |t: Tier| match t {
         Tier::L0Hbm => "l0",

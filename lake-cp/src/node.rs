@@ -351,8 +351,10 @@ impl Node {
                     } else {
                         self.copies_failed += 1;
                     }
+                } else if done.status == 0 {
+                    self.tiers.done(request, true);
                 } else {
-                    self.tiers.done(request, done.status == 0);
+                    self.tiers.refused(request, done.status);
                 }
                 Ok(())
             }

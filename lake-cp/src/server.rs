@@ -527,7 +527,7 @@ impl Server {
                 .iter_mut()
                 .find(|(_, p)| p.session.role == Some(Role::DataPlane) && p.session.regions.contains(&command.region));
             let Some((&token, peer)) = peer.and_then(|(t, p)| p.session.version().map(|_| (t, p))) else {
-                self.node.tiers.done(command.request, false);
+                self.node.tiers.unrouted(command.request);
                 continue;
             };
             let version = peer.session.version().unwrap_or(HELLO_WIRE_VERSION);
@@ -539,7 +539,7 @@ impl Server {
                 // on the kind: it is told nothing, and the drain fails.
                 TierAction::Drain(_) if !peer.session.takes(lake_dp::wire::FEATURE_DRAIN) => {
                     self.node.tiers.drain_refused(command.region, "its lake-dp does not drain (an older build)");
-                    self.node.tiers.done(command.request, false);
+                    self.node.tiers.unrouted(command.request);
                     continue;
                 }
                 TierAction::Drain(drain) => Message::DrainRegion(drain),
@@ -551,7 +551,7 @@ impl Server {
                 Ok(len) => peer.output.truncate(start + len),
                 Err(_) => {
                     peer.output.truncate(start);
-                    self.node.tiers.done(command.request, false);
+                    self.node.tiers.unrouted(command.request);
                     continue;
                 }
             }

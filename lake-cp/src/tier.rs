@@ -296,8 +296,19 @@ pub struct TierCounters {
     /// Victims passed over because a copy of them (to L3, to another
     /// node) was in flight.
     pub copying_kept: u64,
-    /// Commands that failed or timed out (their blocks went back).
+    /// Commands that failed or timed out (their blocks went back): the
+    /// sum of the four below.
     pub failed: u64,
+    /// Of those, refused by the data plane, by error code (index: the
+    /// code; 0: an unknown one).
+    pub refused: [u64; 16],
+    /// Of those, not answered within [`PENDING_TIMEOUT_NS`].
+    pub timed_out: u64,
+    /// Of those, in flight when their data plane's link closed.
+    pub link_lost: u64,
+    /// Of those, never sent: no data plane holds the region, or it cannot
+    /// take the command (an older build).
+    pub unrouted: u64,
     /// Evictions reported for a block no space knew (not counted off).
     pub unattributed: u64,
     /// Second copies of a block in one region, evicted.
@@ -686,6 +697,29 @@ impl Tiers {
         }
     }
 
+    /// The data plane refused command `request` with `code` (an
+    /// `ErrorCode`): counted by code, then as [`Tiers::done`] failed.
+    pub fn refused(&mut self, request: u64, code: u32) {
+        if self.is_known(request) {
+            let index = usize::try_from(code).ok().filter(|&c| c < self.counters.refused.len()).unwrap_or(0);
+            self.counters.refused[index] += 1;
+        }
+        self.done(request, false);
+    }
+
+    /// Command `request` was never sent (see [`TierCounters::unrouted`]).
+    pub fn unrouted(&mut self, request: u64) {
+        if self.is_known(request) {
+            self.counters.unrouted += 1;
+        }
+        self.done(request, false);
+    }
+
+    /// Whether `request` is a command in flight whose failure counts.
+    fn is_known(&self, request: u64) -> bool {
+        self.pending.contains_key(&request)
+    }
+
     /// The data plane answered command `request` (`ok`: it did it).
     pub fn done(&mut self, request: u64, ok: bool) {
         if let Some(drain) = self.drains.values_mut().find(|d| d.asking == Some(request)) {
@@ -721,6 +755,7 @@ impl Tiers {
             self.pending.iter().filter(|(_, p)| regions.contains(&p.region)).map(|(&request, _)| request).collect();
         for request in gone {
             self.counters.failed += 1;
+            self.counters.link_lost += 1;
             self.forget(request);
         }
     }
@@ -1166,6 +1201,7 @@ impl Tiers {
             self.pending.iter().filter(|(_, p)| p.deadline_ns < now_ns).map(|(&request, _)| request).collect();
         for request in late {
             self.counters.failed += 1;
+            self.counters.timed_out += 1;
             self.forget(request);
         }
         let start = out.len();
@@ -1659,6 +1695,28 @@ mod tests {
         // L2 has room; the block passed over first counts as touched).
         let commands = world.plan();
         assert_eq!(keys_of(&commands), vec![(2, "move"), (3, "move"), (4, "move"), (5, "move")]);
+    }
+
+    #[test]
+    fn failed_commands_are_counted_by_why() {
+        let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        for k in 1..=9 {
+            world.add(0, 7, None, k);
+        }
+        let commands = world.plan();
+        assert_eq!(commands.len(), 4);
+        let code = lake_dp::wire::message::ErrorCode::NoSpace as u32;
+        world.tiers.refused(commands[0].request, code);
+        world.tiers.refused(commands[1].request, 99);
+        world.tiers.unrouted(commands[2].request);
+        world.tiers.lost_regions(&[0]);
+        // Answered twice: counted once.
+        world.tiers.refused(commands[0].request, code);
+        let c = world.tiers.counters;
+        assert_eq!((c.refused[code as usize], c.refused[0], c.unrouted, c.link_lost), (1, 1, 1, 1), "{c:?}");
+        assert_eq!(c.failed, 4);
+        assert_eq!(c.failed, c.refused.iter().sum::<u64>() + c.unrouted + c.link_lost + c.timed_out);
     }
 
     #[test]

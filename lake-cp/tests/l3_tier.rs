@@ -493,8 +493,9 @@ fn eager_write_back_over(l1_slots: u32, no_command_fails: bool) {
     assert_eq!(server.counters.refused, 0, "reports refused: {:?}", server.counters);
     let tiers = server.node().tiers.counters;
     println!(
-        "{l1_slots} L1 slots: {} commands failed and retried, {} victims passed over while copied",
-        tiers.failed, tiers.copying_kept
+        "{l1_slots} L1 slots: {} commands failed and retried (refused by code {:?}, {} timed out, {} link lost, \
+         {} unrouted), {} victims passed over while copied",
+        tiers.failed, tiers.refused, tiers.timed_out, tiers.link_lost, tiers.unrouted, tiers.copying_kept
     );
     if no_command_fails {
         assert_eq!(tiers.failed, 0, "{tiers:?}");

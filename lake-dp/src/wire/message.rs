@@ -208,6 +208,44 @@ impl ErrorCode {
             _ => return None,
         })
     }
+
+    /// Every code, in code order.
+    pub const ALL: [Self; 14] = [
+        Self::BadFrame,
+        Self::VersionMismatch,
+        Self::StaleTerm,
+        Self::StaleEpoch,
+        Self::StaleGeneration,
+        Self::NoSuchBlock,
+        Self::NoSpace,
+        Self::QueueFull,
+        Self::Cancelled,
+        Self::DeadlineExceeded,
+        Self::Io,
+        Self::Checksum,
+        Self::Unauthorized,
+        Self::Internal,
+    ];
+
+    /// Its name in metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::BadFrame => "bad_frame",
+            Self::VersionMismatch => "version_mismatch",
+            Self::StaleTerm => "stale_term",
+            Self::StaleEpoch => "stale_epoch",
+            Self::StaleGeneration => "stale_generation",
+            Self::NoSuchBlock => "no_such_block",
+            Self::NoSpace => "no_space",
+            Self::QueueFull => "queue_full",
+            Self::Cancelled => "cancelled",
+            Self::DeadlineExceeded => "deadline_exceeded",
+            Self::Io => "io",
+            Self::Checksum => "checksum",
+            Self::Unauthorized => "unauthorized",
+            Self::Internal => "internal",
+        }
+    }
 }
 
 /// Why a replica went away.
