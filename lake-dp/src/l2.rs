@@ -878,6 +878,11 @@ impl L2Slots {
         Ok(())
     }
 
+    /// Uses every file again (a new control plane holds no drain yet).
+    pub fn undrain_all(&mut self) {
+        self.draining.iter_mut().for_each(|d| *d = false);
+    }
+
     /// Whether `file` is being drained.
     pub fn is_draining(&self, file: u16) -> bool {
         self.draining.get(usize::from(file)).copied().unwrap_or(false)

@@ -302,3 +302,30 @@ fn slots_are_rebuilt_from_readoption() {
     assert_eq!(granted, 2 * SLOTS - 3);
     assert_eq!(slots.bytes_in_use(), u64::from(2 * SLOTS) * SLOT_BYTES);
 }
+
+#[test]
+fn a_draining_file_gets_no_new_object_until_it_is_used_again() {
+    use lake_dp::l2::{L2SlotError, L2Slots};
+
+    let dir = TempDir::new("draining");
+    let config = dir.config(2);
+    format(&config).unwrap();
+    let tier = L2Tier::open(&config).unwrap();
+    let found = tier.readopt(8).unwrap();
+    let mut slots = L2Slots::from_readoption(tier.geometry(), &found);
+    assert_eq!(slots.set_draining(2, true), Err(L2SlotError::OutOfRange));
+    slots.set_draining(0, true).unwrap();
+    assert!(slots.is_draining(0) && !slots.is_draining(1));
+    // Every grant is in file 1 while file 0 drains; a move off file 1
+    // finds nowhere to go.
+    for _ in 0..SLOTS {
+        assert_eq!(slots.allocate().unwrap().slot.file, 1);
+    }
+    assert!(slots.allocate().is_none(), "file 0's free slots are not handed out");
+    assert!(slots.allocate_avoiding(Some(1)).is_none());
+    assert_eq!(slots.in_use_in(0), 0);
+    assert_eq!(slots.in_use_in(1), u64::from(SLOTS));
+    // A control plane linked anew holds no drain: file 0 is written again.
+    slots.undrain_all();
+    assert_eq!(slots.allocate_avoiding(Some(1)).unwrap().slot.file, 0);
+}

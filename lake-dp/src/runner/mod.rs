@@ -1283,6 +1283,10 @@ pub fn run_with(
                     new.readopted(&record);
                     let _ = new.pump();
                 });
+                // Drains are the control plane's: one that took over (or
+                // restarted) asks again for those it holds; until then
+                // every file is written to, as its capacity counts them.
+                l2_slots.undrain_all();
             });
         }
         let end = clock.now_ns();
