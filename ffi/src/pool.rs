@@ -2430,11 +2430,10 @@ pub unsafe extern "C" fn lake_report_prefill(pool: *const LakePool, blocks: u64,
                 ));
             }
             let per_block = std::time::Duration::from_nanos((elapsed_ns / blocks).max(1));
-            let folded = pool.compute_ns_per_block.fetch_update(Ordering::AcqRel, Ordering::Acquire, |average| {
+            // The closure always answers Some: the update cannot fail.
+            let _ = pool.compute_ns_per_block.fetch_update(Ordering::AcqRel, Ordering::Acquire, |average| {
                 Some(lake_dp::agent::fold_load_cost(average, per_block))
             });
-            // The closure always answers: the update cannot fail.
-            let _ = folded;
             Ok(())
         })())
     })

@@ -16,7 +16,7 @@
 //! | `{"op":"namespaces"}` | every namespace holding bytes, by tier, and whether it is being purged |
 //! | `{"op":"purge","namespace":"<16 hex>"}` | starts dropping every replica of the namespace from every tier ([`crate::tier::Tiers::purge`]) |
 //! | `{"op":"regions"}` | every registered region: id, tier, node, name (an L2 file's path), bytes, blocks, capacity, draining |
-//! | `{"op":"drain","region":N}` or `{"op":"drain","name":"<path>"}`, with `"undo":true` to end it | starts (or ends) draining an L2 file ([`crate::tier::Tiers::drain`]); answers every drain and how far it is |
+//! | `{"op":"drain","region":N}` or `{"op":"drain","name":"<path>"}`, with `"undo":true` to end it | starts (or ends) draining an L2 file ([`crate::tier::Tiers::drain`]); answers the region's id and every drain and how far it is |
 //! | `{"op":"drains"}` | every drain and how far it is |
 //!
 //! Pins are not here: an L1 pin is a count in the arena's shared memory,
@@ -120,9 +120,9 @@ pub fn respond(node: &mut Node, server: &ServerCounters, peers: usize, line: &[u
                 _ => Err("drain: give \"region\" (its id) or \"name\" (its path), one of them".to_owned()),
             };
             let undo = request.get("undo").and_then(Value::as_bool).unwrap_or(false);
-            let done = region.and_then(|r| if undo { node.tiers.undrain(r) } else { node.tiers.drain(r) });
+            let done = region.and_then(|r| if undo { node.tiers.undrain(r) } else { node.tiers.drain(r) }.map(|()| r));
             match done {
-                Ok(()) => json!({ "drains": drains(node) }),
+                Ok(region) => json!({ "region": region, "drains": drains(node) }),
                 Err(why) => error(why),
             }
         }

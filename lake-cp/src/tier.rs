@@ -1054,7 +1054,6 @@ impl Tiers {
                         // L3 alone holds it after this: it leaves L2.
                         space.cache.remove(&key);
                     }
-                    self.counters.drain_drops += 1;
                     TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
                 } else {
                     let target = self
@@ -1075,15 +1074,17 @@ impl Tiers {
                         queue.push(key);
                         break;
                     }
-                    self.counters.drain_moves += 1;
                     let target = l2_target(target_region, &target_info);
                     TierAction::Move(transfer(&source, target, key, Priority::Demotion))
                 };
                 if let Some(drain) = self.drains.get_mut(&region) {
-                    match action {
-                        TierAction::Move(_) => drain.moved += 1,
-                        _ => drain.dropped += 1,
-                    }
+                    let (total, this) = if matches!(action, TierAction::Move(_)) {
+                        (&mut self.counters.drain_moves, &mut drain.moved)
+                    } else {
+                        (&mut self.counters.drain_drops, &mut drain.dropped)
+                    };
+                    *total += 1;
+                    *this += 1;
                 }
                 self.ask(pending, action, out);
                 asked += 1;

@@ -1109,24 +1109,13 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
             };
             request["undo"] = json!(undo);
             let answer = ask_admin(&admin, &request)?;
-            let region = match which.parse::<u64>() {
-                Ok(region) => region,
-                Err(_) => ask_admin(&admin, &json!({ "op": "regions" }))?["regions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .find(|r| r["name"] == which.as_str())
-                    .and_then(|r| r["region"].as_u64())
-                    .ok_or_else(|| format!("no region is named {which}"))?,
-            };
+            // The region it named, by id (a file's path resolved there).
+            let region = answer["region"].as_u64().ok_or_else(|| format!("unexpected answer: {answer}"))?;
             if undo {
                 println!("{{\"event\":\"undrained\",\"region\":{region}}}");
                 return Ok(());
             }
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_s);
-            if answer["drains"].as_array().is_none() {
-                return Err(format!("unexpected answer: {answer}"));
-            }
             loop {
                 let drains = ask_admin(&admin, &json!({ "op": "drains" }))?["drains"].clone();
                 let this = drains.as_array().into_iter().flatten().find(|d| d["region"] == region).cloned();

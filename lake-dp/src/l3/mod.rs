@@ -260,6 +260,11 @@ const STARTED: u8 = 1;
 /// Cancelled before a worker took it: it ends [`L3Error::Cancelled`].
 const CANCELLED: u8 = 2;
 
+/// The claim word of request `id` (none past the queue's depth).
+fn claim(claims: &[AtomicU8], id: u64) -> Option<&AtomicU8> {
+    usize::try_from(id).ok().and_then(|i| claims.get(i))
+}
+
 impl L3Client {
     /// Starts `config.workers` threads, each with a store from
     /// `make_store`, naming objects under `prefix`.
@@ -303,8 +308,7 @@ impl L3Client {
                         // One worker takes the next request; the others wait.
                         let next = queue.lock().map_err(|_| ()).and_then(|rx| rx.recv().map_err(|_| ()));
                         let Ok((id, request)) = next else { return };
-                        let claim = usize::try_from(id).ok().and_then(|i| claims.get(i));
-                        let cancelled = claim.is_some_and(|c| {
+                        let cancelled = claim(&claims, id).is_some_and(|c| {
                             c.compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire) == Err(CANCELLED)
                         });
                         let result = if cancelled {
@@ -332,8 +336,8 @@ impl L3Client {
     /// and completes as it would have). Only ids below the queue's depth
     /// can be cancelled.
     pub fn cancel(&self, id: u64) -> bool {
-        let Some(claim) = usize::try_from(id).ok().and_then(|i| self.claims.get(i)) else { return false };
-        claim.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        claim(&self.claims, id)
+            .is_some_and(|c| c.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_ok())
     }
 
     /// Queues `request` as `id`; a full queue hands it back.
@@ -345,7 +349,7 @@ impl L3Client {
     /// until its completion has been returned by [`L3Client::poll`].
     pub unsafe fn submit(&mut self, id: u64, request: L3Request) -> Result<(), (u64, L3Request)> {
         let Some(requests) = &self.requests else { return Err((id, request)) };
-        if let Some(claim) = usize::try_from(id).ok().and_then(|i| self.claims.get(i)) {
+        if let Some(claim) = claim(&self.claims, id) {
             // The id's previous request has completed (ids are reused
             // only then): this one starts queued.
             claim.store(QUEUED, Ordering::Release);

@@ -114,11 +114,6 @@ impl TenantRates {
     pub fn waits(&self) -> impl Iterator<Item = (&str, [u64; 4])> {
         self.names.iter().map(String::as_str).zip(self.waits.iter().copied())
     }
-
-    /// Waits of every tenant on `path`.
-    pub fn total_waits(&self, path: RatePath) -> u64 {
-        self.waits.iter().map(|w| w[path as usize]).sum()
-    }
 }
 
 #[cfg(test)]

@@ -367,11 +367,6 @@ impl Pool {
         self.rates = rates;
     }
 
-    /// The tenants' caps and how often each waited.
-    pub fn rates(&self) -> &crate::runner::rates::TenantRates {
-        &self.rates
-    }
-
     /// Whether `request` may start now under its tenant's caps (only loads
     /// are capped here; their bytes are taken from the bucket when so).
     fn admitted(&mut self, request: &AgentRequest, now_ns: u64) -> bool {
@@ -1145,15 +1140,8 @@ impl Pool {
                 }
             }
             CpCommand::Drain { request, drain } => {
-                let target = ReplicaWire {
-                    tier: Tier::L2Nvme as u8,
-                    reserved: 0,
-                    region: drain.region,
-                    node: self.node,
-                    region_epoch: self.epoch,
-                    slot: SLOT_ANY,
-                    generation: 0,
-                };
+                let (_, target) = command.request_and_target();
+                let target = ReplicaWire { node: self.node, region_epoch: self.epoch, ..target };
                 (request, target, self.drain(&drain, parts))
             }
             CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer } => {
@@ -1299,21 +1287,9 @@ impl Pool {
                     fail(self, ErrorCode::QueueFull, parts);
                 }
             }
-            (Command::Write(write), outcome) => {
+            (Command::Write(_), Err(e)) => fail(self, op_code(e), parts),
+            (Command::Write(write), Ok(done)) => {
                 self.release_l1(stage, parts.table);
-                let Ok(done) = outcome else {
-                    let _ = parts.l2.release(target.slot);
-                    self.stats.commands_failed += 1;
-                    let status = outcome.err().map_or(ErrorCode::Io, op_code) as u32;
-                    let target = ReplicaWire {
-                        slot: SLOT_ANY,
-                        ..crate::runner::l2_replica(&self.geometry, node, epoch, target.slot, 0)
-                    };
-                    if let Some(cp) = parts.link.as_mut() {
-                        cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes: 0 });
-                    }
-                    return;
-                };
                 self.l2_written(target.slot, &write.meta);
                 let record = crate::runner::l2_record(&self.geometry, node, epoch, target.slot, &write.meta);
                 // The source goes if it still holds what was moved (a purge
