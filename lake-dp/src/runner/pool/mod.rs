@@ -372,6 +372,7 @@ impl Pool {
     fn admitted(&mut self, request: &AgentRequest, now_ns: u64) -> bool {
         use crate::runner::rates::RatePath;
         if self.rates.is_empty() {
+            // Not even the object's header looked up.
             return true;
         }
         let AgentRequest::Load { source, .. } = request else { return true };
