@@ -10,7 +10,7 @@ use lake_dp::agent::Agent;
 use lake_dp::agent::push::{PushError, Pusher};
 use lake_dp::mirror::MirrorEntry;
 use lake_dp::transport::tcp::{PeerId, Rail, TcpConfig, TcpTransport};
-use lake_dp::transport::{Completion, TransferError};
+use lake_dp::transport::{Completion, Links, TransferError};
 
 use crate::status::LakeStatus;
 
@@ -50,7 +50,7 @@ pub(crate) struct PushJob {
 /// The agent thread's pushes: made on the first, kept for the pool's life.
 #[derive(Default)]
 pub(crate) struct Pushes {
-    pusher: Option<Pusher>,
+    pusher: Option<Pusher<Box<dyn Links>>>,
     /// Peers by their rails' text, in the order first pushed to.
     peers: Vec<(String, PeerId)>,
     /// Transfer → (request, block index).
@@ -75,15 +75,7 @@ fn authenticated(mut transport: TcpTransport) -> Option<TcpTransport> {
     let loaded = lake_dp::auth::LinkKey::load(std::path::Path::new(&path));
     let key = match loaded {
         Ok(key) => key,
-        Err(e) => {
-            // On the agent's thread, where no caller reads a last error:
-            // said once on stderr, and every push fails `LAKE_UNAVAILABLE`.
-            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                eprintln!("lake: {LINK_KEY_ENV}: {e}; pushes to other pools fail LAKE_UNAVAILABLE");
-            }
-            return None;
-        }
+        Err(e) => return unusable(LINK_KEY_ENV, &e),
     };
     // `LAKE_TAG_THREADS=N` spreads large slices' tags over N threads, as
     // `lake serve --tag-threads` does; a bad value is said and ignored.
@@ -97,6 +89,51 @@ fn authenticated(mut transport: TcpTransport) -> Option<TcpTransport> {
     let node = 1 << 63 | u64::from(std::process::id());
     transport.authenticate(key, node).ok()?;
     Some(transport)
+}
+
+/// The environment variable naming the RDMA device the engine's pushes
+/// offer to peers (`NAME[:PORT[:GID_INDEX]]`, `any`, or `loopback` for
+/// pools in this process), as `lake serve --rdma-device` does for a pool:
+/// each peer's link negotiates RDMA over its TCP connection — the peer
+/// then READs each block from its pinned slot — and falls back to TCP.
+pub(crate) const RDMA_DEVICE_ENV: &str = "LAKE_RDMA_DEVICE";
+
+/// Says once on stderr that `variable` cannot be used (`why`) — on the
+/// agent's thread, where no caller reads a last error — and every push
+/// fails `LAKE_UNAVAILABLE`.
+fn unusable<T>(variable: &str, why: &dyn core::fmt::Display) -> Option<T> {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!("lake: {variable}: {why}; pushes to other pools fail LAKE_UNAVAILABLE");
+    }
+    None
+}
+
+/// The compute network's transport for `agent`'s pushes: TCP (keyed where
+/// [`LINK_KEY_ENV`] names a key), with RDMA in front where
+/// [`RDMA_DEVICE_ENV`] names a device; `None` (said once) if either
+/// cannot be had.
+fn compute_links(agent: &Agent) -> Option<Box<dyn Links>> {
+    let tcp = authenticated(TcpTransport::new(TcpConfig::default(), None).ok()?)?;
+    let device = match std::env::var_os(RDMA_DEVICE_ENV) {
+        None => None,
+        Some(text) => {
+            let parsed = text.to_str().ok_or("not UTF-8".to_string()).and_then(lake_dp::runner::RdmaDevice::parse);
+            match parsed {
+                Ok(device) => Some(device),
+                Err(e) => return unusable(RDMA_DEVICE_ENV, &e),
+            }
+        }
+    };
+    let (base, len) = agent.slot_area();
+    // SAFETY: the agent maps the arena for the pool's life, and the
+    // pusher (this transport's owner) is dropped on the agent's thread
+    // before the agent.
+    let opened = unsafe { lake_dp::transport::rdma::open_links(tcp, device.as_ref(), base, len, agent.arena_epoch()) };
+    match opened {
+        Ok(links) => Some(links),
+        Err(e) => unusable(RDMA_DEVICE_ENV, &e),
+    }
 }
 
 fn status_of(error: &TransferError) -> LakeStatus {
@@ -122,9 +159,7 @@ impl Pushes {
             }
         };
         if self.pusher.is_none() {
-            let made = TcpTransport::new(TcpConfig::default(), None)
-                .ok()
-                .and_then(authenticated)
+            let made = compute_links(agent)
                 .zip(agent.claim_pin_array().ok())
                 .map(|(transport, pins)| Pusher::new(transport, pins, agent.arena_region()));
             let Some(pusher) = made else { return fail_all(ended, LakeStatus::LakeUnavailable) };

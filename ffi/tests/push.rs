@@ -10,93 +10,33 @@
 
 mod common;
 
+use common::pools::{BLOCK, attach, empty_rail, lookup, start};
 use common::{ok, statuses};
 
 use std::ffi::CString;
 use std::time::{Duration, Instant};
 
 use lake::pool::{
-    LakeAttachOptions, LakeBlockKey, LakeLocation, LakeNamespace, LakeNamespaceOptions, LakePool, LakeRailStat,
-    lake_attach, lake_cancel, lake_compute_cost, lake_detach, lake_keychain_extend, lake_keychain_free,
-    lake_keychain_new, lake_load_costs, lake_lookup, lake_namespace_free, lake_namespace_new, lake_push,
-    lake_push_rails, lake_register_host_memory, lake_report_prefill, lake_slot_space, lake_submit_load,
-    lake_submit_save,
+    LakeBlockKey, LakeNamespace, LakeNamespaceOptions, lake_cancel, lake_compute_cost, lake_detach,
+    lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_load_costs, lake_namespace_free,
+    lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory, lake_report_prefill, lake_slot_space,
+    lake_submit_load, lake_submit_save,
 };
 use lake::route::{
     LAKE_COST_MEASURED, LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_ROLE_DECODE,
     LAKE_ROLE_PREFILL, LakeNodeHits, LakeNodeLoad, LakeRouteMove, LakeRoutePlan, LakeRouteRequest, lake_route,
 };
 use lake::status::LakeStatus;
-use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 
-const BLOCK: usize = 64 * 1024;
 const BLOCKS: usize = 10;
-
-fn start(name: &str, listen: Option<std::net::SocketAddr>) -> EmbeddedPool {
-    EmbeddedPool::start(&EmbeddedConfig {
-        block_bytes: BLOCK as u64,
-        l1_slots: 32,
-        l2_slots_per_file: 32,
-        remote_agents: 4,
-        transport_listen: listen,
-        metrics: true,
-        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-ffi-push-{name}-{}", std::process::id())))
-    })
-    .unwrap()
-}
-
-/// An engine attached to `pool` through the C ABI; the strings it points
-/// at live as long as the returned handle's holder keeps them.
-fn attach(pool: &EmbeddedPool, namespace: *mut LakeNamespace, strings: &mut Vec<CString>) -> *mut LakePool {
-    for path in [&pool.dp_socket, &pool.mirror, &pool.cp_socket] {
-        strings.push(CString::new(path.display().to_string()).unwrap());
-    }
-    let n = strings.len();
-    let options = LakeAttachOptions {
-        struct_size: size_of::<LakeAttachOptions>(),
-        dp_socket: strings[n - 3].as_ptr(),
-        mirror_path: strings[n - 2].as_ptr(),
-        cp_socket: strings[n - 1].as_ptr(),
-        name: c"engine".as_ptr(),
-        namespace,
-        layout_fingerprint: 11,
-        segment_bytes: 16 * 1024,
-        pin_agent: 0,
-        agent_core: 0,
-        copy_threads: 0,
-        shard_code: 0,
-        object_kind: 1,
-    };
-    let mut handle: *mut LakePool = core::ptr::null_mut();
-    // SAFETY: valid options; the strings outlive the pool (kept by the caller).
-    ok(unsafe { lake_attach(&raw const options, &raw mut handle) }, "attach");
-    handle
-}
-
-fn lookup(handle: *mut LakePool, keys: &[LakeBlockKey]) -> Vec<LakeLocation> {
-    let mut table = vec![LakeLocation::default(); keys.len()];
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let mut hits = 0;
-        // SAFETY: arrays of their lengths.
-        let status =
-            unsafe { lake_lookup(handle, keys.as_ptr(), keys.len(), table.as_mut_ptr(), keys.len(), &raw mut hits) };
-        ok(status, "lookup");
-        if hits == keys.len() {
-            return table;
-        }
-        assert!(Instant::now() < deadline, "{hits} of {} published", keys.len());
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
 
 #[test]
 fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let decode_address = listener.local_addr().unwrap();
     drop(listener);
-    let prefill = start("prefill", None);
-    let decode = start("decode", Some(decode_address));
+    let prefill = start("prefill", None, None);
+    let decode = start("decode", Some(decode_address), None);
 
     let options = LakeNamespaceOptions {
         struct_size: size_of::<LakeNamespaceOptions>(),
@@ -273,13 +213,9 @@ fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
     drop(prefill.stop());
 }
 
-fn empty_rail() -> LakeRailStat {
-    LakeRailStat { peer: 0, rail: 0, up: 0, reserved: 0, bytes: 0, breaks: 0, address: [0; 64] }
-}
-
 #[test]
 fn the_router_reads_this_nodes_hits_from_its_mirror() {
-    let pool = start("route", None);
+    let pool = start("route", None, None);
     let options = LakeNamespaceOptions {
         struct_size: size_of::<LakeNamespaceOptions>(),
         tenant_key: [3; 32],

@@ -32,3 +32,5 @@ pub(crate) fn statuses(pool: *const LakePool, request: u64, count: usize) -> Vec
     }
     out
 }
+
+pub(crate) mod pools;

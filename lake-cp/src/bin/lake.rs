@@ -13,7 +13,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
        lake serve [--dir DIR] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
                   [--commit-check inline|background|trust] [--transport-listen IP:PORT]
                   [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
-                  [--rdma-device NAME|any[:PORT[:GID_INDEX]]]
+                  [--rdma-device NAME|any[:PORT[:GID_INDEX]]|loopback]
                   [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
                   [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
                   [--l2-admission always|second-access] [--l2-background-depth N]

@@ -15,7 +15,7 @@ use crate::model::replica::{Priority, Tier};
 use crate::stored::decode_header;
 use crate::transport::frame::BlockAddr;
 use crate::transport::tcp::{Outgoing, PeerId, TcpTransport};
-use crate::transport::{ANY_SLOT, Completion, Landing, TransferError};
+use crate::transport::{ANY_SLOT, Completion, Landing, Links, TransferError};
 
 /// Why a block was not sent.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,9 +30,12 @@ pub enum PushError {
     Transport(TransferError),
 }
 
-/// Sends L1 blocks to peers' pools and holds their pins until each lands.
-pub struct Pusher {
-    transport: TcpTransport,
+/// Sends L1 blocks to peers' pools and holds their pins until each lands,
+/// over TCP or over RDMA negotiated on the TCP links ([`Links`]): a peer
+/// READs a block from its pinned slot (the pin is the fence), or takes it
+/// from the socket.
+pub struct Pusher<T: Links = TcpTransport> {
+    transport: T,
     pins: PinArray,
     held: HashMap<u64, Pin>,
     next: u64,
@@ -40,7 +43,7 @@ pub struct Pusher {
     landed: Vec<Completion>,
 }
 
-impl core::fmt::Debug for Pusher {
+impl<T: Links> core::fmt::Debug for Pusher<T> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Pusher").field("held", &self.held.len()).finish_non_exhaustive()
     }
@@ -59,15 +62,16 @@ impl Landing for Sends {
     fn abandoned(&mut self, _: &BlockAddr) {}
 }
 
-impl Pusher {
+impl<T: Links> Pusher<T> {
     /// A pusher over `transport`, pinning through `pins` (a pin array of
-    /// this node's arena, whose region is `arena_region`).
-    pub fn new(transport: TcpTransport, pins: PinArray, arena_region: u16) -> Self {
+    /// this node's arena, whose region is `arena_region`). Over RDMA, the
+    /// transport's memory is this process's mapping of that arena.
+    pub fn new(transport: T, pins: PinArray, arena_region: u16) -> Self {
         Self { transport, pins, held: HashMap::new(), next: 1, arena_region, landed: Vec::new() }
     }
 
     /// The transport (to add peers, read its figures).
-    pub fn transport(&mut self) -> &mut TcpTransport {
+    pub fn transport(&mut self) -> &mut T {
         &mut self.transport
     }
 
@@ -129,8 +133,8 @@ impl Pusher {
     }
 
     /// Cancels `transfer` if none of its bytes went out yet
-    /// ([`TcpTransport::cancel`]): it ends `Cancelled` at the next poll,
-    /// its pin released then.
+    /// ([`Links::cancel`]; over RDMA, not once offered): it ends
+    /// `Cancelled` at the next poll, its pin released then.
     pub fn cancel(&mut self, transfer: u64) -> bool {
         self.transport.cancel(transfer)
     }

@@ -90,43 +90,11 @@ pub struct RunnerPorts {
     pub rdma: Option<RdmaDevice>,
 }
 
-/// An RDMA device as an operator names it: `NAME[:PORT[:GID_INDEX]]`, or
-/// `any` (the first device), port 1 and GID index 0 unless given.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RdmaDevice {
-    /// The device's name (`mlx5_0`); none: the first.
-    pub name: Option<String>,
-    /// Its port.
-    pub port: u8,
-    /// The GID index (RoCE v2 is often 1 or 3).
-    pub gid_index: u8,
-}
-
-impl RdmaDevice {
-    /// Parses `NAME[:PORT[:GID_INDEX]]` or `any[:PORT[:GID_INDEX]]`.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let mut parts = text.split(':');
-        let name = parts.next().filter(|n| !n.is_empty()).ok_or("an RDMA device is NAME[:PORT[:GID_INDEX]]")?;
-        let number = |what: &str, value: Option<&str>, default: u8| {
-            value.map_or(Ok(default), |v| v.parse::<u8>().map_err(|e| format!("RDMA device {what} {v:?}: {e}")))
-        };
-        let port = number("port", parts.next(), 1)?;
-        let gid_index = number("GID index", parts.next(), 0)?;
-        if parts.next().is_some() {
-            return Err(format!("RDMA device {text:?}: NAME[:PORT[:GID_INDEX]]"));
-        }
-        Ok(Self { name: (name != "any").then(|| name.to_owned()), port, gid_index })
-    }
-}
+pub use crate::transport::rdma::RdmaDevice;
 
 /// The node's transport: TCP, or RDMA negotiated over TCP with each peer
 /// where a device is.
-#[allow(clippy::large_enum_variant)] // one per node, made once
-enum NodeTransport {
-    Tcp(crate::transport::tcp::TcpTransport),
-    #[cfg(feature = "rdma")]
-    Rdma(Box<crate::transport::rdma::over_tcp::RdmaOverTcp<crate::transport::rdma::verbs::IbVerbs>>),
-}
+struct NodeTransport(Box<dyn crate::transport::Links>);
 
 impl NodeTransport {
     /// `tcp`, with RDMA in front of it over `device` where one is named;
@@ -137,85 +105,42 @@ impl NodeTransport {
         region: &SlotRegion,
         epoch: u64,
     ) -> Result<Self, RunnerError> {
-        let Some(device) = device else { return Ok(Self::Tcp(tcp)) };
-        #[cfg(feature = "rdma")]
-        {
-            use crate::transport::rdma::over_tcp::{OverTcpConfig, RdmaOverTcp};
-            use crate::transport::rdma::pull::{RdmaConfig, RdmaTransport};
-            use crate::transport::rdma::verbs::{Device, IbVerbs};
-            let fail = |e: &dyn core::fmt::Display| RunnerError(format!("transport.rdma {device:?}: {e}"));
-            let opened = Device::open(device.name.as_deref(), device.port, device.gid_index).map_err(|e| fail(&e))?;
-            let page: u32 = 4096;
-            if !region.len().is_multiple_of(page as usize) {
-                return Err(fail(&"the L1 arena is not a whole number of pages"));
-            }
-            // SAFETY: the region keeps the arena mapped, and the transport
-            // is dropped before it at the end of `run`.
-            let verbs =
-                unsafe { IbVerbs::new(opened, region.base(), region.len(), page, epoch) }.map_err(|e| fail(&e))?;
-            let rdma = RdmaTransport::new(verbs, RdmaConfig::default());
-            Ok(Self::Rdma(Box::new(RdmaOverTcp::new(rdma, tcp, OverTcpConfig::default()))))
-        }
-        #[cfg(not(feature = "rdma"))]
-        {
-            let _ = (tcp, region, epoch);
-            Err(RunnerError(format!("transport.rdma {device:?}: this lake-dp was built without the `rdma` feature")))
-        }
-    }
-
-    fn tcp(&mut self) -> &mut crate::transport::tcp::TcpTransport {
-        match self {
-            Self::Tcp(tcp) => tcp,
-            #[cfg(feature = "rdma")]
-            Self::Rdma(rdma) => rdma.tcp(),
-        }
+        // SAFETY: the region keeps the arena mapped, and the transport is
+        // dropped before it at the end of `run`.
+        let links = unsafe { crate::transport::rdma::open_links(tcp, device, region.base(), region.len(), epoch) };
+        links.map(Self).map_err(|e| RunnerError(format!("transport.rdma: {e}")))
     }
 
     fn tcp_ref(&self) -> &crate::transport::tcp::TcpTransport {
-        match self {
-            Self::Tcp(tcp) => tcp,
-            #[cfg(feature = "rdma")]
-            Self::Rdma(rdma) => rdma.tcp_ref(),
-        }
+        self.0.tcp_ref()
     }
 
     fn add_peer_rails(
         &mut self,
         rails: &[crate::transport::tcp::Rail],
     ) -> Result<crate::transport::PeerId, crate::transport::tcp::TcpError> {
-        match self {
-            Self::Tcp(tcp) => tcp.add_peer_rails(rails),
-            #[cfg(feature = "rdma")]
-            Self::Rdma(rdma) => rdma.add_peer_rails(rails),
-        }
+        self.0.add_peer_rails(rails)
     }
 
     fn transport(&mut self) -> &mut dyn crate::transport::Transport {
-        match self {
-            Self::Tcp(tcp) => tcp,
-            #[cfg(feature = "rdma")]
-            Self::Rdma(rdma) => rdma.as_mut(),
-        }
+        &mut self.0
     }
 
     /// Lines for the operator's log: links refused, RDMA links that came
     /// up or fell back (nothing allocated when there are none).
     fn log(&mut self, out: &mut dyn Write) {
-        for what in self.tcp().take_security_events() {
+        for what in self.0.tcp().take_security_events() {
             let _ = writeln!(out, "{{\"event\":\"link_refused\",\"what\":{what:?}}}");
         }
-        #[cfg(feature = "rdma")]
-        if let Self::Rdma(rdma) = self {
-            for what in rdma.take_events() {
-                let _ = writeln!(out, "{{\"event\":\"rdma_link\",\"what\":{what:?}}}");
-            }
+        for what in self.0.take_rdma_events() {
+            let _ = writeln!(out, "{{\"event\":\"rdma_link\",\"what\":{what:?}}}");
         }
     }
 }
 
 /// What each rail to each peer carried, for the control plane's metrics.
 fn rail_entries(
-    transport: &crate::transport::tcp::TcpTransport,
+    transport: &dyn crate::transport::Links,
     peers: &[(u32, crate::transport::PeerId)],
 ) -> Vec<crate::wire::message::RailEntry> {
     let mut entries = Vec::new();
@@ -315,6 +240,11 @@ pub struct RunnerStats {
     pub pool: pool::PoolStats,
     /// The object store tier's.
     pub l3: pool::L3Stats,
+    /// Blocks peers sent that this node READ over RDMA and landed checked
+    /// (0 without RDMA).
+    pub rdma_landed: u64,
+    /// Bytes this node READ over RDMA.
+    pub rdma_read_bytes: u64,
 }
 
 impl RunnerStats {
@@ -324,7 +254,7 @@ impl RunnerStats {
              \"parks\":{},\"ops_ok\":{},\"ops_failed\":{},\"selftest_written\":{},\"selftest_read\":{},\
              \"cp_sent\":{},\"cp_dropped\":{},\"cp_reconnects\":{},\"cp_refused\":{},\"abandoned\":{},\"agents_released\":{},\"saves\":{},\"saves_refused\":{},\
              \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{},\
-             \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{},\"l3_failed\":{},\"l3_lost\":{}}}",
+             \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{},\"l3_failed\":{},\"l3_lost\":{},\"rdma_landed\":{},\"rdma_read_bytes\":{}}}",
             self.polls,
             self.busy_polls,
             self.busy_ns,
@@ -354,7 +284,9 @@ impl RunnerStats {
             self.l3.reads,
             self.l3.deletes,
             self.l3.failed,
-            self.l3.lost
+            self.l3.lost,
+            self.rdma_landed,
+            self.rdma_read_bytes
         )
     }
 }
@@ -1258,10 +1190,7 @@ pub fn run_with(
                     draining: table.stats().draining,
                 });
                 if let Some(transport) = &transport {
-                    link.rails(
-                        crate::wire::message::Network::Storage,
-                        &rail_entries(transport.tcp_ref(), &peers_by_node),
-                    );
+                    link.rails(crate::wire::message::Network::Storage, &rail_entries(&*transport.0, &peers_by_node));
                 }
                 let l2 = poller.stats().latency;
                 match pool.l3_latency() {
@@ -1373,6 +1302,10 @@ pub fn run_with(
     }
     stats.pool = pool.stats;
     stats.l3 = l3_stats.unwrap_or_default();
+    if let Some(rdma) = transport.as_ref().and_then(|t| t.0.rdma_stats()) {
+        stats.rdma_landed = rdma.landed;
+        stats.rdma_read_bytes = rdma.read_bytes;
+    }
     if let Some(attach) = &attach {
         stats.agents_attached = attach.counters.attached;
     }

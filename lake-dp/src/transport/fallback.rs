@@ -88,6 +88,11 @@ impl<P: Transport, S: Transport> Fallback<P, S> {
         &mut self.primary
     }
 
+    /// The primary transport, to read.
+    pub fn primary_ref(&self) -> &P {
+        &self.primary
+    }
+
     /// The secondary transport (to add its peers).
     pub fn secondary(&mut self) -> &mut S {
         &mut self.secondary
@@ -101,6 +106,11 @@ impl<P: Transport, S: Transport> Fallback<P, S> {
     /// Whether `peer`'s writes go on the primary now.
     pub fn on_primary(&self, peer: PeerId, now_ns: u64) -> bool {
         self.peers.get(peer.0 as usize).is_some_and(|w| w.primary.is_some() && now_ns >= w.primary_down_until_ns)
+    }
+
+    /// Whether `transfer` is on the primary now (not yet ended there).
+    pub fn on_primary_now(&self, transfer: u64) -> bool {
+        self.on_primary.contains_key(&transfer)
     }
 
     /// Sends `block` (its peer already the caller's) on the secondary.

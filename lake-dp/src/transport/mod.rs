@@ -90,6 +90,108 @@ impl Transport for tcp::TcpTransport {
     }
 }
 
+impl<T: Transport + ?Sized> Transport for Box<T> {
+    unsafe fn write(&mut self, block: &Outgoing, now_ns: u64) -> Result<(), TransferError> {
+        // SAFETY: the caller's contract is this method's.
+        unsafe { (**self).write(block, now_ns) }
+    }
+
+    fn poll(&mut self, landing: &mut dyn Landing, now_ns: u64, out: &mut Vec<Completion>) -> bool {
+        (**self).poll(landing, now_ns, out)
+    }
+
+    fn in_flight(&self) -> usize {
+        (**self).in_flight()
+    }
+}
+
+/// A transport over TCP links to peers, with or without RDMA in front of
+/// them: what a node's `lake-dp` runs on the storage network and an
+/// engine's pusher on the compute network. Peers are added by their rails;
+/// the TCP links beneath carry the accounting, the keys and the security
+/// events whichever wire moves the bytes.
+pub trait Links: Transport {
+    /// The TCP transport beneath.
+    fn tcp(&mut self) -> &mut tcp::TcpTransport;
+
+    /// The TCP transport beneath, to read.
+    fn tcp_ref(&self) -> &tcp::TcpTransport;
+
+    /// A peer over `rails`; the id to write to it by.
+    fn add_peer_rails(&mut self, rails: &[tcp::Rail]) -> Result<PeerId, tcp::TcpError>;
+
+    /// What each of `peer`'s TCP rails carried.
+    fn rail_reports(&self, peer: PeerId) -> Vec<tcp::RailReport>;
+
+    /// Cancels `transfer` if none of its bytes went out yet (an RDMA
+    /// transfer is out once offered: the peer may be reading it).
+    fn cancel(&mut self, transfer: u64) -> bool;
+
+    /// What happened to RDMA links since the last call, one line each,
+    /// for the owner's log (up, declined, fallen back to TCP); the TCP
+    /// links' refusals are [`tcp::TcpTransport::take_security_events`].
+    fn take_rdma_events(&mut self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// What RDMA did, where it runs.
+    fn rdma_stats(&self) -> Option<rdma::pull::RdmaStats> {
+        None
+    }
+}
+
+impl Links for tcp::TcpTransport {
+    fn tcp(&mut self) -> &mut tcp::TcpTransport {
+        self
+    }
+
+    fn tcp_ref(&self) -> &tcp::TcpTransport {
+        self
+    }
+
+    fn add_peer_rails(&mut self, rails: &[tcp::Rail]) -> Result<PeerId, tcp::TcpError> {
+        tcp::TcpTransport::add_peer_rails(self, rails)
+    }
+
+    fn rail_reports(&self, peer: PeerId) -> Vec<tcp::RailReport> {
+        tcp::TcpTransport::rail_reports(self, peer)
+    }
+
+    fn cancel(&mut self, transfer: u64) -> bool {
+        tcp::TcpTransport::cancel(self, transfer)
+    }
+}
+
+impl<T: Links + ?Sized> Links for Box<T> {
+    fn tcp(&mut self) -> &mut tcp::TcpTransport {
+        (**self).tcp()
+    }
+
+    fn tcp_ref(&self) -> &tcp::TcpTransport {
+        (**self).tcp_ref()
+    }
+
+    fn add_peer_rails(&mut self, rails: &[tcp::Rail]) -> Result<PeerId, tcp::TcpError> {
+        (**self).add_peer_rails(rails)
+    }
+
+    fn rail_reports(&self, peer: PeerId) -> Vec<tcp::RailReport> {
+        (**self).rail_reports(peer)
+    }
+
+    fn cancel(&mut self, transfer: u64) -> bool {
+        (**self).cancel(transfer)
+    }
+
+    fn take_rdma_events(&mut self) -> Vec<String> {
+        (**self).take_rdma_events()
+    }
+
+    fn rdma_stats(&self) -> Option<rdma::pull::RdmaStats> {
+        (**self).rdma_stats()
+    }
+}
+
 /// The end of one transfer this node sent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Completion {

@@ -162,6 +162,100 @@ fn inside((base, len): (u64, u64), address: u64, bytes: u64) -> bool {
     address >= base && address.checked_add(bytes).is_some_and(|end| base.checked_add(len).is_some_and(|top| end <= top))
 }
 
+/// An RDMA device as an operator names it: `NAME[:PORT[:GID_INDEX]]`, or
+/// `any` (the first device), port 1 and GID index 0 unless given; or
+/// `loopback`, the in-process verbs ([`loopback::Fabric::process`]) that
+/// join only pools and engines of one process (tests, demos).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RdmaDevice {
+    /// The device's name (`mlx5_0`); none: the first.
+    pub name: Option<String>,
+    /// Its port.
+    pub port: u8,
+    /// The GID index (RoCE v2 is often 1 or 3).
+    pub gid_index: u8,
+}
+
+impl RdmaDevice {
+    /// Parses `NAME[:PORT[:GID_INDEX]]` or `any[:PORT[:GID_INDEX]]`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut parts = text.split(':');
+        let name = parts.next().filter(|n| !n.is_empty()).ok_or("an RDMA device is NAME[:PORT[:GID_INDEX]]")?;
+        let number = |what: &str, value: Option<&str>, default: u8| {
+            value.map_or(Ok(default), |v| v.parse::<u8>().map_err(|e| format!("RDMA device {what} {v:?}: {e}")))
+        };
+        let port = number("port", parts.next(), 1)?;
+        let gid_index = number("GID index", parts.next(), 0)?;
+        if parts.next().is_some() {
+            return Err(format!("RDMA device {text:?}: NAME[:PORT[:GID_INDEX]]"));
+        }
+        Ok(Self { name: (name != "any").then(|| name.to_owned()), port, gid_index })
+    }
+}
+
+/// The name of the in-process verbs as an [`RdmaDevice`].
+pub const LOOPBACK_DEVICE: &str = "loopback";
+
+/// Slots' alignment as an [`Endpoint`] states it for the arena opened by
+/// [`open_links`]: the page (slot classes are whole pages).
+const ARENA_PAGE: u32 = 4096;
+
+/// Loopback ends' message and READ depth.
+const LOOPBACK_DEPTH: usize = 256;
+
+/// `tcp`, with RDMA over `device` in front of it where one is named —
+/// negotiated per link over TCP, falling back to it — for an arena of
+/// `len` bytes at `base` (region epoch `epoch`) that peers read blocks
+/// from and READs land in. A device that cannot be opened, or a build
+/// without the `rdma` feature asked for one, is said by name.
+///
+/// # Safety
+///
+/// The arena stays mapped while the returned transport lives.
+pub unsafe fn open_links(
+    tcp: crate::transport::tcp::TcpTransport,
+    device: Option<&RdmaDevice>,
+    base: *mut u8,
+    len: usize,
+    epoch: u64,
+) -> Result<Box<dyn crate::transport::Links>, String> {
+    use over_tcp::{OverTcpConfig, RdmaOverTcp};
+    use pull::{RdmaConfig, RdmaTransport};
+    let Some(device) = device else { return Ok(Box::new(tcp)) };
+    let fail = |e: &dyn core::fmt::Display| format!("RDMA device {device}: {e}");
+    if !len.is_multiple_of(ARENA_PAGE as usize) {
+        return Err(fail(&"the arena is not a whole number of pages"));
+    }
+    if device.name.as_deref() == Some(LOOPBACK_DEVICE) {
+        let mut verbs = loopback::Fabric::process().end(LOOPBACK_DEPTH);
+        // SAFETY: the arena stays mapped while the transport lives (this
+        // function's contract).
+        unsafe { verbs.register_arena(base, len, ARENA_PAGE, epoch) };
+        let rdma = RdmaTransport::new(verbs, RdmaConfig::default());
+        return Ok(Box::new(RdmaOverTcp::new(rdma, tcp, OverTcpConfig::default())));
+    }
+    #[cfg(feature = "rdma")]
+    {
+        let opened =
+            verbs::Device::open(device.name.as_deref(), device.port, device.gid_index).map_err(|e| fail(&e))?;
+        // SAFETY: as above.
+        let verbs = unsafe { verbs::IbVerbs::new(opened, base, len, ARENA_PAGE, epoch) }.map_err(|e| fail(&e))?;
+        let rdma = RdmaTransport::new(verbs, RdmaConfig::default());
+        Ok(Box::new(RdmaOverTcp::new(rdma, tcp, OverTcpConfig::default())))
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = (tcp, base, epoch);
+        Err(fail(&"built without the `rdma` feature (only `loopback`, the in-process verbs, opens)"))
+    }
+}
+
+impl core::fmt::Display for RdmaDevice {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "{}:{}:{}", self.name.as_deref().unwrap_or("any"), self.port, self.gid_index)
+    }
+}
+
 pub mod loopback;
 pub mod over_tcp;
 pub mod pull;

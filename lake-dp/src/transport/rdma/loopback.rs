@@ -58,6 +58,14 @@ impl Fabric {
         Self::default()
     }
 
+    /// The process's own fabric: the one the `loopback` RDMA device
+    /// ([`super::RdmaDevice`]) joins, so that pools and engines' pushers in
+    /// one process (tests, demos) reach each other's ends by endpoint.
+    pub fn process() -> Self {
+        static PROCESS: std::sync::OnceLock<Fabric> = std::sync::OnceLock::new();
+        PROCESS.get_or_init(Fabric::new).clone()
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -104,6 +112,15 @@ impl Fabric {
     pub fn cut(&self, node: usize, why: &str) {
         for link in &mut self.state().links {
             if (link.ends.0 == node || link.ends.1 == node) && link.cut.is_none() {
+                link.cut = Some(why.to_owned());
+            }
+        }
+    }
+
+    /// Cuts every link of the fabric (as a dead fabric would).
+    pub fn cut_all(&self, why: &str) {
+        for link in &mut self.state().links {
+            if link.cut.is_none() {
                 link.cut = Some(why.to_owned());
             }
         }
@@ -209,9 +226,11 @@ impl Verbs for LoopbackVerbs {
         let id = u32::try_from(self.peers.len()).ok().filter(|&i| i < 1 << 24);
         let id = id.ok_or_else(|| RdmaError("too many peers".into()))?;
         self.peers.push(End { link: None, reported: false });
-        // The node in the GID, the peer id as the queue pair number.
+        // The node and the process in the GID, the peer id as the queue
+        // pair number.
         let mut gid = [0u8; 16];
         gid[..8].copy_from_slice(&(self.node as u64).to_le_bytes());
+        gid[8..12].copy_from_slice(&std::process::id().to_le_bytes());
         Ok((PeerId(id), Endpoint::new(0, id, 0, gid, (base, len), 0, slot_bytes, epoch)))
     }
 
@@ -221,8 +240,14 @@ impl Verbs for LoopbackVerbs {
         if end.link.is_some() {
             return Err(RdmaError("already connected".into()));
         }
-        let mut node = [0u8; 8];
+        let (mut node, mut pid) = ([0u8; 8], [0u8; 4]);
         node.copy_from_slice(&remote.gid[..8]);
+        pid.copy_from_slice(&remote.gid[8..12]);
+        // Another process's node numbers are not this fabric's.
+        let pid = u32::from_le_bytes(pid);
+        if pid != std::process::id() {
+            return Err(RdmaError(format!("an end of process {pid}: loopback verbs join ends of one process only")));
+        }
         let other = usize::try_from(u64::from_le_bytes(node)).map_err(|_| RdmaError("no such node".into()))?;
         let mut state = self.fabric.state();
         if other >= state.nodes || other == self.node {
@@ -374,5 +399,38 @@ impl Verbs for LoopbackVerbs {
         if let Some(end) = self.peers.get_mut(peer.0 as usize) {
             end.reported = true;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ends_connect_by_endpoint_within_a_process_and_never_to_another_process() {
+        let fabric = Fabric::new();
+        let (mut a, mut b) = (fabric.end(4), fabric.end(4));
+        let mut arenas = [vec![0u8; 8192], vec![0u8; 8192]];
+        for (end, arena) in [&mut a, &mut b].into_iter().zip(&mut arenas) {
+            // SAFETY: the arenas outlive the ends (dropped after them).
+            unsafe { end.register_arena(arena.as_mut_ptr(), arena.len(), 4096, 1) };
+        }
+        let (to_b, from_a) = a.add_peer().unwrap();
+        let (to_a, from_b) = b.add_peer().unwrap();
+        // The same endpoint from a process of another id: refused, named.
+        let mut stranger = from_b;
+        stranger.gid[8..12].copy_from_slice(&std::process::id().wrapping_add(1).to_le_bytes());
+        let refused = a.connect(to_b, &stranger).unwrap_err();
+        assert!(refused.0.contains("one process"), "{refused}");
+        // This process's: connected both ways, and a message goes through.
+        a.connect(to_b, &from_b).unwrap();
+        b.connect(to_a, &from_a).unwrap();
+        a.send(to_b, &[7; MESSAGE_BYTES]).unwrap();
+        let mut events = Vec::new();
+        b.poll(&mut events);
+        assert!(
+            matches!(events.as_slice(), [VerbsEvent::Received { peer, message }] if *peer == to_a && message[0] == 7),
+            "{events:?}"
+        );
     }
 }

@@ -21,8 +21,8 @@ use std::collections::HashMap;
 use super::pull::{RdmaTransport, Verbs};
 use super::{ENDPOINT_BYTES, Endpoint, RdmaError};
 use crate::transport::fallback::Fallback;
-use crate::transport::tcp::{InboundLink, Negotiation, Rail, TcpError, TcpTransport};
-use crate::transport::{Completion, Landing, Outgoing, PeerId, TransferError, Transport};
+use crate::transport::tcp::{InboundLink, Negotiation, Rail, RailReport, TcpError, TcpTransport};
+use crate::transport::{Completion, Landing, Links, Outgoing, PeerId, TransferError, Transport};
 
 /// How the negotiation runs.
 #[derive(Clone, Copy, Debug)]
@@ -292,5 +292,36 @@ impl<V: Verbs> Transport for RdmaOverTcp<V> {
 
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
+    }
+}
+
+impl<V: Verbs> Links for RdmaOverTcp<V> {
+    fn tcp(&mut self) -> &mut TcpTransport {
+        RdmaOverTcp::tcp(self)
+    }
+
+    fn tcp_ref(&self) -> &TcpTransport {
+        RdmaOverTcp::tcp_ref(self)
+    }
+
+    fn add_peer_rails(&mut self, rails: &[Rail]) -> Result<PeerId, TcpError> {
+        RdmaOverTcp::add_peer_rails(self, rails)
+    }
+
+    fn rail_reports(&self, peer: PeerId) -> Vec<RailReport> {
+        self.links.get(peer.0 as usize).map(|l| self.tcp_ref().rail_reports(l.tcp)).unwrap_or_default()
+    }
+
+    fn cancel(&mut self, transfer: u64) -> bool {
+        // Offered over RDMA, the peer may be reading it already.
+        !self.inner.on_primary_now(transfer) && self.inner.secondary().cancel(transfer)
+    }
+
+    fn take_rdma_events(&mut self) -> Vec<String> {
+        self.take_events()
+    }
+
+    fn rdma_stats(&self) -> Option<super::pull::RdmaStats> {
+        Some(self.inner.primary_ref().stats)
     }
 }
