@@ -146,6 +146,32 @@ impl core::fmt::Debug for PoolHarness {
 /// process ends.
 static REGISTERED: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
 
+/// Device memory the harness laid GPU pieces over, kept until the
+/// process ends (as [`REGISTERED`]).
+static DEVICE_MEMORY: std::sync::Mutex<Vec<cudarc::driver::CudaSlice<u8>>> = std::sync::Mutex::new(Vec::new());
+
+/// The address of `bytes` fresh bytes of CUDA device 0's memory, kept for
+/// the process; `None` for 0 bytes or where there is no GPU (said once).
+fn device_memory(bytes: usize) -> Option<usize> {
+    use cudarc::driver::DevicePtr;
+    static STREAM: std::sync::OnceLock<Option<std::sync::Arc<cudarc::driver::CudaStream>>> = std::sync::OnceLock::new();
+    if bytes == 0 {
+        return None;
+    }
+    let stream = STREAM.get_or_init(|| match lake_kernels::probe() {
+        Ok(_) => cudarc::driver::CudaContext::new(0).ok().map(|context| context.default_stream()),
+        Err(why) => {
+            eprintln!("ffi_pool: GPU memory stays host memory here: {why}");
+            None
+        }
+    });
+    let stream = stream.as_ref()?;
+    let slice = stream.alloc_zeros::<u8>(bytes).ok()?;
+    let address = usize::try_from(slice.device_ptr(stream).0).ok()?;
+    DEVICE_MEMORY.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(slice);
+    Some(address)
+}
+
 /// The harness pool's layout: 2 layers of K and V, 2 heads of 64 f16, 16
 /// tokens a block — 4 pieces of 4 KiB a block.
 fn harness_layout() -> LakeLayoutOptions {
@@ -254,7 +280,7 @@ impl PoolHarness {
             if input.is_empty() {
                 return;
             }
-            let op = byte(&mut input) % 14;
+            let op = byte(&mut input) % 15;
             let count = usize::from(byte(&mut input) % 40);
             let capacity = usize::from(byte(&mut input) % 48);
             // Keys: some from the namespace's chain (they may hit), the
@@ -497,7 +523,8 @@ impl PoolHarness {
                     // right over memory the harness keeps (then loads and
                     // saves scatter and gather through them), or none, or
                     // too few; any sizes, counts and memory kinds (a GPU one
-                    // fails cleanly where there is none).
+                    // over device memory where a GPU is, failing cleanly
+                    // where there is none).
                     let mut layout: LakeLayoutOptions = take(&mut input);
                     let flags = byte(&mut input);
                     if flags & 1 == 1 {
@@ -510,8 +537,17 @@ impl PoolHarness {
                     let with_pieces =
                         flags & 8 == 8 && block_count <= 64 && self.memory.len() < HARNESS_REGISTRATIONS_MAX;
                     let block_bytes = HARNESS_PIECE_BYTES * HARNESS_PIECES;
-                    let mut memory = vec![0u8; if with_pieces { block_bytes * block_count.max(1) as usize } else { 0 }];
-                    let base = memory.as_mut_ptr() as usize;
+                    let memory_kind = u32::from(byte(&mut input) % 3);
+                    let bytes = if with_pieces { block_bytes * block_count.max(1) as usize } else { 0 };
+                    let mut memory = vec![0u8; bytes];
+                    // GPU memory is laid over device memory where a GPU is
+                    // (host memory passed as device memory would break the
+                    // C contract, not Lake); elsewhere over host memory,
+                    // and the registration fails cleanly (no GPU).
+                    let base = match device_memory(if memory_kind == 1 { bytes } else { 0 }) {
+                        Some(device) => device,
+                        None => memory.as_mut_ptr() as usize,
+                    };
                     // Block b's piece p at (b × pieces + p) × piece bytes;
                     // tokens of 2 heads of 128 bytes.
                     let pieces: Vec<crate::pool::LakeKvPiece> = (0..HARNESS_PIECES)
@@ -533,7 +569,7 @@ impl PoolHarness {
                         block_count,
                         pieces: if with_pieces { pieces.as_ptr() } else { core::ptr::null() },
                         piece_count,
-                        memory_kind: u32::from(byte(&mut input) % 3),
+                        memory_kind,
                         device: u32::from(byte(&mut input) % 2),
                         gpu_path: u32::from(byte(&mut input) % 3),
                         layer_groups: u32::from(byte(&mut input)),
@@ -541,13 +577,80 @@ impl PoolHarness {
                     let mut id = u32::MAX;
                     // SAFETY: live options (a live layout or null; pieces
                     // null or `piece_count` of them, each block's bytes in
-                    // `memory`, kept for the process), a live out.
+                    // `memory` or device memory, kept for the process), a
+                    // live out.
                     let s = unsafe { lake_register_kv_memory(pool, &options, &mut id) };
                     if no_panic(s, "lake_register_kv_memory") == LakeStatus::LakeOk {
                         assert!(with_pieces && piece_count == HARNESS_PIECES, "registered with {piece_count} pieces");
                         self.memory.push((id, block_count));
                     }
                     REGISTERED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(memory);
+                }
+                14 => {
+                    // A routing question: this node's hits from its mirror
+                    // (the keys above: some may hit), the rest any values.
+                    use crate::route::{
+                        LAKE_COST_MEASURED, LakeNodeHits, LakeNodeLoad, LakeRouteMove, LakeRoutePlan, LakeRouteRequest,
+                        lake_route,
+                    };
+                    let cost = |input: &mut &[u8]| match byte(input) % 4 {
+                        0 => LAKE_COST_MEASURED,
+                        _ => u64::from(word(input)),
+                    };
+                    let others: Vec<LakeNodeHits> = (0..byte(&mut input) % 6)
+                        .map(|_| LakeNodeHits {
+                            node: u32::from(byte(&mut input) % 8),
+                            through: [0; 4].map(|_: u32| word(&mut input) % 96),
+                            reserved: 0,
+                        })
+                        .collect();
+                    let loads: Vec<LakeNodeLoad> = (0..byte(&mut input) % 7)
+                        .map(|_| LakeNodeLoad {
+                            node: u32::from(byte(&mut input) % 8),
+                            roles: u32::from(byte(&mut input) % 5),
+                            queue_ns: u64::from(word(&mut input)),
+                            compute_ns_per_block: cost(&mut input),
+                            load_ns_per_block: [0; 4].map(|_: u64| cost(&mut input)),
+                            cnic_ns_per_block: u64::from(word(&mut input)),
+                        })
+                        .collect();
+                    let avoid: Vec<u32> = (0..byte(&mut input) % 4).map(|_| u32::from(byte(&mut input) % 8)).collect();
+                    let request = LakeRouteRequest {
+                        struct_size: if byte(&mut input) & 1 == 1 {
+                            size_of::<LakeRouteRequest>()
+                        } else {
+                            word(&mut input) as usize
+                        },
+                        keys: keys.as_ptr(),
+                        count,
+                        local_node: u32::from(byte(&mut input) % 8),
+                        local_l0_blocks: word(&mut input) % 64,
+                        l3_blocks: word(&mut input) % 64,
+                        policy: u32::from(byte(&mut input) % 4),
+                        others: others.as_ptr(),
+                        others_count: others.len(),
+                        loads: loads.as_ptr(),
+                        loads_count: loads.len(),
+                        avoid: avoid.as_ptr(),
+                        avoid_count: avoid.len(),
+                    };
+                    let mut moves = vec![LakeRouteMove::default(); capacity % 9];
+                    let mut plan = LakeRoutePlan { mode: u32::MAX, ..LakeRoutePlan::default() };
+                    // SAFETY: a live request whose arrays hold their counts,
+                    // a live plan, `moves.len()` writable moves.
+                    let s = unsafe { lake_route(pool, &request, &mut plan, moves.as_mut_ptr(), moves.len()) };
+                    if no_panic(s, "lake_route") == LakeStatus::LakeOk {
+                        let blocks = u32::try_from(count).unwrap_or(u32::MAX);
+                        assert!(plan.mode <= 2, "{plan:?}");
+                        assert_eq!(plan.hit_blocks + plan.recomputed_blocks, blocks, "{plan:?}");
+                        for node in [plan.prefill_node, plan.decode_node] {
+                            assert!(loads.iter().any(|l| l.node == node), "{plan:?} runs on a node not offered");
+                            assert!(!avoid.contains(&node), "{plan:?} runs on an avoided node");
+                        }
+                    }
+                    // SAFETY: a null request is refused by name.
+                    let s = unsafe { lake_route(pool, core::ptr::null(), &mut plan, core::ptr::null_mut(), 0) };
+                    assert_eq!(s, LakeStatus::LakeNullArgument, "lake_route(null request)");
                 }
                 _ => {
                     // The bookkeeping calls, with any request id.

@@ -5,8 +5,9 @@
 //! and KV memory registration (`lake_register_kv_memory`: any options, and
 //! pieces laid out right over memory it keeps), saves (also on a stream),
 //! loads with any block tables, layer waits, pushes to good, refused and
-//! malformed addresses and their rail figures, and the bookkeeping calls,
-//! with the input's keys,
+//! malformed addresses and their rail figures, routing questions
+//! (`lake_route`: any hits, loads, costs, policies and nodes to avoid),
+//! and the bookkeeping calls, with the input's keys,
 //! counts, capacities, indices, priorities and ids. Any values give a
 //! status, never a panic (not even one the boundary catches), and what
 //! succeeds is consistent. See ffi/src/fuzzing.rs.
