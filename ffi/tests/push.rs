@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::pools::{BLOCK, attach, empty_rail, lookup, start};
+use common::pools::{BLOCK, attach, empty_rail, keys, lookup, namespace, start};
 use common::{ok, statuses};
 
 use std::ffi::CString;
@@ -38,29 +38,8 @@ fn a_prompt_pushed_to_the_decode_pool_is_found_and_loaded_there() {
     let prefill = start("prefill", None, None);
     let decode = start("decode", Some(decode_address), None);
 
-    let options = LakeNamespaceOptions {
-        struct_size: size_of::<LakeNamespaceOptions>(),
-        tenant_key: [1; 32],
-        block_tokens: 16,
-        model_fingerprint: [2; 32],
-        extra_keys_digest: [0; 32],
-        key_scheme: 1,
-    };
-    let mut namespace: *mut LakeNamespace = core::ptr::null_mut();
-    // SAFETY: valid options and out-pointer.
-    ok(unsafe { lake_namespace_new(&raw const options, &raw mut namespace) }, "namespace");
-    let tokens: Vec<u32> = (0..(BLOCKS * 16) as u32).map(|i| i * 31 + 5).collect();
-    let mut keys = vec![LakeBlockKey::default(); BLOCKS];
-    let (mut chain, mut written) = (core::ptr::null_mut(), 0);
-    // SAFETY: a valid namespace and out-pointer.
-    ok(unsafe { lake_keychain_new(namespace, &raw mut chain) }, "chain");
-    // SAFETY: arrays of their lengths.
-    let extended = unsafe {
-        lake_keychain_extend(chain, tokens.as_ptr(), tokens.len(), keys.as_mut_ptr(), BLOCKS, &raw mut written)
-    };
-    ok(extended, "keys");
-    // SAFETY: from lake_keychain_new, freed once.
-    unsafe { lake_keychain_free(chain) };
+    let namespace = namespace(1);
+    let keys = keys(namespace, BLOCKS, |i| i * 31 + 5);
 
     let mut strings = Vec::new();
     let p = attach(&prefill, namespace, &mut strings);
