@@ -92,49 +92,15 @@ pub struct RunnerPorts {
 
 pub use crate::transport::rdma::RdmaDevice;
 
-/// The node's transport: TCP, or RDMA negotiated over TCP with each peer
-/// where a device is.
-struct NodeTransport(Box<dyn crate::transport::Links>);
-
-impl NodeTransport {
-    /// `tcp`, with RDMA in front of it over `device` where one is named;
-    /// `region` is the L1 arena peers read blocks from.
-    fn open(
-        tcp: crate::transport::tcp::TcpTransport,
-        device: Option<&RdmaDevice>,
-        region: &SlotRegion,
-        epoch: u64,
-    ) -> Result<Self, RunnerError> {
-        // SAFETY: the region keeps the arena mapped, and the transport is
-        // dropped before it at the end of `run`.
-        let links = unsafe { crate::transport::rdma::open_links(tcp, device, region.base(), region.len(), epoch) };
-        links.map(Self).map_err(|e| RunnerError(format!("transport.rdma: {e}")))
+/// Lines for the operator's log from the node's transport: links refused,
+/// RDMA links that came up or fell back (nothing allocated when there are
+/// none).
+fn log_links(transport: &mut dyn crate::transport::Links, out: &mut dyn Write) {
+    for what in transport.tcp().take_security_events() {
+        let _ = writeln!(out, "{{\"event\":\"link_refused\",\"what\":{what:?}}}");
     }
-
-    fn tcp_ref(&self) -> &crate::transport::tcp::TcpTransport {
-        self.0.tcp_ref()
-    }
-
-    fn add_peer_rails(
-        &mut self,
-        rails: &[crate::transport::tcp::Rail],
-    ) -> Result<crate::transport::PeerId, crate::transport::tcp::TcpError> {
-        self.0.add_peer_rails(rails)
-    }
-
-    fn transport(&mut self) -> &mut dyn crate::transport::Transport {
-        &mut self.0
-    }
-
-    /// Lines for the operator's log: links refused, RDMA links that came
-    /// up or fell back (nothing allocated when there are none).
-    fn log(&mut self, out: &mut dyn Write) {
-        for what in self.0.tcp().take_security_events() {
-            let _ = writeln!(out, "{{\"event\":\"link_refused\",\"what\":{what:?}}}");
-        }
-        for what in self.0.take_rdma_events() {
-            let _ = writeln!(out, "{{\"event\":\"rdma_link\",\"what\":{what:?}}}");
-        }
+    for what in transport.take_rdma_events() {
+        let _ = writeln!(out, "{{\"event\":\"rdma_link\",\"what\":{what:?}}}");
     }
 }
 
@@ -955,7 +921,14 @@ pub fn run_with(
                 .authenticate(key.clone(), u64::from(node_id))
                 .map_err(|e| RunnerError(format!("transport: {e}")))?;
         }
-        Some(NodeTransport::open(transport, ports.rdma.as_ref(), &region, epoch)?)
+        // The node's transport: TCP, or RDMA negotiated over TCP with each
+        // peer where a device is, for the L1 arena peers read blocks from.
+        // SAFETY: the region keeps the arena mapped, and the transport is
+        // dropped before it at the end of `run`.
+        let links = unsafe {
+            crate::transport::rdma::open_links(transport, ports.rdma.as_ref(), region.base(), region.len(), epoch)
+        };
+        Some(links.map_err(|e| RunnerError(format!("transport.rdma: {e}")))?)
     } else if let Some(device) = &ports.rdma {
         return Err(RunnerError(format!(
             "transport.rdma {device:?}: RDMA runs under the node's transport; give it a listen address or peers"
@@ -1115,14 +1088,14 @@ pub fn run_with(
                         };
                         // SAFETY: the source slot is held (busy) by the pool
                         // until `send_ended`, after this transfer's end.
-                        let written = unsafe { transport.transport().write(&block, now) }.is_ok();
+                        let written = unsafe { transport.write(&block, now) }.is_ok();
                         if written && transfers_started.len() < transfers_started.capacity() {
                             transfers_started.insert(send.request, now);
                         }
                         written
                     });
                     let mut landing = pool::PoolLanding { pool: &mut pool, parts: &mut parts };
-                    if transport.transport().poll(&mut landing, now, &mut transfers_done) {
+                    if transport.poll(&mut landing, now, &mut transfers_done) {
                         served += 1;
                     }
                     for done in transfers_done.drain(..) {
@@ -1134,7 +1107,7 @@ pub fn run_with(
                     }
                     // What was refused on the links, RDMA links up or
                     // down: the operator's log.
-                    transport.log(out);
+                    log_links(transport.as_mut(), out);
                 }
                 // No transport: a copy to another node cannot go.
                 None => pool.take_sends(|_| false),
@@ -1190,7 +1163,10 @@ pub fn run_with(
                     draining: table.stats().draining,
                 });
                 if let Some(transport) = &transport {
-                    link.rails(crate::wire::message::Network::Storage, &rail_entries(&*transport.0, &peers_by_node));
+                    link.rails(
+                        crate::wire::message::Network::Storage,
+                        &rail_entries(transport.as_ref(), &peers_by_node),
+                    );
                 }
                 let l2 = poller.stats().latency;
                 match pool.l3_latency() {
@@ -1302,7 +1278,7 @@ pub fn run_with(
     }
     stats.pool = pool.stats;
     stats.l3 = l3_stats.unwrap_or_default();
-    if let Some(rdma) = transport.as_ref().and_then(|t| t.0.rdma_stats()) {
+    if let Some(rdma) = transport.as_ref().and_then(|t| t.rdma_stats()) {
         stats.rdma_landed = rdma.landed;
         stats.rdma_read_bytes = rdma.read_bytes;
     }

@@ -219,8 +219,6 @@ pub unsafe fn open_links(
     len: usize,
     epoch: u64,
 ) -> Result<Box<dyn crate::transport::Links>, String> {
-    use over_tcp::{OverTcpConfig, RdmaOverTcp};
-    use pull::{RdmaConfig, RdmaTransport};
     let Some(device) = device else { return Ok(Box::new(tcp)) };
     let fail = |e: &dyn core::fmt::Display| format!("RDMA device {device}: {e}");
     if !len.is_multiple_of(ARENA_PAGE as usize) {
@@ -231,8 +229,7 @@ pub unsafe fn open_links(
         // SAFETY: the arena stays mapped while the transport lives (this
         // function's contract).
         unsafe { verbs.register_arena(base, len, ARENA_PAGE, epoch) };
-        let rdma = RdmaTransport::new(verbs, RdmaConfig::default());
-        return Ok(Box::new(RdmaOverTcp::new(rdma, tcp, OverTcpConfig::default())));
+        return Ok(negotiated(verbs, tcp));
     }
     #[cfg(feature = "rdma")]
     {
@@ -240,14 +237,22 @@ pub unsafe fn open_links(
             verbs::Device::open(device.name.as_deref(), device.port, device.gid_index).map_err(|e| fail(&e))?;
         // SAFETY: as above.
         let verbs = unsafe { verbs::IbVerbs::new(opened, base, len, ARENA_PAGE, epoch) }.map_err(|e| fail(&e))?;
-        let rdma = RdmaTransport::new(verbs, RdmaConfig::default());
-        Ok(Box::new(RdmaOverTcp::new(rdma, tcp, OverTcpConfig::default())))
+        Ok(negotiated(verbs, tcp))
     }
     #[cfg(not(feature = "rdma"))]
     {
         let _ = (tcp, base, epoch);
         Err(fail(&"built without the `rdma` feature (only `loopback`, the in-process verbs, opens)"))
     }
+}
+
+/// RDMA over `verbs` negotiated on `tcp`'s links, TCP behind it.
+fn negotiated<V: pull::Verbs + 'static>(
+    verbs: V,
+    tcp: crate::transport::tcp::TcpTransport,
+) -> Box<dyn crate::transport::Links> {
+    let rdma = pull::RdmaTransport::new(verbs, pull::RdmaConfig::default());
+    Box::new(over_tcp::RdmaOverTcp::new(rdma, tcp, over_tcp::OverTcpConfig::default()))
 }
 
 impl core::fmt::Display for RdmaDevice {
