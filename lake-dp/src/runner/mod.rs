@@ -873,30 +873,6 @@ pub fn run_with(
         pool.set_l3(tier);
         l3_scan = Some(scan);
     }
-    let mut attach = match &config.agents.socket {
-        None => None,
-        Some(socket) => {
-            let files = Arc::new(try_to!(
-                "creating the agent ports",
-                crate::agent::shm::PortFile::create(config.agents.ports, config.agents.depth)
-            ));
-            let identity = Identity {
-                role: Role::DataPlane,
-                node: config.node.id,
-                pid: std::process::id(),
-                region_epoch: epoch,
-                features: 0,
-                name: "lake-dp",
-            };
-            let mut server = attach::AttachServer::bind(socket, files, &identity, header.region)
-                .map_err(|e| RunnerError(format!("agents.socket {}: {e}", socket.display())))?;
-            let (gid, mode, policy) = config.agents.access().map_err(|e| RunnerError(e.0))?;
-            server
-                .restrict(policy, mode, gid)
-                .map_err(|e| RunnerError(format!("agents.socket {}: mode and group: {e}", socket.display())))?;
-            Some(server)
-        }
-    };
     let mut park_fds: Vec<libc::pollfd> = Vec::with_capacity(os::PARK_FDS_MAX);
     let mut extra_fds = vec![-1; os::PARK_FDS_MAX];
     pool.set_commit_check(ports.commit_check);
@@ -944,6 +920,32 @@ pub fn run_with(
             peers_by_node.push((*node, peer));
         }
     }
+    // The agents' socket is bound last: a node whose transport (its listen
+    // address, its RDMA device, its peers) cannot open never appears ready.
+    let mut attach = match &config.agents.socket {
+        None => None,
+        Some(socket) => {
+            let files = Arc::new(try_to!(
+                "creating the agent ports",
+                crate::agent::shm::PortFile::create(config.agents.ports, config.agents.depth)
+            ));
+            let identity = Identity {
+                role: Role::DataPlane,
+                node: config.node.id,
+                pid: std::process::id(),
+                region_epoch: epoch,
+                features: 0,
+                name: "lake-dp",
+            };
+            let mut server = attach::AttachServer::bind(socket, files, &identity, header.region)
+                .map_err(|e| RunnerError(format!("agents.socket {}: {e}", socket.display())))?;
+            let (gid, mode, policy) = config.agents.access().map_err(|e| RunnerError(e.0))?;
+            server
+                .restrict(policy, mode, gid)
+                .map_err(|e| RunnerError(format!("agents.socket {}: mode and group: {e}", socket.display())))?;
+            Some(server)
+        }
+    };
     let mut transfers_done = Vec::with_capacity(256);
     // When each transfer to another node was written, until it ends (room
     // for the transport's most in flight: no allocation while it runs).
