@@ -85,8 +85,21 @@ fn start_keyed(
     peers: Vec<(u32, SocketAddr)>,
     key: Option<lake_dp::auth::LinkKey>,
 ) -> EmbeddedPool {
+    start_with(name, node, listen, peers, key, None)
+}
+
+/// [`start_keyed`], offering RDMA on `rdma` to each peer if given.
+fn start_with(
+    name: &str,
+    node: u32,
+    listen: Option<SocketAddr>,
+    peers: Vec<(u32, SocketAddr)>,
+    key: Option<lake_dp::auth::LinkKey>,
+    rdma: Option<&str>,
+) -> EmbeddedPool {
     EmbeddedPool::start(&EmbeddedConfig {
         link_key: key,
+        rdma: rdma.map(|device| lake_dp::runner::RdmaDevice::parse(device).unwrap()),
         block_bytes: 131_072,
         l1_slots: 32,
         l2_slots_per_file: 32,
@@ -322,6 +335,62 @@ fn a_control_plane_copies_blocks_into_another_nodes_l1() {
     assert_eq!(stats_b.pool.remote_landed, 5, "{stats_b:?}");
     assert_eq!(stats_a.pool.remote_sent, 5, "{stats_a:?}");
     assert_eq!((server_a.node().copies_landed, server_a.node().copies_failed), (5, 0));
+}
+
+/// `lake-dp` as the *sender* over RDMA: node 1's copies (asked by its
+/// control plane) are offered on the negotiated RDMA link, and node 2 READs
+/// them from node 1's L1 slots, checks and publishes them. Both pools run in
+/// this process, over the in-process verbs (`loopback`), their links real
+/// TCP; with RDMA off at either end, node 2 READs none and this fails.
+#[test]
+fn a_control_plane_copies_blocks_over_rdma_where_both_nodes_offer_it() {
+    let node_b = free_port();
+    let mut a = start_with("rdma-copy-a", 1, None, vec![(2, node_b)], None, Some("loopback"));
+    let mut b = start_with("rdma-copy-b", 2, Some(node_b), Vec::new(), None, Some("loopback"));
+    let mut engine_a = engine(&mut a, "engine-a");
+    let mut engine_b = engine(&mut b, "engine-b");
+    let to = l1_of(&engine_b, 2);
+    let mut copied = Vec::new();
+    let (warm, warm_payloads) = save_prompt(&mut engine_a, 300, 4);
+    let (keys, payloads) = save_prompt(&mut engine_a, 400, 8);
+    let mut copy = |pool: &mut EmbeddedPool, keys: &[BlockKey]| {
+        for key in keys {
+            pool.copy_to(key, to, Priority::Replication).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while engine_b.lookup(keys, &mut copied) < keys.len() {
+            assert!(Instant::now() < deadline, "the copies were not published at node 2");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    // One at a time while the link negotiates RDMA (the first goes over
+    // TCP), then a prompt's worth at once.
+    for key in &warm {
+        copy(&mut a, std::slice::from_ref(key));
+    }
+    copy(&mut a, &keys);
+    engine_b.lookup(&keys, &mut copied);
+    let delivered = engine_b.fetch(&keys, &copied, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
+    assert_eq!(delivered, 8);
+    engine_b.lookup(&warm, &mut copied);
+    let delivered = engine_b.fetch(&warm, &copied, |i, bytes| assert_eq!(bytes, &warm_payloads[i][..], "block {i}"));
+    assert_eq!(delivered, 4);
+    drop((engine_a, engine_b));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.gauges.copies_landed.load(std::sync::atomic::Ordering::Relaxed) < 12 {
+        assert!(Instant::now() < deadline, "node 1 never heard its copies landed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (stats_b, _) = b.stop().unwrap();
+    let (stats_a, server_a) = a.stop().unwrap();
+    assert_eq!(stats_b.pool.remote_landed, 12, "{stats_b:?}");
+    assert_eq!(stats_a.pool.remote_sent, 12, "{stats_a:?}");
+    assert_eq!((server_a.node().copies_landed, server_a.node().copies_failed), (12, 0));
+    // Every block after the link came up was READ by node 2 (and a block is
+    // its object: payload and header, at least the payload).
+    assert!(stats_b.rdma_landed >= 8, "node 2 READ {} of the copies: {stats_b:?}", stats_b.rdma_landed);
+    assert!(stats_b.rdma_landed <= 12, "{stats_b:?}");
+    assert!(stats_b.rdma_read_bytes >= stats_b.rdma_landed * payloads[0].len() as u64, "{stats_b:?}");
 }
 
 #[test]
