@@ -18,6 +18,7 @@
 //! | `{"op":"regions"}` | every registered region: id, tier, node, name (an L2 file's path), bytes, blocks, capacity, draining |
 //! | `{"op":"drain","region":N}` or `{"op":"drain","name":"<path>"}`, with `"undo":true` to end it | starts (or ends) draining an L2 file ([`crate::tier::Tiers::drain`]); answers the region's id and every drain and how far it is |
 //! | `{"op":"drains"}` | every drain and how far it is |
+//! | `{"op":"peers"}` | every connection past its hello: role, name, node, pid, wire version and the features both sides took (during a rolling upgrade, which daemons and agents are still an older build) |
 //!
 //! Pins are not here: an L1 pin is a count in the arena's shared memory,
 //! taken and dropped by agents without a message; `lake inspect --arena`
@@ -26,7 +27,7 @@
 use serde_json::{Value, json};
 
 use crate::node::{BlockEventKind, Node};
-use crate::server::ServerCounters;
+use crate::server::{ServerCounters, Session};
 use lake_dp::{BlockKey, Tier};
 
 /// Longest request line.
@@ -82,13 +83,14 @@ fn error(why: impl Into<String>) -> Value {
 }
 
 /// The answer to one request line (without its newline).
-pub fn respond(node: &mut Node, server: &ServerCounters, peers: usize, line: &[u8]) -> Value {
+pub fn respond(node: &mut Node, server: &ServerCounters, sessions: &[&Session], line: &[u8]) -> Value {
     let request: Value = match serde_json::from_slice(line) {
         Ok(value) => value,
         Err(e) => return error(format!("not a JSON request: {e}")),
     };
     match request.get("op").and_then(Value::as_str) {
-        Some("top") => top(node, server, peers),
+        Some("top") => top(node, server, sessions.len()),
+        Some("peers") => peers(sessions),
         Some("inspect") => match request.get("key").and_then(Value::as_str).and_then(unhex::<16>) {
             Some(key) => inspect(node, &BlockKey(key)),
             None => error("inspect: \"key\" must be the block key as 32 hex digits"),
@@ -127,7 +129,7 @@ pub fn respond(node: &mut Node, server: &ServerCounters, peers: usize, line: &[u
             }
         }
         Some(other) => {
-            error(format!("unknown op {other:?}: top, inspect, namespaces, purge, regions, drain or drains"))
+            error(format!("unknown op {other:?}: top, inspect, namespaces, purge, regions, drain, drains or peers"))
         }
         None => error("a request is {\"op\": ...}"),
     }
@@ -152,6 +154,34 @@ fn regions(node: &Node) -> Value {
         })
         .collect();
     json!({ "regions": regions })
+}
+
+fn peers(sessions: &[&Session]) -> Value {
+    let peers: Vec<Value> = sessions
+        .iter()
+        .filter_map(|session| {
+            let role = match session.role()? {
+                lake_dp::wire::message::Role::DataPlane => "data_plane",
+                lake_dp::wire::message::Role::Agent => "agent",
+                lake_dp::wire::message::Role::ControlPlane => "control_plane",
+            };
+            let (node, pid) = session.origin();
+            let features: Vec<&str> = lake_dp::wire::FEATURE_NAMES
+                .iter()
+                .filter(|&&(bit, _)| session.takes(bit))
+                .map(|&(_, name)| name)
+                .collect();
+            Some(json!({
+                "role": role,
+                "name": session.name(),
+                "node": node,
+                "pid": pid,
+                "version": session.version(),
+                "features": features,
+            }))
+        })
+        .collect();
+    json!({ "peers": peers })
 }
 
 fn drains(node: &Node) -> Vec<Value> {
@@ -348,7 +378,7 @@ mod tests {
     use super::*;
 
     fn ask(node: &mut Node, line: &str) -> Value {
-        respond(node, &ServerCounters::default(), 0, line.as_bytes())
+        respond(node, &ServerCounters::default(), &[], line.as_bytes())
     }
 
     #[test]

@@ -86,6 +86,9 @@ pub struct Session {
     regions: Vec<u16>,
     /// The feature bits both sides offered at hello.
     features: u64,
+    /// The node and process id the peer's hello named.
+    node: u32,
+    pid: u32,
 }
 
 /// Whether a session goes on after a call.
@@ -108,6 +111,8 @@ impl Session {
             peer,
             regions: Vec::new(),
             features: 0,
+            node: 0,
+            pid: 0,
         }
     }
 
@@ -138,6 +143,16 @@ impl Session {
     /// The peer's name from its hello (empty before).
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The feature bits both sides offered at hello (0 before).
+    pub fn features(&self) -> u64 {
+        self.features
+    }
+
+    /// The node and process id the peer's hello named (0 before).
+    pub fn origin(&self) -> (u32, u32) {
+        (self.node, self.pid)
     }
 
     /// Bytes received and not yet a whole frame.
@@ -177,6 +192,7 @@ impl Session {
                                     .map(|(ack, limits)| {
                                         self.stage = Stage::Open(limits);
                                         self.features = ack.features;
+                                        (self.node, self.pid) = (remote.node, remote.pid);
                                         self.name = remote.name().to_owned();
                                         self.role = Some(role);
                                         Some(Reply::Fixed(request, Message::HelloAck(ack), HELLO_WIRE_VERSION))
@@ -748,13 +764,13 @@ impl Server {
     }
 
     fn serve_admin_client(&mut self, token: Token) {
-        let peers = self.peers.len();
+        let sessions: Vec<&Session> = self.peers.values().map(|peer| &peer.session).collect();
         let Some(client) = self.admin_clients.get_mut(&token) else { return };
         let mut done = !client.closing
             && read_available(&mut client.stream, &mut client.input, crate::admin::LINE_BYTES_MAX + 4096);
         while let Some(end) = client.input.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = client.input.drain(..=end).collect();
-            let answer = crate::admin::respond(&mut self.node, &self.counters, peers, &line[..end]);
+            let answer = crate::admin::respond(&mut self.node, &self.counters, &sessions, &line[..end]);
             client.output.extend_from_slice(answer.to_string().as_bytes());
             client.output.push(b'\n');
         }

@@ -3,7 +3,8 @@
 //! is rotated): `lake top` shows the pool, `lake inspect` a block's
 //! replicas, its history and — read from the arena while an engine
 //! reads it — its L1 pin; `lake namespaces` lists what each namespace
-//! holds; `lake purge` drops every replica of one namespace from every
+//! holds; `lake peers` who is connected and what each took at hello;
+//! `lake purge` drops every replica of one namespace from every
 //! tier while the other is untouched; bad requests are named.
 
 use std::os::unix::fs::PermissionsExt;
@@ -54,6 +55,22 @@ fn top_inspect_namespaces_and_purge_on_a_running_pool() {
     let paths: Vec<&str> = top["paths"].as_array().unwrap().iter().filter_map(|p| p["path"].as_str()).collect();
     assert_eq!(paths, ["l2_read_critical", "l2_read_background", "l2_write", "transfer_storage"], "{top}");
     assert!(text.contains("l2_read_critical"), "{text}");
+
+    // Who is connected, and what each took at hello: this build's data
+    // plane offers every feature this build knows; both engines are there.
+    let peers = json(&lake(&["peers", "--admin", &admin, "--json"]).unwrap());
+    let list = peers["peers"].as_array().unwrap();
+    let dp = list.iter().find(|p| p["role"] == "data_plane").unwrap_or_else(|| panic!("{peers}"));
+    assert_eq!(dp["name"], "lake-dp", "{peers}");
+    assert_eq!(dp["pid"], std::process::id(), "the embedded data plane is this process: {peers}");
+    assert_eq!(dp["version"], lake_dp::wire::WIRE_VERSION_MAX, "{peers}");
+    let features: Vec<&str> = dp["features"].as_array().unwrap().iter().filter_map(|f| f.as_str()).collect();
+    assert_eq!(features, lake_dp::wire::FEATURE_NAMES.map(|(_, name)| name), "{peers}");
+    let engines: Vec<&serde_json::Value> = list.iter().filter(|p| p["role"] == "agent").collect();
+    assert_eq!(engines.len(), 2, "{peers}");
+    assert!(engines.iter().all(|p| p["name"] == "test-engine"), "{peers}");
+    let text = lake(&["peers", "--admin", &admin]).unwrap();
+    assert!(text.contains("data_plane") && text.contains("rail_stats,path_latency,drain,paths_l3"), "{text}");
 
     // A block's replicas and history; its L1 pin read from the arena while
     // the engine holds it.

@@ -4,9 +4,10 @@
 //! `LAKE_PREVIOUS_DP`) runs under this build's `lake-cp` with this build's
 //! agent attached over its socket. Blocks saved through it are demoted to
 //! its L2 by this control plane's tier manager and read back byte for
-//! byte; what it was built before — the drain (kind 28) and the L3 path
-//! timings — is never sent to it (the drain says why), and it stops clean
-//! on SIGTERM.
+//! byte; what it did not offer at hello (`lake-cp`'s `peers` shows it) is
+//! never sent to it — a drain of an L2 file runs where it took drains and
+//! is refused, saying why, where it did not — and it stops clean on
+//! SIGTERM.
 //!
 //! Without `LAKE_PREVIOUS_DP` the test says SKIPPED and why (a checkout
 //! without the old binary built); CI always builds it.
@@ -190,13 +191,52 @@ ports = 2
         });
     }
 
-    // What it was built before is never sent to it.
-    let drains = admin(&admin_socket, "{\"op\":\"drain\",\"region\":1}");
+    // What its hello offered is what it is sent: the drain (kind 28) only
+    // where it took it, else the drain is refused, saying why.
+    let peers = admin(&admin_socket, "{\"op\":\"peers\"}");
+    let old_dp = peers["peers"].as_array().unwrap().iter().find(|p| p["role"] == "data_plane").cloned();
+    let old_dp = old_dp.unwrap_or_else(|| panic!("no data plane among the peers: {peers}"));
+    assert_eq!(old_dp["name"], "lake-dp", "{old_dp}");
+    let drains_too = old_dp["features"].as_array().unwrap().iter().any(|f| f == "drain");
+    // Its fuller L2 file.
+    let regions = admin(&admin_socket, "{\"op\":\"regions\"}");
+    let drained = regions["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["tier"] == "l2")
+        .max_by_key(|r| r["blocks"].as_u64())
+        .and_then(|r| r["region"].as_u64())
+        .unwrap_or_else(|| panic!("no L2 file among the regions: {regions}"));
+    let drains = admin(&admin_socket, &format!("{{\"op\":\"drain\",\"region\":{drained}}}"));
     assert!(drains["drains"].is_array(), "{drains}");
-    wait_until("the drain's refusal", || {
-        let drains = admin(&admin_socket, "{\"op\":\"drains\"}");
-        drains["drains"][0]["refused"] == "its lake-dp does not drain (an older build)"
-    });
+    eprintln!("the previous data plane takes drains: {drains_too}");
+    if drains_too {
+        wait_until("the old data plane drained its L2 file", || {
+            let drains = admin(&admin_socket, "{\"op\":\"drains\"}");
+            drains["drains"][0]["done"] == true && drains["drains"][0]["refused"].is_null()
+        });
+        // Nothing was lost: every block reads back from where it went.
+        let mut delivered = 0;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while delivered < keys.len() {
+            assert!(Instant::now() < deadline, "{delivered} of {BLOCKS} read back after the drain");
+            assert_eq!(agent.lookup(&keys, &mut table), keys.len());
+            assert!(
+                table.iter().all(|e| e.tier != lake_dp::Tier::L2Nvme || u64::from(e.region.0) != drained),
+                "a block left on the drained file"
+            );
+            let end = keys.len().min(delivered + 4);
+            delivered += agent.fetch(&keys[delivered..end], &table[delivered..end], |i, bytes| {
+                assert_eq!(bytes, &payload((delivered + i) as u32)[..], "block {}", delivered + i);
+            });
+        }
+    } else {
+        wait_until("the drain's refusal", || {
+            let drains = admin(&admin_socket, "{\"op\":\"drains\"}");
+            drains["drains"][0]["refused"] == "its lake-dp does not drain (an older build)"
+        });
+    }
     // Its stats (once a second) time its L2 writes, on the four paths it
     // knows.
     wait_until("its L2 writes timed", || {

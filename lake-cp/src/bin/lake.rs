@@ -51,6 +51,9 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                (drop every replica of a namespace from every tier: an old model, a rotated tenant key)
        lake regions --admin PATH [--json]
                (every region: L1 arena, each L2 file, L3; what each holds, which are draining)
+       lake peers --admin PATH [--json]
+               (every data plane and agent connected: name, node, pid, wire version, the features
+                both sides took; during a rolling upgrade, which are still an older build)
        lake drain --admin PATH [--wait SECONDS] [--undo] REGION|FILE
                (stop writing to an L2 file and move its blocks to the node's other files;
                 --wait: until it is empty, then it may be taken away; --undo: use it again)";
@@ -79,14 +82,15 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Some(op @ ("top" | "inspect" | "namespaces" | "purge" | "regions" | "drain")) => match operator(op, &args[1..])
-        {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("lake {op}: {e}");
-                ExitCode::FAILURE
+        Some(op @ ("top" | "inspect" | "namespaces" | "purge" | "regions" | "peers" | "drain")) => {
+            match operator(op, &args[1..]) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("lake {op}: {e}");
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
         Some("keygen") => match keygen(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -1094,6 +1098,26 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
                     r["blocks"].as_u64().unwrap_or(0),
                     if r["draining"] == true { "yes" } else { "" },
                     r["name"].as_str().unwrap_or("")
+                ));
+            }
+            show(&list, text);
+            Ok(())
+        }
+        "peers" => {
+            let list = ask_admin(&admin, &json!({ "op": "peers" }))?;
+            let mut text =
+                format!("{:<12} {:<24} {:>5} {:>8} {:>7}  features\n", "role", "name", "node", "pid", "version");
+            for p in list["peers"].as_array().into_iter().flatten() {
+                let features: Vec<&str> =
+                    p["features"].as_array().into_iter().flatten().filter_map(serde_json::Value::as_str).collect();
+                text.push_str(&format!(
+                    "{:<12} {:<24} {:>5} {:>8} {:>7}  {}\n",
+                    p["role"].as_str().unwrap_or("?"),
+                    p["name"].as_str().unwrap_or(""),
+                    p["node"].as_u64().unwrap_or(0),
+                    p["pid"].as_u64().unwrap_or(0),
+                    p["version"].as_u64().map_or_else(|| "-".to_owned(), |v| v.to_string()),
+                    if features.is_empty() { "-".to_owned() } else { features.join(",") }
                 ));
             }
             show(&list, text);

@@ -64,6 +64,15 @@ pub const FEATURE_PATHS_L3: u64 = 1 << 3;
 /// The feature bits this build offers.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY | FEATURE_DRAIN | FEATURE_PATHS_L3;
 
+/// Each feature bit this build knows and its name for an operator (what
+/// `lake-cp`'s `peers` shows of each session).
+pub const FEATURE_NAMES: [(u64, &str); 4] = [
+    (FEATURE_RAIL_STATS, "rail_stats"),
+    (FEATURE_PATH_LATENCY, "path_latency"),
+    (FEATURE_DRAIN, "drain"),
+    (FEATURE_PATHS_L3, "paths_l3"),
+];
+
 /// Bytes in a frame header.
 pub const FRAME_HEADER_BYTES: usize = size_of::<FrameHeader>();
 
