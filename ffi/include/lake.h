@@ -817,6 +817,41 @@ typedef struct LakeRouteMove {
   uint32_t network;
 } LakeRouteMove;
 
+/*
+ One block of a traced load, as the agent saw it.
+ */
+typedef struct LakeTraceSpan {
+  /*
+   The engine's trace id.
+   */
+  uint64_t trace;
+  /*
+   The block.
+   */
+  struct LakeBlockKey key;
+  /*
+   The tier it was loaded from (2 L2, 3 L3).
+   */
+  uint32_t tier;
+  /*
+   How its load ended in the data plane.
+   */
+  enum LakeStatus status;
+  /*
+   From asking the data plane to its answer, as the agent saw it, ns.
+   */
+  uint64_t took_ns;
+  /*
+   The data plane's own time on it, µs, from its answer (0: a data
+   plane that does not take trace ids, an older build).
+   */
+  uint32_t data_plane_us;
+  /*
+   Zero.
+   */
+  uint32_t reserved;
+} LakeTraceSpan;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1463,6 +1498,28 @@ enum LakeStatus lake_route(const struct LakePool *pool,
  `buffer` must be null or point at `capacity` writable bytes.
  */
 uintptr_t lake_last_error(char *buffer, uintptr_t capacity);
+
+/*
+ Sets the trace id the loads this thread submits from now on carry, on
+ any pool (0: none, the default). Cheap; call it before a request's
+ `lake_submit_load`.
+ */
+void lake_set_trace(uint64_t trace);
+
+/*
+ Hands over the traced loads' blocks done since the last call, oldest
+ first: up to `capacity` into `out`, how many into `written` (the rest
+ wait for the next call; at most the newest 256 are kept). Thread-safe.
+
+ # Safety
+
+ `out` points at `capacity` writable entries (or is null with
+ `capacity` 0); `written` writable.
+ */
+enum LakeStatus lake_trace_spans(const struct LakePool *pool,
+                                 struct LakeTraceSpan *out,
+                                 uintptr_t capacity,
+                                 uintptr_t *written);
 
 #ifdef __cplusplus
 }  // extern "C"

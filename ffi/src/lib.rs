@@ -23,6 +23,7 @@ pub mod pool;
 mod push;
 pub mod route;
 pub mod status;
+pub mod trace;
 
 use lake_dp::wire::{WIRE_VERSION_MAX, WIRE_VERSION_MIN};
 

@@ -4,6 +4,8 @@
 
 pub use crate::push::LakeRailStat;
 use std::collections::{HashSet, VecDeque};
+
+use crate::trace::LakeTraceSpan;
 use std::ffi::{CStr, c_char};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -190,6 +192,8 @@ enum Job {
     },
     Load {
         request: u64,
+        /// The engine's trace id for it (`lake_set_trace`), 0 untraced.
+        trace: u64,
         priority: Priority,
         memory: Memory,
         keys: Vec<BlockKey>,
@@ -285,6 +289,8 @@ pub struct LakePool {
     stop: Arc<AtomicBool>,
     /// The compute network's rails as the agent thread last saw them.
     push_rails: Arc<Mutex<Vec<LakeRailStat>>>,
+    /// Traced loads' blocks not yet handed over (`lake_trace_spans`).
+    pub(crate) spans: Arc<Mutex<VecDeque<LakeTraceSpan>>>,
     /// What computing one block of a prompt costs this engine, as it
     /// reported its prefills ([`lake_report_prefill`]; ns, a moving
     /// average; 0 not reported yet).
@@ -712,9 +718,10 @@ fn start(
     let alive = Arc::new(AtomicBool::new(true));
     let stop = Arc::new(AtomicBool::new(false));
     let push_rails = Arc::new(Mutex::new(Vec::new()));
+    let spans = Arc::new(Mutex::new(VecDeque::with_capacity(lake_dp::agent::SPANS_KEPT)));
     let thread = {
         let (cancelled, stats, alive) = (Arc::clone(&cancelled), Arc::clone(&stats), Arc::clone(&alive));
-        let (stop, push_rails) = (Arc::clone(&stop), Arc::clone(&push_rails));
+        let (stop, push_rails, spans) = (Arc::clone(&stop), Arc::clone(&push_rails), Arc::clone(&spans));
         std::thread::Builder::new()
             .name("lake-agent".into())
             .spawn(move || {
@@ -726,7 +733,7 @@ fn start(
                 }
                 let _ = ready_tx.send(Ok(()));
                 let queues = (urgent_rx, background_rx);
-                let signals = Signals { cancelled, stats, alive, stop, push_rails };
+                let signals = Signals { cancelled, stats, alive, stop, push_rails, spans };
                 agent_thread(agent, &queues, &shared, &signals, &done_tx);
             })
             .map_err(|e| fail(LakeStatus::LakeInternal, format!("starting the agent thread: {e}")))?
@@ -766,6 +773,7 @@ fn start(
         thread: Some(thread),
         stop,
         push_rails,
+        spans,
     })
 }
 
@@ -777,7 +785,7 @@ fn agent_thread(
     signals: &Signals,
     done: &std::sync::mpsc::Sender<LakeCompletion>,
 ) {
-    let Signals { cancelled, stats, alive, stop, push_rails } = signals;
+    let Signals { cancelled, stats, alive, stop, push_rails, spans } = signals;
     let mut last_job = std::time::Instant::now();
     let mut last_pump = last_job;
     // The poller stage: GPU loads on their way, completed when their
@@ -899,6 +907,10 @@ fn agent_thread(
             }
             Job::Load { request, blocks, .. } | Job::Save { request, blocks, .. } => (*request, blocks.len()),
         };
+        // A traced load's blocks are loaded under its trace id, and what
+        // the agent saw of each kept for `lake_trace_spans`.
+        let trace = if let Job::Load { trace, .. } = &job { *trace } else { 0 };
+        agent.set_trace(trace);
         let was_cancelled = cancelled.lock().map(|mut c| c.remove(&request)).unwrap_or(false);
         let mut statuses = vec![LakeStatus::LakeOk; count];
         if was_cancelled {
@@ -932,6 +944,8 @@ fn agent_thread(
                         gpu::Loaded::Done(done) => statuses = done,
                         gpu::Loaded::InFlight(load) => {
                             in_flight.push_back(load);
+                            agent.set_trace(0);
+                            keep_spans(&mut agent, spans);
                             continue;
                         }
                     }
@@ -979,6 +993,10 @@ fn agent_thread(
         }
         if let Ok(mut s) = stats.lock() {
             *s = agent.stats;
+        }
+        if trace != 0 {
+            agent.set_trace(0);
+            keep_spans(&mut agent, spans);
         }
         if !complete(done, request, statuses) {
             for load in in_flight.drain(..) {
@@ -1039,6 +1057,30 @@ struct Signals {
     alive: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     push_rails: Arc<Mutex<Vec<LakeRailStat>>>,
+    spans: Arc<Mutex<VecDeque<LakeTraceSpan>>>,
+}
+
+/// Moves the agent's traced loads into what `lake_trace_spans` hands out
+/// (the oldest go past [`lake_dp::agent::SPANS_KEPT`]).
+fn keep_spans(agent: &mut Agent, spans: &Mutex<VecDeque<LakeTraceSpan>>) {
+    let Ok(mut kept) = spans.lock() else { return };
+    agent.take_spans(|span| {
+        if kept.len() >= lake_dp::agent::SPANS_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back(LakeTraceSpan {
+            trace: span.trace,
+            key: LakeBlockKey { bytes: span.key.0 },
+            tier: u32::from(span.tier),
+            status: match span.result {
+                Ok(()) => LakeStatus::LakeOk,
+                Err(e) => crate::trace::status_of_agent_error(e),
+            },
+            took_ns: span.took_ns,
+            data_plane_us: span.data_plane_us,
+            reserved: 0,
+        });
+    });
 }
 
 /// What the agent thread shares with its lanes and the engine threads.
@@ -1949,7 +1991,15 @@ pub unsafe extern "C" fn lake_submit_load(
             let submitted = submit(
                 pool,
                 urgent(priority),
-                Job::Load { request, priority, memory, keys, table, blocks: blocks.to_vec() },
+                Job::Load {
+                    request,
+                    trace: crate::trace::current(),
+                    priority,
+                    memory,
+                    keys,
+                    table,
+                    blocks: blocks.to_vec(),
+                },
             );
             if submitted.is_err() {
                 pool.layers.finished(request);

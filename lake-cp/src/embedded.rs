@@ -84,8 +84,12 @@ pub struct EmbeddedConfig {
     /// `[[tenants]]`).
     pub tenant_rates: Vec<lake_dp::runner::config::TenantSection>,
     /// The data plane's event lines (JSON: refused links and agents, L3
-    /// scans, its final figures) go to stderr (`lake serve`), not nowhere.
+    /// scans, traced loads, its final figures) go to stderr (`lake serve`),
+    /// not nowhere.
     pub events_to_stderr: bool,
+    /// Or they are appended to this file (created if missing), whatever
+    /// `events_to_stderr` says.
+    pub event_log: Option<PathBuf>,
 }
 
 /// Who may use a pool's local sockets. See [`EmbeddedConfig::access`].
@@ -131,6 +135,7 @@ impl EmbeddedConfig {
             require_encryption: false,
             tenant_rates: Vec::new(),
             events_to_stderr: false,
+            event_log: None,
         }
     }
 }
@@ -345,16 +350,22 @@ impl EmbeddedPool {
             tenant_keys: Some(Arc::clone(&tenant_keys)),
             rdma: config.rdma.clone(),
         };
-        let events = config.events_to_stderr;
+        // The data plane's event lines (refused links and agents, L3 scans,
+        // traced loads) go to the log file, or stderr, where asked.
+        let mut out: Box<dyn std::io::Write + Send> = match &config.event_log {
+            Some(path) => Box::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| format!("event log {}: {e}", path.display()))?,
+            ),
+            None if config.events_to_stderr => Box::new(std::io::stderr()),
+            None => Box::new(std::io::sink()),
+        };
         let dp = std::thread::Builder::new()
             .name("lake-dp".into())
-            .spawn(move || {
-                // The data plane's event lines (refused links and agents,
-                // L3 scans) go to stderr where asked.
-                let mut out: Box<dyn std::io::Write> =
-                    if events { Box::new(std::io::stderr()) } else { Box::new(std::io::sink()) };
-                run_with(&runner, &RunnerOptions::default(), ports, &mut out)
-            })
+            .spawn(move || run_with(&runner, &RunnerOptions::default(), ports, &mut out))
             .map_err(|e| e.to_string())?;
         let mut pool = Self {
             dir: config.dir.clone(),

@@ -180,6 +180,11 @@ ports = 2
         let hits = agent.lookup(&keys, &mut table);
         hits == keys.len() && table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count() >= 20
     });
+    // Read back under a trace id: sent only where the old data plane
+    // offered trace ids at attach (one built before them refuses a request
+    // carrying one); the agent's spans then have none of its time.
+    eprintln!("the previous data plane takes trace ids: {}", agent.traces_taken());
+    agent.set_trace(0x01d0_7ace);
     let mut delivered = 0;
     let deadline = Instant::now() + Duration::from_secs(30);
     while delivered < keys.len() {
@@ -190,6 +195,13 @@ ports = 2
             assert_eq!(bytes, &payload((delivered + i) as u32)[..], "block {}", delivered + i);
         });
     }
+
+    agent.set_trace(0);
+    let mut spans = Vec::new();
+    agent.take_spans(|span| spans.push(*span));
+    assert!(!spans.is_empty(), "no traced load from its L2");
+    let timed = spans.iter().filter(|span| span.data_plane_us > 0).count();
+    assert_eq!(timed, if agent.traces_taken() { spans.len() } else { 0 }, "{spans:?}");
 
     // What its hello offered is what it is sent: the drain (kind 28) only
     // where it took it, else the drain is refused, saying why.

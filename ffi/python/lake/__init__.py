@@ -88,7 +88,20 @@ RAIL_DTYPE = np.dtype(
         ("address", "S64"),
     ]
 )
+# A traced load's block as the agent saw it (``LakeTraceSpan``).
+TRACE_SPAN_DTYPE = np.dtype(
+    [
+        ("trace", np.uint64),
+        ("key", "V16"),
+        ("tier", np.uint32),
+        ("status", np.int32),
+        ("took_ns", np.uint64),
+        ("data_plane_us", np.uint32),
+        ("reserved", np.uint32),
+    ]
+)
 assert LOCATION_DTYPE.itemsize == 16 and COMPLETION_DTYPE.itemsize == 16
+assert TRACE_SPAN_DTYPE.itemsize == 48
 
 
 class LakeError(Exception):
@@ -264,6 +277,8 @@ def _library():
         "lake_slot_space": ([p, ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(u64)], ctypes.c_int),
         "lake_push": ([p, ctypes.c_char_p, p, p, sz, ctypes.c_uint16, u64, u32, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_push_rails": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_set_trace": ([u64], None),
+        "lake_trace_spans": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_route": ([p, p, p, p, sz], ctypes.c_int),
         "lake_load_costs": ([p, ctypes.POINTER(u64), sz], ctypes.c_int),
         "lake_report_prefill": ([p, u64, u64], ctypes.c_int),
@@ -473,6 +488,13 @@ class StateLayout:
             f"StateLayout(layers={self.layers}, state_bytes_per_layer={self.state_bytes_per_layer}, "
             f"dtype={self.dtype}, fingerprint={self.fingerprint:#x})"
         )
+
+
+def set_trace(trace: int) -> None:
+    """The trace id the loads this thread submits from now on carry (0:
+    none): the data plane logs each block it loads under it with its time,
+    and ``Pool.trace_spans()`` hands each over as the agent saw it."""
+    _library().lake_set_trace(int(trace))
 
 
 def state_keys(keys) -> np.ndarray:
@@ -927,6 +949,16 @@ class Pool:
             )
         )
         return request.value
+
+    def trace_spans(self) -> np.ndarray:
+        """The traced loads' blocks done since the last call
+        (``TRACE_SPAN_DTYPE``: trace, key, tier, status, took_ns — the
+        agent's wait — and data_plane_us — the data plane's own time, 0 from
+        one built before trace ids), oldest first."""
+        out = np.zeros(256, dtype=TRACE_SPAN_DTYPE)
+        count = ctypes.c_size_t()
+        _check(_library().lake_trace_spans(self._h(), _ptr(out), out.shape[0], ctypes.byref(count)))
+        return out[: count.value]
 
     def push_rails(self) -> np.ndarray:
         """What each rail of the compute network carried for this pool's

@@ -73,6 +73,19 @@ def test_save_lookup_load_round_trip(pool_paths):
         assert np.array_equal(memory[12:], memory[:12]), "the bytes came back"
         stats = pool.stats()
         assert stats["saves"] == 12 and stats["l1_loads"] + stats["l2_loads"] >= 12
+        # Untraced loads leave no span; a traced one leaves one per block
+        # it brought up from L2 (none for L1 hits), with its trace id.
+        assert pool.trace_spans().shape[0] == 0
+        hits, table = wait_hits(pool, keys, 12)
+        lake.set_trace(0x7ACE)
+        try:
+            request = pool.submit_load(memory_id, keys, table, np.arange(12, 24))
+            assert (pool.wait(request, 12) == 0).all()
+        finally:
+            lake.set_trace(0)
+        spans = pool.trace_spans()
+        assert (spans["trace"] == 0x7ACE).all() and (spans["tier"] == 2).all()
+        assert spans.shape[0] >= int((table["tier"] == 2).sum())
 
 
 def test_pinned_hits_load_in_the_calling_thread(pool_paths):

@@ -227,6 +227,28 @@ pub fn fold_load_cost(average_ns: u64, took: Duration) -> u64 {
     if average_ns == 0 { ns } else { average_ns.saturating_mul(7).saturating_add(ns) / 8 }
 }
 
+/// Traced loads an agent keeps for its engine at most (the oldest go).
+pub const SPANS_KEPT: usize = 256;
+
+/// A load done under the engine's trace id ([`Agent::set_trace`]), as the
+/// agent saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceSpan {
+    /// The engine's trace id.
+    pub trace: u64,
+    /// The block.
+    pub key: BlockKey,
+    /// The tier it was loaded from (`Tier` code: 2 L2, 3 L3).
+    pub tier: u8,
+    /// The data plane's answer.
+    pub result: Result<(), AgentError>,
+    /// From asking the data plane to its answer, as the agent saw it, ns.
+    pub took_ns: u64,
+    /// The data plane's own time on it, µs, from its answer (0: a data
+    /// plane that does not time traced loads).
+    pub data_plane_us: u32,
+}
+
 /// The agent. See the module docs.
 pub struct Agent {
     arena: Arena,
@@ -254,6 +276,12 @@ pub struct Agent {
     last_failure: Option<FetchFailure>,
     /// The priority of the data plane loads a fetch asks for.
     load_priority: Priority,
+    /// The engine's trace id its loads carry (0: none), whether the data
+    /// plane takes one ([`crate::wire::FEATURE_TRACE`]), and the traced
+    /// loads done, oldest first (at most [`SPANS_KEPT`]).
+    trace: u64,
+    traces_taken: bool,
+    spans: std::collections::VecDeque<TraceSpan>,
     /// What it has done.
     pub stats: AgentStats,
 }
@@ -269,7 +297,7 @@ impl Agent {
     /// ports).
     pub fn attach(config: &AgentConfig<'_>, port: AgentPort) -> Result<Self, AttachError> {
         let arena = Arena::attach(config.arena).map_err(|e| AttachError(e.to_string()))?;
-        Self::with(config, arena, port, None)
+        Self::with(config, arena, port, None, true)
     }
 
     /// Attaches to the `lake-dp` listening on `dp_socket` (its `[agents]
@@ -287,7 +315,7 @@ impl Agent {
             node: 0,
             pid: std::process::id(),
             region_epoch: 0,
-            features: crate::wire::FEATURES,
+            features: crate::wire::ATTACH_FEATURES,
             name: config.name,
         };
         let hello = crate::wire::hello::hello(&identity).map_err(|e| fail("hello")(&e))?;
@@ -354,7 +382,9 @@ impl Agent {
             return Err(AttachError("the arena passed is not the one announced".into()));
         }
         let port = AgentShmPort::attach(ports, attached.port).map_err(|e| AttachError(e.to_string()))?;
-        Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream))
+        // A data plane built before trace ids refuses a request carrying one.
+        let traces_taken = ack.is_some_and(|ack| ack.features & crate::wire::FEATURE_TRACE != 0);
+        Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream), traces_taken)
     }
 
     fn with(
@@ -362,6 +392,7 @@ impl Agent {
         arena: Arena,
         port: AgentPort,
         attach_socket: Option<UnixStream>,
+        traces_taken: bool,
     ) -> Result<Self, AttachError> {
         let region = arena.region().map_err(|e| AttachError(e.to_string()))?;
         let pins = arena.claim_agent().map_err(|e| AttachError(e.to_string()))?;
@@ -402,8 +433,40 @@ impl Agent {
             attach_socket,
             last_failure: None,
             load_priority: Priority::CriticalLoad,
+            trace: 0,
+            traces_taken,
+            spans: std::collections::VecDeque::with_capacity(SPANS_KEPT),
             stats: AgentStats::default(),
         })
+    }
+
+    /// Sets the engine's trace id that the loads this agent asks from now on
+    /// carry (0: none). The data plane logs each under it with its time
+    /// (`{"event":"trace",...}` in its log) and answers with that time;
+    /// the agent keeps each as a [`TraceSpan`] ([`Agent::take_spans`]).
+    /// With a data plane built before trace ids, loads go untraced and
+    /// the spans say the data plane's time is 0.
+    pub fn set_trace(&mut self, trace: u64) {
+        self.trace = trace;
+    }
+
+    /// Whether the data plane takes trace ids ([`crate::wire::FEATURE_TRACE`]).
+    pub fn traces_taken(&self) -> bool {
+        self.traces_taken
+    }
+
+    /// Hands over the traced loads done since the last call, oldest first.
+    pub fn take_spans(&mut self, mut each: impl FnMut(&TraceSpan)) {
+        for span in self.spans.drain(..) {
+            each(&span);
+        }
+    }
+
+    fn keep_span(&mut self, span: TraceSpan) {
+        if self.spans.len() >= SPANS_KEPT {
+            self.spans.pop_front();
+        }
+        self.spans.push_back(span);
     }
 
     /// Whether the data plane is still there: its attach socket open (an
@@ -847,12 +910,15 @@ impl Agent {
         let mut slots: Vec<Option<Pin>> = (0..batch.len()).map(|_| None).collect();
         let mut pending: Vec<usize> = (0..batch.len()).collect();
         let mut stopped = false;
+        let trace = if self.traces_taken { self.trace } else { 0 };
         while !pending.is_empty() {
             let mut cookies = Vec::with_capacity(pending.len());
+            let asked = Instant::now();
             for &b in &pending {
                 let (j, source) = batch[b];
                 let cookie = self.cookie();
-                let load = AgentRequest::Load { cookie, key: keys[j], source, priority: self.load_priority };
+                let priority = self.load_priority;
+                let load = AgentRequest::Load { cookie, key: keys[j], source, priority, trace };
                 if self.port.submit(load).is_err() {
                     break;
                 }
@@ -866,7 +932,19 @@ impl Agent {
                     self.cancel_loads(&loads);
                 }
                 let (b, cookie) = cookies[at];
-                match self.wait(cookie) {
+                let answer = self.wait_for(cookie);
+                if self.trace != 0 {
+                    let (j, source) = batch[b];
+                    self.keep_span(TraceSpan {
+                        trace: self.trace,
+                        key: keys[j],
+                        tier: source.tier,
+                        result: answer.result.map(|_| ()),
+                        took_ns: u64::try_from(asked.elapsed().as_nanos()).unwrap_or(u64::MAX),
+                        data_plane_us: answer.took_us,
+                    });
+                }
+                match answer.result {
                     Ok((slot, generation)) => match self.pins.pin(slot, generation) {
                         Ok(pin) => slots[b] = Some(pin),
                         Err(PinError::Stale { .. }) => retry.push(b),
@@ -1093,15 +1171,20 @@ impl Agent {
     /// Waits for the completion of `cookie` (others that arrive meanwhile
     /// are kept for their own waits).
     fn wait(&mut self, cookie: u64) -> Result<(u32, u32), AgentError> {
+        self.wait_for(cookie).result
+    }
+
+    /// [`Agent::wait`], the whole answer (a traced load's time with it).
+    fn wait_for(&mut self, cookie: u64) -> AgentCompletion {
         if let Some(at) = self.early.iter().position(|c| c.cookie == cookie) {
-            return self.early.swap_remove(at).result;
+            return self.early.swap_remove(at);
         }
         let deadline = Instant::now() + WAIT_MAX;
         let mut spins = 0u32;
         loop {
             while let Some(completion) = self.port.complete() {
                 if completion.cookie == cookie {
-                    return completion.result;
+                    return completion;
                 }
                 // Bounded: answers to waits that timed out are dropped
                 // oldest first.
@@ -1116,7 +1199,7 @@ impl Agent {
             spins += 1;
             if spins > 64 {
                 if Instant::now() > deadline {
-                    return Err(AgentError::Busy);
+                    return AgentCompletion { cookie, result: Err(AgentError::Busy), took_us: 0 };
                 }
                 std::thread::sleep(Duration::from_micros(10));
             } else {

@@ -51,6 +51,10 @@ pub enum AgentRequest {
         source: ReplicaWire,
         /// Its class.
         priority: Priority,
+        /// The engine's trace id for the request this load serves (0:
+        /// untraced): the data plane logs the load under it and answers
+        /// with its time on it.
+        trace: u64,
     },
     /// Stop the load asked with cookie `load` if it has not been read yet
     /// (its request was aborted): a load still queued is dropped — its
@@ -109,6 +113,9 @@ pub struct AgentCompletion {
     /// The L1 slot and generation (reserved, committed or loaded into), or
     /// why not.
     pub result: Result<(u32, u32), AgentError>,
+    /// A traced load's time in the data plane, from taking the request to
+    /// this answer, in µs (saturating); 0 for any other.
+    pub took_us: u32,
 }
 
 /// The data plane's end of a port: in-process rings, or a port in shared

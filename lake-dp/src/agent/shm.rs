@@ -107,8 +107,11 @@ pub struct RequestEntry {
     pub key: BlockKey,
     /// Its L2 replica (load).
     pub source: ReplicaWire,
+    /// The engine's trace id (load; zero untraced, and always from an agent
+    /// built before [`crate::wire::FEATURE_TRACE`]).
+    pub trace: u64,
     /// Zero.
-    pub reserved_c: [u8; 56],
+    pub reserved_c: [u8; 48],
 }
 
 /// A completion as it lies in shared memory.
@@ -123,8 +126,10 @@ pub struct CompletionEntry {
     pub slot: u32,
     /// Its generation.
     pub generation: u32,
+    /// A traced load's time in the data plane, µs (else 0).
+    pub took_us: u32,
     /// Zero.
-    pub reserved: [u8; 12],
+    pub reserved: [u8; 8],
 }
 
 const _: () = assert!(size_of::<RequestEntry>() == REQUEST_BYTES as usize);
@@ -181,12 +186,13 @@ impl RequestEntry {
                 entry.slot = slot;
                 entry.generation = generation;
             }
-            AgentRequest::Load { cookie, key, source, priority } => {
+            AgentRequest::Load { cookie, key, source, priority, trace } => {
                 entry.kind = 4;
                 entry.cookie = cookie;
                 entry.key = key;
                 entry.source = source;
                 entry.priority = priority as u8;
+                entry.trace = trace;
             }
             AgentRequest::Cancel { cookie, load } => {
                 entry.kind = 5;
@@ -207,6 +213,7 @@ impl RequestEntry {
             return Err(cookie);
         }
         match self.kind {
+            1..=3 if self.trace != 0 => Err(cookie),
             1 if self.object_bytes > 0 => Ok(AgentRequest::Reserve { cookie, object_bytes: self.object_bytes }),
             2 => Ok(AgentRequest::Commit { cookie, slot: self.slot, generation: self.generation }),
             3 => Ok(AgentRequest::Abort { cookie, slot: self.slot, generation: self.generation }),
@@ -215,9 +222,9 @@ impl RequestEntry {
                 if self.key.is_none() || self.source.reserved != 0 {
                     return Err(cookie);
                 }
-                Ok(AgentRequest::Load { cookie, key: self.key, source: self.source, priority })
+                Ok(AgentRequest::Load { cookie, key: self.key, source: self.source, priority, trace: self.trace })
             }
-            5 => Ok(AgentRequest::Cancel { cookie, load: self.object_bytes }),
+            5 if self.trace == 0 => Ok(AgentRequest::Cancel { cookie, load: self.object_bytes }),
             _ => Err(cookie),
         }
     }
@@ -229,13 +236,13 @@ impl CompletionEntry {
             Ok((slot, generation)) => (0, slot, generation),
             Err(e) => (e.code(), 0, 0),
         };
-        Self { cookie: completion.cookie, status, slot, generation, reserved: [0; 12] }
+        Self { cookie: completion.cookie, status, slot, generation, took_us: completion.took_us, reserved: [0; 8] }
     }
 
     fn decode(&self) -> AgentCompletion {
         let result =
             if self.status == 0 { Ok((self.slot, self.generation)) } else { Err(AgentError::from_code(self.status)) };
-        AgentCompletion { cookie: self.cookie, result }
+        AgentCompletion { cookie: self.cookie, result, took_us: self.took_us }
     }
 }
 
@@ -599,6 +606,7 @@ mod tests {
                     generation: 2,
                 },
                 priority: Priority::CriticalLoad,
+                trace: 0x7ace_0000_0000_0042,
             },
             AgentRequest::Cancel { cookie: 5, load: 4 },
         ];
@@ -616,12 +624,16 @@ mod tests {
         assert!(agent.push(&AgentRequest::Reserve { cookie: 9, object_bytes: 1 }).is_err());
         while dp.pop().is_some() {}
         // Completions back.
-        dp.push(&AgentCompletion { cookie: 1, result: Ok((3, 4)) }).unwrap();
-        dp.push(&AgentCompletion { cookie: 2, result: Err(AgentError::Corrupt) }).unwrap();
-        assert_eq!(agent.pop(), Some(AgentCompletion { cookie: 1, result: Ok((3, 4)) }));
-        assert_eq!(agent.pop(), Some(AgentCompletion { cookie: 2, result: Err(AgentError::Corrupt) }));
+        dp.push(&AgentCompletion { cookie: 1, result: Ok((3, 4)), took_us: 17 }).unwrap();
+        dp.push(&AgentCompletion { cookie: 2, result: Err(AgentError::Corrupt), took_us: 0 }).unwrap();
+        assert_eq!(agent.pop(), Some(AgentCompletion { cookie: 1, result: Ok((3, 4)), took_us: 17 }));
+        assert_eq!(agent.pop(), Some(AgentCompletion { cookie: 2, result: Err(AgentError::Corrupt), took_us: 0 }));
         assert_eq!(agent.pop(), None);
         // A scribbled entry is answered Invalid; a runaway tail is broken.
+        // A trace id on anything but a load is out of its domain.
+        let mut traced = RequestEntry::encode(&requests[1]);
+        traced.trace = 9;
+        assert_eq!(traced.decode(), Err(2));
         let mut bad = RequestEntry::encode(&requests[0]);
         bad.reserved_c[3] = 1;
         // SAFETY: test: writes the next request place as a rogue agent.

@@ -104,6 +104,34 @@ fn log_links(transport: &mut dyn crate::transport::Links, out: &mut dyn Write) {
     }
 }
 
+/// A traced load's line for the operator's log: the engine's trace id,
+/// where it ran and what it took.
+fn log_span(node: u32, span: &pool::LoadSpan, out: &mut dyn Write) {
+    let tier = match crate::model::replica::Tier::from_u8(span.tier) {
+        Some(crate::model::replica::Tier::L3Object) => "l3",
+        Some(crate::model::replica::Tier::L2Nvme) => "l2",
+        _ => "?",
+    };
+    use crate::agent::port::AgentError as E;
+    let result = match span.result {
+        Ok(()) => "ok",
+        Err(E::NoSpace) => "no_space",
+        Err(E::Stale) => "stale",
+        Err(E::Corrupt) => "corrupt",
+        Err(E::Io) => "io",
+        Err(E::Busy) => "busy",
+        Err(E::Invalid) => "invalid",
+        Err(E::Cancelled) => "cancelled",
+    };
+    let _ = writeln!(
+        out,
+        "{{\"event\":\"trace\",\"trace\":\"{:016x}\",\"node\":{node},\"op\":\"load\",\"agent\":{},\"tier\":\"{tier}\",\"result\":\"{result}\",\"us\":{}}}",
+        span.trace,
+        span.agent,
+        span.took_ns / 1000
+    );
+}
+
 /// What each rail to each peer carried, for the control plane's metrics.
 fn rail_entries(
     transport: &dyn crate::transport::Links,
@@ -934,7 +962,7 @@ pub fn run_with(
                 node: config.node.id,
                 pid: std::process::id(),
                 region_epoch: epoch,
-                features: 0,
+                features: crate::wire::ATTACH_FEATURES,
                 name: "lake-dp",
             };
             let mut server = attach::AttachServer::bind(socket, files, &identity, header.region)
@@ -1115,6 +1143,9 @@ pub fn run_with(
                 None => pool.take_sends(|_| false),
             }
             pool.end_failed_sends(&mut parts);
+            // Traced loads answered: the operator's log, under the engine's
+            // trace id.
+            pool.take_spans(|span| log_span(node_id, span, out));
             if let Some(attach) = &mut attach
                 && (stats.polls.is_multiple_of(256) || idle_since.is_some())
             {

@@ -61,16 +61,30 @@ pub const FEATURE_DRAIN: u64 = 1 << 2;
 /// it does not know, and more entries than four).
 pub const FEATURE_PATHS_L3: u64 = 1 << 3;
 
-/// The feature bits this build offers.
+/// Feature bit (the data plane's attach socket, not the `lake-cp` link):
+/// its agent ports take a
+/// trace id on a load (`RequestEntry::trace`, zero in builds before) and
+/// answer a traced load with the data plane's time on it
+/// (`CompletionEntry::took_us`). An agent sends trace ids only to a data
+/// plane that offered it (an older one refuses a request whose reserved
+/// bytes are not zero).
+pub const FEATURE_TRACE: u64 = 1 << 4;
+
+/// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY | FEATURE_DRAIN | FEATURE_PATHS_L3;
+
+/// The feature bits this build's data plane offers an agent at attach, and
+/// its agent takes.
+pub const ATTACH_FEATURES: u64 = FEATURE_TRACE;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 4] = [
+pub const FEATURE_NAMES: [(u64, &str); 5] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
     (FEATURE_PATHS_L3, "paths_l3"),
+    (FEATURE_TRACE, "trace"),
 ];
 
 /// Bytes in a frame header.

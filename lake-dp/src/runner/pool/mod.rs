@@ -103,9 +103,42 @@ enum Requester {
     Cp { request: u64 },
 }
 
+/// Traced loads in flight at most (a load traced beyond it goes
+/// untraced, counted in [`PoolStats::traces_dropped`]), and answered
+/// traced loads kept for the runner's log between two of its passes.
+pub const TRACED_MAX: usize = 256;
+
+/// A traced load in flight.
+#[derive(Clone, Copy, Debug)]
+struct TracedLoad {
+    agent: u16,
+    cookie: u64,
+    trace: u64,
+    tier: u8,
+    started_ns: u64,
+}
+
+/// A traced load, answered: what the runner logs under its trace id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadSpan {
+    /// The engine's trace id.
+    pub trace: u64,
+    /// The agent's place on this node.
+    pub agent: u16,
+    /// The tier it was read from (`Tier` code: 2 L2, 3 L3).
+    pub tier: u8,
+    /// Its answer.
+    pub result: Result<(), AgentError>,
+    /// From taking the request to the answer, ns.
+    pub took_ns: u64,
+}
+
 /// What the pool has done.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
+    /// Traced loads taken untraced: [`TRACED_MAX`] already in flight, or
+    /// the log's spans not yet taken.
+    pub traces_dropped: u64,
     /// Blocks saved by agents (committed).
     pub saves: u64,
     /// Saves refused: no L1 slot free.
@@ -313,6 +346,11 @@ pub struct Pool {
     /// Per agent place: a load popped from its port that waits for its
     /// tenant's bucket (the port is not read past it meanwhile).
     held: Vec<Option<AgentRequest>>,
+    /// Traced loads in flight, and answered ones for the log (both at most
+    /// [`TRACED_MAX`], allocated once); the clock they are timed on.
+    traced: Vec<TracedLoad>,
+    spans: Vec<LoadSpan>,
+    clock: std::time::Instant,
     /// What it has done.
     pub stats: PoolStats,
 }
@@ -358,6 +396,9 @@ impl Pool {
             keys: crate::auth::at_rest::KeyRing::new(),
             rates: crate::runner::rates::TenantRates::default(),
             held: vec![None; agents_len],
+            traced: Vec::with_capacity(TRACED_MAX),
+            spans: Vec::with_capacity(TRACED_MAX),
+            clock: std::time::Instant::now(),
             stats: PoolStats::default(),
         }
     }
@@ -662,11 +703,53 @@ impl Pool {
     }
 
     fn answer(&mut self, agent: u16, cookie: u64, result: Result<(u32, u32), AgentError>) {
+        let took_us = self.traced_answer(agent, cookie, result);
         let place = usize::from(agent);
         let Some(Some(port)) = self.agents.get_mut(place) else { return };
         self.outstanding[place] = self.outstanding[place].saturating_sub(1);
         // Room was checked before the request was taken.
-        port.push(AgentCompletion { cookie, result });
+        port.push(AgentCompletion { cookie, result, took_us });
+    }
+
+    /// A load of `agent`'s under an engine's trace id: timed from here to
+    /// its answer (untraced, and counted, when [`TRACED_MAX`] are).
+    fn trace_load(&mut self, agent: u16, cookie: u64, trace: u64, tier: u8) {
+        if self.traced.len() >= TRACED_MAX {
+            self.stats.traces_dropped += 1;
+            return;
+        }
+        let started_ns = self.clock_ns();
+        self.traced.push(TracedLoad { agent, cookie, trace, tier, started_ns });
+    }
+
+    /// If `agent`'s request `cookie` is a traced load, its span (kept for
+    /// the log) and its time in µs for the answer; else 0.
+    fn traced_answer(&mut self, agent: u16, cookie: u64, result: Result<(u32, u32), AgentError>) -> u32 {
+        if self.traced.is_empty() {
+            return 0;
+        }
+        let Some(at) = self.traced.iter().position(|t| t.agent == agent && t.cookie == cookie) else { return 0 };
+        let traced = self.traced.swap_remove(at);
+        let took_ns = self.clock_ns().saturating_sub(traced.started_ns);
+        if self.spans.len() < TRACED_MAX {
+            let result = result.map(|_| ());
+            self.spans.push(LoadSpan { trace: traced.trace, agent, tier: traced.tier, result, took_ns });
+        } else {
+            self.stats.traces_dropped += 1;
+        }
+        u32::try_from(took_ns / 1000).unwrap_or(u32::MAX).max(1)
+    }
+
+    fn clock_ns(&self) -> u64 {
+        u64::try_from(self.clock.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The traced loads answered since the last call, for the log.
+    pub fn take_spans(&mut self, mut each: impl FnMut(&LoadSpan)) {
+        for span in &self.spans {
+            each(span);
+        }
+        self.spans.clear();
     }
 
     fn agent_request(&mut self, agent: u16, request: AgentRequest, parts: &mut Parts<'_>, now_ns: u64) {
@@ -702,7 +785,10 @@ impl Pool {
                 };
                 self.answer(agent, cookie, result);
             }
-            AgentRequest::Load { cookie, key, source, priority } => {
+            AgentRequest::Load { cookie, key, source, priority, trace } => {
+                if trace != 0 {
+                    self.trace_load(agent, cookie, trace, source.tier);
+                }
                 let to = Requester::Agent { agent, cookie };
                 if let Err(e) = self.promote(to, key, &source, priority, parts) {
                     self.answer(agent, cookie, Err(e));

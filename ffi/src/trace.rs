@@ -1,0 +1,100 @@
+//! Trace ids through the pool: an engine names the request it is serving
+//! (`lake_set_trace`, per calling thread), the loads it then submits carry
+//! that id to the data plane, which logs each under it with its time
+//! (`{"event":"trace",...}` in `lake-dp`'s log) and answers with that
+//! time; the agent keeps what it saw of each (`lake_trace_spans`). Trace
+//! ids are the engine's to choose — one per sampled request, say a hash of
+//! its request id; 0 traces nothing.
+
+use std::cell::Cell;
+
+use lake_dp::agent::port::AgentError;
+
+use crate::pool::{LakeBlockKey, LakePool, pool_ref, status_of};
+use crate::status::{LakeStatus, fail, guard};
+
+/// One block of a traced load, as the agent saw it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LakeTraceSpan {
+    /// The engine's trace id.
+    pub trace: u64,
+    /// The block.
+    pub key: LakeBlockKey,
+    /// The tier it was loaded from (2 L2, 3 L3).
+    pub tier: u32,
+    /// How its load ended in the data plane.
+    pub status: LakeStatus,
+    /// From asking the data plane to its answer, as the agent saw it, ns.
+    pub took_ns: u64,
+    /// The data plane's own time on it, µs, from its answer (0: a data
+    /// plane that does not take trace ids, an older build).
+    pub data_plane_us: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+thread_local! {
+    /// The trace id this thread's next submits carry.
+    static TRACE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The trace id the calling thread set (0: none).
+pub(crate) fn current() -> u64 {
+    TRACE.with(Cell::get)
+}
+
+/// The status an agent's error reads as.
+pub(crate) fn status_of_agent_error(error: AgentError) -> LakeStatus {
+    match error {
+        AgentError::NoSpace => LakeStatus::LakeNoSpace,
+        AgentError::Stale => LakeStatus::LakeEvicted,
+        AgentError::Corrupt => LakeStatus::LakeBadCrc,
+        AgentError::Io => LakeStatus::LakeIo,
+        AgentError::Busy => LakeStatus::LakeBusy,
+        AgentError::Invalid => LakeStatus::LakeInvalidArgument,
+        AgentError::Cancelled => LakeStatus::LakeCancelled,
+    }
+}
+
+/// Sets the trace id the loads this thread submits from now on carry, on
+/// any pool (0: none, the default). Cheap; call it before a request's
+/// `lake_submit_load`.
+#[unsafe(no_mangle)]
+pub extern "C" fn lake_set_trace(trace: u64) {
+    TRACE.with(|t| t.set(trace));
+}
+
+/// Hands over the traced loads' blocks done since the last call, oldest
+/// first: up to `capacity` into `out`, how many into `written` (the rest
+/// wait for the next call; at most the newest 256 are kept). Thread-safe.
+///
+/// # Safety
+///
+/// `out` points at `capacity` writable entries (or is null with
+/// `capacity` 0); `written` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_trace_spans(
+    pool: *const LakePool,
+    out: *mut LakeTraceSpan,
+    capacity: usize,
+    written: *mut usize,
+) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if written.is_null() || (out.is_null() && capacity > 0) {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_trace_spans: a required pointer is null"));
+            }
+            let mut spans = pool.spans.lock().map_err(|_| fail(LakeStatus::LakeInternal, "poisoned"))?;
+            let n = spans.len().min(capacity);
+            for (i, span) in spans.drain(..n).enumerate() {
+                // SAFETY: i < capacity writable entries (contract).
+                unsafe { out.wrapping_add(i).write(span) };
+            }
+            // SAFETY: writable (contract).
+            unsafe { written.write(n) };
+            Ok(())
+        })())
+    })
+}

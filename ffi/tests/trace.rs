@@ -1,0 +1,157 @@
+//! Trace ids through the C ABI: the engine thread names the request it
+//! serves (`lake_set_trace`), the loads it submits carry it to the data
+//! plane and back, and `lake_trace_spans` hands over each traced block as
+//! the agent saw it — with the data plane's own time from its answer.
+//! Untraced loads leave no span; bad arguments are refused.
+
+#![allow(clippy::cast_possible_truncation)] // small test numbers
+
+mod common;
+
+use common::pools::{BLOCK, attach, keys, lookup, namespace};
+use common::{ok, statuses};
+
+use std::time::{Duration, Instant};
+
+use lake::pool::{LakeBlockKey, lake_detach, lake_register_host_memory, lake_submit_load, lake_submit_save};
+use lake::status::LakeStatus;
+use lake::trace::{LakeTraceSpan, lake_set_trace, lake_trace_spans};
+use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+
+const BLOCKS: usize = 16;
+
+fn spans(handle: *mut lake::pool::LakePool) -> Vec<LakeTraceSpan> {
+    let mut out = vec![
+        LakeTraceSpan {
+            trace: 0,
+            key: LakeBlockKey::default(),
+            tier: 0,
+            status: LakeStatus::LakeInternal,
+            took_ns: 0,
+            data_plane_us: 0,
+            reserved: 0,
+        };
+        300
+    ];
+    let mut n = 0;
+    // SAFETY: a writable array of its length.
+    ok(unsafe { lake_trace_spans(handle, out.as_mut_ptr(), out.len(), &raw mut n) }, "trace spans");
+    out.truncate(n);
+    out
+}
+
+#[test]
+fn a_traced_load_through_the_c_abi_comes_back_with_the_data_planes_time() {
+    let dir = std::env::temp_dir().join(format!("lake-ffi-trace-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let pool = EmbeddedPool::start(&EmbeddedConfig {
+        block_bytes: BLOCK as u64,
+        l1_slots: 8,
+        l2_slots_per_file: 32,
+        remote_agents: 2,
+        ..EmbeddedConfig::new(dir.clone())
+    })
+    .unwrap();
+    let mut strings = Vec::new();
+    let ns = namespace(9);
+    let handle = attach(&pool, ns, &mut strings);
+    let keys = keys(ns, BLOCKS, |t| t * 3 + 1);
+    let mut kv: Vec<u8> = (0..BLOCKS * BLOCK).map(|i| (i as u8).wrapping_mul(31) ^ (i / BLOCK) as u8).collect();
+    let mut memory = 0;
+    // SAFETY: `kv` lives until detach, below.
+    ok(unsafe { lake_register_host_memory(handle, kv.as_mut_ptr(), BLOCK, BLOCKS as u32, &raw mut memory) }, "reg");
+    // One block at a time, each under the one before: L1 holds 8, so the
+    // control plane demotes the oldest to L2 as they come.
+    for i in 0..BLOCKS {
+        let block = i as u32;
+        let parent = if i == 0 { core::ptr::null() } else { &raw const keys[i - 1] };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let mut request = 0;
+            // SAFETY: one key and one block index; the memory is registered.
+            let submitted = unsafe {
+                lake_submit_save(handle, memory, parent, &raw const keys[i], &raw const block, 1, 2, &raw mut request)
+            };
+            ok(submitted, "save");
+            if statuses(handle, request, 1)[0] == LakeStatus::LakeOk {
+                break;
+            }
+            assert!(Instant::now() < deadline, "block {i} not saved in 20 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while lookup(handle, &keys).iter().filter(|l| l.tier == 2).count() < 4 {
+        assert!(Instant::now() < deadline, "nothing demoted to L2");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let mut into = vec![0u8; BLOCKS * BLOCK];
+    let mut target = 0;
+    // SAFETY: `into` lives until detach.
+    ok(unsafe { lake_register_host_memory(handle, into.as_mut_ptr(), BLOCK, BLOCKS as u32, &raw mut target) }, "reg");
+    let load = |i: usize| -> (u8, LakeStatus) {
+        let found = lookup(handle, &keys[i..=i]);
+        let block = i as u32;
+        let mut request = 0;
+        // SAFETY: one key, location and block index.
+        let submitted = unsafe {
+            lake_submit_load(
+                handle,
+                target,
+                &raw const keys[i],
+                found.as_ptr(),
+                &raw const block,
+                1,
+                0,
+                &raw mut request,
+            )
+        };
+        ok(submitted, "load");
+        (found[0].tier, statuses(handle, request, 1)[0])
+    };
+    // Untraced: no span.
+    let first_in_l2 = lookup(handle, &keys).iter().position(|l| l.tier == 2).unwrap();
+    assert_eq!(load(first_in_l2), (2, LakeStatus::LakeOk));
+    assert!(spans(handle).is_empty());
+
+    // Traced: each block loaded from L2 comes back as a span.
+    let trace = 0x5eed_0000_0000_7ace_u64;
+    lake_set_trace(trace);
+    let mut from_l2 = Vec::new();
+    for i in 0..BLOCKS {
+        if load(i) == (2, LakeStatus::LakeOk) {
+            from_l2.push(i);
+        }
+    }
+    lake_set_trace(0);
+    assert!(!from_l2.is_empty(), "nothing loaded from L2");
+    let from_l2: Vec<LakeBlockKey> = from_l2.into_iter().map(|i| keys[i]).collect();
+    let got = spans(handle);
+    for key in &from_l2 {
+        let span = got.iter().find(|s| s.key == *key && s.status == LakeStatus::LakeOk);
+        let span = span.unwrap_or_else(|| panic!("no span for {key:?}: {got:?}"));
+        assert_eq!((span.trace, span.tier), (trace, 2), "{span:?}");
+        assert!(span.data_plane_us >= 1, "the data plane's time did not come back: {span:?}");
+        assert!(span.took_ns + 1000 >= u64::from(span.data_plane_us) * 1000, "{span:?}");
+    }
+    assert!(got.iter().all(|s| s.trace == trace && s.tier == 2), "{got:?}");
+    let ok = got.iter().filter(|s| s.status == LakeStatus::LakeOk).count();
+    assert!(ok >= from_l2.len(), "a span a block loaded (and one a try retried): {got:?}");
+    // Handed over once.
+    assert!(spans(handle).is_empty());
+    // Bad arguments are refused by name.
+    let mut n = 0;
+    // SAFETY: null output with room claimed: refused before any write.
+    let refused = unsafe { lake_trace_spans(handle, core::ptr::null_mut(), 4, &raw mut n) };
+    assert_eq!(refused, LakeStatus::LakeNullArgument);
+    // SAFETY: a null pool is refused.
+    let refused = unsafe { lake_trace_spans(core::ptr::null(), core::ptr::null_mut(), 0, &raw mut n) };
+    assert_ne!(refused, LakeStatus::LakeOk);
+
+    // SAFETY: attached above, detached once.
+    unsafe { lake_detach(handle) };
+    drop((kv, into, strings));
+    pool.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
