@@ -106,6 +106,8 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
         (&["--tenant-quota", "acme:l1=4096"][..], "no --tenant acme=NAMESPACE"),
         (&["--tenant", "acme=7e7e,7f7f", "--tenant", "beta=7f7f"][..], "tenant acme's already"),
         (&["--tenant", "acme=7e7e,zz"][..], "NAME=NAMESPACE(hex)"),
+        (&["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-sent=1000"][..], "l3-write|net-send=BYTES_PER_S"),
+        (&["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-send=0"][..], "(at least 1)"),
     ] {
         let out =
             Command::new(env!("CARGO_BIN_EXE_lake")).arg("serve").args(args).arg("--dir").arg(&dir).output().unwrap();
@@ -118,6 +120,8 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
     let quota = [
         "--quota",
         "7e7e:l2=1048576",
+        "--tenant-rate",
+        "acme:net-send=1048576",
         "--tenant",
         "acme=7e7e,7f7f",
         "--tenant-quota",

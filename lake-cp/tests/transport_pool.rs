@@ -128,6 +128,21 @@ fn engine(pool: &mut EmbeddedPool, name: &'static str) -> Agent {
     Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
 }
 
+/// An engine of namespace `namespace` (layout 0xfeed) on the pool.
+fn engine_of(pool: &mut EmbeddedPool, name: &'static str, namespace: u64) -> Agent {
+    let config = AgentConfig {
+        arena: &pool.arena,
+        mirror: &pool.mirror,
+        cp_socket: Some(&pool.cp_socket),
+        name,
+        namespace: NamespaceId(namespace),
+        layout_fingerprint: 0xfeed,
+        segment_bytes: 16 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
+}
+
 /// The L1 of node `node`, whose engine is `engine`, as a copy's target
 /// (any slot).
 fn l1_of(engine: &Agent, node: u32) -> lake_dp::model::replica::ReplicaWire {
@@ -391,6 +406,85 @@ fn a_control_plane_copies_blocks_over_rdma_where_both_nodes_offer_it() {
     assert!(stats_b.rdma_landed >= 8, "node 2 READ {} of the copies: {stats_b:?}", stats_b.rdma_landed);
     assert!(stats_b.rdma_landed <= 12, "{stats_b:?}");
     assert!(stats_b.rdma_read_bytes >= stats_b.rdma_landed * payloads[0].len() as u64, "{stats_b:?}");
+}
+
+/// A tenant capped on the network (`[[tenants]] net_send_bytes_per_s`,
+/// `lake serve --tenant-rate NAME:net-send=…`): node 1's copies of its
+/// blocks leave no faster than the cap, while another tenant's, asked
+/// right after, are not held behind them; every block lands byte for byte.
+#[test]
+fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is_not_held() {
+    use lake_dp::runner::config::TenantSection;
+    const RATE: u64 = 1 << 20;
+    const BLOCKS: u32 = 12;
+    let node_b = free_port();
+    let start = |name: &str, node: u32, listen, peers: Vec<(u32, SocketAddr)>, rates| {
+        EmbeddedPool::start(&EmbeddedConfig {
+            block_bytes: 131_072,
+            l1_slots: 64,
+            l2_slots_per_file: 64,
+            local_agents: 2,
+            remote_agents: 0,
+            transport_listen: listen,
+            transport_peers: peers.into_iter().map(|(n, a)| (n, vec![lake_dp::transport::tcp::Rail::to(a)])).collect(),
+            node,
+            tenant_rates: rates,
+            ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-transport-{name}-{}", std::process::id())))
+        })
+        .unwrap()
+    };
+    let capped = TenantSection {
+        name: "capped".into(),
+        namespaces: vec![format!("{:016x}", 7)],
+        l2_read_bytes_per_s: None,
+        l2_write_bytes_per_s: None,
+        l3_read_bytes_per_s: None,
+        l3_write_bytes_per_s: None,
+        net_send_bytes_per_s: Some(RATE),
+    };
+    let mut a = start("net-cap-a", 1, None, vec![(2, node_b)], vec![capped]);
+    let mut b = start("net-cap-b", 2, Some(node_b), Vec::new(), Vec::new());
+    let (mut a7, mut a8) = (engine_of(&mut a, "a7", 7), engine_of(&mut a, "a8", 8));
+    let (mut b7, mut b8) = (engine_of(&mut b, "b7", 7), engine_of(&mut b, "b8", 8));
+    let (capped_keys, capped_payloads) = save_prompt(&mut a7, 700, BLOCKS);
+    let (free_keys, free_payloads) = save_prompt(&mut a8, 800, BLOCKS);
+    let to = l1_of(&b7, 2);
+    let asked = Instant::now();
+    for key in capped_keys.iter().chain(&free_keys) {
+        a.copy_to(key, to, Priority::Replication).unwrap();
+    }
+    let mut table = Vec::new();
+    let landed = |engine: &mut Agent, keys: &[BlockKey], table: &mut Vec<_>| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while engine.lookup(keys, table) < keys.len() {
+            assert!(Instant::now() < deadline, "the copies were not published at node 2");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        asked.elapsed()
+    };
+    let free_time = landed(&mut b8, &free_keys, &mut table);
+    let delivered = b8.fetch(&free_keys, &table, |i, bytes| assert_eq!(bytes, &free_payloads[i][..], "block {i}"));
+    assert_eq!(delivered, BLOCKS as usize);
+    let capped_time = landed(&mut b7, &capped_keys, &mut table);
+    let delivered = b7.fetch(&capped_keys, &table, |i, bytes| assert_eq!(bytes, &capped_payloads[i][..], "block {i}"));
+    assert_eq!(delivered, BLOCKS as usize);
+    // At least its bytes past the bucket's burst (a tenth of a second's
+    // worth) and the one block it may go into debt by, at the rate; a
+    // block travels as its stored object.
+    let object = (lake_dp::constants::STORED_HEADER_BYTES + PAYLOAD) as u64;
+    let beyond = u64::from(BLOCKS) * object - RATE / 10 - object;
+    let at_rate = Duration::from_nanos(beyond * 1_000_000_000 / RATE);
+    println!(
+        "capped: {BLOCKS} copies in {capped_time:?} (the cap allows {at_rate:?} at the least); free: {free_time:?}"
+    );
+    assert!(capped_time >= at_rate.mul_f64(0.9), "{capped_time:?} for {BLOCKS} blocks at {RATE} B/s");
+    assert!(free_time < capped_time / 2, "the uncapped tenant was held: {free_time:?} vs {capped_time:?}");
+    drop((a7, a8, b7, b8));
+    let (stats_b, _) = b.stop().unwrap();
+    let (stats_a, server_a) = a.stop().unwrap();
+    assert_eq!(stats_b.pool.remote_landed, u64::from(2 * BLOCKS), "{stats_b:?}");
+    assert!(stats_a.pool.sends_throttled > 0, "{stats_a:?}");
+    assert_eq!(server_a.node().copies_failed, 0);
 }
 
 #[test]

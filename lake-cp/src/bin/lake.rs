@@ -23,7 +23,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--tenant-key NAMESPACE=FILE ...] [--tenant-keys DIR] [--require-encryption yes]
                   [--quota NAMESPACE:l1|l2|l3=BYTES ...]
                   [--tenant NAME=NAMESPACE[,NAMESPACE...] ...] [--tenant-quota NAME:l1|l2|l3=BYTES ...]
-                  [--tenant-rate NAME:l2-read|l2-write|l3-read|l3-write=BYTES_PER_S ...]
+                  [--tenant-rate NAME:l2-read|l2-write|l3-read|l3-write|net-send=BYTES_PER_S ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
                    with a link key every transport and summary connection is authenticated;
                    with an RDMA device each peer's link negotiates RDMA over TCP, falling back to it;
@@ -345,11 +345,15 @@ fn serve(args: &[String]) -> Result<(), String> {
                 tenant_quotas.push((name.to_owned(), tier, bytes.parse().map_err(|_| bad())?));
             }
             "--tenant-rate" => {
-                let bad = || format!("{flag} {value}: NAME:l2-read|l2-write|l3-read|l3-write=BYTES_PER_S (at least 1)");
+                let bad = || {
+                    format!("{flag} {value}: NAME:l2-read|l2-write|l3-read|l3-write|net-send=BYTES_PER_S (at least 1)")
+                };
                 let (place, rate) = value.split_once('=').ok_or_else(bad)?;
                 let (name, path) = place.split_once(':').ok_or_else(bad)?;
-                let path =
-                    ["l2-read", "l2-write", "l3-read", "l3-write"].iter().position(|p| *p == path).ok_or_else(bad)?;
+                let path = ["l2-read", "l2-write", "l3-read", "l3-write", "net-send"]
+                    .iter()
+                    .position(|p| *p == path)
+                    .ok_or_else(bad)?;
                 let rate: u64 = rate.parse().map_err(|_| bad())?;
                 if rate == 0 {
                     return Err(bad());
@@ -419,6 +423,7 @@ fn serve(args: &[String]) -> Result<(), String> {
                     l2_write_bytes_per_s: None,
                     l3_read_bytes_per_s: None,
                     l3_write_bytes_per_s: None,
+                    net_send_bytes_per_s: None,
                 });
                 config.tenant_rates.last_mut().ok_or("a tenant just added")?
             }
@@ -427,7 +432,8 @@ fn serve(args: &[String]) -> Result<(), String> {
             0 => &mut entry.l2_read_bytes_per_s,
             1 => &mut entry.l2_write_bytes_per_s,
             2 => &mut entry.l3_read_bytes_per_s,
-            _ => &mut entry.l3_write_bytes_per_s,
+            3 => &mut entry.l3_write_bytes_per_s,
+            _ => &mut entry.net_send_bytes_per_s,
         };
         *cap = Some(rate);
     }

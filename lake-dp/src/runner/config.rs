@@ -458,6 +458,10 @@ pub struct TenantSection {
     pub l3_read_bytes_per_s: Option<u64>,
     /// Bytes written to L3 per second at most.
     pub l3_write_bytes_per_s: Option<u64>,
+    /// Bytes sent to other nodes per second at most (copies over the
+    /// storage network).
+    #[serde(default)]
+    pub net_send_bytes_per_s: Option<u64>,
 }
 
 impl TenantSection {
@@ -483,6 +487,7 @@ impl TenantSection {
             ("l2_write_bytes_per_s", self.l2_write_bytes_per_s),
             ("l3_read_bytes_per_s", self.l3_read_bytes_per_s),
             ("l3_write_bytes_per_s", self.l3_write_bytes_per_s),
+            ("net_send_bytes_per_s", self.net_send_bytes_per_s),
         ];
         for (name, cap) in caps {
             if cap == Some(0) {
@@ -750,10 +755,12 @@ slot_bytes = 69632
     #[test]
     fn tenants_caps_parse_and_bad_ones_are_named() {
         let tenant = |body: &str| format!("{GOOD}\n[[tenants]]\nname = \"batch\"\n{body}\n");
-        let config =
-            RunnerConfig::parse(&tenant("namespaces = [\"00000000000000ab\"]\nl2_read_bytes_per_s = 1000")).unwrap();
+        let config = RunnerConfig::parse(&tenant(
+            "namespaces = [\"00000000000000ab\"]\nl2_read_bytes_per_s = 1000\nnet_send_bytes_per_s = 7",
+        ))
+        .unwrap();
         let rate = config.tenants[0].rate(0).unwrap();
-        assert_eq!((rate.namespaces, rate.bytes_per_s), (vec![0xab], [Some(1000), None, None, None]));
+        assert_eq!((rate.namespaces, rate.bytes_per_s), (vec![0xab], [Some(1000), None, None, None, Some(7)]));
         let check = |text: &str, expect: &str| {
             let err = RunnerConfig::parse(text).unwrap_err().to_string();
             assert!(err.contains(expect), "{expect}: got {err}");
@@ -761,6 +768,7 @@ slot_bytes = 69632
         check(&tenant("namespaces = [\"xyz\"]"), "tenants[0].namespaces: \"xyz\" is not a namespace id in hex");
         check(&tenant("namespaces = []"), "tenants[0].namespaces: at least one");
         check(&tenant("namespaces = [\"ab\"]\nl3_write_bytes_per_s = 0"), "tenants[0].l3_write_bytes_per_s");
+        check(&tenant("namespaces = [\"ab\"]\nnet_send_bytes_per_s = 0"), "tenants[0].net_send_bytes_per_s");
         check(&tenant("namespaces = [\"ab\"]\nl2_reads = 5"), "l2_reads");
         let twice =
             format!("{}[[tenants]]\nname = \"other\"\nnamespaces = [\"AB\"]\n", tenant("namespaces = [\"ab\"]"));

@@ -1098,7 +1098,7 @@ pub fn run_with(
             match &mut transport {
                 Some(transport) => {
                     let region = parts.region;
-                    pool.take_sends(|send| {
+                    pool.take_sends(now, |send| {
                         let Some(&(_, peer)) = peers_by_node.iter().find(|(n, _)| *n == send.target.node) else {
                             return false;
                         };
@@ -1140,7 +1140,7 @@ pub fn run_with(
                     log_links(transport.as_mut(), out);
                 }
                 // No transport: a copy to another node cannot go.
-                None => pool.take_sends(|_| false),
+                None => pool.take_sends(now, |_| false),
             }
             pool.end_failed_sends(&mut parts);
             // Traced loads answered: the operator's log, under the engine's

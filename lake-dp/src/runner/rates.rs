@@ -1,8 +1,9 @@
 //! Per-tenant bandwidth caps on this node's tiers (`[[tenants]]`): a token
-//! bucket per tenant and path — L2 reads, L2 writes, L3 reads, L3 writes —
-//! over the tenant's namespaces. Work of a tenant whose bucket is empty
-//! waits where it is (an agent's load in its port, a demotion in the
-//! drain list) and goes once the bucket has refilled: a cap slows its own
+//! bucket per tenant and path — L2 reads, L2 writes, L3 reads, L3 writes,
+//! blocks sent to other nodes — over the tenant's namespaces. Work of a
+//! tenant whose bucket is empty waits where it is (an agent's load in its
+//! port, a demotion in the drain list, a copy to another node in the send
+//! queue) and goes once the bucket has refilled: a cap slows its own
 //! tenant and nobody else, and nothing is refused or lost.
 //!
 //! A bucket holds up to a tenth of a second of its rate and may go into
@@ -23,7 +24,14 @@ pub enum RatePath {
     L3Read = 2,
     /// Objects written to L3.
     L3Write = 3,
+    /// Blocks this node sends to other nodes over its transport (the
+    /// storage network: `lake-cp`'s copies — replication, a node's
+    /// write-back elsewhere).
+    NetSend = 4,
 }
+
+/// How many [`RatePath`]s there are.
+pub const RATE_PATHS: usize = 5;
 
 /// A token bucket in bytes.
 #[derive(Clone, Copy, Debug)]
@@ -57,17 +65,17 @@ pub struct TenantRate {
     /// Its namespaces.
     pub namespaces: Vec<u64>,
     /// Bytes per second at most, by [`RatePath`] (`None`: no cap).
-    pub bytes_per_s: [Option<u64>; 4],
+    pub bytes_per_s: [Option<u64>; RATE_PATHS],
 }
 
 /// Every tenant's buckets on this node.
 #[derive(Debug, Default)]
 pub struct TenantRates {
     by_namespace: HashMap<u64, usize>,
-    buckets: Vec<[Option<Bucket>; 4]>,
+    buckets: Vec<[Option<Bucket>; RATE_PATHS]>,
     names: Vec<String>,
     /// Times work waited for a bucket, by tenant and [`RatePath`].
-    waits: Vec<[u64; 4]>,
+    waits: Vec<[u64; RATE_PATHS]>,
 }
 
 impl TenantRates {
@@ -81,7 +89,7 @@ impl TenantRates {
             }
             rates.buckets.push(tenant.bytes_per_s.map(|r| r.map(Bucket::new)));
             rates.names.push(tenant.name.clone());
-            rates.waits.push([0; 4]);
+            rates.waits.push([0; RATE_PATHS]);
         }
         rates
     }
@@ -115,7 +123,7 @@ impl TenantRates {
     }
 
     /// Each tenant's name and how often its work waited, by [`RatePath`].
-    pub fn waits(&self) -> impl Iterator<Item = (&str, [u64; 4])> {
+    pub fn waits(&self) -> impl Iterator<Item = (&str, [u64; RATE_PATHS])> {
         self.names.iter().map(String::as_str).zip(self.waits.iter().copied())
     }
 }
@@ -127,7 +135,7 @@ mod tests {
     #[test]
     fn a_capped_tenant_gets_its_rate_and_others_are_untouched() {
         let tenant =
-            TenantRate { name: "a".into(), namespaces: vec![7, 8], bytes_per_s: [Some(1000), None, None, None] };
+            TenantRate { name: "a".into(), namespaces: vec![7, 8], bytes_per_s: [Some(1000), None, None, None, None] };
         let mut rates = TenantRates::new(&[tenant]);
         // A burst of a tenth of a second (100 bytes), then debt by one op.
         assert!(rates.admit(7, RatePath::L2Read, 300, 1));
@@ -146,8 +154,9 @@ mod tests {
         assert!((9_900..=10_200).contains(&got), "{got} bytes in 10 s at 1000 B/s");
         // Other paths, namespaces and tenants are not capped.
         assert!((0..100).all(|_| rates.admit(7, RatePath::L2Write, 1 << 20, now)));
+        assert!((0..100).all(|_| rates.admit(7, RatePath::NetSend, 1 << 20, now)));
         assert!((0..100).all(|_| rates.admit(9, RatePath::L2Read, 1 << 20, now)));
-        let waits: Vec<(&str, [u64; 4])> = rates.waits().collect();
+        let waits: Vec<(&str, [u64; RATE_PATHS])> = rates.waits().collect();
         assert_eq!(waits.len(), 1);
         assert!(waits[0].1[0] > 0 && waits[0].1[1] == 0, "{waits:?}");
     }

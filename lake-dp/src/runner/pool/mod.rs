@@ -139,6 +139,8 @@ pub struct PoolStats {
     /// Traced loads taken untraced: [`TRACED_MAX`] already in flight, or
     /// the log's spans not yet taken.
     pub traces_dropped: u64,
+    /// Times a copy to another node waited for its tenant's network cap.
+    pub sends_throttled: u64,
     /// Blocks saved by agents (committed).
     pub saves: u64,
     /// Saves refused: no L1 slot free.
@@ -243,6 +245,8 @@ pub(crate) struct RemoteSend {
     pub target: ReplicaWire,
     /// Its class.
     pub priority: Priority,
+    /// The block's namespace (its tenant's cap on the network).
+    pub namespace: u64,
     /// Given to the transport already.
     pub handed: bool,
 }
@@ -916,6 +920,7 @@ impl Pool {
             len: STORED_HEADER_BYTES as u64 + meta.payload_len,
             target: transfer.target,
             priority: Priority::from_u8(transfer.priority).unwrap_or(Priority::Replication),
+            namespace: meta.namespace.0,
             handed: false,
         });
         Ok(())
@@ -923,9 +928,15 @@ impl Pool {
 
     /// Sends not yet handed to the transport: marked handed as they are
     /// taken.
-    pub(crate) fn take_sends(&mut self, mut hand: impl FnMut(&RemoteSend) -> bool) {
+    /// A send of a tenant over its cap on the network waits in the queue
+    /// (its slot held) until its bucket refills.
+    pub(crate) fn take_sends(&mut self, now_ns: u64, mut hand: impl FnMut(&RemoteSend) -> bool) {
         let mut failed = Vec::new();
         for send in self.sends.iter_mut().filter(|s| !s.handed) {
+            if !self.rates.admit(send.namespace, crate::runner::rates::RatePath::NetSend, send.len, now_ns) {
+                self.stats.sends_throttled += 1;
+                continue;
+            }
             send.handed = true;
             if !hand(send) {
                 failed.push(send.request);
