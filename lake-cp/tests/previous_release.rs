@@ -16,6 +16,8 @@
 
 #[path = "common/chain.rs"]
 mod chain;
+#[path = "common/etcd.rs"]
+mod etcd_server;
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -269,6 +271,143 @@ ports = 2
     stop.store(true, Ordering::Release);
     let server = cp.join().unwrap();
     assert_eq!(server.counters.bad_frames, 0, "no frame either side could not read");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&arena);
+    let _ = std::fs::remove_file(&mirror);
+}
+
+/// The previous release's `lake cp` (a child process, standing for
+/// leadership in a real etcd), killed if the test fails before it ends.
+struct OldCp(Child);
+
+impl Drop for OldCp {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Rolling upgrade, the control plane a release behind: the previous
+/// release's real `lake cp` (`LAKE_PREVIOUS_LAKE`, built by `.ci/run`)
+/// leads in etcd and serves this build's `lake-dp` (the runner, on a
+/// thread) and this build's agent, attached over the data plane's socket:
+/// the blocks saved are published by the old control plane, demoted by
+/// its tier manager to this data plane's L2 and read back byte for byte,
+/// and no frame either side could not read closes a link (the data plane
+/// never reconnects).
+#[test]
+fn the_previous_releases_lake_cp_serves_this_releases_data_plane_and_agents() {
+    use lake_dp::runner::config::RunnerConfig;
+    use lake_dp::runner::{RunnerOptions, RunnerPorts, run_with};
+    let Some(binary) = std::env::var_os("LAKE_PREVIOUS_LAKE").map(PathBuf::from) else {
+        println!("SKIPPED: LAKE_PREVIOUS_LAKE names no `lake` of the previous release (.ci/run builds one)");
+        return;
+    };
+    assert!(binary.is_file(), "LAKE_PREVIOUS_LAKE={} is not a file", binary.display());
+    let Some(etcd) = etcd_server::EtcdServer::start("previous-cp") else { return };
+    let unique = std::process::id();
+    let dir = std::env::temp_dir().join(format!("lake-previous-cp-{unique}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (arena, mirror) =
+        (format!("/dev/shm/lake-l1-prevcp-{unique}"), PathBuf::from(format!("/dev/shm/lake-mirror-prevcp-{unique}")));
+    let (cp_socket, dp_socket) = (dir.join("cp.sock"), dir.join("dp.sock"));
+    let log = std::fs::File::create(dir.join("lake-cp.log")).unwrap();
+    let old = OldCp(
+        Command::new(&binary)
+            .args(["cp", "--socket"])
+            .arg(&cp_socket)
+            .arg("--mirror")
+            .arg(&mirror)
+            .args(["--etcd", &etcd.endpoint(), "--cluster", "previous", "--id", "old-cp", "--entries", "4096"])
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap(),
+    );
+    let log_text = || std::fs::read_to_string(dir.join("lake-cp.log")).unwrap_or_default();
+    wait_until("the old lake cp leads and serves its socket", || cp_socket.exists());
+
+    // This build's data plane: L1 of 16 blocks, two L2 files.
+    let slot = lake_dp::stored::object_bytes(PAYLOAD as u64);
+    let config = RunnerConfig::parse(&format!(
+        r#"
+[node]
+id = 0
+
+[l1]
+path = "{arena}"
+classes = [{{ payload_bytes = {PAYLOAD}, slots = 16 }}]
+lock = false
+
+[l2]
+paths = ["{dir}/l2-0.lake", "{dir}/l2-1.lake"]
+slots_per_file = 64
+slot_bytes = {slot}
+format_if_missing = true
+queue_depth = 16
+
+[poller]
+ops_max = 32
+park_max_ms = 20
+
+[cp]
+socket = "{cp}"
+
+[agents]
+socket = "{dp}"
+ports = 2
+"#,
+        dir = dir.display(),
+        cp = cp_socket.display(),
+        dp = dp_socket.display(),
+    ))
+    .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let dp = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let ports = RunnerPorts { stop: Some(stop), ..RunnerPorts::default() };
+            run_with(&config, &RunnerOptions::default(), ports, &mut std::io::sink())
+        })
+    };
+    wait_until("this data plane's socket", || dp_socket.exists() || dp.is_finished());
+    assert!(!dp.is_finished(), "the data plane stopped: {:?}", dp.join());
+
+    let agent_config = AgentConfig {
+        arena: Path::new("/nonexistent"),
+        mirror: &mirror,
+        cp_socket: Some(&cp_socket),
+        name: "engine-n",
+        namespace: NamespaceId(0x5f),
+        layout_fingerprint: 0x78,
+        segment_bytes: 16 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = Agent::connect(&agent_config, &dp_socket).unwrap_or_else(|e| panic!("{e}\n{}", log_text()));
+    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
+    save_chain(&mut agent, &keys, |i| payload(i as u32));
+    let mut table = Vec::new();
+    wait_until("the blocks published and demoted to L2 by the old control plane", || {
+        let hits = agent.lookup(&keys, &mut table);
+        hits == keys.len() && table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count() >= 20
+    });
+    let mut delivered = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while delivered < keys.len() {
+        assert!(Instant::now() < deadline, "{delivered} of {BLOCKS} read back\n{}", log_text());
+        assert_eq!(agent.lookup(&keys, &mut table), keys.len());
+        let end = keys.len().min(delivered + 4);
+        delivered += agent.fetch(&keys[delivered..end], &table[delivered..end], |i, bytes| {
+            assert_eq!(bytes, &payload((delivered + i) as u32)[..], "block {}", delivered + i);
+        });
+    }
+    drop(agent);
+    stop.store(true, Ordering::Release);
+    let stats = dp.join().unwrap().unwrap();
+    assert_eq!(stats.cp_reconnects, 0, "a link to the old control plane closed: {stats:?}\n{}", log_text());
+    assert!(stats.pool.demotions >= 20 && stats.pool.promotions > 0, "{stats:?}");
+    drop(old);
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_file(&arena);
     let _ = std::fs::remove_file(&mirror);
