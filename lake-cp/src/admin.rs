@@ -256,7 +256,7 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
         "drains": drains(node),
         // How long the data plane's operations took, by path (bucket
         // bounds: at most that long).
-        "paths": node.paths.iter().filter_map(|p| {
+        "paths": node.all_paths().iter().filter_map(|p| {
             let count = p.count;
             Some(json!({
                 "path": p.path()?.name(),

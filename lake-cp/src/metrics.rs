@@ -155,7 +155,7 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
         data_plane_metrics(&mut out, dp);
     }
     rail_metrics(&mut out, &node.rails, &node.engine_rails);
-    path_metrics(&mut out, &node.paths);
+    path_metrics(&mut out, &node.all_paths());
     metric(
         &mut out,
         "lake_cp_connections_accepted_total",
@@ -317,7 +317,7 @@ fn path_metrics(out: &mut String, paths: &[lake_dp::wire::message::PathEntry]) {
     let name = "lake_path_latency_seconds";
     let _ = writeln!(
         out,
-        "# HELP {name} How long operations took, by the path their bytes took (L2 reads a request waits on, other L2 reads, L2 writes, transfers to other nodes)."
+        "# HELP {name} How long operations took, by the path their bytes took (the data plane's L2 reads a request waits on, other L2 reads, L2 writes, transfers to other nodes, L3 reads and writes; the engines' own reads of L1 hits and loads from L2 and L3, as their agents saw them)."
     );
     let _ = writeln!(out, "# TYPE {name} histogram");
     for entry in paths {

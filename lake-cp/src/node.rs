@@ -187,6 +187,11 @@ pub struct Node {
     /// Each engine's compute-network rails, by its connection, as it last
     /// reported them (gone with the connection).
     pub engine_rails: Vec<(u64, Vec<lake_dp::wire::message::RailEntry>)>,
+    /// Each engine's own side of its reads and loads, by its connection,
+    /// as it last reported it.
+    pub engine_paths: Vec<(u64, Vec<lake_dp::wire::message::PathEntry>)>,
+    /// What engines gone had reported, so the totals only grow.
+    pub engine_paths_gone: Vec<lake_dp::wire::message::PathEntry>,
     /// What happened to blocks lately, oldest first ([`HISTORY_MAX`]).
     history: std::collections::VecDeque<BlockEvent>,
 }
@@ -209,6 +214,8 @@ impl Node {
             scratch: Vec::new(),
             l0: crate::l0::L0::default(),
             engine_rails: Vec::new(),
+            engine_paths: Vec::new(),
+            engine_paths_gone: Vec::new(),
             data_plane: None,
             rails: Vec::new(),
             paths: Vec::new(),
@@ -321,6 +328,35 @@ impl Node {
         out.extend(self.locations.drain_changes());
     }
 
+    /// Engine `peer`'s connection closed: its path histograms are kept in
+    /// the totals.
+    pub fn engine_gone(&mut self, peer: u64) {
+        let Some(at) = self.engine_paths.iter().position(|(p, _)| *p == peer) else { return };
+        let (_, entries) = self.engine_paths.swap_remove(at);
+        for entry in entries {
+            match self.engine_paths_gone.iter_mut().find(|e| e.path == entry.path) {
+                Some(total) => total.add(&entry),
+                None => self.engine_paths_gone.push(entry),
+            }
+        }
+    }
+
+    /// Every path's histogram: the data plane's as it last sent them, then
+    /// the engines' own side, summed over every engine that reported.
+    pub fn all_paths(&self) -> Vec<lake_dp::wire::message::PathEntry> {
+        let mut all = self.paths.clone();
+        let mut engines = self.engine_paths_gone.clone();
+        for entry in self.engine_paths.iter().flat_map(|(_, entries)| entries) {
+            match engines.iter_mut().find(|e| e.path == entry.path) {
+                Some(total) => total.add(entry),
+                None => engines.push(*entry),
+            }
+        }
+        engines.sort_by_key(|e| e.path);
+        all.extend(engines);
+        all
+    }
+
     /// The node.
     pub fn node(&self) -> NodeId {
         self.node
@@ -375,8 +411,10 @@ impl Node {
                 Ok(())
             }
             Message::PathLatency(_, entries) => {
-                // Validated on decode: known paths, buckets within counts.
-                self.paths = entries.iter().collect();
+                // Validated on decode: known paths, buckets within counts;
+                // the engines' paths are theirs to send.
+                let engines = lake_dp::wire::message::Path::AgentReadL1 as u8;
+                self.paths = entries.iter().filter(|e| e.path < engines).collect();
                 Ok(())
             }
             other => Err(NodeError::Unexpected(other.kind())),
@@ -417,6 +455,17 @@ impl Node {
                 match self.engine_rails.iter_mut().find(|(p, _)| *p == peer) {
                     Some((_, latest)) => *latest = entries,
                     None => self.engine_rails.push((peer, entries)),
+                }
+                Ok(None)
+            }
+            Message::PathLatency(_, entries) => {
+                // Validated on decode (known paths); an engine times only
+                // its own side.
+                let entries: Vec<_> =
+                    entries.iter().filter(|e| e.path >= lake_dp::wire::message::Path::AgentReadL1 as u8).collect();
+                match self.engine_paths.iter_mut().find(|(p, _)| *p == peer) {
+                    Some((_, latest)) => *latest = entries,
+                    None => self.engine_paths.push((peer, entries)),
                 }
                 Ok(None)
             }

@@ -800,6 +800,7 @@ impl Server {
             self.node.leases.release_peer(peer.session.peer);
             self.node.l0.engine_gone(peer.session.peer);
             self.node.engine_rails.retain(|(p, _)| *p != peer.session.peer);
+            self.node.engine_gone(peer.session.peer);
             self.node.tiers.lost_regions(&peer.session.regions);
             let _ = self.poll.registry().deregister(&mut peer.stream);
             self.counters.closed += 1;

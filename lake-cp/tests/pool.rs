@@ -124,20 +124,28 @@ fn saves_overflow_l1_into_l2_and_fetching_promotes_them_back() {
     // Every path the blocks took is timed and counted: the demotions' L2
     // writes, and the L2 reads the fetch waited on (sent with the data
     // plane's stats, once a second).
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let text = http_get(metrics, "/metrics");
         let count = |path: &str| -> u64 {
             let name = format!("lake_path_latency_seconds_count{{path=\"{path}\"}} ");
             text.lines().find_map(|l| l.strip_prefix(name.as_str())).map_or(0, |v| v.parse().unwrap())
         };
+        // And the engine's own side, as its agent saw it (sent by the agent
+        // once a second, with its pump): every L1 hit it read, every L2
+        // block it waited for.
         if count("l2_write") >= stats_demotions_floor(&text)
             && count("l2_read_critical") >= in_l2
             && count("l2_write") > 0
+            && count("agent_read_l1") >= 48 - in_l2
+            && count("agent_load_l2") >= in_l2
         {
             assert!(text.contains("lake_path_latency_seconds_bucket{path=\"l2_read_critical\",le=\"+Inf\"}"));
+            assert!(text.contains("lake_path_latency_seconds_bucket{path=\"agent_load_l2\",le=\"+Inf\"}"));
+            assert_eq!(count("agent_load_l3"), 0, "{text}");
             break;
         }
+        agent.pump();
         assert!(Instant::now() < deadline, "paths not timed: {text}");
         std::thread::sleep(Duration::from_millis(100));
     }

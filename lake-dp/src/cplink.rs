@@ -327,13 +327,21 @@ impl CpLink {
     /// Reports how long each path's operations took (to a control plane
     /// that takes it: [`crate::wire::FEATURE_PATH_LATENCY`]).
     /// Paths past the first four go only where the answer names
-    /// [`crate::wire::FEATURE_PATHS_L3`]; at most one entry per path.
+    /// [`crate::wire::FEATURE_PATHS_L3`], past the first six only where it
+    /// names [`crate::wire::FEATURE_PATHS_AGENT`]; at most one entry per
+    /// path.
     pub fn path_latency(&mut self, entries: &[crate::wire::message::PathEntry]) {
         use crate::wire::message::{Path, PathEntry, PathLatency};
         if !self.takes(crate::wire::FEATURE_PATH_LATENCY) {
             return;
         }
-        let known = if self.takes(crate::wire::FEATURE_PATHS_L3) { Path::ALL.len() } else { Path::FIRST };
+        let known = if self.takes(crate::wire::FEATURE_PATHS_AGENT) && self.takes(crate::wire::FEATURE_PATHS_L3) {
+            Path::ALL.len()
+        } else if self.takes(crate::wire::FEATURE_PATHS_L3) {
+            Path::WITH_L3
+        } else {
+            Path::FIRST
+        };
         let mut sent = [PathEntry::new(Path::L2ReadCritical); Path::ALL.len()];
         let mut count = 0;
         for entry in entries {

@@ -282,6 +282,11 @@ pub struct Agent {
     trace: u64,
     traces_taken: bool,
     spans: std::collections::VecDeque<TraceSpan>,
+    /// How long its reads of L1 hits and its loads from L2 and L3 took, by
+    /// block (`agent_read_l1`, `agent_load_l2`, `agent_load_l3`), since it
+    /// attached; sent to `lake-cp` at most once a second.
+    paths: [crate::wire::message::PathEntry; 3],
+    paths_sent: Instant,
     /// What it has done.
     pub stats: AgentStats,
 }
@@ -436,6 +441,11 @@ impl Agent {
             trace: 0,
             traces_taken,
             spans: std::collections::VecDeque::with_capacity(SPANS_KEPT),
+            paths: {
+                use crate::wire::message::{Path, PathEntry};
+                [Path::AgentReadL1, Path::AgentLoadL2, Path::AgentLoadL3].map(PathEntry::new)
+            },
+            paths_sent: Instant::now(),
             stats: AgentStats::default(),
         })
     }
@@ -774,6 +784,11 @@ impl Agent {
                 for tier in [Tier::L2Nvme, Tier::L3Object] {
                     if batch_blocks[tier as usize] > 0 {
                         self.cost(tier, per_block);
+                        // The rest of the batch's blocks from this tier,
+                        // each timed (the cost folds the batch once).
+                        for _ in 1..batch_blocks[tier as usize] {
+                            self.time_block(tier, per_block);
+                        }
                     }
                 }
             }
@@ -783,6 +798,7 @@ impl Agent {
         }
         self.stats.fetch_failures += (count - delivered) as u64;
         self.last_failure = failure;
+        self.report_paths();
         if let (Some(cp), Some((granted, _))) = (&mut self.cp, lease) {
             cp.release_lease(granted.lease_id);
             let _ = cp.pump();
@@ -815,10 +831,37 @@ impl Agent {
     }
 
     /// Folds one block's load from `tier`, which took `per_block`, into
-    /// the tier's cost ([`fold_load_cost`]).
+    /// the tier's cost ([`fold_load_cost`]), and times it.
     fn cost(&mut self, tier: Tier, per_block: Duration) {
+        self.time_block(tier, per_block);
         let Some(average) = self.stats.load_ns_per_block.get_mut(tier as usize) else { return };
         *average = fold_load_cost(*average, per_block);
+    }
+
+    /// Counts one block from `tier` that took `took` in its path's
+    /// histogram.
+    fn time_block(&mut self, tier: Tier, took: Duration) {
+        if let Some(path) = (tier as usize).checked_sub(1).and_then(|i| self.paths.get_mut(i)) {
+            path.record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
+        }
+    }
+
+    /// How long this agent's reads and loads took, by path (what it sends
+    /// `lake-cp`).
+    pub fn path_latency(&self) -> &[crate::wire::message::PathEntry] {
+        &self.paths
+    }
+
+    /// Sends the path histograms to `lake-cp` if a second has passed since
+    /// they last went (and the control plane takes them).
+    fn report_paths(&mut self) {
+        if self.paths_sent.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        if let Some(cp) = &mut self.cp {
+            self.paths_sent = Instant::now();
+            cp.path_latency(&self.paths);
+        }
     }
 
     /// [`Agent::read_l1`] of a block pinned already.
@@ -1220,6 +1263,7 @@ impl Agent {
     /// Sends what is queued to `lake-cp` (access reports, lease releases).
     pub fn pump(&mut self) {
         self.relink();
+        self.report_paths();
         if let Some(cp) = &mut self.cp {
             let _ = cp.pump();
         }

@@ -686,18 +686,36 @@ pub enum Path {
     /// An object written to the store (from L1, or from L2 through a
     /// staging read), until stored. As `L3Read`.
     L3Write = 6,
+    /// An engine agent's read of an L1 hit (its pin, its copy out of the
+    /// arena into the engine's memory, its checks): the agent's own side.
+    /// Sent by agents only, to a control plane that offered
+    /// [`super::FEATURE_PATHS_AGENT`].
+    AgentReadL1 = 7,
+    /// An L2 block as the engine waited for it: the data plane's load and
+    /// the agent's copy (a batch's time shared by the blocks it
+    /// delivered). As `AgentReadL1`.
+    AgentLoadL2 = 8,
+    /// As `AgentLoadL2`, from L3.
+    AgentLoadL3 = 9,
 }
 
 impl Path {
     /// Every path, in code order.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 9] = [
         Self::L2ReadCritical,
         Self::L2ReadBackground,
         Self::L2Write,
         Self::TransferStorage,
         Self::L3Read,
         Self::L3Write,
+        Self::AgentReadL1,
+        Self::AgentLoadL2,
+        Self::AgentLoadL3,
     ];
+
+    /// The paths a build that takes [`super::FEATURE_PATHS_L3`] knows (the
+    /// first six).
+    pub const WITH_L3: usize = 6;
 
     /// The paths every build that takes [`super::FEATURE_PATH_LATENCY`]
     /// knows (the first four).
@@ -717,6 +735,9 @@ impl Path {
             Self::TransferStorage => "transfer_storage",
             Self::L3Read => "l3_read",
             Self::L3Write => "l3_write",
+            Self::AgentReadL1 => "agent_read_l1",
+            Self::AgentLoadL2 => "agent_load_l2",
+            Self::AgentLoadL3 => "agent_load_l3",
         }
     }
 }
@@ -777,6 +798,15 @@ impl PathEntry {
     /// An empty histogram of `path`.
     pub fn new(path: Path) -> Self {
         Self { path: path as u8, ..bytemuck::Zeroable::zeroed() }
+    }
+
+    /// Adds `other`'s operations (of the same path) to these.
+    pub fn add(&mut self, other: &Self) {
+        self.count = self.count.saturating_add(other.count);
+        self.sum_us = self.sum_us.saturating_add(other.sum_us);
+        for (mine, theirs) in self.buckets.iter_mut().zip(other.buckets) {
+            *mine = mine.saturating_add(theirs);
+        }
     }
 
     /// Counts one operation that took `ns` nanoseconds.

@@ -61,6 +61,12 @@ pub const FEATURE_DRAIN: u64 = 1 << 2;
 /// it does not know, and more entries than four).
 pub const FEATURE_PATHS_L3: u64 = 1 << 3;
 
+/// Feature bit: the side takes [`message::PathLatency`] from agents, with
+/// entries of paths 7 to 9 (the agent's side of reads and loads); an
+/// agent sends its histograms only where offered (a control plane without
+/// it refuses path codes it does not know).
+pub const FEATURE_PATHS_AGENT: u64 = 1 << 5;
+
 /// Feature bit (the data plane's attach socket, not the `lake-cp` link):
 /// its agent ports take a
 /// trace id on a load (`RequestEntry::trace`, zero in builds before) and
@@ -71,7 +77,8 @@ pub const FEATURE_PATHS_L3: u64 = 1 << 3;
 pub const FEATURE_TRACE: u64 = 1 << 4;
 
 /// The feature bits this build offers on a link to `lake-cp`.
-pub const FEATURES: u64 = FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY | FEATURE_DRAIN | FEATURE_PATHS_L3;
+pub const FEATURES: u64 =
+    FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY | FEATURE_DRAIN | FEATURE_PATHS_L3 | FEATURE_PATHS_AGENT;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
@@ -79,11 +86,12 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 5] = [
+pub const FEATURE_NAMES: [(u64, &str); 6] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
     (FEATURE_PATHS_L3, "paths_l3"),
+    (FEATURE_PATHS_AGENT, "paths_agent"),
     (FEATURE_TRACE, "trace"),
 ];
 
