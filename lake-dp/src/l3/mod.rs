@@ -123,8 +123,9 @@ pub enum L3Error {
     /// The store failed: permanently, or transiently every time it was
     /// tried (the last reason).
     Store(StoreError),
-    /// Cancelled before a worker took it ([`L3Client::cancel`]): the store
-    /// was not asked, its memory not touched.
+    /// Cancelled ([`L3Client::cancel`]): before a worker took it (the store
+    /// was not asked), or a read under way stopped before its bytes were
+    /// copied (its memory not touched either way).
     Cancelled,
 }
 
@@ -135,7 +136,7 @@ impl core::fmt::Display for L3Error {
             Self::Corrupt(why) => write!(f, "the L3 object does not check: {why}"),
             Self::TooLarge(len) => write!(f, "the L3 object ({len} bytes) does not fit the memory given"),
             Self::Store(e) => e.fmt(f),
-            Self::Cancelled => f.write_str("cancelled before it started"),
+            Self::Cancelled => f.write_str("cancelled before its bytes landed"),
         }
     }
 }
@@ -248,17 +249,23 @@ pub struct L3Client {
     workers: Vec<JoinHandle<()>>,
     prefix: String,
     in_flight: usize,
-    /// Per request id below the queue's depth: [`QUEUED`], [`STARTED`] or
-    /// [`CANCELLED`] — who came first, the worker or a cancel.
+    /// Per request id below the queue's depth: [`QUEUED`], [`STARTED`],
+    /// [`READING`], [`CANCELLED`] or [`STOPPING`] — who came first, the
+    /// worker or a cancel.
     claims: std::sync::Arc<Vec<AtomicU8>>,
 }
 
 /// A request waits in the queue.
 const QUEUED: u8 = 0;
-/// A worker took it.
+/// A worker took it (a write: it runs to its end).
 const STARTED: u8 = 1;
 /// Cancelled before a worker took it: it ends [`L3Error::Cancelled`].
 const CANCELLED: u8 = 2;
+/// A worker took it, a read: a cancel may still stop it.
+const READING: u8 = 3;
+/// A read cancelled under way: it stops at its next step (before another
+/// try, before its bytes are copied) and ends [`L3Error::Cancelled`].
+const STOPPING: u8 = 4;
 
 /// The claim word of request `id` (none past the queue's depth).
 fn claim(claims: &[AtomicU8], id: u64) -> Option<&AtomicU8> {
@@ -308,13 +315,15 @@ impl L3Client {
                         // One worker takes the next request; the others wait.
                         let next = queue.lock().map_err(|_| ()).and_then(|rx| rx.recv().map_err(|_| ()));
                         let Ok((id, request)) = next else { return };
-                        let cancelled = claim(&claims, id).is_some_and(|c| {
-                            c.compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire) == Err(CANCELLED)
+                        let started = if matches!(request, L3Request::Get { .. }) { READING } else { STARTED };
+                        let claimed = claim(&claims, id);
+                        let cancelled = claimed.is_some_and(|c| {
+                            c.compare_exchange(QUEUED, started, Ordering::AcqRel, Ordering::Acquire) == Err(CANCELLED)
                         });
                         let result = if cancelled {
                             Err(L3Error::Cancelled)
                         } else {
-                            run(store.as_mut(), &prefix, &request, &config)
+                            run(store.as_mut(), &prefix, &request, &config, claimed)
                         };
                         if done.send(L3Completion { id, result }).is_err() {
                             return;
@@ -330,14 +339,19 @@ impl L3Client {
         Ok(Self { requests: Some(requests), completions, workers, prefix: prefix.to_owned(), in_flight: 0, claims })
     }
 
-    /// Cancels request `id` if no worker has taken it yet: it then
-    /// completes [`L3Error::Cancelled`] without the store being asked or
-    /// its memory touched. Returns whether it will (false: it runs, or ran,
-    /// and completes as it would have). Only ids below the queue's depth
-    /// can be cancelled.
+    /// Cancels request `id`: one no worker has taken yet completes
+    /// [`L3Error::Cancelled`] without the store being asked; a read under
+    /// way stops at its next step — before another try, before its bytes
+    /// are copied — and completes the same, its memory untouched (the
+    /// object's transfer already under way finishes: at most one try's
+    /// worth more). Returns whether it will (false: a write under way runs
+    /// on, or it ran, and completes as it would have). Only ids below the
+    /// queue's depth can be cancelled.
     pub fn cancel(&self, id: u64) -> bool {
-        claim(&self.claims, id)
-            .is_some_and(|c| c.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_ok())
+        claim(&self.claims, id).is_some_and(|c| {
+            c.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_ok()
+                || c.compare_exchange(READING, STOPPING, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        })
     }
 
     /// Queues `request` as `id`; a full queue hands it back.
@@ -402,11 +416,27 @@ impl Drop for L3Client {
 }
 
 /// Runs one request on a worker thread, retrying transient failures.
-fn run(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request, config: &L3Config) -> Result<u64, L3Error> {
+/// A read cancelled under way (`claim`: its claim word) stops.
+fn run(
+    store: &mut dyn ObjectStore,
+    prefix: &str,
+    request: &L3Request,
+    config: &L3Config,
+    claim: Option<&AtomicU8>,
+) -> Result<u64, L3Error> {
     let mut wait = config.backoff;
     let mut attempt = 1;
+    let stopping = || claim.is_some_and(|c| c.load(Ordering::Acquire) == STOPPING);
+    // A read about to copy its bytes: no cancel can stop it from here on
+    // (false: one already did).
+    let land = || {
+        claim.is_none_or(|c| c.compare_exchange(READING, STARTED, Ordering::AcqRel, Ordering::Acquire) != Err(STOPPING))
+    };
     loop {
-        match once(store, prefix, request) {
+        if stopping() {
+            return Err(L3Error::Cancelled);
+        }
+        match once(store, prefix, request, &land) {
             Err(L3Error::Store(StoreError::Transient(_))) if attempt < config.attempts => {
                 std::thread::sleep(wait);
                 wait = wait.saturating_mul(2);
@@ -417,7 +447,12 @@ fn run(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request, config: &
     }
 }
 
-fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Result<u64, L3Error> {
+fn once(
+    store: &mut dyn ObjectStore,
+    prefix: &str,
+    request: &L3Request,
+    land: &dyn Fn() -> bool,
+) -> Result<u64, L3Error> {
     match *request {
         L3Request::Put { key, namespace, source, len } => {
             let len_usize = usize::try_from(len).map_err(|_| L3Error::TooLarge(len))?;
@@ -459,6 +494,9 @@ fn once(store: &mut dyn ObjectStore, prefix: &str, request: &L3Request) -> Resul
                 return Err(L3Error::TooLarge(len));
             }
             verify(&bytes, namespace, &key)?;
+            if !land() {
+                return Err(L3Error::Cancelled);
+            }
             // SAFETY: room for `capacity` >= len bytes that only this
             // request writes until it completes (the contract of `submit`).
             unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), target, bytes.len()) };

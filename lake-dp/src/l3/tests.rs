@@ -309,6 +309,9 @@ struct Gated {
 
 impl ObjectStore for Gated {
     fn put(&mut self, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
+        while !self.open.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         self.inner.put(name, bytes)
     }
     fn get(&mut self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
@@ -327,7 +330,7 @@ impl ObjectStore for Gated {
 }
 
 #[test]
-fn a_read_cancelled_before_a_worker_takes_it_never_reaches_the_store() {
+fn a_read_cancelled_queued_never_reaches_the_store_and_one_under_way_never_lands() {
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
     let root = std::env::temp_dir().join(format!("lake-l3-cancel-{}", std::process::id()));
     let (gets, open) = (std::sync::Arc::new(AtomicU32::new(0)), std::sync::Arc::new(AtomicBool::new(true)));
@@ -364,17 +367,33 @@ fn a_read_cancelled_before_a_worker_takes_it_never_reaches_the_store() {
         assert!(std::time::Instant::now() < deadline, "the worker never took the first read");
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert!(!client.cancel(0), "the first read has started: it runs on");
+    assert!(client.cancel(0), "the first read is under way: it stops before its bytes land");
     assert!(client.cancel(1), "the second is still queued");
-    assert!(!client.cancel(1), "once");
+    assert!(!client.cancel(1) && !client.cancel(0), "once");
     open.store(true, Ordering::SeqCst);
     let mut done = wait(&mut client, 2);
     done.sort_unstable_by_key(|c| c.id);
-    assert_eq!(done[0].result, Ok(objects[0].len() as u64));
+    assert_eq!(done[0].result, Err(L3Error::Cancelled));
     assert_eq!(done[1].result, Err(L3Error::Cancelled));
-    assert_eq!(gets.load(Ordering::SeqCst), 1, "the store was asked once");
-    assert!(targets[1].iter().all(|&b| b == 0), "the cancelled read's memory is untouched");
+    assert_eq!(gets.load(Ordering::SeqCst), 1, "the store was asked once: the queued read never");
+    assert!(targets.iter().all(|t| t.iter().all(|&b| b == 0)), "neither read's memory was touched");
+
+    // Reads that land, and a write under way, are not cancelled.
+    let request =
+        L3Request::Get { key: keys[0], namespace, target: targets[0].as_mut_ptr(), capacity: targets[0].len() as u64 };
+    // SAFETY: as above.
+    unsafe { client.submit(0, request) }.unwrap();
+    assert_eq!(wait(&mut client, 1)[0].result, Ok(objects[0].len() as u64));
+    assert!(!client.cancel(0), "it landed");
     assert_eq!(&targets[0][..objects[0].len()], &objects[0][..]);
+    open.store(false, Ordering::SeqCst);
+    let put = L3Request::Put { key: keys[1], namespace, source: objects[1].as_ptr(), len: objects[1].len() as u64 };
+    // SAFETY: `objects` outlives the completion.
+    unsafe { client.submit(1, put) }.unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!client.cancel(1), "a write under way runs on");
+    open.store(true, Ordering::SeqCst);
+    assert_eq!(wait(&mut client, 1)[0].result, Ok(objects[1].len() as u64));
     drop(client);
     let _ = std::fs::remove_dir_all(&root);
 }
