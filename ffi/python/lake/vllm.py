@@ -3,7 +3,8 @@
     --kv-transfer-config '{"kv_connector": "LakeConnector",
         "kv_connector_module_path": "lake.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"dp_socket": "...", "mirror": "...",
-                                      "cp_socket": "...", "tenant_key": "<64 hex>"}}'
+                                      "cp_socket": "...", "tenant_key": "<64 hex>",
+                                      "trace_every": 0}}'
 
 Targets the connector interface of vLLM's ``kv_connector/v1/base.py`` as
 recorded in ``tests/fixtures/vllm_kv_connector_v1.json`` (the source and
@@ -96,6 +97,9 @@ class SaveSpec:
     request_id: str
     keys: np.ndarray
     block_ids: list[int]
+    # The block the first of them continues (the cached prefix's last), or
+    # None for a prompt's first block.
+    parent: np.ndarray | None = None
 
 
 @dataclass
@@ -213,6 +217,13 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         # caches are on a GPU (then loads are waited for layer by layer).
         self._layer_index: dict[str, int] = {}
         self._on_gpu = False
+        # Trace one request in `trace_every` (0: none): its loads carry a
+        # trace id made from its vLLM request id, the data plane logs them
+        # under it, and one line here says what they took.
+        self._trace_every = int(extra.get("trace_every", 0))
+        if self._trace_every < 0:
+            raise ValueError("kv_connector_extra_config['trace_every'] is 0 (none) or N (one request in N)")
+        self._traced: dict[int, str] = {}
 
     def _attach(self, layout, name):
         return lake.Pool(
@@ -280,8 +291,10 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._saving.difference_update(finished)
 
     def request_finished(self, request, block_ids):
-        """Saves the request's publishable full blocks; vLLM keeps them
-        until a worker reports the save in ``get_finished``."""
+        """Saves the request's publishable full blocks past the prefix the
+        pool holds already (every rank's shard of it: it is not written
+        again); vLLM keeps them until a worker reports the save in
+        ``get_finished``."""
         self._loads.pop(request.request_id, None)
         tokens = np.asarray(getattr(request, "all_token_ids", request.prompt_token_ids), dtype=np.uint32)
         publishable = getattr(request, "num_publishable_block_hashes", None)
@@ -292,7 +305,11 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         if full == 0:
             return False, None
         keys = self.namespace.keys(tokens[: full * self.block_size])
-        self._pending_saves.append(SaveSpec(request.request_id, keys, list(block_ids[:full])))
+        cached = min(self._hits(keys), full) if self.pool is not None else 0
+        if cached == full:
+            return False, None
+        parent = keys[cached - 1] if cached > 0 else None
+        self._pending_saves.append(SaveSpec(request.request_id, keys[cached:], list(block_ids[cached:full]), parent))
         self._saving.add(request.request_id)
         return True, None
 
@@ -395,8 +412,58 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             if hits == 0:
                 continue
-            request = pool.submit_load(self.memory_id, spec.keys[:hits], table, block_ids[:hits])
+            trace = self._trace_of(spec.request_id)
+            if trace:
+                lake.set_trace(trace)
+            try:
+                request = pool.submit_load(self.memory_id, spec.keys[:hits], table, block_ids[:hits])
+            finally:
+                if trace:
+                    lake.set_trace(0)
             self._loading[request] = block_ids[:hits]
+
+    def _trace_of(self, request_id: str) -> int:
+        """The trace id of a vLLM request if it is sampled (one in
+        ``trace_every``, by its id: the same on every rank), else 0."""
+        if self._trace_every == 0:
+            return 0
+        digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+        trace = int.from_bytes(digest, "little") or 1
+        if trace % self._trace_every != 0:
+            return 0
+        if trace not in self._traced:
+            logger.info("lake.vllm: request %s traced as %016x", request_id, trace)
+            if len(self._traced) >= 1024:
+                # A traced request whose loads were all L1 hits leaves no
+                # span: the oldest such goes.
+                self._traced.pop(next(iter(self._traced)))
+            self._traced[trace] = request_id
+        return trace
+
+    def _log_traces(self):
+        """One line per traced request whose loads came back: its blocks
+        loaded from L2 and L3, what the agent waited and what the data
+        plane took (its log has a line per block under the same id)."""
+        if not self._traced:
+            return
+        spans = self._worker().trace_spans()
+        for trace in sorted(set(int(t) for t in spans["trace"])):
+            mine = spans[spans["trace"] == trace]
+            # A try refused for want of an L1 slot and retried is a span
+            # of its own: blocks are counted once, tries apart.
+            blocks = {bytes(k) for k in mine["key"]}
+            loaded = {bytes(k) for k in mine[mine["status"] == lake.OK]["key"]}
+            logger.info(
+                "lake.vllm: request %s (trace %016x): %d blocks from L2/L3, %d not loaded, %d tries, "
+                "agent waited %.3f ms, data plane %.3f ms",
+                self._traced.pop(trace, "?"),
+                trace,
+                len(loaded),
+                len(blocks - loaded),
+                len(mine),
+                float(mine["took_ns"].sum()) / 1e6,
+                float(mine["data_plane_us"].sum()) / 1e3,
+            )
 
     def wait_for_layer_load(self, layer_name):
         """On a GPU, the current CUDA stream waits (on the GPU, the host
@@ -437,6 +504,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
                     ", ".join(sorted({lake.STATUS.get(int(x), str(x)) for x in statuses[failed]})),
                 )
         self._loading.clear()
+        self._log_traces()
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         """Nothing per layer: a block is saved whole (every layer in one
@@ -461,7 +529,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
 
             stream = torch.cuda.current_stream().cuda_stream
         for spec in meta.saves:
-            request = pool.submit_save(self.memory_id, spec.keys, spec.block_ids, stream=stream)
+            request = pool.submit_save(self.memory_id, spec.keys, spec.block_ids, parent=spec.parent, stream=stream)
             self._saves[request] = (spec.request_id, len(spec.block_ids))
 
     def get_finished(self, finished_req_ids):

@@ -114,13 +114,17 @@ def test_the_scheduler_side_matches_plans_loads_and_saves(pool_paths):
     whole = tokens[: 8 * BLOCK]
     assert connector.get_num_new_matched_tokens(request("r3", whole), 0) == (7 * BLOCK, False)
 
-    # Finished: its full blocks are saved, vLLM keeps them until the save
-    # is reported.
+    # Finished: its full blocks past the cached prefix are saved, under the
+    # prefix's last block; vLLM keeps them until the save is reported.
     finished = request("r2", tokens + [5] * 20)
     assert connector.request_finished_all_groups(finished, (list(range(100, 112)), [7, 8])) == (True, None)
     meta = connector.build_connector_meta(None)
-    assert len(meta.saves) == 1 and meta.saves[0].block_ids == list(range(100, 111))
-    assert len(meta.saves[0].keys) == 11
+    assert len(meta.saves) == 1 and meta.saves[0].block_ids == list(range(108, 111)), "the cached 8 are not saved again"
+    assert len(meta.saves[0].keys) == 3 and np.array_equal(meta.saves[0].parent, keys[7])
+    all_keys = connector.namespace.keys(np.asarray(finished.prompt_token_ids[: 11 * BLOCK], dtype=np.uint32))
+    assert np.array_equal(meta.saves[0].keys, all_keys[8:])
+    # Wholly cached: nothing to save, nothing for vLLM to keep.
+    assert connector.request_finished(request("r4", tokens[: 8 * BLOCK]), list(range(100, 108))) == (False, None)
     connector.shutdown()
 
 
