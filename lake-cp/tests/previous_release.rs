@@ -64,10 +64,11 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// The old data plane, killed if the test fails before it stops it.
-struct OldDp(Child);
+/// A process of the previous release (its data plane, its control plane),
+/// killed if the test fails before it stops it.
+struct Old(Child);
 
-impl Drop for OldDp {
+impl Drop for Old {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
@@ -148,15 +149,13 @@ ports = 2
     let config_path = dir.join("lake-dp.toml");
     std::fs::write(&config_path, config).unwrap();
     let log = std::fs::File::create(dir.join("lake-dp.log")).unwrap();
-    let mut old = OldDp(
-        Command::new(&binary)
-            .arg("--config")
-            .arg(&config_path)
-            .stdout(Stdio::from(log.try_clone().unwrap()))
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap(),
-    );
+    let mut old = Old(Command::new(&binary)
+        .arg("--config")
+        .arg(&config_path)
+        .stdout(Stdio::from(log.try_clone().unwrap()))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap());
     let log_text = || std::fs::read_to_string(dir.join("lake-dp.log")).unwrap_or_default();
     wait_until("the old lake-dp registered L1 and both L2 files", || {
         let regions = admin(&admin_socket, "{\"op\":\"regions\"}");
@@ -283,17 +282,6 @@ ports = 2
     let _ = std::fs::remove_file(&mirror);
 }
 
-/// The previous release's `lake cp` (a child process, standing for
-/// leadership in a real etcd), killed if the test fails before it ends.
-struct OldCp(Child);
-
-impl Drop for OldCp {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Rolling upgrade, the control plane a release behind: the previous
 /// release's real `lake cp` (`LAKE_PREVIOUS_LAKE`, built by `.ci/run`)
 /// leads in etcd and serves this build's `lake-dp` (the runner, on a
@@ -320,18 +308,16 @@ fn the_previous_releases_lake_cp_serves_this_releases_data_plane_and_agents() {
         (format!("/dev/shm/lake-l1-prevcp-{unique}"), PathBuf::from(format!("/dev/shm/lake-mirror-prevcp-{unique}")));
     let (cp_socket, dp_socket) = (dir.join("cp.sock"), dir.join("dp.sock"));
     let log = std::fs::File::create(dir.join("lake-cp.log")).unwrap();
-    let old = OldCp(
-        Command::new(&binary)
-            .args(["cp", "--socket"])
-            .arg(&cp_socket)
-            .arg("--mirror")
-            .arg(&mirror)
-            .args(["--etcd", &etcd.endpoint(), "--cluster", "previous", "--id", "old-cp", "--entries", "4096"])
-            .stdout(Stdio::from(log.try_clone().unwrap()))
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap(),
-    );
+    let old = Old(Command::new(&binary)
+        .args(["cp", "--socket"])
+        .arg(&cp_socket)
+        .arg("--mirror")
+        .arg(&mirror)
+        .args(["--etcd", &etcd.endpoint(), "--cluster", "previous", "--id", "old-cp", "--entries", "4096"])
+        .stdout(Stdio::from(log.try_clone().unwrap()))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap());
     let log_text = || std::fs::read_to_string(dir.join("lake-cp.log")).unwrap_or_default();
     wait_until("the old lake cp leads and serves its socket", || cp_socket.exists());
 
