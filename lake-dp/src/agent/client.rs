@@ -291,6 +291,17 @@ pub struct Agent {
     pub stats: AgentStats,
 }
 
+impl Drop for Agent {
+    /// What it timed since its last report goes to `lake-cp` before the
+    /// link closes (an engine that lived less than a second is counted too).
+    fn drop(&mut self) {
+        if let Some(cp) = &mut self.cp {
+            cp.path_latency(&self.paths);
+            let _ = cp.pump();
+        }
+    }
+}
+
 impl core::fmt::Debug for Agent {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Agent").field("stats", &self.stats).finish_non_exhaustive()
