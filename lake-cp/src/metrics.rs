@@ -155,6 +155,7 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
         data_plane_metrics(&mut out, dp);
     }
     rail_metrics(&mut out, &node.rails, &node.engine_rails);
+    tenant_throttle_metrics(&mut out, &node.tenant_throttles);
     path_metrics(&mut out, &node.all_paths());
     metric(
         &mut out,
@@ -306,7 +307,32 @@ fn tier_metrics(out: &mut String, node: &Node) {
     );
 }
 
-/// The data plane's per-path latency histograms, as Prometheus histograms
+/// `text` as a Prometheus label value (backslash, quote and newline
+/// escaped).
+fn label(text: &str) -> String {
+    text.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// How often each capped tenant's work waited for its caps, by path (the
+/// data plane's counts since it started).
+fn tenant_throttle_metrics(out: &mut String, tenants: &[lake_dp::wire::message::TenantThrottle]) {
+    if tenants.is_empty() {
+        return;
+    }
+    let name = "lake_tenant_throttled_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Times a capped tenant's work waited for its bandwidth cap, by path (L2 and L3 reads and writes, sends to other nodes)."
+    );
+    let _ = writeln!(out, "# TYPE {name} counter");
+    for tenant in tenants {
+        for (path, waits) in lake_dp::runner::rates::RATE_PATH_NAMES.iter().zip(tenant.waits) {
+            let _ = writeln!(out, "{name}{{tenant=\"{}\",path=\"{path}\"}} {waits}", label(tenant.name()));
+        }
+    }
+}
+
+/// Per-path (the data plane's, then the engines') latency histograms, as Prometheus histograms
 /// in seconds (`le` the bucket bounds, cumulative; `_count` is how often
 /// the path was taken).
 #[allow(clippy::cast_precision_loss)] // bounds below 2^21 µs; a sum past 2^52 µs (142 years) may round

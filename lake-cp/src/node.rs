@@ -190,6 +190,9 @@ pub struct Node {
     /// Each engine's own side of its reads and loads, by its connection,
     /// as it last reported it.
     pub engine_paths: Vec<(u64, Vec<lake_dp::wire::message::PathEntry>)>,
+    /// Each capped tenant's waits for its bandwidth caps on the data
+    /// plane, as last sent.
+    pub tenant_throttles: Vec<lake_dp::wire::message::TenantThrottle>,
     /// What engines gone had reported, so the totals only grow.
     pub engine_paths_gone: Vec<lake_dp::wire::message::PathEntry>,
     /// What happened to blocks lately, oldest first ([`HISTORY_MAX`]).
@@ -216,6 +219,7 @@ impl Node {
             engine_rails: Vec::new(),
             engine_paths: Vec::new(),
             engine_paths_gone: Vec::new(),
+            tenant_throttles: Vec::new(),
             data_plane: None,
             rails: Vec::new(),
             paths: Vec::new(),
@@ -408,6 +412,10 @@ impl Node {
                     Some((_, latest)) => *latest = entries,
                     None => self.rails.push((network, entries)),
                 }
+                Ok(())
+            }
+            Message::TenantThrottles(_, entries) => {
+                self.tenant_throttles = entries.iter().collect();
                 Ok(())
             }
             Message::PathLatency(_, entries) => {

@@ -142,7 +142,7 @@ fn a_tenant_capped_on_l2_reads_loads_no_faster_than_its_cap_and_the_other_is_not
     let dir = std::env::temp_dir().join(format!("lake-cp-tenant-rate-{}", std::process::id()));
     let (capped, free) = (namespace(4), namespace(5));
     let slot = lake_dp::stored::object_bytes(64 * 1024);
-    let mut config = EmbeddedConfig { local_agents: 2, ..EmbeddedConfig::new(dir) };
+    let mut config = EmbeddedConfig { local_agents: 2, metrics: true, ..EmbeddedConfig::new(dir) };
     // An L1 quota of two blocks each: what they save goes down to L2.
     for ns in [&capped, &free] {
         let tenant = format!("{:x}", ns.id().0);
@@ -193,6 +193,18 @@ fn a_tenant_capped_on_l2_reads_loads_no_faster_than_its_cap_and_the_other_is_not
     );
     assert!(capped_time >= at_rate.mul_f64(0.9), "{capped_time:?} for {capped_l2} blocks at {RATE} B/s");
     assert!(free_time < capped_time / 2, "the uncapped tenant was held: {free_time:?} vs {capped_time:?}");
+    // The operator sees who waited, on which path (sent with the data
+    // plane's stats, once a second).
+    let address = pool.metrics.unwrap();
+    let waited =
+        |path: &str| metric(address, &format!("lake_tenant_throttled_total{{tenant=\"capped\",path=\"{path}\"}}"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while waited("l2_read").unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "no throttled L2 reads in /metrics");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(waited("l2_write"), Some(0));
+    assert_eq!(waited("net_send"), Some(0));
     drop(engines);
     let (stats, _) = pool.stop().unwrap();
     assert!(stats.pool.loads_throttled > 0, "{:?}", stats.pool);

@@ -309,6 +309,19 @@ impl CpLink {
         self.ack.features & feature != 0
     }
 
+    /// Reports how often each capped tenant's work waited (to a control
+    /// plane that takes it: [`crate::wire::FEATURE_TENANT_THROTTLES`]).
+    pub fn tenant_throttles(&mut self, entries: &[crate::wire::message::TenantThrottle]) {
+        use crate::wire::message::{TENANTS_REPORTED_MAX, TenantThrottles};
+        if !self.takes(crate::wire::FEATURE_TENANT_THROTTLES) || entries.is_empty() {
+            return;
+        }
+        for chunk in entries.chunks(TENANTS_REPORTED_MAX) {
+            let count = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+            self.queue(&Message::TenantThrottles(TenantThrottles { count, reserved: 0 }, Records::from_slice(chunk)));
+        }
+    }
+
     /// Reports what each rail of a transport carried.
     pub fn rails(&mut self, network: crate::wire::message::Network, rails: &[crate::wire::message::RailEntry]) {
         use crate::wire::message::{RAILS_REPORTED_MAX, RailStats};

@@ -471,6 +471,13 @@ impl TenantSection {
         if self.name.is_empty() {
             return Err(ConfigError(format!("{}: must not be empty", field("name"))));
         }
+        if self.name.len() > crate::wire::message::TENANT_NAME_BYTES || self.name.contains('\0') {
+            return Err(ConfigError(format!(
+                "{}: at most {} bytes, no NUL",
+                field("name"),
+                crate::wire::message::TENANT_NAME_BYTES
+            )));
+        }
         if self.namespaces.is_empty() {
             return Err(ConfigError(format!("{}: at least one", field("namespaces"))));
         }

@@ -1201,6 +1201,7 @@ pub fn run_with(
                         &rail_entries(transport.as_ref(), &peers_by_node),
                     );
                 }
+                link.tenant_throttles(&pool.tenant_throttles());
                 let l2 = poller.stats().latency;
                 match pool.l3_latency() {
                     Some([read, write]) => link.path_latency(&[l2[0], l2[1], l2[2], transfer_latency, read, write]),

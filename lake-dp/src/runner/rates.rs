@@ -33,6 +33,9 @@ pub enum RatePath {
 /// How many [`RatePath`]s there are.
 pub const RATE_PATHS: usize = 5;
 
+/// Each [`RatePath`]'s name, in code order (metrics, config).
+pub const RATE_PATH_NAMES: [&str; RATE_PATHS] = ["l2_read", "l2_write", "l3_read", "l3_write", "net_send"];
+
 /// A token bucket in bytes.
 #[derive(Clone, Copy, Debug)]
 struct Bucket {

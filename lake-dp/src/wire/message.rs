@@ -635,6 +635,64 @@ impl ListHead for RailStats {
 /// Rails one [`RailStats`] reports at most.
 pub const RAILS_REPORTED_MAX: usize = 4096;
 
+/// Per tenant with bandwidth caps on a node, how often its work waited for
+/// them: sent about once a second with the stats, to a control plane that
+/// offered [`super::FEATURE_TENANT_THROTTLES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct TenantThrottles {
+    /// Entries that follow.
+    pub count: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+impl Record for TenantThrottles {
+    fn validate(&self) -> Result<(), WireError> {
+        reserved_zero("tenant_throttles.reserved", &self.reserved.to_le_bytes())
+    }
+}
+
+impl ListHead for TenantThrottles {
+    const RECORDS_MAX: usize = TENANTS_REPORTED_MAX;
+    fn count(&self) -> u32 {
+        self.count
+    }
+}
+
+/// Tenants one [`TenantThrottles`] reports at most.
+pub const TENANTS_REPORTED_MAX: usize = 256;
+
+/// Bytes of a tenant's name on the wire (and in a data plane's config).
+pub const TENANT_NAME_BYTES: usize = 32;
+
+/// One tenant's waits since the data plane started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct TenantThrottle {
+    /// Its name (UTF-8, NUL-padded, not empty).
+    pub name: [u8; TENANT_NAME_BYTES],
+    /// Times its work waited for a bucket, by path: L2 reads, L2 writes,
+    /// L3 reads, L3 writes, sends to other nodes.
+    pub waits: [u64; 5],
+}
+
+impl TenantThrottle {
+    /// Its name.
+    pub fn name(&self) -> &str {
+        text(&self.name)
+    }
+}
+
+impl Record for TenantThrottle {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.name[0] == 0 {
+            return Err(field_err("tenant_throttle.name", 0u8));
+        }
+        check_text("tenant_throttle.name", &self.name)
+    }
+}
+
 /// One rail to one peer: counters since the transport started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
@@ -1495,6 +1553,7 @@ messages! {
         RailStats(RailStats, RailEntry) = 24,
         Snapshot(Delta, DeltaEntry) = 25,
         PathLatency(PathLatency, PathEntry) = 27,
+        TenantThrottles(TenantThrottles, TenantThrottle) = 29,
     }
 }
 
@@ -1514,6 +1573,8 @@ const _: () = assert!(size_of::<Attached>() == 24);
 const _: () = assert!(size_of::<RailStats>() == 8);
 const _: () = assert!(size_of::<RailEntry>() == 24);
 const _: () = assert!(size_of::<PathLatency>() == 8);
+const _: () = assert!(size_of::<TenantThrottles>() == 8);
+const _: () = assert!(size_of::<TenantThrottle>() == 72);
 const _: () = assert!(size_of::<PathEntry>() == 24 + 8 * LATENCY_BUCKETS);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);

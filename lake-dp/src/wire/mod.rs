@@ -67,6 +67,10 @@ pub const FEATURE_PATHS_L3: u64 = 1 << 3;
 /// it refuses path codes it does not know).
 pub const FEATURE_PATHS_AGENT: u64 = 1 << 5;
 
+/// Feature bit: the side takes [`message::TenantThrottles`] (kind 29: how
+/// often each capped tenant's work waited), sent only where offered.
+pub const FEATURE_TENANT_THROTTLES: u64 = 1 << 6;
+
 /// Feature bit (the data plane's attach socket, not the `lake-cp` link):
 /// its agent ports take a
 /// trace id on a load (`RequestEntry::trace`, zero in builds before) and
@@ -77,8 +81,12 @@ pub const FEATURE_PATHS_AGENT: u64 = 1 << 5;
 pub const FEATURE_TRACE: u64 = 1 << 4;
 
 /// The feature bits this build offers on a link to `lake-cp`.
-pub const FEATURES: u64 =
-    FEATURE_RAIL_STATS | FEATURE_PATH_LATENCY | FEATURE_DRAIN | FEATURE_PATHS_L3 | FEATURE_PATHS_AGENT;
+pub const FEATURES: u64 = FEATURE_RAIL_STATS
+    | FEATURE_PATH_LATENCY
+    | FEATURE_DRAIN
+    | FEATURE_PATHS_L3
+    | FEATURE_PATHS_AGENT
+    | FEATURE_TENANT_THROTTLES;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
@@ -86,12 +94,13 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 6] = [
+pub const FEATURE_NAMES: [(u64, &str); 7] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
     (FEATURE_PATHS_L3, "paths_l3"),
     (FEATURE_PATHS_AGENT, "paths_agent"),
+    (FEATURE_TENANT_THROTTLES, "tenant_throttles"),
     (FEATURE_TRACE, "trace"),
 ];
 

@@ -412,6 +412,22 @@ impl Pool {
         self.rates = rates;
     }
 
+    /// Each capped tenant's waits, for the control plane (none without
+    /// caps).
+    pub fn tenant_throttles(&self) -> Vec<crate::wire::message::TenantThrottle> {
+        self.rates
+            .waits()
+            .map(|(name, waits)| {
+                let mut entry = crate::wire::message::TenantThrottle { name: [0; 32], waits };
+                // Names are checked at config to fit.
+                let bytes = name.as_bytes();
+                let len = bytes.len().min(entry.name.len());
+                entry.name[..len].copy_from_slice(&bytes[..len]);
+                entry
+            })
+            .collect()
+    }
+
     /// Whether `request` may start now under its tenant's caps (only loads
     /// are capped here; their bytes are taken from the bucket when so).
     fn admitted(&mut self, request: &AgentRequest, now_ns: u64) -> bool {
