@@ -31,7 +31,7 @@ use lake_cp::node::Node;
 use lake_cp::server::Server;
 use lake_cp::tier::TierConfig;
 use lake_dp::agent::{Agent, AgentConfig};
-use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
+use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorEntry, MirrorWriter};
 use lake_dp::{BlockKey, NamespaceId, NodeId};
 
 const PAYLOAD: usize = 60 * 1024;
@@ -61,6 +61,54 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     while !done() {
         assert!(Instant::now() < deadline, "{what}: not within 30 s");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// This build's agent, attached over `dp_socket` (namespace `namespace`),
+/// having saved [`BLOCKS`] blocks and seen 20 or more of them demoted to
+/// L2; their keys.
+fn saved_and_demoted(
+    mirror: &Path,
+    cp_socket: &Path,
+    dp_socket: &Path,
+    namespace: u64,
+    log: &dyn Fn() -> String,
+) -> (Agent, Vec<BlockKey>) {
+    let agent_config = AgentConfig {
+        arena: Path::new("/nonexistent"),
+        mirror,
+        cp_socket: Some(cp_socket),
+        name: "engine-n",
+        namespace: NamespaceId(namespace),
+        layout_fingerprint: 0x77,
+        segment_bytes: 16 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = Agent::connect(&agent_config, dp_socket).unwrap_or_else(|e| panic!("{e}\n{}", log()));
+    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
+    save_chain(&mut agent, &keys, |i| payload(i as u32));
+    let mut table = Vec::new();
+    wait_until("the blocks published and demoted to L2", || {
+        let hits = agent.lookup(&keys, &mut table);
+        hits == keys.len() && table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count() >= 20
+    });
+    (agent, keys)
+}
+
+/// Reads every one of `keys` back, a few at a time, each checked against
+/// its bytes; `check` sees each lookup's table first.
+fn read_back(agent: &mut Agent, keys: &[BlockKey], log: &dyn Fn() -> String, check: &dyn Fn(&[MirrorEntry])) {
+    let mut table = Vec::new();
+    let mut delivered = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while delivered < keys.len() {
+        assert!(Instant::now() < deadline, "{delivered} of {BLOCKS} read back\n{}", log());
+        assert_eq!(agent.lookup(keys, &mut table), keys.len());
+        check(&table);
+        let end = keys.len().min(delivered + 4);
+        delivered += agent.fetch(&keys[delivered..end], &table[delivered..end], |i, bytes| {
+            assert_eq!(bytes, &payload((delivered + i) as u32)[..], "block {}", delivered + i);
+        });
     }
 }
 
@@ -163,39 +211,13 @@ ports = 2
     });
 
     // This build's agent attached to it.
-    let agent_config = AgentConfig {
-        arena: Path::new("/nonexistent"),
-        mirror: &mirror,
-        cp_socket: Some(&cp_socket),
-        name: "engine-n",
-        namespace: NamespaceId(0x5e),
-        layout_fingerprint: 0x77,
-        segment_bytes: 16 * 1024,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    let mut agent = Agent::connect(&agent_config, &dp_socket).unwrap_or_else(|e| panic!("{e}\n{}", log_text()));
-    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
-    save_chain(&mut agent, &keys, |i| payload(i as u32));
-    let mut table = Vec::new();
-    wait_until("the blocks demoted to the old data plane's L2", || {
-        let hits = agent.lookup(&keys, &mut table);
-        hits == keys.len() && table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count() >= 20
-    });
+    let (mut agent, keys) = saved_and_demoted(&mirror, &cp_socket, &dp_socket, 0x5e, &log_text);
     // Read back under a trace id: sent only where the old data plane
     // offered trace ids at attach (one built before them refuses a request
     // carrying one); the agent's spans then have none of its time.
     eprintln!("the previous data plane takes trace ids: {}", agent.traces_taken());
     agent.set_trace(0x01d0_7ace);
-    let mut delivered = 0;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while delivered < keys.len() {
-        assert!(Instant::now() < deadline, "{delivered} of {BLOCKS} read back");
-        assert_eq!(agent.lookup(&keys, &mut table), keys.len());
-        let end = keys.len().min(delivered + 4);
-        delivered += agent.fetch(&keys[delivered..end], &table[delivered..end], |i, bytes| {
-            assert_eq!(bytes, &payload((delivered + i) as u32)[..], "block {}", delivered + i);
-        });
-    }
+    read_back(&mut agent, &keys, &log_text, &|_| {});
 
     agent.set_trace(0);
     let mut spans = Vec::new();
@@ -230,20 +252,12 @@ ports = 2
             drains["drains"][0]["done"] == true && drains["drains"][0]["refused"].is_null()
         });
         // Nothing was lost: every block reads back from where it went.
-        let mut delivered = 0;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while delivered < keys.len() {
-            assert!(Instant::now() < deadline, "{delivered} of {BLOCKS} read back after the drain");
-            assert_eq!(agent.lookup(&keys, &mut table), keys.len());
+        read_back(&mut agent, &keys, &log_text, &|table| {
             assert!(
                 table.iter().all(|e| e.tier != lake_dp::Tier::L2Nvme || u64::from(e.region.0) != drained),
                 "a block left on the drained file"
             );
-            let end = keys.len().min(delivered + 4);
-            delivered += agent.fetch(&keys[delivered..end], &table[delivered..end], |i, bytes| {
-                assert_eq!(bytes, &payload((delivered + i) as u32)[..], "block {}", delivered + i);
-            });
-        }
+        });
     } else {
         wait_until("the drain's refusal", || {
             let drains = admin(&admin_socket, "{\"op\":\"drains\"}");
@@ -367,34 +381,8 @@ ports = 2
     wait_until("this data plane's socket", || dp_socket.exists() || dp.is_finished());
     assert!(!dp.is_finished(), "the data plane stopped: {:?}", dp.join());
 
-    let agent_config = AgentConfig {
-        arena: Path::new("/nonexistent"),
-        mirror: &mirror,
-        cp_socket: Some(&cp_socket),
-        name: "engine-n",
-        namespace: NamespaceId(0x5f),
-        layout_fingerprint: 0x78,
-        segment_bytes: 16 * 1024,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    let mut agent = Agent::connect(&agent_config, &dp_socket).unwrap_or_else(|e| panic!("{e}\n{}", log_text()));
-    let keys: Vec<BlockKey> = (0..BLOCKS).map(key).collect();
-    save_chain(&mut agent, &keys, |i| payload(i as u32));
-    let mut table = Vec::new();
-    wait_until("the blocks published and demoted to L2 by the old control plane", || {
-        let hits = agent.lookup(&keys, &mut table);
-        hits == keys.len() && table.iter().filter(|e| e.tier == lake_dp::Tier::L2Nvme).count() >= 20
-    });
-    let mut delivered = 0;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while delivered < keys.len() {
-        assert!(Instant::now() < deadline, "{delivered} of {BLOCKS} read back\n{}", log_text());
-        assert_eq!(agent.lookup(&keys, &mut table), keys.len());
-        let end = keys.len().min(delivered + 4);
-        delivered += agent.fetch(&keys[delivered..end], &table[delivered..end], |i, bytes| {
-            assert_eq!(bytes, &payload((delivered + i) as u32)[..], "block {}", delivered + i);
-        });
-    }
+    let (mut agent, keys) = saved_and_demoted(&mirror, &cp_socket, &dp_socket, 0x5f, &log_text);
+    read_back(&mut agent, &keys, &log_text, &|_| {});
     drop(agent);
     stop.store(true, Ordering::Release);
     let stats = dp.join().unwrap().unwrap();
