@@ -3,9 +3,8 @@
 //! and saves run by the agent's own thread, completions, cancel, stats.
 
 pub use crate::push::LakeRailStat;
-use std::collections::{HashSet, VecDeque};
-
 use crate::trace::LakeTraceSpan;
+use std::collections::{HashSet, VecDeque};
 use std::ffi::{CStr, c_char};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -1068,18 +1067,7 @@ fn keep_spans(agent: &mut Agent, spans: &Mutex<VecDeque<LakeTraceSpan>>) {
         if kept.len() >= lake_dp::agent::SPANS_KEPT {
             kept.pop_front();
         }
-        kept.push_back(LakeTraceSpan {
-            trace: span.trace,
-            key: LakeBlockKey { bytes: span.key.0 },
-            tier: u32::from(span.tier),
-            status: match span.result {
-                Ok(()) => LakeStatus::LakeOk,
-                Err(e) => crate::trace::status_of_agent_error(e),
-            },
-            took_ns: span.took_ns,
-            data_plane_us: span.data_plane_us,
-            reserved: 0,
-        });
+        kept.push_back(LakeTraceSpan::from(span));
     });
 }
 

@@ -8,6 +8,7 @@
 
 use std::cell::Cell;
 
+use lake_dp::agent::TraceSpan;
 use lake_dp::agent::port::AgentError;
 
 use crate::pool::{LakeBlockKey, LakePool, pool_ref, status_of};
@@ -44,8 +45,22 @@ pub(crate) fn current() -> u64 {
     TRACE.with(Cell::get)
 }
 
+impl From<&TraceSpan> for LakeTraceSpan {
+    fn from(span: &TraceSpan) -> Self {
+        Self {
+            trace: span.trace,
+            key: LakeBlockKey { bytes: span.key.0 },
+            tier: u32::from(span.tier),
+            status: span.result.map_or_else(status_of_agent_error, |()| LakeStatus::LakeOk),
+            took_ns: span.took_ns,
+            data_plane_us: span.data_plane_us,
+            reserved: 0,
+        }
+    }
+}
+
 /// The status an agent's error reads as.
-pub(crate) fn status_of_agent_error(error: AgentError) -> LakeStatus {
+fn status_of_agent_error(error: AgentError) -> LakeStatus {
     match error {
         AgentError::NoSpace => LakeStatus::LakeNoSpace,
         AgentError::Stale => LakeStatus::LakeEvicted,

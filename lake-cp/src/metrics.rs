@@ -290,11 +290,11 @@ fn tier_metrics(out: &mut String, node: &Node) {
     };
     let used: Vec<(String, u64)> = tenants
         .iter()
-        .map(|&(name, tier, used, _)| (format!("tenant=\"{name}\",tier=\"{}\"", tier_name(tier)), used))
+        .map(|&(name, tier, used, _)| (format!("tenant=\"{}\",tier=\"{}\"", label(name), tier_name(tier)), used))
         .collect();
     let quota: Vec<(String, u64)> = tenants
         .iter()
-        .map(|&(name, tier, _, q)| (format!("tenant=\"{name}\",tier=\"{}\"", tier_name(tier)), q))
+        .map(|&(name, tier, _, q)| (format!("tenant=\"{}\",tier=\"{}\"", label(name), tier_name(tier)), q))
         .collect();
     metric(out, "lake_tenant_bytes", "gauge", "Bytes a tenant's namespaces hold in a tier.", &borrowed(&used));
     metric(out, "lake_tenant_quota_bytes", "gauge", "A tenant's quota in a tier.", &borrowed(&quota));

@@ -190,13 +190,21 @@ pub struct Node {
     /// Each engine's own side of its reads and loads, by its connection,
     /// as it last reported it.
     pub engine_paths: Vec<(u64, Vec<lake_dp::wire::message::PathEntry>)>,
+    /// What engines gone had reported, so the totals only grow.
+    pub engine_paths_gone: Vec<lake_dp::wire::message::PathEntry>,
     /// Each capped tenant's waits for its bandwidth caps on the data
     /// plane, as last sent.
     pub tenant_throttles: Vec<lake_dp::wire::message::TenantThrottle>,
-    /// What engines gone had reported, so the totals only grow.
-    pub engine_paths_gone: Vec<lake_dp::wire::message::PathEntry>,
     /// What happened to blocks lately, oldest first ([`HISTORY_MAX`]).
     history: std::collections::VecDeque<BlockEvent>,
+}
+
+/// Adds `entry` to the total of its path in `totals` (a new one if none).
+fn fold_path(totals: &mut Vec<lake_dp::wire::message::PathEntry>, entry: &lake_dp::wire::message::PathEntry) {
+    match totals.iter_mut().find(|e| e.path == entry.path) {
+        Some(total) => total.add(entry),
+        None => totals.push(*entry),
+    }
 }
 
 impl Node {
@@ -337,11 +345,8 @@ impl Node {
     pub fn engine_gone(&mut self, peer: u64) {
         let Some(at) = self.engine_paths.iter().position(|(p, _)| *p == peer) else { return };
         let (_, entries) = self.engine_paths.swap_remove(at);
-        for entry in entries {
-            match self.engine_paths_gone.iter_mut().find(|e| e.path == entry.path) {
-                Some(total) => total.add(&entry),
-                None => self.engine_paths_gone.push(entry),
-            }
+        for entry in &entries {
+            fold_path(&mut self.engine_paths_gone, entry);
         }
     }
 
@@ -351,10 +356,7 @@ impl Node {
         let mut all = self.paths.clone();
         let mut engines = self.engine_paths_gone.clone();
         for entry in self.engine_paths.iter().flat_map(|(_, entries)| entries) {
-            match engines.iter_mut().find(|e| e.path == entry.path) {
-                Some(total) => total.add(entry),
-                None => engines.push(*entry),
-            }
+            fold_path(&mut engines, entry);
         }
         engines.sort_by_key(|e| e.path);
         all.extend(engines);

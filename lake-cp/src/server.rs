@@ -145,11 +145,6 @@ impl Session {
         &self.name
     }
 
-    /// The feature bits both sides offered at hello (0 before).
-    pub fn features(&self) -> u64 {
-        self.features
-    }
-
     /// The node and process id the peer's hello named (0 before).
     pub fn origin(&self) -> (u32, u32) {
         (self.node, self.pid)

@@ -64,6 +64,46 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// A data plane's config, in a form every release since the previous one
+/// reads (no field added since): L1 of 16 blocks at `arena`, two L2 files
+/// in `dir`, `lake-cp` at `cp`, agents at `dp`.
+fn dp_config(arena: &str, dir: &Path, cp: &Path, dp: &Path) -> String {
+    let slot_bytes = lake_dp::stored::object_bytes(PAYLOAD as u64);
+    format!(
+        r#"
+[node]
+id = 0
+
+[l1]
+path = "{arena}"
+classes = [{{ payload_bytes = {PAYLOAD}, slots = 16 }}]
+lock = false
+agents_max = 8
+
+[l2]
+paths = ["{dir}/l2-0.lake", "{dir}/l2-1.lake"]
+slots_per_file = 64
+slot_bytes = {slot_bytes}
+format_if_missing = true
+queue_depth = 32
+
+[poller]
+ops_max = 64
+park_max_ms = 20
+
+[cp]
+socket = "{cp}"
+
+[agents]
+socket = "{dp}"
+ports = 2
+"#,
+        dir = dir.display(),
+        cp = cp.display(),
+        dp = dp.display(),
+    )
+}
+
 /// This build's agent, attached over `dp_socket` (namespace `namespace`),
 /// having saved [`BLOCKS`] blocks and seen 20 or more of them demoted to
 /// L2; their keys.
@@ -159,41 +199,7 @@ fn the_previous_releases_lake_dp_serves_this_releases_control_plane_and_agents()
 
     // The previous release's data plane, with a config it reads (no field
     // added since).
-    let slot_bytes = lake_dp::stored::object_bytes(PAYLOAD as u64);
-    let config = format!(
-        r#"
-[node]
-id = 0
-
-[l1]
-path = "{arena}"
-classes = [{{ payload_bytes = {PAYLOAD}, slots = 16 }}]
-lock = false
-agents_max = 8
-
-[l2]
-paths = ["{dir}/l2-0.lake", "{dir}/l2-1.lake"]
-slots_per_file = 64
-slot_bytes = {slot_bytes}
-format_if_missing = true
-queue_depth = 32
-
-[poller]
-ops_max = 64
-park_max_ms = 20
-
-[cp]
-socket = "{cp}"
-
-[agents]
-socket = "{dp}"
-ports = 2
-"#,
-        arena = arena.display(),
-        dir = dir.display(),
-        cp = cp_socket.display(),
-        dp = dp_socket.display(),
-    );
+    let config = dp_config(&arena.display().to_string(), &dir, &cp_socket, &dp_socket);
     let config_path = dir.join("lake-dp.toml");
     std::fs::write(&config_path, config).unwrap();
     let log = std::fs::File::create(dir.join("lake-dp.log")).unwrap();
@@ -336,40 +342,7 @@ fn the_previous_releases_lake_cp_serves_this_releases_data_plane_and_agents() {
     wait_until("the old lake cp leads and serves its socket", || cp_socket.exists());
 
     // This build's data plane: L1 of 16 blocks, two L2 files.
-    let slot = lake_dp::stored::object_bytes(PAYLOAD as u64);
-    let config = RunnerConfig::parse(&format!(
-        r#"
-[node]
-id = 0
-
-[l1]
-path = "{arena}"
-classes = [{{ payload_bytes = {PAYLOAD}, slots = 16 }}]
-lock = false
-
-[l2]
-paths = ["{dir}/l2-0.lake", "{dir}/l2-1.lake"]
-slots_per_file = 64
-slot_bytes = {slot}
-format_if_missing = true
-queue_depth = 16
-
-[poller]
-ops_max = 32
-park_max_ms = 20
-
-[cp]
-socket = "{cp}"
-
-[agents]
-socket = "{dp}"
-ports = 2
-"#,
-        dir = dir.display(),
-        cp = cp_socket.display(),
-        dp = dp_socket.display(),
-    ))
-    .unwrap();
+    let config = RunnerConfig::parse(&dp_config(&arena, &dir, &cp_socket, &dp_socket)).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let dp = {
         let stop = Arc::clone(&stop);

@@ -100,6 +100,14 @@ fn start_with(
     EmbeddedPool::start(&EmbeddedConfig {
         link_key: key,
         rdma: rdma.map(|device| lake_dp::runner::RdmaDevice::parse(device).unwrap()),
+        ..config(name, node, listen, peers)
+    })
+    .unwrap()
+}
+
+/// The config of [`start`]'s pools: one engine, 32 L1 slots of 128 KiB.
+fn config(name: &str, node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, SocketAddr)>) -> EmbeddedConfig {
+    EmbeddedConfig {
         block_bytes: 131_072,
         l1_slots: 32,
         l2_slots_per_file: 32,
@@ -109,23 +117,12 @@ fn start_with(
         transport_peers: peers.into_iter().map(|(n, a)| (n, vec![lake_dp::transport::tcp::Rail::to(a)])).collect(),
         node,
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-transport-{name}-{}", std::process::id())))
-    })
-    .unwrap()
+    }
 }
 
 /// The pool's engine (in-process agent, namespace 7, layout 0xfeed).
 fn engine(pool: &mut EmbeddedPool, name: &'static str) -> Agent {
-    let config = AgentConfig {
-        arena: &pool.arena,
-        mirror: &pool.mirror,
-        cp_socket: Some(&pool.cp_socket),
-        name,
-        namespace: NamespaceId(7),
-        layout_fingerprint: 0xfeed,
-        segment_bytes: 16 * 1024,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
+    engine_of(pool, name, 7)
 }
 
 /// An engine of namespace `namespace` (layout 0xfeed) on the pool.
@@ -418,18 +415,15 @@ fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is
     const RATE: u64 = 1 << 20;
     const BLOCKS: u32 = 12;
     let node_b = free_port();
-    let start = |name: &str, node: u32, listen, peers: Vec<(u32, SocketAddr)>, rates| {
+    // Two engines a pool (one a tenant), room for both prompts.
+    let start = |name: &str, node: u32, listen, peers, tenant_rates| {
+        let pool = config(name, node, listen, peers);
         EmbeddedPool::start(&EmbeddedConfig {
-            block_bytes: 131_072,
             l1_slots: 64,
             l2_slots_per_file: 64,
             local_agents: 2,
-            remote_agents: 0,
-            transport_listen: listen,
-            transport_peers: peers.into_iter().map(|(n, a)| (n, vec![lake_dp::transport::tcp::Rail::to(a)])).collect(),
-            node,
-            tenant_rates: rates,
-            ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-transport-{name}-{}", std::process::id())))
+            tenant_rates,
+            ..pool
         })
         .unwrap()
     };

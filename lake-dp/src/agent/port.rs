@@ -103,6 +103,21 @@ impl core::fmt::Display for AgentError {
     }
 }
 
+impl AgentError {
+    /// Its name in logs (`"no_space"`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::NoSpace => "no_space",
+            Self::Stale => "stale",
+            Self::Corrupt => "corrupt",
+            Self::Io => "io",
+            Self::Busy => "busy",
+            Self::Invalid => "invalid",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
 impl std::error::Error for AgentError {}
 
 /// The answer to one request.

@@ -112,17 +112,7 @@ fn log_span(node: u32, span: &pool::LoadSpan, out: &mut dyn Write) {
         Some(crate::model::replica::Tier::L2Nvme) => "l2",
         _ => "?",
     };
-    use crate::agent::port::AgentError as E;
-    let result = match span.result {
-        Ok(()) => "ok",
-        Err(E::NoSpace) => "no_space",
-        Err(E::Stale) => "stale",
-        Err(E::Corrupt) => "corrupt",
-        Err(E::Io) => "io",
-        Err(E::Busy) => "busy",
-        Err(E::Invalid) => "invalid",
-        Err(E::Cancelled) => "cancelled",
-    };
+    let result = span.result.map_or_else(crate::agent::port::AgentError::name, |()| "ok");
     let _ = writeln!(
         out,
         "{{\"event\":\"trace\",\"trace\":\"{:016x}\",\"node\":{node},\"op\":\"load\",\"agent\":{},\"tier\":\"{tier}\",\"result\":\"{result}\",\"us\":{}}}",

@@ -61,6 +61,15 @@ pub const FEATURE_DRAIN: u64 = 1 << 2;
 /// it does not know, and more entries than four).
 pub const FEATURE_PATHS_L3: u64 = 1 << 3;
 
+/// Feature bit (the data plane's attach socket, not the `lake-cp` link):
+/// its agent ports take a
+/// trace id on a load (`RequestEntry::trace`, zero in builds before) and
+/// answer a traced load with the data plane's time on it
+/// (`CompletionEntry::took_us`). An agent sends trace ids only to a data
+/// plane that offered it (an older one refuses a request whose reserved
+/// bytes are not zero).
+pub const FEATURE_TRACE: u64 = 1 << 4;
+
 /// Feature bit: the side takes [`message::PathLatency`] from agents, with
 /// entries of paths 7 to 9 (the agent's side of reads and loads); an
 /// agent sends its histograms only where offered (a control plane without
@@ -70,15 +79,6 @@ pub const FEATURE_PATHS_AGENT: u64 = 1 << 5;
 /// Feature bit: the side takes [`message::TenantThrottles`] (kind 29: how
 /// often each capped tenant's work waited), sent only where offered.
 pub const FEATURE_TENANT_THROTTLES: u64 = 1 << 6;
-
-/// Feature bit (the data plane's attach socket, not the `lake-cp` link):
-/// its agent ports take a
-/// trace id on a load (`RequestEntry::trace`, zero in builds before) and
-/// answer a traced load with the data plane's time on it
-/// (`CompletionEntry::took_us`). An agent sends trace ids only to a data
-/// plane that offered it (an older one refuses a request whose reserved
-/// bytes are not zero).
-pub const FEATURE_TRACE: u64 = 1 << 4;
 
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS

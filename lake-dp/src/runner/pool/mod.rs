@@ -417,13 +417,10 @@ impl Pool {
     pub fn tenant_throttles(&self) -> Vec<crate::wire::message::TenantThrottle> {
         self.rates
             .waits()
-            .map(|(name, waits)| {
-                let mut entry = crate::wire::message::TenantThrottle { name: [0; 32], waits };
+            .map(|(name, waits)| crate::wire::message::TenantThrottle {
                 // Names are checked at config to fit.
-                let bytes = name.as_bytes();
-                let len = bytes.len().min(entry.name.len());
-                entry.name[..len].copy_from_slice(&bytes[..len]);
-                entry
+                name: crate::wire::message::text_field("tenant_throttle.name", name).unwrap_or_default(),
+                waits,
             })
             .collect()
     }
