@@ -216,7 +216,14 @@ fn rdma_message_seeds_are_current() {
     use lake_dp::transport::rdma::Endpoint;
     use lake_dp::transport::rdma::pull::Message;
     let target = BlockAddr { region: 1, epoch: 2, slot: 3, generation: 4 };
-    let offer = Message::Offer { transfer: 7, source: 1 << 40, len: 1 << 20, target, priority: Priority::WriteBack };
+    let offer = Message::Offer {
+        transfer: 7,
+        source: 1 << 40,
+        key: 0x00ab_cd01,
+        len: 1 << 20,
+        target,
+        priority: Priority::WriteBack,
+    };
     let answer = Message::Answer { transfer: 7, status: AckStatus::Landed, target };
     let endpoint = Endpoint::new(1, 0x1234, 0x5678, [9; 16], (1 << 40, 64 << 20), 0xabcd, 1 << 20, 2);
     let seeds: Vec<(u8, Vec<u8>)> =

@@ -122,6 +122,97 @@ fn offered_blocks_land_checked_in_the_receivers_slots() {
     let bytes: usize = objects.iter().map(Vec::len).sum();
     assert_eq!((p.receiver.stats.read, p.receiver.stats.read_bytes), (objects.len() as u64, bytes as u64));
     assert_eq!((p.sender.stats.offered, p.sender.in_flight()), (objects.len() as u64, 0));
+    // A key lent per block, each taken back when its answer came.
+    assert_eq!((p.sender.stats.keys_lent, p.sender.stats.keys_taken_back), (8, 8));
+    assert_eq!(p.sender.verbs().keys_out(), 0, "no key outlives its transfer");
+}
+
+/// The next message `end` receives, decoded (fails after 5 s).
+fn next_message(end: &mut LoopbackVerbs) -> Message {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        assert!(Instant::now() < deadline, "no message in 5 s");
+        let mut events = Vec::new();
+        end.poll(&mut events);
+        for e in events {
+            if let VerbsEvent::Received { message, .. } = e {
+                return Message::decode(&message).unwrap();
+            }
+        }
+    }
+}
+
+/// A READ by `end` through `key`, polled to its end: `Ok` or the
+/// device's error.
+fn read_through(
+    end: &mut LoopbackVerbs,
+    peer: PeerId,
+    (source, key): (u64, u32),
+    into: &mut [u8],
+) -> Result<(), String> {
+    // SAFETY: `into` is registered by the caller and outlives the poll
+    // below, which ends the READ.
+    unsafe { end.read_raw(peer, 77, (source, key), into.len() as u32, into.as_mut_ptr()) }.unwrap();
+    let mut events = Vec::new();
+    end.poll(&mut events);
+    match events.as_slice() {
+        [VerbsEvent::ReadDone { wr_id: 77, result }] => result.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_key_reads_its_block_alone_and_only_while_its_transfer_lasts() {
+    // Two blocks side by side in one exported arena: a peer lent the key
+    // for one can read neither the other nor the one after its answer —
+    // the peer-wide, arena-wide key this replaced would have read both.
+    let objects: Vec<Vec<u8>> = (0..2).map(|i| object(i, 50_000, i)).collect();
+    let (arena, at) = sender_arena(&objects);
+    let fabric = Fabric::new();
+    let mut a = fabric.end(64);
+    let mut evil = fabric.end(64);
+    let (to_evil, to_a) = Fabric::connect(&mut a, &mut evil);
+    // SAFETY: the arena outlives both ends (dropped after them, below).
+    unsafe { a.export(to_evil, arena.as_ptr(), arena.len()) };
+    let mut landing = vec![0u8; 2 * SENDER_SLOT];
+    // SAFETY: as above, for the receiving end's memory.
+    unsafe { evil.register(landing.as_mut_ptr(), landing.len()) };
+    let mut sender = RdmaTransport::new(a, RdmaConfig::default());
+    let first = &arena[at[0]..at[0] + objects[0].len()];
+    let target = BlockAddr { region: REGION, epoch: EPOCH, slot: 0, generation: 1 };
+    write(&mut sender, 1, to_evil, first, target, Priority::PrefillToDecode);
+    let Message::Offer { source, key, len, .. } = next_message(&mut evil) else { panic!("not an offer") };
+    assert_eq!((source, len), (first.as_ptr() as u64, first.len() as u64));
+    assert_eq!(sender.verbs().keys_out(), 1);
+
+    // The block offered: read byte for byte through its key.
+    let (head, tail) = landing.split_at_mut(SENDER_SLOT);
+    assert_eq!(read_through(&mut evil, to_a, (source, key), &mut head[..first.len()]), Ok(()));
+    assert!(head[..first.len()] == *first);
+    // The block beside it, with the same key: refused by the key's bounds.
+    let second = arena[at[1]..].as_ptr() as u64;
+    let refused = read_through(&mut evil, to_a, (second, key), &mut tail[..objects[1].len()]);
+    assert!(refused.as_ref().is_err_and(|why| why.contains("outside the bytes the key")), "{refused:?}");
+    // One byte past the block, and a guessed key: refused.
+    let refused = read_through(&mut evil, to_a, (source, key), &mut tail[..first.len() + 1]);
+    assert!(refused.is_err(), "a READ past the block's end");
+    let refused = read_through(&mut evil, to_a, (source, key.wrapping_add(1)), &mut tail[..16]);
+    assert!(refused.as_ref().is_err_and(|why| why.contains("no such key")), "{refused:?}");
+    assert!(tail.iter().all(|&b| b == 0), "no byte of the other block left the sender");
+
+    // Answered: the transfer completes and the key is taken back with it.
+    let answer = Message::Answer { transfer: 1, status: AckStatus::Landed, target };
+    evil.send(to_a, &answer.encode()).unwrap();
+    let mut done = Vec::new();
+    let mut none = Node::new(0);
+    while done.is_empty() {
+        sender.poll(&mut none, now(), &mut done);
+    }
+    assert_eq!(done[0].result, Ok(()));
+    assert_eq!(sender.verbs().keys_out(), 0);
+    let refused = read_through(&mut evil, to_a, (source, key), &mut head[..first.len()]);
+    assert!(refused.as_ref().is_err_and(|why| why.contains("taken back")), "{refused:?}");
+    drop((sender, evil));
 }
 
 #[test]
@@ -197,6 +288,7 @@ fn memory_not_registered_for_the_peer_is_neither_offered_nor_read() {
     let offer = Message::Offer {
         transfer: 1,
         source: secret.as_ptr() as u64,
+        key: 1,
         len: 4096,
         target,
         priority: Priority::CriticalLoad,
@@ -273,6 +365,7 @@ fn a_silent_peer_times_out_and_is_shut_before_anything_reads_the_sources() {
     }
     assert_silent(done);
     assert!(p.sender.peer_down(p.peer).is_some_and(|why| why.contains("deadline")));
+    assert_eq!(p.sender.verbs().keys_out(), 0, "the keys of the transfers that timed out are taken back");
     let again = outgoing(7, p.peer, &objects[0], p.node.reserve(3, 1), Priority::PrefillToDecode);
     // SAFETY: refused before anything is posted.
     assert!(matches!(unsafe { p.sender.write(&again, now()) }, Err(TransferError::PeerLost(_))));

@@ -3,20 +3,23 @@
 //! READ tagged `epoch | slot | generation` ([`Tag`]).
 //!
 //! Two ways to use it, both pulls — a node's slots are only ever written
-//! by the node's own READs, and each peer reads through its own, read-only
-//! registration of the arena (its own remote key, revoked by dropping it),
-//! never one key for every peer:
+//! by the node's own READs:
 //!
 //! - [`pull::RdmaTransport`], the [`crate::transport::Transport`]: a
-//!   sender offers a block (a small message: where it is, where it goes),
-//!   the receiver READs it into the target slot, checks it there and
-//!   answers. The sender's source is fenced by its transfer (unchanged
-//!   until the answer). Above it, everything is as over TCP, and
+//!   sender offers a block (a small message: where it is, where it goes,
+//!   and a key lent for it alone — a memory window bound read-only over
+//!   its bytes, usable only through that peer's queue pair, invalidated
+//!   when the transfer ends), the receiver READs it into the target slot,
+//!   checks it there and answers. The sender's source is fenced by its
+//!   transfer (unchanged until the answer). No peer holds a standing key
+//!   to the arena. Above it, everything is as over TCP, and
 //!   [`crate::transport::fallback::Fallback`] puts it in front of TCP.
 //! - [`verbs::RdmaReader`]: a node reads a block it knows by name from the
-//!   peer's slot. That read cannot be fenced against the owner reusing the
-//!   slot, so the header must name the slot and generation read, and every
-//!   segment match its CRC, before it is published.
+//!   peer's slot, through a read-only registration that peer was given
+//!   (its own remote key, revoked by dropping it). That read cannot be
+//!   fenced against the owner reusing the slot, so the header must name
+//!   the slot and generation read, and every segment match its CRC,
+//!   before it is published.
 //!
 //! The [`Endpoint`] a peer needs to connect (queue pair number, address,
 //! the exported region and its key) travels over TCP first; it is plain
@@ -43,7 +46,11 @@ impl std::error::Error for RdmaError {}
 
 /// "LKRD", little-endian.
 const ENDPOINT_MAGIC: u32 = u32::from_le_bytes(*b"LKRD");
-const ENDPOINT_VERSION: u16 = 1;
+/// Version 2: the transport's endpoints carry no standing key (`rkey` 0),
+/// its offers a key per transfer (`pull`'s message version 2). An end of
+/// version 1 and one of version 2 decline each other's offers: their
+/// links stay on TCP.
+const ENDPOINT_VERSION: u16 = 2;
 
 /// Bytes of an encoded [`Endpoint`].
 pub const ENDPOINT_BYTES: usize = 72;
@@ -67,7 +74,9 @@ pub struct Endpoint {
     pub region_base: u64,
     /// Their bytes.
     pub region_len: u64,
-    /// The remote key this peer reads them with.
+    /// The standing remote key this peer reads them with
+    /// ([`verbs::RdmaReader`]), or 0: none — keys are lent per transfer,
+    /// in offers ([`pull::RdmaTransport`]).
     pub rkey: u32,
     /// Bytes of one slot.
     pub slot_bytes: u32,

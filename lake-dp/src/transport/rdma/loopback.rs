@@ -1,10 +1,13 @@
 //! Verbs between ends in one process: a [`Fabric`] joins
 //! [`LoopbackVerbs`] ends with reliable in-order message queues of a fixed
-//! depth, and a READ is a copy from the peer's memory, made only inside
-//! what the peer exported to this end and into what this end registered —
-//! the checks a device makes with its keys. Links can be cut (both ends
-//! see `Broken`, READs in flight fail) and an end muted (its messages are
-//! lost: the other side sees silence).
+//! depth, and a READ is a copy from the peer's memory, made only through
+//! a key the peer lent this end on this link, inside the bytes that key
+//! covers, and into what this end registered — the checks a device makes
+//! with a memory window bound to one queue pair and its local key. A key
+//! is lent only over what the end exported to that peer (a device: its
+//! registration). Links can be cut (both ends see `Broken`, READs in
+//! flight fail, keys die) and an end muted (its messages are lost: the
+//! other side sees silence).
 //!
 //! This is how the RDMA transport's protocol ([`super::pull`]) is tested
 //! where no RDMA device exists (this machine and CI): everything above the
@@ -21,6 +24,9 @@ use crate::transport::PeerId;
 /// Address ranges, `(base, bytes)`.
 type Ranges = Vec<(u64, u64)>;
 
+/// Keys an end lent its peer: each with the one range it reads.
+type Lent = Vec<(u32, (u64, u64))>;
+
 #[derive(Debug)]
 struct Link {
     ends: (usize, usize),
@@ -31,8 +37,11 @@ struct Link {
     cut: Option<String>,
     /// Messages in flight towards each end (`.0` to `ends.0`).
     to: (VecDeque<[u8; MESSAGE_BYTES]>, VecDeque<[u8; MESSAGE_BYTES]>),
-    /// Ranges each end lets the other read (`.0`: `ends.0`'s).
+    /// Ranges each end may lend the other keys over (`.0`: `ends.0`'s).
     exported: (Ranges, Ranges),
+    /// Keys each end lent the other and has not taken back (`.0`:
+    /// `ends.0`'s).
+    lent: (Lent, Lent),
 }
 
 impl Link {
@@ -84,6 +93,7 @@ impl Fabric {
             registered: Vec::new(),
             reads: Vec::new(),
             arena: None,
+            last_key: 0,
         }
     }
 
@@ -96,6 +106,7 @@ impl Fabric {
             cut: None,
             to: Default::default(),
             exported: Default::default(),
+            lent: Default::default(),
         });
         let link = state.links.len() - 1;
         drop(state);
@@ -146,6 +157,7 @@ struct Read {
     peer: PeerId,
     wr_id: u64,
     remote: u64,
+    key: u32,
     len: u32,
     into: *mut u8,
 }
@@ -159,9 +171,12 @@ pub struct LoopbackVerbs {
     peers: Vec<End>,
     registered: Vec<(u64, u64)>,
     reads: Vec<Read>,
-    /// What each peer added by endpoint may read (the arena), and its
-    /// slots' bytes and region epoch, as a device's endpoint tells them.
+    /// What keys for each peer added by endpoint may be lent over (the
+    /// arena), and its slots' bytes and region epoch, as a device's
+    /// endpoint tells them.
     arena: Option<((u64, u64), u32, u64)>,
+    /// The last key lent (keys are never reused by an end).
+    last_key: u32,
 }
 
 // SAFETY: the pointers it holds are READ targets the transport placed, as
@@ -188,7 +203,7 @@ impl LoopbackVerbs {
         self.registered.push((base as u64, len as u64));
     }
 
-    /// Lets `peer` read `len` bytes at `base`.
+    /// Lets keys lent to `peer` read inside `len` bytes at `base`.
     ///
     /// # Safety
     ///
@@ -202,8 +217,8 @@ impl LoopbackVerbs {
     }
 
     /// Registers the arena of `len` bytes at `base` (slots of
-    /// `slot_bytes`, region epoch `epoch`) for READs to land in, and lets
-    /// each peer added by endpoint ([`Verbs::add_peer`]) read it, as
+    /// `slot_bytes`, region epoch `epoch`) for READs to land in and for
+    /// keys lent to each peer added by endpoint ([`Verbs::add_peer`]), as
     /// [`super::verbs::IbVerbs`] does.
     ///
     /// # Safety
@@ -216,6 +231,32 @@ impl LoopbackVerbs {
 
     fn link_of(&self, peer: PeerId) -> Option<usize> {
         self.peers.get(peer.0 as usize).and_then(|e| e.link)
+    }
+
+    /// Keys this end has lent and not taken back, over all its links.
+    pub fn keys_out(&self) -> usize {
+        let state = self.fabric.state();
+        let mine = |l: &Link| if l.side(self.node) { l.lent.1.len() } else { l.lent.0.len() };
+        self.peers.iter().filter_map(|e| e.link).map(|l| mine(&state.links[l])).sum()
+    }
+
+    /// Posts a READ through `key` as [`Verbs::read`] does, without the
+    /// transport: how a test plays a peer that misuses a key (one taken
+    /// back, or past the bytes it covers).
+    ///
+    /// # Safety
+    ///
+    /// As [`Verbs::read`].
+    pub unsafe fn read_raw(
+        &mut self,
+        peer: PeerId,
+        wr_id: u64,
+        remote: (u64, u32),
+        len: u32,
+        into: *mut u8,
+    ) -> Result<(), VerbsError> {
+        // SAFETY: the caller's contract is `read`'s.
+        unsafe { Verbs::read(self, peer, wr_id, remote, len, into) }
     }
 }
 
@@ -268,6 +309,7 @@ impl Verbs for LoopbackVerbs {
                     cut: None,
                     to: Default::default(),
                     exported: (vec![(base, len)], Vec::new()),
+                    lent: Default::default(),
                 });
                 state.links.len() - 1
             }
@@ -296,11 +338,41 @@ impl Verbs for LoopbackVerbs {
         Ok(())
     }
 
+    fn lend(&mut self, peer: PeerId, address: u64, len: u64) -> Result<u32, VerbsError> {
+        let link = self.link_of(peer).ok_or_else(|| VerbsError::Broken("no such peer".into()))?;
+        let node = self.node;
+        let mut state = self.fabric.state();
+        let link = &mut state.links[link];
+        if let Some(why) = &link.cut {
+            return Err(VerbsError::Broken(why.clone()));
+        }
+        let (exported, lent) =
+            if link.side(node) { (&link.exported.1, &mut link.lent.1) } else { (&link.exported.0, &mut link.lent.0) };
+        if !covers(exported, address, len) {
+            return Err(VerbsError::Broken("a key lent outside the registered memory".into()));
+        }
+        if lent.len() >= self.depth {
+            return Err(VerbsError::Full);
+        }
+        self.last_key = self.last_key.wrapping_add(1).max(1);
+        lent.push((self.last_key, (address, len)));
+        Ok(self.last_key)
+    }
+
+    fn take_back(&mut self, peer: PeerId, key: u32) {
+        let Some(link) = self.link_of(peer) else { return };
+        let node = self.node;
+        let mut state = self.fabric.state();
+        let link = &mut state.links[link];
+        let lent = if link.side(node) { &mut link.lent.1 } else { &mut link.lent.0 };
+        lent.retain(|&(k, _)| k != key);
+    }
+
     unsafe fn read(
         &mut self,
         peer: PeerId,
         wr_id: u64,
-        remote: u64,
+        (remote, key): (u64, u32),
         len: u32,
         into: *mut u8,
     ) -> Result<(), VerbsError> {
@@ -310,7 +382,7 @@ impl Verbs for LoopbackVerbs {
         if self.link_of(peer).is_none() {
             return Err(VerbsError::Broken("no such peer".into()));
         }
-        self.reads.push(Read { peer, wr_id, remote, len, into });
+        self.reads.push(Read { peer, wr_id, remote, key, len, into });
         Ok(())
     }
 
@@ -336,23 +408,28 @@ impl Verbs for LoopbackVerbs {
         let node = self.node;
         let fabric = self.fabric.clone();
         let mut state = fabric.state();
-        // READs first: each a copy the peer's registration allows, or a
-        // failure (a cut link, outside the peer's export or this end's
-        // registration — the remote and local key checks).
+        // READs first: each a copy a key the peer lent allows, or a
+        // failure (a cut link, a key not lent on this link or taken back,
+        // past the bytes the key covers, outside this end's registration —
+        // the remote and local key checks).
         for read in self.reads.drain(..) {
             let Some(link) = self.peers[read.peer.0 as usize].link else { continue };
             let link = &state.links[link];
-            let exported = if link.side(node) { &link.exported.0 } else { &link.exported.1 };
+            let lent = if link.side(node) { &link.lent.0 } else { &link.lent.1 };
+            let window = lent.iter().find(|&&(k, _)| k == read.key).map(|&(_, range)| range);
             let len = u64::from(read.len);
             let result = if let Some(why) = &link.cut {
                 Err(format!("flushed: {why}"))
-            } else if !covers(exported, read.remote, len) {
-                Err("remote access error: outside the peer's registration".into())
+            } else if window.is_none() {
+                Err("remote access error: no such key (never lent on this link, or taken back)".into())
+            } else if !window.is_some_and(|w| super::inside(w, read.remote, len)) {
+                Err("remote access error: outside the bytes the key was lent for".into())
             } else if !covers(&self.registered, read.into as u64, len) {
                 Err("local protection error: outside this end's registration".into())
             } else {
-                // SAFETY: the source lies in what the peer exported (valid
-                // while it lives: `export`'s contract) and the target in
+                // SAFETY: the source lies in a key's range, inside what the
+                // peer exported (valid while it lives: `export`'s and
+                // `register_arena`'s contracts) and the target in
                 // what this end registered and the transport placed for
                 // this READ (`read`'s contract); they are distinct slots.
                 unsafe { core::ptr::copy_nonoverlapping(read.remote as *const u8, read.into, read.len as usize) };
@@ -383,6 +460,9 @@ impl Verbs for LoopbackVerbs {
         if link.cut.is_none() {
             link.cut = Some(format!("shut by the peer: {why}"));
         }
+        // Every key lent through it dies with it.
+        let lent = if link.side(self.node) { &mut link.lent.1 } else { &mut link.lent.0 };
+        lent.clear();
         // This end's READs through it fail now, before the call returns.
         drop(state);
         let mut flushed = Vec::new();
@@ -394,7 +474,7 @@ impl Verbs for LoopbackVerbs {
         });
         // Reported by the next poll, as a device's flushed completions.
         for wr_id in flushed {
-            self.reads.push(Read { peer, wr_id, remote: 0, len: 0, into: core::ptr::null_mut() });
+            self.reads.push(Read { peer, wr_id, remote: 0, key: 0, len: 0, into: core::ptr::null_mut() });
         }
         if let Some(end) = self.peers.get_mut(peer.0 as usize) {
             end.reported = true;

@@ -12,10 +12,16 @@
 //!
 //! Why pull and not one-sided WRITE: a node's slots are only ever written
 //! by the node itself (its own READs), so no peer holds a key that writes
-//! its memory; each peer holds a read-only key to the sender's arena, its
-//! own registration, revoked by dropping it. And the read is fenced: the
-//! sender keeps the source unchanged until its transfer completes (the
+//! its memory. And the read is fenced: the sender keeps the source
+//! unchanged until its transfer completes (the
 //! [`super::super::Transport::write`] contract), which is after the answer.
+//!
+//! Keys are lent per transfer, not per peer: each offer carries a key
+//! ([`Verbs::lend`]) that reads that block's bytes and nothing else, only
+//! through that peer's queue pair, and it is taken back
+//! ([`Verbs::take_back`]) when the answer comes, the transfer times out or
+//! the peer is shut. No peer ever holds a key to the rest of the arena —
+//! other blocks, other tenants' — nor to a block once its transfer ended.
 //!
 //! Where a peer falls silent past a transfer's deadline, its queue pair is
 //! shut ([`Verbs::shut`]) before the transfers end, so no READ of this
@@ -43,7 +49,9 @@ pub const MESSAGE_BYTES: usize = 64;
 
 /// "LKRM", little-endian.
 const MESSAGE_MAGIC: u32 = u32::from_le_bytes(*b"LKRM");
-const MESSAGE_VERSION: u8 = 1;
+/// Version 2: an offer carries the key lent for its block (version 1 named
+/// none; its reader used the peer's standing key to the whole arena).
+const MESSAGE_VERSION: u8 = 2;
 const KIND_OFFER: u8 = 1;
 const KIND_ANSWER: u8 = 2;
 
@@ -63,7 +71,10 @@ struct RawMessage {
     slot: u32,
     generation: u32,
     region: u16,
-    reserved: [u8; 10],
+    reserved_a: [u8; 2],
+    /// Offers: the key lent for the block; answers: 0.
+    key: u32,
+    reserved_b: [u8; 4],
     crc: u32,
 }
 
@@ -78,6 +89,8 @@ pub enum Message {
         transfer: u64,
         /// Where the stored object is, in the sender's address space.
         source: u64,
+        /// The key lent for exactly those bytes ([`Verbs::lend`]).
+        key: u32,
         /// Its bytes.
         len: u64,
         /// Where it goes at the receiver ([`ANY_SLOT`]: a slot it reserves).
@@ -99,11 +112,11 @@ pub enum Message {
 impl Message {
     /// Its bytes.
     pub fn encode(&self) -> [u8; MESSAGE_BYTES] {
-        let (kind, priority, status, transfer, source, len, target) = match *self {
-            Self::Offer { transfer, source, len, target, priority } => {
-                (KIND_OFFER, priority as u8, 0, transfer, source, len, target)
+        let (kind, priority, status, transfer, (source, key), len, target) = match *self {
+            Self::Offer { transfer, source, key, len, target, priority } => {
+                (KIND_OFFER, priority as u8, 0, transfer, (source, key), len, target)
             }
-            Self::Answer { transfer, status, target } => (KIND_ANSWER, 0, status as u8, transfer, 0, 0, target),
+            Self::Answer { transfer, status, target } => (KIND_ANSWER, 0, status as u8, transfer, (0, 0), 0, target),
         };
         let mut raw = RawMessage {
             magic: MESSAGE_MAGIC,
@@ -118,7 +131,9 @@ impl Message {
             slot: target.slot,
             generation: target.generation,
             region: target.region,
-            reserved: [0; 10],
+            reserved_a: [0; 2],
+            key,
+            reserved_b: [0; 4],
             crc: 0,
         };
         raw.crc = crc32fast::hash(&bytemuck::bytes_of(&raw)[..MESSAGE_BYTES - 4]);
@@ -139,7 +154,7 @@ impl Message {
         if crc32fast::hash(&bytes[..MESSAGE_BYTES - 4]) != raw.crc {
             return Err("message CRC mismatch");
         }
-        if raw.reserved != [0; 10] {
+        if raw.reserved_a != [0; 2] || raw.reserved_b != [0; 4] {
             return Err("reserved message bytes set");
         }
         let target = BlockAddr { region: raw.region, epoch: raw.epoch, slot: raw.slot, generation: raw.generation };
@@ -149,11 +164,18 @@ impl Message {
                 if raw.status != 0 {
                     return Err("an offer with a status");
                 }
-                Ok(Self::Offer { transfer: raw.transfer, source: raw.source, len: raw.len, target, priority })
+                Ok(Self::Offer {
+                    transfer: raw.transfer,
+                    source: raw.source,
+                    key: raw.key,
+                    len: raw.len,
+                    target,
+                    priority,
+                })
             }
             KIND_ANSWER => {
                 let status = AckStatus::from_u16(u16::from(raw.status)).ok_or("unknown answer status")?;
-                if raw.priority != 0 || raw.source != 0 || raw.len != 0 {
+                if raw.priority != 0 || raw.source != 0 || raw.len != 0 || raw.key != 0 {
                     return Err("an answer with offer fields");
                 }
                 Ok(Self::Answer { transfer: raw.transfer, status, target })
@@ -214,23 +236,41 @@ pub trait Verbs {
     /// Posts a two-sided SEND of `message` to `peer`.
     fn send(&mut self, peer: PeerId, message: &[u8; MESSAGE_BYTES]) -> Result<(), VerbsError>;
 
+    /// Lends `peer` a key that reads `len` bytes at `address` of this
+    /// node's memory and nothing else, through `peer`'s queue pair alone
+    /// (a device binds a memory window: read-only, that range, that queue
+    /// pair). `Full` while every key of the peer's is out.
+    fn lend(&mut self, peer: PeerId, address: u64, len: u64) -> Result<u32, VerbsError>;
+
+    /// Takes back a key [`Verbs::lend`] gave `peer`: once the peer can
+    /// learn this end is done with the block (the caller told of its
+    /// completion), no READ through the key succeeds. A key not out is
+    /// ignored.
+    fn take_back(&mut self, peer: PeerId, key: u32);
+
     /// Posts a one-sided READ of `len` bytes at `remote` in `peer`'s
-    /// memory into `into`, tagged `wr_id`; it ends in a
-    /// [`VerbsEvent::ReadDone`].
+    /// memory, through the key `key` it lent, into `into`, tagged `wr_id`;
+    /// it ends in a [`VerbsEvent::ReadDone`].
     ///
     /// # Safety
     ///
     /// `into` is valid for `len` bytes of this node's registered memory and
     /// left alone until the READ's `ReadDone` has been polled.
-    unsafe fn read(&mut self, peer: PeerId, wr_id: u64, remote: u64, len: u32, into: *mut u8)
-    -> Result<(), VerbsError>;
+    unsafe fn read(
+        &mut self,
+        peer: PeerId,
+        wr_id: u64,
+        remote: (u64, u32),
+        len: u32,
+        into: *mut u8,
+    ) -> Result<(), VerbsError>;
 
     /// Whether `len` bytes at `address` of this node's memory are in what
-    /// `peer` may read (its registration).
+    /// keys for `peer` may be lent over (the registered arena).
     fn exports(&self, peer: PeerId, address: u64, len: u64) -> bool;
 
-    /// Whether `len` bytes at `address` of `peer`'s memory are in what it
-    /// lets this node read.
+    /// Whether `len` bytes at `address` of `peer`'s memory are in the
+    /// region it announced (its keys may lend nothing outside).
     fn imports(&self, peer: PeerId, address: u64, len: u64) -> bool;
 
     /// Whether `len` bytes at `into` are this node's registered memory (a
@@ -241,7 +281,8 @@ pub trait Verbs {
     fn poll(&mut self, out: &mut Vec<VerbsEvent>);
 
     /// Shuts `peer`'s queue pair: no READ through it completes after this
-    /// returns (those in flight end failed, as [`VerbsEvent::ReadDone`]).
+    /// returns (those in flight end failed, as [`VerbsEvent::ReadDone`]),
+    /// and every key lent to it is dead.
     fn shut(&mut self, peer: PeerId, why: &str);
 }
 
@@ -286,12 +327,19 @@ pub struct RdmaStats {
     /// Peers shut: broken, silent past a deadline, or sending bad
     /// messages.
     pub peers_shut: u64,
+    /// Keys lent for offers (one a transfer) and taken back; equal once
+    /// nothing is in flight.
+    pub keys_lent: u64,
+    /// See `keys_lent`.
+    pub keys_taken_back: u64,
 }
 
 /// A transfer this end offered, awaiting its answer.
 #[derive(Clone, Copy, Debug)]
 struct Offered {
     peer: PeerId,
+    /// The key lent for the block: taken back when the transfer ends.
+    key: u32,
     target: BlockAddr,
     deadline_ns: u64,
 }
@@ -302,6 +350,7 @@ struct Waiting {
     peer: PeerId,
     transfer: u64,
     source: u64,
+    key: u32,
     len: u64,
     target: BlockAddr,
     /// Reserved here for it (sent to [`ANY_SLOT`]): given back if dropped.
@@ -412,6 +461,7 @@ impl<V: Verbs> RdmaTransport<V> {
         ended.sort_unstable_by_key(|&(t, _)| t);
         for (transfer, offered) in ended {
             self.offered.remove(&transfer);
+            self.give_back_key(peer, offered.key);
             let result = if now_ns >= offered.deadline_ns {
                 Err(TransferError::Timeout)
             } else {
@@ -431,6 +481,11 @@ impl<V: Verbs> RdmaTransport<V> {
         self.owed.retain(|&(p, _)| p != peer);
     }
 
+    fn give_back_key(&mut self, peer: PeerId, key: u32) {
+        self.verbs.take_back(peer, key);
+        self.stats.keys_taken_back += 1;
+    }
+
     /// Sends `answer` to `peer`, or owes it until the peer's queue has room.
     fn answer(&mut self, peer: PeerId, transfer: u64, status: AckStatus, target: BlockAddr) {
         if status != AckStatus::Landed {
@@ -446,7 +501,7 @@ impl<V: Verbs> RdmaTransport<V> {
     /// Takes an offer from `peer`: checks it, reserves a slot for one sent
     /// to [`ANY_SLOT`], and queues it by class.
     fn take_offer(&mut self, peer: PeerId, offer: Message, landing: &mut dyn Landing) {
-        let Message::Offer { transfer, source, len, target, priority } = offer else { return };
+        let Message::Offer { transfer, source, key, len, target, priority } = offer else { return };
         if !self.carries(len) {
             return self.answer(peer, transfer, AckStatus::Refused, target);
         }
@@ -466,6 +521,7 @@ impl<V: Verbs> RdmaTransport<V> {
             peer,
             transfer,
             source,
+            key,
             len,
             target,
             reserved,
@@ -504,7 +560,7 @@ impl<V: Verbs> RdmaTransport<V> {
             // SAFETY: `into` is the placed target slot, at least `len`
             // bytes of registered memory, left to this READ until its
             // `ReadDone`: the landing's contract until landed or abandoned.
-            match unsafe { self.verbs.read(next.peer, wr_id, next.source, len, into) } {
+            match unsafe { self.verbs.read(next.peer, wr_id, (next.source, next.key), len, into) } {
                 Ok(()) => {
                     let pull = Pulling { peer: next.peer, transfer: next.transfer, target: next.target, len: next.len };
                     self.pulling.insert(wr_id, pull);
@@ -545,7 +601,10 @@ impl<V: Verbs> RdmaTransport<V> {
             Some(offered) if offered.peer == peer => {}
             _ => return false,
         }
-        self.offered.remove(&transfer);
+        let Some(offered) = self.offered.remove(&transfer) else { return false };
+        // The peer is done with the block: its key goes back before the
+        // caller may reuse the source.
+        self.give_back_key(peer, offered.key);
         let state = self.peer(peer);
         state.offered = state.offered.saturating_sub(1);
         let result = match status {
@@ -581,21 +640,33 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
         if !self.verbs.exports(block.peer, source, block.len) {
             return Err(TransferError::Unreachable("the block is not in memory registered for RDMA to that peer"));
         }
+        // A key for this block alone, lent to this peer alone.
+        let key = match self.verbs.lend(block.peer, source, block.len) {
+            Ok(key) => key,
+            Err(VerbsError::Full) => return Err(TransferError::Busy),
+            Err(VerbsError::Broken(why)) => return Err(TransferError::PeerLost(why)),
+        };
+        self.stats.keys_lent += 1;
         let offer = Message::Offer {
             transfer: block.transfer,
             source,
+            key,
             len: block.len,
             target: block.target,
             priority: block.priority,
         };
-        match self.verbs.send(block.peer, &offer.encode()) {
-            Ok(()) => {}
-            Err(VerbsError::Full) => return Err(TransferError::Busy),
-            Err(VerbsError::Broken(why)) => return Err(TransferError::PeerLost(why)),
+        let sent = self.verbs.send(block.peer, &offer.encode());
+        if let Err(e) = sent {
+            self.give_back_key(block.peer, key);
+            return Err(match e {
+                VerbsError::Full => TransferError::Busy,
+                VerbsError::Broken(why) => TransferError::PeerLost(why),
+            });
         }
         self.peer(block.peer).offered += 1;
         let deadline_ns = now_ns.saturating_add(self.config.transfer_timeout_ns);
-        self.offered.insert(block.transfer, Offered { peer: block.peer, target: block.target, deadline_ns });
+        let offered = Offered { peer: block.peer, key, target: block.target, deadline_ns };
+        self.offered.insert(block.transfer, offered);
         self.stats.offered += 1;
         Ok(())
     }
@@ -674,6 +745,7 @@ mod tests {
             Message::Offer {
                 transfer: 7,
                 source: 0x7f00_1234_0000,
+                key: 0x00ab_cd12,
                 len: 1 << 20,
                 target: target(),
                 priority: Priority::Demotion,
@@ -699,15 +771,28 @@ mod tests {
             out.copy_from_slice(bytemuck::bytes_of(&raw));
             out
         };
-        let offer =
-            Message::Offer { transfer: 1, source: 64, len: 64, target: target(), priority: Priority::WriteBack };
+        let offer = Message::Offer {
+            transfer: 1,
+            source: 64,
+            key: 9,
+            len: 64,
+            target: target(),
+            priority: Priority::WriteBack,
+        };
         let raw: RawMessage = bytemuck::pod_read_unaligned(&offer.encode());
-        let cases: [(RawMessage, &str); 5] = [
+        let answer: RawMessage = bytemuck::pod_read_unaligned(
+            &Message::Answer { transfer: 1, status: AckStatus::Landed, target: target() }.encode(),
+        );
+        let cases: [(RawMessage, &str); 9] = [
             (RawMessage { priority: 9, ..raw }, "priority"),
             (RawMessage { kind: 3, ..raw }, "kind"),
             (RawMessage { status: 1, ..raw }, "status"),
             (RawMessage { kind: KIND_ANSWER, status: 7, priority: 0, ..raw }, "status"),
             (RawMessage { kind: KIND_ANSWER, priority: 0, ..raw }, "offer fields"),
+            (RawMessage { key: 3, ..answer }, "offer fields"),
+            (RawMessage { reserved_a: [0, 1], ..raw }, "reserved"),
+            (RawMessage { reserved_b: [1, 0, 0, 0], ..raw }, "reserved"),
+            (RawMessage { version: 1, ..raw }, "version"),
         ];
         for (bad, named) in cases {
             let why = Message::decode(&reseal(bad)).unwrap_err();

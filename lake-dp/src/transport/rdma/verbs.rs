@@ -103,6 +103,32 @@ impl Device {
         if remote_read {
             access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ;
         }
+        // SAFETY: the caller's contract is this one's.
+        unsafe { self.register_with(base, len, access) }
+    }
+
+    /// Registers `len` bytes at `base` as a READ's local target and for
+    /// memory windows to be bound over: no remote access through the
+    /// registration's own key, only through a window's.
+    ///
+    /// # Safety
+    ///
+    /// As [`Device::register`].
+    pub unsafe fn register_for_windows(&self, base: *mut u8, len: usize) -> Result<Region, RdmaError> {
+        let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ffi::ibv_access_flags::IBV_ACCESS_MW_BIND;
+        // SAFETY: the caller's contract is this one's.
+        unsafe { self.register_with(base, len, access) }
+    }
+
+    /// # Safety
+    ///
+    /// As [`Device::register`].
+    unsafe fn register_with(
+        &self,
+        base: *mut u8,
+        len: usize,
+        access: ffi::ibv_access_flags,
+    ) -> Result<Region, RdmaError> {
         // SAFETY: an allocated protection domain and a valid range
         // (contract).
         let mr = unsafe { ffi::ibv_reg_mr(self.pd, base.cast(), len, access.0.cast_signed()) };
@@ -110,6 +136,27 @@ impl Device {
             return Err(os_error("registering memory"));
         }
         Ok(Region { mr })
+    }
+
+    /// `count` type 2 memory windows of the protection domain: the keys
+    /// lent per transfer ([`super::pull::Verbs::lend`]). A device without
+    /// them is said by name.
+    fn windows(&self, count: u32) -> Result<Windows, RdmaError> {
+        // SAFETY: an open context's operations table.
+        let alloc = unsafe { (*self.context).ops.alloc_mw }
+            .ok_or(RdmaError("the device has no memory windows (per-transfer keys need type 2 windows)".into()))?;
+        let mut windows = Windows(Vec::new());
+        for _ in 0..count {
+            // SAFETY: an allocated protection domain.
+            let mw = unsafe { alloc(self.pd, ffi::IBV_MW_TYPE_2) };
+            if mw.is_null() {
+                return Err(os_error("allocating a type 2 memory window (per-transfer keys need them)"));
+            }
+            // SAFETY: a window just allocated.
+            let key = unsafe { (*mw).rkey };
+            windows.0.push(Window { mw, key, state: WindowState::Free });
+        }
+        Ok(windows)
     }
 }
 
@@ -561,6 +608,10 @@ impl RdmaReader {
 
 /// Receive requests per peer (offers and answers it may send at once).
 const RECEIVES: u32 = 128;
+/// Memory windows per peer, one a key lent: offers in flight to one peer
+/// (`RdmaConfig::offers_per_peer`, 32 by default) and windows whose
+/// invalidation has not completed yet.
+const WINDOWS: u32 = 64;
 /// Messages this end may have in flight to one peer.
 const SENDS: u32 = 64;
 /// READs this end may have in flight from one peer.
@@ -571,16 +622,65 @@ const MESSAGE_LEN: u32 = MESSAGE_BYTES as u32;
 const _: () = assert!(MESSAGE_LEN as usize == MESSAGE_BYTES);
 /// Work-request ids of messages: above every READ's tag this end posts.
 const MESSAGE_WR_BASE: u64 = u64::MAX - (RECEIVES + SENDS) as u64;
+/// Work-request ids of window binds (even) and invalidations (odd): below
+/// the messages', above every READ's tag.
+const WINDOW_WR_BASE: u64 = MESSAGE_WR_BASE - 2 * WINDOWS as u64;
 
-/// One peer's queue pair, its read-only registration of the arena and its
-/// message buffers. Fields drop in order: the queue pair before the
-/// memory it names.
+/// Where a memory window is in its cycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WindowState {
+    /// Unbound: free to lend.
+    Free,
+    /// Bound over one block for the peer (its bind may still be posted).
+    Lent,
+    /// Its invalidation is posted; free again once that completes.
+    Invalidating,
+}
+
+/// A type 2 memory window and the key its last bind gave it.
+#[derive(Debug)]
+struct Window {
+    mw: *mut ffi::ibv_mw,
+    key: u32,
+    state: WindowState,
+}
+
+/// A peer's memory windows; deallocated when dropped (after the queue
+/// pair they were bound through).
+#[derive(Debug)]
+struct Windows(Vec<Window>);
+
+impl Drop for Windows {
+    fn drop(&mut self) {
+        for w in &self.0 {
+            // SAFETY: a window allocated by `Device::windows`, freed once
+            // below; its context outlives it (the device drops last).
+            let context = unsafe { (*w.mw).context };
+            // SAFETY: that live context's operations table.
+            if let Some(dealloc) = unsafe { (*context).ops.dealloc_mw } {
+                // SAFETY: as above.
+                unsafe { dealloc(w.mw) };
+            }
+        }
+    }
+}
+
+/// The key a window's next bind gives it: the same window, the low 8 bits
+/// (the key's tag) moved on, so a key taken back never reads again
+/// (`ibv_inc_rkey`).
+fn next_key(key: u32) -> u32 {
+    (key & !0xff) | (key.wrapping_add(1) & 0xff)
+}
+
+/// One peer's queue pair, the memory windows it lends keys through and
+/// its message buffers. Fields drop in order: the queue pair before the
+/// windows bound through it and the memory it names.
 #[derive(Debug)]
 struct IbPeer {
     pair: QueuePair,
-    /// The peer's key to this node's arena (read-only); dropped — revoked —
-    /// when the peer is shut.
-    export: Option<Region>,
+    /// One a key lent to the peer: bound read-only over one block through
+    /// this queue pair, invalidated when the transfer ends.
+    windows: Windows,
     messages: Region,
     buffers: Box<[u8]>,
     remote: Option<Endpoint>,
@@ -592,9 +692,12 @@ struct IbPeer {
 }
 
 /// [`super::pull::Verbs`] over a device: one RC queue pair per peer, the
-/// arena registered once for local READ targets and once per peer,
-/// read-only, for that peer's READs. Fields drop in order: peers, then the
-/// arena's registration, then the device.
+/// arena registered once — for local READ targets and for memory windows
+/// to be bound over, with no remote access of its own — and per peer a
+/// set of type 2 memory windows: each key lent is one window bound over
+/// one block, read-only, usable only through that peer's queue pair, and
+/// invalidated when its transfer ends. Fields drop in order: peers, then
+/// the arena's registration, then the device.
 #[derive(Debug)]
 pub struct IbVerbs {
     peers: Vec<IbPeer>,
@@ -624,7 +727,7 @@ impl IbVerbs {
         epoch: u64,
     ) -> Result<Self, RdmaError> {
         // SAFETY: the arena stays mapped (contract).
-        let local = unsafe { device.register(base, len, false) }?;
+        let local = unsafe { device.register_for_windows(base, len) }?;
         Ok(Self { peers: Vec::new(), local, arena: (base as u64, len as u64), slot_bytes, epoch, device })
     }
 
@@ -645,18 +748,19 @@ impl Verbs for IbVerbs {
     /// [`Verbs::connect`] it with the peer's.
     fn add_peer(&mut self) -> Result<(PeerId, Endpoint), RdmaError> {
         let (base, len) = self.arena;
-        let bytes = usize::try_from(len).map_err(|_| RdmaError("arena size".into()))?;
-        // SAFETY: the arena stays mapped while this lives (`new`'s
-        // contract); the registration is dropped with the peer.
-        let export = unsafe { self.device.register(base as *mut u8, bytes, true) }?;
-        let pair = QueuePair::with_receives(
+        // Sends, READs, and a bind and an invalidation per window.
+        let mut pair = QueuePair::with_receives(
             &self.device,
-            (&export, base, len),
+            (&self.local, base, len),
             self.slot_bytes,
             self.epoch,
-            SENDS + READS,
+            SENDS + READS + 2 * WINDOWS,
             RECEIVES,
         )?;
+        // No standing key: the arena's registration grants no remote
+        // access; every offer carries the key lent for its block.
+        pair.local.rkey = 0;
+        let windows = self.device.windows(WINDOWS)?;
         let mut buffers = vec![0u8; (RECEIVES + SENDS) as usize * MESSAGE_BYTES].into_boxed_slice();
         // SAFETY: the buffers live in the peer, dropped after the
         // registration and the queue pair.
@@ -664,7 +768,7 @@ impl Verbs for IbVerbs {
         let endpoint = pair.endpoint();
         self.peers.push(IbPeer {
             pair,
-            export: Some(export),
+            windows,
             messages,
             buffers,
             remote: None,
@@ -719,20 +823,91 @@ impl Verbs for IbVerbs {
         Ok(())
     }
 
+    fn lend(&mut self, peer: PeerId, address: u64, len: u64) -> Result<u32, VerbsError> {
+        if !inside(self.arena, address, len) {
+            return Err(VerbsError::Broken("a key lent outside the registered memory".into()));
+        }
+        let mr = self.local.mr;
+        let p = self.usable(peer)?;
+        let Some(index) = p.windows.0.iter().position(|w| w.state == WindowState::Free) else {
+            return Err(VerbsError::Full);
+        };
+        let window = &mut p.windows.0[index];
+        let key = next_key(window.key);
+        let mut wr = ffi::ibv_send_wr {
+            wr_id: WINDOW_WR_BASE + 2 * index as u64,
+            next: core::ptr::null_mut(),
+            sg_list: core::ptr::null_mut(),
+            num_sge: 0,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_BIND_MW,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        wr.__bindgen_anon_2.bind_mw = ffi::ibv_send_wr__bindgen_ty_4__bindgen_ty_1 {
+            mw: window.mw,
+            rkey: key,
+            bind_info: ffi::ibv_mw_bind_info {
+                mr,
+                addr: address,
+                length: len,
+                mw_access_flags: ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            },
+        };
+        // SAFETY: a bind of a window of this protection domain over the
+        // arena's registration (`inside` above); no scatter entries. The
+        // offer naming the key is posted after it on the same send queue,
+        // so the peer cannot READ before the bind took effect.
+        unsafe { p.pair.post_send(&mut wr) }.map_err(|e| VerbsError::Broken(e.0))?;
+        window.key = key;
+        window.state = WindowState::Lent;
+        Ok(key)
+    }
+
+    fn take_back(&mut self, peer: PeerId, key: u32) {
+        let Some(p) = self.peers.get_mut(peer.0 as usize) else { return };
+        let Some(index) = p.windows.0.iter().position(|w| w.state == WindowState::Lent && w.key == key) else {
+            return;
+        };
+        let window = &mut p.windows.0[index];
+        // Never lent again unless its invalidation completes; a broken
+        // queue pair's windows are dead with it (nothing reaches them).
+        window.state = WindowState::Invalidating;
+        if p.broken.is_some() {
+            return;
+        }
+        let mut wr = ffi::ibv_send_wr {
+            wr_id: WINDOW_WR_BASE + 2 * index as u64 + 1,
+            next: core::ptr::null_mut(),
+            sg_list: core::ptr::null_mut(),
+            num_sge: 0,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_LOCAL_INV,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        wr.__bindgen_anon_1.invalidate_rkey = key;
+        // SAFETY: an invalidation of a key this end's window holds; no
+        // scatter entries.
+        if let Err(e) = unsafe { p.pair.post_send(&mut wr) } {
+            // The peer cannot be trusted with a key that could not be
+            // taken back: its queue pair goes.
+            p.pair.break_off();
+            p.broken.get_or_insert(format!("taking a key back: {}", e.0));
+        }
+    }
+
     unsafe fn read(
         &mut self,
         peer: PeerId,
         wr_id: u64,
-        remote: u64,
+        (remote, rkey): (u64, u32),
         len: u32,
         into: *mut u8,
     ) -> Result<(), VerbsError> {
-        if wr_id >= MESSAGE_WR_BASE {
-            return Err(VerbsError::Broken("a READ tag in the message work-request range".into()));
+        if wr_id >= WINDOW_WR_BASE {
+            return Err(VerbsError::Broken("a READ tag in the window and message work-request range".into()));
         }
         let lkey = self.local.lkey();
         let p = self.usable(peer)?;
-        let rkey = p.remote.map_or(0, |r| r.rkey);
         if p.reads >= READS {
             return Err(VerbsError::Full);
         }
@@ -744,7 +919,7 @@ impl Verbs for IbVerbs {
     }
 
     fn exports(&self, peer: PeerId, address: u64, len: u64) -> bool {
-        self.peers.get(peer.0 as usize).is_some_and(|p| p.export.is_some()) && inside(self.arena, address, len)
+        self.peers.get(peer.0 as usize).is_some_and(|p| p.broken.is_none()) && inside(self.arena, address, len)
     }
 
     fn imports(&self, peer: PeerId, address: u64, len: u64) -> bool {
@@ -766,9 +941,21 @@ impl Verbs for IbVerbs {
                 let wr_id = c.wr_id();
                 let failed =
                     c.error().map(|(status, vendor)| format!("work request failed: status {status}, vendor {vendor}"));
-                if wr_id < MESSAGE_WR_BASE {
+                if wr_id < WINDOW_WR_BASE {
                     p.reads = p.reads.saturating_sub(1);
                     out.push(VerbsEvent::ReadDone { wr_id, result: failed.clone().map_or(Ok(()), Err) });
+                } else if wr_id < MESSAGE_WR_BASE {
+                    // A bind (even) or an invalidation (odd): a window is
+                    // free again once its key is dead; a failed one breaks
+                    // the queue pair below.
+                    let i = wr_id - WINDOW_WR_BASE;
+                    let window = usize::try_from(i / 2).ok().and_then(|w| p.windows.0.get_mut(w));
+                    if let Some(window) = window
+                        && i % 2 == 1
+                        && failed.is_none()
+                    {
+                        window.state = WindowState::Free;
+                    }
                 } else if wr_id - MESSAGE_WR_BASE >= u64::from(RECEIVES) {
                     p.sends = p.sends.saturating_sub(1);
                 } else if failed.is_none() {
@@ -802,9 +989,9 @@ impl Verbs for IbVerbs {
 
     fn shut(&mut self, peer: PeerId, why: &str) {
         let Some(p) = self.peers.get_mut(peer.0 as usize) else { return };
+        // In the error state, the windows bound through it serve no READ:
+        // every key lent to it is dead.
         p.pair.break_off();
-        // Revoke its key too: no READ of this node's memory with it.
-        p.export = None;
         p.broken.get_or_insert_with(|| format!("shut: {why}"));
         p.reported = true;
     }
