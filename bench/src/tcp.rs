@@ -465,7 +465,9 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     let total: u64 = args.get("total-bytes", 1 << 30)?;
     let streams: usize = args.get("streams", 4)?;
     let slice_bytes: u32 = args.get("slice-bytes", 1 << 20)?;
-    let window: u64 = args.get("window-bytes", 16 << 20)?;
+    // 16 MiB in flight, and never fewer than three blocks: with one block
+    // in flight the link idles while the receiver checks it and acks.
+    let window: u64 = args.get("window-bytes", (16 << 20).max(3 * block_bytes as u64))?;
     let arena: u64 = args.get("arena-bytes", 1 << 30)?;
     let rounds: usize = args.get("rounds", 3)?;
     if block_bytes <= HEADER {
