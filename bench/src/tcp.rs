@@ -196,6 +196,7 @@ fn lake(
                 len: source.len() as u64,
                 target: BlockAddr { region: 1, epoch: 1, slot, generation: 1 },
                 priority: Priority::WriteBack,
+                trace: 0,
             };
             // SAFETY: `sources` outlives every transfer (all complete
             // before this function returns).

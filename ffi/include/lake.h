@@ -53,6 +53,16 @@
 #define LAKE_NETWORK_COMPUTE 2
 
 /*
+ A [`LakeTraceSpan`] of a load from L2 or L3.
+ */
+#define LAKE_SPAN_LOAD 0
+
+/*
+ A [`LakeTraceSpan`] of a push to another node's pool (P→D, D→P).
+ */
+#define LAKE_SPAN_PUSH 1
+
+/*
  What every call returns.
  */
 typedef enum LakeStatus {
@@ -818,7 +828,7 @@ typedef struct LakeRouteMove {
 } LakeRouteMove;
 
 /*
- One block of a traced load, as the agent saw it.
+ One block of a traced load or push, as the agent saw it.
  */
 typedef struct LakeTraceSpan {
   /*
@@ -830,26 +840,31 @@ typedef struct LakeTraceSpan {
    */
   struct LakeBlockKey key;
   /*
-   The tier it was loaded from (2 L2, 3 L3).
+   The tier it was loaded from (2 L2, 3 L3); a push: 1 (sent from
+   this node's L1).
    */
   uint32_t tier;
   /*
-   How its load ended in the data plane.
+   How it ended: its load in the data plane, its push at the peer.
    */
   enum LakeStatus status;
   /*
-   From asking the data plane to its answer, as the agent saw it, ns.
+   From asking the data plane (a load) or the push to its answer, as
+   the agent saw it, ns.
    */
   uint64_t took_ns;
   /*
-   The data plane's own time on it, µs, from its answer (0: a data
-   plane that does not take trace ids, an older build).
+   The data plane's own time on it, µs, from its answer — a push: the
+   peer pool's, from its reservation or first slice to its check (0:
+   a data plane or peer that does not take trace ids, an older build;
+   a push that went over RDMA).
    */
   uint32_t data_plane_us;
   /*
-   Zero.
+   What it was: [`LAKE_SPAN_LOAD`] or [`LAKE_SPAN_PUSH`] (a build
+   from before pushes were traced has only loads: 0).
    */
-  uint32_t reserved;
+  uint32_t op;
 } LakeTraceSpan;
 
 #ifdef __cplusplus
@@ -1500,14 +1515,14 @@ enum LakeStatus lake_route(const struct LakePool *pool,
 uintptr_t lake_last_error(char *buffer, uintptr_t capacity);
 
 /*
- Sets the trace id the loads this thread submits from now on carry, on
- any pool (0: none, the default). Cheap; call it before a request's
- `lake_submit_load`.
+ Sets the trace id the loads and pushes this thread submits from now on
+ carry, on any pool (0: none, the default). Cheap; call it before a
+ request's `lake_submit_load` or `lake_push`.
  */
 void lake_set_trace(uint64_t trace);
 
 /*
- Hands over the traced loads' blocks done since the last call, oldest
+ Hands over the traced loads' and pushes' blocks done since the last call, oldest
  first: up to `capacity` into `out`, how many into `written` (the rest
  wait for the next call; at most the newest 256 are kept). Thread-safe.
 

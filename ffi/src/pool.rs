@@ -815,6 +815,18 @@ fn agent_thread(
             }
             let mut ended = Vec::new();
             pushes.poll(nanos_since(epoch_start), &mut ended);
+            // Traced pushes' blocks: before their completions, so a caller
+            // that saw its push end finds their spans.
+            if !ended.is_empty()
+                && let Ok(mut kept) = spans.lock()
+            {
+                pushes.take_spans(|span| {
+                    if kept.len() >= lake_dp::agent::SPANS_KEPT {
+                        kept.pop_front();
+                    }
+                    kept.push_back(LakeTraceSpan::from(span));
+                });
+            }
             if !ended.is_empty()
                 && let Ok(mut rails) = push_rails.lock()
             {
@@ -2142,7 +2154,8 @@ pub unsafe extern "C" fn lake_push(
             let table: Option<Vec<MirrorEntry>> = locations.iter().map(entry_of).collect();
             let table = table.ok_or_else(|| fail(LakeStatus::LakeInvalidArgument, "a location's tier or kind"))?;
             let request = pool.next_request.fetch_add(1, Ordering::Relaxed);
-            let job = crate::push::PushJob { request, peer, keys, table, to: (region, epoch), priority };
+            let trace = crate::trace::current();
+            let job = crate::push::PushJob { request, peer, keys, table, to: (region, epoch), priority, trace };
             submit(pool, urgent(priority), Job::Push(Box::new(job)))?;
             // SAFETY: writable (contract).
             unsafe { request_id.write(request) };

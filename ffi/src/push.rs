@@ -45,6 +45,8 @@ pub(crate) struct PushJob {
     pub table: Vec<MirrorEntry>,
     pub to: (u16, u64),
     pub priority: Priority,
+    /// The engine's trace id (`lake_set_trace` on the submitting thread).
+    pub trace: u64,
 }
 
 /// The agent thread's pushes: made on the first, kept for the pool's life.
@@ -136,7 +138,7 @@ fn compute_links(agent: &Agent) -> Option<Box<dyn Links>> {
     }
 }
 
-fn status_of(error: &TransferError) -> LakeStatus {
+pub(crate) fn status_of(error: &TransferError) -> LakeStatus {
     match error {
         TransferError::Corrupt => LakeStatus::LakeBadCrc,
         TransferError::Busy => LakeStatus::LakeBusy,
@@ -178,7 +180,7 @@ impl Pushes {
         };
         for (i, (key, entry)) in job.keys.iter().zip(&job.table).enumerate() {
             let index = u32::try_from(i).unwrap_or(u32::MAX);
-            match pusher.push(key, entry, peer, job.to, job.priority, now_ns) {
+            match pusher.push(key, entry, peer, job.to, job.priority, job.trace, now_ns) {
                 Ok(transfer) => {
                     self.blocks.insert(transfer, (job.request, index));
                 }
@@ -233,6 +235,13 @@ impl Pushes {
         }
         for request in asked {
             cancelled.remove(&request);
+        }
+    }
+
+    /// Hands over the traced pushes' blocks ended since the last call.
+    pub(crate) fn take_spans(&mut self, each: impl FnMut(&lake_dp::agent::push::PushSpan)) {
+        if let Some(pusher) = self.pusher.as_mut() {
+            pusher.take_spans(each);
         }
     }
 

@@ -29,7 +29,7 @@ fn spans(handle: *mut lake::pool::LakePool) -> Vec<LakeTraceSpan> {
             status: LakeStatus::LakeInternal,
             took_ns: 0,
             data_plane_us: 0,
-            reserved: 0,
+            op: 0,
         };
         300
     ];
@@ -153,5 +153,88 @@ fn a_traced_load_through_the_c_abi_comes_back_with_the_data_planes_time() {
     unsafe { lake_detach(handle) };
     drop((kv, into, strings));
     pool.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_traced_push_is_logged_at_the_peer_pool_and_its_time_comes_back() {
+    use common::pools::{free_address, push, save, slot_space};
+    let dir = std::env::temp_dir().join(format!("lake-ffi-trace-push-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("decode-dp.log");
+    let config = |name: &str| EmbeddedConfig {
+        block_bytes: BLOCK as u64,
+        l1_slots: 32,
+        l2_slots_per_file: 32,
+        remote_agents: 2,
+        ..EmbeddedConfig::new(dir.join(name))
+    };
+    let prefill = EmbeddedPool::start(&config("prefill")).unwrap();
+    let decode_address = free_address();
+    let decode = EmbeddedPool::start(&EmbeddedConfig {
+        transport_listen: Some(decode_address),
+        event_log: Some(log.clone()),
+        ..config("decode")
+    })
+    .unwrap();
+    let mut strings = Vec::new();
+    let ns = namespace(4);
+    let (p, d) = (attach(&prefill, ns, &mut strings), attach(&decode, ns, &mut strings));
+    let keys = keys(ns, BLOCKS, |t| t * 7 + 2);
+    let mut kv: Vec<u8> = (0..BLOCKS * BLOCK).map(|i| (i as u8).wrapping_mul(13) ^ (i / BLOCK) as u8).collect();
+    let table = save(p, &keys, &mut kv);
+    let to = slot_space(d);
+    let rails = decode_address.to_string();
+
+    // The first block untraced: the links come up and settle what they
+    // speak; it leaves no span and no line.
+    assert_eq!(push(p, &rails, &keys[..1], &table[..1], to), [LakeStatus::LakeOk]);
+    let trace = 0x9e5d_0000_0000_0042_u64;
+    lake_set_trace(trace);
+    let pushed = push(p, &rails, &keys[1..], &table[1..], to);
+    lake_set_trace(0);
+    assert!(pushed.iter().all(|&s| s == LakeStatus::LakeOk), "{pushed:?}");
+
+    // The engine's spans: a push span per traced block, each with the
+    // decode pool's own time on it.
+    let got = spans(p);
+    assert_eq!(got.len(), BLOCKS - 1, "{got:?}");
+    for key in &keys[1..] {
+        let span = got.iter().find(|s| s.key == *key).unwrap_or_else(|| panic!("no span for {key:?}: {got:?}"));
+        assert_eq!((span.trace, span.op, span.tier, span.status), (trace, 1, 1, LakeStatus::LakeOk), "{span:?}");
+        assert!(span.data_plane_us >= 1, "the peer pool's time did not come back: {span:?}");
+        assert!(span.took_ns + 1000 >= u64::from(span.data_plane_us) * 1000, "{span:?}");
+    }
+    // The decode pool's log: a landing line per traced block under the id,
+    // with the same time; none for the untraced one.
+    let id = format!("\"trace\":\"{trace:016x}\"");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let lines = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains("\"event\":\"trace\"") && l.contains("\"op\":\"land\""))
+            .map(String::from)
+            .collect();
+        if lines.len() >= BLOCKS - 1 || Instant::now() > deadline {
+            break lines;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(lines.len(), BLOCKS - 1, "{lines:#?}");
+    for line in &lines {
+        assert!(line.contains(&id) && line.contains("\"result\":\"ok\""), "{line}");
+        let us: u32 = line.rsplit("\"us\":").next().unwrap().trim_end_matches('}').parse().unwrap();
+        assert!(got.iter().any(|s| s.data_plane_us == us), "{line}: no span with that time");
+    }
+
+    for handle in [p, d] {
+        // SAFETY: attached above, each detached once.
+        unsafe { lake_detach(handle) };
+    }
+    drop((kv, strings));
+    prefill.stop().unwrap();
+    decode.stop().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,7 +1,7 @@
 //! Transport frame headers: any 64 bytes decode or give a typed error,
 //! never a panic; an accepted header re-encodes to the same bytes and
 //! keeps its slice inside its object (a negotiation frame: its bytes
-//! within their bound).
+//! within their bound; a trace frame: none).
 //!
 //! The first input byte picks a mode. Odd: the header CRC is fixed up before
 //! decoding, so mutations reach the field checks. Even: decoded as is.
@@ -41,6 +41,13 @@ fuzz_target!(|data: &[u8]| {
             assert!(frame.slice_len <= NEGOTIATE_BYTES_MAX);
             assert!(frame.slice_len > 0 || frame.kind == FrameKind::Negotiated);
             assert_eq!((frame.total_len, frame.offset), (u64::from(frame.slice_len), 0));
+        }
+        // A trace id (never 0) for the data frame that follows; a time in
+        // µs before an ack. Neither carries bytes.
+        FrameKind::Trace => assert!(frame.slice_len == 0 && frame.trace_id() != 0),
+        FrameKind::Traced => {
+            assert_eq!((frame.slice_len, frame.target.slot, frame.target.epoch), (0, 0, 0));
+            assert_eq!(u64::from(frame.took_us()), frame.offset);
         }
     }
 });

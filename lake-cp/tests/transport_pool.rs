@@ -209,6 +209,7 @@ fn blocks_a_peer_sends_land_in_the_pool_checked_and_published() {
                 len: bytes.len() as u64,
                 target: any,
                 priority: Priority::PrefillToDecode,
+                trace: 0,
             };
             // SAFETY: `blocks` outlives every completion.
             match unsafe { sender.write(&block, now()) } {
@@ -278,7 +279,7 @@ fn prefill_pushes_a_prompt_to_the_decode_pool_and_decode_loads_it() {
         pusher.poll(now(), &mut Vec::new());
     }
     for (key, entry) in keys.iter().zip(&table) {
-        pusher.push(key, entry, peer, to, Priority::PrefillToDecode, now()).unwrap();
+        pusher.push(key, entry, peer, to, Priority::PrefillToDecode, 0, now()).unwrap();
     }
     let mut done = Vec::new();
     while done.len() < 8 {

@@ -148,6 +148,7 @@ fn the_rdma_transport_carries_an_offered_block_between_two_arenas() {
         len: len as u64,
         target,
         priority: Priority::PrefillToDecode,
+        trace: 0,
     };
     // SAFETY: the sender's arena is left alone until the completion.
     unsafe { sender.write(&block, 0) }.unwrap();

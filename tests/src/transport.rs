@@ -144,6 +144,7 @@ pub fn outgoing(
         len: bytes.len() as u64,
         target,
         priority,
+        trace: 0,
     }
 }
 

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use lake_dp::Priority;
 use lake_dp::stored::decode_object;
 use lake_dp::transport::TransferError;
-use lake_dp::transport::frame::BlockAddr;
-use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpTransport};
+use lake_dp::transport::frame::{BlockAddr, FEATURE_TRACE};
+use lake_dp::transport::tcp::{Outgoing, PeerId, TcpConfig, TcpTransport, TraceEvent};
 use lake_tests::transport::{EPOCH, Node, REGION, SLOT_BYTES, drive, now_ns, object, outgoing};
 
 fn config() -> TcpConfig {
@@ -305,4 +305,136 @@ fn a_transfer_not_yet_out_is_cancelled_and_one_on_the_wire_goes_on() {
     assert!(done.iter().filter(|c| c.transfer != 23).all(|c| c.result.is_ok()), "{done:?}");
     assert_eq!(node.published.len(), 23, "the cancelled block never landed");
     assert_eq!(sender.in_flight(), 0);
+}
+
+/// Polls both ends until every connection to `peer` agreed on features
+/// (or 10 s pass: then what they agreed is what it is).
+fn features_agreed(
+    sender: &mut TcpTransport,
+    receiver: &mut TcpTransport,
+    node: &mut Node,
+    peer: PeerId,
+    start: Instant,
+) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut none = Node::new(0);
+    while sender.peer_features(peer) == 0 && Instant::now() < deadline {
+        sender.poll(&mut none, now_ns(start), &mut Vec::new());
+        receiver.poll(node, now_ns(start), &mut Vec::new());
+    }
+    // A declined offer leaves 0: a few more rounds settle every connection.
+    for _ in 0..20 {
+        sender.poll(&mut none, now_ns(start), &mut Vec::new());
+        receiver.poll(node, now_ns(start), &mut Vec::new());
+    }
+    sender.peer_features(peer)
+}
+
+/// Sends `objects` — the odd ones under trace ids `0x7ace_0000 + i`,
+/// half to named slots, half to slots the receiver picks — and returns
+/// the completions and what both ends reported of the traced ones.
+fn traced_run(
+    sender: &mut TcpTransport,
+    receiver: &mut TcpTransport,
+    node: &mut Node,
+    peer: PeerId,
+    objects: &[Vec<u8>],
+    start: Instant,
+) -> (Vec<lake_dp::transport::Completion>, Vec<TraceEvent>, Vec<TraceEvent>) {
+    for (i, bytes) in objects.iter().enumerate() {
+        let target = if i % 4 < 2 {
+            node.reserve(i as u32, 7)
+        } else {
+            BlockAddr { region: REGION, epoch: EPOCH, slot: lake_dp::transport::ANY_SLOT, generation: 0 }
+        };
+        let trace = if i % 2 == 1 { 0x7ace_0000 + i as u64 } else { 0 };
+        let block = Outgoing { trace, ..outgoing(i as u64, peer, bytes, target, Priority::PrefillToDecode) };
+        // SAFETY: `objects` outlives every completion (driven below).
+        unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    }
+    let mut done = drive(sender, receiver, node, start, objects.len());
+    done.sort_by_key(|c| c.transfer);
+    let (mut landed, mut answered) = (Vec::new(), Vec::new());
+    receiver.take_trace_events(&mut landed);
+    sender.take_trace_events(&mut answered);
+    (done, landed, answered)
+}
+
+#[test]
+fn a_traced_block_lands_under_its_trace_id_and_the_peers_time_comes_back() {
+    // Plain and keyed links alike: the trace frames are frames like any.
+    for keyed in [false, true] {
+        let start = Instant::now();
+        let (mut sender, mut receiver, peer, _) = if keyed {
+            let key = lake_dp::auth::LinkKey::from_bytes([9; 32]);
+            let mut receiver = TcpTransport::new(config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+            receiver.authenticate(key.clone(), 2).unwrap();
+            let address = receiver.local_addr().unwrap();
+            let mut sender = TcpTransport::new(config(), None).unwrap();
+            sender.authenticate(key, 1).unwrap();
+            let peer = sender.add_peer(address).unwrap();
+            (sender, receiver, peer, address)
+        } else {
+            pair()
+        };
+        let mut node = Node::new(16);
+        connected(&mut sender, &mut receiver, &mut node, peer, start);
+        assert_eq!(features_agreed(&mut sender, &mut receiver, &mut node, peer, start), FEATURE_TRACE);
+        // Blocks of several slices, so their trace ids go on several
+        // connections, ahead of whichever slice comes first.
+        let objects: Vec<Vec<u8>> = (0..8).map(|i| object(i, (3 << 20) + 1000 * i as usize, i)).collect();
+        let (done, landed, answered) = traced_run(&mut sender, &mut receiver, &mut node, peer, &objects, start);
+        assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+        // The receiver: one event per traced block, under its id, where it
+        // landed, with its time; none for the untraced ones.
+        assert_eq!(landed.len(), 4, "keyed {keyed}: {landed:?}");
+        for event in &landed {
+            let TraceEvent::Landed { trace, target, bytes, status, us, from } = *event else { panic!("{event:?}") };
+            let i = (trace - 0x7ace_0000) as usize;
+            assert_eq!(i % 2, 1, "{event:?}");
+            assert_eq!((target, bytes), (done[i].target, objects[i].len() as u64), "{event:?}");
+            assert_eq!(status, Some(lake_dp::transport::frame::AckStatus::Landed));
+            assert!(us >= 1 && from.is_some(), "{event:?}");
+        }
+        // The sender: the peer's time on each traced block came back.
+        assert_eq!(answered.len(), 4, "{answered:?}");
+        for event in &answered {
+            let TraceEvent::Answered { trace, transfer, peer_us } = *event else { panic!("{event:?}") };
+            assert_eq!(trace, 0x7ace_0000 + transfer);
+            let landed_us = landed.iter().find_map(|e| match *e {
+                TraceEvent::Landed { trace: t, us, .. } if t == trace => Some(us),
+                _ => None,
+            });
+            assert_eq!(Some(peer_us), landed_us, "the receiver's own time, as it logged it");
+        }
+        assert_eq!(node.published.len(), objects.len());
+    }
+}
+
+#[test]
+fn a_peer_that_speaks_no_features_gets_no_trace_frames_and_every_block_lands() {
+    // A receiver as built before features (it declines the offer), then a
+    // sender as built before them (it makes none): blocks land, nothing is
+    // traced, no connection is cut.
+    for (sender_features, receiver_features) in [(FEATURE_TRACE, 0), (0, FEATURE_TRACE)] {
+        let start = Instant::now();
+        let mut receiver = TcpTransport::new(
+            TcpConfig { features: receiver_features, ..config() },
+            Some("127.0.0.1:0".parse().unwrap()),
+        )
+        .unwrap();
+        let mut sender = TcpTransport::new(TcpConfig { features: sender_features, ..config() }, None).unwrap();
+        let peer = sender.add_peer(receiver.local_addr().unwrap()).unwrap();
+        let mut node = Node::new(16);
+        connected(&mut sender, &mut receiver, &mut node, peer, start);
+        assert_eq!(features_agreed(&mut sender, &mut receiver, &mut node, peer, start), 0);
+        let objects: Vec<Vec<u8>> = (0..8).map(|i| object(i, 100_000 + 1000 * i as usize, i)).collect();
+        let (done, landed, answered) = traced_run(&mut sender, &mut receiver, &mut node, peer, &objects, start);
+        assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+        assert!(landed.is_empty(), "{landed:?}");
+        // The sender still hears each traced block answered, with no time.
+        assert_eq!(answered.len(), 4);
+        assert!(answered.iter().all(|e| matches!(e, TraceEvent::Answered { peer_us: 0, .. })), "{answered:?}");
+        assert_eq!((sender.stats.bad_frames, receiver.stats.bad_frames, sender.stats.streams_lost), (0, 0, 0));
+    }
 }

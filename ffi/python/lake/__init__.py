@@ -88,7 +88,8 @@ RAIL_DTYPE = np.dtype(
         ("address", "S64"),
     ]
 )
-# A traced load's block as the agent saw it (``LakeTraceSpan``).
+# A traced load's or push's block as the agent saw it (``LakeTraceSpan``);
+# ``op``: SPAN_LOAD or SPAN_PUSH.
 TRACE_SPAN_DTYPE = np.dtype(
     [
         ("trace", np.uint64),
@@ -97,9 +98,10 @@ TRACE_SPAN_DTYPE = np.dtype(
         ("status", np.int32),
         ("took_ns", np.uint64),
         ("data_plane_us", np.uint32),
-        ("reserved", np.uint32),
+        ("op", np.uint32),
     ]
 )
+SPAN_LOAD, SPAN_PUSH = 0, 1
 assert LOCATION_DTYPE.itemsize == 16 and COMPLETION_DTYPE.itemsize == 16
 assert TRACE_SPAN_DTYPE.itemsize == 48
 
@@ -951,10 +953,11 @@ class Pool:
         return request.value
 
     def trace_spans(self) -> np.ndarray:
-        """The traced loads' blocks done since the last call
+        """The traced loads' and pushes' blocks done since the last call
         (``TRACE_SPAN_DTYPE``: trace, key, tier, status, took_ns — the
-        agent's wait — and data_plane_us — the data plane's own time, 0 from
-        one built before trace ids), oldest first."""
+        agent's wait — data_plane_us — the data plane's own time, or for a
+        push the peer pool's; 0 from one built before trace ids — and op,
+        ``SPAN_LOAD`` or ``SPAN_PUSH``), oldest first."""
         out = np.zeros(256, dtype=TRACE_SPAN_DTYPE)
         count = ctypes.c_size_t()
         _check(_library().lake_trace_spans(self._h(), _ptr(out), out.shape[0], ctypes.byref(count)))

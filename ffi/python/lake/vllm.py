@@ -447,6 +447,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._traced:
             return
         spans = self._worker().trace_spans()
+        spans = spans[spans["op"] == lake.SPAN_LOAD]
         for trace in sorted(set(int(t) for t in spans["trace"])):
             mine = spans[spans["trace"] == trace]
             # A try refused for want of an L1 slot and retried is a span

@@ -4,8 +4,13 @@
 //! node's L1 (the decode node's pool picks the slot, checks the block and
 //! publishes it). The bytes go from the pinned slot to the socket; the pin
 //! is held until the peer says the block landed or why not.
+//!
+//! A push under the engine's trace id carries it to the peer, which logs
+//! the block's landing under it and answers with its time (over TCP, where
+//! the peer takes trace ids); the pusher keeps what it saw of each block
+//! as a [`PushSpan`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::arena::{Pin, PinArray};
 use crate::constants::STORED_HEADER_BYTES;
@@ -14,7 +19,7 @@ use crate::model::key::BlockKey;
 use crate::model::replica::{Priority, Tier};
 use crate::stored::decode_header;
 use crate::transport::frame::BlockAddr;
-use crate::transport::tcp::{Outgoing, PeerId, TcpTransport};
+use crate::transport::tcp::{Outgoing, PeerId, TcpTransport, TraceEvent};
 use crate::transport::{ANY_SLOT, Completion, Landing, Links, TransferError};
 
 /// Why a block was not sent.
@@ -30,6 +35,25 @@ pub enum PushError {
     Transport(TransferError),
 }
 
+/// A block pushed under the engine's trace id, as the pusher saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushSpan {
+    /// The engine's trace id.
+    pub trace: u64,
+    /// The block.
+    pub key: BlockKey,
+    /// How it ended.
+    pub result: Result<(), TransferError>,
+    /// From the push to its answer, as the pusher saw it, ns.
+    pub took_ns: u64,
+    /// The peer's own time on it, µs, from its answer (0: a peer that
+    /// does not time traced blocks, or it went over RDMA).
+    pub peer_us: u32,
+}
+
+/// Traced pushes a pusher keeps for its engine at most (the oldest go).
+pub const PUSH_SPANS_KEPT: usize = 256;
+
 /// Sends L1 blocks to peers' pools and holds their pins until each lands,
 /// over TCP or over RDMA negotiated on the TCP links ([`Links`]): a peer
 /// READs a block from its pinned slot (the pin is the fence), or takes it
@@ -41,6 +65,11 @@ pub struct Pusher<T: Links = TcpTransport> {
     next: u64,
     arena_region: u16,
     landed: Vec<Completion>,
+    /// Traced transfers in flight: their trace id, key, start, and the
+    /// peer's time once its answer said it.
+    traced: HashMap<u64, (u64, BlockKey, u64, u32)>,
+    trace_events: Vec<TraceEvent>,
+    spans: VecDeque<PushSpan>,
 }
 
 impl<T: Links> core::fmt::Debug for Pusher<T> {
@@ -67,7 +96,17 @@ impl<T: Links> Pusher<T> {
     /// this node's arena, whose region is `arena_region`). Over RDMA, the
     /// transport's memory is this process's mapping of that arena.
     pub fn new(transport: T, pins: PinArray, arena_region: u16) -> Self {
-        Self { transport, pins, held: HashMap::new(), next: 1, arena_region, landed: Vec::new() }
+        Self {
+            transport,
+            pins,
+            held: HashMap::new(),
+            next: 1,
+            arena_region,
+            landed: Vec::new(),
+            traced: HashMap::new(),
+            trace_events: Vec::new(),
+            spans: VecDeque::new(),
+        }
     }
 
     /// The transport (to add peers, read its figures).
@@ -76,8 +115,10 @@ impl<T: Links> Pusher<T> {
     }
 
     /// Sends block `key` (this node's L1 `entry`, from a lookup) to any
-    /// slot of `peer`'s L1 `(region, epoch)`; returns the transfer's id
-    /// (its completion carries it and the slot it landed in).
+    /// slot of `peer`'s L1 `(region, epoch)`, under the engine's trace id
+    /// `trace` (0: untraced); returns the transfer's id (its completion
+    /// carries it and the slot it landed in).
+    #[allow(clippy::too_many_arguments)] // one push's parts, each named
     pub fn push(
         &mut self,
         key: &BlockKey,
@@ -85,6 +126,7 @@ impl<T: Links> Pusher<T> {
         peer: PeerId,
         (region, epoch): (u16, u64),
         priority: Priority,
+        trace: u64,
         now_ns: u64,
     ) -> Result<u64, PushError> {
         if entry.tier != Tier::L1Dram || entry.region.0 != self.arena_region {
@@ -108,6 +150,7 @@ impl<T: Links> Pusher<T> {
             len,
             target: BlockAddr { region, epoch, slot: ANY_SLOT, generation: 0 },
             priority,
+            trace,
         };
         // SAFETY: the source is a pinned slot's stored object; the pin is
         // held (the slot unchanged) until this transfer's completion.
@@ -116,6 +159,9 @@ impl<T: Links> Pusher<T> {
             return Err(PushError::Transport(e));
         }
         self.held.insert(transfer, pin);
+        if trace != 0 {
+            self.traced.insert(transfer, (trace, *key, now_ns, 0));
+        }
         Ok(transfer)
     }
 
@@ -123,13 +169,37 @@ impl<T: Links> Pusher<T> {
     /// completion (landed in which slot, or why not) goes to `out`.
     pub fn poll(&mut self, now_ns: u64, out: &mut Vec<Completion>) -> bool {
         let busy = self.transport.poll(&mut Sends, now_ns, &mut self.landed);
+        // The peer's time on a traced block comes with its answer.
+        self.transport.tcp().take_trace_events(&mut self.trace_events);
+        for event in self.trace_events.drain(..) {
+            if let TraceEvent::Answered { transfer, peer_us, .. } = event
+                && let Some(traced) = self.traced.get_mut(&transfer)
+            {
+                traced.3 = peer_us;
+            }
+        }
         for completion in self.landed.drain(..) {
             if let Some(pin) = self.held.remove(&completion.transfer) {
                 self.pins.unpin(pin);
             }
+            if let Some((trace, key, started_ns, peer_us)) = self.traced.remove(&completion.transfer) {
+                if self.spans.len() >= PUSH_SPANS_KEPT {
+                    self.spans.pop_front();
+                }
+                let took_ns = now_ns.saturating_sub(started_ns);
+                self.spans.push_back(PushSpan { trace, key, result: completion.result.clone(), took_ns, peer_us });
+            }
             out.push(completion);
         }
         busy
+    }
+
+    /// Hands over the traced pushes ended since the last call, oldest
+    /// first.
+    pub fn take_spans(&mut self, mut each: impl FnMut(&PushSpan)) {
+        for span in self.spans.drain(..) {
+            each(&span);
+        }
     }
 
     /// Cancels `transfer` if none of its bytes went out yet

@@ -122,6 +122,41 @@ fn log_span(node: u32, span: &pool::LoadSpan, out: &mut dyn Write) {
     );
 }
 
+/// A traced block's line for the operator's log: one a peer sent under an
+/// engine's trace id, as it landed here (what it took, from its
+/// reservation or first slice to its check).
+fn log_trace_event(node: u32, event: &crate::transport::tcp::TraceEvent, out: &mut dyn Write) {
+    use crate::transport::frame::AckStatus;
+    let crate::transport::tcp::TraceEvent::Landed { trace, from, target, bytes, status, us } = *event else {
+        // This node's own copies carry no trace id.
+        return;
+    };
+    let result = match status {
+        Some(AckStatus::Landed) => "ok",
+        Some(AckStatus::Refused) => "refused",
+        Some(AckStatus::Corrupt) => "corrupt",
+        Some(AckStatus::Busy) => "busy",
+        None => "abandoned",
+    };
+    // The sender's address, or `?` once its connection closed (written
+    // in place: nothing allocated per line).
+    struct From(Option<std::net::SocketAddr>);
+    impl core::fmt::Display for From {
+        fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+            match self.0 {
+                Some(address) => address.fmt(f),
+                None => f.write_str("?"),
+            }
+        }
+    }
+    let from = From(from);
+    let _ = writeln!(
+        out,
+        "{{\"event\":\"trace\",\"trace\":\"{trace:016x}\",\"node\":{node},\"op\":\"land\",\"from\":\"{from}\",\"region\":{},\"slot\":{},\"bytes\":{bytes},\"result\":\"{result}\",\"us\":{us}}}",
+        target.region, target.slot
+    );
+}
+
 /// What each rail to each peer carried, for the control plane's metrics.
 fn rail_entries(
     transport: &dyn crate::transport::Links,
@@ -965,6 +1000,7 @@ pub fn run_with(
         }
     };
     let mut transfers_done = Vec::with_capacity(256);
+    let mut trace_events = Vec::with_capacity(crate::transport::tcp::TRACE_EVENTS_MAX);
     // When each transfer to another node was written, until it ends (room
     // for the transport's most in flight: no allocation while it runs).
     let mut transfers_started: std::collections::HashMap<u64, u64> = std::collections::HashMap::with_capacity(4096);
@@ -1105,6 +1141,8 @@ pub fn run_with(
                                 generation: 0,
                             },
                             priority: send.priority,
+                            // Copies `lake-cp` asks serve no engine's request.
+                            trace: 0,
                         };
                         // SAFETY: the source slot is held (busy) by the pool
                         // until `send_ended`, after this transfer's end.
@@ -1126,8 +1164,13 @@ pub fn run_with(
                         pool.send_ended(done.transfer, landed, &mut parts);
                     }
                     // What was refused on the links, RDMA links up or
-                    // down: the operator's log.
+                    // down, blocks that landed under an engine's trace id:
+                    // the operator's log.
                     log_links(transport.as_mut(), out);
+                    transport.tcp().take_trace_events(&mut trace_events);
+                    for event in trace_events.drain(..) {
+                        log_trace_event(node_id, &event, out);
+                    }
                 }
                 // No transport: a copy to another node cannot go.
                 None => pool.take_sends(now, |_| false),

@@ -52,6 +52,78 @@ pub enum FrameKind {
     /// none (status `Refused`: it has no such transport, or refused the
     /// offer) — the link then stays on TCP.
     Negotiated = 6,
+    /// The engine's trace id of a transfer (`offset`, never 0) whose data
+    /// frame for `target` follows on this connection: the receiver logs
+    /// the block's landing under it. Sent only on a connection whose
+    /// receiver took [`FEATURE_TRACE`].
+    Trace = 7,
+    /// The receiver's time on a traced block (`offset`, in µs), just
+    /// before its `Ack` on the same connection. Sent only on a connection
+    /// whose sender offered [`FEATURE_TRACE`].
+    Traced = 8,
+}
+
+/// A connection's writer offers what it speaks beyond the frames every
+/// build reads, in its first negotiation frame ([`Features`]); the reader
+/// answers with what both speak. A build before this feature declines the
+/// offer (it is not an RDMA endpoint), and so speaks none.
+pub const FEATURE_TRACE: u64 = 1 << 0;
+
+/// Every feature this build speaks.
+pub const FEATURES_SPOKEN: u64 = FEATURE_TRACE;
+
+/// Bytes of an encoded [`Features`].
+pub const FEATURES_BYTES: usize = 16;
+
+/// [`FEATURES_BYTES`] as a negotiation frame's length.
+#[allow(clippy::cast_possible_truncation)] // 16
+pub const FEATURES_LEN: u32 = FEATURES_BYTES as u32;
+
+/// "LKFT", little-endian.
+const FEATURES_MAGIC: u32 = u32::from_le_bytes(*b"LKFT");
+const FEATURES_VERSION: u8 = 1;
+
+/// What one end of a connection speaks beyond the frames every build
+/// reads: the bytes of a negotiation frame (kind 5 offers it, kind 6
+/// answers with what both speak). Told apart from an RDMA endpoint by its
+/// magic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Features(pub u64);
+
+impl Features {
+    /// Its bytes: magic, version, three zero bytes, the feature bits.
+    pub fn encode(&self) -> [u8; FEATURES_BYTES] {
+        let mut out = [0u8; FEATURES_BYTES];
+        out[..4].copy_from_slice(&FEATURES_MAGIC.to_le_bytes());
+        out[4] = FEATURES_VERSION;
+        out[8..].copy_from_slice(&self.0.to_le_bytes());
+        out
+    }
+
+    /// Whether `bytes` are a features record at all (else: another
+    /// transport's offer, for the owner).
+    pub fn is_features(bytes: &[u8]) -> bool {
+        bytes.len() >= 4 && bytes[..4] == FEATURES_MAGIC.to_le_bytes()
+    }
+
+    /// Decodes a features record; a bad one is named.
+    pub fn decode(bytes: &[u8]) -> Result<Self, &'static str> {
+        if bytes.len() != FEATURES_BYTES {
+            return Err("a features record is 16 bytes");
+        }
+        if !Self::is_features(bytes) {
+            return Err("not a features record (magic)");
+        }
+        if bytes[4] != FEATURES_VERSION {
+            return Err("a features version this end does not speak");
+        }
+        if bytes[5..8] != [0; 3] {
+            return Err("reserved features bytes set");
+        }
+        let mut bits = [0u8; 8];
+        bits.copy_from_slice(&bytes[8..]);
+        Ok(Self(u64::from_le_bytes(bits)))
+    }
 }
 
 /// Bytes a negotiation frame carries at most.
@@ -260,6 +332,36 @@ impl FrameHeader {
         Self { kind: FrameKind::Negotiated, status, ..Self::negotiate(len) }
     }
 
+    /// The trace id `trace` (not 0) of the transfer whose data frame for
+    /// `target` (a `total_len`-byte block) follows on the connection.
+    pub fn trace((transfer, attempt): (u64, u32), target: BlockAddr, total_len: u64, trace: u64) -> Self {
+        Self {
+            kind: FrameKind::Trace,
+            offset: trace,
+            ..Self::ack((transfer, attempt), target, total_len, AckStatus::Landed)
+        }
+    }
+
+    /// The receiver's time on traced attempt `attempt` of `transfer` (a
+    /// `total_len`-byte block), µs; its `Ack` follows.
+    pub fn traced((transfer, attempt): (u64, u32), total_len: u64, took_us: u32) -> Self {
+        Self {
+            kind: FrameKind::Traced,
+            offset: u64::from(took_us),
+            ..Self::ack((transfer, attempt), BlockAddr::default(), total_len, AckStatus::Landed)
+        }
+    }
+
+    /// A `Trace` frame's trace id.
+    pub fn trace_id(&self) -> u64 {
+        self.offset
+    }
+
+    /// A `Traced` frame's time, µs.
+    pub fn took_us(&self) -> u32 {
+        u32::try_from(self.offset).unwrap_or(u32::MAX)
+    }
+
     /// The same frame in class `priority`.
     pub fn with_priority(mut self, priority: Priority) -> Self {
         self.priority = priority;
@@ -326,6 +428,8 @@ impl FrameHeader {
             4 => FrameKind::Reserved,
             5 => FrameKind::Negotiate,
             6 => FrameKind::Negotiated,
+            7 => FrameKind::Trace,
+            8 => FrameKind::Traced,
             _ => return Err(FrameError::Field("kind")),
         };
         let negotiation = matches!(kind, FrameKind::Negotiate | FrameKind::Negotiated);
@@ -375,6 +479,19 @@ impl FrameHeader {
                 }
                 status
             }
+            FrameKind::Trace => {
+                if status != 0 || slice_len != 0 || offset == 0 {
+                    return Err(FrameError::Field("trace"));
+                }
+                AckStatus::Landed
+            }
+            FrameKind::Traced => {
+                let addressed = raw.slot != 0 || raw.generation != 0 || raw.region != 0 || raw.epoch != 0;
+                if status != 0 || slice_len != 0 || offset > u64::from(u32::MAX) || addressed {
+                    return Err(FrameError::Field("traced"));
+                }
+                AckStatus::Landed
+            }
         };
         Ok(Self {
             kind,
@@ -414,6 +531,9 @@ mod tests {
             FrameHeader::negotiate(72),
             FrameHeader::negotiated(72),
             FrameHeader::negotiated(0),
+            FrameHeader::trace((9, 1), target(), 1 << 20, 0x5eed_0000_7ace).with_priority(Priority::PrefillToDecode),
+            FrameHeader::traced((9, 1), 1 << 20, 274),
+            FrameHeader::traced((9, 1), 1 << 20, u32::MAX),
         ];
         for frame in frames {
             let bytes = frame.encode();
@@ -447,5 +567,48 @@ mod tests {
         assert_eq!(check(FrameHeader { total_len: 10, ..FrameHeader::negotiate(72) }), negotiation);
         assert_eq!(check(FrameHeader { status: AckStatus::Refused, ..FrameHeader::negotiated(72) }), negotiation);
         assert_eq!(check(FrameHeader { target: target(), ..FrameHeader::negotiate(72) }), negotiation);
+        assert_eq!(check(FrameHeader::trace((1, 0), target(), 10, 0)), Err(FrameError::Field("trace")));
+        assert_eq!(
+            check(FrameHeader { slice_len: 4, ..FrameHeader::trace((1, 0), target(), 10, 3) }),
+            Err(FrameError::Field("trace"))
+        );
+        assert_eq!(check(FrameHeader::trace((1, 0), target(), 0, 3)), Err(FrameError::Field("total_len")));
+        let traced = Err(FrameError::Field("traced"));
+        assert_eq!(check(FrameHeader { offset: 1 << 32, ..FrameHeader::traced((1, 0), 10, 0) }), traced);
+        assert_eq!(check(FrameHeader { target: target(), ..FrameHeader::traced((1, 0), 10, 5) }), traced);
+        let trace = FrameHeader::trace((4, 2), target(), 10, 0xfeed);
+        assert_eq!(check(trace).map(|f| f.trace_id()), Ok(0xfeed));
+        assert_eq!(check(FrameHeader::traced((4, 2), 10, 99)).map(|f| f.took_us()), Ok(99));
+    }
+
+    #[test]
+    fn the_fuzz_seeds_of_trace_frames_decode_as_such() {
+        let seed = |n: u32| {
+            let path = format!("{}/../fuzz/seeds/transport_frame/seed-{n:02}", env!("CARGO_MANIFEST_DIR"));
+            let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            let mut header = [0u8; FRAME_HEADER_BYTES];
+            header.copy_from_slice(&bytes[1..=FRAME_HEADER_BYTES]);
+            FrameHeader::decode(&header).unwrap()
+        };
+        let trace = seed(9);
+        assert_eq!((trace.kind, trace.trace_id()), (FrameKind::Trace, 0x5eed_0000_7ace));
+        let traced = seed(10);
+        assert_eq!((traced.kind, traced.took_us()), (FrameKind::Traced, 274));
+    }
+
+    #[test]
+    fn features_round_trip_and_bad_records_are_named() {
+        let record = Features(FEATURE_TRACE).encode();
+        assert_eq!(Features::decode(&record), Ok(Features(FEATURE_TRACE)));
+        assert!(Features::is_features(&record));
+        // An RDMA endpoint (its own magic) is not one.
+        assert!(!Features::is_features(b"LKRD\x02\x00"));
+        let mut version = record;
+        version[4] = 2;
+        assert!(Features::decode(&version).unwrap_err().contains("version"));
+        let mut reserved = record;
+        reserved[6] = 1;
+        assert!(Features::decode(&reserved).unwrap_err().contains("reserved"));
+        assert!(Features::decode(&record[..12]).unwrap_err().contains("16 bytes"));
     }
 }

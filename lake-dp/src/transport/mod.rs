@@ -48,6 +48,10 @@ pub struct Outgoing {
     /// Its class: the peer's slices wait per class, and a connection with
     /// room takes the most urgent first.
     pub priority: Priority,
+    /// The engine's trace id of the request it serves (0: untraced): over
+    /// TCP, a peer that takes trace ids logs its landing under it and
+    /// answers with its time ([`tcp::TraceEvent`]).
+    pub trace: u64,
 }
 
 /// What moves blocks to other nodes, whatever the wire: TCP

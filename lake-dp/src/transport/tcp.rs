@@ -29,7 +29,10 @@ use std::net::SocketAddr;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
-use super::frame::{AckStatus, BlockAddr, FRAME_HEADER_BYTES, FrameError, FrameHeader, FrameKind};
+use super::frame::{
+    AckStatus, BlockAddr, FEATURE_TRACE, FEATURES_LEN, FEATURES_SPOKEN, FRAME_HEADER_BYTES, Features, FrameError,
+    FrameHeader, FrameKind,
+};
 use super::{ANY_SLOT, Completion, Landing, TransferError};
 use crate::auth::handshake::{CLIENT_FINISH_BYTES, CLIENT_HELLO_BYTES, SERVER_HELLO_BYTES};
 use crate::auth::{AuthError, ClientHandshake, Later, LinkKey, PayloadCheck, ServerHandshake, Session, TAGS_BYTES};
@@ -64,6 +67,11 @@ pub struct TcpConfig {
     /// other frames (a block lands once all its slices checked). Off: the
     /// polling thread waits for each.
     pub tags_later: bool,
+    /// What this end offers (outbound connections) and takes (inbound)
+    /// beyond the frames every build reads ([`FEATURES_SPOKEN`]: trace
+    /// ids). 0: none — no offer made, every offer declined, as a build
+    /// before features did.
+    pub features: u64,
 }
 
 impl Default for TcpConfig {
@@ -77,6 +85,7 @@ impl Default for TcpConfig {
             reconnect_ns: 10_000_000,
             stall_ns: 2_000_000_000,
             tags_later: true,
+            features: FEATURES_SPOKEN,
         }
     }
 }
@@ -123,6 +132,54 @@ const NEGOTIATIONS_PER_STREAM_MAX: usize = 16;
 /// Negotiations waiting for the owner to take them, at most; a frame
 /// past it cuts its connection off (the owner takes them every poll).
 const NEGOTIATIONS_WAITING_MAX: usize = 64;
+
+/// Trace events kept for the owner to take, at most (more are counted and
+/// dropped).
+pub const TRACE_EVENTS_MAX: usize = 256;
+
+/// What a traced transfer did, for the owner's log and spans: a block
+/// sent under an engine's trace id ([`Outgoing::trace`]) carries the id to
+/// the peer (a `Trace` frame before its data, on connections whose peer
+/// took [`FEATURE_TRACE`]), which times its landing and answers with that
+/// time (a `Traced` frame before the ack).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceEvent {
+    /// A traced block landing here ended.
+    Landed {
+        /// The sender's trace id.
+        trace: u64,
+        /// The sender's address, where its connection is still open.
+        from: Option<SocketAddr>,
+        /// Where it landed (or was to).
+        target: BlockAddr,
+        /// Its bytes.
+        bytes: u64,
+        /// The verdict acked; none: given back at its deadline, not whole.
+        status: Option<AckStatus>,
+        /// From its reservation or first slice here to its verdict, µs.
+        us: u32,
+    },
+    /// A traced block this end sent was answered.
+    Answered {
+        /// Its trace id.
+        trace: u64,
+        /// Its transfer.
+        transfer: u64,
+        /// The peer's time on it, µs (0: the peer does not time traced
+        /// blocks — a build before them — or the answer came on a
+        /// connection that did not take them).
+        peer_us: u32,
+    },
+}
+
+/// Which negotiation an outbound connection's next answer is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Offered {
+    /// Its features offer ([`Features`]).
+    Features,
+    /// The owner's offer of another transport.
+    Owner,
+}
 
 /// One inbound connection, as the owner answers an offer made on it (a
 /// closed and reused connection is another).
@@ -274,6 +331,14 @@ struct Stream {
     owned: Vec<Box<[u8]>>,
     /// Negotiation frames it brought.
     negotiations_in: usize,
+    /// What both ends speak beyond the frames every build reads
+    /// ([`Features`]): 0 until agreed.
+    features: u64,
+    /// Outbound: the offers made on it, oldest first, answered in order.
+    offers: std::collections::VecDeque<Offered>,
+    /// Inbound: the trace id named for the data frame that follows
+    /// (its target, transfer, id).
+    trace_next: Option<(BlockAddr, u64, u64)>,
 }
 
 impl Stream {
@@ -302,6 +367,9 @@ impl Stream {
             serial: 0,
             owned: Vec::new(),
             negotiations_in: 0,
+            features: 0,
+            offers: std::collections::VecDeque::new(),
+            trace_next: None,
         }
     }
 
@@ -477,6 +545,8 @@ struct Sending {
     streams: u64,
     /// Some of its bytes were written (it can no longer be cancelled).
     wrote: bool,
+    /// The peer's time on it, from its `Traced` frame (0: none).
+    peer_us: u32,
 }
 
 /// Sendings of one transfer beyond one per connection of its peer: a
@@ -501,6 +571,9 @@ struct Arriving {
     /// its tag): a verdict for an earlier count is dropped.
     resets: u32,
     deadline_ns: u64,
+    /// The sender's trace id (0: untraced), and when it started landing.
+    trace: u64,
+    started_ns: u64,
 }
 
 /// A slice's payload tag being checked on the tag threads, its bytes in
@@ -551,6 +624,8 @@ pub struct TcpStats {
     pub sealed_later: u64,
     /// Slices whose payload tag was checked on the tag threads.
     pub checked_later: u64,
+    /// Trace events dropped because the owner did not take them.
+    pub trace_events_dropped: u64,
     /// `writev` / read calls.
     pub write_calls: u64,
     /// Read calls.
@@ -606,6 +681,8 @@ pub struct TcpTransport {
     next_serial: u64,
     /// Slices' payload tags being checked on the tag threads.
     checking: Vec<Checking>,
+    /// What traced transfers did, for the owner ([`TRACE_EVENTS_MAX`]).
+    trace_events: Vec<TraceEvent>,
     /// What it has done.
     pub stats: TcpStats,
 }
@@ -668,6 +745,7 @@ impl TcpTransport {
             negotiations: Vec::new(),
             next_serial: 1,
             checking: Vec::new(),
+            trace_events: Vec::with_capacity(TRACE_EVENTS_MAX),
             stats: TcpStats::default(),
         })
     }
@@ -867,6 +945,7 @@ impl TcpTransport {
             attempt: 0,
             streams: 0,
             wrote: false,
+            peer_us: 0,
         };
         // No connection up (yet, or again): it waits for one, or its deadline.
         self.queue_slices(&mut sending, false)?;
@@ -935,13 +1014,19 @@ impl TcpTransport {
             // Over several rails, what the kernel still holds counts too:
             // its send buffers would otherwise hide a slow rail.
             let rails = p.rails.len() > 1;
-            for healthy_only in [true, false] {
+            // A traced block takes a connection whose features are settled
+            // first (its trace id then goes with it), any if none has room.
+            let traced = sending.block.trace != 0;
+            let passes: &[(bool, bool)] =
+                if traced { &[(true, true), (true, false), (false, false)] } else { &[(true, false), (false, false)] };
+            for &(healthy_only, settled_only) in passes {
                 for (index, token) in p.streams.iter().enumerate() {
                     let cooling = p.rails[index / per_rail].cooldown_until > self.now_ns;
                     let Some(token) = *token else { continue };
                     let Some(stream) = self.streams[token].as_mut().filter(|s| s.connected) else { continue };
                     let load = stream.queued_bytes + if rails { stream.kernel_unsent(self.now_ns) } else { 0 };
-                    if (healthy_only && cooling) || load >= bound {
+                    let unsettled = stream.offers.contains(&Offered::Features);
+                    if (healthy_only && cooling) || (settled_only && unsettled) || load >= bound {
                         continue;
                     }
                     if best.is_none_or(|(_, _, least)| load < least) {
@@ -967,6 +1052,14 @@ impl TcpTransport {
             .encode();
             if let Some(stream) = self.streams[token].as_mut() {
                 let prefix = stream.prefix();
+                if block.trace != 0 && next.len > 0 && stream.features & FEATURE_TRACE != 0 {
+                    // The trace id, for the data frame right behind it.
+                    let trace =
+                        FrameHeader::trace((block.transfer, next.attempt), block.target, block.len, block.trace)
+                            .with_priority(block.priority)
+                            .encode();
+                    stream.push(QueuedFrame::new(Some(block.transfer), trace, core::ptr::null(), 0, prefix));
+                }
                 let source = block.source.wrapping_add(bytes(next.offset));
                 stream.push(QueuedFrame::new(Some(block.transfer), header, source, bytes(next.len), prefix));
                 // Its tags are begun now, while earlier frames go out.
@@ -1118,6 +1211,18 @@ impl TcpTransport {
     fn on_connected(&mut self, token: usize) {
         let Some(stream) = self.streams[token].as_mut() else { return };
         stream.connected = true;
+        let outbound = stream.peer.is_some();
+        if outbound && self.config.features != 0 {
+            // What this end speaks, first on the connection; until the
+            // answer, it sends only what every build reads.
+            let offer = Features(self.config.features).encode();
+            if self.queue_negotiation(token, FrameHeader::negotiate(FEATURES_LEN), &offer).is_ok()
+                && let Some(stream) = self.streams[token].as_mut()
+            {
+                stream.offers.push_back(Offered::Features);
+            }
+        }
+        let Some(stream) = self.streams[token].as_mut() else { return };
         if let Some((peer, index)) = stream.peer {
             if let Some(p) = self.peers.get_mut(peer.0 as usize) {
                 p.retry_at[index].1 = self.config.reconnect_ns;
@@ -1420,9 +1525,44 @@ impl TcpTransport {
             self.stats.bytes_landed += entry.total;
             self.landed.insert(key, (entry.transfer, entry.attempt, self.now_ns));
         }
+        let took_us = self.traced_landing(token, key, &entry, Some(status));
         if let Some(token) = token {
+            if let Some(took_us) = took_us {
+                self.trace_reply(token, (entry.transfer, entry.attempt), entry.total, took_us);
+            }
             self.ack(token, (entry.transfer, entry.attempt), key, entry.total, status);
         }
+    }
+
+    /// A traced block's landing ended (`status`; none: given back at its
+    /// deadline): its event, and its time in µs (none: untraced).
+    fn traced_landing(
+        &mut self,
+        token: Option<usize>,
+        key: BlockAddr,
+        entry: &Arriving,
+        status: Option<AckStatus>,
+    ) -> Option<u32> {
+        if entry.trace == 0 {
+            return None;
+        }
+        let us = u32::try_from(self.now_ns.saturating_sub(entry.started_ns) / 1000).unwrap_or(u32::MAX).max(1);
+        let from = token.and_then(|t| self.streams[t].as_ref()).and_then(|s| s.socket.peer_addr().ok());
+        let (trace, bytes) = (entry.trace, entry.total);
+        self.trace_event(TraceEvent::Landed { trace, from, target: key, bytes, status, us });
+        Some(us)
+    }
+
+    /// Queues the time this node took on a traced block, for the ack that
+    /// follows on `token` — where its sender took trace ids.
+    fn trace_reply(&mut self, token: usize, transfer: (u64, u32), total: u64, took_us: u32) {
+        let Some(stream) = self.streams[token].as_mut() else { return };
+        if stream.features & FEATURE_TRACE == 0 {
+            return;
+        }
+        let header = FrameHeader::traced(transfer, total, took_us).encode();
+        let prefix = stream.prefix();
+        stream.push(QueuedFrame::new(None, header, core::ptr::null(), 0, prefix));
     }
 
     /// Verdicts of payload tags checked on the tag threads: a slice that
@@ -1624,7 +1764,35 @@ impl TcpTransport {
             .copied()
             .find(|&t| self.streams[t].as_ref().is_some_and(|s| s.connected))
             .ok_or_else(|| TcpError("no connection to the peer is up".into()))?;
-        self.queue_negotiation(token, FrameHeader::negotiate(len), bytes)
+        self.queue_negotiation(token, FrameHeader::negotiate(len), bytes)?;
+        if let Some(stream) = self.streams[token].as_mut() {
+            stream.offers.push_back(Offered::Owner);
+        }
+        Ok(())
+    }
+
+    /// What every connection up to `peer` agreed to speak beyond the
+    /// frames every build reads ([`Features`]; 0 with none up, or before
+    /// the peer answered).
+    pub fn peer_features(&self, peer: PeerId) -> u64 {
+        let Some(p) = self.peers.get(peer.0 as usize) else { return 0 };
+        let mut up = p.streams.iter().flatten().filter_map(|&t| self.streams[t].as_ref()).filter(|s| s.connected);
+        let first = up.next().map_or(0, |s| s.features);
+        up.fold(first, |all, s| all & s.features)
+    }
+
+    /// What traced transfers did since the last call, oldest first
+    /// (appended to `out`).
+    pub fn take_trace_events(&mut self, out: &mut Vec<TraceEvent>) {
+        out.append(&mut self.trace_events);
+    }
+
+    fn trace_event(&mut self, event: TraceEvent) {
+        if self.trace_events.len() < TRACE_EVENTS_MAX {
+            self.trace_events.push(event);
+        } else {
+            self.stats.trace_events_dropped += 1;
+        }
     }
 
     /// Answers the offer made on `to`: this node's half (accepted) or none
@@ -1680,6 +1848,15 @@ impl TcpTransport {
                 self.stats.bad_frames += 1;
                 self.lose(token, "too many negotiations on one connection");
             }
+            (FrameKind::Negotiate, None) if Features::is_features(bytes) => {
+                // What the writer speaks: this end takes what both do (none
+                // where it speaks none: declined, as by a build before).
+                let from = InboundLink { token, serial: stream.serial };
+                let agreed = Features::decode(bytes).map_or(0, |theirs| theirs.0 & self.config.features);
+                stream.features = agreed;
+                let answer = Features(agreed).encode();
+                let _ = self.answer_transport(from, (self.config.features != 0).then_some(&answer[..]));
+            }
             (FrameKind::Negotiate, None) => {
                 let from = InboundLink { token, serial: stream.serial };
                 let address = stream.socket.peer_addr().ok();
@@ -1691,6 +1868,12 @@ impl TcpTransport {
                 }
             }
             (FrameKind::Negotiated, Some((peer, _))) => {
+                // Answers come in the order the offers went.
+                if stream.offers.pop_front() == Some(Offered::Features) {
+                    let theirs = Features::decode(bytes).map_or(0, |f| f.0);
+                    stream.features = theirs & self.config.features;
+                    return;
+                }
                 let bytes = (!bytes.is_empty()).then(|| bytes.to_vec());
                 self.negotiations.push(Negotiation::Answered { peer, bytes });
             }
@@ -1717,7 +1900,11 @@ impl TcpTransport {
                 if frame.status != AckStatus::Landed && frame.attempt != sending.attempt {
                     return;
                 }
-                self.sending.remove(&frame.transfer);
+                let Some(sending) = self.sending.remove(&frame.transfer) else { return };
+                if sending.block.trace != 0 {
+                    let (trace, peer_us) = (sending.block.trace, sending.peer_us);
+                    self.trace_event(TraceEvent::Answered { trace, transfer: frame.transfer, peer_us });
+                }
                 let result = match frame.status {
                     AckStatus::Landed => {
                         self.stats.sent += 1;
@@ -1734,6 +1921,7 @@ impl TcpTransport {
                 self.done.push(Completion { transfer: frame.transfer, result, target: frame.target });
             }
             FrameKind::Data => self.on_slice(token, frame, landing, now_ns),
+            FrameKind::Trace | FrameKind::Traced => self.on_trace(token, frame),
             // A declined offer (the others carry bytes: read whole first).
             FrameKind::Negotiate | FrameKind::Negotiated => self.on_negotiation(token, frame.kind, &[]),
             FrameKind::Reserve => self.on_reserve(token, frame, landing, now_ns),
@@ -1771,6 +1959,39 @@ impl TcpTransport {
         }
     }
 
+    /// A trace frame: on an inbound connection, the id of the block whose
+    /// data follows (kept with its landing); on an outbound one, the
+    /// peer's time on a block of this end's, before its ack. The wrong
+    /// way round, the connection is cut off.
+    fn on_trace(&mut self, token: usize, frame: &FrameHeader) {
+        let Some(stream) = self.streams[token].as_mut() else { return };
+        match (frame.kind, stream.peer.is_some()) {
+            (FrameKind::Trace, false) => {
+                let (key, transfer, trace) = (frame.target, frame.transfer, frame.trace_id());
+                match self.landing.get_mut(&key) {
+                    Some(entry) if entry.transfer == transfer => {
+                        if entry.trace == 0 {
+                            entry.trace = trace;
+                        }
+                    }
+                    // Its first slice is next on this connection.
+                    _ => stream.trace_next = Some((key, transfer, trace)),
+                }
+            }
+            (FrameKind::Traced, true) => {
+                if let Some(sending) = self.sending.get_mut(&frame.transfer)
+                    && sending.attempt == frame.attempt
+                {
+                    sending.peer_us = frame.took_us().max(1);
+                }
+            }
+            _ => {
+                self.stats.bad_frames += 1;
+                self.lose(token, "a trace frame on the wrong side of a connection");
+            }
+        }
+    }
+
     /// A peer asks for a slot: the node reserves one (or refuses), the
     /// transport places it and answers. Asked again for the same transfer
     /// (its sender did not hear the answer), the same slot is given.
@@ -1793,6 +2014,8 @@ impl TcpTransport {
                         unverified: 0,
                         resets: 0,
                         deadline_ns: now_ns + self.config.transfer_timeout_ns,
+                        trace: 0,
+                        started_ns: now_ns,
                     },
                 );
                 Ok(target)
@@ -1822,6 +2045,9 @@ impl TcpTransport {
         let key = frame.target;
         let full = self.landing.len() >= self.config.landing_max;
         let mut restarted = false;
+        // A trace id named for this data frame (on this connection, just
+        // before it) goes with its landing.
+        let traced = self.streams[token].as_mut().and_then(|s| s.trace_next.take());
         let verdict = match self.landing.get_mut(&key) {
             Some(entry) if entry.transfer == frame.transfer && entry.total == frame.total_len => {
                 if frame.attempt == entry.attempt {
@@ -1861,6 +2087,8 @@ impl TcpTransport {
                                 unverified: 0,
                                 resets: 0,
                                 deadline_ns: now_ns + self.config.transfer_timeout_ns,
+                                trace: 0,
+                                started_ns: now_ns,
                             },
                         );
                         Verdict::Into(base)
@@ -1869,6 +2097,14 @@ impl TcpTransport {
                 },
             },
         };
+        if let (Verdict::Into(_), Some((at, transfer, trace))) = (&verdict, traced)
+            && at == key
+            && transfer == frame.transfer
+            && let Some(entry) = self.landing.get_mut(&key)
+            && entry.trace == 0
+        {
+            entry.trace = trace;
+        }
         if restarted {
             // Slices of the older attempt still arriving on other
             // connections must not write into the slot any more, nor tag
@@ -2194,7 +2430,9 @@ impl TcpTransport {
         let stale: Vec<BlockAddr> =
             self.landing.iter().filter(|(_, l)| l.deadline_ns <= now_ns).map(|(&k, _)| k).collect();
         for key in stale {
-            self.landing.remove(&key);
+            if let Some(entry) = self.landing.remove(&key) {
+                self.traced_landing(None, key, &entry, None);
+            }
             // Nothing writes into the slot once it is given back, nor
             // reads it.
             self.detach_readers(key);
