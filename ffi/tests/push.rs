@@ -377,3 +377,114 @@ fn http_get(address: std::net::SocketAddr, path: &str) -> String {
     stream.read_to_string(&mut text).unwrap();
     text
 }
+
+/// The previous release's whole pool (`lake serve` of `LAKE_PREVIOUS_LAKE`,
+/// built by `.ci/run`), its transport listening on `listen`; its data
+/// plane's socket, mirror and control plane's socket, from the line it
+/// prints when it serves.
+struct OldPool {
+    child: std::process::Child,
+    paths: [std::path::PathBuf; 3],
+    log: std::path::PathBuf,
+    dir: std::path::PathBuf,
+}
+
+impl OldPool {
+    fn start(binary: &std::path::Path, listen: std::net::SocketAddr) -> Self {
+        use std::io::BufRead;
+        let dir = std::env::temp_dir().join(format!("lake-ffi-push-old-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("serve.log");
+        let mut child = std::process::Command::new(binary)
+            .args(["serve", "--block-bytes", &BLOCK.to_string(), "--l1-slots", "32", "--l2-slots", "32"])
+            .arg("--dir")
+            .arg(dir.join("pool"))
+            .args(["--transport-listen", &listen.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        // `{"event":"serving","dp_socket":"…",…}`: the paths are plain.
+        let path = |field: &str| {
+            let at = line.find(&format!("\"{field}\":\"")).unwrap_or_else(|| {
+                panic!("no {field} in {line:?}\n{:?}", std::fs::read_to_string(&log).unwrap_or_default())
+            });
+            let rest = &line[at + field.len() + 4..];
+            std::path::PathBuf::from(&rest[..rest.find('"').unwrap()])
+        };
+        Self { child, paths: [path("dp_socket"), path("mirror"), path("cp_socket")], log, dir }
+    }
+}
+
+impl Drop for OldPool {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Rolling upgrade on the compute network: this build's engine pushes a
+/// prompt, under a trace id, into the previous release's pool. Its links
+/// offer trace ids; the old pool, built before them, declines; the blocks
+/// land there untraced (no span carries its time, its log has no trace
+/// line) and an engine attached to it loads them byte for byte.
+#[test]
+fn a_traced_push_into_the_previous_releases_pool_lands_there_untraced() {
+    use common::pools::{attach_at, free_address, load, push, save, slot_space};
+    let Some(binary) = std::env::var_os("LAKE_PREVIOUS_LAKE").map(std::path::PathBuf::from) else {
+        println!("SKIPPED: LAKE_PREVIOUS_LAKE names no `lake` of the previous release (.ci/run builds one)");
+        return;
+    };
+    let listen = free_address();
+    let old = OldPool::start(&binary, listen);
+    let prefill = start("prefill-for-old", None, None);
+    let namespace = namespace(6);
+    let keys = keys(namespace, BLOCKS, |i| i * 17 + 3);
+    let mut strings = Vec::new();
+    let p = attach(&prefill, namespace, &mut strings);
+    let d = attach_at([&old.paths[0], &old.paths[1], &old.paths[2]], namespace, &mut strings);
+    let mut kv: Vec<u8> = (0..BLOCKS * BLOCK).map(|i| (i as u8).wrapping_mul(29) ^ (i / BLOCK) as u8).collect();
+    let table = save(p, &keys, &mut kv);
+
+    lake::trace::lake_set_trace(0x01d0_0000_9e5d);
+    let pushed = push(p, &listen.to_string(), &keys, &table, slot_space(d));
+    lake::trace::lake_set_trace(0);
+    assert_eq!(pushed, vec![LakeStatus::LakeOk; BLOCKS], "{}", std::fs::read_to_string(&old.log).unwrap_or_default());
+    let mut spans = vec![
+        lake::trace::LakeTraceSpan {
+            trace: 0,
+            key: LakeBlockKey::default(),
+            tier: 0,
+            status: LakeStatus::LakeInternal,
+            took_ns: 0,
+            data_plane_us: 0,
+            op: 0,
+        };
+        64
+    ];
+    let mut n = 0;
+    // SAFETY: a writable array of its length.
+    ok(unsafe { lake::trace::lake_trace_spans(p, spans.as_mut_ptr(), spans.len(), &raw mut n) }, "spans");
+    assert_eq!(n, BLOCKS, "a span a pushed block");
+    assert!(
+        spans[..n].iter().all(|s| s.op == 1 && s.status == LakeStatus::LakeOk && s.data_plane_us == 0),
+        "{spans:?}"
+    );
+
+    let mut into = Vec::new();
+    assert_eq!(load(d, &keys, &mut into), vec![LakeStatus::LakeOk; BLOCKS]);
+    assert!(into == kv, "the old pool holds the prompt byte for byte");
+    let log = std::fs::read_to_string(&old.log).unwrap_or_default();
+    assert!(!log.contains("\"event\":\"trace\""), "the old pool traced nothing: {log}");
+    assert!(!log.contains("link_refused") && !log.contains("bad frame"), "{log}");
+    for handle in [p, d] {
+        // SAFETY: attached above, each detached once.
+        unsafe { lake_detach(handle) };
+    }
+    drop((kv, into, strings));
+    prefill.stop().unwrap();
+}

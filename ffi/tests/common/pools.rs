@@ -43,7 +43,18 @@ pub(crate) fn free_address() -> std::net::SocketAddr {
 /// An engine attached to `pool` through the C ABI; the strings it points
 /// at live as long as the returned handle's holder keeps them.
 pub(crate) fn attach(pool: &EmbeddedPool, namespace: *mut LakeNamespace, strings: &mut Vec<CString>) -> *mut LakePool {
-    for path in [&pool.dp_socket, &pool.mirror, &pool.cp_socket] {
+    attach_at([&pool.dp_socket, &pool.mirror, &pool.cp_socket], namespace, strings)
+}
+
+/// An engine attached through the C ABI to the pool whose data plane's
+/// socket, mirror and control plane's socket are `paths` (a pool of
+/// another process).
+pub(crate) fn attach_at(
+    paths: [&std::path::Path; 3],
+    namespace: *mut LakeNamespace,
+    strings: &mut Vec<CString>,
+) -> *mut LakePool {
+    for path in paths {
         strings.push(CString::new(path.display().to_string()).unwrap());
     }
     let n = strings.len();
