@@ -151,6 +151,19 @@ pub struct Gauges {
     pub demotions: AtomicU64,
     /// Copies to other nodes that landed there.
     pub copies_landed: AtomicU64,
+    /// This node's L1 region (`u32::MAX` until its data plane registered
+    /// it) and epoch: where other nodes' copies go.
+    pub l1_region: std::sync::atomic::AtomicU32,
+    /// See `l1_region`.
+    pub l1_epoch: AtomicU64,
+}
+
+impl Gauges {
+    /// This node's L1 `(region, epoch)`, once registered.
+    pub fn l1_space(&self) -> Option<(u16, u64)> {
+        let region = u16::try_from(self.l1_region.load(Ordering::Acquire)).ok()?;
+        Some((region, self.l1_epoch.load(Ordering::Acquire)))
+    }
 }
 
 /// A copy to another node asked of the control plane's thread, and where
@@ -191,6 +204,9 @@ pub struct EmbeddedPool {
     stop_dp: Arc<AtomicBool>,
     /// Requests for the control plane's thread (copies to other nodes).
     requests: std::sync::mpsc::Sender<CpRequest>,
+    /// Set: the node is being drained (`lake drain-node`): its control
+    /// plane answers `/readyz` not ready.
+    pub draining: Arc<AtomicBool>,
     cp: Option<JoinHandle<Result<Server, String>>>,
     dp: Option<JoinHandle<Result<RunnerStats, RunnerError>>>,
 }
@@ -297,11 +313,12 @@ impl EmbeddedPool {
         } else {
             None
         };
-        let gauges = Arc::new(Gauges::default());
+        let gauges = Arc::new(Gauges { l1_region: std::sync::atomic::AtomicU32::new(u32::MAX), ..Gauges::default() });
         let stop_cp = Arc::new(AtomicBool::new(false));
         let (requests, asked) = std::sync::mpsc::channel::<CpRequest>();
+        let draining = Arc::new(AtomicBool::new(false));
         let cp = {
-            let (gauges, stop) = (Arc::clone(&gauges), Arc::clone(&stop_cp));
+            let (gauges, stop, drain) = (Arc::clone(&gauges), Arc::clone(&stop_cp), Arc::clone(&draining));
             std::thread::Builder::new()
                 .name("lake-cp".into())
                 .spawn(move || -> Result<Server, String> {
@@ -309,6 +326,10 @@ impl EmbeddedPool {
                         while let Ok((key, to, priority, reply)) = asked.try_recv() {
                             let _ =
                                 reply.send(server.node_mut().copy_to(&key, to, priority).map_err(|e| e.to_string()));
+                        }
+                        let draining = drain.load(Ordering::Relaxed);
+                        if server.node().draining != draining {
+                            server.node_mut().set_draining(draining);
                         }
                         server.poll_once(Some(Duration::from_millis(2))).map_err(|e| format!("lake-cp: {e}"))?;
                         for why in server.take_refusals() {
@@ -319,6 +340,12 @@ impl EmbeddedPool {
                         gauges.l2_bytes.store(node.tiers.usage(Tier::L2Nvme).bytes, Ordering::Relaxed);
                         gauges.demotions.store(node.tiers.counters.demotions, Ordering::Relaxed);
                         gauges.copies_landed.store(node.copies_landed, Ordering::Relaxed);
+                        if let Some((region, info)) = node.locations.region_of(node.node(), Tier::L1Dram) {
+                            // The epoch first: a reader that sees the region
+                            // (Acquire) sees the epoch that goes with it.
+                            gauges.l1_epoch.store(info.epoch, Ordering::Relaxed);
+                            gauges.l1_region.store(u32::from(region), Ordering::Release);
+                        }
                     }
                     Ok(server)
                 })
@@ -381,6 +408,7 @@ impl EmbeddedPool {
             stop_cp,
             stop_dp,
             requests,
+            draining,
             cp: Some(cp),
             dp: Some(dp),
         };

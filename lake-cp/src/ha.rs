@@ -10,7 +10,13 @@
 //! - `/lake/{cluster}/nodes/{node}` — a node's address, under the node's
 //!   own lease: a node that stops renewing leaves the membership when the
 //!   lease runs out (its L1 replicas leave the summary; its L2 ones are
-//!   unavailable until it returns).
+//!   unavailable until it returns). Once its data plane registered its
+//!   L1, the value says where other nodes' copies go: `ADDRESS
+//!   l1=REGION:EPOCH` ([`member_l1`]).
+//! - `/lake/{cluster}/drain/{node}` — an operator drains the node (`lake
+//!   drain-node`); `/lake/{cluster}/drain-left/{node}` — the leader's
+//!   count of the blocks only it still holds, written only while that
+//!   mark stands.
 //! - `/lake/{cluster}/checkpoint` — where the latest checkpoint of the
 //!   cluster summary lives (on L2 or L3, never in etcd: etcd caps requests
 //!   at 1.5 MiB) and the term that wrote it. Written only while the
@@ -116,6 +122,55 @@ impl Cluster {
             out.push((node, String::from_utf8_lossy(&kv.value).into_owned()));
         }
         Ok(out)
+    }
+
+    /// Marks node `node` draining (an operator takes it out: `lake
+    /// drain-node`): the leader copies what only it holds to other members
+    /// and copies nothing to it; the node answers not ready. Its progress
+    /// written by a leader before is dropped first.
+    pub fn drain(&self, node: u32) -> Result<(), EtcdError> {
+        self.etcd.delete(&self.key(&format!("drain-left/{node:010}")))?;
+        self.etcd.put(&self.key(&format!("drain/{node:010}")), b"draining", None)?;
+        Ok(())
+    }
+
+    /// Takes node `node` back (`lake drain-node --undo`).
+    pub fn undrain(&self, node: u32) -> Result<(), EtcdError> {
+        self.etcd.delete(&self.key(&format!("drain/{node:010}")))?;
+        self.etcd.delete(&self.key(&format!("drain-left/{node:010}")))
+    }
+
+    /// The nodes being drained: `(node, the create revision of its mark)`,
+    /// by node.
+    pub fn draining(&self) -> Result<Vec<(u32, i64)>, EtcdError> {
+        let prefix = self.key("drain/");
+        let mut out = Vec::new();
+        for kv in self.etcd.list(&prefix)? {
+            let node = std::str::from_utf8(&kv.key[prefix.len()..]).ok().and_then(|t| t.parse().ok());
+            let node =
+                node.ok_or_else(|| EtcdError::Malformed(format!("drain key {:?}", String::from_utf8_lossy(&kv.key))))?;
+            out.push((node, kv.create_revision));
+        }
+        Ok(out)
+    }
+
+    /// The leader's count of the blocks only draining node `node` holds,
+    /// written only while the mark it read (`mark`: its create revision)
+    /// stands — a mark taken back is not brought back. Whether it was
+    /// written.
+    pub fn drain_progress(&self, node: u32, mark: i64, left: u64) -> Result<bool, EtcdError> {
+        let value = format!("{left} {}", unix_ms());
+        let guard = self.key(&format!("drain/{node:010}"));
+        self.etcd.put_if(&guard, mark, None, &self.key(&format!("drain-left/{node:010}")), value.as_bytes())
+    }
+
+    /// What the leader last wrote of draining node `node`: the blocks only
+    /// it holds, and when (Unix ms); none before its first count.
+    pub fn drain_left(&self, node: u32) -> Result<Option<(u64, u64)>, EtcdError> {
+        let Some(kv) = self.etcd.get(&self.key(&format!("drain-left/{node:010}")))? else { return Ok(None) };
+        let text = String::from_utf8_lossy(&kv.value);
+        let parsed = text.split_once(' ').and_then(|(left, at)| Some((left.parse().ok()?, at.parse().ok()?)));
+        parsed.map(Some).ok_or_else(|| EtcdError::Malformed(format!("drain progress {text:?}")))
     }
 
     /// The latest checkpoint pointer, if one was written.
@@ -246,4 +301,26 @@ impl Member<'_> {
     pub fn leave(self) -> Result<(), EtcdError> {
         self.cluster.etcd.revoke(self.lease)
     }
+
+    /// Says, under its lease, where node `node` takes copies from other
+    /// nodes: its L1 `(region, epoch)`, after its `address`.
+    pub fn announce(&self, node: u32, address: &str, (region, epoch): (u16, u64)) -> Result<(), EtcdError> {
+        let value = format!("{address} l1={region}:{epoch}");
+        self.cluster.etcd.put(&self.cluster.key(&format!("nodes/{node:010}")), value.as_bytes(), Some(self.lease))?;
+        Ok(())
+    }
+}
+
+/// A member's L1 `(region, epoch)`, from its membership value, if it
+/// announced one ([`Member::announce`]).
+pub fn member_l1(value: &str) -> Option<(u16, u64)> {
+    let (_, space) = value.rsplit_once(" l1=")?;
+    let (region, epoch) = space.split_once(':')?;
+    Some((region.parse().ok()?, epoch.parse().ok()?))
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

@@ -167,6 +167,16 @@ impl Locations {
         self.regions.get(&region).copied()
     }
 
+    /// `node`'s region of `tier` (the lowest-numbered, where it has
+    /// several), and its state.
+    pub fn region_of(&self, node: NodeId, tier: Tier) -> Option<(u16, RegionInfo)> {
+        self.regions
+            .iter()
+            .filter(|(_, r)| r.node == node && r.tier == tier)
+            .map(|(&id, &r)| (id, r))
+            .min_by_key(|r| r.0)
+    }
+
     fn replica(&self, loc: Loc) -> Option<Replica> {
         let info = self.regions.get(&loc.region)?;
         Some(Replica {

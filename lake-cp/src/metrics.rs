@@ -90,6 +90,27 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
     metric(&mut out, "lake_cp_regions_registered_total", "counter", "Region registrations.", &[("", c.regions)]);
     metric(
         &mut out,
+        "lake_node_draining",
+        "gauge",
+        "1 while an operator drains this node (lake drain-node): /readyz answers not ready.",
+        &[("", u64::from(node.draining))],
+    );
+    metric(
+        &mut out,
+        "lake_copies_to_nodes_total",
+        "counter",
+        "Copies of this node's blocks into other nodes' L1 (replication, drains), by how they ended.",
+        &[("result=\"landed\"", node.copies_landed), ("result=\"failed\"", node.copies_failed)],
+    );
+    metric(
+        &mut out,
+        "lake_copy_promotions_total",
+        "counter",
+        "Blocks held here only in L2 promoted into L1 to be copied to another node (a drain).",
+        &[("", node.copy_promotions)],
+    );
+    metric(
+        &mut out,
         "lake_cp_blocks_waiting",
         "gauge",
         "Reported blocks waiting for their parent.",

@@ -29,6 +29,39 @@ use crate::tier::{TierAction, TierCommand, TierConfig, Tiers};
 /// the tier manager's.
 const COPY_REQUESTS: u64 = 1 << 62;
 
+/// Request ids of promotions into this node's L1 made for a copy to
+/// another node (of a block held here only in L2): apart from both.
+const PROMOTE_REQUESTS: u64 = 1 << 61;
+
+/// Copies waiting for their block's promotion into L1, at most.
+const PROMOTING_MAX: usize = 1024;
+
+/// Promotions for copies in the data plane at once, at most: L1 slots
+/// are what they need, and engines need them too.
+const PROMOTIONS_IN_FLIGHT: usize = 8;
+
+/// How long a copy waits for its block's promotion (then it is dropped:
+/// whoever asked, asks again).
+const PROMOTION_WAIT_NS: u64 = 30_000_000_000;
+
+/// A promotion refused (no L1 slot free yet) is asked again this much
+/// later.
+const PROMOTION_RETRY_NS: u64 = 50_000_000;
+
+/// A copy to another node of a block held here only in L2, waiting for
+/// the block's promotion into this node's L1.
+#[derive(Clone, Copy, Debug)]
+struct Promoting {
+    to: ReplicaWire,
+    priority: Priority,
+    /// Dropped past this (Unix ns).
+    until_ns: u64,
+    /// The promotion's request, while one is in the data plane.
+    asked: Option<u64>,
+    /// Not asked again before this (after a refusal).
+    retry_at_ns: u64,
+}
+
 /// Blocks that may wait for their parent at once; beyond that the oldest
 /// waiting ones are applied as roots (and counted).
 pub const PENDING_MAX: usize = 1 << 16;
@@ -178,6 +211,14 @@ pub struct Node {
     /// Copies to other nodes asked and not yet sent to `lake-dp`.
     copies: Vec<TierCommand>,
     copy_requests: u64,
+    /// Copies to other nodes of blocks held here only in L2: promoted into
+    /// L1 first — the target, class and when the wait ends.
+    promoting: HashMap<BlockKey, Promoting>,
+    /// Promotions asked for such copies.
+    pub copy_promotions: u64,
+    /// Of them, refused by the data plane (no L1 slot free, the L2
+    /// replica gone): the copy waits to be asked again.
+    pub copy_promotions_failed: u64,
     /// Copies to other nodes that landed there, and that failed.
     pub copies_landed: u64,
     /// See `copies_landed`.
@@ -197,6 +238,10 @@ pub struct Node {
     pub tenant_throttles: Vec<lake_dp::wire::message::TenantThrottle>,
     /// What happened to blocks lately, oldest first ([`HISTORY_MAX`]).
     history: std::collections::VecDeque<BlockEvent>,
+    /// An operator is taking this node out (`lake drain-node`, read from
+    /// etcd by `lake serve`): `/readyz` answers not ready, so the fleet's
+    /// router sends it no new requests while the leader moves its blocks.
+    pub draining: bool,
 }
 
 /// Adds `entry` to the total of its path in `totals` (a new one if none).
@@ -233,9 +278,13 @@ impl Node {
             paths: Vec::new(),
             copies: Vec::new(),
             copy_requests: 0,
+            promoting: HashMap::new(),
+            copy_promotions: 0,
+            copy_promotions_failed: 0,
             copies_landed: 0,
             copies_failed: 0,
             history: std::collections::VecDeque::new(),
+            draining: false,
         }
     }
 
@@ -263,6 +312,7 @@ impl Node {
     /// moves and evictions to send, appended to `out`.
     pub fn plan(&mut self, now_ns: u64, out: &mut Vec<TierCommand>) {
         self.now_ns = now_ns;
+        self.copy_promoted(now_ns);
         out.append(&mut self.copies);
         self.root_orphans(|since| since.saturating_add(ORPHAN_WAIT_NS) < now_ns);
         let from = out.len();
@@ -306,18 +356,21 @@ impl Node {
 
     /// Asks this node's `lake-dp` to copy block `key` (its ready L1
     /// replica here) into any slot of another node's L1 (`to`: its node,
-    /// region and epoch) — replication, or a write-back elsewhere; the
-    /// copy lands there checked and is published by that node's
-    /// `lake-cp`. Sent with the next plan; returns its request id.
+    /// region and epoch) — replication, a write-back elsewhere, a drain;
+    /// the copy lands there checked and is published by that node's
+    /// `lake-cp`. Sent with the next plan; returns its request id. A block
+    /// held here only in L2 is promoted into L1 first (its L2 replica
+    /// stays) — [`PROMOTIONS_IN_FLIGHT`] at a time, one refused for want
+    /// of a slot asked again shortly — and copied once it is there; the id
+    /// is then 0, and the copy is dropped if the block is not in L1
+    /// within [`PROMOTION_WAIT_NS`] (whoever asked, asks again).
     pub fn copy_to(&mut self, key: &BlockKey, to: ReplicaWire, priority: Priority) -> Result<u64, NodeError> {
         if to.node == self.node.0 || to.tier != Tier::L1Dram as u8 {
             return Err(NodeError::Field("copy_to: another node's L1"));
         }
-        let source = self
-            .locations
-            .ready(key)
-            .find(|r| r.tier == Tier::L1Dram && r.node == self.node)
-            .ok_or(NodeError::Field("copy_to: no ready L1 replica here"))?;
+        let Some(source) = self.locations.ready(key).find(|r| r.tier == Tier::L1Dram && r.node == self.node) else {
+            return self.promote_for_copy(key, to, priority);
+        };
         self.copy_requests += 1;
         let request = COPY_REQUESTS | self.copy_requests;
         let target = ReplicaWire { slot: lake_dp::wire::message::SLOT_ANY, generation: 0, ..to };
@@ -331,6 +384,110 @@ impl Node {
         };
         self.copies.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
         Ok(request)
+    }
+
+    /// A copy of a block held here only in L2: queued for its promotion
+    /// into this node's L1, the copy to follow ([`Node::copy_to`]).
+    fn promote_for_copy(&mut self, key: &BlockKey, to: ReplicaWire, priority: Priority) -> Result<u64, NodeError> {
+        if !self.locations.ready(key).any(|r| r.tier == Tier::L2Nvme && r.node == self.node) {
+            return Err(NodeError::Field("copy_to: no ready L1 or L2 replica here"));
+        }
+        if self.locations.region_of(self.node, Tier::L1Dram).is_none() {
+            return Err(NodeError::Field("copy_to: no L1 region here"));
+        }
+        if let Some(waiting) = self.promoting.get_mut(key) {
+            // Asked again (the leader's next round): the same copy.
+            waiting.to = to;
+            return Ok(0);
+        }
+        if self.promoting.len() >= PROMOTING_MAX {
+            return Err(NodeError::Field("copy_to: too many copies waiting for promotions"));
+        }
+        let until_ns = self.now_ns.saturating_add(PROMOTION_WAIT_NS);
+        self.promoting.insert(*key, Promoting { to, priority, until_ns, asked: None, retry_at_ns: 0 });
+        Ok(0)
+    }
+
+    /// Copies whose block is in L1 now go; those whose wait ran out are
+    /// dropped; promotions are asked, a few at a time.
+    fn copy_promoted(&mut self, now_ns: u64) {
+        if self.promoting.is_empty() {
+            return;
+        }
+        let node = self.node;
+        let locations = &self.locations;
+        let ready: Vec<(BlockKey, ReplicaWire, Priority)> = self
+            .promoting
+            .iter()
+            .filter(|(key, _)| locations.ready(key).any(|r| r.tier == Tier::L1Dram && r.node == node))
+            .map(|(&key, p)| (key, p.to, p.priority))
+            .collect();
+        self.promoting.retain(|key, p| p.until_ns > now_ns && !ready.iter().any(|(k, _, _)| k == key));
+        for (key, to, priority) in ready {
+            if self.copy_to(&key, to, priority).is_err() {
+                self.copies_failed += 1;
+            }
+        }
+        let mut in_flight = self.promoting.values().filter(|p| p.asked.is_some()).count();
+        let due: Vec<BlockKey> = self
+            .promoting
+            .iter()
+            .filter(|(_, p)| p.asked.is_none() && p.retry_at_ns <= now_ns)
+            .map(|(&key, _)| key)
+            .collect();
+        for key in due {
+            if in_flight >= PROMOTIONS_IN_FLIGHT {
+                break;
+            }
+            let source = self.locations.ready(&key).find(|r| r.tier == Tier::L2Nvme && r.node == node);
+            let (Some(source), Some((l1, info))) = (source, self.locations.region_of(node, Tier::L1Dram)) else {
+                // Its L2 replica went (evicted, purged): nothing to copy.
+                self.promoting.remove(&key);
+                continue;
+            };
+            let Some(waiting) = self.promoting.get_mut(&key) else { continue };
+            self.copy_requests += 1;
+            let request = PROMOTE_REQUESTS | self.copy_requests;
+            let target = ReplicaWire {
+                tier: Tier::L1Dram as u8,
+                node: node.0,
+                region: l1,
+                region_epoch: info.epoch,
+                slot: lake_dp::wire::message::SLOT_ANY,
+                generation: 0,
+                ..source.to_wire()
+            };
+            let transfer = Transfer {
+                source: source.to_wire(),
+                target,
+                key,
+                deadline_unix_ns: 0,
+                priority: waiting.priority as u8,
+                reserved: [0; 7],
+            };
+            self.copies.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
+            waiting.asked = Some(request);
+            self.copy_promotions += 1;
+            in_flight += 1;
+        }
+    }
+
+    /// A promotion for a copy ended (`status` 0: the block is in L1, its
+    /// commit reported): one refused is asked again shortly.
+    fn promotion_done(&mut self, request: u64, status: u32) {
+        let Some(waiting) = self.promoting.values_mut().find(|p| p.asked == Some(request)) else { return };
+        if status != 0 {
+            self.copy_promotions_failed += 1;
+            waiting.asked = None;
+            waiting.retry_at_ns = self.now_ns.saturating_add(PROMOTION_RETRY_NS);
+        }
+    }
+
+    /// Marks the node drained or not (`lake drain-node`): `/readyz` says
+    /// not ready, and its L1 keeps room for the promotions of copies.
+    pub fn set_draining(&mut self, on: bool) {
+        self.draining = on;
+        self.tiers.drain_node(on);
     }
 
     /// Moves the location view's numbered changes since the last call
@@ -387,7 +544,11 @@ impl Node {
             Message::BlockReadopted(block) => self.add(block, true),
             Message::BlockEvicted(evicted) => self.evict(evicted),
             Message::TransferDone(done) => {
-                if request & COPY_REQUESTS != 0 {
+                if request & PROMOTE_REQUESTS != 0 {
+                    // A promotion for a copy: the copy goes once its L1
+                    // replica is reported (a commit).
+                    self.promotion_done(request, done.status);
+                } else if request & COPY_REQUESTS != 0 {
                     if done.status == 0 {
                         self.copies_landed += 1;
                     } else {

@@ -713,7 +713,13 @@ impl Server {
                             .iter()
                             .any(|&r| node.locations.region(r).is_some_and(|i| i.tier == lake_dp::Tier::L1Dram))
                 });
-                if l1 { Ok(()) } else { Err("no data plane has registered its L1 with this node".to_owned()) }
+                if node.draining {
+                    Err("draining: an operator is taking this node out (lake drain-node)".to_owned())
+                } else if l1 {
+                    Ok(())
+                } else {
+                    Err("no data plane has registered its L1 with this node".to_owned())
+                }
             };
             if let Some(response) =
                 crate::metrics::respond(&client.input, || crate::metrics::render(node, counters), ready)

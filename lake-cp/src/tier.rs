@@ -446,6 +446,8 @@ pub struct RegionStatus {
 /// The tier manager. See the module docs.
 pub struct Tiers {
     config: TierConfig,
+    /// The node is being drained ([`Tiers::drain_node`]).
+    draining_node: bool,
     regions: HashMap<u16, RegionUse>,
     /// Bytes held, by (region, namespace).
     used: HashMap<(u16, u64), u64>,
@@ -508,11 +510,25 @@ pub struct TierUsage {
     pub pending_bytes: u64,
 }
 
+/// L1's watermarks while the node is drained (percent): blocks copied
+/// away go down to L2, so promotions for copies find slots.
+const DRAINING_L1_HIGH: u8 = 50;
+/// See [`DRAINING_L1_HIGH`].
+const DRAINING_L1_LOW: u8 = 40;
+
 impl Tiers {
+    /// Whether the node is being drained (`lake drain-node`): its L1 keeps
+    /// half its room free for the promotions that copy its L2 blocks to
+    /// other nodes.
+    pub fn drain_node(&mut self, on: bool) {
+        self.draining_node = on;
+    }
+
     /// A manager under `config` (checked with [`TierConfig::validate`]).
     pub fn new(config: TierConfig) -> Self {
         Self {
             config,
+            draining_node: false,
             regions: HashMap::new(),
             used: HashMap::new(),
             spaces: HashMap::new(),
@@ -1263,8 +1279,14 @@ impl Tiers {
                 }
             }
             let capacity = self.capacity(tier);
-            let high = percent_of(capacity, self.config.high_percent);
-            let low = percent_of(capacity, self.config.low_percent);
+            let (mut high_percent, mut low_percent) = (self.config.high_percent, self.config.low_percent);
+            if tier == Tier::L1Dram && self.draining_node {
+                // Its L1 is where its L2 blocks are promoted to be copied
+                // away: half of it is kept free for them.
+                (high_percent, low_percent) = (high_percent.min(DRAINING_L1_HIGH), low_percent.min(DRAINING_L1_LOW));
+            }
+            let high = percent_of(capacity, high_percent);
+            let low = percent_of(capacity, low_percent);
             let live = |tiers: &Self| tiers.used_by(tier, None).saturating_sub(tiers.pending_by(tier, None));
             if live(self) <= high {
                 continue;

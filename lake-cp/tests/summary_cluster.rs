@@ -249,3 +249,136 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     println!("summary: leader SIGKILLed, the standby led from its checkpoint {took_over:?} later (lease 2 s)");
     drop(two);
 }
+
+/// `GET path` on `address`: the status line and the body.
+fn http_get(address: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: lake\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (head.lines().next().unwrap_or("").to_owned(), body.to_owned())
+}
+
+/// `lake drain-node …`: its exit status and what it printed.
+fn drain_node(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_lake")).arg("drain-node").args(args).output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn a_drained_nodes_blocks_move_to_another_member_and_it_answers_not_ready() {
+    let Some(etcd) = etcd_server::EtcdServer::start("drain-node") else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-drain-node-{}", std::process::id()));
+    let _scratch = Scratch(base.clone(), Vec::new());
+    let listen =
+        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "drn", "--ttl", "2"]);
+    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let transport = format!("127.0.0.1:{port}");
+    let node = |node: u32, l1: &str, flags: [&str; 2]| {
+        let dir = base.join(format!("node{node}"));
+        let dir = dir.display().to_string();
+        let (node, member) = (node.to_string(), ["--etcd", &endpoint, "--cluster", "drn", "--member-ttl", "2"]);
+        let mut args = vec!["serve", "--node", &node, "--dir", &dir, "--block-bytes", "16384", "--l1-slots", l1];
+        args.extend(["--summary-to", &listen]);
+        args.extend(member);
+        args.extend(flags);
+        Proc::start(&args)
+    };
+    // Node 1's L1 holds 16 blocks: most of its 40 go down to its L2.
+    let one = node(1, "16", ["--transport-peer", &format!("2={transport}")]);
+    let two = node(2, "128", ["--transport-listen", &transport]);
+    let serving_one = one.wait_for("node 1 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
+    let serving_two = two.wait_for("node 2 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
+    // Saves are best effort: one refused while L1 is full is tried again
+    // once demotions made room.
+    let mut saver = agent(&serving_one);
+    let bytes = payload(1);
+    for i in 0..40 {
+        let parent = if i == 0 { BlockKey::NONE } else { key(1, i - 1) };
+        let block = SaveBlock { key: key(1, i), parent, block_index: i, payload: SavePayload::Bytes(&bytes) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while saver.save(&[block]) == 0 {
+            assert!(Instant::now() < deadline, "node 1 block {i} not saved in 20 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    drop(saver);
+    let summary_of_one = leader.wait_for("node 1's blocks in L1 and L2", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"")
+            && node_in(l, 1).is_some_and(|n| n.contains("\"member\":true") && !n.contains("\"replicas\":[0, 40, 0, 0]"))
+            && node_in(l, 2).is_some()
+    });
+    println!("drain-node: before: {}", node_in(&summary_of_one, 1).unwrap());
+    let metrics_one = field(&serving_one, "metrics");
+    assert!(http_get(&metrics_one, "/readyz").0.contains("200"), "node 1 is ready before its drain");
+
+    // Drained: every block only it held is copied into node 2's L1 (those
+    // in its L2 promoted there first), and it answers not ready.
+    let started = Instant::now();
+    let (ok, said) = drain_node(&["--etcd", &endpoint, "--cluster", "drn", "--wait", "30", "1"]);
+    if !ok {
+        // What the leader and node 1 saw, to say why.
+        let mut last = String::new();
+        while let Ok(line) = leader.lines.try_recv() {
+            last = line;
+        }
+        let metrics = http_get(&metrics_one, "/metrics").1;
+        let copies: Vec<&str> = metrics.lines().filter(|l| !l.starts_with('#') && l.contains("cop")).collect();
+        panic!("{said}\nthe leader's last line: {last}\nnode 1: {copies:?}");
+    }
+    assert!(ok && said.contains("\"event\":\"drained\""), "{said}");
+    println!("drain-node: node 1 drained in {:?}", started.elapsed());
+    one.wait_for("node 1 says it drains", Duration::from_secs(10), |l| l.contains("\"event\":\"draining\""));
+    let (status, body) = http_get(&metrics_one, "/readyz");
+    assert!(status.contains("503") && body.contains("draining"), "{status} {body}");
+    let metrics = http_get(&metrics_one, "/metrics").1;
+    assert!(metrics.contains("lake_node_draining 1"), "{metrics}");
+    let promoted: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("lake_copy_promotions_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(promoted >= 1, "blocks only in node 1's L2 were promoted to be copied: {metrics}");
+    let drained = leader.wait_for("the summary shows node 1 drained", Duration::from_secs(10), |l| {
+        l.contains("\"event\":\"summary\"")
+            && node_in(l, 1).is_some_and(|n| n.contains("\"draining\":true") && n.contains("\"drain_left\":0"))
+    });
+    println!("drain-node: after: {} / {}", node_in(&drained, 1).unwrap(), node_in(&drained, 2).unwrap());
+    // Node 2's engine has all 40, byte for byte, from its own tiers.
+    let mut reader = agent(&serving_two);
+    let keys: Vec<BlockKey> = (0..40).map(|i| key(1, i)).collect();
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reader.lookup(&keys, &mut table) < keys.len() {
+        assert!(Instant::now() < deadline, "node 2 holds {} of node 1's 40 blocks", reader.lookup(&keys, &mut table));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut delivered = 0;
+    while delivered < keys.len() {
+        let end = keys.len().min(delivered + 8);
+        let got = reader.fetch(&keys[delivered..end], &table[delivered..end], |_, bytes| {
+            assert_eq!(bytes, &payload(1)[..]);
+        });
+        assert!(got > 0, "{:?}", reader.last_fetch_failure());
+        delivered += got;
+        reader.lookup(&keys, &mut table);
+    }
+    drop(reader);
+
+    // Taken back: ready again.
+    let (ok, said) = drain_node(&["--etcd", &endpoint, "--cluster", "drn", "--undo", "1"]);
+    assert!(ok && said.contains("\"event\":\"undrained\""), "{said}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !http_get(&metrics_one, "/readyz").0.contains("200") {
+        assert!(Instant::now() < deadline, "node 1 not ready again after --undo");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A bad node number is refused by name.
+    let (ok, said) = drain_node(&["--etcd", &endpoint, "--cluster", "drn", "one"]);
+    assert!(!ok && said.contains("node \"one\""), "{said}");
+}

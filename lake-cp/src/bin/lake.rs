@@ -56,7 +56,11 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                 both sides took; during a rolling upgrade, which are still an older build)
        lake drain --admin PATH [--wait SECONDS] [--undo] REGION|FILE
                (stop writing to an L2 file and move its blocks to the node's other files;
-                --wait: until it is empty, then it may be taken away; --undo: use it again)";
+                --wait: until it is empty, then it may be taken away; --undo: use it again)
+       lake drain-node --etcd URL --cluster NAME [--wait SECONDS] [--undo] NODE
+               (take a node out: it answers /readyz not ready, the leader's summary copies
+                every block only it holds into other members' L1 and copies nothing to it;
+                --wait: until none is left, then it may be stopped; --undo: take it back)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -98,6 +102,13 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Some("drain-node") => match drain_node(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lake drain-node: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Some("summary") => match summary_leader(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -113,6 +124,64 @@ fn main() -> ExitCode {
             eprintln!("{USAGE}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// `lake drain-node`: marks a node draining in etcd (or takes it back);
+/// with `--wait`, follows the leader's count of the blocks only it holds
+/// until none is left.
+fn drain_node(args: &[String]) -> Result<(), String> {
+    let (mut etcd, mut cluster, mut wait_s, mut undo, mut node) = (None, None, 0u64, false, None);
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let mut value = || iter.next().ok_or_else(|| format!("{arg} needs a value\n{USAGE}"));
+        match arg.as_str() {
+            "--etcd" => etcd = Some(value()?.clone()),
+            "--cluster" => cluster = Some(value()?.clone()),
+            "--wait" => {
+                let text = value()?;
+                wait_s = text.parse().map_err(|e| format!("--wait {text}: {e}"))?;
+            }
+            "--undo" => undo = true,
+            text if node.is_none() && !text.starts_with("--") => {
+                node = Some(text.parse::<u32>().map_err(|e| format!("node {text:?}: {e}"))?);
+            }
+            _ => return Err(format!("unexpected {arg:?}\n{USAGE}")),
+        }
+    }
+    let (Some(etcd), Some(name), Some(node)) = (etcd, cluster, node) else {
+        return Err(format!("--etcd, --cluster and a NODE are required\n{USAGE}"));
+    };
+    let endpoints: Vec<&str> = etcd.split(',').collect();
+    let client = lake_cp::etcd::Etcd::new(&endpoints, std::time::Duration::from_secs(2))
+        .map_err(|e| format!("--etcd {etcd}: {e}"))?;
+    let cluster = lake_cp::ha::Cluster::new(client, &name).map_err(|e| format!("--cluster {name}: {e}"))?;
+    if undo {
+        cluster.undrain(node).map_err(|e| e.to_string())?;
+        println!("{{\"event\":\"undrained\",\"node\":{node}}}");
+        return Ok(());
+    }
+    let members = cluster.members().map_err(|e| e.to_string())?;
+    if !members.iter().any(|(n, _)| *n == node) {
+        eprintln!("lake drain-node: node {node} is not a member now (marked all the same)");
+    }
+    cluster.drain(node).map_err(|e| e.to_string())?;
+    println!("{{\"event\":\"draining\",\"node\":{node}}}");
+    if wait_s == 0 {
+        return Ok(());
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_s);
+    loop {
+        let left = cluster.drain_left(node).map_err(|e| e.to_string())?;
+        if let Some((0, _)) = left {
+            println!("{{\"event\":\"drained\",\"node\":{node}}}");
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            let left = left.map_or_else(|| "uncounted (no leader counted yet)".to_owned(), |(n, _)| n.to_string());
+            return Err(format!("node {node}: blocks only it holds: {left} after {wait_s} s"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
     }
 }
 
@@ -473,6 +542,8 @@ fn serve(args: &[String]) -> Result<(), String> {
     };
     let renew_every = std::time::Duration::from_millis(u64::try_from(member_ttl).unwrap_or(1) * 1000 / 3);
     let mut renewed = std::time::Instant::now();
+    // The L1 (region, epoch) the membership value names.
+    let mut announced: Option<(u16, u64)> = None;
     println!(
         "{{\"event\":\"serving\",\"dp_socket\":\"{}\",\"cp_socket\":\"{}\",\"admin_socket\":\"{}\",\
          \"arena\":\"{}\",\"mirror\":\"{}\",\"metrics\":\"{}\",\"block_bytes\":{}}}",
@@ -504,8 +575,35 @@ fn serve(args: &[String]) -> Result<(), String> {
                 Ok(true) => {}
                 // Lapsed (a long stall): join again; the summary gets this
                 // node's replicas back from its next snapshot.
-                Ok(false) => member = cluster.join(config.node, &address, member_ttl).ok(),
+                Ok(false) => {
+                    member = cluster.join(config.node, &address, member_ttl).ok();
+                    announced = None;
+                }
                 Err(e) => eprintln!("lake serve: renewing membership: {e}"),
+            }
+            // Where other nodes' copies go (the leader's drains and
+            // replication target it by this), once the L1 is registered.
+            let space = pool.gauges.l1_space();
+            if space.is_some()
+                && space != announced
+                && let (Some(current), Some(space)) = (&member, space)
+            {
+                match current.announce(config.node, &address, space) {
+                    Ok(()) => announced = Some(space),
+                    Err(e) => eprintln!("lake serve: announcing the L1: {e}"),
+                }
+            }
+            // Drained by an operator (`lake drain-node`): not ready for new
+            // requests; the leader moves its blocks away.
+            match cluster.draining() {
+                Ok(marks) => {
+                    let draining = marks.iter().any(|&(node, _)| node == config.node);
+                    if pool.draining.swap(draining, std::sync::atomic::Ordering::Relaxed) != draining {
+                        println!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", config.node);
+                        let _ = std::io::Write::flush(&mut std::io::stdout());
+                    }
+                }
+                Err(e) => eprintln!("lake serve: reading drain marks: {e}"),
             }
         }
     }
@@ -814,6 +912,8 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
     let mut last_answer = Instant::now();
     let mut written = 0u64;
     let mut previous: Option<String> = None;
+    // Nodes an operator drains, with the revision of each mark.
+    let mut drain_marks: Vec<(u32, i64)> = Vec::new();
     while signals.take().is_none() {
         aggregator.pump();
         for what in aggregator.take_security_events() {
@@ -847,8 +947,21 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
                     Ok(members) => {
                         let nodes: Vec<u32> = members.iter().map(|(node, _)| *node).collect();
                         aggregator.summary.membership(&nodes);
+                        let spaces: Vec<(u32, (u16, u64))> = members
+                            .iter()
+                            .filter_map(|(node, value)| lake_cp::ha::member_l1(value).map(|l1| (*node, l1)))
+                            .collect();
+                        aggregator.summary.l1_spaces(&spaces);
                     }
                     Err(e) => eprintln!("lake summary: members: {e}"),
+                }
+                match cluster.draining() {
+                    Ok(marks) => {
+                        let nodes: Vec<u32> = marks.iter().map(|(node, _)| *node).collect();
+                        aggregator.summary.draining(&nodes);
+                        drain_marks = marks;
+                    }
+                    Err(e) => eprintln!("lake summary: drain marks: {e}"),
                 }
             }
         }
@@ -882,14 +995,27 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
             // Hot prefixes into every member's L1 (each copy asked at most
             // once per 10 s: it shows in the summary once it lands).
             aggregator.replicate(replicate_children, 64, Duration::from_secs(10));
+            // Draining nodes: what only they hold, into other members' L1
+            // (each copy asked again after 3 s until it shows), and how
+            // much is left, for `lake drain-node --wait`.
+            aggregator.drain(256, Duration::from_secs(3));
+            if let Some(cluster) = &cluster {
+                for &(node, mark) in &drain_marks {
+                    let Some(left) = aggregator.summary.figures(node).map(|f| f.drain_left) else { continue };
+                    if let Err(e) = cluster.drain_progress(node, mark, left) {
+                        eprintln!("lake summary: drain progress of node {node}: {e}");
+                    }
+                }
+            }
             let c = aggregator.counters;
             say(format!(
-                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"nodes\":{}}}",
+                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"nodes\":{}}}",
                 aggregator.connected(),
                 c.applied,
                 c.snapshot_frames,
                 c.gaps,
                 c.copies_asked,
+                c.drain_copies_asked,
                 nodes_json(&aggregator.summary)
             ));
         }
@@ -907,8 +1033,8 @@ fn nodes_json(summary: &lake_cp::summary::Summary) -> String {
         .filter_map(|node| summary.figures(node).map(|f| (node, f)))
         .map(|(node, f)| {
             format!(
-                "{{\"node\":{node},\"term\":{},\"sequence\":{},\"member\":{},\"gap\":{},\"replicas\":{:?},\"available\":{:?}}}",
-                f.term, f.sequence, f.member, f.gap, f.replicas, f.available
+                "{{\"node\":{node},\"term\":{},\"sequence\":{},\"member\":{},\"gap\":{},\"draining\":{},\"drain_left\":{},\"replicas\":{:?},\"available\":{:?}}}",
+                f.term, f.sequence, f.member, f.gap, f.draining, f.drain_left, f.replicas, f.available
             )
         })
         .collect();

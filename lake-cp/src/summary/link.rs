@@ -32,7 +32,7 @@ use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, Snapshot
 use lake_dp::wire::{FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame, decode_frame};
 use lake_dp::{BlockKey, Durability, ObjectKind, Replica, Tier};
 
-use super::{Outcome, Summary};
+use super::{Outcome, Replication, Summary};
 use crate::location::{Change, ChangeOp, Locations};
 
 /// A connection's output past this is cut (the peer does not read): the
@@ -438,6 +438,8 @@ pub struct AggregatorCounters {
     pub bad_frames: u64,
     /// Replication copies asked of nodes.
     pub copies_asked: u64,
+    /// Copies asked of draining nodes (their blocks to other members).
+    pub drain_copies_asked: u64,
     /// Connections closed for failing their authentication (no handshake,
     /// another key, a bad proof, a record's tag).
     pub refused: u64,
@@ -458,6 +460,8 @@ pub struct Aggregator {
     local: lake_dp::wire::message::Hello,
     /// Replication copies asked, and when.
     asked: std::collections::HashMap<(BlockKey, u32), Instant>,
+    /// Drain copies asked, and when.
+    drain_asked: std::collections::HashMap<(BlockKey, u32), Instant>,
     key: Option<LinkKey>,
     security_events: std::collections::VecDeque<String>,
     /// The summary it keeps.
@@ -485,6 +489,7 @@ impl Aggregator {
             connections: Vec::new(),
             local,
             asked: std::collections::HashMap::new(),
+            drain_asked: std::collections::HashMap::new(),
             key: None,
             security_events: std::collections::VecDeque::new(),
             summary,
@@ -523,7 +528,35 @@ impl Aggregator {
         self.asked.retain(|_, at| now.duration_since(*at) < again);
         let asked = &self.asked;
         let plan = self.summary.replication_plan(min_children, max, |key, node| asked.contains_key(&(*key, node)));
-        let mut sent = 0;
+        let sent = self.ask_copies(plan);
+        self.counters.copies_asked += sent.len() as u64;
+        for copy in &sent {
+            self.asked.insert(*copy, now);
+        }
+        sent.len()
+    }
+
+    /// Drains: asks each draining node to copy the blocks only it holds
+    /// into other members' L1 ([`Summary::drain_plan`]), at most `max`,
+    /// each (block, target) at most once per `again`; how many were
+    /// asked.
+    pub fn drain(&mut self, max: usize, again: Duration) -> usize {
+        let now = Instant::now();
+        self.drain_asked.retain(|_, at| now.duration_since(*at) < again);
+        let asked = &self.drain_asked;
+        let plan = self.summary.drain_plan(max, |key, node| asked.contains_key(&(*key, node)));
+        let sent = self.ask_copies(plan);
+        self.counters.drain_copies_asked += sent.len() as u64;
+        for copy in &sent {
+            self.drain_asked.insert(*copy, now);
+        }
+        sent.len()
+    }
+
+    /// Sends each copy to its source node's connection: the (block,
+    /// target) of those that went.
+    fn ask_copies(&mut self, plan: Vec<Replication>) -> Vec<(BlockKey, u32)> {
+        let mut sent = Vec::new();
         for copy in plan {
             let Some(connection) = self.connections.iter_mut().find(|c| c.node == Some(copy.from.node.0)) else {
                 continue;
@@ -538,9 +571,7 @@ impl Aggregator {
                 reserved: [0; 7],
             };
             if append_frame(&mut connection.output, meta(0), &Message::CopyBlock(transfer)).is_ok() {
-                self.asked.insert((copy.key, copy.to.node), now);
-                self.counters.copies_asked += 1;
-                sent += 1;
+                sent.push((copy.key, copy.to.node));
             }
         }
         sent

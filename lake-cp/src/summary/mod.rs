@@ -76,6 +76,12 @@ struct NodeView {
     gap: bool,
     /// Its membership lease stands.
     member: bool,
+    /// An operator is taking it out (`lake drain-node`): nothing is
+    /// copied to it, and what only it holds is copied elsewhere.
+    draining: bool,
+    /// Its L1 `(region, epoch)`, as its membership announced it: where
+    /// copies to it go, before it holds any L1 replica.
+    l1: Option<(u16, u64)>,
     /// The snapshot being received: its (term, sequence).
     receiving: Option<(u64, u64)>,
     /// Its replicas, by block (one per region).
@@ -103,6 +109,11 @@ pub struct NodeFigures {
     pub member: bool,
     /// Whether a gap waits for a snapshot.
     pub gap: bool,
+    /// Whether it is being drained, and of its blocks how many only it
+    /// holds (none in L3, none on another member not draining).
+    pub draining: bool,
+    /// See `draining` (0 when not draining).
+    pub drain_left: u64,
     /// Replicas per tier (`Tier as usize`).
     pub replicas: [u64; 4],
     /// Of them, offered to readers (L2 of a lapsed node is not).
@@ -120,7 +131,9 @@ pub struct NodeHits {
 }
 
 /// A copy the leader asks of a node: its L1 replica of `key` into any
-/// slot of another node's L1 (replication of a hot block).
+/// slot of another node's L1 (replication of a hot block; draining a
+/// node, its L2 replica where it holds none in L1 — the node promotes it
+/// first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Replication {
     /// The block.
@@ -249,6 +262,102 @@ impl Summary {
         }
     }
 
+    /// The nodes an operator is draining (`lake drain-node`, in etcd):
+    /// no copy goes to them, and each block only they hold is copied to
+    /// another member ([`Summary::drain_plan`]).
+    pub fn draining(&mut self, nodes: &[u32]) {
+        for (node, view) in &mut self.nodes {
+            view.draining = nodes.contains(node);
+        }
+    }
+
+    /// Each member's L1 `(region, epoch)` as its membership announced it
+    /// (`lake serve` under etcd): copies to a node go there even before
+    /// it holds an L1 replica the summary could read it from.
+    pub fn l1_spaces(&mut self, spaces: &[(u32, (u16, u64))]) {
+        for (node, view) in &mut self.nodes {
+            view.l1 = spaces.iter().find(|(n, _)| n == node).map(|&(_, l1)| l1);
+        }
+    }
+
+    /// Where copies into `node`'s L1 go: its announced L1, else the
+    /// region and epoch of an L1 replica it holds.
+    fn l1_target(&self, node: u32) -> Option<ReplicaWire> {
+        let view = self.nodes.get(&node)?;
+        let l1 = match view.l1 {
+            Some((region, epoch)) => {
+                ReplicaWire { tier: Tier::L1Dram as u8, node, region, region_epoch: epoch, ..ReplicaWire::default() }
+            }
+            None => view.held().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram))?.entry.replica,
+        };
+        Some(ReplicaWire { slot: lake_dp::wire::message::SLOT_ANY, generation: 0, ..l1 })
+    }
+
+    /// Whether `key` outlives `node`: in L3 (the store's), or held in L1 or
+    /// L2 by a member that is neither `node` nor draining.
+    fn kept_elsewhere(&self, key: &BlockKey, node: u32) -> bool {
+        self.nodes.iter().any(|(&other, view)| {
+            view.replicas.get(key).into_iter().flatten().filter_map(|h| tier_of(&h.entry)).any(|tier| {
+                tier == Tier::L3Object
+                    || (other != node && view.member && !view.draining && matches!(tier, Tier::L1Dram | Tier::L2Nvme))
+            })
+        })
+    }
+
+    /// Draining nodes' blocks that only they hold, each to be copied into
+    /// the L1 of a member that is not draining (chosen by the block's key,
+    /// so copies spread): from the node's L1 replica, or its L2 one (the
+    /// node promotes it first). `skip(key, node)` leaves out copies asked
+    /// lately. At most `max`.
+    pub fn drain_plan(&self, max: usize, mut skip: impl FnMut(&BlockKey, u32) -> bool) -> Vec<Replication> {
+        let mut out = Vec::new();
+        let targets: Vec<(u32, ReplicaWire)> = self
+            .nodes()
+            .into_iter()
+            .filter_map(|node| {
+                let view = &self.nodes[&node];
+                if !view.member || view.draining {
+                    return None;
+                }
+                Some((node, self.l1_target(node)?))
+            })
+            .collect();
+        if targets.is_empty() || max == 0 {
+            return out;
+        }
+        // A block two drained nodes hold is copied once.
+        let mut planned = std::collections::HashSet::new();
+        for node in self.nodes() {
+            let view = &self.nodes[&node];
+            if !view.draining || !view.member {
+                continue;
+            }
+            let mut keys: Vec<&BlockKey> = view.replicas.keys().collect();
+            keys.sort_unstable();
+            for key in keys {
+                if self.kept_elsewhere(key, node) || planned.contains(key) {
+                    continue;
+                }
+                let held = &view.replicas[key];
+                let fastest = [Tier::L1Dram, Tier::L2Nvme]
+                    .into_iter()
+                    .find_map(|tier| held.iter().find(|h| tier_of(&h.entry) == Some(tier)));
+                let Some(from) = fastest.and_then(|h| Replica::from_wire(&h.entry.replica)) else { continue };
+                let pick = usize::from(key.0[0]) % targets.len();
+                let (target, to) = targets[pick];
+                if skip(key, target) {
+                    continue;
+                }
+                planned.insert(*key);
+                out.push(Replication { key: *key, from, to });
+                if out.len() >= max {
+                    return out;
+                }
+            }
+        }
+        out
+    }
+
     /// Nodes the summary knows.
     pub fn nodes(&self) -> Vec<u32> {
         let mut nodes: Vec<u32> = self.nodes.keys().copied().collect();
@@ -264,8 +373,12 @@ impl Summary {
             sequence: view.sequence,
             member: view.member,
             gap: view.gap,
+            draining: view.draining,
             ..NodeFigures::default()
         };
+        if view.draining {
+            figures.drain_left = view.replicas.keys().filter(|key| !self.kept_elsewhere(key, node)).count() as u64;
+        }
         for held in view.held() {
             let Some(tier) = tier_of(&held.entry) else { continue };
             figures.replicas[tier as usize] += 1;
@@ -352,9 +465,6 @@ impl Summary {
         let mut hot: Vec<(usize, BlockKey)> =
             children.iter().filter(|(_, c)| c.len() >= min_children).map(|(k, c)| (c.len(), *k)).collect();
         hot.sort_unstable_by(|a, b| b.cmp(a));
-        // Each member's L1 region and epoch, from any L1 replica it holds.
-        let l1_of =
-            |view: &NodeView| view.held().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram)).map(|h| h.entry.replica);
         let mut out = Vec::new();
         for (_, key) in hot {
             let in_l1 = |view: &NodeView| {
@@ -371,11 +481,10 @@ impl Summary {
             let Some(from) = source else { continue };
             for node in self.nodes() {
                 let view = &self.nodes[&node];
-                if node == from.node.0 || !view.member || in_l1(view) || skip(&key, node) {
+                if node == from.node.0 || !view.member || view.draining || in_l1(view) || skip(&key, node) {
                     continue;
                 }
-                let Some(l1) = l1_of(view) else { continue };
-                let to = ReplicaWire { slot: lake_dp::wire::message::SLOT_ANY, generation: 0, ..l1 };
+                let Some(to) = self.l1_target(node) else { continue };
                 out.push(Replication { key, from, to });
                 if out.len() >= max {
                     return out;

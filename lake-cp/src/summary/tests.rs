@@ -241,3 +241,59 @@ fn a_prefix_many_blocks_continue_is_planned_into_every_other_members_l1() {
     summary.membership(&[1, 2, 3]);
     assert!(summary.replication_plan(4, 10, |_, _| false).is_empty());
 }
+
+#[test]
+fn a_draining_nodes_blocks_no_one_else_keeps_are_planned_into_other_members_l1() {
+    let mut summary = Summary::new();
+    // Node 1 (drained): key 1 in L1, key 2 only in L2, key 3 also in L3,
+    // key 4 also on node 2, key 5 also on node 3 (drained too).
+    let mut one = view(1, 1);
+    one.adopt(None, key(1), lake_dp::ObjectKind::KvBlock, 0, 5, 1, 1).unwrap();
+    one.adopt(None, key(2), lake_dp::ObjectKind::KvBlock, 1, 5, 2, 1).unwrap();
+    one.adopt(None, key(3), lake_dp::ObjectKind::KvBlock, 0, 5, 3, 1).unwrap();
+    one.adopt(None, key(3), lake_dp::ObjectKind::KvBlock, 9, 5, 4, 1).unwrap();
+    one.adopt(None, key(4), lake_dp::ObjectKind::KvBlock, 1, 5, 5, 1).unwrap();
+    one.adopt(None, key(5), lake_dp::ObjectKind::KvBlock, 1, 5, 6, 1).unwrap();
+    // Node 2 holds no L1 replica at all: its L1 is known from its
+    // membership's announcement alone.
+    let mut two = view(2, 1);
+    two.adopt(None, key(4), lake_dp::ObjectKind::KvBlock, 1, 5, 1, 1).unwrap();
+    let mut three = view(3, 1);
+    three.adopt(None, key(5), lake_dp::ObjectKind::KvBlock, 0, 5, 1, 1).unwrap();
+    for (node, locations) in [(1, &mut one), (2, &mut two), (3, &mut three)] {
+        let changes: Vec<_> = locations.drain_changes().collect();
+        apply_all(&mut summary, deltas(node, locations, &changes));
+    }
+    assert!(summary.drain_plan(10, |_, _| false).is_empty(), "nothing is drained yet");
+    summary.draining(&[1, 3]);
+    assert!(summary.drain_plan(10, |_, _| false).is_empty(), "node 2's L1 is not known yet");
+    summary.l1_spaces(&[(2, (0, 77))]);
+    let plan = summary.drain_plan(10, |_, _| false);
+    let planned: Vec<(BlockKey, u32, Tier)> = plan.iter().map(|c| (c.key, c.from.node.0, c.from.tier)).collect();
+    // Keys 1 and 2 from node 1 (from L1, and from L2 where only there); key
+    // 5 is held by two drained nodes only, so it goes too, once; key 3 is
+    // in L3 and key 4 on node 2: kept.
+    assert_eq!(planned.len(), 3, "{planned:?}");
+    assert!(
+        planned.contains(&(key(1), 1, Tier::L1Dram)) && planned.contains(&(key(2), 1, Tier::L2Nvme)),
+        "{planned:?}"
+    );
+    assert_eq!(planned.iter().filter(|p| p.0 == key(5)).count(), 1, "{planned:?}");
+    for copy in &plan {
+        let to = copy.to;
+        assert_eq!((to.node, to.tier, to.region, to.region_epoch), (2, 1, 0, 77), "only to node 2's announced L1");
+        assert_eq!(to.slot, lake_dp::wire::message::SLOT_ANY);
+    }
+    let figures = summary.figures(1).unwrap();
+    assert_eq!((figures.draining, figures.drain_left), (true, 3));
+    // Asked lately: not again; at most `max`.
+    assert!(summary.drain_plan(10, |_, node| node == 2).is_empty());
+    assert_eq!(summary.drain_plan(1, |_, _| false).len(), 1);
+    // Nothing is replicated into a drained node, and a lapsed one drains
+    // nothing (its L1 is gone from the summary).
+    summary.draining(&[]);
+    assert_eq!(summary.figures(1).unwrap().drain_left, 0);
+    summary.draining(&[1]);
+    summary.membership(&[2, 3]);
+    assert!(summary.drain_plan(10, |_, _| false).is_empty());
+}
