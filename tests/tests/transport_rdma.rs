@@ -690,3 +690,41 @@ fn an_offer_that_is_not_an_endpoint_is_declined_and_the_link_carries_on() {
     assert_eq!(done[0].result, Ok(()));
     assert_eq!(sender.stats.bad_frames + receiver.tcp().stats.bad_frames, 0);
 }
+
+#[test]
+fn a_withdrawn_offer_not_yet_read_ends_cancelled_and_its_slot_goes_back() {
+    // The receiver reads one block at a time: of four offers, the first is
+    // being read when the sender withdraws the last three.
+    let objects: Vec<Vec<u8>> = (0..4).map(|i| object(i, 60_000, i)).collect();
+    let config = RdmaConfig { reads_max: 1, ..RdmaConfig::default() };
+    let mut p = pair(config, 8, &objects);
+    for (i, o) in objects.iter().enumerate() {
+        let target = if i % 2 == 0 { p.node.reserve(i as u32, 1) } else { any_slot() };
+        write(&mut p.sender, i as u64, p.peer, o, target, Priority::PrefillToDecode);
+    }
+    p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+    assert_eq!(p.node.reserved.len(), 4, "two named, two reserved");
+    assert!(p.sender.withdraw(1) && p.sender.withdraw(3), "offers in flight");
+    assert!(!p.sender.withdraw(1), "withdrawn once");
+    assert!(!p.sender.withdraw(99), "no such offer");
+    let start = START.with(|s| *s);
+    let done = by_transfer(drive(&mut p.sender, &mut p.receiver, &mut p.node, start, 4));
+    let results: Vec<_> = done.iter().map(|c| c.result.clone()).collect();
+    assert_eq!(
+        results,
+        [Ok(()), Err(TransferError::Cancelled), Ok(()), Err(TransferError::Cancelled)],
+        "the one being read lands; those withdrawn before their READ do not"
+    );
+    assert_eq!(p.node.published.len(), 2);
+    assert_eq!((p.receiver.stats.withdrawn_dropped, p.receiver.stats.refused), (2, 0));
+    assert_eq!(p.node.abandoned, 2, "the withdrawn blocks' slots went back");
+    assert!(p.node.reserved.is_empty());
+    assert_eq!(p.sender.verbs().keys_out(), 0, "their keys were taken back");
+    // A withdrawal of one read already changes nothing.
+    write(&mut p.sender, 9, p.peer, &objects[0], p.node.reserve(6, 1), Priority::WriteBack);
+    p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+    p.receiver.poll(&mut p.node, now(), &mut Vec::new());
+    p.sender.withdraw(9);
+    let done = drive(&mut p.sender, &mut p.receiver, &mut p.node, start, 1);
+    assert_eq!(done[0].result, Ok(()), "read before the withdrawal came: it landed");
+}

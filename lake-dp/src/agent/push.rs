@@ -203,8 +203,9 @@ impl<T: Links> Pusher<T> {
     }
 
     /// Cancels `transfer` if none of its bytes went out yet
-    /// ([`Links::cancel`]; over RDMA, not once offered): it ends
-    /// `Cancelled` at the next poll, its pin released then.
+    /// ([`Links::cancel`]; over RDMA, its offer is withdrawn and it ends
+    /// `Cancelled` if the peer had not started reading it): it ends at a
+    /// later poll, its pin released then.
     pub fn cancel(&mut self, transfer: u64) -> bool {
         self.transport.cancel(transfer)
     }

@@ -127,8 +127,10 @@ pub trait Links: Transport {
     /// What each of `peer`'s TCP rails carried.
     fn rail_reports(&self, peer: PeerId) -> Vec<tcp::RailReport>;
 
-    /// Cancels `transfer` if none of its bytes went out yet (an RDMA
-    /// transfer is out once offered: the peer may be reading it).
+    /// Cancels `transfer` if none of its bytes went out yet: whether it
+    /// will end `Cancelled`. One offered over RDMA is withdrawn instead —
+    /// it ends `Cancelled` if the peer had not started reading it, as it
+    /// would have otherwise — and `false` is returned (not promised).
     fn cancel(&mut self, transfer: u64) -> bool;
 
     /// What happened to RDMA links since the last call, one line each,

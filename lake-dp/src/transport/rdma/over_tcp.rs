@@ -313,8 +313,13 @@ impl<V: Verbs> Links for RdmaOverTcp<V> {
     }
 
     fn cancel(&mut self, transfer: u64) -> bool {
-        // Offered over RDMA, the peer may be reading it already.
-        !self.inner.on_primary_now(transfer) && self.inner.secondary().cancel(transfer)
+        if self.inner.on_primary_now(transfer) {
+            // Offered over RDMA: withdrawn, it ends `Cancelled` if the peer
+            // had not started reading it (it cannot be promised here).
+            self.inner.primary().withdraw(transfer);
+            return false;
+        }
+        self.inner.secondary().cancel(transfer)
     }
 
     fn take_rdma_events(&mut self) -> Vec<String> {

@@ -54,6 +54,7 @@ const MESSAGE_MAGIC: u32 = u32::from_le_bytes(*b"LKRM");
 const MESSAGE_VERSION: u8 = 2;
 const KIND_OFFER: u8 = 1;
 const KIND_ANSWER: u8 = 2;
+const KIND_WITHDRAW: u8 = 3;
 
 /// An offer or an answer as it travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
@@ -98,6 +99,13 @@ pub enum Message {
         /// Its class.
         priority: Priority,
     },
+    /// "Do not read transfer T after all" (its request was aborted): a
+    /// receiver that has not started its READ drops the offer and answers
+    /// it `Refused`; one that has, answers as it would have.
+    Withdraw {
+        /// The offer's transfer id.
+        transfer: u64,
+    },
     /// The receiver's verdict on an offer.
     Answer {
         /// The offer's transfer id.
@@ -117,6 +125,7 @@ impl Message {
                 (KIND_OFFER, priority as u8, 0, transfer, (source, key), len, target)
             }
             Self::Answer { transfer, status, target } => (KIND_ANSWER, 0, status as u8, transfer, (0, 0), 0, target),
+            Self::Withdraw { transfer } => (KIND_WITHDRAW, 0, 0, transfer, (0, 0), 0, BlockAddr::default()),
         };
         let mut raw = RawMessage {
             magic: MESSAGE_MAGIC,
@@ -179,6 +188,14 @@ impl Message {
                     return Err("an answer with offer fields");
                 }
                 Ok(Self::Answer { transfer: raw.transfer, status, target })
+            }
+            KIND_WITHDRAW => {
+                let addressed = raw.region != 0 || raw.epoch != 0 || raw.slot != 0 || raw.generation != 0;
+                if raw.priority != 0 || raw.status != 0 || raw.source != 0 || raw.len != 0 || raw.key != 0 || addressed
+                {
+                    return Err("a withdrawal with offer or answer fields");
+                }
+                Ok(Self::Withdraw { transfer: raw.transfer })
             }
             _ => Err("unknown message kind"),
         }
@@ -327,6 +344,11 @@ pub struct RdmaStats {
     /// Peers shut: broken, silent past a deadline, or sending bad
     /// messages.
     pub peers_shut: u64,
+    /// Offers this end withdrew ([`RdmaTransport::withdraw`]), and of the
+    /// peers' offers, those withdrawn before this end read them.
+    pub withdrawn_asked: u64,
+    /// See `withdrawn_asked`.
+    pub withdrawn_dropped: u64,
     /// Keys lent for offers (one a transfer) and taken back; equal once
     /// nothing is in flight.
     pub keys_lent: u64,
@@ -338,6 +360,8 @@ pub struct RdmaStats {
 #[derive(Clone, Copy, Debug)]
 struct Offered {
     peer: PeerId,
+    /// Withdrawn by the caller: a refusal now means it was not read.
+    withdrawn: bool,
     /// The key lent for the block: taken back when the transfer ends.
     key: u32,
     target: BlockAddr,
@@ -486,6 +510,43 @@ impl<V: Verbs> RdmaTransport<V> {
         self.stats.keys_taken_back += 1;
     }
 
+    /// Withdraws `transfer`'s offer (its request was aborted): the peer
+    /// drops it if it has not started reading it, and it then ends
+    /// `Cancelled`; read already, it ends as it would have. Whether a
+    /// withdrawal was asked (not: no such offer, or asked before).
+    pub fn withdraw(&mut self, transfer: u64) -> bool {
+        let Some(offered) = self.offered.get_mut(&transfer) else { return false };
+        if offered.withdrawn {
+            return false;
+        }
+        offered.withdrawn = true;
+        let peer = offered.peer;
+        let message = Message::Withdraw { transfer }.encode();
+        if !self.owed.is_empty() || self.verbs.send(peer, &message) == Err(VerbsError::Full) {
+            self.owed.push_back((peer, message));
+        }
+        self.stats.withdrawn_asked += 1;
+        true
+    }
+
+    /// A peer withdrew its offer `transfer`: dropped if not read yet (its
+    /// slot given back), answered `Refused`.
+    fn take_withdrawal(&mut self, peer: PeerId, transfer: u64, landing: &mut dyn Landing) {
+        for queue in &mut self.waiting {
+            let Some(at) = queue.iter().position(|w| w.peer == peer && w.transfer == transfer) else { continue };
+            let Some(waiting) = queue.remove(at) else { return };
+            if waiting.reserved || waiting.placed.is_some() {
+                landing.abandoned(&waiting.target);
+            }
+            self.stats.withdrawn_dropped += 1;
+            self.answer(peer, transfer, AckStatus::Refused, waiting.target);
+            // Not a refusal of this end's: the peer took it back.
+            self.stats.refused = self.stats.refused.saturating_sub(1);
+            return;
+        }
+        // Being read, or answered already: its answer says how it ended.
+    }
+
     /// Sends `answer` to `peer`, or owes it until the peer's queue has room.
     fn answer(&mut self, peer: PeerId, transfer: u64, status: AckStatus, target: BlockAddr) {
         if status != AckStatus::Landed {
@@ -609,6 +670,7 @@ impl<V: Verbs> RdmaTransport<V> {
         state.offered = state.offered.saturating_sub(1);
         let result = match status {
             AckStatus::Landed => Ok(()),
+            AckStatus::Refused if offered.withdrawn => Err(TransferError::Cancelled),
             AckStatus::Refused => Err(TransferError::Refused),
             AckStatus::Corrupt => Err(TransferError::Corrupt),
             AckStatus::Busy => Err(TransferError::Busy),
@@ -665,7 +727,7 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
         }
         self.peer(block.peer).offered += 1;
         let deadline_ns = now_ns.saturating_add(self.config.transfer_timeout_ns);
-        let offered = Offered { peer: block.peer, key, target: block.target, deadline_ns };
+        let offered = Offered { peer: block.peer, withdrawn: false, key, target: block.target, deadline_ns };
         self.offered.insert(block.transfer, offered);
         self.stats.offered += 1;
         Ok(())
@@ -701,6 +763,7 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
                     }
                     match Message::decode(&message) {
                         Ok(offer @ Message::Offer { .. }) => self.take_offer(peer, offer, landing),
+                        Ok(Message::Withdraw { transfer }) => self.take_withdrawal(peer, transfer, landing),
                         Ok(answer) => {
                             if !self.take_answer(peer, answer, out) {
                                 self.stats.bad_messages += 1;
@@ -751,6 +814,7 @@ mod tests {
                 priority: Priority::Demotion,
             },
             Message::Answer { transfer: 7, status: AckStatus::Corrupt, target: target() },
+            Message::Withdraw { transfer: 7 },
         ];
         for message in messages {
             let bytes = message.encode();
@@ -783,9 +847,10 @@ mod tests {
         let answer: RawMessage = bytemuck::pod_read_unaligned(
             &Message::Answer { transfer: 1, status: AckStatus::Landed, target: target() }.encode(),
         );
-        let cases: [(RawMessage, &str); 9] = [
+        let cases: [(RawMessage, &str); 10] = [
             (RawMessage { priority: 9, ..raw }, "priority"),
-            (RawMessage { kind: 3, ..raw }, "kind"),
+            (RawMessage { kind: 4, ..raw }, "kind"),
+            (RawMessage { kind: KIND_WITHDRAW, ..raw }, "withdrawal with offer"),
             (RawMessage { status: 1, ..raw }, "status"),
             (RawMessage { kind: KIND_ANSWER, status: 7, priority: 0, ..raw }, "status"),
             (RawMessage { kind: KIND_ANSWER, priority: 0, ..raw }, "offer fields"),
