@@ -53,10 +53,22 @@ impl Bucket {
 
     fn refill(&mut self, now_ns: u64) {
         let elapsed = now_ns.saturating_sub(self.last_ns);
-        self.last_ns = self.last_ns.max(now_ns);
         let earned = u128::from(elapsed) * u128::from(self.bytes_per_s) / 1_000_000_000;
+        if earned == 0 {
+            // Less than a byte's worth: the time is kept for the next call
+            // (a bucket asked every microsecond would otherwise never fill
+            // at a low rate).
+            return;
+        }
         let earned = i64::try_from(earned).unwrap_or(i64::MAX);
         self.tokens = self.tokens.saturating_add(earned).min(self.burst);
+        if self.tokens >= self.burst {
+            self.last_ns = now_ns;
+        } else {
+            // Only the time those bytes took is spent; the rest counts on.
+            let spent = u128::try_from(earned).unwrap_or(0) * 1_000_000_000 / u128::from(self.bytes_per_s.max(1));
+            self.last_ns = self.last_ns.saturating_add(u64::try_from(spent).unwrap_or(elapsed).min(elapsed));
+        }
     }
 }
 
@@ -162,5 +174,22 @@ mod tests {
         let waits: Vec<(&str, [u64; RATE_PATHS])> = rates.waits().collect();
         assert_eq!(waits.len(), 1);
         assert!(waits[0].1[0] > 0 && waits[0].1[1] == 0, "{waits:?}");
+    }
+
+    #[test]
+    fn a_bucket_asked_every_few_microseconds_at_a_low_rate_still_fills() {
+        // 1000 B/s asked every 10 µs: a hundredth of a byte earned a call.
+        // Dropping the fraction each call would never refill it.
+        let tenant =
+            TenantRate { name: "a".into(), namespaces: vec![7], bytes_per_s: [None, None, None, None, Some(1000)] };
+        let mut rates = TenantRates::new(&[tenant]);
+        let (mut now, mut got) = (1u64, 0u64);
+        while now < 2_000_000_000 {
+            if rates.admit(7, RatePath::NetSend, 100, now) {
+                got += 100;
+            }
+            now += 10_000;
+        }
+        assert!((1_900..=2_200).contains(&got), "{got} bytes in 2 s at 1000 B/s");
     }
 }
