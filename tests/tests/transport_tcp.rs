@@ -438,3 +438,57 @@ fn a_peer_that_speaks_no_features_gets_no_trace_frames_and_every_block_lands() {
         assert_eq!((sender.stats.bad_frames, receiver.stats.bad_frames, sender.stats.streams_lost), (0, 0, 0));
     }
 }
+
+#[test]
+fn two_senders_numbering_their_transfers_alike_land_every_block_apart() {
+    // Two senders (two engines' pushers, two nodes' copies) both number
+    // their transfers from 0 and send blocks of one size to slots the
+    // receiver picks: each block lands once, in a slot of its own, byte
+    // for byte — the receiver tells them apart though their ids meet.
+    use lake_dp::transport::ANY_SLOT;
+    let start = Instant::now();
+    let mut receiver = TcpTransport::new(config(), Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    let address = receiver.local_addr().unwrap();
+    let mut senders: Vec<(TcpTransport, PeerId)> = (0..2)
+        .map(|_| {
+            let mut sender = TcpTransport::new(config(), None).unwrap();
+            let peer = sender.add_peer(address).unwrap();
+            (sender, peer)
+        })
+        .collect();
+    let mut node = Node::new(24);
+    let objects: Vec<Vec<Vec<u8>>> =
+        (0..2u32).map(|s| (0..8u32).map(|i| object(100 * s + i, 200_000, 100 * s + i)).collect()).collect();
+    for (s, (sender, peer)) in senders.iter_mut().enumerate() {
+        for (i, bytes) in objects[s].iter().enumerate() {
+            let any = BlockAddr { region: REGION, epoch: EPOCH, slot: ANY_SLOT, generation: 0 };
+            // SAFETY: `objects` outlives every completion (driven below).
+            unsafe { sender.write(&outgoing(i as u64, *peer, bytes, any, Priority::PrefillToDecode), now_ns(start)) }
+                .unwrap();
+        }
+    }
+    let mut done: Vec<Vec<lake_dp::transport::Completion>> = vec![Vec::new(), Vec::new()];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut none = Node::new(0);
+    while done.iter().any(|d| d.len() < 8) {
+        assert!(Instant::now() < deadline, "{:?} of 8 each in 10 s", done.iter().map(Vec::len).collect::<Vec<_>>());
+        for (s, (sender, _)) in senders.iter_mut().enumerate() {
+            sender.poll(&mut none, now_ns(start), &mut done[s]);
+        }
+        receiver.poll(&mut node, now_ns(start), &mut Vec::new());
+    }
+    let mut slots = Vec::new();
+    for (s, completions) in done.iter().enumerate() {
+        for c in completions {
+            assert_eq!(c.result, Ok(()), "sender {s} transfer {}", c.transfer);
+            let sent = &objects[s][c.transfer as usize];
+            let (_, payload) = decode_object(node.landed_bytes(&c.target, sent.len())).unwrap();
+            assert_eq!(payload, decode_object(sent).unwrap().1, "sender {s} transfer {}", c.transfer);
+            slots.push(c.target.slot);
+        }
+    }
+    slots.sort_unstable();
+    slots.dedup();
+    assert_eq!(slots.len(), 16, "each block in a slot of its own");
+    assert_eq!(node.published.len(), 16);
+}

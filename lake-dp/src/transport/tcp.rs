@@ -683,6 +683,11 @@ pub struct TcpTransport {
     checking: Vec<Checking>,
     /// What traced transfers did, for the owner ([`TRACE_EVENTS_MAX`]).
     trace_events: Vec<TraceEvent>,
+    /// Added to every transfer id this end puts on the wire (and taken
+    /// off the answers): a receiver keys what lands by transfer id, and
+    /// two senders' callers may both number theirs from 1. Random per
+    /// transport, so ids of different senders do not meet.
+    wire_salt: u64,
     /// What it has done.
     pub stats: TcpStats,
 }
@@ -746,6 +751,7 @@ impl TcpTransport {
             next_serial: 1,
             checking: Vec::new(),
             trace_events: Vec::with_capacity(TRACE_EVENTS_MAX),
+            wire_salt: random_u64(),
             stats: TcpStats::default(),
         })
     }
@@ -999,6 +1005,7 @@ impl TcpTransport {
     /// slices spread by each rail's measured speed.
     fn feed(&mut self, peer: PeerId) {
         let per_rail = self.config.streams_per_peer;
+        let salt = self.wire_salt;
         let bound = (FEED_SLICES * (self.config.slice_bytes as usize + FRAME_HEADER_BYTES)).max(FEED_BYTES_MIN);
         let Some(p) = self.peers.get_mut(peer.0 as usize) else { return };
         loop {
@@ -1044,9 +1051,10 @@ impl TcpTransport {
             let slice_len = u32::try_from(next.len).unwrap_or(self.config.slice_bytes);
             let header = if next.len == 0 {
                 let (region, epoch) = (block.target.region, block.target.epoch);
-                FrameHeader::reserve((block.transfer, next.attempt), region, epoch, block.len)
+                FrameHeader::reserve((block.transfer.wrapping_add(salt), next.attempt), region, epoch, block.len)
             } else {
-                FrameHeader::data((block.transfer, next.attempt), block.target, block.len, next.offset, slice_len)
+                let transfer = block.transfer.wrapping_add(salt);
+                FrameHeader::data((transfer, next.attempt), block.target, block.len, next.offset, slice_len)
             }
             .with_priority(block.priority)
             .encode();
@@ -1054,10 +1062,10 @@ impl TcpTransport {
                 let prefix = stream.prefix();
                 if block.trace != 0 && next.len > 0 && stream.features & FEATURE_TRACE != 0 {
                     // The trace id, for the data frame right behind it.
-                    let trace =
-                        FrameHeader::trace((block.transfer, next.attempt), block.target, block.len, block.trace)
-                            .with_priority(block.priority)
-                            .encode();
+                    let wire = (block.transfer.wrapping_add(salt), next.attempt);
+                    let trace = FrameHeader::trace(wire, block.target, block.len, block.trace)
+                        .with_priority(block.priority)
+                        .encode();
                     stream.push(QueuedFrame::new(Some(block.transfer), trace, core::ptr::null(), 0, prefix));
                 }
                 let source = block.source.wrapping_add(bytes(next.offset));
@@ -1885,6 +1893,16 @@ impl TcpTransport {
     }
 
     fn on_frame(&mut self, token: usize, frame: &FrameHeader, landing: &mut dyn Landing, now_ns: u64) {
+        // Answers to this end's writes name them as they went on the wire:
+        // back to the caller's ids.
+        let answer = matches!(frame.kind, FrameKind::Ack | FrameKind::Reserved | FrameKind::Traced);
+        let unsalted;
+        let frame = if answer {
+            unsalted = FrameHeader { transfer: frame.transfer.wrapping_sub(self.wire_salt), ..*frame };
+            &unsalted
+        } else {
+            frame
+        };
         match frame.kind {
             FrameKind::Ack => {
                 // An answer on a rail: it works again; its next break waits
@@ -2587,6 +2605,16 @@ fn socket_address(address: SocketAddr) -> (libc::sockaddr_storage, libc::socklen
 /// A length or offset inside one object as an address offset: objects are
 /// at most [`OBJECT_BYTES_MAX`](super::frame::OBJECT_BYTES_MAX) bytes,
 /// which an address always holds.
+/// 64 bits from the process's random hashing keys (the OS's randomness),
+/// mixed with the time: not a secret, only unlikely to meet another's.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}
+
 fn bytes(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
