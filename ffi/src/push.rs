@@ -161,9 +161,9 @@ impl Pushes {
             }
         };
         if self.pusher.is_none() {
-            let made = compute_links(agent)
-                .zip(agent.claim_pin_array().ok())
-                .map(|(transport, pins)| Pusher::new(transport, pins, agent.arena_region()));
+            let made = compute_links(agent).zip(agent.claim_pin_array().ok()).map(|(transport, pins)| {
+                Pusher::new(transport, pins, agent.arena_region()).with_caps(agent.push_rates())
+            });
             let Some(pusher) = made else { return fail_all(ended, LakeStatus::LakeUnavailable) };
             self.pusher = Some(pusher);
         }

@@ -6,7 +6,7 @@
 //! routing question before such a push (`lake_route`): this node's hits
 //! read from its mirror, another node's as given.
 
-#![allow(clippy::cast_possible_truncation)] // small test numbers
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)] // small test numbers, seconds shown
 
 mod common;
 
@@ -487,4 +487,92 @@ fn a_traced_push_into_the_previous_releases_pool_lands_there_untraced() {
     }
     drop((kv, into, strings));
     prefill.stop().unwrap();
+}
+
+/// A tenant capped on its pushes (`push_bytes_per_s`, told to each agent
+/// at attach) pushes no faster than its cap, and another tenant's pushes
+/// from the same pool are not held behind it.
+#[test]
+fn a_tenant_capped_on_its_pushes_pushes_no_faster_and_the_other_is_not_held() {
+    use common::pools::{free_address, save, slot_space};
+    const CAP: u64 = 256 * 1024;
+    let (capped_ns, free_ns) = (namespace(5), namespace(6));
+    let mut id = 0;
+    // SAFETY: a live namespace and a writable id.
+    ok(unsafe { lake::pool::lake_namespace_id(capped_ns, &raw mut id) }, "namespace id");
+    let tenant = lake_dp::runner::config::TenantSection {
+        name: "capped".into(),
+        namespaces: vec![format!("{id:016x}")],
+        l2_read_bytes_per_s: None,
+        l2_write_bytes_per_s: None,
+        l3_read_bytes_per_s: None,
+        l3_write_bytes_per_s: None,
+        net_send_bytes_per_s: None,
+        push_bytes_per_s: Some(CAP),
+    };
+    let dir = std::env::temp_dir().join(format!("lake-ffi-push-cap-{}", std::process::id()));
+    let prefill = lake_cp::embedded::EmbeddedPool::start(&lake_cp::embedded::EmbeddedConfig {
+        block_bytes: BLOCK as u64,
+        l1_slots: 48,
+        l2_slots_per_file: 32,
+        remote_agents: 4,
+        tenant_rates: vec![tenant],
+        ..lake_cp::embedded::EmbeddedConfig::new(dir)
+    })
+    .unwrap();
+    let decode_address = free_address();
+    let decode = start("cap-decode", Some(decode_address), None);
+    let mut strings = Vec::new();
+    let (p5, p6) = (attach(&prefill, capped_ns, &mut strings), attach(&prefill, free_ns, &mut strings));
+    let d = attach(&decode, capped_ns, &mut strings);
+    let to = slot_space(d);
+    let (keys5, keys6) = (keys(capped_ns, BLOCKS, |i| i * 3 + 1), keys(free_ns, BLOCKS, |i| i * 5 + 2));
+    let mut kv5: Vec<u8> = (0..BLOCKS * BLOCK).map(|i| (i as u8).wrapping_mul(7)).collect();
+    let mut kv6: Vec<u8> = (0..BLOCKS * BLOCK).map(|i| (i as u8).wrapping_mul(11)).collect();
+    let (table5, table6) = (save(p5, &keys5, &mut kv5), save(p6, &keys6, &mut kv6));
+    let push_of = |handle, keys: &[LakeBlockKey], table: &[lake::pool::LakeLocation]| {
+        let address = CString::new(decode_address.to_string()).unwrap();
+        let mut request = 0;
+        // SAFETY: arrays of `keys.len()` entries; a C string.
+        let pushed = unsafe {
+            lake_push(
+                handle,
+                address.as_ptr(),
+                keys.as_ptr(),
+                table.as_ptr(),
+                keys.len(),
+                to.0,
+                to.1,
+                1,
+                &raw mut request,
+            )
+        };
+        ok(pushed, "push");
+        request
+    };
+    let asked = Instant::now();
+    let (capped, free) = (push_of(p5, &keys5, &table5), push_of(p6, &keys6, &table6));
+    assert_eq!(statuses(p6, free, BLOCKS), vec![LakeStatus::LakeOk; BLOCKS]);
+    let free_time = asked.elapsed();
+    assert_eq!(statuses(p5, capped, BLOCKS), vec![LakeStatus::LakeOk; BLOCKS]);
+    let capped_time = asked.elapsed();
+    // Its bytes past the bucket's burst (a tenth of a second's worth) and
+    // the one block it may go into debt by, at the cap; a block travels as
+    // its stored object.
+    let object = (lake_dp::constants::STORED_HEADER_BYTES + BLOCK) as u64;
+    let floor = (BLOCKS as u64 * object - CAP / 10 - object) as f64 / CAP as f64;
+    println!("push cap: capped tenant {capped_time:?} (floor {floor:.2} s), the other {free_time:?}");
+    assert!(capped_time.as_secs_f64() >= floor, "capped: {capped_time:?} under the floor {floor:.2} s");
+    assert!(free_time.as_secs_f64() < floor / 2.0, "the other tenant was held: {free_time:?}");
+    // They landed: the decode pool has every block of both.
+    lookup(d, &keys5);
+    let d6 = attach(&decode, free_ns, &mut strings);
+    lookup(d6, &keys6);
+    for handle in [p5, p6, d, d6] {
+        // SAFETY: attached above, each detached once.
+        unsafe { lake_detach(handle) };
+    }
+    drop((kv5, kv6, strings));
+    prefill.stop().unwrap();
+    decode.stop().unwrap();
 }

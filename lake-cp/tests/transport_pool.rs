@@ -436,6 +436,7 @@ fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is
         l3_read_bytes_per_s: None,
         l3_write_bytes_per_s: None,
         net_send_bytes_per_s: Some(RATE),
+        push_bytes_per_s: None,
     };
     let mut a = start("net-cap-a", 1, None, vec![(2, node_b)], vec![capped]);
     let mut b = start("net-cap-b", 2, Some(node_b), Vec::new(), Vec::new());

@@ -282,6 +282,8 @@ pub struct Agent {
     trace: u64,
     traces_taken: bool,
     spans: std::collections::VecDeque<TraceSpan>,
+    /// Caps on tenants' pushes, from the data plane at attach.
+    push_caps: Vec<crate::wire::message::PushCap>,
     /// How long its reads of L1 hits and its loads from L2 and L3 took, by
     /// block (`agent_read_l1`, `agent_load_l2`, `agent_load_l3`), since it
     /// attached; sent to `lake-cp` at most once a second.
@@ -342,7 +344,10 @@ impl Agent {
         // peer it does not allow as it connects, and closes): the answer is
         // read even when sending failed, so the refusal is what is said.
         let sent = (&stream).write_all(&frame[..len]);
-        let mut input = [0u8; 512];
+        // The answer: `HelloAck`, the push caps (up to 1024 entries), then
+        // `Attached` with the descriptors.
+        let mut input = vec![0u8; 1024 + crate::wire::message::PUSH_CAPS_MAX * 24];
+        let mut push_caps = Vec::new();
         let mut have = 0;
         let mut fds = Vec::new();
         let mut ack = None;
@@ -369,6 +374,7 @@ impl Agent {
                 let message = frame.message;
                 match message {
                     Message::HelloAck(a) => ack = Some(a),
+                    Message::PushCaps(_, caps) if ack.is_some() => push_caps = caps.iter().collect(),
                     Message::Attached(attached) if ack.is_some() => found = Some(attached),
                     Message::Error(e) => {
                         let code = crate::wire::message::ErrorCode::from_u32(e.code);
@@ -400,7 +406,31 @@ impl Agent {
         let port = AgentShmPort::attach(ports, attached.port).map_err(|e| AttachError(e.to_string()))?;
         // A data plane built before trace ids refuses a request carrying one.
         let traces_taken = ack.is_some_and(|ack| ack.features & crate::wire::FEATURE_TRACE != 0);
-        Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream), traces_taken)
+        let mut agent = Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream), traces_taken)?;
+        agent.push_caps = push_caps;
+        Ok(agent)
+    }
+
+    /// The caps on tenants' pushes its data plane told it at attach (none
+    /// from one built before them), as buckets: the engine's pushes keep
+    /// to them ([`crate::agent::push::Pusher::with_caps`]).
+    pub fn push_rates(&self) -> crate::runner::rates::TenantRates {
+        use crate::runner::rates::{RATE_PATHS, RatePath, TenantRate};
+        let mut tenants: Vec<TenantRate> = Vec::new();
+        for cap in &self.push_caps {
+            let index = cap.tenant as usize;
+            while tenants.len() <= index {
+                tenants.push(TenantRate {
+                    name: format!("tenant-{}", tenants.len()),
+                    namespaces: Vec::new(),
+                    bytes_per_s: [None; RATE_PATHS],
+                });
+            }
+            tenants[index].namespaces.push(cap.namespace);
+            tenants[index].bytes_per_s[RatePath::NetSend as usize] = Some(cap.bytes_per_s);
+        }
+        tenants.retain(|t| !t.namespaces.is_empty());
+        crate::runner::rates::TenantRates::new(&tenants)
     }
 
     fn with(
@@ -452,6 +482,7 @@ impl Agent {
             trace: 0,
             traces_taken,
             spans: std::collections::VecDeque::with_capacity(SPANS_KEPT),
+            push_caps: Vec::new(),
             paths: {
                 use crate::wire::message::{Path, PathEntry};
                 [Path::AgentReadL1, Path::AgentLoadL2, Path::AgentLoadL3].map(PathEntry::new)

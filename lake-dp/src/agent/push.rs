@@ -5,6 +5,10 @@
 //! publishes it). The bytes go from the pinned slot to the socket; the pin
 //! is held until the peer says the block landed or why not.
 //!
+//! A tenant capped on its pushes (`push_bytes_per_s`, told by the data
+//! plane at attach) has its blocks held here, pinned, until its bucket
+//! allows them; other tenants' go meanwhile.
+//!
 //! A push under the engine's trace id carries it to the peer, which logs
 //! the block's landing under it and answers with its time (over TCP, where
 //! the peer takes trace ids); the pusher keeps what it saw of each block
@@ -17,6 +21,7 @@ use crate::constants::STORED_HEADER_BYTES;
 use crate::mirror::MirrorEntry;
 use crate::model::key::BlockKey;
 use crate::model::replica::{Priority, Tier};
+use crate::runner::rates::RatePath;
 use crate::stored::decode_header;
 use crate::transport::frame::BlockAddr;
 use crate::transport::tcp::{Outgoing, PeerId, TcpTransport, TraceEvent};
@@ -70,6 +75,15 @@ pub struct Pusher<T: Links = TcpTransport> {
     traced: HashMap<u64, (u64, BlockKey, u64, u32)>,
     trace_events: Vec<TraceEvent>,
     spans: VecDeque<PushSpan>,
+    /// The caps on tenants' pushes (none: no bucket is looked up).
+    caps: crate::runner::rates::TenantRates,
+    /// Blocks of capped tenants waiting for their bucket, oldest first:
+    /// each with its namespace (its pin is held in `held`).
+    waiting: VecDeque<(Outgoing, u64)>,
+    /// Blocks cancelled while they waited, ended at the next poll.
+    cancelled: Vec<Completion>,
+    /// Pushes that waited for their tenant's cap.
+    pub throttled: u64,
 }
 
 impl<T: Links> core::fmt::Debug for Pusher<T> {
@@ -106,7 +120,19 @@ impl<T: Links> Pusher<T> {
             traced: HashMap::new(),
             trace_events: Vec::new(),
             spans: VecDeque::new(),
+            caps: crate::runner::rates::TenantRates::default(),
+            waiting: VecDeque::new(),
+            cancelled: Vec::new(),
+            throttled: 0,
         }
+    }
+
+    /// Holds pushes to the tenants' caps in `caps` (their net-send path):
+    /// a block of a tenant whose bucket is empty waits, pinned, until it
+    /// refills.
+    pub fn with_caps(mut self, caps: crate::runner::rates::TenantRates) -> Self {
+        self.caps = caps;
+        self
     }
 
     /// The transport (to add peers, read its figures).
@@ -134,8 +160,10 @@ impl<T: Links> Pusher<T> {
         }
         let pin = self.pins.pin(entry.slot, entry.generation).map_err(|_| PushError::Evicted)?;
         let bytes = self.pins.bytes(&pin);
-        let len = match decode_header(bytes) {
-            Ok(header) if header.meta().key == *key => STORED_HEADER_BYTES as u64 + header.meta().payload_len,
+        let (len, namespace) = match decode_header(bytes) {
+            Ok(header) if header.meta().key == *key => {
+                (STORED_HEADER_BYTES as u64 + header.meta().payload_len, header.meta().namespace.0)
+            }
             _ => {
                 self.pins.unpin(pin);
                 return Err(PushError::Mismatch);
@@ -152,11 +180,20 @@ impl<T: Links> Pusher<T> {
             priority,
             trace,
         };
-        // SAFETY: the source is a pinned slot's stored object; the pin is
-        // held (the slot unchanged) until this transfer's completion.
-        if let Err(e) = unsafe { self.transport.write(&block, now_ns) } {
-            self.pins.unpin(pin);
-            return Err(PushError::Transport(e));
+        // Its tenant's cap first: behind others of its tenant that wait,
+        // or while its bucket is empty, it waits too (pinned).
+        let waits = self.waiting.iter().any(|(_, ns)| *ns == namespace)
+            || !self.caps.admit(namespace, RatePath::NetSend, len, now_ns);
+        if waits {
+            self.throttled += 1;
+            self.waiting.push_back((block, namespace));
+        } else {
+            // SAFETY: the source is a pinned slot's stored object; the pin
+            // is held (the slot unchanged) until this transfer's completion.
+            if let Err(e) = unsafe { self.transport.write(&block, now_ns) } {
+                self.pins.unpin(pin);
+                return Err(PushError::Transport(e));
+            }
         }
         self.held.insert(transfer, pin);
         if trace != 0 {
@@ -168,6 +205,8 @@ impl<T: Links> Pusher<T> {
     /// Moves bytes; each ended transfer's pin is released and its
     /// completion (landed in which slot, or why not) goes to `out`.
     pub fn poll(&mut self, now_ns: u64, out: &mut Vec<Completion>) -> bool {
+        self.send_waiting(now_ns);
+        self.landed.append(&mut self.cancelled);
         let busy = self.transport.poll(&mut Sends, now_ns, &mut self.landed);
         // The peer's time on a traced block comes with its answer.
         self.transport.tcp().take_trace_events(&mut self.trace_events);
@@ -194,6 +233,27 @@ impl<T: Links> Pusher<T> {
         busy
     }
 
+    /// Sends the waiting blocks whose tenant's bucket has refilled, oldest
+    /// first; each tenant's keep their order, others pass a tenant that
+    /// still waits.
+    fn send_waiting(&mut self, now_ns: u64) {
+        let mut blocked: Vec<u64> = Vec::new();
+        let mut at = 0;
+        while at < self.waiting.len() {
+            let (block, namespace) = self.waiting[at];
+            if blocked.contains(&namespace) || !self.caps.admit(namespace, RatePath::NetSend, block.len, now_ns) {
+                blocked.push(namespace);
+                at += 1;
+                continue;
+            }
+            self.waiting.remove(at);
+            // SAFETY: its pin is held in `held` until its completion.
+            if let Err(e) = unsafe { self.transport.write(&block, now_ns) } {
+                self.cancelled.push(Completion { transfer: block.transfer, result: Err(e), target: block.target });
+            }
+        }
+    }
+
     /// Hands over the traced pushes ended since the last call, oldest
     /// first.
     pub fn take_spans(&mut self, mut each: impl FnMut(&PushSpan)) {
@@ -207,6 +267,14 @@ impl<T: Links> Pusher<T> {
     /// `Cancelled` if the peer had not started reading it): it ends at a
     /// later poll, its pin released then.
     pub fn cancel(&mut self, transfer: u64) -> bool {
+        if let Some(at) = self.waiting.iter().position(|(b, _)| b.transfer == transfer) {
+            // Still waiting for its tenant's cap: never sent.
+            if let Some((block, _)) = self.waiting.remove(at) {
+                let result = Err(TransferError::Cancelled);
+                self.cancelled.push(Completion { transfer, result, target: block.target });
+            }
+            return true;
+        }
         self.transport.cancel(transfer)
     }
 

@@ -25,7 +25,7 @@ use crate::agent::port::DpPort;
 use crate::agent::shm::{DpShmPort, PortFile};
 use crate::arena::SlotTable;
 use crate::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
-use crate::wire::message::{Attached, ErrorBody, ErrorCode, Hello, Role, text_field};
+use crate::wire::message::{Attached, ErrorBody, ErrorCode, Hello, PushCap, PushCaps, Records, Role, text_field};
 use crate::wire::{FLAG_REPLY, FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
 
 /// A connection that has not said hello within this time is closed.
@@ -82,6 +82,8 @@ pub struct AttachServer {
     /// The last connection refused for its credentials, and why (for the
     /// log; taken by [`AttachServer::take_refusal`]).
     refusal: Option<String>,
+    /// Caps on tenants' pushes, told to every agent that takes them.
+    push_caps: Vec<crate::wire::message::PushCap>,
     /// What it has done.
     pub counters: AttachCounters,
 }
@@ -111,8 +113,32 @@ impl AttachServer {
             arena_region,
             policy: crate::auth::PeerPolicy::own_user(),
             refusal: None,
+            push_caps: Vec::new(),
             counters: AttachCounters::default(),
         })
+    }
+
+    /// Tells every agent attaching from now on (that takes them) the caps
+    /// on its tenants' pushes: `(namespaces, bytes per second)`, one a
+    /// tenant. More than [`crate::wire::message::PUSH_CAPS_MAX`]
+    /// namespaces in all is refused.
+    pub fn push_caps(&mut self, tenants: &[(Vec<u64>, u64)]) -> Result<(), String> {
+        let mut caps = Vec::new();
+        for (tenant, (namespaces, bytes_per_s)) in tenants.iter().enumerate() {
+            let tenant = u32::try_from(tenant).map_err(|_| "too many tenants".to_owned())?;
+            for &namespace in namespaces {
+                caps.push(crate::wire::message::PushCap { namespace, tenant, reserved: 0, bytes_per_s: *bytes_per_s });
+            }
+        }
+        if caps.len() > crate::wire::message::PUSH_CAPS_MAX {
+            return Err(format!(
+                "{} namespaces with push caps: at most {}",
+                caps.len(),
+                crate::wire::message::PUSH_CAPS_MAX
+            ));
+        }
+        self.push_caps = caps;
+        Ok(())
     }
 
     /// Who may attach (checked on the peer's credentials as the kernel
@@ -281,15 +307,23 @@ impl AttachServer {
             arena_region: self.arena_region,
             reserved: [0; 6],
         };
-        let mut bytes = [0u8; 256];
+        let caps = ack.features & crate::wire::FEATURE_PUSH_CAPS != 0 && !self.push_caps.is_empty();
+        let mut bytes = vec![0u8; 256 + if caps { self.push_caps.len() * size_of::<PushCap>() } else { 0 }];
         let meta = FrameMeta { version: HELLO_WIRE_VERSION, flags: FLAG_REPLY, request_id: 1, leader_term: 0 };
-        let first = encode_frame(meta, &Message::HelloAck(ack), &mut bytes).map_err(|_| ())?;
+        let mut len = encode_frame(meta, &Message::HelloAck(ack), &mut bytes).map_err(|_| ())?;
         let meta = FrameMeta { version: ack.version, ..meta };
-        let second = encode_frame(meta, &Message::Attached(attached), &mut bytes[first..]).map_err(|_| ())?;
+        if caps {
+            // Before `Attached`: the agent has them once it is attached.
+            let head = PushCaps { count: u32::try_from(self.push_caps.len()).map_err(|_| ())?, reserved: 0 };
+            let message = Message::PushCaps(head, Records::from_slice(&self.push_caps));
+            len += encode_frame(meta, &message, &mut bytes[len..]).map_err(|_| ())?;
+        }
+        len += encode_frame(meta, &Message::Attached(attached), &mut bytes[len..]).map_err(|_| ())?;
         let fds = [arena, self.ports.file().as_raw_fd(), wakeup];
-        // Small enough to go in one piece on a fresh socket.
-        match os::send_with_fds(connection.stream.as_raw_fd(), &bytes[..first + second], &fds) {
-            Ok(sent) if sent == first + second => Ok(shm),
+        // Small enough to go in one piece on a fresh socket (a few KiB at
+        // most, with push caps).
+        match os::send_with_fds(connection.stream.as_raw_fd(), &bytes[..len], &fds) {
+            Ok(sent) if sent == len => Ok(shm),
             _ => Err(()),
         }
     }

@@ -462,6 +462,11 @@ pub struct TenantSection {
     /// storage network).
     #[serde(default)]
     pub net_send_bytes_per_s: Option<u64>,
+    /// Bytes its engines push to other nodes per second at most (P→D and
+    /// D→P over the compute network): each agent attached here is told
+    /// and holds its pushes to it.
+    #[serde(default)]
+    pub push_bytes_per_s: Option<u64>,
 }
 
 impl TenantSection {
@@ -496,7 +501,7 @@ impl TenantSection {
             ("l3_write_bytes_per_s", self.l3_write_bytes_per_s),
             ("net_send_bytes_per_s", self.net_send_bytes_per_s),
         ];
-        for (name, cap) in caps {
+        for (name, cap) in caps.iter().copied().chain([("push_bytes_per_s", self.push_bytes_per_s)]) {
             if cap == Some(0) {
                 return Err(ConfigError(format!("{}: at least 1 (leave it out for no cap)", field(name))));
             }

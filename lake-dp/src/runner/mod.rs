@@ -996,6 +996,14 @@ pub fn run_with(
             server
                 .restrict(policy, mode, gid)
                 .map_err(|e| RunnerError(format!("agents.socket {}: mode and group: {e}", socket.display())))?;
+            // The caps on tenants' pushes, for the agents to keep to.
+            let push_caps: Vec<(Vec<u64>, u64)> = config
+                .tenants
+                .iter()
+                .zip(&tenants)
+                .filter_map(|(section, rate)| section.push_bytes_per_s.map(|cap| (rate.namespaces.clone(), cap)))
+                .collect();
+            server.push_caps(&push_caps).map_err(|e| RunnerError(format!("tenants: {e}")))?;
             Some(server)
         }
     };

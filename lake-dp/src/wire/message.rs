@@ -663,6 +663,59 @@ impl ListHead for TenantThrottles {
 /// Tenants one [`TenantThrottles`] reports at most.
 pub const TENANTS_REPORTED_MAX: usize = 256;
 
+/// The caps on tenants' pushes over the compute network (an engine's P→D
+/// and D→P sends), for an agent: sent by the data plane at attach, between
+/// `HelloAck` and `Attached`, to an agent that offered
+/// [`super::FEATURE_PUSH_CAPS`]; one entry per namespace of a capped
+/// tenant (its namespaces share one bucket).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct PushCaps {
+    /// Entries that follow.
+    pub count: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+impl Record for PushCaps {
+    fn validate(&self) -> Result<(), WireError> {
+        reserved_zero("push_caps.reserved", &self.reserved.to_le_bytes())
+    }
+}
+
+impl ListHead for PushCaps {
+    const RECORDS_MAX: usize = PUSH_CAPS_MAX;
+    fn count(&self) -> u32 {
+        self.count
+    }
+}
+
+/// Namespaces one [`PushCaps`] names at most.
+pub const PUSH_CAPS_MAX: usize = 1024;
+
+/// One namespace of a tenant whose pushes are capped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct PushCap {
+    /// The namespace.
+    pub namespace: u64,
+    /// Its tenant (an index: namespaces of one tenant share a bucket).
+    pub tenant: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// The tenant's pushes, bytes per second at most (not 0).
+    pub bytes_per_s: u64,
+}
+
+impl Record for PushCap {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.bytes_per_s == 0 {
+            return Err(field_err("push_cap.bytes_per_s", 0u8));
+        }
+        reserved_zero("push_cap.reserved", &self.reserved.to_le_bytes())
+    }
+}
+
 /// Bytes of a tenant's name on the wire (and in a data plane's config).
 pub const TENANT_NAME_BYTES: usize = 32;
 
@@ -1554,6 +1607,7 @@ messages! {
         Snapshot(Delta, DeltaEntry) = 25,
         PathLatency(PathLatency, PathEntry) = 27,
         TenantThrottles(TenantThrottles, TenantThrottle) = 29,
+        PushCaps(PushCaps, PushCap) = 30,
     }
 }
 
@@ -1575,6 +1629,8 @@ const _: () = assert!(size_of::<RailEntry>() == 24);
 const _: () = assert!(size_of::<PathLatency>() == 8);
 const _: () = assert!(size_of::<TenantThrottles>() == 8);
 const _: () = assert!(size_of::<TenantThrottle>() == 72);
+const _: () = assert!(size_of::<PushCaps>() == 8);
+const _: () = assert!(size_of::<PushCap>() == 24);
 const _: () = assert!(size_of::<PathEntry>() == 24 + 8 * LATENCY_BUCKETS);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);

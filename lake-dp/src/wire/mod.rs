@@ -80,6 +80,11 @@ pub const FEATURE_PATHS_AGENT: u64 = 1 << 5;
 /// often each capped tenant's work waited), sent only where offered.
 pub const FEATURE_TENANT_THROTTLES: u64 = 1 << 6;
 
+/// Feature bit (the attach socket): the agent takes
+/// [`message::PushCaps`] (kind 30) at attach and holds its tenants'
+/// pushes to those caps; a data plane sends it only where offered.
+pub const FEATURE_PUSH_CAPS: u64 = 1 << 7;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -90,11 +95,11 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
-pub const ATTACH_FEATURES: u64 = FEATURE_TRACE;
+pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 7] = [
+pub const FEATURE_NAMES: [(u64, &str); 8] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -102,6 +107,7 @@ pub const FEATURE_NAMES: [(u64, &str); 7] = [
     (FEATURE_PATHS_AGENT, "paths_agent"),
     (FEATURE_TENANT_THROTTLES, "tenant_throttles"),
     (FEATURE_TRACE, "trace"),
+    (FEATURE_PUSH_CAPS, "push_caps"),
 ];
 
 /// Bytes in a frame header.

@@ -229,6 +229,11 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
     let mut batch = TenantThrottle { name: [0; TENANT_NAME_BYTES], waits: [3, 0, 1, 0, 7] };
     batch.name[..5].copy_from_slice(b"batch");
     visit(meta(18), Message::TenantThrottles(TenantThrottles { count: 1, reserved: 0 }, Records::from_slice(&[batch])));
+    let caps = [
+        PushCap { namespace: 0xab, tenant: 0, reserved: 0, bytes_per_s: 1 << 20 },
+        PushCap { namespace: 0xcd, tenant: 0, reserved: 0, bytes_per_s: 1 << 20 },
+    ];
+    visit(reply(1), Message::PushCaps(PushCaps { count: 2, reserved: 0 }, Records::from_slice(&caps)));
 }
 
 /// [`each_message`] encoded: one frame per kind.
