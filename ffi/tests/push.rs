@@ -454,21 +454,8 @@ fn a_traced_push_into_the_previous_releases_pool_lands_there_untraced() {
     let pushed = push(p, &listen.to_string(), &keys, &table, slot_space(d));
     lake::trace::lake_set_trace(0);
     assert_eq!(pushed, vec![LakeStatus::LakeOk; BLOCKS], "{}", std::fs::read_to_string(&old.log).unwrap_or_default());
-    let mut spans = vec![
-        lake::trace::LakeTraceSpan {
-            trace: 0,
-            key: LakeBlockKey::default(),
-            tier: 0,
-            status: LakeStatus::LakeInternal,
-            took_ns: 0,
-            data_plane_us: 0,
-            op: 0,
-        };
-        64
-    ];
-    let mut n = 0;
-    // SAFETY: a writable array of its length.
-    ok(unsafe { lake::trace::lake_trace_spans(p, spans.as_mut_ptr(), spans.len(), &raw mut n) }, "spans");
+    let spans = common::spans(p);
+    let n = spans.len();
     assert_eq!(n, BLOCKS, "a span a pushed block");
     assert!(
         spans[..n].iter().all(|s| s.op == 1 && s.status == LakeStatus::LakeOk && s.data_plane_us == 0),

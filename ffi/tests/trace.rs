@@ -9,36 +9,16 @@
 mod common;
 
 use common::pools::{BLOCK, attach, keys, lookup, namespace};
-use common::{ok, statuses};
+use common::{ok, spans, statuses};
 
 use std::time::{Duration, Instant};
 
 use lake::pool::{LakeBlockKey, lake_detach, lake_register_host_memory, lake_submit_load, lake_submit_save};
 use lake::status::LakeStatus;
-use lake::trace::{LakeTraceSpan, lake_set_trace, lake_trace_spans};
+use lake::trace::{lake_set_trace, lake_trace_spans};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 
 const BLOCKS: usize = 16;
-
-fn spans(handle: *mut lake::pool::LakePool) -> Vec<LakeTraceSpan> {
-    let mut out = vec![
-        LakeTraceSpan {
-            trace: 0,
-            key: LakeBlockKey::default(),
-            tier: 0,
-            status: LakeStatus::LakeInternal,
-            took_ns: 0,
-            data_plane_us: 0,
-            op: 0,
-        };
-        300
-    ];
-    let mut n = 0;
-    // SAFETY: a writable array of its length.
-    ok(unsafe { lake_trace_spans(handle, out.as_mut_ptr(), out.len(), &raw mut n) }, "trace spans");
-    out.truncate(n);
-    out
-}
 
 #[test]
 fn a_traced_load_through_the_c_abi_comes_back_with_the_data_planes_time() {

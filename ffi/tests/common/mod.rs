@@ -7,6 +7,28 @@ use std::time::{Duration, Instant};
 use lake::pool::{LakeCompletion, LakePool, lake_poll};
 use lake::status::LakeStatus;
 
+/// The traced blocks `handle`'s agent handed over since the last call
+/// (`lake_trace_spans`).
+pub(crate) fn spans(handle: *mut LakePool) -> Vec<lake::trace::LakeTraceSpan> {
+    let mut out = vec![
+        lake::trace::LakeTraceSpan {
+            trace: 0,
+            key: lake::pool::LakeBlockKey::default(),
+            tier: 0,
+            status: LakeStatus::LakeInternal,
+            took_ns: 0,
+            data_plane_us: 0,
+            op: 0,
+        };
+        300
+    ];
+    let mut n = 0;
+    // SAFETY: a writable array of its length.
+    ok(unsafe { lake::trace::lake_trace_spans(handle, out.as_mut_ptr(), out.len(), &raw mut n) }, "trace spans");
+    out.truncate(n);
+    out
+}
+
 pub(crate) fn ok(status: LakeStatus, what: &str) {
     assert_eq!(status, LakeStatus::LakeOk, "{what}");
 }

@@ -665,6 +665,21 @@ impl Drop for Windows {
     }
 }
 
+/// A signalled work request on window `index` (no scatter entries): its
+/// bind (even id) or its invalidation (odd id), by `opcode`.
+fn window_request(index: usize, opcode: ffi::ibv_wr_opcode::Type) -> ffi::ibv_send_wr {
+    let invalidation = u64::from(opcode == ffi::ibv_wr_opcode::IBV_WR_LOCAL_INV);
+    ffi::ibv_send_wr {
+        wr_id: WINDOW_WR_BASE + 2 * index as u64 + invalidation,
+        next: core::ptr::null_mut(),
+        sg_list: core::ptr::null_mut(),
+        num_sge: 0,
+        opcode,
+        send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+        ..Default::default()
+    }
+}
+
 /// The key a window's next bind gives it: the same window, the low 8 bits
 /// (the key's tag) moved on, so a key taken back never reads again
 /// (`ibv_inc_rkey`).
@@ -834,15 +849,7 @@ impl Verbs for IbVerbs {
         };
         let window = &mut p.windows.0[index];
         let key = next_key(window.key);
-        let mut wr = ffi::ibv_send_wr {
-            wr_id: WINDOW_WR_BASE + 2 * index as u64,
-            next: core::ptr::null_mut(),
-            sg_list: core::ptr::null_mut(),
-            num_sge: 0,
-            opcode: ffi::ibv_wr_opcode::IBV_WR_BIND_MW,
-            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-            ..Default::default()
-        };
+        let mut wr = window_request(index, ffi::ibv_wr_opcode::IBV_WR_BIND_MW);
         wr.__bindgen_anon_2.bind_mw = ffi::ibv_send_wr__bindgen_ty_4__bindgen_ty_1 {
             mw: window.mw,
             rkey: key,
@@ -875,15 +882,7 @@ impl Verbs for IbVerbs {
         if p.broken.is_some() {
             return;
         }
-        let mut wr = ffi::ibv_send_wr {
-            wr_id: WINDOW_WR_BASE + 2 * index as u64 + 1,
-            next: core::ptr::null_mut(),
-            sg_list: core::ptr::null_mut(),
-            num_sge: 0,
-            opcode: ffi::ibv_wr_opcode::IBV_WR_LOCAL_INV,
-            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-            ..Default::default()
-        };
+        let mut wr = window_request(index, ffi::ibv_wr_opcode::IBV_WR_LOCAL_INV);
         wr.__bindgen_anon_1.invalidate_rkey = key;
         // SAFETY: an invalidation of a key this end's window holds; no
         // scatter entries.
