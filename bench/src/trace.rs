@@ -499,7 +499,7 @@ fn replay_tiers(
                     let _ = locations.remove(&evict.key, evict.replica.region);
                     tiers.removed(evict.replica.region, &evict.key);
                 }
-                TierAction::Copy(_) | TierAction::Drain(_) => {}
+                TierAction::Copy(_) | TierAction::Drain(_) | TierAction::Cancel => {}
             }
             tiers.done(command.request, true);
         }

@@ -166,14 +166,20 @@ impl Gauges {
     }
 }
 
-/// A copy to another node asked of the control plane's thread, and where
-/// its request id (or why not) goes.
-type CpRequest = (
-    lake_dp::BlockKey,
-    lake_dp::model::replica::ReplicaWire,
-    lake_dp::Priority,
-    std::sync::mpsc::SyncSender<Result<u64, String>>,
-);
+/// What the control plane's thread is asked from outside it.
+#[derive(Debug)]
+enum CpRequest {
+    /// A copy to another node, and where its request id (or why not)
+    /// goes.
+    Copy(
+        lake_dp::BlockKey,
+        lake_dp::model::replica::ReplicaWire,
+        lake_dp::Priority,
+        std::sync::mpsc::SyncSender<Result<u64, String>>,
+    ),
+    /// A copy taken back, and whether it was still out.
+    Cancel(u64, std::sync::mpsc::SyncSender<bool>),
+}
 
 /// A running embedded pool.
 #[derive(Debug)]
@@ -323,9 +329,16 @@ impl EmbeddedPool {
                 .name("lake-cp".into())
                 .spawn(move || -> Result<Server, String> {
                     while !stop.load(Ordering::Acquire) {
-                        while let Ok((key, to, priority, reply)) = asked.try_recv() {
-                            let _ =
-                                reply.send(server.node_mut().copy_to(&key, to, priority).map_err(|e| e.to_string()));
+                        while let Ok(request) = asked.try_recv() {
+                            match request {
+                                CpRequest::Copy(key, to, priority, reply) => {
+                                    let copied = server.node_mut().copy_to(&key, to, priority);
+                                    let _ = reply.send(copied.map_err(|e| e.to_string()));
+                                }
+                                CpRequest::Cancel(request, reply) => {
+                                    let _ = reply.send(server.node_mut().cancel_copy(request));
+                                }
+                            }
                         }
                         let draining = drain.load(Ordering::Relaxed);
                         if server.node().draining != draining {
@@ -436,8 +449,17 @@ impl EmbeddedPool {
         priority: lake_dp::Priority,
     ) -> Result<u64, String> {
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
-        self.requests.send((*key, to, priority, reply)).map_err(|_| "the control plane stopped".to_owned())?;
+        let request = CpRequest::Copy(*key, to, priority, reply);
+        self.requests.send(request).map_err(|_| "the control plane stopped".to_owned())?;
         answer.recv_timeout(Duration::from_secs(10)).map_err(|_| "the control plane did not answer".to_owned())?
+    }
+
+    /// Takes back copy `request` ([`EmbeddedPool::copy_to`]; see
+    /// [`Node::cancel_copy`]): whether it was still out.
+    pub fn cancel_copy(&self, request: u64) -> Result<bool, String> {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.requests.send(CpRequest::Cancel(request, reply)).map_err(|_| "the control plane stopped".to_owned())?;
+        answer.recv_timeout(Duration::from_secs(10)).map_err(|_| "the control plane did not answer".to_owned())
     }
 
     /// Stops the data plane (drained, flushed, clean) then the control

@@ -100,7 +100,11 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
         "lake_copies_to_nodes_total",
         "counter",
         "Copies of this node's blocks into other nodes' L1 (replication, drains), by how they ended.",
-        &[("result=\"landed\"", node.copies_landed), ("result=\"failed\"", node.copies_failed)],
+        &[
+            ("result=\"landed\"", node.copies_landed),
+            ("result=\"failed\"", node.copies_failed),
+            ("result=\"cancelled\"", node.copies_cancelled),
+        ],
     );
     metric(
         &mut out,

@@ -33,6 +33,10 @@ const COPY_REQUESTS: u64 = 1 << 62;
 /// another node (of a block held here only in L2): apart from both.
 const PROMOTE_REQUESTS: u64 = 1 << 61;
 
+/// Copies to other nodes tracked while out, at most (one past it still
+/// goes; it cannot be taken back).
+const COPIES_OUT_MAX: usize = 1 << 16;
+
 /// Copies waiting for their block's promotion into L1, at most.
 const PROMOTING_MAX: usize = 1024;
 
@@ -214,6 +218,12 @@ pub struct Node {
     /// Copies to other nodes of blocks held here only in L2: promoted into
     /// L1 first — the target, class and when the wait ends.
     promoting: HashMap<BlockKey, Promoting>,
+    /// Copies to other nodes asked of the data plane and not answered
+    /// yet: the source's region, and whether asked while the node was
+    /// drained.
+    copies_out: HashMap<u64, (u16, bool)>,
+    /// Copies taken back before they went ([`Node::cancel_copy`]).
+    pub copies_cancelled: u64,
     /// Promotions asked for such copies.
     pub copy_promotions: u64,
     /// Of them, refused by the data plane (no L1 slot free, the L2
@@ -279,6 +289,8 @@ impl Node {
             copies: Vec::new(),
             copy_requests: 0,
             promoting: HashMap::new(),
+            copies_out: HashMap::new(),
+            copies_cancelled: 0,
             copy_promotions: 0,
             copy_promotions_failed: 0,
             copies_landed: 0,
@@ -329,7 +341,7 @@ impl Node {
                     let what = if tracked { BlockEventKind::DropAsked } else { BlockEventKind::SecondCopyDropAsked };
                     (e.key, what, e.replica.slot)
                 }
-                TierAction::Drain(_) => continue,
+                TierAction::Drain(_) | TierAction::Cancel => continue,
             };
             self.record(key, what, (command.region, slot));
         }
@@ -383,7 +395,19 @@ impl Node {
             reserved: [0; 7],
         };
         self.copies.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
+        if self.copies_out.len() < COPIES_OUT_MAX {
+            self.copies_out.insert(request, (source.region.0, self.draining));
+        }
         Ok(request)
+    }
+
+    /// Takes back copy `request` ([`Node::copy_to`]): its data plane drops
+    /// it if it has not gone out yet — it is answered `Cancelled` — and
+    /// lets it finish if it has. Whether it was a copy still out.
+    pub fn cancel_copy(&mut self, request: u64) -> bool {
+        let Some(&(region, _)) = self.copies_out.get(&request) else { return false };
+        self.copies.push(TierCommand { request, region, action: TierAction::Cancel });
+        true
     }
 
     /// A copy of a block held here only in L2: queued for its promotion
@@ -488,6 +512,14 @@ impl Node {
     pub fn set_draining(&mut self, on: bool) {
         self.draining = on;
         self.tiers.drain_node(on);
+        if !on {
+            // Taken back: what the drain still had to copy stays here.
+            self.promoting.clear();
+            let drained: Vec<u64> = self.copies_out.iter().filter(|(_, out)| out.1).map(|(&r, _)| r).collect();
+            for request in drained {
+                self.cancel_copy(request);
+            }
+        }
     }
 
     /// Moves the location view's numbered changes since the last call
@@ -549,7 +581,10 @@ impl Node {
                     // replica is reported (a commit).
                     self.promotion_done(request, done.status);
                 } else if request & COPY_REQUESTS != 0 {
-                    if done.status == 0 {
+                    self.copies_out.remove(&request);
+                    if done.status == lake_dp::wire::message::ErrorCode::Cancelled as u32 {
+                        self.copies_cancelled += 1;
+                    } else if done.status == 0 {
                         self.copies_landed += 1;
                     } else {
                         self.copies_failed += 1;

@@ -554,6 +554,9 @@ impl Server {
                     continue;
                 }
                 TierAction::Drain(drain) => Message::DrainRegion(drain),
+                // Kind 10, in wire v1 from the start: a data plane built
+                // before it took copies back ignores it.
+                TierAction::Cancel => Message::Cancel(lake_dp::wire::message::Cancel { request_id: command.request }),
             };
             let meta = FrameMeta { version, flags: 0, request_id: command.request, leader_term: self.term };
             let start = peer.output.len();

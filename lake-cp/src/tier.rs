@@ -273,6 +273,9 @@ pub enum TierAction {
     /// Drain the L2 region (its data plane writes nothing new there), or
     /// use it again.
     Drain(DrainRegion),
+    /// Take back the command's request (a copy to another node not sent
+    /// yet): the data plane drops it (`Cancel`, wire kind 10).
+    Cancel,
 }
 
 /// What the manager has done, for metrics.
@@ -804,7 +807,7 @@ impl Tiers {
         self.next_request += 1;
         pending.to = match action {
             TierAction::Move(t) | TierAction::Copy(t) => Tier::from_u8(t.target.tier),
-            TierAction::Evict(_) | TierAction::Drain(_) => None,
+            TierAction::Evict(_) | TierAction::Drain(_) | TierAction::Cancel => None,
         };
         self.pending.insert(request, pending);
         self.pending_of.insert((pending.key, pending.region), request);
@@ -1663,7 +1666,7 @@ mod tests {
                         .unwrap();
                     self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true);
                 }
-                TierAction::Drain(_) => {}
+                TierAction::Drain(_) | TierAction::Cancel => {}
             }
             self.tiers.done(command.request, true);
         }
@@ -1677,6 +1680,7 @@ mod tests {
                 TierAction::Evict(e) => (e.key.0[0], "evict"),
                 TierAction::Copy(t) => (t.key.0[0], "copy"),
                 TierAction::Drain(d) => (u8::try_from(d.region).unwrap_or(u8::MAX), "drain"),
+                TierAction::Cancel => (0, "cancel"),
             })
             .collect()
     }

@@ -483,6 +483,72 @@ fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is
     assert_eq!(server_a.node().copies_failed, 0);
 }
 
+/// Copies `lake-cp` takes back (`Node::cancel_copy`, wire `Cancel`):
+/// those still waiting in the data plane (here behind their tenant's cap
+/// on the network) end `Cancelled` at once, their slots released, and
+/// never reach the other node; what had gone lands.
+#[test]
+fn copies_taken_back_before_they_go_end_cancelled_and_never_land() {
+    use lake_dp::runner::config::TenantSection;
+    const RATE: u64 = 128 * 1024;
+    const BLOCKS: u32 = 12;
+    let node_b = free_port();
+    let capped = TenantSection {
+        name: "slow".into(),
+        namespaces: vec![format!("{:016x}", 7)],
+        l2_read_bytes_per_s: None,
+        l2_write_bytes_per_s: None,
+        l3_read_bytes_per_s: None,
+        l3_write_bytes_per_s: None,
+        net_send_bytes_per_s: Some(RATE),
+        push_bytes_per_s: None,
+    };
+    let start = |name: &str, node: u32, listen, peers, tenant_rates| {
+        let pool = config(name, node, listen, peers);
+        EmbeddedPool::start(&EmbeddedConfig {
+            l1_slots: 64,
+            l2_slots_per_file: 64,
+            local_agents: 2,
+            tenant_rates,
+            ..pool
+        })
+        .unwrap()
+    };
+    let mut a = start("cancel-a", 1, None, vec![(2, node_b)], vec![capped]);
+    let mut b = start("cancel-b", 2, Some(node_b), Vec::new(), Vec::new());
+    let mut a7 = engine_of(&mut a, "a7", 7);
+    let mut b7 = engine_of(&mut b, "b7", 7);
+    let (keys, _) = save_prompt(&mut a7, 900, BLOCKS);
+    let to = l1_of(&b7, 2);
+    let requests: Vec<u64> = keys.iter().map(|key| a.copy_to(key, to, Priority::Replication).unwrap()).collect();
+    // At 128 KiB/s the first goes, the rest wait: taken back now.
+    std::thread::sleep(Duration::from_millis(300));
+    let asked = Instant::now();
+    let out = requests.iter().filter(|&&request| a.cancel_copy(request).unwrap()).count();
+    assert!(out >= BLOCKS as usize - 2, "{out} copies still out (the first may have landed)");
+    assert!(!a.cancel_copy(12345).unwrap(), "no such copy");
+    // A second later every copy has ended, landed or cancelled (the cap
+    // would have taken ~9 s to send them all).
+    std::thread::sleep(Duration::from_secs(1));
+    let mut table = Vec::new();
+    let landed_at_b = b7.lookup(&keys, &mut table);
+    drop((a7, b7));
+    let (stats_a, server_a) = a.stop().unwrap();
+    let (stats_b, _) = b.stop().unwrap();
+    let node = server_a.node();
+    println!(
+        "cancel: {} landed, {} cancelled in {:?}; node 2 holds {landed_at_b}",
+        node.copies_landed,
+        node.copies_cancelled,
+        asked.elapsed()
+    );
+    assert_eq!(node.copies_landed + node.copies_cancelled + node.copies_failed, u64::from(BLOCKS), "every copy ended");
+    assert!(node.copies_cancelled >= u64::from(BLOCKS) - 3, "those waiting were cancelled: {}", node.copies_cancelled);
+    assert_eq!(node.copies_failed, 0);
+    assert!(stats_a.pool.sends_cancelled >= node.copies_cancelled, "{stats_a:?}");
+    assert_eq!(stats_b.pool.remote_landed, node.copies_landed, "what was cancelled never landed");
+}
+
 #[test]
 fn pools_holding_the_link_key_copy_blocks_and_one_holding_another_gets_none_in() {
     use lake_dp::auth::LinkKey;

@@ -170,6 +170,9 @@ pub struct CpLink {
     next_request: u64,
     closed: bool,
     commands: VecDeque<CpCommand>,
+    /// Requests the control plane takes back (`Cancel`, kind 10): copies
+    /// to other nodes not yet sent are dropped.
+    cancels: VecDeque<u64>,
     grants: VecDeque<Granted>,
     /// The data plane's fence: commands below its term are refused.
     fence: Option<crate::fence::TermFence>,
@@ -237,6 +240,7 @@ impl CpLink {
             next_request: 2,
             closed: false,
             commands: VecDeque::with_capacity(COMMANDS_MAX),
+            cancels: VecDeque::with_capacity(COMMANDS_MAX),
             grants: VecDeque::new(),
             fence: None,
             counters: CpLinkCounters::default(),
@@ -375,7 +379,12 @@ impl CpLink {
         self.queue(&Message::BlockEvicted(*evicted));
     }
 
-    /// The next tier command, oldest first.
+    /// The next request the control plane took back, oldest first.
+    pub fn next_cancel(&mut self) -> Option<u64> {
+        self.cancels.pop_front()
+    }
+
+    /// The next command the control plane sent, oldest first.
     pub fn next_command(&mut self) -> Option<CpCommand> {
         self.commands.pop_front()
     }
@@ -529,6 +538,7 @@ impl CpLink {
                         Message::CopyBlock(transfer) => Incoming::Command(CpCommand::Copy { request, transfer }),
                         Message::EvictBlock(replica) => Incoming::Command(CpCommand::Evict { request, replica }),
                         Message::DrainRegion(drain) => Incoming::Command(CpCommand::Drain { request, drain }),
+                        Message::Cancel(cancel) => Incoming::Cancel(cancel.request_id),
                         Message::LeaseGrant(head, entries) => Incoming::Grant(Granted {
                             request,
                             lease_id: head.lease_id,
@@ -559,6 +569,14 @@ impl CpLink {
                         self.answer(command, ErrorCode::Io);
                     }
                 },
+                // Not fenced: taking a copy back cannot do harm, whoever
+                // asks; the oldest is dropped past the bound.
+                Incoming::Cancel(request) => {
+                    if self.cancels.len() >= COMMANDS_MAX {
+                        self.cancels.pop_front();
+                    }
+                    self.cancels.push_back(request);
+                }
                 Incoming::Grant(grant) => {
                     // Bounded: grants nobody collects do not pile up.
                     if self.grants.len() >= 64 {
@@ -598,6 +616,7 @@ impl CpLink {
 enum Incoming {
     Refused,
     Command(CpCommand),
+    Cancel(u64),
     Grant(Granted),
     Other,
 }

@@ -1160,6 +1160,11 @@ pub fn run_with(
                         }
                         written
                     });
+                    // Copies `lake-cp` took back: the transport drops those
+                    // none of whose bytes went out.
+                    pool.take_send_cancels(|request| {
+                        transport.cancel(request);
+                    });
                     let mut landing = pool::PoolLanding { pool: &mut pool, parts: &mut parts };
                     if transport.poll(&mut landing, now, &mut transfers_done) {
                         served += 1;

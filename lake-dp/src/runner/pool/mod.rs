@@ -141,6 +141,9 @@ pub struct PoolStats {
     pub traces_dropped: u64,
     /// Times a copy to another node waited for its tenant's network cap.
     pub sends_throttled: u64,
+    /// Copies to other nodes `lake-cp` took back (`Cancel`) while they
+    /// were queued or in the transport.
+    pub sends_cancelled: u64,
     /// Blocks saved by agents (committed).
     pub saves: u64,
     /// Saves refused: no L1 slot free.
@@ -319,6 +322,8 @@ pub struct Pool {
     sends: Vec<RemoteSend>,
     /// Sends the transport refused, to end.
     failed_sends: Vec<u64>,
+    /// Sends handed to the transport that `lake-cp` took back.
+    send_cancels: Vec<u64>,
     l1: Vec<L1State>,
     reserved: u32,
     /// Per L2 slot: the header of the object there (its generation and
@@ -384,6 +389,7 @@ impl Pool {
             unverified: VecDeque::with_capacity(l1_slots as usize),
             sends: Vec::with_capacity(REMOTE_SENDS_MAX),
             failed_sends: Vec::with_capacity(REMOTE_SENDS_MAX),
+            send_cancels: Vec::with_capacity(REMOTE_SENDS_MAX),
             l1: vec![L1State::Free; l1_slots as usize],
             reserved: 0,
             l2_meta: vec![None; l2_slots],
@@ -645,6 +651,10 @@ impl Pool {
             let Some(command) = parts.link.as_mut().and_then(CpLink::next_command) else { break };
             done += 1;
             self.command(command, parts);
+        }
+        while let Some(request) = parts.link.as_mut().and_then(CpLink::next_cancel) {
+            done += 1;
+            self.cancel_send(request, parts);
         }
         done += self.start_drained(parts, now_ns);
         done += self.verify_backlog(parts);
@@ -983,6 +993,31 @@ impl Pool {
         };
         if let Some(cp) = parts.link {
             cp.transfer_done(send.request, &TransferDone { status, reserved: 0, target, bytes });
+        }
+    }
+
+    /// `lake-cp` took copy `request` back: one not yet handed to the
+    /// transport ends `Cancelled` now, its slot released; one handed to it
+    /// is cancelled there ([`Pool::take_send_cancels`]) if none of its
+    /// bytes went out (else it goes on to its end). Another request is
+    /// not a send of this node's: nothing to do.
+    fn cancel_send(&mut self, request: u64, parts: &mut Parts<'_>) {
+        let Some(send) = self.sends.iter().find(|s| s.request == request) else { return };
+        self.stats.sends_cancelled += 1;
+        if send.handed {
+            if self.send_cancels.len() < self.send_cancels.capacity() {
+                self.send_cancels.push(request);
+            }
+            return;
+        }
+        self.send_ended(request, Err(ErrorCode::Cancelled), parts);
+    }
+
+    /// Copies handed to the transport that `lake-cp` took back: each for
+    /// the transport to cancel (its end comes as any transfer's).
+    pub(crate) fn take_send_cancels(&mut self, mut cancel: impl FnMut(u64)) {
+        for request in self.send_cancels.drain(..) {
+            cancel(request);
         }
     }
 
