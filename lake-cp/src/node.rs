@@ -386,11 +386,16 @@ impl Node {
         self.copy_requests += 1;
         let request = COPY_REQUESTS | self.copy_requests;
         let target = ReplicaWire { slot: lake_dp::wire::message::SLOT_ANY, generation: 0, ..to };
+        // Not sent by then, its data plane drops it (its slot is held
+        // while it waits).
+        let wait_ms = self.tiers.copy_deadline_ms();
+        let deadline_unix_ns =
+            if wait_ms == 0 { 0 } else { unix_ns().saturating_add(wait_ms.saturating_mul(1_000_000)) };
         let transfer = Transfer {
             source: source.to_wire(),
             target,
             key: *key,
-            deadline_unix_ns: 0,
+            deadline_unix_ns,
             priority: priority as u8,
             reserved: [0; 7],
         };

@@ -220,6 +220,10 @@ pub struct TierConfig {
     pub l3_write_back: L3WriteBack,
     /// Which L1 victims are written to L2.
     pub l2_admission: L2Admission,
+    /// A copy to another node not sent by then (held behind its tenant's
+    /// cap, say) is dropped by its data plane, its slot released: the
+    /// deadline every copy carries, from when it is asked (ms; 0: none).
+    pub copy_deadline_ms: u64,
 }
 
 impl Default for TierConfig {
@@ -233,6 +237,7 @@ impl Default for TierConfig {
             policy: PolicyKind::Lake,
             l3_write_back: L3WriteBack::OnEviction,
             l2_admission: L2Admission::Always,
+            copy_deadline_ms: 30_000,
         }
     }
 }
@@ -520,6 +525,12 @@ const DRAINING_L1_HIGH: u8 = 50;
 const DRAINING_L1_LOW: u8 = 40;
 
 impl Tiers {
+    /// How long a copy to another node may wait to be sent (ms; 0: no
+    /// limit): [`TierConfig::copy_deadline_ms`].
+    pub fn copy_deadline_ms(&self) -> u64 {
+        self.config.copy_deadline_ms
+    }
+
     /// Whether the node is being drained (`lake drain-node`): its L1 keeps
     /// half its room free for the promotions that copy its L2 blocks to
     /// other nodes.

@@ -549,6 +549,64 @@ fn copies_taken_back_before_they_go_end_cancelled_and_never_land() {
     assert_eq!(stats_b.pool.remote_landed, node.copies_landed, "what was cancelled never landed");
 }
 
+/// Every copy carries a deadline (`TierConfig::copy_deadline_ms`): one
+/// still waiting in its data plane by then — here behind its tenant's
+/// cap on the network — is dropped there, its slot released, and
+/// answered `DeadlineExceeded`; it never reaches the other node.
+#[test]
+fn copies_waiting_past_their_deadline_are_dropped() {
+    use lake_dp::runner::config::TenantSection;
+    const RATE: u64 = 128 * 1024;
+    const BLOCKS: u32 = 12;
+    let node_b = free_port();
+    let capped = TenantSection {
+        name: "slow".into(),
+        namespaces: vec![format!("{:016x}", 7)],
+        l2_read_bytes_per_s: None,
+        l2_write_bytes_per_s: None,
+        l3_read_bytes_per_s: None,
+        l3_write_bytes_per_s: None,
+        net_send_bytes_per_s: Some(RATE),
+        push_bytes_per_s: None,
+    };
+    let start = |name: &str, node: u32, listen, peers, tenant_rates| {
+        let pool = config(name, node, listen, peers);
+        let tiers = lake_cp::tier::TierConfig { copy_deadline_ms: 500, ..lake_cp::tier::TierConfig::default() };
+        EmbeddedPool::start(&EmbeddedConfig {
+            l1_slots: 64,
+            l2_slots_per_file: 64,
+            local_agents: 2,
+            tenant_rates,
+            tiers,
+            ..pool
+        })
+        .unwrap()
+    };
+    let mut a = start("deadline-a", 1, None, vec![(2, node_b)], vec![capped]);
+    let mut b = start("deadline-b", 2, Some(node_b), Vec::new(), Vec::new());
+    let mut a7 = engine_of(&mut a, "a7", 7);
+    let b7 = engine_of(&mut b, "b7", 7);
+    let (keys, _) = save_prompt(&mut a7, 950, BLOCKS);
+    let to = l1_of(&b7, 2);
+    for key in &keys {
+        a.copy_to(key, to, Priority::Replication).unwrap();
+    }
+    // The cap sends one block in ~0.8 s: past 0.5 s the rest are dropped.
+    std::thread::sleep(Duration::from_millis(1500));
+    drop((a7, b7));
+    let (stats_a, server_a) = a.stop().unwrap();
+    let (stats_b, _) = b.stop().unwrap();
+    let node = server_a.node();
+    println!(
+        "deadline: {} landed, {} failed, {} expired in the data plane",
+        node.copies_landed, node.copies_failed, stats_a.pool.sends_expired
+    );
+    assert_eq!(node.copies_landed + node.copies_failed, u64::from(BLOCKS), "every copy ended");
+    assert!(stats_a.pool.sends_expired >= u64::from(BLOCKS) - 2, "{stats_a:?}");
+    assert_eq!(node.copies_failed, stats_a.pool.sends_expired, "the failed ones are those expired");
+    assert_eq!(stats_b.pool.remote_landed, node.copies_landed, "what expired never landed");
+}
+
 #[test]
 fn pools_holding_the_link_key_copy_blocks_and_one_holding_another_gets_none_in() {
     use lake_dp::auth::LinkKey;

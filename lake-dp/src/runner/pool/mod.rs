@@ -144,6 +144,8 @@ pub struct PoolStats {
     /// Copies to other nodes `lake-cp` took back (`Cancel`) while they
     /// were queued or in the transport.
     pub sends_cancelled: u64,
+    /// Copies to other nodes dropped for waiting past their deadline.
+    pub sends_expired: u64,
     /// Blocks saved by agents (committed).
     pub saves: u64,
     /// Saves refused: no L1 slot free.
@@ -250,6 +252,9 @@ pub(crate) struct RemoteSend {
     pub priority: Priority,
     /// The block's namespace (its tenant's cap on the network).
     pub namespace: u64,
+    /// Not handed to the transport by then (Unix ns; 0: no deadline), it
+    /// ends `DeadlineExceeded`, its slot released.
+    pub deadline_unix_ns: u64,
     /// Given to the transport already.
     pub handed: bool,
 }
@@ -321,7 +326,7 @@ pub struct Pool {
     /// Copies of L1 blocks to other nodes in flight (allocated once).
     sends: Vec<RemoteSend>,
     /// Sends the transport refused, to end.
-    failed_sends: Vec<u64>,
+    failed_sends: Vec<(u64, ErrorCode)>,
     /// Sends handed to the transport that `lake-cp` took back.
     send_cancels: Vec<u64>,
     l1: Vec<L1State>,
@@ -944,6 +949,7 @@ impl Pool {
             target: transfer.target,
             priority: Priority::from_u8(transfer.priority).unwrap_or(Priority::Replication),
             namespace: meta.namespace.0,
+            deadline_unix_ns: transfer.deadline_unix_ns,
             handed: false,
         });
         Ok(())
@@ -954,18 +960,32 @@ impl Pool {
     /// A send of a tenant over its cap on the network waits in the queue
     /// (its slot held) until its bucket refills.
     pub(crate) fn take_sends(&mut self, now_ns: u64, mut hand: impl FnMut(&RemoteSend) -> bool) {
-        let mut failed = Vec::new();
+        // The wall clock, only where a waiting send has a deadline.
+        let waiting_with_deadline = self.sends.iter().any(|s| !s.handed && s.deadline_unix_ns != 0);
+        let unix_now = if waiting_with_deadline {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        } else {
+            0
+        };
         for send in self.sends.iter_mut().filter(|s| !s.handed) {
+            if send.deadline_unix_ns != 0 && unix_now > send.deadline_unix_ns {
+                // Waited past its deadline: ended, its slot released.
+                send.handed = true;
+                self.stats.sends_expired += 1;
+                self.failed_sends.push((send.request, ErrorCode::DeadlineExceeded));
+                continue;
+            }
             if !self.rates.admit(send.namespace, crate::runner::rates::RatePath::NetSend, send.len, now_ns) {
                 self.stats.sends_throttled += 1;
                 continue;
             }
             send.handed = true;
             if !hand(send) {
-                failed.push(send.request);
+                self.failed_sends.push((send.request, ErrorCode::Io));
             }
         }
-        self.failed_sends.extend(failed);
     }
 
     /// A send ended (`landed`: the slot it landed in, or why not): the
@@ -1023,8 +1043,8 @@ impl Pool {
 
     /// Sends the transport would not take: ended as failed.
     pub(crate) fn end_failed_sends(&mut self, parts: &mut Parts<'_>) {
-        while let Some(request) = self.failed_sends.pop() {
-            self.send_ended(request, Err(ErrorCode::Io), parts);
+        while let Some((request, code)) = self.failed_sends.pop() {
+            self.send_ended(request, Err(code), parts);
         }
     }
 
