@@ -406,40 +406,48 @@ fn a_control_plane_copies_blocks_over_rdma_where_both_nodes_offer_it() {
     assert!(stats_b.rdma_read_bytes >= stats_b.rdma_landed * payloads[0].len() as u64, "{stats_b:?}");
 }
 
-/// A tenant capped on the network (`[[tenants]] net_send_bytes_per_s`,
-/// `lake serve --tenant-rate NAME:net-send=…`): node 1's copies of its
-/// blocks leave no faster than the cap, while another tenant's, asked
-/// right after, are not held behind them; every block lands byte for byte.
-#[test]
-fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is_not_held() {
-    use lake_dp::runner::config::TenantSection;
-    const RATE: u64 = 1 << 20;
-    const BLOCKS: u32 = 12;
+/// Two pools, node 1 copying to node 2 (room for two prompts each, two
+/// engines a pool), node 1's tenant of namespace 7 capped at `rate` bytes
+/// per second on the network, under `tiers`.
+fn capped_pair(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig) -> (EmbeddedPool, EmbeddedPool) {
     let node_b = free_port();
-    // Two engines a pool (one a tenant), room for both prompts.
-    let start = |name: &str, node: u32, listen, peers, tenant_rates| {
-        let pool = config(name, node, listen, peers);
-        EmbeddedPool::start(&EmbeddedConfig {
-            l1_slots: 64,
-            l2_slots_per_file: 64,
-            local_agents: 2,
-            tenant_rates,
-            ..pool
-        })
-        .unwrap()
-    };
-    let capped = TenantSection {
+    let capped = lake_dp::runner::config::TenantSection {
         name: "capped".into(),
         namespaces: vec![format!("{:016x}", 7)],
         l2_read_bytes_per_s: None,
         l2_write_bytes_per_s: None,
         l3_read_bytes_per_s: None,
         l3_write_bytes_per_s: None,
-        net_send_bytes_per_s: Some(RATE),
+        net_send_bytes_per_s: Some(rate),
         push_bytes_per_s: None,
     };
-    let mut a = start("net-cap-a", 1, None, vec![(2, node_b)], vec![capped]);
-    let mut b = start("net-cap-b", 2, Some(node_b), Vec::new(), Vec::new());
+    let start = |name: String, node: u32, listen, peers, tenant_rates| {
+        let pool = config(&name, node, listen, peers);
+        let tiers = tiers.clone();
+        EmbeddedPool::start(&EmbeddedConfig {
+            l1_slots: 64,
+            l2_slots_per_file: 64,
+            local_agents: 2,
+            tenant_rates,
+            tiers,
+            ..pool
+        })
+        .unwrap()
+    };
+    let a = start(format!("{name}-a"), 1, None, vec![(2, node_b)], vec![capped]);
+    let b = start(format!("{name}-b"), 2, Some(node_b), Vec::new(), Vec::new());
+    (a, b)
+}
+
+/// A tenant capped on the network (`[[tenants]] net_send_bytes_per_s`,
+/// `lake serve --tenant-rate NAME:net-send=…`): node 1's copies of its
+/// blocks leave no faster than the cap, while another tenant's, asked
+/// right after, are not held behind them; every block lands byte for byte.
+#[test]
+fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is_not_held() {
+    const RATE: u64 = 1 << 20;
+    const BLOCKS: u32 = 12;
+    let (mut a, mut b) = capped_pair("net-cap", RATE, lake_cp::tier::TierConfig::default());
     let (mut a7, mut a8) = (engine_of(&mut a, "a7", 7), engine_of(&mut a, "a8", 8));
     let (mut b7, mut b8) = (engine_of(&mut b, "b7", 7), engine_of(&mut b, "b8", 8));
     let (capped_keys, capped_payloads) = save_prompt(&mut a7, 700, BLOCKS);
@@ -489,33 +497,9 @@ fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is
 /// never reach the other node; what had gone lands.
 #[test]
 fn copies_taken_back_before_they_go_end_cancelled_and_never_land() {
-    use lake_dp::runner::config::TenantSection;
     const RATE: u64 = 128 * 1024;
     const BLOCKS: u32 = 12;
-    let node_b = free_port();
-    let capped = TenantSection {
-        name: "slow".into(),
-        namespaces: vec![format!("{:016x}", 7)],
-        l2_read_bytes_per_s: None,
-        l2_write_bytes_per_s: None,
-        l3_read_bytes_per_s: None,
-        l3_write_bytes_per_s: None,
-        net_send_bytes_per_s: Some(RATE),
-        push_bytes_per_s: None,
-    };
-    let start = |name: &str, node: u32, listen, peers, tenant_rates| {
-        let pool = config(name, node, listen, peers);
-        EmbeddedPool::start(&EmbeddedConfig {
-            l1_slots: 64,
-            l2_slots_per_file: 64,
-            local_agents: 2,
-            tenant_rates,
-            ..pool
-        })
-        .unwrap()
-    };
-    let mut a = start("cancel-a", 1, None, vec![(2, node_b)], vec![capped]);
-    let mut b = start("cancel-b", 2, Some(node_b), Vec::new(), Vec::new());
+    let (mut a, mut b) = capped_pair("cancel", RATE, lake_cp::tier::TierConfig::default());
     let mut a7 = engine_of(&mut a, "a7", 7);
     let mut b7 = engine_of(&mut b, "b7", 7);
     let (keys, _) = save_prompt(&mut a7, 900, BLOCKS);
@@ -555,35 +539,10 @@ fn copies_taken_back_before_they_go_end_cancelled_and_never_land() {
 /// answered `DeadlineExceeded`; it never reaches the other node.
 #[test]
 fn copies_waiting_past_their_deadline_are_dropped() {
-    use lake_dp::runner::config::TenantSection;
     const RATE: u64 = 128 * 1024;
     const BLOCKS: u32 = 12;
-    let node_b = free_port();
-    let capped = TenantSection {
-        name: "slow".into(),
-        namespaces: vec![format!("{:016x}", 7)],
-        l2_read_bytes_per_s: None,
-        l2_write_bytes_per_s: None,
-        l3_read_bytes_per_s: None,
-        l3_write_bytes_per_s: None,
-        net_send_bytes_per_s: Some(RATE),
-        push_bytes_per_s: None,
-    };
-    let start = |name: &str, node: u32, listen, peers, tenant_rates| {
-        let pool = config(name, node, listen, peers);
-        let tiers = lake_cp::tier::TierConfig { copy_deadline_ms: 500, ..lake_cp::tier::TierConfig::default() };
-        EmbeddedPool::start(&EmbeddedConfig {
-            l1_slots: 64,
-            l2_slots_per_file: 64,
-            local_agents: 2,
-            tenant_rates,
-            tiers,
-            ..pool
-        })
-        .unwrap()
-    };
-    let mut a = start("deadline-a", 1, None, vec![(2, node_b)], vec![capped]);
-    let mut b = start("deadline-b", 2, Some(node_b), Vec::new(), Vec::new());
+    let tiers = lake_cp::tier::TierConfig { copy_deadline_ms: 500, ..lake_cp::tier::TierConfig::default() };
+    let (mut a, mut b) = capped_pair("deadline", RATE, tiers);
     let mut a7 = engine_of(&mut a, "a7", 7);
     let b7 = engine_of(&mut b, "b7", 7);
     let (keys, _) = save_prompt(&mut a7, 950, BLOCKS);
