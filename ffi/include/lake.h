@@ -856,8 +856,7 @@ typedef struct LakeTraceSpan {
   /*
    The data plane's own time on it, µs, from its answer — a push: the
    peer pool's, from its reservation or first slice to its check (0:
-   a data plane or peer that does not take trace ids, an older build;
-   a push that went over RDMA).
+   a data plane or peer that does not take trace ids, an older build).
    */
   uint32_t data_plane_us;
   /*

@@ -34,8 +34,7 @@ pub struct LakeTraceSpan {
     pub took_ns: u64,
     /// The data plane's own time on it, µs, from its answer — a push: the
     /// peer pool's, from its reservation or first slice to its check (0:
-    /// a data plane or peer that does not take trace ids, an older build;
-    /// a push that went over RDMA).
+    /// a data plane or peer that does not take trace ids, an older build).
     pub data_plane_us: u32,
     /// What it was: [`LAKE_SPAN_LOAD`] or [`LAKE_SPAN_PUSH`] (a build
     /// from before pushes were traced has only loads: 0).

@@ -65,11 +65,18 @@ fn pushes_go_over_rdma_where_both_ends_have_it_and_over_tcp_once_it_is_cut() {
 
     println!("RDMA carried warm-up push {warmed} of {WARM}");
 
-    // A prompt: every block READ by the decode node, none on TCP.
+    // A prompt, under a trace id: every block READ by the decode node, none
+    // on TCP, each with the decode node's time on it.
+    let _ = common::spans(p);
     let before = tcp_bytes();
+    lake::trace::lake_set_trace(0x0d1e_c7ed);
     assert_eq!(push(p, &address, first, table_first, to), vec![LakeStatus::LakeOk; BLOCKS]);
+    lake::trace::lake_set_trace(0);
     let on_tcp = tcp_bytes() - before;
     assert!(on_tcp < BLOCK as u64, "{on_tcp} bytes of {BLOCKS} blocks went on TCP");
+    let spans = common::spans(p);
+    assert_eq!(spans.len(), BLOCKS, "{spans:?}");
+    assert!(spans.iter().all(|s| s.trace == 0x0d1e_c7ed && s.op == 1 && s.data_plane_us >= 1), "{spans:?}");
 
     // The decode engine loads them byte for byte.
     let mut into = Vec::new();

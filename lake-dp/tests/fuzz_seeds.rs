@@ -221,10 +221,11 @@ fn rdma_message_seeds_are_current() {
         source: 1 << 40,
         key: 0x00ab_cd01,
         len: 1 << 20,
+        trace: 0x7ace,
         target,
         priority: Priority::WriteBack,
     };
-    let answer = Message::Answer { transfer: 7, status: AckStatus::Landed, target };
+    let answer = Message::Answer { transfer: 7, status: AckStatus::Landed, target, took_us: 412 };
     let endpoint = Endpoint::new(1, 0x1234, 0x5678, [9; 16], (1 << 40, 64 << 20), 0xabcd, 1 << 20, 2);
     let seeds: Vec<(u8, Vec<u8>)> =
         vec![(0, offer.encode().to_vec()), (0, answer.encode().to_vec()), (2, endpoint.encode().to_vec())];

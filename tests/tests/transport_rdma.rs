@@ -182,7 +182,7 @@ fn a_key_reads_its_block_alone_and_only_while_its_transfer_lasts() {
     let target = BlockAddr { region: REGION, epoch: EPOCH, slot: 0, generation: 1 };
     write(&mut sender, 1, to_evil, first, target, Priority::PrefillToDecode);
     let Message::Offer { source, key, len, .. } = next_message(&mut evil) else { panic!("not an offer") };
-    assert_eq!((source, len), (first.as_ptr() as u64, first.len() as u64));
+    assert_eq!((source, u64::from(len)), (first.as_ptr() as u64, first.len() as u64));
     assert_eq!(sender.verbs().keys_out(), 1);
 
     // The block offered: read byte for byte through its key.
@@ -201,7 +201,7 @@ fn a_key_reads_its_block_alone_and_only_while_its_transfer_lasts() {
     assert!(tail.iter().all(|&b| b == 0), "no byte of the other block left the sender");
 
     // Answered: the transfer completes and the key is taken back with it.
-    let answer = Message::Answer { transfer: 1, status: AckStatus::Landed, target };
+    let answer = Message::Answer { transfer: 1, status: AckStatus::Landed, target, took_us: 0 };
     evil.send(to_a, &answer.encode()).unwrap();
     let mut done = Vec::new();
     let mut none = Node::new(0);
@@ -290,6 +290,7 @@ fn memory_not_registered_for_the_peer_is_neither_offered_nor_read() {
         source: secret.as_ptr() as u64,
         key: 1,
         len: 4096,
+        trace: 0,
         target,
         priority: Priority::CriticalLoad,
     };
@@ -307,7 +308,7 @@ fn memory_not_registered_for_the_peer_is_neither_offered_nor_read() {
             }
         }
     }
-    assert_eq!(answer, Some(Message::Answer { transfer: 1, status: AckStatus::Refused, target }));
+    assert_eq!(answer, Some(Message::Answer { transfer: 1, status: AckStatus::Refused, target, took_us: 0 }));
     assert_eq!(p.receiver.stats.read, 0, "nothing was read");
     assert!(p.node.slot(0).iter().all(|&b| b == 0), "no byte of the forger's memory landed");
     assert!(p.node.published.is_empty());
@@ -727,4 +728,44 @@ fn a_withdrawn_offer_not_yet_read_ends_cancelled_and_its_slot_goes_back() {
     p.sender.withdraw(9);
     let done = drive(&mut p.sender, &mut p.receiver, &mut p.node, start, 1);
     assert_eq!(done[0].result, Ok(()), "read before the withdrawal came: it landed");
+}
+
+#[test]
+fn a_traced_offer_lands_under_its_trace_id_and_the_readers_time_comes_back() {
+    use lake_dp::transport::tcp::TraceEvent;
+    let objects: Vec<Vec<u8>> = (0..4).map(|i| object(i, 50_000 + 1000 * i as usize, i)).collect();
+    let mut p = pair(RdmaConfig::default(), 8, &objects);
+    for (i, o) in objects.iter().enumerate() {
+        let target = if i % 2 == 0 { p.node.reserve(i as u32, 1) } else { any_slot() };
+        let trace = if i < 2 { 0x9e5d_0000 + i as u64 } else { 0 };
+        let block =
+            lake_dp::transport::Outgoing { trace, ..outgoing(i as u64, p.peer, o, target, Priority::PrefillToDecode) };
+        // SAFETY: `objects` outlives every completion driven below.
+        unsafe { p.sender.write(&block, now()) }.unwrap();
+    }
+    let start = START.with(|s| *s);
+    let done = by_transfer(drive(&mut p.sender, &mut p.receiver, &mut p.node, start, 4));
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    let (mut landed, mut answered) = (Vec::new(), Vec::new());
+    p.receiver.take_trace_events(&mut landed);
+    p.sender.take_trace_events(&mut answered);
+    // The reader: a landing a traced block, under its id, where it landed.
+    assert_eq!(landed.len(), 2, "{landed:?}");
+    for event in &landed {
+        let TraceEvent::Landed { trace, target, bytes, status, us, .. } = *event else { panic!("{event:?}") };
+        let i = (trace - 0x9e5d_0000) as usize;
+        assert_eq!((target, bytes, status), (done[i].target, objects[i].len() as u64, Some(AckStatus::Landed)));
+        assert!(us >= 1, "{event:?}");
+    }
+    // The sender: the reader's time, as it logged it.
+    assert_eq!(answered.len(), 2, "{answered:?}");
+    for event in &answered {
+        let TraceEvent::Answered { trace, transfer, peer_us } = *event else { panic!("{event:?}") };
+        assert_eq!(trace, 0x9e5d_0000 + transfer);
+        let logged = landed.iter().find_map(|e| match *e {
+            TraceEvent::Landed { trace: t, us, .. } if t == trace => Some(us),
+            _ => None,
+        });
+        assert_eq!(Some(peer_us), logged);
+    }
 }

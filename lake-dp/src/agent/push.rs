@@ -52,7 +52,7 @@ pub struct PushSpan {
     /// From the push to its answer, as the pusher saw it, ns.
     pub took_ns: u64,
     /// The peer's own time on it, µs, from its answer (0: a peer that
-    /// does not time traced blocks, or it went over RDMA).
+    /// does not time traced blocks).
     pub peer_us: u32,
 }
 
@@ -209,7 +209,7 @@ impl<T: Links> Pusher<T> {
         self.landed.append(&mut self.cancelled);
         let busy = self.transport.poll(&mut Sends, now_ns, &mut self.landed);
         // The peer's time on a traced block comes with its answer.
-        self.transport.tcp().take_trace_events(&mut self.trace_events);
+        self.transport.take_trace_events(&mut self.trace_events);
         for event in self.trace_events.drain(..) {
             if let TraceEvent::Answered { transfer, peer_us, .. } = event
                 && let Some(traced) = self.traced.get_mut(&transfer)

@@ -1180,7 +1180,7 @@ pub fn run_with(
                     // down, blocks that landed under an engine's trace id:
                     // the operator's log.
                     log_links(transport.as_mut(), out);
-                    transport.tcp().take_trace_events(&mut trace_events);
+                    transport.take_trace_events(&mut trace_events);
                     for event in trace_events.drain(..) {
                         log_trace_event(node_id, &event, out);
                     }

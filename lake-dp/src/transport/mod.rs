@@ -144,6 +144,12 @@ pub trait Links: Transport {
     fn rdma_stats(&self) -> Option<rdma::pull::RdmaStats> {
         None
     }
+
+    /// What traced transfers did since the last call, over TCP and RDMA
+    /// alike (appended to `out`).
+    fn take_trace_events(&mut self, out: &mut Vec<tcp::TraceEvent>) {
+        self.tcp().take_trace_events(out);
+    }
 }
 
 impl Links for tcp::TcpTransport {
@@ -195,6 +201,10 @@ impl<T: Links + ?Sized> Links for Box<T> {
 
     fn rdma_stats(&self) -> Option<rdma::pull::RdmaStats> {
         (**self).rdma_stats()
+    }
+
+    fn take_trace_events(&mut self, out: &mut Vec<tcp::TraceEvent>) {
+        (**self).take_trace_events(out);
     }
 }
 

@@ -329,4 +329,9 @@ impl<V: Verbs> Links for RdmaOverTcp<V> {
     fn rdma_stats(&self) -> Option<super::pull::RdmaStats> {
         Some(self.inner.primary_ref().stats)
     }
+
+    fn take_trace_events(&mut self, out: &mut Vec<crate::transport::tcp::TraceEvent>) {
+        self.tcp().take_trace_events(out);
+        self.inner.primary().take_trace_events(out);
+    }
 }

@@ -42,6 +42,7 @@ use super::{Endpoint, RdmaError};
 use crate::Priority;
 use crate::tag::Tag;
 use crate::transport::frame::{AckStatus, BlockAddr};
+use crate::transport::tcp::TraceEvent;
 use crate::transport::{ANY_SLOT, Completion, Landing, Outgoing, PeerId, TransferError, Transport};
 
 /// Bytes of one offer or answer.
@@ -67,15 +68,18 @@ struct RawMessage {
     status: u8,
     transfer: u64,
     source: u64,
-    len: u64,
+    /// Offers: the engine's trace id (0: none); others: 0.
+    trace: u64,
     epoch: u64,
+    /// Offers: the block's bytes (a READ is at most `u32::MAX`); answers:
+    /// the receiver's time on a traced block, µs (0: untraced).
+    len: u32,
     slot: u32,
     generation: u32,
-    region: u16,
-    reserved_a: [u8; 2],
-    /// Offers: the key lent for the block; answers: 0.
+    /// Offers: the key lent for the block; others: 0.
     key: u32,
-    reserved_b: [u8; 4],
+    region: u16,
+    reserved: u16,
     crc: u32,
 }
 
@@ -92,8 +96,11 @@ pub enum Message {
         source: u64,
         /// The key lent for exactly those bytes ([`Verbs::lend`]).
         key: u32,
-        /// Its bytes.
-        len: u64,
+        /// Its bytes (at most `u32::MAX`: one READ).
+        len: u32,
+        /// The engine's trace id of the request it serves (0: none): the
+        /// receiver times the block and answers with its time.
+        trace: u64,
         /// Where it goes at the receiver ([`ANY_SLOT`]: a slot it reserves).
         target: BlockAddr,
         /// Its class.
@@ -114,18 +121,23 @@ pub enum Message {
         status: AckStatus,
         /// The slot it landed in (or was to).
         target: BlockAddr,
+        /// The receiver's time on a traced offer, from taking it to its
+        /// check, µs (0: untraced).
+        took_us: u32,
     },
 }
 
 impl Message {
     /// Its bytes.
     pub fn encode(&self) -> [u8; MESSAGE_BYTES] {
-        let (kind, priority, status, transfer, (source, key), len, target) = match *self {
-            Self::Offer { transfer, source, key, len, target, priority } => {
-                (KIND_OFFER, priority as u8, 0, transfer, (source, key), len, target)
+        let (kind, priority, status, transfer, (source, key, trace), len, target) = match *self {
+            Self::Offer { transfer, source, key, len, trace, target, priority } => {
+                (KIND_OFFER, priority as u8, 0, transfer, (source, key, trace), len, target)
             }
-            Self::Answer { transfer, status, target } => (KIND_ANSWER, 0, status as u8, transfer, (0, 0), 0, target),
-            Self::Withdraw { transfer } => (KIND_WITHDRAW, 0, 0, transfer, (0, 0), 0, BlockAddr::default()),
+            Self::Answer { transfer, status, target, took_us } => {
+                (KIND_ANSWER, 0, status as u8, transfer, (0, 0, 0), took_us, target)
+            }
+            Self::Withdraw { transfer } => (KIND_WITHDRAW, 0, 0, transfer, (0, 0, 0), 0, BlockAddr::default()),
         };
         let mut raw = RawMessage {
             magic: MESSAGE_MAGIC,
@@ -135,14 +147,14 @@ impl Message {
             status,
             transfer,
             source,
-            len,
+            trace,
             epoch: target.epoch,
+            len,
             slot: target.slot,
             generation: target.generation,
-            region: target.region,
-            reserved_a: [0; 2],
             key,
-            reserved_b: [0; 4],
+            region: target.region,
+            reserved: 0,
             crc: 0,
         };
         raw.crc = crc32fast::hash(&bytemuck::bytes_of(&raw)[..MESSAGE_BYTES - 4]);
@@ -163,7 +175,7 @@ impl Message {
         if crc32fast::hash(&bytes[..MESSAGE_BYTES - 4]) != raw.crc {
             return Err("message CRC mismatch");
         }
-        if raw.reserved_a != [0; 2] || raw.reserved_b != [0; 4] {
+        if raw.reserved != 0 {
             return Err("reserved message bytes set");
         }
         let target = BlockAddr { region: raw.region, epoch: raw.epoch, slot: raw.slot, generation: raw.generation };
@@ -173,26 +185,30 @@ impl Message {
                 if raw.status != 0 {
                     return Err("an offer with a status");
                 }
+                if raw.len == 0 {
+                    return Err("an offer of no bytes");
+                }
                 Ok(Self::Offer {
                     transfer: raw.transfer,
                     source: raw.source,
                     key: raw.key,
                     len: raw.len,
+                    trace: raw.trace,
                     target,
                     priority,
                 })
             }
             KIND_ANSWER => {
                 let status = AckStatus::from_u16(u16::from(raw.status)).ok_or("unknown answer status")?;
-                if raw.priority != 0 || raw.source != 0 || raw.len != 0 || raw.key != 0 {
+                if raw.priority != 0 || raw.source != 0 || raw.trace != 0 || raw.key != 0 {
                     return Err("an answer with offer fields");
                 }
-                Ok(Self::Answer { transfer: raw.transfer, status, target })
+                Ok(Self::Answer { transfer: raw.transfer, status, target, took_us: raw.len })
             }
             KIND_WITHDRAW => {
                 let addressed = raw.region != 0 || raw.epoch != 0 || raw.slot != 0 || raw.generation != 0;
-                if raw.priority != 0 || raw.status != 0 || raw.source != 0 || raw.len != 0 || raw.key != 0 || addressed
-                {
+                let offered = raw.source != 0 || raw.len != 0 || raw.key != 0 || raw.trace != 0;
+                if raw.priority != 0 || raw.status != 0 || offered || addressed {
                     return Err("a withdrawal with offer or answer fields");
                 }
                 Ok(Self::Withdraw { transfer: raw.transfer })
@@ -349,6 +365,8 @@ pub struct RdmaStats {
     pub withdrawn_asked: u64,
     /// See `withdrawn_asked`.
     pub withdrawn_dropped: u64,
+    /// Trace events dropped because the owner did not take them.
+    pub trace_events_dropped: u64,
     /// Keys lent for offers (one a transfer) and taken back; equal once
     /// nothing is in flight.
     pub keys_lent: u64,
@@ -360,6 +378,8 @@ pub struct RdmaStats {
 #[derive(Clone, Copy, Debug)]
 struct Offered {
     peer: PeerId,
+    /// The engine's trace id (0: none).
+    trace: u64,
     /// Withdrawn by the caller: a refusal now means it was not read.
     withdrawn: bool,
     /// The key lent for the block: taken back when the transfer ends.
@@ -376,6 +396,9 @@ struct Waiting {
     source: u64,
     key: u32,
     len: u64,
+    /// The engine's trace id (0: none), and when the offer was taken.
+    trace: u64,
+    taken_ns: u64,
     target: BlockAddr,
     /// Reserved here for it (sent to [`ANY_SLOT`]): given back if dropped.
     reserved: bool,
@@ -390,6 +413,9 @@ struct Pulling {
     transfer: u64,
     target: BlockAddr,
     len: u64,
+    /// See [`Waiting`].
+    trace: u64,
+    taken_ns: u64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -413,6 +439,8 @@ pub struct RdmaTransport<V> {
     events: Vec<VerbsEvent>,
     /// Peers the owner asked to shut, at the next poll.
     closing: Vec<(PeerId, String)>,
+    /// What traced transfers did, for the owner.
+    trace_events: Vec<TraceEvent>,
     /// What it did.
     pub stats: RdmaStats,
 }
@@ -435,6 +463,7 @@ impl<V: Verbs> RdmaTransport<V> {
             owed: VecDeque::new(),
             events: Vec::new(),
             closing: Vec::new(),
+            trace_events: Vec::new(),
             stats: RdmaStats::default(),
         }
     }
@@ -549,10 +578,15 @@ impl<V: Verbs> RdmaTransport<V> {
 
     /// Sends `answer` to `peer`, or owes it until the peer's queue has room.
     fn answer(&mut self, peer: PeerId, transfer: u64, status: AckStatus, target: BlockAddr) {
+        self.answer_timed(peer, transfer, status, target, 0);
+    }
+
+    /// [`Self::answer`], with this end's time on a traced offer.
+    fn answer_timed(&mut self, peer: PeerId, transfer: u64, status: AckStatus, target: BlockAddr, took_us: u32) {
         if status != AckStatus::Landed {
             self.stats.refused += 1;
         }
-        let message = Message::Answer { transfer, status, target }.encode();
+        let message = Message::Answer { transfer, status, target, took_us }.encode();
         if !self.owed.is_empty() || self.verbs.send(peer, &message) == Err(VerbsError::Full) {
             self.owed.push_back((peer, message));
         }
@@ -561,8 +595,9 @@ impl<V: Verbs> RdmaTransport<V> {
 
     /// Takes an offer from `peer`: checks it, reserves a slot for one sent
     /// to [`ANY_SLOT`], and queues it by class.
-    fn take_offer(&mut self, peer: PeerId, offer: Message, landing: &mut dyn Landing) {
-        let Message::Offer { transfer, source, key, len, target, priority } = offer else { return };
+    fn take_offer(&mut self, peer: PeerId, offer: Message, landing: &mut dyn Landing, now_ns: u64) {
+        let Message::Offer { transfer, source, key, len, trace, target, priority } = offer else { return };
+        let len = u64::from(len);
         if !self.carries(len) {
             return self.answer(peer, transfer, AckStatus::Refused, target);
         }
@@ -584,6 +619,8 @@ impl<V: Verbs> RdmaTransport<V> {
             source,
             key,
             len,
+            trace,
+            taken_ns: now_ns,
             target,
             reserved,
             placed: None,
@@ -623,7 +660,14 @@ impl<V: Verbs> RdmaTransport<V> {
             // `ReadDone`: the landing's contract until landed or abandoned.
             match unsafe { self.verbs.read(next.peer, wr_id, (next.source, next.key), len, into) } {
                 Ok(()) => {
-                    let pull = Pulling { peer: next.peer, transfer: next.transfer, target: next.target, len: next.len };
+                    let pull = Pulling {
+                        peer: next.peer,
+                        transfer: next.transfer,
+                        target: next.target,
+                        len: next.len,
+                        trace: next.trace,
+                        taken_ns: next.taken_ns,
+                    };
                     self.pulling.insert(wr_id, pull);
                 }
                 Err(VerbsError::Full) => {
@@ -639,7 +683,7 @@ impl<V: Verbs> RdmaTransport<V> {
         }
     }
 
-    fn read_done(&mut self, wr_id: u64, result: Result<(), String>, landing: &mut dyn Landing) {
+    fn read_done(&mut self, wr_id: u64, result: Result<(), String>, landing: &mut dyn Landing, now_ns: u64) {
         let Some(pull) = self.pulling.remove(&wr_id) else { return };
         if result.is_err() {
             // The queue pair failed it: no answer can reach the peer
@@ -653,11 +697,41 @@ impl<V: Verbs> RdmaTransport<V> {
         if status == AckStatus::Landed {
             self.stats.landed += 1;
         }
-        self.answer(pull.peer, pull.transfer, status, pull.target);
+        let mut took_us = 0;
+        if pull.trace != 0 {
+            // A traced block: its landing logged under the id, its time
+            // answered.
+            took_us = u32::try_from(now_ns.saturating_sub(pull.taken_ns) / 1000).unwrap_or(u32::MAX).max(1);
+            let event = TraceEvent::Landed {
+                trace: pull.trace,
+                from: None,
+                target: pull.target,
+                bytes: pull.len,
+                status: Some(status),
+                us: took_us,
+            };
+            self.trace_event(event);
+        }
+        self.answer_timed(pull.peer, pull.transfer, status, pull.target, took_us);
+    }
+
+    fn trace_event(&mut self, event: TraceEvent) {
+        if self.trace_events.len() < crate::transport::tcp::TRACE_EVENTS_MAX {
+            self.trace_events.push(event);
+        } else {
+            self.stats.trace_events_dropped += 1;
+        }
+    }
+
+    /// What traced transfers did since the last call (appended to `out`):
+    /// blocks landed here under a peer's trace id, answers to this end's
+    /// traced offers with the peer's time.
+    pub fn take_trace_events(&mut self, out: &mut Vec<TraceEvent>) {
+        out.append(&mut self.trace_events);
     }
 
     fn take_answer(&mut self, peer: PeerId, answer: Message, out: &mut Vec<Completion>) -> bool {
-        let Message::Answer { transfer, status, target } = answer else { return false };
+        let Message::Answer { transfer, status, target, took_us } = answer else { return false };
         match self.offered.get(&transfer) {
             Some(offered) if offered.peer == peer => {}
             _ => return false,
@@ -666,6 +740,9 @@ impl<V: Verbs> RdmaTransport<V> {
         // The peer is done with the block: its key goes back before the
         // caller may reuse the source.
         self.give_back_key(peer, offered.key);
+        if offered.trace != 0 {
+            self.trace_event(TraceEvent::Answered { trace: offered.trace, transfer, peer_us: took_us });
+        }
         let state = self.peer(peer);
         state.offered = state.offered.saturating_sub(1);
         let result = match status {
@@ -713,7 +790,9 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
             transfer: block.transfer,
             source,
             key,
-            len: block.len,
+            // Checked by `carries`: at most `u32::MAX`.
+            len: u32::try_from(block.len).unwrap_or(u32::MAX),
+            trace: block.trace,
             target: block.target,
             priority: block.priority,
         };
@@ -727,7 +806,8 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
         }
         self.peer(block.peer).offered += 1;
         let deadline_ns = now_ns.saturating_add(self.config.transfer_timeout_ns);
-        let offered = Offered { peer: block.peer, withdrawn: false, key, target: block.target, deadline_ns };
+        let offered =
+            Offered { peer: block.peer, withdrawn: false, key, trace: block.trace, target: block.target, deadline_ns };
         self.offered.insert(block.transfer, offered);
         self.stats.offered += 1;
         Ok(())
@@ -755,14 +835,14 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
         moved |= !events.is_empty();
         for event in events.drain(..) {
             match event {
-                VerbsEvent::ReadDone { wr_id, result } => self.read_done(wr_id, result, landing),
+                VerbsEvent::ReadDone { wr_id, result } => self.read_done(wr_id, result, landing, now_ns),
                 VerbsEvent::Broken { peer, why } => self.shut(peer, &why, now_ns, landing, out),
                 VerbsEvent::Received { peer, message } => {
                     if self.peer_down(peer).is_some() {
                         continue;
                     }
                     match Message::decode(&message) {
-                        Ok(offer @ Message::Offer { .. }) => self.take_offer(peer, offer, landing),
+                        Ok(offer @ Message::Offer { .. }) => self.take_offer(peer, offer, landing, now_ns),
                         Ok(Message::Withdraw { transfer }) => self.take_withdrawal(peer, transfer, landing),
                         Ok(answer) => {
                             if !self.take_answer(peer, answer, out) {
@@ -810,10 +890,11 @@ mod tests {
                 source: 0x7f00_1234_0000,
                 key: 0x00ab_cd12,
                 len: 1 << 20,
+                trace: 0x5eed_7ace,
                 target: target(),
                 priority: Priority::Demotion,
             },
-            Message::Answer { transfer: 7, status: AckStatus::Corrupt, target: target() },
+            Message::Answer { transfer: 7, status: AckStatus::Corrupt, target: target(), took_us: 412 },
             Message::Withdraw { transfer: 7 },
         ];
         for message in messages {
@@ -840,14 +921,15 @@ mod tests {
             source: 64,
             key: 9,
             len: 64,
+            trace: 0,
             target: target(),
             priority: Priority::WriteBack,
         };
         let raw: RawMessage = bytemuck::pod_read_unaligned(&offer.encode());
         let answer: RawMessage = bytemuck::pod_read_unaligned(
-            &Message::Answer { transfer: 1, status: AckStatus::Landed, target: target() }.encode(),
+            &Message::Answer { transfer: 1, status: AckStatus::Landed, target: target(), took_us: 0 }.encode(),
         );
-        let cases: [(RawMessage, &str); 10] = [
+        let cases: [(RawMessage, &str); 11] = [
             (RawMessage { priority: 9, ..raw }, "priority"),
             (RawMessage { kind: 4, ..raw }, "kind"),
             (RawMessage { kind: KIND_WITHDRAW, ..raw }, "withdrawal with offer"),
@@ -855,8 +937,9 @@ mod tests {
             (RawMessage { kind: KIND_ANSWER, status: 7, priority: 0, ..raw }, "status"),
             (RawMessage { kind: KIND_ANSWER, priority: 0, ..raw }, "offer fields"),
             (RawMessage { key: 3, ..answer }, "offer fields"),
-            (RawMessage { reserved_a: [0, 1], ..raw }, "reserved"),
-            (RawMessage { reserved_b: [1, 0, 0, 0], ..raw }, "reserved"),
+            (RawMessage { trace: 5, ..answer }, "offer fields"),
+            (RawMessage { reserved: 1, ..raw }, "reserved"),
+            (RawMessage { len: 0, ..raw }, "no bytes"),
             (RawMessage { version: 1, ..raw }, "version"),
         ];
         for (bad, named) in cases {
