@@ -1005,7 +1005,11 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
             aggregator.drain(256, Duration::from_secs(3));
             if let Some(cluster) = &cluster {
                 for &(node, mark) in &drain_marks {
-                    let Some(left) = aggregator.summary.figures(node).map(|f| f.drain_left) else { continue };
+                    // Not while the node's view waits for a snapshot (a
+                    // gap, a leader just restored): it may be short of
+                    // blocks, and "none left" must not be said early.
+                    let figures = aggregator.summary.figures(node).filter(|f| !f.gap);
+                    let Some(left) = figures.map(|f| f.drain_left) else { continue };
                     if let Err(e) = cluster.drain_progress(node, mark, left) {
                         eprintln!("lake summary: drain progress of node {node}: {e}");
                     }
