@@ -52,27 +52,73 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
+/// One timed load, and where its time went (from the agent's trace span
+/// of each ask of the data plane).
+struct Timed {
+    /// Lookup to bytes in hand, µs.
+    total_us: f64,
+    /// The data plane's own time on the answered ask (its queue, the L2
+    /// read), µs.
+    data_plane_us: f64,
+    /// Asks of the data plane it took (more than one: refused for want of
+    /// an L1 slot, or the slot went stale, and asked again).
+    asks: u32,
+}
+
 /// Loads of random L2-resident prompts of `set`, one at a time, until
-/// `loads` are timed (µs, sorted) or `limit` passes.
-fn time_loads(agent: &mut Agent, set: &[BlockKey], loads: usize, rng: &mut SimRng, limit: Duration) -> Vec<f64> {
+/// `loads` are timed or `limit` passes. The loads run under a trace id, so
+/// the agent keeps a span of each ask of the data plane.
+fn time_loads(agent: &mut Agent, set: &[BlockKey], loads: usize, rng: &mut SimRng, limit: Duration) -> Vec<Timed> {
     let mut timed = Vec::with_capacity(loads);
     let mut table = Vec::new();
     let until = Instant::now() + limit;
+    agent.set_trace(0x9_05);
+    agent.take_spans(|_| {});
     while timed.len() < loads && Instant::now() < until {
         let key = set[rng.below(set.len() as u64) as usize];
         let started = Instant::now();
         if agent.lookup(&[key], &mut table) != 1 || table[0].tier != Tier::L2Nvme {
             continue;
         }
-        if agent.fetch(&[key], &table, |_, bytes| {
+        let fetched = agent.fetch(&[key], &table, |_, bytes| {
             std::hint::black_box(bytes);
-        }) == 1
-        {
-            timed.push(started.elapsed().as_secs_f64() * 1e6);
+        });
+        let total_us = started.elapsed().as_secs_f64() * 1e6;
+        let (mut asks, mut data_plane_us) = (0u32, 0.0);
+        agent.take_spans(|span| {
+            asks += 1;
+            if span.result.is_ok() {
+                data_plane_us = f64::from(span.data_plane_us);
+            }
+        });
+        if fetched == 1 {
+            timed.push(Timed { total_us, data_plane_us, asks });
         }
     }
-    timed.sort_by(f64::total_cmp);
+    agent.set_trace(0);
     timed
+}
+
+/// The `p` percentile of one column of `timed`.
+fn column(timed: &[Timed], p: f64, of: impl Fn(&Timed) -> f64) -> f64 {
+    let mut values: Vec<f64> = timed.iter().map(of).collect();
+    values.sort_by(f64::total_cmp);
+    percentile(&values, p)
+}
+
+/// The run's figures for one set of timed loads (`which`: `unloaded` or
+/// `loaded`): the whole load, the data plane's part, the rest (lookup,
+/// lease, pin, copy out, waits between asks), and loads asked again.
+fn report_loads(report: &mut Report, which: &str, timed: &[Timed]) {
+    for (p, name) in [(0.5, "p50"), (0.99, "p99")] {
+        report.float(&format!("load_us_{name}_{which}"), column(timed, p, |t| t.total_us));
+        report.float(&format!("data_plane_us_{name}_{which}"), column(timed, p, |t| t.data_plane_us));
+        report.float(
+            &format!("outside_data_plane_us_{name}_{which}"),
+            column(timed, p, |t| t.total_us - t.data_plane_us),
+        );
+    }
+    report.int(&format!("loads_asked_again_{which}"), timed.iter().filter(|t| t.asks > 1).count() as u64);
 }
 
 pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
@@ -88,6 +134,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
             "seconds",
             "writer-pause-us",
             "background-depth",
+            "load-reserve",
         ],
     )?;
     let dir: String = args.get("dir", std::env::temp_dir().join("lake-bench-qos").display().to_string())?;
@@ -105,6 +152,13 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     // device at once, at most (0: no cap), as `lake serve
     // --l2-background-depth`.
     let background_depth: u32 = args.get("background-depth", 0)?;
+    // `--load-reserve N`: the last N free L1 slots are kept from saves for
+    // loads, as `lake serve --l1-load-reserve` (by default as many as it
+    // keeps: 3 of 64 slots at its 95% high-water mark).
+    let load_reserve: Option<u32> = match args.get::<i64>("load-reserve", -1)? {
+        -1 => None,
+        reserve => Some(u32::try_from(reserve).map_err(|_| "--load-reserve: 0 or more slots")?),
+    };
     if writers == 0 || set_size < u64::from(l1_slots) * 2 {
         return Err("--writers must be at least 1, --set at least twice --l1-slots".into());
     }
@@ -115,9 +169,11 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
         l2_slots_per_file: (set_size as u32).max(1024) * 4,
         local_agents: 1 + writers,
         l2_background_depth: background_depth,
+        l1_load_reserve: load_reserve,
         ..EmbeddedConfig::new(dir.clone())
     };
     let mut pool = EmbeddedPool::start(&config)?;
+    let load_reserve_slots = pool.load_reserve_slots;
     let ns = namespace()?;
     let payload = vec![0x5au8; block_bytes as usize];
     let payload = &payload[..];
@@ -255,17 +311,17 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
     report.int("writers", u64::from(writers));
     report.int("loads_unloaded", unloaded.len() as u64);
     report.int("loads_loaded", loaded.len() as u64);
-    report.float("load_us_p50_unloaded", percentile(&unloaded, 0.5));
-    report.float("load_us_p99_unloaded", percentile(&unloaded, 0.99));
-    report.float("load_us_p50_loaded", percentile(&loaded, 0.5));
-    report.float("load_us_p99_loaded", percentile(&loaded, 0.99));
-    report.float("p99_ratio", percentile(&loaded, 0.99) / percentile(&unloaded, 0.99).max(1e-9));
+    report_loads(&mut report, "unloaded", &unloaded);
+    report_loads(&mut report, "loaded", &loaded);
+    let p99 = |timed: &[Timed]| column(timed, 0.99, |t| t.total_us);
+    report.float("p99_ratio", p99(&loaded) / p99(&unloaded).max(1e-9));
     report.float("p99_ratio_goal", 2.0);
     report.float("writeback_saves_per_s", saved_during as f64 / elapsed);
     report.float("demotion_mb_per_s", (demoted * block_bytes) as f64 / elapsed / 1e6);
     report.int("saves_refused", refused.load(Ordering::Relaxed));
     report.int("writer_pause_us", pause_us);
     report.int("background_depth", u64::from(background_depth));
+    report.int("load_reserve_slots", u64::from(load_reserve_slots));
     report.int("cancel_trials", stop_us.len() as u64);
     report.int("cancel_blocks_asked", asked as u64);
     report.int("cancel_blocks_delivered", delivered as u64);

@@ -55,6 +55,12 @@ pub struct EmbeddedConfig {
     /// device at once, at most (0: no cap; below 32, the queue's depth):
     /// the rest stays for loads requests wait on.
     pub l2_background_depth: u32,
+    /// The last free L1 slots engines' saves may not take, kept for loads
+    /// (`[l1] load_reserve_slots`; 0: none). It must leave the tier
+    /// manager's high-water mark below what saves can fill. `None`: one
+    /// agent's batch of loads ([`lake_dp::agent::LOAD_BATCH`]), or fewer
+    /// where the high-water mark leaves fewer (none in a small L1).
+    pub l1_load_reserve: Option<u32>,
     /// An RDMA device: each peer's link negotiates RDMA over its TCP
     /// connection (a `lake-dp` built with the `rdma` feature).
     pub rdma: Option<lake_dp::runner::RdmaDevice>,
@@ -105,6 +111,39 @@ pub struct LocalAccess {
     pub socket_mode: Option<u32>,
 }
 
+/// The most L1 slots that can be kept from saves for loads: saves stop
+/// that many short of a full L1, and the tier manager must see L1 over its
+/// high-water mark before then, or it would never demote and the pool
+/// would refuse every save from then on.
+fn load_reserve_max(config: &EmbeddedConfig) -> u32 {
+    let slot_bytes = lake_dp::region::SlotClass::for_payload(config.block_bytes, config.l1_slots).slot_bytes;
+    let physical = slot_bytes * u64::from(config.l1_slots);
+    let capacity = config.tiers.capacity_bytes[Tier::L1Dram as usize].map_or(physical, |c| c.min(physical));
+    let high_slots = u128::from(capacity) * u128::from(config.tiers.high_percent) / 100 / u128::from(slot_bytes);
+    // Saves fill `l1_slots - reserve` slots: more than `high_slots`.
+    u32::try_from(u128::from(config.l1_slots).saturating_sub(high_slots + 1)).unwrap_or(0)
+}
+
+/// The load reserve the data plane is given (see
+/// [`EmbeddedConfig::l1_load_reserve`]).
+fn load_reserve(config: &EmbeddedConfig) -> u32 {
+    let max = load_reserve_max(config);
+    let batch = u32::try_from(lake_dp::agent::LOAD_BATCH).unwrap_or(u32::MAX);
+    config.l1_load_reserve.unwrap_or_else(|| max.min(batch))
+}
+
+fn check_load_reserve(config: &EmbeddedConfig) -> Result<(), String> {
+    let (reserve, max) = (load_reserve(config), load_reserve_max(config));
+    if reserve > max {
+        return Err(format!(
+            "l1 load reserve: {reserve} of {} slots kept for loads leaves saves below the {}% high-water mark, so L1 \
+             would never be demoted (at most {max} here)",
+            config.l1_slots, config.tiers.high_percent
+        ));
+    }
+    Ok(())
+}
+
 impl EmbeddedConfig {
     /// A pool in `dir` with `lake serve`'s defaults: 64 KiB blocks, 1,024
     /// L1 slots, 2 × 4,096 L2 slots, 16 ports for engines in other
@@ -126,6 +165,7 @@ impl EmbeddedConfig {
             transport_peers: Vec::new(),
             rdma: None,
             l2_background_depth: 0,
+            l1_load_reserve: None,
             node: 0,
             l3: None,
             summary_to: Vec::new(),
@@ -213,6 +253,9 @@ pub struct EmbeddedPool {
     /// Set: the node is being drained (`lake drain-node`): its control
     /// plane answers `/readyz` not ready.
     pub draining: Arc<AtomicBool>,
+    /// The last free L1 slots kept from saves for loads (what
+    /// [`EmbeddedConfig::l1_load_reserve`] came to).
+    pub load_reserve_slots: u32,
     cp: Option<JoinHandle<Result<Server, String>>>,
     dp: Option<JoinHandle<Result<RunnerStats, RunnerError>>>,
 }
@@ -229,6 +272,7 @@ path = "{arena}"
 classes = [{{ payload_bytes = {payload}, slots = {l1} }}]
 lock = false
 agents_max = {agents}
+load_reserve_slots = {load_reserve}
 
 [l2]
 paths = ["{dir}/l2-0.lake", "{dir}/l2-1.lake"]
@@ -259,6 +303,7 @@ ports = {remote}
         l1 = config.l1_slots,
         l2 = config.l2_slots_per_file,
         background = config.l2_background_depth,
+        load_reserve = load_reserve(config),
         agents = (config.local_agents + config.remote_agents + 2).min(1024),
         remote = config.remote_agents.clamp(1, 1024),
     ))
@@ -293,6 +338,7 @@ impl EmbeddedPool {
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
             .map_err(|e| format!("mirror: {e}"))?;
         config.tiers.validate()?;
+        check_load_reserve(config)?;
         // The view's changes are numbered in a term of this incarnation's own
         // (its start in ms): a restarted pool's changes are never taken
         // for the old one's by the leader's summary.
@@ -422,6 +468,7 @@ impl EmbeddedPool {
             stop_dp,
             requests,
             draining,
+            load_reserve_slots: load_reserve(config),
             cp: Some(cp),
             dp: Some(dp),
         };

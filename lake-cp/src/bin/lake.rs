@@ -17,6 +17,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
                   [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
                   [--l2-admission always|second-access] [--l2-background-depth N]
+                  [--l1-load-reserve N]
                   [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
                   [--link-key FILE] [--tag-threads N] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
                   [--socket-group NAME] [--socket-mode OCTAL]
@@ -352,6 +353,7 @@ fn serve(args: &[String]) -> Result<(), String> {
                 config.transport_listen = Some(value.parse().map_err(|e| format!("{flag} {value}: {e}"))?);
             }
             "--l2-background-depth" => config.l2_background_depth = small()?,
+            "--l1-load-reserve" => config.l1_load_reserve = Some(small()?),
             "--rdma-device" => {
                 config.rdma = Some(lake_dp::runner::RdmaDevice::parse(value).map_err(|e| format!("{flag}: {e}"))?);
             }

@@ -156,6 +156,11 @@ impl SlotTable {
         spans.iter().position(|s| s.contains(slot)).map_or((0, 0), |c| (c, spans[c].slot_bytes))
     }
 
+    /// Free slots of `class` (0 for a class the arena does not have).
+    pub fn free_slots(&self, class: usize) -> usize {
+        self.free.get(class).map_or(0, Vec::len)
+    }
+
     /// Takes a free slot of `class`, or `None` when the class is full
     /// (evict, or wait for draining slots).
     pub fn allocate(&mut self, class: usize) -> Option<SlotGrant> {

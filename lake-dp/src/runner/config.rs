@@ -132,6 +132,11 @@ pub struct L1Section {
     /// mlock the arena.
     #[serde(default = "default_true")]
     pub lock: bool,
+    /// The last free slots of each class that engines' saves may not
+    /// take, kept for loads (0: none). Keep `lake-cp`'s high-water mark
+    /// below what saves can then fill, or it never demotes.
+    #[serde(default)]
+    pub load_reserve_slots: u32,
 }
 
 /// `[l2]`.
@@ -628,6 +633,12 @@ impl RunnerConfig {
             if class.slots == 0 {
                 return Err(ConfigError(format!("l1.classes[{i}].slots: at least 1")));
             }
+            if self.l1.load_reserve_slots >= class.slots {
+                return Err(ConfigError(format!(
+                    "l1.load_reserve_slots: {} leaves l1.classes[{i}]'s {} slots none for saves",
+                    self.l1.load_reserve_slots, class.slots
+                )));
+            }
         }
         if self.l2.paths.is_empty() {
             return Err(bad("l2.paths", "at least one file"));
@@ -749,6 +760,7 @@ slot_bytes = 69632
         check(&GOOD.replace("id = 3", "id = \"three\""), "id");
         check(&GOOD.replace("[node]\nid = 3", "[node]"), "missing field `id`");
         check(&GOOD.replace("slots = 16", "slots = 0"), "l1.classes[0].slots");
+        check(&GOOD.replace("[l1]", "[l1]\nload_reserve_slots = 16"), "l1.load_reserve_slots");
         check(&format!("{GOOD}\n[poller]\nops_max = 0\n"), "poller.ops_max");
         check(&format!("{GOOD}\n[poller]\nspin = 3\n"), "spin");
         check(&GOOD.replace("[l1]", "[l1]\nbacking = \"disk\""), "l1.backing");

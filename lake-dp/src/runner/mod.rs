@@ -920,6 +920,7 @@ pub fn run_with(
     };
     let shared_ports = if config.agents.socket.is_some() { config.agents.ports } else { 0 };
     let mut pool = pool::Pool::new(&shape, ports.agents, shared_ports);
+    pool.set_load_reserve(config.l1.load_reserve_slots);
     let mut l3_scan = None;
     if let Some(l3) = &config.l3 {
         let (tier, scan) = start_l3(l3, &wakeup)?;

@@ -331,6 +331,9 @@ pub struct Pool {
     send_cancels: Vec<u64>,
     l1: Vec<L1State>,
     reserved: u32,
+    /// Free L1 slots of a class that an engine's save may not take: they
+    /// stay for loads (see [`Pool::set_load_reserve`]).
+    load_reserve_slots: u32,
     /// Per L2 slot: the header of the object there (its generation and
     /// length; what a re-adoption report says), `None` when empty.
     l2_meta: Vec<Option<ObjectMeta>>,
@@ -397,6 +400,7 @@ impl Pool {
             send_cancels: Vec::with_capacity(REMOTE_SENDS_MAX),
             l1: vec![L1State::Free; l1_slots as usize],
             reserved: 0,
+            load_reserve_slots: 0,
             l2_meta: vec![None; l2_slots],
             ops: vec![None; ops as usize],
             tickets: vec![None; ops as usize],
@@ -784,11 +788,25 @@ impl Pool {
         self.spans.clear();
     }
 
+    /// Keeps the last `slots` free L1 slots of each class from engines'
+    /// saves: loads (a request's critical path) still find a slot while
+    /// write-back fills L1 faster than demotion empties it, instead of
+    /// being refused and asked again. The tier manager's high-water mark
+    /// must lie below what saves can fill, or it never demotes (`lake
+    /// serve` checks; `[l1] load_reserve_slots`).
+    pub fn set_load_reserve(&mut self, slots: u32) {
+        self.load_reserve_slots = slots;
+    }
+
     fn agent_request(&mut self, agent: u16, request: AgentRequest, parts: &mut Parts<'_>, now_ns: u64) {
         let table = &mut *parts.table;
         match request {
             AgentRequest::Reserve { cookie, object_bytes } => {
-                let grant = table.class_for(object_bytes).and_then(|class| table.allocate(class));
+                let reserve = self.load_reserve_slots as usize;
+                let grant = table
+                    .class_for(object_bytes)
+                    .filter(|&class| table.free_slots(class) > reserve)
+                    .and_then(|class| table.allocate(class));
                 match grant {
                     Some(grant) => {
                         self.l1[grant.slot as usize] = L1State::Reserved { agent, since_ns: now_ns };
