@@ -197,6 +197,7 @@ fn lake(
                 target: BlockAddr { region: 1, epoch: 1, slot, generation: 1 },
                 priority: Priority::WriteBack,
                 trace: 0,
+                namespace: 0,
             };
             // SAFETY: `sources` outlives every transfer (all complete
             // before this function returns).

@@ -496,6 +496,7 @@ fn a_tenant_capped_on_its_pushes_pushes_no_faster_and_the_other_is_not_held() {
         l3_write_bytes_per_s: None,
         net_send_bytes_per_s: None,
         push_bytes_per_s: Some(CAP),
+        net_receive_bytes_per_s: None,
     };
     let dir = std::env::temp_dir().join(format!("lake-ffi-push-cap-{}", std::process::id()));
     let prefill = lake_cp::embedded::EmbeddedPool::start(&lake_cp::embedded::EmbeddedConfig {

@@ -106,7 +106,10 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
         (&["--tenant-quota", "acme:l1=4096"][..], "no --tenant acme=NAMESPACE"),
         (&["--tenant", "acme=7e7e,7f7f", "--tenant", "beta=7f7f"][..], "tenant acme's already"),
         (&["--tenant", "acme=7e7e,zz"][..], "NAME=NAMESPACE(hex)"),
-        (&["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-sent=1000"][..], "l3-write|net-send|push=BYTES_PER_S"),
+        (
+            &["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-sent=1000"][..],
+            "net-send|net-receive|push=BYTES_PER_S",
+        ),
         (&["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-send=0"][..], "(at least 1)"),
     ] {
         let out =

@@ -162,6 +162,7 @@ fn a_tenant_capped_on_l2_reads_loads_no_faster_than_its_cap_and_the_other_is_not
         l3_write_bytes_per_s: None,
         net_send_bytes_per_s: None,
         push_bytes_per_s: None,
+        net_receive_bytes_per_s: None,
     }];
     let mut pool = EmbeddedPool::start(&config).unwrap();
     let tokens = |seed: u32| (0..16 * 40).map(|t| t * 11 + seed).collect::<Vec<u32>>();

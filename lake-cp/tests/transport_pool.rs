@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 use lake_dp::agent::{Agent, AgentConfig};
+use lake_dp::runner::RunnerStats;
 use lake_dp::stored::{ObjectMeta, encode_object, object_bytes};
 use lake_dp::transport::frame::BlockAddr;
 use lake_dp::transport::tcp::{Outgoing, TcpConfig, TcpTransport};
@@ -210,6 +211,7 @@ fn blocks_a_peer_sends_land_in_the_pool_checked_and_published() {
                 target: any,
                 priority: Priority::PrefillToDecode,
                 trace: 0,
+                namespace: 0,
             };
             // SAFETY: `blocks` outlives every completion.
             match unsafe { sender.write(&block, now()) } {
@@ -406,10 +408,23 @@ fn a_control_plane_copies_blocks_over_rdma_where_both_nodes_offer_it() {
     assert!(stats_b.rdma_read_bytes >= stats_b.rdma_landed * payloads[0].len() as u64, "{stats_b:?}");
 }
 
+/// Which end holds the tenant to its cap.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CapAt {
+    /// Node 1, on what it sends (`net-send`).
+    Sender,
+    /// Node 2, on what it receives (`net-receive`).
+    Receiver,
+}
+
 /// Two pools, node 1 copying to node 2 (room for two prompts each, two
-/// engines a pool), node 1's tenant of namespace 7 capped at `rate` bytes
-/// per second on the network, under `tiers`.
+/// engines a pool), the tenant of namespace 7 capped at `rate` bytes per
+/// second on the network at one end, under `tiers`.
 fn capped_pair(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig) -> (EmbeddedPool, EmbeddedPool) {
+    capped_pair_at(name, rate, tiers, CapAt::Sender)
+}
+
+fn capped_pair_at(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig, at: CapAt) -> (EmbeddedPool, EmbeddedPool) {
     let node_b = free_port();
     let capped = lake_dp::runner::config::TenantSection {
         name: "capped".into(),
@@ -418,9 +433,12 @@ fn capped_pair(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig) -> (Embe
         l2_write_bytes_per_s: None,
         l3_read_bytes_per_s: None,
         l3_write_bytes_per_s: None,
-        net_send_bytes_per_s: Some(rate),
+        net_send_bytes_per_s: (at == CapAt::Sender).then_some(rate),
         push_bytes_per_s: None,
+        net_receive_bytes_per_s: (at == CapAt::Receiver).then_some(rate),
     };
+    let (capped_a, capped_b) =
+        if at == CapAt::Sender { (vec![capped], Vec::new()) } else { (Vec::new(), vec![capped]) };
     let start = |name: String, node: u32, listen, peers, tenant_rates| {
         let pool = config(&name, node, listen, peers);
         let tiers = tiers.clone();
@@ -434,8 +452,8 @@ fn capped_pair(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig) -> (Embe
         })
         .unwrap()
     };
-    let a = start(format!("{name}-a"), 1, None, vec![(2, node_b)], vec![capped]);
-    let b = start(format!("{name}-b"), 2, Some(node_b), Vec::new(), Vec::new());
+    let a = start(format!("{name}-a"), 1, None, vec![(2, node_b)], capped_a);
+    let b = start(format!("{name}-b"), 2, Some(node_b), Vec::new(), capped_b);
     (a, b)
 }
 
@@ -445,9 +463,30 @@ fn capped_pair(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig) -> (Embe
 /// right after, are not held behind them; every block lands byte for byte.
 #[test]
 fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is_not_held() {
+    let (stats_a, _) = copies_under_a_cap("net-cap", CapAt::Sender);
+    assert!(stats_a.pool.sends_throttled > 0, "{stats_a:?}");
+}
+
+/// The same cap held by the receiving node (`net_receive_bytes_per_s`,
+/// `--tenant-rate NAME:net-receive=…`): node 2 answers the reservations of
+/// the capped tenant's blocks "later" and node 1's transport asks again
+/// after the wait — node 1 holds no cap of its own, and neither tenant's
+/// copies fail.
+#[test]
+fn a_tenant_capped_on_what_a_node_receives_lands_no_faster_than_its_cap() {
+    let (stats_a, stats_b) = copies_under_a_cap("receive-cap", CapAt::Receiver);
+    assert_eq!(stats_a.pool.sends_throttled, 0, "node 1 holds no cap: {stats_a:?}");
+    assert_eq!(stats_b.pool.sends_throttled, 0, "{stats_b:?}");
+}
+
+/// Node 1 copies twelve blocks of a tenant capped at 1 MiB/s (at `at`) and
+/// twelve of another to node 2: the capped ones land no faster than the
+/// cap, the others not held behind them, all byte for byte; both nodes'
+/// figures.
+fn copies_under_a_cap(name: &str, at: CapAt) -> (RunnerStats, RunnerStats) {
     const RATE: u64 = 1 << 20;
     const BLOCKS: u32 = 12;
-    let (mut a, mut b) = capped_pair("net-cap", RATE, lake_cp::tier::TierConfig::default());
+    let (mut a, mut b) = capped_pair_at(name, RATE, lake_cp::tier::TierConfig::default(), at);
     let (mut a7, mut a8) = (engine_of(&mut a, "a7", 7), engine_of(&mut a, "a8", 8));
     let (mut b7, mut b8) = (engine_of(&mut b, "b7", 7), engine_of(&mut b, "b8", 8));
     let (capped_keys, capped_payloads) = save_prompt(&mut a7, 700, BLOCKS);
@@ -487,8 +526,8 @@ fn a_tenant_capped_on_the_network_copies_no_faster_than_its_cap_and_the_other_is
     let (stats_b, _) = b.stop().unwrap();
     let (stats_a, server_a) = a.stop().unwrap();
     assert_eq!(stats_b.pool.remote_landed, u64::from(2 * BLOCKS), "{stats_b:?}");
-    assert!(stats_a.pool.sends_throttled > 0, "{stats_a:?}");
     assert_eq!(server_a.node().copies_failed, 0);
+    (stats_a, stats_b)
 }
 
 /// Copies `lake-cp` takes back (`Node::cancel_copy`, wire `Cancel`):

@@ -149,6 +149,7 @@ fn the_rdma_transport_carries_an_offered_block_between_two_arenas() {
         target,
         priority: Priority::PrefillToDecode,
         trace: 0,
+        namespace: 0,
     };
     // SAFETY: the sender's arena is left alone until the completion.
     unsafe { sender.write(&block, 0) }.unwrap();

@@ -145,6 +145,7 @@ pub fn outgoing(
         target,
         priority,
         trace: 0,
+        namespace: 0,
     }
 }
 

@@ -24,7 +24,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--tenant-key NAMESPACE=FILE ...] [--tenant-keys DIR] [--require-encryption yes]
                   [--quota NAMESPACE:l1|l2|l3=BYTES ...]
                   [--tenant NAME=NAMESPACE[,NAMESPACE...] ...] [--tenant-quota NAME:l1|l2|l3=BYTES ...]
-                  [--tenant-rate NAME:l2-read|l2-write|l3-read|l3-write|net-send|push=BYTES_PER_S ...]
+                  [--tenant-rate NAME:l2-read|l2-write|l3-read|l3-write|net-send|net-receive|push=BYTES_PER_S ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
                    with a link key every transport and summary connection is authenticated;
                    with an RDMA device each peer's link negotiates RDMA over TCP, falling back to it;
@@ -418,12 +418,13 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--tenant-rate" => {
                 let bad = || {
                     format!(
-                        "{flag} {value}: NAME:l2-read|l2-write|l3-read|l3-write|net-send|push=BYTES_PER_S (at least 1)"
+                        "{flag} {value}: NAME:l2-read|l2-write|l3-read|l3-write|net-send|net-receive|push=BYTES_PER_S \
+                         (at least 1)"
                     )
                 };
                 let (place, rate) = value.split_once('=').ok_or_else(bad)?;
                 let (name, path) = place.split_once(':').ok_or_else(bad)?;
-                let path = ["l2-read", "l2-write", "l3-read", "l3-write", "net-send", "push"]
+                let path = ["l2-read", "l2-write", "l3-read", "l3-write", "net-send", "push", "net-receive"]
                     .iter()
                     .position(|p| *p == path)
                     .ok_or_else(bad)?;
@@ -498,6 +499,7 @@ fn serve(args: &[String]) -> Result<(), String> {
                     l3_write_bytes_per_s: None,
                     net_send_bytes_per_s: None,
                     push_bytes_per_s: None,
+                    net_receive_bytes_per_s: None,
                 });
                 config.tenant_rates.last_mut().ok_or("a tenant just added")?
             }
@@ -508,7 +510,8 @@ fn serve(args: &[String]) -> Result<(), String> {
             2 => &mut entry.l3_read_bytes_per_s,
             3 => &mut entry.l3_write_bytes_per_s,
             4 => &mut entry.net_send_bytes_per_s,
-            _ => &mut entry.push_bytes_per_s,
+            5 => &mut entry.push_bytes_per_s,
+            _ => &mut entry.net_receive_bytes_per_s,
         };
         *cap = Some(rate);
     }

@@ -179,6 +179,7 @@ impl<T: Links> Pusher<T> {
             target: BlockAddr { region, epoch, slot: ANY_SLOT, generation: 0 },
             priority,
             trace,
+            namespace,
         };
         // Its tenant's cap first: behind others of its tenant that wait,
         // or while its bucket is empty, it waits too (pinned).

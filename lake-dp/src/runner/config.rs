@@ -472,6 +472,12 @@ pub struct TenantSection {
     /// and holds its pushes to it.
     #[serde(default)]
     pub push_bytes_per_s: Option<u64>,
+    /// Bytes other nodes and engines may send into this node per second
+    /// at most (copies, P→D and D→P pushes over TCP): a sender that names
+    /// the block's namespace in its reservation (this build's) is told to
+    /// ask again later and holds the block meanwhile.
+    #[serde(default)]
+    pub net_receive_bytes_per_s: Option<u64>,
 }
 
 impl TenantSection {
@@ -505,6 +511,7 @@ impl TenantSection {
             ("l3_read_bytes_per_s", self.l3_read_bytes_per_s),
             ("l3_write_bytes_per_s", self.l3_write_bytes_per_s),
             ("net_send_bytes_per_s", self.net_send_bytes_per_s),
+            ("net_receive_bytes_per_s", self.net_receive_bytes_per_s),
         ];
         for (name, cap) in caps.iter().copied().chain([("push_bytes_per_s", self.push_bytes_per_s)]) {
             if cap == Some(0) {
@@ -780,11 +787,12 @@ slot_bytes = 69632
     fn tenants_caps_parse_and_bad_ones_are_named() {
         let tenant = |body: &str| format!("{GOOD}\n[[tenants]]\nname = \"batch\"\n{body}\n");
         let config = RunnerConfig::parse(&tenant(
-            "namespaces = [\"00000000000000ab\"]\nl2_read_bytes_per_s = 1000\nnet_send_bytes_per_s = 7",
+            "namespaces = [\"00000000000000ab\"]\nl2_read_bytes_per_s = 1000\nnet_send_bytes_per_s = 7\n\
+             net_receive_bytes_per_s = 9",
         ))
         .unwrap();
         let rate = config.tenants[0].rate(0).unwrap();
-        assert_eq!((rate.namespaces, rate.bytes_per_s), (vec![0xab], [Some(1000), None, None, None, Some(7)]));
+        assert_eq!((rate.namespaces, rate.bytes_per_s), (vec![0xab], [Some(1000), None, None, None, Some(7), Some(9)]));
         let check = |text: &str, expect: &str| {
             let err = RunnerConfig::parse(text).unwrap_err().to_string();
             assert!(err.contains(expect), "{expect}: got {err}");

@@ -136,6 +136,7 @@ fn log_trace_event(node: u32, event: &crate::transport::tcp::TraceEvent, out: &m
         Some(AckStatus::Refused) => "refused",
         Some(AckStatus::Corrupt) => "corrupt",
         Some(AckStatus::Busy) => "busy",
+        Some(AckStatus::Later) => "later",
         None => "abandoned",
     };
     // The sender's address, or `?` once its connection closed (written
@@ -1152,6 +1153,7 @@ pub fn run_with(
                             priority: send.priority,
                             // Copies `lake-cp` asks serve no engine's request.
                             trace: 0,
+                            namespace: send.namespace,
                         };
                         // SAFETY: the source slot is held (busy) by the pool
                         // until `send_ended`, after this transfer's end.

@@ -28,13 +28,18 @@ pub enum RatePath {
     /// storage network: `lake-cp`'s copies — replication, a node's
     /// write-back elsewhere).
     NetSend = 4,
+    /// Blocks other nodes and engines send into this node (copies, P→D
+    /// and D→P pushes), held at the sender: its reservation is answered
+    /// "later" ([`crate::transport::frame::AckStatus::Later`]).
+    NetReceive = 5,
 }
 
 /// How many [`RatePath`]s there are.
-pub const RATE_PATHS: usize = 5;
+pub const RATE_PATHS: usize = 6;
 
 /// Each [`RatePath`]'s name, in code order (metrics, config).
-pub const RATE_PATH_NAMES: [&str; RATE_PATHS] = ["l2_read", "l2_write", "l3_read", "l3_write", "net_send"];
+pub const RATE_PATH_NAMES: [&str; RATE_PATHS] =
+    ["l2_read", "l2_write", "l3_read", "l3_write", "net_send", "net_receive"];
 
 /// A token bucket in bytes.
 #[derive(Clone, Copy, Debug)]
@@ -137,6 +142,24 @@ impl TenantRates {
         true
     }
 
+    /// [`TenantRates::admit`], or how long, µs, until `namespace`'s bucket
+    /// on `path` has refilled enough to admit anything.
+    pub fn admit_or_wait(&mut self, namespace: u64, path: RatePath, bytes: u64, now_ns: u64) -> Result<(), u64> {
+        if self.admit(namespace, path, bytes, now_ns) {
+            return Ok(());
+        }
+        let bucket = self
+            .by_namespace
+            .get(&namespace)
+            .and_then(|&tenant| self.buckets.get(tenant))
+            .and_then(|b| b[path as usize].as_ref());
+        // Refused: the bucket is at or below zero; it admits once above.
+        Err(bucket.map_or(0, |b| {
+            let owed = u128::from(b.tokens.unsigned_abs()) + 1;
+            u64::try_from(owed * 1_000_000 / u128::from(b.bytes_per_s.max(1))).unwrap_or(u64::MAX)
+        }))
+    }
+
     /// Each tenant's name and how often its work waited, by [`RatePath`].
     pub fn waits(&self) -> impl Iterator<Item = (&str, [u64; RATE_PATHS])> {
         self.names.iter().map(String::as_str).zip(self.waits.iter().copied())
@@ -149,8 +172,11 @@ mod tests {
 
     #[test]
     fn a_capped_tenant_gets_its_rate_and_others_are_untouched() {
-        let tenant =
-            TenantRate { name: "a".into(), namespaces: vec![7, 8], bytes_per_s: [Some(1000), None, None, None, None] };
+        let tenant = TenantRate {
+            name: "a".into(),
+            namespaces: vec![7, 8],
+            bytes_per_s: [Some(1000), None, None, None, None, None],
+        };
         let mut rates = TenantRates::new(&[tenant]);
         // A burst of a tenth of a second (100 bytes), then debt by one op.
         assert!(rates.admit(7, RatePath::L2Read, 300, 1));
@@ -180,8 +206,11 @@ mod tests {
     fn a_bucket_asked_every_few_microseconds_at_a_low_rate_still_fills() {
         // 1000 B/s asked every 10 µs: a hundredth of a byte earned a call.
         // Dropping the fraction each call would never refill it.
-        let tenant =
-            TenantRate { name: "a".into(), namespaces: vec![7], bytes_per_s: [None, None, None, None, Some(1000)] };
+        let tenant = TenantRate {
+            name: "a".into(),
+            namespaces: vec![7],
+            bytes_per_s: [None, None, None, None, Some(1000), None],
+        };
         let mut rates = TenantRates::new(&[tenant]);
         let (mut now, mut got) = (1u64, 0u64);
         while now < 2_000_000_000 {
@@ -191,5 +220,25 @@ mod tests {
             now += 10_000;
         }
         assert!((1_900..=2_200).contains(&got), "{got} bytes in 2 s at 1000 B/s");
+    }
+
+    #[test]
+    fn a_refused_block_is_told_how_long_until_its_bucket_admits() {
+        let tenant = TenantRate {
+            name: "a".into(),
+            namespaces: vec![7],
+            bytes_per_s: [None, None, None, None, None, Some(1000)],
+        };
+        let mut rates = TenantRates::new(&[tenant]);
+        // The burst (100 bytes) and 400 of debt.
+        assert_eq!(rates.admit_or_wait(7, RatePath::NetReceive, 500, 1), Ok(()));
+        // 401 bytes to earn at 1000 B/s: 401 ms.
+        assert_eq!(rates.admit_or_wait(7, RatePath::NetReceive, 500, 1), Err(401_000));
+        assert_eq!(rates.admit_or_wait(7, RatePath::NetReceive, 500, 201_000_001), Err(200_000));
+        assert_eq!(rates.admit_or_wait(7, RatePath::NetReceive, 500, 402_000_001), Ok(()));
+        // Another tenant's, and an uncapped path, never wait.
+        assert_eq!(rates.admit_or_wait(8, RatePath::NetReceive, 1 << 30, 402_000_001), Ok(()));
+        assert_eq!(rates.admit_or_wait(7, RatePath::NetSend, 1 << 30, 402_000_001), Ok(()));
+        assert_eq!(rates.waits().next().map(|(_, w)| w[RatePath::NetReceive as usize]), Some(2));
     }
 }

@@ -223,6 +223,10 @@ impl<L: Landing> Landing for FaultyLanding<L> {
     fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
         self.inner.reserve(region, epoch, len)
     }
+
+    fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
+        self.inner.admit(namespace, len, now_ns)
+    }
 }
 
 #[cfg(test)]

@@ -69,8 +69,15 @@ pub enum FrameKind {
 /// offer (it is not an RDMA endpoint), and so speaks none.
 pub const FEATURE_TRACE: u64 = 1 << 0;
 
+/// A `Reserve` names the namespace of its block (`offset`), so the
+/// receiver can hold a tenant to what it may receive; a reservation over
+/// that cap is answered `Reserved` with [`AckStatus::Later`] and the wait
+/// (`offset`, µs), and the sender asks again then. Only on a connection
+/// whose sender offered it.
+pub const FEATURE_TENANT: u64 = 1 << 1;
+
 /// Every feature this build speaks.
-pub const FEATURES_SPOKEN: u64 = FEATURE_TRACE;
+pub const FEATURES_SPOKEN: u64 = FEATURE_TRACE | FEATURE_TENANT;
 
 /// Bytes of an encoded [`Features`].
 pub const FEATURES_BYTES: usize = 16;
@@ -126,6 +133,9 @@ impl Features {
     }
 }
 
+/// The longest wait a `Later` answer asks of its sender, µs (a second).
+pub const LATER_US_MAX: u64 = 1_000_000;
+
 /// Bytes a negotiation frame carries at most.
 pub const NEGOTIATE_BYTES_MAX: u32 = 256;
 
@@ -142,6 +152,10 @@ pub enum AckStatus {
     Corrupt = 2,
     /// The receiver has no room for another block in flight.
     Busy = 3,
+    /// A reservation's answer only ([`FEATURE_TENANT`]): the block's
+    /// tenant is at its cap on what this node receives; ask again after
+    /// the wait the frame carries.
+    Later = 4,
 }
 
 impl AckStatus {
@@ -152,6 +166,7 @@ impl AckStatus {
             1 => Self::Refused,
             2 => Self::Corrupt,
             3 => Self::Busy,
+            4 => Self::Later,
             _ => return None,
         })
     }
@@ -303,6 +318,22 @@ impl FrameHeader {
         }
     }
 
+    /// The same reservation naming its block's namespace (sent only over
+    /// a connection that agreed [`FEATURE_TENANT`]).
+    pub fn for_namespace(self, namespace: u64) -> Self {
+        debug_assert_eq!(self.kind, FrameKind::Reserve);
+        Self { offset: namespace, ..self }
+    }
+
+    /// The answer to a reservation over its tenant's receive cap: ask
+    /// again in `wait_us` (at most [`LATER_US_MAX`]).
+    pub fn later((transfer, attempt): (u64, u32), target: BlockAddr, total_len: u64, wait_us: u64) -> Self {
+        Self {
+            offset: wait_us.min(LATER_US_MAX),
+            ..Self::reserved((transfer, attempt), target, total_len, AckStatus::Later)
+        }
+    }
+
     /// The answer to a reservation: `target` reserved (status `Landed`,
     /// meaning "go"), or the status that refuses it.
     pub fn reserved((transfer, attempt): (u64, u32), target: BlockAddr, total_len: u64, status: AckStatus) -> Self {
@@ -450,13 +481,23 @@ impl FrameHeader {
                 AckStatus::Landed
             }
             FrameKind::Ack | FrameKind::Reserved => {
-                if slice_len != 0 || offset != 0 {
+                let status = AckStatus::from_u16(status).ok_or(FrameError::Field("status"))?;
+                // `Later` answers reservations alone, and carries its wait.
+                let later = kind == FrameKind::Reserved && status == AckStatus::Later;
+                if status == AckStatus::Later && !later {
+                    return Err(FrameError::Field("status"));
+                }
+                if slice_len != 0 {
                     return Err(FrameError::Field("slice_len"));
                 }
-                AckStatus::from_u16(status).ok_or(FrameError::Field("status"))?
+                if (offset != 0 && !later) || offset > LATER_US_MAX {
+                    return Err(FrameError::Field("offset"));
+                }
+                status
             }
             FrameKind::Reserve => {
-                if status != 0 || slice_len != 0 || offset != 0 || raw.slot != 0 || raw.generation != 0 {
+                // `offset`: the block's namespace ([`FEATURE_TENANT`]), or 0.
+                if status != 0 || slice_len != 0 || raw.slot != 0 || raw.generation != 0 {
                     return Err(FrameError::Field("reserve"));
                 }
                 AckStatus::Landed
@@ -528,6 +569,8 @@ mod tests {
             FrameHeader::ack((u64::MAX, u32::MAX), target(), 1, AckStatus::Landed),
             FrameHeader::reserve((7, 2), 3, 9, 1 << 20).with_priority(Priority::PrefillToDecode),
             FrameHeader::reserved((7, 2), target(), 1 << 20, AckStatus::Busy),
+            FrameHeader::reserve((7, 3), 3, 9, 1 << 20).for_namespace(0x7e4a_0017),
+            FrameHeader::later((7, 3), target(), 1 << 20, 1500),
             FrameHeader::negotiate(72),
             FrameHeader::negotiated(72),
             FrameHeader::negotiated(0),
@@ -576,13 +619,22 @@ mod tests {
         let traced = Err(FrameError::Field("traced"));
         assert_eq!(check(FrameHeader { offset: 1 << 32, ..FrameHeader::traced((1, 0), 10, 0) }), traced);
         assert_eq!(check(FrameHeader { target: target(), ..FrameHeader::traced((1, 0), 10, 5) }), traced);
+        // `Later` answers a reservation only, with a wait of at most a second.
+        assert_eq!(check(FrameHeader::ack((1, 0), target(), 10, AckStatus::Later)), Err(FrameError::Field("status")));
+        assert_eq!(
+            check(FrameHeader { offset: 5, ..FrameHeader::reserved((1, 0), target(), 10, AckStatus::Busy) }),
+            Err(FrameError::Field("offset"))
+        );
+        let later = FrameHeader::later((1, 0), target(), 10, u64::MAX);
+        assert_eq!(check(later).map(|f| f.offset), Ok(LATER_US_MAX));
+        assert_eq!(check(FrameHeader { offset: LATER_US_MAX + 1, ..later }), Err(FrameError::Field("offset")));
         let trace = FrameHeader::trace((4, 2), target(), 10, 0xfeed);
         assert_eq!(check(trace).map(|f| f.trace_id()), Ok(0xfeed));
         assert_eq!(check(FrameHeader::traced((4, 2), 10, 99)).map(|f| f.took_us()), Ok(99));
     }
 
     #[test]
-    fn the_fuzz_seeds_of_trace_frames_decode_as_such() {
+    fn the_fuzz_seeds_of_trace_and_tenant_frames_decode_as_such() {
         let seed = |n: u32| {
             let path = format!("{}/../fuzz/seeds/transport_frame/seed-{n:02}", env!("CARGO_MANIFEST_DIR"));
             let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
@@ -594,6 +646,11 @@ mod tests {
         assert_eq!((trace.kind, trace.trace_id()), (FrameKind::Trace, 0x5eed_0000_7ace));
         let traced = seed(10);
         assert_eq!((traced.kind, traced.took_us()), (FrameKind::Traced, 274));
+        // A reservation naming its namespace, and its answer "later".
+        let reserve = seed(11);
+        assert_eq!((reserve.kind, reserve.offset), (FrameKind::Reserve, 0x7e4a_0017));
+        let later = seed(12);
+        assert_eq!((later.kind, later.status, later.offset), (FrameKind::Reserved, AckStatus::Later, 1500));
     }
 
     #[test]

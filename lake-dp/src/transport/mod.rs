@@ -52,6 +52,10 @@ pub struct Outgoing {
     /// TCP, a peer that takes trace ids logs its landing under it and
     /// answers with its time ([`tcp::TraceEvent`]).
     pub trace: u64,
+    /// The block's namespace (0: not said): a block sent to [`ANY_SLOT`]
+    /// names it in its reservation, so the receiver can hold its tenant to
+    /// what the node receives ([`Landing::admit`]).
+    pub namespace: u64,
 }
 
 /// What moves blocks to other nodes, whatever the wire: TCP
@@ -290,6 +294,16 @@ pub trait Landing {
     fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
         let _ = (region, epoch, len);
         Err(AckStatus::Refused)
+    }
+
+    /// Whether a `len`-byte block of `namespace` that a peer asks a slot
+    /// for may come now, under its tenant's cap on what this node
+    /// receives: `Err` with the wait in µs before it is asked again (the
+    /// sender holds it meanwhile; nothing is refused or lost). By default
+    /// every block may.
+    fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
+        let _ = (namespace, len, now_ns);
+        Ok(())
     }
 }
 

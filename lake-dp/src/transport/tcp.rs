@@ -30,8 +30,8 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
 use super::frame::{
-    AckStatus, BlockAddr, FEATURE_TRACE, FEATURES_LEN, FEATURES_SPOKEN, FRAME_HEADER_BYTES, Features, FrameError,
-    FrameHeader, FrameKind,
+    AckStatus, BlockAddr, FEATURE_TENANT, FEATURE_TRACE, FEATURES_LEN, FEATURES_SPOKEN, FRAME_HEADER_BYTES, Features,
+    FrameError, FrameHeader, FrameKind,
 };
 use super::{ANY_SLOT, Completion, Landing, TransferError};
 use crate::auth::handshake::{CLIENT_FINISH_BYTES, CLIENT_HELLO_BYTES, SERVER_HELLO_BYTES};
@@ -630,7 +630,16 @@ pub struct TcpStats {
     pub write_calls: u64,
     /// Read calls.
     pub read_calls: u64,
+    /// Reservations this end answered `Later`: their tenant was at its cap
+    /// on what this node receives.
+    pub reservations_held: u64,
+    /// Reservations peers answered `Later`, asked again after the wait.
+    pub reservations_later: u64,
 }
+
+/// The shortest wait between a reservation answered `Later` and the next
+/// ask, µs.
+const LATER_US_MIN: u64 = 200;
 
 /// Why the transport could not start or take a write.
 #[derive(Debug)]
@@ -660,6 +669,9 @@ pub struct TcpTransport {
     /// attempt of the same transfer (its sender did not hear the ack) is
     /// answered `Landed` again, its bytes dropped.
     landed: HashMap<BlockAddr, (u64, u32, u64)>,
+    /// Reservations the peer answered `Later` (its receive cap for the
+    /// block's tenant): transfer, attempt, when to ask again.
+    later: Vec<(u64, u32, u64)>,
     done: Vec<Completion>,
     /// Tokens touched by the last events (reused).
     touched: Vec<usize>,
@@ -739,6 +751,7 @@ impl TcpTransport {
             sending: HashMap::with_capacity(config.in_flight_max),
             landing: HashMap::with_capacity(config.landing_max),
             landed: HashMap::with_capacity(config.landing_max),
+            later: Vec::with_capacity(config.in_flight_max),
             done: Vec::with_capacity(config.in_flight_max),
             touched: Vec::with_capacity(256),
             last_sweep_ns: 0,
@@ -1049,9 +1062,13 @@ impl TcpTransport {
             let block = sending.block;
             sending.streams |= 1 << index;
             let slice_len = u32::try_from(next.len).unwrap_or(self.config.slice_bytes);
+            let tenants = self.streams[token].as_ref().is_some_and(|s| s.features & FEATURE_TENANT != 0);
             let header = if next.len == 0 {
                 let (region, epoch) = (block.target.region, block.target.epoch);
-                FrameHeader::reserve((block.transfer.wrapping_add(salt), next.attempt), region, epoch, block.len)
+                let reserve =
+                    FrameHeader::reserve((block.transfer.wrapping_add(salt), next.attempt), region, epoch, block.len);
+                // The receiver may hold the block's tenant to a cap.
+                if tenants { reserve.for_namespace(block.namespace) } else { reserve }
             } else {
                 let transfer = block.transfer.wrapping_add(salt);
                 FrameHeader::data((transfer, next.attempt), block.target, block.len, next.offset, slice_len)
@@ -1103,7 +1120,7 @@ impl TcpTransport {
         let ready = self.streams.iter().flatten().any(|s| s.readable || s.wants_write());
         // Slices waiting for a kernel queue to drain: no event says when,
         // so look again soon.
-        let waiting = self.peers.iter().any(|p| p.pending.iter().any(|q| !q.is_empty()));
+        let waiting = !self.later.is_empty() || self.peers.iter().any(|p| p.pending.iter().any(|q| !q.is_empty()));
         let timeout = if ready || !self.done.is_empty() || !self.checking.is_empty() {
             std::time::Duration::ZERO
         } else if waiting {
@@ -1931,7 +1948,8 @@ impl TcpTransport {
                     }
                     AckStatus::Refused => Err(TransferError::Refused),
                     AckStatus::Corrupt => Err(TransferError::Corrupt),
-                    AckStatus::Busy => Err(TransferError::Busy),
+                    // `Later` answers reservations only (the decoder sees to it).
+                    AckStatus::Busy | AckStatus::Later => Err(TransferError::Busy),
                 };
                 if result.is_err() {
                     self.stats.failed += 1;
@@ -1946,6 +1964,19 @@ impl TcpTransport {
             FrameKind::Reserved => {
                 let Some(sending) = self.sending.get_mut(&frame.transfer) else { return };
                 if frame.attempt != sending.attempt || sending.block.target.slot != ANY_SLOT {
+                    return;
+                }
+                if frame.status == AckStatus::Later {
+                    // The block's tenant is at the peer's cap on what it
+                    // receives: asked again after the wait it named. Waiting
+                    // is not failing: the deadline counts from then.
+                    let wait_ns = frame.offset.max(LATER_US_MIN) * 1000;
+                    sending.deadline_ns = sending.deadline_ns.max(now_ns + wait_ns + self.config.transfer_timeout_ns);
+                    sending.streams = 0;
+                    self.stats.reservations_later += 1;
+                    if self.later.len() < self.later.capacity() {
+                        self.later.push((frame.transfer, frame.attempt, now_ns + wait_ns));
+                    }
                     return;
                 }
                 if frame.status != AckStatus::Landed {
@@ -2016,9 +2047,19 @@ impl TcpTransport {
     fn on_reserve(&mut self, token: usize, frame: &FrameHeader, landing: &mut dyn Landing, now_ns: u64) {
         let key = (frame.transfer, frame.attempt);
         let known = self.landing.iter().find(|(_, a)| a.transfer == frame.transfer).map(|(&target, _)| target);
+        // The block's namespace, where the sender names it: its tenant may
+        // be held to what this node receives.
+        let tenants = self.streams[token].as_ref().is_some_and(|s| s.features & FEATURE_TENANT != 0);
+        let namespace = if tenants { frame.offset } else { 0 };
+        let mut wait_us = 0;
         let answer = match known {
             Some(target) => Ok(target),
             None if self.landing.len() >= self.config.landing_max => Err(AckStatus::Busy),
+            None if namespace != 0
+                && self.reservations_capped(landing, namespace, frame.total_len, now_ns, &mut wait_us) =>
+            {
+                Err(AckStatus::Later)
+            }
             None => landing.reserve(frame.target.region, frame.target.epoch, frame.total_len).and_then(|target| {
                 let base = landing.place(&target, frame.total_len)?;
                 self.landing.insert(
@@ -2044,11 +2085,37 @@ impl TcpTransport {
             Err(status) => (frame.target, status),
         };
         if let Some(stream) = self.streams[token].as_mut() {
-            let header = FrameHeader::reserved(key, target, frame.total_len, status).encode();
+            let header = if status == AckStatus::Later {
+                FrameHeader::later(key, target, frame.total_len, wait_us)
+            } else {
+                FrameHeader::reserved(key, target, frame.total_len, status)
+            }
+            .encode();
             let prefix = stream.prefix();
             stream.push(QueuedFrame::new(None, header, core::ptr::null(), 0, prefix));
             if stream.writable {
                 self.flush(token);
+            }
+        }
+    }
+
+    /// Whether a reservation of `len` bytes for `namespace` must wait for
+    /// its tenant's cap on what this node receives ([`Landing::admit`]);
+    /// if so, `wait_us` says how long.
+    fn reservations_capped(
+        &mut self,
+        landing: &mut dyn Landing,
+        namespace: u64,
+        len: u64,
+        now_ns: u64,
+        wait_us: &mut u64,
+    ) -> bool {
+        match landing.admit(namespace, len, now_ns) {
+            Ok(()) => false,
+            Err(wait) => {
+                *wait_us = wait.max(LATER_US_MIN);
+                self.stats.reservations_held += 1;
+                true
             }
         }
     }
@@ -2407,8 +2474,40 @@ impl TcpTransport {
         }
     }
 
+    /// Reservations answered `Later` whose wait is over: asked again,
+    /// behind what waits already.
+    fn ask_again(&mut self, now_ns: u64) {
+        let mut at = 0;
+        while at < self.later.len() {
+            let (transfer, attempt, when_ns) = self.later[at];
+            if when_ns > now_ns {
+                at += 1;
+                continue;
+            }
+            self.later.swap_remove(at);
+            let Some(mut sending) = self.sending.remove(&transfer) else { continue };
+            if sending.attempt != attempt {
+                self.sending.insert(transfer, sending);
+                continue;
+            }
+            let peer = sending.block.peer;
+            if self.queue_slices(&mut sending, false).is_ok() {
+                self.sending.insert(transfer, sending);
+                self.feed(peer);
+            } else {
+                self.stats.failed += 1;
+                self.done.push(Completion {
+                    transfer,
+                    result: Err(TransferError::Invalid("peer")),
+                    target: sending.block.target,
+                });
+            }
+        }
+    }
+
     /// Deadlines, stalls, reconnects, abandoned landings.
     fn sweep(&mut self, landing: &mut dyn Landing, now_ns: u64) {
+        self.ask_again(now_ns);
         // Connections that stopped moving: a cut link sends no error for
         // minutes, so silence with bytes to move counts as a break.
         for token in 0..self.streams.len() {

@@ -298,6 +298,10 @@ impl Landing for PoolLanding<'_, '_> {
     fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
         self.pool.remote_reserve(region, epoch, len, self.parts)
     }
+
+    fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
+        self.pool.rates.admit_or_wait(namespace, crate::runner::rates::RatePath::NetReceive, len, now_ns)
+    }
 }
 
 /// Payload bytes the background check reads per pass at most (at least
@@ -435,7 +439,9 @@ impl Pool {
             .map(|(name, waits)| crate::wire::message::TenantThrottle {
                 // Names are checked at config to fit.
                 name: crate::wire::message::text_field("tenant_throttle.name", name).unwrap_or_default(),
-                waits,
+                // The record carries the first five paths; what waited to
+                // be received is in the transport's figures.
+                waits: [waits[0], waits[1], waits[2], waits[3], waits[4]],
             })
             .collect()
     }

@@ -750,7 +750,8 @@ impl<V: Verbs> RdmaTransport<V> {
             AckStatus::Refused if offered.withdrawn => Err(TransferError::Cancelled),
             AckStatus::Refused => Err(TransferError::Refused),
             AckStatus::Corrupt => Err(TransferError::Corrupt),
-            AckStatus::Busy => Err(TransferError::Busy),
+            // `Later` answers TCP reservations only: never an offer's.
+            AckStatus::Busy | AckStatus::Later => Err(TransferError::Busy),
         };
         out.push(Completion { transfer, result, target });
         true

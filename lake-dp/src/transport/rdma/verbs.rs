@@ -594,7 +594,8 @@ impl RdmaReader {
                         match landing.landed(&read.target, read.len) {
                             AckStatus::Landed => Ok(()),
                             AckStatus::Corrupt => Err(TransferError::Corrupt),
-                            AckStatus::Busy => Err(TransferError::Busy),
+                            // `Later` answers reservations, not landings.
+                            AckStatus::Busy | AckStatus::Later => Err(TransferError::Busy),
                             AckStatus::Refused => Err(TransferError::Refused),
                         }
                     }
