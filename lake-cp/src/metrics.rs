@@ -340,14 +340,14 @@ fn label(text: &str) -> String {
 
 /// How often each capped tenant's work waited for its caps, by path (the
 /// data plane's counts since it started).
-fn tenant_throttle_metrics(out: &mut String, tenants: &[lake_dp::wire::message::TenantThrottle]) {
+fn tenant_throttle_metrics(out: &mut String, tenants: &[lake_dp::wire::message::TenantWait]) {
     if tenants.is_empty() {
         return;
     }
     let name = "lake_tenant_throttled_total";
     let _ = writeln!(
         out,
-        "# HELP {name} Times a capped tenant's work waited for its bandwidth cap, by path (L2 and L3 reads and writes, sends to other nodes)."
+        "# HELP {name} Times a capped tenant's work waited for its bandwidth cap, by path (L2 and L3 reads and writes, sends to other nodes, blocks received from them)."
     );
     let _ = writeln!(out, "# TYPE {name} counter");
     for tenant in tenants {

@@ -245,7 +245,7 @@ pub struct Node {
     pub engine_paths_gone: Vec<lake_dp::wire::message::PathEntry>,
     /// Each capped tenant's waits for its bandwidth caps on the data
     /// plane, as last sent.
-    pub tenant_throttles: Vec<lake_dp::wire::message::TenantThrottle>,
+    pub tenant_throttles: Vec<lake_dp::wire::message::TenantWait>,
     /// What happened to blocks lately, oldest first ([`HISTORY_MAX`]).
     history: std::collections::VecDeque<BlockEvent>,
     /// An operator is taking this node out (`lake drain-node`, read from
@@ -618,6 +618,11 @@ impl Node {
                 Ok(())
             }
             Message::TenantThrottles(_, entries) => {
+                // An older data plane: its first five paths.
+                self.tenant_throttles = entries.iter().map(lake_dp::wire::message::TenantWait::from).collect();
+                Ok(())
+            }
+            Message::TenantWaits(_, entries) => {
                 self.tenant_throttles = entries.iter().collect();
                 Ok(())
             }

@@ -7,6 +7,9 @@
 
 #![allow(clippy::cast_possible_truncation)] // small test sizes
 
+#[path = "common/metrics.rs"]
+mod metrics;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -439,21 +442,21 @@ fn capped_pair_at(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig, at: C
     };
     let (capped_a, capped_b) =
         if at == CapAt::Sender { (vec![capped], Vec::new()) } else { (Vec::new(), vec![capped]) };
-    let start = |name: String, node: u32, listen, peers, tenant_rates| {
-        let pool = config(&name, node, listen, peers);
-        let tiers = tiers.clone();
-        EmbeddedPool::start(&EmbeddedConfig {
-            l1_slots: 64,
-            l2_slots_per_file: 64,
-            local_agents: 2,
-            tenant_rates,
-            tiers,
-            ..pool
-        })
-        .unwrap()
+    let start_config = |name: String, node: u32, listen, peers, tenant_rates| EmbeddedConfig {
+        l1_slots: 64,
+        l2_slots_per_file: 64,
+        local_agents: 2,
+        tenant_rates,
+        tiers: tiers.clone(),
+        ..config(&name, node, listen, peers)
     };
-    let a = start(format!("{name}-a"), 1, None, vec![(2, node_b)], capped_a);
-    let b = start(format!("{name}-b"), 2, Some(node_b), Vec::new(), capped_b);
+    let a = EmbeddedPool::start(&start_config(format!("{name}-a"), 1, None, vec![(2, node_b)], capped_a)).unwrap();
+    // Node 2 serves /metrics: who waited to be received shows there.
+    let b = EmbeddedPool::start(&EmbeddedConfig {
+        metrics: true,
+        ..start_config(format!("{name}-b"), 2, Some(node_b), Vec::new(), capped_b)
+    })
+    .unwrap();
     (a, b)
 }
 
@@ -522,6 +525,20 @@ fn copies_under_a_cap(name: &str, at: CapAt) -> (RunnerStats, RunnerStats) {
     );
     assert!(capped_time >= at_rate.mul_f64(0.9), "{capped_time:?} for {BLOCKS} blocks at {RATE} B/s");
     assert!(free_time < capped_time / 2, "the uncapped tenant was held: {free_time:?} vs {capped_time:?}");
+    if at == CapAt::Receiver {
+        // Node 2's operator sees the tenant's blocks held at their sender
+        // (sent with the data plane's stats, once a second).
+        let address = b.metrics.unwrap();
+        let waited = |path: &str| {
+            metrics::metric(address, &format!("lake_tenant_throttled_total{{tenant=\"capped\",path=\"{path}\"}}"))
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while waited("net_receive").unwrap_or(0) == 0 {
+            assert!(Instant::now() < deadline, "no held receptions in /metrics");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(waited("net_send"), Some(0));
+    }
     drop((a7, a8, b7, b8));
     let (stats_b, _) = b.stop().unwrap();
     let (stats_a, server_a) = a.stop().unwrap();

@@ -313,16 +313,30 @@ impl CpLink {
         self.ack.features & feature != 0
     }
 
-    /// Reports how often each capped tenant's work waited (to a control
-    /// plane that takes it: [`crate::wire::FEATURE_TENANT_THROTTLES`]).
-    pub fn tenant_throttles(&mut self, entries: &[crate::wire::message::TenantThrottle]) {
-        use crate::wire::message::{TENANTS_REPORTED_MAX, TenantThrottles};
-        if !self.takes(crate::wire::FEATURE_TENANT_THROTTLES) || entries.is_empty() {
+    /// Reports how often each capped tenant's work waited: every path to a
+    /// control plane that takes [`crate::wire::FEATURE_TENANT_WAITS`], the
+    /// first five to one that takes only
+    /// [`crate::wire::FEATURE_TENANT_THROTTLES`], nothing to one before.
+    pub fn tenant_throttles(&mut self, entries: &[crate::wire::message::TenantWait]) {
+        use crate::wire::message::{TENANTS_REPORTED_MAX, TenantThrottle, TenantThrottles};
+        if entries.is_empty() {
             return;
         }
-        for chunk in entries.chunks(TENANTS_REPORTED_MAX) {
-            let count = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
-            self.queue(&Message::TenantThrottles(TenantThrottles { count, reserved: 0 }, Records::from_slice(chunk)));
+        if self.takes(crate::wire::FEATURE_TENANT_WAITS) {
+            for chunk in entries.chunks(TENANTS_REPORTED_MAX) {
+                let count = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+                self.queue(&Message::TenantWaits(TenantThrottles { count, reserved: 0 }, Records::from_slice(chunk)));
+            }
+        } else if self.takes(crate::wire::FEATURE_TENANT_THROTTLES) {
+            for chunk in entries.chunks(TENANTS_REPORTED_MAX) {
+                let count = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+                let old: heapless::Vec<TenantThrottle, TENANTS_REPORTED_MAX> =
+                    chunk.iter().map(crate::wire::message::TenantWait::throttle).collect();
+                self.queue(&Message::TenantThrottles(
+                    TenantThrottles { count, reserved: 0 },
+                    Records::from_slice(&old),
+                ));
+            }
         }
     }
 

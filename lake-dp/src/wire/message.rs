@@ -746,6 +746,59 @@ impl Record for TenantThrottle {
     }
 }
 
+/// Paths a [`TenantWait`] has room for: the data plane's
+/// [`crate::runner::rates::RATE_PATHS`] in their code order, the rest 0.
+pub const TENANT_WAIT_PATHS: usize = 8;
+
+const _: () = assert!(crate::runner::rates::RATE_PATHS <= TENANT_WAIT_PATHS);
+
+/// One tenant's waits since the data plane started, on every path it caps
+/// (kind 31, [`Message::TenantWaits`], to a control plane that offered
+/// [`super::FEATURE_TENANT_WAITS`]; one that did not is sent the first
+/// five paths as [`TenantThrottle`]s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct TenantWait {
+    /// Its name (UTF-8, NUL-padded, not empty).
+    pub name: [u8; TENANT_NAME_BYTES],
+    /// Times its work waited for a bucket, by path: L2 reads, L2 writes,
+    /// L3 reads, L3 writes, sends to other nodes, blocks received from
+    /// them; then 0.
+    pub waits: [u64; TENANT_WAIT_PATHS],
+}
+
+impl TenantWait {
+    /// Its name.
+    pub fn name(&self) -> &str {
+        text(&self.name)
+    }
+
+    /// What an older control plane is sent of it: the first five paths.
+    pub fn throttle(&self) -> TenantThrottle {
+        let mut waits = [0; 5];
+        waits.copy_from_slice(&self.waits[..5]);
+        TenantThrottle { name: self.name, waits }
+    }
+}
+
+impl From<TenantThrottle> for TenantWait {
+    /// An older data plane's record: no waits past the first five paths.
+    fn from(old: TenantThrottle) -> Self {
+        let mut waits = [0; TENANT_WAIT_PATHS];
+        waits[..5].copy_from_slice(&old.waits);
+        Self { name: old.name, waits }
+    }
+}
+
+impl Record for TenantWait {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.name[0] == 0 {
+            return Err(field_err("tenant_wait.name", 0u8));
+        }
+        check_text("tenant_wait.name", &self.name)
+    }
+}
+
 /// One rail to one peer: counters since the transport started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
@@ -1608,6 +1661,7 @@ messages! {
         PathLatency(PathLatency, PathEntry) = 27,
         TenantThrottles(TenantThrottles, TenantThrottle) = 29,
         PushCaps(PushCaps, PushCap) = 30,
+        TenantWaits(TenantThrottles, TenantWait) = 31,
     }
 }
 
@@ -1629,6 +1683,7 @@ const _: () = assert!(size_of::<RailEntry>() == 24);
 const _: () = assert!(size_of::<PathLatency>() == 8);
 const _: () = assert!(size_of::<TenantThrottles>() == 8);
 const _: () = assert!(size_of::<TenantThrottle>() == 72);
+const _: () = assert!(size_of::<TenantWait>() == 96);
 const _: () = assert!(size_of::<PushCaps>() == 8);
 const _: () = assert!(size_of::<PushCap>() == 24);
 const _: () = assert!(size_of::<PathEntry>() == 24 + 8 * LATENCY_BUCKETS);

@@ -85,13 +85,19 @@ pub const FEATURE_TENANT_THROTTLES: u64 = 1 << 6;
 /// pushes to those caps; a data plane sends it only where offered.
 pub const FEATURE_PUSH_CAPS: u64 = 1 << 7;
 
+/// Feature bit: the side takes [`message::TenantWaits`] (kind 31: each
+/// capped tenant's waits on every path, what it received too), sent only
+/// where offered; [`FEATURE_TENANT_THROTTLES`] alone gets the first five.
+pub const FEATURE_TENANT_WAITS: u64 = 1 << 8;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
     | FEATURE_DRAIN
     | FEATURE_PATHS_L3
     | FEATURE_PATHS_AGENT
-    | FEATURE_TENANT_THROTTLES;
+    | FEATURE_TENANT_THROTTLES
+    | FEATURE_TENANT_WAITS;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
@@ -99,7 +105,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 8] = [
+pub const FEATURE_NAMES: [(u64, &str); 9] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -108,6 +114,7 @@ pub const FEATURE_NAMES: [(u64, &str); 8] = [
     (FEATURE_TENANT_THROTTLES, "tenant_throttles"),
     (FEATURE_TRACE, "trace"),
     (FEATURE_PUSH_CAPS, "push_caps"),
+    (FEATURE_TENANT_WAITS, "tenant_waits"),
 ];
 
 /// Bytes in a frame header.

@@ -234,6 +234,9 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
         PushCap { namespace: 0xcd, tenant: 0, reserved: 0, bytes_per_s: 1 << 20 },
     ];
     visit(reply(1), Message::PushCaps(PushCaps { count: 2, reserved: 0 }, Records::from_slice(&caps)));
+    let mut waits = TenantWait { name: batch.name, waits: [3, 0, 1, 0, 7, 12, 0, 0] };
+    waits.name[5] = b'2';
+    visit(meta(18), Message::TenantWaits(TenantThrottles { count: 1, reserved: 0 }, Records::from_slice(&[waits])));
 }
 
 /// [`each_message`] encoded: one frame per kind.

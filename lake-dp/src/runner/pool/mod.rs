@@ -433,15 +433,18 @@ impl Pool {
 
     /// Each capped tenant's waits, for the control plane (none without
     /// caps).
-    pub fn tenant_throttles(&self) -> Vec<crate::wire::message::TenantThrottle> {
+    pub fn tenant_throttles(&self) -> Vec<crate::wire::message::TenantWait> {
+        use crate::wire::message::{TENANT_WAIT_PATHS, TenantWait};
         self.rates
             .waits()
-            .map(|(name, waits)| crate::wire::message::TenantThrottle {
-                // Names are checked at config to fit.
-                name: crate::wire::message::text_field("tenant_throttle.name", name).unwrap_or_default(),
-                // The record carries the first five paths; what waited to
-                // be received is in the transport's figures.
-                waits: [waits[0], waits[1], waits[2], waits[3], waits[4]],
+            .map(|(name, waits)| {
+                let mut all = [0; TENANT_WAIT_PATHS];
+                all[..waits.len()].copy_from_slice(&waits);
+                TenantWait {
+                    // Names are checked at config to fit.
+                    name: crate::wire::message::text_field("tenant_throttle.name", name).unwrap_or_default(),
+                    waits: all,
+                }
             })
             .collect()
     }
