@@ -1,7 +1,8 @@
 //! Transport frame headers: any 64 bytes decode or give a typed error,
 //! never a panic; an accepted header re-encodes to the same bytes and
 //! keeps its slice inside its object (a negotiation frame: its bytes
-//! within their bound; a trace frame: none).
+//! within their bound; a trace frame: none; a reservation's answer
+//! "later": its wait within a second).
 //!
 //! The first input byte picks a mode. Odd: the header CRC is fixed up before
 //! decoding, so mutations reach the field checks. Even: decoded as is.
@@ -9,7 +10,8 @@
 #![no_main]
 
 use lake_dp::transport::frame::{
-    FRAME_HEADER_BYTES, FrameHeader, FrameKind, NEGOTIATE_BYTES_MAX, OBJECT_BYTES_MAX, SLICE_BYTES_MAX,
+    AckStatus, FRAME_HEADER_BYTES, FrameHeader, FrameKind, LATER_US_MAX, NEGOTIATE_BYTES_MAX, OBJECT_BYTES_MAX,
+    SLICE_BYTES_MAX,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -32,9 +34,19 @@ fuzz_target!(|data: &[u8]| {
             assert!(frame.slice_len > 0 && frame.slice_len <= SLICE_BYTES_MAX);
             assert!(frame.offset + u64::from(frame.slice_len) <= frame.total_len);
         }
-        FrameKind::Ack | FrameKind::Reserved => assert_eq!((frame.slice_len, frame.offset), (0, 0)),
+        FrameKind::Ack => {
+            assert_eq!((frame.slice_len, frame.offset), (0, 0));
+            assert_ne!(frame.status, AckStatus::Later, "later answers reservations only");
+        }
+        // A reservation answered "later" carries its wait (at most a
+        // second); any other answer nothing.
+        FrameKind::Reserved if frame.status == AckStatus::Later => {
+            assert!(frame.slice_len == 0 && frame.offset <= LATER_US_MAX);
+        }
+        FrameKind::Reserved => assert_eq!((frame.slice_len, frame.offset), (0, 0)),
+        // `offset`: the block's namespace, or 0.
         FrameKind::Reserve => {
-            assert_eq!((frame.slice_len, frame.offset, frame.target.slot, frame.target.generation), (0, 0, 0, 0));
+            assert_eq!((frame.slice_len, frame.target.slot, frame.target.generation), (0, 0, 0));
         }
         // An offer carries bytes; an answer carries them or none (declined).
         FrameKind::Negotiate | FrameKind::Negotiated => {
