@@ -111,29 +111,20 @@ pub struct LocalAccess {
     pub socket_mode: Option<u32>,
 }
 
-/// The most L1 slots that can be kept from saves for loads: saves stop
-/// that many short of a full L1, and the tier manager must see L1 over its
-/// high-water mark before then, or it would never demote and the pool
-/// would refuse every save from then on.
-fn load_reserve_max(config: &EmbeddedConfig) -> u32 {
+/// The load reserve the data plane is given (see
+/// [`EmbeddedConfig::l1_load_reserve`]): saves stop that many slots short
+/// of a full L1, and the tier manager must see L1 over its high-water mark
+/// before then, or it would never demote and the pool would refuse every
+/// save from then on — a reserve asked for past that is refused.
+fn load_reserve(config: &EmbeddedConfig) -> Result<u32, String> {
     let slot_bytes = lake_dp::region::SlotClass::for_payload(config.block_bytes, config.l1_slots).slot_bytes;
     let physical = slot_bytes * u64::from(config.l1_slots);
     let capacity = config.tiers.capacity_bytes[Tier::L1Dram as usize].map_or(physical, |c| c.min(physical));
     let high_slots = u128::from(capacity) * u128::from(config.tiers.high_percent) / 100 / u128::from(slot_bytes);
     // Saves fill `l1_slots - reserve` slots: more than `high_slots`.
-    u32::try_from(u128::from(config.l1_slots).saturating_sub(high_slots + 1)).unwrap_or(0)
-}
-
-/// The load reserve the data plane is given (see
-/// [`EmbeddedConfig::l1_load_reserve`]).
-fn load_reserve(config: &EmbeddedConfig) -> u32 {
-    let max = load_reserve_max(config);
+    let max = u32::try_from(u128::from(config.l1_slots).saturating_sub(high_slots + 1)).unwrap_or(0);
     let batch = u32::try_from(lake_dp::agent::LOAD_BATCH).unwrap_or(u32::MAX);
-    config.l1_load_reserve.unwrap_or_else(|| max.min(batch))
-}
-
-fn check_load_reserve(config: &EmbeddedConfig) -> Result<(), String> {
-    let (reserve, max) = (load_reserve(config), load_reserve_max(config));
+    let reserve = config.l1_load_reserve.unwrap_or_else(|| max.min(batch));
     if reserve > max {
         return Err(format!(
             "l1 load reserve: {reserve} of {} slots kept for loads leaves saves below the {}% high-water mark, so L1 \
@@ -141,7 +132,7 @@ fn check_load_reserve(config: &EmbeddedConfig) -> Result<(), String> {
             config.l1_slots, config.tiers.high_percent
         ));
     }
-    Ok(())
+    Ok(reserve)
 }
 
 impl EmbeddedConfig {
@@ -260,7 +251,13 @@ pub struct EmbeddedPool {
     dp: Option<JoinHandle<Result<RunnerStats, RunnerError>>>,
 }
 
-fn runner_config(config: &EmbeddedConfig, arena: &Path, cp: &Path, dp: &Path) -> Result<RunnerConfig, String> {
+fn runner_config(
+    config: &EmbeddedConfig,
+    load_reserve: u32,
+    arena: &Path,
+    cp: &Path,
+    dp: &Path,
+) -> Result<RunnerConfig, String> {
     let slot_bytes = lake_dp::stored::object_bytes(config.block_bytes);
     RunnerConfig::parse(&format!(
         r#"
@@ -303,7 +300,7 @@ ports = {remote}
         l1 = config.l1_slots,
         l2 = config.l2_slots_per_file,
         background = config.l2_background_depth,
-        load_reserve = load_reserve(config),
+        load_reserve = load_reserve,
         agents = (config.local_agents + config.remote_agents + 2).min(1024),
         remote = config.remote_agents.clamp(1, 1024),
     ))
@@ -338,7 +335,7 @@ impl EmbeddedPool {
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
             .map_err(|e| format!("mirror: {e}"))?;
         config.tiers.validate()?;
-        check_load_reserve(config)?;
+        let load_reserve_slots = load_reserve(config)?;
         // The view's changes are numbered in a term of this incarnation's own
         // (its start in ms): a restarted pool's changes are never taken
         // for the old one's by the leader's summary.
@@ -419,7 +416,7 @@ impl EmbeddedPool {
             dp_ports.push(dp_port);
         }
         let stop_dp = Arc::new(AtomicBool::new(false));
-        let runner = runner_config(config, &arena, &cp_socket, &dp_socket)?;
+        let runner = runner_config(config, load_reserve_slots, &arena, &cp_socket, &dp_socket)?;
         let tenant_keys = Arc::new(lake_dp::auth::at_rest::TenantKeys::default());
         tenant_keys.change(lake_dp::auth::at_rest::KeyChange::Require(config.require_encryption));
         for (namespace, key) in &config.tenant_keys {
@@ -468,7 +465,7 @@ impl EmbeddedPool {
             stop_dp,
             requests,
             draining,
-            load_reserve_slots: load_reserve(config),
+            load_reserve_slots,
             cp: Some(cp),
             dp: Some(dp),
         };

@@ -123,41 +123,31 @@ impl TenantRates {
     /// are taken from its bucket. A namespace without a capped tenant
     /// always may.
     pub fn admit(&mut self, namespace: u64, path: RatePath, bytes: u64, now_ns: u64) -> bool {
+        self.admit_or_wait(namespace, path, bytes, now_ns).is_ok()
+    }
+
+    /// [`TenantRates::admit`], saying when refused how long, µs, until
+    /// `namespace`'s bucket on `path` has refilled enough to admit anything.
+    pub fn admit_or_wait(&mut self, namespace: u64, path: RatePath, bytes: u64, now_ns: u64) -> Result<(), u64> {
         if self.buckets.is_empty() {
             // No tenant is capped: not even a lookup on the data path.
-            return true;
+            return Ok(());
         }
-        let Some(&tenant) = self.by_namespace.get(&namespace) else { return true };
+        let Some(&tenant) = self.by_namespace.get(&namespace) else { return Ok(()) };
         let Some(bucket) = self.buckets.get_mut(tenant).and_then(|b| b[path as usize].as_mut()) else {
-            return true;
+            return Ok(());
         };
         bucket.refill(now_ns);
         if bucket.tokens <= 0 {
             if let Some(waits) = self.waits.get_mut(tenant) {
                 waits[path as usize] += 1;
             }
-            return false;
+            // At or below zero: it admits once above.
+            let owed = u128::from(bucket.tokens.unsigned_abs()) + 1;
+            return Err(u64::try_from(owed * 1_000_000 / u128::from(bucket.bytes_per_s.max(1))).unwrap_or(u64::MAX));
         }
         bucket.tokens = bucket.tokens.saturating_sub(i64::try_from(bytes).unwrap_or(i64::MAX));
-        true
-    }
-
-    /// [`TenantRates::admit`], or how long, µs, until `namespace`'s bucket
-    /// on `path` has refilled enough to admit anything.
-    pub fn admit_or_wait(&mut self, namespace: u64, path: RatePath, bytes: u64, now_ns: u64) -> Result<(), u64> {
-        if self.admit(namespace, path, bytes, now_ns) {
-            return Ok(());
-        }
-        let bucket = self
-            .by_namespace
-            .get(&namespace)
-            .and_then(|&tenant| self.buckets.get(tenant))
-            .and_then(|b| b[path as usize].as_ref());
-        // Refused: the bucket is at or below zero; it admits once above.
-        Err(bucket.map_or(0, |b| {
-            let owed = u128::from(b.tokens.unsigned_abs()) + 1;
-            u64::try_from(owed * 1_000_000 / u128::from(b.bytes_per_s.max(1))).unwrap_or(u64::MAX)
-        }))
+        Ok(())
     }
 
     /// Each tenant's name and how often its work waited, by [`RatePath`].

@@ -1062,12 +1062,12 @@ impl TcpTransport {
             let block = sending.block;
             sending.streams |= 1 << index;
             let slice_len = u32::try_from(next.len).unwrap_or(self.config.slice_bytes);
-            let tenants = self.streams[token].as_ref().is_some_and(|s| s.features & FEATURE_TENANT != 0);
             let header = if next.len == 0 {
                 let (region, epoch) = (block.target.region, block.target.epoch);
                 let reserve =
                     FrameHeader::reserve((block.transfer.wrapping_add(salt), next.attempt), region, epoch, block.len);
                 // The receiver may hold the block's tenant to a cap.
+                let tenants = self.streams[token].as_ref().is_some_and(|s| s.features & FEATURE_TENANT != 0);
                 if tenants { reserve.for_namespace(block.namespace) } else { reserve }
             } else {
                 let transfer = block.transfer.wrapping_add(salt);
@@ -2047,19 +2047,25 @@ impl TcpTransport {
     fn on_reserve(&mut self, token: usize, frame: &FrameHeader, landing: &mut dyn Landing, now_ns: u64) {
         let key = (frame.transfer, frame.attempt);
         let known = self.landing.iter().find(|(_, a)| a.transfer == frame.transfer).map(|(&target, _)| target);
-        // The block's namespace, where the sender names it: its tenant may
-        // be held to what this node receives.
+        let full = self.landing.len() >= self.config.landing_max;
+        // The block's namespace, where the sender names it: a tenant at its
+        // cap on what this node receives is told to ask again after the
+        // wait, and its sender holds the block meanwhile.
         let tenants = self.streams[token].as_ref().is_some_and(|s| s.features & FEATURE_TENANT != 0);
-        let namespace = if tenants { frame.offset } else { 0 };
-        let mut wait_us = 0;
+        if tenants
+            && frame.offset != 0
+            && known.is_none()
+            && !full
+            && let Err(wait_us) = landing.admit(frame.offset, frame.total_len, now_ns)
+        {
+            self.stats.reservations_held += 1;
+            let later = FrameHeader::later(key, frame.target, frame.total_len, wait_us.max(LATER_US_MIN));
+            self.answer_reservation(token, later);
+            return;
+        }
         let answer = match known {
             Some(target) => Ok(target),
-            None if self.landing.len() >= self.config.landing_max => Err(AckStatus::Busy),
-            None if namespace != 0
-                && self.reservations_capped(landing, namespace, frame.total_len, now_ns, &mut wait_us) =>
-            {
-                Err(AckStatus::Later)
-            }
+            None if full => Err(AckStatus::Busy),
             None => landing.reserve(frame.target.region, frame.target.epoch, frame.total_len).and_then(|target| {
                 let base = landing.place(&target, frame.total_len)?;
                 self.landing.insert(
@@ -2084,38 +2090,16 @@ impl TcpTransport {
             Ok(target) => (target, AckStatus::Landed),
             Err(status) => (frame.target, status),
         };
-        if let Some(stream) = self.streams[token].as_mut() {
-            let header = if status == AckStatus::Later {
-                FrameHeader::later(key, target, frame.total_len, wait_us)
-            } else {
-                FrameHeader::reserved(key, target, frame.total_len, status)
-            }
-            .encode();
-            let prefix = stream.prefix();
-            stream.push(QueuedFrame::new(None, header, core::ptr::null(), 0, prefix));
-            if stream.writable {
-                self.flush(token);
-            }
-        }
+        self.answer_reservation(token, FrameHeader::reserved(key, target, frame.total_len, status));
     }
 
-    /// Whether a reservation of `len` bytes for `namespace` must wait for
-    /// its tenant's cap on what this node receives ([`Landing::admit`]);
-    /// if so, `wait_us` says how long.
-    fn reservations_capped(
-        &mut self,
-        landing: &mut dyn Landing,
-        namespace: u64,
-        len: u64,
-        now_ns: u64,
-        wait_us: &mut u64,
-    ) -> bool {
-        match landing.admit(namespace, len, now_ns) {
-            Ok(()) => false,
-            Err(wait) => {
-                *wait_us = wait.max(LATER_US_MIN);
-                self.stats.reservations_held += 1;
-                true
+    /// Queues the answer to a reservation on the connection it came by.
+    fn answer_reservation(&mut self, token: usize, answer: FrameHeader) {
+        if let Some(stream) = self.streams[token].as_mut() {
+            let prefix = stream.prefix();
+            stream.push(QueuedFrame::new(None, answer.encode(), core::ptr::null(), 0, prefix));
+            if stream.writable {
+                self.flush(token);
             }
         }
     }

@@ -199,7 +199,10 @@ impl Message {
                 })
             }
             KIND_ANSWER => {
-                let status = AckStatus::from_u16(u16::from(raw.status)).ok_or("unknown answer status")?;
+                // `Later` answers TCP reservations; an offer is never put off.
+                let status = AckStatus::from_u16(u16::from(raw.status))
+                    .filter(|&s| s != AckStatus::Later)
+                    .ok_or("unknown answer status")?;
                 if raw.priority != 0 || raw.source != 0 || raw.trace != 0 || raw.key != 0 {
                     return Err("an answer with offer fields");
                 }
@@ -750,7 +753,7 @@ impl<V: Verbs> RdmaTransport<V> {
             AckStatus::Refused if offered.withdrawn => Err(TransferError::Cancelled),
             AckStatus::Refused => Err(TransferError::Refused),
             AckStatus::Corrupt => Err(TransferError::Corrupt),
-            // `Later` answers TCP reservations only: never an offer's.
+            // Never `Later` (the decoder refuses it on an answer).
             AckStatus::Busy | AckStatus::Later => Err(TransferError::Busy),
         };
         out.push(Completion { transfer, result, target });
