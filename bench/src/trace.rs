@@ -453,7 +453,7 @@ fn replay_tiers(
         next_slot = next_slot.wrapping_add(1);
         let parent = parent.filter(|p| locations.index.contains(p));
         if locations.adopt(parent, key, ObjectKind::KvBlock, region, 1, next_slot, 1).is_ok() {
-            tiers.added(region, NS, parent, key, ObjectKind::KvBlock, true);
+            tiers.added(region, NS, parent, key, ObjectKind::KvBlock, true, 0);
         }
     };
     let mut out = TierReplay::default();

@@ -782,7 +782,8 @@ impl Node {
                 }
                 let what = if readopted { BlockEventKind::Readopted } else { BlockEventKind::Committed };
                 self.record(block.key, what, (replica.region.0, replica.slot));
-                self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new);
+                let bytes = lake_dp::stored::object_bytes(block.payload_len);
+                self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new, bytes);
                 if promoted {
                     // Read through for a reader that is about to pin it: it
                     // counts as accessed now, so the next victim is another.

@@ -459,6 +459,12 @@ pub struct Tiers {
     regions: HashMap<u16, RegionUse>,
     /// Bytes held, by (region, namespace).
     used: HashMap<(u16, u64), u64>,
+    /// Blocks held, by region.
+    blocks: HashMap<u16, u64>,
+    /// L1 blocks whose bytes are not their region's slot size (an arena of
+    /// several size classes), by (key, region): what they hold, and what
+    /// leaving frees. Empty for one-class arenas.
+    sizes: HashMap<(BlockKey, u16), u64>,
     spaces: HashMap<(Tier, u64), Space>,
     pending: HashMap<u64, Pending>,
     /// The pending request of a (key, region), to resolve it when the
@@ -545,6 +551,8 @@ impl Tiers {
             draining_node: false,
             regions: HashMap::new(),
             used: HashMap::new(),
+            blocks: HashMap::new(),
+            sizes: HashMap::new(),
             spaces: HashMap::new(),
             pending: HashMap::new(),
             pending_of: HashMap::new(),
@@ -580,6 +588,8 @@ impl Tiers {
         }
         if previous.is_some_and(|p| p.epoch != epoch) {
             self.used.retain(|(r, _), _| *r != region);
+            self.sizes.retain(|(_, r), _| *r != region);
+            self.blocks.remove(&region);
             let gone: Vec<u64> =
                 self.pending.iter().filter(|(_, p)| p.region == region).map(|(&request, _)| request).collect();
             for request in gone {
@@ -589,7 +599,11 @@ impl Tiers {
     }
 
     /// A replica of `key` became ready in `region` (`new`: the region held
-    /// none of it before).
+    /// none of it before), `bytes` long as stored (header and padded
+    /// payload; 0: the region's slot size). An L1 block is counted at its
+    /// own bytes — an arena's size classes differ — any other at its
+    /// region's slot size.
+    #[allow(clippy::too_many_arguments)] // one report's fields
     pub fn added(
         &mut self,
         region: u16,
@@ -598,10 +612,18 @@ impl Tiers {
         key: BlockKey,
         kind: ObjectKind,
         new: bool,
+        bytes: u64,
     ) {
         let Some(info) = self.regions.get(&region).copied() else { return };
         if new {
-            *self.used.entry((region, namespace)).or_default() += info.slot_bytes;
+            let held = if info.tier == Tier::L1Dram && bytes != 0 && bytes != info.slot_bytes {
+                self.sizes.insert((key, region), bytes);
+                bytes
+            } else {
+                info.slot_bytes
+            };
+            *self.used.entry((region, namespace)).or_default() += held;
+            *self.blocks.entry(region).or_default() += 1;
         }
         if self.config.l2_admission == L2Admission::SecondAccess
             && info.tier == Tier::L1Dram
@@ -683,9 +705,19 @@ impl Tiers {
         self.duplicates_sent.remove(&(*key, replica.region.0, replica.slot, replica.generation))
     }
 
+    /// Bytes the replica of `key` in `region` holds.
+    fn block_bytes(&self, region: u16, key: &BlockKey) -> u64 {
+        self.sizes
+            .get(&(*key, region))
+            .copied()
+            .or_else(|| self.regions.get(&region).map(|r| r.slot_bytes))
+            .unwrap_or(0)
+    }
+
     /// The replica of `key` in `region` went away.
     pub fn removed(&mut self, region: u16, key: &BlockKey) {
         let Some(info) = self.regions.get(&region).copied() else { return };
+        let held = self.sizes.remove(&(*key, region)).unwrap_or(info.slot_bytes);
         let namespace = match self.pending_of.remove(&(*key, region)) {
             Some(request) => self.pending.remove(&request).map(|p| p.namespace),
             None => None,
@@ -701,7 +733,10 @@ impl Tiers {
         match namespace {
             Some(namespace) => {
                 if let Some(bytes) = self.used.get_mut(&(region, namespace)) {
-                    *bytes = bytes.saturating_sub(info.slot_bytes);
+                    *bytes = bytes.saturating_sub(held);
+                }
+                if let Some(blocks) = self.blocks.get_mut(&region) {
+                    *blocks = blocks.saturating_sub(1);
                 }
             }
             None => self.counters.unattributed += 1,
@@ -877,11 +912,10 @@ impl Tiers {
     pub fn usage(&self, tier: Tier) -> TierUsage {
         let bytes = self.used_by(tier, None);
         let blocks = self
-            .used
+            .blocks
             .iter()
-            .filter_map(|((region, _), bytes)| {
-                self.regions.get(region).filter(|r| r.tier == tier).map(|r| bytes / r.slot_bytes.max(1))
-            })
+            .filter(|(region, _)| self.regions.get(region).is_some_and(|r| r.tier == tier))
+            .map(|(_, blocks)| blocks)
             .sum();
         TierUsage { bytes, blocks, capacity_bytes: self.capacity(tier), pending_bytes: self.pending_by(tier, None) }
     }
@@ -959,7 +993,7 @@ impl Tiers {
             .iter()
             .map(|(&region, d)| {
                 let info = self.regions.get(&region);
-                let blocks_left = self.region_bytes(region) / info.map_or(1, |r| r.slot_bytes.max(1));
+                let blocks_left = self.blocks.get(&region).copied().unwrap_or(0);
                 let in_flight = self.pending.values().any(|p| p.region == region);
                 DrainStatus {
                     region,
@@ -994,7 +1028,7 @@ impl Tiers {
                     node: r.node,
                     name: self.names.get(&region).cloned().unwrap_or_default(),
                     bytes,
-                    blocks: bytes / r.slot_bytes.max(1),
+                    blocks: self.blocks.get(&region).copied().unwrap_or(0),
                     capacity_bytes: r.slot_bytes * r.slots,
                     draining: self.drains.contains_key(&region),
                 }
@@ -1354,7 +1388,7 @@ impl Tiers {
             namespace,
             tier,
             region,
-            bytes: self.regions.get(&region).map_or(0, |r| r.slot_bytes),
+            bytes: self.block_bytes(region, &key),
             deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
             frees: true,
             to: None,
@@ -1493,7 +1527,7 @@ impl Tiers {
                 namespace,
                 tier: source.tier,
                 region: source.region.0,
-                bytes: self.regions.get(&source.region.0).map_or(0, |r| r.slot_bytes),
+                bytes: self.block_bytes(source.region.0, &key),
                 deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
                 frees: false,
                 to: None,
@@ -1612,7 +1646,7 @@ mod tests {
             self.next_slot += 1;
             let parent = parent.map(key);
             self.locations.adopt(parent, key(k), ObjectKind::KvBlock, region, 5, self.next_slot, 1).unwrap();
-            self.tiers.added(region, namespace, parent, key(k), ObjectKind::KvBlock, true);
+            self.tiers.added(region, namespace, parent, key(k), ObjectKind::KvBlock, true, 0);
         }
 
         /// With an L3 region (9) too, and L2 holding blocks 1..=9 (over its
@@ -1646,7 +1680,7 @@ mod tests {
                     self.locations
                         .adopt(None, transfer.key, ObjectKind::KvBlock, target, 5, self.next_slot, 1)
                         .unwrap();
-                    self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true);
+                    self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true, 0);
                     self.locations.remove(&transfer.key, source.region.0).unwrap();
                     self.tiers.removed(source.region.0, &transfer.key);
                 }
@@ -1660,7 +1694,7 @@ mod tests {
                         .map(|p| self.locations.index.key(p));
                     self.next_slot += 1;
                     self.locations.adopt(parent, transfer.key, ObjectKind::KvBlock, 1, 5, self.next_slot, 1).unwrap();
-                    self.tiers.added(1, 7, parent, transfer.key, ObjectKind::KvBlock, true);
+                    self.tiers.added(1, 7, parent, transfer.key, ObjectKind::KvBlock, true, 0);
                     self.locations.remove(&transfer.key, source.region.0).unwrap();
                     self.tiers.removed(source.region.0, &transfer.key);
                 }
@@ -1675,7 +1709,7 @@ mod tests {
                     self.locations
                         .adopt(None, transfer.key, ObjectKind::KvBlock, target, 5, self.next_slot, 1)
                         .unwrap();
-                    self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true);
+                    self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true, 0);
                 }
                 TierAction::Drain(_) | TierAction::Cancel => {}
             }
@@ -1771,7 +1805,7 @@ mod tests {
         }
         // Block 5 is in L3 too.
         world.locations.adopt(None, key(5), ObjectKind::KvBlock, 9, 5, 99, 1).unwrap();
-        world.tiers.added(9, 7, None, key(5), ObjectKind::KvBlock, true);
+        world.tiers.added(9, 7, None, key(5), ObjectKind::KvBlock, true, 0);
         world.add(2, 7, None, 6);
         assert_eq!(world.tiers.capacity(Tier::L2Nvme), 20 * SLOT);
 
@@ -1885,6 +1919,41 @@ mod tests {
         let commands = world.plan();
         assert_eq!(keys_of(&commands)[0], (9, "evict"), "{:?}", keys_of(&commands));
         assert_eq!(world.tiers.counters.drops[Tier::L1Dram as usize], 1);
+    }
+
+    #[test]
+    fn l1_blocks_of_several_size_classes_count_at_their_own_bytes() {
+        let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        // Twelve half-slot blocks (say another model's layout) in the
+        // 10-slot L1: 6 slots' bytes, under the mark.
+        for k in 1..=12 {
+            world.next_slot += 1;
+            world.locations.adopt(None, key(k), ObjectKind::KvBlock, 0, 5, world.next_slot, 1).unwrap();
+            world.tiers.added(0, 7, None, key(k), ObjectKind::KvBlock, true, SLOT / 2);
+        }
+        let usage = world.tiers.usage(Tier::L1Dram);
+        assert_eq!((usage.bytes, usage.blocks), (6 * SLOT, 12));
+        assert!(world.plan().is_empty(), "60% of L1 is below its 80% mark");
+        // Three full-slot blocks: 9 slots' bytes, over it.
+        for k in 13..=15 {
+            world.add(0, 7, None, k);
+        }
+        assert_eq!(world.tiers.usage(Tier::L1Dram).bytes, 9 * SLOT);
+        let commands = world.plan();
+        assert!(!commands.is_empty());
+        // What the victims free is their own bytes: down to 50% and no
+        // further.
+        let freed = world.tiers.usage(Tier::L1Dram).pending_bytes;
+        let victims = commands.len() as u64;
+        assert!(freed >= 4 * SLOT && freed < 4 * SLOT + SLOT, "{victims} victims free {freed}");
+        for command in &commands {
+            world.carry_out(command);
+        }
+        let usage = world.tiers.usage(Tier::L1Dram);
+        assert_eq!(usage.bytes, 9 * SLOT - freed);
+        assert_eq!(usage.blocks, 15 - victims);
+        assert_eq!(world.tiers.regions()[0].blocks, 15 - victims);
     }
 
     #[test]
@@ -2057,7 +2126,7 @@ mod tests {
         // A block L3 holds already is dropped from L2, not written again.
         let mut world = World::with_l3(TierConfig::default());
         world.locations.adopt(None, key(1), ObjectKind::KvBlock, 9, 5, 1, 1).unwrap();
-        world.tiers.added(9, 7, None, key(1), ObjectKind::KvBlock, true);
+        world.tiers.added(9, 7, None, key(1), ObjectKind::KvBlock, true, 0);
         let commands = world.plan();
         assert_eq!(keys_of(&commands)[..2], [(1, "evict"), (2, "move")], "{:?}", keys_of(&commands));
 
