@@ -32,7 +32,14 @@ fuzz_target!(|data: &[u8]| {
     let header = geometry.header;
     assert_eq!(bytemuck::bytes_of(&header), &input[..size], "the checked header is the input");
     assert_eq!(header.total_bytes, file_bytes);
-    assert_eq!(check_spans(&geometry.spans, header.slots_bytes).expect("accepted spans are valid"), header.slots);
+    let chunk_bytes = u64::from(header.chunk_bytes);
+    let slots = check_spans(&geometry.spans, header.slots_bytes, chunk_bytes).expect("accepted spans are valid");
+    assert_eq!(slots, header.slots);
+    for span in &geometry.spans {
+        // Every slot of every class, shared or not, ends inside the slot area.
+        let last = span.first_slot + span.slots - 1;
+        assert!(span.offset_of(last) + span.slot_bytes <= header.slots_bytes);
+    }
     assert!(header.slots_offset + header.slots_bytes <= header.total_bytes);
     assert!(header.agents_offset + header.agent_stride * u64::from(header.agents_max) <= header.slots_offset);
 });

@@ -48,6 +48,14 @@ pub struct SlotClass {
 
 /// Where a size class lies in a region. Slots are numbered across the
 /// whole region: class `c` owns `first_slot .. first_slot + slots`.
+///
+/// A class's slots lie in chunks of `chunk_slots` slots, `chunk_bytes`
+/// apart. In a region of *fixed* classes each class is one chunk of its
+/// own, back to back with the next. In a region of *shared* classes every
+/// class spans the same chunks of the same memory — slot `i` of every
+/// class's chunk `k` lies in chunk `k` — and which class uses a chunk is
+/// the allocator's choice ([`crate::arena::SlotTable`]): that is how
+/// memory moves between classes without renumbering a slot.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ClassSpan {
     /// The class's first slot number.
@@ -58,17 +66,52 @@ pub struct ClassSpan {
     pub slot_bytes: u64,
     /// Byte offset of the class's first slot from the region's base.
     pub offset: u64,
+    /// Slots per chunk (all of them in a fixed class).
+    pub chunk_slots: u32,
+    /// Bytes from one chunk to the next.
+    pub chunk_bytes: u64,
 }
 
 impl ClassSpan {
-    /// Bytes the class covers.
+    /// A fixed class: one chunk of `slots` slots at `offset`.
+    pub fn fixed(first_slot: u32, slots: u32, slot_bytes: u64, offset: u64) -> Self {
+        Self {
+            first_slot,
+            slots,
+            slot_bytes,
+            offset,
+            chunk_slots: slots,
+            chunk_bytes: slot_bytes.saturating_mul(u64::from(slots)),
+        }
+    }
+
+    /// Bytes from the class's first slot to the end of its last chunk.
     pub fn bytes(&self) -> u64 {
-        self.slot_bytes * u64::from(self.slots)
+        self.chunk_bytes.saturating_mul(u64::from(self.chunks()))
+    }
+
+    /// Chunks the class spans.
+    pub fn chunks(&self) -> u32 {
+        self.slots.checked_div(self.chunk_slots).unwrap_or(0)
     }
 
     /// Whether `slot` (a region-wide number) is in this class.
     pub fn contains(&self, slot: u32) -> bool {
         slot >= self.first_slot && slot - self.first_slot < self.slots
+    }
+
+    /// Byte offset of `slot` (in this class) from the region's base.
+    #[inline]
+    pub fn offset_of(&self, slot: u32) -> u64 {
+        let index = slot - self.first_slot;
+        let (chunk, within) = (index / self.chunk_slots, index % self.chunk_slots);
+        self.offset + u64::from(chunk) * self.chunk_bytes + u64::from(within) * self.slot_bytes
+    }
+
+    /// The chunk `slot` (in this class) lies in.
+    #[inline]
+    pub fn chunk_of(&self, slot: u32) -> u32 {
+        (slot - self.first_slot) / self.chunk_slots
     }
 }
 
@@ -84,7 +127,7 @@ pub fn lay_out_classes(
     let mut offset = 0u64;
     let mut first_slot = 0u32;
     for class in classes {
-        let span = ClassSpan { first_slot, slots: class.slots, slot_bytes: class.slot_bytes, offset };
+        let span = ClassSpan::fixed(first_slot, class.slots, class.slot_bytes, offset);
         check_span(&span)?;
         offset = offset.checked_add(span.bytes()).ok_or(RegionError::Geometry("region size overflows"))?;
         first_slot = first_slot.checked_add(class.slots).ok_or(RegionError::Geometry("too many slots"))?;
@@ -94,6 +137,53 @@ pub fn lay_out_classes(
         return Err(RegionError::Geometry("too many slots"));
     }
     Ok((spans, offset))
+}
+
+/// Lays `classes` out over `chunks` shared chunks of `chunk_bytes` each:
+/// every class spans all of them (see [`ClassSpan`]), and only the slot
+/// sizes of `classes` count (how many slots each class uses at a time is
+/// the allocator's). Returns the spans and the bytes they cover.
+pub fn lay_out_shared_classes(
+    classes: &[SlotClass],
+    chunk_bytes: u64,
+    chunks: u32,
+) -> Result<(heapless::Vec<ClassSpan, SLOT_CLASSES_MAX>, u64), RegionError> {
+    if classes.is_empty() || classes.len() > SLOT_CLASSES_MAX {
+        return Err(RegionError::Geometry("between 1 and SLOT_CLASSES_MAX size classes"));
+    }
+    check_chunk(chunk_bytes, chunks)?;
+    let mut spans = heapless::Vec::new();
+    let mut first_slot = 0u32;
+    for class in classes {
+        if class.slot_bytes == 0 || class.slot_bytes > chunk_bytes {
+            return Err(RegionError::Geometry("a shared chunk must hold at least one slot of every class"));
+        }
+        let chunk_slots =
+            u32::try_from(chunk_bytes / class.slot_bytes).map_err(|_| RegionError::Geometry("too many slots"))?;
+        let slots = chunk_slots.checked_mul(chunks).ok_or(RegionError::Geometry("too many slots"))?;
+        let span = ClassSpan { first_slot, slots, slot_bytes: class.slot_bytes, offset: 0, chunk_slots, chunk_bytes };
+        check_span(&span)?;
+        first_slot = first_slot.checked_add(slots).ok_or(RegionError::Geometry("too many slots"))?;
+        spans.push(span).map_err(|_| RegionError::Geometry("too many size classes"))?;
+    }
+    if first_slot == u32::MAX {
+        return Err(RegionError::Geometry("too many slots"));
+    }
+    Ok((spans, chunk_bytes * u64::from(chunks)))
+}
+
+fn check_chunk(chunk_bytes: u64, chunks: u32) -> Result<(), RegionError> {
+    if chunk_bytes == 0
+        || !chunk_bytes.is_multiple_of(DIRECT_IO_ALIGN_BYTES as u64)
+        || chunk_bytes > u64::from(u32::MAX)
+    {
+        return Err(RegionError::Geometry("chunk size must be a positive multiple of 4096 below 4 GiB"));
+    }
+    if chunks == 0 {
+        return Err(RegionError::Geometry("shared classes need at least one chunk"));
+    }
+    chunk_bytes.checked_mul(u64::from(chunks)).ok_or(RegionError::Geometry("region size overflows"))?;
+    Ok(())
 }
 
 fn check_span(span: &ClassSpan) -> Result<(), RegionError> {
@@ -107,13 +197,22 @@ fn check_span(span: &ClassSpan) -> Result<(), RegionError> {
     if !span.offset.is_multiple_of(align) {
         return Err(RegionError::Geometry("a size class starts off a 4 KiB boundary"));
     }
-    span.slot_bytes.checked_mul(u64::from(span.slots)).ok_or(RegionError::Geometry("size class overflows"))?;
+    if span.chunk_slots == 0 || !span.slots.is_multiple_of(span.chunk_slots) {
+        return Err(RegionError::Geometry("a size class is not a whole number of chunks"));
+    }
+    let chunk_used = span.slot_bytes.checked_mul(u64::from(span.chunk_slots));
+    if chunk_used.is_none_or(|used| used > span.chunk_bytes) {
+        return Err(RegionError::Geometry("a chunk's slots run past the chunk"));
+    }
+    span.chunk_bytes.checked_mul(u64::from(span.chunks())).ok_or(RegionError::Geometry("size class overflows"))?;
     Ok(())
 }
 
-/// Checks that `spans` are valid, numbered contiguously from 0, do not
-/// overlap and fit in `len` bytes. Returns the total slot count.
-pub fn check_spans(spans: &[ClassSpan], len: u64) -> Result<u32, RegionError> {
+/// Checks that `spans` are valid, numbered contiguously from 0, and fit
+/// in `len` bytes; fixed classes (`chunk_bytes` 0) must not overlap, shared
+/// ones (`chunk_bytes` the chunk size) must each span the same chunks from
+/// offset 0. Returns the total slot count.
+pub fn check_spans(spans: &[ClassSpan], len: u64, chunk_bytes: u64) -> Result<u32, RegionError> {
     if spans.is_empty() || spans.len() > SLOT_CLASSES_MAX {
         return Err(RegionError::Geometry("between 1 and SLOT_CLASSES_MAX size classes"));
     }
@@ -123,6 +222,25 @@ pub fn check_spans(spans: &[ClassSpan], len: u64) -> Result<u32, RegionError> {
         check_span(span)?;
         if span.first_slot != next_slot {
             return Err(RegionError::Geometry("size classes must number slots contiguously from 0"));
+        }
+        if chunk_bytes != 0 {
+            check_chunk(chunk_bytes, spans[0].chunks())?;
+            let chunk_slots = chunk_bytes / span.slot_bytes;
+            if span.offset != 0
+                || span.chunk_bytes != chunk_bytes
+                || u64::from(span.chunk_slots) != chunk_slots
+                || span.chunks() != spans[0].chunks()
+            {
+                return Err(RegionError::Geometry("shared size classes must each fill the same chunks"));
+            }
+            if span.bytes() > len {
+                return Err(RegionError::Geometry("a size class runs past the end of the memory"));
+            }
+            next_slot = next_slot.checked_add(span.slots).ok_or(RegionError::Geometry("too many slots"))?;
+            continue;
+        }
+        if span.chunk_slots != span.slots {
+            return Err(RegionError::Geometry("a fixed size class is one chunk"));
         }
         if span.offset < end_prev {
             return Err(RegionError::Geometry("size classes overlap or are out of order"));
@@ -155,6 +273,8 @@ pub struct SlotRegion {
     len: usize,
     spans: heapless::Vec<ClassSpan, SLOT_CLASSES_MAX>,
     slots: u32,
+    /// The chunk size of shared classes; 0 for fixed ones.
+    chunk_bytes: u64,
     backing: Backing,
 }
 
@@ -182,7 +302,7 @@ impl SlotRegion {
     pub fn heap_classes(classes: &[SlotClass]) -> Result<Self, RegionError> {
         let (spans, bytes) = lay_out_classes(classes)?;
         // Checked before allocating: nothing to free on an error.
-        let slots = check_spans(&spans, bytes)?;
+        let slots = check_spans(&spans, bytes, 0)?;
         let len = usize::try_from(bytes).map_err(|_| RegionError::Geometry("region too large"))?;
         let layout = std::alloc::Layout::from_size_align(len, DIRECT_IO_ALIGN_BYTES)
             .map_err(|_| RegionError::Geometry("region too large"))?;
@@ -190,7 +310,7 @@ impl SlotRegion {
         // at least 4 KiB).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let base = NonNull::new(ptr).ok_or_else(|| RegionError::Memory(std::io::ErrorKind::OutOfMemory.into()))?;
-        Ok(Self { base, len, spans, slots, backing: Backing::Heap(layout) })
+        Ok(Self { base, len, spans, slots, chunk_bytes: 0, backing: Backing::Heap(layout) })
     }
 
     /// A one-class region over memory someone else owns.
@@ -202,11 +322,12 @@ impl SlotRegion {
     pub unsafe fn from_raw(base: NonNull<u8>, slot_bytes: u64, slots: u32) -> Result<Self, RegionError> {
         let (spans, bytes) = lay_out_classes(&[SlotClass { slot_bytes, slots }])?;
         // SAFETY: valid for `bytes` (caller), which is what the spans cover.
-        unsafe { Self::from_spans(base, bytes, &spans, None) }
+        unsafe { Self::from_spans(base, bytes, &spans, 0, None) }
     }
 
-    /// A region over `len` bytes at `base` laid out as `spans`, kept alive
-    /// by `keeper` when given.
+    /// A region over `len` bytes at `base` laid out as `spans` (classes
+    /// sharing chunks of `chunk_bytes`, or fixed ones for 0), kept alive by
+    /// `keeper` when given.
     ///
     /// # Safety
     ///
@@ -217,16 +338,22 @@ impl SlotRegion {
         base: NonNull<u8>,
         len: u64,
         spans: &[ClassSpan],
+        chunk_bytes: u64,
         keeper: Option<Arc<dyn Send + Sync>>,
     ) -> Result<Self, RegionError> {
         if !(base.as_ptr() as usize).is_multiple_of(DIRECT_IO_ALIGN_BYTES) {
             return Err(RegionError::Geometry("region base is not 4 KiB aligned"));
         }
-        let slots = check_spans(spans, len)?;
+        let slots = check_spans(spans, len, chunk_bytes)?;
         let len = usize::try_from(len).map_err(|_| RegionError::Geometry("region too large"))?;
         let spans = heapless::Vec::from_slice(spans).map_err(|_| RegionError::Geometry("too many size classes"))?;
         let backing = keeper.map_or(Backing::Borrowed, Backing::Shared);
-        Ok(Self { base, len, spans, slots, backing })
+        Ok(Self { base, len, spans, slots, chunk_bytes, backing })
+    }
+
+    /// The chunk size when the classes share chunks, else 0.
+    pub fn chunk_bytes(&self) -> u64 {
+        self.chunk_bytes
     }
 
     /// The size classes.
@@ -274,8 +401,7 @@ impl SlotRegion {
     /// Pointer to the first byte of `slot`, or `None` out of range.
     #[inline]
     pub fn slot_ptr(&self, slot: u32) -> Option<*mut u8> {
-        let span = self.span_of(slot)?;
-        let offset = span.offset + u64::from(slot - span.first_slot) * span.slot_bytes;
+        let offset = self.span_of(slot)?.offset_of(slot);
         // In range (check_spans), so the offset stays inside the memory.
         Some(self.base.as_ptr().wrapping_add(usize_from(offset)))
     }
@@ -356,14 +482,52 @@ mod tests {
 
     #[test]
     fn bad_spans_are_refused() {
-        let good = ClassSpan { first_slot: 0, slots: 2, slot_bytes: 4096, offset: 0 };
-        assert_eq!(check_spans(&[good], 8192).unwrap(), 2);
-        assert!(check_spans(&[good], 8191).is_err(), "past the end");
-        assert!(check_spans(&[ClassSpan { first_slot: 1, ..good }], 1 << 20).is_err(), "numbering gap");
-        let second = ClassSpan { first_slot: 2, slots: 1, slot_bytes: 4096, offset: 4096 };
-        assert!(check_spans(&[good, second], 1 << 20).is_err(), "overlap");
-        assert!(check_spans(&[ClassSpan { offset: 100, ..good }], 1 << 20).is_err(), "unaligned");
-        assert!(check_spans(&[], 1 << 20).is_err(), "no class");
-        assert!(check_spans(&[good; SLOT_CLASSES_MAX + 1], 1 << 30).is_err(), "too many classes");
+        let good = ClassSpan::fixed(0, 2, 4096, 0);
+        assert_eq!(check_spans(&[good], 8192, 0).unwrap(), 2);
+        assert!(check_spans(&[good], 8191, 0).is_err(), "past the end");
+        assert!(check_spans(&[ClassSpan { first_slot: 1, ..good }], 1 << 20, 0).is_err(), "numbering gap");
+        let second = ClassSpan::fixed(2, 1, 4096, 4096);
+        assert!(check_spans(&[good, second], 1 << 20, 0).is_err(), "overlap");
+        assert!(check_spans(&[ClassSpan { offset: 100, ..good }], 1 << 20, 0).is_err(), "unaligned");
+        assert!(check_spans(&[ClassSpan { chunk_slots: 1, ..good }], 1 << 20, 0).is_err(), "fixed in two chunks");
+        assert!(check_spans(&[], 1 << 20, 0).is_err(), "no class");
+        assert!(check_spans(&[good; SLOT_CLASSES_MAX + 1], 1 << 30, 0).is_err(), "too many classes");
+        let next = ClassSpan::fixed(2, 1, 4096, 8192);
+        assert_eq!(check_spans(&[good, next], 12288, 0).unwrap(), 3);
+        assert!(check_spans(&[good, next], 12288, 8192).is_err(), "fixed spans read as shared");
+    }
+
+    #[test]
+    fn shared_classes_lay_their_slots_over_the_same_chunks() {
+        let classes = [SlotClass { slot_bytes: 8192, slots: 1 }, SlotClass { slot_bytes: 12288, slots: 1 }];
+        let (spans, bytes) = lay_out_shared_classes(&classes, 32768, 3).unwrap();
+        assert_eq!(bytes, 3 * 32768);
+        assert_eq!((spans[0].chunk_slots, spans[0].slots), (4, 12));
+        assert_eq!((spans[1].first_slot, spans[1].chunk_slots, spans[1].slots), (12, 2, 6));
+        assert_eq!(check_spans(&spans, bytes, 32768).unwrap(), 18);
+        let memory = SlotRegion::heap(32768, 3).unwrap();
+        // SAFETY: `memory` covers the 3 chunks and outlives `region`.
+        let region =
+            unsafe { SlotRegion::from_spans(NonNull::new(memory.base()).unwrap(), bytes, &spans, 32768, None) }
+                .unwrap();
+        let at = |slot| region.slot_ptr(slot).unwrap() as usize - region.base() as usize;
+        assert_eq!((at(0), at(3), at(4), at(11)), (0, 3 * 8192, 32768, 2 * 32768 + 3 * 8192));
+        assert_eq!((at(12), at(13), at(14), at(17)), (0, 12288, 32768, 2 * 32768 + 12288));
+        assert_eq!((spans[0].chunk_of(5), spans[1].chunk_of(15)), (1, 1));
+        assert_eq!(region.slot_len(13), Some(12288));
+        assert!(region.slot_ptr(18).is_none());
+        assert_eq!(region.chunk_bytes(), 32768);
+        assert!(check_spans(&spans, bytes - 4096, 32768).is_err(), "past the end");
+        assert!(check_spans(&spans, bytes, 0).is_err(), "shared spans read as fixed");
+        let mut moved = spans.clone();
+        moved[1].offset = 4096;
+        assert!(check_spans(&moved, 1 << 20, 32768).is_err(), "a shared class off the chunks");
+        let mut short = spans.clone();
+        short[1].slots -= 2;
+        assert!(check_spans(&short, 1 << 20, 32768).is_err(), "a shared class over fewer chunks");
+        let big = [SlotClass { slot_bytes: 65536, slots: 1 }];
+        assert!(lay_out_shared_classes(&big, 32768, 3).is_err(), "a slot larger than a chunk");
+        assert!(lay_out_shared_classes(&classes, 32768 + 100, 3).is_err(), "an unaligned chunk");
+        assert!(lay_out_shared_classes(&classes, 32768, 0).is_err(), "no chunk");
     }
 }

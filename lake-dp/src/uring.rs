@@ -96,7 +96,21 @@ impl UringBackend {
             return Err(io::Error::new(io::ErrorKind::AlreadyExists, "io_uring: buffers already registered"));
         }
         let mut spans: Vec<FixedSpan> = Vec::new();
-        for class in region.spans() {
+        let chunk_bytes = region.chunk_bytes();
+        if let Some(per_buffer) = FIXED_BUFFER_BYTES_MAX.checked_div(chunk_bytes) {
+            // Shared classes: whole chunks per buffer, so that every slot of
+            // every class lies inside one.
+            let chunks = region.spans().first().map_or(0, |s| u64::from(s.chunks()));
+            let per_buffer = per_buffer.max(1);
+            let mut chunk = 0u64;
+            while chunk < chunks {
+                let count = per_buffer.min(chunks - chunk);
+                let start = region.base() as usize + usize_from(chunk * chunk_bytes);
+                spans.push(FixedSpan { start, len: usize_from(count * chunk_bytes) });
+                chunk += count;
+            }
+        }
+        for class in region.spans().iter().filter(|_| chunk_bytes == 0) {
             let per_buffer = (FIXED_BUFFER_BYTES_MAX / class.slot_bytes).max(1);
             let mut slot = 0u64;
             while slot < u64::from(class.slots) {

@@ -93,8 +93,10 @@ fn arena_seeds_are_current() {
     use lake_dp::arena::{Arena, ArenaConfig};
     use lake_dp::region::SlotClass;
 
+    // The last: classes sharing 2 MiB chunks (layout version 2).
     let classes = [
         vec![SlotClass::for_payload(60 * 1024, 16)],
+        vec![SlotClass::for_payload(4096, 3), SlotClass::for_payload(1 << 20, 2), SlotClass::for_payload(1, 1)],
         vec![SlotClass::for_payload(4096, 3), SlotClass::for_payload(1 << 20, 2), SlotClass::for_payload(1, 1)],
     ];
     let headers: Vec<Vec<u8>> = classes
@@ -105,6 +107,7 @@ fn arena_seeds_are_current() {
             let config = ArenaConfig {
                 agents_max: 2 + u32::try_from(i).unwrap(),
                 pins_per_agent: 16,
+                chunk_bytes: if i == 2 { 2 << 20 } else { 0 },
                 ..ArenaConfig::shm(&path, classes)
             };
             let (arena, _table) = Arena::create(&config).expect("create a seed arena");

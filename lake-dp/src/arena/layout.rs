@@ -7,8 +7,10 @@
 //! agents_off  agent records, `agent_stride` apart: AgentControl (64 bytes:
 //!             owner, high-water mark), then `pins_per_agent` u64 pins
 //!             (each written by its agent only)
-//! slots_off   the slots, size class after size class; page aligned, so
-//!             the slot area alone is what CUDA and RDMA register
+//! slots_off   the slots, size class after size class (version 1), or
+//!             chunks every class may use (version 2, shared classes);
+//!             page aligned, so the slot area alone is what CUDA and RDMA
+//!             register
 //! ```
 //!
 //! [`decode_header`] is the one place that trusts nothing: every other
@@ -21,13 +23,20 @@ use bytemuck::{Pod, Zeroable};
 
 use super::ArenaError;
 use crate::constants::{DIRECT_IO_ALIGN_BYTES, SLOT_CLASSES_MAX};
-use crate::region::{ClassSpan, SlotClass, check_spans, lay_out_classes};
+use crate::region::{ClassSpan, SlotClass, check_spans, lay_out_classes, lay_out_shared_classes};
 
 /// The first eight bytes of every L1 arena.
 pub const ARENA_MAGIC: [u8; 8] = *b"LAKEL1A\0";
 
-/// The layout version this build creates and attaches to.
+/// The layout version of an arena whose classes each own their slots:
+/// what this build creates unless asked to share, and what every earlier
+/// build reads.
 pub const ARENA_VERSION: u32 = 1;
+
+/// The layout version of an arena whose classes share chunks of memory
+/// ([`crate::region::ClassSpan`]). A build that reads only version 1 says
+/// so and does not attach.
+pub const ARENA_VERSION_SHARED: u32 = 2;
 
 /// Where [`ArenaControl`] lies in page 0.
 pub const CONTROL_OFFSET: usize = 2048;
@@ -66,7 +75,8 @@ pub struct ClassRecord {
     pub slots: u32,
     /// Bytes per slot.
     pub slot_bytes: u64,
-    /// Offset of the class's first slot from the start of the slot area.
+    /// Offset of the class's first slot from the start of the slot area
+    /// (0 for every class of a shared arena).
     pub offset: u64,
 }
 
@@ -77,7 +87,7 @@ pub struct ClassRecord {
 pub struct ArenaHeader {
     /// [`ARENA_MAGIC`].
     pub magic: [u8; 8],
-    /// [`ARENA_VERSION`].
+    /// [`ARENA_VERSION`] or [`ARENA_VERSION_SHARED`].
     pub version: u32,
     /// `size_of::<ArenaHeader>()`, so a later version can grow it.
     pub header_bytes: u32,
@@ -99,8 +109,8 @@ pub struct ArenaHeader {
     pub agents_max: u32,
     /// Pins per agent record.
     pub pins_per_agent: u32,
-    /// Zero.
-    pub reserved_a: u32,
+    /// Version 2: bytes of one shared chunk. Version 1: zero.
+    pub chunk_bytes: u32,
     /// Offset of the generation array ([`GENERATIONS_OFFSET`]).
     pub generations_offset: u64,
     /// Offset of the first agent record.
@@ -200,6 +210,9 @@ pub(super) struct Plan<'a> {
     pub node: u32,
     pub region: u16,
     pub epoch: u64,
+    /// Share chunks of this many bytes between the classes (0: each class
+    /// owns its slots). The classes' slot counts then size the arena only.
+    pub chunk_bytes: u64,
 }
 
 /// Lays an arena out; the result passes [`decode_header`].
@@ -214,7 +227,18 @@ pub(super) fn plan(plan: &Plan<'_>) -> Result<ArenaGeometry, ArenaError> {
     if plan.pins_per_agent == 0 || plan.pins_per_agent > PINS_PER_AGENT_MAX {
         return Err(ArenaError::Config("pins_per_agent: between 1 and 65536"));
     }
-    let (spans, slots_bytes) = lay_out_classes(plan.classes).map_err(ArenaError::Region)?;
+    let (spans, slots_bytes) = if plan.chunk_bytes == 0 {
+        lay_out_classes(plan.classes).map_err(ArenaError::Region)?
+    } else {
+        let wanted = plan
+            .classes
+            .iter()
+            .try_fold(0u64, |sum, c| sum.checked_add(c.slot_bytes.checked_mul(u64::from(c.slots))?))
+            .ok_or_else(too_big)?;
+        let chunks = u32::try_from(wanted.div_ceil(plan.chunk_bytes.max(1))).map_err(|_| too_big())?;
+        lay_out_shared_classes(plan.classes, plan.chunk_bytes, chunks).map_err(ArenaError::Region)?
+    };
+    let chunk_bytes = u32::try_from(plan.chunk_bytes).map_err(|_| ArenaError::Config("chunk_bytes: below 4 GiB"))?;
     let slots = spans.iter().map(|s| s.slots).sum::<u32>();
     let generations_bytes = round_up(u64::from(slots) * 4, 4096).ok_or_else(too_big)?;
     let agents_offset = GENERATIONS_OFFSET + generations_bytes;
@@ -234,7 +258,7 @@ pub(super) fn plan(plan: &Plan<'_>) -> Result<ArenaGeometry, ArenaError> {
     }
     let mut header = ArenaHeader {
         magic: ARENA_MAGIC,
-        version: ARENA_VERSION,
+        version: if chunk_bytes == 0 { ARENA_VERSION } else { ARENA_VERSION_SHARED },
         header_bytes: HEADER_BYTES,
         total_bytes,
         page_bytes: plan.page_bytes,
@@ -245,7 +269,7 @@ pub(super) fn plan(plan: &Plan<'_>) -> Result<ArenaGeometry, ArenaError> {
         slots,
         agents_max: plan.agents_max,
         pins_per_agent: plan.pins_per_agent,
-        reserved_a: 0,
+        chunk_bytes,
         generations_offset: GENERATIONS_OFFSET,
         agents_offset,
         agent_stride,
@@ -269,8 +293,8 @@ pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, Aren
     if header.magic != ARENA_MAGIC {
         return Err(bad("magic: not a Lake L1 arena"));
     }
-    if header.version != ARENA_VERSION {
-        return Err(ArenaError::Version { found: header.version, supported: ARENA_VERSION });
+    if header.version != ARENA_VERSION && header.version != ARENA_VERSION_SHARED {
+        return Err(ArenaError::Version { found: header.version, supported: ARENA_VERSION_SHARED });
     }
     if header.header_bytes != HEADER_BYTES {
         return Err(bad("header_bytes"));
@@ -278,8 +302,11 @@ pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, Aren
     if header.crc != header_crc(&header) {
         return Err(bad("crc: the header is damaged"));
     }
-    if header.reserved_a != 0 || header.reserved_b != 0 {
+    if header.reserved_b != 0 {
         return Err(bad("reserved fields are not zero"));
+    }
+    if (header.version == ARENA_VERSION) != (header.chunk_bytes == 0) {
+        return Err(bad("chunk_bytes: set in a shared arena (version 2) alone"));
     }
     if !PAGE_BYTES_ALLOWED.contains(&header.page_bytes) {
         return Err(bad("page_bytes"));
@@ -329,17 +356,25 @@ pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, Aren
     if header.classes[count..].iter().any(|record| *record != ClassRecord::default()) {
         return Err(bad("classes: unused records are not zero"));
     }
+    let chunk_bytes = u64::from(header.chunk_bytes);
     let mut spans = heapless::Vec::new();
     for record in &header.classes[..count] {
-        let span = ClassSpan {
-            first_slot: record.first_slot,
-            slots: record.slots,
-            slot_bytes: record.slot_bytes,
-            offset: record.offset,
+        let span = if chunk_bytes == 0 {
+            ClassSpan::fixed(record.first_slot, record.slots, record.slot_bytes, record.offset)
+        } else {
+            let chunk_slots = chunk_bytes.checked_div(record.slot_bytes).ok_or(bad("classes"))?;
+            ClassSpan {
+                first_slot: record.first_slot,
+                slots: record.slots,
+                slot_bytes: record.slot_bytes,
+                offset: record.offset,
+                chunk_slots: u32::try_from(chunk_slots).map_err(|_| bad("classes"))?,
+                chunk_bytes,
+            }
         };
         spans.push(span).map_err(|_| bad("class_count"))?;
     }
-    let slots = check_spans(&spans, header.slots_bytes).map_err(|_| bad("classes"))?;
+    let slots = check_spans(&spans, header.slots_bytes, chunk_bytes).map_err(|_| bad("classes"))?;
     if slots != header.slots {
         return Err(bad("slots differs from the size classes"));
     }
@@ -363,6 +398,7 @@ mod tests {
             node: 7,
             region: 3,
             epoch: 9,
+            chunk_bytes: 0,
         })
         .unwrap()
     }
@@ -380,6 +416,33 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_plan_lays_every_class_over_the_same_chunks() {
+        let classes = [SlotClass { slot_bytes: 8192, slots: 10 }, SlotClass { slot_bytes: 20480, slots: 3 }];
+        let shared = Plan {
+            classes: &classes,
+            agents_max: 4,
+            pins_per_agent: 100,
+            page_bytes: 4096,
+            node: 7,
+            region: 3,
+            epoch: 9,
+            chunk_bytes: 40960,
+        };
+        let geometry = plan(&shared).unwrap();
+        let header = &geometry.header;
+        // 10 * 8 KiB + 3 * 20 KiB = 140 KiB: four 40 KiB chunks.
+        assert_eq!((header.version, header.slots_bytes), (ARENA_VERSION_SHARED, 4 * 40960));
+        assert_eq!((geometry.spans[0].slots, geometry.spans[1].slots, header.slots), (20, 8, 28));
+        assert_eq!(decode_header(bytemuck::bytes_of(header), header.total_bytes).unwrap(), geometry);
+        let mut damaged = *header;
+        damaged.classes[1].offset = 4096;
+        damaged.crc = header_crc(&damaged);
+        let err = decode_header(bytemuck::bytes_of(&damaged), header.total_bytes).unwrap_err().to_string();
+        assert!(err.contains("classes"), "{err}");
+        assert!(plan(&Plan { chunk_bytes: 16384, ..shared }).is_err(), "a chunk smaller than a slot");
+    }
+
+    #[test]
     fn huge_pages_align_the_slot_area() {
         let classes = [SlotClass { slot_bytes: 4096, slots: 1 }];
         let geometry = plan(&Plan {
@@ -390,6 +453,7 @@ mod tests {
             node: 0,
             region: 0,
             epoch: 1,
+            chunk_bytes: 0,
         })
         .unwrap();
         assert_eq!(geometry.header.slots_offset, 2 << 20);
@@ -410,7 +474,9 @@ mod tests {
             assert!(err.contains(expect), "{expect}: got {err}");
         };
         check(&|h| h.magic[0] = b'X', false, "magic");
-        check(&|h| h.version = 2, false, "version 2");
+        check(&|h| h.version = 3, false, "version 3");
+        check(&|h| h.version = 2, true, "chunk_bytes");
+        check(&|h| h.chunk_bytes = 40960, true, "chunk_bytes");
         check(&|h| h.slots += 1, false, "crc");
         check(&|h| h.total_bytes += 4096, true, "total_bytes");
         check(&|h| h.page_bytes = 8192, true, "page_bytes");
@@ -424,7 +490,7 @@ mod tests {
         check(&|h| h.classes[5].slots = 1, true, "unused records");
         check(&|h| h.classes[1].first_slot = 11, true, "classes");
         check(&|h| h.slots = 12, true, "slots");
-        check(&|h| h.reserved_a = 1, true, "reserved");
+        check(&|h| h.reserved_b = 1, true, "reserved");
         assert!(decode_header(&bytemuck::bytes_of(&good)[..100], len).is_err());
     }
 }

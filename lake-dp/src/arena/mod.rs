@@ -176,6 +176,12 @@ pub struct ArenaConfig {
     /// Allocate every page of the arena on this NUMA node (the node of the
     /// `lake-dp` that serves it and of the NICs and GPUs it feeds).
     pub numa_node: Option<u32>,
+    /// Let the classes share the memory in chunks of this many bytes (a
+    /// multiple of 4 KiB holding at least one slot of every class), so
+    /// that a class short of slots takes memory another does not use; the
+    /// classes' slot counts then only size the arena. 0: each class owns
+    /// its slots (an arena every earlier build reads).
+    pub chunk_bytes: u64,
 }
 
 impl ArenaConfig {
@@ -193,6 +199,7 @@ impl ArenaConfig {
             lock: true,
             mode: 0o600,
             numa_node: None,
+            chunk_bytes: 0,
         }
     }
 }
@@ -418,9 +425,11 @@ impl Arena {
     pub fn region(&self) -> Result<Arc<SlotRegion>, ArenaError> {
         let (base, len) = self.slot_area();
         let keeper: Arc<dyn Send + Sync> = self.map.clone();
+        let chunk_bytes = u64::from(self.header().chunk_bytes);
+        let spans = &self.map.geometry.spans;
         // SAFETY: the slot area is `len` bytes inside the mapping (checked
         // header), and `keeper` keeps the mapping alive for the region.
-        let region = unsafe { SlotRegion::from_spans(base, len as u64, &self.map.geometry.spans, Some(keeper)) };
+        let region = unsafe { SlotRegion::from_spans(base, len as u64, spans, chunk_bytes, Some(keeper)) };
         region.map(Arc::new).map_err(ArenaError::Region)
     }
 
@@ -534,6 +543,7 @@ fn build(
         node: config.node.0,
         region: config.region.0,
         epoch: config.epoch,
+        chunk_bytes: config.chunk_bytes,
     })?;
     let bytes = geometry.header.total_bytes;
     file.set_len(bytes).map_err(io_error("sizing", building))?;

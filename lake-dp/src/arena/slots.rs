@@ -4,6 +4,13 @@
 //!
 //! Every list is sized when the arena is created, so allocation, retiring
 //! and reclaiming never allocate memory.
+//!
+//! In an arena of shared classes (layout version 2) the slot area is a set
+//! of chunks, each used by one class at a time: a chunk starts unowned, a
+//! class whose own slots are all taken takes an unowned chunk, or else a
+//! chunk another class owns and holds nothing in (every one of its slots
+//! free) — so memory follows the classes' demand instead of a split fixed
+//! at start. A chunk still holding a block never changes class.
 
 use core::sync::atomic::{Ordering, fence};
 
@@ -74,8 +81,16 @@ pub struct Reclaim {
 /// Counts, per class and in all.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SlotStats {
-    /// Free slots per class.
+    /// Slots each class can allocate now (in a shared arena: its own free
+    /// ones, and those of the chunks it may take).
     pub free: [u32; SLOT_CLASSES_MAX],
+    /// Shared arenas: the chunks each class owns.
+    pub chunks_owned: [u32; SLOT_CLASSES_MAX],
+    /// Shared arenas: chunks no class owns.
+    pub chunks_unowned: u32,
+    /// Shared arenas: chunks a class took from another (that held nothing
+    /// in it), since the table was made.
+    pub chunks_moved: u64,
     /// Held slots.
     pub held: u32,
     /// Retired slots waiting for pins.
@@ -103,7 +118,22 @@ pub struct SlotTable {
     bytes_in_use: u64,
     held: u32,
     drained: u32,
+    /// Shared classes: which class owns each chunk ([`UNOWNED`] for none).
+    /// Empty for fixed classes.
+    owner: Vec<u8>,
+    /// Shared classes: per chunk, its owner's slots that are not free.
+    live: Vec<u32>,
+    /// Shared classes: chunks no class owns, taken from the end.
+    unowned: Vec<u32>,
+    /// Shared classes: per class, the chunks it owns with nothing live.
+    empty_owned: [u32; SLOT_CLASSES_MAX],
+    chunks_owned: [u32; SLOT_CLASSES_MAX],
+    chunks_moved: u64,
 }
+
+/// [`SlotTable::owner`] of a chunk no class owns.
+const UNOWNED: u8 = u8::MAX;
+const _: () = assert!(SLOT_CLASSES_MAX < UNOWNED as usize);
 
 impl core::fmt::Debug for SlotTable {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
@@ -119,10 +149,18 @@ fn next_generation(generation: u32) -> u32 {
 impl SlotTable {
     pub(super) fn new(arena: Arena) -> Self {
         let slots = arena.header().slots as usize;
+        let shared = arena.header().chunk_bytes != 0;
+        let spans = &arena.map().geometry.spans;
         let mut free: [Vec<u32>; SLOT_CLASSES_MAX] = Default::default();
-        for (list, span) in free.iter_mut().zip(&arena.map().geometry.spans) {
-            *list = (span.first_slot..span.first_slot + span.slots).rev().collect();
+        for (list, span) in free.iter_mut().zip(spans) {
+            *list = if shared {
+                // Sized for every chunk: taking chunks never allocates.
+                Vec::with_capacity(span.slots as usize)
+            } else {
+                (span.first_slot..span.first_slot + span.slots).rev().collect()
+            };
         }
+        let chunks = if shared { spans[0].chunks() } else { 0 };
         Self {
             arena,
             state: vec![SlotState::Free; slots],
@@ -136,6 +174,89 @@ impl SlotTable {
             bytes_in_use: 0,
             held: 0,
             drained: 0,
+            owner: vec![UNOWNED; chunks as usize],
+            live: vec![0; chunks as usize],
+            // Lowest chunk first.
+            unowned: (0..chunks).rev().collect(),
+            empty_owned: [0; SLOT_CLASSES_MAX],
+            chunks_owned: [0; SLOT_CLASSES_MAX],
+            chunks_moved: 0,
+        }
+    }
+
+    fn shared(&self) -> bool {
+        !self.owner.is_empty()
+    }
+
+    /// Slots of `class` per chunk (shared arenas).
+    fn chunk_slots(&self, class: usize) -> u32 {
+        self.arena.map().geometry.spans.get(class).map_or(0, |s| s.chunk_slots)
+    }
+
+    /// Chunks `class` could take now: unowned ones and other classes'
+    /// empty ones.
+    fn chunks_takeable(&self, class: usize) -> u32 {
+        let others: u32 = self.empty_owned.iter().enumerate().filter(|&(c, _)| c != class).map(|(_, n)| n).sum();
+        u32::try_from(self.unowned.len()).unwrap_or(u32::MAX) + others
+    }
+
+    /// Gives `class` a chunk: an unowned one, else an empty one of the
+    /// class that has the most. `None` when there is none.
+    fn take_chunk(&mut self, class: usize) -> Option<()> {
+        let chunk = match self.unowned.pop() {
+            Some(chunk) => chunk,
+            None => {
+                let donor = (0..SLOT_CLASSES_MAX)
+                    .filter(|&c| c != class && self.empty_owned[c] > 0)
+                    .max_by_key(|&c| self.empty_owned[c])?;
+                // The highest such chunk: allocation fills low ones first.
+                let chunk =
+                    (0..self.owner.len()).rev().find(|&k| usize::from(self.owner[k]) == donor && self.live[k] == 0)?;
+                let chunk = u32::try_from(chunk).ok()?;
+                let span = self.arena.map().geometry.spans[donor];
+                self.free[donor].retain(|&slot| span.chunk_of(slot) != chunk);
+                self.empty_owned[donor] -= 1;
+                self.chunks_owned[donor] -= 1;
+                self.chunks_moved += 1;
+                chunk
+            }
+        };
+        debug_assert_eq!(self.live[chunk as usize], 0);
+        self.owner[chunk as usize] = u8::try_from(class).ok()?;
+        self.empty_owned[class] += 1;
+        self.chunks_owned[class] += 1;
+        let span = self.arena.map().geometry.spans[class];
+        let first = span.first_slot + chunk * span.chunk_slots;
+        // Pushed highest first: the lowest slot is allocated first.
+        self.free[class].extend((first..first + span.chunk_slots).rev());
+        Some(())
+    }
+
+    /// Accounts `slot` (of `class`) leaving the free list.
+    fn chunk_taken_slot(&mut self, class: usize, slot: u32) {
+        if !self.shared() {
+            return;
+        }
+        let chunk = self.arena.map().geometry.spans[class].chunk_of(slot) as usize;
+        debug_assert_eq!(usize::from(self.owner[chunk]), class, "a slot allocated off its class's chunks");
+        if self.live[chunk] == 0 {
+            self.empty_owned[class] -= 1;
+        }
+        self.live[chunk] += 1;
+    }
+
+    /// Puts `slot` (of `class`) back on its class's free list.
+    fn release_slot(&mut self, class: usize, slot: u32) {
+        // Capacity is the class's slot count: never grows.
+        self.free[class].push(slot);
+        if !self.shared() {
+            return;
+        }
+        let chunk = self.arena.map().geometry.spans[class].chunk_of(slot) as usize;
+        debug_assert!(self.live[chunk] > 0);
+        self.live[chunk] -= 1;
+        if self.live[chunk] == 0 {
+            self.empty_owned[class] += 1;
         }
     }
 
@@ -156,15 +277,26 @@ impl SlotTable {
         spans.iter().position(|s| s.contains(slot)).map_or((0, 0), |c| (c, spans[c].slot_bytes))
     }
 
-    /// Free slots of `class` (0 for a class the arena does not have).
+    /// Slots `class` can allocate now (0 for a class the arena does not
+    /// have): its free ones, and in a shared arena those of the chunks it
+    /// may take.
     pub fn free_slots(&self, class: usize) -> usize {
-        self.free.get(class).map_or(0, Vec::len)
+        let own = self.free.get(class).map_or(0, Vec::len);
+        if !self.shared() || class >= self.free.len() {
+            return own;
+        }
+        own + self.chunks_takeable(class) as usize * self.chunk_slots(class) as usize
     }
 
     /// Takes a free slot of `class`, or `None` when the class is full
-    /// (evict, or wait for draining slots).
+    /// (evict, or wait for draining slots). In a shared arena a class with
+    /// no free slot of its own first takes a chunk.
     pub fn allocate(&mut self, class: usize) -> Option<SlotGrant> {
+        if self.free.get(class)?.is_empty() && self.shared() {
+            self.take_chunk(class)?;
+        }
         let slot = self.free.get_mut(class)?.pop()?;
+        self.chunk_taken_slot(class, slot);
         debug_assert_eq!(self.state[slot as usize], SlotState::Free);
         self.state[slot as usize] = SlotState::Held;
         let (_, slot_bytes) = self.class_of(slot);
@@ -221,7 +353,7 @@ impl SlotTable {
         let (class, slot_bytes) = self.class_of(slot);
         self.bytes_in_use -= slot_bytes;
         self.drained -= 1;
-        self.free[class].push(slot);
+        self.release_slot(class, slot);
         Ok(())
     }
 
@@ -273,8 +405,7 @@ impl SlotTable {
             self.state[slot as usize] = SlotState::Free;
             let (class, slot_bytes) = self.class_of(slot);
             self.bytes_in_use -= slot_bytes;
-            // Capacity is the class's slot count: never grows.
-            self.free[class].push(slot);
+            self.release_slot(class, slot);
             result.freed += 1;
         }
         self.draining.truncate(kept);
@@ -352,11 +483,14 @@ impl SlotTable {
     /// Counts.
     pub fn stats(&self) -> SlotStats {
         let mut free = [0u32; SLOT_CLASSES_MAX];
-        for (count, list) in free.iter_mut().zip(&self.free) {
-            *count = u32::try_from(list.len()).unwrap_or(u32::MAX);
+        for (class, count) in free.iter_mut().enumerate() {
+            *count = u32::try_from(self.free_slots(class)).unwrap_or(u32::MAX);
         }
         SlotStats {
             free,
+            chunks_owned: self.chunks_owned,
+            chunks_unowned: u32::try_from(self.unowned.len()).unwrap_or(u32::MAX),
+            chunks_moved: self.chunks_moved,
             held: self.held,
             draining: u32::try_from(self.draining.len()).unwrap_or(u32::MAX),
             bytes_in_use: self.bytes_in_use,

@@ -111,11 +111,11 @@ fn attach_names_what_is_wrong() {
     std::fs::remove_file(&path.0).unwrap();
     let (arena, _table) = Arena::create(&config(&path)).unwrap();
     let mut header = *arena.header();
-    header.version = ARENA_VERSION + 1;
+    header.version = layout::ARENA_VERSION_SHARED + 1;
     let bytes = bytemuck::bytes_of(&header);
     // SAFETY: page 0 of a mapping this test owns; nobody else reads it.
     unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), arena.map().map.as_mut_ptr(), bytes.len()) };
-    expect("version 2");
+    expect("version 3");
     header.version = ARENA_VERSION;
     header.slots_bytes += 1;
     let bytes = bytemuck::bytes_of(&header);
@@ -211,6 +211,84 @@ fn slots_are_freed_only_when_unpinned() {
         pins.unpin(pin);
     }
     assert_eq!(pins.pinned(), 0);
+}
+
+/// Two classes sharing four 40 KiB chunks: five 8 KiB slots or two
+/// 20 KiB slots per chunk.
+fn shared_config(path: &ShmPath) -> ArenaConfig {
+    let classes = [SlotClass { slot_bytes: 8192, slots: 10 }, SlotClass { slot_bytes: 20480, slots: 3 }];
+    ArenaConfig { chunk_bytes: 40960, ..ArenaConfig { classes: classes.to_vec(), ..config(path) } }
+}
+
+#[test]
+fn a_class_short_of_slots_takes_a_chunk_another_class_emptied() {
+    let path = ShmPath::new("shared");
+    let (arena, mut table) = Arena::create(&shared_config(&path)).unwrap();
+    assert_eq!((arena.header().version, arena.header().slots), (layout::ARENA_VERSION_SHARED, 28));
+    let agent = Arena::attach(&path.0).unwrap();
+    let (mine, theirs) = (arena.region().unwrap(), agent.region().unwrap());
+    assert_eq!(theirs.chunk_bytes(), 40960);
+    let stats = table.stats();
+    assert_eq!((stats.free[0], stats.free[1], stats.chunks_unowned), (20, 8, 4), "every chunk is anyone's");
+
+    // The large class takes every chunk.
+    let large: Vec<SlotGrant> = (0..8).map(|_| table.allocate(1).unwrap()).collect();
+    assert_eq!(table.stats().chunks_owned[1], 4);
+    assert!(table.allocate(1).is_none());
+    assert_eq!(table.free_slots(0), 0, "no chunk is free for the small class");
+    assert!(table.allocate(0).is_none());
+    for grant in &large {
+        // SAFETY: the test holds every slot; nobody else writes them.
+        unsafe { mine.slot_mut(grant.slot).unwrap().fill(grant.slot as u8) };
+    }
+
+    // One of chunk 3's two blocks goes: the chunk still holds the other.
+    let (a, b) = (large[6].slot, large[7].slot);
+    assert_eq!(theirs.slot_ptr(b).unwrap() as usize - theirs.slot_ptr(a).unwrap() as usize, 20480);
+    table.retire(a).unwrap();
+    assert_eq!(table.reclaim().freed, 1);
+    assert!(table.allocate(0).is_none(), "a chunk holding a block never changes class");
+
+    // The other goes too, but a reader still pins it: not yet.
+    let mut pins = agent.claim_agent().unwrap();
+    let pin = pins.pin(b, large[7].generation).unwrap();
+    table.retire(b).unwrap();
+    assert_eq!(table.reclaim(), Reclaim { freed: 0, pinned: 1 });
+    assert!(table.allocate(0).is_none(), "a pinned block holds its chunk");
+    pins.unpin(pin);
+    assert_eq!(table.reclaim().freed, 1);
+
+    // Now chunk 3 is empty: the small class takes it, five slots over the
+    // bytes the two large ones had.
+    assert_eq!(table.free_slots(0), 5);
+    let small: Vec<SlotGrant> = (0..5).map(|_| table.allocate(0).unwrap()).collect();
+    assert!(table.allocate(0).is_none());
+    let stats = table.stats();
+    assert_eq!((stats.chunks_owned[0], stats.chunks_owned[1], stats.chunks_moved), (1, 3, 1));
+    let chunk_3 = mine.slot_ptr(a).unwrap() as usize;
+    for grant in &small {
+        let at = mine.slot_ptr(grant.slot).unwrap() as usize;
+        assert!(at >= chunk_3 && at + 8192 <= chunk_3 + 40960, "slot {} lies in chunk 3", grant.slot);
+        // SAFETY: the test holds the slot.
+        unsafe { mine.slot_mut(grant.slot).unwrap().fill(0xee) };
+    }
+    for grant in &large[..6] {
+        // SAFETY: the test holds the slot; no writer.
+        let bytes = unsafe { theirs.slot(grant.slot) }.unwrap();
+        assert!(bytes.iter().all(|&x| x == grant.slot as u8), "live slot {} untouched", grant.slot);
+    }
+
+    // The small class empties its chunk; the large class takes it back.
+    for grant in &small {
+        table.retire(grant.slot).unwrap();
+    }
+    assert_eq!(table.reclaim().freed, 5);
+    assert_eq!(table.free_slots(1), 2);
+    let back = table.allocate(1).unwrap();
+    assert_eq!(back.slot, a, "the lowest slot of the chunk, with its generation moved on");
+    assert_eq!(back.generation, large[6].generation + 1);
+    assert_eq!(table.stats().chunks_moved, 2);
+    assert_eq!(table.stats().free[0], 0);
 }
 
 #[test]

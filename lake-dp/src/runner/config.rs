@@ -15,6 +15,7 @@
 //! agents_max = 64
 //! pins_per_agent = 4096
 //! lock = true
+//! # chunk_bytes = 9453568  # optional: classes share the arena in chunks
 //!
 //! [l2]
 //! paths = ["/nvme0/lake/l2-0.lake", "/nvme1/lake/l2-1.lake"]
@@ -137,6 +138,14 @@ pub struct L1Section {
     /// below what saves can then fill, or it never demotes.
     #[serde(default)]
     pub load_reserve_slots: u32,
+    /// Let the classes share the arena in chunks of this many bytes (a
+    /// multiple of 4096, at least the largest slot; several slots of it
+    /// waste less of each chunk): a class short of slots takes a chunk no
+    /// other class holds a block in. The classes' `slots` then size the
+    /// arena (their bytes summed), not each class. 0 (the default): each
+    /// class owns its slots, an arena every earlier agent attaches to.
+    #[serde(default)]
+    pub chunk_bytes: u64,
 }
 
 /// `[l2]`.
@@ -630,6 +639,9 @@ impl RunnerConfig {
         if !backings.contains(&self.l1.backing.as_str()) {
             return Err(bad("l1.backing", "one of \"shm\", \"hugetlbfs\", \"hugetlb-memfd\""));
         }
+        if !self.l1.chunk_bytes.is_multiple_of(4096) || self.l1.chunk_bytes > u64::from(u32::MAX) {
+            return Err(bad("l1.chunk_bytes", "0, or a multiple of 4096 below 4 GiB"));
+        }
         if self.l1.classes.is_empty() || self.l1.classes.len() > crate::constants::SLOT_CLASSES_MAX {
             return Err(bad("l1.classes", "between 1 and 8 size classes"));
         }
@@ -639,6 +651,13 @@ impl RunnerConfig {
             }
             if class.slots == 0 {
                 return Err(ConfigError(format!("l1.classes[{i}].slots: at least 1")));
+            }
+            let slot_bytes = crate::stored::object_bytes(class.payload_bytes);
+            if self.l1.chunk_bytes != 0 && slot_bytes > self.l1.chunk_bytes {
+                return Err(ConfigError(format!(
+                    "l1.chunk_bytes: {} is smaller than l1.classes[{i}]'s {slot_bytes}-byte slots",
+                    self.l1.chunk_bytes
+                )));
             }
             if self.l1.load_reserve_slots >= class.slots {
                 return Err(ConfigError(format!(
@@ -710,6 +729,7 @@ impl RunnerConfig {
             epoch,
             lock: self.l1.lock,
             numa_node: self.node.numa_node,
+            chunk_bytes: self.l1.chunk_bytes,
             ..ArenaConfig::shm(&self.l1.path, &classes)
         }
     }
@@ -768,6 +788,8 @@ slot_bytes = 69632
         check(&GOOD.replace("[node]\nid = 3", "[node]"), "missing field `id`");
         check(&GOOD.replace("slots = 16", "slots = 0"), "l1.classes[0].slots");
         check(&GOOD.replace("[l1]", "[l1]\nload_reserve_slots = 16"), "l1.load_reserve_slots");
+        check(&GOOD.replace("[l1]", "[l1]\nchunk_bytes = 5000"), "l1.chunk_bytes");
+        check(&GOOD.replace("[l1]", "[l1]\nchunk_bytes = 65536"), "smaller than l1.classes[0]'s 69632-byte slots");
         check(&format!("{GOOD}\n[poller]\nops_max = 0\n"), "poller.ops_max");
         check(&format!("{GOOD}\n[poller]\nspin = 3\n"), "spin");
         check(&GOOD.replace("[l1]", "[l1]\nbacking = \"disk\""), "l1.backing");

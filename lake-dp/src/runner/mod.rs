@@ -265,6 +265,8 @@ pub struct RunnerStats {
     pub rdma_landed: u64,
     /// Bytes this node READ over RDMA.
     pub rdma_read_bytes: u64,
+    /// Chunks of a shared L1 that one size class took from another.
+    pub l1_chunks_moved: u64,
 }
 
 impl RunnerStats {
@@ -274,7 +276,8 @@ impl RunnerStats {
              \"parks\":{},\"ops_ok\":{},\"ops_failed\":{},\"selftest_written\":{},\"selftest_read\":{},\
              \"cp_sent\":{},\"cp_dropped\":{},\"cp_reconnects\":{},\"cp_refused\":{},\"abandoned\":{},\"agents_released\":{},\"saves\":{},\"saves_refused\":{},\
              \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{},\
-             \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{},\"l3_failed\":{},\"l3_lost\":{},\"rdma_landed\":{},\"rdma_read_bytes\":{}}}",
+             \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{},\"l3_failed\":{},\"l3_lost\":{},\"rdma_landed\":{},\"rdma_read_bytes\":{},\
+             \"l1_chunks_moved\":{}}}",
             self.polls,
             self.busy_polls,
             self.busy_ns,
@@ -306,7 +309,8 @@ impl RunnerStats {
             self.l3.failed,
             self.l3.lost,
             self.rdma_landed,
-            self.rdma_read_bytes
+            self.rdma_read_bytes,
+            self.l1_chunks_moved
         )
     }
 }
@@ -603,7 +607,15 @@ fn open_link(
         node: config.node.id,
         region_epoch: epoch,
         slot_bytes: header.classes[0].slot_bytes,
-        slot_count: header.slots,
+        // The arena's bytes in class 0's slots: `lake-cp` counts each L1
+        // block at its own bytes against that. Shared classes: class 0's
+        // slots filling every chunk (not the sum of every class's, which
+        // counts the same memory once per class).
+        slot_count: if header.chunk_bytes == 0 {
+            u32::try_from(header.slots_bytes / header.classes[0].slot_bytes.max(1)).unwrap_or(u32::MAX)
+        } else {
+            header.classes[0].slots
+        },
         reserved_b: 0,
         name: name(&config.l1.path),
     });
@@ -1050,7 +1062,7 @@ pub fn run_with(
     let _ = writeln!(
         out,
         "{{\"event\":\"serving\",\"pid\":{},\"epoch\":{epoch},\"previous_shutdown_clean\":{},\"adopted\":{},\
-         \"scrubbed\":{},\"torn\":{},\"damaged\":{},\"l1_bytes\":{},\"l2_free_slots\":{},\"core\":{},\"numa_node\":{},\"l3\":{}}}",
+         \"scrubbed\":{},\"torn\":{},\"damaged\":{},\"l1_bytes\":{},\"l1_chunk_bytes\":{},\"l2_free_slots\":{},\"core\":{},\"numa_node\":{},\"l3\":{}}}",
         std::process::id(),
         tier.previous_shutdown_clean(),
         found.adopted.len(),
@@ -1058,6 +1070,7 @@ pub fn run_with(
         found.torn.len(),
         found.damaged.len(),
         arena.header().total_bytes,
+        arena.header().chunk_bytes,
         l2_slots.free_slots(),
         cores.first().map_or("null".into(), ToString::to_string),
         numa_node.map_or("null".into(), |n| n.to_string()),
@@ -1360,6 +1373,7 @@ pub fn run_with(
         stats.cp_refused = link.counters.refused;
     }
     stats.pool = pool.stats;
+    stats.l1_chunks_moved = table.stats().chunks_moved;
     stats.l3 = l3_stats.unwrap_or_default();
     if let Some(rdma) = transport.as_ref().and_then(|t| t.rdma_stats()) {
         stats.rdma_landed = rdma.landed;
