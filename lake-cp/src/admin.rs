@@ -74,6 +74,7 @@ fn reason_name(code: u8) -> &'static str {
         Some(R::Demoted) => "demoted",
         Some(R::Corrupt) => "corrupt",
         Some(R::Released) => "released",
+        Some(R::Moved) => "moved",
         None => "unknown",
     }
 }

@@ -32,6 +32,15 @@ pub struct EmbeddedConfig {
     pub block_bytes: u64,
     /// L1 slots.
     pub l1_slots: u32,
+    /// More L1 size classes beside `block_bytes`'s, one per other block
+    /// layout served (another model): (payload bytes, slots). L2 slots are
+    /// made to hold the largest.
+    pub l1_classes: Vec<(u64, u32)>,
+    /// Let the L1 classes share the arena in chunks of this many bytes
+    /// (`[l1] chunk_bytes`; 0: each class owns its slots): a class short
+    /// of slots takes memory another does not use, a chunk emptied by
+    /// moving its blocks if need be.
+    pub l1_chunk_bytes: u64,
     /// L2 slots per file (two files).
     pub l2_slots_per_file: u32,
     /// In-process agent ports to make (for engines in this process).
@@ -146,6 +155,8 @@ impl EmbeddedConfig {
             dir,
             block_bytes: 64 * 1024,
             l1_slots: 1024,
+            l1_classes: Vec::new(),
+            l1_chunk_bytes: 0,
             l2_slots_per_file: 4096,
             local_agents: 0,
             remote_agents: 16,
@@ -258,7 +269,10 @@ fn runner_config(
     cp: &Path,
     dp: &Path,
 ) -> Result<RunnerConfig, String> {
-    let slot_bytes = lake_dp::stored::object_bytes(config.block_bytes);
+    let all = || std::iter::once((config.block_bytes, config.l1_slots)).chain(config.l1_classes.iter().copied());
+    let slot_bytes = all().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).max().unwrap_or(0);
+    let classes: Vec<String> =
+        all().map(|(payload, slots)| format!("{{ payload_bytes = {payload}, slots = {slots} }}")).collect();
     RunnerConfig::parse(&format!(
         r#"
 [node]
@@ -266,7 +280,8 @@ id = {node}
 
 [l1]
 path = "{arena}"
-classes = [{{ payload_bytes = {payload}, slots = {l1} }}]
+classes = [{classes}]
+chunk_bytes = {chunk_bytes}
 lock = false
 agents_max = {agents}
 load_reserve_slots = {load_reserve}
@@ -296,8 +311,8 @@ ports = {remote}
         cp = cp.display(),
         dp = dp.display(),
         node = config.node,
-        payload = config.block_bytes,
-        l1 = config.l1_slots,
+        classes = classes.join(", "),
+        chunk_bytes = config.l1_chunk_bytes,
         l2 = config.l2_slots_per_file,
         background = config.l2_background_depth,
         load_reserve = load_reserve,
@@ -329,7 +344,17 @@ impl EmbeddedPool {
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
         let admin_socket = config.dir.join("admin.sock");
-        let entries = u64::from(config.l1_slots)
+        // L1 holds at most its bytes in its smallest slots, shared or not.
+        let l1_bytes: u64 = std::iter::once((config.block_bytes, config.l1_slots))
+            .chain(config.l1_classes.iter().copied())
+            .map(|(payload, slots)| lake_dp::stored::object_bytes(payload) * u64::from(slots))
+            .sum();
+        let smallest = std::iter::once(config.block_bytes)
+            .chain(config.l1_classes.iter().map(|c| c.0))
+            .map(lake_dp::stored::object_bytes)
+            .min()
+            .unwrap_or(1);
+        let entries = (l1_bytes / smallest.max(1)).max(u64::from(config.l1_slots))
             + 2 * u64::from(config.l2_slots_per_file)
             + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))

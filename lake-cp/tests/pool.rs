@@ -400,3 +400,144 @@ fn loads_find_the_l1_slots_a_flood_of_saves_leaves_them() {
     // asked again).
     assert!(asked_again <= 2, "{asked_again} of {loads} loads were refused a slot and asked again");
 }
+
+/// Two models on one node, one L1 whose size classes share 256 KiB
+/// chunks: model A's blocks take 64 KiB slots (four a chunk), model B's
+/// 32 KiB ones (eight). A's two tenants fill eight chunks, their blocks
+/// interleaved; one tenant is purged, leaving every one of those chunks
+/// half full and none empty. B then saves 72 blocks: it takes the three
+/// chunks nobody uses, and then the pool empties A's chunks by moving A's
+/// blocks together, and B takes those too. Every block left reads back
+/// byte for byte, the moved ones from their new slots.
+#[test]
+fn a_model_short_of_l1_gets_the_chunks_another_models_blocks_are_moved_out_of() {
+    const SMALL: usize = 28 * 1024;
+    let small = |key: &BlockKey| -> Vec<u8> { payload(key)[..SMALL].to_vec() };
+    let dir = std::env::temp_dir().join(format!("lake-cp-pool-classes-{}", std::process::id()));
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+        block_bytes: PAYLOAD as u64,
+        l1_slots: 40,
+        l1_classes: vec![(SMALL as u64, 8)],
+        l1_chunk_bytes: 256 * 1024,
+        l2_slots_per_file: 256,
+        local_agents: 3,
+        remote_agents: 1,
+        ..EmbeddedConfig::new(dir.clone())
+    })
+    .unwrap();
+    let admin = pool.admin_socket.clone();
+    let mut model = |namespace: u64| {
+        let config = AgentConfig {
+            arena: &pool.arena,
+            mirror: &pool.mirror,
+            cp_socket: Some(&pool.cp_socket),
+            name: "test-engine",
+            namespace: NamespaceId(namespace),
+            layout_fingerprint: 0xfeed + namespace,
+            segment_bytes: 4 * 1024,
+            object_kind: lake_dp::ObjectKind::KvBlock,
+        };
+        Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
+    };
+    let (mut kept, mut purged, mut b) = (model(7), model(9), model(8));
+    let save_one = |agent: &mut Agent, key: BlockKey, bytes: &[u8]| {
+        let block = SaveBlock { key, parent: BlockKey::NONE, block_index: 0, payload: SavePayload::Bytes(bytes) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // A save refused (no slot yet) is offered again, as an engine's
+        // next forward pass would.
+        while agent.save(std::slice::from_ref(&block)) != 1 {
+            assert!(Instant::now() < deadline, "a block never saved");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let keys_kept: Vec<BlockKey> = (0..16).map(|i| key(1, i)).collect();
+    let keys_purged: Vec<BlockKey> = (0..16).map(|i| key(3, i)).collect();
+    for (k, p) in keys_kept.iter().zip(&keys_purged) {
+        save_one(&mut kept, *k, &payload(k));
+        save_one(&mut purged, *p, &payload(p));
+    }
+    let mut table = Vec::new();
+    assert_eq!(kept.lookup(&keys_kept, &mut table), 16);
+    assert!(table.iter().all(|e| e.tier == Tier::L1Dram), "A fits in L1: {table:?}");
+    let slots: Vec<u32> = table.iter().map(|e| e.slot).collect();
+
+    // Purge the other tenant: half of each of A's chunks is free, no
+    // chunk is empty.
+    let answer = admin_line(&admin, &format!("{{\"op\":\"purge\",\"namespace\":\"{:016x}\"}}", 9));
+    assert!(!answer.contains("error"), "{answer}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while purged.lookup(&keys_purged, &mut table) > 0 {
+        assert!(Instant::now() < deadline, "the purge never ended");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let keys_b: Vec<BlockKey> = (0..72).map(|i| key(2, i)).collect();
+    for k in &keys_b {
+        save_one(&mut b, *k, &small(k));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // B holds more of L1 than the three chunks nobody used could give it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let in_l1 = loop {
+        let hits = b.lookup(&keys_b, &mut table);
+        let in_l1 = table.iter().filter(|e| e.tier == Tier::L1Dram).count();
+        if hits == 72 && in_l1 > 24 {
+            break in_l1;
+        }
+        assert!(Instant::now() < deadline, "B: {hits} hits, {in_l1} in L1");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Every block still there reads back, as an engine would fetch it:
+    // looked up again where a concurrent move or demotion beat the fetch.
+    let read_all = |agent: &mut Agent, keys: &[BlockKey], bytes: &dyn Fn(&BlockKey) -> Vec<u8>| {
+        let mut got = vec![false; keys.len()];
+        let mut table = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while got.iter().any(|g| !g) && Instant::now() < deadline {
+            let missing: Vec<usize> = (0..keys.len()).filter(|&i| !got[i]).collect();
+            for i in missing {
+                if agent.lookup(&keys[i..=i], &mut table) == 1 {
+                    agent.fetch(&keys[i..=i], &table, |_, read| {
+                        assert_eq!(read, &bytes(&keys[i])[..], "block {i}");
+                        got[i] = true;
+                    });
+                }
+            }
+        }
+        got.iter().filter(|&&g| g).count()
+    };
+    let (read_b, read_kept) = (read_all(&mut b, &keys_b, &small), read_all(&mut kept, &keys_kept, &payload));
+    assert_eq!(kept.lookup(&keys_kept, &mut table), 16);
+    let moved: Vec<usize> = (0..16).filter(|&i| table[i].tier == Tier::L1Dram && table[i].slot != slots[i]).collect();
+    // The operator's view of a moved block: gone from its old slot as
+    // moved, committed at its new one.
+    if let Some(&i) = moved.first() {
+        let hex: String = keys_kept[i].0.iter().map(|b| format!("{b:02x}")).collect();
+        let answer = admin_line(&admin, &format!("{{\"op\":\"inspect\",\"key\":\"{hex}\"}}"));
+        assert!(answer.contains("evicted (moved)"), "{answer}");
+    }
+    let moved = moved.len();
+
+    drop((kept, purged, b));
+    let (stats, server) = pool.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "B: {in_l1} of 72 in L1; A's blocks in new slots {moved}; chunks taken {}, emptied {}, blocks moved {}; \
+         {:?}",
+        stats.l1_chunks_moved, stats.l1_chunks_evacuated, stats.pool.l1_moves, stats.pool
+    );
+    assert_eq!((read_b, read_kept), (72, 16));
+    assert!(stats.l1_chunks_evacuated > 0 && stats.pool.l1_moves > 0, "no chunk was emptied: {stats:?}");
+    assert_eq!((stats.pool.commits_corrupt, stats.pool.l1_moves_failed), (0, 0), "{stats:?}");
+    assert_eq!(server.counters.bad_frames, 0);
+}
+
+/// One line to the operator's socket, its answer.
+fn admin_line(socket: &std::path::Path, line: &str) -> String {
+    use std::io::{BufRead, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    writeln!(stream, "{line}").unwrap();
+    let mut answer = String::new();
+    std::io::BufReader::new(stream).read_line(&mut answer).unwrap();
+    answer
+}

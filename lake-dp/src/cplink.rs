@@ -309,7 +309,7 @@ impl CpLink {
 
     /// Whether the control plane's answer named `feature` (it takes what
     /// that bit stands for).
-    fn takes(&self, feature: u64) -> bool {
+    pub fn takes(&self, feature: u64) -> bool {
         self.ack.features & feature != 0
     }
 

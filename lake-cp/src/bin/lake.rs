@@ -17,7 +17,7 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
                   [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
                   [--l2-admission always|second-access] [--l2-background-depth N]
-                  [--l1-load-reserve N]
+                  [--l1-load-reserve N] [--l1-class PAYLOAD_BYTES:SLOTS ...] [--l1-chunk-bytes N]
                   [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
                   [--link-key FILE] [--tag-threads N] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
                   [--socket-group NAME] [--socket-mode OCTAL]
@@ -29,6 +29,8 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                    with a link key every transport and summary connection is authenticated;
                    with an RDMA device each peer's link negotiates RDMA over TCP, falling back to it;
                    --tag-threads spreading the tags of large slices over N threads;
+                   --l1-class adding an L1 size class for another block layout (another model),
+                   --l1-chunk-bytes letting the classes share L1 in chunks of N bytes;
                    SIGHUP reads --tenant-keys DIR's NAMESPACE.key files again: one gone is purged)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
                [--ttl SECONDS] [--node N] [--entries N]
@@ -354,6 +356,12 @@ fn serve(args: &[String]) -> Result<(), String> {
             }
             "--l2-background-depth" => config.l2_background_depth = small()?,
             "--l1-load-reserve" => config.l1_load_reserve = Some(small()?),
+            "--l1-class" => {
+                let bad = || format!("{flag} {value}: PAYLOAD_BYTES:SLOTS");
+                let (payload, slots) = value.split_once(':').ok_or_else(bad)?;
+                config.l1_classes.push((payload.parse().map_err(|_| bad())?, slots.parse().map_err(|_| bad())?));
+            }
+            "--l1-chunk-bytes" => config.l1_chunk_bytes = number()?,
             "--rdma-device" => {
                 config.rdma = Some(lake_dp::runner::RdmaDevice::parse(value).map_err(|e| format!("{flag}: {e}"))?);
             }

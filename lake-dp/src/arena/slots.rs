@@ -91,6 +91,9 @@ pub struct SlotStats {
     /// Shared arenas: chunks a class took from another (that held nothing
     /// in it), since the table was made.
     pub chunks_moved: u64,
+    /// Shared arenas: chunks emptied by moving their blocks out
+    /// ([`SlotTable::evacuate`]) and given up by their class.
+    pub chunks_evacuated: u64,
     /// Held slots.
     pub held: u32,
     /// Retired slots waiting for pins.
@@ -129,6 +132,10 @@ pub struct SlotTable {
     empty_owned: [u32; SLOT_CLASSES_MAX],
     chunks_owned: [u32; SLOT_CLASSES_MAX],
     chunks_moved: u64,
+    /// Shared classes: the chunk being emptied, if any: its free slots are
+    /// off its class's list, and it leaves the class once nothing is live.
+    evacuating: Option<u32>,
+    chunks_evacuated: u64,
 }
 
 /// [`SlotTable::owner`] of a chunk no class owns.
@@ -181,11 +188,91 @@ impl SlotTable {
             empty_owned: [0; SLOT_CLASSES_MAX],
             chunks_owned: [0; SLOT_CLASSES_MAX],
             chunks_moved: 0,
+            evacuating: None,
+            chunks_evacuated: 0,
         }
     }
 
-    fn shared(&self) -> bool {
+    /// Whether the arena's classes share chunks (layout version 2).
+    pub fn shared(&self) -> bool {
         !self.owner.is_empty()
+    }
+
+    /// The chunk being emptied ([`SlotTable::evacuate`]), if any.
+    pub fn evacuating(&self) -> Option<u32> {
+        self.evacuating
+    }
+
+    /// The slots of `chunk` in the class that owns it: (first slot, count),
+    /// or `None` for an unowned chunk or a fixed arena.
+    pub fn chunk_slot_range(&self, chunk: u32) -> Option<(u32, u32)> {
+        let class = usize::from(*self.owner.get(chunk as usize)?);
+        let span = self.arena.map().geometry.spans.get(class)?;
+        Some((span.first_slot + chunk * span.chunk_slots, span.chunk_slots))
+    }
+
+    /// The size class of `slot`, or `None` out of range.
+    pub fn class_of_slot(&self, slot: u32) -> Option<usize> {
+        self.arena.map().geometry.spans.iter().position(|s| s.contains(slot))
+    }
+
+    /// Free slots `class` holds itself (not counting chunks it could take).
+    pub fn own_free_slots(&self, class: usize) -> usize {
+        self.free.get(class).map_or(0, Vec::len)
+    }
+
+    /// The chunk to empty so that `class` gets memory: owned by another
+    /// class, holding the fewest blocks, whose class keeps `reserve` free
+    /// slots of its own after taking them in elsewhere. `None` when no
+    /// chunk qualifies (or one is being emptied already).
+    pub fn chunk_to_evacuate(&self, class: usize, reserve: usize) -> Option<u32> {
+        if !self.shared() || self.evacuating.is_some() {
+            return None;
+        }
+        let spans = &self.arena.map().geometry.spans;
+        (0..self.owner.len())
+            .filter(|&k| {
+                let owner = usize::from(self.owner[k]);
+                let Some(span) = spans.get(owner).filter(|_| owner != class) else { return false };
+                let live = self.live[k] as usize;
+                let free_here = span.chunk_slots as usize - live;
+                let free_elsewhere = self.free[owner].len().saturating_sub(free_here);
+                live > 0 && free_elsewhere >= live + reserve
+            })
+            .min_by_key(|&k| self.live[k])
+            .and_then(|k| u32::try_from(k).ok())
+    }
+
+    /// Starts emptying `chunk`: its free slots leave its class's list, so
+    /// nothing new is placed there; the holder moves its blocks out and
+    /// frees them, and once none is live the chunk is nobody's (for a
+    /// class short of slots). False for an unowned chunk, a fixed arena or
+    /// while another chunk is being emptied.
+    pub fn evacuate(&mut self, chunk: u32) -> bool {
+        if self.evacuating.is_some() {
+            return false;
+        }
+        let Some(&owner) = self.owner.get(chunk as usize) else { return false };
+        let class = usize::from(owner);
+        let Some(span) = self.arena.map().geometry.spans.get(class).copied() else { return false };
+        self.free[class].retain(|&slot| span.chunk_of(slot) != chunk);
+        if self.live[chunk as usize] == 0 {
+            self.empty_owned[class] -= 1;
+            self.give_up_chunk(class, chunk);
+        } else {
+            self.evacuating = Some(chunk);
+        }
+        true
+    }
+
+    /// `chunk`, empty and off its class's free list, leaves `class`.
+    fn give_up_chunk(&mut self, class: usize, chunk: u32) {
+        debug_assert_eq!(self.live[chunk as usize], 0);
+        self.owner[chunk as usize] = UNOWNED;
+        self.chunks_owned[class] -= 1;
+        self.chunks_evacuated += 1;
+        // Capacity: every chunk.
+        self.unowned.push(chunk);
     }
 
     /// Slots of `class` per chunk (shared arenas).
@@ -245,17 +332,27 @@ impl SlotTable {
         self.live[chunk] += 1;
     }
 
-    /// Puts `slot` (of `class`) back on its class's free list.
+    /// Puts `slot` (of `class`) back on its class's free list (not one of
+    /// a chunk being emptied).
     fn release_slot(&mut self, class: usize, slot: u32) {
-        // Capacity is the class's slot count: never grows.
-        self.free[class].push(slot);
         if !self.shared() {
+            // Capacity is the class's slot count: never grows.
+            self.free[class].push(slot);
             return;
         }
-        let chunk = self.arena.map().geometry.spans[class].chunk_of(slot) as usize;
-        debug_assert!(self.live[chunk] > 0);
-        self.live[chunk] -= 1;
-        if self.live[chunk] == 0 {
+        let chunk = self.arena.map().geometry.spans[class].chunk_of(slot);
+        let index = chunk as usize;
+        debug_assert!(self.live[index] > 0);
+        self.live[index] -= 1;
+        if self.evacuating == Some(chunk) {
+            if self.live[index] == 0 {
+                self.evacuating = None;
+                self.give_up_chunk(class, chunk);
+            }
+            return;
+        }
+        self.free[class].push(slot);
+        if self.live[index] == 0 {
             self.empty_owned[class] += 1;
         }
     }
@@ -491,6 +588,7 @@ impl SlotTable {
             chunks_owned: self.chunks_owned,
             chunks_unowned: u32::try_from(self.unowned.len()).unwrap_or(u32::MAX),
             chunks_moved: self.chunks_moved,
+            chunks_evacuated: self.chunks_evacuated,
             held: self.held,
             draining: u32::try_from(self.draining.len()).unwrap_or(u32::MAX),
             bytes_in_use: self.bytes_in_use,

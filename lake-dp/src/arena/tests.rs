@@ -292,6 +292,41 @@ fn a_class_short_of_slots_takes_a_chunk_another_class_emptied() {
 }
 
 #[test]
+fn a_chunk_emptied_by_moving_its_blocks_goes_to_the_class_short_of_slots() {
+    let path = ShmPath::new("evacuate");
+    let (_arena, mut table) = Arena::create(&shared_config(&path)).unwrap();
+    let large: Vec<SlotGrant> = (0..8).map(|_| table.allocate(1).unwrap()).collect();
+    // One block leaves chunk 0 and one chunk 1: half of each is free, but
+    // no chunk is empty, so the small class gets nothing.
+    table.retire(large[1].slot).unwrap();
+    table.retire(large[3].slot).unwrap();
+    assert_eq!(table.reclaim().freed, 2);
+    assert!(table.allocate(0).is_none());
+    assert_eq!(table.chunk_to_evacuate(1, 0), None, "never a chunk of the class short of slots");
+    assert_eq!(table.chunk_to_evacuate(0, 1), None, "the large class would keep no free slot of its own");
+    let chunk = table.chunk_to_evacuate(0, 0).unwrap();
+    assert_eq!(chunk, 0);
+    assert_eq!(table.chunk_slot_range(chunk), Some((20, 2)));
+    assert!(table.evacuate(chunk));
+    assert!(!table.evacuate(1), "one chunk at a time");
+    assert_eq!(table.chunk_to_evacuate(0, 0), None);
+    // Its block moves to chunk 1's free slot (the holder copies it), and
+    // the old slot is freed: the chunk is nobody's, then the small class's.
+    assert_eq!(table.own_free_slots(1), 1);
+    let target = table.allocate(1).unwrap();
+    assert_eq!(target.slot, large[3].slot, "not into the chunk being emptied");
+    assert!(table.allocate(0).is_none(), "not before its last block is freed");
+    table.retire(large[0].slot).unwrap();
+    assert_eq!(table.reclaim().freed, 1);
+    assert_eq!(table.evacuating(), None);
+    let stats = table.stats();
+    assert_eq!((stats.chunks_evacuated, stats.chunks_unowned, stats.chunks_owned[1]), (1, 1, 3));
+    let small = table.allocate(0).unwrap();
+    assert_eq!(small.slot, 0, "chunk 0's first small slot");
+    assert_eq!(table.class_of_slot(small.slot), Some(0));
+}
+
+#[test]
 fn a_kept_slot_drains_to_its_holder_not_to_the_free_list() {
     let path = ShmPath::new("kept");
     let (_arena, mut table) = Arena::create(&config(&path)).unwrap();

@@ -216,6 +216,29 @@ macro_rules! try_to {
     };
 }
 
+/// The L1 capacity `lake-dp` tells `lake-cp`: its smallest class's slot
+/// size, and how many of those its bytes hold. `lake-cp` counts a block at
+/// that slot size, or at its own bytes where more (a block of a larger
+/// class), so one-class arenas count every block as a slot, as before.
+///
+/// Fixed classes: the arena's bytes. Shared classes: less what the classes
+/// may strand — one partly used chunk each, and the free slots each keeps
+/// for loads — so that `lake-cp`, keeping L1 below its high-water mark of
+/// this, leaves a class that runs short memory to take (a chunk nobody
+/// uses, or one the pool empties by moving another class's blocks).
+pub fn l1_capacity(header: &crate::arena::layout::ArenaHeader, load_reserve_slots: u32) -> (u64, u32) {
+    let classes = &header.classes[..usize::from(header.class_count)];
+    let slot_bytes = classes.iter().map(|c| c.slot_bytes).min().unwrap_or(1).max(1);
+    let mut bytes = header.slots_bytes;
+    if header.chunk_bytes != 0 {
+        let stranded: u64 =
+            classes.iter().map(|c| u64::from(header.chunk_bytes) + u64::from(load_reserve_slots) * c.slot_bytes).sum();
+        // Never below one chunk's worth.
+        bytes = bytes.saturating_sub(stranded).max(u64::from(header.chunk_bytes));
+    }
+    (slot_bytes, u32::try_from(bytes / slot_bytes).unwrap_or(u32::MAX))
+}
+
 /// What the loop did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RunnerStats {
@@ -267,6 +290,8 @@ pub struct RunnerStats {
     pub rdma_read_bytes: u64,
     /// Chunks of a shared L1 that one size class took from another.
     pub l1_chunks_moved: u64,
+    /// Chunks of a shared L1 emptied (their blocks moved) and given up.
+    pub l1_chunks_evacuated: u64,
 }
 
 impl RunnerStats {
@@ -277,7 +302,7 @@ impl RunnerStats {
              \"cp_sent\":{},\"cp_dropped\":{},\"cp_reconnects\":{},\"cp_refused\":{},\"abandoned\":{},\"agents_released\":{},\"saves\":{},\"saves_refused\":{},\
              \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{},\
              \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{},\"l3_failed\":{},\"l3_lost\":{},\"rdma_landed\":{},\"rdma_read_bytes\":{},\
-             \"l1_chunks_moved\":{}}}",
+             \"l1_chunks_moved\":{},\"l1_chunks_evacuated\":{},\"l1_moves\":{},\"l1_class_short\":{}}}",
             self.polls,
             self.busy_polls,
             self.busy_ns,
@@ -310,7 +335,10 @@ impl RunnerStats {
             self.l3.lost,
             self.rdma_landed,
             self.rdma_read_bytes,
-            self.l1_chunks_moved
+            self.l1_chunks_moved,
+            self.l1_chunks_evacuated,
+            self.pool.l1_moves,
+            self.pool.l1_class_short
         )
     }
 }
@@ -606,16 +634,8 @@ fn open_link(
         reserved_a: 0,
         node: config.node.id,
         region_epoch: epoch,
-        slot_bytes: header.classes[0].slot_bytes,
-        // The arena's bytes in class 0's slots: `lake-cp` counts each L1
-        // block at its own bytes against that. Shared classes: class 0's
-        // slots filling every chunk (not the sum of every class's, which
-        // counts the same memory once per class).
-        slot_count: if header.chunk_bytes == 0 {
-            u32::try_from(header.slots_bytes / header.classes[0].slot_bytes.max(1)).unwrap_or(u32::MAX)
-        } else {
-            header.classes[0].slots
-        },
+        slot_bytes: l1_capacity(header, config.l1.load_reserve_slots).0,
+        slot_count: l1_capacity(header, config.l1.load_reserve_slots).1,
         reserved_b: 0,
         name: name(&config.l1.path),
     });
@@ -1374,6 +1394,7 @@ pub fn run_with(
     }
     stats.pool = pool.stats;
     stats.l1_chunks_moved = table.stats().chunks_moved;
+    stats.l1_chunks_evacuated = table.stats().chunks_evacuated;
     stats.l3 = l3_stats.unwrap_or_default();
     if let Some(rdma) = transport.as_ref().and_then(|t| t.rdma_stats()) {
         stats.rdma_landed = rdma.landed;

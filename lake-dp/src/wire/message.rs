@@ -262,6 +262,10 @@ pub enum EvictReason {
     Corrupt = 4,
     /// Released by its owner.
     Released = 5,
+    /// Moved to another slot of the same region (an L1 chunk emptied for
+    /// another size class); the block's new replica is reported next. Sent
+    /// only to a control plane that offered [`crate::wire::FEATURE_L1_MOVES`].
+    Moved = 6,
 }
 
 impl EvictReason {
@@ -273,6 +277,7 @@ impl EvictReason {
             3 => Self::Demoted,
             4 => Self::Corrupt,
             5 => Self::Released,
+            6 => Self::Moved,
             _ => return None,
         })
     }

@@ -90,6 +90,13 @@ pub const FEATURE_PUSH_CAPS: u64 = 1 << 7;
 /// where offered; [`FEATURE_TENANT_THROTTLES`] alone gets the first five.
 pub const FEATURE_TENANT_WAITS: u64 = 1 << 8;
 
+/// Feature bit: the side takes [`message::EvictReason::Moved`] (an L1
+/// block moved to another slot of its region, its new replica reported
+/// next): a data plane empties an L1 chunk for another size class by
+/// moving its blocks only where offered (a control plane without it
+/// refuses the reason code).
+pub const FEATURE_L1_MOVES: u64 = 1 << 9;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -97,7 +104,8 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATHS_L3
     | FEATURE_PATHS_AGENT
     | FEATURE_TENANT_THROTTLES
-    | FEATURE_TENANT_WAITS;
+    | FEATURE_TENANT_WAITS
+    | FEATURE_L1_MOVES;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
@@ -105,7 +113,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 9] = [
+pub const FEATURE_NAMES: [(u64, &str); 10] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -115,6 +123,7 @@ pub const FEATURE_NAMES: [(u64, &str); 9] = [
     (FEATURE_TRACE, "trace"),
     (FEATURE_PUSH_CAPS, "push_caps"),
     (FEATURE_TENANT_WAITS, "tenant_waits"),
+    (FEATURE_L1_MOVES, "l1_moves"),
 ];
 
 /// Bytes in a frame header.

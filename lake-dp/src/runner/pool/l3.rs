@@ -666,10 +666,11 @@ impl Pool {
             return Err(AgentError::Busy);
         }
         let table = &mut *parts.table;
-        let grant = table
-            .class_for(object_bytes(meta.payload_len))
-            .and_then(|class| table.allocate(class))
-            .ok_or(AgentError::NoSpace)?;
+        let class = table.class_for(object_bytes(meta.payload_len)).ok_or(AgentError::NoSpace)?;
+        let Some(grant) = table.allocate(class) else {
+            self.class_short(class);
+            return Err(AgentError::NoSpace);
+        };
         let (Some(target), Some(capacity)) = (parts.region.slot_ptr(grant.slot), parts.region.slot_len(grant.slot))
         else {
             let _ = table.retire(grant.slot);

@@ -29,6 +29,7 @@
 //! Every command is answered (`TransferDone`), success or not. All tables
 //! are sized at start; nothing here allocates once the runner is sealed.
 
+mod compact;
 mod l3;
 
 use std::collections::VecDeque;
@@ -195,6 +196,17 @@ pub struct PoolStats {
     /// Passes a demotion waited for its tenant's L2 write cap, and L3
     /// writes refused for a while for its L3 write cap.
     pub writes_throttled: u64,
+    /// Saves and promotions that found their L1 size class with no slot.
+    pub l1_class_short: u64,
+    /// L1 chunks this pool began emptying for a class that ran short.
+    pub l1_chunks_emptied: u64,
+    /// Times a class ran short and no other class's chunk could be emptied
+    /// (their blocks had nowhere else to go).
+    pub l1_rebalance_impossible: u64,
+    /// L1 blocks moved to another slot of their class (emptying a chunk).
+    pub l1_moves: u64,
+    /// Moves dropped because the block failed its checks (evicted).
+    pub l1_moves_failed: u64,
 }
 
 /// What a pool is sized for.
@@ -334,6 +346,8 @@ pub struct Pool {
     /// Sends handed to the transport that `lake-cp` took back.
     send_cancels: Vec<u64>,
     l1: Vec<L1State>,
+    /// A size class that found no free L1 slot since the last rebalance.
+    short_class: Option<usize>,
     reserved: u32,
     /// Free L1 slots of a class that an engine's save may not take: they
     /// stay for loads (see [`Pool::set_load_reserve`]).
@@ -403,6 +417,7 @@ impl Pool {
             failed_sends: Vec::with_capacity(REMOTE_SENDS_MAX),
             send_cancels: Vec::with_capacity(REMOTE_SENDS_MAX),
             l1: vec![L1State::Free; l1_slots as usize],
+            short_class: None,
             reserved: 0,
             load_reserve_slots: 0,
             l2_meta: vec![None; l2_slots],
@@ -675,6 +690,7 @@ impl Pool {
             self.cancel_send(request, parts);
         }
         done += self.start_drained(parts, now_ns);
+        done += self.rebalance(parts);
         done += self.verify_backlog(parts);
         done += self.poll_l3(parts);
         self.passes = self.passes.wrapping_add(1);
@@ -812,10 +828,12 @@ impl Pool {
         match request {
             AgentRequest::Reserve { cookie, object_bytes } => {
                 let reserve = self.load_reserve_slots as usize;
-                let grant = table
-                    .class_for(object_bytes)
-                    .filter(|&class| table.free_slots(class) > reserve)
-                    .and_then(|class| table.allocate(class));
+                let class = table.class_for(object_bytes);
+                let grant =
+                    class.filter(|&class| table.free_slots(class) > reserve).and_then(|class| table.allocate(class));
+                if let (None, Some(class)) = (grant, class) {
+                    self.class_short(class);
+                }
                 match grant {
                     Some(grant) => {
                         self.l1[grant.slot as usize] = L1State::Reserved { agent, since_ns: now_ns };
@@ -1089,8 +1107,11 @@ impl Pool {
             return Err(AckStatus::Refused);
         }
         let table = &mut *parts.table;
-        let need = stored_object_room(len);
-        let grant = table.class_for(need).and_then(|class| table.allocate(class)).ok_or(AckStatus::Busy)?;
+        let class = table.class_for(stored_object_room(len)).ok_or(AckStatus::Busy)?;
+        let Some(grant) = table.allocate(class) else {
+            self.class_short(class);
+            return Err(AckStatus::Busy);
+        };
         self.l1[grant.slot as usize] = L1State::Reserved { agent: REMOTE_AGENT, since_ns: parts.now_ns };
         self.reserved += 1;
         Ok(BlockAddr { region, epoch, slot: grant.slot, generation: grant.generation })
@@ -1228,10 +1249,11 @@ impl Pool {
             Some(meta) if source.generation != 0 => meta.payload_len,
             _ => return Err(AgentError::Stale),
         };
-        let grant = table
-            .class_for(object_bytes(payload_len))
-            .and_then(|class| table.allocate(class))
-            .ok_or(AgentError::NoSpace)?;
+        let class = table.class_for(object_bytes(payload_len)).ok_or(AgentError::NoSpace)?;
+        let Some(grant) = table.allocate(class) else {
+            self.class_short(class);
+            return Err(AgentError::NoSpace);
+        };
         let purpose = Purpose::Promote { to, l1_slot: grant.slot, l1_generation: grant.generation };
         let Some(cookie) = self.take_op(purpose) else {
             let _ = table.retire(grant.slot);
