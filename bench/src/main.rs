@@ -10,6 +10,7 @@
 
 mod arena;
 mod args;
+mod classes;
 mod cp_scale;
 mod ffi;
 mod gpu;
@@ -79,7 +80,12 @@ subcommands:
   trace-tiers --file F.jsonl [--l1-ratio R] [--l2-ratio R] [--policy lake|lru]
          replay a trace through the real tier manager, L1 over L2, with every
          L1 victim written to L2 and with the second-access filter: L2 blocks
-         written and hit ratio of each";
+         written and hit ratio of each
+  classes [--dir DIR] [--l1-mib N] [--a-bytes N] [--b-bytes N] [--set-percent P]
+         [--requests N] [--chunk-slots N]
+         two models of different block sizes, A's traffic then B's, over one L1
+         split between their size classes and over one the classes share in
+         chunks: requests served from L1, from L2, computed again";
 
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -104,6 +110,7 @@ fn main() -> ExitCode {
         "trace-gen" => trace::run_trace_gen(rest),
         "trace-tiers" => trace::run_trace_tiers(rest),
         "qos" => qos::run(rest),
+        "classes" => classes::run(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

@@ -111,6 +111,7 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
             "net-send|net-receive|push=BYTES_PER_S",
         ),
         (&["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-send=0"][..], "(at least 1)"),
+        (&["--l1-class", "28672"][..], "--l1-class 28672: PAYLOAD_BYTES:SLOTS"),
     ] {
         let out =
             Command::new(env!("CARGO_BIN_EXE_lake")).arg("serve").args(args).arg("--dir").arg(&dir).output().unwrap();

@@ -30,7 +30,8 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                    with an RDMA device each peer's link negotiates RDMA over TCP, falling back to it;
                    --tag-threads spreading the tags of large slices over N threads;
                    --l1-class adding an L1 size class for another block layout (another model),
-                   --l1-chunk-bytes letting the classes share L1 in chunks of N bytes;
+                   the classes sharing L1 in chunks of four of the largest slots, or of
+                   --l1-chunk-bytes N (0: each class owning its slots);
                    SIGHUP reads --tenant-keys DIR's NAMESPACE.key files again: one gone is purged)
        lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
                [--ttl SECONDS] [--node N] [--entries N]
@@ -330,6 +331,7 @@ fn serve(args: &[String]) -> Result<(), String> {
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-serve-{}", std::process::id())))
     };
     let mut l3 = L3Section::none();
+    let mut chunk_bytes: Option<u64> = None;
     let (mut etcd, mut cluster, mut member_ttl) = (None::<String>, None::<String>, 3i64);
     let mut iter = args.iter();
     while let Some(flag) = iter.next() {
@@ -361,7 +363,7 @@ fn serve(args: &[String]) -> Result<(), String> {
                 let (payload, slots) = value.split_once(':').ok_or_else(bad)?;
                 config.l1_classes.push((payload.parse().map_err(|_| bad())?, slots.parse().map_err(|_| bad())?));
             }
-            "--l1-chunk-bytes" => config.l1_chunk_bytes = number()?,
+            "--l1-chunk-bytes" => chunk_bytes = Some(number()?),
             "--rdma-device" => {
                 config.rdma = Some(lake_dp::runner::RdmaDevice::parse(value).map_err(|e| format!("{flag}: {e}"))?);
             }
@@ -551,6 +553,18 @@ fn serve(args: &[String]) -> Result<(), String> {
             config.tenant_keys.push((namespace, key));
         }
     }
+    // Several size classes share L1 unless told not to (`--l1-chunk-bytes
+    // 0`): chunks of four of the largest slots. Fixed shares strand one
+    // model's traffic while the other's slots sit empty, and lake-cp,
+    // seeing L1 by bytes, would never make room.
+    config.l1_chunk_bytes = chunk_bytes.unwrap_or_else(|| {
+        let largest = std::iter::once(config.block_bytes)
+            .chain(config.l1_classes.iter().map(|c| c.0))
+            .map(lake_dp::stored::object_bytes)
+            .max()
+            .unwrap_or(0);
+        if config.l1_classes.is_empty() { 0 } else { 4 * largest }
+    });
     let pool = EmbeddedPool::start(&config)?;
     let address = config.transport_listen.map_or_else(|| pool.cp_socket.display().to_string(), |a| a.to_string());
     let mut member = match &cluster {
