@@ -4,7 +4,7 @@
 //!
 //! The first input byte picks a mode. Bit 0 set: the CRC is fixed up
 //! before decoding, so mutations reach the field checks. Bit 1 set: the
-//! rest is a 72-byte endpoint; clear: a 64-byte message.
+//! rest is a 72-byte endpoint; clear: a 72-byte message (version 3).
 
 #![no_main]
 

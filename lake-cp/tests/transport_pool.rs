@@ -418,6 +418,9 @@ enum CapAt {
     Sender,
     /// Node 2, on what it receives (`net-receive`).
     Receiver,
+    /// As `Receiver`, the two nodes offering RDMA (over the in-process
+    /// verbs, `loopback`): node 2 READs what node 1 offers.
+    ReceiverOverRdma,
 }
 
 /// Two pools, node 1 copying to node 2 (room for two prompts each, two
@@ -438,7 +441,7 @@ fn capped_pair_at(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig, at: C
         l3_write_bytes_per_s: None,
         net_send_bytes_per_s: (at == CapAt::Sender).then_some(rate),
         push_bytes_per_s: None,
-        net_receive_bytes_per_s: (at == CapAt::Receiver).then_some(rate),
+        net_receive_bytes_per_s: (at != CapAt::Sender).then_some(rate),
     };
     let (capped_a, capped_b) =
         if at == CapAt::Sender { (vec![capped], Vec::new()) } else { (Vec::new(), vec![capped]) };
@@ -448,6 +451,7 @@ fn capped_pair_at(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig, at: C
         local_agents: 2,
         tenant_rates,
         tiers: tiers.clone(),
+        rdma: (at == CapAt::ReceiverOverRdma).then(|| lake_dp::runner::RdmaDevice::parse("loopback").unwrap()),
         ..config(&name, node, listen, peers)
     };
     let a = EmbeddedPool::start(&start_config(format!("{name}-a"), 1, None, vec![(2, node_b)], capped_a)).unwrap();
@@ -480,6 +484,16 @@ fn a_tenant_capped_on_what_a_node_receives_lands_no_faster_than_its_cap() {
     let (stats_a, stats_b) = copies_under_a_cap("receive-cap", CapAt::Receiver);
     assert_eq!(stats_a.pool.sends_throttled, 0, "node 1 holds no cap: {stats_a:?}");
     assert_eq!(stats_b.pool.sends_throttled, 0, "{stats_b:?}");
+}
+
+/// The same over RDMA: node 2 answers node 1's offers of the capped
+/// tenant's blocks *later*, and node 1 offers them again after the wait.
+#[test]
+fn a_tenant_capped_on_what_a_node_receives_over_rdma_lands_no_faster_than_its_cap() {
+    let (stats_a, stats_b) = copies_under_a_cap("receive-cap-rdma", CapAt::ReceiverOverRdma);
+    assert_eq!(stats_a.pool.sends_throttled, 0, "node 1 holds no cap: {stats_a:?}");
+    println!("over RDMA: {} of 24 copies", stats_b.rdma_landed);
+    assert!(stats_b.rdma_landed > 0, "no copy went over RDMA: {stats_b:?}");
 }
 
 /// Node 1 copies twelve blocks of a tenant capped at 1 MiB/s (at `at`) and
@@ -525,7 +539,7 @@ fn copies_under_a_cap(name: &str, at: CapAt) -> (RunnerStats, RunnerStats) {
     );
     assert!(capped_time >= at_rate.mul_f64(0.9), "{capped_time:?} for {BLOCKS} blocks at {RATE} B/s");
     assert!(free_time < capped_time / 2, "the uncapped tenant was held: {free_time:?} vs {capped_time:?}");
-    if at == CapAt::Receiver {
+    if at != CapAt::Sender {
         // Node 2's operator sees the tenant's blocks held at their sender
         // (sent with the data plane's stats, once a second).
         let address = b.metrics.unwrap();

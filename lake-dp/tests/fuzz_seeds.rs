@@ -225,12 +225,18 @@ fn rdma_message_seeds_are_current() {
         key: 0x00ab_cd01,
         len: 1 << 20,
         trace: 0x7ace,
+        namespace: 0x7e7e,
         target,
         priority: Priority::WriteBack,
     };
     let answer = Message::Answer { transfer: 7, status: AckStatus::Landed, target, took_us: 412 };
+    let later = Message::Answer { transfer: 7, status: AckStatus::Later, target, took_us: 5_000 };
     let endpoint = Endpoint::new(1, 0x1234, 0x5678, [9; 16], (1 << 40, 64 << 20), 0xabcd, 1 << 20, 2);
-    let seeds: Vec<(u8, Vec<u8>)> =
-        vec![(0, offer.encode().to_vec()), (0, answer.encode().to_vec()), (2, endpoint.encode().to_vec())];
+    let seeds: Vec<(u8, Vec<u8>)> = vec![
+        (0, offer.encode().to_vec()),
+        (0, answer.encode().to_vec()),
+        (2, endpoint.encode().to_vec()),
+        (0, later.encode().to_vec()),
+    ];
     check_or_write_modes("rdma_message", &seeds);
 }

@@ -173,3 +173,35 @@ pub fn drive<S: lake_dp::transport::Transport, R: lake_dp::transport::Transport>
     }
     done
 }
+
+/// A receiving node that holds tenants to their caps on what it receives
+/// (`RatePath::NetReceive`), as a pool does.
+#[derive(Debug)]
+pub struct Capped {
+    /// The node the blocks land in.
+    pub node: Node,
+    /// The caps.
+    pub rates: lake_dp::runner::rates::TenantRates,
+}
+
+impl Landing for Capped {
+    fn place(&mut self, target: &BlockAddr, len: u64) -> Result<*mut u8, AckStatus> {
+        self.node.place(target, len)
+    }
+
+    fn landed(&mut self, target: &BlockAddr, len: u64) -> AckStatus {
+        self.node.landed(target, len)
+    }
+
+    fn abandoned(&mut self, target: &BlockAddr) {
+        self.node.abandoned(target);
+    }
+
+    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
+        lake_dp::transport::Landing::reserve(&mut self.node, region, epoch, len)
+    }
+
+    fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
+        self.rates.admit_or_wait(namespace, lake_dp::runner::rates::RatePath::NetReceive, len, now_ns)
+    }
+}

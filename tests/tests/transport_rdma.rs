@@ -291,6 +291,7 @@ fn memory_not_registered_for_the_peer_is_neither_offered_nor_read() {
         key: 1,
         len: 4096,
         trace: 0,
+        namespace: 0,
         target,
         priority: Priority::CriticalLoad,
     };
@@ -768,4 +769,68 @@ fn a_traced_offer_lands_under_its_trace_id_and_the_readers_time_comes_back() {
         });
         assert_eq!(Some(peer_us), logged);
     }
+}
+
+/// What a node receives over RDMA is capped per tenant (issue [10]), as
+/// over TCP: each offer names its block's namespace; the receiver answers
+/// an offer over its tenant's cap *later* with the wait, reading nothing;
+/// the sender takes its key back, holds the block and offers it again
+/// then. The capped tenant's blocks arrive at its rate, the other
+/// tenant's at once, none refused or lost, no key left out.
+#[test]
+fn a_tenant_capped_on_what_a_node_receives_is_held_at_its_sender() {
+    use lake_dp::runner::rates::{RATE_PATHS, RatePath, TenantRate, TenantRates};
+    use lake_tests::transport::Capped;
+    const CAP: u64 = 1 << 20;
+    const CAPPED: u64 = 3;
+    const OTHER: u64 = 4;
+    let objects: Vec<Vec<u8>> = (0..16).map(|i| object(i, 128 << 10, 40 + i)).collect();
+    let mut p = pair(RdmaConfig::default(), 16, &objects);
+    let mut bytes_per_s = [None; RATE_PATHS];
+    bytes_per_s[RatePath::NetReceive as usize] = Some(CAP);
+    let tenant = TenantRate { name: "batch".into(), namespaces: vec![CAPPED], bytes_per_s };
+    let node = std::mem::replace(&mut p.node, Node::new(0));
+    let mut landing = Capped { node, rates: TenantRates::new(&[tenant]) };
+    let began = Instant::now();
+    for (i, o) in objects.iter().enumerate() {
+        let namespace = if i % 2 == 0 { CAPPED } else { OTHER };
+        let block = lake_dp::transport::Outgoing {
+            namespace,
+            ..outgoing(i as u64, p.peer, o, any_slot(), Priority::PrefillToDecode)
+        };
+        // SAFETY: `objects` outlives the completions.
+        unsafe { p.sender.write(&block, now()) }.unwrap();
+    }
+    let (mut took, mut done, mut none) = (vec![0.0f64; objects.len()], Vec::new(), Node::new(0));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while done.len() < objects.len() {
+        assert!(Instant::now() < deadline, "{} of {} completions in 20 s", done.len(), objects.len());
+        let before = done.len();
+        p.sender.poll(&mut none, now(), &mut done);
+        for completion in &done[before..] {
+            took[completion.transfer as usize] = began.elapsed().as_secs_f64();
+        }
+        p.receiver.poll(&mut landing, now(), &mut Vec::new());
+    }
+    assert!(done.iter().all(|c| c.result.is_ok()), "every block lands: {done:?}");
+    assert_eq!(landing.node.published.len(), objects.len());
+    let slowest =
+        |parity: usize| took.iter().enumerate().filter(|(i, _)| i % 2 == parity).map(|(_, &t)| t).fold(0.0, f64::max);
+    // Eight blocks of 132 KiB at 1 MiB/s: the bucket's burst (a tenth of a
+    // second) and the last block's debt taken off, 0.80 s at the least.
+    let floor = (8.0 * 135_168.0 - 104_857.0 - 135_168.0) / 1_048_576.0;
+    let (capped, other) = (slowest(0), slowest(1));
+    let (put_off, held) = (p.receiver.stats.offers_put_off, p.sender.stats.offers_held);
+    println!(
+        "capped tenant {capped:.3} s (floor {floor:.3}), other {other:.3} s; {put_off} offers put off, {held} held"
+    );
+    assert!(capped >= floor * 0.95, "the capped tenant's blocks in {capped:.3} s, under its floor {floor:.3}");
+    assert!(other < floor / 2.0, "the other tenant's blocks waited: {other:.3} s");
+    assert!(put_off > 0 && held == put_off, "{put_off} offers put off, {held} held");
+    assert_eq!(p.receiver.stats.refused, 0, "a put-off offer is not a refusal");
+    assert_eq!(p.sender.stats.keys_lent, p.sender.stats.keys_taken_back);
+    assert_eq!(p.sender.verbs().keys_out(), 0, "no key outlives its offer");
+    // Only the offers made again were offered twice.
+    assert_eq!(p.sender.stats.offered, objects.len() as u64);
+    assert_eq!(p.sender.stats.keys_lent, objects.len() as u64 + held);
 }

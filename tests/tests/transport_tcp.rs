@@ -17,7 +17,7 @@ use lake_dp::stored::decode_object;
 use lake_dp::transport::TransferError;
 use lake_dp::transport::frame::{BlockAddr, FEATURE_TRACE, FEATURES_SPOKEN};
 use lake_dp::transport::tcp::{Outgoing, PeerId, TcpConfig, TcpTransport, TraceEvent};
-use lake_tests::transport::{EPOCH, Node, REGION, SLOT_BYTES, drive, now_ns, object, outgoing};
+use lake_tests::transport::{Capped, EPOCH, Node, REGION, SLOT_BYTES, drive, now_ns, object, outgoing};
 
 fn config() -> TcpConfig {
     TcpConfig { streams_per_peer: 4, slice_bytes: 1 << 20, transfer_timeout_ns: 2_000_000_000, ..TcpConfig::default() }
@@ -491,39 +491,6 @@ fn two_senders_numbering_their_transfers_alike_land_every_block_apart() {
     slots.dedup();
     assert_eq!(slots.len(), 16, "each block in a slot of its own");
     assert_eq!(node.published.len(), 16);
-}
-
-/// A receiving node that holds one tenant to a cap on what it receives.
-struct Capped {
-    node: Node,
-    rates: lake_dp::runner::rates::TenantRates,
-}
-
-impl lake_dp::transport::Landing for Capped {
-    fn place(&mut self, target: &BlockAddr, len: u64) -> Result<*mut u8, lake_dp::transport::frame::AckStatus> {
-        self.node.place(target, len)
-    }
-
-    fn landed(&mut self, target: &BlockAddr, len: u64) -> lake_dp::transport::frame::AckStatus {
-        self.node.landed(target, len)
-    }
-
-    fn abandoned(&mut self, target: &BlockAddr) {
-        self.node.abandoned(target);
-    }
-
-    fn reserve(
-        &mut self,
-        region: u16,
-        epoch: u64,
-        len: u64,
-    ) -> Result<BlockAddr, lake_dp::transport::frame::AckStatus> {
-        lake_dp::transport::Landing::reserve(&mut self.node, region, epoch, len)
-    }
-
-    fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
-        self.rates.admit_or_wait(namespace, lake_dp::runner::rates::RatePath::NetReceive, len, now_ns)
-    }
 }
 
 /// What a node receives is capped per tenant (issue [10]): a sender of this

@@ -46,11 +46,12 @@ impl std::error::Error for RdmaError {}
 
 /// "LKRD", little-endian.
 const ENDPOINT_MAGIC: u32 = u32::from_le_bytes(*b"LKRD");
-/// Version 2: the transport's endpoints carry no standing key (`rkey` 0),
-/// its offers a key per transfer (`pull`'s message version 2). An end of
-/// version 1 and one of version 2 decline each other's offers: their
-/// links stay on TCP.
-const ENDPOINT_VERSION: u16 = 2;
+/// Version 3: `pull`'s messages are version 3 (72 bytes: an offer names
+/// its namespace, an answer may say *later*). Version 2: the transport's
+/// endpoints carry no standing key (`rkey` 0), its offers a key per
+/// transfer. Ends of different versions decline each other's offers:
+/// their links stay on TCP.
+const ENDPOINT_VERSION: u16 = 3;
 
 /// Bytes of an encoded [`Endpoint`].
 pub const ENDPOINT_BYTES: usize = 72;

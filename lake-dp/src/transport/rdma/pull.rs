@@ -29,7 +29,15 @@
 //! told and reuses the source.
 //!
 //! Offers wait at the receiver by priority class and the most urgent is
-//! read first (work keeps its class on the wire). The verbs themselves are
+//! read first (work keeps its class on the wire).
+//!
+//! An offer names its block's namespace, so a receiver that caps what a
+//! tenant may send it ([`super::super::Landing::admit`]) answers an offer
+//! over the cap *later*, with the wait: the sender takes its key back,
+//! holds the block (no slot taken there, no byte read) and offers it again
+//! then, its deadline counted from the new offer — as a TCP reservation is
+//! told to ask again. Nothing is refused or lost, and another tenant's
+//! offers go by meanwhile. The verbs themselves are
 //! behind [`Verbs`]: [`super::verbs::IbVerbs`] (the `rdma` feature, where
 //! a device is) and [`super::loopback`] (two ends in one process, memory
 //! copies for READs: how the protocol is tested where no device exists).
@@ -46,13 +54,21 @@ use crate::transport::tcp::TraceEvent;
 use crate::transport::{ANY_SLOT, Completion, Landing, Outgoing, PeerId, TransferError, Transport};
 
 /// Bytes of one offer or answer.
-pub const MESSAGE_BYTES: usize = 64;
+pub const MESSAGE_BYTES: usize = 72;
 
 /// "LKRM", little-endian.
 const MESSAGE_MAGIC: u32 = u32::from_le_bytes(*b"LKRM");
-/// Version 2: an offer carries the key lent for its block (version 1 named
-/// none; its reader used the peer's standing key to the whole arena).
-const MESSAGE_VERSION: u8 = 2;
+/// Version 3: an offer names its block's namespace and an answer may say
+/// *later* (72 bytes). Version 2: an offer carries the key lent for its
+/// block (version 1 named none; its reader used the peer's standing key to
+/// the whole arena). Ends of different versions keep their links on TCP
+/// (their endpoints' versions differ).
+const MESSAGE_VERSION: u8 = 3;
+
+/// The longest wait a *later* answer names, µs, and the shortest its
+/// sender keeps to (as over TCP).
+pub const LATER_US_MAX: u32 = 1_000_000;
+const LATER_US_MIN: u32 = 200;
 const KIND_OFFER: u8 = 1;
 const KIND_ANSWER: u8 = 2;
 const KIND_WITHDRAW: u8 = 3;
@@ -70,9 +86,12 @@ struct RawMessage {
     source: u64,
     /// Offers: the engine's trace id (0: none); others: 0.
     trace: u64,
+    /// Offers: the block's namespace (0: not said); others: 0.
+    namespace: u64,
     epoch: u64,
     /// Offers: the block's bytes (a READ is at most `u32::MAX`); answers:
-    /// the receiver's time on a traced block, µs (0: untraced).
+    /// the receiver's time on a traced block, µs (0: untraced), or for a
+    /// *later* one the wait, µs.
     len: u32,
     slot: u32,
     generation: u32,
@@ -101,6 +120,9 @@ pub enum Message {
         /// The engine's trace id of the request it serves (0: none): the
         /// receiver times the block and answers with its time.
         trace: u64,
+        /// The block's namespace (0: not said): whose cap on what the
+        /// receiver takes in it counts against.
+        namespace: u64,
         /// Where it goes at the receiver ([`ANY_SLOT`]: a slot it reserves).
         target: BlockAddr,
         /// Its class.
@@ -122,7 +144,8 @@ pub enum Message {
         /// The slot it landed in (or was to).
         target: BlockAddr,
         /// The receiver's time on a traced offer, from taking it to its
-        /// check, µs (0: untraced).
+        /// check, µs (0: untraced); for [`AckStatus::Later`], the wait
+        /// before offering it again, µs (at most [`LATER_US_MAX`]).
         took_us: u32,
     },
 }
@@ -130,14 +153,14 @@ pub enum Message {
 impl Message {
     /// Its bytes.
     pub fn encode(&self) -> [u8; MESSAGE_BYTES] {
-        let (kind, priority, status, transfer, (source, key, trace), len, target) = match *self {
-            Self::Offer { transfer, source, key, len, trace, target, priority } => {
-                (KIND_OFFER, priority as u8, 0, transfer, (source, key, trace), len, target)
+        let (kind, priority, status, transfer, (source, key, trace, namespace), len, target) = match *self {
+            Self::Offer { transfer, source, key, len, trace, namespace, target, priority } => {
+                (KIND_OFFER, priority as u8, 0, transfer, (source, key, trace, namespace), len, target)
             }
             Self::Answer { transfer, status, target, took_us } => {
-                (KIND_ANSWER, 0, status as u8, transfer, (0, 0, 0), took_us, target)
+                (KIND_ANSWER, 0, status as u8, transfer, (0, 0, 0, 0), took_us, target)
             }
-            Self::Withdraw { transfer } => (KIND_WITHDRAW, 0, 0, transfer, (0, 0, 0), 0, BlockAddr::default()),
+            Self::Withdraw { transfer } => (KIND_WITHDRAW, 0, 0, transfer, (0, 0, 0, 0), 0, BlockAddr::default()),
         };
         let mut raw = RawMessage {
             magic: MESSAGE_MAGIC,
@@ -148,6 +171,7 @@ impl Message {
             transfer,
             source,
             trace,
+            namespace,
             epoch: target.epoch,
             len,
             slot: target.slot,
@@ -194,23 +218,24 @@ impl Message {
                     key: raw.key,
                     len: raw.len,
                     trace: raw.trace,
+                    namespace: raw.namespace,
                     target,
                     priority,
                 })
             }
             KIND_ANSWER => {
-                // `Later` answers TCP reservations; an offer is never put off.
-                let status = AckStatus::from_u16(u16::from(raw.status))
-                    .filter(|&s| s != AckStatus::Later)
-                    .ok_or("unknown answer status")?;
-                if raw.priority != 0 || raw.source != 0 || raw.trace != 0 || raw.key != 0 {
+                let status = AckStatus::from_u16(u16::from(raw.status)).ok_or("unknown answer status")?;
+                if raw.priority != 0 || raw.source != 0 || raw.trace != 0 || raw.key != 0 || raw.namespace != 0 {
                     return Err("an answer with offer fields");
+                }
+                if status == AckStatus::Later && !(1..=LATER_US_MAX).contains(&raw.len) {
+                    return Err("a later answer's wait out of range");
                 }
                 Ok(Self::Answer { transfer: raw.transfer, status, target, took_us: raw.len })
             }
             KIND_WITHDRAW => {
                 let addressed = raw.region != 0 || raw.epoch != 0 || raw.slot != 0 || raw.generation != 0;
-                let offered = raw.source != 0 || raw.len != 0 || raw.key != 0 || raw.trace != 0;
+                let offered = raw.source != 0 || raw.len != 0 || raw.key != 0 || raw.trace != 0 || raw.namespace != 0;
                 if raw.priority != 0 || raw.status != 0 || offered || addressed {
                     return Err("a withdrawal with offer or answer fields");
                 }
@@ -370,6 +395,12 @@ pub struct RdmaStats {
     pub withdrawn_dropped: u64,
     /// Trace events dropped because the owner did not take them.
     pub trace_events_dropped: u64,
+    /// Peers' offers this end answered *later* (their tenant over its cap
+    /// on what this node receives), and of this end's offers, those held
+    /// here for a while after such an answer.
+    pub offers_put_off: u64,
+    /// See `offers_put_off`.
+    pub offers_held: u64,
     /// Keys lent for offers (one a transfer) and taken back; equal once
     /// nothing is in flight.
     pub keys_lent: u64,
@@ -385,10 +416,19 @@ struct Offered {
     trace: u64,
     /// Withdrawn by the caller: a refusal now means it was not read.
     withdrawn: bool,
-    /// The key lent for the block: taken back when the transfer ends.
+    /// The key lent for the block: taken back when the transfer ends (or
+    /// is held).
     key: u32,
     target: BlockAddr,
     deadline_ns: u64,
+    /// What offering it again takes: where it is, its bytes, class and
+    /// namespace.
+    source: u64,
+    len: u32,
+    priority: Priority,
+    namespace: u64,
+    /// Answered *later*: held here, no key lent, until this time.
+    held_until_ns: Option<u64>,
 }
 
 /// An offer this end took and has not read yet.
@@ -517,7 +557,9 @@ impl<V: Verbs> RdmaTransport<V> {
         ended.sort_unstable_by_key(|&(t, _)| t);
         for (transfer, offered) in ended {
             self.offered.remove(&transfer);
-            self.give_back_key(peer, offered.key);
+            if offered.held_until_ns.is_none() {
+                self.give_back_key(peer, offered.key);
+            }
             let result = if now_ns >= offered.deadline_ns {
                 Err(TransferError::Timeout)
             } else {
@@ -552,6 +594,12 @@ impl<V: Verbs> RdmaTransport<V> {
             return false;
         }
         offered.withdrawn = true;
+        if offered.held_until_ns.is_some() {
+            // Held here: the peer has nothing of it; the next poll ends it.
+            offered.held_until_ns = Some(0);
+            self.stats.withdrawn_asked += 1;
+            return true;
+        }
         let peer = offered.peer;
         let message = Message::Withdraw { transfer }.encode();
         if !self.owed.is_empty() || self.verbs.send(peer, &message) == Err(VerbsError::Full) {
@@ -599,7 +647,7 @@ impl<V: Verbs> RdmaTransport<V> {
     /// Takes an offer from `peer`: checks it, reserves a slot for one sent
     /// to [`ANY_SLOT`], and queues it by class.
     fn take_offer(&mut self, peer: PeerId, offer: Message, landing: &mut dyn Landing, now_ns: u64) {
-        let Message::Offer { transfer, source, key, len, trace, target, priority } = offer else { return };
+        let Message::Offer { transfer, source, key, len, trace, namespace, target, priority } = offer else { return };
         let len = u64::from(len);
         if !self.carries(len) {
             return self.answer(peer, transfer, AckStatus::Refused, target);
@@ -607,6 +655,16 @@ impl<V: Verbs> RdmaTransport<V> {
         // Only what the peer registered for this node to read.
         if !self.verbs.imports(peer, source, len) {
             return self.answer(peer, transfer, AckStatus::Refused, target);
+        }
+        // Its tenant over its cap on what this node receives: offered again
+        // after the wait, nothing reserved or read meanwhile.
+        if let Err(wait_us) = landing.admit(namespace, len, now_ns) {
+            let wait_us = u32::try_from(wait_us).unwrap_or(u32::MAX).clamp(LATER_US_MIN, LATER_US_MAX);
+            self.stats.offers_put_off += 1;
+            // Not a refusal: counted as put off alone.
+            self.answer_timed(peer, transfer, AckStatus::Later, target, wait_us);
+            self.stats.refused = self.stats.refused.saturating_sub(1);
+            return;
         }
         let (target, reserved) = if target.slot == ANY_SLOT {
             match landing.reserve(target.region, target.epoch, len) {
@@ -733,11 +791,80 @@ impl<V: Verbs> RdmaTransport<V> {
         out.append(&mut self.trace_events);
     }
 
-    fn take_answer(&mut self, peer: PeerId, answer: Message, out: &mut Vec<Completion>) -> bool {
+    /// Lends a key for `offered`'s block and sends the offer; returns it
+    /// as in flight (its key and deadline set), or why not (no key kept).
+    fn offer(&mut self, transfer: u64, offered: Offered, now_ns: u64) -> Result<Offered, VerbsError> {
+        // A key for this block alone, lent to this peer alone.
+        let key = self.verbs.lend(offered.peer, offered.source, u64::from(offered.len))?;
+        self.stats.keys_lent += 1;
+        let offer = Message::Offer {
+            transfer,
+            source: offered.source,
+            key,
+            len: offered.len,
+            trace: offered.trace,
+            namespace: offered.namespace,
+            target: offered.target,
+            priority: offered.priority,
+        };
+        if let Err(e) = self.verbs.send(offered.peer, &offer.encode()) {
+            self.give_back_key(offered.peer, key);
+            return Err(e);
+        }
+        let deadline_ns = now_ns.saturating_add(self.config.transfer_timeout_ns);
+        Ok(Offered { key, deadline_ns, held_until_ns: None, ..offered })
+    }
+
+    /// Offers again the blocks held past their wait (a withdrawn one ends
+    /// `Cancelled`, one whose peer broke `PeerLost`).
+    fn offer_held(&mut self, now_ns: u64, out: &mut Vec<Completion>) {
+        let due: Vec<u64> = self
+            .offered
+            .iter()
+            .filter(|(_, o)| o.held_until_ns.is_some_and(|at| at <= now_ns))
+            .map(|(&t, _)| t)
+            .collect();
+        for transfer in due {
+            let Some(held) = self.offered.get(&transfer).copied() else { continue };
+            let ended = if held.withdrawn {
+                Some(Err(TransferError::Cancelled))
+            } else {
+                match self.offer(transfer, held, now_ns) {
+                    Ok(offered) => {
+                        self.offered.insert(transfer, offered);
+                        None
+                    }
+                    // Its queue is full: the next poll tries again.
+                    Err(VerbsError::Full) => None,
+                    Err(VerbsError::Broken(why)) => Some(Err(TransferError::PeerLost(why))),
+                }
+            };
+            if let Some(result) = ended {
+                self.offered.remove(&transfer);
+                let state = self.peer(held.peer);
+                state.offered = state.offered.saturating_sub(1);
+                out.push(Completion { transfer, result, target: held.target });
+            }
+        }
+    }
+
+    fn take_answer(&mut self, peer: PeerId, answer: Message, now_ns: u64, out: &mut Vec<Completion>) -> bool {
         let Message::Answer { transfer, status, target, took_us } = answer else { return false };
         match self.offered.get(&transfer) {
-            Some(offered) if offered.peer == peer => {}
+            Some(offered) if offered.peer == peer && offered.held_until_ns.is_none() => {}
             _ => return false,
+        }
+        if status == AckStatus::Later {
+            // Its tenant is over the receiver's cap: the key comes back and
+            // the block waits here, to be offered again after the wait.
+            let Some(offered) = self.offered.get_mut(&transfer) else { return false };
+            let key = offered.key;
+            let wait_ns = u64::from(took_us.max(LATER_US_MIN)) * 1000;
+            offered.held_until_ns = Some(if offered.withdrawn { 0 } else { now_ns.saturating_add(wait_ns) });
+            offered.key = 0;
+            self.give_back_key(peer, key);
+            self.stats.offers_held += 1;
+            return true;
         }
         let Some(offered) = self.offered.remove(&transfer) else { return false };
         // The peer is done with the block: its key goes back before the
@@ -753,7 +880,7 @@ impl<V: Verbs> RdmaTransport<V> {
             AckStatus::Refused if offered.withdrawn => Err(TransferError::Cancelled),
             AckStatus::Refused => Err(TransferError::Refused),
             AckStatus::Corrupt => Err(TransferError::Corrupt),
-            // Never `Later` (the decoder refuses it on an answer).
+            // `Later` is taken above.
             AckStatus::Busy | AckStatus::Later => Err(TransferError::Busy),
         };
         out.push(Completion { transfer, result, target });
@@ -783,35 +910,25 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
         if !self.verbs.exports(block.peer, source, block.len) {
             return Err(TransferError::Unreachable("the block is not in memory registered for RDMA to that peer"));
         }
-        // A key for this block alone, lent to this peer alone.
-        let key = match self.verbs.lend(block.peer, source, block.len) {
-            Ok(key) => key,
-            Err(VerbsError::Full) => return Err(TransferError::Busy),
-            Err(VerbsError::Broken(why)) => return Err(TransferError::PeerLost(why)),
-        };
-        self.stats.keys_lent += 1;
-        let offer = Message::Offer {
-            transfer: block.transfer,
-            source,
-            key,
-            // Checked by `carries`: at most `u32::MAX`.
-            len: u32::try_from(block.len).unwrap_or(u32::MAX),
+        let offered = Offered {
+            peer: block.peer,
+            withdrawn: false,
+            key: 0,
             trace: block.trace,
             target: block.target,
+            deadline_ns: 0,
+            source,
+            // Checked by `carries`: at most `u32::MAX`.
+            len: u32::try_from(block.len).unwrap_or(u32::MAX),
             priority: block.priority,
+            namespace: block.namespace,
+            held_until_ns: None,
         };
-        let sent = self.verbs.send(block.peer, &offer.encode());
-        if let Err(e) = sent {
-            self.give_back_key(block.peer, key);
-            return Err(match e {
-                VerbsError::Full => TransferError::Busy,
-                VerbsError::Broken(why) => TransferError::PeerLost(why),
-            });
-        }
+        let offered = self.offer(block.transfer, offered, now_ns).map_err(|e| match e {
+            VerbsError::Full => TransferError::Busy,
+            VerbsError::Broken(why) => TransferError::PeerLost(why),
+        })?;
         self.peer(block.peer).offered += 1;
-        let deadline_ns = now_ns.saturating_add(self.config.transfer_timeout_ns);
-        let offered =
-            Offered { peer: block.peer, withdrawn: false, key, trace: block.trace, target: block.target, deadline_ns };
         self.offered.insert(block.transfer, offered);
         self.stats.offered += 1;
         Ok(())
@@ -849,7 +966,7 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
                         Ok(offer @ Message::Offer { .. }) => self.take_offer(peer, offer, landing, now_ns),
                         Ok(Message::Withdraw { transfer }) => self.take_withdrawal(peer, transfer, landing),
                         Ok(answer) => {
-                            if !self.take_answer(peer, answer, out) {
+                            if !self.take_answer(peer, answer, now_ns, out) {
                                 self.stats.bad_messages += 1;
                                 self.shut(peer, "it answered an offer this end did not make", now_ns, landing, out);
                             }
@@ -863,10 +980,13 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
             }
         }
         self.events = events;
+        self.offer_held(now_ns, out);
         self.start_reads(landing);
         // A peer silent past a transfer's deadline is shut before any of
-        // its transfers end, so no READ of their sources can follow.
-        let late: Option<PeerId> = self.offered.values().find(|o| now_ns >= o.deadline_ns).map(|o| o.peer);
+        // its transfers end, so no READ of their sources can follow (a
+        // block held here is owed no answer).
+        let late: Option<PeerId> =
+            self.offered.values().find(|o| o.held_until_ns.is_none() && now_ns >= o.deadline_ns).map(|o| o.peer);
         if let Some(peer) = late {
             self.shut(peer, "no answer before the deadline", now_ns, landing, out);
         }
@@ -895,10 +1015,12 @@ mod tests {
                 key: 0x00ab_cd12,
                 len: 1 << 20,
                 trace: 0x5eed_7ace,
+                namespace: 0x7e7e,
                 target: target(),
                 priority: Priority::Demotion,
             },
             Message::Answer { transfer: 7, status: AckStatus::Corrupt, target: target(), took_us: 412 },
+            Message::Answer { transfer: 7, status: AckStatus::Later, target: target(), took_us: LATER_US_MAX },
             Message::Withdraw { transfer: 7 },
         ];
         for message in messages {
@@ -926,6 +1048,7 @@ mod tests {
             key: 9,
             len: 64,
             trace: 0,
+            namespace: 3,
             target: target(),
             priority: Priority::WriteBack,
         };
@@ -933,7 +1056,7 @@ mod tests {
         let answer: RawMessage = bytemuck::pod_read_unaligned(
             &Message::Answer { transfer: 1, status: AckStatus::Landed, target: target(), took_us: 0 }.encode(),
         );
-        let cases: [(RawMessage, &str); 11] = [
+        let cases: [(RawMessage, &str); 15] = [
             (RawMessage { priority: 9, ..raw }, "priority"),
             (RawMessage { kind: 4, ..raw }, "kind"),
             (RawMessage { kind: KIND_WITHDRAW, ..raw }, "withdrawal with offer"),
@@ -942,9 +1065,27 @@ mod tests {
             (RawMessage { kind: KIND_ANSWER, priority: 0, ..raw }, "offer fields"),
             (RawMessage { key: 3, ..answer }, "offer fields"),
             (RawMessage { trace: 5, ..answer }, "offer fields"),
+            (RawMessage { namespace: 5, ..answer }, "offer fields"),
+            (RawMessage { status: AckStatus::Later as u8, len: 0, ..answer }, "wait out of range"),
+            (RawMessage { status: AckStatus::Later as u8, len: LATER_US_MAX + 1, ..answer }, "wait out of range"),
+            (
+                RawMessage {
+                    kind: KIND_WITHDRAW,
+                    source: 0,
+                    len: 0,
+                    key: 0,
+                    priority: 0,
+                    region: 0,
+                    epoch: 0,
+                    slot: 0,
+                    generation: 0,
+                    ..raw
+                },
+                "withdrawal with offer",
+            ),
             (RawMessage { reserved: 1, ..raw }, "reserved"),
             (RawMessage { len: 0, ..raw }, "no bytes"),
-            (RawMessage { version: 1, ..raw }, "version"),
+            (RawMessage { version: 2, ..raw }, "version"),
         ];
         for (bad, named) in cases {
             let why = Message::decode(&reseal(bad)).unwrap_err();
