@@ -95,17 +95,68 @@ fn main() {
     println!("test zero_alloc_after_seal ... ok");
     arena_operations_do_not_allocate();
     io_uring_traffic_does_not_allocate(polls);
-    println!("\n3 passed, 0 failed");
+    println!("\n4 passed, 0 failed");
 }
 
 fn arena_operations_do_not_allocate() {
+    // Classes owning their slots, then sharing chunks (memory moving
+    // between them, a chunk emptied now and then).
+    arena_rounds(0);
+    arena_rounds(4 * 69_632);
+    shared_chunks_change_class();
+}
+
+/// Two classes sharing two chunks, each filling them in turn: every turn
+/// takes the chunks the other class emptied.
+fn shared_chunks_change_class() {
+    use lake_dp::arena::{Arena, ArenaConfig};
+    use lake_dp::region::SlotClass;
+
+    const TURNS: u32 = 20_000;
+    let path = format!("/dev/shm/lake-zero-alloc-turns-{}", std::process::id());
+    let classes = [SlotClass::for_payload(4096, 8), SlotClass::for_payload(65536, 1)];
+    let config =
+        ArenaConfig { agents_max: 2, pins_per_agent: 8, chunk_bytes: 69_632, ..ArenaConfig::shm(&path, &classes) };
+    let (_arena, mut table) = Arena::create(&config).expect("create the arena");
+    let mut held = [0u32; 32];
+    ALLOCATIONS.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    for turn in 0..TURNS {
+        let class = (turn % 2) as usize;
+        let mut count = 0;
+        while count < held.len()
+            && let Some(grant) = table.allocate(class)
+        {
+            held[count] = grant.slot;
+            count += 1;
+        }
+        // Every chunk is this class's and full: none for the other to
+        // empty by moving blocks (they would have nowhere to go).
+        assert_eq!(table.chunk_to_evacuate(1 - class, 0), None);
+        for &slot in &held[..count] {
+            table.retire(slot).expect("retire a held slot");
+        }
+        table.reclaim();
+    }
+    COUNTING.store(false, Ordering::SeqCst);
+    let allocations = ALLOCATIONS.load(Ordering::SeqCst);
+    let moved = table.stats().chunks_moved;
+    println!(
+        "{TURNS} turns of two classes over two shared chunks: {moved} chunks changed class, {allocations} allocations"
+    );
+    assert!(moved >= u64::from(TURNS), "the classes did not take each other's chunks: {moved}");
+    assert_eq!(allocations, 0, "chunks changing class allocated");
+    println!("test zero_alloc_shared_arena ... ok");
+}
+
+fn arena_rounds(chunk_bytes: u64) {
     use lake_dp::arena::{Arena, ArenaConfig};
     use lake_dp::region::SlotClass;
 
     const ROUNDS: u32 = 200_000;
-    let path = format!("/dev/shm/lake-zero-alloc-{}", std::process::id());
+    let path = format!("/dev/shm/lake-zero-alloc-{}-{chunk_bytes}", std::process::id());
     let classes = [SlotClass::for_payload(4096, 16), SlotClass::for_payload(65536, 8)];
-    let config = ArenaConfig { agents_max: 2, pins_per_agent: 8, ..ArenaConfig::shm(&path, &classes) };
+    let config = ArenaConfig { agents_max: 2, pins_per_agent: 8, chunk_bytes, ..ArenaConfig::shm(&path, &classes) };
     let (arena, mut table) = Arena::create(&config).expect("create the arena");
     let mut pins = arena.claim_agent().expect("claim an agent record");
     let mut held = [None, None, None];
@@ -134,7 +185,9 @@ fn arena_operations_do_not_allocate() {
     for pin in held.into_iter().flatten() {
         pins.unpin(pin);
     }
-    println!("{ROUNDS} arena rounds: {pinned} pins, {freed} slots freed, {allocations} allocations");
+    println!(
+        "{ROUNDS} arena rounds (chunk_bytes {chunk_bytes}): {pinned} pins, {freed} slots freed, {allocations} allocations"
+    );
     assert!(pinned > u64::from(ROUNDS) / 2 && freed > u64::from(ROUNDS) / 2, "too little work");
     assert_eq!(allocations, 0, "the arena's hot operations allocated");
     println!("test zero_alloc_arena ... ok");
