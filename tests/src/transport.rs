@@ -184,6 +184,18 @@ pub struct Capped {
     pub rates: lake_dp::runner::rates::TenantRates,
 }
 
+impl Capped {
+    /// `node`, holding the blocks of `namespace` to `bytes_per_s` of what
+    /// it receives (a tenant named "batch").
+    pub fn new(node: Node, namespace: u64, bytes_per_s: u64) -> Self {
+        use lake_dp::runner::rates::{RATE_PATHS, RatePath, TenantRate, TenantRates};
+        let mut caps = [None; RATE_PATHS];
+        caps[RatePath::NetReceive as usize] = Some(bytes_per_s);
+        let tenant = TenantRate { name: "batch".into(), namespaces: vec![namespace], bytes_per_s: caps };
+        Self { node, rates: TenantRates::new(&[tenant]) }
+    }
+}
+
 impl Landing for Capped {
     fn place(&mut self, target: &BlockAddr, len: u64) -> Result<*mut u8, AckStatus> {
         self.node.place(target, len)

@@ -779,21 +779,15 @@ fn a_traced_offer_lands_under_its_trace_id_and_the_readers_time_comes_back() {
 /// tenant's at once, none refused or lost, no key left out.
 #[test]
 fn a_tenant_capped_on_what_a_node_receives_is_held_at_its_sender() {
-    use lake_dp::runner::rates::{RATE_PATHS, RatePath, TenantRate, TenantRates};
     use lake_tests::transport::Capped;
-    const CAP: u64 = 1 << 20;
-    const CAPPED: u64 = 3;
-    const OTHER: u64 = 4;
+    // Tenant of namespace 3 capped at 1 MiB/s, that of 4 not.
+    let (capped, other) = (3, 4);
     let objects: Vec<Vec<u8>> = (0..16).map(|i| object(i, 128 << 10, 40 + i)).collect();
     let mut p = pair(RdmaConfig::default(), 16, &objects);
-    let mut bytes_per_s = [None; RATE_PATHS];
-    bytes_per_s[RatePath::NetReceive as usize] = Some(CAP);
-    let tenant = TenantRate { name: "batch".into(), namespaces: vec![CAPPED], bytes_per_s };
-    let node = std::mem::replace(&mut p.node, Node::new(0));
-    let mut landing = Capped { node, rates: TenantRates::new(&[tenant]) };
+    let mut landing = Capped::new(std::mem::replace(&mut p.node, Node::new(0)), capped, 1 << 20);
     let began = Instant::now();
     for (i, o) in objects.iter().enumerate() {
-        let namespace = if i % 2 == 0 { CAPPED } else { OTHER };
+        let namespace = if i % 2 == 0 { capped } else { other };
         let block = lake_dp::transport::Outgoing {
             namespace,
             ..outgoing(i as u64, p.peer, o, any_slot(), Priority::PrefillToDecode)

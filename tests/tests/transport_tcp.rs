@@ -502,7 +502,6 @@ fn two_senders_numbering_their_transfers_alike_land_every_block_apart() {
 /// none) is not held.
 #[test]
 fn a_tenant_capped_on_what_a_node_receives_is_held_at_its_sender() {
-    use lake_dp::runner::rates::{RATE_PATHS, RatePath, TenantRate, TenantRates};
     use lake_dp::transport::ANY_SLOT;
     const CAP: u64 = 1 << 20;
     const CAPPED: u64 = 3;
@@ -516,10 +515,7 @@ fn a_tenant_capped_on_what_a_node_receives_is_held_at_its_sender() {
         let mut receiver = receiver;
         let mut sender = TcpTransport::new(TcpConfig { features, ..config() }, None).unwrap();
         let peer = sender.add_peer(receiver.local_addr().unwrap()).unwrap();
-        let mut bytes_per_s = [None; RATE_PATHS];
-        bytes_per_s[RatePath::NetReceive as usize] = Some(CAP);
-        let tenant = TenantRate { name: "batch".into(), namespaces: vec![CAPPED], bytes_per_s };
-        let mut landing = Capped { node: Node::new(16), rates: TenantRates::new(&[tenant]) };
+        let mut landing = Capped::new(Node::new(16), CAPPED, CAP);
         connected(&mut sender, &mut receiver, &mut landing.node, peer, start);
         // Features settle right after the connections come up.
         let settle = Instant::now() + Duration::from_millis(200);

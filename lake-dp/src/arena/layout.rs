@@ -388,19 +388,26 @@ const _: () = assert!(size_of::<AtomicU32>() == 4 && size_of::<AtomicU64>() == 8
 mod tests {
     use super::*;
 
-    fn sample() -> ArenaGeometry {
-        let classes = [SlotClass { slot_bytes: 8192, slots: 10 }, SlotClass { slot_bytes: 20480, slots: 3 }];
-        plan(&Plan {
-            classes: &classes,
+    const CLASSES: [SlotClass; 2] =
+        [SlotClass { slot_bytes: 8192, slots: 10 }, SlotClass { slot_bytes: 20480, slots: 3 }];
+
+    /// Two classes (13 slots), 4 agents of 100 pins, classes of their own
+    /// (`chunk_bytes` 0) or sharing chunks.
+    fn sample_plan(chunk_bytes: u64) -> Plan<'static> {
+        Plan {
+            classes: &CLASSES,
             agents_max: 4,
             pins_per_agent: 100,
             page_bytes: 4096,
             node: 7,
             region: 3,
             epoch: 9,
-            chunk_bytes: 0,
-        })
-        .unwrap()
+            chunk_bytes,
+        }
+    }
+
+    fn sample() -> ArenaGeometry {
+        plan(&sample_plan(0)).unwrap()
     }
 
     #[test]
@@ -417,17 +424,7 @@ mod tests {
 
     #[test]
     fn a_shared_plan_lays_every_class_over_the_same_chunks() {
-        let classes = [SlotClass { slot_bytes: 8192, slots: 10 }, SlotClass { slot_bytes: 20480, slots: 3 }];
-        let shared = Plan {
-            classes: &classes,
-            agents_max: 4,
-            pins_per_agent: 100,
-            page_bytes: 4096,
-            node: 7,
-            region: 3,
-            epoch: 9,
-            chunk_bytes: 40960,
-        };
+        let shared = sample_plan(40960);
         let geometry = plan(&shared).unwrap();
         let header = &geometry.header;
         // 10 * 8 KiB + 3 * 20 KiB = 140 KiB: four 40 KiB chunks.
