@@ -145,6 +145,12 @@ fn load_reserve(config: &EmbeddedConfig) -> Result<u32, String> {
 }
 
 impl EmbeddedConfig {
+    /// Every L1 size class as (payload bytes, slots): `block_bytes`'s, then
+    /// `l1_classes`.
+    pub fn l1_size_classes(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        std::iter::once((self.block_bytes, self.l1_slots)).chain(self.l1_classes.iter().copied())
+    }
+
     /// A pool in `dir` with `lake serve`'s defaults: 64 KiB blocks, 1,024
     /// L1 slots, 2 × 4,096 L2 slots, 16 ports for engines in other
     /// processes and none in this one, the default tiers, commits checked
@@ -269,10 +275,12 @@ fn runner_config(
     cp: &Path,
     dp: &Path,
 ) -> Result<RunnerConfig, String> {
-    let all = || std::iter::once((config.block_bytes, config.l1_slots)).chain(config.l1_classes.iter().copied());
-    let slot_bytes = all().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).max().unwrap_or(0);
-    let classes: Vec<String> =
-        all().map(|(payload, slots)| format!("{{ payload_bytes = {payload}, slots = {slots} }}")).collect();
+    let slot_bytes =
+        config.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).max().unwrap_or(0);
+    let classes: Vec<String> = config
+        .l1_size_classes()
+        .map(|(payload, slots)| format!("{{ payload_bytes = {payload}, slots = {slots} }}"))
+        .collect();
     RunnerConfig::parse(&format!(
         r#"
 [node]
@@ -345,15 +353,9 @@ impl EmbeddedPool {
         let dp_socket = config.dir.join("dp.sock");
         let admin_socket = config.dir.join("admin.sock");
         // L1 holds at most its bytes in its smallest slots, shared or not.
-        let l1_bytes: u64 = std::iter::once((config.block_bytes, config.l1_slots))
-            .chain(config.l1_classes.iter().copied())
-            .map(|(payload, slots)| lake_dp::stored::object_bytes(payload) * u64::from(slots))
-            .sum();
-        let smallest = std::iter::once(config.block_bytes)
-            .chain(config.l1_classes.iter().map(|c| c.0))
-            .map(lake_dp::stored::object_bytes)
-            .min()
-            .unwrap_or(1);
+        let slot = |(payload, _): (u64, u32)| lake_dp::stored::object_bytes(payload);
+        let l1_bytes: u64 = config.l1_size_classes().map(|c| slot(c) * u64::from(c.1)).sum();
+        let smallest = config.l1_size_classes().map(slot).min().unwrap_or(1);
         let entries = (l1_bytes / smallest.max(1)).max(u64::from(config.l1_slots))
             + 2 * u64::from(config.l2_slots_per_file)
             + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));

@@ -216,6 +216,9 @@ pub fn check_spans(spans: &[ClassSpan], len: u64, chunk_bytes: u64) -> Result<u3
     if spans.is_empty() || spans.len() > SLOT_CLASSES_MAX {
         return Err(RegionError::Geometry("between 1 and SLOT_CLASSES_MAX size classes"));
     }
+    if chunk_bytes != 0 {
+        check_chunk(chunk_bytes, spans[0].chunks())?;
+    }
     let mut next_slot = 0u32;
     let mut end_prev = 0u64;
     for span in spans {
@@ -224,31 +227,24 @@ pub fn check_spans(spans: &[ClassSpan], len: u64, chunk_bytes: u64) -> Result<u3
             return Err(RegionError::Geometry("size classes must number slots contiguously from 0"));
         }
         if chunk_bytes != 0 {
-            check_chunk(chunk_bytes, spans[0].chunks())?;
-            let chunk_slots = chunk_bytes / span.slot_bytes;
             if span.offset != 0
                 || span.chunk_bytes != chunk_bytes
-                || u64::from(span.chunk_slots) != chunk_slots
+                || u64::from(span.chunk_slots) != chunk_bytes / span.slot_bytes
                 || span.chunks() != spans[0].chunks()
             {
                 return Err(RegionError::Geometry("shared size classes must each fill the same chunks"));
             }
-            if span.bytes() > len {
-                return Err(RegionError::Geometry("a size class runs past the end of the memory"));
-            }
-            next_slot = next_slot.checked_add(span.slots).ok_or(RegionError::Geometry("too many slots"))?;
-            continue;
-        }
-        if span.chunk_slots != span.slots {
+        } else if span.chunk_slots != span.slots {
             return Err(RegionError::Geometry("a fixed size class is one chunk"));
-        }
-        if span.offset < end_prev {
+        } else if span.offset < end_prev {
             return Err(RegionError::Geometry("size classes overlap or are out of order"));
         }
-        end_prev = span.offset.checked_add(span.bytes()).ok_or(RegionError::Geometry("size class overflows"))?;
-        if end_prev > len {
+        let end = span.offset.checked_add(span.bytes()).ok_or(RegionError::Geometry("size class overflows"))?;
+        if end > len {
             return Err(RegionError::Geometry("a size class runs past the end of the memory"));
         }
+        // Fixed classes follow each other; shared ones all start at 0.
+        end_prev = end;
         next_slot = next_slot.checked_add(span.slots).ok_or(RegionError::Geometry("too many slots"))?;
     }
     if next_slot == u32::MAX {

@@ -558,12 +558,8 @@ fn serve(args: &[String]) -> Result<(), String> {
     // model's traffic while the other's slots sit empty, and lake-cp,
     // seeing L1 by bytes, would never make room.
     config.l1_chunk_bytes = chunk_bytes.unwrap_or_else(|| {
-        let largest = std::iter::once(config.block_bytes)
-            .chain(config.l1_classes.iter().map(|c| c.0))
-            .map(lake_dp::stored::object_bytes)
-            .max()
-            .unwrap_or(0);
-        if config.l1_classes.is_empty() { 0 } else { 4 * largest }
+        let largest = config.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).max();
+        if config.l1_classes.is_empty() { 0 } else { 4 * largest.unwrap_or(0) }
     });
     let pool = EmbeddedPool::start(&config)?;
     let address = config.transport_listen.map_or_else(|| pool.cp_socket.display().to_string(), |a| a.to_string());

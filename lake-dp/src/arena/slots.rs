@@ -254,8 +254,10 @@ impl SlotTable {
         }
         let Some(&owner) = self.owner.get(chunk as usize) else { return false };
         let class = usize::from(owner);
-        let Some(span) = self.arena.map().geometry.spans.get(class).copied() else { return false };
-        self.free[class].retain(|&slot| span.chunk_of(slot) != chunk);
+        if class >= self.free.len() {
+            return false;
+        }
+        self.unlist_chunk(class, chunk);
         if self.live[chunk as usize] == 0 {
             self.empty_owned[class] -= 1;
             self.give_up_chunk(class, chunk);
@@ -263,6 +265,12 @@ impl SlotTable {
             self.evacuating = Some(chunk);
         }
         true
+    }
+
+    /// Takes `chunk`'s free slots off `class`'s free list.
+    fn unlist_chunk(&mut self, class: usize, chunk: u32) {
+        let span = self.arena.map().geometry.spans[class];
+        self.free[class].retain(|&slot| span.chunk_of(slot) != chunk);
     }
 
     /// `chunk`, empty and off its class's free list, leaves `class`.
@@ -300,8 +308,7 @@ impl SlotTable {
                 let chunk =
                     (0..self.owner.len()).rev().find(|&k| usize::from(self.owner[k]) == donor && self.live[k] == 0)?;
                 let chunk = u32::try_from(chunk).ok()?;
-                let span = self.arena.map().geometry.spans[donor];
-                self.free[donor].retain(|&slot| span.chunk_of(slot) != chunk);
+                self.unlist_chunk(donor, chunk);
                 self.empty_owned[donor] -= 1;
                 self.chunks_owned[donor] -= 1;
                 self.chunks_moved += 1;
@@ -370,8 +377,7 @@ impl SlotTable {
 
     /// The size class of `slot` and its slot size.
     fn class_of(&self, slot: u32) -> (usize, u64) {
-        let spans = &self.arena.map().geometry.spans;
-        spans.iter().position(|s| s.contains(slot)).map_or((0, 0), |c| (c, spans[c].slot_bytes))
+        self.class_of_slot(slot).map_or((0, 0), |c| (c, self.arena.map().geometry.spans[c].slot_bytes))
     }
 
     /// Slots `class` can allocate now (0 for a class the arena does not

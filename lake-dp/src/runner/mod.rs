@@ -628,14 +628,15 @@ fn open_link(
             name: config.l2.paths.get(usize::from(file)).map_or([0; 48], |p| name(p)),
         });
     }
+    let (l1_slot_bytes, l1_slots) = l1_capacity(header, config.l1.load_reserve_slots);
     link.register_region(&RegisterRegion {
         region: header.region,
         tier: Tier::L1Dram as u8,
         reserved_a: 0,
         node: config.node.id,
         region_epoch: epoch,
-        slot_bytes: l1_capacity(header, config.l1.load_reserve_slots).0,
-        slot_count: l1_capacity(header, config.l1.load_reserve_slots).1,
+        slot_bytes: l1_slot_bytes,
+        slot_count: l1_slots,
         reserved_b: 0,
         name: name(&config.l1.path),
     });
@@ -1393,8 +1394,8 @@ pub fn run_with(
         stats.cp_refused = link.counters.refused;
     }
     stats.pool = pool.stats;
-    stats.l1_chunks_moved = table.stats().chunks_moved;
-    stats.l1_chunks_evacuated = table.stats().chunks_evacuated;
+    let slots = table.stats();
+    (stats.l1_chunks_moved, stats.l1_chunks_evacuated) = (slots.chunks_moved, slots.chunks_evacuated);
     stats.l3 = l3_stats.unwrap_or_default();
     if let Some(rdma) = transport.as_ref().and_then(|t| t.rdma_stats()) {
         stats.rdma_landed = rdma.landed;

@@ -6,8 +6,8 @@
 //! blocks into the class's free slots elsewhere, and the chunk goes to the
 //! class that ran short.
 //!
-//! - **When**: a save or a promotion found its class with no slot (or only
-//!   the load reserve) left. The next pass picks the chunk of another class
+//! - **When**: a save, a load or a landing found its class with no slot
+//!   (or only the load reserve) left ([`Pool::allocate_l1`]). The next pass picks the chunk of another class
 //!   with the fewest blocks whose class can take them in and still keep
 //!   its own reserve ([`SlotTable::chunk_to_evacuate`]); one chunk at a
 //!   time, [`MOVES_PER_PASS`] blocks a pass.
@@ -24,6 +24,7 @@
 //!   emptied by eviction.
 
 use super::{L1State, Pool};
+use crate::arena::{SlotGrant, SlotTable};
 use crate::constants::STORED_HEADER_BYTES;
 use crate::model::replica::RegionId;
 use crate::runner::Parts;
@@ -43,11 +44,18 @@ enum MoveError {
 }
 
 impl Pool {
-    /// A save or promotion of `class` found no L1 slot: remembered for the
-    /// next [`Pool::rebalance`].
-    pub(super) fn class_short(&mut self, class: usize) {
-        self.short_class = Some(class);
-        self.stats.l1_class_short += 1;
+    /// A free L1 slot of the class that holds `object_bytes`, leaving the
+    /// class `keep` free slots (the load reserve, for a save). A class
+    /// found short is remembered for the next [`Pool::rebalance`]. `None`:
+    /// no class holds such objects, or no slot may be taken.
+    pub(super) fn allocate_l1(&mut self, table: &mut SlotTable, object_bytes: u64, keep: usize) -> Option<SlotGrant> {
+        let class = table.class_for(object_bytes)?;
+        let grant = if keep > 0 && table.free_slots(class) <= keep { None } else { table.allocate(class) };
+        if grant.is_none() {
+            self.short_class = Some(class);
+            self.stats.l1_class_short += 1;
+        }
+        grant
     }
 
     /// Empties a chunk for a class that ran short, a few blocks a pass.
@@ -108,9 +116,9 @@ impl Pool {
         // published, so nobody else touches it; it is another slot than
         // `source`, so the two slices do not overlap.
         let to = unsafe { parts.region.slot_mut(target.slot) };
-        let key = from.and_then(|from| decode_header(from).ok()).map(|decoded| decoded.meta().key);
-        let copied = from.zip(to).and_then(|(from, to)| {
-            let decoded = decode_header(from).ok()?;
+        let decoded = from.and_then(|from| decode_header(from).ok());
+        let key = decoded.as_ref().map(|decoded| decoded.meta().key);
+        let copied = from.zip(to).zip(decoded).and_then(|((from, to), decoded)| {
             let len =
                 usize::try_from(decoded.meta().object_bytes()).ok().filter(|&len| len <= from.len().min(to.len()))?;
             to[..len].copy_from_slice(&from[..len]);

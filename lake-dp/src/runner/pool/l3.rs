@@ -654,7 +654,7 @@ impl Pool {
         parts: &mut Parts<'_>,
     ) -> Result<(), AgentError> {
         let (node, epoch) = (self.node, self.epoch);
-        let Some(tier) = self.l3.as_mut() else { return Err(AgentError::Stale) };
+        let Some(tier) = self.l3.as_ref() else { return Err(AgentError::Stale) };
         if source.region != tier.region || source.region_epoch != epoch || source.node != node {
             return Err(AgentError::Stale);
         }
@@ -666,10 +666,10 @@ impl Pool {
             return Err(AgentError::Busy);
         }
         let table = &mut *parts.table;
-        let class = table.class_for(object_bytes(meta.payload_len)).ok_or(AgentError::NoSpace)?;
-        let Some(grant) = table.allocate(class) else {
-            self.class_short(class);
-            return Err(AgentError::NoSpace);
+        let grant = self.allocate_l1(table, object_bytes(meta.payload_len), 0).ok_or(AgentError::NoSpace)?;
+        let Some(tier) = self.l3.as_mut() else {
+            let _ = table.retire(grant.slot);
+            return Err(AgentError::Stale);
         };
         let (Some(target), Some(capacity)) = (parts.region.slot_ptr(grant.slot), parts.region.slot_len(grant.slot))
         else {

@@ -828,13 +828,7 @@ impl Pool {
         match request {
             AgentRequest::Reserve { cookie, object_bytes } => {
                 let reserve = self.load_reserve_slots as usize;
-                let class = table.class_for(object_bytes);
-                let grant =
-                    class.filter(|&class| table.free_slots(class) > reserve).and_then(|class| table.allocate(class));
-                if let (None, Some(class)) = (grant, class) {
-                    self.class_short(class);
-                }
-                match grant {
+                match self.allocate_l1(table, object_bytes, reserve) {
                     Some(grant) => {
                         self.l1[grant.slot as usize] = L1State::Reserved { agent, since_ns: now_ns };
                         self.reserved += 1;
@@ -1107,11 +1101,7 @@ impl Pool {
             return Err(AckStatus::Refused);
         }
         let table = &mut *parts.table;
-        let class = table.class_for(stored_object_room(len)).ok_or(AckStatus::Busy)?;
-        let Some(grant) = table.allocate(class) else {
-            self.class_short(class);
-            return Err(AckStatus::Busy);
-        };
+        let grant = self.allocate_l1(table, stored_object_room(len), 0).ok_or(AckStatus::Busy)?;
         self.l1[grant.slot as usize] = L1State::Reserved { agent: REMOTE_AGENT, since_ns: parts.now_ns };
         self.reserved += 1;
         Ok(BlockAddr { region, epoch, slot: grant.slot, generation: grant.generation })
@@ -1249,11 +1239,7 @@ impl Pool {
             Some(meta) if source.generation != 0 => meta.payload_len,
             _ => return Err(AgentError::Stale),
         };
-        let class = table.class_for(object_bytes(payload_len)).ok_or(AgentError::NoSpace)?;
-        let Some(grant) = table.allocate(class) else {
-            self.class_short(class);
-            return Err(AgentError::NoSpace);
-        };
+        let grant = self.allocate_l1(table, object_bytes(payload_len), 0).ok_or(AgentError::NoSpace)?;
         let purpose = Purpose::Promote { to, l1_slot: grant.slot, l1_generation: grant.generation };
         let Some(cookie) = self.take_op(purpose) else {
             let _ = table.retire(grant.slot);

@@ -480,6 +480,10 @@ pub struct RdmaTransport<V> {
     /// Answers owed whose send found the peer's queue full.
     owed: VecDeque<(PeerId, [u8; MESSAGE_BYTES])>,
     events: Vec<VerbsEvent>,
+    /// Offers held after a *later* answer (`Offered::held_until_ns`), and
+    /// those due to be offered again (kept across polls).
+    held: usize,
+    due: Vec<u64>,
     /// Peers the owner asked to shut, at the next poll.
     closing: Vec<(PeerId, String)>,
     /// What traced transfers did, for the owner.
@@ -505,6 +509,8 @@ impl<V: Verbs> RdmaTransport<V> {
             pulling: HashMap::new(),
             owed: VecDeque::new(),
             events: Vec::new(),
+            held: 0,
+            due: Vec::new(),
             closing: Vec::new(),
             trace_events: Vec::new(),
             stats: RdmaStats::default(),
@@ -559,6 +565,8 @@ impl<V: Verbs> RdmaTransport<V> {
             self.offered.remove(&transfer);
             if offered.held_until_ns.is_none() {
                 self.give_back_key(peer, offered.key);
+            } else {
+                self.held -= 1;
             }
             let result = if now_ns >= offered.deadline_ns {
                 Err(TransferError::Timeout)
@@ -634,7 +642,8 @@ impl<V: Verbs> RdmaTransport<V> {
 
     /// [`Self::answer`], with this end's time on a traced offer.
     fn answer_timed(&mut self, peer: PeerId, transfer: u64, status: AckStatus, target: BlockAddr, took_us: u32) {
-        if status != AckStatus::Landed {
+        // Put off is not refused (counted as `offers_put_off`).
+        if !matches!(status, AckStatus::Landed | AckStatus::Later) {
             self.stats.refused += 1;
         }
         let message = Message::Answer { transfer, status, target, took_us }.encode();
@@ -661,10 +670,7 @@ impl<V: Verbs> RdmaTransport<V> {
         if let Err(wait_us) = landing.admit(namespace, len, now_ns) {
             let wait_us = u32::try_from(wait_us).unwrap_or(u32::MAX).clamp(LATER_US_MIN, LATER_US_MAX);
             self.stats.offers_put_off += 1;
-            // Not a refusal: counted as put off alone.
-            self.answer_timed(peer, transfer, AckStatus::Later, target, wait_us);
-            self.stats.refused = self.stats.refused.saturating_sub(1);
-            return;
+            return self.answer_timed(peer, transfer, AckStatus::Later, target, wait_us);
         }
         let (target, reserved) = if target.slot == ANY_SLOT {
             match landing.reserve(target.region, target.epoch, len) {
@@ -818,13 +824,15 @@ impl<V: Verbs> RdmaTransport<V> {
     /// Offers again the blocks held past their wait (a withdrawn one ends
     /// `Cancelled`, one whose peer broke `PeerLost`).
     fn offer_held(&mut self, now_ns: u64, out: &mut Vec<Completion>) {
-        let due: Vec<u64> = self
-            .offered
-            .iter()
-            .filter(|(_, o)| o.held_until_ns.is_some_and(|at| at <= now_ns))
-            .map(|(&t, _)| t)
-            .collect();
-        for transfer in due {
+        if self.held == 0 {
+            return;
+        }
+        let mut due = std::mem::take(&mut self.due);
+        due.clear();
+        due.extend(
+            self.offered.iter().filter(|(_, o)| o.held_until_ns.is_some_and(|at| at <= now_ns)).map(|(&t, _)| t),
+        );
+        for &transfer in &due {
             let Some(held) = self.offered.get(&transfer).copied() else { continue };
             let ended = if held.withdrawn {
                 Some(Err(TransferError::Cancelled))
@@ -832,6 +840,7 @@ impl<V: Verbs> RdmaTransport<V> {
                 match self.offer(transfer, held, now_ns) {
                     Ok(offered) => {
                         self.offered.insert(transfer, offered);
+                        self.held -= 1;
                         None
                     }
                     // Its queue is full: the next poll tries again.
@@ -841,11 +850,13 @@ impl<V: Verbs> RdmaTransport<V> {
             };
             if let Some(result) = ended {
                 self.offered.remove(&transfer);
+                self.held -= 1;
                 let state = self.peer(held.peer);
                 state.offered = state.offered.saturating_sub(1);
                 out.push(Completion { transfer, result, target: held.target });
             }
         }
+        self.due = due;
     }
 
     fn take_answer(&mut self, peer: PeerId, answer: Message, now_ns: u64, out: &mut Vec<Completion>) -> bool {
@@ -863,6 +874,7 @@ impl<V: Verbs> RdmaTransport<V> {
             offered.held_until_ns = Some(if offered.withdrawn { 0 } else { now_ns.saturating_add(wait_ns) });
             offered.key = 0;
             self.give_back_key(peer, key);
+            self.held += 1;
             self.stats.offers_held += 1;
             return true;
         }
