@@ -571,18 +571,23 @@ fn serve(args: &[String]) -> Result<(), String> {
     let mut renewed = std::time::Instant::now();
     // The L1 (region, epoch) the membership value names.
     let mut announced: Option<(u16, u64)> = None;
-    println!(
-        "{{\"event\":\"serving\",\"dp_socket\":\"{}\",\"cp_socket\":\"{}\",\"admin_socket\":\"{}\",\
-         \"arena\":\"{}\",\"mirror\":\"{}\",\"metrics\":\"{}\",\"block_bytes\":{}}}",
-        pool.dp_socket.display(),
-        pool.cp_socket.display(),
-        pool.admin_socket.display(),
-        pool.arena.display(),
-        pool.mirror.display(),
-        pool.metrics.map_or_else(String::new, |a| a.to_string()),
-        config.block_bytes
-    );
+    let serving = serde_json::json!({
+        "event": "serving",
+        "dp_socket": pool.dp_socket,
+        "cp_socket": pool.cp_socket,
+        "admin_socket": pool.admin_socket,
+        "arena": pool.arena,
+        "mirror": pool.mirror,
+        "metrics": pool.metrics.map_or_else(String::new, |a| a.to_string()),
+        "block_bytes": config.block_bytes,
+    });
+    println!("{serving}");
     let _ = std::io::Write::flush(&mut std::io::stdout());
+    // The same record in DIR/pool.json, for engines configured with the
+    // pool's directory alone: the mirror's and metrics' names change from
+    // one start to the next, DIR does not.
+    let record = config.dir.join(POOL_RECORD);
+    write_atomically(&record, format!("{serving}\n").as_bytes()).map_err(|e| format!("{}: {e}", record.display()))?;
     loop {
         match signals.take() {
             Some(libc::SIGHUP) => {
@@ -637,6 +642,7 @@ fn serve(args: &[String]) -> Result<(), String> {
     if let Some(member) = member {
         let _ = member.leave();
     }
+    let _ = std::fs::remove_file(&record);
     let (stats, _) = pool.stop()?;
     println!(
         "{{\"event\":\"stopped\",\"agents_attached\":{},\"saves\":{},\"promotions\":{},\"demotions\":{},\
@@ -650,6 +656,17 @@ fn serve(args: &[String]) -> Result<(), String> {
         stats.l3.deletes
     );
     Ok(())
+}
+
+/// Where `lake serve` records its endpoints, in its `--dir`.
+const POOL_RECORD: &str = "pool.json";
+
+/// Writes `path` whole or not at all: a reader sees the old file or the
+/// new one, never a part.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    let partial = path.with_extension("json.partial");
+    std::fs::write(&partial, bytes)?;
+    std::fs::rename(&partial, path)
 }
 
 /// `lake cp`: one control plane of a node, standing for leadership.
