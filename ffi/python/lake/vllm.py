@@ -28,8 +28,11 @@ kernels (gather and scatter across the bus, segment CRCs on the GPU).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +49,9 @@ try:  # pragma: no cover - exercised only where vLLM is installed
         SupportsHMA,
     )
 
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+    from vllm.v1.metrics.utils import create_metric_per_engine
+
     VLLM_PRESENT = True
 except ImportError:
     VLLM_PRESENT = False
@@ -60,6 +66,10 @@ except ImportError:
 
     class SupportsHMA:
         pass
+
+    @dataclass
+    class KVConnectorStats:
+        data: dict = field(default_factory=dict)
 
     class KVConnectorBase_V1:
         def __init__(self, vllm_config, role, kv_cache_config=None):
@@ -92,7 +102,8 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Blocks to save when a request finishes."""
+    """Blocks to save: those of a request whose every token the step that
+    carries this computes (or computed before)."""
 
     request_id: str
     keys: np.ndarray
@@ -108,15 +119,135 @@ class LakeConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Requests vLLM preempted before this step: their blocks go to others,
+    # so the worker lets no save of theirs still read them.
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class LakeConnectorStats(KVConnectorStats):
+    """What a worker moved in an interval, as vLLM's KV-connector stats:
+    blocks loaded and failed, load time, blocks saved and skipped."""
+
+    def __post_init__(self):
+        for name in _STAT_NAMES:
+            self.data.setdefault(name, 0)
+
+    def record_load(self, loaded: int, failed: int, seconds: float) -> None:
+        self.data["blocks_loaded"] += loaded
+        self.data["blocks_load_failed"] += failed
+        self.data["load_seconds"] += seconds
+        self.data["loads"] += 1
+
+    def record_save(self, saved: int, skipped: int) -> None:
+        self.data["blocks_saved"] += saved
+        self.data["blocks_save_skipped"] += skipped
+
+    def reset(self):
+        self.data = {name: 0 for name in _STAT_NAMES}
+
+    def aggregate(self, other):
+        for name in _STAT_NAMES:
+            self.data[name] += other.data.get(name, 0)
+        return self
+
+    def reduce(self):
+        loaded = self.data["blocks_loaded"]
+        return {
+            "blocks_loaded": loaded,
+            "blocks_load_failed": self.data["blocks_load_failed"],
+            "load_ms_per_block": round(1e3 * self.data["load_seconds"] / loaded, 4) if loaded else 0.0,
+            "blocks_saved": self.data["blocks_saved"],
+            "blocks_save_skipped": self.data["blocks_save_skipped"],
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data[name] for name in _STAT_NAMES if name != "load_seconds")
+
+
+if VLLM_PRESENT:
+
+    class _LakePromMetrics(KVConnectorPromMetrics):
+        """Lake's stats as counters of vLLM's own Prometheus metrics."""
+
+        _COUNTERS = {
+            "blocks_loaded": "KV blocks loaded from the Lake pool",
+            "blocks_load_failed": "KV blocks the Lake pool failed to load (vLLM recomputed them)",
+            "blocks_saved": "KV blocks saved into the Lake pool",
+            "blocks_save_skipped": "KV blocks the Lake pool skipped saving (full, or under pressure)",
+            "load_seconds": "Seconds vLLM waited for loads from the Lake pool",
+        }
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = {}
+            for name, documentation in self._COUNTERS.items():
+                counter = self._counter_cls(name=f"vllm:lake_{name}", documentation=documentation, labelnames=labelnames)
+                self._counters[name] = create_metric_per_engine(counter, self.per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data, engine_idx: int = 0):
+            for name, per_engine in self._counters.items():
+                value = transfer_stats_data.get(name, 0)
+                if value:
+                    per_engine[engine_idx].inc(value)
+
+
+_STAT_NAMES = ("blocks_loaded", "blocks_load_failed", "load_seconds", "loads", "blocks_saved", "blocks_save_skipped")
+
+
+class _Tracked:
+    """A request the scheduler side follows from allocation to finish: the
+    keys of its blocks so far (hashed once each, as tokens arrive) and how
+    many leading blocks the pool holds or was asked to save."""
+
+    def __init__(self, request, chain, block_size: int):
+        self.request = request
+        self._chain = chain
+        self._block_size = block_size
+        self._keys = np.zeros((0, 16), dtype=np.uint8)
+        self.saved = 0
+        # Whether a save of it was ever planned (vLLM then keeps its
+        # blocks at the finish until the workers report).
+        self.saving = False
+
+    def keys_to(self, blocks: int) -> np.ndarray:
+        """The keys of its first ``blocks`` blocks (fewer where its known
+        tokens do not fill that many)."""
+        have = len(self._keys)
+        if blocks > have:
+            tokens = self.request.all_token_ids
+            end = min(blocks, len(tokens) // self._block_size) * self._block_size
+            if end > have * self._block_size:
+                new = np.asarray(tokens[have * self._block_size : end], dtype=np.uint32)
+                self._keys = np.concatenate([self._keys, self._chain.extend(new)])
+        return self._keys[:blocks]
+
+
+def _group_block_ids(blocks) -> list[int]:
+    """vLLM's KVCacheBlocks (or a plain list): the attention group's ids."""
+    if hasattr(blocks, "get_block_ids"):
+        ids = blocks.get_block_ids()
+        return list(ids[0]) if ids else []
+    return list(blocks)
 
 
 @dataclass(frozen=True)
 class PagedLayout:
     """One layer's paged KV tensor, described from its shape and strides
-    (never assumed): ``kind`` is ``"kv_first"`` for ``(2, blocks, ...)``,
-    ``"blocks_first"`` for ``(blocks, 2, ...)``, ``"mla"`` for
-    ``(blocks, block_size, head_size)``; ``order`` is ``"NHD"`` or
-    ``"HND"`` for the per-block token/head order in memory."""
+    (never assumed). ``kind`` names the logical shape:
+
+    - ``"bhnc"``: ``(blocks, heads, block_size, content)``, vLLM's per-layer
+      view since its layouts became stride orders of ``[L, B, H, N, C]``
+      (``vllm/v1/kv_cache_layout.py``): the content is K then V of one
+      token of one head (``2 * head_size``), or an MLA latent;
+    - ``"kv_first"``: ``(2, blocks, block_size, heads, head_size)``;
+    - ``"blocks_first"``: ``(blocks, 2, block_size, heads, head_size)``;
+    - ``"mla"``: ``(blocks, block_size, head_size)``.
+
+    Strides and plane offsets are in elements: a plane's element (block,
+    token, head, i) lies at ``plane_offset + block * block_stride + token *
+    token_stride + head * head_stride + i``. ``order`` is ``"NHD"`` or
+    ``"HND"``, the per-block token/head order in memory."""
 
     kind: str
     num_blocks: int
@@ -125,47 +256,137 @@ class PagedLayout:
     head_size: int
     order: str
     element_size: int
+    block_stride: int = 0
+    token_stride: int = 0
+    head_stride: int = 0
+    plane_offsets: tuple = (0,)
+
+    @property
+    def planes(self) -> int:
+        return len(self.plane_offsets)
 
     @property
     def bytes_per_block(self) -> int:
-        planes = 1 if self.kind == "mla" else 2
-        return planes * self.block_size * self.kv_heads * self.head_size * self.element_size
+        return self.planes * self.block_size * self.kv_heads * self.head_size * self.element_size
+
+    def pieces(self, address: int) -> list:
+        """This layer's pieces for ``Pool.register_kv_memory``: (address,
+        block, token and head byte strides), one per plane."""
+        e = self.element_size
+        return [
+            (address + offset * e, self.block_stride * e, self.token_stride * e, self.head_stride * e)
+            for offset in self.plane_offsets
+        ]
 
 
-def describe_layout(shape, stride, element_size: int, block_size: int) -> PagedLayout:
+def describe_layout(
+    shape, stride, element_size: int, block_size: int, num_blocks: int | None = None, mla: bool = False
+) -> PagedLayout:
     """Describes a vLLM paged KV tensor from its shape and strides.
 
     The logical shape names the dimensions; the strides say how they lie in
-    memory (vLLM permutes a physically HND tensor to the logical NHD shape).
-    """
+    memory. ``num_blocks``: vLLM's block count (``kv_cache_config``), where
+    known — a rank-4 view may hold several kernel blocks per vLLM block.
+    ``mla``: the model's KV is one latent per token (``model_config.use_mla``).
+    A shape that fits none of vLLM's layouts is refused, naming it."""
     shape, stride = tuple(int(s) for s in shape), tuple(int(s) for s in stride)
     if len(shape) != len(stride):
         raise ValueError(f"shape {shape} and stride {stride} differ in rank")
+    if stride[-1] != 1:
+        raise ValueError(f"the innermost dimension of {shape} is not contiguous (strides {stride})")
+    if len(shape) == 4:
+        return _describe_bhnc(shape, stride, element_size, block_size, num_blocks, mla)
     if len(shape) == 3:
         blocks, tokens, head = shape
         if tokens != block_size:
             raise ValueError(f"MLA tensor {shape}: dimension 1 is not the block size {block_size}")
-        return PagedLayout("mla", blocks, tokens, 1, head, "NHD", element_size)
+        return PagedLayout("mla", blocks, tokens, 1, head, "NHD", element_size, stride[0], stride[1], 0, (0,))
     if len(shape) != 5:
-        raise ValueError(f"a paged KV tensor has rank 3 (MLA) or 5, not {len(shape)}: {shape}")
+        raise ValueError(f"a paged KV tensor has rank 4, 5 or 3 (MLA), not {len(shape)}: {shape}")
     if shape[0] == 2 and shape[2] == block_size:
-        kind, blocks, tokens, heads, head = "kv_first", shape[1], shape[2], shape[3], shape[4]
-        token_stride, head_stride = stride[2], stride[3]
+        kind, blocks, plane_stride, block_stride = "kv_first", shape[1], stride[0], stride[1]
     elif shape[1] == 2 and shape[2] == block_size:
-        kind, blocks, tokens, heads, head = "blocks_first", shape[0], shape[2], shape[3], shape[4]
-        token_stride, head_stride = stride[2], stride[3]
+        kind, blocks, plane_stride, block_stride = "blocks_first", shape[0], stride[1], stride[0]
     else:
         raise ValueError(f"cannot tell the K/V dimension of {shape} with block size {block_size}")
+    tokens, heads, head = shape[2], shape[3], shape[4]
+    token_stride, head_stride = stride[2], stride[3]
     order = "NHD" if token_stride >= head_stride else "HND"
-    return PagedLayout(kind, blocks, tokens, heads, head, order, element_size)
+    return PagedLayout(
+        kind, blocks, tokens, heads, head, order, element_size, block_stride, token_stride, head_stride,
+        (0, plane_stride),
+    )
+
+
+def _describe_bhnc(shape, stride, element_size, block_size, num_blocks, mla) -> PagedLayout:
+    """A rank-4 ``(blocks, heads, tokens, content)`` view, in any stride
+    order. Where vLLM splits each of its blocks into kernel blocks (the
+    view's first dimension is a multiple of ``num_blocks``), the split is
+    taken only where the tokens run on at one stride across it."""
+    blocks, heads, tokens, content = shape
+    block_stride, head_stride, token_stride = stride[0], stride[1], stride[2]
+    if num_blocks is not None and blocks != num_blocks:
+        ratio = blocks // num_blocks if num_blocks else 0
+        if ratio < 2 or blocks != ratio * num_blocks or tokens * ratio != block_size:
+            raise ValueError(
+                f"a paged KV tensor {shape} holds neither vLLM's {num_blocks} blocks nor kernel blocks of them"
+                f" (block size {block_size})"
+            )
+        if block_stride != tokens * token_stride:
+            raise ValueError(
+                f"vLLM splits each block of {block_size} tokens into {ratio} kernel blocks of {tokens} whose"
+                f" tokens do not run on at one stride (shape {shape}, strides {stride}): not served;"
+                f" run vLLM with --block-size {tokens}"
+            )
+        blocks, tokens, block_stride = num_blocks, block_size, ratio * block_stride
+    if tokens != block_size:
+        raise ValueError(f"a paged KV tensor {shape}: dimension 2 is not the block size {block_size}")
+    order = "NHD" if token_stride >= head_stride else "HND"
+    if mla:
+        if heads != 1:
+            raise ValueError(f"an MLA KV tensor {shape} has {heads} heads, not 1")
+        return PagedLayout("bhnc", blocks, tokens, 1, content, order, element_size, block_stride, token_stride, 0, (0,))
+    if content % 2:
+        raise ValueError(f"a paged KV tensor {shape}: content {content} is not K and V of one head size")
+    head = content // 2
+    return PagedLayout(
+        "bhnc", blocks, tokens, heads, head, order, element_size, block_stride, token_stride, head_stride, (0, head)
+    )
+
+
+def _pool_record(directory: str) -> dict[str, Any]:
+    """What ``lake serve --dir DIR`` recorded in ``DIR/pool.json``: its
+    sockets and the mirror, whose name changes from one start to the next."""
+    path = Path(directory) / "pool.json"
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"kv_connector_extra_config['pool_dir']: no {path}: is `lake serve --dir {directory}` running?"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"kv_connector_extra_config['pool_dir']: {path}: {e}") from None
+    missing = [name for name in ("dp_socket", "mirror", "cp_socket") if not record.get(name)]
+    if missing:
+        raise ValueError(f"{path} names no {', '.join(missing)}: was it written by `lake serve`?")
+    return record
 
 
 def _extra(vllm_config) -> dict[str, Any]:
+    """The connector's settings: the pool named by its directory
+    (``pool_dir``, what ``lake serve --dir`` was given) or by its
+    ``dp_socket`` and ``mirror`` (and ``cp_socket``)."""
     config = getattr(vllm_config, "kv_transfer_config", None)
-    extra = getattr(config, "kv_connector_extra_config", None) or {}
+    extra = dict(getattr(config, "kv_connector_extra_config", None) or {})
+    if "pool_dir" in extra:
+        record = _pool_record(str(extra["pool_dir"]))
+        for name in ("dp_socket", "mirror", "cp_socket"):
+            extra.setdefault(name, record[name])
     for name in ("dp_socket", "mirror"):
         if name not in extra:
-            raise ValueError(f"kv_connector_extra_config needs {name!r} (the pool to attach to)")
+            raise ValueError(
+                f"kv_connector_extra_config needs 'pool_dir' (the pool's `lake serve --dir`) or {name!r}"
+            )
     return extra
 
 
@@ -201,10 +422,14 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             # shard of every rank.
             self._shards = _group_shard_codes(vllm_config, extra)
             self.pool = self._attach(None, "vllm-scheduler")
-        self._loads: dict[str, LoadSpec] = {}
+        # Scheduler: the local hit vLLM named for each waiting request;
+        # requests being followed (allocated, not yet finished).
+        self._local_hits: dict[str, int] = {}
+        self._running: dict[str, _Tracked] = {}
+        if not hasattr(self, "_kv_cache_manager"):
+            self._kv_cache_manager = None
         self._pending_loads: list[LoadSpec] = []
         self._pending_saves: list[SaveSpec] = []
-        self._saving: set[str] = set()
         self._load_errors: set[int] = set()
         self.layouts: dict[str, PagedLayout] = {}
         self.layout: lake.Layout | None = None
@@ -212,7 +437,14 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         # Load request id -> the vLLM block ids it fills; save request id ->
         # (the vLLM request it belongs to, its block count).
         self._loading: dict[int, np.ndarray] = {}
+        self._load_started = 0.0
         self._saves: dict[int, tuple[str, int]] = {}
+        # Worker: saves in flight per vLLM request; requests this worker
+        # ever saved for; those vLLM finished whose saves still run.
+        self._saves_of: dict[str, int] = {}
+        self._saved_for: set[str] = set()
+        self._finishing: set[str] = set()
+        self._stats = LakeConnectorStats()
         # Layer name -> its index in the registered memory; whether the
         # caches are on a GPU (then loads are waited for layer by layer).
         self._layer_index: dict[str, int] = {}
@@ -237,81 +469,128 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------- scheduler side ----------------
 
-    def _prompt_keys(self, request) -> np.ndarray:
-        tokens = np.asarray(request.prompt_token_ids, dtype=np.uint32)
+    def _known_keys(self, request) -> np.ndarray:
+        """The keys of every full block of the request's tokens: its prompt,
+        and for one vLLM preempted, what it had generated."""
+        tokens = np.asarray(request.all_token_ids, dtype=np.uint32)
         full = (len(tokens) // self.block_size) * self.block_size
         return self.namespace.keys(tokens[:full])
 
     def _hits(self, keys) -> int:
         """The cached prefix every rank can load (its own heads' replicas)."""
+        if len(keys) == 0:
+            return 0
         if self._shards is None:
             return self.pool.lookup(keys)[0]
         return self.pool.lookup_shards(keys, self._shards)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        """Tokens Lake can supply beyond vLLM's own prefix hit, read from
-        the mirror: no pin, no lease, no state kept (it may be asked again)."""
-        keys = self._prompt_keys(request)
+        """Tokens Lake can supply beyond vLLM's own prefix hit
+        (``num_computed_tokens``, whole blocks), read from the mirror: no
+        pin, no lease. The local hit is kept for the load's plan (vLLM sets
+        ``request.num_computed_tokens`` only after it allocated)."""
+        keys = self._known_keys(request)
         if len(keys) == 0:
             return 0, False
         hits = self._hits(keys)
         matched = hits * self.block_size
-        # vLLM must compute at least the last prompt token itself.
-        prompt = len(request.prompt_token_ids)
-        if matched >= prompt:
-            matched = ((prompt - 1) // self.block_size) * self.block_size
+        # vLLM must compute at least the last token itself.
+        known = len(request.all_token_ids)
+        if matched >= known:
+            matched = ((known - 1) // self.block_size) * self.block_size
         extra = max(0, matched - num_computed_tokens)
+        self._local_hits[request.request_id] = num_computed_tokens
         return extra, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        """Plans the load into the blocks vLLM allocated (decided by the
-        token count, not by whether ``blocks`` is empty)."""
+        """Plans the load into the blocks vLLM allocated, after its local
+        hit (decided by the token count, not by whether ``blocks`` is
+        empty), and starts following the request to save its blocks as
+        their tokens are computed."""
+        request_id = request.request_id
+        local = self._local_hits.pop(request_id, 0)
+        tracked = self._running.get(request_id)
+        if tracked is None:
+            tracked = self._running[request_id] = _Tracked(request, lake.KeyChain(self.namespace), self.block_size)
+            known_blocks = len(request.all_token_ids) // self.block_size
+            # Blocks the pool holds already are not written again.
+            tracked.saved = self._hits(tracked.keys_to(known_blocks))
+        else:
+            tracked.request = request
         if num_external_tokens <= 0:
             return
-        block_ids = blocks.get_block_ids()[0] if hasattr(blocks, "get_block_ids") else list(blocks)
-        keys = self._prompt_keys(request)
-        hits = self._hits(keys)
-        first = (request.num_computed_tokens if hasattr(request, "num_computed_tokens") else 0) // self.block_size
-        count = num_external_tokens // self.block_size
-        last = min(first + count, hits)
-        if last <= first:
-            return
-        spec = LoadSpec(request.request_id, keys[first:last], list(block_ids[first:last]))
-        self._loads[request.request_id] = spec
+        if local % self.block_size or num_external_tokens % self.block_size:
+            raise AssertionError(f"lake.vllm: a load of {num_external_tokens} tokens after {local} is not whole blocks")
+        first = local // self.block_size
+        last = first + num_external_tokens // self.block_size
+        keys = tracked.keys_to(last)
+        block_ids = _group_block_ids(blocks)
+        if len(keys) < last or len(block_ids) < last:
+            raise AssertionError(
+                f"lake.vllm: request {request_id}: {num_external_tokens} tokens to load after {local} exceed its"
+                f" {len(keys)} keys or {len(block_ids)} blocks"
+            )
+        spec = LoadSpec(request_id, keys[first:last], list(block_ids[first:last]))
         self._pending_loads.append(spec)
+        # What is loaded is in the pool: not saved again.
+        tracked.saved = max(tracked.saved, last)
 
     def build_connector_meta(self, scheduler_output) -> LakeConnectorMetadata:
-        """This step's loads and saves, shipped to the workers; resets."""
-        meta = LakeConnectorMetadata(loads=self._pending_loads, saves=self._pending_saves)
+        """This step's loads, and the saves of every block this step
+        completes: a block is saved once every token in it has its KV
+        computed — the step computes ``num_scheduled_tokens`` past
+        ``request.num_computed_tokens`` (vLLM advances that field after
+        this call), less speculative tokens, which may be rejected. A
+        request's last sampled token has no KV yet, so a block it would
+        complete is not saved."""
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        speculative = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        for request_id, count in scheduled.items():
+            tracked = self._running.get(request_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            computed = int(request.num_computed_tokens) + int(count) - len(speculative.get(request_id, ()))
+            full = min(computed, len(request.all_token_ids)) // self.block_size
+            if full <= tracked.saved:
+                continue
+            block_ids = self._block_ids(scheduler_output, request_id)
+            full = min(full, len(block_ids))
+            keys = tracked.keys_to(full)
+            if full <= tracked.saved:
+                continue
+            first = tracked.saved
+            parent = keys[first - 1] if first > 0 else None
+            self._pending_saves.append(SaveSpec(request_id, keys[first:full], list(block_ids[first:full]), parent))
+            tracked.saved = full
+            tracked.saving = True
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta = LakeConnectorMetadata(loads=self._pending_loads, saves=self._pending_saves, preempted=preempted)
         self._pending_loads, self._pending_saves = [], []
         return meta
 
+    def _block_ids(self, scheduler_output, request_id) -> list[int]:
+        """The request's vLLM block ids (its attention group's), as the
+        scheduler holds them this step."""
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        ids = state.get_block_ids(request_id) if state is not None else None
+        if ids is None and self._kv_cache_manager is not None:
+            ids = self._kv_cache_manager.get_block_ids(request_id)
+        if ids is None:
+            return []
+        return list(ids[0]) if ids and isinstance(ids[0], (list, tuple)) else list(ids)
+
     def update_connector_output(self, connector_output):
-        finished = getattr(connector_output, "finished_sending", None) or set()
-        self._saving.difference_update(finished)
+        return None
 
     def request_finished(self, request, block_ids):
-        """Saves the request's publishable full blocks past the prefix the
-        pool holds already (every rank's shard of it: it is not written
-        again); vLLM keeps them until a worker reports the save in
-        ``get_finished``."""
-        self._loads.pop(request.request_id, None)
-        tokens = np.asarray(getattr(request, "all_token_ids", request.prompt_token_ids), dtype=np.uint32)
-        publishable = getattr(request, "num_publishable_block_hashes", None)
-        full = len(tokens) // self.block_size
-        if publishable is not None:
-            full = min(full, int(publishable))
-        full = min(full, len(block_ids))
-        if full == 0:
-            return False, None
-        keys = self.namespace.keys(tokens[: full * self.block_size])
-        cached = min(self._hits(keys), full) if self.pool is not None else 0
-        if cached == full:
-            return False, None
-        parent = keys[cached - 1] if cached > 0 else None
-        self._pending_saves.append(SaveSpec(request.request_id, keys[cached:], list(block_ids[cached:full]), parent))
-        self._saving.add(request.request_id)
-        return True, None
+        """Nothing is saved here: a request's blocks went to the pool as
+        their tokens were computed. vLLM keeps the blocks (True) while a
+        save of this request may still read them; the workers report when
+        none does (``get_finished``)."""
+        self._local_hits.pop(request.request_id, None)
+        tracked = self._running.pop(request.request_id, None)
+        return (tracked is not None and tracked.saving), None
 
     def request_finished_all_groups(self, request, block_ids):
         """HMA: the attention group's blocks are the ones Lake stores."""
@@ -344,18 +623,23 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._on_gpu = device_type == "cuda"
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"lake.vllm: KV caches on {device_type} are not served (CPU or CUDA)")
+        mla = bool(getattr(getattr(self._vllm_config, "model_config", None), "use_mla", False))
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         for name, f in zip(names, facts):
-            if f.stride[-1] != 1:
-                raise ValueError(f"lake.vllm: layer {name}: head_size is not the innermost dimension {f.stride}")
-            self.layouts[name] = describe_layout(f.shape, f.stride, f.element_size, self.block_size)
+            try:
+                self.layouts[name] = describe_layout(
+                    f.shape, f.stride, f.element_size, self.block_size, num_blocks=num_blocks, mla=mla
+                )
+            except ValueError as e:
+                raise ValueError(f"lake.vllm: layer {name}: {e}") from None
         first = self.layouts[names[0]]
-        geometry = lambda l: (l.kind, l.num_blocks, l.block_size, l.kv_heads, l.head_size, l.element_size)  # noqa: E731
+        geometry = lambda l: (l.planes, l.num_blocks, l.block_size, l.kv_heads, l.head_size, l.element_size)  # noqa: E731
         for name in names[1:]:
             if geometry(self.layouts[name]) != geometry(first):
                 raise ValueError(f"lake.vllm: layer {name} differs from {names[0]}: {self.layouts[name]} vs {first}")
         if len({f.dtype for f in facts}) != 1:
             raise ValueError("lake.vllm: the layers' dtypes differ")
-        mla = first.kind == "mla"
+        mla = first.planes == 1
         rank, size = _tensor_parallel(self._vllm_config, self._extra)
         shard = None if mla else (rank * first.kv_heads, (rank + 1) * first.kv_heads)
         self.layout = lake.Layout(
@@ -367,15 +651,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             planes=1 if mla else 2,
             shard=shard,
         )
-        pieces = []
-        for f, l in zip(facts, (self.layouts[n] for n in names)):
-            s, e, base = f.stride, f.element_size, f.data_ptr
-            if l.kind == "kv_first":
-                pieces += [(base + p * s[0] * e, s[1] * e, s[2] * e, s[3] * e) for p in (0, 1)]
-            elif l.kind == "blocks_first":
-                pieces += [(base + p * s[1] * e, s[0] * e, s[2] * e, s[3] * e) for p in (0, 1)]
-            else:
-                pieces.append((base, s[0] * e, s[1] * e, 0))
+        pieces = [piece for f, n in zip(facts, names) for piece in self.layouts[n].pieces(f.data_ptr)]
         self.pool = self._attach(self.layout, f"vllm-worker-{rank}")
         self.memory_id = self.pool.register_kv_memory(
             self.layout,
@@ -421,6 +697,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
                 if trace:
                     lake.set_trace(0)
             self._loading[request] = block_ids[:hits]
+            self._load_started = self._load_started or time.perf_counter()
 
     def _trace_of(self, request_id: str) -> int:
         """The trace id of a vLLM request if it is sampled (one in
@@ -489,21 +766,32 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _collect_loads(self):
         """Waits for the step's loads' completions; failed blocks are kept
-        for ``get_block_ids_with_load_errors``."""
+        for ``get_block_ids_with_load_errors`` (vLLM recomputes them), each
+        failed load logged with why. A load not done in 30 s is cancelled
+        and reported failed, never waited for longer."""
         if not self._loading:
             return
         pool = self._worker()
+        loaded = failed_count = 0
         for request, block_ids in self._loading.items():
-            statuses = pool.wait(request, len(block_ids), timeout=30.0)
+            try:
+                statuses = pool.wait(request, len(block_ids), timeout=30.0)
+            except TimeoutError:
+                pool.cancel(request)
+                statuses = np.full(len(block_ids), -1, dtype=np.int32)
             failed = statuses != lake.OK
+            loaded += int((~failed).sum())
+            failed_count += int(failed.sum())
             if failed.any():
                 self._load_errors.update(int(b) for b in block_ids[failed])
                 logger.warning(
                     "lake.vllm: %d of %d blocks not loaded (%s); vLLM recomputes them",
                     int(failed.sum()),
                     len(block_ids),
-                    ", ".join(sorted({lake.STATUS.get(int(x), str(x)) for x in statuses[failed]})),
+                    ", ".join(sorted({lake.STATUS.get(int(x), "timed out") for x in statuses[failed]})),
                 )
+        self._stats.record_load(loaded, failed_count, time.perf_counter() - self._load_started)
+        self._load_started = 0.0
         self._loading.clear()
         self._log_traces()
 
@@ -513,8 +801,9 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self):
-        """Submits the saves of requests that finished; does not wait: vLLM
-        keeps their blocks until ``get_finished`` reports them."""
+        """Submits this step's saves (blocks the step's forward completed);
+        does not wait: vLLM keeps a request's blocks until ``get_finished``
+        reports that no save of it reads them any more."""
         # Loads whose last layer was never waited for are settled here, at
         # the end of the forward pass, before vLLM asks for load errors.
         self._collect_loads()
@@ -532,23 +821,78 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         for spec in meta.saves:
             request = pool.submit_save(self.memory_id, spec.keys, spec.block_ids, parent=spec.parent, stream=stream)
             self._saves[request] = (spec.request_id, len(spec.block_ids))
+            self._saves_of[spec.request_id] = self._saves_of.get(spec.request_id, 0) + 1
+            self._saved_for.add(spec.request_id)
 
-    def get_finished(self, finished_req_ids):
-        """(requests whose saves completed, None): loads are synchronous."""
-        if not self._saves:
-            return None, None
+    def handle_preemptions(self, kv_connector_metadata):
+        """Before the step runs: the blocks of requests vLLM preempted go to
+        others now, so their saves still reading them are waited for."""
+        preempted = getattr(kv_connector_metadata, "preempted", None) or set()
+        if not preempted or not self._saves:
+            return
+        deadline = time.monotonic() + 30.0
+        while any(self._saves_of.get(r) for r in preempted):
+            self._reap_saves()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"lake.vllm: saves of preempted requests {sorted(preempted)} did not end in 30 s")
+            time.sleep(0.0002)
+
+    def _reap_saves(self):
+        """Takes the completions of saves that ended."""
         pool = self._worker()
-        done = set()
         for request, (request_id, count) in list(self._saves.items()):
             statuses = pool.try_wait(request, count)
             if statuses is None:
                 continue
-            skipped = int((statuses != lake.OK).sum())
-            if skipped:
-                logger.info("lake.vllm: %d blocks of a save were skipped (pool full)", skipped)
             del self._saves[request]
-            done.add(request_id)
+            left = self._saves_of[request_id] - 1
+            if left:
+                self._saves_of[request_id] = left
+            else:
+                del self._saves_of[request_id]
+            saved = int((statuses == lake.OK).sum())
+            self._stats.record_save(saved, count - saved)
+            if saved < count:
+                logger.info(
+                    "lake.vllm: %d of %d blocks of a save of %s were skipped (%s)",
+                    count - saved,
+                    count,
+                    request_id,
+                    ", ".join(sorted({lake.STATUS.get(int(x), str(x)) for x in statuses[statuses != lake.OK]})),
+                )
+
+    def get_finished(self, finished_req_ids):
+        """(finished requests none of whose saves reads its blocks any
+        more, None): loads finish within their step. A request is named
+        once vLLM has said it finished (here or in an earlier call) and only
+        if this worker ever saved for it — what the scheduler side promised
+        in ``request_finished``."""
+        if self._saves:
+            self._reap_saves()
+        self._finishing.update(r for r in finished_req_ids if r in self._saved_for)
+        done = {r for r in self._finishing if not self._saves_of.get(r)}
+        self._finishing -= done
+        self._saved_for -= done
         return (done or None), None
+
+    def get_kv_connector_stats(self):
+        """What this worker loaded and saved since the last call (vLLM's
+        KV-connector stats: logged as "KV Transfer metrics")."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, LakeConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return LakeConnectorStats(data=dict(data)) if data is not None else LakeConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """vLLM's /metrics gets Lake's counters: ``vllm:lake_blocks_loaded``,
+        ``_load_failed``, ``_saved``, ``_save_skipped`` and
+        ``vllm:lake_load_seconds``."""
+        return _LakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self):
         self._collect_loads()

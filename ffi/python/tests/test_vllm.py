@@ -1,28 +1,19 @@
-"""lake.vllm against the recorded vLLM connector interface, and its
-scheduler side driven through the call sequence vLLM's scheduler makes:
-
-  for each waiting request:  get_num_new_matched_tokens (maybe twice)
-  after allocation:          update_state_after_alloc(request, blocks, n)
-  once per step:             build_connector_meta(scheduler_output)
-  when a request ends:       request_finished(_all_groups)(request, block ids)
-
-against a real pool (vLLM itself cannot be installed here; its config,
-request and block objects are plain records with the fields the
-connector reads)."""
+"""lake.vllm against the recorded vLLM connector interface, its settings
+and its layout descriptions, without vLLM. The scheduler side and the
+whole connector run inside real vLLM in ``ffi/python/tests_vllm``
+(``cargo test -p lake-cp --test vllm``)."""
 
 import inspect
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 import lake
 from lake import vllm as lake_vllm
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm_kv_connector_v1.json").read_text())
-BLOCK = 16
 
 
 def parameters(function):
@@ -54,84 +45,17 @@ def test_the_connector_has_the_recorded_interface():
     assert cls.requires_piecewise_for_cudagraph({}) is True
 
 
-def config(paths):
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config={
-                "dp_socket": paths["DP_SOCKET"],
-                "mirror": paths["MIRROR"],
-                "cp_socket": paths["CP_SOCKET"],
-                "tenant_key": "11" * 32,
-            }
-        ),
-        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
-        model_config=SimpleNamespace(model="test/tiny", revision="main", tokenizer="test/tiny", dtype="bfloat16"),
-    )
-
-
-def request(request_id, tokens, computed=0):
-    return SimpleNamespace(
-        request_id=request_id, prompt_token_ids=list(tokens), all_token_ids=list(tokens), num_computed_tokens=computed
-    )
-
-
-def test_the_scheduler_side_matches_plans_loads_and_saves(pool_paths):
-    connector = lake_vllm.LakeConnector(config(pool_paths), lake_vllm.KVConnectorRole.SCHEDULER)
-    tokens = (np.arange(10 * BLOCK + 5) * 7 + 3).tolist()
-    first = request("r1", tokens)
-    assert connector.get_num_new_matched_tokens(first, 0) == (0, False)
-
-    # A previous request's worker saved the first 8 blocks of this prompt.
-    keys = connector.namespace.keys(np.asarray(tokens[: 8 * BLOCK], dtype=np.uint32))
-    memory = np.zeros((8, pool_paths["BLOCK_BYTES"]), dtype=np.uint8)
-    memory[:] = np.arange(8, dtype=np.uint8)[:, None]
-    memory_id = connector.pool.register_host_memory(memory)
-    assert (connector.pool.wait(connector.pool.submit_save(memory_id, keys, np.arange(8)), 8) == 0).all()
-    deadline = 200
-    while connector.pool.lookup(keys)[0] < 8 and deadline:
-        deadline -= 1
-        __import__("time").sleep(0.01)
-
-    # Asked twice, the same answer: nothing is kept or pinned.
-    second = request("r2", tokens)
-    assert connector.get_num_new_matched_tokens(second, 0) == (8 * BLOCK, False)
-    assert connector.get_num_new_matched_tokens(second, 0) == (8 * BLOCK, False)
-    assert connector.get_num_new_matched_tokens(second, 3 * BLOCK) == (5 * BLOCK, False), "beyond vLLM's own hit"
-    assert connector.build_connector_meta(None).loads == []
-
-    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(100, 111)),))
-    connector.update_state_after_alloc(second, blocks, 0)
-    assert connector.build_connector_meta(None).loads == [], "no tokens, no load, whatever the blocks"
-    connector.update_state_after_alloc(second, blocks, 8 * BLOCK)
-    meta = connector.build_connector_meta(None)
-    assert len(meta.loads) == 1
-    load = meta.loads[0]
-    assert load.request_id == "r2" and load.block_ids == list(range(100, 108))
-    assert np.array_equal(load.keys, keys)
-    assert connector.build_connector_meta(None).loads == [], "each step's plan is shipped once"
-
-    # A whole prompt cached: vLLM still computes the last token itself.
-    whole = tokens[: 8 * BLOCK]
-    assert connector.get_num_new_matched_tokens(request("r3", whole), 0) == (7 * BLOCK, False)
-
-    # Finished: its full blocks past the cached prefix are saved, under the
-    # prefix's last block; vLLM keeps them until the save is reported.
-    finished = request("r2", tokens + [5] * 20)
-    assert connector.request_finished_all_groups(finished, (list(range(100, 112)), [7, 8])) == (True, None)
-    meta = connector.build_connector_meta(None)
-    assert len(meta.saves) == 1 and meta.saves[0].block_ids == list(range(108, 111)), "the cached 8 are not saved again"
-    assert len(meta.saves[0].keys) == 3 and np.array_equal(meta.saves[0].parent, keys[7])
-    all_keys = connector.namespace.keys(np.asarray(finished.prompt_token_ids[: 11 * BLOCK], dtype=np.uint32))
-    assert np.array_equal(meta.saves[0].keys, all_keys[8:])
-    # Wholly cached: nothing to save, nothing for vLLM to keep.
-    assert connector.request_finished(request("r4", tokens[: 8 * BLOCK]), list(range(100, 108))) == (False, None)
-    connector.shutdown()
-
-
-def test_missing_pool_settings_are_named():
+def test_missing_pool_settings_are_named(tmp_path):
     bad = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}))
-    with pytest.raises(ValueError, match="dp_socket"):
+    with pytest.raises(ValueError, match="needs 'pool_dir'.*or 'dp_socket'"):
         lake_vllm.LakeConnector(bad, lake_vllm.KVConnectorRole.SCHEDULER)
+    # A pool directory no `lake serve` runs in: the error says so.
+    gone = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"pool_dir": str(tmp_path)}))
+    with pytest.raises(ValueError, match=r"no .*pool\.json: is `lake serve --dir .*` running\?"):
+        lake_vllm.LakeConnector(gone, lake_vllm.KVConnectorRole.SCHEDULER)
+    (tmp_path / "pool.json").write_text('{"dp_socket": "x"}')
+    with pytest.raises(ValueError, match="names no mirror, cp_socket"):
+        lake_vllm.LakeConnector(gone, lake_vllm.KVConnectorRole.SCHEDULER)
 
 
 def test_layouts_are_described_from_shape_and_strides():

@@ -121,10 +121,32 @@ def block_of(kind, tensor, block_id):
     return np.ascontiguousarray(array[block_id])
 
 
-def step(scheduler, worker, caches, finished=frozenset()):
+def scheduler_output(compute=None):
+    """vLLM's SchedulerOutput as the connector reads it: each request in
+    ``compute`` ([(request, its block ids)]) has every token it holds
+    computed by this step; ``num_computed_tokens`` is advanced after the
+    plan, as vLLM's scheduler does."""
+    compute = compute or []
+    blocks = {r.request_id: (list(ids),) for r, ids in compute}
+    return SimpleNamespace(
+        num_scheduled_tokens={r.request_id: len(r.all_token_ids) - r.num_computed_tokens for r, _ in compute},
+        scheduled_spec_decode_tokens={},
+        preempted_req_ids=set(),
+        kv_connector_block_state=SimpleNamespace(get_block_ids=blocks.get),
+    )
+
+
+def plan(scheduler, compute=None):
+    meta = scheduler.build_connector_meta(scheduler_output(compute))
+    for r, _ in compute or []:
+        r.num_computed_tokens = len(r.all_token_ids)
+    return meta
+
+
+def step(scheduler, worker, caches, finished=frozenset(), compute=None):
     """One engine step through both sides; returns the worker's
     get_finished answer and its load errors."""
-    meta = scheduler.build_connector_meta(SimpleNamespace())
+    meta = plan(scheduler, compute)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(SimpleNamespace())
     for name, tensor in caches.items():
@@ -190,7 +212,8 @@ def test_one_instance_saves_and_another_loads_bit_exact(pool_paths, saver, loade
     first = request("a-1", tokens)
     assert sched_a.get_num_new_matched_tokens(first, 0) == (0, False)
     sched_a.update_state_after_alloc(first, allocated(ids_a), 0)
-    assert step(sched_a, worker_a, caches_a) == (set(), set())
+    # The step computes the prompt: its six full blocks are saved then.
+    assert step(sched_a, worker_a, caches_a, compute=[(first, ids_a)]) == (set(), set())
     assert sched_a.request_finished(first, ids_a) == (True, None), "vLLM must keep the blocks until saved"
     done = set()
     deadline = time.monotonic() + 10
@@ -236,11 +259,11 @@ def test_one_instance_saves_and_another_loads_bit_exact(pool_paths, saver, loade
         connector.shutdown()
 
 
-def group_step(scheduler, ranks, finished=frozenset()):
+def group_step(scheduler, ranks, finished=frozenset(), compute=None):
     """One engine step of a tensor-parallel group: the scheduler's plan goes
     to every rank's worker, as vLLM's executor ships it. Returns each rank's
     (finished saves, load errors)."""
-    meta = scheduler.build_connector_meta(SimpleNamespace())
+    meta = plan(scheduler, compute)
     answers = []
     for worker, caches in ranks:
         worker.bind_connector_metadata(meta)
@@ -256,10 +279,12 @@ def group_step(scheduler, ranks, finished=frozenset()):
 
 
 def save_group(scheduler, ranks, request_id, tokens, ids):
-    """A finished request saved by every rank (vLLM's output aggregator
-    reports it once all ranks have)."""
-    scheduler.update_state_after_alloc(request(request_id, tokens), allocated(ids), 0)
-    assert scheduler.request_finished(request(request_id, tokens), ids) == (True, None)
+    """A request computed and finished, saved by every rank (vLLM's output
+    aggregator reports it once all ranks have)."""
+    computed = request(request_id, tokens)
+    scheduler.update_state_after_alloc(computed, allocated(ids), 0)
+    group_step(scheduler, ranks, compute=[(computed, ids)])
+    assert scheduler.request_finished(computed, ids) == (True, None)
     pending = set(range(len(ranks)))
     deadline = time.monotonic() + 10
     while pending:
@@ -342,13 +367,16 @@ def test_bad_kv_caches_are_refused_by_name(pool_paths):
     worker = lake_vllm.LakeConnector(cfg, lake_vllm.KVConnectorRole.WORKER)
     with pytest.raises(ValueError, match="no KV caches"):
         worker.register_kv_caches({})
-    mixed = {"a": paged("flash_nhd", "numpy"), "b": paged("blocks_first", "numpy")}
+    # Layers of one geometry may lie in memory differently (each layer is
+    # described on its own); layers of different geometry cannot make one
+    # block.
+    mixed = {"a": paged("flash_nhd", "numpy"), "b": paged("mla", "numpy")}
     with pytest.raises(ValueError, match="differs"):
         worker.register_kv_caches(mixed)
     # head_size not innermost: vLLM never does it, and gathering it would
     # be wrong, so it is refused.
     odd = np.zeros((2, NUM_BLOCKS, BLOCK, HEAD_SIZE, HEADS), dtype=np.float16).transpose(0, 1, 2, 4, 3)
-    with pytest.raises(ValueError, match="innermost"):
+    with pytest.raises(ValueError, match="not contiguous"):
         worker.register_kv_caches({"a": odd})
     with pytest.raises(RuntimeError, match="register_kv_caches"):
         worker.bind_connector_metadata(lake_vllm.LakeConnectorMetadata(loads=[lake_vllm.LoadSpec("x", np.zeros((1, 16), np.uint8), [0])]))
@@ -376,7 +404,7 @@ def test_a_sampled_request_is_traced_through_the_data_plane(small_paths, caplog)
                 break
             first = request(f"t-{p}-{attempt}", tokens)
             sched_a.update_state_after_alloc(first, allocated(ids_a[p]), 0)
-            step(sched_a, worker_a, caches_a)
+            step(sched_a, worker_a, caches_a, compute=[(first, ids_a[p])])
             assert sched_a.request_finished(first, ids_a[p]) == (True, None), "part of it is not cached"
             deadline = time.monotonic() + 10
             done = set()
