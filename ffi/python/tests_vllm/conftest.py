@@ -1,0 +1,149 @@
+"""Real vLLM (its CPU build) against a real `lake serve`.
+
+These tests run in the venv `.ci/vllm-venv` makes (vLLM's CPU build and
+torch), started by `cargo test -p lake-cp --test vllm`, which passes the
+`lake` binary and the engine library in LAKE_BIN and LAKE_LIBRARY. Every
+vLLM runs in a process of its own (`engine.py`), as an engine would;
+the model is a tiny Qwen3 with seeded random weights written here."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+# This directory (the engine, the model) and the `lake` package beside it.
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import tiny_model  # noqa: E402
+
+# The KV cache of the tiny model in float32: 2 layers, K and V, 2 heads of
+# 64, 4 bytes, per token.
+KV_BYTES_PER_TOKEN = 2 * 2 * tiny_model.KV_HEADS * tiny_model.HEAD_DIM * 4
+
+
+def _needed(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        pytest.skip(f"{name} is not set: run through `cargo test -p lake-cp --test vllm`")
+    return value
+
+
+class Pool:
+    """A `lake serve` process with its directory."""
+
+    def __init__(self, binary: str, directory: Path, block_bytes: int, l1_slots: int, l2_slots: int):
+        self.dir = directory
+        self.log = directory.parent / f"{directory.name}.log"
+        self.args = [
+            binary, "serve", "--dir", str(directory), "--block-bytes", str(block_bytes),
+            "--l1-slots", str(l1_slots), "--l2-slots", str(l2_slots),
+        ]
+        self.process = None
+        self.start()
+
+    def start(self):
+        self.process = subprocess.Popen(self.args, stdout=open(self.log, "a"), stderr=subprocess.STDOUT)
+        record = self.dir / "pool.json"
+        deadline = time.monotonic() + 60
+        while not record.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"lake serve did not start:\n{self.log.read_text()}")
+            time.sleep(0.05)
+        self.record = json.loads(record.read_text())
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        return urllib.request.urlopen(f"http://{self.record['metrics']}/metrics", timeout=5).read().decode()
+
+    def stop(self):
+        if self.process is None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        self.process = None
+        assert code == 0, f"lake serve exited {code}:\n{self.log.read_text()}"
+
+
+@pytest.fixture(scope="session")
+def lake_bin() -> str:
+    return _needed("LAKE_BIN")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model.write(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def pool(lake_bin, tmp_path_factory):
+    _needed("LAKE_LIBRARY")
+    # Slots of one block of 128 tokens; a model of smaller blocks fits too.
+    pool = Pool(lake_bin, tmp_path_factory.mktemp("pool") / "lake", 128 * KV_BYTES_PER_TOKEN, 768, 1024)
+    yield pool
+    pool.stop()
+
+
+class Engine:
+    """Runs one vLLM process (`engine.py`) and returns what it produced."""
+
+    def __init__(self, model: Path, workdir: Path):
+        self.model = model
+        self.workdir = workdir
+        self.runs = 0
+
+    def run(self, phases, block_size=128, connector=None, kv_cache_tokens=16384, max_model_len=4096,
+            prefix_caching=True, multiprocess=False, expect_kill=False, max_num_seqs=8):
+        self.runs += 1
+        name = f"engine-{self.runs}"
+        spec = {
+            "model": str(self.model),
+            "dtype": "float32",
+            "block_size": block_size,
+            "kv_cache_bytes": kv_cache_tokens * KV_BYTES_PER_TOKEN,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "prefix_caching": prefix_caching,
+            "connector": connector,
+            "phases": phases,
+        }
+        spec_path, out, log = (self.workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        # With a connector vLLM reserves a core for itself; set it in every
+        # process so thread counts (and so float results) agree.
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+        # One compute thread whether vLLM runs its worker in this process
+        # or another (it binds threads only in the latter).
+        env["OMP_NUM_THREADS"] = "1"
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+        started = time.monotonic()
+        with open(log, "w") as f:
+            code = subprocess.run(
+                [sys.executable, str(HERE / "engine.py"), str(spec_path), str(out)],
+                stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600,
+            ).returncode
+        took = time.monotonic() - started
+        text = log.read_text()
+        if expect_kill:
+            assert code == -signal.SIGKILL, f"{name} was to kill itself, exited {code}:\n{text[-6000:]}"
+        else:
+            assert code == 0, f"{name} exited {code}:\n{text[-6000:]}"
+        print(f"{name}: {took:.1f} s, connector={connector is not None}")
+        result = json.loads(out.read_text()) if out.exists() else {"phases": []}
+        result["log"] = text
+        return result
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir, tmp_path_factory) -> Engine:
+    return Engine(model_dir, tmp_path_factory.mktemp("engines"))

@@ -1,0 +1,138 @@
+"""One real vLLM process, as a test or a benchmark asks for it.
+
+    python engine.py SPEC.json OUT.json
+
+SPEC names the model directory, vLLM's block size and KV cache bytes,
+the Lake connector's ``kv_connector_extra_config`` (or null: vLLM alone)
+and phases run one after another in this process (vLLM's own prefix
+cache lives across them). Each phase generates greedily from token-id
+prompts; OUT gets every request's tokens and top-k logprobs, the phase's
+wall time and vLLM's own counters after it. A phase may say
+``"kill_after_tokens": N``: the process then SIGKILLs itself once the
+first request has produced N tokens (what a crashed engine leaves
+behind). Run with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the tests set it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def counters(llm) -> dict:
+    """vLLM's own counters (its Prometheus metrics) by name."""
+    out: dict = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            out[metric.name] = out.get(metric.name, 0) + value
+    return out
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    spec = json.loads(open(spec_path).read())
+    transfer = None
+    if spec.get("connector") is not None:
+        transfer = KVTransferConfig(
+            kv_connector="LakeConnector",
+            kv_connector_module_path="lake.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=spec["connector"],
+        )
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=spec.get("dtype", "bfloat16"),
+        block_size=spec["block_size"],
+        kv_cache_memory_bytes=spec["kv_cache_bytes"],
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=spec.get("max_num_seqs", 8),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", spec["max_model_len"]),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        kv_transfer_config=transfer,
+        disable_log_stats=False,
+        seed=0,
+    )
+    results = {"phases": []}
+    for phase in spec["phases"]:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=phase["max_tokens"],
+            logprobs=phase.get("logprobs", 5),
+            ignore_eos=True,
+            detokenize=False,
+        )
+        prompts = [{"prompt_token_ids": prompt_of(p, spec["phases"], results)} for p in phase["prompts"]]
+        # Saves are asynchronous: a phase that is to find the last one's
+        # blocks in the pool may wait for them to land.
+        time.sleep(phase.get("sleep_before", 0))
+        kill_after = phase.get("kill_after_tokens")
+        started = time.perf_counter()
+        if kill_after is None:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            run_until_killed(llm, prompts, params, kill_after, out_path)
+        elapsed = time.perf_counter() - started
+        requests = []
+        for output in outputs:
+            completion = output.outputs[0]
+            requests.append(
+                {
+                    "tokens": list(completion.token_ids),
+                    "logprobs": [
+                        sorted([int(t), float(lp.logprob)] for t, lp in step.items()) for step in completion.logprobs
+                    ],
+                }
+            )
+        results["phases"].append(
+            {
+                "prompts": [p["prompt_token_ids"] for p in prompts],
+                "requests": requests,
+                "seconds": elapsed,
+                "counters": counters(llm),
+            }
+        )
+    with open(out_path + ".partial", "w") as f:
+        json.dump(results, f)
+    os.replace(out_path + ".partial", out_path)
+
+
+def prompt_of(prompt, phases, results) -> list[int]:
+    """A prompt's token ids: a list, or ``{"after": i, "then": [...]}`` —
+    the first prompt of phase i, what it generated, then more tokens (a
+    conversation's next turn)."""
+    if isinstance(prompt, list):
+        return prompt
+    earlier = phases[prompt["after"]]["prompts"][0]
+    generated = results["phases"][prompt["after"]]["requests"][0]["tokens"]
+    return prompt_of(earlier, phases, results) + generated + list(prompt["then"])
+
+
+def run_until_killed(llm, prompts, params, tokens: int, out_path: str):
+    """Steps the engine by hand and dies by SIGKILL once the first request
+    has ``tokens`` output tokens: no shutdown, no request_finished. What it
+    had generated is written to OUT first (what a client had streamed)."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            generated = list(output.outputs[0].token_ids)
+            if len(generated) >= tokens:
+                with open(out_path, "w") as f:
+                    json.dump({"phases": [], "streamed": generated}, f)
+                # The saves handed to the data plane at earlier steps land
+                # meanwhile, as they would for a process killed later.
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError("the requests finished before the kill point")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,89 @@
+"""A tiny Qwen3 written to a directory: a config and seeded random
+safetensors, so real vLLM loads real weights with nothing fetched.
+
+The weights are drawn wide enough (std 0.2 where transformers' default
+is 0.02) that the next token depends on the whole context: with vLLM's
+dummy weights, or the default scale, the logits are nearly uniform and
+wrong KV would go unseen."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+VOCAB = 1024
+HIDDEN = 256
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 64
+SEED = 20261203
+
+
+def config(max_positions: int) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": VOCAB + 1,
+    }
+
+
+def write(directory: Path, max_positions: int = 32768) -> Path:
+    """Writes the model once; a directory already holding it is kept."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = directory / "model.safetensors"
+    if weights.exists():
+        return directory
+    generator = torch.Generator().manual_seed(SEED)
+
+    def normal(*shape, std=0.2):
+        return (torch.randn(*shape, generator=generator) * std).to(torch.bfloat16)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": normal(VOCAB, HIDDEN, std=1.0), "model.norm.weight": ones(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": ones(HIDDEN),
+            p + "post_attention_layernorm.weight": ones(HIDDEN),
+            p + "self_attn.q_proj.weight": normal(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": normal(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": normal(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": normal(HIDDEN, HEADS * HEAD_DIM, std=0.05),
+            p + "self_attn.q_norm.weight": ones(HEAD_DIM),
+            p + "self_attn.k_norm.weight": ones(HEAD_DIM),
+            p + "mlp.gate_proj.weight": normal(2 * HIDDEN, HIDDEN, std=0.05),
+            p + "mlp.up_proj.weight": normal(2 * HIDDEN, HIDDEN, std=0.05),
+            p + "mlp.down_proj.weight": normal(HIDDEN, 2 * HIDDEN, std=0.05),
+        }
+    tensors["lm_head.weight"] = normal(VOCAB, HIDDEN, std=0.5)
+    (directory / "config.json").write_text(json.dumps(config(max_positions), indent=1))
+    partial = directory / "model.safetensors.partial"
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    partial.rename(weights)
+    return directory
+
+
+if __name__ == "__main__":
+    print(write(Path(sys.argv[1])))
