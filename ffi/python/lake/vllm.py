@@ -127,55 +127,60 @@ class LakeConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class LakeConnectorStats(KVConnectorStats):
     """What a worker moved in an interval, as vLLM's KV-connector stats:
-    blocks loaded and failed, load time, blocks saved and skipped."""
+    blocks loaded and failed, blocks saved and skipped, and how long each
+    step's loads were waited for."""
 
     def __post_init__(self):
-        for name in _STAT_NAMES:
+        for name in _STAT_COUNTS:
             self.data.setdefault(name, 0)
+        self.data.setdefault("load_seconds", [])
 
     def record_load(self, loaded: int, failed: int, seconds: float) -> None:
         self.data["blocks_loaded"] += loaded
         self.data["blocks_load_failed"] += failed
-        self.data["load_seconds"] += seconds
-        self.data["loads"] += 1
+        self.data["load_seconds"].append(seconds)
 
     def record_save(self, saved: int, skipped: int) -> None:
         self.data["blocks_saved"] += saved
         self.data["blocks_save_skipped"] += skipped
 
     def reset(self):
-        self.data = {name: 0 for name in _STAT_NAMES}
+        self.data = {name: 0 for name in _STAT_COUNTS}
+        self.data["load_seconds"] = []
 
     def aggregate(self, other):
-        for name in _STAT_NAMES:
+        for name in _STAT_COUNTS:
             self.data[name] += other.data.get(name, 0)
+        self.data["load_seconds"] = self.data["load_seconds"] + list(other.data.get("load_seconds", ()))
         return self
 
     def reduce(self):
-        loaded = self.data["blocks_loaded"]
+        loaded, waited = self.data["blocks_loaded"], sum(self.data["load_seconds"])
         return {
             "blocks_loaded": loaded,
             "blocks_load_failed": self.data["blocks_load_failed"],
-            "load_ms_per_block": round(1e3 * self.data["load_seconds"] / loaded, 4) if loaded else 0.0,
+            "load_ms_per_block": round(1e3 * waited / loaded, 4) if loaded else 0.0,
             "blocks_saved": self.data["blocks_saved"],
             "blocks_save_skipped": self.data["blocks_save_skipped"],
         }
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in _STAT_NAMES if name != "load_seconds")
+        return not any(self.data[name] for name in _STAT_COUNTS) and not self.data["load_seconds"]
+
+
+_STAT_COUNTS = ("blocks_loaded", "blocks_load_failed", "blocks_saved", "blocks_save_skipped")
 
 
 if VLLM_PRESENT:
 
     class _LakePromMetrics(KVConnectorPromMetrics):
-        """Lake's stats as counters of vLLM's own Prometheus metrics."""
+        """Lake's stats as metrics of vLLM's own Prometheus registry."""
 
         _COUNTERS = {
             "blocks_loaded": "KV blocks loaded from the Lake pool",
             "blocks_load_failed": "KV blocks the Lake pool failed to load (vLLM recomputed them)",
             "blocks_saved": "KV blocks saved into the Lake pool",
             "blocks_save_skipped": "KV blocks the Lake pool skipped saving (full, or under pressure)",
-            "load_seconds": "Seconds vLLM waited for loads from the Lake pool",
         }
 
         def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
@@ -184,15 +189,21 @@ if VLLM_PRESENT:
             for name, documentation in self._COUNTERS.items():
                 counter = self._counter_cls(name=f"vllm:lake_{name}", documentation=documentation, labelnames=labelnames)
                 self._counters[name] = create_metric_per_engine(counter, self.per_engine_labelvalues)
+            waits = self._histogram_cls(
+                name="vllm:lake_load_seconds",
+                documentation="Seconds a step waited for its loads from the Lake pool",
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+                labelnames=labelnames,
+            )
+            self._load_seconds = create_metric_per_engine(waits, self.per_engine_labelvalues)
 
         def observe(self, transfer_stats_data, engine_idx: int = 0):
             for name, per_engine in self._counters.items():
                 value = transfer_stats_data.get(name, 0)
                 if value:
                     per_engine[engine_idx].inc(value)
-
-
-_STAT_NAMES = ("blocks_loaded", "blocks_load_failed", "load_seconds", "loads", "blocks_saved", "blocks_save_skipped")
+            for seconds in transfer_stats_data.get("load_seconds", ()):
+                self._load_seconds[engine_idx].observe(seconds)
 
 
 class _Tracked:
@@ -890,8 +901,8 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         """vLLM's /metrics gets Lake's counters: ``vllm:lake_blocks_loaded``,
-        ``_load_failed``, ``_saved``, ``_save_skipped`` and
-        ``vllm:lake_load_seconds``."""
+        ``_load_failed``, ``_saved``, ``_save_skipped``, and the histogram
+        ``vllm:lake_load_seconds`` of each step's wait for its loads."""
         return _LakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self):

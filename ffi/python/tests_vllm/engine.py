@@ -28,6 +28,10 @@ def counters(llm) -> dict:
         value = getattr(metric, "value", None)
         if isinstance(value, (int, float)):
             out[metric.name] = out.get(metric.name, 0) + value
+        elif hasattr(metric, "sum") and hasattr(metric, "count"):
+            # A histogram: its sum and count (counters read back as ints).
+            out[metric.name + "_sum"] = out.get(metric.name + "_sum", 0) + metric.sum
+            out[metric.name + "_count"] = out.get(metric.name + "_count", 0) + metric.count
     return out
 
 

@@ -117,6 +117,9 @@ def test_vllm_reports_lakes_counters_and_hit_rate(saver, reader):
     assert counters(saver, 2).get("vllm:lake_blocks_loaded", 0) == 0
     assert counters(reader, 3)["vllm:lake_blocks_loaded"] == 8 + 16 + 7 + 8
     assert counters(reader, 3).get("vllm:lake_blocks_load_failed", 0) == 0
+    # One wait per step that loaded, each of it timed.
+    assert counters(reader, 3)["vllm:lake_load_seconds_count"] == 4
+    assert counters(reader, 3)["vllm:lake_load_seconds_sum"] > 0
 
 
 def test_the_saver_gets_what_vllm_alone_gets(saver, reference):
