@@ -41,6 +41,9 @@ import lake
 
 logger = logging.getLogger("lake.vllm")
 
+# A load not done in this long is cancelled and its blocks recomputed.
+LOAD_TIMEOUT_S = 30
+
 try:  # pragma: no cover - exercised only where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
@@ -98,6 +101,9 @@ class LoadSpec:
     request_id: str
     keys: np.ndarray
     block_ids: list[int]
+    # Asynchronous: vLLM holds the request (WAITING_FOR_REMOTE_KVS) until
+    # a worker names it in get_finished; else the step's forward waits.
+    asynchronous: bool = False
 
 
 @dataclass
@@ -122,6 +128,9 @@ class LakeConnectorMetadata(KVConnectorMetadata):
     # Requests vLLM preempted before this step: their blocks go to others,
     # so the worker lets no save of theirs still read them.
     preempted: set[str] = field(default_factory=set)
+    # Requests that ended (aborted) while their asynchronous load ran: the
+    # worker cancels what of it has not started.
+    cancels: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -441,6 +450,13 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_cache_manager = None
         self._pending_loads: list[LoadSpec] = []
         self._pending_saves: list[SaveSpec] = []
+        # Asynchronous loads (``load_async``): requests whose load a worker
+        # has not reported yet, and those to cancel at the next step.
+        self._load_async = extra.get("load_async", False)
+        if not isinstance(self._load_async, bool):
+            raise ValueError("kv_connector_extra_config['load_async'] is true or false")
+        self._receiving: set[str] = set()
+        self._pending_cancels: set[str] = set()
         self._load_errors: set[int] = set()
         self.layouts: dict[str, PagedLayout] = {}
         self.layout: lake.Layout | None = None
@@ -455,6 +471,12 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._saves_of: dict[str, int] = {}
         self._saved_for: set[str] = set()
         self._finishing: set[str] = set()
+        # Worker: asynchronous loads by vLLM request (load request, vLLM
+        # block ids, start); those that ended with nothing to load; those
+        # cancelled for taking too long.
+        self._receives: dict[str, tuple[int, np.ndarray, float]] = {}
+        self._received: set[str] = set()
+        self._timed_out: set[str] = set()
         self._stats = LakeConnectorStats()
         # Layer name -> its index in the registered memory; whether the
         # caches are on a GPU (then loads are waited for layer by layer).
@@ -511,7 +533,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             matched = ((known - 1) // self.block_size) * self.block_size
         extra = max(0, matched - num_computed_tokens)
         self._local_hits[request.request_id] = num_computed_tokens
-        return extra, False
+        return extra, self._load_async and extra > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         """Plans the load into the blocks vLLM allocated, after its local
@@ -541,8 +563,10 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
                 f"lake.vllm: request {request_id}: {num_external_tokens} tokens to load after {local} exceed its"
                 f" {len(keys)} keys or {len(block_ids)} blocks"
             )
-        spec = LoadSpec(request_id, keys[first:last], list(block_ids[first:last]))
+        spec = LoadSpec(request_id, keys[first:last], list(block_ids[first:last]), self._load_async)
         self._pending_loads.append(spec)
+        if self._load_async:
+            self._receiving.add(request_id)
         # What is loaded is in the pool: not saved again.
         tracked.saved = max(tracked.saved, last)
 
@@ -576,8 +600,10 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             tracked.saved = full
             tracked.saving = True
         preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        meta = LakeConnectorMetadata(loads=self._pending_loads, saves=self._pending_saves, preempted=preempted)
-        self._pending_loads, self._pending_saves = [], []
+        meta = LakeConnectorMetadata(
+            loads=self._pending_loads, saves=self._pending_saves, preempted=preempted, cancels=self._pending_cancels
+        )
+        self._pending_loads, self._pending_saves, self._pending_cancels = [], [], set()
         return meta
 
     def _block_ids(self, scheduler_output, request_id) -> list[int]:
@@ -592,7 +618,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         return list(ids[0]) if ids and isinstance(ids[0], (list, tuple)) else list(ids)
 
     def update_connector_output(self, connector_output):
-        return None
+        self._receiving.difference_update(getattr(connector_output, "finished_recving", None) or ())
 
     def request_finished(self, request, block_ids):
         """Nothing is saved here: a request's blocks went to the pool as
@@ -601,6 +627,10 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         none does (``get_finished``)."""
         self._local_hits.pop(request.request_id, None)
         tracked = self._running.pop(request.request_id, None)
+        if request.request_id in self._receiving:
+            # Ended while its load runs (an abort): vLLM keeps its blocks
+            # until a worker reports the load, which it cancels.
+            self._pending_cancels.add(request.request_id)
         return (tracked is not None and tracked.saving), None
 
     def request_finished_all_groups(self, request, block_ids):
@@ -682,7 +712,13 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         """Submits this step's loads; they run on the agent's thread while
         the engine goes on."""
         meta = self._connector_metadata
-        if meta is None or not meta.loads:
+        if meta is None:
+            return
+        for request_id in getattr(meta, "cancels", ()):
+            receive = self._receives.get(request_id)
+            if receive is not None:
+                self._worker().cancel(receive[0])
+        if not meta.loads:
             return
         pool = self._worker()
         for spec in meta.loads:
@@ -698,6 +734,8 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
                     len(block_ids),
                 )
             if hits == 0:
+                if spec.asynchronous:
+                    self._received.add(spec.request_id)
                 continue
             trace = self._trace_of(spec.request_id)
             if trace:
@@ -707,6 +745,9 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             finally:
                 if trace:
                     lake.set_trace(0)
+            if spec.asynchronous:
+                self._receives[spec.request_id] = (request, block_ids[:hits], time.perf_counter())
+                continue
             self._loading[request] = block_ids[:hits]
             self._load_started = self._load_started or time.perf_counter()
 
@@ -783,28 +824,54 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._loading:
             return
         pool = self._worker()
-        loaded = failed_count = 0
+        loaded = failed = 0
         for request, block_ids in self._loading.items():
             try:
-                statuses = pool.wait(request, len(block_ids), timeout=30.0)
+                statuses = pool.wait(request, len(block_ids), timeout=LOAD_TIMEOUT_S)
             except TimeoutError:
                 pool.cancel(request)
                 statuses = np.full(len(block_ids), -1, dtype=np.int32)
-            failed = statuses != lake.OK
-            loaded += int((~failed).sum())
-            failed_count += int(failed.sum())
-            if failed.any():
-                self._load_errors.update(int(b) for b in block_ids[failed])
-                logger.warning(
-                    "lake.vllm: %d of %d blocks not loaded (%s); vLLM recomputes them",
-                    int(failed.sum()),
-                    len(block_ids),
-                    ", ".join(sorted({lake.STATUS.get(int(x), "timed out") for x in statuses[failed]})),
-                )
-        self._stats.record_load(loaded, failed_count, time.perf_counter() - self._load_started)
+            done, missed = self._settle_load(block_ids, statuses)
+            loaded, failed = loaded + done, failed + missed
+        self._stats.record_load(loaded, failed, time.perf_counter() - self._load_started)
         self._load_started = 0.0
         self._loading.clear()
         self._log_traces()
+
+    def _settle_load(self, block_ids, statuses) -> tuple[int, int]:
+        """Keeps a load's failed blocks for ``get_block_ids_with_load_errors``
+        (vLLM recomputes them) and says why; (loaded, failed)."""
+        failed = statuses != lake.OK
+        if failed.any():
+            self._load_errors.update(int(b) for b in block_ids[failed])
+            logger.warning(
+                "lake.vllm: %d of %d blocks not loaded (%s); vLLM recomputes them",
+                int(failed.sum()),
+                len(block_ids),
+                ", ".join(sorted({lake.STATUS.get(int(x), "timed out") for x in statuses[failed]})),
+            )
+        return int((~failed).sum()), int(failed.sum())
+
+    def _reap_receives(self) -> set[str]:
+        """The asynchronous loads that ended (a load still running after
+        LOAD_TIMEOUT_S is cancelled); their requests, for vLLM."""
+        pool = self._worker()
+        done, self._received = self._received, set()
+        now = time.perf_counter()
+        for request_id, (request, block_ids, started) in list(self._receives.items()):
+            statuses = pool.try_wait(request, len(block_ids))
+            if statuses is None:
+                if now - started > LOAD_TIMEOUT_S and request_id not in self._timed_out:
+                    logger.warning("lake.vllm: the load of %s took over %d s: cancelled", request_id, LOAD_TIMEOUT_S)
+                    pool.cancel(request)
+                    self._timed_out.add(request_id)
+                continue
+            del self._receives[request_id]
+            self._timed_out.discard(request_id)
+            loaded, failed = self._settle_load(block_ids, statuses)
+            self._stats.record_load(loaded, failed, now - started)
+            done.add(request_id)
+        return done
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         """Nothing per layer: a block is saved whole (every layer in one
@@ -874,7 +941,8 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids):
         """(finished requests none of whose saves reads its blocks any
-        more, None): loads finish within their step. A request is named
+        more, requests whose asynchronous load ended — loaded, failed or
+        cancelled; a synchronous load ends within its step). A request is named
         once vLLM has said it finished (here or in an earlier call) and only
         if this worker ever saved for it — what the scheduler side promised
         in ``request_finished``."""
@@ -884,7 +952,8 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         done = {r for r in self._finishing if not self._saves_of.get(r)}
         self._finishing -= done
         self._saved_for -= done
-        return (done or None), None
+        received = self._reap_receives() if (self._receives or self._received) else set()
+        return (done or None), (received or None)
 
     def get_kv_connector_stats(self):
         """What this worker loaded and saved since the last call (vLLM's

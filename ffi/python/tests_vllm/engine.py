@@ -10,7 +10,8 @@ prompts; OUT gets every request's tokens and top-k logprobs, the phase's
 wall time and vLLM's own counters after it. A phase may say
 ``"kill_after_tokens": N``: the process then SIGKILLs itself once the
 first request has produced N tokens (what a crashed engine leaves
-behind). Run with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the tests set it)."""
+behind); ``"abort_after_steps": N``: the first request is aborted after N
+engine steps (a client gone), the others run to their end. Run with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the tests set it)."""
 
 from __future__ import annotations
 
@@ -78,13 +79,18 @@ def main(spec_path: str, out_path: str) -> None:
         time.sleep(phase.get("sleep_before", 0))
         kill_after = phase.get("kill_after_tokens")
         started = time.perf_counter()
-        if kill_after is None:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        else:
+        if kill_after is not None:
             run_until_killed(llm, prompts, params, kill_after, out_path)
+        elif "abort_after_steps" in phase:
+            outputs = run_aborting_first(llm, prompts, params, phase["abort_after_steps"])
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         requests = []
         for output in outputs:
+            if output is None:
+                requests.append(None)
+                continue
             completion = output.outputs[0]
             requests.append(
                 {
@@ -116,6 +122,25 @@ def prompt_of(prompt, phases, results) -> list[int]:
     earlier = phases[prompt["after"]]["prompts"][0]
     generated = results["phases"][prompt["after"]]["requests"][0]["tokens"]
     return prompt_of(earlier, phases, results) + generated + list(prompt["then"])
+
+
+def run_aborting_first(llm, prompts, params, steps: int):
+    """Steps the engine by hand and aborts the first request after
+    ``steps`` steps (as a client that went away); the others run to their
+    end. The aborted one's output is None."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finished: dict[str, object] = {}
+    taken = 0
+    while engine.has_unfinished_requests():
+        if taken == steps:
+            engine.abort_request(["0"])
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        taken += 1
+    return [None] + [finished[str(i)] for i in range(1, len(prompts))]
 
 
 def run_until_killed(llm, prompts, params, tokens: int, out_path: str):

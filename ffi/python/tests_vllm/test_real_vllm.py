@@ -228,3 +228,32 @@ def test_preempted_requests_resume_from_the_pool(engine, pool):
         for step_a, step_b in zip(a["logprobs"], b["logprobs"]):
             assert [t for t, _ in step_a] == [t for t, _ in step_b]
             assert max(abs(x - y) for (_, x), (_, y) in zip(step_a, step_b)) < 1e-3
+
+
+def pool_gauge(pool, name: str) -> float:
+    for line in pool.metrics().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in the pool's metrics")
+
+
+def test_an_aborted_request_while_its_load_runs_leaves_nothing_behind(engine, pool, saver, reference):
+    # Loads asynchronous (vLLM holds the request in WAITING_FOR_REMOTE_KVS
+    # until a worker reports the load): Y's 24 shared blocks are loading
+    # when the client goes away after the first step. The connector
+    # cancels the load, vLLM frees the blocks once it is reported, and the
+    # next request is served exactly.
+    async_connector = {**connector(pool), "load_async": True}
+    result = engine.run(
+        [phase([Y, Q], abort_after_steps=1), phase([Y])],
+        connector=async_connector,
+    )
+    first, second = result["phases"]
+    assert first["requests"][0] is None, "the aborted request produced output"
+    assert first["requests"][1] == only(reference, 1)
+    # Y again: Q's 8 blocks are in vLLM's own cache now, the pool gives 16.
+    assert only(result, 1) == only(reference, 2)
+    assert external_hits(result, 1) == 16 * BLOCK
+    # Nothing left pinned in L1 nor leased below it.
+    assert pool_gauge(pool, "lake_dp_pins") == 0
+    assert pool_gauge(pool, "lake_cp_leases") == 0
