@@ -477,6 +477,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._receives: dict[str, tuple[int, np.ndarray, float]] = {}
         self._received: set[str] = set()
         self._timed_out: set[str] = set()
+        self._aborted: set[str] = set()
         self._stats = LakeConnectorStats()
         # Layer name -> its index in the registered memory; whether the
         # caches are on a GPU (then loads are waited for layer by layer).
@@ -718,6 +719,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             receive = self._receives.get(request_id)
             if receive is not None:
                 self._worker().cancel(receive[0])
+                self._aborted.add(request_id)
         if not meta.loads:
             return
         pool = self._worker()
@@ -868,6 +870,14 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             del self._receives[request_id]
             self._timed_out.discard(request_id)
+            if request_id in self._aborted:
+                # Its request is gone: nothing to recompute, nothing to report.
+                self._aborted.discard(request_id)
+                dropped = int((statuses != lake.OK).sum())
+                logger.info("lake.vllm: the load of aborted %s cancelled, %d of %d blocks dropped", request_id, dropped,
+                            len(block_ids))
+                done.add(request_id)
+                continue
             loaded, failed = self._settle_load(block_ids, statuses)
             self._stats.record_load(loaded, failed, now - started)
             done.add(request_id)
