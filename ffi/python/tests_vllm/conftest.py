@@ -101,7 +101,7 @@ class Engine:
         self.runs = 0
 
     def run(self, phases, block_size=128, connector=None, kv_cache_tokens=16384, max_model_len=4096,
-            prefix_caching=True, multiprocess=False, expect_kill=False, max_num_seqs=8):
+            prefix_caching=True, multiprocess=False, expect_kill=False, expect_failure=False, max_num_seqs=8):
         self.runs += 1
         name = f"engine-{self.runs}"
         spec = {
@@ -136,6 +136,8 @@ class Engine:
         text = log.read_text()
         if expect_kill:
             assert code == -signal.SIGKILL, f"{name} was to kill itself, exited {code}:\n{text[-6000:]}"
+        elif expect_failure:
+            assert code not in (0, -signal.SIGKILL), f"{name} was to fail, exited {code}:\n{text[-6000:]}"
         else:
             assert code == 0, f"{name} exited {code}:\n{text[-6000:]}"
         print(f"{name}: {took:.1f} s, connector={connector is not None}")

@@ -257,3 +257,17 @@ def test_an_aborted_request_while_its_load_runs_leaves_nothing_behind(engine, po
     # Nothing left pinned in L1 nor leased below it.
     assert pool_gauge(pool, "lake_dp_pins") == 0
     assert pool_gauge(pool, "lake_cp_leases") == 0
+
+
+def test_a_model_whose_blocks_the_pool_cannot_hold_is_refused_at_start(engine, lake_bin, tmp_path):
+    # A pool of 64 KiB blocks; the model's are 256 KiB (128 tokens): every
+    # save would be refused. vLLM does not start, and says what to change.
+    from conftest import Pool
+
+    small = Pool(lake_bin, tmp_path / "small", 64 * 1024, 16, 16)
+    try:
+        result = engine.run([phase([X])], connector={"pool_dir": str(small.dir)}, expect_failure=True)
+    finally:
+        small.stop()
+    assert "holds blocks of at most 65536 bytes" in result["log"]
+    assert "--block-bytes 262144" in result["log"]

@@ -580,6 +580,9 @@ fn serve(args: &[String]) -> Result<(), String> {
         "mirror": pool.mirror,
         "metrics": pool.metrics.map_or_else(String::new, |a| a.to_string()),
         "block_bytes": config.block_bytes,
+        // Every L1 size class as [payload bytes, slots]: an engine checks
+        // that its blocks fit one before it saves anything.
+        "l1_classes": config.l1_size_classes().map(|(payload, slots)| serde_json::json!([payload, slots])).collect::<Vec<_>>(),
     });
     println!("{serving}");
     let _ = std::io::Write::flush(&mut std::io::stdout());
