@@ -531,9 +531,14 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         """The cached prefix every rank can load (its own heads' replicas)."""
         if len(keys) == 0:
             return 0
-        if self._shards is None:
-            return self.pool.lookup(keys)[0]
-        return self.pool.lookup_shards(keys, self._shards)
+        try:
+            if self._shards is None:
+                return self.pool.lookup(keys)[0]
+            return self.pool.lookup_shards(keys, self._shards)
+        except lake.LakeError as e:
+            # No answer from the pool is no hit: vLLM computes.
+            logger.warning("lake.vllm: looking up a prefix: %s", e)
+            return 0
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Tokens Lake can supply beyond vLLM's own prefix hit
@@ -736,40 +741,55 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         for request_id in getattr(meta, "cancels", ()):
             receive = self._receives.get(request_id)
             if receive is not None:
-                self._worker().cancel(receive[0])
+                _cancel(self._worker(), receive[0])
                 self._aborted.add(request_id)
         if not meta.loads:
             return
         pool = self._worker()
         for spec in meta.loads:
-            # This rank's own replicas (its shard); what went since the
-            # scheduler planned is reported and recomputed.
-            hits, table = pool.lookup(spec.keys)
             block_ids = np.asarray(spec.block_ids, dtype=np.int64)
-            if hits < len(block_ids):
-                self._load_errors.update(int(b) for b in block_ids[hits:])
-                logger.warning(
-                    "lake.vllm: %d of %d planned blocks are no longer cached for this rank; vLLM recomputes them",
-                    len(block_ids) - hits,
-                    len(block_ids),
-                )
-            if hits == 0:
+            try:
+                self._start_load(pool, spec, block_ids)
+            except lake.LakeError as e:
+                # The pool is gone or refused: the blocks are recomputed;
+                # vLLM goes on.
+                self._load_errors.update(int(b) for b in block_ids)
+                self._stats.record_load(0, len(block_ids), 0.0)
+                logger.warning("lake.vllm: a load of %d blocks of %s failed (%s); vLLM recomputes them",
+                               len(block_ids), spec.request_id, e)
                 if spec.asynchronous:
                     self._received.add(spec.request_id)
-                continue
-            trace = self._trace_of(spec.request_id)
-            if trace:
-                lake.set_trace(trace)
-            try:
-                request = pool.submit_load(self.memory_id, spec.keys[:hits], table, block_ids[:hits])
-            finally:
-                if trace:
-                    lake.set_trace(0)
+
+    def _start_load(self, pool, spec, block_ids):
+        """Submits one request's load (synchronous or not) of the blocks
+        this rank still finds."""
+        # This rank's own replicas (its shard); what went since the
+        # scheduler planned is reported and recomputed.
+        hits, table = pool.lookup(spec.keys)
+        if hits < len(block_ids):
+            self._load_errors.update(int(b) for b in block_ids[hits:])
+            logger.warning(
+                "lake.vllm: %d of %d planned blocks are no longer cached for this rank; vLLM recomputes them",
+                len(block_ids) - hits,
+                len(block_ids),
+            )
+        if hits == 0:
             if spec.asynchronous:
-                self._receives[spec.request_id] = (request, block_ids[:hits], time.perf_counter())
-                continue
-            self._loading[request] = block_ids[:hits]
-            self._load_started = self._load_started or time.perf_counter()
+                self._received.add(spec.request_id)
+            return
+        trace = self._trace_of(spec.request_id)
+        if trace:
+            lake.set_trace(trace)
+        try:
+            request = pool.submit_load(self.memory_id, spec.keys[:hits], table, block_ids[:hits])
+        finally:
+            if trace:
+                lake.set_trace(0)
+        if spec.asynchronous:
+            self._receives[spec.request_id] = (request, block_ids[:hits], time.perf_counter())
+            return
+        self._loading[request] = block_ids[:hits]
+        self._load_started = self._load_started or time.perf_counter()
 
     def _trace_of(self, request_id: str) -> int:
         """The trace id of a vLLM request if it is sampled (one in
@@ -849,7 +869,10 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 statuses = pool.wait(request, len(block_ids), timeout=LOAD_TIMEOUT_S)
             except TimeoutError:
-                pool.cancel(request)
+                _cancel(pool, request)
+                statuses = np.full(len(block_ids), -1, dtype=np.int32)
+            except lake.LakeError as e:
+                logger.warning("lake.vllm: waiting for a load: %s", e)
                 statuses = np.full(len(block_ids), -1, dtype=np.int32)
             done, missed = self._settle_load(block_ids, statuses)
             loaded, failed = loaded + done, failed + missed
@@ -879,11 +902,11 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         done, self._received = self._received, set()
         now = time.perf_counter()
         for request_id, (request, block_ids, started) in list(self._receives.items()):
-            statuses = pool.try_wait(request, len(block_ids))
+            statuses = _try_wait(pool, request, len(block_ids))
             if statuses is None:
                 if now - started > LOAD_TIMEOUT_S and request_id not in self._timed_out:
                     logger.warning("lake.vllm: the load of %s took over %d s: cancelled", request_id, LOAD_TIMEOUT_S)
-                    pool.cancel(request)
+                    _cancel(pool, request)
                     self._timed_out.add(request_id)
                 continue
             del self._receives[request_id]
@@ -925,10 +948,20 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
 
             stream = torch.cuda.current_stream().cuda_stream
         for spec in meta.saves:
-            request = pool.submit_save(self.memory_id, spec.keys, spec.block_ids, parent=spec.parent, stream=stream)
+            self._saved_for.add(spec.request_id)
+            try:
+                request = pool.submit_save(
+                    self.memory_id, spec.keys, spec.block_ids, parent=spec.parent, stream=stream
+                )
+            except lake.LakeError as e:
+                # Saves are best effort: the pool gone or refusing costs
+                # future hits, never this request.
+                self._stats.record_save(0, len(spec.block_ids))
+                logger.warning("lake.vllm: a save of %d blocks of %s was skipped (%s)", len(spec.block_ids),
+                               spec.request_id, e)
+                continue
             self._saves[request] = (spec.request_id, len(spec.block_ids))
             self._saves_of[spec.request_id] = self._saves_of.get(spec.request_id, 0) + 1
-            self._saved_for.add(spec.request_id)
 
     def handle_preemptions(self, kv_connector_metadata):
         """Before the step runs: the blocks of requests vLLM preempted go to
@@ -947,7 +980,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         """Takes the completions of saves that ended."""
         pool = self._worker()
         for request, (request_id, count) in list(self._saves.items()):
-            statuses = pool.try_wait(request, count)
+            statuses = _try_wait(pool, request, count)
             if statuses is None:
                 continue
             del self._saves[request]
@@ -1010,6 +1043,25 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self.pool is not None:
             self.pool.close()
+
+
+def _try_wait(pool, request: int, count: int):
+    """A request's statuses once all arrived, else None; a pool that can no
+    longer say (gone) ends it, every block failed."""
+    try:
+        return pool.try_wait(request, count)
+    except lake.LakeError as e:
+        logger.warning("lake.vllm: polling the pool: %s", e)
+        return np.full(count, -1, dtype=np.int32)
+
+
+def _cancel(pool, request: int) -> None:
+    """Cancels what of a request has not started; a pool gone has nothing
+    left to cancel."""
+    try:
+        pool.cancel(request)
+    except lake.LakeError as e:
+        logger.warning("lake.vllm: cancelling a load: %s", e)
 
 
 @dataclass(frozen=True)

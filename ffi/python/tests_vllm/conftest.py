@@ -100,6 +100,21 @@ class Engine:
         self.workdir = workdir
         self.runs = 0
 
+    def start(self, phases, **options):
+        """Runs a vLLM process in the background (see ``run``); ``join()``
+        on what this returns waits for it and returns its result."""
+        import threading
+
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(result=self.run(phases, **options)))
+        thread.start()
+
+        def join():
+            thread.join()
+            return box["result"]
+
+        return join
+
     def run(self, phases, block_size=128, connector=None, kv_cache_tokens=16384, max_model_len=4096,
             prefix_caching=True, multiprocess=False, expect_kill=False, expect_failure=False, max_num_seqs=8):
         self.runs += 1

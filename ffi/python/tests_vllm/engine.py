@@ -77,6 +77,12 @@ def main(spec_path: str, out_path: str) -> None:
         # Saves are asynchronous: a phase that is to find the last one's
         # blocks in the pool may wait for them to land.
         time.sleep(phase.get("sleep_before", 0))
+        # A phase may first wait for the test to do something to the pool
+        # (stop it): this process says it is there, then waits for the go.
+        if "wait_for" in phase:
+            open(phase["wait_for"] + ".ready", "w").close()
+            while not os.path.exists(phase["wait_for"]):
+                time.sleep(0.05)
         kill_after = phase.get("kill_after_tokens")
         started = time.perf_counter()
         if kill_after is not None:

@@ -271,3 +271,29 @@ def test_a_model_whose_blocks_the_pool_cannot_hold_is_refused_at_start(engine, l
         small.stop()
     assert "holds blocks of at most 65536 bytes" in result["log"]
     assert "--block-bytes 262144" in result["log"]
+
+
+def test_a_pool_killed_under_a_running_vllm_costs_hits_not_output(engine, lake_bin, tmp_path):
+    # The engine goes on when its pool dies: loads fail and are recomputed,
+    # saves are skipped, nothing raises into vLLM, and what it generates
+    # stays what vLLM alone generates.
+    from conftest import Pool
+
+    doomed = Pool(lake_bin, tmp_path / "doomed", 128 * 2048, 256, 256)
+    gate = str(tmp_path / "go")
+    try:
+        join = engine.start(
+            [phase([X]), phase([Q], wait_for=gate), phase([Y])], connector={"pool_dir": str(doomed.dir)}
+        )
+        while not os.path.exists(gate + ".ready"):
+            time.sleep(0.05)
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait()
+        doomed.process = None
+        open(gate, "w").close()
+        result = join()
+    finally:
+        doomed.stop()
+    alone = engine.run([phase([X]), phase([Q]), phase([Y])])
+    for index in range(3):
+        assert only(result, index)["tokens"] == only(alone, index)["tokens"]
