@@ -113,7 +113,10 @@ def saver(engine, pool, reference):
 def test_vllm_reports_lakes_counters_and_hit_rate(saver, reader):
     # vLLM's own metrics show what the connector moved (its KV-connector
     # stats, as counters of vLLM's Prometheus registry).
-    assert counters(saver, 2)["vllm:lake_blocks_saved"] >= 24 + 7 + 8
+    # Every block but the last one of the last request: a save is counted
+    # once a later step sees it land, and that one may still be landing
+    # when the counters are read.
+    assert counters(saver, 2)["vllm:lake_blocks_saved"] >= 24 + 7 + 7
     assert counters(saver, 2).get("vllm:lake_blocks_loaded", 0) == 0
     assert counters(reader, 3)["vllm:lake_blocks_loaded"] == 8 + 16 + 7 + 8
     assert counters(reader, 3).get("vllm:lake_blocks_load_failed", 0) == 0
