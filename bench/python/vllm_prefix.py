@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "ffi/python/tests_vllm/engine.py"
 sys.path.insert(0, str(ENGINE.parent))
 
+import engine  # noqa: E402
 import tiny_model  # noqa: E402
 
 BLOCK = 128
@@ -45,8 +46,7 @@ KV_BYTES_PER_TOKEN = 2 * 2 * tiny_model.KV_HEADS * tiny_model.HEAD_DIM * 4
 def run_engine(workdir: Path, name: str, spec: dict) -> dict:
     spec_path, out, log = (workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1", OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "ffi/python"), env.get("PYTHONPATH", "")])
+    env = engine.environment()
     with open(log, "w") as f:
         command = [sys.executable, str(ENGINE), str(spec_path), str(out)]
         code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env).returncode

@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 # This directory (the engine, the model) and the `lake` package beside it.
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+import engine as engine_process  # noqa: E402
 import tiny_model  # noqa: E402
 
 # The KV cache of the tiny model in float32: 2 layers, K and V, 2 heads of
@@ -132,15 +133,7 @@ class Engine:
         }
         spec_path, out, log = (self.workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ)
-        # With a connector vLLM reserves a core for itself; set it in every
-        # process so thread counts (and so float results) agree.
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-        # One compute thread whether vLLM runs its worker in this process
-        # or another (it binds threads only in the latter).
-        env["OMP_NUM_THREADS"] = "1"
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+        env = engine_process.environment(multiprocess)
         started = time.monotonic()
         with open(log, "w") as f:
             code = subprocess.run(

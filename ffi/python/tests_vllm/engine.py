@@ -22,6 +22,20 @@ import sys
 import time
 
 
+def environment(multiprocess: bool = False) -> dict:
+    """The environment an engine process runs in: one compute thread and
+    one reserved core whether or not a connector is configured and whether
+    vLLM runs its worker in this process or another (thread counts change
+    float results), and the `lake` package beside this directory."""
+    env = dict(os.environ)
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+    return env
+
+
 def counters(llm) -> dict:
     """vLLM's own counters (its Prometheus metrics) by name."""
     out: dict = {}
