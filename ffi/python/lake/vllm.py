@@ -6,12 +6,14 @@
                                       "cp_socket": "...", "tenant_key": "<64 hex>",
                                       "trace_every": 0}}'
 
-Targets the connector interface of vLLM's ``kv_connector/v1/base.py`` as
-recorded in ``tests/fixtures/vllm_kv_connector_v1.json`` (the source and
-commit are named there); optional hooks are feature-detected. vLLM itself
-is not installed on the machines that test this: without it, stand-in
-base classes with the same names are used, and the tests drive the
-connector through the call sequence vLLM's scheduler and workers make.
+Runs inside real vLLM (tested in its CPU build, ``ffi/python/tests_vllm``);
+optional hooks are feature-detected. Without vLLM installed, stand-in base
+classes with the same names are used, so the worker side can be driven by
+hand (``ffi/python/tests``).
+
+Hybrid models (Mamba, Gated DeltaNet) keep their recurrent state in KV
+cache groups of their own: Lake stores the attention group's blocks and,
+beside them, checkpoints of the state (``lake.vllm_state``).
 
 Worker side: the paged KV tensors are described from their shapes and
 strides (one piece per layer and plane) and registered with the pool once;
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 import lake
+from lake.vllm_state import KVGroups, StateCheckpoints, kv_groups
 
 logger = logging.getLogger("lake.vllm")
 
@@ -53,11 +56,16 @@ try:  # pragma: no cover - exercised only where vLLM is installed
     )
 
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    except ImportError:  # a vLLM reporting failed loads by block id only
+        KVConnectorTransferResults = None
     from vllm.v1.metrics.utils import create_metric_per_engine
 
     VLLM_PRESENT = True
 except ImportError:
     VLLM_PRESENT = False
+    KVConnectorTransferResults = None
     import enum
 
     class KVConnectorRole(enum.Enum):
@@ -104,6 +112,10 @@ class LoadSpec:
     # Asynchronous: vLLM holds the request (WAITING_FOR_REMOTE_KVS) until
     # a worker names it in get_finished; else the step's forward waits.
     asynchronous: bool = False
+    # A hybrid model's: the state blocks (one per state group) the
+    # checkpoint after the last of ``keys`` goes to. The load is then all
+    # or nothing: vLLM cannot resume part way without the state.
+    state_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -120,11 +132,23 @@ class SaveSpec:
 
 
 @dataclass
+class StateSaveSpec:
+    """A hybrid model's recurrent-state checkpoint to save: the state
+    after the block keyed ``key``, in vLLM's state blocks ``block_ids``
+    (one per state group) once the step's forward ran."""
+
+    request_id: str
+    key: np.ndarray
+    block_ids: list[int]
+
+
+@dataclass
 class LakeConnectorMetadata(KVConnectorMetadata):
     """What the scheduler ships to the workers each step (picklable)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    state_saves: list[StateSaveSpec] = field(default_factory=list)
     # Requests vLLM preempted before this step: their blocks go to others,
     # so the worker lets no save of theirs still read them.
     preempted: set[str] = field(default_factory=set)
@@ -153,6 +177,12 @@ class LakeConnectorStats(KVConnectorStats):
         self.data["blocks_saved"] += saved
         self.data["blocks_save_skipped"] += skipped
 
+    def record_states(self, loaded: int = 0, saved: int = 0, skipped: int = 0) -> None:
+        """A hybrid model's recurrent-state checkpoints."""
+        self.data["states_loaded"] += loaded
+        self.data["states_saved"] += saved
+        self.data["states_save_skipped"] += skipped
+
     def reset(self):
         self.data = {name: 0 for name in _STAT_COUNTS}
         self.data["load_seconds"] = []
@@ -171,13 +201,24 @@ class LakeConnectorStats(KVConnectorStats):
             "load_ms_per_block": round(1e3 * waited / loaded, 4) if loaded else 0.0,
             "blocks_saved": self.data["blocks_saved"],
             "blocks_save_skipped": self.data["blocks_save_skipped"],
+            "states_loaded": self.data["states_loaded"],
+            "states_saved": self.data["states_saved"],
+            "states_save_skipped": self.data["states_save_skipped"],
         }
 
     def is_empty(self) -> bool:
         return not any(self.data[name] for name in _STAT_COUNTS) and not self.data["load_seconds"]
 
 
-_STAT_COUNTS = ("blocks_loaded", "blocks_load_failed", "blocks_saved", "blocks_save_skipped")
+_STAT_COUNTS = (
+    "blocks_loaded",
+    "blocks_load_failed",
+    "blocks_saved",
+    "blocks_save_skipped",
+    "states_loaded",
+    "states_saved",
+    "states_save_skipped",
+)
 
 
 if VLLM_PRESENT:
@@ -190,6 +231,9 @@ if VLLM_PRESENT:
             "blocks_load_failed": "KV blocks the Lake pool failed to load (vLLM recomputed them)",
             "blocks_saved": "KV blocks saved into the Lake pool",
             "blocks_save_skipped": "KV blocks the Lake pool skipped saving (full, or under pressure)",
+            "states_loaded": "Recurrent-state checkpoints (hybrid models) loaded from the Lake pool",
+            "states_saved": "Recurrent-state checkpoints (hybrid models) saved into the Lake pool",
+            "states_save_skipped": "Recurrent-state checkpoints the Lake pool skipped saving",
         }
 
         def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
@@ -229,6 +273,9 @@ class _Tracked:
         # Whether a save of it was ever planned (vLLM then keeps its
         # blocks at the finish until the workers report).
         self.saving = False
+        # A hybrid model's: the deepest block whose state checkpoint the
+        # pool holds or was asked to save.
+        self.state_saved = 0
 
     def keys_to(self, blocks: int) -> np.ndarray:
         """The keys of its first ``blocks`` blocks (fewer where its known
@@ -243,12 +290,12 @@ class _Tracked:
         return self._keys[:blocks]
 
 
-def _group_block_ids(blocks) -> list[int]:
-    """vLLM's KVCacheBlocks (or a plain list): the attention group's ids."""
+def _groups_block_ids(blocks) -> list[list[int]]:
+    """vLLM's KVCacheBlocks (or a plain list: one group's): each KV cache
+    group's block ids."""
     if hasattr(blocks, "get_block_ids"):
-        ids = blocks.get_block_ids()
-        return list(ids[0]) if ids else []
-    return list(blocks)
+        return [list(ids) for ids in blocks.get_block_ids()]
+    return [list(blocks)]
 
 
 @dataclass(frozen=True)
@@ -402,7 +449,7 @@ def _check_block_fits(layout, record) -> None:
     largest = max(int(payload) for payload, _ in classes)
     if layout.block_bytes > largest:
         raise ValueError(
-            f"lake.vllm: this model's KV blocks are {layout.block_bytes} bytes ({layout}), but the pool at"
+            f"lake.vllm: this model's blocks are {layout.block_bytes} bytes ({layout}), but the pool at"
             f" {record['pool_dir']} holds blocks of at most {largest} bytes: start `lake serve` with"
             f" --block-bytes {layout.block_bytes}, or add --l1-class {layout.block_bytes}:SLOTS"
         )
@@ -451,6 +498,10 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra = extra
         self._vllm_config = vllm_config
         self.pool = None
+        # The KV cache groups Lake stores; a hybrid model's state groups.
+        self.groups: KVGroups = kv_groups(kv_cache_config, self.block_size)
+        if self.groups.hybrid and _tensor_parallel_size(vllm_config) > 1:
+            raise ValueError("lake.vllm: a hybrid model under tensor parallelism is not served (one rank)")
         # The shard codes of every tensor-parallel rank (None: the ranks
         # hold the whole block alike — one rank, or MLA).
         self._shards: list[int] | None = None
@@ -467,12 +518,19 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_cache_manager = None
         self._pending_loads: list[LoadSpec] = []
         self._pending_saves: list[SaveSpec] = []
+        self._pending_state_saves: list[StateSaveSpec] = []
         # Asynchronous loads (``load_async``): requests whose load a worker
         # has not reported yet, and those to cancel at the next step.
         self._load_async = extra.get("load_async", False)
         if not isinstance(self._load_async, bool):
             raise ValueError("kv_connector_extra_config['load_async'] is true or false")
+        if self.groups.hybrid:
+            # vLLM takes a failed load of a model of several KV cache groups
+            # only as a whole request's (an asynchronous load's), and the
+            # state must be in place before the request's first step.
+            self._load_async = True
         self._receiving: set[str] = set()
+        self._load_failed: set[str] = set()
         self._pending_cancels: set[str] = set()
         self._load_errors: set[int] = set()
         self.layouts: dict[str, PagedLayout] = {}
@@ -491,11 +549,17 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         # Worker: asynchronous loads by vLLM request (load request, vLLM
         # block ids, start); those that ended with nothing to load; those
         # cancelled for taking too long.
-        self._receives: dict[str, tuple[int, np.ndarray, float]] = {}
+        self._receives: dict[str, _Receive] = {}
         self._received: set[str] = set()
         self._timed_out: set[str] = set()
         self._aborted: set[str] = set()
         self._stats = LakeConnectorStats()
+        # Worker, hybrid models: the state checkpoints' side; asynchronous
+        # loads that failed (vLLM recomputes those requests); state saves
+        # in flight (request id -> staging slot).
+        self.states: StateCheckpoints | None = None
+        self._failed_receives: set[str] = set()
+        self._state_saves: dict[int, int] = {}
         # Layer name -> its index in the registered memory; whether the
         # caches are on a GPU (then loads are waited for layer by layer).
         self._layer_index: dict[str, int] = {}
@@ -540,20 +604,34 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("lake.vllm: looking up a prefix: %s", e)
             return 0
 
+    def _state_hits(self, keys) -> int:
+        """A hybrid model's resumable prefix: the deepest block at most the
+        KV hit with a state checkpoint after it."""
+        if len(keys) == 0:
+            return 0
+        try:
+            return self.pool.lookup_state(keys)[2]
+        except lake.LakeError as e:
+            logger.warning("lake.vllm: looking up a prefix: %s", e)
+            return 0
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """Tokens Lake can supply beyond vLLM's own prefix hit
         (``num_computed_tokens``, whole blocks), read from the mirror: no
         pin, no lease. The local hit is kept for the load's plan (vLLM sets
         ``request.num_computed_tokens`` only after it allocated)."""
         keys = self._known_keys(request)
-        if len(keys) == 0:
+        if len(keys) == 0 or request.request_id in self._load_failed:
             return 0, False
-        hits = self._hits(keys)
-        matched = hits * self.block_size
         # vLLM must compute at least the last token itself.
         known = len(request.all_token_ids)
-        if matched >= known:
-            matched = ((known - 1) // self.block_size) * self.block_size
+        if self.groups.hybrid:
+            # A hybrid resumes only where a state checkpoint is.
+            matched = self._state_hits(keys[: (known - 1) // self.block_size]) * self.block_size
+        else:
+            matched = self._hits(keys) * self.block_size
+            if matched >= known:
+                matched = ((known - 1) // self.block_size) * self.block_size
         extra = max(0, matched - num_computed_tokens)
         self._local_hits[request.request_id] = num_computed_tokens
         return extra, self._load_async and extra > 0
@@ -571,6 +649,8 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             known_blocks = len(request.all_token_ids) // self.block_size
             # Blocks the pool holds already are not written again.
             tracked.saved = self._hits(tracked.keys_to(known_blocks))
+            if self.groups.hybrid:
+                tracked.state_saved = self._state_hits(tracked.keys_to(known_blocks))
         else:
             tracked.request = request
         if num_external_tokens <= 0:
@@ -580,13 +660,19 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         first = local // self.block_size
         last = first + num_external_tokens // self.block_size
         keys = tracked.keys_to(last)
-        block_ids = _group_block_ids(blocks)
+        groups = _groups_block_ids(blocks)
+        block_ids = groups[self.groups.attention] if len(groups) > self.groups.attention else []
         if len(keys) < last or len(block_ids) < last:
             raise AssertionError(
                 f"lake.vllm: request {request_id}: {num_external_tokens} tokens to load after {local} exceed its"
                 f" {len(keys)} keys or {len(block_ids)} blocks"
             )
         spec = LoadSpec(request_id, keys[first:last], list(block_ids[first:last]), self._load_async)
+        if self.groups.hybrid:
+            # The state after the last loaded block goes where vLLM resumes
+            # from: each state group's block ``last - 1``.
+            spec.state_block_ids = [groups[g][last - 1] if len(groups[g]) >= last else 0 for g in self.groups.states]
+            tracked.state_saved = max(tracked.state_saved, last)
         self._pending_loads.append(spec)
         if self._load_async:
             self._receiving.add(request_id)
@@ -610,9 +696,23 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             request = tracked.request
             computed = int(request.num_computed_tokens) + int(count) - len(speculative.get(request_id, ()))
             full = min(computed, len(request.all_token_ids)) // self.block_size
+            # A hybrid's state is checkpointed where a step ends on a block
+            # boundary (with draft tokens in the step, vLLM's state is past
+            # them: not taken).
+            state_due = (
+                self.groups.hybrid
+                and not speculative.get(request_id)
+                and computed % self.block_size == 0
+                and computed // self.block_size > tracked.state_saved
+            )
+            if full <= tracked.saved and not state_due:
+                continue
+            groups = self._block_ids(scheduler_output, request_id)
+            if state_due:
+                self._plan_state_save(tracked, computed, groups)
             if full <= tracked.saved:
                 continue
-            block_ids = self._block_ids(scheduler_output, request_id)
+            block_ids = groups[self.groups.attention] if len(groups) > self.groups.attention else []
             full = min(full, len(block_ids))
             keys = tracked.keys_to(full)
             if full <= tracked.saved:
@@ -624,13 +724,32 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             tracked.saving = True
         preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta = LakeConnectorMetadata(
-            loads=self._pending_loads, saves=self._pending_saves, preempted=preempted, cancels=self._pending_cancels
+            loads=self._pending_loads,
+            saves=self._pending_saves,
+            state_saves=self._pending_state_saves,
+            preempted=preempted,
+            cancels=self._pending_cancels,
         )
         self._pending_loads, self._pending_saves, self._pending_cancels = [], [], set()
+        self._pending_state_saves = []
         return meta
 
-    def _block_ids(self, scheduler_output, request_id) -> list[int]:
-        """The request's vLLM block ids (its attention group's), as the
+    def _plan_state_save(self, tracked, computed: int, groups) -> None:
+        """A hybrid model's checkpoint: a step that ends on a block boundary
+        leaves the state there in each state group's block before it
+        (vLLM's align mode); saved once, after the step's forward."""
+        boundary = computed // self.block_size
+        keys = tracked.keys_to(boundary)
+        ids = [groups[g][boundary - 1] if len(groups) > g and len(groups[g]) >= boundary else 0
+               for g in self.groups.states]
+        # The null block (0): vLLM keeps no state there.
+        if len(keys) < boundary or not all(ids):
+            return
+        self._pending_state_saves.append(StateSaveSpec(tracked.request.request_id, keys[boundary - 1], ids))
+        tracked.state_saved = boundary
+
+    def _block_ids(self, scheduler_output, request_id) -> list[list[int]]:
+        """The request's vLLM block ids, per KV cache group, as the
         scheduler holds them this step."""
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         ids = state.get_block_ids(request_id) if state is not None else None
@@ -638,10 +757,13 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             ids = self._kv_cache_manager.get_block_ids(request_id)
         if ids is None:
             return []
-        return list(ids[0]) if ids and isinstance(ids[0], (list, tuple)) else list(ids)
+        return [list(g) for g in ids] if ids and isinstance(ids[0], (list, tuple)) else [list(ids)]
 
     def update_connector_output(self, connector_output):
         self._receiving.difference_update(getattr(connector_output, "finished_recving", None) or ())
+        # A request whose whole load failed is not offered the same hit
+        # again (the pool may still list what failed): it computes.
+        self._load_failed.update(getattr(connector_output, "failed_recving", None) or ())
 
     def request_finished(self, request, block_ids):
         """Nothing is saved here: a request's blocks went to the pool as
@@ -649,6 +771,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         save of this request may still read them; the workers report when
         none does (``get_finished``)."""
         self._local_hits.pop(request.request_id, None)
+        self._load_failed.discard(request.request_id)
         tracked = self._running.pop(request.request_id, None)
         if request.request_id in self._receiving:
             # Ended while its load runs (an abort): vLLM keeps its blocks
@@ -657,8 +780,10 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         return (tracked is not None and tracked.saving), None
 
     def request_finished_all_groups(self, request, block_ids):
-        """HMA: the attention group's blocks are the ones Lake stores."""
-        return self.request_finished(request, block_ids[0] if block_ids else [])
+        """HMA: the attention group's blocks are the ones saves read (a
+        checkpoint is copied out within its step)."""
+        attention = self.groups.attention
+        return self.request_finished(request, block_ids[attention] if len(block_ids) > attention else [])
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):
@@ -678,6 +803,12 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         names = list(kv_caches)
         if not names:
             raise ValueError("lake.vllm: no KV caches to register")
+        if self.groups.hybrid:
+            # The attention layers' KV as blocks; the state layers'
+            # checkpoints through a second attachment of their own.
+            names = [name for name in names if name in self.groups.attention_layers]
+            if not names:
+                raise ValueError("lake.vllm: none of the attention group's layers was handed to the connector")
         self._layer_index = {name: i for i, name in enumerate(names)}
         facts = [_tensor_facts(kv_caches[name]) for name in names]
         devices = {(f.device, f.device_index) for f in facts}
@@ -722,10 +853,24 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             self.layout,
             first.num_blocks,
             np.array(pieces, dtype=np.int64),
-            keep_alive=dict(kv_caches),
+            keep_alive={name: kv_caches[name] for name in names},
             device=device_index if device_type == "cuda" else None,
         )
         logger.info("lake.vllm: %d layers registered, %s", len(names), self.layout)
+        if self.groups.hybrid:
+            self.states = StateCheckpoints(
+                lambda layout: self._attach(layout, f"vllm-worker-{rank}-state"),
+                self.groups,
+                kv_caches,
+                record=self._extra.get("_pool_record"),
+                check_fits=_check_block_fits,
+            )
+            logger.info(
+                "lake.vllm: %d state layers registered, checkpoints of %d bytes (%s)",
+                sum(len(layers) for layers in self.groups.state_layers),
+                self.states.bytes,
+                self.states.layout,
+            )
 
     def _worker(self):
         if self.pool is None or self.memory_id is None:
@@ -741,7 +886,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         for request_id in getattr(meta, "cancels", ()):
             receive = self._receives.get(request_id)
             if receive is not None:
-                _cancel(self._worker(), receive[0])
+                self._cancel_receive(receive)
                 self._aborted.add(request_id)
         if not meta.loads:
             return
@@ -753,12 +898,10 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             except lake.LakeError as e:
                 # The pool is gone or refused: the blocks are recomputed;
                 # vLLM goes on.
-                self._load_errors.update(int(b) for b in block_ids)
+                self._fail_load(spec, block_ids)
                 self._stats.record_load(0, len(block_ids), 0.0)
                 logger.warning("lake.vllm: a load of %d blocks of %s failed (%s); vLLM recomputes them",
                                len(block_ids), spec.request_id, e)
-                if spec.asynchronous:
-                    self._received.add(spec.request_id)
 
     def _start_load(self, pool, spec, block_ids):
         """Submits one request's load (synchronous or not) of the blocks
@@ -766,7 +909,13 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         # This rank's own replicas (its shard); what went since the
         # scheduler planned is reported and recomputed.
         hits, table = pool.lookup(spec.keys)
-        if hits < len(block_ids):
+        state = None
+        if spec.state_block_ids is not None:
+            state = self._state_source(spec, hits)
+            if state is None:
+                self._fail_load(spec, block_ids)
+                return
+        elif hits < len(block_ids):
             self._load_errors.update(int(b) for b in block_ids[hits:])
             logger.warning(
                 "lake.vllm: %d of %d planned blocks are no longer cached for this rank; vLLM recomputes them",
@@ -786,10 +935,60 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             if trace:
                 lake.set_trace(0)
         if spec.asynchronous:
-            self._receives[spec.request_id] = (request, block_ids[:hits], time.perf_counter())
+            receive = _Receive(request, block_ids[:hits], time.perf_counter())
+            if state is not None:
+                receive.state_slot, receive.state_block_ids = state[0], spec.state_block_ids
+                try:
+                    receive.state_request = self.states.pool.submit_load(
+                        self.states.memory_id, lake.state_keys(spec.keys[-1:]), state[1], [state[0]]
+                    )
+                except lake.LakeError:
+                    # The caller reports the request failed.
+                    _cancel(pool, request)
+                    self.states.give_slot(state[0])
+                    raise
+            self._receives[spec.request_id] = receive
             return
         self._loading[request] = block_ids[:hits]
         self._load_started = self._load_started or time.perf_counter()
+
+    def _fail_load(self, spec, block_ids) -> None:
+        """A load that cannot be made: vLLM recomputes its blocks — named by
+        id, or for a hybrid model (whose groups' ids vLLM cannot map back)
+        as a failed request."""
+        if spec.state_block_ids is not None:
+            self._failed_receives.add(spec.request_id)
+            self._received.add(spec.request_id)
+            return
+        self._load_errors.update(int(b) for b in block_ids)
+        if spec.asynchronous:
+            self._received.add(spec.request_id)
+
+    def _state_source(self, spec, hits: int):
+        """A hybrid load's checkpoint: (staging slot, its location), or None
+        where the load cannot be whole (blocks or checkpoint gone, no
+        slot free, a state block vLLM did not give)."""
+        why = None
+        if hits < len(spec.keys):
+            why = f"{len(spec.keys) - hits} of {len(spec.keys)} blocks are no longer cached"
+        elif not all(spec.state_block_ids):
+            why = f"vLLM gave no state block to load into ({spec.state_block_ids})"
+        else:
+            found, where = self.states.pool.lookup(lake.state_keys(spec.keys[-1:]))
+            if found != 1:
+                why = "its state checkpoint is no longer cached"
+            else:
+                slot = self.states.take_slot()
+                if slot is not None:
+                    return slot, where
+                why = "every staging slot is in use"
+        logger.warning("lake.vllm: the load of %s is not made (%s); reported failed to vLLM", spec.request_id, why)
+        return None
+
+    def _cancel_receive(self, receive) -> None:
+        _cancel(self._worker(), receive.request)
+        if receive.state_request is not None:
+            _cancel(self.states.pool, receive.state_request)
 
     def _trace_of(self, request_id: str) -> int:
         """The trace id of a vLLM request if it is sampled (one in
@@ -901,16 +1100,26 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         pool = self._worker()
         done, self._received = self._received, set()
         now = time.perf_counter()
-        for request_id, (request, block_ids, started) in list(self._receives.items()):
-            statuses = _try_wait(pool, request, len(block_ids))
-            if statuses is None:
+        for request_id, receive in list(self._receives.items()):
+            request, block_ids, started = receive.request, receive.block_ids, receive.started
+            statuses = receive.statuses = receive.statuses if receive.statuses is not None else _try_wait(
+                pool, request, len(block_ids)
+            )
+            if receive.state_request is not None and receive.state_status is None:
+                state = _try_wait(self.states.pool, receive.state_request, 1)
+                receive.state_status = None if state is None else int(state[0])
+            if statuses is None or (receive.state_request is not None and receive.state_status is None):
                 if now - started > LOAD_TIMEOUT_S and request_id not in self._timed_out:
                     logger.warning("lake.vllm: the load of %s took over %d s: cancelled", request_id, LOAD_TIMEOUT_S)
-                    _cancel(pool, request)
+                    self._cancel_receive(receive)
                     self._timed_out.add(request_id)
                 continue
             del self._receives[request_id]
             self._timed_out.discard(request_id)
+            if receive.state_request is not None:
+                self._settle_state_load(request_id, receive)
+                done.add(request_id)
+                continue
             if request_id in self._aborted:
                 # Its request is gone: nothing to recompute, nothing to report.
                 self._aborted.discard(request_id)
@@ -923,6 +1132,31 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats.record_load(loaded, failed, now - started)
             done.add(request_id)
         return done
+
+    def _settle_state_load(self, request_id: str, receive) -> None:
+        """A hybrid load that ended: its checkpoint goes into vLLM's state
+        blocks if every block and the checkpoint arrived; otherwise the
+        request is reported failed (vLLM recomputes it)."""
+        try:
+            if request_id in self._aborted:
+                self._aborted.discard(request_id)
+                logger.info("lake.vllm: the load of aborted %s cancelled", request_id)
+                return
+            failed = int((receive.statuses != lake.OK).sum())
+            if failed or receive.state_status != lake.OK:
+                self._failed_receives.add(request_id)
+                self._stats.record_load(0, len(receive.block_ids), time.perf_counter() - receive.started)
+                logger.warning(
+                    "lake.vllm: the load of %s failed (%d of %d blocks, checkpoint %s); reported failed to vLLM"
+                    " (its kv_load_failure_policy recomputes or fails the request)",
+                    request_id, failed, len(receive.block_ids), lake.STATUS.get(receive.state_status, "not loaded"),
+                )
+                return
+            self.states.scatter(receive.state_slot, receive.state_block_ids)
+            self._stats.record_load(len(receive.block_ids), 0, time.perf_counter() - receive.started)
+            self._stats.record_states(loaded=1)
+        finally:
+            self.states.give_slot(receive.state_slot)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         """Nothing per layer: a block is saved whole (every layer in one
@@ -937,6 +1171,8 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         # the end of the forward pass, before vLLM asks for load errors.
         self._collect_loads()
         meta = self._connector_metadata
+        if meta is not None and getattr(meta, "state_saves", None):
+            self._save_states(meta.state_saves)
         if meta is None or not meta.saves:
             return
         pool = self._worker()
@@ -962,6 +1198,39 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             self._saves[request] = (spec.request_id, len(spec.block_ids))
             self._saves_of[spec.request_id] = self._saves_of.get(spec.request_id, 0) + 1
+
+    def _save_states(self, specs) -> None:
+        """A hybrid model's checkpoints this step's forward left in vLLM's
+        state blocks: copied out to staging now (vLLM reuses those blocks
+        from the next step), saved from there under their blocks."""
+        if self.states is None:
+            raise RuntimeError("lake.vllm: a state checkpoint to save, but no state layers were registered")
+        for spec in specs:
+            slot = self.states.take_slot()
+            if slot is None:
+                self._stats.record_states(skipped=1)
+                continue
+            self.states.gather(slot, spec.block_ids)
+            try:
+                request = self.states.pool.submit_save(
+                    self.states.memory_id, lake.state_keys(spec.key[None]), [slot], parent=spec.key
+                )
+            except lake.LakeError as e:
+                self.states.give_slot(slot)
+                self._stats.record_states(skipped=1)
+                logger.warning("lake.vllm: a state checkpoint of %s was skipped (%s)", spec.request_id, e)
+                continue
+            self._state_saves[request] = slot
+
+    def _reap_state_saves(self) -> None:
+        for request, slot in list(self._state_saves.items()):
+            statuses = _try_wait(self.states.pool, request, 1)
+            if statuses is None:
+                continue
+            del self._state_saves[request]
+            self.states.give_slot(slot)
+            saved = int(statuses[0]) == lake.OK
+            self._stats.record_states(saved=int(saved), skipped=int(not saved))
 
     def handle_preemptions(self, kv_connector_metadata):
         """Before the step runs: the blocks of requests vLLM preempted go to
@@ -1009,12 +1278,29 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         in ``request_finished``."""
         if self._saves:
             self._reap_saves()
+        if self._state_saves:
+            self._reap_state_saves()
         self._finishing.update(r for r in finished_req_ids if r in self._saved_for)
         done = {r for r in self._finishing if not self._saves_of.get(r)}
         self._finishing -= done
         self._saved_for -= done
         received = self._reap_receives() if (self._receives or self._received) else set()
         return (done or None), (received or None)
+
+    def get_transfer_results(self, finished_req_ids):
+        """``get_finished``'s two sets, and the requests whose asynchronous
+        load failed as a whole (a hybrid model's): vLLM recomputes them."""
+        sending, receiving = self.get_finished(finished_req_ids)
+        failed, self._failed_receives = self._failed_receives, set()
+        if KVConnectorTransferResults is None:
+            if failed:
+                raise RuntimeError(f"lake.vllm: this vLLM takes no failed request loads ({sorted(failed)})")
+            return sending, receiving
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(receiving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_kv_connector_stats(self):
         """What this worker loaded and saved since the last call (vLLM's
@@ -1041,8 +1327,27 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def shutdown(self):
+        if self.states is not None:
+            self.states.close()
         if self.pool is not None:
             self.pool.close()
+
+
+@dataclass
+class _Receive:
+    """An asynchronous load in flight: its request to the pool, the vLLM
+    block ids it fills and when it started; a hybrid model's checkpoint
+    load beside it (its request, staging slot, vLLM state blocks); the
+    statuses as they arrive."""
+
+    request: int
+    block_ids: np.ndarray
+    started: float
+    state_request: int | None = None
+    state_slot: int | None = None
+    state_block_ids: list | None = None
+    statuses: np.ndarray | None = None
+    state_status: int | None = None
 
 
 def _try_wait(pool, request: int, count: int):
@@ -1103,7 +1408,7 @@ def _group_shard_codes(vllm_config, extra) -> list[int] | None:
     worker's layout will have it (``register_kv_caches``: each rank holds
     ``max(1, total // size)`` heads of a layout of that many times ``size``);
     None where every rank holds the whole block (one rank, or MLA)."""
-    size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+    size = _tensor_parallel_size(vllm_config)
     model = getattr(vllm_config, "model_config", None)
     if size == 1 or getattr(model, "use_mla", False):
         return None
@@ -1121,7 +1426,7 @@ def _group_shard_codes(vllm_config, extra) -> list[int] | None:
 
 def _tensor_parallel(vllm_config, extra) -> tuple[int, int]:
     """This worker's tensor-parallel (rank, size)."""
-    size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+    size = _tensor_parallel_size(vllm_config)
     try:  # pragma: no cover - only where vLLM is installed
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -1131,3 +1436,7 @@ def _tensor_parallel(vllm_config, extra) -> tuple[int, int]:
     if not 0 <= rank < size:
         raise ValueError(f"lake.vllm: tensor-parallel rank {rank} is outside size {size}")
     return rank, size
+
+
+def _tensor_parallel_size(vllm_config) -> int:
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)

@@ -85,6 +85,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hybrid_model_dir(tmp_path_factory) -> Path:
+    return tiny_model.write_hybrid(tmp_path_factory.mktemp("hybrid") / "model")
+
+
+@pytest.fixture(scope="session")
 def pool(lake_bin, tmp_path_factory):
     _needed("LAKE_LIBRARY")
     # Slots of one block of 128 tokens; a model of smaller blocks fits too.
@@ -117,18 +122,22 @@ class Engine:
         return join
 
     def run(self, phases, block_size=128, connector=None, kv_cache_tokens=16384, max_model_len=4096,
-            prefix_caching=True, multiprocess=False, expect_kill=False, expect_failure=False, max_num_seqs=8):
+            prefix_caching=True, multiprocess=False, expect_kill=False, expect_failure=False, max_num_seqs=8,
+            model=None, dtype="float32", kv_cache_bytes=None, load_failure_policy="fail"):
+        """``model``, ``dtype``, ``kv_cache_bytes``: another model than the
+        tiny Qwen3 (its KV cache then sized in bytes)."""
         self.runs += 1
         name = f"engine-{self.runs}"
         spec = {
-            "model": str(self.model),
-            "dtype": "float32",
+            "model": str(model or self.model),
+            "dtype": dtype,
             "block_size": block_size,
-            "kv_cache_bytes": kv_cache_tokens * KV_BYTES_PER_TOKEN,
+            "kv_cache_bytes": kv_cache_bytes or kv_cache_tokens * KV_BYTES_PER_TOKEN,
             "max_model_len": max_model_len,
             "max_num_seqs": max_num_seqs,
             "prefix_caching": prefix_caching,
             "connector": connector,
+            "load_failure_policy": load_failure_policy,
             "phases": phases,
         }
         spec_path, out, log = (self.workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))

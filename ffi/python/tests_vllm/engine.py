@@ -62,6 +62,9 @@ def main(spec_path: str, out_path: str) -> None:
             kv_connector_module_path="lake.vllm",
             kv_role="kv_both",
             kv_connector_extra_config=spec["connector"],
+            # What vLLM does with a load the connector reports failed:
+            # "fail" the request (vLLM's default) or "recompute" it.
+            kv_load_failure_policy=spec.get("load_failure_policy", "fail"),
         )
     llm = LLM(
         model=spec["model"],

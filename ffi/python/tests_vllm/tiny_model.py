@@ -85,5 +85,71 @@ def write(directory: Path, max_positions: int = 32768) -> Path:
     return directory
 
 
+def hybrid_config(max_positions: int):
+    """A tiny Qwen3-Next: a Gated DeltaNet layer (vLLM keeps its conv and
+    recurrent state in a state group) and a full-attention layer. vLLM
+    wants one mixture-of-experts layer in it; its CPU build runs Gated
+    DeltaNet in bfloat16 only."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        moe_intermediate_size=HIDDEN,
+        shared_expert_intermediate_size=HIDDEN,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        partial_rotary_factor=0.25,
+        bos_token_id=0,
+        eos_token_id=VOCAB - 1,
+    )
+
+
+def write_hybrid(directory: Path, max_positions: int = 32768) -> Path:
+    """Writes the tiny hybrid once (transformers' own initialisation,
+    seeded), with weights that make the next token depend on the prefix:
+    unit-scale embeddings, a wide output head, sharp attention (q/k norms
+    of 3) and a slowly decaying state (A_log -4)."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    if (directory / "config.json").exists():
+        return directory
+    torch.manual_seed(SEED)
+    model = Qwen3NextForCausalLM(hybrid_config(max_positions))
+    generator = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("embed_tokens.weight"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
+            elif name.endswith("lm_head.weight"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor.fill_(3.0)
+            elif name.endswith("A_log"):
+                tensor.fill_(-4.0)
+    # Written aside, then renamed over the (absent or empty) directory.
+    partial = directory.parent / (directory.name + ".partial")
+    model.to(torch.bfloat16).save_pretrained(partial)
+    partial.rename(directory)
+    return directory
+
+
 if __name__ == "__main__":
     print(write(Path(sys.argv[1])))
