@@ -128,6 +128,15 @@ class LakeStore(HiCacheStorage):
         self.mla = bool(getattr(storage_config, "is_mla_model", False))
         self.tp_rank = int(getattr(storage_config, "tp_rank", 0))
         self.tp_size = int(getattr(storage_config, "tp_size", 1))
+        dcp = int(getattr(storage_config, "dcp_size", 1) or 1)
+        if dcp != 1:
+            # Each decode-context-parallel rank holds a shard of every
+            # page's MLA latent; Lake stores MLA pages whole, alike on every
+            # rank.
+            raise ValueError(
+                f"lake.sglang: decode context parallelism (dcp_size {dcp}) shards MLA pages across ranks:"
+                " not served; run SGLang without it"
+            )
         self.namespace: lake.Namespace | None = None
         self.pool: lake.Pool | None = None
         self.layout: lake.Layout | None = None

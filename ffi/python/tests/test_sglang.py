@@ -55,6 +55,24 @@ def test_the_store_has_the_recorded_interface():
             assert len(dims) == len(lake_sglang.HOST_DIMENSIONS[mla][layout]), layout
 
 
+def test_host_layouts_it_does_not_serve_are_refused_by_name():
+    # SGLang's host pools whose buffer is no fixed tuple of dimensions
+    # (read from its source into the fixture) are refused at registration.
+    for kind, layouts in FIXTURE["host_layouts_not_served"].items():
+        for layout in layouts:
+            with pytest.raises(ValueError, match=f"host layout '{layout}'"):
+                lake_sglang.describe_host_pool(np.zeros((2, 4, 16, 2, 8)), layout, PAGE, kind == "mla")
+
+
+def test_decode_context_parallelism_is_refused():
+    config = SimpleNamespace(
+        extra_config={"dp_socket": "x", "mirror": "y", "interface_v1": 1}, is_mla_model=True, tp_rank=1, tp_size=2,
+        dcp_size=2, dcp_rank=1,
+    )
+    with pytest.raises(ValueError, match="dcp_size 2"):
+        lake_sglang.LakeStore(config, None)
+
+
 def storage_config(paths, model, mla=False, tp_rank=0, tp_size=1, **extra):
     config = {
         "backend_name": "lake",
