@@ -26,8 +26,18 @@ use crate::tier::TierConfig;
 /// What the embedded pool is made of.
 #[derive(Clone, Debug)]
 pub struct EmbeddedConfig {
-    /// Where the L2 files and the sockets go (created; removed at stop).
+    /// The pool's home: its lock, sockets and L2 files (created if
+    /// missing). One pool at a time: a second is refused.
     pub dir: PathBuf,
+    /// Whether the pool's L2 outlives it (`lake serve`): a stop first
+    /// writes L1 down to L2 (within `stop_flush`) and leaves the L2 files
+    /// for the next start to re-adopt. Otherwise (the demo, tests) a stop
+    /// removes the L2 files it created too. Either way a stop removes only
+    /// what the pool created — its lock, sockets and shared memory, and
+    /// its directory if it made it and nothing else is left there.
+    pub durable: bool,
+    /// How long a durable pool's stop may spend writing L1 down to L2.
+    pub stop_flush: Duration,
     /// Payload bytes of a block (the L1 slot and L2 slot add their header).
     pub block_bytes: u64,
     /// L1 slots.
@@ -159,6 +169,8 @@ impl EmbeddedConfig {
     pub fn new(dir: PathBuf) -> Self {
         Self {
             dir,
+            durable: false,
+            stop_flush: Duration::from_secs(30),
             block_bytes: 64 * 1024,
             l1_slots: 1024,
             l1_classes: Vec::new(),
@@ -193,6 +205,8 @@ impl EmbeddedConfig {
 pub struct Gauges {
     /// L1 bytes held.
     pub l1_bytes: AtomicU64,
+    /// L1 blocks held.
+    pub l1_blocks: AtomicU64,
     /// L2 bytes held.
     pub l2_bytes: AtomicU64,
     /// Demotions asked so far.
@@ -227,7 +241,93 @@ enum CpRequest {
     ),
     /// A copy taken back, and whether it was still out.
     Cancel(u64, std::sync::mpsc::SyncSender<bool>),
+    /// Stopping: empty L1 into L2 ([`crate::tier::Tiers::empty_l1`]).
+    EmptyL1,
 }
+
+/// What a pool created and removes when it goes, whether it started or
+/// not: files (sockets, shared memory, its L2 files where they do not
+/// outlive it), then its lock, then its directory if it made it and it is
+/// empty. Nothing else: a user's file in the directory stays.
+#[derive(Debug)]
+struct Created {
+    dir: PathBuf,
+    made_dir: bool,
+    lock: Option<std::fs::File>,
+    files: Vec<PathBuf>,
+}
+
+impl Created {
+    /// Takes `dir` (making it if missing) and its lock, `DIR/lake.lock`
+    /// (an advisory write lock on the open file, released when this
+    /// process ends however it ends); a pool already there is named.
+    fn take(dir: &Path) -> Result<Self, String> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+
+        use std::os::unix::fs::MetadataExt;
+
+        let made_dir = !dir.exists();
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut created = Self { dir: dir.to_owned(), made_dir, lock: None, files: Vec::new() };
+        let path = dir.join(LOCK_FILE);
+        let mut lock = loop {
+            let mut lock = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            // SAFETY: flock on a descriptor this function owns.
+            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let error = std::io::Error::last_os_error();
+                if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                    let mut holder = String::new();
+                    let _ = lock.read_to_string(&mut holder);
+                    let holder = holder.trim();
+                    return Err(format!(
+                        "{}: another pool serves this directory (pid {}); stop it or give another directory",
+                        dir.display(),
+                        if holder.is_empty() { "unknown" } else { holder }
+                    ));
+                }
+                return Err(format!("{}: locking: {error}", path.display()));
+            }
+            // A pool that stopped meanwhile unlinked the file it held: a
+            // lock on that one guards nothing. Again, on the file there now.
+            let held = lock.metadata().map_err(|e| format!("{}: {e}", path.display()))?;
+            if std::fs::metadata(&path).is_ok_and(|now| (now.dev(), now.ino()) == (held.dev(), held.ino())) {
+                break lock;
+            }
+        };
+        lock.set_len(0).and_then(|()| lock.rewind()).map_err(|e| format!("{}: {e}", path.display()))?;
+        writeln!(lock, "{}", std::process::id()).map_err(|e| format!("{}: {e}", path.display()))?;
+        created.lock = Some(lock);
+        Ok(created)
+    }
+}
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        for file in &self.files {
+            let _ = std::fs::remove_file(file);
+        }
+        if let Some(lock) = self.lock.take() {
+            // Unlinked while still held: no other pool takes this file's
+            // lock meanwhile and then finds it gone.
+            let _ = std::fs::remove_file(self.dir.join(LOCK_FILE));
+            drop(lock);
+        }
+        if self.made_dir {
+            // Only if empty: whatever else is there stays.
+            let _ = std::fs::remove_dir(&self.dir);
+        }
+    }
+}
+
+/// The lock file in a pool's directory; it holds the serving pid.
+pub const LOCK_FILE: &str = "lake.lock";
 
 /// A running embedded pool.
 #[derive(Debug)]
@@ -266,6 +366,17 @@ pub struct EmbeddedPool {
     pub load_reserve_slots: u32,
     cp: Option<JoinHandle<Result<Server, String>>>,
     dp: Option<JoinHandle<Result<RunnerStats, RunnerError>>>,
+    /// Whether L1 is written down to L2 at stop, and for how long at most.
+    durable: bool,
+    stop_flush: Duration,
+    emptied: bool,
+    /// What to remove when the pool goes.
+    _created: Created,
+}
+
+/// The pool's two L2 files.
+fn l2_paths(dir: &Path) -> [PathBuf; 2] {
+    [dir.join("l2-0.lake"), dir.join("l2-1.lake")]
 }
 
 fn runner_config(
@@ -295,7 +406,7 @@ agents_max = {agents}
 load_reserve_slots = {load_reserve}
 
 [l2]
-paths = ["{dir}/l2-0.lake", "{dir}/l2-1.lake"]
+paths = ["{l2_0}", "{l2_1}"]
 slots_per_file = {l2}
 slot_bytes = {slot_bytes}
 format_if_missing = true
@@ -315,7 +426,8 @@ socket = "{dp}"
 ports = {remote}
 "#,
         arena = arena.display(),
-        dir = config.dir.display(),
+        l2_0 = l2_paths(&config.dir)[0].display(),
+        l2_1 = l2_paths(&config.dir)[1].display(),
         cp = cp.display(),
         dp = dp.display(),
         node = config.node,
@@ -348,10 +460,20 @@ impl EmbeddedPool {
         let unique = format!("{}-{}", std::process::id(), POOLS.fetch_add(1, Ordering::Relaxed));
         let arena = PathBuf::from(format!("/dev/shm/lake-l1-{unique}"));
         let mirror = PathBuf::from(format!("/dev/shm/lake-mirror-{unique}"));
-        std::fs::create_dir_all(&config.dir).map_err(|e| format!("{}: {e}", config.dir.display()))?;
+        // First the directory's lock: nothing of a pool serving it is
+        // touched by a second one.
+        let mut created = Created::take(&config.dir)?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
         let admin_socket = config.dir.join("admin.sock");
+        created.files.extend([&arena, &mirror, &cp_socket, &dp_socket, &admin_socket].map(|p| p.to_path_buf()));
+        if !config.durable {
+            // L2 files this pool formats go with it (and the data plane's
+            // fence beside them); ones it adopts stay.
+            let l2 = l2_paths(&config.dir);
+            let fence = config.dir.join(lake_dp::fence::FILE_NAME);
+            created.files.extend(l2.into_iter().chain([fence]).filter(|path| !path.exists()));
+        }
         // L1 holds at most its bytes in its smallest slots, shared or not.
         let slot = |(payload, _): (u64, u32)| lake_dp::stored::object_bytes(payload);
         let l1_bytes: u64 = config.l1_size_classes().map(|c| slot(c) * u64::from(c.1)).sum();
@@ -408,6 +530,7 @@ impl EmbeddedPool {
                                 CpRequest::Cancel(request, reply) => {
                                     let _ = reply.send(server.node_mut().cancel_copy(request));
                                 }
+                                CpRequest::EmptyL1 => server.node_mut().tiers.empty_l1(),
                             }
                         }
                         let draining = drain.load(Ordering::Relaxed);
@@ -419,7 +542,9 @@ impl EmbeddedPool {
                             eprintln!("{{\"event\":\"cp_refused\",\"why\":{why:?}}}");
                         }
                         let node = server.node();
-                        gauges.l1_bytes.store(node.tiers.usage(Tier::L1Dram).bytes, Ordering::Relaxed);
+                        let l1 = node.tiers.usage(Tier::L1Dram);
+                        gauges.l1_bytes.store(l1.bytes, Ordering::Relaxed);
+                        gauges.l1_blocks.store(l1.blocks, Ordering::Relaxed);
                         gauges.l2_bytes.store(node.tiers.usage(Tier::L2Nvme).bytes, Ordering::Relaxed);
                         gauges.demotions.store(node.tiers.counters.demotions, Ordering::Relaxed);
                         gauges.copies_landed.store(node.copies_landed, Ordering::Relaxed);
@@ -495,9 +620,15 @@ impl EmbeddedPool {
             load_reserve_slots,
             cp: Some(cp),
             dp: Some(dp),
+            durable: config.durable,
+            stop_flush: config.stop_flush,
+            emptied: false,
+            _created: created,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::fs::metadata(&pool.dp_socket).is_err() {
+        // Ready once engines can attach and the data plane has registered
+        // its L1 with the control plane (its files opened).
+        while std::fs::metadata(&pool.dp_socket).is_err() || pool.gauges.l1_space().is_none() {
             if pool.dp.as_ref().is_some_and(JoinHandle::is_finished) || Instant::now() > deadline {
                 let why = match pool.dp.take().map(JoinHandle::join) {
                     Some(Ok(Err(e))) => e.to_string(),
@@ -533,9 +664,66 @@ impl EmbeddedPool {
         answer.recv_timeout(Duration::from_secs(10)).map_err(|_| "the control plane did not answer".to_owned())
     }
 
-    /// Stops the data plane (drained, flushed, clean) then the control
-    /// plane; returns their final state. Files are removed.
+    /// Why the pool can no longer serve, if a plane of it stopped on its
+    /// own (an error after the start: a file gone bad, its socket taken).
+    pub fn failed(&mut self) -> Option<String> {
+        if self.dp.as_ref().is_some_and(JoinHandle::is_finished) {
+            return Some(match self.dp.take().map(JoinHandle::join) {
+                Some(Ok(Err(e))) => format!("the data plane stopped: {e}"),
+                Some(Ok(Ok(_))) => "the data plane stopped".to_owned(),
+                _ => "the data plane panicked".to_owned(),
+            });
+        }
+        if self.cp.as_ref().is_some_and(JoinHandle::is_finished) {
+            return Some(match self.cp.take().map(JoinHandle::join) {
+                Some(Ok(Err(e))) => format!("the control plane stopped: {e}"),
+                Some(Ok(Ok(_))) => "the control plane stopped".to_owned(),
+                _ => "the control plane panicked".to_owned(),
+            });
+        }
+        None
+    }
+
+    /// A durable pool's L1 written down to L2 before it stops, within
+    /// `stop_flush`: (blocks left in L1 — volatile, lost at stop — and
+    /// the time it took).
+    pub fn empty_l1(&mut self) -> (u64, Duration) {
+        self.emptied = true;
+        let started = Instant::now();
+        if self.requests.send(CpRequest::EmptyL1).is_err() {
+            return (self.gauges.l1_blocks.load(Ordering::Relaxed), started.elapsed());
+        }
+        // The control plane plans the moves in passes; a pass with nothing
+        // left to move may still see its last moves land.
+        let mut left = self.gauges.l1_blocks.load(Ordering::Relaxed);
+        let mut progress = Instant::now();
+        while started.elapsed() < self.stop_flush {
+            std::thread::sleep(Duration::from_millis(20));
+            let now = self.gauges.l1_blocks.load(Ordering::Relaxed);
+            if now == 0 {
+                return (0, started.elapsed());
+            }
+            if now < left {
+                progress = Instant::now();
+            }
+            left = now;
+            // Nothing moved for a while: what is left cannot go (no L2
+            // room, blocks held by engines).
+            if progress.elapsed() > Duration::from_secs(5) {
+                break;
+            }
+        }
+        (left, started.elapsed())
+    }
+
+    /// Stops the pool: a durable one first writes L1 down to L2
+    /// ([`EmbeddedPool::empty_l1`], unless that was called); then the data
+    /// plane (drained, flushed, clean) and the control plane. Returns their
+    /// final state. What the pool created and does not keep is removed.
     pub fn stop(mut self) -> Result<(RunnerStats, Server), String> {
+        if self.durable && !self.emptied && self.gauges.l1_space().is_some() {
+            self.empty_l1();
+        }
         self.stop_dp.store(true, Ordering::Release);
         let stats = match self.dp.take().map(JoinHandle::join) {
             Some(Ok(result)) => result.map_err(|e| e.to_string())?,
@@ -560,8 +748,6 @@ impl Drop for EmbeddedPool {
         if let Some(cp) = self.cp.take() {
             let _ = cp.join();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
-        let _ = std::fs::remove_file(&self.arena);
-        let _ = std::fs::remove_file(&self.mirror);
+        // Then `_created` goes: what the pool made and does not keep.
     }
 }

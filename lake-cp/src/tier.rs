@@ -456,6 +456,8 @@ pub struct Tiers {
     config: TierConfig,
     /// The node is being drained ([`Tiers::drain_node`]).
     draining_node: bool,
+    /// Stopping: L1's capacity is nothing ([`Tiers::empty_l1`]).
+    emptying_l1: bool,
     regions: HashMap<u16, RegionUse>,
     /// Bytes held, by (region, namespace).
     used: HashMap<(u16, u64), u64>,
@@ -544,11 +546,21 @@ impl Tiers {
         self.draining_node = on;
     }
 
+    /// The node is stopping: L1 (volatile) is emptied into L2, the pool's
+    /// recovery point — every block with no copy below is demoted (whatever
+    /// the L2 admission policy: it was acked), the others dropped from L1 —
+    /// so that a restart re-adopts them. [`Tiers::usage`] of L1 says how
+    /// far it is.
+    pub fn empty_l1(&mut self) {
+        self.emptying_l1 = true;
+    }
+
     /// A manager under `config` (checked with [`TierConfig::validate`]).
     pub fn new(config: TierConfig) -> Self {
         Self {
             config,
             draining_node: false,
+            emptying_l1: false,
             regions: HashMap::new(),
             used: HashMap::new(),
             blocks: HashMap::new(),
@@ -878,6 +890,9 @@ impl Tiers {
     /// Regions being drained are not counted: what they hold must fit in
     /// the rest.
     pub fn capacity(&self, tier: Tier) -> u64 {
+        if tier == Tier::L1Dram && self.emptying_l1 {
+            return 0;
+        }
         let physical = || {
             self.regions
                 .iter()
@@ -1454,6 +1469,7 @@ impl Tiers {
         } else if tier == Tier::L1Dram
             && l2.is_some()
             && self.config.l2_admission == L2Admission::SecondAccess
+            && !self.emptying_l1
             && !self.seen_twice.contains(&key)
             && !parent.is_some_and(|p| self.seen_twice.contains(&p))
             && !held_in(Tier::L3Object)

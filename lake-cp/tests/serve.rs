@@ -1,18 +1,45 @@
 //! `lake serve`, the pool an engine in another process attaches to: it must
 //! stop cleanly on SIGTERM (drained, flushed, a "stopped" line, exit 0)
-//! and remove what it made. Its data plane once read the same signal from
-//! a signalfd of its own, stopped alone, and left the command waiting for
-//! ever.
+//! and remove what it made and does not keep — never a file of the
+//! operator's, never the L2 files a restart re-adopts. Its data plane once
+//! read the same signal from a signalfd of its own, stopped alone, and
+//! left the command waiting for ever; it once removed its whole directory,
+//! L2 and the operator's files with it, at every stop.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A `lake serve` process, killed if a test ends (or fails) with it running.
+struct Serve(std::process::Child);
+
+impl std::ops::Deref for Serve {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Serve {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// `lake serve` of a small pool with `extra` arguments, once it says it is
 /// serving; its stdout, past that line.
 fn serving<S: AsRef<std::ffi::OsStr>>(
     extra: impl IntoIterator<Item = S>,
-) -> (std::process::Child, BufReader<std::process::ChildStdout>) {
+) -> (Serve, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
         .args(["serve", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32"])
         .args(extra)
@@ -20,6 +47,7 @@ fn serving<S: AsRef<std::ffi::OsStr>>(
         .spawn()
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());
+    let child = Serve(child);
     let mut serving = String::new();
     out.read_line(&mut serving).unwrap();
     assert!(serving.contains("\"event\":\"serving\""), "{serving}");
@@ -32,26 +60,176 @@ fn serve_stops_on_sigterm_and_cleans_up() {
     let (mut child, out) = serving([std::ffi::OsStr::new("--dir"), dir.as_os_str()]);
     assert!(dir.join("dp.sock").exists(), "the attach socket is there while serving");
 
-    // SAFETY: a plain syscall on the child's pid.
-    assert_eq!(unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGTERM) }, 0);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("lake serve did not stop within 20 s of SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    sigterm(&child);
+    let status = exited(&mut child, 20);
     let mut rest = String::new();
     for line in out.lines() {
         rest += &line.unwrap();
     }
     assert!(status.success(), "{status}: {rest}");
     assert!(rest.contains("\"event\":\"stopped\""), "{rest}");
-    assert!(!dir.exists(), "lake serve removes its directory");
+    // Its sockets, lock and record go; its L2 files stay for the next start.
+    for gone in ["dp.sock", "cp.sock", "admin.sock", "lake.lock", "pool.json"] {
+        assert!(!dir.join(gone).exists(), "{gone} is left behind");
+    }
+    assert!(dir.join("l2-0.lake").exists() && dir.join("l2-1.lake").exists(), "the L2 files went");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Waits for `child` to exit within `seconds`; its status.
+fn exited(child: &mut std::process::Child, seconds: u64) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("lake serve did not exit within {seconds} s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn sigterm(child: &std::process::Child) {
+    // SAFETY: a plain syscall on the child's pid.
+    assert_eq!(unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGTERM) }, 0);
+}
+
+/// A field of the `serving` line.
+fn field(line: &str, name: &str) -> String {
+    let value: serde_json::Value = serde_json::from_str(line).unwrap();
+    value[name].as_str().unwrap_or_default().to_owned()
+}
+
+const BLOCKS: u32 = 40;
+const PAYLOAD: usize = 60 * 1024;
+
+fn key(block: u32) -> lake_dp::BlockKey {
+    let mut bytes = [0x5c; 16];
+    bytes[..4].copy_from_slice(&block.to_le_bytes());
+    lake_dp::BlockKey(bytes)
+}
+
+fn payload(block: u32) -> Vec<u8> {
+    let seed = block.to_le_bytes()[0];
+    (0..PAYLOAD).map(|i| seed.wrapping_mul(31) ^ (i * 7 + i / 251).to_le_bytes()[0]).collect()
+}
+
+fn engine(dir: &std::path::Path, mirror: &str) -> lake_dp::agent::Agent {
+    let cp = dir.join("cp.sock");
+    let config = lake_dp::agent::AgentConfig {
+        arena: std::path::Path::new("/nonexistent"),
+        mirror: std::path::Path::new(mirror),
+        cp_socket: Some(&cp),
+        name: "restart-test",
+        namespace: lake_dp::NamespaceId(0x5c),
+        layout_fingerprint: 0x5c5c,
+        segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    lake_dp::agent::Agent::connect(&config, &dir.join("dp.sock")).unwrap()
+}
+
+/// The directory is the operator's and the pool's L2 its recovery point:
+/// 40 acked blocks, only in L1 when it stops, are exact after SIGTERM and a restart (the
+/// stop wrote them down to L2, the start re-adopted them); a file of the
+/// operator's in the directory survives both stops; nothing is left in
+/// /dev/shm.
+#[test]
+fn acked_blocks_and_the_operators_files_survive_a_clean_restart() {
+    let dir = std::env::temp_dir().join(format!("lake-serve-restart-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let canary = dir.join("operator-notes.txt");
+    std::fs::write(&canary, b"not Lake's").unwrap();
+    let args = || {
+        [
+            "--dir".into(),
+            dir.clone().into_os_string(),
+            "--l1-slots".into(),
+            "64".into(),
+            "--l2-slots".into(),
+            "64".into(),
+        ]
+    };
+    let keys: Vec<lake_dp::BlockKey> = (0..BLOCKS).map(key).collect();
+    let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(payload).collect();
+
+    let (mut first, mut out) = serving(args());
+    let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+    let (arena, mirror) = (field(&record, "arena"), field(&record, "mirror"));
+    let mut agent = engine(&dir, &mirror);
+    let blocks: Vec<lake_dp::agent::SaveBlock<'_>> = (0..BLOCKS as usize)
+        .map(|i| lake_dp::agent::SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { lake_dp::BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            payload: lake_dp::agent::SavePayload::Bytes(&payloads[i]),
+        })
+        .collect();
+    assert_eq!(agent.save(&blocks), BLOCKS as usize, "every save acked");
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.lookup(&keys, &mut table) < keys.len() {
+        assert!(Instant::now() < deadline, "the saves were not published");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(agent);
+    sigterm(&first);
+    assert!(exited(&mut first, 60).success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    assert!(rest.contains("\"event\":\"l1_written_down\",\"blocks_left\":0"), "{rest}");
+    assert_eq!(std::fs::read(&canary).unwrap(), b"not Lake's");
+    assert!(!std::path::Path::new(&arena).exists() && !std::path::Path::new(&mirror).exists(), "shm left");
+
+    let (mut second, _out) = serving(args());
+    let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+    let mut agent = engine(&dir, &field(&record, "mirror"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while agent.lookup(&keys, &mut table) < keys.len() {
+        assert!(Instant::now() < deadline, "the restarted pool did not re-adopt the blocks");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let delivered = agent.fetch(&keys, &table, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
+    assert_eq!(delivered, keys.len());
+    drop(agent);
+    sigterm(&second);
+    assert!(exited(&mut second, 60).success());
+    assert_eq!(std::fs::read(&canary).unwrap(), b"not Lake's");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// One pool per directory: a second `lake serve` on it exits non-zero at
+/// once, naming the first's pid, and touches nothing of it — the first
+/// keeps serving (its engines still attach).
+#[test]
+fn a_second_pool_on_the_same_directory_is_refused_and_the_first_serves_on() {
+    let dir = std::env::temp_dir().join(format!("lake-serve-twice-{}", std::process::id()));
+    let (mut first, _out) = serving([std::ffi::OsStr::new("--dir"), dir.as_os_str()]);
+    let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+    let started = Instant::now();
+    let mut second = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32", "--dir"])
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = String::new();
+    let mut pipe = second.stderr.take().unwrap();
+    let status = exited(&mut second, 10);
+    std::io::Read::read_to_string(&mut pipe, &mut stderr).unwrap();
+    assert!(!status.success());
+    assert!(started.elapsed() < Duration::from_secs(5), "refused only after {:?}", started.elapsed());
+    assert!(stderr.contains(&format!("another pool serves this directory (pid {})", first.id())), "{stderr}");
+    assert_eq!(std::fs::read_to_string(dir.join("pool.json")).unwrap(), record, "the first's record was touched");
+    let agent = engine(&dir, &field(&record, "mirror"));
+    assert!(agent.data_plane_alive(), "the first pool no longer serves");
+    drop(agent);
+    sigterm(&first);
+    assert!(exited(&mut first, 60).success());
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `lake serve`'s security flags: a key file others may read is refused
@@ -158,4 +336,50 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
     assert_eq!(unsafe { libc::kill(i32::try_from(child.id()).unwrap(), libc::SIGTERM) }, 0);
     assert!(child.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&base);
+}
+
+/// A start that cannot serve exits non-zero within seconds, saying why,
+/// and leaves nothing in /dev/shm and no file of the operator's touched:
+/// a truncated L2 file, an L1 larger than shared memory.
+#[test]
+fn a_start_that_cannot_serve_exits_at_once_leaving_nothing_behind() {
+    let root = std::env::temp_dir().join(format!("lake-serve-fails-{}", std::process::id()));
+    let truncated = root.join("truncated");
+    std::fs::create_dir_all(&truncated).unwrap();
+    std::fs::write(truncated.join("l2-0.lake"), [7u8; 100]).unwrap();
+    std::fs::write(truncated.join("operator-notes.txt"), b"mine").unwrap();
+    for (dir, extra, said) in
+        [(&truncated, "32", "l2-0.lake: 100 bytes"), (&root.join("huge"), "4000000", "cannot reserve")]
+    {
+        let started = Instant::now();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
+            .args(["serve", "--block-bytes", "65536", "--l2-slots", "32", "--l1-slots", extra, "--dir"])
+            .arg(dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+        let status = exited(&mut child, 10);
+        let (mut stdout, mut stderr) = (String::new(), String::new());
+        std::io::Read::read_to_string(&mut out, &mut stdout).unwrap();
+        std::io::Read::read_to_string(&mut err, &mut stderr).unwrap();
+        assert!(!status.success(), "{stdout}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        assert!(stderr.contains(said), "{stderr}");
+        assert!(!stdout.contains("\"event\":\"serving\""), "said serving: {stdout}");
+        let left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|name| name.starts_with("lake-") && name.contains(&format!("-{pid}-")))
+            .collect();
+        assert!(left.is_empty(), "left in /dev/shm: {left:?}");
+        for gone in ["dp.sock", "cp.sock", "admin.sock", "lake.lock", "pool.json"] {
+            assert!(!dir.join(gone).exists(), "{gone} is left behind");
+        }
+    }
+    assert_eq!(std::fs::read(truncated.join("operator-notes.txt")).unwrap(), b"mine");
+    assert_eq!(std::fs::read(truncated.join("l2-0.lake")).unwrap(), [7u8; 100], "a file it did not make was changed");
+    std::fs::remove_dir_all(&root).unwrap();
 }

@@ -12,7 +12,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"LAKETERM";
-const FILE_NAME: &str = "lake-dp.term";
+/// The file a fence is kept in, in the directory it is given (beside L2).
+pub const FILE_NAME: &str = "lake-dp.term";
 const FILE_BYTES: usize = 20;
 
 /// The highest leader term this data plane has seen, and where it is kept.

@@ -300,3 +300,24 @@ def test_a_pool_killed_under_a_running_vllm_costs_hits_not_output(engine, lake_b
     alone = engine.run([phase([X]), phase([Q]), phase([Y])])
     for index in range(3):
         assert only(result, index)["tokens"] == only(alone, index)["tokens"]
+
+
+def test_a_pool_restarted_between_two_vllm_runs_serves_what_it_held(engine, lake_bin, reference, tmp_path):
+    # `lake serve --dir` writes L1 down to its L2 files when it stops and
+    # re-adopts them when it starts: a vLLM run after the restart takes
+    # the prefix a run before it saved, exact.
+    from conftest import Pool
+
+    pool = Pool(lake_bin, tmp_path / "restarted", 128 * 2048, 256, 256)
+    try:
+        saved = engine.run([phase([X])], connector={"pool_dir": str(pool.dir)})
+        pool.stop()
+        assert '"blocks_left":0' in pool.log.read_text()
+        pool.start()
+        result = engine.run([phase([Q])], connector={"pool_dir": str(pool.dir)})
+    finally:
+        pool.stop()
+    assert only(saved, 0) == only(reference, 0)
+    assert external_hits(result, 0) == 8 * BLOCK
+    assert counters(result, 0).get("vllm:lake_blocks_load_failed", 0) == 0
+    assert only(result, 0) == only(reference, 1)

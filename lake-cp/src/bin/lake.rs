@@ -10,7 +10,7 @@ use lake_cp::demo::{DemoConfig, DemoReport, Percentiles};
 const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [--system-blocks N]
                  [--message-blocks N] [--reply-blocks N] [--l1-slots N] [--l2-slots N]
                  [--seed N] [--dir DIR] [--hold SECONDS]
-       lake serve [--dir DIR] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
+       lake serve [--dir DIR] [--stop-timeout SECONDS] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
                   [--commit-check inline|background|trust] [--transport-listen IP:PORT]
                   [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
                   [--rdma-device NAME|any[:PORT[:GID_INDEX]]|loopback]
@@ -26,6 +26,9 @@ const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [
                   [--tenant NAME=NAMESPACE[,NAMESPACE...] ...] [--tenant-quota NAME:l1|l2|l3=BYTES ...]
                   [--tenant-rate NAME:l2-read|l2-write|l3-read|l3-write|net-send|net-receive|push=BYTES_PER_S ...]
                   (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
+                   DIR is its home, one pool at a time (DIR/lake.lock): its L2 files stay there and
+                   are re-adopted at the next start, L1 written down to them at stop within
+                   --stop-timeout (30 s); without --dir a temporary directory that goes with it;
                    with a link key every transport and summary connection is authenticated;
                    with an RDMA device each peer's link negotiates RDMA over TCP, falling back to it;
                    --tag-threads spreading the tags of large slices over N threads;
@@ -339,7 +342,14 @@ fn serve(args: &[String]) -> Result<(), String> {
         let number = || value.parse::<u64>().map_err(|e| format!("{flag} {value}: {e}"));
         let small = || u32::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"));
         match flag.as_str() {
-            "--dir" => config.dir = value.into(),
+            "--dir" => {
+                // A directory of the operator's: the pool's L2 outlives
+                // each run of it (without one, the pool's own temporary
+                // directory goes with it).
+                config.dir = value.into();
+                config.durable = true;
+            }
+            "--stop-timeout" => config.stop_flush = std::time::Duration::from_secs(number()?),
             "--block-bytes" => config.block_bytes = number()?,
             "--l1-slots" => config.l1_slots = small()?,
             "--l2-slots" => config.l2_slots_per_file = small()?,
@@ -561,7 +571,7 @@ fn serve(args: &[String]) -> Result<(), String> {
         let largest = config.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).max();
         if config.l1_classes.is_empty() { 0 } else { 4 * largest.unwrap_or(0) }
     });
-    let pool = EmbeddedPool::start(&config)?;
+    let mut pool = EmbeddedPool::start(&config)?;
     let address = config.transport_listen.map_or_else(|| pool.cp_socket.display().to_string(), |a| a.to_string());
     let mut member = match &cluster {
         Some(cluster) => Some(cluster.join(config.node, &address, member_ttl).map_err(|e| format!("joining: {e}"))?),
@@ -584,14 +594,20 @@ fn serve(args: &[String]) -> Result<(), String> {
         // that its blocks fit one before it saves anything.
         "l1_classes": config.l1_size_classes().map(|(payload, slots)| serde_json::json!([payload, slots])).collect::<Vec<_>>(),
     });
-    println!("{serving}");
-    let _ = std::io::Write::flush(&mut std::io::stdout());
     // The same record in DIR/pool.json, for engines configured with the
     // pool's directory alone: the mirror's and metrics' names change from
-    // one start to the next, DIR does not.
+    // one start to the next, DIR does not. Written first: whoever reads
+    // the serving line finds it.
     let record = config.dir.join(POOL_RECORD);
     write_atomically(&record, format!("{serving}\n").as_bytes()).map_err(|e| format!("{}: {e}", record.display()))?;
+    println!("{serving}");
+    let _ = std::io::Write::flush(&mut std::io::stdout());
     loop {
+        // A plane that stopped on its own cannot serve: say why, exit non-zero.
+        if let Some(why) = pool.failed() {
+            let _ = std::fs::remove_file(&record);
+            return Err(why);
+        }
         match signals.take() {
             Some(libc::SIGHUP) => {
                 if let Some(dir) = &key_dir {
@@ -646,6 +662,12 @@ fn serve(args: &[String]) -> Result<(), String> {
         let _ = member.leave();
     }
     let _ = std::fs::remove_file(&record);
+    if config.durable {
+        let (left, took) = pool.empty_l1();
+        // Blocks still in L1 now (held by an engine, or no L2 room) are
+        // lost with it; every other block is on L2 for the next start.
+        println!("{{\"event\":\"l1_written_down\",\"blocks_left\":{left},\"ms\":{}}}", took.as_millis());
+    }
     let (stats, _) = pool.stop()?;
     println!(
         "{{\"event\":\"stopped\",\"agents_attached\":{},\"saves\":{},\"promotions\":{},\"demotions\":{},\
