@@ -147,6 +147,7 @@ pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
         copy_threads,
         shard_code: 0,
         object_kind: 1,
+        block_bytes: 0,
     };
     let mut handle: *mut LakePool = core::ptr::null_mut();
     // SAFETY: valid options (strings live to the end of this function).

@@ -427,6 +427,14 @@ typedef struct LakeAttachOptions {
    (`LAKE_LAYOUT_MISMATCH`).
    */
   uint32_t object_kind;
+  /*
+   The payload bytes of a block this attachment saves
+   (`LakeLayoutInfo.block_bytes`, or the state layout's; 0: not
+   checked). A block larger than every L1 size class of the pool could
+   never be saved: the attach is refused (`LAKE_INVALID_ARGUMENT`),
+   naming both sizes and the `lake serve` flag that fits it.
+   */
+  uint64_t block_bytes;
 } LakeAttachOptions;
 
 /*

@@ -241,6 +241,7 @@ impl PoolHarness {
             copy_threads: 1,
             shard_code: info.shard_code,
             object_kind: 1,
+            block_bytes: 0,
         };
         let mut pool = core::ptr::null_mut();
         // SAFETY: live options whose strings live through the call.

@@ -143,6 +143,12 @@ pub struct LakeAttachOptions {
     /// A reader of one kind never gets bytes of the other
     /// (`LAKE_LAYOUT_MISMATCH`).
     pub object_kind: u32,
+    /// The payload bytes of a block this attachment saves
+    /// (`LakeLayoutInfo.block_bytes`, or the state layout's; 0: not
+    /// checked). A block larger than every L1 size class of the pool could
+    /// never be saved: the attach is refused (`LAKE_INVALID_ARGUMENT`),
+    /// naming both sizes and the `lake serve` flag that fits it.
+    pub block_bytes: u64,
 }
 
 /// The pool's figures as this agent sees them.
@@ -666,6 +672,19 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
                 };
                 fail(status, e.to_string())
             })?;
+            let largest = agent.payload_bytes_max();
+            if o.block_bytes > largest {
+                let blocks = o.block_bytes;
+                return Err(fail(
+                    LakeStatus::LakeInvalidArgument,
+                    format!(
+                        "this layout's blocks are {blocks} bytes, but the pool at {} holds blocks of at most {largest} \
+                         bytes: every save would be refused; start lake serve with --block-bytes {blocks}, or add \
+                         --l1-class {blocks}:SLOTS",
+                        dp.display()
+                    ),
+                ));
+            }
             let mirror =
                 MirrorReader::attach(&mirror_path).map_err(|e| fail(LakeStatus::LakeNotAttached, e.to_string()))?;
             let pins = agent.claim_pin_array().map_err(|e| fail(LakeStatus::LakeBusy, e.to_string()))?;

@@ -149,6 +149,7 @@ fn gpu_memory_saves_loads_across_layouts_and_catches_a_flipped_byte() {
         copy_threads: 0,
         shard_code: info.shard_code,
         object_kind: 1,
+        block_bytes: 0,
     };
     let mut handle: *mut LakePool = core::ptr::null_mut();
     // SAFETY: valid options; strings live to the end of the test.

@@ -82,6 +82,7 @@ fn lanes_split_loads_by_blocks_and_by_segments_and_catch_a_flipped_byte() {
         copy_threads: 3,
         shard_code: 0,
         object_kind: 1,
+        block_bytes: 0,
     };
     let mut handle: *mut LakePool = core::ptr::null_mut();
     // SAFETY: valid options; strings live to the end of the test.

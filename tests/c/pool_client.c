@@ -174,6 +174,11 @@ static void kv_memory(const char *dp, const char *mirror, const char *cp, LakeNa
     LakePool *pool = NULL;
     CHECK(lake_attach(&options, &pool) == LAKE_OK && pool != NULL, "attach under the layout");
     if (!pool) return;
+    LakeAttachOptions too_big = options;
+    too_big.block_bytes = (uint64_t)1 << 40;
+    LakePool *refused = NULL;
+    CHECK(lake_attach(&too_big, &refused) == LAKE_INVALID_ARGUMENT && refused == NULL,
+          "a block no L1 size class holds is refused at attach");
     kv.piece_count = 3;
     CHECK(lake_register_kv_memory(pool, &kv, &hnd_id) == LAKE_INVALID_ARGUMENT, "a wrong piece count is refused");
     kv.piece_count = KV_LAYERS * 2;

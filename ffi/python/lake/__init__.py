@@ -142,6 +142,7 @@ class _AttachOptions(ctypes.Structure):
         ("copy_threads", ctypes.c_uint32),
         ("shard_code", ctypes.c_uint64),
         ("object_kind", ctypes.c_uint32),
+        ("block_bytes", ctypes.c_uint64),
     ]
 
 
@@ -689,11 +690,14 @@ class Pool:
         agent_core: int | None = None,
         copy_threads: int = 0,
     ):
-        shard, kind = 0, 1
+        shard, kind, block_bytes = 0, 1, 0
         if layout is not None:
             layout_fingerprint, segment_bytes = layout.fingerprint, layout.segment_bytes
             shard = layout.shard_code
             kind = getattr(layout, "object_kind", 1)
+            # Checked at attach: a block no L1 class of the pool holds is
+            # refused now, not at every save.
+            block_bytes = layout.block_bytes
         options = _AttachOptions()
         options.struct_size = ctypes.sizeof(_AttachOptions)
         options.dp_socket = os.fsencode(dp_socket)
@@ -710,6 +714,7 @@ class Pool:
         options.copy_threads = copy_threads
         options.shard_code = shard
         options.object_kind = kind
+        options.block_bytes = block_bytes
         handle = ctypes.c_void_p()
         _check(_library().lake_attach(ctypes.byref(options), ctypes.byref(handle)))
         self._handle = handle

@@ -184,6 +184,20 @@ def test_hybrid_state_checkpoints_are_objects_of_their_own(pool_paths):
         lake.StateLayout(layers=0, state_bytes_per_layer=64)
 
 
+def test_a_layout_whose_blocks_fit_no_l1_class_is_refused_at_attach(pool_paths):
+    # Every save of such a block would be refused, silently: the attach
+    # says so instead, naming both sizes and the flag that fits it.
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace()
+    too_big = lake.StateLayout(layers=2, state_bytes_per_layer=block_bytes, dtype="uint8")
+    assert too_big.block_bytes == 2 * block_bytes
+    with pytest.raises(lake.LakeError, match=f"blocks are {2 * block_bytes} bytes.*at most {block_bytes} bytes") as e:
+        lake.Pool(pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns, cp_socket=pool_paths["CP_SOCKET"], layout=too_big)
+    assert f"--block-bytes {2 * block_bytes}" in str(e.value)
+    fits = lake.StateLayout(layers=1, state_bytes_per_layer=block_bytes, dtype="uint8")
+    lake.Pool(pool_paths["DP_SOCKET"], pool_paths["MIRROR"], ns, cp_socket=pool_paths["CP_SOCKET"], layout=fits).close()
+
+
 def test_bad_arguments_raise_and_change_nothing(pool_paths):
     block_bytes = pool_paths["BLOCK_BYTES"]
     ns = namespace()

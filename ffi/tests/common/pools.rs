@@ -72,6 +72,7 @@ pub(crate) fn attach_at(
         copy_threads: 0,
         shard_code: 0,
         object_kind: 1,
+        block_bytes: 0,
     };
     let mut handle: *mut LakePool = core::ptr::null_mut();
     // SAFETY: valid options; the strings outlive the pool (kept by the caller).

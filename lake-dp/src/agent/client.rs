@@ -545,6 +545,15 @@ impl Agent {
         (self.region.base(), self.region.len())
     }
 
+    /// The largest block payload one of the L1 arena's size classes holds:
+    /// a block larger than that can never be saved into this pool.
+    pub fn payload_bytes_max(&self) -> u64 {
+        let header = self.arena.header();
+        let classes = &header.classes[..usize::from(header.class_count).min(header.classes.len())];
+        let largest = classes.iter().map(|class| class.slot_bytes).max().unwrap_or(0);
+        largest.saturating_sub(STORED_HEADER_BYTES as u64)
+    }
+
     /// The L1 arena's region (block-table entries naming it are L1 hits).
     pub fn arena_region(&self) -> u16 {
         self.arena.header().region
