@@ -502,6 +502,16 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups: KVGroups = kv_groups(kv_cache_config, self.block_size)
         if self.groups.hybrid and _tensor_parallel_size(vllm_config) > 1:
             raise ValueError("lake.vllm: a hybrid model under tensor parallelism is not served (one rank)")
+        speculative = getattr(vllm_config, "speculative_config", None)
+        use_eagle = getattr(speculative, "use_eagle", None)
+        if callable(use_eagle) and use_eagle():
+            # Such a draft's KV of a token is written a step after the
+            # target's: a block saved when the target completes it would
+            # hold a draft slot never computed.
+            raise ValueError(
+                f"lake.vllm: speculative method {speculative.method!r} (a draft on the target's hidden states) is"
+                " not served: its KV lags the target's by a token; use method 'draft_model' or no connector"
+            )
         # The shard codes of every tensor-parallel rank (None: the ranks
         # hold the whole block alike — one rank, or MLA).
         self._shards: list[int] | None = None

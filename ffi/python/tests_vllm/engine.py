@@ -78,6 +78,7 @@ def main(spec_path: str, out_path: str) -> None:
         max_num_batched_tokens=spec.get("max_num_batched_tokens", spec["max_model_len"]),
         enable_prefix_caching=spec.get("prefix_caching", True),
         kv_transfer_config=transfer,
+        speculative_config=spec.get("speculative"),
         disable_log_stats=False,
         seed=0,
     )

@@ -321,3 +321,30 @@ def test_a_pool_restarted_between_two_vllm_runs_serves_what_it_held(engine, lake
     assert external_hits(result, 0) == 8 * BLOCK
     assert counters(result, 0).get("vllm:lake_blocks_load_failed", 0) == 0
     assert only(result, 0) == only(reference, 1)
+
+
+# Speculative decoding with a draft model: the tiny Qwen3 drafts for
+# itself, so every proposal is accepted exactly when the draft's KV of the
+# context is the KV vLLM computed for it.
+SPEC = tokens(31, 4 * BLOCK + 88)
+
+
+def test_a_draft_models_kv_is_pooled_with_the_targets(engine, lake_bin, model_dir, tmp_path):
+    from conftest import KV_BYTES_PER_TOKEN, Pool
+
+    draft = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 2}
+    accepted = "vllm:spec_decode_num_accepted_tokens"
+    # The draft's two layers are stored in each block beside the target's.
+    pool = Pool(lake_bin, tmp_path / "spec", 2 * BLOCK * KV_BYTES_PER_TOKEN, 64, 64)
+    try:
+        alone = engine.run([phase([SPEC], 16)], speculative=draft)
+        saver = engine.run([phase([SPEC], 16)], connector={"pool_dir": str(pool.dir)}, speculative=draft)
+        reader = engine.run([phase([SPEC], 16)], connector={"pool_dir": str(pool.dir)}, speculative=draft)
+    finally:
+        pool.stop()
+    assert counters(alone, 0)[accepted] == counters(alone, 0)["vllm:spec_decode_num_draft_tokens"] > 0
+    assert external_hits(reader, 0) == 4 * BLOCK
+    assert counters(reader, 0)["vllm:lake_blocks_loaded"] == 4
+    for run in (saver, reader):
+        assert only(run, 0) == only(alone, 0)
+        assert counters(run, 0)[accepted] == counters(alone, 0)[accepted]
