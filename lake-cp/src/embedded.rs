@@ -262,7 +262,7 @@ impl Created {
     /// (an advisory write lock on the open file, released when this
     /// process ends however it ends); a pool already there is named.
     fn take(dir: &Path) -> Result<Self, String> {
-        use std::io::{Read, Seek, Write};
+        use std::io::Read;
         use std::os::fd::AsRawFd;
 
         use std::os::unix::fs::MetadataExt;
@@ -285,7 +285,7 @@ impl Created {
                 if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
                     let mut holder = String::new();
                     let _ = lock.read_to_string(&mut holder);
-                    let holder = holder.trim();
+                    let holder = holder.lines().next().unwrap_or_default().trim();
                     return Err(format!(
                         "{}: another pool serves this directory (pid {}); stop it or give another directory",
                         dir.display(),
@@ -301,10 +301,38 @@ impl Created {
                 break lock;
             }
         };
-        lock.set_len(0).and_then(|()| lock.rewind()).map_err(|e| format!("{}: {e}", path.display()))?;
-        writeln!(lock, "{}", std::process::id()).map_err(|e| format!("{}: {e}", path.display()))?;
+        // A pool of this directory that was killed left its record: its
+        // shared memory, named there, is removed (nothing else is).
+        let mut previous = String::new();
+        let _ = lock.read_to_string(&mut previous);
+        for line in previous.lines().skip(1) {
+            let stale = Path::new(line);
+            if stale.parent() == Some(Path::new("/dev/shm"))
+                && stale.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("lake-"))
+            {
+                let _ = std::fs::remove_file(stale);
+            }
+        }
         created.lock = Some(lock);
         Ok(created)
+    }
+
+    /// Writes the lock file's record: this process's pid, then the shared
+    /// memory it makes (for the next pool of the directory to remove, if
+    /// this one is killed).
+    fn record(&mut self, shared_memory: &[&Path]) -> Result<(), String> {
+        use std::io::{Seek, Write};
+
+        let path = self.dir.join(LOCK_FILE);
+        let Some(lock) = self.lock.as_mut() else { return Ok(()) };
+        let mut text = format!("{}\n", std::process::id());
+        for file in shared_memory {
+            text += &format!("{}\n", file.display());
+        }
+        lock.set_len(0)
+            .and_then(|()| lock.rewind())
+            .and_then(|()| lock.write_all(text.as_bytes()))
+            .map_err(|e| format!("{}: {e}", path.display()))
     }
 }
 
@@ -463,6 +491,7 @@ impl EmbeddedPool {
         // First the directory's lock: nothing of a pool serving it is
         // touched by a second one.
         let mut created = Created::take(&config.dir)?;
+        created.record(&[&arena, &mirror])?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
         let admin_socket = config.dir.join("admin.sock");

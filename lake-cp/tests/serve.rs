@@ -383,3 +383,23 @@ fn a_start_that_cannot_serve_exits_at_once_leaving_nothing_behind() {
     assert_eq!(std::fs::read(truncated.join("l2-0.lake")).unwrap(), [7u8; 100], "a file it did not make was changed");
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A pool killed (SIGKILL) leaves its shared memory; the next pool of the
+/// same directory removes it (the lock file names it) and serves.
+#[test]
+fn the_next_pool_of_a_directory_removes_what_a_killed_one_left_in_shm() {
+    let dir = std::env::temp_dir().join(format!("lake-serve-killed-{}", std::process::id()));
+    let (mut killed, _out) = serving([std::ffi::OsStr::new("--dir"), dir.as_os_str()]);
+    let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+    let left = [field(&record, "arena"), field(&record, "mirror")];
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    assert!(left.iter().all(|path| std::path::Path::new(path).exists()), "a killed pool's shm is still there");
+    let (mut next, _out) = serving([std::ffi::OsStr::new("--dir"), dir.as_os_str()]);
+    for path in &left {
+        assert!(!std::path::Path::new(path).exists(), "{path} is left behind");
+    }
+    sigterm(&next);
+    assert!(exited(&mut next, 60).success());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
