@@ -38,7 +38,10 @@ fn run_client(pool: &EmbeddedPool, root: &Path, library: &Path) {
         .output()
         .unwrap();
     assert!(built.status.success(), "cc failed:\n{}", String::from_utf8_lossy(&built.stderr));
+    // The library named, not one the test harness's library path (this
+    // build's target directory, ahead of the program's run path) finds.
     let run = Command::new(&program)
+        .env("LD_LIBRARY_PATH", library)
         .arg(&pool.dp_socket)
         .arg(&pool.mirror)
         .arg(&pool.cp_socket)
