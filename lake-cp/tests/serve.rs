@@ -69,11 +69,16 @@ fn serve_stops_on_sigterm_and_cleans_up() {
     assert!(status.success(), "{status}: {rest}");
     assert!(rest.contains("\"event\":\"stopped\""), "{rest}");
     // Its sockets, lock and record go; its L2 files stay for the next start.
+    assert_nothing_of_a_running_pool_left(&dir);
+    assert!(dir.join("l2-0.lake").exists() && dir.join("l2-1.lake").exists(), "the L2 files went");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A pool's sockets, lock and record are gone from `dir`.
+fn assert_nothing_of_a_running_pool_left(dir: &std::path::Path) {
     for gone in ["dp.sock", "cp.sock", "admin.sock", "lake.lock", "pool.json"] {
         assert!(!dir.join(gone).exists(), "{gone} is left behind");
     }
-    assert!(dir.join("l2-0.lake").exists() && dir.join("l2-1.lake").exists(), "the L2 files went");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Waits for `child` to exit within `seconds`; its status.
@@ -375,9 +380,7 @@ fn a_start_that_cannot_serve_exits_at_once_leaving_nothing_behind() {
             .filter(|name| name.starts_with("lake-") && name.contains(&format!("-{pid}-")))
             .collect();
         assert!(left.is_empty(), "left in /dev/shm: {left:?}");
-        for gone in ["dp.sock", "cp.sock", "admin.sock", "lake.lock", "pool.json"] {
-            assert!(!dir.join(gone).exists(), "{gone} is left behind");
-        }
+        assert_nothing_of_a_running_pool_left(dir);
     }
     assert_eq!(std::fs::read(truncated.join("operator-notes.txt")).unwrap(), b"mine");
     assert_eq!(std::fs::read(truncated.join("l2-0.lake")).unwrap(), [7u8; 100], "a file it did not make was changed");

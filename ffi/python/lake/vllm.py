@@ -436,23 +436,7 @@ def _pool_record(directory: str) -> dict[str, Any]:
     missing = [name for name in ("dp_socket", "mirror", "cp_socket") if not record.get(name)]
     if missing:
         raise ValueError(f"{path} names no {', '.join(missing)}: was it written by `lake serve`?")
-    record["pool_dir"] = directory
     return record
-
-
-def _check_block_fits(layout, record) -> None:
-    """Refuses, naming the fix, a model whose blocks fit none of the pool's
-    L1 size classes (``pool.json``): every save would be refused."""
-    if not record:
-        return
-    classes = record.get("l1_classes") or [[record.get("block_bytes", 0), 0]]
-    largest = max(int(payload) for payload, _ in classes)
-    if layout.block_bytes > largest:
-        raise ValueError(
-            f"lake.vllm: this model's blocks are {layout.block_bytes} bytes ({layout}), but the pool at"
-            f" {record['pool_dir']} holds blocks of at most {largest} bytes: start `lake serve` with"
-            f" --block-bytes {layout.block_bytes}, or add --l1-class {layout.block_bytes}:SLOTS"
-        )
 
 
 def _extra(vllm_config) -> dict[str, Any]:
@@ -465,7 +449,6 @@ def _extra(vllm_config) -> dict[str, Any]:
         record = _pool_record(str(extra["pool_dir"]))
         for name in ("dp_socket", "mirror", "cp_socket"):
             extra.setdefault(name, record[name])
-        extra["_pool_record"] = record
     for name in ("dp_socket", "mirror"):
         if name not in extra:
             raise ValueError(
@@ -856,7 +839,6 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             planes=1 if mla else 2,
             shard=shard,
         )
-        _check_block_fits(self.layout, self._extra.get("_pool_record"))
         pieces = [piece for f, n in zip(facts, names) for piece in self.layouts[n].pieces(f.data_ptr)]
         self.pool = self._attach(self.layout, f"vllm-worker-{rank}")
         self.memory_id = self.pool.register_kv_memory(
@@ -872,8 +854,6 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
                 lambda layout: self._attach(layout, f"vllm-worker-{rank}-state"),
                 self.groups,
                 kv_caches,
-                record=self._extra.get("_pool_record"),
-                check_fits=_check_block_fits,
             )
             logger.info(
                 "lake.vllm: %d state layers registered, checkpoints of %d bytes (%s)",

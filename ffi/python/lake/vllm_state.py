@@ -109,7 +109,7 @@ class StateCheckpoints:
     tensors, a second attachment to the pool under a ``lake.StateLayout``
     and the staging slots checkpoints cross."""
 
-    def __init__(self, connector_attach, groups: KVGroups, kv_caches: dict, record=None, check_fits=None):
+    def __init__(self, connector_attach, groups: KVGroups, kv_caches: dict):
         import torch
 
         self.groups = groups
@@ -130,8 +130,6 @@ class StateCheckpoints:
         self.layer_bytes = sizes.pop()
         count = sum(len(layers) for layers in self._layers)
         self.layout = lake.StateLayout(layers=count, state_bytes_per_layer=self.layer_bytes, dtype="uint8")
-        if check_fits is not None:
-            check_fits(self.layout, record)
         self.pool = connector_attach(self.layout)
         self._staging = np.zeros((STAGING_SLOTS, self.layout.block_bytes), dtype=np.uint8)
         self._staging_tensor = torch.from_numpy(self._staging)
