@@ -1,4 +1,4 @@
-//! Who may use a pool's local sockets (issue [9]): the kernel's record of
+//! Who may use a pool's local sockets: the kernel's record of
 //! the connecting process (`SO_PEERCRED`) is checked against the pool's
 //! allow-list. A process of another user — here `nobody`, run by this
 //! test as root — is refused by `lake-dp`'s attach socket (told why) and
@@ -66,11 +66,14 @@ fn another_user_is_refused_unless_allowed_and_the_owner_is_unaffected() {
     drop(closed);
 
     // Allowed by uid: let in (the attach then needs the arena and mirror,
-    // which this probe does not have, but the socket lets it through).
-    let allowed = pool(&root.join("allowed"), LocalAccess { allow_uids: vec![NOBODY, 0], ..wide });
+    // which this probe does not have, but the socket lets it through). The
+    // list adds to the owner: root, not listed, is still let in.
+    let allowed = pool(&root.join("allowed"), LocalAccess { allow_uids: vec![NOBODY], ..wide });
     let seen = probe(&allowed, NOBODY);
     assert!(!seen.contains("Unauthorized"), "{seen}");
     assert!(seen.contains("cp answered"), "{seen}");
+    let seen = probe(&allowed, 0);
+    assert!(!seen.contains("Unauthorized"), "{seen}");
     drop(allowed);
 
     // By default the sockets are the owner's alone.

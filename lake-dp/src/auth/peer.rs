@@ -40,8 +40,8 @@ impl Credentials {
     }
 }
 
-/// The users and groups allowed to connect. Empty lists mean "this
-/// process's own user, and root" ([`PeerPolicy::own_user`]).
+/// The users and groups allowed to connect: always this process's own
+/// user and root ([`PeerPolicy::own_user`]), and whoever else is listed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PeerPolicy {
     /// Users allowed.
@@ -62,12 +62,19 @@ impl PeerPolicy {
         Self { uids, gids: Vec::new() }
     }
 
-    /// `uids` and `gids` as configured; both empty: [`PeerPolicy::own_user`].
+    /// [`PeerPolicy::own_user`] and the `uids` and `gids` configured: a
+    /// list adds to who may connect, and never shuts out the pool's own
+    /// processes (its data plane attaches to its control plane as this
+    /// user).
     pub fn of(uids: &[u32], gids: &[u32]) -> Self {
-        if uids.is_empty() && gids.is_empty() {
-            return Self::own_user();
+        let mut policy = Self::own_user();
+        for &uid in uids {
+            if !policy.uids.contains(&uid) {
+                policy.uids.push(uid);
+            }
         }
-        Self { uids: uids.to_vec(), gids: gids.to_vec() }
+        policy.gids = gids.to_vec();
+        policy
     }
 
     /// Whether `peer` may connect.
@@ -127,6 +134,9 @@ mod tests {
         let refused = stranger.check(&a).unwrap_err();
         assert!(refused.contains(&format!("uid {}", me.uid)), "{refused}");
         assert!(PeerPolicy { uids: vec![], gids: vec![me.gid] }.check(&a).is_ok());
+        // A configured list adds to the owner; it never shuts the owner out.
+        assert!(PeerPolicy::of(&[me.uid.wrapping_add(1)], &[]).check(&a).is_ok());
+        assert!(PeerPolicy::of(&[], &[me.gid.wrapping_add(1)]).check(&a).is_ok());
         assert_eq!(group_id("0").unwrap(), 0);
         assert!(group_id("no-such-group-here").is_err());
     }

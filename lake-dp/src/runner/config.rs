@@ -548,8 +548,8 @@ pub struct AgentsSection {
     #[serde(default = "default_port_depth")]
     pub depth: u32,
     /// Users who may attach, by the credentials the kernel gives for the
-    /// connection (`SO_PEERCRED`). With `allow_gids` also empty: this
-    /// process's own user and root.
+    /// connection (`SO_PEERCRED`), besides this process's own user and
+    /// root, who always may.
     #[serde(default)]
     pub allow_uids: Vec<u32>,
     /// Groups who may attach (the peer's effective group).
