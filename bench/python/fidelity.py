@@ -1,4 +1,4 @@
-"""Fidelity and TTFT harness (issue [5] milestone b), on the GPU machine.
+"""Fidelity and TTFT harness, on the GPU machine.
 
 An engine of our own around a transformers causal LM with random weights
 from a fixed seed: its KV lives in a paged cache on the GPU (vLLM's
@@ -163,7 +163,7 @@ class Pool:
 
     def __init__(self, binary, block_bytes, l1_slots, l2_slots):
         self.dir = tempfile.mkdtemp(prefix="lake-fidelity-")
-        args = [binary, "serve", "--dir", self.dir, "--block-bytes", str(block_bytes)]
+        args = [binary, "serve", "--metrics", "127.0.0.1:0", "--dir", self.dir, "--block-bytes", str(block_bytes)]
         args += ["--l1-slots", str(l1_slots), "--l2-slots", str(l2_slots), "--agents", "8"]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         line = self.process.stdout.readline()

@@ -71,7 +71,7 @@ def main():
     pool_dir = work / "pool"
     blocks = sum(lengths) // BLOCK + 64
     serve = subprocess.Popen(
-        [args.lake, "serve", "--dir", str(pool_dir), "--block-bytes", str(BLOCK * KV_BYTES_PER_TOKEN),
+        [args.lake, "serve", "--metrics", "127.0.0.1:0", "--dir", str(pool_dir), "--block-bytes", str(BLOCK * KV_BYTES_PER_TOKEN),
          "--l1-slots", str(blocks), "--l2-slots", str(blocks)],
         stdout=open(work / "serve.log", "w"), stderr=subprocess.STDOUT,
     )

@@ -11,7 +11,6 @@ use std::time::Instant;
 use lake_dp::arena::{Arena, ArenaConfig};
 use lake_dp::region::SlotClass;
 
-use crate::args::Args;
 use crate::report::{Report, median};
 
 struct ShmFile(String);
@@ -22,12 +21,28 @@ impl Drop for ShmFile {
     }
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["agents", "pins", "rounds", "pairs"])?;
-    let agents: u32 = args.get("agents", 16)?;
-    let pins_held: u32 = args.get("pins", 256)?;
-    let rounds: usize = args.get("rounds", 31)?;
-    let pairs: u32 = args.get("pairs", 200_000)?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct PinArgs {
+    /// Agent records.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) agents: u32,
+    /// Pins each agent holds.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) pins: u32,
+    /// Rounds measured.
+    #[arg(long, default_value_t = 31)]
+    pub(crate) rounds: usize,
+    /// Pin+unpin pairs timed.
+    #[arg(long, default_value_t = 200_000)]
+    pub(crate) pairs: u32,
+}
+
+pub(crate) fn run(args: &PinArgs) -> Result<Report, String> {
+    let agents: u32 = args.agents;
+    let pins_held: u32 = args.pins;
+    let rounds: usize = args.rounds;
+    let pairs: u32 = args.pairs;
     if rounds == 0 || pairs == 0 || agents == 0 || pins_held == 0 {
         return Err("--agents, --pins, --rounds and --pairs must be positive".into());
     }

@@ -26,7 +26,6 @@ use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::rng::SimRng;
 use lake_dp::{BlockKey, NamespaceId, Tier};
 
-use crate::args::Args;
 use crate::report::Report;
 
 /// What one phase's measured half saw.
@@ -139,16 +138,42 @@ fn run_once(
     Ok(Run { a, b, stats })
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["dir", "l1-mib", "a-bytes", "b-bytes", "set-percent", "requests", "chunk-slots"])?;
-    let dir: String = args.get("dir", std::env::temp_dir().join("lake-bench-classes").display().to_string())?;
-    let l1_bytes = args.get::<u64>("l1-mib", 32)? << 20;
-    let a_bytes: u64 = args.get("a-bytes", 256 * 1024)?;
-    let b_bytes: u64 = args.get("b-bytes", 96 * 1024)?;
-    let set_percent: u64 = args.get("set-percent", 80)?;
-    let requests: u64 = args.get("requests", 4000)?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ClassesArgs {
+    /// Directory for the files it makes (removed after).
+    #[arg(long)]
+    pub(crate) dir: Option<String>,
+    /// L1 size in MiB, shared by both models.
+    #[arg(long, default_value_t = 32)]
+    pub(crate) l1_mib: u64,
+    /// Payload bytes of model A's blocks.
+    #[arg(long, default_value_t = 256 * 1024)]
+    pub(crate) a_bytes: u64,
+    /// Payload bytes of model B's blocks.
+    #[arg(long, default_value_t = 96 * 1024)]
+    pub(crate) b_bytes: u64,
+    /// Share of requests for model A, percent.
+    #[arg(long, default_value_t = 80)]
+    pub(crate) set_percent: u64,
+    /// Requests.
+    #[arg(long, default_value_t = 4000)]
+    pub(crate) requests: u64,
+    /// Slots of the largest class per shared chunk.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) chunk_slots: u64,
+}
+
+pub(crate) fn run(args: &ClassesArgs) -> Result<Report, String> {
+    let dir: String =
+        args.dir.clone().unwrap_or_else(|| std::env::temp_dir().join("lake-bench-classes").display().to_string());
+    let l1_bytes = args.l1_mib << 20;
+    let a_bytes: u64 = args.a_bytes;
+    let b_bytes: u64 = args.b_bytes;
+    let set_percent: u64 = args.set_percent;
+    let requests: u64 = args.requests;
     // A shared chunk holds this many of the larger class's slots.
-    let chunk_slots: u64 = args.get("chunk-slots", 4)?;
+    let chunk_slots: u64 = args.chunk_slots;
     if a_bytes == 0 || b_bytes == 0 || set_percent == 0 || requests < 2 || chunk_slots == 0 {
         return Err("--a-bytes, --b-bytes, --set-percent, --chunk-slots at least 1, --requests at least 2".into());
     }

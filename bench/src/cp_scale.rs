@@ -16,7 +16,6 @@ use lake_cp::index::{Index, Loc, LocState};
 use lake_dp::BlockKey;
 use lake_dp::rng::SimRng;
 
-use crate::args::Args;
 use crate::report::Report;
 
 const GOAL_BYTES_PER_BLOCK: f64 = 64.0;
@@ -64,11 +63,24 @@ fn rss_bytes() -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["blocks", "chain", "matches"])?;
-    let blocks: usize = args.get("blocks", 20_000_000)?;
-    let chain: usize = args.get("chain", 64)?;
-    let matches: usize = args.get("matches", 1_000_000)?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct CpScaleArgs {
+    /// Blocks.
+    #[arg(long, default_value_t = 20_000_000)]
+    pub(crate) blocks: usize,
+    /// Blocks per prompt chain.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) chain: usize,
+    /// Longest-prefix matches timed.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub(crate) matches: usize,
+}
+
+pub(crate) fn run(args: &CpScaleArgs) -> Result<Report, String> {
+    let blocks: usize = args.blocks;
+    let chain: usize = args.chain;
+    let matches: usize = args.matches;
     if blocks == 0 || chain == 0 || chain > blocks {
         return Err("--blocks and --chain positive, --chain at most --blocks".into());
     }

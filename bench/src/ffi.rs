@@ -20,10 +20,9 @@ use lake::status::LakeStatus;
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 use lake_dp::runner::pool::CommitCheck;
 
-use crate::args::Args;
 use crate::report::{Report, median, percentile};
 
-/// The goals of issue [4].
+/// The engine path's goals.
 const GOAL_RATIO: f64 = 0.9;
 const GOAL_SLACK_US: f64 = 1.5;
 
@@ -74,14 +73,36 @@ fn wait(
     }
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["block-bytes", "blocks", "rounds", "samples", "copy-threads", "commit-check"])?;
-    let block_bytes: u64 = args.get("block-bytes", 65_536)?;
-    let blocks: u32 = args.get("blocks", 4096)?;
-    let rounds: usize = args.get("rounds", 5)?;
-    let samples: usize = args.get("samples", 2000)?;
-    let copy_threads: u32 = args.get("copy-threads", 0)?;
-    let commit_check_name: String = args.get("commit-check", "inline".to_owned())?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct FfiArgs {
+    /// Payload bytes of a block.
+    #[arg(long, default_value_t = 65_536)]
+    pub(crate) block_bytes: u64,
+    /// Blocks.
+    #[arg(long, default_value_t = 4096)]
+    pub(crate) blocks: u32,
+    /// Rounds measured.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) rounds: usize,
+    /// Single-block samples timed.
+    #[arg(long, default_value_t = 2000)]
+    pub(crate) samples: usize,
+    /// Copy lanes of the agent.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) copy_threads: u32,
+    /// How commits are checked: inline, background or trust.
+    #[arg(long, default_value = "inline")]
+    pub(crate) commit_check: String,
+}
+
+pub(crate) fn run(args: &FfiArgs) -> Result<Report, String> {
+    let block_bytes: u64 = args.block_bytes;
+    let blocks: u32 = args.blocks;
+    let rounds: usize = args.rounds;
+    let samples: usize = args.samples;
+    let copy_threads: u32 = args.copy_threads;
+    let commit_check_name: String = args.commit_check.clone();
     let commit_check = match commit_check_name.as_str() {
         "inline" => CommitCheck::Inline,
         "background" => CommitCheck::Background,

@@ -18,7 +18,6 @@ use std::time::Instant;
 
 use lake_kernels::{KvCopier, Piece, RegisteredHost, probe};
 
-use crate::args::Args;
 use crate::report::{Report, median, percentile};
 
 const TOKENS: usize = 16;
@@ -32,7 +31,7 @@ const BATCH: usize = 256;
 /// Blocks one staged load takes (as the data plane's layered loads).
 const STREAMED_BLOCKS: usize = 2048;
 
-/// The goals of issue [5].
+/// The GPU path's goals.
 const GOAL_RATIO: f64 = 0.95;
 
 struct Host {
@@ -64,14 +63,33 @@ fn gpu(e: lake_kernels::GpuError) -> String {
     e.to_string()
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["block-bytes", "total-bytes", "rounds", "samples", "groups"])?;
-    let block_bytes: usize = args.get("block-bytes", 2 << 20)?;
-    let total_bytes: usize = args.get("total-bytes", 1 << 30)?;
-    let rounds: usize = args.get("rounds", 5)?;
-    let samples: usize = args.get("samples", 500)?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct GpuArgs {
+    /// Payload bytes of a block.
+    #[arg(long, default_value_t = 2 << 20)]
+    pub(crate) block_bytes: usize,
+    /// Bytes moved per round.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub(crate) total_bytes: usize,
+    /// Rounds measured.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) rounds: usize,
+    /// Single-block samples timed.
+    #[arg(long, default_value_t = 500)]
+    pub(crate) samples: usize,
+    /// Layer groups of a layered load.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) groups: usize,
+}
+
+pub(crate) fn run(args: &GpuArgs) -> Result<Report, String> {
+    let block_bytes: usize = args.block_bytes;
+    let total_bytes: usize = args.total_bytes;
+    let rounds: usize = args.rounds;
+    let samples: usize = args.samples;
     // Layer groups of a staged load (the data plane's layered loads use 8).
-    let group_count: usize = args.get("groups", 8)?;
+    let group_count: usize = args.groups;
     if block_bytes == 0 || !block_bytes.is_multiple_of(LAYER_BYTES) {
         return Err(format!("--block-bytes must be a multiple of {LAYER_BYTES} (one layer of one block)"));
     }

@@ -29,10 +29,9 @@ use lake_dp::tag::Tag;
 use lake_dp::uring::UringBackend;
 use lake_dp::{BlockKey, Durability, NamespaceId, ObjectKind, Priority};
 
-use crate::args::Args;
 use crate::report::{Report, median, percentile};
 
-/// Goals of issue [2] on this machine's virtual disk.
+/// The L2 goals on this machine's virtual disk.
 const GOAL_RATIO: f64 = 0.9;
 const GOAL_OVERHEAD_P50_US: f64 = 1.0;
 
@@ -242,21 +241,43 @@ fn raw_pass(setup: &Setup, backend: &mut UringBackend, write: bool) -> Result<f6
     Ok(start.elapsed().as_secs_f64())
 }
 
-pub(crate) fn run_l2(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["block-bytes", "total-bytes", "dir", "queue-depth", "rounds", "encrypt"])?;
+/// `lake-bench l2`'s flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct L2Args {
+    /// Payload bytes of a block.
+    #[arg(long, default_value_t = 262_144)]
+    pub(crate) block_bytes: u64,
+    /// Bytes moved per round.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub(crate) total_bytes: u64,
+    /// Directory for the files it makes (removed after).
+    #[arg(long)]
+    pub(crate) dir: Option<String>,
+    /// io_uring queue depth.
+    #[arg(long, default_value_t = 32)]
+    pub(crate) queue_depth: u32,
+    /// Rounds measured.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) rounds: usize,
+    /// Seal L2 blocks with a tenant key (AES-256-GCM), as `lake serve --tenant-key`.
+    #[arg(long, value_name = "on|off", default_value = "off")]
+    pub(crate) encrypt: String,
+}
+
+pub(crate) fn run_l2(args: &L2Args) -> Result<Report, String> {
     // `--encrypt on`: every round also writes and reads every block sealed
     // (AES-256-GCM in the slot before the write, opened and its CRCs made
     // anew after the read, as the pool does), for the ratio to plain.
-    let encrypt = match args.get::<String>("encrypt", "off".into())?.as_str() {
+    let encrypt = match args.encrypt.as_str() {
         "on" => Some(lake_dp::auth::at_rest::DataKey::from_bytes([0x24; 32])),
         "off" => None,
         other => return Err(format!("--encrypt is on or off, not {other}")),
     };
-    let payload: u64 = args.get("block-bytes", 262_144)?;
-    let total: u64 = args.get("total-bytes", 1 << 30)?;
-    let dir: String = args.get("dir", String::new())?;
-    let depth: u32 = args.get("queue-depth", 32)?;
-    let rounds: usize = args.get("rounds", 5)?;
+    let payload: u64 = args.block_bytes;
+    let total: u64 = args.total_bytes;
+    let dir: String = args.dir.clone().unwrap_or_default();
+    let depth: u32 = args.queue_depth;
+    let rounds: usize = args.rounds;
     if dir.is_empty() {
         return Err("--dir is required: a directory on the disk to measure".into());
     }
@@ -407,15 +428,34 @@ fn raw_read_once(backend: &mut UringBackend, setup: &Setup, slot: u32) -> Result
     Ok(elapsed)
 }
 
-pub(crate) fn run_block_latency(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["path", "block-bytes", "samples", "dir", "blocks"])?;
-    let path: String = args.get("path", "l2-to-l1".to_owned())?;
-    let payload: u64 = args.get("block-bytes", 65_536)?;
-    let samples: usize = args.get("samples", 2000)?;
-    let dir: String = args.get("dir", std::env::temp_dir().display().to_string())?;
-    let blocks: u32 = args.get("blocks", 256)?;
+/// `lake-bench block-latency`'s flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct BlockLatencyArgs {
+    /// The path timed: l2-to-l1.
+    #[arg(long, default_value = "l2-to-l1")]
+    pub(crate) path: String,
+    /// Payload bytes of a block.
+    #[arg(long, default_value_t = 65_536)]
+    pub(crate) block_bytes: u64,
+    /// Single-block samples timed.
+    #[arg(long, default_value_t = 2000)]
+    pub(crate) samples: usize,
+    /// Directory for the files it makes (removed after).
+    #[arg(long)]
+    pub(crate) dir: Option<String>,
+    /// Blocks.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) blocks: u32,
+}
+
+pub(crate) fn run_block_latency(args: &BlockLatencyArgs) -> Result<Report, String> {
+    let path: String = args.path.clone();
+    let payload: u64 = args.block_bytes;
+    let samples: usize = args.samples;
+    let dir: String = args.dir.clone().unwrap_or_else(|| std::env::temp_dir().display().to_string());
+    let blocks: u32 = args.blocks;
     if path != "l2-to-l1" {
-        return Err(format!("--path {path}: only l2-to-l1 exists so far (GPU paths come with issue [5])"));
+        return Err(format!("--path {path}: only l2-to-l1 exists so far (the GPU paths are `lake-bench gpu`)"));
     }
     if payload == 0 || samples == 0 || blocks == 0 {
         return Err("--block-bytes, --samples and --blocks must be positive".into());

@@ -13,7 +13,6 @@ use lake_dp::l3::s3::{S3Config, S3Store};
 use lake_dp::l3::{L3Client, L3Completion, L3Config, L3Request, ObjectStore, object_name};
 use lake_dp::{BlockKey, NamespaceId};
 
-use crate::args::Args;
 use crate::report::Report;
 
 struct Moto(Child);
@@ -110,16 +109,32 @@ fn raw(config: &S3Config, workers: usize, objects: &[Vec<u8>], prefix: &str, get
     Ok(started.elapsed().as_secs_f64())
 }
 
-pub(crate) fn run(raw_args: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw_args, &["block-bytes", "blocks", "workers", "endpoint"])?;
-    let block_bytes: usize = args.get("block-bytes", 1 << 20)?;
-    let blocks: usize = args.get("blocks", 2048)?;
-    let workers: usize = args.get("workers", 8)?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct L3Args {
+    /// Payload bytes of a block.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub(crate) block_bytes: usize,
+    /// Blocks.
+    #[arg(long, default_value_t = 2048)]
+    pub(crate) blocks: usize,
+    /// L3 worker threads (store calls in flight).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) workers: usize,
+    /// An S3-compatible endpoint (default: a moto_server of its own).
+    #[arg(long)]
+    pub(crate) endpoint: Option<String>,
+}
+
+pub(crate) fn run(args: &L3Args) -> Result<Report, String> {
+    let block_bytes: usize = args.block_bytes;
+    let blocks: usize = args.blocks;
+    let workers: usize = args.workers;
     if block_bytes <= lake_dp::constants::STORED_HEADER_BYTES || blocks == 0 || !(1..=64).contains(&workers) {
         return Err("--block-bytes above the 4 KiB header, --blocks ≥ 1, --workers 1–64".into());
     }
     let blocks_u32 = u32::try_from(blocks).map_err(|_| "--blocks: at most 2^32")?;
-    let endpoint: String = args.get("endpoint", String::new())?;
+    let endpoint: String = args.endpoint.clone().unwrap_or_default();
     let (_moto, endpoint) = if endpoint.is_empty() {
         let (moto, endpoint) = start_moto()?;
         (Some(moto), endpoint)

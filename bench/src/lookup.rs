@@ -30,7 +30,6 @@ use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorEntry, MirrorReader, Mi
 use lake_dp::rng::SimRng;
 use lake_dp::{BlockKey, KeyChain, ObjectKind, RegionId, Tier};
 
-use crate::args::Args;
 use crate::report::{Report, median, percentile};
 
 const GOAL_NS_HIT_LENGTH: f64 = 2000.0;
@@ -79,17 +78,44 @@ fn create(entries: u64, backing: &str) -> Result<(MirrorWriter, MirrorReader, &'
     Ok((writer, reader?, "shm"))
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args =
-        Args::parse(raw, &["tokens", "block-tokens", "entries", "prompts", "lookups", "probes", "backing", "churn"])?;
-    let tokens: u32 = args.get("tokens", 32_768)?;
-    let block_tokens: u32 = args.get("block-tokens", 16)?;
-    let others: u64 = args.get("entries", 20_000_000)?;
-    let prompts: usize = args.get("prompts", 256)?;
-    let lookups: usize = args.get("lookups", 4096)?;
-    let probes: usize = args.get("probes", 1_000_000)?;
-    let backing: String = args.get("backing", "auto".to_owned())?;
-    let churn_on: bool = args.get("churn", true)?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct LookupArgs {
+    /// Prompt tokens.
+    #[arg(long, default_value_t = 32_768)]
+    pub(crate) tokens: u32,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) block_tokens: u32,
+    /// Other entries in the index or mirror.
+    #[arg(long, default_value_t = 20_000_000)]
+    pub(crate) entries: u64,
+    /// Distinct prompts.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) prompts: usize,
+    /// Lookups timed.
+    #[arg(long, default_value_t = 4096)]
+    pub(crate) lookups: usize,
+    /// Single-bucket probes timed.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub(crate) probes: usize,
+    /// Mirror backing: auto, memfd or shm.
+    #[arg(long, default_value = "auto")]
+    pub(crate) backing: String,
+    /// Whether the mirror's writer churns during lookups.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub(crate) churn: bool,
+}
+
+pub(crate) fn run(args: &LookupArgs) -> Result<Report, String> {
+    let tokens: u32 = args.tokens;
+    let block_tokens: u32 = args.block_tokens;
+    let others: u64 = args.entries;
+    let prompts: usize = args.prompts;
+    let lookups: usize = args.lookups;
+    let probes: usize = args.probes;
+    let backing: String = args.backing.clone();
+    let churn_on: bool = args.churn;
     if !matches!(backing.as_str(), "auto" | "memfd" | "shm") {
         return Err("--backing auto, memfd or shm".into());
     }

@@ -27,7 +27,6 @@ use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::rng::SimRng;
 use lake_dp::{BlockKey, KeyChain, Namespace, Tier};
 
-use crate::args::Args;
 use crate::report::Report;
 
 fn namespace() -> Result<Namespace, String> {
@@ -121,44 +120,63 @@ fn report_loads(report: &mut Report, which: &str, timed: &[Timed]) {
     report.int(&format!("loads_asked_again_{which}"), timed.iter().filter(|t| t.asks > 1).count() as u64);
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(
-        raw,
-        &[
-            "dir",
-            "block-bytes",
-            "l1-slots",
-            "set",
-            "loads",
-            "writers",
-            "seconds",
-            "writer-pause-us",
-            "background-depth",
-            "load-reserve",
-        ],
-    )?;
-    let dir: String = args.get("dir", std::env::temp_dir().join("lake-bench-qos").display().to_string())?;
-    let block_bytes: u64 = args.get("block-bytes", 256 * 1024)?;
-    let l1_slots: u32 = args.get("l1-slots", 64)?;
-    let set_size: u64 = args.get("set", 512)?;
-    let loads: usize = args.get("loads", 400)?;
-    let writers: u32 = args.get("writers", 1)?;
-    let seconds: u64 = args.get("seconds", 30)?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct QosArgs {
+    /// Directory for the files it makes (removed after).
+    #[arg(long)]
+    pub(crate) dir: Option<String>,
+    /// Payload bytes of a block.
+    #[arg(long, default_value_t = 256 * 1024)]
+    pub(crate) block_bytes: u64,
+    /// L1 slots.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) l1_slots: u32,
+    /// Blocks in the working set.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) set: u64,
+    /// Critical-path loads timed.
+    #[arg(long, default_value_t = 400)]
+    pub(crate) loads: usize,
+    /// Writer threads flooding the pool with saves.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) writers: u32,
+    /// Longest run, seconds.
+    #[arg(long, default_value_t = 30)]
+    pub(crate) seconds: u64,
+    /// How long a writer waits after a refused save, µs (0: it spins).
+    #[arg(long, default_value_t = 200)]
+    pub(crate) writer_pause_us: u64,
+    /// Background L2 I/O in the device at once (0: no cap).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) background_depth: u32,
+    /// The last N free L1 slots kept from saves for loads, as `lake serve
+    /// --l1-load-reserve` (default: as many as it keeps).
+    #[arg(long, value_name = "N")]
+    pub(crate) load_reserve: Option<u32>,
+}
+
+pub(crate) fn run(args: &QosArgs) -> Result<Report, String> {
+    let dir: String =
+        args.dir.clone().unwrap_or_else(|| std::env::temp_dir().join("lake-bench-qos").display().to_string());
+    let block_bytes: u64 = args.block_bytes;
+    let l1_slots: u32 = args.l1_slots;
+    let set_size: u64 = args.set;
+    let loads: usize = args.loads;
+    let writers: u32 = args.writers;
+    let seconds: u64 = args.seconds;
     // How long a writer waits after a refused save (0: it spins, trying
     // new blocks at once — on a small machine that takes a core from the
     // pool's own threads).
-    let pause_us: u64 = args.get("writer-pause-us", 200)?;
+    let pause_us: u64 = args.writer_pause_us;
     // `--background-depth N`: write-back and demotion I/O in the L2
     // device at once, at most (0: no cap), as `lake serve
     // --l2-background-depth`.
-    let background_depth: u32 = args.get("background-depth", 0)?;
+    let background_depth: u32 = args.background_depth;
     // `--load-reserve N`: the last N free L1 slots are kept from saves for
     // loads, as `lake serve --l1-load-reserve` (by default as many as it
     // keeps: 3 of 64 slots at its 95% high-water mark).
-    let load_reserve: Option<u32> = match args.get::<i64>("load-reserve", -1)? {
-        -1 => None,
-        reserve => Some(u32::try_from(reserve).map_err(|_| "--load-reserve: 0 or more slots")?),
-    };
+    let load_reserve: Option<u32> = args.load_reserve;
     if writers == 0 || set_size < u64::from(l1_slots) * 2 {
         return Err("--writers must be at least 1, --set at least twice --l1-slots".into());
     }

@@ -19,7 +19,6 @@
 use lake_dp::NodeId;
 use lake_dp::route::{HitView, LoadView, Mode, NodeHits, NodeLoad, Plan, Policy, Request, route};
 
-use crate::args::Args;
 use crate::report::Report;
 
 const NS_PER_MS: f64 = 1e6;
@@ -232,16 +231,36 @@ fn account(out: &mut Outcome, plan: &Plan, blocks: u32, mode: usize) {
     out.modes[mode] += 1;
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["nodes", "conversations", "turns", "seed", "utilization"])?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct RouteArgs {
+    /// Nodes (at least 2).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) nodes: usize,
+    /// Conversations.
+    #[arg(long, default_value_t = 400)]
+    pub(crate) conversations: u32,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) turns: u32,
+    /// The workload's seed.
+    #[arg(long, default_value_t = 2026)]
+    pub(crate) seed: u64,
+    /// The load a perfect cache would leave (only each new message
+    /// computed), 0.05 to 0.95; a policy that recomputes more queues more.
+    #[arg(long, default_value_t = 0.25)]
+    pub(crate) utilization: f64,
+}
+
+pub(crate) fn run(args: &RouteArgs) -> Result<Report, String> {
     // `--utilization`: the load a perfect cache would leave (only each new
     // message computed); a policy that recomputes more queues more.
     let w = Workload {
-        nodes: args.get("nodes", 4)?,
-        conversations: args.get("conversations", 400)?,
-        turns: args.get("turns", 10)?,
-        seed: args.get("seed", 2026)?,
-        utilization: args.get("utilization", 0.25)?,
+        nodes: args.nodes,
+        conversations: args.conversations,
+        turns: args.turns,
+        seed: args.seed,
+        utilization: args.utilization,
     };
     if w.nodes < 2 || w.conversations == 0 || w.turns == 0 || !(0.05..=0.95).contains(&w.utilization) {
         return Err("--nodes ≥ 2, --conversations and --turns ≥ 1, --utilization 0.05–0.95".into());

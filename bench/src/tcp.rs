@@ -22,7 +22,6 @@ use lake_dp::transport::tcp::{Outgoing, TcpConfig, TcpTransport};
 use lake_dp::transport::{Landing, check_and_adopt};
 use lake_dp::{BlockKey, NamespaceId, RegionId};
 
-use crate::args::Args;
 use crate::report::Report;
 
 const HEADER: usize = lake_dp::constants::STORED_HEADER_BYTES;
@@ -437,41 +436,59 @@ fn zerocopy_stream(total: u64, chunk: usize) -> Result<(f64, f64), String> {
     Ok((total as f64 / seconds / 1e9, copied as f64 / issued.max(1) as f64))
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(
-        raw,
-        &[
-            "block-bytes",
-            "total-bytes",
-            "streams",
-            "slice-bytes",
-            "window-bytes",
-            "arena-bytes",
-            "rounds",
-            "auth",
-            "tag-threads",
-        ],
-    )?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct TcpArgs {
+    /// Payload bytes of a block.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub(crate) block_bytes: usize,
+    /// Bytes moved per round.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub(crate) total_bytes: u64,
+    /// TCP connections per peer.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) streams: usize,
+    /// Bytes per slice on the wire.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub(crate) slice_bytes: u32,
+    /// Bytes in flight per peer (default: 16 MiB, at least three blocks).
+    #[arg(long)]
+    pub(crate) window_bytes: Option<u64>,
+    /// Arena bytes at each end.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub(crate) arena_bytes: u64,
+    /// Rounds measured.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) rounds: usize,
+    /// Also run every round with a link key (handshake, two tags a frame).
+    #[arg(long, value_name = "on|off", default_value = "off")]
+    pub(crate) auth: String,
+    /// Threads tagging large slices (as lake serve --tag-threads).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) tag_threads: usize,
+}
+
+pub(crate) fn run(args: &TcpArgs) -> Result<Report, String> {
     // `--tag-threads N`: payload tags of large slices spread over N
     // threads (`lake_dp::auth::spread_tags`, as `lake serve --tag-threads`).
-    let tag_threads: usize = args.get("tag-threads", 0)?;
+    let tag_threads: usize = args.tag_threads;
     lake_dp::auth::spread_tags(tag_threads)?;
     // `--auth on`: every round also runs the transport with a link key
     // (handshake, two tags a frame), for the ratio and the added latency.
-    let auth = match args.get::<String>("auth", "off".into())?.as_str() {
+    let auth = match args.auth.as_str() {
         "on" => Some(lake_dp::auth::LinkKey::from_bytes([0x42; 32])),
         "off" => None,
         other => return Err(format!("--auth is on or off, not {other}")),
     };
-    let block_bytes: usize = args.get("block-bytes", 1 << 20)?;
-    let total: u64 = args.get("total-bytes", 1 << 30)?;
-    let streams: usize = args.get("streams", 4)?;
-    let slice_bytes: u32 = args.get("slice-bytes", 1 << 20)?;
+    let block_bytes: usize = args.block_bytes;
+    let total: u64 = args.total_bytes;
+    let streams: usize = args.streams;
+    let slice_bytes: u32 = args.slice_bytes;
     // 16 MiB in flight, and never fewer than three blocks: with one block
     // in flight the link idles while the receiver checks it and acks.
-    let window: u64 = args.get("window-bytes", (16 << 20).max(3 * block_bytes as u64))?;
-    let arena: u64 = args.get("arena-bytes", 1 << 30)?;
-    let rounds: usize = args.get("rounds", 3)?;
+    let window: u64 = args.window_bytes.unwrap_or_else(|| (16 << 20).max(3 * block_bytes as u64));
+    let arena: u64 = args.arena_bytes;
+    let rounds: usize = args.rounds;
     if block_bytes <= HEADER {
         return Err(format!("--block-bytes must exceed the {HEADER}-byte stored header"));
     }

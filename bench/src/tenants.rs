@@ -22,7 +22,6 @@ use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorEntry, MirrorReader, Mi
 use lake_dp::rng::SimRng;
 use lake_dp::{BlockKey, KeyChain, ObjectKind, RegionId, Tier};
 
-use crate::args::Args;
 use crate::report::{Report, median};
 
 fn entry(slot: u32) -> MirrorEntry {
@@ -46,12 +45,28 @@ fn namespace(tenant: u8) -> Result<lake_dp::Namespace, String> {
         .map_err(|e| e.to_string())
 }
 
-pub(crate) fn run(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["entries", "prompts", "blocks", "lookups"])?;
-    let entries: u64 = args.get("entries", 2_000_000)?;
-    let prompts: usize = args.get("prompts", 2000)?;
-    let blocks: usize = args.get("blocks", 16)?;
-    let lookups: usize = args.get("lookups", 20_000)?;
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct TenantsArgs {
+    /// Other entries in the index or mirror.
+    #[arg(long, default_value_t = 2_000_000)]
+    pub(crate) entries: u64,
+    /// Distinct prompts.
+    #[arg(long, default_value_t = 2000)]
+    pub(crate) prompts: usize,
+    /// Blocks.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) blocks: usize,
+    /// Lookups timed.
+    #[arg(long, default_value_t = 20_000)]
+    pub(crate) lookups: usize,
+}
+
+pub(crate) fn run(args: &TenantsArgs) -> Result<Report, String> {
+    let entries: u64 = args.entries;
+    let prompts: usize = args.prompts;
+    let blocks: usize = args.blocks;
+    let lookups: usize = args.lookups;
     let (a, b) = (namespace(1)?, namespace(2)?);
     let shm = std::path::PathBuf::from(format!("/dev/shm/lake-bench-tenants-{}", std::process::id()));
     let total = entries + (prompts * blocks) as u64;

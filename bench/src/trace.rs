@@ -16,7 +16,6 @@ use lake_cp::evict::{Cache, Credit, Lake, Lru, Policy, TinyLfu};
 use lake_dp::BlockKey;
 use lake_dp::rng::SimRng;
 
-use crate::args::Args;
 use crate::report::Report;
 
 /// The block key a trace's hash id stands for (uniform bytes, as a real
@@ -154,30 +153,47 @@ fn replay<P: Policy>(requests: &[Vec<BlockKey>], capacity: usize, policy: P) -> 
     (blocks, hits, cache.evictions, cache.policy.summary())
 }
 
-pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(
-        raw,
-        &[
-            "file",
-            "capacity-blocks",
-            "capacity-ratio",
-            "policy",
-            "credit",
-            "margin",
-            "memory",
-            "window",
-            "sample",
-            "hold",
-            "inherit",
-        ],
-    )?;
-    let path: String = args.get("file", String::new())?;
+/// `lake-bench trace`'s flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct TraceArgs {
+    /// The trace: JSON lines with hash_ids (Mooncake format).
+    #[arg(long)]
+    pub(crate) file: Option<String>,
+    /// Capacity in blocks.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) capacity_blocks: usize,
+    /// Capacity as a share of the trace's distinct blocks.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) capacity_ratio: f64,
+    /// Eviction policy: lake or lru.
+    #[arg(long, default_value = "lake")]
+    pub(crate) policy: String,
+    /// The credit policy's credit (default: the trace's turnover).
+    #[arg(long)]
+    pub(crate) credit: Option<u64>,
+    /// The `lake` policy: a challenger must beat LRU by 1/margin of its
+    /// score (default: the policy's own).
+    #[arg(long)]
+    pub(crate) margin: Option<u64>,
+    /// The `lake` policy: scores decay by 1/memory per request (default:
+    /// the policy's own).
+    #[arg(long)]
+    pub(crate) memory: Option<u64>,
+    /// The `lake` policy: a challenger behind LRU by 1/guard of its score
+    /// sends the tier back to LRU for `memory` requests (default: the
+    /// policy's own).
+    #[arg(long)]
+    pub(crate) guard: Option<u64>,
+}
+
+pub(crate) fn run_trace(args: &TraceArgs) -> Result<Report, String> {
+    let path: String = args.file.clone().unwrap_or_default();
     if path.is_empty() {
         return Err("--file is required (JSON lines with hash_ids)".into());
     }
     let (requests, distinct) = load_distinct(&path)?;
-    let ratio: f64 = args.get("capacity-ratio", 0.0)?;
-    let capacity: usize = args.get("capacity-blocks", 0)?;
+    let ratio: f64 = args.capacity_ratio;
+    let capacity: usize = args.capacity_blocks;
     let capacity = if capacity > 0 {
         capacity
     } else if ratio > 0.0 {
@@ -185,18 +201,18 @@ pub(crate) fn run_trace(raw: &[String]) -> Result<Report, String> {
     } else {
         return Err("--capacity-blocks N or --capacity-ratio R is required".into());
     };
-    let policy: String = args.get("policy", "lake".to_owned())?;
+    let policy: String = args.policy.clone();
     let turnover = turnover(capacity, &requests);
-    let credit: u64 = args.get("credit", turnover)?;
+    let credit: u64 = args.credit.unwrap_or(turnover);
     let (blocks, hits, evictions, learnt) = match policy.as_str() {
         "lru" => replay(&requests, capacity, Lru::default()),
         "credit" => replay(&requests, capacity, Credit::new(capacity, credit)),
         "tinylfu" => replay(&requests, capacity, TinyLfu::new(capacity)),
         "lake" => {
             let mut lake = Lake::new(capacity);
-            lake.margin = args.get("margin", lake.margin)?;
-            lake.memory = args.get("memory", lake.memory)?;
-            lake.guard = args.get("guard", lake.guard)?;
+            lake.margin = args.margin.unwrap_or(lake.margin);
+            lake.memory = args.memory.unwrap_or(lake.memory);
+            lake.guard = args.guard.unwrap_or(lake.guard);
             if lake.margin == 0 || lake.memory == 0 || lake.guard == 0 {
                 return Err("--margin, --memory and --guard must be at least 1".into());
             }
@@ -351,12 +367,28 @@ fn scan(g: &mut Gen, requests: u64, out: &mut dyn Write) -> Result<(), String> {
     Ok(())
 }
 
-pub(crate) fn run_trace_gen(raw: &[String]) -> Result<Report, String> {
-    let args = Args::parse(raw, &["kind", "requests", "seed", "out"])?;
-    let kind: String = args.get("kind", "agent".to_owned())?;
-    let requests: u64 = args.get("requests", 20_000)?;
-    let seed: u64 = args.get("seed", 1)?;
-    let path: String = args.get("out", String::new())?;
+/// `lake-bench trace-gen`'s flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct TraceGenArgs {
+    /// Workload: agent, chat or scan.
+    #[arg(long, default_value = "agent")]
+    pub(crate) kind: String,
+    /// Requests.
+    #[arg(long, default_value_t = 20_000)]
+    pub(crate) requests: u64,
+    /// Seed.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Where the trace is written.
+    #[arg(long)]
+    pub(crate) out: Option<String>,
+}
+
+pub(crate) fn run_trace_gen(args: &TraceGenArgs) -> Result<Report, String> {
+    let kind: String = args.kind.clone();
+    let requests: u64 = args.requests;
+    let seed: u64 = args.seed;
+    let path: String = args.out.clone().unwrap_or_default();
     if path.is_empty() {
         return Err("--out FILE is required".into());
     }
@@ -510,21 +542,37 @@ fn replay_tiers(
 
 /// `trace-tiers`: the same trace through L1 over L2 with every L1 victim
 /// written to L2, and with the second-access filter, in one run.
-pub(crate) fn run_trace_tiers(raw: &[String]) -> Result<Report, String> {
+/// `lake-bench trace-tiers`'s flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct TraceTiersArgs {
+    /// The trace: JSON lines with hash_ids (Mooncake format).
+    #[arg(long)]
+    pub(crate) file: Option<String>,
+    /// L1 capacity as a share of the trace's distinct blocks.
+    #[arg(long, default_value_t = 0.02)]
+    pub(crate) l1_ratio: f64,
+    /// L2 capacity as a share of the trace's distinct blocks.
+    #[arg(long, default_value_t = 0.2)]
+    pub(crate) l2_ratio: f64,
+    /// Eviction policy: lake or lru.
+    #[arg(long, default_value = "lake")]
+    pub(crate) policy: String,
+}
+
+pub(crate) fn run_trace_tiers(args: &TraceTiersArgs) -> Result<Report, String> {
     use lake_cp::tier::{L2Admission, PolicyKind};
-    let args = Args::parse(raw, &["file", "l1-ratio", "l2-ratio", "policy"])?;
-    let path: String = args.get("file", String::new())?;
+    let path: String = args.file.clone().unwrap_or_default();
     if path.is_empty() {
         return Err("--file is required (JSON lines with hash_ids)".into());
     }
     let (requests, distinct) = load_distinct(&path)?;
-    let (l1_ratio, l2_ratio): (f64, f64) = (args.get("l1-ratio", 0.02)?, args.get("l2-ratio", 0.2)?);
+    let (l1_ratio, l2_ratio): (f64, f64) = (args.l1_ratio, args.l2_ratio);
     if !(l1_ratio > 0.0 && l2_ratio > 0.0) {
         return Err("--l1-ratio and --l2-ratio must be above 0".into());
     }
     let blocks_for = |ratio: f64| ((distinct.len() as f64 * ratio).round() as u64).max(4);
     let (l1, l2) = (blocks_for(l1_ratio), blocks_for(l2_ratio));
-    let policy_name: String = args.get("policy", "lake".to_owned())?;
+    let policy_name: String = args.policy.clone();
     let policy = PolicyKind::parse(&policy_name).ok_or_else(|| format!("--policy {policy_name}: lake or lru"))?;
     let always = replay_tiers(&requests, (l1, l2), policy, L2Admission::Always)?;
     let filtered = replay_tiers(&requests, (l1, l2), policy, L2Admission::SecondAccess)?;

@@ -74,7 +74,11 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     assert!(library.exists(), "no {}", library.display());
     let pid = std::process::id();
     let root = std::env::temp_dir().join(format!("lake-ffi-py-{pid}"));
-    let pool = EmbeddedPool::start(&EmbeddedConfig { metrics: true, ..config(root.join("main")) }).unwrap();
+    let pool = EmbeddedPool::start(&EmbeddedConfig {
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
+        ..config(root.join("main"))
+    })
+    .unwrap();
     let metrics = pool.metrics.unwrap();
     let future = root.join("future-dp.sock");
     future_daemon(&future);

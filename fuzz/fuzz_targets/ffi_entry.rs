@@ -1,5 +1,5 @@
-//! The C ABI's entry points that take an engine's structs and buffers
-//! (issue [9]): `lake::fuzzing::exercise_entry_points` feeds them field
+//! The C ABI's entry points that take an engine's structs and buffers:
+//! `lake::fuzzing::exercise_entry_points` feeds them field
 //! values, struct sizes and byte counts from the input; any values give a
 //! status, never a panic (not even one the boundary catches), and what
 //! succeeds is consistent. See ffi/src/fuzzing.rs.

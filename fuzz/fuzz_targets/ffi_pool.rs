@@ -1,4 +1,4 @@
-//! The C ABI's entry points that take a pool handle (issue [9]), on one
+//! The C ABI's entry points that take a pool handle, on one
 //! embedded pool started and attached once per fuzzing process:
 //! `lake::fuzzing::PoolHarness::exercise` runs lookups, leases, residency
 //! reports, pinned lookups and their copies out (`lake_load_pinned`), host

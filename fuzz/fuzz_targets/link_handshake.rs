@@ -1,4 +1,4 @@
-//! The authenticated link's handshake and records (issue [9]): whatever
+//! The authenticated link's handshake and records: whatever
 //! bytes a peer without the key sends, no byte passes as checked, no
 //! proof is accepted, and nothing panics.
 //!

@@ -267,6 +267,13 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
                 "p99_us": p.quantile_us(0.99),
             }))
         }).collect::<Vec<_>>(),
+        // The data plane's saves as it last reported them: refused ones
+        // are engines' lost hits (no L1 slot free for them).
+        "saves": node.data_plane.as_ref().map(|dp| json!({
+            "saved": dp.saves,
+            "refused": dp.saves_refused,
+            "corrupt": dp.commits_corrupt,
+        })),
         "server": {
             "frames": server.frames,
             "bad_frames": server.bad_frames,

@@ -217,7 +217,7 @@ pub fn run(config: &DemoConfig, progress: &mut dyn Write) -> Result<DemoReport, 
         remote_agents: 1,
         // Headroom in L1 for bursts of saves and promotions between passes.
         tiers: TierConfig { high_percent: 80, low_percent: 60, ..TierConfig::default() },
-        metrics: true,
+        metrics: Some(crate::embedded::METRICS_ANY_LOCAL_PORT),
         ..EmbeddedConfig::new(config.dir.clone())
     })?;
     let live = Arc::new(Live::default());

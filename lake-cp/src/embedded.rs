@@ -51,16 +51,19 @@ pub struct EmbeddedConfig {
     /// of slots takes memory another does not use, a chunk emptied by
     /// moving its blocks if need be.
     pub l1_chunk_bytes: u64,
-    /// L2 slots per file (two files).
+    /// L2 slots per file.
     pub l2_slots_per_file: u32,
+    /// The L2 files, one per device (made and formatted if missing,
+    /// re-adopted if present); empty: `DIR/l2-0.lake` and `DIR/l2-1.lake`.
+    pub l2_files: Vec<PathBuf>,
     /// In-process agent ports to make (for engines in this process).
     pub local_agents: u32,
     /// Ports for engines in other processes (on the attach socket).
     pub remote_agents: u32,
     /// The tier manager's settings.
     pub tiers: TierConfig,
-    /// Serve `/metrics` on a local port.
-    pub metrics: bool,
+    /// Serve `/metrics` at this address (port 0: any free one).
+    pub metrics: Option<std::net::SocketAddr>,
     /// How the data plane checks a commit's payload against the CRCs the
     /// agent wrote (readers check every segment whatever this is).
     pub commit_check: lake_dp::runner::pool::CommitCheck,
@@ -116,6 +119,11 @@ pub struct EmbeddedConfig {
     /// `events_to_stderr` says.
     pub event_log: Option<PathBuf>,
 }
+
+/// `/metrics` on the loopback interface, on any free port (tests, the
+/// demo: several pools at once).
+pub const METRICS_ANY_LOCAL_PORT: std::net::SocketAddr =
+    std::net::SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 0));
 
 /// Who may use a pool's local sockets. See [`EmbeddedConfig::access`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -176,10 +184,11 @@ impl EmbeddedConfig {
             l1_classes: Vec::new(),
             l1_chunk_bytes: 0,
             l2_slots_per_file: 4096,
+            l2_files: Vec::new(),
             local_agents: 0,
             remote_agents: 16,
             tiers: TierConfig::default(),
-            metrics: false,
+            metrics: None,
             commit_check: lake_dp::runner::pool::CommitCheck::Inline,
             transport_listen: None,
             transport_peers: Vec::new(),
@@ -402,9 +411,42 @@ pub struct EmbeddedPool {
     _created: Created,
 }
 
-/// The pool's two L2 files.
-fn l2_paths(dir: &Path) -> [PathBuf; 2] {
-    [dir.join("l2-0.lake"), dir.join("l2-1.lake")]
+impl EmbeddedConfig {
+    /// The pool's L2 files: those configured, else two in its directory.
+    pub fn l2_paths(&self) -> Vec<PathBuf> {
+        if self.l2_files.is_empty() {
+            vec![self.dir.join("l2-0.lake"), self.dir.join("l2-1.lake")]
+        } else {
+            self.l2_files.clone()
+        }
+    }
+
+    /// The names of the pool's shared memory, its L1 arena and its mirror:
+    /// the same at every start on the same directory (an engine's config
+    /// and an operator's scripts may name them), and no other directory's.
+    pub fn shared_memory(&self) -> (PathBuf, PathBuf) {
+        let dir = std::fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone());
+        let hash = blake3::hash(dir.as_os_str().as_encoded_bytes());
+        let id: String = hash.as_bytes()[..8].iter().map(|b| format!("{b:02x}")).collect();
+        (PathBuf::from(format!("/dev/shm/lake-l1-{id}")), PathBuf::from(format!("/dev/shm/lake-mirror-{id}")))
+    }
+
+    /// Checks what can be checked before anything starts: the tiers'
+    /// settings, the L1 load reserve, the L2 files.
+    pub fn check(&self) -> Result<(), String> {
+        self.tiers.validate()?;
+        load_reserve(self)?;
+        let paths = self.l2_paths();
+        if paths.len() > 64 {
+            return Err(format!("{} L2 files: at most 64", paths.len()));
+        }
+        for (at, path) in paths.iter().enumerate() {
+            if paths[..at].contains(path) {
+                return Err(format!("L2 file {} named twice", path.display()));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn runner_config(
@@ -434,7 +476,7 @@ agents_max = {agents}
 load_reserve_slots = {load_reserve}
 
 [l2]
-paths = ["{l2_0}", "{l2_1}"]
+paths = [{l2_paths}]
 slots_per_file = {l2}
 slot_bytes = {slot_bytes}
 format_if_missing = true
@@ -454,8 +496,8 @@ socket = "{dp}"
 ports = {remote}
 "#,
         arena = arena.display(),
-        l2_0 = l2_paths(&config.dir)[0].display(),
-        l2_1 = l2_paths(&config.dir)[1].display(),
+        l2_paths =
+            config.l2_paths().iter().map(|p| format!("{:?}", p.display().to_string())).collect::<Vec<_>>().join(", "),
         cp = cp.display(),
         dp = dp.display(),
         node = config.node,
@@ -484,13 +526,11 @@ ports = {remote}
 impl EmbeddedPool {
     /// Starts the pool; returns once engines can attach.
     pub fn start(config: &EmbeddedConfig) -> Result<Self, String> {
-        static POOLS: AtomicU64 = AtomicU64::new(0);
-        let unique = format!("{}-{}", std::process::id(), POOLS.fetch_add(1, Ordering::Relaxed));
-        let arena = PathBuf::from(format!("/dev/shm/lake-l1-{unique}"));
-        let mirror = PathBuf::from(format!("/dev/shm/lake-mirror-{unique}"));
+        config.check()?;
         // First the directory's lock: nothing of a pool serving it is
         // touched by a second one.
         let mut created = Created::take(&config.dir)?;
+        let (arena, mirror) = config.shared_memory();
         created.record(&[&arena, &mirror])?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
@@ -499,8 +539,8 @@ impl EmbeddedPool {
         if !config.durable {
             // L2 files this pool formats go with it (and the data plane's
             // fence beside them); ones it adopts stay.
-            let l2 = l2_paths(&config.dir);
-            let fence = config.dir.join(lake_dp::fence::FILE_NAME);
+            let l2 = config.l2_paths();
+            let fence = l2.first().and_then(|p| p.parent()).unwrap_or(&config.dir).join(lake_dp::fence::FILE_NAME);
             created.files.extend(l2.into_iter().chain([fence]).filter(|path| !path.exists()));
         }
         // L1 holds at most its bytes in its smallest slots, shared or not.
@@ -508,7 +548,7 @@ impl EmbeddedPool {
         let l1_bytes: u64 = config.l1_size_classes().map(|c| slot(c) * u64::from(c.1)).sum();
         let smallest = config.l1_size_classes().map(slot).min().unwrap_or(1);
         let entries = (l1_bytes / smallest.max(1)).max(u64::from(config.l1_slots))
-            + 2 * u64::from(config.l2_slots_per_file)
+            + config.l2_paths().len() as u64 * u64::from(config.l2_slots_per_file)
             + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
             .map_err(|e| format!("mirror: {e}"))?;
@@ -535,10 +575,9 @@ impl EmbeddedPool {
         if !config.summary_to.is_empty() {
             server.report_to(config.summary_to.clone(), config.link_key.clone());
         }
-        let metrics = if config.metrics {
-            Some(server.serve_metrics("127.0.0.1:0".parse().map_err(|_| "address")?).map_err(|e| e.to_string())?)
-        } else {
-            None
+        let metrics = match config.metrics {
+            Some(address) => Some(server.serve_metrics(address).map_err(|e| format!("metrics on {address}: {e}"))?),
+            None => None,
         };
         let gauges = Arc::new(Gauges { l1_region: std::sync::atomic::AtomicU32::new(u32::MAX), ..Gauges::default() });
         let stop_cp = Arc::new(AtomicBool::new(false));
@@ -549,6 +588,9 @@ impl EmbeddedPool {
             std::thread::Builder::new()
                 .name("lake-cp".into())
                 .spawn(move || -> Result<Server, String> {
+                    // Failed tier commands so far, as last logged (once a
+                    // second at most).
+                    let (mut failed_logged, mut next_log) = (0, std::time::Instant::now());
                     while !stop.load(Ordering::Acquire) {
                         while let Ok(request) = asked.try_recv() {
                             match request {
@@ -569,6 +611,22 @@ impl EmbeddedPool {
                         server.poll_once(Some(Duration::from_millis(2))).map_err(|e| format!("lake-cp: {e}"))?;
                         for why in server.take_refusals() {
                             eprintln!("{{\"event\":\"cp_refused\",\"why\":{why:?}}}");
+                        }
+                        let counters = server.node().tiers.counters;
+                        if counters.failed > failed_logged && std::time::Instant::now() >= next_log {
+                            next_log = std::time::Instant::now() + Duration::from_secs(1);
+                            let why: Vec<String> = lake_dp::wire::message::ErrorCode::ALL
+                                .iter()
+                                .filter(|&&code| counters.refused[code as usize] > 0)
+                                .map(|&code| format!("\"{}\":{}", code.name(), counters.refused[code as usize]))
+                                .collect();
+                            eprintln!(
+                                "{{\"event\":\"tier_commands_failed\",\"commands\":{},\"total\":{},\"refused\":{{{}}}}}",
+                                counters.failed - failed_logged,
+                                counters.failed,
+                                why.join(",")
+                            );
+                            failed_logged = counters.failed;
                         }
                         let node = server.node();
                         let l1 = node.tiers.usage(Tier::L1Dram);

@@ -3,7 +3,7 @@
 //! Advisory only (DESIGN §3): the engine owns its HBM, so Lake never
 //! leases, places or evicts these replicas; it remembers which engine (an
 //! agent's connection) has which keys, so a request can be routed to the
-//! engine that already holds its prefix (the D-direct route of issue [8]).
+//! engine that already holds its prefix (the D-direct route).
 //! Entries go when the agent reports them gone or its connection closes.
 //! Bounded per engine: a report past the bound is refused and counted,
 //! never grown into.

@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod config;
 pub mod demo;
 pub mod embedded;
 pub mod etcd;

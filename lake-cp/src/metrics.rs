@@ -204,7 +204,63 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
         "Connections closed for a malformed frame.",
         &[("", server.bad_frames)],
     );
+    build_and_process(&mut out);
     out
+}
+
+/// `lake_build_info` and the standard `process_*` metrics (from
+/// `/proc/self`), which dashboards and alerts expect of every exporter.
+fn build_and_process(out: &mut String) {
+    let _ = writeln!(out, "# HELP lake_build_info The build serving: its version. Always 1.");
+    let _ = writeln!(out, "# TYPE lake_build_info gauge");
+    let _ = writeln!(out, "lake_build_info{{version=\"{}\"}} 1", env!("CARGO_PKG_VERSION"));
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    // SAFETY: as above.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let (page, ticks) = (u64::try_from(page).unwrap_or(4096), u64::try_from(ticks).unwrap_or(100).max(1));
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let mut pages = statm.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+    let (virtual_pages, resident_pages) = (pages.next().unwrap_or(0), pages.next().unwrap_or(0));
+    // /proc/self/stat: the fields after the command's closing parenthesis,
+    // from the third (state): utime is the 14th, stime the 15th, starttime
+    // the 22nd.
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<u64> =
+        stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().map(|v| v.parse().unwrap_or(0)).collect();
+    let field = |n: usize| fields.get(n - 3).copied().unwrap_or(0);
+    let boot = std::fs::read_to_string("/proc/stat")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("btime ").and_then(|v| v.trim().parse::<u64>().ok()))
+        .unwrap_or(0);
+    let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: a valid out-pointer.
+    let max_fds = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) } == 0 { limit.rlim_cur } else { 0 };
+    #[allow(clippy::cast_precision_loss)] // seconds of CPU and since the epoch, as Prometheus takes them
+    let (cpu, start) = ((field(14) + field(15)) as f64 / ticks as f64, boot as f64 + field(22) as f64 / ticks as f64);
+    let gauges = [
+        (
+            "process_resident_memory_bytes",
+            "gauge",
+            "Resident memory size in bytes.",
+            (resident_pages * page).to_string(),
+        ),
+        ("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", (virtual_pages * page).to_string()),
+        ("process_cpu_seconds_total", "counter", "User and system CPU time spent in seconds.", format!("{cpu:.2}")),
+        (
+            "process_start_time_seconds",
+            "gauge",
+            "Start time of the process since the Unix epoch in seconds.",
+            format!("{start:.2}"),
+        ),
+        ("process_open_fds", "gauge", "Open file descriptors.", fds.to_string()),
+        ("process_max_fds", "gauge", "Maximum open file descriptors.", max_fds.to_string()),
+    ];
+    for (name, kind, help, value) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+    }
 }
 
 fn as_refs(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
@@ -443,13 +499,13 @@ fn rail_metrics(
 }
 
 fn data_plane_metrics(out: &mut String, dp: &lake_dp::wire::message::DataPlaneStats) {
-    metric(
-        out,
-        "lake_dp_poller_ns_total",
-        "counter",
-        "Poll-loop time by state, in nanoseconds.",
-        &[("state=\"busy\"", dp.busy_ns), ("state=\"idle\"", dp.idle_ns), ("state=\"parked\"", dp.parked_ns)],
-    );
+    let _ = writeln!(out, "# HELP lake_dp_poller_seconds_total Poll-loop time by state.");
+    let _ = writeln!(out, "# TYPE lake_dp_poller_seconds_total counter");
+    for (state, ns) in [("busy", dp.busy_ns), ("idle", dp.idle_ns), ("parked", dp.parked_ns)] {
+        #[allow(clippy::cast_precision_loss)] // seconds to the microsecond, as Prometheus takes them
+        let seconds = ns as f64 / 1e9;
+        let _ = writeln!(out, "lake_dp_poller_seconds_total{{state=\"{state}\"}} {seconds:.6}");
+    }
     metric(
         out,
         "lake_dp_path_bytes_total",
@@ -502,11 +558,11 @@ mod tests {
         let node = Node::new(lake_dp::NodeId(0), 1, None);
         let text = render(&node, &ServerCounters::default());
         for line in text.lines() {
-            assert!(
-                line.starts_with("# HELP lake_") || line.starts_with("# TYPE lake_") || line.starts_with("lake_"),
-                "{line}"
-            );
+            let name = line.trim_start_matches("# HELP ").trim_start_matches("# TYPE ");
+            assert!(name.starts_with("lake_") || name.starts_with("process_"), "{line}");
         }
+        assert!(text.contains(&format!("lake_build_info{{version=\"{}\"}} 1\n", env!("CARGO_PKG_VERSION"))));
+        assert!(!text.contains("process_resident_memory_bytes 0\n"), "read from /proc/self");
         assert!(text.contains("lake_cp_replica_reports_total{kind=\"committed\"} 0\n"));
         assert!(!text.contains("lake_rail_"), "no rails reported, none shown");
     }

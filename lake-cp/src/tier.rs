@@ -1748,7 +1748,7 @@ mod tests {
             .collect()
     }
 
-    /// Found by issue [9]'s eager write-back over a 16-slot L1 (a stall
+    /// Found by the eager write-back over a 16-slot L1 (a stall
     /// about one run in 13): an L1 victim whose copy to L3 was in flight
     /// was taken for one on its way out and dropped from L1's cache while
     /// it stayed in L1; once every block there was so, nothing in L1 could

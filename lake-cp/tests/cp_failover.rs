@@ -1,4 +1,4 @@
-//! The leader `lake-cp` SIGKILLed with a standby beside it (issue [7]'s
+//! The leader `lake-cp` SIGKILLed with a standby beside it (the
 //! crash matrix): two `lake cp` processes stand for leadership in a real
 //! etcd (`common/etcd.rs`); a `lake-dp` (the runner, on a thread here)
 //! serves an engine's blocks and reports them to the leader. The leader is

@@ -1,4 +1,4 @@
-//! Draining a disk (issue [10], capacity management) on a real embedded
+//! Draining a disk (capacity management) on a real embedded
 //! pool with two L2 files: `lake drain FILE --wait` tells the data plane
 //! to write nothing new to the file and moves every block it holds to the
 //! other file — sealed (encrypted) blocks as their ciphertext, clear ones

@@ -1,4 +1,4 @@
-//! Encryption at rest (issue [9]), every part real: a tenant's blocks
+//! Encryption at rest, every part real: a tenant's blocks
 //! that the tier manager moves out of a small L1 lie in the L2 files as
 //! AES-256-GCM ciphertext (their plaintext nowhere in the files, their
 //! headers sealed), while another namespace without a key is stored in

@@ -268,7 +268,17 @@ struct Served {
 impl Served {
     fn start(dir: &Path, l3: &Path) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
-            .args(["serve", "--dir", &dir.to_string_lossy(), "--l1-slots", "48", "--l2-slots", "16"])
+            .args([
+                "serve",
+                "--metrics",
+                "127.0.0.1:0",
+                "--dir",
+                &dir.to_string_lossy(),
+                "--l1-slots",
+                "48",
+                "--l2-slots",
+                "16",
+            ])
             .args(["--l3-dir", &l3.to_string_lossy(), "--l3-write-back", "eager"])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -418,7 +428,7 @@ fn l3_past_its_catalog_deletes_the_coldest_objects_in_batches() {
 /// third replica, which the index (two a block) refused — the data plane
 /// kept the L2 copy the control plane never knew, L2 filled with them, and
 /// saves stopped for good when L1 and L2 were full, at block 40 every run
-/// (found in issue [9]'s tests). Every save goes through now, no report is
+/// (found in the security tests). Every save goes through now, no report is
 /// refused, and every block reads back (one read through from L2 while L3
 /// holds it too takes the place of its L2 copy).
 #[test]

@@ -1,5 +1,5 @@
-//! The operator's commands against a real embedded pool (issue [10]'s
-//! `lake inspect` / `lake top`, issue [9]'s purge after a tenant secret
+//! The operator's commands against a real embedded pool (the
+//! `lake inspect` / `lake top`, the purge after a tenant secret
 //! is rotated): `lake top` shows the pool, `lake inspect` a block's
 //! replicas, its history and — read from the arena while an engine
 //! reads it — its L1 pin; `lake namespaces` lists what each namespace

@@ -49,7 +49,7 @@ fn saves_overflow_l1_into_l2_and_fetching_promotes_them_back() {
         local_agents: 1,
         remote_agents: 1,
         tiers: TierConfig { high_percent: 80, low_percent: 60, ..TierConfig::default() },
-        metrics: true,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-pool-{}", std::process::id())))
     })
     .unwrap();
@@ -306,7 +306,7 @@ fn a_save_larger_than_the_port_is_saved_whole() {
 }
 
 /// Loads on a request's critical path are not starved of L1 slots by
-/// write-back (issue [10]): while two other engines save as fast as the
+/// write-back: while two other engines save as fast as the
 /// pool takes their blocks, the last free L1 slots are kept from saves, so
 /// a load from L2 is answered at its first ask instead of being refused for
 /// want of a slot and asked again (without the reserve, 13–31% of such

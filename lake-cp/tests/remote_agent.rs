@@ -73,7 +73,7 @@ fn an_agent_in_another_process_saves_and_loads_and_its_pins_die_with_it() {
         l1_slots: 32,
         l2_slots_per_file: 32,
         remote_agents: 4,
-        metrics: true,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-remote-{}", std::process::id())))
     })
     .unwrap();

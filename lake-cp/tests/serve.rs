@@ -41,7 +41,7 @@ fn serving<S: AsRef<std::ffi::OsStr>>(
     extra: impl IntoIterator<Item = S>,
 ) -> (Serve, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
-        .args(["serve", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32"])
+        .args(["serve", "--metrics", "127.0.0.1:0", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32"])
         .args(extra)
         .stdout(Stdio::piped())
         .spawn()
@@ -121,6 +121,18 @@ fn payload(block: u32) -> Vec<u8> {
     (0..PAYLOAD).map(|i| seed.wrapping_mul(31) ^ (i * 7 + i / 251).to_le_bytes()[0]).collect()
 }
 
+/// One prompt's blocks to save: each the child of the one before.
+fn chain<'a>(keys: &[lake_dp::BlockKey], payloads: &'a [Vec<u8>]) -> Vec<lake_dp::agent::SaveBlock<'a>> {
+    (0..keys.len())
+        .map(|i| lake_dp::agent::SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { lake_dp::BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            payload: lake_dp::agent::SavePayload::Bytes(&payloads[i]),
+        })
+        .collect()
+}
+
 fn engine(dir: &std::path::Path, mirror: &str) -> lake_dp::agent::Agent {
     let cp = dir.join("cp.sock");
     let config = lake_dp::agent::AgentConfig {
@@ -164,14 +176,7 @@ fn acked_blocks_and_the_operators_files_survive_a_clean_restart() {
     let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
     let (arena, mirror) = (field(&record, "arena"), field(&record, "mirror"));
     let mut agent = engine(&dir, &mirror);
-    let blocks: Vec<lake_dp::agent::SaveBlock<'_>> = (0..BLOCKS as usize)
-        .map(|i| lake_dp::agent::SaveBlock {
-            key: keys[i],
-            parent: if i == 0 { lake_dp::BlockKey::NONE } else { keys[i - 1] },
-            block_index: u32::try_from(i).unwrap(),
-            payload: lake_dp::agent::SavePayload::Bytes(&payloads[i]),
-        })
-        .collect();
+    let blocks = chain(&keys, &payloads);
     assert_eq!(agent.save(&blocks), BLOCKS as usize, "every save acked");
     let mut table = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -215,7 +220,18 @@ fn a_second_pool_on_the_same_directory_is_refused_and_the_first_serves_on() {
     let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
     let started = Instant::now();
     let mut second = Command::new(env!("CARGO_BIN_EXE_lake"))
-        .args(["serve", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32", "--dir"])
+        .args([
+            "serve",
+            "--metrics",
+            "127.0.0.1:0",
+            "--block-bytes",
+            "65536",
+            "--l1-slots",
+            "32",
+            "--l2-slots",
+            "32",
+            "--dir",
+        ])
         .arg(&dir)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -288,16 +304,21 @@ fn serve_takes_its_keys_only_from_owner_only_files() {
     for (args, said) in [
         (&["--tenant-quota", "acme:l1=4096"][..], "no --tenant acme=NAMESPACE"),
         (&["--tenant", "acme=7e7e,7f7f", "--tenant", "beta=7f7f"][..], "tenant acme's already"),
-        (&["--tenant", "acme=7e7e,zz"][..], "NAME=NAMESPACE(hex)"),
+        (&["--tenant", "acme=7e7e,zz"][..], "namespace \"zz\": not hex"),
         (
             &["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-sent=1000"][..],
-            "net-send|net-receive|push=BYTES_PER_S",
+            "net-send|push|net-receive=SIZE (bytes per second)",
         ),
-        (&["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-send=0"][..], "(at least 1)"),
-        (&["--l1-class", "28672"][..], "--l1-class 28672: PAYLOAD_BYTES:SLOTS"),
+        (&["--tenant", "acme=7e7e", "--tenant-rate", "acme:net-send=0"][..], "at least 1 byte per second"),
+        (&["--l1-class", "28672"][..], "PAYLOAD_SIZE:SLOTS"),
     ] {
-        let out =
-            Command::new(env!("CARGO_BIN_EXE_lake")).arg("serve").args(args).arg("--dir").arg(&dir).output().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_lake"))
+            .args(["serve", "--metrics", "127.0.0.1:0"])
+            .args(args)
+            .arg("--dir")
+            .arg(&dir)
+            .output()
+            .unwrap();
         assert!(!out.status.success());
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(said), "{args:?}: {stderr}");
@@ -358,7 +379,18 @@ fn a_start_that_cannot_serve_exits_at_once_leaving_nothing_behind() {
     {
         let started = Instant::now();
         let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
-            .args(["serve", "--block-bytes", "65536", "--l2-slots", "32", "--l1-slots", extra, "--dir"])
+            .args([
+                "serve",
+                "--metrics",
+                "127.0.0.1:0",
+                "--block-bytes",
+                "65536",
+                "--l2-slots",
+                "32",
+                "--l1-slots",
+                extra,
+                "--dir",
+            ])
             .arg(dir)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -391,18 +423,357 @@ fn a_start_that_cannot_serve_exits_at_once_leaving_nothing_behind() {
 /// same directory removes it (the lock file names it) and serves.
 #[test]
 fn the_next_pool_of_a_directory_removes_what_a_killed_one_left_in_shm() {
+    use std::os::unix::fs::MetadataExt;
     let dir = std::env::temp_dir().join(format!("lake-serve-killed-{}", std::process::id()));
     let (mut killed, _out) = serving([std::ffi::OsStr::new("--dir"), dir.as_os_str()]);
     let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
     let left = [field(&record, "arena"), field(&record, "mirror")];
     killed.kill().unwrap();
     killed.wait().unwrap();
-    assert!(left.iter().all(|path| std::path::Path::new(path).exists()), "a killed pool's shm is still there");
+    let inode = |path: &str| std::fs::metadata(path).map(|m| m.ino()).ok();
+    let before: Vec<_> = left.iter().map(|p| inode(p)).collect();
+    assert!(before.iter().all(Option::is_some), "a killed pool's shm is still there");
     let (mut next, _out) = serving([std::ffi::OsStr::new("--dir"), dir.as_os_str()]);
-    for path in &left {
-        assert!(!std::path::Path::new(path).exists(), "{path} is left behind");
+    // The same names (an engine's config names them), new files.
+    let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+    assert_eq!([field(&record, "arena"), field(&record, "mirror")], left, "names are the directory's");
+    for (path, old) in left.iter().zip(&before) {
+        assert_ne!(inode(path), *old, "{path}: the killed pool's file is still there");
     }
     sigterm(&next);
     assert!(exited(&mut next, 60).success());
+    for path in &left {
+        assert!(!std::path::Path::new(path).exists(), "{path} is left behind");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn names_and_metrics_address_stay_across_restarts_and_a_closed_stdout_is_no_crash() {
+    let dir = std::env::temp_dir().join(format!("lake-serve-names-{}", std::process::id()));
+    // A port free now, named as an operator's scrape config would.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let metrics = format!("127.0.0.1:{port}");
+    let args = |dir: &std::path::Path| -> Vec<std::ffi::OsString> {
+        vec!["--dir".into(), dir.into(), "--metrics".into(), metrics.clone().into()]
+    };
+    let mut names = Vec::new();
+    for run in 0..2 {
+        let (mut pool, out) = serving(args(&dir));
+        let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+        names.push([field(&record, "arena"), field(&record, "mirror"), field(&record, "metrics")]);
+        assert_eq!(field(&record, "metrics"), metrics);
+        let scraped = http_get(&metrics, "/metrics");
+        assert!(scraped.contains("lake_build_info{version=\""), "{scraped}");
+        assert!(scraped.contains("process_resident_memory_bytes "), "{scraped}");
+        assert!(scraped.contains("process_start_time_seconds "), "{scraped}");
+        if run == 1 {
+            // The reader of its stdout goes (a supervisor's pipe closed):
+            // the pool serves on and still stops cleanly.
+            drop(out);
+            std::thread::sleep(Duration::from_millis(200));
+            assert!(pool.try_wait().unwrap().is_none(), "it died with its stdout");
+        }
+        sigterm(&pool);
+        let status = exited(&mut pool, 60);
+        assert!(status.success(), "run {run}: {status}");
+    }
+    assert_eq!(names[0], names[1], "names change from one start to the next");
+    assert!(names[0][0].starts_with("/dev/shm/lake-l1-"), "{:?}", names[0]);
+    // Another directory, other names.
+    let other = dir.with_extension("other");
+    let mut extra = args(&other);
+    extra[3] = "127.0.0.1:0".into();
+    let (mut pool, _out) = serving(extra);
+    let record = std::fs::read_to_string(other.join("pool.json")).unwrap();
+    assert_ne!(field(&record, "arena"), names[0][0]);
+    assert_ne!(field(&record, "mirror"), names[0][1]);
+    sigterm(&pool);
+    assert!(exited(&mut pool, 60).success());
+    // A metrics address in use: the start fails at once, saying so.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--metrics", &busy.local_addr().unwrap().to_string(), "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("metrics on 127.0.0.1:"), "{out:?}");
+    for d in [&dir, &other] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+/// One plain HTTP GET; the body.
+fn http_get(address: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    answer.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or(answer)
+}
+
+/// Every subcommand of `lake`.
+const SUBCOMMANDS: [&str; 15] = [
+    "demo",
+    "serve",
+    "config",
+    "top",
+    "inspect",
+    "namespaces",
+    "purge",
+    "regions",
+    "peers",
+    "drain",
+    "drain-node",
+    "cp",
+    "summary",
+    "keygen",
+    "config check",
+];
+
+#[test]
+fn help_and_version_on_every_subcommand_and_errors_in_a_line() {
+    let scratch = std::env::temp_dir().join(format!("lake-help-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    let lake =
+        |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_lake")).current_dir(&scratch).args(args).output().unwrap();
+    let version = format!(" {}", env!("CARGO_PKG_VERSION"));
+    for sub in SUBCOMMANDS {
+        let words: Vec<&str> = sub.split(' ').collect();
+        let help = lake(&[&words[..], &["--help"]].concat());
+        let text = String::from_utf8_lossy(&help.stdout);
+        assert!(help.status.success(), "{sub} --help: {help:?}");
+        assert!(text.contains(&format!("Usage: lake {sub}")), "{sub}: {text}");
+        let shown = lake(&[&words[..], &["--version"]].concat());
+        assert!(shown.status.success(), "{sub} --version: {shown:?}");
+        assert!(String::from_utf8_lossy(&shown.stdout).contains(&version), "{sub}: {shown:?}");
+    }
+    // Defaults are in the help.
+    let help = String::from_utf8_lossy(&lake(&["serve", "--help"]).stdout).into_owned();
+    assert!(help.contains("[default: 64KiB]") && help.contains("[default: 127.0.0.1:9477]"), "{help}");
+    // `keygen --help` is help, not a key file named `--help`.
+    assert_eq!(std::fs::read_dir(&scratch).unwrap().count(), 0, "a file was written");
+    // A bad value: refused, in a line and a hint, not pages of usage; a
+    // boolean is a boolean.
+    for (args, said) in [
+        (&["serve", "--require-encryption", "maybe"][..], "invalid value 'maybe'"),
+        (&["serve", "--l3-create-bucket=yes"][..], "invalid value 'yes'"),
+        (&["serve", "--block-bytes", "2XB"][..], "unit \"XB\""),
+        (&["serve", "--l1-slots", "x"][..], "--l1-slots"),
+        (&["demo", "--help=x"][..], "--help"),
+        (&["top"][..], "--admin"),
+    ] {
+        let out = lake(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(said), "{args:?}: {stderr}");
+        assert!(stderr.lines().count() <= 6, "{args:?}: {stderr}");
+    }
+    std::fs::remove_dir_all(&scratch).unwrap();
+}
+
+#[test]
+fn a_config_file_is_the_flags_checked_before_anything_starts() {
+    let dir = std::env::temp_dir().join(format!("lake-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lake = |args: &[&std::ffi::OsStr]| Command::new(env!("CARGO_BIN_EXE_lake")).args(args).output().unwrap();
+    // The example in the repository is checked as it stands.
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/lake.toml");
+    let checked = lake(&["config".as_ref(), "check".as_ref(), example.as_os_str()]);
+    assert!(checked.status.success(), "{checked:?}");
+    assert!(String::from_utf8_lossy(&checked.stdout).contains("\"event\":\"config_ok\""), "{checked:?}");
+    // Each bad key is named with its file, and nothing starts.
+    let file = dir.join("lake.toml");
+    for (text, said) in [
+        ("blok-bytes = \"2MiB\"\n", "blok-bytes: no such setting"),
+        ("block-bytes = \"2 XiB\"\n", "block-bytes: invalid value"),
+        ("require-encryption = \"yes\"\n", "require-encryption: invalid value"),
+        ("l1-class = [\"2MiB\"]\n", "l1-class: invalid value"),
+        ("tenant-quota = [\"acme:l1=4GiB\"]\n", "no --tenant acme=NAMESPACE"),
+        ("l3-endpoint = \"http://127.0.0.1:1\"\n", "--l3-bucket"),
+    ] {
+        std::fs::write(&file, text).unwrap();
+        let checked = lake(&["config".as_ref(), "check".as_ref(), file.as_os_str()]);
+        assert!(!checked.status.success(), "{text}");
+        let stderr = String::from_utf8_lossy(&checked.stderr);
+        assert!(stderr.contains(said), "{text}: {stderr}");
+        let started = Command::new(env!("CARGO_BIN_EXE_lake"))
+            .args([
+                "serve".as_ref(),
+                "--config".as_ref(),
+                file.as_os_str(),
+                "--dir".as_ref(),
+                dir.join("pool").as_os_str(),
+            ])
+            .output()
+            .unwrap();
+        assert!(!started.status.success(), "{text}");
+        assert!(String::from_utf8_lossy(&started.stderr).contains(said), "{text}: {started:?}");
+        assert!(!dir.join("pool").exists(), "{text}: a pool started");
+    }
+    // A good file serves; a flag overrides its value.
+    std::fs::write(&file, "block-bytes = \"128KiB\"\nl1-slots = 16\nl2-slots = 16\nmetrics = \"127.0.0.1:0\"\n")
+        .unwrap();
+    let pool_dir = dir.join("pool");
+    let l2 = dir.join("l2-device.lake");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve".as_ref(), "--config".as_ref(), file.as_os_str(), "--l1-slots".as_ref(), "24".as_ref()])
+        .args(["--dir".as_ref(), pool_dir.as_os_str(), "--l2-file".as_ref(), l2.as_os_str()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut child = Serve(child);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let record: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(record["block_bytes"], 128 * 1024, "{line}");
+    assert_eq!(record["l1_classes"][0][1], 24, "the flag overrode the file: {line}");
+    assert!(l2.exists(), "the L2 file on the command line is made");
+    sigterm(&child);
+    assert!(exited(&mut child, 60).success());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Saves an L1 cannot take are refused — and said: a `saves_refused` line
+/// on stderr (once a second at most, with how many) and a count in `lake
+/// top`, not silence and 0% hits.
+#[test]
+fn refused_saves_are_logged_and_shown_in_top() {
+    let dir = std::env::temp_dir().join(format!("lake-serve-refused-{}", std::process::id()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--metrics", "127.0.0.1:0", "--block-bytes", "65536", "--l1-slots", "16", "--l2-slots", "8"])
+        .arg("--dir")
+        .arg(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let stderr = child.stderr.take().unwrap();
+    let mut child = Serve(child);
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let mut agent = engine(&dir, &field(&line, "mirror"));
+    // Far more blocks in one call than L1 has slots.
+    let many = 200;
+    let keys: Vec<lake_dp::BlockKey> = (0..many).map(key).collect();
+    let payloads: Vec<Vec<u8>> = (0..many).map(payload).collect();
+    let blocks = chain(&keys, &payloads);
+    let acked = agent.save(&blocks);
+    assert!(acked < many as usize, "an L1 of 16 slots took {acked} of {many} in one call");
+    // The count reaches lake-cp with the data plane's next report (once a
+    // second); the call is over, so the one after that is final.
+    let admin = dir.join("admin.sock");
+    let top = || -> serde_json::Value {
+        let shown = Command::new(env!("CARGO_BIN_EXE_lake"))
+            .args(["top", "--once", "--json", "--admin"])
+            .arg(&admin)
+            .output()
+            .unwrap();
+        serde_json::from_slice(&shown.stdout).unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while top()["saves"]["refused"].as_u64().unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "lake top never showed the refusals: {}", top());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let top = top();
+    let refused = top["saves"]["refused"].as_u64().unwrap();
+    assert!(refused >= u64::try_from(many as usize - acked).unwrap(), "{top}");
+    assert!(top["saves"]["saved"].as_u64().unwrap() >= u64::try_from(acked).unwrap(), "{top}");
+    dashboard_queries_name_exported_metrics(&http_get(&field(&line, "metrics"), "/metrics"));
+    let text = Command::new(env!("CARGO_BIN_EXE_lake")).args(["top", "--once", "--dir"]).arg(&dir).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains(&format!("{refused} refused (no L1 slot free)")), "{text}");
+    drop(agent);
+    sigterm(&child);
+    assert!(exited(&mut child, 60).success());
+    let mut logged = String::new();
+    std::io::Read::read_to_string(&mut BufReader::new(stderr), &mut logged).unwrap();
+    let lines: Vec<&str> = logged.lines().filter(|l| l.contains("\"event\":\"saves_refused\"")).collect();
+    assert!(!lines.is_empty(), "nothing logged: {logged}");
+    let total: u64 =
+        lines.iter().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["blocks"].as_u64().unwrap()).sum();
+    assert_eq!(total, refused, "{logged}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Under systemd (`Type=notify`): `READY=1` once engines can attach — not
+/// before `pool.json` is there — and `STOPPING=1` when a stop begins, on
+/// the datagram socket `$NOTIFY_SOCKET` names. systemd is not PID 1 on a
+/// test machine, so the socket here is the test's own, read as systemd
+/// reads it; the unit file itself is checked by `systemd-analyze verify`.
+#[test]
+fn serve_tells_a_service_manager_it_is_ready_and_stopping() {
+    let dir = std::env::temp_dir().join(format!("lake-serve-notify-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket_path = dir.join("notify.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
+    socket.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let pool_dir = dir.join("pool");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--metrics", "127.0.0.1:0", "--l1-slots", "32", "--l2-slots", "32", "--dir"])
+        .arg(&pool_dir)
+        .env("NOTIFY_SOCKET", &socket_path)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buffer = [0u8; 256];
+    let n = socket.recv(&mut buffer).unwrap();
+    assert_eq!(&buffer[..n], b"READY=1");
+    assert!(pool_dir.join("pool.json").exists(), "ready before engines can find the pool");
+    sigterm(&child);
+    let n = socket.recv(&mut buffer).unwrap();
+    assert_eq!(&buffer[..n], b"STOPPING=1");
+    assert!(exited(&mut child, 60).success());
+
+    // The unit in the repository, as systemd reads it (with this build's
+    // binary, which must exist for it to pass).
+    let unit = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/lake.service");
+    let text = std::fs::read_to_string(&unit).unwrap();
+    assert!(text.contains("Type=notify") && text.contains("ExecStart=/usr/local/bin/lake serve"), "{text}");
+    let here = dir.join("lake.service");
+    std::fs::write(&here, text.replace("/usr/local/bin/lake ", &format!("{} ", env!("CARGO_BIN_EXE_lake")))).unwrap();
+    match Command::new("systemd-analyze").arg("verify").arg(&here).output() {
+        Err(e) => println!("SKIPPED: systemd-analyze verify ({e})"),
+        Ok(checked) => {
+            let said =
+                format!("{}{}", String::from_utf8_lossy(&checked.stdout), String::from_utf8_lossy(&checked.stderr));
+            assert!(checked.status.success() && said.trim().is_empty(), "examples/lake.service: {said}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every metric a query of the Grafana dashboard in the repository names
+/// is one `scraped` (a running pool's `/metrics`) has: a dashboard of
+/// empty panels is a dashboard that lies.
+fn dashboard_queries_name_exported_metrics(scraped: &str) {
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/grafana-lake.json");
+    let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    let exported: std::collections::HashSet<&str> =
+        scraped.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
+    let mut named = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            let mut rest = expr;
+            while let Some(at) = rest.find(|c: char| c.is_ascii_lowercase()) {
+                rest = &rest[at..];
+                let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
+                let word = &rest[..end];
+                if word.starts_with("lake_") || word.starts_with("process_") {
+                    named += 1;
+                    assert!(exported.contains(word), "{}: {word} is not exported", panel["title"]);
+                }
+                rest = &rest[end..];
+            }
+        }
+    }
+    assert!(named >= 15, "the dashboard names {named} metrics");
 }

@@ -155,7 +155,7 @@ fn engines_in_other_processes_soak_the_pool_with_every_byte_right_and_memory_fla
         l1_slots: 128,
         l2_slots_per_file: 128,
         remote_agents: 4,
-        metrics: true,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
         l3: Some(lake_dp::runner::config::L3Section {
             objects: 8192,
             ..lake_dp::runner::config::L3Section::dir(l3.clone())

@@ -176,10 +176,11 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     let transport = format!("127.0.0.1:{port}");
     let node_args = |node: u32, transport_flags: [String; 2]| -> Vec<String> {
         let dir = base.join(format!("node{node}"));
-        let mut args: Vec<String> = ["serve", "--node", &node.to_string(), "--dir", &dir.display().to_string()]
-            .iter()
-            .map(ToString::to_string)
-            .collect();
+        let mut args: Vec<String> =
+            ["serve", "--metrics", "127.0.0.1:0", "--node", &node.to_string(), "--dir", &dir.display().to_string()]
+                .iter()
+                .map(ToString::to_string)
+                .collect();
         args.extend(["--block-bytes", "16384", "--summary-to", &listen].map(String::from));
         args.extend(["--etcd", &endpoint, "--cluster", "sum", "--member-ttl", "2"].map(String::from));
         args.extend(transport_flags);
@@ -283,7 +284,19 @@ fn a_drained_nodes_blocks_move_to_another_member_and_it_answers_not_ready() {
         let dir = base.join(format!("node{node}"));
         let dir = dir.display().to_string();
         let (node, member) = (node.to_string(), ["--etcd", &endpoint, "--cluster", "drn", "--member-ttl", "2"]);
-        let mut args = vec!["serve", "--node", &node, "--dir", &dir, "--block-bytes", "16384", "--l1-slots", l1];
+        let mut args = vec![
+            "serve",
+            "--metrics",
+            "127.0.0.1:0",
+            "--node",
+            &node,
+            "--dir",
+            &dir,
+            "--block-bytes",
+            "16384",
+            "--l1-slots",
+            l1,
+        ];
         args.extend(["--summary-to", &listen]);
         args.extend(member);
         args.extend(flags);
@@ -380,5 +393,5 @@ fn a_drained_nodes_blocks_move_to_another_member_and_it_answers_not_ready() {
     }
     // A bad node number is refused by name.
     let (ok, said) = drain_node(&["--etcd", &endpoint, "--cluster", "drn", "one"]);
-    assert!(!ok && said.contains("node \"one\""), "{said}");
+    assert!(!ok && said.contains("invalid value 'one' for '<NODE>'"), "{said}");
 }

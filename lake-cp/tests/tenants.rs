@@ -1,4 +1,4 @@
-//! Two tenants, the same tokens (issue [9]): their namespaces key the
+//! Two tenants, the same tokens: their namespaces key the
 //! prompt to unrelated blocks, so in one real pool tenant B finds none of
 //! what tenant A saved, each finds and loads only its own bytes, and a
 //! forged lookup with A's namespace id but B's keys finds nothing either.
@@ -71,7 +71,12 @@ fn a_tenant_over_its_quota_across_namespaces_gives_up_its_own_l1() {
         tier: Tier::L1Dram,
         bytes,
     };
-    let mut config = EmbeddedConfig { local_agents: 3, metrics: true, l1_slots: 64, ..EmbeddedConfig::new(dir) };
+    let mut config = EmbeddedConfig {
+        local_agents: 3,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
+        l1_slots: 64,
+        ..EmbeddedConfig::new(dir)
+    };
     config.tiers.tenant_quotas =
         vec![quota("acme", vec![a1.id().0, a2.id().0], 6 * slot), quota("other", vec![b.id().0], 64 * slot)];
     let mut pool = EmbeddedPool::start(&config).unwrap();
@@ -142,7 +147,11 @@ fn a_tenant_capped_on_l2_reads_loads_no_faster_than_its_cap_and_the_other_is_not
     let dir = std::env::temp_dir().join(format!("lake-cp-tenant-rate-{}", std::process::id()));
     let (capped, free) = (namespace(4), namespace(5));
     let slot = lake_dp::stored::object_bytes(64 * 1024);
-    let mut config = EmbeddedConfig { local_agents: 2, metrics: true, ..EmbeddedConfig::new(dir) };
+    let mut config = EmbeddedConfig {
+        local_agents: 2,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
+        ..EmbeddedConfig::new(dir)
+    };
     // An L1 quota of two blocks each: what they save goes down to L2.
     for ns in [&capped, &free] {
         let tenant = format!("{:x}", ns.id().0);

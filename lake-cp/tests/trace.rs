@@ -1,4 +1,4 @@
-//! Trace ids through the pool (issue [10]): an engine's agent names the
+//! Trace ids through the pool: an engine's agent names the
 //! request it serves (`Agent::set_trace`), its loads carry the id to the
 //! data plane — in-process, and over the shared-memory port of an agent in
 //! another process's place — which logs each load under it with its time

@@ -457,7 +457,7 @@ fn capped_pair_at(name: &str, rate: u64, tiers: lake_cp::tier::TierConfig, at: C
     let a = EmbeddedPool::start(&start_config(format!("{name}-a"), 1, None, vec![(2, node_b)], capped_a)).unwrap();
     // Node 2 serves /metrics: who waited to be received shows there.
     let b = EmbeddedPool::start(&EmbeddedConfig {
-        metrics: true,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
         ..start_config(format!("{name}-b"), 2, Some(node_b), Vec::new(), capped_b)
     })
     .unwrap();

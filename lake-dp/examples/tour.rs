@@ -5,8 +5,7 @@
 //! frame a "block committed" message on the wire, and hold the block in an
 //! L1 shared-memory arena that an agent pins without a round trip.
 //!
-//! This is the placeholder main job until issue [3] delivers the embedded
-//! single-node pool. Run: `cargo run --release -p lake-dp --example tour`.
+//! Run: `cargo run --release -p lake-dp --example tour`.
 
 use std::io::{Read, Seek, SeekFrom, Write};
 

@@ -33,7 +33,7 @@ pub const STORED_VERSION: u16 = 1;
 /// Bytes covered by the header CRC: everything before it.
 const HEADER_CRC_OFFSET: usize = STORED_HEADER_BYTES - 4;
 
-/// Header flag: the payload is sealed (encrypted at rest, issue [9]); the
+/// Header flag: the payload is sealed (encrypted at rest); the
 /// [`Seal`] is in the header, the segment CRCs are over the ciphertext.
 pub const FLAG_SEALED: u16 = 1;
 

@@ -222,8 +222,15 @@ fn bad_configs_and_flags_are_named() {
     assert!(err.contains("--numa-node"), "{err}");
     let (code, err) = run(&["--config", good.to_str().unwrap(), "--cores", "x"]);
     assert_eq!(code, Some(2));
-    assert!(err.contains("--cores x"), "{err}");
+    assert!(err.contains("invalid value 'x' for '--cores"), "{err}");
     let (code, err) = run(&["--cores", "1"]);
     assert_eq!(code, Some(2));
-    assert!(err.contains("--config is required"), "{err}");
+    assert!(err.contains("required") && err.contains("--config <FILE>"), "{err}");
+    // Help and version are answers, not errors.
+    for flag in ["--help", "--version"] {
+        let output = Command::new(env!("CARGO_BIN_EXE_lake-dp")).arg(flag).output().unwrap();
+        assert!(output.status.success(), "{flag}: {output:?}");
+        let shown = String::from_utf8_lossy(&output.stdout);
+        assert!(shown.contains(if flag == "--help" { "Usage: lake-dp" } else { env!("CARGO_PKG_VERSION") }), "{shown}");
+    }
 }

@@ -48,7 +48,7 @@ fn pool(node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, Vec<Rail>)>) -> 
         remote_agents: 0,
         transport_listen: listen,
         transport_peers: peers,
-        metrics: true,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
         node,
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-netns-pool-{node}-{}", std::process::id())))
     })

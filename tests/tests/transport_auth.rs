@@ -1,4 +1,4 @@
-//! Authenticated transport links (issue [9]): two nodes holding the
+//! Authenticated transport links: two nodes holding the
 //! cluster's link key move blocks as before; a peer without it, with
 //! another key, or replaying a recorded handshake gets nothing through;
 //! a frame tampered with, replayed or truncated on an authenticated

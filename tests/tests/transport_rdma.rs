@@ -771,7 +771,7 @@ fn a_traced_offer_lands_under_its_trace_id_and_the_readers_time_comes_back() {
     }
 }
 
-/// What a node receives over RDMA is capped per tenant (issue [10]), as
+/// What a node receives over RDMA is capped per tenant, as
 /// over TCP: each offer names its block's namespace; the receiver answers
 /// an offer over its tenant's cap *later* with the wait, reading nothing;
 /// the sender takes its key back, holds the block and offers it again

@@ -493,7 +493,7 @@ fn two_senders_numbering_their_transfers_alike_land_every_block_apart() {
     assert_eq!(node.published.len(), 16);
 }
 
-/// What a node receives is capped per tenant (issue [10]): a sender of this
+/// What a node receives is capped per tenant: a sender of this
 /// build names each block's namespace in its reservation, the receiver
 /// answers "later" while the block's tenant is over its cap, and the sender
 /// asks again after the wait it was told — nothing refused or lost: the

@@ -7,8 +7,9 @@ status other than ``LAKE_OK`` raises :class:`LakeError` with the library's
 message.
 
 The library is found through ``LAKE_LIBRARY`` (a path to ``liblake.so``),
-else in ``target/release`` or ``target/debug`` of the checkout this
-package sits in.
+else beside this file (the wheel, ``lake-kv``, carries it), else in
+``target/release`` or ``target/debug`` of the checkout this package sits
+in.
 """
 
 from __future__ import annotations
@@ -104,6 +105,27 @@ TRACE_SPAN_DTYPE = np.dtype(
 SPAN_LOAD, SPAN_PUSH = 0, 1
 assert LOCATION_DTYPE.itemsize == 16 and COMPLETION_DTYPE.itemsize == 16
 assert TRACE_SPAN_DTYPE.itemsize == 48
+
+
+def pool_record(directory: str, setting: str = "pool_dir") -> dict:
+    """What ``lake serve --dir DIR`` recorded in ``DIR/pool.json`` at its
+    start: its sockets (``dp_socket``, ``cp_socket``, ``admin_socket``), its
+    mirror and arena, its metrics address, its block size and L1 classes.
+    An engine configured with the directory alone finds the rest here.
+    ``setting`` names the engine's setting in errors."""
+    import json
+
+    path = Path(directory) / "pool.json"
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{setting}: no {path}: is `lake serve --dir {directory}` running?") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{setting}: {path}: {e}") from None
+    missing = [name for name in ("dp_socket", "mirror", "cp_socket") if not record.get(name)]
+    if missing:
+        raise ValueError(f"{path} names no {', '.join(missing)}: was it written by `lake serve`?")
+    return record
 
 
 class LakeError(Exception):
@@ -234,6 +256,9 @@ def _find_library() -> str:
     if explicit:
         return explicit
     here = Path(__file__).resolve()
+    bundled = here.parent / "liblake.so"
+    if bundled.is_file():  # installed from the wheel
+        return str(bundled)
     for parent in here.parents:
         for profile in ("release", "debug"):
             candidate = parent / "target" / profile / "liblake.so"

@@ -421,24 +421,6 @@ def _describe_bhnc(shape, stride, element_size, block_size, num_blocks, mla) -> 
     )
 
 
-def _pool_record(directory: str) -> dict[str, Any]:
-    """What ``lake serve --dir DIR`` recorded in ``DIR/pool.json``: its
-    sockets and the mirror, whose name changes from one start to the next."""
-    path = Path(directory) / "pool.json"
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(
-            f"kv_connector_extra_config['pool_dir']: no {path}: is `lake serve --dir {directory}` running?"
-        ) from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"kv_connector_extra_config['pool_dir']: {path}: {e}") from None
-    missing = [name for name in ("dp_socket", "mirror", "cp_socket") if not record.get(name)]
-    if missing:
-        raise ValueError(f"{path} names no {', '.join(missing)}: was it written by `lake serve`?")
-    return record
-
-
 def _extra(vllm_config) -> dict[str, Any]:
     """The connector's settings: the pool named by its directory
     (``pool_dir``, what ``lake serve --dir`` was given) or by its
@@ -446,7 +428,7 @@ def _extra(vllm_config) -> dict[str, Any]:
     config = getattr(vllm_config, "kv_transfer_config", None)
     extra = dict(getattr(config, "kv_connector_extra_config", None) or {})
     if "pool_dir" in extra:
-        record = _pool_record(str(extra["pool_dir"]))
+        record = lake.pool_record(str(extra["pool_dir"]), "kv_connector_extra_config['pool_dir']")
         for name in ("dp_socket", "mirror", "cp_socket"):
             extra.setdefault(name, record[name])
     for name in ("dp_socket", "mirror"):

@@ -1,4 +1,4 @@
-"""A deterministic CPU stand-in for a decode engine (issue [7]'s F4 case).
+"""A deterministic CPU stand-in for a decode engine (the F4 case).
 
 Its "model": a block's KV is a function of the previous block's KV and
 the block's tokens (a chain, like attention's); the next token is a

@@ -1,4 +1,4 @@
-"""Issue [7]'s F4 case: a decode engine killed mid-generation (SIGKILL) is
+"""The F4 case: a decode engine killed mid-generation (SIGKILL) is
 resumed by another from the pool, losing at most one block, and the
 output goes on exactly as the uninterrupted generation's.
 

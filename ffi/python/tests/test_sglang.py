@@ -73,6 +73,24 @@ def test_decode_context_parallelism_is_refused():
         lake_sglang.LakeStore(config, None)
 
 
+def test_the_pool_is_named_by_its_directory_alone(pool_paths, tmp_path):
+    # What `lake serve --dir` records there at its start.
+    record = {"dp_socket": pool_paths["DP_SOCKET"], "mirror": pool_paths["MIRROR"], "cp_socket": pool_paths["CP_SOCKET"]}
+    (tmp_path / "pool.json").write_text(json.dumps(record))
+    config = storage_config(pool_paths, "by-dir")
+    for name in ("dp_socket", "mirror", "cp_socket"):
+        del config.extra_config[name]
+    config.extra_config["pool_dir"] = str(tmp_path)
+    store = lake_sglang.LakeStore(config, {})
+    host = host_pool("page_first")
+    store.register_mem_pool_host(host)
+    tokens = list(range(3 * PAGE))
+    keys = page_hashes(tokens)
+    write_back(store, keys, [0, 1, 2])
+    wait_held(store, keys, 3)
+    store.close()
+
+
 def storage_config(paths, model, mla=False, tp_rank=0, tp_size=1, **extra):
     config = {
         "backend_name": "lake",
@@ -265,6 +283,10 @@ def test_configuration_errors_are_named(pool_paths):
     del bad.extra_config["dp_socket"]
     with pytest.raises(ValueError, match="dp_socket"):
         lake_sglang.LakeStore(bad, {})
+    missing = storage_config(pool_paths, "m")
+    missing.extra_config = {"interface_v1": 1, "pool_dir": "/nonexistent/pool"}
+    with pytest.raises(ValueError, match="is `lake serve --dir /nonexistent/pool` running"):
+        lake_sglang.LakeStore(missing, {})
     store = lake_sglang.LakeStore(storage_config(pool_paths, "m"), {})
     with pytest.raises(ValueError, match="not one of"):
         store.register_mem_pool_host(SimpleNamespace(kv_buffer=np.zeros((2, 2)), layout="sideways", page_size=PAGE))

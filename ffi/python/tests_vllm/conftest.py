@@ -44,7 +44,7 @@ class Pool:
         self.dir = directory
         self.log = directory.parent / f"{directory.name}.log"
         self.args = [
-            binary, "serve", "--dir", str(directory), "--block-bytes", str(block_bytes),
+            binary, "serve", "--metrics", "127.0.0.1:0", "--dir", str(directory), "--block-bytes", str(block_bytes),
             "--l1-slots", str(l1_slots), "--l2-slots", str(l2_slots),
         ]
         self.process = None

@@ -28,7 +28,7 @@ pub(crate) fn start(name: &str, listen: Option<std::net::SocketAddr>, rdma: Opti
         remote_agents: 4,
         transport_listen: listen,
         rdma,
-        metrics: true,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
         ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-ffi-push-{name}-{}", std::process::id())))
     })
     .unwrap()

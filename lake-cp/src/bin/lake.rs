@@ -1,171 +1,412 @@
 //! `lake`: the operator's command. `lake demo` runs the embedded
 //! single-node pool — control plane, data plane and engine agents in one
 //! process, nothing external — under a multi-turn agent workload, and
-//! reports hit rate, bytes per tier, tier moves and latencies.
+//! reports hit rate, bytes per tier, tier moves and latencies; `lake
+//! serve` runs the pool as a service; the rest look at a running pool or
+//! run a cluster's parts.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+use clap::{Args, Parser, Subcommand};
+use lake_cp::config::ServeArgs;
 use lake_cp::demo::{DemoConfig, DemoReport, Percentiles};
 
-const USAGE: &str = "usage: lake demo [--sessions N] [--turns N] [--engines N] [--system-blocks N]
-                 [--message-blocks N] [--reply-blocks N] [--l1-slots N] [--l2-slots N]
-                 [--seed N] [--dir DIR] [--hold SECONDS]
-       lake serve [--dir DIR] [--stop-timeout SECONDS] [--block-bytes N] [--l1-slots N] [--l2-slots N] [--agents N]
-                  [--commit-check inline|background|trust] [--transport-listen IP:PORT]
-                  [--node N] [--transport-peer NODE=[LOCAL>]IP:PORT[,...] ...]
-                  [--rdma-device NAME|any[:PORT[:GID_INDEX]]|loopback]
-                  [--l3-dir DIR | --l3-endpoint URL --l3-bucket NAME [--l3-create-bucket yes]]
-                  [--l3-prefix P] [--l3-objects N] [--l3-write-back evict|eager]
-                  [--l2-admission always|second-access] [--l2-background-depth N]
-                  [--l1-load-reserve N] [--l1-class PAYLOAD_BYTES:SLOTS ...] [--l1-chunk-bytes N]
-                  [--summary-to IP:PORT[,...]] [--etcd URL --cluster NAME [--member-ttl SECONDS]]
-                  [--link-key FILE] [--tag-threads N] [--allow-uid N[,N...]] [--allow-gid N[,N...]]
-                  [--socket-group NAME] [--socket-mode OCTAL]
-                  [--tenant-key NAMESPACE=FILE ...] [--tenant-keys DIR] [--require-encryption yes]
-                  [--quota NAMESPACE:l1|l2|l3=BYTES ...]
-                  [--tenant NAME=NAMESPACE[,NAMESPACE...] ...] [--tenant-quota NAME:l1|l2|l3=BYTES ...]
-                  [--tenant-rate NAME:l2-read|l2-write|l3-read|l3-write|net-send|net-receive|push=BYTES_PER_S ...]
-                  (the embedded pool for engines in other processes, until SIGTERM/SIGINT;
-                   DIR is its home, one pool at a time (DIR/lake.lock): its L2 files stay there and
-                   are re-adopted at the next start, L1 written down to them at stop within
-                   --stop-timeout (30 s); without --dir a temporary directory that goes with it;
-                   with a link key every transport and summary connection is authenticated;
-                   with an RDMA device each peer's link negotiates RDMA over TCP, falling back to it;
-                   --tag-threads spreading the tags of large slices over N threads;
-                   --l1-class adding an L1 size class for another block layout (another model),
-                   the classes sharing L1 in chunks of four of the largest slots, or of
-                   --l1-chunk-bytes N (0: each class owning its slots);
-                   SIGHUP reads --tenant-keys DIR's NAMESPACE.key files again: one gone is purged)
-       lake cp --socket PATH --mirror PATH --etcd http://HOST:PORT[,...] --cluster NAME --id ID
-               [--ttl SECONDS] [--node N] [--entries N]
-               (a control plane standing for leadership in etcd: a standby until it leads,
-                then serving the socket and writing the mirror under its term)
-       lake summary --listen IP:PORT [--etcd URL --cluster NAME --id ID [--ttl SECONDS]]
-                    [--checkpoint-dir DIR] [--checkpoint-ms N] [--replicate-children K]
-                    [--link-key FILE]
-               (the leader's cluster summary: the nodes' deltas applied in order, a gap resynced
-                by snapshot, lapsed members' L1 dropped, checkpoints on DIR with the pointer in etcd;
-                a block K or more blocks continue is copied into every member's L1)
-       lake keygen FILE
-               (a new cluster link key, readable by its owner only; an existing file is kept)
-       lake top --admin PATH [--once] [--interval-ms N] [--json]
-               (the pool at a glance from a running lake-cp's operator socket, DIR/admin.sock)
-       lake inspect --admin PATH [--arena PATH] [--json] KEY
-               (one block: its replicas, leases, L1 pins (with --arena) and recent history)
-       lake namespaces --admin PATH [--json]
-               (every namespace holding bytes, by tier)
-       lake purge --admin PATH [--wait SECONDS] NAMESPACE
-               (drop every replica of a namespace from every tier: an old model, a rotated tenant key)
-       lake regions --admin PATH [--json]
-               (every region: L1 arena, each L2 file, L3; what each holds, which are draining)
-       lake peers --admin PATH [--json]
-               (every data plane and agent connected: name, node, pid, wire version, the features
-                both sides took; during a rolling upgrade, which are still an older build)
-       lake drain --admin PATH [--wait SECONDS] [--undo] REGION|FILE
-               (stop writing to an L2 file and move its blocks to the node's other files;
-                --wait: until it is empty, then it may be taken away; --undo: use it again)
-       lake drain-node --etcd URL --cluster NAME [--wait SECONDS] [--undo] NODE
-               (take a node out: it answers /readyz not ready, the leader's summary copies
-                every block only it holds into other members' L1 and copies nothing to it;
-                --wait: until none is left, then it may be stopped; --undo: take it back)";
+/// A line on stdout, flushed; a closed stdout (a pipe whose reader went)
+/// is no reason to stop serving, so its error is dropped.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, $($arg)*);
+        let _ = out.flush();
+    }};
+}
 
-fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("demo") => match demo(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("lake demo: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        Some("serve") => match serve(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("lake serve: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        Some("cp") => match control_plane(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("lake cp: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        Some(op @ ("top" | "inspect" | "namespaces" | "purge" | "regions" | "peers" | "drain")) => {
-            match operator(op, &args[1..]) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("lake {op}: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Some("keygen") => match keygen(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("lake keygen: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        Some("drain-node") => match drain_node(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("lake drain-node: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        Some("summary") => match summary_leader(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("lake summary: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        Some("help" | "--help" | "-h") => {
-            println!("{USAGE}");
-            ExitCode::SUCCESS
-        }
-        _ => {
-            eprintln!("{USAGE}");
-            ExitCode::from(2)
+/// Text on stdout with no newline (a screen of `lake top`).
+macro_rules! show {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        let _ = write!(out, $($arg)*);
+        let _ = out.flush();
+    }};
+}
+
+#[derive(Parser, Debug)]
+#[command(name = "lake", version, propagate_version = true, subcommand_required = true, arg_required_else_help = true)]
+#[command(about = "Lake: one KV-cache pool for LLM inference engines, over host memory, NVMe and object storage")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a whole single-node pool in this process under a multi-turn
+    /// agent workload, and report hit rate, tier moves and latencies.
+    Demo(DemoArgs),
+    /// Run the pool for engines in other processes, until SIGTERM or
+    /// SIGINT (SIGHUP: --tenant-keys read again).
+    #[command(args_override_self = true)]
+    Serve(Box<ServeArgs>),
+    /// Check a configuration file, or print the configuration reference.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// The pool at a glance, from a running pool's operator socket.
+    Top {
+        #[command(flatten)]
+        admin: Admin,
+        /// One screen, then exit.
+        #[arg(long)]
+        once: bool,
+        /// Milliseconds between screens (at least 100).
+        #[arg(long, value_name = "MS", default_value_t = 1000)]
+        interval_ms: u64,
+        /// JSON, one object per screen.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One block: its replicas, leases, L1 pins and recent history.
+    Inspect {
+        #[command(flatten)]
+        admin: Admin,
+        /// The pool's L1 arena, to read the block's pins from.
+        #[arg(long, value_name = "PATH")]
+        arena: Option<PathBuf>,
+        /// JSON.
+        #[arg(long)]
+        json: bool,
+        /// The block key, 32 hex digits.
+        key: String,
+    },
+    /// Every namespace holding bytes, by tier.
+    Namespaces {
+        #[command(flatten)]
+        admin: Admin,
+        /// JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drop every replica of a namespace from every tier (an old model, a
+    /// rotated tenant key).
+    Purge {
+        #[command(flatten)]
+        admin: Admin,
+        /// Seconds to wait until it is gone (0: do not wait).
+        #[arg(long, value_name = "SECONDS", default_value_t = 0)]
+        wait: u64,
+        /// The namespace, in hex.
+        namespace: String,
+    },
+    /// Every region (L1 arena, each L2 file, L3): what each holds, which
+    /// are draining.
+    Regions {
+        #[command(flatten)]
+        admin: Admin,
+        /// JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every data plane and agent connected: name, node, pid, wire
+    /// version, features.
+    Peers {
+        #[command(flatten)]
+        admin: Admin,
+        /// JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop writing to an L2 file and move its blocks to the node's other
+    /// files.
+    Drain {
+        #[command(flatten)]
+        admin: Admin,
+        /// Seconds to wait until it is empty (then it may be taken away).
+        #[arg(long, value_name = "SECONDS", default_value_t = 0)]
+        wait: u64,
+        /// Use it again.
+        #[arg(long)]
+        undo: bool,
+        /// The region (its id) or the file (its path).
+        region: String,
+    },
+    /// Take a node out of a cluster: its blocks are copied to other
+    /// members' L1 and nothing new is sent to it.
+    DrainNode {
+        /// etcd endpoints, comma-separated.
+        #[arg(long, value_name = "URL[,URL...]")]
+        etcd: String,
+        /// The cluster's name in etcd.
+        #[arg(long, value_name = "NAME")]
+        cluster: String,
+        /// Seconds to wait until no block only it holds is left.
+        #[arg(long, value_name = "SECONDS", default_value_t = 0)]
+        wait: u64,
+        /// Take it back.
+        #[arg(long)]
+        undo: bool,
+        /// The node's id.
+        node: u32,
+    },
+    /// A control plane standing for leadership in etcd: a standby until it
+    /// leads, then serving the socket and writing the mirror in its term.
+    Cp(CpArgs),
+    /// The leader's cluster summary: the nodes' deltas in order, lapsed
+    /// members dropped, checkpoints, hot prefixes copied to every member.
+    Summary(SummaryArgs),
+    /// Write a new cluster link key, readable by its owner only (an
+    /// existing file is kept).
+    Keygen {
+        /// Where to write it.
+        file: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ConfigCommand {
+    /// Check a `lake serve` configuration file: every key known, every
+    /// value valid, every file it names readable. Starts nothing.
+    Check {
+        /// The TOML file.
+        file: PathBuf,
+    },
+    /// Print the configuration reference (Markdown): every key, its flag,
+    /// its default.
+    Reference,
+}
+
+/// Which running pool: its operator socket.
+#[derive(Args, Debug)]
+struct Admin {
+    /// The pool's operator socket (`DIR/admin.sock`).
+    #[arg(long, value_name = "PATH", required_unless_present = "dir", conflicts_with = "dir")]
+    admin: Option<PathBuf>,
+    /// The pool's directory (`lake serve --dir`), for its operator socket.
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+}
+
+impl Admin {
+    fn socket(&self) -> PathBuf {
+        match (&self.admin, &self.dir) {
+            (Some(admin), _) => admin.clone(),
+            (None, Some(dir)) => dir.join("admin.sock"),
+            (None, None) => PathBuf::from("admin.sock"),
         }
     }
+}
+
+#[derive(Args, Debug)]
+struct DemoArgs {
+    /// Conversations.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().sessions)]
+    sessions: u32,
+    /// Turns per conversation.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().turns)]
+    turns: u32,
+    /// Engine threads, each with its agent.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().engines)]
+    engines: u32,
+    /// Blocks of the system prompt every conversation shares.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().system_blocks)]
+    system_blocks: u32,
+    /// Blocks of each new user message.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().message_blocks)]
+    message_blocks: u32,
+    /// Blocks of each reply.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().reply_blocks)]
+    reply_blocks: u32,
+    /// L1 slots (below the working set: L2 takes the rest).
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().l1_slots)]
+    l1_slots: u32,
+    /// L2 slots per file (two files).
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().l2_slots_per_file)]
+    l2_slots: u32,
+    /// The workload's seed.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().seed)]
+    seed: u64,
+    /// Where the L2 files go (default: a temporary directory, removed).
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+    /// Seconds to keep the pool up after the workload (to look at it with
+    /// `lake top`).
+    #[arg(long, value_name = "SECONDS", default_value_t = 0)]
+    hold: u64,
+}
+
+#[derive(Args, Debug)]
+struct CpArgs {
+    /// The socket data planes and agents connect to.
+    #[arg(long, value_name = "PATH")]
+    socket: PathBuf,
+    /// The shared-memory mirror engines read.
+    #[arg(long, value_name = "PATH")]
+    mirror: PathBuf,
+    /// etcd endpoints, comma-separated.
+    #[arg(long, value_name = "URL[,URL...]")]
+    etcd: String,
+    /// The cluster's name in etcd.
+    #[arg(long, value_name = "NAME")]
+    cluster: String,
+    /// This candidate's id.
+    #[arg(long, value_name = "ID")]
+    id: String,
+    /// Seconds the leadership lease lasts without renewal.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    ttl: u32,
+    /// The node it controls.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    node: u32,
+    /// Entries the mirror holds.
+    #[arg(long, value_name = "N", default_value_t = 1 << 20)]
+    entries: u64,
+}
+
+#[derive(Args, Debug)]
+struct SummaryArgs {
+    /// Where nodes connect to report their replicas.
+    #[arg(long, value_name = "IP:PORT")]
+    listen: std::net::SocketAddr,
+    /// etcd endpoints, comma-separated (leadership, members, drain marks).
+    #[arg(long, value_name = "URL[,URL...]", requires = "cluster")]
+    etcd: Option<String>,
+    /// The cluster's name in etcd.
+    #[arg(long, value_name = "NAME", requires = "etcd")]
+    cluster: Option<String>,
+    /// This candidate's id (default: `summary-PID`).
+    #[arg(long, value_name = "ID")]
+    id: Option<String>,
+    /// Seconds the leadership lease lasts without renewal.
+    #[arg(long, value_name = "SECONDS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    ttl: u32,
+    /// Where checkpoints go (their pointer in etcd).
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Milliseconds between checkpoints (at least 10).
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    checkpoint_ms: u64,
+    /// A block K or more blocks continue is copied into every member's L1
+    /// (0: none).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    replicate_children: usize,
+    /// The cluster link key: nodes' links are authenticated with it.
+    #[arg(long, value_name = "FILE")]
+    link_key: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let (name, result) = match cli.command {
+        Command::Demo(args) => ("demo", demo(&args)),
+        Command::Serve(args) => {
+            // With a file: its settings first, this command line's after.
+            let args = if args.config.is_some() {
+                let argv: Vec<String> = std::env::args().skip(2).collect();
+                match ServeArgs::parse(&argv) {
+                    Ok(args) => Box::new(args),
+                    Err(e) => e.exit(),
+                }
+            } else {
+                args
+            };
+            ("serve", serve(&args))
+        }
+        Command::Config(ConfigCommand::Check { file }) => ("config check", config_check(&file)),
+        Command::Config(ConfigCommand::Reference) => {
+            say!("{}", lake_cp::config::reference().trim_start());
+            ("config reference", Ok(()))
+        }
+        Command::Top { admin, once, interval_ms, json } => {
+            let op = Operator {
+                admin: admin.socket(),
+                json_out: json,
+                once,
+                interval_ms: interval_ms.max(100),
+                ..Operator::default()
+            };
+            ("top", operator("top", op))
+        }
+        Command::Inspect { admin, arena, json, key } => {
+            let op =
+                Operator { admin: admin.socket(), arena, json_out: json, positional: vec![key], ..Operator::default() };
+            ("inspect", operator("inspect", op))
+        }
+        Command::Namespaces { admin, json } => (
+            "namespaces",
+            operator("namespaces", Operator { admin: admin.socket(), json_out: json, ..Operator::default() }),
+        ),
+        Command::Purge { admin, wait, namespace } => {
+            let op =
+                Operator { admin: admin.socket(), wait_s: wait, positional: vec![namespace], ..Operator::default() };
+            ("purge", operator("purge", op))
+        }
+        Command::Regions { admin, json } => {
+            ("regions", operator("regions", Operator { admin: admin.socket(), json_out: json, ..Operator::default() }))
+        }
+        Command::Peers { admin, json } => {
+            ("peers", operator("peers", Operator { admin: admin.socket(), json_out: json, ..Operator::default() }))
+        }
+        Command::Drain { admin, wait, undo, region } => {
+            let op =
+                Operator { admin: admin.socket(), wait_s: wait, undo, positional: vec![region], ..Operator::default() };
+            ("drain", operator("drain", op))
+        }
+        Command::DrainNode { etcd, cluster, wait, undo, node } => {
+            ("drain-node", drain_node(&etcd, &cluster, wait, undo, node))
+        }
+        Command::Cp(args) => ("cp", control_plane(&args)),
+        Command::Summary(args) => ("summary", summary_leader(&args)),
+        Command::Keygen { file } => ("keygen", keygen(&file)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lake {name}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `lake config check FILE`: the file read as `lake serve --config FILE`
+/// would, every setting checked, nothing started.
+fn config_check(file: &std::path::Path) -> Result<(), String> {
+    let argv = vec!["--config".to_owned(), file.display().to_string()];
+    let args = ServeArgs::parse(&argv).map_err(|e| {
+        // The message, without the usage and hint after it.
+        let e = e.to_string();
+        let lines: Vec<&str> = e.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+        lines.join(" ").trim_start_matches("error: ").to_owned()
+    })?;
+    let serve = args.resolve()?;
+    let pool = &serve.pool;
+    say!(
+        "{}",
+        serde_json::json!({
+            "event": "config_ok",
+            "file": file,
+            "dir": pool.dir,
+            "block_bytes": pool.block_bytes,
+            "l1_classes": pool.l1_size_classes().map(|(payload, slots)| serde_json::json!([payload, slots])).collect::<Vec<_>>(),
+            "l2_files": pool.l2_paths(),
+            "l2_slots_per_file": pool.l2_slots_per_file,
+            "metrics": pool.metrics.map(|a| a.to_string()),
+        })
+    );
+    Ok(())
 }
 
 /// `lake drain-node`: marks a node draining in etcd (or takes it back);
 /// with `--wait`, follows the leader's count of the blocks only it holds
 /// until none is left.
-fn drain_node(args: &[String]) -> Result<(), String> {
-    let (mut etcd, mut cluster, mut wait_s, mut undo, mut node) = (None, None, 0u64, false, None);
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        let mut value = || iter.next().ok_or_else(|| format!("{arg} needs a value\n{USAGE}"));
-        match arg.as_str() {
-            "--etcd" => etcd = Some(value()?.clone()),
-            "--cluster" => cluster = Some(value()?.clone()),
-            "--wait" => {
-                let text = value()?;
-                wait_s = text.parse().map_err(|e| format!("--wait {text}: {e}"))?;
-            }
-            "--undo" => undo = true,
-            text if node.is_none() && !text.starts_with("--") => {
-                node = Some(text.parse::<u32>().map_err(|e| format!("node {text:?}: {e}"))?);
-            }
-            _ => return Err(format!("unexpected {arg:?}\n{USAGE}")),
-        }
-    }
-    let (Some(etcd), Some(name), Some(node)) = (etcd, cluster, node) else {
-        return Err(format!("--etcd, --cluster and a NODE are required\n{USAGE}"));
-    };
+fn drain_node(etcd: &str, name: &str, wait_s: u64, undo: bool, node: u32) -> Result<(), String> {
     let endpoints: Vec<&str> = etcd.split(',').collect();
     let client = lake_cp::etcd::Etcd::new(&endpoints, std::time::Duration::from_secs(2))
         .map_err(|e| format!("--etcd {etcd}: {e}"))?;
-    let cluster = lake_cp::ha::Cluster::new(client, &name).map_err(|e| format!("--cluster {name}: {e}"))?;
+    let cluster = lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("--cluster {name}: {e}"))?;
     if undo {
         cluster.undrain(node).map_err(|e| e.to_string())?;
-        println!("{{\"event\":\"undrained\",\"node\":{node}}}");
+        say!("{{\"event\":\"undrained\",\"node\":{node}}}");
         return Ok(());
     }
     let members = cluster.members().map_err(|e| e.to_string())?;
@@ -173,7 +414,7 @@ fn drain_node(args: &[String]) -> Result<(), String> {
         eprintln!("lake drain-node: node {node} is not a member now (marked all the same)");
     }
     cluster.drain(node).map_err(|e| e.to_string())?;
-    println!("{{\"event\":\"draining\",\"node\":{node}}}");
+    say!("{{\"event\":\"draining\",\"node\":{node}}}");
     if wait_s == 0 {
         return Ok(());
     }
@@ -181,7 +422,7 @@ fn drain_node(args: &[String]) -> Result<(), String> {
     loop {
         let left = cluster.drain_left(node).map_err(|e| e.to_string())?;
         if let Some((0, _)) = left {
-            println!("{{\"event\":\"drained\",\"node\":{node}}}");
+            say!("{{\"event\":\"drained\",\"node\":{node}}}");
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
@@ -192,39 +433,11 @@ fn drain_node(args: &[String]) -> Result<(), String> {
     }
 }
 
-fn keygen(args: &[String]) -> Result<(), String> {
-    let [path] = args else { return Err(format!("one FILE, no more\n{USAGE}")) };
-    let path = std::path::Path::new(path);
+fn keygen(path: &std::path::Path) -> Result<(), String> {
     let key = lake_dp::auth::LinkKey::generate().map_err(|e| format!("random bytes: {e}"))?;
     key.write_new(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    println!("{{\"event\":\"keygen\",\"file\":{:?},\"key_id\":\"{:016x}\"}}", path.display().to_string(), key.id());
+    say!("{{\"event\":\"keygen\",\"file\":{:?},\"key_id\":\"{:016x}\"}}", path.display().to_string(), key.id());
     Ok(())
-}
-
-/// A namespace id in hex (`7e7e`, `0x7e7e`), as `lake` prints them.
-fn namespace_hex(text: &str) -> Option<lake_dp::NamespaceId> {
-    u64::from_str_radix(text.trim_start_matches("0x"), 16).ok().map(lake_dp::NamespaceId)
-}
-
-/// The tenant keys in `dir`: every `NAMESPACE.key` file (the namespace
-/// in hex), each readable by its owner only.
-fn read_tenant_keys(
-    dir: &std::path::Path,
-) -> Result<Vec<(lake_dp::NamespaceId, lake_dp::auth::at_rest::DataKey)>, String> {
-    let entries = std::fs::read_dir(dir).map_err(|e| format!("--tenant-keys {}: {e}", dir.display()))?;
-    let mut keys = Vec::new();
-    for entry in entries {
-        let path = entry.map_err(|e| format!("--tenant-keys {}: {e}", dir.display()))?.path();
-        if path.extension().is_none_or(|x| x != "key") {
-            continue;
-        }
-        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-        let namespace =
-            namespace_hex(stem).ok_or_else(|| format!("{}: the name is not a namespace in hex", path.display()))?;
-        let key = lake_dp::auth::at_rest::DataKey::load(&path).map_err(|e| e.to_string())?;
-        keys.push((namespace, key));
-    }
-    Ok(keys)
 }
 
 /// SIGHUP: the tenant keys read again; a new or changed file sets its
@@ -236,10 +449,10 @@ fn reload_tenant_keys(
     known: &mut std::collections::HashMap<lake_dp::NamespaceId, u64>,
 ) {
     use lake_dp::auth::at_rest::KeyChange;
-    let keys = match read_tenant_keys(dir) {
+    let keys = match lake_cp::config::read_tenant_keys(dir) {
         Ok(keys) => keys,
         Err(e) => {
-            println!("{{\"event\":\"tenant_keys_refused\",\"why\":{e:?}}}");
+            say!("{{\"event\":\"tenant_keys_refused\",\"why\":{e:?}}}");
             return;
         }
     };
@@ -260,47 +473,27 @@ fn reload_tenant_keys(
         }
         keep
     });
-    println!("{{\"event\":\"tenant_keys\",\"set\":[{}],\"forgotten\":[{}]}}", set.join(","), forgotten.join(","));
-    let _ = std::io::Write::flush(&mut std::io::stdout());
+    say!("{{\"event\":\"tenant_keys\",\"set\":[{}],\"forgotten\":[{}]}}", set.join(","), forgotten.join(","));
 }
 
-/// A tier by its flag name: `l1`, `l2` or `l3`.
-fn tier_named(name: &str) -> Option<lake_dp::Tier> {
-    match name {
-        "l1" => Some(lake_dp::Tier::L1Dram),
-        "l2" => Some(lake_dp::Tier::L2Nvme),
-        "l3" => Some(lake_dp::Tier::L3Object),
-        _ => None,
+fn demo(args: &DemoArgs) -> Result<(), String> {
+    let mut config = DemoConfig {
+        sessions: args.sessions,
+        turns: args.turns,
+        engines: args.engines,
+        system_blocks: args.system_blocks,
+        message_blocks: args.message_blocks,
+        reply_blocks: args.reply_blocks,
+        l1_slots: args.l1_slots,
+        l2_slots_per_file: args.l2_slots,
+        seed: args.seed,
+        hold_s: args.hold,
+        ..DemoConfig::default()
+    };
+    if let Some(dir) = &args.dir {
+        config.dir.clone_from(dir);
     }
-}
-
-/// The link key in `path` (`--link-key`).
-fn link_key(path: &str) -> Result<lake_dp::auth::LinkKey, String> {
-    lake_dp::auth::LinkKey::load(std::path::Path::new(path)).map_err(|e| e.to_string())
-}
-
-fn demo(args: &[String]) -> Result<(), String> {
-    let mut config = DemoConfig::default();
-    let mut iter = args.iter();
-    while let Some(flag) = iter.next() {
-        let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let number = || value.parse::<u32>().map_err(|e| format!("{flag} {value}: {e}"));
-        match flag.as_str() {
-            "--sessions" => config.sessions = number()?,
-            "--turns" => config.turns = number()?,
-            "--engines" => config.engines = number()?,
-            "--system-blocks" => config.system_blocks = number()?,
-            "--message-blocks" => config.message_blocks = number()?,
-            "--reply-blocks" => config.reply_blocks = number()?,
-            "--l1-slots" => config.l1_slots = number()?,
-            "--l2-slots" => config.l2_slots_per_file = number()?,
-            "--seed" => config.seed = value.parse().map_err(|e| format!("{flag} {value}: {e}"))?,
-            "--dir" => config.dir = value.into(),
-            "--hold" => config.hold_s = u64::from(number()?),
-            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
-        }
-    }
-    println!(
+    say!(
         "lake demo: one process — lake-cp, lake-dp (L1 in /dev/shm, L2 files in {}), {} engine agents; \
          {} conversations x {} turns sharing a {}-block system prompt",
         config.dir.display(),
@@ -317,260 +510,28 @@ fn demo(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-fn serve(args: &[String]) -> Result<(), String> {
-    use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-    use lake_dp::runner::config::L3Section;
+fn serve(args: &ServeArgs) -> Result<(), String> {
+    use lake_cp::embedded::EmbeddedPool;
     // Before any thread starts: the pool's threads inherit the blocked
     // signals, and this one takes them.
     let signals = lake_dp::runner::os::Signals::with_hangup().map_err(|e| format!("signals: {e}"))?;
-    let mut key_dir: Option<std::path::PathBuf> = None;
-    // Tenants' namespaces and quotas, joined once every flag is read.
-    let mut tenants: Vec<(String, Vec<u64>)> = Vec::new();
-    let mut tenant_quotas: Vec<(String, lake_dp::Tier, u64)> = Vec::new();
-    let mut tenant_rates: Vec<(String, usize, u64)> = Vec::new();
-    let mut config = EmbeddedConfig {
-        metrics: true,
-        events_to_stderr: true,
-        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-serve-{}", std::process::id())))
+    let lake_cp::config::Serve { pool: config, tenant_key_dir, cluster, member_ttl, .. } = args.resolve()?;
+    let (key_dir, mut tenant_files) = match tenant_key_dir {
+        Some((dir, ids)) => (Some(dir), ids),
+        None => (None, std::collections::HashMap::new()),
     };
-    let mut l3 = L3Section::none();
-    let mut chunk_bytes: Option<u64> = None;
-    let (mut etcd, mut cluster, mut member_ttl) = (None::<String>, None::<String>, 3i64);
-    let mut iter = args.iter();
-    while let Some(flag) = iter.next() {
-        let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let number = || value.parse::<u64>().map_err(|e| format!("{flag} {value}: {e}"));
-        let small = || u32::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"));
-        match flag.as_str() {
-            "--dir" => {
-                // A directory of the operator's: the pool's L2 outlives
-                // each run of it (without one, the pool's own temporary
-                // directory goes with it).
-                config.dir = value.into();
-                config.durable = true;
-            }
-            "--stop-timeout" => config.stop_flush = std::time::Duration::from_secs(number()?),
-            "--block-bytes" => config.block_bytes = number()?,
-            "--l1-slots" => config.l1_slots = small()?,
-            "--l2-slots" => config.l2_slots_per_file = small()?,
-            "--agents" => config.remote_agents = small()?,
-            "--node" => config.node = small()?,
-            "--transport-peer" => {
-                let (node, rails) =
-                    value.split_once('=').ok_or_else(|| format!("{flag} {value}: NODE=[LOCAL>]IP:PORT[,...]"))?;
-                let node = node.parse().map_err(|e| format!("{flag} {value}: node: {e}"))?;
-                let rails =
-                    lake_dp::transport::tcp::Rail::parse_list(rails).map_err(|e| format!("{flag} {value}: {e}"))?;
-                config.transport_peers.push((node, rails));
-            }
-            "--transport-listen" => {
-                config.transport_listen = Some(value.parse().map_err(|e| format!("{flag} {value}: {e}"))?);
-            }
-            "--l2-background-depth" => config.l2_background_depth = small()?,
-            "--l1-load-reserve" => config.l1_load_reserve = Some(small()?),
-            "--l1-class" => {
-                let bad = || format!("{flag} {value}: PAYLOAD_BYTES:SLOTS");
-                let (payload, slots) = value.split_once(':').ok_or_else(bad)?;
-                config.l1_classes.push((payload.parse().map_err(|_| bad())?, slots.parse().map_err(|_| bad())?));
-            }
-            "--l1-chunk-bytes" => chunk_bytes = Some(number()?),
-            "--rdma-device" => {
-                config.rdma = Some(lake_dp::runner::RdmaDevice::parse(value).map_err(|e| format!("{flag}: {e}"))?);
-            }
-            "--link-key" => config.link_key = Some(link_key(value)?),
-            "--tag-threads" => {
-                let threads = usize::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?;
-                lake_dp::auth::spread_tags(threads).map_err(|e| format!("{flag} {value}: {e}"))?;
-            }
-            "--allow-uid" | "--allow-gid" => {
-                let ids = value
-                    .split(',')
-                    .map(|id| id.parse::<u32>().map_err(|e| format!("{flag} {id}: {e}")))
-                    .collect::<Result<Vec<u32>, String>>()?;
-                let list =
-                    if flag == "--allow-uid" { &mut config.access.allow_uids } else { &mut config.access.allow_gids };
-                list.extend(ids);
-            }
-            "--socket-group" => config.access.group = Some(value.clone()),
-            "--tenant-key" => {
-                let (namespace, file) =
-                    value.split_once('=').ok_or_else(|| format!("{flag} {value}: NAMESPACE(hex)=FILE"))?;
-                let namespace =
-                    namespace_hex(namespace).ok_or_else(|| format!("{flag} {value}: the namespace is not hex"))?;
-                let key = lake_dp::auth::at_rest::DataKey::load(std::path::Path::new(file))
-                    .map_err(|e| format!("{flag} {value}: {e}"))?;
-                config.tenant_keys.push((namespace, key));
-            }
-            "--require-encryption" => config.require_encryption = value == "yes",
-            "--tenant-keys" => key_dir = Some(value.into()),
-            "--quota" => {
-                let bad = || format!("{flag} {value}: NAMESPACE(hex):l1|l2|l3=BYTES");
-                let (place, bytes) = value.split_once('=').ok_or_else(bad)?;
-                let (namespace, tier) = place.split_once(':').ok_or_else(bad)?;
-                let namespace = namespace_hex(namespace).ok_or_else(bad)?.0;
-                let tier = tier_named(tier).ok_or_else(bad)?;
-                let bytes = bytes.parse().map_err(|_| bad())?;
-                config.tiers.quotas.push(lake_cp::tier::Quota { namespace, tier, bytes });
-            }
-            "--tenant" => {
-                let bad = || format!("{flag} {value}: NAME=NAMESPACE(hex)[,NAMESPACE...]");
-                let (name, list) = value.split_once('=').ok_or_else(bad)?;
-                let namespaces = list
-                    .split(',')
-                    .map(|n| namespace_hex(n).map(|n| n.0))
-                    .collect::<Option<Vec<u64>>>()
-                    .ok_or_else(bad)?;
-                if name.is_empty() || tenants.iter().any(|(n, _)| n == name) {
-                    return Err(format!("{flag} {value}: a tenant is named once, and not empty"));
-                }
-                if let Some((other, _)) = tenants.iter().find(|(_, ns)| ns.iter().any(|n| namespaces.contains(n))) {
-                    return Err(format!("{flag} {value}: a namespace of it is tenant {other}'s already"));
-                }
-                tenants.push((name.to_owned(), namespaces));
-            }
-            "--tenant-quota" => {
-                let bad = || format!("{flag} {value}: NAME:l1|l2|l3=BYTES");
-                let (place, bytes) = value.split_once('=').ok_or_else(bad)?;
-                let (name, tier) = place.split_once(':').ok_or_else(bad)?;
-                let tier = tier_named(tier).ok_or_else(bad)?;
-                tenant_quotas.push((name.to_owned(), tier, bytes.parse().map_err(|_| bad())?));
-            }
-            "--tenant-rate" => {
-                let bad = || {
-                    format!(
-                        "{flag} {value}: NAME:l2-read|l2-write|l3-read|l3-write|net-send|net-receive|push=BYTES_PER_S \
-                         (at least 1)"
-                    )
-                };
-                let (place, rate) = value.split_once('=').ok_or_else(bad)?;
-                let (name, path) = place.split_once(':').ok_or_else(bad)?;
-                let path = ["l2-read", "l2-write", "l3-read", "l3-write", "net-send", "push", "net-receive"]
-                    .iter()
-                    .position(|p| *p == path)
-                    .ok_or_else(bad)?;
-                let rate: u64 = rate.parse().map_err(|_| bad())?;
-                if rate == 0 {
-                    return Err(bad());
-                }
-                tenant_rates.push((name.to_owned(), path, rate));
-            }
-            "--socket-mode" => {
-                config.access.socket_mode = Some(
-                    u32::from_str_radix(value.trim_start_matches("0o"), 8)
-                        .map_err(|e| format!("{flag} {value}: {e}"))?,
-                );
-            }
-            "--l3-dir" => l3.dir = Some(value.into()),
-            "--l3-endpoint" => l3.endpoint = Some(value.clone()),
-            "--l3-bucket" => l3.bucket = Some(value.clone()),
-            "--l3-create-bucket" => l3.create_bucket = value == "yes",
-            "--l3-prefix" => l3.prefix = value.clone(),
-            "--l3-objects" => l3.objects = small()?,
-            "--summary-to" => {
-                for address in value.split(',') {
-                    config.summary_to.push(address.parse().map_err(|e| format!("{flag} {address}: {e}"))?);
-                }
-            }
-            "--etcd" => etcd = Some(value.clone()),
-            "--cluster" => cluster = Some(value.clone()),
-            "--member-ttl" => member_ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
-            "--l2-admission" => {
-                config.tiers.l2_admission = lake_cp::tier::L2Admission::parse(value)
-                    .ok_or_else(|| format!("--l2-admission is always or second-access, not {value}"))?;
-            }
-            "--l3-write-back" => {
-                config.tiers.l3_write_back = lake_cp::tier::L3WriteBack::parse(value)
-                    .ok_or_else(|| format!("--l3-write-back is evict or eager, not {value}"))?;
-            }
-            "--commit-check" => {
-                use lake_dp::runner::pool::CommitCheck;
-                config.commit_check = match value.as_str() {
-                    "inline" => CommitCheck::Inline,
-                    "background" => CommitCheck::Background,
-                    "trust" => CommitCheck::Trust,
-                    other => return Err(format!("--commit-check is inline, background or trust, not {other}")),
-                }
-            }
-            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
-        }
-    }
-    for (name, tier, bytes) in tenant_quotas {
-        let namespaces =
-            tenants.iter().find(|(n, _)| *n == name).map(|(_, ns)| ns.clone()).ok_or_else(|| {
-                format!("--tenant-quota {name}: no --tenant {name}=NAMESPACE,... says its namespaces")
-            })?;
-        config.tiers.tenant_quotas.push(lake_cp::tier::TenantQuota { tenant: name, namespaces, tier, bytes });
-    }
-    for (name, path, rate) in tenant_rates {
-        let namespaces = tenants
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, ns)| ns.clone())
-            .ok_or_else(|| format!("--tenant-rate {name}: no --tenant {name}=NAMESPACE,... says its namespaces"))?;
-        let entry = match config.tenant_rates.iter_mut().position(|t| t.name == name) {
-            Some(at) => &mut config.tenant_rates[at],
-            None => {
-                config.tenant_rates.push(lake_dp::runner::config::TenantSection {
-                    name: name.clone(),
-                    namespaces: namespaces.iter().map(|n| format!("{n:016x}")).collect(),
-                    l2_read_bytes_per_s: None,
-                    l2_write_bytes_per_s: None,
-                    l3_read_bytes_per_s: None,
-                    l3_write_bytes_per_s: None,
-                    net_send_bytes_per_s: None,
-                    push_bytes_per_s: None,
-                    net_receive_bytes_per_s: None,
-                });
-                config.tenant_rates.last_mut().ok_or("a tenant just added")?
-            }
-        };
-        let cap = match path {
-            0 => &mut entry.l2_read_bytes_per_s,
-            1 => &mut entry.l2_write_bytes_per_s,
-            2 => &mut entry.l3_read_bytes_per_s,
-            3 => &mut entry.l3_write_bytes_per_s,
-            4 => &mut entry.net_send_bytes_per_s,
-            5 => &mut entry.push_bytes_per_s,
-            _ => &mut entry.net_receive_bytes_per_s,
-        };
-        *cap = Some(rate);
-    }
-    if l3 != L3Section::none() {
-        if l3.dir.is_none() && l3.endpoint.is_none() {
-            return Err("--l3-* options need --l3-dir or --l3-endpoint".into());
-        }
-        config.l3 = Some(l3);
-    }
     // Membership: this node's key in etcd under a lease it renews; a node
     // that stops (or is killed) leaves the summary's members when it runs
     // out.
-    let cluster = match (&etcd, &cluster) {
-        (Some(etcd), Some(name)) => {
-            let endpoints: Vec<&str> = etcd.split(',').collect();
+    let cluster = match &cluster {
+        Some((endpoints, name)) => {
+            let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
             let client = lake_cp::etcd::Etcd::new(&endpoints, std::time::Duration::from_secs(2))
-                .map_err(|e| format!("--etcd {etcd}: {e}"))?;
+                .map_err(|e| format!("--etcd {}: {e}", endpoints.join(",")))?;
             Some(lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("--cluster {name}: {e}"))?)
         }
-        (None, None) => None,
-        _ => return Err("--etcd and --cluster go together".into()),
+        None => None,
     };
-    // Tenant keys from a directory (NAMESPACE.key files), read again on
-    // SIGHUP: a file gone is a tenant forgotten (its blocks purged).
-    let mut tenant_files = std::collections::HashMap::new();
-    if let Some(dir) = &key_dir {
-        for (namespace, key) in read_tenant_keys(dir)? {
-            tenant_files.insert(namespace, key.id());
-            config.tenant_keys.push((namespace, key));
-        }
-    }
-    // Several size classes share L1 unless told not to (`--l1-chunk-bytes
-    // 0`): chunks of four of the largest slots. Fixed shares strand one
-    // model's traffic while the other's slots sit empty, and lake-cp,
-    // seeing L1 by bytes, would never make room.
-    config.l1_chunk_bytes = chunk_bytes.unwrap_or_else(|| {
-        let largest = config.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).max();
-        if config.l1_classes.is_empty() { 0 } else { 4 * largest.unwrap_or(0) }
-    });
     let mut pool = EmbeddedPool::start(&config)?;
     let address = config.transport_listen.map_or_else(|| pool.cp_socket.display().to_string(), |a| a.to_string());
     let mut member = match &cluster {
@@ -600,8 +561,8 @@ fn serve(args: &[String]) -> Result<(), String> {
     // the serving line finds it.
     let record = config.dir.join(POOL_RECORD);
     write_atomically(&record, format!("{serving}\n").as_bytes()).map_err(|e| format!("{}: {e}", record.display()))?;
-    println!("{serving}");
-    let _ = std::io::Write::flush(&mut std::io::stdout());
+    say!("{serving}");
+    notify_service_manager("READY=1");
     loop {
         // A plane that stopped on its own cannot serve: say why, exit non-zero.
         if let Some(why) = pool.failed() {
@@ -650,14 +611,14 @@ fn serve(args: &[String]) -> Result<(), String> {
                 Ok(marks) => {
                     let draining = marks.iter().any(|&(node, _)| node == config.node);
                     if pool.draining.swap(draining, std::sync::atomic::Ordering::Relaxed) != draining {
-                        println!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", config.node);
-                        let _ = std::io::Write::flush(&mut std::io::stdout());
+                        say!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", config.node);
                     }
                 }
                 Err(e) => eprintln!("lake serve: reading drain marks: {e}"),
             }
         }
     }
+    notify_service_manager("STOPPING=1");
     if let Some(member) = member {
         let _ = member.leave();
     }
@@ -666,10 +627,10 @@ fn serve(args: &[String]) -> Result<(), String> {
         let (left, took) = pool.empty_l1();
         // Blocks still in L1 now (held by an engine, or no L2 room) are
         // lost with it; every other block is on L2 for the next start.
-        println!("{{\"event\":\"l1_written_down\",\"blocks_left\":{left},\"ms\":{}}}", took.as_millis());
+        say!("{{\"event\":\"l1_written_down\",\"blocks_left\":{left},\"ms\":{}}}", took.as_millis());
     }
     let (stats, _) = pool.stop()?;
-    println!(
+    say!(
         "{{\"event\":\"stopped\",\"agents_attached\":{},\"saves\":{},\"promotions\":{},\"demotions\":{},\
          \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{}}}",
         stats.agents_attached,
@@ -681,6 +642,26 @@ fn serve(args: &[String]) -> Result<(), String> {
         stats.l3.deletes
     );
     Ok(())
+}
+
+/// Tells the service manager (systemd's `Type=notify`, through
+/// `$NOTIFY_SOCKET`) how the service stands: `READY=1` once engines can
+/// attach, `STOPPING=1` as a stop begins. Without the variable, nothing.
+fn notify_service_manager(state: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let bytes = path.as_encoded_bytes();
+    let address = match bytes.strip_prefix(b"@") {
+        Some(abstract_name) => std::os::unix::net::SocketAddr::from_abstract_name(abstract_name),
+        None => std::os::unix::net::SocketAddr::from_pathname(&path),
+    };
+    let sent = address.and_then(|address| {
+        let socket = std::os::unix::net::UnixDatagram::unbound()?;
+        socket.send_to_addr(state.as_bytes(), &address)
+    });
+    if let Err(e) = sent {
+        eprintln!("lake serve: telling the service manager {state:?} at $NOTIFY_SOCKET: {e}");
+    }
 }
 
 /// Where `lake serve` records its endpoints, in its `--dir`.
@@ -695,7 +676,7 @@ fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()>
 }
 
 /// `lake cp`: one control plane of a node, standing for leadership.
-fn control_plane(args: &[String]) -> Result<(), String> {
+fn control_plane(args: &CpArgs) -> Result<(), String> {
     use std::time::{Duration, Instant};
 
     use lake_cp::etcd::Etcd;
@@ -703,40 +684,16 @@ fn control_plane(args: &[String]) -> Result<(), String> {
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
     let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
-    let (mut socket, mut mirror, mut etcd, mut cluster, mut id) = (None, None, None, None, None);
-    let (mut ttl, mut node, mut entries) = (5i64, 0u32, 1u64 << 20);
-    let mut iter = args.iter();
-    while let Some(flag) = iter.next() {
-        let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let number = || value.parse::<u64>().map_err(|e| format!("{flag} {value}: {e}"));
-        match flag.as_str() {
-            "--socket" => socket = Some(std::path::PathBuf::from(value)),
-            "--mirror" => mirror = Some(std::path::PathBuf::from(value)),
-            "--etcd" => etcd = Some(value.clone()),
-            "--cluster" => cluster = Some(value.clone()),
-            "--id" => id = Some(value.clone()),
-            "--ttl" => ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
-            "--node" => node = u32::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?,
-            "--entries" => entries = number()?,
-            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
-        }
-    }
-    fn need<T>(what: Option<T>, flag: &str) -> Result<T, String> {
-        what.ok_or_else(|| format!("{flag} is required\n{USAGE}"))
-    }
-    let (socket, mirror) = (need(socket, "--socket")?, need(mirror, "--mirror")?);
-    let (etcd, cluster, id) = (need(etcd, "--etcd")?, need(cluster, "--cluster")?, need(id, "--id")?);
+    let (socket, mirror, etcd, cluster, id) = (&args.socket, &args.mirror, &args.etcd, &args.cluster, &args.id);
+    let (ttl, node, entries) = (i64::from(args.ttl), args.node, args.entries);
     let endpoints: Vec<&str> = etcd.split(',').collect();
-    let cluster = Cluster::new(Etcd::new(&endpoints, Duration::from_secs(2)).map_err(|e| e.to_string())?, &cluster)
+    let cluster = Cluster::new(Etcd::new(&endpoints, Duration::from_secs(2)).map_err(|e| e.to_string())?, cluster)
         .map_err(|e| e.to_string())?;
-    let mut candidate = cluster.candidate(&id, ttl).map_err(|e| e.to_string())?;
+    let mut candidate = cluster.candidate(id, ttl).map_err(|e| e.to_string())?;
     let every = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 4).max(Duration::from_millis(50));
-    let say = |line: String| {
-        println!("{line}");
-        let _ = std::io::Write::flush(&mut std::io::stdout());
-    };
+    let say = |line: String| say!("{line}");
     // A standby until it leads (or is told to stop).
-    let Some(term) = stand_by(&mut candidate, &id, every, &signals, "lake cp") else { return Ok(()) };
+    let Some(term) = stand_by(&mut candidate, id, every, &signals, "lake cp") else { return Ok(()) };
     // The mirror engines already read is taken over (their mappings stay
     // good) and emptied: the view is rebuilt from what the data planes
     // re-adopt. One that is not there, or not a mirror, is made anew. One
@@ -745,7 +702,7 @@ fn control_plane(args: &[String]) -> Result<(), String> {
     // lets go; until then this leader waits, renewing its own lease.
     let mut said_waiting = false;
     let writer = loop {
-        match MirrorWriter::take_over(&mirror, term) {
+        match MirrorWriter::take_over(mirror, term) {
             Ok((mut writer, _)) => {
                 writer.clear();
                 break writer;
@@ -772,7 +729,7 @@ fn control_plane(args: &[String]) -> Result<(), String> {
     };
     let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer));
     let mut server =
-        lake_cp::server::Server::bind(&socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;
+        lake_cp::server::Server::bind(socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;
     say(format!(
         "{{\"event\":\"leading\",\"id\":\"{id}\",\"term\":{term},\"socket\":\"{}\",\"mirror\":\"{}\"}}",
         socket.display(),
@@ -819,9 +776,9 @@ fn print_report(r: &DemoReport) {
     let mib = |bytes: u64| bytes as f64 / f64::from(1 << 20);
     let p = |x: &Percentiles| format!("p50 {:.1} µs, p90 {:.1}, p99 {:.1}, max {:.1}", x.p50, x.p90, x.p99, x.max);
     let dp = &r.data_plane;
-    println!();
-    println!("turns              {} in {:.1} s", r.turns, r.seconds);
-    println!(
+    say!("");
+    say!("turns              {} in {:.1} s", r.turns, r.seconds);
+    say!(
         "hit rate           {:.1}% of {} prompt blocks served from the pool ({} from L1, {} promoted from L2); \
          {} looked-up blocks recomputed",
         100.0 * r.hit_rate(),
@@ -830,36 +787,34 @@ fn print_report(r: &DemoReport) {
         r.served_l2,
         r.fetch_failures
     );
-    println!("integrity          {} payload mismatches (every served block compared)", r.mismatches);
-    println!(
-        "saves              {} blocks saved, {} skipped ({} KiB each)",
-        r.saves.0,
-        r.saves.1,
-        r.block_bytes / 1024
-    );
+    say!("integrity          {} payload mismatches (every served block compared)", r.mismatches);
+    say!("saves              {} blocks saved, {} skipped ({} KiB each)", r.saves.0, r.saves.1, r.block_bytes / 1024);
     for (name, usage) in ["L1", "L2"].iter().zip(&r.tiers) {
-        println!(
+        say!(
             "{name} now            {:.1} of {:.1} MiB ({} blocks)",
             mib(usage.bytes),
             mib(usage.capacity_bytes),
             usage.blocks
         );
     }
-    println!(
+    say!(
         "tier moves         {} demoted L1->L2, {} dropped from L1, {} dropped from L2; {} promoted L2->L1",
-        r.moves.0, r.moves.1, r.moves.2, dp.pool.promotions
+        r.moves.0,
+        r.moves.1,
+        r.moves.2,
+        dp.pool.promotions
     );
-    println!("bytes moved        {:.1} MiB L1->L2, {:.1} MiB L2->L1", mib(dp.pool.bytes_down), mib(dp.pool.bytes_up));
-    println!("lookup (mirror)    {}", p(&r.lookup_us));
-    println!("fetch per request  {}", p(&r.fetch_us));
-    println!("save per request   {}", p(&r.save_us));
+    say!("bytes moved        {:.1} MiB L1->L2, {:.1} MiB L2->L1", mib(dp.pool.bytes_down), mib(dp.pool.bytes_up));
+    say!("lookup (mirror)    {}", p(&r.lookup_us));
+    say!("fetch per request  {}", p(&r.fetch_us));
+    say!("save per request   {}", p(&r.save_us));
     #[allow(clippy::cast_precision_loss)]
     let busy = dp.busy_ns as f64 / (dp.busy_ns + dp.idle_ns + dp.parked_ns).max(1) as f64;
-    println!("lake-dp            {:.1}% of its loop busy, {} parks", 100.0 * busy, dp.parks);
+    say!("lake-dp            {:.1}% of its loop busy, {} parks", 100.0 * busy, dp.parks);
     if let Some(address) = r.metrics {
-        println!("metrics            http://{address}/metrics served {} lines while the pool ran", r.metrics_lines);
+        say!("metrics            http://{address}/metrics served {} lines while the pool ran", r.metrics_lines);
     }
-    println!(
+    say!(
         "{{\"turns\":{},\"blocks_requested\":{},\"blocks_served\":{},\"hit_rate\":{:.4},\"mismatches\":{},\
          \"demotions\":{},\"promotions\":{},\"l1_bytes\":{},\"l2_bytes\":{},\"lookup_p50_us\":{:.2},\
          \"lookup_p99_us\":{:.2},\"fetch_p50_us\":{:.1},\"fetch_p99_us\":{:.1},\"save_p50_us\":{:.1},\
@@ -884,7 +839,7 @@ fn print_report(r: &DemoReport) {
 }
 
 /// `lake summary`: the leader's cluster summary (see `lake_cp::summary`).
-fn summary_leader(args: &[String]) -> Result<(), String> {
+fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     use std::time::{Duration, Instant};
 
     use lake_cp::ha::{Cluster, Role};
@@ -893,35 +848,17 @@ fn summary_leader(args: &[String]) -> Result<(), String> {
     use lake_dp::l3::ObjectStore;
 
     let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
-    let (mut listen, mut etcd, mut cluster, mut id, mut dir) = (None, None, None, None, None);
-    let (mut ttl, mut checkpoint_ms, mut replicate_children) = (3i64, 1000u64, 0usize);
-    let mut key = None;
-    let mut iter = args.iter();
-    while let Some(flag) = iter.next() {
-        let value = iter.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let number = || value.parse::<u64>().map_err(|e| format!("{flag} {value}: {e}"));
-        match flag.as_str() {
-            "--listen" => {
-                listen = Some(value.parse::<std::net::SocketAddr>().map_err(|e| format!("{flag} {value}: {e}"))?)
-            }
-            "--etcd" => etcd = Some(value.clone()),
-            "--cluster" => cluster = Some(value.clone()),
-            "--id" => id = Some(value.clone()),
-            "--ttl" => ttl = i64::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?.max(1),
-            "--checkpoint-dir" => dir = Some(std::path::PathBuf::from(value)),
-            "--checkpoint-ms" => checkpoint_ms = number()?.max(10),
-            "--link-key" => key = Some(link_key(value)?),
-            "--replicate-children" => {
-                replicate_children = usize::try_from(number()?).map_err(|e| format!("{flag} {value}: {e}"))?;
-            }
-            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
+    let (listen, etcd, cluster, id, dir) =
+        (args.listen, &args.etcd, &args.cluster, args.id.clone(), &args.checkpoint_dir);
+    let (ttl, checkpoint_ms, replicate_children) =
+        (i64::from(args.ttl), args.checkpoint_ms.max(10), args.replicate_children);
+    let key = match &args.link_key {
+        Some(path) => {
+            Some(lake_dp::auth::LinkKey::load(path).map_err(|e| format!("--link-key {}: {e}", path.display()))?)
         }
-    }
-    let listen = listen.ok_or_else(|| format!("--listen is required\n{USAGE}"))?;
-    let say = |line: String| {
-        println!("{line}");
-        let _ = std::io::Write::flush(&mut std::io::stdout());
+        None => None,
     };
+    let say = |line: String| say!("{line}");
     let cluster = match (&etcd, &cluster) {
         (Some(etcd), Some(name)) => {
             let endpoints: Vec<&str> = etcd.split(',').collect();
@@ -1124,10 +1061,7 @@ fn stand_by(
     who: &str,
 ) -> Option<u64> {
     use lake_cp::ha::Role;
-    let say = |line: String| {
-        println!("{line}");
-        let _ = std::io::Write::flush(&mut std::io::stdout());
-    };
+    let say = |line: String| say!("{line}");
     let term = loop {
         match candidate.campaign() {
             Ok(Role::Leader { term }) => break term,
@@ -1171,46 +1105,34 @@ fn mib(bytes: &serde_json::Value) -> String {
 }
 
 /// `lake top`, `lake inspect`, `lake namespaces`, `lake purge`.
-fn operator(op: &str, args: &[String]) -> Result<(), String> {
+/// An operator command's arguments.
+#[derive(Debug, Default)]
+struct Operator {
+    admin: PathBuf,
+    arena: Option<PathBuf>,
+    json_out: bool,
+    once: bool,
+    interval_ms: u64,
+    wait_s: u64,
+    undo: bool,
+    positional: Vec<String>,
+}
+
+/// `lake top`, `inspect`, `namespaces`, `purge`, `regions`, `peers`, `drain`.
+fn operator(op: &str, args: Operator) -> Result<(), String> {
     use serde_json::json;
-    let (mut admin, mut arena, mut json_out, mut once, mut interval_ms, mut wait_s) =
-        (None, None, false, false, 1000, 0);
-    let mut undo = false;
-    let mut positional = Vec::new();
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        let mut value = || iter.next().ok_or_else(|| format!("{arg} needs a value\n{USAGE}"));
-        match arg.as_str() {
-            "--admin" => admin = Some(std::path::PathBuf::from(value()?)),
-            "--arena" => arena = Some(std::path::PathBuf::from(value()?)),
-            "--json" => json_out = true,
-            "--once" => once = true,
-            "--undo" => undo = true,
-            "--interval-ms" => {
-                let v = value()?;
-                interval_ms = v.parse::<u64>().map_err(|e| format!("--interval-ms {v}: {e}"))?.max(100);
-            }
-            "--wait" => {
-                let v = value()?;
-                wait_s = v.parse::<u64>().map_err(|e| format!("--wait {v}: {e}"))?;
-            }
-            flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}\n{USAGE}")),
-            other => positional.push(other.to_owned()),
-        }
-    }
-    let admin = admin.ok_or_else(|| format!("--admin PATH (lake serve's DIR/admin.sock) is required\n{USAGE}"))?;
+    let Operator { admin, arena, json_out, once, interval_ms, wait_s, undo, positional } = args;
     let show = |value: &serde_json::Value, text: String| {
-        if json_out { println!("{value}") } else { print!("{text}") }
+        if json_out { say!("{value}") } else { show!("{text}") }
     };
     match op {
         "top" => loop {
             let top = ask_admin(&admin, &json!({ "op": "top" }))?;
             if !once && !json_out {
                 // Clear the terminal, as top does.
-                print!("\x1b[H\x1b[2J");
+                show!("\x1b[H\x1b[2J");
             }
             show(&top, render_top(&top));
-            let _ = std::io::Write::flush(&mut std::io::stdout());
             if once {
                 return Ok(());
             }
@@ -1218,7 +1140,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
         },
         "inspect" => {
             let [key] = positional.as_slice() else {
-                return Err(format!("inspect takes one KEY (32 hex digits)\n{USAGE}"));
+                return Err("inspect takes one KEY (32 hex digits)".to_string());
             };
             let mut block = ask_admin(&admin, &json!({ "op": "inspect", "key": key }))?;
             if let Some(path) = &arena {
@@ -1261,7 +1183,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
         }
         "purge" => {
             let [namespace] = positional.as_slice() else {
-                return Err(format!("purge takes one NAMESPACE (hex)\n{USAGE}"));
+                return Err("purge takes one NAMESPACE (hex)".to_string());
             };
             let answer = ask_admin(&admin, &json!({ "op": "purge", "namespace": namespace }))?;
             let wanted =
@@ -1271,7 +1193,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
                 let top = ask_admin(&admin, &json!({ "op": "top" }))?;
                 let still = top["purging"].as_array().is_some_and(|p| p.iter().any(|n| n == wanted.as_str()));
                 if !still {
-                    println!("{{\"event\":\"purged\",\"namespace\":\"{wanted}\"}}");
+                    say!("{{\"event\":\"purged\",\"namespace\":\"{wanted}\"}}");
                     return Ok(());
                 }
                 if std::time::Instant::now() >= deadline {
@@ -1280,7 +1202,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
                             "{wanted} still holds blocks after {wait_s} s (leased ones wait for their leases)"
                         ));
                     }
-                    println!("{{\"event\":\"purging\",\"purging\":{}}}", answer["purging"]);
+                    say!("{{\"event\":\"purging\",\"purging\":{}}}", answer["purging"]);
                     return Ok(());
                 }
                 std::thread::sleep(std::time::Duration::from_millis(100));
@@ -1330,7 +1252,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
         }
         "drain" => {
             let [which] = positional.as_slice() else {
-                return Err(format!("drain takes one REGION (its id) or FILE (its path)\n{USAGE}"));
+                return Err("drain takes one REGION (its id) or FILE (its path)".to_string());
             };
             let mut request = match which.parse::<u64>() {
                 Ok(region) => json!({ "op": "drain", "region": region }),
@@ -1341,7 +1263,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
             // The region it named, by id (a file's path resolved there).
             let region = answer["region"].as_u64().ok_or_else(|| format!("unexpected answer: {answer}"))?;
             if undo {
-                println!("{{\"event\":\"undrained\",\"region\":{region}}}");
+                say!("{{\"event\":\"undrained\",\"region\":{region}}}");
                 return Ok(());
             }
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_s);
@@ -1350,9 +1272,10 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
                 let this = drains.as_array().into_iter().flatten().find(|d| d["region"] == region).cloned();
                 let Some(this) = this else { return Err(format!("region {region} is no longer being drained")) };
                 if this["done"] == true {
-                    println!(
+                    say!(
                         "{{\"event\":\"drained\",\"region\":{region},\"moves_asked\":{},\"drops_asked\":{}}}",
-                        this["moves_asked"], this["drops_asked"]
+                        this["moves_asked"],
+                        this["drops_asked"]
                     );
                     return Ok(());
                 }
@@ -1364,7 +1287,7 @@ fn operator(op: &str, args: &[String]) -> Result<(), String> {
                             this["blocks_left"]
                         ));
                     }
-                    println!("{{\"event\":\"draining\",\"drain\":{this}}}");
+                    say!("{{\"event\":\"draining\",\"drain\":{this}}}");
                     return Ok(());
                 }
                 std::thread::sleep(std::time::Duration::from_millis(100));
@@ -1409,6 +1332,17 @@ fn render_top(top: &serde_json::Value) -> String {
         "\ntier commands: {} in flight, {} demotions, {} to L3, {} copies to L3, {} failed, {} purged, {} over tenant quotas\n",
         t["pending"], t["demotions"], t["to_l3"], t["copies_to_l3"], t["failed"], t["purged"], t["tenant_quota_evictions"]
     ));
+    let saves = &top["saves"];
+    if !saves.is_null() {
+        text.push_str(&format!(
+            "saves: {} saved, {} refused (no L1 slot free), {} corrupt at commit\n",
+            saves["saved"], saves["refused"], saves["corrupt"]
+        ));
+    }
+    let refused = &t["refused"];
+    if refused.as_object().is_some_and(|r| !r.is_empty()) {
+        text.push_str(&format!("tier commands refused by the data plane: {refused}\n"));
+    }
     if top["purging"].as_array().is_some_and(|p| !p.is_empty()) {
         text.push_str(&format!("purging: {}\n", top["purging"]));
     }
@@ -1520,4 +1454,18 @@ fn render_block(block: &serde_json::Value) -> String {
         ));
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // clap's own checks: no two flags of a subcommand alike, every
+        // default a valid value of its type, every `requires` a real flag.
+        Cli::command().debug_assert();
+    }
 }

@@ -1106,6 +1106,8 @@ pub fn run_with(
     let mut idle_since: Option<u64> = None;
     let mut stopping: Option<u64> = None;
     let mut next_stats_ns = 0;
+    // Saves refused so far, as last logged (once a second at most).
+    let mut refused_logged = 0;
     let budget = p.batch_max;
     // The runner's parts, borrowed afresh where the block service runs.
     macro_rules! parts {
@@ -1258,6 +1260,18 @@ pub fn run_with(
         }
         if now >= next_stats_ns {
             next_stats_ns = now + 1_000_000_000;
+            // Refused saves are an engine's lost hits: said, at most once a
+            // second, with how many.
+            if pool.stats.saves_refused > refused_logged {
+                let _ = writeln!(
+                    out,
+                    "{{\"event\":\"saves_refused\",\"blocks\":{},\"total\":{},\"why\":\"no L1 slot free for a save \
+                     (L1 full of blocks not yet demoted or dropped, or only the load reserve left)\"}}",
+                    pool.stats.saves_refused - refused_logged,
+                    pool.stats.saves_refused
+                );
+                refused_logged = pool.stats.saves_refused;
+            }
             // Pins of agents whose process died go with it (their record's
             // lock went with the process).
             stats.agents_released += u64::from(table.release_dead_agents());
