@@ -408,7 +408,7 @@ pub struct EmbeddedPool {
     stop_flush: Duration,
     emptied: bool,
     /// What to remove when the pool goes.
-    _created: Created,
+    created: Created,
 }
 
 impl EmbeddedConfig {
@@ -536,13 +536,13 @@ impl EmbeddedPool {
         let dp_socket = config.dir.join("dp.sock");
         let admin_socket = config.dir.join("admin.sock");
         created.files.extend([&arena, &mirror, &cp_socket, &dp_socket, &admin_socket].map(|p| p.to_path_buf()));
-        if !config.durable {
-            // L2 files this pool formats go with it (and the data plane's
-            // fence beside them); ones it adopts stay.
-            let l2 = config.l2_paths();
-            let fence = l2.first().and_then(|p| p.parent()).unwrap_or(&config.dir).join(lake_dp::fence::FILE_NAME);
-            created.files.extend(l2.into_iter().chain([fence]).filter(|path| !path.exists()));
-        }
+        // L2 files this start formats (and the data plane's fence beside
+        // them) go with a pool that is not durable, and with a durable one
+        // whose start fails; ones it adopts stay.
+        let l2 = config.l2_paths();
+        let fence = l2.first().and_then(|p| p.parent()).unwrap_or(&config.dir).join(lake_dp::fence::FILE_NAME);
+        let fresh: Vec<PathBuf> = l2.into_iter().chain([fence]).filter(|path| !path.exists()).collect();
+        created.files.extend(fresh.iter().cloned());
         // L1 holds at most its bytes in its smallest slots, shared or not.
         let slot = |(payload, _): (u64, u32)| lake_dp::stored::object_bytes(payload);
         let l1_bytes: u64 = config.l1_size_classes().map(|c| slot(c) * u64::from(c.1)).sum();
@@ -710,7 +710,7 @@ impl EmbeddedPool {
             durable: config.durable,
             stop_flush: config.stop_flush,
             emptied: false,
-            _created: created,
+            created,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         // Ready once engines can attach and the data plane has registered
@@ -724,6 +724,11 @@ impl EmbeddedPool {
                 return Err(why);
             }
             std::thread::sleep(Duration::from_millis(5));
+        }
+        if config.durable {
+            // Serving: the L2 files it formatted are the pool's, for every
+            // start after this one.
+            pool.created.files.retain(|file| !fresh.contains(file));
         }
         Ok(pool)
     }
@@ -835,6 +840,6 @@ impl Drop for EmbeddedPool {
         if let Some(cp) = self.cp.take() {
             let _ = cp.join();
         }
-        // Then `_created` goes: what the pool made and does not keep.
+        // Then `created` goes: what the pool made and does not keep.
     }
 }
