@@ -207,7 +207,8 @@ fn a_traced_push_is_logged_at_the_peer_pool_and_its_time_comes_back() {
     assert_eq!(lines.len(), BLOCKS - 1, "{lines:#?}");
     for line in &lines {
         assert!(line.contains(&id) && line.contains("\"result\":\"ok\""), "{line}");
-        let us: u32 = line.rsplit("\"us\":").next().unwrap().trim_end_matches('}').parse().unwrap();
+        let event: serde_json::Value = serde_json::from_str(line).unwrap();
+        let us = u32::try_from(event["us"].as_u64().unwrap()).unwrap();
         assert!(got.iter().any(|s| s.data_plane_us == us), "{line}: no span with that time");
     }
 

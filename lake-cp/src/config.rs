@@ -299,6 +299,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "IP:PORT|off", default_value = METRICS_DEFAULT, value_parser = parse_metrics, help_heading = "Pool")]
     pub metrics: Metrics,
 
+    /// Events at this level or above are logged, on stderr (the lines a
+    /// supervisor reads, `serving` and `stopped`, go to stdout whatever
+    /// this is).
+    #[arg(long, value_enum, default_value_t = lake_dp::log::Level::Info, help_heading = "Logging")]
+    pub log_level: lake_dp::log::Level,
+
+    /// Events as JSON lines, or as text for a terminal.
+    #[arg(long, value_enum, default_value_t = lake_dp::log::Format::Json, help_heading = "Logging")]
+    pub log_format: lake_dp::log::Format,
+
     /// L1 slots of `--block-bytes`.
     #[arg(long, value_name = "N", default_value_t = 1024, help_heading = "L1 (host memory)")]
     pub l1_slots: u32,
@@ -527,6 +537,8 @@ impl ServeArgs {
         );
         pool.durable = self.dir.is_some();
         pool.events_to_stderr = true;
+        pool.log_level = self.log_level.filter();
+        pool.log_format = self.log_format;
         pool.stop_flush = Duration::from_secs(self.stop_timeout);
         pool.block_bytes = self.block_bytes;
         pool.l1_slots = self.l1_slots;

@@ -118,6 +118,10 @@ pub struct EmbeddedConfig {
     /// Or they are appended to this file (created if missing), whatever
     /// `events_to_stderr` says.
     pub event_log: Option<PathBuf>,
+    /// The data plane's events at this level or above are written.
+    pub log_level: lake_dp::log::LevelFilter,
+    /// As JSON lines or text.
+    pub log_format: lake_dp::log::Format,
 }
 
 /// `/metrics` on the loopback interface, on any free port (tests, the
@@ -205,6 +209,8 @@ impl EmbeddedConfig {
             tenant_rates: Vec::new(),
             events_to_stderr: false,
             event_log: None,
+            log_level: lake_dp::log::LevelFilter::INFO,
+            log_format: lake_dp::log::Format::Json,
         }
     }
 }
@@ -610,21 +616,22 @@ impl EmbeddedPool {
                         }
                         server.poll_once(Some(Duration::from_millis(2))).map_err(|e| format!("lake-cp: {e}"))?;
                         for why in server.take_refusals() {
-                            eprintln!("{{\"event\":\"cp_refused\",\"why\":{why:?}}}");
+                            tracing::warn!(event = "cp_refused", why = %why);
                         }
                         let counters = server.node().tiers.counters;
                         if counters.failed > failed_logged && std::time::Instant::now() >= next_log {
                             next_log = std::time::Instant::now() + Duration::from_secs(1);
-                            let why: Vec<String> = lake_dp::wire::message::ErrorCode::ALL
-                                .iter()
-                                .filter(|&&code| counters.refused[code as usize] > 0)
-                                .map(|&code| format!("\"{}\":{}", code.name(), counters.refused[code as usize]))
-                                .collect();
-                            eprintln!(
-                                "{{\"event\":\"tier_commands_failed\",\"commands\":{},\"total\":{},\"refused\":{{{}}}}}",
-                                counters.failed - failed_logged,
-                                counters.failed,
-                                why.join(",")
+                            let refused: serde_json::Map<String, serde_json::Value> =
+                                lake_dp::wire::message::ErrorCode::ALL
+                                    .iter()
+                                    .filter(|&&code| counters.refused[code as usize] > 0)
+                                    .map(|&code| (code.name().to_owned(), counters.refused[code as usize].into()))
+                                    .collect();
+                            tracing::warn!(
+                                event = "tier_commands_failed",
+                                commands = counters.failed - failed_logged,
+                                total = counters.failed,
+                                refused = %serde_json::Value::Object(refused)
                             );
                             failed_logged = counters.failed;
                         }
@@ -672,9 +679,10 @@ impl EmbeddedPool {
             tenant_keys: Some(Arc::clone(&tenant_keys)),
             rdma: config.rdma.clone(),
         };
-        // The data plane's event lines (refused links and agents, L3 scans,
-        // traced loads) go to the log file, or stderr, where asked.
-        let mut out: Box<dyn std::io::Write + Send> = match &config.event_log {
+        // The data plane's events (refused links and agents, L3 scans,
+        // traced loads) and final figures go to the log file, or stderr,
+        // where asked: its thread's own subscriber writes them there.
+        let out: Box<dyn std::io::Write + Send> = match &config.event_log {
             Some(path) => Box::new(
                 std::fs::OpenOptions::new()
                     .create(true)
@@ -685,9 +693,16 @@ impl EmbeddedPool {
             None if config.events_to_stderr => Box::new(std::io::stderr()),
             None => Box::new(std::io::sink()),
         };
+        let (log_level, log_format) = (config.log_level, config.log_format);
         let dp = std::thread::Builder::new()
             .name("lake-dp".into())
-            .spawn(move || run_with(&runner, &RunnerOptions::default(), ports, &mut out))
+            .spawn(move || {
+                let mut sink = lake_dp::log::Sink::new(out);
+                let events = lake_dp::log::subscriber(sink.clone(), log_level, log_format);
+                tracing::subscriber::with_default(events, || {
+                    run_with(&runner, &RunnerOptions::default(), ports, &mut sink)
+                })
+            })
             .map_err(|e| e.to_string())?;
         let mut pool = Self {
             dir: config.dir.clone(),

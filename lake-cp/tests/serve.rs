@@ -699,8 +699,9 @@ fn refused_saves_are_logged_and_shown_in_top() {
     std::io::Read::read_to_string(&mut BufReader::new(stderr), &mut logged).unwrap();
     let lines: Vec<&str> = logged.lines().filter(|l| l.contains("\"event\":\"saves_refused\"")).collect();
     assert!(!lines.is_empty(), "nothing logged: {logged}");
-    let total: u64 =
-        lines.iter().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["blocks"].as_u64().unwrap()).sum();
+    let events: Vec<serde_json::Value> = lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(events.iter().all(|e| e["level"] == "WARN"), "{logged}");
+    let total: u64 = events.iter().map(|e| e["blocks"].as_u64().unwrap()).sum();
     assert_eq!(total, refused, "{logged}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

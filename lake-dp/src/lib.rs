@@ -44,6 +44,7 @@ pub mod io;
 pub mod l2;
 pub mod l3;
 pub(crate) mod lock;
+pub mod log;
 #[cfg(not(loom))]
 pub mod mirror;
 /// Under `--cfg loom` only the mirror's sequence lock and table algorithms

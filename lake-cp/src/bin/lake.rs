@@ -296,22 +296,23 @@ struct SummaryArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if let Command::Serve(args) = &mut cli.command
+        && args.config.is_some()
+    {
+        // With a file: its settings first, this command line's after.
+        let argv: Vec<String> = std::env::args().skip(2).collect();
+        **args = ServeArgs::parse(&argv).unwrap_or_else(|e| e.exit());
+    }
+    // Events on stderr; `lake serve` says at what level and how.
+    let (level, format) = match &cli.command {
+        Command::Serve(args) => (args.log_level.filter(), args.log_format),
+        _ => (lake_dp::log::LevelFilter::INFO, lake_dp::log::Format::Json),
+    };
+    lake_dp::log::init_global(lake_dp::log::Sink::new(Box::new(std::io::stderr())), level, format);
     let (name, result) = match cli.command {
         Command::Demo(args) => ("demo", demo(&args)),
-        Command::Serve(args) => {
-            // With a file: its settings first, this command line's after.
-            let args = if args.config.is_some() {
-                let argv: Vec<String> = std::env::args().skip(2).collect();
-                match ServeArgs::parse(&argv) {
-                    Ok(args) => Box::new(args),
-                    Err(e) => e.exit(),
-                }
-            } else {
-                args
-            };
-            ("serve", serve(&args))
-        }
+        Command::Serve(args) => ("serve", serve(&args)),
         Command::Config(ConfigCommand::Check { file }) => ("config check", config_check(&file)),
         Command::Config(ConfigCommand::Reference) => {
             say!("{}", lake_cp::config::reference().trim_start());
@@ -411,7 +412,11 @@ fn drain_node(etcd: &str, name: &str, wait_s: u64, undo: bool, node: u32) -> Res
     }
     let members = cluster.members().map_err(|e| e.to_string())?;
     if !members.iter().any(|(n, _)| *n == node) {
-        eprintln!("lake drain-node: node {node} is not a member now (marked all the same)");
+        tracing::warn!(
+            event = "drain_mark_of_non_member",
+            node,
+            "node {node} is not a member now (marked all the same)"
+        );
     }
     cluster.drain(node).map_err(|e| e.to_string())?;
     say!("{{\"event\":\"draining\",\"node\":{node}}}");
@@ -436,7 +441,7 @@ fn drain_node(etcd: &str, name: &str, wait_s: u64, undo: bool, node: u32) -> Res
 fn keygen(path: &std::path::Path) -> Result<(), String> {
     let key = lake_dp::auth::LinkKey::generate().map_err(|e| format!("random bytes: {e}"))?;
     key.write_new(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    say!("{{\"event\":\"keygen\",\"file\":{:?},\"key_id\":\"{:016x}\"}}", path.display().to_string(), key.id());
+    say!("{}", serde_json::json!({"event": "keygen", "file": path, "key_id": format!("{:016x}", key.id())}));
     Ok(())
 }
 
@@ -452,7 +457,7 @@ fn reload_tenant_keys(
     let keys = match lake_cp::config::read_tenant_keys(dir) {
         Ok(keys) => keys,
         Err(e) => {
-            say!("{{\"event\":\"tenant_keys_refused\",\"why\":{e:?}}}");
+            say!("{}", serde_json::json!({"event": "tenant_keys_refused", "why": e}));
             return;
         }
     };
@@ -591,7 +596,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
                     member = cluster.join(config.node, &address, member_ttl).ok();
                     announced = None;
                 }
-                Err(e) => eprintln!("lake serve: renewing membership: {e}"),
+                Err(e) => tracing::warn!(event = "membership_renewal_failed", error = %e),
             }
             // Where other nodes' copies go (the leader's drains and
             // replication target it by this), once the L1 is registered.
@@ -602,7 +607,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
             {
                 match current.announce(config.node, &address, space) {
                     Ok(()) => announced = Some(space),
-                    Err(e) => eprintln!("lake serve: announcing the L1: {e}"),
+                    Err(e) => tracing::warn!(event = "l1_announce_failed", error = %e),
                 }
             }
             // Drained by an operator (`lake drain-node`): not ready for new
@@ -614,7 +619,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
                         say!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", config.node);
                     }
                 }
-                Err(e) => eprintln!("lake serve: reading drain marks: {e}"),
+                Err(e) => tracing::warn!(event = "drain_marks_unread", error = %e),
             }
         }
     }
@@ -660,7 +665,7 @@ fn notify_service_manager(state: &str) {
         socket.send_to_addr(state.as_bytes(), &address)
     });
     if let Err(e) = sent {
-        eprintln!("lake serve: telling the service manager {state:?} at $NOTIFY_SOCKET: {e}");
+        tracing::warn!(event = "service_manager_unreachable", state, error = %e);
     }
 }
 
@@ -710,7 +715,8 @@ fn control_plane(args: &CpArgs) -> Result<(), String> {
             Err(lake_dp::mirror::MirrorError::InUse { pid }) => {
                 if !said_waiting {
                     said_waiting = true;
-                    say(format!("{{\"event\":\"waiting\",\"id\":\"{id}\",\"term\":{term},\"mirror_writer\":{pid}}}"));
+                    say(serde_json::json!({"event": "waiting", "id": id, "term": term, "mirror_writer": pid})
+                        .to_string());
                 }
                 std::thread::sleep(Duration::from_millis(100));
                 if signals.take().is_some() {
@@ -730,11 +736,7 @@ fn control_plane(args: &CpArgs) -> Result<(), String> {
     let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer));
     let mut server =
         lake_cp::server::Server::bind(socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;
-    say(format!(
-        "{{\"event\":\"leading\",\"id\":\"{id}\",\"term\":{term},\"socket\":\"{}\",\"mirror\":\"{}\"}}",
-        socket.display(),
-        mirror.display()
-    ));
+    say(serde_json::json!({"event": "leading", "id": id, "term": term, "socket": socket, "mirror": mirror}).to_string());
     let renew = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 3);
     let lease = Duration::from_secs(u64::try_from(ttl).unwrap_or(1));
     let (mut last_renewal, mut confirmed) = (Instant::now(), Instant::now());
@@ -742,7 +744,7 @@ fn control_plane(args: &CpArgs) -> Result<(), String> {
         if signals.take().is_some() {
             // Handing over now: the standby need not wait out the lease.
             let _ = candidate.resign();
-            say(format!("{{\"event\":\"resigned\",\"id\":\"{id}\",\"term\":{term}}}"));
+            say(serde_json::json!({"event": "resigned", "id": id, "term": term}).to_string());
             return Ok(());
         }
         // Renewed before serving: a leader that was stopped (SIGSTOP, a
@@ -757,13 +759,13 @@ fn control_plane(args: &CpArgs) -> Result<(), String> {
                 Ok(false) => Some(format!("the lease of term {term} expired")),
                 // etcd unreachable: lead on only while the lease may stand.
                 Err(e) if confirmed.elapsed() < lease => {
-                    eprintln!("lake cp: renewing the lease: {e}");
+                    tracing::warn!(event = "lease_renewal_failed", error = %e);
                     None
                 }
                 Err(e) => Some(format!("no renewal for a whole lease ({e})")),
             };
             if let Some(why) = deposed {
-                say(format!("{{\"event\":\"deposed\",\"id\":\"{id}\",\"term\":{term}}}"));
+                say(serde_json::json!({"event": "deposed", "id": id, "term": term}).to_string());
                 return Err(format!("deposed: {why}; stopping"));
             }
         }
@@ -900,10 +902,14 @@ fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                         nodes_json(&summary)
                     ));
                 }
-                Err(e) => eprintln!("lake summary: checkpoint {}: {e} (starting empty)", pointer.location),
+                Err(e) => {
+                    tracing::error!(event = "checkpoint_unreadable", location = %pointer.location, error = %e, "starting empty")
+                }
             },
-            Ok(None) => eprintln!("lake summary: checkpoint {} is gone (starting empty)", pointer.location),
-            Err(e) => eprintln!("lake summary: checkpoint {}: {e} (starting empty)", pointer.location),
+            Ok(None) => tracing::error!(event = "checkpoint_gone", location = %pointer.location, "starting empty"),
+            Err(e) => {
+                tracing::error!(event = "checkpoint_unreadable", location = %pointer.location, error = %e, "starting empty")
+            }
         }
     }
     let mut aggregator = Aggregator::bind(listen, summary).map_err(|e| format!("--listen {listen}: {e}"))?;
@@ -923,7 +929,7 @@ fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     while signals.take().is_none() {
         aggregator.pump();
         for what in aggregator.take_security_events() {
-            say(format!("{{\"event\":\"link_refused\",\"what\":{what:?}}}"));
+            say(serde_json::json!({"event": "link_refused", "what": what}).to_string());
         }
         std::thread::sleep(Duration::from_millis(2));
         if last_renew.elapsed() >= every {
@@ -945,7 +951,7 @@ fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                     Some(true) => last_answer = Instant::now(),
                     None if last_answer.elapsed() < Duration::from_secs(u64::try_from(ttl).unwrap_or(1)) => {}
                     _ => {
-                        say(format!("{{\"event\":\"deposed\",\"id\":\"{id}\",\"term\":{term}}}"));
+                        say(serde_json::json!({"event": "deposed", "id": id, "term": term}).to_string());
                         return Err("deposed: the lease is lost or another leads; stopping".into());
                     }
                 }
@@ -959,7 +965,7 @@ fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                             .collect();
                         aggregator.summary.l1_spaces(&spaces);
                     }
-                    Err(e) => eprintln!("lake summary: members: {e}"),
+                    Err(e) => tracing::warn!(event = "members_unread", error = %e),
                 }
                 match cluster.draining() {
                     Ok(marks) => {
@@ -967,7 +973,7 @@ fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                         aggregator.summary.draining(&nodes);
                         drain_marks = marks;
                     }
-                    Err(e) => eprintln!("lake summary: drain marks: {e}"),
+                    Err(e) => tracing::warn!(event = "drain_marks_unread", error = %e),
                 }
             }
         }
@@ -988,12 +994,13 @@ fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                         if let Some(old) = previous.replace(name.clone()) {
                             let _ = store.delete(&old);
                         }
-                        say(format!("{{\"event\":\"checkpoint\",\"location\":\"{name}\",\"bytes\":{}}}", bytes.len()));
+                        say(serde_json::json!({"event": "checkpoint", "location": name, "bytes": bytes.len()})
+                            .to_string());
                     } else {
                         let _ = store.delete(&name);
                     }
                 }
-                Err(e) => eprintln!("lake summary: writing {name}: {e}"),
+                Err(e) => tracing::warn!(event = "checkpoint_write_failed", location = %name, error = %e),
             }
         }
         if last_report.elapsed() >= Duration::from_secs(1) {
@@ -1013,7 +1020,7 @@ fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                     let figures = aggregator.summary.figures(node).filter(|f| !f.gap);
                     let Some(left) = figures.map(|f| f.drain_left) else { continue };
                     if let Err(e) = cluster.drain_progress(node, mark, left) {
-                        eprintln!("lake summary: drain progress of node {node}: {e}");
+                        tracing::warn!(event = "drain_progress_unwritten", node, error = %e);
                     }
                 }
             }
@@ -1066,9 +1073,9 @@ fn stand_by(
         match candidate.campaign() {
             Ok(Role::Leader { term }) => break term,
             Ok(Role::Standby { leader, term }) => {
-                say(format!("{{\"event\":\"standby\",\"id\":\"{id}\",\"leader\":\"{leader}\",\"term\":{term}}}"));
+                say(serde_json::json!({"event": "standby", "id": id, "leader": leader, "term": term}).to_string());
             }
-            Err(e) => eprintln!("{who}: campaigning: {e}"),
+            Err(e) => tracing::warn!(event = "campaign_failed", who, error = %e),
         }
         let woke = std::time::Instant::now();
         while woke.elapsed() < every {
@@ -1078,7 +1085,7 @@ fn stand_by(
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
     };
-    say(format!("{{\"event\":\"elected\",\"id\":\"{id}\",\"term\":{term}}}"));
+    say(serde_json::json!({"event": "elected", "id": id, "term": term}).to_string());
     Some(term)
 }
 

@@ -34,6 +34,13 @@ struct Cli {
     /// stop (no control plane needed).
     #[arg(long, value_name = "N", default_value_t = 0)]
     selftest_blocks: u64,
+    /// Events at this level or above are logged (on stdout, with the
+    /// serving and stopped lines).
+    #[arg(long, value_enum, default_value_t = lake_dp::log::Level::Info)]
+    log_level: lake_dp::log::Level,
+    /// Events as JSON lines, or as text for a terminal.
+    #[arg(long, value_enum, default_value_t = lake_dp::log::Format::Json)]
+    log_format: lake_dp::log::Format,
 }
 
 /// `--cores`: a list of cores.
@@ -78,7 +85,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut out = std::io::stdout().lock();
+    // The serving and stopped lines and the events, in one stream.
+    let mut out = lake_dp::log::Sink::new(Box::new(std::io::stdout()));
+    lake_dp::log::init_global(out.clone(), cli.log_level.filter(), cli.log_format);
     match run(&config, &options, &mut out) {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {

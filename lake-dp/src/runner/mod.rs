@@ -95,37 +95,40 @@ pub use crate::transport::rdma::RdmaDevice;
 /// Lines for the operator's log from the node's transport: links refused,
 /// RDMA links that came up or fell back (nothing allocated when there are
 /// none).
-fn log_links(transport: &mut dyn crate::transport::Links, out: &mut dyn Write) {
+fn log_links(transport: &mut dyn crate::transport::Links) {
     for what in transport.tcp().take_security_events() {
-        let _ = writeln!(out, "{{\"event\":\"link_refused\",\"what\":{what:?}}}");
+        tracing::warn!(event = "link_refused", what = %what);
     }
     for what in transport.take_rdma_events() {
-        let _ = writeln!(out, "{{\"event\":\"rdma_link\",\"what\":{what:?}}}");
+        tracing::info!(event = "rdma_link", what = %what);
     }
 }
 
 /// A traced load's line for the operator's log: the engine's trace id,
 /// where it ran and what it took.
-fn log_span(node: u32, span: &pool::LoadSpan, out: &mut dyn Write) {
+fn log_span(node: u32, span: &pool::LoadSpan) {
     let tier = match crate::model::replica::Tier::from_u8(span.tier) {
         Some(crate::model::replica::Tier::L3Object) => "l3",
         Some(crate::model::replica::Tier::L2Nvme) => "l2",
         _ => "?",
     };
     let result = span.result.map_or_else(crate::agent::port::AgentError::name, |()| "ok");
-    let _ = writeln!(
-        out,
-        "{{\"event\":\"trace\",\"trace\":\"{:016x}\",\"node\":{node},\"op\":\"load\",\"agent\":{},\"tier\":\"{tier}\",\"result\":\"{result}\",\"us\":{}}}",
-        span.trace,
-        span.agent,
-        span.took_ns / 1000
+    tracing::info!(
+        event = "trace",
+        trace = %format_args!("{:016x}", span.trace),
+        node,
+        op = "load",
+        agent = span.agent,
+        tier,
+        result,
+        us = span.took_ns / 1000
     );
 }
 
 /// A traced block's line for the operator's log: one a peer sent under an
 /// engine's trace id, as it landed here (what it took, from its
 /// reservation or first slice to its check).
-fn log_trace_event(node: u32, event: &crate::transport::tcp::TraceEvent, out: &mut dyn Write) {
+fn log_trace_event(node: u32, event: &crate::transport::tcp::TraceEvent) {
     use crate::transport::frame::AckStatus;
     let crate::transport::tcp::TraceEvent::Landed { trace, from, target, bytes, status, us } = *event else {
         // This node's own copies carry no trace id.
@@ -151,10 +154,17 @@ fn log_trace_event(node: u32, event: &crate::transport::tcp::TraceEvent, out: &m
         }
     }
     let from = From(from);
-    let _ = writeln!(
-        out,
-        "{{\"event\":\"trace\",\"trace\":\"{trace:016x}\",\"node\":{node},\"op\":\"land\",\"from\":\"{from}\",\"region\":{},\"slot\":{},\"bytes\":{bytes},\"result\":\"{result}\",\"us\":{us}}}",
-        target.region, target.slot
+    tracing::info!(
+        event = "trace",
+        trace = %format_args!("{trace:016x}"),
+        node,
+        op = "land",
+        from = %from,
+        region = target.region,
+        slot = target.slot,
+        bytes,
+        result,
+        us
     );
 }
 
@@ -726,17 +736,16 @@ fn scan_in_background(
 }
 
 /// Takes up to four batches of what the background scan found into the
-/// catalog (re-adopted to the control plane); says when the scan ended (a
-/// line on `out`). Returns the batches taken and whether it ended.
+/// catalog (re-adopted to the control plane); says when the scan ended (an
+/// event). Returns the batches taken and whether it ended.
 fn take_scanned(
     scan: &std::sync::mpsc::Receiver<ScanMessage>,
     pool: &mut pool::Pool,
     link: &mut Option<CpLink>,
-    out: &mut dyn Write,
 ) -> (u32, bool) {
     let mut batches = 0;
     for _ in 0..4 {
-        let line = match scan.try_recv() {
+        match scan.try_recv() {
             Ok(ScanMessage::Found(objects)) => {
                 for meta in objects.iter().flatten() {
                     pool.l3_adopt(meta, link);
@@ -744,17 +753,13 @@ fn take_scanned(
                 batches += 1;
                 continue;
             }
-            Ok(ScanMessage::Done { found, damaged, skipped, ms }) => format!(
-                "{{\"event\":\"l3_scanned\",\"found\":{found},\"objects\":{},\"damaged\":{damaged},\
-                 \"skipped\":{skipped},\"ms\":{ms}}}",
-                pool.l3_objects()
-            ),
-            Ok(ScanMessage::Failed(why)) => format!("{{\"event\":\"l3_scan_failed\",\"why\":{why:?}}}"),
+            Ok(ScanMessage::Done { found, damaged, skipped, ms }) => {
+                tracing::info!(event = "l3_scanned", found, objects = pool.l3_objects(), damaged, skipped, ms);
+            }
+            Ok(ScanMessage::Failed(why)) => tracing::error!(event = "l3_scan_failed", why = %why),
             Err(std::sync::mpsc::TryRecvError::Empty) => return (batches, false),
             Err(std::sync::mpsc::TryRecvError::Disconnected) => return (batches, true),
-        };
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
+        }
         return (batches, true);
     }
     (batches, false)
@@ -1139,7 +1144,7 @@ pub fn run_with(
         // The store's objects the background scan found: into the catalog
         // and re-adopted, a few batches a pass.
         if let Some(scan) = &l3_scan {
-            let (batches, ended) = take_scanned(scan, &mut pool, &mut link, out);
+            let (batches, ended) = take_scanned(scan, &mut pool, &mut link);
             served += batches;
             if ended {
                 l3_scan = None;
@@ -1218,10 +1223,10 @@ pub fn run_with(
                     // What was refused on the links, RDMA links up or
                     // down, blocks that landed under an engine's trace id:
                     // the operator's log.
-                    log_links(transport.as_mut(), out);
+                    log_links(transport.as_mut());
                     transport.take_trace_events(&mut trace_events);
                     for event in trace_events.drain(..) {
-                        log_trace_event(node_id, &event, out);
+                        log_trace_event(node_id, &event);
                     }
                 }
                 // No transport: a copy to another node cannot go.
@@ -1230,13 +1235,13 @@ pub fn run_with(
             pool.end_failed_sends(&mut parts);
             // Traced loads answered: the operator's log, under the engine's
             // trace id.
-            pool.take_spans(|span| log_span(node_id, span, out));
+            pool.take_spans(|span| log_span(node_id, span));
             if let Some(attach) = &mut attach
                 && (stats.polls.is_multiple_of(256) || idle_since.is_some())
             {
                 attach.poll(&mut pool, &mut table, arena.fd().as_raw_fd(), wakeup.fd(), now);
                 if let Some(why) = attach.take_refusal() {
-                    let _ = writeln!(out, "{{\"event\":\"attach_refused\",\"why\":{why:?}}}");
+                    tracing::warn!(event = "attach_refused", why = %why);
                 }
             }
         }
@@ -1263,12 +1268,12 @@ pub fn run_with(
             // Refused saves are an engine's lost hits: said, at most once a
             // second, with how many.
             if pool.stats.saves_refused > refused_logged {
-                let _ = writeln!(
-                    out,
-                    "{{\"event\":\"saves_refused\",\"blocks\":{},\"total\":{},\"why\":\"no L1 slot free for a save \
-                     (L1 full of blocks not yet demoted or dropped, or only the load reserve left)\"}}",
-                    pool.stats.saves_refused - refused_logged,
-                    pool.stats.saves_refused
+                tracing::warn!(
+                    event = "saves_refused",
+                    blocks = pool.stats.saves_refused - refused_logged,
+                    total = pool.stats.saves_refused,
+                    why = "no L1 slot free for a save (L1 full of blocks not yet demoted or dropped, or only the \
+                           load reserve left)"
                 );
                 refused_logged = pool.stats.saves_refused;
             }
