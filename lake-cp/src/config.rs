@@ -25,28 +25,7 @@ use crate::embedded::{EmbeddedConfig, LocalAccess};
 /// Where `lake serve` serves `/metrics` unless told otherwise.
 pub const METRICS_DEFAULT: &str = "127.0.0.1:9477";
 
-/// A count of bytes: `65536`, `64KiB`, `2MiB`, `1GB`. Units with `i` are
-/// powers of 1024, without powers of 1000; no fractions.
-pub fn parse_bytes(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let digits = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-    let (number, unit) = text.split_at(digits);
-    let number: u64 =
-        number.parse().map_err(|_| format!("{text:?}: a whole number of bytes, with an optional unit (2MiB)"))?;
-    let scale: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" | "K" => 1 << 10,
-        "MiB" | "M" => 1 << 20,
-        "GiB" | "G" => 1 << 30,
-        "TiB" | "T" => 1 << 40,
-        "KB" | "kB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "TB" => 1_000_000_000_000,
-        other => return Err(format!("{text:?}: unit {other:?} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
-    };
-    number.checked_mul(scale).ok_or_else(|| format!("{text:?}: more bytes than 64 bits hold"))
-}
+pub use lake_dp::runner::config::parse_bytes;
 
 /// A namespace id in hex (`7e7e`, `0x7e7e`), as `lake` prints them.
 pub fn namespace_hex(text: &str) -> Option<lake_dp::NamespaceId> {
@@ -799,19 +778,6 @@ pub fn command() -> clap::Command {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_take_units_and_refuse_what_they_do_not_know() {
-        assert_eq!(parse_bytes("65536"), Ok(65536));
-        assert_eq!(parse_bytes("64KiB"), Ok(65536));
-        assert_eq!(parse_bytes("2MiB"), Ok(2 << 20));
-        assert_eq!(parse_bytes("64GiB"), Ok(64 << 30));
-        assert_eq!(parse_bytes("2 MB"), Ok(2_000_000));
-        assert!(parse_bytes("2XB").unwrap_err().contains("unit"));
-        assert!(parse_bytes("1.5GiB").is_err());
-        assert!(parse_bytes("-1").is_err());
-        assert!(parse_bytes("99999999TiB").unwrap_err().contains("64 bits"));
-    }
 
     fn args(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| (*s).to_owned()).collect()

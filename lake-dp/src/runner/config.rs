@@ -11,7 +11,7 @@
 //! [l1]
 //! path = "/dev/shm/lake-l1-node0"
 //! backing = "shm"          # "shm" | "hugetlbfs" | "hugetlb-memfd"
-//! classes = [{ payload_bytes = 2359296, slots = 1024 }]
+//! classes = [{ payload_bytes = "2304KiB", slots = 1024 }]  # sizes: bytes or units
 //! agents_max = 64
 //! pins_per_agent = 4096
 //! lock = true
@@ -20,7 +20,7 @@
 //! [l2]
 //! paths = ["/nvme0/lake/l2-0.lake", "/nvme1/lake/l2-1.lake"]
 //! slots_per_file = 4096
-//! slot_bytes = 2363392
+//! slot_bytes = "2308KiB"
 //! region_first = 1
 //! format_if_missing = true
 //! queue_depth = 64
@@ -58,8 +58,8 @@
 //! [[tenants]]              # optional, any number: bandwidth caps
 //! name = "batch"
 //! namespaces = ["e6c40168c202f6d1"]
-//! l2_read_bytes_per_s = 200000000   # each cap optional
-//! l2_write_bytes_per_s = 100000000
+//! l2_read_bytes_per_s = "200MB"     # each cap optional
+//! l2_write_bytes_per_s = "100MB"
 //! l3_read_bytes_per_s = 50000000
 //! l3_write_bytes_per_s = 50000000
 //! ```
@@ -89,6 +89,55 @@ fn bad(field: &str, why: &str) -> ConfigError {
     ConfigError(format!("{field}: {why}"))
 }
 
+/// A count of bytes: `65536`, `64KiB`, `2MiB`, `1GB`. Units with `i` are
+/// powers of 1024, without powers of 1000; no fractions. The one reading
+/// of sizes for this file and `lake serve`'s.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let digits = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let number: u64 =
+        number.parse().map_err(|_| format!("{text:?}: a whole number of bytes, with an optional unit (2MiB)"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" => 1 << 10,
+        "MiB" | "M" => 1 << 20,
+        "GiB" | "G" => 1 << 30,
+        "TiB" | "T" => 1 << 40,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => return Err(format!("{text:?}: unit {other:?} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
+    };
+    number.checked_mul(scale).ok_or_else(|| format!("{text:?}: more bytes than 64 bits hold"))
+}
+
+/// A size in the file: a number of bytes, or a string with a unit.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Size {
+    Bytes(u64),
+    Text(String),
+}
+
+impl Size {
+    fn bytes<E: serde::de::Error>(self) -> Result<u64, E> {
+        match self {
+            Self::Bytes(bytes) => Ok(bytes),
+            Self::Text(text) => parse_bytes(&text).map_err(E::custom),
+        }
+    }
+}
+
+fn size<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    Size::deserialize(d)?.bytes()
+}
+
+fn optional_size<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    Option::<Size>::deserialize(d)?.map(Size::bytes).transpose()
+}
+
 /// `[node]`.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -107,7 +156,8 @@ pub struct NodeSection {
 #[serde(deny_unknown_fields)]
 pub struct ClassEntry {
     /// Payload bytes of a block of this class (the slot adds its 4 KiB
-    /// header and rounds up to 4 KiB).
+    /// header and rounds up to 4 KiB); a size (`2MiB`).
+    #[serde(deserialize_with = "size")]
     pub payload_bytes: u64,
     /// Slots of this class.
     pub slots: u32,
@@ -144,7 +194,7 @@ pub struct L1Section {
     /// other class holds a block in. The classes' `slots` then size the
     /// arena (their bytes summed), not each class. 0 (the default): each
     /// class owns its slots, an arena every earlier agent attaches to.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "size")]
     pub chunk_bytes: u64,
 }
 
@@ -156,7 +206,8 @@ pub struct L2Section {
     pub paths: Vec<PathBuf>,
     /// Slots per file.
     pub slots_per_file: u32,
-    /// Bytes per slot.
+    /// Bytes per slot; a size.
+    #[serde(deserialize_with = "size")]
     pub slot_bytes: u64,
     /// Region id of the first file.
     #[serde(default = "default_region_first")]
@@ -465,27 +516,31 @@ pub struct TenantSection {
     /// Its namespace ids, in hex.
     pub namespaces: Vec<String>,
     /// Bytes read from L2 per second at most.
+    #[serde(default, deserialize_with = "optional_size")]
     pub l2_read_bytes_per_s: Option<u64>,
     /// Bytes written to L2 per second at most.
+    #[serde(default, deserialize_with = "optional_size")]
     pub l2_write_bytes_per_s: Option<u64>,
     /// Bytes read from L3 per second at most.
+    #[serde(default, deserialize_with = "optional_size")]
     pub l3_read_bytes_per_s: Option<u64>,
     /// Bytes written to L3 per second at most.
+    #[serde(default, deserialize_with = "optional_size")]
     pub l3_write_bytes_per_s: Option<u64>,
     /// Bytes sent to other nodes per second at most (copies over the
     /// storage network).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     pub net_send_bytes_per_s: Option<u64>,
     /// Bytes its engines push to other nodes per second at most (P→D and
     /// D→P over the compute network): each agent attached here is told
     /// and holds its pushes to it.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     pub push_bytes_per_s: Option<u64>,
     /// Bytes other nodes and engines may send into this node per second
     /// at most (copies, P→D and D→P pushes over TCP): a sender that names
     /// the block's namespace in its reservation (this build's) is told to
     /// ask again later and holds the block meanwhile.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     pub net_receive_bytes_per_s: Option<u64>,
 }
 
@@ -803,6 +858,30 @@ slot_bytes = 69632
         check(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\nworkers = 0\n"), "l3.workers");
         let l3 = RunnerConfig::parse(&format!("{GOOD}\n[l3]\ndir = \"/tmp/l3\"\n")).unwrap().l3.unwrap();
         assert_eq!((l3.region, l3.objects, l3.prefix.as_str()), (1023, 65_536, "lake"));
+    }
+
+    #[test]
+    fn sizes_take_units_as_lake_serve_s_do() {
+        let units = GOOD
+            .replace("payload_bytes = 65536", "payload_bytes = \"64KiB\"")
+            .replace("slot_bytes = 69632", "slot_bytes = \"68KiB\"");
+        let config = RunnerConfig::parse(&format!(
+            "{units}\n[[tenants]]\nname = \"b\"\nnamespaces = [\"ab\"]\nl2_read_bytes_per_s = \"200MB\"\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            config,
+            RunnerConfig::parse(&format!(
+                "{GOOD}\n[[tenants]]\nname = \"b\"\nnamespaces = [\"ab\"]\nl2_read_bytes_per_s = 200000000\n"
+            ))
+            .unwrap()
+        );
+        let err = RunnerConfig::parse(&GOOD.replace("slot_bytes = 69632", "slot_bytes = \"68XiB\"")).unwrap_err();
+        assert!(err.to_string().contains("slot_bytes") && err.to_string().contains("unit \"XiB\""), "{err}");
+        assert_eq!(parse_bytes("2MiB"), Ok(2 << 20));
+        assert_eq!(parse_bytes("2 MB"), Ok(2_000_000));
+        assert!(parse_bytes("1.5GiB").is_err());
+        assert!(parse_bytes("99999999TiB").unwrap_err().contains("64 bits"));
     }
 
     #[test]
