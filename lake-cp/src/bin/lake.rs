@@ -312,7 +312,15 @@ fn main() -> ExitCode {
     lake_dp::log::init_global(lake_dp::log::Sink::new(Box::new(std::io::stderr())), level, format);
     let (name, result) = match cli.command {
         Command::Demo(args) => ("demo", demo(&args)),
-        Command::Serve(args) => ("serve", serve(&args)),
+        Command::Serve(args) => match serve(&args) {
+            // Settings that cannot run: a restart will not mend them.
+            Err(Failed::Settings(why)) => {
+                eprintln!("lake serve: {why}");
+                return ExitCode::from(2);
+            }
+            Err(Failed::Running(why)) => ("serve", Err(why)),
+            Ok(()) => ("serve", Ok(())),
+        },
         Command::Config(ConfigCommand::Check { file }) => ("config check", config_check(&file)),
         Command::Config(ConfigCommand::Reference) => {
             say!("{}", lake_cp::config::reference().trim_start());
@@ -515,12 +523,33 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn serve(args: &ServeArgs) -> Result<(), String> {
+/// Why `lake serve` stopped: its settings (exit status 2, as for a bad
+/// command line), or something while starting or running (1).
+#[derive(Debug)]
+enum Failed {
+    Settings(String),
+    Running(String),
+}
+
+impl From<String> for Failed {
+    fn from(why: String) -> Self {
+        Self::Running(why)
+    }
+}
+
+impl From<&str> for Failed {
+    fn from(why: &str) -> Self {
+        Self::Running(why.to_owned())
+    }
+}
+
+fn serve(args: &ServeArgs) -> Result<(), Failed> {
     use lake_cp::embedded::EmbeddedPool;
     // Before any thread starts: the pool's threads inherit the blocked
     // signals, and this one takes them.
     let signals = lake_dp::runner::os::Signals::with_hangup().map_err(|e| format!("signals: {e}"))?;
-    let lake_cp::config::Serve { pool: config, tenant_key_dir, cluster, member_ttl, .. } = args.resolve()?;
+    let lake_cp::config::Serve { pool: config, tenant_key_dir, cluster, member_ttl, .. } =
+        args.resolve().map_err(Failed::Settings)?;
     let (key_dir, mut tenant_files) = match tenant_key_dir {
         Some((dir, ids)) => (Some(dir), ids),
         None => (None, std::collections::HashMap::new()),
@@ -572,7 +601,7 @@ fn serve(args: &ServeArgs) -> Result<(), String> {
         // A plane that stopped on its own cannot serve: say why, exit non-zero.
         if let Some(why) = pool.failed() {
             let _ = std::fs::remove_file(&record);
-            return Err(why);
+            return Err(Failed::Running(why));
         }
         match signals.take() {
             Some(libc::SIGHUP) => {
