@@ -397,17 +397,9 @@ impl OldPool {
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("serve.log");
         let mut child = std::process::Command::new(binary)
-            .args([
-                "serve",
-                "--metrics",
-                "127.0.0.1:0",
-                "--block-bytes",
-                &BLOCK.to_string(),
-                "--l1-slots",
-                "32",
-                "--l2-slots",
-                "32",
-            ])
+            // The previous release's flags (it has no --metrics: its
+            // metrics port is a free one).
+            .args(["serve", "--block-bytes", &BLOCK.to_string(), "--l1-slots", "32", "--l2-slots", "32"])
             .arg("--dir")
             .arg(dir.join("pool"))
             .args(["--transport-listen", &listen.to_string()])
