@@ -541,6 +541,15 @@ impl EmbeddedPool {
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
         let admin_socket = config.dir.join("admin.sock");
+        // A killed pool of this directory left its sockets (no one serves
+        // them: the lock is ours): gone before anything waits for them to
+        // appear, or an engine would be sent to a dead one.
+        for stale in [&cp_socket, &dp_socket, &admin_socket] {
+            if std::fs::symlink_metadata(stale).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+            {
+                let _ = std::fs::remove_file(stale);
+            }
+        }
         created.files.extend([&arena, &mirror, &cp_socket, &dp_socket, &admin_socket].map(|p| p.to_path_buf()));
         // L2 files this start formats (and the data plane's fence beside
         // them) go with a pool that is not durable, and with a durable one
