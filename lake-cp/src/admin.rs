@@ -15,6 +15,8 @@
 //! | `{"op":"inspect","key":"<32 hex>"}` | one block: its parent, kind, hits, every replica (tier, region, node, epoch, slot, generation, state), the leases holding it and its recent history |
 //! | `{"op":"namespaces"}` | every namespace holding bytes, by tier, and whether it is being purged |
 //! | `{"op":"purge","namespace":"<16 hex>"}` | starts dropping every replica of the namespace from every tier ([`crate::tier::Tiers::purge`]) |
+//! | `{"op":"persist"}`, or with `"namespace":"<16 hex>"` | queues every L1 block (of the namespace) with no copy below for a write-back to L2, its L1 copy kept ([`crate::tier::Tiers::persist`]); answers how many were queued and how many are left (`l1_only`) |
+//! | `{"op":"l1_only"}`, or with `"namespace"` | how many L1 blocks (of the namespace) have no copy below |
 //! | `{"op":"regions"}` | every registered region: id, tier, node, name (an L2 file's path), bytes, blocks, capacity, draining |
 //! | `{"op":"drain","region":N}` or `{"op":"drain","name":"<path>"}`, with `"undo":true` to end it | starts (or ends) draining an L2 file ([`crate::tier::Tiers::drain`]); answers the region's id and every drain and how far it is |
 //! | `{"op":"drains"}` | every drain and how far it is |
@@ -106,6 +108,17 @@ pub fn respond(node: &mut Node, server: &ServerCounters, sessions: &[&Session], 
             node.tiers.purge(namespace);
             let purging: Vec<String> = node.tiers.purging().iter().map(|&n| namespace_text(n)).collect();
             json!({ "purging": purging })
+        }
+        Some(op @ ("persist" | "l1_only")) => {
+            let namespace = match request.get("namespace") {
+                None => None,
+                Some(text) => match text.as_str().and_then(|t| u64::from_str_radix(t, 16).ok()) {
+                    Some(namespace) => Some(namespace),
+                    None => return error(format!("{op}: \"namespace\" must be the namespace id in hex")),
+                },
+            };
+            let queued = if op == "persist" { node.tiers.persist(&node.locations, namespace) } else { 0 };
+            json!({ "queued": queued, "l1_only": node.tiers.l1_only(&node.locations, namespace) })
         }
         Some("regions") => regions(node),
         Some("drains") => json!({ "drains": drains(node) }),
@@ -232,11 +245,16 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
         "waiting_for_parent": node.waiting(),
         "lookups": { "requested_blocks": c.requested_blocks, "hit_blocks": c.hit_blocks, "hit_ratio": hit_ratio },
         "blocks_committed": c.committed,
+        // Blocks in L1 alone: lost with the host (a clean stop writes
+        // them down; `lake persist` does now).
+        "l1_only_blocks": node.tiers.l1_only(&node.locations, None),
+        "persist_queued": node.tiers.persist_queued(),
         "blocks_evicted": c.evicted,
         "tier_commands": {
             "pending": node.tiers.pending(),
             "demotions": t.demotions,
             "to_l3": t.l3_moves,
+            "l2_write_backs": t.l2_write_backs,
             "copies_to_l3": t.l3_copies,
             "failed": t.failed,
             "purged": t.purged,

@@ -113,6 +113,9 @@ impl L3WriteBack {
     }
 }
 
+/// Write-backs to L2 ([`Tiers::persist`]) in flight at most.
+const PERSIST_IN_FLIGHT: usize = 8;
+
 /// Write-backs queued at most; beyond, the oldest are let go (counted).
 const WRITE_BACK_QUEUE_MAX: usize = 1 << 20;
 
@@ -294,6 +297,8 @@ pub struct TierCounters {
     pub l3_copies: u64,
     /// Eager write-backs let go because the queue was full.
     pub l3_copies_dropped: u64,
+    /// Write-backs asked (L1→L2, the L1 copy kept: [`Tiers::persist`]).
+    pub l2_write_backs: u64,
     /// Drops asked, by the tier dropped from (`Tier as usize`).
     pub drops: [u64; 4],
     /// L1 victims dropped rather than demoted because L2's policy did not
@@ -485,6 +490,9 @@ pub struct Tiers {
     now_ns: u64,
     /// Blocks to copy to L3 ([`L3WriteBack::Eager`]), oldest first.
     write_back: std::collections::VecDeque<(BlockKey, u64)>,
+    /// L1 blocks to write back to L2, their L1 copy kept
+    /// ([`Tiers::persist`]), oldest first.
+    persist: std::collections::VecDeque<(BlockKey, u64)>,
     /// Namespaces being purged: every replica of theirs dropped from
     /// every tier, until they hold nothing.
     purging: Vec<u64>,
@@ -574,6 +582,7 @@ impl Tiers {
             duplicates: Vec::new(),
             duplicates_sent: HashSet::new(),
             write_back: std::collections::VecDeque::new(),
+            persist: std::collections::VecDeque::new(),
             purging: Vec::new(),
             drains: std::collections::BTreeMap::new(),
             undrained: Vec::new(),
@@ -1297,6 +1306,7 @@ impl Tiers {
             out.push(TierCommand { request, region: replica.region.0, action });
         }
         self.plan_write_backs(locations, now_ns, out);
+        self.plan_persist(locations, now_ns, out);
         self.plan_purges(locations, leases, now_ns, start, out);
         self.plan_drains(locations, leases, now_ns, start, out);
         for tier in [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object] {
@@ -1559,6 +1569,94 @@ impl Tiers {
     /// Write-backs queued and not yet asked.
     pub fn write_backs_queued(&self) -> usize {
         self.write_back.len()
+    }
+
+    /// The L1 blocks of `namespace` (of every namespace: `None`) with no
+    /// copy below L1 yet, each to be written to its node's L2 while it
+    /// stays in L1 — so that it survives the host, not only a clean stop.
+    /// Returns how many were queued; [`Tiers::l1_only`] says how many are
+    /// left.
+    pub fn persist(&mut self, locations: &Locations, namespace: Option<u64>) -> usize {
+        let queued: Vec<(BlockKey, u64)> = self.l1_only_blocks(locations, namespace).collect();
+        let count = queued.len();
+        self.persist.extend(queued);
+        count
+    }
+
+    /// Write-backs to L2 queued and not yet asked.
+    pub fn persist_queued(&self) -> usize {
+        self.persist.len()
+    }
+
+    /// L1 blocks of `namespace` (every namespace: `None`) with no copy in
+    /// L2 or L3.
+    pub fn l1_only(&self, locations: &Locations, namespace: Option<u64>) -> usize {
+        self.l1_only_blocks(locations, namespace).count()
+    }
+
+    fn l1_only_blocks<'a>(
+        &'a self,
+        locations: &'a Locations,
+        namespace: Option<u64>,
+    ) -> impl Iterator<Item = (BlockKey, u64)> + 'a {
+        self.spaces
+            .iter()
+            .filter(move |((tier, ns), _)| *tier == Tier::L1Dram && namespace.is_none_or(|n| n == *ns))
+            .flat_map(|((_, ns), space)| {
+                let index = &space.cache.index;
+                index.blocks().map(move |block| (index.key(block), *ns))
+            })
+            .filter(|(key, _)| !locations.ready(key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object)))
+    }
+
+    /// Write-backs to L2 of the blocks [`Tiers::persist`] queued that are
+    /// still in L1 only, a bounded number per pass, while L2 has room.
+    fn plan_persist(&mut self, locations: &Locations, now_ns: u64, out: &mut Vec<TierCommand>) {
+        // Each write-back stages its block in a free L1 slot: a few at a
+        // time, so they do not take the slots saves and loads need.
+        let in_flight =
+            self.pending.values().filter(|p| p.tier == Tier::L1Dram && p.to == Some(Tier::L2Nvme) && !p.frees).count();
+        let mut asked = 0;
+        while asked < WRITE_BACKS_PER_PASS && in_flight + asked < PERSIST_IN_FLIGHT {
+            let Some(&(key, namespace)) = self.persist.front() else { break };
+            let ready: Vec<Replica> = locations.ready(&key).collect();
+            let source = ready.iter().find(|r| r.tier == Tier::L1Dram).copied();
+            let below = ready.iter().any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object));
+            let Some(source) = source.filter(|s| !below && !self.pending_of.contains_key(&(key, s.region.0))) else {
+                // Written down already, gone, or on its way somewhere.
+                self.persist.pop_front();
+                continue;
+            };
+            let target = self
+                .regions
+                .iter()
+                .filter(|(id, r)| r.tier == Tier::L2Nvme && r.node == source.node.0 && !self.drains.contains_key(id))
+                .min_by_key(|(id, _)| **id)
+                .map(|(&id, r)| (id, *r));
+            let bytes = self.block_bytes(source.region.0, &key);
+            let Some((region, info)) = target else { break };
+            if self.l2_pressure(bytes).1 {
+                // No L2 slot free: L2's own eviction makes room first.
+                break;
+            }
+            self.persist.pop_front();
+            let pending = Pending {
+                key,
+                parent: None,
+                kind: ObjectKind::KvBlock,
+                namespace,
+                tier: Tier::L1Dram,
+                region: source.region.0,
+                bytes,
+                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+                frees: false,
+                to: Some(Tier::L2Nvme),
+            };
+            let target = l2_target(region, &info);
+            self.ask(pending, TierAction::Copy(transfer(&source, target, key, Priority::WriteBack)), out);
+            self.counters.l2_write_backs += 1;
+            asked += 1;
+        }
     }
 
     /// Where an L1 victim of `namespace` is demoted to — `region` of its

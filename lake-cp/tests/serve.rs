@@ -518,7 +518,7 @@ fn http_get(address: &str, path: &str) -> String {
 }
 
 /// Every subcommand of `lake`.
-const SUBCOMMANDS: [&str; 15] = [
+const SUBCOMMANDS: [&str; 16] = [
     "demo",
     "serve",
     "config",
@@ -526,6 +526,7 @@ const SUBCOMMANDS: [&str; 15] = [
     "inspect",
     "namespaces",
     "purge",
+    "persist",
     "regions",
     "peers",
     "drain",
@@ -781,4 +782,95 @@ fn dashboard_queries_name_exported_metrics(scraped: &str) {
         }
     }
     assert!(named >= 15, "the dashboard names {named} metrics");
+}
+
+/// Acked blocks live in L1 until demoted; `lake persist --wait` writes
+/// every L1-only block to L2 while keeping it in L1, and returns once none
+/// is left: the blocks then survive the pool's SIGKILL (no clean stop to
+/// write them down), exact, and L1 still served them before it.
+#[test]
+fn persisted_blocks_survive_a_kill_and_stay_in_l1() {
+    persist_then_kill(false);
+}
+
+/// The same for a tenant with a data key: the write-back seals its
+/// blocks (its staging copy, not the L1 copy engines read), so L2 holds
+/// no plaintext of them, and they come back exact through the key.
+#[test]
+fn persisted_blocks_of_a_keyed_tenant_are_sealed_on_l2() {
+    persist_then_kill(true);
+}
+
+fn persist_then_kill(sealed: bool) {
+    let base = std::env::temp_dir().join(format!("lake-serve-persist-{sealed}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).unwrap();
+    let dir = base.join("pool");
+    let key_file = base.join("5c.key");
+    let made = Command::new(env!("CARGO_BIN_EXE_lake")).arg("keygen").arg(&key_file).output().unwrap();
+    assert!(made.status.success());
+    let args = || {
+        let mut args: Vec<std::ffi::OsString> =
+            vec!["--dir".into(), dir.clone().into_os_string(), "--l1-slots".into(), "64".into()];
+        if sealed {
+            let mut tenant = std::ffi::OsString::from("5c=");
+            tenant.push(&key_file);
+            args.extend(["--tenant-key".into(), tenant]);
+        }
+        args
+    };
+    let keys: Vec<lake_dp::BlockKey> = (0..BLOCKS).map(key).collect();
+    let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(payload).collect();
+    let (mut first, _out) = serving(args());
+    let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+    let mut agent = engine(&dir, &field(&record, "mirror"));
+    assert_eq!(agent.save(&chain(&keys, &payloads)), BLOCKS as usize);
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.lookup(&keys, &mut table) < keys.len() {
+        assert!(Instant::now() < deadline, "the saves were not published");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let lake =
+        |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_lake")).args(args).arg("--dir").arg(&dir).output().unwrap();
+    let top: serde_json::Value = serde_json::from_slice(&lake(&["top", "--once", "--json"]).stdout).unwrap();
+    assert_eq!(top["l1_only_blocks"], u64::from(BLOCKS), "{top}");
+    let persisted = lake(&["persist", "--wait", "30"]);
+    let said = String::from_utf8_lossy(&persisted.stdout);
+    assert!(persisted.status.success(), "{persisted:?}");
+    assert!(said.contains("\"event\":\"persisted\""), "{said}");
+    let top: serde_json::Value = serde_json::from_slice(&lake(&["top", "--once", "--json"]).stdout).unwrap();
+    assert_eq!(top["l1_only_blocks"], 0, "{top}");
+    assert_eq!(top["tier_commands"]["l2_write_backs"], u64::from(BLOCKS), "{top}");
+    // Still in L1 (and now in L2 too): read from L1 as before.
+    assert_eq!(agent.lookup(&keys, &mut table), keys.len());
+    assert!(table.iter().all(|t| t.tier == lake_dp::Tier::L1Dram), "moved out of L1");
+    let (l1, l2) = (1u8 << lake_dp::Tier::L1Dram as u8, 1u8 << lake_dp::Tier::L2Nvme as u8);
+    assert!(table.iter().all(|t| t.tiers & (l1 | l2) == l1 | l2), "not in both L1 and L2: {table:?}");
+    let delivered = agent.fetch(&keys, &table, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
+    assert_eq!(delivered, keys.len());
+    drop(agent);
+    // Killed: no clean stop writes anything down.
+    first.kill().unwrap();
+    first.wait().unwrap();
+    // What L2 holds of the first block's payload in the clear.
+    let window = &payloads[0][1000..1064];
+    let plain = ["l2-0.lake", "l2-1.lake"]
+        .iter()
+        .any(|file| std::fs::read(dir.join(file)).unwrap().windows(window.len()).any(|w| w == window));
+    assert_eq!(plain, !sealed, "plaintext on L2: {plain}");
+    let (mut second, _out) = serving(args());
+    let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+    let mut agent = engine(&dir, &field(&record, "mirror"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while agent.lookup(&keys, &mut table) < keys.len() {
+        assert!(Instant::now() < deadline, "the persisted blocks were not re-adopted after the kill");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let delivered = agent.fetch(&keys, &table, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
+    assert_eq!(delivered, keys.len());
+    drop(agent);
+    sigterm(&second);
+    assert!(exited(&mut second, 60).success());
+    std::fs::remove_dir_all(&base).unwrap();
 }

@@ -99,6 +99,18 @@ enum Command {
         /// The namespace, in hex.
         namespace: String,
     },
+    /// Write every block that is only in L1 (host memory) to L2, keeping
+    /// it in L1: after this, it survives the host, not only a clean stop.
+    Persist {
+        #[command(flatten)]
+        admin: Admin,
+        /// Only this namespace's blocks (hex).
+        #[arg(long, value_name = "NAMESPACE")]
+        namespace: Option<String>,
+        /// Seconds to wait until none is left in L1 alone (0: do not wait).
+        #[arg(long, value_name = "SECONDS", default_value_t = 0)]
+        wait: u64,
+    },
     /// Every region (L1 arena, each L2 file, L3): what each holds, which
     /// are draining.
     Regions {
@@ -350,6 +362,7 @@ fn main() -> ExitCode {
                 Operator { admin: admin.socket(), wait_s: wait, positional: vec![namespace], ..Operator::default() };
             ("purge", operator("purge", op))
         }
+        Command::Persist { admin, namespace, wait } => ("persist", persist(&admin.socket(), namespace, wait)),
         Command::Regions { admin, json } => {
             ("regions", operator("regions", Operator { admin: admin.socket(), json_out: json, ..Operator::default() }))
         }
@@ -1141,6 +1154,45 @@ fn mib(bytes: &serde_json::Value) -> String {
 }
 
 /// `lake top`, `lake inspect`, `lake namespaces`, `lake purge`.
+/// `lake persist`: every L1-only block written back to L2 (kept in L1);
+/// with `--wait`, until none is left.
+fn persist(admin: &std::path::Path, namespace: Option<String>, wait_s: u64) -> Result<(), String> {
+    use serde_json::json;
+    let mut request = json!({ "op": "persist" });
+    if let Some(namespace) = &namespace {
+        request["namespace"] = json!(namespace);
+    }
+    let answer = ask_admin(admin, &request)?;
+    say!("{}", json!({ "event": "persisting", "queued": answer["queued"], "l1_only": answer["l1_only"] }));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_s);
+    let mut asked = std::time::Instant::now();
+    loop {
+        // The pool's count, of the namespace asked or of all; asked again
+        // each second (blocks saved since, write-backs refused for want of
+        // a free slot, are queued anew; the queue skips what is below).
+        let again = asked.elapsed() >= std::time::Duration::from_secs(1);
+        request["op"] = json!(if again { "persist" } else { "l1_only" });
+        if again {
+            asked = std::time::Instant::now();
+        }
+        let left = ask_admin(admin, &request)?["l1_only"].as_u64().unwrap_or(u64::MAX);
+        if left == 0 {
+            say!("{}", json!({ "event": "persisted", "l1_only": 0 }));
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            if wait_s == 0 {
+                return Ok(());
+            }
+            return Err(format!(
+                "{left} blocks still in L1 alone after {wait_s} s (L2 full, or no free L1 slot to stage them: `lake \
+                 top` shows the tier commands refused)"
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// An operator command's arguments.
 #[derive(Debug, Default)]
 struct Operator {

@@ -87,6 +87,9 @@ enum L1State {
 enum Purpose {
     /// Demotion for `lake-cp`: L1 `l1_slot` → L2, once the slot drained.
     Demote { request: u64, l1_generation: u32, write: WriteBlock },
+    /// A write-back for `lake-cp`: an L1 block copied to the staging slot
+    /// `stage`, written from there to L2; the L1 copy stays where it was.
+    WriteBack { request: u64, stage: u32 },
     /// Promotion into `l1_slot`, for an agent (`agent`, `cookie`) or for
     /// `lake-cp` (`request`).
     Promote { to: Requester, l1_slot: u32, l1_generation: u32 },
@@ -172,6 +175,8 @@ pub struct PoolStats {
     pub promotions: u64,
     /// Blocks demoted L1→L2.
     pub demotions: u64,
+    /// Blocks written back L1→L2, their L1 copy kept.
+    pub write_backs: u64,
     /// Replicas evicted on command.
     pub evictions: u64,
     /// Commands answered with an error.
@@ -1322,6 +1327,17 @@ impl Pool {
             }
             CpCommand::Copy { request, transfer }
                 if transfer.source.tier == Tier::L1Dram as u8
+                    && transfer.target.tier == Tier::L2Nvme as u8
+                    && transfer.target.node == self.node =>
+            {
+                match self.write_back(request, &transfer, parts) {
+                    // Answered when the write completes.
+                    Ok(()) => return,
+                    Err(code) => (request, transfer.target, Err(code)),
+                }
+            }
+            CpCommand::Copy { request, transfer }
+                if transfer.source.tier == Tier::L1Dram as u8
                     && transfer.target.tier == Tier::L1Dram as u8
                     && transfer.target.node != self.node =>
             {
@@ -1549,6 +1565,89 @@ impl Pool {
         Ok(())
     }
 
+    /// A write-back: the committed L1 block `transfer.source` written to
+    /// an L2 slot while it stays in L1. The object is first copied into a
+    /// staging slot: the write rewrites its header to name the L2 slot
+    /// (and seals the payload, for a namespace with a data key) where it
+    /// lies, and readers go on pinning the L1 copy meanwhile.
+    fn write_back(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+        let source = &transfer.source;
+        if source.region_epoch != self.epoch || source.node != self.node || source.region != self.l1_region {
+            return Err(ErrorCode::StaleEpoch);
+        }
+        let slot = source.slot;
+        if !matches!(self.l1.get(slot as usize), Some(L1State::Ready | L1State::Sending { .. }))
+            || parts.table.arena().generation(slot) != Some(source.generation)
+        {
+            return Err(ErrorCode::StaleGeneration);
+        }
+        // SAFETY: a ready (or sending) slot is not written until it is
+        // retired, which this thread alone does, and not in this call.
+        let bytes = unsafe { parts.region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
+        let mut meta = *decode_header(bytes).map_err(|_| ErrorCode::Checksum)?.meta();
+        if meta.key != transfer.key {
+            return Err(ErrorCode::NoSuchBlock);
+        }
+        if !self.keys.may_store(meta.namespace) {
+            // Encryption at rest is required and its tenant gave no key.
+            return Err(ErrorCode::Unauthorized);
+        }
+        let object = object_bytes(meta.payload_len);
+        let len = usize::try_from(object).map_err(|_| ErrorCode::NoSuchBlock)?;
+        let (table, l2) = (&mut *parts.table, &mut *parts.l2);
+        let class = table.class_for(object).ok_or(ErrorCode::NoSpace)?;
+        let grant = l2.allocate().ok_or(ErrorCode::NoSpace)?;
+        let Some(stage) = table.allocate(class) else {
+            let _ = l2.release(grant.slot);
+            return Err(ErrorCode::NoSpace);
+        };
+        // SAFETY: the staging slot was just allocated: this thread alone
+        // owns it until the write's end frees it.
+        let staged = unsafe { parts.region.slot_mut(stage.slot) }.and_then(|b| b.get_mut(..len));
+        let (Some(staged), Some(from)) = (staged, bytes.get(..len)) else {
+            self.release_l1(stage.slot, parts.table);
+            let _ = parts.l2.release(grant.slot);
+            return Err(ErrorCode::NoSuchBlock);
+        };
+        staged.copy_from_slice(from);
+        meta.region = self.geometry.region(grant.slot.file);
+        meta.region_epoch = self.epoch;
+        meta.slot = grant.slot.slot;
+        meta.generation = grant.generation;
+        let mut seal = None;
+        if let Some(key) = self.keys.get(meta.namespace) {
+            let payload_len = usize::try_from(meta.payload_len).unwrap_or(usize::MAX);
+            let payload = staged.get_mut(STORED_HEADER_BYTES..).and_then(|p| p.get_mut(..payload_len));
+            match payload.map(|p| crate::auth::at_rest::seal(key, &meta, p)) {
+                Some(Ok(sealed)) => {
+                    seal = Some(sealed);
+                    self.stats.sealed += 1;
+                }
+                // Never written in the clear.
+                _ => {
+                    self.release_l1(stage.slot, parts.table);
+                    let _ = parts.l2.release(grant.slot);
+                    return Err(ErrorCode::Unauthorized);
+                }
+            }
+        }
+        let write = WriteBlock { l1_slot: stage.slot, target: grant.slot, meta, durability: Durability::Acked, seal };
+        let Some(cookie) = self.take_op(Purpose::WriteBack { request, stage: stage.slot }) else {
+            self.release_l1(stage.slot, parts.table);
+            let _ = parts.l2.release(grant.slot);
+            return Err(ErrorCode::QueueFull);
+        };
+        let submitted =
+            Request { command: Command::Write(write), priority: Priority::WriteBack, deadline_ns: 0, cookie };
+        if parts.poller.submit(submitted).is_err() {
+            self.put_op(cookie);
+            self.release_l1(stage.slot, parts.table);
+            let _ = parts.l2.release(grant.slot);
+            return Err(ErrorCode::QueueFull);
+        }
+        Ok(())
+    }
+
     fn demote(
         &mut self,
         request: u64,
@@ -1643,6 +1742,33 @@ impl Pool {
                         }
                         target = ReplicaWire { slot: SLOT_ANY, ..self.l1_replica(l1_slot, l1_generation) };
                         op_code(e) as u32
+                    }
+                };
+                if let Some(cp) = link {
+                    cp.transfer_done(request, &TransferDone { status, reserved: 0, target, bytes: 0 });
+                }
+            }
+            (Purpose::WriteBack { request, stage }, Command::Write(write)) => {
+                self.release_l1(stage, table);
+                let (status, target) = match event.outcome {
+                    Ok(done) => {
+                        self.stats.write_backs += 1;
+                        self.stats.bytes_down += done.bytes;
+                        self.l2_written(write.target, &write.meta);
+                        let record =
+                            crate::runner::l2_record(&self.geometry, self.node, self.epoch, write.target, &write.meta);
+                        if let Some(cp) = link {
+                            cp.committed(&record);
+                        }
+                        (0, record.replica)
+                    }
+                    Err(e) => {
+                        self.stats.commands_failed += 1;
+                        let _ = l2.release(write.target);
+                        let target =
+                            crate::runner::l2_record(&self.geometry, self.node, self.epoch, write.target, &write.meta)
+                                .replica;
+                        (op_code(e) as u32, ReplicaWire { slot: SLOT_ANY, generation: 0, ..target })
                     }
                 };
                 if let Some(cp) = link {
