@@ -193,19 +193,7 @@ fn acked_blocks_and_the_operators_files_survive_a_clean_restart() {
     assert_eq!(std::fs::read(&canary).unwrap(), b"not Lake's");
     assert!(!std::path::Path::new(&arena).exists() && !std::path::Path::new(&mirror).exists(), "shm left");
 
-    let (mut second, _out) = serving(args());
-    let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
-    let mut agent = engine(&dir, &field(&record, "mirror"));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while agent.lookup(&keys, &mut table) < keys.len() {
-        assert!(Instant::now() < deadline, "the restarted pool did not re-adopt the blocks");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let delivered = agent.fetch(&keys, &table, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
-    assert_eq!(delivered, keys.len());
-    drop(agent);
-    sigterm(&second);
-    assert!(exited(&mut second, 60).success());
+    restarted_pool_serves_them_exact(args(), &dir, &keys, &payloads);
     assert_eq!(std::fs::read(&canary).unwrap(), b"not Lake's");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -859,18 +847,30 @@ fn persist_then_kill(sealed: bool) {
         .iter()
         .any(|file| std::fs::read(dir.join(file)).unwrap().windows(window.len()).any(|w| w == window));
     assert_eq!(plain, !sealed, "plaintext on L2: {plain}");
-    let (mut second, _out) = serving(args());
+    restarted_pool_serves_them_exact(args(), &dir, &keys, &payloads);
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+/// A pool started on `dir` (with `args`) re-adopts `keys` from L2 and an
+/// engine reads each back exact; then it stops cleanly.
+fn restarted_pool_serves_them_exact(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+    dir: &std::path::Path,
+    keys: &[lake_dp::BlockKey],
+    payloads: &[Vec<u8>],
+) {
+    let (mut pool, _out) = serving(args);
     let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
-    let mut agent = engine(&dir, &field(&record, "mirror"));
+    let mut agent = engine(dir, &field(&record, "mirror"));
+    let mut table = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while agent.lookup(&keys, &mut table) < keys.len() {
-        assert!(Instant::now() < deadline, "the persisted blocks were not re-adopted after the kill");
+    while agent.lookup(keys, &mut table) < keys.len() {
+        assert!(Instant::now() < deadline, "the restarted pool did not re-adopt the blocks");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let delivered = agent.fetch(&keys, &table, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
+    let delivered = agent.fetch(keys, &table, |i, bytes| assert_eq!(bytes, &payloads[i][..], "block {i}"));
     assert_eq!(delivered, keys.len());
     drop(agent);
-    sigterm(&second);
-    assert!(exited(&mut second, 60).success());
-    std::fs::remove_dir_all(&base).unwrap();
+    sigterm(&pool);
+    assert!(exited(&mut pool, 60).success());
 }
