@@ -10,6 +10,8 @@
 
 #[path = "common/scratch.rs"]
 mod scratch;
+#[path = "common/supervise.rs"]
+mod supervise;
 
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -302,8 +304,7 @@ impl Served {
 
 impl Drop for Served {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        supervise::stop(&mut self.child);
     }
 }
 

@@ -13,6 +13,8 @@
 mod etcd_server;
 #[path = "common/scratch.rs"]
 mod scratch;
+#[path = "common/supervise.rs"]
+mod supervise;
 
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -74,7 +76,7 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        self.kill();
+        supervise::stop(&mut self.child);
     }
 }
 
