@@ -18,9 +18,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::{Args, FromArgMatches, ValueEnum};
+use clap::{Args, FromArgMatches};
 
 use crate::embedded::{EmbeddedConfig, LocalAccess};
+use crate::tier::{L2Admission, L3WriteBack};
+use lake_dp::runner::pool::CommitCheck;
 
 /// Where `lake serve` serves `/metrics` unless told otherwise.
 pub const METRICS_DEFAULT: &str = "127.0.0.1:9477";
@@ -209,37 +211,6 @@ fn parse_pool_dir(text: &str) -> Result<PathBuf, String> {
     Ok(PathBuf::from(text))
 }
 
-/// How the data plane checks a commit's payload.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CommitCheck {
-    /// Every saved byte is checked against its CRC before the block is
-    /// published (a CPU pass on the commit's path).
-    Inline,
-    /// Published at once, checked off the commit's path; a block that
-    /// fails is evicted.
-    Background,
-    /// The engine's CRCs are taken as they are (readers still check).
-    Trust,
-}
-
-/// Which L1 victims L2 takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum L2Admission {
-    /// Every one.
-    Always,
-    /// Those asked for at least twice.
-    SecondAccess,
-}
-
-/// When blocks are written to L3.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum L3WriteBack {
-    /// When evicted from the tiers above.
-    Evict,
-    /// As soon as they are saved.
-    Eager,
-}
-
 /// `lake serve`'s settings: each a flag, each a key of `--config`'s file.
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
@@ -359,7 +330,7 @@ pub struct ServeArgs {
     pub l3_objects: u32,
 
     /// When blocks are written to L3.
-    #[arg(long, value_enum, default_value_t = L3WriteBack::Evict, help_heading = "L3 (object store)")]
+    #[arg(long, value_enum, default_value_t = L3WriteBack::OnEviction, help_heading = "L3 (object store)")]
     pub l3_write_back: L3WriteBack,
 
     /// This node's id (each node of a cluster has its own).
@@ -464,8 +435,6 @@ pub struct ServeArgs {
 pub struct Serve {
     /// The pool.
     pub pool: EmbeddedConfig,
-    /// Where `/metrics` is served.
-    pub metrics: Metrics,
     /// `--tenant-keys DIR`, read again on SIGHUP, and the key ids read
     /// from it at start.
     pub tenant_key_dir: Option<(PathBuf, HashMap<lake_dp::NamespaceId, u64>)>,
@@ -530,25 +499,15 @@ impl ServeArgs {
             Metrics::Off => None,
             Metrics::At(address) => Some(address),
         };
-        pool.commit_check = match self.commit_check {
-            CommitCheck::Inline => lake_dp::runner::pool::CommitCheck::Inline,
-            CommitCheck::Background => lake_dp::runner::pool::CommitCheck::Background,
-            CommitCheck::Trust => lake_dp::runner::pool::CommitCheck::Trust,
-        };
+        pool.commit_check = self.commit_check;
         pool.transport_listen = self.transport_listen;
         pool.transport_peers = self.transport_peer.iter().map(|p| (p.node, p.rails.clone())).collect();
         pool.l2_background_depth = self.l2_background_depth;
         pool.l1_load_reserve = self.l1_load_reserve;
         pool.rdma.clone_from(&self.rdma_device);
         pool.summary_to.clone_from(&self.summary_to);
-        pool.tiers.l2_admission = match self.l2_admission {
-            L2Admission::Always => crate::tier::L2Admission::Always,
-            L2Admission::SecondAccess => crate::tier::L2Admission::SecondAccess,
-        };
-        pool.tiers.l3_write_back = match self.l3_write_back {
-            L3WriteBack::Evict => crate::tier::L3WriteBack::OnEviction,
-            L3WriteBack::Eager => crate::tier::L3WriteBack::Eager,
-        };
+        pool.tiers.l2_admission = self.l2_admission;
+        pool.tiers.l3_write_back = self.l3_write_back;
         if let Some(threads) = self.tag_threads {
             lake_dp::auth::spread_tags(threads).map_err(|e| format!("--tag-threads {threads}: {e}"))?;
         }
@@ -608,7 +567,7 @@ impl ServeArgs {
             (Some(etcd), Some(name)) => Some((etcd.split(',').map(str::to_owned).collect(), name.clone())),
             _ => None,
         };
-        Ok(Serve { pool, metrics: self.metrics, tenant_key_dir, cluster, member_ttl: i64::from(self.member_ttl) })
+        Ok(Serve { pool, tenant_key_dir, cluster, member_ttl: i64::from(self.member_ttl) })
     }
 
     /// `--tenant`, `--tenant-quota` and `--tenant-rate` joined by name.
@@ -679,7 +638,7 @@ impl ServeArgs {
 pub fn file_args(path: &Path) -> Result<Vec<String>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let table: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
-    let known = ServeArgs::augment_args(clap::Command::new("lake serve"));
+    let known = command();
     let mut args = Vec::new();
     for (key, value) in &table {
         let at = |why: String| format!("{}: {key}: {why}", path.display());
@@ -738,7 +697,7 @@ pub const REFERENCE_END: &str = "<!-- end of reference -->";
 /// The configuration reference: every setting, its flag, its default and
 /// what it does, as a Markdown table per group (`lake config reference`).
 pub fn reference() -> String {
-    let command = ServeArgs::augment_args(clap::Command::new("lake serve"));
+    let command = command();
     let mut out = String::new();
     let mut heading = None;
     for arg in command.get_arguments() {

@@ -567,7 +567,7 @@ impl EmbeddedPool {
             + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
             .map_err(|e| format!("mirror: {e}"))?;
-        config.tiers.validate()?;
+        // Checked at the start (`check`): here only its value.
         let load_reserve_slots = load_reserve(config)?;
         // The view's changes are numbered in a term of this incarnation's own
         // (its start in ms): a restarted pool's changes are never taken

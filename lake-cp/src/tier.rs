@@ -91,26 +91,16 @@ impl PolicyKind {
 }
 
 /// When blocks are written to L3 (the object store).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum L3WriteBack {
     /// When they leave L2 (or L1 with nowhere else to go): L3 holds what
     /// the node's faster tiers could not.
     #[default]
+    #[value(name = "evict")]
     OnEviction,
     /// As soon as they are saved, whatever the pressure: L3 holds
     /// everything, the source of truth.
     Eager,
-}
-
-impl L3WriteBack {
-    /// By name: `evict` or `eager`.
-    pub fn parse(name: &str) -> Option<Self> {
-        match name {
-            "evict" => Some(Self::OnEviction),
-            "eager" => Some(Self::Eager),
-            _ => None,
-        }
-    }
 }
 
 /// Write-backs to L2 ([`Tiers::persist`]) in flight at most.
@@ -123,7 +113,7 @@ const WRITE_BACK_QUEUE_MAX: usize = 1 << 20;
 const WRITE_BACKS_PER_PASS: usize = COMMANDS_PER_PASS / 4;
 
 /// Which L1 victims are written to L2 (the rest are dropped from L1).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum L2Admission {
     /// Every victim L2 has room for; once L2 is over its high-water mark
     /// its policy also judges each against its own victim.
@@ -136,17 +126,6 @@ pub enum L2Admission {
     /// document) is not worth an L2 write. Remembered for the last
     /// [`SEEN_MAX`] blocks of each kind.
     SecondAccess,
-}
-
-impl L2Admission {
-    /// By name: `always` or `second-access`.
-    pub fn parse(name: &str) -> Option<Self> {
-        match name {
-            "always" => Some(Self::Always),
-            "second-access" => Some(Self::SecondAccess),
-            _ => None,
-        }
-    }
 }
 
 /// Blocks the second-access filter remembers, of those seen again and of
@@ -692,6 +671,16 @@ impl Tiers {
             .map(|(id, r)| (*id, *r))
     }
 
+    /// The L2 region of `node` that blocks are written to: its first one
+    /// not being drained.
+    fn l2_written_to(&self, node: u32) -> Option<(u16, RegionUse)> {
+        self.regions
+            .iter()
+            .filter(|(id, r)| r.tier == Tier::L2Nvme && r.node == node && !self.drains.contains_key(id))
+            .min_by_key(|(id, _)| **id)
+            .map(|(id, r)| (*id, *r))
+    }
+
     /// Whether a command about the replica of `key` in `region` is in
     /// flight (it is on its way out, or being copied).
     pub fn is_pending(&self, key: &BlockKey, region: u16) -> bool {
@@ -1146,15 +1135,7 @@ impl Tiers {
                     }
                     TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
                 } else {
-                    let target = self
-                        .regions
-                        .iter()
-                        .filter(|(id, r)| {
-                            r.tier == Tier::L2Nvme && r.node == info.node && !self.drains.contains_key(id)
-                        })
-                        .min_by_key(|(id, _)| **id)
-                        .map(|(&id, r)| (id, *r));
-                    let Some((target_region, target_info)) = target else {
+                    let Some((target_region, target_info)) = self.l2_written_to(info.node) else {
                         // Nowhere to go on this node: the tier's capacity
                         // (zero now) has its eviction take them.
                         break;
@@ -1627,14 +1608,8 @@ impl Tiers {
                 self.persist.pop_front();
                 continue;
             };
-            let target = self
-                .regions
-                .iter()
-                .filter(|(id, r)| r.tier == Tier::L2Nvme && r.node == source.node.0 && !self.drains.contains_key(id))
-                .min_by_key(|(id, _)| **id)
-                .map(|(&id, r)| (id, *r));
             let bytes = self.block_bytes(source.region.0, &key);
-            let Some((region, info)) = target else { break };
+            let Some((region, info)) = self.l2_written_to(source.node.0) else { break };
             if self.l2_pressure(bytes).1 {
                 // No L2 slot free: L2's own eviction makes room first.
                 break;

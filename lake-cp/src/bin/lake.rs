@@ -550,12 +550,6 @@ impl From<String> for Failed {
     }
 }
 
-impl From<&str> for Failed {
-    fn from(why: &str) -> Self {
-        Self::Running(why.to_owned())
-    }
-}
-
 fn serve(args: &ServeArgs) -> Result<(), Failed> {
     use lake_cp::embedded::EmbeddedPool;
     // Before any thread starts: the pool's threads inherit the blocked

@@ -234,7 +234,7 @@ pub struct PoolShape {
 /// How a commit's payload is checked against the CRCs its agent wrote in
 /// the header. Every reader checks every segment it reads whatever this
 /// is; this is about what the pool publishes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommitCheck {
     /// Before the block is published: a commit whose bytes fail is refused
     /// (`Corrupt`). Costs the poller a CPU pass over every saved byte on
@@ -960,27 +960,47 @@ impl Pool {
     /// node's write-back elsewhere): the slot is held (no eviction or
     /// demotion while it is read) and the send handed to the runner's
     /// transport ([`Pool::take_sends`]).
-    fn send_remote(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
-        let source = &transfer.source;
+    /// The header of the committed L1 block `source` names, if it still
+    /// holds `key`: this epoch's L1, the slot `Ready` (or, where
+    /// `sending` says, read by sends), at the generation named.
+    fn committed_l1(
+        &self,
+        source: &ReplicaWire,
+        key: &BlockKey,
+        sending: bool,
+        parts: &Parts<'_>,
+    ) -> Result<ObjectMeta, ErrorCode> {
         if source.region_epoch != self.epoch || source.node != self.node || source.region != self.l1_region {
             return Err(ErrorCode::StaleEpoch);
         }
         let slot = source.slot;
-        let readers = match self.l1.get(slot as usize) {
-            Some(L1State::Ready) => 0,
-            Some(&L1State::Sending { readers }) if readers < u16::MAX => readers,
-            _ => return Err(ErrorCode::StaleGeneration),
+        let committed = match self.l1.get(slot as usize) {
+            Some(L1State::Ready) => true,
+            Some(L1State::Sending { .. }) => sending,
+            _ => false,
         };
-        if parts.table.arena().generation(slot) != Some(source.generation) {
+        if !committed || parts.table.arena().generation(slot) != Some(source.generation) {
             return Err(ErrorCode::StaleGeneration);
         }
-        // SAFETY: a ready slot is not written until it is retired, which
-        // this thread alone does (and not while it is held below).
+        // SAFETY: a ready (or sending) slot is not written until it is
+        // retired, which this thread alone does, and not in this call.
         let bytes = unsafe { parts.region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
         let meta = *decode_header(bytes).map_err(|_| ErrorCode::Checksum)?.meta();
-        if meta.key != transfer.key {
+        if meta.key != *key {
             return Err(ErrorCode::NoSuchBlock);
         }
+        Ok(meta)
+    }
+
+    fn send_remote(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+        let source = &transfer.source;
+        let slot = source.slot;
+        let meta = self.committed_l1(source, &transfer.key, true, parts)?;
+        let readers = match self.l1.get(slot as usize) {
+            Some(&L1State::Sending { readers }) if readers == u16::MAX => return Err(ErrorCode::StaleGeneration),
+            Some(&L1State::Sending { readers }) => readers,
+            _ => 0,
+        };
         if self.sends.len() >= self.sends.capacity() {
             return Err(ErrorCode::QueueFull);
         }
@@ -1571,23 +1591,11 @@ impl Pool {
     /// (and seals the payload, for a namespace with a data key) where it
     /// lies, and readers go on pinning the L1 copy meanwhile.
     fn write_back(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
-        let source = &transfer.source;
-        if source.region_epoch != self.epoch || source.node != self.node || source.region != self.l1_region {
-            return Err(ErrorCode::StaleEpoch);
-        }
-        let slot = source.slot;
-        if !matches!(self.l1.get(slot as usize), Some(L1State::Ready | L1State::Sending { .. }))
-            || parts.table.arena().generation(slot) != Some(source.generation)
-        {
-            return Err(ErrorCode::StaleGeneration);
-        }
+        let slot = transfer.source.slot;
+        let mut meta = self.committed_l1(&transfer.source, &transfer.key, true, parts)?;
         // SAFETY: a ready (or sending) slot is not written until it is
         // retired, which this thread alone does, and not in this call.
         let bytes = unsafe { parts.region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
-        let mut meta = *decode_header(bytes).map_err(|_| ErrorCode::Checksum)?.meta();
-        if meta.key != transfer.key {
-            return Err(ErrorCode::NoSuchBlock);
-        }
         if !self.keys.may_store(meta.namespace) {
             // Encryption at rest is required and its tenant gave no key.
             return Err(ErrorCode::Unauthorized);
@@ -1655,22 +1663,9 @@ impl Pool {
         key: &BlockKey,
         parts: &mut Parts<'_>,
     ) -> Result<(), ErrorCode> {
-        let (table, l2) = (&mut *parts.table, &mut *parts.l2);
-        if source.region_epoch != self.epoch || source.node != self.node || source.region != self.l1_region {
-            return Err(ErrorCode::StaleEpoch);
-        }
         let slot = source.slot;
-        if self.l1.get(slot as usize) != Some(&L1State::Ready)
-            || table.arena().generation(slot) != Some(source.generation)
-        {
-            return Err(ErrorCode::StaleGeneration);
-        }
-        // SAFETY: the slot is Ready: committed, and written by nobody.
-        let bytes = unsafe { parts.region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
-        let mut meta = *decode_header(bytes).map_err(|_| ErrorCode::Checksum)?.meta();
-        if meta.key != *key {
-            return Err(ErrorCode::NoSuchBlock);
-        }
+        let mut meta = self.committed_l1(source, key, false, parts)?;
+        let (table, l2) = (&mut *parts.table, &mut *parts.l2);
         if self.draining.len() == self.draining.capacity() {
             return Err(ErrorCode::QueueFull);
         }
