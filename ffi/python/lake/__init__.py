@@ -128,6 +128,23 @@ def pool_record(directory: str, setting: str = "pool_dir") -> dict:
     return record
 
 
+def pool_settings(extra: dict, where: str) -> dict:
+    """An engine's settings that name a pool by its directory
+    (``pool_dir``, what ``lake serve --dir`` was given), with its
+    ``dp_socket``, ``mirror`` and ``cp_socket`` filled in from the pool's
+    record; or that name those by hand. ``where`` names the settings in
+    errors."""
+    extra = dict(extra)
+    if "pool_dir" in extra:
+        record = pool_record(str(extra["pool_dir"]), f"{where}['pool_dir']")
+        for name in ("dp_socket", "mirror", "cp_socket"):
+            extra.setdefault(name, record[name])
+    for name in ("dp_socket", "mirror"):
+        if name not in extra:
+            raise ValueError(f"{where} needs 'pool_dir' (the pool's `lake serve --dir`) or {name!r}")
+    return extra
+
+
 class LakeError(Exception):
     """A call returned a status other than ``LAKE_OK``."""
 

@@ -114,16 +114,7 @@ class LakeStore(HiCacheStorage):
     SGLang's backend factory builds a dynamic backend."""
 
     def __init__(self, storage_config, kwargs: Any = None):
-        extra = dict(getattr(storage_config, "extra_config", None) or {})
-        if "pool_dir" in extra:
-            record = lake.pool_record(str(extra["pool_dir"]), "lake.sglang: extra config 'pool_dir'")
-            for name in ("dp_socket", "mirror", "cp_socket"):
-                extra.setdefault(name, record[name])
-        for name in ("dp_socket", "mirror"):
-            if name not in extra:
-                raise ValueError(
-                    f"lake.sglang: the extra config needs 'pool_dir' (the pool's `lake serve --dir`) or {name!r}"
-                )
+        extra = lake.pool_settings(getattr(storage_config, "extra_config", None) or {}, "lake.sglang: the extra config")
         if not extra.get("interface_v1"):
             raise ValueError(
                 'lake.sglang: set "interface_v1": 1 in the extra config (Lake serves the zero-copy '

@@ -426,17 +426,7 @@ def _extra(vllm_config) -> dict[str, Any]:
     (``pool_dir``, what ``lake serve --dir`` was given) or by its
     ``dp_socket`` and ``mirror`` (and ``cp_socket``)."""
     config = getattr(vllm_config, "kv_transfer_config", None)
-    extra = dict(getattr(config, "kv_connector_extra_config", None) or {})
-    if "pool_dir" in extra:
-        record = lake.pool_record(str(extra["pool_dir"]), "kv_connector_extra_config['pool_dir']")
-        for name in ("dp_socket", "mirror", "cp_socket"):
-            extra.setdefault(name, record[name])
-    for name in ("dp_socket", "mirror"):
-        if name not in extra:
-            raise ValueError(
-                f"kv_connector_extra_config needs 'pool_dir' (the pool's `lake serve --dir`) or {name!r}"
-            )
-    return extra
+    return lake.pool_settings(getattr(config, "kv_connector_extra_config", None) or {}, "kv_connector_extra_config")
 
 
 def _model_fingerprint(vllm_config) -> bytes:
