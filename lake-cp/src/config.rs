@@ -211,7 +211,43 @@ fn parse_pool_dir(text: &str) -> Result<PathBuf, String> {
     Ok(PathBuf::from(text))
 }
 
-/// `lake serve`'s settings: each a flag, each a key of `--config`'s file.
+/// `--cores`: a list of cores (`2`, `2,3`, `2-3`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cores(pub Vec<usize>);
+
+fn parse_cores(text: &str) -> Result<Cores, String> {
+    let bad = || format!("{text:?}: numbers like 2 or 2,3 or 2-3");
+    let mut cores = Vec::new();
+    for part in text.split(',') {
+        match part.split_once('-') {
+            Some((first, last)) => {
+                let first: usize = first.trim().parse().map_err(|_| bad())?;
+                let last: usize = last.trim().parse().map_err(|_| bad())?;
+                if first > last {
+                    return Err(bad());
+                }
+                cores.extend(first..=last);
+            }
+            None => cores.push(part.trim().parse().map_err(|_| bad())?),
+        }
+    }
+    Ok(Cores(cores))
+}
+
+/// `--l1-backing`: what L1's memory is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum L1Backing {
+    /// A file in `/dev/shm`.
+    #[default]
+    Shm,
+    /// A file in `/dev/hugepages`.
+    Hugetlbfs,
+    /// An anonymous hugetlb memfd.
+    HugetlbMemfd,
+}
+
+/// The node's settings, `lake serve`'s and `lake-dp`'s alike: each a flag,
+/// each a key of `--config`'s file.
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
     /// A TOML file of these settings, each key a flag's long name
@@ -249,6 +285,15 @@ pub struct ServeArgs {
     #[arg(long, value_name = "IP:PORT|off", default_value = METRICS_DEFAULT, value_parser = parse_metrics, help_heading = "Pool")]
     pub metrics: Metrics,
 
+    /// The cores the data plane's poll thread may run on (`2`, `2,3`,
+    /// `2-3`): it is pinned to the first.
+    #[arg(long, value_name = "LIST", value_parser = parse_cores, help_heading = "Pool")]
+    pub cores: Option<Cores>,
+
+    /// Bind the data plane's memory, and L1, to this NUMA node.
+    #[arg(long, value_name = "N", help_heading = "Pool")]
+    pub numa_node: Option<u32>,
+
     /// Events at this level or above are logged, on stderr (the lines a
     /// supervisor reads, `serving` and `stopped`, go to stdout whatever
     /// this is).
@@ -258,6 +303,18 @@ pub struct ServeArgs {
     /// Events as JSON lines, or as text for a terminal.
     #[arg(long, value_enum, default_value_t = lake_dp::log::Format::Json, help_heading = "Logging")]
     pub log_format: lake_dp::log::Format,
+
+    /// What L1's memory is: a file in `/dev/shm` (base pages), a file in
+    /// the hugetlbfs mount `/dev/hugepages` (huge pages the operator
+    /// reserved), or an anonymous hugetlb memfd.
+    #[arg(long, value_enum, default_value_t = L1Backing::Shm, help_heading = "L1 (host memory)")]
+    pub l1_backing: L1Backing,
+
+    /// Lock L1 in memory (mlock): its pages are never swapped out. Needs
+    /// the memlock limit to cover it (`LimitMEMLOCK=` under systemd).
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = false, default_missing_value = "true",
+          value_parser = clap::value_parser!(bool), help_heading = "L1 (host memory)")]
+    pub l1_lock: bool,
 
     /// L1 slots of `--block-bytes`.
     #[arg(long, value_name = "N", default_value_t = 1024, help_heading = "L1 (host memory)")]
@@ -467,14 +524,7 @@ impl ServeArgs {
     /// The settings of `argv` (what follows `lake serve`), after those of
     /// the file `--config` names, if any.
     pub fn parse(argv: &[String]) -> Result<Self, clap::Error> {
-        let command = command_alone;
-        let mut matches = command().try_get_matches_from(argv)?;
-        let first = Self::from_arg_matches_mut(&mut matches)?;
-        let Some(file) = first.config.clone() else { return Ok(first) };
-        let from_file = file_args(&file).map_err(|e| command().error(clap::error::ErrorKind::ValueValidation, e))?;
-        let all: Vec<String> = from_file.into_iter().chain(argv.iter().cloned()).collect();
-        let mut matches = command().args_override_self(true).try_get_matches_from(all)?;
-        Self::from_arg_matches_mut(&mut matches)
+        parse_with_file(command_alone, argv)
     }
 
     /// What `lake serve` runs: every setting checked, every file it names
@@ -490,6 +540,10 @@ impl ServeArgs {
         pool.stop_flush = Duration::from_secs(self.stop_timeout);
         pool.block_bytes = self.block_bytes;
         pool.l1_slots = self.l1_slots;
+        pool.l1_backing = self.l1_backing;
+        pool.l1_lock = self.l1_lock;
+        pool.cores = self.cores.as_ref().map(|c| c.0.clone());
+        pool.numa_node = self.numa_node;
         pool.l1_classes = self.l1_class.iter().map(|c| (c.payload_bytes, c.slots)).collect();
         pool.l2_slots_per_file = self.l2_slots;
         pool.l2_files.clone_from(&self.l2_file);
@@ -631,6 +685,20 @@ impl ServeArgs {
         }
         Ok(())
     }
+}
+
+/// The settings of `argv` for a command that holds [`ServeArgs`] (it may
+/// add flags of its own, which the file does not take), after those of
+/// the file its `--config` names, if any.
+pub fn parse_with_file<T: FromArgMatches>(command: fn() -> clap::Command, argv: &[String]) -> Result<T, clap::Error> {
+    let mut matches = command().try_get_matches_from(argv)?;
+    let Some(file) = matches.get_one::<PathBuf>("config").cloned() else {
+        return T::from_arg_matches_mut(&mut matches);
+    };
+    let from_file = file_args(&file).map_err(|e| command().error(clap::error::ErrorKind::ValueValidation, e))?;
+    let all: Vec<String> = from_file.into_iter().chain(argv.iter().cloned()).collect();
+    let mut matches = command().args_override_self(true).try_get_matches_from(all)?;
+    T::from_arg_matches_mut(&mut matches)
 }
 
 /// The file's settings as the flags they stand for, each key checked

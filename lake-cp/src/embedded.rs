@@ -122,6 +122,15 @@ pub struct EmbeddedConfig {
     pub log_level: lake_dp::log::LevelFilter,
     /// As JSON lines or text.
     pub log_format: lake_dp::log::Format,
+    /// What L1's memory is.
+    pub l1_backing: crate::config::L1Backing,
+    /// L1 locked in memory (mlock).
+    pub l1_lock: bool,
+    /// The cores the data plane's poll thread may run on (pinned to the
+    /// first); none: wherever the scheduler puts it.
+    pub cores: Option<Vec<usize>>,
+    /// The NUMA node the data plane's memory and L1 are bound to.
+    pub numa_node: Option<u32>,
 }
 
 /// `/metrics` on the loopback interface, on any free port (tests, the
@@ -211,6 +220,10 @@ impl EmbeddedConfig {
             event_log: None,
             log_level: lake_dp::log::LevelFilter::INFO,
             log_format: lake_dp::log::Format::Json,
+            l1_backing: crate::config::L1Backing::Shm,
+            l1_lock: false,
+            cores: None,
+            numa_node: None,
         }
     }
 }
@@ -427,14 +440,19 @@ impl EmbeddedConfig {
         }
     }
 
-    /// The names of the pool's shared memory, its L1 arena and its mirror:
+    /// The names of the pool's shared memory, its L1 arena (in
+    /// `/dev/hugepages` on hugetlbfs) and its mirror:
     /// the same at every start on the same directory (an engine's config
     /// and an operator's scripts may name them), and no other directory's.
     pub fn shared_memory(&self) -> (PathBuf, PathBuf) {
         let dir = std::fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone());
         let hash = blake3::hash(dir.as_os_str().as_encoded_bytes());
         let id: String = hash.as_bytes()[..8].iter().map(|b| format!("{b:02x}")).collect();
-        (PathBuf::from(format!("/dev/shm/lake-l1-{id}")), PathBuf::from(format!("/dev/shm/lake-mirror-{id}")))
+        let l1_in = match self.l1_backing {
+            crate::config::L1Backing::Hugetlbfs => "/dev/hugepages",
+            crate::config::L1Backing::Shm | crate::config::L1Backing::HugetlbMemfd => "/dev/shm",
+        };
+        (PathBuf::from(format!("{l1_in}/lake-l1-{id}")), PathBuf::from(format!("/dev/shm/lake-mirror-{id}")))
     }
 
     /// Checks what can be checked before anything starts: the tiers'
@@ -455,29 +473,51 @@ impl EmbeddedConfig {
     }
 }
 
-fn runner_config(
-    config: &EmbeddedConfig,
-    load_reserve: u32,
-    arena: &Path,
-    cp: &Path,
-    dp: &Path,
-) -> Result<RunnerConfig, String> {
-    let slot_bytes =
-        config.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).max().unwrap_or(0);
-    let classes: Vec<String> = config
-        .l1_size_classes()
-        .map(|(payload, slots)| format!("{{ payload_bytes = {payload}, slots = {slots} }}"))
-        .collect();
-    RunnerConfig::parse(&format!(
-        r#"
+/// A node's data plane as its configuration describes it: what `lake
+/// serve` runs on its data-plane thread, and `lake-dp` on its own.
+#[derive(Debug)]
+pub struct DataPlane {
+    /// Its settings.
+    pub runner: RunnerConfig,
+    /// Its cores and NUMA node.
+    pub options: RunnerOptions,
+    /// What it is connected to besides its settings (no in-process agents,
+    /// wake-up or stop flag yet: an embedder adds its own).
+    pub ports: RunnerPorts,
+    /// The tenants' data keys it seals with, changed while it runs.
+    pub tenant_keys: Arc<lake_dp::auth::at_rest::TenantKeys>,
+}
+
+impl EmbeddedConfig {
+    /// The pool's data plane, registering with the control plane at
+    /// `cp_socket` (none: it runs alone), serving engines at `DIR/dp.sock`.
+    pub fn data_plane(&self, cp_socket: Option<&Path>) -> Result<DataPlane, String> {
+        let load_reserve = load_reserve(self)?;
+        let (arena, _) = self.shared_memory();
+        let dp = self.dir.join("dp.sock");
+        let classes: Vec<String> = self
+            .l1_size_classes()
+            .map(|(payload, slots)| format!("{{ payload_bytes = {payload}, slots = {slots} }}"))
+            .collect();
+        let slot_bytes =
+            self.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).max().unwrap_or(0);
+        let backing = match self.l1_backing {
+            crate::config::L1Backing::Shm => "shm",
+            crate::config::L1Backing::Hugetlbfs => "hugetlbfs",
+            crate::config::L1Backing::HugetlbMemfd => "hugetlb-memfd",
+        };
+        let cp = cp_socket.map_or(String::new(), |cp| format!("[cp]\nsocket = {:?}\n", cp.display().to_string()));
+        let mut runner = RunnerConfig::parse(&format!(
+            r#"
 [node]
 id = {node}
 
 [l1]
-path = "{arena}"
+path = {arena:?}
+backing = "{backing}"
 classes = [{classes}]
 chunk_bytes = {chunk_bytes}
-lock = false
+lock = {lock}
 agents_max = {agents}
 load_reserve_slots = {load_reserve}
 
@@ -494,39 +534,50 @@ ops_max = 64
 batch_max = 32
 park_max_ms = 20
 
-[cp]
-socket = "{cp}"
-
+{cp}
 [agents]
-socket = "{dp}"
+socket = {dp:?}
 ports = {remote}
 "#,
-        arena = arena.display(),
-        l2_paths =
-            config.l2_paths().iter().map(|p| format!("{:?}", p.display().to_string())).collect::<Vec<_>>().join(", "),
-        cp = cp.display(),
-        dp = dp.display(),
-        node = config.node,
-        classes = classes.join(", "),
-        chunk_bytes = config.l1_chunk_bytes,
-        l2 = config.l2_slots_per_file,
-        background = config.l2_background_depth,
-        load_reserve = load_reserve,
-        agents = (config.local_agents + config.remote_agents + 2).min(1024),
-        remote = config.remote_agents.clamp(1, 1024),
-    ))
-    .map_err(|e| e.to_string())
-    .and_then(|mut runner| {
-        runner.l3 = config.l3.clone();
-        runner.tenants.clone_from(&config.tenant_rates);
-        runner.agents.allow_uids.clone_from(&config.access.allow_uids);
-        runner.agents.allow_gids.clone_from(&config.access.allow_gids);
-        runner.agents.group.clone_from(&config.access.group);
-        runner.agents.socket_mode = config.access.socket_mode;
-        // Checked as a file's section would be: the error names the field.
+            arena = arena.display().to_string(),
+            l2_paths =
+                self.l2_paths().iter().map(|p| format!("{:?}", p.display().to_string())).collect::<Vec<_>>().join(", "),
+            dp = dp.display().to_string(),
+            node = self.node,
+            classes = classes.join(", "),
+            chunk_bytes = self.l1_chunk_bytes,
+            lock = self.l1_lock,
+            l2 = self.l2_slots_per_file,
+            background = self.l2_background_depth,
+            agents = (self.local_agents + self.remote_agents + 2).min(1024),
+            remote = self.remote_agents.clamp(1, 1024),
+        ))
+        .map_err(|e| e.to_string())?;
+        runner.l3.clone_from(&self.l3);
+        runner.tenants.clone_from(&self.tenant_rates);
+        runner.agents.allow_uids.clone_from(&self.access.allow_uids);
+        runner.agents.allow_gids.clone_from(&self.access.allow_gids);
+        runner.agents.group.clone_from(&self.access.group);
+        runner.agents.socket_mode = self.access.socket_mode;
+        // Checked as a whole, the settings added after the text too.
         runner.check().map_err(|e| e.to_string())?;
-        Ok(runner)
-    })
+        let tenant_keys = Arc::new(lake_dp::auth::at_rest::TenantKeys::default());
+        tenant_keys.change(lake_dp::auth::at_rest::KeyChange::Require(self.require_encryption));
+        for (namespace, key) in &self.tenant_keys {
+            tenant_keys.change(lake_dp::auth::at_rest::KeyChange::Set(*namespace, key.clone()));
+        }
+        let ports = RunnerPorts {
+            commit_check: self.commit_check,
+            transport_listen: self.transport_listen,
+            transport_peers: self.transport_peers.clone(),
+            link_key: self.link_key.clone(),
+            tenant_keys: Some(Arc::clone(&tenant_keys)),
+            rdma: self.rdma.clone(),
+            ..RunnerPorts::default()
+        };
+        let options = RunnerOptions { cores: self.cores.clone(), numa_node: self.numa_node, selftest_blocks: 0 };
+        Ok(DataPlane { runner, options, ports, tenant_keys })
+    }
 }
 
 impl EmbeddedPool {
@@ -671,23 +722,10 @@ impl EmbeddedPool {
             dp_ports.push(dp_port);
         }
         let stop_dp = Arc::new(AtomicBool::new(false));
-        let runner = runner_config(config, load_reserve_slots, &arena, &cp_socket, &dp_socket)?;
-        let tenant_keys = Arc::new(lake_dp::auth::at_rest::TenantKeys::default());
-        tenant_keys.change(lake_dp::auth::at_rest::KeyChange::Require(config.require_encryption));
-        for (namespace, key) in &config.tenant_keys {
-            tenant_keys.change(lake_dp::auth::at_rest::KeyChange::Set(*namespace, key.clone()));
-        }
-        let ports = RunnerPorts {
-            agents: dp_ports,
-            wakeup: Some(wakeup),
-            stop: Some(Arc::clone(&stop_dp)),
-            commit_check: config.commit_check,
-            transport_listen: config.transport_listen,
-            transport_peers: config.transport_peers.clone(),
-            link_key: config.link_key.clone(),
-            tenant_keys: Some(Arc::clone(&tenant_keys)),
-            rdma: config.rdma.clone(),
-        };
+        let DataPlane { runner, options, mut ports, tenant_keys } = config.data_plane(Some(&cp_socket))?;
+        ports.agents = dp_ports;
+        ports.wakeup = Some(wakeup);
+        ports.stop = Some(Arc::clone(&stop_dp));
         // The data plane's events (refused links and agents, L3 scans,
         // traced loads) and final figures go to the log file, or stderr,
         // where asked: its thread's own subscriber writes them there.
@@ -708,9 +746,7 @@ impl EmbeddedPool {
             .spawn(move || {
                 let mut sink = lake_dp::log::Sink::new(out);
                 let events = lake_dp::log::subscriber(sink.clone(), log_level, log_format);
-                tracing::subscriber::with_default(events, || {
-                    run_with(&runner, &RunnerOptions::default(), ports, &mut sink)
-                })
+                tracing::subscriber::with_default(events, || run_with(&runner, &options, ports, &mut sink))
             })
             .map_err(|e| e.to_string())?;
         let mut pool = Self {

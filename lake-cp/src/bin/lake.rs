@@ -177,8 +177,9 @@ enum Command {
 
 #[derive(Subcommand, Debug)]
 enum ConfigCommand {
-    /// Check a `lake serve` configuration file: every key known, every
-    /// value valid, every file it names readable. Starts nothing.
+    /// Check a node's configuration file (`lake serve`'s and `lake-dp`'s):
+    /// every key known, every value valid, every file it names readable.
+    /// Starts nothing.
     Check {
         /// The TOML file.
         file: PathBuf,

@@ -1,6 +1,9 @@
-//! The `lake-dp` configuration file (TOML). Unknown fields are errors, and
-//! every error names the field: a typo must not silently fall back to a
-//! default on a production node.
+//! The data plane's settings, resolved: what [`crate::runner::run`] runs
+//! from. Operators do not write these: the node's `lake.toml` (`lake serve`'s
+//! and the `lake-dp` binary's one schema, `lake_cp::config`) is turned into
+//! them. They read from TOML too, sectioned as below, for embedders and
+//! tests that build a data plane by hand. Unknown fields are errors, and
+//! every error names the field.
 //!
 //! ```toml
 //! [node]

@@ -618,7 +618,7 @@ fn open_link(
         name: "lake-dp",
     };
     let mut link = CpLink::connect(socket, &identity, deadline)
-        .map_err(|e| RunnerError(format!("cp.socket {}: {e}", socket.display())))?;
+        .map_err(|e| RunnerError(format!("the control plane at {}: {e}", socket.display())))?;
     // The leader-term fence lives beside the L2 tier, the recovery point.
     let fence_dir = config.l2.paths.first().and_then(|p| p.parent()).filter(|d| !d.as_os_str().is_empty());
     let fence_dir = fence_dir.unwrap_or_else(|| Path::new("."));
