@@ -1,5 +1,6 @@
 //! The Python package as a user installs it: the wheel `pip wheel
-//! ffi/python` builds (`lake-kv`, carrying `liblake.so`), installed into a
+//! ffi/python` builds (`lake-kv`, carrying `liblake.so`), made a manylinux
+//! wheel by `auditwheel repair` (as it is published), installed into a
 //! new venv outside the checkout, imported from a directory that is not
 //! the checkout with no `LAKE_LIBRARY` and no `PYTHONPATH`, against a real
 //! `lake serve`: blocks saved and loaded back exact. Skips, saying why,
@@ -85,6 +86,26 @@ fn the_wheel_installed_in_a_clean_venv_saves_and_loads() {
     let wheel = std::fs::read_dir(here.join("dist")).unwrap().map(|e| e.unwrap().path()).next().unwrap();
     let name = wheel.file_name().unwrap().to_string_lossy().into_owned();
     assert!(name.starts_with("lake_kv-") && name.ends_with("-py3-none-linux_x86_64.whl"), "{name}");
+    // What is published: the wheel auditwheel checks against the manylinux
+    // policies and tags for the oldest glibc its library's symbols allow.
+    let repaired = Command::new("python3")
+        .args(["-m", "auditwheel", "repair", "-w"])
+        .arg(here.join("wheelhouse"))
+        .arg(&wheel)
+        .output()
+        .unwrap();
+    let wheel = if repaired.status.success() {
+        let wheel = std::fs::read_dir(here.join("wheelhouse")).unwrap().map(|e| e.unwrap().path()).next().unwrap();
+        let name = wheel.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("lake_kv-0.1.0-py3-none-manylinux_") && name.ends_with("_x86_64.whl"), "{name}");
+        println!("published wheel: {name}");
+        wheel
+    } else {
+        let said = String::from_utf8_lossy(&repaired.stderr);
+        assert!(std::env::var_os("CI").is_none(), "auditwheel repair (.ci/run installs auditwheel): {said}");
+        println!("SKIPPED the manylinux wheel (auditwheel: {}); installing the linux one", said.trim());
+        wheel
+    };
     // A venv of its own (numpy from the system's site-packages).
     let venv = here.join("venv");
     let made = Command::new("python3").args(["-m", "venv", "--system-site-packages"]).arg(&venv).output().unwrap();
