@@ -184,6 +184,10 @@ pub enum FetchFailure {
     Cancelled,
 }
 
+/// Leases a fetch asks again for a block whose L1 copy went while the
+/// control plane still named it (each after 200 µs), before it gives up.
+const STALE_LEASES_MAX: u32 = 10;
+
 /// What the agent has done.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AgentStats {
@@ -728,13 +732,17 @@ impl Agent {
         // The lease, and the index of the key its first entry names.
         let mut lease: Option<(Granted, usize)> = None;
         let mut delivered = 0;
+        // A block whose L1 copy went between lookup and read (a save took
+        // its slot) but that a lower tier holds: read from there instead.
+        let mut below_l1 = usize::MAX;
+        let mut stale_leases = 0;
         'blocks: while delivered < count {
             let i = delivered;
             if cancelled() {
                 failure = Some(FetchFailure::Cancelled);
                 break;
             }
-            if table[i].tier == Tier::L1Dram && table[i].region.0 == region {
+            if table[i].tier == Tier::L1Dram && table[i].region.0 == region && below_l1 != i {
                 let started = Instant::now();
                 match self.read_l1(&keys[i], table[i].slot, table[i].generation, segmented, &mut |o, p| sink(i, o, p)) {
                     Ok(bytes) => {
@@ -743,6 +751,17 @@ impl Agent {
                         self.stats.bytes_read += bytes as u64;
                         delivered += 1;
                         continue;
+                    }
+                    Err(FetchFailure::Evicted)
+                        if table[i].tiers & (1 << Tier::L2Nvme as u8 | 1 << Tier::L3Object as u8) != 0 =>
+                    {
+                        below_l1 = i;
+                        // A lease from before this knew only the L1 copy.
+                        if let Some((granted, _)) = lease.take()
+                            && let Some(cp) = &mut self.cp
+                        {
+                            cp.release_lease(granted.lease_id);
+                        }
                     }
                     Err(why) => {
                         failure = Some(why);
@@ -773,9 +792,41 @@ impl Agent {
                 }
             }
             let Some((granted, base)) = &lease else { break };
+            // The block is in L1 after all (promoted since the lookup, or
+            // the control plane has not yet heard that its L1 copy went).
+            if let Some(&(key, replica)) = granted.entries.get(i - *base)
+                && key == keys[i]
+                && replica.tier == Tier::L1Dram
+                && replica.region.0 == region
+            {
+                let stale = below_l1 == i && (replica.slot, replica.generation) == (table[i].slot, table[i].generation);
+                if stale && stale_leases < STALE_LEASES_MAX {
+                    // Asked again in a moment, when its eviction is known.
+                    stale_leases += 1;
+                    if let (Some(cp), Some((granted, _))) = (&mut self.cp, lease.take()) {
+                        cp.release_lease(granted.lease_id);
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                    continue;
+                }
+                let started = Instant::now();
+                match self.read_l1(&keys[i], replica.slot, replica.generation, segmented, &mut |o, p| sink(i, o, p)) {
+                    Ok(bytes) => {
+                        self.cost(Tier::L1Dram, started.elapsed());
+                        self.stats.l1_reads += 1;
+                        self.stats.bytes_read += bytes as u64;
+                        delivered += 1;
+                        continue;
+                    }
+                    Err(why) => {
+                        failure = Some(why);
+                        break;
+                    }
+                }
+            }
             let mut batch: Vec<(usize, ReplicaWire)> = Vec::with_capacity(LOAD_BATCH);
             for j in i..count.min(i + LOAD_BATCH) {
-                if table[j].tier == Tier::L1Dram {
+                if table[j].tier == Tier::L1Dram && j != below_l1 {
                     break;
                 }
                 let Some(&(key, replica)) = granted.entries.get(j - base) else { break };
