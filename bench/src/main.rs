@@ -13,6 +13,7 @@ mod arena;
 mod classes;
 mod cp_scale;
 mod ffi;
+mod full_pool;
 mod gpu;
 mod keys;
 mod l2;
@@ -95,6 +96,10 @@ enum Bench {
     /// A critical-path load from L2, unloaded and while writers flood the
     /// pool with saves: p50/p99 of each.
     Qos(qos::QosArgs),
+    /// A new prefix saved into an L1 full of older blocks, with room in L2
+    /// and without: the share published and the throughput against an
+    /// empty pool's.
+    FullPool(full_pool::FullPoolArgs),
     /// Two models of different block sizes over one L1, split between their
     /// size classes and shared in chunks: requests served from L1, from L2,
     /// computed again.
@@ -119,6 +124,7 @@ fn main() -> ExitCode {
         Bench::TraceGen(args) => trace::run_trace_gen(&args),
         Bench::TraceTiers(args) => trace::run_trace_tiers(&args),
         Bench::Qos(args) => qos::run(&args),
+        Bench::FullPool(args) => full_pool::run(&args),
         Bench::Classes(args) => classes::run(&args),
     };
     match result {

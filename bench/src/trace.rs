@@ -531,7 +531,11 @@ fn replay_tiers(
                     let _ = locations.remove(&evict.key, evict.replica.region);
                     tiers.removed(evict.replica.region, &evict.key);
                 }
-                TierAction::Copy(_) | TierAction::Drain(_) | TierAction::Cancel => {}
+                TierAction::Copy(_)
+                | TierAction::Drain(_)
+                | TierAction::Cancel
+                | TierAction::Mark(_)
+                | TierAction::Unmark(_) => {}
             }
             tiers.done(command.request, true);
         }

@@ -99,7 +99,9 @@ fn a_traced_load_through_the_c_abi_comes_back_with_the_data_planes_time() {
     let trace = 0x5eed_0000_0000_7ace_u64;
     lake_set_trace(trace);
     let mut from_l2 = Vec::new();
-    for i in 0..BLOCKS {
+    // (Not the block just loaded: it is in L1 now, whatever a lookup made
+    // before its promotion is published says.)
+    for i in (0..BLOCKS).filter(|&i| i != first_in_l2) {
         if load(i) == (2, LakeStatus::LakeOk) {
             from_l2.push(i);
         }

@@ -261,6 +261,8 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
             "tenant_quota_evictions": t.tenant_quota_evictions,
             "drain_moves": t.drain_moves,
             "drain_drops": t.drain_drops,
+            "cleanings": t.cleanings,
+            "write_backs_deferred": t.write_backs_deferred,
             // Why the failed ones failed.
             "refused": lake_dp::wire::message::ErrorCode::ALL
                 .iter()
@@ -270,6 +272,18 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
             "timed_out": t.timed_out,
             "link_lost": t.link_lost,
             "unrouted": t.unrouted,
+        },
+        // L1 victims chosen ahead of demand: marked in the data plane now,
+        // and what became of the marks (a save or load that found no free
+        // slot took one: its block dropped from L1, with a copy below or
+        // without).
+        "victims": {
+            "marked_now": node.tiers.marked(),
+            "marked_clean": t.marked_clean,
+            "marked_drop": t.marked_drop,
+            "unmarked": t.unmarked,
+            "taken_clean": t.taken_clean,
+            "taken_dropped": t.taken_dropped,
         },
         "purging": node.tiers.purging().iter().map(|&n| namespace_text(n)).collect::<Vec<_>>(),
         "drains": drains(node),

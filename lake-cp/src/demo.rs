@@ -325,7 +325,7 @@ pub fn run(config: &DemoConfig, progress: &mut dyn Write) -> Result<DemoReport, 
     let tiers = &server.node().tiers;
     report.tiers = [tiers.usage(Tier::L1Dram), tiers.usage(Tier::L2Nvme)];
     let c = tiers.counters;
-    report.moves = (c.demotions, c.drops[Tier::L1Dram as usize], c.drops[Tier::L2Nvme as usize]);
+    report.moves = (c.demotions + c.cleanings, c.drops[Tier::L1Dram as usize], c.drops[Tier::L2Nvme as usize]);
     report.seconds = started.elapsed().as_secs_f64();
     Ok(report)
 }

@@ -237,7 +237,7 @@ pub struct Gauges {
     pub l1_blocks: AtomicU64,
     /// L2 bytes held.
     pub l2_bytes: AtomicU64,
-    /// Demotions asked so far.
+    /// L1 blocks written to L2 so far (demoted, or written ahead of demand).
     pub demotions: AtomicU64,
     /// Copies to other nodes that landed there.
     pub copies_landed: AtomicU64,
@@ -700,7 +700,9 @@ impl EmbeddedPool {
                         gauges.l1_bytes.store(l1.bytes, Ordering::Relaxed);
                         gauges.l1_blocks.store(l1.blocks, Ordering::Relaxed);
                         gauges.l2_bytes.store(node.tiers.usage(Tier::L2Nvme).bytes, Ordering::Relaxed);
-                        gauges.demotions.store(node.tiers.counters.demotions, Ordering::Relaxed);
+                        gauges
+                            .demotions
+                            .store(node.tiers.counters.demotions + node.tiers.counters.cleanings, Ordering::Relaxed);
                         gauges.copies_landed.store(node.copies_landed, Ordering::Relaxed);
                         if let Some((region, info)) = node.locations.region_of(node.node(), Tier::L1Dram) {
                             // The epoch first: a reader that sees the region

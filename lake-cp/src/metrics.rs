@@ -289,6 +289,7 @@ fn tier_metrics(out: &mut String, node: &Node) {
         "Tier moves asked of the data plane.",
         &[
             ("move=\"demote_l1_l2\"", t.demotions),
+            ("move=\"clean_l1_l2\"", t.cleanings),
             ("move=\"drop_l1\"", t.drops[Tier::L1Dram as usize]),
             ("move=\"drop_l2\"", t.drops[Tier::L2Nvme as usize]),
             ("move=\"move_to_l3\"", t.l3_moves),
@@ -296,6 +297,20 @@ fn tier_metrics(out: &mut String, node: &Node) {
             ("move=\"delete_l3\"", t.drops[Tier::L3Object as usize]),
             ("move=\"drain_move_l2\"", t.drain_moves),
             ("move=\"drain_drop_l2\"", t.drain_drops),
+        ],
+    );
+    metric(
+        out,
+        "lake_l1_victims_total",
+        "counter",
+        "L1 victims chosen ahead of demand: marked evictable (with a copy below, or to be dropped), marks taken back, \
+         and those a save or load took on the spot.",
+        &[
+            ("event=\"marked_clean\"", t.marked_clean),
+            ("event=\"marked_drop\"", t.marked_drop),
+            ("event=\"unmarked\"", t.unmarked),
+            ("event=\"taken_clean\"", t.taken_clean),
+            ("event=\"taken_dropped\"", t.taken_dropped),
         ],
     );
     let drains = node.tiers.drains();

@@ -341,7 +341,7 @@ impl Node {
                     let what = if tracked { BlockEventKind::DropAsked } else { BlockEventKind::SecondCopyDropAsked };
                     (e.key, what, e.replica.slot)
                 }
-                TierAction::Drain(_) | TierAction::Cancel => continue,
+                TierAction::Drain(_) | TierAction::Cancel | TierAction::Mark(_) | TierAction::Unmark(_) => continue,
             };
             self.record(key, what, (command.region, slot));
         }

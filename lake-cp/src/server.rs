@@ -208,10 +208,15 @@ impl Session {
                         }
                         (Stage::Open(limits), message) => match ctx.node.on_data_plane(request, message) {
                             Ok(()) => {
-                                if let Message::RegisterRegion(region) = message
-                                    && !self.regions.contains(&region.region)
-                                {
-                                    self.regions.push(region.region);
+                                if let Message::RegisterRegion(region) = message {
+                                    if !self.regions.contains(&region.region) {
+                                        self.regions.push(region.region);
+                                    }
+                                    if region.tier == lake_dp::Tier::L1Dram as u8
+                                        && self.takes(lake_dp::wire::FEATURE_EVICTABLE)
+                                    {
+                                        ctx.node.tiers.takes_marks(region.region);
+                                    }
                                 }
                                 Ok(None)
                             }
@@ -557,6 +562,15 @@ impl Server {
                 // Kind 10, in wire v1 from the start: a data plane built
                 // before it took copies back ignores it.
                 TierAction::Cancel => Message::Cancel(lake_dp::wire::message::Cancel { request_id: command.request }),
+                // Only a data plane that offered marks is sent any (the
+                // manager marks only its regions).
+                TierAction::Mark(_) | TierAction::Unmark(_)
+                    if !peer.session.takes(lake_dp::wire::FEATURE_EVICTABLE) =>
+                {
+                    continue;
+                }
+                TierAction::Mark(victim) => Message::MarkEvictable(victim),
+                TierAction::Unmark(victim) => Message::UnmarkEvictable(victim),
             };
             let meta = FrameMeta { version, flags: 0, request_id: command.request, leader_term: self.term };
             let start = peer.output.len();

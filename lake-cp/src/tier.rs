@@ -106,6 +106,29 @@ pub enum L3WriteBack {
 /// Write-backs to L2 ([`Tiers::persist`]) in flight at most.
 const PERSIST_IN_FLIGHT: usize = 8;
 
+/// L1 blocks added this lately are not marked to be dropped (ns): a save's
+/// own blocks are not the victims of the rest of it.
+const MARK_AFTER_NS: u64 = 250_000_000;
+
+/// L1 blocks are written below ahead of demand once this old (ns)...
+const CLEAN_AFTER_NS: u64 = 100_000_000;
+
+/// ...and L1 is this full (percent of its capacity).
+const CLEAN_FROM_PERCENT: u8 = 50;
+
+/// Victims one pass takes out of an L1 region's caches at most.
+const MARKS_PER_PASS: usize = 512;
+
+// An L1 region's data plane holds a quarter of its slots in marked
+// victims (and victims being written below to be marked): spent by saves
+// and loads that find no free slot and by the evictions that keep L1 under
+// its mark, chosen again every pass. Few enough that the cache's policy,
+// not the order they were marked in, decides what goes.
+
+/// Writes below ahead of demand in flight at most, per L1 region (each
+/// stages its block in a free L1 slot).
+const CLEANING_IN_FLIGHT: usize = 16;
+
 /// Write-backs queued at most; beyond, the oldest are let go (counted).
 const WRITE_BACK_QUEUE_MAX: usize = 1 << 20;
 
@@ -263,6 +286,12 @@ pub enum TierAction {
     /// Take back the command's request (a copy to another node not sent
     /// yet): the data plane drops it (`Cancel`, wire kind 10).
     Cancel,
+    /// An L1 block chosen as a victim: its data plane may take it for a
+    /// save that finds no free slot (`MarkEvictable`; not answered).
+    Mark(BlockEvicted),
+    /// The mark taken back (`UnmarkEvictable`): the block is wanted again,
+    /// or its copy below went.
+    Unmark(BlockEvicted),
 }
 
 /// What the manager has done, for metrics.
@@ -323,6 +352,24 @@ pub struct TierCounters {
     /// Replicas in a drained L2 region dropped because another L2 region
     /// or L3 holds the block.
     pub drain_drops: u64,
+    /// L1 blocks written below ahead of demand (their L1 copy kept), so
+    /// that a save may take their slot at once.
+    pub cleanings: u64,
+    /// Write-backs of L1 blocks its data plane put off (no free L1 slot to
+    /// stage the block in): asked again later.
+    pub write_backs_deferred: u64,
+    /// L1 blocks marked evictable in their data plane: with a copy below,
+    /// and without one (no lower tier had room: dropped if taken).
+    pub marked_clean: u64,
+    /// See [`TierCounters::marked_clean`].
+    pub marked_drop: u64,
+    /// Marks taken back (the block wanted again, its copy below gone).
+    pub unmarked: u64,
+    /// Marked blocks a save took on the spot, by their data plane: with a
+    /// copy below, and dropped.
+    pub taken_clean: u64,
+    /// See [`TierCounters::taken_clean`].
+    pub taken_dropped: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -353,6 +400,23 @@ struct Pending {
     frees: bool,
     /// The tier it writes to (a move or a copy).
     to: Option<Tier>,
+    /// A write below of an L1 victim ahead of demand: once done, the
+    /// block is marked evictable.
+    cleans: bool,
+}
+
+/// An L1 block taken out of its cache as a victim and marked evictable in
+/// its data plane (`MarkEvictable`): the data plane takes it for a save
+/// that finds no free slot, or this manager evicts it first when L1 is
+/// over its mark.
+#[derive(Clone, Copy, Debug)]
+struct Marked {
+    namespace: u64,
+    parent: Option<BlockKey>,
+    kind: ObjectKind,
+    replica: Replica,
+    /// `Demoted` (a copy is below) or `Capacity` (dropped if taken).
+    reason: EvictReason,
 }
 
 /// An L2 region being drained ([`Tiers::drain`]).
@@ -485,6 +549,25 @@ pub struct Tiers {
     /// L1 victims it dropped (one saved again is seen a second time).
     seen_twice: Remembered,
     dropped_once: Remembered,
+    /// L1 regions whose data plane takes marks ([`TierAction::Mark`]).
+    marks_taken: HashSet<u16>,
+    /// L1 blocks marked evictable, and the order they were marked in (an
+    /// entry no longer in `marked` is stale).
+    marked: HashMap<BlockKey, Marked>,
+    mark_order: std::collections::VecDeque<BlockKey>,
+    /// Marks to take back at the next pass.
+    unmarks: Vec<(BlockKey, Marked)>,
+    /// Cleaned L1 blocks to mark at the next pass (their write below done).
+    cleaned: Vec<Pending>,
+    /// Marked blocks whose copy below went: checked at the next pass.
+    recheck: Vec<BlockKey>,
+    /// L1 blocks added lately, by when (not marked before
+    /// [`MARK_AFTER_NS`]): a save's own blocks are not its victims.
+    recent: std::collections::VecDeque<(u64, BlockKey)>,
+    recent_keys: HashMap<BlockKey, u64>,
+    /// L1 blocks to write below ahead of demand, oldest first: (when
+    /// added, key, region, namespace).
+    to_clean: std::collections::VecDeque<(u64, BlockKey, u16, u64)>,
     /// What it has done.
     pub counters: TierCounters,
 }
@@ -570,8 +653,30 @@ impl Tiers {
             dropped_once: Remembered::default(),
             cooling: Vec::new(),
             now_ns: 0,
+            marks_taken: HashSet::new(),
+            marked: HashMap::new(),
+            mark_order: std::collections::VecDeque::new(),
+            unmarks: Vec::new(),
+            cleaned: Vec::new(),
+            recheck: Vec::new(),
+            recent: std::collections::VecDeque::new(),
+            recent_keys: HashMap::new(),
+            to_clean: std::collections::VecDeque::new(),
             counters: TierCounters::default(),
         }
+    }
+
+    /// The data plane of L1 region `region` takes marks
+    /// ([`lake_dp::wire::FEATURE_EVICTABLE`]): its victims are chosen
+    /// ahead of demand, written below where there is room, and handed to
+    /// it, so a save into a full L1 takes one at once.
+    pub fn takes_marks(&mut self, region: u16) {
+        self.marks_taken.insert(region);
+    }
+
+    /// L1 blocks marked evictable now.
+    pub fn marked(&self) -> usize {
+        self.marked.len()
     }
 
     /// A region was registered (again after a restart: a new epoch resets
@@ -587,6 +692,8 @@ impl Tiers {
             drain.retry_ns = 0;
         }
         if previous.is_some_and(|p| p.epoch != epoch) {
+            self.marked.retain(|_, m| m.replica.region.0 != region);
+            self.marks_taken.remove(&region);
             self.used.retain(|(r, _), _| *r != region);
             self.sizes.retain(|(_, r), _| *r != region);
             self.blocks.remove(&region);
@@ -617,6 +724,18 @@ impl Tiers {
         bytes: u64,
     ) {
         let Some(info) = self.regions.get(&region).copied() else { return };
+        if new && info.tier == Tier::L1Dram {
+            self.recent.push_back((self.now_ns, key));
+            self.recent_keys.insert(key, self.now_ns);
+            if self.marks_taken.contains(&region) {
+                // Bounded: twice the region's slots (the oldest, most
+                // likely gone by now, make way).
+                if self.to_clean.len() as u64 >= 2 * info.slots.max(1) {
+                    self.to_clean.pop_front();
+                }
+                self.to_clean.push_back((self.now_ns, key, region, namespace));
+            }
+        }
         if new {
             let held = if info.tier == Tier::L1Dram && bytes > info.slot_bytes {
                 self.sizes.insert((key, region), bytes);
@@ -730,9 +849,29 @@ impl Tiers {
     pub fn removed(&mut self, region: u16, key: &BlockKey) {
         let Some(info) = self.regions.get(&region).copied() else { return };
         let held = self.sizes.remove(&(*key, region)).unwrap_or(info.slot_bytes);
+        let marked = match self.marked.get(key) {
+            Some(m) if m.replica.region.0 == region => {
+                // Taken by its data plane for a save (no command of ours
+                // on it).
+                if !self.pending_of.contains_key(&(*key, region)) {
+                    if m.reason == EvictReason::Demoted {
+                        self.counters.taken_clean += 1;
+                    } else {
+                        self.counters.taken_dropped += 1;
+                    }
+                }
+                self.marked.remove(key).map(|m| m.namespace)
+            }
+            Some(m) if m.reason == EvictReason::Demoted && info.tier != Tier::L1Dram => {
+                // Its copy below went: dropping its L1 copy would lose it.
+                self.recheck.push(*key);
+                None
+            }
+            _ => None,
+        };
         let namespace = match self.pending_of.remove(&(*key, region)) {
             Some(request) => self.pending.remove(&request).map(|p| p.namespace),
-            None => None,
+            None => marked,
         };
         let namespace = namespace.or_else(|| {
             let found =
@@ -767,6 +906,13 @@ impl Tiers {
 
     /// An agent's request: its keys in prefix order.
     pub fn accessed(&mut self, namespace: u64, keys: &[BlockKey]) {
+        // Wanted again: a marked one goes back in its cache (unmarked).
+        for key in keys {
+            if let Some(marked) = self.marked.remove(key) {
+                self.unmarks.push((*key, marked));
+                self.space(Tier::L1Dram, marked.namespace).cache.add(marked.parent, *key, marked.kind);
+            }
+        }
         for ((_, ns), space) in &mut self.spaces {
             if *ns == namespace {
                 space.cache.accessed(keys);
@@ -777,6 +923,25 @@ impl Tiers {
     /// The data plane refused command `request` with `code` (an
     /// `ErrorCode`): counted by code, then as [`Tiers::done`] failed.
     pub fn refused(&mut self, request: u64, code: u32) {
+        // A write-back of an L1 block that found no free L1 slot to stage
+        // in: asked again later (its block stays in L1), not a failure.
+        let deferred = self.pending.get(&request).filter(|p| {
+            code == lake_dp::wire::message::ErrorCode::NoSpace as u32
+                && p.tier == Tier::L1Dram
+                && !p.frees
+                && p.to == Some(Tier::L2Nvme)
+        });
+        if let Some(&pending) = deferred {
+            self.counters.write_backs_deferred += 1;
+            self.pending.remove(&request);
+            self.pending_of.remove(&(pending.key, pending.region));
+            if pending.cleans {
+                self.space(Tier::L1Dram, pending.namespace).cache.add(pending.parent, pending.key, pending.kind);
+            } else {
+                self.persist.push_back((pending.key, pending.namespace));
+            }
+            return;
+        }
         if self.is_known(request) {
             let index = usize::try_from(code).ok().filter(|&c| c < self.counters.refused.len()).unwrap_or(0);
             self.counters.refused[index] += 1;
@@ -812,6 +977,16 @@ impl Tiers {
         }
         let Some(pending) = self.pending.remove(&request) else { return };
         self.pending_of.remove(&(pending.key, pending.region));
+        if pending.cleans {
+            // Written below (or not: no L1 slot to stage it in, say):
+            // marked, or back in its cache.
+            if ok {
+                self.cleaned.push(pending);
+            } else {
+                self.space(Tier::L1Dram, pending.namespace).cache.add(pending.parent, pending.key, pending.kind);
+            }
+            return;
+        }
         if ok {
             return;
         }
@@ -848,7 +1023,7 @@ impl Tiers {
     /// The block of a command that did not happen goes back in its cache
     /// (a copy never took it out).
     fn put_back(&mut self, pending: &Pending) {
-        if pending.frees {
+        if pending.frees || pending.cleans {
             let space = self.space(pending.tier, pending.namespace);
             // A block moving between regions of one tier never left its
             // cache: it is not touched again.
@@ -865,7 +1040,11 @@ impl Tiers {
         self.next_request += 1;
         pending.to = match action {
             TierAction::Move(t) | TierAction::Copy(t) => Tier::from_u8(t.target.tier),
-            TierAction::Evict(_) | TierAction::Drain(_) | TierAction::Cancel => None,
+            TierAction::Evict(_)
+            | TierAction::Drain(_)
+            | TierAction::Cancel
+            | TierAction::Mark(_)
+            | TierAction::Unmark(_) => None,
         };
         self.pending.insert(request, pending);
         self.pending_of.insert((pending.key, pending.region), request);
@@ -1197,6 +1376,12 @@ impl Tiers {
         out: &mut Vec<TierCommand>,
     ) {
         for namespace in self.purging.clone() {
+            // Its marked victims back in their cache first, to be purged.
+            let marked: Vec<BlockKey> =
+                self.marked.iter().filter(|(_, m)| m.namespace == namespace).map(|(key, _)| *key).collect();
+            for key in marked {
+                self.unmark(key);
+            }
             for tier in [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object] {
                 let Some(space) = self.spaces.get(&(tier, namespace)) else { continue };
                 let keys: Vec<BlockKey> = space.cache.index.blocks().map(|b| space.cache.index.key(b)).collect();
@@ -1312,9 +1497,11 @@ impl Tiers {
                 {
                     let mut largest: Vec<(u64, u64)> = namespaces.iter().map(|&n| (live(self, n), n)).collect();
                     largest.sort_unstable_by(|a, b| b.cmp(a));
-                    let evicted = largest
-                        .iter()
-                        .any(|&(_, namespace)| self.evict_one(tier, namespace, locations, leases, now_ns, out));
+                    let evicted = largest.iter().any(|&(_, namespace)| {
+                        (tier == Tier::L1Dram
+                            && self.evict_marked(Some(namespace), false, locations, leases, now_ns, out))
+                            || self.evict_one(tier, namespace, locations, leases, now_ns, out)
+                    });
                     if !evicted {
                         break;
                     }
@@ -1329,7 +1516,9 @@ impl Tiers {
                     && self.used_by(tier, Some(namespace)).saturating_sub(self.pending_by(tier, Some(namespace)))
                         > quota
                 {
-                    if !self.evict_one(tier, namespace, locations, leases, now_ns, out) {
+                    let marked = tier == Tier::L1Dram
+                        && self.evict_marked(Some(namespace), false, locations, leases, now_ns, out);
+                    if !marked && !self.evict_one(tier, namespace, locations, leases, now_ns, out) {
                         break;
                     }
                 }
@@ -1348,6 +1537,24 @@ impl Tiers {
                 continue;
             }
             while out.len() - start < COMMANDS_PER_PASS && live(self) > low {
+                // The victims already chosen that have a copy below go
+                // first, in their order: dropping them loses nothing. (The
+                // others, marked to be dropped, go only when a save or a
+                // load needs their slot.)
+                if tier == Tier::L1Dram && self.evict_marked(None, true, locations, leases, now_ns, out) {
+                    continue;
+                }
+                // Where an L1 victim would be dropped (no room below) and
+                // the data plane takes marked victims when a save needs a
+                // slot, nothing is dropped ahead of that need.
+                if tier == Tier::L1Dram
+                    && !self.emptying_l1
+                    && !self.draining_node
+                    && !self.marks_taken.is_empty()
+                    && self.l1_victims_dropped()
+                {
+                    break;
+                }
                 // The space furthest over its share: bytes over its quota
                 // (or over the whole tier, for namespaces without one).
                 let mut candidates: Vec<(u64, u64)> = self
@@ -1371,6 +1578,10 @@ impl Tiers {
                 }
             }
         }
+        // Last: what the evictions above took from the victims chosen
+        // ahead is chosen again, so the data planes hold their reserve.
+        self.plan_cleaning(locations, now_ns, out);
+        self.plan_marks(locations, leases, now_ns, out);
     }
 
     /// The pending entry of a command that frees `key`'s replica in
@@ -1400,6 +1611,7 @@ impl Tiers {
             deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
             frees: true,
             to: None,
+            cleans: false,
         }
     }
 
@@ -1490,6 +1702,355 @@ impl Tiers {
         true
     }
 
+    /// Marks `key` (its L1 `replica`) evictable in its data plane.
+    fn mark(&mut self, key: BlockKey, marked: Marked, out: &mut Vec<TierCommand>) {
+        if marked.reason == EvictReason::Demoted {
+            self.counters.marked_clean += 1;
+        } else {
+            self.counters.marked_drop += 1;
+        }
+        self.marked.insert(key, marked);
+        self.mark_order.push_back(key);
+        if self.mark_order.len() > 2 * self.marked.len() + 1024 {
+            let live = &self.marked;
+            self.mark_order.retain(|k| live.contains_key(k));
+        }
+        let body = evict_body(&marked.replica, &key, marked.reason);
+        out.push(TierCommand { request: 0, region: marked.replica.region.0, action: TierAction::Mark(body) });
+    }
+
+    /// Takes the mark of `key` back (in its data plane too), and puts the
+    /// block back in its cache.
+    fn unmark(&mut self, key: BlockKey) {
+        if let Some(marked) = self.marked.remove(&key) {
+            self.unmarks.push((key, marked));
+            self.space(Tier::L1Dram, marked.namespace).cache.add(marked.parent, key, marked.kind);
+        }
+    }
+
+    /// Writes L1 blocks below ahead of demand (their L1 copy kept, in
+    /// their cache as before), oldest first, once they are
+    /// [`CLEAN_AFTER_NS`] old and L1 is [`CLEAN_FROM_PERCENT`] full, where
+    /// the node's L2 has room and admits them: a victim chosen later then
+    /// has a copy below, and a save takes its slot at once.
+    fn plan_cleaning(&mut self, locations: &Locations, now_ns: u64, out: &mut Vec<TierCommand>) {
+        if self.emptying_l1 {
+            return;
+        }
+        // Each write stages its block in a free L1 slot: none while L1 is
+        // over its mark (its evictions make room first).
+        let capacity = self.capacity(Tier::L1Dram);
+        let used = self.used_by(Tier::L1Dram, None);
+        if used < percent_of(capacity, CLEAN_FROM_PERCENT) || self.l1_over_high() {
+            return;
+        }
+        let mut in_flight =
+            self.pending.values().filter(|p| p.tier == Tier::L1Dram && !p.frees && p.to.is_some()).count();
+        while in_flight < CLEANING_IN_FLIGHT {
+            let Some(&(at, key, region, namespace)) = self.to_clean.front() else { break };
+            if at.saturating_add(CLEAN_AFTER_NS) > now_ns {
+                break;
+            }
+            let Some(info) = self.regions.get(&region).copied() else {
+                self.to_clean.pop_front();
+                continue;
+            };
+            let Some((l2_region, l2_info)) = self.l2_written_to(info.node) else { break };
+            if self.l2_pressure(l2_info.slot_bytes) != (false, false) {
+                // L2 over its mark: a block written there now would push
+                // out another (or this one, soon after its L1 copy goes).
+                break;
+            }
+            self.to_clean.pop_front();
+            let ready: Vec<Replica> = locations.ready(&key).collect();
+            let Some(source) = ready.iter().find(|r| r.region.0 == region).copied() else { continue };
+            let below = ready.iter().any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object));
+            let parent =
+                locations.index.get(&key).and_then(|b| locations.index.parent(b)).map(|p| locations.index.key(p));
+            let worth_l2 = self.config.l2_admission == L2Admission::Always
+                || self.seen_twice.contains(&key)
+                || parent.is_some_and(|p| self.seen_twice.contains(&p));
+            if below || !worth_l2 || self.pending_of.contains_key(&(key, region)) || self.marked.contains_key(&key) {
+                continue;
+            }
+            let pending = Pending {
+                key,
+                parent,
+                kind: ObjectKind::KvBlock,
+                namespace,
+                tier: Tier::L1Dram,
+                region,
+                bytes: self.block_bytes(region, &key),
+                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+                frees: false,
+                to: None,
+                cleans: false,
+            };
+            let target = l2_target(l2_region, &l2_info);
+            self.ask(pending, TierAction::Copy(transfer(&source, target, key, Priority::WriteBack)), out);
+            self.counters.cleanings += 1;
+            in_flight += 1;
+        }
+    }
+
+    /// Chooses L1 victims ahead of demand, for every L1 region whose data
+    /// plane takes marks: in each cache's policy order, a victim with a
+    /// copy below is marked evictable at once; one without is first
+    /// written below (its L1 copy kept) where a lower tier has room, and
+    /// marked when that is done; where none has, it is marked to be
+    /// dropped. A save into a full L1 then takes a marked victim's slot on
+    /// the spot, with no command on its way.
+    fn plan_marks(&mut self, locations: &Locations, leases: &Leases, now_ns: u64, out: &mut Vec<TierCommand>) {
+        while let Some(&(at, key)) = self.recent.front() {
+            if at.saturating_add(MARK_AFTER_NS) > now_ns {
+                break;
+            }
+            self.recent.pop_front();
+            if self.recent_keys.get(&key) == Some(&at) {
+                self.recent_keys.remove(&key);
+            }
+        }
+        if self.emptying_l1 {
+            // Stopping: what has no copy below is demoted, not dropped.
+            let dirty: Vec<BlockKey> =
+                self.marked.iter().filter(|(_, m)| m.reason != EvictReason::Demoted).map(|(k, _)| *k).collect();
+            for key in dirty {
+                self.unmark(key);
+            }
+        }
+        for key in std::mem::take(&mut self.recheck) {
+            if self.marked.contains_key(&key)
+                && !locations.ready(&key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object))
+            {
+                self.unmark(key);
+            }
+        }
+        for (key, marked) in self.unmarks.drain(..) {
+            self.counters.unmarked += 1;
+            let body = evict_body(&marked.replica, &key, marked.reason);
+            out.push(TierCommand { request: 0, region: marked.replica.region.0, action: TierAction::Unmark(body) });
+        }
+        for pending in std::mem::take(&mut self.cleaned) {
+            let key = pending.key;
+            let source = locations.ready(&key).find(|r| r.region.0 == pending.region);
+            let below = locations.ready(&key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object));
+            match source {
+                Some(replica) if below && !self.pending_of.contains_key(&(key, pending.region)) => {
+                    let marked = Marked {
+                        namespace: pending.namespace,
+                        parent: pending.parent,
+                        kind: pending.kind,
+                        replica,
+                        reason: EvictReason::Demoted,
+                    };
+                    self.mark(key, marked, out);
+                }
+                Some(_) => self.put_back(&pending),
+                None => {}
+            }
+        }
+        let used = self.used_by(Tier::L1Dram, None);
+        if self.emptying_l1 || self.l1_over_high() || used < percent_of(self.capacity(Tier::L1Dram), CLEAN_FROM_PERCENT)
+        {
+            // Over its mark, L1's evictions make room first (and a victim
+            // written below would find no slot to stage in); under half
+            // full, no save needs a victim.
+            return;
+        }
+        let regions: Vec<(u16, RegionUse)> = self
+            .regions
+            .iter()
+            .filter(|(region, info)| info.tier == Tier::L1Dram && self.marks_taken.contains(region))
+            .map(|(&region, &info)| (region, info))
+            .collect();
+        for (region, info) in regions {
+            let mut cleaning = self
+                .pending
+                .values()
+                .filter(|p| p.region == region && p.tier == Tier::L1Dram && !p.frees && p.to.is_some())
+                .count();
+            let l2 = self.l2_written_to(info.node);
+            let l3 = self.l3_target(info.node);
+            let mut namespaces: Vec<(u64, u64)> = self
+                .spaces
+                .iter()
+                .filter(|((tier, _), space)| *tier == Tier::L1Dram && !space.cache.index.is_empty())
+                .map(|((_, namespace), _)| (self.used.get(&(region, *namespace)).copied().unwrap_or(0), *namespace))
+                .collect();
+            namespaces.sort_unstable_by(|a, b| b.cmp(a));
+            let target = (info.slots / 4).max(1);
+            let held = self.marked.values().filter(|m| m.replica.region.0 == region).count() as u64;
+            let wanted = target.saturating_sub(held + cleaning as u64);
+            let mut budget = MARKS_PER_PASS.min(usize::try_from(wanted).unwrap_or(usize::MAX));
+            for (_, namespace) in namespaces {
+                while budget > 0 {
+                    // Room below: L2 under its mark (a block written
+                    // there past it would push out another, or soon itself).
+                    let room_below = l2.is_some_and(|(_, info)| self.l2_pressure(info.slot_bytes) == (false, false));
+                    if (room_below || l3.is_some()) && cleaning >= CLEANING_IN_FLIGHT {
+                        // Its victims would wait to be written below.
+                        break;
+                    }
+                    // Blocks saved lately are not victims while older
+                    // ones are (a save's own blocks are not the victims of
+                    // the rest of it); where nothing has room below (the
+                    // victim would be dropped), not at all.
+                    let drops = !room_below && l3.is_none();
+                    let key = self.take_l1_victim(region, namespace, false, locations, leases).or_else(|| {
+                        if drops { None } else { self.take_l1_victim(region, namespace, true, locations, leases) }
+                    });
+                    let Some(key) = key else { break };
+                    budget -= 1;
+                    let Some(replica) = locations.ready(&key).find(|r| r.region.0 == region) else { continue };
+                    let (parent, kind) = locations
+                        .index
+                        .get(&key)
+                        .map(|b| (locations.index.parent(b).map(|p| locations.index.key(p)), locations.index.kind(b)))
+                        .unwrap_or((None, ObjectKind::KvBlock));
+                    let below = locations.ready(&key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object));
+                    let worth_l2 = self.config.l2_admission == L2Admission::Always
+                        || self.seen_twice.contains(&key)
+                        || parent.is_some_and(|p| self.seen_twice.contains(&p));
+                    let marked = |reason| Marked { namespace, parent, kind, replica, reason };
+                    let target = match (below, l2) {
+                        (true, _) => None,
+                        (false, Some((l2_region, l2_info))) if room_below && worth_l2 => {
+                            Some(l2_target(l2_region, &l2_info))
+                        }
+                        (false, _) => l3,
+                    };
+                    match (below, target) {
+                        (true, _) => self.mark(key, marked(EvictReason::Demoted), out),
+                        (false, Some(target)) => {
+                            let pending = Pending {
+                                key,
+                                parent,
+                                kind,
+                                namespace,
+                                tier: Tier::L1Dram,
+                                region,
+                                bytes: self.block_bytes(region, &key),
+                                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+                                frees: false,
+                                to: None,
+                                cleans: true,
+                            };
+                            let copy = TierAction::Copy(transfer(&replica, target, key, Priority::WriteBack));
+                            self.ask(pending, copy, out);
+                            if target.tier == Tier::L3Object as u8 {
+                                self.counters.l3_copies += 1;
+                            } else {
+                                self.counters.cleanings += 1;
+                            }
+                            cleaning += 1;
+                        }
+                        (false, None) if self.recent_keys.contains_key(&key) => {
+                            // Not worth an L2 write, and new: not dropped yet.
+                            self.space(Tier::L1Dram, namespace).cache.add(parent, key, kind);
+                        }
+                        (false, None) => self.mark(key, marked(EvictReason::Capacity), out),
+                    }
+                }
+            }
+        }
+    }
+
+    /// The next victim of `namespace`'s L1 cache that may be marked: its
+    /// replica in `region` ready, no command on it, no lease, and (unless
+    /// `recent_too`) not added lately. Taken out of the cache.
+    fn take_l1_victim(
+        &mut self,
+        region: u16,
+        namespace: u64,
+        recent_too: bool,
+        locations: &Locations,
+        leases: &Leases,
+    ) -> Option<BlockKey> {
+        let (pending_of, recent) = (&self.pending_of, &self.recent_keys);
+        let space = self.spaces.get_mut(&(Tier::L1Dram, namespace))?;
+        space.cache.take_victim(64, |key| {
+            let Some(replica) = locations.ready(key).find(|r| r.tier == Tier::L1Dram) else { return Verdict::Gone };
+            if replica.region.0 != region
+                || pending_of.contains_key(&(*key, replica.region.0))
+                || leases.is_held(key, replica.region.0)
+                || (!recent_too && recent.contains_key(key))
+            {
+                return Verdict::Keep;
+            }
+            Verdict::Evict
+        })
+    }
+
+    /// Whether an L1 victim would now be dropped: no L3, and L2 missing
+    /// or over its mark.
+    fn l1_victims_dropped(&self) -> bool {
+        !self.regions.values().any(|r| r.tier == Tier::L3Object)
+            && self.regions.values().find(|r| r.tier == Tier::L2Nvme).is_none_or(|r| self.l2_pressure(r.slot_bytes).0)
+    }
+
+    /// Whether L1 holds more than its high-water mark (counting what is on
+    /// its way out as gone).
+    fn l1_over_high(&self) -> bool {
+        let live = self.used_by(Tier::L1Dram, None).saturating_sub(self.pending_by(Tier::L1Dram, None));
+        live > percent_of(self.capacity(Tier::L1Dram), self.config.high_percent)
+    }
+
+    /// Evicts the first marked victim (of `namespace`, if given; with a
+    /// copy below, if `clean_only`) whose replica is as marked, nothing on
+    /// it: the victims chosen ahead go before any other. False when there
+    /// is none.
+    fn evict_marked(
+        &mut self,
+        namespace: Option<u64>,
+        clean_only: bool,
+        locations: &Locations,
+        leases: &Leases,
+        now_ns: u64,
+        out: &mut Vec<TierCommand>,
+    ) -> bool {
+        let mut looked = 0;
+        let queued = self.mark_order.len();
+        while looked < queued {
+            looked += 1;
+            let Some(key) = self.mark_order.pop_front() else { return false };
+            let Some(marked) = self.marked.get(&key).copied() else { continue };
+            let region = marked.replica.region.0;
+            let same = locations.ready(&key).any(|r| {
+                r.region.0 == region && (r.slot, r.generation) == (marked.replica.slot, marked.replica.generation)
+            });
+            if !same {
+                self.unmark(key);
+                continue;
+            }
+            if namespace.is_some_and(|n| n != marked.namespace)
+                || (clean_only && marked.reason != EvictReason::Demoted)
+                || self.pending_of.contains_key(&(key, region))
+                || leases.is_held(&key, region)
+            {
+                self.mark_order.push_back(key);
+                continue;
+            }
+            self.marked.remove(&key);
+            let pending = Pending {
+                key,
+                parent: marked.parent,
+                kind: marked.kind,
+                namespace: marked.namespace,
+                tier: Tier::L1Dram,
+                region,
+                bytes: self.block_bytes(region, &key),
+                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+                frees: true,
+                to: None,
+                cleans: false,
+            };
+            self.counters.drops[Tier::L1Dram as usize] += 1;
+            self.ask(pending, TierAction::Evict(evict_body(&marked.replica, &key, marked.reason)), out);
+            return true;
+        }
+        false
+    }
+
     /// The L3 region of `node` as a target (the data plane picks the
     /// catalog entry), if it has an object store.
     fn l3_target(&self, node: u32) -> Option<ReplicaWire> {
@@ -1540,6 +2101,7 @@ impl Tiers {
                 deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
                 frees: false,
                 to: None,
+                cleans: false,
             };
             self.ask(pending, TierAction::Copy(transfer(&source, target, key, Priority::WriteBack)), out);
             self.counters.l3_copies += 1;
@@ -1580,6 +2142,12 @@ impl Tiers {
         locations: &'a Locations,
         namespace: Option<u64>,
     ) -> impl Iterator<Item = (BlockKey, u64)> + 'a {
+        // In their caches, or marked to be dropped (out of them).
+        let marked = self
+            .marked
+            .iter()
+            .filter(move |(_, m)| m.reason != EvictReason::Demoted && namespace.is_none_or(|n| n == m.namespace))
+            .map(|(key, m)| (*key, m.namespace));
         self.spaces
             .iter()
             .filter(move |((tier, ns), _)| *tier == Tier::L1Dram && namespace.is_none_or(|n| n == *ns))
@@ -1587,6 +2155,7 @@ impl Tiers {
                 let index = &space.cache.index;
                 index.blocks().map(move |block| (index.key(block), *ns))
             })
+            .chain(marked)
             .filter(|(key, _)| !locations.ready(key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object)))
     }
 
@@ -1626,6 +2195,7 @@ impl Tiers {
                 deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
                 frees: false,
                 to: Some(Tier::L2Nvme),
+                cleans: false,
             };
             let target = l2_target(region, &info);
             self.ask(pending, TierAction::Copy(transfer(&source, target, key, Priority::WriteBack)), out);
@@ -1661,7 +2231,8 @@ impl Tiers {
 
 impl Tiers {
     /// L2's pressure for one more block of `bytes`: above the high-water
-    /// mark (counting moves out in flight as gone), and with no slot left
+    /// mark (counting moves out in flight as gone, writes in flight into
+    /// it as landed), and with no slot left
     /// at all (counting them as still there, and writes in flight into L2
     /// as landed).
     fn l2_pressure(&self, bytes: u64) -> (bool, bool) {
@@ -1669,7 +2240,7 @@ impl Tiers {
         let used = self.used_by(Tier::L2Nvme, None);
         let live = used.saturating_sub(self.pending_by(Tier::L2Nvme, None));
         let inbound: u64 = self.pending.values().filter(|p| p.to == Some(Tier::L2Nvme)).map(|p| p.bytes).sum();
-        let over_high = live + bytes > percent_of(capacity, self.config.high_percent);
+        let over_high = live + inbound + bytes > percent_of(capacity, self.config.high_percent);
         // Room is in the regions written to: not those being drained.
         let drained: u64 = self.drains.keys().map(|&region| self.region_bytes(region)).sum();
         (over_high, used.saturating_sub(drained) + inbound + bytes > capacity)
@@ -1802,7 +2373,7 @@ mod tests {
                         .unwrap();
                     self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true, 0);
                 }
-                TierAction::Drain(_) | TierAction::Cancel => {}
+                TierAction::Drain(_) | TierAction::Cancel | TierAction::Mark(_) | TierAction::Unmark(_) => {}
             }
             self.tiers.done(command.request, true);
         }
@@ -1817,6 +2388,8 @@ mod tests {
                 TierAction::Copy(t) => (t.key.0[0], "copy"),
                 TierAction::Drain(d) => (u8::try_from(d.region).unwrap_or(u8::MAX), "drain"),
                 TierAction::Cancel => (0, "cancel"),
+                TierAction::Mark(m) => (m.key.0[0], "mark"),
+                TierAction::Unmark(m) => (m.key.0[0], "unmark"),
             })
             .collect()
     }

@@ -195,7 +195,9 @@ fn blocks_past_l2_go_to_l3_and_a_fetch_reads_them_back() {
         "l3 overflow: {in_l3} of 128 in L3; {:?}; tier manager {tiers:?}; timed {reads} reads, {writes} writes",
         stats.l3
     );
-    assert!(tiers.l3_moves >= in_l3, "{tiers:?}");
+    // Moved there, or copied there ahead of demand (L2 full) and then
+    // dropped from L1.
+    assert!(tiers.l3_moves + tiers.l3_copies >= in_l3, "{tiers:?}");
     assert!(stats.l3.writes >= in_l3 && stats.l3.reads > 0, "{:?}", stats.l3);
     assert_eq!(stats.l3.lost, 0);
 }

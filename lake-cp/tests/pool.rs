@@ -128,7 +128,11 @@ fn saves_overflow_l1_into_l2_and_fetching_promotes_them_back() {
         let found = text.lines().find(|l| l.starts_with(line)).unwrap_or_else(|| panic!("no {line} in {text}"));
         found.rsplit(' ').next().unwrap().parse().unwrap()
     };
-    assert!(value("lake_tier_moves_total{move=\"demote_l1_l2\"}") > 0);
+    // Demoted, or written below ahead of demand (then dropped from L1).
+    assert!(
+        value("lake_tier_moves_total{move=\"demote_l1_l2\"}") + value("lake_tier_moves_total{move=\"clean_l1_l2\"}")
+            > 0
+    );
     assert!(value("lake_tier_bytes{tier=\"L2\"}") > 0);
     assert!(value("lake_cp_lookup_blocks_total{result=\"hit\"}") >= 48);
     assert!(text.contains("lake_dp_pins "), "{text}");
@@ -164,7 +168,7 @@ fn saves_overflow_l1_into_l2_and_fetching_promotes_them_back() {
     drop(agent);
     let (stats, server) = pool.stop().unwrap();
     assert!(stats.pool.saves >= 88, "{stats:?}");
-    assert!(stats.pool.demotions > 0 && stats.pool.promotions >= in_l2, "{stats:?}");
+    assert!(stats.pool.demotions + stats.pool.write_backs > 0 && stats.pool.promotions >= in_l2, "{stats:?}");
     assert_eq!((stats.pool.commits_corrupt, stats.pool.commands_failed), (0, 0), "{stats:?}");
     let counters = server.node().tiers.counters;
     assert!(counters.demotions >= stats.pool.demotions, "{counters:?}");
@@ -399,13 +403,15 @@ fn loads_find_the_l1_slots_a_flood_of_saves_leaves_them() {
         writer.join().unwrap();
     }
     drop(reader);
-    pool.stop().unwrap();
+    let (stats, _) = pool.stop().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 
     let (saved, refused) = (saved.load(Ordering::Relaxed), refused.load(Ordering::Relaxed));
-    println!("{loads} loads, {asked_again} asked again; {saved} saves taken, {refused} refused");
+    let taken = stats.pool.victims_clean + stats.pool.victims_dropped;
+    println!("{loads} loads, {asked_again} asked again; {saved} saves taken, {refused} refused, {taken} took a victim");
     assert!(loads >= 50, "too few L2 loads under the flood: {loads}");
-    assert!(refused > 0, "the writers never filled L1: no flood ({saved} saves taken)");
+    // L1 was full: saves were refused, or took a marked victim's slot.
+    assert!(refused + taken > 0, "the writers never filled L1: no flood ({saved} saves taken)");
     // Rarely a run of loads might outpace demotion and drain the reserve
     // (none did in any run here; without the reserve, 6–8 of 150 were
     // asked again).
@@ -521,11 +527,15 @@ fn a_model_short_of_l1_gets_the_chunks_another_models_blocks_are_moved_out_of() 
     assert_eq!(kept.lookup(&keys_kept, &mut table), 16);
     let moved: Vec<usize> = (0..16).filter(|&i| table[i].tier == Tier::L1Dram && table[i].slot != slots[i]).collect();
     // The operator's view of a moved block: gone from its old slot as
-    // moved, committed at its new one.
-    if let Some(&i) = moved.first() {
+    // moved, committed at its new one (a block in a new slot that went
+    // down a tier and came back was not moved).
+    for &i in &moved {
         let hex: String = keys_kept[i].0.iter().map(|b| format!("{b:02x}")).collect();
         let answer = admin_line(&admin, &format!("{{\"op\":\"inspect\",\"key\":\"{hex}\"}}"));
-        assert!(answer.contains("evicted (moved)"), "{answer}");
+        if !answer.contains("evicted (demoted)") {
+            assert!(answer.contains("evicted (moved)"), "{answer}");
+            break;
+        }
     }
     let moved = moved.len();
 

@@ -772,10 +772,12 @@ fn dashboard_queries_name_exported_metrics(scraped: &str) {
     assert!(named >= 15, "the dashboard names {named} metrics");
 }
 
-/// Acked blocks live in L1 until demoted; `lake persist --wait` writes
-/// every L1-only block to L2 while keeping it in L1, and returns once none
-/// is left: the blocks then survive the pool's SIGKILL (no clean stop to
-/// write them down), exact, and L1 still served them before it.
+/// Acked blocks live in L1 until demoted (or written below ahead of
+/// demand, once L1 is half full: here it holds 40 of 128); `lake persist
+/// --wait` writes every L1-only block to L2 while keeping it in L1, and
+/// returns once none is left: the blocks then survive the pool's SIGKILL
+/// (no clean stop to write them down), exact, and L1 still served them
+/// before it.
 #[test]
 fn persisted_blocks_survive_a_kill_and_stay_in_l1() {
     persist_then_kill(false);
@@ -799,7 +801,7 @@ fn persist_then_kill(sealed: bool) {
     assert!(made.status.success());
     let args = || {
         let mut args: Vec<std::ffi::OsString> =
-            vec!["--dir".into(), dir.clone().into_os_string(), "--l1-slots".into(), "64".into()];
+            vec!["--dir".into(), dir.clone().into_os_string(), "--l1-slots".into(), "128".into()];
         if sealed {
             let mut tenant = std::ffi::OsString::from("5c=");
             tenant.push(&key_file);
@@ -873,4 +875,68 @@ fn restarted_pool_serves_them_exact(
     drop(agent);
     sigterm(&pool);
     assert!(exited(&mut pool, 60).success());
+}
+
+/// A full pool takes what is new: L1 (256 slots) full of an older
+/// 256-block prefix, a new 256-block prefix saved in one call is at least
+/// 95% acked — the data plane takes the victims the control plane marked
+/// ahead, no command on the save's way — and every acked block is found at
+/// once, byte for byte. With room in L2 the old prefix was written there
+/// ahead of demand and is still found whole; with next to none (8 slots a
+/// file) its blocks are the ones dropped, never the new prefix's own.
+#[test]
+fn a_new_prefix_saved_into_a_full_l1_is_taken_and_found_whole() {
+    for l2_slots in ["1024", "8"] {
+        let dir = std::env::temp_dir().join(format!("lake-serve-full-{l2_slots}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (mut pool, _out) = serving([
+            "--dir",
+            dir.to_str().unwrap(),
+            "--l1-slots",
+            "256",
+            "--l2-slots",
+            l2_slots,
+            "--block-bytes",
+            "64KiB",
+        ]);
+        let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+        let mut agent = engine(&dir, &field(&record, "mirror"));
+        let old: Vec<lake_dp::BlockKey> = (0..256).map(|i| key(10_000 + i)).collect();
+        let new: Vec<lake_dp::BlockKey> = (0..256).map(|i| key(20_000 + i)).collect();
+        let old_payloads: Vec<Vec<u8>> = (0..256).map(|i| payload(10_000 + i)).collect();
+        let new_payloads: Vec<Vec<u8>> = (0..256).map(|i| payload(20_000 + i + 7)).collect();
+        let old_acked = agent.save(&chain(&old, &old_payloads));
+        assert!(old_acked >= 243, "an empty pool took {old_acked} of 256");
+        std::thread::sleep(Duration::from_secs(1));
+        let acked = agent.save(&chain(&new, &new_payloads));
+        // Found at once: every acked block, as the prefix it is.
+        let mut table = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while agent.lookup(&new, &mut table) < acked {
+            assert!(
+                Instant::now() < deadline,
+                "L2 {l2_slots}: {acked} acked, {} found",
+                agent.lookup(&new, &mut table)
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let found = agent.lookup(&new, &mut table);
+        let lake = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_lake")).args(args).arg("--dir").arg(&dir).output();
+        let top = String::from_utf8_lossy(&lake(&["top", "--once", "--json"]).unwrap().stdout).into_owned();
+        println!("L2 {l2_slots} slots a file: {acked} of 256 acked, {found} found; {top}");
+        assert!(acked >= 243, "L2 {l2_slots}: {acked} of 256 acked into a full L1: {top}");
+        assert_eq!(found, acked, "L2 {l2_slots}: acked blocks not found: {top}");
+        let delivered = agent.fetch(&new[..found], &table[..found], |i, bytes| {
+            assert_eq!(bytes, &new_payloads[i][..], "block {i}");
+        });
+        assert_eq!(delivered, found);
+        if l2_slots == "1024" {
+            assert_eq!(agent.lookup(&old, &mut table), old_acked, "the old prefix, written below ahead of demand");
+        }
+        drop(agent);
+        sigterm(&pool);
+        assert!(exited(&mut pool, 60).success());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -67,6 +67,16 @@ pub enum CpCommand {
         /// Which region, and whether to drain it.
         drain: crate::wire::message::DrainRegion,
     },
+    /// An L1 block the control plane chose as a victim (`evictable`:
+    /// taken back when false): a save that finds no free slot may take it.
+    /// Not answered.
+    Mark {
+        /// The block, and why it may go (`Demoted`: a copy is below;
+        /// `Capacity`: dropped).
+        replica: BlockEvicted,
+        /// Marked, or taken back.
+        evictable: bool,
+    },
 }
 
 impl CpCommand {
@@ -75,6 +85,7 @@ impl CpCommand {
         match *self {
             Self::Move { request, transfer } | Self::Copy { request, transfer } => (request, transfer.target),
             Self::Evict { request, replica } => (request, replica.replica),
+            Self::Mark { replica, .. } => (0, replica.replica),
             Self::Drain { request, drain } => (
                 request,
                 crate::model::replica::ReplicaWire {
@@ -552,6 +563,12 @@ impl CpLink {
                         Message::CopyBlock(transfer) => Incoming::Command(CpCommand::Copy { request, transfer }),
                         Message::EvictBlock(replica) => Incoming::Command(CpCommand::Evict { request, replica }),
                         Message::DrainRegion(drain) => Incoming::Command(CpCommand::Drain { request, drain }),
+                        Message::MarkEvictable(replica) => {
+                            Incoming::Command(CpCommand::Mark { replica, evictable: true })
+                        }
+                        Message::UnmarkEvictable(replica) => {
+                            Incoming::Command(CpCommand::Mark { replica, evictable: false })
+                        }
                         Message::Cancel(cancel) => Incoming::Cancel(cancel.request_id),
                         Message::LeaseGrant(head, entries) => Incoming::Grant(Granted {
                             request,
@@ -614,8 +631,12 @@ impl CpLink {
         self.answer(command, ErrorCode::QueueFull);
     }
 
-    /// Answers a command that will not run.
+    /// Answers a command that will not run (a mark needs no answer: the
+    /// block stays until the control plane evicts it).
     fn answer(&mut self, command: CpCommand, code: ErrorCode) {
+        if matches!(command, CpCommand::Mark { .. }) {
+            return;
+        }
         let (request, target) = command.request_and_target();
         let done = TransferDone { status: code as u32, reserved: 0, target, bytes: 0 };
         self.transfer_done(request, &done);

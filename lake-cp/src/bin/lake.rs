@@ -1412,9 +1412,24 @@ fn render_top(top: &serde_json::Value) -> String {
     }
     let t = &top["tier_commands"];
     text.push_str(&format!(
-        "\ntier commands: {} in flight, {} demotions, {} to L3, {} copies to L3, {} failed, {} purged, {} over tenant quotas\n",
-        t["pending"], t["demotions"], t["to_l3"], t["copies_to_l3"], t["failed"], t["purged"], t["tenant_quota_evictions"]
+        "\ntier commands: {} in flight, {} demotions, {} written below ahead, {} to L3, {} copies to L3, {} failed, {} \
+         purged, {} over tenant quotas\n",
+        t["pending"],
+        t["demotions"],
+        t["cleanings"],
+        t["to_l3"],
+        t["copies_to_l3"],
+        t["failed"],
+        t["purged"],
+        t["tenant_quota_evictions"]
     ));
+    let v = &top["victims"];
+    if !v.is_null() {
+        text.push_str(&format!(
+            "L1 victims: {} marked now; taken by saves and loads: {} with a copy below, {} dropped\n",
+            v["marked_now"], v["taken_clean"], v["taken_dropped"]
+        ));
+    }
     let saves = &top["saves"];
     if !saves.is_null() {
         text.push_str(&format!(

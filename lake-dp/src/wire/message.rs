@@ -1652,6 +1652,8 @@ messages! {
         Attached(Attached) = 22,
         SnapshotRequest(SnapshotRequest) = 26,
         DrainRegion(DrainRegion) = 28,
+        MarkEvictable(BlockEvicted) = 32,
+        UnmarkEvictable(BlockEvicted) = 33,
     }
     listed {
         LeaseRequest(LeaseRequest, BlockKey) = 11,

@@ -97,6 +97,14 @@ pub const FEATURE_TENANT_WAITS: u64 = 1 << 8;
 /// refuses the reason code).
 pub const FEATURE_L1_MOVES: u64 = 1 << 9;
 
+/// Feature bit: the side takes [`message::MarkEvictable`] and
+/// [`message::UnmarkEvictable`] (kinds 32 and 33): the control plane
+/// names L1 blocks it has chosen as victims, in order, and the data plane
+/// takes them on the spot for a save that finds no free slot (reporting
+/// each as evicted). A control plane marks only where offered; without
+/// marks a full L1 refuses saves until the control plane makes room.
+pub const FEATURE_EVICTABLE: u64 = 1 << 10;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -105,7 +113,8 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATHS_AGENT
     | FEATURE_TENANT_THROTTLES
     | FEATURE_TENANT_WAITS
-    | FEATURE_L1_MOVES;
+    | FEATURE_L1_MOVES
+    | FEATURE_EVICTABLE;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
@@ -113,7 +122,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 10] = [
+pub const FEATURE_NAMES: [(u64, &str); 11] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -124,6 +133,7 @@ pub const FEATURE_NAMES: [(u64, &str); 10] = [
     (FEATURE_PUSH_CAPS, "push_caps"),
     (FEATURE_TENANT_WAITS, "tenant_waits"),
     (FEATURE_L1_MOVES, "l1_moves"),
+    (FEATURE_EVICTABLE, "evictable"),
 ];
 
 /// Bytes in a frame header.

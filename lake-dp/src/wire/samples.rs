@@ -237,6 +237,14 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
     let mut waits = TenantWait { name: batch.name, waits: [3, 0, 1, 0, 7, 12, 0, 0] };
     waits.name[5] = b'2';
     visit(meta(18), Message::TenantWaits(TenantThrottles { count: 1, reserved: 0 }, Records::from_slice(&[waits])));
+    let victim = BlockEvicted {
+        replica: replica(Tier::L1Dram, 12),
+        key: key(2),
+        reason: EvictReason::Demoted as u8,
+        reserved: [0; 7],
+    };
+    visit(meta(14), Message::MarkEvictable(victim));
+    visit(meta(14), Message::UnmarkEvictable(victim));
 }
 
 /// [`each_message`] encoded: one frame per kind.

@@ -665,8 +665,8 @@ impl Pool {
         if tier.free_ops.is_empty() {
             return Err(AgentError::Busy);
         }
+        let grant = self.slot_or_victim(object_bytes(meta.payload_len), 0, parts).ok_or(AgentError::NoSpace)?;
         let table = &mut *parts.table;
-        let grant = self.allocate_l1(table, object_bytes(meta.payload_len), 0).ok_or(AgentError::NoSpace)?;
         let Some(tier) = self.l3.as_mut() else {
             let _ = table.retire(grant.slot);
             return Err(AgentError::Stale);

@@ -171,16 +171,27 @@ pub struct PoolStats {
     pub requests_invalid: u64,
     /// Reservations taken back after their timeout.
     pub reservations_expired: u64,
+    /// L1 blocks the control plane marked evictable that a save took on
+    /// the spot (no free slot): with a copy below (its L1 copy dropped)...
+    pub victims_clean: u64,
+    /// ...and without one (dropped: no lower tier had room).
+    pub victims_dropped: u64,
     /// Blocks promoted L2→L1 (agent loads and control-plane copies).
     pub promotions: u64,
     /// Blocks demoted L1→L2.
     pub demotions: u64,
     /// Blocks written back L1→L2, their L1 copy kept.
     pub write_backs: u64,
+    /// Write-backs answered "no space" for want of a free L1 slot to stage
+    /// in (the control plane asks again later).
+    pub write_backs_deferred: u64,
     /// Replicas evicted on command.
     pub evictions: u64,
     /// Commands answered with an error.
     pub commands_failed: u64,
+    /// Commands for a replica no longer where they named it (answered
+    /// `StaleGeneration`; its eviction was reported).
+    pub commands_stale: u64,
     /// Bytes moved L1→L2.
     pub bytes_down: u64,
     /// Bytes moved L2→L1.
@@ -334,6 +345,23 @@ struct Unverified {
     next_segment: u16,
 }
 
+/// An L1 block the control plane marked evictable.
+#[derive(Clone, Copy, Debug)]
+struct Victim {
+    slot: u32,
+    generation: u32,
+    key: BlockKey,
+}
+
+/// Marked victims a reservation that finds no free slot takes at once (one
+/// scan of the agents' pins frees them together; the rest serve the
+/// reservations that follow).
+const VICTIMS_PER_TAKE: usize = 16;
+
+/// The longest a save that finds no free L1 slot and no marked victim
+/// waits for the control plane to mark more before it is refused (ns).
+pub const SAVE_WAIT_NS: u64 = 50_000_000;
+
 /// The block service. See the module docs.
 pub struct Pool {
     node: u32,
@@ -366,6 +394,13 @@ pub struct Pool {
     free_ops: Vec<u32>,
     /// Demotions waiting for their L1 slot to drain: (slot, op cookie).
     draining: Vec<(u32, u64)>,
+    /// L1 blocks the control plane marked evictable, in its order (the
+    /// first to go first); an entry whose slot's mark no longer matches is
+    /// stale and skipped. Allocated once (twice the slots: room for stale
+    /// entries before a compaction).
+    evictable: VecDeque<Victim>,
+    /// Per L1 slot: the generation marked and why it may go, if marked.
+    marked: Vec<Option<(u32, u8)>>,
     /// Agent ports: the in-process ones given at start, then one place per
     /// shared port (`None` while no agent holds it).
     agents: Vec<Option<DpPort>>,
@@ -386,6 +421,8 @@ pub struct Pool {
     /// Per agent place: a load popped from its port that waits for its
     /// tenant's bucket (the port is not read past it meanwhile).
     held: Vec<Option<AgentRequest>>,
+    /// Per agent place: since when its held save has waited for a victim.
+    held_since: Vec<Option<u64>>,
     /// Traced loads in flight, and answered ones for the log (both at most
     /// [`TRACED_MAX`], allocated once); the clock they are timed on.
     traced: Vec<TracedLoad>,
@@ -430,6 +467,8 @@ impl Pool {
             tickets: vec![None; ops as usize],
             free_ops: (0..ops).rev().collect(),
             draining: Vec::with_capacity(ops as usize),
+            evictable: VecDeque::with_capacity(2 * l1_slots as usize),
+            marked: vec![None; l1_slots as usize],
             agents,
             broken: Vec::with_capacity(agents_len),
             shared_base,
@@ -439,6 +478,7 @@ impl Pool {
             keys: crate::auth::at_rest::KeyRing::new(),
             rates: crate::runner::rates::TenantRates::default(),
             held: vec![None; agents_len],
+            held_since: vec![None; agents_len],
             traced: Vec::with_capacity(TRACED_MAX),
             spans: Vec::with_capacity(TRACED_MAX),
             clock: std::time::Instant::now(),
@@ -651,6 +691,10 @@ impl Pool {
                 }
                 done += 1;
                 self.agent_request(place, request, parts, now_ns);
+                if self.held[agent].is_some() {
+                    // Still waiting (a save for a victim).
+                    continue;
+                }
             }
             while done < budget {
                 let Some(port) = self.agents[agent].as_mut() else { break };
@@ -669,6 +713,9 @@ impl Pool {
                             break;
                         }
                         self.agent_request(place, request, parts, now_ns);
+                        if self.held[agent].is_some() {
+                            break;
+                        }
                     }
                     Popped::Invalid(cookie) => {
                         self.outstanding[agent] += 1;
@@ -780,6 +827,10 @@ impl Pool {
     /// A load of `agent`'s under an engine's trace id: timed from here to
     /// its answer (untraced, and counted, when [`TRACED_MAX`] are).
     fn trace_load(&mut self, agent: u16, cookie: u64, trace: u64, tier: u8) {
+        if self.traced.iter().any(|t| t.agent == agent && t.cookie == cookie) {
+            // Asked again after waiting for a slot: timed from the first.
+            return;
+        }
         if self.traced.len() >= TRACED_MAX {
             self.stats.traces_dropped += 1;
             return;
@@ -833,12 +884,22 @@ impl Pool {
         match request {
             AgentRequest::Reserve { cookie, object_bytes } => {
                 let reserve = self.load_reserve_slots as usize;
-                match self.allocate_l1(table, object_bytes, reserve) {
+                match self.slot_or_victim(object_bytes, reserve, parts) {
                     Some(grant) => {
+                        self.held_since[usize::from(agent)] = None;
                         self.l1[grant.slot as usize] = L1State::Reserved { agent, since_ns: now_ns };
                         self.reserved += 1;
                         self.answer(agent, cookie, Ok((grant.slot, grant.generation)));
                     }
+                    // Every marked victim spent: the control plane marks
+                    // more at its next pass. The save waits for them (its
+                    // port with it), a while at most.
+                    None if self.may_wait(agent, parts, now_ns) => {
+                        self.held[usize::from(agent)] = Some(request);
+                    }
+                    // Waited long enough: refused, and so is every save of
+                    // this agent after it until one finds a slot (the wait
+                    // is not begun again for each).
                     None => {
                         self.stats.saves_refused += 1;
                         self.answer(agent, cookie, Err(AgentError::NoSpace));
@@ -866,8 +927,14 @@ impl Pool {
                     self.trace_load(agent, cookie, trace, source.tier);
                 }
                 let to = Requester::Agent { agent, cookie };
-                if let Err(e) = self.promote(to, key, &source, priority, parts) {
-                    self.answer(agent, cookie, Err(e));
+                match self.promote(to, key, &source, priority, parts) {
+                    Ok(()) => self.held_since[usize::from(agent)] = None,
+                    // No L1 slot and no marked victim: the load waits for
+                    // the control plane's next marks, as a save does.
+                    Err(AgentError::NoSpace) if self.may_wait(agent, parts, now_ns) => {
+                        self.held[usize::from(agent)] = Some(request);
+                    }
+                    Err(e) => self.answer(agent, cookie, Err(e)),
                 }
             }
             AgentRequest::Cancel { cookie, load } => {
@@ -885,6 +952,123 @@ impl Pool {
                 self.answer(agent, cookie, if stopped { Ok((0, 0)) } else { Err(AgentError::Stale) });
             }
         }
+    }
+
+    /// The control plane marks the L1 block `replica` evictable (or takes
+    /// the mark back). A mark that no longer names the block there (moved,
+    /// freed, another generation) is ignored.
+    fn mark(&mut self, replica: &BlockEvicted, evictable: bool, parts: &mut Parts<'_>) {
+        let wire = &replica.replica;
+        if wire.tier != Tier::L1Dram as u8
+            || wire.region != self.l1_region
+            || wire.region_epoch != self.epoch
+            || wire.node != self.node
+        {
+            return;
+        }
+        let slot = wire.slot as usize;
+        if self.l1.get(slot) != Some(&L1State::Ready)
+            || parts.table.arena().generation(wire.slot) != Some(wire.generation)
+        {
+            return;
+        }
+        if !evictable {
+            self.marked[slot] = None;
+            return;
+        }
+        if self.marked[slot].is_some_and(|(generation, _)| generation == wire.generation) {
+            return;
+        }
+        if self.evictable.len() == self.evictable.capacity() {
+            // Stale entries out first; still full (every slot marked
+            // twice over cannot be): the mark is dropped.
+            let marked = &self.marked;
+            self.evictable.retain(|v| marked[v.slot as usize].is_some_and(|(g, _)| g == v.generation));
+            if self.evictable.len() == self.evictable.capacity() {
+                return;
+            }
+        }
+        self.marked[slot] = Some((wire.generation, replica.reason));
+        self.evictable.push_back(Victim { slot: wire.slot, generation: wire.generation, key: replica.key });
+    }
+
+    /// Whether a request of `agent` that found no L1 slot (nor a marked
+    /// victim) may wait for the control plane to mark more: it marks
+    /// victims, and this agent has not waited [`SAVE_WAIT_NS`] in vain
+    /// since its last request that found a slot.
+    fn may_wait(&mut self, agent: u16, parts: &Parts<'_>, now_ns: u64) -> bool {
+        parts.link.as_ref().is_some_and(|l| l.takes(crate::wire::FEATURE_EVICTABLE))
+            && now_ns.saturating_sub(*self.held_since[usize::from(agent)].get_or_insert(now_ns)) < SAVE_WAIT_NS
+    }
+
+    /// A free L1 slot for an object of `object_bytes` (leaving `keep` of
+    /// its class free), else one a marked victim gave up.
+    fn slot_or_victim(
+        &mut self,
+        object_bytes: u64,
+        keep: usize,
+        parts: &mut Parts<'_>,
+    ) -> Option<crate::arena::SlotGrant> {
+        if let Some(grant) = self.allocate_l1(parts.table, object_bytes, keep) {
+            return Some(grant);
+        }
+        if self.take_victims(object_bytes, parts) == 0 {
+            return None;
+        }
+        self.allocate_l1(parts.table, object_bytes, keep)
+    }
+
+    /// A save found no free L1 slot of `object_bytes`'s class: takes up to
+    /// [`VICTIMS_PER_TAKE`] of the marked victims of that class, in the
+    /// control plane's order (each still there, ready, and its mark
+    /// current), frees those no reader pins, and reports each as evicted.
+    /// Returns how many were taken.
+    fn take_victims(&mut self, object_bytes: u64, parts: &mut Parts<'_>) -> usize {
+        let Some(class) = parts.table.class_for(object_bytes) else { return 0 };
+        let reserve = self.load_reserve_slots as usize;
+        if parts.table.evacuating().is_some() || parts.table.chunk_to_evacuate(class, reserve).is_some() {
+            // Another class's chunk can be emptied for it by moving blocks
+            // (the rebalance does it): nothing need leave L1.
+            self.short_class = Some(class);
+            return 0;
+        }
+        let mut taken = 0;
+        let mut looked = 0;
+        let queued = self.evictable.len();
+        while taken < VICTIMS_PER_TAKE && looked < queued {
+            let Some(victim) = self.evictable.pop_front() else { break };
+            looked += 1;
+            let slot = victim.slot as usize;
+            let Some((generation, reason)) = self.marked[slot].filter(|(g, _)| *g == victim.generation) else {
+                continue;
+            };
+            if self.l1[slot] != L1State::Ready || parts.table.arena().generation(victim.slot) != Some(generation) {
+                self.marked[slot] = None;
+                continue;
+            }
+            if parts.table.class_of_slot(victim.slot) != Some(class) {
+                // Another size class's: it stays marked, at the back.
+                self.evictable.push_back(victim);
+                continue;
+            }
+            self.marked[slot] = None;
+            let replica = self.l1_replica(victim.slot, generation);
+            self.release_l1(victim.slot, parts.table);
+            if reason == EvictReason::Demoted as u8 {
+                self.stats.victims_clean += 1;
+            } else {
+                self.stats.victims_dropped += 1;
+            }
+            if let Some(cp) = parts.link.as_mut() {
+                cp.evicted(&BlockEvicted { replica, key: victim.key, reason, reserved: [0; 7] });
+            }
+            taken += 1;
+        }
+        if taken > 0 {
+            // Unpinned ones free now; a pinned one when its reader lets go.
+            parts.table.reclaim();
+        }
+        taken
     }
 
     /// The background commit check: reads up to [`VERIFY_BYTES_PER_PASS`]
@@ -1125,8 +1309,7 @@ impl Pool {
         if region != self.l1_region || epoch != self.epoch {
             return Err(AckStatus::Refused);
         }
-        let table = &mut *parts.table;
-        let grant = self.allocate_l1(table, stored_object_room(len), 0).ok_or(AckStatus::Busy)?;
+        let grant = self.slot_or_victim(stored_object_room(len), 0, parts).ok_or(AckStatus::Busy)?;
         self.l1[grant.slot as usize] = L1State::Reserved { agent: REMOTE_AGENT, since_ns: parts.now_ns };
         self.reserved += 1;
         Ok(BlockAddr { region, epoch, slot: grant.slot, generation: grant.generation })
@@ -1254,7 +1437,6 @@ impl Pool {
         if source.tier == Tier::L3Object as u8 {
             return self.promote_l3(to, key, source, parts);
         }
-        let table = &mut *parts.table;
         if source.tier != Tier::L2Nvme as u8 || source.region_epoch != self.epoch || source.node != self.node {
             return Err(AgentError::Stale);
         }
@@ -1264,7 +1446,8 @@ impl Pool {
             Some(meta) if source.generation != 0 => meta.payload_len,
             _ => return Err(AgentError::Stale),
         };
-        let grant = self.allocate_l1(table, object_bytes(payload_len), 0).ok_or(AgentError::NoSpace)?;
+        let grant = self.slot_or_victim(object_bytes(payload_len), 0, parts).ok_or(AgentError::NoSpace)?;
+        let table = &mut *parts.table;
         let purpose = Purpose::Promote { to, l1_slot: grant.slot, l1_generation: grant.generation };
         let Some(cookie) = self.take_op(purpose) else {
             let _ = table.retire(grant.slot);
@@ -1306,6 +1489,10 @@ impl Pool {
     fn command(&mut self, command: CpCommand, parts: &mut Parts<'_>) {
         let (request, target, outcome) = match command {
             CpCommand::Evict { request, replica } => (request, replica.replica, self.evict(&replica, parts)),
+            CpCommand::Mark { replica, evictable } => {
+                self.mark(&replica, evictable, parts);
+                return;
+            }
             CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer }
                 if transfer.target.tier == Tier::L3Object as u8 =>
             {
@@ -1387,6 +1574,20 @@ impl Pool {
         };
         let status = match outcome {
             Ok(()) => 0,
+            // A write-back ahead of demand that found no free L1 slot to
+            // stage in waits for a later pass: not a failure.
+            Err(ErrorCode::NoSpace) if matches!(command, CpCommand::Copy { transfer, .. } if is_write_back(&transfer)) =>
+            {
+                self.stats.write_backs_deferred += 1;
+                ErrorCode::NoSpace as u32
+            }
+            // The block left that slot before the command came (a save or
+            // a load took it as a marked victim, say): the control plane
+            // hears so from its eviction report too. Not a failure.
+            Err(ErrorCode::StaleGeneration) => {
+                self.stats.commands_stale += 1;
+                ErrorCode::StaleGeneration as u32
+            }
             Err(code) => {
                 self.stats.commands_failed += 1;
                 code as u32
@@ -1593,20 +1794,23 @@ impl Pool {
     fn write_back(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
         let slot = transfer.source.slot;
         let mut meta = self.committed_l1(&transfer.source, &transfer.key, true, parts)?;
+        let region = parts.region;
         // SAFETY: a ready (or sending) slot is not written until it is
-        // retired, which this thread alone does, and not in this call.
-        let bytes = unsafe { parts.region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
+        // retired, which this thread alone does, and not in this call (its
+        // mark is dropped first: the staging slot is not taken from it).
+        let bytes = unsafe { region.slot(slot) }.ok_or(ErrorCode::NoSuchBlock)?;
         if !self.keys.may_store(meta.namespace) {
             // Encryption at rest is required and its tenant gave no key.
             return Err(ErrorCode::Unauthorized);
         }
         let object = object_bytes(meta.payload_len);
         let len = usize::try_from(object).map_err(|_| ErrorCode::NoSuchBlock)?;
-        let (table, l2) = (&mut *parts.table, &mut *parts.l2);
-        let class = table.class_for(object).ok_or(ErrorCode::NoSpace)?;
-        let grant = l2.allocate().ok_or(ErrorCode::NoSpace)?;
-        let Some(stage) = table.allocate(class) else {
-            let _ = l2.release(grant.slot);
+        let grant = parts.l2.allocate().ok_or(ErrorCode::NoSpace)?;
+        if let Some(mark) = self.marked.get_mut(slot as usize) {
+            *mark = None;
+        }
+        let Some(stage) = self.slot_or_victim(object, 0, parts) else {
+            let _ = parts.l2.release(grant.slot);
             return Err(ErrorCode::NoSpace);
         };
         // SAFETY: the staging slot was just allocated: this thread alone
@@ -1957,6 +2161,11 @@ impl Pool {
 
 /// Decodes the object in `bytes` (a whole slot) and, if `verify`, checks
 /// its payload CRCs.
+/// A write-back: a copy of a block from this node's L1 into its L2.
+fn is_write_back(transfer: &Transfer) -> bool {
+    transfer.source.tier == Tier::L1Dram as u8 && transfer.target.tier == Tier::L2Nvme as u8
+}
+
 fn check_object(bytes: &[u8], verify: bool) -> Result<crate::stored::ObjectMeta, StoredError> {
     let decoded = decode_header(bytes)?;
     // L1 holds blocks in the clear only: a commit of a sealed object would
