@@ -676,8 +676,11 @@ fn refused_saves_are_logged_and_shown_in_top() {
     }
     std::thread::sleep(Duration::from_millis(1500));
     let top = top();
+    // Refused by the data plane, each counted; the blocks after the first
+    // refused one are not even asked for (their prefix is broken: the
+    // agent gives their slots back unwritten).
     let refused = top["saves"]["refused"].as_u64().unwrap();
-    assert!(refused >= u64::try_from(many as usize - acked).unwrap(), "{top}");
+    assert!(refused >= 1 && refused <= u64::try_from(many as usize - acked).unwrap(), "{top}");
     assert!(top["saves"]["saved"].as_u64().unwrap() >= u64::try_from(acked).unwrap(), "{top}");
     dashboard_queries_name_exported_metrics(&http_get(&field(&line, "metrics"), "/metrics"));
     let text = Command::new(env!("CARGO_BIN_EXE_lake")).args(["top", "--once", "--dir"]).arg(&dir).output().unwrap();

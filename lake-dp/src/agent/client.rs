@@ -1131,11 +1131,15 @@ impl Agent {
 
     /// Saves `blocks` (best effort); returns how many were committed.
     pub fn save(&mut self, blocks: &[SaveBlock<'_>]) -> usize {
-        blocks.chunks(SAVE_WINDOW).map(|window| self.save_window(window)).sum()
+        let mut unsaved = Vec::new();
+        blocks.chunks(SAVE_WINDOW).map(|window| self.save_window(window, &mut unsaved)).sum()
     }
 
-    /// [`Agent::save`] of at most [`SAVE_WINDOW`] blocks.
-    fn save_window(&mut self, blocks: &[SaveBlock<'_>]) -> usize {
+    /// [`Agent::save`] of at most [`SAVE_WINDOW`] blocks. A block whose
+    /// parent was not saved (refused, or itself skipped: `unsaved`) is not
+    /// saved either — a prefix is of use only from its start — and is
+    /// added to `unsaved`.
+    fn save_window(&mut self, blocks: &[SaveBlock<'_>], unsaved: &mut Vec<BlockKey>) -> usize {
         debug_assert!(blocks.len() <= SAVE_WINDOW);
         let mut reserved = Vec::with_capacity(blocks.len());
         for block in blocks {
@@ -1148,8 +1152,19 @@ impl Agent {
         }
         let header = *self.arena.header();
         let mut commits = Vec::with_capacity(reserved.len());
-        for (block, cookie) in blocks.iter().zip(&reserved) {
-            let Ok((slot, generation)) = self.wait(*cookie) else { continue };
+        for (i, block) in blocks.iter().enumerate() {
+            let orphan = block.parent != BlockKey::NONE && unsaved.contains(&block.parent);
+            let Some(Ok((slot, generation))) = reserved.get(i).map(|cookie| self.wait(*cookie)) else {
+                unsaved.push(block.key);
+                continue;
+            };
+            let cookie = self.cookie();
+            if orphan {
+                // Its slot given back unwritten.
+                let _ = self.port.submit(AgentRequest::Abort { cookie, slot, generation });
+                unsaved.push(block.key);
+                continue;
+            }
             let meta = self.object_meta(
                 &header,
                 (block.key, block.parent, block.block_index),
@@ -1157,7 +1172,6 @@ impl Agent {
                 generation,
                 block.payload.len(),
             );
-            let cookie = self.cookie();
             let written = self.write_object(slot, &meta, &block.payload);
             let request = if written {
                 AgentRequest::Commit { cookie, slot, generation }
