@@ -1546,10 +1546,12 @@ impl Tiers {
                 }
                 // Where an L1 victim would be dropped (no room below) and
                 // the data plane takes marked victims when a save needs a
-                // slot, nothing is dropped ahead of that need.
+                // slot, nothing is dropped ahead of that need (while no L2
+                // file is drained: then none are marked).
                 if tier == Tier::L1Dram
                     && !self.emptying_l1
                     && !self.draining_node
+                    && self.drains.is_empty()
                     && !self.marks_taken.is_empty()
                     && self.l1_victims_dropped()
                 {
@@ -1738,10 +1740,11 @@ impl Tiers {
             return;
         }
         // Each write stages its block in a free L1 slot: none while L1 is
-        // over its mark (its evictions make room first).
+        // over its mark (its evictions make room first). None while an L2
+        // file is drained either: its blocks need the others' room.
         let capacity = self.capacity(Tier::L1Dram);
         let used = self.used_by(Tier::L1Dram, None);
-        if used < percent_of(capacity, CLEAN_FROM_PERCENT) || self.l1_over_high() {
+        if used < percent_of(capacity, CLEAN_FROM_PERCENT) || self.l1_over_high() || !self.drains.is_empty() {
             return;
         }
         let mut in_flight =
@@ -1773,19 +1776,7 @@ impl Tiers {
             if below || !worth_l2 || self.pending_of.contains_key(&(key, region)) || self.marked.contains_key(&key) {
                 continue;
             }
-            let pending = Pending {
-                key,
-                parent,
-                kind: ObjectKind::KvBlock,
-                namespace,
-                tier: Tier::L1Dram,
-                region,
-                bytes: self.block_bytes(region, &key),
-                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
-                frees: false,
-                to: None,
-                cleans: false,
-            };
+            let pending = self.l1_copy(key, (parent, ObjectKind::KvBlock), namespace, region, now_ns, false);
             let target = l2_target(l2_region, &l2_info);
             self.ask(pending, TierAction::Copy(transfer(&source, target, key, Priority::WriteBack)), out);
             self.counters.cleanings += 1;
@@ -1850,11 +1841,16 @@ impl Tiers {
             }
         }
         let used = self.used_by(Tier::L1Dram, None);
-        if self.emptying_l1 || self.l1_over_high() || used < percent_of(self.capacity(Tier::L1Dram), CLEAN_FROM_PERCENT)
+        if self.emptying_l1
+            || self.l1_over_high()
+            || used < percent_of(self.capacity(Tier::L1Dram), CLEAN_FROM_PERCENT)
+            || !self.drains.is_empty()
         {
             // Over its mark, L1's evictions make room first (and a victim
             // written below would find no slot to stage in); under half
-            // full, no save needs a victim.
+            // full, no save needs a victim; while an L2 file is drained,
+            // L1's victims are demoted as they go (its blocks need the
+            // other files' room).
             return;
         }
         let regions: Vec<(u16, RegionUse)> = self
@@ -1922,19 +1918,7 @@ impl Tiers {
                     match (below, target) {
                         (true, _) => self.mark(key, marked(EvictReason::Demoted), out),
                         (false, Some(target)) => {
-                            let pending = Pending {
-                                key,
-                                parent,
-                                kind,
-                                namespace,
-                                tier: Tier::L1Dram,
-                                region,
-                                bytes: self.block_bytes(region, &key),
-                                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
-                                frees: false,
-                                to: None,
-                                cleans: true,
-                            };
+                            let pending = self.l1_copy(key, (parent, kind), namespace, region, now_ns, true);
                             let copy = TierAction::Copy(transfer(&replica, target, key, Priority::WriteBack));
                             self.ask(pending, copy, out);
                             if target.tier == Tier::L3Object as u8 {
@@ -1979,6 +1963,32 @@ impl Tiers {
             }
             Verdict::Evict
         })
+    }
+
+    /// The pending entry of a copy of `key`'s L1 replica in `region`
+    /// below, its L1 copy kept (`cleans`: marked once it lands).
+    fn l1_copy(
+        &self,
+        key: BlockKey,
+        (parent, kind): (Option<BlockKey>, ObjectKind),
+        namespace: u64,
+        region: u16,
+        now_ns: u64,
+        cleans: bool,
+    ) -> Pending {
+        Pending {
+            key,
+            parent,
+            kind,
+            namespace,
+            tier: Tier::L1Dram,
+            region,
+            bytes: self.block_bytes(region, &key),
+            deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
+            frees: false,
+            to: None,
+            cleans,
+        }
     }
 
     /// Whether an L1 victim would now be dropped: no L3, and L2 missing

@@ -743,12 +743,10 @@ impl Agent {
                 break;
             }
             if table[i].tier == Tier::L1Dram && table[i].region.0 == region && below_l1 != i {
-                let started = Instant::now();
-                match self.read_l1(&keys[i], table[i].slot, table[i].generation, segmented, &mut |o, p| sink(i, o, p)) {
-                    Ok(bytes) => {
-                        self.cost(Tier::L1Dram, started.elapsed());
-                        self.stats.l1_reads += 1;
-                        self.stats.bytes_read += bytes as u64;
+                match self
+                    .read_l1_timed(&keys[i], table[i].slot, table[i].generation, segmented, &mut |o, p| sink(i, o, p))
+                {
+                    Ok(()) => {
                         delivered += 1;
                         continue;
                     }
@@ -809,12 +807,10 @@ impl Agent {
                     std::thread::sleep(Duration::from_micros(200));
                     continue;
                 }
-                let started = Instant::now();
-                match self.read_l1(&keys[i], replica.slot, replica.generation, segmented, &mut |o, p| sink(i, o, p)) {
-                    Ok(bytes) => {
-                        self.cost(Tier::L1Dram, started.elapsed());
-                        self.stats.l1_reads += 1;
-                        self.stats.bytes_read += bytes as u64;
+                match self
+                    .read_l1_timed(&keys[i], replica.slot, replica.generation, segmented, &mut |o, p| sink(i, o, p))
+                {
+                    Ok(()) => {
                         delivered += 1;
                         continue;
                     }
@@ -912,6 +908,24 @@ impl Agent {
     /// it delivered every block).
     pub fn last_fetch_failure(&self) -> Option<FetchFailure> {
         self.last_failure
+    }
+
+    /// [`Agent::read_l1`], timed into the agent's L1 read cost and
+    /// counted.
+    fn read_l1_timed(
+        &mut self,
+        key: &BlockKey,
+        slot: u32,
+        generation: u32,
+        segmented: bool,
+        sink: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), FetchFailure> {
+        let started = Instant::now();
+        let bytes = self.read_l1(key, slot, generation, segmented, sink)?;
+        self.cost(Tier::L1Dram, started.elapsed());
+        self.stats.l1_reads += 1;
+        self.stats.bytes_read += bytes as u64;
+        Ok(())
     }
 
     /// Reads one L1 block through a pin: the generation must still be
