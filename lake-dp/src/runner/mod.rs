@@ -1272,8 +1272,8 @@ pub fn run_with(
                     event = "saves_refused",
                     blocks = pool.stats.saves_refused - refused_logged,
                     total = pool.stats.saves_refused,
-                    why = "no L1 slot free for a save (L1 full of blocks not yet demoted or dropped, or only the \
-                           load reserve left)"
+                    why = "no L1 slot free for a save and no victim marked to take in time (L1 full of blocks \
+                           not yet written below or dropped, or only the load reserve left)"
                 );
                 refused_logged = pool.stats.saves_refused;
             }
