@@ -122,8 +122,9 @@ const MARKS_PER_PASS: usize = 512;
 // An L1 region's data plane holds a quarter of its slots in marked
 // victims (and victims being written below to be marked): spent by saves
 // and loads that find no free slot and by the evictions that keep L1 under
-// its mark, chosen again every pass. Few enough that the cache's policy,
-// not the order they were marked in, decides what goes.
+// its mark, chosen again every pass. Few enough that the cache's policy
+// (leaf-first: a shared prefix outlives its tails), not the order they
+// were marked in, decides what goes; marking every block broke that.
 
 /// Writes below ahead of demand in flight at most, per L1 region (each
 /// stages its block in a free L1 slot).

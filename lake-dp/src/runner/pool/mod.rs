@@ -360,7 +360,7 @@ const VICTIMS_PER_TAKE: usize = 16;
 
 /// The longest a save that finds no free L1 slot and no marked victim
 /// waits for the control plane to mark more before it is refused (ns).
-pub const SAVE_WAIT_NS: u64 = 25_000_000;
+pub const SAVE_WAIT_NS: u64 = 50_000_000;
 
 /// The block service. See the module docs.
 pub struct Pool {
