@@ -2042,19 +2042,7 @@ impl Tiers {
                 continue;
             }
             self.marked.remove(&key);
-            let pending = Pending {
-                key,
-                parent: marked.parent,
-                kind: marked.kind,
-                namespace: marked.namespace,
-                tier: Tier::L1Dram,
-                region,
-                bytes: self.block_bytes(region, &key),
-                deadline_ns: now_ns.saturating_add(PENDING_TIMEOUT_NS),
-                frees: true,
-                to: None,
-                cleans: false,
-            };
+            let pending = self.leaving(locations, key, (marked.namespace, Tier::L1Dram), region, now_ns);
             self.counters.drops[Tier::L1Dram as usize] += 1;
             self.ask(pending, TierAction::Evict(evict_body(&marked.replica, &key, marked.reason)), out);
             return true;
