@@ -1598,11 +1598,7 @@ impl Tiers {
         region: u16,
         now_ns: u64,
     ) -> Pending {
-        let (parent, kind) = locations
-            .index
-            .get(&key)
-            .map(|b| (locations.index.parent(b).map(|p| locations.index.key(p)), locations.index.kind(b)))
-            .unwrap_or((None, ObjectKind::KvBlock));
+        let (parent, kind) = parent_and_kind(locations, &key);
         Pending {
             key,
             parent,
@@ -1766,18 +1762,16 @@ impl Tiers {
                 break;
             }
             self.to_clean.pop_front();
-            let ready: Vec<Replica> = locations.ready(&key).collect();
-            let Some(source) = ready.iter().find(|r| r.region.0 == region).copied() else { continue };
-            let below = ready.iter().any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object));
-            let parent =
-                locations.index.get(&key).and_then(|b| locations.index.parent(b)).map(|p| locations.index.key(p));
-            let worth_l2 = self.config.l2_admission == L2Admission::Always
-                || self.seen_twice.contains(&key)
-                || parent.is_some_and(|p| self.seen_twice.contains(&p));
-            if below || !worth_l2 || self.pending_of.contains_key(&(key, region)) || self.marked.contains_key(&key) {
+            let Some(source) = locations.ready(&key).find(|r| r.region.0 == region) else { continue };
+            let (parent, kind) = parent_and_kind(locations, &key);
+            if held_below(locations, &key)
+                || !self.worth_l2(&key, parent)
+                || self.pending_of.contains_key(&(key, region))
+                || self.marked.contains_key(&key)
+            {
                 continue;
             }
-            let pending = self.l1_copy(key, (parent, ObjectKind::KvBlock), namespace, region, now_ns, false);
+            let pending = self.l1_copy(key, (parent, kind), namespace, region, now_ns, false);
             let target = l2_target(l2_region, &l2_info);
             self.ask(pending, TierAction::Copy(transfer(&source, target, key, Priority::WriteBack)), out);
             self.counters.cleanings += 1;
@@ -1811,9 +1805,7 @@ impl Tiers {
             }
         }
         for key in std::mem::take(&mut self.recheck) {
-            if self.marked.contains_key(&key)
-                && !locations.ready(&key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object))
-            {
+            if self.marked.contains_key(&key) && !held_below(locations, &key) {
                 self.unmark(key);
             }
         }
@@ -1825,7 +1817,7 @@ impl Tiers {
         for pending in std::mem::take(&mut self.cleaned) {
             let key = pending.key;
             let source = locations.ready(&key).find(|r| r.region.0 == pending.region);
-            let below = locations.ready(&key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object));
+            let below = held_below(locations, &key);
             match source {
                 Some(replica) if below && !self.pending_of.contains_key(&(key, pending.region)) => {
                     let marked = Marked {
@@ -1899,15 +1891,9 @@ impl Tiers {
                     let Some(key) = key else { break };
                     budget -= 1;
                     let Some(replica) = locations.ready(&key).find(|r| r.region.0 == region) else { continue };
-                    let (parent, kind) = locations
-                        .index
-                        .get(&key)
-                        .map(|b| (locations.index.parent(b).map(|p| locations.index.key(p)), locations.index.kind(b)))
-                        .unwrap_or((None, ObjectKind::KvBlock));
-                    let below = locations.ready(&key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object));
-                    let worth_l2 = self.config.l2_admission == L2Admission::Always
-                        || self.seen_twice.contains(&key)
-                        || parent.is_some_and(|p| self.seen_twice.contains(&p));
+                    let (parent, kind) = parent_and_kind(locations, &key);
+                    let below = held_below(locations, &key);
+                    let worth_l2 = self.worth_l2(&key, parent);
                     let marked = |reason| Marked { namespace, parent, kind, replica, reason };
                     let target = match (below, l2) {
                         (true, _) => None,
@@ -1964,6 +1950,14 @@ impl Tiers {
             }
             Verdict::Evict
         })
+    }
+
+    /// Whether an L1 block is worth an L2 write: always, or (under
+    /// [`L2Admission::SecondAccess`]) once it or its parent was seen twice.
+    fn worth_l2(&self, key: &BlockKey, parent: Option<BlockKey>) -> bool {
+        self.config.l2_admission == L2Admission::Always
+            || self.seen_twice.contains(key)
+            || parent.is_some_and(|p| self.seen_twice.contains(&p))
     }
 
     /// The pending entry of a copy of `key`'s L1 replica in `region`
@@ -2155,7 +2149,7 @@ impl Tiers {
                 index.blocks().map(move |block| (index.key(block), *ns))
             })
             .chain(marked)
-            .filter(|(key, _)| !locations.ready(key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object)))
+            .filter(|(key, _)| !held_below(locations, key))
     }
 
     /// Write-backs to L2 of the blocks [`Tiers::persist`] queued that are
@@ -2262,6 +2256,17 @@ fn l2_target(region: u16, info: &RegionUse) -> ReplicaWire {
 
 fn transfer(source: &Replica, target: ReplicaWire, key: BlockKey, priority: Priority) -> Transfer {
     Transfer { source: source.to_wire(), target, key, deadline_unix_ns: 0, priority: priority as u8, reserved: [0; 7] }
+}
+
+/// `key`'s parent and kind, as the index knows them.
+fn parent_and_kind(locations: &Locations, key: &BlockKey) -> (Option<BlockKey>, ObjectKind) {
+    let index = &locations.index;
+    index.get(key).map_or((None, ObjectKind::KvBlock), |b| (index.parent(b).map(|p| index.key(p)), index.kind(b)))
+}
+
+/// Whether a copy of `key` below L1 (in L2 or L3) is ready.
+fn held_below(locations: &Locations, key: &BlockKey) -> bool {
+    locations.ready(key).any(|r| matches!(r.tier, Tier::L2Nvme | Tier::L3Object))
 }
 
 fn percent_of(bytes: u64, percent: u8) -> u64 {
