@@ -535,7 +535,8 @@ fn replay_tiers(
                 | TierAction::Drain(_)
                 | TierAction::Cancel
                 | TierAction::Mark(_)
-                | TierAction::Unmark(_) => {}
+                | TierAction::Unmark(_)
+                | TierAction::VictimsLeft(_) => {}
             }
             tiers.done(command.request, true);
         }

@@ -95,7 +95,8 @@ typedef enum LakeStatus {
    */
   LAKE_VERSION_MISMATCH = 6,
   /*
-   No room in the pool (a save skipped).
+   No room in the pool: a save refused, L1 full of blocks the pool
+   could not let go of in time (not yet written below, or held).
    */
   LAKE_NO_SPACE = 7,
   /*
@@ -140,6 +141,21 @@ typedef enum LakeStatus {
    loaded (a prefix is only of use whole): recompute it.
    */
   LAKE_PREFIX_BROKEN = 16,
+  /*
+   A save refused: the only free L1 slots are the load reserve, kept
+   for loads.
+   */
+  LAKE_LOAD_RESERVE = 17,
+  /*
+   Refused: the pool is stopping.
+   */
+  LAKE_STOPPING = 18,
+  /*
+   A save not sent: the pool refuses saves now (see
+   `lake_pool_save_pressure`), so the whole save was skipped rather
+   than saved in part.
+   */
+  LAKE_SAVE_PRESSURE = 19,
 } LakeStatus;
 
 /*
@@ -1431,6 +1447,20 @@ enum LakeStatus lake_report_prefill(const struct LakePool *pool,
  `pool` from `lake_attach`; `out` writable.
  */
 enum LakeStatus lake_compute_cost(const struct LakePool *pool, uint64_t *out);
+
+/*
+ Whether the pool refuses saves now, into `out` (1 yes, 0 no), read
+ from shared memory with no request: its data plane refused a save for
+ want of room within the last 100 ms, or it is stopping. A save
+ submitted meanwhile is skipped whole (each block `LAKE_SAVE_PRESSURE`),
+ and so is any later save under a block not saved; an engine may skip
+ saving the request outright. Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `out` writable.
+ */
+enum LakeStatus lake_save_pressure(const struct LakePool *pool, uint8_t *out);
 
 /*
  `LakeOk` while the pool's `lake-dp` is there, `LakeNotAttached` once it

@@ -657,7 +657,6 @@ pub(crate) fn save(
         return statuses;
     };
     let per_block = crcs.len() / keys.len();
-    let before = agent.stats.saves;
     // In turns of a bounded number of reservations (the port is finite).
     for first in (0..keys.len()).step_by(STAGING_BLOCKS) {
         let last = (first + STAGING_BLOCKS).min(keys.len());
@@ -670,8 +669,8 @@ pub(crate) fn save(
                 crcs: &crcs[i * per_block..(i + 1) * per_block],
             })
             .collect();
-        let saved_before = agent.stats.saves;
-        agent.save_prepared(&prepared, |bodies| {
+        let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; last - first];
+        let count = agent.save_prepared(&prepared, &mut saved, |bodies| {
             let ids: Vec<u32> = bodies.iter().map(|&(i, _)| blocks[first + i]).collect();
             // Blocks larger than a staging unit cross the bus by the kernel.
             let staged = memory.path == GpuPath::CopyEngine && len <= lake_kernels::STAGING_UNIT_BYTES;
@@ -692,14 +691,15 @@ pub(crate) fn save(
             };
             moved.and_then(|()| copier.synchronize()).is_ok()
         });
-        if agent.stats.saves - saved_before < (last - first) as u64 {
+        for (status, saved) in statuses[first..last].iter_mut().zip(saved) {
+            *status = crate::trace::status_of_save(saved);
+        }
+        if count < last - first {
+            // The rest is not sent: a prefix is of use only whole.
+            statuses[last..].fill(LakeStatus::LakePrefixBroken);
+            agent.note_unsaved(&keys[last..]);
             break;
         }
-    }
-    let saved = usize::try_from(agent.stats.saves - before).unwrap_or(0);
-    // Saves are all-or-prefix per batch; report what went.
-    for status in &mut statuses[..saved.min(keys.len())] {
-        *status = LakeStatus::LakeOk;
     }
     statuses
 }

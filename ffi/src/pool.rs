@@ -286,6 +286,8 @@ pub struct LakePool {
     shard: ShardMask,
     /// Whether the agent talks to a `lake-cp`.
     has_control_plane: bool,
+    /// Whether its data plane refuses saves now.
+    save_pressure: lake_dp::agent::port::SavePressure,
     /// Per-layer events of GPU loads, for `lake_wait_layer`.
     layers: Arc<gpu::LayerEvents>,
     next_request: AtomicU64,
@@ -718,6 +720,7 @@ fn start(
     let arena_region = agent.arena_region();
     let arena_epoch = agent.arena_epoch();
     let has_control_plane = agent.has_control_plane();
+    let save_pressure = agent.save_pressure_probe();
     let slot_area = {
         let (base, len) = agent.slot_area();
         (base as usize, len)
@@ -785,6 +788,7 @@ fn start(
         shard_code: 0,
         shard: ShardMask::WHOLE,
         has_control_plane,
+        save_pressure,
         layers,
         next_request: AtomicU64::new(1),
         compute_ns_per_block: AtomicU64::new(0),
@@ -981,6 +985,14 @@ fn agent_thread(
                     }
                     statuses.resize(count, LakeStatus::LakePrefixBroken);
                 }
+                Job::Save { keys, .. } if agent.save_pressure() => {
+                    // The pool refuses saves now: none of it is sent (a
+                    // prefix saved in part is of use only up to the part),
+                    // and a later save under it is not sent either.
+                    statuses.fill(LakeStatus::LakeSavePressure);
+                    agent.note_unsaved(&keys);
+                    agent.stats.saves_skipped += keys.len() as u64;
+                }
                 Job::Save { memory: Memory::Gpu(memory), keys, parents, blocks, after, .. } => {
                     statuses = gpu::save(&mut agent, &memory, &keys, &parents, &blocks, after.as_deref());
                 }
@@ -1011,12 +1023,10 @@ fn agent_thread(
                             payload: SavePayload::Gather { len: memory.block_bytes(), fill: &fills[i] },
                         })
                         .collect();
-                    let before = agent.stats.saves;
-                    agent.save(&saves);
-                    let saved = agent.stats.saves - before;
-                    // Saves are all-or-prefix per batch; report what went.
-                    for status in statuses.iter_mut().skip(usize::try_from(saved).unwrap_or(count)) {
-                        *status = LakeStatus::LakeNoSpace;
+                    let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; count];
+                    agent.save_with_statuses(&saves, &mut saved);
+                    for (status, saved) in statuses.iter_mut().zip(saved) {
+                        *status = crate::trace::status_of_save(saved);
                     }
                 }
             }
@@ -2526,6 +2536,31 @@ pub unsafe extern "C" fn lake_compute_cost(pool: *const LakePool, out: *mut u64)
             }
             // SAFETY: writable (contract), checked non-null.
             unsafe { out.write(pool.compute_ns_per_block.load(Ordering::Acquire)) };
+            Ok(())
+        })())
+    })
+}
+
+/// Whether the pool refuses saves now, into `out` (1 yes, 0 no), read
+/// from shared memory with no request: its data plane refused a save for
+/// want of room within the last 100 ms, or it is stopping. A save
+/// submitted meanwhile is skipped whole (each block `LAKE_SAVE_PRESSURE`),
+/// and so is any later save under a block not saved; an engine may skip
+/// saving the request outright. Thread-safe.
+///
+/// # Safety
+///
+/// `pool` from `lake_attach`; `out` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_save_pressure(pool: *const LakePool, out: *mut u8) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if out.is_null() {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_save_pressure: out is null"));
+            }
+            // SAFETY: writable (contract), checked non-null.
+            unsafe { out.write(u8::from(pool.save_pressure.get())) };
             Ok(())
         })())
     })

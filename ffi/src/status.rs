@@ -23,7 +23,8 @@ pub enum LakeStatus {
     LakeNotAttached = 5,
     /// The library and the daemon have no wire version in common.
     LakeVersionMismatch = 6,
-    /// No room in the pool (a save skipped).
+    /// No room in the pool: a save refused, L1 full of blocks the pool
+    /// could not let go of in time (not yet written below, or held).
     LakeNoSpace = 7,
     /// The block was evicted or replaced between lookup and load:
     /// recompute it.
@@ -49,6 +50,15 @@ pub enum LakeStatus {
     /// An earlier block of the same request failed, so this one was not
     /// loaded (a prefix is only of use whole): recompute it.
     LakePrefixBroken = 16,
+    /// A save refused: the only free L1 slots are the load reserve, kept
+    /// for loads.
+    LakeLoadReserve = 17,
+    /// Refused: the pool is stopping.
+    LakeStopping = 18,
+    /// A save not sent: the pool refuses saves now (see
+    /// `lake_pool_save_pressure`), so the whole save was skipped rather
+    /// than saved in part.
+    LakeSavePressure = 19,
 }
 
 thread_local! {

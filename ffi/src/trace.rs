@@ -85,6 +85,17 @@ impl From<&lake_dp::agent::push::PushSpan> for LakeTraceSpan {
     }
 }
 
+/// The status a block of a save reads as.
+pub(crate) fn status_of_save(status: lake_dp::agent::SaveStatus) -> LakeStatus {
+    use lake_dp::agent::SaveStatus;
+    match status {
+        SaveStatus::Saved => LakeStatus::LakeOk,
+        SaveStatus::Refused(error) => status_of_agent_error(error),
+        SaveStatus::ParentUnsaved => LakeStatus::LakePrefixBroken,
+        SaveStatus::NotSent => LakeStatus::LakeBusy,
+    }
+}
+
 /// The status an agent's error reads as.
 fn status_of_agent_error(error: AgentError) -> LakeStatus {
     match error {
@@ -95,6 +106,8 @@ fn status_of_agent_error(error: AgentError) -> LakeStatus {
         AgentError::Busy => LakeStatus::LakeBusy,
         AgentError::Invalid => LakeStatus::LakeInvalidArgument,
         AgentError::Cancelled => LakeStatus::LakeCancelled,
+        AgentError::Reserved => LakeStatus::LakeLoadReserve,
+        AgentError::Stopping => LakeStatus::LakeStopping,
     }
 }
 

@@ -84,6 +84,10 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     future_daemon(&future);
     let doomed = EmbeddedPool::start(&config(root.join("doomed"))).unwrap();
     let small = EmbeddedPool::start(&EmbeddedConfig { l1_slots: 16, ..config(root.join("small")) }).unwrap();
+    // A pool that began to stop: it takes no save (L1 is being written
+    // down), and says so.
+    let mut closed = EmbeddedPool::start(&config(root.join("closed"))).unwrap();
+    closed.empty_l1();
     let stop_file = root.join("stop-doomed");
     let (doomed_dp, doomed_mirror, doomed_cp) =
         (doomed.dp_socket.clone(), doomed.mirror.clone(), doomed.cp_socket.clone());
@@ -121,6 +125,10 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
         .env("LAKE_SMALL_MIRROR", &small.mirror)
         .env("LAKE_SMALL_CP_SOCKET", &small.cp_socket)
         .env("LAKE_SMALL_BLOCK_BYTES", BLOCK_BYTES.to_string())
+        .env("LAKE_CLOSED_DP_SOCKET", &closed.dp_socket)
+        .env("LAKE_CLOSED_MIRROR", &closed.mirror)
+        .env("LAKE_CLOSED_CP_SOCKET", &closed.cp_socket)
+        .env("LAKE_CLOSED_BLOCK_BYTES", BLOCK_BYTES.to_string())
         .output()
         .unwrap();
     let _ = std::fs::write(&stop_file, "done");
@@ -129,6 +137,7 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     let stderr = String::from_utf8_lossy(&run.stderr);
     drop(pool);
     drop(small);
+    drop(closed);
     let _ = std::fs::remove_dir_all(&root);
     assert!(run.status.success(), "pytest failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("passed"), "{stdout}");

@@ -300,10 +300,15 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
             }))
         }).collect::<Vec<_>>(),
         // The data plane's saves as it last reported them: refused ones
-        // are engines' lost hits (no L1 slot free for them).
+        // are engines' lost hits, by reason where it says.
         "saves": node.data_plane.as_ref().map(|dp| json!({
             "saved": dp.saves,
             "refused": dp.saves_refused,
+            "refused_by": node.save_refusals.as_ref().map(|r| json!({
+                "no_space": r.no_space,
+                "load_reserve": r.load_reserve,
+                "stopping": r.stopping,
+            })),
             "corrupt": dp.commits_corrupt,
         })),
         "server": {

@@ -412,6 +412,8 @@ pub struct EmbeddedPool {
     pub tenant_keys: Arc<lake_dp::auth::at_rest::TenantKeys>,
     stop_cp: Arc<AtomicBool>,
     stop_dp: Arc<AtomicBool>,
+    /// Set to close the data plane to saves (before L1 is written down).
+    close_saves: Arc<AtomicBool>,
     /// Requests for the control plane's thread (copies to other nodes).
     requests: std::sync::mpsc::Sender<CpRequest>,
     /// Set: the node is being drained (`lake drain-node`): its control
@@ -728,6 +730,8 @@ impl EmbeddedPool {
         ports.agents = dp_ports;
         ports.wakeup = Some(wakeup);
         ports.stop = Some(Arc::clone(&stop_dp));
+        let close_saves = Arc::new(AtomicBool::new(false));
+        ports.close_saves = Some(Arc::clone(&close_saves));
         // The data plane's events (refused links and agents, L3 scans,
         // traced loads) and final figures go to the log file, or stderr,
         // where asked: its thread's own subscriber writes them there.
@@ -764,6 +768,7 @@ impl EmbeddedPool {
             tenant_keys,
             stop_cp,
             stop_dp,
+            close_saves,
             requests,
             draining,
             load_reserve_slots,
@@ -843,6 +848,9 @@ impl EmbeddedPool {
     /// the time it took).
     pub fn empty_l1(&mut self) -> (u64, Duration) {
         self.emptied = true;
+        // A save taken from here would be acked and then lost with L1:
+        // engines are told the pool is stopping instead.
+        self.close_saves.store(true, Ordering::Release);
         let started = Instant::now();
         if self.requests.send(CpRequest::EmptyL1).is_err() {
             return (self.gauges.l1_blocks.load(Ordering::Relaxed), started.elapsed());

@@ -179,6 +179,20 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
     if let Some(dp) = &node.data_plane {
         data_plane_metrics(&mut out, dp);
     }
+    if let Some(r) = &node.save_refusals {
+        metric(
+            &mut out,
+            "lake_dp_saves_refused_total",
+            "counter",
+            "Saves the data plane refused, by reason: no_space (L1 full of blocks it could not let go of in time), \
+             load_reserve (only the load reserve free), stopping.",
+            &[
+                ("reason=\"no_space\"", r.no_space),
+                ("reason=\"load_reserve\"", r.load_reserve),
+                ("reason=\"stopping\"", r.stopping),
+            ],
+        );
+    }
     rail_metrics(&mut out, &node.rails, &node.engine_rails);
     tenant_throttle_metrics(&mut out, &node.tenant_throttles);
     path_metrics(&mut out, &node.all_paths());

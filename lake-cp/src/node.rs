@@ -207,6 +207,9 @@ pub struct Node {
     scratch: Vec<BlockKey>,
     /// The latest figures the data plane sent.
     pub data_plane: Option<lake_dp::wire::message::DataPlaneStats>,
+    /// Its refused saves by reason, as it last sent them (a data plane
+    /// that takes [`lake_dp::wire::FEATURE_SAVE_REFUSALS`]).
+    pub save_refusals: Option<lake_dp::wire::message::SaveRefusals>,
     /// The latest rail figures of each network's transport (what each
     /// rail to each peer carried).
     pub rails: Vec<(lake_dp::wire::message::Network, Vec<lake_dp::wire::message::RailEntry>)>,
@@ -284,6 +287,7 @@ impl Node {
             engine_paths_gone: Vec::new(),
             tenant_throttles: Vec::new(),
             data_plane: None,
+            save_refusals: None,
             rails: Vec::new(),
             paths: Vec::new(),
             copies: Vec::new(),
@@ -341,7 +345,11 @@ impl Node {
                     let what = if tracked { BlockEventKind::DropAsked } else { BlockEventKind::SecondCopyDropAsked };
                     (e.key, what, e.replica.slot)
                 }
-                TierAction::Drain(_) | TierAction::Cancel | TierAction::Mark(_) | TierAction::Unmark(_) => continue,
+                TierAction::Drain(_)
+                | TierAction::Cancel
+                | TierAction::Mark(_)
+                | TierAction::Unmark(_)
+                | TierAction::VictimsLeft(_) => continue,
             };
             self.record(key, what, (command.region, slot));
         }
@@ -603,6 +611,10 @@ impl Node {
             }
             Message::DataPlaneStats(stats) => {
                 self.data_plane = Some(*stats);
+                Ok(())
+            }
+            Message::SaveRefusals(refusals) => {
+                self.save_refusals = Some(*refusals);
                 Ok(())
             }
             Message::RailStats(head, entries) => {

@@ -571,6 +571,8 @@ impl Server {
                 }
                 TierAction::Mark(victim) => Message::MarkEvictable(victim),
                 TierAction::Unmark(victim) => Message::UnmarkEvictable(victim),
+                TierAction::VictimsLeft(_) if !peer.session.takes(lake_dp::wire::FEATURE_VICTIMS_LEFT) => continue,
+                TierAction::VictimsLeft(left) => Message::VictimsLeft(left),
             };
             let meta = FrameMeta { version, flags: 0, request_id: command.request, leader_term: self.term };
             let start = peer.output.len();

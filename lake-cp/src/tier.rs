@@ -293,6 +293,10 @@ pub enum TierAction {
     /// The mark taken back (`UnmarkEvictable`): the block is wanted again,
     /// or its copy below went.
     Unmark(BlockEvicted),
+    /// Whether more victims may come in an L1 region (`VictimsLeft`; not
+    /// answered): with none, its data plane refuses a save that finds no
+    /// slot at once instead of waiting.
+    VictimsLeft(lake_dp::wire::message::VictimsLeft),
 }
 
 /// What the manager has done, for metrics.
@@ -552,6 +556,9 @@ pub struct Tiers {
     dropped_once: Remembered,
     /// L1 regions whose data plane takes marks ([`TierAction::Mark`]).
     marks_taken: HashSet<u16>,
+    /// What each such region's data plane was last told of victims left
+    /// (absent: more may come, as a data plane assumes).
+    victims_left: HashMap<u16, bool>,
     /// L1 blocks marked evictable, and the order they were marked in (an
     /// entry no longer in `marked` is stale).
     marked: HashMap<BlockKey, Marked>,
@@ -655,6 +662,7 @@ impl Tiers {
             cooling: Vec::new(),
             now_ns: 0,
             marks_taken: HashSet::new(),
+            victims_left: HashMap::new(),
             marked: HashMap::new(),
             mark_order: std::collections::VecDeque::new(),
             unmarks: Vec::new(),
@@ -695,6 +703,7 @@ impl Tiers {
         if previous.is_some_and(|p| p.epoch != epoch) {
             self.marked.retain(|_, m| m.replica.region.0 != region);
             self.marks_taken.remove(&region);
+            self.victims_left.remove(&region);
             self.used.retain(|(r, _), _| *r != region);
             self.sizes.retain(|(_, r), _| *r != region);
             self.blocks.remove(&region);
@@ -1045,7 +1054,8 @@ impl Tiers {
             | TierAction::Drain(_)
             | TierAction::Cancel
             | TierAction::Mark(_)
-            | TierAction::Unmark(_) => None,
+            | TierAction::Unmark(_)
+            | TierAction::VictimsLeft(_) => None,
         };
         self.pending.insert(request, pending);
         self.pending_of.insert((pending.key, pending.region), request);
@@ -1843,7 +1853,11 @@ impl Tiers {
             // written below would find no slot to stage in); under half
             // full, no save needs a victim; while an L2 file is drained,
             // L1's victims are demoted as they go (its blocks need the
-            // other files' room).
+            // other files' room). Room is made (or not needed) either way.
+            let regions: Vec<u16> = self.marks_taken.iter().copied().collect();
+            for region in regions {
+                self.say_victims_left(region, true, out);
+            }
             return;
         }
         let regions: Vec<(u16, RegionUse)> = self
@@ -1871,6 +1885,7 @@ impl Tiers {
             let held = self.marked.values().filter(|m| m.replica.region.0 == region).count() as u64;
             let wanted = target.saturating_sub(held + cleaning as u64);
             let mut budget = MARKS_PER_PASS.min(usize::try_from(wanted).unwrap_or(usize::MAX));
+            let mut capped = false;
             for (_, namespace) in namespaces {
                 while budget > 0 {
                     // Room below: L2 under its mark (a block written
@@ -1878,6 +1893,7 @@ impl Tiers {
                     let room_below = l2.is_some_and(|(_, info)| self.l2_pressure(info.slot_bytes) == (false, false));
                     if (room_below || l3.is_some()) && cleaning >= CLEANING_IN_FLIGHT {
                         // Its victims would wait to be written below.
+                        capped = true;
                         break;
                     }
                     // Blocks saved lately are not victims while older
@@ -1923,7 +1939,25 @@ impl Tiers {
                     }
                 }
             }
+            // No victim left to mark, none marked, and nothing on its way
+            // out or below: a save that finds no slot here would wait for
+            // nothing.
+            let held = self.marked.values().any(|m| m.replica.region.0 == region);
+            let moving = self.pending.values().any(|p| p.region == region && p.tier == Tier::L1Dram);
+            let exhausted = budget > 0 && !capped && !held && !moving;
+            self.say_victims_left(region, !exhausted, out);
         }
+    }
+
+    /// Tells the data plane of L1 `region` whether more victims may come,
+    /// where that changed since it was last told.
+    fn say_victims_left(&mut self, region: u16, left: bool, out: &mut Vec<TierCommand>) {
+        if self.victims_left.get(&region).copied().unwrap_or(true) == left {
+            return;
+        }
+        self.victims_left.insert(region, left);
+        let body = lake_dp::wire::message::VictimsLeft { region, left: u8::from(left), reserved: [0; 5] };
+        out.push(TierCommand { request: 0, region, action: TierAction::VictimsLeft(body) });
     }
 
     /// The next victim of `namespace`'s L1 cache that may be marked: its
@@ -2377,7 +2411,11 @@ mod tests {
                         .unwrap();
                     self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true, 0);
                 }
-                TierAction::Drain(_) | TierAction::Cancel | TierAction::Mark(_) | TierAction::Unmark(_) => {}
+                TierAction::Drain(_)
+                | TierAction::Cancel
+                | TierAction::Mark(_)
+                | TierAction::Unmark(_)
+                | TierAction::VictimsLeft(_) => {}
             }
             self.tiers.done(command.request, true);
         }
@@ -2394,6 +2432,7 @@ mod tests {
                 TierAction::Cancel => (0, "cancel"),
                 TierAction::Mark(m) => (m.key.0[0], "mark"),
                 TierAction::Unmark(m) => (m.key.0[0], "unmark"),
+                TierAction::VictimsLeft(v) => (v.left, "victims_left"),
             })
             .collect()
     }
@@ -2435,6 +2474,49 @@ mod tests {
         // L2 has room; the block passed over first counts as touched).
         let commands = world.plan();
         assert_eq!(keys_of(&commands), vec![(2, "move"), (3, "move"), (4, "move"), (5, "move")]);
+    }
+
+    #[test]
+    fn a_data_plane_is_told_when_no_more_l1_victims_can_come_and_when_they_can() {
+        // L2 nearly full (no room to write a victim below, so victims are
+        // dropped) and L1 90% full of blocks saved just now: nothing may be
+        // marked (a save's own blocks are not its victims), nothing is on
+        // its way out.
+        let config = TierConfig { high_percent: 95, low_percent: 80, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        world.tiers.takes_marks(0);
+        for k in 1..=9 {
+            world.add(1, 7, None, 100 + k);
+        }
+        for k in 1..=9 {
+            world.add(0, 7, (k > 1).then(|| k - 1), k);
+        }
+        let told = |commands: &[TierCommand]| -> Vec<u8> {
+            commands
+                .iter()
+                .filter_map(|c| match c.action {
+                    TierAction::VictimsLeft(v) => {
+                        assert_eq!((c.region, v.region), (0, 0));
+                        Some(v.left)
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut out = Vec::new();
+        world.tiers.plan(&world.locations, &world.leases, 1, &mut out);
+        assert_eq!(told(&out), [0], "{:?}", keys_of(&out));
+        assert!(!out.iter().any(|c| matches!(c.action, TierAction::Mark(_))));
+        // Said once, not every pass.
+        out.clear();
+        world.tiers.plan(&world.locations, &world.leases, 2, &mut out);
+        assert!(told(&out).is_empty(), "{:?}", keys_of(&out));
+        // A while later the blocks are no longer new: the coldest leaf is
+        // marked to be dropped, and the data plane told victims come again.
+        out.clear();
+        world.tiers.plan(&world.locations, &world.leases, 1 + MARK_AFTER_NS + 1, &mut out);
+        assert!(out.iter().any(|c| matches!(c.action, TierAction::Mark(_))), "{:?}", keys_of(&out));
+        assert_eq!(told(&out), [1], "{:?}", keys_of(&out));
     }
 
     #[test]

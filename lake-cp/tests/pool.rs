@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 use lake_cp::tier::TierConfig;
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload, SaveStatus};
 use lake_dp::{BlockKey, NamespaceId, Tier};
 
 const PAYLOAD: usize = 60 * 1024;
@@ -234,7 +234,8 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
             })
             .collect();
         // Block 3's third segment is written wrong.
-        let committed = agent.save_prepared(&blocks, |bodies| {
+        let mut statuses = [SaveStatus::NotSent; 4];
+        let committed = agent.save_prepared(&blocks, &mut statuses, |bodies| {
             for &(i, body) in bodies {
                 let mut bytes = payloads[i].clone();
                 if i == 3 {
@@ -258,7 +259,11 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
             }
         };
         match check {
-            CommitCheck::Inline => assert_eq!(committed, 3, "the lying commit is refused"),
+            CommitCheck::Inline => {
+                assert_eq!(committed, 3, "the lying commit is refused");
+                let refused = SaveStatus::Refused(lake_dp::agent::port::AgentError::Corrupt);
+                assert_eq!(statuses, [SaveStatus::Saved, SaveStatus::Saved, SaveStatus::Saved, refused]);
+            }
             _ => assert_eq!(committed, 4, "published before its payload is read"),
         }
         // Either way the mirror ends with the three sound blocks.
@@ -313,6 +318,70 @@ fn a_save_larger_than_the_port_is_saved_whole() {
     }
     drop(agent);
     pool.stop().unwrap();
+}
+
+/// A pool that began to stop (it writes L1 down before its data plane
+/// goes) takes no new save: a block acked then would be lost with L1.
+/// Each is refused `Stopping`, the agent sees the pool under save
+/// pressure without asking, and a later save under a refused block is not
+/// sent at all; what was saved before is still served.
+#[test]
+fn saves_after_the_pool_began_to_stop_are_refused_as_stopping() {
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+        l1_slots: 64,
+        l2_slots_per_file: 64,
+        local_agents: 1,
+        remote_agents: 1,
+        durable: true,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-pool-stopping-{}", std::process::id())))
+    })
+    .unwrap();
+    let mut agent = attach(&mut pool);
+    let keys: Vec<BlockKey> = (0..12).map(|i| key(11, i)).collect();
+    let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
+    let blocks: Vec<SaveBlock<'_>> = (0..keys.len())
+        .map(|i| SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            payload: SavePayload::Bytes(&payloads[i]),
+        })
+        .collect();
+    let mut statuses = vec![SaveStatus::NotSent; 4];
+    assert_eq!(agent.save_with_statuses(&blocks[..4], &mut statuses), 4);
+    assert!(statuses.iter().all(|s| *s == SaveStatus::Saved), "{statuses:?}");
+    assert!(!agent.save_pressure());
+
+    let (left, _) = pool.empty_l1();
+    assert_eq!(left, 0, "L1 written down");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !agent.save_pressure() {
+        assert!(Instant::now() < deadline, "the agent never saw the pool refuse saves");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut statuses = vec![SaveStatus::NotSent; 4];
+    assert_eq!(agent.save_with_statuses(&blocks[4..8], &mut statuses), 0);
+    assert_eq!(statuses[0], SaveStatus::Refused(lake_dp::agent::port::AgentError::Stopping), "{statuses:?}");
+    assert!(statuses[1..].iter().all(|s| *s == SaveStatus::ParentUnsaved), "{statuses:?}");
+    // The rest of the prompt, in a call of its own: under a block not
+    // saved, nothing is sent.
+    let mut statuses = vec![SaveStatus::NotSent; 4];
+    assert_eq!(agent.save_with_statuses(&blocks[8..], &mut statuses), 0);
+    assert!(statuses.iter().all(|s| *s == SaveStatus::ParentUnsaved), "{statuses:?}");
+
+    // What was saved before is whole and served.
+    let mut table = Vec::new();
+    assert_eq!(agent.lookup(&keys, &mut table), 4);
+    let mut seen = 0;
+    let delivered = agent.fetch(&keys[..4], &table[..4], |i, bytes| {
+        assert_eq!(bytes, &payloads[i][..], "block {i}");
+        seen += 1;
+    });
+    assert_eq!((delivered, seen), (4, 4), "{:?}", agent.stats);
+    drop(agent);
+    let (stats, _) = pool.stop().unwrap();
+    // The first call's four asked, the second's none.
+    assert_eq!((stats.pool.saves_refused, stats.pool.saves_refused_stopping), (4, 4), "{stats:?}");
 }
 
 /// Loads on a request's critical path are not starved of L1 slots by

@@ -685,7 +685,12 @@ fn refused_saves_are_logged_and_shown_in_top() {
     dashboard_queries_name_exported_metrics(&http_get(&field(&line, "metrics"), "/metrics"));
     let text = Command::new(env!("CARGO_BIN_EXE_lake")).args(["top", "--once", "--dir"]).arg(&dir).output().unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(text.contains(&format!("{refused} refused (no L1 slot free)")), "{text}");
+    let by = &top["saves"]["refused_by"];
+    let why = format!(
+        "{refused} refused ({} L1 full, {} only the load reserve free, 0 stopping)",
+        by["no_space"], by["load_reserve"]
+    );
+    assert!(text.contains(&why), "{text}");
     drop(agent);
     sigterm(&child);
     assert!(exited(&mut child, 60).success());
@@ -957,5 +962,101 @@ fn a_new_prefix_saved_into_a_full_l1_is_taken_and_found_whole() {
         sigterm(&pool);
         assert!(exited(&mut pool, 60).success());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A refused save says why, to the engine (a status per block) and the
+/// operator (`lake top`, the metrics): here an engine holds every L1 slot
+/// a save may take, reserved and not yet committed, so nothing can be
+/// made room for. With a load reserve left free the reason is the
+/// reserve; with none, a full L1. The agent sees the pool refusing saves
+/// without asking, and a later save under a refused block is not sent.
+#[test]
+fn a_refused_save_says_why_and_the_pool_says_it_refuses_saves() {
+    use lake_dp::agent::SaveStatus;
+    use lake_dp::agent::port::AgentError;
+    for (reserve, why, reason) in [("1", AgentError::Reserved, "load_reserve"), ("0", AgentError::NoSpace, "no_space")]
+    {
+        let dir = std::env::temp_dir().join(format!("lake-serve-why-{reason}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (mut pool, _out) = serving(["--dir", dir.to_str().unwrap(), "--l1-load-reserve", reserve]);
+        let record = std::fs::read_to_string(dir.join("pool.json")).unwrap();
+        let mut holder = engine(&dir, &field(&record, "mirror"));
+        let mut saver = engine(&dir, &field(&record, "mirror"));
+        // The holder asks for more slots than L1 has and keeps them
+        // reserved while the saver saves.
+        let held: Vec<lake_dp::BlockKey> = (0..40).map(|i| key(30_000 + i)).collect();
+        let segment = usize::try_from(holder.segment_bytes_for(PAYLOAD as u64)).unwrap();
+        let crcs: Vec<u32> = payload(0).chunks(segment).map(crc32fast::hash).collect();
+        let prepared: Vec<lake_dp::agent::PreparedSave<'_>> = (0..held.len())
+            .map(|i| lake_dp::agent::PreparedSave {
+                key: held[i],
+                parent: lake_dp::BlockKey::NONE,
+                block_index: 0,
+                len: PAYLOAD,
+                crcs: &crcs,
+            })
+            .collect();
+        let keys: Vec<lake_dp::BlockKey> = (0..3).map(|i| key(40_000 + i)).collect();
+        let payloads: Vec<Vec<u8>> = (0..3).map(|i| payload(40_000 + i)).collect();
+        let blocks = chain(&keys, &payloads);
+        let mut refused = vec![SaveStatus::NotSent; 2];
+        let mut pressure = false;
+        let mut held_statuses = vec![SaveStatus::NotSent; held.len()];
+        holder.save_prepared(&prepared, &mut held_statuses, |bodies| {
+            assert!(!bodies.is_empty());
+            saver.save_with_statuses(&blocks[..2], &mut refused);
+            pressure = saver.save_pressure();
+            false
+        });
+        assert_eq!(refused, [SaveStatus::Refused(why), SaveStatus::ParentUnsaved], "reserve {reserve}");
+        assert!(pressure, "the saver did not see the pool refusing saves");
+        // The holder's own asks past L1 were refused for the same reason;
+        // it gave the rest back.
+        assert!(held_statuses.contains(&SaveStatus::Refused(why)), "{held_statuses:?}");
+        // The flag clears once saves are taken again (none refused for a
+        // while).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while saver.save_pressure() {
+            assert!(Instant::now() < deadline, "the pool still says it refuses saves");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Under the refused block nothing is sent, even now.
+        let mut later = vec![SaveStatus::NotSent; 1];
+        assert_eq!(saver.save_with_statuses(&blocks[2..], &mut later), 0);
+        assert_eq!(later, [SaveStatus::ParentUnsaved]);
+        // The same prefix saved again from its start is taken whole.
+        let mut again = vec![SaveStatus::NotSent; 3];
+        assert_eq!(saver.save_with_statuses(&blocks, &mut again), 3, "{again:?}");
+
+        // The operator's view: the reason, counted, in top and the metrics.
+        let top = || -> serde_json::Value {
+            let out = Command::new(env!("CARGO_BIN_EXE_lake"))
+                .args(["top", "--once", "--json", "--dir"])
+                .arg(&dir)
+                .output()
+                .unwrap();
+            serde_json::from_slice(&out.stdout).unwrap()
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while top()["saves"]["refused_by"][reason].as_u64().unwrap_or(0) == 0 {
+            assert!(Instant::now() < deadline, "lake top never showed the reason: {}", top());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let shown = top();
+        let by = &shown["saves"]["refused_by"];
+        let sum: u64 = ["no_space", "load_reserve", "stopping"].iter().map(|r| by[r].as_u64().unwrap()).sum();
+        assert_eq!(sum, shown["saves"]["refused"].as_u64().unwrap(), "{shown}");
+        assert_eq!(by["stopping"], 0, "{shown}");
+        let scraped = http_get(&field(&record, "metrics"), "/metrics");
+        let line = scraped
+            .lines()
+            .find(|l| l.starts_with(&format!("lake_dp_saves_refused_total{{reason=\"{reason}\"}}")))
+            .unwrap_or_else(|| panic!("no {reason} refusals in the metrics: {scraped}"));
+        assert!(!line.ends_with(" 0"), "{line}");
+        drop((holder, saver));
+        sigterm(&pool);
+        assert!(exited(&mut pool, 60).success());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

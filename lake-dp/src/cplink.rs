@@ -77,6 +77,14 @@ pub enum CpCommand {
         /// Marked, or taken back.
         evictable: bool,
     },
+    /// Whether the control plane may still mark victims (or free slots)
+    /// in the L1 `region`. Not answered.
+    VictimsLeft {
+        /// The region.
+        region: u16,
+        /// More may come.
+        left: bool,
+    },
 }
 
 impl CpCommand {
@@ -86,6 +94,18 @@ impl CpCommand {
             Self::Move { request, transfer } | Self::Copy { request, transfer } => (request, transfer.target),
             Self::Evict { request, replica } => (request, replica.replica),
             Self::Mark { replica, .. } => (0, replica.replica),
+            Self::VictimsLeft { region, .. } => (
+                0,
+                crate::model::replica::ReplicaWire {
+                    tier: crate::model::replica::Tier::L1Dram as u8,
+                    reserved: 0,
+                    region,
+                    node: 0,
+                    region_epoch: 0,
+                    slot: 0,
+                    generation: 0,
+                },
+            ),
             Self::Drain { request, drain } => (
                 request,
                 crate::model::replica::ReplicaWire {
@@ -316,6 +336,14 @@ impl CpLink {
     /// Reports the data plane's running figures.
     pub fn stats(&mut self, stats: &crate::wire::message::DataPlaneStats) {
         self.queue(&Message::DataPlaneStats(*stats));
+    }
+
+    /// Sends the refused saves by reason (where the control plane takes
+    /// them).
+    pub fn save_refusals(&mut self, refusals: &crate::wire::message::SaveRefusals) {
+        if self.takes(crate::wire::FEATURE_SAVE_REFUSALS) {
+            self.queue(&Message::SaveRefusals(*refusals));
+        }
     }
 
     /// Whether the control plane's answer named `feature` (it takes what
@@ -568,6 +596,9 @@ impl CpLink {
                         }
                         Message::UnmarkEvictable(replica) => {
                             Incoming::Command(CpCommand::Mark { replica, evictable: false })
+                        }
+                        Message::VictimsLeft(v) => {
+                            Incoming::Command(CpCommand::VictimsLeft { region: v.region, left: v.left == 1 })
                         }
                         Message::Cancel(cancel) => Incoming::Cancel(cancel.request_id),
                         Message::LeaseGrant(head, entries) => Incoming::Grant(Granted {

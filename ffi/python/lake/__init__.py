@@ -54,9 +54,13 @@ STATUS = {
     14: "LAKE_LAYOUT_MISMATCH",
     15: "LAKE_UNAVAILABLE",
     16: "LAKE_PREFIX_BROKEN",
+    17: "LAKE_LOAD_RESERVE",
+    18: "LAKE_STOPPING",
+    19: "LAKE_SAVE_PRESSURE",
 }
 OK, BUFFER_TOO_SMALL, EVICTED, BAD_CRC, CANCELLED = 0, 4, 8, 9, 12
 LAYOUT_MISMATCH, UNAVAILABLE, PREFIX_BROKEN = 14, 15, 16
+NO_SPACE, LOAD_RESERVE, STOPPING, SAVE_PRESSURE = 7, 17, 18, 19
 
 #: Element type codes of :class:`Layout` (``dtype`` accepts the name or a
 #: numpy/torch dtype's name).
@@ -332,6 +336,7 @@ def _library():
         "lake_poll": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_stats": ([p, p], ctypes.c_int),
         "lake_alive": ([p], ctypes.c_int),
+        "lake_save_pressure": ([p, ctypes.POINTER(ctypes.c_uint8)], ctypes.c_int),
         "lake_lookup_pinned": ([p, p, sz, p, sz, ctypes.POINTER(sz), ctypes.POINTER(p)], ctypes.c_int),
         "lake_load_pinned": ([p, p, u32, p, sz, p], ctypes.c_int),
         "lake_pins_release": ([p], None),
@@ -1158,6 +1163,15 @@ class Pool:
 
     def alive(self) -> bool:
         return bool(self._handle) and _library().lake_alive(self._handle) == OK
+
+    def save_pressure(self) -> bool:
+        """Whether the pool refuses saves now (it refused one for want of
+        room in the last 100 ms, or it is stopping); read from shared
+        memory, no request. A save submitted meanwhile is skipped whole
+        (``SAVE_PRESSURE`` per block)."""
+        out = ctypes.c_uint8()
+        _check(_library().lake_save_pressure(self._h(), ctypes.byref(out)))
+        return bool(out.value)
 
     def close(self) -> None:
         if self._handle:

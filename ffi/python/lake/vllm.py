@@ -173,9 +173,13 @@ class LakeConnectorStats(KVConnectorStats):
         self.data["blocks_load_failed"] += failed
         self.data["load_seconds"].append(seconds)
 
-    def record_save(self, saved: int, skipped: int) -> None:
+    def record_save(self, saved: int, skipped: int, refused: int = 0) -> None:
+        """Blocks saved; not sent (the pool refusing saves, a block before
+        them not saved, the pool gone); refused by the pool (full, only its
+        load reserve free, stopping)."""
         self.data["blocks_saved"] += saved
         self.data["blocks_save_skipped"] += skipped
+        self.data["blocks_save_refused"] += refused
 
     def record_states(self, loaded: int = 0, saved: int = 0, skipped: int = 0) -> None:
         """A hybrid model's recurrent-state checkpoints."""
@@ -201,6 +205,7 @@ class LakeConnectorStats(KVConnectorStats):
             "load_ms_per_block": round(1e3 * waited / loaded, 4) if loaded else 0.0,
             "blocks_saved": self.data["blocks_saved"],
             "blocks_save_skipped": self.data["blocks_save_skipped"],
+            "blocks_save_refused": self.data["blocks_save_refused"],
             "states_loaded": self.data["states_loaded"],
             "states_saved": self.data["states_saved"],
             "states_save_skipped": self.data["states_save_skipped"],
@@ -210,11 +215,16 @@ class LakeConnectorStats(KVConnectorStats):
         return not any(self.data[name] for name in _STAT_COUNTS) and not self.data["load_seconds"]
 
 
+# Statuses of blocks the pool itself refused (the rest not saved were not
+# sent).
+_REFUSED = (lake.NO_SPACE, lake.LOAD_RESERVE, lake.STOPPING)
+
 _STAT_COUNTS = (
     "blocks_loaded",
     "blocks_load_failed",
     "blocks_saved",
     "blocks_save_skipped",
+    "blocks_save_refused",
     "states_loaded",
     "states_saved",
     "states_save_skipped",
@@ -230,7 +240,9 @@ if VLLM_PRESENT:
             "blocks_loaded": "KV blocks loaded from the Lake pool",
             "blocks_load_failed": "KV blocks the Lake pool failed to load (vLLM recomputed them)",
             "blocks_saved": "KV blocks saved into the Lake pool",
-            "blocks_save_skipped": "KV blocks the Lake pool skipped saving (full, or under pressure)",
+            "blocks_save_skipped": "KV blocks not sent to the Lake pool (it refused saves then, or a block "
+            "before them was not saved)",
+            "blocks_save_refused": "KV blocks the Lake pool refused (full, only its load reserve free, or stopping)",
             "states_loaded": "Recurrent-state checkpoints (hybrid models) loaded from the Lake pool",
             "states_saved": "Recurrent-state checkpoints (hybrid models) saved into the Lake pool",
             "states_save_skipped": "Recurrent-state checkpoints the Lake pool skipped saving",
@@ -1221,7 +1233,8 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 del self._saves_of[request_id]
             saved = int((statuses == lake.OK).sum())
-            self._stats.record_save(saved, count - saved)
+            refused = int(np.isin(statuses, _REFUSED).sum())
+            self._stats.record_save(saved, count - saved - refused, refused)
             if saved < count:
                 logger.info(
                     "lake.vllm: %d of %d blocks of a save of %s were skipped (%s)",

@@ -40,6 +40,12 @@ def doomed_paths():
 
 
 @pytest.fixture(scope="session")
+def closed_paths():
+    """A pool that began to stop: it takes no save."""
+    return _pool("LAKE_CLOSED_")
+
+
+@pytest.fixture(scope="session")
 def small_paths():
     """A pool whose L1 holds 16 blocks: most of a long request is in L2."""
     return _pool("LAKE_SMALL_")

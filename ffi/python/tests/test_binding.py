@@ -63,6 +63,7 @@ def test_save_lookup_load_round_trip(pool_paths):
         memory = np.zeros((24, block_bytes), dtype=np.uint8)
         memory[:12] = kv(keys, block_bytes)
         memory_id = pool.register_host_memory(memory)
+        assert not pool.save_pressure()
         request = pool.submit_save(memory_id, keys, np.arange(12))
         assert (pool.wait(request, 12) == 0).all()
         hits, table = wait_hits(pool, keys, 12)
@@ -86,6 +87,28 @@ def test_save_lookup_load_round_trip(pool_paths):
         spans = pool.trace_spans()
         assert (spans["trace"] == 0x7ACE).all() and (spans["tier"] == 2).all()
         assert spans.shape[0] >= int((table["tier"] == 2).sum())
+
+
+def test_a_pool_that_refuses_saves_says_so_and_a_save_is_skipped_whole(closed_paths):
+    # The pool began to stop: it refuses saves, and the engine reads that
+    # from shared memory without asking. A save submitted anyway is not
+    # sent: every block says why, none is in the pool.
+    block_bytes = closed_paths["BLOCK_BYTES"]
+    ns = namespace()
+    keys = ns.keys(np.arange(6 * TOKENS, dtype=np.uint32) + 5000)
+    with attach(closed_paths, ns) as pool:
+        assert pool.save_pressure()
+        memory = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        statuses = pool.wait(pool.submit_save(memory_id, keys[:3], np.arange(3)), 3)
+        assert (statuses == lake.SAVE_PRESSURE).all(), statuses
+        assert lake.STATUS[int(statuses[0])] == "LAKE_SAVE_PRESSURE"
+        # The rest of the prompt, later: under blocks not saved, nothing
+        # is sent either.
+        statuses = pool.wait(pool.submit_save(memory_id, keys[3:], np.arange(3, 6), parent=keys[2]), 3)
+        assert set(statuses.tolist()) <= {lake.SAVE_PRESSURE, lake.PREFIX_BROKEN}, statuses
+        assert pool.lookup(keys)[0] == 0
+        assert pool.stats()["saves"] == 0
 
 
 def test_pinned_hits_load_in_the_calling_thread(pool_paths):

@@ -1432,8 +1432,17 @@ fn render_top(top: &serde_json::Value) -> String {
     }
     let saves = &top["saves"];
     if !saves.is_null() {
+        let by = &saves["refused_by"];
+        let why = if by.is_null() {
+            "no L1 slot free".to_owned()
+        } else {
+            format!(
+                "{} L1 full, {} only the load reserve free, {} stopping",
+                by["no_space"], by["load_reserve"], by["stopping"]
+            )
+        };
         text.push_str(&format!(
-            "saves: {} saved, {} refused (no L1 slot free), {} corrupt at commit\n",
+            "saves: {} saved, {} refused ({why}), {} corrupt at commit\n",
             saves["saved"], saves["refused"], saves["corrupt"]
         ));
     }

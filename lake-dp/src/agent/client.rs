@@ -89,6 +89,23 @@ pub struct AgentConfig<'a> {
     pub object_kind: ObjectKind,
 }
 
+/// What became of one block of a save.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SaveStatus {
+    /// Committed: published; the pool holds it.
+    Saved,
+    /// The data plane refused it, and why: its slot (`NoSpace`: L1 full
+    /// of blocks it could not let go of in time; `Reserved`: only the load
+    /// reserve free; `Stopping`), or its commit (`Corrupt`, `Stopping`);
+    /// `Invalid`/`Io` where this agent could not write or fill it.
+    Refused(AgentError),
+    /// Not saved: its parent was not (a prefix is of use only from its
+    /// start).
+    ParentUnsaved,
+    /// Not sent: the port had no room.
+    NotSent,
+}
+
 /// One block to save.
 #[derive(Clone, Copy)]
 pub struct SaveBlock<'a> {
@@ -293,9 +310,18 @@ pub struct Agent {
     /// attached; sent to `lake-cp` at most once a second.
     paths: [crate::wire::message::PathEntry; 3],
     paths_sent: Instant,
+    /// Blocks lately not saved (refused, skipped), newest last, at most
+    /// [`UNSAVED_KEPT`]: a later save of a block under one of them is not
+    /// saved either, so a request whose save broke off does not leave the
+    /// rest of its prefix in the pool where no lookup reaches it.
+    unsaved_recent: std::collections::VecDeque<BlockKey>,
+    unsaved_set: std::collections::HashSet<BlockKey>,
     /// What it has done.
     pub stats: AgentStats,
 }
+
+/// Blocks an agent remembers as lately not saved.
+const UNSAVED_KEPT: usize = 4096;
 
 impl Drop for Agent {
     /// What it timed since its last report goes to `lake-cp` before the
@@ -480,6 +506,8 @@ impl Agent {
             object_kind: config.object_kind,
             next_cookie: 1,
             early: Vec::new(),
+            unsaved_recent: std::collections::VecDeque::with_capacity(UNSAVED_KEPT),
+            unsaved_set: std::collections::HashSet::with_capacity(UNSAVED_KEPT),
             attach_socket,
             last_failure: None,
             load_priority: Priority::CriticalLoad,
@@ -1145,37 +1173,135 @@ impl Agent {
 
     /// Saves `blocks` (best effort); returns how many were committed.
     pub fn save(&mut self, blocks: &[SaveBlock<'_>]) -> usize {
+        let mut statuses = vec![SaveStatus::NotSent; blocks.len()];
+        self.save_with_statuses(blocks, &mut statuses)
+    }
+
+    /// [`Agent::save`], with what became of each block in `statuses` (as
+    /// long as `blocks`).
+    pub fn save_with_statuses(&mut self, blocks: &[SaveBlock<'_>], statuses: &mut [SaveStatus]) -> usize {
+        debug_assert_eq!(blocks.len(), statuses.len());
+        self.forget_unsaved(blocks.iter().map(|b| b.key));
         let mut unsaved = Vec::new();
-        blocks.chunks(SAVE_WINDOW).map(|window| self.save_window(window, &mut unsaved)).sum()
+        let saved = blocks
+            .chunks(SAVE_WINDOW)
+            .zip(statuses.chunks_mut(SAVE_WINDOW))
+            .map(|(window, statuses)| self.save_window(window, statuses, &mut unsaved))
+            .sum();
+        self.note_unsaved(&unsaved);
+        saved
+    }
+
+    /// The blocks of a save about to be sent are judged afresh: a block
+    /// not saved before and asked again is no longer held against its
+    /// children in the same save.
+    fn forget_unsaved(&mut self, keys: impl Iterator<Item = BlockKey>) {
+        if self.unsaved_set.is_empty() {
+            return;
+        }
+        for key in keys {
+            self.unsaved_set.remove(&key);
+        }
+    }
+
+    /// Remembers `keys` as not saved (see [`Agent::save_with_statuses`]):
+    /// a save of a block under one of them, in this call or a later one,
+    /// is not sent. A caller that skips a save of its own accord (the pool
+    /// under save pressure) says so here.
+    pub fn note_unsaved(&mut self, keys: &[BlockKey]) {
+        for key in keys {
+            if !self.unsaved_set.insert(*key) {
+                continue;
+            }
+            if self.unsaved_recent.len() == UNSAVED_KEPT
+                && let Some(old) = self.unsaved_recent.pop_front()
+            {
+                self.unsaved_set.remove(&old);
+            }
+            self.unsaved_recent.push_back(*key);
+        }
+    }
+
+    /// Asks a slot for each block to save — `(parent, key, object bytes)` —
+    /// all before waiting for any: its reservation's cookie, or `None`
+    /// where it was not asked (its parent is known not saved, so it will
+    /// not be either; or the port had no room, and neither is the rest).
+    fn reserve_each(
+        &mut self,
+        blocks: impl Iterator<Item = (BlockKey, BlockKey, u64)>,
+        unsaved: &[BlockKey],
+    ) -> Vec<Option<u64>> {
+        let mut reserved = Vec::new();
+        let mut skipped = Vec::new();
+        let mut full = false;
+        for (parent, key, object_bytes) in blocks {
+            if full || self.parent_unsaved(&parent, unsaved) || skipped.contains(&parent) {
+                skipped.push(key);
+                reserved.push(None);
+                continue;
+            }
+            let cookie = self.cookie();
+            full = self.port.submit(AgentRequest::Reserve { cookie, object_bytes }).is_err();
+            reserved.push((!full).then_some(cookie));
+        }
+        reserved
+    }
+
+    /// Whether the parent of a block to save was not saved (in this call,
+    /// `unsaved`, or lately).
+    fn parent_unsaved(&self, parent: &BlockKey, unsaved: &[BlockKey]) -> bool {
+        *parent != BlockKey::NONE && (unsaved.contains(parent) || self.unsaved_set.contains(parent))
+    }
+
+    /// Whether the data plane refuses saves now (it refused one for want
+    /// of room lately, or it is stopping): read from the port's shared
+    /// memory, no request sent. An engine then skips saving a request
+    /// rather than have its prefix refused part way.
+    pub fn save_pressure(&self) -> bool {
+        self.port.save_pressure()
+    }
+
+    /// A handle that reads [`Agent::save_pressure`] from any thread.
+    pub fn save_pressure_probe(&self) -> crate::agent::port::SavePressure {
+        self.port.save_pressure_probe()
     }
 
     /// [`Agent::save`] of at most [`SAVE_WINDOW`] blocks. A block whose
     /// parent was not saved (refused, or itself skipped: `unsaved`) is not
     /// saved either — a prefix is of use only from its start — and is
     /// added to `unsaved`.
-    fn save_window(&mut self, blocks: &[SaveBlock<'_>], unsaved: &mut Vec<BlockKey>) -> usize {
+    fn save_window(
+        &mut self,
+        blocks: &[SaveBlock<'_>],
+        statuses: &mut [SaveStatus],
+        unsaved: &mut Vec<BlockKey>,
+    ) -> usize {
         debug_assert!(blocks.len() <= SAVE_WINDOW);
-        let mut reserved = Vec::with_capacity(blocks.len());
-        for block in blocks {
-            let cookie = self.cookie();
-            let object_bytes = object_bytes(block.payload.len() as u64);
-            if self.port.submit(AgentRequest::Reserve { cookie, object_bytes }).is_err() {
-                break;
-            }
-            reserved.push(cookie);
-        }
+        statuses.fill(SaveStatus::NotSent);
+        let reserved =
+            self.reserve_each(blocks.iter().map(|b| (b.parent, b.key, object_bytes(b.payload.len() as u64))), unsaved);
         let header = *self.arena.header();
         let mut commits = Vec::with_capacity(reserved.len());
         for (i, block) in blocks.iter().enumerate() {
-            let orphan = block.parent != BlockKey::NONE && unsaved.contains(&block.parent);
-            let Some(Ok((slot, generation))) = reserved.get(i).map(|cookie| self.wait(*cookie)) else {
-                unsaved.push(block.key);
-                continue;
+            let orphan = self.parent_unsaved(&block.parent, unsaved);
+            let (slot, generation) = match reserved[i].map(|cookie| self.wait(cookie)) {
+                Some(Ok(granted)) => granted,
+                Some(Err(why)) => {
+                    statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::Refused(why) };
+                    unsaved.push(block.key);
+                    continue;
+                }
+                None => {
+                    statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::NotSent };
+                    unsaved.push(block.key);
+                    continue;
+                }
             };
             let cookie = self.cookie();
             if orphan {
                 // Its slot given back unwritten.
                 let _ = self.port.submit(AgentRequest::Abort { cookie, slot, generation });
+                statuses[i] = SaveStatus::ParentUnsaved;
                 unsaved.push(block.key);
                 continue;
             }
@@ -1190,27 +1316,33 @@ impl Agent {
             let request = if written {
                 AgentRequest::Commit { cookie, slot, generation }
             } else {
+                statuses[i] = SaveStatus::Refused(AgentError::Invalid);
                 AgentRequest::Abort { cookie, slot, generation }
             };
             if self.port.submit(request).is_ok() && written {
-                commits.push((cookie, block.payload.len()));
+                commits.push((i, cookie, block.payload.len()));
             }
         }
-        self.await_commits(commits, blocks.len())
+        self.await_commits(commits, statuses)
     }
 
-    /// Waits for the commits sent (cookie, payload bytes) of a save of
-    /// `asked` blocks, counts them; returns how many were committed.
-    fn await_commits(&mut self, commits: Vec<(u64, usize)>, asked: usize) -> usize {
+    /// Waits for the commits sent (block index, cookie, payload bytes) of a
+    /// save, counts them and sets their `statuses`; returns how many were
+    /// committed.
+    fn await_commits(&mut self, commits: Vec<(usize, u64, usize)>, statuses: &mut [SaveStatus]) -> usize {
         let mut saved = 0;
-        for (cookie, len) in commits {
-            if self.wait(cookie).is_ok() {
-                saved += 1;
-                self.stats.bytes_saved += len as u64;
+        for (i, cookie, len) in commits {
+            match self.wait(cookie) {
+                Ok(_) => {
+                    saved += 1;
+                    self.stats.bytes_saved += len as u64;
+                    statuses[i] = SaveStatus::Saved;
+                }
+                Err(why) => statuses[i] = SaveStatus::Refused(why),
             }
         }
         self.stats.saves += saved as u64;
-        self.stats.saves_skipped += (asked - saved) as u64;
+        self.stats.saves_skipped += (statuses.len() - saved) as u64;
         saved
     }
 
@@ -1258,22 +1390,57 @@ impl Agent {
     pub fn save_prepared(
         &mut self,
         blocks: &[PreparedSave<'_>],
+        statuses: &mut [SaveStatus],
         fill: impl FnOnce(&[(usize, *mut u8)]) -> bool,
     ) -> usize {
-        let mut reserved = Vec::with_capacity(blocks.len());
-        for block in blocks {
-            let cookie = self.cookie();
-            if self.port.submit(AgentRequest::Reserve { cookie, object_bytes: object_bytes(block.len as u64) }).is_err()
-            {
-                break;
+        debug_assert_eq!(blocks.len(), statuses.len());
+        statuses.fill(SaveStatus::NotSent);
+        self.forget_unsaved(blocks.iter().map(|b| b.key));
+        let mut unsaved = Vec::new();
+        let saved = self.save_prepared_inner(blocks, statuses, &mut unsaved, fill);
+        for (block, status) in blocks.iter().zip(statuses.iter()) {
+            if *status != SaveStatus::Saved && !unsaved.contains(&block.key) {
+                unsaved.push(block.key);
             }
-            reserved.push(cookie);
         }
+        self.note_unsaved(&unsaved);
+        saved
+    }
+
+    fn save_prepared_inner(
+        &mut self,
+        blocks: &[PreparedSave<'_>],
+        statuses: &mut [SaveStatus],
+        unsaved: &mut Vec<BlockKey>,
+        fill: impl FnOnce(&[(usize, *mut u8)]) -> bool,
+    ) -> usize {
+        let reserved = self.reserve_each(blocks.iter().map(|b| (b.parent, b.key, object_bytes(b.len as u64))), unsaved);
         let header = *self.arena.header();
         let mut slots = Vec::with_capacity(reserved.len());
         let mut bodies = Vec::with_capacity(reserved.len());
         for (i, (block, cookie)) in blocks.iter().zip(&reserved).enumerate() {
-            let Ok((slot, generation)) = self.wait(*cookie) else { continue };
+            let orphan = self.parent_unsaved(&block.parent, unsaved);
+            let (slot, generation) = match cookie.map(|cookie| self.wait(cookie)) {
+                Some(Ok(granted)) => granted,
+                Some(Err(why)) => {
+                    statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::Refused(why) };
+                    unsaved.push(block.key);
+                    continue;
+                }
+                None => {
+                    statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::NotSent };
+                    unsaved.push(block.key);
+                    continue;
+                }
+            };
+            if orphan {
+                // Its slot given back unwritten.
+                let cookie = self.cookie();
+                let _ = self.port.submit(AgentRequest::Abort { cookie, slot, generation });
+                statuses[i] = SaveStatus::ParentUnsaved;
+                unsaved.push(block.key);
+                continue;
+            }
             let meta =
                 self.object_meta(&header, (block.key, block.parent, block.block_index), slot, generation, block.len);
             // SAFETY: reserved to this agent (see write_object).
@@ -1288,29 +1455,31 @@ impl Agent {
             };
             match body {
                 Some(body) => {
-                    slots.push((slot, generation, block.len));
+                    slots.push((i, slot, generation, block.len));
                     bodies.push((i, body));
                 }
                 None => {
                     let cookie = self.cookie();
                     let _ = self.port.submit(AgentRequest::Abort { cookie, slot, generation });
+                    statuses[i] = SaveStatus::Refused(AgentError::Invalid);
                 }
             }
         }
         let filled = !bodies.is_empty() && fill(&bodies);
         let mut commits = Vec::with_capacity(slots.len());
-        for &(slot, generation, len) in &slots {
+        for &(i, slot, generation, len) in &slots {
             let cookie = self.cookie();
             let request = if filled {
                 AgentRequest::Commit { cookie, slot, generation }
             } else {
+                statuses[i] = SaveStatus::Refused(AgentError::Io);
                 AgentRequest::Abort { cookie, slot, generation }
             };
             if self.port.submit(request).is_ok() && filled {
-                commits.push((cookie, len));
+                commits.push((i, cookie, len));
             }
         }
-        self.await_commits(commits, blocks.len())
+        self.await_commits(commits, statuses)
     }
 
     /// Writes a stored object into the reserved `slot`: the payload first

@@ -32,5 +32,5 @@ pub mod shm;
 #[cfg(not(loom))]
 pub use client::{
     Agent, AgentConfig, AgentStats, AttachError, FetchFailure, LEASE_TTL_MS, LOAD_BATCH, LOAD_RETRY_MAX, PreparedSave,
-    SPANS_KEPT, SaveBlock, SavePayload, TraceSpan, WAIT_MAX, fold_load_cost,
+    SPANS_KEPT, SaveBlock, SavePayload, SaveStatus, TraceSpan, WAIT_MAX, fold_load_cost,
 };

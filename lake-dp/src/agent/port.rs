@@ -72,7 +72,8 @@ pub enum AgentRequest {
 /// Why an agent request failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgentError {
-    /// No free slot (L1 full, or no L2 room).
+    /// No free slot (L1 full, or no L2 room), and no victim to take in
+    /// time: the pool is full of blocks it cannot yet let go of.
     NoSpace,
     /// The slot or replica named is not what it was (evicted, reused).
     Stale,
@@ -87,6 +88,12 @@ pub enum AgentError {
     Invalid,
     /// The agent cancelled it ([`AgentRequest::Cancel`]).
     Cancelled,
+    /// A save refused: the free L1 slots left are the load reserve, kept
+    /// for loads (`load-reserve-slots`).
+    Reserved,
+    /// Refused: the pool is stopping (saves are closed while it writes L1
+    /// down and drains).
+    Stopping,
 }
 
 impl core::fmt::Display for AgentError {
@@ -99,6 +106,8 @@ impl core::fmt::Display for AgentError {
             Self::Busy => "data plane busy",
             Self::Invalid => "invalid request",
             Self::Cancelled => "cancelled by the agent",
+            Self::Reserved => "only the load reserve is free",
+            Self::Stopping => "the pool is stopping",
         })
     }
 }
@@ -114,6 +123,8 @@ impl AgentError {
             Self::Busy => "busy",
             Self::Invalid => "invalid",
             Self::Cancelled => "cancelled",
+            Self::Reserved => "load_reserve",
+            Self::Stopping => "stopping",
         }
     }
 }
@@ -217,6 +228,32 @@ impl core::fmt::Debug for AgentPort {
     }
 }
 
+/// Reads whether a data plane refuses saves now, from any thread, with
+/// no request: the flag it keeps where its agents see it.
+#[derive(Clone)]
+pub enum SavePressure {
+    /// A runner in this process.
+    Local(Arc<Wakeup>),
+    /// A `lake-dp` in another process: its port file.
+    Shared(Arc<super::shm::PortFile>),
+}
+
+impl SavePressure {
+    /// Whether saves are refused now.
+    pub fn get(&self) -> bool {
+        match self {
+            Self::Local(wakeup) => wakeup.save_pressure(),
+            Self::Shared(file) => file.save_pressure(),
+        }
+    }
+}
+
+impl core::fmt::Debug for SavePressure {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_tuple("SavePressure").field(&self.get()).finish()
+    }
+}
+
 /// A port with room for `depth` requests in flight (a power of two).
 pub fn port(depth: usize, wakeup: Arc<Wakeup>) -> (AgentPort, DpPort) {
     let (request_tx, request_rx) = ring(depth);
@@ -228,6 +265,20 @@ pub fn port(depth: usize, wakeup: Arc<Wakeup>) -> (AgentPort, DpPort) {
 }
 
 impl AgentPort {
+    /// Whether the data plane refuses saves now (no room it can make in
+    /// time, or stopping): read from shared memory, no request sent.
+    pub fn save_pressure(&self) -> bool {
+        self.save_pressure_probe().get()
+    }
+
+    /// A handle that reads [`AgentPort::save_pressure`] from any thread.
+    pub fn save_pressure_probe(&self) -> SavePressure {
+        match self {
+            Self::Local { wakeup, .. } => SavePressure::Local(Arc::clone(wakeup)),
+            Self::Shared { port, .. } => SavePressure::Shared(Arc::clone(&port.file)),
+        }
+    }
+
     /// Queues a request and wakes the data plane; a full ring hands it
     /// back.
     pub fn submit(&mut self, request: AgentRequest) -> Result<(), AgentRequest> {

@@ -48,6 +48,9 @@ pub const COMPLETION_BYTES: u32 = 32;
 const HEADER_BYTES: u64 = 4096;
 /// Where the "data plane parked" flag lives, on a line of its own.
 const PARKED_OFFSET: usize = 2048;
+/// Where the "saves refused lately" flag lives, on a line of its own (zero
+/// in a file of a data plane that never sets it).
+const PRESSURE_OFFSET: usize = 2176;
 const INDEX_BYTES: u64 = 128;
 /// The deepest ring a port may have.
 pub const DEPTH_MAX: u32 = 1 << 16;
@@ -147,6 +150,8 @@ impl AgentError {
             Self::Busy => 5,
             Self::Invalid => 6,
             Self::Cancelled => 7,
+            Self::Reserved => 8,
+            Self::Stopping => 9,
         }
     }
 
@@ -159,6 +164,8 @@ impl AgentError {
             4 => Self::Io,
             5 => Self::Busy,
             7 => Self::Cancelled,
+            8 => Self::Reserved,
+            9 => Self::Stopping,
             _ => Self::Invalid,
         }
     }
@@ -387,6 +394,23 @@ impl PortFile {
         core::sync::atomic::fence(Ordering::SeqCst);
     }
 
+    fn pressure_flag(&self) -> &core::sync::atomic::AtomicU32 {
+        // SAFETY: as `parked_flag`.
+        unsafe { &*self.map.as_mut_ptr().wrapping_add(PRESSURE_OFFSET).cast::<core::sync::atomic::AtomicU32>() }
+    }
+
+    /// The data plane refuses saves now (`true`: it has no room it can make
+    /// in time), or has room again.
+    pub fn set_save_pressure(&self, pressure: bool) {
+        self.pressure_flag().store(u32::from(pressure), Ordering::Relaxed);
+    }
+
+    /// Whether the data plane refuses saves now: an engine's connector
+    /// skips saving a request rather than send saves to be refused.
+    pub fn save_pressure(&self) -> bool {
+        self.pressure_flag().load(Ordering::Relaxed) != 0
+    }
+
     /// Whether an agent that just queued a request must write the data
     /// plane's eventfd.
     pub fn wake_needed(&self) -> bool {
@@ -437,7 +461,7 @@ pub struct DpShmPort {
 #[derive(Debug)]
 pub struct AgentShmPort {
     /// The port file.
-    pub file: PortFile,
+    pub file: Arc<PortFile>,
     port: u32,
     req_tail: u64,
     done_head: u64,
@@ -532,7 +556,7 @@ impl DpShmPort {
 impl AgentShmPort {
     /// Port `port` of the file `lake-dp` passed at attach.
     pub fn attach(file: File, port: u32) -> Result<Self, PortError> {
-        let file = PortFile::attach(file)?;
+        let file = Arc::new(PortFile::attach(file)?);
         if port >= file.header.ports {
             return Err(PortError::Config("no such port"));
         }

@@ -171,6 +171,11 @@ impl AttachServer {
         self.ports.set_parked(parked);
     }
 
+    /// Tells agents whether saves are refused now.
+    pub fn set_save_pressure(&self, pressure: bool) {
+        self.ports.set_save_pressure(pressure);
+    }
+
     /// The descriptors to wait on when parking: the listener and every
     /// connection (a close wakes the runner). At most `out.len()`.
     pub fn fds(&self, out: &mut [RawFd]) -> usize {

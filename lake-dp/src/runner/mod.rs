@@ -67,6 +67,10 @@ pub struct RunnerPorts {
     pub wakeup: Option<Arc<Wakeup>>,
     /// Set to stop the runner (like SIGTERM).
     pub stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// Set to close the pool to saves (its engines' loads still served):
+    /// an embedder writing L1 down before it stops takes no block it
+    /// would then lose.
+    pub close_saves: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// How commits' payloads are checked (default: before publishing).
     pub commit_check: pool::CommitCheck,
     /// Where the node's transport listens for blocks peers send into its
@@ -1110,6 +1114,7 @@ pub fn run_with(
     let spin_ns = p.spin_us * 1000;
     let mut idle_since: Option<u64> = None;
     let mut stopping: Option<u64> = None;
+    let mut save_pressure = false;
     let mut next_stats_ns = 0;
     // Saves refused so far, as last logged (once a second at most).
     let mut refused_logged = 0;
@@ -1137,6 +1142,21 @@ pub fn run_with(
         {
             stopping = Some(now + p.drain_timeout_ms * 1_000_000);
         }
+        if stopping.is_some() {
+            pool.close(pool::Closing::All);
+        } else if ports.close_saves.as_ref().is_some_and(|c| c.load(Ordering::Acquire)) {
+            pool.close(pool::Closing::Saves);
+        }
+        // Whether saves are refused now, where agents read it without a
+        // request.
+        let pressure = pool.save_pressure(now);
+        if pressure != save_pressure {
+            save_pressure = pressure;
+            wakeup.set_save_pressure(pressure);
+            if let Some(attach) = &attach {
+                attach.set_save_pressure(pressure);
+            }
+        }
         let selftest_done = selftest.as_ref().is_none_or(|s| s.remaining == 0 && s.in_flight == 0);
         if options.selftest_blocks > 0 && selftest_done && stopping.is_none() {
             stopping = Some(now + p.drain_timeout_ms * 1_000_000);
@@ -1151,9 +1171,11 @@ pub fn run_with(
             }
         }
         if let Some(deadline) = stopping {
-            // Stored objects still get reported while the rest drains.
+            // Stored objects still get reported while the rest drains;
+            // agents are answered (refused) rather than left waiting.
             let mut parts = parts!(now);
             served += pool.poll_l3(&mut parts);
+            served += pool.serve_agents(&mut parts, now, budget);
             if !poller.has_work() && pool.l3_in_flight() == 0 {
                 break;
             }
@@ -1268,12 +1290,17 @@ pub fn run_with(
             // Refused saves are an engine's lost hits: said, at most once a
             // second, with how many.
             if pool.stats.saves_refused > refused_logged {
+                let p = &pool.stats;
                 tracing::warn!(
                     event = "saves_refused",
-                    blocks = pool.stats.saves_refused - refused_logged,
-                    total = pool.stats.saves_refused,
-                    why = "no L1 slot free for a save and no victim marked to take in time (L1 full of blocks \
-                           not yet written below or dropped, or only the load reserve left)"
+                    blocks = p.saves_refused - refused_logged,
+                    total = p.saves_refused,
+                    no_space = p.saves_refused - p.saves_refused_reserve - p.saves_refused_stopping,
+                    load_reserve = p.saves_refused_reserve,
+                    stopping = p.saves_refused_stopping,
+                    why = "no_space: no L1 slot free for a save and no victim marked to take in time (L1 full of \
+                           blocks not yet written below or dropped); load_reserve: only the load reserve left; \
+                           stopping: the pool is stopping"
                 );
                 refused_logged = pool.stats.saves_refused;
             }
@@ -1296,6 +1323,13 @@ pub fn run_with(
                     evictions: pool.stats.evictions,
                     pins: table.pins_held(),
                     draining: table.stats().draining,
+                });
+                let p = &pool.stats;
+                link.save_refusals(&crate::wire::message::SaveRefusals {
+                    no_space: p.saves_refused - p.saves_refused_reserve - p.saves_refused_stopping,
+                    load_reserve: p.saves_refused_reserve,
+                    stopping: p.saves_refused_stopping,
+                    reserved: 0,
                 });
                 if let Some(transport) = &transport {
                     link.rails(

@@ -39,7 +39,7 @@ pub fn pin_to_core(core: usize) -> io::Result<()> {
 /// only while the runner says it is parked, so a busy runner costs them no
 /// system call.
 #[derive(Debug)]
-pub struct Wakeup(OwnedFd, AtomicBool);
+pub struct Wakeup(OwnedFd, AtomicBool, AtomicBool);
 
 impl Wakeup {
     /// A non-blocking eventfd.
@@ -47,7 +47,19 @@ impl Wakeup {
         // SAFETY: plain syscall; the result is checked.
         let fd = check(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
         // SAFETY: a fresh descriptor nothing else owns.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }, AtomicBool::new(false)))
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }, AtomicBool::new(false), AtomicBool::new(false)))
+    }
+
+    /// The runner refuses saves now, or has room again (what
+    /// [`crate::agent::shm::PortFile::set_save_pressure`] says to agents
+    /// in other processes, for agents in this one).
+    pub fn set_save_pressure(&self, pressure: bool) {
+        self.2.store(pressure, Ordering::Relaxed);
+    }
+
+    /// Whether the runner refuses saves now.
+    pub fn save_pressure(&self) -> bool {
+        self.2.load(Ordering::Relaxed)
     }
 
     /// The runner is about to park (`true`) or has woken (`false`). After

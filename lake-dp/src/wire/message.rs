@@ -1229,6 +1229,33 @@ impl Record for DrainRegion {
     }
 }
 
+/// Whether the control plane may still mark victims in an L1 region (or
+/// free its slots): sent when that changes, to a data plane whose hello
+/// offered [`super::FEATURE_VICTIMS_LEFT`]. With none left (every block
+/// there new, held, or on its way nowhere) a save that finds no free slot
+/// and no marked victim is refused at once instead of waiting for marks
+/// that will not come. Not answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct VictimsLeft {
+    /// The L1 region.
+    pub region: u16,
+    /// 1: more may come; 0: none will until something changes (a mark
+    /// says it has).
+    pub left: u8,
+    /// Zero.
+    pub reserved: [u8; 5],
+}
+
+impl Record for VictimsLeft {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.left > 1 {
+            return Err(field_err("victims_left.left", self.left));
+        }
+        reserved_zero("victims_left.reserved", &self.reserved)
+    }
+}
+
 /// [`PinDrop::pin_index`] meaning every pin of the agent.
 pub const PIN_INDEX_ALL: u32 = u32::MAX;
 
@@ -1292,6 +1319,30 @@ pub struct DataPlaneStats {
 impl Record for DataPlaneStats {
     fn validate(&self) -> Result<(), WireError> {
         Ok(())
+    }
+}
+
+/// The saves a `lake-dp` refused, by reason, counted since it started:
+/// sent beside [`DataPlaneStats`] to a control plane whose hello offered
+/// [`super::FEATURE_SAVE_REFUSALS`]. The reasons add up to
+/// [`DataPlaneStats::saves_refused`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct SaveRefusals {
+    /// No free L1 slot and no victim to take in time: L1 full of blocks
+    /// not yet written below, or held.
+    pub no_space: u64,
+    /// The only free L1 slots were the load reserve.
+    pub load_reserve: u64,
+    /// The pool was stopping.
+    pub stopping: u64,
+    /// Zero.
+    pub reserved: u64,
+}
+
+impl Record for SaveRefusals {
+    fn validate(&self) -> Result<(), WireError> {
+        reserved_zero("save_refusals.reserved", &self.reserved.to_le_bytes())
     }
 }
 
@@ -1654,6 +1705,8 @@ messages! {
         DrainRegion(DrainRegion) = 28,
         MarkEvictable(BlockEvicted) = 32,
         UnmarkEvictable(BlockEvicted) = 33,
+        SaveRefusals(SaveRefusals) = 34,
+        VictimsLeft(VictimsLeft) = 35,
     }
     listed {
         LeaseRequest(LeaseRequest, BlockKey) = 11,
@@ -1684,6 +1737,8 @@ const _: () = assert!(size_of::<PinDrop>() == 24);
 const _: () = assert!(size_of::<Accessed>() == 16);
 const _: () = assert!(size_of::<Resident>() == 16);
 const _: () = assert!(size_of::<DataPlaneStats>() == 96);
+const _: () = assert!(size_of::<SaveRefusals>() == 32);
+const _: () = assert!(size_of::<VictimsLeft>() == 8);
 const _: () = assert!(size_of::<Attached>() == 24);
 const _: () = assert!(size_of::<RailStats>() == 8);
 const _: () = assert!(size_of::<RailEntry>() == 24);

@@ -105,6 +105,15 @@ pub const FEATURE_L1_MOVES: u64 = 1 << 9;
 /// marks a full L1 refuses saves until the control plane makes room.
 pub const FEATURE_EVICTABLE: u64 = 1 << 10;
 
+/// Feature bit: the side takes [`message::SaveRefusals`] (kind 34): the
+/// data plane's refused saves by reason, beside its figures.
+pub const FEATURE_SAVE_REFUSALS: u64 = 1 << 11;
+
+/// Feature bit: the side takes [`message::VictimsLeft`] (kind 35): the
+/// control plane says when it has no more L1 victims to mark, and a data
+/// plane refuses a save at once rather than wait for one.
+pub const FEATURE_VICTIMS_LEFT: u64 = 1 << 12;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -114,7 +123,9 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_TENANT_THROTTLES
     | FEATURE_TENANT_WAITS
     | FEATURE_L1_MOVES
-    | FEATURE_EVICTABLE;
+    | FEATURE_EVICTABLE
+    | FEATURE_SAVE_REFUSALS
+    | FEATURE_VICTIMS_LEFT;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
@@ -122,7 +133,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 11] = [
+pub const FEATURE_NAMES: [(u64, &str); 13] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -134,6 +145,8 @@ pub const FEATURE_NAMES: [(u64, &str); 11] = [
     (FEATURE_TENANT_WAITS, "tenant_waits"),
     (FEATURE_L1_MOVES, "l1_moves"),
     (FEATURE_EVICTABLE, "evictable"),
+    (FEATURE_SAVE_REFUSALS, "save_refusals"),
+    (FEATURE_VICTIMS_LEFT, "victims_left"),
 ];
 
 /// Bytes in a frame header.

@@ -64,6 +64,25 @@ pub const RESERVATION_TIMEOUT_NS: u64 = 30_000_000_000;
 /// self-test's do not).
 pub const POOL_COOKIE: u64 = 1 << 63;
 
+/// A save refused for want of room keeps the pool "under save pressure"
+/// (agents see it without asking, and skip whole saves) this long.
+pub const SAVE_PRESSURE_NS: u64 = 100_000_000;
+
+/// What the pool still takes from agents.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Closing {
+    /// Everything.
+    #[default]
+    Open,
+    /// No new saves (the pool is writing L1 down before it stops): each
+    /// is refused `Stopping`; loads are still served.
+    Saves,
+    /// Nothing new (the data plane drains and stops): saves, commits and
+    /// loads are refused `Stopping`, so no engine waits on a pool that is
+    /// going.
+    All,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum L1State {
     Free,
@@ -152,8 +171,12 @@ pub struct PoolStats {
     pub sends_expired: u64,
     /// Blocks saved by agents (committed).
     pub saves: u64,
-    /// Saves refused: no L1 slot free.
+    /// Saves refused, for any reason below.
     pub saves_refused: u64,
+    /// Of those: the only free L1 slots were the load reserve.
+    pub saves_refused_reserve: u64,
+    /// Of those: the pool was stopping.
+    pub saves_refused_stopping: u64,
     /// Loads an agent cancelled before their read (`AgentRequest::Cancel`).
     pub loads_cancelled: u64,
     /// Commits refused: the object failed its checks.
@@ -423,6 +446,14 @@ pub struct Pool {
     held: Vec<Option<AgentRequest>>,
     /// Per agent place: since when its held save has waited for a victim.
     held_since: Vec<Option<u64>>,
+    /// What the pool still takes from agents.
+    closing: Closing,
+    /// When a save was last refused for want of room (see
+    /// [`Pool::save_pressure`]).
+    refused_at_ns: Option<u64>,
+    /// Whether the control plane may still mark victims here (it says
+    /// when it has none left): a save finding no slot waits only then.
+    victims_left: bool,
     /// Traced loads in flight, and answered ones for the log (both at most
     /// [`TRACED_MAX`], allocated once); the clock they are timed on.
     traced: Vec<TracedLoad>,
@@ -478,6 +509,9 @@ impl Pool {
             keys: crate::auth::at_rest::KeyRing::new(),
             rates: crate::runner::rates::TenantRates::default(),
             held: vec![None; agents_len],
+            closing: Closing::Open,
+            refused_at_ns: None,
+            victims_left: true,
             held_since: vec![None; agents_len],
             traced: Vec::with_capacity(TRACED_MAX),
             spans: Vec::with_capacity(TRACED_MAX),
@@ -679,6 +713,30 @@ impl Pool {
     /// Serves the agents' rings and the control plane's commands; submits
     /// what needs I/O to the poller. Bounded by `budget` items.
     pub(crate) fn serve(&mut self, parts: &mut Parts<'_>, now_ns: u64, budget: u32) -> u32 {
+        let mut done = self.serve_agents(parts, now_ns, budget);
+        while done < budget {
+            let Some(command) = parts.link.as_mut().and_then(CpLink::next_command) else { break };
+            done += 1;
+            self.command(command, parts);
+        }
+        while let Some(request) = parts.link.as_mut().and_then(CpLink::next_cancel) {
+            done += 1;
+            self.cancel_send(request, parts);
+        }
+        done += self.start_drained(parts, now_ns);
+        done += self.rebalance(parts);
+        done += self.verify_backlog(parts);
+        done += self.poll_l3(parts);
+        self.passes = self.passes.wrapping_add(1);
+        if self.reserved > 0 && self.passes.is_multiple_of(4096) {
+            self.expire_reservations(parts.table, now_ns);
+        }
+        done
+    }
+
+    /// Serves the agents' rings (while the data plane stops too: closed,
+    /// the pool answers them at once). Bounded by `budget` requests.
+    pub(crate) fn serve_agents(&mut self, parts: &mut Parts<'_>, now_ns: u64, budget: u32) -> u32 {
         let mut done = 0;
         for agent in 0..self.agents.len() {
             let place = u16::try_from(agent).unwrap_or(u16::MAX);
@@ -731,23 +789,6 @@ impl Pool {
                     }
                 }
             }
-        }
-        while done < budget {
-            let Some(command) = parts.link.as_mut().and_then(CpLink::next_command) else { break };
-            done += 1;
-            self.command(command, parts);
-        }
-        while let Some(request) = parts.link.as_mut().and_then(CpLink::next_cancel) {
-            done += 1;
-            self.cancel_send(request, parts);
-        }
-        done += self.start_drained(parts, now_ns);
-        done += self.rebalance(parts);
-        done += self.verify_backlog(parts);
-        done += self.poll_l3(parts);
-        self.passes = self.passes.wrapping_add(1);
-        if self.reserved > 0 && self.passes.is_multiple_of(4096) {
-            self.expire_reservations(parts.table, now_ns);
         }
         done
     }
@@ -882,6 +923,23 @@ impl Pool {
     fn agent_request(&mut self, agent: u16, request: AgentRequest, parts: &mut Parts<'_>, now_ns: u64) {
         let table = &mut *parts.table;
         match request {
+            AgentRequest::Reserve { cookie, .. } if self.closing != Closing::Open => {
+                self.held_since[usize::from(agent)] = None;
+                self.refuse_save(agent, cookie, AgentError::Stopping, now_ns);
+            }
+            AgentRequest::Commit { cookie, slot, generation } if self.closing == Closing::All => {
+                // Not published: acked now, it would be lost with the
+                // data plane. Its slot is given back.
+                if matches!(self.l1.get(slot as usize), Some(L1State::Reserved { agent: owner, .. }) if *owner == agent)
+                    && table.arena().generation(slot) == Some(generation)
+                {
+                    self.release_l1(slot, table);
+                }
+                self.answer(agent, cookie, Err(AgentError::Stopping));
+            }
+            AgentRequest::Load { cookie, .. } if self.closing == Closing::All => {
+                self.answer(agent, cookie, Err(AgentError::Stopping));
+            }
             AgentRequest::Reserve { cookie, object_bytes } => {
                 let reserve = self.load_reserve_slots as usize;
                 match self.slot_or_victim(object_bytes, reserve, parts) {
@@ -901,8 +959,12 @@ impl Pool {
                     // this agent after it until one finds a slot (the wait
                     // is not begun again for each).
                     None => {
-                        self.stats.saves_refused += 1;
-                        self.answer(agent, cookie, Err(AgentError::NoSpace));
+                        // Free slots of its class left, all of them the
+                        // load reserve's; or none at all.
+                        let reserved =
+                            parts.table.class_for(object_bytes).is_some_and(|c| parts.table.free_slots(c) > 0);
+                        let why = if reserved { AgentError::Reserved } else { AgentError::NoSpace };
+                        self.refuse_save(agent, cookie, why, now_ns);
                     }
                 }
             }
@@ -976,6 +1038,7 @@ impl Pool {
             self.marked[slot] = None;
             return;
         }
+        self.victims_left = true;
         if self.marked[slot].is_some_and(|(generation, _)| generation == wire.generation) {
             return;
         }
@@ -992,12 +1055,40 @@ impl Pool {
         self.evictable.push_back(Victim { slot: wire.slot, generation: wire.generation, key: replica.key });
     }
 
+    /// Refuses `agent`'s save `cookie` for `why`, counted by reason.
+    fn refuse_save(&mut self, agent: u16, cookie: u64, why: AgentError, now_ns: u64) {
+        self.stats.saves_refused += 1;
+        match why {
+            AgentError::Reserved => self.stats.saves_refused_reserve += 1,
+            AgentError::Stopping => self.stats.saves_refused_stopping += 1,
+            _ => {}
+        }
+        self.refused_at_ns = Some(now_ns);
+        self.answer(agent, cookie, Err(why));
+    }
+
+    /// Stops taking saves (`Closing::Saves`), or anything new
+    /// (`Closing::All`); never opens again.
+    pub fn close(&mut self, closing: Closing) {
+        self.closing = self.closing.max(closing);
+    }
+
+    /// Whether the pool refuses saves now: it is closing, or it refused
+    /// one for want of room within [`SAVE_PRESSURE_NS`]. Agents read it
+    /// (shared memory, no request) and skip a whole save rather than have
+    /// it refused part way.
+    pub fn save_pressure(&self, now_ns: u64) -> bool {
+        self.closing != Closing::Open
+            || self.refused_at_ns.is_some_and(|at| now_ns.saturating_sub(at) < SAVE_PRESSURE_NS)
+    }
+
     /// Whether a request of `agent` that found no L1 slot (nor a marked
     /// victim) may wait for the control plane to mark more: it marks
     /// victims, and this agent has not waited [`SAVE_WAIT_NS`] in vain
     /// since its last request that found a slot.
     fn may_wait(&mut self, agent: u16, parts: &Parts<'_>, now_ns: u64) -> bool {
         parts.link.as_ref().is_some_and(|l| l.takes(crate::wire::FEATURE_EVICTABLE))
+            && self.victims_left
             && now_ns.saturating_sub(*self.held_since[usize::from(agent)].get_or_insert(now_ns)) < SAVE_WAIT_NS
     }
 
@@ -1491,6 +1582,12 @@ impl Pool {
             CpCommand::Evict { request, replica } => (request, replica.replica, self.evict(&replica, parts)),
             CpCommand::Mark { replica, evictable } => {
                 self.mark(&replica, evictable, parts);
+                return;
+            }
+            CpCommand::VictimsLeft { region, left } => {
+                if region == self.l1_region {
+                    self.victims_left = left;
+                }
                 return;
             }
             CpCommand::Move { request, transfer } | CpCommand::Copy { request, transfer }
@@ -2196,6 +2293,8 @@ fn code_of(error: AgentError) -> ErrorCode {
         AgentError::Busy => ErrorCode::QueueFull,
         AgentError::Invalid => ErrorCode::BadFrame,
         AgentError::Cancelled => ErrorCode::Cancelled,
+        AgentError::Reserved => ErrorCode::NoSpace,
+        AgentError::Stopping => ErrorCode::Cancelled,
     }
 }
 
