@@ -26,6 +26,18 @@ fn payload(key: &BlockKey) -> Vec<u8> {
     (0..PAYLOAD).map(|i| key.0[i % 5] ^ (i / 7).to_le_bytes()[0]).collect()
 }
 
+/// One prompt's blocks to save: each the child of the one before.
+fn chain<'a>(keys: &[BlockKey], payloads: &'a [Vec<u8>]) -> Vec<SaveBlock<'a>> {
+    (0..keys.len())
+        .map(|i| SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            payload: SavePayload::Bytes(&payloads[i]),
+        })
+        .collect()
+}
+
 /// The test engine's agent, in-process, on the pool's first local port.
 fn attach(pool: &mut EmbeddedPool) -> Agent {
     let config = AgentConfig {
@@ -300,14 +312,7 @@ fn a_save_larger_than_the_port_is_saved_whole() {
     let mut agent = attach(&mut pool);
     let keys: Vec<BlockKey> = (0..600).map(|i| key(9, i)).collect();
     let payloads: Vec<Vec<u8>> = keys.iter().map(|k| payload(k)[..4096].to_vec()).collect();
-    let blocks: Vec<SaveBlock<'_>> = (0..keys.len())
-        .map(|i| SaveBlock {
-            key: keys[i],
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: u32::try_from(i).unwrap(),
-            payload: SavePayload::Bytes(&payloads[i]),
-        })
-        .collect();
+    let blocks = chain(&keys, &payloads);
     assert_eq!(agent.save(&blocks), 600);
     assert_eq!(agent.stats.saves_skipped, 0);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -339,14 +344,7 @@ fn saves_after_the_pool_began_to_stop_are_refused_as_stopping() {
     let mut agent = attach(&mut pool);
     let keys: Vec<BlockKey> = (0..12).map(|i| key(11, i)).collect();
     let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
-    let blocks: Vec<SaveBlock<'_>> = (0..keys.len())
-        .map(|i| SaveBlock {
-            key: keys[i],
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: u32::try_from(i).unwrap(),
-            payload: SavePayload::Bytes(&payloads[i]),
-        })
-        .collect();
+    let blocks = chain(&keys, &payloads);
     let mut statuses = vec![SaveStatus::NotSent; 4];
     assert_eq!(agent.save_with_statuses(&blocks[..4], &mut statuses), 4);
     assert!(statuses.iter().all(|s| *s == SaveStatus::Saved), "{statuses:?}");

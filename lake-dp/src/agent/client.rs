@@ -1247,6 +1247,32 @@ impl Agent {
         reserved
     }
 
+    /// The slot reserved (`cookie`, if asked) for the block `(parent,
+    /// key)` of a save, once granted; or what became of the block, which
+    /// is then added to `unsaved`. A block whose parent was not saved gets
+    /// none: a slot granted to it is given back unwritten.
+    fn slot_for(
+        &mut self,
+        cookie: Option<u64>,
+        (parent, key): (BlockKey, BlockKey),
+        unsaved: &mut Vec<BlockKey>,
+    ) -> Result<(u32, u32), SaveStatus> {
+        let orphan = self.parent_unsaved(&parent, unsaved);
+        let status = match cookie.map(|cookie| self.wait(cookie)) {
+            Some(Ok((slot, generation))) if orphan => {
+                let cookie = self.cookie();
+                let _ = self.port.submit(AgentRequest::Abort { cookie, slot, generation });
+                SaveStatus::ParentUnsaved
+            }
+            Some(Ok(granted)) => return Ok(granted),
+            _ if orphan => SaveStatus::ParentUnsaved,
+            Some(Err(why)) => SaveStatus::Refused(why),
+            None => SaveStatus::NotSent,
+        };
+        unsaved.push(key);
+        Err(status)
+    }
+
     /// Whether the parent of a block to save was not saved (in this call,
     /// `unsaved`, or lately).
     fn parent_unsaved(&self, parent: &BlockKey, unsaved: &[BlockKey]) -> bool {
@@ -1283,28 +1309,14 @@ impl Agent {
         let header = *self.arena.header();
         let mut commits = Vec::with_capacity(reserved.len());
         for (i, block) in blocks.iter().enumerate() {
-            let orphan = self.parent_unsaved(&block.parent, unsaved);
-            let (slot, generation) = match reserved[i].map(|cookie| self.wait(cookie)) {
-                Some(Ok(granted)) => granted,
-                Some(Err(why)) => {
-                    statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::Refused(why) };
-                    unsaved.push(block.key);
-                    continue;
-                }
-                None => {
-                    statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::NotSent };
-                    unsaved.push(block.key);
+            let (slot, generation) = match self.slot_for(reserved[i], (block.parent, block.key), unsaved) {
+                Ok(granted) => granted,
+                Err(status) => {
+                    statuses[i] = status;
                     continue;
                 }
             };
             let cookie = self.cookie();
-            if orphan {
-                // Its slot given back unwritten.
-                let _ = self.port.submit(AgentRequest::Abort { cookie, slot, generation });
-                statuses[i] = SaveStatus::ParentUnsaved;
-                unsaved.push(block.key);
-                continue;
-            }
             let meta = self.object_meta(
                 &header,
                 (block.key, block.parent, block.block_index),
@@ -1419,28 +1431,13 @@ impl Agent {
         let mut slots = Vec::with_capacity(reserved.len());
         let mut bodies = Vec::with_capacity(reserved.len());
         for (i, (block, cookie)) in blocks.iter().zip(&reserved).enumerate() {
-            let orphan = self.parent_unsaved(&block.parent, unsaved);
-            let (slot, generation) = match cookie.map(|cookie| self.wait(cookie)) {
-                Some(Ok(granted)) => granted,
-                Some(Err(why)) => {
-                    statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::Refused(why) };
-                    unsaved.push(block.key);
-                    continue;
-                }
-                None => {
-                    statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::NotSent };
-                    unsaved.push(block.key);
+            let (slot, generation) = match self.slot_for(*cookie, (block.parent, block.key), unsaved) {
+                Ok(granted) => granted,
+                Err(status) => {
+                    statuses[i] = status;
                     continue;
                 }
             };
-            if orphan {
-                // Its slot given back unwritten.
-                let cookie = self.cookie();
-                let _ = self.port.submit(AgentRequest::Abort { cookie, slot, generation });
-                statuses[i] = SaveStatus::ParentUnsaved;
-                unsaved.push(block.key);
-                continue;
-            }
             let meta =
                 self.object_meta(&header, (block.key, block.parent, block.block_index), slot, generation, block.len);
             // SAFETY: reserved to this agent (see write_object).
