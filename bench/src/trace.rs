@@ -184,6 +184,31 @@ pub(crate) struct TraceArgs {
     /// policy's own).
     #[arg(long)]
     pub(crate) guard: Option<u64>,
+    /// Replay the trace through a real pool too (lake-cp and lake-dp in
+    /// this process, an engine's agent): L1 of the capacity, under the
+    /// same policy (lake or lru), an L2 of `--pool-l2-slots`; the hit ratio
+    /// it delivers beside the simulator's.
+    #[arg(long)]
+    pub(crate) pool: bool,
+    /// The pool's L2 slots (one file): victims with no room there are
+    /// dropped.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) pool_l2_slots: u32,
+    /// Payload bytes of a pool block.
+    #[arg(long, default_value_t = 4096)]
+    pub(crate) pool_block_bytes: u64,
+    /// Time between the pool's requests, ms: the engine's compute between
+    /// them (the pool protects blocks saved within the last 250 ms from
+    /// being dropped, so a replay with no gap at all meets a pool whose
+    /// every block is new).
+    #[arg(long, default_value_t = 5.0)]
+    pub(crate) pool_gap_ms: f64,
+    /// Replay at most this many requests (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) requests: usize,
+    /// Directory for the pool's files (removed after).
+    #[arg(long)]
+    pub(crate) dir: Option<String>,
 }
 
 pub(crate) fn run_trace(args: &TraceArgs) -> Result<Report, String> {
@@ -191,7 +216,10 @@ pub(crate) fn run_trace(args: &TraceArgs) -> Result<Report, String> {
     if path.is_empty() {
         return Err("--file is required (JSON lines with hash_ids)".into());
     }
-    let (requests, distinct) = load_distinct(&path)?;
+    let (mut requests, distinct) = load_distinct(&path)?;
+    if args.requests > 0 {
+        requests.truncate(args.requests);
+    }
     let ratio: f64 = args.capacity_ratio;
     let capacity: usize = args.capacity_blocks;
     let capacity = if capacity > 0 {
@@ -236,7 +264,115 @@ pub(crate) fn run_trace(args: &TraceArgs) -> Result<Report, String> {
     if !learnt.is_empty() {
         report.text("policy_state", &learnt);
     }
+    if args.pool {
+        let kind = lake_cp::tier::PolicyKind::parse(&policy)
+            .ok_or_else(|| format!("--pool replays through the tier manager's policies: lake or lru, not {policy}"))?;
+        let pool = replay_pool(args, &requests, capacity, kind)?;
+        let ratio = pool.hits as f64 / pool.blocks.max(1) as f64;
+        report.int("pool_l1_slots", capacity as u64);
+        report.int("pool_l2_slots", u64::from(args.pool_l2_slots));
+        report.int("pool_hit_blocks", pool.hits);
+        report.int("pool_blocks_saved", pool.saved);
+        report.int("pool_blocks_not_saved", pool.not_saved);
+        report.int("pool_saves_refused", pool.refused);
+        report.int("pool_victims_taken", pool.victims_taken);
+        report.float("pool_prefix_hit_ratio", ratio);
+        report.float("pool_vs_simulator", ratio / (hits as f64 / blocks.max(1) as f64).max(f64::MIN_POSITIVE));
+        report.float("pool_seconds", pool.seconds);
+        report.float("pool_gap_ms", args.pool_gap_ms);
+    }
     Ok(report)
+}
+
+/// What a replay through a real pool delivered.
+struct PoolReplay {
+    blocks: u64,
+    hits: u64,
+    saved: u64,
+    not_saved: u64,
+    /// Saves the data plane refused.
+    refused: u64,
+    /// Marked victims saves took.
+    victims_taken: u64,
+    seconds: f64,
+}
+
+/// Replays `requests` through a real embedded pool as an engine would use
+/// it: each request looked up (the pool's leading hits, in any tier, are
+/// its hits; the lookup reports the access to the tier manager), then its
+/// missing blocks saved as the prefix's continuation. Before the next
+/// request the saved blocks are let reach the mirror (an engine computes
+/// between requests; the wait reads the mirror directly and reports
+/// nothing).
+fn replay_pool(
+    args: &TraceArgs,
+    requests: &[Vec<BlockKey>],
+    capacity: usize,
+    policy: lake_cp::tier::PolicyKind,
+) -> Result<PoolReplay, String> {
+    use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+    use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+    let dir = args.dir.as_ref().map_or_else(
+        || std::env::temp_dir().join(format!("lake-bench-trace-pool-{}", std::process::id())),
+        std::path::PathBuf::from,
+    );
+    let config = EmbeddedConfig {
+        block_bytes: args.pool_block_bytes,
+        l1_slots: u32::try_from(capacity).map_err(|_| "--capacity too large for a pool's L1")?,
+        l2_slots_per_file: args.pool_l2_slots,
+        l2_files: vec![dir.join("l2.lake")],
+        local_agents: 1,
+        remote_agents: 1,
+        tiers: lake_cp::tier::TierConfig { policy, ..lake_cp::tier::TierConfig::default() },
+        ..EmbeddedConfig::new(dir.clone())
+    };
+    let mut pool = EmbeddedPool::start(&config)?;
+    let agent_config = AgentConfig {
+        arena: &pool.arena,
+        mirror: &pool.mirror,
+        cp_socket: Some(&pool.cp_socket),
+        name: "trace-pool",
+        namespace: lake_dp::NamespaceId(0x7ace),
+        layout_fingerprint: 0x7ace,
+        segment_bytes: 16 * 1024,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = Agent::attach(&agent_config, pool.local_ports.remove(0)).map_err(|e| e.to_string())?;
+    let payload = vec![0x5au8; args.pool_block_bytes as usize];
+    let mut out = PoolReplay { blocks: 0, hits: 0, saved: 0, not_saved: 0, refused: 0, victims_taken: 0, seconds: 0.0 };
+    let mut table = Vec::new();
+    let started = std::time::Instant::now();
+    for keys in requests {
+        out.blocks += keys.len() as u64;
+        let hits = agent.lookup(keys, &mut table);
+        out.hits += hits as u64;
+        let blocks: Vec<SaveBlock<'_>> = (hits..keys.len())
+            .map(|i| SaveBlock {
+                key: keys[i],
+                parent: i.checked_sub(1).map_or(BlockKey::NONE, |p| keys[p]),
+                block_index: i as u32,
+                payload: SavePayload::Bytes(&payload),
+            })
+            .collect();
+        let saved = agent.save(&blocks);
+        out.saved += saved as u64;
+        out.not_saved += (blocks.len() - saved) as u64;
+        let next = std::time::Instant::now() + std::time::Duration::from_secs_f64(args.pool_gap_ms.max(0.0) / 1e3);
+        let deadline = next.max(std::time::Instant::now() + std::time::Duration::from_millis(50));
+        while agent.mirror().lookup(keys, &mut table) < hits + saved && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        if let Some(left) = next.checked_duration_since(std::time::Instant::now()) {
+            std::thread::sleep(left);
+        }
+    }
+    out.seconds = started.elapsed().as_secs_f64();
+    drop(agent);
+    let (stats, _) = pool.stop()?;
+    out.refused = stats.pool.saves_refused;
+    out.victims_taken = stats.pool.victims_clean + stats.pool.victims_dropped;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(out)
 }
 
 /// Requests a tier of `capacity` blocks takes to turn over once: its

@@ -1845,15 +1845,17 @@ impl Tiers {
         }
         let used = self.used_by(Tier::L1Dram, None);
         if self.emptying_l1
-            || self.l1_over_high()
+            || (self.l1_over_high() && !self.l1_victims_dropped())
             || used < percent_of(self.capacity(Tier::L1Dram), CLEAN_FROM_PERCENT)
             || !self.drains.is_empty()
         {
             // Over its mark, L1's evictions make room first (and a victim
-            // written below would find no slot to stage in); under half
-            // full, no save needs a victim; while an L2 file is drained,
-            // L1's victims are demoted as they go (its blocks need the
-            // other files' room). Room is made (or not needed) either way.
+            // written below would find no slot to stage in) — unless its
+            // victims would be dropped: then nothing is dropped ahead of a
+            // save's need, and marks are what makes room. Under half full,
+            // no save needs a victim; while an L2 file is drained, L1's
+            // victims are demoted as they go (its blocks need the other
+            // files' room). Room is made (or not needed) either way.
             let regions: Vec<u16> = self.marks_taken.iter().copied().collect();
             for region in regions {
                 self.say_victims_left(region, true, out);
@@ -2517,6 +2519,36 @@ mod tests {
         world.tiers.plan(&world.locations, &world.leases, 1 + MARK_AFTER_NS + 1, &mut out);
         assert!(out.iter().any(|c| matches!(c.action, TierAction::Mark(_))), "{:?}", keys_of(&out));
         assert_eq!(told(&out), [1], "{:?}", keys_of(&out));
+    }
+
+    #[test]
+    fn an_l1_over_its_mark_whose_victims_would_be_dropped_still_marks_them() {
+        // L1 90% full (over its 80% mark) of blocks no longer new, L2 at
+        // its mark (no room for one more): L1's evictions drop nothing
+        // ahead of a save's need, so room comes only from victims marked
+        // for saves to take. Without them L1 stood full and every save was
+        // refused.
+        let config = TierConfig { high_percent: 80, low_percent: 60, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = World::new(config);
+        world.tiers.takes_marks(0);
+        for k in 1..=8 {
+            world.add(1, 7, None, 100 + k);
+        }
+        for k in 1..=9 {
+            world.add(0, 7, (k > 1).then(|| k - 1), k);
+        }
+        let mut out = Vec::new();
+        world.tiers.plan(&world.locations, &world.leases, 1 + MARK_AFTER_NS + 1, &mut out);
+        let marked: Vec<u8> = out
+            .iter()
+            .filter_map(|c| match c.action {
+                TierAction::Mark(m) => Some(m.key.0[0]),
+                _ => None,
+            })
+            .collect();
+        assert!(!marked.is_empty(), "nothing marked: {:?}", keys_of(&out));
+        assert_eq!(marked[0], 9, "the chain's leaf first: {:?}", keys_of(&out));
+        assert!(!out.iter().any(|c| matches!(c.action, TierAction::Evict(_))), "nothing dropped ahead of need");
     }
 
     #[test]
