@@ -22,7 +22,9 @@ import lake
 
 TOKENS = 16
 VOCAB = 50_000
-NO_SPACE = 7  # LAKE_NO_SPACE
+# The pool refusing a save for now: full, only its load reserve free, or
+# refusing saves for a while after such a refusal.
+TRY_AGAIN = (lake.NO_SPACE, lake.LOAD_RESERVE, lake.SAVE_PRESSURE)
 
 
 def namespace(seed):
@@ -104,7 +106,7 @@ def main(dp, mirror, cp, block_bytes, seed, prompt_tokens, new_tokens):
                 statuses = pool.wait(pool.submit_save(memory_id, keys[saved : saved + 1], [0], parent=parent), 1)
                 if statuses[0] == lake.OK:
                     break
-                if statuses[0] != NO_SPACE or time.monotonic() > deadline:
+                if statuses[0] not in TRY_AGAIN or time.monotonic() > deadline:
                     raise SystemExit(f"save of block {saved} failed: {statuses[0]}")
                 time.sleep(0.01)
             saved += 1
