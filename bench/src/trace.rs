@@ -276,6 +276,9 @@ pub(crate) fn run_trace(args: &TraceArgs) -> Result<Report, String> {
         report.int("pool_blocks_not_saved", pool.not_saved);
         report.int("pool_saves_refused", pool.refused);
         report.int("pool_victims_taken", pool.victims_taken);
+        if !pool.policy.is_empty() {
+            report.text("pool_policy_state", &pool.policy);
+        }
         report.float("pool_prefix_hit_ratio", ratio);
         report.float("pool_vs_simulator", ratio / (hits as f64 / blocks.max(1) as f64).max(f64::MIN_POSITIVE));
         report.float("pool_seconds", pool.seconds);
@@ -294,6 +297,8 @@ struct PoolReplay {
     refused: u64,
     /// Marked victims saves took.
     victims_taken: u64,
+    /// What the pool's L1 policy learnt.
+    policy: String,
     seconds: f64,
 }
 
@@ -339,7 +344,16 @@ fn replay_pool(
     };
     let mut agent = Agent::attach(&agent_config, pool.local_ports.remove(0)).map_err(|e| e.to_string())?;
     let payload = vec![0x5au8; args.pool_block_bytes as usize];
-    let mut out = PoolReplay { blocks: 0, hits: 0, saved: 0, not_saved: 0, refused: 0, victims_taken: 0, seconds: 0.0 };
+    let mut out = PoolReplay {
+        blocks: 0,
+        hits: 0,
+        saved: 0,
+        not_saved: 0,
+        refused: 0,
+        victims_taken: 0,
+        policy: String::new(),
+        seconds: 0.0,
+    };
     let mut table = Vec::new();
     let started = std::time::Instant::now();
     for keys in requests {
@@ -368,7 +382,15 @@ fn replay_pool(
     }
     out.seconds = started.elapsed().as_secs_f64();
     drop(agent);
-    let (stats, _) = pool.stop()?;
+    let (stats, server) = pool.stop()?;
+    out.policy = server
+        .node()
+        .tiers
+        .policy_states()
+        .into_iter()
+        .find(|(tier, _, _)| *tier == lake_dp::Tier::L1Dram)
+        .map(|(_, _, summary)| summary)
+        .unwrap_or_default();
     out.refused = stats.pool.saves_refused;
     out.victims_taken = stats.pool.victims_clean + stats.pool.victims_dropped;
     let _ = std::fs::remove_dir_all(&dir);

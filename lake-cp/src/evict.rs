@@ -48,6 +48,12 @@ pub trait Policy {
     fn summary(&self) -> String {
         String::new()
     }
+    /// Whether the policy would have let the new block `key` in (a tier
+    /// that takes every block asks, to put those it would not have first
+    /// in line). The default keeps everything.
+    fn keeps(&self, _key: &BlockKey) -> bool {
+        true
+    }
 }
 
 impl<P: Policy + ?Sized> Policy for Box<P> {
@@ -80,6 +86,9 @@ impl<P: Policy + ?Sized> Policy for Box<P> {
     }
     fn summary(&self) -> String {
         (**self).summary()
+    }
+    fn keeps(&self, key: &BlockKey) -> bool {
+        (**self).keeps(key)
     }
 }
 
@@ -553,6 +562,10 @@ impl Policy for Lake {
     fn evicting(&mut self, index: &Index, block: BlockRef) {
         self.main.evicting(index, block);
     }
+    fn keeps(&self, key: &BlockKey) -> bool {
+        // What the followed shadow let in.
+        self.followed_holds(key)
+    }
     fn finished(&mut self, hits: usize) {
         self.own = self.own - self.own / self.memory + hits as u64 * 1024;
         if self.expert != Expert::Recency && self.own < self.scores[0] - self.scores[0] / self.guard {
@@ -728,6 +741,24 @@ impl<P: Policy> Cache<P> {
                 true
             }
             Err(_) => false,
+        }
+    }
+
+    /// Whether the policy would have let the new block `key` in (see
+    /// [`Policy::keeps`]).
+    pub fn keeps(&self, key: &BlockKey) -> bool {
+        self.policy.keeps(key)
+    }
+
+    /// A block the policy would not have let in, in a tier that took it
+    /// anyway (L1 takes every save), once it is no longer new: it goes to
+    /// the head of the line, as if long unused, so it leaves before the
+    /// blocks the policy wants.
+    pub fn make_cold(&mut self, key: &BlockKey) {
+        let Some(block) = self.index.get(key) else { return };
+        self.index.set_touched(block, 0);
+        if self.index.is_leaf(block) {
+            self.policy.became_leaf(&self.index, block);
         }
     }
 
@@ -1061,5 +1092,24 @@ mod tests {
         // Without compaction: 1.28M entries each.
         assert!(lru.policy.queued() <= 2 * 64 + 1024 + 1, "lru: {} entries for 64 blocks", lru.policy.queued());
         assert!(lake.policy.queued() <= 3 * (2 * 64 + 1025), "lake: {} entries for 64 blocks", lake.policy.queued());
+    }
+
+    #[test]
+    fn a_block_made_cold_is_the_next_victim_and_its_prefix_stays() {
+        let kind = lake_dp::ObjectKind::KvBlock;
+        let mut cache = Cache::live(Lru::default());
+        // A chain 1 -> 2, then 3 and 4 on their own, oldest first.
+        cache.add(None, key(1), kind);
+        cache.add(Some(key(1)), key(2), kind);
+        cache.add(None, key(3), kind);
+        cache.add(None, key(4), kind);
+        cache.make_cold(&key(4));
+        cache.make_cold(&key(1));
+        let evict = |_: &BlockKey| Verdict::Evict;
+        // 4 first, though the newest; 1 is no leaf while 2 is there.
+        assert_eq!(cache.take_victim(8, evict), Some(key(4)));
+        assert_eq!(cache.take_victim(8, evict), Some(key(2)));
+        assert_eq!(cache.take_victim(8, evict), Some(key(1)));
+        assert_eq!(cache.take_victim(8, evict), Some(key(3)));
     }
 }

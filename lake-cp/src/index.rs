@@ -409,6 +409,12 @@ impl Index {
         self.nodes[block.0 as usize].children == 0
     }
 
+    /// Sets a block's last access time back to `at` (a block the policy
+    /// would not have let in goes in as if long unused).
+    pub fn set_touched(&mut self, block: BlockRef, at: u32) {
+        self.nodes[block.0 as usize].touched = at;
+    }
+
     /// Sets a block's access count (a policy restoring what it remembered
     /// of an evicted block).
     pub fn set_hits(&mut self, block: BlockRef, hits: u32) {

@@ -556,6 +556,9 @@ pub struct Tiers {
     dropped_once: Remembered,
     /// L1 regions whose data plane takes marks ([`TierAction::Mark`]).
     marks_taken: HashSet<u16>,
+    /// New L1 blocks the policy would not have let in (see
+    /// [`crate::evict::Policy::keeps`]), made cold once no longer new.
+    unwanted: HashSet<BlockKey>,
     /// What each such region's data plane was last told of victims left
     /// (absent: more may come, as a data plane assumes).
     victims_left: HashMap<u16, bool>,
@@ -663,6 +666,7 @@ impl Tiers {
             now_ns: 0,
             marks_taken: HashSet::new(),
             victims_left: HashMap::new(),
+            unwanted: HashSet::new(),
             marked: HashMap::new(),
             mark_order: std::collections::VecDeque::new(),
             unmarks: Vec::new(),
@@ -681,6 +685,19 @@ impl Tiers {
     /// it, so a save into a full L1 takes one at once.
     pub fn takes_marks(&mut self, region: u16) {
         self.marks_taken.insert(region);
+    }
+
+    /// What each cache's policy has learnt, for reports: (tier,
+    /// namespace, its summary), where it says anything.
+    pub fn policy_states(&self) -> Vec<(Tier, u64, String)> {
+        let mut states: Vec<(Tier, u64, String)> = self
+            .spaces
+            .iter()
+            .map(|(&(tier, namespace), space)| (tier, namespace, space.cache.policy.summary()))
+            .filter(|(_, _, summary)| !summary.is_empty())
+            .collect();
+        states.sort_by_key(|(tier, namespace, _)| (*tier as u8, *namespace));
+        states
     }
 
     /// L1 blocks marked evictable now.
@@ -779,7 +796,12 @@ impl Tiers {
             // tier holds it already, and the move is not an access.
             return;
         }
-        space.cache.add(parent, key, kind);
+        if info.tier == Tier::L1Dram && new && !space.cache.keeps(&key) {
+            // Taken (L1 takes every save), though the policy would not
+            // have let it in: first in line once it is no longer new.
+            self.unwanted.insert(key);
+        }
+        self.space(info.tier, namespace).cache.add(parent, key, kind);
     }
 
     /// Whether the replica of `key` in `region` is being moved to another
@@ -1804,6 +1826,13 @@ impl Tiers {
             self.recent.pop_front();
             if self.recent_keys.get(&key) == Some(&at) {
                 self.recent_keys.remove(&key);
+                if self.unwanted.remove(&key) {
+                    for ((tier, _), space) in &mut self.spaces {
+                        if *tier == Tier::L1Dram {
+                            space.cache.make_cold(&key);
+                        }
+                    }
+                }
             }
         }
         if self.emptying_l1 {

@@ -452,7 +452,9 @@ pub struct Pool {
     /// [`Pool::save_pressure`]).
     refused_at_ns: Option<u64>,
     /// Whether the control plane may still mark victims here (it says
-    /// when it has none left): a save finding no slot waits only then.
+    /// when it has none left): a save finding no slot waits only then (a
+    /// load, an engine's critical path, waits either way: the next pass
+    /// may free a slot all the same).
     victims_left: bool,
     /// Traced loads in flight, and answered ones for the log (both at most
     /// [`TRACED_MAX`], allocated once); the clock they are timed on.
@@ -952,7 +954,7 @@ impl Pool {
                     // Every marked victim spent: the control plane marks
                     // more at its next pass. The save waits for them (its
                     // port with it), a while at most.
-                    None if self.may_wait(agent, parts, now_ns) => {
+                    None if self.victims_left && self.may_wait(agent, parts, now_ns) => {
                         self.held[usize::from(agent)] = Some(request);
                     }
                     // Waited long enough: refused, and so is every save of
@@ -1088,7 +1090,6 @@ impl Pool {
     /// since its last request that found a slot.
     fn may_wait(&mut self, agent: u16, parts: &Parts<'_>, now_ns: u64) -> bool {
         parts.link.as_ref().is_some_and(|l| l.takes(crate::wire::FEATURE_EVICTABLE))
-            && self.victims_left
             && now_ns.saturating_sub(*self.held_since[usize::from(agent)].get_or_insert(now_ns)) < SAVE_WAIT_NS
     }
 
