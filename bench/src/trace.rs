@@ -216,9 +216,13 @@ pub(crate) fn run_trace(args: &TraceArgs) -> Result<Report, String> {
     if path.is_empty() {
         return Err("--file is required (JSON lines with hash_ids)".into());
     }
-    let (mut requests, distinct) = load_distinct(&path)?;
-    if args.requests > 0 {
+    let (mut requests, mut distinct) = load_distinct(&path)?;
+    if args.requests > 0 && args.requests < requests.len() {
+        // The capacity ratio is of the blocks the replayed part holds.
         requests.truncate(args.requests);
+        distinct = requests.iter().flatten().copied().collect();
+        distinct.sort_unstable_by_key(|k| k.0);
+        distinct.dedup();
     }
     let ratio: f64 = args.capacity_ratio;
     let capacity: usize = args.capacity_blocks;
