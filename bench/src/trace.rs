@@ -51,10 +51,16 @@ fn hash_ids(line: &str) -> Result<Vec<u64>, String> {
 /// The trace's requests and its distinct blocks.
 fn load_distinct(path: &str) -> Result<(Vec<Vec<BlockKey>>, Vec<BlockKey>), String> {
     let requests = load(path)?;
+    let distinct = distinct(&requests);
+    Ok((requests, distinct))
+}
+
+/// The distinct blocks of `requests`.
+fn distinct(requests: &[Vec<BlockKey>]) -> Vec<BlockKey> {
     let mut distinct: Vec<BlockKey> = requests.iter().flatten().copied().collect();
     distinct.sort_unstable_by_key(|k| k.0);
     distinct.dedup();
-    Ok((requests, distinct))
+    distinct
 }
 
 fn load(path: &str) -> Result<Vec<Vec<BlockKey>>, String> {
@@ -216,14 +222,12 @@ pub(crate) fn run_trace(args: &TraceArgs) -> Result<Report, String> {
     if path.is_empty() {
         return Err("--file is required (JSON lines with hash_ids)".into());
     }
-    let (mut requests, mut distinct) = load_distinct(&path)?;
-    if args.requests > 0 && args.requests < requests.len() {
+    let mut requests = load(&path)?;
+    if args.requests > 0 {
         // The capacity ratio is of the blocks the replayed part holds.
         requests.truncate(args.requests);
-        distinct = requests.iter().flatten().copied().collect();
-        distinct.sort_unstable_by_key(|k| k.0);
-        distinct.dedup();
     }
+    let distinct = distinct(&requests);
     let ratio: f64 = args.capacity_ratio;
     let capacity: usize = args.capacity_blocks;
     let capacity = if capacity > 0 {

@@ -670,7 +670,9 @@ pub(crate) fn save(
             })
             .collect();
         let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; last - first];
-        let count = agent.save_prepared(&prepared, &mut saved, |bodies| {
+        // A block under one not saved (in an earlier turn too) is not
+        // sent: the agent keeps a prefix whole.
+        agent.save_prepared(&prepared, &mut saved, |bodies| {
             let ids: Vec<u32> = bodies.iter().map(|&(i, _)| blocks[first + i]).collect();
             // Blocks larger than a staging unit cross the bus by the kernel.
             let staged = memory.path == GpuPath::CopyEngine && len <= lake_kernels::STAGING_UNIT_BYTES;
@@ -693,12 +695,6 @@ pub(crate) fn save(
         });
         for (status, saved) in statuses[first..last].iter_mut().zip(saved) {
             *status = crate::trace::status_of_save(saved);
-        }
-        if count < last - first {
-            // The rest is not sent: a prefix is of use only whole.
-            statuses[last..].fill(LakeStatus::LakePrefixBroken);
-            agent.note_unsaved(&keys[last..]);
-            break;
         }
     }
     statuses

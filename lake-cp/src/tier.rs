@@ -558,7 +558,7 @@ pub struct Tiers {
     marks_taken: HashSet<u16>,
     /// New L1 blocks the policy would not have let in (see
     /// [`crate::evict::Policy::keeps`]), made cold once no longer new.
-    unwanted: HashSet<BlockKey>,
+    unwanted: HashMap<BlockKey, u64>,
     /// What each such region's data plane was last told of victims left
     /// (absent: more may come, as a data plane assumes).
     victims_left: HashMap<u16, bool>,
@@ -666,7 +666,7 @@ impl Tiers {
             now_ns: 0,
             marks_taken: HashSet::new(),
             victims_left: HashMap::new(),
-            unwanted: HashSet::new(),
+            unwanted: HashMap::new(),
             marked: HashMap::new(),
             mark_order: std::collections::VecDeque::new(),
             unmarks: Vec::new(),
@@ -796,12 +796,13 @@ impl Tiers {
             // tier holds it already, and the move is not an access.
             return;
         }
-        if info.tier == Tier::L1Dram && new && !space.cache.keeps(&key) {
-            // Taken (L1 takes every save), though the policy would not
-            // have let it in: first in line once it is no longer new.
-            self.unwanted.insert(key);
+        // Taken (L1 takes every save), though the policy would not have
+        // let it in: first in line once it is no longer new.
+        let unwanted = info.tier == Tier::L1Dram && new && !space.cache.keeps(&key);
+        space.cache.add(parent, key, kind);
+        if unwanted {
+            self.unwanted.insert(key, namespace);
         }
-        self.space(info.tier, namespace).cache.add(parent, key, kind);
     }
 
     /// Whether the replica of `key` in `region` is being moved to another
@@ -1759,6 +1760,15 @@ impl Tiers {
         }
     }
 
+    /// L1 blocks being written below with their L1 copy kept (of `region`,
+    /// if given).
+    fn l1_copies_below(&self, region: Option<u16>) -> usize {
+        self.pending
+            .values()
+            .filter(|p| p.tier == Tier::L1Dram && !p.frees && p.to.is_some() && region.is_none_or(|r| r == p.region))
+            .count()
+    }
+
     /// Writes L1 blocks below ahead of demand (their L1 copy kept, in
     /// their cache as before), oldest first, once they are
     /// [`CLEAN_AFTER_NS`] old and L1 is [`CLEAN_FROM_PERCENT`] full, where
@@ -1776,8 +1786,7 @@ impl Tiers {
         if used < percent_of(capacity, CLEAN_FROM_PERCENT) || self.l1_over_high() || !self.drains.is_empty() {
             return;
         }
-        let mut in_flight =
-            self.pending.values().filter(|p| p.tier == Tier::L1Dram && !p.frees && p.to.is_some()).count();
+        let mut in_flight = self.l1_copies_below(None);
         while in_flight < CLEANING_IN_FLIGHT {
             let Some(&(at, key, region, namespace)) = self.to_clean.front() else { break };
             if at.saturating_add(CLEAN_AFTER_NS) > now_ns {
@@ -1826,12 +1835,10 @@ impl Tiers {
             self.recent.pop_front();
             if self.recent_keys.get(&key) == Some(&at) {
                 self.recent_keys.remove(&key);
-                if self.unwanted.remove(&key) {
-                    for ((tier, _), space) in &mut self.spaces {
-                        if *tier == Tier::L1Dram {
-                            space.cache.make_cold(&key);
-                        }
-                    }
+                if let Some(namespace) = self.unwanted.remove(&key)
+                    && let Some(space) = self.spaces.get_mut(&(Tier::L1Dram, namespace))
+                {
+                    space.cache.make_cold(&key);
                 }
             }
         }
@@ -1898,11 +1905,7 @@ impl Tiers {
             .map(|(&region, &info)| (region, info))
             .collect();
         for (region, info) in regions {
-            let mut cleaning = self
-                .pending
-                .values()
-                .filter(|p| p.region == region && p.tier == Tier::L1Dram && !p.frees && p.to.is_some())
-                .count();
+            let mut cleaning = self.l1_copies_below(Some(region));
             let l2 = self.l2_written_to(info.node);
             let l3 = self.l3_target(info.node);
             let mut namespaces: Vec<(u64, u64)> = self

@@ -1182,14 +1182,15 @@ impl Agent {
     pub fn save_with_statuses(&mut self, blocks: &[SaveBlock<'_>], statuses: &mut [SaveStatus]) -> usize {
         debug_assert_eq!(blocks.len(), statuses.len());
         self.forget_unsaved(blocks.iter().map(|b| b.key));
-        let mut unsaved = Vec::new();
-        let saved = blocks
+        blocks
             .chunks(SAVE_WINDOW)
             .zip(statuses.chunks_mut(SAVE_WINDOW))
-            .map(|(window, statuses)| self.save_window(window, statuses, &mut unsaved))
-            .sum();
-        self.note_unsaved(&unsaved);
-        saved
+            .map(|(window, statuses)| {
+                let saved = self.save_window(window, statuses);
+                self.note_unsaved_of(window.iter().map(|b| b.key), statuses);
+                saved
+            })
+            .sum()
     }
 
     /// The blocks of a save about to be sent are judged afresh: a block
@@ -1210,33 +1211,42 @@ impl Agent {
     /// under save pressure) says so here.
     pub fn note_unsaved(&mut self, keys: &[BlockKey]) {
         for key in keys {
-            if !self.unsaved_set.insert(*key) {
-                continue;
-            }
-            if self.unsaved_recent.len() == UNSAVED_KEPT
-                && let Some(old) = self.unsaved_recent.pop_front()
-            {
-                self.unsaved_set.remove(&old);
-            }
-            self.unsaved_recent.push_back(*key);
+            self.remember_unsaved(*key);
         }
+    }
+
+    /// [`Agent::note_unsaved`] of the blocks of a save whose `statuses`
+    /// say they were not saved.
+    fn note_unsaved_of(&mut self, keys: impl Iterator<Item = BlockKey>, statuses: &[SaveStatus]) {
+        for (key, status) in keys.zip(statuses) {
+            if *status != SaveStatus::Saved {
+                self.remember_unsaved(key);
+            }
+        }
+    }
+
+    fn remember_unsaved(&mut self, key: BlockKey) {
+        if !self.unsaved_set.insert(key) {
+            return;
+        }
+        if self.unsaved_recent.len() == UNSAVED_KEPT
+            && let Some(old) = self.unsaved_recent.pop_front()
+        {
+            self.unsaved_set.remove(&old);
+        }
+        self.unsaved_recent.push_back(key);
     }
 
     /// Asks a slot for each block to save — `(parent, key, object bytes)` —
     /// all before waiting for any: its reservation's cookie, or `None`
     /// where it was not asked (its parent is known not saved, so it will
     /// not be either; or the port had no room, and neither is the rest).
-    fn reserve_each(
-        &mut self,
-        blocks: impl Iterator<Item = (BlockKey, BlockKey, u64)>,
-        unsaved: &[BlockKey],
-    ) -> Vec<Option<u64>> {
+    fn reserve_each(&mut self, blocks: impl Iterator<Item = (BlockKey, BlockKey, u64)>) -> Vec<Option<u64>> {
         let mut reserved = Vec::new();
-        let mut skipped = Vec::new();
         let mut full = false;
         for (parent, key, object_bytes) in blocks {
-            if full || self.parent_unsaved(&parent, unsaved) || skipped.contains(&parent) {
-                skipped.push(key);
+            if full || self.parent_unsaved(&parent) {
+                self.remember_unsaved(key);
                 reserved.push(None);
                 continue;
             }
@@ -1249,15 +1259,10 @@ impl Agent {
 
     /// The slot reserved (`cookie`, if asked) for the block `(parent,
     /// key)` of a save, once granted; or what became of the block, which
-    /// is then added to `unsaved`. A block whose parent was not saved gets
-    /// none: a slot granted to it is given back unwritten.
-    fn slot_for(
-        &mut self,
-        cookie: Option<u64>,
-        (parent, key): (BlockKey, BlockKey),
-        unsaved: &mut Vec<BlockKey>,
-    ) -> Result<(u32, u32), SaveStatus> {
-        let orphan = self.parent_unsaved(&parent, unsaved);
+    /// is then remembered as not saved. A block whose parent was not saved
+    /// gets none: a slot granted to it is given back unwritten.
+    fn slot_for(&mut self, cookie: Option<u64>, (parent, key): (BlockKey, BlockKey)) -> Result<(u32, u32), SaveStatus> {
+        let orphan = self.parent_unsaved(&parent);
         let status = match cookie.map(|cookie| self.wait(cookie)) {
             Some(Ok((slot, generation))) if orphan => {
                 let cookie = self.cookie();
@@ -1269,14 +1274,14 @@ impl Agent {
             Some(Err(why)) => SaveStatus::Refused(why),
             None => SaveStatus::NotSent,
         };
-        unsaved.push(key);
+        self.remember_unsaved(key);
         Err(status)
     }
 
-    /// Whether the parent of a block to save was not saved (in this call,
-    /// `unsaved`, or lately).
-    fn parent_unsaved(&self, parent: &BlockKey, unsaved: &[BlockKey]) -> bool {
-        *parent != BlockKey::NONE && (unsaved.contains(parent) || self.unsaved_set.contains(parent))
+    /// Whether the parent of a block to save was not saved (earlier in
+    /// this save, or lately).
+    fn parent_unsaved(&self, parent: &BlockKey) -> bool {
+        *parent != BlockKey::NONE && self.unsaved_set.contains(parent)
     }
 
     /// Whether the data plane refuses saves now (it refused one for want
@@ -1293,23 +1298,17 @@ impl Agent {
     }
 
     /// [`Agent::save`] of at most [`SAVE_WINDOW`] blocks. A block whose
-    /// parent was not saved (refused, or itself skipped: `unsaved`) is not
-    /// saved either — a prefix is of use only from its start — and is
-    /// added to `unsaved`.
-    fn save_window(
-        &mut self,
-        blocks: &[SaveBlock<'_>],
-        statuses: &mut [SaveStatus],
-        unsaved: &mut Vec<BlockKey>,
-    ) -> usize {
+    /// parent was not saved (refused, or itself skipped) is not saved
+    /// either — a prefix is of use only from its start.
+    fn save_window(&mut self, blocks: &[SaveBlock<'_>], statuses: &mut [SaveStatus]) -> usize {
         debug_assert!(blocks.len() <= SAVE_WINDOW);
         statuses.fill(SaveStatus::NotSent);
         let reserved =
-            self.reserve_each(blocks.iter().map(|b| (b.parent, b.key, object_bytes(b.payload.len() as u64))), unsaved);
+            self.reserve_each(blocks.iter().map(|b| (b.parent, b.key, object_bytes(b.payload.len() as u64))));
         let header = *self.arena.header();
         let mut commits = Vec::with_capacity(reserved.len());
         for (i, block) in blocks.iter().enumerate() {
-            let (slot, generation) = match self.slot_for(reserved[i], (block.parent, block.key), unsaved) {
+            let (slot, generation) = match self.slot_for(reserved[i], (block.parent, block.key)) {
                 Ok(granted) => granted,
                 Err(status) => {
                     statuses[i] = status;
@@ -1408,30 +1407,12 @@ impl Agent {
         debug_assert_eq!(blocks.len(), statuses.len());
         statuses.fill(SaveStatus::NotSent);
         self.forget_unsaved(blocks.iter().map(|b| b.key));
-        let mut unsaved = Vec::new();
-        let saved = self.save_prepared_inner(blocks, statuses, &mut unsaved, fill);
-        for (block, status) in blocks.iter().zip(statuses.iter()) {
-            if *status != SaveStatus::Saved && !unsaved.contains(&block.key) {
-                unsaved.push(block.key);
-            }
-        }
-        self.note_unsaved(&unsaved);
-        saved
-    }
-
-    fn save_prepared_inner(
-        &mut self,
-        blocks: &[PreparedSave<'_>],
-        statuses: &mut [SaveStatus],
-        unsaved: &mut Vec<BlockKey>,
-        fill: impl FnOnce(&[(usize, *mut u8)]) -> bool,
-    ) -> usize {
-        let reserved = self.reserve_each(blocks.iter().map(|b| (b.parent, b.key, object_bytes(b.len as u64))), unsaved);
+        let reserved = self.reserve_each(blocks.iter().map(|b| (b.parent, b.key, object_bytes(b.len as u64))));
         let header = *self.arena.header();
         let mut slots = Vec::with_capacity(reserved.len());
         let mut bodies = Vec::with_capacity(reserved.len());
         for (i, (block, cookie)) in blocks.iter().zip(&reserved).enumerate() {
-            let (slot, generation) = match self.slot_for(*cookie, (block.parent, block.key), unsaved) {
+            let (slot, generation) = match self.slot_for(*cookie, (block.parent, block.key)) {
                 Ok(granted) => granted,
                 Err(status) => {
                     statuses[i] = status;
@@ -1476,7 +1457,9 @@ impl Agent {
                 commits.push((i, cookie, len));
             }
         }
-        self.await_commits(commits, statuses)
+        let saved = self.await_commits(commits, statuses);
+        self.note_unsaved_of(blocks.iter().map(|b| b.key), statuses);
+        saved
     }
 
     /// Writes a stored object into the reserved `slot`: the payload first

@@ -1142,19 +1142,21 @@ pub fn run_with(
         {
             stopping = Some(now + p.drain_timeout_ms * 1_000_000);
         }
-        if stopping.is_some() {
-            pool.close(pool::Closing::All);
-        } else if ports.close_saves.as_ref().is_some_and(|c| c.load(Ordering::Acquire)) {
-            pool.close(pool::Closing::Saves);
-        }
-        // Whether saves are refused now, where agents read it without a
-        // request.
-        let pressure = pool.save_pressure(now);
-        if pressure != save_pressure {
-            save_pressure = pressure;
-            wakeup.set_save_pressure(pressure);
-            if let Some(attach) = &attach {
-                attach.set_save_pressure(pressure);
+        if stats.polls.is_multiple_of(256) || idle_since.is_some() {
+            if stopping.is_some() {
+                pool.close(pool::Closing::All);
+            } else if ports.close_saves.as_ref().is_some_and(|c| c.load(Ordering::Acquire)) {
+                pool.close(pool::Closing::Saves);
+            }
+            // Whether saves are refused now, where agents read it without
+            // a request.
+            let pressure = pool.save_pressure(now);
+            if pressure != save_pressure {
+                save_pressure = pressure;
+                wakeup.set_save_pressure(pressure);
+                if let Some(attach) = &attach {
+                    attach.set_save_pressure(pressure);
+                }
             }
         }
         let selftest_done = selftest.as_ref().is_none_or(|s| s.remaining == 0 && s.in_flight == 0);
@@ -1295,7 +1297,7 @@ pub fn run_with(
                     event = "saves_refused",
                     blocks = p.saves_refused - refused_logged,
                     total = p.saves_refused,
-                    no_space = p.saves_refused - p.saves_refused_reserve - p.saves_refused_stopping,
+                    no_space = p.saves_refused_no_space(),
                     load_reserve = p.saves_refused_reserve,
                     stopping = p.saves_refused_stopping,
                     why = "no_space: no L1 slot free for a save and no victim marked to take in time (L1 full of \
@@ -1326,7 +1328,7 @@ pub fn run_with(
                 });
                 let p = &pool.stats;
                 link.save_refusals(&crate::wire::message::SaveRefusals {
-                    no_space: p.saves_refused - p.saves_refused_reserve - p.saves_refused_stopping,
+                    no_space: p.saves_refused_no_space(),
                     load_reserve: p.saves_refused_reserve,
                     stopping: p.saves_refused_stopping,
                     reserved: 0,

@@ -465,6 +465,14 @@ pub struct Pool {
     pub stats: PoolStats,
 }
 
+impl PoolStats {
+    /// Saves refused for want of room: no free L1 slot and no victim in
+    /// time (the refusals not counted under another reason).
+    pub fn saves_refused_no_space(&self) -> u64 {
+        self.saves_refused - self.saves_refused_reserve - self.saves_refused_stopping
+    }
+}
+
 impl core::fmt::Debug for Pool {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Pool").field("stats", &self.stats).finish_non_exhaustive()
@@ -931,12 +939,8 @@ impl Pool {
             }
             AgentRequest::Commit { cookie, slot, generation } if self.closing == Closing::All => {
                 // Not published: acked now, it would be lost with the
-                // data plane. Its slot is given back.
-                if matches!(self.l1.get(slot as usize), Some(L1State::Reserved { agent: owner, .. }) if *owner == agent)
-                    && table.arena().generation(slot) == Some(generation)
-                {
-                    self.release_l1(slot, table);
-                }
+                // data plane. Its slot is given back, as for an abort.
+                let _ = self.abort(agent, slot, generation, table);
                 self.answer(agent, cookie, Err(AgentError::Stopping));
             }
             AgentRequest::Load { cookie, .. } if self.closing == Closing::All => {
@@ -975,15 +979,7 @@ impl Pool {
                 self.answer(agent, cookie, result.map(|()| (slot, generation)));
             }
             AgentRequest::Abort { cookie, slot, generation } => {
-                let result = match self.l1.get(slot as usize) {
-                    Some(L1State::Reserved { agent: owner, .. })
-                        if *owner == agent && table.arena().generation(slot) == Some(generation) =>
-                    {
-                        self.release_l1(slot, table);
-                        Ok((slot, generation))
-                    }
-                    _ => Err(AgentError::Stale),
-                };
+                let result = self.abort(agent, slot, generation, table);
                 self.answer(agent, cookie, result);
             }
             AgentRequest::Load { cookie, key, source, priority, trace } => {
@@ -1055,6 +1051,26 @@ impl Pool {
         }
         self.marked[slot] = Some((wire.generation, replica.reason));
         self.evictable.push_back(Victim { slot: wire.slot, generation: wire.generation, key: replica.key });
+    }
+
+    /// Gives back the L1 `slot` (at `generation`) `agent` reserved and
+    /// did not commit; `Stale` if it holds no such reservation.
+    fn abort(
+        &mut self,
+        agent: u16,
+        slot: u32,
+        generation: u32,
+        table: &mut SlotTable,
+    ) -> Result<(u32, u32), AgentError> {
+        match self.l1.get(slot as usize) {
+            Some(L1State::Reserved { agent: owner, .. })
+                if *owner == agent && table.arena().generation(slot) == Some(generation) =>
+            {
+                self.release_l1(slot, table);
+                Ok((slot, generation))
+            }
+            _ => Err(AgentError::Stale),
+        }
     }
 
     /// Refuses `agent`'s save `cookie` for `why`, counted by reason.
