@@ -417,6 +417,18 @@ impl KvCopier {
         Ok(event)
     }
 
+    /// An event that passes once everything queued so far on both of the
+    /// copier's streams has run: the kernels, and the copies of staged
+    /// saves and loads. (The copy stream is made to wait for the kernels
+    /// queued so far; copies queued after them wait for those anyway.)
+    pub fn record_all(&self) -> Result<CudaEvent, GpuError> {
+        let kernels = self.record()?;
+        self.copy_stream.wait(&kernels).map_err(driver("ordering the copy stream after the kernels"))?;
+        let event = self.ctx.new_event(None).map_err(driver("creating an event"))?;
+        event.record(&self.copy_stream).map_err(driver("recording an event"))?;
+        Ok(event)
+    }
+
     /// An event recorded now on another stream of this device's primary
     /// context (an engine's: `stream` is its raw `CUstream`, 0 for the
     /// legacy default stream): it passes once everything the engine queued
@@ -645,10 +657,15 @@ impl KvCopier {
             .alloc_zeros::<u32>(chunks_per_block as usize * count)
             .map_err(driver("allocating chunk CRCs"))?;
         let mut sources: Vec<*const u8> = Vec::with_capacity(count);
+        // A whole load (one group) lays a unit's blocks out in staging at
+        // their slots' own stride, so blocks in adjacent slots cross the
+        // bus in one copy (the slot headers between them with them).
+        let whole = groups.len() == 1;
         for (g, range) in groups.iter().enumerate() {
             let offset = range.start * piece_bytes;
             let run = range.len() * piece_bytes;
-            let per_unit = STAGING_UNIT_BYTES / run;
+            let per_unit =
+                if whole { (STAGING_UNIT_BYTES / (run + SLOT_GAP_MAX)).max(1) } else { STAGING_UNIT_BYTES / run };
             let first_chunk = u32::try_from(offset / chunk).map_err(too_many)?;
             let chunks = u32::try_from(run / chunk).map_err(too_many)?;
             for first in (0..count).step_by(per_unit) {
@@ -671,18 +688,29 @@ impl KvCopier {
                     // The unit's last kernels must have read it.
                     self.copy_stream.wait(&ring.freed[unit]).map_err(driver("ordering a staging unit"))?;
                 }
-                let mut destinations: Vec<u64> = (0..last - first).map(|j| base + (j * run) as u64).collect();
-                let mut from: Vec<u64> = sources[first..last].iter().map(|s| s.wrapping_add(offset) as u64).collect();
-                // SAFETY: each destination is `run` bytes inside this unit
-                // (at most STAGING_UNIT_BYTES / run runs); each source is
-                // the group's `run` bytes inside a block's registered
-                // payload (contract; offset + run <= block_bytes).
-                unsafe { self.copy_batch(&mut destinations, &mut from, run) }?;
+                let from: Vec<u64> = sources[first..last].iter().map(|s| s.wrapping_add(offset) as u64).collect();
+                let stride = if whole { slot_stride(&from, run as u64) } else { run as u64 };
+                let copies = coalesce(&from, stride, run as u64);
+                let mut destinations: Vec<u64> = copies.iter().map(|c| base + c.first as u64 * stride).collect();
+                let mut starts: Vec<u64> = copies.iter().map(|c| c.source).collect();
+                let mut sizes: Vec<usize> = copies
+                    .iter()
+                    .map(|c| usize::try_from(c.len))
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| GpuError("a copy longer than the address space".into()))?;
+                // SAFETY: block j of the unit lands at `base + j * stride`,
+                // `run` bytes, inside this unit ((per_unit - 1) * stride +
+                // run <= STAGING_UNIT_BYTES: stride <= run + SLOT_GAP_MAX);
+                // a copy of several blocks reads their sources and the
+                // gaps between them, adjacent slots of one registered
+                // arena (contract; offset + run <= block_bytes).
+                unsafe { self.copy_batch(&mut destinations, &mut starts, &mut sizes) }?;
                 ring.copied[unit].record(&self.copy_stream).map_err(driver("recording a copy"))?;
                 self.stream.wait(&ring.copied[unit]).map_err(driver("ordering the kernels after a copy"))?;
                 // The scatter addresses a payload by its start: the run
                 // sits where piece `range.start` would.
-                let payloads: Vec<u64> = destinations.iter().map(|d| d.wrapping_sub(offset as u64)).collect();
+                let payloads: Vec<u64> =
+                    (0..last - first).map(|j| (base + j as u64 * stride).wrapping_sub(offset as u64)).collect();
                 self.launch(&self.scatter, kv, &engine_blocks[first..last], &payloads, range.clone())?;
                 let runs = u32::try_from(last - first).map_err(too_many)?;
                 let first_block = u32::try_from(first).map_err(too_many)?;
@@ -691,15 +719,16 @@ impl KvCopier {
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let run_stride = run as u64;
+                let run_stride = stride;
                 let mut args = self.stream.launch_builder(&self.crc_runs);
                 args.arg(&base).arg(&run_stride).arg(&mut chunk_crcs).arg(&chunk_u32).arg(&chunks);
                 args.arg(&chunks_per_block).arg(&first_chunk).arg(&first_block);
                 // SAFETY: the kernel's eight parameters in order and type;
-                // reads `runs` runs of `chunks` chunks inside this staging
-                // unit, writes rows `first..last` (each `chunks_per_block`,
-                // columns from `first_chunk`, inside it: offset + run <=
-                // block_bytes) of an allocation of `count` rows.
+                // reads `runs` runs of `chunks` chunks `stride` apart inside
+                // this staging unit, writes rows `first..last` (each
+                // `chunks_per_block`, columns from `first_chunk`, inside it:
+                // offset + run <= block_bytes) of an allocation of `count`
+                // rows.
                 unsafe { args.launch(config) }.map_err(driver("launching the CRC kernel of runs"))?;
                 ring.freed[unit].record(&self.stream).map_err(driver("recording a staging unit's kernels"))?;
                 ring.used[unit] = true;
@@ -757,9 +786,10 @@ impl KvCopier {
             ring.copied[unit].record(&self.stream).map_err(driver("recording a gather"))?;
             self.copy_stream.wait(&ring.copied[unit]).map_err(driver("ordering copies after a gather"))?;
             let mut to: Vec<u64> = destinations[first..last].iter().map(|&d| d as u64).collect();
+            let mut sizes = vec![block_bytes; to.len()];
             // SAFETY: each source is a block inside this unit; each
             // destination a registered block (contract).
-            unsafe { self.copy_batch(&mut to, &mut staged, block_bytes) }?;
+            unsafe { self.copy_batch(&mut to, &mut staged, &mut sizes) }?;
             ring.freed[unit].record(&self.copy_stream).map_err(driver("recording a staging unit's copies"))?;
             ring.used[unit] = true;
         }
@@ -789,12 +819,17 @@ impl KvCopier {
     ///
     /// Every range is device memory or registered host memory, valid for
     /// `len` bytes until the copy stream passes them.
-    unsafe fn copy_batch(&self, destinations: &mut [u64], sources: &mut [u64], len: usize) -> Result<(), GpuError> {
+    unsafe fn copy_batch(
+        &self,
+        destinations: &mut [u64],
+        sources: &mut [u64],
+        sizes: &mut [usize],
+    ) -> Result<(), GpuError> {
         use std::sync::atomic::Ordering::Relaxed;
+        assert!(destinations.len() == sources.len() && sources.len() == sizes.len());
         self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
         let stream = self.copy_stream.cu_stream();
         if self.batch_copies.load(Relaxed) {
-            let mut sizes = vec![len; destinations.len()];
             let nowhere = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID, id: 0 };
             let mut attributes = sys::CUmemcpyAttributes {
                 srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
@@ -825,7 +860,7 @@ impl KvCopier {
             // refused batch did queue is queued again, the same bytes).
             self.batch_copies.store(false, Relaxed);
         }
-        for (&destination, &source) in destinations.iter().zip(sources.iter()) {
+        for ((&destination, &source), &len) in destinations.iter().zip(sources.iter()).zip(sizes.iter()) {
             // SAFETY: valid ranges (contract), a live stream; the driver
             // tells host from device memory by address (unified).
             unsafe { sys::cuMemcpyAsync(destination, source, len, stream) }
@@ -996,5 +1031,98 @@ impl Drop for RegisteredHost {
     fn drop(&mut self) {
         // SAFETY: registered by `register`, once.
         let _ = unsafe { sys::cuMemHostUnregister(self.address as *mut core::ffi::c_void) };
+    }
+}
+
+/// The most bytes between two blocks' payloads in adjacent L1 slots (the
+/// next slot's stored header, and the slot's rounding) that a whole load
+/// copies across the bus with them rather than copy each block alone.
+pub(crate) const SLOT_GAP_MAX: usize = 64 << 10;
+
+/// One copy of a unit of a whole load: blocks `first..` of the unit, read
+/// from `source` on, `len` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct UnitCopy {
+    /// The unit's first block it carries.
+    pub(crate) first: usize,
+    /// Where it reads from.
+    pub(crate) source: u64,
+    /// Bytes: `(blocks - 1) * stride + run`.
+    pub(crate) len: u64,
+}
+
+/// The distance between the payloads of two of `sources` that sit in
+/// adjacent slots — the first pair `run..=run + SLOT_GAP_MAX` apart — or
+/// `run` where no two do.
+pub(crate) fn slot_stride(sources: &[u64], run: u64) -> u64 {
+    sources
+        .windows(2)
+        .map(|pair| pair[1].wrapping_sub(pair[0]))
+        .find(|&delta| (run..=run + SLOT_GAP_MAX as u64).contains(&delta))
+        .unwrap_or(run)
+}
+
+/// The copies that carry blocks of `run` bytes read from `sources`, in
+/// order, into a unit where block `j` lands `j * stride` from its start:
+/// one copy for each stretch of blocks whose sources are `stride` apart
+/// too (adjacent slots), the gaps between them carried along.
+pub(crate) fn coalesce(sources: &[u64], stride: u64, run: u64) -> Vec<UnitCopy> {
+    let mut copies: Vec<UnitCopy> = Vec::with_capacity(sources.len());
+    for (j, &source) in sources.iter().enumerate() {
+        if let Some(last) = copies.last_mut()
+            && stride >= run
+            && source == last.source.wrapping_add((j - last.first) as u64 * stride)
+        {
+            last.len += stride;
+            continue;
+        }
+        copies.push(UnitCopy { first: j, source, len: run });
+    }
+    copies
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_in_adjacent_slots_cross_in_one_copy_and_the_rest_alone() {
+        let (run, stride) = (1000u64, 1100u64);
+        // Slots 0, 1, 2 adjacent; then 7; then 3, 4 adjacent; then 4 again.
+        let at = |slot: u64| 50_000 + slot * stride;
+        let sources = [at(0), at(1), at(2), at(7), at(3), at(4), at(4)];
+        assert_eq!(slot_stride(&sources, run), stride);
+        let copies = coalesce(&sources, stride, run);
+        assert_eq!(
+            copies,
+            [
+                UnitCopy { first: 0, source: at(0), len: 2 * stride + run },
+                UnitCopy { first: 3, source: at(7), len: run },
+                UnitCopy { first: 4, source: at(3), len: stride + run },
+                UnitCopy { first: 6, source: at(4), len: run },
+            ]
+        );
+        // Every block's bytes land where the unit's layout puts it: block
+        // j at j * stride, read from its own source.
+        for (j, &source) in sources.iter().enumerate() {
+            let copy = copies.iter().rev().find(|c| c.first <= j).unwrap();
+            let within = (j - copy.first) as u64 * stride;
+            assert!(within + run <= copy.len);
+            assert_eq!(copy.source + within, source);
+        }
+    }
+
+    #[test]
+    fn with_no_adjacent_slots_every_block_is_a_copy_of_its_own() {
+        let sources = [0u64, 10_000_000, 5_000_000];
+        let stride = slot_stride(&sources, 1000);
+        assert_eq!(stride, 1000);
+        let copies = coalesce(&sources, stride, 1000);
+        assert_eq!(copies.len(), 3);
+        assert!(copies.iter().all(|c| c.len == 1000));
+        // A gap wider than a slot's header is not carried.
+        let far = [0u64, 1000 + SLOT_GAP_MAX as u64 + 1];
+        assert_eq!(slot_stride(&far, 1000), 1000);
+        assert_eq!(coalesce(&far, 1000, 1000).len(), 2);
     }
 }
