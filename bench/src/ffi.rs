@@ -91,8 +91,8 @@ pub(crate) struct FfiArgs {
     /// Copy lanes of the agent.
     #[arg(long, default_value_t = 0)]
     pub(crate) copy_threads: u32,
-    /// How commits are checked: inline, background or trust.
-    #[arg(long, default_value = "inline")]
+    /// How commits are checked: auto, inline, background or trust.
+    #[arg(long, default_value = "auto")]
     pub(crate) commit_check: String,
 }
 
@@ -104,10 +104,11 @@ pub(crate) fn run(args: &FfiArgs) -> Result<Report, String> {
     let copy_threads: u32 = args.copy_threads;
     let commit_check_name: String = args.commit_check.clone();
     let commit_check = match commit_check_name.as_str() {
+        "auto" => CommitCheck::Auto,
         "inline" => CommitCheck::Inline,
         "background" => CommitCheck::Background,
         "trust" => CommitCheck::Trust,
-        other => return Err(format!("--commit-check is inline, background or trust, not {other}")),
+        other => return Err(format!("--commit-check is auto, inline, background or trust, not {other}")),
     };
     let block = usize::try_from(block_bytes).map_err(|e| e.to_string())?;
     let count = blocks as usize;

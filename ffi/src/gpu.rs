@@ -625,11 +625,13 @@ fn load_fetched(
 }
 
 /// A save from GPU memory: the segment CRCs computed on the GPU from the
-/// engine's blocks, slots reserved and their headers written with those
-/// CRCs, then one gather kernel writes every payload straight into its
-/// slot across the bus; committed once the stream has passed it (the data
-/// plane checks the CRCs against the bytes at commit, as for any save). A
-/// status per block.
+/// engine's blocks, then the blocks in turns: a turn's slots reserved and
+/// their headers written with those CRCs, its payloads queued to cross the
+/// bus (gathered into HBM staging and copied by the copy engines, or
+/// gathered straight into the slots by a kernel), and the turn committed
+/// once the GPU has passed an event recorded after its copies. The next
+/// turn is reserved and queued before the host waits for this one, so the
+/// bus stays busy while the host reserves and commits. A status per block.
 pub(crate) fn save(
     agent: &mut Agent,
     memory: &GpuMemory,
@@ -657,47 +659,93 @@ pub(crate) fn save(
         return statuses;
     };
     let per_block = crcs.len() / keys.len();
-    // In turns of a bounded number of reservations (the port is finite).
-    for first in (0..keys.len()).step_by(STAGING_BLOCKS) {
-        let last = (first + STAGING_BLOCKS).min(keys.len());
-        let prepared: Vec<PreparedSave<'_>> = (first..last)
-            .map(|i| PreparedSave {
-                key: keys[i],
-                parent: parents[i],
-                block_index: u32::try_from(i).unwrap_or(u32::MAX),
-                len,
-                crcs: &crcs[i * per_block..(i + 1) * per_block],
-            })
-            .collect();
-        let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; last - first];
-        // A block under one not saved (in an earlier turn too) is not
-        // sent: the agent keeps a prefix whole.
-        agent.save_prepared(&prepared, &mut saved, |bodies| {
-            let ids: Vec<u32> = bodies.iter().map(|&(i, _)| blocks[first + i]).collect();
-            // Blocks larger than a staging unit cross the bus by the kernel.
-            let staged = memory.path == GpuPath::CopyEngine && len <= lake_kernels::STAGING_UNIT_BYTES;
-            let moved = if staged {
-                let destinations: Vec<*mut u8> = bodies.iter().map(|&(_, body)| body).collect();
-                // SAFETY: the bodies are reserved slots of the registered
-                // arena, `len` bytes each, written by these copies only; the
-                // streams are synchronized before they are committed.
-                unsafe { copier.save_staged(&memory.kv, &ids, &destinations) }
-            } else {
-                let addresses: Option<Vec<u64>> =
-                    bodies.iter().map(|&(_, body)| memory.gpu.arena_address(body)).collect();
-                let Some(addresses) = addresses else { return false };
-                // SAFETY: the bodies are reserved slots of the registered
-                // arena, `len` bytes each; the stream is synchronized before
-                // they are committed.
-                unsafe { copier.gather(&memory.kv, &ids, &addresses) }
-            };
-            moved.and_then(|()| copier.synchronize()).is_ok()
-        });
-        for (status, saved) in statuses[first..last].iter_mut().zip(saved) {
-            *status = crate::trace::status_of_save(saved);
+    let prepared: Vec<PreparedSave<'_>> = (0..keys.len())
+        .map(|i| PreparedSave {
+            key: keys[i],
+            parent: parents[i],
+            block_index: u32::try_from(i).unwrap_or(u32::MAX),
+            len,
+            crcs: &crcs[i * per_block..(i + 1) * per_block],
+            // Lake's kernel, from the registered engine memory the
+            // copies below read, in their stream order.
+            crcs_from: lake_dp::agent::CrcOrigin::Kernel,
+        })
+        .collect();
+    let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; keys.len()];
+    agent.forget_unsaved_of(keys);
+    // Turns of a bounded number of reservations (the port and the staging
+    // region are finite), at least four to a save where it has the blocks
+    // (so a small save overlaps too).
+    let turn_blocks = keys.len().div_ceil(4).clamp(SAVE_TURN_MIN, STAGING_BLOCKS);
+    let mut queued: Option<QueuedTurn> = None;
+    for first in (0..keys.len()).step_by(turn_blocks) {
+        let last = (first + turn_blocks).min(keys.len());
+        let turn = agent.reserve_prepared(&prepared[first..last], &mut saved[first..last]);
+        let landed = if turn.bodies.is_empty() {
+            None
+        } else {
+            queue_save(memory, &turn.bodies, &blocks[first..last]).and_then(|()| copier.record_all()).ok()
+        };
+        if let Some(before) = queued.replace(QueuedTurn { first, last, turn, landed }) {
+            commit_turn(agent, before, &prepared, &mut saved);
         }
     }
+    if let Some(last) = queued {
+        commit_turn(agent, last, &prepared, &mut saved);
+    }
+    for (status, saved) in statuses.iter_mut().zip(saved) {
+        *status = crate::trace::status_of_save(saved);
+    }
     statuses
+}
+
+/// Blocks to a save's turn at least.
+const SAVE_TURN_MIN: usize = 8;
+
+/// A turn of a GPU save whose copies are queued: the event that passes
+/// once they have landed (`None`: nothing was queued, or queueing failed).
+struct QueuedTurn {
+    first: usize,
+    last: usize,
+    turn: lake_dp::agent::PreparedTurn,
+    landed: Option<CudaEvent>,
+}
+
+/// Queues a turn's payloads to cross the bus into its slots: `bodies` are
+/// (index in the turn, payload area), `blocks` the turn's engine blocks.
+fn queue_save(memory: &GpuMemory, bodies: &[(usize, *mut u8)], blocks: &[u32]) -> Result<(), lake_kernels::GpuError> {
+    let len = memory.block_bytes();
+    let copier = &memory.gpu.copier;
+    let ids: Vec<u32> = bodies.iter().map(|&(i, _)| blocks[i]).collect();
+    // Blocks larger than a staging unit cross the bus by the kernel.
+    if memory.path == GpuPath::CopyEngine && len <= lake_kernels::STAGING_UNIT_BYTES {
+        let destinations: Vec<*mut u8> = bodies.iter().map(|&(_, body)| body).collect();
+        // SAFETY: the bodies are reserved slots of the registered arena,
+        // `len` bytes each, written by these copies only; the turn is
+        // committed only once an event recorded after them has passed.
+        unsafe { copier.save_staged(&memory.kv, &ids, &destinations) }
+    } else {
+        let addresses: Option<Vec<u64>> = bodies.iter().map(|&(_, body)| memory.gpu.arena_address(body)).collect();
+        let addresses =
+            addresses.ok_or_else(|| lake_kernels::GpuError("a slot outside the registered arena".into()))?;
+        // SAFETY: as above; the kernel writes the bodies.
+        unsafe { copier.gather(&memory.kv, &ids, &addresses) }
+    }
+}
+
+/// Waits for a queued turn's copies to land, then commits its slots (or
+/// aborts them, if the copies failed) and waits for the answers.
+fn commit_turn(
+    agent: &mut Agent,
+    queued: QueuedTurn,
+    prepared: &[PreparedSave<'_>],
+    saved: &mut [lake_dp::agent::SaveStatus],
+) {
+    let QueuedTurn { first, last, turn, landed } = queued;
+    let filled = landed.is_some_and(|event| event.synchronize().is_ok());
+    let (blocks, statuses) = (&prepared[first..last], &mut saved[first..last]);
+    let sent = agent.commit_prepared(turn, blocks, filled, statuses);
+    agent.await_prepared(sent, blocks, statuses);
 }
 
 /// The per-layer events of GPU loads, by request: the agent thread records

@@ -276,8 +276,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 16, help_heading = "Pool")]
     pub agents: u32,
 
-    /// How a commit's payload is checked before it is served.
-    #[arg(long, value_enum, default_value_t = CommitCheck::Inline, help_heading = "Pool")]
+    /// How a saved block's bytes are checked against its CRCs: auto
+    /// (those Lake computed: served at once, read on a thread beside the
+    /// poller, a bad block evicted; any other: before it is served),
+    /// inline, background or trust.
+    #[arg(long, value_enum, default_value_t = CommitCheck::Auto, help_heading = "Pool")]
     pub commit_check: CommitCheck,
 
     /// Where `/metrics` (Prometheus) is served, or `off`. Use

@@ -202,7 +202,7 @@ impl EmbeddedConfig {
             remote_agents: 16,
             tiers: TierConfig::default(),
             metrics: None,
-            commit_check: lake_dp::runner::pool::CommitCheck::Inline,
+            commit_check: lake_dp::runner::pool::CommitCheck::Auto,
             transport_listen: None,
             transport_peers: Vec::new(),
             rdma: None,
@@ -551,7 +551,8 @@ ports = {remote}
             lock = self.l1_lock,
             l2 = self.l2_slots_per_file,
             background = self.l2_background_depth,
-            agents = (self.local_agents + self.remote_agents + 2).min(1024),
+            // Two records of slack, and one for the commit check's thread.
+            agents = (self.local_agents + self.remote_agents + 3).min(1024),
             remote = self.remote_agents.clamp(1, 1024),
         ))
         .map_err(|e| e.to_string())?;

@@ -214,21 +214,33 @@ fn http_get(address: std::net::SocketAddr, path: &str) -> String {
 
 /// An agent that commits bytes its CRCs do not describe (a GPU gather
 /// that had not landed, a bug): checked inline, the commit is refused;
-/// checked in the background, the block is published, then found out,
-/// evicted as corrupt and gone from the mirror — the sound blocks beside
-/// it stay, read through and counted.
+/// checked in the background (by the check's own thread), the block is
+/// published, then found out, evicted as corrupt and gone from the mirror
+/// — the sound blocks beside it stay, read through and counted. The
+/// default (`Auto`) does the latter for CRCs Lake's kernel computed, the
+/// former for CRCs whose origin the agent does not say.
 #[test]
 fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
-    use lake_dp::agent::PreparedSave;
+    use lake_dp::agent::{CrcOrigin, PreparedSave};
     use lake_dp::runner::pool::CommitCheck;
-    for check in [CommitCheck::Inline, CommitCheck::Background] {
+    assert_eq!(CommitCheck::default(), CommitCheck::Auto);
+    let cases = [
+        (CommitCheck::Inline, CrcOrigin::Kernel),
+        (CommitCheck::Background, CrcOrigin::Unknown),
+        (CommitCheck::Auto, CrcOrigin::Kernel),
+        (CommitCheck::Auto, CrcOrigin::Unknown),
+    ];
+    for (check, origin) in cases {
+        let inline = !check.publishes_first(origin);
         let mut pool = EmbeddedPool::start(&EmbeddedConfig {
             l1_slots: 32,
             l2_slots_per_file: 32,
             local_agents: 1,
             remote_agents: 0,
             commit_check: check,
-            ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-check-{check:?}-{}", std::process::id())))
+            ..EmbeddedConfig::new(
+                std::env::temp_dir().join(format!("lake-cp-check-{check:?}-{origin:?}-{}", std::process::id())),
+            )
         })
         .unwrap();
         let mut agent = attach(&mut pool);
@@ -243,6 +255,7 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
                 block_index: u32::try_from(i).unwrap(),
                 len: PAYLOAD,
                 crcs: &crcs[i],
+                crcs_from: origin,
             })
             .collect();
         // Block 3's third segment is written wrong.
@@ -266,17 +279,17 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
                 if hits == want {
                     return;
                 }
-                assert!(Instant::now() < deadline, "{check:?}: {hits} hits, never {want}");
+                assert!(Instant::now() < deadline, "{check:?}, {origin:?}: {hits} hits, never {want}");
                 std::thread::sleep(Duration::from_millis(5));
             }
         };
-        match check {
-            CommitCheck::Inline => {
-                assert_eq!(committed, 3, "the lying commit is refused");
+        match inline {
+            true => {
+                assert_eq!(committed, 3, "{check:?}, {origin:?}: the lying commit is refused");
                 let refused = SaveStatus::Refused(lake_dp::agent::port::AgentError::Corrupt);
                 assert_eq!(statuses, [SaveStatus::Saved, SaveStatus::Saved, SaveStatus::Saved, refused]);
             }
-            _ => assert_eq!(committed, 4, "published before its payload is read"),
+            false => assert_eq!(committed, 4, "{check:?}, {origin:?}: published before its payload is read"),
         }
         // Either way the mirror ends with the three sound blocks.
         settled(&mut agent, &mut table, 3);
@@ -284,16 +297,88 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
         assert_eq!(delivered, 3);
         drop(agent);
         let (stats, _server) = pool.stop().unwrap();
-        match check {
-            CommitCheck::Inline => {
+        match inline {
+            true => {
                 assert_eq!((stats.pool.commits_corrupt, stats.pool.commits_corrupt_late), (1, 0), "{stats:?}");
             }
-            _ => {
+            false => {
                 assert_eq!((stats.pool.commits_corrupt, stats.pool.commits_corrupt_late), (0, 1), "{stats:?}");
                 assert_eq!(stats.pool.commits_verified, 3, "{stats:?}");
             }
         }
     }
+}
+
+/// A save in turns (a GPU save fills one turn's slots while it reserves
+/// the next): the next turn is reserved before the one before is
+/// committed, so a refused commit is known only after its children hold
+/// slots. Those children are not committed — aborted, `ParentUnsaved` —
+/// and the pool publishes the prefix up to the refused block, no further.
+#[test]
+fn a_turn_whose_parent_was_refused_at_commit_is_not_committed() {
+    use lake_dp::agent::port::AgentError;
+    use lake_dp::agent::{CrcOrigin, PreparedSave};
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+        l1_slots: 32,
+        l2_slots_per_file: 32,
+        local_agents: 1,
+        remote_agents: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-turns-{}", std::process::id())))
+    })
+    .unwrap();
+    let mut agent = attach(&mut pool);
+    let keys: Vec<BlockKey> = (0..4).map(|i| key(11, i)).collect();
+    let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
+    let segment = usize::try_from(agent.segment_bytes_for(PAYLOAD as u64)).unwrap();
+    let crcs: Vec<Vec<u32>> = payloads.iter().map(|p| p.chunks(segment).map(crc32fast::hash).collect()).collect();
+    // CRCs of unknown origin: checked before publishing (the default
+    // check), so the lie below is refused at commit.
+    let blocks: Vec<PreparedSave<'_>> = (0..4)
+        .map(|i| PreparedSave {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            len: PAYLOAD,
+            crcs: &crcs[i],
+            crcs_from: CrcOrigin::Unknown,
+        })
+        .collect();
+    let fill = |bodies: &[(usize, *mut u8)], first: usize, lie: Option<usize>| {
+        for &(i, body) in bodies {
+            let mut bytes = payloads[first + i].clone();
+            if Some(first + i) == lie {
+                bytes[7] ^= 1;
+            }
+            // SAFETY: a reserved slot's payload area of PAYLOAD bytes.
+            unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), body, PAYLOAD) };
+        }
+    };
+    let mut statuses = [SaveStatus::NotSent; 4];
+    agent.forget_unsaved_of(&keys);
+    let (front, back) = statuses.split_at_mut(2);
+    // Turn one: blocks 0 and 1, block 1's bytes lie.
+    let one = agent.reserve_prepared(&blocks[..2], front);
+    fill(&one.bodies, 0, Some(1));
+    // Turn two reserved before turn one is committed.
+    let two = agent.reserve_prepared(&blocks[2..], back);
+    assert_eq!(two.bodies.len(), 2, "turn two holds its slots");
+    fill(&two.bodies, 2, None);
+    let sent = agent.commit_prepared(one, &blocks[..2], true, front);
+    assert_eq!(agent.await_prepared(sent, &blocks[..2], front), 1);
+    let sent = agent.commit_prepared(two, &blocks[2..], true, back);
+    assert_eq!(agent.await_prepared(sent, &blocks[2..], back), 0, "{statuses:?}");
+    assert_eq!(
+        statuses,
+        [
+            SaveStatus::Saved,
+            SaveStatus::Refused(AgentError::Corrupt),
+            SaveStatus::ParentUnsaved,
+            SaveStatus::ParentUnsaved,
+        ]
+    );
+    drop(agent);
+    let (stats, _server) = pool.stop().unwrap();
+    assert_eq!(stats.pool.saves, 1, "{stats:?}");
 }
 
 /// One save of more blocks than the agent's port has request slots (256)

@@ -995,6 +995,7 @@ fn a_refused_save_says_why_and_the_pool_says_it_refuses_saves() {
                 block_index: 0,
                 len: PAYLOAD,
                 crcs: &crcs,
+                crcs_from: lake_dp::agent::CrcOrigin::Slot,
             })
             .collect();
         let keys: Vec<lake_dp::BlockKey> = (0..3).map(|i| key(40_000 + i)).collect();

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::port::{AgentCompletion, AgentError, AgentPort, AgentRequest};
+use super::port::{AgentCompletion, AgentError, AgentPort, AgentRequest, CrcOrigin};
 use super::shm::AgentShmPort;
 use crate::arena::{Arena, Pin, PinArray, PinError};
 use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
@@ -139,7 +139,26 @@ pub struct PreparedSave<'a> {
     pub len: usize,
     /// The CRC of each segment ([`Agent::segment_bytes_for`] bytes each).
     pub crcs: &'a [u32],
+    /// Who computed them, over what (the data plane's commit check goes
+    /// by it).
+    pub crcs_from: CrcOrigin,
 }
+
+/// A turn of [`Agent::reserve_prepared`]: the slots granted, their headers
+/// written, waiting for their payloads.
+#[derive(Debug)]
+pub struct PreparedTurn {
+    /// (block index, slot, generation) of each block granted a slot.
+    slots: Vec<(usize, u32, u32)>,
+    /// Where each of those blocks' payload goes: (block index, payload
+    /// area of its reserved slot, `len` bytes).
+    pub bodies: Vec<(usize, *mut u8)>,
+}
+
+/// Commits sent by [`Agent::commit_prepared`], not yet answered: (block
+/// index, cookie, payload bytes).
+#[derive(Debug)]
+pub struct SentCommits(Vec<(usize, u64, usize)>);
 
 /// Where a saved block's bytes come from.
 #[derive(Clone, Copy)]
@@ -1325,7 +1344,7 @@ impl Agent {
             );
             let written = self.write_object(slot, &meta, &block.payload);
             let request = if written {
-                AgentRequest::Commit { cookie, slot, generation }
+                AgentRequest::Commit { cookie, slot, generation, crcs: CrcOrigin::Slot }
             } else {
                 statuses[i] = SaveStatus::Refused(AgentError::Invalid);
                 AgentRequest::Abort { cookie, slot, generation }
@@ -1396,21 +1415,36 @@ impl Agent {
     /// block, writes each header with the given CRCs, hands every payload
     /// area to `fill` at once — `(block index, where its payload goes)` —
     /// and commits them if `fill` returns true (aborts them otherwise).
-    /// The data plane checks the CRCs against the bytes at commit, as for
-    /// any save. Best effort; returns how many were committed.
+    /// The data plane checks the CRCs against the bytes as its commit
+    /// check says for their origin. Best effort; returns how many were
+    /// committed.
     pub fn save_prepared(
         &mut self,
         blocks: &[PreparedSave<'_>],
         statuses: &mut [SaveStatus],
         fill: impl FnOnce(&[(usize, *mut u8)]) -> bool,
     ) -> usize {
+        self.forget_unsaved(blocks.iter().map(|b| b.key));
+        let turn = self.reserve_prepared(blocks, statuses);
+        let filled = !turn.bodies.is_empty() && fill(&turn.bodies);
+        let sent = self.commit_prepared(turn, blocks, filled, statuses);
+        self.await_prepared(sent, blocks, statuses)
+    }
+
+    /// [`Agent::save_prepared`] in three steps, for a caller that fills
+    /// one turn's slots while it reserves the next and commits the one
+    /// before: reserves a slot per block and writes each header; the
+    /// payload areas are in the turn's `bodies`. Every block of the save
+    /// goes through [`Agent::commit_prepared`] and
+    /// [`Agent::await_prepared`] after. A caller that saves a prompt in
+    /// several turns calls [`Agent::forget_unsaved_of`] once, first.
+    pub fn reserve_prepared(&mut self, blocks: &[PreparedSave<'_>], statuses: &mut [SaveStatus]) -> PreparedTurn {
         debug_assert_eq!(blocks.len(), statuses.len());
         statuses.fill(SaveStatus::NotSent);
-        self.forget_unsaved(blocks.iter().map(|b| b.key));
         let reserved = self.reserve_each(blocks.iter().map(|b| (b.parent, b.key, object_bytes(b.len as u64))));
         let header = *self.arena.header();
-        let mut slots = Vec::with_capacity(reserved.len());
-        let mut bodies = Vec::with_capacity(reserved.len());
+        let mut turn =
+            PreparedTurn { slots: Vec::with_capacity(reserved.len()), bodies: Vec::with_capacity(reserved.len()) };
         for (i, (block, cookie)) in blocks.iter().zip(&reserved).enumerate() {
             let (slot, generation) = match self.slot_for(*cookie, (block.parent, block.key)) {
                 Ok(granted) => granted,
@@ -1433,8 +1467,8 @@ impl Agent {
             };
             match body {
                 Some(body) => {
-                    slots.push((i, slot, generation, block.len));
-                    bodies.push((i, body));
+                    turn.slots.push((i, slot, generation));
+                    turn.bodies.push((i, body));
                 }
                 None => {
                     let cookie = self.cookie();
@@ -1443,23 +1477,56 @@ impl Agent {
                 }
             }
         }
-        let filled = !bodies.is_empty() && fill(&bodies);
-        let mut commits = Vec::with_capacity(slots.len());
-        for &(i, slot, generation, len) in &slots {
+        turn
+    }
+
+    /// Commits a turn's slots if their payloads were `filled` (aborts them
+    /// otherwise), without waiting for the answers. A block whose parent
+    /// is known not saved by now (a commit of an earlier turn was refused)
+    /// is aborted: a prefix is of use only from its start.
+    pub fn commit_prepared(
+        &mut self,
+        turn: PreparedTurn,
+        blocks: &[PreparedSave<'_>],
+        filled: bool,
+        statuses: &mut [SaveStatus],
+    ) -> SentCommits {
+        let mut sent = SentCommits(Vec::with_capacity(turn.slots.len()));
+        for (i, slot, generation) in turn.slots {
             let cookie = self.cookie();
-            let request = if filled {
-                AgentRequest::Commit { cookie, slot, generation }
+            let orphan = self.parent_unsaved(&blocks[i].parent);
+            let request = if filled && !orphan {
+                AgentRequest::Commit { cookie, slot, generation, crcs: blocks[i].crcs_from }
             } else {
-                statuses[i] = SaveStatus::Refused(AgentError::Io);
+                statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::Refused(AgentError::Io) };
+                // Known now: its children later in this turn go too.
+                self.remember_unsaved(blocks[i].key);
                 AgentRequest::Abort { cookie, slot, generation }
             };
-            if self.port.submit(request).is_ok() && filled {
-                commits.push((i, cookie, len));
+            if self.port.submit(request).is_ok() && filled && !orphan {
+                sent.0.push((i, cookie, blocks[i].len));
             }
         }
-        let saved = self.await_commits(commits, statuses);
+        sent
+    }
+
+    /// Waits for a turn's commits, sets their `statuses` and remembers the
+    /// blocks not saved; returns how many were committed.
+    pub fn await_prepared(
+        &mut self,
+        sent: SentCommits,
+        blocks: &[PreparedSave<'_>],
+        statuses: &mut [SaveStatus],
+    ) -> usize {
+        let saved = self.await_commits(sent.0, statuses);
         self.note_unsaved_of(blocks.iter().map(|b| b.key), statuses);
         saved
+    }
+
+    /// Forgets that the blocks of a save about to be sent were not saved
+    /// lately (see [`Agent::reserve_prepared`]).
+    pub fn forget_unsaved_of(&mut self, keys: &[BlockKey]) {
+        self.forget_unsaved(keys.iter().copied());
     }
 
     /// Writes a stored object into the reserved `slot`: the payload first

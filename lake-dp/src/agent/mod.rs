@@ -32,5 +32,6 @@ pub mod shm;
 #[cfg(not(loom))]
 pub use client::{
     Agent, AgentConfig, AgentStats, AttachError, FetchFailure, LEASE_TTL_MS, LOAD_BATCH, LOAD_RETRY_MAX, PreparedSave,
-    SPANS_KEPT, SaveBlock, SavePayload, SaveStatus, TraceSpan, WAIT_MAX, fold_load_cost,
+    PreparedTurn, SPANS_KEPT, SaveBlock, SavePayload, SaveStatus, SentCommits, TraceSpan, WAIT_MAX, fold_load_cost,
 };
+pub use port::CrcOrigin;

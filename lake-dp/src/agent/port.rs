@@ -1,7 +1,7 @@
 //! The in-process port between an agent and the `lake-dp` runner: a
 //! request ring and a completion ring (bounded SPSC, allocated at start)
-//! and the runner's wake-up eventfd. Issue \[4\] moves the same requests
-//! onto rings in shared memory for agents in other processes.
+//! and the runner's wake-up eventfd. Agents in other processes send the
+//! same requests over rings in shared memory (`agent::shm`).
 
 use std::sync::Arc;
 
@@ -30,6 +30,9 @@ pub enum AgentRequest {
         slot: u32,
         /// Its generation at reservation.
         generation: u32,
+        /// Where the CRCs in its header came from: what the data plane's
+        /// commit check may take on trust (see `CommitCheck`).
+        crcs: CrcOrigin,
     },
     /// Give a reserved slot back unused.
     Abort {
@@ -67,6 +70,45 @@ pub enum AgentRequest {
         /// The load's cookie.
         load: u64,
     },
+}
+
+/// Where the segment CRCs of a committed block came from. The data plane
+/// checks payloads against them inline or off the commit's path by this
+/// (`CommitCheck::Auto`); readers check every segment they read whatever
+/// it says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CrcOrigin {
+    /// Not said (an agent other than Lake's own): checked before the
+    /// block is published.
+    #[default]
+    Unknown,
+    /// Computed by Lake's agent over the slot's own bytes, after writing
+    /// them.
+    Slot,
+    /// Computed by Lake's GPU kernel over the engine's registered memory,
+    /// in the stream order of the copies that wrote the slot.
+    Kernel,
+}
+
+impl CrcOrigin {
+    /// Its code on a shared port.
+    pub fn code(self) -> u8 {
+        match self {
+            Self::Unknown => 0,
+            Self::Slot => 1,
+            Self::Kernel => 2,
+        }
+    }
+
+    /// Decodes a port code (`None`: out of its domain).
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::Unknown),
+            1 => Some(Self::Slot),
+            2 => Some(Self::Kernel),
+            _ => None,
+        }
+    }
 }
 
 /// Why an agent request failed.

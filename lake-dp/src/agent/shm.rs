@@ -33,7 +33,7 @@ use std::sync::Arc;
 use bytemuck::{Pod, Zeroable};
 use memmap2::MmapRaw;
 
-use super::port::{AgentCompletion, AgentError, AgentRequest};
+use super::port::{AgentCompletion, AgentError, AgentRequest, CrcOrigin};
 use crate::model::key::BlockKey;
 use crate::model::replica::{Priority, ReplicaWire};
 
@@ -181,11 +181,13 @@ impl RequestEntry {
                 entry.cookie = cookie;
                 entry.object_bytes = object_bytes;
             }
-            AgentRequest::Commit { cookie, slot, generation } => {
+            AgentRequest::Commit { cookie, slot, generation, crcs } => {
                 entry.kind = 2;
                 entry.cookie = cookie;
                 entry.slot = slot;
                 entry.generation = generation;
+                // A commit has no class: its CRCs' origin rides there.
+                entry.priority = crcs.code();
             }
             AgentRequest::Abort { cookie, slot, generation } => {
                 entry.kind = 3;
@@ -222,7 +224,10 @@ impl RequestEntry {
         match self.kind {
             1..=3 if self.trace != 0 => Err(cookie),
             1 if self.object_bytes > 0 => Ok(AgentRequest::Reserve { cookie, object_bytes: self.object_bytes }),
-            2 => Ok(AgentRequest::Commit { cookie, slot: self.slot, generation: self.generation }),
+            2 => {
+                let crcs = CrcOrigin::from_code(self.priority).ok_or(cookie)?;
+                Ok(AgentRequest::Commit { cookie, slot: self.slot, generation: self.generation, crcs })
+            }
             3 => Ok(AgentRequest::Abort { cookie, slot: self.slot, generation: self.generation }),
             4 => {
                 let priority = Priority::from_u8(self.priority).ok_or(cookie)?;
@@ -615,7 +620,9 @@ mod tests {
         let mut agent = AgentShmPort::attach(file.file().try_clone().unwrap(), 2).unwrap();
         let requests = [
             AgentRequest::Reserve { cookie: 1, object_bytes: 8192 },
-            AgentRequest::Commit { cookie: 2, slot: 3, generation: 4 },
+            AgentRequest::Commit { cookie: 2, slot: 3, generation: 4, crcs: CrcOrigin::Unknown },
+            AgentRequest::Commit { cookie: 2, slot: 3, generation: 4, crcs: CrcOrigin::Slot },
+            AgentRequest::Commit { cookie: 2, slot: 3, generation: 4, crcs: CrcOrigin::Kernel },
             AgentRequest::Abort { cookie: 3, slot: 5, generation: 6 },
             AgentRequest::Load {
                 cookie: 4,
@@ -658,6 +665,10 @@ mod tests {
         let mut traced = RequestEntry::encode(&requests[1]);
         traced.trace = 9;
         assert_eq!(traced.decode(), Err(2));
+        // A commit's CRC origin is one of three.
+        let mut origin = RequestEntry::encode(&requests[3]);
+        origin.priority = 3;
+        assert_eq!(origin.decode(), Err(2));
         let mut bad = RequestEntry::encode(&requests[0]);
         bad.reserved_c[3] = 1;
         // SAFETY: test: writes the next request place as a rogue agent.

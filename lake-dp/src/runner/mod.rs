@@ -973,6 +973,11 @@ pub fn run_with(
     let mut park_fds: Vec<libc::pollfd> = Vec::with_capacity(os::PARK_FDS_MAX);
     let mut extra_fds = vec![-1; os::PARK_FDS_MAX];
     pool.set_commit_check(ports.commit_check);
+    // The check then runs beside the poller; without its thread (no agent
+    // record left for its pins) the poller reads a share each pass.
+    if let Err(e) = pool.start_verifier(&arena, Arc::clone(&wakeup)) {
+        tracing::warn!(event = "commit_check_thread", error = %e, "payloads are read on the poll thread");
+    }
     let tenants = config
         .tenants
         .iter()

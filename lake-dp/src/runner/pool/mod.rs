@@ -31,15 +31,17 @@
 
 mod compact;
 mod l3;
+mod verify;
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 pub(crate) use self::l3::L3Tier;
 pub use self::l3::{DELETE_BATCH_MAX, L3Stats};
 
-use crate::agent::port::{AgentCompletion, AgentError, AgentRequest, DpPort};
+use crate::agent::port::{AgentCompletion, AgentError, AgentRequest, CrcOrigin, DpPort};
 use crate::agent::shm::Popped;
-use crate::arena::SlotTable;
+use crate::arena::{ArenaError, SlotTable};
 use crate::constants::STORED_HEADER_BYTES;
 use crate::cplink::{CpCommand, CpLink};
 use crate::l2::L2Grant;
@@ -49,6 +51,7 @@ use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, Wri
 use crate::poller::{L2Geometry, Poller};
 use crate::region::SlotRegion;
 use crate::runner::Parts;
+use crate::runner::os::Wakeup;
 use crate::stored::{ObjectMeta, StoredError, decode_header, object_bytes};
 use crate::transport::Landing;
 use crate::transport::frame::{AckStatus, BlockAddr};
@@ -267,22 +270,46 @@ pub struct PoolShape {
 
 /// How a commit's payload is checked against the CRCs its agent wrote in
 /// the header. Every reader checks every segment it reads whatever this
-/// is; this is about what the pool publishes.
+/// is (a block that fails is never served); this is about what the pool
+/// publishes, and when it finds out.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommitCheck {
+    /// By where the CRCs came from ([`CrcOrigin`]): computed by Lake's
+    /// own code (the agent over the slot's bytes, or Lake's GPU kernel
+    /// over the engine's registered memory), the block is published at
+    /// once and its payload read off the commit's path, as `Background`
+    /// does; not said, it is checked `Inline`.
+    #[default]
+    Auto,
     /// Before the block is published: a commit whose bytes fail is refused
     /// (`Corrupt`). Costs the poller a CPU pass over every saved byte on
     /// the commit's path.
-    #[default]
     Inline,
-    /// Published at once (header checked), the payload checked by the
-    /// poller off the commit's path, a bounded number of bytes per pass,
-    /// oldest commit first; a block that fails is evicted (`Corrupt`, and
+    /// Published at once (header checked), the payload read off the
+    /// commit's path — on a thread of its own beside the poller, oldest
+    /// commit first; a block that fails is evicted (`Corrupt`, and
     /// counted) before or while readers, who check it themselves, meet it.
     Background,
     /// Header only: the agent's CRCs are taken as they are (readers still
-    /// check every segment).
+    /// check every segment; nothing evicts a block that fails).
     Trust,
+}
+
+impl CommitCheck {
+    /// Whether a commit whose CRCs came from `origin` is published before
+    /// its payload is read.
+    pub fn publishes_first(self, origin: CrcOrigin) -> bool {
+        match self {
+            Self::Auto => origin != CrcOrigin::Unknown,
+            Self::Inline => false,
+            Self::Background | Self::Trust => true,
+        }
+    }
+
+    /// Whether commits published first are read afterwards.
+    pub fn reads_later(self) -> bool {
+        matches!(self, Self::Auto | Self::Background)
+    }
 }
 
 /// A copy of an L1 block to another node, handed to the runner's
@@ -355,9 +382,13 @@ impl Landing for PoolLanding<'_, '_> {
     }
 }
 
-/// Payload bytes the background check reads per pass at most (at least
-/// one segment): bounds what it adds to a pass's latency.
+/// Payload bytes the background check reads per pass at most where the
+/// poller reads them itself (at least one segment): bounds what it adds
+/// to a pass's latency.
 const VERIFY_BYTES_PER_PASS: u64 = 1 << 20;
+
+/// Commits handed to the check thread and not answered, at most.
+const VERIFY_DEPTH: usize = 256;
 
 /// A committed L1 block whose payload the background check has not
 /// finished.
@@ -395,6 +426,9 @@ pub struct Pool {
     /// Commits the background check has yet to read, oldest first (at
     /// most one per L1 slot: allocated once).
     unverified: VecDeque<Unverified>,
+    /// The thread that reads them, where one runs (else the poller reads
+    /// a bounded share each pass).
+    verifier: Option<verify::Verifier>,
     /// Copies of L1 blocks to other nodes in flight (allocated once).
     sends: Vec<RemoteSend>,
     /// Sends the transport refused, to end.
@@ -494,8 +528,9 @@ impl Pool {
             epoch,
             l1_region,
             geometry,
-            commit_check: CommitCheck::Inline,
+            commit_check: CommitCheck::Auto,
             unverified: VecDeque::with_capacity(l1_slots as usize),
+            verifier: None,
             sends: Vec::with_capacity(REMOTE_SENDS_MAX),
             failed_sends: Vec::with_capacity(REMOTE_SENDS_MAX),
             send_cancels: Vec::with_capacity(REMOTE_SENDS_MAX),
@@ -575,14 +610,26 @@ impl Pool {
         cost.is_none_or(|(namespace, path, bytes)| self.rates.admit(namespace, path, bytes, now_ns))
     }
 
-    /// How commits are checked (default [`CommitCheck::Inline`]).
+    /// How commits are checked (default [`CommitCheck::Auto`]).
     pub fn set_commit_check(&mut self, check: CommitCheck) {
         self.commit_check = check;
     }
 
-    /// Commits whose payload the background check has yet to read.
+    /// Starts the thread that reads published commits' payloads off the
+    /// poller's core, where the commit check reads any later (`Auto`,
+    /// `Background`); one agent record of `arena` is taken for its pins.
+    /// Without it the poller reads them, a bounded share each pass.
+    pub fn start_verifier(&mut self, arena: &crate::arena::Arena, wakeup: Arc<Wakeup>) -> Result<(), ArenaError> {
+        if self.commit_check.reads_later() && self.verifier.is_none() {
+            self.verifier = Some(verify::Verifier::start(arena, VERIFY_DEPTH, wakeup)?);
+        }
+        Ok(())
+    }
+
+    /// Commits whose payload the background check has yet to read (handed
+    /// to its thread and not answered included).
     pub fn unverified(&self) -> usize {
-        self.unverified.len()
+        self.unverified.len() + self.verifier.as_ref().map_or(0, verify::Verifier::out)
     }
 
     fn l2_index(&self, slot: L2Slot) -> Option<usize> {
@@ -937,7 +984,7 @@ impl Pool {
                 self.held_since[usize::from(agent)] = None;
                 self.refuse_save(agent, cookie, AgentError::Stopping, now_ns);
             }
-            AgentRequest::Commit { cookie, slot, generation } if self.closing == Closing::All => {
+            AgentRequest::Commit { cookie, slot, generation, .. } if self.closing == Closing::All => {
                 // Not published: acked now, it would be lost with the
                 // data plane. Its slot is given back, as for an abort.
                 let _ = self.abort(agent, slot, generation, table);
@@ -974,8 +1021,8 @@ impl Pool {
                     }
                 }
             }
-            AgentRequest::Commit { cookie, slot, generation } => {
-                let result = self.commit(agent, slot, generation, parts);
+            AgentRequest::Commit { cookie, slot, generation, crcs } => {
+                let result = self.commit(agent, (slot, generation), crcs, parts);
                 self.answer(agent, cookie, result.map(|()| (slot, generation)));
             }
             AgentRequest::Abort { cookie, slot, generation } => {
@@ -1184,6 +1231,9 @@ impl Pool {
     /// block that fails is evicted as corrupt and reported. Returns the
     /// segments read (work done, so the runner does not park meanwhile).
     fn verify_backlog(&mut self, parts: &mut Parts<'_>) -> u32 {
+        if self.verifier.is_some() {
+            return self.verify_on_thread(parts);
+        }
         let mut read = 0u64;
         let mut segments = 0;
         while read < VERIFY_BYTES_PER_PASS {
@@ -1234,6 +1284,46 @@ impl Pool {
             }
         }
         segments
+    }
+
+    /// The background check by its thread: its verdicts taken (a block
+    /// found corrupt evicted, if it is still the one committed), the
+    /// oldest commits handed over while it has room. Returns the items
+    /// moved.
+    fn verify_on_thread(&mut self, parts: &mut Parts<'_>) -> u32 {
+        let Some(verifier) = self.verifier.as_mut() else { return 0 };
+        let mut done = 0;
+        let mut corrupt: [Option<(u32, u32, Option<BlockKey>)>; 8] = [None; 8];
+        let mut found = 0;
+        while found < corrupt.len()
+            && let Some(verify::Verdict { job, outcome }) = verifier.verdict()
+        {
+            done += 1;
+            match outcome {
+                verify::Outcome::Sound => self.stats.commits_verified += 1,
+                verify::Outcome::Corrupt(key) => {
+                    corrupt[found] = Some((job.slot, job.generation, key));
+                    found += 1;
+                }
+                verify::Outcome::Gone => {}
+            }
+        }
+        while let Some(&Unverified { slot, generation, .. }) = self.unverified.front() {
+            if !verifier.offer(verify::Job { slot, generation }) {
+                break;
+            }
+            self.unverified.pop_front();
+            done += 1;
+        }
+        for (slot, generation, key) in corrupt.into_iter().flatten() {
+            // Still the block the thread read: it goes.
+            if self.l1.get(slot as usize) == Some(&L1State::Ready)
+                && parts.table.arena().generation(slot) == Some(generation)
+            {
+                self.evict_corrupt(slot, generation, key, parts);
+            }
+        }
+        done
     }
 
     /// A published L1 block failed the background check: freed (once no
@@ -1483,7 +1573,13 @@ impl Pool {
         let _ = table.retire(slot);
     }
 
-    fn commit(&mut self, agent: u16, slot: u32, generation: u32, parts: &mut Parts<'_>) -> Result<(), AgentError> {
+    fn commit(
+        &mut self,
+        agent: u16,
+        (slot, generation): (u32, u32),
+        crcs: CrcOrigin,
+        parts: &mut Parts<'_>,
+    ) -> Result<(), AgentError> {
         let table = &mut *parts.table;
         match self.l1.get(slot as usize) {
             Some(L1State::Reserved { agent: owner, .. })
@@ -1496,7 +1592,8 @@ impl Pool {
         // The header must name this very slot, generation and epoch: an
         // object copied from elsewhere, or written for an old reservation,
         // is not published.
-        let checked = check_object(bytes, self.commit_check == CommitCheck::Inline).ok().filter(|meta| {
+        let first = self.commit_check.publishes_first(crcs);
+        let checked = check_object(bytes, !first).ok().filter(|meta| {
             meta.region.0 == self.l1_region
                 && meta.slot == slot
                 && meta.generation == generation
@@ -1513,7 +1610,7 @@ impl Pool {
         self.reserved = self.reserved.saturating_sub(1);
         self.l1[slot as usize] = L1State::Ready;
         self.stats.saves += 1;
-        if self.commit_check == CommitCheck::Background && self.unverified.len() < self.l1.len() {
+        if first && self.commit_check.reads_later() && self.unverified.len() < self.l1.len() {
             self.unverified.push_back(Unverified { slot, generation, next_segment: 0 });
         }
         if let Some(cp) = parts.link {
