@@ -159,7 +159,7 @@ impl EngineMemory {
             // every piece was checked computable at registration) and keeps
             // it valid while attached; `walk` stays inside the block's
             // pieces; `at + n <= source.len()`.
-            unsafe { core::ptr::copy_nonoverlapping(source.as_ptr().wrapping_add(at), address as *mut u8, n) };
+            unsafe { lake_dp::copy::copy_streaming(address as *mut u8, source.as_ptr().wrapping_add(at), n) };
         })
     }
 

@@ -38,6 +38,7 @@ pub mod agent;
 pub mod arena;
 pub mod auth;
 pub mod constants;
+pub mod copy;
 pub mod cplink;
 pub mod fence;
 pub mod io;
