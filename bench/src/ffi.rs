@@ -68,7 +68,9 @@ fn wait(
             if Instant::now() > deadline {
                 return Err(format!("request {request}: {seen} of {count} completions in 60 s"));
             }
-            std::hint::spin_loop();
+            // Give the core to the agent and the pool while nothing is
+            // back (an engine's waiting thread does not spin them off it).
+            std::thread::yield_now();
         }
     }
 }
