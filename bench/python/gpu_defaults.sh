@@ -15,18 +15,12 @@ out="$2"
 mkdir -p "$out"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
+source "$(dirname "$0")/serve_pool.sh"
 for mode in default trust; do
     pool="$work/pool-$mode"
     flags=()
     [ "$mode" = trust ] && flags=(--commit-check trust)
-    "$bin/lake" serve --dir "$pool" --block-bytes 2359296 --l1-slots 4000 --l2-slots 64 --agents 8 \
-        --metrics off "${flags[@]}" >"$work/serve-$mode.log" 2>&1 &
-    serve=$!
-    for _ in $(seq 1 600); do
-        [ -f "$pool/pool.json" ] && break
-        sleep 0.1
-    done
-    mirror="$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['mirror'])" "$pool/pool.json")"
+    serve_pool "$bin" "$pool" "$work/serve-$mode.log" --l2-slots 64 "${flags[@]}"
     threads="$(cat /proc/"$serve"/task/*/comm 2>/dev/null | sort | uniq -c | tr '\n' ' ')"
     for run in whole-1 whole-2 layered; do
         groups=1

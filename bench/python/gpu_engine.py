@@ -31,13 +31,7 @@ import numpy as np
 import torch
 
 import lake
-
-LAYERS, HEADS, DIM, TOKENS = 36, 8, 128, 16
-CACHE_BLOCKS = 2304  # engine blocks per cache (36 layers x 1.1 GiB)
-
-
-def cache():
-    return [torch.zeros((2, CACHE_BLOCKS, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+from kv_cache import CACHE_BLOCKS, DIM, HEADS, LAYERS, TOKENS, cache, figures, timed
 
 
 def pieces(layers):
@@ -47,14 +41,6 @@ def pieces(layers):
         for plane in (0, 1):
             out.append((t.data_ptr() + plane * s[0] * e, s[1] * e, s[2] * e, s[3] * e))
     return np.array(out, dtype=np.int64)
-
-
-def timed(fn):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main(dp, mirror, cp, gpu_path="copy_engine", layer_groups="0"):
@@ -139,12 +125,7 @@ def main(dp, mirror, cp, gpu_path="copy_engine", layer_groups="0"):
         last_layer = time.perf_counter() - start
         assert (pool.wait(request, blocks, timeout=120) == lake.OK).all()
         whole = time.perf_counter() - start
-        # Raw: pinned copies of the same bytes each way.
         nbytes = blocks * block_bytes
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        d2h = timed(lambda: host.copy_(device, non_blocking=True))
-        h2d = timed(lambda: device.copy_(host, non_blocking=True))
         print(
             json.dumps(
                 {
@@ -155,13 +136,7 @@ def main(dp, mirror, cp, gpu_path="copy_engine", layer_groups="0"):
                     "acked": acked,
                     "published": hits,
                     **({"refused": refused} if refused else {}),
-                    "bytes": nbytes,
-                    "store_gbps": round(nbytes / store / 1e9, 2),
-                    **({"first_store_gbps": round(nbytes / first / 1e9, 2)} if first else {}),
-                    **({"first_retrieve_gbps": round(nbytes / first_retrieve / 1e9, 2)} if first_retrieve else {}),
-                    "retrieve_gbps": round(nbytes / retrieve / 1e9, 2),
-                    "raw_d2h_gbps": round(nbytes / d2h / 1e9, 2),
-                    "raw_h2d_gbps": round(nbytes / h2d / 1e9, 2),
+                    **figures(nbytes, store, retrieve, first, first_retrieve),
                     "submit_ms": round(submitted * 1e3, 2),
                     "layer0_ms": round(first_layer * 1e3, 2),
                     "last_layer_ms": round(last_layer * 1e3, 2),

@@ -24,22 +24,9 @@ import time
 import numpy as np
 import torch
 
-LAYERS, HEADS, DIM, TOKENS = 36, 8, 128, 16
-CACHE_BLOCKS = 2304
+from kv_cache import BLOCK_BYTES, CACHE_BLOCKS, DIM, HEADS, LAYERS, TOKENS, cache, figures, timed
+
 CHUNK = 256
-
-
-def cache():
-    return [torch.zeros((2, CACHE_BLOCKS, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
-
-
-def timed(fn):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
 
 def slots(ids):
     """vLLM's slot mapping of the tokens in engine blocks `ids`, in order."""
@@ -97,7 +84,6 @@ def main():
     source, target = cache(), cache()
     for t in source:
         t.copy_(torch.randn(t.shape, dtype=torch.float32, device="cuda").to(torch.bfloat16))
-    block_bytes = LAYERS * 2 * TOKENS * HEADS * DIM * 2
     for tokens in (512, 8192, 32768):
         blocks = tokens // TOKENS
         ids = torch.as_tensor(rng.integers(0, 150_000, tokens), dtype=torch.int64, device="cuda")
@@ -131,24 +117,14 @@ def main():
         src, dst = torch.as_tensor(src_ids.astype(np.int64), device="cuda"), torch.as_tensor(dst_ids.astype(np.int64), device="cuda")
         for s, d in zip(source, target):
             assert torch.equal(s[:, src], d[:, dst]), "retrieved bytes differ"
-        nbytes = blocks * block_bytes
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        d2h = timed(lambda: host.copy_(device, non_blocking=True))
-        h2d = timed(lambda: device.copy_(host, non_blocking=True))
+        nbytes = blocks * BLOCK_BYTES
         print(
             json.dumps(
                 {
                     "peer": "lmcache",
                     "tokens": tokens,
                     "blocks": blocks,
-                    "bytes": nbytes,
-                    "store_gbps": round(nbytes / store / 1e9, 2),
-                    **({"first_store_gbps": round(nbytes / first / 1e9, 2)} if first else {}),
-                    **({"first_retrieve_gbps": round(nbytes / first_retrieve / 1e9, 2)} if first_retrieve else {}),
-                    "retrieve_gbps": round(nbytes / retrieve / 1e9, 2),
-                    "raw_d2h_gbps": round(nbytes / d2h / 1e9, 2),
-                    "raw_h2d_gbps": round(nbytes / h2d / 1e9, 2),
+                    **figures(nbytes, store, retrieve, first, first_retrieve),
                     "store_ms": round(store * 1e3, 2),
                     "retrieve_ms": round(retrieve * 1e3, 2),
                 }

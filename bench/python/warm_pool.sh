@@ -13,16 +13,10 @@ out="$2"
 mkdir -p "$out"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
+source "$(dirname "$0")/serve_pool.sh"
 for l2 in 64 2048; do
     pool="$work/pool-$l2"
-    "$bin/lake" serve --dir "$pool" --block-bytes 2359296 --l1-slots 4000 --l2-slots "$l2" --agents 8 \
-        --commit-check trust --metrics off >"$out/serve-$l2.log" 2>&1 &
-    serve=$!
-    for _ in $(seq 1 600); do
-        [ -f "$pool/pool.json" ] && break
-        sleep 0.1
-    done
-    mirror="$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['mirror'])" "$pool/pool.json")"
+    serve_pool "$bin" "$pool" "$out/serve-$l2.log" --l2-slots "$l2" --commit-check trust
     for run in fresh warm; do
         LAKE_LIBRARY="$bin/liblake.so" PYTHONPATH=ffi/python python3 bench/python/gpu_engine.py \
             "$pool/dp.sock" "$mirror" "$pool/cp.sock" copy_engine >"$out/l2-$l2-$run.jsonl" 2>"$out/l2-$l2-$run.err" || true

@@ -212,6 +212,31 @@ fn http_get(address: std::net::SocketAddr, path: &str) -> String {
     response
 }
 
+/// The segment CRCs of each payload, as `agent` cuts them.
+fn segment_crcs(agent: &Agent, payloads: &[Vec<u8>]) -> Vec<Vec<u32>> {
+    let segment = usize::try_from(agent.segment_bytes_for(PAYLOAD as u64)).unwrap();
+    payloads.iter().map(|p| p.chunks(segment).map(crc32fast::hash).collect()).collect()
+}
+
+/// `keys` as one prompt's prepared saves (each block the parent of the
+/// next), with `crcs` computed by `origin`.
+fn prepared_chain<'a>(
+    keys: &[BlockKey],
+    crcs: &'a [Vec<u32>],
+    origin: lake_dp::agent::CrcOrigin,
+) -> Vec<lake_dp::agent::PreparedSave<'a>> {
+    (0..keys.len())
+        .map(|i| lake_dp::agent::PreparedSave {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            len: PAYLOAD,
+            crcs: &crcs[i],
+            crcs_from: origin,
+        })
+        .collect()
+}
+
 /// An agent that commits bytes its CRCs do not describe (a GPU gather
 /// that had not landed, a bug): checked inline, the commit is refused;
 /// checked in the background (by the check's own thread), the block is
@@ -221,7 +246,7 @@ fn http_get(address: std::net::SocketAddr, path: &str) -> String {
 /// former for CRCs whose origin the agent does not say.
 #[test]
 fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
-    use lake_dp::agent::{CrcOrigin, PreparedSave};
+    use lake_dp::agent::CrcOrigin;
     use lake_dp::runner::pool::CommitCheck;
     assert_eq!(CommitCheck::default(), CommitCheck::Auto);
     let cases = [
@@ -247,17 +272,8 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
         let keys: Vec<BlockKey> = (0..4).map(|i| key(9, i)).collect();
         let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
         let segment = usize::try_from(agent.segment_bytes_for(PAYLOAD as u64)).unwrap();
-        let crcs: Vec<Vec<u32>> = payloads.iter().map(|p| p.chunks(segment).map(crc32fast::hash).collect()).collect();
-        let blocks: Vec<PreparedSave<'_>> = (0..4)
-            .map(|i| PreparedSave {
-                key: keys[i],
-                parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-                block_index: u32::try_from(i).unwrap(),
-                len: PAYLOAD,
-                crcs: &crcs[i],
-                crcs_from: origin,
-            })
-            .collect();
+        let crcs = segment_crcs(&agent, &payloads);
+        let blocks = prepared_chain(&keys, &crcs, origin);
         // Block 3's third segment is written wrong.
         let mut statuses = [SaveStatus::NotSent; 4];
         let committed = agent.save_prepared(&blocks, &mut statuses, |bodies| {
@@ -316,8 +332,8 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
 /// and the pool publishes the prefix up to the refused block, no further.
 #[test]
 fn a_turn_whose_parent_was_refused_at_commit_is_not_committed() {
+    use lake_dp::agent::CrcOrigin;
     use lake_dp::agent::port::AgentError;
-    use lake_dp::agent::{CrcOrigin, PreparedSave};
     let mut pool = EmbeddedPool::start(&EmbeddedConfig {
         l1_slots: 32,
         l2_slots_per_file: 32,
@@ -329,20 +345,10 @@ fn a_turn_whose_parent_was_refused_at_commit_is_not_committed() {
     let mut agent = attach(&mut pool);
     let keys: Vec<BlockKey> = (0..4).map(|i| key(11, i)).collect();
     let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
-    let segment = usize::try_from(agent.segment_bytes_for(PAYLOAD as u64)).unwrap();
-    let crcs: Vec<Vec<u32>> = payloads.iter().map(|p| p.chunks(segment).map(crc32fast::hash).collect()).collect();
+    let crcs = segment_crcs(&agent, &payloads);
     // CRCs of unknown origin: checked before publishing (the default
     // check), so the lie below is refused at commit.
-    let blocks: Vec<PreparedSave<'_>> = (0..4)
-        .map(|i| PreparedSave {
-            key: keys[i],
-            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-            block_index: u32::try_from(i).unwrap(),
-            len: PAYLOAD,
-            crcs: &crcs[i],
-            crcs_from: CrcOrigin::Unknown,
-        })
-        .collect();
+    let blocks = prepared_chain(&keys, &crcs, CrcOrigin::Unknown);
     let fill = |bodies: &[(usize, *mut u8)], first: usize, lie: Option<usize>| {
         for &(i, body) in bodies {
             let mut bytes = payloads[first + i].clone();
