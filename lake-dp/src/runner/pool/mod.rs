@@ -274,11 +274,11 @@ pub struct PoolShape {
 /// publishes, and when it finds out.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommitCheck {
-    /// By where the CRCs came from ([`CrcOrigin`]): computed by Lake's
-    /// own code (the agent over the slot's bytes, or Lake's GPU kernel
-    /// over the engine's registered memory), the block is published at
-    /// once and its payload read off the commit's path, as `Background`
-    /// does; not said, it is checked `Inline`.
+    /// By where the CRCs came from, as the commit says (`CrcOrigin`):
+    /// computed by Lake's own code (the agent over the slot's bytes, or
+    /// Lake's GPU kernel over the engine's registered memory), the block
+    /// is published at once and its payload read off the commit's path, as
+    /// `Background` does; not said, it is checked `Inline`.
     #[default]
     Auto,
     /// Before the block is published: a commit whose bytes fail is refused
