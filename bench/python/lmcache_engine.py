@@ -71,9 +71,8 @@ def aimed(lm):
 def main():
     import lmcache
 
-    ops = getattr(lmcache, "cuda_ops", None)
     try:
-        import lmcache.cuda_ops as ops  # noqa: F811
+        import lmcache.cuda_ops as ops
     except ImportError as e:
         # Without its kernels LMCache falls back to a slower path: the
         # figures would not be its own.

@@ -1239,9 +1239,7 @@ impl Pool {
         while read < VERIFY_BYTES_PER_PASS {
             let Some(&Unverified { slot, generation, next_segment }) = self.unverified.front() else { break };
             // Evicted, demoted or freed since: nothing left to check.
-            if self.l1.get(slot as usize) != Some(&L1State::Ready)
-                || parts.table.arena().generation(slot) != Some(generation)
-            {
+            if !self.still_committed(slot, generation, parts.table) {
                 self.unverified.pop_front();
                 continue;
             }
@@ -1291,39 +1289,31 @@ impl Pool {
     /// oldest commits handed over while it has room. Returns the items
     /// moved.
     fn verify_on_thread(&mut self, parts: &mut Parts<'_>) -> u32 {
-        let Some(verifier) = self.verifier.as_mut() else { return 0 };
         let mut done = 0;
-        let mut corrupt: [Option<(u32, u32, Option<BlockKey>)>; 8] = [None; 8];
-        let mut found = 0;
-        while found < corrupt.len()
-            && let Some(verify::Verdict { job, outcome }) = verifier.verdict()
-        {
+        while let Some(verify::Verdict { job, outcome }) = self.verifier.as_mut().and_then(verify::Verifier::verdict) {
             done += 1;
             match outcome {
                 verify::Outcome::Sound => self.stats.commits_verified += 1,
-                verify::Outcome::Corrupt(key) => {
-                    corrupt[found] = Some((job.slot, job.generation, key));
-                    found += 1;
+                // Still the block the thread read: it goes.
+                verify::Outcome::Corrupt(key) if self.still_committed(job.slot, job.generation, parts.table) => {
+                    self.evict_corrupt(job.slot, job.generation, key, parts);
                 }
-                verify::Outcome::Gone => {}
+                verify::Outcome::Corrupt(_) | verify::Outcome::Gone => {}
             }
         }
-        while let Some(&Unverified { slot, generation, .. }) = self.unverified.front() {
-            if !verifier.offer(verify::Job { slot, generation }) {
-                break;
-            }
+        while let Some(&Unverified { slot, generation, .. }) = self.unverified.front()
+            && self.verifier.as_mut().is_some_and(|verifier| verifier.offer(verify::Job { slot, generation }))
+        {
             self.unverified.pop_front();
             done += 1;
         }
-        for (slot, generation, key) in corrupt.into_iter().flatten() {
-            // Still the block the thread read: it goes.
-            if self.l1.get(slot as usize) == Some(&L1State::Ready)
-                && parts.table.arena().generation(slot) == Some(generation)
-            {
-                self.evict_corrupt(slot, generation, key, parts);
-            }
-        }
         done
+    }
+
+    /// Whether L1 `slot` still holds the block committed at `generation`
+    /// (not evicted, demoted or freed since).
+    fn still_committed(&self, slot: u32, generation: u32, table: &SlotTable) -> bool {
+        self.l1.get(slot as usize) == Some(&L1State::Ready) && table.arena().generation(slot) == Some(generation)
     }
 
     /// A published L1 block failed the background check: freed (once no

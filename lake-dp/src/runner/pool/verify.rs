@@ -129,25 +129,16 @@ fn check_loop(mut pins: PinArray, jobs: &Receiver<Job>, verdicts: &SyncSender<Ve
     }
 }
 
-/// Reads one committed block under a pin.
+/// Reads one committed block under a pin, with the check a commit gets
+/// inline.
 fn check(pins: &mut PinArray, job: Job) -> Outcome {
     let Ok(pin) = pins.pin(job.slot, job.generation) else { return Outcome::Gone };
     let bytes = pins.bytes(&pin);
-    let outcome = match decode_header(bytes) {
-        Ok(decoded) => {
-            let meta = decoded.meta();
-            let payload = usize::try_from(meta.payload_len)
-                .ok()
-                .and_then(|len| len.checked_add(crate::constants::STORED_HEADER_BYTES))
-                .and_then(|end| bytes.get(crate::constants::STORED_HEADER_BYTES..end));
-            match payload.map(|payload| decoded.verify_payload(payload)) {
-                Some(Ok(())) => Outcome::Sound,
-                _ => Outcome::Corrupt(Some(meta.key)),
-            }
-        }
-        // Its header was checked at commit: the slot changed under the
-        // pin, which only a broken agent does.
-        Err(_) => Outcome::Corrupt(None),
+    let outcome = match super::check_object(bytes, true) {
+        Ok(_) => Outcome::Sound,
+        // Its header was checked at commit: one that no longer decodes
+        // changed under the pin, which only a broken agent does.
+        Err(_) => Outcome::Corrupt(decode_header(bytes).ok().map(|decoded| decoded.meta().key)),
     };
     pins.unpin(pin);
     outcome
