@@ -624,14 +624,14 @@ fn load_fetched(
     statuses
 }
 
-/// A save from GPU memory: the segment CRCs computed on the GPU from the
-/// engine's blocks, then the blocks in turns: a turn's slots reserved and
-/// their headers written with those CRCs, its payloads queued to cross the
-/// bus (gathered into HBM staging and copied by the copy engines, or
-/// gathered straight into the slots by a kernel), and the turn committed
-/// once the GPU has passed an event recorded after its copies. The next
-/// turn is reserved and queued before the host waits for this one, so the
-/// bus stays busy while the host reserves and commits. A status per block.
+/// A save from GPU memory, in turns: a turn's slots reserved, its
+/// payloads queued to cross the bus (gathered into HBM staging and copied
+/// by the copy engines, or gathered straight into the slots by a kernel)
+/// and its segment CRCs queued on the GPU from the engine's blocks; the
+/// turn is committed, its headers written with those CRCs, once the GPU
+/// has passed an event recorded after both. The next turn is reserved and
+/// queued before the host waits for this one, so the bus stays busy while
+/// the host reserves and commits. A status per block.
 pub(crate) fn save(
     agent: &mut Agent,
     memory: &GpuMemory,
@@ -653,19 +653,14 @@ pub(crate) fn save(
     if keys.is_empty() {
         return statuses;
     }
-    // SAFETY: the blocks were checked against the memory at submit.
-    let Ok(crcs) = (unsafe { copier.segment_crcs(&memory.kv, blocks, segment) }) else {
-        statuses.fill(LakeStatus::LakeIo);
-        return statuses;
-    };
-    let per_block = crcs.len() / keys.len();
+    // The CRCs are the turns' own, known at their commits.
     let prepared: Vec<PreparedSave<'_>> = (0..keys.len())
         .map(|i| PreparedSave {
             key: keys[i],
             parent: parents[i],
             block_index: u32::try_from(i).unwrap_or(u32::MAX),
             len,
-            crcs: &crcs[i * per_block..(i + 1) * per_block],
+            crcs: &[],
             // Lake's kernel, from the registered engine memory the
             // copies below read, in their stream order.
             crcs_from: lake_dp::agent::CrcOrigin::Kernel,
@@ -684,7 +679,13 @@ pub(crate) fn save(
         let landed = if turn.bodies.is_empty() {
             None
         } else {
-            queue_save(memory, &turn.bodies, &blocks[first..last]).and_then(|()| copier.record_all()).ok()
+            let ids: Vec<u32> = turn.bodies.iter().map(|&(i, _)| blocks[first + i]).collect();
+            queue_save(memory, &turn.bodies, &ids)
+                // SAFETY: the blocks were checked against the memory at
+                // submit.
+                .and_then(|()| unsafe { copier.segment_crcs_queued(&memory.kv, &ids, segment) })
+                .and_then(|crcs| copier.record_all().map(|event| (event, crcs)))
+                .ok()
         };
         if let Some(before) = queued.replace(QueuedTurn { first, last, turn, landed }) {
             commit_turn(agent, before, &prepared, &mut saved);
@@ -702,39 +703,40 @@ pub(crate) fn save(
 /// Blocks to a save's turn at least.
 const SAVE_TURN_MIN: usize = 8;
 
-/// A turn of a GPU save whose copies are queued: the event that passes
-/// once they have landed (`None`: nothing was queued, or queueing failed).
+/// A turn of a GPU save whose copies and CRCs are queued: the event that
+/// passes once both are done, and the CRCs of the turn's blocks with a
+/// slot, in `turn.bodies`' order (`None`: nothing was queued, or queueing
+/// failed).
 struct QueuedTurn {
     first: usize,
     last: usize,
     turn: lake_dp::agent::PreparedTurn,
-    landed: Option<CudaEvent>,
+    landed: Option<(CudaEvent, lake_kernels::QueuedCrcs)>,
 }
 
 /// Queues a turn's payloads to cross the bus into its slots: `bodies` are
-/// (index in the turn, payload area), `blocks` the turn's engine blocks.
-fn queue_save(memory: &GpuMemory, bodies: &[(usize, *mut u8)], blocks: &[u32]) -> Result<(), lake_kernels::GpuError> {
+/// (index in the turn, payload area), `ids` their engine blocks.
+fn queue_save(memory: &GpuMemory, bodies: &[(usize, *mut u8)], ids: &[u32]) -> Result<(), lake_kernels::GpuError> {
     let len = memory.block_bytes();
     let copier = &memory.gpu.copier;
-    let ids: Vec<u32> = bodies.iter().map(|&(i, _)| blocks[i]).collect();
     // Blocks larger than a staging unit cross the bus by the kernel.
     if memory.path == GpuPath::CopyEngine && len <= lake_kernels::STAGING_UNIT_BYTES {
         let destinations: Vec<*mut u8> = bodies.iter().map(|&(_, body)| body).collect();
         // SAFETY: the bodies are reserved slots of the registered arena,
         // `len` bytes each, written by these copies only; the turn is
         // committed only once an event recorded after them has passed.
-        unsafe { copier.save_staged(&memory.kv, &ids, &destinations) }
+        unsafe { copier.save_staged(&memory.kv, ids, &destinations) }
     } else {
         let addresses: Option<Vec<u64>> = bodies.iter().map(|&(_, body)| memory.gpu.arena_address(body)).collect();
         let addresses =
             addresses.ok_or_else(|| lake_kernels::GpuError("a slot outside the registered arena".into()))?;
         // SAFETY: as above; the kernel writes the bodies.
-        unsafe { copier.gather(&memory.kv, &ids, &addresses) }
+        unsafe { copier.gather(&memory.kv, ids, &addresses) }
     }
 }
 
-/// Waits for a queued turn's copies to land, then commits its slots (or
-/// aborts them, if the copies failed) and waits for the answers.
+/// Waits for a queued turn's copies and CRCs, then commits its slots with
+/// those CRCs (or aborts them, if either failed) and waits for the answers.
 fn commit_turn(
     agent: &mut Agent,
     queued: QueuedTurn,
@@ -742,10 +744,20 @@ fn commit_turn(
     saved: &mut [lake_dp::agent::SaveStatus],
 ) {
     let QueuedTurn { first, last, turn, landed } = queued;
-    let filled = landed.is_some_and(|event| event.synchronize().is_ok());
-    let (blocks, statuses) = (&prepared[first..last], &mut saved[first..last]);
-    let sent = agent.commit_prepared(turn, blocks, filled, statuses);
-    agent.await_prepared(sent, blocks, statuses);
+    let crcs = landed.and_then(|(event, mut crcs)| {
+        event.synchronize().ok()?;
+        crcs.take_ready().ok().flatten()
+    });
+    let per_block = crcs.as_ref().map_or(0, |c| c.len() / turn.bodies.len().max(1));
+    let mut blocks = prepared[first..last].to_vec();
+    if let Some(crcs) = &crcs {
+        for (k, &(i, _)) in turn.bodies.iter().enumerate() {
+            blocks[i].crcs = crcs.get(k * per_block..(k + 1) * per_block).unwrap_or(&[]);
+        }
+    }
+    let statuses = &mut saved[first..last];
+    let sent = agent.commit_prepared(turn, &blocks, crcs.is_some(), statuses);
+    agent.await_prepared(sent, &blocks, statuses);
 }
 
 /// The per-layer events of GPU loads, by request: the agent thread records

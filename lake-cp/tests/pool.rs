@@ -387,6 +387,68 @@ fn a_turn_whose_parent_was_refused_at_commit_is_not_committed() {
     assert_eq!(stats.pool.saves, 1, "{stats:?}");
 }
 
+/// A turn's CRCs may still be on their way when it is reserved (a GPU
+/// save computes each turn's CRCs beside its copies): its slots are
+/// reserved from the keys alone and the headers written at the commit,
+/// with the CRCs known then. The blocks are served exact; a block whose
+/// CRCs do not fit its payload is aborted at the commit (`Invalid`), and
+/// its child with it.
+#[test]
+fn a_turn_is_reserved_before_its_crcs_are_known_and_headed_at_commit() {
+    use lake_dp::agent::CrcOrigin;
+    use lake_dp::agent::port::AgentError;
+    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
+        l1_slots: 32,
+        l2_slots_per_file: 32,
+        local_agents: 1,
+        remote_agents: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-late-crcs-{}", std::process::id())))
+    })
+    .unwrap();
+    let mut agent = attach(&mut pool);
+    let keys: Vec<BlockKey> = (0..5).map(|i| key(12, i)).collect();
+    let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
+    let crcs = segment_crcs(&agent, &payloads);
+    let unknown: Vec<Vec<u32>> = vec![Vec::new(); keys.len()];
+    let mut statuses = [SaveStatus::NotSent; 5];
+    agent.forget_unsaved_of(&keys);
+    let reserving = prepared_chain(&keys, &unknown, CrcOrigin::Kernel);
+    let turn = agent.reserve_prepared(&reserving, &mut statuses);
+    assert_eq!(turn.bodies.len(), 5, "every block holds a slot with no CRCs yet: {statuses:?}");
+    for &(i, body) in &turn.bodies {
+        // SAFETY: a reserved slot's payload area of PAYLOAD bytes.
+        unsafe { core::ptr::copy_nonoverlapping(payloads[i].as_ptr(), body, PAYLOAD) };
+    }
+    // Block 3's CRCs come short by one segment.
+    let mut known = crcs.clone();
+    known[3].pop();
+    let committing = prepared_chain(&keys, &known, CrcOrigin::Kernel);
+    let sent = agent.commit_prepared(turn, &committing, true, &mut statuses);
+    assert_eq!(agent.await_prepared(sent, &committing, &mut statuses), 3);
+    assert_eq!(
+        statuses,
+        [
+            SaveStatus::Saved,
+            SaveStatus::Saved,
+            SaveStatus::Saved,
+            SaveStatus::Refused(AgentError::Invalid),
+            SaveStatus::ParentUnsaved,
+        ]
+    );
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.lookup(&keys, &mut table) < 3 {
+        assert!(Instant::now() < deadline, "the three headed blocks never showed in the mirror");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(agent.lookup(&keys, &mut table), 3, "only the prefix up to the short block");
+    let delivered = agent.fetch(&keys[..3], &table[..3], |i, bytes| assert_eq!(bytes, &payloads[i][..]));
+    assert_eq!(delivered, 3);
+    drop(agent);
+    let (stats, _server) = pool.stop().unwrap();
+    assert_eq!(stats.pool.commits_corrupt + stats.pool.commits_corrupt_late, 0, "{stats:?}");
+}
+
 /// One save of more blocks than the agent's port has request slots (256)
 /// is carried out whole: it goes in windows, and a full ring is not taken
 /// for a full pool (it was: every block past the 256th came back skipped).

@@ -1412,12 +1412,12 @@ impl Agent {
     /// Saves blocks whose payloads someone else writes and whose segment
     /// CRCs are already known (a GPU gathers them straight into the slots
     /// and computed the CRCs from the engine's memory): reserves a slot per
-    /// block, writes each header with the given CRCs, hands every payload
-    /// area to `fill` at once — `(block index, where its payload goes)` —
-    /// and commits them if `fill` returns true (aborts them otherwise).
-    /// The data plane checks the CRCs against the bytes as its commit
-    /// check says for their origin. Best effort; returns how many were
-    /// committed.
+    /// block, hands every payload area to `fill` at once — `(block index,
+    /// where its payload goes)` — and, if `fill` returns true, writes each
+    /// header with the given CRCs and commits them (aborts them
+    /// otherwise). The data plane checks the CRCs against the bytes as its
+    /// commit check says for their origin. Best effort; returns how many
+    /// were committed.
     pub fn save_prepared(
         &mut self,
         blocks: &[PreparedSave<'_>],
@@ -1433,16 +1433,17 @@ impl Agent {
 
     /// [`Agent::save_prepared`] in three steps, for a caller that fills
     /// one turn's slots while it reserves the next and commits the one
-    /// before: reserves a slot per block and writes each header; the
-    /// payload areas are in the turn's `bodies`. Every block of the save
-    /// goes through [`Agent::commit_prepared`] and
-    /// [`Agent::await_prepared`] after. A caller that saves a prompt in
-    /// several turns calls [`Agent::forget_unsaved_of`] once, first.
+    /// before: reserves a slot per block; the payload areas are in the
+    /// turn's `bodies`. Only the blocks' keys, parents, positions and
+    /// lengths are read here: their CRCs may still be being computed (the
+    /// headers are written at commit). Every block of the save goes
+    /// through [`Agent::commit_prepared`] and [`Agent::await_prepared`]
+    /// after. A caller that saves a prompt in several turns calls
+    /// [`Agent::forget_unsaved_of`] once, first.
     pub fn reserve_prepared(&mut self, blocks: &[PreparedSave<'_>], statuses: &mut [SaveStatus]) -> PreparedTurn {
         debug_assert_eq!(blocks.len(), statuses.len());
         statuses.fill(SaveStatus::NotSent);
         let reserved = self.reserve_each(blocks.iter().map(|b| (b.parent, b.key, object_bytes(b.len as u64))));
-        let header = *self.arena.header();
         let mut turn =
             PreparedTurn { slots: Vec::with_capacity(reserved.len()), bodies: Vec::with_capacity(reserved.len()) };
         for (i, (block, cookie)) in blocks.iter().zip(&reserved).enumerate() {
@@ -1453,15 +1454,10 @@ impl Agent {
                     continue;
                 }
             };
-            let meta =
-                self.object_meta(&header, (block.key, block.parent, block.block_index), slot, generation, block.len);
             // SAFETY: reserved to this agent (see write_object).
             let body = match unsafe { self.region.slot_mut(slot) } {
                 Some(bytes) if bytes.len() >= STORED_HEADER_BYTES + block.len => {
-                    let (head, body) = bytes.split_at_mut(STORED_HEADER_BYTES);
-                    let encoded = <&mut [u8; STORED_HEADER_BYTES]>::try_from(head)
-                        .is_ok_and(|head| encode_header(&meta, block.crcs, head).is_ok());
-                    encoded.then_some(body.as_mut_ptr())
+                    Some(bytes[STORED_HEADER_BYTES..].as_mut_ptr())
                 }
                 _ => None,
             };
@@ -1480,10 +1476,12 @@ impl Agent {
         turn
     }
 
-    /// Commits a turn's slots if their payloads were `filled` (aborts them
-    /// otherwise), without waiting for the answers. A block whose parent
-    /// is known not saved by now (a commit of an earlier turn was refused)
-    /// is aborted: a prefix is of use only from its start.
+    /// Commits a turn of [`Agent::reserve_prepared`] whose payloads are in
+    /// their slots (`filled`; aborts it otherwise): writes each header with
+    /// its block's CRCs (`blocks` as given to the reserve, the CRCs known
+    /// now) and sends the commits. A block whose CRCs do not fit its
+    /// payload is aborted (`Invalid`), and so is a block whose parent was
+    /// not saved (`ParentUnsaved`): its children later in the save go too.
     pub fn commit_prepared(
         &mut self,
         turn: PreparedTurn,
@@ -1491,20 +1489,45 @@ impl Agent {
         filled: bool,
         statuses: &mut [SaveStatus],
     ) -> SentCommits {
+        let header = *self.arena.header();
         let mut sent = SentCommits(Vec::with_capacity(turn.slots.len()));
         for (i, slot, generation) in turn.slots {
             let cookie = self.cookie();
-            let orphan = self.parent_unsaved(&blocks[i].parent);
-            let request = if filled && !orphan {
-                AgentRequest::Commit { cookie, slot, generation, crcs: blocks[i].crcs_from }
+            let block = &blocks[i];
+            let orphan = self.parent_unsaved(&block.parent);
+            let encoded = filled && !orphan && {
+                let meta = self.object_meta(
+                    &header,
+                    (block.key, block.parent, block.block_index),
+                    slot,
+                    generation,
+                    block.len,
+                );
+                // SAFETY: reserved to this agent (see write_object); the
+                // payload's writers are done (`filled`), the header is
+                // this agent's alone until the commit below.
+                let slot_bytes = unsafe { self.region.slot_mut(slot) };
+                slot_bytes
+                    .and_then(|bytes| bytes.get_mut(..STORED_HEADER_BYTES))
+                    .and_then(|head| <&mut [u8; STORED_HEADER_BYTES]>::try_from(head).ok())
+                    .is_some_and(|head| encode_header(&meta, block.crcs, head).is_ok())
+            };
+            let request = if encoded {
+                AgentRequest::Commit { cookie, slot, generation, crcs: block.crcs_from }
             } else {
-                statuses[i] = if orphan { SaveStatus::ParentUnsaved } else { SaveStatus::Refused(AgentError::Io) };
+                statuses[i] = if orphan {
+                    SaveStatus::ParentUnsaved
+                } else if filled {
+                    SaveStatus::Refused(AgentError::Invalid)
+                } else {
+                    SaveStatus::Refused(AgentError::Io)
+                };
                 // Known now: its children later in this turn go too.
-                self.remember_unsaved(blocks[i].key);
+                self.remember_unsaved(block.key);
                 AgentRequest::Abort { cookie, slot, generation }
             };
-            if self.port.submit(request).is_ok() && filled && !orphan {
-                sent.0.push((i, cookie, blocks[i].len));
+            if self.port.submit(request).is_ok() && encoded {
+                sent.0.push((i, cookie, block.len));
             }
         }
         sent
