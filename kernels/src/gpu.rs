@@ -112,6 +112,11 @@ pub struct KvCopier {
     shifts: Mutex<Vec<(usize, Arc<CudaSlice<u32>>)>>,
     /// Spare page-locked buffers segment CRCs are copied into.
     crc_hosts: Arc<Mutex<Vec<PinnedHostSlice<u32>>>>,
+    /// Thread blocks of a [`Width::BesideCopies`] launch:
+    /// [`BESIDE_COPIES_CTAS`], or every work item where the host link is
+    /// a coherent one (NVLink-C2C, hundreds of GB/s) that a throttled
+    /// kernel would hold back.
+    beside_copies: u32,
 }
 
 /// Threads per block of a launch.
@@ -137,6 +142,26 @@ fn crc_chunk(lengths: &[usize]) -> usize {
         a
     };
     chunk_bytes(lengths.iter().fold(0, |g, &l| gcd(g, l)), CRC_CHUNK_MAX)
+}
+
+/// Thread blocks of a staged load's scatter while the copy engines carry
+/// the next unit across the bus. A full-width scatter of a 32 MiB staging
+/// unit moves ~1.7 TB/s of HBM traffic for ~0.1 ms, and while it runs the
+/// copy engines' PCIe transfers drop from 55 to 51 GB/s (H200, per-unit
+/// events): the bus loses more than the kernel gains. 16 thread blocks
+/// move the unit in ~0.3 ms, under the 0.56 ms the next unit spends on
+/// the bus, and leave the transfers at the bus's rate. (A staged save's
+/// gather stays full width: its unit's copies wait for it.)
+const BESIDE_COPIES_CTAS: u32 = 16;
+
+/// How many thread blocks a gather or scatter runs on.
+#[derive(Clone, Copy, Debug)]
+enum Width {
+    /// One per work item: done as soon as HBM allows.
+    Full,
+    /// The copier's `beside_copies`: slower, leaving the HBM to the copy
+    /// engines' transfers beside it.
+    BesideCopies,
 }
 
 /// Blocks one launch takes at most (a larger batch is several launches).
@@ -284,6 +309,9 @@ impl KvCopier {
             }
         }
         let descriptors = Mutex::new(Descriptors::new(&ctx)?);
+        let coherent_link = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES)
+            .map_err(driver("reading the device's host link"))?;
         let mut copier = Self {
             ctx,
             stream,
@@ -298,6 +326,7 @@ impl KvCopier {
             descriptors,
             shifts: Mutex::new(Vec::new()),
             crc_hosts: Arc::new(Mutex::new(Vec::new())),
+            beside_copies: if coherent_link == 1 { u32::MAX } else { BESIDE_COPIES_CTAS },
         };
         // The staging region is the pool's from the start: a first load
         // does not pay for making it, and an engine that fills HBM later
@@ -334,6 +363,7 @@ impl KvCopier {
         engine_blocks: &[u32],
         payloads: &[u64],
         pieces: core::ops::Range<usize>,
+        width: Width,
     ) -> Result<(), GpuError> {
         if engine_blocks.len() != payloads.len() {
             return Err(GpuError("one payload address per engine block".into()));
@@ -342,20 +372,25 @@ impl KvCopier {
             return Err(GpuError(format!("pieces {pieces:?} of {}", kv.count)));
         }
         let too_many = |_| GpuError("too many pieces".into());
-        let grid_x = u32::try_from(pieces.len()).map_err(too_many)?;
+        let piece_count = u32::try_from(pieces.len()).map_err(too_many)?;
         let first_piece = u32::try_from(pieces.start).map_err(too_many)?;
         let piece_bytes = kv.tokens as usize * kv.heads as usize * kv.head_bytes as usize;
-        let grid_z = u32::try_from(piece_bytes.div_ceil(CHUNK_BYTES).clamp(1, 65_535)).unwrap_or(1);
+        let parts = u32::try_from(piece_bytes.div_ceil(CHUNK_BYTES).clamp(1, 65_535)).unwrap_or(1);
         let mut descriptors = self.descriptors.lock().map_err(|_| GpuError("descriptor lock poisoned".into()))?;
         for (ids, addresses) in engine_blocks.chunks(SLOT_BLOCKS).zip(payloads.chunks(SLOT_BLOCKS)) {
             let (slot, payloads_at, ids_at) = descriptors.write(ids, addresses)?;
-            let grid_y = u32::try_from(ids.len()).map_err(|_| GpuError("too many blocks".into()))?;
-            let config =
-                LaunchConfig { grid_dim: (grid_x, grid_y, grid_z), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let block_count = u32::try_from(ids.len()).map_err(|_| GpuError("too many blocks".into()))?;
+            // At most SLOT_BLOCKS × 65,535 pieces × 65,535 parts work items.
+            let work = u64::from(piece_count) * u64::from(block_count) * u64::from(parts);
+            let grid = match width {
+                Width::Full => u32::try_from(work.min(i32::MAX as u64)).unwrap_or(1),
+                Width::BesideCopies => self.beside_copies.min(u32::try_from(work).unwrap_or(u32::MAX)),
+            };
+            let config = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
             let mut args = self.stream.launch_builder(function);
             args.arg(&kv.pieces).arg(&ids_at).arg(&payloads_at).arg(&kv.tokens).arg(&kv.heads).arg(&kv.head_bytes);
-            args.arg(&first_piece);
-            // SAFETY: the kernel's parameters are these seven, in this order
+            args.arg(&first_piece).arg(&piece_count).arg(&block_count).arg(&parts);
+            // SAFETY: the kernel's parameters are these ten, in this order
             // and of these sizes (the two descriptor arrays as device
             // addresses of mapped host memory, written above and not
             // rewritten until this launch's event passes); every address
@@ -379,7 +414,7 @@ impl KvCopier {
     /// payload address is valid and writable for a block's bytes until the
     /// stream has passed this work (synchronize or an event).
     pub unsafe fn gather(&self, kv: &DeviceKv, engine_blocks: &[u32], payloads: &[u64]) -> Result<(), GpuError> {
-        self.launch(&self.gather, kv, engine_blocks, payloads, 0..kv.count)
+        self.launch(&self.gather, kv, engine_blocks, payloads, 0..kv.count, Width::Full)
     }
 
     /// Queues the scatter of payloads into engine blocks (see
@@ -389,7 +424,7 @@ impl KvCopier {
     ///
     /// As [`KvCopier::gather`], the payloads readable.
     pub unsafe fn scatter(&self, kv: &DeviceKv, engine_blocks: &[u32], payloads: &[u64]) -> Result<(), GpuError> {
-        self.launch(&self.scatter, kv, engine_blocks, payloads, 0..kv.count)
+        self.launch(&self.scatter, kv, engine_blocks, payloads, 0..kv.count, Width::Full)
     }
 
     /// Queues the scatter of pieces `pieces` only (a layer's, for a
@@ -406,7 +441,7 @@ impl KvCopier {
         payloads: &[u64],
         pieces: core::ops::Range<usize>,
     ) -> Result<(), GpuError> {
-        self.launch(&self.scatter, kv, engine_blocks, payloads, pieces)
+        self.launch(&self.scatter, kv, engine_blocks, payloads, pieces, Width::Full)
     }
 
     /// An event recorded on the stream now: it passes once everything
@@ -711,7 +746,9 @@ impl KvCopier {
                 // sits where piece `range.start` would.
                 let payloads: Vec<u64> =
                     (0..last - first).map(|j| (base + j as u64 * stride).wrapping_sub(offset as u64)).collect();
-                self.launch(&self.scatter, kv, &engine_blocks[first..last], &payloads, range.clone())?;
+                // The group's last unit has no copy beside it to spare.
+                let width = if last == count { Width::Full } else { Width::BesideCopies };
+                self.launch(&self.scatter, kv, &engine_blocks[first..last], &payloads, range.clone(), width)?;
                 let runs = u32::try_from(last - first).map_err(too_many)?;
                 let first_block = u32::try_from(first).map_err(too_many)?;
                 let config = LaunchConfig {
@@ -782,7 +819,9 @@ impl KvCopier {
                 self.stream.wait(&ring.freed[unit]).map_err(driver("ordering a staging unit"))?;
             }
             let mut staged: Vec<u64> = (0..last - first).map(|j| base + (j * block_bytes) as u64).collect();
-            self.launch(&self.gather, kv, &engine_blocks[first..last], &staged, 0..kv.count)?;
+            // Full width: the unit's copies wait for this gather (a
+            // slower one leaves the bus idle between turns of a save).
+            self.launch(&self.gather, kv, &engine_blocks[first..last], &staged, 0..kv.count, Width::Full)?;
             ring.copied[unit].record(&self.stream).map_err(driver("recording a gather"))?;
             self.copy_stream.wait(&ring.copied[unit]).map_err(driver("ordering copies after a gather"))?;
             let mut to: Vec<u64> = destinations[first..last].iter().map(|&d| d as u64).collect();

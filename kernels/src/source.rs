@@ -1,7 +1,7 @@
 //! The CUDA C source of the kernels, compiled at run time with NVRTC.
 //!
-//! Thread blocks per (piece, block of the batch, chunk of the piece), so
-//! a small batch still spreads over many SMs: a piece is one (layer,
+//! Work items of (piece, block of the batch, part of the piece), so a
+//! small batch still spreads over many SMs: a piece is one (layer,
 //! plane) of the engine's paged KV, addressed by its base and the byte
 //! strides of blocks, tokens and heads (the same description the host path
 //! uses, `lake-ffi`'s `LakeKvPiece`). The pool side is Lake's canonical
@@ -35,12 +35,12 @@ typedef unsigned long long u64;
 
 // Copies one piece of one block between engine memory and the payload,
 // `to_payload` choosing the direction.
+// `part` of `parts` of piece `p` of block `i` of the batch.
 __device__ __forceinline__ void copy_piece(
     const Piece* pieces, const unsigned int* engine_blocks, const u64* payloads,
-    unsigned int tokens, unsigned int heads, unsigned int head_bytes, unsigned int first_piece, bool to_payload)
+    unsigned int tokens, unsigned int heads, unsigned int head_bytes, unsigned int p, unsigned int i,
+    unsigned int part, unsigned int parts, bool to_payload)
 {
-    const unsigned int p = first_piece + blockIdx.x;
-    const unsigned int i = blockIdx.y;
     const Piece pc = pieces[p];
     const u64 piece_bytes = (u64)tokens * heads * head_bytes;
     unsigned char* payload = (unsigned char*)(payloads[i] + (u64)p * piece_bytes);
@@ -51,9 +51,9 @@ __device__ __forceinline__ void copy_piece(
     if (words) {
         const unsigned int per_unit = head_bytes / 16;
         const u64 total = (u64)units * per_unit;
-        const u64 share = (total + gridDim.z - 1) / gridDim.z;
-        const u64 end = min(total, share * (blockIdx.z + 1));
-        for (u64 x = share * blockIdx.z + threadIdx.x; x < end; x += blockDim.x) {
+        const u64 share = (total + parts - 1) / parts;
+        const u64 end = min(total, share * (part + 1));
+        for (u64 x = share * part + threadIdx.x; x < end; x += blockDim.x) {
             const unsigned int unit = (unsigned int)(x / per_unit);
             const unsigned int w = (unsigned int)(x % per_unit);
             const unsigned int t = unit / heads;
@@ -64,9 +64,9 @@ __device__ __forceinline__ void copy_piece(
         }
     } else {
         const u64 total = (u64)units * head_bytes;
-        const u64 share = (total + gridDim.z - 1) / gridDim.z;
-        const u64 end = min(total, share * (blockIdx.z + 1));
-        for (u64 x = share * blockIdx.z + threadIdx.x; x < end; x += blockDim.x) {
+        const u64 share = (total + parts - 1) / parts;
+        const u64 end = min(total, share * (part + 1));
+        for (u64 x = share * part + threadIdx.x; x < end; x += blockDim.x) {
             const unsigned int unit = (unsigned int)(x / head_bytes);
             const unsigned int b = (unsigned int)(x % head_bytes);
             const unsigned int t = unit / heads;
@@ -219,17 +219,39 @@ extern "C" __global__ void lake_crc_fold(
     segment_crcs[(u64)i * segments_per_block + s] = crc;
 }
 
+// Every (piece, block, part) of the batch, part fastest: the grid strides
+// over them, so a launch of a few thread blocks moves the whole batch at
+// a lower rate (see `KvCopier::launch`).
+__device__ __forceinline__ void copy_pieces(
+    const Piece* pieces, const unsigned int* engine_blocks, const u64* payloads,
+    unsigned int tokens, unsigned int heads, unsigned int head_bytes, unsigned int first_piece,
+    unsigned int piece_count, unsigned int block_count, unsigned int parts, bool to_payload)
+{
+    const u64 work = (u64)piece_count * block_count * parts;
+    for (u64 k = blockIdx.x; k < work; k += gridDim.x) {
+        const unsigned int part = (unsigned int)(k % parts);
+        const u64 item = k / parts;
+        copy_piece(pieces, engine_blocks, payloads, tokens, heads, head_bytes,
+                   first_piece + (unsigned int)(item % piece_count), (unsigned int)(item / piece_count),
+                   part, parts, to_payload);
+    }
+}
+
 extern "C" __global__ void lake_gather(
     const Piece* pieces, const unsigned int* engine_blocks, const u64* payloads,
-    unsigned int tokens, unsigned int heads, unsigned int head_bytes, unsigned int first_piece)
+    unsigned int tokens, unsigned int heads, unsigned int head_bytes, unsigned int first_piece,
+    unsigned int piece_count, unsigned int block_count, unsigned int parts)
 {
-    copy_piece(pieces, engine_blocks, payloads, tokens, heads, head_bytes, first_piece, true);
+    copy_pieces(pieces, engine_blocks, payloads, tokens, heads, head_bytes, first_piece, piece_count, block_count,
+                parts, true);
 }
 
 extern "C" __global__ void lake_scatter(
     const Piece* pieces, const unsigned int* engine_blocks, const u64* payloads,
-    unsigned int tokens, unsigned int heads, unsigned int head_bytes, unsigned int first_piece)
+    unsigned int tokens, unsigned int heads, unsigned int head_bytes, unsigned int first_piece,
+    unsigned int piece_count, unsigned int block_count, unsigned int parts)
 {
-    copy_piece(pieces, engine_blocks, payloads, tokens, heads, head_bytes, first_piece, false);
+    copy_pieces(pieces, engine_blocks, payloads, tokens, heads, head_bytes, first_piece, piece_count, block_count,
+                parts, false);
 }
 "#;
