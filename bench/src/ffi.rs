@@ -40,6 +40,11 @@ fn check(status: LakeStatus, what: &str) -> Result<(), String> {
 /// Completions polled, counted per request: (seen, ok).
 type Tally = std::collections::HashMap<u64, (usize, usize)>;
 
+/// How long [`wait`] yields before it naps, and each nap.
+const WAIT_SPIN: Duration = Duration::from_micros(50);
+/// See [`WAIT_SPIN`].
+const WAIT_NAP: Duration = Duration::from_micros(20);
+
 /// Polls until `count` completions of `request` arrived (keeping counts of
 /// other requests' for their own waits); returns how many were ok.
 fn wait(
@@ -49,7 +54,8 @@ fn wait(
     out: &mut [LakeCompletion],
     tally: &mut Tally,
 ) -> Result<usize, String> {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(60);
     loop {
         let (seen, ok) = tally.get(&request).copied().unwrap_or((0, 0));
         if seen >= count {
@@ -69,8 +75,16 @@ fn wait(
                 return Err(format!("request {request}: {seen} of {count} completions in 60 s"));
             }
             // Give the core to the agent and the pool while nothing is
-            // back (an engine's waiting thread does not spin them off it).
-            std::thread::yield_now();
+            // back (an engine's waiting thread does not spin them off it):
+            // yielded at first, so a one-block request's completion is
+            // seen at once; asleep once it has waited longer than one
+            // block takes (a batch), or the poll loop takes half of a
+            // two-core machine from the agent it waits for.
+            if started.elapsed() < WAIT_SPIN {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(WAIT_NAP);
+            }
         }
     }
 }
