@@ -164,13 +164,35 @@ impl EngineMemory {
     }
 
     /// Copies the payload of engine block `block` into `out` (whose length
-    /// is the payload's, or a prefix of it). `false` if it does not fit.
-    pub(crate) fn gather(&self, block: u32, out: &mut [u8]) -> bool {
+    /// is the payload's) and writes the CRC of each `segment_bytes`
+    /// segment of it into `crcs`, computed from engine memory as it is
+    /// copied: each run is read once (into cache, by its checksum) and
+    /// streamed into `out` with stores that do not read `out`'s lines
+    /// first. `false` if it does not fit.
+    pub(crate) fn gather_with_crcs(&self, block: u32, out: &mut [u8], segment_bytes: u64, crcs: &mut [u32]) -> bool {
+        let segment = usize::try_from(segment_bytes).unwrap_or(usize::MAX).max(1);
+        if out.len().div_ceil(segment) != crcs.len() {
+            return false;
+        }
         let target = out.as_mut_ptr();
+        let mut hasher = crc32fast::Hasher::new();
         self.walk(block, 0, out.len(), |address, at, n| {
-            // SAFETY: as in `scatter`, reading engine memory; `at + n` is
-            // inside `out`.
-            unsafe { core::ptr::copy_nonoverlapping(address as *const u8, target.wrapping_add(at), n) };
+            let mut done = 0;
+            while done < n {
+                // A run is cut where a segment ends.
+                let offset = at + done;
+                let take = (n - done).min(segment - offset % segment);
+                // SAFETY: as in `scatter`, reading engine memory; the
+                // `take` bytes at `offset` are inside `out`.
+                let from = unsafe { core::slice::from_raw_parts((address + done) as *const u8, take) };
+                hasher.update(from);
+                // SAFETY: `from` as above; `offset + take <= out.len()`.
+                unsafe { lake_dp::copy::copy_streaming(target.wrapping_add(offset), from.as_ptr(), take) };
+                done += take;
+                if (offset + take).is_multiple_of(segment) || offset + take == out.len() {
+                    crcs[offset / segment] = core::mem::take(&mut hasher).finalize();
+                }
+            }
         })
     }
 }
@@ -279,7 +301,7 @@ mod tests {
     }
 
     #[test]
-    fn gather_and_scatter_follow_every_engine_order_byte_for_byte() {
+    fn gather_and_scatter_follow_every_engine_order_byte_for_byte_with_segment_crcs() {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         for round in 0..200 {
             let g = Geometry {
@@ -304,10 +326,15 @@ mod tests {
             )
             .unwrap();
             assert_eq!(memory.block_bytes(), g.layers * g.planes * g.tokens * g.heads * g.head_bytes);
+            let segment = 1 + rng.below(memory.block_bytes());
             for b in 0..g.blocks {
                 let mut out = vec![0u8; memory.block_bytes()];
-                assert!(memory.gather(b as u32, &mut out));
-                assert_eq!(out, g.reference(&buffer, b), "round {round} block {b} order {}", g.order);
+                let mut crcs = vec![0u32; out.len().div_ceil(segment)];
+                assert!(memory.gather_with_crcs(b as u32, &mut out, segment as u64, &mut crcs));
+                let reference = g.reference(&buffer, b);
+                assert_eq!(out, reference, "round {round} block {b} order {}", g.order);
+                let expected: Vec<u32> = reference.chunks(segment).map(crc32fast::hash).collect();
+                assert_eq!(crcs, expected, "round {round} block {b}: segments of {segment}");
             }
             // Scatter a fresh payload into one block in random pieces (as
             // segments arrive), then read it back; the other blocks keep
@@ -337,7 +364,8 @@ mod tests {
         assert!(!memory.scatter(3, 8, &[1; 9]), "range past the block");
         assert!(!memory.scatter(0, usize::MAX, &[1]), "offset overflow");
         let mut out = [0u8; 17];
-        assert!(!memory.gather(0, &mut out));
+        assert!(!memory.gather_with_crcs(0, &mut out, 17, &mut [0]));
+        assert!(!memory.gather_with_crcs(0, &mut out[..16], 8, &mut [0]), "CRCs short of the segments");
         assert!(buffer.iter().all(|&b| b == 7));
         assert!(memory.scatter(3, 8, &[1; 8]));
         assert_eq!(&buffer[56..], &[1; 8]);

@@ -1010,8 +1010,8 @@ fn agent_thread(
                         .iter()
                         .map(|&b| {
                             let memory = &memory;
-                            move |out: &mut [u8]| {
-                                memory.gather(b, out);
+                            move |out: &mut [u8], segment: u64, crcs: &mut [u32]| {
+                                memory.gather_with_crcs(b, out, segment, crcs)
                             }
                         })
                         .collect();

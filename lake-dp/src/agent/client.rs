@@ -19,7 +19,7 @@ use crate::model::namespace::NamespaceId;
 use crate::model::replica::{ObjectKind, Priority, ReplicaWire, Tier};
 use crate::region::SlotRegion;
 use crate::runner::os::recv_with_fds;
-use crate::stored::{ObjectMeta, decode_header, encode_header, object_bytes, segment_crcs};
+use crate::stored::{ObjectMeta, decode_header, encode_header, object_bytes};
 use crate::wire::hello::{HELLO_WIRE_VERSION, Identity};
 use crate::wire::message::Role;
 use crate::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
@@ -167,14 +167,21 @@ pub enum SavePayload<'a> {
     Bytes(&'a [u8]),
     /// `len` bytes that `fill` writes, in payload order, into the slot it
     /// is given (engine memory laid out otherwise: gathered per layer and
-    /// plane straight into shared memory, no staging copy).
+    /// plane straight into shared memory, no staging copy), computing the
+    /// CRC of each segment from the bytes as it copies them.
     Gather {
         /// Payload length.
         len: usize,
-        /// Writes exactly the payload into its argument (`len` bytes).
-        fill: &'a dyn Fn(&mut [u8]),
+        /// `fill(slot, segment_bytes, crcs)` writes exactly the payload
+        /// into `slot` (`len` bytes) and the CRC of each of its
+        /// `segment_bytes` segments, in order, into `crcs` (one a
+        /// segment). False if it could not.
+        fill: &'a GatherFill<'a>,
     },
 }
+
+/// The fill of a [`SavePayload::Gather`]: `(slot, segment_bytes, crcs)`.
+pub type GatherFill<'a> = dyn Fn(&mut [u8], u64, &mut [u32]) -> bool + 'a;
 
 impl core::fmt::Debug for SavePayload<'_> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
@@ -1552,8 +1559,11 @@ impl Agent {
         self.forget_unsaved(keys.iter().copied());
     }
 
-    /// Writes a stored object into the reserved `slot`: the payload first
-    /// (copied or gathered), then its CRCs, taken from the slot itself.
+    /// Writes a stored object into the reserved `slot`: the payload's
+    /// segment CRCs computed from the bytes as they are copied (a segment
+    /// is read once, into cache, checksummed, and streamed into the slot
+    /// with stores that do not read the slot's lines first), then the
+    /// header with them.
     fn write_object(&mut self, slot: u32, meta: &ObjectMeta, payload: &SavePayload<'_>) -> bool {
         // SAFETY: the data plane reserved this slot to this agent: nobody
         // else writes it, and it is not published (so nobody reads it)
@@ -1565,12 +1575,25 @@ impl Agent {
         }
         let (head, body) = bytes.split_at_mut(STORED_HEADER_BYTES);
         let body = &mut body[..len];
-        match payload {
-            SavePayload::Bytes(source) => body.copy_from_slice(source),
-            SavePayload::Gather { fill, .. } => fill(body),
-        }
         let mut crcs = [0u32; SEGMENTS_MAX];
-        let Ok(count) = segment_crcs(body, meta.segment_bytes, &mut crcs) else { return false };
+        let Ok(count) = meta.segment_count() else { return false };
+        let Some(crcs_out) = crcs.get_mut(..usize::from(count)) else { return false };
+        let filled = match payload {
+            SavePayload::Bytes(source) => {
+                let segment = usize::try_from(meta.segment_bytes).unwrap_or(usize::MAX);
+                for ((from, to), crc) in source.chunks(segment).zip(body.chunks_mut(segment)).zip(crcs_out) {
+                    *crc = crc32fast::hash(from);
+                    // SAFETY: `from` and `to` are segments of equal length
+                    // of the source and of this agent's reserved slot.
+                    unsafe { crate::copy::copy_streaming(to.as_mut_ptr(), from.as_ptr(), from.len()) };
+                }
+                true
+            }
+            SavePayload::Gather { fill, .. } => fill(body, meta.segment_bytes, crcs_out),
+        };
+        if !filled {
+            return false;
+        }
         let Ok(head) = <&mut [u8; STORED_HEADER_BYTES]>::try_from(head) else { return false };
         encode_header(meta, &crcs[..usize::from(count)], head).is_ok()
     }

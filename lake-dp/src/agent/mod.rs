@@ -31,7 +31,8 @@ pub mod shm;
 
 #[cfg(not(loom))]
 pub use client::{
-    Agent, AgentConfig, AgentStats, AttachError, FetchFailure, LEASE_TTL_MS, LOAD_BATCH, LOAD_RETRY_MAX, PreparedSave,
-    PreparedTurn, SPANS_KEPT, SaveBlock, SavePayload, SaveStatus, SentCommits, TraceSpan, WAIT_MAX, fold_load_cost,
+    Agent, AgentConfig, AgentStats, AttachError, FetchFailure, GatherFill, LEASE_TTL_MS, LOAD_BATCH, LOAD_RETRY_MAX,
+    PreparedSave, PreparedTurn, SPANS_KEPT, SaveBlock, SavePayload, SaveStatus, SentCommits, TraceSpan, WAIT_MAX,
+    fold_load_cost,
 };
 pub use port::CrcOrigin;
