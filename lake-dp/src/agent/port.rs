@@ -82,8 +82,8 @@ pub enum CrcOrigin {
     /// block is published.
     #[default]
     Unknown,
-    /// Computed by Lake's agent over the slot's own bytes, after writing
-    /// them.
+    /// Computed by Lake's agent from the bytes it copied into the slot,
+    /// as it copied them.
     Slot,
     /// Computed by Lake's GPU kernel over the engine's registered memory,
     /// in the stream order of the copies that wrote the slot.

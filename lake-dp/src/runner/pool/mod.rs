@@ -275,7 +275,7 @@ pub struct PoolShape {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum CommitCheck {
     /// By where the CRCs came from, as the commit says (`CrcOrigin`):
-    /// computed by Lake's own code (the agent over the slot's bytes, or
+    /// computed by Lake's own code (the agent, from the bytes it copied, or
     /// Lake's GPU kernel over the engine's registered memory), the block
     /// is published at once and its payload read off the commit's path, as
     /// `Background` does; not said, it is checked `Inline`.
