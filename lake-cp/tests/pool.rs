@@ -224,6 +224,18 @@ fn segment_crcs(agent: &Agent, payloads: &[Vec<u8>]) -> Vec<Vec<u32>> {
     payloads.iter().map(|p| p.chunks(segment).map(crc32fast::hash).collect()).collect()
 }
 
+/// A small pool with one local engine port, in a directory of its own
+/// named after `name`.
+fn one_engine_pool(name: &str) -> EmbeddedConfig {
+    EmbeddedConfig {
+        l1_slots: 32,
+        l2_slots_per_file: 32,
+        local_agents: 1,
+        remote_agents: 0,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-{name}-{}", std::process::id())))
+    }
+}
+
 /// `keys` as one prompt's prepared saves (each block the parent of the
 /// next), with `crcs` computed by `origin`.
 fn prepared_chain<'a>(
@@ -264,14 +276,8 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
     for (check, origin) in cases {
         let inline = !check.publishes_first(origin);
         let mut pool = EmbeddedPool::start(&EmbeddedConfig {
-            l1_slots: 32,
-            l2_slots_per_file: 32,
-            local_agents: 1,
-            remote_agents: 0,
             commit_check: check,
-            ..EmbeddedConfig::new(
-                std::env::temp_dir().join(format!("lake-cp-check-{check:?}-{origin:?}-{}", std::process::id())),
-            )
+            ..one_engine_pool(&format!("check-{check:?}-{origin:?}"))
         })
         .unwrap();
         let mut agent = attach(&mut pool);
@@ -340,14 +346,7 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
 fn a_turn_whose_parent_was_refused_at_commit_is_not_committed() {
     use lake_dp::agent::CrcOrigin;
     use lake_dp::agent::port::AgentError;
-    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
-        l1_slots: 32,
-        l2_slots_per_file: 32,
-        local_agents: 1,
-        remote_agents: 0,
-        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-turns-{}", std::process::id())))
-    })
-    .unwrap();
+    let mut pool = EmbeddedPool::start(&one_engine_pool("turns")).unwrap();
     let mut agent = attach(&mut pool);
     let keys: Vec<BlockKey> = (0..4).map(|i| key(11, i)).collect();
     let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
@@ -403,14 +402,7 @@ fn a_turn_whose_parent_was_refused_at_commit_is_not_committed() {
 fn a_turn_is_reserved_before_its_crcs_are_known_and_headed_at_commit() {
     use lake_dp::agent::CrcOrigin;
     use lake_dp::agent::port::AgentError;
-    let mut pool = EmbeddedPool::start(&EmbeddedConfig {
-        l1_slots: 32,
-        l2_slots_per_file: 32,
-        local_agents: 1,
-        remote_agents: 0,
-        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-late-crcs-{}", std::process::id())))
-    })
-    .unwrap();
+    let mut pool = EmbeddedPool::start(&one_engine_pool("late-crcs")).unwrap();
     let mut agent = attach(&mut pool);
     let keys: Vec<BlockKey> = (0..5).map(|i| key(12, i)).collect();
     let payloads: Vec<Vec<u8>> = keys.iter().map(payload).collect();
