@@ -33,9 +33,9 @@ struct Piece {
 
 typedef unsigned long long u64;
 
-// Copies one piece of one block between engine memory and the payload,
-// `to_payload` choosing the direction.
-// `part` of `parts` of piece `p` of block `i` of the batch.
+// Copies part `part` of `parts` of piece `p` of block `i` of the batch
+// between engine memory and the payload, `to_payload` choosing the
+// direction.
 __device__ __forceinline__ void copy_piece(
     const Piece* pieces, const unsigned int* engine_blocks, const u64* payloads,
     unsigned int tokens, unsigned int heads, unsigned int head_bytes, unsigned int p, unsigned int i,
