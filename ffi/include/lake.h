@@ -422,8 +422,9 @@ typedef struct LakeAttachOptions {
    */
   uint32_t agent_core;
   /*
-   Helper threads ("copy lanes") that share a large load of L1 hits
-   with the agent's thread (0: none; at most 64). Each takes a pin
+   Helper threads ("copy lanes") that share a large load of L1 hits,
+   and the copies of a large save, with the agent's thread (0: none;
+   at most 64). Each takes a pin
    array of the arena's; fewer start if the arena has fewer free.
    */
   uint32_t copy_threads;

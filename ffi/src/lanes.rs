@@ -1,13 +1,16 @@
-//! Copy lanes: helper threads that share a large load of L1 hits with the
-//! agent's thread, so one batch is checked and copied by several cores at
-//! once (`LakeAttachOptions.copy_threads`).
+//! Copy lanes: helper threads that share a large load of L1 hits, or the
+//! copies of a save, with the agent's thread, so one batch is checked and
+//! copied by several cores at once (`LakeAttachOptions.copy_threads`).
 //!
 //! Each lane owns a pin array of its own (a pin array has one writer) and
-//! does for its share of the batch exactly what a pinned load does: pin
-//! the slot at its generation, check the stored header (CRC, key,
-//! namespace, layout), check each segment's CRC as it is copied into the
-//! engine's memory, unpin. Lower-tier blocks stay with the agent's thread,
-//! which leases and loads them.
+//! does for its share of a load exactly what a pinned load does: pin the
+//! slot at its generation, check the stored header (CRC, key, namespace,
+//! layout), check each segment's CRC as it is copied into the engine's
+//! memory, unpin. Lower-tier blocks stay with the agent's thread, which
+//! leases and loads them. For its share of a save, a lane copies engine
+//! blocks into the slots the agent reserved, checksumming each segment as
+//! it goes; the agent writes the headers and commits once every share is
+//! back.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -94,9 +97,61 @@ impl SegmentShare {
     }
 }
 
+/// Blocks of a save: copied from the engine's memory into the slots the
+/// agent reserved for them, each segment checksummed on the way.
+pub(crate) struct SaveShare {
+    /// (engine block, its slot's payload area) of each block of the share.
+    bodies: Vec<(u32, *mut u8)>,
+    /// The share's first block in its batch.
+    first: usize,
+    /// Payload bytes of a block.
+    len: usize,
+    segment_bytes: u64,
+    memory: Arc<EngineMemory>,
+    reply: SyncSender<Saved>,
+}
+
+// SAFETY: every `bodies` pointer is the payload area of a slot the
+// sender's agent reserved for this save: nobody else writes it, and nobody
+// reads it before the agent commits it, which it does only once every
+// share it handed out has replied. Each area is in one share only.
+unsafe impl Send for SaveShare {}
+
+/// What a save share did: the segment CRCs of its blocks, block after
+/// block, and whether each block was copied.
+pub(crate) struct Saved {
+    first: usize,
+    crcs: Vec<u32>,
+    filled: Vec<bool>,
+}
+
+impl SaveShare {
+    fn run(&self) -> Saved {
+        let per_block = segments_of(self.len, self.segment_bytes);
+        let mut crcs = vec![0u32; per_block * self.bodies.len()];
+        let filled = self
+            .bodies
+            .iter()
+            .zip(crcs.chunks_mut(per_block.max(1)))
+            .map(|(&(block, body), crcs)| {
+                // SAFETY: see the Send impl: a reserved payload area of
+                // `len` bytes that only this share writes.
+                let out = unsafe { core::slice::from_raw_parts_mut(body, self.len) };
+                self.memory.gather_with_crcs(block, out, self.segment_bytes, crcs)
+            })
+            .collect();
+        Saved { first: self.first, crcs, filled }
+    }
+}
+
+fn segments_of(len: usize, segment_bytes: u64) -> usize {
+    len.div_ceil(usize::try_from(segment_bytes).unwrap_or(usize::MAX).max(1))
+}
+
 enum Task {
     Blocks(Share),
     Segments(SegmentShare),
+    Saves(SaveShare),
 }
 
 /// What the lanes have done (added to the agent's figures).
@@ -156,7 +211,7 @@ impl Lanes {
     pub(crate) fn send(&self, i: usize, share: Share) -> Result<(), Share> {
         self.senders[i].send(Task::Blocks(share)).map_err(|e| match e.0 {
             Task::Blocks(share) => share,
-            Task::Segments(_) => unreachable!("a block share was sent"),
+            Task::Segments(_) | Task::Saves(_) => unreachable!("a block share was sent"),
         })
     }
 }
@@ -191,6 +246,9 @@ fn lane(pins: &mut PinArray, tasks: &Receiver<Task>, reader: Reader, stats: &Lan
                 let _ = share.reply.send((share.range.clone(), statuses));
             }
             Task::Segments(share) => {
+                let _ = share.reply.send(share.run());
+            }
+            Task::Saves(share) => {
                 let _ = share.reply.send(share.run());
             }
         }
@@ -269,6 +327,72 @@ fn split_pinned(
         ok &= replies.recv().unwrap_or(false);
     }
     if ok { LakeStatus::LakeOk } else { LakeStatus::LakeBadCrc }
+}
+
+/// Copies a save's blocks into their slots, split across `lanes` and this
+/// thread (by blocks, at least [`LANE_BLOCKS_MIN`] to a share): `bodies`
+/// are (engine block, reserved payload area of `len` bytes). Returns the
+/// segment CRCs of each block, block after block, and whether each was
+/// copied.
+///
+/// # Safety
+///
+/// Each `bodies` area is `len` writable bytes of a slot reserved to the
+/// caller's agent, not committed before this returns, and in `bodies`
+/// once.
+pub(crate) unsafe fn save_split(
+    lanes: &Lanes,
+    memory: &Arc<EngineMemory>,
+    bodies: &[(u32, *mut u8)],
+    len: usize,
+    segment_bytes: u64,
+) -> (Vec<u32>, Vec<bool>) {
+    let count = bodies.len();
+    let per_block = segments_of(len, segment_bytes);
+    let parts = (count / LANE_BLOCKS_MIN).clamp(1, lanes.count() + 1);
+    let (reply, replies) = sync_channel(parts);
+    let share = |part: usize| {
+        let range = count * part / parts..count * (part + 1) / parts;
+        SaveShare {
+            bodies: bodies[range.clone()].to_vec(),
+            first: range.start,
+            len,
+            segment_bytes,
+            memory: Arc::clone(memory),
+            reply: reply.clone(),
+        }
+    };
+    let mut crcs = vec![0u32; per_block * count];
+    let mut filled = vec![false; count];
+    let mut keep = |saved: Saved| {
+        crcs[saved.first * per_block..saved.first * per_block + saved.crcs.len()].copy_from_slice(&saved.crcs);
+        filled[saved.first..saved.first + saved.filled.len()].copy_from_slice(&saved.filled);
+    };
+    let mut sent = 0;
+    for part in 1..parts {
+        match lanes.senders[part - 1].send(Task::Saves(share(part))) {
+            Ok(()) => sent += 1,
+            Err(e) => {
+                if let Task::Saves(own) = e.0 {
+                    keep(own.run());
+                }
+            }
+        }
+    }
+    keep(share(0).run());
+    // Only the lanes hold senders now: a lane that dies with its share
+    // ends the wait below instead of holding it for good.
+    drop(reply);
+    // The slots are committed by the caller after this returns: every lane
+    // that took a share must have replied first (a lane that died with its
+    // share leaves its blocks not filled).
+    for _ in 0..sent {
+        match replies.recv() {
+            Ok(saved) => keep(saved),
+            Err(_) => break,
+        }
+    }
+    (crcs, filled)
 }
 
 /// Loads `share.range` of a batch of L1 hits through `pins`; one status

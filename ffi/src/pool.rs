@@ -13,14 +13,16 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use lake_dp::agent::{Agent, AgentConfig, AgentStats, FetchFailure, SaveBlock, SavePayload};
+use lake_dp::agent::{Agent, AgentConfig, AgentStats, FetchFailure, PreparedSave};
 use lake_dp::arena::{Pin, PinArray};
 use lake_dp::cplink::Granted;
 use lake_dp::mirror::{MirrorEntry, MirrorReader};
 use lake_dp::{BlockKey, KeyChain, KeyScheme, Namespace, ObjectKind, Priority, RegionId, ShardMask, TenantKey, Tier};
 
 use crate::gpu::{self, Gpu, GpuMemory, GpuPath};
-use crate::lanes::{LANE_BLOCKS_MIN, Lanes, Reader, SPLIT_BLOCK_BYTES_MIN, Share, copy_checked, load_run, load_split};
+use crate::lanes::{
+    LANE_BLOCKS_MIN, Lanes, Reader, SPLIT_BLOCK_BYTES_MIN, Share, copy_checked, load_run, load_split, save_split,
+};
 use crate::memory::{EngineMemory, Piece};
 use crate::status::{LakeStatus, fail, guard};
 
@@ -127,8 +129,9 @@ pub struct LakeAttachOptions {
     /// The core to pin it to; one this process may not run on is refused
     /// (`LAKE_INVALID_ARGUMENT`).
     pub agent_core: u32,
-    /// Helper threads ("copy lanes") that share a large load of L1 hits
-    /// with the agent's thread (0: none; at most 64). Each takes a pin
+    /// Helper threads ("copy lanes") that share a large load of L1 hits,
+    /// and the copies of a large save, with the agent's thread (0: none;
+    /// at most 64). Each takes a pin
     /// array of the arena's; fewer start if the arena has fewer free.
     pub copy_threads: u32,
     /// The shard this engine rank holds: `LakeLayoutInfo.shard_code` of
@@ -1006,28 +1009,7 @@ fn agent_thread(
                     }
                 }
                 Job::Save { memory: Memory::Host(memory), keys, parents, blocks, .. } => {
-                    let fills: Vec<_> = blocks
-                        .iter()
-                        .map(|&b| {
-                            let memory = &memory;
-                            move |out: &mut [u8], segment: u64, crcs: &mut [u32]| {
-                                memory.gather_with_crcs(b, out, segment, crcs)
-                            }
-                        })
-                        .collect();
-                    let saves: Vec<SaveBlock<'_>> = (0..count)
-                        .map(|i| SaveBlock {
-                            key: keys[i],
-                            parent: parents[i],
-                            block_index: u32::try_from(i).unwrap_or(u32::MAX),
-                            payload: SavePayload::Gather { len: memory.block_bytes(), fill: &fills[i] },
-                        })
-                        .collect();
-                    let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; count];
-                    agent.save_with_statuses(&saves, &mut saved);
-                    for (status, saved) in statuses.iter_mut().zip(saved) {
-                        *status = crate::trace::status_of_save(saved);
-                    }
+                    statuses = run_save(&mut agent, shared, &memory, &keys, &parents, &blocks);
                 }
             }
         }
@@ -1221,6 +1203,68 @@ fn run_load(agent: &mut Agent, shared: &AgentShared, job: LoadJob) -> Vec<LakeSt
         }
     }
     statuses
+}
+
+/// Blocks to a host save's turn at most: the slots reserved at once.
+const HOST_SAVE_TURN: usize = 64;
+
+/// Runs one save from host memory; a status per block. The save goes in
+/// turns: a turn's slots are reserved, its blocks copied into them (split
+/// across the lanes and this thread where it has the blocks) with each
+/// segment checksummed on the way, then its headers written and commits
+/// sent; the next turn is reserved and copied while those commits are
+/// answered.
+fn run_save(
+    agent: &mut Agent,
+    shared: &AgentShared,
+    memory: &Arc<EngineMemory>,
+    keys: &[BlockKey],
+    parents: &[BlockKey],
+    blocks: &[u32],
+) -> Vec<LakeStatus> {
+    let len = memory.block_bytes();
+    let segment_bytes = agent.segment_bytes_for(len as u64);
+    let prepared: Vec<PreparedSave<'_>> = (0..keys.len())
+        .map(|i| PreparedSave {
+            key: keys[i],
+            parent: parents[i],
+            block_index: u32::try_from(i).unwrap_or(u32::MAX),
+            len,
+            crcs: &[],
+            // Lake's own copy computes them, from the bytes it copies.
+            crcs_from: lake_dp::agent::CrcOrigin::Slot,
+        })
+        .collect();
+    let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; keys.len()];
+    agent.forget_unsaved_of(keys);
+    let mut answering: Option<(std::ops::Range<usize>, lake_dp::agent::SentCommits)> = None;
+    for first in (0..keys.len()).step_by(HOST_SAVE_TURN) {
+        let turn_range = first..(first + HOST_SAVE_TURN).min(keys.len());
+        let turn = agent.reserve_prepared(&prepared[turn_range.clone()], &mut saved[turn_range.clone()]);
+        let bodies: Vec<(u32, *mut u8)> = turn.bodies.iter().map(|&(i, body)| (blocks[first + i], body)).collect();
+        // SAFETY: the bodies are payload areas of slots just reserved to
+        // this agent, `len` bytes each (the reserve checked), one per
+        // block, committed below only after this returns.
+        let (crcs, filled) = unsafe { save_split(&shared.lanes, memory, &bodies, len, segment_bytes) };
+        // A turn's blocks are committed once the turn before is answered:
+        // a block under one refused there is not sent.
+        if let Some((range, sent)) = answering.take() {
+            agent.await_prepared(sent, &prepared[range.clone()], &mut saved[range]);
+        }
+        let per_block = crcs.len() / bodies.len().max(1);
+        let mut turn_blocks = prepared[turn_range.clone()].to_vec();
+        for (k, &(i, _)) in turn.bodies.iter().enumerate() {
+            if filled[k] {
+                turn_blocks[i].crcs = &crcs[k * per_block..(k + 1) * per_block];
+            }
+        }
+        let sent = agent.commit_prepared(turn, &turn_blocks, true, &mut saved[turn_range.clone()]);
+        answering = Some((turn_range, sent));
+    }
+    if let Some((range, sent)) = answering {
+        agent.await_prepared(sent, &prepared[range.clone()], &mut saved[range]);
+    }
+    saved.into_iter().map(crate::trace::status_of_save).collect()
 }
 
 /// Loads `job`'s blocks `from..` through the agent: its pin, its leases,

@@ -3,7 +3,9 @@
 //! payload byte flipped in the L1 arena behind the pool's back is caught
 //! by whichever thread checks that segment: `LakeBadCrc`, and the blocks
 //! after it `LakePrefixBroken` (the engine recomputes them; segments other
-//! threads copied meanwhile are overwritten by that recompute).
+//! threads copied meanwhile are overwritten by that recompute). A save
+//! of several turns, split across the lanes, lands every byte with
+//! headers whose CRCs are the payloads'.
 
 #![allow(clippy::cast_possible_truncation)] // small test numbers
 
@@ -166,6 +168,102 @@ fn lanes_split_loads_by_blocks_and_by_segments_and_catch_a_flipped_byte() {
     assert!(statuses[6..].iter().all(|&s| s == LakeStatus::LakePrefixBroken), "{statuses:?}");
     map[slot + 4096 + 6 * SEGMENT + 100] ^= 0x40;
     drop(map);
+
+    // SAFETY: attached above, detached once.
+    unsafe { lake_detach(handle) };
+    // SAFETY: from lake_namespace_new, freed once, no pool uses it now.
+    unsafe { lake_namespace_free(namespace) };
+    drop(pool.stop());
+}
+
+#[test]
+fn a_save_of_several_turns_split_across_lanes_stores_every_byte_under_its_crcs() {
+    const SMALL: usize = 64 * 1024;
+    // More than two turns of reserved slots, not a whole number of them.
+    const MANY: usize = 150;
+    let pool = EmbeddedPool::start(&EmbeddedConfig {
+        block_bytes: SMALL as u64,
+        l1_slots: 2 * MANY as u32,
+        l2_slots_per_file: 32,
+        remote_agents: 8,
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-lanes-save-{}", std::process::id())))
+    })
+    .unwrap();
+    let namespace = common::pools::namespace(9);
+    let keys = common::pools::keys(namespace, MANY, |i| i * 5 + 1);
+    let (dp, mirror, cp) = (
+        CString::new(pool.dp_socket.display().to_string()).unwrap(),
+        CString::new(pool.mirror.display().to_string()).unwrap(),
+        CString::new(pool.cp_socket.display().to_string()).unwrap(),
+    );
+    let attach = LakeAttachOptions {
+        struct_size: size_of::<LakeAttachOptions>(),
+        dp_socket: dp.as_ptr(),
+        mirror_path: mirror.as_ptr(),
+        cp_socket: cp.as_ptr(),
+        name: c"lane-saves".as_ptr(),
+        namespace,
+        layout_fingerprint: 7,
+        segment_bytes: SMALL as u64 / 4,
+        pin_agent: 0,
+        agent_core: 0,
+        copy_threads: 3,
+        shard_code: 0,
+        object_kind: 1,
+        block_bytes: 0,
+    };
+    let mut handle: *mut LakePool = core::ptr::null_mut();
+    // SAFETY: valid options; strings live to the end of the test.
+    ok(unsafe { lake_attach(&raw const attach, &raw mut handle) }, "attach");
+
+    let mut memory = vec![0u8; 2 * MANY * SMALL];
+    for (i, byte) in memory[..MANY * SMALL].iter_mut().enumerate() {
+        *byte = (i.wrapping_mul(2_246_822_519) >> 11) as u8;
+    }
+    let (mut memory_id, mut request) = (0, 0);
+    // SAFETY: the memory lives until detach.
+    let registered =
+        unsafe { lake_register_host_memory(handle, memory.as_mut_ptr(), SMALL, (2 * MANY) as u32, &raw mut memory_id) };
+    ok(registered, "register");
+    let saved: Vec<u32> = (0..MANY as u32).collect();
+    // SAFETY: arrays of MANY entries.
+    let submitted = unsafe {
+        lake_submit_save(handle, memory_id, core::ptr::null(), keys.as_ptr(), saved.as_ptr(), MANY, 2, &raw mut request)
+    };
+    ok(submitted, "save");
+    let saves = statuses(handle, request, MANY);
+    assert!(saves.iter().all(|&s| s == LakeStatus::LakeOk), "{saves:?}");
+    let table = common::pools::lookup(handle, &keys);
+
+    // Every slot holds its block's bytes under a header whose segment
+    // CRCs are those bytes' (read straight from the arena file; a block
+    // the data plane moved since leaves its old copy behind).
+    let arena = std::fs::read(&pool.arena).unwrap();
+    let mut found = [false; MANY];
+    for at in (0..arena.len()).step_by(4096) {
+        let Ok(header) = decode_header(&arena[at..]) else { continue };
+        let Some(i) = keys.iter().position(|k| BlockKey(k.bytes) == header.meta().key) else { continue };
+        let payload = &arena[at + 4096..at + 4096 + SMALL];
+        assert_eq!(payload, &memory[i * SMALL..(i + 1) * SMALL], "block {i}'s slot");
+        for (index, segment) in (0u16..).zip(payload.chunks(SMALL / 4)) {
+            assert!(header.verify_segment(index, segment).is_ok(), "block {i} segment {index}");
+        }
+        found[i] = true;
+    }
+    assert!(
+        found.iter().all(|&f| f),
+        "blocks with no slot: {:?}",
+        (0..MANY).filter(|&i| !found[i]).collect::<Vec<_>>()
+    );
+
+    let targets: Vec<u32> = (MANY as u32..2 * MANY as u32).collect();
+    // SAFETY: arrays of MANY entries; memory registered.
+    let submitted = unsafe {
+        lake_submit_load(handle, memory_id, keys.as_ptr(), table.as_ptr(), targets.as_ptr(), MANY, 0, &raw mut request)
+    };
+    ok(submitted, "load");
+    assert!(statuses(handle, request, MANY).iter().all(|&s| s == LakeStatus::LakeOk));
+    assert_eq!(memory[..MANY * SMALL], memory[MANY * SMALL..], "loaded back");
 
     // SAFETY: attached above, detached once.
     unsafe { lake_detach(handle) };
