@@ -1,5 +1,5 @@
 //! Leadership, membership and the checkpoint pointer, kept in etcd
-//! (DESIGN §4; issue \[7\]). etcd holds only small things with leases:
+//! (DESIGN §4). etcd holds only small things with leases:
 //!
 //! - `/lake/{cluster}/leader` — the leader `lake-cp`'s id, created under
 //!   its lease only if absent. Its create revision is the leader's

@@ -6,7 +6,7 @@
 //!   2. io reap    drain backend completions (bounded), check tags, verify
 //!   3. timers     deadlines of waiting ops, batched fdatasync
 //!   4. issue      highest priority first, until the device queue is full
-//!   5. stages     CUDA events, RDMA CQs, sockets (filled by later issues)
+//!   5. stages     what the embedder added (`add_stage`): events, queues, sockets
 //!   → Busy if any stage did work, else Idle
 //! ```
 //!

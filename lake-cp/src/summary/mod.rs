@@ -1,4 +1,4 @@
-//! The cluster summary (DESIGN §4; issue \[7\]): what the leader knows of
+//! The cluster summary (DESIGN §4): what the leader knows of
 //! every node's replicas, built from the nodes' numbered deltas.
 //!
 //! Each node's `lake-cp` is the authority for its own replicas; every

@@ -17,10 +17,10 @@
 //!   Saves are best effort: with no slot free they are skipped and
 //!   counted, never waited for.
 //!
-//! Issue \[4\] wraps this in the C ABI and moves the port onto rings in
-//! shared memory; the calls here block their caller until the data plane
-//! answers (bounded by a deadline), which is what an engine's own worker
-//! thread does around them.
+//! The C ABI (`ffi`) wraps this for engines; the port is a pair of rings
+//! in shared memory ([`port`], [`shm`]). The calls here block their
+//! caller until the data plane answers (bounded by a deadline), which is
+//! what the engine's agent thread does around them.
 
 #[cfg(not(loom))]
 mod client;
