@@ -41,7 +41,7 @@ const LONG_FILES: &[(&str, usize)] = &[
     ("lake-dp/src/runner/pool/mod.rs", 2414),
     ("lake-dp/src/transport/rdma/pull.rs", 1107),
     ("lake-dp/src/transport/tcp.rs", 2727),
-    ("lake-dp/src/wire/message.rs", 1758),
+    ("lake-dp/core/src/wire/message.rs", 1758),
     ("lake-cp/src/bin/lake.rs", 1578),
     ("lake-cp/src/evict.rs", 1115),
     ("lake-cp/src/node.rs", 1133),
@@ -75,11 +75,11 @@ const UNSAFE_FILES: &[&str] = &[
     "lake-cp/src/table.rs",
     "lake-dp/examples/tour.rs",
     "lake-dp/src/agent/client.rs",
-    "lake-dp/src/agent/port.rs",
+    "lake-dp/core/src/agent/port.rs",
     "lake-dp/src/agent/push.rs",
-    "lake-dp/src/agent/shm.rs",
-    "lake-dp/src/arena/mod.rs",
-    "lake-dp/src/arena/pins.rs",
+    "lake-dp/core/src/agent/shm.rs",
+    "lake-dp/core/src/arena/mod.rs",
+    "lake-dp/core/src/arena/pins.rs",
     "lake-dp/src/auth/mod.rs",
     "lake-dp/src/auth/peer.rs",
     "lake-dp/src/auth/session.rs",
@@ -87,18 +87,18 @@ const UNSAFE_FILES: &[&str] = &[
     "lake-dp/src/io.rs",
     "lake-dp/src/l2.rs",
     "lake-dp/src/l3/mod.rs",
-    "lake-dp/src/lock.rs",
-    "lake-dp/src/mirror/mod.rs",
-    "lake-dp/src/numa.rs",
+    "lake-dp/core/src/lock.rs",
+    "lake-dp/core/src/mirror/mod.rs",
+    "lake-dp/core/src/numa.rs",
     "lake-dp/src/poller.rs",
-    "lake-dp/src/region.rs",
-    "lake-dp/src/ring.rs",
+    "lake-dp/core/src/region.rs",
+    "lake-dp/core/src/ring.rs",
     "lake-dp/src/runner/mod.rs",
-    "lake-dp/src/runner/os.rs",
+    "lake-dp/core/src/os.rs",
     "lake-dp/src/runner/pool/compact.rs",
     "lake-dp/src/runner/pool/l3.rs",
     "lake-dp/src/runner/pool/mod.rs",
-    "lake-dp/src/shm.rs",
+    "lake-dp/core/src/shm.rs",
     "lake-dp/src/sim.rs",
     "lake-dp/src/transport/fallback.rs",
     "lake-dp/src/transport/faults.rs",
@@ -113,14 +113,15 @@ const UNSAFE_FILES: &[&str] = &[
 ];
 
 /// The workspace's members, and the fuzz crate (outside the workspace).
-const CRATES: &[&str] = &["lake-dp", "lake-cp", "ffi", "kernels", "bench", "tests", "fuzz"];
+const CRATES: &[&str] = &["lake-dp/core", "lake-dp", "lake-cp", "ffi", "kernels", "bench", "tests", "fuzz"];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace holds the tests crate").to_path_buf()
 }
 
 /// Every file under `dir` whose name ends in one of `extensions`, as paths
-/// relative to the workspace's root, skipping build outputs.
+/// relative to the workspace's root, skipping build outputs and crates
+/// nested inside (each is walked as its own).
 fn files_under(dir: &Path, extensions: &[&str], out: &mut Vec<String>) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     let mut entries: Vec<_> = entries.filter_map(Result::ok).collect();
@@ -131,6 +132,7 @@ fn files_under(dir: &Path, extensions: &[&str], out: &mut Vec<String>) {
         if path.is_dir() {
             if !matches!(name.as_str(), "target" | "corpus" | "artifacts" | "coverage" | "build" | "node_modules")
                 && !name.starts_with('.')
+                && !path.join("Cargo.toml").exists()
             {
                 files_under(&path, extensions, out);
             }

@@ -22,14 +22,11 @@
 //! caller until the data plane answers (bounded by a deadline), which is
 //! what the engine's agent thread does around them.
 
-#[cfg(not(loom))]
 mod client;
-pub mod port;
-#[cfg(not(loom))]
 pub mod push;
-pub mod shm;
 
-#[cfg(not(loom))]
+pub use lake_core::agent::{port, shm};
+
 pub use client::{
     Agent, AgentConfig, AgentStats, AttachError, FetchFailure, GatherFill, LEASE_TTL_MS, LOAD_BATCH, LOAD_RETRY_MAX,
     PreparedSave, PreparedTurn, SPANS_KEPT, SaveBlock, SavePayload, SaveStatus, SentCommits, TraceSpan, WAIT_MAX,

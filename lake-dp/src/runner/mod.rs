@@ -15,7 +15,7 @@
 
 pub mod attach;
 pub mod config;
-pub mod os;
+pub use lake_core::os;
 pub mod pool;
 pub mod rates;
 

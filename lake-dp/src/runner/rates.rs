@@ -37,6 +37,9 @@ pub enum RatePath {
 /// How many [`RatePath`]s there are.
 pub const RATE_PATHS: usize = 6;
 
+// Every path's waits travel in a tenant's wait record.
+const _: () = assert!(RATE_PATHS <= crate::wire::message::TENANT_WAIT_PATHS);
+
 /// Each [`RatePath`]'s name, in code order (metrics, config).
 pub const RATE_PATH_NAMES: [&str; RATE_PATHS] =
     ["l2_read", "l2_write", "l3_read", "l3_write", "net_send", "net_receive"];

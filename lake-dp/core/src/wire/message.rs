@@ -751,11 +751,9 @@ impl Record for TenantThrottle {
     }
 }
 
-/// Paths a [`TenantWait`] has room for: the data plane's
-/// [`crate::runner::rates::RATE_PATHS`] in their code order, the rest 0.
+/// Paths a [`TenantWait`] has room for: the data plane's rate paths in
+/// their code order, the rest 0 (the data plane asserts its paths fit).
 pub const TENANT_WAIT_PATHS: usize = 8;
-
-const _: () = assert!(crate::runner::rates::RATE_PATHS <= TENANT_WAIT_PATHS);
 
 /// One tenant's waits since the data plane started, on every path it caps
 /// (kind 31, [`Message::TenantWaits`], to a control plane that offered
@@ -1657,7 +1655,9 @@ macro_rules! messages {
                 }
             }
 
-            pub(crate) fn body_len(&self) -> usize {
+            /// Bytes of its body once encoded (a frame's header not
+            /// counted).
+            pub fn body_len(&self) -> usize {
                 match self {
                     $(Self::$fixed(_) => size_of::<$fixed_body>(),)*
                     $(Self::$listed(_, records) => size_of::<$head>() + records.as_bytes().len(),)*

@@ -36,7 +36,7 @@ fn fcntl(file: &File, command: libc::c_int, lock: &mut libc::flock) -> io::Resul
 
 /// Takes the write lock on `byte` for `file`'s open file description.
 /// `Ok(false)`: another open file holds it.
-pub(crate) fn try_lock(file: &File, byte: u64) -> io::Result<bool> {
+pub fn try_lock(file: &File, byte: u64) -> io::Result<bool> {
     let mut lock = flock(libc::F_WRLCK, byte)?;
     match fcntl(file, libc::F_OFD_SETLK, &mut lock) {
         Ok(()) => Ok(true),
@@ -46,13 +46,13 @@ pub(crate) fn try_lock(file: &File, byte: u64) -> io::Result<bool> {
 }
 
 /// Drops `file`'s lock on `byte` (closing the file drops it too).
-pub(crate) fn unlock(file: &File, byte: u64) -> io::Result<()> {
+pub fn unlock(file: &File, byte: u64) -> io::Result<()> {
     let mut lock = flock(libc::F_UNLCK, byte)?;
     fcntl(file, libc::F_OFD_SETLK, &mut lock)
 }
 
 /// Whether an open file other than `file`'s holds a lock on `byte`.
-pub(crate) fn held_by_other(file: &File, byte: u64) -> io::Result<bool> {
+pub fn held_by_other(file: &File, byte: u64) -> io::Result<bool> {
     let mut lock = flock(libc::F_WRLCK, byte)?;
     fcntl(file, libc::F_OFD_GETLK, &mut lock)?;
     Ok(i32::from(lock.l_type) != libc::F_UNLCK)
@@ -61,7 +61,7 @@ pub(crate) fn held_by_other(file: &File, byte: u64) -> io::Result<bool> {
 /// A second open file description of `file` (through /proc, which works
 /// for memfds too), so that a lock taken on it is independent of every
 /// other handle in this process.
-pub(crate) fn reopen(file: &File) -> io::Result<File> {
+pub fn reopen(file: &File) -> io::Result<File> {
     std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::model::key::BlockKey;
 use crate::model::replica::{Priority, ReplicaWire};
+use crate::os::Wakeup;
 use crate::ring::{Consumer, Producer, ring};
-use crate::runner::os::Wakeup;
 
 /// What an agent asks of the data plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,7 +202,7 @@ pub enum DpPort {
 
 impl DpPort {
     /// The next request (or a malformed one, or a broken ring).
-    pub(crate) fn pop(&mut self) -> Option<super::shm::Popped> {
+    pub fn pop(&mut self) -> Option<super::shm::Popped> {
         match self {
             Self::Local { requests, .. } => requests.pop().map(super::shm::Popped::Request),
             Self::Shared(port) => port.pop(),
@@ -210,7 +210,7 @@ impl DpPort {
     }
 
     /// Whether a request waits.
-    pub(crate) fn has_requests(&mut self) -> bool {
+    pub fn has_requests(&mut self) -> bool {
         match self {
             Self::Local { requests, .. } => !requests.is_empty(),
             Self::Shared(port) => port.has_requests(),
@@ -218,7 +218,7 @@ impl DpPort {
     }
 
     /// Free completion places.
-    pub(crate) fn free(&mut self) -> usize {
+    pub fn free(&mut self) -> usize {
         match self {
             Self::Local { completions, .. } => completions.free(),
             Self::Shared(port) => port.free(),
@@ -226,7 +226,7 @@ impl DpPort {
     }
 
     /// Queues a completion (room was checked with `free`).
-    pub(crate) fn push(&mut self, completion: AgentCompletion) {
+    pub fn push(&mut self, completion: AgentCompletion) {
         match self {
             Self::Local { completions, .. } => {
                 let _ = completions.push(completion);
