@@ -28,8 +28,9 @@ use lake_dp::mirror::MirrorEntry;
 use lake_dp::{Priority, Tier};
 use lake_kernels::{DeviceKv, KvCopier, Piece, QueuedCrcs, RegisteredHost};
 
-use crate::lanes::{Reader, Stored, stored};
+use crate::lanes::{Reader, stored};
 use crate::status::LakeStatus;
+use lake_dp::stored::ReadableObject;
 
 /// Blocks the host staging buffer holds (lower-tier loads through the
 /// agent go in turns of this many), and the blocks of a save's turn (each
@@ -368,7 +369,7 @@ fn pin_checked_through(
         };
         let bytes = pins.bytes(&pin);
         let checked = (|| {
-            let Stored { header, payload, segment_bytes: segment } =
+            let ReadableObject { header, payload, segment_bytes: segment } =
                 stored(bytes, &keys[i], reader, memory.block_bytes())?;
             // The kernels move whole blocks; one segment size a load.
             if payload.len() != memory.block_bytes() {

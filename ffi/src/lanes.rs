@@ -20,10 +20,8 @@ use std::thread::JoinHandle;
 
 use lake_dp::BlockKey;
 use lake_dp::arena::PinArray;
-use lake_dp::constants::STORED_HEADER_BYTES;
 use lake_dp::mirror::MirrorEntry;
-use lake_dp::model::namespace::NamespaceId;
-use lake_dp::stored::{DecodedHeader, decode_header};
+use lake_dp::stored::{ReadableObject, Refusal};
 
 use crate::memory::EngineMemory;
 use crate::status::LakeStatus;
@@ -41,14 +39,7 @@ pub(crate) const SPLIT_BLOCK_BYTES_MIN: usize = 512 * 1024;
 /// in bursts; a sleeping lane costs a thread wake-up).
 const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
-/// Whose bytes a reader may use.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Reader {
-    pub namespace: NamespaceId,
-    pub layout_fingerprint: u64,
-    /// KV blocks or recurrent-state checkpoints: never one for the other.
-    pub kind: lake_dp::ObjectKind,
-}
+pub(crate) use lake_dp::stored::Reader;
 
 /// One share of a load.
 pub(crate) struct Share {
@@ -290,7 +281,7 @@ fn split_pinned(
     memory: &Arc<EngineMemory>,
     block: u32,
 ) -> LakeStatus {
-    let Stored { header, payload, segment_bytes } = match stored(bytes, key, reader, memory.block_bytes()) {
+    let ReadableObject { header, payload, segment_bytes } = match stored(bytes, key, reader, memory.block_bytes()) {
         Ok(stored) => stored,
         Err(status) => return status,
     };
@@ -423,45 +414,24 @@ pub(crate) fn load_run(pins: &mut PinArray, share: &Share, reader: Reader, stats
     statuses
 }
 
-/// A pinned stored object whose header passed every check a reader makes.
-pub(crate) struct Stored<'a> {
-    pub header: DecodedHeader,
-    pub payload: &'a [u8],
-    pub segment_bytes: usize,
-}
-
 /// Checks the stored object in a pinned slot before any of its payload is
-/// used: its header (CRC, geometry), that it is `key`'s, saved in this
-/// reader's namespace and layout, with a payload of at most `capacity`
-/// bytes and one CRC per segment. The status to report otherwise.
+/// used ([`ReadableObject::check`]), and that its payload fits an engine
+/// block of `capacity` bytes. The status to report otherwise.
 pub(crate) fn stored<'a>(
     bytes: &'a [u8],
     key: &BlockKey,
     reader: Reader,
     capacity: usize,
-) -> Result<Stored<'a>, LakeStatus> {
-    let header = decode_header(bytes).map_err(|_| LakeStatus::LakeBadCrc)?;
-    let meta = header.meta();
-    if meta.key != *key {
-        return Err(LakeStatus::LakeEvicted);
-    }
-    if meta.namespace != reader.namespace
-        || meta.layout_fingerprint != reader.layout_fingerprint
-        || meta.kind != reader.kind
-    {
+) -> Result<ReadableObject<'a>, LakeStatus> {
+    let object = ReadableObject::check(bytes, key, &reader).map_err(|refusal| match refusal {
+        Refusal::Damaged => LakeStatus::LakeBadCrc,
+        Refusal::AnotherBlock => LakeStatus::LakeEvicted,
+        Refusal::NotTheReaders => LakeStatus::LakeLayoutMismatch,
+    })?;
+    if object.payload.len() > capacity {
         return Err(LakeStatus::LakeLayoutMismatch);
     }
-    let (Ok(len), Ok(segment_bytes)) = (usize::try_from(meta.payload_len), usize::try_from(meta.segment_bytes)) else {
-        return Err(LakeStatus::LakeBadCrc);
-    };
-    let payload = bytes.get(STORED_HEADER_BYTES..STORED_HEADER_BYTES + len).ok_or(LakeStatus::LakeBadCrc)?;
-    if segment_bytes == 0 || header.crcs().len() != len.div_ceil(segment_bytes) {
-        return Err(LakeStatus::LakeBadCrc);
-    }
-    if len > capacity {
-        return Err(LakeStatus::LakeLayoutMismatch);
-    }
-    Ok(Stored { header, payload, segment_bytes })
+    Ok(object)
 }
 
 /// Checks a pinned stored object segment by segment and copies it into
@@ -475,15 +445,13 @@ pub(crate) fn copy_checked(
     memory: &EngineMemory,
     block: u32,
 ) -> LakeStatus {
-    let Stored { header, payload, segment_bytes } = match stored(bytes, key, reader, memory.block_bytes()) {
-        Ok(stored) => stored,
+    let object = match stored(bytes, key, reader, memory.block_bytes()) {
+        Ok(object) => object,
         Err(status) => return status,
     };
-    for (index, segment) in (0u16..).zip(payload.chunks(segment_bytes)) {
-        if header.verify_segment(index, segment).is_err() {
-            return LakeStatus::LakeBadCrc;
-        }
-        if !memory.scatter(block, usize::from(index) * segment_bytes, segment) {
+    for segment in object.segments() {
+        let Ok((offset, segment)) = segment else { return LakeStatus::LakeBadCrc };
+        if !memory.scatter(block, offset, segment) {
             return LakeStatus::LakeInvalidArgument;
         }
     }

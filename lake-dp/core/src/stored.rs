@@ -529,6 +529,84 @@ pub fn decode_object(bytes: &[u8]) -> Result<(DecodedHeader, &[u8]), StoredError
     Ok((header, payload))
 }
 
+/// Whose stored objects a reader may use: its namespace and layout, and
+/// the kind of object it reads (KV blocks or recurrent-state checkpoints,
+/// never one for the other).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reader {
+    /// The reader's namespace.
+    pub namespace: NamespaceId,
+    /// The fingerprint of the reader's layout.
+    pub layout_fingerprint: u64,
+    /// What it reads.
+    pub kind: ObjectKind,
+}
+
+/// Why a reader may not use the stored object where it looked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Its header or a segment fails its checks.
+    Damaged,
+    /// It holds another block (the slot was taken since the lookup).
+    AnotherBlock,
+    /// Another namespace's, layout's or kind's.
+    NotTheReaders,
+}
+
+/// A stored object whose header passed every check a reader makes before
+/// using any of its payload: the one checked read of a pinned slot, an
+/// L2 or L3 object. The payload's segments are checked as they are read
+/// ([`ReadableObject::segments`]).
+#[derive(Debug)]
+pub struct ReadableObject<'a> {
+    /// Its header.
+    pub header: DecodedHeader,
+    /// Its payload (padding excluded), unchecked.
+    pub payload: &'a [u8],
+    /// Bytes of a segment (not 0).
+    pub segment_bytes: usize,
+}
+
+impl<'a> ReadableObject<'a> {
+    /// Checks the object in `bytes` (header first) for `reader`, who
+    /// looked for `key`: the header's own CRC and geometry, that it holds
+    /// `key`, saved in the reader's namespace and layout as the reader's
+    /// kind, with its whole payload inside `bytes` and one CRC for each
+    /// segment.
+    pub fn check(bytes: &'a [u8], key: &BlockKey, reader: &Reader) -> Result<Self, Refusal> {
+        let header = decode_header(bytes).map_err(|_| Refusal::Damaged)?;
+        let meta = header.meta();
+        if meta.key != *key {
+            return Err(Refusal::AnotherBlock);
+        }
+        if meta.namespace != reader.namespace
+            || meta.layout_fingerprint != reader.layout_fingerprint
+            || meta.kind != reader.kind
+        {
+            return Err(Refusal::NotTheReaders);
+        }
+        let (Ok(len), Ok(segment_bytes)) = (usize::try_from(meta.payload_len), usize::try_from(meta.segment_bytes))
+        else {
+            return Err(Refusal::Damaged);
+        };
+        let payload = bytes.get(STORED_HEADER_BYTES..STORED_HEADER_BYTES + len).ok_or(Refusal::Damaged)?;
+        if segment_bytes == 0 || header.crcs().len() != len.div_ceil(segment_bytes) {
+            return Err(Refusal::Damaged);
+        }
+        Ok(Self { header, payload, segment_bytes })
+    }
+
+    /// Its segments in order, each `(offset, bytes)` once it matched its
+    /// CRC; `Err(Damaged)` for the first that does not (the bytes before
+    /// it were good: a caller copying as it goes has copied them).
+    pub fn segments(&self) -> impl Iterator<Item = Result<(usize, &'a [u8]), Refusal>> + '_ {
+        (0u16..).zip(self.payload.chunks(self.segment_bytes)).map(|(index, segment)| {
+            self.header.verify_segment(index, segment).map_err(|_| Refusal::Damaged)?;
+            Ok((usize::from(index) * self.segment_bytes, segment))
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -558,6 +636,39 @@ mod tests {
         let written = encode_object(meta, &payload, &mut out).unwrap();
         assert_eq!(written, out.len());
         out
+    }
+
+    #[test]
+    fn a_reader_gets_only_its_own_block_and_each_segment_only_once_it_checks() {
+        let meta = meta(10_000, 4096);
+        let reader = Reader { namespace: meta.namespace, layout_fingerprint: meta.layout_fingerprint, kind: meta.kind };
+        let mut bytes = object(&meta);
+        let object = ReadableObject::check(&bytes, &meta.key, &reader).unwrap();
+        let segments: Vec<(usize, usize)> =
+            object.segments().map(|s| s.map(|(at, b)| (at, b.len())).unwrap()).collect();
+        assert_eq!(segments, [(0, 4096), (4096, 4096), (8192, 1808)]);
+        assert_eq!(object.payload, &bytes[4096..4096 + 10_000]);
+
+        let refused = |bytes: &[u8], key: &BlockKey, reader: &Reader| ReadableObject::check(bytes, key, reader).err();
+        assert_eq!(refused(&bytes, &BlockKey([1; 16]), &reader), Some(Refusal::AnotherBlock));
+        for other in [
+            Reader { namespace: NamespaceId(1), ..reader },
+            Reader { layout_fingerprint: 1, ..reader },
+            Reader { kind: ObjectKind::RecurrentState, ..reader },
+        ] {
+            assert_eq!(refused(&bytes, &meta.key, &other), Some(Refusal::NotTheReaders), "{other:?}");
+        }
+        assert_eq!(refused(&bytes[..4096 + 9_999], &meta.key, &reader), Some(Refusal::Damaged), "payload cut short");
+        let mut header_hit = bytes.clone();
+        header_hit[100] ^= 1;
+        assert_eq!(refused(&header_hit, &meta.key, &reader), Some(Refusal::Damaged), "header damaged");
+
+        // A byte flipped in the second segment: the first is handed over,
+        // the second is refused.
+        bytes[4096 + 5000] ^= 0x10;
+        let object = ReadableObject::check(&bytes, &meta.key, &reader).unwrap();
+        let seen: Vec<Result<usize, Refusal>> = object.segments().map(|s| s.map(|(at, _)| at)).collect();
+        assert_eq!(seen[..2], [Ok(0), Err(Refusal::Damaged)]);
     }
 
     #[test]

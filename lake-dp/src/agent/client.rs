@@ -19,7 +19,7 @@ use crate::model::namespace::NamespaceId;
 use crate::model::replica::{ObjectKind, Priority, ReplicaWire, Tier};
 use crate::region::SlotRegion;
 use crate::runner::os::recv_with_fds;
-use crate::stored::{ObjectMeta, decode_header, encode_header, object_bytes};
+use crate::stored::{ObjectMeta, ReadableObject, Reader, Refusal, encode_header, object_bytes};
 use crate::wire::hello::{HELLO_WIRE_VERSION, Identity};
 use crate::wire::message::Role;
 use crate::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
@@ -225,6 +225,16 @@ pub enum FetchFailure {
     /// The caller cancelled the fetch (its request was aborted or
     /// preempted): nothing past the block it stopped before was read.
     Cancelled,
+}
+
+impl From<Refusal> for FetchFailure {
+    fn from(refusal: Refusal) -> Self {
+        match refusal {
+            Refusal::Damaged => Self::Corrupt,
+            Refusal::AnotherBlock => Self::Evicted,
+            Refusal::NotTheReaders => Self::Foreign,
+        }
+    }
 }
 
 /// Leases a fetch asks again for a block whose L1 copy went while the
@@ -1042,36 +1052,19 @@ impl Agent {
         segmented: bool,
         sink: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<usize, FetchFailure> {
-        {
-            let bytes = self.pins.bytes(pin);
-            let header = decode_header(bytes).map_err(|_| FetchFailure::Corrupt)?;
-            let meta = header.meta();
-            if meta.key != *key {
-                return Err(FetchFailure::Evicted);
+        let reader =
+            Reader { namespace: self.namespace, layout_fingerprint: self.layout_fingerprint, kind: self.object_kind };
+        let object = ReadableObject::check(self.pins.bytes(pin), key, &reader).map_err(FetchFailure::from)?;
+        if segmented {
+            for segment in object.segments() {
+                let (offset, bytes) = segment.map_err(FetchFailure::from)?;
+                sink(offset, bytes);
             }
-            if meta.namespace != self.namespace
-                || meta.layout_fingerprint != self.layout_fingerprint
-                || meta.kind != self.object_kind
-            {
-                return Err(FetchFailure::Foreign);
-            }
-            let len = usize::try_from(meta.payload_len).map_err(|_| FetchFailure::Corrupt)?;
-            let payload = bytes.get(STORED_HEADER_BYTES..STORED_HEADER_BYTES + len).ok_or(FetchFailure::Corrupt)?;
-            if segmented {
-                let segment_bytes = usize::try_from(meta.segment_bytes).map_err(|_| FetchFailure::Corrupt)?;
-                if segment_bytes == 0 {
-                    return Err(FetchFailure::Corrupt);
-                }
-                for (index, segment) in (0u16..).zip(payload.chunks(segment_bytes)) {
-                    header.verify_segment(index, segment).map_err(|_| FetchFailure::Corrupt)?;
-                    sink(usize::from(index) * segment_bytes, segment);
-                }
-            } else {
-                header.verify_payload(payload).map_err(|_| FetchFailure::Corrupt)?;
-                sink(0, payload);
-            }
-            Ok(len)
+        } else {
+            object.header.verify_payload(object.payload).map_err(|_| FetchFailure::Corrupt)?;
+            sink(0, object.payload);
         }
+        Ok(object.payload.len())
     }
 
     /// A lease on the replicas of `keys` (their leading run that has one).
