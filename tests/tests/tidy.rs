@@ -25,7 +25,7 @@ use syn::visit::Visit;
 const FN_LINES_GOAL: usize = 70;
 
 /// The longest function outside tests, in lines: a ratchet.
-const LONGEST_FN_LINES: usize = 597;
+const LONGEST_FN_LINES: usize = 443;
 
 /// Functions outside tests longer than [`FN_LINES_GOAL`]: a ratchet.
 const FNS_OVER_GOAL: usize = 77;
@@ -37,7 +37,7 @@ const FILE_LINES_MAX: usize = 1000;
 const LONG_FILES: &[(&str, usize)] = &[
     ("lake-dp/src/agent/client.rs", 1669),
     ("lake-dp/src/poller.rs", 1306),
-    ("lake-dp/src/runner/mod.rs", 1496),
+    ("lake-dp/src/runner/mod.rs", 1359),
     ("lake-dp/src/runner/pool/mod.rs", 2414),
     ("lake-dp/src/transport/rdma/pull.rs", 1107),
     ("lake-dp/src/transport/tcp.rs", 2727),
@@ -94,6 +94,7 @@ const UNSAFE_FILES: &[&str] = &[
     "lake-dp/core/src/region.rs",
     "lake-dp/core/src/ring.rs",
     "lake-dp/src/runner/mod.rs",
+    "lake-dp/src/runner/open.rs",
     "lake-dp/core/src/os.rs",
     "lake-dp/src/runner/pool/compact.rs",
     "lake-dp/src/runner/pool/l3.rs",

@@ -230,6 +230,10 @@ macro_rules! try_to {
     };
 }
 
+// Declared after `try_to!`, which they use.
+mod open;
+mod shutdown;
+
 /// The L1 capacity `lake-dp` tells `lake-cp`: its smallest class's slot
 /// size, and how many of those its bytes hold. `lake-cp` counts a block at
 /// that slot size, or at its own bytes where more (a block of a larger
@@ -880,195 +884,19 @@ pub fn run(config: &RunnerConfig, options: &RunnerOptions, out: &mut dyn Write) 
     run_with(config, options, RunnerPorts::default(), out)
 }
 
-/// [`run`], with agents in this process (and a stop flag) attached.
-pub fn run_with(
-    config: &RunnerConfig,
-    options: &RunnerOptions,
-    ports: RunnerPorts,
-    out: &mut dyn Write,
-) -> Result<RunnerStats, RunnerError> {
-    // Before anything else: later threads inherit the blocked mask. An
-    // embedder that passes a stop flag owns termination (`lake serve` reads
-    // SIGTERM itself and stops the pool through the flag): a second
-    // signalfd here would take the one signal from it, and the embedder
-    // would wait for ever on a pool already stopped.
-    let signals = match ports.stop {
-        None => Some(try_to!("blocking SIGTERM/SIGINT", Signals::new())),
-        Some(_) => None,
-    };
-    let cores = options.cores.clone().unwrap_or_else(|| config.node.cores.clone());
-    if let Some(&core) = cores.first() {
-        let allowed = try_to!("reading the allowed cores", os::allowed_cores());
-        if !allowed.contains(&core) {
-            return Err(RunnerError(format!(
-                "--cores: core {core} is not available to this process (allowed: {allowed:?})"
-            )));
-        }
-        try_to!("pinning the poll thread", os::pin_to_core(core));
-    }
-    let numa_node = options.numa_node.or(config.node.numa_node);
-    if let Some(node) = numa_node {
-        if !crate::numa::node_exists(node) {
-            return Err(RunnerError(format!("--numa-node: no NUMA node {node} (nodes: {:?})", crate::numa::nodes())));
-        }
-        // For the runner's whole life: every pool below lands on the node.
-        try_to!("binding memory to the NUMA node", crate::numa::bind_thread(node));
-    }
-
-    let l2_config = config.l2();
-    if config.l2.format_if_missing && l2_config.paths.iter().all(|p| !p.exists()) {
-        try_to!("formatting the L2 tier", format(&l2_config));
-    }
-    let tier = try_to!("opening the L2 tier", L2Tier::open(&l2_config));
-    let epoch = tier.epoch();
-    let found = try_to!("re-adopting L2", tier.readopt(config.l2.queue_depth));
-    let mut arena_config = config.arena(epoch);
-    arena_config.numa_node = numa_node;
-    let (arena, mut table) = try_to!("creating the L1 arena", Arena::create(&arena_config));
-    let region = try_to!("mapping the L1 slots", arena.region());
-    let mut link = link_to_cp(config, &tier, &found, &arena)?;
-    let wakeup = match ports.wakeup {
-        Some(wakeup) => wakeup,
-        None => Arc::new(try_to!("creating the wake-up eventfd", Wakeup::new())),
-    };
-    let mut backend = try_to!(
-        "setting up io_uring",
-        UringBackend::new(try_to!("opening L2 files for io_uring", tier.backend_files()), config.l2.queue_depth)
-    );
-    // SAFETY: the region keeps the arena mapped, and it outlives the
-    // backend: the poller (which owns the backend) is dropped first below.
-    try_to!("registering the L1 arena with io_uring", unsafe { backend.register_region(&region) });
-    try_to!("registering the wake-up eventfd with io_uring", backend.register_eventfd(wakeup.fd()));
-    let p = &config.poller;
-    let poller_config = PollerConfig {
-        epoch,
-        ops_max: p.ops_max,
-        batch_max: p.batch_max,
-        io_retries_max: p.io_retries_max,
-        flush_delay_ns: p.flush_delay_us * 1000,
-        flush_batch: p.flush_batch,
-        l2: tier.geometry(),
-        background_in_flight_max: config.l2.background_depth,
-    };
-    let mut poller = try_to!("building the poller", Poller::new(poller_config, backend, Arc::clone(&region)));
-    let mut l2_slots = L2Slots::from_readoption(tier.geometry(), &found);
-    let header = *arena.header();
-    let shape = pool::PoolShape {
-        node: config.node.id,
-        epoch,
-        l1_region: header.region,
-        l1_slots: header.slots,
-        geometry: tier.geometry(),
-        ops: p.ops_max,
-    };
-    let shared_ports = if config.agents.socket.is_some() { config.agents.ports } else { 0 };
-    let mut pool = pool::Pool::new(&shape, ports.agents, shared_ports);
-    pool.set_load_reserve(config.l1.load_reserve_slots);
-    let mut l3_scan = None;
-    if let Some(l3) = &config.l3 {
-        let (tier, scan) = start_l3(l3, &wakeup)?;
-        pool.set_l3(tier);
-        l3_scan = Some(scan);
-    }
-    let mut park_fds: Vec<libc::pollfd> = Vec::with_capacity(os::PARK_FDS_MAX);
-    let mut extra_fds = vec![-1; os::PARK_FDS_MAX];
-    pool.set_commit_check(ports.commit_check);
-    // The check then runs beside the poller; without its thread (no agent
-    // record left for its pins) the poller reads a share each pass.
-    if let Err(e) = pool.start_verifier(&arena, Arc::clone(&wakeup)) {
-        tracing::warn!(event = "commit_check_thread", error = %e, "payloads are read on the poll thread");
-    }
-    let tenants = config
-        .tenants
-        .iter()
-        .enumerate()
-        .map(|(index, tenant)| tenant.rate(index))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| RunnerError(e.to_string()))?;
-    pool.set_rates(rates::TenantRates::new(&tenants));
-    // Blocks peers send into this node's L1 (P→D, replication), and the
-    // copies lake-cp asks of this node for others.
-    let node_id = config.node.id;
-    let mut transport = if ports.transport_listen.is_some() || !ports.transport_peers.is_empty() {
-        let config = crate::transport::tcp::TcpConfig::default();
-        let listen = ports.transport_listen;
-        let mut transport = crate::transport::tcp::TcpTransport::new(config, listen)
-            .map_err(|e| RunnerError(format!("transport.listen {listen:?}: {e}")))?;
-        if let Some(key) = &ports.link_key {
-            transport
-                .authenticate(key.clone(), u64::from(node_id))
-                .map_err(|e| RunnerError(format!("transport: {e}")))?;
-        }
-        // The node's transport: TCP, or RDMA negotiated over TCP with each
-        // peer where a device is, for the L1 arena peers read blocks from.
-        // SAFETY: the region keeps the arena mapped, and the transport is
-        // dropped before it at the end of `run`.
-        let links = unsafe {
-            crate::transport::rdma::open_links(transport, ports.rdma.as_ref(), region.base(), region.len(), epoch)
-        };
-        Some(links.map_err(|e| RunnerError(format!("transport.rdma: {e}")))?)
-    } else if let Some(device) = &ports.rdma {
-        return Err(RunnerError(format!(
-            "transport.rdma {device:?}: RDMA runs under the node's transport; give it a listen address or peers"
-        )));
-    } else {
-        None
-    };
-    let mut peers_by_node = Vec::with_capacity(ports.transport_peers.len());
-    if let Some(transport) = &mut transport {
-        for (node, rails) in &ports.transport_peers {
-            let peer =
-                transport.add_peer_rails(rails).map_err(|e| RunnerError(format!("transport peer {node}: {e}")))?;
-            peers_by_node.push((*node, peer));
-        }
-    }
-    // The agents' socket is bound last: a node whose transport (its listen
-    // address, its RDMA device, its peers) cannot open never appears ready.
-    let mut attach = match &config.agents.socket {
-        None => None,
-        Some(socket) => {
-            let files = Arc::new(try_to!(
-                "creating the agent ports",
-                crate::agent::shm::PortFile::create(config.agents.ports, config.agents.depth)
-            ));
-            let identity = Identity {
-                role: Role::DataPlane,
-                node: config.node.id,
-                pid: std::process::id(),
-                region_epoch: epoch,
-                features: crate::wire::ATTACH_FEATURES,
-                name: "lake-dp",
-            };
-            let mut server = attach::AttachServer::bind(socket, files, &identity, header.region)
-                .map_err(|e| RunnerError(format!("agents.socket {}: {e}", socket.display())))?;
-            let (gid, mode, policy) = config.agents.access().map_err(|e| RunnerError(e.0))?;
-            server
-                .restrict(policy, mode, gid)
-                .map_err(|e| RunnerError(format!("agents.socket {}: mode and group: {e}", socket.display())))?;
-            // The caps on tenants' pushes, for the agents to keep to.
-            let push_caps: Vec<(Vec<u64>, u64)> = config
-                .tenants
-                .iter()
-                .zip(&tenants)
-                .filter_map(|(section, rate)| section.push_bytes_per_s.map(|cap| (rate.namespaces.clone(), cap)))
-                .collect();
-            server.push_caps(&push_caps).map_err(|e| RunnerError(format!("tenants: {e}")))?;
-            Some(server)
-        }
-    };
-    let mut transfers_done = Vec::with_capacity(256);
-    let mut trace_events = Vec::with_capacity(crate::transport::tcp::TRACE_EVENTS_MAX);
-    // When each transfer to another node was written, until it ends (room
-    // for the transport's most in flight: no allocation while it runs).
-    let mut transfers_started: std::collections::HashMap<u64, u64> = std::collections::HashMap::with_capacity(4096);
-    let mut transfer_latency = crate::wire::message::PathEntry::new(crate::wire::message::Path::TransferStorage);
-    for adopted in &found.adopted {
-        let slot = L2Slot { file: adopted.file, slot: adopted.slot };
-        pool.l2_written(slot, &adopted.meta);
-    }
-    let l2_total = u64::from(tier.geometry().files) * u64::from(tier.geometry().slots_per_file);
-    let mut selftest = (options.selftest_blocks > 0).then(|| {
-        let payload = config.l1.classes[0].payload_bytes.min(l2_config.slot_bytes - 4096);
+impl Selftest {
+    /// The built-in workload of `blocks` blocks, which evicts (or reads)
+    /// first what the last run left in L2.
+    fn adopting(
+        config: &RunnerConfig,
+        blocks: u64,
+        l2_slot_bytes: u64,
+        table: &SlotTable,
+        tier: &L2Tier,
+        found: &crate::l2::Readoption,
+    ) -> Self {
+        let l2_total = u64::from(tier.geometry().files) * u64::from(tier.geometry().slots_per_file);
+        let payload = config.l1.classes[0].payload_bytes.min(l2_slot_bytes - 4096);
         let mut written = VecDeque::with_capacity(usize::try_from(l2_total).unwrap_or(0));
         // What the last run left is evicted (or read) first.
         for adopted in &found.adopted {
@@ -1082,7 +910,7 @@ pub fn run_with(
             });
         }
         Selftest {
-            remaining: options.selftest_blocks,
+            remaining: blocks,
             payload,
             class: table.class_for(object_bytes(payload)).unwrap_or(0),
             written,
@@ -1091,392 +919,427 @@ pub fn run_with(
             node: config.node.id,
             geometry: tier.geometry(),
         }
-    });
-    let mut events = vec![Event::placeholder(); p.batch_max as usize];
-    poller.seal();
-    let _ = writeln!(
-        out,
-        "{{\"event\":\"serving\",\"pid\":{},\"epoch\":{epoch},\"previous_shutdown_clean\":{},\"adopted\":{},\
-         \"scrubbed\":{},\"torn\":{},\"damaged\":{},\"l1_bytes\":{},\"l1_chunk_bytes\":{},\"l2_free_slots\":{},\"core\":{},\"numa_node\":{},\"l3\":{}}}",
-        std::process::id(),
-        tier.previous_shutdown_clean(),
-        found.adopted.len(),
-        found.scrubbed,
-        found.torn.len(),
-        found.damaged.len(),
-        arena.header().total_bytes,
-        arena.header().chunk_bytes,
-        l2_slots.free_slots(),
-        cores.first().map_or("null".into(), ToString::to_string),
-        numa_node.map_or("null".into(), |n| n.to_string()),
-        config.l3.is_some(),
-    );
-    let _ = out.flush();
+    }
+}
 
-    let clock = MonotonicClock;
+/// [`run`], with agents in this process (and a stop flag) attached.
+pub fn run_with(
+    config: &RunnerConfig,
+    options: &RunnerOptions,
+    mut ports: RunnerPorts,
+    out: &mut dyn Write,
+) -> Result<RunnerStats, RunnerError> {
+    let mut node = Node::open(config, options, &mut ports, out)?;
     let mut stats = RunnerStats::default();
-    let mut reconnect = Reconnect::new();
-    let spin_ns = p.spin_us * 1000;
-    let mut idle_since: Option<u64> = None;
-    let mut stopping: Option<u64> = None;
-    let mut save_pressure = false;
-    let mut next_stats_ns = 0;
-    // Saves refused so far, as last logged (once a second at most).
-    let mut refused_logged = 0;
-    let budget = p.batch_max;
-    // The runner's parts, borrowed afresh where the block service runs.
-    macro_rules! parts {
-        ($now:expr) => {
-            Parts {
-                poller: &mut poller,
-                table: &mut table,
-                l2: &mut l2_slots,
-                region: &region,
-                link: &mut link,
-                now_ns: $now,
-            }
-        };
-    }
-    loop {
-        let now = clock.now_ns();
-        let mut served = 0;
-        if stopping.is_none()
-            && (stats.polls.is_multiple_of(256) || idle_since.is_some())
-            && (signals.as_ref().is_some_and(|s| s.take().is_some())
-                || ports.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)))
-        {
-            stopping = Some(now + p.drain_timeout_ms * 1_000_000);
-        }
-        if stats.polls.is_multiple_of(256) || idle_since.is_some() {
-            if stopping.is_some() {
-                pool.close(pool::Closing::All);
-            } else if ports.close_saves.as_ref().is_some_and(|c| c.load(Ordering::Acquire)) {
-                pool.close(pool::Closing::Saves);
-            }
-            // Whether saves are refused now, where agents read it without
-            // a request.
-            let pressure = pool.save_pressure(now);
-            if pressure != save_pressure {
-                save_pressure = pressure;
-                wakeup.set_save_pressure(pressure);
-                if let Some(attach) = &attach {
-                    attach.set_save_pressure(pressure);
-                }
-            }
-        }
-        let selftest_done = selftest.as_ref().is_none_or(|s| s.remaining == 0 && s.in_flight == 0);
-        if options.selftest_blocks > 0 && selftest_done && stopping.is_none() {
-            stopping = Some(now + p.drain_timeout_ms * 1_000_000);
-        }
-        // The store's objects the background scan found: into the catalog
-        // and re-adopted, a few batches a pass.
-        if let Some(scan) = &l3_scan {
-            let (batches, ended) = take_scanned(scan, &mut pool, &mut link);
-            served += batches;
-            if ended {
-                l3_scan = None;
-            }
-        }
-        if let Some(deadline) = stopping {
-            // Stored objects still get reported while the rest drains;
-            // agents are answered (refused) rather than left waiting.
-            let mut parts = parts!(now);
-            served += pool.poll_l3(&mut parts);
-            served += pool.serve_agents(&mut parts, now, budget);
-            if !poller.has_work() && pool.l3_in_flight() == 0 {
-                break;
-            }
-            if now > deadline {
-                stats.abandoned = poller.stats().admitted.saturating_sub(stats.ops_ok + stats.ops_failed);
-                break;
-            }
-        } else {
-            let mut parts = parts!(now);
-            if let Some(keys) = &ports.tenant_keys {
-                for change in keys.take() {
-                    pool.key_change(change, &mut parts);
-                }
-            }
-            if let Some(test) = &mut selftest {
-                test.feed(&mut parts, epoch, &mut pool);
-            }
-            served = pool.serve(&mut parts, now, budget);
-            match &mut transport {
-                Some(transport) => {
-                    let region = parts.region;
-                    pool.take_sends(now, |send| {
-                        let Some(&(_, peer)) = peers_by_node.iter().find(|(n, _)| *n == send.target.node) else {
-                            return false;
-                        };
-                        let Some(source) = region.slot_ptr(send.slot) else { return false };
-                        let block = crate::transport::tcp::Outgoing {
-                            transfer: send.request,
-                            peer,
-                            source,
-                            len: send.len,
-                            target: crate::transport::frame::BlockAddr {
-                                region: send.target.region,
-                                epoch: send.target.region_epoch,
-                                slot: crate::transport::ANY_SLOT,
-                                generation: 0,
-                            },
-                            priority: send.priority,
-                            // Copies `lake-cp` asks serve no engine's request.
-                            trace: 0,
-                            namespace: send.namespace,
-                        };
-                        // SAFETY: the source slot is held (busy) by the pool
-                        // until `send_ended`, after this transfer's end.
-                        let written = unsafe { transport.write(&block, now) }.is_ok();
-                        if written && transfers_started.len() < transfers_started.capacity() {
-                            transfers_started.insert(send.request, now);
-                        }
-                        written
-                    });
-                    // Copies `lake-cp` took back: the transport drops those
-                    // none of whose bytes went out.
-                    pool.take_send_cancels(|request| {
-                        transport.cancel(request);
-                    });
-                    let mut landing = pool::PoolLanding { pool: &mut pool, parts: &mut parts };
-                    if transport.poll(&mut landing, now, &mut transfers_done) {
-                        served += 1;
-                    }
-                    for done in transfers_done.drain(..) {
-                        if let Some(started) = transfers_started.remove(&done.transfer) {
-                            transfer_latency.record(now.saturating_sub(started));
-                        }
-                        let landed = done.result.map(|()| done.target).map_err(|e| transfer_code(&e));
-                        pool.send_ended(done.transfer, landed, &mut parts);
-                    }
-                    // What was refused on the links, RDMA links up or
-                    // down, blocks that landed under an engine's trace id:
-                    // the operator's log.
-                    log_links(transport.as_mut());
-                    transport.take_trace_events(&mut trace_events);
-                    for event in trace_events.drain(..) {
-                        log_trace_event(node_id, &event);
-                    }
-                }
-                // No transport: a copy to another node cannot go.
-                None => pool.take_sends(now, |_| false),
-            }
-            pool.end_failed_sends(&mut parts);
-            // Traced loads answered: the operator's log, under the engine's
-            // trace id.
-            pool.take_spans(|span| log_span(node_id, span));
-            if let Some(attach) = &mut attach
-                && (stats.polls.is_multiple_of(256) || idle_since.is_some())
-            {
-                attach.poll(&mut pool, &mut table, arena.fd().as_raw_fd(), wakeup.fd(), now);
-                if let Some(why) = attach.take_refusal() {
-                    tracing::warn!(event = "attach_refused", why = %why);
-                }
-            }
-        }
-        let result = poller.poll(now, budget);
-        let count = poller.reap(&mut events);
-        for event in &events[..count] {
-            if event.outcome.is_ok() {
-                stats.ops_ok += 1;
-            } else {
-                stats.ops_failed += 1;
-            }
-            let mut parts = parts!(now);
-            if event.cookie & pool::POOL_COOKIE != 0 {
-                pool.finished(event, &mut parts);
-            } else if let Some(test) = &mut selftest {
-                test.done(event, &mut parts, &mut stats, &mut pool);
-            }
-        }
-        if table.stats().draining > 0 {
-            table.reclaim();
-        }
-        if now >= next_stats_ns {
-            next_stats_ns = now + 1_000_000_000;
-            // Refused saves are an engine's lost hits: said, at most once a
-            // second, with how many.
-            if pool.stats.saves_refused > refused_logged {
-                let p = &pool.stats;
-                tracing::warn!(
-                    event = "saves_refused",
-                    blocks = p.saves_refused - refused_logged,
-                    total = p.saves_refused,
-                    no_space = p.saves_refused_no_space(),
-                    load_reserve = p.saves_refused_reserve,
-                    stopping = p.saves_refused_stopping,
-                    why = "no_space: no L1 slot free for a save and no victim marked to take in time (L1 full of \
-                           blocks not yet written below or dropped); load_reserve: only the load reserve left; \
-                           stopping: the pool is stopping"
-                );
-                refused_logged = pool.stats.saves_refused;
-            }
-            // Pins of agents whose process died go with it (their record's
-            // lock went with the process).
-            stats.agents_released += u64::from(table.release_dead_agents());
-            if let Some(link) = &mut link {
-                link.stats(&DataPlaneStats {
-                    busy_ns: stats.busy_ns,
-                    idle_ns: stats.idle_ns,
-                    parked_ns: stats.parked_ns,
-                    bytes_l1_to_l2: pool.stats.bytes_down,
-                    bytes_l2_to_l1: pool.stats.bytes_up,
-                    saves: pool.stats.saves,
-                    saves_refused: pool.stats.saves_refused,
-                    // Refused at commit, or found out after it.
-                    commits_corrupt: pool.stats.commits_corrupt + pool.stats.commits_corrupt_late,
-                    promotions: pool.stats.promotions,
-                    demotions: pool.stats.demotions,
-                    evictions: pool.stats.evictions,
-                    pins: table.pins_held(),
-                    draining: table.stats().draining,
-                });
-                let p = &pool.stats;
-                link.save_refusals(&crate::wire::message::SaveRefusals {
-                    no_space: p.saves_refused_no_space(),
-                    load_reserve: p.saves_refused_reserve,
-                    stopping: p.saves_refused_stopping,
-                    reserved: 0,
-                });
-                if let Some(transport) = &transport {
-                    link.rails(
-                        crate::wire::message::Network::Storage,
-                        &rail_entries(transport.as_ref(), &peers_by_node),
-                    );
-                }
-                link.tenant_throttles(&pool.tenant_throttles());
-                let l2 = poller.stats().latency;
-                match pool.l3_latency() {
-                    Some([read, write]) => link.path_latency(&[l2[0], l2[1], l2[2], transfer_latency, read, write]),
-                    None => link.path_latency(&[l2[0], l2[1], l2[2], transfer_latency]),
-                }
-            }
-        }
-        if let Some(link) = &mut link
-            && (!link.is_flushed() || stats.polls.is_multiple_of(1024))
-            && link.pump().is_err()
-        {
-            // The control plane went away: serve on; reports are counted
-            // as dropped until a control plane takes the link again.
-        }
-        if link.as_ref().is_some_and(CpLink::is_closed) {
-            reconnect.poll(clock.now_ns(), &mut link, config, &tier.geometry(), epoch, &header, |new| {
-                pool.resident_records(&region, &table, &mut |record| {
-                    new.readopted(&record);
-                    let _ = new.pump();
-                });
-                // Drains are the control plane's: one that took over (or
-                // restarted) asks again for those it holds; until then
-                // every file is written to, as its capacity counts them.
-                l2_slots.undrain_all();
-            });
-        }
-        let end = clock.now_ns();
-        stats.polls += 1;
-        if result == PollResult::Busy || count > 0 || served > 0 {
-            stats.busy_polls += 1;
-            stats.busy_ns += end - now;
-            idle_since = None;
-            continue;
-        }
-        stats.idle_ns += end - now;
-        let since = *idle_since.get_or_insert(end);
-        if end - since < spin_ns {
-            continue;
-        }
-        // Idle past the spin budget: park until a completion, a wake-up or
-        // a signal; briefly when timers (flush batching, deadlines) wait.
-        let timeout_ms =
-            if poller.has_work() || table.stats().draining > 0 || pool.l3_in_flight() > 0 { 1 } else { p.park_max_ms };
-        set_parked(&wakeup, attach.as_ref(), true);
-        // Once more after saying so: work queued before the flag was seen
-        // did not wake us.
-        if pool.has_agent_work() || link.as_ref().is_some_and(CpLink::has_commands) {
-            set_parked(&wakeup, attach.as_ref(), false);
-            idle_since = None;
-            continue;
-        }
-        let mut extra = 0;
-        if let Some(socket) = link.as_ref().filter(|l| !l.is_closed()).map(CpLink::raw_fd) {
-            extra_fds[0] = socket;
-            extra = 1;
-        }
-        if let Some(transport) = &transport {
-            extra_fds[extra] = transport.tcp_ref().raw_fd();
-            extra += 1;
-        }
-        if let Some(attach) = &attach {
-            extra += attach.fds(&mut extra_fds[extra..]);
-        }
-        let parked = os::park(&wakeup, signals.as_ref(), &extra_fds[..extra], &mut park_fds, timeout_ms);
-        set_parked(&wakeup, attach.as_ref(), false);
-        try_to!("parking", parked);
-        if let Some(link) = &mut link {
-            // Commands that arrived while parked.
-            let _ = link.pump();
-        }
-        let woke = clock.now_ns();
-        stats.parks += 1;
-        stats.parked_ns += woke - end;
-        idle_since = None;
-    }
+    node.serve(config, options, &ports, &mut stats)?;
+    node.shut_down(config, stats, out)
+}
 
-    // The object store's workers end (what they hold is done first): the
-    // arena their requests name outlives them.
-    let l3_stats = pool.l3_stats();
-    pool.stop_l3();
-    // Make every acked write durable, then mark the shutdown clean.
-    let files = tier.geometry().files;
-    for file in 0..files {
-        let flush =
-            Request { command: Command::Flush { file }, priority: Priority::WriteBack, deadline_ns: 0, cookie: 0 };
-        // Refused only when every op slot is busy, which a drained poller
-        // never is; shut_down_clean flushes every file again anyway.
-        let _ = poller.submit(flush);
-    }
-    let flush_deadline = clock.now_ns() + p.drain_timeout_ms * 1_000_000;
-    while poller.has_work() && clock.now_ns() < flush_deadline {
-        poller.poll(clock.now_ns(), budget);
-        let _ = poller.reap(&mut events);
-    }
-    let clean = !poller.has_work() && stats.abandoned == 0;
-    if let Some(link) = &mut link {
-        let deadline = clock.now_ns() + p.drain_timeout_ms * 1_000_000;
-        while !link.is_flushed() && !link.is_closed() && clock.now_ns() < deadline {
-            if link.pump().is_err() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(1));
+/// The transport's transfers as the runner follows them, sized up front
+/// (no allocation while it runs).
+struct Transfers {
+    done: Vec<crate::transport::Completion>,
+    trace_events: Vec<crate::transport::tcp::TraceEvent>,
+    /// When each transfer to another node was written, until it ends
+    /// (room for the transport's most in flight).
+    started: std::collections::HashMap<u64, u64>,
+    latency: crate::wire::message::PathEntry,
+}
+
+impl Transfers {
+    fn new() -> Self {
+        Self {
+            done: Vec::with_capacity(256),
+            trace_events: Vec::with_capacity(crate::transport::tcp::TRACE_EVENTS_MAX),
+            started: std::collections::HashMap::with_capacity(4096),
+            latency: crate::wire::message::PathEntry::new(crate::wire::message::Path::TransferStorage),
         }
-        stats.cp_reconnects = reconnect.made;
-        stats.cp_sent = link.counters.sent;
-        stats.cp_dropped = link.counters.dropped;
-        stats.cp_refused = link.counters.refused;
     }
-    stats.pool = pool.stats;
-    let slots = table.stats();
-    (stats.l1_chunks_moved, stats.l1_chunks_evacuated) = (slots.chunks_moved, slots.chunks_evacuated);
-    stats.l3 = l3_stats.unwrap_or_default();
-    if let Some(rdma) = transport.as_ref().and_then(|t| t.rdma_stats()) {
-        stats.rdma_landed = rdma.landed;
-        stats.rdma_read_bytes = rdma.read_bytes;
+}
+
+/// What a running node holds, from [`Node::open`] to [`Node::shut_down`].
+/// Fields drop in declaration order: what names the arena's memory (the
+/// agents' ports, the transport's RDMA registrations, the poller's
+/// io_uring registration) before the region and the arena, as when the
+/// runner returns early.
+struct Node {
+    attach: Option<attach::AttachServer>,
+    peers_by_node: open::PeersByNode,
+    transport: Option<Box<dyn crate::transport::Links>>,
+    extra_fds: Vec<i32>,
+    park_fds: Vec<libc::pollfd>,
+    l3_scan: Option<std::sync::mpsc::Receiver<ScanMessage>>,
+    pool: pool::Pool,
+    l2_slots: L2Slots,
+    poller: Poller<UringBackend>,
+    wakeup: Arc<Wakeup>,
+    link: Option<CpLink>,
+    region: Arc<SlotRegion>,
+    table: SlotTable,
+    arena: Arena,
+    tier: L2Tier,
+    signals: Option<Signals>,
+    selftest: Option<Selftest>,
+    events: Vec<Event>,
+    transfers: Transfers,
+    reconnect: Reconnect,
+    epoch: u64,
+    header: crate::arena::layout::ArenaHeader,
+    node_id: u32,
+}
+
+impl Node {
+    /// The poll loop, until the node has drained after a stop (or its
+    /// drain deadline passed, or the self-test ended); an error (a park
+    /// that failed) ends it at once.
+    fn serve(
+        &mut self,
+        config: &RunnerConfig,
+        options: &RunnerOptions,
+        ports: &RunnerPorts,
+        stats: &mut RunnerStats,
+    ) -> Result<(), RunnerError> {
+        let Self {
+            attach,
+            peers_by_node,
+            transport,
+            extra_fds,
+            park_fds,
+            l3_scan,
+            pool,
+            l2_slots,
+            poller,
+            wakeup,
+            link,
+            region,
+            table,
+            arena,
+            tier,
+            signals,
+            selftest,
+            events,
+            transfers:
+                Transfers { done: transfers_done, trace_events, started: transfers_started, latency: transfer_latency },
+            reconnect,
+            epoch,
+            header,
+            node_id,
+        } = self;
+        let (epoch, header, node_id) = (*epoch, *header, *node_id);
+        let p = &config.poller;
+        let clock = MonotonicClock;
+        let spin_ns = p.spin_us * 1000;
+        let mut idle_since: Option<u64> = None;
+        let mut stopping: Option<u64> = None;
+        let mut save_pressure = false;
+        let mut next_stats_ns = 0;
+        // Saves refused so far, as last logged (once a second at most).
+        let mut refused_logged = 0;
+        let budget = p.batch_max;
+        // The runner's parts, borrowed afresh where the block service runs.
+        macro_rules! parts {
+            ($now:expr) => {
+                Parts {
+                    poller: &mut *poller,
+                    table: &mut *table,
+                    l2: &mut *l2_slots,
+                    region: &*region,
+                    link: &mut *link,
+                    now_ns: $now,
+                }
+            };
+        }
+        loop {
+            let now = clock.now_ns();
+            let mut served = 0;
+            if stopping.is_none()
+                && (stats.polls.is_multiple_of(256) || idle_since.is_some())
+                && (signals.as_ref().is_some_and(|s| s.take().is_some())
+                    || ports.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)))
+            {
+                stopping = Some(now + p.drain_timeout_ms * 1_000_000);
+            }
+            if stats.polls.is_multiple_of(256) || idle_since.is_some() {
+                if stopping.is_some() {
+                    pool.close(pool::Closing::All);
+                } else if ports.close_saves.as_ref().is_some_and(|c| c.load(Ordering::Acquire)) {
+                    pool.close(pool::Closing::Saves);
+                }
+                // Whether saves are refused now, where agents read it without
+                // a request.
+                let pressure = pool.save_pressure(now);
+                if pressure != save_pressure {
+                    save_pressure = pressure;
+                    wakeup.set_save_pressure(pressure);
+                    if let Some(attach) = &attach {
+                        attach.set_save_pressure(pressure);
+                    }
+                }
+            }
+            let selftest_done = selftest.as_ref().is_none_or(|s| s.remaining == 0 && s.in_flight == 0);
+            if options.selftest_blocks > 0 && selftest_done && stopping.is_none() {
+                stopping = Some(now + p.drain_timeout_ms * 1_000_000);
+            }
+            // The store's objects the background scan found: into the catalog
+            // and re-adopted, a few batches a pass.
+            if let Some(scan) = &l3_scan {
+                let (batches, ended) = take_scanned(scan, pool, link);
+                served += batches;
+                if ended {
+                    *l3_scan = None;
+                }
+            }
+            if let Some(deadline) = stopping {
+                // Stored objects still get reported while the rest drains;
+                // agents are answered (refused) rather than left waiting.
+                let mut parts = parts!(now);
+                served += pool.poll_l3(&mut parts);
+                served += pool.serve_agents(&mut parts, now, budget);
+                if !poller.has_work() && pool.l3_in_flight() == 0 {
+                    break;
+                }
+                if now > deadline {
+                    stats.abandoned = poller.stats().admitted.saturating_sub(stats.ops_ok + stats.ops_failed);
+                    break;
+                }
+            } else {
+                let mut parts = parts!(now);
+                if let Some(keys) = &ports.tenant_keys {
+                    for change in keys.take() {
+                        pool.key_change(change, &mut parts);
+                    }
+                }
+                if let Some(test) = selftest {
+                    test.feed(&mut parts, epoch, pool);
+                }
+                served = pool.serve(&mut parts, now, budget);
+                match transport {
+                    Some(transport) => {
+                        let region = parts.region;
+                        pool.take_sends(now, |send| {
+                            let Some(&(_, peer)) = peers_by_node.iter().find(|(n, _)| *n == send.target.node) else {
+                                return false;
+                            };
+                            let Some(source) = region.slot_ptr(send.slot) else { return false };
+                            let block = crate::transport::tcp::Outgoing {
+                                transfer: send.request,
+                                peer,
+                                source,
+                                len: send.len,
+                                target: crate::transport::frame::BlockAddr {
+                                    region: send.target.region,
+                                    epoch: send.target.region_epoch,
+                                    slot: crate::transport::ANY_SLOT,
+                                    generation: 0,
+                                },
+                                priority: send.priority,
+                                // Copies `lake-cp` asks serve no engine's request.
+                                trace: 0,
+                                namespace: send.namespace,
+                            };
+                            // SAFETY: the source slot is held (busy) by the pool
+                            // until `send_ended`, after this transfer's end.
+                            let written = unsafe { transport.write(&block, now) }.is_ok();
+                            if written && transfers_started.len() < transfers_started.capacity() {
+                                transfers_started.insert(send.request, now);
+                            }
+                            written
+                        });
+                        // Copies `lake-cp` took back: the transport drops those
+                        // none of whose bytes went out.
+                        pool.take_send_cancels(|request| {
+                            transport.cancel(request);
+                        });
+                        let mut landing = pool::PoolLanding { pool, parts: &mut parts };
+                        if transport.poll(&mut landing, now, transfers_done) {
+                            served += 1;
+                        }
+                        for done in transfers_done.drain(..) {
+                            if let Some(started) = transfers_started.remove(&done.transfer) {
+                                transfer_latency.record(now.saturating_sub(started));
+                            }
+                            let landed = done.result.map(|()| done.target).map_err(|e| transfer_code(&e));
+                            pool.send_ended(done.transfer, landed, &mut parts);
+                        }
+                        // What was refused on the links, RDMA links up or
+                        // down, blocks that landed under an engine's trace id:
+                        // the operator's log.
+                        log_links(transport.as_mut());
+                        transport.take_trace_events(trace_events);
+                        for event in trace_events.drain(..) {
+                            log_trace_event(node_id, &event);
+                        }
+                    }
+                    // No transport: a copy to another node cannot go.
+                    None => pool.take_sends(now, |_| false),
+                }
+                pool.end_failed_sends(&mut parts);
+                // Traced loads answered: the operator's log, under the engine's
+                // trace id.
+                pool.take_spans(|span| log_span(node_id, span));
+                if let Some(attach) = attach
+                    && (stats.polls.is_multiple_of(256) || idle_since.is_some())
+                {
+                    attach.poll(pool, table, arena.fd().as_raw_fd(), wakeup.fd(), now);
+                    if let Some(why) = attach.take_refusal() {
+                        tracing::warn!(event = "attach_refused", why = %why);
+                    }
+                }
+            }
+            let result = poller.poll(now, budget);
+            let count = poller.reap(events);
+            for event in &events[..count] {
+                if event.outcome.is_ok() {
+                    stats.ops_ok += 1;
+                } else {
+                    stats.ops_failed += 1;
+                }
+                let mut parts = parts!(now);
+                if event.cookie & pool::POOL_COOKIE != 0 {
+                    pool.finished(event, &mut parts);
+                } else if let Some(test) = selftest {
+                    test.done(event, &mut parts, stats, pool);
+                }
+            }
+            if table.stats().draining > 0 {
+                table.reclaim();
+            }
+            if now >= next_stats_ns {
+                next_stats_ns = now + 1_000_000_000;
+                // Refused saves are an engine's lost hits: said, at most once a
+                // second, with how many.
+                if pool.stats.saves_refused > refused_logged {
+                    let p = &pool.stats;
+                    tracing::warn!(
+                        event = "saves_refused",
+                        blocks = p.saves_refused - refused_logged,
+                        total = p.saves_refused,
+                        no_space = p.saves_refused_no_space(),
+                        load_reserve = p.saves_refused_reserve,
+                        stopping = p.saves_refused_stopping,
+                        why = "no_space: no L1 slot free for a save and no victim marked to take in time (L1 full of \
+                               blocks not yet written below or dropped); load_reserve: only the load reserve left; \
+                               stopping: the pool is stopping"
+                    );
+                    refused_logged = pool.stats.saves_refused;
+                }
+                // Pins of agents whose process died go with it (their record's
+                // lock went with the process).
+                stats.agents_released += u64::from(table.release_dead_agents());
+                if let Some(link) = link {
+                    link.stats(&DataPlaneStats {
+                        busy_ns: stats.busy_ns,
+                        idle_ns: stats.idle_ns,
+                        parked_ns: stats.parked_ns,
+                        bytes_l1_to_l2: pool.stats.bytes_down,
+                        bytes_l2_to_l1: pool.stats.bytes_up,
+                        saves: pool.stats.saves,
+                        saves_refused: pool.stats.saves_refused,
+                        // Refused at commit, or found out after it.
+                        commits_corrupt: pool.stats.commits_corrupt + pool.stats.commits_corrupt_late,
+                        promotions: pool.stats.promotions,
+                        demotions: pool.stats.demotions,
+                        evictions: pool.stats.evictions,
+                        pins: table.pins_held(),
+                        draining: table.stats().draining,
+                    });
+                    let p = &pool.stats;
+                    link.save_refusals(&crate::wire::message::SaveRefusals {
+                        no_space: p.saves_refused_no_space(),
+                        load_reserve: p.saves_refused_reserve,
+                        stopping: p.saves_refused_stopping,
+                        reserved: 0,
+                    });
+                    if let Some(transport) = &transport {
+                        link.rails(
+                            crate::wire::message::Network::Storage,
+                            &rail_entries(transport.as_ref(), peers_by_node),
+                        );
+                    }
+                    link.tenant_throttles(&pool.tenant_throttles());
+                    let l2 = poller.stats().latency;
+                    match pool.l3_latency() {
+                        Some([read, write]) => {
+                            link.path_latency(&[l2[0], l2[1], l2[2], *transfer_latency, read, write])
+                        }
+                        None => link.path_latency(&[l2[0], l2[1], l2[2], *transfer_latency]),
+                    }
+                }
+            }
+            if let Some(link) = link
+                && (!link.is_flushed() || stats.polls.is_multiple_of(1024))
+                && link.pump().is_err()
+            {
+                // The control plane went away: serve on; reports are counted
+                // as dropped until a control plane takes the link again.
+            }
+            if link.as_ref().is_some_and(CpLink::is_closed) {
+                reconnect.poll(clock.now_ns(), link, config, &tier.geometry(), epoch, &header, |new| {
+                    pool.resident_records(region, table, &mut |record| {
+                        new.readopted(&record);
+                        let _ = new.pump();
+                    });
+                    // Drains are the control plane's: one that took over (or
+                    // restarted) asks again for those it holds; until then
+                    // every file is written to, as its capacity counts them.
+                    l2_slots.undrain_all();
+                });
+            }
+            let end = clock.now_ns();
+            stats.polls += 1;
+            if result == PollResult::Busy || count > 0 || served > 0 {
+                stats.busy_polls += 1;
+                stats.busy_ns += end - now;
+                idle_since = None;
+                continue;
+            }
+            stats.idle_ns += end - now;
+            let since = *idle_since.get_or_insert(end);
+            if end - since < spin_ns {
+                continue;
+            }
+            // Idle past the spin budget: park until a completion, a wake-up or
+            // a signal; briefly when timers (flush batching, deadlines) wait.
+            let timeout_ms = if poller.has_work() || table.stats().draining > 0 || pool.l3_in_flight() > 0 {
+                1
+            } else {
+                p.park_max_ms
+            };
+            set_parked(wakeup, attach.as_ref(), true);
+            // Once more after saying so: work queued before the flag was seen
+            // did not wake us.
+            if pool.has_agent_work() || link.as_ref().is_some_and(CpLink::has_commands) {
+                set_parked(wakeup, attach.as_ref(), false);
+                idle_since = None;
+                continue;
+            }
+            let mut extra = 0;
+            if let Some(socket) = link.as_ref().filter(|l| !l.is_closed()).map(CpLink::raw_fd) {
+                extra_fds[0] = socket;
+                extra = 1;
+            }
+            if let Some(transport) = &transport {
+                extra_fds[extra] = transport.tcp_ref().raw_fd();
+                extra += 1;
+            }
+            if let Some(attach) = &attach {
+                extra += attach.fds(&mut extra_fds[extra..]);
+            }
+            let parked = os::park(wakeup, signals.as_ref(), &extra_fds[..extra], park_fds, timeout_ms);
+            set_parked(wakeup, attach.as_ref(), false);
+            try_to!("parking", parked);
+            if let Some(link) = link {
+                // Commands that arrived while parked.
+                let _ = link.pump();
+            }
+            let woke = clock.now_ns();
+            stats.parks += 1;
+            stats.parked_ns += woke - end;
+            idle_since = None;
+        }
+
+        Ok(())
     }
-    if let Some(attach) = &attach {
-        stats.agents_attached = attach.counters.attached;
-    }
-    drop(attach);
-    drop(poller);
-    // The transport before the arena: RDMA registrations name its memory.
-    drop(transport);
-    drop(region);
-    if clean {
-        try_to!("recording the clean shutdown", tier.shut_down_clean());
-    }
-    drop(table);
-    drop(arena);
-    let _ = writeln!(out, "{}", stats.json(if clean { "stopped" } else { "stopped-unclean" }));
-    let _ = out.flush();
-    Ok(stats)
 }
 
 #[cfg(test)]
