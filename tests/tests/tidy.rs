@@ -28,7 +28,7 @@ const FN_LINES_GOAL: usize = 70;
 const LONGEST_FN_LINES: usize = 443;
 
 /// Functions outside tests longer than [`FN_LINES_GOAL`]: a ratchet.
-const FNS_OVER_GOAL: usize = 77;
+const FNS_OVER_GOAL: usize = 76;
 
 /// Lines a source file may have, unless listed in [`LONG_FILES`].
 const FILE_LINES_MAX: usize = 1000;

@@ -1,9 +1,11 @@
-//! The shared-memory files the L1 arena and the mirror are both made of:
-//! a hugetlb memfd, or a file created under a temporary name (renamed into
-//! place once built, so nobody finds it half made); the filesystem check;
-//! reserving every page up front (a later page fault must not find the
-//! tmpfs or the huge page pool empty); mapping it populated. Each caller
-//! turns these errors into its own, naming its own file.
+//! The shared-memory files the L1 arena and the mirror are both made of,
+//! and the one way they are made: a hugetlb memfd, or a file created under
+//! a temporary name ([`create`]) and renamed into place once built
+//! ([`publish`]), so nobody finds it half made; the filesystem under it
+//! checked against its [`Backing`] ([`check`]); every page reserved up
+//! front, since a later page fault must not find the tmpfs or the huge page
+//! pool empty, and mapped populated ([`reserve_and_map`]). Each owner turns
+//! a [`ShmError`] into its own error.
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -13,6 +15,107 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
+
+/// What memory backs a shared-memory file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// A file on a tmpfs, normally under `/dev/shm`; base pages.
+    Shm(PathBuf),
+    /// A file on a hugetlbfs mount; the mount's huge page size.
+    HugetlbFs(PathBuf),
+    /// An anonymous hugetlb memfd (the default huge page size); other
+    /// processes map it through a passed descriptor or
+    /// `/proc/<pid>/fd/<fd>`.
+    HugetlbMemfd,
+}
+
+/// Why a shared-memory file could not be made.
+#[derive(Debug)]
+pub enum ShmError {
+    /// A system call failed.
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file, where there is one.
+        path: Option<PathBuf>,
+        /// The error.
+        source: io::Error,
+    },
+    /// A [`Backing::Shm`] path on neither a tmpfs nor a hugetlbfs.
+    NotTmpfs,
+    /// A [`Backing::HugetlbFs`] path not on a hugetlbfs.
+    NotHugetlbfs,
+    /// Not enough shared memory or huge pages.
+    NoSpace {
+        /// Bytes asked for.
+        bytes: u64,
+        /// What to check.
+        hint: &'static str,
+    },
+    /// Larger than a file can be.
+    TooLarge,
+}
+
+fn io_error(what: &'static str, path: Option<&Path>) -> impl FnOnce(io::Error) -> ShmError {
+    let path = path.map(Path::to_path_buf);
+    move |source| ShmError::Io { what, path, source }
+}
+
+/// Makes the file of `backing` with exactly `mode` (a memfd is named
+/// `memfd_name`): a file is created under its building name. Returns the
+/// file, the path it is to have, and its building name (`None`, `None` for
+/// a memfd).
+pub fn create(
+    backing: &Backing,
+    mode: u32,
+    memfd_name: &str,
+) -> Result<(File, Option<PathBuf>, Option<PathBuf>), ShmError> {
+    let path = match backing {
+        Backing::Shm(path) | Backing::HugetlbFs(path) => path,
+        Backing::HugetlbMemfd => {
+            let file = hugetlb_memfd(memfd_name).map_err(io_error("creating a hugetlb memfd", None))?;
+            return Ok((file, None, None));
+        }
+    };
+    let building = building_path(path);
+    let file = create_building(&building, mode).map_err(io_error("creating", Some(&building)))?;
+    Ok((file, Some(path.clone()), Some(building)))
+}
+
+/// Checks the filesystem under `file` (named `building`) against
+/// `backing`. Whether its pages are huge, and its block size.
+pub fn check(backing: &Backing, file: &File, building: Option<&Path>) -> Result<(bool, u64), ShmError> {
+    let (fs_type, block_bytes) = filesystem(file).map_err(io_error("reading the filesystem of", building))?;
+    match (backing, fs_type) {
+        (Backing::Shm(_), TMPFS_MAGIC | HUGETLBFS_MAGIC)
+        | (Backing::HugetlbFs(_), HUGETLBFS_MAGIC)
+        | (Backing::HugetlbMemfd, _) => Ok((fs_type == HUGETLBFS_MAGIC, block_bytes)),
+        (Backing::Shm(_), _) => Err(ShmError::NotTmpfs),
+        (Backing::HugetlbFs(_), _) => Err(ShmError::NotHugetlbfs),
+    }
+}
+
+/// Reserves every page of `file`'s first `bytes` now and maps them,
+/// populated (`huge`: its pages are huge ones, for the hint).
+pub fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<MmapRaw, ShmError> {
+    match reserve(file, bytes) {
+        Ok(()) => {}
+        Err(ReserveError::NoSpace) => {
+            return Err(ShmError::NoSpace { bytes, hint: if huge { NO_HUGE_PAGES } else { NO_TMPFS_ROOM } });
+        }
+        Err(ReserveError::TooLarge) => return Err(ShmError::TooLarge),
+        Err(ReserveError::Io(e)) => return Err(io_error("reserving memory for", building)(e)),
+    }
+    map_populated(file, bytes).map_err(io_error("mapping", building))
+}
+
+/// Renames a built file into place (nothing to do for a memfd).
+pub fn publish(building: Option<&Path>, target: Option<&Path>) -> Result<(), ShmError> {
+    if let (Some(target), Some(building)) = (target, building) {
+        std::fs::rename(building, target).map_err(io_error("renaming into place", Some(target)))?;
+    }
+    Ok(())
+}
 
 /// `statfs.f_type` of a tmpfs.
 pub(crate) const TMPFS_MAGIC: i64 = 0x0102_1994;

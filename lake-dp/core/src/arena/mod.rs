@@ -140,16 +140,7 @@ fn io_error(what: &'static str, path: Option<&Path>) -> impl FnOnce(io::Error) -
 }
 
 /// What memory backs the arena.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ArenaBacking {
-    /// A file on a tmpfs, normally under `/dev/shm`; base pages.
-    Shm(PathBuf),
-    /// A file on a hugetlbfs mount; the mount's huge page size.
-    HugetlbFs(PathBuf),
-    /// An anonymous hugetlb memfd (the default huge page size). Agents map
-    /// it through a passed descriptor or `/proc/<pid>/fd/<fd>`.
-    HugetlbMemfd,
-}
+pub use crate::shm::Backing as ArenaBacking;
 
 /// How to build an arena.
 #[derive(Clone, Debug)]
@@ -492,26 +483,29 @@ impl Arena {
 /// backings) or a memfd. Returns the file, the final path and the building
 /// path.
 fn open_backing(config: &ArenaConfig) -> Result<(File, Option<PathBuf>, Option<PathBuf>), ArenaError> {
-    let path = match &config.backing {
-        ArenaBacking::Shm(path) | ArenaBacking::HugetlbFs(path) => path,
-        ArenaBacking::HugetlbMemfd => {
-            let file = shm::hugetlb_memfd("lake-l1").map_err(io_error("creating a hugetlb memfd", None))?;
-            return Ok((file, None, None));
-        }
-    };
     // A live owner keeps its arena; a stale one (its lake-dp died) is
     // retired so agents still mapping it learn to detach. Anything else at
-    // the configured path is replaced by the rename below.
-    if let Err(e @ ArenaError::InUse { .. }) = retire_stale(path) {
+    // the configured path is replaced by the rename in `build`.
+    if let ArenaBacking::Shm(path) | ArenaBacking::HugetlbFs(path) = &config.backing
+        && let Err(e @ ArenaError::InUse { .. }) = retire_stale(path)
+    {
         return Err(e);
     }
-    let building = shm::building_path(path);
-    let file = shm::create_building(&building, config.mode).map_err(io_error("creating", Some(&building)))?;
-    Ok((file, Some(path.clone()), Some(building)))
+    Ok(shm::create(&config.backing, config.mode, "lake-l1")?)
 }
 
-fn filesystem(file: &File, path: Option<&Path>) -> Result<(i64, u64), ArenaError> {
-    shm::filesystem(file).map_err(io_error("reading the filesystem of", path))
+impl From<shm::ShmError> for ArenaError {
+    fn from(error: shm::ShmError) -> Self {
+        match error {
+            shm::ShmError::Io { what, path, source } => Self::Io { what, path, source },
+            shm::ShmError::NotTmpfs => {
+                Self::Config("backing: the path is not on a tmpfs (an L1 arena on a disk file would page to disk)")
+            }
+            shm::ShmError::NotHugetlbfs => Self::Config("backing: the path is not on a hugetlbfs mount"),
+            shm::ShmError::NoSpace { bytes, hint } => Self::NoSpace { bytes, hint },
+            shm::ShmError::TooLarge => Self::Config("arena too large"),
+        }
+    }
 }
 
 fn build(
@@ -520,20 +514,7 @@ fn build(
     target: Option<&Path>,
     building: Option<&Path>,
 ) -> Result<Arena, ArenaError> {
-    let (fs_type, block_bytes) = filesystem(&file, building)?;
-    let huge = fs_type == shm::HUGETLBFS_MAGIC;
-    match (&config.backing, fs_type) {
-        (ArenaBacking::Shm(_), shm::TMPFS_MAGIC | shm::HUGETLBFS_MAGIC) => {}
-        (ArenaBacking::Shm(_), _) => {
-            return Err(ArenaError::Config(
-                "backing: the path is not on a tmpfs (an L1 arena on a disk file would page to disk)",
-            ));
-        }
-        (ArenaBacking::HugetlbFs(_), shm::HUGETLBFS_MAGIC) | (ArenaBacking::HugetlbMemfd, _) => {}
-        (ArenaBacking::HugetlbFs(_), _) => {
-            return Err(ArenaError::Config("backing: the path is not on a hugetlbfs mount"));
-        }
-    }
+    let (huge, block_bytes) = shm::check(&config.backing, &file, building)?;
     let page_bytes = if huge { block_bytes } else { 4096 };
     let geometry = layout::plan(&Plan {
         classes: &config.classes,
@@ -552,7 +533,7 @@ fn build(
     if !lock::try_lock(&file, OWNER_LOCK_BYTE).map_err(io_error("locking", building))? {
         return Err(ArenaError::Config("backing: another process locked the new arena file"));
     }
-    let map = on_numa_node(config.numa_node, || reserve_and_map(&file, bytes, huge, building))?;
+    let map = on_numa_node(config.numa_node, || Ok(shm::reserve_and_map(&file, bytes, huge, building)?))?;
     if config.lock {
         map.lock().map_err(|source| ArenaError::Io {
             what: "locking (mlock; needs CAP_IPC_LOCK or RLIMIT_MEMLOCK above the arena size)",
@@ -587,26 +568,11 @@ fn build(
     // (their Acquire load of the state).
     control.state.store(STATE_READY, Ordering::Release);
     let mut arena = arena;
-    if let (Some(target), Some(building)) = (target, building) {
-        std::fs::rename(building, target).map_err(io_error("renaming into place", Some(target)))?;
+    shm::publish(building, target)?;
+    if let Some(target) = target {
         arena.created = Some(Created { path: Some(target.to_path_buf()), inode });
     }
     Ok(Arena { map: Arc::new(arena) })
-}
-
-/// Reserves every page of the arena now — a later page fault must not find
-/// the tmpfs or the huge page pool empty — and maps it, populated.
-fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<MmapRaw, ArenaError> {
-    match shm::reserve(file, bytes) {
-        Ok(()) => {}
-        Err(shm::ReserveError::NoSpace) => {
-            let hint = if huge { shm::NO_HUGE_PAGES } else { shm::NO_TMPFS_ROOM };
-            return Err(ArenaError::NoSpace { bytes, hint });
-        }
-        Err(shm::ReserveError::TooLarge) => return Err(ArenaError::Config("arena too large")),
-        Err(shm::ReserveError::Io(e)) => return Err(io_error("reserving memory for", building)(e)),
-    }
-    shm::map_populated(file, bytes).map_err(io_error("mapping", building))
 }
 
 /// Runs `f` with this thread's memory policy bound to `node`, so the pages

@@ -170,18 +170,9 @@ fn io_error(what: &'static str, path: Option<&Path>) -> impl FnOnce(io::Error) -
     move |source| MirrorError::Io { what, path, source }
 }
 
-/// What memory backs the mirror.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum MirrorBacking {
-    /// A file on a tmpfs (`/dev/shm`); base pages. A later writer can take
-    /// it over.
-    Shm(PathBuf),
-    /// A file on a hugetlbfs mount.
-    HugetlbFs(PathBuf),
-    /// An anonymous hugetlb memfd; readers map it through a passed
-    /// descriptor or `/proc/<pid>/fd/<fd>`.
-    HugetlbMemfd,
-}
+/// What memory backs the mirror (a file on a tmpfs can be taken over by
+/// a later writer).
+pub use crate::shm::Backing as MirrorBacking;
 
 /// How to build a mirror.
 #[derive(Clone, Debug)]
@@ -406,8 +397,16 @@ fn prefetch(ptr: *const u8) {
     let _ = ptr;
 }
 
-fn filesystem(file: &File, path: Option<&Path>) -> Result<(i64, u64), MirrorError> {
-    shm::filesystem(file).map_err(io_error("reading the filesystem of", path))
+impl From<shm::ShmError> for MirrorError {
+    fn from(error: shm::ShmError) -> Self {
+        match error {
+            shm::ShmError::Io { what, path, source } => Self::Io { what, path, source },
+            shm::ShmError::NotTmpfs => Self::Config("backing: the path is not on a tmpfs"),
+            shm::ShmError::NotHugetlbfs => Self::Config("backing: the path is not on a hugetlbfs mount"),
+            shm::ShmError::NoSpace { bytes, hint } => Self::NoSpace { bytes, hint },
+            shm::ShmError::TooLarge => Self::Config("mirror too large"),
+        }
+    }
 }
 
 /// The writer: the node's `lake-cp`. See the module docs.
@@ -451,19 +450,7 @@ impl MirrorWriter {
         target: Option<&Path>,
         building: Option<&Path>,
     ) -> Result<Self, MirrorError> {
-        let (fs_type, block_bytes) = filesystem(&file, building)?;
-        let huge = fs_type == shm::HUGETLBFS_MAGIC;
-        match (&config.backing, fs_type) {
-            (MirrorBacking::Shm(_), shm::TMPFS_MAGIC | shm::HUGETLBFS_MAGIC)
-            | (MirrorBacking::HugetlbFs(_), shm::HUGETLBFS_MAGIC)
-            | (MirrorBacking::HugetlbMemfd, _) => {}
-            (MirrorBacking::Shm(_), _) => {
-                return Err(MirrorError::Config("backing: the path is not on a tmpfs"));
-            }
-            (MirrorBacking::HugetlbFs(_), _) => {
-                return Err(MirrorError::Config("backing: the path is not on a hugetlbfs mount"));
-            }
-        }
+        let (huge, block_bytes) = shm::check(&config.backing, &file, building)?;
         let page = if huge { block_bytes.max(4096) } else { 4096 };
         if config.buckets == 0 {
             return Err(MirrorError::Config("buckets: at least 1"));
@@ -476,7 +463,7 @@ impl MirrorWriter {
         if !lock::try_lock(&file, WRITER_LOCK_BYTE).map_err(io_error("locking", building))? {
             return Err(MirrorError::Config("backing: another process locked the new mirror file"));
         }
-        let map = reserve_and_map(&file, header.total_bytes, huge, building)?;
+        let map = shm::reserve_and_map(&file, header.total_bytes, huge, building)?;
         let bytes = bytemuck::bytes_of(&header);
         // SAFETY: the header fits in page 0 of the fresh mapping, which no
         // reader can have found yet (building name or unshared memfd).
@@ -495,9 +482,7 @@ impl MirrorWriter {
         // Release: publishes the header to readers' Acquire load of the
         // state.
         control.state.store(STATE_READY, Ordering::Release);
-        if let (Some(target), Some(building)) = (target, building) {
-            std::fs::rename(building, target).map_err(io_error("renaming into place", Some(target)))?;
-        }
+        shm::publish(building, target)?;
         Ok(writer)
     }
 
@@ -707,35 +692,14 @@ fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
 }
 
 fn open_backing(config: &MirrorConfig) -> Result<(File, Option<PathBuf>, Option<PathBuf>), MirrorError> {
-    let path = match &config.backing {
-        MirrorBacking::Shm(path) | MirrorBacking::HugetlbFs(path) => path,
-        MirrorBacking::HugetlbMemfd => {
-            let file = shm::hugetlb_memfd("lake-mirror").map_err(io_error("creating a hugetlb memfd", None))?;
-            return Ok((file, None, None));
-        }
-    };
     // A live writer keeps its mirror.
-    if let Ok(existing) = OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path)
+    if let MirrorBacking::Shm(path) | MirrorBacking::HugetlbFs(path) = &config.backing
+        && let Ok(existing) = OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path)
         && lock::held_by_other(&existing, WRITER_LOCK_BYTE).map_err(io_error("checking the lock of", Some(path)))?
     {
         return Err(MirrorError::InUse { pid: 0 });
     }
-    let building = shm::building_path(path);
-    let file = shm::create_building(&building, config.mode).map_err(io_error("creating", Some(&building)))?;
-    Ok((file, Some(path.clone()), Some(building)))
-}
-
-fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<MmapRaw, MirrorError> {
-    match shm::reserve(file, bytes) {
-        Ok(()) => {}
-        Err(shm::ReserveError::NoSpace) => {
-            let hint = if huge { shm::NO_HUGE_PAGES } else { shm::NO_TMPFS_ROOM };
-            return Err(MirrorError::NoSpace { bytes, hint });
-        }
-        Err(shm::ReserveError::TooLarge) => return Err(MirrorError::Config("mirror too large")),
-        Err(shm::ReserveError::Io(e)) => return Err(io_error("reserving memory for", building)(e)),
-    }
-    shm::map_populated(file, bytes).map_err(io_error("mapping", building))
+    Ok(shm::create(&config.backing, config.mode, "lake-mirror")?)
 }
 
 /// A reader: an engine's agent or `lake-dp`. Maps the mirror read-only.
