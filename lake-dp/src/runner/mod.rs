@@ -31,7 +31,7 @@ use self::config::RunnerConfig;
 use self::os::{Signals, Wakeup};
 use crate::arena::{Arena, SlotTable};
 use crate::cplink::CpLink;
-use crate::io::{Clock, MonotonicClock};
+use crate::io::{Clock, IoBackend, MonotonicClock};
 use crate::l2::{L2Slots, L2Tier, format};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
@@ -363,8 +363,8 @@ impl RunnerStats {
 
 /// The runner's parts, borrowed together for the block service and the
 /// self-test.
-pub(crate) struct Parts<'a> {
-    pub poller: &'a mut Poller<UringBackend>,
+pub(crate) struct Parts<'a, B: IoBackend = UringBackend> {
+    pub poller: &'a mut Poller<B>,
     pub table: &'a mut SlotTable,
     pub l2: &'a mut L2Slots,
     pub region: &'a SlotRegion,

@@ -26,6 +26,7 @@
 use super::{L1State, Pool};
 use crate::arena::{SlotGrant, SlotTable};
 use crate::constants::STORED_HEADER_BYTES;
+use crate::io::IoBackend;
 use crate::model::replica::RegionId;
 use crate::runner::Parts;
 use crate::stored::decode_header;
@@ -60,7 +61,7 @@ impl Pool {
 
     /// Empties a chunk for a class that ran short, a few blocks a pass.
     /// Returns the blocks moved.
-    pub(super) fn rebalance(&mut self, parts: &mut Parts<'_>) -> u32 {
+    pub(super) fn rebalance<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>) -> u32 {
         if !parts.table.shared() || parts.link.as_ref().is_some_and(|l| !l.takes(crate::wire::FEATURE_L1_MOVES)) {
             self.short_class = None;
             return 0;
@@ -101,7 +102,7 @@ impl Pool {
     }
 
     /// Moves the published block in `source` to a free slot of its class.
-    fn move_l1(&mut self, source: u32, parts: &mut Parts<'_>) -> Result<(), MoveError> {
+    fn move_l1<B: IoBackend>(&mut self, source: u32, parts: &mut Parts<'_, B>) -> Result<(), MoveError> {
         let table = &mut *parts.table;
         let class = table.class_of_slot(source).ok_or(MoveError::NoRoom)?;
         let generation = table.arena().generation(source).ok_or(MoveError::NoRoom)?;

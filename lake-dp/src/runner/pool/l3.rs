@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use super::{L1State, Pool, Requester};
 use crate::agent::port::AgentError;
 use crate::constants::STORED_HEADER_BYTES;
-use crate::io::{Clock, MonotonicClock};
+use crate::io::{Clock, IoBackend, MonotonicClock};
 use crate::l3::{L3Client, L3Completion, L3Error, L3Request};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
@@ -367,12 +367,12 @@ impl Pool {
 
     /// A write of `transfer.source` (L1 or L2, this node) to L3; `evict`:
     /// a move. Answered when the object is stored, or at once with why not.
-    pub(super) fn write_l3(
+    pub(super) fn write_l3<B: IoBackend>(
         &mut self,
         request: u64,
         transfer: &Transfer,
         evict: bool,
-        parts: &mut Parts<'_>,
+        parts: &mut Parts<'_, B>,
     ) -> Result<(), ErrorCode> {
         let (node, epoch, l1_region) = (self.node, self.epoch, self.l1_region);
         let source = transfer.source;
@@ -548,14 +548,14 @@ impl Pool {
     /// The staging read of an L2 block for L3 finished: on success the
     /// staged copy's header is rewritten to name the object, and the put
     /// goes to the store.
-    pub(super) fn l3_staged(&mut self, index: u32, read_ok: bool, parts: &mut Parts<'_>) {
+    pub(super) fn l3_staged<B: IoBackend>(&mut self, index: u32, read_ok: bool, parts: &mut Parts<'_, B>) {
         let Some(tier) = self.l3.as_mut() else { return };
         let Some(Some(Op::Put { request, meta, source: Source::L2 { stage, .. }, .. })) =
             tier.ops.get(index as usize).copied()
         else {
             return;
         };
-        let fail = |pool: &mut Self, code: ErrorCode, parts: &mut Parts<'_>| {
+        let fail = |pool: &mut Self, code: ErrorCode, parts: &mut Parts<'_, B>| {
             pool.abandon_put(index, parts.table);
             pool.stats.commands_failed += 1;
             if let Some(tier) = pool.l3.as_mut() {
@@ -610,7 +610,7 @@ impl Pool {
     }
 
     /// Frees the source of a move that is stored in L3, and reports it.
-    fn free_source(&mut self, source: &ReplicaWire, key: &BlockKey, parts: &mut Parts<'_>) {
+    fn free_source<B: IoBackend>(&mut self, source: &ReplicaWire, key: &BlockKey, parts: &mut Parts<'_, B>) {
         let reason = EvictReason::Demoted as u8;
         if source.tier == Tier::L1Dram as u8 {
             let slot = source.slot;
@@ -631,7 +631,12 @@ impl Pool {
         }
     }
 
-    fn l3_done(&mut self, request: u64, result: Result<(ReplicaWire, u64), ErrorCode>, parts: &mut Parts<'_>) {
+    fn l3_done<B: IoBackend>(
+        &mut self,
+        request: u64,
+        result: Result<(ReplicaWire, u64), ErrorCode>,
+        parts: &mut Parts<'_, B>,
+    ) {
         let (status, target, bytes) = match result {
             Ok((target, bytes)) => (0, target, bytes),
             Err(code) => {
@@ -646,12 +651,12 @@ impl Pool {
 
     /// Starts reading the L3 object `source` names (block `key`) into a
     /// new L1 slot, for an agent's load or a control-plane copy.
-    pub(super) fn promote_l3(
+    pub(super) fn promote_l3<B: IoBackend>(
         &mut self,
         to: Requester,
         key: BlockKey,
         source: &ReplicaWire,
-        parts: &mut Parts<'_>,
+        parts: &mut Parts<'_, B>,
     ) -> Result<(), AgentError> {
         let (node, epoch) = (self.node, self.epoch);
         let Some(tier) = self.l3.as_ref() else { return Err(AgentError::Stale) };
@@ -714,7 +719,7 @@ impl Pool {
 
     /// Takes the L3 tier's completions and finishes their operations.
     /// Returns how many.
-    pub(crate) fn poll_l3(&mut self, parts: &mut Parts<'_>) -> u32 {
+    pub(crate) fn poll_l3<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>) -> u32 {
         let Some(tier) = self.l3.as_mut() else { return 0 };
         tier.flush_deletes();
         let mut completions = core::mem::take(&mut tier.completions);
@@ -730,7 +735,7 @@ impl Pool {
         u32::try_from(taken).unwrap_or(u32::MAX)
     }
 
-    fn l3_completed(&mut self, completion: &L3Completion, parts: &mut Parts<'_>) {
+    fn l3_completed<B: IoBackend>(&mut self, completion: &L3Completion, parts: &mut Parts<'_, B>) {
         let (node, epoch) = (self.node, self.epoch);
         let Some(tier) = self.l3.as_mut() else { return };
         let Some(index) = u32::try_from(completion.id).ok() else { return };
@@ -825,13 +830,7 @@ impl Pool {
                     }
                     other => other,
                 };
-                if let Ok(bytes) = result {
-                    self.stats.promotions += 1;
-                    self.stats.bytes_up += bytes;
-                } else {
-                    self.release_l1(l1_slot, parts.table);
-                }
-                self.promotion_answered(to, l1_slot, l1_generation, result, parts);
+                self.promotion_ended(to, l1_slot, l1_generation, result, parts);
             }
             Op::DeleteMany { buffer } => {
                 match completion.result {

@@ -31,6 +31,7 @@
 
 mod compact;
 mod l3;
+mod remote;
 mod verify;
 
 use std::collections::VecDeque;
@@ -38,12 +39,14 @@ use std::sync::Arc;
 
 pub(crate) use self::l3::L3Tier;
 pub use self::l3::{DELETE_BATCH_MAX, L3Stats};
+pub(crate) use self::remote::PoolLanding;
 
 use crate::agent::port::{AgentCompletion, AgentError, AgentRequest, CrcOrigin, DpPort};
 use crate::agent::shm::Popped;
 use crate::arena::{ArenaError, SlotTable};
 use crate::constants::STORED_HEADER_BYTES;
 use crate::cplink::{CpCommand, CpLink};
+use crate::io::IoBackend;
 use crate::l2::L2Grant;
 use crate::model::key::BlockKey;
 use crate::model::replica::{Durability, Priority, ReplicaWire, Tier};
@@ -53,9 +56,6 @@ use crate::region::SlotRegion;
 use crate::runner::Parts;
 use crate::runner::os::Wakeup;
 use crate::stored::{ObjectMeta, StoredError, decode_header, object_bytes};
-use crate::transport::Landing;
-use crate::transport::frame::{AckStatus, BlockAddr};
-use crate::uring::UringBackend;
 use crate::wire::message::{
     BlockEvicted, BlockRecord, DrainRegion, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone,
 };
@@ -339,48 +339,6 @@ pub(crate) struct RemoteSend {
 
 /// Copies to other nodes in flight at most.
 const REMOTE_SENDS_MAX: usize = 256;
-
-/// The slot bytes a stored object of `len` bytes (its header and payload,
-/// as it travels) needs: the payload padded as a slot pads it.
-fn stored_object_room(len: u64) -> u64 {
-    object_bytes(len.saturating_sub(STORED_HEADER_BYTES as u64))
-}
-
-/// The owner of an L1 reservation made for a peer's block arriving over
-/// the transport (no local agent's port).
-const REMOTE_AGENT: u16 = u16::MAX;
-
-/// The pool as the transport's [`Landing`]: blocks that peers send to this
-/// node's L1 (P→D, replication) are reserved, landed, checked and
-/// published like commits.
-pub(crate) struct PoolLanding<'p, 'a> {
-    /// The pool.
-    pub pool: &'p mut Pool,
-    /// The runner's parts.
-    pub parts: &'p mut Parts<'a>,
-}
-
-impl Landing for PoolLanding<'_, '_> {
-    fn place(&mut self, target: &BlockAddr, len: u64) -> Result<*mut u8, AckStatus> {
-        self.pool.remote_place(target, len, self.parts)
-    }
-
-    fn landed(&mut self, target: &BlockAddr, len: u64) -> AckStatus {
-        self.pool.remote_landed(target, len, self.parts)
-    }
-
-    fn abandoned(&mut self, target: &BlockAddr) {
-        self.pool.remote_abandoned(target, self.parts);
-    }
-
-    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
-        self.pool.remote_reserve(region, epoch, len, self.parts)
-    }
-
-    fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
-        self.pool.rates.admit_or_wait(namespace, crate::runner::rates::RatePath::NetReceive, len, now_ns)
-    }
-}
 
 /// Payload bytes the background check reads per pass at most where the
 /// poller reads them itself (at least one segment): bounds what it adds
@@ -769,7 +727,7 @@ impl Pool {
 
     /// Serves the agents' rings and the control plane's commands; submits
     /// what needs I/O to the poller. Bounded by `budget` items.
-    pub(crate) fn serve(&mut self, parts: &mut Parts<'_>, now_ns: u64, budget: u32) -> u32 {
+    pub(crate) fn serve<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>, now_ns: u64, budget: u32) -> u32 {
         let mut done = self.serve_agents(parts, now_ns, budget);
         while done < budget {
             let Some(command) = parts.link.as_mut().and_then(CpLink::next_command) else { break };
@@ -793,7 +751,7 @@ impl Pool {
 
     /// Serves the agents' rings (while the data plane stops too: closed,
     /// the pool answers them at once). Bounded by `budget` requests.
-    pub(crate) fn serve_agents(&mut self, parts: &mut Parts<'_>, now_ns: u64, budget: u32) -> u32 {
+    pub(crate) fn serve_agents<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>, now_ns: u64, budget: u32) -> u32 {
         let mut done = 0;
         for agent in 0..self.agents.len() {
             let place = u16::try_from(agent).unwrap_or(u16::MAX);
@@ -851,7 +809,7 @@ impl Pool {
     }
 
     /// Starts the writes of demotions whose L1 slot has drained.
-    fn start_drained(&mut self, parts: &mut Parts<'_>, now_ns: u64) -> u32 {
+    fn start_drained<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>, now_ns: u64) -> u32 {
         let mut started = 0;
         let mut at = 0;
         while at < self.draining.len() {
@@ -977,7 +935,13 @@ impl Pool {
         self.load_reserve_slots = slots;
     }
 
-    fn agent_request(&mut self, agent: u16, request: AgentRequest, parts: &mut Parts<'_>, now_ns: u64) {
+    fn agent_request<B: IoBackend>(
+        &mut self,
+        agent: u16,
+        request: AgentRequest,
+        parts: &mut Parts<'_, B>,
+        now_ns: u64,
+    ) {
         let table = &mut *parts.table;
         match request {
             AgentRequest::Reserve { cookie, .. } if self.closing != Closing::Open => {
@@ -1064,7 +1028,7 @@ impl Pool {
     /// The control plane marks the L1 block `replica` evictable (or takes
     /// the mark back). A mark that no longer names the block there (moved,
     /// freed, another generation) is ignored.
-    fn mark(&mut self, replica: &BlockEvicted, evictable: bool, parts: &mut Parts<'_>) {
+    fn mark<B: IoBackend>(&mut self, replica: &BlockEvicted, evictable: bool, parts: &mut Parts<'_, B>) {
         let wire = &replica.replica;
         if wire.tier != Tier::L1Dram as u8
             || wire.region != self.l1_region
@@ -1151,18 +1115,18 @@ impl Pool {
     /// victim) may wait for the control plane to mark more: it marks
     /// victims, and this agent has not waited [`SAVE_WAIT_NS`] in vain
     /// since its last request that found a slot.
-    fn may_wait(&mut self, agent: u16, parts: &Parts<'_>, now_ns: u64) -> bool {
+    fn may_wait<B: IoBackend>(&mut self, agent: u16, parts: &Parts<'_, B>, now_ns: u64) -> bool {
         parts.link.as_ref().is_some_and(|l| l.takes(crate::wire::FEATURE_EVICTABLE))
             && now_ns.saturating_sub(*self.held_since[usize::from(agent)].get_or_insert(now_ns)) < SAVE_WAIT_NS
     }
 
     /// A free L1 slot for an object of `object_bytes` (leaving `keep` of
     /// its class free), else one a marked victim gave up.
-    fn slot_or_victim(
+    fn slot_or_victim<B: IoBackend>(
         &mut self,
         object_bytes: u64,
         keep: usize,
-        parts: &mut Parts<'_>,
+        parts: &mut Parts<'_, B>,
     ) -> Option<crate::arena::SlotGrant> {
         if let Some(grant) = self.allocate_l1(parts.table, object_bytes, keep) {
             return Some(grant);
@@ -1178,7 +1142,7 @@ impl Pool {
     /// control plane's order (each still there, ready, and its mark
     /// current), frees those no reader pins, and reports each as evicted.
     /// Returns how many were taken.
-    fn take_victims(&mut self, object_bytes: u64, parts: &mut Parts<'_>) -> usize {
+    fn take_victims<B: IoBackend>(&mut self, object_bytes: u64, parts: &mut Parts<'_, B>) -> usize {
         let Some(class) = parts.table.class_for(object_bytes) else { return 0 };
         let reserve = self.load_reserve_slots as usize;
         if parts.table.evacuating().is_some() || parts.table.chunk_to_evacuate(class, reserve).is_some() {
@@ -1230,7 +1194,7 @@ impl Pool {
     /// of the oldest unchecked commits' payloads (at least one segment); a
     /// block that fails is evicted as corrupt and reported. Returns the
     /// segments read (work done, so the runner does not park meanwhile).
-    fn verify_backlog(&mut self, parts: &mut Parts<'_>) -> u32 {
+    fn verify_backlog<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>) -> u32 {
         if self.verifier.is_some() {
             return self.verify_on_thread(parts);
         }
@@ -1288,7 +1252,7 @@ impl Pool {
     /// found corrupt evicted, if it is still the one committed), the
     /// oldest commits handed over while it has room. Returns the items
     /// moved.
-    fn verify_on_thread(&mut self, parts: &mut Parts<'_>) -> u32 {
+    fn verify_on_thread<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>) -> u32 {
         let mut done = 0;
         while let Some(verify::Verdict { job, outcome }) = self.verifier.as_mut().and_then(verify::Verifier::verdict) {
             done += 1;
@@ -1318,7 +1282,13 @@ impl Pool {
 
     /// A published L1 block failed the background check: freed (once no
     /// reader pins it) and reported evicted as corrupt.
-    fn evict_corrupt(&mut self, slot: u32, generation: u32, key: Option<BlockKey>, parts: &mut Parts<'_>) {
+    fn evict_corrupt<B: IoBackend>(
+        &mut self,
+        slot: u32,
+        generation: u32,
+        key: Option<BlockKey>,
+        parts: &mut Parts<'_, B>,
+    ) {
         self.stats.commits_corrupt_late += 1;
         self.release_l1(slot, parts.table);
         self.stats.evictions += 1;
@@ -1335,12 +1305,12 @@ impl Pool {
     /// The header of the committed L1 block `source` names, if it still
     /// holds `key`: this epoch's L1, the slot `Ready` (or, where
     /// `sending` says, read by sends), at the generation named.
-    fn committed_l1(
+    fn committed_l1<B: IoBackend>(
         &self,
         source: &ReplicaWire,
         key: &BlockKey,
         sending: bool,
-        parts: &Parts<'_>,
+        parts: &Parts<'_, B>,
     ) -> Result<ObjectMeta, ErrorCode> {
         if source.region_epoch != self.epoch || source.node != self.node || source.region != self.l1_region {
             return Err(ErrorCode::StaleEpoch);
@@ -1364,195 +1334,6 @@ impl Pool {
         Ok(meta)
     }
 
-    fn send_remote(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
-        let source = &transfer.source;
-        let slot = source.slot;
-        let meta = self.committed_l1(source, &transfer.key, true, parts)?;
-        let readers = match self.l1.get(slot as usize) {
-            Some(&L1State::Sending { readers }) if readers == u16::MAX => return Err(ErrorCode::StaleGeneration),
-            Some(&L1State::Sending { readers }) => readers,
-            _ => 0,
-        };
-        if self.sends.len() >= self.sends.capacity() {
-            return Err(ErrorCode::QueueFull);
-        }
-        self.l1[slot as usize] = L1State::Sending { readers: readers + 1 };
-        self.sends.push(RemoteSend {
-            request,
-            slot,
-            generation: source.generation,
-            len: STORED_HEADER_BYTES as u64 + meta.payload_len,
-            target: transfer.target,
-            priority: Priority::from_u8(transfer.priority).unwrap_or(Priority::Replication),
-            namespace: meta.namespace.0,
-            deadline_unix_ns: transfer.deadline_unix_ns,
-            handed: false,
-        });
-        Ok(())
-    }
-
-    /// Sends not yet handed to the transport: marked handed as they are
-    /// taken.
-    /// A send of a tenant over its cap on the network waits in the queue
-    /// (its slot held) until its bucket refills.
-    pub(crate) fn take_sends(&mut self, now_ns: u64, mut hand: impl FnMut(&RemoteSend) -> bool) {
-        // The wall clock, only where a waiting send has a deadline.
-        let waiting_with_deadline = self.sends.iter().any(|s| !s.handed && s.deadline_unix_ns != 0);
-        let unix_now = if waiting_with_deadline {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-        } else {
-            0
-        };
-        for send in self.sends.iter_mut().filter(|s| !s.handed) {
-            if send.deadline_unix_ns != 0 && unix_now > send.deadline_unix_ns {
-                // Waited past its deadline: ended, its slot released.
-                send.handed = true;
-                self.stats.sends_expired += 1;
-                self.failed_sends.push((send.request, ErrorCode::DeadlineExceeded));
-                continue;
-            }
-            if !self.rates.admit(send.namespace, crate::runner::rates::RatePath::NetSend, send.len, now_ns) {
-                self.stats.sends_throttled += 1;
-                continue;
-            }
-            send.handed = true;
-            if !hand(send) {
-                self.failed_sends.push((send.request, ErrorCode::Io));
-            }
-        }
-    }
-
-    /// A send ended (`landed`: the slot it landed in, or why not): the
-    /// slot goes back to ready once no other send reads it, and `lake-cp`
-    /// is answered.
-    pub(crate) fn send_ended(&mut self, request: u64, landed: Result<BlockAddr, ErrorCode>, parts: &mut Parts<'_>) {
-        let Some(at) = self.sends.iter().position(|s| s.request == request) else { return };
-        let send = self.sends.swap_remove(at);
-        if let Some(&L1State::Sending { readers }) = self.l1.get(send.slot as usize)
-            && parts.table.arena().generation(send.slot) == Some(send.generation)
-        {
-            self.l1[send.slot as usize] =
-                if readers > 1 { L1State::Sending { readers: readers - 1 } } else { L1State::Ready };
-        }
-        let (status, target, bytes) = match landed {
-            Ok(at) => {
-                self.stats.remote_sent += 1;
-                let target = ReplicaWire { slot: at.slot, generation: at.generation, ..send.target };
-                (0, target, send.len)
-            }
-            Err(code) => {
-                self.stats.commands_failed += 1;
-                (code as u32, send.target, 0)
-            }
-        };
-        if let Some(cp) = parts.link {
-            cp.transfer_done(send.request, &TransferDone { status, reserved: 0, target, bytes });
-        }
-    }
-
-    /// `lake-cp` took copy `request` back: one not yet handed to the
-    /// transport ends `Cancelled` now, its slot released; one handed to it
-    /// is cancelled there ([`Pool::take_send_cancels`]) if none of its
-    /// bytes went out (else it goes on to its end). Another request is
-    /// not a send of this node's: nothing to do.
-    fn cancel_send(&mut self, request: u64, parts: &mut Parts<'_>) {
-        let Some(send) = self.sends.iter().find(|s| s.request == request) else { return };
-        self.stats.sends_cancelled += 1;
-        if send.handed {
-            if self.send_cancels.len() < self.send_cancels.capacity() {
-                self.send_cancels.push(request);
-            }
-            return;
-        }
-        self.send_ended(request, Err(ErrorCode::Cancelled), parts);
-    }
-
-    /// Copies handed to the transport that `lake-cp` took back: each for
-    /// the transport to cancel (its end comes as any transfer's).
-    pub(crate) fn take_send_cancels(&mut self, mut cancel: impl FnMut(u64)) {
-        for request in self.send_cancels.drain(..) {
-            cancel(request);
-        }
-    }
-
-    /// Sends the transport would not take: ended as failed.
-    pub(crate) fn end_failed_sends(&mut self, parts: &mut Parts<'_>) {
-        while let Some((request, code)) = self.failed_sends.pop() {
-            self.send_ended(request, Err(code), parts);
-        }
-    }
-
-    /// A peer's block is coming over the transport for this node's L1:
-    /// a slot of its size is reserved for it (by no local agent; the
-    /// reservation's timeout applies), its address given.
-    fn remote_reserve(
-        &mut self,
-        region: u16,
-        epoch: u64,
-        len: u64,
-        parts: &mut Parts<'_>,
-    ) -> Result<BlockAddr, AckStatus> {
-        if region != self.l1_region || epoch != self.epoch {
-            return Err(AckStatus::Refused);
-        }
-        let grant = self.slot_or_victim(stored_object_room(len), 0, parts).ok_or(AckStatus::Busy)?;
-        self.l1[grant.slot as usize] = L1State::Reserved { agent: REMOTE_AGENT, since_ns: parts.now_ns };
-        self.reserved += 1;
-        Ok(BlockAddr { region, epoch, slot: grant.slot, generation: grant.generation })
-    }
-
-    /// Where a block reserved by [`Pool::remote_reserve`] lands.
-    fn remote_place(&mut self, target: &BlockAddr, len: u64, parts: &mut Parts<'_>) -> Result<*mut u8, AckStatus> {
-        let fits = parts.region.slot_len(target.slot).is_some_and(|room| stored_object_room(len) <= room as u64);
-        if !self.remote_owns(target, parts) || !fits {
-            return Err(AckStatus::Refused);
-        }
-        parts.region.slot_ptr(target.slot).ok_or(AckStatus::Refused)
-    }
-
-    fn remote_owns(&self, target: &BlockAddr, parts: &Parts<'_>) -> bool {
-        target.region == self.l1_region
-            && target.epoch == self.epoch
-            && matches!(self.l1.get(target.slot as usize), Some(L1State::Reserved { agent: REMOTE_AGENT, .. }))
-            && parts.table.arena().generation(target.slot) == Some(target.generation)
-    }
-
-    /// A peer's block arrived whole: checked (header, every CRC), its
-    /// header rewritten to name its slot, published like a commit.
-    fn remote_landed(&mut self, target: &BlockAddr, len: u64, parts: &mut Parts<'_>) -> AckStatus {
-        if !self.remote_owns(target, parts) {
-            return AckStatus::Refused;
-        }
-        // SAFETY: as in `remote_place`: the slot is this transfer's.
-        let Some(bytes) = (unsafe { parts.region.slot_mut(target.slot) }) else { return AckStatus::Refused };
-        match crate::transport::check_and_adopt(bytes, len, target) {
-            Ok(meta) => {
-                self.reserved = self.reserved.saturating_sub(1);
-                self.l1[target.slot as usize] = L1State::Ready;
-                self.stats.saves += 1;
-                self.stats.remote_landed += 1;
-                if let Some(cp) = parts.link {
-                    cp.committed(&self.l1_record(target.slot, target.generation, &meta));
-                }
-                AckStatus::Landed
-            }
-            Err(status) => {
-                self.stats.commits_corrupt += 1;
-                self.release_l1(target.slot, parts.table);
-                status
-            }
-        }
-    }
-
-    /// A peer's block will not come: its slot goes back.
-    fn remote_abandoned(&mut self, target: &BlockAddr, parts: &mut Parts<'_>) {
-        if self.remote_owns(target, parts) {
-            self.release_l1(target.slot, parts.table);
-        }
-    }
-
     fn release_l1(&mut self, slot: u32, table: &mut SlotTable) {
         if let Some(state) = self.l1.get_mut(slot as usize) {
             if matches!(state, L1State::Reserved { .. }) {
@@ -1563,12 +1344,12 @@ impl Pool {
         let _ = table.retire(slot);
     }
 
-    fn commit(
+    fn commit<B: IoBackend>(
         &mut self,
         agent: u16,
         (slot, generation): (u32, u32),
         crcs: CrcOrigin,
-        parts: &mut Parts<'_>,
+        parts: &mut Parts<'_, B>,
     ) -> Result<(), AgentError> {
         let table = &mut *parts.table;
         match self.l1.get(slot as usize) {
@@ -1621,13 +1402,13 @@ impl Pool {
     }
 
     /// Starts reading `source` (an L2 replica of `key`) into a new L1 slot.
-    fn promote(
+    fn promote<B: IoBackend>(
         &mut self,
         to: Requester,
         key: BlockKey,
         source: &ReplicaWire,
         priority: Priority,
-        parts: &mut Parts<'_>,
+        parts: &mut Parts<'_, B>,
     ) -> Result<(), AgentError> {
         if source.tier == Tier::L3Object as u8 {
             return self.promote_l3(to, key, source, parts);
@@ -1661,12 +1442,12 @@ impl Pool {
     /// Submits op `cookie`'s read of an L2 object into the L1 slot it was
     /// given (busy from now on; its ticket kept, so the read can be
     /// cancelled). False when the poller is full: the caller undoes.
-    fn read_into(
+    fn read_into<B: IoBackend>(
         &mut self,
         cookie: u64,
         read: ReadBlock,
         priority: Priority,
-        poller: &mut Poller<UringBackend>,
+        poller: &mut Poller<B>,
     ) -> bool {
         self.l1[read.l1_slot as usize] = L1State::Busy;
         match poller.submit(Request { command: Command::Read(read), priority, deadline_ns: 0, cookie }) {
@@ -1681,7 +1462,7 @@ impl Pool {
         }
     }
 
-    fn command(&mut self, command: CpCommand, parts: &mut Parts<'_>) {
+    fn command<B: IoBackend>(&mut self, command: CpCommand, parts: &mut Parts<'_, B>) {
         let (request, target, outcome) = match command {
             CpCommand::Evict { request, replica } => (request, replica.replica, self.evict(&replica, parts)),
             CpCommand::Mark { replica, evictable } => {
@@ -1801,7 +1582,7 @@ impl Pool {
 
     /// Drains one of this node's L2 files (no new object goes there) or
     /// uses it again.
-    fn drain(&mut self, drain: &DrainRegion, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+    fn drain<B: IoBackend>(&mut self, drain: &DrainRegion, parts: &mut Parts<'_, B>) -> Result<(), ErrorCode> {
         let file = drain
             .region
             .checked_sub(self.geometry.region_first)
@@ -1812,7 +1593,12 @@ impl Pool {
 
     /// Starts moving an L2 object to a slot of another L2 file (not one
     /// being drained): read into a staging L1 slot first.
-    fn relocate(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+    fn relocate<B: IoBackend>(
+        &mut self,
+        request: u64,
+        transfer: &Transfer,
+        parts: &mut Parts<'_, B>,
+    ) -> Result<(), ErrorCode> {
         let source = &transfer.source;
         if source.region_epoch != self.epoch || source.node != self.node {
             return Err(ErrorCode::StaleEpoch);
@@ -1869,12 +1655,12 @@ impl Pool {
     /// object (sealed or not, as it lay) is written to its new slot with
     /// a header naming it; after the write, the new replica is reported,
     /// the source freed and reported, and the command answered.
-    fn relocation_step(&mut self, purpose: Purpose, event: &Event, parts: &mut Parts<'_>) {
+    fn relocation_step<B: IoBackend>(&mut self, purpose: Purpose, event: &Event, parts: &mut Parts<'_, B>) {
         let Purpose::Relocate { request, stage, source, source_generation, target, priority } = purpose else {
             return;
         };
         let (node, epoch) = (self.node, self.epoch);
-        let fail = |pool: &mut Self, code: ErrorCode, parts: &mut Parts<'_>| {
+        let fail = |pool: &mut Self, code: ErrorCode, parts: &mut Parts<'_, B>| {
             pool.release_l1(stage, parts.table);
             let _ = parts.l2.release(target.slot);
             pool.stats.commands_failed += 1;
@@ -1953,7 +1739,7 @@ impl Pool {
         }
     }
 
-    fn evict(&mut self, evict: &BlockEvicted, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+    fn evict<B: IoBackend>(&mut self, evict: &BlockEvicted, parts: &mut Parts<'_, B>) -> Result<(), ErrorCode> {
         let (table, l2) = (&mut *parts.table, &mut *parts.l2);
         let replica = &evict.replica;
         if replica.region_epoch != self.epoch || replica.node != self.node {
@@ -1992,7 +1778,12 @@ impl Pool {
     /// staging slot: the write rewrites its header to name the L2 slot
     /// (and seals the payload, for a namespace with a data key) where it
     /// lies, and readers go on pinning the L1 copy meanwhile.
-    fn write_back(&mut self, request: u64, transfer: &Transfer, parts: &mut Parts<'_>) -> Result<(), ErrorCode> {
+    fn write_back<B: IoBackend>(
+        &mut self,
+        request: u64,
+        transfer: &Transfer,
+        parts: &mut Parts<'_, B>,
+    ) -> Result<(), ErrorCode> {
         let slot = transfer.source.slot;
         let mut meta = self.committed_l1(&transfer.source, &transfer.key, true, parts)?;
         let region = parts.region;
@@ -2014,13 +1805,17 @@ impl Pool {
             let _ = parts.l2.release(grant.slot);
             return Err(ErrorCode::NoSpace);
         };
+        // Both slots go back where the write cannot start.
+        let undo = |pool: &mut Self, parts: &mut Parts<'_, B>, code| {
+            pool.release_l1(stage.slot, parts.table);
+            let _ = parts.l2.release(grant.slot);
+            Err(code)
+        };
         // SAFETY: the staging slot was just allocated: this thread alone
         // owns it until the write's end frees it.
         let staged = unsafe { parts.region.slot_mut(stage.slot) }.and_then(|b| b.get_mut(..len));
         let (Some(staged), Some(from)) = (staged, bytes.get(..len)) else {
-            self.release_l1(stage.slot, parts.table);
-            let _ = parts.l2.release(grant.slot);
-            return Err(ErrorCode::NoSuchBlock);
+            return undo(self, parts, ErrorCode::NoSuchBlock);
         };
         staged.copy_from_slice(from);
         meta.region = self.geometry.region(grant.slot.file);
@@ -2037,36 +1832,28 @@ impl Pool {
                     self.stats.sealed += 1;
                 }
                 // Never written in the clear.
-                _ => {
-                    self.release_l1(stage.slot, parts.table);
-                    let _ = parts.l2.release(grant.slot);
-                    return Err(ErrorCode::Unauthorized);
-                }
+                _ => return undo(self, parts, ErrorCode::Unauthorized),
             }
         }
         let write = WriteBlock { l1_slot: stage.slot, target: grant.slot, meta, durability: Durability::Acked, seal };
         let Some(cookie) = self.take_op(Purpose::WriteBack { request, stage: stage.slot }) else {
-            self.release_l1(stage.slot, parts.table);
-            let _ = parts.l2.release(grant.slot);
-            return Err(ErrorCode::QueueFull);
+            return undo(self, parts, ErrorCode::QueueFull);
         };
         let submitted =
             Request { command: Command::Write(write), priority: Priority::WriteBack, deadline_ns: 0, cookie };
         if parts.poller.submit(submitted).is_err() {
             self.put_op(cookie);
-            self.release_l1(stage.slot, parts.table);
-            let _ = parts.l2.release(grant.slot);
-            return Err(ErrorCode::QueueFull);
+            return undo(self, parts, ErrorCode::QueueFull);
         }
         Ok(())
     }
 
-    fn demote(
+    fn demote<B: IoBackend>(
         &mut self,
         request: u64,
         source: &ReplicaWire,
         key: &BlockKey,
-        parts: &mut Parts<'_>,
+        parts: &mut Parts<'_, B>,
     ) -> Result<(), ErrorCode> {
         let slot = source.slot;
         let mut meta = self.committed_l1(source, key, false, parts)?;
@@ -2102,7 +1889,7 @@ impl Pool {
 
     /// An operation of the pool finished (`event.cookie` has
     /// [`POOL_COOKIE`]).
-    pub(crate) fn finished(&mut self, event: &Event, parts: &mut Parts<'_>) {
+    pub(crate) fn finished<B: IoBackend>(&mut self, event: &Event, parts: &mut Parts<'_, B>) {
         let Some(purpose) = self.put_op(event.cookie) else { return };
         let (table, l2, region) = (&mut *parts.table, &mut *parts.l2, parts.region);
         let link = &mut *parts.link;
@@ -2210,13 +1997,7 @@ impl Pool {
                     }
                     other => other,
                 };
-                if let Ok(bytes) = result {
-                    self.stats.promotions += 1;
-                    self.stats.bytes_up += bytes;
-                } else {
-                    self.release_l1(l1_slot, table);
-                }
-                self.promotion_answered(to, l1_slot, l1_generation, result, parts);
+                self.promotion_ended(to, l1_slot, l1_generation, result, parts);
             }
             _ => {}
         }
@@ -2225,7 +2006,7 @@ impl Pool {
     /// A demotion whose payload could not be sealed ends failed: the L1
     /// copy goes (it drained for the move), the L2 slot is given back, and
     /// nothing is written in the clear.
-    fn seal_failed(&mut self, cookie: u64, parts: &mut Parts<'_>) {
+    fn seal_failed<B: IoBackend>(&mut self, cookie: u64, parts: &mut Parts<'_, B>) {
         let Some(Purpose::Demote { request, l1_generation, write }) = self.put_op(cookie) else { return };
         let _ = parts.table.free_drained(write.l1_slot);
         self.l1[write.l1_slot as usize] = L1State::Free;
@@ -2241,7 +2022,11 @@ impl Pool {
     }
 
     /// Applies a change to the key ring; a forgotten namespace is purged.
-    pub(crate) fn key_change(&mut self, change: crate::auth::at_rest::KeyChange, parts: &mut Parts<'_>) {
+    pub(crate) fn key_change<B: IoBackend>(
+        &mut self,
+        change: crate::auth::at_rest::KeyChange,
+        parts: &mut Parts<'_, B>,
+    ) {
         use crate::auth::at_rest::KeyChange;
         match change {
             KeyChange::Set(namespace, key) => self.keys.insert(namespace, key),
@@ -2257,7 +2042,7 @@ impl Pool {
     /// found from the headers it keeps (L2, L3) or reads (L1) as
     /// re-adoption does — no payload is read — each reported to `lake-cp`
     /// as released. Returns how many.
-    pub(crate) fn purge(&mut self, namespace: crate::NamespaceId, parts: &mut Parts<'_>) -> u64 {
+    pub(crate) fn purge<B: IoBackend>(&mut self, namespace: crate::NamespaceId, parts: &mut Parts<'_, B>) -> u64 {
         // What re-adoption reports of this node, the namespace's part.
         let mut victims: Vec<(ReplicaWire, BlockKey)> = Vec::new();
         self.resident_records(parts.region, parts.table, &mut |record| {
@@ -2276,15 +2061,23 @@ impl Pool {
         purged
     }
 
-    /// Answers the requester of a promotion into `l1_slot`.
-    fn promotion_answered(
+    /// Ends a promotion into `l1_slot`, from L2 or L3 alike: counted where
+    /// it landed (`result`: its bytes), the slot given back where it did
+    /// not, and its requester answered.
+    fn promotion_ended<B: IoBackend>(
         &mut self,
         to: Requester,
         l1_slot: u32,
         l1_generation: u32,
         result: Result<u64, AgentError>,
-        parts: &mut Parts<'_>,
+        parts: &mut Parts<'_, B>,
     ) {
+        if let Ok(bytes) = result {
+            self.stats.promotions += 1;
+            self.stats.bytes_up += bytes;
+        } else {
+            self.release_l1(l1_slot, parts.table);
+        }
         match to {
             Requester::Agent { agent, cookie } => {
                 self.answer(agent, cookie, result.map(|_| (l1_slot, l1_generation)));
