@@ -257,8 +257,22 @@ impl CpLink {
                 },
             }
         };
-        let limits = hello::limits_after(&ack).map_err(CpLinkError::Wire)?;
         stream.set_read_timeout(None)?;
+        Self::established(stream, ack, input, have)
+    }
+
+    /// The link over `stream`, whose hellos are done (`ack` agreed): the
+    /// simulator's link, whose control-plane end the test holds.
+    #[cfg(test)]
+    pub(crate) fn over(stream: UnixStream, ack: HelloAck) -> Result<Self, CpLinkError> {
+        let input = vec![0u8; crate::constants::WIRE_FRAME_BYTES_MAX.min(1 << 20)];
+        Self::established(stream, ack, input, 0)
+    }
+
+    /// The link once the hellos agreed on `ack`; `input` holds `have`
+    /// bytes that came after the answer.
+    fn established(stream: UnixStream, ack: HelloAck, input: Vec<u8>, have: usize) -> Result<Self, CpLinkError> {
+        let limits = hello::limits_after(&ack).map_err(CpLinkError::Wire)?;
         stream.set_nonblocking(true)?;
         Ok(Self {
             stream,

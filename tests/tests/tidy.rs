@@ -37,8 +37,8 @@ const FILE_LINES_MAX: usize = 1000;
 const LONG_FILES: &[(&str, usize)] = &[
     ("lake-dp/src/agent/client.rs", 1669),
     ("lake-dp/src/poller.rs", 1306),
-    ("lake-dp/src/runner/mod.rs", 1359),
-    ("lake-dp/src/runner/pool/mod.rs", 2207),
+    ("lake-dp/src/runner/mod.rs", 1357),
+    ("lake-dp/src/runner/pool/mod.rs", 2211),
     ("lake-dp/src/transport/rdma/pull.rs", 1107),
     ("lake-dp/src/transport/tcp.rs", 2727),
     ("lake-dp/core/src/wire/message.rs", 1758),
@@ -99,6 +99,7 @@ const UNSAFE_FILES: &[&str] = &[
     "lake-dp/src/runner/pool/compact.rs",
     "lake-dp/src/runner/pool/l3.rs",
     "lake-dp/src/runner/pool/remote.rs",
+    "lake-dp/src/runner/simulation.rs",
     "lake-dp/src/runner/pool/mod.rs",
     "lake-dp/core/src/shm.rs",
     "lake-dp/src/sim.rs",

@@ -233,6 +233,8 @@ macro_rules! try_to {
 // Declared after `try_to!`, which they use.
 mod open;
 mod shutdown;
+#[cfg(test)]
+mod simulation;
 
 /// The L1 capacity `lake-dp` tells `lake-cp`: its smallest class's slot
 /// size, and how many of those its bytes hold. `lake-cp` counts a block at
@@ -414,7 +416,7 @@ impl Selftest {
         let poller = &mut **poller;
         while self.remaining > 0 {
             let recent = self.written.back().copied();
-            let read = self.issued % 3 == 2 && self.written.len() > 2 * poller_ops(poller);
+            let read = self.issued % 3 == 2 && self.written.len() > 2 * poller.config().ops_max as usize;
             let class = match (read, recent) {
                 (true, Some(block)) => table.class_for(object_bytes(block.payload_len)).unwrap_or(self.class),
                 _ => self.class,
@@ -871,10 +873,6 @@ fn set_parked(wakeup: &Wakeup, attach: Option<&attach::AttachServer>, parked: bo
     if let Some(attach) = attach {
         attach.set_parked(parked);
     }
-}
-
-fn poller_ops(poller: &Poller<UringBackend>) -> usize {
-    poller.config().ops_max as usize
 }
 
 /// Runs a `lake-dp` until SIGTERM or SIGINT (or, with a self-test and no

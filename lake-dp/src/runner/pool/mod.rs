@@ -47,7 +47,7 @@ use crate::arena::{ArenaError, SlotTable};
 use crate::constants::STORED_HEADER_BYTES;
 use crate::cplink::{CpCommand, CpLink};
 use crate::io::IoBackend;
-use crate::l2::L2Grant;
+use crate::l2::{L2Grant, L2Slots};
 use crate::model::key::BlockKey;
 use crate::model::replica::{Durability, Priority, ReplicaWire, Tier};
 use crate::op::{Command, Event, L2Slot, OpError, ReadBlock, Request, Ticket, WriteBlock};
@@ -1674,14 +1674,8 @@ impl Pool {
         };
         match (event.command, event.outcome) {
             (Command::Read(read), Err(e)) => {
-                if matches!(e, OpError::Corrupt(_)) && parts.l2.release(source).is_ok() {
-                    // The source is bad: it goes, as a reader would drop it.
-                    self.l2_released(source);
-                    let replica = crate::runner::l2_replica(&self.geometry, node, epoch, source, source_generation);
-                    if let Some(cp) = parts.link.as_mut() {
-                        let reason = EvictReason::Corrupt as u8;
-                        cp.evicted(&BlockEvicted { replica, key: read.key, reason, reserved: [0; 7] });
-                    }
+                if matches!(e, OpError::Corrupt(_)) {
+                    self.drop_bad_l2(source, source_generation, read.key, parts.l2, parts.link);
                 }
                 fail(self, op_code(e), parts);
             }
@@ -1979,20 +1973,7 @@ impl Pool {
                         // The L2 copy is bad (or sealed with a key this
                         // node no longer has): it goes, and the reader
                         // recomputes.
-                        if l2.release(read.source).is_ok() {
-                            self.l2_released(read.source);
-                            if let Some(cp) = link {
-                                let replica = crate::runner::l2_replica(
-                                    &self.geometry,
-                                    self.node,
-                                    self.epoch,
-                                    read.source,
-                                    read.generation,
-                                );
-                                let reason = EvictReason::Corrupt as u8;
-                                cp.evicted(&BlockEvicted { replica, key: read.key, reason, reserved: [0; 7] });
-                            }
-                        }
+                        self.drop_bad_l2(read.source, read.generation, read.key, l2, link);
                         Err(AgentError::Corrupt)
                     }
                     other => other,
@@ -2006,6 +1987,29 @@ impl Pool {
     /// A demotion whose payload could not be sealed ends failed: the L1
     /// copy goes (it drained for the move), the L2 slot is given back, and
     /// nothing is written in the clear.
+    /// An L2 copy a read found bad goes, as a reader would drop it, and
+    /// the control plane hears why — only while its slot still holds the
+    /// generation that was read: the control plane may have evicted it
+    /// while the read was in flight, and the slot may hold another block
+    /// by now.
+    fn drop_bad_l2(
+        &mut self,
+        slot: L2Slot,
+        generation: u32,
+        key: BlockKey,
+        l2: &mut L2Slots,
+        link: &mut Option<CpLink>,
+    ) {
+        if self.l2_object(slot, generation).is_none() || l2.release(slot).is_err() {
+            return;
+        }
+        self.l2_released(slot);
+        if let Some(cp) = link {
+            let replica = crate::runner::l2_replica(&self.geometry, self.node, self.epoch, slot, generation);
+            cp.evicted(&BlockEvicted { replica, key, reason: EvictReason::Corrupt as u8, reserved: [0; 7] });
+        }
+    }
+
     fn seal_failed<B: IoBackend>(&mut self, cookie: u64, parts: &mut Parts<'_, B>) {
         let Some(Purpose::Demote { request, l1_generation, write }) = self.put_op(cookie) else { return };
         let _ = parts.table.free_drained(write.l1_slot);
