@@ -60,13 +60,25 @@ const BUDGET: u32 = 16;
 const PASS_NS: u64 = 10_000;
 const NAMESPACE: NamespaceId = NamespaceId(5);
 const LAYOUT: u64 = 0x1a7e;
+/// Evicted replicas the control plane remembers, to name stale ones.
+const GONE_MAX: usize = 64;
 
 /// What an agent is waiting for, by cookie.
 #[derive(Clone, Debug)]
 enum Asked {
-    Reserve { key: BlockKey, damaged: bool, crcs: CrcOrigin },
-    Commit { key: BlockKey, damaged: bool, crcs: CrcOrigin },
+    Reserve { key: BlockKey, damage: Damage, crcs: CrcOrigin },
+    Commit { key: BlockKey, damage: Damage, crcs: CrcOrigin },
     Load { key: BlockKey },
+}
+
+/// How an agent's save is wrong, where it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Damage {
+    None,
+    /// A payload byte its CRCs do not match.
+    Payload,
+    /// A header that names another generation of the slot.
+    Generation,
 }
 
 struct SimAgent {
@@ -94,6 +106,9 @@ struct SimCp {
     /// slot: what a control plane believes the node holds.
     replicas: BTreeMap<(u8, u16, u32), (ReplicaWire, BlockKey)>,
     commanded: BTreeMap<u64, Commanded>,
+    /// Replicas evicted lately: what a control plane's view lagging
+    /// behind the node still names.
+    gone: Vec<(ReplicaWire, BlockKey)>,
     /// What crossed the link, for a failing seed's message.
     log: Vec<String>,
     seed: u64,
@@ -266,6 +281,10 @@ impl SimCp {
                 Message::BlockEvicted(evicted) => {
                     let r = evicted.replica;
                     let held = self.replicas.remove(&(r.tier, r.region, r.slot));
+                    if self.gone.len() == GONE_MAX {
+                        self.gone.remove(0);
+                    }
+                    self.gone.push((r, evicted.key));
                     assert!(
                         held.is_some_and(|(h, key)| h.generation == r.generation && key == evicted.key),
                         "seed {}: an eviction of a replica the view did not hold: {evicted:?}, held {held:?}\n{}",
@@ -290,8 +309,15 @@ impl SimCp {
         self.have -= at;
     }
 
+    /// A replica of `tier` the view holds, or one in eight times one it
+    /// held once (a command from a view that lags).
     fn pick(&self, rng: &mut SimRng, tier: Tier) -> Option<(ReplicaWire, BlockKey)> {
-        let of_tier: Vec<_> = self.replicas.values().filter(|(r, _)| r.tier == tier as u8).collect();
+        let stale = rng.below(8) == 0;
+        let of_tier: Vec<_> = if stale {
+            self.gone.iter().filter(|(r, _)| r.tier == tier as u8).collect()
+        } else {
+            self.replicas.values().filter(|(r, _)| r.tier == tier as u8).collect()
+        };
         if of_tier.is_empty() {
             return None;
         }
@@ -319,6 +345,7 @@ fn link_pair(seed: u64) -> (CpLink, SimCp) {
         next_request: 1,
         replicas: BTreeMap::new(),
         commanded: BTreeMap::new(),
+        gone: Vec::with_capacity(GONE_MAX),
         log: Vec::new(),
         seed,
     };
@@ -432,15 +459,20 @@ impl World {
         let payload = payload_of(n, self.seed);
         let object = object_bytes(payload.len() as u64);
         self.saved.insert(key, payload);
-        // One save in 16 writes a payload its CRCs do not match; of those,
-        // half say the CRCs are the agent's own (published first, checked
-        // after), half say nothing of them (checked before publishing).
-        let damaged = self.rng.below(16) == 0;
+        // One save in 16 writes a payload its CRCs do not match (half of
+        // those say the CRCs are the agent's own: published first, checked
+        // after; half say nothing of them: checked before publishing); one
+        // in 32 a header naming another generation of its slot.
+        let damage = match self.rng.below(32) {
+            0 | 1 => Damage::Payload,
+            2 => Damage::Generation,
+            _ => Damage::None,
+        };
         let crcs = if self.rng.below(2) == 0 { CrcOrigin::Slot } else { CrcOrigin::Unknown };
         self.ask(
             agent,
             |cookie| AgentRequest::Reserve { cookie, object_bytes: object },
-            Asked::Reserve { key, damaged, crcs },
+            Asked::Reserve { key, damage, crcs },
         );
     }
 
@@ -474,7 +506,7 @@ impl World {
     fn answered(&mut self, agent: usize, asked: Asked, result: Result<(u32, u32), AgentError>) {
         let seed = self.seed;
         match (asked, result) {
-            (Asked::Reserve { key, damaged, crcs }, Ok((slot, generation))) => {
+            (Asked::Reserve { key, damage, crcs }, Ok((slot, generation))) => {
                 let payload = &self.saved[&key];
                 let meta = ObjectMeta {
                     kind: ObjectKind::KvBlock,
@@ -486,7 +518,7 @@ impl World {
                     region: RegionId(self.node.l1_region),
                     region_epoch: EPOCH,
                     slot,
-                    generation,
+                    generation: if damage == Damage::Generation { generation.wrapping_add(1) } else { generation },
                     committed_unix_ns: 0,
                     payload_len: payload.len() as u64,
                     segment_bytes: SEGMENT_BYTES,
@@ -495,26 +527,26 @@ impl World {
                 // writes or reads it until it commits or aborts.
                 let out = unsafe { self.node.region.slot_mut(slot) }.expect("a reserved slot");
                 encode_object(&meta, payload, out).expect("the object fits its slot");
-                if damaged {
+                if damage == Damage::Payload {
                     let at = crate::constants::STORED_HEADER_BYTES + self.rng.below(payload.len() as u64) as usize;
                     out[at] ^= 0x40;
                 }
                 let commit = |cookie| AgentRequest::Commit { cookie, slot, generation, crcs };
-                self.ask(agent, commit, Asked::Commit { key, damaged, crcs });
+                self.ask(agent, commit, Asked::Commit { key, damage, crcs });
             }
             (Asked::Reserve { key, .. }, Err(_)) => {
                 self.saved.remove(&key);
             }
-            (Asked::Commit { damaged, crcs, .. }, Ok(_)) => {
+            (Asked::Commit { damage, crcs, .. }, Ok(_)) => {
                 assert!(
-                    !damaged || crcs == CrcOrigin::Slot,
-                    "seed {seed}: a commit whose CRCs no Lake code computed was published unmatched"
+                    damage == Damage::None || (damage == Damage::Payload && crcs == CrcOrigin::Slot),
+                    "seed {seed}: a commit was published with {damage:?} (CRCs from {crcs:?})"
                 );
                 self.tally.saves += 1;
             }
-            (Asked::Commit { key, damaged, crcs }, Err(why)) => {
+            (Asked::Commit { key, damage, crcs }, Err(why)) => {
                 self.saved.remove(&key);
-                if damaged && crcs == CrcOrigin::Unknown {
+                if damage == Damage::Generation || (damage == Damage::Payload && crcs == CrcOrigin::Unknown) {
                     assert_eq!(why, AgentError::Corrupt, "seed {seed}");
                     self.tally.refused_damaged += 1;
                 }
