@@ -28,7 +28,7 @@ const FN_LINES_GOAL: usize = 70;
 const LONGEST_FN_LINES: usize = 443;
 
 /// Functions outside tests longer than [`FN_LINES_GOAL`]: a ratchet.
-const FNS_OVER_GOAL: usize = 76;
+const FNS_OVER_GOAL: usize = 75;
 
 /// Lines a source file may have, unless listed in [`LONG_FILES`].
 const FILE_LINES_MAX: usize = 1000;
@@ -37,7 +37,7 @@ const FILE_LINES_MAX: usize = 1000;
 const LONG_FILES: &[(&str, usize)] = &[
     ("lake-dp/src/agent/client.rs", 1669),
     ("lake-dp/src/poller.rs", 1306),
-    ("lake-dp/src/runner/mod.rs", 1357),
+    ("lake-dp/src/runner/mod.rs", 1014),
     ("lake-dp/src/runner/pool/mod.rs", 2211),
     ("lake-dp/src/transport/rdma/pull.rs", 1107),
     ("lake-dp/src/transport/tcp.rs", 2727),
@@ -95,6 +95,7 @@ const UNSAFE_FILES: &[&str] = &[
     "lake-dp/core/src/ring.rs",
     "lake-dp/src/runner/mod.rs",
     "lake-dp/src/runner/open.rs",
+    "lake-dp/src/runner/serve.rs",
     "lake-dp/core/src/os.rs",
     "lake-dp/src/runner/pool/compact.rs",
     "lake-dp/src/runner/pool/l3.rs",

@@ -232,6 +232,7 @@ macro_rules! try_to {
 
 // Declared after `try_to!`, which they use.
 mod open;
+mod serve;
 mod shutdown;
 #[cfg(test)]
 mod simulation;
@@ -411,7 +412,7 @@ fn selftest_key(slot: L2Slot, generation: u32) -> BlockKey {
 }
 
 impl Selftest {
-    fn feed(&mut self, parts: &mut Parts<'_>, epoch: u64, pool: &mut pool::Pool) {
+    fn feed<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>, epoch: u64, pool: &mut pool::Pool) {
         let Parts { poller, table, l2, region, link, .. } = parts;
         let poller = &mut **poller;
         while self.remaining > 0 {
@@ -508,7 +509,13 @@ impl Selftest {
         }
     }
 
-    fn done(&mut self, event: &Event, parts: &mut Parts<'_>, stats: &mut RunnerStats, pool: &mut pool::Pool) {
+    fn done<B: IoBackend>(
+        &mut self,
+        event: &Event,
+        parts: &mut Parts<'_, B>,
+        stats: &mut RunnerStats,
+        pool: &mut pool::Pool,
+    ) {
         let Parts { table, l2, link, .. } = parts;
         self.in_flight = self.in_flight.saturating_sub(1);
         match (event.command, event.outcome) {
@@ -960,7 +967,7 @@ impl Transfers {
 /// agents' ports, the transport's RDMA registrations, the poller's
 /// io_uring registration) before the region and the arena, as when the
 /// runner returns early.
-struct Node {
+struct Node<B: IoBackend = UringBackend, C: Clock = MonotonicClock> {
     attach: Option<attach::AttachServer>,
     peers_by_node: open::PeersByNode,
     transport: Option<Box<dyn crate::transport::Links>>,
@@ -969,13 +976,15 @@ struct Node {
     l3_scan: Option<std::sync::mpsc::Receiver<ScanMessage>>,
     pool: pool::Pool,
     l2_slots: L2Slots,
-    poller: Poller<UringBackend>,
+    poller: Poller<B>,
     wakeup: Arc<Wakeup>,
     link: Option<CpLink>,
     region: Arc<SlotRegion>,
     table: SlotTable,
     arena: Arena,
-    tier: L2Tier,
+    /// The L2 files (none under the simulator) and their geometry.
+    tier: Option<L2Tier>,
+    geometry: L2Geometry,
     signals: Option<Signals>,
     selftest: Option<Selftest>,
     events: Vec<Event>,
@@ -984,360 +993,8 @@ struct Node {
     epoch: u64,
     header: crate::arena::layout::ArenaHeader,
     node_id: u32,
-}
-
-impl Node {
-    /// The poll loop, until the node has drained after a stop (or its
-    /// drain deadline passed, or the self-test ended); an error (a park
-    /// that failed) ends it at once.
-    fn serve(
-        &mut self,
-        config: &RunnerConfig,
-        options: &RunnerOptions,
-        ports: &RunnerPorts,
-        stats: &mut RunnerStats,
-    ) -> Result<(), RunnerError> {
-        let Self {
-            attach,
-            peers_by_node,
-            transport,
-            extra_fds,
-            park_fds,
-            l3_scan,
-            pool,
-            l2_slots,
-            poller,
-            wakeup,
-            link,
-            region,
-            table,
-            arena,
-            tier,
-            signals,
-            selftest,
-            events,
-            transfers:
-                Transfers { done: transfers_done, trace_events, started: transfers_started, latency: transfer_latency },
-            reconnect,
-            epoch,
-            header,
-            node_id,
-        } = self;
-        let (epoch, header, node_id) = (*epoch, *header, *node_id);
-        let p = &config.poller;
-        let clock = MonotonicClock;
-        let spin_ns = p.spin_us * 1000;
-        let mut idle_since: Option<u64> = None;
-        let mut stopping: Option<u64> = None;
-        let mut save_pressure = false;
-        let mut next_stats_ns = 0;
-        // Saves refused so far, as last logged (once a second at most).
-        let mut refused_logged = 0;
-        let budget = p.batch_max;
-        // The runner's parts, borrowed afresh where the block service runs.
-        macro_rules! parts {
-            ($now:expr) => {
-                Parts {
-                    poller: &mut *poller,
-                    table: &mut *table,
-                    l2: &mut *l2_slots,
-                    region: &*region,
-                    link: &mut *link,
-                    now_ns: $now,
-                }
-            };
-        }
-        loop {
-            let now = clock.now_ns();
-            let mut served = 0;
-            if stopping.is_none()
-                && (stats.polls.is_multiple_of(256) || idle_since.is_some())
-                && (signals.as_ref().is_some_and(|s| s.take().is_some())
-                    || ports.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)))
-            {
-                stopping = Some(now + p.drain_timeout_ms * 1_000_000);
-            }
-            if stats.polls.is_multiple_of(256) || idle_since.is_some() {
-                if stopping.is_some() {
-                    pool.close(pool::Closing::All);
-                } else if ports.close_saves.as_ref().is_some_and(|c| c.load(Ordering::Acquire)) {
-                    pool.close(pool::Closing::Saves);
-                }
-                // Whether saves are refused now, where agents read it without
-                // a request.
-                let pressure = pool.save_pressure(now);
-                if pressure != save_pressure {
-                    save_pressure = pressure;
-                    wakeup.set_save_pressure(pressure);
-                    if let Some(attach) = &attach {
-                        attach.set_save_pressure(pressure);
-                    }
-                }
-            }
-            let selftest_done = selftest.as_ref().is_none_or(|s| s.remaining == 0 && s.in_flight == 0);
-            if options.selftest_blocks > 0 && selftest_done && stopping.is_none() {
-                stopping = Some(now + p.drain_timeout_ms * 1_000_000);
-            }
-            // The store's objects the background scan found: into the catalog
-            // and re-adopted, a few batches a pass.
-            if let Some(scan) = &l3_scan {
-                let (batches, ended) = take_scanned(scan, pool, link);
-                served += batches;
-                if ended {
-                    *l3_scan = None;
-                }
-            }
-            if let Some(deadline) = stopping {
-                // Stored objects still get reported while the rest drains;
-                // agents are answered (refused) rather than left waiting.
-                let mut parts = parts!(now);
-                served += pool.poll_l3(&mut parts);
-                served += pool.serve_agents(&mut parts, now, budget);
-                if !poller.has_work() && pool.l3_in_flight() == 0 {
-                    break;
-                }
-                if now > deadline {
-                    stats.abandoned = poller.stats().admitted.saturating_sub(stats.ops_ok + stats.ops_failed);
-                    break;
-                }
-            } else {
-                let mut parts = parts!(now);
-                if let Some(keys) = &ports.tenant_keys {
-                    for change in keys.take() {
-                        pool.key_change(change, &mut parts);
-                    }
-                }
-                if let Some(test) = selftest {
-                    test.feed(&mut parts, epoch, pool);
-                }
-                served = pool.serve(&mut parts, now, budget);
-                match transport {
-                    Some(transport) => {
-                        let region = parts.region;
-                        pool.take_sends(now, |send| {
-                            let Some(&(_, peer)) = peers_by_node.iter().find(|(n, _)| *n == send.target.node) else {
-                                return false;
-                            };
-                            let Some(source) = region.slot_ptr(send.slot) else { return false };
-                            let block = crate::transport::tcp::Outgoing {
-                                transfer: send.request,
-                                peer,
-                                source,
-                                len: send.len,
-                                target: crate::transport::frame::BlockAddr {
-                                    region: send.target.region,
-                                    epoch: send.target.region_epoch,
-                                    slot: crate::transport::ANY_SLOT,
-                                    generation: 0,
-                                },
-                                priority: send.priority,
-                                // Copies `lake-cp` asks serve no engine's request.
-                                trace: 0,
-                                namespace: send.namespace,
-                            };
-                            // SAFETY: the source slot is held (busy) by the pool
-                            // until `send_ended`, after this transfer's end.
-                            let written = unsafe { transport.write(&block, now) }.is_ok();
-                            if written && transfers_started.len() < transfers_started.capacity() {
-                                transfers_started.insert(send.request, now);
-                            }
-                            written
-                        });
-                        // Copies `lake-cp` took back: the transport drops those
-                        // none of whose bytes went out.
-                        pool.take_send_cancels(|request| {
-                            transport.cancel(request);
-                        });
-                        let mut landing = pool::PoolLanding { pool, parts: &mut parts };
-                        if transport.poll(&mut landing, now, transfers_done) {
-                            served += 1;
-                        }
-                        for done in transfers_done.drain(..) {
-                            if let Some(started) = transfers_started.remove(&done.transfer) {
-                                transfer_latency.record(now.saturating_sub(started));
-                            }
-                            let landed = done.result.map(|()| done.target).map_err(|e| transfer_code(&e));
-                            pool.send_ended(done.transfer, landed, &mut parts);
-                        }
-                        // What was refused on the links, RDMA links up or
-                        // down, blocks that landed under an engine's trace id:
-                        // the operator's log.
-                        log_links(transport.as_mut());
-                        transport.take_trace_events(trace_events);
-                        for event in trace_events.drain(..) {
-                            log_trace_event(node_id, &event);
-                        }
-                    }
-                    // No transport: a copy to another node cannot go.
-                    None => pool.take_sends(now, |_| false),
-                }
-                pool.end_failed_sends(&mut parts);
-                // Traced loads answered: the operator's log, under the engine's
-                // trace id.
-                pool.take_spans(|span| log_span(node_id, span));
-                if let Some(attach) = attach
-                    && (stats.polls.is_multiple_of(256) || idle_since.is_some())
-                {
-                    attach.poll(pool, table, arena.fd().as_raw_fd(), wakeup.fd(), now);
-                    if let Some(why) = attach.take_refusal() {
-                        tracing::warn!(event = "attach_refused", why = %why);
-                    }
-                }
-            }
-            let result = poller.poll(now, budget);
-            let count = poller.reap(events);
-            for event in &events[..count] {
-                if event.outcome.is_ok() {
-                    stats.ops_ok += 1;
-                } else {
-                    stats.ops_failed += 1;
-                }
-                let mut parts = parts!(now);
-                if event.cookie & pool::POOL_COOKIE != 0 {
-                    pool.finished(event, &mut parts);
-                } else if let Some(test) = selftest {
-                    test.done(event, &mut parts, stats, pool);
-                }
-            }
-            if table.stats().draining > 0 {
-                table.reclaim();
-            }
-            if now >= next_stats_ns {
-                next_stats_ns = now + 1_000_000_000;
-                // Refused saves are an engine's lost hits: said, at most once a
-                // second, with how many.
-                if pool.stats.saves_refused > refused_logged {
-                    let p = &pool.stats;
-                    tracing::warn!(
-                        event = "saves_refused",
-                        blocks = p.saves_refused - refused_logged,
-                        total = p.saves_refused,
-                        no_space = p.saves_refused_no_space(),
-                        load_reserve = p.saves_refused_reserve,
-                        stopping = p.saves_refused_stopping,
-                        why = "no_space: no L1 slot free for a save and no victim marked to take in time (L1 full of \
-                               blocks not yet written below or dropped); load_reserve: only the load reserve left; \
-                               stopping: the pool is stopping"
-                    );
-                    refused_logged = pool.stats.saves_refused;
-                }
-                // Pins of agents whose process died go with it (their record's
-                // lock went with the process).
-                stats.agents_released += u64::from(table.release_dead_agents());
-                if let Some(link) = link {
-                    link.stats(&DataPlaneStats {
-                        busy_ns: stats.busy_ns,
-                        idle_ns: stats.idle_ns,
-                        parked_ns: stats.parked_ns,
-                        bytes_l1_to_l2: pool.stats.bytes_down,
-                        bytes_l2_to_l1: pool.stats.bytes_up,
-                        saves: pool.stats.saves,
-                        saves_refused: pool.stats.saves_refused,
-                        // Refused at commit, or found out after it.
-                        commits_corrupt: pool.stats.commits_corrupt + pool.stats.commits_corrupt_late,
-                        promotions: pool.stats.promotions,
-                        demotions: pool.stats.demotions,
-                        evictions: pool.stats.evictions,
-                        pins: table.pins_held(),
-                        draining: table.stats().draining,
-                    });
-                    let p = &pool.stats;
-                    link.save_refusals(&crate::wire::message::SaveRefusals {
-                        no_space: p.saves_refused_no_space(),
-                        load_reserve: p.saves_refused_reserve,
-                        stopping: p.saves_refused_stopping,
-                        reserved: 0,
-                    });
-                    if let Some(transport) = &transport {
-                        link.rails(
-                            crate::wire::message::Network::Storage,
-                            &rail_entries(transport.as_ref(), peers_by_node),
-                        );
-                    }
-                    link.tenant_throttles(&pool.tenant_throttles());
-                    let l2 = poller.stats().latency;
-                    match pool.l3_latency() {
-                        Some([read, write]) => {
-                            link.path_latency(&[l2[0], l2[1], l2[2], *transfer_latency, read, write])
-                        }
-                        None => link.path_latency(&[l2[0], l2[1], l2[2], *transfer_latency]),
-                    }
-                }
-            }
-            if let Some(link) = link
-                && (!link.is_flushed() || stats.polls.is_multiple_of(1024))
-                && link.pump().is_err()
-            {
-                // The control plane went away: serve on; reports are counted
-                // as dropped until a control plane takes the link again.
-            }
-            if link.as_ref().is_some_and(CpLink::is_closed) {
-                reconnect.poll(clock.now_ns(), link, config, &tier.geometry(), epoch, &header, |new| {
-                    pool.resident_records(region, table, &mut |record| {
-                        new.readopted(&record);
-                        let _ = new.pump();
-                    });
-                    // Drains are the control plane's: one that took over (or
-                    // restarted) asks again for those it holds; until then
-                    // every file is written to, as its capacity counts them.
-                    l2_slots.undrain_all();
-                });
-            }
-            let end = clock.now_ns();
-            stats.polls += 1;
-            if result == PollResult::Busy || count > 0 || served > 0 {
-                stats.busy_polls += 1;
-                stats.busy_ns += end - now;
-                idle_since = None;
-                continue;
-            }
-            stats.idle_ns += end - now;
-            let since = *idle_since.get_or_insert(end);
-            if end - since < spin_ns {
-                continue;
-            }
-            // Idle past the spin budget: park until a completion, a wake-up or
-            // a signal; briefly when timers (flush batching, deadlines) wait.
-            let timeout_ms = if poller.has_work() || table.stats().draining > 0 || pool.l3_in_flight() > 0 {
-                1
-            } else {
-                p.park_max_ms
-            };
-            set_parked(wakeup, attach.as_ref(), true);
-            // Once more after saying so: work queued before the flag was seen
-            // did not wake us.
-            if pool.has_agent_work() || link.as_ref().is_some_and(CpLink::has_commands) {
-                set_parked(wakeup, attach.as_ref(), false);
-                idle_since = None;
-                continue;
-            }
-            let mut extra = 0;
-            if let Some(socket) = link.as_ref().filter(|l| !l.is_closed()).map(CpLink::raw_fd) {
-                extra_fds[0] = socket;
-                extra = 1;
-            }
-            if let Some(transport) = &transport {
-                extra_fds[extra] = transport.tcp_ref().raw_fd();
-                extra += 1;
-            }
-            if let Some(attach) = &attach {
-                extra += attach.fds(&mut extra_fds[extra..]);
-            }
-            let parked = os::park(wakeup, signals.as_ref(), &extra_fds[..extra], park_fds, timeout_ms);
-            set_parked(wakeup, attach.as_ref(), false);
-            try_to!("parking", parked);
-            if let Some(link) = link {
-                // Commands that arrived while parked.
-                let _ = link.pump();
-            }
-            let woke = clock.now_ns();
-            stats.parks += 1;
-            stats.parked_ns += woke - end;
-            idle_since = None;
-        }
-
-        Ok(())
-    }
+    clock: C,
+    pace: serve::Pace,
 }
 
 #[cfg(test)]

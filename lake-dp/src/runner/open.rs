@@ -67,7 +67,8 @@ impl Node {
             region,
             table,
             arena,
-            tier,
+            geometry: tier.geometry(),
+            tier: Some(tier),
             signals,
             selftest,
             events,
@@ -76,6 +77,8 @@ impl Node {
             header,
             node_id,
             reconnect: Reconnect::new(),
+            clock: MonotonicClock,
+            pace: serve::Pace::default(),
         })
     }
 }
@@ -137,18 +140,23 @@ fn open_poller(
     // (see `Node`).
     try_to!("registering the L1 arena with io_uring", unsafe { backend.register_region(region) });
     try_to!("registering the wake-up eventfd with io_uring", backend.register_eventfd(wakeup.fd()));
+    let poller_config = poller_config(config, tier.geometry(), epoch);
+    Ok(try_to!("building the poller", Poller::new(poller_config, backend, Arc::clone(region))))
+}
+
+/// The poller's settings from the config's, over L2 `geometry`.
+pub(super) fn poller_config(config: &RunnerConfig, geometry: L2Geometry, epoch: u64) -> PollerConfig {
     let p = &config.poller;
-    let poller_config = PollerConfig {
+    PollerConfig {
         epoch,
         ops_max: p.ops_max,
         batch_max: p.batch_max,
         io_retries_max: p.io_retries_max,
         flush_delay_ns: p.flush_delay_us * 1000,
         flush_batch: p.flush_batch,
-        l2: tier.geometry(),
+        l2: geometry,
         background_in_flight_max: config.l2.background_depth,
-    };
-    Ok(try_to!("building the poller", Poller::new(poller_config, backend, Arc::clone(region))))
+    }
 }
 
 /// The transport's id of each peer node.

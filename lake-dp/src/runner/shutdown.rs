@@ -24,6 +24,7 @@ impl Node {
             table,
             arena,
             tier,
+            geometry,
             mut events,
             reconnect,
             ..
@@ -33,7 +34,7 @@ impl Node {
         let l3_stats = pool.l3_stats();
         pool.stop_l3();
         // Make every acked write durable, then mark the shutdown clean.
-        let clean = flush_l2(&mut poller, &tier, &mut events, &config.poller) && stats.abandoned == 0;
+        let clean = flush_l2(&mut poller, &geometry, &mut events, &config.poller) && stats.abandoned == 0;
         if let Some(link) = &mut link {
             let deadline = MonotonicClock.now_ns() + config.poller.drain_timeout_ms * 1_000_000;
             while !link.is_flushed() && !link.is_closed() && MonotonicClock.now_ns() < deadline {
@@ -63,7 +64,7 @@ impl Node {
         // The transport before the arena: RDMA registrations name its memory.
         drop(transport);
         drop(region);
-        if clean {
+        if clean && let Some(tier) = tier {
             try_to!("recording the clean shutdown", tier.shut_down_clean());
         }
         drop(table);
@@ -78,12 +79,12 @@ impl Node {
 /// poller finished all its work.
 fn flush_l2(
     poller: &mut Poller<UringBackend>,
-    tier: &L2Tier,
+    geometry: &L2Geometry,
     events: &mut [Event],
     p: &self::config::PollerSection,
 ) -> bool {
     let clock = MonotonicClock;
-    for file in 0..tier.geometry().files {
+    for file in 0..geometry.files {
         let flush =
             Request { command: Command::Flush { file }, priority: Priority::WriteBack, deadline_ns: 0, cookie: 0 };
         // Refused only when every op slot is busy, which a drained poller

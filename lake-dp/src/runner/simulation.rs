@@ -20,24 +20,27 @@
 //! again and the control plane's view is empty (no slot leaked, no block
 //! the control plane was not told about).
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
+use std::rc::Rc;
 use std::sync::Arc;
 
-use super::Parts;
 use super::os::Wakeup;
-use super::pool::{POOL_COOKIE, Pool, PoolShape};
+use super::pool::{Pool, PoolShape};
+use super::serve::Pass;
+use super::{Node, RunnerConfig, RunnerOptions, RunnerPorts, RunnerStats};
 use crate::agent::port::{AgentError, AgentPort, AgentRequest, CrcOrigin, port};
-use crate::arena::{Arena, ArenaConfig, SlotTable};
+use crate::arena::Arena;
 use crate::cplink::CpLink;
+use crate::io::Clock;
 use crate::l2::{L2Slots, Readoption};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
 use crate::model::replica::{ObjectKind, Priority, RegionId, ReplicaWire, Tier};
 use crate::op::Event;
-use crate::poller::{L2Geometry, Poller, PollerConfig};
-use crate::region::{SlotClass, SlotRegion};
+use crate::poller::Poller;
 use crate::rng::SimRng;
 use crate::sim::{SimDisk, SimFaults};
 use crate::stored::{ObjectMeta, ReadableObject, Reader, encode_object, object_bytes};
@@ -130,20 +133,116 @@ pub(super) struct Tally {
     pub corrupt_late: u64,
 }
 
-/// One node's block service over the simulated disk. Fields drop in
-/// order: the poller (which writes into the region) before the region
-/// and the arena.
+/// The virtual clock the simulated node's passes read.
+#[derive(Clone, Debug, Default)]
+struct VirtualClock(Rc<Cell<u64>>);
+
+impl Clock for VirtualClock {
+    fn now_ns(&self) -> u64 {
+        self.0.get()
+    }
+}
+
+/// The node's config: the sizes below, and the poller's defaults.
+fn config_text(seed: u64) -> String {
+    format!(
+        "[node]\nid = {NODE}\n\n[l1]\npath = \"/dev/shm/lake-sim-{}-{seed}\"\n\
+         classes = [{{ payload_bytes = {}, slots = {L1_SLOTS} }}]\n\n\
+         [l2]\npaths = [\"/nonexistent/lake-sim.lake\"]\nslots_per_file = {L2_SLOTS}\nslot_bytes = {SLOT_BYTES}\n\n\
+         [poller]\nops_max = {OPS}\nbatch_max = {BUDGET}\n",
+        std::process::id(),
+        SLOT_BYTES - crate::constants::STORED_HEADER_BYTES as u64,
+    )
+}
+
+/// A node as the runner runs it -- the same [`Node`], its passes made by
+/// [`Node::pass`] -- over the simulated disk and a virtual clock, with no
+/// transport, attach socket, L3 or signals: the agents' ports and the
+/// control plane's link are its only ways in.
 struct SimNode {
-    pool: Pool,
-    poller: Poller<SimDisk>,
-    table: SlotTable,
-    l2: L2Slots,
-    link: Option<CpLink>,
-    region: Arc<SlotRegion>,
-    l1_region: u16,
-    events: Vec<Event>,
-    now: u64,
-    _arena: Arena,
+    node: Node<SimDisk, VirtualClock>,
+    config: RunnerConfig,
+    options: RunnerOptions,
+    ports: RunnerPorts,
+    stats: RunnerStats,
+    clock: VirtualClock,
+}
+
+impl SimNode {
+    fn new(
+        seed: u64,
+        faults: SimFaults,
+        agents: Vec<crate::agent::port::DpPort>,
+        link: CpLink,
+        wakeup: Arc<Wakeup>,
+    ) -> Self {
+        let config = RunnerConfig::parse(&config_text(seed)).expect("the simulated node's config");
+        let (arena, table) = Arena::create(&config.arena(EPOCH)).expect("the simulated node's arena");
+        let region = arena.region().expect("its slots");
+        let header = *arena.header();
+        let geometry = config.l2().geometry();
+        let file_bytes = usize::try_from(u64::from(geometry.slots_per_file) * geometry.slot_bytes).expect("small");
+        let disk = SimDisk::new(seed, faults, config.poller.ops_max as usize, 1, file_bytes);
+        let poller = Poller::new(super::open::poller_config(&config, geometry, EPOCH), disk, Arc::clone(&region))
+            .expect("the poller");
+        let shape = PoolShape {
+            node: NODE,
+            epoch: EPOCH,
+            l1_region: header.region,
+            l1_slots: header.slots,
+            geometry,
+            ops: config.poller.ops_max,
+        };
+        let pool = Pool::new(&shape, agents, 0);
+        let clock = VirtualClock::default();
+        let node = Node {
+            attach: None,
+            peers_by_node: Vec::new(),
+            transport: None,
+            extra_fds: vec![-1; super::os::PARK_FDS_MAX],
+            park_fds: Vec::new(),
+            l3_scan: None,
+            pool,
+            l2_slots: L2Slots::from_readoption(geometry, &Readoption::default()),
+            poller,
+            wakeup,
+            link: Some(link),
+            region,
+            table,
+            arena,
+            tier: None,
+            geometry,
+            signals: None,
+            selftest: None,
+            events: vec![Event::placeholder(); config.poller.batch_max as usize],
+            transfers: super::Transfers::new(),
+            reconnect: super::Reconnect::new(),
+            epoch: EPOCH,
+            header,
+            node_id: NODE,
+            clock: clock.clone(),
+            pace: super::serve::Pace::default(),
+        };
+        let (options, ports, stats) = (RunnerOptions::default(), RunnerPorts::default(), RunnerStats::default());
+        Self { node, config, options, ports, stats, clock }
+    }
+
+    /// One pass, as `Node::serve` makes them, then the virtual clock on.
+    fn pass(&mut self) {
+        let now = self.clock.now_ns();
+        let pass = self.node.pass(now, &self.config, &self.options, &self.ports, &mut self.stats);
+        assert_ne!(pass, Pass::Done, "the simulated node is never asked to stop");
+        self.stats.polls += 1;
+        self.clock.0.set(now + PASS_NS);
+    }
+
+    /// The bytes of L1 slot `slot` as they are now.
+    fn slot_bytes(&self, slot: u32) -> &[u8] {
+        // SAFETY: one thread runs the whole simulation, so nothing writes
+        // the slot while this borrow lives (the poller's simulated disk
+        // copies only inside `pass`, which takes `&mut self`).
+        unsafe { self.node.region.slot(slot) }.expect("a slot of the arena")
+    }
 }
 
 fn key_of(n: u64) -> BlockKey {
@@ -154,75 +253,6 @@ fn key_of(n: u64) -> BlockKey {
 
 fn reader() -> Reader {
     Reader { namespace: NAMESPACE, layout_fingerprint: LAYOUT, kind: ObjectKind::KvBlock }
-}
-
-impl SimNode {
-    fn new(seed: u64, faults: SimFaults, agents: Vec<crate::agent::port::DpPort>, link: CpLink) -> Self {
-        let path = std::path::PathBuf::from(format!("/dev/shm/lake-sim-{}-{seed}", std::process::id()));
-        let classes = [SlotClass { slot_bytes: SLOT_BYTES, slots: L1_SLOTS }];
-        let config =
-            ArenaConfig { epoch: EPOCH, agents_max: 4, pins_per_agent: 8, ..ArenaConfig::shm(&path, &classes) };
-        let (arena, table) = Arena::create(&config).expect("the simulated node's arena");
-        let region = arena.region().expect("its slots");
-        let l1_region = arena.header().region;
-        let geometry = L2Geometry { files: 1, slots_per_file: L2_SLOTS, slot_bytes: SLOT_BYTES, region_first: 100 };
-        let disk = SimDisk::new(seed, faults, OPS as usize, 1, (u64::from(L2_SLOTS) * SLOT_BYTES) as usize);
-        let poller_config = PollerConfig {
-            epoch: EPOCH,
-            ops_max: OPS,
-            batch_max: BUDGET,
-            io_retries_max: 2,
-            flush_delay_ns: 20_000,
-            flush_batch: 4,
-            l2: geometry,
-            background_in_flight_max: OPS / 2,
-        };
-        let poller = Poller::new(poller_config, disk, Arc::clone(&region)).expect("the poller");
-        let shape = PoolShape { node: NODE, epoch: EPOCH, l1_region, l1_slots: L1_SLOTS, geometry, ops: OPS };
-        let pool = Pool::new(&shape, agents, 0);
-        let l2 = L2Slots::from_readoption(geometry, &Readoption::default());
-        let events = vec![Event::placeholder(); BUDGET as usize];
-        Self { pool, poller, table, l2, link: Some(link), region, l1_region, events, now: 0, _arena: arena }
-    }
-
-    /// One pass of the runner's loop, as `Node::serve` makes it for a node
-    /// with no transport: the block service, the poller and its
-    /// completions, slots whose pins drained, the link.
-    fn pass(&mut self) {
-        let now = self.now;
-        let mut parts = Parts {
-            poller: &mut self.poller,
-            table: &mut self.table,
-            l2: &mut self.l2,
-            region: &self.region,
-            link: &mut self.link,
-            now_ns: now,
-        };
-        self.pool.serve(&mut parts, now, BUDGET);
-        self.pool.take_sends(now, |_| false);
-        self.pool.end_failed_sends(&mut parts);
-        parts.poller.poll(now, BUDGET);
-        let count = parts.poller.reap(&mut self.events);
-        for event in &self.events[..count] {
-            assert!(event.cookie & POOL_COOKIE != 0, "only the block service submits here: {event:?}");
-            self.pool.finished(event, &mut parts);
-        }
-        if self.table.stats().draining > 0 {
-            self.table.reclaim();
-        }
-        if let Some(link) = &mut self.link {
-            let _ = link.pump();
-        }
-        self.now += PASS_NS;
-    }
-
-    /// The bytes of L1 slot `slot` as they are now.
-    fn slot_bytes(&self, slot: u32) -> &[u8] {
-        // SAFETY: one thread runs the whole simulation, so nothing writes
-        // the slot while this borrow lives (the poller's simulated disk
-        // copies only inside `pass`, which takes `&mut self`).
-        unsafe { self.region.slot(slot) }.expect("a slot of the arena")
-    }
 }
 
 impl SimCp {
@@ -377,7 +407,7 @@ impl World {
         let (agent_ports, dp_ports): (Vec<_>, Vec<_>) =
             (0..AGENTS).map(|_| port(PORT_DEPTH, Arc::clone(&wakeup))).unzip();
         let (link, cp) = link_pair(seed);
-        let node = SimNode::new(seed, faults, dp_ports, link);
+        let node = SimNode::new(seed, faults, dp_ports, link, wakeup);
         let agents =
             agent_ports.into_iter().map(|port| SimAgent { port, next_cookie: 1, asked: BTreeMap::new() }).collect();
         Self {
@@ -515,7 +545,7 @@ impl World {
                     block_index: 0,
                     namespace: NAMESPACE,
                     layout_fingerprint: LAYOUT,
-                    region: RegionId(self.node.l1_region),
+                    region: RegionId(self.node.node.header.region),
                     region_epoch: EPOCH,
                     slot,
                     generation: if damage == Damage::Generation { generation.wrapping_add(1) } else { generation },
@@ -525,7 +555,7 @@ impl World {
                 };
                 // SAFETY: the slot is reserved to this agent: nobody else
                 // writes or reads it until it commits or aborts.
-                let out = unsafe { self.node.region.slot_mut(slot) }.expect("a reserved slot");
+                let out = unsafe { self.node.node.region.slot_mut(slot) }.expect("a reserved slot");
                 encode_object(&meta, payload, out).expect("the object fits its slot");
                 if damage == Damage::Payload {
                     let at = crate::constants::STORED_HEADER_BYTES + self.rng.below(payload.len() as u64) as usize;
@@ -552,7 +582,7 @@ impl World {
                 }
             }
             (Asked::Load { .. }, Ok((slot, generation)))
-                if self.node.table.arena().generation(slot) != Some(generation) =>
+                if self.node.node.table.arena().generation(slot) != Some(generation) =>
             {
                 // Taken as a victim before the agent pinned it: an agent's
                 // pin finds so and asks again.
@@ -577,14 +607,17 @@ impl World {
             let asked = self.agents.iter().any(|a| !a.asked.is_empty());
             if !asked
                 && self.cp.commanded.is_empty()
-                && !self.node.poller.has_work()
-                && self.node.table.stats().draining == 0
+                && !self.node.node.poller.has_work()
+                && self.node.node.table.stats().draining == 0
             {
                 return;
             }
             self.settle();
         }
-        panic!("seed {}: the node did not settle: {:?} commanded, {:?}", self.seed, self.cp.commanded, self.node.pool);
+        panic!(
+            "seed {}: the node did not settle: {:?} commanded, {:?}",
+            self.seed, self.cp.commanded, self.node.node.pool
+        );
     }
 
     /// Evicts everything the control plane holds, and checks that every
@@ -600,13 +633,13 @@ impl World {
         self.quiesce();
         let seed = self.seed;
         assert!(self.cp.replicas.is_empty(), "seed {seed}: replicas outlived their eviction: {:?}", self.cp.replicas);
-        let stats = self.node.table.stats();
-        assert_eq!(stats.free[0], L1_SLOTS, "seed {seed}: L1 slots leaked: {stats:?}, {:?}", self.node.pool);
+        let stats = self.node.node.table.stats();
+        assert_eq!(stats.free[0], L1_SLOTS, "seed {seed}: L1 slots leaked: {stats:?}, {:?}", self.node.node.pool);
         assert_eq!(
-            self.node.l2.free_slots(),
+            self.node.node.l2_slots.free_slots(),
             u64::from(L2_SLOTS),
             "seed {seed}: L2 slots leaked: {:?}",
-            self.node.pool
+            self.node.node.pool
         );
     }
 }
@@ -634,7 +667,7 @@ pub(super) fn run_seed(seed: u64, steps: u32) -> Tally {
         world.step();
     }
     world.empty_and_check();
-    let stats = &world.node.pool.stats;
+    let stats = &world.node.node.pool.stats;
     world.tally.victims = stats.victims_clean + stats.victims_dropped;
     world.tally.corrupt_late = stats.commits_corrupt_late;
     world.tally

@@ -26,14 +26,14 @@ const REMOTE_AGENT: u16 = u16::MAX;
 /// The pool as the transport's [`Landing`]: blocks that peers send to this
 /// node's L1 (P→D, replication) are reserved, landed, checked and
 /// published like commits.
-pub(crate) struct PoolLanding<'p, 'a> {
+pub(crate) struct PoolLanding<'p, 'a, B: IoBackend> {
     /// The pool.
     pub pool: &'p mut Pool,
     /// The runner's parts.
-    pub parts: &'p mut Parts<'a>,
+    pub parts: &'p mut Parts<'a, B>,
 }
 
-impl Landing for PoolLanding<'_, '_> {
+impl<B: IoBackend> Landing for PoolLanding<'_, '_, B> {
     fn place(&mut self, target: &BlockAddr, len: u64) -> Result<*mut u8, AckStatus> {
         self.pool.remote_place(target, len, self.parts)
     }
