@@ -860,6 +860,12 @@ impl L2Slots {
         Ok(())
     }
 
+    /// Whether `slot` is allocated (holds an object, or one is being
+    /// written there).
+    pub fn in_use(&self, slot: crate::op::L2Slot) -> bool {
+        self.index(slot).is_some_and(|index| self.in_use[index])
+    }
+
     /// Bytes of slots holding objects.
     pub fn bytes_in_use(&self) -> u64 {
         self.bytes_in_use

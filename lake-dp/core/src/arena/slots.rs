@@ -440,6 +440,11 @@ impl SlotTable {
         Ok(())
     }
 
+    /// Whether `slot` is held: allocated, and neither retired nor free.
+    pub fn is_held(&self, slot: u32) -> bool {
+        self.state.get(slot as usize) == Some(&SlotState::Held)
+    }
+
     /// Whether a slot retired with [`SlotTable::retire_kept`] is unpinned
     /// now (after a [`SlotTable::reclaim`]).
     pub fn is_drained(&self, slot: u32) -> bool {

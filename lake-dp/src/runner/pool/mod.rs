@@ -30,6 +30,8 @@
 //! are sized at start; nothing here allocates once the runner is sealed.
 
 mod compact;
+#[cfg(test)]
+mod invariants;
 mod l3;
 mod remote;
 mod verify;
@@ -55,7 +57,7 @@ use crate::poller::{L2Geometry, Poller};
 use crate::region::SlotRegion;
 use crate::runner::Parts;
 use crate::runner::os::Wakeup;
-use crate::stored::{ObjectMeta, StoredError, decode_header, object_bytes};
+use crate::stored::{ObjectMeta, Seal, StoredError, decode_header, object_bytes};
 use crate::wire::message::{
     BlockEvicted, BlockRecord, DrainRegion, ErrorCode, EvictReason, SLOT_ANY, Transfer, TransferDone,
 };
@@ -695,6 +697,7 @@ impl Pool {
 
     fn take_op(&mut self, purpose: Purpose) -> Option<u64> {
         let index = self.free_ops.pop()?;
+        assert!(self.ops[index as usize].is_none(), "operation {index} taken while in flight");
         self.ops[index as usize] = Some(purpose);
         Some(POOL_COOKIE | u64::from(index))
     }
@@ -832,27 +835,21 @@ impl Pool {
             }
             // Drained: nobody reads the slot, and it is freed after the
             // write, so its payload is sealed where it lies.
-            if write.seal.is_none()
-                && let Some(key) = self.keys.get(write.meta.namespace)
-            {
+            if write.seal.is_none() {
                 // SAFETY: the slot drained (no pins) and is Busy: this
                 // thread alone touches it until the write's end frees it.
                 let bytes = unsafe { parts.region.slot_mut(slot) };
-                let payload_len = usize::try_from(write.meta.payload_len).unwrap_or(usize::MAX);
-                let payload =
-                    bytes.and_then(|b| b.get_mut(STORED_HEADER_BYTES..).and_then(|p| p.get_mut(..payload_len)));
-                match payload.map(|p| crate::auth::at_rest::seal(key, &write.meta, p)) {
-                    Some(Ok(seal)) => {
+                match self.seal_in_place(&write.meta, bytes) {
+                    Ok(None) => {}
+                    Ok(Some(seal)) => {
                         write.seal = Some(seal);
-                        self.stats.sealed += 1;
                         if let Some(Some(Purpose::Demote { write: kept, .. })) =
                             self.ops.get_mut((cookie & !POOL_COOKIE) as usize)
                         {
                             kept.seal = Some(seal);
                         }
                     }
-                    // No random salt, or no slot: not written in the clear.
-                    _ => {
+                    Err(_) => {
                         self.draining.swap_remove(at);
                         self.seal_failed(cookie, parts);
                         continue;
@@ -871,12 +868,28 @@ impl Pool {
         started
     }
 
+    /// Seals, in place, the payload of the stored object in `object`
+    /// (header first) with its tenant's data key: `None` where the tenant
+    /// has none; `Unauthorized` where it cannot be sealed (no random salt,
+    /// or no slot), and then it is not written at all: never in the clear.
+    fn seal_in_place(&mut self, meta: &ObjectMeta, object: Option<&mut [u8]>) -> Result<Option<Seal>, ErrorCode> {
+        let Some(key) = self.keys.get(meta.namespace) else { return Ok(None) };
+        let payload_len = usize::try_from(meta.payload_len).unwrap_or(usize::MAX);
+        let payload = object.and_then(|b| b.get_mut(STORED_HEADER_BYTES..)).and_then(|p| p.get_mut(..payload_len));
+        let sealed = payload.map(|p| crate::auth::at_rest::seal(key, meta, p));
+        let seal = sealed.and_then(Result::ok).ok_or(ErrorCode::Unauthorized)?;
+        self.stats.sealed += 1;
+        Ok(Some(seal))
+    }
+
     fn answer(&mut self, agent: u16, cookie: u64, result: Result<(u32, u32), AgentError>) {
         let took_us = self.traced_answer(agent, cookie, result);
         let place = usize::from(agent);
         let Some(Some(port)) = self.agents.get_mut(place) else { return };
-        self.outstanding[place] = self.outstanding[place].saturating_sub(1);
+        assert!(self.outstanding[place] > 0, "agent {agent} answered for {cookie} with nothing owed");
+        self.outstanding[place] -= 1;
         // Room was checked before the request was taken.
+        assert!(port.free() > 0, "agent {agent}'s completion ring is full: an answer was not counted as owed");
         port.push(AgentCompletion { cookie, result, took_us });
     }
 
@@ -1190,114 +1203,6 @@ impl Pool {
         taken
     }
 
-    /// The background commit check: reads up to [`VERIFY_BYTES_PER_PASS`]
-    /// of the oldest unchecked commits' payloads (at least one segment); a
-    /// block that fails is evicted as corrupt and reported. Returns the
-    /// segments read (work done, so the runner does not park meanwhile).
-    fn verify_backlog<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>) -> u32 {
-        if self.verifier.is_some() {
-            return self.verify_on_thread(parts);
-        }
-        let mut read = 0u64;
-        let mut segments = 0;
-        while read < VERIFY_BYTES_PER_PASS {
-            let Some(&Unverified { slot, generation, next_segment }) = self.unverified.front() else { break };
-            // Evicted, demoted or freed since: nothing left to check.
-            if !self.still_committed(slot, generation, parts.table) {
-                self.unverified.pop_front();
-                continue;
-            }
-            // SAFETY: a ready slot is not written again until it is
-            // retired, which this thread alone does.
-            let Some(bytes) = (unsafe { parts.region.slot(slot) }) else {
-                self.unverified.pop_front();
-                continue;
-            };
-            let Ok(decoded) = decode_header(bytes) else {
-                // Its header was checked at commit: the slot changed under
-                // us, which only a broken agent does. Treat it as corrupt.
-                self.unverified.pop_front();
-                self.evict_corrupt(slot, generation, None, parts);
-                continue;
-            };
-            let meta = *decoded.meta();
-            let Some((offset, len)) = meta.segment_range(next_segment) else {
-                self.unverified.pop_front();
-                self.stats.commits_verified += 1;
-                continue;
-            };
-            let start = STORED_HEADER_BYTES as u64 + offset;
-            let segment = usize::try_from(start)
-                .ok()
-                .zip(usize::try_from(start + len).ok())
-                .and_then(|(from, to)| bytes.get(from..to));
-            segments += 1;
-            read += len;
-            match segment.map(|s| decoded.verify_segment(next_segment, s)) {
-                Some(Ok(())) => {
-                    if let Some(front) = self.unverified.front_mut() {
-                        front.next_segment += 1;
-                    }
-                }
-                _ => {
-                    self.unverified.pop_front();
-                    self.evict_corrupt(slot, generation, Some(meta.key), parts);
-                }
-            }
-        }
-        segments
-    }
-
-    /// The background check by its thread: its verdicts taken (a block
-    /// found corrupt evicted, if it is still the one committed), the
-    /// oldest commits handed over while it has room. Returns the items
-    /// moved.
-    fn verify_on_thread<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>) -> u32 {
-        let mut done = 0;
-        while let Some(verify::Verdict { job, outcome }) = self.verifier.as_mut().and_then(verify::Verifier::verdict) {
-            done += 1;
-            match outcome {
-                verify::Outcome::Sound => self.stats.commits_verified += 1,
-                // Still the block the thread read: it goes.
-                verify::Outcome::Corrupt(key) if self.still_committed(job.slot, job.generation, parts.table) => {
-                    self.evict_corrupt(job.slot, job.generation, key, parts);
-                }
-                verify::Outcome::Corrupt(_) | verify::Outcome::Gone => {}
-            }
-        }
-        while let Some(&Unverified { slot, generation, .. }) = self.unverified.front()
-            && self.verifier.as_mut().is_some_and(|verifier| verifier.offer(verify::Job { slot, generation }))
-        {
-            self.unverified.pop_front();
-            done += 1;
-        }
-        done
-    }
-
-    /// Whether L1 `slot` still holds the block committed at `generation`
-    /// (not evicted, demoted or freed since).
-    fn still_committed(&self, slot: u32, generation: u32, table: &SlotTable) -> bool {
-        self.l1.get(slot as usize) == Some(&L1State::Ready) && table.arena().generation(slot) == Some(generation)
-    }
-
-    /// A published L1 block failed the background check: freed (once no
-    /// reader pins it) and reported evicted as corrupt.
-    fn evict_corrupt<B: IoBackend>(
-        &mut self,
-        slot: u32,
-        generation: u32,
-        key: Option<BlockKey>,
-        parts: &mut Parts<'_, B>,
-    ) {
-        self.stats.commits_corrupt_late += 1;
-        self.release_l1(slot, parts.table);
-        self.stats.evictions += 1;
-        if let (Some(cp), Some(key)) = (parts.link.as_mut(), key) {
-            let replica = self.l1_replica(slot, generation);
-            cp.evicted(&BlockEvicted { replica, key, reason: EvictReason::Corrupt as u8, reserved: [0; 7] });
-        }
-    }
-
     /// A copy of an L1 block to another node's L1 (replication, or a
     /// node's write-back elsewhere): the slot is held (no eviction or
     /// demotion while it is read) and the send handed to the runner's
@@ -1336,6 +1241,7 @@ impl Pool {
 
     fn release_l1(&mut self, slot: u32, table: &mut SlotTable) {
         if let Some(state) = self.l1.get_mut(slot as usize) {
+            assert!(*state != L1State::Free, "L1 slot {slot} released twice");
             if matches!(state, L1State::Reserved { .. }) {
                 self.reserved = self.reserved.saturating_sub(1);
             }
@@ -1799,6 +1705,8 @@ impl Pool {
             let _ = parts.l2.release(grant.slot);
             return Err(ErrorCode::NoSpace);
         };
+        // Written to L2 from here; freed when the write ends.
+        self.l1[stage.slot as usize] = L1State::Busy;
         // Both slots go back where the write cannot start.
         let undo = |pool: &mut Self, parts: &mut Parts<'_, B>, code| {
             pool.release_l1(stage.slot, parts.table);
@@ -1816,19 +1724,10 @@ impl Pool {
         meta.region_epoch = self.epoch;
         meta.slot = grant.slot.slot;
         meta.generation = grant.generation;
-        let mut seal = None;
-        if let Some(key) = self.keys.get(meta.namespace) {
-            let payload_len = usize::try_from(meta.payload_len).unwrap_or(usize::MAX);
-            let payload = staged.get_mut(STORED_HEADER_BYTES..).and_then(|p| p.get_mut(..payload_len));
-            match payload.map(|p| crate::auth::at_rest::seal(key, &meta, p)) {
-                Some(Ok(sealed)) => {
-                    seal = Some(sealed);
-                    self.stats.sealed += 1;
-                }
-                // Never written in the clear.
-                _ => return undo(self, parts, ErrorCode::Unauthorized),
-            }
-        }
+        let seal = match self.seal_in_place(&meta, Some(staged)) {
+            Ok(seal) => seal,
+            Err(code) => return undo(self, parts, code),
+        };
         let write = WriteBlock { l1_slot: stage.slot, target: grant.slot, meta, durability: Durability::Acked, seal };
         let Some(cookie) = self.take_op(Purpose::WriteBack { request, stage: stage.slot }) else {
             return undo(self, parts, ErrorCode::QueueFull);

@@ -14,10 +14,15 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
-use crate::arena::{Arena, ArenaError, PinArray};
+use super::{L1State, Unverified, VERIFY_BYTES_PER_PASS};
+use crate::arena::{Arena, ArenaError, PinArray, SlotTable};
+use crate::constants::STORED_HEADER_BYTES;
+use crate::io::IoBackend;
 use crate::model::key::BlockKey;
+use crate::runner::Parts;
 use crate::runner::os::Wakeup;
 use crate::stored::decode_header;
+use crate::wire::message::{BlockEvicted, EvictReason};
 
 /// A committed block to read: its L1 slot and the generation committed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,4 +147,116 @@ fn check(pins: &mut PinArray, job: Job) -> Outcome {
     };
     pins.unpin(pin);
     outcome
+}
+
+/// The poller's side of the check: commits handed to the thread and its
+/// verdicts taken back, or (without the thread) a share read each pass.
+impl super::Pool {
+    /// The background commit check: reads up to [`VERIFY_BYTES_PER_PASS`]
+    /// of the oldest unchecked commits' payloads (at least one segment); a
+    /// block that fails is evicted as corrupt and reported. Returns the
+    /// segments read (work done, so the runner does not park meanwhile).
+    pub(super) fn verify_backlog<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>) -> u32 {
+        if self.verifier.is_some() {
+            return self.verify_on_thread(parts);
+        }
+        let mut read = 0u64;
+        let mut segments = 0;
+        while read < VERIFY_BYTES_PER_PASS {
+            let Some(&Unverified { slot, generation, next_segment }) = self.unverified.front() else { break };
+            // Evicted, demoted or freed since: nothing left to check.
+            if !self.still_committed(slot, generation, parts.table) {
+                self.unverified.pop_front();
+                continue;
+            }
+            // SAFETY: a ready slot is not written again until it is
+            // retired, which this thread alone does.
+            let Some(bytes) = (unsafe { parts.region.slot(slot) }) else {
+                self.unverified.pop_front();
+                continue;
+            };
+            let Ok(decoded) = decode_header(bytes) else {
+                // Its header was checked at commit: the slot changed under
+                // us, which only a broken agent does. Treat it as corrupt.
+                self.unverified.pop_front();
+                self.evict_corrupt(slot, generation, None, parts);
+                continue;
+            };
+            let meta = *decoded.meta();
+            let Some((offset, len)) = meta.segment_range(next_segment) else {
+                self.unverified.pop_front();
+                self.stats.commits_verified += 1;
+                continue;
+            };
+            let start = STORED_HEADER_BYTES as u64 + offset;
+            let segment = usize::try_from(start)
+                .ok()
+                .zip(usize::try_from(start + len).ok())
+                .and_then(|(from, to)| bytes.get(from..to));
+            segments += 1;
+            read += len;
+            match segment.map(|s| decoded.verify_segment(next_segment, s)) {
+                Some(Ok(())) => {
+                    if let Some(front) = self.unverified.front_mut() {
+                        front.next_segment += 1;
+                    }
+                }
+                _ => {
+                    self.unverified.pop_front();
+                    self.evict_corrupt(slot, generation, Some(meta.key), parts);
+                }
+            }
+        }
+        segments
+    }
+
+    /// The background check by its thread: its verdicts taken (a block
+    /// found corrupt evicted, if it is still the one committed), the
+    /// oldest commits handed over while it has room. Returns the items
+    /// moved.
+    fn verify_on_thread<B: IoBackend>(&mut self, parts: &mut Parts<'_, B>) -> u32 {
+        let mut done = 0;
+        while let Some(Verdict { job, outcome }) = self.verifier.as_mut().and_then(Verifier::verdict) {
+            done += 1;
+            match outcome {
+                Outcome::Sound => self.stats.commits_verified += 1,
+                // Still the block the thread read: it goes.
+                Outcome::Corrupt(key) if self.still_committed(job.slot, job.generation, parts.table) => {
+                    self.evict_corrupt(job.slot, job.generation, key, parts);
+                }
+                Outcome::Corrupt(_) | Outcome::Gone => {}
+            }
+        }
+        while let Some(&Unverified { slot, generation, .. }) = self.unverified.front()
+            && self.verifier.as_mut().is_some_and(|verifier| verifier.offer(Job { slot, generation }))
+        {
+            self.unverified.pop_front();
+            done += 1;
+        }
+        done
+    }
+
+    /// Whether L1 `slot` still holds the block committed at `generation`
+    /// (not evicted, demoted or freed since).
+    fn still_committed(&self, slot: u32, generation: u32, table: &SlotTable) -> bool {
+        self.l1.get(slot as usize) == Some(&L1State::Ready) && table.arena().generation(slot) == Some(generation)
+    }
+
+    /// A published L1 block failed the background check: freed (once no
+    /// reader pins it) and reported evicted as corrupt.
+    pub(super) fn evict_corrupt<B: IoBackend>(
+        &mut self,
+        slot: u32,
+        generation: u32,
+        key: Option<BlockKey>,
+        parts: &mut Parts<'_, B>,
+    ) {
+        self.stats.commits_corrupt_late += 1;
+        self.release_l1(slot, parts.table);
+        self.stats.evictions += 1;
+        if let (Some(cp), Some(key)) = (parts.link.as_mut(), key) {
+            let replica = self.l1_replica(slot, generation);
+            cp.evicted(&BlockEvicted { replica, key, reason: EvictReason::Corrupt as u8, reserved: [0; 7] });
+        }
+    }
 }
