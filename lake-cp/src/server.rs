@@ -547,10 +547,7 @@ impl Server {
                 continue;
             };
             let version = peer.session.version().unwrap_or(HELLO_WIRE_VERSION);
-            let message = match command.action {
-                TierAction::Move(transfer) => Message::MoveBlock(transfer),
-                TierAction::Copy(transfer) => Message::CopyBlock(transfer),
-                TierAction::Evict(evict) => Message::EvictBlock(evict),
+            match command.action {
                 // A data plane built before drains would close the link
                 // on the kind: it is told nothing, and the drain fails.
                 TierAction::Drain(_) if !peer.session.takes(lake_dp::wire::FEATURE_DRAIN) => {
@@ -558,10 +555,6 @@ impl Server {
                     self.node.tiers.unrouted(command.request);
                     continue;
                 }
-                TierAction::Drain(drain) => Message::DrainRegion(drain),
-                // Kind 10, in wire v1 from the start: a data plane built
-                // before it took copies back ignores it.
-                TierAction::Cancel => Message::Cancel(lake_dp::wire::message::Cancel { request_id: command.request }),
                 // Only a data plane that offered marks is sent any (the
                 // manager marks only its regions).
                 TierAction::Mark(_) | TierAction::Unmark(_)
@@ -569,11 +562,12 @@ impl Server {
                 {
                     continue;
                 }
-                TierAction::Mark(victim) => Message::MarkEvictable(victim),
-                TierAction::Unmark(victim) => Message::UnmarkEvictable(victim),
                 TierAction::VictimsLeft(_) if !peer.session.takes(lake_dp::wire::FEATURE_VICTIMS_LEFT) => continue,
-                TierAction::VictimsLeft(left) => Message::VictimsLeft(left),
-            };
+                // A `Cancel` is kind 10, in wire v1 from the start: a data
+                // plane built before it took copies back ignores it.
+                _ => {}
+            }
+            let message = command.action.message(command.request);
             let meta = FrameMeta { version, flags: 0, request_id: command.request, leader_term: self.term };
             let start = peer.output.len();
             peer.output.resize(start + 256, 0);
@@ -907,5 +901,23 @@ fn error_body(code: ErrorCode, request: u64, detail: &str) -> ErrorBody {
         reserved: 0,
         failed_request: request,
         detail: text_field("error.detail", &detail[..end]).unwrap_or([0; 48]),
+    }
+}
+
+impl TierAction {
+    /// The frame that asks it of a data plane, under `request` (the
+    /// command's id, which a `Cancel` names).
+    pub fn message(self, request: u64) -> lake_dp::wire::Message<'static> {
+        use lake_dp::wire::Message;
+        match self {
+            Self::Move(transfer) => Message::MoveBlock(transfer),
+            Self::Copy(transfer) => Message::CopyBlock(transfer),
+            Self::Evict(evict) => Message::EvictBlock(evict),
+            Self::Drain(drain) => Message::DrainRegion(drain),
+            Self::Cancel => Message::Cancel(lake_dp::wire::message::Cancel { request_id: request }),
+            Self::Mark(victim) => Message::MarkEvictable(victim),
+            Self::Unmark(victim) => Message::UnmarkEvictable(victim),
+            Self::VictimsLeft(left) => Message::VictimsLeft(left),
+        }
     }
 }

@@ -262,8 +262,7 @@ impl CpLink {
     }
 
     /// The link over `stream`, whose hellos are done (`ack` agreed): the
-    /// simulator's link, whose control-plane end the test holds.
-    #[cfg(test)]
+    /// simulator's link, whose control-plane end the simulation holds.
     pub(crate) fn over(stream: UnixStream, ack: HelloAck) -> Result<Self, CpLinkError> {
         let input = vec![0u8; crate::constants::WIRE_FRAME_BYTES_MAX.min(1 << 20)];
         Self::established(stream, ack, input, 0)

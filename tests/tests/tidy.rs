@@ -28,7 +28,7 @@ const FN_LINES_GOAL: usize = 70;
 const LONGEST_FN_LINES: usize = 443;
 
 /// Functions outside tests longer than [`FN_LINES_GOAL`]: a ratchet.
-const FNS_OVER_GOAL: usize = 75;
+const FNS_OVER_GOAL: usize = 74;
 
 /// Lines a source file may have, unless listed in [`LONG_FILES`].
 const FILE_LINES_MAX: usize = 1000;
@@ -37,7 +37,6 @@ const FILE_LINES_MAX: usize = 1000;
 const LONG_FILES: &[(&str, usize)] = &[
     ("lake-dp/src/agent/client.rs", 1669),
     ("lake-dp/src/poller.rs", 1306),
-    ("lake-dp/src/runner/mod.rs", 1014),
     ("lake-dp/src/runner/pool/mod.rs", 2110),
     ("lake-dp/src/transport/rdma/pull.rs", 1107),
     ("lake-dp/src/transport/tcp.rs", 2727),

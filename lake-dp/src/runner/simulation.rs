@@ -8,9 +8,11 @@
 //!   saves (reserve, write the object, commit — some with a payload that
 //!   does not match its CRCs) and loads from L2;
 //! - **the control plane**: the far end of a real [`CpLink`] over a
-//!   socket pair; the test reads the data plane's reports from it (every
-//!   block committed or evicted) to keep the view a control plane keeps,
-//!   and sends tier commands (demote, evict) chosen from that view.
+//!   socket pair. The simulation reads the data plane's reports from it
+//!   (every block committed or evicted) to keep the view a control plane
+//!   keeps; tier commands come from a [`Control`] — random ones chosen
+//!   from that view, or, in `lake-cp`'s tests, the real tier manager
+//!   (`lake_cp::node::Node`) fed every frame.
 //!
 //! One seeded PRNG chooses every step, so a failing seed replays. What
 //! must hold, every seed: a load answered `Ok`, or a block read in L1
@@ -55,6 +57,8 @@ const L1_SLOTS: u32 = 24;
 const L2_SLOTS: u32 = 40;
 const SLOT_BYTES: u64 = 16 * 1024;
 const SEGMENT_BYTES: u64 = 4096;
+/// Payload bytes a save writes at most: three segments.
+const PAYLOAD_MAX: usize = 3 * 4096;
 const AGENTS: usize = 2;
 const PORT_DEPTH: usize = 16;
 const OPS: u32 = 32;
@@ -63,6 +67,8 @@ const BUDGET: u32 = 16;
 const PASS_NS: u64 = 10_000;
 const NAMESPACE: NamespaceId = NamespaceId(5);
 const LAYOUT: u64 = 0x1a7e;
+/// Request ids of the simulation's own commands: apart from a control's.
+const RANDOM_REQUESTS: u64 = 1 << 60;
 /// Evicted replicas the control plane remembers, to name stale ones.
 const GONE_MAX: usize = 64;
 
@@ -97,6 +103,8 @@ enum Commanded {
     WriteBack,
     Promote,
     Evict,
+    /// The [`Control`]'s.
+    Control,
 }
 
 /// The control plane's end of the link, and its view of the node.
@@ -121,20 +129,63 @@ struct SimCp {
 
 /// Counts a seed's run reached, so a test can see the run did something.
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Tally {
+pub struct Tally {
+    /// Saves committed.
     pub saves: u64,
+    /// Damaged saves refused at commit.
     pub refused_damaged: u64,
+    /// Loads answered `Ok`, their bytes checked.
     pub loads_ok: u64,
+    /// Loads refused, failed, or taken before their pin.
     pub loads_failed: u64,
+    /// L1 blocks read as hits, their bytes checked.
     pub hits_checked: u64,
+    /// The simulation's demotions that ended well.
     pub demotions: u64,
+    /// The simulation's evictions that ended well.
     pub evictions: u64,
+    /// The simulation's write-backs that ended well.
     pub write_backs: u64,
+    /// The simulation's promotions (L2 to L1) that ended well.
     pub cp_promotions: u64,
+    /// The control's commands that ended well.
+    pub controlled: u64,
     /// Marked blocks a save or a load took.
     pub victims: u64,
     /// Published commits the check found damaged afterwards.
     pub corrupt_late: u64,
+}
+
+impl Tally {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &Tally) {
+        let Tally {
+            saves,
+            refused_damaged,
+            loads_ok,
+            loads_failed,
+            hits_checked,
+            demotions,
+            evictions,
+            write_backs,
+            cp_promotions,
+            controlled,
+            victims,
+            corrupt_late,
+        } = *other;
+        self.saves += saves;
+        self.refused_damaged += refused_damaged;
+        self.loads_ok += loads_ok;
+        self.loads_failed += loads_failed;
+        self.hits_checked += hits_checked;
+        self.demotions += demotions;
+        self.evictions += evictions;
+        self.write_backs += write_backs;
+        self.cp_promotions += cp_promotions;
+        self.controlled += controlled;
+        self.victims += victims;
+        self.corrupt_late += corrupt_late;
+    }
 }
 
 /// The virtual clock the simulated node's passes read.
@@ -198,6 +249,8 @@ impl SimNode {
             ops: config.poller.ops_max,
         };
         let pool = Pool::new(&shape, agents, 0);
+        let mut link = link;
+        super::register_regions(&mut link, &config, &geometry, EPOCH, &header);
         let clock = VirtualClock::default();
         let node = Node {
             attach: None,
@@ -264,12 +317,20 @@ impl SimCp {
     fn command(&mut self, message: &Message<'_>, what: Commanded) {
         let request = self.next_request;
         self.next_request += 1;
+        self.send(request, message, Some(what));
+    }
+
+    /// Sends `message` under `request`; `what`: an answer is owed.
+    fn send(&mut self, request: u64, message: &Message<'_>, what: Option<Commanded>) {
         let meta = FrameMeta { version: self.version, flags: 0, request_id: request, leader_term: 0 };
         let mut frame = [0u8; 512];
         let len = encode_frame(meta, message, &mut frame).expect("a command frame");
         self.end.write_all(&frame[..len]).expect("the link's socket takes a command");
         self.log.push(format!("cp -> dp {request}: {message:?}"));
-        self.commanded.insert(request, what);
+        if let Some(what) = what {
+            let old = self.commanded.insert(request, what);
+            assert!(old.is_none(), "seed {}: request {request} sent twice", self.seed);
+        }
     }
 
     /// Marks an L1 replica evictable (not answered).
@@ -281,8 +342,9 @@ impl SimCp {
         self.log.push(format!("cp -> dp: mark {marked:?}"));
     }
 
-    /// Reads what the data plane reported, keeping the view.
-    fn read(&mut self, tally: &mut Tally) {
+    /// Reads what the data plane reported, keeping the view, and hands
+    /// every frame to `control`.
+    fn read(&mut self, tally: &mut Tally, control: &mut dyn Control) {
         loop {
             match self.end.read(&mut self.input[self.have..]) {
                 Ok(0) => panic!("the data plane closed the link"),
@@ -303,6 +365,7 @@ impl SimCp {
             {
                 self.log.push(format!("dp -> cp {}: {:?}", frame.header.request_id, frame.message));
             }
+            control.received(frame.header.request_id, &frame.message);
             match frame.message {
                 Message::BlockCommitted(block) => {
                     let r = block.replica;
@@ -335,6 +398,7 @@ impl SimCp {
                             Some(Commanded::Demote) => tally.demotions += 1,
                             Some(Commanded::WriteBack) => tally.write_backs += 1,
                             Some(Commanded::Promote) => tally.cp_promotions += 1,
+                            Some(Commanded::Control) => tally.controlled += 1,
                             _ => tally.evictions += 1,
                         }
                     }
@@ -358,7 +422,7 @@ impl SimCp {
         if of_tier.is_empty() {
             return None;
         }
-        Some(*of_tier[rng.below(of_tier.len() as u64) as usize])
+        Some(*of_tier[index_below(rng, of_tier.len())])
     }
 }
 
@@ -379,7 +443,7 @@ fn link_pair(seed: u64) -> (CpLink, SimCp) {
         have: 0,
         limits,
         version: ack.version,
-        next_request: 1,
+        next_request: RANDOM_REQUESTS,
         replicas: BTreeMap::new(),
         commanded: BTreeMap::new(),
         gone: Vec::with_capacity(GONE_MAX),
@@ -389,16 +453,53 @@ fn link_pair(seed: u64) -> (CpLink, SimCp) {
     (link, cp)
 }
 
+/// A number below `bound` (a length or a count).
+fn index_below(rng: &mut SimRng, bound: usize) -> usize {
+    usize::try_from(rng.below(bound as u64)).unwrap_or(0)
+}
+
 /// The payload saved under block number `n`.
 fn payload_of(n: u64, rng_seed: u64) -> Vec<u8> {
     let mut rng = SimRng::new(rng_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    let len = 1 + rng.below(3 * SEGMENT_BYTES) as usize;
-    (0..len).map(|_| rng.below(256) as u8).collect()
+    let len = 1 + index_below(&mut rng, PAYLOAD_MAX);
+    (0..len).map(|_| rng.next_u64().to_le_bytes()[0]).collect()
 }
 
-struct World {
+/// What plays the control plane beside the simulation's own view: it
+/// sees every frame the node sends, in order, and may send commands
+/// after each pass.
+pub trait Control {
+    /// A frame the node sent: a report, or an answer to a command
+    /// (`request` echoes it).
+    fn received(&mut self, request: u64, message: &Message<'_>);
+    /// Commands to send now, each under its request id (ids at or above
+    /// `1 << 60` are the simulation's own): tier moves and copies,
+    /// evictions, drains, marks.
+    fn commands(&mut self, now_ns: u64, out: &mut Vec<(u64, Message<'static>)>);
+}
+
+/// No control: the simulation's random commands alone.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoControl;
+
+impl Control for NoControl {
+    fn received(&mut self, _request: u64, _message: &Message<'_>) {}
+    fn commands(&mut self, _now_ns: u64, _out: &mut Vec<(u64, Message<'static>)>) {}
+}
+
+/// A seeded run of one node: its agents' saves and loads, the control's
+/// commands (and, where asked, random ones), every step chosen by one
+/// PRNG, every property in the module's comment checked as it goes and
+/// at [`Simulation::finish`].
+pub struct Simulation<C: Control> {
     node: SimNode,
     cp: SimCp,
+    control: C,
+    /// Whether the simulation sends random tier commands of its own.
+    random_commands: bool,
+    /// Whether the control still sends commands (not once the run ends).
+    controlling: bool,
+    commands: Vec<(u64, Message<'static>)>,
     agents: Vec<SimAgent>,
     /// The bytes saved under each key.
     saved: BTreeMap<BlockKey, Vec<u8>>,
@@ -408,8 +509,17 @@ struct World {
     tally: Tally,
 }
 
-impl World {
-    fn new(seed: u64, faults: SimFaults) -> Self {
+impl<C: Control> core::fmt::Debug for Simulation<C> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Simulation").field("seed", &self.seed).field("tally", &self.tally).finish_non_exhaustive()
+    }
+}
+
+impl<C: Control> Simulation<C> {
+    /// A node for `seed` (faults as [`faults_for`] gives them), commanded
+    /// by `control` and, with `random_commands`, by the simulation too.
+    pub fn new(seed: u64, control: C, random_commands: bool) -> Self {
+        let faults = faults_for(seed);
         let wakeup = Arc::new(Wakeup::new().expect("an eventfd"));
         let (agent_ports, dp_ports): (Vec<_>, Vec<_>) =
             (0..AGENTS).map(|_| port(PORT_DEPTH, Arc::clone(&wakeup))).unzip();
@@ -420,6 +530,10 @@ impl World {
         Self {
             node,
             cp,
+            control,
+            random_commands,
+            controlling: true,
+            commands: Vec::new(),
             agents,
             saved: BTreeMap::new(),
             next_block: 0,
@@ -439,11 +553,12 @@ impl World {
 
     /// One step the PRNG chose, then a pass, then everything answered.
     fn step(&mut self) {
-        let agent = self.rng.below(AGENTS as u64) as usize;
+        let agent = index_below(&mut self.rng, AGENTS);
         let room = self.agents[agent].asked.len() < PORT_DEPTH / 2;
+        let commanding = self.random_commands;
         match self.rng.below(100) {
             0..35 if room => self.save(agent),
-            35..55 => {
+            35..55 if commanding => {
                 // Demoted (moved), written back (copied) or, from L2,
                 // promoted by the control plane.
                 let (from, to, what) = match self.rng.below(8) {
@@ -457,7 +572,7 @@ impl World {
                     self.transfer(replica, target, key, what);
                 }
             }
-            55..60 => {
+            55..60 if commanding => {
                 // A victim the control plane offers: a save or a load that
                 // finds L1 full may take it.
                 if let Some((replica, key)) = self.cp.pick(&mut self.rng, Tier::L1Dram) {
@@ -465,7 +580,7 @@ impl World {
                     self.cp.mark(&marked);
                 }
             }
-            60..66 => {
+            60..66 if commanding => {
                 let tier = if self.rng.below(2) == 0 { Tier::L1Dram } else { Tier::L2Nvme };
                 if let Some((replica, key)) = self.cp.pick(&mut self.rng, tier) {
                     let evicted = BlockEvicted { replica, key, reason: EvictReason::Capacity as u8, reserved: [0; 7] };
@@ -543,7 +658,17 @@ impl World {
     /// A pass, then the control plane's reports and the agents' answers.
     fn settle(&mut self) {
         self.node.pass();
-        self.cp.read(&mut self.tally);
+        self.cp.read(&mut self.tally, &mut self.control);
+        if self.controlling {
+            self.control.commands(self.node.clock.now_ns(), &mut self.commands);
+        }
+        for (request, message) in std::mem::take(&mut self.commands) {
+            let answered = matches!(
+                message,
+                Message::MoveBlock(_) | Message::CopyBlock(_) | Message::EvictBlock(_) | Message::DrainRegion(_)
+            );
+            self.cp.send(request, &message, answered.then_some(Commanded::Control));
+        }
         for agent in 0..AGENTS {
             while let Some(done) = self.agents[agent].port.complete() {
                 let asked = self.agents[agent].asked.remove(&done.cookie).expect("an answer to a request");
@@ -577,7 +702,7 @@ impl World {
                 let out = unsafe { self.node.node.region.slot_mut(slot) }.expect("a reserved slot");
                 encode_object(&meta, payload, out).expect("the object fits its slot");
                 if damage == Damage::Payload {
-                    let at = crate::constants::STORED_HEADER_BYTES + self.rng.below(payload.len() as u64) as usize;
+                    let at = crate::constants::STORED_HEADER_BYTES + index_below(&mut self.rng, payload.len());
                     out[at] ^= 0x40;
                 }
                 let commit = |cookie| AgentRequest::Commit { cookie, slot, generation, crcs };
@@ -639,6 +764,34 @@ impl World {
         );
     }
 
+    /// Runs `steps` steps.
+    pub fn run(&mut self, steps: u32) {
+        for _ in 0..steps {
+            self.step();
+        }
+    }
+
+    /// The control.
+    pub fn control(&self) -> &C {
+        &self.control
+    }
+
+    /// Ends the run: everything asked is answered (the control's commands
+    /// too), then the control stops, everything the view holds is
+    /// evicted, and every L1 and L2 slot must be free again. What the run
+    /// did, and the control.
+    pub fn finish(mut self) -> (Tally, C) {
+        // What the control still has to do for what happened (a duplicate
+        // to evict, say) is done before it stops.
+        self.quiesce();
+        self.controlling = false;
+        self.empty_and_check();
+        let stats = &self.node.node.pool.stats;
+        self.tally.victims = stats.victims_clean + stats.victims_dropped;
+        self.tally.corrupt_late = stats.commits_corrupt_late;
+        (self.tally, self.control)
+    }
+
     /// Evicts everything the control plane holds, and checks that every
     /// slot came back.
     fn empty_and_check(&mut self) {
@@ -665,7 +818,7 @@ impl World {
 
 /// Faults for `seed`: every fourth seed a plain disk, the rest with the
 /// disk's errors, short transfers, stale duplicates and reordering.
-fn faults_for(seed: u64) -> SimFaults {
+pub fn faults_for(seed: u64) -> SimFaults {
     if seed.is_multiple_of(4) {
         return SimFaults::none(20_000);
     }
@@ -680,16 +833,11 @@ fn faults_for(seed: u64) -> SimFaults {
     }
 }
 
-pub(super) fn run_seed(seed: u64, steps: u32) -> Tally {
-    let mut world = World::new(seed, faults_for(seed));
-    for _ in 0..steps {
-        world.step();
-    }
-    world.empty_and_check();
-    let stats = &world.node.node.pool.stats;
-    world.tally.victims = stats.victims_clean + stats.victims_dropped;
-    world.tally.corrupt_late = stats.commits_corrupt_late;
-    world.tally
+#[cfg(test)]
+fn run_seed(seed: u64, steps: u32) -> Tally {
+    let mut simulation = Simulation::new(seed, NoControl, true);
+    simulation.run(steps);
+    simulation.finish().0
 }
 
 #[test]
@@ -702,17 +850,7 @@ fn the_block_service_holds_over_many_seeds_of_the_simulated_disk() {
         let t = run.unwrap_or_else(|_| {
             panic!("seed {seed} failed; alone: LAKE_SIM_SEED={seed} LAKE_SIM_SEEDS=1 cargo test -p lake-dp --lib simulation")
         });
-        total.saves += t.saves;
-        total.refused_damaged += t.refused_damaged;
-        total.loads_ok += t.loads_ok;
-        total.loads_failed += t.loads_failed;
-        total.hits_checked += t.hits_checked;
-        total.demotions += t.demotions;
-        total.evictions += t.evictions;
-        total.write_backs += t.write_backs;
-        total.cp_promotions += t.cp_promotions;
-        total.victims += t.victims;
-        total.corrupt_late += t.corrupt_late;
+        total.add(&t);
     }
     println!("{seeds} seeds from {first}: {total:?}");
     // Every path was taken, many times over.

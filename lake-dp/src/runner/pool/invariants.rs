@@ -1,7 +1,7 @@
 //! The block service's invariants over its whole state, asserted by the
 //! simulation after every pass (each is O(slots), too dear for the poll
 //! loop; the ones that hold for one slot at a time are asserted where the
-//! slot changes).
+//! slot changes, in every build).
 
 use super::{L1State, Pool};
 use crate::arena::SlotTable;

@@ -30,7 +30,6 @@
 //! are sized at start; nothing here allocates once the runner is sealed.
 
 mod compact;
-#[cfg(test)]
 mod invariants;
 mod l3;
 mod remote;

@@ -1,0 +1,96 @@
+//! The node under the deterministic simulator, with its real control
+//! plane: `lake-dp`'s runner (its own `Node`, over the simulated disk; see
+//! `lake_dp::runner::simulation`) commanded by `lake-cp`'s node authority
+//! and tier manager (`lake_cp::node::Node`, as `lake serve` runs it) over
+//! the real cp link. Every frame the data plane sends goes to the control
+//! plane, which must accept every report; every command it plans goes to
+//! the data plane. The agents save far more than L1 holds, so the tier
+//! manager demotes, marks victims and drops as it does under load.
+//!
+//! Every seed: the data plane's properties (bytes served exact, no slot
+//! leaked, no report out of step with the commands) and the control
+//! plane's (every report accepted, nothing left in its view once the
+//! blocks are gone). A failing seed replays alone:
+//! `LAKE_SIM_SEED=N LAKE_SIM_SEEDS=1 cargo test -p lake-cp --test simulation`.
+
+use lake_cp::node::Node;
+use lake_cp::tier::{TierCommand, TierConfig};
+use lake_dp::runner::simulation::{Control, Simulation, Tally};
+use lake_dp::wire::Message;
+use lake_dp::{NodeId, Tier};
+
+/// `lake-cp`'s node, as the simulation's control plane.
+struct TierManager {
+    node: Node,
+    planned: Vec<TierCommand>,
+    commands: u64,
+    /// What crossed the link, for a failing seed's message.
+    log: Vec<String>,
+}
+
+impl Control for TierManager {
+    fn received(&mut self, request: u64, message: &Message<'_>) {
+        self.log.push(format!("dp -> cp {request}: {message:?}"));
+        if let Err(e) = self.node.on_data_plane(request, message) {
+            let history = match message {
+                Message::BlockEvicted(evicted) => format!("{:?}", self.node.history_of(&evicted.key)),
+                Message::BlockCommitted(block) => format!("{:?}", self.node.history_of(&block.key)),
+                _ => String::new(),
+            };
+            let log = &self.log[self.log.len().saturating_sub(40)..];
+            panic!(
+                "lake-cp refused the data plane's {message:?} (request {request}): {e}; the block's history: {history}\n{log:#?}"
+            );
+        }
+    }
+
+    fn commands(&mut self, now_ns: u64, out: &mut Vec<(u64, Message<'static>)>) {
+        self.node.plan(now_ns, &mut self.planned);
+        for command in self.planned.drain(..) {
+            self.commands += 1;
+            self.log.push(format!("cp -> dp {}: {:?}", command.request, command.action));
+            out.push((command.request, command.action.message(command.request)));
+        }
+    }
+}
+
+fn run(seed: u64) -> (Tally, TierManager) {
+    // High-water marks low enough that the tier manager acts often.
+    let config = TierConfig { high_percent: 75, low_percent: 50, ..TierConfig::default() };
+    let node = Node::new(NodeId(1), 1, None).with_tiers(config);
+    let mut simulation =
+        Simulation::new(seed, TierManager { node, planned: Vec::new(), commands: 0, log: Vec::new() }, false);
+    simulation.run(400);
+    simulation.finish()
+}
+
+#[test]
+fn the_node_holds_over_many_seeds_with_its_real_tier_manager() {
+    let var = |name: &str| std::env::var(name).ok().and_then(|s| s.parse::<u64>().ok());
+    let (first, seeds) = (var("LAKE_SIM_SEED").unwrap_or(1), var("LAKE_SIM_SEEDS").unwrap_or(300));
+    let mut totals = (Tally::default(), 0, 0, 0);
+    for seed in first..first + seeds {
+        let outcome = std::panic::catch_unwind(|| run(seed));
+        let (tally, manager) = outcome.unwrap_or_else(|_| {
+            panic!("seed {seed} failed; alone: LAKE_SIM_SEED={seed} LAKE_SIM_SEEDS=1 cargo test -p lake-cp --test simulation")
+        });
+        // Everything was evicted: the control plane holds nothing either.
+        for tier in [Tier::L1Dram, Tier::L2Nvme] {
+            let usage = manager.node.tiers.usage(tier);
+            assert_eq!((usage.blocks, usage.bytes), (0, 0), "seed {seed}: lake-cp still counts {tier:?}: {usage:?}");
+        }
+        totals.0.add(&tally);
+        totals.1 += manager.commands;
+        totals.2 += manager.node.tiers.counters.demotions;
+        totals.3 += manager.node.tiers.counters.drops[Tier::L1Dram as usize];
+    }
+    let (tally, commands, demotions, drops) = totals;
+    println!(
+        "{seeds} seeds from {first}: {tally:?}; lake-cp planned {commands} commands, {demotions} demotions, \
+         {drops} L1 drops"
+    );
+    // The tier manager did its work, and loads found what it demoted.
+    assert!(tally.saves > 20 * seeds && tally.controlled > 5 * seeds, "{tally:?}");
+    assert!(demotions > seeds && drops > seeds && tally.loads_ok > seeds, "{tally:?}, {demotions} demotions");
+    assert!(tally.refused_damaged > 0 && tally.corrupt_late > 0 && tally.loads_failed > 0, "{tally:?}");
+}
