@@ -504,91 +504,112 @@ impl L2Tier {
         let path0 = &self.config.paths[0];
         let mut backend = UringBackend::new(self.backend_files()?, queue_depth)
             .map_err(io_error("setting up io_uring for", path0))?;
-        let depth = backend.queue_depth();
-        let depth_u32 = u32::try_from(depth).unwrap_or(u32::MAX);
-        let headers = aligned(STORED_HEADER_BYTES as u64, depth_u32).map_err(io_error("allocating", path0))?;
-        let geometry = self.geometry();
-        let slots_total = u64::from(geometry.files) * u64::from(geometry.slots_per_file);
-        let mut result = Readoption { epoch: self.epoch, clean_epoch: self.clean_epoch, ..Readoption::default() };
-        let mut suspects = Vec::new();
-        // Pass 1: headers.
-        let locate = |index: u64| {
-            let file = u16::try_from(index / u64::from(geometry.slots_per_file)).unwrap_or(u16::MAX);
-            let slot = u32::try_from(index % u64::from(geometry.slots_per_file)).unwrap_or(u32::MAX);
-            (file, slot)
-        };
+        // io_uring completes in real time: its clock is not read.
+        let mut now = || 0;
+        readopt_over(&mut backend, &mut now, self.geometry(), self.epoch, self.clean_epoch)
+            .map_err(|(what, source)| io_error(what, path0)(source))
+    }
+}
+
+/// Re-adoption's scan of every L2 slot over `backend` (io_uring, or the
+/// simulated disk), `now` its clock: every slot's header read (never a
+/// payload), then the payload CRCs of every object not known durable
+/// (written after the clean shutdown of epoch `clean_epoch`) checked, and
+/// those that fail dropped. An error names what it was doing.
+pub fn readopt_over<B: IoBackend>(
+    backend: &mut B,
+    now: &mut dyn FnMut() -> u64,
+    geometry: L2Geometry,
+    epoch: u64,
+    clean_epoch: u64,
+) -> Result<Readoption, (&'static str, io::Error)> {
+    let depth = backend.queue_depth();
+    let depth_u32 = u32::try_from(depth).unwrap_or(u32::MAX);
+    let headers = aligned(STORED_HEADER_BYTES as u64, depth_u32).map_err(|e| ("allocating buffers for", e))?;
+    let slots_total = u64::from(geometry.files) * u64::from(geometry.slots_per_file);
+    let mut result = Readoption { epoch, clean_epoch, ..Readoption::default() };
+    let mut suspects = Vec::new();
+    // Pass 1: headers.
+    let locate = |index: u64| {
+        let file = u16::try_from(index / u64::from(geometry.slots_per_file)).unwrap_or(u16::MAX);
+        let slot = u32::try_from(index % u64::from(geometry.slots_per_file)).unwrap_or(u32::MAX);
+        (file, slot)
+    };
+    run_reads(
+        backend,
+        now,
+        epoch,
+        &headers,
+        slots_total,
+        |index| {
+            let (file, slot) = locate(index);
+            (file, geometry.offset(slot), HEADER_READ_BYTES)
+        },
+        |index, bytes, io_result| {
+            let (file, slot) = locate(index);
+            if io_result < 0 {
+                result.unreadable.push((file, slot, io_result));
+                return;
+            }
+            match decode_header(bytes) {
+                Err(StoredError::Empty) => result.empty += 1,
+                Err(e) => result.damaged.push((file, slot, e.to_string())),
+                Ok(header) => {
+                    let meta = *header.meta();
+                    if meta.slot != slot || meta.region != geometry.region(file) {
+                        result.damaged.push((
+                            file,
+                            slot,
+                            "header names another slot or region (misdirected write)".into(),
+                        ));
+                    } else if meta.region_epoch > clean_epoch {
+                        suspects.push(Adopted { file, slot, meta, verified: false });
+                    } else {
+                        result.adopted.push(Adopted { file, slot, meta, verified: false });
+                    }
+                }
+            }
+        },
+    )
+    .map_err(|e| ("reading slot headers of", e))?;
+    drop(headers);
+    // Pass 2: whole objects of the suspects, CRC-checked.
+    if !suspects.is_empty() {
+        let buffers = aligned(geometry.slot_bytes, depth_u32).map_err(|e| ("allocating buffers for", e))?;
+        let count = suspects.len() as u64;
+        let mut verified = Vec::with_capacity(suspects.len());
         run_reads(
-            &mut backend,
-            &headers,
-            slots_total,
+            backend,
+            now,
+            epoch,
+            &buffers,
+            count,
             |index| {
-                let (file, slot) = locate(index);
-                (file, geometry.offset(slot), HEADER_READ_BYTES)
+                let suspect = &suspects[usize_from(index)];
+                let len = crate::stored::object_bytes(suspect.meta.payload_len).min(geometry.slot_bytes);
+                (suspect.file, geometry.offset(suspect.slot), u32::try_from(len).unwrap_or(u32::MAX))
             },
             |index, bytes, io_result| {
-                let (file, slot) = locate(index);
+                let mut suspect = suspects[usize_from(index)];
                 if io_result < 0 {
-                    result.unreadable.push((file, slot, io_result));
+                    result.unreadable.push((suspect.file, suspect.slot, io_result));
                     return;
                 }
-                match decode_header(bytes) {
-                    Err(StoredError::Empty) => result.empty += 1,
-                    Err(e) => result.damaged.push((file, slot, e.to_string())),
-                    Ok(header) => {
-                        let meta = *header.meta();
-                        if meta.slot != slot || meta.region != geometry.region(file) {
-                            result.damaged.push((
-                                file,
-                                slot,
-                                "header names another slot or region (misdirected write)".into(),
-                            ));
-                        } else if meta.region_epoch > self.clean_epoch {
-                            suspects.push(Adopted { file, slot, meta, verified: false });
-                        } else {
-                            result.adopted.push(Adopted { file, slot, meta, verified: false });
-                        }
+                match verify_object(bytes, &suspect.meta) {
+                    Ok(()) => {
+                        suspect.verified = true;
+                        verified.push(suspect);
                     }
+                    Err(e) => result.torn.push((suspect.file, suspect.slot, e)),
                 }
             },
         )
-        .map_err(io_error("reading slot headers of", path0))?;
-        drop(headers);
-        // Pass 2: whole objects of the suspects, CRC-checked.
-        if !suspects.is_empty() {
-            let buffers = aligned(geometry.slot_bytes, depth_u32).map_err(io_error("allocating", path0))?;
-            let count = suspects.len() as u64;
-            let mut verified = Vec::with_capacity(suspects.len());
-            run_reads(
-                &mut backend,
-                &buffers,
-                count,
-                |index| {
-                    let suspect = &suspects[usize_from(index)];
-                    let len = crate::stored::object_bytes(suspect.meta.payload_len).min(geometry.slot_bytes);
-                    (suspect.file, geometry.offset(suspect.slot), u32::try_from(len).unwrap_or(u32::MAX))
-                },
-                |index, bytes, io_result| {
-                    let mut suspect = suspects[usize_from(index)];
-                    if io_result < 0 {
-                        result.unreadable.push((suspect.file, suspect.slot, io_result));
-                        return;
-                    }
-                    match verify_object(bytes, &suspect.meta) {
-                        Ok(()) => {
-                            suspect.verified = true;
-                            verified.push(suspect);
-                        }
-                        Err(e) => result.torn.push((suspect.file, suspect.slot, e)),
-                    }
-                },
-            )
-            .map_err(io_error("reading suspect objects of", path0))?;
-            result.scrubbed = count;
-            result.adopted.extend(verified);
-        }
-        result.adopted.sort_by_key(|a| (a.file, a.slot));
-        Ok(result)
+        .map_err(|e| ("reading suspect objects of", e))?;
+        result.scrubbed = count;
+        result.adopted.extend(verified);
     }
+    result.adopted.sort_by_key(|a| (a.file, a.slot));
+    Ok(result)
 }
 
 fn verify_object(bytes: &[u8], meta: &ObjectMeta) -> Result<(), String> {
@@ -605,8 +626,10 @@ fn verify_object(bytes: &[u8], meta: &ObjectMeta) -> Result<(), String> {
 /// `plan(i)` gives read `i`'s (file, offset, len); `done(i, bytes, result)`
 /// gets its bytes (valid only when `result >= 0`, a byte count). A short
 /// read counts as an error (`-EIO`).
-fn run_reads(
-    backend: &mut UringBackend,
+fn run_reads<B: IoBackend>(
+    backend: &mut B,
+    now: &mut dyn FnMut() -> u64,
+    epoch: u64,
     buffers: &SlotRegion,
     count: u64,
     plan: impl Fn(u64) -> (u16, u64, u32),
@@ -630,7 +653,7 @@ fn run_reads(
                 offset,
                 buf: buffers.slot_ptr(lane).expect("lane in range"),
                 len,
-                tag: Tag::new(0, lane, 0),
+                tag: read_tag(epoch, lane, next),
             };
             // SAFETY: the lane's buffer is this function's alone until its
             // completion comes back below.
@@ -640,15 +663,20 @@ fn run_reads(
             lane_read[lane as usize] = Some(next);
             next += 1;
         }
-        backend.submit(0)?;
-        let got = backend.complete(0, &mut completions);
+        backend.submit(now())?;
+        let got = backend.complete(now(), &mut completions);
         if got == 0 {
             std::thread::yield_now();
             continue;
         }
         for completion in &completions[..got] {
             let lane = completion.tag.slot();
-            let Some(index) = lane_read.get_mut(lane as usize).and_then(Option::take) else { continue };
+            // Only the completion of the read the lane carries now: not a
+            // stale duplicate of an earlier one, nor one of an op a crashed
+            // incarnation left on the device (another epoch).
+            let Some(slot) = lane_read.get_mut(lane as usize) else { continue };
+            let Some(index) = slot.filter(|&index| completion.tag == read_tag(epoch, lane, index)) else { continue };
+            *slot = None;
             let (_, _, len) = plan(index);
             // SAFETY: the read into this lane has completed; nothing else
             // touches the buffer until the lane is reused.
@@ -663,6 +691,12 @@ fn run_reads(
         }
     }
     Ok(())
+}
+
+/// The tag of read `index` of a re-adoption scan in `lane`: the scan's
+/// epoch, the lane, and the read's number (its low 24 bits).
+fn read_tag(epoch: u64, lane: u32, index: u64) -> Tag {
+    Tag::new(epoch, lane, u32::try_from(index & 0xff_ffff).unwrap_or(0))
 }
 
 /// A committed object found in an L2 slot at re-adoption.

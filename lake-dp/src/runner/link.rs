@@ -16,9 +16,15 @@ pub(super) fn link_to_cp(
     let deadline = Duration::from_millis(config.cp.connect_timeout_ms);
     let geometry = tier.geometry();
     let mut link = open_link(config, socket, &geometry, tier.epoch(), arena.header(), deadline)?;
+    report_readopted(&mut link, &geometry, config.node.id, found);
+    Ok(Some(link))
+}
+
+/// Reports every object re-adoption `found` in L2 (as of its epoch).
+pub(super) fn report_readopted(link: &mut CpLink, geometry: &L2Geometry, node: u32, found: &crate::l2::Readoption) {
     for adopted in &found.adopted {
         let slot = L2Slot { file: adopted.file, slot: adopted.slot };
-        let mut record = l2_record(&geometry, config.node.id, tier.epoch(), slot, &adopted.meta);
+        let mut record = l2_record(geometry, node, found.epoch, slot, &adopted.meta);
         if adopted.verified {
             record.flags = BLOCK_FLAG_VERIFIED;
         }
@@ -28,7 +34,6 @@ pub(super) fn link_to_cp(
             break;
         }
     }
-    Ok(Some(link))
 }
 
 /// A link to the `lake-cp` at `socket`: connected (versions and identity

@@ -41,10 +41,10 @@ use crate::l2::{L2Slots, Readoption};
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
 use crate::model::replica::{ObjectKind, Priority, RegionId, ReplicaWire, Tier};
-use crate::op::Event;
+use crate::op::{Event, L2Slot};
 use crate::poller::Poller;
 use crate::rng::SimRng;
-use crate::sim::{SimDisk, SimFaults};
+use crate::sim::{CrashKind, SimDisk, SimFaults};
 use crate::stored::{ObjectMeta, ReadableObject, Reader, encode_object, object_bytes};
 use crate::wire::hello::{self, Identity};
 use crate::wire::message::Role;
@@ -67,6 +67,9 @@ const BUDGET: u32 = 16;
 const PASS_NS: u64 = 10_000;
 const NAMESPACE: NamespaceId = NamespaceId(5);
 const LAYOUT: u64 = 0x1a7e;
+/// With random commands, a step crashes and restarts the node one time in
+/// this many.
+const RESTART_ONE_IN: u64 = 400;
 /// Request ids of the simulation's own commands: apart from a control's.
 const RANDOM_REQUESTS: u64 = 1 << 60;
 /// Evicted replicas the control plane remembers, to name stale ones.
@@ -154,6 +157,10 @@ pub struct Tally {
     pub victims: u64,
     /// Published commits the check found damaged afterwards.
     pub corrupt_late: u64,
+    /// Crashes and restarts.
+    pub restarts: u64,
+    /// L2 blocks re-adopted after them.
+    pub readopted: u64,
 }
 
 impl Tally {
@@ -172,6 +179,8 @@ impl Tally {
             controlled,
             victims,
             corrupt_late,
+            restarts,
+            readopted,
         } = *other;
         self.saves += saves;
         self.refused_damaged += refused_damaged;
@@ -185,6 +194,8 @@ impl Tally {
         self.controlled += controlled;
         self.victims += victims;
         self.corrupt_late += corrupt_late;
+        self.restarts += restarts;
+        self.readopted += readopted;
     }
 }
 
@@ -199,9 +210,9 @@ impl Clock for VirtualClock {
 }
 
 /// The node's config: the sizes below, and the poller's defaults.
-fn config_text(seed: u64) -> String {
+fn config_text(seed: u64, epoch: u64) -> String {
     format!(
-        "[node]\nid = {NODE}\n\n[l1]\npath = \"/dev/shm/lake-sim-{}-{seed}\"\n\
+        "[node]\nid = {NODE}\n\n[l1]\npath = \"/dev/shm/lake-sim-{}-{seed}-{epoch}\"\n\
          classes = [{{ payload_bytes = {}, slots = {L1_SLOTS} }}]\n\n\
          [l2]\npaths = [\"/nonexistent/lake-sim.lake\"]\nslots_per_file = {L2_SLOTS}\nslot_bytes = {SLOT_BYTES}\n\n\
          [poller]\nops_max = {OPS}\nbatch_max = {BUDGET}\n",
@@ -224,33 +235,40 @@ struct SimNode {
 }
 
 impl SimNode {
-    fn new(
+    /// A node of incarnation `found.epoch` over `disk`, serving what
+    /// re-adoption `found` there (nothing on a new disk) and reporting it,
+    /// as `Node::open` does.
+    fn start(
         seed: u64,
-        faults: SimFaults,
+        disk: SimDisk,
+        found: &Readoption,
         agents: Vec<crate::agent::port::DpPort>,
         link: CpLink,
         wakeup: Arc<Wakeup>,
     ) -> Self {
-        let config = RunnerConfig::parse(&config_text(seed)).expect("the simulated node's config");
-        let (arena, table) = Arena::create(&config.arena(EPOCH)).expect("the simulated node's arena");
+        let epoch = found.epoch;
+        let config = RunnerConfig::parse(&config_text(seed, epoch)).expect("the simulated node's config");
+        let (arena, table) = Arena::create(&config.arena(epoch)).expect("the simulated node's arena");
         let region = arena.region().expect("its slots");
         let header = *arena.header();
         let geometry = config.l2().geometry();
-        let file_bytes = usize::try_from(u64::from(geometry.slots_per_file) * geometry.slot_bytes).expect("small");
-        let disk = SimDisk::new(seed, faults, config.poller.ops_max as usize, 1, file_bytes);
-        let poller = Poller::new(super::open::poller_config(&config, geometry, EPOCH), disk, Arc::clone(&region))
+        let poller = Poller::new(super::open::poller_config(&config, geometry, epoch), disk, Arc::clone(&region))
             .expect("the poller");
         let shape = PoolShape {
             node: NODE,
-            epoch: EPOCH,
+            epoch,
             l1_region: header.region,
             l1_slots: header.slots,
             geometry,
             ops: config.poller.ops_max,
         };
-        let pool = Pool::new(&shape, agents, 0);
+        let mut pool = Pool::new(&shape, agents, 0);
+        for adopted in &found.adopted {
+            pool.l2_written(L2Slot { file: adopted.file, slot: adopted.slot }, &adopted.meta);
+        }
         let mut link = link;
-        super::register_regions(&mut link, &config, &geometry, EPOCH, &header);
+        super::register_regions(&mut link, &config, &geometry, epoch, &header);
+        super::link::report_readopted(&mut link, &geometry, NODE, found);
         let clock = VirtualClock::default();
         let node = Node {
             attach: None,
@@ -260,7 +278,7 @@ impl SimNode {
             park_fds: Vec::new(),
             l3_scan: None,
             pool,
-            l2_slots: L2Slots::from_readoption(geometry, &Readoption::default()),
+            l2_slots: L2Slots::from_readoption(geometry, found),
             poller,
             wakeup,
             link: Some(link),
@@ -274,7 +292,7 @@ impl SimNode {
             events: vec![Event::placeholder(); config.poller.batch_max as usize],
             transfers: super::Transfers::new(),
             reconnect: super::Reconnect::new(),
-            epoch: EPOCH,
+            epoch,
             header,
             node_id: NODE,
             clock: clock.clone(),
@@ -282,6 +300,16 @@ impl SimNode {
         };
         let (options, ports, stats) = (RunnerOptions::default(), RunnerPorts::default(), RunnerStats::default());
         Self { node, config, options, ports, stats, clock }
+    }
+
+    /// The process dies (`kind`): what was in flight lands as the disk
+    /// lets it. The disk, to start the next incarnation on.
+    fn crash(&mut self, kind: CrashKind) -> SimDisk {
+        let disk = self.node.poller.backend_mut();
+        // SAFETY: the ops in flight write into this node's region, which
+        // lives until the node is dropped, after this.
+        unsafe { disk.crash(kind) };
+        std::mem::replace(disk, SimDisk::new(0, SimFaults::none(0), 1, 1, 0))
     }
 
     /// One pass, as `Node::serve` makes them, then the virtual clock on.
@@ -367,7 +395,7 @@ impl SimCp {
             }
             control.received(frame.header.request_id, &frame.message);
             match frame.message {
-                Message::BlockCommitted(block) => {
+                Message::BlockCommitted(block) | Message::BlockReadopted(block) => {
                     let r = block.replica;
                     let old = self.replicas.insert((r.tier, r.region, r.slot), (r, block.key));
                     assert!(
@@ -427,10 +455,10 @@ impl SimCp {
 }
 
 /// The link's two ends with the hellos agreed by the real negotiation.
-fn link_pair(seed: u64) -> (CpLink, SimCp) {
+fn link_pair(seed: u64, epoch: u64) -> (CpLink, SimCp) {
     let (dp_end, cp_end) = UnixStream::pair().expect("a socket pair");
     let identity =
-        |role, name| Identity { role, node: NODE, pid: 1, region_epoch: EPOCH, features: crate::wire::FEATURES, name };
+        |role, name| Identity { role, node: NODE, pid: 1, region_epoch: epoch, features: crate::wire::FEATURES, name };
     let dp = hello::hello(&identity(Role::DataPlane, "sim-dp")).expect("the data plane's hello");
     let cp = hello::hello(&identity(Role::ControlPlane, "sim-cp")).expect("the control plane's hello");
     let ack = hello::accept(&cp, &dp, 0).expect("the hellos agree");
@@ -503,6 +531,10 @@ pub struct Simulation<C: Control> {
     agents: Vec<SimAgent>,
     /// The bytes saved under each key.
     saved: BTreeMap<BlockKey, Vec<u8>>,
+    /// L2 slots the last re-adoption could not read (kept out of use).
+    quarantined: u64,
+    /// Keys published with a payload their CRCs do not match.
+    damaged: std::collections::BTreeSet<BlockKey>,
     next_block: u64,
     seed: u64,
     rng: SimRng,
@@ -523,8 +555,11 @@ impl<C: Control> Simulation<C> {
         let wakeup = Arc::new(Wakeup::new().expect("an eventfd"));
         let (agent_ports, dp_ports): (Vec<_>, Vec<_>) =
             (0..AGENTS).map(|_| port(PORT_DEPTH, Arc::clone(&wakeup))).unzip();
-        let (link, cp) = link_pair(seed);
-        let node = SimNode::new(seed, faults, dp_ports, link, wakeup);
+        let (link, cp) = link_pair(seed, EPOCH);
+        let file_bytes = usize::try_from(u64::from(L2_SLOTS) * SLOT_BYTES).expect("small");
+        let disk = SimDisk::new(seed, faults, OPS as usize, 1, file_bytes);
+        let found = Readoption { epoch: EPOCH, ..Readoption::default() };
+        let node = SimNode::start(seed, disk, &found, dp_ports, link, wakeup);
         let agents =
             agent_ports.into_iter().map(|port| SimAgent { port, next_cookie: 1, asked: BTreeMap::new() }).collect();
         Self {
@@ -536,6 +571,8 @@ impl<C: Control> Simulation<C> {
             commands: Vec::new(),
             agents,
             saved: BTreeMap::new(),
+            damaged: std::collections::BTreeSet::new(),
+            quarantined: 0,
             next_block: 0,
             seed,
             rng: SimRng::new(seed),
@@ -556,6 +593,10 @@ impl<C: Control> Simulation<C> {
         let agent = index_below(&mut self.rng, AGENTS);
         let room = self.agents[agent].asked.len() < PORT_DEPTH / 2;
         let commanding = self.random_commands;
+        if commanding && self.rng.below(RESTART_ONE_IN) == 0 {
+            let kind = if self.rng.below(4) == 0 { CrashKind::PowerLoss } else { CrashKind::Process };
+            self.restart(kind);
+        }
         match self.rng.below(100) {
             0..35 if room => self.save(agent),
             35..55 if commanding => {
@@ -690,7 +731,7 @@ impl<C: Control> Simulation<C> {
                     namespace: NAMESPACE,
                     layout_fingerprint: LAYOUT,
                     region: RegionId(self.node.node.header.region),
-                    region_epoch: EPOCH,
+                    region_epoch: self.node.node.epoch,
                     slot,
                     generation: if damage == Damage::Generation { generation.wrapping_add(1) } else { generation },
                     committed_unix_ns: 0,
@@ -711,7 +752,10 @@ impl<C: Control> Simulation<C> {
             (Asked::Reserve { key, .. }, Err(_)) => {
                 self.saved.remove(&key);
             }
-            (Asked::Commit { damage, crcs, .. }, Ok(_)) => {
+            (Asked::Commit { key, damage, crcs }, Ok(_)) => {
+                if damage == Damage::Payload {
+                    self.damaged.insert(key);
+                }
                 assert!(
                     damage == Damage::None || (damage == Damage::Payload && crcs == CrcOrigin::Slot),
                     "seed {seed}: a commit was published with {damage:?} (CRCs from {crcs:?})"
@@ -764,6 +808,62 @@ impl<C: Control> Simulation<C> {
         );
     }
 
+    /// The node's process dies (`kind`) and starts again over the same
+    /// disk, as its supervisor would start it: a new incarnation (epoch),
+    /// arena, agents and link; L2 re-adopted by the scan a starting
+    /// `lake-dp` makes; the view rebuilt from what the new node reports.
+    /// After a process crash every L2 block acked before it is back (unless
+    /// the scan's own reads failed, or it was published damaged); after a
+    /// power loss, what was not flushed may be gone.
+    fn restart(&mut self, kind: CrashKind) {
+        let seed = self.seed;
+        let acked: Vec<(ReplicaWire, BlockKey)> =
+            self.cp.replicas.values().filter(|(r, _)| r.tier == Tier::L2Nvme as u8).copied().collect();
+        let mut disk = self.node.crash(kind);
+        let (geometry, epoch) = (self.node.node.geometry, self.node.node.epoch + 1);
+        let mut clock = self.node.clock.now_ns();
+        let mut now = || {
+            clock += PASS_NS;
+            clock
+        };
+        let found = crate::l2::readopt_over(&mut disk, &mut now, geometry, epoch, 0)
+            .unwrap_or_else(|(what, e)| panic!("seed {seed}: re-adoption failed {what} the disk: {e}"));
+        let wakeup = Arc::new(Wakeup::new().expect("an eventfd"));
+        let (agent_ports, dp_ports): (Vec<_>, Vec<_>) =
+            (0..AGENTS).map(|_| port(PORT_DEPTH, Arc::clone(&wakeup))).unzip();
+        let (link, cp) = link_pair(seed, epoch);
+        // The old node goes once the new one stands (their arenas' files
+        // are apart).
+        self.node = SimNode::start(seed, disk, &found, dp_ports, link, wakeup);
+        self.node.clock.0.set(clock);
+        self.cp = cp;
+        self.agents =
+            agent_ports.into_iter().map(|port| SimAgent { port, next_cookie: 1, asked: BTreeMap::new() }).collect();
+        self.tally.restarts += 1;
+        self.tally.readopted += found.adopted.len() as u64;
+        self.quarantined = found.unreadable.len() as u64;
+        self.settle();
+        if kind == CrashKind::PowerLoss {
+            return;
+        }
+        let at = |list: &[(u16, u32, String)], r: &ReplicaWire| {
+            list.iter().any(|(file, slot, _)| (geometry.region(*file).0, *slot) == (r.region, r.slot))
+        };
+        for (replica, key) in acked {
+            let back = self.cp.replicas.get(&(replica.tier, replica.region, replica.slot));
+            let unreadable =
+                found.unreadable.iter().any(|&(f, s, _)| (geometry.region(f).0, s) == (replica.region, replica.slot));
+            let damaged = self.damaged.contains(&key) && at(&found.torn, &replica);
+            assert!(
+                back.is_some_and(|(r, k)| r.generation == replica.generation && *k == key) || unreadable || damaged,
+                "seed {seed}: L2 block {key:?} acked at {replica:?} is not back after a process crash: {back:?}; \
+                 torn {:?}, damaged {:?}",
+                found.torn,
+                found.damaged
+            );
+        }
+    }
+
     /// Runs `steps` steps.
     pub fn run(&mut self, steps: u32) {
         for _ in 0..steps {
@@ -807,9 +907,10 @@ impl<C: Control> Simulation<C> {
         assert!(self.cp.replicas.is_empty(), "seed {seed}: replicas outlived their eviction: {:?}", self.cp.replicas);
         let stats = self.node.node.table.stats();
         assert_eq!(stats.free[0], L1_SLOTS, "seed {seed}: L1 slots leaked: {stats:?}, {:?}", self.node.node.pool);
+        // Slots the last re-adoption could not read stay out of use.
         assert_eq!(
             self.node.node.l2_slots.free_slots(),
-            u64::from(L2_SLOTS),
+            u64::from(L2_SLOTS) - self.quarantined,
             "seed {seed}: L2 slots leaked: {:?}",
             self.node.node.pool
         );
@@ -858,4 +959,5 @@ fn the_block_service_holds_over_many_seeds_of_the_simulated_disk() {
     assert!(total.refused_damaged > 0 && total.loads_failed > 0 && total.hits_checked > seeds, "{total:?}");
     assert!(total.victims > seeds && total.corrupt_late > 0, "{total:?}");
     assert!(total.write_backs > seeds && total.cp_promotions > seeds, "{total:?}");
+    assert!(total.restarts > seeds / 4 && total.readopted > seeds, "{total:?}");
 }
