@@ -547,21 +547,27 @@ impl<C: Control> core::fmt::Debug for Simulation<C> {
     }
 }
 
+/// A node started over `disk` with what re-adoption `found` there, its
+/// agents on fresh ports and its link's far end: a first start, or one
+/// after a crash.
+fn boot(seed: u64, disk: SimDisk, found: &Readoption) -> (SimNode, SimCp, Vec<SimAgent>) {
+    let wakeup = Arc::new(Wakeup::new().expect("an eventfd"));
+    let (agent_ports, dp_ports): (Vec<_>, Vec<_>) = (0..AGENTS).map(|_| port(PORT_DEPTH, Arc::clone(&wakeup))).unzip();
+    let (link, cp) = link_pair(seed, found.epoch);
+    let node = SimNode::start(seed, disk, found, dp_ports, link, wakeup);
+    let agents =
+        agent_ports.into_iter().map(|port| SimAgent { port, next_cookie: 1, asked: BTreeMap::new() }).collect();
+    (node, cp, agents)
+}
+
 impl<C: Control> Simulation<C> {
     /// A node for `seed` (faults as [`faults_for`] gives them), commanded
     /// by `control` and, with `random_commands`, by the simulation too.
     pub fn new(seed: u64, control: C, random_commands: bool) -> Self {
-        let faults = faults_for(seed);
-        let wakeup = Arc::new(Wakeup::new().expect("an eventfd"));
-        let (agent_ports, dp_ports): (Vec<_>, Vec<_>) =
-            (0..AGENTS).map(|_| port(PORT_DEPTH, Arc::clone(&wakeup))).unzip();
-        let (link, cp) = link_pair(seed, EPOCH);
         let file_bytes = usize::try_from(u64::from(L2_SLOTS) * SLOT_BYTES).expect("small");
-        let disk = SimDisk::new(seed, faults, OPS as usize, 1, file_bytes);
+        let disk = SimDisk::new(seed, faults_for(seed), OPS as usize, 1, file_bytes);
         let found = Readoption { epoch: EPOCH, ..Readoption::default() };
-        let node = SimNode::start(seed, disk, &found, dp_ports, link, wakeup);
-        let agents =
-            agent_ports.into_iter().map(|port| SimAgent { port, next_cookie: 1, asked: BTreeMap::new() }).collect();
+        let (node, cp, agents) = boot(seed, disk, &found);
         Self {
             node,
             cp,
@@ -828,17 +834,10 @@ impl<C: Control> Simulation<C> {
         };
         let found = crate::l2::readopt_over(&mut disk, &mut now, geometry, epoch, 0)
             .unwrap_or_else(|(what, e)| panic!("seed {seed}: re-adoption failed {what} the disk: {e}"));
-        let wakeup = Arc::new(Wakeup::new().expect("an eventfd"));
-        let (agent_ports, dp_ports): (Vec<_>, Vec<_>) =
-            (0..AGENTS).map(|_| port(PORT_DEPTH, Arc::clone(&wakeup))).unzip();
-        let (link, cp) = link_pair(seed, epoch);
         // The old node goes once the new one stands (their arenas' files
         // are apart).
-        self.node = SimNode::start(seed, disk, &found, dp_ports, link, wakeup);
+        (self.node, self.cp, self.agents) = boot(seed, disk, &found);
         self.node.clock.0.set(clock);
-        self.cp = cp;
-        self.agents =
-            agent_ports.into_iter().map(|port| SimAgent { port, next_cookie: 1, asked: BTreeMap::new() }).collect();
         self.tally.restarts += 1;
         self.tally.readopted += found.adopted.len() as u64;
         self.quarantined = found.unreadable.len() as u64;
