@@ -21,8 +21,8 @@
 
 use std::time::Instant;
 
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::rng::SimRng;
 use lake_dp::{BlockKey, NamespaceId, Tier};
 

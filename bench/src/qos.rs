@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::rng::SimRng;
 use lake_dp::{BlockKey, KeyChain, Namespace, Tier};
 

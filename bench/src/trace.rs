@@ -323,8 +323,8 @@ fn replay_pool(
     capacity: usize,
     policy: lake_cp::tier::PolicyKind,
 ) -> Result<PoolReplay, String> {
+    use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
     use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-    use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
     let dir = args.dir.as_ref().map_or_else(
         || std::env::temp_dir().join(format!("lake-bench-trace-pool-{}", std::process::id())),
         std::path::PathBuf::from,

@@ -20,8 +20,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaEvent;
+use lake_agent::{Agent, FetchFailure, PreparedSave};
 use lake_dp::BlockKey;
-use lake_dp::agent::{Agent, FetchFailure, PreparedSave};
 use lake_dp::arena::{Pin, PinArray};
 use lake_dp::constants::STORED_HEADER_BYTES;
 use lake_dp::mirror::MirrorEntry;
@@ -664,10 +664,10 @@ pub(crate) fn save(
             crcs: &[],
             // Lake's kernel, from the registered engine memory the
             // copies below read, in their stream order.
-            crcs_from: lake_dp::agent::CrcOrigin::Kernel,
+            crcs_from: lake_agent::CrcOrigin::Kernel,
         })
         .collect();
-    let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; keys.len()];
+    let mut saved = vec![lake_agent::SaveStatus::NotSent; keys.len()];
     agent.forget_unsaved_of(keys);
     // Turns of a bounded number of reservations (the port and the staging
     // region are finite), at least four to a save where it has the blocks
@@ -711,7 +711,7 @@ const SAVE_TURN_MIN: usize = 8;
 struct QueuedTurn {
     first: usize,
     last: usize,
-    turn: lake_dp::agent::PreparedTurn,
+    turn: lake_agent::PreparedTurn,
     landed: Option<(CudaEvent, lake_kernels::QueuedCrcs)>,
 }
 
@@ -742,7 +742,7 @@ fn commit_turn(
     agent: &mut Agent,
     queued: QueuedTurn,
     prepared: &[PreparedSave<'_>],
-    saved: &mut [lake_dp::agent::SaveStatus],
+    saved: &mut [lake_agent::SaveStatus],
 ) {
     let QueuedTurn { first, last, turn, landed } = queued;
     let crcs = landed.and_then(|(event, mut crcs)| {
@@ -842,7 +842,7 @@ impl LayerEvents {
     ///
     /// `stream` is a live stream of the device's primary context, or 0.
     pub(crate) unsafe fn wait(&self, request: u64, layer: usize, stream: u64) -> Result<(), LayerWaitError> {
-        let deadline = Instant::now() + lake_dp::agent::WAIT_MAX;
+        let deadline = Instant::now() + lake_agent::WAIT_MAX;
         let mut loads = self.loads.lock().map_err(|_| LayerWaitError::Unknown)?;
         loop {
             let load = loads.get(&request).ok_or(LayerWaitError::Unknown)?;

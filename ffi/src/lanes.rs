@@ -161,7 +161,7 @@ impl LaneStats {
     /// lanes racing may drop a sample: it is an estimate).
     fn took(&self, started: std::time::Instant) {
         let average = self.l1_ns_per_block.load(Ordering::Relaxed);
-        let next = lake_dp::agent::fold_load_cost(average, started.elapsed());
+        let next = lake_agent::fold_load_cost(average, started.elapsed());
         self.l1_ns_per_block.store(next, Ordering::Relaxed);
     }
 }

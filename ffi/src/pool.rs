@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use lake_dp::agent::{Agent, AgentConfig, AgentStats, FetchFailure, PreparedSave};
+use lake_agent::{Agent, AgentConfig, AgentStats, FetchFailure, PreparedSave};
 use lake_dp::arena::{Pin, PinArray};
 use lake_dp::cplink::Granted;
 use lake_dp::mirror::{MirrorEntry, MirrorReader};
@@ -290,7 +290,7 @@ pub struct LakePool {
     /// Whether the agent talks to a `lake-cp`.
     has_control_plane: bool,
     /// Whether its data plane refuses saves now.
-    save_pressure: lake_dp::agent::port::SavePressure,
+    save_pressure: lake_agent::port::SavePressure,
     /// Per-layer events of GPU loads, for `lake_wait_layer`.
     layers: Arc<gpu::LayerEvents>,
     next_request: AtomicU64,
@@ -645,7 +645,7 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
                 0 => None,
                 1 => {
                     let core = o.agent_core as usize;
-                    let allowed = lake_dp::runner::os::allowed_cores()
+                    let allowed = lake_dp::os::allowed_cores()
                         .map_err(|e| fail(LakeStatus::LakeIo, format!("reading this process's cores: {e}")))?;
                     if !allowed.contains(&core) {
                         return Err(fail(
@@ -742,7 +742,7 @@ fn start(
     let alive = Arc::new(AtomicBool::new(true));
     let stop = Arc::new(AtomicBool::new(false));
     let push_rails = Arc::new(Mutex::new(Vec::new()));
-    let spans = Arc::new(Mutex::new(VecDeque::with_capacity(lake_dp::agent::SPANS_KEPT)));
+    let spans = Arc::new(Mutex::new(VecDeque::with_capacity(lake_agent::SPANS_KEPT)));
     let thread = {
         let (cancelled, stats, alive) = (Arc::clone(&cancelled), Arc::clone(&stats), Arc::clone(&alive));
         let (stop, push_rails, spans) = (Arc::clone(&stop), Arc::clone(&push_rails), Arc::clone(&spans));
@@ -750,7 +750,7 @@ fn start(
             .name("lake-agent".into())
             .spawn(move || {
                 if let Some(core) = agent_core
-                    && let Err(e) = lake_dp::runner::os::pin_to_core(core)
+                    && let Err(e) = lake_dp::os::pin_to_core(core)
                 {
                     let _ = ready_tx.send(Err(format!("agent_core {core}: {e}")));
                     return;
@@ -847,7 +847,7 @@ fn agent_thread(
                 && let Ok(mut kept) = spans.lock()
             {
                 pushes.take_spans(|span| {
-                    if kept.len() >= lake_dp::agent::SPANS_KEPT {
+                    if kept.len() >= lake_agent::SPANS_KEPT {
                         kept.pop_front();
                     }
                     kept.push_back(LakeTraceSpan::from(span));
@@ -1083,11 +1083,11 @@ struct Signals {
 }
 
 /// Moves the agent's traced loads into what `lake_trace_spans` hands out
-/// (the oldest go past [`lake_dp::agent::SPANS_KEPT`]).
+/// (the oldest go past [`lake_agent::SPANS_KEPT`]).
 fn keep_spans(agent: &mut Agent, spans: &Mutex<VecDeque<LakeTraceSpan>>) {
     let Ok(mut kept) = spans.lock() else { return };
     agent.take_spans(|span| {
-        if kept.len() >= lake_dp::agent::SPANS_KEPT {
+        if kept.len() >= lake_agent::SPANS_KEPT {
             kept.pop_front();
         }
         kept.push_back(LakeTraceSpan::from(span));
@@ -1232,12 +1232,12 @@ fn run_save(
             len,
             crcs: &[],
             // Lake's own copy computes them, from the bytes it copies.
-            crcs_from: lake_dp::agent::CrcOrigin::Slot,
+            crcs_from: lake_agent::CrcOrigin::Slot,
         })
         .collect();
-    let mut saved = vec![lake_dp::agent::SaveStatus::NotSent; keys.len()];
+    let mut saved = vec![lake_agent::SaveStatus::NotSent; keys.len()];
     agent.forget_unsaved_of(keys);
-    let mut answering: Option<(std::ops::Range<usize>, lake_dp::agent::SentCommits)> = None;
+    let mut answering: Option<(std::ops::Range<usize>, lake_agent::SentCommits)> = None;
     for first in (0..keys.len()).step_by(HOST_SAVE_TURN) {
         let turn_range = first..(first + HOST_SAVE_TURN).min(keys.len());
         let turn = agent.reserve_prepared(&prepared[turn_range.clone()], &mut saved[turn_range.clone()]);
@@ -1390,7 +1390,7 @@ pub unsafe extern "C" fn lake_lease(
                 TrySendError::Disconnected(_) => fail(LakeStatus::LakeNotAttached, "the agent's thread stopped"),
             })?;
             let grant = answer
-                .recv_timeout(lake_dp::agent::WAIT_MAX + Duration::from_secs(1))
+                .recv_timeout(lake_agent::WAIT_MAX + Duration::from_secs(1))
                 .map_err(|_| fail(LakeStatus::LakeUnavailable, "lake_lease: the agent did not answer"))?
                 .ok_or_else(|| {
                     fail(
@@ -2556,7 +2556,7 @@ pub unsafe extern "C" fn lake_report_prefill(pool: *const LakePool, blocks: u64,
             let per_block = std::time::Duration::from_nanos((elapsed_ns / blocks).max(1));
             // The closure always answers Some: the update cannot fail.
             let _ = pool.compute_ns_per_block.fetch_update(Ordering::AcqRel, Ordering::Acquire, |average| {
-                Some(lake_dp::agent::fold_load_cost(average, per_block))
+                Some(lake_agent::fold_load_cost(average, per_block))
             });
             Ok(())
         })())

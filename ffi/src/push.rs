@@ -4,10 +4,10 @@
 
 use std::collections::HashMap;
 
+use lake_agent::Agent;
+use lake_agent::push::{PushError, Pusher};
 use lake_dp::BlockKey;
 use lake_dp::Priority;
-use lake_dp::agent::Agent;
-use lake_dp::agent::push::{PushError, Pusher};
 use lake_dp::mirror::MirrorEntry;
 use lake_dp::transport::tcp::{PeerId, Rail, TcpConfig, TcpTransport};
 use lake_dp::transport::{Completion, Links, TransferError};
@@ -120,7 +120,8 @@ fn compute_links(agent: &Agent) -> Option<Box<dyn Links>> {
     let device = match std::env::var_os(RDMA_DEVICE_ENV) {
         None => None,
         Some(text) => {
-            let parsed = text.to_str().ok_or("not UTF-8".to_string()).and_then(lake_dp::runner::RdmaDevice::parse);
+            let parsed =
+                text.to_str().ok_or("not UTF-8".to_string()).and_then(lake_dp::transport::rdma::RdmaDevice::parse);
             match parsed {
                 Ok(device) => Some(device),
                 Err(e) => return unusable(RDMA_DEVICE_ENV, &e),
@@ -239,7 +240,7 @@ impl Pushes {
     }
 
     /// Hands over the traced pushes' blocks ended since the last call.
-    pub(crate) fn take_spans(&mut self, each: impl FnMut(&lake_dp::agent::push::PushSpan)) {
+    pub(crate) fn take_spans(&mut self, each: impl FnMut(&lake_agent::push::PushSpan)) {
         if let Some(pusher) = self.pusher.as_mut() {
             pusher.take_spans(each);
         }

@@ -10,8 +10,8 @@
 
 use std::cell::Cell;
 
-use lake_dp::agent::TraceSpan;
-use lake_dp::agent::port::AgentError;
+use lake_agent::TraceSpan;
+use lake_agent::port::AgentError;
 
 use crate::pool::{LakeBlockKey, LakePool, pool_ref, status_of};
 use crate::status::{LakeStatus, fail, guard};
@@ -71,8 +71,8 @@ impl From<&TraceSpan> for LakeTraceSpan {
     }
 }
 
-impl From<&lake_dp::agent::push::PushSpan> for LakeTraceSpan {
-    fn from(span: &lake_dp::agent::push::PushSpan) -> Self {
+impl From<&lake_agent::push::PushSpan> for LakeTraceSpan {
+    fn from(span: &lake_agent::push::PushSpan) -> Self {
         Self {
             trace: span.trace,
             key: LakeBlockKey { bytes: span.key.0 },
@@ -86,8 +86,8 @@ impl From<&lake_dp::agent::push::PushSpan> for LakeTraceSpan {
 }
 
 /// The status a block of a save reads as.
-pub(crate) fn status_of_save(status: lake_dp::agent::SaveStatus) -> LakeStatus {
-    use lake_dp::agent::SaveStatus;
+pub(crate) fn status_of_save(status: lake_agent::SaveStatus) -> LakeStatus {
+    use lake_agent::SaveStatus;
     match status {
         SaveStatus::Saved => LakeStatus::LakeOk,
         SaveStatus::Refused(error) => status_of_agent_error(error),

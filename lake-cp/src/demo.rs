@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::model::layout::LayoutParams;
 use lake_dp::rng::SimRng;
 use lake_dp::runner::RunnerStats;
@@ -377,7 +377,7 @@ struct EngineDone {
     requested: u64,
     served: u64,
     mismatches: u64,
-    stats: lake_dp::agent::AgentStats,
+    stats: lake_agent::AgentStats,
     lookup_ns: Vec<u64>,
     fetch_ns: Vec<u64>,
     save_ns: Vec<u64>,
@@ -409,7 +409,7 @@ impl Engine {
             requested: 0,
             served: 0,
             mismatches: 0,
-            stats: lake_dp::agent::AgentStats::default(),
+            stats: lake_agent::AgentStats::default(),
             lookup_ns: Vec::new(),
             fetch_ns: Vec::new(),
             save_ns: Vec::new(),

@@ -15,8 +15,8 @@ use lake_dp::NodeId;
 use lake_dp::Tier;
 use lake_dp::agent::port::{AgentPort, port};
 use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
+use lake_dp::os::Wakeup;
 use lake_dp::runner::config::RunnerConfig;
-use lake_dp::runner::os::Wakeup;
 use lake_dp::runner::{RunnerError, RunnerOptions, RunnerPorts, RunnerStats, run_with};
 
 use crate::node::Node;
@@ -80,7 +80,7 @@ pub struct EmbeddedConfig {
     /// The last free L1 slots engines' saves may not take, kept for loads
     /// (`[l1] load_reserve_slots`; 0: none). It must leave the tier
     /// manager's high-water mark below what saves can fill. `None`: one
-    /// agent's batch of loads ([`lake_dp::agent::LOAD_BATCH`]), or fewer
+    /// agent's batch of loads ([`lake_dp::agent::port::LOAD_BATCH`]), or fewer
     /// where the high-water mark leaves fewer (none in a small L1).
     pub l1_load_reserve: Option<u32>,
     /// An RDMA device: each peer's link negotiates RDMA over its TCP
@@ -163,7 +163,7 @@ fn load_reserve(config: &EmbeddedConfig) -> Result<u32, String> {
     let high_slots = u128::from(capacity) * u128::from(config.tiers.high_percent) / 100 / u128::from(slot_bytes);
     // Saves fill `l1_slots - reserve` slots: more than `high_slots`.
     let max = u32::try_from(u128::from(config.l1_slots).saturating_sub(high_slots + 1)).unwrap_or(0);
-    let batch = u32::try_from(lake_dp::agent::LOAD_BATCH).unwrap_or(u32::MAX);
+    let batch = u32::try_from(lake_dp::agent::port::LOAD_BATCH).unwrap_or(u32::MAX);
     let reserve = config.l1_load_reserve.unwrap_or_else(|| max.min(batch));
     if reserve > max {
         return Err(format!(

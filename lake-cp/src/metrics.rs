@@ -436,7 +436,7 @@ fn tenant_throttle_metrics(out: &mut String, tenants: &[lake_dp::wire::message::
     );
     let _ = writeln!(out, "# TYPE {name} counter");
     for tenant in tenants {
-        for (path, waits) in lake_dp::runner::rates::RATE_PATH_NAMES.iter().zip(tenant.waits) {
+        for (path, waits) in lake_dp::rates::RATE_PATH_NAMES.iter().zip(tenant.waits) {
             let _ = writeln!(out, "{name}{{tenant=\"{}\",path=\"{path}\"}} {waits}", label(tenant.name()));
         }
     }

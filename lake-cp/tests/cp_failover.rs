@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_cp::etcd::Etcd;
 use lake_cp::ha::Cluster;
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::mirror::MirrorReader;
 use lake_dp::runner::config::RunnerConfig;
 use lake_dp::runner::{RunnerOptions, RunnerPorts, run_with};

@@ -16,8 +16,8 @@ mod scratch;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig};
 use lake_dp::auth::at_rest::DataKey;
 use lake_dp::{BlockKey, NamespaceId, Tier};
 

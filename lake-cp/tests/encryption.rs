@@ -18,8 +18,8 @@ mod scratch;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::auth::at_rest::{DataKey, KeyChange};
 use lake_dp::{BlockKey, NamespaceId, Tier};
 
@@ -100,7 +100,7 @@ fn found(agent: &mut Agent, ns: NamespaceId) -> (usize, usize) {
 /// under the load), looked up again before each; every block delivered
 /// must be its own bytes. Returns how many were delivered, and why the
 /// last load stopped short.
-fn fetch_all(agent: &mut Agent, ns: NamespaceId) -> (usize, Option<lake_dp::agent::FetchFailure>) {
+fn fetch_all(agent: &mut Agent, ns: NamespaceId) -> (usize, Option<lake_agent::FetchFailure>) {
     let keys = keys(ns);
     let mut table = Vec::new();
     let (mut delivered, mut tries, mut failure) = (0, 0, None);

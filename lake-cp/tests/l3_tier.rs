@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig, FetchFailure, SaveBlock, SavePayload};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 use lake_cp::tier::{L3WriteBack, TierConfig};
-use lake_dp::agent::{Agent, AgentConfig, FetchFailure, SaveBlock, SavePayload};
 use lake_dp::runner::config::L3Section;
 use lake_dp::{BlockKey, NamespaceId, Tier};
 

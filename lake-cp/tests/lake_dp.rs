@@ -332,7 +332,7 @@ fn one_file_configures_lake_serve_and_lake_dp() {
 /// clean stop on SIGTERM.
 #[test]
 fn lake_dp_serves_engines_under_a_control_plane_in_another_process() {
-    use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+    use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
     use lake_dp::{BlockKey, NamespaceId};
 
     const PAYLOAD: usize = 60 * 1024;

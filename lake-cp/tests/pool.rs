@@ -8,9 +8,9 @@
 
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload, SaveStatus};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
 use lake_cp::tier::TierConfig;
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload, SaveStatus};
 use lake_dp::{BlockKey, NamespaceId, Tier};
 
 const PAYLOAD: usize = 60 * 1024;
@@ -241,10 +241,10 @@ fn one_engine_pool(name: &str) -> EmbeddedConfig {
 fn prepared_chain<'a>(
     keys: &[BlockKey],
     crcs: &'a [Vec<u32>],
-    origin: lake_dp::agent::CrcOrigin,
-) -> Vec<lake_dp::agent::PreparedSave<'a>> {
+    origin: lake_agent::CrcOrigin,
+) -> Vec<lake_agent::PreparedSave<'a>> {
     (0..keys.len())
-        .map(|i| lake_dp::agent::PreparedSave {
+        .map(|i| lake_agent::PreparedSave {
             key: keys[i],
             parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
             block_index: u32::try_from(i).unwrap(),
@@ -264,7 +264,7 @@ fn prepared_chain<'a>(
 /// former for CRCs whose origin the agent does not say.
 #[test]
 fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
-    use lake_dp::agent::CrcOrigin;
+    use lake_agent::CrcOrigin;
     use lake_dp::runner::pool::CommitCheck;
     assert_eq!(CommitCheck::default(), CommitCheck::Auto);
     let cases = [
@@ -314,7 +314,7 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
         match inline {
             true => {
                 assert_eq!(committed, 3, "{check:?}, {origin:?}: the lying commit is refused");
-                let refused = SaveStatus::Refused(lake_dp::agent::port::AgentError::Corrupt);
+                let refused = SaveStatus::Refused(lake_agent::port::AgentError::Corrupt);
                 assert_eq!(statuses, [SaveStatus::Saved, SaveStatus::Saved, SaveStatus::Saved, refused]);
             }
             false => assert_eq!(committed, 4, "{check:?}, {origin:?}: published before its payload is read"),
@@ -344,8 +344,8 @@ fn a_commit_whose_bytes_lie_is_refused_inline_and_evicted_in_the_background() {
 /// and the pool publishes the prefix up to the refused block, no further.
 #[test]
 fn a_turn_whose_parent_was_refused_at_commit_is_not_committed() {
-    use lake_dp::agent::CrcOrigin;
-    use lake_dp::agent::port::AgentError;
+    use lake_agent::CrcOrigin;
+    use lake_agent::port::AgentError;
     let mut pool = EmbeddedPool::start(&one_engine_pool("turns")).unwrap();
     let mut agent = attach(&mut pool);
     let keys: Vec<BlockKey> = (0..4).map(|i| key(11, i)).collect();
@@ -400,8 +400,8 @@ fn a_turn_whose_parent_was_refused_at_commit_is_not_committed() {
 /// its child with it.
 #[test]
 fn a_turn_is_reserved_before_its_crcs_are_known_and_headed_at_commit() {
-    use lake_dp::agent::CrcOrigin;
-    use lake_dp::agent::port::AgentError;
+    use lake_agent::CrcOrigin;
+    use lake_agent::port::AgentError;
     let mut pool = EmbeddedPool::start(&one_engine_pool("late-crcs")).unwrap();
     let mut agent = attach(&mut pool);
     let keys: Vec<BlockKey> = (0..5).map(|i| key(12, i)).collect();
@@ -510,7 +510,7 @@ fn saves_after_the_pool_began_to_stop_are_refused_as_stopping() {
     }
     let mut statuses = vec![SaveStatus::NotSent; 4];
     assert_eq!(agent.save_with_statuses(&blocks[4..8], &mut statuses), 0);
-    assert_eq!(statuses[0], SaveStatus::Refused(lake_dp::agent::port::AgentError::Stopping), "{statuses:?}");
+    assert_eq!(statuses[0], SaveStatus::Refused(lake_agent::port::AgentError::Stopping), "{statuses:?}");
     assert!(statuses[1..].iter().all(|s| *s == SaveStatus::ParentUnsaved), "{statuses:?}");
     // The rest of the prompt, in a call of its own: under a block not
     // saved, nothing is sent.

@@ -27,10 +27,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use chain::save_chain;
+use lake_agent::{Agent, AgentConfig};
 use lake_cp::node::Node;
 use lake_cp::server::Server;
 use lake_cp::tier::TierConfig;
-use lake_dp::agent::{Agent, AgentConfig};
 use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorEntry, MirrorWriter};
 use lake_dp::{BlockKey, NamespaceId, NodeId};
 

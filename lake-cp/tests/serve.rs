@@ -122,20 +122,20 @@ fn payload(block: u32) -> Vec<u8> {
 }
 
 /// One prompt's blocks to save: each the child of the one before.
-fn chain<'a>(keys: &[lake_dp::BlockKey], payloads: &'a [Vec<u8>]) -> Vec<lake_dp::agent::SaveBlock<'a>> {
+fn chain<'a>(keys: &[lake_dp::BlockKey], payloads: &'a [Vec<u8>]) -> Vec<lake_agent::SaveBlock<'a>> {
     (0..keys.len())
-        .map(|i| lake_dp::agent::SaveBlock {
+        .map(|i| lake_agent::SaveBlock {
             key: keys[i],
             parent: if i == 0 { lake_dp::BlockKey::NONE } else { keys[i - 1] },
             block_index: u32::try_from(i).unwrap(),
-            payload: lake_dp::agent::SavePayload::Bytes(&payloads[i]),
+            payload: lake_agent::SavePayload::Bytes(&payloads[i]),
         })
         .collect()
 }
 
-fn engine(dir: &std::path::Path, mirror: &str) -> lake_dp::agent::Agent {
+fn engine(dir: &std::path::Path, mirror: &str) -> lake_agent::Agent {
     let cp = dir.join("cp.sock");
-    let config = lake_dp::agent::AgentConfig {
+    let config = lake_agent::AgentConfig {
         arena: std::path::Path::new("/nonexistent"),
         mirror: std::path::Path::new(mirror),
         cp_socket: Some(&cp),
@@ -145,7 +145,7 @@ fn engine(dir: &std::path::Path, mirror: &str) -> lake_dp::agent::Agent {
         segment_bytes: 8192,
         object_kind: lake_dp::ObjectKind::KvBlock,
     };
-    lake_dp::agent::Agent::connect(&config, &dir.join("dp.sock")).unwrap()
+    lake_agent::Agent::connect(&config, &dir.join("dp.sock")).unwrap()
 }
 
 /// The directory is the operator's and the pool's L2 its recovery point:
@@ -973,8 +973,8 @@ fn a_new_prefix_saved_into_a_full_l1_is_taken_and_found_whole() {
 /// without asking, and a later save under a refused block is not sent.
 #[test]
 fn a_refused_save_says_why_and_the_pool_says_it_refuses_saves() {
-    use lake_dp::agent::SaveStatus;
-    use lake_dp::agent::port::AgentError;
+    use lake_agent::SaveStatus;
+    use lake_agent::port::AgentError;
     for (reserve, why, reason) in [("1", AgentError::Reserved, "load_reserve"), ("0", AgentError::NoSpace, "no_space")]
     {
         let dir = std::env::temp_dir().join(format!("lake-serve-why-{reason}-{}", std::process::id()));
@@ -988,14 +988,14 @@ fn a_refused_save_says_why_and_the_pool_says_it_refuses_saves() {
         let held: Vec<lake_dp::BlockKey> = (0..40).map(|i| key(30_000 + i)).collect();
         let segment = usize::try_from(holder.segment_bytes_for(PAYLOAD as u64)).unwrap();
         let crcs: Vec<u32> = payload(0).chunks(segment).map(crc32fast::hash).collect();
-        let prepared: Vec<lake_dp::agent::PreparedSave<'_>> = (0..held.len())
-            .map(|i| lake_dp::agent::PreparedSave {
+        let prepared: Vec<lake_agent::PreparedSave<'_>> = (0..held.len())
+            .map(|i| lake_agent::PreparedSave {
                 key: held[i],
                 parent: lake_dp::BlockKey::NONE,
                 block_index: 0,
                 len: PAYLOAD,
                 crcs: &crcs,
-                crcs_from: lake_dp::agent::CrcOrigin::Slot,
+                crcs_from: lake_agent::CrcOrigin::Slot,
             })
             .collect();
         let keys: Vec<lake_dp::BlockKey> = (0..3).map(|i| key(40_000 + i)).collect();

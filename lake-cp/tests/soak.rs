@@ -19,8 +19,8 @@ use std::io::BufRead;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::{BlockKey, NamespaceId};
 
 const TEST: &str = "engines_in_other_processes_soak_the_pool_with_every_byte_right_and_memory_flat";
@@ -109,7 +109,7 @@ fn child(dp: &Path, mirror: &Path, cp: &Path, seed: u64, seconds: u64) {
             if got > stop {
                 overran += 1;
             }
-            if got == stop && agent.last_fetch_failure() == Some(lake_dp::agent::FetchFailure::Cancelled) {
+            if got == stop && agent.last_fetch_failure() == Some(lake_agent::FetchFailure::Cancelled) {
                 cancelled += 1;
             }
         } else if hits > 0 {

@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::{BlockKey, NamespaceId};
 
 use scratch::Scratch;

@@ -47,7 +47,7 @@ fn two_tenants_with_the_same_tokens_never_see_each_others_blocks() {
     assert_eq!(hits, a_keys.len());
     let got = engine_b.fetch(&a_keys, &table, |_, _| panic!("tenant B read tenant A's bytes"));
     assert_eq!(got, 0);
-    assert_eq!(engine_b.last_fetch_failure(), Some(lake_dp::agent::FetchFailure::Foreign));
+    assert_eq!(engine_b.last_fetch_failure(), Some(lake_agent::FetchFailure::Foreign));
     drop((engine_a, engine_b));
     pool.stop().unwrap();
 }
@@ -121,7 +121,7 @@ fn a_tenant_over_its_quota_across_namespaces_gives_up_its_own_l1() {
 
 /// Loads every block of `keys` (each `fill`), in as many fetches as it
 /// takes; how long that took.
-fn load_all(agent: &mut lake_dp::agent::Agent, keys: &[lake_dp::BlockKey], fill: u8) -> Duration {
+fn load_all(agent: &mut lake_agent::Agent, keys: &[lake_dp::BlockKey], fill: u8) -> Duration {
     let mut table = Vec::new();
     let started = Instant::now();
     let mut delivered = 0;
@@ -183,7 +183,7 @@ fn a_tenant_capped_on_l2_reads_loads_no_faster_than_its_cap_and_the_other_is_not
     // Both down to L2 but for their two L1 blocks.
     let mut table = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let in_l2 = |agent: &mut lake_dp::agent::Agent, keys: &[lake_dp::BlockKey], table: &mut Vec<_>| {
+    let in_l2 = |agent: &mut lake_agent::Agent, keys: &[lake_dp::BlockKey], table: &mut Vec<_>| {
         agent.lookup(keys, table);
         table.iter().filter(|e: &&lake_dp::mirror::MirrorEntry| e.tier == Tier::L2Nvme).count() as u64
     };

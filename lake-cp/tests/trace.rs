@@ -14,9 +14,9 @@ mod scratch;
 
 use std::time::{Duration, Instant};
 
+use lake_agent::port::AgentError;
+use lake_agent::{Agent, AgentConfig, TraceSpan};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::port::AgentError;
-use lake_dp::agent::{Agent, AgentConfig, TraceSpan};
 use lake_dp::{BlockKey, NamespaceId, Tier};
 
 use chain::save_chain;

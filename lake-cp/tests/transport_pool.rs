@@ -13,8 +13,8 @@ mod metrics;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig};
 use lake_dp::runner::RunnerStats;
 use lake_dp::stored::{ObjectMeta, encode_object, object_bytes};
 use lake_dp::transport::frame::BlockAddr;
@@ -161,7 +161,7 @@ fn l1_of(engine: &Agent, node: u32) -> lake_dp::model::replica::ReplicaWire {
 /// Saves blocks `first..first + count` as one prompt through `agent` and
 /// waits until they are published; their keys and payloads.
 fn save_prompt(agent: &mut Agent, first: u32, count: u32) -> (Vec<BlockKey>, Vec<Vec<u8>>) {
-    use lake_dp::agent::{SaveBlock, SavePayload};
+    use lake_agent::{SaveBlock, SavePayload};
     let keys: Vec<BlockKey> = (first..first + count).map(key).collect();
     let payloads: Vec<Vec<u8>> = (first..first + count).map(payload).collect();
     let blocks: Vec<SaveBlock<'_>> = (0..count as usize)
@@ -258,7 +258,7 @@ fn blocks_a_peer_sends_land_in_the_pool_checked_and_published() {
 /// decode engine finds the prompt in its own shared memory and loads it.
 #[test]
 fn prefill_pushes_a_prompt_to_the_decode_pool_and_decode_loads_it() {
-    use lake_dp::agent::push::Pusher;
+    use lake_agent::push::Pusher;
     let decode_address = free_port();
     let mut prefill = start("prefill", 0, None, Vec::new());
     let mut decode = start("decode", 0, Some(decode_address), Vec::new());

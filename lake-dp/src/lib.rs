@@ -15,11 +15,11 @@
 
 pub(crate) use lake_core::lock;
 pub(crate) use lake_core::usize_from;
-pub use lake_core::{arena, constants, mirror, model, numa, region, ring, rng, route, stored, wire};
+pub use lake_core::{
+    agent, arena, constants, copy, mirror, model, numa, os, rates, region, ring, rng, route, stored, wire,
+};
 
-pub mod agent;
 pub mod auth;
-pub mod copy;
 pub mod cplink;
 pub mod fence;
 pub mod io;

@@ -181,14 +181,14 @@ pub struct Capped {
     /// The node the blocks land in.
     pub node: Node,
     /// The caps.
-    pub rates: lake_dp::runner::rates::TenantRates,
+    pub rates: lake_dp::rates::TenantRates,
 }
 
 impl Capped {
     /// `node`, holding the blocks of `namespace` to `bytes_per_s` of what
     /// it receives (a tenant named "batch").
     pub fn new(node: Node, namespace: u64, bytes_per_s: u64) -> Self {
-        use lake_dp::runner::rates::{RATE_PATHS, RatePath, TenantRate, TenantRates};
+        use lake_dp::rates::{RATE_PATHS, RatePath, TenantRate, TenantRates};
         let mut caps = [None; RATE_PATHS];
         caps[RatePath::NetReceive as usize] = Some(bytes_per_s);
         let tenant = TenantRate { name: "batch".into(), namespaces: vec![namespace], bytes_per_s: caps };
@@ -214,6 +214,6 @@ impl Landing for Capped {
     }
 
     fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
-        self.rates.admit_or_wait(namespace, lake_dp::runner::rates::RatePath::NetReceive, len, now_ns)
+        self.rates.admit_or_wait(namespace, lake_dp::rates::RatePath::NetReceive, len, now_ns)
     }
 }

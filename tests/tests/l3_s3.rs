@@ -141,9 +141,9 @@ fn blocks_round_trip_through_a_real_s3_server() {
 /// moved into the bucket and read back through, every byte checked.
 #[test]
 fn the_pool_moves_blocks_past_l2_into_a_real_s3_bucket_and_reads_them_back() {
+    use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
     use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
     use lake_cp::tier::TierConfig;
-    use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
     use lake_dp::runner::config::L3Section;
 
     let Some(binary) = moto_server() else {

@@ -13,8 +13,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::model::replica::ReplicaWire;
 use lake_dp::transport::tcp::Rail;
 use lake_dp::{BlockKey, NamespaceId, Priority, Tier};

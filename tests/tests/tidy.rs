@@ -15,6 +15,10 @@
 //!   number or a "later issue" (the CHANGELOG holds history).
 //! - **No unused dependency**: every dependency a member's manifest
 //!   declares is named in that member's sources.
+//! - **Arrows point down**: the engine's side (`ffi`, the agent) never
+//!   names the data plane's runner, and the control plane names the agent
+//!   only in its demo (the compiler keeps `lake-core` and `lake-dp` from
+//!   naming the agent at all: neither depends on it).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -35,7 +39,7 @@ const FILE_LINES_MAX: usize = 1000;
 
 /// Files over [`FILE_LINES_MAX`] lines, each with the most it may have.
 const LONG_FILES: &[(&str, usize)] = &[
-    ("lake-dp/src/agent/client.rs", 1669),
+    ("ffi/agent/src/client.rs", 1659),
     ("lake-dp/src/poller.rs", 1306),
     ("lake-dp/src/runner/pool/mod.rs", 2110),
     ("lake-dp/src/transport/rdma/pull.rs", 1107),
@@ -57,6 +61,8 @@ const UNSAFE_FILES: &[&str] = &[
     "bench/src/l2.rs",
     "bench/src/l3.rs",
     "bench/src/tcp.rs",
+    "ffi/agent/src/client.rs",
+    "ffi/agent/src/push.rs",
     "ffi/src/fuzzing.rs",
     "ffi/src/gpu.rs",
     "ffi/src/lanes.rs",
@@ -73,16 +79,14 @@ const UNSAFE_FILES: &[&str] = &[
     "lake-cp/src/metrics.rs",
     "lake-cp/src/table.rs",
     "lake-dp/examples/tour.rs",
-    "lake-dp/src/agent/client.rs",
     "lake-dp/core/src/agent/port.rs",
-    "lake-dp/src/agent/push.rs",
     "lake-dp/core/src/agent/shm.rs",
     "lake-dp/core/src/arena/mod.rs",
+    "lake-dp/core/src/copy.rs",
     "lake-dp/core/src/arena/pins.rs",
     "lake-dp/src/auth/mod.rs",
     "lake-dp/src/auth/peer.rs",
     "lake-dp/src/auth/session.rs",
-    "lake-dp/src/copy.rs",
     "lake-dp/src/io.rs",
     "lake-dp/src/l2.rs",
     "lake-dp/src/l3/mod.rs",
@@ -117,7 +121,8 @@ const UNSAFE_FILES: &[&str] = &[
 ];
 
 /// The workspace's members, and the fuzz crate (outside the workspace).
-const CRATES: &[&str] = &["lake-dp/core", "lake-dp", "lake-cp", "ffi", "kernels", "bench", "tests", "fuzz"];
+const CRATES: &[&str] =
+    &["lake-dp/core", "lake-dp", "lake-cp", "ffi/agent", "ffi", "kernels", "bench", "tests", "fuzz"];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace holds the tests crate").to_path_buf()
@@ -492,4 +497,77 @@ fn every_dependency_is_used() {
         }
     }
     assert!(problems.is_empty(), "unused dependencies:\n{}", problems.join("\n"));
+}
+
+/// The paths a parsed file names in code, each as its first two segments
+/// (`lake_dp::runner`); `use` trees are followed through their groups.
+#[derive(Default)]
+struct Paths(std::collections::BTreeSet<String>);
+
+impl Paths {
+    fn use_tree(&mut self, prefix: &str, tree: &syn::UseTree) {
+        let joined = |name: &str| if prefix.is_empty() { name.to_string() } else { format!("{prefix}::{name}") };
+        match tree {
+            syn::UseTree::Path(path) => {
+                let next = joined(&path.ident.to_string());
+                if next.contains("::") {
+                    self.0.insert(next.clone());
+                    return;
+                }
+                self.use_tree(&next, &path.tree);
+            }
+            syn::UseTree::Name(name) => {
+                self.0.insert(joined(&name.ident.to_string()));
+            }
+            syn::UseTree::Rename(rename) => {
+                self.0.insert(joined(&rename.ident.to_string()));
+            }
+            syn::UseTree::Group(group) => {
+                for tree in &group.items {
+                    self.use_tree(prefix, tree);
+                }
+            }
+            syn::UseTree::Glob(_) => {
+                self.0.insert(prefix.to_string());
+            }
+        }
+    }
+}
+
+impl<'ast> Visit<'ast> for Paths {
+    fn visit_path(&mut self, path: &'ast syn::Path) {
+        let names: Vec<String> = path.segments.iter().take(2).map(|s| s.ident.to_string()).collect();
+        self.0.insert(names.join("::"));
+        syn::visit::visit_path(self, path);
+    }
+
+    fn visit_item_use(&mut self, item: &'ast syn::ItemUse) {
+        self.use_tree("", &item.tree);
+    }
+}
+
+/// Where each source file outside tests points that it must not.
+fn wrong_arrows() -> Vec<String> {
+    let mut problems = Vec::new();
+    for file in rust_files().into_iter().filter(|f| !is_test_file(f)) {
+        let mut paths = Paths::default();
+        paths.visit_file(&parse(&file));
+        let engine_side = file.starts_with("ffi/");
+        let control = file.starts_with("lake-cp/src/") && file != "lake-cp/src/demo.rs";
+        for path in &paths.0 {
+            if engine_side && (path == "lake_dp::runner" || path.starts_with("lake_dp::runner::")) {
+                problems.push(format!("{file}: names the data plane's runner ({path})"));
+            }
+            if control && (path == "lake_agent" || path.starts_with("lake_agent::")) {
+                problems.push(format!("{file}: the control plane names the agent ({path})"));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn arrows_point_down() {
+    let problems = wrong_arrows();
+    assert!(problems.is_empty(), "arrows that should not exist:\n{}", problems.join("\n"));
 }

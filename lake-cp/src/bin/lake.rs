@@ -555,7 +555,7 @@ fn serve(args: &ServeArgs) -> Result<(), Failed> {
     use lake_cp::embedded::EmbeddedPool;
     // Before any thread starts: the pool's threads inherit the blocked
     // signals, and this one takes them.
-    let signals = lake_dp::runner::os::Signals::with_hangup().map_err(|e| format!("signals: {e}"))?;
+    let signals = lake_dp::os::Signals::with_hangup().map_err(|e| format!("signals: {e}"))?;
     let lake_cp::config::Serve { pool: config, tenant_key_dir, cluster, member_ttl, .. } =
         args.resolve().map_err(Failed::Settings)?;
     let (key_dir, mut tenant_files) = match tenant_key_dir {
@@ -725,7 +725,7 @@ fn control_plane(args: &CpArgs) -> Result<(), String> {
     use lake_cp::ha::Cluster;
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
-    let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
+    let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (socket, mirror, etcd, cluster, id) = (&args.socket, &args.mirror, &args.etcd, &args.cluster, &args.id);
     let (ttl, node, entries) = (i64::from(args.ttl), args.node, args.entries);
     let endpoints: Vec<&str> = etcd.split(',').collect();
@@ -886,7 +886,7 @@ fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     use lake_cp::summary::link::Aggregator;
     use lake_dp::l3::ObjectStore;
 
-    let signals = lake_dp::runner::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
+    let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (listen, etcd, cluster, id, dir) =
         (args.listen, &args.etcd, &args.cluster, args.id.clone(), &args.checkpoint_dir);
     let (ttl, checkpoint_ms, replicate_children) =
@@ -1101,7 +1101,7 @@ fn stand_by(
     candidate: &mut lake_cp::ha::Candidate<'_>,
     id: &str,
     every: std::time::Duration,
-    signals: &lake_dp::runner::os::Signals,
+    signals: &lake_dp::os::Signals,
     who: &str,
 ) -> Option<u64> {
     use lake_cp::ha::Role;

@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, SaveBlock, SavePayload};
 use lake_dp::BlockKey;
-use lake_dp::agent::{Agent, SaveBlock, SavePayload};
 
 /// Saves `keys` as one prefix, block `i` holding `payload(i)`, one block
 /// at a time: L1 is small, so a save waits (20 s at most) while the tier

@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_cp::embedded::EmbeddedPool;
-use lake_dp::agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::{BlockKey, ExtraKeys, KeyScheme, ModelIdentity, Namespace, TenantKey};
 
 /// Tenant `tenant`'s namespace (its key all `tenant` bytes) of one model.

@@ -40,6 +40,7 @@ pub fn usize_from(value: u64) -> usize {
 pub mod agent;
 pub mod arena;
 pub mod constants;
+pub mod copy;
 pub mod lock;
 #[cfg(not(loom))]
 pub mod mirror;
@@ -56,6 +57,7 @@ pub mod mirror {
 pub mod model;
 pub mod numa;
 pub mod os;
+pub mod rates;
 pub mod region;
 pub mod ring;
 pub mod rng;

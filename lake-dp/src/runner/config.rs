@@ -549,7 +549,7 @@ pub struct TenantSection {
 
 impl TenantSection {
     /// The caps as the data plane keeps them; errors name the field.
-    pub fn rate(&self, index: usize) -> Result<crate::runner::rates::TenantRate, ConfigError> {
+    pub fn rate(&self, index: usize) -> Result<crate::rates::TenantRate, ConfigError> {
         let field = |what: &str| format!("tenants[{index}].{what}");
         if self.name.is_empty() {
             return Err(ConfigError(format!("{}: must not be empty", field("name"))));
@@ -585,11 +585,7 @@ impl TenantSection {
                 return Err(ConfigError(format!("{}: at least 1 (leave it out for no cap)", field(name))));
             }
         }
-        Ok(crate::runner::rates::TenantRate {
-            name: self.name.clone(),
-            namespaces,
-            bytes_per_s: caps.map(|(_, cap)| cap),
-        })
+        Ok(crate::rates::TenantRate { name: self.name.clone(), namespaces, bytes_per_s: caps.map(|(_, cap)| cap) })
     }
 }
 

@@ -17,7 +17,6 @@ pub mod attach;
 pub mod config;
 pub use lake_core::os;
 pub mod pool;
-pub mod rates;
 
 use std::collections::VecDeque;
 use std::io::Write;

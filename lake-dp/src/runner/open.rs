@@ -214,7 +214,7 @@ fn open_transport(
 /// keep to.
 fn open_attach(
     config: &RunnerConfig,
-    tenants: &[rates::TenantRate],
+    tenants: &[crate::rates::TenantRate],
     arena_region: u16,
     epoch: u64,
 ) -> Result<Option<attach::AttachServer>, RunnerError> {
@@ -258,7 +258,7 @@ fn open_attach(
 struct BlockService {
     pool: pool::Pool,
     l3_scan: Option<std::sync::mpsc::Receiver<ScanMessage>>,
-    tenants: Vec<rates::TenantRate>,
+    tenants: Vec<crate::rates::TenantRate>,
 }
 
 /// The block service over the node's L1, L2 (with what L2 re-adopted)
@@ -304,7 +304,7 @@ fn open_pool(
         .map(|(index, tenant)| tenant.rate(index))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| RunnerError(e.to_string()))?;
-    pool.set_rates(rates::TenantRates::new(&tenants));
+    pool.set_rates(crate::rates::TenantRates::new(&tenants));
     for adopted in &found.adopted {
         let slot = L2Slot { file: adopted.file, slot: adopted.slot };
         pool.l2_written(slot, &adopted.meta);

@@ -9,7 +9,7 @@
 use std::io::{Read, Write};
 use std::path::Path;
 
-use lake_dp::agent::{Agent, AgentConfig};
+use lake_agent::{Agent, AgentConfig};
 use lake_dp::model::replica::ObjectKind;
 use lake_dp::wire::hello::{HELLO_WIRE_VERSION, Identity};
 use lake_dp::wire::message::{Message, Role};

@@ -10,6 +10,11 @@ use crate::model::replica::{Priority, ReplicaWire};
 use crate::os::Wakeup;
 use crate::ring::{Consumer, Producer, ring};
 
+/// Loads an agent asks of the data plane at once (one fetch's batch of
+/// lower-tier blocks); a pool keeps that many L1 slots for loads by
+/// default.
+pub const LOAD_BATCH: usize = 8;
+
 /// What an agent asks of the data plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgentRequest {

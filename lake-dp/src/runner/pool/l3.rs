@@ -416,7 +416,7 @@ impl Pool {
             // Encryption at rest is required and its tenant gave no key.
             return Err(ErrorCode::Unauthorized);
         }
-        let path = crate::runner::rates::RatePath::L3Write;
+        let path = crate::rates::RatePath::L3Write;
         if !self.rates.admit(meta.namespace.0, path, object_bytes(meta.payload_len), parts.now_ns) {
             // Its tenant is at its L3 write cap: not now (lake-cp asks
             // again after its retry wait).

@@ -433,7 +433,7 @@ pub struct Pool {
     /// below L1.
     keys: crate::auth::at_rest::KeyRing,
     /// Per-tenant bandwidth caps.
-    rates: crate::runner::rates::TenantRates,
+    rates: crate::rates::TenantRates,
     /// Per agent place: a load popped from its port that waits for its
     /// tenant's bucket (the port is not read past it meanwhile).
     held: Vec<Option<AgentRequest>>,
@@ -511,7 +511,7 @@ impl Pool {
             passes: 0,
             l3: None,
             keys: crate::auth::at_rest::KeyRing::new(),
-            rates: crate::runner::rates::TenantRates::default(),
+            rates: crate::rates::TenantRates::default(),
             held: vec![None; agents_len],
             closing: Closing::Open,
             refused_at_ns: None,
@@ -525,7 +525,7 @@ impl Pool {
     }
 
     /// Caps tenants' bandwidth on this node's tiers (`[[tenants]]`).
-    pub fn set_rates(&mut self, rates: crate::runner::rates::TenantRates) {
+    pub fn set_rates(&mut self, rates: crate::rates::TenantRates) {
         self.rates = rates;
     }
 
@@ -550,7 +550,7 @@ impl Pool {
     /// Whether `request` may start now under its tenant's caps (only loads
     /// are capped here; their bytes are taken from the bucket when so).
     fn admitted(&mut self, request: &AgentRequest, now_ns: u64) -> bool {
-        use crate::runner::rates::RatePath;
+        use crate::rates::RatePath;
         if self.rates.is_empty() {
             // Not even the object's header looked up.
             return true;
@@ -826,7 +826,7 @@ impl Pool {
             };
             let mut write = *write;
             let bytes = object_bytes(write.meta.payload_len);
-            if !self.rates.admit(write.meta.namespace.0, crate::runner::rates::RatePath::L2Write, bytes, now_ns) {
+            if !self.rates.admit(write.meta.namespace.0, crate::rates::RatePath::L2Write, bytes, now_ns) {
                 // Its tenant is at its L2 write cap: it waits here.
                 self.stats.writes_throttled += 1;
                 at += 1;

@@ -51,7 +51,7 @@ impl<B: IoBackend> Landing for PoolLanding<'_, '_, B> {
     }
 
     fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
-        self.pool.rates.admit_or_wait(namespace, crate::runner::rates::RatePath::NetReceive, len, now_ns)
+        self.pool.rates.admit_or_wait(namespace, crate::rates::RatePath::NetReceive, len, now_ns)
     }
 }
 
@@ -110,7 +110,7 @@ impl Pool {
                 self.failed_sends.push((send.request, ErrorCode::DeadlineExceeded));
                 continue;
             }
-            if !self.rates.admit(send.namespace, crate::runner::rates::RatePath::NetSend, send.len, now_ns) {
+            if !self.rates.admit(send.namespace, crate::rates::RatePath::NetSend, send.len, now_ns) {
                 self.stats.sends_throttled += 1;
                 continue;
             }

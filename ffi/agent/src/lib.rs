@@ -1,5 +1,11 @@
 //! The in-process agent: what an engine links to use the pool.
 //!
+//! It lives with the engine's surface (`ffi`), not with the data plane:
+//! it depends on the vocabulary (`lake-core`) and on two client-side
+//! pieces of `lake-dp` (the transport, for an engine's own pushes, and
+//! the cp link), never on the data plane's runner; `lake-dp` cannot name
+//! it at all.
+//!
 //! - **Lookup** reads the mirror in shared memory: the longest cached
 //!   prefix of a prompt's keys and its block table, with no round trip.
 //!   The keys and the hit count are then reported to `lake-cp`, batched
@@ -22,14 +28,15 @@
 //! caller until the data plane answers (bounded by a deadline), which is
 //! what the engine's agent thread does around them.
 
+#![cfg_attr(not(test), warn(missing_docs))]
+
 mod client;
 pub mod push;
 
 pub use lake_core::agent::{port, shm};
 
 pub use client::{
-    Agent, AgentConfig, AgentStats, AttachError, FetchFailure, GatherFill, LEASE_TTL_MS, LOAD_BATCH, LOAD_RETRY_MAX,
-    PreparedSave, PreparedTurn, SPANS_KEPT, SaveBlock, SavePayload, SaveStatus, SentCommits, TraceSpan, WAIT_MAX,
-    fold_load_cost,
+    Agent, AgentConfig, AgentStats, AttachError, FetchFailure, GatherFill, LEASE_TTL_MS, LOAD_RETRY_MAX, PreparedSave,
+    PreparedTurn, SPANS_KEPT, SaveBlock, SavePayload, SaveStatus, SentCommits, TraceSpan, WAIT_MAX, fold_load_cost,
 };
-pub use port::CrcOrigin;
+pub use port::{CrcOrigin, LOAD_BATCH};

@@ -30,7 +30,7 @@ pub enum RatePath {
     NetSend = 4,
     /// Blocks other nodes and engines send into this node (copies, P→D
     /// and D→P pushes), held at the sender: its reservation is answered
-    /// "later" ([`crate::transport::frame::AckStatus::Later`]).
+    /// "later" (the transport's `AckStatus::Later`).
     NetReceive = 5,
 }
 

@@ -1,4 +1,4 @@
-//! The agent itself (see the module docs of [`crate::agent`]).
+//! The agent itself (see the crate docs).
 
 use std::fs::File;
 use std::io::Write;
@@ -8,30 +8,27 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::port::{AgentCompletion, AgentError, AgentPort, AgentRequest, CrcOrigin};
-use super::shm::AgentShmPort;
-use crate::arena::{Arena, Pin, PinArray, PinError};
-use crate::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
-use crate::cplink::{CpLink, Granted};
-use crate::mirror::{MirrorEntry, MirrorReader};
-use crate::model::key::BlockKey;
-use crate::model::namespace::NamespaceId;
-use crate::model::replica::{ObjectKind, Priority, ReplicaWire, Tier};
-use crate::region::SlotRegion;
-use crate::runner::os::recv_with_fds;
-use crate::stored::{ObjectMeta, ReadableObject, Reader, Refusal, encode_header, object_bytes};
-use crate::wire::hello::{HELLO_WIRE_VERSION, Identity};
-use crate::wire::message::Role;
-use crate::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
+use crate::port::{AgentCompletion, AgentError, AgentPort, AgentRequest, CrcOrigin, LOAD_BATCH};
+use crate::shm::AgentShmPort;
+use lake_core::arena::{Arena, Pin, PinArray, PinError};
+use lake_core::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
+use lake_core::mirror::{MirrorEntry, MirrorReader};
+use lake_core::model::key::BlockKey;
+use lake_core::model::namespace::NamespaceId;
+use lake_core::model::replica::{ObjectKind, Priority, ReplicaWire, Tier};
+use lake_core::os::recv_with_fds;
+use lake_core::region::SlotRegion;
+use lake_core::stored::{ObjectMeta, ReadableObject, Reader, Refusal, encode_header, object_bytes};
+use lake_core::wire::hello::{HELLO_WIRE_VERSION, Identity};
+use lake_core::wire::message::Role;
+use lake_core::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
+use lake_dp::cplink::{CpLink, Granted};
 
 /// How long a blocking call waits for the data plane or `lake-cp`.
 pub const WAIT_MAX: Duration = Duration::from_secs(10);
 
 /// Lease length asked for a fetch.
 pub const LEASE_TTL_MS: u32 = 10_000;
-
-/// L2 blocks loaded at once by a fetch.
-pub const LOAD_BATCH: usize = 8;
 
 /// Blocks one lease of a fetch covers at most (the next window is leased
 /// when the fetch gets there).
@@ -85,7 +82,7 @@ pub struct AgentConfig<'a> {
     pub segment_bytes: u64,
     /// What this agent saves and reads: KV blocks, or a hybrid model's
     /// recurrent-state checkpoints (an attachment of their own, under
-    /// their [`crate::RecurrentLayout`]'s fingerprint).
+    /// their [`lake_core::RecurrentLayout`]'s fingerprint).
     pub object_kind: ObjectKind,
 }
 
@@ -273,7 +270,7 @@ pub struct AgentStats {
     /// What loading one block from each tier costs this agent, measured
     /// on its own fetches (ns, a moving average; 0: not measured yet;
     /// index by tier: 1 L1, 2 L2, 3 L3 — L0 is the engine's): the live
-    /// inputs of a cost-aware hit ([`crate::route`]).
+    /// inputs of a cost-aware hit ([`lake_core::route`]).
     pub load_ns_per_block: [u64; 4],
 }
 
@@ -334,17 +331,17 @@ pub struct Agent {
     /// The priority of the data plane loads a fetch asks for.
     load_priority: Priority,
     /// The engine's trace id its loads carry (0: none), whether the data
-    /// plane takes one ([`crate::wire::FEATURE_TRACE`]), and the traced
+    /// plane takes one ([`lake_core::wire::FEATURE_TRACE`]), and the traced
     /// loads done, oldest first (at most [`SPANS_KEPT`]).
     trace: u64,
     traces_taken: bool,
     spans: std::collections::VecDeque<TraceSpan>,
     /// Caps on tenants' pushes, from the data plane at attach.
-    push_caps: Vec<crate::wire::message::PushCap>,
+    push_caps: Vec<lake_core::wire::message::PushCap>,
     /// How long its reads of L1 hits and its loads from L2 and L3 took, by
     /// block (`agent_read_l1`, `agent_load_l2`, `agent_load_l3`), since it
     /// attached; sent to `lake-cp` at most once a second.
-    paths: [crate::wire::message::PathEntry; 3],
+    paths: [lake_core::wire::message::PathEntry; 3],
     paths_sent: Instant,
     /// Blocks lately not saved (refused, skipped), newest last, at most
     /// [`UNSAVED_KEPT`]: a later save of a block under one of them is not
@@ -399,10 +396,10 @@ impl Agent {
             node: 0,
             pid: std::process::id(),
             region_epoch: 0,
-            features: crate::wire::ATTACH_FEATURES,
+            features: lake_core::wire::ATTACH_FEATURES,
             name: config.name,
         };
-        let hello = crate::wire::hello::hello(&identity).map_err(|e| fail("hello")(&e))?;
+        let hello = lake_core::wire::hello::hello(&identity).map_err(|e| fail("hello")(&e))?;
         let mut frame = [0u8; 256];
         let meta = FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id: 1, leader_term: 0 };
         let len = encode_frame(meta, &Message::Hello(hello), &mut frame).map_err(|e| fail("hello")(&e))?;
@@ -412,7 +409,7 @@ impl Agent {
         let sent = (&stream).write_all(&frame[..len]);
         // The answer: `HelloAck`, the push caps (up to 1024 entries), then
         // `Attached` with the descriptors.
-        let mut input = vec![0u8; 1024 + crate::wire::message::PUSH_CAPS_MAX * 24];
+        let mut input = vec![0u8; 1024 + lake_core::wire::message::PUSH_CAPS_MAX * 24];
         let mut push_caps = Vec::new();
         let mut have = 0;
         let mut fds = Vec::new();
@@ -443,7 +440,7 @@ impl Agent {
                     Message::PushCaps(_, caps) if ack.is_some() => push_caps = caps.iter().collect(),
                     Message::Attached(attached) if ack.is_some() => found = Some(attached),
                     Message::Error(e) => {
-                        let code = crate::wire::message::ErrorCode::from_u32(e.code);
+                        let code = lake_core::wire::message::ErrorCode::from_u32(e.code);
                         return Err(AttachError(format!(
                             "{}: refused ({code:?}): {}",
                             dp_socket.display(),
@@ -471,7 +468,7 @@ impl Agent {
         }
         let port = AgentShmPort::attach(ports, attached.port).map_err(|e| AttachError(e.to_string()))?;
         // A data plane built before trace ids refuses a request carrying one.
-        let traces_taken = ack.is_some_and(|ack| ack.features & crate::wire::FEATURE_TRACE != 0);
+        let traces_taken = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_TRACE != 0);
         let mut agent = Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream), traces_taken)?;
         agent.push_caps = push_caps;
         Ok(agent)
@@ -479,9 +476,9 @@ impl Agent {
 
     /// The caps on tenants' pushes its data plane told it at attach (none
     /// from one built before them), as buckets: the engine's pushes keep
-    /// to them ([`crate::agent::push::Pusher::with_caps`]).
-    pub fn push_rates(&self) -> crate::runner::rates::TenantRates {
-        use crate::runner::rates::{RATE_PATHS, RatePath, TenantRate};
+    /// to them ([`crate::push::Pusher::with_caps`]).
+    pub fn push_rates(&self) -> lake_core::rates::TenantRates {
+        use lake_core::rates::{RATE_PATHS, RatePath, TenantRate};
         let mut tenants: Vec<TenantRate> = Vec::new();
         for cap in &self.push_caps {
             let index = cap.tenant as usize;
@@ -496,7 +493,7 @@ impl Agent {
             tenants[index].bytes_per_s[RatePath::NetSend as usize] = Some(cap.bytes_per_s);
         }
         tenants.retain(|t| !t.namespaces.is_empty());
-        crate::runner::rates::TenantRates::new(&tenants)
+        lake_core::rates::TenantRates::new(&tenants)
     }
 
     fn with(
@@ -516,7 +513,7 @@ impl Agent {
                     node: arena.header().node,
                     pid: std::process::id(),
                     region_epoch: 0,
-                    features: crate::wire::FEATURES,
+                    features: lake_core::wire::FEATURES,
                     name: config.name,
                 };
                 Some(CpLink::connect(socket, &identity, WAIT_MAX).map_err(|e| AttachError(e.to_string()))?)
@@ -552,7 +549,7 @@ impl Agent {
             spans: std::collections::VecDeque::with_capacity(SPANS_KEPT),
             push_caps: Vec::new(),
             paths: {
-                use crate::wire::message::{Path, PathEntry};
+                use lake_core::wire::message::{Path, PathEntry};
                 [Path::AgentReadL1, Path::AgentLoadL2, Path::AgentLoadL3].map(PathEntry::new)
             },
             paths_sent: Instant::now(),
@@ -570,7 +567,7 @@ impl Agent {
         self.trace = trace;
     }
 
-    /// Whether the data plane takes trace ids ([`crate::wire::FEATURE_TRACE`]).
+    /// Whether the data plane takes trace ids ([`lake_core::wire::FEATURE_TRACE`]).
     pub fn traces_taken(&self) -> bool {
         self.traces_taken
     }
@@ -594,7 +591,7 @@ impl Agent {
     /// it is not, nothing this agent holds is valid any more: attach again.
     pub fn data_plane_alive(&self) -> bool {
         match &self.attach_socket {
-            Some(socket) => !crate::runner::os::peer_closed(socket.as_raw_fd()),
+            Some(socket) => !lake_core::os::peer_closed(socket.as_raw_fd()),
             None => self.arena.is_live(),
         }
     }
@@ -678,7 +675,7 @@ impl Agent {
             node: self.arena.header().node,
             pid: std::process::id(),
             region_epoch: 0,
-            features: crate::wire::FEATURES,
+            features: lake_core::wire::FEATURES,
             name: &self.cp_name,
         };
         if let Ok(link) = CpLink::connect(socket, &identity, RELINK_WAIT) {
@@ -697,8 +694,8 @@ impl Agent {
     /// engine first pushed to it); false without a control plane.
     pub fn report_rails(
         &mut self,
-        network: crate::wire::message::Network,
-        rails: &[crate::wire::message::RailEntry],
+        network: lake_core::wire::message::Network,
+        rails: &[lake_core::wire::message::RailEntry],
     ) -> bool {
         self.relink();
         let Some(cp) = &mut self.cp else { return false };
@@ -1028,7 +1025,7 @@ impl Agent {
 
     /// How long this agent's reads and loads took, by path (what it sends
     /// `lake-cp`).
-    pub fn path_latency(&self) -> &[crate::wire::message::PathEntry] {
+    pub fn path_latency(&self) -> &[lake_core::wire::message::PathEntry] {
         &self.paths
     }
 
@@ -1312,7 +1309,7 @@ impl Agent {
     }
 
     /// A handle that reads [`Agent::save_pressure`] from any thread.
-    pub fn save_pressure_probe(&self) -> crate::agent::port::SavePressure {
+    pub fn save_pressure_probe(&self) -> crate::port::SavePressure {
         self.port.save_pressure_probe()
     }
 
@@ -1380,7 +1377,7 @@ impl Agent {
     /// `(key, parent, block index)`, its payload length.
     fn object_meta(
         &self,
-        arena: &crate::arena::layout::ArenaHeader,
+        arena: &lake_core::arena::layout::ArenaHeader,
         (key, parent_key, block_index): (BlockKey, BlockKey, u32),
         slot: u32,
         generation: u32,
@@ -1393,7 +1390,7 @@ impl Agent {
             block_index,
             namespace: self.namespace,
             layout_fingerprint: self.layout_fingerprint,
-            region: crate::model::replica::RegionId(arena.region),
+            region: lake_core::model::replica::RegionId(arena.region),
             region_epoch: arena.epoch,
             slot,
             generation,
@@ -1578,7 +1575,7 @@ impl Agent {
                     *crc = crc32fast::hash(from);
                     // SAFETY: `from` and `to` are segments of equal length
                     // of the source and of this agent's reserved slot.
-                    unsafe { crate::copy::copy_streaming(to.as_mut_ptr(), from.as_ptr(), from.len()) };
+                    unsafe { lake_core::copy::copy_streaming(to.as_mut_ptr(), from.as_ptr(), from.len()) };
                 }
                 true
             }

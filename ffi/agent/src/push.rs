@@ -16,16 +16,16 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::arena::{Pin, PinArray};
-use crate::constants::STORED_HEADER_BYTES;
-use crate::mirror::MirrorEntry;
-use crate::model::key::BlockKey;
-use crate::model::replica::{Priority, Tier};
-use crate::runner::rates::RatePath;
-use crate::stored::decode_header;
-use crate::transport::frame::BlockAddr;
-use crate::transport::tcp::{Outgoing, PeerId, TcpTransport, TraceEvent};
-use crate::transport::{ANY_SLOT, Completion, Landing, Links, TransferError};
+use lake_core::arena::{Pin, PinArray};
+use lake_core::constants::STORED_HEADER_BYTES;
+use lake_core::mirror::MirrorEntry;
+use lake_core::model::key::BlockKey;
+use lake_core::model::replica::{Priority, Tier};
+use lake_core::rates::RatePath;
+use lake_core::stored::decode_header;
+use lake_dp::transport::frame::BlockAddr;
+use lake_dp::transport::tcp::{Outgoing, PeerId, TcpTransport, TraceEvent};
+use lake_dp::transport::{ANY_SLOT, Completion, Landing, Links, TransferError};
 
 /// Why a block was not sent.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,7 +76,7 @@ pub struct Pusher<T: Links = TcpTransport> {
     trace_events: Vec<TraceEvent>,
     spans: VecDeque<PushSpan>,
     /// The caps on tenants' pushes (none: no bucket is looked up).
-    caps: crate::runner::rates::TenantRates,
+    caps: lake_core::rates::TenantRates,
     /// Blocks of capped tenants waiting for their bucket, oldest first:
     /// each with its namespace (its pin is held in `held`).
     waiting: VecDeque<(Outgoing, u64)>,
@@ -96,11 +96,11 @@ impl<T: Links> core::fmt::Debug for Pusher<T> {
 struct Sends;
 
 impl Landing for Sends {
-    fn place(&mut self, _: &BlockAddr, _: u64) -> Result<*mut u8, crate::transport::frame::AckStatus> {
-        Err(crate::transport::frame::AckStatus::Refused)
+    fn place(&mut self, _: &BlockAddr, _: u64) -> Result<*mut u8, lake_dp::transport::frame::AckStatus> {
+        Err(lake_dp::transport::frame::AckStatus::Refused)
     }
-    fn landed(&mut self, _: &BlockAddr, _: u64) -> crate::transport::frame::AckStatus {
-        crate::transport::frame::AckStatus::Refused
+    fn landed(&mut self, _: &BlockAddr, _: u64) -> lake_dp::transport::frame::AckStatus {
+        lake_dp::transport::frame::AckStatus::Refused
     }
     fn abandoned(&mut self, _: &BlockAddr) {}
 }
@@ -120,7 +120,7 @@ impl<T: Links> Pusher<T> {
             traced: HashMap::new(),
             trace_events: Vec::new(),
             spans: VecDeque::new(),
-            caps: crate::runner::rates::TenantRates::default(),
+            caps: lake_core::rates::TenantRates::default(),
             waiting: VecDeque::new(),
             cancelled: Vec::new(),
             throttled: 0,
@@ -130,7 +130,7 @@ impl<T: Links> Pusher<T> {
     /// Holds pushes to the tenants' caps in `caps` (their net-send path):
     /// a block of a tenant whose bucket is empty waits, pinned, until it
     /// refills.
-    pub fn with_caps(mut self, caps: crate::runner::rates::TenantRates) -> Self {
+    pub fn with_caps(mut self, caps: lake_core::rates::TenantRates) -> Self {
         self.caps = caps;
         self
     }
