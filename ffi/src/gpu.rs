@@ -20,7 +20,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaEvent;
-use lake_agent::{Agent, FetchFailure, PreparedSave};
+use lake_agent::{Agent, PreparedSave};
 use lake_dp::BlockKey;
 use lake_dp::arena::{Pin, PinArray};
 use lake_dp::constants::STORED_HEADER_BYTES;
@@ -613,13 +613,7 @@ fn load_fetched(
         return statuses;
     }
     if delivered < keys.len() {
-        statuses[delivered] = match failure {
-            None | Some(FetchFailure::Evicted) => LakeStatus::LakeEvicted,
-            Some(FetchFailure::Corrupt) => LakeStatus::LakeBadCrc,
-            Some(FetchFailure::Foreign) => LakeStatus::LakeLayoutMismatch,
-            Some(FetchFailure::Unavailable) => LakeStatus::LakeUnavailable,
-            Some(FetchFailure::Cancelled) => LakeStatus::LakeCancelled,
-        };
+        statuses[delivered] = crate::trace::status_of_fetch(failure);
         statuses.truncate(delivered + 1);
     }
     statuses

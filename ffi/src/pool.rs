@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use lake_agent::{Agent, AgentConfig, AgentStats, FetchFailure, PreparedSave};
+use lake_agent::{Agent, AgentConfig, AgentStats, PreparedSave};
 use lake_dp::arena::{Pin, PinArray};
 use lake_dp::cplink::Granted;
 use lake_dp::mirror::{MirrorEntry, MirrorReader};
@@ -1279,13 +1279,7 @@ fn fetch_through_agent(agent: &mut Agent, job: &LoadJob, from: usize) -> Vec<Lak
             misfit = Some(i);
         }
     });
-    let failure = match agent.last_fetch_failure() {
-        None | Some(FetchFailure::Evicted) => LakeStatus::LakeEvicted,
-        Some(FetchFailure::Corrupt) => LakeStatus::LakeBadCrc,
-        Some(FetchFailure::Foreign) => LakeStatus::LakeLayoutMismatch,
-        Some(FetchFailure::Unavailable) => LakeStatus::LakeUnavailable,
-        Some(FetchFailure::Cancelled) => LakeStatus::LakeCancelled,
-    };
+    let failure = crate::trace::status_of_fetch(agent.last_fetch_failure());
     // A payload that does not fit the engine's block (raw memory
     // registered smaller than what was saved) is not this reader's:
     // nothing of it was copied.

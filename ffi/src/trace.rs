@@ -96,6 +96,19 @@ pub(crate) fn status_of_save(status: lake_agent::SaveStatus) -> LakeStatus {
     }
 }
 
+/// The status the block a fetch stopped at reads as (`None`: the fetch
+/// ended without naming why, as when the block left its slot).
+pub(crate) fn status_of_fetch(failure: Option<lake_agent::FetchFailure>) -> LakeStatus {
+    use lake_agent::FetchFailure;
+    match failure {
+        None | Some(FetchFailure::Evicted) => LakeStatus::LakeEvicted,
+        Some(FetchFailure::Corrupt) => LakeStatus::LakeBadCrc,
+        Some(FetchFailure::Foreign) => LakeStatus::LakeLayoutMismatch,
+        Some(FetchFailure::Unavailable) => LakeStatus::LakeUnavailable,
+        Some(FetchFailure::Cancelled) => LakeStatus::LakeCancelled,
+    }
+}
+
 /// The status an agent's error reads as.
 fn status_of_agent_error(error: AgentError) -> LakeStatus {
     match error {
