@@ -15,10 +15,11 @@
 //!   number or a "later issue" (the CHANGELOG holds history).
 //! - **No unused dependency**: every dependency a member's manifest
 //!   declares is named in that member's sources.
-//! - **Arrows point down**: the engine's side (`ffi`, the agent) never
-//!   names the data plane's runner, and the control plane names the agent
-//!   only in its demo (the compiler keeps `lake-core` and `lake-dp` from
-//!   naming the agent at all: neither depends on it).
+//! - **Arrows point down**: each library crate depends only on the
+//!   internal crates [`ARROWS`] allows it (so the compiler keeps the
+//!   vocabulary from the daemon, and the data plane and the control plane
+//!   from the agent), and the engine's side (`ffi`, the agent) never names
+//!   the data plane's runner.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -46,9 +47,9 @@ const LONG_FILES: &[(&str, usize)] = &[
     ("lake-dp/src/transport/tcp.rs", 2727),
     ("lake-dp/core/src/wire/message.rs", 1758),
     ("lake-cp/src/bin/lake.rs", 1578),
-    ("lake-cp/src/evict.rs", 1115),
-    ("lake-cp/src/node.rs", 1133),
-    ("lake-cp/src/tier.rs", 2988),
+    ("lake-cp/control/src/evict.rs", 1115),
+    ("lake-cp/control/src/node.rs", 1133),
+    ("lake-cp/control/src/tier.rs", 2988),
     ("lake-cp/tests/serve.rs", 1063),
     ("ffi/src/pool.rs", 2779),
     ("kernels/src/gpu.rs", 1167),
@@ -74,10 +75,10 @@ const UNSAFE_FILES: &[&str] = &[
     "ffi/src/status.rs",
     "ffi/src/trace.rs",
     "kernels/src/gpu.rs",
-    "lake-cp/src/embedded.rs",
-    "lake-cp/src/huge.rs",
-    "lake-cp/src/metrics.rs",
-    "lake-cp/src/table.rs",
+    "lake-cp/control/src/embedded.rs",
+    "lake-cp/control/src/huge.rs",
+    "lake-cp/control/src/metrics.rs",
+    "lake-cp/control/src/table.rs",
     "lake-dp/examples/tour.rs",
     "lake-dp/core/src/agent/port.rs",
     "lake-dp/core/src/agent/shm.rs",
@@ -122,7 +123,7 @@ const UNSAFE_FILES: &[&str] = &[
 
 /// The workspace's members, and the fuzz crate (outside the workspace).
 const CRATES: &[&str] =
-    &["lake-dp/core", "lake-dp", "lake-cp", "ffi/agent", "ffi", "kernels", "bench", "tests", "fuzz"];
+    &["lake-dp/core", "lake-dp", "lake-cp/control", "lake-cp", "ffi/agent", "ffi", "kernels", "bench", "tests", "fuzz"];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace holds the tests crate").to_path_buf()
@@ -395,37 +396,84 @@ fn library_name(package: &str, declared: &toml::Value) -> String {
     }
 }
 
-/// The crates a parsed file names in code (paths, `use`, macros, `extern
-/// crate`); comments and docs do not count.
+/// What a parsed file names in code (paths, `use` trees, macros,
+/// attributes, `extern crate`), each path as its first segment and as its
+/// first two (`lake_dp` and `lake_dp::runner`); comments and docs do not
+/// count.
 #[derive(Default)]
 struct Named(std::collections::BTreeSet<String>);
 
-impl<'ast> Visit<'ast> for Named {
-    fn visit_path(&mut self, path: &'ast syn::Path) {
-        if let Some(first) = path.segments.first() {
-            self.0.insert(first.ident.to_string());
-        }
-        syn::visit::visit_path(self, path);
+impl Named {
+    fn contains(&self, name: &str) -> bool {
+        self.0.contains(name)
     }
 
-    fn visit_use_tree(&mut self, tree: &'ast syn::UseTree) {
+    fn note(&mut self, first: String, second: Option<String>) {
+        if let Some(second) = second {
+            self.0.insert(format!("{first}::{second}"));
+        }
+        self.0.insert(first);
+    }
+
+    fn use_tree(&mut self, prefix: Option<&str>, tree: &syn::UseTree) {
+        let mut name = |ident: &syn::Ident| match prefix {
+            Some(first) => self.note(first.to_string(), Some(ident.to_string())),
+            None => self.note(ident.to_string(), None),
+        };
         match tree {
             syn::UseTree::Path(path) => {
-                self.0.insert(path.ident.to_string());
+                name(&path.ident);
+                if prefix.is_none() {
+                    self.use_tree(Some(&path.ident.to_string()), &path.tree);
+                }
             }
-            syn::UseTree::Name(name) => {
-                self.0.insert(name.ident.to_string());
-            }
-            syn::UseTree::Rename(rename) => {
-                self.0.insert(rename.ident.to_string());
+            syn::UseTree::Name(syn::UseName { ident }) | syn::UseTree::Rename(syn::UseRename { ident, .. }) => {
+                name(ident);
             }
             syn::UseTree::Group(group) => {
                 for tree in &group.items {
-                    self.visit_use_tree(tree);
+                    self.use_tree(prefix, tree);
                 }
             }
             syn::UseTree::Glob(_) => {}
         }
+    }
+
+    /// Paths inside tokens (a macro's, an attribute's): an identifier
+    /// followed by `::`, with the identifier after it.
+    fn tokens(&mut self, tokens: &[proc_macro2::TokenTree]) {
+        use proc_macro2::TokenTree;
+        let colon = |i: usize| matches!(tokens.get(i), Some(TokenTree::Punct(p)) if p.as_char() == ':');
+        for (i, token) in tokens.iter().enumerate() {
+            match token {
+                TokenTree::Ident(ident) if colon(i + 1) => {
+                    let second = match tokens.get(i + 3) {
+                        Some(TokenTree::Ident(next)) if colon(i + 2) => Some(next.to_string()),
+                        _ => None,
+                    };
+                    self.note(ident.to_string(), second);
+                }
+                TokenTree::Group(group) => {
+                    let inner: Vec<TokenTree> = group.stream().into_iter().collect();
+                    self.tokens(&inner);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+impl<'ast> Visit<'ast> for Named {
+    fn visit_path(&mut self, path: &'ast syn::Path) {
+        let mut segments = path.segments.iter().map(|s| s.ident.to_string());
+        if let Some(first) = segments.next() {
+            self.note(first, segments.next());
+        }
+        syn::visit::visit_path(self, path);
+    }
+
+    fn visit_item_use(&mut self, item: &'ast syn::ItemUse) {
+        self.use_tree(None, &item.tree);
     }
 
     fn visit_attribute(&mut self, attribute: &'ast syn::Attribute) {
@@ -444,29 +492,9 @@ impl<'ast> Visit<'ast> for Named {
 
     fn visit_macro(&mut self, mac: &'ast syn::Macro) {
         self.visit_path(&mac.path);
-        // Paths inside a macro's tokens (`format!("{}", x::y())`, a
-        // `vec![a::b(); n]`): any identifier followed by `::`.
+        // `format!("{}", x::y())`, a `vec![a::b(); n]`.
         let tokens: Vec<proc_macro2::TokenTree> = mac.tokens.clone().into_iter().collect();
         self.tokens(&tokens);
-    }
-}
-
-impl Named {
-    fn tokens(&mut self, tokens: &[proc_macro2::TokenTree]) {
-        for (i, token) in tokens.iter().enumerate() {
-            match token {
-                proc_macro2::TokenTree::Ident(ident) => {
-                    if matches!(tokens.get(i + 1), Some(proc_macro2::TokenTree::Punct(p)) if p.as_char() == ':') {
-                        self.0.insert(ident.to_string());
-                    }
-                }
-                proc_macro2::TokenTree::Group(group) => {
-                    let inner: Vec<proc_macro2::TokenTree> = group.stream().into_iter().collect();
-                    self.tokens(&inner);
-                }
-                _ => {}
-            }
-        }
     }
 }
 
@@ -489,7 +517,7 @@ fn every_dependency_is_used() {
             let Some(table) = manifest.get(section).and_then(toml::Value::as_table) else { continue };
             for (package, declared) in table {
                 let name = library_name(package, declared);
-                let used = in_code.0.contains(&name) || (test_only && in_tests.0.contains(&name));
+                let used = in_code.contains(&name) || (test_only && in_tests.contains(&name));
                 if !used {
                     problems.push(format!("{krate}: {section}.{package} is never named in its code"));
                 }
@@ -499,68 +527,36 @@ fn every_dependency_is_used() {
     assert!(problems.is_empty(), "unused dependencies:\n{}", problems.join("\n"));
 }
 
-/// The paths a parsed file names in code, each as its first two segments
-/// (`lake_dp::runner`); `use` trees are followed through their groups.
-#[derive(Default)]
-struct Paths(std::collections::BTreeSet<String>);
+/// The internal crates each library below the composition roots may depend
+/// on (`[dependencies]`; tests may reach anything). A crate not listed
+/// (`lake-cp`, `ffi`, `bench`, `tests`, `fuzz`) assembles the others.
+const ARROWS: &[(&str, &[&str])] = &[
+    ("lake-dp/core", &[]),
+    ("lake-dp", &["lake-core"]),
+    ("lake-cp/control", &["lake-core", "lake-dp"]),
+    ("ffi/agent", &["lake-core", "lake-dp"]),
+    ("kernels", &[]),
+];
 
-impl Paths {
-    fn use_tree(&mut self, prefix: &str, tree: &syn::UseTree) {
-        let joined = |name: &str| if prefix.is_empty() { name.to_string() } else { format!("{prefix}::{name}") };
-        match tree {
-            syn::UseTree::Path(path) => {
-                let next = joined(&path.ident.to_string());
-                if next.contains("::") {
-                    self.0.insert(next.clone());
-                    return;
-                }
-                self.use_tree(&next, &path.tree);
-            }
-            syn::UseTree::Name(name) => {
-                self.0.insert(joined(&name.ident.to_string()));
-            }
-            syn::UseTree::Rename(rename) => {
-                self.0.insert(joined(&rename.ident.to_string()));
-            }
-            syn::UseTree::Group(group) => {
-                for tree in &group.items {
-                    self.use_tree(prefix, tree);
-                }
-            }
-            syn::UseTree::Glob(_) => {
-                self.0.insert(prefix.to_string());
+/// Where the manifests and the sources point that they must not.
+fn wrong_arrows() -> Vec<String> {
+    let mut problems = Vec::new();
+    for (krate, allowed) in ARROWS {
+        let manifest: toml::Table = read(&format!("{krate}/Cargo.toml")).parse().expect("a manifest");
+        let Some(table) = manifest.get("dependencies").and_then(toml::Value::as_table) else { continue };
+        for package in table.keys().filter(|p| p.starts_with("lake-")) {
+            if !allowed.contains(&package.as_str()) {
+                problems.push(format!("{krate}/Cargo.toml: depends on {package}"));
             }
         }
     }
-}
-
-impl<'ast> Visit<'ast> for Paths {
-    fn visit_path(&mut self, path: &'ast syn::Path) {
-        let names: Vec<String> = path.segments.iter().take(2).map(|s| s.ident.to_string()).collect();
-        self.0.insert(names.join("::"));
-        syn::visit::visit_path(self, path);
-    }
-
-    fn visit_item_use(&mut self, item: &'ast syn::ItemUse) {
-        self.use_tree("", &item.tree);
-    }
-}
-
-/// Where each source file outside tests points that it must not.
-fn wrong_arrows() -> Vec<String> {
-    let mut problems = Vec::new();
-    for file in rust_files().into_iter().filter(|f| !is_test_file(f)) {
-        let mut paths = Paths::default();
-        paths.visit_file(&parse(&file));
-        let engine_side = file.starts_with("ffi/");
-        let control = file.starts_with("lake-cp/src/") && file != "lake-cp/src/demo.rs";
-        for path in &paths.0 {
-            if engine_side && (path == "lake_dp::runner" || path.starts_with("lake_dp::runner::")) {
-                problems.push(format!("{file}: names the data plane's runner ({path})"));
-            }
-            if control && (path == "lake_agent" || path.starts_with("lake_agent::")) {
-                problems.push(format!("{file}: the control plane names the agent ({path})"));
-            }
+    // The engine's side depends on `lake-dp` for the transport and the cp
+    // link, never for its runner.
+    for file in rust_files().into_iter().filter(|f| f.starts_with("ffi/") && !is_test_file(f)) {
+        let mut named = Named::default();
+        named.visit_file(&parse(&file));
+        if named.contains("lake_dp::runner") {
+            problems.push(format!("{file}: names the data plane's runner (lake_dp::runner)"));
         }
     }
     problems

@@ -865,7 +865,7 @@ mod tests {
 
     #[test]
     fn the_example_and_the_guide_show_every_setting() {
-        let example = include_str!("../../examples/lake.toml");
+        let example = include_str!("../../../examples/lake.toml");
         for arg in command().get_arguments() {
             let Some(long) = arg.get_long() else { continue };
             if long == "config" {
@@ -876,7 +876,7 @@ mod tests {
         }
         // The guide's reference is this schema's, as `lake config reference`
         // prints it (regenerate it with that command when a flag changes).
-        let guide = include_str!("../../docs/guide/configuration.md");
+        let guide = include_str!("../../../docs/guide/configuration.md");
         let (_, rest) = guide.split_once(REFERENCE_BEGIN).expect("the guide's reference begins");
         let (shown, _) = rest.split_once(REFERENCE_END).expect("and ends");
         assert_eq!(shown.trim(), reference().trim(), "docs/guide/configuration.md: run `lake config reference`");
