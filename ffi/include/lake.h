@@ -1040,6 +1040,10 @@ void lake_keychain_free(struct LakeKeyChain *chain);
  Attaches to the pool: the local `lake-dp` (versions checked both ways;
  its attach socket is this process's liveness), the mirror, and
  `lake-cp` if given. Starts the agent's thread. Thread-safe.
+ `LAKE_VERSION_MISMATCH`: no wire version in common; `LAKE_BUSY`: every
+ agent port (or agent record) is taken by the engines attached, try
+ again once one detaches; `LAKE_NOT_ATTACHED`: no pool there, or it
+ refused this process.
 
  # Safety
 

@@ -613,7 +613,7 @@ fn load_fetched(
         return statuses;
     }
     if delivered < keys.len() {
-        statuses[delivered] = crate::trace::status_of_fetch(failure);
+        statuses[delivered] = crate::status::status_of_fetch(failure);
         statuses.truncate(delivered + 1);
     }
     statuses
@@ -690,7 +690,7 @@ pub(crate) fn save(
         commit_turn(agent, last, &prepared, &mut saved);
     }
     for (status, saved) in statuses.iter_mut().zip(saved) {
-        *status = crate::trace::status_of_save(saved);
+        *status = crate::status::status_of_save(saved);
     }
     statuses
 }

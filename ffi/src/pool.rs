@@ -605,6 +605,10 @@ pub unsafe extern "C" fn lake_keychain_free(chain: *mut LakeKeyChain) {
 /// Attaches to the pool: the local `lake-dp` (versions checked both ways;
 /// its attach socket is this process's liveness), the mirror, and
 /// `lake-cp` if given. Starts the agent's thread. Thread-safe.
+/// `LAKE_VERSION_MISMATCH`: no wire version in common; `LAKE_BUSY`: every
+/// agent port (or agent record) is taken by the engines attached, try
+/// again once one detaches; `LAKE_NOT_ATTACHED`: no pool there, or it
+/// refused this process.
 ///
 /// # Safety
 ///
@@ -669,14 +673,8 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
                 segment_bytes: o.segment_bytes,
                 object_kind,
             };
-            let agent = Agent::connect(&config, &dp).map_err(|e| {
-                let status = if e.to_string().contains("(Some(VersionMismatch))") {
-                    LakeStatus::LakeVersionMismatch
-                } else {
-                    LakeStatus::LakeNotAttached
-                };
-                fail(status, e.to_string())
-            })?;
+            let agent =
+                Agent::connect(&config, &dp).map_err(|e| fail(crate::status::status_of_attach(&e), e.to_string()))?;
             let largest = agent.payload_bytes_max();
             if o.block_bytes > largest {
                 let blocks = o.block_bytes;
@@ -1264,7 +1262,7 @@ fn run_save(
     if let Some((range, sent)) = answering {
         agent.await_prepared(sent, &prepared[range.clone()], &mut saved[range]);
     }
-    saved.into_iter().map(crate::trace::status_of_save).collect()
+    saved.into_iter().map(crate::status::status_of_save).collect()
 }
 
 /// Loads `job`'s blocks `from..` through the agent: its pin, its leases,
@@ -1279,7 +1277,7 @@ fn fetch_through_agent(agent: &mut Agent, job: &LoadJob, from: usize) -> Vec<Lak
             misfit = Some(i);
         }
     });
-    let failure = crate::trace::status_of_fetch(agent.last_fetch_failure());
+    let failure = crate::status::status_of_fetch(agent.last_fetch_failure());
     // A payload that does not fit the engine's block (raw memory
     // registered smaller than what was saved) is not this reader's:
     // nothing of it was copied.

@@ -10,9 +10,9 @@ use lake_dp::BlockKey;
 use lake_dp::Priority;
 use lake_dp::mirror::MirrorEntry;
 use lake_dp::transport::tcp::{PeerId, Rail, TcpConfig, TcpTransport};
-use lake_dp::transport::{Completion, Links, TransferError};
+use lake_dp::transport::{Completion, Links};
 
-use crate::status::LakeStatus;
+use crate::status::{LakeStatus, status_of_transfer};
 
 /// One rail of the compute network's transport to one peer: what pushes
 /// carried on it (`lake_push_rails`).
@@ -139,19 +139,6 @@ fn compute_links(agent: &Agent) -> Option<Box<dyn Links>> {
     }
 }
 
-pub(crate) fn status_of(error: &TransferError) -> LakeStatus {
-    match error {
-        TransferError::Corrupt => LakeStatus::LakeBadCrc,
-        TransferError::Busy => LakeStatus::LakeBusy,
-        TransferError::Invalid(_) => LakeStatus::LakeInvalidArgument,
-        TransferError::Cancelled => LakeStatus::LakeCancelled,
-        TransferError::Refused
-        | TransferError::PeerLost(_)
-        | TransferError::Timeout
-        | TransferError::Unreachable(_) => LakeStatus::LakeUnavailable,
-    }
-}
-
 impl Pushes {
     /// Starts `job`'s blocks; those that cannot start end at once, in
     /// `(request, index, status)`.
@@ -189,7 +176,7 @@ impl Pushes {
                     let status = match e {
                         PushError::Evicted | PushError::Mismatch => LakeStatus::LakeEvicted,
                         PushError::NotInL1 => LakeStatus::LakeUnavailable,
-                        PushError::Transport(e) => status_of(&e),
+                        PushError::Transport(e) => status_of_transfer(&e),
                     };
                     ended.push((job.request, index, status));
                 }
@@ -259,7 +246,7 @@ impl Pushes {
             let Some((request, index)) = self.blocks.remove(&completion.transfer) else { continue };
             let status = match &completion.result {
                 Ok(()) => LakeStatus::LakeOk,
-                Err(e) => status_of(e),
+                Err(e) => status_of_transfer(e),
             };
             ended.push((request, index, status));
         }

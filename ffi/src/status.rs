@@ -109,3 +109,81 @@ pub unsafe extern "C" fn lake_last_error(buffer: *mut c_char, capacity: usize) -
         bytes.len()
     })
 }
+
+// What the agent's answers read as at the boundary: one mapping each.
+
+/// The status a failed attach reads as: a refusal by its code (no wire
+/// version in common; every agent port taken), the arena's agent records
+/// all claimed (both busy: try again once an engine detaches), a
+/// configuration no agent can attach with, and otherwise no pool there.
+pub(crate) fn status_of_attach(error: &lake_agent::AttachError) -> LakeStatus {
+    use lake_agent::AttachError;
+    use lake_dp::wire::message::ErrorCode;
+    match error {
+        AttachError::Refused { code: Some(ErrorCode::VersionMismatch), .. } => LakeStatus::LakeVersionMismatch,
+        AttachError::Refused { code: Some(ErrorCode::QueueFull), .. } | AttachError::RecordsFull => {
+            LakeStatus::LakeBusy
+        }
+        AttachError::Invalid(_) => LakeStatus::LakeInvalidArgument,
+        AttachError::Refused { .. }
+        | AttachError::Socket { .. }
+        | AttachError::Protocol(_)
+        | AttachError::Memory(_)
+        | AttachError::ControlPlane(_) => LakeStatus::LakeNotAttached,
+    }
+}
+
+/// The status a block of a save reads as.
+pub(crate) fn status_of_save(status: lake_agent::SaveStatus) -> LakeStatus {
+    use lake_agent::SaveStatus;
+    match status {
+        SaveStatus::Saved => LakeStatus::LakeOk,
+        SaveStatus::Refused(error) => status_of_agent_error(error),
+        SaveStatus::ParentUnsaved => LakeStatus::LakePrefixBroken,
+        SaveStatus::NotSent => LakeStatus::LakeBusy,
+    }
+}
+
+/// The status the block a fetch stopped at reads as (`None`: the fetch
+/// ended without naming why, as when the block left its slot).
+pub(crate) fn status_of_fetch(failure: Option<lake_agent::FetchFailure>) -> LakeStatus {
+    use lake_agent::FetchFailure;
+    match failure {
+        None | Some(FetchFailure::Evicted) => LakeStatus::LakeEvicted,
+        Some(FetchFailure::Corrupt) => LakeStatus::LakeBadCrc,
+        Some(FetchFailure::Foreign) => LakeStatus::LakeLayoutMismatch,
+        Some(FetchFailure::Unavailable) => LakeStatus::LakeUnavailable,
+        Some(FetchFailure::Cancelled) => LakeStatus::LakeCancelled,
+    }
+}
+
+/// The status an agent's error reads as.
+pub(crate) fn status_of_agent_error(error: lake_agent::port::AgentError) -> LakeStatus {
+    use lake_agent::port::AgentError;
+    match error {
+        AgentError::NoSpace => LakeStatus::LakeNoSpace,
+        AgentError::Stale => LakeStatus::LakeEvicted,
+        AgentError::Corrupt => LakeStatus::LakeBadCrc,
+        AgentError::Io => LakeStatus::LakeIo,
+        AgentError::Busy => LakeStatus::LakeBusy,
+        AgentError::Invalid => LakeStatus::LakeInvalidArgument,
+        AgentError::Cancelled => LakeStatus::LakeCancelled,
+        AgentError::Reserved => LakeStatus::LakeLoadReserve,
+        AgentError::Stopping => LakeStatus::LakeStopping,
+    }
+}
+
+/// The status a push's failed block reads as.
+pub(crate) fn status_of_transfer(error: &lake_dp::transport::TransferError) -> LakeStatus {
+    use lake_dp::transport::TransferError;
+    match error {
+        TransferError::Corrupt => LakeStatus::LakeBadCrc,
+        TransferError::Busy => LakeStatus::LakeBusy,
+        TransferError::Invalid(_) => LakeStatus::LakeInvalidArgument,
+        TransferError::Cancelled => LakeStatus::LakeCancelled,
+        TransferError::Refused
+        | TransferError::PeerLost(_)
+        | TransferError::Timeout
+        | TransferError::Unreachable(_) => LakeStatus::LakeUnavailable,
+    }
+}

@@ -11,7 +11,6 @@
 use std::cell::Cell;
 
 use lake_agent::TraceSpan;
-use lake_agent::port::AgentError;
 
 use crate::pool::{LakeBlockKey, LakePool, pool_ref, status_of};
 use crate::status::{LakeStatus, fail, guard};
@@ -63,7 +62,7 @@ impl From<&TraceSpan> for LakeTraceSpan {
             trace: span.trace,
             key: LakeBlockKey { bytes: span.key.0 },
             tier: u32::from(span.tier),
-            status: span.result.map_or_else(status_of_agent_error, |()| LakeStatus::LakeOk),
+            status: span.result.map_or_else(crate::status::status_of_agent_error, |()| LakeStatus::LakeOk),
             took_ns: span.took_ns,
             data_plane_us: span.data_plane_us,
             op: LAKE_SPAN_LOAD,
@@ -77,50 +76,11 @@ impl From<&lake_agent::push::PushSpan> for LakeTraceSpan {
             trace: span.trace,
             key: LakeBlockKey { bytes: span.key.0 },
             tier: 1,
-            status: span.result.as_ref().map_or_else(crate::push::status_of, |()| LakeStatus::LakeOk),
+            status: span.result.as_ref().map_or_else(crate::status::status_of_transfer, |()| LakeStatus::LakeOk),
             took_ns: span.took_ns,
             data_plane_us: span.peer_us,
             op: LAKE_SPAN_PUSH,
         }
-    }
-}
-
-/// The status a block of a save reads as.
-pub(crate) fn status_of_save(status: lake_agent::SaveStatus) -> LakeStatus {
-    use lake_agent::SaveStatus;
-    match status {
-        SaveStatus::Saved => LakeStatus::LakeOk,
-        SaveStatus::Refused(error) => status_of_agent_error(error),
-        SaveStatus::ParentUnsaved => LakeStatus::LakePrefixBroken,
-        SaveStatus::NotSent => LakeStatus::LakeBusy,
-    }
-}
-
-/// The status the block a fetch stopped at reads as (`None`: the fetch
-/// ended without naming why, as when the block left its slot).
-pub(crate) fn status_of_fetch(failure: Option<lake_agent::FetchFailure>) -> LakeStatus {
-    use lake_agent::FetchFailure;
-    match failure {
-        None | Some(FetchFailure::Evicted) => LakeStatus::LakeEvicted,
-        Some(FetchFailure::Corrupt) => LakeStatus::LakeBadCrc,
-        Some(FetchFailure::Foreign) => LakeStatus::LakeLayoutMismatch,
-        Some(FetchFailure::Unavailable) => LakeStatus::LakeUnavailable,
-        Some(FetchFailure::Cancelled) => LakeStatus::LakeCancelled,
-    }
-}
-
-/// The status an agent's error reads as.
-fn status_of_agent_error(error: AgentError) -> LakeStatus {
-    match error {
-        AgentError::NoSpace => LakeStatus::LakeNoSpace,
-        AgentError::Stale => LakeStatus::LakeEvicted,
-        AgentError::Corrupt => LakeStatus::LakeBadCrc,
-        AgentError::Io => LakeStatus::LakeIo,
-        AgentError::Busy => LakeStatus::LakeBusy,
-        AgentError::Invalid => LakeStatus::LakeInvalidArgument,
-        AgentError::Cancelled => LakeStatus::LakeCancelled,
-        AgentError::Reserved => LakeStatus::LakeLoadReserve,
-        AgentError::Stopping => LakeStatus::LakeStopping,
     }
 }
 

@@ -12,8 +12,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_agent::{Agent, AgentConfig, AttachError, SaveBlock, SavePayload};
 use lake_cp::embedded::{EmbeddedConfig, EmbeddedPool};
+use lake_dp::wire::message::ErrorCode;
 use lake_dp::{BlockKey, NamespaceId};
 
 #[path = "common/metrics.rs"]
@@ -147,7 +148,7 @@ fn an_agent_in_another_process_saves_and_loads_and_its_pins_die_with_it() {
     // A peer speaking only a wire version this lake-dp does not is refused
     // by name at hello, and nothing else changes.
     {
-        use lake_dp::wire::message::{ErrorCode, Role};
+        use lake_dp::wire::message::Role;
         use lake_dp::wire::{FrameMeta, Limits, Message, decode_frame, encode_frame};
         use std::io::{Read, Write};
         let identity = lake_dp::wire::hello::Identity {
@@ -178,10 +179,35 @@ fn an_agent_in_another_process_saves_and_loads_and_its_pins_die_with_it() {
     assert_eq!(agent.lookup(&keys, &mut table), 6);
     assert_eq!(agent.fetch(&keys, &table, |i, bytes| assert_eq!(bytes, &payloads[i][..])), 6);
 
+    // Engines that find every agent port taken are told so by name (try
+    // again later), and attach once a port is given back.
+    let mut others = Vec::new();
+    let refused = loop {
+        match Agent::connect(&agent_config(&mirror_path, &cp_socket), &dp_socket) {
+            Ok(other) => others.push(other),
+            Err(e) => break e,
+        }
+        assert!(others.len() < 4, "a pool of 4 agent ports took a fifth agent");
+    };
+    assert!(matches!(refused, AttachError::Refused { code: Some(ErrorCode::QueueFull), .. }), "{refused}");
+    assert_eq!(others.len(), 3, "the dead child's port was not given back: {refused}");
+    others.pop();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let again = loop {
+        match Agent::connect(&agent_config(&mirror_path, &cp_socket), &dp_socket) {
+            Ok(again) => break again,
+            Err(AttachError::Refused { code: Some(ErrorCode::QueueFull), .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("a port given back was not taken again: {e}"),
+        }
+    };
+    drop((others, again));
+
     let (stats, _server) = pool.stop().unwrap();
     assert!(!agent.data_plane_alive(), "the runner is gone and the agent can tell");
     drop(agent);
-    assert_eq!(stats.agents_attached, 2);
+    assert_eq!(stats.agents_attached, 6);
     assert!(stats.agents_released >= 1, "{stats:?}");
     assert_eq!(stats.pool.saves, 6);
 }

@@ -1,7 +1,5 @@
 //! The agent itself (see the crate docs).
 
-use std::fs::File;
-use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -9,20 +7,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::port::{AgentCompletion, AgentError, AgentPort, AgentRequest, CrcOrigin, LOAD_BATCH};
-use crate::shm::AgentShmPort;
 use lake_core::arena::{Arena, Pin, PinArray, PinError};
 use lake_core::constants::{SEGMENTS_MAX, STORED_HEADER_BYTES};
 use lake_core::mirror::{MirrorEntry, MirrorReader};
 use lake_core::model::key::BlockKey;
 use lake_core::model::namespace::NamespaceId;
 use lake_core::model::replica::{ObjectKind, Priority, ReplicaWire, Tier};
-use lake_core::os::recv_with_fds;
 use lake_core::region::SlotRegion;
 use lake_core::stored::{ObjectMeta, ReadableObject, Reader, Refusal, encode_header, object_bytes};
-use lake_core::wire::hello::{HELLO_WIRE_VERSION, Identity};
+use lake_core::wire::hello::Identity;
 use lake_core::wire::message::Role;
-use lake_core::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
 use lake_dp::cplink::{CpLink, Granted};
+
+mod attach;
+pub use attach::AttachError;
 
 /// How long a blocking call waits for the data plane or `lake-cp`.
 pub const WAIT_MAX: Duration = Duration::from_secs(10);
@@ -49,18 +47,6 @@ pub const LOAD_RETRY_MAX: Duration = Duration::from_millis(500);
 /// a try waits for the hello.
 const RELINK_EVERY: Duration = Duration::from_millis(200);
 const RELINK_WAIT: Duration = Duration::from_millis(200);
-
-/// Why attaching failed.
-#[derive(Debug)]
-pub struct AttachError(pub String);
-
-impl core::fmt::Display for AttachError {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "agent attach: {}", self.0)
-    }
-}
-
-impl std::error::Error for AttachError {}
 
 /// Where the pool is.
 #[derive(Clone, Copy, Debug)]
@@ -377,101 +363,8 @@ impl Agent {
     /// Attaches to the pool through `port` (one of the runner's agent
     /// ports).
     pub fn attach(config: &AgentConfig<'_>, port: AgentPort) -> Result<Self, AttachError> {
-        let arena = Arena::attach(config.arena).map_err(|e| AttachError(e.to_string()))?;
+        let arena = Arena::attach(config.arena).map_err(|e| AttachError::Memory(e.to_string()))?;
         Self::with(config, arena, port, None, true)
-    }
-
-    /// Attaches to the `lake-dp` listening on `dp_socket` (its `[agents]
-    /// socket`) from another process: hello, then the arena, the port file
-    /// and the wake-up eventfd arrive over the socket, which stays open as
-    /// this agent's liveness (`config.arena` is not used).
-    pub fn connect(config: &AgentConfig<'_>, dp_socket: &Path) -> Result<Self, AttachError> {
-        let fail = |what: &'static str| {
-            move |e: &dyn core::fmt::Display| AttachError(format!("{}: {what}: {e}", dp_socket.display()))
-        };
-        let stream = UnixStream::connect(dp_socket).map_err(|e| fail("connecting")(&e))?;
-        stream.set_read_timeout(Some(WAIT_MAX)).map_err(|e| fail("socket")(&e))?;
-        let identity = Identity {
-            role: Role::Agent,
-            node: 0,
-            pid: std::process::id(),
-            region_epoch: 0,
-            features: lake_core::wire::ATTACH_FEATURES,
-            name: config.name,
-        };
-        let hello = lake_core::wire::hello::hello(&identity).map_err(|e| fail("hello")(&e))?;
-        let mut frame = [0u8; 256];
-        let meta = FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id: 1, leader_term: 0 };
-        let len = encode_frame(meta, &Message::Hello(hello), &mut frame).map_err(|e| fail("hello")(&e))?;
-        // A refusal may come before the hello is read (lake-dp refuses a
-        // peer it does not allow as it connects, and closes): the answer is
-        // read even when sending failed, so the refusal is what is said.
-        let sent = (&stream).write_all(&frame[..len]);
-        // The answer: `HelloAck`, the push caps (up to 1024 entries), then
-        // `Attached` with the descriptors.
-        let mut input = vec![0u8; 1024 + lake_core::wire::message::PUSH_CAPS_MAX * 24];
-        let mut push_caps = Vec::new();
-        let mut have = 0;
-        let mut fds = Vec::new();
-        let mut ack = None;
-        let mut found = None;
-        let attached = loop {
-            let received = recv_with_fds(stream.as_raw_fd(), &mut input[have..], &mut fds);
-            if let Err(e) = &sent
-                && !matches!(received, Ok(n) if n > 0)
-            {
-                return Err(fail("sending the hello")(e));
-            }
-            let n = received.map_err(|e| fail("waiting for the answer")(&e))?;
-            if n == 0 {
-                return Err(AttachError(format!("{}: lake-dp closed the connection", dp_socket.display())));
-            }
-            have += n;
-            loop {
-                let frame = match decode_frame(&input[..have], &Limits::default()) {
-                    Err(WireError::Incomplete { .. }) => break,
-                    Err(e) => return Err(fail("answer")(&e)),
-                    Ok(frame) => frame,
-                };
-                let used = frame.len();
-                let message = frame.message;
-                match message {
-                    Message::HelloAck(a) => ack = Some(a),
-                    Message::PushCaps(_, caps) if ack.is_some() => push_caps = caps.iter().collect(),
-                    Message::Attached(attached) if ack.is_some() => found = Some(attached),
-                    Message::Error(e) => {
-                        let code = lake_core::wire::message::ErrorCode::from_u32(e.code);
-                        return Err(AttachError(format!(
-                            "{}: refused ({code:?}): {}",
-                            dp_socket.display(),
-                            e.detail()
-                        )));
-                    }
-                    _ => return Err(AttachError(format!("{}: unexpected answer", dp_socket.display()))),
-                }
-                input.copy_within(used..have, 0);
-                have -= used;
-            }
-            if let Some(attached) = found {
-                break attached;
-            }
-        };
-        if fds.len() != 3 {
-            return Err(AttachError(format!("{}: expected 3 descriptors, got {}", dp_socket.display(), fds.len())));
-        }
-        let wakeup = fds.pop().ok_or_else(|| AttachError("no wake-up".into()))?;
-        let ports = File::from(fds.pop().ok_or_else(|| AttachError("no port file".into()))?);
-        let arena_fd = fds.pop().ok_or_else(|| AttachError("no arena".into()))?;
-        let arena = Arena::attach_fd(arena_fd).map_err(|e| AttachError(e.to_string()))?;
-        if arena.header().epoch != attached.epoch || arena.header().region != attached.arena_region {
-            return Err(AttachError("the arena passed is not the one announced".into()));
-        }
-        let port = AgentShmPort::attach(ports, attached.port).map_err(|e| AttachError(e.to_string()))?;
-        // A data plane built before trace ids refuses a request carrying one.
-        let traces_taken = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_TRACE != 0);
-        let mut agent = Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream), traces_taken)?;
-        agent.push_caps = push_caps;
-        Ok(agent)
     }
 
     /// The caps on tenants' pushes its data plane told it at attach (none
@@ -503,9 +396,10 @@ impl Agent {
         attach_socket: Option<UnixStream>,
         traces_taken: bool,
     ) -> Result<Self, AttachError> {
-        let region = arena.region().map_err(|e| AttachError(e.to_string()))?;
-        let pins = arena.claim_agent().map_err(|e| AttachError(e.to_string()))?;
-        let mirror = MirrorReader::attach(config.mirror).map_err(|e| AttachError(e.to_string()))?;
+        let memory = |e: &dyn core::fmt::Display| AttachError::Memory(e.to_string());
+        let region = arena.region().map_err(|e| memory(&e))?;
+        let pins = arena.claim_agent().map_err(AttachError::of_claim)?;
+        let mirror = MirrorReader::attach(config.mirror).map_err(|e| memory(&e))?;
         let cp = match config.cp_socket {
             Some(socket) => {
                 let identity = Identity {
@@ -516,12 +410,15 @@ impl Agent {
                     features: lake_core::wire::FEATURES,
                     name: config.name,
                 };
-                Some(CpLink::connect(socket, &identity, WAIT_MAX).map_err(|e| AttachError(e.to_string()))?)
+                Some(
+                    CpLink::connect(socket, &identity, WAIT_MAX)
+                        .map_err(|e| AttachError::ControlPlane(e.to_string()))?,
+                )
             }
             None => None,
         };
         if config.segment_bytes == 0 {
-            return Err(AttachError("segment_bytes: must be above 0".into()));
+            return Err(AttachError::Invalid("segment_bytes: must be above 0"));
         }
         Ok(Self {
             arena,
@@ -600,7 +497,7 @@ impl Agent {
     /// engine (a pin array has one writer); its pins go with it, or with
     /// the process.
     pub fn claim_pin_array(&self) -> Result<PinArray, AttachError> {
-        self.arena.claim_agent().map_err(|e| AttachError(e.to_string()))
+        self.arena.claim_agent().map_err(AttachError::of_claim)
     }
 
     /// Where this process maps the L1 arena's slots: base and length (to

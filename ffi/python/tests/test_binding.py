@@ -384,6 +384,45 @@ def test_a_daemon_with_no_wire_version_in_common_is_refused_by_name(pool_paths):
         assert pool.alive()
 
 
+def test_an_engine_finding_every_agent_port_taken_is_told_to_try_again(pool_paths):
+    pools = []
+    try:
+        while True:
+            try:
+                pools.append(attach(pool_paths, namespace()))
+            except lake.LakeError as error:
+                refused = error
+                break
+            assert len(pools) <= 64, "the pool never ran out of agent ports"
+        # Every port taken, and not the arena's agent records first: each
+        # port's engine has its own.
+        assert refused.name == "LAKE_BUSY" and "every agent port is taken" in str(refused), refused
+        assert pools, "no engine attached at all"
+        # A port given back is taken again.
+        pools.pop().close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                pools.append(attach(pool_paths, namespace()))
+                break
+            except lake.LakeError as error:
+                assert error.name == "LAKE_BUSY" and time.monotonic() < deadline, error
+                time.sleep(0.02)
+    finally:
+        for pool in pools:
+            pool.close()
+    # The ports are given back as the data plane sees the sockets close:
+    # the next test's engine finds one.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            attach(pool_paths, namespace()).close()
+            break
+        except lake.LakeError as error:
+            assert error.name == "LAKE_BUSY" and time.monotonic() < deadline, error
+            time.sleep(0.02)
+
+
 def test_leases_priorities_and_a_pinned_agent_thread(pool_paths):
     block_bytes = pool_paths["BLOCK_BYTES"]
     ns = namespace()

@@ -133,6 +133,13 @@ pub struct EmbeddedConfig {
     pub numa_node: Option<u32>,
 }
 
+/// The L1 arena's agent records (pin arrays) kept for each agent port: an
+/// engine attached over the C ABI claims one for its agent, one for its
+/// agent thread, one for its pushes and one per copy lane, so a port's
+/// engine with one copy lane never finds them all taken by the others
+/// (lanes beyond take what is free).
+pub const RECORDS_PER_ENGINE: u32 = 4;
+
 /// `/metrics` on the loopback interface, on any free port (tests, the
 /// demo: several pools at once).
 pub const METRICS_ANY_LOCAL_PORT: std::net::SocketAddr =
@@ -551,8 +558,9 @@ ports = {remote}
             lock = self.l1_lock,
             l2 = self.l2_slots_per_file,
             background = self.l2_background_depth,
-            // Two records of slack, and one for the commit check's thread.
-            agents = (self.local_agents + self.remote_agents + 3).min(1024),
+            // Records for every port's engine, two of slack, and one for
+            // the commit check's thread.
+            agents = (self.local_agents + self.remote_agents.saturating_mul(RECORDS_PER_ENGINE) + 3).min(1024),
             remote = self.remote_agents.clamp(1, 1024),
         ))
         .map_err(|e| e.to_string())?;

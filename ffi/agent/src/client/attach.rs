@@ -1,0 +1,184 @@
+//! Attaching from another process: the hello on the data plane's attach
+//! socket, its answer with the arena, the port file and the wake-up
+//! eventfd, and why an attach failed.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use lake_core::arena::{Arena, ArenaError};
+use lake_core::os::recv_with_fds;
+use lake_core::wire::hello::{HELLO_WIRE_VERSION, Identity};
+use lake_core::wire::message::{ErrorCode, Role};
+use lake_core::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
+
+use super::{Agent, AgentConfig, WAIT_MAX};
+use crate::port::AgentPort;
+use crate::shm::AgentShmPort;
+
+/// Why attaching failed.
+#[derive(Debug)]
+pub enum AttachError {
+    /// The data plane refused this agent at hello, with its code (`None`
+    /// for one this build does not know) and why: `VersionMismatch` (no
+    /// wire version in common), `QueueFull` (every agent port is taken:
+    /// try again later), `Unauthorized` (a peer it does not allow).
+    Refused {
+        /// The data plane's attach socket.
+        socket: PathBuf,
+        /// Its error code.
+        code: Option<ErrorCode>,
+        /// What it said.
+        detail: String,
+    },
+    /// The attach socket failed: not there, not answering in time, or
+    /// closed before the attach completed.
+    Socket {
+        /// The data plane's attach socket.
+        socket: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        error: std::io::Error,
+    },
+    /// The answer broke the attach protocol: a frame that does not
+    /// decode, a message out of order, descriptors missing or not those
+    /// announced.
+    Protocol(String),
+    /// The pool's shared memory could not be mapped: the arena, the
+    /// agent's port, the mirror, a pin array.
+    Memory(String),
+    /// Every agent record in the L1 arena is claimed: the engines attached
+    /// hold them all (an engine takes one for its agent, one for its agent
+    /// thread, one for its pushes and one per copy lane). One frees as an
+    /// engine detaches or dies.
+    RecordsFull,
+    /// The link to the control plane (leases, reports) could not be made.
+    ControlPlane(String),
+    /// The configuration is not one an agent can attach with.
+    Invalid(&'static str),
+}
+
+impl core::fmt::Display for AttachError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("agent attach: ")?;
+        match self {
+            Self::Refused { socket, code, detail } => write!(f, "{}: refused ({code:?}): {detail}", socket.display()),
+            Self::Socket { socket, what, error } => write!(f, "{}: {what}: {error}", socket.display()),
+            Self::Protocol(why) | Self::Memory(why) => f.write_str(why),
+            Self::RecordsFull => f.write_str("every agent record in the L1 arena is claimed by the engines attached"),
+            Self::ControlPlane(why) => write!(f, "the control plane: {why}"),
+            Self::Invalid(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for AttachError {}
+
+impl AttachError {
+    /// Why an agent record could not be claimed.
+    pub(super) fn of_claim(error: ArenaError) -> Self {
+        match error {
+            ArenaError::AgentsFull => Self::RecordsFull,
+            other => Self::Memory(other.to_string()),
+        }
+    }
+}
+
+impl Agent {
+    /// Attaches to the `lake-dp` listening on `dp_socket` (its `[agents]
+    /// socket`) from another process: hello, then the arena, the port file
+    /// and the wake-up eventfd arrive over the socket, which stays open as
+    /// this agent's liveness (`config.arena` is not used).
+    pub fn connect(config: &AgentConfig<'_>, dp_socket: &Path) -> Result<Self, AttachError> {
+        let socket = |what: &'static str| {
+            move |error: std::io::Error| AttachError::Socket { socket: dp_socket.to_path_buf(), what, error }
+        };
+        let protocol = |what: &str, e: &dyn core::fmt::Display| {
+            AttachError::Protocol(format!("{}: {what}: {e}", dp_socket.display()))
+        };
+        let stream = UnixStream::connect(dp_socket).map_err(socket("connecting"))?;
+        stream.set_read_timeout(Some(WAIT_MAX)).map_err(socket("setting a timeout"))?;
+        let identity = Identity {
+            role: Role::Agent,
+            node: 0,
+            pid: std::process::id(),
+            region_epoch: 0,
+            features: lake_core::wire::ATTACH_FEATURES,
+            name: config.name,
+        };
+        let hello = lake_core::wire::hello::hello(&identity).map_err(|e| protocol("hello", &e))?;
+        let mut frame = [0u8; 256];
+        let meta = FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id: 1, leader_term: 0 };
+        let len = encode_frame(meta, &Message::Hello(hello), &mut frame).map_err(|e| protocol("hello", &e))?;
+        // A refusal may come before the hello is read (lake-dp refuses a
+        // peer it does not allow as it connects, and closes): the answer is
+        // read even when sending failed, so the refusal is what is said.
+        let mut sent = (&stream).write_all(&frame[..len]);
+        // The answer: `HelloAck`, the push caps (up to 1024 entries), then
+        // `Attached` with the descriptors.
+        let mut input = vec![0u8; 1024 + lake_core::wire::message::PUSH_CAPS_MAX * 24];
+        let mut push_caps = Vec::new();
+        let mut have = 0;
+        let mut fds = Vec::new();
+        let mut ack = None;
+        let mut found = None;
+        let attached = loop {
+            let received = recv_with_fds(stream.as_raw_fd(), &mut input[have..], &mut fds);
+            if !matches!(received, Ok(n) if n > 0)
+                && let Err(error) = sent
+            {
+                return Err(socket("sending the hello")(error));
+            }
+            sent = Ok(());
+            let n = received.map_err(socket("waiting for the answer"))?;
+            if n == 0 {
+                let closed = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "lake-dp closed the connection");
+                return Err(socket("waiting for the answer")(closed));
+            }
+            have += n;
+            loop {
+                let frame = match decode_frame(&input[..have], &Limits::default()) {
+                    Err(WireError::Incomplete { .. }) => break,
+                    Err(e) => return Err(protocol("answer", &e)),
+                    Ok(frame) => frame,
+                };
+                let used = frame.len();
+                let message = frame.message;
+                match message {
+                    Message::HelloAck(a) => ack = Some(a),
+                    Message::PushCaps(_, caps) if ack.is_some() => push_caps = caps.iter().collect(),
+                    Message::Attached(attached) if ack.is_some() => found = Some(attached),
+                    Message::Error(e) => {
+                        return Err(AttachError::Refused {
+                            socket: dp_socket.to_path_buf(),
+                            code: ErrorCode::from_u32(e.code),
+                            detail: e.detail().to_owned(),
+                        });
+                    }
+                    other => return Err(protocol("unexpected answer", &format_args!("{other:?}"))),
+                }
+                input.copy_within(used..have, 0);
+                have -= used;
+            }
+            if let Some(attached) = found {
+                break attached;
+            }
+        };
+        let [arena_fd, ports, wakeup] = <[_; 3]>::try_from(fds)
+            .map_err(|fds| protocol("descriptors", &format_args!("expected 3, got {}", fds.len())))?;
+        let ports = File::from(ports);
+        let arena = Arena::attach_fd(arena_fd).map_err(|e| AttachError::Memory(e.to_string()))?;
+        if arena.header().epoch != attached.epoch || arena.header().region != attached.arena_region {
+            return Err(protocol("descriptors", &"the arena passed is not the one announced"));
+        }
+        let port = AgentShmPort::attach(ports, attached.port).map_err(|e| AttachError::Memory(e.to_string()))?;
+        // A data plane built before trace ids refuses a request carrying one.
+        let traces_taken = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_TRACE != 0);
+        let mut agent = Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream), traces_taken)?;
+        agent.push_caps = push_caps;
+        Ok(agent)
+    }
+}
