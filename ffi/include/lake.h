@@ -332,50 +332,6 @@ typedef struct LakeLayoutInfo {
 } LakeLayoutInfo;
 
 /*
- Options of [`lake_namespace_new`].
- */
-typedef struct LakeNamespaceOptions {
-  /*
-   `sizeof(LakeNamespaceOptions)`.
-   */
-  uintptr_t struct_size;
-  /*
-   The tenant's secret key.
-   */
-  uint8_t tenant_key[32];
-  /*
-   Tokens per block (1 to 1024).
-   */
-  uint32_t block_tokens;
-  /*
-   Digest of the model identity (weights revision, tokenizer, KV dtype
-   and scales).
-   */
-  uint8_t model_fingerprint[32];
-  /*
-   Digest of the engine's extra keys (LoRA, multimodal, salt); zeros if
-   none.
-   */
-  uint8_t extra_keys_digest[32];
-  /*
-   How keys are made: 1 from token ids (`lake_keychain_extend`); 3 from
-   engine page hashes that already name their whole prefix, such as
-   SGLang's (`lake_page_keys`). 0 means 1.
-   */
-  uint32_t key_scheme;
-} LakeNamespaceOptions;
-
-/*
- A 128-bit block key.
- */
-typedef struct LakeBlockKey {
-  /*
-   Its bytes.
-   */
-  uint8_t bytes[16];
-} LakeBlockKey;
-
-/*
  Options of [`lake_attach`].
  */
 typedef struct LakeAttachOptions {
@@ -453,6 +409,134 @@ typedef struct LakeAttachOptions {
    */
   uint64_t block_bytes;
 } LakeAttachOptions;
+
+/*
+ The pool's figures as this agent sees them.
+ */
+typedef struct LakeStats {
+  /*
+   `sizeof(LakeStats)`.
+   */
+  uintptr_t struct_size;
+  /*
+   Lookups.
+   */
+  uint64_t lookups;
+  /*
+   Blocks they found.
+   */
+  uint64_t hit_blocks;
+  /*
+   Blocks loaded from L1, and from L2.
+   */
+  uint64_t l1_loads;
+  /*
+   Blocks loaded from L2 (promoted into L1 on the way).
+   */
+  uint64_t l2_loads;
+  /*
+   Blocks that could not be loaded (the engine recomputed them).
+   */
+  uint64_t load_failures;
+  /*
+   Blocks saved, and skipped.
+   */
+  uint64_t saves;
+  /*
+   Saves skipped (no room).
+   */
+  uint64_t saves_skipped;
+  /*
+   Bytes loaded into engine memory, and saved from it.
+   */
+  uint64_t bytes_loaded;
+  /*
+   Bytes saved.
+   */
+  uint64_t bytes_saved;
+} LakeStats;
+
+/*
+ Options of [`lake_namespace_new`].
+ */
+typedef struct LakeNamespaceOptions {
+  /*
+   `sizeof(LakeNamespaceOptions)`.
+   */
+  uintptr_t struct_size;
+  /*
+   The tenant's secret key.
+   */
+  uint8_t tenant_key[32];
+  /*
+   Tokens per block (1 to 1024).
+   */
+  uint32_t block_tokens;
+  /*
+   Digest of the model identity (weights revision, tokenizer, KV dtype
+   and scales).
+   */
+  uint8_t model_fingerprint[32];
+  /*
+   Digest of the engine's extra keys (LoRA, multimodal, salt); zeros if
+   none.
+   */
+  uint8_t extra_keys_digest[32];
+  /*
+   How keys are made: 1 from token ids (`lake_keychain_extend`); 3 from
+   engine page hashes that already name their whole prefix, such as
+   SGLang's (`lake_page_keys`). 0 means 1.
+   */
+  uint32_t key_scheme;
+} LakeNamespaceOptions;
+
+/*
+ A 128-bit block key.
+ */
+typedef struct LakeBlockKey {
+  /*
+   Its bytes.
+   */
+  uint8_t bytes[16];
+} LakeBlockKey;
+
+/*
+ Where a looked-up block is: one entry of the block table.
+ */
+typedef struct LakeLocation {
+  /*
+   Tier of the replica named: 1 host DRAM (L1), 2 NVMe (L2).
+   */
+  uint8_t tier;
+  /*
+   Bit `t` set: a ready replica in tier `t`.
+   */
+  uint8_t tiers;
+  /*
+   1 KV block, 2 recurrent state.
+   */
+  uint8_t kind;
+  /*
+   The region epoch's tag.
+   */
+  uint8_t epoch_tag;
+  /*
+   The replica's region.
+   */
+  uint16_t region;
+  /*
+   Zero.
+   */
+  uint16_t reserved;
+  /*
+   Slot in the region.
+   */
+  uint32_t slot;
+  /*
+   The slot's generation.
+   */
+  uint32_t generation;
+} LakeLocation;
 
 /*
  Where one (layer, plane) of every engine block lies: block `b`, token
@@ -534,44 +618,6 @@ typedef struct LakeKvMemoryOptions {
 } LakeKvMemoryOptions;
 
 /*
- Where a looked-up block is: one entry of the block table.
- */
-typedef struct LakeLocation {
-  /*
-   Tier of the replica named: 1 host DRAM (L1), 2 NVMe (L2).
-   */
-  uint8_t tier;
-  /*
-   Bit `t` set: a ready replica in tier `t`.
-   */
-  uint8_t tiers;
-  /*
-   1 KV block, 2 recurrent state.
-   */
-  uint8_t kind;
-  /*
-   The region epoch's tag.
-   */
-  uint8_t epoch_tag;
-  /*
-   The replica's region.
-   */
-  uint16_t region;
-  /*
-   Zero.
-   */
-  uint16_t reserved;
-  /*
-   Slot in the region.
-   */
-  uint32_t slot;
-  /*
-   The slot's generation.
-   */
-  uint32_t generation;
-} LakeLocation;
-
-/*
  One rail of the compute network's transport to one peer: what pushes
  carried on it (`lake_push_rails`).
  */
@@ -625,52 +671,6 @@ typedef struct LakeCompletion {
    */
   enum LakeStatus status;
 } LakeCompletion;
-
-/*
- The pool's figures as this agent sees them.
- */
-typedef struct LakeStats {
-  /*
-   `sizeof(LakeStats)`.
-   */
-  uintptr_t struct_size;
-  /*
-   Lookups.
-   */
-  uint64_t lookups;
-  /*
-   Blocks they found.
-   */
-  uint64_t hit_blocks;
-  /*
-   Blocks loaded from L1, and from L2.
-   */
-  uint64_t l1_loads;
-  /*
-   Blocks loaded from L2 (promoted into L1 on the way).
-   */
-  uint64_t l2_loads;
-  /*
-   Blocks that could not be loaded (the engine recomputed them).
-   */
-  uint64_t load_failures;
-  /*
-   Blocks saved, and skipped.
-   */
-  uint64_t saves;
-  /*
-   Saves skipped (no room).
-   */
-  uint64_t saves_skipped;
-  /*
-   Bytes loaded into engine memory, and saved from it.
-   */
-  uint64_t bytes_loaded;
-  /*
-   Bytes saved.
-   */
-  uint64_t bytes_saved;
-} LakeStats;
 
 /*
  What another node holds of the request's prefix: blocks available at
@@ -952,6 +952,106 @@ enum LakeStatus lake_shard_code(uint32_t kv_heads,
                                 uint64_t *code);
 
 /*
+ Attaches to the pool: the local `lake-dp` (versions checked both ways;
+ its attach socket is this process's liveness), the mirror, and
+ `lake-cp` if given. Starts the agent's thread. Thread-safe.
+ `LAKE_VERSION_MISMATCH`: no wire version in common; `LAKE_BUSY`: every
+ agent port (or agent record) is taken by the engines attached, try
+ again once one detaches; `LAKE_NOT_ATTACHED`: no pool there, or it
+ refused this process.
+
+ # Safety
+
+ `options` points at a `LakeAttachOptions` whose strings are
+ NUL-terminated; `out` writable.
+ */
+enum LakeStatus lake_attach(const struct LakeAttachOptions *options, struct LakePool **out);
+
+/*
+ Detaches: the agent's thread stops (queued jobs complete as cancelled
+ is not promised: they are dropped), pins and leases go. Null accepted.
+
+ # Safety
+
+ `pool` null or from `lake_attach`, detached once, not in use.
+ */
+void lake_detach(struct LakePool *pool);
+
+/*
+ The agent's figures into `stats` (whose `struct_size` must be set).
+ Thread-safe.
+
+ # Safety
+
+ `stats` writable, its `struct_size` set.
+ */
+enum LakeStatus lake_stats(const struct LakePool *pool, struct LakeStats *stats);
+
+/*
+ What loading one block into engine memory costs this pool's agent from
+ each tier, as it measured on its own loads (ns, a moving average; 0 not
+ measured yet): `out[0]` L0 (the engine's own, always 0), `out[1]` L1,
+ `out[2]` L2, `out[3]` L3 — the live inputs `lake_route` takes for this
+ node with `LAKE_COST_MEASURED`. Up to `capacity` entries are written.
+ Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `out` points at `capacity` writable entries.
+ */
+enum LakeStatus lake_load_costs(const struct LakePool *pool, uint64_t *out, uintptr_t capacity);
+
+/*
+ The engine computed `blocks` blocks of a prompt (a prefill, or the
+ part of one that was not loaded) in `elapsed_ns`: folded into the
+ moving average of what computing one block costs this engine (weight
+ 1/8), which `lake_route` takes for this node where its
+ `compute_ns_per_block` is `LAKE_COST_MEASURED`. Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`.
+ */
+enum LakeStatus lake_report_prefill(const struct LakePool *pool,
+                                    uint64_t blocks,
+                                    uint64_t elapsed_ns);
+
+/*
+ What computing one block costs this engine as it reported its prefills
+ (`lake_report_prefill`; ns, 0 not reported yet), into `*out`.
+ Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `out` writable.
+ */
+enum LakeStatus lake_compute_cost(const struct LakePool *pool, uint64_t *out);
+
+/*
+ Whether the pool refuses saves now, into `out` (1 yes, 0 no), read
+ from shared memory with no request: its data plane refused a save for
+ want of room within the last 100 ms, or it is stopping. A save
+ submitted meanwhile is skipped whole (each block `LAKE_SAVE_PRESSURE`),
+ and so is any later save under a block not saved; an engine may skip
+ saving the request outright. Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `out` writable.
+ */
+enum LakeStatus lake_save_pressure(const struct LakePool *pool, uint8_t *out);
+
+/*
+ `LakeOk` while the pool's `lake-dp` is there, `LakeNotAttached` once it
+ went away (attach again). Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`.
+ */
+enum LakeStatus lake_alive(const struct LakePool *pool);
+
+/*
  Makes a namespace. Thread-safe.
 
  # Safety
@@ -1037,122 +1137,6 @@ enum LakeStatus lake_keychain_extend(struct LakeKeyChain *chain,
 void lake_keychain_free(struct LakeKeyChain *chain);
 
 /*
- Attaches to the pool: the local `lake-dp` (versions checked both ways;
- its attach socket is this process's liveness), the mirror, and
- `lake-cp` if given. Starts the agent's thread. Thread-safe.
- `LAKE_VERSION_MISMATCH`: no wire version in common; `LAKE_BUSY`: every
- agent port (or agent record) is taken by the engines attached, try
- again once one detaches; `LAKE_NOT_ATTACHED`: no pool there, or it
- refused this process.
-
- # Safety
-
- `options` points at a `LakeAttachOptions` whose strings are
- NUL-terminated; `out` writable.
- */
-enum LakeStatus lake_attach(const struct LakeAttachOptions *options, struct LakePool **out);
-
-/*
- Detaches: the agent's thread stops (queued jobs complete as cancelled
- is not promised: they are dropped), pins and leases go. Null accepted.
-
- # Safety
-
- `pool` null or from `lake_attach`, detached once, not in use.
- */
-void lake_detach(struct LakePool *pool);
-
-/*
- Leases the replicas of the leading run of `keys` (`count`) that has a
- ready one — L2 blocks above all, which no pin covers — for `ttl_ms`
- (at most 60 s): until released or past the deadline, eviction passes
- them over, so a load planned now finds them. How many keys are covered
- goes to `granted`, the deadline (Unix ns) to `deadline_unix_ns`, the
- handle to `lease` (release it with [`lake_lease_release`]). Loads lease
- what they need themselves; this is for an engine that plans a load
- ahead (asynchronous loads, prefetch). A round trip to `lake-cp`: blocks
- the caller up to 10 s. `LAKE_UNAVAILABLE` without `lake-cp` (attach
- with `cp_socket`) or without an answer. Thread-safe.
-
- # Safety
-
- `keys` points at `count` keys; `granted`, `deadline_unix_ns` and
- `lease` writable.
- */
-enum LakeStatus lake_lease(const struct LakePool *pool,
-                           const struct LakeBlockKey *keys,
-                           uintptr_t count,
-                           uint32_t ttl_ms,
-                           uintptr_t *granted,
-                           uint64_t *deadline_unix_ns,
-                           struct LakeLease **lease);
-
-/*
- Releases a lease (null accepted). After detach it is freed only:
- `lake-cp` ended the agent's leases when it went.
-
- # Safety
-
- `lease` null or from `lake_lease`, released once.
- */
-void lake_lease_release(struct LakeLease *lease);
-
-/*
- Tells `lake-cp` that the engine now holds the blocks `keys` (`count`)
- in its own GPU memory (`resident` 1: it computed or loaded them and
- keeps them), or no longer does (`resident` 0: it freed them). These are
- advisory L0 replicas: Lake never reads, leases or evicts them (the
- engine owns that memory); `lake-cp` remembers them for routing requests
- to the engine that holds their prefix, and forgets them when the engine
- reports them gone or detaches. Queued with the access reports: returns
- without waiting. `LAKE_UNAVAILABLE` without `lake-cp` (attach with
- `cp_socket`); `LAKE_BUSY` when the agent's background queue is full.
- Thread-safe.
-
- # Safety
-
- `pool` from `lake_attach`; `keys` points at `count` keys.
- */
-enum LakeStatus lake_report_resident(const struct LakePool *pool,
-                                     const struct LakeBlockKey *keys,
-                                     uintptr_t count,
-                                     uint32_t resident);
-
-/*
- Registers `block_count` engine blocks of `block_bytes` each at `base`
- (host memory) as target and source of loads and saves; its id goes to
- `memory_id`. The memory must stay valid until detach. Thread-safe.
-
- # Safety
-
- `pool` from `lake_attach`; `memory_id` writable; `base` valid for
- `block_bytes * block_count` bytes for as long as the pool is attached.
- */
-enum LakeStatus lake_register_host_memory(const struct LakePool *pool,
-                                          uint8_t *base,
-                                          uintptr_t block_bytes,
-                                          uint32_t block_count,
-                                          uint32_t *memory_id);
-
-/*
- Registers the engine's paged KV cache in host memory — any order of
- blocks, layers, planes, tokens and heads, described piece by piece — as
- target and source of loads and saves; its id goes to `memory_id`. Loads
- scatter each block's payload into the engine's order and saves gather it
- straight into the pool, with no staging copy. The memory must stay
- valid until detach. Thread-safe.
-
- # Safety
-
- `pool` from `lake_attach`; `options` a `LakeKvMemoryOptions` whose
- pointers hold what it says; every byte the pieces describe valid for as
- long as the pool is attached; `memory_id` writable.
- */
-enum LakeStatus lake_register_kv_memory(const struct LakePool *pool,
-                                        const struct LakeKvMemoryOptions *options,
-                                        uint32_t *memory_id);
-
-/*
  The longest cached prefix of `keys` (`count`): its length to `hits`,
  its block table to `locations` (room for `capacity`; at most `count`
  entries are written). Reads shared memory only: no round trip, no
@@ -1216,6 +1200,144 @@ enum LakeStatus lake_lookup_shards(const struct LakePool *pool,
                                    const uint64_t *shard_codes,
                                    uintptr_t shards,
                                    uintptr_t *hits);
+
+/*
+ Like [`lake_lookup`], and pins the L1 blocks of the hit (their handle to
+ `pins`): until [`lake_pins_release`], they stay in L1 unchanged, and
+ [`lake_load_pinned`] copies them into engine memory in the calling
+ thread with no queue and no lease. A block whose pin fails (evicted
+ since the mirror was read) ends the hit there. Thread-safe.
+
+ # Safety
+
+ As [`lake_lookup`]; `pins` writable.
+ */
+enum LakeStatus lake_lookup_pinned(const struct LakePool *pool,
+                                   const struct LakeBlockKey *keys,
+                                   uintptr_t count,
+                                   struct LakeLocation *locations,
+                                   uintptr_t capacity,
+                                   uintptr_t *hits,
+                                   struct LakePins **pins);
+
+/*
+ Copies the pinned L1 blocks `0..count` of `pins` into engine blocks
+ `engine_blocks[i]` of memory `memory_id`, in the calling thread, every
+ segment checked against its CRC; `statuses[i]` says how each went
+ (`LAKE_EVICTED` for a block the lookup did not pin: load it with
+ `lake_submit_load`). Thread-safe; the pins stay until released.
+
+ # Safety
+
+ `pins` from `lake_lookup_pinned` on this pool, not released;
+ `engine_blocks` and `statuses` point at `count` entries.
+ */
+enum LakeStatus lake_load_pinned(const struct LakePool *pool,
+                                 const struct LakePins *pins,
+                                 uint32_t memory_id,
+                                 const uint32_t *engine_blocks,
+                                 uintptr_t count,
+                                 enum LakeStatus *statuses);
+
+/*
+ Releases the pins of a pinned lookup (null accepted). Works after the
+ pool detached too (its pins were kept for this).
+
+ # Safety
+
+ `pins` null or from `lake_lookup_pinned`, released once.
+ */
+void lake_pins_release(struct LakePins *pins);
+
+/*
+ Registers `block_count` engine blocks of `block_bytes` each at `base`
+ (host memory) as target and source of loads and saves; its id goes to
+ `memory_id`. The memory must stay valid until detach. Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `memory_id` writable; `base` valid for
+ `block_bytes * block_count` bytes for as long as the pool is attached.
+ */
+enum LakeStatus lake_register_host_memory(const struct LakePool *pool,
+                                          uint8_t *base,
+                                          uintptr_t block_bytes,
+                                          uint32_t block_count,
+                                          uint32_t *memory_id);
+
+/*
+ Registers the engine's paged KV cache in host memory — any order of
+ blocks, layers, planes, tokens and heads, described piece by piece — as
+ target and source of loads and saves; its id goes to `memory_id`. Loads
+ scatter each block's payload into the engine's order and saves gather it
+ straight into the pool, with no staging copy. The memory must stay
+ valid until detach. Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `options` a `LakeKvMemoryOptions` whose
+ pointers hold what it says; every byte the pieces describe valid for as
+ long as the pool is attached; `memory_id` writable.
+ */
+enum LakeStatus lake_register_kv_memory(const struct LakePool *pool,
+                                        const struct LakeKvMemoryOptions *options,
+                                        uint32_t *memory_id);
+
+/*
+ Leases the replicas of the leading run of `keys` (`count`) that has a
+ ready one — L2 blocks above all, which no pin covers — for `ttl_ms`
+ (at most 60 s): until released or past the deadline, eviction passes
+ them over, so a load planned now finds them. How many keys are covered
+ goes to `granted`, the deadline (Unix ns) to `deadline_unix_ns`, the
+ handle to `lease` (release it with [`lake_lease_release`]). Loads lease
+ what they need themselves; this is for an engine that plans a load
+ ahead (asynchronous loads, prefetch). A round trip to `lake-cp`: blocks
+ the caller up to 10 s. `LAKE_UNAVAILABLE` without `lake-cp` (attach
+ with `cp_socket`) or without an answer. Thread-safe.
+
+ # Safety
+
+ `keys` points at `count` keys; `granted`, `deadline_unix_ns` and
+ `lease` writable.
+ */
+enum LakeStatus lake_lease(const struct LakePool *pool,
+                           const struct LakeBlockKey *keys,
+                           uintptr_t count,
+                           uint32_t ttl_ms,
+                           uintptr_t *granted,
+                           uint64_t *deadline_unix_ns,
+                           struct LakeLease **lease);
+
+/*
+ Releases a lease (null accepted). After detach it is freed only:
+ `lake-cp` ended the agent's leases when it went.
+
+ # Safety
+
+ `lease` null or from `lake_lease`, released once.
+ */
+void lake_lease_release(struct LakeLease *lease);
+
+/*
+ Tells `lake-cp` that the engine now holds the blocks `keys` (`count`)
+ in its own GPU memory (`resident` 1: it computed or loaded them and
+ keeps them), or no longer does (`resident` 0: it freed them). These are
+ advisory L0 replicas: Lake never reads, leases or evicts them (the
+ engine owns that memory); `lake-cp` remembers them for routing requests
+ to the engine that holds their prefix, and forgets them when the engine
+ reports them gone or detaches. Queued with the access reports: returns
+ without waiting. `LAKE_UNAVAILABLE` without `lake-cp` (attach with
+ `cp_socket`); `LAKE_BUSY` when the agent's background queue is full.
+ Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `keys` points at `count` keys.
+ */
+enum LakeStatus lake_report_resident(const struct LakePool *pool,
+                                     const struct LakeBlockKey *keys,
+                                     uintptr_t count,
+                                     uint32_t resident);
 
 /*
  Loads the looked-up blocks `keys[i]` (entries `locations[i]`) into
@@ -1402,128 +1524,6 @@ enum LakeStatus lake_poll(const struct LakePool *pool,
                           struct LakeCompletion *out,
                           uintptr_t capacity,
                           uintptr_t *written);
-
-/*
- The agent's figures into `stats` (whose `struct_size` must be set).
- Thread-safe.
-
- # Safety
-
- `stats` writable, its `struct_size` set.
- */
-enum LakeStatus lake_stats(const struct LakePool *pool, struct LakeStats *stats);
-
-/*
- What loading one block into engine memory costs this pool's agent from
- each tier, as it measured on its own loads (ns, a moving average; 0 not
- measured yet): `out[0]` L0 (the engine's own, always 0), `out[1]` L1,
- `out[2]` L2, `out[3]` L3 — the live inputs `lake_route` takes for this
- node with `LAKE_COST_MEASURED`. Up to `capacity` entries are written.
- Thread-safe.
-
- # Safety
-
- `pool` from `lake_attach`; `out` points at `capacity` writable entries.
- */
-enum LakeStatus lake_load_costs(const struct LakePool *pool, uint64_t *out, uintptr_t capacity);
-
-/*
- The engine computed `blocks` blocks of a prompt (a prefill, or the
- part of one that was not loaded) in `elapsed_ns`: folded into the
- moving average of what computing one block costs this engine (weight
- 1/8), which `lake_route` takes for this node where its
- `compute_ns_per_block` is `LAKE_COST_MEASURED`. Thread-safe.
-
- # Safety
-
- `pool` from `lake_attach`.
- */
-enum LakeStatus lake_report_prefill(const struct LakePool *pool,
-                                    uint64_t blocks,
-                                    uint64_t elapsed_ns);
-
-/*
- What computing one block costs this engine as it reported its prefills
- (`lake_report_prefill`; ns, 0 not reported yet), into `*out`.
- Thread-safe.
-
- # Safety
-
- `pool` from `lake_attach`; `out` writable.
- */
-enum LakeStatus lake_compute_cost(const struct LakePool *pool, uint64_t *out);
-
-/*
- Whether the pool refuses saves now, into `out` (1 yes, 0 no), read
- from shared memory with no request: its data plane refused a save for
- want of room within the last 100 ms, or it is stopping. A save
- submitted meanwhile is skipped whole (each block `LAKE_SAVE_PRESSURE`),
- and so is any later save under a block not saved; an engine may skip
- saving the request outright. Thread-safe.
-
- # Safety
-
- `pool` from `lake_attach`; `out` writable.
- */
-enum LakeStatus lake_save_pressure(const struct LakePool *pool, uint8_t *out);
-
-/*
- `LakeOk` while the pool's `lake-dp` is there, `LakeNotAttached` once it
- went away (attach again). Thread-safe.
-
- # Safety
-
- `pool` from `lake_attach`.
- */
-enum LakeStatus lake_alive(const struct LakePool *pool);
-
-/*
- Like [`lake_lookup`], and pins the L1 blocks of the hit (their handle to
- `pins`): until [`lake_pins_release`], they stay in L1 unchanged, and
- [`lake_load_pinned`] copies them into engine memory in the calling
- thread with no queue and no lease. A block whose pin fails (evicted
- since the mirror was read) ends the hit there. Thread-safe.
-
- # Safety
-
- As [`lake_lookup`]; `pins` writable.
- */
-enum LakeStatus lake_lookup_pinned(const struct LakePool *pool,
-                                   const struct LakeBlockKey *keys,
-                                   uintptr_t count,
-                                   struct LakeLocation *locations,
-                                   uintptr_t capacity,
-                                   uintptr_t *hits,
-                                   struct LakePins **pins);
-
-/*
- Copies the pinned L1 blocks `0..count` of `pins` into engine blocks
- `engine_blocks[i]` of memory `memory_id`, in the calling thread, every
- segment checked against its CRC; `statuses[i]` says how each went
- (`LAKE_EVICTED` for a block the lookup did not pin: load it with
- `lake_submit_load`). Thread-safe; the pins stay until released.
-
- # Safety
-
- `pins` from `lake_lookup_pinned` on this pool, not released;
- `engine_blocks` and `statuses` point at `count` entries.
- */
-enum LakeStatus lake_load_pinned(const struct LakePool *pool,
-                                 const struct LakePins *pins,
-                                 uint32_t memory_id,
-                                 const uint32_t *engine_blocks,
-                                 uintptr_t count,
-                                 enum LakeStatus *statuses);
-
-/*
- Releases the pins of a pinned lookup (null accepted). Works after the
- pool detached too (its pins were kept for this).
-
- # Safety
-
- `pins` null or from `lake_lookup_pinned`, released once.
- */
-void lake_pins_release(struct LakePins *pins);
 
 /*
  Where `request` should run: this node's hits read from its mirror
