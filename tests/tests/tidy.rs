@@ -49,7 +49,6 @@ const LONG_FILES: &[(&str, usize)] = &[
     ("lake-cp/src/bin/lake.rs", 1578),
     ("lake-cp/control/src/evict.rs", 1115),
     ("lake-cp/control/src/node.rs", 1133),
-    ("lake-cp/control/src/tier.rs", 2988),
     ("lake-cp/tests/serve.rs", 1063),
     ("kernels/src/gpu.rs", 1167),
 ];
