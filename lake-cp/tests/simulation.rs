@@ -26,6 +26,10 @@ struct TierManager {
     commands: u64,
     /// What crossed the link, for a failing seed's message.
     log: Vec<String>,
+    /// Whether L1's victims are marked evictable in the data plane, as
+    /// `lake serve` does for a data plane that takes marks (this build's
+    /// runner does); otherwise the manager evicts them itself.
+    marks: bool,
 }
 
 impl Control for TierManager {
@@ -42,10 +46,17 @@ impl Control for TierManager {
                 "lake-cp refused the data plane's {message:?} (request {request}): {e}; the block's history: {history}\n{log:#?}"
             );
         }
+        if self.marks
+            && let Message::RegisterRegion(region) = message
+            && region.tier == Tier::L1Dram as u8
+        {
+            self.node.tiers.takes_marks(region.region);
+        }
     }
 
     fn commands(&mut self, now_ns: u64, out: &mut Vec<(u64, Message<'static>)>) {
         self.node.plan(now_ns, &mut self.planned);
+        self.node.tiers.assert_invariants();
         for command in self.planned.drain(..) {
             self.commands += 1;
             self.log.push(format!("cp -> dp {}: {:?}", command.request, command.action));
@@ -55,11 +66,14 @@ impl Control for TierManager {
 }
 
 fn run(seed: u64) -> (Tally, TierManager) {
+    // One seed in three with marks: the manager then plans victims every
+    // pass, which makes a seed ten times as long.
+    let marks = seed.is_multiple_of(3);
     // High-water marks low enough that the tier manager acts often.
     let config = TierConfig { high_percent: 75, low_percent: 50, ..TierConfig::default() };
     let node = Node::new(NodeId(1), 1, None).with_tiers(config);
     let mut simulation =
-        Simulation::new(seed, TierManager { node, planned: Vec::new(), commands: 0, log: Vec::new() }, false);
+        Simulation::new(seed, TierManager { node, planned: Vec::new(), commands: 0, log: Vec::new(), marks }, false);
     simulation.run(400);
     simulation.finish()
 }
@@ -68,7 +82,7 @@ fn run(seed: u64) -> (Tally, TierManager) {
 fn the_node_holds_over_many_seeds_with_its_real_tier_manager() {
     let var = |name: &str| std::env::var(name).ok().and_then(|s| s.parse::<u64>().ok());
     let (first, seeds) = (var("LAKE_SIM_SEED").unwrap_or(1), var("LAKE_SIM_SEEDS").unwrap_or(300));
-    let mut totals = (Tally::default(), 0, 0, 0);
+    let mut totals = (Tally::default(), 0, 0, 0, 0);
     for seed in first..first + seeds {
         let outcome = std::panic::catch_unwind(|| run(seed));
         let (tally, manager) = outcome.unwrap_or_else(|_| {
@@ -83,12 +97,14 @@ fn the_node_holds_over_many_seeds_with_its_real_tier_manager() {
         totals.1 += manager.commands;
         totals.2 += manager.node.tiers.counters.demotions;
         totals.3 += manager.node.tiers.counters.drops[Tier::L1Dram as usize];
+        totals.4 += manager.node.tiers.counters.marked_clean + manager.node.tiers.counters.marked_drop;
     }
-    let (tally, commands, demotions, drops) = totals;
+    let (tally, commands, demotions, drops, marks) = totals;
     println!(
         "{seeds} seeds from {first}: {tally:?}; lake-cp planned {commands} commands, {demotions} demotions, \
-         {drops} L1 drops"
+         {drops} L1 drops, {marks} marks"
     );
+    assert!(seeds < 3 || marks > 0, "no L1 victim was ever marked evictable");
     // The tier manager did its work, and loads found what it demoted.
     assert!(tally.saves > 20 * seeds && tally.controlled > 5 * seeds, "{tally:?}");
     assert!(demotions > seeds && drops > seeds && tally.loads_ok > seeds, "{tally:?}, {demotions} demotions");

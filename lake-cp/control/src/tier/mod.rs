@@ -43,7 +43,8 @@
 //! Here: the manager's state and the reports that change it. One pass of
 //! planning is in `plan.rs`; L2 drains in `drain.rs`; copies to L3 in
 //! `writeback.rs`; namespaces' and tenants' counts and purges in
-//! `quota.rs`; the settings, commands and counters in `config.rs`.
+//! `quota.rs`; the settings, commands and counters in `config.rs`; the
+//! invariants over its whole state in `invariants.rs`.
 
 use std::collections::{HashMap, HashSet};
 
@@ -57,6 +58,7 @@ use crate::location::Locations;
 
 mod config;
 mod drain;
+mod invariants;
 mod plan;
 mod quota;
 #[cfg(test)]

@@ -50,6 +50,7 @@ impl World {
     fn plan(&mut self) -> Vec<TierCommand> {
         let mut out = Vec::new();
         self.tiers.plan(&self.locations, &self.leases, 0, &mut out);
+        self.tiers.assert_invariants();
         out
     }
 
