@@ -21,7 +21,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser};
 use lake_cp::config::{ServeArgs, parse_with_file};
 use lake_cp::embedded::DataPlane;
-use lake_dp::runner::run_with;
+use lake_dp::runner::{RunnerError, run_with};
 
 /// One node's data plane (one per NUMA node), under its control plane
 /// (`lake cp`): the L1 arena, L2 files, L3, the transport, engines'
@@ -66,7 +66,9 @@ fn main() -> ExitCode {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("lake-dp: {e}");
-            ExitCode::from(1)
+            // As for a bad file: settings this machine cannot serve fail
+            // the same way on every start.
+            ExitCode::from(if matches!(e, RunnerError::Config(_)) { 2 } else { 1 })
         }
     }
 }

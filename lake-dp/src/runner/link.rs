@@ -55,12 +55,14 @@ fn open_link(
         features: crate::wire::FEATURES,
         name: "lake-dp",
     };
-    let mut link = CpLink::connect(socket, &identity, deadline)
-        .map_err(|e| RunnerError(format!("the control plane at {}: {e}", socket.display())))?;
+    let mut link = CpLink::connect(socket, &identity, deadline).map_err(|e| RunnerError::Failed {
+        what: format!("the control plane at {}", socket.display()),
+        error: e.to_string(),
+    })?;
     // The leader-term fence lives beside the L2 tier, the recovery point.
     let fence_dir = config.l2.paths.first().and_then(|p| p.parent()).filter(|d| !d.as_os_str().is_empty());
     let fence_dir = fence_dir.unwrap_or_else(|| Path::new("."));
-    let fence = crate::fence::TermFence::open(fence_dir).map_err(|e| RunnerError(format!("term fence: {e}")))?;
+    let fence = crate::fence::TermFence::open(fence_dir).map_err(|e| super::fail("term fence")(&e))?;
     link.fence_with(fence);
     register_regions(&mut link, config, geometry, epoch, header);
     Ok(link)

@@ -208,20 +208,38 @@ fn transfer_code(error: &crate::transport::TransferError) -> crate::wire::messag
     }
 }
 
-/// Why the runner stopped with an error.
+/// Why the runner could not start, or stopped with an error.
 #[derive(Debug)]
-pub struct RunnerError(pub String);
+pub enum RunnerError {
+    /// The settings cannot be served on this machine: a core or a NUMA node
+    /// it does not have, RDMA with no transport, access, tenant or L3
+    /// settings refused. Starting again unchanged fails again (`lake-dp`
+    /// exits 2, as for a bad file, which the shipped unit does not restart).
+    Config(String),
+    /// Something the node needs could not be opened, or failed while it
+    /// served: `what` was being done (a device, a socket, the control
+    /// plane, a thread).
+    Failed {
+        /// What was being done.
+        what: String,
+        /// What went wrong.
+        error: String,
+    },
+}
 
 impl core::fmt::Display for RunnerError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            Self::Config(why) => f.write_str(why),
+            Self::Failed { what, error } => write!(f, "{what}: {error}"),
+        }
     }
 }
 
 impl std::error::Error for RunnerError {}
 
 fn fail(what: &str) -> impl FnOnce(&dyn core::fmt::Display) -> RunnerError + '_ {
-    move |e| RunnerError(format!("{what}: {e}"))
+    move |e| RunnerError::Failed { what: what.to_owned(), error: e.to_string() }
 }
 
 macro_rules! try_to {
@@ -646,7 +664,7 @@ fn scan_in_background(
             Err(e) => send(ScanMessage::Failed(e.to_string())),
         };
     });
-    thread.map_err(|e| RunnerError(format!("l3: starting the scan: {e}")))?;
+    thread.map_err(|e| fail("l3: starting the scan")(&e))?;
     Ok(rx)
 }
 
@@ -688,7 +706,7 @@ fn start_l3(
     wakeup: &Arc<Wakeup>,
 ) -> Result<(pool::L3Tier, std::sync::mpsc::Receiver<ScanMessage>), RunnerError> {
     use crate::l3::{ObjectStore, StoreError};
-    let s3 = config.s3().map_err(|e| RunnerError(e.to_string()))?;
+    let s3 = config.s3().map_err(|e| RunnerError::Config(e.to_string()))?;
     if config.create_bucket
         && let Some(s3) = &s3
     {

@@ -105,7 +105,7 @@ fn claim_process(config: &RunnerConfig, options: &RunnerOptions, stop_flag: bool
     if let Some(&core) = cores.first() {
         let allowed = try_to!("reading the allowed cores", os::allowed_cores());
         if !allowed.contains(&core) {
-            return Err(RunnerError(format!(
+            return Err(RunnerError::Config(format!(
                 "--cores: core {core} is not available to this process (allowed: {allowed:?})"
             )));
         }
@@ -114,7 +114,10 @@ fn claim_process(config: &RunnerConfig, options: &RunnerOptions, stop_flag: bool
     let numa_node = options.numa_node.or(config.node.numa_node);
     if let Some(node) = numa_node {
         if !crate::numa::node_exists(node) {
-            return Err(RunnerError(format!("--numa-node: no NUMA node {node} (nodes: {:?})", crate::numa::nodes())));
+            return Err(RunnerError::Config(format!(
+                "--numa-node: no NUMA node {node} (nodes: {:?})",
+                crate::numa::nodes()
+            )));
         }
         // For the runner's whole life: every pool below lands on the node.
         try_to!("binding memory to the NUMA node", crate::numa::bind_thread(node));
@@ -177,11 +180,9 @@ fn open_transport(
         let config = crate::transport::tcp::TcpConfig::default();
         let listen = ports.transport_listen;
         let mut transport = crate::transport::tcp::TcpTransport::new(config, listen)
-            .map_err(|e| RunnerError(format!("transport.listen {listen:?}: {e}")))?;
+            .map_err(|e| fail(&format!("transport.listen {listen:?}"))(&e))?;
         if let Some(key) = &ports.link_key {
-            transport
-                .authenticate(key.clone(), u64::from(node_id))
-                .map_err(|e| RunnerError(format!("transport: {e}")))?;
+            transport.authenticate(key.clone(), u64::from(node_id)).map_err(|e| fail("transport")(&e))?;
         }
         // The node's transport: TCP, or RDMA negotiated over TCP with each
         // peer where a device is, for the L1 arena peers read blocks from.
@@ -190,9 +191,9 @@ fn open_transport(
         let links = unsafe {
             crate::transport::rdma::open_links(transport, ports.rdma.as_ref(), region.base(), region.len(), epoch)
         };
-        Some(links.map_err(|e| RunnerError(format!("transport.rdma: {e}")))?)
+        Some(links.map_err(|e| fail("transport.rdma")(&e))?)
     } else if let Some(device) = &ports.rdma {
-        return Err(RunnerError(format!(
+        return Err(RunnerError::Config(format!(
             "transport.rdma {device:?}: RDMA runs under the node's transport; give it a listen address or peers"
         )));
     } else {
@@ -201,8 +202,7 @@ fn open_transport(
     let mut peers_by_node = Vec::with_capacity(ports.transport_peers.len());
     if let Some(transport) = &mut transport {
         for (node, rails) in &ports.transport_peers {
-            let peer =
-                transport.add_peer_rails(rails).map_err(|e| RunnerError(format!("transport peer {node}: {e}")))?;
+            let peer = transport.add_peer_rails(rails).map_err(|e| fail(&format!("transport peer {node}"))(&e))?;
             peers_by_node.push((*node, peer));
         }
     }
@@ -234,11 +234,11 @@ fn open_attach(
                 name: "lake-dp",
             };
             let mut server = attach::AttachServer::bind(socket, files, &identity, arena_region)
-                .map_err(|e| RunnerError(format!("agents.socket {}: {e}", socket.display())))?;
-            let (gid, mode, policy) = config.agents.access().map_err(|e| RunnerError(e.0))?;
+                .map_err(|e| fail(&format!("agents.socket {}", socket.display()))(&e))?;
+            let (gid, mode, policy) = config.agents.access().map_err(|e| RunnerError::Config(e.0))?;
             server
                 .restrict(policy, mode, gid)
-                .map_err(|e| RunnerError(format!("agents.socket {}: mode and group: {e}", socket.display())))?;
+                .map_err(|e| fail(&format!("agents.socket {}: mode and group", socket.display()))(&e))?;
             // The caps on tenants' pushes, for the agents to keep to.
             let push_caps: Vec<(Vec<u64>, u64)> = config
                 .tenants
@@ -246,7 +246,7 @@ fn open_attach(
                 .zip(tenants)
                 .filter_map(|(section, rate)| section.push_bytes_per_s.map(|cap| (rate.namespaces.clone(), cap)))
                 .collect();
-            server.push_caps(&push_caps).map_err(|e| RunnerError(format!("tenants: {e}")))?;
+            server.push_caps(&push_caps).map_err(|e| RunnerError::Config(format!("tenants: {e}")))?;
             Some(server)
         }
     };
@@ -303,7 +303,7 @@ fn open_pool(
         .enumerate()
         .map(|(index, tenant)| tenant.rate(index))
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| RunnerError(e.to_string()))?;
+        .map_err(|e| RunnerError::Config(e.to_string()))?;
     pool.set_rates(crate::rates::TenantRates::new(&tenants));
     for adopted in &found.adopted {
         let slot = L2Slot { file: adopted.file, slot: adopted.slot };
