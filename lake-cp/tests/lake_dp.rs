@@ -265,6 +265,17 @@ fn bad_configs_and_flags_are_named() {
     let (code, err) = run(&["--config", good.to_str().unwrap(), "--numa-node", "777"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--numa-node"), "{err}");
+    // So does `lake serve` (the unit's command), leaving nothing behind.
+    for (flag, value) in [("--cores", "4000"), ("--numa-node", "777")] {
+        let pool = dir.0.join(&flag[2..]);
+        let args = ["serve", "--metrics", "off", "--l1-slots", "16", "--l2-slots", "16", flag, value, "--dir"];
+        let out = Command::new(env!("CARGO_BIN_EXE_lake")).args(args).arg(&pool).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "lake serve {flag} {value}: {err}");
+        assert!(err.contains(flag), "{err}");
+        let (arena, mirror) = lake_cp::embedded::EmbeddedConfig::new(pool.clone()).shared_memory();
+        assert!(!arena.exists() && !mirror.exists() && !pool.exists(), "{flag}: a failed start left its files");
+    }
     let (code, err) = run(&["--config", good.to_str().unwrap(), "--cores", "x"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("invalid value 'x' for '--cores"), "{err}");

@@ -133,6 +133,42 @@ pub struct EmbeddedConfig {
     pub numa_node: Option<u32>,
 }
 
+/// Why a pool could not serve: its settings, or something failing. `lake
+/// serve` exits 2 for the first (as for a bad command line), 1 for the
+/// second.
+#[derive(Debug)]
+pub enum ServeError {
+    /// Its settings cannot run here (the configuration's checks, or a data
+    /// plane refusing them: a core or NUMA node this machine lacks):
+    /// starting again unchanged fails again.
+    Settings(String),
+    /// Something failed while starting or serving: the directory's lock,
+    /// shared memory, a device, a socket, a thread.
+    Failed(String),
+}
+
+impl core::fmt::Display for ServeError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Settings(why) | Self::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for ServeError {}
+
+impl From<String> for ServeError {
+    fn from(why: String) -> Self {
+        Self::Failed(why)
+    }
+}
+
+impl From<ServeError> for String {
+    fn from(error: ServeError) -> Self {
+        error.to_string()
+    }
+}
+
 /// The L1 arena's agent records (pin arrays) kept for each agent port: an
 /// engine attached over the C ABI claims one for its agent, one for its
 /// agent thread, one for its pushes and one per copy lane, so a port's
@@ -593,8 +629,8 @@ ports = {remote}
 
 impl EmbeddedPool {
     /// Starts the pool; returns once engines can attach.
-    pub fn start(config: &EmbeddedConfig) -> Result<Self, String> {
-        config.check()?;
+    pub fn start(config: &EmbeddedConfig) -> Result<Self, ServeError> {
+        config.check().map_err(ServeError::Settings)?;
         // First the directory's lock: nothing of a pool serving it is
         // touched by a second one.
         let mut created = Created::take(&config.dir)?;
@@ -793,11 +829,11 @@ impl EmbeddedPool {
         // its L1 with the control plane (its files opened).
         while std::fs::metadata(&pool.dp_socket).is_err() || pool.gauges.l1_space().is_none() {
             if pool.dp.as_ref().is_some_and(JoinHandle::is_finished) || Instant::now() > deadline {
-                let why = match pool.dp.take().map(JoinHandle::join) {
-                    Some(Ok(Err(e))) => e.to_string(),
-                    _ => "the data plane did not start".to_owned(),
-                };
-                return Err(why);
+                return Err(match pool.dp.take().map(JoinHandle::join) {
+                    Some(Ok(Err(RunnerError::Config(why)))) => ServeError::Settings(why),
+                    Some(Ok(Err(e))) => ServeError::Failed(e.to_string()),
+                    _ => ServeError::Failed("the data plane did not start".to_owned()),
+                });
             }
             std::thread::sleep(Duration::from_millis(5));
         }

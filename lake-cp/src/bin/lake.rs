@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use lake_cp::config::ServeArgs;
 use lake_cp::demo::{DemoConfig, DemoReport, Percentiles};
+use lake_cp::embedded::ServeError;
 
 /// A line on stdout, flushed; a closed stdout (a pipe whose reader went)
 /// is no reason to stop serving, so its error is dropped.
@@ -327,11 +328,11 @@ fn main() -> ExitCode {
         Command::Demo(args) => ("demo", demo(&args)),
         Command::Serve(args) => match serve(&args) {
             // Settings that cannot run: a restart will not mend them.
-            Err(Failed::Settings(why)) => {
+            Err(ServeError::Settings(why)) => {
                 eprintln!("lake serve: {why}");
                 return ExitCode::from(2);
             }
-            Err(Failed::Running(why)) => ("serve", Err(why)),
+            Err(ServeError::Failed(why)) => ("serve", Err(why)),
             Ok(()) => ("serve", Ok(())),
         },
         Command::Config(ConfigCommand::Check { file }) => ("config check", config_check(&file)),
@@ -537,27 +538,13 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Why `lake serve` stopped: its settings (exit status 2, as for a bad
-/// command line), or something while starting or running (1).
-#[derive(Debug)]
-enum Failed {
-    Settings(String),
-    Running(String),
-}
-
-impl From<String> for Failed {
-    fn from(why: String) -> Self {
-        Self::Running(why)
-    }
-}
-
-fn serve(args: &ServeArgs) -> Result<(), Failed> {
+fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     use lake_cp::embedded::EmbeddedPool;
     // Before any thread starts: the pool's threads inherit the blocked
     // signals, and this one takes them.
     let signals = lake_dp::os::Signals::with_hangup().map_err(|e| format!("signals: {e}"))?;
     let lake_cp::config::Serve { pool: config, tenant_key_dir, cluster, member_ttl, .. } =
-        args.resolve().map_err(Failed::Settings)?;
+        args.resolve().map_err(ServeError::Settings)?;
     let (key_dir, mut tenant_files) = match tenant_key_dir {
         Some((dir, ids)) => (Some(dir), ids),
         None => (None, std::collections::HashMap::new()),
@@ -609,7 +596,7 @@ fn serve(args: &ServeArgs) -> Result<(), Failed> {
         // A plane that stopped on its own cannot serve: say why, exit non-zero.
         if let Some(why) = pool.failed() {
             let _ = std::fs::remove_file(&record);
-            return Err(Failed::Running(why));
+            return Err(ServeError::Failed(why));
         }
         match signals.take() {
             Some(libc::SIGHUP) => {
