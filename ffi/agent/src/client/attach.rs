@@ -116,7 +116,7 @@ impl Agent {
         // A refusal may come before the hello is read (lake-dp refuses a
         // peer it does not allow as it connects, and closes): the answer is
         // read even when sending failed, so the refusal is what is said.
-        let mut sent = (&stream).write_all(&frame[..len]);
+        let mut unsent = (&stream).write_all(&frame[..len]).err();
         // The answer: `HelloAck`, the push caps (up to 1024 entries), then
         // `Attached` with the descriptors.
         let mut input = vec![0u8; 1024 + lake_core::wire::message::PUSH_CAPS_MAX * 24];
@@ -128,11 +128,10 @@ impl Agent {
         let attached = loop {
             let received = recv_with_fds(stream.as_raw_fd(), &mut input[have..], &mut fds);
             if !matches!(received, Ok(n) if n > 0)
-                && let Err(error) = sent
+                && let Some(error) = unsent.take()
             {
                 return Err(socket("sending the hello")(error));
             }
-            sent = Ok(());
             let n = received.map_err(socket("waiting for the answer"))?;
             if n == 0 {
                 let closed = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "lake-dp closed the connection");
