@@ -20,7 +20,7 @@ use lake_dp::Priority;
 use lake_dp::auth::handshake::SERVER_HELLO_BYTES;
 use lake_dp::auth::{ClientHandshake, LinkKey, Session};
 use lake_dp::transport::frame::{BlockAddr, FrameHeader};
-use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpTransport};
+use lake_dp::transport::tcp::{PeerId, TcpConfig, TcpError, TcpTransport};
 use lake_tests::fault_proxy::{FaultProxy, Faults};
 use lake_tests::transport::{Node, drive, now_ns, object, outgoing};
 
@@ -410,5 +410,6 @@ fn nodes_one_link_version_apart_move_blocks_and_speak_the_latest_once_both_do() 
     assert_eq!(node.published.len(), 12);
     // A version this build does not speak is refused by name.
     let mut odd = TcpTransport::new(config(), None).unwrap();
-    assert!(odd.speak_link_versions_up_to(3).unwrap_err().0.contains("speaks 1 to 2"));
+    let refused = odd.speak_link_versions_up_to(3).unwrap_err();
+    assert!(matches!(&refused, TcpError::Setting(what) if what.contains("speaks 1 to 2")), "{refused}");
 }

@@ -1,0 +1,448 @@
+//! A cluster's parts: `lake cp` (one node's control plane) and `lake
+//! summary` (the leader that holds the cluster's summary), and draining
+//! a node through etcd.
+
+use super::*;
+
+#[derive(Args, Debug)]
+pub(super) struct CpArgs {
+    /// The socket data planes and agents connect to.
+    #[arg(long, value_name = "PATH")]
+    socket: PathBuf,
+    /// The shared-memory mirror engines read.
+    #[arg(long, value_name = "PATH")]
+    mirror: PathBuf,
+    /// etcd endpoints, comma-separated.
+    #[arg(long, value_name = "URL[,URL...]")]
+    etcd: String,
+    /// The cluster's name in etcd.
+    #[arg(long, value_name = "NAME")]
+    cluster: String,
+    /// This candidate's id.
+    #[arg(long, value_name = "ID")]
+    id: String,
+    /// Seconds the leadership lease lasts without renewal.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    ttl: u32,
+    /// The node it controls.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    node: u32,
+    /// Entries the mirror holds.
+    #[arg(long, value_name = "N", default_value_t = 1 << 20)]
+    entries: u64,
+}
+
+#[derive(Args, Debug)]
+pub(super) struct SummaryArgs {
+    /// Where nodes connect to report their replicas.
+    #[arg(long, value_name = "IP:PORT")]
+    listen: std::net::SocketAddr,
+    /// etcd endpoints, comma-separated (leadership, members, drain marks).
+    #[arg(long, value_name = "URL[,URL...]", requires = "cluster")]
+    etcd: Option<String>,
+    /// The cluster's name in etcd.
+    #[arg(long, value_name = "NAME", requires = "etcd")]
+    cluster: Option<String>,
+    /// This candidate's id (default: `summary-PID`).
+    #[arg(long, value_name = "ID")]
+    id: Option<String>,
+    /// Seconds the leadership lease lasts without renewal.
+    #[arg(long, value_name = "SECONDS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    ttl: u32,
+    /// Where checkpoints go (their pointer in etcd).
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Milliseconds between checkpoints (at least 10).
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    checkpoint_ms: u64,
+    /// A block K or more blocks continue is copied into every member's L1
+    /// (0: none).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    replicate_children: usize,
+    /// The cluster link key: nodes' links are authenticated with it.
+    #[arg(long, value_name = "FILE")]
+    link_key: Option<PathBuf>,
+}
+
+/// `lake drain-node`: marks a node draining in etcd (or takes it back);
+/// with `--wait`, follows the leader's count of the blocks only it holds
+/// until none is left.
+pub(super) fn drain_node(etcd: &str, name: &str, wait_s: u64, undo: bool, node: u32) -> Result<(), String> {
+    let endpoints: Vec<&str> = etcd.split(',').collect();
+    let client = lake_cp::etcd::Etcd::new(&endpoints, std::time::Duration::from_secs(2))
+        .map_err(|e| format!("--etcd {etcd}: {e}"))?;
+    let cluster = lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("--cluster {name}: {e}"))?;
+    if undo {
+        cluster.undrain(node).map_err(|e| e.to_string())?;
+        say!("{{\"event\":\"undrained\",\"node\":{node}}}");
+        return Ok(());
+    }
+    let members = cluster.members().map_err(|e| e.to_string())?;
+    if !members.iter().any(|(n, _)| *n == node) {
+        tracing::warn!(
+            event = "drain_mark_of_non_member",
+            node,
+            "node {node} is not a member now (marked all the same)"
+        );
+    }
+    cluster.drain(node).map_err(|e| e.to_string())?;
+    say!("{{\"event\":\"draining\",\"node\":{node}}}");
+    if wait_s == 0 {
+        return Ok(());
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_s);
+    loop {
+        let left = cluster.drain_left(node).map_err(|e| e.to_string())?;
+        if let Some((0, _)) = left {
+            say!("{{\"event\":\"drained\",\"node\":{node}}}");
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            let left = left.map_or_else(|| "uncounted (no leader counted yet)".to_owned(), |(n, _)| n.to_string());
+            return Err(format!("node {node}: blocks only it holds: {left} after {wait_s} s"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+/// `lake cp`: one control plane of a node, standing for leadership.
+pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
+    use std::time::{Duration, Instant};
+
+    use lake_cp::etcd::Etcd;
+    use lake_cp::ha::Cluster;
+    use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
+
+    let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
+    let (socket, mirror, etcd, cluster, id) = (&args.socket, &args.mirror, &args.etcd, &args.cluster, &args.id);
+    let (ttl, node, entries) = (i64::from(args.ttl), args.node, args.entries);
+    let endpoints: Vec<&str> = etcd.split(',').collect();
+    let cluster = Cluster::new(Etcd::new(&endpoints, Duration::from_secs(2)).map_err(|e| e.to_string())?, cluster)
+        .map_err(|e| e.to_string())?;
+    let mut candidate = cluster.candidate(id, ttl).map_err(|e| e.to_string())?;
+    let every = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 4).max(Duration::from_millis(50));
+    let say = |line: String| say!("{line}");
+    // A standby until it leads (or is told to stop).
+    let Some(term) = stand_by(&mut candidate, id, every, &signals, "lake cp") else { return Ok(()) };
+    // The mirror engines already read is taken over (their mappings stay
+    // good) and emptied: the view is rebuilt from what the data planes
+    // re-adopt. One that is not there, or not a mirror, is made anew. One
+    // whose writer lives belongs to a predecessor that is stopped, not
+    // dead: it is deposed when it wakes (it renews before it acts) and
+    // lets go; until then this leader waits, renewing its own lease.
+    let mut said_waiting = false;
+    let writer = loop {
+        match MirrorWriter::take_over(mirror, term) {
+            Ok((mut writer, _)) => {
+                writer.clear();
+                break writer;
+            }
+            Err(lake_dp::mirror::MirrorError::InUse { pid }) => {
+                if !said_waiting {
+                    said_waiting = true;
+                    say(serde_json::json!({"event": "waiting", "id": id, "term": term, "mirror_writer": pid})
+                        .to_string());
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                if signals.take().is_some() {
+                    let _ = candidate.resign();
+                    return Ok(());
+                }
+                if !candidate.keep_alive().unwrap_or(true) {
+                    return Err(format!("deposed while waiting for the mirror (term {term})"));
+                }
+            }
+            Err(_) => {
+                break MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
+                    .map_err(|e| format!("mirror {}: {e}", mirror.display()))?;
+            }
+        }
+    };
+    let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer));
+    let mut server =
+        lake_cp::server::Server::bind(socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;
+    say(serde_json::json!({"event": "leading", "id": id, "term": term, "socket": socket, "mirror": mirror}).to_string());
+    let renew = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 3);
+    let lease = Duration::from_secs(u64::try_from(ttl).unwrap_or(1));
+    let (mut last_renewal, mut confirmed) = (Instant::now(), Instant::now());
+    loop {
+        if signals.take().is_some() {
+            // Handing over now: the standby need not wait out the lease.
+            let _ = candidate.resign();
+            say(serde_json::json!({"event": "resigned", "id": id, "term": term}).to_string());
+            return Ok(());
+        }
+        // Renewed before serving: a leader that was stopped (SIGSTOP, a
+        // stalled host) past its lease finds out before it acts again.
+        if last_renewal.elapsed() >= renew {
+            last_renewal = Instant::now();
+            let deposed = match candidate.keep_alive() {
+                Ok(true) => {
+                    confirmed = Instant::now();
+                    None
+                }
+                Ok(false) => Some(format!("the lease of term {term} expired")),
+                // etcd unreachable: lead on only while the lease may stand.
+                Err(e) if confirmed.elapsed() < lease => {
+                    tracing::warn!(event = "lease_renewal_failed", error = %e);
+                    None
+                }
+                Err(e) => Some(format!("no renewal for a whole lease ({e})")),
+            };
+            if let Some(why) = deposed {
+                say(serde_json::json!({"event": "deposed", "id": id, "term": term}).to_string());
+                return Err(format!("deposed: {why}; stopping"));
+            }
+        }
+        server.poll_once(Some(Duration::from_millis(5))).map_err(|e| format!("serving: {e}"))?;
+    }
+}
+
+/// `lake summary`: the leader's cluster summary (see `lake_cp::summary`).
+pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
+    use std::time::{Duration, Instant};
+
+    use lake_cp::ha::{Cluster, Role};
+    use lake_cp::summary::Summary;
+    use lake_cp::summary::link::Aggregator;
+    use lake_dp::l3::ObjectStore;
+
+    let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
+    let (listen, etcd, cluster, id, dir) =
+        (args.listen, &args.etcd, &args.cluster, args.id.clone(), &args.checkpoint_dir);
+    let (ttl, checkpoint_ms, replicate_children) =
+        (i64::from(args.ttl), args.checkpoint_ms.max(10), args.replicate_children);
+    let key = match &args.link_key {
+        Some(path) => {
+            Some(lake_dp::auth::LinkKey::load(path).map_err(|e| format!("--link-key {}: {e}", path.display()))?)
+        }
+        None => None,
+    };
+    let say = |line: String| say!("{line}");
+    let cluster = match (&etcd, &cluster) {
+        (Some(etcd), Some(name)) => {
+            let endpoints: Vec<&str> = etcd.split(',').collect();
+            let client = lake_cp::etcd::Etcd::new(&endpoints, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+            Some(Cluster::new(client, name).map_err(|e| e.to_string())?)
+        }
+        (None, None) => None,
+        _ => return Err("--etcd and --cluster go together".into()),
+    };
+    let mut store = match &dir {
+        Some(dir) => Some(lake_dp::l3::dir::DirStore::open(dir).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let id = id.unwrap_or_else(|| format!("summary-{}", std::process::id()));
+    let mut candidate = match &cluster {
+        Some(cluster) => Some(cluster.candidate(&id, ttl).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    // A standby until it leads.
+    let every = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 4).max(Duration::from_millis(50));
+    let mut term = 1;
+    if let Some(candidate) = &mut candidate {
+        let Some(elected) = stand_by(candidate, &id, every, &signals, "lake summary") else { return Ok(()) };
+        term = elected;
+    }
+    // Where the last leader left the summary: its checkpoint, then the
+    // nodes' snapshots (each node sends one as it connects).
+    let mut summary = Summary::new();
+    if let (Some(cluster), Some(store)) = (&cluster, &mut store)
+        && let Some(pointer) = cluster.checkpoint().map_err(|e| e.to_string())?
+    {
+        match store.get(&pointer.location) {
+            Ok(Some(bytes)) => match Summary::restore(&bytes) {
+                Ok((restored, written_in)) => {
+                    summary = restored;
+                    say(format!(
+                        "{{\"event\":\"restored\",\"location\":\"{}\",\"term\":{written_in},\"nodes\":{}}}",
+                        pointer.location,
+                        nodes_json(&summary)
+                    ));
+                }
+                Err(e) => {
+                    tracing::error!(event = "checkpoint_unreadable", location = %pointer.location, error = %e, "starting empty")
+                }
+            },
+            Ok(None) => tracing::error!(event = "checkpoint_gone", location = %pointer.location, "starting empty"),
+            Err(e) => {
+                tracing::error!(event = "checkpoint_unreadable", location = %pointer.location, error = %e, "starting empty")
+            }
+        }
+    }
+    let mut aggregator = Aggregator::bind(listen, summary).map_err(|e| format!("--listen {listen}: {e}"))?;
+    if let Some(key) = key {
+        aggregator.authenticate(key);
+    }
+    say(format!(
+        "{{\"event\":\"leading\",\"listen\":\"{}\",\"term\":{term}}}",
+        aggregator.local_addr().map_err(|e| e.to_string())?
+    ));
+    let (mut last_report, mut last_checkpoint, mut last_renew) = (Instant::now(), Instant::now(), Instant::now());
+    let mut last_answer = Instant::now();
+    let mut written = 0u64;
+    let mut previous: Option<String> = None;
+    // Nodes an operator drains, with the revision of each mark.
+    let mut drain_marks: Vec<(u32, i64)> = Vec::new();
+    while signals.take().is_none() {
+        aggregator.pump();
+        for what in aggregator.take_security_events() {
+            say(serde_json::json!({"event": "link_refused", "what": what}).to_string());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+        if last_renew.elapsed() >= every {
+            last_renew = Instant::now();
+            if let (Some(cluster), Some(candidate)) = (&cluster, &mut candidate) {
+                // Lost: the lease expired, or another leads. etcd not
+                // answering is not known to be lost — until a whole lease
+                // has passed since the last renewal it answered.
+                let renewed = match candidate.keep_alive() {
+                    Ok(true) => match candidate.campaign() {
+                        Ok(Role::Leader { .. }) => Some(true),
+                        Ok(Role::Standby { .. }) => Some(false),
+                        Err(_) => None,
+                    },
+                    Ok(false) => Some(false),
+                    Err(_) => None,
+                };
+                match renewed {
+                    Some(true) => last_answer = Instant::now(),
+                    None if last_answer.elapsed() < Duration::from_secs(u64::try_from(ttl).unwrap_or(1)) => {}
+                    _ => {
+                        say(serde_json::json!({"event": "deposed", "id": id, "term": term}).to_string());
+                        return Err("deposed: the lease is lost or another leads; stopping".into());
+                    }
+                }
+                match cluster.members() {
+                    Ok(members) => {
+                        let nodes: Vec<u32> = members.iter().map(|(node, _)| *node).collect();
+                        aggregator.summary.membership(&nodes);
+                        let spaces: Vec<(u32, (u16, u64))> = members
+                            .iter()
+                            .filter_map(|(node, value)| lake_cp::ha::member_l1(value).map(|l1| (*node, l1)))
+                            .collect();
+                        aggregator.summary.l1_spaces(&spaces);
+                    }
+                    Err(e) => tracing::warn!(event = "members_unread", error = %e),
+                }
+                match cluster.draining() {
+                    Ok(marks) => {
+                        let nodes: Vec<u32> = marks.iter().map(|(node, _)| *node).collect();
+                        aggregator.summary.draining(&nodes);
+                        drain_marks = marks;
+                    }
+                    Err(e) => tracing::warn!(event = "drain_marks_unread", error = %e),
+                }
+            }
+        }
+        if let Some(store) = &mut store
+            && last_checkpoint.elapsed() >= Duration::from_millis(checkpoint_ms)
+        {
+            last_checkpoint = Instant::now();
+            written += 1;
+            let name = format!("summary/{term:020}-{written:010}");
+            let bytes = aggregator.summary.checkpoint(term);
+            match store.put(&name, &bytes) {
+                Ok(()) => {
+                    let published = match &candidate {
+                        Some(candidate) => candidate.publish_checkpoint(&name).unwrap_or(false),
+                        None => true,
+                    };
+                    if published {
+                        if let Some(old) = previous.replace(name.clone()) {
+                            let _ = store.delete(&old);
+                        }
+                        say(serde_json::json!({"event": "checkpoint", "location": name, "bytes": bytes.len()})
+                            .to_string());
+                    } else {
+                        let _ = store.delete(&name);
+                    }
+                }
+                Err(e) => tracing::warn!(event = "checkpoint_write_failed", location = %name, error = %e),
+            }
+        }
+        if last_report.elapsed() >= Duration::from_secs(1) {
+            last_report = Instant::now();
+            // Hot prefixes into every member's L1 (each copy asked at most
+            // once per 10 s: it shows in the summary once it lands).
+            aggregator.replicate(replicate_children, 64, Duration::from_secs(10));
+            // Draining nodes: what only they hold, into other members' L1
+            // (each copy asked again after 3 s until it shows), and how
+            // much is left, for `lake drain-node --wait`.
+            aggregator.drain(256, Duration::from_secs(3));
+            if let Some(cluster) = &cluster {
+                for &(node, mark) in &drain_marks {
+                    // Not while the node's view waits for a snapshot (a
+                    // gap, a leader just restored): it may be short of
+                    // blocks, and "none left" must not be said early.
+                    let figures = aggregator.summary.figures(node).filter(|f| !f.gap);
+                    let Some(left) = figures.map(|f| f.drain_left) else { continue };
+                    if let Err(e) = cluster.drain_progress(node, mark, left) {
+                        tracing::warn!(event = "drain_progress_unwritten", node, error = %e);
+                    }
+                }
+            }
+            let c = aggregator.counters;
+            say(format!(
+                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"nodes\":{}}}",
+                aggregator.connected(),
+                c.applied,
+                c.snapshot_frames,
+                c.gaps,
+                c.copies_asked,
+                c.drain_copies_asked,
+                nodes_json(&aggregator.summary)
+            ));
+        }
+    }
+    if let Some(candidate) = candidate {
+        let _ = candidate.resign();
+    }
+    Ok(())
+}
+
+pub(super) fn nodes_json(summary: &lake_cp::summary::Summary) -> String {
+    let nodes: Vec<String> = summary
+        .nodes()
+        .into_iter()
+        .filter_map(|node| summary.figures(node).map(|f| (node, f)))
+        .map(|(node, f)| {
+            format!(
+                "{{\"node\":{node},\"term\":{},\"sequence\":{},\"member\":{},\"gap\":{},\"draining\":{},\"drain_left\":{},\"replicas\":{:?},\"available\":{:?}}}",
+                f.term, f.sequence, f.member, f.gap, f.draining, f.drain_left, f.replicas, f.available
+            )
+        })
+        .collect();
+    format!("[{}]", nodes.join(","))
+}
+
+/// Campaigns every `every` until `candidate` leads (printing `standby`
+/// events, then `elected`): its term, or `None` when a signal says stop.
+pub(super) fn stand_by(
+    candidate: &mut lake_cp::ha::Candidate<'_>,
+    id: &str,
+    every: std::time::Duration,
+    signals: &lake_dp::os::Signals,
+    who: &str,
+) -> Option<u64> {
+    use lake_cp::ha::Role;
+    let say = |line: String| say!("{line}");
+    let term = loop {
+        match candidate.campaign() {
+            Ok(Role::Leader { term }) => break term,
+            Ok(Role::Standby { leader, term }) => {
+                say(serde_json::json!({"event": "standby", "id": id, "leader": leader, "term": term}).to_string());
+            }
+            Err(e) => tracing::warn!(event = "campaign_failed", who, error = %e),
+        }
+        let woke = std::time::Instant::now();
+        while woke.elapsed() < every {
+            if signals.take().is_some() {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    say(serde_json::json!({"event": "elected", "id": id, "term": term}).to_string());
+    Some(term)
+}
