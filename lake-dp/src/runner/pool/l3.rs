@@ -70,14 +70,15 @@ enum Op {
     },
     Get {
         to: Requester,
+        /// The catalog entry read, and its generation then: the entry may
+        /// be evicted and reused by another object before the read ends.
         entry: u32,
+        generation: u32,
         l1_slot: u32,
         l1_generation: u32,
     },
     /// A batch of deletes: the blocks in `delete_buffers[buffer]`.
-    DeleteMany {
-        buffer: u32,
-    },
+    DeleteMany { buffer: u32 },
 }
 
 /// What the L3 tier has done.
@@ -306,7 +307,7 @@ impl Pool {
     /// has taken yet (it then ends `Cancelled`, its slot freed); whether
     /// it was.
     pub(super) fn cancel_l3_load(&mut self, agent: u16, load: u64) -> bool {
-        let Some(tier) = self.l3.as_ref() else { return false };
+        let Some(tier) = self.l3.as_mut() else { return false };
         let op = tier.ops.iter().position(|op| {
             matches!(op, Some(Op::Get { to: Requester::Agent { agent: a, cookie: c }, .. }) if *a == agent && *c == load)
         });
@@ -681,7 +682,13 @@ impl Pool {
             let _ = table.retire(grant.slot);
             return Err(AgentError::Invalid);
         };
-        let op = Op::Get { to, entry: source.slot, l1_slot: grant.slot, l1_generation: grant.generation };
+        let op = Op::Get {
+            to,
+            entry: source.slot,
+            generation: source.generation,
+            l1_slot: grant.slot,
+            l1_generation: grant.generation,
+        };
         let Some(index) = tier.take_op(op) else {
             let _ = table.retire(grant.slot);
             return Err(AgentError::Busy);
@@ -789,7 +796,7 @@ impl Pool {
                     }
                 }
             }
-            Op::Get { to, entry, l1_slot, l1_generation } => {
+            Op::Get { to, entry, generation, l1_slot, l1_generation } => {
                 let result = match &completion.result {
                     Ok(bytes) => {
                         tier.stats.reads += 1;
@@ -816,7 +823,10 @@ impl Pool {
                         // recomputes.
                         tier.stats.failed += 1;
                         tier.stats.lost += 1;
-                        let lost = tier.catalog.get(entry as usize).copied().flatten();
+                        // Only the object read: one evicted meanwhile is
+                        // out already, and its entry may name another.
+                        let lost =
+                            tier.catalog.get(entry as usize).copied().flatten().filter(|m| m.generation == generation);
                         if let Some(meta) = lost {
                             let replica = tier.replica(node, epoch, entry, meta.generation);
                             tier.forget(entry);
