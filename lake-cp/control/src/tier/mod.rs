@@ -575,6 +575,12 @@ impl Tiers {
             Some(request) => self.pending.remove(&request).map(|p| p.namespace),
             None => marked,
         };
+        // Waiting after a refused command, out of every cache: it waits no
+        // more (its wait's end would put a gone block back in the cache).
+        let namespace = namespace.or_else(|| {
+            let at = self.cooling.iter().position(|(_, p)| p.key == *key && p.region == region)?;
+            Some(self.cooling.swap_remove(at).1.namespace)
+        });
         let namespace = namespace.or_else(|| {
             let found =
                 self.spaces.iter_mut().find(|((tier, _), space)| *tier == info.tier && space.cache.index.contains(key));

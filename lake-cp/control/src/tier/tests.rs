@@ -632,3 +632,37 @@ fn a_full_l2_admits_a_demotion_only_where_its_policy_would() {
     assert!(world.tiers.counters.admission_refused > 0, "{:?}", world.tiers.counters);
     assert!(l1.iter().any(|c| matches!(c.action, TierAction::Evict(_))));
 }
+
+/// Found by the node's simulation with its object store: a block whose
+/// move was refused waits out of every cache before it is tried again;
+/// evicted meanwhile (by another path: an operator's eviction, a purge,
+/// the data plane finding it corrupt), it was counted in L1 for good, and
+/// the wait's end put the gone block back in L1's cache to be commanded.
+#[test]
+fn a_block_evicted_while_it_waits_after_a_refused_move_is_gone_from_the_counts() {
+    let config = TierConfig { high_percent: 80, low_percent: 70, policy: PolicyKind::Lru, ..TierConfig::default() };
+    let mut world = World::new(config);
+    for k in 1..=9 {
+        world.add(0, 7, None, k);
+    }
+    let commands = world.plan();
+    assert_eq!(keys_of(&commands), vec![(1, "move"), (2, "move")]);
+    world.carry_out(&commands[1]);
+    // The first is refused: block 1 waits before it is tried again.
+    world.tiers.done(commands[0].request, false);
+    // Evicted meanwhile.
+    world.locations.remove(&key(1), 0).unwrap();
+    world.tiers.removed(0, &key(1));
+    assert_eq!(world.tiers.counters.unattributed, 0, "its namespace was found");
+    assert_eq!(world.tiers.usage(Tier::L1Dram).blocks, 7);
+    assert_eq!(world.tiers.usage(Tier::L1Dram).bytes, 7 * SLOT);
+    // Past the wait, and over the mark again: block 1 is not commanded.
+    for k in 10..=11 {
+        world.add(0, 7, None, k);
+    }
+    let mut out = Vec::new();
+    world.tiers.plan(&world.locations, &world.leases, RETRY_WAIT_NS + 1, &mut out);
+    world.tiers.assert_invariants();
+    assert!(!keys_of(&out).iter().any(|&(k, _)| k == 1), "a gone block commanded: {:?}", keys_of(&out));
+    assert!(world.tiers.tracked(&key(1)).is_empty(), "a gone block tracked: {:?}", world.tiers.tracked(&key(1)));
+}
