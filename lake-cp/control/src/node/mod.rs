@@ -120,6 +120,9 @@ pub struct NodeCounters {
     pub replicas_given_up: u64,
     /// L3 copies not tracked: their block was in L1 and in a leased L2.
     pub l3_untracked: u64,
+    /// Evictions reported of L3 copies the view holds none of (untracked
+    /// ones, which their data plane held all along): accepted.
+    pub l3_untracked_evicted: u64,
     /// Reports refused (stale epoch, unknown region, ...).
     pub refused: u64,
     /// Blocks that waited for their parent.
@@ -935,6 +938,12 @@ impl Node {
                 self.record(evicted.key, BlockEventKind::Evicted(evicted.reason), (replica.region.0, replica.slot));
                 return Ok(());
             }
+            // An L3 copy the view did not track (see `make_room_for`).
+            None if replica.tier == Tier::L3Object => {
+                self.counters.l3_untracked_evicted += 1;
+                self.record(evicted.key, BlockEventKind::Evicted(evicted.reason), (replica.region.0, replica.slot));
+                return Ok(());
+            }
             _ => return Err(NodeError::Location(LocationError::StaleGeneration)),
         }
         self.locations.remove(&evicted.key, replica.region.0)?;
@@ -975,159 +984,4 @@ impl Node {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use lake_dp::Durability;
-    use lake_dp::mirror::{Lookup, MirrorBacking, MirrorConfig, MirrorReader};
-    use lake_dp::model::replica::ReplicaWire;
-    use lake_dp::wire::message::BlockEvicted;
-
-    fn key(i: u8) -> BlockKey {
-        BlockKey([i; 16])
-    }
-
-    fn region(id: u16, tier: Tier, epoch: u64) -> RegisterRegion {
-        RegisterRegion {
-            region: id,
-            tier: tier as u8,
-            reserved_a: 0,
-            node: 3,
-            region_epoch: epoch,
-            slot_bytes: 65536,
-            slot_count: 64,
-            reserved_b: 0,
-            name: [0; 48],
-        }
-    }
-
-    fn block(k: u8, parent: Option<u8>, tier: Tier, region: u16, epoch: u64, slot: u32) -> BlockRecord {
-        BlockRecord {
-            replica: ReplicaWire {
-                tier: tier as u8,
-                reserved: 0,
-                region,
-                node: 3,
-                region_epoch: epoch,
-                slot,
-                generation: 7,
-            },
-            key: key(k),
-            parent_key: parent.map_or(BlockKey::NONE, key),
-            namespace: 1,
-            layout_fingerprint: 2,
-            payload_len: 4096,
-            block_index: 0,
-            kind: ObjectKind::KvBlock as u16,
-            durability: Durability::Acked as u8,
-            flags: 0,
-        }
-    }
-
-    struct Scratch(std::path::PathBuf);
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-
-    #[test]
-    fn reports_reach_the_view_and_the_mirror() {
-        let scratch = Scratch(format!("/dev/shm/lake-test-node-{}", std::process::id()).into());
-        let mirror =
-            MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(scratch.0.clone()), 100)).unwrap();
-        let reader = MirrorReader::attach(&scratch.0).unwrap();
-        let mut node = Node::new(NodeId(3), 1, Some(mirror));
-        node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
-        node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();
-        assert_eq!(reader.region(RegionId(2)).map(|r| r.tier), Some(Tier::L2Nvme));
-        // A child re-adopted before its parent waits, then follows it.
-        node.on_data_plane(0, &Message::BlockReadopted(block(2, Some(1), Tier::L2Nvme, 2, 5, 11))).unwrap();
-        assert_eq!(node.waiting(), 1);
-        assert_eq!(reader.get(&key(2)), Lookup::Miss);
-        node.on_data_plane(0, &Message::BlockReadopted(block(1, None, Tier::L2Nvme, 2, 5, 10))).unwrap();
-        assert_eq!(node.waiting(), 0);
-        let Lookup::Hit(entry) = reader.get(&key(2)) else { panic!("block 2 not published") };
-        assert_eq!((entry.tier, entry.slot, entry.tiers), (Tier::L2Nvme, 11, 0b100));
-        // Promoted to L1: the mirror names the faster copy, both tiers.
-        node.on_data_plane(0, &Message::BlockCommitted(block(2, Some(1), Tier::L1Dram, 1, 5, 3))).unwrap();
-        let Lookup::Hit(entry) = reader.get(&key(2)) else { panic!() };
-        assert_eq!((entry.tier, entry.slot, entry.tiers), (Tier::L1Dram, 3, 0b110));
-        // Evicted from L1: back to L2.
-        let evicted = BlockEvicted {
-            replica: block(2, Some(1), Tier::L1Dram, 1, 5, 3).replica,
-            key: key(2),
-            reason: 1,
-            reserved: [0; 7],
-        };
-        node.on_data_plane(0, &Message::BlockEvicted(evicted)).unwrap();
-        let Lookup::Hit(entry) = reader.get(&key(2)) else { panic!() };
-        assert_eq!((entry.tier, entry.slot), (Tier::L2Nvme, 11));
-        // A stale eviction (wrong slot) changes nothing.
-        let stale = BlockEvicted { replica: block(2, Some(1), Tier::L2Nvme, 2, 5, 99).replica, ..evicted };
-        assert!(node.on_data_plane(0, &Message::BlockEvicted(stale)).is_err());
-        assert!(matches!(reader.get(&key(2)), Lookup::Hit(_)));
-        // A restart: the region comes back under epoch 6; reports of epoch
-        // 5 are refused.
-        node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 6))).unwrap();
-        assert_eq!(
-            node.on_data_plane(0, &Message::BlockReadopted(block(3, Some(2), Tier::L2Nvme, 2, 5, 12))),
-            Err(NodeError::Location(LocationError::StaleEpoch))
-        );
-        assert_eq!(node.counters.readopted, 2);
-        assert_eq!(node.counters.committed, 1);
-        assert_eq!(node.counters.evicted, 1);
-        assert_eq!(node.counters.refused, 2);
-        // Another node's reports are refused.
-        let mut foreign = block(4, None, Tier::L2Nvme, 2, 6, 1);
-        foreign.replica.node = 9;
-        assert!(node.on_data_plane(0, &Message::BlockCommitted(foreign)).is_err());
-    }
-
-    #[test]
-    fn waiting_blocks_are_bounded() {
-        let mut node = Node::new(NodeId(3), 1, None);
-        node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();
-        for i in 0..PENDING_MAX + 10 {
-            let mut orphan = block(0, None, Tier::L2Nvme, 2, 5, 0);
-            let bytes = (i as u64 + 1).to_le_bytes();
-            orphan.key.0[..8].copy_from_slice(&bytes);
-            orphan.parent_key.0[..8].copy_from_slice(&bytes);
-            orphan.parent_key.0[8] = 0xff;
-            node.on_data_plane(0, &Message::BlockReadopted(orphan)).unwrap();
-        }
-        assert_eq!(node.waiting(), PENDING_MAX);
-        // The oldest stopped waiting: applied as roots, not dropped (their
-        // slots are held by the data plane).
-        assert_eq!(node.counters.rooted, 10);
-        assert_eq!(node.locations.index.len(), 10);
-        // Past the wait, the rest are too.
-        let mut commands = Vec::new();
-        node.plan(ORPHAN_WAIT_NS * 2, &mut commands);
-        assert_eq!(node.waiting(), 0);
-        assert_eq!(node.counters.rooted, PENDING_MAX as u64 + 10);
-        assert_eq!(node.locations.index.len(), PENDING_MAX + 10);
-    }
-
-    #[test]
-    fn a_block_committed_after_its_parent_left_is_a_root() {
-        let mut node = Node::new(NodeId(3), 1, None);
-        node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
-        node.on_data_plane(0, &Message::BlockCommitted(block(9, Some(8), Tier::L1Dram, 1, 5, 4))).unwrap();
-        assert_eq!(node.waiting(), 0);
-        assert_eq!(node.counters.rooted, 1);
-        assert_eq!(node.locations.ready(&key(9)).count(), 1);
-        // A second copy in the same region is a duplicate: the first stays,
-        // the second is evicted at the next pass, and its report accepted.
-        let second = block(9, Some(8), Tier::L1Dram, 1, 5, 6);
-        node.on_data_plane(0, &Message::BlockCommitted(second)).unwrap();
-        assert_eq!(node.locations.ready(&key(9)).map(|r| r.slot).collect::<Vec<_>>(), vec![4]);
-        let mut commands = Vec::new();
-        node.plan(1, &mut commands);
-        assert_eq!(commands.len(), 1);
-        let crate::tier::TierAction::Evict(evict) = commands[0].action else { panic!("{commands:?}") };
-        assert_eq!(evict.replica.slot, 6);
-        node.on_data_plane(0, &Message::BlockEvicted(evict)).unwrap();
-        assert_eq!(node.locations.ready(&key(9)).map(|r| r.slot).collect::<Vec<_>>(), vec![4]);
-        assert_eq!(node.counters.refused, 0);
-    }
-}
+mod tests;
