@@ -5,7 +5,9 @@
 //! the real cp link. Every frame the data plane sends goes to the control
 //! plane, which must accept every report; every command it plans goes to
 //! the data plane. The agents save far more than L1 holds, so the tier
-//! manager demotes, marks victims and drops as it does under load.
+//! manager demotes, marks victims and drops as it does under load; with
+//! the node's simulated object store (most seeds), it moves L2's victims
+//! to L3 and the agents load them back.
 //!
 //! Every seed: the data plane's properties (bytes served exact, no slot
 //! leaked, no report out of step with the commands) and the control
@@ -41,7 +43,8 @@ impl Control for TierManager {
                 Message::BlockCommitted(block) => format!("{:?}", self.node.history_of(&block.key)),
                 _ => String::new(),
             };
-            let log = &self.log[self.log.len().saturating_sub(40)..];
+            let shown = if std::env::var_os("LAKE_SIM_LOG").is_some() { self.log.len() } else { 40 };
+            let log = &self.log[self.log.len().saturating_sub(shown)..];
             panic!(
                 "lake-cp refused the data plane's {message:?} (request {request}): {e}; the block's history: {history}\n{log:#?}"
             );
@@ -82,7 +85,7 @@ fn run(seed: u64) -> (Tally, TierManager) {
 fn the_node_holds_over_many_seeds_with_its_real_tier_manager() {
     let var = |name: &str| std::env::var(name).ok().and_then(|s| s.parse::<u64>().ok());
     let (first, seeds) = (var("LAKE_SIM_SEED").unwrap_or(1), var("LAKE_SIM_SEEDS").unwrap_or(300));
-    let mut totals = (Tally::default(), 0, 0, 0, 0);
+    let mut totals = (Tally::default(), 0, 0, 0, 0, 0);
     for seed in first..first + seeds {
         let outcome = std::panic::catch_unwind(|| run(seed));
         let (tally, manager) = outcome.unwrap_or_else(|_| {
@@ -91,22 +94,33 @@ fn the_node_holds_over_many_seeds_with_its_real_tier_manager() {
         // Everything was evicted: the control plane holds nothing either.
         for tier in [Tier::L1Dram, Tier::L2Nvme] {
             let usage = manager.node.tiers.usage(tier);
-            assert_eq!((usage.blocks, usage.bytes), (0, 0), "seed {seed}: lake-cp still counts {tier:?}: {usage:?}");
+            assert_eq!(
+                (usage.blocks, usage.bytes),
+                (0, 0),
+                "seed {seed}: lake-cp still counts {tier:?}: {usage:?}\n{}",
+                if std::env::var_os("LAKE_SIM_LOG").is_some() {
+                    format!("{:?}\n{}", manager.node.tiers.counters, manager.log.join("\n"))
+                } else {
+                    String::new()
+                }
+            );
         }
         totals.0.add(&tally);
         totals.1 += manager.commands;
         totals.2 += manager.node.tiers.counters.demotions;
         totals.3 += manager.node.tiers.counters.drops[Tier::L1Dram as usize];
         totals.4 += manager.node.tiers.counters.marked_clean + manager.node.tiers.counters.marked_drop;
+        totals.5 += manager.node.tiers.counters.l3_moves;
     }
-    let (tally, commands, demotions, drops, marks) = totals;
+    let (tally, commands, demotions, drops, marks, l3_moves) = totals;
     println!(
         "{seeds} seeds from {first}: {tally:?}; lake-cp planned {commands} commands, {demotions} demotions, \
-         {drops} L1 drops, {marks} marks"
+         {drops} L1 drops, {marks} marks, {l3_moves} moves to L3"
     );
     assert!(seeds < 3 || marks > 0, "no L1 victim was ever marked evictable");
     // The tier manager did its work, and loads found what it demoted.
     assert!(tally.saves > 20 * seeds && tally.controlled > 5 * seeds, "{tally:?}");
     assert!(demotions > seeds && drops > seeds && tally.loads_ok > seeds, "{tally:?}, {demotions} demotions");
     assert!(tally.refused_damaged > 0 && tally.corrupt_late > 0 && tally.loads_failed > 0, "{tally:?}");
+    assert!(seeds < 5 || (l3_moves > seeds && tally.l3_loads_ok > seeds), "{tally:?}, {l3_moves} moves to L3");
 }

@@ -244,15 +244,45 @@ impl Default for L3Config {
 /// The client the poller drives (see the module docs).
 #[derive(Debug)]
 pub struct L3Client {
-    requests: Option<SyncSender<(u64, L3Request)>>,
-    completions: Receiver<L3Completion>,
-    workers: Vec<JoinHandle<()>>,
+    runs: Runs,
     prefix: String,
     in_flight: usize,
-    /// Per request id below the queue's depth: [`QUEUED`], [`STARTED`],
-    /// [`READING`], [`CANCELLED`] or [`STOPPING`] — who came first, the
-    /// worker or a cancel.
-    claims: std::sync::Arc<Vec<AtomicU8>>,
+}
+
+/// Where a client's requests run.
+#[derive(Debug)]
+enum Runs {
+    /// On worker threads of their own.
+    Workers {
+        requests: Option<SyncSender<(u64, L3Request)>>,
+        completions: Receiver<L3Completion>,
+        workers: Vec<JoinHandle<()>>,
+        /// Per request id below the queue's depth: [`QUEUED`],
+        /// [`STARTED`], [`READING`], [`CANCELLED`] or [`STOPPING`] — who
+        /// came first, the worker or a cancel.
+        claims: std::sync::Arc<Vec<AtomicU8>>,
+    },
+    /// On the caller's thread, inside [`L3Client::poll`].
+    Inline(Box<Inline>),
+}
+
+/// A client whose requests run inside [`L3Client::poll`], on the caller's
+/// thread: the deterministic simulator's. Its PRNG picks how many of the
+/// waiting requests run at each poll, and which, so requests overtake one
+/// another and linger across passes as they do over workers.
+struct Inline {
+    store: Box<dyn ObjectStore>,
+    config: L3Config,
+    waiting: Vec<(u64, L3Request)>,
+    /// Requests cancelled while they waited: they end [`L3Error::Cancelled`].
+    cancelled: Vec<u64>,
+    rng: crate::rng::SimRng,
+}
+
+impl core::fmt::Debug for Inline {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Inline").field("waiting", &self.waiting.len()).finish_non_exhaustive()
+    }
 }
 
 /// A request waits in the queue.
@@ -336,7 +366,32 @@ impl L3Client {
                 .map_err(|e| StoreError::Permanent(format!("starting an L3 worker: {e}")))?;
             workers.push(worker);
         }
-        Ok(Self { requests: Some(requests), completions, workers, prefix: prefix.to_owned(), in_flight: 0, claims })
+        let runs = Runs::Workers { requests: Some(requests), completions, workers, claims };
+        Ok(Self { runs, prefix: prefix.to_owned(), in_flight: 0 })
+    }
+
+    /// A client over `store` whose requests run inside [`L3Client::poll`],
+    /// on the caller's thread, chosen by a PRNG seeded with `seed` (see
+    /// [`Inline`]): the simulator's. Transient failures are tried again
+    /// `config.attempts` times, at once.
+    pub(crate) fn inline(
+        config: L3Config,
+        prefix: &str,
+        store: Box<dyn ObjectStore>,
+        seed: u64,
+    ) -> Result<Self, StoreError> {
+        if config.queue_depth == 0 || config.attempts == 0 {
+            return Err(StoreError::Permanent("L3 config: a queue and at least one try".into()));
+        }
+        let config = L3Config { backoff: Duration::ZERO, ..config };
+        let inline = Inline {
+            store,
+            config,
+            waiting: Vec::with_capacity(config.queue_depth),
+            cancelled: Vec::new(),
+            rng: crate::rng::SimRng::new(seed),
+        };
+        Ok(Self { runs: Runs::Inline(Box::new(inline)), prefix: prefix.to_owned(), in_flight: 0 })
     }
 
     /// Cancels request `id`: one no worker has taken yet completes
@@ -347,11 +402,19 @@ impl L3Client {
     /// worth more). Returns whether it will (false: a write under way runs
     /// on, or it ran, and completes as it would have). Only ids below the
     /// queue's depth can be cancelled.
-    pub fn cancel(&self, id: u64) -> bool {
-        claim(&self.claims, id).is_some_and(|c| {
-            c.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_ok()
-                || c.compare_exchange(READING, STOPPING, Ordering::AcqRel, Ordering::Acquire).is_ok()
-        })
+    pub fn cancel(&mut self, id: u64) -> bool {
+        match &mut self.runs {
+            Runs::Workers { claims, .. } => claim(claims, id).is_some_and(|c| {
+                c.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_ok()
+                    || c.compare_exchange(READING, STOPPING, Ordering::AcqRel, Ordering::Acquire).is_ok()
+            }),
+            Runs::Inline(inline) => {
+                let Some(at) = inline.waiting.iter().position(|(waiting, _)| *waiting == id) else { return false };
+                inline.waiting.swap_remove(at);
+                inline.cancelled.push(id);
+                true
+            }
+        }
     }
 
     /// Queues `request` as `id`; a full queue hands it back.
@@ -362,8 +425,19 @@ impl L3Client {
     /// put, unchanged — for a get, not read or written by anyone else —
     /// until its completion has been returned by [`L3Client::poll`].
     pub unsafe fn submit(&mut self, id: u64, request: L3Request) -> Result<(), (u64, L3Request)> {
-        let Some(requests) = &self.requests else { return Err((id, request)) };
-        if let Some(claim) = claim(&self.claims, id) {
+        let (requests, claims) = match &mut self.runs {
+            Runs::Workers { requests: Some(requests), claims, .. } => (requests, claims),
+            Runs::Workers { requests: None, .. } => return Err((id, request)),
+            Runs::Inline(inline) => {
+                if inline.waiting.len() + inline.cancelled.len() >= inline.config.queue_depth {
+                    return Err((id, request));
+                }
+                inline.waiting.push((id, request));
+                self.in_flight += 1;
+                return Ok(());
+            }
+        };
+        if let Some(claim) = claim(claims, id) {
             // The id's previous request has completed (ids are reused
             // only then): this one starts queued.
             claim.store(QUEUED, Ordering::Release);
@@ -380,9 +454,17 @@ impl L3Client {
     /// Moves up to `max` completions into `out`, without waiting; returns
     /// how many.
     pub fn poll(&mut self, out: &mut Vec<L3Completion>, max: usize) -> usize {
+        let completions = match &mut self.runs {
+            Runs::Workers { completions, .. } => completions,
+            Runs::Inline(inline) => {
+                let taken = inline.run_some(&self.prefix, out, max);
+                self.in_flight -= taken;
+                return taken;
+            }
+        };
         let mut taken = 0;
         while taken < max {
-            match self.completions.try_recv() {
+            match completions.try_recv() {
                 Ok(completion) => {
                     out.push(completion);
                     taken += 1;
@@ -407,11 +489,40 @@ impl L3Client {
 
 impl Drop for L3Client {
     fn drop(&mut self) {
-        // Closing the queue ends every worker once its request is done.
-        self.requests = None;
-        for worker in self.workers.drain(..) {
-            let _ = worker.join();
+        if let Runs::Workers { requests, workers, .. } = &mut self.runs {
+            // Closing the queue ends every worker once its request is done.
+            *requests = None;
+            for worker in workers.drain(..) {
+                let _ = worker.join();
+            }
         }
+    }
+}
+
+impl Inline {
+    /// Ends what was cancelled, then runs a share of the waiting requests
+    /// the PRNG picks (none, some or all), in the order it picks; at most
+    /// `max` completions in all, into `out`. Returns how many.
+    fn run_some(&mut self, prefix: &str, out: &mut Vec<L3Completion>, max: usize) -> usize {
+        let mut taken = 0;
+        while taken < max
+            && let Some(id) = self.cancelled.pop()
+        {
+            out.push(L3Completion { id, result: Err(L3Error::Cancelled) });
+            taken += 1;
+        }
+        let runs = self.rng.below(self.waiting.len() as u64 + 1);
+        for _ in 0..runs {
+            if taken >= max || self.waiting.is_empty() {
+                break;
+            }
+            let at = usize::try_from(self.rng.below(self.waiting.len() as u64)).unwrap_or(0);
+            let (id, request) = self.waiting.swap_remove(at);
+            let result = run(self.store.as_mut(), prefix, &request, &self.config, None);
+            out.push(L3Completion { id, result });
+            taken += 1;
+        }
+        taken
     }
 }
 

@@ -632,40 +632,50 @@ fn scan_in_background(
 ) -> Result<std::sync::mpsc::Receiver<ScanMessage>, RunnerError> {
     let (tx, rx) = std::sync::mpsc::sync_channel(64);
     let thread = std::thread::Builder::new().name("lake-l3-scan".into()).spawn(move || {
-        let started = std::time::Instant::now();
-        let mut batch = [None; SCAN_BATCH];
-        let mut count = 0;
-        let mut found = 0u64;
-        let send = |message: ScanMessage| {
+        scan_to(store.as_mut(), &prefix, limit, &mut |message| {
             let sent = tx.send(message).is_ok();
             wakeup.wake_if_parked();
             sent
-        };
-        let scan = crate::l3::scan(store.as_mut(), &prefix, limit, &mut |meta| {
-            batch[count] = Some(*meta);
-            count += 1;
-            found += 1;
-            if count < SCAN_BATCH {
-                return true;
-            }
-            count = 0;
-            send(ScanMessage::Found(core::mem::replace(&mut batch, [None; SCAN_BATCH])))
         });
-        if count > 0 && !send(ScanMessage::Found(batch)) {
-            return;
-        }
-        let _ = match scan {
-            Ok(scan) => send(ScanMessage::Done {
-                found,
-                damaged: scan.damaged.len(),
-                skipped: scan.skipped,
-                ms: started.elapsed().as_millis(),
-            }),
-            Err(e) => send(ScanMessage::Failed(e.to_string())),
-        };
     });
     thread.map_err(|e| fail("l3: starting the scan")(&e))?;
     Ok(rx)
+}
+
+/// Scans the store, handing what it finds to `send` in batches and then
+/// how the scan ended; stops once `send` says the runner took no more.
+fn scan_to(
+    store: &mut dyn crate::l3::ObjectStore,
+    prefix: &str,
+    limit: usize,
+    send: &mut dyn FnMut(ScanMessage) -> bool,
+) {
+    let started = std::time::Instant::now();
+    let mut batch = [None; SCAN_BATCH];
+    let mut count = 0;
+    let mut found = 0u64;
+    let scan = crate::l3::scan(store, prefix, limit, &mut |meta| {
+        batch[count] = Some(*meta);
+        count += 1;
+        found += 1;
+        if count < SCAN_BATCH {
+            return true;
+        }
+        count = 0;
+        send(ScanMessage::Found(core::mem::replace(&mut batch, [None; SCAN_BATCH])))
+    });
+    if count > 0 && !send(ScanMessage::Found(batch)) {
+        return;
+    }
+    let _ = match scan {
+        Ok(scan) => send(ScanMessage::Done {
+            found,
+            damaged: scan.damaged.len(),
+            skipped: scan.skipped,
+            ms: started.elapsed().as_millis(),
+        }),
+        Err(e) => send(ScanMessage::Failed(e.to_string())),
+    };
 }
 
 /// Takes up to four batches of what the background scan found into the

@@ -7,6 +7,12 @@
 //! - **agents**: in-process ports (the real rings) on which the test
 //!   saves (reserve, write the object, commit — some with a payload that
 //!   does not match its CRCs) and loads from L2;
+//! - **the object store** (most seeds): L3 in memory ([`SimStore`]),
+//!   kept across restarts and failing as the seed says, under the real
+//!   L3 tier and catalog; its client runs the store's calls inside the
+//!   node's passes, a seeded share at a time, and the catalog scan a
+//!   starting node makes is taken batch by batch between passes, as from
+//!   its thread;
 //! - **the control plane**: the far end of a real [`CpLink`] over a
 //!   socket pair. The simulation reads the data plane's reports from it
 //!   (every block committed or evicted) to keep the view a control plane
@@ -18,38 +24,38 @@
 //! must hold, every seed: a load answered `Ok`, or a block read in L1
 //! whose checks pass, holds exactly the bytes that were saved under its
 //! key; a commit whose CRCs were not computed by Lake and do not match is
-//! refused; and once everything is evicted, every L1 and L2 slot is free
-//! again and the control plane's view is empty (no slot leaked, no block
-//! the control plane was not told about).
+//! refused; every block in L3 before a crash is found again after it
+//! (where the store did not fail); and once everything is evicted, every
+//! L1 and L2 slot and L3 catalog entry is free again and the control
+//! plane's view is empty (no slot leaked, no block the control plane was
+//! not told about).
 
-use std::cell::Cell;
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
-use std::rc::Rc;
 use std::sync::Arc;
 
 use super::os::Wakeup;
-use super::pool::{Pool, PoolShape};
-use super::serve::Pass;
-use super::{Node, RunnerConfig, RunnerOptions, RunnerPorts, RunnerStats};
 use crate::agent::port::{AgentError, AgentPort, AgentRequest, CrcOrigin, port};
-use crate::arena::Arena;
-use crate::cplink::CpLink;
 use crate::io::Clock;
-use crate::l2::{L2Slots, Readoption};
+use crate::l2::Readoption;
 use crate::model::key::BlockKey;
 use crate::model::namespace::NamespaceId;
 use crate::model::replica::{ObjectKind, Priority, RegionId, ReplicaWire, Tier};
-use crate::op::{Event, L2Slot};
-use crate::poller::Poller;
 use crate::rng::SimRng;
 use crate::sim::{CrashKind, SimDisk, SimFaults};
 use crate::stored::{ObjectMeta, ReadableObject, Reader, encode_object, object_bytes};
-use crate::wire::hello::{self, Identity};
-use crate::wire::message::Role;
+use crate::wire::Message;
 use crate::wire::message::{BlockEvicted, EvictReason, SLOT_ANY, Transfer};
-use crate::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
+
+mod cp;
+mod node;
+mod store;
+mod tally;
+
+use cp::{Commanded, SimCp, link_pair};
+pub use cp::{Control, NoControl};
+use node::SimNode;
+use store::SimStore;
+pub use tally::Tally;
 
 const NODE: u32 = 1;
 const EPOCH: u64 = 9;
@@ -74,13 +80,20 @@ const RESTART_ONE_IN: u64 = 400;
 const RANDOM_REQUESTS: u64 = 1 << 60;
 /// Evicted replicas the control plane remembers, to name stale ones.
 const GONE_MAX: usize = 64;
+/// The L3 region, and the objects its catalog holds.
+const L3_REGION: u16 = 700;
+const L3_OBJECTS: u32 = 48;
+/// L3 requests in flight at most.
+const L3_QUEUE: u32 = 8;
+/// Seeds that are a multiple of this run with no object store.
+const NO_L3_EVERY: u64 = 5;
 
 /// What an agent is waiting for, by cookie.
 #[derive(Clone, Debug)]
 enum Asked {
     Reserve { key: BlockKey, damage: Damage, crcs: CrcOrigin },
     Commit { key: BlockKey, damage: Damage, crcs: CrcOrigin },
-    Load { key: BlockKey },
+    Load { key: BlockKey, from: Tier },
 }
 
 /// How an agent's save is wrong, where it is.
@@ -99,238 +112,6 @@ struct SimAgent {
     asked: BTreeMap<u64, Asked>,
 }
 
-/// What the test's control plane is waiting for, by request id.
-#[derive(Clone, Copy, Debug)]
-enum Commanded {
-    Demote,
-    WriteBack,
-    Promote,
-    Evict,
-    /// The [`Control`]'s.
-    Control,
-}
-
-/// The control plane's end of the link, and its view of the node.
-struct SimCp {
-    end: UnixStream,
-    input: Vec<u8>,
-    have: usize,
-    limits: Limits,
-    version: u16,
-    next_request: u64,
-    /// The replicas reported committed and not evicted since, by tier and
-    /// slot: what a control plane believes the node holds.
-    replicas: BTreeMap<(u8, u16, u32), (ReplicaWire, BlockKey)>,
-    commanded: BTreeMap<u64, Commanded>,
-    /// Replicas evicted lately: what a control plane's view lagging
-    /// behind the node still names.
-    gone: Vec<(ReplicaWire, BlockKey)>,
-    /// What crossed the link, for a failing seed's message.
-    log: Vec<String>,
-    seed: u64,
-}
-
-/// Counts a seed's run reached, so a test can see the run did something.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Tally {
-    /// Saves committed.
-    pub saves: u64,
-    /// Damaged saves refused at commit.
-    pub refused_damaged: u64,
-    /// Loads answered `Ok`, their bytes checked.
-    pub loads_ok: u64,
-    /// Loads refused, failed, or taken before their pin.
-    pub loads_failed: u64,
-    /// L1 blocks read as hits, their bytes checked.
-    pub hits_checked: u64,
-    /// The simulation's demotions that ended well.
-    pub demotions: u64,
-    /// The simulation's evictions that ended well.
-    pub evictions: u64,
-    /// The simulation's write-backs that ended well.
-    pub write_backs: u64,
-    /// The simulation's promotions (L2 to L1) that ended well.
-    pub cp_promotions: u64,
-    /// The control's commands that ended well.
-    pub controlled: u64,
-    /// Marked blocks a save or a load took.
-    pub victims: u64,
-    /// Published commits the check found damaged afterwards.
-    pub corrupt_late: u64,
-    /// Crashes and restarts.
-    pub restarts: u64,
-    /// L2 blocks re-adopted after them.
-    pub readopted: u64,
-}
-
-impl Tally {
-    /// Adds `other`'s counts to these.
-    pub fn add(&mut self, other: &Tally) {
-        let Tally {
-            saves,
-            refused_damaged,
-            loads_ok,
-            loads_failed,
-            hits_checked,
-            demotions,
-            evictions,
-            write_backs,
-            cp_promotions,
-            controlled,
-            victims,
-            corrupt_late,
-            restarts,
-            readopted,
-        } = *other;
-        self.saves += saves;
-        self.refused_damaged += refused_damaged;
-        self.loads_ok += loads_ok;
-        self.loads_failed += loads_failed;
-        self.hits_checked += hits_checked;
-        self.demotions += demotions;
-        self.evictions += evictions;
-        self.write_backs += write_backs;
-        self.cp_promotions += cp_promotions;
-        self.controlled += controlled;
-        self.victims += victims;
-        self.corrupt_late += corrupt_late;
-        self.restarts += restarts;
-        self.readopted += readopted;
-    }
-}
-
-/// The virtual clock the simulated node's passes read.
-#[derive(Clone, Debug, Default)]
-struct VirtualClock(Rc<Cell<u64>>);
-
-impl Clock for VirtualClock {
-    fn now_ns(&self) -> u64 {
-        self.0.get()
-    }
-}
-
-/// The node's config: the sizes below, and the poller's defaults.
-fn config_text(seed: u64, epoch: u64) -> String {
-    format!(
-        "[node]\nid = {NODE}\n\n[l1]\npath = \"/dev/shm/lake-sim-{}-{seed}-{epoch}\"\n\
-         classes = [{{ payload_bytes = {}, slots = {L1_SLOTS} }}]\n\n\
-         [l2]\npaths = [\"/nonexistent/lake-sim.lake\"]\nslots_per_file = {L2_SLOTS}\nslot_bytes = {SLOT_BYTES}\n\n\
-         [poller]\nops_max = {OPS}\nbatch_max = {BUDGET}\n",
-        std::process::id(),
-        SLOT_BYTES - crate::constants::STORED_HEADER_BYTES as u64,
-    )
-}
-
-/// A node as the runner runs it -- the same [`Node`], its passes made by
-/// [`Node::pass`] -- over the simulated disk and a virtual clock, with no
-/// transport, attach socket, L3 or signals: the agents' ports and the
-/// control plane's link are its only ways in.
-struct SimNode {
-    node: Node<SimDisk, VirtualClock>,
-    config: RunnerConfig,
-    options: RunnerOptions,
-    ports: RunnerPorts,
-    stats: RunnerStats,
-    clock: VirtualClock,
-}
-
-impl SimNode {
-    /// A node of incarnation `found.epoch` over `disk`, serving what
-    /// re-adoption `found` there (nothing on a new disk) and reporting it,
-    /// as `Node::open` does.
-    fn start(
-        seed: u64,
-        disk: SimDisk,
-        found: &Readoption,
-        agents: Vec<crate::agent::port::DpPort>,
-        link: CpLink,
-        wakeup: Arc<Wakeup>,
-    ) -> Self {
-        let epoch = found.epoch;
-        let config = RunnerConfig::parse(&config_text(seed, epoch)).expect("the simulated node's config");
-        let (arena, table) = Arena::create(&config.arena(epoch)).expect("the simulated node's arena");
-        let region = arena.region().expect("its slots");
-        let header = *arena.header();
-        let geometry = config.l2().geometry();
-        let poller = Poller::new(super::open::poller_config(&config, geometry, epoch), disk, Arc::clone(&region))
-            .expect("the poller");
-        let shape = PoolShape {
-            node: NODE,
-            epoch,
-            l1_region: header.region,
-            l1_slots: header.slots,
-            geometry,
-            ops: config.poller.ops_max,
-        };
-        let mut pool = Pool::new(&shape, agents, 0);
-        for adopted in &found.adopted {
-            pool.l2_written(L2Slot { file: adopted.file, slot: adopted.slot }, &adopted.meta);
-        }
-        let mut link = link;
-        super::register_regions(&mut link, &config, &geometry, epoch, &header);
-        super::link::report_readopted(&mut link, &geometry, NODE, found);
-        let clock = VirtualClock::default();
-        let node = Node {
-            attach: None,
-            peers_by_node: Vec::new(),
-            transport: None,
-            extra_fds: vec![-1; super::os::PARK_FDS_MAX],
-            park_fds: Vec::new(),
-            l3_scan: None,
-            pool,
-            l2_slots: L2Slots::from_readoption(geometry, found),
-            poller,
-            wakeup,
-            link: Some(link),
-            region,
-            table,
-            arena,
-            tier: None,
-            geometry,
-            signals: None,
-            selftest: None,
-            events: vec![Event::placeholder(); config.poller.batch_max as usize],
-            transfers: super::Transfers::new(),
-            reconnect: super::Reconnect::new(),
-            epoch,
-            header,
-            node_id: NODE,
-            clock: clock.clone(),
-            pace: super::serve::Pace::default(),
-        };
-        let (options, ports, stats) = (RunnerOptions::default(), RunnerPorts::default(), RunnerStats::default());
-        Self { node, config, options, ports, stats, clock }
-    }
-
-    /// The process dies (`kind`): what was in flight lands as the disk
-    /// lets it. The disk, to start the next incarnation on.
-    fn crash(&mut self, kind: CrashKind) -> SimDisk {
-        let disk = self.node.poller.backend_mut();
-        // SAFETY: the ops in flight write into this node's region, which
-        // lives until the node is dropped, after this.
-        unsafe { disk.crash(kind) };
-        std::mem::replace(disk, SimDisk::new(0, SimFaults::none(0), 1, 1, 0))
-    }
-
-    /// One pass, as `Node::serve` makes them, then the virtual clock on.
-    fn pass(&mut self) {
-        let now = self.clock.now_ns();
-        let pass = self.node.pass(now, &self.config, &self.options, &self.ports, &mut self.stats);
-        assert_ne!(pass, Pass::Done, "the simulated node is never asked to stop");
-        self.node.pool.assert_invariants(&self.node.table, &self.node.l2_slots);
-        self.stats.polls += 1;
-        self.clock.0.set(now + PASS_NS);
-    }
-
-    /// The bytes of L1 slot `slot` as they are now.
-    fn slot_bytes(&self, slot: u32) -> &[u8] {
-        // SAFETY: one thread runs the whole simulation, so nothing writes
-        // the slot while this borrow lives (the poller's simulated disk
-        // copies only inside `pass`, which takes `&mut self`).
-        unsafe { self.node.region.slot(slot) }.expect("a slot of the arena")
-    }
-}
-
 fn key_of(n: u64) -> BlockKey {
     let mut key = [0x5e; 16];
     key[..8].copy_from_slice(&n.to_le_bytes());
@@ -339,146 +120,6 @@ fn key_of(n: u64) -> BlockKey {
 
 fn reader() -> Reader {
     Reader { namespace: NAMESPACE, layout_fingerprint: LAYOUT, kind: ObjectKind::KvBlock }
-}
-
-impl SimCp {
-    fn command(&mut self, message: &Message<'_>, what: Commanded) {
-        let request = self.next_request;
-        self.next_request += 1;
-        self.send(request, message, Some(what));
-    }
-
-    /// Sends `message` under `request`; `what`: an answer is owed.
-    fn send(&mut self, request: u64, message: &Message<'_>, what: Option<Commanded>) {
-        let meta = FrameMeta { version: self.version, flags: 0, request_id: request, leader_term: 0 };
-        let mut frame = [0u8; 512];
-        let len = encode_frame(meta, message, &mut frame).expect("a command frame");
-        self.end.write_all(&frame[..len]).expect("the link's socket takes a command");
-        self.log.push(format!("cp -> dp {request}: {message:?}"));
-        if let Some(what) = what {
-            let old = self.commanded.insert(request, what);
-            assert!(old.is_none(), "seed {}: request {request} sent twice", self.seed);
-        }
-    }
-
-    /// Marks an L1 replica evictable (not answered).
-    fn mark(&mut self, marked: &BlockEvicted) {
-        let meta = FrameMeta { version: self.version, flags: 0, request_id: 0, leader_term: 0 };
-        let mut frame = [0u8; 512];
-        let len = encode_frame(meta, &Message::MarkEvictable(*marked), &mut frame).expect("a mark frame");
-        self.end.write_all(&frame[..len]).expect("the link's socket takes a mark");
-        self.log.push(format!("cp -> dp: mark {marked:?}"));
-    }
-
-    /// Reads what the data plane reported, keeping the view, and hands
-    /// every frame to `control`.
-    fn read(&mut self, tally: &mut Tally, control: &mut dyn Control) {
-        loop {
-            match self.end.read(&mut self.input[self.have..]) {
-                Ok(0) => panic!("the data plane closed the link"),
-                Ok(n) => self.have += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => panic!("reading the link: {e}"),
-            }
-        }
-        let mut at = 0;
-        loop {
-            let frame = match decode_frame(&self.input[at..self.have], &self.limits) {
-                Ok(frame) => frame,
-                Err(WireError::Incomplete { .. }) => break,
-                Err(e) => panic!("the data plane sent a bad frame: {e:?}"),
-            };
-            at += frame.len();
-            if matches!(frame.message, Message::BlockCommitted(_) | Message::BlockEvicted(_) | Message::TransferDone(_))
-            {
-                self.log.push(format!("dp -> cp {}: {:?}", frame.header.request_id, frame.message));
-            }
-            control.received(frame.header.request_id, &frame.message);
-            match frame.message {
-                Message::BlockCommitted(block) | Message::BlockReadopted(block) => {
-                    let r = block.replica;
-                    let old = self.replicas.insert((r.tier, r.region, r.slot), (r, block.key));
-                    assert!(
-                        old.is_none(),
-                        "seed {}: a commit into a slot the view still holds: {old:?} then {block:?}",
-                        self.seed
-                    );
-                }
-                Message::BlockEvicted(evicted) => {
-                    let r = evicted.replica;
-                    let held = self.replicas.remove(&(r.tier, r.region, r.slot));
-                    if self.gone.len() == GONE_MAX {
-                        self.gone.remove(0);
-                    }
-                    self.gone.push((r, evicted.key));
-                    assert!(
-                        held.is_some_and(|(h, key)| h.generation == r.generation && key == evicted.key),
-                        "seed {}: an eviction of a replica the view did not hold: {evicted:?}, held {held:?}\n{}",
-                        self.seed,
-                        self.log.join("\n")
-                    );
-                }
-                Message::TransferDone(done) => {
-                    let what = self.commanded.remove(&frame.header.request_id);
-                    assert!(what.is_some(), "seed {}: an answer to no command: {done:?}", self.seed);
-                    if done.status == 0 {
-                        match what {
-                            Some(Commanded::Demote) => tally.demotions += 1,
-                            Some(Commanded::WriteBack) => tally.write_backs += 1,
-                            Some(Commanded::Promote) => tally.cp_promotions += 1,
-                            Some(Commanded::Control) => tally.controlled += 1,
-                            _ => tally.evictions += 1,
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        self.input.copy_within(at..self.have, 0);
-        self.have -= at;
-    }
-
-    /// A replica of `tier` the view holds, or one in eight times one it
-    /// held once (a command from a view that lags).
-    fn pick(&self, rng: &mut SimRng, tier: Tier) -> Option<(ReplicaWire, BlockKey)> {
-        let stale = rng.below(8) == 0;
-        let of_tier: Vec<_> = if stale {
-            self.gone.iter().filter(|(r, _)| r.tier == tier as u8).collect()
-        } else {
-            self.replicas.values().filter(|(r, _)| r.tier == tier as u8).collect()
-        };
-        if of_tier.is_empty() {
-            return None;
-        }
-        Some(*of_tier[index_below(rng, of_tier.len())])
-    }
-}
-
-/// The link's two ends with the hellos agreed by the real negotiation.
-fn link_pair(seed: u64, epoch: u64) -> (CpLink, SimCp) {
-    let (dp_end, cp_end) = UnixStream::pair().expect("a socket pair");
-    let identity =
-        |role, name| Identity { role, node: NODE, pid: 1, region_epoch: epoch, features: crate::wire::FEATURES, name };
-    let dp = hello::hello(&identity(Role::DataPlane, "sim-dp")).expect("the data plane's hello");
-    let cp = hello::hello(&identity(Role::ControlPlane, "sim-cp")).expect("the control plane's hello");
-    let ack = hello::accept(&cp, &dp, 0).expect("the hellos agree");
-    let limits = hello::limits_after(&ack).expect("limits");
-    cp_end.set_nonblocking(true).expect("non-blocking");
-    let link = CpLink::over(dp_end, ack).expect("the data plane's link");
-    let cp = SimCp {
-        end: cp_end,
-        input: vec![0; 1 << 20],
-        have: 0,
-        limits,
-        version: ack.version,
-        next_request: RANDOM_REQUESTS,
-        replicas: BTreeMap::new(),
-        commanded: BTreeMap::new(),
-        gone: Vec::with_capacity(GONE_MAX),
-        log: Vec::new(),
-        seed,
-    };
-    (link, cp)
 }
 
 /// A number below `bound` (a length or a count).
@@ -491,28 +132,6 @@ fn payload_of(n: u64, rng_seed: u64) -> Vec<u8> {
     let mut rng = SimRng::new(rng_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let len = 1 + index_below(&mut rng, PAYLOAD_MAX);
     (0..len).map(|_| rng.next_u64().to_le_bytes()[0]).collect()
-}
-
-/// What plays the control plane beside the simulation's own view: it
-/// sees every frame the node sends, in order, and may send commands
-/// after each pass.
-pub trait Control {
-    /// A frame the node sent: a report, or an answer to a command
-    /// (`request` echoes it).
-    fn received(&mut self, request: u64, message: &Message<'_>);
-    /// Commands to send now, each under its request id (ids at or above
-    /// `1 << 60` are the simulation's own): tier moves and copies,
-    /// evictions, drains, marks.
-    fn commands(&mut self, now_ns: u64, out: &mut Vec<(u64, Message<'static>)>);
-}
-
-/// No control: the simulation's random commands alone.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct NoControl;
-
-impl Control for NoControl {
-    fn received(&mut self, _request: u64, _message: &Message<'_>) {}
-    fn commands(&mut self, _now_ns: u64, _out: &mut Vec<(u64, Message<'static>)>) {}
 }
 
 /// A seeded run of one node: its agents' saves and loads, the control's
@@ -529,6 +148,8 @@ pub struct Simulation<C: Control> {
     controlling: bool,
     commands: Vec<(u64, Message<'static>)>,
     agents: Vec<SimAgent>,
+    /// The object store, if the seed has one.
+    store: Option<SimStore>,
     /// The bytes saved under each key.
     saved: BTreeMap<BlockKey, Vec<u8>>,
     /// L2 slots the last re-adoption could not read (kept out of use).
@@ -550,11 +171,11 @@ impl<C: Control> core::fmt::Debug for Simulation<C> {
 /// A node started over `disk` with what re-adoption `found` there, its
 /// agents on fresh ports and its link's far end: a first start, or one
 /// after a crash.
-fn boot(seed: u64, disk: SimDisk, found: &Readoption) -> (SimNode, SimCp, Vec<SimAgent>) {
+fn boot(seed: u64, disk: SimDisk, store: Option<&SimStore>, found: &Readoption) -> (SimNode, SimCp, Vec<SimAgent>) {
     let wakeup = Arc::new(Wakeup::new().expect("an eventfd"));
     let (agent_ports, dp_ports): (Vec<_>, Vec<_>) = (0..AGENTS).map(|_| port(PORT_DEPTH, Arc::clone(&wakeup))).unzip();
     let (link, cp) = link_pair(seed, found.epoch);
-    let node = SimNode::start(seed, disk, found, dp_ports, link, wakeup);
+    let node = SimNode::start(seed, disk, store, found, dp_ports, link, wakeup);
     let agents =
         agent_ports.into_iter().map(|port| SimAgent { port, next_cookie: 1, asked: BTreeMap::new() }).collect();
     (node, cp, agents)
@@ -567,7 +188,8 @@ impl<C: Control> Simulation<C> {
         let file_bytes = usize::try_from(u64::from(L2_SLOTS) * SLOT_BYTES).expect("small");
         let disk = SimDisk::new(seed, faults_for(seed), OPS as usize, 1, file_bytes);
         let found = Readoption { epoch: EPOCH, ..Readoption::default() };
-        let (node, cp, agents) = boot(seed, disk, &found);
+        let store = (!seed.is_multiple_of(NO_L3_EVERY)).then(|| SimStore::new(seed));
+        let (node, cp, agents) = boot(seed, disk, store.as_ref(), &found);
         Self {
             node,
             cp,
@@ -576,6 +198,7 @@ impl<C: Control> Simulation<C> {
             controlling: true,
             commands: Vec::new(),
             agents,
+            store,
             saved: BTreeMap::new(),
             damaged: std::collections::BTreeSet::new(),
             quarantined: 0,
@@ -607,16 +230,26 @@ impl<C: Control> Simulation<C> {
             0..35 if room => self.save(agent),
             35..55 if commanding => {
                 // Demoted (moved), written back (copied) or, from L2,
-                // promoted by the control plane.
-                let (from, to, what) = match self.rng.below(8) {
+                // promoted by the control plane; with a store, written to
+                // L3 (copied from L1, moved from L2) or promoted from it.
+                let choices = if self.store.is_some() { 12 } else { 8 };
+                let (from, to, what) = match self.rng.below(choices) {
                     0..5 => (Tier::L1Dram, Tier::L2Nvme, Commanded::Demote),
                     5..7 => (Tier::L1Dram, Tier::L2Nvme, Commanded::WriteBack),
-                    _ => (Tier::L2Nvme, Tier::L1Dram, Commanded::Promote),
+                    7 => (Tier::L2Nvme, Tier::L1Dram, Commanded::Promote),
+                    8 => (Tier::L1Dram, Tier::L3Object, Commanded::ToL3),
+                    9 => (Tier::L2Nvme, Tier::L3Object, Commanded::ToL3),
+                    _ => (Tier::L3Object, Tier::L1Dram, Commanded::FromL3),
                 };
                 if let Some((replica, key)) = self.cp.pick(&mut self.rng, from) {
-                    let region = if to == Tier::L1Dram { self.node.node.header.region } else { replica.region };
+                    let region = match to {
+                        Tier::L1Dram => self.node.node.header.region,
+                        Tier::L3Object => L3_REGION,
+                        _ => replica.region,
+                    };
                     let target = ReplicaWire { tier: to as u8, region, slot: SLOT_ANY, generation: 0, ..replica };
-                    self.transfer(replica, target, key, what);
+                    let moving = what == Commanded::Demote || (what == Commanded::ToL3 && from == Tier::L2Nvme);
+                    self.transfer(replica, target, key, what, moving);
                 }
             }
             55..60 if commanding => {
@@ -628,17 +261,22 @@ impl<C: Control> Simulation<C> {
                 }
             }
             60..66 if commanding => {
-                let tier = if self.rng.below(2) == 0 { Tier::L1Dram } else { Tier::L2Nvme };
+                let tier = match self.rng.below(if self.store.is_some() { 3 } else { 2 }) {
+                    0 => Tier::L1Dram,
+                    1 => Tier::L2Nvme,
+                    _ => Tier::L3Object,
+                };
                 if let Some((replica, key)) = self.cp.pick(&mut self.rng, tier) {
                     let evicted = BlockEvicted { replica, key, reason: EvictReason::Capacity as u8, reserved: [0; 7] };
                     self.cp.command(&Message::EvictBlock(evicted), Commanded::Evict);
                 }
             }
             66..85 if room => {
-                if let Some((source, key)) = self.cp.pick(&mut self.rng, Tier::L2Nvme) {
+                let from = if self.store.is_some() && self.rng.below(3) == 0 { Tier::L3Object } else { Tier::L2Nvme };
+                if let Some((source, key)) = self.cp.pick(&mut self.rng, from) {
                     let load =
                         |cookie| AgentRequest::Load { cookie, key, source, priority: Priority::CriticalLoad, trace: 0 };
-                    self.ask(agent, load, Asked::Load { key });
+                    self.ask(agent, load, Asked::Load { key, from });
                 }
             }
             85..100 => self.hit(),
@@ -647,7 +285,7 @@ impl<C: Control> Simulation<C> {
         self.settle();
     }
 
-    fn transfer(&mut self, source: ReplicaWire, target: ReplicaWire, key: BlockKey, what: Commanded) {
+    fn transfer(&mut self, source: ReplicaWire, target: ReplicaWire, key: BlockKey, what: Commanded, moving: bool) {
         let transfer = Transfer {
             source,
             target,
@@ -656,10 +294,7 @@ impl<C: Control> Simulation<C> {
             priority: Priority::WriteBack as u8,
             reserved: [0; 7],
         };
-        let message = match what {
-            Commanded::Demote => Message::MoveBlock(transfer),
-            _ => Message::CopyBlock(transfer),
-        };
+        let message = if moving { Message::MoveBlock(transfer) } else { Message::CopyBlock(transfer) };
         self.cp.command(&message, what);
     }
 
@@ -782,16 +417,25 @@ impl<C: Control> Simulation<C> {
                 // pin finds so and asks again.
                 self.tally.loads_failed += 1;
             }
-            (Asked::Load { key }, Ok((slot, generation))) => {
-                let bytes = self.node.slot_bytes(slot);
-                let object = ReadableObject::check(bytes, &key, &reader())
-                    .unwrap_or_else(|why| panic!("seed {seed}: a load answered Ok into a slot that fails {why:?}"));
-                assert_eq!(object.header.meta().generation, generation, "seed {seed}: the load's slot was taken again");
-                assert!(object.segments().all(|s| s.is_ok()), "seed {seed}: a load answered Ok with a damaged segment");
-                assert_eq!(object.payload, &self.saved[&key][..], "seed {seed}: a load served other bytes");
-                self.tally.loads_ok += 1;
-            }
+            (Asked::Load { key, from }, Ok((slot, generation))) => self.loaded(key, from, slot, generation),
             (Asked::Load { .. }, Err(_)) => self.tally.loads_failed += 1,
+        }
+    }
+
+    /// A load from `from` answered `Ok` with `slot` of `generation`: the
+    /// slot holds the block, every segment checks, and the bytes are the
+    /// saved ones.
+    fn loaded(&mut self, key: BlockKey, from: Tier, slot: u32, generation: u32) {
+        let seed = self.seed;
+        let bytes = self.node.slot_bytes(slot);
+        let object = ReadableObject::check(bytes, &key, &reader())
+            .unwrap_or_else(|why| panic!("seed {seed}: a load answered Ok into a slot that fails {why:?}"));
+        assert_eq!(object.header.meta().generation, generation, "seed {seed}: the load's slot was taken again");
+        assert!(object.segments().all(|s| s.is_ok()), "seed {seed}: a load answered Ok with a damaged segment");
+        assert_eq!(object.payload, &self.saved[&key][..], "seed {seed}: a load served other bytes");
+        self.tally.loads_ok += 1;
+        if from == Tier::L3Object {
+            self.tally.l3_loads_ok += 1;
         }
     }
 
@@ -803,6 +447,8 @@ impl<C: Control> Simulation<C> {
                 && self.cp.commanded.is_empty()
                 && !self.node.node.poller.has_work()
                 && self.node.node.table.stats().draining == 0
+                && self.node.node.pool.l3_in_flight() == 0
+                && self.node.node.l3_scan.is_none()
             {
                 return;
             }
@@ -825,6 +471,9 @@ impl<C: Control> Simulation<C> {
         let seed = self.seed;
         let acked: Vec<(ReplicaWire, BlockKey)> =
             self.cp.replicas.values().filter(|(r, _)| r.tier == Tier::L2Nvme as u8).copied().collect();
+        let in_l3: Vec<BlockKey> =
+            self.cp.replicas.values().filter(|(r, _)| r.tier == Tier::L3Object as u8).map(|(_, key)| *key).collect();
+        self.count_l3();
         let mut disk = self.node.crash(kind);
         let (geometry, epoch) = (self.node.node.geometry, self.node.node.epoch + 1);
         let mut clock = self.node.clock.now_ns();
@@ -836,12 +485,28 @@ impl<C: Control> Simulation<C> {
             .unwrap_or_else(|(what, e)| panic!("seed {seed}: re-adoption failed {what} the disk: {e}"));
         // The old node goes once the new one stands (their arenas' files
         // are apart).
-        (self.node, self.cp, self.agents) = boot(seed, disk, &found);
+        (self.node, self.cp, self.agents) = boot(seed, disk, self.store.as_ref(), &found);
         self.node.clock.0.set(clock);
         self.tally.restarts += 1;
         self.tally.readopted += found.adopted.len() as u64;
         self.quarantined = found.unreadable.len() as u64;
         self.settle();
+        while self.node.node.l3_scan.is_some() {
+            self.settle();
+        }
+        let l3_back = self.cp.replicas.values().filter(|(r, _)| r.tier == Tier::L3Object as u8).count();
+        self.tally.l3_readopted += l3_back as u64;
+        if self.store.as_ref().is_some_and(SimStore::faultless) {
+            // The store is the source of truth: whatever the crash, every
+            // block it held is found again.
+            for key in in_l3 {
+                assert!(
+                    self.cp.replicas.values().any(|(r, k)| r.tier == Tier::L3Object as u8 && *k == key),
+                    "seed {seed}: L3 block {key:?} is not back after a {kind:?}: {} blocks are",
+                    l3_back
+                );
+            }
+        }
         if kind == CrashKind::PowerLoss {
             return;
         }
@@ -885,10 +550,18 @@ impl<C: Control> Simulation<C> {
         self.quiesce();
         self.controlling = false;
         self.empty_and_check();
+        self.count_l3();
         let stats = &self.node.node.pool.stats;
         self.tally.victims = stats.victims_clean + stats.victims_dropped;
         self.tally.corrupt_late = stats.commits_corrupt_late;
         (self.tally, self.control)
+    }
+
+    /// Counts the L3 objects this incarnation's reads found lost.
+    fn count_l3(&mut self) {
+        if let Some(stats) = self.node.node.pool.l3_stats() {
+            self.tally.l3_lost += stats.lost;
+        }
     }
 
     /// Evicts everything the control plane holds, and checks that every
@@ -913,6 +586,15 @@ impl<C: Control> Simulation<C> {
             "seed {seed}: L2 slots leaked: {:?}",
             self.node.node.pool
         );
+        assert_eq!(self.node.node.pool.l3_objects(), 0, "seed {seed}: L3 catalog entries leaked");
+        if let Some(store) = self.store.as_ref().filter(|store| store.faultless()) {
+            let left: Vec<String> = store.objects().keys().cloned().collect();
+            assert!(
+                left.is_empty(),
+                "seed {seed}: objects outlived their eviction in the store: {left:?}\n{}",
+                self.cp.log.join("\n")
+            );
+        }
     }
 }
 
@@ -959,4 +641,6 @@ fn the_block_service_holds_over_many_seeds_of_the_simulated_disk() {
     assert!(total.victims > seeds && total.corrupt_late > 0, "{total:?}");
     assert!(total.write_backs > seeds && total.cp_promotions > seeds, "{total:?}");
     assert!(total.restarts > seeds / 4 && total.readopted > seeds, "{total:?}");
+    assert!(total.l3_writes > seeds && total.l3_promotions > seeds / 2 && total.l3_loads_ok > seeds / 2, "{total:?}");
+    assert!(total.l3_lost > 0 && total.l3_readopted > 0, "{total:?}");
 }
