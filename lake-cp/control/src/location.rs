@@ -341,12 +341,29 @@ impl Locations {
             return self.adopt(parent, key, kind, region, epoch, slot, generation);
         }
         let loc = Loc { region, state: LocState::Ready, epoch_tag: info.tag, slot, generation };
+        self.drop_past(block);
         if let Err(e) = self.index.add_replica(block, loc) {
             self.drop_if_empty_leaf(block);
             return Err(e.into());
         }
         self.record(ChangeOp::Ready, key, loc);
         Ok(block)
+    }
+
+    /// Drops `block`'s replicas of a past incarnation of their region
+    /// (never served again: an epoch only moves on), so they hold no
+    /// place a current one needs.
+    fn drop_past(&mut self, block: BlockRef) {
+        let mut past = [None; crate::index::REPLICAS_INLINE];
+        for (at, loc) in self.index.replicas(block).filter(|l| !self.is_current(l)).enumerate() {
+            if let Some(entry) = past.get_mut(at) {
+                *entry = Some(loc.region);
+            }
+        }
+        for region in past.into_iter().flatten() {
+            let _ = self.index.remove_replica(block, region);
+            self.reservations.remove(&(block, region));
+        }
     }
 
     /// The ready, current replicas of `key` (what a reader may be sent to).
@@ -481,6 +498,29 @@ mod tests {
             Err(LocationError::Index(IndexError::NoParent))
         );
         assert!(!view.index.contains(&key(3)));
+    }
+
+    /// Found by the node's simulation restarting its data plane under
+    /// `lake-cp`: a block's replicas of the last incarnation (its L1 and
+    /// L2 copies, say) are never served again, but they kept the index's
+    /// replica slots, so the new incarnation's first copy of the block (an
+    /// L3 object found by its catalog scan) was refused: every slot in use.
+    #[test]
+    fn a_replica_of_a_past_incarnation_gives_its_place_to_a_new_one() {
+        let mut view = view();
+        view.register_region(3, Tier::L3Object, NodeId(3), 10).unwrap();
+        view.adopt(None, key(1), ObjectKind::KvBlock, 1, 10, 4, 9).unwrap();
+        view.adopt(None, key(1), ObjectKind::KvBlock, 2, 10, 5, 9).unwrap();
+        // The data plane starts again: each region under a new epoch.
+        for (region, tier) in [(1, Tier::L1Dram), (2, Tier::L2Nvme), (3, Tier::L3Object)] {
+            view.register_region(region, tier, NodeId(3), 11).unwrap();
+        }
+        assert_eq!(view.ready(&key(1)).count(), 0, "the past incarnation's replicas are not served");
+        view.adopt(None, key(1), ObjectKind::KvBlock, 3, 11, 0, 1).unwrap();
+        assert_eq!(view.ready(&key(1)).map(|r| r.region.0).collect::<Vec<_>>(), vec![3]);
+        // And the L2 copy the new incarnation re-adopted fits beside it.
+        view.adopt(None, key(1), ObjectKind::KvBlock, 2, 11, 5, 9).unwrap();
+        assert_eq!(view.ready(&key(1)).count(), 2);
     }
 
     #[test]
