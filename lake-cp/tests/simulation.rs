@@ -7,7 +7,11 @@
 //! the data plane. The agents save far more than L1 holds, so the tier
 //! manager demotes, marks victims and drops as it does under load; with
 //! the node's simulated object store (most seeds), it moves L2's victims
-//! to L3 and the agents load them back.
+//! to L3 and the agents load them back. Now and then the data plane's
+//! process dies and starts again, as under a supervisor, while `lake-cp`
+//! runs on: it sees the link close (its commands in flight given up), then
+//! the new incarnation register its regions and re-adopt what L2 and L3
+//! hold.
 //!
 //! Every seed: the data plane's properties (bytes served exact, no slot
 //! leaked, no report out of step with the commands) and the control
@@ -32,6 +36,8 @@ struct TierManager {
     /// `lake serve` does for a data plane that takes marks (this build's
     /// runner does); otherwise the manager evicts them itself.
     marks: bool,
+    /// The regions the data plane registered: what its link carried.
+    regions: Vec<u16>,
 }
 
 impl Control for TierManager {
@@ -49,12 +55,21 @@ impl Control for TierManager {
                 "lake-cp refused the data plane's {message:?} (request {request}): {e}; the block's history: {history}\n{log:#?}"
             );
         }
-        if self.marks
-            && let Message::RegisterRegion(region) = message
-            && region.tier == Tier::L1Dram as u8
-        {
-            self.node.tiers.takes_marks(region.region);
+        if let Message::RegisterRegion(region) = message {
+            if !self.regions.contains(&region.region) {
+                self.regions.push(region.region);
+            }
+            if self.marks && region.tier == Tier::L1Dram as u8 {
+                self.node.tiers.takes_marks(region.region);
+            }
         }
+    }
+
+    fn link_lost(&mut self) {
+        // As `lake serve`'s server does when a data plane's connection
+        // closes: its commands in flight are given up.
+        self.log.push("the data plane's link closed".into());
+        self.node.tiers.lost_regions(&self.regions);
     }
 
     fn commands(&mut self, now_ns: u64, out: &mut Vec<(u64, Message<'static>)>) {
@@ -75,8 +90,8 @@ fn run(seed: u64) -> (Tally, TierManager) {
     // High-water marks low enough that the tier manager acts often.
     let config = TierConfig { high_percent: 75, low_percent: 50, ..TierConfig::default() };
     let node = Node::new(NodeId(1), 1, None).with_tiers(config);
-    let mut simulation =
-        Simulation::new(seed, TierManager { node, planned: Vec::new(), commands: 0, log: Vec::new(), marks }, false);
+    let manager = TierManager { node, planned: Vec::new(), commands: 0, log: Vec::new(), marks, regions: Vec::new() };
+    let mut simulation = Simulation::new(seed, manager, false).with_restarts(true);
     simulation.run(400);
     simulation.finish()
 }
@@ -123,4 +138,5 @@ fn the_node_holds_over_many_seeds_with_its_real_tier_manager() {
     assert!(demotions > seeds && drops > seeds && tally.loads_ok > seeds, "{tally:?}, {demotions} demotions");
     assert!(tally.refused_damaged > 0 && tally.corrupt_late > 0 && tally.loads_failed > 0, "{tally:?}");
     assert!(seeds < 5 || (l3_moves > seeds && tally.l3_loads_ok > seeds), "{tally:?}, {l3_moves} moves to L3");
+    assert!(seeds < 5 || (tally.restarts > seeds / 2 && tally.readopted > seeds), "{tally:?}");
 }

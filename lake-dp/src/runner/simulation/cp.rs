@@ -220,6 +220,10 @@ pub trait Control {
     /// `1 << 60` are the simulation's own): tier moves and copies,
     /// evictions, drains, marks.
     fn commands(&mut self, now_ns: u64, out: &mut Vec<(u64, Message<'static>)>);
+    /// The node's link closed (its process died): what was commanded on
+    /// it will not be answered. The node's next incarnation reports on a
+    /// new link.
+    fn link_lost(&mut self) {}
 }
 
 /// No control: the simulation's random commands alone.

@@ -144,6 +144,8 @@ pub struct Simulation<C: Control> {
     control: C,
     /// Whether the simulation sends random tier commands of its own.
     random_commands: bool,
+    /// Whether the node's process dies now and then and starts again.
+    restarts: bool,
     /// Whether the control still sends commands (not once the run ends).
     controlling: bool,
     commands: Vec<(u64, Message<'static>)>,
@@ -183,7 +185,9 @@ fn boot(seed: u64, disk: SimDisk, store: Option<&SimStore>, found: &Readoption) 
 
 impl<C: Control> Simulation<C> {
     /// A node for `seed` (faults as [`faults_for`] gives them), commanded
-    /// by `control` and, with `random_commands`, by the simulation too.
+    /// by `control` and, with `random_commands`, by the simulation too,
+    /// which then also restarts it now and then (see
+    /// [`Simulation::with_restarts`]).
     pub fn new(seed: u64, control: C, random_commands: bool) -> Self {
         let file_bytes = usize::try_from(u64::from(L2_SLOTS) * SLOT_BYTES).expect("small");
         let disk = SimDisk::new(seed, faults_for(seed), OPS as usize, 1, file_bytes);
@@ -195,6 +199,7 @@ impl<C: Control> Simulation<C> {
             cp,
             control,
             random_commands,
+            restarts: random_commands,
             controlling: true,
             commands: Vec::new(),
             agents,
@@ -207,6 +212,14 @@ impl<C: Control> Simulation<C> {
             rng: SimRng::new(seed),
             tally: Tally::default(),
         }
+    }
+
+    /// Whether the node's process dies now and then (one step in 400) and
+    /// starts again, its control told that the link went
+    /// ([`Control::link_lost`]) before the new incarnation reports.
+    pub fn with_restarts(mut self, restarts: bool) -> Self {
+        self.restarts = restarts;
+        self
     }
 
     fn ask(&mut self, agent: usize, request: impl FnOnce(u64) -> AgentRequest, asked: Asked) {
@@ -222,7 +235,7 @@ impl<C: Control> Simulation<C> {
         let agent = index_below(&mut self.rng, AGENTS);
         let room = self.agents[agent].asked.len() < PORT_DEPTH / 2;
         let commanding = self.random_commands;
-        if commanding && self.rng.below(RESTART_ONE_IN) == 0 {
+        if self.restarts && self.rng.below(RESTART_ONE_IN) == 0 {
             let kind = if self.rng.below(4) == 0 { CrashKind::PowerLoss } else { CrashKind::Process };
             self.restart(kind);
         }
@@ -475,6 +488,8 @@ impl<C: Control> Simulation<C> {
             self.cp.replicas.values().filter(|(r, _)| r.tier == Tier::L3Object as u8).map(|(_, key)| *key).collect();
         self.count_l3();
         let mut disk = self.node.crash(kind);
+        // The control plane sees the data plane's connection close.
+        self.control.link_lost();
         let (geometry, epoch) = (self.node.node.geometry, self.node.node.epoch + 1);
         let mut clock = self.node.clock.now_ns();
         let mut now = || {
