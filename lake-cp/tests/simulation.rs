@@ -16,14 +16,33 @@
 //! Every seed: the data plane's properties (bytes served exact, no slot
 //! leaked, no report out of step with the commands) and the control
 //! plane's (every report accepted, nothing left in its view once the
-//! blocks are gone). A failing seed replays alone:
+//! blocks are gone); and after every step, saved blocks looked up in the
+//! mirror `lake-cp` publishes, as an engine looks them up, and read where
+//! it says L1 holds them, as an agent reads a hit: only bytes whose checks
+//! pass are used, and those are the saved ones. A failing seed replays alone:
 //! `LAKE_SIM_SEED=N LAKE_SIM_SEEDS=1 cargo test -p lake-cp --test simulation`.
 
 use lake_cp::node::Node;
 use lake_cp::tier::{TierCommand, TierConfig};
+use lake_dp::mirror::{Lookup, MirrorBacking, MirrorConfig, MirrorReader, MirrorWriter};
+use lake_dp::rng::SimRng;
 use lake_dp::runner::simulation::{Control, Simulation, Tally};
 use lake_dp::wire::Message;
 use lake_dp::{NodeId, Tier};
+
+/// Steps a seed runs.
+const STEPS: u32 = 400;
+/// Saved blocks looked up in the mirror after each step.
+const LOOKUPS_PER_STEP: u32 = 4;
+
+/// A seed's mirror file, removed when the seed ends.
+struct Scratch(std::path::PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
 
 /// `lake-cp`'s node, as the simulation's control plane.
 struct TierManager {
@@ -89,10 +108,24 @@ fn run(seed: u64) -> (Tally, TierManager) {
     let marks = seed.is_multiple_of(3);
     // High-water marks low enough that the tier manager acts often.
     let config = TierConfig { high_percent: 75, low_percent: 50, ..TierConfig::default() };
-    let node = Node::new(NodeId(1), 1, None).with_tiers(config);
+    let scratch = Scratch(format!("/dev/shm/lake-cp-sim-{}-{seed}", std::process::id()).into());
+    let mirror = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(scratch.0.clone()), 4096))
+        .expect("a mirror in /dev/shm");
+    let published = MirrorReader::attach(&scratch.0).expect("the mirror, as an engine maps it");
+    let node = Node::new(NodeId(1), 1, Some(mirror)).with_tiers(config);
     let manager = TierManager { node, planned: Vec::new(), commands: 0, log: Vec::new(), marks, regions: Vec::new() };
     let mut simulation = Simulation::new(seed, manager, false).with_restarts(true);
-    simulation.run(400);
+    let mut rng = SimRng::new(seed ^ 0x6d69_7272);
+    for _ in 0..STEPS {
+        simulation.run(1);
+        for _ in 0..LOOKUPS_PER_STEP {
+            let n = rng.below(simulation.blocks().max(1));
+            simulation.read_published(n, |key| match published.get(key) {
+                Lookup::Hit(entry) if entry.tier == Tier::L1Dram => Some((entry.slot, entry.generation)),
+                _ => None,
+            });
+        }
+    }
     simulation.finish()
 }
 
@@ -139,4 +172,5 @@ fn the_node_holds_over_many_seeds_with_its_real_tier_manager() {
     assert!(tally.refused_damaged > 0 && tally.corrupt_late > 0 && tally.loads_failed > 0, "{tally:?}");
     assert!(seeds < 5 || (l3_moves > seeds && tally.l3_loads_ok > seeds), "{tally:?}, {l3_moves} moves to L3");
     assert!(seeds < 5 || (tally.restarts > seeds / 2 && tally.readopted > seeds), "{tally:?}");
+    assert!(seeds < 5 || tally.published_hits > 10 * seeds, "{tally:?}");
 }

@@ -340,14 +340,47 @@ impl<C: Control> Simulation<C> {
     /// must be the saved ones.
     fn hit(&mut self) {
         let Some((replica, key)) = self.cp.pick(&mut self.rng, Tier::L1Dram) else { return };
-        let bytes = self.node.slot_bytes(replica.slot);
-        if let Ok(object) = ReadableObject::check(bytes, &key, &reader())
-            && object.header.meta().generation == replica.generation
-            && object.segments().all(|segment| segment.is_ok())
-        {
-            assert_eq!(object.payload, &self.saved[&key][..], "seed {}: an L1 hit served other bytes", self.seed);
+        if self.read_l1(&key, replica.slot, replica.generation) {
             self.tally.hits_checked += 1;
         }
+    }
+
+    /// Reads block `key` in L1 slot `slot` as an agent reads a hit of
+    /// `generation`: only bytes whose checks pass are used, and those must
+    /// be the ones saved under the key. Whether they were used.
+    fn read_l1(&self, key: &BlockKey, slot: u32, generation: u32) -> bool {
+        let seed = self.seed;
+        if slot >= L1_SLOTS {
+            return false;
+        }
+        let bytes = self.node.slot_bytes(slot);
+        let Ok(object) = ReadableObject::check(bytes, key, &reader()) else { return false };
+        if object.header.meta().generation != generation || !object.segments().all(|segment| segment.is_ok()) {
+            return false;
+        }
+        let saved = self.saved.get(key).unwrap_or_else(|| panic!("seed {seed}: an L1 hit of {key:?}, never saved"));
+        assert_eq!(object.payload, &saved[..], "seed {seed}: an L1 hit served other bytes");
+        true
+    }
+
+    /// How many blocks the agents saved, or tried to: block `n` of them is
+    /// [`Simulation::read_published`]'s `n`.
+    pub fn blocks(&self) -> u64 {
+        self.next_block
+    }
+
+    /// Reads block `n` as an agent reads a hit where `published` says L1
+    /// holds it (its slot and generation, from what the control plane
+    /// published; `None`: not in L1): only bytes whose checks pass are
+    /// used, and those must be the saved ones. Whether they were used.
+    pub fn read_published(&mut self, n: u64, published: impl FnOnce(&BlockKey) -> Option<(u32, u32)>) -> bool {
+        let key = key_of(n);
+        let Some((slot, generation)) = published(&key) else { return false };
+        let used = self.read_l1(&key, slot, generation);
+        if used {
+            self.tally.published_hits += 1;
+        }
+        used
     }
 
     /// A pass, then the control plane's reports and the agents' answers.

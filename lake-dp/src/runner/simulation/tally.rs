@@ -42,6 +42,9 @@ pub struct Tally {
     pub l3_lost: u64,
     /// L3 blocks found again by the catalog scan after a restart.
     pub l3_readopted: u64,
+    /// L1 blocks read where the control plane published them (its
+    /// mirror), their bytes checked.
+    pub published_hits: u64,
 }
 
 impl Tally {
@@ -67,6 +70,7 @@ impl Tally {
             l3_loads_ok,
             l3_lost,
             l3_readopted,
+            published_hits,
         } = *other;
         self.saves += saves;
         self.refused_damaged += refused_damaged;
@@ -87,5 +91,6 @@ impl Tally {
         self.l3_loads_ok += l3_loads_ok;
         self.l3_lost += l3_lost;
         self.l3_readopted += l3_readopted;
+        self.published_hits += published_hits;
     }
 }
