@@ -6,9 +6,13 @@
 //!   2. io reap    drain backend completions (bounded), check tags, verify
 //!   3. timers     deadlines of waiting ops, batched fdatasync
 //!   4. issue      highest priority first, until the device queue is full
-//!   5. stages     what the embedder added (`add_stage`): events, queues, sockets
+//!   5. events     into the events ring, if one is attached
 //!   → Busy if any stage did work, else Idle
 //! ```
+//!
+//! What else a node's loop does — agents' ports, the control plane's
+//! link, the transport, L3 — are the runner's own stages around this one
+//! (`runner::serve`), not plugged in here.
 //!
 //! Every pool is sized from [`PollerConfig`] when the poller is built; after
 //! [`Poller::seal`] nothing allocates (a test with a counting allocator
@@ -113,14 +117,6 @@ pub enum PollResult {
     Idle,
     /// Work was done: poll again soon.
     Busy,
-}
-
-/// A pluggable poll stage (CUDA events, RDMA completion queues, sockets).
-pub trait Stage {
-    /// A short name for metrics.
-    fn name(&self) -> &'static str;
-    /// Does at most `budget` units of work without blocking; returns how many.
-    fn poll(&mut self, now_ns: u64, budget: u32) -> u32;
 }
 
 /// Counters, for metrics and tests.
@@ -251,8 +247,6 @@ pub struct Poller<B: IoBackend> {
     completions: Vec<IoCompletion>,
     intake: Option<Consumer<Request>>,
     events_out: Option<Producer<Event>>,
-    stages: Vec<Box<dyn Stage + Send>>,
-    stages_max: usize,
     sealed: bool,
     /// Ops were pushed to the backend but not yet submitted to the device.
     unsubmitted: bool,
@@ -277,9 +271,6 @@ fn low24(value: u64) -> u32 {
     // Masked to 24 bits, so it fits.
     u32::try_from(value & 0xff_ffff).unwrap_or(0)
 }
-
-/// Most pluggable stages one poller runs.
-pub const STAGES_MAX: usize = 8;
 
 impl<B: IoBackend> Poller<B> {
     /// Builds a poller over `backend` and the L1 region, sizing every pool.
@@ -323,8 +314,6 @@ impl<B: IoBackend> Poller<B> {
             completions: vec![IoCompletion::default(); config.batch_max as usize],
             intake: None,
             events_out: None,
-            stages: Vec::with_capacity(STAGES_MAX),
-            stages_max: STAGES_MAX,
             sealed: false,
             unsubmitted: false,
             next_sweep_ns: 0,
@@ -351,15 +340,6 @@ impl<B: IoBackend> Poller<B> {
             return Err(ConfigError::Field("events (poller sealed)"));
         }
         self.events_out = Some(events);
-        Ok(())
-    }
-
-    /// Adds a pluggable stage. Before seal.
-    pub fn add_stage(&mut self, stage: Box<dyn Stage + Send>) -> Result<(), ConfigError> {
-        if self.sealed || self.stages.len() >= self.stages_max {
-            return Err(ConfigError::Field("stages"));
-        }
-        self.stages.push(stage);
         Ok(())
     }
 
@@ -505,9 +485,6 @@ impl<B: IoBackend> Poller<B> {
         work += self.reap_io(now_ns, budget);
         work += self.run_timers(now_ns);
         work += self.issue(now_ns, budget);
-        for stage in &mut self.stages {
-            work += stage.poll(now_ns, budget);
-        }
         work += self.push_events(budget);
         self.stats.polls += 1;
         if work > 0 {
@@ -1259,29 +1236,16 @@ mod tests {
         }
     }
 
-    struct Counter(Arc<std::sync::atomic::AtomicU32>);
-
-    impl Stage for Counter {
-        fn name(&self) -> &'static str {
-            "counter"
-        }
-        fn poll(&mut self, _now_ns: u64, _budget: u32) -> u32 {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            0
-        }
-    }
-
     #[test]
-    fn rings_and_stages() {
+    fn rings() {
         let mut p = poller(4, 1_000, 4);
         let (mut tx, rx) = ring::<Request>(8);
         let (etx, mut erx) = ring::<Event>(8);
         p.attach_intake(rx).unwrap();
         p.attach_events(etx).unwrap();
-        let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
-        p.add_stage(Box::new(Counter(calls.clone()))).unwrap();
         p.seal();
-        assert!(p.add_stage(Box::new(Counter(calls.clone()))).is_err());
+        let (_, late) = ring::<Request>(8);
+        assert!(p.attach_intake(late).is_err(), "rings attach before the seal");
         tx.push(write(0, 0, Durability::Acked)).unwrap();
         let mut bad = read(1, 0);
         if let Command::Read(r) = &mut bad.command {
@@ -1300,7 +1264,6 @@ mod tests {
         assert_eq!(events.len(), 2);
         assert!(events.iter().any(|e| e.cookie == 0 && e.outcome.is_ok()));
         assert!(events.iter().any(|e| e.cookie == 100 && e.outcome == Err(OpError::Invalid("L2 slot out of range"))));
-        assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 100);
         assert_eq!(p.ops_in_use(), 0);
     }
 }
