@@ -108,6 +108,7 @@ const UNSAFE_FILES: &[&str] = &[
     "lake-dp/src/runner/pool/remote.rs",
     "lake-dp/src/runner/pool/save.rs",
     "lake-dp/src/runner/pool/verify.rs",
+    "lake-dp/src/runner/simulation/link.rs",
     "lake-dp/src/runner/simulation/mod.rs",
     "lake-dp/src/runner/simulation/node.rs",
     "lake-dp/src/runner/pool/mod.rs",

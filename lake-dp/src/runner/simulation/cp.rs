@@ -12,8 +12,8 @@ use crate::model::key::BlockKey;
 use crate::model::replica::{ReplicaWire, Tier};
 use crate::rng::SimRng;
 use crate::wire::hello::{self, Identity};
-use crate::wire::message::BlockEvicted;
 use crate::wire::message::Role;
+use crate::wire::message::{BlockEvicted, ErrorCode};
 use crate::wire::{FrameMeta, Limits, Message, WireError, decode_frame, encode_frame};
 
 /// What the test's control plane is waiting for, by request id.
@@ -26,6 +26,8 @@ pub(super) enum Commanded {
     ToL3,
     /// Copied from L3 to L1.
     FromL3,
+    /// Copied to the peer node's L1.
+    ToPeer,
     Evict,
     /// The [`Control`]'s.
     Control,
@@ -150,6 +152,9 @@ impl SimCp {
             Message::TransferDone(done) => {
                 let what = self.commanded.remove(&request);
                 assert!(what.is_some(), "seed {}: an answer to no command: {done:?}", self.seed);
+                if what == Some(Commanded::ToPeer) && done.status == ErrorCode::Cancelled as u32 {
+                    tally.peer_cancelled += 1;
+                }
                 if done.status == 0 {
                     match what {
                         Some(Commanded::Demote) => tally.demotions += 1,
@@ -157,6 +162,7 @@ impl SimCp {
                         Some(Commanded::Promote) => tally.cp_promotions += 1,
                         Some(Commanded::ToL3) => tally.l3_writes += 1,
                         Some(Commanded::FromL3) => tally.l3_promotions += 1,
+                        Some(Commanded::ToPeer) => tally.peer_copies += 1,
                         Some(Commanded::Control) => tally.controlled += 1,
                         _ => tally.evictions += 1,
                     }

@@ -47,12 +47,15 @@ use crate::wire::Message;
 use crate::wire::message::{BlockEvicted, EvictReason, SLOT_ANY, Transfer};
 
 mod cp;
+mod link;
 mod node;
 mod store;
 mod tally;
 
+use crate::transport::frame::AckStatus;
 use cp::{Commanded, SimCp, link_pair};
 pub use cp::{Control, NoControl};
+use link::{Arrival, Arriving};
 use node::SimNode;
 use store::SimStore;
 pub use tally::Tally;
@@ -152,6 +155,8 @@ pub struct Simulation<C: Control> {
     agents: Vec<SimAgent>,
     /// The object store, if the seed has one.
     store: Option<SimStore>,
+    /// A copy to the peer to take back at the next copy.
+    take_back: Option<u64>,
     /// The bytes saved under each key.
     saved: BTreeMap<BlockKey, Vec<u8>>,
     /// L2 slots the last re-adoption could not read (kept out of use).
@@ -204,6 +209,7 @@ impl<C: Control> Simulation<C> {
             commands: Vec::new(),
             agents,
             store,
+            take_back: None,
             saved: BTreeMap::new(),
             damaged: std::collections::BTreeSet::new(),
             quarantined: 0,
@@ -292,7 +298,9 @@ impl<C: Control> Simulation<C> {
                     self.ask(agent, load, Asked::Load { key, from });
                 }
             }
-            85..100 => self.hit(),
+            85..93 => self.hit(),
+            93..97 => self.peer_sends(),
+            97..100 if commanding => self.copy_to_peer(),
             _ => {}
         }
         self.settle();
@@ -403,6 +411,98 @@ impl<C: Control> Simulation<C> {
                 self.answered(agent, asked, done.result);
             }
         }
+        self.peer_took();
+    }
+
+    /// The peer sends the node a block for a slot of its L1 (P→D, or a
+    /// replica): one in twenty damaged on the way, one broken off halfway,
+    /// one addressed to the node's last incarnation.
+    fn peer_sends(&mut self) {
+        let n = self.next_block;
+        self.next_block += 1;
+        let key = key_of(n);
+        let payload = payload_of(n, self.seed);
+        let meta = ObjectMeta {
+            kind: ObjectKind::KvBlock,
+            key,
+            parent_key: BlockKey::NONE,
+            block_index: 0,
+            namespace: NAMESPACE,
+            layout_fingerprint: LAYOUT,
+            // Where the block sits at the peer.
+            region: RegionId(0),
+            region_epoch: 1,
+            slot: 7,
+            generation: 3,
+            committed_unix_ns: 0,
+            payload_len: payload.len() as u64,
+            segment_bytes: SEGMENT_BYTES,
+        };
+        let mut bytes = vec![0; usize::try_from(object_bytes(payload.len() as u64)).expect("small")];
+        encode_object(&meta, &payload, &mut bytes).expect("the object fits");
+        bytes.truncate(crate::constants::STORED_HEADER_BYTES + payload.len());
+        let arrival = match self.rng.below(20) {
+            0 => Arrival::Damaged,
+            1 => Arrival::Broken,
+            2 => Arrival::Stale,
+            _ => Arrival::Whole,
+        };
+        self.saved.insert(key, payload);
+        let mut wire = self.node.wire.borrow_mut();
+        let due_ns = wire.due(self.node.clock.now_ns());
+        wire.arriving.push_back(Arriving { key, bytes, arrival, namespace: NAMESPACE.0, due_ns });
+    }
+
+    /// The control plane copies an L1 block of the node's to the peer;
+    /// one copy in three it takes back a step later (before it went, on
+    /// the wire, or after it landed: answered once whichever).
+    fn copy_to_peer(&mut self) {
+        if let Some(request_id) = self.take_back.take() {
+            let cancel = Message::Cancel(crate::wire::message::Cancel { request_id });
+            let request = self.cp.next_request;
+            self.cp.next_request += 1;
+            self.cp.send(request, &cancel, None);
+        }
+        let Some((replica, key)) = self.cp.pick(&mut self.rng, Tier::L1Dram) else { return };
+        let target =
+            ReplicaWire { node: link::PEER_NODE, region: 0, region_epoch: 1, slot: SLOT_ANY, generation: 0, ..replica };
+        if self.rng.below(3) == 0 {
+            self.take_back = Some(self.cp.next_request);
+        }
+        self.transfer(replica, target, key, Commanded::ToPeer, false);
+    }
+
+    /// What the peer took from the node must be the saved bytes; what the
+    /// node took from the peer, only whole blocks for its own L1.
+    fn peer_took(&mut self) {
+        let seed = self.seed;
+        let (received, landed) = {
+            let mut wire = self.node.wire.borrow_mut();
+            (core::mem::take(&mut wire.received), core::mem::take(&mut wire.landed))
+        };
+        for bytes in received {
+            let key = crate::stored::decode_header(&bytes).map(|h| h.meta().key).expect("the peer got a header");
+            let object = ReadableObject::check(&bytes, &key, &reader())
+                .unwrap_or_else(|why| panic!("seed {seed}: the peer got a block that fails {why:?}"));
+            assert!(object.segments().all(|s| s.is_ok()), "seed {seed}: the peer got a damaged segment");
+            assert_eq!(object.payload, &self.saved[&key][..], "seed {seed}: the peer got other bytes");
+            self.tally.peer_received += 1;
+        }
+        for (key, arrival, verdict) in landed {
+            let published = verdict == Some(AckStatus::Landed);
+            assert!(
+                !published || arrival == Arrival::Whole,
+                "seed {seed}: a block from the peer {arrival:?} was published ({verdict:?})"
+            );
+            match (arrival, published) {
+                (_, true) => self.tally.peer_landed += 1,
+                (Arrival::Damaged, false) => self.tally.peer_refused_damaged += 1,
+                _ => {}
+            }
+            if !published {
+                self.saved.remove(&key);
+            }
+        }
     }
 
     fn answered(&mut self, agent: usize, asked: Asked, result: Result<(u32, u32), AgentError>) {
@@ -495,6 +595,7 @@ impl<C: Control> Simulation<C> {
                 && self.node.node.table.stats().draining == 0
                 && self.node.node.pool.l3_in_flight() == 0
                 && self.node.node.l3_scan.is_none()
+                && self.node.wire.borrow().idle()
             {
                 return;
             }
@@ -691,4 +792,6 @@ fn the_block_service_holds_over_many_seeds_of_the_simulated_disk() {
     assert!(total.restarts > seeds / 4 && total.readopted > seeds, "{total:?}");
     assert!(total.l3_writes > seeds && total.l3_promotions > seeds / 2 && total.l3_loads_ok > seeds / 2, "{total:?}");
     assert!(total.l3_lost > 0 && total.l3_readopted > 0, "{total:?}");
+    assert!(total.peer_copies > seeds && total.peer_received == total.peer_copies, "{total:?}");
+    assert!(total.peer_landed > seeds / 2 && total.peer_refused_damaged > 0 && total.peer_cancelled > 0, "{total:?}");
 }

@@ -1,10 +1,11 @@
 //! The simulated node: the runner's own `Node` over the simulated disk,
 //! the simulated store and a virtual clock.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
 
+use super::link::{PEER_NODE, SimLink, Wire};
 use super::store::SimStore;
 use super::{BUDGET, L1_SLOTS, L2_SLOTS, L3_OBJECTS, L3_QUEUE, L3_REGION, NODE, OPS, PASS_NS, SLOT_BYTES};
 use crate::arena::Arena;
@@ -19,6 +20,7 @@ use crate::runner::pool::{Pool, PoolShape};
 use crate::runner::serve::Pass;
 use crate::runner::{Node, RunnerConfig, RunnerOptions, RunnerPorts, RunnerStats};
 use crate::sim::{CrashKind, SimDisk, SimFaults};
+use crate::transport::PeerId;
 
 /// The virtual clock the simulated node's passes read.
 #[derive(Clone, Debug, Default)]
@@ -52,9 +54,10 @@ pub(super) fn config_text(seed: u64, epoch: u64, l3: bool) -> String {
 }
 
 /// A node as the runner runs it -- the same [`Node`], its passes made by
-/// [`Node::pass`] -- over the simulated disk, the simulated object store
-/// and a virtual clock, with no transport, attach socket or signals: the
-/// agents' ports and the control plane's link are its only ways in.
+/// [`Node::pass`] -- over the simulated disk, the simulated object store,
+/// a simulated storage network to one peer and a virtual clock, with no
+/// attach socket or signals: the agents' ports, the control plane's link
+/// and the peer are its only ways in.
 pub(super) struct SimNode {
     pub(super) node: Node<SimDisk, VirtualClock>,
     pub(super) config: RunnerConfig,
@@ -62,6 +65,8 @@ pub(super) struct SimNode {
     pub(super) ports: RunnerPorts,
     pub(super) stats: RunnerStats,
     pub(super) clock: VirtualClock,
+    /// The wire to the peer the simulation plays.
+    pub(super) wire: Rc<RefCell<Wire>>,
 }
 
 impl SimNode {
@@ -105,10 +110,12 @@ impl SimNode {
         crate::runner::register_regions(&mut link, &config, &geometry, epoch, &header);
         crate::runner::link::report_readopted(&mut link, &geometry, NODE, found);
         let clock = VirtualClock::default();
+        let wire = Wire::new(seed ^ epoch, (header.region, epoch));
+        let storage_link = SimLink::new(Rc::clone(&wire)).expect("the simulated link's TCP transport");
         let node = Node {
             attach: None,
-            peers_by_node: Vec::new(),
-            transport: None,
+            peers_by_node: vec![(PEER_NODE, PeerId(0))],
+            transport: Some(Box::new(storage_link)),
             extra_fds: vec![-1; crate::runner::os::PARK_FDS_MAX],
             park_fds: Vec::new(),
             l3_scan,
@@ -134,7 +141,7 @@ impl SimNode {
             pace: crate::runner::serve::Pace::default(),
         };
         let (options, ports, stats) = (RunnerOptions::default(), RunnerPorts::default(), RunnerStats::default());
-        Self { node, config, options, ports, stats, clock }
+        Self { node, config, options, ports, stats, clock, wire }
     }
 
     /// The process dies (`kind`): what was in flight lands as the disk

@@ -45,6 +45,16 @@ pub struct Tally {
     /// L1 blocks read where the control plane published them (its
     /// mirror), their bytes checked.
     pub published_hits: u64,
+    /// Copies to the peer that ended well.
+    pub peer_copies: u64,
+    /// Copies to the peer taken back before the peer answered.
+    pub peer_cancelled: u64,
+    /// Blocks the peer got from the node, their bytes checked.
+    pub peer_received: u64,
+    /// Blocks from the peer landed in the node's L1 and published.
+    pub peer_landed: u64,
+    /// Blocks from the peer damaged on the way, refused.
+    pub peer_refused_damaged: u64,
 }
 
 impl Tally {
@@ -71,6 +81,11 @@ impl Tally {
             l3_lost,
             l3_readopted,
             published_hits,
+            peer_copies,
+            peer_cancelled,
+            peer_received,
+            peer_landed,
+            peer_refused_damaged,
         } = *other;
         self.saves += saves;
         self.refused_damaged += refused_damaged;
@@ -92,5 +107,10 @@ impl Tally {
         self.l3_lost += l3_lost;
         self.l3_readopted += l3_readopted;
         self.published_hits += published_hits;
+        self.peer_copies += peer_copies;
+        self.peer_cancelled += peer_cancelled;
+        self.peer_received += peer_received;
+        self.peer_landed += peer_landed;
+        self.peer_refused_damaged += peer_refused_damaged;
     }
 }
