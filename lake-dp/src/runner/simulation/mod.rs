@@ -121,6 +121,26 @@ fn key_of(n: u64) -> BlockKey {
     BlockKey(key)
 }
 
+/// The stored header of block `key`, `payload_len` bytes, naming `slot`
+/// (its slot and generation) in `region` (its id and epoch).
+fn meta_of(key: BlockKey, payload_len: usize, region: (RegionId, u64), slot: (u32, u32)) -> ObjectMeta {
+    ObjectMeta {
+        kind: ObjectKind::KvBlock,
+        key,
+        parent_key: BlockKey::NONE,
+        block_index: 0,
+        namespace: NAMESPACE,
+        layout_fingerprint: LAYOUT,
+        region: region.0,
+        region_epoch: region.1,
+        slot: slot.0,
+        generation: slot.1,
+        committed_unix_ns: 0,
+        payload_len: payload_len as u64,
+        segment_bytes: SEGMENT_BYTES,
+    }
+}
+
 fn reader() -> Reader {
     Reader { namespace: NAMESPACE, layout_fingerprint: LAYOUT, kind: ObjectKind::KvBlock }
 }
@@ -422,22 +442,8 @@ impl<C: Control> Simulation<C> {
         self.next_block += 1;
         let key = key_of(n);
         let payload = payload_of(n, self.seed);
-        let meta = ObjectMeta {
-            kind: ObjectKind::KvBlock,
-            key,
-            parent_key: BlockKey::NONE,
-            block_index: 0,
-            namespace: NAMESPACE,
-            layout_fingerprint: LAYOUT,
-            // Where the block sits at the peer.
-            region: RegionId(0),
-            region_epoch: 1,
-            slot: 7,
-            generation: 3,
-            committed_unix_ns: 0,
-            payload_len: payload.len() as u64,
-            segment_bytes: SEGMENT_BYTES,
-        };
+        // Where the block sits at the peer.
+        let meta = meta_of(key, payload.len(), (RegionId(0), 1), (7, 3));
         let mut bytes = vec![0; usize::try_from(object_bytes(payload.len() as u64)).expect("small")];
         encode_object(&meta, &payload, &mut bytes).expect("the object fits");
         bytes.truncate(crate::constants::STORED_HEADER_BYTES + payload.len());
@@ -510,21 +516,10 @@ impl<C: Control> Simulation<C> {
         match (asked, result) {
             (Asked::Reserve { key, damage, crcs }, Ok((slot, generation))) => {
                 let payload = &self.saved[&key];
-                let meta = ObjectMeta {
-                    kind: ObjectKind::KvBlock,
-                    key,
-                    parent_key: BlockKey::NONE,
-                    block_index: 0,
-                    namespace: NAMESPACE,
-                    layout_fingerprint: LAYOUT,
-                    region: RegionId(self.node.node.header.region),
-                    region_epoch: self.node.node.epoch,
-                    slot,
-                    generation: if damage == Damage::Generation { generation.wrapping_add(1) } else { generation },
-                    committed_unix_ns: 0,
-                    payload_len: payload.len() as u64,
-                    segment_bytes: SEGMENT_BYTES,
-                };
+                // A misaddressed header names another generation of the slot.
+                let named = if damage == Damage::Generation { generation.wrapping_add(1) } else { generation };
+                let l1 = (RegionId(self.node.node.header.region), self.node.node.epoch);
+                let meta = meta_of(key, payload.len(), l1, (slot, named));
                 // SAFETY: the slot is reserved to this agent: nobody else
                 // writes or reads it until it commits or aborts.
                 let out = unsafe { self.node.node.region.slot_mut(slot) }.expect("a reserved slot");
