@@ -354,14 +354,12 @@ impl Locations {
     /// (never served again: an epoch only moves on), so they hold no
     /// place a current one needs.
     fn drop_past(&mut self, block: BlockRef) {
-        let mut past = [None; crate::index::REPLICAS_INLINE];
-        for (at, loc) in self.index.replicas(block).filter(|l| !self.is_current(l)).enumerate() {
-            if let Some(entry) = past.get_mut(at) {
-                *entry = Some(loc.region);
+        loop {
+            let past = self.index.replicas(block).find(|l| !self.is_current(l)).map(|l| l.region);
+            let Some(region) = past else { return };
+            if self.index.remove_replica(block, region).is_err() {
+                return;
             }
-        }
-        for region in past.into_iter().flatten() {
-            let _ = self.index.remove_replica(block, region);
             self.reservations.remove(&(block, region));
         }
     }

@@ -22,6 +22,8 @@ pub(super) const PEER_NODE: u32 = 2;
 const IN_FLIGHT_MAX: usize = 8;
 /// How long a block takes on the wire, at most.
 const WIRE_NS_MAX: u64 = 60_000;
+/// Where a copy to the peer goes: a slot the peer picks.
+const AT_PEER: BlockAddr = BlockAddr { region: 0, epoch: 1, slot: ANY_SLOT, generation: 0 };
 
 /// What goes wrong with a block the peer sends the node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,7 +101,6 @@ impl Wire {
 
     /// The peer's answer to the node's copy `sent`, now due.
     fn answer(&mut self, sent: Sent) -> Completion {
-        let target = BlockAddr { region: 0, epoch: 1, slot: ANY_SLOT, generation: 0 };
         let result = match self.rng.below(100) {
             0..6 => Err(TransferError::Timeout),
             6..9 => Err(TransferError::PeerLost("simulated: the connection broke".into())),
@@ -109,7 +110,7 @@ impl Wire {
                 Ok(())
             }
         };
-        let target = if result.is_ok() { BlockAddr { slot: 3, generation: 1, ..target } } else { target };
+        let target = if result.is_ok() { BlockAddr { slot: 3, generation: 1, ..AT_PEER } } else { AT_PEER };
         Completion { transfer: sent.transfer, result, target }
     }
 
@@ -191,8 +192,7 @@ impl Transport for SimLink {
         let mut wire = self.wire.borrow_mut();
         let mut moved = false;
         for transfer in core::mem::take(&mut wire.cancelled) {
-            let target = BlockAddr { region: 0, epoch: 1, slot: ANY_SLOT, generation: 0 };
-            out.push(Completion { transfer, result: Err(TransferError::Cancelled), target });
+            out.push(Completion { transfer, result: Err(TransferError::Cancelled), target: AT_PEER });
             moved = true;
         }
         while let Some(at) = wire.sent.iter().position(|s| s.due_ns <= now_ns) {
