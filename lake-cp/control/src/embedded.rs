@@ -133,33 +133,115 @@ pub struct EmbeddedConfig {
     pub numa_node: Option<u32>,
 }
 
-/// Why a pool could not serve: its settings, or something failing. `lake
-/// serve` exits 2 for the first (as for a bad command line), 1 for the
-/// second.
+/// Why a pool could not start or serve. `lake serve` exits 2 where
+/// [`ServeError::is_settings`] (as for a bad command line: starting again
+/// unchanged fails again), 1 otherwise.
 #[derive(Debug)]
 pub enum ServeError {
-    /// Its settings cannot run here (the configuration's checks, or a data
-    /// plane refusing them: a core or NUMA node this machine lacks):
-    /// starting again unchanged fails again.
+    /// Its settings cannot run here (the configuration's checks).
     Settings(String),
-    /// Something failed while starting or serving: the directory's lock,
-    /// shared memory, a device, a socket, a thread.
-    Failed(String),
+    /// Another pool serves its directory (`pid` as that pool's lock file
+    /// names it).
+    Taken {
+        /// The directory.
+        dir: PathBuf,
+        /// The other pool's process, where its record says.
+        pid: Option<u32>,
+    },
+    /// A file, socket, thread or other resource of the pool failed.
+    Io {
+        /// What was being done, and on what.
+        what: String,
+        /// The kernel's answer.
+        error: std::io::Error,
+    },
+    /// Its mirror could not be made.
+    Mirror(lake_dp::mirror::MirrorError),
+    /// The cluster it was to join (etcd) could not be used.
+    Cluster {
+        /// What was being done.
+        what: String,
+        /// etcd's answer.
+        error: crate::etcd::EtcdError,
+    },
+    /// The data plane refused to start, or stopped with an error.
+    DataPlane(RunnerError),
+    /// The control plane's thread stopped with an error.
+    ControlPlane(std::io::Error),
+    /// A plane's thread ended while the pool served, or never started.
+    Stopped(Plane),
+    /// A plane's thread panicked.
+    Panicked(Plane),
+    /// The control plane did not take or answer a request in time.
+    NoAnswer,
+    /// The control plane refused a request (a copy to another node).
+    Refused(crate::node::NodeError),
+}
+
+/// One of a pool's two planes, each on its own thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plane {
+    /// The control plane (`lake-cp`).
+    Control,
+    /// The data plane (`lake-dp`).
+    Data,
+}
+
+impl ServeError {
+    /// Whether starting again unchanged fails again: the pool's settings,
+    /// or a data plane refusing them (a core or NUMA node this machine
+    /// lacks).
+    pub fn is_settings(&self) -> bool {
+        matches!(self, Self::Settings(_) | Self::DataPlane(RunnerError::Config(_)))
+    }
+
+    fn io(what: impl core::fmt::Display) -> impl FnOnce(std::io::Error) -> Self {
+        move |error| Self::Io { what: what.to_string(), error }
+    }
+}
+
+impl core::fmt::Display for Plane {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            Self::Control => "the control plane",
+            Self::Data => "the data plane",
+        })
+    }
 }
 
 impl core::fmt::Display for ServeError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
-            Self::Settings(why) | Self::Failed(why) => f.write_str(why),
+            Self::Settings(why) => f.write_str(why),
+            Self::Taken { dir, pid } => {
+                let pid = pid.map_or_else(|| "unknown".to_owned(), |p| p.to_string());
+                write!(
+                    f,
+                    "{}: another pool serves this directory (pid {pid}); stop it or give another directory",
+                    dir.display()
+                )
+            }
+            Self::Io { what, error } => write!(f, "{what}: {error}"),
+            Self::Mirror(error) => write!(f, "mirror: {error}"),
+            Self::Cluster { what, error } => write!(f, "{what}: {error}"),
+            Self::DataPlane(RunnerError::Config(why)) => f.write_str(why),
+            Self::DataPlane(error) => write!(f, "the data plane: {error}"),
+            Self::ControlPlane(error) => write!(f, "the control plane: {error}"),
+            Self::Stopped(plane) => write!(f, "{plane} stopped"),
+            Self::Panicked(plane) => write!(f, "{plane} panicked"),
+            Self::NoAnswer => f.write_str("the control plane did not answer"),
+            Self::Refused(error) => write!(f, "refused: {error}"),
         }
     }
 }
 
-impl std::error::Error for ServeError {}
-
-impl From<String> for ServeError {
-    fn from(why: String) -> Self {
-        Self::Failed(why)
+impl std::error::Error for ServeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { error, .. } | Self::ControlPlane(error) => Some(error),
+            Self::DataPlane(error) => Some(error),
+            _ => None,
+        }
     }
 }
 
@@ -308,7 +390,7 @@ enum CpRequest {
         lake_dp::BlockKey,
         lake_dp::model::replica::ReplicaWire,
         lake_dp::Priority,
-        std::sync::mpsc::SyncSender<Result<u64, String>>,
+        std::sync::mpsc::SyncSender<Result<u64, crate::node::NodeError>>,
     ),
     /// A copy taken back, and whether it was still out.
     Cancel(u64, std::sync::mpsc::SyncSender<bool>),
@@ -332,14 +414,14 @@ impl Created {
     /// Takes `dir` (making it if missing) and its lock, `DIR/lake.lock`
     /// (an advisory write lock on the open file, released when this
     /// process ends however it ends); a pool already there is named.
-    fn take(dir: &Path) -> Result<Self, String> {
+    fn take(dir: &Path) -> Result<Self, ServeError> {
         use std::io::Read;
         use std::os::fd::AsRawFd;
 
         use std::os::unix::fs::MetadataExt;
 
         let made_dir = !dir.exists();
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(ServeError::io(dir.display()))?;
         let mut created = Self { dir: dir.to_owned(), made_dir, lock: None, files: Vec::new() };
         let path = dir.join(LOCK_FILE);
         let mut lock = loop {
@@ -349,25 +431,21 @@ impl Created {
                 .create(true)
                 .truncate(false)
                 .open(&path)
-                .map_err(|e| format!("{}: {e}", path.display()))?;
+                .map_err(ServeError::io(path.display()))?;
             // SAFETY: flock on a descriptor this function owns.
             if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
                 let error = std::io::Error::last_os_error();
                 if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
                     let mut holder = String::new();
                     let _ = lock.read_to_string(&mut holder);
-                    let holder = holder.lines().next().unwrap_or_default().trim();
-                    return Err(format!(
-                        "{}: another pool serves this directory (pid {}); stop it or give another directory",
-                        dir.display(),
-                        if holder.is_empty() { "unknown" } else { holder }
-                    ));
+                    let pid = holder.lines().next().and_then(|line| line.trim().parse().ok());
+                    return Err(ServeError::Taken { dir: dir.to_owned(), pid });
                 }
-                return Err(format!("{}: locking: {error}", path.display()));
+                return Err(ServeError::Io { what: format!("{}: locking", path.display()), error });
             }
             // A pool that stopped meanwhile unlinked the file it held: a
             // lock on that one guards nothing. Again, on the file there now.
-            let held = lock.metadata().map_err(|e| format!("{}: {e}", path.display()))?;
+            let held = lock.metadata().map_err(ServeError::io(path.display()))?;
             if std::fs::metadata(&path).is_ok_and(|now| (now.dev(), now.ino()) == (held.dev(), held.ino())) {
                 break lock;
             }
@@ -391,7 +469,7 @@ impl Created {
     /// Writes the lock file's record: this process's pid, then the shared
     /// memory it makes (for the next pool of the directory to remove, if
     /// this one is killed).
-    fn record(&mut self, shared_memory: &[&Path]) -> Result<(), String> {
+    fn record(&mut self, shared_memory: &[&Path]) -> Result<(), ServeError> {
         use std::io::{Seek, Write};
 
         let path = self.dir.join(LOCK_FILE);
@@ -403,7 +481,7 @@ impl Created {
         lock.set_len(0)
             .and_then(|()| lock.rewind())
             .and_then(|()| lock.write_all(text.as_bytes()))
-            .map_err(|e| format!("{}: {e}", path.display()))
+            .map_err(ServeError::io(path.display()))
     }
 }
 
@@ -465,7 +543,7 @@ pub struct EmbeddedPool {
     /// The last free L1 slots kept from saves for loads (what
     /// [`EmbeddedConfig::l1_load_reserve`] came to).
     pub load_reserve_slots: u32,
-    cp: Option<JoinHandle<Result<Server, String>>>,
+    cp: Option<JoinHandle<std::io::Result<Server>>>,
     dp: Option<JoinHandle<Result<RunnerStats, RunnerError>>>,
     /// Whether L1 is written down to L2 at stop, and for how long at most.
     durable: bool,
@@ -502,16 +580,16 @@ impl EmbeddedConfig {
 
     /// Checks what can be checked before anything starts: the tiers'
     /// settings, the L1 load reserve, the L2 files.
-    pub fn check(&self) -> Result<(), String> {
-        self.tiers.validate()?;
-        load_reserve(self)?;
+    pub fn check(&self) -> Result<(), ServeError> {
+        self.tiers.validate().map_err(ServeError::Settings)?;
+        load_reserve(self).map_err(ServeError::Settings)?;
         let paths = self.l2_paths();
         if paths.len() > 64 {
-            return Err(format!("{} L2 files: at most 64", paths.len()));
+            return Err(ServeError::Settings(format!("{} L2 files: at most 64", paths.len())));
         }
         for (at, path) in paths.iter().enumerate() {
             if paths[..at].contains(path) {
-                return Err(format!("L2 file {} named twice", path.display()));
+                return Err(ServeError::Settings(format!("L2 file {} named twice", path.display())));
             }
         }
         Ok(())
@@ -536,8 +614,8 @@ pub struct DataPlane {
 impl EmbeddedConfig {
     /// The pool's data plane, registering with the control plane at
     /// `cp_socket` (none: it runs alone), serving engines at `DIR/dp.sock`.
-    pub fn data_plane(&self, cp_socket: Option<&Path>) -> Result<DataPlane, String> {
-        let load_reserve = load_reserve(self)?;
+    pub fn data_plane(&self, cp_socket: Option<&Path>) -> Result<DataPlane, ServeError> {
+        let load_reserve = load_reserve(self).map_err(ServeError::Settings)?;
         let (arena, _) = self.shared_memory();
         let dp = self.dir.join("dp.sock");
         let classes: Vec<String> = self
@@ -599,7 +677,7 @@ ports = {remote}
             agents = (self.local_agents + self.remote_agents.saturating_mul(RECORDS_PER_ENGINE) + 3).min(1024),
             remote = self.remote_agents.clamp(1, 1024),
         ))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| ServeError::Settings(e.to_string()))?;
         runner.l3.clone_from(&self.l3);
         runner.tenants.clone_from(&self.tenant_rates);
         runner.agents.allow_uids.clone_from(&self.access.allow_uids);
@@ -607,7 +685,7 @@ ports = {remote}
         runner.agents.group.clone_from(&self.access.group);
         runner.agents.socket_mode = self.access.socket_mode;
         // Checked as a whole, the settings added after the text too.
-        runner.check().map_err(|e| e.to_string())?;
+        runner.check().map_err(|e| ServeError::Settings(e.to_string()))?;
         let tenant_keys = Arc::new(lake_dp::auth::at_rest::TenantKeys::default());
         tenant_keys.change(lake_dp::auth::at_rest::KeyChange::Require(self.require_encryption));
         for (namespace, key) in &self.tenant_keys {
@@ -630,7 +708,7 @@ ports = {remote}
 impl EmbeddedPool {
     /// Starts the pool; returns once engines can attach.
     pub fn start(config: &EmbeddedConfig) -> Result<Self, ServeError> {
-        config.check().map_err(ServeError::Settings)?;
+        config.check()?;
         // First the directory's lock: nothing of a pool serving it is
         // touched by a second one.
         let mut created = Created::take(&config.dir)?;
@@ -664,9 +742,9 @@ impl EmbeddedPool {
             + config.l2_paths().len() as u64 * u64::from(config.l2_slots_per_file)
             + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
-            .map_err(|e| format!("mirror: {e}"))?;
+            .map_err(ServeError::Mirror)?;
         // Checked at the start (`check`): here only its value.
-        let load_reserve_slots = load_reserve(config)?;
+        let load_reserve_slots = load_reserve(config).map_err(ServeError::Settings)?;
         // The view's changes are numbered in a term of this incarnation's own
         // (its start in ms): a restarted pool's changes are never taken
         // for the old one's by the leader's summary.
@@ -674,7 +752,7 @@ impl EmbeddedPool {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let node = Node::new(NodeId(config.node), incarnation, Some(writer)).with_tiers(config.tiers.clone());
-        let mut server = Server::bind(&cp_socket, node, 1).map_err(|e| format!("{}: {e}", cp_socket.display()))?;
+        let mut server = Server::bind(&cp_socket, node, 1).map_err(ServeError::io(cp_socket.display()))?;
         let agents = lake_dp::runner::config::AgentsSection {
             allow_uids: config.access.allow_uids.clone(),
             allow_gids: config.access.allow_gids.clone(),
@@ -682,14 +760,18 @@ impl EmbeddedPool {
             socket_mode: config.access.socket_mode,
             ..lake_dp::runner::config::AgentsSection::default()
         };
-        let (gid, mode, policy) = agents.access().map_err(|e| e.0)?;
-        server.restrict(policy, mode, gid).map_err(|e| format!("{}: mode and group: {e}", cp_socket.display()))?;
-        server.serve_admin(&admin_socket).map_err(|e| format!("{}: {e}", admin_socket.display()))?;
+        let (gid, mode, policy) = agents.access().map_err(|e| ServeError::Settings(e.0))?;
+        server
+            .restrict(policy, mode, gid)
+            .map_err(ServeError::io(format!("{}: mode and group", cp_socket.display())))?;
+        server.serve_admin(&admin_socket).map_err(ServeError::io(admin_socket.display()))?;
         if !config.summary_to.is_empty() {
             server.report_to(config.summary_to.clone(), config.link_key.clone());
         }
         let metrics = match config.metrics {
-            Some(address) => Some(server.serve_metrics(address).map_err(|e| format!("metrics on {address}: {e}"))?),
+            Some(address) => {
+                Some(server.serve_metrics(address).map_err(ServeError::io(format!("metrics on {address}")))?)
+            }
             None => None,
         };
         let gauges = Arc::new(Gauges { l1_region: std::sync::atomic::AtomicU32::new(u32::MAX), ..Gauges::default() });
@@ -700,7 +782,7 @@ impl EmbeddedPool {
             let (gauges, stop, drain) = (Arc::clone(&gauges), Arc::clone(&stop_cp), Arc::clone(&draining));
             std::thread::Builder::new()
                 .name("lake-cp".into())
-                .spawn(move || -> Result<Server, String> {
+                .spawn(move || -> std::io::Result<Server> {
                     // Failed tier commands so far, as last logged (once a
                     // second at most).
                     let (mut failed_logged, mut next_log) = (0, std::time::Instant::now());
@@ -709,7 +791,7 @@ impl EmbeddedPool {
                             match request {
                                 CpRequest::Copy(key, to, priority, reply) => {
                                     let copied = server.node_mut().copy_to(&key, to, priority);
-                                    let _ = reply.send(copied.map_err(|e| e.to_string()));
+                                    let _ = reply.send(copied);
                                 }
                                 CpRequest::Cancel(request, reply) => {
                                     let _ = reply.send(server.node_mut().cancel_copy(request));
@@ -721,7 +803,7 @@ impl EmbeddedPool {
                         if server.node().draining != draining {
                             server.node_mut().set_draining(draining);
                         }
-                        server.poll_once(Some(Duration::from_millis(2))).map_err(|e| format!("lake-cp: {e}"))?;
+                        server.poll_once(Some(Duration::from_millis(2)))?;
                         for why in server.take_refusals() {
                             tracing::warn!(event = "cp_refused", why = %why);
                         }
@@ -760,9 +842,9 @@ impl EmbeddedPool {
                     }
                     Ok(server)
                 })
-                .map_err(|e| e.to_string())?
+                .map_err(ServeError::io("the control plane's thread"))?
         };
-        let wakeup = Arc::new(Wakeup::new().map_err(|e| format!("eventfd: {e}"))?);
+        let wakeup = Arc::new(Wakeup::new().map_err(ServeError::io("eventfd"))?);
         let mut local_ports = Vec::new();
         let mut dp_ports = Vec::new();
         for _ in 0..config.local_agents {
@@ -786,7 +868,7 @@ impl EmbeddedPool {
                     .create(true)
                     .append(true)
                     .open(path)
-                    .map_err(|e| format!("event log {}: {e}", path.display()))?,
+                    .map_err(ServeError::io(format!("event log {}", path.display())))?,
             ),
             None if config.events_to_stderr => Box::new(std::io::stderr()),
             None => Box::new(std::io::sink()),
@@ -799,7 +881,7 @@ impl EmbeddedPool {
                 let events = lake_dp::log::subscriber(sink.clone(), log_level, log_format);
                 tracing::subscriber::with_default(events, || run_with(&runner, &options, ports, &mut sink))
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(ServeError::io("the data plane's thread"))?;
         let mut pool = Self {
             dir: config.dir.clone(),
             arena,
@@ -830,9 +912,9 @@ impl EmbeddedPool {
         while std::fs::metadata(&pool.dp_socket).is_err() || pool.gauges.l1_space().is_none() {
             if pool.dp.as_ref().is_some_and(JoinHandle::is_finished) || Instant::now() > deadline {
                 return Err(match pool.dp.take().map(JoinHandle::join) {
-                    Some(Ok(Err(RunnerError::Config(why)))) => ServeError::Settings(why),
-                    Some(Ok(Err(e))) => ServeError::Failed(e.to_string()),
-                    _ => ServeError::Failed("the data plane did not start".to_owned()),
+                    Some(Ok(Err(e))) => ServeError::DataPlane(e),
+                    Some(Err(_)) => ServeError::Panicked(Plane::Data),
+                    _ => ServeError::Stopped(Plane::Data),
                 });
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -853,36 +935,36 @@ impl EmbeddedPool {
         key: &lake_dp::BlockKey,
         to: lake_dp::model::replica::ReplicaWire,
         priority: lake_dp::Priority,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, ServeError> {
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
         let request = CpRequest::Copy(*key, to, priority, reply);
-        self.requests.send(request).map_err(|_| "the control plane stopped".to_owned())?;
-        answer.recv_timeout(Duration::from_secs(10)).map_err(|_| "the control plane did not answer".to_owned())?
+        self.requests.send(request).map_err(|_| ServeError::Stopped(Plane::Control))?;
+        answer.recv_timeout(Duration::from_secs(10)).map_err(|_| ServeError::NoAnswer)?.map_err(ServeError::Refused)
     }
 
     /// Takes back copy `request` ([`EmbeddedPool::copy_to`]; see
     /// [`Node::cancel_copy`]): whether it was still out.
-    pub fn cancel_copy(&self, request: u64) -> Result<bool, String> {
+    pub fn cancel_copy(&self, request: u64) -> Result<bool, ServeError> {
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
-        self.requests.send(CpRequest::Cancel(request, reply)).map_err(|_| "the control plane stopped".to_owned())?;
-        answer.recv_timeout(Duration::from_secs(10)).map_err(|_| "the control plane did not answer".to_owned())
+        self.requests.send(CpRequest::Cancel(request, reply)).map_err(|_| ServeError::Stopped(Plane::Control))?;
+        answer.recv_timeout(Duration::from_secs(10)).map_err(|_| ServeError::NoAnswer)
     }
 
     /// Why the pool can no longer serve, if a plane of it stopped on its
     /// own (an error after the start: a file gone bad, its socket taken).
-    pub fn failed(&mut self) -> Option<String> {
+    pub fn failed(&mut self) -> Option<ServeError> {
         if self.dp.as_ref().is_some_and(JoinHandle::is_finished) {
             return Some(match self.dp.take().map(JoinHandle::join) {
-                Some(Ok(Err(e))) => format!("the data plane stopped: {e}"),
-                Some(Ok(Ok(_))) => "the data plane stopped".to_owned(),
-                _ => "the data plane panicked".to_owned(),
+                Some(Ok(Err(e))) => ServeError::DataPlane(e),
+                Some(Ok(Ok(_))) | None => ServeError::Stopped(Plane::Data),
+                Some(Err(_)) => ServeError::Panicked(Plane::Data),
             });
         }
         if self.cp.as_ref().is_some_and(JoinHandle::is_finished) {
             return Some(match self.cp.take().map(JoinHandle::join) {
-                Some(Ok(Err(e))) => format!("the control plane stopped: {e}"),
-                Some(Ok(Ok(_))) => "the control plane stopped".to_owned(),
-                _ => "the control plane panicked".to_owned(),
+                Some(Ok(Err(e))) => ServeError::ControlPlane(e),
+                Some(Ok(Ok(_))) | None => ServeError::Stopped(Plane::Control),
+                Some(Err(_)) => ServeError::Panicked(Plane::Control),
             });
         }
         None
@@ -927,19 +1009,21 @@ impl EmbeddedPool {
     /// ([`EmbeddedPool::empty_l1`], unless that was called); then the data
     /// plane (drained, flushed, clean) and the control plane. Returns their
     /// final state. What the pool created and does not keep is removed.
-    pub fn stop(mut self) -> Result<(RunnerStats, Server), String> {
+    pub fn stop(mut self) -> Result<(RunnerStats, Server), ServeError> {
         if self.durable && !self.emptied && self.gauges.l1_space().is_some() {
             self.empty_l1();
         }
         self.stop_dp.store(true, Ordering::Release);
         let stats = match self.dp.take().map(JoinHandle::join) {
-            Some(Ok(result)) => result.map_err(|e| e.to_string())?,
-            _ => return Err("the data plane panicked".into()),
+            Some(Ok(result)) => result.map_err(ServeError::DataPlane)?,
+            Some(Err(_)) => return Err(ServeError::Panicked(Plane::Data)),
+            None => return Err(ServeError::Stopped(Plane::Data)),
         };
         self.stop_cp.store(true, Ordering::Release);
         let server = match self.cp.take().map(JoinHandle::join) {
-            Some(Ok(result)) => result?,
-            _ => return Err("the control plane panicked".into()),
+            Some(Ok(result)) => result.map_err(ServeError::ControlPlane)?,
+            Some(Err(_)) => return Err(ServeError::Panicked(Plane::Control)),
+            None => return Err(ServeError::Stopped(Plane::Control)),
         };
         Ok((stats, server))
     }

@@ -240,11 +240,11 @@ fn main() -> ExitCode {
         Command::Demo(args) => ("demo", demo(&args)),
         Command::Serve(args) => match serve(&args) {
             // Settings that cannot run: a restart will not mend them.
-            Err(ServeError::Settings(why)) => {
+            Err(why) if why.is_settings() => {
                 eprintln!("lake serve: {why}");
                 return ExitCode::from(2);
             }
-            Err(ServeError::Failed(why)) => ("serve", Err(why)),
+            Err(why) => ("serve", Err(why.to_string())),
             Ok(()) => ("serve", Ok(())),
         },
         Command::Config(ConfigCommand::Check { file }) => ("config check", config_check(&file)),

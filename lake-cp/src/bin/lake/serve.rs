@@ -8,7 +8,8 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     use lake_cp::embedded::EmbeddedPool;
     // Before any thread starts: the pool's threads inherit the blocked
     // signals, and this one takes them.
-    let signals = lake_dp::os::Signals::with_hangup().map_err(|e| format!("signals: {e}"))?;
+    let signals =
+        lake_dp::os::Signals::with_hangup().map_err(|error| ServeError::Io { what: "signals".into(), error })?;
     let lake_cp::config::Serve { pool: config, tenant_key_dir, cluster, member_ttl, .. } =
         args.resolve().map_err(ServeError::Settings)?;
     let (key_dir, mut tenant_files) = match tenant_key_dir {
@@ -22,15 +23,22 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
         Some((endpoints, name)) => {
             let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
             let client = lake_cp::etcd::Etcd::new(&endpoints, std::time::Duration::from_secs(2))
-                .map_err(|e| format!("--etcd {}: {e}", endpoints.join(",")))?;
-            Some(lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("--cluster {name}: {e}"))?)
+                .map_err(|error| ServeError::Cluster { what: format!("--etcd {}", endpoints.join(",")), error })?;
+            Some(
+                lake_cp::ha::Cluster::new(client, name)
+                    .map_err(|error| ServeError::Cluster { what: format!("--cluster {name}"), error })?,
+            )
         }
         None => None,
     };
     let mut pool = EmbeddedPool::start(&config)?;
     let address = config.transport_listen.map_or_else(|| pool.cp_socket.display().to_string(), |a| a.to_string());
     let mut member = match &cluster {
-        Some(cluster) => Some(cluster.join(config.node, &address, member_ttl).map_err(|e| format!("joining: {e}"))?),
+        Some(cluster) => Some(
+            cluster
+                .join(config.node, &address, member_ttl)
+                .map_err(|error| ServeError::Cluster { what: "joining".into(), error })?,
+        ),
         None => None,
     };
     let renew_every = std::time::Duration::from_millis(u64::try_from(member_ttl).unwrap_or(1) * 1000 / 3);
@@ -55,14 +63,15 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     // one start to the next, DIR does not. Written first: whoever reads
     // the serving line finds it.
     let record = config.dir.join(POOL_RECORD);
-    write_atomically(&record, format!("{serving}\n").as_bytes()).map_err(|e| format!("{}: {e}", record.display()))?;
+    write_atomically(&record, format!("{serving}\n").as_bytes())
+        .map_err(|error| ServeError::Io { what: record.display().to_string(), error })?;
     say!("{serving}");
     notify_service_manager("READY=1");
     loop {
         // A plane that stopped on its own cannot serve: say why, exit non-zero.
         if let Some(why) = pool.failed() {
             let _ = std::fs::remove_file(&record);
-            return Err(ServeError::Failed(why));
+            return Err(why);
         }
         match signals.take() {
             Some(libc::SIGHUP) => {
