@@ -74,7 +74,7 @@ const UNSAFE_FILES: &[&str] = &[
     "ffi/src/status.rs",
     "ffi/src/trace.rs",
     "kernels/src/gpu.rs",
-    "lake-cp/control/src/embedded.rs",
+    "lake-cp/control/src/embedded/created.rs",
     "lake-cp/control/src/huge.rs",
     "lake-cp/control/src/metrics.rs",
     "lake-cp/control/src/table.rs",

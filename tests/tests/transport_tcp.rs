@@ -182,6 +182,47 @@ fn garbage_closes_its_connection_and_nothing_else() {
     assert_eq!(done.iter().map(|c| (c.transfer, c.result.clone())).collect::<Vec<_>>(), [(1, Ok(()))]);
 }
 
+/// Connections that never send a byte — a neighbour holding the port —
+/// are held up to the transport's cap (one past it closed as it comes) and
+/// closed once silent past `silent_ns`; a real peer then connects and its
+/// block lands.
+#[test]
+fn silent_connections_are_capped_and_let_go_and_a_peer_still_lands_its_blocks() {
+    let start = Instant::now();
+    let capped = TcpConfig { inbound_max: 8, silent_ns: 300_000_000, ..config() };
+    let mut receiver = TcpTransport::new(capped, Some("127.0.0.1:0".parse().unwrap())).unwrap();
+    let address = receiver.local_addr().unwrap();
+    let mut node = Node::new(4);
+    let mut silent: Vec<std::net::TcpStream> =
+        (0..20).map(|_| std::net::TcpStream::connect(address).unwrap()).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while receiver.stats.inbound_over_cap < 12 {
+        assert!(Instant::now() < deadline, "{:?}", receiver.stats);
+        receiver.poll(&mut node, now_ns(start), &mut Vec::new());
+    }
+    assert_eq!(receiver.stats.inbound_over_cap, 12, "8 held, the rest closed as they came");
+    while receiver.stats.inbound_silent < 8 {
+        assert!(Instant::now() < deadline, "the silent ones were kept: {:?}", receiver.stats);
+        receiver.poll(&mut node, now_ns(start), &mut Vec::new());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Every one of the 20 sees its connection end.
+    for stream in &mut silent {
+        stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(std::io::Read::read(stream, &mut [0; 8]).unwrap_or(0), 0, "still open");
+    }
+    let mut sender = TcpTransport::new(config(), None).unwrap();
+    let peer = sender.add_peer(address).unwrap();
+    let good = object(9, 100_000, 0);
+    let target = node.reserve(0, 1);
+    let block = outgoing(1, peer, &good, target, Priority::WriteBack);
+    // SAFETY: `good` outlives the completion.
+    unsafe { sender.write(&block, now_ns(start)) }.unwrap();
+    let done = drive(&mut sender, &mut receiver, &mut node, start, 1);
+    assert_eq!(done.iter().map(|c| (c.transfer, c.result.clone())).collect::<Vec<_>>(), [(1, Ok(()))]);
+    assert_eq!(receiver.stats.inbound_silent, 8, "the peer's connections are not silent ones");
+}
+
 #[test]
 fn a_sender_that_dies_mid_block_leaves_nothing_published_and_the_slot_given_back() {
     use lake_dp::transport::frame::FrameHeader;

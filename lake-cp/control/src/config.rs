@@ -297,6 +297,22 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", help_heading = "Pool")]
     pub numa_node: Option<u32>,
 
+    /// Connections the metrics port holds at once; one past it is closed
+    /// as it comes. Cut at start, with the other caps, to what the limit on
+    /// open files leaves beside the pool's own needs.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Limits")]
+    pub metrics_connections_max: u32,
+
+    /// Connections the cp socket holds at once (the data plane and one per
+    /// attached engine).
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Limits")]
+    pub cp_connections_max: u32,
+
+    /// Inbound connections the transport holds at once (other nodes'
+    /// streams, `--transport-listen`).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Limits")]
+    pub transport_connections_max: u32,
+
     /// Events at this level or above are logged, on stderr (the lines a
     /// supervisor reads, `serving` and `stopped`, go to stdout whatever
     /// this is).
@@ -558,6 +574,9 @@ impl ServeArgs {
         };
         pool.commit_check = self.commit_check;
         pool.transport_listen = self.transport_listen;
+        pool.caps.server.metrics = self.metrics_connections_max as usize;
+        pool.caps.server.cp = self.cp_connections_max as usize;
+        pool.caps.transport = self.transport_connections_max as usize;
         pool.transport_peers = self.transport_peer.iter().map(|p| (p.node, p.rails.clone())).collect();
         pool.l2_background_depth = self.l2_background_depth;
         pool.l1_load_reserve = self.l1_load_reserve;

@@ -8,7 +8,16 @@
 use std::fmt::Write as _;
 
 use crate::node::Node;
-use crate::server::ServerCounters;
+use crate::server::{ConnectionCaps, Listener, ServerCounters};
+
+/// The server's listeners as they stand, beside its counters.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServerGauges {
+    /// Each listener's cap.
+    pub caps: ConnectionCaps,
+    /// Connections open on each, in [`Listener::ALL`]'s order.
+    pub open: [usize; 3],
+}
 
 /// Bytes of request a client may send before it is dropped.
 pub const REQUEST_BYTES_MAX: usize = 8 << 10;
@@ -63,8 +72,9 @@ fn borrowed(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
 }
 
 /// The exposition of the node and the server.
-pub fn render(node: &Node, server: &ServerCounters) -> String {
+pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> String {
     let mut out = String::new();
+    connection_metrics(&mut out, server, gauges);
     let c = node.counters;
     metric(
         &mut out,
@@ -220,6 +230,32 @@ pub fn render(node: &Node, server: &ServerCounters) -> String {
     );
     build_and_process(&mut out);
     out
+}
+
+/// Each listener's connections: open, its cap, and those let go by why.
+fn connection_metrics(out: &mut String, server: &ServerCounters, gauges: &ServerGauges) {
+    let label = |listener: Listener| format!("listener=\"{}\"", listener.name());
+    let open: Vec<(String, u64)> = Listener::ALL.iter().map(|&l| (label(l), gauges.open[l as usize] as u64)).collect();
+    metric(out, "lake_connections_open", "gauge", "Connections open, by listener.", &as_refs(&open));
+    let caps: Vec<(String, u64)> = Listener::ALL.iter().map(|&l| (label(l), gauges.caps.of(l) as u64)).collect();
+    metric(out, "lake_connections_max", "gauge", "Connections a listener holds at most.", &as_refs(&caps));
+    let mut shed = Vec::new();
+    for listener in Listener::ALL {
+        let counts = server.shed[listener as usize];
+        let why =
+            [("over_cap", counts.over_cap), ("timed_out", counts.timed_out), ("accept_failed", counts.accept_failed)];
+        for (why, count) in why {
+            shed.push((format!("{},why=\"{why}\"", label(listener)), count));
+        }
+    }
+    metric(
+        out,
+        "lake_connections_shed_total",
+        "counter",
+        "Connections let go: accepted past the cap, timed out (no hello, no request, idle), or not accepted for \
+         want of file descriptors (the listener rests a moment).",
+        &as_refs(&shed),
+    );
 }
 
 /// `lake_build_info` and the standard `process_*` metrics (from
@@ -585,7 +621,7 @@ mod tests {
     #[test]
     fn the_exposition_is_prometheus_text() {
         let node = Node::new(lake_dp::NodeId(0), 1, None);
-        let text = render(&node, &ServerCounters::default());
+        let text = render(&node, &ServerCounters::default(), &ServerGauges::default());
         for line in text.lines() {
             let name = line.trim_start_matches("# HELP ").trim_start_matches("# TYPE ");
             assert!(name.starts_with("lake_") || name.starts_with("process_"), "{line}");
@@ -605,7 +641,7 @@ mod tests {
             critical.record(ns);
         }
         node.paths = vec![critical, PathEntry::new(Path::L2Write)];
-        let text = render(&node, &ServerCounters::default());
+        let text = render(&node, &ServerCounters::default(), &ServerGauges::default());
         for line in [
             "# TYPE lake_path_latency_seconds histogram",
             // 800 ns is within 1 µs; 3 and 3.5 µs within 4 µs; 900 µs
@@ -633,7 +669,7 @@ mod tests {
         // Two engines' compute rails: each its own series.
         node.engine_rails.push((5, vec![rail(0, 0, 1, 64, 0), rail(0, 1, 1, 32, 1)]));
         node.engine_rails.push((6, vec![rail(0, 0, 0, 9, 2)]));
-        let text = render(&node, &ServerCounters::default());
+        let text = render(&node, &ServerCounters::default(), &ServerGauges::default());
         for line in [
             "lake_rail_bytes_total{network=\"storage\",sender=\"dp\",node=\"2\",rail=\"0\"} 1000",
             "lake_rail_bytes_total{network=\"storage\",sender=\"dp\",node=\"2\",rail=\"1\"} 500",

@@ -47,6 +47,8 @@ fn command() -> clap::Command {
 }
 
 fn main() -> ExitCode {
+    lake_dp::os::exit_on_panic("lake-dp");
+    lake_dp::os::raise_fd_limit();
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let cli = match parse_with_file::<Cli>(command, &argv) {
         Ok(cli) => cli,

@@ -10,6 +10,46 @@ fn check(rc: libc::c_int) -> io::Result<libc::c_int> {
     if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
 }
 
+/// The exit code of a process ended by a panic on one of its threads
+/// (`EX_SOFTWARE`).
+pub const PANIC_EXIT: u8 = 70;
+
+/// Makes a panic on any thread end the whole process with [`PANIC_EXIT`],
+/// after the panic's own message and a line naming `program` and the
+/// thread. A service whose worker thread died (an L3 worker, the commit
+/// check, a plane) would otherwise go on answering its health checks while
+/// its work piles up, and its supervisor would see nothing to restart.
+pub fn exit_on_panic(program: &'static str) {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("unnamed");
+        eprintln!("{program}: thread {name} panicked; the process exits so that its supervisor restarts it");
+        std::process::exit(i32::from(PANIC_EXIT));
+    }));
+}
+
+/// Raises this process's soft limit on open files to its hard limit (what
+/// the service manager's `LimitNOFILE=` or the shell's `ulimit -Hn`
+/// allows); returns the soft limit in force after (unchanged where the
+/// kernel refuses more, or where it cannot be read: 1,024 assumed).
+pub fn raise_fd_limit() -> u64 {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: a valid out-pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) } != 0 {
+        return 1024;
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+        // SAFETY: a valid pointer to a limit no higher than the hard one.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raw const raised) } == 0 {
+            limit = raised;
+        }
+    }
+    limit.rlim_cur
+}
+
 /// The cores this process may run on.
 pub fn allowed_cores() -> io::Result<Vec<usize>> {
     // SAFETY: cpu_set_t is plain data; all zeroes is the empty set.

@@ -76,6 +76,9 @@ pub struct RunnerPorts {
     /// Where the node's transport listens for blocks peers send into its
     /// L1 (P→D, replication); none: it takes none.
     pub transport_listen: Option<std::net::SocketAddr>,
+    /// Inbound transport connections held at once, at most (none: the
+    /// transport's default, [`crate::transport::tcp::TcpConfig::inbound_max`]).
+    pub transport_inbound_max: Option<usize>,
     /// The nodes this node's transport sends to (`lake-cp`'s copies to
     /// another node's L1) over the storage network: node id and its rails
     /// (one per NIC: the peer's address there, and the local address to

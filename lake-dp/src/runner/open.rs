@@ -177,7 +177,10 @@ fn open_transport(
     // Blocks peers send into this node's L1 (P→D, replication), and the
     // copies lake-cp asks of this node for others.
     let mut transport = if ports.transport_listen.is_some() || !ports.transport_peers.is_empty() {
-        let config = crate::transport::tcp::TcpConfig::default();
+        let mut config = crate::transport::tcp::TcpConfig::default();
+        if let Some(max) = ports.transport_inbound_max {
+            config.inbound_max = max;
+        }
         let listen = ports.transport_listen;
         let mut transport = crate::transport::tcp::TcpTransport::new(config, listen)
             .map_err(|e| fail(&format!("transport.listen {listen:?}"))(&e))?;

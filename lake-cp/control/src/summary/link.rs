@@ -443,12 +443,25 @@ pub struct AggregatorCounters {
     /// Connections closed for failing their authentication (no handshake,
     /// another key, a bad proof, a record's tag).
     pub refused: u64,
+    /// Connections closed as they came: [`Aggregator::connections_max`]
+    /// were open.
+    pub over_cap: u64,
+    /// Connections closed for saying no hello within [`HELLO_DEADLINE`].
+    pub no_hello: u64,
+    /// Accepts that failed (out of file descriptors, most often); the
+    /// connection waits in the kernel's queue for a later pass.
+    pub accept_failed: u64,
 }
+
+/// A node's connection has this long to say its hello.
+pub const HELLO_DEADLINE: Duration = Duration::from_secs(5);
 
 #[derive(Debug)]
 struct NodeConnection {
     wire: Wire,
     node: Option<u32>,
+    /// When it was accepted.
+    since: Instant,
 }
 
 /// The leader's end: accepts the nodes' uplinks and applies what they
@@ -464,6 +477,9 @@ pub struct Aggregator {
     drain_asked: std::collections::HashMap<(BlockKey, u32), Instant>,
     key: Option<LinkKey>,
     security_events: std::collections::VecDeque<String>,
+    /// Node connections held at once, at most: one past it is accepted
+    /// and closed at once.
+    pub connections_max: usize,
     /// The summary it keeps.
     pub summary: Summary,
     /// What it has done.
@@ -492,6 +508,7 @@ impl Aggregator {
             drain_asked: std::collections::HashMap::new(),
             key: None,
             security_events: std::collections::VecDeque::new(),
+            connections_max: 256,
             summary,
             counters: AggregatorCounters::default(),
         })
@@ -581,20 +598,32 @@ impl Aggregator {
     pub fn pump(&mut self) {
         loop {
             match self.listener.accept() {
+                Ok(_) if self.connections.len() >= self.connections_max => self.counters.over_cap += 1,
                 Ok((stream, _)) => {
                     if stream.set_nonblocking(true).is_ok() && stream.set_nodelay(true).is_ok() {
                         self.counters.accepted += 1;
                         let link = self.key.as_ref().map(|key| (RecordLink::server(key, 0, RECORD_MAX), Vec::new()));
-                        self.connections.push(NodeConnection { wire: Wire::new(stream, link), node: None });
+                        let connection =
+                            NodeConnection { wire: Wire::new(stream, link), node: None, since: Instant::now() };
+                        self.connections.push(connection);
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    self.counters.accept_failed += 1;
+                    break;
+                }
             }
         }
         let mut at = 0;
         while at < self.connections.len() {
-            let open = self.serve(at);
+            let connection = &self.connections[at];
+            let silent = connection.node.is_none() && connection.since.elapsed() > HELLO_DEADLINE;
+            if silent {
+                self.counters.no_hello += 1;
+            }
+            let open = !silent && self.serve(at);
             if open {
                 at += 1;
             } else {

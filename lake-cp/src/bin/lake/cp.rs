@@ -62,6 +62,10 @@ pub(super) struct SummaryArgs {
     /// The cluster link key: nodes' links are authenticated with it.
     #[arg(long, value_name = "FILE")]
     link_key: Option<PathBuf>,
+    /// Node connections held at once; one past it is closed as it comes,
+    /// and one that says no hello within 5 s is closed.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    connections_max: u32,
 }
 
 /// `lake drain-node`: marks a node draining in etcd (or takes it back);
@@ -271,6 +275,7 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
         }
     }
     let mut aggregator = Aggregator::bind(listen, summary).map_err(|e| format!("--listen {listen}: {e}"))?;
+    aggregator.connections_max = args.connections_max as usize;
     if let Some(key) = key {
         aggregator.authenticate(key);
     }

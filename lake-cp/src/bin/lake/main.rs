@@ -222,6 +222,10 @@ impl Admin {
 }
 
 fn main() -> ExitCode {
+    lake_dp::os::exit_on_panic("lake");
+    // As many descriptors as the hard limit allows: a control plane, a
+    // summary leader and a pool hold one per connection.
+    lake_dp::os::raise_fd_limit();
     let mut cli = Cli::parse();
     if let Command::Serve(args) = &mut cli.command
         && args.config.is_some()

@@ -77,6 +77,13 @@ pub struct TcpConfig {
     /// ids). 0: none — no offer made, every offer declined, as a build
     /// before features did.
     pub features: u64,
+    /// Inbound connections held at once, at most: one past it is accepted
+    /// and closed at once (each holds a descriptor and a receive buffer).
+    pub inbound_max: usize,
+    /// An inbound connection that brings no byte this long after it was
+    /// accepted is closed: a peer's connections send their handshake or
+    /// their first frame at once.
+    pub silent_ns: u64,
 }
 
 impl Default for TcpConfig {
@@ -91,6 +98,8 @@ impl Default for TcpConfig {
             stall_ns: 2_000_000_000,
             tags_later: true,
             features: FEATURES_SPOKEN,
+            inbound_max: 256,
+            silent_ns: 10_000_000_000,
         }
     }
 }
@@ -268,6 +277,15 @@ pub struct TcpStats {
     pub reservations_held: u64,
     /// Reservations peers answered `Later`, asked again after the wait.
     pub reservations_later: u64,
+    /// Inbound connections closed as they came: [`TcpConfig::inbound_max`]
+    /// were open.
+    pub inbound_over_cap: u64,
+    /// Inbound connections closed for bringing nothing in
+    /// [`TcpConfig::silent_ns`].
+    pub inbound_silent: u64,
+    /// Accepts that failed (out of file descriptors, most often); the
+    /// connection waits in the kernel's queue for a later pass.
+    pub accept_failed: u64,
 }
 
 /// The shortest wait between a reservation answered `Later` and the next
@@ -392,6 +410,9 @@ fn io_error(what: &'static str) -> impl Fn(std::io::Error) -> TcpError {
 impl TcpTransport {
     /// A transport; listening on `listen` if given (port 0: any).
     pub fn new(config: TcpConfig, listen: Option<SocketAddr>) -> Result<Self, TcpError> {
+        if config.inbound_max == 0 {
+            return Err(TcpError::Setting("inbound_max is at least 1".into()));
+        }
         if config.streams_per_peer == 0 || config.streams_per_peer > STREAMS_PER_PEER_MAX {
             return Err(TcpError::Setting(format!("streams_per_peer is 1..={STREAMS_PER_PEER_MAX}")));
         }

@@ -219,6 +219,7 @@ impl TcpTransport {
                 }
                 Ok(n) => {
                     stream.filled += n;
+                    stream.heard = true;
                     stream.progress_ns = self.now_ns;
                     busy = true;
                 }

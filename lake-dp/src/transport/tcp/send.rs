@@ -429,7 +429,15 @@ impl TcpTransport {
         for token in 0..self.streams.len() {
             let Some(stream) = self.streams[token].as_mut() else { continue };
             let late = now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns;
-            let why = if stream.up && stream.handshaking() {
+            let silent = stream.peer.is_none() && !stream.heard;
+            let why = if silent && now_ns.saturating_sub(stream.progress_ns) > self.config.silent_ns {
+                self.stats.inbound_silent += 1;
+                if self.stats.inbound_silent.is_power_of_two() {
+                    let shed = self.stats.inbound_silent;
+                    self.security_event(token, &format!("closed: nothing came in on it ({shed} closed so)"));
+                }
+                Some("nothing came in on it")
+            } else if stream.up && stream.handshaking() {
                 if late {
                     self.stats.handshakes_refused += 1;
                     self.security_event(token, "handshake refused: not done in time");

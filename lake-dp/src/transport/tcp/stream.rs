@@ -125,6 +125,8 @@ pub(super) struct Stream {
     pub(super) unsent_at: u64,
     /// When bytes last moved on it (or it was made).
     pub(super) progress_ns: u64,
+    /// Some byte came in on it.
+    pub(super) heard: bool,
     pub(super) parsed: usize,
     pub(super) state: ReadState,
     /// Which connection this is (a reused token is another).
@@ -147,6 +149,7 @@ impl Stream {
     pub(super) fn new(socket: TcpStream, peer: Option<(PeerId, usize)>, up: bool, link: Link, now_ns: u64) -> Self {
         Self {
             progress_ns: now_ns,
+            heard: false,
             socket,
             peer,
             up,
@@ -377,6 +380,20 @@ impl TcpTransport {
             let Some(listener) = self.listener.as_ref() else { return accepted };
             match listener.accept() {
                 Ok((mut socket, from)) => {
+                    let inbound = self.streams.iter().flatten().filter(|s| s.peer.is_none()).count();
+                    if inbound >= self.config.inbound_max {
+                        self.stats.inbound_over_cap += 1;
+                        // Said at the 1st, 2nd, 4th, ...: a flood is seen,
+                        // not logged a line a connection.
+                        let shed = self.stats.inbound_over_cap;
+                        if shed.is_power_of_two() {
+                            let held = self.config.inbound_max;
+                            self.note(format!(
+                                "connection with {from}: closed, {held} inbound held ({shed} closed so)"
+                            ));
+                        }
+                        continue;
+                    }
                     let _ = socket.set_nodelay(true);
                     let link = if self.auth.is_some() { Link::Server } else { Link::Plain };
                     if !matches!(link, Link::Plain)
@@ -401,7 +418,11 @@ impl TcpTransport {
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return accepted,
-                Err(_) => return accepted,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => {
+                    self.stats.accept_failed += 1;
+                    return accepted;
+                }
             }
         }
     }

@@ -23,6 +23,13 @@ use crate::node::Node;
 use crate::server::Server;
 use crate::tier::TierConfig;
 
+mod created;
+mod error;
+pub mod fds;
+
+use created::Created;
+pub use error::{Plane, ServeError};
+
 /// What the embedded pool is made of.
 #[derive(Clone, Debug)]
 pub struct EmbeddedConfig {
@@ -73,6 +80,9 @@ pub struct EmbeddedConfig {
     /// The nodes its transport sends to over the storage network (copies
     /// `lake-cp` asks for): node id and its rails, one per NIC.
     pub transport_peers: Vec<(u32, Vec<lake_dp::transport::tcp::Rail>)>,
+    /// How many connections each listener holds at most (cut at start to
+    /// what the limit on open files leaves: [`fds::fit`]).
+    pub caps: fds::Caps,
     /// Write-back, demotion and replication reads and writes in the L2
     /// device at once, at most (0: no cap; below 32, the queue's depth):
     /// the rest stays for loads requests wait on.
@@ -133,124 +143,6 @@ pub struct EmbeddedConfig {
     pub numa_node: Option<u32>,
 }
 
-/// Why a pool could not start or serve. `lake serve` exits 2 where
-/// [`ServeError::is_settings`] (as for a bad command line: starting again
-/// unchanged fails again), 1 otherwise.
-#[derive(Debug)]
-pub enum ServeError {
-    /// Its settings cannot run here (the configuration's checks).
-    Settings(String),
-    /// Another pool serves its directory (`pid` as that pool's lock file
-    /// names it).
-    Taken {
-        /// The directory.
-        dir: PathBuf,
-        /// The other pool's process, where its record says.
-        pid: Option<u32>,
-    },
-    /// A file, socket, thread or other resource of the pool failed.
-    Io {
-        /// What was being done, and on what.
-        what: String,
-        /// The kernel's answer.
-        error: std::io::Error,
-    },
-    /// Its mirror could not be made.
-    Mirror(lake_dp::mirror::MirrorError),
-    /// The cluster it was to join (etcd) could not be used.
-    Cluster {
-        /// What was being done.
-        what: String,
-        /// etcd's answer.
-        error: crate::etcd::EtcdError,
-    },
-    /// The data plane refused to start, or stopped with an error.
-    DataPlane(RunnerError),
-    /// The control plane's thread stopped with an error.
-    ControlPlane(std::io::Error),
-    /// A plane's thread ended while the pool served, or never started.
-    Stopped(Plane),
-    /// A plane's thread panicked.
-    Panicked(Plane),
-    /// The control plane did not take or answer a request in time.
-    NoAnswer,
-    /// The control plane refused a request (a copy to another node).
-    Refused(crate::node::NodeError),
-}
-
-/// One of a pool's two planes, each on its own thread.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Plane {
-    /// The control plane (`lake-cp`).
-    Control,
-    /// The data plane (`lake-dp`).
-    Data,
-}
-
-impl ServeError {
-    /// Whether starting again unchanged fails again: the pool's settings,
-    /// or a data plane refusing them (a core or NUMA node this machine
-    /// lacks).
-    pub fn is_settings(&self) -> bool {
-        matches!(self, Self::Settings(_) | Self::DataPlane(RunnerError::Config(_)))
-    }
-
-    fn io(what: impl core::fmt::Display) -> impl FnOnce(std::io::Error) -> Self {
-        move |error| Self::Io { what: what.to_string(), error }
-    }
-}
-
-impl core::fmt::Display for Plane {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.write_str(match self {
-            Self::Control => "the control plane",
-            Self::Data => "the data plane",
-        })
-    }
-}
-
-impl core::fmt::Display for ServeError {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        match self {
-            Self::Settings(why) => f.write_str(why),
-            Self::Taken { dir, pid } => {
-                let pid = pid.map_or_else(|| "unknown".to_owned(), |p| p.to_string());
-                write!(
-                    f,
-                    "{}: another pool serves this directory (pid {pid}); stop it or give another directory",
-                    dir.display()
-                )
-            }
-            Self::Io { what, error } => write!(f, "{what}: {error}"),
-            Self::Mirror(error) => write!(f, "mirror: {error}"),
-            Self::Cluster { what, error } => write!(f, "{what}: {error}"),
-            Self::DataPlane(RunnerError::Config(why)) => f.write_str(why),
-            Self::DataPlane(error) => write!(f, "the data plane: {error}"),
-            Self::ControlPlane(error) => write!(f, "the control plane: {error}"),
-            Self::Stopped(plane) => write!(f, "{plane} stopped"),
-            Self::Panicked(plane) => write!(f, "{plane} panicked"),
-            Self::NoAnswer => f.write_str("the control plane did not answer"),
-            Self::Refused(error) => write!(f, "refused: {error}"),
-        }
-    }
-}
-
-impl std::error::Error for ServeError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Io { error, .. } | Self::ControlPlane(error) => Some(error),
-            Self::DataPlane(error) => Some(error),
-            _ => None,
-        }
-    }
-}
-
-impl From<ServeError> for String {
-    fn from(error: ServeError) -> Self {
-        error.to_string()
-    }
-}
-
 /// The L1 arena's agent records (pin arrays) kept for each agent port: an
 /// engine attached over the C ABI claims one for its agent, one for its
 /// agent thread, one for its pushes and one per copy lane, so a port's
@@ -300,6 +192,56 @@ fn load_reserve(config: &EmbeddedConfig) -> Result<u32, String> {
     Ok(reserve)
 }
 
+/// The lock file in a pool's directory; it holds the serving pid.
+pub const LOCK_FILE: &str = "lake.lock";
+
+/// A running embedded pool.
+#[derive(Debug)]
+pub struct EmbeddedPool {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// The L1 arena's path.
+    pub arena: PathBuf,
+    /// The mirror's path.
+    pub mirror: PathBuf,
+    /// `lake-cp`'s socket (leases, access reports).
+    pub cp_socket: PathBuf,
+    /// `lake-dp`'s attach socket (engines in other processes).
+    pub dp_socket: PathBuf,
+    /// The operator's socket (`lake inspect`, `lake top`, `lake purge`;
+    /// [`crate::admin`]).
+    pub admin_socket: PathBuf,
+    /// `/metrics`, if served.
+    pub metrics: Option<std::net::SocketAddr>,
+    /// The agents' ends of the in-process ports, to take.
+    pub local_ports: Vec<AgentPort>,
+    /// Live gauges.
+    pub gauges: Arc<Gauges>,
+    /// The data plane's key ring, to change while it runs (a key set, a
+    /// tenant forgotten and purged).
+    pub tenant_keys: Arc<lake_dp::auth::at_rest::TenantKeys>,
+    stop_cp: Arc<AtomicBool>,
+    stop_dp: Arc<AtomicBool>,
+    /// Set to close the data plane to saves (before L1 is written down).
+    close_saves: Arc<AtomicBool>,
+    /// Requests for the control plane's thread (copies to other nodes).
+    requests: std::sync::mpsc::Sender<CpRequest>,
+    /// Set: the node is being drained (`lake drain-node`): its control
+    /// plane answers `/readyz` not ready.
+    pub draining: Arc<AtomicBool>,
+    /// The last free L1 slots kept from saves for loads (what
+    /// [`EmbeddedConfig::l1_load_reserve`] came to).
+    pub load_reserve_slots: u32,
+    cp: Option<JoinHandle<std::io::Result<Server>>>,
+    dp: Option<JoinHandle<Result<RunnerStats, RunnerError>>>,
+    /// Whether L1 is written down to L2 at stop, and for how long at most.
+    durable: bool,
+    stop_flush: Duration,
+    emptied: bool,
+    /// What to remove when the pool goes.
+    created: Created,
+}
+
 impl EmbeddedConfig {
     /// Every L1 size class as (payload bytes, slots): `block_bytes`'s, then
     /// `l1_classes`.
@@ -330,6 +272,7 @@ impl EmbeddedConfig {
             commit_check: lake_dp::runner::pool::CommitCheck::Auto,
             transport_listen: None,
             transport_peers: Vec::new(),
+            caps: fds::Caps::default(),
             rdma: None,
             l2_background_depth: 0,
             l1_load_reserve: None,
@@ -396,161 +339,6 @@ enum CpRequest {
     Cancel(u64, std::sync::mpsc::SyncSender<bool>),
     /// Stopping: empty L1 into L2 ([`crate::tier::Tiers::empty_l1`]).
     EmptyL1,
-}
-
-/// What a pool created and removes when it goes, whether it started or
-/// not: files (sockets, shared memory, its L2 files where they do not
-/// outlive it), then its lock, then its directory if it made it and it is
-/// empty. Nothing else: a user's file in the directory stays.
-#[derive(Debug)]
-struct Created {
-    dir: PathBuf,
-    made_dir: bool,
-    lock: Option<std::fs::File>,
-    files: Vec<PathBuf>,
-}
-
-impl Created {
-    /// Takes `dir` (making it if missing) and its lock, `DIR/lake.lock`
-    /// (an advisory write lock on the open file, released when this
-    /// process ends however it ends); a pool already there is named.
-    fn take(dir: &Path) -> Result<Self, ServeError> {
-        use std::io::Read;
-        use std::os::fd::AsRawFd;
-
-        use std::os::unix::fs::MetadataExt;
-
-        let made_dir = !dir.exists();
-        std::fs::create_dir_all(dir).map_err(ServeError::io(dir.display()))?;
-        let mut created = Self { dir: dir.to_owned(), made_dir, lock: None, files: Vec::new() };
-        let path = dir.join(LOCK_FILE);
-        let mut lock = loop {
-            let mut lock = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-                .map_err(ServeError::io(path.display()))?;
-            // SAFETY: flock on a descriptor this function owns.
-            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-                let error = std::io::Error::last_os_error();
-                if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                    let mut holder = String::new();
-                    let _ = lock.read_to_string(&mut holder);
-                    let pid = holder.lines().next().and_then(|line| line.trim().parse().ok());
-                    return Err(ServeError::Taken { dir: dir.to_owned(), pid });
-                }
-                return Err(ServeError::Io { what: format!("{}: locking", path.display()), error });
-            }
-            // A pool that stopped meanwhile unlinked the file it held: a
-            // lock on that one guards nothing. Again, on the file there now.
-            let held = lock.metadata().map_err(ServeError::io(path.display()))?;
-            if std::fs::metadata(&path).is_ok_and(|now| (now.dev(), now.ino()) == (held.dev(), held.ino())) {
-                break lock;
-            }
-        };
-        // A pool of this directory that was killed left its record: its
-        // shared memory, named there, is removed (nothing else is).
-        let mut previous = String::new();
-        let _ = lock.read_to_string(&mut previous);
-        for line in previous.lines().skip(1) {
-            let stale = Path::new(line);
-            if stale.parent() == Some(Path::new("/dev/shm"))
-                && stale.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("lake-"))
-            {
-                let _ = std::fs::remove_file(stale);
-            }
-        }
-        created.lock = Some(lock);
-        Ok(created)
-    }
-
-    /// Writes the lock file's record: this process's pid, then the shared
-    /// memory it makes (for the next pool of the directory to remove, if
-    /// this one is killed).
-    fn record(&mut self, shared_memory: &[&Path]) -> Result<(), ServeError> {
-        use std::io::{Seek, Write};
-
-        let path = self.dir.join(LOCK_FILE);
-        let Some(lock) = self.lock.as_mut() else { return Ok(()) };
-        let mut text = format!("{}\n", std::process::id());
-        for file in shared_memory {
-            text += &format!("{}\n", file.display());
-        }
-        lock.set_len(0)
-            .and_then(|()| lock.rewind())
-            .and_then(|()| lock.write_all(text.as_bytes()))
-            .map_err(ServeError::io(path.display()))
-    }
-}
-
-impl Drop for Created {
-    fn drop(&mut self) {
-        for file in &self.files {
-            let _ = std::fs::remove_file(file);
-        }
-        if let Some(lock) = self.lock.take() {
-            // Unlinked while still held: no other pool takes this file's
-            // lock meanwhile and then finds it gone.
-            let _ = std::fs::remove_file(self.dir.join(LOCK_FILE));
-            drop(lock);
-        }
-        if self.made_dir {
-            // Only if empty: whatever else is there stays.
-            let _ = std::fs::remove_dir(&self.dir);
-        }
-    }
-}
-
-/// The lock file in a pool's directory; it holds the serving pid.
-pub const LOCK_FILE: &str = "lake.lock";
-
-/// A running embedded pool.
-#[derive(Debug)]
-pub struct EmbeddedPool {
-    /// Its directory.
-    pub dir: PathBuf,
-    /// The L1 arena's path.
-    pub arena: PathBuf,
-    /// The mirror's path.
-    pub mirror: PathBuf,
-    /// `lake-cp`'s socket (leases, access reports).
-    pub cp_socket: PathBuf,
-    /// `lake-dp`'s attach socket (engines in other processes).
-    pub dp_socket: PathBuf,
-    /// The operator's socket (`lake inspect`, `lake top`, `lake purge`;
-    /// [`crate::admin`]).
-    pub admin_socket: PathBuf,
-    /// `/metrics`, if served.
-    pub metrics: Option<std::net::SocketAddr>,
-    /// The agents' ends of the in-process ports, to take.
-    pub local_ports: Vec<AgentPort>,
-    /// Live gauges.
-    pub gauges: Arc<Gauges>,
-    /// The data plane's key ring, to change while it runs (a key set, a
-    /// tenant forgotten and purged).
-    pub tenant_keys: Arc<lake_dp::auth::at_rest::TenantKeys>,
-    stop_cp: Arc<AtomicBool>,
-    stop_dp: Arc<AtomicBool>,
-    /// Set to close the data plane to saves (before L1 is written down).
-    close_saves: Arc<AtomicBool>,
-    /// Requests for the control plane's thread (copies to other nodes).
-    requests: std::sync::mpsc::Sender<CpRequest>,
-    /// Set: the node is being drained (`lake drain-node`): its control
-    /// plane answers `/readyz` not ready.
-    pub draining: Arc<AtomicBool>,
-    /// The last free L1 slots kept from saves for loads (what
-    /// [`EmbeddedConfig::l1_load_reserve`] came to).
-    pub load_reserve_slots: u32,
-    cp: Option<JoinHandle<std::io::Result<Server>>>,
-    dp: Option<JoinHandle<Result<RunnerStats, RunnerError>>>,
-    /// Whether L1 is written down to L2 at stop, and for how long at most.
-    durable: bool,
-    stop_flush: Duration,
-    emptied: bool,
-    /// What to remove when the pool goes.
-    created: Created,
 }
 
 impl EmbeddedConfig {
@@ -695,6 +483,7 @@ ports = {remote}
             commit_check: self.commit_check,
             transport_listen: self.transport_listen,
             transport_peers: self.transport_peers.clone(),
+            transport_inbound_max: Some(self.caps.transport),
             link_key: self.link_key.clone(),
             tenant_keys: Some(Arc::clone(&tenant_keys)),
             rdma: self.rdma.clone(),
@@ -709,6 +498,20 @@ impl EmbeddedPool {
     /// Starts the pool; returns once engines can attach.
     pub fn start(config: &EmbeddedConfig) -> Result<Self, ServeError> {
         config.check()?;
+        // Descriptors: as many as the hard limit allows, the pool's own
+        // needs kept apart from its listeners'.
+        let budget = fds::fit(config, lake_dp::os::raise_fd_limit()).map_err(ServeError::Settings)?;
+        if budget.cut {
+            tracing::warn!(
+                event = "connection_caps_cut",
+                fd_limit = budget.limit,
+                own = budget.own,
+                cp = budget.caps.server.cp,
+                metrics = budget.caps.server.metrics,
+                admin = budget.caps.server.admin,
+                transport = budget.caps.transport,
+            );
+        }
         // First the directory's lock: nothing of a pool serving it is
         // touched by a second one.
         let mut created = Created::take(&config.dir)?;
@@ -753,6 +556,7 @@ impl EmbeddedPool {
             .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let node = Node::new(NodeId(config.node), incarnation, Some(writer)).with_tiers(config.tiers.clone());
         let mut server = Server::bind(&cp_socket, node, 1).map_err(ServeError::io(cp_socket.display()))?;
+        server.set_caps(budget.caps.server);
         let agents = lake_dp::runner::config::AgentsSection {
             allow_uids: config.access.allow_uids.clone(),
             allow_gids: config.access.allow_gids.clone(),
@@ -855,6 +659,7 @@ impl EmbeddedPool {
         let stop_dp = Arc::new(AtomicBool::new(false));
         let DataPlane { runner, options, mut ports, tenant_keys } = config.data_plane(Some(&cp_socket))?;
         ports.agents = dp_ports;
+        ports.transport_inbound_max = Some(budget.caps.transport);
         ports.wakeup = Some(wakeup);
         ports.stop = Some(Arc::clone(&stop_dp));
         let close_saves = Arc::new(AtomicBool::new(false));

@@ -30,6 +30,10 @@ use mio::{Events, Interest, Poll, Token};
 use crate::node::{Node, NodeError};
 use crate::tier::{TierAction, TierCommand};
 
+mod listeners;
+
+pub use listeners::{ACCEPT_PAUSE, ADMIN_IDLE, ConnectionCaps, HELLO_DEADLINE, HTTP_DEADLINE, Listener, Shed};
+
 const LISTENER: Token = Token(0);
 const METRICS: Token = Token(1);
 const ADMIN: Token = Token(usize::MAX);
@@ -41,6 +45,8 @@ struct AdminClient {
     output: Vec<u8>,
     /// Close once the output is written (a line too long).
     closing: bool,
+    /// When it last sent or was sent anything.
+    last: std::time::Instant,
 }
 
 /// A client of the metrics endpoint.
@@ -49,6 +55,8 @@ struct HttpClient {
     input: Vec<u8>,
     output: Vec<u8>,
     written: usize,
+    /// When it connected.
+    since: std::time::Instant,
 }
 
 /// Replies queued for one peer beyond which it is closed as not reading.
@@ -69,6 +77,8 @@ struct Peer {
     stream: UnixStream,
     session: Session,
     output: Vec<u8>,
+    /// When it connected.
+    since: std::time::Instant,
 }
 
 /// One connection's protocol state, apart from its socket: received bytes
@@ -321,6 +331,8 @@ pub struct ServerCounters {
     /// Connections refused for their peer's credentials (not on the
     /// allow-list).
     pub strangers: u64,
+    /// Connections each listener let go, in [`Listener::ALL`]'s order.
+    pub shed: [Shed; 3],
 }
 
 /// The cp↔dp server. See the module docs.
@@ -340,6 +352,8 @@ pub struct Server {
     admin: Option<(UnixListener, PathBuf)>,
     admin_clients: HashMap<Token, AdminClient>,
     next_token: usize,
+    /// The listeners' caps and rests.
+    gate: listeners::Gate,
     node: Node,
     local_hello: lake_dp::wire::message::Hello,
     term: u64,
@@ -388,6 +402,7 @@ impl Server {
             admin: None,
             admin_clients: HashMap::new(),
             next_token: 2,
+            gate: listeners::Gate::default(),
             node,
             local_hello,
             term,
@@ -484,11 +499,11 @@ impl Server {
             self.events.iter().map(|e| (e.token(), e.is_readable() || e.is_read_closed(), e.is_writable())).collect();
         for (token, readable, writable) in ready {
             if token == LISTENER {
-                self.accept()?;
+                self.accept_on(Listener::Cp);
                 continue;
             }
             if token == METRICS {
-                self.accept_http()?;
+                self.accept_on(Listener::Metrics);
                 continue;
             }
             if self.http.contains_key(&token) {
@@ -496,7 +511,7 @@ impl Server {
                 continue;
             }
             if token == ADMIN {
-                self.accept_admin()?;
+                self.accept_on(Listener::Admin);
                 continue;
             }
             if self.admin_clients.contains_key(&token) {
@@ -510,6 +525,7 @@ impl Server {
                 self.flush(token);
             }
         }
+        self.sweep();
         self.send_commands();
         // The location view's changes go to the leader's summary, or away.
         self.changes.clear();
@@ -586,31 +602,6 @@ impl Server {
         }
         for token in touched {
             self.flush(token);
-        }
-    }
-
-    fn accept(&mut self) -> io::Result<()> {
-        loop {
-            match self.listener.accept() {
-                Ok((mut stream, _)) => {
-                    if let Err(why) = self.policy.check(&stream) {
-                        self.counters.strangers += 1;
-                        if self.refusals.len() < 64 {
-                            self.refusals.push(format!("{}: {why}", self.path.display()));
-                        }
-                        continue;
-                    }
-                    let token = Token(self.next_token);
-                    self.next_token += 1;
-                    self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
-                    self.peers
-                        .insert(token, Peer { stream, session: Session::new(token.0 as u64), output: Vec::new() });
-                    self.counters.accepted += 1;
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
         }
     }
 
@@ -695,118 +686,6 @@ impl Server {
         }
     }
 
-    fn accept_http(&mut self) -> io::Result<()> {
-        let Some(listener) = &self.metrics else { return Ok(()) };
-        loop {
-            match listener.accept() {
-                Ok((mut stream, _)) => {
-                    let token = Token(self.next_token);
-                    self.next_token += 1;
-                    self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
-                    self.http.insert(token, HttpClient { stream, input: Vec::new(), output: Vec::new(), written: 0 });
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    fn serve_http(&mut self, token: Token) {
-        let Some(client) = self.http.get_mut(&token) else { return };
-        let mut done = false;
-        if client.output.is_empty() {
-            done = read_available(&mut client.stream, &mut client.input, crate::metrics::REQUEST_BYTES_MAX);
-            let (node, counters, peers) = (&self.node, &self.counters, &self.peers);
-            let ready = || {
-                let l1 = peers.values().any(|p| {
-                    p.session.role == Some(Role::DataPlane)
-                        && p.session
-                            .regions
-                            .iter()
-                            .any(|&r| node.locations.region(r).is_some_and(|i| i.tier == lake_dp::Tier::L1Dram))
-                });
-                if node.draining {
-                    Err("draining: an operator is taking this node out (lake drain-node)".to_owned())
-                } else if l1 {
-                    Ok(())
-                } else {
-                    Err("no data plane has registered its L1 with this node".to_owned())
-                }
-            };
-            if let Some(response) =
-                crate::metrics::respond(&client.input, || crate::metrics::render(node, counters), ready)
-            {
-                client.output = response;
-                done = false;
-            }
-        }
-        done |= write_pending(&mut client.stream, &client.output, &mut client.written);
-        if !client.output.is_empty() && client.written == client.output.len() {
-            done = true;
-        }
-        if done && let Some(mut client) = self.http.remove(&token) {
-            let _ = self.poll.registry().deregister(&mut client.stream);
-        }
-    }
-
-    fn accept_admin(&mut self) -> io::Result<()> {
-        let Some((listener, path)) = &self.admin else { return Ok(()) };
-        loop {
-            match listener.accept() {
-                Ok((mut stream, _)) => {
-                    // The operator's socket: this user and root, whatever
-                    // the cp socket's allow-list lets in.
-                    if let Err(why) = lake_dp::auth::PeerPolicy::own_user().check(&stream) {
-                        self.counters.strangers += 1;
-                        if self.refusals.len() < 64 {
-                            self.refusals.push(format!("{}: {why}", path.display()));
-                        }
-                        continue;
-                    }
-                    let token = Token(self.next_token);
-                    self.next_token += 1;
-                    self.poll.registry().register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
-                    let client = AdminClient { stream, input: Vec::new(), output: Vec::new(), closing: false };
-                    self.admin_clients.insert(token, client);
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    fn serve_admin_client(&mut self, token: Token) {
-        let sessions: Vec<&Session> = self.peers.values().map(|peer| &peer.session).collect();
-        let Some(client) = self.admin_clients.get_mut(&token) else { return };
-        let mut done = !client.closing
-            && read_available(&mut client.stream, &mut client.input, crate::admin::LINE_BYTES_MAX + 4096);
-        while let Some(end) = client.input.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = client.input.drain(..=end).collect();
-            let answer = crate::admin::respond(&mut self.node, &self.counters, &sessions, &line[..end]);
-            client.output.extend_from_slice(answer.to_string().as_bytes());
-            client.output.push(b'\n');
-        }
-        if client.input.len() > crate::admin::LINE_BYTES_MAX {
-            let why = format!("a request line longer than {} bytes", crate::admin::LINE_BYTES_MAX);
-            client.output.extend_from_slice(serde_json::json!({ "error": why }).to_string().as_bytes());
-            client.output.push(b'\n');
-            client.input.clear();
-            client.closing = true;
-        }
-        let mut written = 0;
-        done |= write_pending(&mut client.stream, &client.output, &mut written);
-        client.output.drain(..written);
-        // A client not reading its answers is let go.
-        if client.output.len() > OUT_BYTES_MAX || (client.closing && client.output.is_empty()) {
-            done = true;
-        }
-        if done && let Some(mut client) = self.admin_clients.remove(&token) {
-            let _ = self.poll.registry().deregister(&mut client.stream);
-        }
-    }
-
     fn close(&mut self, token: Token) {
         if let Some(mut peer) = self.peers.remove(&token) {
             // An agent's leases end with its connection; a data plane's
@@ -820,40 +699,6 @@ impl Server {
             self.counters.closed += 1;
         }
     }
-}
-
-/// Reads what `stream` has into `input`, until it would block or `input`
-/// holds more than `limit` bytes. Returns whether the connection is done
-/// (closed by the peer, failed, or over the limit).
-fn read_available(stream: &mut impl Read, input: &mut Vec<u8>, limit: usize) -> bool {
-    let mut chunk = [0u8; 4096];
-    loop {
-        match stream.read(&mut chunk) {
-            Ok(0) => return true,
-            Ok(n) => input.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return true,
-        }
-        if input.len() > limit {
-            return true;
-        }
-    }
-}
-
-/// Writes `output[*written..]` to `stream` until it would block, moving
-/// `written` on. Returns whether the connection failed.
-fn write_pending(stream: &mut impl Write, output: &[u8], written: &mut usize) -> bool {
-    while *written < output.len() {
-        match stream.write(&output[*written..]) {
-            Ok(0) => return true,
-            Ok(n) => *written += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return true,
-        }
-    }
-    false
 }
 
 impl Drop for Server {

@@ -1,0 +1,184 @@
+//! `lake serve` next to a hostile local user: another uid that can reach
+//! the pool's TCP ports (the metrics port every local user reaches, the
+//! transport port every host on the network reaches) holds as many
+//! connections as it can open. The pool sheds what it cannot hold and
+//! serves on: its sockets stay, `/healthz` answers, and a new engine
+//! attaches, saves and loads exact bytes once the flood is over. Needs
+//! root (to run the flood as `nobody` and give the pool a low fd limit)
+//! and `/usr/bin/python3`: skipped, with the reason printed, otherwise.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[path = "common/chain.rs"]
+mod chain;
+#[path = "common/scratch.rs"]
+mod scratch;
+#[path = "common/supervise.rs"]
+mod supervise;
+
+const NOBODY: u32 = 65_534;
+
+/// Opens connections to each address in turn, as many as it is told (a
+/// connect the pool does not take within half a second counts as
+/// refused), holds them all for the seconds it is told, then closes them.
+/// Prints `held N refused M`.
+const FLOOD: &str = r#"
+import socket, sys, time
+count, hold = int(sys.argv[1]), float(sys.argv[2])
+targets = [(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in sys.argv[3:]]
+held, refused = [], 0
+for i in range(count):
+    s = socket.socket()
+    s.settimeout(0.5)
+    try:
+        s.connect(targets[i % len(targets)])
+        held.append(s)
+    except OSError:
+        refused += 1
+        s.close()
+print("held", len(held), "refused", refused, flush=True)
+time.sleep(hold)
+for s in held:
+    s.close()
+"#;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `GET path` at `address` with a deadline; the status line and body, or
+/// why not.
+fn get(address: &str, path: &str) -> Result<String, String> {
+    let mut stream = std::net::TcpStream::connect_timeout(&address.parse().unwrap(), Duration::from_secs(1))
+        .map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).map_err(|e| e.to_string())?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: lake\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).map_err(|e| format!("read: {e}"))?;
+    Ok(answer)
+}
+
+/// An engine of another process: attaches over `dp.sock`, saves `blocks`
+/// blocks and loads them back; whether every byte came back.
+fn engine_round_trip(dir: &std::path::Path, mirror: &str, blocks: u32) -> Result<(), String> {
+    let cp = dir.join("cp.sock");
+    let config = lake_agent::AgentConfig {
+        arena: std::path::Path::new("/nonexistent"),
+        mirror: std::path::Path::new(mirror),
+        cp_socket: Some(&cp),
+        name: "after-the-flood",
+        namespace: lake_dp::NamespaceId(0xf1),
+        layout_fingerprint: 0xf1f1,
+        segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = lake_agent::Agent::connect(&config, &dir.join("dp.sock")).map_err(|e| format!("attach: {e:?}"))?;
+    let keys: Vec<lake_dp::BlockKey> = (0..blocks)
+        .map(|b| {
+            let mut key = [0xf1; 16];
+            key[..4].copy_from_slice(&b.to_le_bytes());
+            lake_dp::BlockKey(key)
+        })
+        .collect();
+    let payload = |i: usize| vec![u8::try_from(i % 251).unwrap_or(0) ^ 0x5a; 32 * 1024];
+    chain::save_chain(&mut agent, &keys, payload);
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.lookup(&keys, &mut table) < keys.len() {
+        if Instant::now() > deadline {
+            return Err("the saves were not published".into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut wrong = Vec::new();
+    let delivered = agent.fetch(&keys, &table, |i, bytes| {
+        if bytes != payload(i) {
+            wrong.push(i);
+        }
+    });
+    if delivered != keys.len() || !wrong.is_empty() {
+        return Err(format!("{delivered} of {} blocks delivered, other bytes in {wrong:?}", keys.len()));
+    }
+    Ok(())
+}
+
+#[test]
+fn a_connection_flood_from_another_user_under_a_low_fd_limit_leaves_the_pool_serving() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIPPED: running the flood as another user and lowering the pool's fd limit need root");
+        return;
+    }
+    if !std::path::Path::new("/usr/bin/python3").exists() {
+        println!("SKIPPED: the flood is a /usr/bin/python3 script, and there is none");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("lake-hostile-flood-{}", std::process::id()));
+    let _scratch = scratch::Scratch(dir.clone(), Vec::new());
+    let transport = format!("127.0.0.1:{}", free_port());
+    // 256 descriptors, soft and hard: the pool cannot raise its way out.
+    let mut pool = Command::new("prlimit")
+        .arg("--nofile=256:256")
+        .arg(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--metrics", "127.0.0.1:0", "--block-bytes", "65536", "--l1-slots", "64"])
+        .args(["--l2-slots", "64", "--transport-listen", &transport, "--dir"])
+        .arg(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(pool.stdout.take().unwrap());
+    let mut serving = String::new();
+    out.read_line(&mut serving).unwrap();
+    assert!(serving.contains("\"event\":\"serving\""), "{serving}");
+    let record: serde_json::Value = serde_json::from_str(&serving).unwrap();
+    let metrics = record["metrics"].as_str().unwrap().to_owned();
+    let mirror = record["mirror"].as_str().unwrap().to_owned();
+
+    // 1,100 connections from `nobody`, held 3 s.
+    let mut flood = Command::new("/usr/bin/python3")
+        .args(["-c", FLOOD, "1100", "3", &metrics, &transport])
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .current_dir("/")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut flood_out = BufReader::new(flood.stdout.take().unwrap());
+    let mut tally = String::new();
+    flood_out.read_line(&mut tally).unwrap();
+    // All opened (or refused): the pool holds at its worst now.
+    assert!(pool.try_wait().unwrap().is_none(), "the pool exited under the flood ({tally})");
+    for socket in ["cp.sock", "dp.sock", "admin.sock"] {
+        assert!(dir.join(socket).exists(), "{socket} went under the flood");
+    }
+    assert!(flood.wait().unwrap().success());
+
+    // The flood is over: the pool serves as before it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let healthz = loop {
+        match get(&metrics, "/healthz") {
+            Ok(answer) if answer.starts_with("HTTP/1.1 200") => break answer,
+            other if Instant::now() > deadline => panic!("/healthz after the flood: {other:?} ({tally})"),
+            _ => std::thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    assert!(healthz.contains("200"), "{healthz}");
+    engine_round_trip(&dir, &mirror, 8).unwrap();
+    let scraped = get(&metrics, "/metrics").unwrap();
+    assert!(pool.try_wait().unwrap().is_none(), "the pool exited after the flood");
+    supervise::stop(&mut pool);
+    let status = pool.wait().unwrap();
+    let mut stderr = String::new();
+    let _ = pool.stderr.take().unwrap().read_to_string(&mut stderr);
+    assert!(status.success(), "{status}: {stderr}");
+    println!("flood: {}; the pool's shedding: {}", tally.trim(), shed_lines(&scraped));
+}
+
+/// The metrics lines about shed connections, for the log.
+fn shed_lines(scraped: &str) -> String {
+    scraped.lines().filter(|l| l.starts_with("lake_connections_shed")).collect::<Vec<_>>().join("; ")
+}
