@@ -1,11 +1,14 @@
-//! `lake serve` next to a hostile local user: another uid that can reach
+//! `lake serve` next to a hostile local user. Another uid that can reach
 //! the pool's TCP ports (the metrics port every local user reaches, the
 //! transport port every host on the network reaches) holds as many
-//! connections as it can open. The pool sheds what it cannot hold and
-//! serves on: its sockets stay, `/healthz` answers, and a new engine
-//! attaches, saves and loads exact bytes once the flood is over. Needs
-//! root (to run the flood as `nobody` and give the pool a low fd limit)
-//! and `/usr/bin/python3`: skipped, with the reason printed, otherwise.
+//! connections as it can open: the pool sheds what it cannot hold and
+//! serves on — its sockets stay, `/healthz` answers, and a new engine
+//! attaches, saves and loads exact bytes once the flood is over. Another
+//! uid allowed to attach holds 50 silent connections on the attach socket,
+//! opening a new one for each closed: real engines still attach, save and
+//! load while it does. Needs root (to run the floods as `nobody` and give
+//! the pool a low fd limit) and `/usr/bin/python3` (the floods are Python
+//! scripts): skipped, with the reason printed, otherwise.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
@@ -45,6 +48,50 @@ for s in held:
     s.close()
 "#;
 
+/// Holds as many connections as it is told to the Unix socket it is told,
+/// silent, opening a new one for each the other end closes, for the
+/// seconds it is told. Prints `held N reopened M` at the start and the end.
+const SILENT_ON_UNIX: &str = r#"
+import socket, sys, time
+path, count, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+def connect():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.setblocking(False)
+    return s
+held, reopened = [connect() for _ in range(count)], 0
+print("held", len(held), "reopened", reopened, flush=True)
+end = time.time() + seconds
+while time.time() < end:
+    for i, s in enumerate(held):
+        try:
+            gone = s.recv(256) == b""
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        if gone:
+            s.close()
+            held[i] = connect()
+            reopened += 1
+    time.sleep(0.01)
+print("held", len(held), "reopened", reopened, flush=True)
+"#;
+
+/// Whether this test can run here; says why not otherwise.
+fn can_run_floods() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIPPED: running the flood as another user and lowering the pool's fd limit need root");
+        return false;
+    }
+    if !std::path::Path::new("/usr/bin/python3").exists() {
+        println!("SKIPPED: the flood is a /usr/bin/python3 script, and there is none");
+        return false;
+    }
+    true
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -62,8 +109,8 @@ fn get(address: &str, path: &str) -> Result<String, String> {
 }
 
 /// An engine of another process: attaches over `dp.sock`, saves `blocks`
-/// blocks and loads them back; whether every byte came back.
-fn engine_round_trip(dir: &std::path::Path, mirror: &str, blocks: u32) -> Result<(), String> {
+/// blocks (`first` on) and loads them back; whether every byte came back.
+fn engine_round_trip(dir: &std::path::Path, mirror: &str, first: u32, blocks: u32) -> Result<(), String> {
     let cp = dir.join("cp.sock");
     let config = lake_agent::AgentConfig {
         arena: std::path::Path::new("/nonexistent"),
@@ -76,7 +123,7 @@ fn engine_round_trip(dir: &std::path::Path, mirror: &str, blocks: u32) -> Result
         object_kind: lake_dp::ObjectKind::KvBlock,
     };
     let mut agent = lake_agent::Agent::connect(&config, &dir.join("dp.sock")).map_err(|e| format!("attach: {e:?}"))?;
-    let keys: Vec<lake_dp::BlockKey> = (0..blocks)
+    let keys: Vec<lake_dp::BlockKey> = (first..first + blocks)
         .map(|b| {
             let mut key = [0xf1; 16];
             key[..4].copy_from_slice(&b.to_le_bytes());
@@ -107,13 +154,7 @@ fn engine_round_trip(dir: &std::path::Path, mirror: &str, blocks: u32) -> Result
 
 #[test]
 fn a_connection_flood_from_another_user_under_a_low_fd_limit_leaves_the_pool_serving() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("SKIPPED: running the flood as another user and lowering the pool's fd limit need root");
-        return;
-    }
-    if !std::path::Path::new("/usr/bin/python3").exists() {
-        println!("SKIPPED: the flood is a /usr/bin/python3 script, and there is none");
+    if !can_run_floods() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("lake-hostile-flood-{}", std::process::id()));
@@ -167,7 +208,7 @@ fn a_connection_flood_from_another_user_under_a_low_fd_limit_leaves_the_pool_ser
         }
     };
     assert!(healthz.contains("200"), "{healthz}");
-    engine_round_trip(&dir, &mirror, 8).unwrap();
+    engine_round_trip(&dir, &mirror, 0, 8).unwrap();
     let scraped = get(&metrics, "/metrics").unwrap();
     assert!(pool.try_wait().unwrap().is_none(), "the pool exited after the flood");
     supervise::stop(&mut pool);
@@ -180,5 +221,83 @@ fn a_connection_flood_from_another_user_under_a_low_fd_limit_leaves_the_pool_ser
 
 /// The metrics lines about shed connections, for the log.
 fn shed_lines(scraped: &str) -> String {
-    scraped.lines().filter(|l| l.starts_with("lake_connections_shed")).collect::<Vec<_>>().join("; ")
+    scraped.lines().filter(|l| l.contains("connections_shed_total{")).collect::<Vec<_>>().join("; ")
+}
+
+/// 50 silent connections from another user allowed to attach, each closed
+/// one replaced at once, against 4 agent ports: three engines, one after
+/// the other, attach, save and load exact bytes meanwhile. Before, each
+/// silent connection held a port until its hello deadline, and an engine
+/// found every port taken.
+#[test]
+fn silent_connections_on_the_attach_socket_do_not_keep_a_real_engine_out() {
+    use std::os::unix::fs::PermissionsExt;
+    if !can_run_floods() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("lake-hostile-attach-{}", std::process::id()));
+    let _scratch = scratch::Scratch(dir.clone(), Vec::new());
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut pool = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["serve", "--metrics", "127.0.0.1:0", "--block-bytes", "65536", "--l1-slots", "64", "--l2-slots", "64"])
+        .args(["--agents", "4", "--allow-uid", &NOBODY.to_string(), "--socket-mode", "666", "--dir"])
+        .arg(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(pool.stdout.take().unwrap());
+    let mut serving = String::new();
+    out.read_line(&mut serving).unwrap();
+    let record: serde_json::Value = serde_json::from_str(&serving).unwrap();
+    let mirror = record["mirror"].as_str().unwrap().to_owned();
+    let metrics = record["metrics"].as_str().unwrap().to_owned();
+    let dp = dir.join("dp.sock");
+    let mut flood = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(SILENT_ON_UNIX)
+        .arg(&dp)
+        .args(["50", "6"])
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .current_dir("/")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut flood_out = BufReader::new(flood.stdout.take().unwrap());
+    let mut started = String::new();
+    flood_out.read_line(&mut started).unwrap();
+    assert!(started.starts_with("held 50"), "{started}");
+    // Past the hello deadline: the flood has had its connections closed
+    // and opened new ones.
+    std::thread::sleep(Duration::from_millis(1500));
+    for engine in 0..3 {
+        engine_round_trip(&dir, &mirror, engine * 8, 8).unwrap_or_else(|e| panic!("engine {engine}: {e}"));
+    }
+    let mut ended = String::new();
+    flood_out.read_line(&mut ended).unwrap();
+    assert!(flood.wait().unwrap().success());
+    // What the attach socket let go reaches the metrics (the data plane
+    // sends its figures about once a second).
+    let shed = |scraped: &str| -> u64 {
+        scraped
+            .lines()
+            .filter(|l| l.starts_with("lake_dp_connections_shed_total{listener=\"attach\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let scraped = loop {
+        let scraped = get(&metrics, "/metrics").unwrap_or_default();
+        if shed(&scraped) > 0 || Instant::now() > deadline {
+            break scraped;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(shed(&scraped) > 0, "no shed attach connection in the metrics");
+    supervise::stop(&mut pool);
+    assert!(pool.wait().unwrap().success());
+    let lines: Vec<&str> = scraped.lines().filter(|l| l.starts_with("lake_dp_connections_shed_total{")).collect();
+    println!("flood on the attach socket: {}; the pool's shedding: {}", ended.trim(), lines.join("; "));
 }

@@ -211,3 +211,39 @@ fn an_agent_in_another_process_saves_and_loads_and_its_pins_die_with_it() {
     assert!(stats.agents_released >= 1, "{stats:?}");
     assert_eq!(stats.pool.saves, 6);
 }
+
+/// Held to one port a user: a second engine of the same user is refused
+/// `QueueFull` (saying why) with ports free, and attaches once the first
+/// has detached.
+#[test]
+fn a_user_held_to_one_port_gets_no_second_until_the_first_goes() {
+    let pool = EmbeddedPool::start(&EmbeddedConfig {
+        block_bytes: 40960,
+        l1_slots: 32,
+        l2_slots_per_file: 32,
+        remote_agents: 4,
+        access: lake_cp::embedded::LocalAccess { ports_per_uid: Some(1), ..Default::default() },
+        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-cp-per-uid-{}", std::process::id())))
+    })
+    .unwrap();
+    let config = agent_config(&pool.mirror, &pool.cp_socket);
+    let first = Agent::connect(&config, &pool.dp_socket).unwrap();
+    let refused = Agent::connect(&config, &pool.dp_socket).map(|_| ()).unwrap_err();
+    assert!(
+        matches!(&refused, AttachError::Refused { code: Some(ErrorCode::QueueFull), detail, .. }
+        if detail.contains("this user holds")),
+        "{refused}"
+    );
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match Agent::connect(&config, &pool.dp_socket) {
+            Ok(_) => break,
+            Err(AttachError::Refused { code: Some(ErrorCode::QueueFull), .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("the user's port given back was not taken again: {e}"),
+        }
+    }
+    pool.stop().unwrap();
+}

@@ -359,6 +359,14 @@ impl CpLink {
         }
     }
 
+    /// Sends the listeners' shed connections (where the control plane
+    /// takes them).
+    pub fn connections_shed(&mut self, shed: &crate::wire::message::ConnectionsShed) {
+        if self.takes(crate::wire::FEATURE_CONNECTIONS_SHED) {
+            self.queue(&Message::ConnectionsShed(*shed));
+        }
+    }
+
     /// Whether the control plane's answer named `feature` (it takes what
     /// that bit stands for).
     pub fn takes(&self, feature: u64) -> bool {

@@ -472,6 +472,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "OCTAL", value_parser = parse_socket_mode, help_heading = "Security")]
     pub socket_mode: Option<u32>,
 
+    /// Agent ports one user may hold at once (default: all of them): where
+    /// engines of several users share the pool (`--allow-uid`), none can
+    /// take every port.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), help_heading = "Security")]
+    pub agent_ports_per_uid: Option<u32>,
+
     /// A tenant's data key: its namespace's blocks are sealed
     /// (AES-256-GCM) below L1. Repeat per namespace.
     #[arg(long, value_name = "NAMESPACE=FILE", value_parser = parse_tenant_key, help_heading = "Security")]
@@ -596,6 +602,7 @@ impl ServeArgs {
             allow_gids: self.allow_gid.clone(),
             group: self.socket_group.clone(),
             socket_mode: self.socket_mode,
+            ports_per_uid: self.agent_ports_per_uid,
         };
         for TenantKeyFile { namespace, file } in &self.tenant_key {
             let key = lake_dp::auth::at_rest::DataKey::load(file)

@@ -189,6 +189,26 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
     if let Some(dp) = &node.data_plane {
         data_plane_metrics(&mut out, dp);
     }
+    if let Some(shed) = &node.connections_shed {
+        let samples = [
+            ("listener=\"attach\",why=\"stranger\"", shed.attach_strangers),
+            ("listener=\"attach\",why=\"timed_out\"", shed.attach_hello_timeouts),
+            ("listener=\"attach\",why=\"crowded_out\"", shed.attach_crowded_out),
+            ("listener=\"attach\",why=\"user_ports_full\"", shed.attach_user_ports_full),
+            ("listener=\"transport\",why=\"over_cap\"", shed.transport_over_cap),
+            ("listener=\"transport\",why=\"timed_out\"", shed.transport_silent),
+            ("listener=\"transport\",why=\"accept_failed\"", shed.transport_accept_failed),
+        ];
+        metric(
+            &mut out,
+            "lake_dp_connections_shed_total",
+            "counter",
+            "Connections the data plane's listeners let go: on the attach socket, strangers, no hello in time, \
+             crowded out while waiting for their hello, their user holding its ports; on the transport, over its \
+             cap, silent, not accepted for want of descriptors.",
+            &samples,
+        );
+    }
     if let Some(r) = &node.save_refusals {
         metric(
             &mut out,

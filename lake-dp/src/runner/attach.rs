@@ -12,6 +12,14 @@
 //! Anything but a hello, a second agent when every port is taken, or a
 //! version with nothing in common gets an `Error` frame and a close; a
 //! connection that says nothing within a second is closed.
+//!
+//! A connection waiting for its hello holds no port: ports go to hellos.
+//! At most [`PENDING_MAX`] connections wait at once, [`PENDING_PER_UID`]
+//! of one user; a connection past either crowds out the oldest waiting
+//! connection of the user with the most waiting (its own, past its share)
+//! — so silent connections cannot keep a real engine, which says its hello
+//! as it connects, from a port. A user may be held to fewer ports than
+//! there are ([`AttachServer::limit_ports_per_uid`]).
 
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
@@ -34,21 +42,50 @@ pub const HELLO_TIMEOUT_NS: u64 = 1_000_000_000;
 /// Bytes of hello a connection may send (a hello frame is far smaller).
 const HELLO_BYTES_MAX: usize = 512;
 
-#[allow(clippy::large_enum_variant)] // a fixed hello buffer: attaching never allocates
-enum Stage {
-    /// Waiting for the hello; what arrived so far (no allocation: agents
-    /// attach while the runner is sealed).
-    Hello {
-        since_ns: u64,
-        input: [u8; HELLO_BYTES_MAX],
-        have: usize,
-    },
-    Attached,
+/// Connections waiting for their hello at once, at most.
+pub const PENDING_MAX: usize = 32;
+
+/// Connections of one user waiting for their hello at once, at most.
+pub const PENDING_PER_UID: usize = 8;
+
+/// A connection waiting for its hello; what arrived so far (a fixed
+/// buffer, no allocation: agents attach while the runner is sealed).
+struct Pending {
+    stream: UnixStream,
+    uid: u32,
+    since_ns: u64,
+    input: [u8; HELLO_BYTES_MAX],
+    have: usize,
 }
 
+impl Pending {
+    /// Reads what arrived; whether the connection is done (closed by the
+    /// peer, failed, or more than a hello's bytes: refused).
+    fn read(&mut self) -> bool {
+        let mut chunk = [0u8; 256];
+        loop {
+            match (&self.stream).read(&mut chunk) {
+                Ok(0) => return true,
+                Ok(n) if self.have + n <= HELLO_BYTES_MAX => {
+                    self.input[self.have..self.have + n].copy_from_slice(&chunk[..n]);
+                    self.have += n;
+                }
+                Ok(_) => {
+                    refuse(&self.stream, ErrorCode::BadFrame, "nothing is expected on this socket now");
+                    return true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return true,
+            }
+        }
+    }
+}
+
+/// An attached agent's connection: its liveness.
 struct Connection {
     stream: UnixStream,
-    stage: Stage,
+    uid: u32,
 }
 
 /// What the attach socket has done.
@@ -65,6 +102,12 @@ pub struct AttachCounters {
     /// Connections refused for their peer's credentials (not on the
     /// allow-list).
     pub strangers: u64,
+    /// Connections closed for saying no hello in time.
+    pub hello_timeouts: u64,
+    /// Connections waiting for their hello crowded out by newer ones.
+    pub crowded_out: u64,
+    /// Hellos refused because their user held its ports already.
+    pub user_ports_full: u64,
 }
 
 /// The attach socket. See the module docs.
@@ -74,6 +117,10 @@ pub struct AttachServer {
     ports: Arc<PortFile>,
     /// One place per shared port.
     connections: Vec<Option<Connection>>,
+    /// Connections waiting for their hello ([`PENDING_MAX`] places).
+    pending: Vec<Option<Pending>>,
+    /// Ports one user may hold at once.
+    ports_per_uid: usize,
     local: Hello,
     epoch: u64,
     arena_region: u16,
@@ -117,6 +164,8 @@ impl AttachServer {
             path: path.to_path_buf(),
             ports,
             connections: (0..count).map(|_| None).collect(),
+            pending: (0..PENDING_MAX).map(|_| None).collect(),
+            ports_per_uid: count,
             local,
             epoch: identity.region_epoch,
             arena_region,
@@ -159,6 +208,12 @@ impl AttachServer {
         Ok(())
     }
 
+    /// Holds each user to `ports` agent ports at once (at least one; by
+    /// default, all of them): a hello past it is refused `QueueFull`.
+    pub fn limit_ports_per_uid(&mut self, ports: usize) {
+        self.ports_per_uid = ports.max(1);
+    }
+
     /// The last connection refused for its credentials since the last
     /// call, and why.
     pub fn take_refusal(&mut self) -> Option<String> {
@@ -181,7 +236,8 @@ impl AttachServer {
     pub fn fds(&self, out: &mut [RawFd]) -> usize {
         let mut n = 0;
         let all = core::iter::once(self.listener.as_raw_fd())
-            .chain(self.connections.iter().flatten().map(|c| c.stream.as_raw_fd()));
+            .chain(self.connections.iter().flatten().map(|c| c.stream.as_raw_fd()))
+            .chain(self.pending.iter().flatten().map(|p| p.stream.as_raw_fd()));
         for (place, fd) in out.iter_mut().zip(all) {
             *place = fd;
             n += 1;
@@ -201,115 +257,167 @@ impl AttachServer {
         }
         loop {
             match self.listener.accept() {
-                Ok((stream, _)) => self.take(stream, now_ns),
+                // Served as it comes: an engine's hello is there already.
+                Ok((stream, _)) => {
+                    if let Some(place) = self.take(stream, now_ns) {
+                        self.serve_pending(place, pool, arena_fd, wakeup_fd, now_ns);
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => break,
             }
         }
+        for place in 0..self.pending.len() {
+            self.serve_pending(place, pool, arena_fd, wakeup_fd, now_ns);
+        }
         for port in 0..self.connections.len() {
-            self.serve(port, pool, table, arena_fd, wakeup_fd, now_ns);
+            self.serve(port, pool, table);
         }
     }
 
-    fn take(&mut self, stream: UnixStream, now_ns: u64) {
-        if let Err(why) = self.policy.check(&stream) {
-            refuse(&stream, ErrorCode::Unauthorized, "this user may not attach");
-            self.counters.strangers += 1;
-            self.refusal = Some(why);
-            return;
-        }
-        let Some(port) = self.connections.iter().position(Option::is_none) else {
-            refuse(&stream, ErrorCode::QueueFull, "every agent port is taken");
-            self.counters.refused += 1;
-            return;
+    /// A new connection waits for its hello, in a place freed for it where
+    /// none is; where, if it was let in.
+    fn take(&mut self, stream: UnixStream, now_ns: u64) -> Option<usize> {
+        let uid = match self.policy.check(&stream) {
+            Ok(peer) => peer.uid,
+            Err(why) => {
+                refuse(&stream, ErrorCode::Unauthorized, "this user may not attach");
+                self.counters.strangers += 1;
+                self.refusal = Some(why);
+                return None;
+            }
         };
         if stream.set_nonblocking(true).is_err() {
             self.counters.refused += 1;
-            return;
+            return None;
         }
-        self.connections[port] =
-            Some(Connection { stream, stage: Stage::Hello { since_ns: now_ns, input: [0; HELLO_BYTES_MAX], have: 0 } });
+        let place = match self.pending.iter().position(Option::is_none) {
+            Some(free) if self.waiting_of(uid) < PENDING_PER_UID => free,
+            _ => {
+                let victim = self.crowded_out(uid)?;
+                if let Some(old) = self.pending[victim].take() {
+                    refuse(&old.stream, ErrorCode::QueueFull, "crowded out: no hello yet, newer ones came");
+                    self.counters.crowded_out += 1;
+                }
+                victim
+            }
+        };
+        self.pending[place] = Some(Pending { stream, uid, since_ns: now_ns, input: [0; HELLO_BYTES_MAX], have: 0 });
+        Some(place)
     }
 
-    fn serve(&mut self, port: usize, pool: &mut Pool, table: &mut SlotTable, arena: RawFd, wakeup: RawFd, now: u64) {
-        let Some(connection) = &mut self.connections[port] else { return };
-        let mut chunk = [0u8; 256];
-        let mut closed = false;
-        let mut hello = None;
-        loop {
-            match (&connection.stream).read(&mut chunk) {
-                Ok(0) => {
-                    closed = true;
-                    break;
-                }
-                Ok(n) => match &mut connection.stage {
-                    Stage::Hello { input, have, .. } if *have + n <= HELLO_BYTES_MAX => {
-                        input[*have..*have + n].copy_from_slice(&chunk[..n]);
-                        *have += n;
-                    }
-                    // Too much before a hello, or anything after attach.
-                    _ => {
-                        refuse(&connection.stream, ErrorCode::BadFrame, "nothing is expected on this socket now");
-                        closed = true;
-                        break;
-                    }
-                },
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => {
-                    closed = true;
-                    break;
-                }
-            }
+    /// Connections of `uid` waiting for their hello.
+    fn waiting_of(&self, uid: u32) -> usize {
+        self.pending.iter().flatten().filter(|p| p.uid == uid).count()
+    }
+
+    /// The place to free for a connection of `uid`: its own oldest if it
+    /// has its share waiting, else the oldest of the user with the most.
+    fn crowded_out(&self, uid: u32) -> Option<usize> {
+        let oldest_of = |uid: u32| {
+            (0..self.pending.len())
+                .filter(|&i| self.pending[i].as_ref().is_some_and(|p| p.uid == uid))
+                .min_by_key(|&i| self.pending[i].as_ref().map_or(u64::MAX, |p| p.since_ns))
+        };
+        if self.waiting_of(uid) >= PENDING_PER_UID {
+            return oldest_of(uid);
         }
-        if let Stage::Hello { since_ns, input, have } = &connection.stage
-            && !closed
-        {
-            match decode_frame(&input[..*have], &Limits::default()) {
-                Err(WireError::Incomplete { .. }) if now.saturating_sub(*since_ns) < HELLO_TIMEOUT_NS => {}
+        let most = self.pending.iter().flatten().map(|p| p.uid).max_by_key(|&u| self.waiting_of(u))?;
+        oldest_of(most)
+    }
+
+    /// Reads what waiting connection `place` sent; attaches it on a hello,
+    /// closes it on anything else or on its deadline.
+    fn serve_pending(&mut self, place: usize, pool: &mut Pool, arena: RawFd, wakeup: RawFd, now: u64) {
+        let Some(waiting) = &mut self.pending[place] else { return };
+        let mut closed = waiting.read();
+        let mut hello = None;
+        if !closed {
+            match decode_frame(&waiting.input[..waiting.have], &Limits::default()) {
+                Err(WireError::Incomplete { .. }) if now.saturating_sub(waiting.since_ns) < HELLO_TIMEOUT_NS => {}
                 Err(WireError::Incomplete { .. }) => {
-                    refuse(&connection.stream, ErrorCode::DeadlineExceeded, "no hello within a second");
+                    refuse(&waiting.stream, ErrorCode::DeadlineExceeded, "no hello within a second");
+                    self.counters.hello_timeouts += 1;
                     closed = true;
                 }
                 Err(e) => {
-                    refuse(&connection.stream, ErrorCode::BadFrame, &e.to_string());
+                    refuse(&waiting.stream, ErrorCode::BadFrame, &e.to_string());
                     closed = true;
                 }
                 Ok(frame) => match frame.message {
                     Message::Hello(remote) if Role::from_u8(remote.role) == Some(Role::Agent) => hello = Some(remote),
                     _ => {
-                        refuse(&connection.stream, ErrorCode::BadFrame, "the first frame must be an agent's hello");
+                        refuse(&waiting.stream, ErrorCode::BadFrame, "the first frame must be an agent's hello");
                         closed = true;
                     }
                 },
             }
         }
-        if let Some(remote) = hello {
-            match self.attach(port, &remote, arena, wakeup) {
-                Ok(shm) => {
-                    pool.attach(pool.shared_place(port_number(port)), DpPort::Shared(shm));
-                    if let Some(connection) = &mut self.connections[port] {
-                        connection.stage = Stage::Attached;
-                    }
-                    self.counters.attached += 1;
-                }
-                Err(()) => closed = true,
-            }
+        if closed {
+            self.pending[place] = None;
+            self.counters.refused += 1;
+            return;
         }
+        let Some(remote) = hello else { return };
+        let Some(waiting) = self.pending[place].take() else { return };
+        let held = self.connections.iter().flatten().filter(|c| c.uid == waiting.uid).count();
+        let Some(port) = self.connections.iter().position(Option::is_none) else {
+            refuse(&waiting.stream, ErrorCode::QueueFull, "every agent port is taken");
+            self.counters.refused += 1;
+            return;
+        };
+        if held >= self.ports_per_uid {
+            refuse(&waiting.stream, ErrorCode::QueueFull, "this user holds all the ports it may");
+            self.counters.user_ports_full += 1;
+            self.counters.refused += 1;
+            return;
+        }
+        match self.attach(&waiting.stream, port, &remote, arena, wakeup) {
+            Ok(shm) => {
+                pool.attach(pool.shared_place(port_number(port)), DpPort::Shared(shm));
+                self.connections[port] = Some(Connection { stream: waiting.stream, uid: waiting.uid });
+                self.counters.attached += 1;
+            }
+            Err(()) => self.counters.refused += 1,
+        }
+    }
+
+    /// An attached agent's connection: closed when it closes, or when it
+    /// sends anything (nothing is expected once attached).
+    fn serve(&mut self, port: usize, pool: &mut Pool, table: &mut SlotTable) {
+        let Some(connection) = &self.connections[port] else { return };
+        let mut chunk = [0u8; 64];
+        let closed = loop {
+            match (&connection.stream).read(&mut chunk) {
+                Ok(0) => break true,
+                Ok(_) => {
+                    refuse(&connection.stream, ErrorCode::BadFrame, "nothing is expected on this socket now");
+                    break true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break false,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break true,
+            }
+        };
         if closed {
             self.close(port, pool, table);
         }
     }
 
     /// Answers a hello: `HelloAck` and `Attached`, with the descriptors.
-    fn attach(&mut self, port: usize, remote: &Hello, arena: RawFd, wakeup: RawFd) -> Result<DpShmPort, ()> {
-        let Some(connection) = &self.connections[port] else { return Err(()) };
+    fn attach(
+        &self,
+        stream: &UnixStream,
+        port: usize,
+        remote: &Hello,
+        arena: RawFd,
+        wakeup: RawFd,
+    ) -> Result<DpShmPort, ()> {
         let ack = match hello::accept(&self.local, remote, 0) {
             Ok(ack) => ack,
             Err(e) => {
-                refuse(&connection.stream, ErrorCode::VersionMismatch, &e.to_string());
-                self.counters.refused += 1;
+                refuse(stream, ErrorCode::VersionMismatch, &e.to_string());
                 return Err(());
             }
         };
@@ -336,20 +444,16 @@ impl AttachServer {
         let fds = [arena, self.ports.file().as_raw_fd(), wakeup];
         // Small enough to go in one piece on a fresh socket (a few KiB at
         // most, with push caps).
-        match os::send_with_fds(connection.stream.as_raw_fd(), &bytes[..len], &fds) {
+        match os::send_with_fds(stream.as_raw_fd(), &bytes[..len], &fds) {
             Ok(sent) if sent == len => Ok(shm),
             _ => Err(()),
         }
     }
 
     fn close(&mut self, port: usize, pool: &mut Pool, table: &mut SlotTable) {
-        let Some(connection) = self.connections[port].take() else { return };
-        match connection.stage {
-            Stage::Attached => {
-                pool.detach(pool.shared_place(port_number(port)), table);
-                self.counters.detached += 1;
-            }
-            Stage::Hello { .. } => self.counters.refused += 1,
+        if self.connections[port].take().is_some() {
+            pool.detach(pool.shared_place(port_number(port)), table);
+            self.counters.detached += 1;
         }
     }
 }

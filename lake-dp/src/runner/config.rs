@@ -615,6 +615,10 @@ pub struct AgentsSection {
     /// The socket file's mode (default `0o600`; `0o660` with a group).
     #[serde(default)]
     pub socket_mode: Option<u32>,
+    /// Ports one user may hold at once (none: all of them). Where engines
+    /// of several users share a pool, each kept from taking every port.
+    #[serde(default)]
+    pub ports_per_uid: Option<u32>,
 }
 
 impl Default for AgentsSection {
@@ -627,6 +631,7 @@ impl Default for AgentsSection {
             allow_gids: Vec::new(),
             group: None,
             socket_mode: None,
+            ports_per_uid: None,
         }
     }
 }

@@ -250,6 +250,9 @@ fn open_attach(
                 .filter_map(|(section, rate)| section.push_bytes_per_s.map(|cap| (rate.namespaces.clone(), cap)))
                 .collect();
             server.push_caps(&push_caps).map_err(|e| RunnerError::Config(format!("tenants: {e}")))?;
+            if let Some(ports) = config.agents.ports_per_uid {
+                server.limit_ports_per_uid(ports as usize);
+            }
             Some(server)
         }
     };

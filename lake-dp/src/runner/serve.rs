@@ -394,6 +394,7 @@ impl<B: IoBackend, C: Clock> Node<B, C> {
                 stopping: p.saves_refused_stopping,
                 reserved: 0,
             });
+            link.connections_shed(&shed(self.attach.as_ref(), self.transport.as_deref()));
             if let Some(transport) = &self.transport {
                 link.rails(
                     crate::wire::message::Network::Storage,
@@ -440,5 +441,25 @@ impl<B: IoBackend, C: Clock> Node<B, C> {
                 },
             );
         }
+    }
+}
+
+/// What the node's listeners let go: the attach socket's and the
+/// transport's.
+fn shed(
+    attach: Option<&super::attach::AttachServer>,
+    transport: Option<&dyn crate::transport::Links>,
+) -> crate::wire::message::ConnectionsShed {
+    let attach = attach.map(|a| a.counters).unwrap_or_default();
+    let tcp = transport.map(|t| t.tcp_ref().stats).unwrap_or_default();
+    crate::wire::message::ConnectionsShed {
+        attach_strangers: attach.strangers,
+        attach_hello_timeouts: attach.hello_timeouts,
+        attach_crowded_out: attach.crowded_out,
+        attach_user_ports_full: attach.user_ports_full,
+        transport_over_cap: tcp.inbound_over_cap,
+        transport_silent: tcp.inbound_silent,
+        transport_accept_failed: tcp.accept_failed,
+        reserved: 0,
     }
 }

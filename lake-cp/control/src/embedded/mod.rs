@@ -166,6 +166,8 @@ pub struct LocalAccess {
     pub group: Option<String>,
     /// The sockets' mode (default 0o600; 0o660 with a group).
     pub socket_mode: Option<u32>,
+    /// Agent ports one user may hold at once (none: all of them).
+    pub ports_per_uid: Option<u32>,
 }
 
 /// The load reserve the data plane is given (see
@@ -472,6 +474,7 @@ ports = {remote}
         runner.agents.allow_gids.clone_from(&self.access.allow_gids);
         runner.agents.group.clone_from(&self.access.group);
         runner.agents.socket_mode = self.access.socket_mode;
+        runner.agents.ports_per_uid = self.access.ports_per_uid;
         // Checked as a whole, the settings added after the text too.
         runner.check().map_err(|e| ServeError::Settings(e.to_string()))?;
         let tenant_keys = Arc::new(lake_dp::auth::at_rest::TenantKeys::default());

@@ -213,6 +213,8 @@ pub struct Node {
     /// Its refused saves by reason, as it last sent them (a data plane
     /// that takes [`lake_dp::wire::FEATURE_SAVE_REFUSALS`]).
     pub save_refusals: Option<lake_dp::wire::message::SaveRefusals>,
+    /// The last count of connections its data plane's listeners let go.
+    pub connections_shed: Option<lake_dp::wire::message::ConnectionsShed>,
     /// The latest rail figures of each network's transport (what each
     /// rail to each peer carried).
     pub rails: Vec<(lake_dp::wire::message::Network, Vec<lake_dp::wire::message::RailEntry>)>,
@@ -291,6 +293,7 @@ impl Node {
             tenant_throttles: Vec::new(),
             data_plane: None,
             save_refusals: None,
+            connections_shed: None,
             rails: Vec::new(),
             paths: Vec::new(),
             copies: Vec::new(),
@@ -583,6 +586,29 @@ impl Node {
         self.waiting_count
     }
 
+    /// A command's answer: a promotion for a copy, a copy to another node,
+    /// or a tier move (`status` 0: done).
+    fn transfer_done(&mut self, request: u64, status: u32) {
+        if request & PROMOTE_REQUESTS != 0 {
+            // A promotion for a copy: the copy goes once its L1 replica is
+            // reported (a commit).
+            self.promotion_done(request, status);
+        } else if request & COPY_REQUESTS != 0 {
+            self.copies_out.remove(&request);
+            if status == lake_dp::wire::message::ErrorCode::Cancelled as u32 {
+                self.copies_cancelled += 1;
+            } else if status == 0 {
+                self.copies_landed += 1;
+            } else {
+                self.copies_failed += 1;
+            }
+        } else if status == 0 {
+            self.tiers.done(request, true);
+        } else {
+            self.tiers.refused(request, status);
+        }
+    }
+
     /// Applies one report from a `lake-dp` (`request`: the frame's request
     /// id; a `TransferDone` echoes the command's).
     pub fn on_data_plane(&mut self, request: u64, message: &Message<'_>) -> Result<(), NodeError> {
@@ -592,24 +618,7 @@ impl Node {
             Message::BlockReadopted(block) => self.add(block, true),
             Message::BlockEvicted(evicted) => self.evict(evicted),
             Message::TransferDone(done) => {
-                if request & PROMOTE_REQUESTS != 0 {
-                    // A promotion for a copy: the copy goes once its L1
-                    // replica is reported (a commit).
-                    self.promotion_done(request, done.status);
-                } else if request & COPY_REQUESTS != 0 {
-                    self.copies_out.remove(&request);
-                    if done.status == lake_dp::wire::message::ErrorCode::Cancelled as u32 {
-                        self.copies_cancelled += 1;
-                    } else if done.status == 0 {
-                        self.copies_landed += 1;
-                    } else {
-                        self.copies_failed += 1;
-                    }
-                } else if done.status == 0 {
-                    self.tiers.done(request, true);
-                } else {
-                    self.tiers.refused(request, done.status);
-                }
+                self.transfer_done(request, done.status);
                 Ok(())
             }
             Message::DataPlaneStats(stats) => {
@@ -618,6 +627,10 @@ impl Node {
             }
             Message::SaveRefusals(refusals) => {
                 self.save_refusals = Some(*refusals);
+                Ok(())
+            }
+            Message::ConnectionsShed(shed) => {
+                self.connections_shed = Some(*shed);
                 Ok(())
             }
             Message::RailStats(head, entries) => {

@@ -114,6 +114,10 @@ pub const FEATURE_SAVE_REFUSALS: u64 = 1 << 11;
 /// plane refuses a save at once rather than wait for one.
 pub const FEATURE_VICTIMS_LEFT: u64 = 1 << 12;
 
+/// Feature bit: the side takes [`message::ConnectionsShed`] (kind 36): the
+/// data plane's listeners' shed connections, beside its figures.
+pub const FEATURE_CONNECTIONS_SHED: u64 = 1 << 13;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -125,7 +129,8 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_L1_MOVES
     | FEATURE_EVICTABLE
     | FEATURE_SAVE_REFUSALS
-    | FEATURE_VICTIMS_LEFT;
+    | FEATURE_VICTIMS_LEFT
+    | FEATURE_CONNECTIONS_SHED;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
@@ -133,7 +138,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 13] = [
+pub const FEATURE_NAMES: [(u64, &str); 14] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -147,6 +152,7 @@ pub const FEATURE_NAMES: [(u64, &str); 13] = [
     (FEATURE_EVICTABLE, "evictable"),
     (FEATURE_SAVE_REFUSALS, "save_refusals"),
     (FEATURE_VICTIMS_LEFT, "victims_left"),
+    (FEATURE_CONNECTIONS_SHED, "connections_shed"),
 ];
 
 /// Bytes in a frame header.

@@ -247,6 +247,8 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
     };
     visit(meta(14), Message::MarkEvictable(victim));
     visit(meta(14), Message::UnmarkEvictable(victim));
+    let shed = ConnectionsShed { attach_crowded_out: 37, transport_over_cap: 844, ..ConnectionsShed::default() };
+    visit(meta(0), Message::ConnectionsShed(shed));
 }
 
 /// [`each_message`] encoded: one frame per kind.

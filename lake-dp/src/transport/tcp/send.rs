@@ -421,36 +421,41 @@ impl TcpTransport {
         }
     }
 
+    /// Why connection `token` is to be given up now, if it is: silent
+    /// since its accept, a handshake or a connect not done in time, or
+    /// stalled with bytes to move.
+    fn lost(&mut self, token: usize, now_ns: u64) -> Option<&'static str> {
+        let stream = self.streams[token].as_mut()?;
+        let late = now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns;
+        let silent = stream.peer.is_none() && !stream.heard;
+        if silent && now_ns.saturating_sub(stream.progress_ns) > self.config.silent_ns {
+            self.stats.inbound_silent += 1;
+            if self.stats.inbound_silent.is_power_of_two() {
+                let shed = self.stats.inbound_silent;
+                self.security_event(token, &format!("closed: nothing came in on it ({shed} closed so)"));
+            }
+            Some("nothing came in on it")
+        } else if stream.up && stream.handshaking() {
+            if late {
+                self.stats.handshakes_refused += 1;
+                self.security_event(token, "handshake refused: not done in time");
+            }
+            late.then_some("the handshake was not done in time")
+        } else if !stream.connected {
+            late.then_some("connect timed out")
+        } else {
+            let owed = !stream.queue.is_empty() || stream.kernel_unsent(now_ns) > 0;
+            (owed && late).then_some("stalled: nothing moved with bytes to move")
+        }
+    }
+
     /// Deadlines, stalls, reconnects, abandoned landings.
     pub(super) fn sweep(&mut self, landing: &mut dyn Landing, now_ns: u64) {
         self.ask_again(now_ns);
         // Connections that stopped moving: a cut link sends no error for
         // minutes, so silence with bytes to move counts as a break.
         for token in 0..self.streams.len() {
-            let Some(stream) = self.streams[token].as_mut() else { continue };
-            let late = now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns;
-            let silent = stream.peer.is_none() && !stream.heard;
-            let why = if silent && now_ns.saturating_sub(stream.progress_ns) > self.config.silent_ns {
-                self.stats.inbound_silent += 1;
-                if self.stats.inbound_silent.is_power_of_two() {
-                    let shed = self.stats.inbound_silent;
-                    self.security_event(token, &format!("closed: nothing came in on it ({shed} closed so)"));
-                }
-                Some("nothing came in on it")
-            } else if stream.up && stream.handshaking() {
-                if late {
-                    self.stats.handshakes_refused += 1;
-                    self.security_event(token, "handshake refused: not done in time");
-                }
-                late.then_some("the handshake was not done in time")
-            } else if !stream.connected {
-                late.then_some("connect timed out")
-            } else {
-                let owed = !stream.queue.is_empty() || stream.kernel_unsent(now_ns) > 0;
-                (owed && now_ns.saturating_sub(stream.progress_ns) > self.config.stall_ns)
-                    .then_some("stalled: nothing moved with bytes to move")
-            };
-            if let Some(why) = why {
+            if let Some(why) = self.lost(token, now_ns) {
                 self.lose(token, why);
             }
         }
