@@ -145,3 +145,33 @@ fn summary_checkpoint_seeds_are_current() {
     let (back, term) = Summary::restore(&committed).unwrap();
     assert_eq!((term, back.nodes()), (11, vec![1, 2]));
 }
+
+/// The `config_toml` seeds are files this build takes (`lake serve`'s, or
+/// `lake-dp`'s own); the `admin_json` seeds are requests the operator's
+/// socket knows.
+#[test]
+fn config_and_admin_seeds_are_taken() {
+    let seeds = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds");
+    let mut taken = 0;
+    for entry in std::fs::read_dir(seeds.join("config_toml")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        if text.contains("[node]") {
+            let config = lake_dp::runner::config::RunnerConfig::parse(&text).unwrap();
+            config.check().unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        } else {
+            let mut argv = Vec::new();
+            argv.extend(lake_cp::config::text_args(&text, "seed").unwrap_or_else(|e| panic!("{e}")));
+            lake_cp::config::ServeArgs::parse(&argv).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
+        taken += 1;
+    }
+    assert!(taken >= 3);
+    let requests = std::fs::read_to_string(seeds.join("admin_json/requests")).unwrap();
+    let mut node = Node::new(NodeId(3), 1, None);
+    for line in requests.lines() {
+        let answer = lake_cp::admin::respond(&mut node, &ServerCounters::default(), &[], line.as_bytes());
+        let error = answer.get("error").and_then(serde_json::Value::as_str).unwrap_or_default();
+        assert!(!error.contains("unknown") && !error.contains("not a JSON"), "{line}: {answer}");
+    }
+}

@@ -7,6 +7,7 @@
 pub mod fault_proxy;
 pub mod moto;
 pub mod netns;
+pub mod tls;
 pub mod transport;
 
 use lake_dp::{ExtraKeys, KeyScheme, ModelIdentity, Namespace, TenantKey};

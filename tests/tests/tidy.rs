@@ -43,7 +43,7 @@ const LONG_FILES: &[(&str, usize)] = &[
     ("ffi/agent/src/client.rs", 1556),
     ("lake-dp/src/poller.rs", 1306),
     ("lake-dp/src/transport/rdma/pull.rs", 1107),
-    ("lake-dp/core/src/wire/message.rs", 1758),
+    ("lake-dp/core/src/wire/message.rs", 1255),
     ("lake-cp/control/src/evict.rs", 1115),
     ("lake-cp/tests/serve.rs", 1063),
     ("kernels/src/gpu.rs", 1167),

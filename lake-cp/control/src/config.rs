@@ -377,8 +377,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR", help_heading = "L3 (object store)")]
     pub l3_dir: Option<PathBuf>,
 
-    /// L3 in an S3-compatible service (`http://host:port`); keys from
-    /// `$LAKE_S3_ACCESS_KEY` and `$LAKE_S3_SECRET_KEY`.
+    /// L3 in an S3-compatible service (`http://host:port`, or `https://`:
+    /// the certificate checked against the system's roots, or the CA file
+    /// in `$SSL_CERT_FILE`); keys from `$LAKE_S3_ACCESS_KEY` and
+    /// `$LAKE_S3_SECRET_KEY`.
     #[arg(
         long,
         value_name = "URL",
@@ -391,6 +393,17 @@ pub struct ServeArgs {
     /// The S3 bucket.
     #[arg(long, value_name = "NAME", requires = "l3_endpoint", help_heading = "L3 (object store)")]
     pub l3_bucket: Option<String>,
+
+    /// The region the S3 service signs for (AWS: the bucket's region, as in
+    /// `https://s3.eu-west-1.amazonaws.com`).
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = "us-east-1",
+        requires = "l3_endpoint",
+        help_heading = "L3 (object store)"
+    )]
+    pub l3_region: String,
 
     /// Create the bucket at start if it is missing.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_value_t = false, default_missing_value = "true",
@@ -421,6 +434,10 @@ pub struct ServeArgs {
     /// The cluster's name in etcd.
     #[arg(long, value_name = "NAME", requires = "etcd", help_heading = "Cluster")]
     pub cluster: Option<String>,
+
+    /// TLS to etcd (`--etcd https://...`).
+    #[command(flatten)]
+    pub etcd_tls: EtcdTlsArgs,
 
     /// Seconds the membership lease lasts without renewal.
     #[arg(long, value_name = "SECONDS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Cluster")]
@@ -522,8 +539,36 @@ pub struct Serve {
     pub tenant_key_dir: Option<(PathBuf, HashMap<lake_dp::NamespaceId, u64>)>,
     /// `--etcd` endpoints and `--cluster`, to join.
     pub cluster: Option<(Vec<String>, String)>,
+    /// How to speak TLS to `https://` etcd endpoints.
+    pub etcd_tls: crate::etcd::EtcdTls,
     /// The membership lease, seconds.
     pub member_ttl: i64,
+}
+
+/// TLS to etcd, for every command that speaks to it: whose certificates to
+/// trust, and this node's client certificate for a cluster that asks for
+/// one (`etcd --client-cert-auth`).
+#[derive(Args, Clone, Debug, Default)]
+pub struct EtcdTlsArgs {
+    /// The CA certificates (PEM) etcd's certificate is checked against, for
+    /// `https://` endpoints (default: the system's roots).
+    #[arg(long, value_name = "FILE", help_heading = "Cluster")]
+    pub etcd_ca: Option<PathBuf>,
+
+    /// This node's client certificate (PEM), for an etcd that asks for one.
+    #[arg(long, value_name = "FILE", requires = "etcd_key", help_heading = "Cluster")]
+    pub etcd_cert: Option<PathBuf>,
+
+    /// The client certificate's private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "etcd_cert", help_heading = "Cluster")]
+    pub etcd_key: Option<PathBuf>,
+}
+
+impl EtcdTlsArgs {
+    /// The settings these flags make.
+    pub fn tls(&self) -> crate::etcd::EtcdTls {
+        crate::etcd::EtcdTls { ca: self.etcd_ca.clone(), cert: self.etcd_cert.clone(), key: self.etcd_key.clone() }
+    }
 }
 
 /// The tenant keys in `dir`: every `NAMESPACE.key` file (the namespace
@@ -632,6 +677,7 @@ impl ServeArgs {
             l3.dir.clone_from(&self.l3_dir);
             l3.endpoint.clone_from(&self.l3_endpoint);
             l3.bucket.clone_from(&self.l3_bucket);
+            l3.region_name.clone_from(&self.l3_region);
             l3.create_bucket = self.l3_create_bucket;
             l3.prefix.clone_from(&self.l3_prefix);
             l3.objects = self.l3_objects;
@@ -650,7 +696,8 @@ impl ServeArgs {
             (Some(etcd), Some(name)) => Some((etcd.split(',').map(str::to_owned).collect(), name.clone())),
             _ => None,
         };
-        Ok(Serve { pool, tenant_key_dir, cluster, member_ttl: i64::from(self.member_ttl) })
+        let etcd_tls = self.etcd_tls.tls();
+        Ok(Serve { pool, tenant_key_dir, cluster, etcd_tls, member_ttl: i64::from(self.member_ttl) })
     }
 
     /// `--tenant`, `--tenant-quota` and `--tenant-rate` joined by name.
@@ -734,11 +781,16 @@ pub fn parse_with_file<T: FromArgMatches>(command: fn() -> clap::Command, argv: 
 /// alone so that an error names it: `FILE: key: why`.
 pub fn file_args(path: &Path) -> Result<Vec<String>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let table: toml::Table = text.parse().map_err(|e| format!("{}: {e}", path.display()))?;
+    text_args(&text, &path.display().to_string())
+}
+
+/// [`file_args`] of a file's text; `name` names it in errors.
+pub fn text_args(text: &str, name: &str) -> Result<Vec<String>, String> {
+    let table: toml::Table = text.parse().map_err(|e| format!("{name}: {e}"))?;
     let known = command();
     let mut args = Vec::new();
     for (key, value) in &table {
-        let at = |why: String| format!("{}: {key}: {why}", path.display());
+        let at = |why: String| format!("{name}: {key}: {why}");
         if key == "config" {
             return Err(at("a configuration file does not name another".into()));
         }

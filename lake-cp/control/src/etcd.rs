@@ -1,5 +1,5 @@
-//! A small etcd v3 client over etcd's own JSON gateway (`/v3/...`, plain
-//! HTTP, every call blocking with a timeout). Lake asks etcd for little —
+//! A small etcd v3 client over etcd's own JSON gateway (`/v3/...`, HTTP or
+//! HTTPS, every call blocking with a timeout). Lake asks etcd for little —
 //! leases, one create-if-absent, guarded puts, ranges — and never on a
 //! request path: [`crate::ha`] calls it from the control plane's
 //! housekeeping. The gateway is part of every etcd server, so this needs
@@ -9,7 +9,15 @@
 //! Keys and values are bytes (base64 on the wire); revisions and lease ids
 //! are etcd's `int64`s, sent as strings. A zero value is left out of
 //! etcd's answers: an absent number reads as 0.
+//!
+//! `https://` endpoints are spoken over TLS (rustls): the server's
+//! certificate checked against a CA file where given ([`EtcdTls`]), else
+//! the system's roots; with a certificate and key, this client proves
+//! itself to a cluster that asks for client certificates
+//! (`--client-cert-auth`).
 
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -19,8 +27,11 @@ use serde_json::{Value, json};
 /// Why an etcd call failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EtcdError {
-    /// An endpoint is not `http://host:port`.
+    /// An endpoint is not `http://host:port` or `https://host:port`.
     BadEndpoint(String),
+    /// The TLS settings cannot be used: a file unreadable, not PEM, a key
+    /// that does not go with its certificate.
+    Tls(String),
     /// No endpoint answered (refused, reset, timed out): etcd is down or
     /// unreachable from here; the caller tries again later.
     Unreachable(String),
@@ -38,7 +49,8 @@ pub enum EtcdError {
 impl core::fmt::Display for EtcdError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
-            Self::BadEndpoint(e) => write!(f, "etcd endpoint {e:?}: expected http://host:port"),
+            Self::BadEndpoint(e) => write!(f, "etcd endpoint {e:?}: expected http://host:port or https://host:port"),
+            Self::Tls(why) => write!(f, "etcd TLS: {why}"),
             Self::Unreachable(why) => write!(f, "etcd unreachable: {why}"),
             Self::Server { code, message } => write!(f, "etcd: {message} (code {code})"),
             Self::Malformed(why) => write!(f, "etcd answered something unexpected: {why}"),
@@ -72,11 +84,75 @@ pub struct Kv {
     pub lease: i64,
 }
 
+/// How to speak TLS to an etcd cluster: whose certificates to trust, and
+/// this client's own (for a cluster that asks for client certificates).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA certificates (PEM) the servers' certificates are checked
+    /// against; none: the system's roots.
+    pub ca: Option<PathBuf>,
+    /// This client's certificate chain (PEM).
+    pub cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub key: Option<PathBuf>,
+}
+
+impl EtcdTls {
+    /// The rustls client configuration these settings make.
+    fn config(&self) -> Result<Arc<rustls::ClientConfig>, EtcdError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+        let unreadable = |path: &PathBuf| {
+            let path = path.display().to_string();
+            move |e: rustls::pki_types::pem::Error| EtcdError::Tls(format!("{path}: {e}"))
+        };
+        let mut roots = rustls::RootCertStore::empty();
+        match &self.ca {
+            Some(ca) => {
+                for cert in CertificateDer::pem_file_iter(ca).map_err(unreadable(ca))? {
+                    roots
+                        .add(cert.map_err(unreadable(ca))?)
+                        .map_err(|e| EtcdError::Tls(format!("{}: {e}", ca.display())))?;
+                }
+                if roots.is_empty() {
+                    return Err(EtcdError::Tls(format!("{}: no certificate in it", ca.display())));
+                }
+            }
+            None => {
+                let found = rustls_native_certs::load_native_certs();
+                roots.add_parsable_certificates(found.certs);
+                if roots.is_empty() {
+                    return Err(EtcdError::Tls("no CA given and no system root certificates found".into()));
+                }
+            }
+        }
+        let builder = rustls::ClientConfig::builder().with_root_certificates(roots);
+        let config = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+                    .map_err(unreadable(cert))?
+                    .collect::<Result<_, _>>()
+                    .map_err(unreadable(cert))?;
+                let private = PrivateKeyDer::from_pem_file(key).map_err(unreadable(key))?;
+                builder
+                    .with_client_auth_cert(chain, private)
+                    .map_err(|e| EtcdError::Tls(format!("{} and {}: {e}", cert.display(), key.display())))?
+            }
+            (None, None) => builder.with_no_client_auth(),
+            _ => return Err(EtcdError::Tls("a client certificate needs its key, and a key its certificate".into())),
+        };
+        Ok(Arc::new(config))
+    }
+}
+
 /// A client of one etcd cluster (its endpoints tried in order).
 #[derive(Debug)]
 pub struct Etcd {
     endpoints: Vec<String>,
     timeout: Duration,
+    /// For `https://` endpoints.
+    tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 fn number(value: &Value, name: &str) -> Result<i64, EtcdError> {
@@ -128,30 +204,46 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
 }
 
 impl Etcd {
-    /// A client of the cluster at `endpoints` (`http://host:port`, at
-    /// least one); every call gives up after `timeout` per endpoint.
+    /// A client of the cluster at `endpoints` (`http://host:port` or
+    /// `https://host:port`, at least one; https with the system's roots and
+    /// no client certificate); every call gives up after `timeout` per
+    /// endpoint.
     pub fn new(endpoints: &[&str], timeout: Duration) -> Result<Self, EtcdError> {
+        Self::with_tls(endpoints, timeout, &EtcdTls::default())
+    }
+
+    /// As [`Etcd::new`], `https://` endpoints spoken with `tls`.
+    pub fn with_tls(endpoints: &[&str], timeout: Duration, tls: &EtcdTls) -> Result<Self, EtcdError> {
         if endpoints.is_empty() {
             return Err(EtcdError::BadEndpoint(String::new()));
         }
         let mut out = Vec::with_capacity(endpoints.len());
         for endpoint in endpoints {
-            let rest = endpoint.strip_prefix("http://").ok_or_else(|| EtcdError::BadEndpoint((*endpoint).into()))?;
+            let (scheme, rest) = match endpoint.split_once("://") {
+                Some((scheme @ ("http" | "https"), rest)) => (scheme, rest),
+                _ => return Err(EtcdError::BadEndpoint((*endpoint).into())),
+            };
             let rest = rest.trim_end_matches('/');
             let port = rest.rsplit_once(':').map(|(host, port)| (host, port.parse::<u16>()));
             if !matches!(port, Some((host, Ok(_))) if !host.is_empty() && !host.contains('/')) {
                 return Err(EtcdError::BadEndpoint((*endpoint).into()));
             }
-            out.push(format!("http://{rest}"));
+            out.push(format!("{scheme}://{rest}"));
         }
-        Ok(Self { endpoints: out, timeout })
+        let secure = out.iter().any(|e| e.starts_with("https://"));
+        if !secure && *tls != EtcdTls::default() {
+            return Err(EtcdError::Tls("a CA or client certificate is given, but no endpoint is https://".into()));
+        }
+        let tls = if secure { Some(tls.config()?) } else { None };
+        Ok(Self { endpoints: out, timeout, tls })
     }
 
     /// One gateway call: the first endpoint that answers.
     fn call(&self, path: &str, body: &Value) -> Result<Value, EtcdError> {
         let mut last = String::new();
         for endpoint in &self.endpoints {
-            let (status, text) = match http(endpoint, "POST", path, &body.to_string(), self.timeout) {
+            let (status, text) = match http(endpoint, self.tls.as_ref(), "POST", path, &body.to_string(), self.timeout)
+            {
                 Ok(answer) => answer,
                 Err(e) => {
                     last = format!("{endpoint}: {e}");
@@ -274,7 +366,7 @@ impl Etcd {
     /// Whether some endpoint answers `/health` as healthy.
     pub fn healthy(&self) -> bool {
         self.endpoints.iter().any(|endpoint| {
-            http(endpoint, "GET", "/health", "", self.timeout)
+            http(endpoint, self.tls.as_ref(), "GET", "/health", "", self.timeout)
                 .is_ok_and(|(status, text)| status == 200 && text.contains("\"true\""))
         })
     }
@@ -283,16 +375,26 @@ impl Etcd {
 /// One HTTP/1.1 exchange on a connection of its own (`Connection: close`):
 /// the status and the body, de-chunked. The gateway ends its error answers
 /// with gRPC trailers after a chunked body, which are read past here.
-fn http(endpoint: &str, method: &str, path: &str, body: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
-    use std::io::{Error, ErrorKind, Read, Write};
+fn http(
+    endpoint: &str,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+    method: &str,
+    path: &str,
+    body: &str,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
+    use std::io::{Error, ErrorKind, Write};
     use std::net::ToSocketAddrs;
 
-    let authority = endpoint.trim_start_matches("http://");
+    let (secure, authority) = match endpoint.split_once("://") {
+        Some((scheme, authority)) => (scheme == "https", authority),
+        None => (false, endpoint),
+    };
     let address = authority
         .to_socket_addrs()?
         .next()
         .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("{authority}: no address")))?;
-    let mut stream = std::net::TcpStream::connect_timeout(&address, timeout)?;
+    let stream = std::net::TcpStream::connect_timeout(&address, timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     let request = format!(
@@ -300,10 +402,43 @@ fn http(endpoint: &str, method: &str, path: &str, body: &str, timeout: Duration)
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    stream.write_all(request.as_bytes())?;
+    let raw = if secure {
+        let config = tls.ok_or_else(|| Error::new(ErrorKind::InvalidInput, "https without TLS settings"))?;
+        let host = authority.rsplit_once(':').map_or(authority, |(host, _)| host);
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+            .map_err(|e| Error::new(ErrorKind::InvalidInput, format!("{host}: {e}")))?;
+        let session = rustls::ClientConnection::new(Arc::clone(config), name).map_err(Error::other)?;
+        let mut stream = rustls::StreamOwned::new(session, stream);
+        stream.write_all(request.as_bytes())?;
+        stream.flush()?;
+        read_answer(&mut stream)?
+    } else {
+        let mut stream = stream;
+        stream.write_all(request.as_bytes())?;
+        read_answer(&mut stream)?
+    };
+    parse_answer(&raw)
+}
+
+/// Everything the server sends until it closes (4 MiB at most). A TLS
+/// server that closes without saying so ends the answer too: the body's
+/// length is checked when it is parsed.
+fn read_answer(stream: &mut impl std::io::Read) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
     // Answers are small (etcd caps requests at 1.5 MiB; Lake's are bytes).
     let mut raw = Vec::new();
-    stream.take(4 << 20).read_to_end(&mut raw)?;
+    match stream.take(4 << 20).read_to_end(&mut raw) {
+        Ok(_) => Ok(raw),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => Ok(raw),
+        Err(e) => Err(e),
+    }
+}
+
+/// The status and the body of an HTTP/1.1 answer, de-chunked.
+fn parse_answer(raw: &[u8]) -> std::io::Result<(u16, String)> {
+    use std::io::{Error, ErrorKind};
+
     let bad = |why: &str| Error::new(ErrorKind::InvalidData, why.to_owned());
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
     let head = std::str::from_utf8(&raw[..split]).map_err(|_| bad("headers not UTF-8"))?;
@@ -341,7 +476,7 @@ mod tests {
     fn endpoints_are_checked_and_answers_read_with_etcds_omissions() {
         let timeout = Duration::from_secs(1);
         assert!(Etcd::new(&["http://127.0.0.1:2379"], timeout).is_ok());
-        for bad in ["127.0.0.1:2379", "https://x:1", "http://:2379", "http://x", "http://x:port", "http://x:99999"] {
+        for bad in ["127.0.0.1:2379", "ftp://x:1", "http://:2379", "http://x", "http://x:port", "http://x:99999"] {
             assert_eq!(Etcd::new(&[bad], timeout).unwrap_err(), EtcdError::BadEndpoint(bad.into()), "{bad}");
         }
         assert!(Etcd::new(&[], timeout).is_err());

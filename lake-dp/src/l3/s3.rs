@@ -10,7 +10,9 @@ use super::{ObjectStore, StoreError};
 /// Where the service is and who we are to it.
 #[derive(Clone, Debug)]
 pub struct S3Config {
-    /// `http://host:port` (or https where the build has TLS).
+    /// `http://host:port` or `https://host:port` (the server's certificate
+    /// checked against the system's roots, or the CA file in
+    /// `SSL_CERT_FILE`).
     pub endpoint: String,
     /// The region name the service expects (`us-east-1` for most).
     pub region: String,
@@ -34,7 +36,24 @@ fn error(what: &str) -> impl Fn(S3Error) -> StoreError {
         S3Error::HttpFailWithBody(code, body) if (400..500).contains(&code) && code != 408 && code != 429 => {
             StoreError::Permanent(format!("{what}: HTTP {code}: {}", body.chars().take(200).collect::<String>()))
         }
+        // TLS refused (a certificate no trusted CA signed, for another
+        // name, expired): the next try meets the same certificate.
+        S3Error::Atto(e) if tls_refused(&e) => StoreError::Permanent(format!("{what}: TLS: {e}")),
         other => StoreError::Transient(format!("{what}: {other}")),
+    }
+}
+
+/// Whether the HTTP client's error is TLS refusing the server (or TLS
+/// missing from the build), not the network failing.
+fn tls_refused(error: &attohttpc::Error) -> bool {
+    match error.kind() {
+        attohttpc::ErrorKind::Tls(_) | attohttpc::ErrorKind::InvalidDNSName(_) | attohttpc::ErrorKind::TlsDisabled => {
+            true
+        }
+        // The handshake's own failures come through its stream as data
+        // the TLS library refused.
+        attohttpc::ErrorKind::Io(e) => e.kind() == std::io::ErrorKind::InvalidData,
+        _ => false,
     }
 }
 

@@ -18,6 +18,9 @@ pub(super) struct CpArgs {
     /// The cluster's name in etcd.
     #[arg(long, value_name = "NAME")]
     cluster: String,
+    /// TLS to etcd.
+    #[command(flatten)]
+    etcd_tls: lake_cp::config::EtcdTlsArgs,
     /// This candidate's id.
     #[arg(long, value_name = "ID")]
     id: String,
@@ -43,6 +46,9 @@ pub(super) struct SummaryArgs {
     /// The cluster's name in etcd.
     #[arg(long, value_name = "NAME", requires = "etcd")]
     cluster: Option<String>,
+    /// TLS to etcd.
+    #[command(flatten)]
+    etcd_tls: lake_cp::config::EtcdTlsArgs,
     /// This candidate's id (default: `summary-PID`).
     #[arg(long, value_name = "ID")]
     id: Option<String>,
@@ -71,9 +77,15 @@ pub(super) struct SummaryArgs {
 /// `lake drain-node`: marks a node draining in etcd (or takes it back);
 /// with `--wait`, follows the leader's count of the blocks only it holds
 /// until none is left.
-pub(super) fn drain_node(etcd: &str, name: &str, wait_s: u64, undo: bool, node: u32) -> Result<(), String> {
+pub(super) fn drain_node(
+    (etcd, tls): (&str, &lake_cp::etcd::EtcdTls),
+    name: &str,
+    wait_s: u64,
+    undo: bool,
+    node: u32,
+) -> Result<(), String> {
     let endpoints: Vec<&str> = etcd.split(',').collect();
-    let client = lake_cp::etcd::Etcd::new(&endpoints, std::time::Duration::from_secs(2))
+    let client = lake_cp::etcd::Etcd::with_tls(&endpoints, std::time::Duration::from_secs(2), tls)
         .map_err(|e| format!("--etcd {etcd}: {e}"))?;
     let cluster = lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("--cluster {name}: {e}"))?;
     if undo {
@@ -121,8 +133,8 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     let (socket, mirror, etcd, cluster, id) = (&args.socket, &args.mirror, &args.etcd, &args.cluster, &args.id);
     let (ttl, node, entries) = (i64::from(args.ttl), args.node, args.entries);
     let endpoints: Vec<&str> = etcd.split(',').collect();
-    let cluster = Cluster::new(Etcd::new(&endpoints, Duration::from_secs(2)).map_err(|e| e.to_string())?, cluster)
-        .map_err(|e| e.to_string())?;
+    let client = Etcd::with_tls(&endpoints, Duration::from_secs(2), &args.etcd_tls.tls()).map_err(|e| e.to_string())?;
+    let cluster = Cluster::new(client, cluster).map_err(|e| e.to_string())?;
     let mut candidate = cluster.candidate(id, ttl).map_err(|e| e.to_string())?;
     let every = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 4).max(Duration::from_millis(50));
     let say = |line: String| say!("{line}");
@@ -226,7 +238,8 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     let cluster = match (&etcd, &cluster) {
         (Some(etcd), Some(name)) => {
             let endpoints: Vec<&str> = etcd.split(',').collect();
-            let client = lake_cp::etcd::Etcd::new(&endpoints, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+            let client = lake_cp::etcd::Etcd::with_tls(&endpoints, Duration::from_secs(2), &args.etcd_tls.tls())
+                .map_err(|e| e.to_string())?;
             Some(Cluster::new(client, name).map_err(|e| e.to_string())?)
         }
         (None, None) => None,

@@ -163,6 +163,9 @@ enum Command {
         /// The cluster's name in etcd.
         #[arg(long, value_name = "NAME")]
         cluster: String,
+        /// TLS to etcd.
+        #[command(flatten)]
+        etcd_tls: lake_cp::config::EtcdTlsArgs,
         /// Seconds to wait until no block only it holds is left.
         #[arg(long, value_name = "SECONDS", default_value_t = 0)]
         wait: u64,
@@ -292,8 +295,8 @@ fn main() -> ExitCode {
                 Operator { admin: admin.socket(), wait_s: wait, undo, positional: vec![region], ..Operator::default() };
             ("drain", operator("drain", op))
         }
-        Command::DrainNode { etcd, cluster, wait, undo, node } => {
-            ("drain-node", drain_node(&etcd, &cluster, wait, undo, node))
+        Command::DrainNode { etcd, cluster, etcd_tls, wait, undo, node } => {
+            ("drain-node", drain_node((&etcd, &etcd_tls.tls()), &cluster, wait, undo, node))
         }
         Command::Cp(args) => ("cp", control_plane(&args)),
         Command::Summary(args) => ("summary", summary_leader(&args)),

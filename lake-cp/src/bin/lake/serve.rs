@@ -10,7 +10,7 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     // signals, and this one takes them.
     let signals =
         lake_dp::os::Signals::with_hangup().map_err(|error| ServeError::Io { what: "signals".into(), error })?;
-    let lake_cp::config::Serve { pool: config, tenant_key_dir, cluster, member_ttl, .. } =
+    let lake_cp::config::Serve { pool: config, tenant_key_dir, cluster, etcd_tls, member_ttl, .. } =
         args.resolve().map_err(ServeError::Settings)?;
     let (key_dir, mut tenant_files) = match tenant_key_dir {
         Some((dir, ids)) => (Some(dir), ids),
@@ -22,7 +22,7 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     let cluster = match &cluster {
         Some((endpoints, name)) => {
             let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
-            let client = lake_cp::etcd::Etcd::new(&endpoints, std::time::Duration::from_secs(2))
+            let client = lake_cp::etcd::Etcd::with_tls(&endpoints, std::time::Duration::from_secs(2), &etcd_tls)
                 .map_err(|error| ServeError::Cluster { what: format!("--etcd {}", endpoints.join(",")), error })?;
             Some(
                 lake_cp::ha::Cluster::new(client, name)

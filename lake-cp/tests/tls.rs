@@ -1,0 +1,242 @@
+//! TLS to the servers a pool depends on, against the real ones started
+//! with certificates of the test's own (a CA, a server certificate for
+//! 127.0.0.1, a client certificate; `openssl` makes them):
+//!
+//! - etcd over https asking for client certificates: a client with the CA
+//!   and its certificate reads and writes; without its certificate, with
+//!   another CA, or over plain http it gets nothing; `lake serve` joins a
+//!   cluster there, and without its certificate it exits saying why.
+//! - moto's S3 over https: `lake serve` trusting the private CA
+//!   (`SSL_CERT_FILE`) creates its bucket and writes every saved block to
+//!   L3 eagerly; trusting only the system's roots it exits at start naming
+//!   the certificate.
+//!
+//! Without `etcd`, moto or `openssl` a test says `SKIPPED` — except in CI
+//! (`CI` set), where that is a failure.
+
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lake_cp::etcd::{Etcd, EtcdError, EtcdTls};
+use lake_cp::ha::Cluster;
+
+#[path = "common/chain.rs"]
+mod chain;
+#[path = "common/scratch.rs"]
+mod scratch;
+#[path = "common/supervise.rs"]
+mod supervise;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Certificates in a scratch directory, or `None` (said) where this
+/// machine cannot make them.
+fn certs(name: &str) -> Option<(scratch::Scratch, lake_tests::tls::Certs)> {
+    let dir = std::env::temp_dir().join(format!("lake-tls-{name}-{}", std::process::id()));
+    match lake_tests::tls::make(&dir) {
+        Ok(certs) => Some((scratch::Scratch(dir, Vec::new()), certs)),
+        Err(why) => {
+            assert!(std::env::var_os("CI").is_none(), "no certificates: {why}");
+            println!("SKIPPED: {why}");
+            None
+        }
+    }
+}
+
+/// A process stopped as a supervisor would when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        supervise::stop(&mut self.0);
+    }
+}
+
+/// Where a program is on `PATH`, or `None` (said; a failure in CI).
+fn which(program: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = std::env::split_paths(&path).map(|d| d.join(program)).find(|p| p.is_file());
+    if found.is_none() {
+        assert!(std::env::var_os("CI").is_none(), "no {program}: .ci/run installs it");
+        println!("SKIPPED: no {program} on PATH");
+    }
+    found
+}
+
+/// A `lake serve` that says it serves: the process and its stdout.
+struct Pool {
+    child: Killed,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+/// `lake serve` on `dir` with `extra` arguments and environment (and no
+/// `SSL_CERT_FILE` but the one given): its serving line and the pool, or
+/// what it said on stderr as it exited.
+fn serve(dir: &std::path::Path, extra: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Result<(String, Pool), String> {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_lake"));
+    command
+        .args(["serve", "--metrics", "off", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32", "--dir"])
+        .arg(dir)
+        .args(extra)
+        .env_remove("SSL_CERT_FILE")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    if line.contains("\"event\":\"serving\"") {
+        return Ok((line, Pool { child: Killed(child), out }));
+    }
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr);
+    assert!(!status.success(), "lake serve exited 0 without serving: {stderr}");
+    Err(stderr)
+}
+
+/// An engine of this process attached to the pool in `dir`.
+fn engine(dir: &std::path::Path, mirror: &str) -> lake_agent::Agent {
+    let cp = dir.join("cp.sock");
+    let config = lake_agent::AgentConfig {
+        arena: std::path::Path::new("/nonexistent"),
+        mirror: std::path::Path::new(mirror),
+        cp_socket: Some(&cp),
+        name: "tls-test",
+        namespace: lake_dp::NamespaceId(0x7c),
+        layout_fingerprint: 0x7c7c,
+        segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    lake_agent::Agent::connect(&config, &dir.join("dp.sock")).unwrap()
+}
+
+#[test]
+fn etcd_over_https_asks_for_and_gets_a_client_certificate() {
+    let Some(etcd) = which("etcd") else { return };
+    let Some((_scratch, certs)) = certs("etcd") else { return };
+    let (client, peer) = (free_port(), free_port());
+    let data = certs.ca.with_file_name("etcd-data");
+    let endpoint = format!("https://127.0.0.1:{client}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    let _server = Killed(
+        Command::new(etcd)
+            .args(["--name", "lake-tls", "--data-dir"])
+            .arg(&data)
+            .args(["--listen-client-urls", &endpoint, "--advertise-client-urls", &endpoint])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("lake-tls={peer_url}"), "--client-cert-auth"])
+            .arg("--trusted-ca-file")
+            .arg(&certs.ca)
+            .arg("--cert-file")
+            .arg(&certs.server_cert)
+            .arg("--key-file")
+            .arg(&certs.server_key)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let timeout = Duration::from_secs(2);
+    let good = EtcdTls {
+        ca: Some(certs.ca.clone()),
+        cert: Some(certs.client_cert.clone()),
+        key: Some(certs.client_key.clone()),
+    };
+    let etcd = Etcd::with_tls(&[&endpoint], timeout, &good).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !etcd.healthy() {
+        assert!(Instant::now() < deadline, "etcd over https not healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    etcd.put(b"/lake-tls/k", b"v", None).unwrap();
+    assert_eq!(etcd.get(b"/lake-tls/k").unwrap().map(|kv| kv.value), Some(b"v".to_vec()));
+
+    // No client certificate, another CA, plain http: nothing.
+    let anonymous = EtcdTls { ca: Some(certs.ca.clone()), ..EtcdTls::default() };
+    let refused = Etcd::with_tls(&[&endpoint], timeout, &anonymous).unwrap().get(b"/lake-tls/k");
+    assert!(matches!(refused, Err(EtcdError::Unreachable(_))), "{refused:?}");
+    let wrong_ca = EtcdTls { ca: Some(certs.other_ca.clone()), ..good.clone() };
+    let refused = Etcd::with_tls(&[&endpoint], timeout, &wrong_ca).unwrap().get(b"/lake-tls/k");
+    assert!(matches!(&refused, Err(EtcdError::Unreachable(why)) if why.contains("certificate")), "{refused:?}");
+    let plain = format!("http://127.0.0.1:{client}");
+    assert!(Etcd::new(&[&plain], timeout).unwrap().get(b"/lake-tls/k").is_err());
+    // Half a client certificate, or TLS settings for http: said at once.
+    let half = EtcdTls { key: None, ..good.clone() };
+    assert!(matches!(Etcd::with_tls(&[&endpoint], timeout, &half), Err(EtcdError::Tls(_))));
+    assert!(matches!(Etcd::with_tls(&[&plain], timeout, &good), Err(EtcdError::Tls(_))));
+
+    // A pool joins the cluster over it; without its certificate it cannot.
+    let dir = certs.ca.with_file_name("pool");
+    let (ca, cert, key) =
+        (certs.ca.to_str().unwrap(), certs.client_cert.to_str().unwrap(), certs.client_key.to_str().unwrap());
+    let cluster = ["--etcd", &endpoint, "--cluster", "tls", "--node", "7", "--etcd-ca", ca];
+    let (_, _pool) = serve(&dir, &[&cluster[..], &["--etcd-cert", cert, "--etcd-key", key]].concat(), &[]).unwrap();
+    let members = Cluster::new(Etcd::with_tls(&[&endpoint], timeout, &good).unwrap(), "tls").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !members.members().unwrap().iter().any(|(node, _)| *node == 7) {
+        assert!(Instant::now() < deadline, "the pool never joined over https");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let Err(why) = serve(&dir.with_extension("anonymous"), &cluster, &[]) else {
+        panic!("a pool without its client certificate joined");
+    };
+    assert!(why.contains("etcd"), "{why}");
+}
+
+#[test]
+fn s3_over_https_trusts_a_private_ca_and_refuses_an_unknown_one() {
+    let Some(moto) = lake_tests::moto::moto_server() else {
+        assert!(std::env::var_os("CI").is_none(), "no moto_server: .ci/run installs it");
+        println!("SKIPPED: no moto_server (LAKE_MOTO_SERVER, or ~/.cache/lake-moto)");
+        return;
+    };
+    let Some((_scratch, certs)) = certs("s3") else { return };
+    let port = free_port();
+    let _server = Killed(
+        Command::new(&moto)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string(), "-c"])
+            .arg(&certs.server_cert)
+            .arg("-k")
+            .arg(&certs.server_key)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "moto_server did not listen on {port}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let endpoint = format!("https://127.0.0.1:{port}");
+    let l3 = ["--l3-endpoint", &endpoint, "--l3-bucket", "lake-tls", "--l3-region", "eu-west-1", "--l3-create-bucket"];
+    let l3 = [&l3[..], &["--l3-write-back", "eager"]].concat();
+    let keys = [("LAKE_S3_ACCESS_KEY", "lake".as_ref()), ("LAKE_S3_SECRET_KEY", "lake-secret".as_ref())];
+    let dir = certs.ca.with_file_name("pool");
+
+    // Trusting the system's roots only: the start stops at the bucket.
+    let Err(why) = serve(&dir.with_extension("untrusting"), &l3, &keys) else {
+        panic!("a pool that does not trust the server's CA made its bucket");
+    };
+    assert!(why.contains("l3") && why.to_lowercase().contains("certificate"), "{why}");
+
+    // Trusting the private CA: blocks go to L3 over https.
+    let trusting = [&keys[..], &[("SSL_CERT_FILE", certs.ca.as_os_str())]].concat();
+    let (line, mut pool) = serve(&dir, &l3, &trusting).unwrap();
+    let record: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let mut agent = engine(&dir, record["mirror"].as_str().unwrap());
+    let blocks: Vec<lake_dp::BlockKey> = (0..6u8).map(|i| lake_dp::BlockKey([0x7c ^ i; 16])).collect();
+    chain::save_chain(&mut agent, &blocks, |i| vec![u8::try_from(i).unwrap_or(0); 32 * 1024]);
+    drop(agent);
+    supervise::stop(&mut pool.child.0);
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut pool.out, &mut rest);
+    let writes = rest.split("\"l3_writes\":").nth(1).and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next());
+    let writes: u64 = writes.and_then(|w| w.parse().ok()).unwrap_or(0);
+    assert!(writes >= 6, "{writes} L3 writes over https for 6 blocks saved: {rest}");
+}
