@@ -54,7 +54,8 @@ class Pool:
         self.process = subprocess.Popen(self.args, stdout=open(self.log, "a"), stderr=subprocess.STDOUT)
         record = self.dir / "pool.json"
         deadline = time.monotonic() + 60
-        while not record.exists():
+        # This process's record: one a killed pool left names another pid.
+        while not (record.exists() and json.loads(record.read_text()).get("pid") == self.process.pid):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"lake serve did not start:\n{self.log.read_text()}")
             time.sleep(0.05)

@@ -297,6 +297,14 @@ def test_a_pool_killed_under_a_running_vllm_costs_hits_not_output(engine, lake_b
         result = join()
     finally:
         doomed.stop()
+    # What the killed pool left in shared memory goes with the next start
+    # on its directory (its record names it), as an operator's restart
+    # would do.
+    killed = [doomed.record["arena"], doomed.record["mirror"]]
+    assert all(os.path.exists(path) for path in killed), killed
+    doomed.start()
+    doomed.stop()
+    assert not any(os.path.exists(path) for path in killed), killed
     alone = engine.run([phase([X]), phase([Q]), phase([Y])])
     for index in range(3):
         assert only(result, index)["tokens"] == only(alone, index)["tokens"]

@@ -47,6 +47,8 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     let mut announced: Option<(u16, u64)> = None;
     let serving = serde_json::json!({
         "event": "serving",
+        // Which process: a record left by a killed one is told apart.
+        "pid": std::process::id(),
         "dp_socket": pool.dp_socket,
         "cp_socket": pool.cp_socket,
         "admin_socket": pool.admin_socket,
