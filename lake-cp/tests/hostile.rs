@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 mod chain;
 #[path = "common/scratch.rs"]
 mod scratch;
+#[path = "common/served.rs"]
+mod served;
 #[path = "common/supervise.rs"]
 mod supervise;
 
@@ -92,6 +94,24 @@ fn can_run_floods() -> bool {
     true
 }
 
+/// `/usr/bin/python3 -c SCRIPT ARGS...` as `nobody`: the process, its
+/// stdout, and the first line it said.
+fn flood_as_nobody(script_and_args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStdout>, String) {
+    let mut flood = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .args(script_and_args)
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .current_dir("/")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(flood.stdout.take().unwrap());
+    let mut first = String::new();
+    out.read_line(&mut first).unwrap();
+    (flood, out, first)
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -111,18 +131,7 @@ fn get(address: &str, path: &str) -> Result<String, String> {
 /// An engine of another process: attaches over `dp.sock`, saves `blocks`
 /// blocks (`first` on) and loads them back; whether every byte came back.
 fn engine_round_trip(dir: &std::path::Path, mirror: &str, first: u32, blocks: u32) -> Result<(), String> {
-    let cp = dir.join("cp.sock");
-    let config = lake_agent::AgentConfig {
-        arena: std::path::Path::new("/nonexistent"),
-        mirror: std::path::Path::new(mirror),
-        cp_socket: Some(&cp),
-        name: "after-the-flood",
-        namespace: lake_dp::NamespaceId(0xf1),
-        layout_fingerprint: 0xf1f1,
-        segment_bytes: 8192,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    let mut agent = lake_agent::Agent::connect(&config, &dir.join("dp.sock")).map_err(|e| format!("attach: {e:?}"))?;
+    let mut agent = served::engine(dir, mirror, 0xf1).map_err(|e| format!("attach: {e:?}"))?;
     let keys: Vec<lake_dp::BlockKey> = (first..first + blocks)
         .map(|b| {
             let mut key = [0xf1; 16];
@@ -161,38 +170,21 @@ fn a_connection_flood_from_another_user_under_a_low_fd_limit_leaves_the_pool_ser
     let _scratch = scratch::Scratch(dir.clone(), Vec::new());
     let transport = format!("127.0.0.1:{}", free_port());
     // 256 descriptors, soft and hard: the pool cannot raise its way out.
-    let mut pool = Command::new("prlimit")
-        .arg("--nofile=256:256")
-        .arg(env!("CARGO_BIN_EXE_lake"))
-        .args(["serve", "--metrics", "127.0.0.1:0", "--block-bytes", "65536", "--l1-slots", "64"])
-        .args(["--l2-slots", "64", "--transport-listen", &transport, "--dir"])
-        .arg(&dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(pool.stdout.take().unwrap());
-    let mut serving = String::new();
-    out.read_line(&mut serving).unwrap();
-    assert!(serving.contains("\"event\":\"serving\""), "{serving}");
-    let record: serde_json::Value = serde_json::from_str(&serving).unwrap();
-    let metrics = record["metrics"].as_str().unwrap().to_owned();
-    let mirror = record["mirror"].as_str().unwrap().to_owned();
+    let mut pool = served::start(
+        Command::new("prlimit")
+            .arg("--nofile=256:256")
+            .arg(env!("CARGO_BIN_EXE_lake"))
+            .args(["serve", "--metrics", "127.0.0.1:0", "--block-bytes", "65536", "--l1-slots", "64"])
+            .args(["--l2-slots", "64", "--transport-listen", &transport, "--dir"])
+            .arg(&dir),
+    )
+    .unwrap();
+    let (metrics, mirror) = (pool.field("metrics"), pool.field("mirror"));
 
     // 1,100 connections from `nobody`, held 3 s.
-    let mut flood = Command::new("/usr/bin/python3")
-        .args(["-c", FLOOD, "1100", "3", &metrics, &transport])
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .current_dir("/")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut flood_out = BufReader::new(flood.stdout.take().unwrap());
-    let mut tally = String::new();
-    flood_out.read_line(&mut tally).unwrap();
+    let (mut flood, _, tally) = flood_as_nobody(&[FLOOD, "1100", "3", &metrics, &transport]);
     // All opened (or refused): the pool holds at its worst now.
-    assert!(pool.try_wait().unwrap().is_none(), "the pool exited under the flood ({tally})");
+    assert!(pool.child.try_wait().unwrap().is_none(), "the pool exited under the flood ({tally})");
     for socket in ["cp.sock", "dp.sock", "admin.sock"] {
         assert!(dir.join(socket).exists(), "{socket} went under the flood");
     }
@@ -210,11 +202,11 @@ fn a_connection_flood_from_another_user_under_a_low_fd_limit_leaves_the_pool_ser
     assert!(healthz.contains("200"), "{healthz}");
     engine_round_trip(&dir, &mirror, 0, 8).unwrap();
     let scraped = get(&metrics, "/metrics").unwrap();
-    assert!(pool.try_wait().unwrap().is_none(), "the pool exited after the flood");
-    supervise::stop(&mut pool);
-    let status = pool.wait().unwrap();
+    assert!(pool.child.try_wait().unwrap().is_none(), "the pool exited after the flood");
+    supervise::stop(&mut pool.child);
+    let status = pool.child.wait().unwrap();
     let mut stderr = String::new();
-    let _ = pool.stderr.take().unwrap().read_to_string(&mut stderr);
+    let _ = pool.child.stderr.take().unwrap().read_to_string(&mut stderr);
     assert!(status.success(), "{status}: {stderr}");
     println!("flood: {}; the pool's shedding: {}", tally.trim(), shed_lines(&scraped));
 }
@@ -239,35 +231,17 @@ fn silent_connections_on_the_attach_socket_do_not_keep_a_real_engine_out() {
     let _scratch = scratch::Scratch(dir.clone(), Vec::new());
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut pool = Command::new(env!("CARGO_BIN_EXE_lake"))
-        .args(["serve", "--metrics", "127.0.0.1:0", "--block-bytes", "65536", "--l1-slots", "64", "--l2-slots", "64"])
-        .args(["--agents", "4", "--allow-uid", &NOBODY.to_string(), "--socket-mode", "666", "--dir"])
-        .arg(&dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(pool.stdout.take().unwrap());
-    let mut serving = String::new();
-    out.read_line(&mut serving).unwrap();
-    let record: serde_json::Value = serde_json::from_str(&serving).unwrap();
-    let mirror = record["mirror"].as_str().unwrap().to_owned();
-    let metrics = record["metrics"].as_str().unwrap().to_owned();
+    let mut pool = served::start(
+        Command::new(env!("CARGO_BIN_EXE_lake"))
+            .args(["serve", "--metrics", "127.0.0.1:0", "--block-bytes", "65536", "--l1-slots", "64"])
+            .args(["--l2-slots", "64", "--agents", "4", "--allow-uid", &NOBODY.to_string(), "--socket-mode", "666"])
+            .arg("--dir")
+            .arg(&dir),
+    )
+    .unwrap();
+    let (metrics, mirror) = (pool.field("metrics"), pool.field("mirror"));
     let dp = dir.join("dp.sock");
-    let mut flood = Command::new("/usr/bin/python3")
-        .arg("-c")
-        .arg(SILENT_ON_UNIX)
-        .arg(&dp)
-        .args(["50", "6"])
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .current_dir("/")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut flood_out = BufReader::new(flood.stdout.take().unwrap());
-    let mut started = String::new();
-    flood_out.read_line(&mut started).unwrap();
+    let (mut flood, mut flood_out, started) = flood_as_nobody(&[SILENT_ON_UNIX, dp.to_str().unwrap(), "50", "6"]);
     assert!(started.starts_with("held 50"), "{started}");
     // Past the hello deadline: the flood has had its connections closed
     // and opened new ones.
@@ -296,8 +270,8 @@ fn silent_connections_on_the_attach_socket_do_not_keep_a_real_engine_out() {
         std::thread::sleep(Duration::from_millis(200));
     };
     assert!(shed(&scraped) > 0, "no shed attach connection in the metrics");
-    supervise::stop(&mut pool);
-    assert!(pool.wait().unwrap().success());
+    supervise::stop(&mut pool.child);
+    assert!(pool.child.wait().unwrap().success());
     let lines: Vec<&str> = scraped.lines().filter(|l| l.starts_with("lake_dp_connections_shed_total{")).collect();
     println!("flood on the attach socket: {}; the pool's shedding: {}", ended.trim(), lines.join("; "));
 }

@@ -6,6 +6,12 @@
 //! left the command waiting for ever; it once removed its whole directory,
 //! L2 and the operator's files with it, at every stop.
 
+#[path = "common/served.rs"]
+#[allow(dead_code)] // this file starts its pools its own way
+mod served;
+#[path = "common/supervise.rs"]
+mod supervise;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -134,18 +140,7 @@ fn chain<'a>(keys: &[lake_dp::BlockKey], payloads: &'a [Vec<u8>]) -> Vec<lake_ag
 }
 
 fn engine(dir: &std::path::Path, mirror: &str) -> lake_agent::Agent {
-    let cp = dir.join("cp.sock");
-    let config = lake_agent::AgentConfig {
-        arena: std::path::Path::new("/nonexistent"),
-        mirror: std::path::Path::new(mirror),
-        cp_socket: Some(&cp),
-        name: "restart-test",
-        namespace: lake_dp::NamespaceId(0x5c),
-        layout_fingerprint: 0x5c5c,
-        segment_bytes: 8192,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    lake_agent::Agent::connect(&config, &dir.join("dp.sock")).unwrap()
+    served::engine(dir, mirror, 0x5c).unwrap()
 }
 
 /// The directory is the operator's and the pool's L2 its recovery point:

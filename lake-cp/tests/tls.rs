@@ -14,7 +14,6 @@
 //! Without `etcd`, moto or `openssl` a test says `SKIPPED` — except in CI
 //! (`CI` set), where that is a failure.
 
-use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,6 +24,8 @@ use lake_cp::ha::Cluster;
 mod chain;
 #[path = "common/scratch.rs"]
 mod scratch;
+#[path = "common/served.rs"]
+mod served;
 #[path = "common/supervise.rs"]
 mod supervise;
 
@@ -66,53 +67,18 @@ fn which(program: &str) -> Option<std::path::PathBuf> {
     found
 }
 
-/// A `lake serve` that says it serves: the process and its stdout.
-struct Pool {
-    child: Killed,
-    out: std::io::BufReader<std::process::ChildStdout>,
-}
-
 /// `lake serve` on `dir` with `extra` arguments and environment (and no
-/// `SSL_CERT_FILE` but the one given): its serving line and the pool, or
-/// what it said on stderr as it exited.
-fn serve(dir: &std::path::Path, extra: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Result<(String, Pool), String> {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_lake"));
-    command
-        .args(["serve", "--metrics", "off", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32", "--dir"])
-        .arg(dir)
-        .args(extra)
-        .env_remove("SSL_CERT_FILE")
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = command.spawn().unwrap();
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    if line.contains("\"event\":\"serving\"") {
-        return Ok((line, Pool { child: Killed(child), out }));
-    }
-    let status = child.wait().unwrap();
-    let mut stderr = String::new();
-    let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr);
-    assert!(!status.success(), "lake serve exited 0 without serving: {stderr}");
-    Err(stderr)
-}
-
-/// An engine of this process attached to the pool in `dir`.
-fn engine(dir: &std::path::Path, mirror: &str) -> lake_agent::Agent {
-    let cp = dir.join("cp.sock");
-    let config = lake_agent::AgentConfig {
-        arena: std::path::Path::new("/nonexistent"),
-        mirror: std::path::Path::new(mirror),
-        cp_socket: Some(&cp),
-        name: "tls-test",
-        namespace: lake_dp::NamespaceId(0x7c),
-        layout_fingerprint: 0x7c7c,
-        segment_bytes: 8192,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    lake_agent::Agent::connect(&config, &dir.join("dp.sock")).unwrap()
+/// `SSL_CERT_FILE` but the one given).
+fn serve(dir: &std::path::Path, extra: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Result<served::Served, String> {
+    served::start(
+        Command::new(env!("CARGO_BIN_EXE_lake"))
+            .args(["serve", "--metrics", "off", "--block-bytes", "65536", "--l1-slots", "32", "--l2-slots", "32"])
+            .arg("--dir")
+            .arg(dir)
+            .args(extra)
+            .env_remove("SSL_CERT_FILE")
+            .envs(env.iter().copied()),
+    )
 }
 
 #[test]
@@ -175,7 +141,7 @@ fn etcd_over_https_asks_for_and_gets_a_client_certificate() {
     let (ca, cert, key) =
         (certs.ca.to_str().unwrap(), certs.client_cert.to_str().unwrap(), certs.client_key.to_str().unwrap());
     let cluster = ["--etcd", &endpoint, "--cluster", "tls", "--node", "7", "--etcd-ca", ca];
-    let (_, _pool) = serve(&dir, &[&cluster[..], &["--etcd-cert", cert, "--etcd-key", key]].concat(), &[]).unwrap();
+    let _pool = serve(&dir, &[&cluster[..], &["--etcd-cert", cert, "--etcd-key", key]].concat(), &[]).unwrap();
     let members = Cluster::new(Etcd::with_tls(&[&endpoint], timeout, &good).unwrap(), "tls").unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !members.members().unwrap().iter().any(|(node, _)| *node == 7) {
@@ -227,13 +193,12 @@ fn s3_over_https_trusts_a_private_ca_and_refuses_an_unknown_one() {
 
     // Trusting the private CA: blocks go to L3 over https.
     let trusting = [&keys[..], &[("SSL_CERT_FILE", certs.ca.as_os_str())]].concat();
-    let (line, mut pool) = serve(&dir, &l3, &trusting).unwrap();
-    let record: serde_json::Value = serde_json::from_str(&line).unwrap();
-    let mut agent = engine(&dir, record["mirror"].as_str().unwrap());
+    let mut pool = serve(&dir, &l3, &trusting).unwrap();
+    let mut agent = served::engine(&dir, &pool.field("mirror"), 0x7c).unwrap();
     let blocks: Vec<lake_dp::BlockKey> = (0..6u8).map(|i| lake_dp::BlockKey([0x7c ^ i; 16])).collect();
     chain::save_chain(&mut agent, &blocks, |i| vec![u8::try_from(i).unwrap_or(0); 32 * 1024]);
     drop(agent);
-    supervise::stop(&mut pool.child.0);
+    supervise::stop(&mut pool.child);
     let mut rest = String::new();
     let _ = std::io::Read::read_to_string(&mut pool.out, &mut rest);
     let writes = rest.split("\"l3_writes\":").nth(1).and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next());
