@@ -20,8 +20,12 @@ use std::time::{Duration, Instant};
 use lake_cp::etcd::{Etcd, EtcdError, EtcdTls};
 use lake_cp::ha::Cluster;
 
+use etcd_server::EtcdServer;
+
 #[path = "common/chain.rs"]
 mod chain;
+#[path = "common/etcd.rs"]
+mod etcd_server;
 #[path = "common/scratch.rs"]
 mod scratch;
 #[path = "common/served.rs"]
@@ -56,17 +60,6 @@ impl Drop for Killed {
     }
 }
 
-/// Where a program is on `PATH`, or `None` (said; a failure in CI).
-fn which(program: &str) -> Option<std::path::PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let found = std::env::split_paths(&path).map(|d| d.join(program)).find(|p| p.is_file());
-    if found.is_none() {
-        assert!(std::env::var_os("CI").is_none(), "no {program}: .ci/run installs it");
-        println!("SKIPPED: no {program} on PATH");
-    }
-    found
-}
-
 /// `lake serve` on `dir` with `extra` arguments and environment (and no
 /// `SSL_CERT_FILE` but the one given).
 fn serve(dir: &std::path::Path, extra: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Result<served::Served, String> {
@@ -83,42 +76,12 @@ fn serve(dir: &std::path::Path, extra: &[&str], env: &[(&str, &std::ffi::OsStr)]
 
 #[test]
 fn etcd_over_https_asks_for_and_gets_a_client_certificate() {
-    let Some(etcd) = which("etcd") else { return };
     let Some((_scratch, certs)) = certs("etcd") else { return };
-    let (client, peer) = (free_port(), free_port());
-    let data = certs.ca.with_file_name("etcd-data");
-    let endpoint = format!("https://127.0.0.1:{client}");
-    let peer_url = format!("http://127.0.0.1:{peer}");
-    let _server = Killed(
-        Command::new(etcd)
-            .args(["--name", "lake-tls", "--data-dir"])
-            .arg(&data)
-            .args(["--listen-client-urls", &endpoint, "--advertise-client-urls", &endpoint])
-            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("lake-tls={peer_url}"), "--client-cert-auth"])
-            .arg("--trusted-ca-file")
-            .arg(&certs.ca)
-            .arg("--cert-file")
-            .arg(&certs.server_cert)
-            .arg("--key-file")
-            .arg(&certs.server_key)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let Some(server) = EtcdServer::start_tls("tls", &certs) else { return };
+    let endpoint = server.endpoint();
     let timeout = Duration::from_secs(2);
-    let good = EtcdTls {
-        ca: Some(certs.ca.clone()),
-        cert: Some(certs.client_cert.clone()),
-        key: Some(certs.client_key.clone()),
-    };
+    let good = server.client_tls();
     let etcd = Etcd::with_tls(&[&endpoint], timeout, &good).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !etcd.healthy() {
-        assert!(Instant::now() < deadline, "etcd over https not healthy");
-        std::thread::sleep(Duration::from_millis(100));
-    }
     etcd.put(b"/lake-tls/k", b"v", None).unwrap();
     assert_eq!(etcd.get(b"/lake-tls/k").unwrap().map(|kv| kv.value), Some(b"v".to_vec()));
 
@@ -129,7 +92,7 @@ fn etcd_over_https_asks_for_and_gets_a_client_certificate() {
     let wrong_ca = EtcdTls { ca: Some(certs.other_ca.clone()), ..good.clone() };
     let refused = Etcd::with_tls(&[&endpoint], timeout, &wrong_ca).unwrap().get(b"/lake-tls/k");
     assert!(matches!(&refused, Err(EtcdError::Unreachable(why)) if why.contains("certificate")), "{refused:?}");
-    let plain = format!("http://127.0.0.1:{client}");
+    let plain = endpoint.replacen("https", "http", 1);
     assert!(Etcd::new(&[&plain], timeout).unwrap().get(b"/lake-tls/k").is_err());
     // Half a client certificate, or TLS settings for http: said at once.
     let half = EtcdTls { key: None, ..good.clone() };

@@ -35,8 +35,13 @@ fn openssl(dir: &Path, args: &[&str]) -> Result<(), String> {
 /// A self-signed CA named `name` in `dir`: `name.pem`, `name.key`.
 fn ca(dir: &Path, name: &str) -> Result<(), String> {
     let (cert, key, subject) = (format!("{name}.pem"), format!("{name}.key"), format!("/CN={name}"));
-    let args = ["-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", &subject, "-keyout", &key, "-out", &cert];
-    openssl(dir, &[&["req", "-x509"][..], &args[..]].concat())
+    openssl(
+        dir,
+        &[
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", &subject, "-keyout", &key, "-out",
+            &cert,
+        ],
+    )
 }
 
 /// A certificate `name` signed by `ca`, for `extensions` (an OpenSSL

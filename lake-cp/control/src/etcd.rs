@@ -383,7 +383,7 @@ fn http(
     body: &str,
     timeout: Duration,
 ) -> std::io::Result<(u16, String)> {
-    use std::io::{Error, ErrorKind, Write};
+    use std::io::{Error, ErrorKind};
     use std::net::ToSocketAddrs;
 
     let (secure, authority) = match endpoint.split_once("://") {
@@ -409,23 +409,21 @@ fn http(
         let name = rustls::pki_types::ServerName::try_from(host.to_owned())
             .map_err(|e| Error::new(ErrorKind::InvalidInput, format!("{host}: {e}")))?;
         let session = rustls::ClientConnection::new(Arc::clone(config), name).map_err(Error::other)?;
-        let mut stream = rustls::StreamOwned::new(session, stream);
-        stream.write_all(request.as_bytes())?;
-        stream.flush()?;
-        read_answer(&mut stream)?
+        exchange(&mut rustls::StreamOwned::new(session, stream), &request)?
     } else {
-        let mut stream = stream;
-        stream.write_all(request.as_bytes())?;
-        read_answer(&mut stream)?
+        exchange(&mut { stream }, &request)?
     };
     parse_answer(&raw)
 }
 
-/// Everything the server sends until it closes (4 MiB at most). A TLS
-/// server that closes without saying so ends the answer too: the body's
-/// length is checked when it is parsed.
-fn read_answer(stream: &mut impl std::io::Read) -> std::io::Result<Vec<u8>> {
+/// Sends `request` and reads everything the server sends until it closes
+/// (4 MiB at most). A TLS server that closes without saying so ends the
+/// answer too: an answer cut short fails its parse (a chunk's size, the
+/// JSON).
+fn exchange(stream: &mut (impl std::io::Read + std::io::Write), request: &str) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
+    stream.write_all(request.as_bytes())?;
+    stream.flush()?;
     // Answers are small (etcd caps requests at 1.5 MiB; Lake's are bytes).
     let mut raw = Vec::new();
     match stream.take(4 << 20).read_to_end(&mut raw) {

@@ -30,6 +30,20 @@ impl Listener {
     /// Every listener, in index order.
     pub const ALL: [Self; 3] = [Self::Cp, Self::Metrics, Self::Admin];
 
+    /// Its token in the server's poll (a connection's are the others).
+    pub(super) fn token(self) -> Token {
+        match self {
+            Self::Cp => Token(0),
+            Self::Metrics => Token(1),
+            Self::Admin => Token(usize::MAX),
+        }
+    }
+
+    /// The listener whose token `token` is, if one's is.
+    pub(super) fn of(token: Token) -> Option<Self> {
+        Self::ALL.into_iter().find(|listener| listener.token() == token)
+    }
+
     /// Its name in metrics and logs.
     pub fn name(self) -> &'static str {
         match self {
@@ -185,9 +199,7 @@ impl Server {
             self.http.iter().filter(|(_, c)| now.duration_since(c.since) > HTTP_DEADLINE).map(|(&t, _)| t).collect();
         for token in late {
             self.counters.shed[Listener::Metrics as usize].timed_out += 1;
-            if let Some(mut client) = self.http.remove(&token) {
-                let _ = self.poll.registry().deregister(&mut client.stream);
-            }
+            self.close_http(token);
         }
         let idle: Vec<Token> = self
             .admin_clients
@@ -197,9 +209,19 @@ impl Server {
             .collect();
         for token in idle {
             self.counters.shed[Listener::Admin as usize].timed_out += 1;
-            if let Some(mut client) = self.admin_clients.remove(&token) {
-                let _ = self.poll.registry().deregister(&mut client.stream);
-            }
+            self.close_admin(token);
+        }
+    }
+
+    fn close_http(&mut self, token: Token) {
+        if let Some(mut client) = self.http.remove(&token) {
+            let _ = self.poll.registry().deregister(&mut client.stream);
+        }
+    }
+
+    fn close_admin(&mut self, token: Token) {
+        if let Some(mut client) = self.admin_clients.remove(&token) {
+            let _ = self.poll.registry().deregister(&mut client.stream);
         }
     }
 
@@ -315,8 +337,8 @@ impl Server {
         if !client.output.is_empty() && client.written == client.output.len() {
             done = true;
         }
-        if done && let Some(mut client) = self.http.remove(&token) {
-            let _ = self.poll.registry().deregister(&mut client.stream);
+        if done {
+            self.close_http(token);
         }
     }
 
@@ -380,8 +402,8 @@ impl Server {
         if client.output.len() > super::OUT_BYTES_MAX || (client.closing && client.output.is_empty()) {
             done = true;
         }
-        if done && let Some(mut client) = self.admin_clients.remove(&token) {
-            let _ = self.poll.registry().deregister(&mut client.stream);
+        if done {
+            self.close_admin(token);
         }
     }
 }

@@ -34,10 +34,6 @@ mod listeners;
 
 pub use listeners::{ACCEPT_PAUSE, ADMIN_IDLE, ConnectionCaps, HELLO_DEADLINE, HTTP_DEADLINE, Listener, Shed};
 
-const LISTENER: Token = Token(0);
-const METRICS: Token = Token(1);
-const ADMIN: Token = Token(usize::MAX);
-
 /// A client of the operator's socket ([`crate::admin`]).
 struct AdminClient {
     stream: UnixStream,
@@ -378,7 +374,7 @@ impl Server {
         let _ = std::fs::remove_file(path);
         let mut listener = UnixListener::bind(path)?;
         let poll = Poll::new()?;
-        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        poll.registry().register(&mut listener, Listener::Cp.token(), Interest::READABLE)?;
         let identity = Identity {
             role: Role::ControlPlane,
             node: node.node().0,
@@ -432,7 +428,7 @@ impl Server {
     /// one).
     pub fn serve_metrics(&mut self, address: std::net::SocketAddr) -> io::Result<std::net::SocketAddr> {
         let mut listener = mio::net::TcpListener::bind(address)?;
-        self.poll.registry().register(&mut listener, METRICS, Interest::READABLE)?;
+        self.poll.registry().register(&mut listener, Listener::Metrics.token(), Interest::READABLE)?;
         let bound = listener.local_addr()?;
         self.metrics = Some(listener);
         Ok(bound)
@@ -445,7 +441,7 @@ impl Server {
         let _ = std::fs::remove_file(path);
         let mut listener = UnixListener::bind(path)?;
         lake_dp::auth::peer::restrict(path, 0o600, None)?;
-        self.poll.registry().register(&mut listener, ADMIN, Interest::READABLE)?;
+        self.poll.registry().register(&mut listener, Listener::Admin.token(), Interest::READABLE)?;
         self.admin = Some((listener, path.to_path_buf()));
         Ok(())
     }
@@ -498,20 +494,12 @@ impl Server {
         let ready: Vec<(Token, bool, bool)> =
             self.events.iter().map(|e| (e.token(), e.is_readable() || e.is_read_closed(), e.is_writable())).collect();
         for (token, readable, writable) in ready {
-            if token == LISTENER {
-                self.accept_on(Listener::Cp);
-                continue;
-            }
-            if token == METRICS {
-                self.accept_on(Listener::Metrics);
+            if let Some(listener) = Listener::of(token) {
+                self.accept_on(listener);
                 continue;
             }
             if self.http.contains_key(&token) {
                 self.serve_http(token);
-                continue;
-            }
-            if token == ADMIN {
-                self.accept_on(Listener::Admin);
                 continue;
             }
             if self.admin_clients.contains_key(&token) {

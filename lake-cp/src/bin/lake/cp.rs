@@ -402,13 +402,16 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
             }
             let c = aggregator.counters;
             say(format!(
-                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"nodes\":{}}}",
+                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"shed\":{{\"over_cap\":{},\"no_hello\":{},\"accept_failed\":{}}},\"nodes\":{}}}",
                 aggregator.connected(),
                 c.applied,
                 c.snapshot_frames,
                 c.gaps,
                 c.copies_asked,
                 c.drain_copies_asked,
+                c.over_cap,
+                c.no_hello,
+                c.accept_failed,
                 nodes_json(&aggregator.summary)
             ));
         }
