@@ -156,6 +156,12 @@ typedef enum LakeStatus {
    than saved in part.
    */
   LAKE_SAVE_PRESSURE = 19,
+  /*
+   A save refused: its namespace, or its tenant across its namespaces,
+   is at its L1 quota. The pool makes room by moving that tenant's own
+   coldest blocks down; later saves go in.
+   */
+  LAKE_OVER_QUOTA = 20,
 } LakeStatus;
 
 /*

@@ -59,6 +59,10 @@ pub enum LakeStatus {
     /// `lake_pool_save_pressure`), so the whole save was skipped rather
     /// than saved in part.
     LakeSavePressure = 19,
+    /// A save refused: its namespace, or its tenant across its namespaces,
+    /// is at its L1 quota. The pool makes room by moving that tenant's own
+    /// coldest blocks down; later saves go in.
+    LakeOverQuota = 20,
 }
 
 thread_local! {
@@ -170,6 +174,7 @@ pub(crate) fn status_of_agent_error(error: lake_agent::port::AgentError) -> Lake
         AgentError::Cancelled => LakeStatus::LakeCancelled,
         AgentError::Reserved => LakeStatus::LakeLoadReserve,
         AgentError::Stopping => LakeStatus::LakeStopping,
+        AgentError::OverQuota => LakeStatus::LakeOverQuota,
     }
 }
 

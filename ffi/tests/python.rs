@@ -63,6 +63,22 @@ fn config(dir: PathBuf) -> EmbeddedConfig {
     }
 }
 
+/// A pool holding the suite's tenant 9 (`namespace(9)` in
+/// `test_binding.py`) to 4 blocks of L1.
+fn quota_config(dir: PathBuf) -> EmbeddedConfig {
+    let tenant =
+        lake_dp::Namespace::new(&lake_dp::TenantKey([9; 32]), lake_dp::KeyScheme::TokenIdsV1, 16, [3; 32], [0; 32])
+            .unwrap();
+    let mut config = config(dir);
+    config.tiers.tenant_quotas = vec![lake_cp::tier::TenantQuota {
+        tenant: "nine".into(),
+        namespaces: vec![tenant.id().0],
+        tier: lake_dp::Tier::L1Dram,
+        bytes: 4 * lake_dp::stored::object_bytes(BLOCK_BYTES),
+    }];
+    config
+}
+
 #[test]
 fn the_python_binding_passes_its_suite_against_a_real_pool() {
     let probe = Command::new("python3").args(["-c", "import numpy, pytest"]).output();
@@ -88,6 +104,7 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     // down), and says so.
     let mut closed = EmbeddedPool::start(&config(root.join("closed"))).unwrap();
     closed.empty_l1();
+    let quota = EmbeddedPool::start(&quota_config(root.join("quota"))).unwrap();
     let stop_file = root.join("stop-doomed");
     let (doomed_dp, doomed_mirror, doomed_cp) =
         (doomed.dp_socket.clone(), doomed.mirror.clone(), doomed.cp_socket.clone());
@@ -129,6 +146,10 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
         .env("LAKE_CLOSED_MIRROR", &closed.mirror)
         .env("LAKE_CLOSED_CP_SOCKET", &closed.cp_socket)
         .env("LAKE_CLOSED_BLOCK_BYTES", BLOCK_BYTES.to_string())
+        .env("LAKE_QUOTA_DP_SOCKET", &quota.dp_socket)
+        .env("LAKE_QUOTA_MIRROR", &quota.mirror)
+        .env("LAKE_QUOTA_CP_SOCKET", &quota.cp_socket)
+        .env("LAKE_QUOTA_BLOCK_BYTES", BLOCK_BYTES.to_string())
         .output()
         .unwrap();
     let _ = std::fs::write(&stop_file, "done");
@@ -138,6 +159,7 @@ fn the_python_binding_passes_its_suite_against_a_real_pool() {
     drop(pool);
     drop(small);
     drop(closed);
+    drop(quota);
     let _ = std::fs::remove_dir_all(&root);
     assert!(run.status.success(), "pytest failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("passed"), "{stdout}");

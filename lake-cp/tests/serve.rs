@@ -682,7 +682,7 @@ fn refused_saves_are_logged_and_shown_in_top() {
     let text = String::from_utf8_lossy(&text.stdout);
     let by = &top["saves"]["refused_by"];
     let why = format!(
-        "{refused} refused ({} L1 full, {} only the load reserve free, 0 stopping)",
+        "{refused} refused ({} L1 full, {} only the load reserve free, 0 stopping, 0 over quota)",
         by["no_space"], by["load_reserve"]
     );
     assert!(text.contains(&why), "{text}");

@@ -56,8 +56,16 @@ fn two_tenants_with_the_same_tokens_never_see_each_others_blocks() {
 /// its own — demoted to L2, still found and loaded byte for byte — while
 /// another tenant's blocks stay in L1, though the tier is far from full
 /// and neither of the first tenant's namespaces alone is over the quota.
+/// A tenant of two namespaces under an L1 quota of 6 slots: a save that
+/// would take it past the quota is refused at its commit (`OverQuota`),
+/// never published, and another tenant's saves go on meanwhile; the
+/// tenant's own coldest blocks then go down to L2 and its saves find
+/// room again. Nothing is lost, and its L1 never holds more than its
+/// quota.
 #[test]
-fn a_tenant_over_its_quota_across_namespaces_gives_up_its_own_l1() {
+fn a_save_over_a_tenants_quota_is_refused_at_admission_and_its_own_coldest_make_room() {
+    use lake_agent::SaveStatus;
+    use lake_agent::port::AgentError;
     use lake_cp::tier::TenantQuota;
     use lake_dp::Tier;
     let dir = std::env::temp_dir().join(format!("lake-cp-tenant-quota-{}", std::process::id()));
@@ -81,6 +89,7 @@ fn a_tenant_over_its_quota_across_namespaces_gives_up_its_own_l1() {
         vec![quota("acme", vec![a1.id().0, a2.id().0], 6 * slot), quota("other", vec![b.id().0], 64 * slot)];
     let mut pool = EmbeddedPool::start(&config).unwrap();
     let address = pool.metrics.unwrap();
+    let acme_l1 = || metric(address, "lake_tenant_bytes{tenant=\"acme\",tier=\"l1\"}").unwrap_or(0);
     let tokens = |seed: u32| (0..16 * 5).map(|t| t * 13 + seed).collect::<Vec<u32>>();
     let (a1_keys, a2_keys, b_keys) = (
         KeyChain::keys(&a1, &tokens(1)).unwrap(),
@@ -88,19 +97,27 @@ fn a_tenant_over_its_quota_across_namespaces_gives_up_its_own_l1() {
         KeyChain::keys(&b, &tokens(3)).unwrap(),
     );
     let mut engines = [engine(&mut pool, &a1), engine(&mut pool, &a2), engine(&mut pool, &b)];
+    // Five of six slots: every block saved.
     save(&mut engines[0], &a1_keys, 0xa1);
-    save(&mut engines[1], &a2_keys, 0xa2);
-    save(&mut engines[2], &b_keys, 0xbb);
-    // Acme holds 10 blocks against a quota of 6: four go down to L2.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let acme = metric(address, "lake_tenant_bytes{tenant=\"acme\",tier=\"l1\"}");
-        let evicted = metric(address, "lake_tier_tenant_quota_evictions_total").unwrap_or(0);
-        if acme.is_some_and(|bytes| bytes <= 6 * slot) && evicted >= 4 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "acme holds {acme:?} bytes of L1 after {evicted} quota evictions");
-        std::thread::sleep(Duration::from_millis(20));
+    // Five more in one save, against one slot left: refused at admission.
+    let statuses = save_from(&mut engines[1], &a2_keys, 0, 0xa2);
+    let refused = statuses.iter().filter(|s| **s == SaveStatus::Refused(AgentError::OverQuota)).count();
+    let saved = statuses.iter().filter(|s| **s == SaveStatus::Saved).count();
+    assert!(refused >= 1 && saved < a2_keys.len(), "{statuses:?}");
+    assert!(acme_l1() <= 6 * slot, "acme holds {} bytes of L1 against a quota of {}", acme_l1(), 6 * slot);
+    // The other tenant is not held: no save pressure for it.
+    assert_eq!(save_from(&mut engines[2], &b_keys, 0, 0xbb), vec![SaveStatus::Saved; b_keys.len()]);
+    // Acme's own coldest go down to L2, and its refused blocks go in.
+    save_under_quota(&mut engines[1], &a2_keys, 0xa2, || {
+        assert!(acme_l1() <= 6 * slot, "acme holds {} bytes of L1 against a quota of {}", acme_l1(), 6 * slot);
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    assert!(metric(address, "lake_tier_tenant_quota_evictions_total").unwrap_or(0) >= 4);
+    // The data plane's figures come once a second.
+    let refused_metric = "lake_dp_saves_refused_total{reason=\"over_quota\"}";
+    while metric(address, refused_metric).unwrap_or(0) < 1 {
+        assert!(Instant::now() < deadline, "over_quota refusals: {:?}", metric(address, refused_metric));
+        std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(metric(address, "lake_tenant_quota_bytes{tenant=\"acme\",tier=\"l1\"}"), Some(6 * slot));
     assert_eq!(
@@ -109,14 +126,52 @@ fn a_tenant_over_its_quota_across_namespaces_gives_up_its_own_l1() {
         "the other tenant keeps its L1"
     );
     // Nothing lost: every block of every namespace is found and its bytes are its own.
-    let mut table = Vec::new();
     for (agent, (keys, fill)) in engines.iter_mut().zip([(&a1_keys, 0xa1), (&a2_keys, 0xa2), (&b_keys, 0xbb)]) {
-        assert_eq!(agent.lookup(keys, &mut table), keys.len());
-        let got = agent.fetch(keys, &table, |i, bytes| assert!(bytes.iter().all(|&x| x == fill), "block {i}"));
-        assert_eq!(got, keys.len());
+        load_all(agent, keys, fill);
     }
     drop(engines);
     pool.stop().unwrap();
+}
+
+/// Saves `keys[from..]` as the rest of the prefix `keys` (32 KiB of
+/// `fill` each) in one save; what became of each block.
+fn save_from(
+    agent: &mut lake_agent::Agent,
+    keys: &[lake_dp::BlockKey],
+    from: usize,
+    fill: u8,
+) -> Vec<lake_agent::SaveStatus> {
+    use lake_agent::{SaveBlock, SavePayload, SaveStatus};
+    let payload = vec![fill; 32 * 1024];
+    let blocks: Vec<SaveBlock<'_>> = (from..keys.len())
+        .map(|i| SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { lake_dp::BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            payload: SavePayload::Bytes(&payload),
+        })
+        .collect();
+    let mut statuses = vec![SaveStatus::NotSent; blocks.len()];
+    agent.save_with_statuses(&blocks, &mut statuses);
+    statuses
+}
+
+/// Saves the prefix `keys` (each 32 KiB of `fill`) under an L1 quota
+/// that refuses some of it: again from its first block not found, until
+/// every one is, calling `check` between rounds.
+fn save_under_quota(agent: &mut lake_agent::Agent, keys: &[lake_dp::BlockKey], fill: u8, check: impl Fn()) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut table = Vec::new();
+    loop {
+        let found = agent.lookup(keys, &mut table);
+        if found == keys.len() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{found} of {} blocks saved in 30 s", keys.len());
+        save_from(agent, keys, found, fill);
+        check();
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Loads every block of `keys` (each `fill`), in as many fetches as it
@@ -178,8 +233,9 @@ fn a_tenant_capped_on_l2_reads_loads_no_faster_than_its_cap_and_the_other_is_not
     let (capped_keys, free_keys) =
         (KeyChain::keys(&capped, &tokens(1)).unwrap(), KeyChain::keys(&free, &tokens(2)).unwrap());
     let mut engines = [engine(&mut pool, &capped), engine(&mut pool, &free)];
-    save(&mut engines[0], &capped_keys, 0xc1);
-    save(&mut engines[1], &free_keys, 0xf1);
+    // Saves past the quota are refused until the tenant's coldest go down.
+    save_under_quota(&mut engines[0], &capped_keys, 0xc1, || {});
+    save_under_quota(&mut engines[1], &free_keys, 0xf1, || {});
     // Both down to L2 but for their two L1 blocks.
     let mut table = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -561,6 +561,65 @@ fn copies_under_a_cap(name: &str, at: CapAt) -> (RunnerStats, RunnerStats) {
     (stats_a, stats_b)
 }
 
+/// A node holding namespace 7 to 4 blocks of L1 refuses copies of its
+/// blocks past that as it refuses its own engines' saves: the refused ones
+/// are never published there (no lookup finds more than the quota) and
+/// fail at their sender; another namespace's copies all land, exact.
+#[test]
+fn copies_into_a_node_past_a_namespaces_l1_quota_are_refused_and_another_namespaces_land() {
+    const BLOCKS: u32 = 12;
+    let node_b = free_port();
+    let slot = object_bytes(131_072);
+    let mut a = EmbeddedPool::start(&EmbeddedConfig {
+        local_agents: 2,
+        metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
+        ..config("quota-a", 1, None, vec![(2, node_b)])
+    })
+    .unwrap();
+    let mut b_config = config("quota-b", 2, Some(node_b), Vec::new());
+    b_config.local_agents = 2;
+    b_config.tiers.quotas = vec![lake_cp::tier::Quota { namespace: 7, tier: lake_dp::Tier::L1Dram, bytes: 4 * slot }];
+    let mut b = EmbeddedPool::start(&b_config).unwrap();
+    let mut a7 = engine_of(&mut a, "a7", 7);
+    let (keys7, _) = save_prompt(&mut a7, 700, BLOCKS);
+    let mut a8 = engine_of(&mut a, "a8", 8);
+    let (keys8, payloads8) = save_prompt(&mut a8, 800, BLOCKS);
+    let (mut b7, mut b8) = (engine_of(&mut b, "b7", 7), engine_of(&mut b, "b8", 8));
+    let to = l1_of(&b7, 2);
+    for key in keys7.iter().chain(&keys8) {
+        a.copy_to(key, to, Priority::Replication).unwrap();
+    }
+    let mut table = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while b8.lookup(&keys8, &mut table) < keys8.len() {
+        assert!(Instant::now() < deadline, "namespace 8's copies were not published at node 2");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let delivered = b8.fetch(&keys8, &table, |i, bytes| assert_eq!(bytes, &payloads8[i][..], "block {i}"));
+    assert_eq!(delivered, BLOCKS as usize);
+    // Every copy answered, landed or failed (node 1's figures, as
+    // /metrics shows them).
+    let address = a.metrics.unwrap();
+    let ended = |result: &str| {
+        metrics::metric(address, &format!("lake_copies_to_nodes_total{{result=\"{result}\"}}")).unwrap_or(0)
+    };
+    while ended("landed") + ended("failed") < u64::from(2 * BLOCKS) {
+        assert!(Instant::now() < deadline, "{} copies landed, {} failed", ended("landed"), ended("failed"));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let found: usize = keys7.iter().filter(|key| b7.lookup(std::slice::from_ref(key), &mut table) == 1).count();
+    drop((a7, a8, b7, b8));
+    let (stats_b, _) = b.stop().unwrap();
+    let (_, server_a) = a.stop().unwrap();
+    println!(
+        "namespace 7: {found} of {BLOCKS} copies held at node 2, {} refused over its quota",
+        stats_b.pool.saves_refused_quota
+    );
+    assert!(stats_b.pool.saves_refused_quota > 0, "{stats_b:?}");
+    assert!(found < BLOCKS as usize, "{found} of namespace 7's copies published past its quota");
+    assert_eq!(server_a.node().copies_failed, stats_b.pool.saves_refused_quota);
+}
+
 /// Copies `lake-cp` takes back (`Node::cancel_copy`, wire `Cancel`):
 /// those still waiting in the data plane (here behind their tenant's cap
 /// on the network) end `Cancelled` at once, their slots released, and

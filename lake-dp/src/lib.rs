@@ -16,7 +16,7 @@
 pub(crate) use lake_core::lock;
 pub(crate) use lake_core::usize_from;
 pub use lake_core::{
-    agent, arena, constants, copy, mirror, model, numa, os, rates, region, ring, rng, route, stored, wire,
+    agent, arena, constants, copy, mirror, model, numa, os, quota, rates, region, ring, rng, route, stored, wire,
 };
 
 pub mod auth;

@@ -18,7 +18,7 @@ const NOBODY: u32 = 65_534;
 
 fn probe(pool: &EmbeddedPool, uid: u32) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_lake-attach-probe"))
-        .args([&pool.dp_socket, &pool.cp_socket, &pool.mirror])
+        .args([&pool.dp_socket, &pool.cp_socket, &pool.mirror, &pool.arena])
         .uid(uid)
         .gid(uid)
         .output()
@@ -59,18 +59,22 @@ fn another_user_is_refused_unless_allowed_and_the_owner_is_unaffected() {
     let seen = probe(&closed, NOBODY);
     assert!(seen.contains("dp refused") && seen.contains("Unauthorized"), "{seen}");
     assert!(seen.contains("cp closed"), "{seen}");
+    // Nor can it open the pool's shared memory by its paths.
+    assert!(seen.contains("arena open: denied") && seen.contains("mirror open: denied"), "{seen}");
     // The owner (root) still attaches.
     let seen = probe(&closed, 0);
     assert!(!seen.contains("Unauthorized"), "{seen}");
     assert!(seen.contains("cp answered"), "{seen}");
     drop(closed);
 
-    // Allowed by uid: let in (the attach then needs the arena and mirror,
-    // which this probe does not have, but the socket lets it through). The
-    // list adds to the owner: root, not listed, is still let in.
+    // Allowed by uid: let in, and given the arena and the mirror over the
+    // socket — files it still cannot open by their paths — it saves and
+    // loads exact bytes. The list adds to the owner: root, not listed, is
+    // still let in.
     let allowed = pool(&root.join("allowed"), LocalAccess { allow_uids: vec![NOBODY], ..wide });
     let seen = probe(&allowed, NOBODY);
-    assert!(!seen.contains("Unauthorized"), "{seen}");
+    assert!(seen.contains("dp attached") && seen.contains("round trip: exact"), "{seen}");
+    assert!(seen.contains("arena open: denied") && seen.contains("mirror open: denied"), "{seen}");
     assert!(seen.contains("cp answered"), "{seen}");
     let seen = probe(&allowed, 0);
     assert!(!seen.contains("Unauthorized"), "{seen}");

@@ -364,34 +364,14 @@ impl Agent {
     /// ports).
     pub fn attach(config: &AgentConfig<'_>, port: AgentPort) -> Result<Self, AttachError> {
         let arena = Arena::attach(config.arena).map_err(|e| AttachError::Memory(e.to_string()))?;
-        Self::with(config, arena, port, None, true)
+        Self::with(config, (arena, None), port, None, true)
     }
 
-    /// The caps on tenants' pushes its data plane told it at attach (none
-    /// from one built before them), as buckets: the engine's pushes keep
-    /// to them ([`crate::push::Pusher::with_caps`]).
-    pub fn push_rates(&self) -> lake_core::rates::TenantRates {
-        use lake_core::rates::{RATE_PATHS, RatePath, TenantRate};
-        let mut tenants: Vec<TenantRate> = Vec::new();
-        for cap in &self.push_caps {
-            let index = cap.tenant as usize;
-            while tenants.len() <= index {
-                tenants.push(TenantRate {
-                    name: format!("tenant-{}", tenants.len()),
-                    namespaces: Vec::new(),
-                    bytes_per_s: [None; RATE_PATHS],
-                });
-            }
-            tenants[index].namespaces.push(cap.namespace);
-            tenants[index].bytes_per_s[RatePath::NetSend as usize] = Some(cap.bytes_per_s);
-        }
-        tenants.retain(|t| !t.namespaces.is_empty());
-        lake_core::rates::TenantRates::new(&tenants)
-    }
-
+    /// An agent over `arena` and the mirror passed with it (none: the one
+    /// at `config.mirror`).
     fn with(
         config: &AgentConfig<'_>,
-        arena: Arena,
+        (arena, mirror): (Arena, Option<std::os::fd::OwnedFd>),
         port: AgentPort,
         attach_socket: Option<UnixStream>,
         traces_taken: bool,
@@ -399,7 +379,11 @@ impl Agent {
         let memory = |e: &dyn core::fmt::Display| AttachError::Memory(e.to_string());
         let region = arena.region().map_err(|e| memory(&e))?;
         let pins = arena.claim_agent().map_err(AttachError::of_claim)?;
-        let mirror = MirrorReader::attach(config.mirror).map_err(|e| memory(&e))?;
+        let mirror = match mirror {
+            Some(fd) => MirrorReader::attach_fd(fd),
+            None => MirrorReader::attach(config.mirror),
+        }
+        .map_err(|e| memory(&e))?;
         let cp = match config.cp_socket {
             Some(socket) => {
                 let identity = Identity {
@@ -1193,8 +1177,10 @@ impl Agent {
 
     /// Whether the parent of a block to save was not saved (earlier in
     /// this save, or lately).
+    /// Whether `parent` is known not saved: this agent failed to save it
+    /// and the pool holds no copy (saved again, or by another engine).
     fn parent_unsaved(&self, parent: &BlockKey) -> bool {
-        *parent != BlockKey::NONE && self.unsaved_set.contains(parent)
+        *parent != BlockKey::NONE && self.unsaved_set.contains(parent) && !self.mirror.get(parent).is_hit()
     }
 
     /// Whether the data plane refuses saves now (it refused one for want

@@ -217,7 +217,7 @@ class LakeConnectorStats(KVConnectorStats):
 
 # Statuses of blocks the pool itself refused (the rest not saved were not
 # sent).
-_REFUSED = (lake.NO_SPACE, lake.LOAD_RESERVE, lake.STOPPING)
+_REFUSED = (lake.NO_SPACE, lake.LOAD_RESERVE, lake.STOPPING, lake.OVER_QUOTA)
 
 _STAT_COUNTS = (
     "blocks_loaded",

@@ -46,6 +46,12 @@ def closed_paths():
 
 
 @pytest.fixture(scope="session")
+def quota_paths():
+    """A pool holding tenant 9 to 4 blocks of L1."""
+    return _pool("LAKE_QUOTA_")
+
+
+@pytest.fixture(scope="session")
 def small_paths():
     """A pool whose L1 holds 16 blocks: most of a long request is in L2."""
     return _pool("LAKE_SMALL_")

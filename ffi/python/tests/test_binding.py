@@ -111,6 +111,37 @@ def test_a_pool_that_refuses_saves_says_so_and_a_save_is_skipped_whole(closed_pa
         assert pool.stats()["saves"] == 0
 
 
+def test_a_save_past_the_tenants_l1_quota_is_refused_over_quota_and_others_are_not_held(quota_paths):
+    # Tenant 9 may hold 4 blocks of L1: a save of 8 has the blocks past
+    # its quota refused at their commit, never published; the pool is not
+    # under save pressure for that (another tenant saves on).
+    block_bytes = quota_paths["BLOCK_BYTES"]
+    ns = namespace(9)
+    keys = ns.keys(np.arange(8 * TOKENS, dtype=np.uint32) + 7000)
+    with attach(quota_paths, ns) as pool:
+        memory = kv(keys, block_bytes)
+        memory_id = pool.register_host_memory(memory)
+        statuses = pool.wait(pool.submit_save(memory_id, keys, np.arange(8)), 8)
+        refused = int((statuses == lake.OVER_QUOTA).sum())
+        assert refused >= 1 and int((statuses == lake.OK).sum()) < 8, statuses
+        first = int(np.argmax(statuses != lake.OK))
+        assert first <= 4 and statuses[first] == lake.OVER_QUOTA, statuses
+        assert lake.STATUS[int(statuses[first])] == "LAKE_OVER_QUOTA"
+        assert not pool.save_pressure()
+        hits, table = pool.lookup(keys)
+        assert hits == first, (hits, statuses)
+        out = np.zeros_like(memory)
+        out_id = pool.register_host_memory(out)
+        assert (pool.wait(pool.submit_load(out_id, keys[:hits], table[:hits], np.arange(hits)), hits) == 0).all()
+        assert (out[:hits] == memory[:hits]).all()
+    other = namespace(10)
+    other_keys = other.keys(np.arange(8 * TOKENS, dtype=np.uint32) + 7000)
+    with attach(quota_paths, other) as pool:
+        memory = kv(other_keys, block_bytes)
+        statuses = pool.wait(pool.submit_save(pool.register_host_memory(memory), other_keys, np.arange(8)), 8)
+        assert (statuses == lake.OK).all(), statuses
+
+
 def test_pinned_hits_load_in_the_calling_thread(pool_paths):
     block_bytes = pool_paths["BLOCK_BYTES"]
     ns = namespace()

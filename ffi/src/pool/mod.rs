@@ -354,8 +354,9 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
                     ),
                 ));
             }
-            let mirror =
-                MirrorReader::attach(&mirror_path).map_err(|e| fail(LakeStatus::LakeNotAttached, e.to_string()))?;
+            // The agent's mirror (passed over the socket, or opened by its
+            // path), mapped again for the pool's own reads.
+            let mirror = agent.mirror().reopen().map_err(|e| fail(LakeStatus::LakeNotAttached, e.to_string()))?;
             let pins = agent.claim_pin_array().map_err(|e| fail(LakeStatus::LakeBusy, e.to_string()))?;
 
             if o.copy_threads > COPY_THREADS_MAX {

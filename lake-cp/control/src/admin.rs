@@ -308,6 +308,7 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
                 "no_space": r.no_space,
                 "load_reserve": r.load_reserve,
                 "stopping": r.stopping,
+                "over_quota": r.over_quota,
             })),
             "corrupt": dp.commits_corrupt,
         })),

@@ -510,7 +510,9 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(bool), help_heading = "Security")]
     pub require_encryption: bool,
 
-    /// A namespace's quota on a tier. Repeat for more.
+    /// A namespace's quota on a tier. In L1 a save past it is refused at
+    /// its commit and the namespace's coldest blocks move down to make
+    /// room; in L2 and L3 its coldest go down or away. Repeat for more.
     #[arg(long, value_name = "NAMESPACE:l1|l2|l3=SIZE", value_parser = parse_quota, help_heading = "Tenants")]
     pub quota: Vec<NamespaceQuota>,
 
@@ -518,7 +520,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "NAME=NAMESPACE[,...]", value_parser = parse_tenant, help_heading = "Tenants")]
     pub tenant: Vec<Tenant>,
 
-    /// A tenant's quota on a tier, its namespaces together.
+    /// A tenant's quota on a tier, its namespaces together (held as
+    /// `--quota` is).
     #[arg(long, value_name = "NAME:l1|l2|l3=SIZE", value_parser = parse_tenant_quota, help_heading = "Tenants")]
     pub tenant_quota: Vec<TenantQuota>,
 

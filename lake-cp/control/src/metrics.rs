@@ -215,11 +215,13 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
             "lake_dp_saves_refused_total",
             "counter",
             "Saves the data plane refused, by reason: no_space (L1 full of blocks it could not let go of in time), \
-             load_reserve (only the load reserve free), stopping.",
+             load_reserve (only the load reserve free), stopping, over_quota (its namespace or tenant at its L1 \
+             quota).",
             &[
                 ("reason=\"no_space\"", r.no_space),
                 ("reason=\"load_reserve\"", r.load_reserve),
                 ("reason=\"stopping\"", r.stopping),
+                ("reason=\"over_quota\"", r.over_quota),
             ],
         );
     }

@@ -57,6 +57,7 @@ pub mod mirror {
 pub mod model;
 pub mod numa;
 pub mod os;
+pub mod quota;
 pub mod rates;
 pub mod region;
 pub mod ring;

@@ -13,6 +13,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 
 fn flock(kind: libc::c_int, byte: u64) -> io::Result<libc::flock> {
     // SAFETY: flock is plain data; all zeroes is a valid value.
@@ -62,7 +63,12 @@ pub fn held_by_other(file: &File, byte: u64) -> io::Result<bool> {
 /// for memfds too), so that a lock taken on it is independent of every
 /// other handle in this process.
 pub fn reopen(file: &File) -> io::Result<File> {
-    std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+    reopen_fd(file.as_raw_fd())
+}
+
+/// [`reopen`] for a descriptor of this process.
+pub fn reopen_fd(fd: std::os::fd::RawFd) -> io::Result<File> {
+    std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(format!("/proc/self/fd/{fd}"))
 }
 
 #[cfg(test)]

@@ -131,6 +131,9 @@ pub struct AttachServer {
     refusal: Option<String>,
     /// Caps on tenants' pushes, told to every agent that takes them.
     push_caps: Vec<crate::wire::message::PushCap>,
+    /// The mirror's file, opened for each agent that takes it as a
+    /// descriptor ([`crate::wire::FEATURE_OWN_FDS`]).
+    mirror: Option<PathBuf>,
     /// What it has done.
     pub counters: AttachCounters,
 }
@@ -172,6 +175,7 @@ impl AttachServer {
             policy: crate::auth::PeerPolicy::own_user(),
             refusal: None,
             push_caps: Vec::new(),
+            mirror: None,
             counters: AttachCounters::default(),
         })
     }
@@ -206,6 +210,13 @@ impl AttachServer {
         crate::auth::peer::restrict(&self.path, mode, gid)?;
         self.policy = policy;
         Ok(())
+    }
+
+    /// Passes the mirror at `path` to each agent that takes it as a
+    /// descriptor, opened read-only as it attaches (none: agents open it
+    /// themselves).
+    pub fn pass_mirror(&mut self, path: Option<PathBuf>) {
+        self.mirror = path;
     }
 
     /// Holds each user to `ports` agent ports at once (at least one; by
@@ -411,7 +422,7 @@ impl AttachServer {
         stream: &UnixStream,
         port: usize,
         remote: &Hello,
-        arena: RawFd,
+        arena_fd: RawFd,
         wakeup: RawFd,
     ) -> Result<DpShmPort, ()> {
         let ack = match hello::accept(&self.local, remote, 0) {
@@ -441,7 +452,16 @@ impl AttachServer {
             len += encode_frame(meta, &message, &mut bytes[len..]).map_err(|_| ())?;
         }
         len += encode_frame(meta, &Message::Attached(attached), &mut bytes[len..]).map_err(|_| ())?;
-        let fds = [arena, self.ports.file().as_raw_fd(), wakeup];
+        // An agent that takes descriptors of its own gets a fresh open of
+        // the arena (its records' locks are its own, apart from this
+        // process's) and the mirror as it is now (a control plane that
+        // restarted made a new one). A mirror that cannot be opened is left
+        // out: the agent opens it itself, saying why it could not either.
+        let own = ack.features & crate::wire::FEATURE_OWN_FDS != 0;
+        let arena = if own { Some(crate::lock::reopen_fd(arena_fd).map_err(|_| ())?) } else { None };
+        let mirror = self.mirror.as_ref().filter(|_| own).and_then(|path| std::fs::File::open(path).ok());
+        let mut fds = vec![arena.as_ref().map_or(arena_fd, AsRawFd::as_raw_fd), self.ports.file().as_raw_fd(), wakeup];
+        fds.extend(mirror.as_ref().map(AsRawFd::as_raw_fd));
         // Small enough to go in one piece on a fresh socket (a few KiB at
         // most, with push caps).
         match os::send_with_fds(stream.as_raw_fd(), &bytes[..len], &fds) {

@@ -498,6 +498,62 @@ pub struct RunnerConfig {
     /// `[[tenants]]`: per-tenant bandwidth caps on this node's tiers.
     #[serde(default)]
     pub tenants: Vec<TenantSection>,
+    /// `[[quotas]]`: L1 byte ceilings held at admission.
+    #[serde(default)]
+    pub quotas: Vec<QuotaSection>,
+}
+
+/// One `[[quotas]]` entry: the L1 bytes some namespaces (16 hex digits
+/// each: one namespace's own quota, or a tenant's over all of its) may
+/// hold together. A save that would take them past it is refused at its
+/// commit (`OverQuota`); the control plane keeps them under it by
+/// demoting their own coldest blocks (give it the same quota).
+///
+/// ```toml
+/// [[quotas]]
+/// name = "acme"
+/// namespaces = ["e6c40168c202f6d1", "0b5b0c6e5f0c7a11"]
+/// l1_bytes = "8GiB"
+/// ```
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSection {
+    /// Its name (logs, metrics).
+    pub name: String,
+    /// Its namespace ids, in hex.
+    pub namespaces: Vec<String>,
+    /// L1 bytes they may hold together.
+    #[serde(deserialize_with = "size")]
+    pub l1_bytes: u64,
+}
+
+/// Namespace ids written in hex; errors name `field`.
+fn hex_namespaces(texts: &[String], field: &str) -> Result<Vec<u64>, ConfigError> {
+    texts
+        .iter()
+        .map(|text| {
+            u64::from_str_radix(text, 16)
+                .map_err(|_| ConfigError(format!("{field}: {text:?} is not a namespace id in hex")))
+        })
+        .collect()
+}
+
+impl QuotaSection {
+    /// The quota as the data plane keeps it; errors name the field.
+    pub fn quota(&self, index: usize) -> Result<crate::quota::L1Quota, ConfigError> {
+        let field = |what: &str| format!("quotas[{index}].{what}");
+        if self.name.is_empty() {
+            return Err(ConfigError(format!("{}: must not be empty", field("name"))));
+        }
+        if self.namespaces.is_empty() {
+            return Err(ConfigError(format!("{}: at least one", field("namespaces"))));
+        }
+        if self.l1_bytes == 0 {
+            return Err(ConfigError(format!("{}: at least 1", field("l1_bytes"))));
+        }
+        let namespaces = hex_namespaces(&self.namespaces, &field("namespaces"))?;
+        Ok(crate::quota::L1Quota { name: self.name.clone(), namespaces, bytes: self.l1_bytes })
+    }
 }
 
 /// One `[[tenants]]` entry: a tenant's bandwidth caps, over its
@@ -564,14 +620,7 @@ impl TenantSection {
         if self.namespaces.is_empty() {
             return Err(ConfigError(format!("{}: at least one", field("namespaces"))));
         }
-        let namespaces = self
-            .namespaces
-            .iter()
-            .map(|text| {
-                u64::from_str_radix(text, 16)
-                    .map_err(|_| ConfigError(format!("{}: {text:?} is not a namespace id in hex", field("namespaces"))))
-            })
-            .collect::<Result<Vec<u64>, ConfigError>>()?;
+        let namespaces = hex_namespaces(&self.namespaces, &field("namespaces"))?;
         let caps = [
             ("l2_read_bytes_per_s", self.l2_read_bytes_per_s),
             ("l2_write_bytes_per_s", self.l2_write_bytes_per_s),
@@ -619,6 +668,11 @@ pub struct AgentsSection {
     /// of several users share a pool, each kept from taking every port.
     #[serde(default)]
     pub ports_per_uid: Option<u32>,
+    /// The mirror file its control plane writes: opened here and passed
+    /// to each agent as it attaches, so the file can stay this user's
+    /// alone (none: agents open the mirror by the path they are given).
+    #[serde(default)]
+    pub mirror: Option<PathBuf>,
 }
 
 impl Default for AgentsSection {
@@ -632,6 +686,7 @@ impl Default for AgentsSection {
             group: None,
             socket_mode: None,
             ports_per_uid: None,
+            mirror: None,
         }
     }
 }
@@ -761,6 +816,9 @@ impl RunnerConfig {
                     )));
                 }
             }
+        }
+        for (index, quota) in self.quotas.iter().enumerate() {
+            quota.quota(index)?;
         }
         if let Some(node) = self.node.numa_node
             && !crate::numa::node_exists(node)
@@ -910,5 +968,21 @@ slot_bytes = 69632
         let twice =
             format!("{}[[tenants]]\nname = \"other\"\nnamespaces = [\"AB\"]\n", tenant("namespaces = [\"ab\"]"));
         check(&twice, "tenants[1].namespaces: 00000000000000ab is another tenant's already");
+    }
+
+    #[test]
+    fn quotas_parse_and_bad_ones_are_named() {
+        let quota = |body: &str| format!("{GOOD}\n[[quotas]]\nname = \"acme\"\n{body}\n");
+        let config = RunnerConfig::parse(&quota("namespaces = [\"ab\", \"cd\"]\nl1_bytes = \"2MiB\"")).unwrap();
+        let parsed = config.quotas[0].quota(0).unwrap();
+        assert_eq!((parsed.name.as_str(), parsed.namespaces, parsed.bytes), ("acme", vec![0xab, 0xcd], 2 << 20));
+        let check = |text: &str, expect: &str| {
+            let err = RunnerConfig::parse(text).unwrap_err().to_string();
+            assert!(err.contains(expect), "{expect}: got {err}");
+        };
+        check(&quota("namespaces = [\"xyz\"]\nl1_bytes = 1"), "quotas[0].namespaces: \"xyz\" is not a namespace id");
+        check(&quota("namespaces = []\nl1_bytes = 1"), "quotas[0].namespaces: at least one");
+        check(&quota("namespaces = [\"ab\"]\nl1_bytes = 0"), "quotas[0].l1_bytes: at least 1");
+        check(&quota("namespaces = [\"ab\"]"), "l1_bytes");
     }
 }

@@ -253,6 +253,7 @@ fn open_attach(
             if let Some(ports) = config.agents.ports_per_uid {
                 server.limit_ports_per_uid(ports as usize);
             }
+            server.pass_mirror(config.agents.mirror.clone());
             Some(server)
         }
     };
@@ -311,6 +312,14 @@ fn open_pool(
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| RunnerError::Config(e.to_string()))?;
     pool.set_rates(crate::rates::TenantRates::new(&tenants));
+    let quotas = config
+        .quotas
+        .iter()
+        .enumerate()
+        .map(|(index, quota)| quota.quota(index))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| RunnerError::Config(e.to_string()))?;
+    pool.set_quotas(crate::quota::L1Quotas::new(&quotas, header.slots).map_err(RunnerError::Config)?);
     for adopted in &found.adopted {
         let slot = L2Slot { file: adopted.file, slot: adopted.slot };
         pool.l2_written(slot, &adopted.meta);

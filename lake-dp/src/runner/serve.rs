@@ -57,6 +57,9 @@ pub(super) struct Pace {
     pub next_stats_ns: u64,
     /// Saves refused so far, as last logged (once a second at most).
     pub refused_logged: u64,
+    /// Saves refused over a quota, as last logged with each quota's
+    /// figures.
+    pub quota_refused_logged: u64,
 }
 
 impl Node {
@@ -348,25 +351,45 @@ impl<B: IoBackend, C: Clock> Node<B, C> {
         (result, count)
     }
 
+    /// Refused saves are an engine's lost hits: said, at most once a
+    /// second, with how many and why (and each quota that refused).
+    fn log_refused_saves(&mut self) {
+        if self.pool.stats.saves_refused <= self.pace.refused_logged {
+            return;
+        }
+        let p = &self.pool.stats;
+        tracing::warn!(
+            event = "saves_refused",
+            blocks = p.saves_refused - self.pace.refused_logged,
+            total = p.saves_refused,
+            no_space = p.saves_refused_no_space(),
+            load_reserve = p.saves_refused_reserve,
+            stopping = p.saves_refused_stopping,
+            over_quota = p.saves_refused_quota,
+            why = "no_space: no L1 slot free for a save and no victim marked to take in time (L1 full of blocks \
+                   not yet written below or dropped); load_reserve: only the load reserve left; stopping: the pool \
+                   is stopping; over_quota: the block's namespace or tenant is at its L1 quota"
+        );
+        self.pace.refused_logged = p.saves_refused;
+        if p.saves_refused_quota > self.pace.quota_refused_logged {
+            self.pace.quota_refused_logged = p.saves_refused_quota;
+            for (quota, usage) in self.pool.quota_usage(&mut self.table) {
+                if usage.refused > 0 {
+                    tracing::warn!(
+                        event = "quota_refused",
+                        quota,
+                        refused = usage.refused,
+                        bytes = usage.bytes,
+                        limit = usage.limit
+                    );
+                }
+            }
+        }
+    }
+
     /// The running figures to `lake-cp`, and refused saves to the log.
     fn report(&mut self, stats: &mut RunnerStats) {
-        // Refused saves are an engine's lost hits: said, at most once a
-        // second, with how many.
-        if self.pool.stats.saves_refused > self.pace.refused_logged {
-            let p = &self.pool.stats;
-            tracing::warn!(
-                event = "saves_refused",
-                blocks = p.saves_refused - self.pace.refused_logged,
-                total = p.saves_refused,
-                no_space = p.saves_refused_no_space(),
-                load_reserve = p.saves_refused_reserve,
-                stopping = p.saves_refused_stopping,
-                why = "no_space: no L1 slot free for a save and no victim marked to take in time (L1 full of \
-                       blocks not yet written below or dropped); load_reserve: only the load reserve left; \
-                       stopping: the pool is stopping"
-            );
-            self.pace.refused_logged = self.pool.stats.saves_refused;
-        }
+        self.log_refused_saves();
         // Pins of agents whose process died go with it (their record's
         // lock went with the process).
         stats.agents_released += u64::from(self.table.release_dead_agents());
@@ -388,11 +411,14 @@ impl<B: IoBackend, C: Clock> Node<B, C> {
                 draining: self.table.stats().draining,
             });
             let p = &self.pool.stats;
+            // A control plane that does not read quota refusals counts them
+            // as no room: the reasons still add up.
+            let quota = if link.takes(crate::wire::FEATURE_QUOTA_REFUSALS) { p.saves_refused_quota } else { 0 };
             link.save_refusals(&crate::wire::message::SaveRefusals {
-                no_space: p.saves_refused_no_space(),
+                no_space: p.saves_refused_no_space() + (p.saves_refused_quota - quota),
                 load_reserve: p.saves_refused_reserve,
                 stopping: p.saves_refused_stopping,
-                reserved: 0,
+                over_quota: quota,
             });
             link.connections_shed(&shed(self.attach.as_ref(), self.transport.as_deref()));
             if let Some(transport) = &self.transport {

@@ -166,18 +166,53 @@ impl Agent {
                 break attached;
             }
         };
-        let [arena_fd, ports, wakeup] = <[_; 3]>::try_from(fds)
-            .map_err(|fds| protocol("descriptors", &format_args!("expected 3, got {}", fds.len())))?;
+        // The arena, the port file, the wake-up eventfd, and the mirror
+        // where the data plane passes it.
+        if !(3..=4).contains(&fds.len()) {
+            return Err(protocol("descriptors", &format_args!("expected 3 or 4, got {}", fds.len())));
+        }
+        let mut fds = fds.into_iter();
+        let (Some(arena_fd), Some(ports), Some(wakeup)) = (fds.next(), fds.next(), fds.next()) else {
+            return Err(protocol("descriptors", &"fewer than 3"));
+        };
+        let mirror = fds.next();
         let ports = File::from(ports);
-        let arena = Arena::attach_fd(arena_fd).map_err(|e| AttachError::Memory(e.to_string()))?;
+        // An open of the arena made for this agent where the data plane
+        // makes one (its records' locks are taken on it).
+        let own = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_OWN_FDS != 0);
+        let arena = if own { Arena::attach_own_fd(arena_fd) } else { Arena::attach_fd(arena_fd) }
+            .map_err(|e| AttachError::Memory(e.to_string()))?;
         if arena.header().epoch != attached.epoch || arena.header().region != attached.arena_region {
             return Err(protocol("descriptors", &"the arena passed is not the one announced"));
         }
         let port = AgentShmPort::attach(ports, attached.port).map_err(|e| AttachError::Memory(e.to_string()))?;
         // A data plane built before trace ids refuses a request carrying one.
         let traces_taken = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_TRACE != 0);
-        let mut agent = Self::with(config, arena, AgentPort::Shared { port, wakeup }, Some(stream), traces_taken)?;
+        let shared = AgentPort::Shared { port, wakeup };
+        let mut agent = Self::with(config, (arena, mirror), shared, Some(stream), traces_taken)?;
         agent.push_caps = push_caps;
         Ok(agent)
+    }
+
+    /// The caps on tenants' pushes its data plane told it at attach (none
+    /// from one built before them), as buckets: the engine's pushes keep
+    /// to them ([`crate::push::Pusher::with_caps`]).
+    pub fn push_rates(&self) -> lake_core::rates::TenantRates {
+        use lake_core::rates::{RATE_PATHS, RatePath, TenantRate};
+        let mut tenants: Vec<TenantRate> = Vec::new();
+        for cap in &self.push_caps {
+            let index = cap.tenant as usize;
+            while tenants.len() <= index {
+                tenants.push(TenantRate {
+                    name: format!("tenant-{}", tenants.len()),
+                    namespaces: Vec::new(),
+                    bytes_per_s: [None; RATE_PATHS],
+                });
+            }
+            tenants[index].namespaces.push(cap.namespace);
+            tenants[index].bytes_per_s[RatePath::NetSend as usize] = Some(cap.bytes_per_s);
+        }
+        tenants.retain(|t| !t.namespaces.is_empty());
+        lake_core::rates::TenantRates::new(&tenants)
     }
 }

@@ -344,6 +344,27 @@ enum CpRequest {
 }
 
 impl EmbeddedConfig {
+    /// The L1 quotas of the tier manager's settings, for the data plane to
+    /// hold at each save's commit: each tenant's over its namespaces, each
+    /// namespace's own.
+    pub fn l1_quotas(&self) -> Vec<lake_dp::runner::config::QuotaSection> {
+        let tenants = self.tiers.tenant_quotas.iter().filter(|q| q.tier == lake_dp::Tier::L1Dram).map(|q| {
+            lake_dp::runner::config::QuotaSection {
+                name: q.tenant.clone(),
+                namespaces: q.namespaces.iter().map(|n| format!("{n:016x}")).collect(),
+                l1_bytes: q.bytes,
+            }
+        });
+        let namespaces = self.tiers.quotas.iter().filter(|q| q.tier == lake_dp::Tier::L1Dram).map(|q| {
+            lake_dp::runner::config::QuotaSection {
+                name: format!("namespace {:016x}", q.namespace),
+                namespaces: vec![format!("{:016x}", q.namespace)],
+                l1_bytes: q.bytes,
+            }
+        });
+        tenants.chain(namespaces).collect()
+    }
+
     /// The pool's L2 files: those configured, else two in its directory.
     pub fn l2_paths(&self) -> Vec<PathBuf> {
         if self.l2_files.is_empty() {
@@ -470,11 +491,13 @@ ports = {remote}
         .map_err(|e| ServeError::Settings(e.to_string()))?;
         runner.l3.clone_from(&self.l3);
         runner.tenants.clone_from(&self.tenant_rates);
+        runner.quotas = self.l1_quotas();
         runner.agents.allow_uids.clone_from(&self.access.allow_uids);
         runner.agents.allow_gids.clone_from(&self.access.allow_gids);
         runner.agents.group.clone_from(&self.access.group);
         runner.agents.socket_mode = self.access.socket_mode;
         runner.agents.ports_per_uid = self.access.ports_per_uid;
+        runner.agents.mirror = Some(self.shared_memory().1);
         // Checked as a whole, the settings added after the text too.
         runner.check().map_err(|e| ServeError::Settings(e.to_string()))?;
         let tenant_keys = Arc::new(lake_dp::auth::at_rest::TenantKeys::default());

@@ -380,152 +380,6 @@ impl Node {
         }
     }
 
-    /// Asks this node's `lake-dp` to copy block `key` (its ready L1
-    /// replica here) into any slot of another node's L1 (`to`: its node,
-    /// region and epoch) — replication, a write-back elsewhere, a drain;
-    /// the copy lands there checked and is published by that node's
-    /// `lake-cp`. Sent with the next plan; returns its request id. A block
-    /// held here only in L2 is promoted into L1 first (its L2 replica
-    /// stays) — [`PROMOTIONS_IN_FLIGHT`] at a time, one refused for want
-    /// of a slot asked again shortly — and copied once it is there; the id
-    /// is then 0, and the copy is dropped if the block is not in L1
-    /// within [`PROMOTION_WAIT_NS`] (whoever asked, asks again).
-    pub fn copy_to(&mut self, key: &BlockKey, to: ReplicaWire, priority: Priority) -> Result<u64, NodeError> {
-        if to.node == self.node.0 || to.tier != Tier::L1Dram as u8 {
-            return Err(NodeError::Field("copy_to: another node's L1"));
-        }
-        let Some(source) = self.locations.ready(key).find(|r| r.tier == Tier::L1Dram && r.node == self.node) else {
-            return self.promote_for_copy(key, to, priority);
-        };
-        self.copy_requests += 1;
-        let request = COPY_REQUESTS | self.copy_requests;
-        let target = ReplicaWire { slot: lake_dp::wire::message::SLOT_ANY, generation: 0, ..to };
-        // Not sent by then, its data plane drops it (its slot is held
-        // while it waits).
-        let wait_ms = self.tiers.copy_deadline_ms();
-        let deadline_unix_ns =
-            if wait_ms == 0 { 0 } else { unix_ns().saturating_add(wait_ms.saturating_mul(1_000_000)) };
-        let transfer = Transfer {
-            source: source.to_wire(),
-            target,
-            key: *key,
-            deadline_unix_ns,
-            priority: priority as u8,
-            reserved: [0; 7],
-        };
-        self.copies.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
-        if self.copies_out.len() < COPIES_OUT_MAX {
-            self.copies_out.insert(request, (source.region.0, self.draining));
-        }
-        Ok(request)
-    }
-
-    /// Takes back copy `request` ([`Node::copy_to`]): its data plane drops
-    /// it if it has not gone out yet — it is answered `Cancelled` — and
-    /// lets it finish if it has. Whether it was a copy still out.
-    pub fn cancel_copy(&mut self, request: u64) -> bool {
-        let Some(&(region, _)) = self.copies_out.get(&request) else { return false };
-        self.copies.push(TierCommand { request, region, action: TierAction::Cancel });
-        true
-    }
-
-    /// A copy of a block held here only in L2: queued for its promotion
-    /// into this node's L1, the copy to follow ([`Node::copy_to`]).
-    fn promote_for_copy(&mut self, key: &BlockKey, to: ReplicaWire, priority: Priority) -> Result<u64, NodeError> {
-        if !self.locations.ready(key).any(|r| r.tier == Tier::L2Nvme && r.node == self.node) {
-            return Err(NodeError::Field("copy_to: no ready L1 or L2 replica here"));
-        }
-        if self.locations.region_of(self.node, Tier::L1Dram).is_none() {
-            return Err(NodeError::Field("copy_to: no L1 region here"));
-        }
-        if let Some(waiting) = self.promoting.get_mut(key) {
-            // Asked again (the leader's next round): the same copy.
-            waiting.to = to;
-            return Ok(0);
-        }
-        if self.promoting.len() >= PROMOTING_MAX {
-            return Err(NodeError::Field("copy_to: too many copies waiting for promotions"));
-        }
-        let until_ns = self.now_ns.saturating_add(PROMOTION_WAIT_NS);
-        self.promoting.insert(*key, Promoting { to, priority, until_ns, asked: None, retry_at_ns: 0 });
-        Ok(0)
-    }
-
-    /// Copies whose block is in L1 now go; those whose wait ran out are
-    /// dropped; promotions are asked, a few at a time.
-    fn copy_promoted(&mut self, now_ns: u64) {
-        if self.promoting.is_empty() {
-            return;
-        }
-        let node = self.node;
-        let locations = &self.locations;
-        let ready: Vec<(BlockKey, ReplicaWire, Priority)> = self
-            .promoting
-            .iter()
-            .filter(|(key, _)| locations.ready(key).any(|r| r.tier == Tier::L1Dram && r.node == node))
-            .map(|(&key, p)| (key, p.to, p.priority))
-            .collect();
-        self.promoting.retain(|key, p| p.until_ns > now_ns && !ready.iter().any(|(k, _, _)| k == key));
-        for (key, to, priority) in ready {
-            if self.copy_to(&key, to, priority).is_err() {
-                self.copies_failed += 1;
-            }
-        }
-        let mut in_flight = self.promoting.values().filter(|p| p.asked.is_some()).count();
-        let due: Vec<BlockKey> = self
-            .promoting
-            .iter()
-            .filter(|(_, p)| p.asked.is_none() && p.retry_at_ns <= now_ns)
-            .map(|(&key, _)| key)
-            .collect();
-        for key in due {
-            if in_flight >= PROMOTIONS_IN_FLIGHT {
-                break;
-            }
-            let source = self.locations.ready(&key).find(|r| r.tier == Tier::L2Nvme && r.node == node);
-            let (Some(source), Some((l1, info))) = (source, self.locations.region_of(node, Tier::L1Dram)) else {
-                // Its L2 replica went (evicted, purged): nothing to copy.
-                self.promoting.remove(&key);
-                continue;
-            };
-            let Some(waiting) = self.promoting.get_mut(&key) else { continue };
-            self.copy_requests += 1;
-            let request = PROMOTE_REQUESTS | self.copy_requests;
-            let target = ReplicaWire {
-                tier: Tier::L1Dram as u8,
-                node: node.0,
-                region: l1,
-                region_epoch: info.epoch,
-                slot: lake_dp::wire::message::SLOT_ANY,
-                generation: 0,
-                ..source.to_wire()
-            };
-            let transfer = Transfer {
-                source: source.to_wire(),
-                target,
-                key,
-                deadline_unix_ns: 0,
-                priority: waiting.priority as u8,
-                reserved: [0; 7],
-            };
-            self.copies.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
-            waiting.asked = Some(request);
-            self.copy_promotions += 1;
-            in_flight += 1;
-        }
-    }
-
-    /// A promotion for a copy ended (`status` 0: the block is in L1, its
-    /// commit reported): one refused is asked again shortly.
-    fn promotion_done(&mut self, request: u64, status: u32) {
-        let Some(waiting) = self.promoting.values_mut().find(|p| p.asked == Some(request)) else { return };
-        if status != 0 {
-            self.copy_promotions_failed += 1;
-            waiting.asked = None;
-            waiting.retry_at_ns = self.now_ns.saturating_add(PROMOTION_RETRY_NS);
-        }
-    }
-
     /// Marks the node drained or not (`lake drain-node`): `/readyz` says
     /// not ready, and its L1 keeps room for the promotions of copies.
     pub fn set_draining(&mut self, on: bool) {
@@ -831,6 +685,14 @@ impl Node {
                 self.counters.rooted += 1;
                 self.add_as(block, readopted, true)
             }
+            Err(LocationError::Index(IndexError::ParentMismatch)) if !readopted => {
+                // The pool holds this key under another parent (saved once
+                // as a root): this copy cannot be indexed, yet its data
+                // plane published it. It is freed like a duplicate rather
+                // than left in its slot unseen.
+                self.tiers.duplicate(block.key, replica);
+                Ok(())
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -996,5 +858,6 @@ impl Node {
     }
 }
 
+mod copy;
 #[cfg(test)]
 mod tests;

@@ -152,6 +152,41 @@ fn a_block_committed_after_its_parent_left_is_a_root() {
     assert_eq!(node.counters.refused, 0);
 }
 
+/// A block the pool holds as a root (saved once after its parent left)
+/// committed again under its parent — an engine saving a prefix again
+/// after part of it was refused — cannot be indexed under that parent.
+/// The data plane published that copy all the same: it is freed like a
+/// duplicate, never left in its slot unseen (where it held its tenant's
+/// L1 quota for good).
+#[test]
+fn a_copy_committed_under_another_parent_than_the_pools_is_freed_not_left_unseen() {
+    let mut node = Node::new(NodeId(3), 1, None);
+    node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+    node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();
+    node.on_data_plane(0, &Message::BlockReadopted(block(9, None, Tier::L2Nvme, 2, 5, 10))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(8, None, Tier::L1Dram, 1, 5, 1))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(9, Some(8), Tier::L1Dram, 1, 5, 4))).unwrap();
+    assert_eq!(node.locations.ready(&key(9)).map(|r| r.slot).collect::<Vec<_>>(), vec![10]);
+    let mut commands = Vec::new();
+    node.plan(1, &mut commands);
+    let evictions: Vec<u32> = commands
+        .iter()
+        .filter_map(|c| match c.action {
+            crate::tier::TierAction::Evict(evict) if evict.key == key(9) => Some(evict.replica.slot),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(evictions, vec![4], "{commands:?}");
+    let evict = BlockEvicted {
+        replica: block(9, Some(8), Tier::L1Dram, 1, 5, 4).replica,
+        key: key(9),
+        reason: 1,
+        reserved: [0; 7],
+    };
+    node.on_data_plane(0, &Message::BlockEvicted(evict)).unwrap();
+    assert_eq!(node.locations.ready(&key(9)).map(|r| r.slot).collect::<Vec<_>>(), vec![10]);
+}
+
 /// Found by the node's simulation with its object store: a new L3 copy
 /// of a block in L1 and a leased L2 is not tracked, yet its data plane
 /// holds it, and reports its eviction when it goes (a purge, the

@@ -45,7 +45,10 @@ impl Tiers {
                 continue;
             }
             // Quotas first. A tenant over its quota gives up blocks of its
-            // namespace holding the most there, until it is under.
+            // namespace holding the most there, until it is under. In L1,
+            // where the data plane refuses a save past a quota, it gives
+            // them up from the tier's high-water share of its quota down
+            // to the low one, so its saves find room again.
             let tenants: Vec<(Vec<u64>, u64)> = self
                 .config
                 .tenant_quotas
@@ -57,9 +60,12 @@ impl Tiers {
                 let live = |tiers: &Self, namespace: u64| {
                     tiers.used_by(tier, Some(namespace)).saturating_sub(tiers.pending_by(tier, Some(namespace)))
                 };
-                while out.len() - start < COMMANDS_PER_PASS
-                    && namespaces.iter().map(|&n| live(self, n)).sum::<u64>() > quota
-                {
+                let (high, low) = self.quota_marks(tier, quota);
+                let held = |tiers: &Self| namespaces.iter().map(|&n| live(tiers, n)).sum::<u64>();
+                if held(self) <= high {
+                    continue;
+                }
+                while out.len() - start < COMMANDS_PER_PASS && held(self) > low {
                     let mut largest: Vec<(u64, u64)> = namespaces.iter().map(|&n| (live(self, n), n)).collect();
                     largest.sort_unstable_by(|a, b| b.cmp(a));
                     let evicted = largest.iter().any(|&(_, namespace)| {
@@ -77,10 +83,14 @@ impl Tiers {
             let quotas: Vec<(u64, u64)> =
                 self.config.quotas.iter().filter(|q| q.tier == tier).map(|q| (q.namespace, q.bytes)).collect();
             for (namespace, quota) in quotas {
-                while out.len() - start < COMMANDS_PER_PASS
-                    && self.used_by(tier, Some(namespace)).saturating_sub(self.pending_by(tier, Some(namespace)))
-                        > quota
-                {
+                let (high, low) = self.quota_marks(tier, quota);
+                let held = |tiers: &Self| {
+                    tiers.used_by(tier, Some(namespace)).saturating_sub(tiers.pending_by(tier, Some(namespace)))
+                };
+                if held(self) <= high {
+                    continue;
+                }
+                while out.len() - start < COMMANDS_PER_PASS && held(self) > low {
                     let marked = tier == Tier::L1Dram
                         && self.evict_marked(Some(namespace), false, locations, leases, now_ns, out);
                     if !marked && !self.evict_one(tier, namespace, locations, leases, now_ns, out) {
@@ -149,6 +159,20 @@ impl Tiers {
         // ahead is chosen again, so the data planes hold their reserve.
         self.plan_cleaning(locations, now_ns, out);
         self.plan_marks(locations, leases, now_ns, out);
+    }
+
+    /// Where a quota of `bytes` in `tier` starts giving up blocks, and
+    /// where it stops: in L1, the tier's high- and low-water shares of it
+    /// (at least one slot below it, so a save always finds room once the
+    /// marks are met); elsewhere the quota itself.
+    fn quota_marks(&self, tier: Tier, bytes: u64) -> (u64, u64) {
+        if tier != Tier::L1Dram {
+            return (bytes, bytes);
+        }
+        let slot = self.regions.values().filter(|r| r.tier == tier).map(|r| r.slot_bytes).max().unwrap_or(0);
+        let high = percent_of(bytes, self.config.high_percent).min(bytes.saturating_sub(slot));
+        let low = percent_of(bytes, self.config.low_percent).min(high);
+        (high, low)
     }
 
     /// The pending entry of a command that frees `key`'s replica in

@@ -427,9 +427,16 @@ fn a_namespace_over_its_quota_gives_up_its_own_blocks() {
     world.add(0, 2, None, 2);
     world.add(0, 2, None, 3);
     world.add(0, 2, None, 4);
-    // The tier is far from full; namespace 2 is one over its quota.
+    // The tier is far from full; namespace 2 is one over its quota. In L1
+    // it goes down to a slot below it, so its next save fits.
     let commands = world.plan();
-    assert_eq!(keys_of(&commands), vec![(2, "move")]);
+    assert_eq!(keys_of(&commands), vec![(2, "move"), (3, "move")]);
+    for command in &commands {
+        world.carry_out(command);
+    }
+    // That save fits; then its coldest makes room for the next.
+    world.add(0, 2, None, 5);
+    assert_eq!(keys_of(&world.plan()), vec![(4, "move")]);
 }
 
 #[test]
@@ -450,15 +457,17 @@ fn a_tenant_over_its_quota_gives_up_blocks_of_its_largest_namespace() {
     world.add(0, 3, None, 21);
     let commands = world.plan();
     // The largest first (namespace 2's coldest), then, even at two
-    // each, namespace 3's (the larger id among equals).
-    assert_eq!(keys_of(&commands), vec![(10, "move"), (20, "move")]);
-    assert_eq!(world.tiers.counters.tenant_quota_evictions, 2);
+    // each, namespace 3's (the larger id among equals), then namespace
+    // 2's again: in L1 down to a slot below the quota, so the tenant's
+    // next save fits.
+    assert_eq!(keys_of(&commands), vec![(10, "move"), (20, "move"), (11, "move")]);
+    assert_eq!(world.tiers.counters.tenant_quota_evictions, 3);
     // What is on its way out counts as gone.
-    assert_eq!(world.tiers.tenant_usage(), vec![("acme", Tier::L1Dram, 3 * SLOT, 3 * SLOT)]);
+    assert_eq!(world.tiers.tenant_usage(), vec![("acme", Tier::L1Dram, 2 * SLOT, 3 * SLOT)]);
     for command in &commands {
         world.carry_out(command);
     }
-    assert!(world.plan().is_empty(), "at its quota: nothing more");
+    assert!(world.plan().is_empty(), "under its quota: nothing more");
 }
 
 #[test]

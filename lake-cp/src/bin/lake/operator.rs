@@ -350,8 +350,8 @@ pub(super) fn render_top(top: &serde_json::Value) -> String {
             "no L1 slot free".to_owned()
         } else {
             format!(
-                "{} L1 full, {} only the load reserve free, {} stopping",
-                by["no_space"], by["load_reserve"], by["stopping"]
+                "{} L1 full, {} only the load reserve free, {} stopping, {} over quota",
+                by["no_space"], by["load_reserve"], by["stopping"], by["over_quota"]
             )
         };
         text.push_str(&format!(

@@ -141,6 +141,9 @@ pub enum AgentError {
     /// Refused: the pool is stopping (saves are closed while it writes L1
     /// down and drains).
     Stopping,
+    /// A save refused at its commit: the block would take its namespace,
+    /// or its tenant across its namespaces, past an L1 quota.
+    OverQuota,
 }
 
 impl core::fmt::Display for AgentError {
@@ -155,6 +158,7 @@ impl core::fmt::Display for AgentError {
             Self::Cancelled => "cancelled by the agent",
             Self::Reserved => "only the load reserve is free",
             Self::Stopping => "the pool is stopping",
+            Self::OverQuota => "its namespace or tenant is at its L1 quota",
         })
     }
 }
@@ -172,6 +176,7 @@ impl AgentError {
             Self::Cancelled => "cancelled",
             Self::Reserved => "load_reserve",
             Self::Stopping => "stopping",
+            Self::OverQuota => "over_quota",
         }
     }
 }

@@ -152,6 +152,7 @@ impl AgentError {
             Self::Cancelled => 7,
             Self::Reserved => 8,
             Self::Stopping => 9,
+            Self::OverQuota => 10,
         }
     }
 
@@ -166,6 +167,7 @@ impl AgentError {
             7 => Self::Cancelled,
             8 => Self::Reserved,
             9 => Self::Stopping,
+            10 => Self::OverQuota,
             _ => Self::Invalid,
         }
     }

@@ -221,6 +221,10 @@ struct ArenaMap {
     /// when the last handle goes.
     created: Option<Created>,
     registered: Mutex<heapless::Vec<&'static str, 4>>,
+    /// `file` is this process's own open of the arena, opened for it by
+    /// the data plane: its records' locks are taken on it (not on a reopen
+    /// of the file, which the file's mode may not allow this user).
+    own_file: bool,
 }
 
 struct Created {
@@ -343,15 +347,24 @@ impl Arena {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(io_error("opening", Some(path)))?;
-        Self::attach_file(file, Some(path))
+        Self::attach_file(file, Some(path), false)
     }
 
-    /// Maps the arena behind `fd` (a memfd passed over a socket).
+    /// Maps the arena behind `fd` (passed over a socket: the data plane's
+    /// own open of it).
     pub fn attach_fd(fd: OwnedFd) -> Result<Self, ArenaError> {
-        Self::attach_file(File::from(fd), None)
+        Self::attach_file(File::from(fd), None, false)
     }
 
-    fn attach_file(file: File, path: Option<&Path>) -> Result<Self, ArenaError> {
+    /// Maps the arena behind `fd`, an open of its file made for this
+    /// process alone (the data plane opened it afresh for this agent): the
+    /// records' locks are taken on it, so the file itself need not be
+    /// openable by this user.
+    pub fn attach_own_fd(fd: OwnedFd) -> Result<Self, ArenaError> {
+        Self::attach_file(File::from(fd), None, true)
+    }
+
+    fn attach_file(file: File, path: Option<&Path>, own_file: bool) -> Result<Self, ArenaError> {
         let bytes = file.metadata().map_err(io_error("reading the size of", path))?.len();
         if bytes < 4096 {
             return Err(ArenaError::Header("too short to hold an arena header"));
@@ -372,7 +385,8 @@ impl Arena {
         // all that is kept: everything below checks the copy).
         unsafe { core::ptr::copy_nonoverlapping(map.as_ptr(), page.as_mut_ptr(), page.len()) };
         let geometry = decode_header(&page, bytes)?;
-        let map = ArenaMap { map, file, geometry, created: None, registered: Mutex::new(heapless::Vec::new()) };
+        let registered = Mutex::new(heapless::Vec::new());
+        let map = ArenaMap { map, file, geometry, created: None, registered, own_file };
         Ok(Self { map: Arc::new(map) })
     }
 
@@ -550,6 +564,7 @@ fn build(
         // building name, which the caller removes on error.
         created: Some(Created { path: None, inode }),
         registered: Mutex::new(heapless::Vec::new()),
+        own_file: false,
     };
     let header = bytemuck::bytes_of(arena.header());
     // SAFETY: the header fits in page 0 of the fresh mapping, which no
@@ -599,7 +614,7 @@ pub fn retire_stale(path: &Path) -> Result<bool, ArenaError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(io_error("opening", Some(path))(e)),
     };
-    let old = Arena::attach_file(file, Some(path));
+    let old = Arena::attach_file(file, Some(path), false);
     if let Ok(old) = &old {
         if lock::held_by_other(&old.map.file, OWNER_LOCK_BYTE).map_err(io_error("checking the lock of", Some(path)))? {
             return Err(ArenaError::InUse { pid: old.owner_pid() });

@@ -142,9 +142,18 @@ impl PinArray {
         let sequence = map.control().claims.fetch_add(1, Ordering::Relaxed);
         let owner = u64::from(std::process::id()) << 32 | u64::from(sequence);
         debug_assert_ne!(owner, 0);
-        let lock_file = lock::reopen(&map.file).map_err(io_error("reopening the arena", None))?;
+        // On an open of its own, every claim of this process locks through
+        // that one open file: claims (and releases) then take turns, and
+        // a record this process owns is never locked again (the lock would
+        // be its own, and the failed claim's unlock would drop it).
+        let _turn = map.own_file.then(|| OWN_FILE_CLAIMS.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let lock_file = if map.own_file { map.file.try_clone() } else { lock::reopen(&map.file) }
+            .map_err(io_error("reopening the arena", None))?;
         for agent in 0..header.agents_max {
             let record = map.agent(agent);
+            if map.own_file && record.owner.load(Ordering::Acquire) >> 32 == u64::from(std::process::id()) {
+                continue;
+            }
             // Lock first, then own: whenever lake-dp sees an owner, the
             // lock is already held (or its holder is dead).
             let byte = agent_lock_byte(&header, agent);
@@ -284,9 +293,14 @@ impl PinArray {
     }
 }
 
+/// Claims and releases of records through an arena open of this
+/// process's own, one at a time ([`PinArray::claim`]).
+static OWN_FILE_CLAIMS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 impl Drop for PinArray {
     fn drop(&mut self) {
         let map = self.arena.map();
+        let _turn = map.own_file.then(|| OWN_FILE_CLAIMS.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         let record = map.agent(self.agent);
         // Still ours? lake-dp may have released it, taking us for dead.
         if record.owner.load(Ordering::Relaxed) != self.owner {

@@ -136,6 +136,12 @@ pub struct SlotTable {
     /// off its class's list, and it leaves the class once nothing is live.
     evacuating: Option<u32>,
     chunks_evacuated: u64,
+    /// Slots retired since [`SlotTable::take_retired`] last ran, for a
+    /// caller that asked to follow them ([`SlotTable::follow_retired`]);
+    /// bounded by its capacity, past which `retired_lost` says some went
+    /// unrecorded.
+    retired: Vec<u32>,
+    retired_lost: bool,
 }
 
 /// [`SlotTable::owner`] of a chunk no class owns.
@@ -190,6 +196,8 @@ impl SlotTable {
             chunks_moved: 0,
             evacuating: None,
             chunks_evacuated: 0,
+            retired: Vec::new(),
+            retired_lost: false,
         }
     }
 
@@ -426,7 +434,50 @@ impl SlotTable {
         self.arena.map().generation(slot).store(new, Ordering::Relaxed);
         self.retired_generation[slot as usize] = old;
         self.draining.push(slot);
+        if self.retired.capacity() > 0 {
+            if self.retired.len() < self.retired.capacity() {
+                self.retired.push(slot);
+            } else {
+                self.retired_lost = true;
+            }
+        }
         Ok(())
+    }
+
+    /// From now on, records each slot retired (up to twice the arena's
+    /// slots between two [`SlotTable::take_retired`]), for a caller that
+    /// keeps something per published slot and must know when it goes.
+    pub fn follow_retired(&mut self) {
+        let slots = self.state.len().max(1);
+        self.retired = Vec::with_capacity(2 * slots);
+    }
+
+    /// Whether [`SlotTable::follow_retired`] was called.
+    pub fn follows_retired(&self) -> bool {
+        self.retired.capacity() > 0
+    }
+
+    /// Hands each slot retired since the last call to `each`, with its
+    /// generation now (a slot may come twice); `false` when more were
+    /// retired than could be recorded, so the caller must look at every
+    /// slot instead ([`SlotTable::generation_of`]).
+    pub fn take_retired(&mut self, mut each: impl FnMut(u32, u32)) -> bool {
+        for &slot in &self.retired {
+            each(slot, self.generation[slot as usize]);
+        }
+        self.retired.clear();
+        !std::mem::take(&mut self.retired_lost)
+    }
+
+    /// `slot`'s generation now, as this table keeps it (not as read back
+    /// from shared memory, where an agent could have written it).
+    pub fn generation_of(&self, slot: u32) -> Option<u32> {
+        self.generation.get(slot as usize).copied()
+    }
+
+    /// The size of `slot`'s class, if it is one of the arena's slots.
+    pub fn slot_bytes(&self, slot: u32) -> Option<u64> {
+        self.class_of_slot(slot).map(|c| self.arena.map().geometry.spans[c].slot_bytes)
     }
 
     /// Retires a held slot like [`SlotTable::retire`], but keeps it: once

@@ -728,6 +728,13 @@ pub enum Lookup {
     Unreadable,
 }
 
+impl Lookup {
+    /// Whether the key is published.
+    pub fn is_hit(&self) -> bool {
+        matches!(self, Self::Hit(_))
+    }
+}
+
 impl MirrorReader {
     /// Maps the mirror at `path`.
     pub fn attach(path: &Path) -> Result<Self, MirrorError> {
@@ -739,9 +746,15 @@ impl MirrorReader {
         Self::attach_file(file, Some(path))
     }
 
-    /// Maps the mirror behind `fd` (a memfd passed over a socket).
+    /// Maps the mirror behind `fd` (passed over a socket).
     pub fn attach_fd(fd: OwnedFd) -> Result<Self, MirrorError> {
         Self::attach_file(File::from(fd), None)
+    }
+
+    /// Maps the same mirror again, through a copy of its descriptor (for
+    /// another thread's reads).
+    pub fn reopen(&self) -> Result<Self, MirrorError> {
+        Self::attach_file(self.file.try_clone().map_err(io_error("duplicating", None))?, None)
     }
 
     fn attach_file(file: File, path: Option<&Path>) -> Result<Self, MirrorError> {

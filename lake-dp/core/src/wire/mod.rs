@@ -118,6 +118,19 @@ pub const FEATURE_VICTIMS_LEFT: u64 = 1 << 12;
 /// data plane's listeners' shed connections, beside its figures.
 pub const FEATURE_CONNECTIONS_SHED: u64 = 1 << 13;
 
+/// Feature bit: the side reads [`message::SaveRefusals::over_quota`]: saves
+/// a data plane refused at their commit for an L1 quota (counted under
+/// `no_space` for a control plane without it).
+pub const FEATURE_QUOTA_REFUSALS: u64 = 1 << 14;
+
+/// Feature bit (attach): the agent takes descriptors of its own, opened
+/// for it by the data plane: the arena as a fresh open of its file (its
+/// records' locks are taken on it, where an agent would otherwise reopen
+/// the file itself) and the mirror as a fourth descriptor. The files can
+/// then stay their owner's alone (mode 0600) and still be used by the
+/// engines of other users the attach socket lets in.
+pub const FEATURE_OWN_FDS: u64 = 1 << 15;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -130,15 +143,16 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_EVICTABLE
     | FEATURE_SAVE_REFUSALS
     | FEATURE_VICTIMS_LEFT
-    | FEATURE_CONNECTIONS_SHED;
+    | FEATURE_CONNECTIONS_SHED
+    | FEATURE_QUOTA_REFUSALS;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
-pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS;
+pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN_FDS;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 14] = [
+pub const FEATURE_NAMES: [(u64, &str); 16] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -153,6 +167,8 @@ pub const FEATURE_NAMES: [(u64, &str); 14] = [
     (FEATURE_SAVE_REFUSALS, "save_refusals"),
     (FEATURE_VICTIMS_LEFT, "victims_left"),
     (FEATURE_CONNECTIONS_SHED, "connections_shed"),
+    (FEATURE_QUOTA_REFUSALS, "quota_refusals"),
+    (FEATURE_OWN_FDS, "own_fds"),
 ];
 
 /// Bytes in a frame header.

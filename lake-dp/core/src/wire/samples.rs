@@ -226,7 +226,7 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
     let paths = [critical, PathEntry::new(Path::TransferStorage)];
     visit(meta(18), Message::PathLatency(PathLatency { count: 2, reserved: 0 }, Records::from_slice(&paths)));
     visit(meta(31), Message::DrainRegion(DrainRegion { region: 3, draining: 1, reserved: [0; 5] }));
-    visit(meta(32), Message::SaveRefusals(SaveRefusals { no_space: 40, load_reserve: 2, stopping: 1, reserved: 0 }));
+    visit(meta(32), Message::SaveRefusals(SaveRefusals { no_space: 40, load_reserve: 2, stopping: 1, over_quota: 0 }));
     visit(meta(0), Message::VictimsLeft(VictimsLeft { region: 1, left: 0, reserved: [0; 5] }));
     let mut batch = TenantThrottle { name: [0; TENANT_NAME_BYTES], waits: [3, 0, 1, 0, 7] };
     batch.name[..5].copy_from_slice(b"batch");

@@ -137,6 +137,7 @@ impl Pool {
             return Err(MoveError::Corrupt);
         };
         self.l1[target.slot as usize] = L1State::Ready;
+        self.charge(target.slot, target.generation, meta.namespace.0, target.slot_bytes);
         if let Some(cp) = parts.link.as_mut() {
             let replica = self.l1_replica(source, generation);
             cp.evicted(&BlockEvicted { replica, key: meta.key, reason: EvictReason::Moved as u8, reserved: [0; 7] });

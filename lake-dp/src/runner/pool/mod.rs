@@ -182,6 +182,8 @@ pub struct PoolStats {
     pub saves_refused_reserve: u64,
     /// Of those: the pool was stopping.
     pub saves_refused_stopping: u64,
+    /// Of those: the block would have taken a quota past its ceiling.
+    pub saves_refused_quota: u64,
     /// Loads an agent cancelled before their read (`AgentRequest::Cancel`).
     pub loads_cancelled: u64,
     /// Commits refused: the object failed its checks.
@@ -435,6 +437,8 @@ pub struct Pool {
     keys: crate::auth::at_rest::KeyRing,
     /// Per-tenant bandwidth caps.
     rates: crate::rates::TenantRates,
+    /// L1 quotas, held at each commit.
+    quotas: crate::quota::L1Quotas,
     /// Per agent place: a load popped from its port that waits for its
     /// tenant's bucket (the port is not read past it meanwhile).
     held: Vec<Option<AgentRequest>>,
@@ -463,7 +467,7 @@ impl PoolStats {
     /// Saves refused for want of room: no free L1 slot and no victim in
     /// time (the refusals not counted under another reason).
     pub fn saves_refused_no_space(&self) -> u64 {
-        self.saves_refused - self.saves_refused_reserve - self.saves_refused_stopping
+        self.saves_refused - self.saves_refused_reserve - self.saves_refused_stopping - self.saves_refused_quota
     }
 }
 
@@ -513,6 +517,7 @@ impl Pool {
             l3: None,
             keys: crate::auth::at_rest::KeyRing::new(),
             rates: crate::rates::TenantRates::default(),
+            quotas: crate::quota::L1Quotas::default(),
             held: vec![None; agents_len],
             closing: Closing::Open,
             refused_at_ns: None,
@@ -887,6 +892,7 @@ fn code_of(error: AgentError) -> ErrorCode {
         AgentError::Cancelled => ErrorCode::Cancelled,
         AgentError::Reserved => ErrorCode::NoSpace,
         AgentError::Stopping => ErrorCode::Cancelled,
+        AgentError::OverQuota => ErrorCode::NoSpace,
     }
 }
 

@@ -152,6 +152,7 @@ impl Pool {
         // SAFETY: the slot was allocated for this read, which completed; no
         // agent can pin it before it is reported.
         let bytes = unsafe { region.slot_mut(l1_slot) }.ok_or(AgentError::Invalid)?;
+        let slot_bytes = bytes.len() as u64;
         let decoded = decode_header(bytes).map_err(|_| AgentError::Corrupt)?;
         let region = crate::model::replica::RegionId(self.l1_region);
         let meta = match decoded.seal() {
@@ -190,6 +191,7 @@ impl Pool {
             }
         };
         self.l1[l1_slot as usize] = L1State::Ready;
+        self.charge(l1_slot, l1_generation, meta.namespace.0, slot_bytes);
         if let Some(cp) = link {
             cp.committed(&self.l1_record(l1_slot, l1_generation, &meta));
         }

@@ -234,10 +234,20 @@ impl Pool {
         }
         // SAFETY: as in `remote_place`: the slot is this transfer's.
         let Some(bytes) = (unsafe { parts.region.slot_mut(target.slot) }) else { return AckStatus::Refused };
+        let slot_bytes = bytes.len() as u64;
         match crate::transport::check_and_adopt(bytes, len, target) {
+            // Past its namespace's or tenant's L1 quota: refused like an
+            // engine's save here, never published.
+            Ok(meta) if !self.admits(meta.namespace.0, slot_bytes, parts.table) => {
+                self.stats.saves_refused += 1;
+                self.stats.saves_refused_quota += 1;
+                self.release_l1(target.slot, parts.table);
+                AckStatus::Refused
+            }
             Ok(meta) => {
                 self.reserved = self.reserved.saturating_sub(1);
                 self.l1[target.slot as usize] = L1State::Ready;
+                self.charge(target.slot, target.generation, meta.namespace.0, slot_bytes);
                 self.stats.saves += 1;
                 self.stats.remote_landed += 1;
                 if let Some(cp) = parts.link {

@@ -234,8 +234,18 @@ impl Pool {
                 return Err(AgentError::Corrupt);
             }
         };
+        let slot_bytes = bytes.len() as u64;
+        if !self.admits(meta.namespace.0, slot_bytes, table) {
+            // Refused for its own namespace's quota: no save pressure for
+            // anyone else (unlike a full L1).
+            self.stats.saves_refused += 1;
+            self.stats.saves_refused_quota += 1;
+            self.release_l1(slot, table);
+            return Err(AgentError::OverQuota);
+        }
         self.reserved = self.reserved.saturating_sub(1);
         self.l1[slot as usize] = L1State::Ready;
+        self.charge(slot, generation, meta.namespace.0, slot_bytes);
         self.stats.saves += 1;
         if first && self.commit_check.reads_later() && self.unverified.len() < self.l1.len() {
             self.unverified.push_back(Unverified { slot, generation, next_segment: 0 });
@@ -244,6 +254,51 @@ impl Pool {
             cp.committed(&self.l1_record(slot, generation, &meta));
         }
         Ok(())
+    }
+
+    /// Installs the L1 quotas held at each commit.
+    pub fn set_quotas(&mut self, quotas: crate::quota::L1Quotas) {
+        self.quotas = quotas;
+    }
+
+    /// Each L1 quota's name and figures, after giving back what retired
+    /// slots held.
+    pub fn quota_usage(&mut self, table: &mut SlotTable) -> impl Iterator<Item = (&str, crate::quota::QuotaUsage)> {
+        self.settle_quotas(table);
+        self.quotas.usage()
+    }
+
+    /// Whether a block of `namespace` in a slot of `slot_bytes` fits under
+    /// its quotas, what retired slots held given back first.
+    pub(super) fn admits(&mut self, namespace: u64, slot_bytes: u64, table: &mut SlotTable) -> bool {
+        if self.quotas.is_empty() {
+            return true;
+        }
+        self.settle_quotas(table);
+        self.quotas.admits(namespace, slot_bytes).is_ok()
+    }
+
+    /// Charges the block just published in L1 `slot` (`slot_bytes` big) to
+    /// its namespace's quotas.
+    pub(super) fn charge(&mut self, slot: u32, generation: u32, namespace: u64, slot_bytes: u64) {
+        if !self.quotas.is_empty() {
+            self.quotas.charge(slot, generation, namespace, slot_bytes);
+        }
+    }
+
+    /// Gives back to the quotas what the slots retired since the last call
+    /// held.
+    fn settle_quotas(&mut self, table: &mut SlotTable) {
+        let quotas = &mut self.quotas;
+        // The table records what it retires from the first call on; what
+        // it retired before is found by a sweep.
+        let followed = table.follows_retired();
+        if !followed {
+            table.follow_retired();
+        }
+        if !table.take_retired(|slot, now| quotas.retired(slot, Some(now))) || !followed {
+            quotas.sweep(|slot| table.generation_of(slot));
+        }
     }
 
     pub(super) fn expire_reservations(&mut self, table: &mut SlotTable, now_ns: u64) {

@@ -506,13 +506,15 @@ pub struct SaveRefusals {
     pub load_reserve: u64,
     /// The pool was stopping.
     pub stopping: u64,
-    /// Zero.
-    pub reserved: u64,
+    /// The block would have taken its namespace or tenant past an L1
+    /// quota (zero to a control plane without
+    /// [`crate::wire::FEATURE_QUOTA_REFUSALS`]: counted under `no_space`).
+    pub over_quota: u64,
 }
 
 impl Record for SaveRefusals {
     fn validate(&self) -> Result<(), WireError> {
-        reserved_zero("save_refusals.reserved", &self.reserved.to_le_bytes())
+        Ok(())
     }
 }
 
