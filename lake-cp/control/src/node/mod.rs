@@ -685,11 +685,15 @@ impl Node {
                 self.counters.rooted += 1;
                 self.add_as(block, readopted, true)
             }
+            Err(LocationError::Index(IndexError::ParentMismatch)) if !readopted && !as_root => {
+                // The pool holds this block as a root (committed once after
+                // its parent left): this copy joins it there.
+                self.add_as(block, readopted, true)
+            }
             Err(LocationError::Index(IndexError::ParentMismatch)) if !readopted => {
-                // The pool holds this key under another parent (saved once
-                // as a root): this copy cannot be indexed, yet its data
-                // plane published it. It is freed like a duplicate rather
-                // than left in its slot unseen.
+                // Held under another parent: this copy cannot be indexed,
+                // yet its data plane published it. It is freed like a
+                // duplicate rather than left in its slot unseen.
                 self.tiers.duplicate(block.key, replica);
                 Ok(())
             }

@@ -154,37 +154,41 @@ fn a_block_committed_after_its_parent_left_is_a_root() {
 
 /// A block the pool holds as a root (saved once after its parent left)
 /// committed again under its parent — an engine saving a prefix again
-/// after part of it was refused — cannot be indexed under that parent.
-/// The data plane published that copy all the same: it is freed like a
-/// duplicate, never left in its slot unseen (where it held its tenant's
-/// L1 quota for good).
+/// after part of it was refused — joins the root it is held as; one held
+/// under another parent cannot be indexed, and is freed like a duplicate.
+/// Either way the copy the data plane published is never left in its slot
+/// unseen (where it was invisible to lookups and held its tenant's L1
+/// quota for good).
 #[test]
-fn a_copy_committed_under_another_parent_than_the_pools_is_freed_not_left_unseen() {
+fn a_copy_committed_under_another_parent_than_the_pools_joins_it_or_is_freed() {
     let mut node = Node::new(NodeId(3), 1, None);
     node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
     node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();
     node.on_data_plane(0, &Message::BlockReadopted(block(9, None, Tier::L2Nvme, 2, 5, 10))).unwrap();
     node.on_data_plane(0, &Message::BlockCommitted(block(8, None, Tier::L1Dram, 1, 5, 1))).unwrap();
     node.on_data_plane(0, &Message::BlockCommitted(block(9, Some(8), Tier::L1Dram, 1, 5, 4))).unwrap();
-    assert_eq!(node.locations.ready(&key(9)).map(|r| r.slot).collect::<Vec<_>>(), vec![10]);
+    let mut held: Vec<u32> = node.locations.ready(&key(9)).map(|r| r.slot).collect();
+    held.sort_unstable();
+    assert_eq!(held, vec![4, 10], "the L1 copy joins the root");
     let mut commands = Vec::new();
     node.plan(1, &mut commands);
+    assert!(commands.iter().all(|c| !matches!(c.action, crate::tier::TierAction::Evict(e) if e.key == key(9))));
+    // Block 6, held under 5, committed in L2 under 7: freed.
+    node.on_data_plane(0, &Message::BlockCommitted(block(5, None, Tier::L1Dram, 1, 5, 20))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(6, Some(5), Tier::L1Dram, 1, 5, 21))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(7, None, Tier::L1Dram, 1, 5, 22))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(6, Some(7), Tier::L2Nvme, 2, 5, 12))).unwrap();
+    assert_eq!(node.locations.ready(&key(6)).map(|r| r.slot).collect::<Vec<_>>(), vec![21]);
+    let mut commands = Vec::new();
+    node.plan(2, &mut commands);
     let evictions: Vec<u32> = commands
         .iter()
         .filter_map(|c| match c.action {
-            crate::tier::TierAction::Evict(evict) if evict.key == key(9) => Some(evict.replica.slot),
+            crate::tier::TierAction::Evict(evict) if evict.key == key(6) => Some(evict.replica.slot),
             _ => None,
         })
         .collect();
-    assert_eq!(evictions, vec![4], "{commands:?}");
-    let evict = BlockEvicted {
-        replica: block(9, Some(8), Tier::L1Dram, 1, 5, 4).replica,
-        key: key(9),
-        reason: 1,
-        reserved: [0; 7],
-    };
-    node.on_data_plane(0, &Message::BlockEvicted(evict)).unwrap();
-    assert_eq!(node.locations.ready(&key(9)).map(|r| r.slot).collect::<Vec<_>>(), vec![10]);
+    assert_eq!(evictions, vec![12], "{commands:?}");
 }
 
 /// Found by the node's simulation with its object store: a new L3 copy

@@ -385,6 +385,38 @@ fn a_dead_agents_pins_are_dropped() {
     assert_eq!(table.release_agent(4), Err(SlotError::NoAgent));
 }
 
+/// An agent of another user takes its records' locks on the open of the
+/// arena its data plane made for it (it may not reopen the file): every
+/// claim of the process goes through that one open file, yet each takes a
+/// record of its own, and none is taken for dead as others come and go
+/// (a failed claim's unlock would drop a sibling's lock on the same open
+/// file).
+#[test]
+fn records_claimed_through_an_open_of_its_own_are_distinct_and_stay_alive() {
+    let path = ShmPath::new("own");
+    let (arena, mut table) = Arena::create(&config(&path)).unwrap();
+    let own = crate::lock::reopen_fd(arena.fd().as_raw_fd()).unwrap();
+    let agent_arena = Arena::attach_own_fd(std::os::fd::OwnedFd::from(own)).unwrap();
+    let mut records: Vec<PinArray> = (0..3).map(|_| agent_arena.claim_agent().unwrap()).collect();
+    let mut ids: Vec<u32> = records.iter().map(PinArray::agent).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 3, "three records, each its own");
+    assert_eq!(table.release_dead_agents(), 0, "every record's lock is held");
+    let gone = records.remove(1).agent();
+    assert_eq!(table.release_dead_agents(), 0, "a sibling's release leaves the others' locks");
+    records.push(agent_arena.claim_agent().unwrap());
+    assert_eq!(records[2].agent(), gone, "the record given back is the one taken again");
+    records.push(agent_arena.claim_agent().unwrap());
+    assert!(matches!(agent_arena.claim_agent(), Err(ArenaError::AgentsFull)));
+    assert_eq!(table.release_dead_agents(), 0);
+    // A claim from the data plane's side (another open) finds them all held.
+    let other = Arena::attach(&path.0).unwrap();
+    assert!(matches!(other.claim_agent(), Err(ArenaError::AgentsFull)));
+    drop(records);
+    assert!(other.claim_agent().is_ok(), "given back, the records are free again");
+}
+
 #[test]
 fn registration_happens_once_per_device() {
     struct Recorder(Vec<(usize, usize)>);
