@@ -14,7 +14,7 @@ mod engines;
 #[path = "common/metrics.rs"]
 mod metrics;
 
-use engines::{engine, namespace, save};
+use engines::{engine, namespace, save, save_from};
 use metrics::metric;
 
 #[test]
@@ -131,29 +131,6 @@ fn a_save_over_a_tenants_quota_is_refused_at_admission_and_its_own_coldest_make_
     }
     drop(engines);
     pool.stop().unwrap();
-}
-
-/// Saves `keys[from..]` as the rest of the prefix `keys` (32 KiB of
-/// `fill` each) in one save; what became of each block.
-fn save_from(
-    agent: &mut lake_agent::Agent,
-    keys: &[lake_dp::BlockKey],
-    from: usize,
-    fill: u8,
-) -> Vec<lake_agent::SaveStatus> {
-    use lake_agent::{SaveBlock, SavePayload, SaveStatus};
-    let payload = vec![fill; 32 * 1024];
-    let blocks: Vec<SaveBlock<'_>> = (from..keys.len())
-        .map(|i| SaveBlock {
-            key: keys[i],
-            parent: if i == 0 { lake_dp::BlockKey::NONE } else { keys[i - 1] },
-            block_index: u32::try_from(i).unwrap(),
-            payload: SavePayload::Bytes(&payload),
-        })
-        .collect();
-    let mut statuses = vec![SaveStatus::NotSent; blocks.len()];
-    agent.save_with_statuses(&blocks, &mut statuses);
-    statuses
 }
 
 /// Saves the prefix `keys` (each 32 KiB of `fill`) under an L1 quota

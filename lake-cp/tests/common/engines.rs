@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload, SaveStatus};
 use lake_cp::embedded::EmbeddedPool;
 use lake_dp::{BlockKey, ExtraKeys, KeyScheme, ModelIdentity, Namespace, TenantKey};
 
@@ -30,21 +30,28 @@ pub(crate) fn engine(pool: &mut EmbeddedPool, ns: &Namespace) -> Agent {
     Agent::attach(&config, pool.local_ports.remove(0)).unwrap()
 }
 
-/// Saves `keys` as one prefix, 32 KiB of `fill` each, and waits until a
-/// lookup finds them all.
-pub(crate) fn save(agent: &mut Agent, keys: &[BlockKey], fill: u8) {
+/// Saves `keys[from..]` as the rest of the prefix `keys` (32 KiB of
+/// `fill` each) in one save; what became of each block.
+pub(crate) fn save_from(agent: &mut Agent, keys: &[BlockKey], from: usize, fill: u8) -> Vec<SaveStatus> {
     let payload = vec![fill; 32 * 1024];
-    let blocks: Vec<SaveBlock<'_>> = keys
-        .iter()
-        .enumerate()
-        .map(|(i, key)| SaveBlock {
-            key: *key,
+    let blocks: Vec<SaveBlock<'_>> = (from..keys.len())
+        .map(|i| SaveBlock {
+            key: keys[i],
             parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
             block_index: u32::try_from(i).unwrap(),
             payload: SavePayload::Bytes(&payload),
         })
         .collect();
-    assert_eq!(agent.save(&blocks), keys.len());
+    let mut statuses = vec![SaveStatus::NotSent; blocks.len()];
+    agent.save_with_statuses(&blocks, &mut statuses);
+    statuses
+}
+
+/// Saves `keys` as one prefix, 32 KiB of `fill` each, and waits until a
+/// lookup finds them all.
+pub(crate) fn save(agent: &mut Agent, keys: &[BlockKey], fill: u8) {
+    let statuses = save_from(agent, keys, 0, fill);
+    assert_eq!(statuses.iter().filter(|s| **s == SaveStatus::Saved).count(), keys.len(), "{statuses:?}");
     let mut table = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
     while agent.lookup(keys, &mut table) < keys.len() {

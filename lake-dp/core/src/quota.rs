@@ -163,11 +163,6 @@ impl L1Quotas {
     pub fn usage(&self) -> impl Iterator<Item = (&str, QuotaUsage)> {
         self.names.iter().map(String::as_str).zip(self.usage.iter().copied())
     }
-
-    /// Quota `index`'s name.
-    pub fn name(&self, index: usize) -> &str {
-        self.names.get(index).map_or("", String::as_str)
-    }
 }
 
 #[cfg(test)]

@@ -475,11 +475,6 @@ impl SlotTable {
         self.generation.get(slot as usize).copied()
     }
 
-    /// The size of `slot`'s class, if it is one of the arena's slots.
-    pub fn slot_bytes(&self, slot: u32) -> Option<u64> {
-        self.class_of_slot(slot).map(|c| self.arena.map().geometry.spans[c].slot_bytes)
-    }
-
     /// Retires a held slot like [`SlotTable::retire`], but keeps it: once
     /// no agent pins its old generation, [`SlotTable::reclaim`] leaves it
     /// `drained` (see [`SlotTable::is_drained`]) for the caller to use
