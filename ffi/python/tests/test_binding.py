@@ -128,11 +128,21 @@ def test_a_save_past_the_tenants_l1_quota_is_refused_over_quota_and_others_are_n
         assert first <= 4 and statuses[first] == lake.OVER_QUOTA, statuses
         assert lake.STATUS[int(statuses[first])] == "LAKE_OVER_QUOTA"
         assert not pool.save_pressure()
-        hits, table = pool.lookup(keys)
-        assert hits == first, (hits, statuses)
+        # The control plane holds the tenant a slot below its quota: it moves
+        # the coldest down while this reads, so a load may find a block gone
+        # from where it was looked up (EVICTED) and look it up again, as an
+        # engine does.
         out = np.zeros_like(memory)
         out_id = pool.register_host_memory(out)
-        assert (pool.wait(pool.submit_load(out_id, keys[:hits], table[:hits], np.arange(hits)), hits) == 0).all()
+        deadline = time.monotonic() + 10.0
+        while True:
+            hits, table = wait_hits(pool, keys, first)
+            assert hits == first, (hits, statuses)
+            loaded = pool.wait(pool.submit_load(out_id, keys[:hits], table[:hits], np.arange(hits)), hits)
+            if (loaded == lake.OK).all():
+                break
+            assert set(loaded.tolist()) <= {lake.OK, lake.EVICTED, lake.PREFIX_BROKEN}, loaded
+            assert time.monotonic() < deadline, loaded
         assert (out[:hits] == memory[:hits]).all()
     other = namespace(10)
     other_keys = other.keys(np.arange(8 * TOKENS, dtype=np.uint32) + 7000)
