@@ -81,7 +81,7 @@ impl Landing for Node {
         self.abandoned += 1;
     }
 
-    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
+    fn reserve(&mut self, region: u16, epoch: u64, len: u64, _namespace: Option<u64>) -> Result<BlockAddr, AckStatus> {
         if region != REGION || epoch != EPOCH || len > SLOT_BYTES as u64 {
             return Err(AckStatus::Refused);
         }
@@ -209,8 +209,8 @@ impl Landing for Capped {
         self.node.abandoned(target);
     }
 
-    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
-        lake_dp::transport::Landing::reserve(&mut self.node, region, epoch, len)
+    fn reserve(&mut self, region: u16, epoch: u64, len: u64, namespace: Option<u64>) -> Result<BlockAddr, AckStatus> {
+        lake_dp::transport::Landing::reserve(&mut self.node, region, epoch, len, namespace)
     }
 
     fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {

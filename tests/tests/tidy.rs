@@ -84,6 +84,7 @@ const UNSAFE_FILES: &[&str] = &[
     "lake-dp/core/src/arena/mod.rs",
     "lake-dp/core/src/copy.rs",
     "lake-dp/core/src/arena/pins.rs",
+    "lake-dp/core/src/arena/view.rs",
     "lake-dp/src/auth/mod.rs",
     "lake-dp/src/auth/peer.rs",
     "lake-dp/src/auth/session.rs",

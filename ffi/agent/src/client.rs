@@ -484,11 +484,11 @@ impl Agent {
         self.arena.claim_agent().map_err(AttachError::of_claim)
     }
 
-    /// Where this process maps the L1 arena's slots: base and length (to
-    /// register them once with a device, so kernels read and write slots
-    /// across the bus).
+    /// Where this process maps the L1 arena's slots (in a partitioned
+    /// arena, its partition's): base and length (to register them once
+    /// with a device, so kernels read and write slots across the bus).
     pub fn slot_area(&self) -> (*mut u8, usize) {
-        (self.region.base(), self.region.len())
+        self.region.visible_area()
     }
 
     /// The largest block payload one of the L1 arena's size classes holds:

@@ -529,6 +529,12 @@ pub struct ServeArgs {
     /// (l2-read, l2-write, l3-read, l3-write, net-send, push, net-receive).
     #[arg(long, value_name = "NAME:PATH=SIZE", value_parser = parse_tenant_rate, help_heading = "Tenants")]
     pub tenant_rate: Vec<TenantRate>,
+
+    /// Keep a tenant's L1 blocks in a partition of the arena of its own,
+    /// sized by its L1 quota, that only these users' and groups' engines
+    /// map (let them attach with --allow-uid / --allow-gid).
+    #[arg(long, value_name = "NAME:uid=N|gid=N[,...]", help_heading = "Tenants")]
+    pub tenant_partition: Vec<crate::embedded::TenantPartition>,
 }
 
 /// What `lake serve` runs from its settings: the pool, and what the
@@ -731,6 +737,10 @@ impl ServeArgs {
                 bytes: q.bytes,
             });
         }
+        for partition in &self.tenant_partition {
+            namespaces_of(&partition.tenant, "--tenant-partition")?;
+        }
+        pool.partitions.clone_from(&self.tenant_partition);
         for rate in &self.tenant_rate {
             let namespaces = namespaces_of(&rate.name, "--tenant-rate")?;
             let at = match pool.tenant_rates.iter().position(|t| t.name == rate.name) {

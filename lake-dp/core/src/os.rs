@@ -240,7 +240,7 @@ pub fn park(
 }
 
 /// Most descriptors passed in one message.
-pub const FDS_MAX: usize = 4;
+pub const FDS_MAX: usize = 8;
 
 /// Sends `bytes` on the Unix stream `socket` with `fds` attached
 /// (`SCM_RIGHTS`, at most [`FDS_MAX`]). Returns the bytes sent.
@@ -261,7 +261,7 @@ pub fn send_with_fds(socket: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<u
     if !fds.is_empty() {
         message.msg_control = control.as_mut_ptr().cast();
         message.msg_controllen = space;
-        // SAFETY: msg_control points at `control` (64 bytes ≥ space for four
+        // SAFETY: msg_control points at `control` (64 bytes ≥ space for eight
         // descriptors), so the first header is inside it.
         let header = unsafe { libc::CMSG_FIRSTHDR(&raw const message) };
         // SAFETY: a pure size computation.

@@ -271,6 +271,11 @@ pub struct SlotRegion {
     slots: u32,
     /// The chunk size of shared classes; 0 for fixed ones.
     chunk_bytes: u64,
+    /// The slots this process may touch (all, unless the memory is mapped
+    /// here only in part: [`SlotRegion::restrict`]), and the bytes they lie
+    /// in, as an offset from `base` and a length.
+    visible: core::ops::Range<u32>,
+    visible_bytes: (usize, usize),
     backing: Backing,
 }
 
@@ -306,7 +311,8 @@ impl SlotRegion {
         // at least 4 KiB).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let base = NonNull::new(ptr).ok_or_else(|| RegionError::Memory(std::io::ErrorKind::OutOfMemory.into()))?;
-        Ok(Self { base, len, spans, slots, chunk_bytes: 0, backing: Backing::Heap(layout) })
+        let (visible, visible_bytes) = (0..slots, (0, len));
+        Ok(Self { base, len, spans, slots, chunk_bytes: 0, visible, visible_bytes, backing: Backing::Heap(layout) })
     }
 
     /// A one-class region over memory someone else owns.
@@ -344,7 +350,25 @@ impl SlotRegion {
         let len = usize::try_from(len).map_err(|_| RegionError::Geometry("region too large"))?;
         let spans = heapless::Vec::from_slice(spans).map_err(|_| RegionError::Geometry("too many size classes"))?;
         let backing = keeper.map_or(Backing::Borrowed, Backing::Shared);
-        Ok(Self { base, len, spans, slots, chunk_bytes, backing })
+        let (visible, visible_bytes) = (0..slots, (0, len));
+        Ok(Self { base, len, spans, slots, chunk_bytes, visible, visible_bytes, backing })
+    }
+
+    /// The same region with only `slots` to hand out, lying in `len` bytes
+    /// at `offset` from the base: the rest of the memory is not mapped in
+    /// this process, so every other slot reads as out of range.
+    #[must_use]
+    pub fn restrict(mut self, slots: core::ops::Range<u32>, offset: u64, len: u64) -> Self {
+        self.visible = slots.start.min(self.slots)..slots.end.min(self.slots);
+        let offset = usize_from(offset).min(self.len);
+        self.visible_bytes = (offset, usize_from(len).min(self.len - offset));
+        self
+    }
+
+    /// The part of the memory this process maps: its first byte and
+    /// length (for registration with CUDA and RDMA).
+    pub fn visible_area(&self) -> (*mut u8, usize) {
+        (self.base.as_ptr().wrapping_add(self.visible_bytes.0), self.visible_bytes.1)
     }
 
     /// The chunk size when the classes share chunks, else 0.
@@ -385,6 +409,9 @@ impl SlotRegion {
     /// The size class of `slot`, or `None` out of range.
     #[inline]
     pub fn span_of(&self, slot: u32) -> Option<&ClassSpan> {
+        if !self.visible.contains(&slot) {
+            return None;
+        }
         self.spans.iter().find(|span| span.contains(slot))
     }
 

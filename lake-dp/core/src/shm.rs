@@ -98,15 +98,21 @@ pub fn check(backing: &Backing, file: &File, building: Option<&Path>) -> Result<
 /// Reserves every page of `file`'s first `bytes` now and maps them,
 /// populated (`huge`: its pages are huge ones, for the hint).
 pub fn reserve_and_map(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<MmapRaw, ShmError> {
-    match reserve(file, bytes) {
-        Ok(()) => {}
-        Err(ReserveError::NoSpace) => {
-            return Err(ShmError::NoSpace { bytes, hint: if huge { NO_HUGE_PAGES } else { NO_TMPFS_ROOM } });
-        }
-        Err(ReserveError::TooLarge) => return Err(ShmError::TooLarge),
-        Err(ReserveError::Io(e)) => return Err(io_error("reserving memory for", building)(e)),
-    }
+    reserve_all(file, bytes, huge, building)?;
     map_populated(file, bytes).map_err(io_error("mapping", building))
+}
+
+/// Reserves every page of `file`'s first `bytes` now (`huge`: its pages
+/// are huge ones, for the hint).
+pub fn reserve_all(file: &File, bytes: u64, huge: bool, building: Option<&Path>) -> Result<(), ShmError> {
+    match reserve(file, bytes) {
+        Ok(()) => Ok(()),
+        Err(ReserveError::NoSpace) => {
+            Err(ShmError::NoSpace { bytes, hint: if huge { NO_HUGE_PAGES } else { NO_TMPFS_ROOM } })
+        }
+        Err(ReserveError::TooLarge) => Err(ShmError::TooLarge),
+        Err(ReserveError::Io(e)) => Err(io_error("reserving memory for", building)(e)),
+    }
 }
 
 /// Renames a built file into place (nothing to do for a memfd).

@@ -53,6 +53,7 @@ pub const PENDING_PER_UID: usize = 8;
 struct Pending {
     stream: UnixStream,
     uid: u32,
+    gid: u32,
     since_ns: u64,
     input: [u8; HELLO_BYTES_MAX],
     have: usize,
@@ -134,6 +135,9 @@ pub struct AttachServer {
     /// The mirror's file, opened for each agent that takes it as a
     /// descriptor ([`crate::wire::FEATURE_OWN_FDS`]).
     mirror: Option<PathBuf>,
+    /// A partitioned arena's partitions (whose users map which), and the
+    /// file of each past 0, passed to its users' agents alone.
+    partitions: Option<(crate::runner::config::Partitions, Vec<std::os::fd::OwnedFd>)>,
     /// What it has done.
     pub counters: AttachCounters,
 }
@@ -176,6 +180,7 @@ impl AttachServer {
             refusal: None,
             push_caps: Vec::new(),
             mirror: None,
+            partitions: None,
             counters: AttachCounters::default(),
         })
     }
@@ -210,6 +215,14 @@ impl AttachServer {
         crate::auth::peer::restrict(&self.path, mode, gid)?;
         self.policy = policy;
         Ok(())
+    }
+
+    /// The arena is partitioned: each agent maps the partition of its
+    /// user (or group) in `partitions`, or partition 0; `files` are the
+    /// partitions' past 0, in order. Agents that cannot map a partitioned
+    /// arena are refused.
+    pub fn partition(&mut self, partitions: crate::runner::config::Partitions, files: Vec<std::os::fd::OwnedFd>) {
+        self.partitions = Some((partitions, files));
     }
 
     /// Passes the mirror at `path` to each agent that takes it as a
@@ -290,8 +303,8 @@ impl AttachServer {
     /// A new connection waits for its hello, in a place freed for it where
     /// none is; where, if it was let in.
     fn take(&mut self, stream: UnixStream, now_ns: u64) -> Option<usize> {
-        let uid = match self.policy.check(&stream) {
-            Ok(peer) => peer.uid,
+        let (uid, gid) = match self.policy.check(&stream) {
+            Ok(peer) => (peer.uid, peer.gid),
             Err(why) => {
                 refuse(&stream, ErrorCode::Unauthorized, "this user may not attach");
                 self.counters.strangers += 1;
@@ -314,7 +327,8 @@ impl AttachServer {
                 victim
             }
         };
-        self.pending[place] = Some(Pending { stream, uid, since_ns: now_ns, input: [0; HELLO_BYTES_MAX], have: 0 });
+        let input = [0; HELLO_BYTES_MAX];
+        self.pending[place] = Some(Pending { stream, uid, gid, since_ns: now_ns, input, have: 0 });
         Some(place)
     }
 
@@ -384,9 +398,11 @@ impl AttachServer {
             self.counters.refused += 1;
             return;
         }
-        match self.attach(&waiting.stream, port, &remote, arena, wakeup) {
+        let partition = self.partitions.as_ref().map_or(0, |(p, _)| p.of_peer(waiting.uid, waiting.gid));
+        let partition = u8::try_from(partition).unwrap_or(u8::MAX);
+        match self.attach(&waiting.stream, port, &remote, arena, wakeup, partition) {
             Ok(shm) => {
-                pool.attach(pool.shared_place(port_number(port)), DpPort::Shared(shm));
+                pool.attach(pool.shared_place(port_number(port)), DpPort::Shared(shm), partition);
                 self.connections[port] = Some(Connection { stream: waiting.stream, uid: waiting.uid });
                 self.counters.attached += 1;
             }
@@ -416,7 +432,8 @@ impl AttachServer {
         }
     }
 
-    /// Answers a hello: `HelloAck` and `Attached`, with the descriptors.
+    /// Answers a hello: `HelloAck` and `Attached`, with the descriptors
+    /// (partition `partition`'s file among them, in a partitioned arena).
     fn attach(
         &self,
         stream: &UnixStream,
@@ -424,6 +441,7 @@ impl AttachServer {
         remote: &Hello,
         arena_fd: RawFd,
         wakeup: RawFd,
+        partition: u8,
     ) -> Result<DpShmPort, ()> {
         let ack = match hello::accept(&self.local, remote, 0) {
             Ok(ack) => ack,
@@ -432,13 +450,22 @@ impl AttachServer {
                 return Err(());
             }
         };
+        let needs = crate::wire::FEATURE_OWN_FDS | crate::wire::FEATURE_PARTITIONS;
+        let partitioned = self.partitions.is_some();
+        if partitioned && ack.features & needs != needs {
+            let why = "this pool keeps tenants apart in partitions of its L1 arena; this agent cannot map one";
+            refuse(stream, ErrorCode::VersionMismatch, why);
+            return Err(());
+        }
+        let (partition_file, partition_mirror) = self.partition_files(partition)?;
         let shm = DpShmPort::open(Arc::clone(&self.ports), u32::try_from(port).map_err(|_| ())?).map_err(|_| ())?;
         let attached = Attached {
             port: u32::try_from(port).map_err(|_| ())?,
             depth: self.ports.header().depth,
             epoch: self.epoch,
             arena_region: self.arena_region,
-            reserved: [0; 6],
+            partition: if partitioned { partition } else { 0 },
+            reserved: [0; 5],
         };
         let caps = ack.features & crate::wire::FEATURE_PUSH_CAPS != 0 && !self.push_caps.is_empty();
         let mut bytes = vec![0u8; 256 + if caps { self.push_caps.len() * size_of::<PushCap>() } else { 0 }];
@@ -459,8 +486,11 @@ impl AttachServer {
         // out: the agent opens it itself, saying why it could not either.
         let own = ack.features & crate::wire::FEATURE_OWN_FDS != 0;
         let arena = if own { Some(crate::lock::reopen_fd(arena_fd).map_err(|_| ())?) } else { None };
-        let mirror = self.mirror.as_ref().filter(|_| own).and_then(|path| std::fs::File::open(path).ok());
+        // A partition's engines get its own mirror, where it has one.
+        let mirror = partition_mirror.or(self.mirror.as_ref());
+        let mirror = mirror.filter(|_| own).and_then(|path| std::fs::File::open(path).ok());
         let mut fds = vec![arena.as_ref().map_or(arena_fd, AsRawFd::as_raw_fd), self.ports.file().as_raw_fd(), wakeup];
+        fds.extend(partition_file);
         fds.extend(mirror.as_ref().map(AsRawFd::as_raw_fd));
         // Small enough to go in one piece on a fresh socket (a few KiB at
         // most, with push caps).
@@ -468,6 +498,16 @@ impl AttachServer {
             Ok(sent) if sent == len => Ok(shm),
             _ => Err(()),
         }
+    }
+
+    /// Partition `partition`'s file (past 0) and its own mirror, where it
+    /// has them.
+    fn partition_files(&self, partition: u8) -> Result<(Option<RawFd>, Option<&PathBuf>), ()> {
+        let (Some((partitions, files)), Some(index)) = (&self.partitions, usize::from(partition).checked_sub(1)) else {
+            return Ok((None, None));
+        };
+        let file = files.get(index).ok_or(())?.as_raw_fd();
+        Ok((Some(file), partitions.mirrors.get(index).and_then(Option::as_ref)))
     }
 
     fn close(&mut self, port: usize, pool: &mut Pool, table: &mut SlotTable) {

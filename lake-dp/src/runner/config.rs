@@ -71,10 +71,13 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use crate::arena::{ArenaBacking, ArenaConfig};
+use crate::arena::ArenaConfig;
 use crate::l2::L2Config;
 use crate::model::replica::{NodeId, RegionId};
 use crate::region::SlotClass;
+
+mod partitions;
+pub use self::partitions::{PartitionSection, Partitions};
 
 /// Why a configuration was refused.
 #[derive(Debug)]
@@ -501,6 +504,10 @@ pub struct RunnerConfig {
     /// `[[quotas]]`: L1 byte ceilings held at admission.
     #[serde(default)]
     pub quotas: Vec<QuotaSection>,
+    /// `[[partitions]]`: tenants whose L1 blocks lie in memory only their
+    /// own users' engines map.
+    #[serde(default)]
+    pub partitions: Vec<PartitionSection>,
 }
 
 /// One `[[quotas]]` entry: the L1 bytes some namespaces (16 hex digits
@@ -820,6 +827,7 @@ impl RunnerConfig {
         for (index, quota) in self.quotas.iter().enumerate() {
             quota.quota(index)?;
         }
+        self.partitions()?;
         if let Some(node) = self.node.numa_node
             && !crate::numa::node_exists(node)
         {
@@ -832,13 +840,9 @@ impl RunnerConfig {
     pub fn arena(&self, epoch: u64) -> ArenaConfig {
         let classes: Vec<SlotClass> =
             self.l1.classes.iter().map(|c| SlotClass::for_payload(c.payload_bytes, c.slots)).collect();
-        let backing = match self.l1.backing.as_str() {
-            "hugetlbfs" => ArenaBacking::HugetlbFs(self.l1.path.clone()),
-            "hugetlb-memfd" => ArenaBacking::HugetlbMemfd,
-            _ => ArenaBacking::Shm(self.l1.path.clone()),
-        };
         ArenaConfig {
-            backing,
+            partitions: self.arena_partitions(classes.len()),
+            backing: self.l1_backing(self.l1.path.clone()),
             agents_max: self.l1.agents_max,
             pins_per_agent: self.l1.pins_per_agent,
             node: NodeId(self.node.id),
@@ -866,7 +870,7 @@ impl RunnerConfig {
 mod tests {
     use super::*;
 
-    const GOOD: &str = r#"
+    pub(super) const GOOD: &str = r#"
 [node]
 id = 3
 cores = [0]

@@ -45,7 +45,7 @@ impl Node {
         let (transport, peers_by_node) = open_transport(ports, &region, node_id, epoch)?;
         // The agents' socket is bound last: a node whose transport (its listen
         // address, its RDMA device, its peers) cannot open never appears ready.
-        let attach = open_attach(config, &tenants, header.region, epoch)?;
+        let attach = open_attach(config, &tenants, &arena, epoch)?;
         let selftest = (options.selftest_blocks > 0)
             .then(|| Selftest::adopting(config, options.selftest_blocks, l2_config.slot_bytes, &table, &tier, &found));
         let events = vec![Event::placeholder(); p.batch_max as usize];
@@ -218,9 +218,10 @@ fn open_transport(
 fn open_attach(
     config: &RunnerConfig,
     tenants: &[crate::rates::TenantRate],
-    arena_region: u16,
+    arena: &Arena,
     epoch: u64,
 ) -> Result<Option<attach::AttachServer>, RunnerError> {
+    let arena_region = arena.header().region;
     let attach = match &config.agents.socket {
         None => None,
         Some(socket) => {
@@ -254,6 +255,15 @@ fn open_attach(
                 server.limit_ports_per_uid(ports as usize);
             }
             server.pass_mirror(config.agents.mirror.clone());
+            if arena.geometry().partitioned() {
+                let partitions = config.partitions().map_err(|e| RunnerError::Config(e.0))?;
+                let mut files = Vec::with_capacity(partitions.each.len());
+                for index in 1..=partitions.each.len() {
+                    let fd = arena.partition_fd(index).ok_or_else(|| RunnerError::Config("partitions".into()))?;
+                    files.push(try_to!("keeping a partition's file for the agents", fd.try_clone_to_owned()));
+                }
+                server.partition(partitions, files);
+            }
             Some(server)
         }
     };
@@ -320,6 +330,7 @@ fn open_pool(
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| RunnerError::Config(e.to_string()))?;
     pool.set_quotas(crate::quota::L1Quotas::new(&quotas, header.slots).map_err(RunnerError::Config)?);
+    pool.set_partitions(config.partitions().map_err(|e| RunnerError::Config(e.0))?);
     for adopted in &found.adopted {
         let slot = L2Slot { file: adopted.file, slot: adopted.slot };
         pool.l2_written(slot, &adopted.meta);

@@ -220,8 +220,8 @@ impl<L: Landing> Landing for FaultyLanding<L> {
         self.inner.abandoned(target);
     }
 
-    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
-        self.inner.reserve(region, epoch, len)
+    fn reserve(&mut self, region: u16, epoch: u64, len: u64, namespace: Option<u64>) -> Result<BlockAddr, AckStatus> {
+        self.inner.reserve(region, epoch, len, namespace)
     }
 
     fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {

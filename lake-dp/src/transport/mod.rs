@@ -287,12 +287,12 @@ pub trait Landing {
     fn abandoned(&mut self, target: &BlockAddr);
 
     /// A peer asks for a slot of this node's `region` at `epoch` for a
-    /// `len`-byte block (it sent it to [`ANY_SLOT`]): the slot reserved for
-    /// it — then placed, landed or given back like any target — or the
-    /// verdict refusing it. By default a node takes no block it did not
-    /// name the slot of.
-    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
-        let _ = (region, epoch, len);
+    /// `len`-byte block of `namespace` (where the sender names it; it sent
+    /// it to [`ANY_SLOT`]): the slot reserved for it — then placed, landed
+    /// or given back like any target — or the verdict refusing it. By
+    /// default a node takes no block it did not name the slot of.
+    fn reserve(&mut self, region: u16, epoch: u64, len: u64, namespace: Option<u64>) -> Result<BlockAddr, AckStatus> {
+        let _ = (region, epoch, len, namespace);
         Err(AckStatus::Refused)
     }
 

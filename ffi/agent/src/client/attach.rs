@@ -166,22 +166,33 @@ impl Agent {
                 break attached;
             }
         };
-        // The arena, the port file, the wake-up eventfd, and the mirror
-        // where the data plane passes it.
-        if !(3..=4).contains(&fds.len()) {
-            return Err(protocol("descriptors", &format_args!("expected 3 or 4, got {}", fds.len())));
+        // The arena, the port file, the wake-up eventfd, the file of the
+        // partition this agent maps (in a partitioned arena, past 0), and
+        // the mirror where the data plane passes it.
+        let partitions = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_PARTITIONS != 0);
+        let partition = if partitions { usize::from(attached.partition) } else { 0 };
+        let least = 3 + usize::from(partition != 0);
+        if !(least..=least + 1).contains(&fds.len()) {
+            let why = format_args!("expected {least} or {}, got {}", least + 1, fds.len());
+            return Err(protocol("descriptors", &why));
         }
         let mut fds = fds.into_iter();
         let (Some(arena_fd), Some(ports), Some(wakeup)) = (fds.next(), fds.next(), fds.next()) else {
             return Err(protocol("descriptors", &"fewer than 3"));
         };
+        let partition_fd = if partition != 0 { fds.next() } else { None };
         let mirror = fds.next();
         let ports = File::from(ports);
         // An open of the arena made for this agent where the data plane
-        // makes one (its records' locks are taken on it).
+        // makes one (its records' locks are taken on it), mapped with only
+        // the partition it is given.
         let own = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_OWN_FDS != 0);
-        let arena = if own { Arena::attach_own_fd(arena_fd) } else { Arena::attach_fd(arena_fd) }
-            .map_err(|e| AttachError::Memory(e.to_string()))?;
+        let arena = match (own, partitions) {
+            (true, true) => Arena::attach_partition(arena_fd, partition, partition_fd),
+            (true, false) => Arena::attach_own_fd(arena_fd),
+            (false, _) => Arena::attach_fd(arena_fd),
+        }
+        .map_err(|e| AttachError::Memory(e.to_string()))?;
         if arena.header().epoch != attached.epoch || arena.header().region != attached.arena_region {
             return Err(protocol("descriptors", &"the arena passed is not the one announced"));
         }

@@ -141,6 +141,44 @@ pub struct EmbeddedConfig {
     pub cores: Option<Vec<usize>>,
     /// The NUMA node the data plane's memory and L1 are bound to.
     pub numa_node: Option<u32>,
+    /// Tenants kept apart in L1 (see [`TenantPartition`]).
+    pub partitions: Vec<TenantPartition>,
+}
+
+/// A tenant whose L1 blocks lie in a partition of the arena of their own
+/// (a file only the pool's user may open, mode 0600), sized by the
+/// tenant's L1 quota and passed only to the engines of its users and
+/// groups; every other engine maps the rest of the arena, where no block
+/// of the tenant's namespaces ever lies.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantPartition {
+    /// The tenant: the name of its L1 quota (`TierConfig::tenant_quotas`).
+    pub tenant: String,
+    /// Users whose engines map it.
+    pub uids: Vec<u32>,
+    /// Groups whose engines map it.
+    pub gids: Vec<u32>,
+}
+
+impl std::str::FromStr for TenantPartition {
+    type Err = String;
+
+    /// `NAME:uid=N|gid=N[,...]`.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let bad = || "NAME:uid=N|gid=N[,...]".to_owned();
+        let (name, list) = text.split_once(':').ok_or_else(bad)?;
+        let mut partition = Self { tenant: name.to_owned(), ..Self::default() };
+        for item in list.split(',') {
+            let (kind, id) = item.split_once('=').ok_or_else(bad)?;
+            let id: u32 = id.parse().map_err(|_| format!("{item:?}: not a user or group id"))?;
+            match kind {
+                "uid" => partition.uids.push(id),
+                "gid" => partition.gids.push(id),
+                _ => return Err(bad()),
+            }
+        }
+        Ok(partition)
+    }
 }
 
 /// The L1 arena's agent records (pin arrays) kept for each agent port: an
@@ -294,6 +332,7 @@ impl EmbeddedConfig {
             l1_lock: false,
             cores: None,
             numa_node: None,
+            partitions: Vec::new(),
         }
     }
 }
@@ -365,6 +404,50 @@ impl EmbeddedConfig {
         tenants.chain(namespaces).collect()
     }
 
+    /// The data plane's partitions of the L1 arena: one per tenant kept
+    /// apart, its namespaces and size those of its L1 quota (slots of
+    /// every size class, as many as its bytes fill).
+    pub fn l1_partitions(&self) -> Result<Vec<lake_dp::runner::config::PartitionSection>, String> {
+        let slot_bytes: u64 = self.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).sum();
+        self.partitions
+            .iter()
+            .map(|partition| {
+                let quota = self
+                    .tiers
+                    .tenant_quotas
+                    .iter()
+                    .find(|q| q.tier == lake_dp::Tier::L1Dram && q.tenant == partition.tenant)
+                    .ok_or_else(|| {
+                        format!("partition {}: its size is its tenant's L1 quota, and it has none", partition.tenant)
+                    })?;
+                let slots = u32::try_from(quota.bytes / slot_bytes.max(1)).unwrap_or(u32::MAX);
+                if slots == 0 {
+                    return Err(format!("partition {}: its L1 quota holds not one block", partition.tenant));
+                }
+                Ok(lake_dp::runner::config::PartitionSection {
+                    name: partition.tenant.clone(),
+                    namespaces: quota.namespaces.iter().map(|n| format!("{n:016x}")).collect(),
+                    uids: partition.uids.clone(),
+                    gids: partition.gids.clone(),
+                    slots,
+                    mirror: Some(self.tenant_shared_memory(&partition.tenant).1),
+                })
+            })
+            .collect()
+    }
+
+    /// The tier manager's settings: the tenants' partitions of L1 (each
+    /// one's bytes and namespaces) added to those given.
+    pub fn tier_config(&self) -> Result<TierConfig, String> {
+        let slot_bytes: u64 = self.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).sum();
+        let mut tiers = self.tiers.clone();
+        for partition in self.l1_partitions()? {
+            let namespaces = partition.namespaces.iter().filter_map(|n| u64::from_str_radix(n, 16).ok()).collect();
+            tiers.l1_partitions.push((u64::from(partition.slots) * slot_bytes, namespaces));
+        }
+        Ok(tiers)
+    }
+
     /// The pool's L2 files: those configured, else two in its directory.
     pub fn l2_paths(&self) -> Vec<PathBuf> {
         if self.l2_files.is_empty() {
@@ -372,6 +455,18 @@ impl EmbeddedConfig {
         } else {
             self.l2_files.clone()
         }
+    }
+
+    /// The files of tenant `tenant`'s own shared memory, its partition of
+    /// the L1 arena and its mirror: the pool's names with `.<tenant>`.
+    pub fn tenant_shared_memory(&self, tenant: &str) -> (PathBuf, PathBuf) {
+        let (arena, mirror) = self.shared_memory();
+        let of = |path: PathBuf| {
+            let mut path = path.into_os_string();
+            path.push(format!(".{tenant}"));
+            PathBuf::from(path)
+        };
+        (of(arena), of(mirror))
     }
 
     /// The names of the pool's shared memory, its L1 arena (in
@@ -393,6 +488,7 @@ impl EmbeddedConfig {
     /// settings, the L1 load reserve, the L2 files.
     pub fn check(&self) -> Result<(), ServeError> {
         self.tiers.validate().map_err(ServeError::Settings)?;
+        self.l1_partitions().map_err(ServeError::Settings)?;
         load_reserve(self).map_err(ServeError::Settings)?;
         let paths = self.l2_paths();
         if paths.len() > 64 {
@@ -492,6 +588,7 @@ ports = {remote}
         runner.l3.clone_from(&self.l3);
         runner.tenants.clone_from(&self.tenant_rates);
         runner.quotas = self.l1_quotas();
+        runner.partitions = self.l1_partitions().map_err(ServeError::Settings)?;
         runner.agents.allow_uids.clone_from(&self.access.allow_uids);
         runner.agents.allow_gids.clone_from(&self.access.allow_gids);
         runner.agents.group.clone_from(&self.access.group);
@@ -542,7 +639,11 @@ impl EmbeddedPool {
         // touched by a second one.
         let mut created = Created::take(&config.dir)?;
         let (arena, mirror) = config.shared_memory();
-        created.record(&[&arena, &mirror])?;
+        let tenants: Vec<(PathBuf, PathBuf)> =
+            config.partitions.iter().map(|p| config.tenant_shared_memory(&p.tenant)).collect();
+        let tenant_files: Vec<&Path> = tenants.iter().flat_map(|(a, m)| [a.as_path(), m.as_path()]).collect();
+        created.record(&[&[arena.as_path(), mirror.as_path()], &tenant_files[..]].concat())?;
+        created.files.extend(tenant_files.iter().map(|p| p.to_path_buf()));
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
         let admin_socket = config.dir.join("admin.sock");
@@ -572,6 +673,14 @@ impl EmbeddedPool {
             + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));
         let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
             .map_err(ServeError::Mirror)?;
+        // Each tenant kept apart has a mirror of its own, as large (it may
+        // hold as much in L2 and L3).
+        let mut tenant_mirrors = Vec::new();
+        for (partition, (_, path)) in config.l1_partitions().map_err(ServeError::Settings)?.iter().zip(&tenants) {
+            let config = MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), entries);
+            let namespaces = partition.namespaces.iter().filter_map(|n| u64::from_str_radix(n, 16).ok()).collect();
+            tenant_mirrors.push((namespaces, MirrorWriter::create(&config).map_err(ServeError::Mirror)?));
+        }
         // Checked at the start (`check`): here only its value.
         let load_reserve_slots = load_reserve(config).map_err(ServeError::Settings)?;
         // The view's changes are numbered in a term of this incarnation's own
@@ -580,7 +689,10 @@ impl EmbeddedPool {
         let incarnation = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        let node = Node::new(NodeId(config.node), incarnation, Some(writer)).with_tiers(config.tiers.clone());
+        let tiers = config.tier_config().map_err(ServeError::Settings)?;
+        let node = Node::new(NodeId(config.node), incarnation, Some(writer))
+            .with_tiers(tiers)
+            .with_tenant_mirrors(tenant_mirrors);
         let mut server = Server::bind(&cp_socket, node, 1).map_err(ServeError::io(cp_socket.display()))?;
         server.set_caps(budget.caps.server);
         let agents = lake_dp::runner::config::AgentsSection {

@@ -192,6 +192,11 @@ pub struct Node {
     /// The location view.
     pub locations: Locations,
     mirror: Option<MirrorWriter>,
+    /// The mirrors of the tenants kept apart (each one's namespaces): their
+    /// blocks are published there, in no other.
+    tenant_mirrors: Vec<(Vec<u64>, MirrorWriter)>,
+    /// The keys of those tenants' blocks, and the mirror of each.
+    tenant_of: HashMap<BlockKey, usize>,
     node: NodeId,
     /// Blocks waiting for their parent, by the parent's key.
     waiting: HashMap<BlockKey, Vec<(BlockRecord, bool)>>,
@@ -277,6 +282,8 @@ impl Node {
         Self {
             locations: Locations::new(term),
             mirror,
+            tenant_mirrors: Vec::new(),
+            tenant_of: HashMap::new(),
             node,
             waiting: HashMap::new(),
             waiting_count: 0,
@@ -433,6 +440,15 @@ impl Node {
     /// The mirror, if the node publishes one.
     pub fn mirror(&self) -> Option<&MirrorWriter> {
         self.mirror.as_ref()
+    }
+
+    /// Publishes the blocks of each tenant's namespaces in that tenant's
+    /// own mirror, and only there: the engines of a tenant kept apart are
+    /// given its mirror, and learn no other tenant's keys or hits.
+    #[must_use]
+    pub fn with_tenant_mirrors(mut self, mirrors: Vec<(Vec<u64>, MirrorWriter)>) -> Self {
+        self.tenant_mirrors = mirrors;
+        self
     }
 
     /// Blocks waiting for their parent.
@@ -602,10 +618,13 @@ impl Node {
         );
         self.tiers.name_region(region.region, region.name());
         self.counters.regions += 1;
-        if let (Some(mirror), Some(info)) = (&mut self.mirror, self.locations.region(region.region)) {
+        if let Some(info) = self.locations.region(region.region) {
             let record = RegionRecord { tier, epoch: info.epoch, epoch_tag: info.epoch_tag(), node: self.node };
-            if mirror.set_region(RegionId(region.region), &record).is_err() {
-                self.counters.mirror_skipped += 1;
+            let tenants = self.tenant_mirrors.iter_mut().map(|(_, mirror)| mirror);
+            for mirror in self.mirror.iter_mut().chain(tenants) {
+                if mirror.set_region(RegionId(region.region), &record).is_err() {
+                    self.counters.mirror_skipped += 1;
+                }
             }
         }
         Ok(())
@@ -666,6 +685,9 @@ impl Node {
                 self.record(block.key, what, (replica.region.0, replica.slot));
                 let bytes = lake_dp::stored::object_bytes(block.payload_len);
                 self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new, bytes);
+                if let Some(tenant) = self.tenant_mirrors.iter().position(|(ns, _)| ns.contains(&block.namespace)) {
+                    self.tenant_of.insert(block.key, tenant);
+                }
                 if promoted {
                     // Read through for a reader that is about to pin it: it
                     // counts as accessed now, so the next victim is another.
@@ -836,10 +858,16 @@ impl Node {
     /// Republishes `key` in the mirror: its fastest ready replica and every
     /// tier holding one, or nothing if none is ready.
     fn publish(&mut self, key: &BlockKey) {
-        let Some(mirror) = &mut self.mirror else { return };
+        let tenant = self.tenant_of.get(key).copied();
+        let mirror = match tenant {
+            Some(tenant) => self.tenant_mirrors.get_mut(tenant).map(|(_, mirror)| mirror),
+            None => self.mirror.as_mut(),
+        };
+        let Some(mirror) = mirror else { return };
         let ready: Vec<Replica> = self.locations.ready(key).collect();
         let Some(best) = ready.iter().min_by_key(|r| r.tier as u8) else {
             mirror.remove(key);
+            self.tenant_of.remove(key);
             return;
         };
         let tiers = ready.iter().fold(0u8, |bits, r| bits | 1 << (r.tier as u8));

@@ -126,6 +126,11 @@ pub struct TierConfig {
     /// cap, say) is dropped by its data plane, its slot released: the
     /// deadline every copy carries, from when it is asked (ms; 0: none).
     pub copy_deadline_ms: u64,
+    /// The tenants whose L1 blocks lie in partitions of the arena of their
+    /// own (the bytes of each, its namespaces): L1's own marks count
+    /// neither their bytes nor their blocks (their L1 quotas hold them),
+    /// so the rest of L1 is held to what is left of it.
+    pub l1_partitions: Vec<(u64, Vec<u64>)>,
 }
 
 impl Default for TierConfig {
@@ -140,6 +145,7 @@ impl Default for TierConfig {
             l3_write_back: L3WriteBack::OnEviction,
             l2_admission: L2Admission::Always,
             copy_deadline_ms: 30_000,
+            l1_partitions: Vec::new(),
         }
     }
 }

@@ -98,7 +98,7 @@ impl Tiers {
                     }
                 }
             }
-            let capacity = self.capacity(tier);
+            let capacity = self.shared_capacity(tier);
             let (mut high_percent, mut low_percent) = (self.config.high_percent, self.config.low_percent);
             if tier == Tier::L1Dram && self.draining_node {
                 // Its L1 is where its L2 blocks are promoted to be copied
@@ -107,7 +107,7 @@ impl Tiers {
             }
             let high = percent_of(capacity, high_percent);
             let low = percent_of(capacity, low_percent);
-            let live = |tiers: &Self| tiers.used_by(tier, None).saturating_sub(tiers.pending_by(tier, None));
+            let live = |tiers: &Self| tiers.shared_live(tier);
             if live(self) <= high {
                 continue;
             }
@@ -137,7 +137,9 @@ impl Tiers {
                 let mut candidates: Vec<(u64, u64)> = self
                     .spaces
                     .iter()
-                    .filter(|((t, _), space)| *t == tier && !space.cache.index.is_empty())
+                    .filter(|((t, namespace), space)| {
+                        *t == tier && !space.cache.index.is_empty() && !self.partitioned(tier, *namespace)
+                    })
                     .map(|((_, namespace), space)| {
                         let live = self
                             .used_by(tier, Some(*namespace))
@@ -619,8 +621,36 @@ impl Tiers {
     /// Whether L1 holds more than its high-water mark (counting what is on
     /// its way out as gone).
     fn l1_over_high(&self) -> bool {
-        let live = self.used_by(Tier::L1Dram, None).saturating_sub(self.pending_by(Tier::L1Dram, None));
-        live > percent_of(self.capacity(Tier::L1Dram), self.config.high_percent)
+        self.shared_live(Tier::L1Dram) > percent_of(self.shared_capacity(Tier::L1Dram), self.config.high_percent)
+    }
+
+    /// Whether `namespace`'s blocks in `tier` lie in an L1 partition of
+    /// their own (held by their tenant's quota, not by the tier's marks).
+    fn partitioned(&self, tier: Tier, namespace: u64) -> bool {
+        tier == Tier::L1Dram && self.config.l1_partitions.iter().any(|(_, namespaces)| namespaces.contains(&namespace))
+    }
+
+    /// What `tier` holds for the namespaces without a partition of their
+    /// own, less what is on its way out.
+    fn shared_live(&self, tier: Tier) -> u64 {
+        let live = |namespace| self.used_by(tier, namespace).saturating_sub(self.pending_by(tier, namespace));
+        let all = live(None);
+        if tier != Tier::L1Dram {
+            return all;
+        }
+        let partitioned: u64 =
+            self.config.l1_partitions.iter().flat_map(|(_, namespaces)| namespaces).map(|&n| live(Some(n))).sum();
+        all.saturating_sub(partitioned)
+    }
+
+    /// What `tier` may hold for the namespaces without a partition of
+    /// their own.
+    fn shared_capacity(&self, tier: Tier) -> u64 {
+        let capacity = self.capacity(tier);
+        if tier != Tier::L1Dram {
+            return capacity;
+        }
+        capacity.saturating_sub(self.config.l1_partitions.iter().map(|(bytes, _)| bytes).sum())
     }
 
     /// Evicts the first marked victim (of `namespace`, if given; with a

@@ -675,3 +675,38 @@ fn a_block_evicted_while_it_waits_after_a_refused_move_is_gone_from_the_counts()
     assert!(!keys_of(&out).iter().any(|&(k, _)| k == 1), "a gone block commanded: {:?}", keys_of(&out));
     assert!(world.tiers.tracked(&key(1)).is_empty(), "a gone block tracked: {:?}", world.tiers.tracked(&key(1)));
 }
+
+#[test]
+fn l1_partitions_keep_the_rest_of_l1_to_what_is_left_and_are_held_by_their_quota() {
+    // Acme's L1 lies in a partition of 4 of the 10 slots, under a quota of
+    // as much: the rest of L1 is 6 slots (its marks 80% and 50% of them).
+    let tenant = TenantQuota { tenant: "acme".into(), namespaces: vec![2], tier: Tier::L1Dram, bytes: 4 * SLOT };
+    let config = TierConfig {
+        tenant_quotas: vec![tenant],
+        l1_partitions: vec![(4 * SLOT, vec![2])],
+        high_percent: 80,
+        low_percent: 50,
+        policy: PolicyKind::Lru,
+        ..TierConfig::default()
+    };
+    let mut world = World::new(config);
+    for k in 10..=12 {
+        world.add(0, 2, None, k);
+    }
+    for k in 1..=5 {
+        world.add(0, 1, None, k);
+    }
+    // 8 of 10 slots in all, not over 80% of L1; but namespace 1 holds 5 of
+    // the 6 slots left to it: its coldest go, down to 3, and none of
+    // acme's, a slot below its quota already.
+    let commands = world.plan();
+    assert_eq!(keys_of(&commands), vec![(1, "move"), (2, "move")]);
+    for command in &commands {
+        world.carry_out(command);
+    }
+    assert!(world.plan().is_empty());
+    // Acme at its quota gives up its own, and only its own (down to its
+    // low mark, half of its quota).
+    world.add(0, 2, None, 13);
+    assert_eq!(keys_of(&world.plan()), vec![(10, "move"), (11, "move")]);
+}

@@ -13,6 +13,14 @@
 //!             register
 //! ```
 //!
+//! A partitioned arena (version 3) splits its slots into partitions, each
+//! the same size classes over slots of its own, one after the other and
+//! each starting on a page. Partition 0 lies in the arena's file after the
+//! agent records, as the slots do in version 1; every other partition is a
+//! file of its own, mapped at its place in the slot area by the processes
+//! given it ([`ArenaGeometry::partitions`]). The arena's file is then
+//! shorter than `total_bytes`, which counts the whole slot area.
+//!
 //! [`decode_header`] is the one place that trusts nothing: every other
 //! process's view of the arena goes through it.
 
@@ -37,6 +45,15 @@ pub const ARENA_VERSION: u32 = 1;
 /// ([`crate::region::ClassSpan`]). A build that reads only version 1 says
 /// so and does not attach.
 pub const ARENA_VERSION_SHARED: u32 = 2;
+
+/// The layout version of a partitioned arena: slots in partitions, each
+/// partition past the first in a file of its own. A build that reads up to
+/// version 2 says so and does not attach (it would map slots its process
+/// was not given).
+pub const ARENA_VERSION_PARTITIONED: u32 = 3;
+
+/// Most partitions of one arena (each holds every size class).
+pub const PARTITIONS_MAX: usize = SLOT_CLASSES_MAX;
 
 /// Where [`ArenaControl`] lies in page 0.
 pub const CONTROL_OFFSET: usize = 2048;
@@ -121,10 +138,11 @@ pub struct ArenaHeader {
     pub slots_offset: u64,
     /// Bytes of the slot area.
     pub slots_bytes: u64,
-    /// The size classes; unused records are zero.
+    /// The size classes; unused records are zero. In a partitioned arena,
+    /// partition after partition: `class_count / partitions` records each.
     pub classes: [ClassRecord; SLOT_CLASSES_MAX],
-    /// Zero.
-    pub reserved_b: u32,
+    /// Version 3: partitions, at least 2. Other versions: zero.
+    pub partitions: u32,
     /// CRC32 of every byte before this field.
     pub crc: u32,
 }
@@ -182,6 +200,29 @@ pub struct AgentControl {
 
 const _: () = assert!(size_of::<AgentControl>() as u64 == AGENT_CONTROL_BYTES);
 
+/// One partition of the slot area: slots numbered contiguously, bytes
+/// one run, starting on a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartitionSpan {
+    /// Its first slot.
+    pub first_slot: u32,
+    /// Its slots, all classes together.
+    pub slots: u32,
+    /// Offset of its first byte from the start of the slot area.
+    pub offset: u64,
+    /// Its bytes (a whole number of pages).
+    pub bytes: u64,
+    /// Its first size class (an index into the spans).
+    pub first_class: usize,
+}
+
+impl PartitionSpan {
+    /// Whether `slot` is in this partition.
+    pub fn contains(&self, slot: u32) -> bool {
+        slot >= self.first_slot && slot - self.first_slot < self.slots
+    }
+}
+
 /// The arena's geometry, decoded and checked.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArenaGeometry {
@@ -189,6 +230,32 @@ pub struct ArenaGeometry {
     pub header: ArenaHeader,
     /// The size classes, offsets relative to the slot area.
     pub spans: heapless::Vec<ClassSpan, SLOT_CLASSES_MAX>,
+    /// The partitions: one covering every slot, unless the arena is
+    /// partitioned (version 3).
+    pub partitions: heapless::Vec<PartitionSpan, PARTITIONS_MAX>,
+}
+
+impl ArenaGeometry {
+    /// Size classes per partition.
+    pub fn classes_per_partition(&self) -> usize {
+        self.spans.len() / self.partitions.len().max(1)
+    }
+
+    /// Whether the arena is partitioned (version 3).
+    pub fn partitioned(&self) -> bool {
+        self.header.version == ARENA_VERSION_PARTITIONED
+    }
+
+    /// Bytes of the arena's own file: everything, or in a partitioned
+    /// arena everything up to the end of partition 0.
+    pub fn file_bytes(&self) -> u64 {
+        if self.partitioned() { self.header.slots_offset + self.partitions[0].bytes } else { self.header.total_bytes }
+    }
+
+    /// The partition holding `slot`.
+    pub fn partition_of(&self, slot: u32) -> Option<usize> {
+        self.partitions.iter().position(|p| p.contains(slot))
+    }
 }
 
 fn round_up(value: u64, align: u64) -> Option<u64> {
@@ -213,6 +280,9 @@ pub(super) struct Plan<'a> {
     /// Share chunks of this many bytes between the classes (0: each class
     /// owns its slots). The classes' slot counts then size the arena only.
     pub chunk_bytes: u64,
+    /// Partitions (0 or 1: none): `classes` holds each partition's classes
+    /// in turn, `classes.len() / partitions` of them each.
+    pub partitions: u32,
 }
 
 /// Lays an arena out; the result passes [`decode_header`].
@@ -227,17 +297,8 @@ pub(super) fn plan(plan: &Plan<'_>) -> Result<ArenaGeometry, ArenaError> {
     if plan.pins_per_agent == 0 || plan.pins_per_agent > PINS_PER_AGENT_MAX {
         return Err(ArenaError::Config("pins_per_agent: between 1 and 65536"));
     }
-    let (spans, slots_bytes) = if plan.chunk_bytes == 0 {
-        lay_out_classes(plan.classes).map_err(ArenaError::Region)?
-    } else {
-        let wanted = plan
-            .classes
-            .iter()
-            .try_fold(0u64, |sum, c| sum.checked_add(c.slot_bytes.checked_mul(u64::from(c.slots))?))
-            .ok_or_else(too_big)?;
-        let chunks = u32::try_from(wanted.div_ceil(plan.chunk_bytes.max(1))).map_err(|_| too_big())?;
-        lay_out_shared_classes(plan.classes, plan.chunk_bytes, chunks).map_err(ArenaError::Region)?
-    };
+    let partitioned = plan.partitions > 1;
+    let (spans, slots_bytes) = lay_out_slots(plan)?;
     let chunk_bytes = u32::try_from(plan.chunk_bytes).map_err(|_| ArenaError::Config("chunk_bytes: below 4 GiB"))?;
     let slots = spans.iter().map(|s| s.slots).sum::<u32>();
     let generations_bytes = round_up(u64::from(slots) * 4, 4096).ok_or_else(too_big)?;
@@ -258,7 +319,11 @@ pub(super) fn plan(plan: &Plan<'_>) -> Result<ArenaGeometry, ArenaError> {
     }
     let mut header = ArenaHeader {
         magic: ARENA_MAGIC,
-        version: if chunk_bytes == 0 { ARENA_VERSION } else { ARENA_VERSION_SHARED },
+        version: match (partitioned, chunk_bytes) {
+            (true, _) => ARENA_VERSION_PARTITIONED,
+            (false, 0) => ARENA_VERSION,
+            (false, _) => ARENA_VERSION_SHARED,
+        },
         header_bytes: HEADER_BYTES,
         total_bytes,
         page_bytes: plan.page_bytes,
@@ -276,16 +341,67 @@ pub(super) fn plan(plan: &Plan<'_>) -> Result<ArenaGeometry, ArenaError> {
         slots_offset,
         slots_bytes,
         classes,
-        reserved_b: 0,
+        partitions: if partitioned { plan.partitions } else { 0 },
         crc: 0,
     };
     header.crc = header_crc(&header);
-    debug_assert!(decode_header(bytemuck::bytes_of(&header), total_bytes).is_ok_and(|g| g.header == header));
-    Ok(ArenaGeometry { header, spans })
+    let geometry = decode_header(bytemuck::bytes_of(&header), u64::MAX)?;
+    debug_assert!(geometry.header == header && geometry.spans == spans);
+    Ok(geometry)
+}
+
+/// The size classes of `plan` laid out: each class its own slots, one
+/// partition after another, or every class over shared chunks. Returns
+/// the spans and the bytes they cover.
+fn lay_out_slots(plan: &Plan<'_>) -> Result<(heapless::Vec<ClassSpan, SLOT_CLASSES_MAX>, u64), ArenaError> {
+    let too_big = || ArenaError::Config("arena: sizes overflow");
+    if plan.partitions > 1 {
+        if plan.chunk_bytes != 0 || !plan.classes.len().is_multiple_of(plan.partitions as usize) {
+            return Err(ArenaError::Config("partitions: each holds the same fixed size classes (no shared chunks)"));
+        }
+        return lay_out_partitions(plan.classes, plan.partitions as usize, plan.page_bytes);
+    }
+    if plan.chunk_bytes == 0 {
+        return lay_out_classes(plan.classes).map_err(ArenaError::Region);
+    }
+    let wanted = plan
+        .classes
+        .iter()
+        .try_fold(0u64, |sum, c| sum.checked_add(c.slot_bytes.checked_mul(u64::from(c.slots))?))
+        .ok_or_else(too_big)?;
+    let chunks = u32::try_from(wanted.div_ceil(plan.chunk_bytes.max(1))).map_err(|_| too_big())?;
+    lay_out_shared_classes(plan.classes, plan.chunk_bytes, chunks).map_err(ArenaError::Region)
+}
+
+/// Lays `partitions` runs of the same size classes out one after the
+/// other, each starting on a page of `page_bytes`.
+fn lay_out_partitions(
+    classes: &[SlotClass],
+    partitions: usize,
+    page_bytes: u64,
+) -> Result<(heapless::Vec<ClassSpan, SLOT_CLASSES_MAX>, u64), ArenaError> {
+    let too_big = || ArenaError::Config("arena: sizes overflow");
+    let per = classes.len() / partitions;
+    let (mut spans, _) = lay_out_classes(classes).map_err(ArenaError::Region)?;
+    let mut shift = 0u64;
+    let mut end = 0u64;
+    for (index, span) in spans.iter_mut().enumerate() {
+        if index % per == 0 {
+            if classes[index..index + per].iter().zip(&classes[..per]).any(|(a, b)| a.slot_bytes != b.slot_bytes) {
+                return Err(ArenaError::Config("partitions: each holds the same size classes"));
+            }
+            let start = span.offset.checked_add(shift).ok_or_else(too_big)?;
+            shift += round_up(start, page_bytes).ok_or_else(too_big)? - start;
+        }
+        span.offset += shift;
+        end = span.offset.checked_add(span.bytes()).ok_or_else(too_big)?;
+    }
+    Ok((spans, round_up(end, page_bytes).ok_or_else(too_big)?))
 }
 
 /// Reads and checks the header at the start of `page`, for an arena file of
-/// `file_bytes` bytes. Names the first field that is wrong.
+/// `file_bytes` bytes (`u64::MAX`: not checked). Names the first field
+/// that is wrong.
 pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, ArenaError> {
     let bad = ArenaError::Header;
     let bytes = page.get(..size_of::<ArenaHeader>()).ok_or(bad("too short to hold an arena header"))?;
@@ -293,8 +409,8 @@ pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, Aren
     if header.magic != ARENA_MAGIC {
         return Err(bad("magic: not a Lake L1 arena"));
     }
-    if header.version != ARENA_VERSION && header.version != ARENA_VERSION_SHARED {
-        return Err(ArenaError::Version { found: header.version, supported: ARENA_VERSION_SHARED });
+    if !(ARENA_VERSION..=ARENA_VERSION_PARTITIONED).contains(&header.version) {
+        return Err(ArenaError::Version { found: header.version, supported: ARENA_VERSION_PARTITIONED });
     }
     if header.header_bytes != HEADER_BYTES {
         return Err(bad("header_bytes"));
@@ -302,16 +418,17 @@ pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, Aren
     if header.crc != header_crc(&header) {
         return Err(bad("crc: the header is damaged"));
     }
-    if header.reserved_b != 0 {
-        return Err(bad("reserved fields are not zero"));
+    let partitioned = header.version == ARENA_VERSION_PARTITIONED;
+    if !partitioned && header.partitions != 0 {
+        return Err(bad("partitions: set in a partitioned arena (version 3) alone"));
     }
-    if (header.version == ARENA_VERSION) != (header.chunk_bytes == 0) {
+    if (header.version == ARENA_VERSION_SHARED) != (header.chunk_bytes != 0) {
         return Err(bad("chunk_bytes: set in a shared arena (version 2) alone"));
     }
     if !PAGE_BYTES_ALLOWED.contains(&header.page_bytes) {
         return Err(bad("page_bytes"));
     }
-    if header.total_bytes != file_bytes {
+    if !partitioned && file_bytes != u64::MAX && header.total_bytes != file_bytes {
         return Err(bad("total_bytes differs from the file's size"));
     }
     if !header.total_bytes.is_multiple_of(header.page_bytes) {
@@ -378,7 +495,57 @@ pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, Aren
     if slots != header.slots {
         return Err(bad("slots differs from the size classes"));
     }
-    Ok(ArenaGeometry { header, spans })
+    let partitions = if partitioned { decode_partitions(&header, &spans)? } else { whole(&header) };
+    let geometry = ArenaGeometry { header, spans, partitions };
+    if partitioned && file_bytes != u64::MAX && geometry.file_bytes() != file_bytes {
+        return Err(bad("partition 0 does not end where the arena's file does"));
+    }
+    Ok(geometry)
+}
+
+/// The one partition of an arena that is not partitioned.
+fn whole(header: &ArenaHeader) -> heapless::Vec<PartitionSpan, PARTITIONS_MAX> {
+    let all =
+        PartitionSpan { first_slot: 0, slots: header.slots, offset: 0, bytes: header.slots_bytes, first_class: 0 };
+    heapless::Vec::from_slice(&[all]).unwrap_or_default()
+}
+
+/// The partitions of a partitioned arena's checked spans: each the same
+/// classes, each starting on a page and holding whole pages.
+fn decode_partitions(
+    header: &ArenaHeader,
+    spans: &[ClassSpan],
+) -> Result<heapless::Vec<PartitionSpan, PARTITIONS_MAX>, ArenaError> {
+    let bad = ArenaError::Header;
+    let count = header.partitions as usize;
+    if !(2..=PARTITIONS_MAX).contains(&count) || !spans.len().is_multiple_of(count) {
+        return Err(bad("partitions"));
+    }
+    let per = spans.len() / count;
+    let mut partitions = heapless::Vec::new();
+    for (index, run) in spans.chunks(per).enumerate() {
+        if run.iter().zip(&spans[..per]).any(|(a, b)| a.slot_bytes != b.slot_bytes) {
+            return Err(bad("partitions: not every partition holds the same size classes"));
+        }
+        let last = run[per - 1];
+        let end = last.offset + last.bytes();
+        let next = spans.get((index + 1) * per).map_or(header.slots_bytes, |s| s.offset);
+        let partition = PartitionSpan {
+            first_slot: run[0].first_slot,
+            slots: run.iter().map(|s| s.slots).sum(),
+            offset: run[0].offset,
+            bytes: next - run[0].offset,
+            first_class: index * per,
+        };
+        if !partition.offset.is_multiple_of(header.page_bytes)
+            || !partition.bytes.is_multiple_of(header.page_bytes)
+            || end > next
+        {
+            return Err(bad("partitions: a partition does not hold whole pages"));
+        }
+        partitions.push(partition).map_err(|_| bad("partitions"))?;
+    }
+    Ok(partitions)
 }
 
 /// The atomics' types must match the header's word sizes.
@@ -403,6 +570,7 @@ mod tests {
             region: 3,
             epoch: 9,
             chunk_bytes,
+            partitions: 0,
         }
     }
 
@@ -451,6 +619,7 @@ mod tests {
             region: 0,
             epoch: 1,
             chunk_bytes: 0,
+            partitions: 0,
         })
         .unwrap();
         assert_eq!(geometry.header.slots_offset, 2 << 20);
@@ -471,7 +640,7 @@ mod tests {
             assert!(err.contains(expect), "{expect}: got {err}");
         };
         check(&|h| h.magic[0] = b'X', false, "magic");
-        check(&|h| h.version = 3, false, "version 3");
+        check(&|h| h.version = 4, false, "version 4");
         check(&|h| h.version = 2, true, "chunk_bytes");
         check(&|h| h.chunk_bytes = 40960, true, "chunk_bytes");
         check(&|h| h.slots += 1, false, "crc");
@@ -487,7 +656,48 @@ mod tests {
         check(&|h| h.classes[5].slots = 1, true, "unused records");
         check(&|h| h.classes[1].first_slot = 11, true, "classes");
         check(&|h| h.slots = 12, true, "slots");
-        check(&|h| h.reserved_b = 1, true, "reserved");
+        check(&|h| h.partitions = 2, true, "partitions");
         assert!(decode_header(&bytemuck::bytes_of(&good)[..100], len).is_err());
+    }
+
+    #[test]
+    fn partitions_each_start_on_a_page_and_only_partition_0_is_in_the_file() {
+        // Two classes in each of three partitions: 3 + 1 slots of 8 KiB and
+        // 20 KiB each (44 KiB).
+        let classes = [
+            SlotClass { slot_bytes: 8192, slots: 3 },
+            SlotClass { slot_bytes: 20480, slots: 1 },
+            SlotClass { slot_bytes: 8192, slots: 3 },
+            SlotClass { slot_bytes: 20480, slots: 1 },
+            SlotClass { slot_bytes: 8192, slots: 3 },
+            SlotClass { slot_bytes: 20480, slots: 1 },
+        ];
+        let geometry = plan(&Plan { classes: &classes, partitions: 3, ..sample_plan(0) }).unwrap();
+        let header = &geometry.header;
+        assert_eq!((header.version, header.partitions, header.slots), (ARENA_VERSION_PARTITIONED, 3, 12));
+        let spans: Vec<_> = geometry.partitions.iter().map(|p| (p.first_slot, p.slots, p.offset, p.bytes)).collect();
+        assert_eq!(spans, [(0, 4, 0, 45056), (4, 4, 45056, 45056), (8, 4, 90112, 45056)]);
+        assert_eq!(geometry.classes_per_partition(), 2);
+        assert_eq!((geometry.partition_of(5), geometry.partition_of(12)), (Some(1), None));
+        assert_eq!(geometry.file_bytes(), header.slots_offset + 45056);
+        assert_eq!(header.total_bytes, header.slots_offset + 3 * 45056);
+        assert_eq!(decode_header(bytemuck::bytes_of(header), geometry.file_bytes()).unwrap(), geometry);
+        let err = decode_header(bytemuck::bytes_of(header), header.total_bytes).unwrap_err().to_string();
+        assert!(err.contains("partition 0"), "{err}");
+        // A partition that would not start on a page is refused by name.
+        let mut damaged = *header;
+        damaged.classes[2].offset -= 4096;
+        damaged.crc = header_crc(&damaged);
+        assert!(decode_header(bytemuck::bytes_of(&damaged), u64::MAX).is_err());
+        let mut mixed = classes;
+        mixed[4].slot_bytes = 12288;
+        assert!(plan(&Plan { classes: &mixed, partitions: 3, ..sample_plan(0) }).is_err());
+        assert!(plan(&Plan { classes: &classes, partitions: 3, ..sample_plan(40960) }).is_err());
+        assert!(plan(&Plan { classes: &classes, partitions: 4, ..sample_plan(0) }).is_err());
+        // On huge pages each partition starts on one.
+        let huge = plan(&Plan { classes: &classes, partitions: 3, page_bytes: 2 << 20, ..sample_plan(0) }).unwrap();
+        let offsets: Vec<_> = huge.partitions.iter().map(|p| (p.offset, p.bytes)).collect();
+        assert_eq!(offsets, [(0, 2 << 20), (2 << 20, 2 << 20), (4 << 20, 2 << 20)]);
+        assert_eq!(huge.header.total_bytes, huge.header.slots_offset + (6 << 20));
     }
 }

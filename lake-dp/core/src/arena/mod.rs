@@ -21,6 +21,7 @@ pub mod layout;
 
 pub mod pins;
 pub mod slots;
+mod view;
 
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -31,14 +32,15 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use memmap2::{MmapOptions, MmapRaw};
+use memmap2::MmapOptions;
 
 use self::layout::{
-    AgentControl, ArenaControl, ArenaGeometry, ArenaHeader, CONTROL_OFFSET, Plan, STATE_BUILDING, STATE_READY,
-    STATE_RETIRED, decode_header,
+    AgentControl, ArenaControl, ArenaGeometry, ArenaHeader, CONTROL_OFFSET, PartitionSpan, Plan, STATE_BUILDING,
+    STATE_READY, STATE_RETIRED, decode_header,
 };
 pub use self::pins::{Pin, PinArray, PinError};
 pub use self::slots::{Reclaim, SlotError, SlotGrant, SlotStats, SlotTable};
+use self::view::{Mapping, Piece, Pieces};
 use crate::model::replica::{NodeId, RegionId};
 use crate::region::{RegionError, SlotClass, SlotRegion};
 use crate::usize_from;
@@ -173,6 +175,19 @@ pub struct ArenaConfig {
     /// classes' slot counts then only size the arena. 0: each class owns
     /// its slots (an arena every earlier build reads).
     pub chunk_bytes: u64,
+    /// Partitions past partition 0 (which `classes` sizes), each in a file
+    /// of its own: an arena of layout version 3. Empty: not partitioned.
+    pub partitions: Vec<ArenaPartition>,
+}
+
+/// A partition of the arena's slots in a file of its own, passed only to
+/// the processes that may map it.
+#[derive(Clone, Debug)]
+pub struct ArenaPartition {
+    /// Its memory (the same kind as the arena's).
+    pub backing: ArenaBacking,
+    /// Slots of each of the arena's size classes, in their order.
+    pub slots: Vec<u32>,
 }
 
 impl ArenaConfig {
@@ -191,6 +206,7 @@ impl ArenaConfig {
             mode: 0o600,
             numa_node: None,
             chunk_bytes: 0,
+            partitions: Vec::new(),
         }
     }
 }
@@ -214,9 +230,14 @@ pub trait MemoryRegistration {
 
 /// One mapping of an arena, shared by every handle in this process.
 struct ArenaMap {
-    map: MmapRaw,
+    map: Mapping,
     file: File,
     geometry: ArenaGeometry,
+    /// The files of the partitions past 0, where this process has them
+    /// (the creator has every one).
+    partition_files: Vec<Option<File>>,
+    /// The one partition this process maps, or `None` for all of them.
+    visible: Option<usize>,
     /// Set for the creator, which retires the arena and unlinks its file
     /// when the last handle goes.
     created: Option<Created>,
@@ -230,6 +251,8 @@ struct ArenaMap {
 struct Created {
     path: Option<PathBuf>,
     inode: u64,
+    /// The partitions' files: each path and inode.
+    partitions: Vec<(PathBuf, u64)>,
 }
 
 impl ArenaMap {
@@ -283,7 +306,7 @@ impl ArenaMap {
     }
 }
 
-fn control_of(map: &MmapRaw) -> &ArenaControl {
+fn control_of(map: &Mapping) -> &ArenaControl {
     assert!(map.len() >= CONTROL_OFFSET + size_of::<ArenaControl>());
     let ptr = map.as_mut_ptr().wrapping_add(CONTROL_OFFSET).cast::<ArenaControl>();
     // SAFETY: in bounds (asserted), 64-byte aligned (page-aligned base plus
@@ -298,11 +321,12 @@ impl Drop for ArenaMap {
         // Release: pairs with the Acquire of an attacher's state check, so
         // whoever sees "retired" sees everything this process wrote.
         self.control().state.store(STATE_RETIRED, Ordering::Release);
-        // Unlink only our own file, not a successor's under the same name.
-        if let Some(path) = &created.path
-            && std::fs::metadata(path).is_ok_and(|m| m.ino() == created.inode)
-        {
-            let _ = std::fs::remove_file(path);
+        // Unlink only our own files, not a successor's under the same name.
+        let ours = created.path.iter().map(|path| (path, created.inode));
+        for (path, inode) in ours.chain(created.partitions.iter().map(|(path, inode)| (path, *inode))) {
+            if std::fs::metadata(path).is_ok_and(|m| m.ino() == inode) {
+                let _ = std::fs::remove_file(path);
+            }
         }
     }
 }
@@ -347,13 +371,13 @@ impl Arena {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(io_error("opening", Some(path)))?;
-        Self::attach_file(file, Some(path), false)
+        Self::attach_file(file, Some(path), false, None)
     }
 
     /// Maps the arena behind `fd` (passed over a socket: the data plane's
     /// own open of it).
     pub fn attach_fd(fd: OwnedFd) -> Result<Self, ArenaError> {
-        Self::attach_file(File::from(fd), None, false)
+        Self::attach_file(File::from(fd), None, false, None)
     }
 
     /// Maps the arena behind `fd`, an open of its file made for this
@@ -361,38 +385,83 @@ impl Arena {
     /// records' locks are taken on it, so the file itself need not be
     /// openable by this user.
     pub fn attach_own_fd(fd: OwnedFd) -> Result<Self, ArenaError> {
-        Self::attach_file(File::from(fd), None, true)
+        Self::attach_file(File::from(fd), None, true, None)
     }
 
-    fn attach_file(file: File, path: Option<&Path>, own_file: bool) -> Result<Self, ArenaError> {
+    /// Maps the arena behind `fd` (as [`Arena::attach_own_fd`]) with only
+    /// partition `partition` of its slots: the arena's own, or one whose
+    /// file `partition_fd` is. An arena that is not partitioned takes only
+    /// partition 0 (all of it).
+    pub fn attach_partition(fd: OwnedFd, partition: usize, partition_fd: Option<OwnedFd>) -> Result<Self, ArenaError> {
+        Self::attach_file(File::from(fd), None, true, Some((partition, partition_fd.map(File::from))))
+    }
+
+    /// Maps the arena in `file`: the whole of it, or in a partitioned arena
+    /// its records and the partition `given` (partition 0 if not given).
+    fn attach_file(
+        file: File,
+        path: Option<&Path>,
+        own_file: bool,
+        given: Option<(usize, Option<File>)>,
+    ) -> Result<Self, ArenaError> {
         let bytes = file.metadata().map_err(io_error("reading the size of", path))?.len();
         if bytes < 4096 {
             return Err(ArenaError::Header("too short to hold an arena header"));
         }
-        let len = usize::try_from(bytes).map_err(|_| ArenaError::Header("total_bytes"))?;
-        let map = MmapOptions::new().len(len).populate().map_raw(&file).map_err(io_error("mapping", path))?;
+        let first = Mapping::Whole(MmapOptions::new().len(4096).map_raw(&file).map_err(io_error("mapping", path))?);
         // Acquire: pairs with the creator's Release store of READY, so the
         // header it wrote before is visible here.
-        match control_of(&map).state.load(Ordering::Acquire) {
+        match control_of(&first).state.load(Ordering::Acquire) {
             STATE_READY => {}
             STATE_BUILDING => return Err(ArenaError::NotReady),
             STATE_RETIRED => return Err(ArenaError::Retired),
             _ => return Err(ArenaError::Header("state word")),
         }
         let mut page = [0u8; size_of::<ArenaHeader>()];
-        // SAFETY: the mapping is at least 4096 bytes, more than the header;
-        // the header is immutable once the state is ready (and a copy is
-        // all that is kept: everything below checks the copy).
-        unsafe { core::ptr::copy_nonoverlapping(map.as_ptr(), page.as_mut_ptr(), page.len()) };
+        // SAFETY: the mapping is 4096 bytes, more than the header; the
+        // header is immutable once the state is ready (and a copy is all
+        // that is kept: everything below checks the copy).
+        unsafe { core::ptr::copy_nonoverlapping(first.as_mut_ptr(), page.as_mut_ptr(), page.len()) };
+        drop(first);
         let geometry = decode_header(&page, bytes)?;
+        let (partition, partition_file) = given.unwrap_or((0, None));
+        let visible = geometry.partitioned().then_some(partition);
+        let map = if geometry.partitioned() {
+            map_partition(&file, &geometry, partition, partition_file.as_ref(), path)?
+        } else if partition != 0 {
+            return Err(ArenaError::Config("partition: the arena is not partitioned"));
+        } else {
+            let len = usize::try_from(bytes).map_err(|_| ArenaError::Header("total_bytes"))?;
+            Mapping::Whole(MmapOptions::new().len(len).populate().map_raw(&file).map_err(io_error("mapping", path))?)
+        };
+        let mut partition_files: Vec<Option<File>> = (0..geometry.partitions.len()).map(|_| None).collect();
+        if let (Some(slot), Some(partition_file)) = (partition_files.get_mut(partition), partition_file) {
+            *slot = Some(partition_file);
+        }
         let registered = Mutex::new(heapless::Vec::new());
-        let map = ArenaMap { map, file, geometry, created: None, registered, own_file };
+        let map = ArenaMap { map, file, geometry, partition_files, visible, created: None, registered, own_file };
         Ok(Self { map: Arc::new(map) })
     }
 
     /// The checked header.
     pub fn header(&self) -> &ArenaHeader {
         self.map.header()
+    }
+
+    /// The checked geometry: size classes and partitions.
+    pub fn geometry(&self) -> &ArenaGeometry {
+        &self.map.geometry
+    }
+
+    /// The partition this process maps, or `None` when it maps them all.
+    pub fn visible_partition(&self) -> Option<usize> {
+        self.map.visible
+    }
+
+    /// The file of partition `partition` (past 0), where this process has
+    /// it: to pass to an agent that may map it.
+    pub fn partition_fd(&self, partition: usize) -> Option<BorrowedFd<'_>> {
+        self.map.partition_files.get(partition)?.as_ref().map(AsFd::as_fd)
     }
 
     /// The descriptor of the arena's memory (to pass a memfd to an agent).
@@ -428,22 +497,39 @@ impl Arena {
     /// The slot area as a poller region (slots numbered across classes);
     /// it keeps the mapping alive.
     pub fn region(&self) -> Result<Arc<SlotRegion>, ArenaError> {
-        let (base, len) = self.slot_area();
         let keeper: Arc<dyn Send + Sync> = self.map.clone();
         let chunk_bytes = u64::from(self.header().chunk_bytes);
         let spans = &self.map.geometry.spans;
-        // SAFETY: the slot area is `len` bytes inside the mapping (checked
-        // header), and `keeper` keeps the mapping alive for the region.
-        let region = unsafe { SlotRegion::from_spans(base, len as u64, spans, chunk_bytes, Some(keeper)) };
+        let header = self.header();
+        let base = NonNull::new(self.map.map.as_mut_ptr().wrapping_add(usize_from(header.slots_offset)))
+            .expect("mapping is not null");
+        let len = header.slots_bytes;
+        // SAFETY: the slot area is `len` bytes of the mapping's range (checked
+        // header), of which the region touches only what this process maps
+        // (`visible`), and `keeper` keeps the mapping alive for the region.
+        let region = unsafe { SlotRegion::from_spans(base, len, spans, chunk_bytes, Some(keeper)) };
+        let region = match self.visible_span() {
+            Some(span) => {
+                region.map(|r| r.restrict(span.first_slot..span.first_slot + span.slots, span.offset, span.bytes))
+            }
+            None => region,
+        };
         region.map(Arc::new).map_err(ArenaError::Region)
     }
 
-    /// The slot area: what CUDA, RDMA and io_uring register.
+    /// The partition this process maps alone, if it does not map them all.
+    fn visible_span(&self) -> Option<PartitionSpan> {
+        self.map.visible.and_then(|p| self.map.geometry.partitions.get(p).copied())
+    }
+
+    /// The slot area this process maps: what CUDA, RDMA and io_uring
+    /// register (in a partitioned arena mapped in part, the partition).
     pub fn slot_area(&self) -> (NonNull<u8>, usize) {
         let header = self.header();
-        let ptr = self.map.map.as_mut_ptr().wrapping_add(usize_from(header.slots_offset));
+        let (offset, len) = self.visible_span().map_or((0, header.slots_bytes), |span| (span.offset, span.bytes));
+        let ptr = self.map.map.as_mut_ptr().wrapping_add(usize_from(header.slots_offset + offset));
         // The mapping's base is not null and the offset is inside it.
-        (NonNull::new(ptr).expect("mapping is not null"), usize_from(header.slots_bytes))
+        (NonNull::new(ptr).expect("mapping is not null"), usize_from(len))
     }
 
     /// Registers the slot area with a device, once per kind.
@@ -530,24 +616,16 @@ fn build(
 ) -> Result<Arena, ArenaError> {
     let (huge, block_bytes) = shm::check(&config.backing, &file, building)?;
     let page_bytes = if huge { block_bytes } else { 4096 };
-    let geometry = layout::plan(&Plan {
-        classes: &config.classes,
-        agents_max: config.agents_max,
-        pins_per_agent: config.pins_per_agent,
-        page_bytes,
-        node: config.node.0,
-        region: config.region.0,
-        epoch: config.epoch,
-        chunk_bytes: config.chunk_bytes,
-    })?;
-    let bytes = geometry.header.total_bytes;
+    let geometry = plan_of(config, page_bytes)?;
+    let bytes = geometry.file_bytes();
     file.set_len(bytes).map_err(io_error("sizing", building))?;
     // Held for the arena's life by this open file: how agents and a
     // successor tell that this lake-dp is alive.
     if !lock::try_lock(&file, OWNER_LOCK_BYTE).map_err(io_error("locking", building))? {
         return Err(ArenaError::Config("backing: another process locked the new arena file"));
     }
-    let map = on_numa_node(config.numa_node, || Ok(shm::reserve_and_map(&file, bytes, huge, building)?))?;
+    let parts = PartitionFiles::create(config, (huge, block_bytes))?;
+    let map = on_numa_node(config.numa_node, || map_created(&file, &geometry, &parts, huge, building))?;
     if config.lock {
         map.lock().map_err(|source| ArenaError::Io {
             what: "locking (mlock; needs CAP_IPC_LOCK or RLIMIT_MEMLOCK above the arena size)",
@@ -556,13 +634,17 @@ fn build(
         })?;
     }
     let inode = file.metadata().map_err(io_error("reading", building))?.ino();
+    let (partition_files, partition_paths) = parts.publish()?;
     let arena = ArenaMap {
         map,
         file,
         geometry,
+        partition_files,
+        visible: None,
         // Until renamed into place there is nothing to unlink but the
-        // building name, which the caller removes on error.
-        created: Some(Created { path: None, inode }),
+        // building name (which the caller removes on error) and the
+        // partitions' files, already in place.
+        created: Some(Created { path: None, inode, partitions: partition_paths }),
         registered: Mutex::new(heapless::Vec::new()),
         own_file: false,
     };
@@ -584,10 +666,151 @@ fn build(
     control.state.store(STATE_READY, Ordering::Release);
     let mut arena = arena;
     shm::publish(building, target)?;
-    if let Some(target) = target {
-        arena.created = Some(Created { path: Some(target.to_path_buf()), inode });
+    if let (Some(target), Some(created)) = (target, arena.created.as_mut()) {
+        created.path = Some(target.to_path_buf());
     }
     Ok(Arena { map: Arc::new(arena) })
+}
+
+/// A new arena's partitions' files once in place: the files (partition
+/// 0's a `None`), and each one's path and inode.
+type PublishedPartitions = (Vec<Option<File>>, Vec<(PathBuf, u64)>);
+
+/// The files of a new arena's partitions past 0, each with the path it is
+/// to have and its building name; the building names are removed if the
+/// arena is not made.
+struct PartitionFiles(Vec<(File, Option<PathBuf>, Option<PathBuf>)>);
+
+impl PartitionFiles {
+    /// Creates the files of `config`'s partitions (under their building
+    /// names), each on memory of the arena's kind (`memory`: huge pages,
+    /// and the page size).
+    fn create(config: &ArenaConfig, memory: (bool, u64)) -> Result<Self, ArenaError> {
+        let mut parts = Self(Vec::with_capacity(config.partitions.len()));
+        for partition in &config.partitions {
+            let (part, target, part_building) = shm::create(&partition.backing, config.mode, "lake-l1-partition")?;
+            parts.0.push((part, target, part_building));
+            let (part, _, part_building) = parts.0.last().expect("just pushed");
+            if shm::check(&partition.backing, part, part_building.as_deref())? != memory {
+                return Err(ArenaError::Config("partitions: each on the same kind of memory as the arena"));
+            }
+        }
+        Ok(parts)
+    }
+
+    /// Renames each file into place: the files (partition 0's a `None`
+    /// before them) and the paths and inodes to unlink at the end.
+    fn publish(mut self) -> Result<PublishedPartitions, ArenaError> {
+        let mut files = vec![None];
+        let mut paths = Vec::new();
+        for (part, target, building) in core::mem::take(&mut self.0) {
+            shm::publish(building.as_deref(), target.as_deref())?;
+            if let Some(target) = target {
+                paths.push((target, part.metadata().map_err(io_error("reading", None))?.ino()));
+            }
+            files.push(Some(part));
+        }
+        Ok((files, paths))
+    }
+}
+
+/// The geometry `config` asks for, on pages of `page_bytes`.
+fn plan_of(config: &ArenaConfig, page_bytes: u64) -> Result<ArenaGeometry, ArenaError> {
+    let classes = all_classes(config)?;
+    let partitions = if config.partitions.is_empty() { 0 } else { config.partitions.len() + 1 };
+    layout::plan(&Plan {
+        classes: &classes,
+        agents_max: config.agents_max,
+        pins_per_agent: config.pins_per_agent,
+        page_bytes,
+        node: config.node.0,
+        region: config.region.0,
+        epoch: config.epoch,
+        chunk_bytes: config.chunk_bytes,
+        partitions: u32::try_from(partitions).map_err(|_| ArenaError::Config("partitions: too many"))?,
+    })
+}
+
+/// The size classes of every partition, partition 0's (`config.classes`)
+/// first.
+fn all_classes(config: &ArenaConfig) -> Result<Vec<SlotClass>, ArenaError> {
+    let mut classes = config.classes.clone();
+    for partition in &config.partitions {
+        if partition.slots.len() != config.classes.len() {
+            return Err(ArenaError::Config("partitions: slots for each size class of the arena"));
+        }
+        classes.extend(config.classes.iter().zip(&partition.slots).map(|(c, &slots)| SlotClass { slots, ..*c }));
+    }
+    Ok(classes)
+}
+
+impl Drop for PartitionFiles {
+    fn drop(&mut self) {
+        for (_, _, building) in &self.0 {
+            if let Some(building) = building {
+                let _ = std::fs::remove_file(building);
+            }
+        }
+    }
+}
+
+/// Reserves every page of a new arena and maps it: its file whole, and in
+/// a partitioned arena each partition's file at its place.
+fn map_created(
+    file: &File,
+    geometry: &ArenaGeometry,
+    parts: &PartitionFiles,
+    huge: bool,
+    building: Option<&Path>,
+) -> Result<Mapping, ArenaError> {
+    let bytes = geometry.file_bytes();
+    if !geometry.partitioned() {
+        return Ok(Mapping::Whole(shm::reserve_and_map(file, bytes, huge, building)?));
+    }
+    shm::reserve_all(file, bytes, huge, building)?;
+    let header = &geometry.header;
+    let mut pieces = vec![Piece { fd: file.as_fd(), at: 0, len: usize_from(bytes), file_offset: 0 }];
+    for ((part, _, part_building), span) in parts.0.iter().zip(&geometry.partitions[1..]) {
+        part.set_len(span.bytes).map_err(io_error("sizing", part_building.as_deref()))?;
+        shm::reserve_all(part, span.bytes, huge, part_building.as_deref())?;
+        let at = usize_from(header.slots_offset + span.offset);
+        pieces.push(Piece { fd: part.as_fd(), at, len: usize_from(span.bytes), file_offset: 0 });
+    }
+    let align = usize_from(header.page_bytes);
+    Ok(Mapping::Pieces(
+        Pieces::map(usize_from(header.total_bytes), align, &pieces).map_err(io_error("mapping", building))?,
+    ))
+}
+
+/// Maps, for an attaching process, a partitioned arena's records and its
+/// partition `partition`: partition 0 from the arena's file, any other from
+/// `partition_file`.
+fn map_partition(
+    file: &File,
+    geometry: &ArenaGeometry,
+    partition: usize,
+    partition_file: Option<&File>,
+    path: Option<&Path>,
+) -> Result<Mapping, ArenaError> {
+    let header = &geometry.header;
+    let span =
+        geometry.partitions.get(partition).ok_or(ArenaError::Config("partition: the arena has no such partition"))?;
+    let records = usize_from(header.slots_offset);
+    let mut pieces = vec![Piece { fd: file.as_fd(), at: 0, len: records, file_offset: 0 }];
+    match (partition, partition_file) {
+        (0, _) => pieces[0].len = usize_from(geometry.file_bytes()),
+        (_, None) => return Err(ArenaError::Config("partition: its file was not given")),
+        (_, Some(part)) => {
+            let bytes = part.metadata().map_err(io_error("reading the size of a partition of", path))?.len();
+            if bytes != span.bytes {
+                return Err(ArenaError::Header("a partition's file differs from its size in the header"));
+            }
+            let at = usize_from(header.slots_offset + span.offset);
+            pieces.push(Piece { fd: part.as_fd(), at, len: usize_from(span.bytes), file_offset: 0 });
+        }
+    }
+    let align = usize_from(header.page_bytes);
+    Ok(Mapping::Pieces(Pieces::map(usize_from(header.total_bytes), align, &pieces).map_err(io_error("mapping", path))?))
 }
 
 /// Runs `f` with this thread's memory policy bound to `node`, so the pages
@@ -614,7 +837,7 @@ pub fn retire_stale(path: &Path) -> Result<bool, ArenaError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(io_error("opening", Some(path))(e)),
     };
-    let old = Arena::attach_file(file, Some(path), false);
+    let old = Arena::attach_file(file, Some(path), false, None);
     if let Ok(old) = &old {
         if lock::held_by_other(&old.map.file, OWNER_LOCK_BYTE).map_err(io_error("checking the lock of", Some(path)))? {
             return Err(ArenaError::InUse { pid: old.owner_pid() });

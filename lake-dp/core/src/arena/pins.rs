@@ -225,10 +225,11 @@ impl PinArray {
         self.held
     }
 
-    /// Pins `slot` if it still holds `generation`.
+    /// Pins `slot` if it still holds `generation` (and this process maps
+    /// it: in a partitioned arena, only its own partition's slots).
     #[inline]
     pub fn pin(&mut self, slot: u32, generation: u32) -> Result<Pin, PinError> {
-        if slot as usize >= self.generations().len() {
+        if slot as usize >= self.generations().len() || self.region.span_of(slot).is_none() {
             return Err(PinError::OutOfRange);
         }
         let entry = self.free.pop().ok_or(PinError::Full)?;

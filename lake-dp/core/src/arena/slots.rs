@@ -377,10 +377,26 @@ impl SlotTable {
         &self.arena
     }
 
-    /// The smallest class whose slots hold `object_bytes`, if any.
+    /// The smallest class of partition 0 (of the whole arena, unless it is
+    /// partitioned) whose slots hold `object_bytes`, if any.
     pub fn class_for(&self, object_bytes: u64) -> Option<usize> {
-        let spans = &self.arena.map().geometry.spans;
-        (0..spans.len()).filter(|&c| spans[c].slot_bytes >= object_bytes).min_by_key(|&c| spans[c].slot_bytes)
+        self.class_in(0, object_bytes)
+    }
+
+    /// The smallest class of partition `partition` whose slots hold
+    /// `object_bytes`, if any.
+    pub fn class_in(&self, partition: usize, object_bytes: u64) -> Option<usize> {
+        let geometry = &self.arena.map().geometry;
+        let first = geometry.partitions.get(partition)?.first_class;
+        let spans = &geometry.spans;
+        (first..first + geometry.classes_per_partition())
+            .filter(|&c| spans[c].slot_bytes >= object_bytes)
+            .min_by_key(|&c| spans[c].slot_bytes)
+    }
+
+    /// The partition of `slot`, or `None` out of range.
+    pub fn partition_of(&self, slot: u32) -> Option<usize> {
+        self.arena.map().geometry.partition_of(slot)
     }
 
     /// The size class of `slot` and its slot size.

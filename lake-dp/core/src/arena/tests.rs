@@ -111,11 +111,11 @@ fn attach_names_what_is_wrong() {
     std::fs::remove_file(&path.0).unwrap();
     let (arena, _table) = Arena::create(&config(&path)).unwrap();
     let mut header = *arena.header();
-    header.version = layout::ARENA_VERSION_SHARED + 1;
+    header.version = layout::ARENA_VERSION_PARTITIONED + 1;
     let bytes = bytemuck::bytes_of(&header);
     // SAFETY: page 0 of a mapping this test owns; nobody else reads it.
     unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), arena.map().map.as_mut_ptr(), bytes.len()) };
-    expect("version 3");
+    expect("version 4");
     header.version = ARENA_VERSION;
     header.slots_bytes += 1;
     let bytes = bytemuck::bytes_of(&header);
@@ -674,4 +674,70 @@ fn hugetlbfs_backing_needs_a_hugetlbfs_mount() {
         Err(e) => panic!("{e}"),
     }
     let _ = std::fs::remove_file(file);
+}
+
+/// The mapping lines of this process's address range `[start, start+len)`.
+fn mapped_lines(start: usize, len: usize) -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let range = |line: &str| {
+        let (a, b) = line.split_whitespace().next()?.split_once('-')?;
+        Some((usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?))
+    };
+    let lines = maps.lines().filter(|line| range(line).is_some_and(|(a, b)| a < start + len && b > start));
+    lines.map(str::to_owned).collect()
+}
+
+#[test]
+fn a_partitioned_arena_maps_for_each_process_only_the_partition_it_was_given() {
+    let (path, first, second) = (ShmPath::new("parted"), ShmPath::new("part-1"), ShmPath::new("part-2"));
+    let partition = |file: &ShmPath| ArenaPartition { backing: ArenaBacking::Shm(file.0.clone()), slots: vec![3, 1] };
+    let config = ArenaConfig { partitions: vec![partition(&first), partition(&second)], ..config(&path) };
+    let (arena, mut table) = Arena::create(&config).unwrap();
+    let geometry = arena.geometry().clone();
+    assert_eq!((arena.header().version, geometry.partitions.len(), arena.header().slots), (3, 3, 9 + 4 + 4));
+    assert_eq!(std::fs::metadata(&path.0).unwrap().len(), geometry.file_bytes());
+    for (file, span) in [(&first, geometry.partitions[1]), (&second, geometry.partitions[2])] {
+        let meta = std::fs::metadata(&file.0).unwrap();
+        assert_eq!((meta.len(), meta.permissions().mode() & 0o777), (span.bytes, 0o600));
+    }
+    // Each partition allocates from its own slots.
+    let grant =
+        |table: &mut SlotTable, partition: usize| table.allocate(table.class_in(partition, 8192).unwrap()).unwrap();
+    let slots = [grant(&mut table, 0).slot, grant(&mut table, 1).slot, grant(&mut table, 2).slot];
+    assert_eq!(slots.map(|s| table.partition_of(s)), [Some(0), Some(1), Some(2)]);
+    assert_eq!(table.class_for(8192), table.class_in(0, 8192));
+    let mine = arena.region().unwrap();
+    for (i, &slot) in slots.iter().enumerate() {
+        // SAFETY: the test holds the slot; no pins, no I/O.
+        unsafe { mine.slot_mut(slot).unwrap()[..4].copy_from_slice(&[0xa0 + i as u8; 4]) };
+    }
+    let dup = |fd: BorrowedFd<'_>| fd.try_clone_to_owned().unwrap();
+    // An agent given partition 1 reads its slots, and no other slot is
+    // there for it: the other partitions are not mapped in its view.
+    let agent = Arena::attach_partition(dup(arena.fd()), 1, Some(dup(arena.partition_fd(1).unwrap()))).unwrap();
+    assert_eq!(agent.visible_partition(), Some(1));
+    let theirs = agent.region().unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { theirs.slot(slots[1]) }.unwrap()[..4], [0xa1; 4]);
+    assert!(theirs.slot_ptr(slots[0]).is_none() && theirs.slot_ptr(slots[2]).is_none());
+    let (base, len) = agent.slot_area();
+    assert_eq!(len as u64, geometry.partitions[1].bytes);
+    let second_at = base.as_ptr() as usize + len;
+    let unmapped = mapped_lines(second_at, usize_from(geometry.partitions[2].bytes));
+    assert!(!unmapped.is_empty() && unmapped.iter().all(|l| l.contains("---p")), "{unmapped:?}");
+    let mapped = mapped_lines(base.as_ptr() as usize, len);
+    assert!(mapped.iter().all(|l| l.contains("rw-s") && l.contains("part-1")), "{mapped:?}");
+    // By path (the operator's tools), or without a partition's file: partition 0.
+    let by_path = Arena::attach(&path.0).unwrap();
+    assert_eq!(by_path.visible_partition(), Some(0));
+    let shared = by_path.region().unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { shared.slot(slots[0]) }.unwrap()[..4], [0xa0; 4]);
+    assert!(shared.slot_ptr(slots[1]).is_none());
+    let err = Arena::attach_partition(dup(arena.fd()), 2, None).unwrap_err().to_string();
+    assert!(err.contains("file was not given"), "{err}");
+    let err = Arena::attach_partition(dup(arena.fd()), 3, None).unwrap_err().to_string();
+    assert!(err.contains("no such partition"), "{err}");
+    drop((agent, theirs, by_path, shared, mine, table, arena));
+    assert!(!first.0.exists() && !second.0.exists(), "the partitions' files go with the arena");
 }

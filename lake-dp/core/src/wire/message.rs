@@ -453,8 +453,7 @@ impl Record for RegisterRegion {
 /// checked during re-adoption.
 pub const BLOCK_FLAG_VERIFIED: u8 = 1;
 
-/// A replica of a block exists: committed now, or re-adopted from disk
-/// after a restart.
+/// A replica of a block exists: committed now, or re-adopted from disk after a restart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
 pub struct BlockRecord {
@@ -839,10 +838,10 @@ impl Record for PinDrop {
     }
 }
 
-/// `lake-dp`'s answer to an agent attaching on its attach socket (after
-/// `HelloAck`): the agent's port in the shared port file. The same
-/// message carries, as `SCM_RIGHTS`, the L1 arena, the port file and the
-/// data plane's wake-up eventfd, in that order.
+/// `lake-dp`'s answer to an agent attaching (after `HelloAck`): its port
+/// in the port file. It carries the descriptors (`SCM_RIGHTS`): the L1
+/// arena, the port file, the wake-up eventfd, then as the features say
+/// ([`crate::wire::FEATURE_OWN_FDS`], [`crate::wire::FEATURE_PARTITIONS`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
 pub struct Attached {
@@ -854,8 +853,10 @@ pub struct Attached {
     pub epoch: u64,
     /// The L1 arena's region.
     pub arena_region: u16,
+    /// The arena's partition the agent maps (feature bit 16), else zero.
+    pub partition: u8,
     /// Zero.
-    pub reserved: [u8; 6],
+    pub reserved: [u8; 5],
 }
 
 impl Record for Attached {
@@ -895,8 +896,7 @@ impl ListHead for Lookup {
     }
 }
 
-/// The answer to a [`Lookup`]: the length of the hit run and the replicas
-/// of its blocks.
+/// The answer to a [`Lookup`]: the length of the hit run and the replicas of its blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
 pub struct LookupReply {

@@ -131,6 +131,13 @@ pub const FEATURE_QUOTA_REFUSALS: u64 = 1 << 14;
 /// engines of other users the attach socket lets in.
 pub const FEATURE_OWN_FDS: u64 = 1 << 15;
 
+/// Feature bit (attach): the agent maps a partitioned arena (layout
+/// version 3) with only the partition it is given: `Attached::partition`
+/// names it, and a partition past 0 comes as one more descriptor, after
+/// the wake-up eventfd and before the mirror. A data plane whose arena is
+/// partitioned refuses an agent without it.
+pub const FEATURE_PARTITIONS: u64 = 1 << 16;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -148,11 +155,11 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
-pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN_FDS;
+pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN_FDS | FEATURE_PARTITIONS;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 16] = [
+pub const FEATURE_NAMES: [(u64, &str); 17] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -169,6 +176,7 @@ pub const FEATURE_NAMES: [(u64, &str); 16] = [
     (FEATURE_CONNECTIONS_SHED, "connections_shed"),
     (FEATURE_QUOTA_REFUSALS, "quota_refusals"),
     (FEATURE_OWN_FDS, "own_fds"),
+    (FEATURE_PARTITIONS, "partitions"),
 ];
 
 /// Bytes in a frame header.

@@ -178,7 +178,10 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
             draining: 2,
         }),
     );
-    visit(reply(1), Message::Attached(Attached { port: 3, depth: 256, epoch: 9, arena_region: 0, reserved: [0; 6] }));
+    visit(
+        reply(1),
+        Message::Attached(Attached { port: 3, depth: 256, epoch: 9, arena_region: 0, partition: 0, reserved: [0; 5] }),
+    );
     visit(
         reply(6),
         Message::Error(ErrorBody {

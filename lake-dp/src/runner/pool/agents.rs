@@ -69,12 +69,19 @@ impl Pool {
         self.shared_base + port as usize
     }
 
-    /// An agent attached at `place` (see [`Pool::shared_place`]).
-    pub fn attach(&mut self, place: usize, port: DpPort) {
+    /// An agent attached at `place` (see [`Pool::shared_place`]), mapping
+    /// partition `partition` of the arena.
+    pub fn attach(&mut self, place: usize, port: DpPort, partition: u8) {
         if let Some(slot) = self.agents.get_mut(place) {
             *slot = Some(port);
             self.outstanding[place] = 0;
+            self.agent_partition[place] = partition;
         }
+    }
+
+    /// The partition agent `agent` maps.
+    pub(super) fn agent_partition(&self, agent: u16) -> usize {
+        self.agent_partition.get(usize::from(agent)).map_or(0, |&p| usize::from(p))
     }
 
     /// The agent on `place` detached (or died): its port goes, its
@@ -289,7 +296,8 @@ impl Pool {
             }
             AgentRequest::Reserve { cookie, object_bytes } => {
                 let reserve = self.load_reserve_slots as usize;
-                match self.slot_or_victim(object_bytes, reserve, parts) {
+                let partition = self.agent_partition(agent);
+                match self.slot_or_victim(partition, object_bytes, reserve, parts) {
                     Some(grant) => {
                         self.held_since[usize::from(agent)] = None;
                         self.l1[grant.slot as usize] = L1State::Reserved { agent, since_ns: now_ns };
@@ -308,8 +316,8 @@ impl Pool {
                     None => {
                         // Free slots of its class left, all of them the
                         // load reserve's; or none at all.
-                        let reserved =
-                            parts.table.class_for(object_bytes).is_some_and(|c| parts.table.free_slots(c) > 0);
+                        let class = parts.table.class_in(partition, object_bytes);
+                        let reserved = class.is_some_and(|c| parts.table.free_slots(c) > 0);
                         let why = if reserved { AgentError::Reserved } else { AgentError::NoSpace };
                         self.refuse_save(agent, cookie, why, now_ns);
                     }

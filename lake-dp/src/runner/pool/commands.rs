@@ -169,8 +169,9 @@ impl Pool {
         if meta.key != transfer.key {
             return Err(ErrorCode::NoSuchBlock);
         }
+        let partition = self.partition_of(meta.namespace.0);
         let (table, l2) = (&mut *parts.table, &mut *parts.l2);
-        let class = table.class_for(object_bytes(meta.payload_len)).ok_or(ErrorCode::NoSpace)?;
+        let class = table.class_in(partition, object_bytes(meta.payload_len)).ok_or(ErrorCode::NoSpace)?;
         let target = l2.allocate_avoiding(Some(slot.file)).ok_or(ErrorCode::NoSpace)?;
         let Some(stage) = table.allocate(class) else {
             let _ = l2.release(target.slot);
@@ -354,7 +355,9 @@ impl Pool {
         if let Some(mark) = self.marked.get_mut(slot as usize) {
             *mark = None;
         }
-        let Some(stage) = self.slot_or_victim(object, 0, parts) else {
+        // Staged in the block's own partition (where it lies already).
+        let partition = self.partition_of(meta.namespace.0);
+        let Some(stage) = self.slot_or_victim(partition, object, 0, parts) else {
             let _ = parts.l2.release(grant.slot);
             return Err(ErrorCode::NoSpace);
         };

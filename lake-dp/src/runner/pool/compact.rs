@@ -45,12 +45,11 @@ enum MoveError {
 }
 
 impl Pool {
-    /// A free L1 slot of the class that holds `object_bytes`, leaving the
-    /// class `keep` free slots (the load reserve, for a save). A class
-    /// found short is remembered for the next [`Pool::rebalance`]. `None`:
-    /// no class holds such objects, or no slot may be taken.
-    pub(super) fn allocate_l1(&mut self, table: &mut SlotTable, object_bytes: u64, keep: usize) -> Option<SlotGrant> {
-        let class = table.class_for(object_bytes)?;
+    /// A free L1 slot of size class `class`, leaving the class `keep` free
+    /// slots (the load reserve, for a save). A class found short is
+    /// remembered for the next [`Pool::rebalance`]. `None`: no slot may be
+    /// taken.
+    pub(super) fn allocate_l1(&mut self, table: &mut SlotTable, class: usize, keep: usize) -> Option<SlotGrant> {
         let grant = if keep > 0 && table.free_slots(class) <= keep { None } else { table.allocate(class) };
         if grant.is_none() {
             self.short_class = Some(class);

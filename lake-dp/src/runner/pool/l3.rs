@@ -425,6 +425,9 @@ impl Pool {
             return Err(ErrorCode::QueueFull);
         }
         let seal_key = if l1_header.is_some() { self.keys.get(meta.namespace).cloned() } else { None };
+        // Staged (from L2) in its own partition: no other tenant's engine
+        // maps the bytes on their way.
+        let partition = self.partition_of(meta.namespace.0);
         let Some(tier) = self.l3.as_mut() else { return Err(ErrorCode::NoSuchBlock) };
         if tier.deleting(meta.namespace.0, &meta.key) {
             return Err(ErrorCode::QueueFull);
@@ -505,7 +508,8 @@ impl Pool {
         // From L2: read into a staging slot first.
         let Some(l2_slot) = l2_slot else { return Err(ErrorCode::BadFrame) };
         let table = &mut *parts.table;
-        let Some(grant) = table.class_for(object_bytes(meta.payload_len)).and_then(|class| table.allocate(class))
+        let Some(grant) =
+            table.class_in(partition, object_bytes(meta.payload_len)).and_then(|class| table.allocate(class))
         else {
             tier.free.push(entry);
             return Err(ErrorCode::NoSpace);
@@ -671,7 +675,9 @@ impl Pool {
         if tier.free_ops.is_empty() {
             return Err(AgentError::Busy);
         }
-        let grant = self.slot_or_victim(object_bytes(meta.payload_len), 0, parts).ok_or(AgentError::NoSpace)?;
+        let partition = self.partition_for(to, meta.namespace.0)?;
+        let grant =
+            self.slot_or_victim(partition, object_bytes(meta.payload_len), 0, parts).ok_or(AgentError::NoSpace)?;
         let table = &mut *parts.table;
         let Some(tier) = self.l3.as_mut() else {
             let _ = table.retire(grant.slot);

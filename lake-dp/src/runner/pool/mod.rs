@@ -191,6 +191,9 @@ pub struct PoolStats {
     /// Published blocks the background commit check found corrupt (and
     /// evicted).
     pub commits_corrupt_late: u64,
+    /// Commits and blocks from peers refused: their namespace's blocks lie
+    /// in another partition of the arena than their slot.
+    pub commits_foreign: u64,
     /// Commits the background check read through and found sound.
     pub commits_verified: u64,
     /// Blocks peers sent over the transport that landed here.
@@ -439,6 +442,11 @@ pub struct Pool {
     rates: crate::rates::TenantRates,
     /// L1 quotas, held at each commit.
     quotas: crate::quota::L1Quotas,
+    /// The arena's partitions past 0: whose namespaces' blocks lie in each.
+    partitions: crate::runner::config::Partitions,
+    /// Per agent place: the partition its agent maps (where its saves go,
+    /// and the only one it may load into).
+    agent_partition: Vec<u8>,
     /// Per agent place: a load popped from its port that waits for its
     /// tenant's bucket (the port is not read past it meanwhile).
     held: Vec<Option<AgentRequest>>,
@@ -518,6 +526,8 @@ impl Pool {
             keys: crate::auth::at_rest::KeyRing::new(),
             rates: crate::rates::TenantRates::default(),
             quotas: crate::quota::L1Quotas::default(),
+            partitions: crate::runner::config::Partitions::default(),
+            agent_partition: vec![0; agents_len],
             held: vec![None; agents_len],
             closing: Closing::Open,
             refused_at_ns: None,
@@ -533,6 +543,23 @@ impl Pool {
     /// How commits are checked (default [`CommitCheck::Auto`]).
     pub fn set_commit_check(&mut self, check: CommitCheck) {
         self.commit_check = check;
+    }
+
+    /// Installs the arena's partitions: which namespaces' blocks lie in
+    /// each.
+    pub fn set_partitions(&mut self, partitions: crate::runner::config::Partitions) {
+        self.partitions = partitions;
+    }
+
+    /// The partition of `namespace`'s blocks.
+    fn partition_of(&self, namespace: u64) -> usize {
+        if self.partitions.each.is_empty() { 0 } else { self.partitions.of_namespace(namespace) }
+    }
+
+    /// Whether a block of `namespace` may lie in L1 `slot`: the slot is in
+    /// the namespace's partition (any slot, in an arena not partitioned).
+    fn in_its_partition(&self, namespace: u64, slot: u32, table: &SlotTable) -> bool {
+        self.partitions.each.is_empty() || table.partition_of(slot) == Some(self.partitions.of_namespace(namespace))
     }
 
     /// Starts the thread that reads published commits' payloads off the

@@ -35,11 +35,12 @@ impl Pool {
         }
         let slot = self.l2_slot_of(source).ok_or(AgentError::Invalid)?;
         self.l2_index(slot).ok_or(AgentError::Invalid)?;
-        let payload_len = match self.l2_object(slot, source.generation) {
-            Some(meta) if source.generation != 0 => meta.payload_len,
+        let (payload_len, namespace) = match self.l2_object(slot, source.generation) {
+            Some(meta) if source.generation != 0 => (meta.payload_len, meta.namespace.0),
             _ => return Err(AgentError::Stale),
         };
-        let grant = self.slot_or_victim(object_bytes(payload_len), 0, parts).ok_or(AgentError::NoSpace)?;
+        let partition = self.partition_for(to, namespace)?;
+        let grant = self.slot_or_victim(partition, object_bytes(payload_len), 0, parts).ok_or(AgentError::NoSpace)?;
         let table = &mut *parts.table;
         let purpose = Purpose::Promote { to, l1_slot: grant.slot, l1_generation: grant.generation };
         let Some(cookie) = self.take_op(purpose) else {
@@ -53,6 +54,17 @@ impl Pool {
             self.put_op(cookie);
             self.release_l1(grant.slot, parts.table);
             Err(AgentError::Busy)
+        }
+    }
+
+    /// The partition a block of `namespace` is brought up into for `to`:
+    /// its own, which an agent must map (another tenant's block is not
+    /// brought into memory the agent cannot read, nor named to it).
+    pub(super) fn partition_for(&self, to: Requester, namespace: u64) -> Result<usize, AgentError> {
+        let partition = self.partition_of(namespace);
+        match to {
+            Requester::Agent { agent, .. } if self.agent_partition(agent) != partition => Err(AgentError::Invalid),
+            _ => Ok(partition),
         }
     }
 

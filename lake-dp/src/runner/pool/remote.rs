@@ -46,8 +46,8 @@ impl<B: IoBackend> Landing for PoolLanding<'_, '_, B> {
         self.pool.remote_abandoned(target, self.parts);
     }
 
-    fn reserve(&mut self, region: u16, epoch: u64, len: u64) -> Result<BlockAddr, AckStatus> {
-        self.pool.remote_reserve(region, epoch, len, self.parts)
+    fn reserve(&mut self, region: u16, epoch: u64, len: u64, namespace: Option<u64>) -> Result<BlockAddr, AckStatus> {
+        self.pool.remote_reserve(region, epoch, len, namespace, self.parts)
     }
 
     fn admit(&mut self, namespace: u64, len: u64, now_ns: u64) -> Result<(), u64> {
@@ -186,20 +186,29 @@ impl Pool {
         }
     }
 
-    /// A peer's block is coming over the transport for this node's L1:
-    /// a slot of its size is reserved for it (by no local agent; the
-    /// reservation's timeout applies), its address given.
+    /// A peer's block (of `namespace`, where the sender names it) is
+    /// coming over the transport for this node's L1: a slot of its size is
+    /// reserved for it in its namespace's partition (by no local agent;
+    /// the reservation's timeout applies), its address given. A
+    /// partitioned node takes no block whose sender does not name its
+    /// namespace: it could not tell whose memory it may land in.
     fn remote_reserve<B: IoBackend>(
         &mut self,
         region: u16,
         epoch: u64,
         len: u64,
+        namespace: Option<u64>,
         parts: &mut Parts<'_, B>,
     ) -> Result<BlockAddr, AckStatus> {
         if region != self.l1_region || epoch != self.epoch {
             return Err(AckStatus::Refused);
         }
-        let grant = self.slot_or_victim(stored_object_room(len), 0, parts).ok_or(AckStatus::Busy)?;
+        let partition = match namespace {
+            Some(namespace) => self.partition_of(namespace),
+            None if self.partitions.each.is_empty() => 0,
+            None => return Err(AckStatus::Refused),
+        };
+        let grant = self.slot_or_victim(partition, stored_object_room(len), 0, parts).ok_or(AckStatus::Busy)?;
         self.l1[grant.slot as usize] = L1State::Reserved { agent: REMOTE_AGENT, since_ns: parts.now_ns };
         self.reserved += 1;
         Ok(BlockAddr { region, epoch, slot: grant.slot, generation: grant.generation })
@@ -236,6 +245,13 @@ impl Pool {
         let Some(bytes) = (unsafe { parts.region.slot_mut(target.slot) }) else { return AckStatus::Refused };
         let slot_bytes = bytes.len() as u64;
         match crate::transport::check_and_adopt(bytes, len, target) {
+            // Another partition's block (its sender named another
+            // namespace, or placed it in a slot it named): never published.
+            Ok(meta) if !self.in_its_partition(meta.namespace.0, target.slot, parts.table) => {
+                self.stats.commits_foreign += 1;
+                self.release_l1(target.slot, parts.table);
+                AckStatus::Refused
+            }
             // Past its namespace's or tenant's L1 quota: refused like an
             // engine's save here, never published.
             Ok(meta) if !self.admits(meta.namespace.0, slot_bytes, parts.table) => {

@@ -83,30 +83,32 @@ impl Pool {
             || self.refused_at_ns.is_some_and(|at| now_ns.saturating_sub(at) < SAVE_PRESSURE_NS)
     }
 
-    /// A free L1 slot for an object of `object_bytes` (leaving `keep` of
-    /// its class free), else one a marked victim gave up.
+    /// A free L1 slot of partition `partition` for an object of
+    /// `object_bytes` (leaving `keep` of its class free), else one a marked
+    /// victim there gave up.
     pub(super) fn slot_or_victim<B: IoBackend>(
         &mut self,
+        partition: usize,
         object_bytes: u64,
         keep: usize,
         parts: &mut Parts<'_, B>,
     ) -> Option<crate::arena::SlotGrant> {
-        if let Some(grant) = self.allocate_l1(parts.table, object_bytes, keep) {
+        let class = parts.table.class_in(partition, object_bytes)?;
+        if let Some(grant) = self.allocate_l1(parts.table, class, keep) {
             return Some(grant);
         }
-        if self.take_victims(object_bytes, parts) == 0 {
+        if self.take_victims(class, parts) == 0 {
             return None;
         }
-        self.allocate_l1(parts.table, object_bytes, keep)
+        self.allocate_l1(parts.table, class, keep)
     }
 
-    /// A save found no free L1 slot of `object_bytes`'s class: takes up to
-    /// [`VICTIMS_PER_TAKE`] of the marked victims of that class, in the
-    /// control plane's order (each still there, ready, and its mark
-    /// current), frees those no reader pins, and reports each as evicted.
-    /// Returns how many were taken.
-    pub(super) fn take_victims<B: IoBackend>(&mut self, object_bytes: u64, parts: &mut Parts<'_, B>) -> usize {
-        let Some(class) = parts.table.class_for(object_bytes) else { return 0 };
+    /// A save found no free L1 slot of size class `class` (of one
+    /// partition): takes up to [`VICTIMS_PER_TAKE`] of the marked victims
+    /// of that class, in the control plane's order (each still there,
+    /// ready, and its mark current), frees those no reader pins, and
+    /// reports each as evicted. Returns how many were taken.
+    pub(super) fn take_victims<B: IoBackend>(&mut self, class: usize, parts: &mut Parts<'_, B>) -> usize {
         let reserve = self.load_reserve_slots as usize;
         if parts.table.evacuating().is_some() || parts.table.chunk_to_evacuate(class, reserve).is_some() {
             // Another class's chunk can be emptied for it by moving blocks
@@ -234,6 +236,14 @@ impl Pool {
                 return Err(AgentError::Corrupt);
             }
         };
+        if !self.in_its_partition(meta.namespace.0, slot, table) {
+            // Another partition's namespace, saved by an engine that does
+            // not map that partition: not published where that tenant's
+            // engines would be handed it.
+            self.stats.commits_foreign += 1;
+            self.release_l1(slot, table);
+            return Err(AgentError::Invalid);
+        }
         let slot_bytes = bytes.len() as u64;
         if !self.admits(meta.namespace.0, slot_bytes, table) {
             // Refused for its own namespace's quota: no save pressure for

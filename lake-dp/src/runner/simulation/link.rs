@@ -127,7 +127,7 @@ impl Wire {
         let (region, epoch) = self.l1;
         let epoch = if arriving.arrival == Arrival::Stale { epoch.wrapping_sub(1) } else { epoch };
         let (key, kind) = (arriving.key, arriving.arrival);
-        let target = match landing.reserve(region, epoch, len) {
+        let target = match landing.reserve(region, epoch, len, Some(arriving.namespace)) {
             Ok(target) => target,
             Err(status) => return self.landed.push((key, kind, Some(status))),
         };

@@ -673,7 +673,7 @@ impl<V: Verbs> RdmaTransport<V> {
             return self.answer_timed(peer, transfer, AckStatus::Later, target, wait_us);
         }
         let (target, reserved) = if target.slot == ANY_SLOT {
-            match landing.reserve(target.region, target.epoch, len) {
+            match landing.reserve(target.region, target.epoch, len, Some(namespace)) {
                 Ok(slot) => (slot, true),
                 Err(status) => return self.answer(peer, transfer, status, target),
             }

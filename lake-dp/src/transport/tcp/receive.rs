@@ -552,6 +552,7 @@ impl TcpTransport {
         // cap on what this node receives is told to ask again after the
         // wait, and its sender holds the block meanwhile.
         let tenants = self.streams[token].as_ref().is_some_and(|s| s.features & FEATURE_TENANT != 0);
+        let named = (tenants && frame.offset != 0).then_some(frame.offset);
         if tenants
             && frame.offset != 0
             && known.is_none()
@@ -566,25 +567,27 @@ impl TcpTransport {
         let answer = match known {
             Some(target) => Ok(target),
             None if full => Err(AckStatus::Busy),
-            None => landing.reserve(frame.target.region, frame.target.epoch, frame.total_len).and_then(|target| {
-                let base = landing.place(&target, frame.total_len)?;
-                self.landing.insert(
-                    target,
-                    Arriving {
-                        transfer: frame.transfer,
-                        attempt: frame.attempt,
-                        base,
-                        total: frame.total_len,
-                        received: 0,
-                        unverified: 0,
-                        resets: 0,
-                        deadline_ns: now_ns + self.config.transfer_timeout_ns,
-                        trace: 0,
-                        started_ns: now_ns,
-                    },
-                );
-                Ok(target)
-            }),
+            None => {
+                landing.reserve(frame.target.region, frame.target.epoch, frame.total_len, named).and_then(|target| {
+                    let base = landing.place(&target, frame.total_len)?;
+                    self.landing.insert(
+                        target,
+                        Arriving {
+                            transfer: frame.transfer,
+                            attempt: frame.attempt,
+                            base,
+                            total: frame.total_len,
+                            received: 0,
+                            unverified: 0,
+                            resets: 0,
+                            deadline_ns: now_ns + self.config.transfer_timeout_ns,
+                            trace: 0,
+                            started_ns: now_ns,
+                        },
+                    );
+                    Ok(target)
+                })
+            }
         };
         let (target, status) = match answer {
             Ok(target) => (target, AckStatus::Landed),
