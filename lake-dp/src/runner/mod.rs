@@ -342,7 +342,7 @@ impl RunnerStats {
             "{{\"event\":\"{event}\",\"polls\":{},\"busy_polls\":{},\"busy_ns\":{},\"idle_ns\":{},\"parked_ns\":{},\
              \"parks\":{},\"ops_ok\":{},\"ops_failed\":{},\"selftest_written\":{},\"selftest_read\":{},\
              \"cp_sent\":{},\"cp_dropped\":{},\"cp_reconnects\":{},\"cp_refused\":{},\"abandoned\":{},\"agents_released\":{},\"saves\":{},\"saves_refused\":{},\
-             \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{},\
+             \"commits_corrupt\":{},\"commits_corrupt_late\":{},\"commits_foreign\":{},\"commits_verified\":{},\"promotions\":{},\"demotions\":{},\"evictions\":{},\"commands_failed\":{},\
              \"l3_writes\":{},\"l3_reads\":{},\"l3_deletes\":{},\"l3_failed\":{},\"l3_lost\":{},\"rdma_landed\":{},\"rdma_read_bytes\":{},\
              \"l1_chunks_moved\":{},\"l1_chunks_evacuated\":{},\"l1_moves\":{},\"l1_class_short\":{}}}",
             self.polls,
@@ -365,6 +365,7 @@ impl RunnerStats {
             self.pool.saves_refused,
             self.pool.commits_corrupt,
             self.pool.commits_corrupt_late,
+            self.pool.commits_foreign,
             self.pool.commits_verified,
             self.pool.promotions,
             self.pool.demotions,
