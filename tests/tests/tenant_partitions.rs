@@ -92,12 +92,12 @@ fn another_tenants_engine_cannot_map_load_or_forge_a_tenants_blocks() {
     // given: mapped in its process, bolt's not.
     let seen = probe(&pool, ACME_UID, ACME, &["save"]);
     assert!(seen.contains("saved 4") && seen.contains("loaded 4 exact"), "{seen}");
-    assert!(seen.contains(".acme") && !seen.contains(".bolt"), "{seen}");
+    assert!(seen.contains(".acme") && !seen.contains(".bolt") && !seen.contains(".shared"), "{seen}");
     // Bolt's engine, attached beside it, reaches none of acme's blocks.
     let seen = probe(&pool, BOLT_UID, ACME, &["reach", acme_path, &pid]);
     assert!(seen.contains("file open: denied") && seen.contains("pool fds open: 0"), "{seen}");
     assert!(seen.contains("hits 0") && seen.contains("loaded 0") && seen.contains("forged saved 0"), "{seen}");
-    assert!(seen.contains("file mapped: no") && !seen.contains(".acme"), "{seen}");
+    assert!(seen.contains("file mapped: no") && !seen.contains(".acme") && !seen.contains(".shared"), "{seen}");
     // Bolt's own blocks are its own to save and load.
     let seen = probe(&pool, BOLT_UID, BOLT, &["save"]);
     assert!(seen.contains("saved 4") && seen.contains("loaded 4 exact"), "{seen}");
@@ -108,7 +108,7 @@ fn another_tenants_engine_cannot_map_load_or_forge_a_tenants_blocks() {
     // are saved there, and acme's cannot be.
     let seen = probe(&pool, 0, 0xc1, &["save"]);
     assert!(seen.contains("saved 4") && seen.contains("loaded 4 exact"), "{seen}");
-    assert!(!seen.contains(".acme") && !seen.contains(".bolt"), "{seen}");
+    assert!(seen.contains(".shared") && !seen.contains(".acme") && !seen.contains(".bolt"), "{seen}");
     let seen = probe(&pool, 0, ACME, &["reach", acme_path, &pid]);
     assert!(seen.contains("hits 0") && seen.contains("forged saved 0"), "{seen}");
     let seen = probe(&pool, ACME_UID, ACME, &["check"]);

@@ -136,7 +136,7 @@ pub struct AttachServer {
     /// descriptor ([`crate::wire::FEATURE_OWN_FDS`]).
     mirror: Option<PathBuf>,
     /// A partitioned arena's partitions (whose users map which), and the
-    /// file of each past 0, passed to its users' agents alone.
+    /// file of each, passed to its users' agents alone.
     partitions: Option<(crate::runner::config::Partitions, Vec<std::os::fd::OwnedFd>)>,
     /// What it has done.
     pub counters: AttachCounters,
@@ -219,8 +219,8 @@ impl AttachServer {
 
     /// The arena is partitioned: each agent maps the partition of its
     /// user (or group) in `partitions`, or partition 0; `files` are the
-    /// partitions' past 0, in order. Agents that cannot map a partitioned
-    /// arena are refused.
+    /// partitions', in order. Agents that cannot map a partitioned arena
+    /// are refused.
     pub fn partition(&mut self, partitions: crate::runner::config::Partitions, files: Vec<std::os::fd::OwnedFd>) {
         self.partitions = Some((partitions, files));
     }
@@ -464,7 +464,8 @@ impl AttachServer {
             depth: self.ports.header().depth,
             epoch: self.epoch,
             arena_region: self.arena_region,
-            partition: if partitioned { partition } else { 0 },
+            // Partition `p` of a partitioned arena is told as `p + 1`.
+            partition: if partitioned { partition.saturating_add(1) } else { 0 },
             reserved: [0; 5],
         };
         let caps = ack.features & crate::wire::FEATURE_PUSH_CAPS != 0 && !self.push_caps.is_empty();
@@ -500,14 +501,13 @@ impl AttachServer {
         }
     }
 
-    /// Partition `partition`'s file (past 0) and its own mirror, where it
-    /// has them.
+    /// Partition `partition`'s file and its own mirror (a tenant's, past
+    /// partition 0), in a partitioned arena.
     fn partition_files(&self, partition: u8) -> Result<(Option<RawFd>, Option<&PathBuf>), ()> {
-        let (Some((partitions, files)), Some(index)) = (&self.partitions, usize::from(partition).checked_sub(1)) else {
-            return Ok((None, None));
-        };
-        let file = files.get(index).ok_or(())?.as_raw_fd();
-        Ok((Some(file), partitions.mirrors.get(index).and_then(Option::as_ref)))
+        let Some((partitions, files)) = &self.partitions else { return Ok((None, None)) };
+        let file = files.get(usize::from(partition)).ok_or(())?.as_raw_fd();
+        let mirror = usize::from(partition).checked_sub(1).and_then(|tenant| partitions.mirrors.get(tenant)?.as_ref());
+        Ok((Some(file), mirror))
     }
 
     fn close(&mut self, port: usize, pool: &mut Pool, table: &mut SlotTable) {

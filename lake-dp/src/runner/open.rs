@@ -257,8 +257,8 @@ fn open_attach(
             server.pass_mirror(config.agents.mirror.clone());
             if arena.geometry().partitioned() {
                 let partitions = config.partitions().map_err(|e| RunnerError::Config(e.0))?;
-                let mut files = Vec::with_capacity(partitions.each.len());
-                for index in 1..=partitions.each.len() {
+                let mut files = Vec::with_capacity(partitions.each.len() + 1);
+                for index in 0..=partitions.each.len() {
                     let fd = arena.partition_fd(index).ok_or_else(|| RunnerError::Config("partitions".into()))?;
                     files.push(try_to!("keeping a partition's file for the agents", fd.try_clone_to_owned()));
                 }

@@ -167,11 +167,12 @@ impl Agent {
             }
         };
         // The arena, the port file, the wake-up eventfd, the file of the
-        // partition this agent maps (in a partitioned arena, past 0), and
-        // the mirror where the data plane passes it.
+        // partition this agent maps (in a partitioned arena: one is named,
+        // as its number plus 1), and the mirror where the data plane
+        // passes it.
         let partitions = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_PARTITIONS != 0);
-        let partition = if partitions { usize::from(attached.partition) } else { 0 };
-        let least = 3 + usize::from(partition != 0);
+        let named = if partitions { usize::from(attached.partition).checked_sub(1) } else { None };
+        let least = 3 + usize::from(named.is_some());
         if !(least..=least + 1).contains(&fds.len()) {
             let why = format_args!("expected {least} or {}, got {}", least + 1, fds.len());
             return Err(protocol("descriptors", &why));
@@ -180,7 +181,7 @@ impl Agent {
         let (Some(arena_fd), Some(ports), Some(wakeup)) = (fds.next(), fds.next(), fds.next()) else {
             return Err(protocol("descriptors", &"fewer than 3"));
         };
-        let partition_fd = if partition != 0 { fds.next() } else { None };
+        let partition_fd = if named.is_some() { fds.next() } else { None };
         let mirror = fds.next();
         let ports = File::from(ports);
         // An open of the arena made for this agent where the data plane
@@ -188,7 +189,7 @@ impl Agent {
         // the partition it is given.
         let own = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_OWN_FDS != 0);
         let arena = match (own, partitions) {
-            (true, true) => Arena::attach_partition(arena_fd, partition, partition_fd),
+            (true, true) => Arena::attach_partition(arena_fd, named.unwrap_or(0), partition_fd),
             (true, false) => Arena::attach_own_fd(arena_fd),
             (false, _) => Arena::attach_fd(arena_fd),
         }

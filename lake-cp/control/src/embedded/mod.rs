@@ -641,7 +641,10 @@ impl EmbeddedPool {
         let (arena, mirror) = config.shared_memory();
         let tenants: Vec<(PathBuf, PathBuf)> =
             config.partitions.iter().map(|p| config.tenant_shared_memory(&p.tenant)).collect();
-        let tenant_files: Vec<&Path> = tenants.iter().flat_map(|(a, m)| [a.as_path(), m.as_path()]).collect();
+        // A partitioned arena's partition 0 is a file of its own too.
+        let shared = (!tenants.is_empty()).then(|| lake_dp::arena::shared_partition_path(&arena));
+        let tenant_files: Vec<&Path> =
+            tenants.iter().flat_map(|(a, m)| [a.as_path(), m.as_path()]).chain(shared.as_deref()).collect();
         created.record(&[&[arena.as_path(), mirror.as_path()], &tenant_files[..]].concat())?;
         created.files.extend(tenant_files.iter().map(|p| p.to_path_buf()));
         let cp_socket = config.dir.join("cp.sock");

@@ -15,11 +15,11 @@
 //!
 //! A partitioned arena (version 3) splits its slots into partitions, each
 //! the same size classes over slots of its own, one after the other and
-//! each starting on a page. Partition 0 lies in the arena's file after the
-//! agent records, as the slots do in version 1; every other partition is a
-//! file of its own, mapped at its place in the slot area by the processes
-//! given it ([`ArenaGeometry::partitions`]). The arena's file is then
-//! shorter than `total_bytes`, which counts the whole slot area.
+//! each starting on a page. Each partition is a file of its own, mapped at
+//! its place in the slot area by the processes given it
+//! ([`ArenaGeometry::partitions`]); the arena's own file ends where the
+//! slot area starts, so it holds the records every process shares and no
+//! block.
 //!
 //! [`decode_header`] is the one place that trusts nothing: every other
 //! process's view of the arena goes through it.
@@ -247,9 +247,9 @@ impl ArenaGeometry {
     }
 
     /// Bytes of the arena's own file: everything, or in a partitioned
-    /// arena everything up to the end of partition 0.
+    /// arena its records (everything before the slot area).
     pub fn file_bytes(&self) -> u64 {
-        if self.partitioned() { self.header.slots_offset + self.partitions[0].bytes } else { self.header.total_bytes }
+        if self.partitioned() { self.header.slots_offset } else { self.header.total_bytes }
     }
 
     /// The partition holding `slot`.
@@ -498,7 +498,7 @@ pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<ArenaGeometry, Aren
     let partitions = if partitioned { decode_partitions(&header, &spans)? } else { whole(&header) };
     let geometry = ArenaGeometry { header, spans, partitions };
     if partitioned && file_bytes != u64::MAX && geometry.file_bytes() != file_bytes {
-        return Err(bad("partition 0 does not end where the arena's file does"));
+        return Err(bad("the arena's file does not end where the slot area starts"));
     }
     Ok(geometry)
 }
@@ -661,7 +661,7 @@ mod tests {
     }
 
     #[test]
-    fn partitions_each_start_on_a_page_and_only_partition_0_is_in_the_file() {
+    fn partitions_each_start_on_a_page_and_the_arenas_file_holds_no_slot() {
         // Two classes in each of three partitions: 3 + 1 slots of 8 KiB and
         // 20 KiB each (44 KiB).
         let classes = [
@@ -679,11 +679,11 @@ mod tests {
         assert_eq!(spans, [(0, 4, 0, 45056), (4, 4, 45056, 45056), (8, 4, 90112, 45056)]);
         assert_eq!(geometry.classes_per_partition(), 2);
         assert_eq!((geometry.partition_of(5), geometry.partition_of(12)), (Some(1), None));
-        assert_eq!(geometry.file_bytes(), header.slots_offset + 45056);
+        assert_eq!(geometry.file_bytes(), header.slots_offset);
         assert_eq!(header.total_bytes, header.slots_offset + 3 * 45056);
         assert_eq!(decode_header(bytemuck::bytes_of(header), geometry.file_bytes()).unwrap(), geometry);
         let err = decode_header(bytemuck::bytes_of(header), header.total_bytes).unwrap_err().to_string();
-        assert!(err.contains("partition 0"), "{err}");
+        assert!(err.contains("slot area starts"), "{err}");
         // A partition that would not start on a page is refused by name.
         let mut damaged = *header;
         damaged.classes[2].offset -= 4096;

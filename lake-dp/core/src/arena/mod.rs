@@ -176,8 +176,21 @@ pub struct ArenaConfig {
     /// its slots (an arena every earlier build reads).
     pub chunk_bytes: u64,
     /// Partitions past partition 0 (which `classes` sizes), each in a file
-    /// of its own: an arena of layout version 3. Empty: not partitioned.
+    /// of its own, as partition 0 then is too (its backing's path with
+    /// [`SHARED_SUFFIX`]): an arena of layout version 3. Empty: not
+    /// partitioned.
     pub partitions: Vec<ArenaPartition>,
+}
+
+/// What a partitioned arena's partition 0 file is named: the arena's path
+/// with this added.
+pub const SHARED_SUFFIX: &str = ".shared";
+
+/// The file of a partitioned arena's partition 0, for the arena at `path`.
+pub fn shared_partition_path(path: &Path) -> PathBuf {
+    let mut path = path.as_os_str().to_owned();
+    path.push(SHARED_SUFFIX);
+    PathBuf::from(path)
 }
 
 /// A partition of the arena's slots in a file of its own, passed only to
@@ -233,8 +246,8 @@ struct ArenaMap {
     map: Mapping,
     file: File,
     geometry: ArenaGeometry,
-    /// The files of the partitions past 0, where this process has them
-    /// (the creator has every one).
+    /// The partitions' files, where this process has them (the creator
+    /// has every one).
     partition_files: Vec<Option<File>>,
     /// The one partition this process maps, or `None` for all of them.
     visible: Option<usize>,
@@ -371,7 +384,10 @@ impl Arena {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(io_error("opening", Some(path)))?;
-        Self::attach_file(file, Some(path), false, None)
+        // A partitioned arena's partition 0, by its path too.
+        let shared =
+            OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(shared_partition_path(path));
+        Self::attach_file(file, Some(path), false, Some((0, shared.ok())))
     }
 
     /// Maps the arena behind `fd` (passed over a socket: the data plane's
@@ -389,15 +405,15 @@ impl Arena {
     }
 
     /// Maps the arena behind `fd` (as [`Arena::attach_own_fd`]) with only
-    /// partition `partition` of its slots: the arena's own, or one whose
-    /// file `partition_fd` is. An arena that is not partitioned takes only
-    /// partition 0 (all of it).
+    /// partition `partition` of its slots, whose file `partition_fd` is.
+    /// An arena that is not partitioned takes only partition 0 (all of it,
+    /// no file).
     pub fn attach_partition(fd: OwnedFd, partition: usize, partition_fd: Option<OwnedFd>) -> Result<Self, ArenaError> {
         Self::attach_file(File::from(fd), None, true, Some((partition, partition_fd.map(File::from))))
     }
 
     /// Maps the arena in `file`: the whole of it, or in a partitioned arena
-    /// its records and the partition `given` (partition 0 if not given).
+    /// its records and the partition `given` (with its file).
     fn attach_file(
         file: File,
         path: Option<&Path>,
@@ -408,7 +424,11 @@ impl Arena {
         if bytes < 4096 {
             return Err(ArenaError::Header("too short to hold an arena header"));
         }
-        let first = Mapping::Whole(MmapOptions::new().len(4096).map_raw(&file).map_err(io_error("mapping", path))?);
+        // The whole file: every slot of an arena not partitioned, only the
+        // records of a partitioned one (its slots are in other files).
+        let len = usize::try_from(bytes).map_err(|_| ArenaError::Header("total_bytes"))?;
+        let whole = MmapOptions::new().len(len).populate().map_raw(&file).map_err(io_error("mapping", path))?;
+        let first = Mapping::Whole(whole);
         // Acquire: pairs with the creator's Release store of READY, so the
         // header it wrote before is visible here.
         match control_of(&first).state.load(Ordering::Acquire) {
@@ -418,21 +438,20 @@ impl Arena {
             _ => return Err(ArenaError::Header("state word")),
         }
         let mut page = [0u8; size_of::<ArenaHeader>()];
-        // SAFETY: the mapping is 4096 bytes, more than the header; the
-        // header is immutable once the state is ready (and a copy is all
-        // that is kept: everything below checks the copy).
+        // SAFETY: the mapping is at least 4096 bytes, more than the header;
+        // the header is immutable once the state is ready (and a copy is
+        // all that is kept: everything below checks the copy).
         unsafe { core::ptr::copy_nonoverlapping(first.as_mut_ptr(), page.as_mut_ptr(), page.len()) };
-        drop(first);
         let geometry = decode_header(&page, bytes)?;
         let (partition, partition_file) = given.unwrap_or((0, None));
         let visible = geometry.partitioned().then_some(partition);
         let map = if geometry.partitioned() {
-            map_partition(&file, &geometry, partition, partition_file.as_ref(), path)?
+            drop(first);
+            map_partition(&file, &geometry, partition, partition_file.as_ref())?
         } else if partition != 0 {
             return Err(ArenaError::Config("partition: the arena is not partitioned"));
         } else {
-            let len = usize::try_from(bytes).map_err(|_| ArenaError::Header("total_bytes"))?;
-            Mapping::Whole(MmapOptions::new().len(len).populate().map_raw(&file).map_err(io_error("mapping", path))?)
+            first
         };
         let mut partition_files: Vec<Option<File>> = (0..geometry.partitions.len()).map(|_| None).collect();
         if let (Some(slot), Some(partition_file)) = (partition_files.get_mut(partition), partition_file) {
@@ -458,8 +477,8 @@ impl Arena {
         self.map.visible
     }
 
-    /// The file of partition `partition` (past 0), where this process has
-    /// it: to pass to an agent that may map it.
+    /// The file of partition `partition`, where this process has it: to
+    /// pass to an agent that may map it.
     pub fn partition_fd(&self, partition: usize) -> Option<BorrowedFd<'_>> {
         self.map.partition_files.get(partition)?.as_ref().map(AsFd::as_fd)
     }
@@ -672,8 +691,8 @@ fn build(
     Ok(Arena { map: Arc::new(arena) })
 }
 
-/// A new arena's partitions' files once in place: the files (partition
-/// 0's a `None`), and each one's path and inode.
+/// A new arena's partitions' files once in place: the files, and each
+/// one's path and inode.
 type PublishedPartitions = (Vec<Option<File>>, Vec<(PathBuf, u64)>);
 
 /// The files of a new arena's partitions past 0, each with the path it is
@@ -682,26 +701,34 @@ type PublishedPartitions = (Vec<Option<File>>, Vec<(PathBuf, u64)>);
 struct PartitionFiles(Vec<(File, Option<PathBuf>, Option<PathBuf>)>);
 
 impl PartitionFiles {
-    /// Creates the files of `config`'s partitions (under their building
-    /// names), each on memory of the arena's kind (`memory`: huge pages,
-    /// and the page size).
+    /// Creates the files of `config`'s partitions, 0 first (under their
+    /// building names), each on memory of the arena's kind (`memory`: huge
+    /// pages, and the page size). None for an arena not partitioned.
     fn create(config: &ArenaConfig, memory: (bool, u64)) -> Result<Self, ArenaError> {
-        let mut parts = Self(Vec::with_capacity(config.partitions.len()));
-        for partition in &config.partitions {
-            let (part, target, part_building) = shm::create(&partition.backing, config.mode, "lake-l1-partition")?;
+        let mut parts = Self(Vec::with_capacity(config.partitions.len() + 1));
+        if config.partitions.is_empty() {
+            return Ok(parts);
+        }
+        let shared = match &config.backing {
+            ArenaBacking::Shm(path) => ArenaBacking::Shm(shared_partition_path(path)),
+            ArenaBacking::HugetlbFs(path) => ArenaBacking::HugetlbFs(shared_partition_path(path)),
+            ArenaBacking::HugetlbMemfd => ArenaBacking::HugetlbMemfd,
+        };
+        for backing in [&shared].into_iter().chain(config.partitions.iter().map(|p| &p.backing)) {
+            let (part, target, part_building) = shm::create(backing, config.mode, "lake-l1-partition")?;
             parts.0.push((part, target, part_building));
             let (part, _, part_building) = parts.0.last().expect("just pushed");
-            if shm::check(&partition.backing, part, part_building.as_deref())? != memory {
+            if shm::check(backing, part, part_building.as_deref())? != memory {
                 return Err(ArenaError::Config("partitions: each on the same kind of memory as the arena"));
             }
         }
         Ok(parts)
     }
 
-    /// Renames each file into place: the files (partition 0's a `None`
-    /// before them) and the paths and inodes to unlink at the end.
+    /// Renames each file into place: the files, and the paths and inodes
+    /// to unlink at the end.
     fn publish(mut self) -> Result<PublishedPartitions, ArenaError> {
-        let mut files = vec![None];
+        let mut files = Vec::with_capacity(self.0.len());
         let mut paths = Vec::new();
         for (part, target, building) in core::mem::take(&mut self.0) {
             shm::publish(building.as_deref(), target.as_deref())?;
@@ -770,7 +797,7 @@ fn map_created(
     shm::reserve_all(file, bytes, huge, building)?;
     let header = &geometry.header;
     let mut pieces = vec![Piece { fd: file.as_fd(), at: 0, len: usize_from(bytes), file_offset: 0 }];
-    for ((part, _, part_building), span) in parts.0.iter().zip(&geometry.partitions[1..]) {
+    for ((part, _, part_building), span) in parts.0.iter().zip(&geometry.partitions) {
         part.set_len(span.bytes).map_err(io_error("sizing", part_building.as_deref()))?;
         shm::reserve_all(part, span.bytes, huge, part_building.as_deref())?;
         let at = usize_from(header.slots_offset + span.offset);
@@ -782,35 +809,33 @@ fn map_created(
     ))
 }
 
-/// Maps, for an attaching process, a partitioned arena's records and its
-/// partition `partition`: partition 0 from the arena's file, any other from
-/// `partition_file`.
+/// Maps, for an attaching process, a partitioned arena's records (from
+/// the arena's file) and its partition `partition` (from `partition_file`).
 fn map_partition(
     file: &File,
     geometry: &ArenaGeometry,
     partition: usize,
     partition_file: Option<&File>,
-    path: Option<&Path>,
 ) -> Result<Mapping, ArenaError> {
     let header = &geometry.header;
     let span =
         geometry.partitions.get(partition).ok_or(ArenaError::Config("partition: the arena has no such partition"))?;
-    let records = usize_from(header.slots_offset);
-    let mut pieces = vec![Piece { fd: file.as_fd(), at: 0, len: records, file_offset: 0 }];
-    match (partition, partition_file) {
-        (0, _) => pieces[0].len = usize_from(geometry.file_bytes()),
-        (_, None) => return Err(ArenaError::Config("partition: its file was not given")),
-        (_, Some(part)) => {
-            let bytes = part.metadata().map_err(io_error("reading the size of a partition of", path))?.len();
-            if bytes != span.bytes {
-                return Err(ArenaError::Header("a partition's file differs from its size in the header"));
-            }
-            let at = usize_from(header.slots_offset + span.offset);
-            pieces.push(Piece { fd: part.as_fd(), at, len: usize_from(span.bytes), file_offset: 0 });
-        }
+    let part = partition_file.ok_or(ArenaError::Config("partition: its file was not given"))?;
+    let bytes = part.metadata().map_err(io_error("reading the size of a partition", None))?.len();
+    if bytes != span.bytes {
+        return Err(ArenaError::Header("a partition's file differs from its size in the header"));
     }
+    let pieces = [
+        Piece { fd: file.as_fd(), at: 0, len: usize_from(header.slots_offset), file_offset: 0 },
+        Piece {
+            fd: part.as_fd(),
+            at: usize_from(header.slots_offset + span.offset),
+            len: usize_from(span.bytes),
+            file_offset: 0,
+        },
+    ];
     let align = usize_from(header.page_bytes);
-    Ok(Mapping::Pieces(Pieces::map(usize_from(header.total_bytes), align, &pieces).map_err(io_error("mapping", path))?))
+    Ok(Mapping::Pieces(Pieces::map(usize_from(header.total_bytes), align, &pieces).map_err(io_error("mapping", None))?))
 }
 
 /// Runs `f` with this thread's memory policy bound to `node`, so the pages

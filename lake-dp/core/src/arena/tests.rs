@@ -695,9 +695,16 @@ fn a_partitioned_arena_maps_for_each_process_only_the_partition_it_was_given() {
     let (arena, mut table) = Arena::create(&config).unwrap();
     let geometry = arena.geometry().clone();
     assert_eq!((arena.header().version, geometry.partitions.len(), arena.header().slots), (3, 3, 9 + 4 + 4));
-    assert_eq!(std::fs::metadata(&path.0).unwrap().len(), geometry.file_bytes());
-    for (file, span) in [(&first, geometry.partitions[1]), (&second, geometry.partitions[2])] {
-        let meta = std::fs::metadata(&file.0).unwrap();
+    // The arena's own file holds the records alone; every partition, 0
+    // too, is a file of its own.
+    assert_eq!(std::fs::metadata(&path.0).unwrap().len(), arena.header().slots_offset);
+    let shared_file = shared_partition_path(&path.0);
+    for (file, span) in [
+        (&shared_file, geometry.partitions[0]),
+        (&first.0, geometry.partitions[1]),
+        (&second.0, geometry.partitions[2]),
+    ] {
+        let meta = std::fs::metadata(file).unwrap();
         assert_eq!((meta.len(), meta.permissions().mode() & 0o777), (span.bytes, 0o600));
     }
     // Each partition allocates from its own slots.
@@ -736,8 +743,13 @@ fn a_partitioned_arena_maps_for_each_process_only_the_partition_it_was_given() {
     assert!(shared.slot_ptr(slots[1]).is_none());
     let err = Arena::attach_partition(dup(arena.fd()), 2, None).unwrap_err().to_string();
     assert!(err.contains("file was not given"), "{err}");
+    let err = Arena::attach_own_fd(dup(arena.fd())).unwrap_err().to_string();
+    assert!(err.contains("file was not given"), "the arena's file alone maps no slot: {err}");
     let err = Arena::attach_partition(dup(arena.fd()), 3, None).unwrap_err().to_string();
     assert!(err.contains("no such partition"), "{err}");
     drop((agent, theirs, by_path, shared, mine, table, arena));
-    assert!(!first.0.exists() && !second.0.exists(), "the partitions' files go with the arena");
+    assert!(
+        !first.0.exists() && !second.0.exists() && !shared_file.exists(),
+        "the partitions' files go with the arena"
+    );
 }

@@ -853,7 +853,7 @@ pub struct Attached {
     pub epoch: u64,
     /// The L1 arena's region.
     pub arena_region: u16,
-    /// The arena's partition the agent maps (feature bit 16), else zero.
+    /// Partitioned arena (feature bit 16): the partition it maps, plus 1.
     pub partition: u8,
     /// Zero.
     pub reserved: [u8; 5],

@@ -97,6 +97,9 @@ impl RunnerConfig {
             if name.is_empty() || name.len() > 32 || !good_name {
                 return Err(bad(index, "name", "1 to 32 letters, digits, '-' or '_'".into()));
             }
+            if name == "shared" {
+                return Err(bad(index, "name", "\"shared\" names the arena's own partition 0".into()));
+            }
             if !names.insert(name) {
                 return Err(bad(index, "name", format!("{name:?} names another partition already")));
             }
