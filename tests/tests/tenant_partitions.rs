@@ -87,6 +87,11 @@ fn another_tenants_engine_cannot_map_load_or_forge_a_tenants_blocks() {
     let meta = std::fs::metadata(&acme_file).expect("acme's partition has a file of its own");
     assert_eq!((meta.mode() & 0o777, meta.uid()), (0o600, 0), "the pool's user's alone");
     let acme_path = acme_file.to_str().unwrap();
+    // The arena's own file, which every engine is passed open, holds its
+    // records and no slot: partition 0 is a file of its own too.
+    let head = std::fs::read(&pool.arena).expect("the arena's file");
+    let geometry = lake_dp::arena::layout::decode_header(&head, u64::MAX).expect("a partitioned arena");
+    assert_eq!((head.len() as u64, geometry.partitions.len()), (geometry.header.slots_offset, 3));
 
     // Acme's engine saves and loads its own, through the partition it is
     // given: mapped in its process, bolt's not.
