@@ -357,7 +357,10 @@ fn features_agreed(
     peer: PeerId,
     start: Instant,
 ) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // A declined offer never ends the wait: kept well short of the
+    // transport's own timers (10 s of silence closes a connection), which a
+    // loaded machine would otherwise race.
+    let deadline = Instant::now() + Duration::from_secs(3);
     let mut none = Node::new(0);
     while sender.peer_features(peer) == 0 && Instant::now() < deadline {
         sender.poll(&mut none, now_ns(start), &mut Vec::new());
