@@ -553,7 +553,7 @@ impl Pool {
 
     /// The partition of `namespace`'s blocks.
     fn partition_of(&self, namespace: u64) -> usize {
-        if self.partitions.each.is_empty() { 0 } else { self.partitions.of_namespace(namespace) }
+        self.partitions.of_namespace(namespace)
     }
 
     /// Whether a block of `namespace` may lie in L1 `slot`: the slot is in

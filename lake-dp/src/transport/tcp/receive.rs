@@ -34,6 +34,25 @@ pub(super) struct Arriving {
     pub(super) started_ns: u64,
 }
 
+impl Arriving {
+    /// The block `frame` starts landing at `base`, at `now_ns`; given up
+    /// `timeout_ns` later unless whole.
+    fn new(frame: &FrameHeader, base: *mut u8, now_ns: u64, timeout_ns: u64) -> Self {
+        Self {
+            transfer: frame.transfer,
+            attempt: frame.attempt,
+            base,
+            total: frame.total_len,
+            received: 0,
+            unverified: 0,
+            resets: 0,
+            deadline_ns: now_ns + timeout_ns,
+            trace: 0,
+            started_ns: now_ns,
+        }
+    }
+}
+
 /// A slice's payload tag being checked on the tag threads, its bytes in
 /// the target.
 pub(super) struct Checking {
@@ -570,21 +589,7 @@ impl TcpTransport {
             None => {
                 landing.reserve(frame.target.region, frame.target.epoch, frame.total_len, named).and_then(|target| {
                     let base = landing.place(&target, frame.total_len)?;
-                    self.landing.insert(
-                        target,
-                        Arriving {
-                            transfer: frame.transfer,
-                            attempt: frame.attempt,
-                            base,
-                            total: frame.total_len,
-                            received: 0,
-                            unverified: 0,
-                            resets: 0,
-                            deadline_ns: now_ns + self.config.transfer_timeout_ns,
-                            trace: 0,
-                            started_ns: now_ns,
-                        },
-                    );
+                    self.landing.insert(target, Arriving::new(frame, base, now_ns, self.config.transfer_timeout_ns));
                     Ok(target)
                 })
             }
@@ -648,21 +653,7 @@ impl TcpTransport {
                 _ if full => Verdict::Answer(AckStatus::Busy),
                 _ => match landing.place(&key, frame.total_len) {
                     Ok(base) => {
-                        self.landing.insert(
-                            key,
-                            Arriving {
-                                transfer: frame.transfer,
-                                attempt: frame.attempt,
-                                base,
-                                total: frame.total_len,
-                                received: 0,
-                                unverified: 0,
-                                resets: 0,
-                                deadline_ns: now_ns + self.config.transfer_timeout_ns,
-                                trace: 0,
-                                started_ns: now_ns,
-                            },
-                        );
+                        self.landing.insert(key, Arriving::new(frame, base, now_ns, self.config.transfer_timeout_ns));
                         Verdict::Into(base)
                     }
                     Err(status) => Verdict::Answer(status),
