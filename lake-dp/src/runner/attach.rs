@@ -21,6 +21,7 @@
 //! as it connects, from a port. A user may be held to fewer ports than
 //! there are ([`AttachServer::limit_ports_per_uid`]).
 
+use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -457,7 +458,7 @@ impl AttachServer {
             refuse(stream, ErrorCode::VersionMismatch, why);
             return Err(());
         }
-        let (partition_file, partition_mirror) = self.partition_files(partition)?;
+        let (partition_file, tenant_mirror) = self.partition_files(stream, partition)?;
         let shm = DpShmPort::open(Arc::clone(&self.ports), u32::try_from(port).map_err(|_| ())?).map_err(|_| ())?;
         let attached = Attached {
             port: u32::try_from(port).map_err(|_| ())?,
@@ -487,9 +488,7 @@ impl AttachServer {
         // out: the agent opens it itself, saying why it could not either.
         let own = ack.features & crate::wire::FEATURE_OWN_FDS != 0;
         let arena = if own { Some(crate::lock::reopen_fd(arena_fd).map_err(|_| ())?) } else { None };
-        // A partition's engines get its own mirror, where it has one.
-        let mirror = partition_mirror.or(self.mirror.as_ref());
-        let mirror = mirror.filter(|_| own).and_then(|path| std::fs::File::open(path).ok());
+        let mirror = tenant_mirror.or_else(|| self.mirror.as_ref().filter(|_| own).and_then(|p| File::open(p).ok()));
         let mut fds = vec![arena.as_ref().map_or(arena_fd, AsRawFd::as_raw_fd), self.ports.file().as_raw_fd(), wakeup];
         fds.extend(partition_file);
         fds.extend(mirror.as_ref().map(AsRawFd::as_raw_fd));
@@ -501,13 +500,24 @@ impl AttachServer {
         }
     }
 
-    /// Partition `partition`'s file and its own mirror (a tenant's, past
-    /// partition 0), in a partitioned arena.
-    fn partition_files(&self, partition: u8) -> Result<(Option<RawFd>, Option<&PathBuf>), ()> {
+    /// Partition `partition`'s file and its tenant's mirror, opened (past
+    /// partition 0), in a partitioned arena. A tenant's engines read its
+    /// own mirror, never the pool's: one that cannot be opened (its
+    /// control plane has not made it) refuses the attach, saying why.
+    fn partition_files(&self, stream: &UnixStream, partition: u8) -> Result<(Option<RawFd>, Option<File>), ()> {
         let Some((partitions, files)) = &self.partitions else { return Ok((None, None)) };
         let file = files.get(usize::from(partition)).ok_or(())?.as_raw_fd();
-        let mirror = usize::from(partition).checked_sub(1).and_then(|tenant| partitions.mirrors.get(tenant)?.as_ref());
-        Ok((Some(file), mirror))
+        let Some(path) = usize::from(partition).checked_sub(1).and_then(|tenant| partitions.mirrors.get(tenant)) else {
+            return Ok((Some(file), None));
+        };
+        match File::open(path) {
+            Ok(mirror) => Ok((Some(file), Some(mirror))),
+            Err(e) => {
+                tracing::warn!(event = "tenant_mirror_unopened", path = %path.display(), partition, error = %e);
+                refuse(stream, ErrorCode::Io, "its tenant's mirror cannot be opened yet");
+                Err(())
+            }
+        }
     }
 
     fn close(&mut self, port: usize, pool: &mut Pool, table: &mut SlotTable) {

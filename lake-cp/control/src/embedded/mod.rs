@@ -26,9 +26,11 @@ use crate::tier::TierConfig;
 mod created;
 mod error;
 pub mod fds;
+mod partitions;
 
 use created::Created;
 pub use error::{Plane, ServeError};
+pub use partitions::TenantPartition;
 
 /// What the embedded pool is made of.
 #[derive(Clone, Debug)]
@@ -143,42 +145,6 @@ pub struct EmbeddedConfig {
     pub numa_node: Option<u32>,
     /// Tenants kept apart in L1 (see [`TenantPartition`]).
     pub partitions: Vec<TenantPartition>,
-}
-
-/// A tenant whose L1 blocks lie in a partition of the arena of their own
-/// (a file only the pool's user may open, mode 0600), sized by the
-/// tenant's L1 quota and passed only to the engines of its users and
-/// groups; every other engine maps the rest of the arena, where no block
-/// of the tenant's namespaces ever lies.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TenantPartition {
-    /// The tenant: the name of its L1 quota (`TierConfig::tenant_quotas`).
-    pub tenant: String,
-    /// Users whose engines map it.
-    pub uids: Vec<u32>,
-    /// Groups whose engines map it.
-    pub gids: Vec<u32>,
-}
-
-impl std::str::FromStr for TenantPartition {
-    type Err = String;
-
-    /// `NAME:uid=N|gid=N[,...]`.
-    fn from_str(text: &str) -> Result<Self, String> {
-        let bad = || "NAME:uid=N|gid=N[,...]".to_owned();
-        let (name, list) = text.split_once(':').ok_or_else(bad)?;
-        let mut partition = Self { tenant: name.to_owned(), ..Self::default() };
-        for item in list.split(',') {
-            let (kind, id) = item.split_once('=').ok_or_else(bad)?;
-            let id: u32 = id.parse().map_err(|_| format!("{item:?}: not a user or group id"))?;
-            match kind {
-                "uid" => partition.uids.push(id),
-                "gid" => partition.gids.push(id),
-                _ => return Err(bad()),
-            }
-        }
-        Ok(partition)
-    }
 }
 
 /// The L1 arena's agent records (pin arrays) kept for each agent port: an
@@ -404,50 +370,6 @@ impl EmbeddedConfig {
         tenants.chain(namespaces).collect()
     }
 
-    /// The data plane's partitions of the L1 arena: one per tenant kept
-    /// apart, its namespaces and size those of its L1 quota (slots of
-    /// every size class, as many as its bytes fill).
-    pub fn l1_partitions(&self) -> Result<Vec<lake_dp::runner::config::PartitionSection>, String> {
-        let slot_bytes: u64 = self.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).sum();
-        self.partitions
-            .iter()
-            .map(|partition| {
-                let quota = self
-                    .tiers
-                    .tenant_quotas
-                    .iter()
-                    .find(|q| q.tier == lake_dp::Tier::L1Dram && q.tenant == partition.tenant)
-                    .ok_or_else(|| {
-                        format!("partition {}: its size is its tenant's L1 quota, and it has none", partition.tenant)
-                    })?;
-                let slots = u32::try_from(quota.bytes / slot_bytes.max(1)).unwrap_or(u32::MAX);
-                if slots == 0 {
-                    return Err(format!("partition {}: its L1 quota holds not one block", partition.tenant));
-                }
-                Ok(lake_dp::runner::config::PartitionSection {
-                    name: partition.tenant.clone(),
-                    namespaces: quota.namespaces.iter().map(|n| format!("{n:016x}")).collect(),
-                    uids: partition.uids.clone(),
-                    gids: partition.gids.clone(),
-                    slots,
-                    mirror: Some(self.tenant_shared_memory(&partition.tenant).1),
-                })
-            })
-            .collect()
-    }
-
-    /// The tier manager's settings: the tenants' partitions of L1 (each
-    /// one's bytes and namespaces) added to those given.
-    pub fn tier_config(&self) -> Result<TierConfig, String> {
-        let slot_bytes: u64 = self.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).sum();
-        let mut tiers = self.tiers.clone();
-        for partition in self.l1_partitions()? {
-            let namespaces = partition.namespaces.iter().filter_map(|n| u64::from_str_radix(n, 16).ok()).collect();
-            tiers.l1_partitions.push((u64::from(partition.slots) * slot_bytes, namespaces));
-        }
-        Ok(tiers)
-    }
-
     /// The pool's L2 files: those configured, else two in its directory.
     pub fn l2_paths(&self) -> Vec<PathBuf> {
         if self.l2_files.is_empty() {
@@ -455,18 +377,6 @@ impl EmbeddedConfig {
         } else {
             self.l2_files.clone()
         }
-    }
-
-    /// The files of tenant `tenant`'s own shared memory, its partition of
-    /// the L1 arena and its mirror: the pool's names with `.<tenant>`.
-    pub fn tenant_shared_memory(&self, tenant: &str) -> (PathBuf, PathBuf) {
-        let (arena, mirror) = self.shared_memory();
-        let of = |path: PathBuf| {
-            let mut path = path.into_os_string();
-            path.push(format!(".{tenant}"));
-            PathBuf::from(path)
-        };
-        (of(arena), of(mirror))
     }
 
     /// The names of the pool's shared memory, its L1 arena (in
@@ -679,9 +589,8 @@ impl EmbeddedPool {
         // Each tenant kept apart has a mirror of its own, as large (it may
         // hold as much in L2 and L3).
         let mut tenant_mirrors = Vec::new();
-        for (partition, (_, path)) in config.l1_partitions().map_err(ServeError::Settings)?.iter().zip(&tenants) {
-            let config = MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), entries);
-            let namespaces = partition.namespaces.iter().filter_map(|n| u64::from_str_radix(n, 16).ok()).collect();
+        for (namespaces, path) in config.tenant_mirrors(&mirror).map_err(ServeError::Settings)? {
+            let config = MirrorConfig::for_entries(MirrorBacking::Shm(path), entries);
             tenant_mirrors.push((namespaces, MirrorWriter::create(&config).map_err(ServeError::Mirror)?));
         }
         // Checked at the start (`check`): here only its value.

@@ -9,9 +9,17 @@ pub(super) struct CpArgs {
     /// The socket data planes and agents connect to.
     #[arg(long, value_name = "PATH")]
     socket: PathBuf,
-    /// The shared-memory mirror engines read.
-    #[arg(long, value_name = "PATH")]
-    mirror: PathBuf,
+    /// The shared-memory mirror engines read. Default: the one of the
+    /// `--config` file's `dir`, which `lake-dp` gives its engines.
+    #[arg(long, value_name = "PATH", required_unless_present = "config")]
+    mirror: Option<PathBuf>,
+    /// The node's settings, the file its `lake-dp` reads (`lake.toml`):
+    /// the tier manager keeps its quotas, tenants and marks, and each
+    /// tenant kept apart (`tenant-partition`) has its blocks published
+    /// in a mirror of its own, `<mirror>.<tenant>`, the one `lake-dp`
+    /// gives that tenant's engines, and in no other.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// etcd endpoints, comma-separated.
     #[arg(long, value_name = "URL[,URL...]")]
     etcd: String,
@@ -129,8 +137,9 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     use lake_cp::ha::Cluster;
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
+    let NodeSettings { mirror, tiers, tenants } = node_settings(args)?;
     let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
-    let (socket, mirror, etcd, cluster, id) = (&args.socket, &args.mirror, &args.etcd, &args.cluster, &args.id);
+    let (socket, mirror, etcd, cluster, id) = (&args.socket, &mirror, &args.etcd, &args.cluster, &args.id);
     let (ttl, node, entries) = (i64::from(args.ttl), args.node, args.entries);
     let endpoints: Vec<&str> = etcd.split(',').collect();
     let client = Etcd::with_tls(&endpoints, Duration::from_secs(2), &args.etcd_tls.tls()).map_err(|e| e.to_string())?;
@@ -140,18 +149,18 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     let say = |line: String| say!("{line}");
     // A standby until it leads (or is told to stop).
     let Some(term) = stand_by(&mut candidate, id, every, &signals, "lake cp") else { return Ok(()) };
-    // The mirror engines already read is taken over (their mappings stay
+    // The mirrors engines already read are taken over (their mappings stay
     // good) and emptied: the view is rebuilt from what the data planes
     // re-adopt. One that is not there, or not a mirror, is made anew. One
     // whose writer lives belongs to a predecessor that is stopped, not
     // dead: it is deposed when it wakes (it renews before it acts) and
     // lets go; until then this leader waits, renewing its own lease.
     let mut said_waiting = false;
-    let writer = loop {
-        match MirrorWriter::take_over(mirror, term) {
+    let mut take_over = |path: &PathBuf, candidate: &mut lake_cp::ha::Candidate<'_>| loop {
+        match MirrorWriter::take_over(path, term) {
             Ok((mut writer, _)) => {
                 writer.clear();
-                break writer;
+                return Ok(Some(writer));
             }
             Err(lake_dp::mirror::MirrorError::InUse { pid }) => {
                 if !said_waiting {
@@ -161,20 +170,36 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
                 }
                 std::thread::sleep(Duration::from_millis(100));
                 if signals.take().is_some() {
-                    let _ = candidate.resign();
-                    return Ok(());
+                    return Ok(None);
                 }
                 if !candidate.keep_alive().unwrap_or(true) {
                     return Err(format!("deposed while waiting for the mirror (term {term})"));
                 }
             }
             Err(_) => {
-                break MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
-                    .map_err(|e| format!("mirror {}: {e}", mirror.display()))?;
+                return MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), entries))
+                    .map(Some)
+                    .map_err(|e| format!("mirror {}: {e}", path.display()));
             }
         }
     };
-    let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer));
+    let mut writers = Vec::with_capacity(1 + tenants.len());
+    for path in std::iter::once(mirror).chain(tenants.iter().map(|(_, path)| path)) {
+        match take_over(path, &mut candidate)? {
+            Some(writer) => writers.push(writer),
+            // Told to stop while waiting: handing over now.
+            None => {
+                let _ = candidate.resign();
+                return Ok(());
+            }
+        }
+    }
+    let mut writers = writers.into_iter();
+    let writer = writers.next().ok_or("no mirror")?;
+    let tenant_mirrors = tenants.into_iter().map(|(namespaces, _)| namespaces).zip(writers).collect();
+    let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer))
+        .with_tiers(tiers)
+        .with_tenant_mirrors(tenant_mirrors);
     let mut server =
         lake_cp::server::Server::bind(socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;
     say(serde_json::json!({"event": "leading", "id": id, "term": term, "socket": socket, "mirror": mirror}).to_string());
@@ -212,6 +237,46 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
         }
         server.poll_once(Some(Duration::from_millis(5))).map_err(|e| format!("serving: {e}"))?;
     }
+}
+
+/// What `lake cp` serves with, from its arguments.
+struct NodeSettings {
+    /// The pool's mirror.
+    mirror: PathBuf,
+    /// The tier manager's settings.
+    tiers: lake_cp::tier::TierConfig,
+    /// The mirror of each tenant kept apart, and its namespaces.
+    tenants: Vec<(Vec<u64>, PathBuf)>,
+}
+
+/// The settings of `lake cp`'s arguments: without `--config`, the tier
+/// manager's defaults and no tenant's mirror.
+fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
+    let Some(file) = &args.config else {
+        let mirror = args.mirror.clone().ok_or("--mirror or --config is needed")?;
+        return Ok(NodeSettings { mirror, tiers: lake_cp::tier::TierConfig::default(), tenants: Vec::new() });
+    };
+    let argv = ["--config".to_owned(), file.display().to_string()];
+    let settings = lake_cp::config::ServeArgs::parse(&argv).map_err(|e| e.to_string())?;
+    let pool = settings.resolve()?.pool;
+    // The mirror its `lake-dp` gives engines: the one of its directory.
+    let theirs = settings.dir.is_some().then(|| pool.shared_memory().1);
+    let mirror = match (&args.mirror, theirs) {
+        (Some(ours), Some(theirs)) if !pool.partitions.is_empty() && *ours != theirs => {
+            return Err(format!(
+                "--mirror {}: the lake-dp of {} gives its engines {} (and its tenants' beside it)",
+                ours.display(),
+                file.display(),
+                theirs.display()
+            ));
+        }
+        (Some(ours), _) => ours.clone(),
+        (None, Some(theirs)) => theirs,
+        (None, None) => return Err(format!("{}: no dir, so no mirror: --mirror is needed", file.display())),
+    };
+    let tiers = pool.tier_config()?;
+    let tenants = pool.tenant_mirrors(&mirror)?;
+    Ok(NodeSettings { mirror, tiers, tenants })
 }
 
 /// `lake summary`: the leader's cluster summary (see `lake_cp::summary`).

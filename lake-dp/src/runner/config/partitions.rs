@@ -41,8 +41,9 @@ pub struct PartitionSection {
     /// Its slots in each size class.
     pub slots: u32,
     /// The mirror its engines are given in place of `[agents] mirror`: the
-    /// one its control plane publishes its blocks in, alone.
-    #[serde(default)]
+    /// one its control plane publishes its blocks in, alone (`lake cp
+    /// --config` makes it, `<mirror>.<name>`). Needed: without it they
+    /// would read the pool's, every other tenant's keys.
     pub mirror: Option<PathBuf>,
 }
 
@@ -52,8 +53,8 @@ pub struct PartitionSection {
 pub struct Partitions {
     /// Per partition past 0: namespaces, uids, gids.
     pub each: Vec<(Vec<u64>, Vec<u32>, Vec<u32>)>,
-    /// Per partition past 0: the mirror its engines are given, if its own.
-    pub mirrors: Vec<Option<PathBuf>>,
+    /// Per partition past 0: the mirror its engines are given.
+    pub mirrors: Vec<PathBuf>,
 }
 
 impl Partitions {
@@ -109,6 +110,10 @@ impl RunnerConfig {
             if partition.slots == 0 {
                 return Err(bad(index, "slots", "at least 1".into()));
             }
+            let Some(mirror) = &partition.mirror else {
+                let why = "needed: its engines read a mirror of its own, or they would read every tenant's keys";
+                return Err(bad(index, "mirror", why.into()));
+            };
             let namespaces = hex_namespaces(&partition.namespaces, &format!("partitions[{index}].namespaces"))?;
             for &namespace in &namespaces {
                 if out.of_namespace(namespace) != 0 {
@@ -120,8 +125,13 @@ impl RunnerConfig {
                     return Err(bad(index, "uids", format!("{uid} is another partition's already")));
                 }
             }
+            if out.mirrors.contains(mirror) || self.agents.mirror.as_ref() == Some(mirror) {
+                let why =
+                    format!("{} is another's already: each tenant's keys in a mirror of its own", mirror.display());
+                return Err(bad(index, "mirror", why));
+            }
             out.each.push((namespaces, partition.uids.clone(), partition.gids.clone()));
-            out.mirrors.push(partition.mirror.clone());
+            out.mirrors.push(mirror.clone());
         }
         Ok(out)
     }
@@ -160,7 +170,9 @@ mod tests {
     fn partitions_parse_and_bad_ones_are_named() {
         let with = |body: &str| format!("{GOOD}\n{body}\n");
         let two = "[[partitions]]\nname = \"acme\"\nnamespaces = [\"a1\"]\nuids = [1001]\nslots = 4\n\
-                   [[partitions]]\nname = \"bolt\"\nnamespaces = [\"b1\", \"b2\"]\ngids = [7]\nslots = 2";
+                   mirror = \"/dev/shm/m.acme\"\n\
+                   [[partitions]]\nname = \"bolt\"\nnamespaces = [\"b1\", \"b2\"]\ngids = [7]\nslots = 2\n\
+                   mirror = \"/dev/shm/m.bolt\"";
         let config = RunnerConfig::parse(&with(two)).unwrap();
         let partitions = config.partitions().unwrap();
         assert_eq!(
@@ -172,11 +184,13 @@ mod tests {
         assert_eq!(arena.partitions.len(), 2);
         assert_eq!(arena.partitions[0].backing, ArenaBacking::Shm("/dev/shm/x.acme".into()));
         assert_eq!(arena.partitions[1].slots, vec![2]);
+        assert_eq!(partitions.mirrors[1], PathBuf::from("/dev/shm/m.bolt"));
         let check = |text: &str, expect: &str| {
             let err = RunnerConfig::parse(&with(text)).unwrap_err().to_string();
             assert!(err.contains(expect), "{expect}: got {err}");
         };
-        let one = |body: &str| format!("[[partitions]]\n{body}");
+        let one = |body: &str| format!("[[partitions]]\n{body}\nmirror = \"/dev/shm/m\"");
+        check("[[partitions]]\nname = \"a\"\nnamespaces = [\"a1\"]\nslots = 1", "partitions[0].mirror: needed");
         check(&one("name = \"a/b\"\nnamespaces = [\"a1\"]\nslots = 1"), "partitions[0].name: 1 to 32");
         check(&one("name = \"a\"\nnamespaces = []\nslots = 1"), "partitions[0].namespaces: at least one");
         check(&one("name = \"a\"\nnamespaces = [\"a1\"]\nslots = 0"), "partitions[0].slots: at least 1");
@@ -196,6 +210,9 @@ mod tests {
             ),
             "partitions[1].uids: 5",
         );
+        let twice = "[[partitions]]\nname = \"a\"\nnamespaces = [\"a1\"]\nslots = 1\nmirror = \"/dev/shm/m\"\n\
+                     [[partitions]]\nname = \"b\"\nnamespaces = [\"b1\"]\nslots = 1\nmirror = \"/dev/shm/m\"";
+        check(twice, "partitions[1].mirror: /dev/shm/m is another's");
         let shared = GOOD.replace("[l1]\n", "[l1]\nchunk_bytes = 69632\n");
         let err = RunnerConfig::parse(&format!("{shared}\n{}", one("name = \"a\"\nnamespaces = [\"a1\"]\nslots = 1")));
         assert!(err.unwrap_err().to_string().contains("not with l1.chunk_bytes"));
