@@ -136,14 +136,39 @@ pub(crate) const NO_TMPFS_ROOM: &str = "the tmpfs is too small (see df /dev/shm;
 
 /// An anonymous hugetlb memfd named `name` (close-on-exec).
 pub(crate) fn hugetlb_memfd(name: &str) -> io::Result<File> {
+    memfd(name, libc::MFD_HUGETLB)
+}
+
+/// An anonymous memfd named `name` (close-on-exec) that can be sealed
+/// ([`seal`]): on huge pages or base ones, as `backing`'s memory is.
+pub fn sealable_memfd(backing: &Backing, name: &str) -> Result<File, ShmError> {
+    let huge = if matches!(backing, Backing::Shm(_)) { 0 } else { libc::MFD_HUGETLB };
+    memfd(name, libc::MFD_ALLOW_SEALING | huge).map_err(io_error("creating a memfd", None))
+}
+
+fn memfd(name: &str, flags: libc::c_uint) -> io::Result<File> {
     let name = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: a valid NUL-terminated name; the flags are constants.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | flags) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: a fresh descriptor that nothing else owns.
     Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The seals [`seal`] sets: the size is fixed and the seals too.
+pub const SEALS: i32 = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// Fixes the size of a [`sealable_memfd`] for good: no process holding it
+/// can shrink it (which would fault every process mapping the pages it
+/// took away) or grow it, through any descriptor.
+pub fn seal(file: &File) -> io::Result<()> {
+    // SAFETY: an open descriptor; F_ADD_SEALS takes an int of seal bits.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// The temporary name a file for `path` is built under.

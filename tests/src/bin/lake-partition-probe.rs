@@ -7,18 +7,18 @@
 //!   prints `saved N`, `loaded N exact|differs`.
 //! - `check`: looks them up and loads them: `hits N`, `loaded N
 //!   exact|differs`.
-//! - `reach FILE PID`: what another tenant's engine can do to them: opens
-//!   FILE (their partition's file) by its path and each of PID's (the
-//!   pool's) descriptors through `/proc` (`file open: ok|denied`, `pool
-//!   fds open: N`), looks them up and loads them (`hits N`, `loaded N`),
-//!   saves blocks of its own bytes under their keys (`forged saved N`),
-//!   and says whether FILE is mapped in this process (`file mapped:
-//!   yes|no`).
+//! - `reach PID`: what another tenant's engine can do to them: opens each
+//!   of PID's (the pool's) descriptors through `/proc` (`pool fds open:
+//!   N`), looks them up and loads them (`hits N`, `loaded N`), and saves
+//!   blocks of its own bytes under their keys (`forged saved N`).
+//! - `resize`: grows and shrinks every descriptor of the pool's memory it
+//!   was given (`given N (WHAT), resized M`), then saves and loads its own, as
+//!   `save` does: a data plane whose memory was shrunk under it faults.
 //!
 //! Every run ends with `mapped: PATHS` (the pool's shared-memory files in
 //! this process's mappings) and exits 0; `dp refused: WHY` if not let in.
 //!
-//! Usage: lake-partition-probe DP_SOCKET MIRROR NAMESPACE save|check|reach [FILE PID]
+//! Usage: lake-partition-probe DP_SOCKET MIRROR NAMESPACE save|check|resize|reach [PID]
 
 use std::path::Path;
 
@@ -90,12 +90,45 @@ fn mapped() -> Vec<String> {
     paths
 }
 
+/// Grows by a page and shrinks to nothing every descriptor of the pool's
+/// memory this process holds (its arena, partition, ports, mirror): how
+/// many there are, and how many changed size.
+fn resize_given() -> (Vec<String>, usize) {
+    use std::os::fd::AsRawFd;
+
+    let (mut given, mut resized) = (Vec::new(), 0);
+    let fds: Vec<_> = std::fs::read_dir("/proc/self/fd").map(|dir| dir.flatten().collect()).unwrap_or_default();
+    for entry in fds {
+        let Ok(target) = std::fs::read_link(entry.path()) else { continue };
+        if !target.to_string_lossy().contains("lake") {
+            continue;
+        }
+        let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        // SAFETY: this process's own descriptor, duplicated; the copy is
+        // closed when `file` drops.
+        let dup = unsafe { libc::dup(fd) };
+        if dup < 0 {
+            continue;
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(dup) };
+        given.push(target.display().to_string());
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        // SAFETY: an open descriptor; a length in range.
+        let grown = unsafe { libc::ftruncate(file.as_raw_fd(), i64::try_from(len).unwrap_or(0) + 4096) } == 0;
+        // SAFETY: as above.
+        let shrunk = unsafe { libc::ftruncate(file.as_raw_fd(), 0) } == 0;
+        resized += usize::from(shrunk || grown);
+    }
+    (given, resized)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (dp, mirror, namespace, action, rest) = match &args[..] {
         [dp, mirror, namespace, action, rest @ ..] => (dp, mirror, namespace, action.as_str(), rest),
         _ => {
-            eprintln!("usage: lake-partition-probe DP_SOCKET MIRROR NAMESPACE save|check|reach [FILE PID]");
+            eprintln!("usage: lake-partition-probe DP_SOCKET MIRROR NAMESPACE save|check|resize|reach [PID]");
             std::process::exit(2);
         }
     };
@@ -122,7 +155,11 @@ fn main() {
     };
     let wait = std::time::Duration::from_secs(10);
     match (action, rest) {
-        ("save", []) => {
+        ("save" | "resize", []) => {
+            if action == "resize" {
+                let (given, resized) = resize_given();
+                println!("given {} ({}), resized {resized}", given.len(), given.join(", "));
+            }
             println!("saved {}", save(&mut agent, namespace, false));
             let (_, loaded, exact) = load(&mut agent, namespace, BLOCKS, wait);
             println!("loaded {loaded} {}", if exact { "exact" } else { "differs" });
@@ -132,9 +169,7 @@ fn main() {
             println!("hits {hits}");
             println!("loaded {loaded} {}", if exact { "exact" } else { "differs" });
         }
-        ("reach", [file, pid]) => {
-            let open = std::fs::OpenOptions::new().read(true).open(file);
-            println!("file open: {}", if open.is_ok() { "ok" } else { "denied" });
+        ("reach", [pid]) => {
             let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
                 .map(|dir| dir.flatten().filter(|entry| std::fs::File::open(entry.path()).is_ok()).count());
             println!("pool fds open: {}", fds.unwrap_or(0));
@@ -142,11 +177,9 @@ fn main() {
             println!("hits {hits}");
             println!("loaded {loaded}");
             println!("forged saved {}", save(&mut agent, namespace, true));
-            let file_mapped = mapped().iter().any(|p| p == file);
-            println!("file mapped: {}", if file_mapped { "yes" } else { "no" });
         }
         _ => {
-            eprintln!("usage: lake-partition-probe DP_SOCKET MIRROR NAMESPACE save|check|reach [FILE PID]");
+            eprintln!("usage: lake-partition-probe DP_SOCKET MIRROR NAMESPACE save|check|resize|reach [PID]");
             std::process::exit(2);
         }
     }

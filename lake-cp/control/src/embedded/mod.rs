@@ -549,14 +549,13 @@ impl EmbeddedPool {
         // touched by a second one.
         let mut created = Created::take(&config.dir)?;
         let (arena, mirror) = config.shared_memory();
-        let tenants: Vec<(PathBuf, PathBuf)> =
-            config.partitions.iter().map(|p| config.tenant_shared_memory(&p.tenant)).collect();
-        // A partitioned arena's partition 0 is a file of its own too.
-        let shared = (!tenants.is_empty()).then(|| lake_dp::arena::shared_partition_path(&arena));
-        let tenant_files: Vec<&Path> =
-            tenants.iter().flat_map(|(a, m)| [a.as_path(), m.as_path()]).chain(shared.as_deref()).collect();
-        created.record(&[&[arena.as_path(), mirror.as_path()], &tenant_files[..]].concat())?;
-        created.files.extend(tenant_files.iter().map(|p| p.to_path_buf()));
+        // A partitioned arena is memory no one opens by a path (no file);
+        // each tenant kept apart has a mirror file of its own.
+        let partitioned = !config.partitions.is_empty();
+        let mut files: Vec<PathBuf> =
+            [(!partitioned).then(|| arena.clone()), Some(mirror.clone())].into_iter().flatten().collect();
+        files.extend(config.partitions.iter().map(|p| config.tenant_shared_memory(&p.tenant).1));
+        created.record(&files.iter().map(PathBuf::as_path).collect::<Vec<_>>())?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
         let admin_socket = config.dir.join("admin.sock");
@@ -569,7 +568,8 @@ impl EmbeddedPool {
                 let _ = std::fs::remove_file(stale);
             }
         }
-        created.files.extend([&arena, &mirror, &cp_socket, &dp_socket, &admin_socket].map(|p| p.to_path_buf()));
+        created.files.extend(files);
+        created.files.extend([&cp_socket, &dp_socket, &admin_socket].map(|p| p.to_path_buf()));
         // L2 files this start formats (and the data plane's fence beside
         // them) go with a pool that is not durable, and with a durable one
         // whose start fails; ones it adopts stay.

@@ -313,7 +313,7 @@ impl PortFile {
         let total_bytes = HEADER_BYTES + u64::from(ports) * port_bytes;
         let name = c"lake-agent-ports";
         // SAFETY: a valid NUL-terminated name; constant flags.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(PortError::Io(io::Error::last_os_error()));
         }
@@ -323,6 +323,9 @@ impl PortFile {
             crate::shm::ReserveError::Io(e) => PortError::Io(e),
             _ => PortError::Config("no room for the agent ports in memory"),
         })?;
+        // Its size sealed: an engine given it cannot shrink it and fault
+        // the data plane.
+        crate::shm::seal(&file).map_err(PortError::Io)?;
         let map = crate::shm::map_populated(&file, total_bytes).map_err(PortError::Io)?;
         let mut header = PortHeader {
             magic: PORT_MAGIC,
@@ -686,10 +689,20 @@ mod tests {
 
     #[test]
     fn files_that_are_not_port_files_are_refused() {
+        use std::os::unix::fs::FileExt;
+
         let file = PortFile::create(1, 4).unwrap();
+        // Its size is sealed: an engine given it can neither shrink it
+        // (faulting the data plane) nor grow it.
         let copy = file.file().try_clone().unwrap();
-        copy.set_len(file.header().total_bytes + 4096).unwrap();
-        assert!(matches!(PortFile::attach(copy), Err(PortError::Header("geometry differs from the file's"))));
+        for len in [0, 4096, file.header().total_bytes + 4096] {
+            assert_eq!(copy.set_len(len).unwrap_err().raw_os_error(), Some(libc::EPERM), "{len}");
+        }
+        // Its header in a file of another size.
+        let other = tempfile_in_shm();
+        other.set_len(file.header().total_bytes + 4096).unwrap();
+        other.write_all_at(bytemuck::bytes_of(file.header()), 0).unwrap();
+        assert!(matches!(PortFile::attach(other), Err(PortError::Header("geometry differs from the file's"))));
         let empty = tempfile_in_shm();
         assert!(matches!(PortFile::attach(empty), Err(PortError::Header(_))));
         assert!(matches!(PortFile::create(0, 4), Err(PortError::Config(_))));

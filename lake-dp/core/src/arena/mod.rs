@@ -175,29 +175,32 @@ pub struct ArenaConfig {
     /// classes' slot counts then only size the arena. 0: each class owns
     /// its slots (an arena every earlier build reads).
     pub chunk_bytes: u64,
-    /// Partitions past partition 0 (which `classes` sizes), each in a file
-    /// of its own, as partition 0 then is too (its backing's path with
-    /// [`SHARED_SUFFIX`]): an arena of layout version 3. Empty: not
-    /// partitioned.
+    /// Partitions past partition 0 (which `classes` sizes), each in memory
+    /// of its own, as partition 0 then is too: an arena of layout version
+    /// 3. Empty: not partitioned. A partitioned arena is never opened by a
+    /// path: its records and each partition are memfds, passed to those
+    /// that may map them, sealed at their size (no process holding one
+    /// can shrink it and fault the others), named as their backings'
+    /// files (partition 0: the arena's path with [`SHARED_SUFFIX`]).
     pub partitions: Vec<ArenaPartition>,
 }
 
-/// What a partitioned arena's partition 0 file is named: the arena's path
-/// with this added.
+/// What a partitioned arena's partition 0 is named: the arena's path with
+/// this added.
 pub const SHARED_SUFFIX: &str = ".shared";
 
-/// The file of a partitioned arena's partition 0, for the arena at `path`.
+/// The name of a partitioned arena's partition 0, for the arena at `path`.
 pub fn shared_partition_path(path: &Path) -> PathBuf {
     let mut path = path.as_os_str().to_owned();
     path.push(SHARED_SUFFIX);
     PathBuf::from(path)
 }
 
-/// A partition of the arena's slots in a file of its own, passed only to
+/// A partition of the arena's slots in memory of its own, passed only to
 /// the processes that may map it.
 #[derive(Clone, Debug)]
 pub struct ArenaPartition {
-    /// Its memory (the same kind as the arena's).
+    /// Its memory (the same kind as the arena's; its file's name names it).
     pub backing: ArenaBacking,
     /// Slots of each of the arena's size classes, in their order.
     pub slots: Vec<u32>,
@@ -264,8 +267,6 @@ struct ArenaMap {
 struct Created {
     path: Option<PathBuf>,
     inode: u64,
-    /// The partitions' files: each path and inode.
-    partitions: Vec<(PathBuf, u64)>,
 }
 
 impl ArenaMap {
@@ -335,11 +336,10 @@ impl Drop for ArenaMap {
         // whoever sees "retired" sees everything this process wrote.
         self.control().state.store(STATE_RETIRED, Ordering::Release);
         // Unlink only our own files, not a successor's under the same name.
-        let ours = created.path.iter().map(|path| (path, created.inode));
-        for (path, inode) in ours.chain(created.partitions.iter().map(|(path, inode)| (path, *inode))) {
-            if std::fs::metadata(path).is_ok_and(|m| m.ino() == inode) {
-                let _ = std::fs::remove_file(path);
-            }
+        if let Some(path) = &created.path
+            && std::fs::metadata(path).is_ok_and(|m| m.ino() == created.inode)
+        {
+            let _ = std::fs::remove_file(path);
         }
     }
 }
@@ -384,10 +384,7 @@ impl Arena {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(io_error("opening", Some(path)))?;
-        // A partitioned arena's partition 0, by its path too.
-        let shared =
-            OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(shared_partition_path(path));
-        Self::attach_file(file, Some(path), false, Some((0, shared.ok())))
+        Self::attach_file(file, Some(path), false, None)
     }
 
     /// Maps the arena behind `fd` (passed over a socket: the data plane's
@@ -610,7 +607,22 @@ fn open_backing(config: &ArenaConfig) -> Result<(File, Option<PathBuf>, Option<P
     {
         return Err(e);
     }
+    if !config.partitions.is_empty() {
+        // A partitioned arena is passed to its engines alone, never opened
+        // by a path: memory sealed at its size (see `map_created`).
+        return Ok((shm::sealable_memfd(&config.backing, &memfd_name(&config.backing, "lake-l1"))?, None, None));
+    }
     Ok(shm::create(&config.backing, config.mode, "lake-l1")?)
+}
+
+/// The name of a memfd standing for `backing`'s file (its file name, as
+/// `/proc/PID/maps` shows it), or `otherwise`.
+fn memfd_name(backing: &ArenaBacking, otherwise: &str) -> String {
+    let path = match backing {
+        ArenaBacking::Shm(path) | ArenaBacking::HugetlbFs(path) => path.file_name(),
+        ArenaBacking::HugetlbMemfd => None,
+    };
+    path.map_or_else(|| otherwise.to_owned(), |name| name.to_string_lossy().into_owned())
 }
 
 impl From<shm::ShmError> for ArenaError {
@@ -653,7 +665,7 @@ fn build(
         })?;
     }
     let inode = file.metadata().map_err(io_error("reading", building))?.ino();
-    let (partition_files, partition_paths) = parts.publish()?;
+    let partition_files = parts.0.into_iter().map(Some).collect();
     let arena = ArenaMap {
         map,
         file,
@@ -661,9 +673,8 @@ fn build(
         partition_files,
         visible: None,
         // Until renamed into place there is nothing to unlink but the
-        // building name (which the caller removes on error) and the
-        // partitions' files, already in place.
-        created: Some(Created { path: None, inode, partitions: partition_paths }),
+        // building name (which the caller removes on error).
+        created: Some(Created { path: None, inode }),
         registered: Mutex::new(heapless::Vec::new()),
         own_file: false,
     };
@@ -691,19 +702,14 @@ fn build(
     Ok(Arena { map: Arc::new(arena) })
 }
 
-/// A new arena's partitions' files once in place: the files, and each
-/// one's path and inode.
-type PublishedPartitions = (Vec<Option<File>>, Vec<(PathBuf, u64)>);
-
-/// The files of a new arena's partitions past 0, each with the path it is
-/// to have and its building name; the building names are removed if the
-/// arena is not made.
-struct PartitionFiles(Vec<(File, Option<PathBuf>, Option<PathBuf>)>);
+/// The memory of a new arena's partitions, 0 first: sealable memfds,
+/// which no process opens by a path (see [`shm::sealable_memfd`]).
+struct PartitionFiles(Vec<File>);
 
 impl PartitionFiles {
-    /// Creates the files of `config`'s partitions, 0 first (under their
-    /// building names), each on memory of the arena's kind (`memory`: huge
-    /// pages, and the page size). None for an arena not partitioned.
+    /// Creates the memory of `config`'s partitions, 0 first, each of the
+    /// arena's kind (`memory`: huge pages, and the page size), named as
+    /// its backing's file. None for an arena not partitioned.
     fn create(config: &ArenaConfig, memory: (bool, u64)) -> Result<Self, ArenaError> {
         let mut parts = Self(Vec::with_capacity(config.partitions.len() + 1));
         if config.partitions.is_empty() {
@@ -715,29 +721,13 @@ impl PartitionFiles {
             ArenaBacking::HugetlbMemfd => ArenaBacking::HugetlbMemfd,
         };
         for backing in [&shared].into_iter().chain(config.partitions.iter().map(|p| &p.backing)) {
-            let (part, target, part_building) = shm::create(backing, config.mode, "lake-l1-partition")?;
-            parts.0.push((part, target, part_building));
-            let (part, _, part_building) = parts.0.last().expect("just pushed");
-            if shm::check(backing, part, part_building.as_deref())? != memory {
+            let part = shm::sealable_memfd(backing, &memfd_name(backing, "lake-l1-partition"))?;
+            if shm::check(backing, &part, None)? != memory {
                 return Err(ArenaError::Config("partitions: each on the same kind of memory as the arena"));
             }
+            parts.0.push(part);
         }
         Ok(parts)
-    }
-
-    /// Renames each file into place: the files, and the paths and inodes
-    /// to unlink at the end.
-    fn publish(mut self) -> Result<PublishedPartitions, ArenaError> {
-        let mut files = Vec::with_capacity(self.0.len());
-        let mut paths = Vec::new();
-        for (part, target, building) in core::mem::take(&mut self.0) {
-            shm::publish(building.as_deref(), target.as_deref())?;
-            if let Some(target) = target {
-                paths.push((target, part.metadata().map_err(io_error("reading", None))?.ino()));
-            }
-            files.push(Some(part));
-        }
-        Ok((files, paths))
     }
 }
 
@@ -771,16 +761,6 @@ fn all_classes(config: &ArenaConfig) -> Result<Vec<SlotClass>, ArenaError> {
     Ok(classes)
 }
 
-impl Drop for PartitionFiles {
-    fn drop(&mut self) {
-        for (_, _, building) in &self.0 {
-            if let Some(building) = building {
-                let _ = std::fs::remove_file(building);
-            }
-        }
-    }
-}
-
 /// Reserves every page of a new arena and maps it: its file whole, and in
 /// a partitioned arena each partition's file at its place.
 fn map_created(
@@ -794,12 +774,17 @@ fn map_created(
     if !geometry.partitioned() {
         return Ok(Mapping::Whole(shm::reserve_and_map(file, bytes, huge, building)?));
     }
+    // Every file's size sealed once its pages are reserved: an engine
+    // holding one cannot shrink it and fault this process (SIGBUS).
+    let seal = |file: &File| shm::seal(file).map_err(io_error("sealing the size of", None));
     shm::reserve_all(file, bytes, huge, building)?;
+    seal(file)?;
     let header = &geometry.header;
     let mut pieces = vec![Piece { fd: file.as_fd(), at: 0, len: usize_from(bytes), file_offset: 0 }];
-    for ((part, _, part_building), span) in parts.0.iter().zip(&geometry.partitions) {
-        part.set_len(span.bytes).map_err(io_error("sizing", part_building.as_deref()))?;
-        shm::reserve_all(part, span.bytes, huge, part_building.as_deref())?;
+    for (part, span) in parts.0.iter().zip(&geometry.partitions) {
+        part.set_len(span.bytes).map_err(io_error("sizing a partition", None))?;
+        shm::reserve_all(part, span.bytes, huge, None)?;
+        seal(part)?;
         let at = usize_from(header.slots_offset + span.offset);
         pieces.push(Piece { fd: part.as_fd(), at, len: usize_from(span.bytes), file_offset: 0 });
     }

@@ -695,17 +695,23 @@ fn a_partitioned_arena_maps_for_each_process_only_the_partition_it_was_given() {
     let (arena, mut table) = Arena::create(&config).unwrap();
     let geometry = arena.geometry().clone();
     assert_eq!((arena.header().version, geometry.partitions.len(), arena.header().slots), (3, 3, 9 + 4 + 4));
-    // The arena's own file holds the records alone; every partition, 0
-    // too, is a file of its own.
-    assert_eq!(std::fs::metadata(&path.0).unwrap().len(), arena.header().slots_offset);
+    // Nothing of it is at a path: its records and every partition, 0
+    // too, are memory of their own, each sealed at its size — no process
+    // holding one can shrink it (faulting the others) or grow it.
     let shared_file = shared_partition_path(&path.0);
-    for (file, span) in [
-        (&shared_file, geometry.partitions[0]),
-        (&first.0, geometry.partitions[1]),
-        (&second.0, geometry.partitions[2]),
-    ] {
-        let meta = std::fs::metadata(file).unwrap();
-        assert_eq!((meta.len(), meta.permissions().mode() & 0o777), (span.bytes, 0o600));
+    assert!(![&path.0, &shared_file, &first.0, &second.0].iter().any(|p| p.exists()));
+    let records = (arena.fd(), arena.header().slots_offset);
+    let parts = (0..3).map(|p| (arena.partition_fd(p).unwrap(), geometry.partitions[p].bytes));
+    for (fd, bytes) in [records].into_iter().chain(parts) {
+        let file = std::fs::File::from(fd.try_clone_to_owned().unwrap());
+        assert_eq!(file.metadata().unwrap().len(), bytes);
+        // SAFETY: an open descriptor; F_GET_SEALS takes no argument.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        assert_eq!(seals & crate::shm::SEALS, crate::shm::SEALS);
+        for len in [0, bytes / 2, bytes * 2] {
+            let err = file.set_len(len).unwrap_err();
+            assert_eq!(err.raw_os_error(), Some(libc::EPERM), "resized to {len}: {err}");
+        }
     }
     // Each partition allocates from its own slots.
     let grant =
@@ -733,9 +739,9 @@ fn a_partitioned_arena_maps_for_each_process_only_the_partition_it_was_given() {
     let unmapped = mapped_lines(second_at, usize_from(geometry.partitions[2].bytes));
     assert!(!unmapped.is_empty() && unmapped.iter().all(|l| l.contains("---p")), "{unmapped:?}");
     let mapped = mapped_lines(base.as_ptr() as usize, len);
-    assert!(mapped.iter().all(|l| l.contains("rw-s") && l.contains("part-1")), "{mapped:?}");
-    // By path (the operator's tools), or without a partition's file: partition 0.
-    let by_path = Arena::attach(&path.0).unwrap();
+    assert!(mapped.iter().all(|l| l.contains("rw-s") && l.contains("memfd:") && l.contains("part-1")), "{mapped:?}");
+    // Partition 0, with its memory; without any, none.
+    let by_path = Arena::attach_partition(dup(arena.fd()), 0, Some(dup(arena.partition_fd(0).unwrap()))).unwrap();
     assert_eq!(by_path.visible_partition(), Some(0));
     let shared = by_path.region().unwrap();
     // SAFETY: as above.
@@ -748,8 +754,4 @@ fn a_partitioned_arena_maps_for_each_process_only_the_partition_it_was_given() {
     let err = Arena::attach_partition(dup(arena.fd()), 3, None).unwrap_err().to_string();
     assert!(err.contains("no such partition"), "{err}");
     drop((agent, theirs, by_path, shared, mine, table, arena));
-    assert!(
-        !first.0.exists() && !second.0.exists() && !shared_file.exists(),
-        "the partitions' files go with the arena"
-    );
 }

@@ -8,9 +8,10 @@ use serde::Deserialize;
 use super::{ConfigError, RunnerConfig, hex_namespaces};
 use crate::arena::{ArenaBacking, ArenaPartition};
 
-/// One `[[partitions]]` entry: a tenant's own part of the L1 arena, in a
-/// file of its own (`<l1.path>.<name>`, mode 0600) that the data plane
-/// passes only to the engines of its users and groups. Its namespaces'
+/// One `[[partitions]]` entry: a tenant's own part of the L1 arena, in
+/// memory of its own (a memfd at no path, named as `<l1.path>.<name>`,
+/// sealed at its size) that the data plane passes only to the engines of
+/// its users and groups. Its namespaces'
 /// blocks lie there alone: saved, loaded, copied in, all checked to be
 /// its own before they are published. An engine of any other user maps
 /// partition 0, the rest of the arena, where the blocks of namespaces no
