@@ -339,6 +339,7 @@ fn a_pool_killed_while_it_writes_l3_leaves_only_whole_objects_each_readable() {
     }
     first.child.kill().unwrap();
     first.child.wait().unwrap();
+    supervise::reclaim_killed(&base.join("first"));
     drop(agent);
     let whole = objects_in(&l3);
     let torn = std::fs::read_dir(l3.join("lake").join(format!("{:016x}", 23)))

@@ -222,6 +222,7 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     // replicas leave the summary.
     one.kill();
     let killed = Instant::now();
+    supervise::reclaim_killed(&base.join("node1"));
     leader.wait_for("node 1 leaves the membership", Duration::from_secs(15), |l| {
         l.contains("\"event\":\"summary\"") && has(l, 1, 0, false) && has(l, 2, 31, true)
     });

@@ -39,6 +39,29 @@ fn payload(i: u32) -> Vec<u8> {
     (0..PAYLOAD).map(|b| (b as u32 ^ i.wrapping_mul(40_503)).to_le_bytes()[0]).collect()
 }
 
+/// The directory of the pool a node's process (`pid`) serves.
+fn pool_dir(pid: u32) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("lake-netns-pool-{pid}"))
+}
+
+/// A node's process, killed when dropped; what its pool left in /dev/shm
+/// and its directory go with it (a killed pool cannot remove them).
+struct Node(Killed);
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let child = &mut self.0.0;
+        let _ = child.kill();
+        let _ = child.wait();
+        let dir = pool_dir(child.id());
+        let (arena, mirror) = EmbeddedConfig::new(dir.clone()).shared_memory();
+        for file in [arena, mirror] {
+            let _ = std::fs::remove_file(file);
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 fn pool(node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, Vec<Rail>)>) -> EmbeddedPool {
     EmbeddedPool::start(&EmbeddedConfig {
         block_bytes: 262_144,
@@ -50,7 +73,7 @@ fn pool(node: u32, listen: Option<SocketAddr>, peers: Vec<(u32, Vec<Rail>)>) -> 
         transport_peers: peers,
         metrics: Some(lake_cp::embedded::METRICS_ANY_LOCAL_PORT),
         node,
-        ..EmbeddedConfig::new(std::env::temp_dir().join(format!("lake-netns-pool-{node}-{}", std::process::id())))
+        ..EmbeddedConfig::new(pool_dir(std::process::id()))
     })
     .expect("the pool starts")
 }
@@ -224,16 +247,17 @@ fn a_cut_link_to_one_peer_leaves_the_copies_to_another_unaffected() {
     let mut leaves = Vec::new();
     let mut targets = Vec::new();
     for (leaf, node) in [(0, 2), (1, 3)] {
-        let mut child = Killed(star.spawn(&star.leaves[leaf], &format!("leaf:{node}"), &star.rail(leaf, THREE_PORT)));
-        let mut lines = child_lines(&mut child.0, OURS);
+        let mut child =
+            Node(Killed(star.spawn(&star.leaves[leaf], &format!("leaf:{node}"), &star.rail(leaf, THREE_PORT))));
+        let mut lines = child_lines(&mut child.0.0, OURS);
         let ready = lines.next().expect("a leaf node starts");
         let parts: Vec<String> = ready.split(' ').map(str::to_owned).collect();
         assert_eq!(parts[0], "READY", "{ready}");
         targets.push(format!("{}:{}", parts[1], parts[2]));
         leaves.push((child, lines));
     }
-    let mut one = Killed(star.spawn(&star.hub, &format!("hub:{}:{}", targets[0], targets[1]), &rails));
-    let mut from_one = child_lines(&mut one.0, OURS);
+    let mut one = Node(Killed(star.spawn(&star.hub, &format!("hub:{}:{}", targets[0], targets[1]), &rails)));
+    let mut from_one = child_lines(&mut one.0.0, OURS);
     assert_eq!(from_one.next().as_deref(), Some("SAVED"));
     // Node 3's link is cut before the copies are asked, for 1.2 s (within
     // the transport's stall limit: its connections wait, then carry on).
@@ -251,7 +275,7 @@ fn a_cut_link_to_one_peer_leaves_the_copies_to_another_unaffected() {
     assert_eq!(verified, format!("VERIFIED {BLOCKS} {BLOCKS}"));
     assert!(node_three_ms >= restored_ms, "node 3 had its blocks through a cut link");
     assert_eq!(from_one.next(), Some(format!("COPIED {}", 2 * BLOCKS)));
-    one.0.wait().unwrap();
+    one.0.0.wait().unwrap();
     println!(
         "three nodes: node 2's {BLOCKS} copies landed {node_two_ms} ms into node 3's 1.2 s cut; node 3's \
          {node_three_ms} ms after it began ({restored_ms} ms restored)"
@@ -276,13 +300,13 @@ fn copies_spread_over_two_rails_and_each_rail_is_accounted() {
         link.rate(rail, "200mbit").expect("a tbf rate limit");
     }
     const OURS: &[&str] = &["READY", "VERIFIED", "SAVED", "COPIED", "RAILS"];
-    let mut two = Killed(link.spawn(&link.b, "two", &rails));
-    let mut from_two = child_lines(&mut two.0, OURS);
+    let mut two = Node(Killed(link.spawn(&link.b, "two", &rails)));
+    let mut from_two = child_lines(&mut two.0.0, OURS);
     let ready = from_two.next().expect("node 2 starts");
     let parts: Vec<&str> = ready.split(' ').collect();
     assert_eq!(parts[0], "READY", "{ready}");
-    let mut one = Killed(link.spawn(&link.a, &format!("one:{}:{}:report", parts[1], parts[2]), &rails));
-    let mut from_one = child_lines(&mut one.0, OURS);
+    let mut one = Node(Killed(link.spawn(&link.a, &format!("one:{}:{}:report", parts[1], parts[2]), &rails)));
+    let mut from_one = child_lines(&mut one.0.0, OURS);
     assert_eq!(from_one.next().as_deref(), Some("SAVED"));
     let copied = from_one.next().expect("node 1 copies");
     assert!(copied.starts_with(&format!("COPIED {BLOCKS} ")), "{copied}");
@@ -295,7 +319,7 @@ fn copies_spread_over_two_rails_and_each_rail_is_accounted() {
     assert!(bytes.iter().sum::<u64>() < 2 * payloads, "{bytes:?} for {payloads} bytes of blocks");
     let verified = from_two.next().expect("node 2 loads the prompt");
     assert_eq!(verified, format!("VERIFIED {BLOCKS} {BLOCKS}"), "every block loaded, every byte right");
-    one.0.wait().unwrap();
+    one.0.0.wait().unwrap();
     println!("{BLOCKS} blocks copied over two rails, {bytes:?} bytes on each, all loaded");
 }
 
@@ -315,13 +339,13 @@ fn a_prompt_copied_between_pools_in_two_namespaces_survives_a_cut() {
     let rails = link.rails(PORT);
     link.rate(0, "200mbit").expect("a tbf rate limit");
     const OURS: &[&str] = &["READY", "VERIFIED", "SAVED", "COPIED"];
-    let mut two = Killed(link.spawn(&link.b, "two", &rails));
-    let mut from_two = child_lines(&mut two.0, OURS);
+    let mut two = Node(Killed(link.spawn(&link.b, "two", &rails)));
+    let mut from_two = child_lines(&mut two.0.0, OURS);
     let ready = from_two.next().expect("node 2 starts");
     let parts: Vec<&str> = ready.split(' ').collect();
     assert_eq!(parts[0], "READY", "{ready}");
-    let mut one = Killed(link.spawn(&link.a, &format!("one:{}:{}", parts[1], parts[2]), &rails));
-    let mut from_one = child_lines(&mut one.0, OURS);
+    let mut one = Node(Killed(link.spawn(&link.a, &format!("one:{}:{}", parts[1], parts[2]), &rails)));
+    let mut from_one = child_lines(&mut one.0.0, OURS);
     assert_eq!(from_one.next().as_deref(), Some("SAVED"));
     // Cut before node 1 asks for the copies (it waits 300 ms): they are
     // asked and sent into the cut; restored a second later.
@@ -338,7 +362,7 @@ fn a_prompt_copied_between_pools_in_two_namespaces_survives_a_cut() {
     assert!(cut.elapsed() >= Duration::from_millis(1000));
     let verified = from_two.next().expect("node 2 loads the prompt");
     assert_eq!(verified, format!("VERIFIED {BLOCKS} {BLOCKS}"), "every block loaded, every byte right");
-    one.0.wait().unwrap();
+    one.0.0.wait().unwrap();
     println!(
         "a {BLOCKS}-block prompt copied from node 1 to node 2 across a 1 s cut: all landed in {took_ms} ms and loaded"
     );
