@@ -258,6 +258,11 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     };
     let argv = ["--config".to_owned(), file.display().to_string()];
     let settings = lake_cp::config::ServeArgs::parse(&argv).map_err(|e| e.to_string())?;
+    // Made, as `lake-dp` makes it, before the mirror is named: the name
+    // comes from the directory's canonical path.
+    if let Some(dir) = &settings.dir {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: dir {}: {e}", file.display(), dir.display()))?;
+    }
     let pool = settings.resolve()?.pool;
     // The mirror its `lake-dp` gives engines: the one of its directory.
     let theirs = settings.dir.is_some().then(|| pool.shared_memory().1);
