@@ -7,10 +7,10 @@ use super::EmbeddedConfig;
 use crate::tier::TierConfig;
 
 /// A tenant whose L1 blocks lie in a partition of the arena of their own
-/// (a file only the pool's user may open, mode 0600), sized by the
-/// tenant's L1 quota and passed only to the engines of its users and
-/// groups; every other engine maps the rest of the arena, where no block
-/// of the tenant's namespaces ever lies.
+/// (memory at no path, sealed at its size), sized by the tenant's L1
+/// quota and passed only to the engines of its users and groups, with a
+/// mirror of its own; every other engine maps the rest of the arena,
+/// where no block of the tenant's namespaces ever lies.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TenantPartition {
     /// The tenant: the name of its L1 quota (`TierConfig::tenant_quotas`).
