@@ -554,7 +554,7 @@ impl EmbeddedPool {
         let partitioned = !config.partitions.is_empty();
         let mut files: Vec<PathBuf> =
             [(!partitioned).then(|| arena.clone()), Some(mirror.clone())].into_iter().flatten().collect();
-        files.extend(config.partitions.iter().map(|p| config.tenant_shared_memory(&p.tenant).1));
+        files.extend(config.partitions.iter().map(|p| config.tenant_mirror(&p.tenant)));
         created.record(&files.iter().map(PathBuf::as_path).collect::<Vec<_>>())?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");

@@ -69,7 +69,7 @@ impl EmbeddedConfig {
                     uids: partition.uids.clone(),
                     gids: partition.gids.clone(),
                     slots,
-                    mirror: Some(self.tenant_shared_memory(&partition.tenant).1),
+                    mirror: Some(self.tenant_mirror(&partition.tenant)),
                 })
             })
             .collect()
@@ -82,9 +82,7 @@ impl EmbeddedConfig {
         let partitions = self.l1_partitions()?;
         let mirrors = partitions.into_iter().map(|partition| {
             let namespaces = partition.namespaces.iter().filter_map(|n| u64::from_str_radix(n, 16).ok()).collect();
-            let mut path = mirror.as_os_str().to_owned();
-            path.push(format!(".{}", partition.name));
-            (namespaces, PathBuf::from(path))
+            (namespaces, beside(mirror, &partition.name))
         });
         Ok(mirrors.collect())
     }
@@ -101,15 +99,15 @@ impl EmbeddedConfig {
         Ok(tiers)
     }
 
-    /// The files of tenant `tenant`'s own shared memory, its partition of
-    /// the L1 arena and its mirror: the pool's names with `.<tenant>`.
-    pub fn tenant_shared_memory(&self, tenant: &str) -> (PathBuf, PathBuf) {
-        let (arena, mirror) = self.shared_memory();
-        let of = |path: PathBuf| {
-            let mut path = path.into_os_string();
-            path.push(format!(".{tenant}"));
-            PathBuf::from(path)
-        };
-        (of(arena), of(mirror))
+    /// Tenant `tenant`'s own mirror: the pool's, named with `.<tenant>`.
+    pub fn tenant_mirror(&self, tenant: &str) -> PathBuf {
+        beside(&self.shared_memory().1, tenant)
     }
+}
+
+/// `path` with `.<name>` added: a tenant's file beside the pool's.
+fn beside(path: &Path, name: &str) -> PathBuf {
+    let mut path = path.as_os_str().to_owned();
+    path.push(format!(".{name}"));
+    PathBuf::from(path)
 }

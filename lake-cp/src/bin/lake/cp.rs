@@ -183,20 +183,19 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
             }
         }
     };
-    let mut writers = Vec::with_capacity(1 + tenants.len());
-    for path in std::iter::once(mirror).chain(tenants.iter().map(|(_, path)| path)) {
-        match take_over(path, &mut candidate)? {
-            Some(writer) => writers.push(writer),
-            // Told to stop while waiting: handing over now.
-            None => {
-                let _ = candidate.resign();
-                return Ok(());
-            }
-        }
+    // Told to stop while waiting for one: handing over now.
+    let Some(writer) = take_over(mirror, &mut candidate)? else {
+        let _ = candidate.resign();
+        return Ok(());
+    };
+    let mut tenant_mirrors = Vec::with_capacity(tenants.len());
+    for (namespaces, path) in tenants {
+        let Some(tenant) = take_over(&path, &mut candidate)? else {
+            let _ = candidate.resign();
+            return Ok(());
+        };
+        tenant_mirrors.push((namespaces, tenant));
     }
-    let mut writers = writers.into_iter();
-    let writer = writers.next().ok_or("no mirror")?;
-    let tenant_mirrors = tenants.into_iter().map(|(namespaces, _)| namespaces).zip(writers).collect();
     let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer))
         .with_tiers(tiers)
         .with_tenant_mirrors(tenant_mirrors);
