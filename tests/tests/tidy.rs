@@ -33,7 +33,7 @@ const FN_LINES_GOAL: usize = 70;
 const LONGEST_FN_LINES: usize = 443;
 
 /// Functions outside tests longer than [`FN_LINES_GOAL`]: a ratchet.
-const FNS_OVER_GOAL: usize = 74;
+const FNS_OVER_GOAL: usize = 73;
 
 /// Lines a source file may have, unless listed in [`LONG_FILES`].
 const FILE_LINES_MAX: usize = 1000;
@@ -43,7 +43,7 @@ const LONG_FILES: &[(&str, usize)] = &[
     ("ffi/agent/src/client.rs", 1556),
     ("lake-dp/src/poller.rs", 1306),
     ("lake-dp/src/transport/rdma/pull.rs", 1107),
-    ("lake-dp/core/src/wire/message.rs", 1255),
+    ("lake-dp/core/src/wire/message.rs", 1173),
     ("lake-cp/control/src/evict.rs", 1115),
     ("lake-cp/tests/serve.rs", 1058),
     ("kernels/src/gpu.rs", 1167),

@@ -141,12 +141,18 @@ pub fn header_crc(header: &MirrorHeader) -> u32 {
 
 /// The header of a mirror of `buckets` buckets for `node`.
 pub fn plan(buckets: u64, node: u32) -> Result<MirrorHeader, MirrorError> {
+    plan_as(MIRROR_MAGIC, buckets, node)
+}
+
+/// The header of a table of this layout under another `magic` (the
+/// cluster view's, [`super::view::VIEW_MAGIC`]).
+pub fn plan_as(magic: [u8; 8], buckets: u64, node: u32) -> Result<MirrorHeader, MirrorError> {
     if buckets == 0 || buckets > BUCKETS_MAX {
         return Err(MirrorError::Config("buckets: between 1 and 2^32"));
     }
     let total_bytes = BUCKETS_OFFSET + buckets * u64::from(BUCKET_BYTES);
     let mut header = MirrorHeader {
-        magic: MIRROR_MAGIC,
+        magic,
         version: MIRROR_VERSION,
         header_bytes: HEADER_BYTES,
         bucket_bytes: BUCKET_BYTES,
@@ -167,11 +173,20 @@ pub fn plan(buckets: u64, node: u32) -> Result<MirrorHeader, MirrorError> {
 /// Checks a mirror's page 0 against the file's size; names the first bad
 /// field.
 pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<MirrorHeader, MirrorError> {
+    decode_header_as(MIRROR_MAGIC, page, file_bytes)
+}
+
+/// [`decode_header`] of a table under another `magic`.
+pub fn decode_header_as(magic: [u8; 8], page: &[u8], file_bytes: u64) -> Result<MirrorHeader, MirrorError> {
     let bad = MirrorError::Header;
     let bytes = page.get(..size_of::<MirrorHeader>()).ok_or(bad("too short to hold a mirror header"))?;
     let header: MirrorHeader = bytemuck::pod_read_unaligned(bytes);
-    if header.magic != MIRROR_MAGIC {
-        return Err(bad("magic: not a Lake mirror"));
+    if header.magic != magic {
+        return Err(bad(if magic == MIRROR_MAGIC {
+            "magic: not a Lake mirror"
+        } else {
+            "magic: not a Lake cluster view"
+        }));
     }
     if header.version != MIRROR_VERSION {
         return Err(MirrorError::Version { found: header.version, supported: MIRROR_VERSION });

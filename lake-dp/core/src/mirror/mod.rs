@@ -37,6 +37,7 @@
 pub mod layout;
 pub mod seqlock;
 pub mod table;
+pub mod view;
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -434,8 +435,14 @@ impl MirrorWriter {
     /// whose writer is alive is refused; one whose writer is gone is
     /// replaced.
     pub fn create(config: &MirrorConfig) -> Result<Self, MirrorError> {
+        Self::create_as(config, layout::MIRROR_MAGIC)
+    }
+
+    /// [`MirrorWriter::create`] of a table of this layout under another
+    /// magic (the cluster view).
+    pub(crate) fn create_as(config: &MirrorConfig, magic: [u8; 8]) -> Result<Self, MirrorError> {
         let (file, target, building) = open_backing(config)?;
-        let result = Self::build(config, file, target.as_deref(), building.as_deref());
+        let result = Self::build(config, magic, file, target.as_deref(), building.as_deref());
         if result.is_err()
             && let Some(building) = &building
         {
@@ -446,6 +453,7 @@ impl MirrorWriter {
 
     fn build(
         config: &MirrorConfig,
+        magic: [u8; 8],
         file: File,
         target: Option<&Path>,
         building: Option<&Path>,
@@ -458,7 +466,7 @@ impl MirrorWriter {
         // Fill the last page with buckets.
         let bytes = (BUCKETS_OFFSET + config.buckets.saturating_mul(u64::from(BUCKET_BYTES))).next_multiple_of(page);
         let buckets = (bytes - BUCKETS_OFFSET) / u64::from(BUCKET_BYTES);
-        let header = layout::plan(buckets, config.node.0)?;
+        let header = layout::plan_as(magic, buckets, config.node.0)?;
         file.set_len(header.total_bytes).map_err(io_error("sizing", building))?;
         if !lock::try_lock(&file, WRITER_LOCK_BYTE).map_err(io_error("locking", building))? {
             return Err(MirrorError::Config("backing: another process locked the new mirror file"));
@@ -562,13 +570,18 @@ impl MirrorWriter {
 
     /// Publishes `entry` for `key` (inserting or replacing).
     pub fn upsert(&mut self, key: &BlockKey, entry: &MirrorEntry) -> Result<(), MirrorError> {
+        let snapshot = entry.encode(key)?;
+        self.upsert_raw(key, snapshot)
+    }
+
+    /// Publishes the bucket words of `key` as they are (a table of this
+    /// layout whose entries are not [`MirrorEntry`]s: the cluster view).
+    pub(crate) fn upsert_raw(&mut self, key: &BlockKey, snapshot: Snapshot) -> Result<(), MirrorError> {
         if key.is_none() {
             return Err(MirrorError::Entry("key: the all-zero key is reserved"));
         }
-        let snapshot = entry.encode(key)?;
-        let (lo, hi) = key_words(key);
         let table = self.shared.table();
-        if let Some(position) = table.position(lo, hi) {
+        if let Some(position) = self.position(key) {
             table.bucket(position).write(snapshot);
             return Ok(());
         }
@@ -577,6 +590,18 @@ impl MirrorWriter {
         }
         self.live += 1;
         self.publish_counts();
+        Ok(())
+    }
+
+    /// The bucket words published for `key`, as the writer sees them.
+    pub(crate) fn get_raw(&self, key: &BlockKey) -> Option<Snapshot> {
+        self.position(key).map(|p| self.shared.bucket(p).peek())
+    }
+
+    /// Writes record `index` of the region records as it is.
+    pub(crate) fn set_record_raw(&mut self, index: usize, snapshot: Snapshot) -> Result<(), MirrorError> {
+        let slot = self.shared.regions().get(index).ok_or(MirrorError::Entry("record: at most 1023"))?;
+        slot.write(snapshot);
         Ok(())
     }
 
@@ -751,6 +776,17 @@ impl MirrorReader {
         Self::attach_file(File::from(fd), None)
     }
 
+    /// Maps the table of this layout at `path` made under another magic
+    /// (the cluster view).
+    pub(crate) fn attach_as(path: &Path, magic: [u8; 8]) -> Result<Self, MirrorError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(io_error("opening", Some(path)))?;
+        Self::attach_file_as(file, Some(path), magic)
+    }
+
     /// Maps the same mirror again, through a copy of its descriptor (for
     /// another thread's reads).
     pub fn reopen(&self) -> Result<Self, MirrorError> {
@@ -758,10 +794,14 @@ impl MirrorReader {
     }
 
     fn attach_file(file: File, path: Option<&Path>) -> Result<Self, MirrorError> {
+        Self::attach_file_as(file, path, layout::MIRROR_MAGIC)
+    }
+
+    fn attach_file_as(file: File, path: Option<&Path>, magic: [u8; 8]) -> Result<Self, MirrorError> {
         let size = file.metadata().map_err(io_error("reading", path))?.len();
         let mut page = vec![0u8; size_of::<MirrorHeader>()];
         read_exact_at(&file, &mut page, 0).map_err(io_error("reading the header of", path))?;
-        let header = layout::decode_header(&page, size)?;
+        let header = layout::decode_header_as(magic, &page, size)?;
         // SAFETY: the file is a mirror of `size` bytes (checked above);
         // mapped shared and read-only, it is only ever read through
         // atomics, so the writer's concurrent stores are no data race.
@@ -836,6 +876,25 @@ impl MirrorReader {
             position = position.wrapping_add(word | 1).wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(step) >> 11;
         }
         position
+    }
+
+    /// The bucket words published for `key`: `Err(())` where that could not
+    /// be told (see [`Lookup::Unreadable`]).
+    #[inline]
+    pub(crate) fn get_raw(&self, key: &BlockKey) -> Result<Option<Snapshot>, ()> {
+        let (lo, hi) = key_words(key);
+        self.shared.table().find(lo, hi).map_err(|table::Untold| ())
+    }
+
+    #[inline]
+    pub(crate) fn prefetch(&self, key: &BlockKey) {
+        self.shared.prefetch(key);
+    }
+
+    /// Record `index` of the region records as it is (none while it is
+    /// being written).
+    pub(crate) fn record_raw(&self, index: usize) -> Option<Snapshot> {
+        self.shared.regions().get(index)?.read()
     }
 
     /// A region's record.

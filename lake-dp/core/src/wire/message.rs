@@ -12,13 +12,15 @@ use core::mem::size_of;
 use bytemuck::{Pod, Zeroable};
 
 use super::WireError;
-use crate::constants::{DELTA_ENTRIES_MAX, LOOKUP_KEYS_MAX};
+use crate::constants::LOOKUP_KEYS_MAX;
 use crate::model::key::BlockKey;
 use crate::model::replica::{Durability, ObjectKind, Priority, ReplicaWire, Tier};
 
 mod stats;
+mod summary;
 
 pub use stats::*;
+pub use summary::*;
 
 /// A fixed record that can check its own fields.
 pub trait Record: Pod {
@@ -95,7 +97,7 @@ pub(super) fn reserved_zero(field: &'static str, bytes: &[u8]) -> Result<(), Wir
     if bytes.iter().all(|&b| b == 0) { Ok(()) } else { Err(WireError::Reserved(field)) }
 }
 
-fn check_replica(field: &'static str, replica: &ReplicaWire) -> Result<(), WireError> {
+pub(super) fn check_replica(field: &'static str, replica: &ReplicaWire) -> Result<(), WireError> {
     if Tier::from_u8(replica.tier).is_none() {
         return Err(field_err(field, replica.tier));
     }
@@ -736,28 +738,6 @@ impl Record for LeaseRelease {
     }
 }
 
-/// The leader asks a node's `lake-cp` for a snapshot of its replicas (it
-/// saw a gap in the node's deltas, or it has just taken over).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-#[repr(C)]
-pub struct SnapshotRequest {
-    /// The node.
-    pub node: u32,
-    /// Zero.
-    pub reserved: u32,
-    /// The node's term the leader last saw (0: none).
-    pub term: u64,
-}
-
-impl Record for SnapshotRequest {
-    fn validate(&self) -> Result<(), WireError> {
-        if self.reserved != 0 {
-            return Err(field_err("snapshot_request.reserved", self.reserved));
-        }
-        Ok(())
-    }
-}
-
 /// Drain an L2 region (one file of the tier, on its own device) or stop
 /// draining it, cp→dp: while draining, the data plane writes nothing new
 /// there (demotions and relocations take its other files) and the control
@@ -937,71 +917,6 @@ pub struct LookupEntry {
 impl Record for LookupEntry {
     fn validate(&self) -> Result<(), WireError> {
         check_replica("lookup_entry.replica", &self.replica)
-    }
-}
-
-/// A numbered batch of index changes from one node's `lake-cp`: its
-/// entries carry `sequence`, `sequence + 1`, ... of `term`. A receiver that
-/// sees a gap in the sequence within a term asks for a snapshot. In a
-/// [`Message::Snapshot`] frame, `sequence` is the last change the snapshot
-/// covers (its frames follow each other; the first starts it over) and the
-/// entries are every ready replica.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-#[repr(C)]
-pub struct Delta {
-    /// The term the sequence belongs to.
-    pub term: u64,
-    /// Sequence number within the term.
-    pub sequence: u64,
-    /// The node whose replicas changed.
-    pub node: u32,
-    /// Entries that follow.
-    pub count: u32,
-}
-
-impl Record for Delta {
-    fn validate(&self) -> Result<(), WireError> {
-        Ok(())
-    }
-}
-
-impl ListHead for Delta {
-    const RECORDS_MAX: usize = DELTA_ENTRIES_MAX;
-    fn count(&self) -> u32 {
-        self.count
-    }
-}
-
-/// One change in a [`Delta`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-#[repr(C)]
-pub struct DeltaEntry {
-    /// [`DeltaOp`] code.
-    pub op: u8,
-    /// [`Durability`] code.
-    pub durability: u8,
-    /// [`ObjectKind`] code.
-    pub kind: u16,
-    /// Position in its prefix.
-    pub block_index: u32,
-    /// The block.
-    pub key: BlockKey,
-    /// Its parent.
-    pub parent_key: BlockKey,
-    /// Namespace id.
-    pub namespace: u64,
-    /// Layout fingerprint.
-    pub layout_fingerprint: u64,
-    /// The replica.
-    pub replica: ReplicaWire,
-}
-
-impl Record for DeltaEntry {
-    fn validate(&self) -> Result<(), WireError> {
-        DeltaOp::from_u8(self.op).ok_or(field_err("delta_entry.op", self.op))?;
-        Durability::from_u8(self.durability).ok_or(field_err("delta_entry.durability", self.durability))?;
-        ObjectKind::from_u16(self.kind).ok_or(field_err("delta_entry.kind", self.kind))?;
-        check_replica("delta_entry.replica", &self.replica)
     }
 }
 
@@ -1218,6 +1133,8 @@ messages! {
         TenantThrottles(TenantThrottles, TenantThrottle) = 29,
         PushCaps(PushCaps, PushCap) = 30,
         TenantWaits(TenantThrottles, TenantWait) = 31,
+        ViewDelta(Delta, ViewEntry) = 37,
+        ViewSnapshot(Delta, ViewEntry) = 38,
     }
 }
 
@@ -1248,6 +1165,7 @@ const _: () = assert!(size_of::<PushCap>() == 24);
 const _: () = assert!(size_of::<PathEntry>() == 24 + 8 * LATENCY_BUCKETS);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);
+const _: () = assert!(size_of::<ViewEntry>() == 24);
 const _: () = assert!(size_of::<SnapshotRequest>() == 16);
 const _: () = assert!(size_of::<DrainRegion>() == 8);
 const _: () = assert!(size_of::<ErrorBody>() == 64);

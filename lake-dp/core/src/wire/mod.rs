@@ -138,6 +138,13 @@ pub const FEATURE_OWN_FDS: u64 = 1 << 15;
 /// partitioned refuses an agent without it.
 pub const FEATURE_PARTITIONS: u64 = 1 << 16;
 
+/// Feature bit (the summary link): the node's `lake-cp` keeps the cluster
+/// view — it takes [`message::Message::ViewDelta`] and
+/// [`message::Message::ViewSnapshot`] (kinds 37 and 38) from the leader,
+/// and asks for a view snapshot with [`message::SnapshotRequest`] naming
+/// itself. A leader streams its view only to a node that offered it.
+pub const FEATURE_CLUSTER_VIEW: u64 = 1 << 17;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -159,7 +166,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 17] = [
+pub const FEATURE_NAMES: [(u64, &str); 18] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -177,6 +184,7 @@ pub const FEATURE_NAMES: [(u64, &str); 17] = [
     (FEATURE_QUOTA_REFUSALS, "quota_refusals"),
     (FEATURE_OWN_FDS, "own_fds"),
     (FEATURE_PARTITIONS, "partitions"),
+    (FEATURE_CLUSTER_VIEW, "cluster_view"),
 ];
 
 /// Bytes in a frame header.

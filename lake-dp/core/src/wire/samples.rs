@@ -252,6 +252,15 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
     visit(meta(14), Message::UnmarkEvictable(victim));
     let shed = ConnectionsShed { attach_crowded_out: 37, transport_over_cap: 844, ..ConnectionsShed::default() };
     visit(meta(0), Message::ConnectionsShed(shed));
+    let view = [
+        ViewEntry { key: key(5), tier: Tier::L1Dram as u8, kind: 1, reserved: [0; 6] },
+        ViewEntry { key: key(6), tier: VIEW_TIER_NONE, kind: 1, reserved: [0; 6] },
+    ];
+    visit(meta(40), Message::ViewDelta(Delta { term: 7, sequence: 12, node: 2, count: 2 }, Records::from_slice(&view)));
+    visit(
+        meta(41),
+        Message::ViewSnapshot(Delta { term: 7, sequence: 13, node: 2, count: 1 }, Records::from_slice(&view[..1])),
+    );
 }
 
 /// [`each_message`] encoded: one frame per kind.

@@ -1,0 +1,489 @@
+//! The cluster view: which other nodes of the pool hold which blocks, and
+//! in which tier — what the leader's summary streams down to every node's
+//! `lake-cp`, published beside the node's mirror for its engines to read
+//! lock-free, as they read the mirror.
+//!
+//! The table is the mirror's (the same header, region records, seqlocked
+//! 32-byte buckets, probing and repair) under its own magic, `LAKEVIEW`,
+//! so neither is ever taken for the other. A bucket holds a block's key
+//! and, for each of up to [`VIEW_NODES_MAX`] node slots, the fastest tier
+//! that node holds it in:
+//!
+//! ```text
+//! meta      bits 0-1 state (as the mirror's), 2-3 kind, 4-7 the tiers
+//!           held anywhere (bit per tier), 8-31 zero
+//! words[0]  key bytes 0..8      words[1]  key bytes 8..16
+//! words[2]  two bits per node slot (slot i: bits 2i, 2i+1): 0 not held,
+//!           1 L1, 2 L2, 3 L3
+//! ```
+//!
+//! Region record `i` (below [`VIEW_NODES_MAX`]) names slot `i`'s node:
+//! meta bit 0 present, `words[0]` the node id. A slot keeps its node until
+//! the view is cleared, so an entry a reader has read never names another
+//! node than the one it was written for. The node's own blocks are not in
+//! its view: its mirror has them, with their slots.
+
+use std::path::Path;
+
+use super::seqlock::Snapshot;
+use super::table::STATE_LIVE;
+use super::{MirrorConfig, MirrorEntry, MirrorError, MirrorReader, MirrorWriter, kind_bits};
+use crate::model::key::BlockKey;
+use crate::model::replica::{NodeId, ObjectKind, Tier};
+
+/// The first eight bytes of every cluster view.
+pub const VIEW_MAGIC: [u8; 8] = *b"LAKEVIEW";
+
+/// Nodes one view names (besides its own).
+pub const VIEW_NODES_MAX: usize = 32;
+
+/// Another node holding a block, and its fastest tier of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holder {
+    /// The node.
+    pub node: NodeId,
+    /// L1, L2 or L3.
+    pub tier: Tier,
+}
+
+/// Where a block of a prompt is, as a node's engines see the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Where {
+    /// On this node: its mirror entry.
+    Local(MirrorEntry),
+    /// Only on another node: the fastest holder.
+    Remote(Holder),
+}
+
+/// Why the view could not take a change.
+#[derive(Debug, PartialEq)]
+pub enum ViewError {
+    /// The table.
+    Table(MirrorError),
+    /// Every node slot names another node.
+    NodesFull,
+    /// L0 is never in a view.
+    Tier,
+}
+
+impl core::fmt::Display for ViewError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Table(e) => write!(f, "cluster view: {e}"),
+            Self::NodesFull => write!(f, "cluster view: names {VIEW_NODES_MAX} nodes already"),
+            Self::Tier => f.write_str("cluster view: L0 is no other node's to read"),
+        }
+    }
+}
+
+impl std::error::Error for ViewError {}
+
+impl From<MirrorError> for ViewError {
+    fn from(error: MirrorError) -> Self {
+        Self::Table(error)
+    }
+}
+
+const TIER_BITS: u32 = 2;
+const SLOT_MASK: u64 = 3;
+
+fn tier_code(tier: Tier) -> Option<u64> {
+    match tier {
+        Tier::L0Hbm => None,
+        Tier::L1Dram => Some(1),
+        Tier::L2Nvme => Some(2),
+        Tier::L3Object => Some(3),
+    }
+}
+
+fn tier_of_code(code: u64) -> Option<Tier> {
+    match code {
+        1 => Some(Tier::L1Dram),
+        2 => Some(Tier::L2Nvme),
+        3 => Some(Tier::L3Object),
+        _ => None,
+    }
+}
+
+/// Where slot `slot`'s two bits lie in the holders word.
+#[allow(clippy::cast_possible_truncation)] // a slot is below VIEW_NODES_MAX (32)
+fn shift_of(slot: usize) -> u32 {
+    (slot % VIEW_NODES_MAX) as u32 * TIER_BITS
+}
+
+fn slot_code(holders: u64, slot: usize) -> u64 {
+    (holders >> shift_of(slot)) & SLOT_MASK
+}
+
+/// The node's writer of its view: the node's `lake-cp`, applying what the
+/// leader streams.
+pub struct ViewWriter {
+    table: MirrorWriter,
+    own: NodeId,
+    /// Each slot's node and how many entries name it.
+    slots: [Option<(NodeId, u64)>; VIEW_NODES_MAX],
+}
+
+impl core::fmt::Debug for ViewWriter {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("ViewWriter").field("own", &self.own).field("live", &self.table.live()).finish_non_exhaustive()
+    }
+}
+
+impl ViewWriter {
+    /// Builds a new view for node `config.node` (published at its path
+    /// when ready; a file there whose writer is gone is replaced).
+    pub fn create(config: &MirrorConfig) -> Result<Self, MirrorError> {
+        let table = MirrorWriter::create_as(config, VIEW_MAGIC)?;
+        Ok(Self { table, own: config.node, slots: [None; VIEW_NODES_MAX] })
+    }
+
+    fn slot_of(&self, node: NodeId) -> Option<usize> {
+        self.slots.iter().position(|s| s.is_some_and(|(n, _)| n == node))
+    }
+
+    fn bind(&mut self, node: NodeId) -> Result<usize, ViewError> {
+        // A slot never used first; then one no entry names any more.
+        let free = self.slots.iter().position(Option::is_none);
+        let slot = free.or_else(|| self.slots.iter().position(|s| s.is_some_and(|(_, n)| n == 0)));
+        let slot = slot.ok_or(ViewError::NodesFull)?;
+        self.table.set_record_raw(slot, Snapshot { meta: 1, words: [u64::from(node.0), 0, 0] })?;
+        self.slots[slot] = Some((node, 0));
+        Ok(slot)
+    }
+
+    /// Sets what `node` holds of `key`: its fastest tier, or `None`. The
+    /// node's own holdings are not kept (its mirror has them): `Ok(false)`.
+    pub fn set(
+        &mut self,
+        key: &BlockKey,
+        node: NodeId,
+        tier: Option<Tier>,
+        kind: ObjectKind,
+    ) -> Result<bool, ViewError> {
+        if node == self.own {
+            return Ok(false);
+        }
+        let code = match tier {
+            Some(tier) => tier_code(tier).ok_or(ViewError::Tier)?,
+            None => 0,
+        };
+        let slot = match self.slot_of(node) {
+            Some(slot) => slot,
+            None if code == 0 => return Ok(true),
+            None => self.bind(node)?,
+        };
+        let current = self.table.get_raw(key).filter(|s| s.meta & 3 == STATE_LIVE);
+        let holders = current.map_or(0, |s| s.words[2]);
+        let shift = shift_of(slot);
+        let was = (holders >> shift) & SLOT_MASK;
+        if was == code {
+            return Ok(true);
+        }
+        let holders = (holders & !(SLOT_MASK << shift)) | code << shift;
+        if holders == 0 {
+            self.table.remove(key);
+        } else {
+            let (lo, hi) = super::key_words(key);
+            let meta = STATE_LIVE | kind_bits(kind) << 2 | tiers_held(holders) << 4;
+            self.table.upsert_raw(key, Snapshot { meta, words: [lo, hi, holders] })?;
+        }
+        if let Some((_, count)) = &mut self.slots[slot] {
+            match (was, code) {
+                (0, _) => *count += 1,
+                (_, 0) => *count -= 1,
+                _ => {}
+            }
+        }
+        Ok(true)
+    }
+
+    /// Withdraws every entry and frees every slot (a snapshot of the
+    /// leader's view follows). Readers see misses meanwhile.
+    pub fn clear(&mut self) {
+        self.table.clear();
+        for slot in 0..VIEW_NODES_MAX {
+            if self.slots[slot].take().is_some() {
+                let _ = self.table.set_record_raw(slot, Snapshot { meta: 0, words: [0; 3] });
+            }
+        }
+    }
+
+    /// Blocks in the view.
+    pub fn live(&self) -> u64 {
+        self.table.live()
+    }
+
+    /// Nodes named now, with how many blocks each holds.
+    pub fn nodes(&self) -> Vec<(NodeId, u64)> {
+        self.slots.iter().flatten().copied().filter(|&(_, count)| count > 0).collect()
+    }
+
+    /// Bytes mapped.
+    pub fn mapped_bytes(&self) -> usize {
+        self.table.mapped_bytes()
+    }
+
+    /// The file's path (none for a memfd).
+    pub fn path(&self) -> Option<&Path> {
+        self.table.path()
+    }
+
+    /// Marks the view retired (readers detach) and lets go of it.
+    pub fn retire(self) {
+        self.table.retire();
+    }
+}
+
+fn tiers_held(holders: u64) -> u32 {
+    let mut tiers = 0;
+    for slot in 0..VIEW_NODES_MAX {
+        if let Some(tier) = tier_of_code(slot_code(holders, slot)) {
+            tiers |= 1 << tier as u32;
+        }
+    }
+    tiers
+}
+
+/// An engine's (or a router's) reader of a node's view; maps it read-only.
+#[derive(Debug)]
+pub struct ViewReader {
+    table: MirrorReader,
+}
+
+impl ViewReader {
+    /// Maps the view at `path`.
+    pub fn attach(path: &Path) -> Result<Self, MirrorError> {
+        Ok(Self { table: MirrorReader::attach_as(path, VIEW_MAGIC)? })
+    }
+
+    /// Whether the view is valid (its writer has not retired it).
+    pub fn is_ready(&self) -> bool {
+        self.table.is_ready()
+    }
+
+    /// Whether a writer holds the view now (a system call).
+    pub fn writer_alive(&self) -> bool {
+        self.table.writer_alive()
+    }
+
+    /// Blocks in the view (as the writer last counted).
+    pub fn live(&self) -> u64 {
+        self.table.live()
+    }
+
+    /// The node whose view it is.
+    pub fn node(&self) -> NodeId {
+        NodeId(self.table.header().node)
+    }
+
+    /// The fastest other node holding `key` (the lowest slot among equals);
+    /// none where no other node holds it or it could not be told.
+    #[inline]
+    pub fn best(&self, key: &BlockKey) -> Option<Holder> {
+        let snapshot = self.table.get_raw(key).ok()??;
+        let holders = snapshot.words[2];
+        let mut best: Option<(Tier, usize)> = None;
+        for slot in 0..VIEW_NODES_MAX {
+            if let Some(tier) = tier_of_code(slot_code(holders, slot))
+                && best.is_none_or(|(b, _)| tier < b)
+            {
+                best = Some((tier, slot));
+            }
+        }
+        let (tier, slot) = best?;
+        Some(Holder { node: self.slot_node(slot)?, tier })
+    }
+
+    /// Every other node holding `key`, with its fastest tier.
+    pub fn holders(&self, key: &BlockKey) -> Vec<Holder> {
+        let Ok(Some(snapshot)) = self.table.get_raw(key) else { return Vec::new() };
+        (0..VIEW_NODES_MAX)
+            .filter_map(|slot| {
+                let tier = tier_of_code(slot_code(snapshot.words[2], slot))?;
+                Some(Holder { node: self.slot_node(slot)?, tier })
+            })
+            .collect()
+    }
+
+    fn slot_node(&self, slot: usize) -> Option<NodeId> {
+        let record = self.table.record_raw(slot)?;
+        #[allow(clippy::cast_possible_truncation)] // node ids are u32, stored in a u64 word
+        (record.meta & 1 == 1).then_some(NodeId(record.words[0] as u32))
+    }
+
+    #[inline]
+    fn prefetch(&self, key: &BlockKey) {
+        self.table.prefetch(key);
+    }
+}
+
+/// A node's cluster view for an engine: opened by its path when first
+/// asked for, and opened again when its writer retired it or is gone (a
+/// restarted pool publishes a new one) — tried at most once per
+/// [`ViewOpener::RETRY`], so a pool without a view costs a lookup nothing
+/// more.
+#[derive(Debug)]
+pub struct ViewOpener {
+    path: std::path::PathBuf,
+    reader: Option<ViewReader>,
+    next_check: std::time::Instant,
+}
+
+impl ViewOpener {
+    /// How often a missing or stale view is looked for again.
+    pub const RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+    /// The view beside the mirror at `mirror` (`<mirror>.cluster`).
+    pub fn beside(mirror: &Path) -> Self {
+        let mut path = mirror.as_os_str().to_owned();
+        path.push(".cluster");
+        Self { path: path.into(), reader: None, next_check: std::time::Instant::now() }
+    }
+
+    /// The view, where there is one now.
+    pub fn reader(&mut self) -> Option<&ViewReader> {
+        let now = std::time::Instant::now();
+        if now >= self.next_check {
+            self.next_check = now + Self::RETRY;
+            let stale = self.reader.as_ref().is_none_or(|r| !r.is_ready() || !r.writer_alive());
+            if stale {
+                self.reader = ViewReader::attach(&self.path).ok();
+            }
+        }
+        self.reader.as_ref()
+    }
+}
+
+/// A prompt's longest prefix held anywhere in the pool, and where each
+/// block of it is, into `out` (cleared first): this node's mirror first,
+/// then its view of the other nodes; the first key neither has ends it.
+/// Every entry is read (a linear pass, buckets fetched ahead), so the
+/// answer is exact whatever the sets. Returns how many.
+pub fn lookup(mirror: &MirrorReader, view: Option<&ViewReader>, keys: &[BlockKey], out: &mut Vec<Where>) -> usize {
+    const AHEAD: usize = 16;
+    out.clear();
+    let fetch = |key: &BlockKey| {
+        mirror.prefetch(key);
+        if let Some(view) = view {
+            view.prefetch(key);
+        }
+    };
+    keys.iter().take(AHEAD).for_each(fetch);
+    for (i, key) in keys.iter().enumerate() {
+        if let Some(next) = keys.get(i + AHEAD) {
+            fetch(next);
+        }
+        if let super::Lookup::Hit(entry) = mirror.get(key) {
+            out.push(Where::Local(entry));
+            continue;
+        }
+        match view.and_then(|v| v.best(key)) {
+            Some(holder) => out.push(Where::Remote(holder)),
+            None => break,
+        }
+    }
+    out.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mirror::MirrorBacking;
+
+    struct Scratch(std::path::PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn scratch(name: &str) -> Scratch {
+        Scratch(std::path::PathBuf::from(format!("/dev/shm/lake-view-test-{name}-{}", std::process::id())))
+    }
+
+    fn key(n: u32) -> BlockKey {
+        let mut k = [0x5a; 16];
+        k[..4].copy_from_slice(&n.to_le_bytes());
+        BlockKey(k)
+    }
+
+    fn config(path: &Path, own: u32) -> MirrorConfig {
+        MirrorConfig { node: NodeId(own), ..MirrorConfig::for_entries(MirrorBacking::Shm(path.to_path_buf()), 1000) }
+    }
+
+    #[test]
+    fn a_view_names_each_other_node_with_its_fastest_tier_and_never_its_own() {
+        let path = scratch("holders");
+        let mut writer = ViewWriter::create(&config(&path.0, 1)).unwrap();
+        let reader = ViewReader::attach(&path.0).unwrap();
+        assert_eq!(reader.node(), NodeId(1));
+        let kv = ObjectKind::KvBlock;
+        assert_eq!(writer.set(&key(1), NodeId(1), Some(Tier::L1Dram), kv), Ok(false));
+        assert_eq!(reader.best(&key(1)), None, "the own node's holdings are its mirror's");
+        writer.set(&key(1), NodeId(7), Some(Tier::L2Nvme), kv).unwrap();
+        writer.set(&key(1), NodeId(9), Some(Tier::L1Dram), kv).unwrap();
+        assert_eq!(reader.best(&key(1)), Some(Holder { node: NodeId(9), tier: Tier::L1Dram }));
+        assert_eq!(reader.holders(&key(1)).len(), 2);
+        writer.set(&key(1), NodeId(9), None, kv).unwrap();
+        assert_eq!(reader.best(&key(1)), Some(Holder { node: NodeId(7), tier: Tier::L2Nvme }));
+        writer.set(&key(1), NodeId(7), None, kv).unwrap();
+        assert_eq!(reader.best(&key(1)), None);
+        assert_eq!(writer.live(), 0, "a block no node holds leaves the table");
+        assert_eq!(writer.set(&key(2), NodeId(7), Some(Tier::L0Hbm), kv), Err(ViewError::Tier));
+        // A MirrorReader refuses a view, and a view reader a mirror.
+        assert_eq!(MirrorReader::attach(&path.0).err(), Some(MirrorError::Header("magic: not a Lake mirror")));
+    }
+
+    #[test]
+    fn a_view_names_at_most_its_slots_of_nodes_and_reuses_a_slot_no_entry_names() {
+        let path = scratch("slots");
+        let mut writer = ViewWriter::create(&config(&path.0, 0)).unwrap();
+        let kv = ObjectKind::KvBlock;
+        for node in 1..=VIEW_NODES_MAX as u32 {
+            writer.set(&key(node), NodeId(node), Some(Tier::L1Dram), kv).unwrap();
+        }
+        assert_eq!(writer.set(&key(100), NodeId(100), Some(Tier::L1Dram), kv), Err(ViewError::NodesFull));
+        writer.set(&key(3), NodeId(3), None, kv).unwrap();
+        writer.set(&key(100), NodeId(100), Some(Tier::L3Object), kv).unwrap();
+        let reader = ViewReader::attach(&path.0).unwrap();
+        assert_eq!(reader.best(&key(100)), Some(Holder { node: NodeId(100), tier: Tier::L3Object }));
+        assert_eq!(writer.nodes().len(), VIEW_NODES_MAX);
+        writer.clear();
+        assert_eq!((writer.live(), writer.nodes().len()), (0, 0));
+        assert_eq!(reader.best(&key(100)), None);
+    }
+
+    #[test]
+    fn a_cluster_lookup_takes_local_blocks_first_then_other_nodes_and_stops_at_the_first_held_nowhere() {
+        let mirror_path = scratch("lookup-mirror");
+        let view_path = scratch("lookup-view");
+        let mut mirror = MirrorWriter::create(&config(&mirror_path.0, 1)).unwrap();
+        let mut view = ViewWriter::create(&config(&view_path.0, 1)).unwrap();
+        let entry = MirrorEntry {
+            kind: ObjectKind::KvBlock,
+            tier: Tier::L1Dram,
+            tiers: 1 << Tier::L1Dram as u8,
+            region: crate::model::replica::RegionId(0),
+            epoch_tag: 1,
+            slot: 4,
+            generation: 2,
+        };
+        let keys: Vec<BlockKey> = (1..=6).map(key).collect();
+        for key in &keys[..2] {
+            mirror.upsert(key, &entry).unwrap();
+        }
+        for key in &keys[..4] {
+            view.set(key, NodeId(2), Some(Tier::L2Nvme), ObjectKind::KvBlock).unwrap();
+        }
+        view.set(&keys[5], NodeId(2), Some(Tier::L1Dram), ObjectKind::KvBlock).unwrap();
+        let reader = MirrorReader::attach(&mirror_path.0).unwrap();
+        let view_reader = ViewReader::attach(&view_path.0).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(lookup(&reader, Some(&view_reader), &keys, &mut out), 4, "key 5 is held nowhere");
+        let remote = Where::Remote(Holder { node: NodeId(2), tier: Tier::L2Nvme });
+        assert_eq!(out, vec![Where::Local(entry), Where::Local(entry), remote, remote]);
+        assert_eq!(lookup(&reader, None, &keys, &mut out), 2, "without a view: this node's only");
+    }
+}
