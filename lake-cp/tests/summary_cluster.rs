@@ -7,7 +7,9 @@
 //! disk) and the live node's snapshot brings it up to date. A prefix that
 //! many blocks continue (a shared system prompt) on node 1 is copied by
 //! the leader's replication into node 2's L1, over the nodes' transport,
-//! and node 2's engine reads it there byte for byte.
+//! and node 2's engine reads it there byte for byte. The leader streams
+//! its view back: each node's engines find the other node's blocks with
+//! where they are, and lose them when that node leaves.
 
 #[path = "common/etcd.rs"]
 mod etcd_server;
@@ -23,7 +25,8 @@ use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
 use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
-use lake_dp::{BlockKey, NamespaceId};
+use lake_dp::mirror::view::{Holder, Where};
+use lake_dp::{BlockKey, NamespaceId, NodeId};
 
 use scratch::Scratch;
 
@@ -134,6 +137,21 @@ fn save(serving: &str, node: u32, blocks: std::ops::Range<u32>) {
     }
 }
 
+/// Where the blocks of `keys` are, as an engine of the pool `serving` sees
+/// the whole pool, once `done` holds (within `within`).
+fn wait_places(serving: &str, keys: &[BlockKey], within: Duration, done: impl Fn(&[Where]) -> bool) -> Vec<Where> {
+    let mut agent = agent(serving);
+    let mut places = Vec::new();
+    let deadline = Instant::now() + within;
+    loop {
+        agent.lookup_cluster(keys, &mut places);
+        if done(&places) || Instant::now() > deadline {
+            return places;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A shared prefix on `node`: block `root`, continued by `children` blocks.
 fn save_shared(serving: &str, node: u32, root: BlockKey, children: u32) {
     let mut agent = agent(serving);
@@ -218,17 +236,35 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     assert_eq!(delivered, 1, "{:?}", reader.last_fetch_failure());
     drop(reader);
 
+    // The cluster view: node 2's engine finds node 1's chain, held on node
+    // 1 in L1, behind the first blocks it holds itself.
+    save(&serving_two, 1, 0..5);
+    let chain: Vec<BlockKey> = (0..20).map(|i| key(1, i)).collect();
+    let viewed = Instant::now();
+    let on_one = Where::Remote(Holder { node: NodeId(1), tier: lake_dp::Tier::L1Dram });
+    let places = wait_places(&serving_two, &chain, Duration::from_secs(10), |p| p.len() == 20);
+    assert_eq!(places.len(), 20, "{places:?}");
+    assert!(places[..5].iter().all(|p| matches!(p, Where::Local(_))), "{places:?}");
+    assert!(places[5..].iter().all(|p| *p == on_one), "{places:?}");
+    println!("cluster view: node 1's chain found from node 2 within {:?}", viewed.elapsed());
+    let node_two = wait_places(&serving_one, &[key(2, 0), key(2, 1)], Duration::from_secs(10), |p| p.len() == 2);
+    assert_eq!(node_two, [Where::Remote(Holder { node: NodeId(2), tier: lake_dp::Tier::L1Dram }); 2]);
+
     // Node 1 dies: once its membership lease (2 s) runs out, its L1
     // replicas leave the summary.
     one.kill();
     let killed = Instant::now();
     supervise::reclaim_killed(&base.join("node1"));
     leader.wait_for("node 1 leaves the membership", Duration::from_secs(15), |l| {
-        l.contains("\"event\":\"summary\"") && has(l, 1, 0, false) && has(l, 2, 31, true)
+        l.contains("\"event\":\"summary\"") && has(l, 1, 0, false) && has(l, 2, 36, true)
     });
     let lapsed = killed.elapsed();
     println!("summary: node 1 SIGKILLed, out of the summary {lapsed:?} later (membership lease 2 s)");
     assert!(lapsed >= Duration::from_secs(1), "it left before its lease could have run out ({lapsed:?})");
+    // Its blocks leave node 2's view with it: node 2's own five remain.
+    let places = wait_places(&serving_two, &chain, Duration::from_secs(10), |p| p.len() == 5);
+    assert_eq!(places.len(), 5, "{places:?}");
+    assert!(places.iter().all(|p| matches!(p, Where::Local(_))), "{places:?}");
 
     // A checkpoint with node 1 gone is written; then the leader dies. A
     // standby takes over from that checkpoint.
@@ -242,13 +278,13 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     let restored = second.wait_for("the standby restores the checkpoint", Duration::from_secs(20), |l| {
         l.contains("\"event\":\"restored\"")
     });
-    assert!(has(&restored, 1, 0, false) && has(&restored, 2, 31, true), "{restored}");
+    assert!(has(&restored, 1, 0, false) && has(&restored, 2, 36, true), "{restored}");
     second.wait_for("the standby leads", Duration::from_secs(10), |l| l.contains("\"event\":\"leading\""));
     let took_over = died.elapsed();
     // Node 2 reconnects (its snapshot) and goes on: 5 more blocks show.
     save(&serving_two, 2, 30..35);
     second.wait_for("node 2's new blocks in the new summary", Duration::from_secs(20), |l| {
-        l.contains("\"event\":\"summary\"") && l.contains("\"connected\":[2]") && has(l, 2, 36, true)
+        l.contains("\"event\":\"summary\"") && l.contains("\"connected\":[2]") && has(l, 2, 41, true)
     });
     println!("summary: leader SIGKILLed, the standby led from its checkpoint {took_over:?} later (lease 2 s)");
     drop(two);

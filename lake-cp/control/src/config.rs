@@ -448,6 +448,14 @@ pub struct ServeArgs {
     #[arg(long, value_name = "IP:PORT", value_delimiter = ',', help_heading = "Cluster")]
     pub summary_to: Vec<SocketAddr>,
 
+    /// Blocks of other nodes this node's cluster view can hold: with
+    /// --summary-to, the leader streams what every other node holds, and
+    /// the view is published beside the mirror (`<mirror>.cluster`) for
+    /// the engines' cluster lookups; about 46 bytes of shared memory a
+    /// block. 0: no view. A pool with tenant partitions keeps none.
+    #[arg(long, value_name = "BLOCKS", default_value_t = 1 << 20, help_heading = "Cluster")]
+    pub cluster_view_blocks: u64,
+
     /// Where the transport listens for blocks peers send into this node's
     /// L1 (P→D, replication).
     #[arg(long, value_name = "IP:PORT", help_heading = "Transport")]
@@ -642,6 +650,7 @@ impl ServeArgs {
         pool.l1_load_reserve = self.l1_load_reserve;
         pool.rdma.clone_from(&self.rdma_device);
         pool.summary_to.clone_from(&self.summary_to);
+        pool.cluster_view_blocks = self.cluster_view_blocks;
         pool.tiers.l2_admission = self.l2_admission;
         pool.tiers.l3_write_back = self.l3_write_back;
         if let Some(threads) = self.tag_threads {

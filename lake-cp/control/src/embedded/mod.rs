@@ -106,6 +106,9 @@ pub struct EmbeddedConfig {
     /// The leader's summary aggregators this node reports its replicas to
     /// (whichever accepts; none: it reports to none).
     pub summary_to: Vec<std::net::SocketAddr>,
+    /// Blocks of other nodes the cluster view holds (0: none; kept only
+    /// where the node reports to a summary and has no tenant partitions).
+    pub cluster_view_blocks: u64,
     /// The cluster's link key: the transport's connections and the summary
     /// link are authenticated with it (every peer must hold it).
     pub link_key: Option<lake_dp::auth::LinkKey>,
@@ -285,6 +288,7 @@ impl EmbeddedConfig {
             node: 0,
             l3: None,
             summary_to: Vec::new(),
+            cluster_view_blocks: 1 << 20,
             link_key: None,
             access: LocalAccess::default(),
             tenant_keys: Vec::new(),
@@ -555,6 +559,7 @@ impl EmbeddedPool {
         let mut files: Vec<PathBuf> =
             [(!partitioned).then(|| arena.clone()), Some(mirror.clone())].into_iter().flatten().collect();
         files.extend(config.partitions.iter().map(|p| config.tenant_mirror(&p.tenant)));
+        files.extend(config.cluster_view());
         created.record(&files.iter().map(PathBuf::as_path).collect::<Vec<_>>())?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
@@ -620,7 +625,18 @@ impl EmbeddedPool {
             .map_err(ServeError::io(format!("{}: mode and group", cp_socket.display())))?;
         server.serve_admin(&admin_socket).map_err(ServeError::io(admin_socket.display()))?;
         if !config.summary_to.is_empty() {
-            server.report_to(config.summary_to.clone(), config.link_key.clone());
+            let view = match config.cluster_view() {
+                Some(path) => {
+                    let backing = MirrorBacking::Shm(path);
+                    let view = MirrorConfig {
+                        node: NodeId(config.node),
+                        ..MirrorConfig::for_entries(backing, config.cluster_view_blocks)
+                    };
+                    Some(lake_dp::mirror::view::ViewWriter::create(&view).map_err(ServeError::Mirror)?)
+                }
+                None => None,
+            };
+            server.report_to(config.summary_to.clone(), config.link_key.clone(), view);
         }
         let metrics = match config.metrics {
             Some(address) => {

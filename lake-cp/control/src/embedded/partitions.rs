@@ -99,6 +99,15 @@ impl EmbeddedConfig {
         Ok(tiers)
     }
 
+    /// The node's cluster view, beside the pool's mirror
+    /// (`<mirror>.cluster`), where it keeps one: it reports to a summary,
+    /// with room for blocks, and keeps no tenant apart (the view would
+    /// show every tenant's blocks to each).
+    pub fn cluster_view(&self) -> Option<PathBuf> {
+        let kept = !self.summary_to.is_empty() && self.cluster_view_blocks > 0 && self.partitions.is_empty();
+        kept.then(|| beside(&self.shared_memory().1, "cluster"))
+    }
+
     /// Tenant `tenant`'s own mirror: the pool's, named with `.<tenant>`.
     pub fn tenant_mirror(&self, tenant: &str) -> PathBuf {
         beside(&self.shared_memory().1, tenant)

@@ -449,12 +449,21 @@ impl Server {
     /// Reports this node's replicas to the leader's summary at whichever
     /// of `leaders` accepts (see [`crate::summary::link`]).
     /// With `key`, the link is authenticated (the leader must hold it too).
-    pub fn report_to(&mut self, leaders: Vec<std::net::SocketAddr>, key: Option<lake_dp::auth::LinkKey>) {
-        let uplink = crate::summary::link::Uplink::new(self.node.node().0, leaders);
-        self.uplink = Some(match key {
-            Some(key) => uplink.authenticated(key),
-            None => uplink,
-        });
+    /// With `view`, it keeps the cluster view the leader streams back.
+    pub fn report_to(
+        &mut self,
+        leaders: Vec<std::net::SocketAddr>,
+        key: Option<lake_dp::auth::LinkKey>,
+        view: Option<lake_dp::mirror::view::ViewWriter>,
+    ) {
+        let mut uplink = crate::summary::link::Uplink::new(self.node.node().0, leaders);
+        if let Some(key) = key {
+            uplink = uplink.authenticated(key);
+        }
+        if let Some(view) = view {
+            uplink = uplink.with_view(view);
+        }
+        self.uplink = Some(uplink);
     }
 
     /// The link to the leader's summary, if any.

@@ -8,7 +8,20 @@
 //!              ── Snapshot × n (its ready replicas) ─▶   (every connect)
 //!              ── Delta (term, sequence, changes) ───▶   applied in order
 //!              ◀── SnapshotRequest (gap seen) ────────
+//!              ◀── ViewSnapshot × n (every connect) ──  the cluster view,
+//!              ◀── ViewDelta (term, sequence, node) ──  where the node
+//!              ── SnapshotRequest (view gap seen) ───▶   offered it
 //! ```
+//!
+//! The cluster view flows back down the same connection to each node
+//! whose hello offered [`FEATURE_CLUSTER_VIEW`]: every block each node
+//! holds, with its fastest tier offered to readers ([`ViewEntry`]),
+//! numbered by the leader's term and a sequence per frame. The node
+//! publishes it beside its mirror ([`ViewWriter`]) for its engines. A node
+//! that sees a gap asks for a view snapshot; a node whose connection the
+//! leader finds too far behind is sent no more deltas but a snapshot once
+//! it has caught up, so the leader holds at most one snapshot and
+//! [`VIEW_BEHIND_MAX`] for it.
 //!
 //! Frames are the wire v1 format of every other link (CRC'd, checked).
 //! With the cluster's link key set on both ends ([`Uplink::authenticated`],
@@ -27,17 +40,26 @@ use std::time::{Duration, Instant};
 
 use lake_dp::auth::{AuthError, LinkKey, RecordLink};
 use lake_dp::constants::DELTA_ENTRIES_MAX;
+use lake_dp::mirror::view::ViewWriter;
 use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
-use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SnapshotRequest};
-use lake_dp::wire::{FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame, decode_frame};
+use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SnapshotRequest, ViewEntry};
+use lake_dp::wire::{
+    FEATURE_CLUSTER_VIEW, FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame, decode_frame,
+};
 use lake_dp::{BlockKey, Durability, ObjectKind, Replica, Tier};
 
+use super::view::{ViewCopy, append_view_frame, view_snapshot};
 use super::{Outcome, Replication, Summary};
 use crate::location::{Change, ChangeOp, Locations};
 
 /// A connection's output past this is cut (the peer does not read): the
-/// node reconnects and sends a snapshot.
+/// node reconnects and sends a snapshot. A view snapshot queued for it
+/// counts apart.
 const OUTPUT_MAX: usize = 64 << 20;
+
+/// A node's connection with more than this unsent gets no more view
+/// deltas: a view snapshot once it has caught up instead.
+pub const VIEW_BEHIND_MAX: usize = 16 << 20;
 
 /// The wire record of `replica` of `key`, as `locations` knows the block.
 pub fn entry_of(locations: &Locations, key: &BlockKey, replica: &Replica, op: DeltaOp) -> DeltaEntry {
@@ -104,7 +126,7 @@ pub fn snapshot(node: u32, locations: &Locations) -> Vec<(Delta, Vec<DeltaEntry>
     entries.chunks(DELTA_ENTRIES_MAX).map(|chunk| (head(chunk.len()), chunk.to_vec())).collect()
 }
 
-fn meta(request_id: u64) -> FrameMeta {
+pub(super) fn meta(request_id: u64) -> FrameMeta {
     FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id, leader_term: 0 }
 }
 
@@ -210,6 +232,15 @@ pub struct UplinkCounters {
     /// Connections closed because the leader failed its authentication
     /// (another key, a bad proof, a record's tag).
     pub refused: u64,
+    /// Cluster view deltas applied.
+    pub view_deltas: u64,
+    /// Cluster view snapshots received.
+    pub view_snapshots: u64,
+    /// Gaps seen in the view stream (a view snapshot asked for).
+    pub view_gaps: u64,
+    /// View entries the node's view could not take (its table full, or
+    /// every node slot taken): those blocks read as misses.
+    pub view_refused: u64,
 }
 
 /// A node's link to the leader's aggregator. See the module docs.
@@ -232,6 +263,8 @@ pub struct Uplink {
     /// The link version its handshakes offer: the latest, until a leader
     /// says it speaks only an older one (a rolling upgrade).
     link_version: u8,
+    /// The cluster view it keeps, where it keeps one.
+    view: Option<ViewCopy>,
     /// What it has done.
     pub counters: UplinkCounters,
 }
@@ -253,8 +286,23 @@ impl Uplink {
             wait: Duration::from_millis(50),
             request: 0,
             link_version: lake_dp::auth::handshake::AUTH_VERSION,
+            view: None,
             counters: UplinkCounters::default(),
         }
+    }
+
+    /// Keeps the leader's cluster view in `writer` (offered in every
+    /// hello; the leader streams it back).
+    #[must_use]
+    pub fn with_view(mut self, writer: ViewWriter) -> Self {
+        self.view = Some(ViewCopy { writer, term: 0, sequence: 0, gap: false, receiving: None });
+        self
+    }
+
+    /// The cluster view it keeps: (term, last frame applied, blocks,
+    /// nodes named).
+    pub fn view_figures(&self) -> Option<(u64, u64, u64, usize)> {
+        self.view.as_ref().map(|v| (v.term, v.sequence, v.writer.live(), v.writer.nodes().len()))
     }
 
     /// Authenticates every connection to the leader with `key`.
@@ -300,7 +348,7 @@ impl Uplink {
             node: self.node,
             pid: std::process::id(),
             region_epoch: 0,
-            features: 0,
+            features: if self.view.is_some() { FEATURE_CLUSTER_VIEW } else { 0 },
             name: "lake-cp",
         };
         let Ok(local) = hello::hello(&identity) else { return };
@@ -320,6 +368,10 @@ impl Uplink {
         }
         self.wire = Some(wire);
         self.snapshot_due = true;
+        if let Some(view) = &mut self.view {
+            // The leader's first view snapshot starts the view over.
+            view.receiving = None;
+        }
         self.wait = Duration::from_millis(50);
         self.counters.connects += 1;
     }
@@ -393,6 +445,12 @@ impl Uplink {
         if !open || wire.unsent() > OUTPUT_MAX {
             return self.close();
         }
+        self.take_frames();
+    }
+
+    /// Takes what the leader sent: its asks for a snapshot and for copies,
+    /// and the cluster view.
+    fn take_frames(&mut self) {
         loop {
             let Some(wire) = self.wire.as_mut() else { return };
             let frame = match decode_frame(&wire.input, &Limits::default()) {
@@ -401,8 +459,21 @@ impl Uplink {
                 Ok(frame) => frame,
             };
             let used = frame.len();
+            let mut ask_view = None;
             let again = match frame.message {
                 Message::HelloAck(_) => false,
+                Message::ViewDelta(head, entries) if self.view.is_some() => {
+                    let entries: Vec<ViewEntry> = entries.iter().collect();
+                    ask_view = self.view.as_mut().and_then(|v| v.delta(&head, &entries, &mut self.counters));
+                    false
+                }
+                Message::ViewSnapshot(head, entries) if self.view.is_some() => {
+                    let entries: Vec<ViewEntry> = entries.iter().collect();
+                    if let Some(view) = self.view.as_mut() {
+                        view.snapshot(&head, &entries, &mut self.counters);
+                    }
+                    false
+                }
                 Message::SnapshotRequest(request) => request.node == self.node,
                 Message::CopyBlock(transfer) if transfer.source.node == self.node => {
                     if self.copies.len() < 4096 {
@@ -416,6 +487,12 @@ impl Uplink {
             wire.input.drain(..used);
             if again {
                 self.snapshot_due = true;
+            }
+            if let Some(term) = ask_view {
+                let request = Message::SnapshotRequest(SnapshotRequest { node: self.node, reserved: 0, term });
+                if append_frame(&mut wire.output, meta(0), &request).is_err() {
+                    return self.close();
+                }
             }
         }
     }
@@ -451,6 +528,14 @@ pub struct AggregatorCounters {
     /// Accepts that failed (out of file descriptors, most often); the
     /// connection waits in the kernel's queue for a later pass.
     pub accept_failed: u64,
+    /// Cluster view delta frames made (each sent to every node taking
+    /// the view and not too far behind).
+    pub view_deltas: u64,
+    /// Cluster view snapshots sent.
+    pub view_snapshots: u64,
+    /// View deltas not sent to a node too far behind (a snapshot
+    /// follows once it catches up).
+    pub view_skipped: u64,
 }
 
 /// A node's connection has this long to say its hello.
@@ -462,6 +547,13 @@ struct NodeConnection {
     node: Option<u32>,
     /// When it was accepted.
     since: Instant,
+    /// It takes the cluster view (its hello offered it).
+    view: bool,
+    /// A view snapshot is owed to it (it connected, asked, or fell behind).
+    view_snapshot_due: bool,
+    /// Bytes of the last view snapshot queued for it: its output may hold
+    /// them on top of [`OUTPUT_MAX`].
+    view_allowance: usize,
 }
 
 /// The leader's end: accepts the nodes' uplinks and applies what they
@@ -477,6 +569,11 @@ pub struct Aggregator {
     drain_asked: std::collections::HashMap<(BlockKey, u32), Instant>,
     key: Option<LinkKey>,
     security_events: std::collections::VecDeque<String>,
+    /// The view stream's term: this aggregator's start in ms since the
+    /// epoch, so a node never takes a later leader's stream for the last.
+    view_term: u64,
+    /// The last view frame's sequence.
+    view_sequence: u64,
     /// Node connections held at once, at most: one past it is accepted
     /// and closed at once.
     pub connections_max: usize,
@@ -500,6 +597,11 @@ impl Aggregator {
             name: "lake-leader",
         };
         let local = hello::hello(&identity).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let mut summary = summary;
+        summary.track_view();
+        let view_term = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         Ok(Self {
             listener,
             connections: Vec::new(),
@@ -508,6 +610,8 @@ impl Aggregator {
             drain_asked: std::collections::HashMap::new(),
             key: None,
             security_events: std::collections::VecDeque::new(),
+            view_term,
+            view_sequence: 0,
             connections_max: 256,
             summary,
             counters: AggregatorCounters::default(),
@@ -603,8 +707,14 @@ impl Aggregator {
                     if stream.set_nonblocking(true).is_ok() && stream.set_nodelay(true).is_ok() {
                         self.counters.accepted += 1;
                         let link = self.key.as_ref().map(|key| (RecordLink::server(key, 0, RECORD_MAX), Vec::new()));
-                        let connection =
-                            NodeConnection { wire: Wire::new(stream, link), node: None, since: Instant::now() };
+                        let connection = NodeConnection {
+                            wire: Wire::new(stream, link),
+                            node: None,
+                            since: Instant::now(),
+                            view: false,
+                            view_snapshot_due: false,
+                            view_allowance: 0,
+                        };
                         self.connections.push(connection);
                     }
                 }
@@ -630,14 +740,68 @@ impl Aggregator {
                 self.connections.swap_remove(at);
             }
         }
+        self.stream_view();
     }
 
-    /// Serves connection `at`; false when it is to be closed.
-    fn serve(&mut self, at: usize) -> bool {
+    /// The view's term and the last frame's sequence.
+    pub fn view_position(&self) -> (u64, u64) {
+        (self.view_term, self.view_sequence)
+    }
+
+    /// Sends the summary's view changes since the last pass to every node
+    /// taking the view, and a snapshot to each one owed one: a node too
+    /// far behind gets no deltas, and a snapshot once it has caught up.
+    fn stream_view(&mut self) {
+        let changes = self.summary.take_view_changes();
+        let mut deltas = Vec::new();
+        for (node, entries) in &changes {
+            for chunk in entries.chunks(DELTA_ENTRIES_MAX) {
+                self.view_sequence += 1;
+                let head = Delta { term: self.view_term, sequence: self.view_sequence, node: *node, count: 0 };
+                if append_view_frame(&mut deltas, head, chunk, false).is_err() {
+                    return;
+                }
+                self.counters.view_deltas += 1;
+            }
+        }
+        let mut snapshot: Option<Vec<u8>> = None;
+        for connection in &mut self.connections {
+            if !connection.view {
+                continue;
+            }
+            let unsent = connection.wire.unsent();
+            if unsent <= OUTPUT_MAX {
+                connection.view_allowance = 0;
+            }
+            if !connection.view_snapshot_due && unsent > VIEW_BEHIND_MAX && !deltas.is_empty() {
+                connection.view_snapshot_due = true;
+                self.counters.view_skipped += 1;
+            }
+            if connection.view_snapshot_due {
+                if unsent > VIEW_BEHIND_MAX {
+                    continue;
+                }
+                // The snapshot is taken after this pass's changes: it covers
+                // them, and carries the last sequence made.
+                let bytes = snapshot.get_or_insert_with(|| {
+                    view_snapshot(&self.summary, self.view_term, self.view_sequence).unwrap_or_default()
+                });
+                connection.wire.output.extend_from_slice(bytes);
+                connection.view_allowance = bytes.len();
+                connection.view_snapshot_due = false;
+                self.counters.view_snapshots += 1;
+            } else {
+                connection.wire.output.extend_from_slice(&deltas);
+            }
+        }
+    }
+
+    /// Reads what connection `at` sent; false when it closed or failed its
+    /// authentication (said in the security events).
+    fn read_from(&mut self, at: usize) -> bool {
         let connection = &mut self.connections[at];
         match connection.wire.read() {
-            Ok(true) => {}
-            Ok(false) => return false,
+            Ok(open) => open,
             Err(e) => {
                 self.counters.refused += 1;
                 let from = connection.wire.stream.peer_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
@@ -647,9 +811,17 @@ impl Aggregator {
                 self.security_events.push_back(format!("summary connection from {from} refused: {e}"));
                 // A wrong key's answer says so to the node, if it can.
                 connection.wire.write();
-                return false;
+                false
             }
         }
+    }
+
+    /// Serves connection `at`; false when it is to be closed.
+    fn serve(&mut self, at: usize) -> bool {
+        if !self.read_from(at) {
+            return false;
+        }
+        let connection = &mut self.connections[at];
         let mut used_total = 0;
         loop {
             let input = &connection.wire.input[used_total..];
@@ -670,9 +842,14 @@ impl Aggregator {
                         return false;
                     };
                     connection.node = Some(remote.node);
+                    connection.view = remote.features & FEATURE_CLUSTER_VIEW != 0;
+                    connection.view_snapshot_due = connection.view;
                     if append_frame(&mut connection.wire.output, reply, &Message::HelloAck(ack)).is_err() {
                         return false;
                     }
+                }
+                Message::SnapshotRequest(request) if connection.view && connection.node == Some(request.node) => {
+                    connection.view_snapshot_due = true;
                 }
                 Message::Delta(head, entries) | Message::Snapshot(head, entries)
                     if connection.node == Some(head.node) =>
@@ -702,6 +879,6 @@ impl Aggregator {
             }
         }
         connection.wire.input.drain(..used_total);
-        connection.wire.write() && connection.wire.unsent() <= OUTPUT_MAX
+        connection.wire.write() && connection.wire.unsent() <= OUTPUT_MAX + connection.view_allowance
     }
 }

@@ -34,6 +34,7 @@
 //! [`Message::Snapshot`]: lake_dp::wire::Message::Snapshot
 
 pub mod link;
+mod view;
 
 use std::collections::HashMap;
 
@@ -181,6 +182,9 @@ const ENTRY_BYTES: usize = size_of::<DeltaEntry>();
 #[derive(Debug, Default)]
 pub struct Summary {
     nodes: HashMap<u32, NodeView>,
+    /// The cluster view's changes since they were last taken, where they
+    /// are noted ([`Summary::track_view`]).
+    view: view::Pending,
 }
 
 fn tier_of(entry: &DeltaEntry) -> Option<Tier> {
@@ -203,6 +207,7 @@ impl Summary {
         if head.term > view.term {
             // A new incarnation: its view starts over, from its first
             // delta or from a snapshot.
+            view::note_all(&mut self.view, head.node, view);
             view.term = head.term;
             view.sequence = 0;
             view.replicas.clear();
@@ -220,6 +225,7 @@ impl Summary {
             return Outcome::NeedSnapshot { node: head.node, term: view.term };
         }
         for entry in entries {
+            view::note(&mut self.view, head.node, view, &entry.key);
             apply(view, &entry);
         }
         view.sequence = last;
@@ -236,12 +242,14 @@ impl Summary {
         }
         if view.receiving != Some((head.term, head.sequence)) {
             view.receiving = Some((head.term, head.sequence));
+            view::note_all(&mut self.view, head.node, view);
             view.replicas.clear();
         }
         view.term = head.term;
         view.sequence = head.sequence;
         view.gap = false;
         for entry in entries {
+            view::note(&mut self.view, head.node, view, &entry.key);
             apply(view, &entry);
         }
         Outcome::Applied { sequence: head.sequence }
@@ -252,6 +260,11 @@ impl Summary {
     pub fn membership(&mut self, members: &[u32]) {
         for (node, view) in &mut self.nodes {
             let member = members.contains(node);
+            if view.member != member {
+                // What it offers changes: its L1 goes, its L2 is withheld
+                // or offered again.
+                view::note_all(&mut self.view, *node, view);
+            }
             if view.member && !member {
                 for held in view.replicas.values_mut() {
                     held.retain(|h| tier_of(&h.entry) != Some(Tier::L1Dram));

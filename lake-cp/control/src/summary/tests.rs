@@ -2,6 +2,7 @@ use super::link::{Aggregator, Uplink, deltas, snapshot};
 use super::*;
 use crate::location::Locations;
 use lake_dp::NodeId;
+use lake_dp::wire::message::ViewEntry;
 use std::time::Duration;
 
 fn key(i: u8) -> BlockKey {
@@ -296,4 +297,204 @@ fn a_draining_nodes_blocks_no_one_else_keeps_are_planned_into_other_members_l1()
     summary.draining(&[1]);
     summary.membership(&[2, 3]);
     assert!(summary.drain_plan(10, |_, _| false).is_empty());
+}
+
+/// A cluster view of node `node` at a scratch path in /dev/shm, removed
+/// when dropped.
+struct ScratchView(std::path::PathBuf);
+
+impl Drop for ScratchView {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn scratch_view(name: &str, node: u32) -> (ScratchView, lake_dp::mirror::view::ViewWriter) {
+    use lake_dp::mirror::{MirrorBacking, MirrorConfig};
+    let path = std::path::PathBuf::from(format!("/dev/shm/lake-summary-view-{name}-{}", std::process::id()));
+    let config =
+        MirrorConfig { node: NodeId(node), ..MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), 1000) };
+    let writer = lake_dp::mirror::view::ViewWriter::create(&config).unwrap();
+    (ScratchView(path), writer)
+}
+
+fn view_tiers(changes: &[(u32, Vec<ViewEntry>)]) -> Vec<(u32, u8, u8)> {
+    changes.iter().flat_map(|(node, entries)| entries.iter().map(move |e| (*node, e.key.0[0], e.tier))).collect()
+}
+
+#[test]
+fn the_view_changes_name_each_nodes_fastest_offered_tier_and_only_what_changed() {
+    use lake_dp::wire::message::VIEW_TIER_NONE as NONE;
+    let (l1, l2, l3) = (Tier::L1Dram as u8, Tier::L2Nvme as u8, Tier::L3Object as u8);
+    let mut summary = Summary::new();
+    summary.track_view();
+    let mut one = view(1, 1);
+    one.adopt(None, key(1), lake_dp::ObjectKind::KvBlock, 0, 5, 1, 1).unwrap();
+    one.adopt(None, key(1), lake_dp::ObjectKind::KvBlock, 1, 5, 2, 1).unwrap();
+    one.adopt(None, key(2), lake_dp::ObjectKind::KvBlock, 1, 5, 3, 1).unwrap();
+    one.adopt(None, key(3), lake_dp::ObjectKind::KvBlock, 9, 5, 4, 1).unwrap();
+    let changes: Vec<_> = one.drain_changes().collect();
+    apply_all(&mut summary, deltas(1, &one, &changes));
+    assert_eq!(view_tiers(&summary.take_view_changes()), [(1, 1, l1), (1, 2, l2), (1, 3, l3)]);
+    assert!(summary.take_view_changes().is_empty(), "taken once");
+    // Its L1 replica goes: L2 is its fastest now.
+    one.remove(&key(1), 0).unwrap();
+    let changes: Vec<_> = one.drain_changes().collect();
+    apply_all(&mut summary, deltas(1, &one, &changes));
+    assert_eq!(view_tiers(&summary.take_view_changes()), [(1, 1, l2)]);
+    // Removed and added back between two takes: nothing to send.
+    one.remove(&key(2), 1).unwrap();
+    one.adopt(None, key(2), lake_dp::ObjectKind::KvBlock, 1, 5, 3, 1).unwrap();
+    let changes: Vec<_> = one.drain_changes().collect();
+    apply_all(&mut summary, deltas(1, &one, &changes));
+    assert!(summary.take_view_changes().is_empty());
+    // Its lease lapses: its L2 is withheld, its L3 is the store's.
+    summary.membership(&[]);
+    assert_eq!(view_tiers(&summary.take_view_changes()), [(1, 1, NONE), (1, 2, NONE)]);
+    summary.membership(&[1]);
+    assert_eq!(view_tiers(&summary.take_view_changes()), [(1, 1, l2), (1, 2, l2)]);
+    // A snapshot that replaces its view sends only what differs.
+    one.remove(&key(3), 9).unwrap();
+    let _ = one.drain_changes().count();
+    for (head, entries) in snapshot(1, &one) {
+        summary.snapshot(&head, entries);
+    }
+    assert_eq!(view_tiers(&summary.take_view_changes()), [(1, 3, NONE)]);
+    let whole = summary.view_entries();
+    assert_eq!(view_tiers(&whole), [(1, 1, l2), (1, 2, l2)]);
+}
+
+#[test]
+fn the_leader_streams_each_node_the_other_nodes_blocks_and_a_new_leader_starts_the_view_over() {
+    use lake_dp::mirror::view::{Holder, ViewReader};
+    let mut aggregator = Aggregator::bind("127.0.0.1:0".parse().unwrap(), Summary::new()).unwrap();
+    let address = aggregator.local_addr().unwrap();
+    let (path_one, writer_one) = scratch_view("stream-1", 1);
+    let (path_two, writer_two) = scratch_view("stream-2", 2);
+    let mut one = view(1, 1);
+    let mut two = view(2, 1);
+    let mut up_one = Uplink::new(1, vec![address]).with_view(writer_one);
+    let mut up_two = Uplink::new(2, vec![address]).with_view(writer_two);
+    let reader_one = ViewReader::attach(&path_one.0).unwrap();
+    let reader_two = ViewReader::attach(&path_two.0).unwrap();
+    let pump = |one: &mut Locations, two: &mut Locations, a: &mut Uplink, b: &mut Uplink, leader: &mut Aggregator| {
+        for _ in 0..30 {
+            let changes: Vec<_> = one.drain_changes().collect();
+            a.pump(one, &changes);
+            let changes: Vec<_> = two.drain_changes().collect();
+            b.pump(two, &changes);
+            leader.pump();
+            std::thread::sleep(Duration::from_millis(3));
+        }
+    };
+    for i in 1..=5u8 {
+        let parent = (i > 1).then(|| key(i - 1));
+        one.adopt(parent, key(i), lake_dp::ObjectKind::KvBlock, 0, 5, u32::from(i), 1).unwrap();
+    }
+    two.adopt(None, key(40), lake_dp::ObjectKind::KvBlock, 1, 5, 1, 1).unwrap();
+    pump(&mut one, &mut two, &mut up_one, &mut up_two, &mut aggregator);
+    let on_one = Some(Holder { node: NodeId(1), tier: Tier::L1Dram });
+    for i in 1..=5 {
+        assert_eq!(reader_two.best(&key(i)), on_one, "node 2 sees node 1's block {i}");
+        assert_eq!(reader_one.best(&key(i)), None, "a node's own blocks are its mirror's");
+    }
+    assert_eq!(reader_one.best(&key(40)), Some(Holder { node: NodeId(2), tier: Tier::L2Nvme }));
+    // Removals flow down too.
+    one.remove(&key(5), 0).unwrap();
+    pump(&mut one, &mut two, &mut up_one, &mut up_two, &mut aggregator);
+    assert_eq!(reader_two.best(&key(5)), None);
+    assert_eq!(reader_two.live(), 4);
+    let (term, sequence, blocks, nodes) = up_two.view_figures().unwrap();
+    assert_eq!((term, blocks, nodes), (aggregator.view_position().0, 4, 1));
+    assert_eq!(sequence, aggregator.view_position().1, "node 2 applied every frame made");
+    assert!(aggregator.counters.view_snapshots >= 2, "{:?}", aggregator.counters);
+
+    // The leader goes; a new one starts from nothing. Each node's snapshot
+    // rebuilds its summary, and its view stream (a later term) rebuilds
+    // the views — with what changed meanwhile.
+    drop(aggregator);
+    std::thread::sleep(Duration::from_millis(5));
+    let mut second = Aggregator::bind(address, Summary::new()).unwrap();
+    one.remove(&key(4), 0).unwrap();
+    for _ in 0..5 {
+        pump(&mut one, &mut two, &mut up_one, &mut up_two, &mut second);
+        if reader_two.live() == 3 && up_two.view_figures().is_some_and(|f| f.0 == second.view_position().0) {
+            break;
+        }
+    }
+    assert_eq!(up_two.view_figures().map(|f| f.0), Some(second.view_position().0), "the new leader's term");
+    for i in 1..=3 {
+        assert_eq!(reader_two.best(&key(i)), on_one);
+    }
+    assert_eq!(reader_two.best(&key(4)), None, "removed while no leader was there");
+    assert_eq!(reader_one.best(&key(40)), Some(Holder { node: NodeId(2), tier: Tier::L2Nvme }));
+    assert_eq!(up_two.counters.view_gaps, 0, "{:?}", up_two.counters);
+}
+
+#[test]
+fn a_node_that_sees_a_gap_in_the_view_asks_for_a_snapshot_and_applies_nothing_until_it_comes() {
+    use lake_dp::mirror::view::{Holder, ViewReader};
+    use lake_dp::wire::{Limits, Message, append_frame, decode_frame};
+    use std::io::{Read, Write};
+    // The leader's end by hand: the aggregator never skips a frame.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (path, writer) = scratch_view("gap", 1);
+    let mut uplink = Uplink::new(1, vec![listener.local_addr().unwrap()]).with_view(writer);
+    let locations = view(1, 1);
+    uplink.pump(&locations, &[]);
+    let (mut leader, _) = listener.accept().unwrap();
+    leader.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let frame = |kind_snapshot: bool, sequence: u64, keys: &[u8]| {
+        let entries: Vec<ViewEntry> = keys
+            .iter()
+            .map(|&k| ViewEntry { key: key(k), tier: Tier::L1Dram as u8, kind: 1, reserved: [0; 6] })
+            .collect();
+        let head = Delta { term: 5, sequence, node: 3, count: u32::try_from(entries.len()).unwrap() };
+        let records = lake_dp::wire::message::Records::from_slice(&entries);
+        let message =
+            if kind_snapshot { Message::ViewSnapshot(head, records) } else { Message::ViewDelta(head, records) };
+        let mut out = Vec::new();
+        append_frame(&mut out, super::link::meta(0), &message).unwrap();
+        out
+    };
+    let settle = |uplink: &mut Uplink| {
+        for _ in 0..20 {
+            uplink.pump(&locations, &[]);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    leader
+        .write_all(
+            &[frame(true, 1, &[1]), frame(false, 2, &[2]), frame(false, 4, &[3]), frame(false, 5, &[4])].concat(),
+        )
+        .unwrap();
+    settle(&mut uplink);
+    let reader = ViewReader::attach(&path.0).unwrap();
+    let held = |k: u8| reader.best(&key(k)) == Some(Holder { node: NodeId(3), tier: Tier::L1Dram });
+    assert_eq!([held(1), held(2), held(3), held(4)], [true, true, false, false], "nothing past the gap");
+    assert_eq!(uplink.counters.view_gaps, 1);
+    // The node asked for a snapshot, naming itself and the view's term.
+    let mut input = Vec::new();
+    let request = loop {
+        let mut buf = [0u8; 4096];
+        let n = leader.read(&mut buf).unwrap();
+        assert!(n > 0, "the node closed its link");
+        input.extend_from_slice(&buf[..n]);
+        let mut at = 0;
+        let mut found = None;
+        while let Ok(frame) = decode_frame(&input[at..], &Limits::default()) {
+            at += frame.len();
+            if let Message::SnapshotRequest(request) = frame.message {
+                found = Some(request);
+            }
+        }
+        if let Some(request) = found {
+            break request;
+        }
+    };
+    assert_eq!((request.node, request.term), (1, 5));
+    leader.write_all(&[frame(true, 5, &[1]), frame(false, 6, &[4])].concat()).unwrap();
+    settle(&mut uplink);
+    assert_eq!([held(1), held(2), held(3), held(4)], [true, false, false, true], "the snapshot replaced the view");
+    assert_eq!(uplink.view_figures().map(|f| (f.0, f.1)), Some((5, 6)));
 }

@@ -54,6 +54,9 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
         "admin_socket": pool.admin_socket,
         "arena": pool.arena,
         "mirror": pool.mirror,
+        // The other nodes' blocks, where this node keeps the cluster view
+        // (the mirror's path with `.cluster`; null: none).
+        "cluster_view": config.cluster_view(),
         "metrics": pool.metrics.map_or_else(String::new, |a| a.to_string()),
         "block_bytes": config.block_bytes,
         // Every L1 size class as [payload bytes, slots]: an engine checks

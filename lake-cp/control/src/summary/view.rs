@@ -1,0 +1,210 @@
+//! The cluster view the leader streams back down to every node: for each
+//! (node, block), the fastest tier of the node's replicas offered to
+//! readers. The summary notes each (node, block) a change touches, with
+//! what it was before; taking the changes compares that with what it is
+//! now, so a block removed and added back between two takes sends nothing,
+//! and a node's snapshot replacing its view sends only what differs.
+
+use std::collections::HashMap;
+
+use lake_dp::constants::DELTA_ENTRIES_MAX;
+use lake_dp::mirror::view::ViewWriter;
+use lake_dp::wire::message::{Delta, Records, VIEW_TIER_NONE, ViewEntry};
+use lake_dp::wire::{Message, WireError, append_frame};
+use lake_dp::{BlockKey, NodeId, ObjectKind, Tier};
+
+use super::link::{UplinkCounters, meta};
+use super::{NodeView, Summary, available, tier_of};
+
+/// What a (node, block) was when a change first touched it since the last
+/// take: its offered tier and kind.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Before {
+    tier: Option<Tier>,
+    kind: u8,
+}
+
+/// The fastest tier of `view`'s replicas of `key` offered to readers (L0
+/// is no other node's to read), and the block's kind.
+fn offered(view: &NodeView, key: &BlockKey) -> (Option<Tier>, u8) {
+    let mut best = None;
+    let mut kind = ObjectKind::KvBlock as u8;
+    for held in view.replicas.get(key).into_iter().flatten() {
+        kind = u8::try_from(held.entry.kind).unwrap_or(kind);
+        if let Some(tier) = tier_of(&held.entry)
+            && tier != Tier::L0Hbm
+            && available(view, tier)
+            && best.is_none_or(|b| tier < b)
+        {
+            best = Some(tier);
+        }
+    }
+    (best, kind)
+}
+
+fn entry(key: BlockKey, tier: Option<Tier>, kind: u8) -> ViewEntry {
+    ViewEntry { key, tier: tier.map_or(VIEW_TIER_NONE, |t| t as u8), kind, reserved: [0; 6] }
+}
+
+/// The changes noted since the last take, where the summary notes them.
+pub(super) type Pending = Option<HashMap<(u32, BlockKey), Before>>;
+
+/// Notes `key` of `node` as about to change (its state now is what the
+/// next take compares with).
+pub(super) fn note(pending: &mut Pending, node: u32, view: &NodeView, key: &BlockKey) {
+    if let Some(pending) = pending {
+        pending.entry((node, *key)).or_insert_with(|| {
+            let (tier, kind) = offered(view, key);
+            Before { tier, kind }
+        });
+    }
+}
+
+/// Notes every block of `node` (its view is about to be replaced, or
+/// what of it is offered changes).
+pub(super) fn note_all(pending: &mut Pending, node: u32, view: &NodeView) {
+    if pending.is_some() {
+        for key in view.replicas.keys() {
+            note(pending, node, view, key);
+        }
+    }
+}
+
+impl Summary {
+    /// Notes the changes of the cluster view from now on
+    /// ([`Summary::take_view_changes`]): the leader streaming it calls
+    /// this once.
+    pub fn track_view(&mut self) {
+        self.view.get_or_insert_with(HashMap::new);
+    }
+
+    /// The cluster view's changes since the last call, by node (in node
+    /// order): each block whose fastest offered tier on that node is not
+    /// what it was ([`VIEW_TIER_NONE`]: it holds it no more).
+    pub fn take_view_changes(&mut self) -> Vec<(u32, Vec<ViewEntry>)> {
+        let Some(pending) = self.view.as_mut() else { return Vec::new() };
+        let mut changes: Vec<((u32, BlockKey), Before)> = pending.drain().collect();
+        changes.sort_unstable_by_key(|&(at, _)| at);
+        let mut out: Vec<(u32, Vec<ViewEntry>)> = Vec::new();
+        for ((node, key), before) in changes {
+            let (tier, kind) = match self.nodes.get(&node) {
+                Some(view) => offered(view, &key),
+                None => (None, before.kind),
+            };
+            if tier == before.tier {
+                continue;
+            }
+            match out.last_mut() {
+                Some((n, entries)) if *n == node => entries.push(entry(key, tier, kind)),
+                _ => out.push((node, vec![entry(key, tier, kind)])),
+            }
+        }
+        out
+    }
+
+    /// The whole cluster view, by node: every block each node offers, with
+    /// its fastest tier (a snapshot for a node that connects or saw a gap).
+    pub fn view_entries(&self) -> Vec<(u32, Vec<ViewEntry>)> {
+        let mut out = Vec::new();
+        for node in self.nodes() {
+            let view = &self.nodes[&node];
+            let mut entries: Vec<ViewEntry> = view
+                .replicas
+                .keys()
+                .filter_map(|key| match offered(view, key) {
+                    (Some(tier), kind) => Some(entry(*key, Some(tier), kind)),
+                    (None, _) => None,
+                })
+                .collect();
+            if !entries.is_empty() {
+                entries.sort_unstable_by_key(|e| e.key);
+                out.push((node, entries));
+            }
+        }
+        out
+    }
+}
+
+/// The node's copy of the leader's cluster view.
+#[derive(Debug)]
+pub(super) struct ViewCopy {
+    pub(super) writer: ViewWriter,
+    pub(super) term: u64,
+    /// The last frame applied.
+    pub(super) sequence: u64,
+    /// A gap was seen: deltas wait for the snapshot asked.
+    pub(super) gap: bool,
+    /// The snapshot being received: its (term, sequence).
+    pub(super) receiving: Option<(u64, u64)>,
+}
+
+impl ViewCopy {
+    /// Applies a view delta frame: the view's term asked for a snapshot
+    /// of where it does not follow the last.
+    pub(super) fn delta(&mut self, head: &Delta, entries: &[ViewEntry], counters: &mut UplinkCounters) -> Option<u64> {
+        self.receiving = None;
+        if self.gap || (head.term == self.term && head.sequence <= self.sequence) {
+            return None;
+        }
+        if head.term != self.term || head.sequence != self.sequence + 1 {
+            self.gap = true;
+            counters.view_gaps += 1;
+            return Some(head.term);
+        }
+        self.apply(head.node, entries, counters);
+        self.sequence = head.sequence;
+        counters.view_deltas += 1;
+        None
+    }
+
+    /// Applies a view snapshot frame; its first frame starts the view over.
+    pub(super) fn snapshot(&mut self, head: &Delta, entries: &[ViewEntry], counters: &mut UplinkCounters) {
+        if self.receiving != Some((head.term, head.sequence)) {
+            self.receiving = Some((head.term, head.sequence));
+            self.writer.clear();
+            counters.view_snapshots += 1;
+        }
+        (self.term, self.sequence, self.gap) = (head.term, head.sequence, false);
+        self.apply(head.node, entries, counters);
+    }
+
+    fn apply(&mut self, node: u32, entries: &[ViewEntry], counters: &mut UplinkCounters) {
+        for entry in entries {
+            let tier = if entry.tier == VIEW_TIER_NONE { None } else { Tier::from_u8(entry.tier) };
+            let kind = ObjectKind::from_u16(u16::from(entry.kind)).unwrap_or(ObjectKind::KvBlock);
+            if self.writer.set(&entry.key, NodeId(node), tier, kind).is_err() {
+                counters.view_refused += 1;
+            }
+        }
+    }
+}
+
+/// Appends one view frame of `entries` under `head` (its count set here).
+pub(super) fn append_view_frame(
+    out: &mut Vec<u8>,
+    head: Delta,
+    entries: &[ViewEntry],
+    snapshot: bool,
+) -> Result<(), WireError> {
+    let head = Delta { count: u32::try_from(entries.len()).unwrap_or(u32::MAX), ..head };
+    let records = Records::from_slice(entries);
+    let message = if snapshot { Message::ViewSnapshot(head, records) } else { Message::ViewDelta(head, records) };
+    append_frame(out, meta(0), &message).map(|_| ())
+}
+
+/// The whole view as snapshot frames at `(term, sequence)`: at least one
+/// (an empty view is one empty frame, which starts the node's over).
+pub(super) fn view_snapshot(summary: &Summary, term: u64, sequence: u64) -> Result<Vec<u8>, WireError> {
+    let mut out = Vec::new();
+    let head = |node| Delta { term, sequence, node, count: 0 };
+    let nodes = summary.view_entries();
+    if nodes.is_empty() {
+        append_view_frame(&mut out, head(0), &[], true)?;
+    }
+    for (node, entries) in &nodes {
+        for chunk in entries.chunks(DELTA_ENTRIES_MAX) {
+            append_view_frame(&mut out, head(*node), chunk, true)?;
+        }
+    }
+    Ok(out)
+}
