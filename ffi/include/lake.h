@@ -545,6 +545,34 @@ typedef struct LakeLocation {
 } LakeLocation;
 
 /*
+ Where a block of a cluster lookup is (`lake_lookup_cluster`).
+ */
+typedef struct LakeBlockWhere {
+  /*
+   The node holding it (this node's id for a block of its own).
+   */
+  uint32_t node;
+  /*
+   The fastest tier it is held in there: 1 host DRAM (L1), 2 NVMe
+   (L2), 3 the object store (L3).
+   */
+  uint8_t tier;
+  /*
+   1: on this node (`location` is its block-table entry, loaded as
+   `lake_lookup`'s are); 0: only on another node.
+   */
+  uint8_t local;
+  /*
+   Zero.
+   */
+  uint16_t reserved;
+  /*
+   This node's block-table entry (zeroed for another node's block).
+   */
+  struct LakeLocation location;
+} LakeBlockWhere;
+
+/*
  Where one (layer, plane) of every engine block lies: block `b`, token
  `t`, head `h` of it starts at `address + b*block_stride +
  t*token_stride + h*head_stride` and holds `head_bytes` bytes.
@@ -1254,6 +1282,31 @@ enum LakeStatus lake_load_pinned(const struct LakePool *pool,
  `pins` null or from `lake_lookup_pinned`, released once.
  */
 void lake_pins_release(struct LakePins *pins);
+
+/*
+ The longest prefix of `keys` (`count`) held anywhere in the pool: its
+ length to `hits`, where each of its blocks is to `out` (room for
+ `capacity`). This node's blocks come first from its mirror (`local` 1,
+ with the block-table entry `lake_lookup` gives); a block this node
+ lacks comes from the cluster view of the other nodes' blocks (`local`
+ 0: which node, and its fastest tier there). A pool that keeps no
+ cluster view (one not reporting to a summary, or one with tenant
+ partitions) answers with this node's blocks only, as `lake_lookup`.
+ Shared memory only; the run of this node's blocks is reported as
+ `lake_lookup`'s hits are. `LAKE_BUFFER_TOO_SMALL` when the hit needs
+ more room. Thread-safe.
+
+ # Safety
+
+ `keys` points at `count` keys; `out` at `capacity` writable entries;
+ `hits` writable.
+ */
+enum LakeStatus lake_lookup_cluster(const struct LakePool *pool,
+                                    const struct LakeBlockKey *keys,
+                                    uintptr_t count,
+                                    struct LakeBlockWhere *out,
+                                    uintptr_t capacity,
+                                    uintptr_t *hits);
 
 /*
  Registers `block_count` engine blocks of `block_bytes` each at `base`

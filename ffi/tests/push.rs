@@ -4,23 +4,25 @@
 //! there (`lake_push`), and the decode engine finds it with `lake_lookup`
 //! and loads it byte for byte. Bad arguments are refused by name. And the
 //! routing question before such a push (`lake_route`): this node's hits
-//! read from its mirror, another node's as given.
+//! read from its mirror, another node's as given. And the cluster lookup
+//! (`lake_lookup_cluster`): this node's blocks from its mirror, then the
+//! blocks only other nodes hold from the cluster view beside it.
 
 #![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)] // small test numbers, seconds shown
 
 mod common;
 
-use common::pools::{BLOCK, attach, empty_rail, keys, lookup, namespace, start};
+use common::pools::{BLOCK, attach, empty_rail, keys, lookup, namespace, save, start};
 use common::{ok, statuses};
 
 use std::ffi::CString;
 use std::time::{Duration, Instant};
 
 use lake::pool::{
-    LakeBlockKey, LakeNamespace, LakeNamespaceOptions, lake_cancel, lake_compute_cost, lake_detach,
-    lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_load_costs, lake_namespace_free,
-    lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory, lake_report_prefill, lake_slot_space,
-    lake_submit_load, lake_submit_save,
+    LakeBlockKey, LakeBlockWhere, LakeNamespace, LakeNamespaceOptions, lake_cancel, lake_compute_cost, lake_detach,
+    lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_load_costs, lake_lookup_cluster,
+    lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory,
+    lake_report_prefill, lake_slot_space, lake_submit_load, lake_submit_save,
 };
 use lake::route::{
     LAKE_COST_MEASURED, LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_ROLE_DECODE,
@@ -565,4 +567,73 @@ fn a_tenant_capped_on_its_pushes_pushes_no_faster_and_the_other_is_not_held() {
     drop((kv5, kv6, strings));
     prefill.stop().unwrap();
     decode.stop().unwrap();
+}
+
+/// The cluster view is written here as the node's `lake-cp` writes what
+/// the leader streams (that stream, between real processes, is
+/// `lake-cp --test summary_cluster`'s); what is tested is the engine's
+/// side: the C ABI reading the pool's mirror and its view together.
+#[test]
+fn a_cluster_lookup_names_this_nodes_blocks_then_the_blocks_only_another_node_holds() {
+    use lake_dp::mirror::view::ViewWriter;
+    use lake_dp::mirror::{MirrorBacking, MirrorConfig};
+    use lake_dp::{NodeId, ObjectKind, Tier};
+
+    let pool = start("cluster-view", None, None);
+    let namespace = namespace(6);
+    let keys = keys(namespace, 8, |i| i * 5 + 3);
+    let mut strings = Vec::new();
+    let p = attach(&pool, namespace, &mut strings);
+    let mut kv = vec![9u8; 6 * BLOCK];
+    let table = save(p, &keys[..6], &mut kv);
+    let ask = |capacity: usize| {
+        let mut out = vec![LakeBlockWhere::default(); 8];
+        let mut hits = usize::MAX;
+        // SAFETY: arrays of 8 entries, `capacity` at most 8.
+        let status =
+            unsafe { lake_lookup_cluster(p, keys.as_ptr(), keys.len(), out.as_mut_ptr(), capacity, &raw mut hits) };
+        (status, hits, out)
+    };
+    // No view beside the mirror (the pool reports to no summary): this
+    // node's blocks, as lake_lookup gives them.
+    let (status, hits, out) = ask(8);
+    assert_eq!((status, hits), (LakeStatus::LakeOk, 6));
+    for (place, location) in out.iter().zip(&table) {
+        assert_eq!((place.node, place.tier, place.local, place.location), (0, 1, 1, *location));
+    }
+
+    // Node 5 holds the whole prompt in L2.
+    let mut path = pool.mirror.clone().into_os_string();
+    path.push(".cluster");
+    let config =
+        MirrorConfig { node: NodeId(0), ..MirrorConfig::for_entries(MirrorBacking::Shm(path.clone().into()), 64) };
+    let mut view = ViewWriter::create(&config).unwrap();
+    for key in &keys {
+        view.set(&lake_dp::BlockKey(key.bytes), NodeId(5), Some(Tier::L2Nvme), ObjectKind::KvBlock).unwrap();
+    }
+    // The view is looked for again at most once a second.
+    std::thread::sleep(lake_dp::mirror::view::ViewOpener::RETRY);
+    let (status, hits, out) = ask(8);
+    assert_eq!((status, hits), (LakeStatus::LakeOk, 8));
+    assert!(out[..6].iter().all(|w| w.local == 1 && w.node == 0), "this node's own first: {out:?}");
+    for place in &out[6..] {
+        assert_eq!((place.node, place.tier, place.local), (5, 2, 0));
+        assert_eq!(place.location, lake::pool::LakeLocation::default(), "no block-table entry here");
+    }
+    // Too little room: the hit is said, with the status.
+    let (status, hits, _) = ask(7);
+    assert_eq!((status, hits), (LakeStatus::LakeBufferTooSmall, 8));
+    // Node 5 lets its last block go: the prefix ends before it.
+    view.set(&lake_dp::BlockKey(keys[7].bytes), NodeId(5), None, ObjectKind::KvBlock).unwrap();
+    assert_eq!(ask(8).1, 7);
+    let mut hits = 0;
+    // SAFETY: a null pointer is refused before any is read.
+    let null = unsafe { lake_lookup_cluster(p, keys.as_ptr(), 8, core::ptr::null_mut(), 8, &raw mut hits) };
+    assert_eq!(null, LakeStatus::LakeNullArgument);
+    view.retire();
+    let _ = std::fs::remove_file(&path);
+    // SAFETY: from lake_attach, detached once.
+    unsafe { lake_detach(p) };
+    // SAFETY: from lake_namespace_new, freed once.
+    unsafe { lake_namespace_free(namespace) };
 }

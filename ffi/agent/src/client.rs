@@ -20,6 +20,7 @@ use lake_core::wire::message::Role;
 use lake_dp::cplink::{CpLink, Granted};
 
 mod attach;
+mod cluster;
 pub use attach::AttachError;
 
 /// How long a blocking call waits for the data plane or `lake-cp`.
@@ -295,6 +296,8 @@ pub struct Agent {
     region: Arc<SlotRegion>,
     pins: PinArray,
     mirror: MirrorReader,
+    /// The other nodes' blocks, beside the mirror (where the pool keeps them).
+    cluster: lake_core::mirror::view::ViewOpener,
     port: AgentPort,
     cp: Option<CpLink>,
     /// Where `lake-cp` listens and the name the agent gives it, to link
@@ -409,6 +412,7 @@ impl Agent {
             region,
             pins,
             mirror,
+            cluster: lake_core::mirror::view::ViewOpener::beside(config.mirror),
             port,
             cp,
             cp_socket: config.cp_socket.map(Path::to_path_buf),

@@ -31,6 +31,7 @@ __all__ = [
     "Pool",
     "KEY_DTYPE",
     "LOCATION_DTYPE",
+    "WHERE_DTYPE",
     "COMPLETION_DTYPE",
     "RAIL_DTYPE",
     "STATUS",
@@ -82,6 +83,18 @@ LOCATION_DTYPE = np.dtype(
     ]
 )
 COMPLETION_DTYPE = np.dtype([("request_id", np.uint64), ("index", np.uint32), ("status", np.int32)])
+# LakeBlockWhere: where a block of a cluster lookup is (``lookup_cluster``):
+# the node holding it, its fastest tier there (1 L1, 2 L2, 3 L3), whether
+# it is this node's (then ``location`` is its block-table entry).
+WHERE_DTYPE = np.dtype(
+    [
+        ("node", np.uint32),
+        ("tier", np.uint8),
+        ("local", np.uint8),
+        ("reserved", np.uint16),
+        ("location", LOCATION_DTYPE),
+    ]
+)
 # LakeRailStat: one rail of the compute network to one peer (``push_rails``).
 RAIL_DTYPE = np.dtype(
     [
@@ -108,7 +121,7 @@ TRACE_SPAN_DTYPE = np.dtype(
     ]
 )
 SPAN_LOAD, SPAN_PUSH = 0, 1
-assert LOCATION_DTYPE.itemsize == 16 and COMPLETION_DTYPE.itemsize == 16
+assert LOCATION_DTYPE.itemsize == 16 and COMPLETION_DTYPE.itemsize == 16 and WHERE_DTYPE.itemsize == 24
 assert TRACE_SPAN_DTYPE.itemsize == 48
 
 
@@ -314,6 +327,7 @@ def _library():
         "lake_register_kv_memory": ([p, p, ctypes.POINTER(u32)], ctypes.c_int),
         "lake_lookup": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_lookup_shards": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_lookup_cluster": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_lookup_state": ([p, p, sz, p, sz, ctypes.POINTER(sz), ctypes.POINTER(sz), p], ctypes.c_int),
         "lake_state_layout_describe": ([p, p], ctypes.c_int),
         "lake_shard_code": ([u32, u32, u32, ctypes.POINTER(u64)], ctypes.c_int),
@@ -853,6 +867,23 @@ class Pool:
             _library().lake_lookup(self._h(), _ptr(keys), keys.shape[0], _ptr(table), keys.shape[0], ctypes.byref(hits))
         )
         return hits.value, table[: hits.value]
+
+    def lookup_cluster(self, keys):
+        """``(hits, where)``: the longest prefix of ``keys`` held anywhere in
+        the pool, and where each of its blocks is (:data:`WHERE_DTYPE`):
+        this node's blocks (``local`` 1, with the block-table entry
+        :meth:`lookup` gives), then blocks only other nodes hold (their
+        ``node`` and fastest ``tier``), from the cluster view the pool keeps
+        beside its mirror. A pool keeping no view answers as :meth:`lookup`."""
+        keys = _keys(keys)
+        where = np.zeros(keys.shape[0], dtype=WHERE_DTYPE)
+        hits = ctypes.c_size_t()
+        _check(
+            _library().lake_lookup_cluster(
+                self._h(), _ptr(keys), keys.shape[0], _ptr(where), keys.shape[0], ctypes.byref(hits)
+            )
+        )
+        return hits.value, where[: hits.value]
 
     def lookup_shards(self, keys, shard_codes) -> int:
         """The longest prefix of ``keys`` cached for every shard of

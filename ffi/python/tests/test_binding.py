@@ -89,6 +89,22 @@ def test_save_lookup_load_round_trip(pool_paths):
         assert spans.shape[0] >= int((table["tier"] == 2).sum())
 
 
+def test_a_cluster_lookup_of_a_single_node_pool_names_this_nodes_blocks_as_lookup_does(pool_paths):
+    block_bytes = pool_paths["BLOCK_BYTES"]
+    ns = namespace(tenant=11)
+    keys = ns.keys(np.arange(6 * TOKENS, dtype=np.uint32) + 7000)
+    with attach(pool_paths, ns) as pool:
+        memory = kv(keys[:4], block_bytes)
+        request = pool.submit_save(pool.register_host_memory(memory), keys[:4], np.arange(4))
+        assert (pool.wait(request, 4) == 0).all()
+        hits, table = wait_hits(pool, keys, 4)
+        found, where = pool.lookup_cluster(keys)
+        assert where.dtype == lake.WHERE_DTYPE and (found, hits) == (4, 4)
+        assert (where["local"] == 1).all() and (where["tier"] == table["tier"]).all()
+        assert (where["location"] == table).all(), "this node's blocks carry lake_lookup's entries"
+        assert pool.lookup_cluster(keys[4:])[0] == 0, "held nowhere"
+
+
 def test_a_pool_that_refuses_saves_says_so_and_a_save_is_skipped_whole(closed_paths):
     # The pool began to stop: it refuses saves, and the engine reads that
     # from shared memory without asking. A save submitted anyway is not

@@ -3,6 +3,7 @@
 //! shards; and lookups that pin their L1 hits, with the loads from them.
 
 use super::*;
+use lake_dp::mirror::view::{ViewOpener, Where, lookup as cluster_lookup};
 
 /// L1 blocks pinned by a lookup (see [`lake_lookup_pinned`]): they stay
 /// in L1, unchanged, until released, whatever eviction decides meanwhile.
@@ -386,4 +387,77 @@ pub unsafe extern "C" fn lake_pins_release(pins: *mut LakePins) {
             array.unpin(pin);
         }
     }
+}
+
+/// The longest prefix of `keys` (`count`) held anywhere in the pool: its
+/// length to `hits`, where each of its blocks is to `out` (room for
+/// `capacity`). This node's blocks come first from its mirror (`local` 1,
+/// with the block-table entry `lake_lookup` gives); a block this node
+/// lacks comes from the cluster view of the other nodes' blocks (`local`
+/// 0: which node, and its fastest tier there). A pool that keeps no
+/// cluster view (one not reporting to a summary, or one with tenant
+/// partitions) answers with this node's blocks only, as `lake_lookup`.
+/// Shared memory only; the run of this node's blocks is reported as
+/// `lake_lookup`'s hits are. `LAKE_BUFFER_TOO_SMALL` when the hit needs
+/// more room. Thread-safe.
+///
+/// # Safety
+///
+/// `keys` points at `count` keys; `out` at `capacity` writable entries;
+/// `hits` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_lookup_cluster(
+    pool: *const LakePool,
+    keys: *const LakeBlockKey,
+    count: usize,
+    out: *mut LakeBlockWhere,
+    capacity: usize,
+    hits: *mut usize,
+) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if hits.is_null() || (keys.is_null() && count > 0) || (out.is_null() && capacity > 0) {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_lookup_cluster: a required pointer is null"));
+            }
+            let keys = read_keys(pool, keys, count);
+            let mut found = Vec::with_capacity(count);
+            {
+                let mut cluster = pool.cluster.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let view = cluster.as_mut().and_then(ViewOpener::reader);
+                cluster_lookup(&pool.mirror, view, &keys, &mut found);
+            }
+            let here = pool.mirror.header().node;
+            for (i, place) in found.iter().take(capacity).enumerate() {
+                let entry = match place {
+                    Where::Local(entry) => LakeBlockWhere {
+                        node: here,
+                        tier: entry.tier as u8,
+                        local: 1,
+                        reserved: 0,
+                        location: location_of(entry),
+                    },
+                    Where::Remote(holder) => {
+                        LakeBlockWhere { node: holder.node.0, tier: holder.tier as u8, ..LakeBlockWhere::default() }
+                    }
+                };
+                // SAFETY: i < capacity; writable (contract).
+                unsafe { out.wrapping_add(i).write(entry) };
+            }
+            let local = found.iter().take_while(|w| matches!(w, Where::Local(_))).count();
+            // SAFETY: writable (contract).
+            unsafe { hits.write(found.len()) };
+            if let Some(jobs) = &pool.jobs {
+                let _ = jobs.push(false, Job::Accessed { keys, hits: local });
+            }
+            if found.len() > capacity {
+                let need = found.len();
+                return Err(fail(
+                    LakeStatus::LakeBufferTooSmall,
+                    format!("lake_lookup_cluster: {need} entries need room"),
+                ));
+            }
+            Ok(())
+        })())
+    })
 }

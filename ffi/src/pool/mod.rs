@@ -70,6 +70,26 @@ pub struct LakeLocation {
     pub generation: u32,
 }
 
+/// Where a block of a cluster lookup is (`lake_lookup_cluster`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LakeBlockWhere {
+    /// The node holding it (this node's id for a block of its own).
+    pub node: u32,
+    /// The fastest tier it is held in there: 1 host DRAM (L1), 2 NVMe
+    /// (L2), 3 the object store (L3).
+    pub tier: u8,
+    /// 1: on this node (`location` is its block-table entry, loaded as
+    /// `lake_lookup`'s are); 0: only on another node.
+    pub local: u8,
+    /// Zero.
+    pub reserved: u16,
+    /// This node's block-table entry (zeroed for another node's block).
+    pub location: LakeLocation,
+}
+
+const _: () = assert!(size_of::<LakeBlockWhere>() == 24);
+
 /// One block's outcome.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,6 +183,9 @@ pub struct LakeStats {
 /// An attached pool: the engine's side of Lake.
 pub struct LakePool {
     pub(crate) mirror: MirrorReader,
+    /// The cluster view beside the mirror (`lake_lookup_cluster`), opened
+    /// when first asked for.
+    cluster: Mutex<Option<lake_dp::mirror::view::ViewOpener>>,
     arena_region: u16,
     /// The L1 arena's epoch (with its region: where peers push blocks).
     arena_epoch: u64,
@@ -370,6 +393,7 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
             let mut pool = start(agent, mirror, pins, reader, agent_core, lane_pins)?;
             pool.shard_code = o.shard_code;
             pool.shard = ShardMask::from_code(o.shard_code);
+            pool.cluster = Mutex::new(Some(lake_dp::mirror::view::ViewOpener::beside(&mirror_path)));
             // SAFETY: writable (contract).
             unsafe { out.write(Box::into_raw(Box::new(pool))) };
             Ok(())

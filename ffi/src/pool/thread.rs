@@ -178,6 +178,7 @@ pub(super) fn start(
         object_kind: reader.kind,
         shard_code: 0,
         shard: ShardMask::WHOLE,
+        cluster: Mutex::new(None),
         has_control_plane,
         save_pressure,
         layers,
