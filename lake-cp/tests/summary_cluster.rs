@@ -247,6 +247,12 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     assert!(places[..5].iter().all(|p| matches!(p, Where::Local(_))), "{places:?}");
     assert!(places[5..].iter().all(|p| *p == on_one), "{places:?}");
     println!("cluster view: node 1's chain found from node 2 within {:?}", viewed.elapsed());
+    // Node 1's 24 blocks (its chain, the root and its three children) in
+    // node 2's view, as its metrics say.
+    let (_, metrics) = http_get(&field(&serving_two, "metrics"), "/metrics");
+    assert!(metrics.contains("lake_cluster_view_blocks 24\n"), "{metrics}");
+    assert!(metrics.contains("lake_cluster_view_nodes 1\n"), "{metrics}");
+    assert!(field(&serving_two, "cluster_view").ends_with(".cluster"), "{serving_two}");
     let node_two = wait_places(&serving_one, &[key(2, 0), key(2, 1)], Duration::from_secs(10), |p| p.len() == 2);
     assert_eq!(node_two, [Where::Remote(Holder { node: NodeId(2), tier: lake_dp::Tier::L1Dram }); 2]);
 

@@ -17,6 +17,26 @@ pub struct ServerGauges {
     pub caps: ConnectionCaps,
     /// Connections open on each, in [`Listener::ALL`]'s order.
     pub open: [usize; 3],
+    /// The cluster view, where the node keeps one.
+    pub view: Option<ViewGauges>,
+}
+
+/// The node's cluster view, for metrics.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ViewGauges {
+    /// Other nodes' blocks in it.
+    pub blocks: u64,
+    /// Other nodes it names.
+    pub nodes: u64,
+    /// Delta frames and snapshots applied, gaps seen, entries it could
+    /// not take.
+    pub deltas: u64,
+    /// See `deltas`.
+    pub snapshots: u64,
+    /// See `deltas`.
+    pub gaps: u64,
+    /// See `deltas`.
+    pub refused: u64,
 }
 
 /// Bytes of request a client may send before it is dropped.
@@ -75,6 +95,9 @@ fn borrowed(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
 pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> String {
     let mut out = String::new();
     connection_metrics(&mut out, server, gauges);
+    if let Some(view) = &gauges.view {
+        view_metrics(&mut out, view);
+    }
     let c = node.counters;
     metric(
         &mut out,
@@ -255,6 +278,44 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
 }
 
 /// Each listener's connections: open, its cap, and those let go by why.
+fn view_metrics(out: &mut String, view: &ViewGauges) {
+    metric(
+        out,
+        "lake_cluster_view_blocks",
+        "gauge",
+        "Other nodes' blocks in this node's cluster view.",
+        &[("", view.blocks)],
+    );
+    metric(
+        out,
+        "lake_cluster_view_nodes",
+        "gauge",
+        "Other nodes holding blocks in the cluster view.",
+        &[("", view.nodes)],
+    );
+    metric(
+        out,
+        "lake_cluster_view_frames_total",
+        "counter",
+        "Cluster view frames from the summary's leader applied: deltas, and snapshots (each whole).",
+        &[("kind=\"delta\"", view.deltas), ("kind=\"snapshot\"", view.snapshots)],
+    );
+    metric(
+        out,
+        "lake_cluster_view_gaps_total",
+        "counter",
+        "Gaps seen in the view stream (a snapshot asked for).",
+        &[("", view.gaps)],
+    );
+    metric(
+        out,
+        "lake_cluster_view_refused_total",
+        "counter",
+        "View entries not taken (the view full, or naming 32 other nodes already): those blocks read as misses.",
+        &[("", view.refused)],
+    );
+}
+
 fn connection_metrics(out: &mut String, server: &ServerCounters, gauges: &ServerGauges) {
     let label = |listener: Listener| format!("listener=\"{}\"", listener.name());
     let open: Vec<(String, u64)> = Listener::ALL.iter().map(|&l| (label(l), gauges.open[l as usize] as u64)).collect();

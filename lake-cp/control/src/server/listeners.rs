@@ -304,7 +304,19 @@ impl Server {
     }
 
     pub(super) fn serve_http(&mut self, token: Token) {
-        let gauges = crate::metrics::ServerGauges { caps: self.gate.caps, open: self.open_counts() };
+        let view = self.uplink.as_ref().and_then(|uplink| {
+            let (_, _, blocks, nodes) = uplink.view_figures()?;
+            let c = uplink.counters;
+            Some(crate::metrics::ViewGauges {
+                blocks,
+                nodes: nodes as u64,
+                deltas: c.view_deltas,
+                snapshots: c.view_snapshots,
+                gaps: c.view_gaps,
+                refused: c.view_refused,
+            })
+        });
+        let gauges = crate::metrics::ServerGauges { caps: self.gate.caps, open: self.open_counts(), view };
         let Some(client) = self.http.get_mut(&token) else { return };
         let mut done = false;
         if client.output.is_empty() {
