@@ -11,6 +11,7 @@
 
 mod arena;
 mod classes;
+mod cluster_view;
 mod cp_scale;
 mod ffi;
 mod full_pool;
@@ -66,6 +67,10 @@ enum Bench {
     /// The radix index at scale: inserts/s, matches/s, heap bytes per block,
     /// RSS; a std HashMap insert beside it.
     CpScale(cp_scale::CpScaleArgs),
+    /// The cluster view at scale: the leader's memory per replica, the
+    /// snapshot's bytes, a node's view bytes per block and sets/s, an
+    /// engine's lookup through mirror and view vs a mirror's block table.
+    ClusterView(cluster_view::ClusterViewArgs),
     /// Two tenants, the same prompts: B's lookups of prompts A cached
     /// against prompts nobody cached (no hit; the timing ratio), and A's hits.
     Tenants(tenants::TenantsArgs),
@@ -114,6 +119,7 @@ fn main() -> ExitCode {
         Bench::L3(args) => l3::run(&args),
         Bench::BlockLatency(args) => l2::run_block_latency(&args),
         Bench::CpScale(args) => cp_scale::run(&args),
+        Bench::ClusterView(args) => cluster_view::run(&args),
         Bench::Tenants(args) => tenants::run(&args),
         Bench::Lookup(args) => lookup::run(&args),
         Bench::Ffi(args) => ffi::run(&args),

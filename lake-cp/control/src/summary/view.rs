@@ -46,6 +46,10 @@ fn entry(key: BlockKey, tier: Option<Tier>, kind: u8) -> ViewEntry {
     ViewEntry { key, tier: tier.map_or(VIEW_TIER_NONE, |t| t as u8), kind, reserved: [0; 6] }
 }
 
+/// Room the record of changes keeps between takes (a burst's is given
+/// back).
+const PENDING_KEPT: usize = 1 << 16;
+
 /// The changes noted since the last take, where the summary notes them.
 pub(super) type Pending = Option<HashMap<(u32, BlockKey), Before>>;
 
@@ -84,6 +88,8 @@ impl Summary {
     pub fn take_view_changes(&mut self) -> Vec<(u32, Vec<ViewEntry>)> {
         let Some(pending) = self.view.as_mut() else { return Vec::new() };
         let mut changes: Vec<((u32, BlockKey), Before)> = pending.drain().collect();
+        // A burst (a node's snapshot, a lapse) leaves no room behind it.
+        pending.shrink_to(PENDING_KEPT);
         changes.sort_unstable_by_key(|&(at, _)| at);
         let mut out: Vec<(u32, Vec<ViewEntry>)> = Vec::new();
         for ((node, key), before) in changes {
