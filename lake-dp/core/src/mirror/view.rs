@@ -235,6 +235,18 @@ impl ViewWriter {
     }
 }
 
+/// The fastest tier in a holders word and the lowest slot holding it
+/// there: the low and high bit of every slot's code side by side, so each
+/// tier's slots are one mask.
+fn fastest(holders: u64) -> Option<(Tier, usize)> {
+    const LOW: u64 = 0x5555_5555_5555_5555;
+    let (low, high) = (holders & LOW, (holders >> 1) & LOW);
+    [(low & !high, Tier::L1Dram), (high & !low, Tier::L2Nvme), (low & high, Tier::L3Object)]
+        .into_iter()
+        .find(|&(slots, _)| slots != 0)
+        .map(|(slots, tier)| (tier, slots.trailing_zeros() as usize / 2))
+}
+
 fn tiers_held(holders: u64) -> u32 {
     let mut tiers = 0;
     for slot in 0..VIEW_NODES_MAX {
@@ -282,16 +294,7 @@ impl ViewReader {
     #[inline]
     pub fn best(&self, key: &BlockKey) -> Option<Holder> {
         let snapshot = self.table.get_raw(key).ok()??;
-        let holders = snapshot.words[2];
-        let mut best: Option<(Tier, usize)> = None;
-        for slot in 0..VIEW_NODES_MAX {
-            if let Some(tier) = tier_of_code(slot_code(holders, slot))
-                && best.is_none_or(|(b, _)| tier < b)
-            {
-                best = Some((tier, slot));
-            }
-        }
-        let (tier, slot) = best?;
+        let (tier, slot) = fastest(snapshot.words[2])?;
         Some(Holder { node: self.slot_node(slot)?, tier })
     }
 
