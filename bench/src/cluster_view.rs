@@ -188,7 +188,6 @@ pub(crate) fn run(args: &ClusterViewArgs) -> Result<Report, String> {
     }
     let mut rng = SimRng::new(11);
     let keys: Vec<BlockKey> = (0..args.blocks).map(|_| key(&mut rng)).collect();
-    let n = keys.len() as f64;
     let mut report = Report::new("cluster-view");
     report.int("blocks", keys.len() as u64);
     report.int("nodes", u64::from(args.nodes));
@@ -203,17 +202,29 @@ pub(crate) fn run(args: &ClusterViewArgs) -> Result<Report, String> {
     report.int("snapshot_entries", leader.entries);
     report.int("snapshot_bytes", leader.bytes);
 
-    // The node's view: every (block, holder) set as its uplink sets them.
     let view_path = scratch("view");
+    node_view(&keys, args.nodes, &view_path, &mut report)?;
+    let (view_s, raw_s) = lookups(&keys, args, &view_path)?;
+    let blocks_looked = (args.lookups * args.chain) as f64;
+    report.float("lookup_ns_per_block", view_s * 1e9 / blocks_looked);
+    report.float("raw_block_table_ns_per_block", raw_s * 1e9 / blocks_looked);
+    report.float("lookup_vs_raw", view_s / raw_s);
+    Ok(report)
+}
+
+/// The node's view at `path`: every (block, holder) set as its uplink sets
+/// them; its bytes and sets per second reported.
+fn node_view(keys: &[BlockKey], nodes: u32, path: &Scratch, report: &mut Report) -> Result<(), String> {
+    let n = keys.len() as f64;
     let config = MirrorConfig {
         node: NodeId(0),
-        ..MirrorConfig::for_entries(MirrorBacking::Shm(view_path.0.clone()), keys.len() as u64)
+        ..MirrorConfig::for_entries(MirrorBacking::Shm(path.0.clone()), keys.len() as u64)
     };
     let mut writer = ViewWriter::create(&config).map_err(|e| e.to_string())?;
     let start = Instant::now();
     let mut sets = 0u64;
     for (i, k) in keys.iter().enumerate() {
-        for (node, tier) in holders(i, args.nodes) {
+        for (node, tier) in holders(i, nodes) {
             writer.set(k, NodeId(node), Some(tier), ObjectKind::KvBlock).map_err(|e| e.to_string())?;
             sets += 1;
         }
@@ -222,12 +233,17 @@ pub(crate) fn run(args: &ClusterViewArgs) -> Result<Report, String> {
     report.float("view_bytes_per_block", writer.mapped_bytes() as f64 / n);
     report.float("view_sets_per_s", sets as f64 / set_s);
     report.float("view_mb_10m_blocks", writer.mapped_bytes() as f64 / n * 1e7 / 1e6);
+    // The file stays (the scratch removes it); the writer holds its lock
+    // only while it lives, which readers do not need.
+    Ok(())
+}
 
-    // The engine's lookups: an empty mirror and the view (every block
-    // another node's), against the raw block table of the same prompts
-    // from a mirror holding them.
+/// The engine's lookups of whole prompts through an empty mirror and the
+/// view at `view_path` (every block another node's), and the raw: the same
+/// prompts' block tables from a mirror holding them. Seconds of each.
+fn lookups(keys: &[BlockKey], args: &ClusterViewArgs, view_path: &Scratch) -> Result<(f64, f64), String> {
     let mirror_path = scratch("mirror");
-    let empty = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror_path.0.clone()), 64))
+    let _empty = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror_path.0.clone()), 64))
         .map_err(|e| e.to_string())?;
     let raw_path = scratch("raw");
     let mut raw =
@@ -242,37 +258,27 @@ pub(crate) fn run(args: &ClusterViewArgs) -> Result<Report, String> {
         slot: 0,
         generation: 1,
     };
-    for k in &keys {
+    for k in keys {
         raw.upsert(k, &located).map_err(|e| e.to_string())?;
     }
     let mirror = MirrorReader::attach(&mirror_path.0).map_err(|e| e.to_string())?;
     let view = view::ViewReader::attach(&view_path.0).map_err(|e| e.to_string())?;
     let raw_reader = MirrorReader::attach(&raw_path.0).map_err(|e| e.to_string())?;
     let prompts = keys.len() / args.chain;
-    let pick = |m: usize| (m.wrapping_mul(2_654_435_761)) % prompts;
+    let prompt = |m: usize| {
+        let p = (m.wrapping_mul(2_654_435_761)) % prompts;
+        &keys[p * args.chain..(p + 1) * args.chain]
+    };
     let (mut places, mut table) = (Vec::new(), Vec::new());
     let start = Instant::now();
-    let mut found = 0usize;
-    for m in 0..args.lookups {
-        let p = pick(m);
-        found +=
-            view::lookup(&mirror, Some(&view), black_box(&keys[p * args.chain..(p + 1) * args.chain]), &mut places);
-    }
+    let found: usize =
+        (0..args.lookups).map(|m| view::lookup(&mirror, Some(&view), black_box(prompt(m)), &mut places)).sum();
     let view_s = start.elapsed().as_secs_f64();
     let start = Instant::now();
-    let mut raw_found = 0usize;
-    for m in 0..args.lookups {
-        let p = pick(m);
-        raw_found += raw_reader.block_table(black_box(&keys[p * args.chain..(p + 1) * args.chain]), &mut table);
-    }
+    let raw_found: usize = (0..args.lookups).map(|m| raw_reader.block_table(black_box(prompt(m)), &mut table)).sum();
     let raw_s = start.elapsed().as_secs_f64();
     if found != args.lookups * args.chain || raw_found != found {
         return Err(format!("lookups found {found} and {raw_found} blocks of {}", args.lookups * args.chain));
     }
-    let blocks_looked = (args.lookups * args.chain) as f64;
-    report.float("lookup_ns_per_block", view_s * 1e9 / blocks_looked);
-    report.float("raw_block_table_ns_per_block", raw_s * 1e9 / blocks_looked);
-    report.float("lookup_vs_raw", view_s / raw_s);
-    drop(empty);
-    Ok(report)
+    Ok((view_s, raw_s))
 }
