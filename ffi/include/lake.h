@@ -1309,6 +1309,30 @@ enum LakeStatus lake_lookup_cluster(const struct LakePool *pool,
                                     uintptr_t *hits);
 
 /*
+ Makes as much of `keys` (`count`) this node's as the pool can within
+ `timeout_ms`: of its longest prefix held anywhere
+ (`lake_lookup_cluster`), the blocks only other nodes hold are asked
+ for — the summary's leader has each holder copy its block over the
+ storage network into this node's L1, where it lands checked — and the
+ call waits until that prefix is in this node's mirror or the time is
+ up. This node's hit then goes to `hits`: look it up and load it as
+ `lake_lookup`'s. A block that left its holder before it was copied
+ never lands; the hit ends before it and the engine computes the rest.
+ A pool keeping no cluster view, or whose control plane takes no pulls,
+ answers at once with its own hit. Blocks the calling thread; the
+ pulls go through the agent's thread. Thread-safe.
+
+ # Safety
+
+ `keys` points at `count` keys; `hits` writable.
+ */
+enum LakeStatus lake_pull(const struct LakePool *pool,
+                          const struct LakeBlockKey *keys,
+                          uintptr_t count,
+                          uint32_t timeout_ms,
+                          uintptr_t *hits);
+
+/*
  Registers `block_count` engine blocks of `block_bytes` each at `base`
  (host memory) as target and source of loads and saves; its id goes to
  `memory_id`. The memory must stay valid until detach. Thread-safe.

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use lake::pool::{
     LakeBlockKey, LakeBlockWhere, LakeNamespace, LakeNamespaceOptions, lake_cancel, lake_compute_cost, lake_detach,
     lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_load_costs, lake_lookup_cluster,
-    lake_namespace_free, lake_namespace_new, lake_push, lake_push_rails, lake_register_host_memory,
+    lake_namespace_free, lake_namespace_new, lake_pull, lake_push, lake_push_rails, lake_register_host_memory,
     lake_report_prefill, lake_slot_space, lake_submit_load, lake_submit_save,
 };
 use lake::route::{
@@ -623,6 +623,13 @@ fn a_cluster_lookup_names_this_nodes_blocks_then_the_blocks_only_another_node_ho
     // Too little room: the hit is said, with the status.
     let (status, hits, _) = ask(7);
     assert_eq!((status, hits), (LakeStatus::LakeBufferTooSmall, 8));
+    // A pull no leader relays (this pool reports to no summary): nothing
+    // lands, and when the time is up the hit is this node's six.
+    let (started, mut pulled) = (Instant::now(), usize::MAX);
+    // SAFETY: an array of 8 keys; `pulled` writable.
+    ok(unsafe { lake_pull(p, keys.as_ptr(), keys.len(), 300, &raw mut pulled) }, "pull");
+    assert_eq!(pulled, 6);
+    assert!(started.elapsed() >= Duration::from_millis(300), "it waited for the two: {:?}", started.elapsed());
     // Node 5 lets its last block go: the prefix ends before it.
     view.set(&lake_dp::BlockKey(keys[7].bytes), NodeId(5), None, ObjectKind::KvBlock).unwrap();
     assert_eq!(ask(8).1, 7);

@@ -501,6 +501,33 @@ impl CpLink {
         request
     }
 
+    /// Asks for `key`, held by node `from` in `tier`, to be copied into
+    /// this node's (`node`'s) L1: the control plane relays it through the
+    /// summary's leader to the holder (a critical load: the engine waits
+    /// on it). False where the control plane does not take pulls
+    /// ([`crate::wire::FEATURE_PULL`]).
+    pub fn pull(&mut self, key: &BlockKey, from: u32, tier: crate::Tier, node: u32) -> bool {
+        use crate::wire::message::{SLOT_ANY, Transfer};
+        if !self.takes(crate::wire::FEATURE_PULL) {
+            return false;
+        }
+        let replica = |node, tier: crate::Tier| crate::model::replica::ReplicaWire {
+            tier: tier as u8,
+            node,
+            slot: SLOT_ANY,
+            ..crate::model::replica::ReplicaWire::default()
+        };
+        self.queue(&Message::CopyBlock(Transfer {
+            source: replica(from, tier),
+            target: replica(node, crate::Tier::L1Dram),
+            key: *key,
+            deadline_unix_ns: 0,
+            priority: crate::Priority::CriticalLoad as u8,
+            reserved: [0; 7],
+        }));
+        true
+    }
+
     /// Releases a lease.
     pub fn release_lease(&mut self, lease_id: u64) {
         self.queue(&Message::LeaseRelease(LeaseRelease { lease_id }));

@@ -328,6 +328,7 @@ def _library():
         "lake_lookup": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_lookup_shards": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_lookup_cluster": ([p, p, sz, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
+        "lake_pull": ([p, p, sz, u32, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_lookup_state": ([p, p, sz, p, sz, ctypes.POINTER(sz), ctypes.POINTER(sz), p], ctypes.c_int),
         "lake_state_layout_describe": ([p, p], ctypes.c_int),
         "lake_shard_code": ([u32, u32, u32, ctypes.POINTER(u64)], ctypes.c_int),
@@ -884,6 +885,19 @@ class Pool:
             )
         )
         return hits.value, where[: hits.value]
+
+    def pull(self, keys, timeout_s=1.0) -> int:
+        """Makes as much of ``keys`` this node's as the pool can within
+        ``timeout_s``: the blocks of its longest prefix held anywhere that
+        only other nodes hold are copied into this node's L1 (their holders
+        send them over the storage network). Returns this node's hit then:
+        :meth:`lookup` and load it as usual. A block that left its holder
+        first never lands; the hit ends before it."""
+        keys = _keys(keys)
+        hits = ctypes.c_size_t()
+        timeout_ms = max(0, min(int(timeout_s * 1000), 0xFFFFFFFF))
+        _check(_library().lake_pull(self._h(), _ptr(keys), keys.shape[0], timeout_ms, ctypes.byref(hits)))
+        return hits.value
 
     def lookup_shards(self, keys, shard_codes) -> int:
         """The longest prefix of ``keys`` cached for every shard of

@@ -103,6 +103,10 @@ def test_a_cluster_lookup_of_a_single_node_pool_names_this_nodes_blocks_as_looku
         assert (where["local"] == 1).all() and (where["tier"] == table["tier"]).all()
         assert (where["location"] == table).all(), "this node's blocks carry lake_lookup's entries"
         assert pool.lookup_cluster(keys[4:])[0] == 0, "held nowhere"
+        # Nothing to pull in a pool of one node: its own hit, at once.
+        started = time.monotonic()
+        assert pool.pull(keys, timeout_s=5.0) == 4
+        assert time.monotonic() - started < 1.0
 
 
 def test_a_pool_that_refuses_saves_says_so_and_a_save_is_skipped_whole(closed_paths):

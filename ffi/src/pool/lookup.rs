@@ -461,3 +461,67 @@ pub unsafe extern "C" fn lake_lookup_cluster(
         })())
     })
 }
+
+/// Makes as much of `keys` (`count`) this node's as the pool can within
+/// `timeout_ms`: of its longest prefix held anywhere
+/// (`lake_lookup_cluster`), the blocks only other nodes hold are asked
+/// for — the summary's leader has each holder copy its block over the
+/// storage network into this node's L1, where it lands checked — and the
+/// call waits until that prefix is in this node's mirror or the time is
+/// up. This node's hit then goes to `hits`: look it up and load it as
+/// `lake_lookup`'s. A block that left its holder before it was copied
+/// never lands; the hit ends before it and the engine computes the rest.
+/// A pool keeping no cluster view, or whose control plane takes no pulls,
+/// answers at once with its own hit. Blocks the calling thread; the
+/// pulls go through the agent's thread. Thread-safe.
+///
+/// # Safety
+///
+/// `keys` points at `count` keys; `hits` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn lake_pull(
+    pool: *const LakePool,
+    keys: *const LakeBlockKey,
+    count: usize,
+    timeout_ms: u32,
+    hits: *mut usize,
+) -> LakeStatus {
+    guard(|| {
+        status_of((|| {
+            let pool = pool_ref(pool)?;
+            if hits.is_null() || (keys.is_null() && count > 0) {
+                return Err(fail(LakeStatus::LakeNullArgument, "lake_pull: a required pointer is null"));
+            }
+            let deadline = std::time::Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+            let keys = read_keys(pool, keys, count);
+            let mut found = Vec::with_capacity(count);
+            {
+                let mut cluster = pool.cluster.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let view = cluster.as_mut().and_then(ViewOpener::reader);
+                cluster_lookup(&pool.mirror, view, &keys, &mut found);
+            }
+            let pulls: Vec<(BlockKey, lake_dp::mirror::view::Holder)> = keys
+                .iter()
+                .zip(&found)
+                .filter_map(|(key, place)| match place {
+                    Where::Remote(holder) => Some((*key, *holder)),
+                    Where::Local(_) => None,
+                })
+                .collect();
+            let asked = !pulls.is_empty()
+                && pool.has_control_plane
+                && pool.jobs.as_ref().is_some_and(|jobs| jobs.push(true, Job::Pull { pulls }).is_ok());
+            let mut table = Vec::with_capacity(found.len());
+            let hit = loop {
+                let hit = pool.mirror.lookup(&keys[..found.len()], &mut table);
+                if hit >= found.len() || !asked || std::time::Instant::now() >= deadline {
+                    break hit;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            };
+            // SAFETY: writable (contract).
+            unsafe { hits.write(hit) };
+            Ok(())
+        })())
+    })
+}

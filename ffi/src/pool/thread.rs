@@ -22,6 +22,10 @@ pub(super) enum Job {
     ReleaseLease {
         id: u64,
     },
+    /// Blocks only other nodes hold, to be copied into this node's L1.
+    Pull {
+        pulls: Vec<(BlockKey, lake_dp::mirror::view::Holder)>,
+    },
     Load {
         request: u64,
         /// The engine's trace id for it (`lake_set_trace`), 0 untraced.
@@ -304,6 +308,10 @@ fn agent_thread(
                 agent.report_access(keys, *hits);
                 continue;
             }
+            Job::Pull { pulls } => {
+                agent.pull(pulls);
+                continue;
+            }
             Job::Resident { keys, resident } => {
                 agent.report_resident(keys, *resident);
                 continue;
@@ -351,6 +359,7 @@ fn agent_thread(
                 | Job::Resident { .. }
                 | Job::Push(_)
                 | Job::Lease { .. }
+                | Job::Pull { .. }
                 | Job::ReleaseLease { .. } => {}
                 Job::Load { memory: Memory::Gpu(memory), keys, table, blocks, priority, .. } => {
                     // Pins are finite: loads in flight hold at most a

@@ -37,6 +37,11 @@ pub struct ViewGauges {
     pub gaps: u64,
     /// See `deltas`.
     pub refused: u64,
+    /// Engines' pulls sent to the summary's leader, and dropped (no
+    /// leader streaming the view connected).
+    pub pulls_sent: u64,
+    /// See `pulls_sent`.
+    pub pulls_dropped: u64,
 }
 
 /// Bytes of request a client may send before it is dropped.
@@ -313,6 +318,14 @@ fn view_metrics(out: &mut String, view: &ViewGauges) {
         "counter",
         "View entries not taken (the view full, or naming 32 other nodes already): those blocks read as misses.",
         &[("", view.refused)],
+    );
+    metric(
+        out,
+        "lake_cluster_pulls_total",
+        "counter",
+        "Engines' pulls of other nodes' blocks into this node's L1: sent to the summary's leader, or dropped (none \
+         streaming the view connected).",
+        &[("result=\"sent\"", view.pulls_sent), ("result=\"dropped\"", view.pulls_dropped)],
     );
 }
 

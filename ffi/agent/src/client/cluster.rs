@@ -1,7 +1,10 @@
 //! The engine's lookup across the pool's nodes: its node's mirror first,
-//! then the cluster view of what every other node holds.
+//! then the cluster view of what every other node holds; and pulls of
+//! blocks only other nodes hold into this node's L1.
 
-use lake_core::mirror::view::{self, Where};
+use std::time::{Duration, Instant};
+
+use lake_core::mirror::view::{self, Holder, Where};
 use lake_core::model::key::BlockKey;
 
 use super::Agent;
@@ -19,5 +22,58 @@ impl Agent {
         let local = out.iter().take_while(|w| matches!(w, Where::Local(_))).count();
         self.report_access(keys, local);
         found
+    }
+
+    /// Asks for each block of `pulls`, held by another node, to be copied
+    /// into this node's L1: this node's `lake-cp` has the summary's leader
+    /// ask the holder, whose data plane sends it over the storage network;
+    /// it lands checked and is published in this node's mirror. Returns
+    /// how many were asked (none where the control plane takes no pulls,
+    /// or there is none).
+    pub fn pull(&mut self, pulls: &[(BlockKey, Holder)]) -> usize {
+        let node = self.arena.header().node;
+        let Some(cp) = &mut self.cp else { return 0 };
+        let asked = pulls.iter().filter(|(key, holder)| cp.pull(key, holder.node.0, holder.tier, node)).count();
+        let _ = cp.pump();
+        asked
+    }
+
+    /// Makes as much of `keys` this node's as the pool can within
+    /// `within`: the blocks of its longest prefix held anywhere that only
+    /// other nodes hold are pulled ([`Agent::pull`]), and this waits until
+    /// that prefix is in this node's mirror or the time is up. Returns this
+    /// node's hit then, its block table into `table`: load it as
+    /// [`Agent::lookup`]'s. A block that went from its holder before it was
+    /// copied never lands: the hit ends before it, and the engine computes
+    /// the rest — never wrong bytes (a copy lands checked).
+    pub fn pull_cluster(
+        &mut self,
+        keys: &[BlockKey],
+        within: Duration,
+        table: &mut Vec<lake_core::mirror::MirrorEntry>,
+    ) -> usize {
+        let deadline = Instant::now() + within;
+        let mut places = Vec::new();
+        let found = view::lookup(&self.mirror, self.cluster.reader(), keys, &mut places);
+        let remote: Vec<(BlockKey, Holder)> = keys
+            .iter()
+            .zip(&places)
+            .filter_map(|(key, place)| match place {
+                Where::Remote(holder) => Some((*key, *holder)),
+                Where::Local(_) => None,
+            })
+            .collect();
+        let asked = !remote.is_empty() && self.pull(&remote) > 0;
+        loop {
+            let hit = self.mirror.lookup(&keys[..found], table);
+            if hit >= found || !asked || Instant::now() >= deadline {
+                self.report_access(keys, hit);
+                return hit;
+            }
+            if let Some(cp) = &mut self.cp {
+                let _ = cp.pump();
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Copies of this node's blocks into other nodes' L1 (replication, a
 //! write-back elsewhere, a drain), a block held here only in L2 promoted
-//! into L1 first.
+//! into L1 first; and engines' pulls of other nodes' blocks into this
+//! node's L1, which the summary's leader relays to their holders.
 
 use super::*;
 
@@ -149,5 +150,37 @@ impl Node {
             waiting.asked = None;
             waiting.retry_at_ns = self.now_ns.saturating_add(PROMOTION_RETRY_NS);
         }
+    }
+}
+
+/// Pulls an engine may have waiting for the leader at once.
+const PULLS_MAX: usize = 4096;
+
+impl Node {
+    /// An engine's pull of another node's block into this node's L1
+    /// (the holder and its tier as the cluster view named them), kept for
+    /// the summary's leader ([`Node::take_pulls`]). Refused where it does
+    /// not name another node and this node's L1, and in a pool keeping
+    /// tenants apart (their engines are shown no other node's blocks).
+    pub(super) fn pull(&mut self, transfer: &Transfer) -> Result<(), NodeError> {
+        if transfer.target.node != self.node.0 || transfer.target.tier != Tier::L1Dram as u8 {
+            return Err(NodeError::Field("pull: into this node's L1"));
+        }
+        if transfer.source.node == self.node.0 {
+            return Err(NodeError::Field("pull: from another node"));
+        }
+        if !self.tenant_mirrors.is_empty() {
+            return Err(NodeError::Field("pull: not in a pool keeping tenants apart"));
+        }
+        if self.pulls.len() >= PULLS_MAX {
+            return Err(NodeError::Field("pull: too many waiting"));
+        }
+        self.pulls.push(*transfer);
+        Ok(())
+    }
+
+    /// The engines' pulls since the last call, for the leader.
+    pub fn take_pulls(&mut self) -> Vec<Transfer> {
+        core::mem::take(&mut self.pulls)
     }
 }

@@ -235,6 +235,9 @@ pub struct Node {
     /// yet: the source's region, and whether asked while the node was
     /// drained.
     copies_out: HashMap<u64, (u16, bool)>,
+    /// Engines' pulls of other nodes' blocks into this node's L1, for the
+    /// summary's leader to relay ([`Node::take_pulls`]).
+    pulls: Vec<Transfer>,
     /// Copies taken back before they went ([`Node::cancel_copy`]).
     pub copies_cancelled: u64,
     /// Promotions asked for such copies.
@@ -307,6 +310,7 @@ impl Node {
             copy_requests: 0,
             promoting: HashMap::new(),
             copies_out: HashMap::new(),
+            pulls: Vec::new(),
             copies_cancelled: 0,
             copy_promotions: 0,
             copy_promotions_failed: 0,
@@ -581,6 +585,10 @@ impl Node {
                     Some((_, latest)) => *latest = entries,
                     None => self.engine_paths.push((peer, entries)),
                 }
+                Ok(None)
+            }
+            Message::CopyBlock(transfer) => {
+                self.pull(transfer)?;
                 Ok(None)
             }
             Message::Accessed(head, keys) => {

@@ -314,6 +314,8 @@ impl Server {
                 snapshots: c.view_snapshots,
                 gaps: c.view_gaps,
                 refused: c.view_refused,
+                pulls_sent: c.pulls_sent,
+                pulls_dropped: c.pulls_dropped,
             })
         });
         let gauges = crate::metrics::ServerGauges { caps: self.gate.caps, open: self.open_counts(), view };

@@ -527,6 +527,15 @@ impl Server {
         // The location view's changes go to the leader's summary, or away.
         self.changes.clear();
         self.node.take_changes(&mut self.changes);
+        // Engines' pulls go to the leader, to be asked of their holders; a
+        // node reporting to no summary has none to ask (the engines,
+        // waiting, find the blocks missing).
+        let pulls = self.node.take_pulls();
+        let relayed = match &mut self.uplink {
+            Some(uplink) => pulls.iter().filter(|pull| uplink.pull(pull)).count(),
+            None => 0,
+        };
+        self.counters.refused += (pulls.len() - relayed) as u64;
         if let Some(uplink) = &mut self.uplink {
             uplink.pump(&self.node.locations, &self.changes);
             // Replication the leader asked: copies of this node's L1

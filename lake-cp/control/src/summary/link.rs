@@ -57,6 +57,24 @@ use crate::location::{Change, ChangeOp, Locations};
 /// counts apart.
 const OUTPUT_MAX: usize = 64 << 20;
 
+/// Pulls the aggregator takes in one pass, at most (more are dropped,
+/// counted: the engines waiting on them recompute).
+const PULLS_MAX: usize = 1 << 16;
+
+/// Keeps a node's pull for the pass's end (at most [`PULLS_MAX`]; more
+/// are counted unheld).
+fn take_pull(
+    pulls: &mut Vec<lake_dp::wire::message::Transfer>,
+    counters: &mut AggregatorCounters,
+    pull: lake_dp::wire::message::Transfer,
+) {
+    if pulls.len() < PULLS_MAX {
+        pulls.push(pull);
+    } else {
+        counters.pulls_unheld += 1;
+    }
+}
+
 /// A node's connection with more than this unsent gets no more view
 /// deltas: a view snapshot once it has caught up instead.
 pub const VIEW_BEHIND_MAX: usize = 16 << 20;
@@ -241,6 +259,11 @@ pub struct UplinkCounters {
     /// View entries the node's view could not take (its table full, or
     /// every node slot taken): those blocks read as misses.
     pub view_refused: u64,
+    /// Engines' pulls sent to the leader, and dropped (no leader streaming
+    /// the view connected).
+    pub pulls_sent: u64,
+    /// See `pulls_sent`.
+    pub pulls_dropped: u64,
 }
 
 /// A node's link to the leader's aggregator. See the module docs.
@@ -295,8 +318,25 @@ impl Uplink {
     /// hello; the leader streams it back).
     #[must_use]
     pub fn with_view(mut self, writer: ViewWriter) -> Self {
-        self.view = Some(ViewCopy { writer, term: 0, sequence: 0, gap: false, receiving: None });
+        self.view = Some(ViewCopy { writer, term: 0, sequence: 0, gap: false, receiving: None, streaming: false });
         self
+    }
+
+    /// Sends an engine's pull of another node's block into this node's L1
+    /// to the leader, which asks the holder for the copy. Only through a
+    /// leader streaming the view (one that takes pulls); false where none
+    /// is connected (the engine, waiting, finds the block missing).
+    pub fn pull(&mut self, transfer: &lake_dp::wire::message::Transfer) -> bool {
+        let streaming = self.view.as_ref().is_some_and(|v| v.streaming);
+        let Some(wire) = self.wire.as_mut().filter(|_| streaming) else {
+            self.counters.pulls_dropped += 1;
+            return false;
+        };
+        if append_frame(&mut wire.output, meta(0), &Message::CopyBlock(*transfer)).is_err() {
+            return false;
+        }
+        self.counters.pulls_sent += 1;
+        true
     }
 
     /// The cluster view it keeps: (term, last frame applied, blocks,
@@ -371,6 +411,7 @@ impl Uplink {
         if let Some(view) = &mut self.view {
             // The leader's first view snapshot starts the view over.
             view.receiving = None;
+            view.streaming = false;
         }
         self.wait = Duration::from_millis(50);
         self.counters.connects += 1;
@@ -517,6 +558,11 @@ pub struct AggregatorCounters {
     pub copies_asked: u64,
     /// Copies asked of draining nodes (their blocks to other members).
     pub drain_copies_asked: u64,
+    /// Engines' pulls relayed to the blocks' holders, and not relayed (no
+    /// member offers the block, or the puller's L1 is not known yet).
+    pub pulls_relayed: u64,
+    /// See `pulls_relayed`.
+    pub pulls_unheld: u64,
     /// Connections closed for failing their authentication (no handshake,
     /// another key, a bad proof, a record's tag).
     pub refused: u64,
@@ -569,6 +615,8 @@ pub struct Aggregator {
     drain_asked: std::collections::HashMap<(BlockKey, u32), Instant>,
     key: Option<LinkKey>,
     security_events: std::collections::VecDeque<String>,
+    /// Nodes' pulls received this pass, relayed at its end.
+    pulls: Vec<lake_dp::wire::message::Transfer>,
     /// The view stream's term: this aggregator's start in ms since the
     /// epoch, so a node never takes a later leader's stream for the last.
     view_term: u64,
@@ -610,6 +658,7 @@ impl Aggregator {
             drain_asked: std::collections::HashMap::new(),
             key: None,
             security_events: std::collections::VecDeque::new(),
+            pulls: Vec::new(),
             view_term,
             view_sequence: 0,
             connections_max: 256,
@@ -649,7 +698,7 @@ impl Aggregator {
         self.asked.retain(|_, at| now.duration_since(*at) < again);
         let asked = &self.asked;
         let plan = self.summary.replication_plan(min_children, max, |key, node| asked.contains_key(&(*key, node)));
-        let sent = self.ask_copies(plan);
+        let sent = self.ask_copies(plan, lake_dp::Priority::Replication);
         self.counters.copies_asked += sent.len() as u64;
         for copy in &sent {
             self.asked.insert(*copy, now);
@@ -666,7 +715,7 @@ impl Aggregator {
         self.drain_asked.retain(|_, at| now.duration_since(*at) < again);
         let asked = &self.drain_asked;
         let plan = self.summary.drain_plan(max, |key, node| asked.contains_key(&(*key, node)));
-        let sent = self.ask_copies(plan);
+        let sent = self.ask_copies(plan, lake_dp::Priority::Replication);
         self.counters.drain_copies_asked += sent.len() as u64;
         for copy in &sent {
             self.drain_asked.insert(*copy, now);
@@ -674,9 +723,31 @@ impl Aggregator {
         sent.len()
     }
 
+    /// Relays the pulls nodes sent this pass: each asks the node the
+    /// engine named (or, where it no longer offers the block, another
+    /// member that does) to copy the block into the puller's L1, from its
+    /// L1 or, promoting it first, its L2.
+    fn relay_pulls(&mut self) {
+        let mut plan = Vec::new();
+        for pull in core::mem::take(&mut self.pulls) {
+            let (to, puller) = (self.summary.l1_target(pull.target.node), pull.target.node);
+            let holders = self.summary.replicas(&pull.key);
+            let from = holders
+                .iter()
+                .filter(|r| matches!(r.tier, Tier::L1Dram | Tier::L2Nvme) && r.node.0 != puller)
+                .min_by_key(|r| (r.node.0 != pull.source.node, r.tier as u8));
+            match (to, from) {
+                (Some(to), Some(&from)) => plan.push(Replication { key: pull.key, from, to }),
+                _ => self.counters.pulls_unheld += 1,
+            }
+        }
+        let sent = self.ask_copies(plan, lake_dp::Priority::CriticalLoad);
+        self.counters.pulls_relayed += sent.len() as u64;
+    }
+
     /// Sends each copy to its source node's connection: the (block,
     /// target) of those that went.
-    fn ask_copies(&mut self, plan: Vec<Replication>) -> Vec<(BlockKey, u32)> {
+    fn ask_copies(&mut self, plan: Vec<Replication>, priority: lake_dp::Priority) -> Vec<(BlockKey, u32)> {
         let mut sent = Vec::new();
         for copy in plan {
             let Some(connection) = self.connections.iter_mut().find(|c| c.node == Some(copy.from.node.0)) else {
@@ -688,7 +759,7 @@ impl Aggregator {
                 target: copy.to,
                 key: copy.key,
                 deadline_unix_ns: 0,
-                priority: lake_dp::Priority::Replication as u8,
+                priority: priority as u8,
                 reserved: [0; 7],
             };
             if append_frame(&mut connection.output, meta(0), &Message::CopyBlock(transfer)).is_ok() {
@@ -740,6 +811,7 @@ impl Aggregator {
                 self.connections.swap_remove(at);
             }
         }
+        self.relay_pulls();
         self.stream_view();
     }
 
@@ -850,6 +922,9 @@ impl Aggregator {
                 }
                 Message::SnapshotRequest(request) if connection.view && connection.node == Some(request.node) => {
                     connection.view_snapshot_due = true;
+                }
+                Message::CopyBlock(pull) if connection.view && connection.node == Some(pull.target.node) => {
+                    take_pull(&mut self.pulls, &mut self.counters, pull);
                 }
                 Message::Delta(head, entries) | Message::Snapshot(head, entries)
                     if connection.node == Some(head.node) =>

@@ -295,7 +295,7 @@ impl Summary {
 
     /// Where copies into `node`'s L1 go: its announced L1, else the
     /// region and epoch of an L1 replica it holds.
-    fn l1_target(&self, node: u32) -> Option<ReplicaWire> {
+    pub fn l1_target(&self, node: u32) -> Option<ReplicaWire> {
         let view = self.nodes.get(&node)?;
         let l1 = match view.l1 {
             Some((region, epoch)) => {

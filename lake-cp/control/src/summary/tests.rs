@@ -392,6 +392,8 @@ fn the_leader_streams_each_node_the_other_nodes_blocks_and_a_new_leader_starts_t
         one.adopt(parent, key(i), lake_dp::ObjectKind::KvBlock, 0, 5, u32::from(i), 1).unwrap();
     }
     two.adopt(None, key(40), lake_dp::ObjectKind::KvBlock, 1, 5, 1, 1).unwrap();
+    // Node 2's L1 is known to the leader from a block it holds there.
+    two.adopt(None, key(41), lake_dp::ObjectKind::KvBlock, 0, 5, 2, 1).unwrap();
     pump(&mut one, &mut two, &mut up_one, &mut up_two, &mut aggregator);
     let on_one = Some(Holder { node: NodeId(1), tier: Tier::L1Dram });
     for i in 1..=5 {
@@ -399,6 +401,26 @@ fn the_leader_streams_each_node_the_other_nodes_blocks_and_a_new_leader_starts_t
         assert_eq!(reader_one.best(&key(i)), None, "a node's own blocks are its mirror's");
     }
     assert_eq!(reader_one.best(&key(40)), Some(Holder { node: NodeId(2), tier: Tier::L2Nvme }));
+    // Node 2's engine pulls node 1's block 3: the leader asks node 1 for a
+    // copy into node 2's L1, at the priority of a load waited on. A pull of
+    // a block no member offers is counted, and asks nothing.
+    let pull = |key: BlockKey| lake_dp::wire::message::Transfer {
+        source: lake_dp::model::replica::ReplicaWire { tier: Tier::L1Dram as u8, node: 1, ..Default::default() },
+        target: lake_dp::model::replica::ReplicaWire { tier: Tier::L1Dram as u8, node: 2, ..Default::default() },
+        key,
+        deadline_unix_ns: 0,
+        priority: lake_dp::Priority::CriticalLoad as u8,
+        reserved: [0; 7],
+    };
+    assert!(up_two.pull(&pull(key(3))) && up_two.pull(&pull(key(99))));
+    pump(&mut one, &mut two, &mut up_one, &mut up_two, &mut aggregator);
+    let copies = up_one.take_copies();
+    assert_eq!(copies.len(), 1, "{copies:?}");
+    let (copy, l1_of_two) = (copies[0], (0, 5));
+    assert_eq!((copy.key, copy.source.node, copy.target.node), (key(3), 1, 2));
+    assert_eq!((copy.target.region, copy.target.region_epoch), l1_of_two, "node 2's L1");
+    assert_eq!(copy.priority, lake_dp::Priority::CriticalLoad as u8);
+    assert_eq!((aggregator.counters.pulls_relayed, aggregator.counters.pulls_unheld), (1, 1));
     // Removals flow down too.
     one.remove(&key(5), 0).unwrap();
     pump(&mut one, &mut two, &mut up_one, &mut up_two, &mut aggregator);

@@ -142,6 +142,9 @@ pub(super) struct ViewCopy {
     pub(super) gap: bool,
     /// The snapshot being received: its (term, sequence).
     pub(super) receiving: Option<(u64, u64)>,
+    /// The leader of this connection streams the view (it sent a
+    /// snapshot): it takes pulls too.
+    pub(super) streaming: bool,
 }
 
 impl ViewCopy {
@@ -170,7 +173,7 @@ impl ViewCopy {
             self.writer.clear();
             counters.view_snapshots += 1;
         }
-        (self.term, self.sequence, self.gap) = (head.term, head.sequence, false);
+        (self.term, self.sequence, self.gap, self.streaming) = (head.term, head.sequence, false, true);
         self.apply(head.node, entries, counters);
     }
 

@@ -145,6 +145,14 @@ pub const FEATURE_PARTITIONS: u64 = 1 << 16;
 /// itself. A leader streams its view only to a node that offered it.
 pub const FEATURE_CLUSTER_VIEW: u64 = 1 << 17;
 
+/// Feature bit: the side takes a pull — [`message::Message::CopyBlock`]
+/// asking for another node's block in this node's L1 — from an engine's
+/// agent (a `lake-cp`), and from a node on the summary link (the
+/// summary's leader, which asks the holder to copy it). An agent pulls
+/// only from a control plane that offered it; a node's `lake-cp` pulls
+/// only through a leader that streams it the cluster view.
+pub const FEATURE_PULL: u64 = 1 << 18;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -158,7 +166,8 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_SAVE_REFUSALS
     | FEATURE_VICTIMS_LEFT
     | FEATURE_CONNECTIONS_SHED
-    | FEATURE_QUOTA_REFUSALS;
+    | FEATURE_QUOTA_REFUSALS
+    | FEATURE_PULL;
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
@@ -166,7 +175,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 18] = [
+pub const FEATURE_NAMES: [(u64, &str); 19] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -185,6 +194,7 @@ pub const FEATURE_NAMES: [(u64, &str); 18] = [
     (FEATURE_OWN_FDS, "own_fds"),
     (FEATURE_PARTITIONS, "partitions"),
     (FEATURE_CLUSTER_VIEW, "cluster_view"),
+    (FEATURE_PULL, "pull"),
 ];
 
 /// Bytes in a frame header.
