@@ -22,12 +22,15 @@ pub(crate) fn stop(child: &mut std::process::Child) {
 }
 
 /// Removes the shared memory a `lake serve` on `dir` that was SIGKILLed
-/// left (its L1 arena and mirror, which the next start on `dir` would
+/// left (its L1 arena, mirror and cluster view, which the next start on `dir` would
 /// reclaim), for a test that starts none there again.
 #[allow(dead_code)] // not every test kills a pool
 pub(crate) fn reclaim_killed(dir: &std::path::Path) {
     let (arena, mirror) = lake_cp::embedded::EmbeddedConfig::new(dir.to_path_buf()).shared_memory();
-    for file in [arena, mirror] {
+    // The cluster view beside the mirror, where the pool kept one.
+    let mut view = mirror.clone().into_os_string();
+    view.push(".cluster");
+    for file in [arena, mirror, view.into()] {
         let _ = std::fs::remove_file(file);
     }
 }
