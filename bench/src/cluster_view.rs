@@ -24,6 +24,7 @@ use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, ViewEntry};
 use lake_dp::wire::{FrameMeta, Message, append_frame};
 use lake_dp::{BlockKey, NodeId, ObjectKind, RegionId, Replica, Tier};
 
+use crate::cp_scale::{key, rss_bytes};
 use crate::report::Report;
 
 /// This benchmark's flags.
@@ -42,24 +43,6 @@ pub(crate) struct ClusterViewArgs {
     /// Prompts looked up.
     #[arg(long, default_value_t = 200_000)]
     pub(crate) lookups: usize,
-}
-
-fn key(rng: &mut SimRng) -> BlockKey {
-    let mut k = [0u8; 16];
-    k[..8].copy_from_slice(&rng.next_u64().to_le_bytes());
-    k[8..].copy_from_slice(&rng.next_u64().to_le_bytes());
-    BlockKey(k)
-}
-
-fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
 }
 
 /// Who holds block `i`: one node in L1 and, every other block, the next

@@ -21,7 +21,8 @@ use crate::report::Report;
 const GOAL_BYTES_PER_BLOCK: f64 = 64.0;
 const GOAL_INSERTS_PER_S: f64 = 5e6;
 
-fn key(rng: &mut SimRng) -> BlockKey {
+/// A random key (as a keyed hash's output is).
+pub(crate) fn key(rng: &mut SimRng) -> BlockKey {
     let mut k = [0u8; 16];
     k[..8].copy_from_slice(&rng.next_u64().to_le_bytes());
     k[8..].copy_from_slice(&rng.next_u64().to_le_bytes());
@@ -52,7 +53,8 @@ fn mirror_of(keys: &[BlockKey]) -> Result<(usize, f64), String> {
     Ok((writer.mapped_bytes(), start.elapsed().as_secs_f64()))
 }
 
-fn rss_bytes() -> u64 {
+/// This process's resident memory, in bytes (0 where unreadable).
+pub(crate) fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

@@ -500,14 +500,7 @@ pub unsafe extern "C" fn lake_pull(
                 let view = cluster.as_mut().and_then(ViewOpener::reader);
                 cluster_lookup(&pool.mirror, view, &keys, &mut found);
             }
-            let pulls: Vec<(BlockKey, lake_dp::mirror::view::Holder)> = keys
-                .iter()
-                .zip(&found)
-                .filter_map(|(key, place)| match place {
-                    Where::Remote(holder) => Some((*key, *holder)),
-                    Where::Local(_) => None,
-                })
-                .collect();
+            let pulls = lake_dp::mirror::view::remote(&keys, &found);
             let asked = !pulls.is_empty()
                 && pool.has_control_plane
                 && pool.jobs.as_ref().is_some_and(|jobs| jobs.push(true, Job::Pull { pulls }).is_ok());

@@ -55,14 +55,7 @@ impl Agent {
         let deadline = Instant::now() + within;
         let mut places = Vec::new();
         let found = view::lookup(&self.mirror, self.cluster.reader(), keys, &mut places);
-        let remote: Vec<(BlockKey, Holder)> = keys
-            .iter()
-            .zip(&places)
-            .filter_map(|(key, place)| match place {
-                Where::Remote(holder) => Some((*key, *holder)),
-                Where::Local(_) => None,
-            })
-            .collect();
+        let remote = view::remote(keys, &places);
         let asked = !remote.is_empty() && self.pull(&remote) > 0;
         loop {
             let hit = self.mirror.lookup(&keys[..found], table);

@@ -389,6 +389,19 @@ pub fn lookup(mirror: &MirrorReader, view: Option<&ViewReader>, keys: &[BlockKey
     out.len()
 }
 
+/// The blocks of a cluster lookup's answer (`keys` and the `places`
+/// [`lookup`] gave them) that only other nodes hold, each with its holder:
+/// what an engine pulls.
+pub fn remote(keys: &[BlockKey], places: &[Where]) -> Vec<(BlockKey, Holder)> {
+    keys.iter()
+        .zip(places)
+        .filter_map(|(key, place)| match place {
+            Where::Remote(holder) => Some((*key, *holder)),
+            Where::Local(_) => None,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
