@@ -387,6 +387,8 @@ fn http_get(address: std::net::SocketAddr, path: &str) -> String {
 struct OldPool {
     child: std::process::Child,
     paths: [std::path::PathBuf; 3],
+    /// Its shared memory (arena, mirror): killed, it leaves them.
+    shared: [std::path::PathBuf; 2],
     log: std::path::PathBuf,
     dir: std::path::PathBuf,
 }
@@ -419,7 +421,8 @@ impl OldPool {
             let rest = &line[at + field.len() + 4..];
             std::path::PathBuf::from(&rest[..rest.find('"').unwrap()])
         };
-        Self { child, paths: [path("dp_socket"), path("mirror"), path("cp_socket")], log, dir }
+        let shared = [path("arena"), path("mirror")];
+        Self { child, paths: [path("dp_socket"), path("mirror"), path("cp_socket")], shared, log, dir }
     }
 }
 
@@ -428,6 +431,9 @@ impl Drop for OldPool {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
+        for file in &self.shared {
+            let _ = std::fs::remove_file(file);
+        }
     }
 }
 
