@@ -18,9 +18,11 @@
 //! ```
 //!
 //! Region record `i` (below [`VIEW_NODES_MAX`]) names slot `i`'s node:
-//! meta bit 0 present, `words[0]` the node id. A slot keeps its node until
-//! the view is cleared, so an entry a reader has read never names another
-//! node than the one it was written for. The node's own blocks are not in
+//! meta bit 0 present, `words[0]` the node id. A slot keeps its node while
+//! any entry names it, and a slot no entry names goes to another node only
+//! once every slot has been taken; a reader that read an entry just before
+//! may then take its block for the new node's — a pull there finds
+//! nothing, a miss, never another block. The node's own blocks are not in
 //! its view: its mirror has them, with their slots.
 
 use std::path::Path;
@@ -235,26 +237,26 @@ impl ViewWriter {
     }
 }
 
-/// The fastest tier in a holders word and the lowest slot holding it
-/// there: the low and high bit of every slot's code side by side, so each
-/// tier's slots are one mask.
-fn fastest(holders: u64) -> Option<(Tier, usize)> {
+/// Each tier's holders in a holders word, as masks of slots (a slot's
+/// low bit set in its tier's mask): the low and high bit of every slot's
+/// code side by side, fastest tier first.
+fn tier_masks(holders: u64) -> [(u64, Tier); 3] {
     const LOW: u64 = 0x5555_5555_5555_5555;
     let (low, high) = (holders & LOW, (holders >> 1) & LOW);
     [(low & !high, Tier::L1Dram), (high & !low, Tier::L2Nvme), (low & high, Tier::L3Object)]
+}
+
+/// The fastest tier in a holders word and the lowest slot holding it there.
+fn fastest(holders: u64) -> Option<(Tier, usize)> {
+    tier_masks(holders)
         .into_iter()
         .find(|&(slots, _)| slots != 0)
         .map(|(slots, tier)| (tier, slots.trailing_zeros() as usize / 2))
 }
 
+/// The tiers held anywhere in a holders word, a bit per tier.
 fn tiers_held(holders: u64) -> u32 {
-    let mut tiers = 0;
-    for slot in 0..VIEW_NODES_MAX {
-        if let Some(tier) = tier_of_code(slot_code(holders, slot)) {
-            tiers |= 1 << tier as u32;
-        }
-    }
-    tiers
+    tier_masks(holders).into_iter().filter(|&(slots, _)| slots != 0).fold(0, |bits, (_, tier)| bits | 1 << tier as u32)
 }
 
 /// An engine's (or a router's) reader of a node's view; maps it read-only.
