@@ -421,12 +421,7 @@ pub unsafe extern "C" fn lake_lookup_cluster(
                 return Err(fail(LakeStatus::LakeNullArgument, "lake_lookup_cluster: a required pointer is null"));
             }
             let keys = read_keys(pool, keys, count);
-            let mut found = Vec::with_capacity(count);
-            {
-                let mut cluster = pool.cluster.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                let view = cluster.as_mut().and_then(ViewOpener::reader);
-                cluster_lookup(&pool.mirror, view, &keys, &mut found);
-            }
+            let found = cluster_places(pool, &keys);
             let here = pool.mirror.header().node;
             for (i, place) in found.iter().take(capacity).enumerate() {
                 let entry = match place {
@@ -462,6 +457,16 @@ pub unsafe extern "C" fn lake_lookup_cluster(
     })
 }
 
+/// Where each block of the longest prefix of `keys` held anywhere is: this
+/// pool's mirror, then its cluster view (opened when first asked for).
+fn cluster_places(pool: &LakePool, keys: &[BlockKey]) -> Vec<Where> {
+    let mut found = Vec::with_capacity(keys.len());
+    let mut cluster = pool.cluster.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let view = cluster.as_mut().and_then(ViewOpener::reader);
+    cluster_lookup(&pool.mirror, view, keys, &mut found);
+    found
+}
+
 /// Makes as much of `keys` (`count`) this node's as the pool can within
 /// `timeout_ms`: of its longest prefix held anywhere
 /// (`lake_lookup_cluster`), the blocks only other nodes hold are asked
@@ -494,12 +499,7 @@ pub unsafe extern "C" fn lake_pull(
             }
             let deadline = std::time::Instant::now() + Duration::from_millis(u64::from(timeout_ms));
             let keys = read_keys(pool, keys, count);
-            let mut found = Vec::with_capacity(count);
-            {
-                let mut cluster = pool.cluster.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                let view = cluster.as_mut().and_then(ViewOpener::reader);
-                cluster_lookup(&pool.mirror, view, &keys, &mut found);
-            }
+            let found = cluster_places(pool, &keys);
             let pulls = lake_dp::mirror::view::remote(&keys, &found);
             let asked = !pulls.is_empty()
                 && pool.has_control_plane

@@ -42,7 +42,7 @@ use lake_dp::auth::{AuthError, LinkKey, RecordLink};
 use lake_dp::constants::DELTA_ENTRIES_MAX;
 use lake_dp::mirror::view::ViewWriter;
 use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
-use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SnapshotRequest, ViewEntry};
+use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SnapshotRequest};
 use lake_dp::wire::{
     FEATURE_CLUSTER_VIEW, FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame, decode_frame,
 };
@@ -504,14 +504,12 @@ impl Uplink {
             let again = match frame.message {
                 Message::HelloAck(_) => false,
                 Message::ViewDelta(head, entries) if self.view.is_some() => {
-                    let entries: Vec<ViewEntry> = entries.iter().collect();
-                    ask_view = self.view.as_mut().and_then(|v| v.delta(&head, &entries, &mut self.counters));
+                    ask_view = self.view.as_mut().and_then(|v| v.delta(&head, entries.iter(), &mut self.counters));
                     false
                 }
                 Message::ViewSnapshot(head, entries) if self.view.is_some() => {
-                    let entries: Vec<ViewEntry> = entries.iter().collect();
                     if let Some(view) = self.view.as_mut() {
-                        view.snapshot(&head, &entries, &mut self.counters);
+                        view.snapshot(&head, entries.iter(), &mut self.counters);
                     }
                     false
                 }

@@ -150,7 +150,12 @@ pub(super) struct ViewCopy {
 impl ViewCopy {
     /// Applies a view delta frame: the view's term asked for a snapshot
     /// of where it does not follow the last.
-    pub(super) fn delta(&mut self, head: &Delta, entries: &[ViewEntry], counters: &mut UplinkCounters) -> Option<u64> {
+    pub(super) fn delta(
+        &mut self,
+        head: &Delta,
+        entries: impl IntoIterator<Item = ViewEntry>,
+        counters: &mut UplinkCounters,
+    ) -> Option<u64> {
         self.receiving = None;
         if self.gap || (head.term == self.term && head.sequence <= self.sequence) {
             return None;
@@ -167,7 +172,12 @@ impl ViewCopy {
     }
 
     /// Applies a view snapshot frame; its first frame starts the view over.
-    pub(super) fn snapshot(&mut self, head: &Delta, entries: &[ViewEntry], counters: &mut UplinkCounters) {
+    pub(super) fn snapshot(
+        &mut self,
+        head: &Delta,
+        entries: impl IntoIterator<Item = ViewEntry>,
+        counters: &mut UplinkCounters,
+    ) {
         if self.receiving != Some((head.term, head.sequence)) {
             self.receiving = Some((head.term, head.sequence));
             self.writer.clear();
@@ -177,7 +187,7 @@ impl ViewCopy {
         self.apply(head.node, entries, counters);
     }
 
-    fn apply(&mut self, node: u32, entries: &[ViewEntry], counters: &mut UplinkCounters) {
+    fn apply(&mut self, node: u32, entries: impl IntoIterator<Item = ViewEntry>, counters: &mut UplinkCounters) {
         for entry in entries {
             let tier = if entry.tier == VIEW_TIER_NONE { None } else { Tier::from_u8(entry.tier) };
             let kind = ObjectKind::from_u16(u16::from(entry.kind)).unwrap_or(ObjectKind::KvBlock);
