@@ -117,6 +117,8 @@ fn simulate(w: &Workload, policy: Policy) -> Outcome {
         compute_ns_per_block: compute,
         load_ns_per_block: [0, 43_000, 390_000, 2_400_000],
         cnic_ns_per_block: 94_000,
+        // Each node's own tiers only: the simulation has no pool runs.
+        pull_ns_per_block: u64::MAX,
     };
     let mut nodes: Vec<Node> = (0..w.nodes)
         .map(|i| {
@@ -164,6 +166,7 @@ fn simulate(w: &Workload, policy: Policy) -> Outcome {
                     })
                     .collect(),
                 l3_through: in_l3[c as usize].min(blocks),
+                pool: Vec::new(),
             };
             let all: Vec<NodeLoad> = nodes
                 .iter()

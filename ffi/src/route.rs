@@ -233,7 +233,8 @@ pub unsafe extern "C" fn lake_route(
             let in_l1 = table[..found].iter().take_while(|e| e.tier == Tier::L1Dram).count();
             let (l1, l2) = (u32::try_from(in_l1).unwrap_or(0), u32::try_from(found).unwrap_or(0));
             let l0 = r.local_l0_blocks.min(blocks);
-            let mut view = HitView { nodes: Vec::with_capacity(others.len() + 1), l3_through: r.l3_blocks };
+            let mut view =
+                HitView { nodes: Vec::with_capacity(others.len() + 1), l3_through: r.l3_blocks, pool: Vec::new() };
             view.nodes.push(NodeHits { node: NodeId(r.local_node), through: [l0, l1.max(l0), l2.max(l1).max(l0), 0] });
             view.nodes.extend(others.iter().map(|h| NodeHits { node: NodeId(h.node), through: h.through }));
             // Measured costs are this node's alone.
@@ -281,6 +282,8 @@ pub unsafe extern "C" fn lake_route(
                         compute_ns_per_block: compute(l),
                         load_ns_per_block: live(l),
                         cnic_ns_per_block: l.cnic_ns_per_block,
+                        // Its caller gives no pool runs to pull.
+                        pull_ns_per_block: u64::MAX,
                     })
                     .collect(),
             };

@@ -18,8 +18,14 @@
 //! candidate's time to first token is modelled — queue, loads, compute,
 //! the P→D transfer — and the fastest wins (fewer blocks moved between
 //! nodes, then fewer moved at all, break a tie: loads hidden under
-//! compute still cost bandwidth). A failed execution is routed again with the failed node in
-//! [`Request::avoid`] (F4 reroute): the same function, no fallback ladder.
+//! compute still cost bandwidth). A failed execution is routed again with
+//! the failed node in [`Request::avoid`] (F4 reroute): the same function,
+//! no fallback ladder.
+//!
+//! The pool is one across nodes: past what a node holds itself, the
+//! prefix may go on in other nodes' L1 or L2 ([`HitView::pool`]), pulled
+//! over the storage network at the node's [`NodeLoad::pull_ns_per_block`]
+//! — loaded, like any tier's run, only where that beats recomputing.
 
 use crate::{NodeId, Tier};
 
@@ -62,16 +68,38 @@ pub struct NodeLoad {
     pub load_ns_per_block: [u64; 4],
     /// Moving one block over the compute network to or from this node (ns).
     pub cnic_ns_per_block: u64,
+    /// Pulling one block from another node's L1 or L2 into this node's
+    /// HBM over the storage network (ns; `u64::MAX`: never).
+    pub pull_ns_per_block: u64,
+}
+
+/// A run of the prefix held in the pool: blocks `first..last`, each in
+/// `node`'s `tier` (L1 or L2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolRun {
+    /// First block.
+    pub first: u32,
+    /// One past the last.
+    pub last: u32,
+    /// The node holding them.
+    pub node: NodeId,
+    /// Its tier of them.
+    pub tier: Tier,
 }
 
 /// The hit view: per node, what it holds of the prefix. Nodes absent hold
 /// nothing. L3 is the cluster's: `l3_through` blocks any node may read.
+/// `pool` is the prefix as the whole pool holds it in L1 and L2, block 0
+/// on, in runs by holder (one holder a block: the fastest): what a node
+/// may pull past its own.
 #[derive(Clone, Debug, Default)]
 pub struct HitView {
     /// Per node.
     pub nodes: Vec<NodeHits>,
     /// Prefix blocks in the object store.
     pub l3_through: u32,
+    /// The pool's prefix in L1 and L2, in runs from block 0.
+    pub pool: Vec<PoolRun>,
 }
 
 /// The load view: every node that may run work.
@@ -109,7 +137,7 @@ pub enum Mode {
 pub enum Network {
     /// Within a node: its own tiers into its HBM.
     Local,
-    /// The storage network (a node's tiers, L3).
+    /// The storage network (another node's tiers, L3).
     Storage,
     /// The compute network (P→D).
     Compute,
@@ -231,7 +259,8 @@ fn hits_of(hits: &HitView, node: NodeId) -> NodeHits {
 }
 
 /// A prefill on one node: which prefix runs it loads (each only if it
-/// beats recomputing), the rest computed.
+/// beats recomputing), the rest computed. The order: its own L0–L2, then
+/// the pool's runs past them (pulled from other nodes), then L3.
 struct Prefill {
     hit: u32,
     moves: Vec<Move>,
@@ -256,32 +285,62 @@ fn prefill_on(request: &Request, hits: &HitView, node: &NodeLoad) -> Prefill {
     let mut through = own.through;
     // The object store is every node's L3.
     through[3] = through[3].max(hits.l3_through);
-    let mut covered = 0u32;
-    let mut load_ns = 0u64;
-    let mut moves = Vec::new();
-    for (tier, &upto) in through.iter().enumerate() {
-        let upto = upto.min(request.blocks).max(covered);
-        if upto == covered {
-            continue;
-        }
-        let per_block = node.load_ns_per_block[tier];
-        // Loading pays only if it is faster than computing; the prefix
-        // stops at the first run that does not pay.
-        if tier > 0 && per_block >= node.compute_ns_per_block {
+    let mut runs = Runs { node, blocks: request.blocks, covered: 0, load_ns: 0, moves: Vec::new() };
+    let mut going = true;
+    for (tier, &upto) in through.iter().enumerate().take(3) {
+        let from = (node.node, [Tier::L0Hbm, Tier::L1Dram, Tier::L2Nvme][tier]);
+        going = going && runs.take(upto, from, node.load_ns_per_block[tier], Network::Local);
+    }
+    for run in &hits.pool {
+        if !going || run.first > runs.covered {
             break;
         }
-        let tier_of = [Tier::L0Hbm, Tier::L1Dram, Tier::L2Nvme, Tier::L3Object][tier];
-        if tier > 0 {
-            let network = if tier == 3 { Network::Storage } else { Network::Local };
-            moves.push(Move { first: covered, last: upto, from: (node.node, tier_of), to: node.node, network });
-        }
-        load_ns += u64::from(upto - covered) * per_block;
-        covered = upto;
+        let (per_block, network) = if run.node == node.node {
+            (node.load_ns_per_block[run.tier as usize], Network::Local)
+        } else {
+            (node.pull_ns_per_block, Network::Storage)
+        };
+        going = runs.take(run.last, (run.node, run.tier), per_block, network);
     }
+    if going {
+        runs.take(through[3], (node.node, Tier::L3Object), node.load_ns_per_block[3], Network::Storage);
+    }
+    let Runs { covered, load_ns, moves, .. } = runs;
     let compute_ns = u64::from(request.blocks - covered) * node.compute_ns_per_block;
     // Loads and compute overlap layer by layer: the longer one sets the
     // pace (the prefix's loads feed the suffix's attention).
     Prefill { hit: covered, moves, ttft_ns: node.queue_ns + load_ns.max(compute_ns), blocks: request.blocks }
+}
+
+/// The prefix a prefill loads, run by run.
+struct Runs<'a> {
+    node: &'a NodeLoad,
+    blocks: u32,
+    covered: u32,
+    load_ns: u64,
+    moves: Vec<Move>,
+}
+
+impl Runs<'_> {
+    /// Takes the prefix on to `upto` from `from` at `per_block` a block,
+    /// where that pays. Returns whether the prefix may go on past it: it
+    /// stops at the first run that does not pay (loading is worth it only
+    /// where it is faster than computing).
+    fn take(&mut self, upto: u32, from: (NodeId, Tier), per_block: u64, network: Network) -> bool {
+        let upto = upto.min(self.blocks).max(self.covered);
+        if upto == self.covered {
+            return true;
+        }
+        if from.1 != Tier::L0Hbm && per_block >= self.node.compute_ns_per_block {
+            return false;
+        }
+        if from.1 != Tier::L0Hbm {
+            self.moves.push(Move { first: self.covered, last: upto, from, to: self.node.node, network });
+        }
+        self.load_ns = self.load_ns.saturating_add(u64::from(upto - self.covered).saturating_mul(per_block));
+        self.covered = upto;
+        true
+    }
 }
 
 #[cfg(test)]

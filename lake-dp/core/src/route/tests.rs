@@ -3,7 +3,8 @@ use super::*;
 const MS: u64 = 1_000_000;
 
 /// A node of both roles: 0.5 ms to compute a block, 0.05 / 0.4 / 3 ms to
-/// load one from L1 / L2 / L3, 0.1 ms over the compute network.
+/// load one from L1 / L2 / L3, 0.1 ms over the compute network and to pull
+/// one from another node.
 fn node(id: u32, queue_ms: u64) -> NodeLoad {
     NodeLoad {
         node: NodeId(id),
@@ -13,6 +14,7 @@ fn node(id: u32, queue_ms: u64) -> NodeLoad {
         compute_ns_per_block: MS / 2,
         load_ns_per_block: [0, MS / 20, 2 * MS / 5, 3 * MS],
         cnic_ns_per_block: MS / 10,
+        pull_ns_per_block: MS / 10,
     }
 }
 
@@ -39,7 +41,7 @@ fn a_prefix_in_an_engines_hbm_starts_the_request_there() {
     // Node 2 is busier but holds 80 of 100 blocks in HBM: 10 + 10 ms
     // against node 1's 0 + 50 ms.
     let loads = LoadView { nodes: vec![node(1, 0), node(2, 10)] };
-    let view = HitView { nodes: vec![hits(2, [80, 80, 80, 80])], l3_through: 0 };
+    let view = HitView { nodes: vec![hits(2, [80, 80, 80, 80])], l3_through: 0, pool: Vec::new() };
     let plan = route(&request(100), &view, &loads, Policy::Any).unwrap();
     assert_eq!(plan.mode, Mode::DDirect { node: NodeId(2) });
     assert_eq!((plan.hit_blocks, plan.ttft_ns), (80, 20 * MS));
@@ -52,7 +54,7 @@ fn a_hit_counts_only_where_loading_beats_recomputing() {
     // slower than it computes: the prefix stops after L1, L3 unused.
     let mut slow_disk = node(1, 0);
     slow_disk.load_ns_per_block[2] = MS;
-    let view = HitView { nodes: vec![hits(1, [0, 20, 50, 50])], l3_through: 100 };
+    let view = HitView { nodes: vec![hits(1, [0, 20, 50, 50])], l3_through: 100, pool: Vec::new() };
     let plan = route(&request(100), &view, &LoadView { nodes: vec![slow_disk] }, Policy::Any).unwrap();
     assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (20, 80));
     assert_eq!(
@@ -61,7 +63,7 @@ fn a_hit_counts_only_where_loading_beats_recomputing() {
     );
     // With a disk that pays, L1 then L2 load and L3 (slower than compute
     // here) still does not.
-    let view = HitView { nodes: vec![hits(1, [0, 20, 50, 50])], l3_through: 100 };
+    let view = HitView { nodes: vec![hits(1, [0, 20, 50, 50])], l3_through: 100, pool: Vec::new() };
     let plan = route(&request(100), &view, &LoadView { nodes: vec![node(1, 0)] }, Policy::Any).unwrap();
     assert_eq!(plan.hit_blocks, 50);
     assert_eq!(plan.moves.len(), 2);
@@ -71,7 +73,8 @@ fn a_hit_counts_only_where_loading_beats_recomputing() {
 #[test]
 fn a_failed_execution_is_routed_around_its_node() {
     let loads = LoadView { nodes: vec![node(1, 0), node(2, 0)] };
-    let view = HitView { nodes: vec![hits(2, [90, 90, 90, 90]), hits(1, [0, 40, 40, 40])], l3_through: 0 };
+    let view =
+        HitView { nodes: vec![hits(2, [90, 90, 90, 90]), hits(1, [0, 40, 40, 40])], l3_through: 0, pool: Vec::new() };
     let first = route(&request(100), &view, &loads, Policy::Any).unwrap();
     assert_eq!(first.mode, Mode::DDirect { node: NodeId(2) });
     // Node 2 died mid-request: the same function, node 2 avoided.
@@ -90,7 +93,7 @@ fn pd_sends_the_whole_prompt_over_the_compute_network() {
     let mut decode = node(2, 0);
     decode.prefill = false;
     let loads = LoadView { nodes: vec![prefill, decode] };
-    let view = HitView { nodes: vec![hits(1, [0, 40, 40, 40])], l3_through: 0 };
+    let view = HitView { nodes: vec![hits(1, [0, 40, 40, 40])], l3_through: 0, pool: Vec::new() };
     let plan = route(&request(100), &view, &loads, Policy::Any).unwrap();
     assert_eq!(plan.mode, Mode::PdDisaggregated { prefill: NodeId(1), decode: NodeId(2) });
     assert_eq!(plan.ttft_ns, 30 * MS + 10 * MS, "60 computed, then 100 blocks at 0.1 ms");
@@ -121,8 +124,56 @@ fn at_equal_speed_the_prefix_already_in_hbm_wins_over_loading_it() {
     // 80 of 100 blocks: node 1 would load them from L1 (4 ms, hidden under
     // 10 ms of compute), node 2 has them in HBM: the same TTFT, no loads.
     let loads = LoadView { nodes: vec![node(1, 0), node(2, 0)] };
-    let view = HitView { nodes: vec![hits(1, [0, 80, 80, 80]), hits(2, [80, 80, 80, 80])], l3_through: 0 };
+    let view =
+        HitView { nodes: vec![hits(1, [0, 80, 80, 80]), hits(2, [80, 80, 80, 80])], l3_through: 0, pool: Vec::new() };
     let plan = route(&request(100), &view, &loads, Policy::Any).unwrap();
     assert_eq!(plan.mode, Mode::DDirect { node: NodeId(2) });
     assert_eq!((plan.ttft_ns, plan.blocks_moved()), (10 * MS, 0));
+}
+
+fn run(first: u32, last: u32, id: u32, tier: Tier) -> PoolRun {
+    PoolRun { first, last, node: NodeId(id), tier }
+}
+
+#[test]
+fn past_its_own_prefix_a_node_pulls_the_pools_runs_where_that_beats_recomputing() {
+    // Node 1 holds 10 of 100 blocks in L1; the pool goes on to 60 in node
+    // 2's L1 and to 70 in node 3's L2. Node 2 is backed up (500 ms), so
+    // node 1 runs it: its own 10 loaded, 50 pulled (0.1 ms a block, under
+    // 0.5 ms of compute), 40 computed (20 ms).
+    let loads = LoadView { nodes: vec![node(1, 0), node(2, 500)] };
+    let pool = vec![run(0, 10, 1, Tier::L1Dram), run(10, 60, 2, Tier::L1Dram), run(60, 70, 3, Tier::L2Nvme)];
+    let view = HitView { nodes: vec![hits(1, [0, 10, 10, 10]), hits(2, [0, 60, 60, 60])], l3_through: 0, pool };
+    let plan = route(&request(100), &view, &loads, Policy::Any).unwrap();
+    assert_eq!(plan.mode, Mode::Colocated { node: NodeId(1) });
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (70, 30), "{plan:?}");
+    let own = Move { first: 0, last: 10, from: (NodeId(1), Tier::L1Dram), to: NodeId(1), network: Network::Local };
+    let pulled = |first, last, id, tier| Move {
+        first,
+        last,
+        from: (NodeId(id), tier),
+        to: NodeId(1),
+        network: Network::Storage,
+    };
+    assert_eq!(plan.moves, [own, pulled(10, 60, 2, Tier::L1Dram), pulled(60, 70, 3, Tier::L2Nvme)]);
+    assert_eq!(plan.ttft_ns, 15 * MS, "30 computed; 0.5 + 6 ms of loads hidden under them");
+    assert_eq!(plan.blocks_moved_between_nodes(), 60);
+
+    // Where a pull costs more than recomputing, the prefix stops at the
+    // node's own blocks, and L3 past it is not reached either.
+    let mut slow = node(1, 0);
+    slow.pull_ns_per_block = MS;
+    let view = HitView { l3_through: 100, ..view };
+    let plan = route(&request(100), &view, &LoadView { nodes: vec![slow] }, Policy::Any).unwrap();
+    assert_eq!((plan.hit_blocks, plan.moves.len()), (10, 1), "{plan:?}");
+
+    // The holder itself loads its own run locally, not over the network;
+    // the pool's run past a gap is not reached.
+    let loads = LoadView { nodes: vec![node(2, 0)] };
+    let pool = vec![run(0, 60, 2, Tier::L1Dram), run(61, 90, 3, Tier::L1Dram)];
+    let view = HitView { nodes: Vec::new(), l3_through: 0, pool };
+    let plan = route(&request(100), &view, &loads, Policy::Any).unwrap();
+    assert_eq!(plan.hit_blocks, 60, "{plan:?}");
+    assert_eq!(plan.moves[0].network, Network::Local);
+    assert_eq!(plan.blocks_moved_between_nodes(), 0);
 }
