@@ -589,14 +589,18 @@ impl EmbeddedPool {
         let entries = (l1_bytes / smallest.max(1)).max(u64::from(config.l1_slots))
             + config.l2_paths().len() as u64 * u64::from(config.l2_slots_per_file)
             + config.l3.as_ref().map_or(0, |l3| u64::from(l3.objects));
-        let writer = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(mirror.clone()), entries))
-            .map_err(ServeError::Mirror)?;
+        // The node's id in its header: an engine's cluster lookup names
+        // this node for its own blocks, a router takes them for this node's.
+        let table = |path| MirrorConfig { node: NodeId(config.node), ..MirrorConfig::for_entries(path, entries) };
+        let writer = MirrorWriter::create(&table(MirrorBacking::Shm(mirror.clone()))).map_err(ServeError::Mirror)?;
         // Each tenant kept apart has a mirror of its own, as large (it may
         // hold as much in L2 and L3).
         let mut tenant_mirrors = Vec::new();
         for (namespaces, path) in config.tenant_mirrors(&mirror).map_err(ServeError::Settings)? {
-            let config = MirrorConfig::for_entries(MirrorBacking::Shm(path), entries);
-            tenant_mirrors.push((namespaces, MirrorWriter::create(&config).map_err(ServeError::Mirror)?));
+            tenant_mirrors.push((
+                namespaces,
+                MirrorWriter::create(&table(MirrorBacking::Shm(path))).map_err(ServeError::Mirror)?,
+            ));
         }
         // Checked at the start (`check`): here only its value.
         let load_reserve_slots = load_reserve(config).map_err(ServeError::Settings)?;

@@ -177,9 +177,11 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
                 }
             }
             Err(_) => {
-                return MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), entries))
-                    .map(Some)
-                    .map_err(|e| format!("mirror {}: {e}", path.display()));
+                let table = MirrorConfig {
+                    node: lake_dp::NodeId(node),
+                    ..MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), entries)
+                };
+                return MirrorWriter::create(&table).map(Some).map_err(|e| format!("mirror {}: {e}", path.display()));
             }
         }
     };
