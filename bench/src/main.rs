@@ -23,6 +23,7 @@ mod lookup;
 mod qos;
 mod report;
 mod route_sim;
+mod router;
 mod tcp;
 mod tenants;
 mod trace;
@@ -91,6 +92,9 @@ enum Bench {
     /// Simulated agent conversations over several nodes routed by
     /// lake_dp::route vs always-PD and always-colocated.
     Route(route_sim::RouteArgs),
+    /// `lake route`'s answer time, in process and over HTTP, against the
+    /// lookup and route function beneath it and a loopback TCP round trip.
+    Router(router::RouterArgs),
     /// Replay a hash_ids trace through the real index and eviction code.
     Trace(trace::TraceArgs),
     /// Write a trace in the Mooncake format.
@@ -126,6 +130,7 @@ fn main() -> ExitCode {
         Bench::Gpu(args) => gpu::run(&args),
         Bench::Tcp(args) => tcp::run(&args),
         Bench::Route(args) => route_sim::run(&args),
+        Bench::Router(args) => router::run(&args),
         Bench::Trace(args) => trace::run_trace(&args),
         Bench::TraceGen(args) => trace::run_trace_gen(&args),
         Bench::TraceTiers(args) => trace::run_trace_tiers(&args),

@@ -11,6 +11,8 @@
 //! its view back: each node's engines find the other node's blocks with
 //! where they are, and lose them when that node leaves.
 
+#[path = "common/cluster.rs"]
+mod cluster;
 #[path = "common/etcd.rs"]
 mod etcd_server;
 #[path = "common/scratch.rs"]
@@ -18,75 +20,16 @@ mod scratch;
 #[path = "common/supervise.rs"]
 mod supervise;
 
-use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{Receiver, channel};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NamespaceId, NodeId};
 
+use cluster::{Proc, field, http_get};
 use scratch::Scratch;
-
-/// A child process whose stdout lines arrive on a channel.
-struct Proc {
-    child: Child,
-    lines: Receiver<String>,
-}
-
-impl Proc {
-    fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self { child, lines }
-    }
-
-    /// The first line (from now) that `want` accepts.
-    fn wait_for(&self, what: &str, within: Duration, want: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + within;
-        let mut last = String::new();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if want(&line) => return line,
-                Ok(line) => last = line,
-                Err(_) => panic!("{what}: not within {within:?}; last line: {last}"),
-            }
-        }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        supervise::stop(&mut self.child);
-    }
-}
-
-fn field(line: &str, name: &str) -> String {
-    let start = line.find(&format!("\"{name}\":\"")).unwrap_or_else(|| panic!("{name} in {line}")) + name.len() + 4;
-    line[start..start + line[start..].find('"').unwrap()].to_owned()
-}
 
 /// `node`'s entry in a summary line: its JSON object.
 fn node_in(line: &str, node: u32) -> Option<String> {
@@ -318,17 +261,6 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     });
     println!("summary: leader SIGKILLed, the standby led from its checkpoint {took_over:?} later (lease 2 s)");
     drop(two);
-}
-
-/// `GET path` on `address`: the status line and the body.
-fn http_get(address: &str, path: &str) -> (String, String) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(address).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: lake\r\n\r\n").unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    (head.lines().next().unwrap_or("").to_owned(), body.to_owned())
 }
 
 /// `lake drain-node …`: its exit status and what it printed.

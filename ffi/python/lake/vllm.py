@@ -461,7 +461,16 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         extra = _extra(vllm_config)
         self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 16))
         tenant = bytes.fromhex(extra.get("tenant_key", "00" * 32))
-        self.namespace = lake.Namespace(tenant, self.block_size, _model_fingerprint(vllm_config))
+        fingerprint = _model_fingerprint(vllm_config)
+        self.namespace = lake.Namespace(tenant, self.block_size, fingerprint)
+        # What a router (`lake route`'s [namespace]) needs to chain a
+        # request's tokens into this engine's keys.
+        logger.info(
+            "lake.vllm: namespace %016x: block_tokens %d, model_fingerprint %s",
+            self.namespace.id,
+            self.block_size,
+            fingerprint.hex(),
+        )
         self._extra = extra
         self._vllm_config = vllm_config
         self.pool = None

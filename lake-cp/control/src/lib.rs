@@ -34,6 +34,7 @@ pub mod location;
 pub mod metrics;
 pub mod node;
 pub mod route;
+pub mod router;
 pub mod server;
 pub mod summary;
 mod table;

@@ -37,6 +37,7 @@ macro_rules! show {
 mod cp;
 mod demo;
 mod operator;
+mod route;
 mod serve;
 
 use cp::{CpArgs, SummaryArgs, control_plane, drain_node, summary_leader};
@@ -181,6 +182,18 @@ enum Command {
     /// The leader's cluster summary: the nodes' deltas in order, lapsed
     /// members dropped, checkpoints, hot prefixes copied to every member.
     Summary(SummaryArgs),
+    /// Where each request runs — mode, prefill and decode nodes, the pool
+    /// blocks to reuse — answered over HTTP/JSON for a gateway, from this
+    /// host's view of the pool and the nodes' load; until SIGTERM or
+    /// SIGINT.
+    Route {
+        /// The router's settings (TOML; `examples/route.toml`).
+        #[arg(long, value_name = "FILE")]
+        config: PathBuf,
+        /// Where to answer, over the file's `listen`.
+        #[arg(long, value_name = "IP:PORT")]
+        listen: Option<std::net::SocketAddr>,
+    },
     /// Write a new cluster link key, readable by its owner only (an
     /// existing file is kept).
     Keygen {
@@ -301,6 +314,7 @@ fn main() -> ExitCode {
         Command::Cp(args) => ("cp", control_plane(&args)),
         Command::Summary(args) => ("summary", summary_leader(&args)),
         Command::Keygen { file } => ("keygen", keygen(&file)),
+        Command::Route { config, listen } => ("route", route::route(&config, listen)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

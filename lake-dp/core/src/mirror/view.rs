@@ -302,13 +302,25 @@ impl ViewReader {
 
     /// Every other node holding `key`, with its fastest tier.
     pub fn holders(&self, key: &BlockKey) -> Vec<Holder> {
-        let Ok(Some(snapshot)) = self.table.get_raw(key) else { return Vec::new() };
-        (0..VIEW_NODES_MAX)
-            .filter_map(|slot| {
-                let tier = tier_of_code(slot_code(snapshot.words[2], slot))?;
-                Some(Holder { node: self.slot_node(slot)?, tier })
-            })
-            .collect()
+        let mut out = Vec::new();
+        self.holders_into(key, &mut out);
+        out
+    }
+
+    /// [`ViewReader::holders`], appended to `out` (a router's scratch,
+    /// reused from block to block).
+    pub fn holders_into(&self, key: &BlockKey, out: &mut Vec<Holder>) {
+        let Ok(Some(snapshot)) = self.table.get_raw(key) else { return };
+        let mut codes = snapshot.words[2];
+        while codes != 0 {
+            let slot = (codes.trailing_zeros() / 2) as usize;
+            codes &= !(0b11 << (2 * slot));
+            if let Some(tier) = tier_of_code(slot_code(snapshot.words[2], slot))
+                && let Some(node) = self.slot_node(slot)
+            {
+                out.push(Holder { node, tier });
+            }
+        }
     }
 
     fn slot_node(&self, slot: usize) -> Option<NodeId> {
@@ -389,6 +401,44 @@ pub fn lookup(mirror: &MirrorReader, view: Option<&ViewReader>, keys: &[BlockKey
         }
     }
     out.len()
+}
+
+/// Every holder of each block of a prompt in turn, as a router weighs
+/// them: `visit(i, local, remote)` gets block `i`'s entry in this node's
+/// mirror (if it holds it) and the other nodes holding it with their
+/// fastest tiers, until it returns false or the keys end. Buckets are
+/// fetched ahead, as [`lookup`] does.
+pub fn walk(
+    mirror: &MirrorReader,
+    view: Option<&ViewReader>,
+    keys: &[BlockKey],
+    mut visit: impl FnMut(usize, Option<MirrorEntry>, &[Holder]) -> bool,
+) {
+    const AHEAD: usize = 16;
+    let fetch = |key: &BlockKey| {
+        mirror.prefetch(key);
+        if let Some(view) = view {
+            view.prefetch(key);
+        }
+    };
+    keys.iter().take(AHEAD).for_each(fetch);
+    let mut remote = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        if let Some(next) = keys.get(i + AHEAD) {
+            fetch(next);
+        }
+        let local = match mirror.get(key) {
+            super::Lookup::Hit(entry) => Some(entry),
+            super::Lookup::Miss | super::Lookup::Unreadable => None,
+        };
+        remote.clear();
+        if let Some(view) = view {
+            view.holders_into(key, &mut remote);
+        }
+        if !visit(i, local, &remote) {
+            return;
+        }
+    }
 }
 
 /// The blocks of a cluster lookup's answer (`keys` and the `places`

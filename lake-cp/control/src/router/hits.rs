@@ -1,0 +1,184 @@
+//! The hit view of a request, read from the pool on the router's host:
+//! its mirror (this node's blocks, with their tiers) and its cluster view
+//! (every other node's), both lock-free shared memory the router maps
+//! read-only, found through the pool's `pool.json` and found again when
+//! the pool restarts.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use lake_dp::mirror::MirrorReader;
+use lake_dp::mirror::view::{self, ViewReader};
+use lake_dp::route::{HitView, NodeHits, PoolRun};
+use lake_dp::{BlockKey, NodeId, Tier};
+
+/// How often a missing or stale pool is looked for again.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// The pool's shared memory, as the router reads it.
+#[derive(Debug)]
+pub(super) struct PoolReader {
+    dir: PathBuf,
+    mirror: Option<MirrorReader>,
+    view: Option<ViewReader>,
+    why: String,
+    next_check: Instant,
+}
+
+impl PoolReader {
+    /// The pool whose home is `dir`; nothing opened yet.
+    pub(super) fn new(dir: &Path) -> Self {
+        Self { dir: dir.to_owned(), mirror: None, view: None, why: "not opened yet".into(), next_check: Instant::now() }
+    }
+
+    /// Opens the pool's mirror and view again where either is gone or
+    /// retired (at most once a [`RETRY`]).
+    fn refresh(&mut self) {
+        let now = Instant::now();
+        if now < self.next_check {
+            return;
+        }
+        self.next_check = now + RETRY;
+        let stale = |alive: bool, ready: bool| !alive || !ready;
+        let mirror_stale = self.mirror.as_ref().is_none_or(|m| stale(m.writer_alive(), m.is_ready()));
+        let view_stale = self.view.as_ref().is_none_or(|v| stale(v.writer_alive(), v.is_ready()));
+        if !mirror_stale && !view_stale {
+            return;
+        }
+        match self.open() {
+            Ok((mirror, view)) => {
+                self.mirror = Some(mirror);
+                self.view = view;
+                self.why.clear();
+            }
+            Err(why) => {
+                self.mirror = None;
+                self.view = None;
+                self.why = why;
+            }
+        }
+    }
+
+    fn open(&self) -> Result<(MirrorReader, Option<ViewReader>), String> {
+        let record = self.dir.join("pool.json");
+        let text = std::fs::read_to_string(&record).map_err(|e| format!("{}: {e}", record.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", record.display()))?;
+        let path = |name: &str| value.get(name).and_then(serde_json::Value::as_str).map(PathBuf::from);
+        let mirror_path = path("mirror").ok_or_else(|| format!("{}: no mirror", record.display()))?;
+        let mirror = MirrorReader::attach(&mirror_path).map_err(|e| format!("{}: {e}", mirror_path.display()))?;
+        let view = path("cluster_view").and_then(|p| ViewReader::attach(&p).ok());
+        Ok((mirror, view))
+    }
+
+    /// This node's id, and whether the other nodes' blocks are seen (a
+    /// cluster view is open); why not, where the pool cannot be read.
+    pub(super) fn state(&mut self) -> Result<(NodeId, bool), String> {
+        self.refresh();
+        match &self.mirror {
+            Some(mirror) => Ok((NodeId(mirror.header().node), self.view.is_some())),
+            None => Err(self.why.clone()),
+        }
+    }
+
+    /// The hit view of `keys` (a prompt's blocks, in order): every node's
+    /// leading run in each tier, and the pool's prefix in L1 and L2 in
+    /// runs by fastest holder — the nodes of `down` left out, their
+    /// blocks as good as gone. Empty where the pool cannot be read.
+    pub(super) fn hits(&mut self, keys: &[BlockKey], down: &[NodeId]) -> HitView {
+        self.refresh();
+        let mut hits = Hits::default();
+        let Some(mirror) = &self.mirror else { return HitView::default() };
+        let here = NodeId(mirror.header().node);
+        let mut holders = Vec::new();
+        view::walk(mirror, self.view.as_ref(), keys, |i, local, remote| {
+            holders.clear();
+            if let Some(entry) = local {
+                holders.push((here, fastest(entry.tiers).unwrap_or(entry.tier)));
+            }
+            holders.extend(remote.iter().map(|h| (h.node, h.tier)));
+            holders.retain(|(node, _)| !down.contains(node));
+            !holders.is_empty() && hits.add(u32::try_from(i).unwrap_or(u32::MAX), &holders)
+        });
+        hits.into_view()
+    }
+}
+
+/// The fastest tier of a mirror entry's `tiers` bits.
+fn fastest(tiers: u8) -> Option<Tier> {
+    Tier::ALL.into_iter().find(|&t| tiers & (1 << t as u8) != 0)
+}
+
+/// A hit view being built, block by block.
+#[derive(Default)]
+struct Hits {
+    /// Per node: its leading run through each tier, and whether each run
+    /// is still going.
+    nodes: BTreeMap<NodeId, ([u32; 4], [bool; 4])>,
+    pool: Vec<PoolRun>,
+    pool_going: bool,
+}
+
+impl Hits {
+    /// Block `block`, held by `holders` (node, fastest tier there).
+    /// Returns whether any run may still go on.
+    fn add(&mut self, block: u32, holders: &[(NodeId, Tier)]) -> bool {
+        for &(node, _) in holders {
+            self.nodes.entry(node).or_insert(([0; 4], [block == 0; 4]));
+        }
+        let mut going = false;
+        for (node, (through, open)) in &mut self.nodes {
+            let tier = holders.iter().find(|(n, _)| n == node).map(|&(_, t)| t as usize);
+            for t in 0..4 {
+                open[t] = open[t] && tier.is_some_and(|held| held <= t);
+                through[t] += u32::from(open[t]);
+                going |= open[t];
+            }
+        }
+        // The pool's run: the fastest L1 or L2 holder (the lowest node
+        // among equals); a block only in HBM or L3 ends it.
+        if block == 0 {
+            self.pool_going = true;
+        }
+        let best = holders
+            .iter()
+            .filter(|(_, t)| matches!(t, Tier::L1Dram | Tier::L2Nvme))
+            .min_by_key(|&&(node, tier)| (tier as u8, node.0));
+        match best {
+            Some(&(node, tier)) if self.pool_going => match self.pool.last_mut() {
+                Some(run) if run.node == node && run.tier == tier && run.last == block => run.last += 1,
+                _ => self.pool.push(PoolRun { first: block, last: block + 1, node, tier }),
+            },
+            _ => self.pool_going = false,
+        }
+        going || self.pool_going
+    }
+
+    fn into_view(self) -> HitView {
+        let nodes = self.nodes.into_iter().map(|(node, (through, _))| NodeHits { node, through }).collect();
+        HitView { nodes, l3_through: 0, pool: self.pool }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_nodes_leading_runs_and_the_pools_runs_by_fastest_holder() {
+        let (a, b) = (NodeId(1), NodeId(2));
+        let mut hits = Hits::default();
+        // Block 0: a in L1, b in L2; 1: a in L2; 2: b in L1; 3: b in L3.
+        assert!(hits.add(0, &[(a, Tier::L1Dram), (b, Tier::L2Nvme)]));
+        assert!(hits.add(1, &[(a, Tier::L2Nvme)]));
+        assert!(hits.add(2, &[(b, Tier::L1Dram)]));
+        assert!(!hits.add(3, &[(b, Tier::L3Object)]), "no run goes on past an L3-only block held by one node");
+        let view = hits.into_view();
+        assert_eq!(
+            view.nodes,
+            [NodeHits { node: a, through: [0, 1, 2, 2] }, NodeHits { node: b, through: [0, 0, 1, 1] }]
+        );
+        let run = |first, last, node, tier| PoolRun { first, last, node, tier };
+        assert_eq!(view.pool, [run(0, 1, a, Tier::L1Dram), run(1, 2, a, Tier::L2Nvme), run(2, 3, b, Tier::L1Dram)]);
+    }
+}

@@ -1,0 +1,77 @@
+//! Processes of a cluster test: `lake` children whose output lines are
+//! read as they come, and what their serving lines and metrics say.
+
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+/// A child process whose stdout lines arrive on a channel.
+pub(crate) struct Proc {
+    pub(crate) child: Child,
+    pub(crate) lines: Receiver<String>,
+}
+
+impl Proc {
+    pub(crate) fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// The first line (from now) that `want` accepts.
+    pub(crate) fn wait_for(&self, what: &str, within: Duration, want: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + within;
+        let mut last = String::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if want(&line) => return line,
+                Ok(line) => last = line,
+                Err(_) => panic!("{what}: not within {within:?}; last line: {last}"),
+            }
+        }
+    }
+
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        crate::supervise::stop(&mut self.child);
+    }
+}
+
+pub(crate) fn field(line: &str, name: &str) -> String {
+    let start = line.find(&format!("\"{name}\":\"")).unwrap_or_else(|| panic!("{name} in {line}")) + name.len() + 4;
+    line[start..start + line[start..].find('"').unwrap()].to_owned()
+}
+
+/// `GET path` on `address`: the status line and the body.
+#[allow(dead_code)] // not every cluster test reads a node's metrics
+pub(crate) fn http_get(address: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: lake\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (head.lines().next().unwrap_or("").to_owned(), body.to_owned())
+}

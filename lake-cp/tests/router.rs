@@ -1,0 +1,278 @@
+//! `lake route` across processes: two nodes (`lake serve`, members of a
+//! cluster in a real etcd, their summary's view streamed back to each),
+//! and the router beside node 1 reading that node's pool. A prompt's
+//! blocks saved on node 2 are found from node 1 through the view: the
+//! router sends the request where its prefix is, and with that node
+//! avoided (F4) to node 1, pulling the prefix over the storage network.
+//! Node 2 SIGKILLed: the router sees its pool stop answering and routes
+//! around it with no request naming it. Bad requests get a status and a
+//! reason naming the field; a flood of idle connections is capped and
+//! timed out, and the router answers again after it.
+
+#[path = "common/cluster.rs"]
+mod cluster;
+#[path = "common/etcd.rs"]
+mod etcd_server;
+#[path = "common/scratch.rs"]
+mod scratch;
+#[path = "common/supervise.rs"]
+mod supervise;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::{BlockKey, KeyChain, KeyScheme, Namespace, TenantKey};
+use serde_json::{Value, json};
+
+use cluster::{Proc, field};
+use scratch::Scratch;
+
+const BLOCK_TOKENS: u32 = 16;
+
+fn namespace() -> Namespace {
+    Namespace::new(&TenantKey([0x42; 32]), KeyScheme::TokenIdsV1, BLOCK_TOKENS, [0x17; 32], [0; 32]).unwrap()
+}
+
+/// A prompt of `blocks` full blocks: its tokens and their keys.
+fn prompt(seed: u32, blocks: usize) -> (Vec<u32>, Vec<BlockKey>) {
+    let tokens: Vec<u32> = (0..u32::try_from(blocks).unwrap() * BLOCK_TOKENS).map(|i| seed * 100_000 + i).collect();
+    let mut keys = vec![BlockKey::NONE; blocks];
+    assert_eq!(KeyChain::new(&namespace()).extend_tokens(&tokens, &mut keys).unwrap(), blocks);
+    (tokens, keys)
+}
+
+fn save(serving: &str, keys: &[BlockKey]) {
+    let (dp, cp, mirror) = (field(serving, "dp_socket"), field(serving, "cp_socket"), field(serving, "mirror"));
+    let config = AgentConfig {
+        arena: Path::new("/nonexistent"),
+        mirror: Path::new(&mirror),
+        cp_socket: Some(Path::new(&cp)),
+        name: "router-test",
+        namespace: namespace().id(),
+        layout_fingerprint: 0x52,
+        segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = Agent::connect(&config, Path::new(&dp)).unwrap();
+    let payload = vec![7u8; 16 * 1024];
+    for (i, key) in keys.iter().enumerate() {
+        let block = SaveBlock {
+            key: *key,
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap(),
+            payload: SavePayload::Bytes(&payload),
+        };
+        assert_eq!(agent.save(&[block]), 1, "block {i}");
+    }
+}
+
+/// One request on a connection of its own: the status and the body (0
+/// and null where the connection was closed unanswered).
+fn ask(router: &str, head: &str, body: &[u8]) -> (u16, Value) {
+    let mut stream = TcpStream::connect(router).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut request = format!("{head}\r\nHost: lake\r\nConnection: close\r\nContent-Length: {}\r\n\r\n", body.len());
+    request.push_str(std::str::from_utf8(body).unwrap());
+    let _ = stream.write_all(request.as_bytes());
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text);
+    let (status_line, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = status_line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+fn route(router: &str, request: &Value) -> (u16, Value) {
+    ask(router, "POST /route HTTP/1.1", request.to_string().as_bytes())
+}
+
+/// The router's answer to `request` once `done` holds (within 20 s).
+fn route_until(router: &str, request: &Value, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, answer) = route(router, request);
+        if status == 200 && done(&answer) {
+            return answer;
+        }
+        assert!(Instant::now() < deadline, "{status} {answer}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
+    let Some(etcd) = etcd_server::EtcdServer::start("router") else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-router-{}", std::process::id()));
+    let _scratch = Scratch(base.clone(), Vec::new());
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{}", port());
+    let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "rt", "--ttl", "2"]);
+    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let transport = format!("127.0.0.1:{}", port());
+    let node = |id: u32, transport_flag: &str, transport_value: &str| {
+        let dir = base.join(format!("node{id}")).display().to_string();
+        let args = ["serve", "--metrics", "127.0.0.1:0", "--node", &id.to_string(), "--dir", &dir];
+        let cluster = ["--block-bytes", "16384", "--summary-to", &listen, "--etcd", &endpoint, "--cluster", "rt"];
+        let rest = ["--member-ttl", "2", transport_flag, transport_value];
+        Proc::start(&[&args[..], &cluster[..], &rest[..]].concat())
+    };
+    let one = node(1, "--transport-peer", &format!("2={transport}"));
+    let mut two = node(2, "--transport-listen", &transport);
+    let serving_one = one.wait_for("node 1 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
+    let serving_two = two.wait_for("node 2 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
+
+    // The router beside node 1: both nodes run prefill and decode; 0.5 ms
+    // to compute a block, 0.05 ms to load one from L1, 0.1 ms to pull one.
+    let config = base.join("route.toml");
+    let nodes: String = [(1, &serving_one), (2, &serving_two)]
+        .iter()
+        .map(|(id, serving)| {
+            format!(
+                "[[nodes]]\nid = {id}\nroles = [\"prefill\", \"decode\"]\nlake_metrics = \"{}\"\n\
+                 compute_ns_per_block = 500000\nload_ns_per_block = [0, 50000, 400000, 3000000]\n\
+                 pull_ns_per_block = 100000\ncnic_ns_per_block = 100000\n\n",
+                field(serving, "metrics")
+            )
+        })
+        .collect();
+    let settings = format!(
+        "listen = \"127.0.0.1:0\"\npool_dir = \"{}\"\nscrape_ms = 200\nconnections_max = 8\n\n\
+         [namespace]\ntenant_key = \"{}\"\nblock_tokens = {BLOCK_TOKENS}\nmodel_fingerprint = \"{}\"\n\n{nodes}",
+        base.join("node1").display(),
+        "42".repeat(32),
+        "17".repeat(32),
+    );
+    std::fs::write(&config, settings).unwrap();
+    let mut router_proc = Proc::start(&["route", "--config", &config.display().to_string()]);
+    let routing = router_proc.wait_for("the router listens", Duration::from_secs(20), |l| l.contains("\"routing\""));
+    let router = field(&routing, "listen");
+
+    // A 50-block prompt, its first 40 blocks saved on node 2 only.
+    let (tokens, keys) = prompt(1, 50);
+    save(&serving_two, &keys[..40]);
+    let request = json!({ "tokens": tokens });
+    let started = Instant::now();
+    let answer = route_until(&router, &request, |a| a["hit_blocks"] == 40 && a["down"].as_array().unwrap().is_empty());
+    println!("router: node 2's 40 blocks seen from node 1 within {:?}: {answer}", started.elapsed());
+    // Node 2 loads them from its own L1 (2 ms, under 5 ms of compute);
+    // node 1 would pull them (4 ms, as hidden): as fast, but nothing
+    // crosses between nodes on node 2.
+    assert_eq!(answer["mode"], "colocated", "{answer}");
+    assert_eq!((answer["prefill"].as_u64(), answer["decode"].as_u64()), (Some(2), Some(2)), "{answer}");
+    assert_eq!((answer["blocks"].as_u64(), answer["recomputed_blocks"].as_u64()), (Some(50), Some(10)));
+    let local = json!({ "first": 0, "last": 40, "from_node": 2, "from_tier": "l1", "to": 2, "network": "local" });
+    assert_eq!(answer["moves"], json!([local]), "{answer}");
+    assert_eq!(answer["ttft_ns"], 5_000_000u64);
+    assert_eq!(answer["pool"], json!({ "node": 1, "cluster_view": true }));
+    // The same prompt by its keys: the same plan.
+    let hex: Vec<String> = keys.iter().map(|k| k.0.iter().map(|b| format!("{b:02x}")).collect()).collect();
+    let by_keys = route(&router, &json!({ "keys": hex, "blocks": 50 })).1;
+    assert_eq!((by_keys["moves"].clone(), by_keys["hit_blocks"].clone()), (answer["moves"].clone(), json!(40)));
+
+    // F4: node 2 failed this request: node 1 runs it, pulling the 40
+    // blocks from node 2's L1 over the storage network.
+    let (status, rerouted) = route(&router, &json!({ "tokens": tokens, "avoid": [2] }));
+    assert_eq!(status, 200, "{rerouted}");
+    assert_eq!((rerouted["mode"].as_str(), rerouted["prefill"].as_u64()), (Some("colocated"), Some(1)), "{rerouted}");
+    let pulled = json!({ "first": 0, "last": 40, "from_node": 2, "from_tier": "l1", "to": 1, "network": "storage" });
+    assert_eq!(rerouted["moves"], json!([pulled]), "{rerouted}");
+    assert_eq!(rerouted["pulled_blocks"], 40);
+    // Both avoided: no node may run it, and the answer says so.
+    let (status, none) = route(&router, &json!({ "tokens": tokens, "avoid": [1, 2] }));
+    assert_eq!((status, none["error"].as_str()), (503, Some("no node may run the request")), "{none}");
+
+    bad_requests_are_refused_by_name(&router);
+    a_flood_of_idle_connections_is_capped_and_outlived(&router);
+
+    // Node 2 dies: its pool stops answering, and the router routes around
+    // it with no request naming it.
+    two.kill();
+    let killed = Instant::now();
+    let around = route_until(&router, &request, |a| a["prefill"] == 1);
+    println!("router: node 2 SIGKILLed, routed around within {:?}: {around}", killed.elapsed());
+    assert_eq!(around["down"][0]["node"], 2, "{around}");
+    // Its blocks, still in the view until its membership lapses, are not
+    // planned on: the prompt is computed.
+    assert_eq!((around["hit_blocks"].as_u64(), around["pulled_blocks"].as_u64()), (Some(0), Some(0)), "{around}");
+    supervise::reclaim_killed(&base.join("node2"));
+    let (status, nodes) = ask(&router, "GET /nodes HTTP/1.1", b"");
+    assert_eq!(status, 200);
+    assert!(nodes["nodes"][0]["down"].is_null() && nodes["nodes"][1]["down"].is_string(), "{nodes}");
+
+    // A stop: the router exits 0 and says what it answered.
+    // SAFETY: a child process of this test, still running.
+    unsafe { libc::kill(i32::try_from(router_proc.child.id()).unwrap(), libc::SIGTERM) };
+    let stopped = router_proc.wait_for("the router stops", Duration::from_secs(10), |l| l.contains("\"stopped\""));
+    assert!(router_proc.child.wait().unwrap().success(), "{stopped}");
+    assert!(stopped.contains("\"over_cap\":"), "{stopped}");
+    drop(one);
+    drop(leader);
+}
+
+fn bad_requests_are_refused_by_name(router: &str) {
+    let post = |body: &str| route_raw(router, body);
+    let cases: [(&str, u16, &str); 11] = [
+        ("not json", 400, "a JSON object"),
+        ("[1, 2]", 400, "a JSON object"),
+        ("{\"tokens\": [1]", 400, "the body: EOF"),
+        ("{}", 400, "no keys and no tokens"),
+        (r#"{"keys": ["0123456789abcdef0123456789abcdef"], "tokens": [1]}"#, 400, "not both"),
+        (r#"{"keys": ["0123456789abcdef0123456789abcdef", "zz"]}"#, 400, "keys[1]: invalid value"),
+        (r#"{"tokens": [1, -2]}"#, 400, "tokens[1]: invalid value"),
+        (r#"{"tokens": [1], "avoid": ["x"]}"#, 400, "avoid[0]"),
+        (r#"{"tokens": [1], "policy": "fastest"}"#, 400, "policy: unknown variant"),
+        (r#"{"tokens": [1], "avoids": [2]}"#, 400, "unknown field `avoids`"),
+        (r#"{"tokens": [1], "blocks": 0}"#, 400, "no blocks"),
+    ];
+    for (body, status, says) in cases {
+        let (got, answer) = post(body);
+        let why = answer["error"].as_str().unwrap_or_default().to_owned();
+        assert!(got == status && why.contains(says), "{body}: {got} {answer}");
+    }
+    assert_eq!(ask(router, "GET /route HTTP/1.1", b"").0, 405);
+    assert_eq!(ask(router, "GET /elsewhere HTTP/1.1", b"").0, 404);
+    // A body past the limit is refused from its head, unread.
+    let mut stream = TcpStream::connect(router).unwrap();
+    write!(stream, "POST /route HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    // Not HTTP at all.
+    let mut stream = TcpStream::connect(router).unwrap();
+    stream.write_all(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.1 400"), "{text}");
+}
+
+fn route_raw(router: &str, body: &str) -> (u16, Value) {
+    ask(router, "POST /route HTTP/1.1", body.as_bytes())
+}
+
+fn a_flood_of_idle_connections_is_capped_and_outlived(router: &str) {
+    // Twice the cap (8), each sending half a request and nothing more.
+    let flood: Vec<TcpStream> = (0..16)
+        .map(|_| {
+            let mut stream = TcpStream::connect(router).unwrap();
+            let _ = stream.write_all(b"POST /route HTTP/1.1\r\n");
+            stream
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // Held past their time, they are closed; the router answers again.
+    let started = Instant::now();
+    let answer = loop {
+        let (status, answer) = ask(router, "GET /healthz HTTP/1.1", b"");
+        if status == 200 {
+            break answer;
+        }
+        assert!(started.elapsed() < Duration::from_secs(15), "the router never answered again");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(answer, json!({ "ok": true }));
+    println!("router: a flood of 16 idle connections (cap 8) outlived within {:?}", started.elapsed());
+    drop(flood);
+}
