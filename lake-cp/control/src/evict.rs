@@ -750,13 +750,13 @@ impl<P: Policy> Cache<P> {
         self.policy.keeps(key)
     }
 
-    /// A block the policy would not have let in, in a tier that took it
-    /// anyway (L1 takes every save), once it is no longer new: it goes to
-    /// the head of the line, as if long unused, so it leaves before the
-    /// blocks the policy wants.
+    /// A block to go first (one the policy would not have let in, or a
+    /// copy pulled in from another node): to the head of the line, as if
+    /// long unused and never reused, before the blocks the policy wants.
     pub fn make_cold(&mut self, key: &BlockKey) {
         let Some(block) = self.index.get(key) else { return };
         self.index.set_touched(block, 0);
+        self.index.set_hits(block, 0);
         if self.index.is_leaf(block) {
             self.policy.became_leaf(&self.index, block);
         }

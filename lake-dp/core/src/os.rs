@@ -203,6 +203,23 @@ impl Signals {
     }
 }
 
+/// Waits until one of `fds` has input (or its peer closed), or `timeout`
+/// passes: a loop that polls sockets it does not own through an event
+/// loop waits here rather than sleeping. Returns whether one has.
+pub fn wait_readable(fds: &[RawFd], timeout: std::time::Duration) -> io::Result<bool> {
+    let mut polls: Vec<libc::pollfd> =
+        fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    let count = libc::nfds_t::try_from(polls.len()).unwrap_or(libc::nfds_t::MAX);
+    let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: `polls` is an array of `count` pollfd for the call's length.
+    let rc = unsafe { libc::poll(polls.as_mut_ptr(), count, ms) };
+    if rc >= 0 {
+        return Ok(rc > 0);
+    }
+    let error = io::Error::last_os_error();
+    if error.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(error) }
+}
+
 /// Descriptors besides the wake-up and the signals a park waits on, at
 /// most: the link to `lake-cp`, the transport's poll, the attach socket
 /// and its agents.

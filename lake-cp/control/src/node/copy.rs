@@ -156,6 +156,10 @@ impl Node {
 /// Pulls an engine may have waiting for the leader at once.
 const PULLS_MAX: usize = 4096;
 
+/// How long after its pull a block's new L1 copy here is taken for the
+/// pulled one.
+pub(super) const PULL_LANDS_NS: u64 = 10_000_000_000;
+
 impl Node {
     /// An engine's pull of another node's block into this node's L1
     /// (the holder and its tier as the cluster view named them), kept for
@@ -176,6 +180,13 @@ impl Node {
             return Err(NodeError::Field("pull: too many waiting"));
         }
         self.pulls.push(*transfer);
+        let now = unix_ns();
+        if self.pulling.len() >= PULLS_MAX * 16 {
+            self.pulling.retain(|_, at| now < *at + PULL_LANDS_NS);
+        }
+        if self.pulling.len() < PULLS_MAX * 16 {
+            self.pulling.insert(transfer.key, now);
+        }
         Ok(())
     }
 

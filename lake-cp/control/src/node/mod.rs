@@ -238,6 +238,10 @@ pub struct Node {
     /// Engines' pulls of other nodes' blocks into this node's L1, for the
     /// summary's leader to relay ([`Node::take_pulls`]).
     pulls: Vec<Transfer>,
+    /// Blocks pulled lately and when each was asked: the copy that lands
+    /// within [`copy::PULL_LANDS_NS`] is a pulled-in copy
+    /// ([`crate::tier::Tiers::pulled_in`]).
+    pulling: HashMap<BlockKey, u64>,
     /// Copies taken back before they went ([`Node::cancel_copy`]).
     pub copies_cancelled: u64,
     /// Promotions asked for such copies.
@@ -311,6 +315,7 @@ impl Node {
             promoting: HashMap::new(),
             copies_out: HashMap::new(),
             pulls: Vec::new(),
+            pulling: HashMap::new(),
             copies_cancelled: 0,
             copy_promotions: 0,
             copy_promotions_failed: 0,
@@ -649,7 +654,10 @@ impl Node {
             return Err(NodeError::Field("block.replica.node: another node's replica"));
         }
         let kind = ObjectKind::from_u16(block.kind).ok_or(NodeError::Field("block.kind"))?;
-        let parent = (!block.parent_key.is_none() && !as_root).then_some(block.parent_key);
+        // A block continuing a copy pulled in from another node is a root
+        // here: the copy, first to go, is not held back as its parent.
+        let after_pulled = !self.pulling.contains_key(&block.key) && self.tiers.is_pulled_in(&block.parent_key);
+        let parent = (!block.parent_key.is_none() && !as_root && !after_pulled).then_some(block.parent_key);
         let existing = self.locations.ready(&block.key).find(|r| r.region == replica.region);
         if let Some(existing) = existing
             && (existing.slot, existing.generation) != (replica.slot, replica.generation)
@@ -693,6 +701,10 @@ impl Node {
                 self.record(block.key, what, (replica.region.0, replica.slot));
                 let bytes = lake_dp::stored::object_bytes(block.payload_len);
                 self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new, bytes);
+                let pulled = self.pulling.remove(&block.key).is_some_and(|at| unix_ns() < at + copy::PULL_LANDS_NS);
+                if new && replica.tier == Tier::L1Dram && pulled {
+                    self.tiers.pulled_in(block.namespace, block.key);
+                }
                 if let Some(tenant) = self.tenant_mirrors.iter().position(|(ns, _)| ns.contains(&block.namespace)) {
                     self.tenant_of.insert(block.key, tenant);
                 }

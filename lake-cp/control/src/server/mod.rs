@@ -58,6 +58,10 @@ struct HttpClient {
 /// Replies queued for one peer beyond which it is closed as not reading.
 const OUT_BYTES_MAX: usize = 4 << 20;
 
+/// The uplink's socket in the poll (connections count up from 2; the
+/// admin socket is `usize::MAX`).
+const UPLINK: Token = Token(usize::MAX - 1);
+
 /// Where a connection is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
@@ -356,6 +360,9 @@ pub struct Server {
     commands: Vec<TierCommand>,
     /// The link to the leader's summary, if this node reports to one.
     uplink: Option<crate::summary::link::Uplink>,
+    /// Which of the uplink's connections the poll watches (its count of
+    /// connects), so the leader's messages wake the loop.
+    uplink_watched: Option<u64>,
     changes: Vec<crate::location::Change>,
     /// What it has seen.
     pub counters: ServerCounters,
@@ -404,6 +411,7 @@ impl Server {
             term,
             commands: Vec::new(),
             uplink: None,
+            uplink_watched: None,
             changes: Vec::new(),
             counters: ServerCounters::default(),
         })
@@ -503,6 +511,10 @@ impl Server {
         let ready: Vec<(Token, bool, bool)> =
             self.events.iter().map(|e| (e.token(), e.is_readable() || e.is_read_closed(), e.is_writable())).collect();
         for (token, readable, writable) in ready {
+            if token == UPLINK {
+                // Read with the uplink's pass below.
+                continue;
+            }
             if let Some(listener) = Listener::of(token) {
                 self.accept_on(listener);
                 continue;
@@ -527,6 +539,14 @@ impl Server {
         // The location view's changes go to the leader's summary, or away.
         self.changes.clear();
         self.node.take_changes(&mut self.changes);
+        self.pump_uplink();
+        self.watch_uplink();
+        Ok(())
+    }
+
+    /// The link to the leader's summary: this pass's changes and the
+    /// engines' pulls up, the copies the leader asked carried out.
+    fn pump_uplink(&mut self) {
         // Engines' pulls go to the leader, to be asked of their holders; a
         // node reporting to no summary has none to ask (the engines,
         // waiting, find the blocks missing).
@@ -540,14 +560,44 @@ impl Server {
             uplink.pump(&self.node.locations, &self.changes);
             // Replication the leader asked: copies of this node's L1
             // blocks into other nodes' L1, sent with the next plan.
-            for transfer in uplink.take_copies() {
+            let copies = uplink.take_copies();
+            for transfer in &copies {
                 let priority = lake_dp::Priority::from_u8(transfer.priority).unwrap_or(lake_dp::Priority::Replication);
+                if priority == lake_dp::Priority::CriticalLoad {
+                    // A pull: another node reads the block, and this
+                    // copy is the one the pool keeps.
+                    self.node.tiers.read_remotely(&transfer.key);
+                }
                 if self.node.copy_to(&transfer.key, transfer.target, priority).is_err() {
                     self.counters.refused += 1;
                 }
             }
+            if !copies.is_empty() {
+                // A pull waits on them: sent now, not on the next pass.
+                self.send_commands();
+            }
         }
-        Ok(())
+    }
+
+    /// Puts the uplink's socket in the poll, once a connection: the
+    /// leader's asks (a pull's copy) wake the loop rather than wait for
+    /// its timeout. A closed socket leaves the poll by itself.
+    fn watch_uplink(&mut self) {
+        let Some((fd, connection)) = self.uplink.as_ref().and_then(crate::summary::link::Uplink::socket) else {
+            self.uplink_watched = None;
+            return;
+        };
+        if self.uplink_watched == Some(connection) {
+            return;
+        }
+        let registry = self.poll.registry();
+        let mut source = mio::unix::SourceFd(&fd);
+        let watched = registry
+            .register(&mut source, UPLINK, Interest::READABLE)
+            .or_else(|_| registry.reregister(&mut source, UPLINK, Interest::READABLE));
+        if watched.is_ok() {
+            self.uplink_watched = Some(connection);
+        }
     }
 
     /// Plans tier moves and sends each to the `lake-dp` that registered

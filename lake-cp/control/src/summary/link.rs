@@ -322,6 +322,13 @@ impl Uplink {
         self
     }
 
+    /// The socket to the leader, and which connection it is (connects so
+    /// far): a node's event loop waits on it for the leader's messages.
+    pub fn socket(&self) -> Option<(std::os::fd::RawFd, u64)> {
+        use std::os::fd::AsRawFd;
+        self.wire.as_ref().map(|wire| (wire.stream.as_raw_fd(), self.counters.connects))
+    }
+
     /// Sends an engine's pull of another node's block into this node's L1
     /// to the leader, which asks the holder for the copy. Only through a
     /// leader streaming the view (one that takes pulls); false where none
@@ -767,6 +774,19 @@ impl Aggregator {
         sent
     }
 
+    /// Waits until the listener or a node's connection has input, or
+    /// `timeout` passes: the leader's loop reacts to a node at once (a
+    /// pull is relayed as it comes) instead of on its next round.
+    pub fn wait(&self, timeout: Duration) {
+        use std::os::fd::AsRawFd;
+        let mut fds = Vec::with_capacity(self.connections.len() + 1);
+        fds.push(self.listener.as_raw_fd());
+        fds.extend(self.connections.iter().map(|c| c.wire.stream.as_raw_fd()));
+        if lake_dp::os::wait_readable(&fds, timeout).is_err() {
+            std::thread::sleep(timeout);
+        }
+    }
+
     /// One pass: accepts, reads and applies, answers.
     pub fn pump(&mut self) {
         loop {
@@ -811,6 +831,14 @@ impl Aggregator {
         }
         self.relay_pulls();
         self.stream_view();
+        // What this pass queued goes now, not with the next pass (a
+        // pull's copy is waited on); a connection that fails is closed by
+        // its next serve.
+        for connection in &mut self.connections {
+            if connection.wire.unsent() > 0 {
+                let _ = connection.wire.write();
+            }
+        }
     }
 
     /// The view's term and the last frame's sequence.

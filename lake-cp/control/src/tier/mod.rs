@@ -96,6 +96,9 @@ const MARKS_PER_PASS: usize = 512;
 /// stages its block in a free L1 slot).
 const CLEANING_IN_FLIGHT: usize = 16;
 
+/// Pulled-in L1 blocks followed at once (past it, one is kept as any).
+const PULLED_IN_MAX: usize = 1 << 20;
+
 /// Write-backs queued at most; beyond, the oldest are let go (counted).
 const WRITE_BACK_QUEUE_MAX: usize = 1 << 20;
 
@@ -228,6 +231,11 @@ pub struct Tiers {
     /// New L1 blocks the policy would not have let in (see
     /// [`crate::evict::Policy::keeps`]), made cold once no longer new.
     unwanted: HashMap<BlockKey, u64>,
+    /// L1 blocks pulled here from another node's copy (which stays
+    /// there): cold as they land, and dropped when they are victims
+    /// rather than written below — the pool keeps one copy of a
+    /// block, at its holder, not one per node that read it.
+    pulled_in: HashSet<BlockKey>,
     /// What each such region's data plane was last told of victims left
     /// (absent: more may come, as a data plane assumes).
     victims_left: HashMap<u16, bool>,
@@ -336,6 +344,7 @@ impl Tiers {
             marks_taken: HashSet::new(),
             victims_left: HashMap::new(),
             unwanted: HashMap::new(),
+            pulled_in: HashSet::new(),
             marked: HashMap::new(),
             mark_order: std::collections::VecDeque::new(),
             unmarks: Vec::new(),
@@ -550,6 +559,9 @@ impl Tiers {
     /// The replica of `key` in `region` went away.
     pub fn removed(&mut self, region: u16, key: &BlockKey) {
         let Some(info) = self.regions.get(&region).copied() else { return };
+        if info.tier == Tier::L1Dram {
+            self.pulled_in.remove(key);
+        }
         let held = self.sizes.remove(&(*key, region)).unwrap_or(info.slot_bytes);
         let marked = match self.marked.get(key) {
             Some(m) if m.replica.region.0 == region => {
@@ -602,6 +614,33 @@ impl Tiers {
         }
     }
 
+    /// The new L1 replica of `key` (of `namespace`) was pulled here from
+    /// another node, whose copy stays (see `pulled_in`).
+    pub fn pulled_in(&mut self, namespace: u64, key: BlockKey) {
+        if self.pulled_in.len() < PULLED_IN_MAX {
+            // First in line at once (not new: the engine that pulled it
+            // holds a lease while it loads it).
+            self.pulled_in.insert(key);
+            self.space(Tier::L1Dram, namespace).cache.make_cold(&key);
+        }
+    }
+
+    /// Whether `key`'s L1 copy here was pulled in from another node.
+    pub fn is_pulled_in(&self, key: &BlockKey) -> bool {
+        self.pulled_in.contains(key)
+    }
+
+    /// Another node read this node's block `key` (a pull copied it
+    /// there): an access, so the copy the pool keeps is the one that
+    /// stays.
+    pub fn read_remotely(&mut self, key: &BlockKey) {
+        for ((tier, _), space) in &mut self.spaces {
+            if matches!(tier, Tier::L1Dram | Tier::L2Nvme) && space.cache.index.contains(key) {
+                space.cache.accessed(std::slice::from_ref(key));
+            }
+        }
+    }
+
     /// Blocks hit (found and served) by a request: seen a second time,
     /// for [`L2Admission::SecondAccess`].
     pub fn reused(&mut self, keys: &[BlockKey]) {
@@ -621,6 +660,15 @@ impl Tiers {
                 self.space(Tier::L1Dram, marked.namespace).cache.add(marked.parent, *key, marked.kind);
             }
         }
+        // A copy pulled in stays first in line: its holder's copy is the
+        // one kept (touched there when it was pulled).
+        let kept: Vec<BlockKey>;
+        let keys = if keys.iter().any(|k| self.pulled_in.contains(k)) {
+            kept = keys.iter().filter(|k| !self.pulled_in.contains(k)).copied().collect();
+            &kept[..]
+        } else {
+            keys
+        };
         for ((_, ns), space) in &mut self.spaces {
             if *ns == namespace {
                 space.cache.accessed(keys);

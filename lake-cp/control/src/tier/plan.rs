@@ -255,7 +255,12 @@ impl Tiers {
         // An L1 victim L3 holds is only worth writing to L2 while L2 has
         // room: otherwise the write pushes another block out of L2.
         let l2_full = l2.is_some_and(|(_, _, (over_high, no_room))| over_high || no_room);
-        let action = if tier == Tier::L1Dram && (held_in(Tier::L2Nvme) || (held_in(Tier::L3Object) && l2_full)) {
+        let action = if tier == Tier::L1Dram && self.pulled_in.contains(&key) {
+            // Pulled in from another node, which keeps it: not written
+            // below.
+            self.counters.drops[tier as usize] += 1;
+            TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity))
+        } else if tier == Tier::L1Dram && (held_in(Tier::L2Nvme) || (held_in(Tier::L3Object) && l2_full)) {
             self.counters.drops[tier as usize] += 1;
             TierAction::Evict(evict_body(&source, &key, EvictReason::Demoted))
         } else if tier == Tier::L1Dram
@@ -501,9 +506,13 @@ impl Tiers {
                     let (parent, kind) = parent_and_kind(locations, &key);
                     let below = held_below(locations, &key);
                     let worth_l2 = self.worth_l2(&key, parent);
+                    // A copy pulled in from another node is dropped: its
+                    // holder keeps the block.
+                    let pulled = self.pulled_in.contains(&key);
                     let marked = |reason| Marked { namespace, parent, kind, replica, reason };
                     let target = match (below, l2) {
                         (true, _) => None,
+                        (false, _) if pulled => None,
                         (false, Some((l2_region, l2_info))) if room_below && worth_l2 => {
                             Some(l2_target(l2_region, &l2_info))
                         }
@@ -522,7 +531,7 @@ impl Tiers {
                             }
                             cleaning += 1;
                         }
-                        (false, None) if self.recent_keys.contains_key(&key) => {
+                        (false, None) if self.recent_keys.contains_key(&key) && !pulled => {
                             // Not worth an L2 write, and new: not dropped yet.
                             self.space(Tier::L1Dram, namespace).cache.add(parent, key, kind);
                         }
@@ -562,14 +571,14 @@ impl Tiers {
         locations: &Locations,
         leases: &Leases,
     ) -> Option<BlockKey> {
-        let (pending_of, recent) = (&self.pending_of, &self.recent_keys);
+        let (pending_of, recent, pulled) = (&self.pending_of, &self.recent_keys, &self.pulled_in);
         let space = self.spaces.get_mut(&(Tier::L1Dram, namespace))?;
         space.cache.take_victim(64, |key| {
             let Some(replica) = locations.ready(key).find(|r| r.tier == Tier::L1Dram) else { return Verdict::Gone };
             if replica.region.0 != region
                 || pending_of.contains_key(&(*key, replica.region.0))
                 || leases.is_held(key, replica.region.0)
-                || (!recent_too && recent.contains_key(key))
+                || (!recent_too && recent.contains_key(key) && !pulled.contains(key))
             {
                 return Verdict::Keep;
             }

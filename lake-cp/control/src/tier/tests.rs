@@ -710,3 +710,37 @@ fn l1_partitions_keep_the_rest_of_l1_to_what_is_left_and_are_held_by_their_quota
     world.add(0, 2, None, 13);
     assert_eq!(keys_of(&world.plan()), vec![(10, "move"), (11, "move")]);
 }
+
+#[test]
+fn copies_pulled_in_from_other_nodes_go_first_and_are_dropped_not_written_below() {
+    for policy in [PolicyKind::Lru, PolicyKind::Lake] {
+        let config = TierConfig { high_percent: 80, low_percent: 50, policy, ..TierConfig::default() };
+        let mut world = World::new(config);
+        // This node's own chain 1..=4, then a prompt's blocks 10..=14
+        // pulled in from another node (newer, and read by the engine
+        // after they landed).
+        world.add(0, 7, None, 1);
+        for k in 2..=4 {
+            world.add(0, 7, Some(k - 1), k);
+        }
+        world.add(0, 7, None, 10);
+        world.tiers.pulled_in(7, key(10));
+        for k in 11..=14 {
+            world.add(0, 7, Some(k - 1), k);
+            world.tiers.pulled_in(7, key(k));
+        }
+        world.tiers.accessed(7, &[key(10), key(11), key(12), key(13), key(14)]);
+        assert!(world.tiers.is_pulled_in(&key(12)) && !world.tiers.is_pulled_in(&key(2)));
+        // 9 of 10 slots, down to 5: four of the pulled copies go, dropped
+        // (their holder keeps them), and none of this node's own.
+        let commands = world.plan();
+        assert_eq!(keys_of(&commands), vec![(14, "evict"), (13, "evict"), (12, "evict"), (11, "evict")], "{policy:?}");
+        for command in &commands {
+            let TierAction::Evict(evict) = command.action else { unreachable!() };
+            assert_eq!(evict.reason, EvictReason::Capacity as u8);
+            world.carry_out(command);
+        }
+        assert!(!world.tiers.is_pulled_in(&key(12)), "forgotten once gone");
+        assert_eq!(world.tiers.usage(Tier::L2Nvme).bytes, 0, "nothing written below");
+    }
+}

@@ -378,7 +378,7 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
         for what in aggregator.take_security_events() {
             say(serde_json::json!({"event": "link_refused", "what": what}).to_string());
         }
-        std::thread::sleep(Duration::from_millis(2));
+        aggregator.wait(Duration::from_millis(2));
         if last_renew.elapsed() >= every {
             last_renew = Instant::now();
             if let (Some(cluster), Some(candidate)) = (&cluster, &mut candidate) {
