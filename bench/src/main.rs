@@ -11,6 +11,7 @@
 
 mod arena;
 mod classes;
+mod cluster_hits;
 mod cluster_view;
 mod cp_scale;
 mod ffi;
@@ -72,6 +73,11 @@ enum Bench {
     /// snapshot's bytes, a node's view bytes per block and sets/s, an
     /// engine's lookup through mirror and view vs a mirror's block table.
     ClusterView(cluster_view::ClusterViewArgs),
+    /// (root, etcd) Three nodes in network namespaces replaying
+    /// conversations on random nodes: the hit ratio as one pool across
+    /// them, as three islands and as one pool of their capacity; remote
+    /// loads against raw TCP between the namespaces.
+    ClusterHits(cluster_hits::ClusterHitsArgs),
     /// Two tenants, the same prompts: B's lookups of prompts A cached
     /// against prompts nobody cached (no hit; the timing ratio), and A's hits.
     Tenants(tenants::TenantsArgs),
@@ -124,6 +130,7 @@ fn main() -> ExitCode {
         Bench::BlockLatency(args) => l2::run_block_latency(&args),
         Bench::CpScale(args) => cp_scale::run(&args),
         Bench::ClusterView(args) => cluster_view::run(&args),
+        Bench::ClusterHits(args) => cluster_hits::run(&args),
         Bench::Tenants(args) => tenants::run(&args),
         Bench::Lookup(args) => lookup::run(&args),
         Bench::Ffi(args) => ffi::run(&args),

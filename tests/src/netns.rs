@@ -1,9 +1,10 @@
 //! Network namespaces for multi-host tests on one machine: two namespaces
-//! joined by veth pairs (one per rail), or a hub and several leaves (three
-//! or more nodes), rate limits (`tbf`), cuts (`ip
-//! link set … down`), and the test binary run again inside a namespace
-//! as a child playing a role. Needs root; a test that cannot make them
-//! says so and skips.
+//! joined by veth pairs (one per rail), a hub and several leaves (three
+//! or more nodes), or several hosts on one switch (every one reaching
+//! every other); rate limits (`tbf`), cuts (`ip link set … down`), the
+//! test binary run again inside a namespace as a child playing a role,
+//! and a thread of this process entered into one. Needs root; a test that
+//! cannot make them says so and skips.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -158,6 +159,78 @@ impl Drop for Star {
             let _ = ip(&["netns", "del", leaf]);
         }
     }
+}
+
+/// Hosts on one switch: a namespace holding a bridge, and one namespace a
+/// host joined to it by a veth pair, each host at `address(i)` on one
+/// /24 — every host reaches every other. Removed when dropped.
+#[derive(Debug)]
+pub struct Switch {
+    /// The switch's namespace (the bridge).
+    pub switch: String,
+    /// The hosts' namespaces.
+    pub hosts: Vec<String>,
+    subnet: String,
+}
+
+impl Switch {
+    /// A switch and `hosts` hosts on it; `tag` keeps users of one process
+    /// apart.
+    pub fn new(hosts: usize, tag: u32) -> Result<Self, String> {
+        let id = std::process::id() % 100_000;
+        let subnet = format!("10.{}.{}", 240 + tag % 16, id % 250);
+        let mut switch = Self { switch: format!("lake-sw{tag}-{id}"), hosts: Vec::new(), subnet };
+        ip(&["netns", "add", &switch.switch])?;
+        ip(&["-n", &switch.switch, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &switch.switch, "link", "set", "br0", "up"])?;
+        for host in 0..hosts {
+            let ns = format!("lake-sh{tag}{host}-{id}");
+            ip(&["netns", "add", &ns])?;
+            switch.hosts.push(ns.clone());
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            let (port, end) = (format!("sp{tag}{host}s{id}"), format!("sp{tag}{host}h{id}"));
+            ip(&["link", "add", &port, "type", "veth", "peer", "name", &end])?;
+            ip(&["link", "set", &port, "netns", &switch.switch])?;
+            ip(&["link", "set", &end, "netns", &ns])?;
+            ip(&["-n", &switch.switch, "link", "set", &port, "master", "br0"])?;
+            ip(&["-n", &switch.switch, "link", "set", &port, "up"])?;
+            ip(&["-n", &ns, "addr", "add", &format!("{}/24", switch.address(host)), "dev", &end])?;
+            ip(&["-n", &ns, "link", "set", &end, "up"])?;
+        }
+        Ok(switch)
+    }
+
+    /// Host `host`'s address.
+    pub fn address(&self, host: usize) -> String {
+        format!("{}.{}", self.subnet, host + 1)
+    }
+
+    /// `program` with `args`, to run in host `host`'s namespace.
+    pub fn command(&self, host: usize, program: &std::path::Path) -> Command {
+        let mut command = Command::new("ip");
+        command.args(["netns", "exec", &self.hosts[host]]).arg(program);
+        command
+    }
+}
+
+impl Drop for Switch {
+    fn drop(&mut self) {
+        for ns in self.hosts.iter().chain(std::iter::once(&self.switch)) {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
+
+/// Moves the calling thread into the network namespace `ns`: the sockets
+/// it makes from then on are that namespace's (the rest of the process
+/// stays where it was).
+pub fn enter(ns: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(format!("/var/run/netns/{ns}")).map_err(|e| format!("{ns}: {e}"))?;
+    // SAFETY: a descriptor of a network namespace, open for this call;
+    // setns changes only the calling thread's namespace.
+    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    if rc == 0 { Ok(()) } else { Err(format!("setns {ns}: {}", std::io::Error::last_os_error())) }
 }
 
 fn spawn_in(test: &str, ns: &str, role: &str, rails: &str) -> Child {

@@ -1,0 +1,499 @@
+//! `cluster-hits`: one pool across three nodes against the same capacity
+//! as one pool and as three islands. Three `lake serve` nodes, each in a
+//! network namespace of its own on one switch (a bridge), members of a
+//! cluster in a real etcd with a `lake summary` leader, replay agent
+//! conversations whose turns land on random nodes. Each turn's engine (an
+//! agent of that node's pool: its sockets and shared memory cross no
+//! network) asks for the context it has so far:
+//!
+//! - **cluster**: the whole pool (`lookup_cluster`), and pulls the blocks
+//!   only other nodes hold (`pull_cluster`) — its hit is what landed here;
+//! - **islands** (three fresh nodes, no view, no pulls): its node's mirror;
+//! - **one pool** (one node with the three nodes' L1 and L2 together):
+//!   its mirror;
+//!
+//! computes the rest and saves it, with its reply, on its node. The hit
+//! ratio is the context blocks hit over the context blocks asked for.
+//! Then, between two of the cluster's namespaces, a remote load — blocks
+//! held only on node 2 pulled into node 1, one at a time and as one batch
+//! — against raw TCP between the same namespaces (a block's bytes asked
+//! for and sent back; the batch's bytes streamed). Needs root and etcd.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::mirror::view::Where;
+use lake_dp::rng::SimRng;
+use lake_dp::{BlockKey, NamespaceId};
+use lake_tests::netns::{Switch, enter};
+
+use crate::report::{Report, percentile};
+
+/// This benchmark's flags.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ClusterHitsArgs {
+    /// The `lake` binary (default: beside this one).
+    #[arg(long)]
+    pub(crate) lake: Option<PathBuf>,
+    /// The etcd binary.
+    #[arg(long, default_value = "etcd")]
+    pub(crate) etcd: PathBuf,
+    /// Conversations.
+    #[arg(long, default_value_t = 60)]
+    pub(crate) conversations: u32,
+    /// Turns of each.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) turns: u32,
+    /// L1 slots of each of the three nodes (one pool: three times).
+    #[arg(long, default_value_t = 600)]
+    pub(crate) l1_slots: u32,
+    /// Slots of each of a node's two L2 files (one pool: three times).
+    #[arg(long, default_value_t = 300)]
+    pub(crate) l2_slots: u32,
+    /// Blocks pulled one at a time, and as one batch.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) pulls: u32,
+}
+
+const NODES: usize = 3;
+const BLOCK_BYTES: usize = 16 * 1024;
+const SYSTEM_BLOCKS: u32 = 8;
+const NAMESPACE: u64 = 0x4854;
+
+/// A process of the deployment: its stdout lines on a channel; stopped
+/// (SIGTERM, then SIGKILL) when dropped.
+struct Proc {
+    child: Child,
+    lines: Receiver<String>,
+}
+
+impl Proc {
+    fn start(mut command: std::process::Command) -> Result<Self, String> {
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().map_err(|e| e.to_string())?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self { child, lines })
+    }
+
+    fn wait_for(&self, what: &str, want: impl Fn(&str) -> bool) -> Result<String, String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if want(&line) => return Ok(line),
+                Ok(_) => {}
+                Err(_) => return Err(format!("{what}: not within 30 s")),
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // A stop as a service manager asks it (its shared memory goes).
+        let _ = std::process::Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn field(line: &str, name: &str) -> Result<String, String> {
+    let value: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    value[name].as_str().map(str::to_owned).ok_or_else(|| format!("no {name} in {line}"))
+}
+
+fn agent(serving: &str) -> Result<Agent, String> {
+    let (dp, cp, mirror) = (field(serving, "dp_socket")?, field(serving, "cp_socket")?, field(serving, "mirror")?);
+    let config = AgentConfig {
+        arena: Path::new("/nonexistent"),
+        mirror: Path::new(&mirror),
+        cp_socket: Some(Path::new(&cp)),
+        name: "cluster-hits",
+        namespace: NamespaceId(NAMESPACE),
+        layout_fingerprint: 0x48,
+        segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    Agent::connect(&config, Path::new(&dp)).map_err(|e| e.to_string())
+}
+
+fn key(conversation: u32, i: u32) -> BlockKey {
+    let mut bytes = [0x48; 16];
+    // The system prompt's blocks are every conversation's.
+    let owner = if i < SYSTEM_BLOCKS { 0 } else { conversation + 1 };
+    bytes[..4].copy_from_slice(&owner.to_le_bytes());
+    bytes[4..8].copy_from_slice(&i.to_le_bytes());
+    BlockKey(bytes)
+}
+
+/// Saves blocks `from..` of `keys` (each continuing the one before), a
+/// save refused for room offered again a few times. Returns how many.
+fn save(agent: &mut Agent, keys: &[BlockKey], from: usize) -> usize {
+    save_lacking(agent, keys, from, |_, _| false)
+}
+
+/// [`save`], but a block `held(agent, key)` says the pool holds already
+/// is not written again (counted saved).
+fn save_lacking(
+    agent: &mut Agent,
+    keys: &[BlockKey],
+    from: usize,
+    mut held: impl FnMut(&mut Agent, &BlockKey) -> bool,
+) -> usize {
+    let payload = vec![0x5a; BLOCK_BYTES];
+    let mut saved = 0;
+    for i in from..keys.len() {
+        if held(agent, &keys[i]) {
+            saved += 1;
+            continue;
+        }
+        let block = SaveBlock {
+            key: keys[i],
+            parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+            block_index: u32::try_from(i).unwrap_or(u32::MAX),
+            payload: SavePayload::Bytes(&payload),
+        };
+        for _ in 0..20 {
+            if agent.save(std::slice::from_ref(&block)) == 1 {
+                saved += 1;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    saved
+}
+
+/// The deployment's scratch: its directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// How turns ask the pool.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Cluster,
+    Islands,
+    OnePool,
+}
+
+/// What one replay measured.
+#[derive(Default)]
+struct Replay {
+    asked: u64,
+    hit: u64,
+    pulled: u64,
+    pull_ns: Vec<f64>,
+    /// Blocks a save was refused for (twenty times over).
+    unsaved: u64,
+}
+
+/// A deployment: etcd and the summary in host 0's namespace, the pools.
+struct Deployment {
+    nodes: Vec<(Proc, String)>,
+    _summary: Option<Proc>,
+    _etcd: Option<Proc>,
+}
+
+fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<Deployment, String> {
+    let cluster = mode == Mode::Cluster;
+    let (etcd, summary, endpoint, summary_at) = if cluster {
+        let host = switch.address(0);
+        let client = format!("http://{host}:2379");
+        let mut command = switch.command(0, &args.etcd);
+        let data = base.join("etcd");
+        command.args(["--name", "hits", "--data-dir"]).arg(&data);
+        command.args(["--listen-client-urls", &client, "--advertise-client-urls", &client]);
+        command.args(["--listen-peer-urls", "http://127.0.0.1:2380"]);
+        command.args(["--initial-advertise-peer-urls", "http://127.0.0.1:2380"]);
+        command.args(["--initial-cluster", "hits=http://127.0.0.1:2380"]);
+        let etcd = Proc::start(command)?;
+        let summary_at = format!("{host}:7100");
+        let mut command = switch.command(0, &args.lake);
+        command.args(["summary", "--listen", &summary_at, "--etcd", &client, "--cluster", "hits", "--ttl", "2"]);
+        // etcd may take a moment to answer: the summary retries its start.
+        let mut summary = None;
+        for _ in 0..50 {
+            std::thread::sleep(Duration::from_millis(100));
+            let started = Proc::start(command_again(&command))?;
+            if started.wait_for("the summary leads", |l| l.contains("\"leading\"")).is_ok() {
+                summary = Some(started);
+                break;
+            }
+        }
+        (Some(etcd), Some(summary.ok_or("the summary never led")?), client, summary_at)
+    } else {
+        (None, None, String::new(), String::new())
+    };
+    let hosts = if mode == Mode::OnePool { 1 } else { NODES };
+    let scale = if mode == Mode::OnePool { u32::try_from(NODES).unwrap_or(1) } else { 1 };
+    let mut nodes = Vec::new();
+    for host in 0..hosts {
+        let mut command = switch.command(host, &args.lake);
+        let dir = base.join(format!("{mode:?}-{host}"));
+        command.args(["serve", "--metrics", "off", "--node", &(host + 1).to_string(), "--dir"]).arg(&dir);
+        command.args(["--block-bytes", &BLOCK_BYTES.to_string()]);
+        command.args(["--l1-slots", &(args.l1_slots * scale).to_string()]);
+        command.args(["--l2-slots", &(args.l2_slots * scale).to_string()]);
+        if cluster {
+            command.args(["--etcd", &endpoint, "--cluster", "hits", "--member-ttl", "2", "--summary-to", &summary_at]);
+            command.args(["--transport-listen", &format!("{}:7200", switch.address(host))]);
+            for other in (0..NODES).filter(|&o| o != host) {
+                command.args(["--transport-peer", &format!("{}={}:7200", other + 1, switch.address(other))]);
+            }
+        }
+        let proc = Proc::start(command)?;
+        let serving = proc.wait_for("a node serves", |l| l.contains("\"serving\""))?;
+        nodes.push((proc, serving));
+    }
+    Ok(Deployment { nodes, _summary: summary, _etcd: etcd })
+}
+
+/// A copy of `command` (its program and arguments), to start again.
+fn command_again(command: &std::process::Command) -> std::process::Command {
+    let mut again = std::process::Command::new(command.get_program());
+    again.args(command.get_args());
+    again
+}
+
+/// What a deployment runs, and each node's room.
+struct ArgsPaths {
+    lake: PathBuf,
+    etcd: PathBuf,
+    l1_slots: u32,
+    l2_slots: u32,
+}
+
+/// The turns, in the order they arrive: every conversation's first turn,
+/// then every second, … each on a random node.
+fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result<Replay, String> {
+    let mut agents: Vec<Agent> = deployment.nodes.iter().map(|(_, s)| agent(s)).collect::<Result<_, _>>()?;
+    let mut rng = SimRng::new(0x48_17);
+    let mut lengths = vec![SYSTEM_BLOCKS; args.conversations as usize];
+    let mut out = Replay::default();
+    let (mut places, mut table) = (Vec::new(), Vec::new());
+    for _ in 0..args.turns {
+        for c in 0..args.conversations {
+            let node = usize::try_from(rng.below(NODES as u64)).unwrap_or(0);
+            let message = 2 + u32::try_from(rng.below(5)).unwrap_or(0);
+            let reply = 2 + u32::try_from(rng.below(3)).unwrap_or(0);
+            let context = lengths[c as usize];
+            let prompt: Vec<BlockKey> = (0..context + message).map(|i| key(c, i)).collect();
+            let agent = &mut agents[if mode == Mode::OnePool { 0 } else { node }];
+            let asked = &prompt[..context as usize];
+            let hit = match mode {
+                Mode::Cluster => {
+                    let anywhere = agent.lookup_cluster(asked, &mut places);
+                    let remote = places.iter().filter(|p| matches!(p, Where::Remote(_))).count();
+                    if remote > 0 {
+                        let started = Instant::now();
+                        let landed = agent.pull_cluster(&asked[..anywhere], Duration::from_secs(2), &mut table);
+                        out.pull_ns.push(started.elapsed().as_nanos() as f64 / remote as f64);
+                        out.pulled += remote as u64;
+                        landed
+                    } else {
+                        anywhere
+                    }
+                }
+                Mode::Islands | Mode::OnePool => agent.lookup(asked, &mut table),
+            };
+            out.asked += u64::from(context);
+            out.hit += hit as u64;
+            // The rest computed; the prompt and the reply saved here.
+            let whole: Vec<BlockKey> = (0..context + message + reply).map(|i| key(c, i)).collect();
+            // Blocks past the hit the pool holds (past a gap) are not
+            // written again: in the cluster, held anywhere; else, here.
+            let held = |agent: &mut Agent, key: &BlockKey| {
+                let one = std::slice::from_ref(key);
+                match mode {
+                    Mode::Cluster => agent.lookup_cluster(one, &mut Vec::new()) == 1,
+                    Mode::Islands | Mode::OnePool => agent.lookup(one, &mut Vec::new()) == 1,
+                }
+            };
+            out.unsaved += (whole.len() - hit - save_lacking(agent, &whole, hit, held)) as u64;
+            lengths[c as usize] = context + message + reply;
+        }
+    }
+    Ok(out)
+}
+
+/// Blocks held only on node 2 pulled into node 1: one at a time (ns a
+/// block each), then as one batch (the batch's seconds).
+fn remote_loads(args: &ClusterHitsArgs, deployment: &Deployment) -> Result<(Vec<f64>, f64), String> {
+    let mut holder = agent(&deployment.nodes[1].1)?;
+    let mut puller = agent(&deployment.nodes[0].1)?;
+    let count = args.pulls as usize;
+    let keys: Vec<BlockKey> = (0..2 * args.pulls).map(|i| key(1_000_000, SYSTEM_BLOCKS + i)).collect();
+    if save(&mut holder, &keys, 0) != keys.len() {
+        return Err("node 2 did not take the blocks to pull".into());
+    }
+    let mut places = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Each key alone (the chain's parents are not asked): seen from node 1.
+    while keys.iter().any(|k| puller.lookup_cluster(std::slice::from_ref(k), &mut places) != 1) {
+        if Instant::now() > deadline {
+            return Err("node 2's blocks never reached node 1's view".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut table = Vec::new();
+    let mut singles = Vec::with_capacity(count);
+    for k in &keys[..count] {
+        let started = Instant::now();
+        if puller.pull_cluster(std::slice::from_ref(k), Duration::from_secs(2), &mut table) != 1 {
+            return Err("a pull did not land".into());
+        }
+        singles.push(started.elapsed().as_nanos() as f64);
+    }
+    let started = Instant::now();
+    let batch = &keys[count..];
+    let landed = pull_each(&mut puller, batch, &mut table);
+    let batch_s = started.elapsed().as_secs_f64();
+    if landed != batch.len() {
+        return Err(format!("{landed} of {} pulled blocks landed", batch.len()));
+    }
+    Ok((singles, batch_s))
+}
+
+/// Pulls every one of `keys` (not a chain: each alone) as one batch: all
+/// asked at once, then waited for. Returns how many landed.
+fn pull_each(agent: &mut Agent, keys: &[BlockKey], table: &mut Vec<lake_dp::mirror::MirrorEntry>) -> usize {
+    let mut places = Vec::new();
+    let mut pulls = Vec::with_capacity(keys.len());
+    for k in keys {
+        agent.lookup_cluster(std::slice::from_ref(k), &mut places);
+        pulls.extend(lake_dp::mirror::view::remote(std::slice::from_ref(k), &places));
+    }
+    agent.pull(&pulls);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let landed = keys.iter().filter(|k| agent.lookup(std::slice::from_ref(*k), table) == 1).count();
+        if landed == keys.len() || Instant::now() > deadline {
+            return landed;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Raw TCP between node 2's namespace and node 1's: a block's bytes asked
+/// for and sent back (ns each), and `batch` blocks streamed (seconds).
+fn raw_tcp(switch: &Switch, count: usize, batch: usize) -> Result<(Vec<f64>, f64), String> {
+    let (server_ns, address) = (switch.hosts[1].clone(), format!("{}:7300", switch.address(1)));
+    let (ready_tx, ready) = channel();
+    let server = std::thread::spawn(move || -> Result<(), String> {
+        enter(&server_ns)?;
+        let listener = std::net::TcpListener::bind(&address).map_err(|e| e.to_string())?;
+        let _ = ready_tx.send(());
+        let (mut stream, _) = listener.accept().map_err(|e| e.to_string())?;
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
+        let block = vec![0x5a; BLOCK_BYTES];
+        let mut ask = [0u8; 16];
+        for _ in 0..count {
+            stream.read_exact(&mut ask).map_err(|e| e.to_string())?;
+            stream.write_all(&block).map_err(|e| e.to_string())?;
+        }
+        stream.read_exact(&mut ask).map_err(|e| e.to_string())?;
+        for _ in 0..batch {
+            stream.write_all(&block).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    });
+    ready.recv_timeout(Duration::from_secs(10)).map_err(|_| "the raw server never listened")?;
+    let (client_ns, address) = (switch.hosts[0].clone(), format!("{}:7300", switch.address(1)));
+    let client = std::thread::spawn(move || -> Result<(Vec<f64>, f64), String> {
+        enter(&client_ns)?;
+        let mut stream = std::net::TcpStream::connect(&address).map_err(|e| e.to_string())?;
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
+        let mut block = vec![0u8; BLOCK_BYTES];
+        let mut singles = Vec::with_capacity(count);
+        for _ in 0..count {
+            let started = Instant::now();
+            stream.write_all(&[1u8; 16]).map_err(|e| e.to_string())?;
+            stream.read_exact(&mut block).map_err(|e| e.to_string())?;
+            singles.push(started.elapsed().as_nanos() as f64);
+        }
+        let started = Instant::now();
+        stream.write_all(&[2u8; 16]).map_err(|e| e.to_string())?;
+        for _ in 0..batch {
+            stream.read_exact(&mut block).map_err(|e| e.to_string())?;
+        }
+        Ok((singles, started.elapsed().as_secs_f64()))
+    });
+    let measured = client.join().map_err(|_| "the raw client panicked")??;
+    server.join().map_err(|_| "the raw server panicked")??;
+    Ok(measured)
+}
+
+pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
+    let lake = match &args.lake {
+        Some(path) => path.clone(),
+        None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("lake"),
+    };
+    if !lake.is_file() {
+        return Err(format!("{}: no lake binary (cargo build --release -p lake-cp --bin lake)", lake.display()));
+    }
+    let paths = ArgsPaths { lake, etcd: args.etcd.clone(), l1_slots: args.l1_slots, l2_slots: args.l2_slots };
+    let switch = Switch::new(NODES, 1).map_err(|e| format!("network namespaces (root?): {e}"))?;
+    let base = Scratch(std::env::temp_dir().join(format!("lake-bench-hits-{}", std::process::id())));
+    std::fs::create_dir_all(&base.0).map_err(|e| e.to_string())?;
+    let mut report = Report::new("cluster-hits");
+    report.int("nodes", NODES as u64);
+    report.int("turns", u64::from(args.conversations * args.turns));
+    report.int("l1_slots_per_node", u64::from(args.l1_slots));
+    report.int("l2_slots_per_node", 2 * u64::from(args.l2_slots));
+    let mut ratios = [0.0; 3];
+    for (i, mode) in [Mode::OnePool, Mode::Islands, Mode::Cluster].into_iter().enumerate() {
+        let deployment = deploy(&paths, &switch, mode, &base.0)?;
+        if mode == Mode::Cluster {
+            // Every node in the leader's view before the first turn.
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        let replay = replay(args, &deployment, mode)?;
+        let name = ["one_pool", "islands", "cluster"][i];
+        ratios[i] = replay.hit as f64 / replay.asked as f64;
+        report.int(&format!("{name}_context_blocks"), replay.asked);
+        report.float(&format!("{name}_hit_ratio"), ratios[i]);
+        report.int(&format!("{name}_unsaved_blocks"), replay.unsaved);
+        if mode == Mode::Cluster {
+            report.int("cluster_blocks_pulled", replay.pulled);
+            let mut ns = replay.pull_ns;
+            report.float("cluster_turn_pull_p50_ns_per_block", percentile(&mut ns, 500));
+            let (mut singles, batch_s) = remote_loads(args, &deployment)?;
+            report.float("remote_load_p50_ns", percentile(&mut singles, 500));
+            report.float("remote_load_p99_ns", percentile(&mut singles, 990));
+            let blocks = f64::from(args.pulls);
+            report.float("remote_load_batch_mb_per_s", blocks * BLOCK_BYTES as f64 / batch_s / 1e6);
+            report.float("remote_load_batch_blocks_per_s", blocks / batch_s);
+        }
+    }
+    report.float("cluster_vs_one_pool", ratios[2] / ratios[0]);
+    report.float("islands_vs_one_pool", ratios[1] / ratios[0]);
+    let (mut singles, batch_s) = raw_tcp(&switch, args.pulls as usize, args.pulls as usize)?;
+    report.float("raw_tcp_block_p50_ns", percentile(&mut singles, 500));
+    report.float("raw_tcp_block_p99_ns", percentile(&mut singles, 990));
+    let blocks = f64::from(args.pulls);
+    report.float("raw_tcp_batch_mb_per_s", blocks * BLOCK_BYTES as f64 / batch_s / 1e6);
+    Ok(report)
+}
