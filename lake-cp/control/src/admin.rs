@@ -35,7 +35,8 @@ use lake_dp::{BlockKey, Tier};
 /// Longest request line.
 pub const LINE_BYTES_MAX: usize = 4096;
 
-fn tier_name(tier: Tier) -> &'static str {
+/// A tier's name in answers: `l0` to `l3`.
+pub fn tier_name(tier: Tier) -> &'static str {
     match tier {
         Tier::L0Hbm => "l0",
         Tier::L1Dram => "l1",

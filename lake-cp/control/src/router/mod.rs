@@ -303,7 +303,7 @@ fn plan_json(plan: &lake_dp::route::Plan, blocks: u32) -> Value {
                 "first": m.first,
                 "last": m.last,
                 "from_node": m.from.0.0,
-                "from_tier": tier_name(m.from.1),
+                "from_tier": crate::admin::tier_name(m.from.1),
                 "to": m.to.0,
                 "network": network,
             })
@@ -321,13 +321,4 @@ fn plan_json(plan: &lake_dp::route::Plan, blocks: u32) -> Value {
         "ttft_ns": plan.ttft_ns,
         "moves": moves,
     })
-}
-
-fn tier_name(tier: Tier) -> &'static str {
-    match tier {
-        Tier::L0Hbm => "l0",
-        Tier::L1Dram => "l1",
-        Tier::L2Nvme => "l2",
-        Tier::L3Object => "l3",
-    }
 }
