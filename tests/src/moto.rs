@@ -27,20 +27,40 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts `binary` on 127.0.0.1:`port`; returns once it listens.
+    /// Starts `binary` on 127.0.0.1:`port`; returns once it listens. A
+    /// server that exits meanwhile (the port taken by another process
+    /// between its choice and the server's bind: what answered was not
+    /// this server) is started again on another free port — `port` then
+    /// says which.
     pub fn start(binary: PathBuf, port: u16) -> Self {
-        let child = Command::new(&binary)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting moto_server");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "moto_server did not listen on {port} within 30 s");
-            std::thread::sleep(Duration::from_millis(50));
+        let mut port = port;
+        for _ in 0..5 {
+            let mut child = Command::new(&binary)
+                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("starting moto_server");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let mut exited = false;
+            while !exited && std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                assert!(Instant::now() < deadline, "moto_server did not listen on {port} within 30 s");
+                std::thread::sleep(Duration::from_millis(50));
+                exited = matches!(child.try_wait(), Ok(Some(_)));
+            }
+            // Listening, and still this server's: a moment later it runs.
+            std::thread::sleep(Duration::from_millis(100));
+            if !exited && matches!(child.try_wait(), Ok(None)) {
+                return Self { child, port, binary };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("a free port");
         }
-        Self { child, port, binary }
+        panic!("moto_server exited at start five times (see its output: run it by hand)");
     }
 
     /// Kills it.

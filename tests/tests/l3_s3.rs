@@ -125,7 +125,8 @@ fn blocks_round_trip_through_a_real_s3_server() {
     let failed = wait(&mut client, 1, Duration::from_secs(60)).remove(0);
     assert!(matches!(failed.result, Err(L3Error::Store(StoreError::Transient(_)))), "{failed:?}");
     println!("server gone: failed after {:?} ({})", started.elapsed(), failed.result.unwrap_err());
-    let binary = server.binary.clone();
+    // Again where the client looks for it.
+    let (binary, port) = (server.binary.clone(), server.port);
     drop(server);
     let mut again = Server::start(binary, port);
     S3Store::create_bucket(&config).unwrap();
@@ -152,8 +153,8 @@ fn the_pool_moves_blocks_past_l2_into_a_real_s3_bucket_and_reads_them_back() {
         return;
     };
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let _server = Server::start(binary, port);
-    let endpoint = format!("http://127.0.0.1:{port}");
+    let server = Server::start(binary, port);
+    let endpoint = format!("http://127.0.0.1:{}", server.port);
     let l3 = L3Section {
         endpoint: Some(endpoint.clone()),
         bucket: Some("lake-pool".into()),
