@@ -20,14 +20,13 @@ mod supervise;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_agent::{SaveBlock, SavePayload};
 use lake_dp::{BlockKey, KeyChain, KeyScheme, Namespace, TenantKey};
 use serde_json::{Value, json};
 
-use cluster::{Proc, field};
+use cluster::{Proc, agent_of, field};
 use scratch::Scratch;
 
 const BLOCK_TOKENS: u32 = 16;
@@ -45,18 +44,7 @@ fn prompt(seed: u32, blocks: usize) -> (Vec<u32>, Vec<BlockKey>) {
 }
 
 fn save(serving: &str, keys: &[BlockKey]) {
-    let (dp, cp, mirror) = (field(serving, "dp_socket"), field(serving, "cp_socket"), field(serving, "mirror"));
-    let config = AgentConfig {
-        arena: Path::new("/nonexistent"),
-        mirror: Path::new(&mirror),
-        cp_socket: Some(Path::new(&cp)),
-        name: "router-test",
-        namespace: namespace().id(),
-        layout_fingerprint: 0x52,
-        segment_bytes: 8192,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    let mut agent = Agent::connect(&config, Path::new(&dp)).unwrap();
+    let mut agent = agent_of(serving, namespace().id(), "router-test");
     let payload = vec![7u8; 16 * 1024];
     for (i, key) in keys.iter().enumerate() {
         let block = SaveBlock {

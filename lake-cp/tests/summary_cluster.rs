@@ -20,15 +20,15 @@ mod scratch;
 #[path = "common/supervise.rs"]
 mod supervise;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_agent::{Agent, SaveBlock, SavePayload};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NamespaceId, NodeId};
 
-use cluster::{Proc, field, http_get};
+use cluster::{Proc, agent_of, field, http_get};
 use scratch::Scratch;
 
 /// `node`'s entry in a summary line: its JSON object.
@@ -46,18 +46,7 @@ fn key(node: u32, i: u32) -> BlockKey {
 }
 
 fn agent(serving: &str) -> Agent {
-    let (dp, cp, mirror) = (field(serving, "dp_socket"), field(serving, "cp_socket"), field(serving, "mirror"));
-    let config = AgentConfig {
-        arena: Path::new("/nonexistent"),
-        mirror: Path::new(&mirror),
-        cp_socket: Some(Path::new(&cp)),
-        name: "summary-test",
-        namespace: NamespaceId(31),
-        layout_fingerprint: 0x31,
-        segment_bytes: 8192,
-        object_kind: lake_dp::ObjectKind::KvBlock,
-    };
-    Agent::connect(&config, Path::new(&dp)).unwrap()
+    agent_of(serving, NamespaceId(31), "summary-test")
 }
 
 fn payload(node: u32) -> Vec<u8> {

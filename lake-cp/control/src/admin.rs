@@ -53,13 +53,18 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn unhex<const N: usize>(text: &str) -> Option<[u8; N]> {
-    if text.len() != 2 * N || !text.is_ascii() {
+/// `N` bytes written as `2 * N` hex digits (a sign is not a digit).
+pub(crate) fn unhex<const N: usize>(text: &str) -> Option<[u8; N]> {
+    let digits = text.as_bytes();
+    if digits.len() != 2 * N {
         return None;
     }
+    let nibble = |d: u8| (d as char).to_digit(16);
     let mut out = [0u8; N];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+    for (byte, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
+        #[allow(clippy::cast_possible_truncation)] // two hex digits
+        let value = (nibble(pair[0])? << 4 | nibble(pair[1])?) as u8;
+        *byte = value;
     }
     Some(out)
 }

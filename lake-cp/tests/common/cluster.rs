@@ -75,3 +75,22 @@ pub(crate) fn http_get(address: &str, path: &str) -> (String, String) {
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     (head.lines().next().unwrap_or("").to_owned(), body.to_owned())
 }
+
+/// An engine's agent of the pool whose serving line is `serving`, saving
+/// into `namespace` as `name`.
+#[allow(dead_code)] // not every cluster test attaches an engine
+pub(crate) fn agent_of(serving: &str, namespace: lake_dp::NamespaceId, name: &str) -> lake_agent::Agent {
+    use std::path::Path;
+    let (dp, cp, mirror) = (field(serving, "dp_socket"), field(serving, "cp_socket"), field(serving, "mirror"));
+    let config = lake_agent::AgentConfig {
+        arena: Path::new("/nonexistent"),
+        mirror: Path::new(&mirror),
+        cp_socket: Some(Path::new(&cp)),
+        name,
+        namespace,
+        layout_fingerprint: namespace.0,
+        segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    lake_agent::Agent::connect(&config, Path::new(&dp)).unwrap()
+}

@@ -656,7 +656,7 @@ impl Node {
         let kind = ObjectKind::from_u16(block.kind).ok_or(NodeError::Field("block.kind"))?;
         // A block continuing a copy pulled in from another node is a root
         // here: the copy, first to go, is not held back as its parent.
-        let after_pulled = !self.pulling.contains_key(&block.key) && self.tiers.is_pulled_in(&block.parent_key);
+        let after_pulled = self.tiers.is_pulled_in(&block.parent_key) && !self.pulling.contains_key(&block.key);
         let parent = (!block.parent_key.is_none() && !as_root && !after_pulled).then_some(block.parent_key);
         let existing = self.locations.ready(&block.key).find(|r| r.region == replica.region);
         if let Some(existing) = existing
@@ -701,7 +701,8 @@ impl Node {
                 self.record(block.key, what, (replica.region.0, replica.slot));
                 let bytes = lake_dp::stored::object_bytes(block.payload_len);
                 self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new, bytes);
-                let pulled = self.pulling.remove(&block.key).is_some_and(|at| unix_ns() < at + copy::PULL_LANDS_NS);
+                let pulled = !self.pulling.is_empty()
+                    && self.pulling.remove(&block.key).is_some_and(|at| unix_ns() < at + copy::PULL_LANDS_NS);
                 if new && replica.tier == Tier::L1Dram && pulled {
                     self.tiers.pulled_in(block.namespace, block.key);
                 }

@@ -153,16 +153,7 @@ impl NamespaceConfig {
 }
 
 fn digest(what: &str, text: &str) -> Result<[u8; 32], String> {
-    let bytes = hex(text).filter(|b| b.len() == 32);
-    bytes.and_then(|b| b.try_into().ok()).ok_or_else(|| format!("{what}: not 64 hex digits"))
-}
-
-/// `text`'s bytes, two hex digits each; none where it is not hex.
-pub fn hex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok()).collect()
+    crate::admin::unhex::<32>(text).ok_or_else(|| format!("{what}: not 64 hex digits"))
 }
 
 #[cfg(test)]
@@ -215,7 +206,7 @@ mod tests {
             let why = parse(&text).unwrap_err();
             assert!(why.contains(named), "{named}: {why}");
         }
-        assert_eq!(hex("+f"), None, "a sign is not a digit");
-        assert_eq!(hex("0aFf"), Some(vec![0x0a, 0xff]));
+        assert_eq!(crate::admin::unhex::<1>("+f"), None, "a sign is not a digit");
+        assert_eq!(crate::admin::unhex::<2>("0aFf"), Some([0x0a, 0xff]));
     }
 }

@@ -93,8 +93,9 @@ impl PoolReader {
         let mut holders = Vec::new();
         view::walk(mirror, self.view.as_ref(), keys, |i, local, remote| {
             holders.clear();
+            // The mirror names this node's fastest replica.
             if let Some(entry) = local {
-                holders.push((here, fastest(entry.tiers).unwrap_or(entry.tier)));
+                holders.push((here, entry.tier));
             }
             holders.extend(remote.iter().map(|h| (h.node, h.tier)));
             holders.retain(|(node, _)| !down.contains(node));
@@ -102,11 +103,6 @@ impl PoolReader {
         });
         hits.into_view()
     }
-}
-
-/// The fastest tier of a mirror entry's `tiers` bits.
-fn fastest(tiers: u8) -> Option<Tier> {
-    Tier::ALL.into_iter().find(|&t| tiers & (1 << t as u8) != 0)
 }
 
 /// A hit view being built, block by block.

@@ -86,11 +86,16 @@ impl Router {
         answer
     }
 
-    fn nodes(&mut self) -> Value {
-        let pool = match self.pool.state() {
+    /// Which pool the hits come from, or why none.
+    fn pool_state(&mut self) -> Value {
+        match self.pool.state() {
             Ok((node, cluster)) => json!({ "node": node.0, "cluster_view": cluster }),
             Err(why) => json!({ "error": why }),
-        };
+        }
+    }
+
+    fn nodes(&mut self) -> Value {
+        let pool = self.pool_state();
         let nodes: Vec<Value> = (0..self.config.nodes.len())
             .map(|i| {
                 let (node, signal) = (&self.config.nodes[i], self.signals.get(i));
@@ -130,10 +135,7 @@ impl Router {
         };
         let (loads, down, down_ids) = self.loads();
         let hits = self.pool.hits(&keys, &down_ids);
-        let pool = match self.pool.state() {
-            Ok((node, cluster)) => json!({ "node": node.0, "cluster_view": cluster }),
-            Err(why) => json!({ "error": why }),
-        };
+        let pool = self.pool_state();
         let request = Request { blocks, avoid };
         let plan = match route(&request, &hits, &lake_dp::route::LoadView { nodes: loads }, policy) {
             Ok(plan) => plan,
@@ -266,17 +268,10 @@ impl<'de> Deserialize<'de> for Key {
             }
 
             fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Key, E> {
-                let digit = |b: u8| (b as char).to_digit(16);
-                let bytes = text.as_bytes();
-                let mut key = [0u8; 16];
-                for (i, out) in key.iter_mut().enumerate() {
-                    match (bytes.len() == 32).then(|| (digit(bytes[2 * i]), digit(bytes[2 * i + 1]))) {
-                        #[allow(clippy::cast_possible_truncation)] // two hex digits
-                        Some((Some(high), Some(low))) => *out = (high * 16 + low) as u8,
-                        _ => return Err(E::invalid_value(serde::de::Unexpected::Str(text), &self)),
-                    }
+                match crate::admin::unhex::<16>(text) {
+                    Some(key) => Ok(Key(BlockKey(key))),
+                    None => Err(E::invalid_value(serde::de::Unexpected::Str(text), &self)),
                 }
-                Ok(Key(BlockKey(key)))
             }
         }
         deserializer.deserialize_str(Visitor)

@@ -10,13 +10,14 @@
 //! keeps its pool of them.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io;
 use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
 use super::{Answer, Router};
+use crate::server::{read_available, write_pending};
 
 /// Bytes a request's head and body may take together.
 pub const BODY_BYTES_MAX: usize = 4 << 20;
@@ -152,10 +153,11 @@ impl Server {
 
     fn serve(&mut self, token: Token, router: &mut Router) {
         let Some(client) = self.clients.get_mut(&token) else { return };
-        let mut closed = false;
         loop {
             if client.output.is_empty() {
-                closed |= read_available(&mut client.stream, &mut client.input);
+                // Past the limit it reads no more: the request is refused
+                // by its size, then the connection closed.
+                let closed = read_available(&mut client.stream, &mut client.input, BODY_BYTES_MAX);
                 match take_request(&mut client.input, &mut self.counters, router) {
                     Some((answer, close)) => {
                         client.output = render(&answer, close || closed);
@@ -166,20 +168,18 @@ impl Server {
                     None => return,
                 }
             }
-            match client.stream.write(&client.output[client.written..]) {
-                Ok(0) => break,
-                Ok(n) => client.written += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
+            if write_pending(&mut client.stream, &client.output, &mut client.written) {
+                break;
             }
-            if client.written == client.output.len() {
-                if client.closing {
-                    break;
-                }
-                client.output.clear();
-                client.since = Instant::now();
+            if client.written < client.output.len() {
+                // The rest when it is writable.
+                return;
             }
+            if client.closing {
+                break;
+            }
+            client.output.clear();
+            client.since = Instant::now();
         }
         self.close(token);
     }
@@ -196,23 +196,6 @@ impl Server {
         for token in late {
             self.counters.timed_out += 1;
             self.close(token);
-        }
-    }
-}
-
-/// Reads what the peer sent; returns whether it closed (or failed).
-fn read_available(stream: &mut TcpStream, input: &mut Vec<u8>) -> bool {
-    let mut buffer = [0u8; 16 << 10];
-    loop {
-        if input.len() > BODY_BYTES_MAX {
-            return false;
-        }
-        match stream.read(&mut buffer) {
-            Ok(0) => return true,
-            Ok(n) => input.extend_from_slice(&buffer[..n]),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return true,
         }
     }
 }

@@ -425,7 +425,7 @@ impl Server {
 /// Reads what `stream` has into `input`, until it would block or `input`
 /// holds more than `limit` bytes. Returns whether the connection is done
 /// (closed by the peer, failed, or over the limit).
-fn read_available(stream: &mut impl Read, input: &mut Vec<u8>, limit: usize) -> bool {
+pub(crate) fn read_available(stream: &mut impl Read, input: &mut Vec<u8>, limit: usize) -> bool {
     let mut chunk = [0u8; 4096];
     loop {
         match stream.read(&mut chunk) {
@@ -443,7 +443,7 @@ fn read_available(stream: &mut impl Read, input: &mut Vec<u8>, limit: usize) -> 
 
 /// Writes `output[*written..]` to `stream` until it would block, moving
 /// `written` on. Returns whether the connection failed.
-fn write_pending(stream: &mut impl Write, output: &[u8], written: &mut usize) -> bool {
+pub(crate) fn write_pending(stream: &mut impl Write, output: &[u8], written: &mut usize) -> bool {
     while *written < output.len() {
         match stream.write(&output[*written..]) {
             Ok(0) => return true,

@@ -32,6 +32,8 @@ use crate::tier::{TierAction, TierCommand};
 
 mod listeners;
 
+pub(crate) use listeners::{read_available, write_pending};
+
 pub use listeners::{ACCEPT_PAUSE, ADMIN_IDLE, ConnectionCaps, HELLO_DEADLINE, HTTP_DEADLINE, Listener, Shed};
 
 /// A client of the operator's socket ([`crate::admin`]).

@@ -627,7 +627,7 @@ impl Tiers {
 
     /// Whether `key`'s L1 copy here was pulled in from another node.
     pub fn is_pulled_in(&self, key: &BlockKey) -> bool {
-        self.pulled_in.contains(key)
+        !self.pulled_in.is_empty() && self.pulled_in.contains(key)
     }
 
     /// Another node read this node's block `key` (a pull copied it
@@ -663,7 +663,7 @@ impl Tiers {
         // A copy pulled in stays first in line: its holder's copy is the
         // one kept (touched there when it was pulled).
         let kept: Vec<BlockKey>;
-        let keys = if keys.iter().any(|k| self.pulled_in.contains(k)) {
+        let keys = if keys.iter().any(|k| self.is_pulled_in(k)) {
             kept = keys.iter().filter(|k| !self.pulled_in.contains(k)).copied().collect();
             &kept[..]
         } else {

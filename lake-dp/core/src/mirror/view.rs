@@ -372,14 +372,15 @@ impl ViewOpener {
     }
 }
 
-/// A prompt's longest prefix held anywhere in the pool, and where each
-/// block of it is, into `out` (cleared first): this node's mirror first,
-/// then its view of the other nodes; the first key neither has ends it.
-/// Every entry is read (a linear pass, buckets fetched ahead), so the
-/// answer is exact whatever the sets. Returns how many.
-pub fn lookup(mirror: &MirrorReader, view: Option<&ViewReader>, keys: &[BlockKey], out: &mut Vec<Where>) -> usize {
-    const AHEAD: usize = 16;
-    out.clear();
+/// Runs `step(i, key)` over `keys` in order until it returns false, each
+/// key's buckets in the mirror and the view fetched [`AHEAD`] keys before
+/// it is read.
+fn fetched_ahead(
+    mirror: &MirrorReader,
+    view: Option<&ViewReader>,
+    keys: &[BlockKey],
+    mut step: impl FnMut(usize, &BlockKey) -> bool,
+) {
     let fetch = |key: &BlockKey| {
         mirror.prefetch(key);
         if let Some(view) = view {
@@ -391,15 +392,29 @@ pub fn lookup(mirror: &MirrorReader, view: Option<&ViewReader>, keys: &[BlockKey
         if let Some(next) = keys.get(i + AHEAD) {
             fetch(next);
         }
-        if let super::Lookup::Hit(entry) = mirror.get(key) {
-            out.push(Where::Local(entry));
-            continue;
-        }
-        match view.and_then(|v| v.best(key)) {
-            Some(holder) => out.push(Where::Remote(holder)),
-            None => break,
+        if !step(i, key) {
+            return;
         }
     }
+}
+
+/// Keys fetched ahead of the one read.
+const AHEAD: usize = 16;
+
+/// A prompt's longest prefix held anywhere in the pool, and where each
+/// block of it is, into `out` (cleared first): this node's mirror first,
+/// then its view of the other nodes; the first key neither has ends it.
+/// Every entry is read (a linear pass, buckets fetched ahead), so the
+/// answer is exact whatever the sets. Returns how many.
+pub fn lookup(mirror: &MirrorReader, view: Option<&ViewReader>, keys: &[BlockKey], out: &mut Vec<Where>) -> usize {
+    out.clear();
+    fetched_ahead(mirror, view, keys, |_, key| {
+        let place = match mirror.get(key) {
+            super::Lookup::Hit(entry) => Some(Where::Local(entry)),
+            super::Lookup::Miss | super::Lookup::Unreadable => view.and_then(|v| v.best(key)).map(Where::Remote),
+        };
+        place.map(|place| out.push(place)).is_some()
+    });
     out.len()
 }
 
@@ -414,19 +429,8 @@ pub fn walk(
     keys: &[BlockKey],
     mut visit: impl FnMut(usize, Option<MirrorEntry>, &[Holder]) -> bool,
 ) {
-    const AHEAD: usize = 16;
-    let fetch = |key: &BlockKey| {
-        mirror.prefetch(key);
-        if let Some(view) = view {
-            view.prefetch(key);
-        }
-    };
-    keys.iter().take(AHEAD).for_each(fetch);
     let mut remote = Vec::new();
-    for (i, key) in keys.iter().enumerate() {
-        if let Some(next) = keys.get(i + AHEAD) {
-            fetch(next);
-        }
+    fetched_ahead(mirror, view, keys, |i, key| {
         let local = match mirror.get(key) {
             super::Lookup::Hit(entry) => Some(entry),
             super::Lookup::Miss | super::Lookup::Unreadable => None,
@@ -435,10 +439,8 @@ pub fn walk(
         if let Some(view) = view {
             view.holders_into(key, &mut remote);
         }
-        if !visit(i, local, &remote) {
-            return;
-        }
-    }
+        visit(i, local, &remote)
+    });
 }
 
 /// The blocks of a cluster lookup's answer (`keys` and the `places`
