@@ -2,9 +2,15 @@
 
     --kv-transfer-config '{"kv_connector": "LakeConnector",
         "kv_connector_module_path": "lake.vllm", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"dp_socket": "...", "mirror": "...",
-                                      "cp_socket": "...", "tenant_key": "<64 hex>",
-                                      "trace_every": 0}}'
+        "kv_connector_extra_config": {"pool_dir": "/var/lib/lake",
+                                      "tenant_key": "<64 hex>"}}'
+
+The pool does not care which side is prefill or decode: under any
+``kv_role`` the connector loads what the pool holds and saves what vLLM
+computes, so a prefill's KV reaches its decode (P→D), a decode's grown
+context returns to the pool (D→pool) and the next turn's prefill reuses it
+(D→P), on any node of a cluster: a prefix that only other nodes hold is
+pulled into this node's pool before vLLM is told its hit (``pull``).
 
 Runs inside real vLLM (tested in its CPU build, ``ffi/python/tests_vllm``);
 optional hooks are feature-detected. Without vLLM installed, stand-in base
@@ -46,6 +52,9 @@ logger = logging.getLogger("lake.vllm")
 
 # A load not done in this long is cancelled and its blocks recomputed.
 LOAD_TIMEOUT_S = 30
+# How long a request waits for the blocks it pulls from other nodes
+# before vLLM computes what has not landed (``pull_timeout_s``).
+PULL_TIMEOUT_S = 2.0
 
 try:  # pragma: no cover - exercised only where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -302,6 +311,18 @@ class _Tracked:
         return self._keys[:blocks]
 
 
+@dataclass
+class _Pull:
+    """Another node's blocks a waiting request asked to be pulled here:
+    the local hit when it asked, the hit it waits for, when it asked and
+    until when it waits."""
+
+    local: int
+    held: int
+    started: float
+    deadline: float
+
+
 def _groups_block_ids(blocks) -> list[list[int]]:
     """vLLM's KVCacheBlocks (or a plain list: one group's): each KV cache
     group's block ids."""
@@ -441,6 +462,23 @@ def _extra(vllm_config) -> dict[str, Any]:
     return lake.pool_settings(getattr(config, "kv_connector_extra_config", None) or {}, "kv_connector_extra_config")
 
 
+def _pull_settings(extra: dict) -> tuple[bool, float, int]:
+    """``pull`` (true: bring a prefix other nodes hold here before vLLM is
+    told its hit), ``pull_timeout_s`` (how long a request waits for it) and
+    ``compute_ns_per_block`` (what computing a block costs this engine; 0:
+    unknown, every pull is worth it)."""
+    pull = extra.get("pull", True)
+    if not isinstance(pull, bool):
+        raise ValueError("kv_connector_extra_config['pull'] is true or false")
+    timeout = extra.get("pull_timeout_s", PULL_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
+        raise ValueError(f"kv_connector_extra_config['pull_timeout_s'] is seconds in (0, 60], not {timeout!r}")
+    compute = extra.get("compute_ns_per_block", 0)
+    if isinstance(compute, bool) or not isinstance(compute, int) or compute < 0:
+        raise ValueError(f"kv_connector_extra_config['compute_ns_per_block'] is ns, at least 0, not {compute!r}")
+    return pull, float(timeout), compute
+
+
 def _model_fingerprint(vllm_config) -> bytes:
     model = getattr(vllm_config, "model_config", None)
     identity = "|".join(
@@ -557,6 +595,15 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         if self._trace_every < 0:
             raise ValueError("kv_connector_extra_config['trace_every'] is 0 (none) or N (one request in N)")
         self._traced: dict[int, str] = {}
+        # Scheduler: pulls of other nodes' blocks by waiting request, and
+        # what a pulled block has cost as measured (ns, 0: none yet).
+        self._pull, self._pull_timeout_s, self._compute_ns = _pull_settings(extra)
+        if self.groups.hybrid or self._shards is not None:
+            # A pull brings KV blocks by key: not a hybrid's state
+            # checkpoints, nor every tensor-parallel shard of a block.
+            self._pull = False
+        self._pulls: dict[str, _Pull] = {}
+        self.pull_ns_per_block = 0
 
     def _attach(self, layout, name):
         return lake.Pool(
@@ -618,9 +665,58 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             matched = self._hits(keys) * self.block_size
             if matched >= known:
                 matched = ((known - 1) // self.block_size) * self.block_size
+            if self._pull:
+                pulled = self._pulled(request.request_id, keys[: (known - 1) // self.block_size], matched)
+                if pulled is None:
+                    return None, False
+                matched = pulled
         extra = max(0, matched - num_computed_tokens)
         self._local_hits[request.request_id] = num_computed_tokens
         return extra, self._load_async and extra > 0
+
+    def _pulled(self, request_id: str, keys, matched: int) -> int | None:
+        """The hit in tokens once the blocks of the request's prefix that
+        only other nodes hold are here: a pull of them is asked once (the
+        data plane copies them into this node's L1 while vLLM goes on with
+        other requests) and ``None`` (vLLM asks again next step) is the
+        answer until they landed or ``pull_timeout_s`` passed. A block that
+        left its holder meanwhile never lands: the hit ends before it, and
+        vLLM computes the rest. No pull where a pulled block, as measured,
+        costs more than computing one (``compute_ns_per_block``)."""
+        local = matched // self.block_size
+        pull = self._pulls.get(request_id)
+        now = time.monotonic()
+        if pull is None:
+            if self._compute_ns and self.pull_ns_per_block > self._compute_ns:
+                return matched
+            try:
+                held, _ = self.pool.lookup_cluster(keys)
+                if held <= local:
+                    return matched
+                # Asked, not waited for: the call returns at once.
+                self.pool.pull(keys[:held], timeout_s=0)
+            except lake.LakeError as e:
+                logger.warning("lake.vllm: pulling a prefix from other nodes: %s", e)
+                return matched
+            self._pulls[request_id] = _Pull(local, held, now, now + self._pull_timeout_s)
+            return None
+        if local < pull.held and now < pull.deadline:
+            return None
+        del self._pulls[request_id]
+        if local > pull.local:
+            # The pull's cost: its wait spread over the blocks it brought.
+            cost = int((now - pull.started) * 1e9) // (local - pull.local)
+            self.pull_ns_per_block = cost if not self.pull_ns_per_block else (3 * self.pull_ns_per_block + cost) // 4
+        logger.debug(
+            "lake.vllm: request %s: pulled %d blocks in %.3f s; a pulled block costs %d ns",
+            request_id, local - pull.local, now - pull.started, self.pull_ns_per_block,
+        )
+        if local < pull.held:
+            logger.info(
+                "lake.vllm: request %s: %d of %d blocks pulled from other nodes in %.3f s; vLLM computes the rest",
+                request_id, local - pull.local, pull.held - pull.local, now - pull.started,
+            )
+        return matched
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         """Plans the load into the blocks vLLM allocated, after its local
@@ -757,6 +853,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         save of this request may still read them; the workers report when
         none does (``get_finished``)."""
         self._local_hits.pop(request.request_id, None)
+        self._pulls.pop(request.request_id, None)
         self._load_failed.discard(request.request_id)
         tracked = self._running.pop(request.request_id, None)
         if request.request_id in self._receiving:

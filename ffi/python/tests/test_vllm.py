@@ -5,6 +5,7 @@ whole connector run inside real vLLM in ``ffi/python/tests_vllm``
 
 import inspect
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -73,3 +74,21 @@ def test_layouts_are_described_from_shape_and_strides():
     for shape, stride in [((100, 16), (16, 1)), ((3, 100, 16, 8, 128), (1, 1, 1, 1, 1)), ((100, 8, 576), (1, 1, 1))]:
         with pytest.raises(ValueError):
             lake_vllm.describe_layout(shape, stride, 2, 16)
+
+
+def test_pull_settings_are_checked_by_name():
+    assert lake_vllm._pull_settings({}) == (True, lake_vllm.PULL_TIMEOUT_S, 0)
+    assert lake_vllm._pull_settings({"pull": False, "pull_timeout_s": 0.5, "compute_ns_per_block": 9}) == (
+        False, 0.5, 9,
+    )
+    bad = [
+        ({"pull": "yes"}, "'pull'] is true or false"),
+        ({"pull_timeout_s": 0}, "'pull_timeout_s'] is seconds in"),
+        ({"pull_timeout_s": True}, "'pull_timeout_s'] is seconds in"),
+        ({"pull_timeout_s": 61}, "'pull_timeout_s'] is seconds in"),
+        ({"compute_ns_per_block": -1}, "'compute_ns_per_block'] is ns"),
+        ({"compute_ns_per_block": 1.5}, "'compute_ns_per_block'] is ns"),
+    ]
+    for settings, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            lake_vllm._pull_settings(settings)

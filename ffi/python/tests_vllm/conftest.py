@@ -40,12 +40,14 @@ def _needed(name: str) -> str:
 class Pool:
     """A `lake serve` process with its directory."""
 
-    def __init__(self, binary: str, directory: Path, block_bytes: int, l1_slots: int, l2_slots: int):
+    def __init__(
+        self, binary: str, directory: Path, block_bytes: int, l1_slots: int, l2_slots: int, extra_args=(),
+    ):
         self.dir = directory
         self.log = directory.parent / f"{directory.name}.log"
         self.args = [
             binary, "serve", "--metrics", "127.0.0.1:0", "--dir", str(directory), "--block-bytes", str(block_bytes),
-            "--l1-slots", str(l1_slots), "--l2-slots", str(l2_slots),
+            "--l1-slots", str(l1_slots), "--l2-slots", str(l2_slots), *extra_args,
         ]
         self.process = None
         self.start()
@@ -124,7 +126,8 @@ class Engine:
 
     def run(self, phases, block_size=128, connector=None, kv_cache_tokens=16384, max_model_len=4096,
             prefix_caching=True, multiprocess=False, expect_kill=False, expect_failure=False, max_num_seqs=8,
-            model=None, dtype="float32", kv_cache_bytes=None, load_failure_policy="fail", speculative=None):
+            model=None, dtype="float32", kv_cache_bytes=None, load_failure_policy="fail", speculative=None,
+            kv_role="kv_both"):
         """``model``, ``dtype``, ``kv_cache_bytes``: another model than the
         tiny Qwen3 (its KV cache then sized in bytes); ``speculative``:
         vLLM's ``speculative_config``."""
@@ -141,6 +144,7 @@ class Engine:
             "connector": connector,
             "load_failure_policy": load_failure_policy,
             "speculative": speculative,
+            "kv_role": kv_role,
             "phases": phases,
         }
         spec_path, out, log = (self.workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))

@@ -16,6 +16,7 @@ engine steps (a client gone), the others run to their end. Run with VLLM_CPU_NUM
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -55,12 +56,17 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm.config import KVTransferConfig
 
     spec = json.loads(open(spec_path).read())
+    # The connector's own lines (its namespace, its pulls) in the log, as
+    # an operator's engine would show them.
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("lake").setLevel(logging.INFO)
     transfer = None
     if spec.get("connector") is not None:
         transfer = KVTransferConfig(
             kv_connector="LakeConnector",
             kv_connector_module_path="lake.vllm",
-            kv_role="kv_both",
+            # A P/D deployment's roles (kv_producer, kv_consumer), or both.
+            kv_role=spec.get("kv_role", "kv_both"),
             kv_connector_extra_config=spec["connector"],
             # What vLLM does with a load the connector reports failed:
             # "fail" the request (vLLM's default) or "recompute" it.
@@ -170,7 +176,8 @@ def run_aborting_first(llm, prompts, params, steps: int):
 def run_until_killed(llm, prompts, params, tokens: int, out_path: str):
     """Steps the engine by hand and dies by SIGKILL once the first request
     has ``tokens`` output tokens: no shutdown, no request_finished. What it
-    had generated is written to OUT first (what a client had streamed)."""
+    had generated is written to OUT first (what a client had streamed),
+    with vLLM's counters then."""
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -179,7 +186,7 @@ def run_until_killed(llm, prompts, params, tokens: int, out_path: str):
             generated = list(output.outputs[0].token_ids)
             if len(generated) >= tokens:
                 with open(out_path, "w") as f:
-                    json.dump({"phases": [], "streamed": generated}, f)
+                    json.dump({"phases": [], "streamed": generated, "counters": counters(llm)}, f)
                 # The saves handed to the data plane at earlier steps land
                 # meanwhile, as they would for a process killed later.
                 time.sleep(0.5)

@@ -1,0 +1,291 @@
+"""Real vLLM on two nodes of one pool: P→D, D→pool and D→P through Lake,
+and a decode engine SIGKILLed mid-request resumed where `lake route`
+sends it (F4).
+
+Two `lake serve` nodes are members of a cluster in a real etcd, with a
+`lake summary` leader streaming each node's blocks back to the other
+(their cluster views) and a transport between them; `lake route` runs
+beside node 2, reading that pool. Node 1 runs prefill and decode, node 2
+decode only. Every vLLM is a process of its own on the node the router
+names, its connector attached to that node's pool; nothing tells a
+connector where a block is but the pool.
+
+- P→D: a prefill (``kv_producer``) on node 1 computes the prompt; the
+  router names node 2 to decode; the decode (``kv_consumer``) on node 2
+  finds the prompt's blocks in node 1's pool through its view, pulls them
+  and loads them.
+- D→pool: the decode saves the blocks its tokens fill as it goes; it is
+  SIGKILLed part way. Asked again with node 2 avoided, the router sends
+  the request to node 1, pulling what the dead decode saved; the
+  successor there resumes from the pool, pulling that block.
+- D→P: the next turn's prefill, a third vLLM process, reuses the prompt
+  and both decodes' blocks.
+
+The reference is vLLM alone running the same phases in one process (its
+own prefix cache then holds what the pool holds): tokens and top-k
+logprobs must agree bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import KV_BYTES_PER_TOKEN, Pool
+
+BLOCK = 128
+TENANT = "55" * 32
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(count)]
+
+
+# Ten full blocks and 60 tokens. The decode is killed when every token
+# but its last sampled one lies in whole blocks (1340 + 69 - 1 = 11
+# blocks), so its successor computes one token, as the decode would have.
+PROMPT = tokens(51, 10 * BLOCK + 60)
+DECODE_TOKENS = 200
+KILLED_AT = 69
+NEXT = tokens(52, 50)
+
+
+def phase(prompts, max_tokens, **extra):
+    return {"prompts": prompts, "max_tokens": max_tokens, "logprobs": 5, **extra}
+
+
+def only(result, index=0):
+    (request,) = result["phases"][index]["requests"]
+    return request
+
+
+def external_hits(result, index=0):
+    return result["phases"][index]["counters"].get("vllm:external_prefix_cache_hits", 0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A process of the cluster, its output in a log file."""
+
+    def __init__(self, args, log):
+        self.log = log
+        self.process = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+    def wait_for(self, pattern: str, within: float = 30) -> str:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for line in self.log.read_text().splitlines():
+                if pattern in line:
+                    return line
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} from {self.log}:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self, signal_number=15):
+        if self.process.poll() is None:
+            self.process.send_signal(signal_number)
+            self.process.wait(timeout=30)
+
+
+class Etcd(Proc):
+    def __init__(self, directory):
+        binary = os.environ.get("LAKE_ETCD") or shutil.which("etcd") or "/usr/bin/etcd"
+        if not os.path.exists(binary):
+            if os.environ.get("CI"):
+                raise AssertionError("no etcd binary: .ci/run installs etcd-server")
+            pytest.skip("no etcd binary (apt install etcd-server, or LAKE_ETCD=path)")
+        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        self.endpoint = client
+        super().__init__(
+            [
+                binary, "--name", "lake-test", "--data-dir", str(directory / "etcd"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"lake-test={peer}",
+            ],
+            directory / "etcd.log",
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if b"true" in urllib.request.urlopen(client + "/health", timeout=1).read():
+                    return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (directory / "etcd.log").read_text()
+            time.sleep(0.1)
+
+
+def ask(router: str, request: dict) -> tuple[int, dict]:
+    """POST /route: the status and the answer."""
+    body = json.dumps(request).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://{router}/route", body), timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def route_until(router: str, request: dict, done, within: float = 20) -> dict:
+    deadline = time.monotonic() + within
+    while True:
+        status, answer = ask(router, request)
+        if status == 200 and done(answer):
+            return answer
+        assert time.monotonic() < deadline, f"{status} {answer}"
+        time.sleep(0.1)
+
+
+def metric(pool: Pool, name: str) -> float:
+    total = 0.0
+    for line in pool.metrics().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def cluster(lake_bin, tmp_path_factory):
+    """etcd, a summary leader, nodes 1 and 2 (each a pool listening for
+    the other's transport), as their operator would start them."""
+    base = tmp_path_factory.mktemp("cluster")
+    etcd = Etcd(base)
+    summary_at = f"127.0.0.1:{free_port()}"
+    summary = Proc(
+        [lake_bin, "summary", "--listen", summary_at, "--etcd", etcd.endpoint, "--cluster", "vllm", "--ttl", "2"],
+        base / "summary.log",
+    )
+    nodes = {}
+    try:
+        summary.wait_for('"event":"leading"')
+        transports = {1: f"127.0.0.1:{free_port()}", 2: f"127.0.0.1:{free_port()}"}
+        for node, other in ((1, 2), (2, 1)):
+            nodes[node] = Pool(
+                lake_bin, base / f"node{node}", BLOCK * KV_BYTES_PER_TOKEN, 64, 64,
+                extra_args=[
+                    "--node", str(node), "--etcd", etcd.endpoint, "--cluster", "vllm", "--summary-to", summary_at,
+                    "--member-ttl", "2", "--transport-listen", transports[node],
+                    "--transport-peer", f"{other}={transports[other]}",
+                ],
+            )
+        yield nodes
+    finally:
+        for pool in nodes.values():
+            pool.stop()
+        summary.stop()
+        etcd.stop(9)
+
+
+def router_for(lake_bin, cluster, base, fingerprint: str) -> Proc:
+    """`lake route` beside node 2: node 1 prefills and decodes, node 2
+    decodes; 10 ms to compute a block of the tiny model here, 0.2 ms to
+    load one from L1, 1 ms to pull one."""
+    nodes = "".join(
+        f'[[nodes]]\nid = {node}\nroles = {roles}\nlake_metrics = "{cluster[node].record["metrics"]}"\n'
+        "compute_ns_per_block = 10000000\nload_ns_per_block = [0, 200000, 1000000, 20000000]\n"
+        "pull_ns_per_block = 1000000\ncnic_ns_per_block = 1000000\n\n"
+        for node, roles in ((1, '["prefill", "decode"]'), (2, '["decode"]'))
+    )
+    config = base / "route.toml"
+    config.write_text(
+        f'listen = "127.0.0.1:0"\npool_dir = "{cluster[2].dir}"\nscrape_ms = 100\n\n'
+        f'[namespace]\ntenant_key = "{TENANT}"\nblock_tokens = {BLOCK}\nmodel_fingerprint = "{fingerprint}"\n\n'
+        + nodes
+    )
+    return Proc([lake_bin, "route", "--config", str(config)], base / "route.log")
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """vLLM alone: the prefill, the whole decode (its own cache holding
+    the prompt's blocks, as the decode's pool does), the next turn."""
+    return engine.run(
+        [
+            phase([PROMPT], 1),
+            phase([PROMPT], DECODE_TOKENS),
+            phase([{"after": 1, "then": NEXT}], 8),
+        ]
+    )
+
+
+def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
+    engine, lake_bin, cluster, reference, tmp_path
+):
+    def connector(node):
+        return {"pool_dir": str(cluster[node].dir), "tenant_key": TENANT}
+
+    # P: the prefill on node 1 computes the prompt; its ten full blocks
+    # go to node 1's pool.
+    prefill = engine.run([phase([PROMPT], 1)], connector=connector(1), kv_role="kv_producer")
+    assert only(prefill) == only(reference, 0)
+    # The router chains tokens as the engines do: the namespace the
+    # connector logged at its start.
+    found = re.search(r"lake\.vllm: namespace [0-9a-f]+: block_tokens (\d+), model_fingerprint ([0-9a-f]{64})",
+                      prefill["log"])
+    assert found and int(found.group(1)) == BLOCK, prefill["log"][-3000:]
+    router_proc = router_for(lake_bin, cluster, tmp_path, found.group(2))
+    try:
+        router = json.loads(router_proc.wait_for('"routing"'))["listen"]
+        pd = route_until(router, {"tokens": PROMPT, "policy": "pd"}, lambda a: a["hit_blocks"] == 10)
+        assert (pd["mode"], pd["prefill"], pd["decode"]) == ("pd", 1, 2), pd
+
+        # D: the decode on node 2 sees the prompt's blocks only in node
+        # 1's pool: it pulls them, loads them, and computes the last 60
+        # tokens; the blocks its tokens fill go to node 2's pool. Killed.
+        sent = 'lake_cluster_pulls_total{result="sent"}'
+        pulls_before = metric(cluster[2], sent)
+        killed = engine.run(
+            [phase([PROMPT], DECODE_TOKENS, kill_after_tokens=KILLED_AT)], connector=connector(2),
+            kv_role="kv_consumer", expect_kill=True,
+        )
+        streamed = killed["streamed"][:KILLED_AT]
+        expected = only(reference, 1)
+        assert streamed == expected["tokens"][:KILLED_AT]
+        assert killed["counters"]["vllm:external_prefix_cache_hits"] == 10 * BLOCK
+        assert metric(cluster[2], sent) > pulls_before
+
+        # F4: the same question with the failed node avoided. Node 1 runs
+        # the rest: its own ten blocks, and the block the dead decode
+        # saved, pulled from node 2's pool (alive: only its engine died).
+        resumed_prompt = PROMPT + streamed
+        rerouted = route_until(
+            router, {"tokens": resumed_prompt, "avoid": [2]}, lambda a: a["hit_blocks"] == 11
+        )
+        assert (rerouted["prefill"], rerouted["decode"], rerouted["pulled_blocks"]) == (1, 1, 1), rerouted
+        assert {"first": 10, "last": 11, "from_node": 2, "from_tier": "l1", "to": 1, "network": "storage"} in (
+            rerouted["moves"]
+        ), rerouted
+        successor = engine.run([phase([resumed_prompt], DECODE_TOKENS - KILLED_AT)], connector=connector(1))
+        assert external_hits(successor) == 11 * BLOCK
+        resumed = only(successor)
+        assert resumed["tokens"] == expected["tokens"][KILLED_AT:]
+        assert resumed["logprobs"] == expected["logprobs"][KILLED_AT:]
+
+        # D→P: the next turn (the prompt, the whole answer, 50 more
+        # tokens) reuses the prompt's blocks and both decodes' (blocks 10
+        # and 11), on the node the router names to prefill it.
+        turn = reference["phases"][2]["prompts"][0]
+        assert turn[: len(PROMPT) + DECODE_TOKENS] == PROMPT + expected["tokens"]
+        answer = route_until(router, {"tokens": turn, "policy": "pd"}, lambda a: a["hit_blocks"] == 12)
+        node = answer["prefill"]
+        third = engine.run([phase([turn], 8)], connector=connector(node), kv_role="kv_producer")
+        assert external_hits(third) == 12 * BLOCK
+        assert only(third) == only(reference, 2)
+    finally:
+        router_proc.stop()
