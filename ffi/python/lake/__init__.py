@@ -163,6 +163,30 @@ def pool_settings(extra: dict, where: str) -> dict:
     return extra
 
 
+# How long an engine waits for the blocks it pulls from other nodes
+# before it computes what has not landed (``pull_timeout_s``).
+PULL_TIMEOUT_S = 2.0
+
+
+def pull_settings(extra: dict, where: str) -> tuple[bool, float, int]:
+    """An engine's pull settings: ``pull`` (true, the default: a prefix
+    other nodes of a cluster hold is brought here before the engine is
+    told its hit), ``pull_timeout_s`` (how long it waits for that) and
+    ``compute_ns_per_block`` (what computing a block costs the engine; 0,
+    unknown: every pull is worth it). ``where`` names the settings in
+    errors."""
+    pull = extra.get("pull", True)
+    if not isinstance(pull, bool):
+        raise ValueError(f"{where}['pull'] is true or false")
+    timeout = extra.get("pull_timeout_s", PULL_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
+        raise ValueError(f"{where}['pull_timeout_s'] is seconds in (0, 60], not {timeout!r}")
+    compute = extra.get("compute_ns_per_block", 0)
+    if isinstance(compute, bool) or not isinstance(compute, int) or compute < 0:
+        raise ValueError(f"{where}['compute_ns_per_block'] is ns, at least 0, not {compute!r}")
+    return pull, float(timeout), compute
+
+
 class LakeError(Exception):
     """A call returned a status other than ``LAKE_OK``."""
 

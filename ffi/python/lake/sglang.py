@@ -140,6 +140,11 @@ class LakeStore(HiCacheStorage):
         self.memory_id: int | None = None
         self.page_size = 0
         self.timeout = float(extra.get("timeout_s", 30.0))
+        # A prefix other nodes hold is pulled here in batch_exists (SGLang's
+        # prefetch thread asks it, off the scheduler's path). Not under
+        # tensor parallelism: a pull brings a block, not every rank's shard.
+        pull, self.pull_timeout_s, _ = lake.pull_settings(extra, "lake.sglang: the extra config")
+        self.pull = pull and self.tp_size == 1
 
     # ---------------- registration ----------------
 
@@ -205,12 +210,19 @@ class LakeStore(HiCacheStorage):
 
     def batch_exists(self, keys, extra_info=None) -> int:
         """How many leading pages of ``keys`` the pool holds (read from its
-        shared-memory mirror: no round trip)."""
+        shared-memory mirror: no round trip). On a node of a cluster, the
+        pages past them that other nodes hold are pulled here first, for
+        at most ``pull_timeout_s`` (a page that left its holder ends the
+        run there)."""
         if not keys:
             return 0
         try:
             lake_keys = self._keys(keys)
             hits, _ = self.pool.lookup(lake_keys)
+            if self.pull and hits < len(lake_keys):
+                held, _ = self.pool.lookup_cluster(lake_keys)
+                if held > hits:
+                    hits = self.pool.pull(lake_keys[:held], timeout_s=self.pull_timeout_s)
             return int(hits)
         except Exception as error:  # never into SGLang's threads
             logger.error("lake.sglang: batch_exists failed: %s", error)

@@ -52,9 +52,6 @@ logger = logging.getLogger("lake.vllm")
 
 # A load not done in this long is cancelled and its blocks recomputed.
 LOAD_TIMEOUT_S = 30
-# How long a request waits for the blocks it pulls from other nodes
-# before vLLM computes what has not landed (``pull_timeout_s``).
-PULL_TIMEOUT_S = 2.0
 
 try:  # pragma: no cover - exercised only where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -462,23 +459,6 @@ def _extra(vllm_config) -> dict[str, Any]:
     return lake.pool_settings(getattr(config, "kv_connector_extra_config", None) or {}, "kv_connector_extra_config")
 
 
-def _pull_settings(extra: dict) -> tuple[bool, float, int]:
-    """``pull`` (true: bring a prefix other nodes hold here before vLLM is
-    told its hit), ``pull_timeout_s`` (how long a request waits for it) and
-    ``compute_ns_per_block`` (what computing a block costs this engine; 0:
-    unknown, every pull is worth it)."""
-    pull = extra.get("pull", True)
-    if not isinstance(pull, bool):
-        raise ValueError("kv_connector_extra_config['pull'] is true or false")
-    timeout = extra.get("pull_timeout_s", PULL_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
-        raise ValueError(f"kv_connector_extra_config['pull_timeout_s'] is seconds in (0, 60], not {timeout!r}")
-    compute = extra.get("compute_ns_per_block", 0)
-    if isinstance(compute, bool) or not isinstance(compute, int) or compute < 0:
-        raise ValueError(f"kv_connector_extra_config['compute_ns_per_block'] is ns, at least 0, not {compute!r}")
-    return pull, float(timeout), compute
-
-
 def _model_fingerprint(vllm_config) -> bytes:
     model = getattr(vllm_config, "model_config", None)
     identity = "|".join(
@@ -597,7 +577,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._traced: dict[int, str] = {}
         # Scheduler: pulls of other nodes' blocks by waiting request, and
         # what a pulled block has cost as measured (ns, 0: none yet).
-        self._pull, self._pull_timeout_s, self._compute_ns = _pull_settings(extra)
+        self._pull, self._pull_timeout_s, self._compute_ns = lake.pull_settings(extra, "kv_connector_extra_config")
         if self.groups.hybrid or self._shards is not None:
             # A pull brings KV blocks by key: not a hybrid's state
             # checkpoints, nor every tensor-parallel shard of a block.

@@ -77,8 +77,9 @@ def test_layouts_are_described_from_shape_and_strides():
 
 
 def test_pull_settings_are_checked_by_name():
-    assert lake_vllm._pull_settings({}) == (True, lake_vllm.PULL_TIMEOUT_S, 0)
-    assert lake_vllm._pull_settings({"pull": False, "pull_timeout_s": 0.5, "compute_ns_per_block": 9}) == (
+    where = "kv_connector_extra_config"
+    assert lake.pull_settings({}, where) == (True, lake.PULL_TIMEOUT_S, 0)
+    assert lake.pull_settings({"pull": False, "pull_timeout_s": 0.5, "compute_ns_per_block": 9}, where) == (
         False, 0.5, 9,
     )
     bad = [
@@ -91,4 +92,4 @@ def test_pull_settings_are_checked_by_name():
     ]
     for settings, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
-            lake_vllm._pull_settings(settings)
+            lake.pull_settings(settings, where)

@@ -289,3 +289,50 @@ def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
         assert only(third) == only(reference, 2)
     finally:
         router_proc.stop()
+
+
+def test_sglangs_prefetch_on_one_node_pulls_what_another_node_backed_up(cluster):
+    # SGLang's HiCache calls (as ffi/python/tests/test_sglang.py replays
+    # them: SGLang itself does not install here) against the two nodes:
+    # an instance on node 1 backs pages up; one on node 2 finds them in
+    # node 1's pool, pulls them in its prefetch's batch_exists, and loads
+    # them bit-exact. With "pull": false it finds none.
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import test_sglang as sg
+
+    def config(node, **extra):
+        record = cluster[node].record
+        paths = {"DP_SOCKET": record["dp_socket"], "MIRROR": record["mirror"], "CP_SOCKET": record["cp_socket"]}
+        return sg.storage_config(paths, "test/sglang-cluster", **extra)
+
+    rng = np.random.default_rng(5)
+    keys = sg.page_hashes((np.arange(7 * sg.PAGE + 3) * 13).tolist())
+    a = sg.lake_sglang.LakeStore(config(1), {})
+    pool_a = sg.host_pool("layer_first", fill=rng)
+    a.register_mem_pool_host(pool_a)
+    pages_a = [3, 0, 9, 4, 21, 22, 7]
+    sg.write_back(a, keys, pages_a)
+    sg.wait_held(a, keys, 7)
+
+    alone = sg.lake_sglang.LakeStore(config(2, pull=False), {})
+    alone.register_mem_pool_host(sg.host_pool("page_first"))
+    deadline = time.monotonic() + 20
+    while alone.pool.lookup_cluster(alone._keys(keys))[0] < 7:
+        assert time.monotonic() < deadline, "node 1's pages never reached node 2's view"
+        time.sleep(0.05)
+    assert alone.batch_exists(keys) == 0
+
+    b = sg.lake_sglang.LakeStore(config(2), {})
+    pool_b = sg.host_pool("page_first")
+    b.register_mem_pool_host(pool_b)
+    pages_b = [10, 11, 1, 2, 15, 23, 5]
+    assert sg.prefetch(b, keys, pages_b) == (7, 7)
+    for pa, pb in zip(pages_a, pages_b):
+        assert np.array_equal(sg.page_view(pool_b, pb), sg.page_view(pool_a, pa)), (pa, pb)
+    for store in (a, alone, b):
+        store.close()
