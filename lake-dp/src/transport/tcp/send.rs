@@ -133,11 +133,22 @@ impl TcpTransport {
             // Over several rails, what the kernel still holds counts too:
             // its send buffers would otherwise hide a slow rail.
             let rails = p.rails.len() > 1;
-            // A traced block takes a connection whose features are settled
-            // first (its trace id then goes with it), any if none has room.
+            // A reservation waits for a connection whose features are
+            // settled: it names the block's namespace only where the
+            // receiver said it takes one, and a receiver capping the
+            // block's tenant could not hold one sent before the answer
+            // (every peer answers the offer; one of an older build
+            // declines it). A traced block's slices take a settled one
+            // first (its trace id then goes with them), any if none has
+            // room.
             let traced = sending.block.trace != 0;
-            let passes: &[(bool, bool)] =
-                if traced { &[(true, true), (true, false), (false, false)] } else { &[(true, false), (false, false)] };
+            let passes: &[(bool, bool)] = if next.len == 0 {
+                &[(true, true), (false, true)]
+            } else if traced {
+                &[(true, true), (true, false), (false, false)]
+            } else {
+                &[(true, false), (false, false)]
+            };
             for &(healthy_only, settled_only) in passes {
                 for (index, token) in p.streams.iter().enumerate() {
                     let cooling = p.rails[index / per_rail].cooldown_until > self.now_ns;
