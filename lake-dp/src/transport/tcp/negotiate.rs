@@ -160,11 +160,7 @@ impl TcpTransport {
             .copied()
             .find(|&t| self.streams[t].as_ref().is_some_and(|s| s.connected))
             .ok_or(TcpError::Closed("no connection to the peer is up"))?;
-        self.queue_negotiation(token, FrameHeader::negotiate(len), bytes)?;
-        if let Some(stream) = self.streams[token].as_mut() {
-            stream.offers.push_back(Offered::Owner);
-        }
-        Ok(())
+        self.queue_negotiation(token, FrameHeader::negotiate(len), bytes, Some(Offered::Owner))
     }
 
     /// What every connection up to `peer` agreed to speak beyond the
@@ -191,7 +187,7 @@ impl TcpTransport {
             .ok_or_else(|| {
                 TcpError::Size(format!("an answer is at most {} bytes", crate::transport::frame::NEGOTIATE_BYTES_MAX))
             })?;
-        self.queue_negotiation(to.token, FrameHeader::negotiated(len), bytes)
+        self.queue_negotiation(to.token, FrameHeader::negotiated(len), bytes, None)
     }
 
     /// Negotiations since the last call, oldest first.
@@ -200,16 +196,23 @@ impl TcpTransport {
     }
 
     /// Queues a negotiation frame carrying `bytes` (kept with the
-    /// connection while it lives).
+    /// connection while it lives); an offer (`offered`) is noted as
+    /// waiting for its answer before anything is flushed, since a flush
+    /// feeds the peer's waiting slices to this connection, which must know
+    /// by then whether its features are settled.
     pub(super) fn queue_negotiation(
         &mut self,
         token: usize,
         header: FrameHeader,
         bytes: &[u8],
+        offered: Option<Offered>,
     ) -> Result<(), TcpError> {
         let stream = self.streams[token].as_mut().ok_or(TcpError::Closed("connection closed"))?;
         if stream.owned.len() >= NEGOTIATIONS_PER_STREAM_MAX {
             return Err(TcpError::Busy);
+        }
+        if let Some(offered) = offered {
+            stream.offers.push_back(offered);
         }
         let owned: Box<[u8]> = bytes.into();
         // The boxed bytes do not move while the connection keeps them.

@@ -357,17 +357,10 @@ impl TcpTransport {
         let outbound = stream.peer.is_some();
         if outbound && self.config.features != 0 {
             // What this end speaks, first on the connection; until the
-            // answer, it sends only what every build reads. The offer is
-            // noted before it is queued: queueing flushes, and a flush
-            // feeds the peer's waiting slices to this connection, which
-            // must know by then that its features are not settled.
-            stream.offers.push_back(Offered::Features);
+            // answer, it sends only what every build reads.
             let offer = Features(self.config.features).encode();
-            if self.queue_negotiation(token, FrameHeader::negotiate(FEATURES_LEN), &offer).is_err()
-                && let Some(stream) = self.streams[token].as_mut()
-            {
-                stream.offers.pop_back();
-            }
+            let header = FrameHeader::negotiate(FEATURES_LEN);
+            let _ = self.queue_negotiation(token, header, &offer, Some(Offered::Features));
         }
         let Some(stream) = self.streams[token].as_mut() else { return };
         if let Some((peer, index)) = stream.peer {
