@@ -667,7 +667,9 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         pull = self._pulls.get(request_id)
         now = time.monotonic()
         if pull is None:
-            if self._compute_ns and self.pull_ns_per_block > self._compute_ns:
+            # This node holds the whole prefix, or pulls cost more than
+            # computing: nothing to ask the cluster view.
+            if local >= len(keys) or (self._compute_ns and self.pull_ns_per_block > self._compute_ns):
                 return matched
             try:
                 held, _ = self.pool.lookup_cluster(keys)
