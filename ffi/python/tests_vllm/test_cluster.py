@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import socket
@@ -41,14 +40,10 @@ import urllib.request
 import pytest
 
 from conftest import KV_BYTES_PER_TOKEN, Pool
+from test_real_vllm import external_hits, only, phase, pool_gauge, tokens
 
 BLOCK = 128
 TENANT = "55" * 32
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 1000) for _ in range(count)]
 
 
 # Ten full blocks and 60 tokens. The decode is killed when every token
@@ -58,19 +53,6 @@ PROMPT = tokens(51, 10 * BLOCK + 60)
 DECODE_TOKENS = 200
 KILLED_AT = 69
 NEXT = tokens(52, 50)
-
-
-def phase(prompts, max_tokens, **extra):
-    return {"prompts": prompts, "max_tokens": max_tokens, "logprobs": 5, **extra}
-
-
-def only(result, index=0):
-    (request,) = result["phases"][index]["requests"]
-    return request
-
-
-def external_hits(result, index=0):
-    return result["phases"][index]["counters"].get("vllm:external_prefix_cache_hits", 0)
 
 
 def free_port() -> int:
@@ -152,14 +134,6 @@ def route_until(router: str, request: dict, done, within: float = 20) -> dict:
         time.sleep(0.1)
 
 
-def metric(pool: Pool, name: str) -> float:
-    total = 0.0
-    for line in pool.metrics().splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 @pytest.fixture(scope="module")
 def cluster(lake_bin, tmp_path_factory):
     """etcd, a summary leader, nodes 1 and 2 (each a pool listening for
@@ -233,7 +207,7 @@ def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
     # P: the prefill on node 1 computes the prompt; its ten full blocks
     # go to node 1's pool.
     prefill = engine.run([phase([PROMPT], 1)], connector=connector(1), kv_role="kv_producer")
-    assert only(prefill) == only(reference, 0)
+    assert only(prefill, 0) == only(reference, 0)
     # The router chains tokens as the engines do: the namespace the
     # connector logged at its start.
     found = re.search(r"lake\.vllm: namespace [0-9a-f]+: block_tokens (\d+), model_fingerprint ([0-9a-f]{64})",
@@ -249,7 +223,7 @@ def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
         # 1's pool: it pulls them, loads them, and computes the last 60
         # tokens; the blocks its tokens fill go to node 2's pool. Killed.
         sent = 'lake_cluster_pulls_total{result="sent"}'
-        pulls_before = metric(cluster[2], sent)
+        pulls_before = pool_gauge(cluster[2], sent)
         killed = engine.run(
             [phase([PROMPT], DECODE_TOKENS, kill_after_tokens=KILLED_AT)], connector=connector(2),
             kv_role="kv_consumer", expect_kill=True,
@@ -258,7 +232,7 @@ def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
         expected = only(reference, 1)
         assert streamed == expected["tokens"][:KILLED_AT]
         assert killed["counters"]["vllm:external_prefix_cache_hits"] == 10 * BLOCK
-        assert metric(cluster[2], sent) > pulls_before
+        assert pool_gauge(cluster[2], sent) > pulls_before
 
         # F4: the same question with the failed node avoided. Node 1 runs
         # the rest: its own ten blocks, and the block the dead decode
@@ -272,8 +246,8 @@ def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
             rerouted["moves"]
         ), rerouted
         successor = engine.run([phase([resumed_prompt], DECODE_TOKENS - KILLED_AT)], connector=connector(1))
-        assert external_hits(successor) == 11 * BLOCK
-        resumed = only(successor)
+        assert external_hits(successor, 0) == 11 * BLOCK
+        resumed = only(successor, 0)
         assert resumed["tokens"] == expected["tokens"][KILLED_AT:]
         assert resumed["logprobs"] == expected["logprobs"][KILLED_AT:]
 
@@ -285,8 +259,8 @@ def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
         answer = route_until(router, {"tokens": turn, "policy": "pd"}, lambda a: a["hit_blocks"] == 12)
         node = answer["prefill"]
         third = engine.run([phase([turn], 8)], connector=connector(node), kv_role="kv_producer")
-        assert external_hits(third) == 12 * BLOCK
-        assert only(third) == only(reference, 2)
+        assert external_hits(third, 0) == 12 * BLOCK
+        assert only(third, 0) == only(reference, 2)
     finally:
         router_proc.stop()
 
