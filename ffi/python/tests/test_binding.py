@@ -409,7 +409,12 @@ def test_an_engine_killed_holding_pins_loses_them_and_nothing_else(pool_paths):
         memory_id = pool.register_host_memory(memory)
         assert (pool.wait(pool.submit_save(memory_id, keys, np.arange(3)), 3) == lake.OK).all()
         assert wait_hits(pool, keys, 3)[0] == 3
-        before = metric(pool_paths, "lake_dp_pins")
+        # No engine holds a pin now; the pool's own readers (the commit
+        # check reads a block just saved) hold theirs for a moment.
+        deadline = time.monotonic() + 20
+        while (held := metric(pool_paths, "lake_dp_pins")) != 0:
+            assert time.monotonic() < deadline, f"{held} pins held with no engine holding any"
+            time.sleep(0.05)
         child = subprocess.Popen(
             [sys.executable, "-c", DYING_ENGINE, pool_paths["DP_SOCKET"], pool_paths["MIRROR"], pool_paths["CP_SOCKET"]],
             stdout=subprocess.PIPE,
@@ -418,15 +423,15 @@ def test_an_engine_killed_holding_pins_loses_them_and_nothing_else(pool_paths):
         try:
             assert child.stdout.readline().strip() == "3", "the child did not pin the three blocks"
             deadline = time.monotonic() + 20
-            while metric(pool_paths, "lake_dp_pins") < before + 3:
-                assert time.monotonic() < deadline, "the child's pins never showed"
+            while (held := metric(pool_paths, "lake_dp_pins")) < 3:
+                assert time.monotonic() < deadline, f"the child's pins never showed: {held} held"
                 time.sleep(0.05)
         finally:
             child.kill()
             child.wait()
         deadline = time.monotonic() + 20
-        while metric(pool_paths, "lake_dp_pins") > before:
-            assert time.monotonic() < deadline, "the dead engine's pins stayed"
+        while (held := metric(pool_paths, "lake_dp_pins")) > 0:
+            assert time.monotonic() < deadline, f"the dead engine's pins stayed: {held} held"
             time.sleep(0.05)
         # This engine goes on: its blocks are still there, bytes intact.
         hits, table = pool.lookup(keys)

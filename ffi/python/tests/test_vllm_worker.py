@@ -185,6 +185,16 @@ def wait_cached(scheduler, tokens, blocks):
     raise AssertionError(f"the saved blocks never showed in the mirror: {scheduler._hits(keys)} of {blocks}")
 
 
+def wait_rank_cached(worker, keys, blocks):
+    """A save is reported finished when its blocks are written, a moment
+    before the mirror shows them: waits for one rank's pool to."""
+    for _ in range(500):
+        if worker.pool.lookup(keys)[0] >= blocks:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the rank's saved blocks never showed: {worker.pool.lookup(keys)[0]} of {blocks}")
+
+
 def canonical(kind, caches, block_id):
     """Lake's payload order for one vLLM block: layer after layer, K then V
     (or the one MLA latent), each ``[tokens][heads][head_size]``."""
@@ -310,7 +320,7 @@ def test_each_tensor_parallel_rank_reads_its_own_shard(pool_paths):
     # lookup never finds rank 0's bytes.
     save_group(scheduler, ranks[:1], "s-0", tokens, ids)
     keys = scheduler.namespace.keys(np.asarray(tokens, dtype=np.uint32))
-    assert ranks[0][0].pool.lookup(keys)[0] == 4
+    wait_rank_cached(ranks[0][0], keys, 4)
     assert ranks[1][0].pool.lookup(keys)[0] == 0
     assert scheduler.get_num_new_matched_tokens(request("s-1", tokens + [9]), 0) == (0, False)
 
@@ -337,13 +347,15 @@ def test_each_tensor_parallel_rank_reads_its_own_shard(pool_paths):
     tokens2 = (np.arange(4 * BLOCK) * 5 + 2).tolist()
     save_group(scheduler, ranks[:1], "p-0", tokens2, ids)
     save_group(scheduler, ranks[1:], "p-1", tokens2[: 2 * BLOCK], ids[:2])
+    keys2 = scheduler.namespace.keys(np.asarray(tokens2, dtype=np.uint32))
+    wait_rank_cached(ranks[0][0], keys2, 4)
+    wait_rank_cached(ranks[1][0], keys2, 2)
     assert scheduler.get_num_new_matched_tokens(request("p-2", tokens2 + [9]), 0) == (2 * BLOCK, False)
 
     # A plan made before rank 1 lost the other two (as when they are
     # evicted between the plan and the load): rank 0 loads all four, rank 1
     # loads its two and reports the rest, which vLLM recomputes; nothing
     # else is written.
-    keys2 = scheduler.namespace.keys(np.asarray(tokens2, dtype=np.uint32))
     ids_d = [20, 21, 22, 23]
     for worker, caches in readers:
         worker.bind_connector_metadata(lake_vllm.LakeConnectorMetadata(loads=[lake_vllm.LoadSpec("p-3", keys2, ids_d)]))
