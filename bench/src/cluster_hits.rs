@@ -208,6 +208,25 @@ struct Replay {
     pull_ns: Vec<f64>,
     /// Blocks a save was refused for (twenty times over).
     unsaved: u64,
+    /// Turns whose hit ended at a block no node held (evicted from the
+    /// whole pool, or never saved).
+    ended_gone: u64,
+    /// Turns whose hit ended at a block another node held that did not
+    /// land here (not in the view yet, or its pull failed).
+    ended_elsewhere: u64,
+    /// At the end: the conversations' blocks held somewhere, and the
+    /// copies of them the nodes hold together.
+    distinct_held: u64,
+    copies_held: u64,
+    /// At the end: the conversations' blocks whose whole prefix is held
+    /// somewhere (what a next turn could hit).
+    prefix_held: u64,
+}
+
+/// The nodes holding `key` (their mirrors read, no access reported).
+fn holders(agents: &[Agent], key: &BlockKey) -> u64 {
+    let mut table = Vec::new();
+    agents.iter().filter(|a| a.mirror().lookup(std::slice::from_ref(key), &mut table) == 1).count() as u64
 }
 
 /// A deployment: etcd and the summary in host 0's namespace, the pools.
@@ -321,6 +340,14 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             };
             out.asked += u64::from(context);
             out.hit += hit as u64;
+            if mode == Mode::Cluster && hit < asked.len() {
+                if holders(&agents, &asked[hit]) == 0 {
+                    out.ended_gone += 1;
+                } else {
+                    out.ended_elsewhere += 1;
+                }
+            }
+            let agent = &mut agents[if mode == Mode::OnePool { 0 } else { node }];
             // The rest computed; the prompt and the reply saved here.
             let whole: Vec<BlockKey> = (0..context + message + reply).map(|i| key(c, i)).collect();
             // Blocks past the hit the pool holds (past a gap) are not
@@ -334,6 +361,20 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             };
             out.unsaved += (whole.len() - hit - save_lacking(agent, &whole, hit, held)) as u64;
             lengths[c as usize] = context + message + reply;
+        }
+    }
+    for (c, &length) in lengths.iter().enumerate() {
+        let mut whole_prefix = true;
+        for i in 0..length {
+            let copies = holders(&agents, &key(u32::try_from(c).unwrap_or(0), i));
+            whole_prefix &= copies > 0;
+            // The system prompt's blocks once, with the first
+            // conversation's.
+            if c == 0 || i >= SYSTEM_BLOCKS {
+                out.distinct_held += u64::from(copies > 0);
+                out.copies_held += copies;
+                out.prefix_held += u64::from(whole_prefix);
+            }
         }
     }
     Ok(out)
@@ -476,8 +517,13 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
         report.int(&format!("{name}_context_blocks"), replay.asked);
         report.float(&format!("{name}_hit_ratio"), ratios[i]);
         report.int(&format!("{name}_unsaved_blocks"), replay.unsaved);
+        report.int(&format!("{name}_blocks_held_at_end"), replay.distinct_held);
+        report.int(&format!("{name}_copies_held_at_end"), replay.copies_held);
+        report.int(&format!("{name}_prefix_blocks_held_at_end"), replay.prefix_held);
         if mode == Mode::Cluster {
             report.int("cluster_blocks_pulled", replay.pulled);
+            report.int("cluster_turns_ended_at_a_block_gone", replay.ended_gone);
+            report.int("cluster_turns_ended_at_a_block_elsewhere", replay.ended_elsewhere);
             let mut ns = replay.pull_ns;
             report.float("cluster_turn_pull_p50_ns_per_block", percentile(&mut ns, 500));
             let (mut singles, batch_s) = remote_loads(args, &deployment)?;
