@@ -1,14 +1,14 @@
-"""Real vLLM on two nodes of one pool: P→D, D→pool and D→P through Lake,
-and a decode engine SIGKILLed mid-request resumed where `lake route`
-sends it (F4).
+"""Real vLLM on three nodes of one pool: P→D, D→pool and D→P through
+Lake, and a decode engine SIGKILLed mid-request resumed where `lake
+route` sends it (F4).
 
-Two `lake serve` nodes are members of a cluster in a real etcd, with a
-`lake summary` leader streaming each node's blocks back to the other
-(their cluster views) and a transport between them; `lake route` runs
+Three `lake serve` nodes are members of a cluster in a real etcd, with a
+`lake summary` leader streaming each node's blocks back to the others
+(their cluster views) and transports between them; `lake route` runs
 beside node 2, reading that pool. Node 1 runs prefill and decode, node 2
-decode only. Every vLLM is a process of its own on the node the router
-names, its connector attached to that node's pool; nothing tells a
-connector where a block is but the pool.
+decode only, node 3 prefill only. Every vLLM is a process of its own on
+the node the router names, its connector attached to that node's pool;
+nothing tells a connector where a block is but the pool.
 
 - P→D: a prefill (``kv_producer``) on node 1 computes the prompt; the
   router names node 2 to decode; the decode (``kv_consumer``) on node 2
@@ -18,8 +18,9 @@ connector where a block is but the pool.
   SIGKILLed part way. Asked again with node 2 avoided, the router sends
   the request to node 1, pulling what the dead decode saved; the
   successor there resumes from the pool, pulling that block.
-- D→P: the next turn's prefill, a third vLLM process, reuses the prompt
-  and both decodes' blocks.
+- D→P: the next turn's prefill, with node 1 taken out of rotation,
+  goes to node 3, which computed none of the conversation: it pulls the
+  prompt's and both decodes' blocks from nodes 1 and 2 and reuses them.
 
 The reference is vLLM alone running the same phases in one process (its
 own prefix cache then holds what the pool holds): tokens and top-k
@@ -53,6 +54,7 @@ PROMPT = tokens(51, 10 * BLOCK + 60)
 DECODE_TOKENS = 200
 KILLED_AT = 69
 NEXT = tokens(52, 50)
+NODES = (1, 2, 3)
 
 
 def free_port() -> int:
@@ -136,8 +138,8 @@ def route_until(router: str, request: dict, done, within: float = 20) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(lake_bin, tmp_path_factory):
-    """etcd, a summary leader, nodes 1 and 2 (each a pool listening for
-    the other's transport), as their operator would start them."""
+    """etcd, a summary leader, nodes 1 to 3 (each a pool listening for
+    the others' transports), as their operator would start them."""
     base = tmp_path_factory.mktemp("cluster")
     etcd = Etcd(base)
     summary_at = f"127.0.0.1:{free_port()}"
@@ -148,14 +150,16 @@ def cluster(lake_bin, tmp_path_factory):
     nodes = {}
     try:
         summary.wait_for('"event":"leading"')
-        transports = {1: f"127.0.0.1:{free_port()}", 2: f"127.0.0.1:{free_port()}"}
-        for node, other in ((1, 2), (2, 1)):
+        transports = {node: f"127.0.0.1:{free_port()}" for node in NODES}
+        for node in NODES:
+            peers = [
+                arg for other in NODES if other != node for arg in ("--transport-peer", f"{other}={transports[other]}")
+            ]
             nodes[node] = Pool(
                 lake_bin, base / f"node{node}", BLOCK * KV_BYTES_PER_TOKEN, 64, 64,
                 extra_args=[
                     "--node", str(node), "--etcd", etcd.endpoint, "--cluster", "vllm", "--summary-to", summary_at,
-                    "--member-ttl", "2", "--transport-listen", transports[node],
-                    "--transport-peer", f"{other}={transports[other]}",
+                    "--member-ttl", "2", "--transport-listen", transports[node], *peers,
                 ],
             )
         yield nodes
@@ -168,13 +172,13 @@ def cluster(lake_bin, tmp_path_factory):
 
 def router_for(lake_bin, cluster, base, fingerprint: str) -> Proc:
     """`lake route` beside node 2: node 1 prefills and decodes, node 2
-    decodes; 10 ms to compute a block of the tiny model here, 0.2 ms to
-    load one from L1, 1 ms to pull one."""
+    decodes, node 3 prefills; 10 ms to compute a block of the tiny model
+    here, 0.2 ms to load one from L1, 1 ms to pull one."""
     nodes = "".join(
         f'[[nodes]]\nid = {node}\nroles = {roles}\nlake_metrics = "{cluster[node].record["metrics"]}"\n'
         "compute_ns_per_block = 10000000\nload_ns_per_block = [0, 200000, 1000000, 20000000]\n"
         "pull_ns_per_block = 1000000\ncnic_ns_per_block = 1000000\n\n"
-        for node, roles in ((1, '["prefill", "decode"]'), (2, '["decode"]'))
+        for node, roles in ((1, '["prefill", "decode"]'), (2, '["decode"]'), (3, '["prefill"]'))
     )
     config = base / "route.toml"
     config.write_text(
@@ -198,7 +202,7 @@ def reference(engine):
     )
 
 
-def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
+def test_prefill_decode_and_the_next_turn_on_three_nodes_through_the_pool(
     engine, lake_bin, cluster, reference, tmp_path
 ):
     def connector(node):
@@ -253,13 +257,21 @@ def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
 
         # D→P: the next turn (the prompt, the whole answer, 50 more
         # tokens) reuses the prompt's blocks and both decodes' (blocks 10
-        # and 11), on the node the router names to prefill it.
+        # and 11). Node 1, which holds them all, is out of rotation (as a
+        # gateway takes out a node it drains): the router names node 3,
+        # which holds none and pulls all twelve from nodes 1 and 2.
         turn = reference["phases"][2]["prompts"][0]
         assert turn[: len(PROMPT) + DECODE_TOKENS] == PROMPT + expected["tokens"]
-        answer = route_until(router, {"tokens": turn, "policy": "pd"}, lambda a: a["hit_blocks"] == 12)
-        node = answer["prefill"]
-        third = engine.run([phase([turn], 8)], connector=connector(node), kv_role="kv_producer")
+        answer = route_until(
+            router, {"tokens": turn, "policy": "pd", "avoid": [1]}, lambda a: a["hit_blocks"] == 12
+        )
+        assert (answer["prefill"], answer["pulled_blocks"]) == (3, 12), answer
+        pulls = [move for move in answer["moves"] if move["network"] == "storage"]
+        assert pulls and all(move["to"] == 3 and move["from_node"] in (1, 2) for move in pulls), answer
+        pulls_before = pool_gauge(cluster[3], sent)
+        third = engine.run([phase([turn], 8)], connector=connector(3), kv_role="kv_producer")
         assert external_hits(third, 0) == 12 * BLOCK
+        assert pool_gauge(cluster[3], sent) > pulls_before
         assert only(third, 0) == only(reference, 2)
     finally:
         router_proc.stop()
@@ -267,7 +279,7 @@ def test_prefill_decode_and_the_next_turn_on_two_nodes_through_the_pool(
 
 def test_sglangs_prefetch_on_one_node_pulls_what_another_node_backed_up(cluster):
     # SGLang's HiCache calls (as ffi/python/tests/test_sglang.py replays
-    # them: SGLang itself does not install here) against the two nodes:
+    # them: SGLang itself does not install here) against two nodes:
     # an instance on node 1 backs pages up; one on node 2 finds them in
     # node 1's pool, pulls them in its prefetch's batch_exists, and loads
     # them bit-exact. With "pull": false it finds none.
