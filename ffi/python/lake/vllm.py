@@ -52,6 +52,9 @@ logger = logging.getLogger("lake.vllm")
 
 # A load not done in this long is cancelled and its blocks recomputed.
 LOAD_TIMEOUT_S = 30
+# A pull found dearer than computing is tried again after this long: what
+# a pull costs changes with the network's and the holders' load.
+PULL_REMEASURE_S = 30.0
 
 try:  # pragma: no cover - exercised only where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -584,6 +587,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             self._pull = False
         self._pulls: dict[str, _Pull] = {}
         self.pull_ns_per_block = 0
+        self._pull_measured_at = 0.0
 
     def _attach(self, layout, name):
         return lake.Pool(
@@ -662,14 +666,21 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         answer until they landed or ``pull_timeout_s`` passed. A block that
         left its holder meanwhile never lands: the hit ends before it, and
         vLLM computes the rest. No pull where a pulled block, as measured,
-        costs more than computing one (``compute_ns_per_block``)."""
+        costs more than computing one (``compute_ns_per_block``), until
+        it is measured again ``PULL_REMEASURE_S`` later."""
         local = matched // self.block_size
         pull = self._pulls.get(request_id)
         now = time.monotonic()
         if pull is None:
             # This node holds the whole prefix, or pulls cost more than
-            # computing: nothing to ask the cluster view.
-            if local >= len(keys) or (self._compute_ns and self.pull_ns_per_block > self._compute_ns):
+            # computing (as last measured, lately): nothing to ask the
+            # cluster view.
+            dearer = (
+                self._compute_ns
+                and self.pull_ns_per_block > self._compute_ns
+                and now - self._pull_measured_at < PULL_REMEASURE_S
+            )
+            if local >= len(keys) or dearer:
                 return matched
             try:
                 held, _ = self.pool.lookup_cluster(keys)
@@ -688,7 +699,14 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         if local > pull.local:
             # The pull's cost: its wait spread over the blocks it brought.
             cost = int((now - pull.started) * 1e9) // (local - pull.local)
-            self.pull_ns_per_block = cost if not self.pull_ns_per_block else (3 * self.pull_ns_per_block + cost) // 4
+            dearer = self._compute_ns and self.pull_ns_per_block > self._compute_ns
+            # Measured again after a pause: the new figure replaces the old
+            # one, which no pull could change meanwhile.
+            if not self.pull_ns_per_block or dearer:
+                self.pull_ns_per_block = cost
+            else:
+                self.pull_ns_per_block = (3 * self.pull_ns_per_block + cost) // 4
+            self._pull_measured_at = now
         logger.debug(
             "lake.vllm: request %s: pulled %d blocks in %.3f s; a pulled block costs %d ns",
             request_id, local - pull.local, now - pull.started, self.pull_ns_per_block,

@@ -322,3 +322,81 @@ def test_sglangs_prefetch_on_one_node_pulls_what_another_node_backed_up(cluster)
         assert np.array_equal(sg.page_view(pool_b, pb), sg.page_view(pool_a, pa)), (pa, pb)
     for store in (a, alone, b):
         store.close()
+
+
+def test_the_vllm_connector_stops_pulling_once_a_pulled_block_costs_more_than_computing_one(cluster, monkeypatch):
+    # vLLM's scheduler-side calls, as ffi/python/tests/test_vllm_worker.py
+    # replays them, against the real connector on two of the nodes: an
+    # instance on node 1 saves two prompts; on node 2 the first prompt's
+    # blocks are pulled, and what a pulled block cost is measured. Told
+    # that computing a block costs 1 ns, the connector asks no pull for
+    # the second prompt (vLLM computes it) until its figure is old; told
+    # nothing, it pulls.
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import test_vllm_worker as vw
+    from lake import vllm as lake_vllm
+
+    model = "test/pull-cost"
+
+    def cfg(node, **extra):
+        record = cluster[node].record
+        paths = {"DP_SOCKET": record["dp_socket"], "MIRROR": record["mirror"], "CP_SOCKET": record["cp_socket"]}
+        config = vw.config(paths, model)
+        config.kv_transfer_config.kv_connector_extra_config.update(extra)
+        return config
+
+    def scheduler(node, **extra):
+        return lake_vllm.LakeConnector(cfg(node, **extra), lake_vllm.KVConnectorRole.SCHEDULER)
+
+    def hit(connector, request_id, prompt):
+        """vLLM's question, asked each step until the connector answers."""
+        deadline = time.monotonic() + 10
+        while True:
+            tokens, _ = connector.get_num_new_matched_tokens(vw.request(request_id, prompt + [9]), 0)
+            if tokens is not None:
+                return tokens
+            assert time.monotonic() < deadline, "the connector never answered"
+            time.sleep(0.01)
+
+    prompts = [(np.arange(4 * vw.BLOCK) * k + 3).tolist() for k in (7, 11, 13)]
+    saver = scheduler(1)
+    worker = lake_vllm.LakeConnector(cfg(1), lake_vllm.KVConnectorRole.WORKER)
+    caches = {f"model.layers.{i}.self_attn.attn": vw.paged("flash_nhd", "numpy", np.random.default_rng(i))
+              for i in range(vw.LAYERS)}
+    worker.register_kv_caches(caches)
+    for i, prompt in enumerate(prompts):
+        vw.save_group(saver, [(worker, caches)], f"save-{i}", prompt, [1, 2, 3, 4])
+    thrifty = scheduler(2, compute_ns_per_block=1)
+    for prompt in prompts:
+        keys = saver.namespace.keys(np.asarray(prompt, dtype=np.uint32))
+        deadline = time.monotonic() + 20
+        while saver.pool.lookup(keys)[0] < 4 or thrifty.pool.lookup_cluster(keys)[0] < 4:
+            assert time.monotonic() < deadline, "node 1's blocks never reached node 2's view"
+            time.sleep(0.05)
+
+    sent = 'lake_cluster_pulls_total{result="sent"}'
+    before = pool_gauge(cluster[2], sent)
+    assert hit(thrifty, "first", prompts[0]) == 4 * vw.BLOCK
+    assert thrifty.pull_ns_per_block > 1
+    after_first = pool_gauge(cluster[2], sent)
+    assert after_first > before
+    assert hit(thrifty, "second", prompts[1]) == 0
+    assert pool_gauge(cluster[2], sent) == after_first
+
+    eager = scheduler(2)
+    assert hit(eager, "third", prompts[2]) == 4 * vw.BLOCK
+    after_third = pool_gauge(cluster[2], sent)
+    assert after_third > after_first
+    # Measured again once its figure is old: the thrifty one pulls (and
+    # finds pulls still dearer than 1 ns a block).
+    monkeypatch.setattr(lake_vllm, "PULL_REMEASURE_S", 0.0)
+    assert hit(thrifty, "second again", prompts[1]) == 4 * vw.BLOCK
+    assert thrifty.pull_ns_per_block > 1
+    assert pool_gauge(cluster[2], sent) > after_third
+    for connector in (saver, worker, thrifty, eager):
+        connector.shutdown()
