@@ -246,7 +246,14 @@ pub(crate) fn run(args: &RouterArgs) -> Result<Report, String> {
             PoolRun { first: third, last: 2 * third, node: NodeId(2), tier: Tier::L1Dram },
         ],
     };
-    let loads = LoadView { nodes: router.config().nodes.iter().map(|n| n.load(0)).collect() };
+    let loads = LoadView {
+        nodes: router
+            .config()
+            .nodes
+            .iter()
+            .map(|n| n.load_with(&lake_cp::router::signals::Signal::default()))
+            .collect(),
+    };
     let request = Request { blocks, avoid: Vec::new() };
     let routed = timed(args.requests, |_| {
         let plan = route(&request, std::hint::black_box(&hits), &loads, Policy::Any);

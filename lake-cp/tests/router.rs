@@ -13,6 +13,8 @@
 mod cluster;
 #[path = "common/etcd.rs"]
 mod etcd_server;
+#[path = "common/metrics.rs"]
+mod metrics;
 #[path = "common/scratch.rs"]
 mod scratch;
 #[path = "common/supervise.rs"]
@@ -45,7 +47,7 @@ fn prompt(seed: u32, blocks: usize) -> (Vec<u32>, Vec<BlockKey>) {
 
 fn save(serving: &str, keys: &[BlockKey]) {
     let mut agent = agent_of(serving, namespace().id(), "router-test");
-    let payload = vec![7u8; 16 * 1024];
+    let payload = vec![7u8; 8 * 1024];
     for (i, key) in keys.iter().enumerate() {
         let block = SaveBlock {
             key: *key,
@@ -99,16 +101,19 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     let listen = format!("127.0.0.1:{}", port());
     let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "rt", "--ttl", "2"]);
     leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
-    let transport = format!("127.0.0.1:{}", port());
-    let node = |id: u32, transport_flag: &str, transport_value: &str| {
+    let transports = [format!("127.0.0.1:{}", port()), format!("127.0.0.1:{}", port())];
+    // Each node listens for the other's transport, and dials it.
+    let node = |id: u32| {
         let dir = base.join(format!("node{id}")).display().to_string();
         let args = ["serve", "--metrics", "127.0.0.1:0", "--node", &id.to_string(), "--dir", &dir];
         let cluster = ["--block-bytes", "16384", "--summary-to", &listen, "--etcd", &endpoint, "--cluster", "rt"];
-        let rest = ["--member-ttl", "2", transport_flag, transport_value];
+        let (own, other) = if id == 1 { (&transports[0], &transports[1]) } else { (&transports[1], &transports[0]) };
+        let peer = format!("{}={other}", 3 - id);
+        let rest = ["--member-ttl", "2", "--transport-listen", own, "--transport-peer", &peer];
         Proc::start(&[&args[..], &cluster[..], &rest[..]].concat())
     };
-    let one = node(1, "--transport-peer", &format!("2={transport}"));
-    let mut two = node(2, "--transport-listen", &transport);
+    let one = node(1);
+    let mut two = node(2);
     let serving_one = one.wait_for("node 1 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
     let serving_two = two.wait_for("node 2 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
 
@@ -168,6 +173,52 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     let pulled = json!({ "first": 0, "last": 40, "from_node": 2, "from_tier": "l1", "to": 1, "network": "storage" });
     assert_eq!(rerouted["moves"], json!([pulled]), "{rerouted}");
     assert_eq!(rerouted["pulled_blocks"], 40);
+    // Node 1's pool has measured no pull yet: the router weighs a pull
+    // there as configured. An engine on node 1 pulls the 40 blocks; the
+    // pool measures what one cost, and the router weighs pulls to node 1
+    // by that from its next reading on.
+    let nodes_of = |router: &str| ask(router, "GET /nodes HTTP/1.1", b"").1;
+    let before = nodes_of(&router);
+    assert_eq!(
+        (before["nodes"][0]["pull_cost"].as_str(), before["nodes"][0]["pull_ns_per_block"].as_u64()),
+        (Some("configured"), Some(100_000)),
+        "{before}"
+    );
+    // Another prompt's 40 blocks on node 2 (the first stays node 2's
+    // alone, for the failure below).
+    let (_, pulled_keys) = prompt(2, 40);
+    save(&serving_two, &pulled_keys);
+    let mut engine = agent_of(&serving_one, namespace().id(), "router-test-puller");
+    let mut table = Vec::new();
+    // Asked again until they land: node 1 started a moment ago, and the
+    // leader relays no pull into its L1 before its membership announces
+    // where that is (and the view may not show them yet).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while engine.pull_cluster(&pulled_keys, Duration::from_secs(2), &mut table) < 40 {
+        assert!(Instant::now() < deadline, "node 2's blocks never landed on node 1");
+    }
+    let metrics = field(&serving_one, "metrics").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let measured = loop {
+        let value = metrics::metric(metrics, "lake_cluster_pull_ns_per_block");
+        if let Some(value) = value.filter(|&v| v > 0) {
+            break value;
+        }
+        assert!(Instant::now() < deadline, "node 1 never measured its pull: {value:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    println!("router: node 1 measured a pulled block at {measured} ns");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = nodes_of(&router);
+        if now["nodes"][0]["pull_cost"] == "measured" {
+            assert_eq!(now["nodes"][0]["pull_ns_per_block"].as_u64(), Some(measured), "{now}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the router never took node 1's measure: {now}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
     // Both avoided: no node may run it, and the answer says so.
     let (status, none) = route(&router, &json!({ "tokens": tokens, "avoid": [1, 2] }));
     assert_eq!((status, none["error"].as_str()), (503, Some("no node may run the request")), "{none}");

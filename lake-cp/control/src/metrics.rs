@@ -42,6 +42,8 @@ pub struct ViewGauges {
     pub pulls_sent: u64,
     /// See `pulls_sent`.
     pub pulls_dropped: u64,
+    /// What a pulled block costs this node, as measured (0: not yet).
+    pub pull_ns_per_block: u64,
 }
 
 /// Bytes of request a client may send before it is dropped.
@@ -282,7 +284,7 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
     out
 }
 
-/// Each listener's connections: open, its cap, and those let go by why.
+/// The cluster view this node keeps, and its engines' pulls.
 fn view_metrics(out: &mut String, view: &ViewGauges) {
     metric(
         out,
@@ -327,8 +329,17 @@ fn view_metrics(out: &mut String, view: &ViewGauges) {
          streaming the view connected).",
         &[("result=\"sent\"", view.pulls_sent), ("result=\"dropped\"", view.pulls_dropped)],
     );
+    metric(
+        out,
+        "lake_cluster_pull_ns_per_block",
+        "gauge",
+        "What a block pulled here costs, as measured: a batch's time from its ask to its last block landing, over \
+         its blocks (a moving average; 0: none measured yet). `lake route` weighs pulls to this node by it.",
+        &[("", view.pull_ns_per_block)],
+    );
 }
 
+/// Each listener's connections: open, its cap, and those let go by why.
 fn connection_metrics(out: &mut String, server: &ServerCounters, gauges: &ServerGauges) {
     let label = |listener: Listener| format!("listener=\"{}\"", listener.name());
     let open: Vec<(String, u64)> = Listener::ALL.iter().map(|&l| (label(l), gauges.open[l as usize] as u64)).collect();

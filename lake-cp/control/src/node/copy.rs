@@ -160,6 +160,10 @@ const PULLS_MAX: usize = 4096;
 /// pulled one.
 pub(super) const PULL_LANDS_NS: u64 = 10_000_000_000;
 
+/// Pulls asked within this long of a batch's first are of that batch (an
+/// engine asks a prefix's blocks at once).
+pub(super) const PULL_BATCH_NS: u64 = 1_000_000;
+
 impl Node {
     /// An engine's pull of another node's block into this node's L1
     /// (the holder and its tier as the cluster view named them), kept for
@@ -184,10 +188,41 @@ impl Node {
         if self.pulling.len() >= PULLS_MAX * 16 {
             self.pulling.retain(|_, at| now < *at + PULL_LANDS_NS);
         }
+        if let Some(at) = self.pulling.remove(&transfer.key) {
+            // Asked again (the first ask went nowhere, or is slow): its
+            // batch measures nothing, this ask is timed from now.
+            self.pull_batches.remove(&at);
+        }
         if self.pulling.len() < PULLS_MAX * 16 {
-            self.pulling.insert(transfer.key, now);
+            // Of the batch asked within the last moment, or the first of
+            // one.
+            let joins = self.pull_batches.contains_key(&self.pull_batch_at) && now < self.pull_batch_at + PULL_BATCH_NS;
+            if !joins {
+                self.pull_batches.retain(|&at, _| now < at + PULL_LANDS_NS);
+                self.pull_batch_at = now;
+            }
+            if joins || self.pull_batches.len() < PULLS_MAX {
+                self.pull_batches.entry(self.pull_batch_at).or_default().0 += 1;
+                self.pulling.insert(transfer.key, self.pull_batch_at);
+            }
         }
         Ok(())
+    }
+
+    /// A block pulled in a batch asked at `at` landed: once the batch's
+    /// last has, its time over its blocks is what a pulled block cost
+    /// (a batch some block of which never lands is no measure).
+    pub(super) fn pull_landed(&mut self, at: u64) {
+        let Some((asked, landed)) = self.pull_batches.get_mut(&at) else { return };
+        *landed += 1;
+        if *landed < *asked {
+            return;
+        }
+        let blocks = u64::from(*asked);
+        self.pull_batches.remove(&at);
+        let cost = unix_ns().saturating_sub(at) / blocks.max(1);
+        self.pull_ns_per_block =
+            if self.pull_ns_per_block == 0 { cost.max(1) } else { (3 * self.pull_ns_per_block + cost) / 4 };
     }
 
     /// The engines' pulls since the last call, for the leader.

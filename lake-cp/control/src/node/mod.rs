@@ -242,6 +242,15 @@ pub struct Node {
     /// within [`copy::PULL_LANDS_NS`] is a pulled-in copy
     /// ([`crate::tier::Tiers::pulled_in`]).
     pulling: HashMap<BlockKey, u64>,
+    /// Engines' pulls asked together (within [`copy::PULL_BATCH_NS`] of
+    /// the first), by when the first was asked: how many, how many landed.
+    pull_batches: HashMap<u64, (u32, u32)>,
+    /// When the newest of them was first asked.
+    pull_batch_at: u64,
+    /// What a pulled block costs this node, as measured: a batch's time
+    /// from its ask to its last block landing, over its blocks (a moving
+    /// average; 0: none measured yet).
+    pub pull_ns_per_block: u64,
     /// Copies taken back before they went ([`Node::cancel_copy`]).
     pub copies_cancelled: u64,
     /// Promotions asked for such copies.
@@ -316,6 +325,9 @@ impl Node {
             copies_out: HashMap::new(),
             pulls: Vec::new(),
             pulling: HashMap::new(),
+            pull_batches: HashMap::new(),
+            pull_batch_at: 0,
+            pull_ns_per_block: 0,
             copies_cancelled: 0,
             copy_promotions: 0,
             copy_promotions_failed: 0,
@@ -701,8 +713,13 @@ impl Node {
                 self.record(block.key, what, (replica.region.0, replica.slot));
                 let bytes = lake_dp::stored::object_bytes(block.payload_len);
                 self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new, bytes);
-                let pulled = !self.pulling.is_empty()
-                    && self.pulling.remove(&block.key).is_some_and(|at| unix_ns() < at + copy::PULL_LANDS_NS);
+                let pulled = match self.pulling.remove(&block.key) {
+                    Some(at) if unix_ns() < at + copy::PULL_LANDS_NS => {
+                        self.pull_landed(at);
+                        true
+                    }
+                    _ => false,
+                };
                 if new && replica.tier == Tier::L1Dram && pulled {
                     self.tiers.pulled_in(block.namespace, block.key);
                 }

@@ -82,24 +82,28 @@ pub struct NodeConfig {
     pub compute_ns_per_block: u64,
     /// Loading one block from its L0 (0), L1, L2, L3 into its engine (ns).
     pub load_ns_per_block: [u64; 4],
-    /// Pulling one block from another node over the storage network (ns).
+    /// Pulling one block from another node over the storage network (ns),
+    /// until its pool has measured it (`lake_cluster_pull_ns_per_block`
+    /// on its metrics).
     pub pull_ns_per_block: u64,
     /// Sending one block over the compute network (ns).
     pub cnic_ns_per_block: u64,
 }
 
 impl NodeConfig {
-    /// Its load as the route function takes it, with `queue_ns` measured.
-    pub fn load(&self, queue_ns: u64) -> NodeLoad {
+    /// Its load as the route function takes it, with what `signal` read
+    /// of it: its queue, and what a pull costs there where its pool has
+    /// measured it (else as configured).
+    pub fn load_with(&self, signal: &super::signals::Signal) -> NodeLoad {
         NodeLoad {
             node: NodeId(self.id),
             prefill: self.roles.contains(&Role::Prefill),
             decode: self.roles.contains(&Role::Decode),
-            queue_ns,
+            queue_ns: signal.queue_ns(),
             compute_ns_per_block: self.compute_ns_per_block,
             load_ns_per_block: self.load_ns_per_block,
             cnic_ns_per_block: self.cnic_ns_per_block,
-            pull_ns_per_block: self.pull_ns_per_block,
+            pull_ns_per_block: if signal.pull_ns > 0 { signal.pull_ns } else { self.pull_ns_per_block },
         }
     }
 }

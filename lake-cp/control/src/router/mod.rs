@@ -105,6 +105,8 @@ impl Router {
                     "decode": node.roles.contains(&config::Role::Decode),
                     "waiting": signal.waiting,
                     "queue_ns": signal.queue_ns(),
+                    "pull_ns_per_block": node.load_with(&signal).pull_ns_per_block,
+                    "pull_cost": if signal.pull_ns > 0 { "measured" } else { "configured" },
                     "down": signal.down,
                 })
             })
@@ -165,7 +167,7 @@ impl Router {
                     down.push(json!({ "node": node.id, "why": why }));
                     down_ids.push(NodeId(node.id));
                 }
-                None => loads.push(node.load(signal.queue_ns())),
+                None => loads.push(node.load_with(&signal)),
             }
         }
         (loads, down, down_ids)

@@ -1,6 +1,7 @@
 //! Each node's load signals, read over HTTP by a thread per node: whether
-//! its pool is ready (`lake serve`'s `/readyz`) and how long its engine's
-//! queue is (vLLM's `/metrics`). What the router keeps of them is soft
+//! its pool is ready (`lake serve`'s `/readyz`), what a block pulled there
+//! costs as its pool measures it (its `/metrics`), and how long its
+//! engine's queue is (vLLM's `/metrics`). What the router keeps of them is soft
 //! state: the last reading, lost with the process and read again by the
 //! next.
 
@@ -19,6 +20,9 @@ pub struct Signal {
     pub waiting: u64,
     /// Its engine's mean prefill (ns; 0: not measured).
     pub prefill_ns: u64,
+    /// What a block pulled into its pool costs, as the pool measured it
+    /// (ns; 0: not measured).
+    pub pull_ns: u64,
     /// When (none: not read yet).
     pub at: Option<Instant>,
 }
@@ -103,6 +107,11 @@ fn read(node: &NodeConfig, every: Duration) -> Signal {
             Ok((200, _)) => {}
             Ok((status, body)) => signal.down = Some(format!("pool at {address}: {status} {}", body.trim())),
             Err(why) => signal.down = Some(format!("pool at {address}: {why}")),
+        }
+        if signal.down.is_none()
+            && let Ok((200, body)) = get(address, "/metrics", timeout)
+        {
+            signal.pull_ns = whole(sum(&body, "lake_cluster_pull_ns_per_block"));
         }
     }
     if let Some(address) = &node.engine_metrics

@@ -316,6 +316,7 @@ impl Server {
                 refused: c.view_refused,
                 pulls_sent: c.pulls_sent,
                 pulls_dropped: c.pulls_dropped,
+                pull_ns_per_block: self.node.pull_ns_per_block,
             })
         });
         let gauges = crate::metrics::ServerGauges { caps: self.gate.caps, open: self.open_counts(), view };
