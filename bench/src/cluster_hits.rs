@@ -363,10 +363,17 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             lengths[c as usize] = context + message + reply;
         }
     }
+    held_at_end(&agents, &lengths, &mut out);
+    Ok(out)
+}
+
+/// What the pool holds of the conversations (their `lengths` so far) at
+/// the end of a replay, into `out`.
+fn held_at_end(agents: &[Agent], lengths: &[u32], out: &mut Replay) {
     for (c, &length) in lengths.iter().enumerate() {
         let mut whole_prefix = true;
         for i in 0..length {
-            let copies = holders(&agents, &key(u32::try_from(c).unwrap_or(0), i));
+            let copies = holders(agents, &key(u32::try_from(c).unwrap_or(0), i));
             whole_prefix &= copies > 0;
             // The system prompt's blocks once, with the first
             // conversation's.
@@ -377,7 +384,6 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             }
         }
     }
-    Ok(out)
 }
 
 /// Blocks held only on node 2 pulled into node 1: one at a time (ns a

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use lake_cp::router::Router;
 use lake_cp::router::config::RouterConfig;
 use lake_cp::router::server::Server;
+use lake_cp::router::signals::Signal;
 use lake_dp::mirror::view::{self, ViewReader, ViewWriter};
 use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorEntry, MirrorReader, MirrorWriter};
 use lake_dp::rng::SimRng;
@@ -246,14 +247,7 @@ pub(crate) fn run(args: &RouterArgs) -> Result<Report, String> {
             PoolRun { first: third, last: 2 * third, node: NodeId(2), tier: Tier::L1Dram },
         ],
     };
-    let loads = LoadView {
-        nodes: router
-            .config()
-            .nodes
-            .iter()
-            .map(|n| n.load_with(&lake_cp::router::signals::Signal::default()))
-            .collect(),
-    };
+    let loads = LoadView { nodes: router.config().nodes.iter().map(|n| n.load_with(&Signal::default())).collect() };
     let request = Request { blocks, avoid: Vec::new() };
     let routed = timed(args.requests, |_| {
         let plan = route(&request, std::hint::black_box(&hits), &loads, Policy::Any);
