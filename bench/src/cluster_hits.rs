@@ -316,11 +316,13 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
     for _ in 0..args.turns {
         for c in 0..args.conversations {
             let node = usize::try_from(rng.below(NODES as u64)).unwrap_or(0);
+            // One pool's engines are all agents of its one node.
+            let at = if mode == Mode::OnePool { 0 } else { node };
             let message = 2 + u32::try_from(rng.below(5)).unwrap_or(0);
             let reply = 2 + u32::try_from(rng.below(3)).unwrap_or(0);
             let context = lengths[c as usize];
             let prompt: Vec<BlockKey> = (0..context + message).map(|i| key(c, i)).collect();
-            let agent = &mut agents[if mode == Mode::OnePool { 0 } else { node }];
+            let agent = &mut agents[at];
             let asked = &prompt[..context as usize];
             let hit = match mode {
                 Mode::Cluster => {
@@ -347,7 +349,7 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
                     out.ended_elsewhere += 1;
                 }
             }
-            let agent = &mut agents[if mode == Mode::OnePool { 0 } else { node }];
+            let agent = &mut agents[at];
             // The rest computed; the prompt and the reply saved here.
             let whole: Vec<BlockKey> = (0..context + message + reply).map(|i| key(c, i)).collect();
             // Blocks past the hit the pool holds (past a gap) are not

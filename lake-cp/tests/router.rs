@@ -47,7 +47,7 @@ fn prompt(seed: u32, blocks: usize) -> (Vec<u32>, Vec<BlockKey>) {
 
 fn save(serving: &str, keys: &[BlockKey]) {
     let mut agent = agent_of(serving, namespace().id(), "router-test");
-    let payload = vec![7u8; 8 * 1024];
+    let payload = vec![7u8; 16 * 1024];
     for (i, key) in keys.iter().enumerate() {
         let block = SaveBlock {
             key: *key,
@@ -102,7 +102,9 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "rt", "--ttl", "2"]);
     leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
     let transports = [format!("127.0.0.1:{}", port()), format!("127.0.0.1:{}", port())];
-    // Each node listens for the other's transport, and dials it.
+    // Each node listens for the other's transport and dials it: a node
+    // sends blocks over the connections it dials, and a pull goes either
+    // way.
     let node = |id: u32| {
         let dir = base.join(format!("node{id}")).display().to_string();
         let args = ["serve", "--metrics", "127.0.0.1:0", "--node", &id.to_string(), "--dir", &dir];

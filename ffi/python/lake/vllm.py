@@ -658,6 +658,11 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._local_hits[request.request_id] = num_computed_tokens
         return extra, self._load_async and extra > 0
 
+    def _pull_dearer(self) -> bool:
+        """Whether a pulled block, as last measured, costs more than
+        computing one (``compute_ns_per_block``; 0: unknown, never)."""
+        return bool(self._compute_ns) and self.pull_ns_per_block > self._compute_ns
+
     def _pulled(self, request_id: str, keys, matched: int) -> int | None:
         """The hit in tokens once the blocks of the request's prefix that
         only other nodes hold are here: a pull of them is asked once (the
@@ -675,11 +680,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             # This node holds the whole prefix, or pulls cost more than
             # computing (as last measured, lately): nothing to ask the
             # cluster view.
-            dearer = (
-                self._compute_ns
-                and self.pull_ns_per_block > self._compute_ns
-                and now - self._pull_measured_at < PULL_REMEASURE_S
-            )
+            dearer = self._pull_dearer() and now - self._pull_measured_at < PULL_REMEASURE_S
             if local >= len(keys) or dearer:
                 return matched
             try:
@@ -699,10 +700,9 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         if local > pull.local:
             # The pull's cost: its wait spread over the blocks it brought.
             cost = int((now - pull.started) * 1e9) // (local - pull.local)
-            dearer = self._compute_ns and self.pull_ns_per_block > self._compute_ns
             # Measured again after a pause: the new figure replaces the old
             # one, which no pull could change meanwhile.
-            if not self.pull_ns_per_block or dearer:
+            if not self.pull_ns_per_block or self._pull_dearer():
                 self.pull_ns_per_block = cost
             else:
                 self.pull_ns_per_block = (3 * self.pull_ns_per_block + cost) // 4

@@ -176,23 +176,23 @@ def rank_worker(paths, kind, backend, model, tp_rank, tp_size, fill=None):
     return worker, caches
 
 
-def wait_cached(scheduler, tokens, blocks):
-    keys = scheduler.namespace.keys(np.asarray(tokens[: blocks * BLOCK], dtype=np.uint32))
+def wait_held(hits, blocks, what):
+    """A save is reported finished when its blocks are written, a moment
+    before the mirror shows them: waits until ``hits()`` does."""
     for _ in range(500):
-        if scheduler._hits(keys) >= blocks:
+        if hits() >= blocks:
             return
         time.sleep(0.01)
-    raise AssertionError(f"the saved blocks never showed in the mirror: {scheduler._hits(keys)} of {blocks}")
+    raise AssertionError(f"{what} never showed in the mirror: {hits()} of {blocks}")
+
+
+def wait_cached(scheduler, tokens, blocks):
+    keys = scheduler.namespace.keys(np.asarray(tokens[: blocks * BLOCK], dtype=np.uint32))
+    wait_held(lambda: scheduler._hits(keys), blocks, "the saved blocks")
 
 
 def wait_rank_cached(worker, keys, blocks):
-    """A save is reported finished when its blocks are written, a moment
-    before the mirror shows them: waits for one rank's pool to."""
-    for _ in range(500):
-        if worker.pool.lookup(keys)[0] >= blocks:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"the rank's saved blocks never showed: {worker.pool.lookup(keys)[0]} of {blocks}")
+    wait_held(lambda: worker.pool.lookup(keys)[0], blocks, "the rank's saved blocks")
 
 
 def canonical(kind, caches, block_id):

@@ -170,6 +170,12 @@ def cluster(lake_bin, tmp_path_factory):
         etcd.stop(9)
 
 
+def pool_paths(pool: Pool) -> dict:
+    """A node's pool as the binding's tests name its paths."""
+    record = pool.record
+    return {"DP_SOCKET": record["dp_socket"], "MIRROR": record["mirror"], "CP_SOCKET": record["cp_socket"]}
+
+
 def router_for(lake_bin, cluster, base, fingerprint: str) -> Proc:
     """`lake route` beside node 2: node 1 prefills and decodes, node 2
     decodes, node 3 prefills; 10 ms to compute a block of the tiny model
@@ -292,8 +298,7 @@ def test_sglangs_prefetch_on_one_node_pulls_what_another_node_backed_up(cluster)
     import test_sglang as sg
 
     def config(node, **extra):
-        record = cluster[node].record
-        paths = {"DP_SOCKET": record["dp_socket"], "MIRROR": record["mirror"], "CP_SOCKET": record["cp_socket"]}
+        paths = pool_paths(cluster[node])
         return sg.storage_config(paths, "test/sglang-cluster", **extra)
 
     rng = np.random.default_rng(5)
@@ -344,8 +349,7 @@ def test_the_vllm_connector_stops_pulling_once_a_pulled_block_costs_more_than_co
     model = "test/pull-cost"
 
     def cfg(node, **extra):
-        record = cluster[node].record
-        paths = {"DP_SOCKET": record["dp_socket"], "MIRROR": record["mirror"], "CP_SOCKET": record["cp_socket"]}
+        paths = pool_paths(cluster[node])
         config = vw.config(paths, model)
         config.kv_transfer_config.kv_connector_extra_config.update(extra)
         return config

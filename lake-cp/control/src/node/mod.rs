@@ -713,7 +713,10 @@ impl Node {
                 self.record(block.key, what, (replica.region.0, replica.slot));
                 let bytes = lake_dp::stored::object_bytes(block.payload_len);
                 self.tiers.added(replica.region.0, block.namespace, parent, block.key, kind, new, bytes);
-                let pulled = match self.pulling.remove(&block.key) {
+                // Most commits are no pull's: the map is not hashed into
+                // while none waits.
+                let pulling = if self.pulling.is_empty() { None } else { self.pulling.remove(&block.key) };
+                let pulled = match pulling {
                     Some(at) if unix_ns() < at + copy::PULL_LANDS_NS => {
                         self.pull_landed(at);
                         true

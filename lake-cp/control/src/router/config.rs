@@ -103,8 +103,14 @@ impl NodeConfig {
             compute_ns_per_block: self.compute_ns_per_block,
             load_ns_per_block: self.load_ns_per_block,
             cnic_ns_per_block: self.cnic_ns_per_block,
-            pull_ns_per_block: if signal.pull_ns > 0 { signal.pull_ns } else { self.pull_ns_per_block },
+            pull_ns_per_block: self.pull_cost(signal).0,
         }
+    }
+
+    /// What a pull into it costs (ns a block): as its pool measured it
+    /// (`true`), else as configured.
+    pub fn pull_cost(&self, signal: &super::signals::Signal) -> (u64, bool) {
+        if signal.pull_ns > 0 { (signal.pull_ns, true) } else { (self.pull_ns_per_block, false) }
     }
 }
 

@@ -99,14 +99,15 @@ impl Router {
         let nodes: Vec<Value> = (0..self.config.nodes.len())
             .map(|i| {
                 let (node, signal) = (&self.config.nodes[i], self.signals.get(i));
+                let (pull_ns, measured) = node.pull_cost(&signal);
                 json!({
                     "node": node.id,
                     "prefill": node.roles.contains(&config::Role::Prefill),
                     "decode": node.roles.contains(&config::Role::Decode),
                     "waiting": signal.waiting,
                     "queue_ns": signal.queue_ns(),
-                    "pull_ns_per_block": node.load_with(&signal).pull_ns_per_block,
-                    "pull_cost": if signal.pull_ns > 0 { "measured" } else { "configured" },
+                    "pull_ns_per_block": pull_ns,
+                    "pull_cost": if measured { "measured" } else { "configured" },
                     "down": signal.down,
                 })
             })
