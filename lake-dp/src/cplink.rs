@@ -501,12 +501,18 @@ impl CpLink {
         request
     }
 
-    /// Asks for `key`, held by node `from` in `tier`, to be copied into
-    /// this node's (`node`'s) L1: the control plane relays it through the
-    /// summary's leader to the holder (a critical load: the engine waits
-    /// on it). False where the control plane does not take pulls
+    /// Asks for `key` of `namespace`, held by node `from` in `tier`, to be
+    /// copied into this node's (`node`'s) L1: the control plane relays it
+    /// through the summary's leader to the holder, or — an L3 holder —
+    /// has its own data plane read the object from the store they share
+    /// (a critical load: the engine waits on it). The source names the
+    /// holder and tier only (slot [`SLOT_ANY`]); its `region_epoch`
+    /// carries the namespace, which names the object in the store. False
+    /// where the control plane does not take pulls
     /// ([`crate::wire::FEATURE_PULL`]).
-    pub fn pull(&mut self, key: &BlockKey, from: u32, tier: crate::Tier, node: u32) -> bool {
+    ///
+    /// [`SLOT_ANY`]: crate::wire::message::SLOT_ANY
+    pub fn pull(&mut self, key: &BlockKey, namespace: u64, from: u32, tier: crate::Tier, node: u32) -> bool {
         use crate::wire::message::{SLOT_ANY, Transfer};
         if !self.takes(crate::wire::FEATURE_PULL) {
             return false;
@@ -518,7 +524,7 @@ impl CpLink {
             ..crate::model::replica::ReplicaWire::default()
         };
         self.queue(&Message::CopyBlock(Transfer {
-            source: replica(from, tier),
+            source: crate::model::replica::ReplicaWire { region_epoch: namespace, ..replica(from, tier) },
             target: replica(node, crate::Tier::L1Dram),
             key: *key,
             deadline_unix_ns: 0,

@@ -26,14 +26,17 @@ impl Agent {
 
     /// Asks for each block of `pulls`, held by another node, to be copied
     /// into this node's L1: this node's `lake-cp` has the summary's leader
-    /// ask the holder, whose data plane sends it over the storage network;
-    /// it lands checked and is published in this node's mirror. Returns
+    /// ask the holder, whose data plane sends it over the storage network
+    /// — or, a block held only in L3, has its own data plane read it from
+    /// the object store the nodes share; it lands checked and is
+    /// published in this node's mirror. Returns
     /// how many were asked (none where the control plane takes no pulls,
     /// or there is none).
     pub fn pull(&mut self, pulls: &[(BlockKey, Holder)]) -> usize {
-        let node = self.arena.header().node;
+        let (node, namespace) = (self.arena.header().node, self.namespace.0);
         let Some(cp) = &mut self.cp else { return 0 };
-        let asked = pulls.iter().filter(|(key, holder)| cp.pull(key, holder.node.0, holder.tier, node)).count();
+        let asked =
+            pulls.iter().filter(|(key, holder)| cp.pull(key, namespace, holder.node.0, holder.tier, node)).count();
         let _ = cp.pump();
         asked
     }

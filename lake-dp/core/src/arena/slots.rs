@@ -394,6 +394,14 @@ impl SlotTable {
             .min_by_key(|&c| spans[c].slot_bytes)
     }
 
+    /// The slot size of partition `partition`'s largest class, if it has
+    /// one: room for any object it can hold.
+    pub fn slot_bytes_max(&self, partition: usize) -> Option<u64> {
+        let geometry = &self.arena.map().geometry;
+        let first = geometry.partitions.get(partition)?.first_class;
+        geometry.spans.get(first..first + geometry.classes_per_partition())?.iter().map(|s| s.slot_bytes).max()
+    }
+
     /// The partition of `slot`, or `None` out of range.
     pub fn partition_of(&self, slot: u32) -> Option<usize> {
         self.arena.map().geometry.partition_of(slot)

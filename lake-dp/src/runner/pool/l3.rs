@@ -20,6 +20,10 @@
 //!   the worker, its header rewritten to name the slot, and reported like
 //!   any promotion. An object gone from the store or failing its check
 //!   leaves the catalog (reported evicted) and the reader recomputes.
+//! - **Reads by name** (the control plane's `CopyBlock` L3→L1 with any
+//!   slot): an object the catalog does not hold — another node sharing the
+//!   store wrote it — read by its name, checked as any read, and adopted
+//!   into the catalog.
 //! - **Deletes** (`EvictBlock` of an L3 replica): the entry goes at once;
 //!   the object joins a batch, sent as one multi-object delete
 //!   ([`L3Request::DeleteMany`]) at the next pass or when the batch is full
@@ -70,15 +74,24 @@ enum Op {
     },
     Get {
         to: Requester,
-        /// The catalog entry read, and its generation then: the entry may
-        /// be evicted and reused by another object before the read ends.
-        entry: u32,
-        generation: u32,
+        /// What is read.
+        read: Read,
         l1_slot: u32,
         l1_generation: u32,
     },
     /// A batch of deletes: the blocks in `delete_buffers[buffer]`.
     DeleteMany { buffer: u32 },
+}
+
+/// What a read of the store names.
+#[derive(Clone, Copy, Debug)]
+enum Read {
+    /// A catalog entry, and its generation then: the entry may be evicted
+    /// and reused by another object before the read ends.
+    Entry { entry: u32, generation: u32 },
+    /// An object the catalog does not hold, by its name (another node
+    /// wrote it): adopted into the catalog once it is read and checked.
+    Named,
 }
 
 /// What the L3 tier has done.
@@ -102,6 +115,11 @@ pub struct L3Stats {
     pub bytes_read: u64,
     /// Reads cancelled before a worker took them (their reader went).
     pub cancelled: u64,
+    /// Objects the catalog did not hold read by name (written by another
+    /// node sharing the store), and of them those the store did not have.
+    pub named_reads: u64,
+    /// See `named_reads`.
+    pub named_missing: u64,
 }
 
 /// The L3 tier of a pool. See the module docs.
@@ -113,6 +131,9 @@ pub(crate) struct L3Tier {
     free: Vec<u32>,
     /// The entry of each (namespace, key) in the catalog.
     by_key: HashMap<(u64, BlockKey), u32>,
+    /// The largest payload of each namespace's objects met (written, or
+    /// found in the store): what a read by name makes room for.
+    payload_max: HashMap<u64, u64>,
     ops: Vec<Option<Op>>,
     free_ops: Vec<u32>,
     /// One header per op: what a write from L1 stores in the slot's
@@ -157,6 +178,7 @@ impl L3Tier {
             generations: vec![1; entries],
             free: (0..u32::try_from(entries).unwrap_or(u32::MAX)).rev().collect(),
             by_key: HashMap::with_capacity(entries),
+            payload_max: HashMap::new(),
             ops: vec![None; ops as usize],
             free_ops: (0..ops).rev().collect(),
             headers: vec![[0; STORED_HEADER_BYTES]; ops as usize],
@@ -258,6 +280,14 @@ impl L3Tier {
         Some((entry, *generation))
     }
 
+    /// Puts `meta` (an object stored) in catalog entry `entry`.
+    fn hold(&mut self, entry: u32, meta: ObjectMeta) {
+        self.catalog[entry as usize] = Some(meta);
+        self.by_key.insert((meta.namespace.0, meta.key), entry);
+        let max = self.payload_max.entry(meta.namespace.0).or_default();
+        *max = (*max).max(meta.payload_len);
+    }
+
     fn forget(&mut self, entry: u32) {
         if let Some(meta) = self.catalog.get_mut(entry as usize).and_then(Option::take) {
             self.by_key.remove(&(meta.namespace.0, meta.key));
@@ -347,8 +377,7 @@ impl Pool {
         }
         let Some((entry, generation)) = tier.take_entry() else { return false };
         let meta = ObjectMeta { slot: entry, generation, ..*found };
-        tier.catalog[entry as usize] = Some(meta);
-        tier.by_key.insert((meta.namespace.0, meta.key), entry);
+        tier.hold(entry, meta);
         if let Some(cp) = link.as_mut() {
             let replica = tier.replica(node, epoch, entry, generation);
             cp.readopted(&crate::runner::block_record(replica, &meta, Durability::Durable));
@@ -655,7 +684,12 @@ impl Pool {
     }
 
     /// Starts reading the L3 object `source` names (block `key`) into a
-    /// new L1 slot, for an agent's load or a control-plane copy.
+    /// new L1 slot, for an agent's load or a control-plane copy. A source
+    /// of slot [`SLOT_ANY`] names the object by its name in the store
+    /// alone — (namespace, key), the namespace in `region_epoch` — for a
+    /// block another node sharing the store wrote (a control-plane copy
+    /// only): read by its catalog entry if this node knows it, else by
+    /// name ([`Pool::read_named_l3`]).
     pub(super) fn promote_l3<B: IoBackend>(
         &mut self,
         to: Requester,
@@ -665,19 +699,76 @@ impl Pool {
     ) -> Result<(), AgentError> {
         let (node, epoch) = (self.node, self.epoch);
         let Some(tier) = self.l3.as_ref() else { return Err(AgentError::Stale) };
-        if source.region != tier.region || source.region_epoch != epoch || source.node != node {
+        if source.region != tier.region || source.node != node {
+            return Err(AgentError::Stale);
+        }
+        if source.slot == SLOT_ANY {
+            // The control plane's alone: an agent loads what the mirror
+            // names.
+            return match to {
+                Requester::Cp { .. } => self.read_named_l3(to, key, source.region_epoch, parts),
+                Requester::Agent { .. } => Err(AgentError::Stale),
+            };
+        }
+        if source.region_epoch != epoch {
             return Err(AgentError::Stale);
         }
         let meta = *tier.object(source.slot, source.generation).ok_or(AgentError::Stale)?;
         if meta.key != key {
             return Err(AgentError::Stale);
         }
-        if tier.free_ops.is_empty() {
+        let read = Read::Entry { entry: source.slot, generation: source.generation };
+        self.read_l3(to, key, meta.namespace.0, object_bytes(meta.payload_len), read, parts)
+    }
+
+    /// Starts reading the object the store names (`namespace`, `key`)
+    /// into a new L1 slot: another node sharing the store wrote it, and
+    /// the catalog holds it once it is read and checked. Its slot has room
+    /// for the largest object of the namespace met here, or else for the
+    /// largest this node's L1 holds; one larger is refused by the read
+    /// (it never lands).
+    fn read_named_l3<B: IoBackend>(
+        &mut self,
+        to: Requester,
+        key: BlockKey,
+        namespace: u64,
+        parts: &mut Parts<'_, B>,
+    ) -> Result<(), AgentError> {
+        let (node, epoch) = (self.node, self.epoch);
+        let Some(tier) = self.l3.as_ref() else { return Err(AgentError::Stale) };
+        if let Some(&entry) = tier.by_key.get(&(namespace, key)) {
+            let generation = tier.catalog[entry as usize].map_or(0, |m| m.generation);
+            return self.promote_l3(to, key, &tier.replica(node, epoch, entry, generation), parts);
+        }
+        if tier.deleting(namespace, &key) {
+            return Err(AgentError::Stale);
+        }
+        let bytes = match tier.payload_max.get(&namespace) {
+            Some(&payload) => object_bytes(payload),
+            None => {
+                let partition = self.partition_for(to, namespace)?;
+                parts.table.slot_bytes_max(partition).ok_or(AgentError::Invalid)?
+            }
+        };
+        self.read_l3(to, key, namespace, bytes, Read::Named, parts)
+    }
+
+    /// Starts the store's read of (`namespace`, `key`) into a new L1 slot
+    /// with room for `bytes`.
+    fn read_l3<B: IoBackend>(
+        &mut self,
+        to: Requester,
+        key: BlockKey,
+        namespace: u64,
+        bytes: u64,
+        read: Read,
+        parts: &mut Parts<'_, B>,
+    ) -> Result<(), AgentError> {
+        if self.l3.as_ref().is_none_or(|tier| tier.free_ops.is_empty()) {
             return Err(AgentError::Busy);
         }
-        let partition = self.partition_for(to, meta.namespace.0)?;
-        let grant =
-            self.slot_or_victim(partition, object_bytes(meta.payload_len), 0, parts).ok_or(AgentError::NoSpace)?;
+        let partition = self.partition_for(to, namespace)?;
+        let grant = self.slot_or_victim(partition, bytes, 0, parts).ok_or(AgentError::NoSpace)?;
         let table = &mut *parts.table;
         let Some(tier) = self.l3.as_mut() else {
             let _ = table.retire(grant.slot);
@@ -688,18 +779,12 @@ impl Pool {
             let _ = table.retire(grant.slot);
             return Err(AgentError::Invalid);
         };
-        let op = Op::Get {
-            to,
-            entry: source.slot,
-            generation: source.generation,
-            l1_slot: grant.slot,
-            l1_generation: grant.generation,
-        };
+        let op = Op::Get { to, read, l1_slot: grant.slot, l1_generation: grant.generation };
         let Some(index) = tier.take_op(op) else {
             let _ = table.retire(grant.slot);
             return Err(AgentError::Busy);
         };
-        let get = L3Request::Get { key, namespace: meta.namespace, target, capacity: capacity as u64 };
+        let get = L3Request::Get { key, namespace: NamespaceId(namespace), target, capacity: capacity as u64 };
         // SAFETY: the slot was just allocated and stays Busy (unreported,
         // unpinnable) until the completion is taken.
         if unsafe { tier.client.submit(u64::from(index), get) }.is_err() {
@@ -778,8 +863,7 @@ impl Pool {
                     Ok(bytes) => {
                         tier.stats.writes += 1;
                         tier.stats.bytes_written += bytes;
-                        tier.catalog[entry as usize] = Some(meta);
-                        tier.by_key.insert((meta.namespace.0, meta.key), entry);
+                        tier.hold(entry, meta);
                         let replica = tier.replica(node, epoch, entry, meta.generation);
                         if let Some(cp) = parts.link.as_mut() {
                             cp.committed(&crate::runner::block_record(replica, &meta, Durability::Durable));
@@ -802,13 +886,21 @@ impl Pool {
                     }
                 }
             }
-            Op::Get { to, entry, generation, l1_slot, l1_generation } => {
+            Op::Get { to, read, l1_slot, l1_generation } => {
+                let named = matches!(read, Read::Named);
+                tier.stats.named_reads += u64::from(named);
                 let result = match &completion.result {
                     Ok(bytes) => {
                         tier.stats.reads += 1;
                         tier.stats.bytes_read += bytes;
                         let link = &mut *parts.link;
-                        self.promoted(l1_slot, l1_generation, parts.region, link).map(|()| *bytes)
+                        let stored = self.promoted(l1_slot, l1_generation, parts.region, link);
+                        if let (true, Ok(stored)) = (named, &stored) {
+                            // Read by name and checked: the catalog holds
+                            // it from now on, as a scan would have found it.
+                            self.l3_adopt(stored, parts.link);
+                        }
+                        stored.map(|_| *bytes)
                     }
                     Err(L3Error::Store(_)) => {
                         tier.stats.failed += 1;
@@ -819,10 +911,16 @@ impl Pool {
                         tier.stats.cancelled += 1;
                         Err(AgentError::Cancelled)
                     }
+                    // Not in the store (it shares none with the writer, or
+                    // the object went), or past the room made for it.
+                    Err(L3Error::NotFound | L3Error::TooLarge(_)) if named => {
+                        tier.stats.named_missing += 1;
+                        Err(AgentError::Stale)
+                    }
                     Err(_) => Err(AgentError::Corrupt),
                 };
-                let result = match result {
-                    Err(AgentError::Corrupt) => {
+                let result = match (result, read) {
+                    (Err(AgentError::Corrupt), Read::Entry { entry, generation }) => {
                         let Some(tier) = self.l3.as_mut() else { return };
                         // Gone from the store, or not what it should be: it
                         // leaves the catalog (reported), the reader
@@ -844,7 +942,15 @@ impl Pool {
                         }
                         Err(AgentError::Corrupt)
                     }
-                    other => other,
+                    (Err(AgentError::Corrupt), Read::Named) => {
+                        // Damaged in the store: never served, left alone
+                        // (the catalog never held it).
+                        if let Some(tier) = self.l3.as_mut() {
+                            tier.stats.failed += 1;
+                        }
+                        Err(AgentError::Corrupt)
+                    }
+                    (other, _) => other,
                 };
                 self.promotion_ended(to, l1_slot, l1_generation, result, parts);
             }

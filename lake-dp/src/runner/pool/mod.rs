@@ -800,7 +800,7 @@ impl Pool {
             (relocate @ Purpose::Relocate { .. }, _) => self.relocation_step(relocate, event, parts),
             (Purpose::Promote { to, l1_slot, l1_generation }, Command::Read(read)) => {
                 let opened = match event.outcome {
-                    Ok(done) => self.promoted(l1_slot, l1_generation, region, link).map(|()| done.bytes),
+                    Ok(done) => self.promoted(l1_slot, l1_generation, region, link).map(|_| done.bytes),
                     Err(e) => Err(match e {
                         OpError::Corrupt(_) => AgentError::Corrupt,
                         OpError::Mismatch(_) => AgentError::Stale,

@@ -153,19 +153,21 @@ impl Pool {
     }
 
     /// A block read into `l1_slot`: its header is rewritten to name the L1
-    /// slot, and the replica is reported.
+    /// slot, and the replica is reported. Returns the header as it was
+    /// read (naming the object read).
     pub(super) fn promoted(
         &mut self,
         l1_slot: u32,
         l1_generation: u32,
         region: &SlotRegion,
         link: &mut Option<CpLink>,
-    ) -> Result<(), AgentError> {
+    ) -> Result<ObjectMeta, AgentError> {
         // SAFETY: the slot was allocated for this read, which completed; no
         // agent can pin it before it is reported.
         let bytes = unsafe { region.slot_mut(l1_slot) }.ok_or(AgentError::Invalid)?;
         let slot_bytes = bytes.len() as u64;
         let decoded = decode_header(bytes).map_err(|_| AgentError::Corrupt)?;
+        let read = *decoded.meta();
         let region = crate::model::replica::RegionId(self.l1_region);
         let meta = match decoded.seal() {
             None => {
@@ -207,6 +209,6 @@ impl Pool {
         if let Some(cp) = link {
             cp.committed(&self.l1_record(l1_slot, l1_generation, &meta));
         }
-        Ok(())
+        Ok(read)
     }
 }
