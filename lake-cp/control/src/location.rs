@@ -364,6 +364,13 @@ impl Locations {
         }
     }
 
+    /// Where the index holds `key`: under its parent, or as a root
+    /// (`Some(None)`); `None` where it holds no such block.
+    pub fn parent_of(&self, key: &BlockKey) -> Option<Option<BlockKey>> {
+        let block = self.index.get(key)?;
+        Some(self.index.parent(block).map(|parent| self.index.key(parent)))
+    }
+
     /// The ready, current replicas of `key` (what a reader may be sent to).
     pub fn ready(&self, key: &BlockKey) -> impl Iterator<Item = Replica> + '_ {
         self.index

@@ -42,6 +42,12 @@ pub struct ViewGauges {
     pub pulls_sent: u64,
     /// See `pulls_sent`.
     pub pulls_dropped: u64,
+    /// Pulls of blocks other nodes hold only in L3 read from this node's
+    /// own object store, and those it did not have (then sent to the
+    /// leader).
+    pub pulls_from_store: u64,
+    /// See `pulls_from_store`.
+    pub pulls_from_store_failed: u64,
     /// What a pulled block costs this node, as measured (0: not yet).
     pub pull_ns_per_block: u64,
 }
@@ -326,8 +332,14 @@ fn view_metrics(out: &mut String, view: &ViewGauges) {
         "lake_cluster_pulls_total",
         "counter",
         "Engines' pulls of other nodes' blocks into this node's L1: sent to the summary's leader, or dropped (none \
-         streaming the view connected).",
-        &[("result=\"sent\"", view.pulls_sent), ("result=\"dropped\"", view.pulls_dropped)],
+         streaming the view connected); of blocks held only in L3, read from the object store the nodes share \
+         (store), or not found there and sent to the leader (store_failed).",
+        &[
+            ("result=\"sent\"", view.pulls_sent),
+            ("result=\"dropped\"", view.pulls_dropped),
+            ("result=\"store\"", view.pulls_from_store),
+            ("result=\"store_failed\"", view.pulls_from_store_failed),
+        ],
     );
     metric(
         out,

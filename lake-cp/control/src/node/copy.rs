@@ -11,8 +11,8 @@ impl Node {
     /// region and epoch) — replication, a write-back elsewhere, a drain;
     /// the copy lands there checked and is published by that node's
     /// `lake-cp`. Sent with the next plan; returns its request id. A block
-    /// held here only in L2 is promoted into L1 first (its L2 replica
-    /// stays) — [`PROMOTIONS_IN_FLIGHT`] at a time, one refused for want
+    /// held here only in L2 (or L3) is promoted into L1 first (its replica
+    /// there stays) — [`PROMOTIONS_IN_FLIGHT`] at a time, one refused for want
     /// of a slot asked again shortly — and copied once it is there; the id
     /// is then 0, and the copy is dropped if the block is not in L1
     /// within [`PROMOTION_WAIT_NS`] (whoever asked, asks again).
@@ -55,11 +55,12 @@ impl Node {
         true
     }
 
-    /// A copy of a block held here only in L2: queued for its promotion
-    /// into this node's L1, the copy to follow ([`Node::copy_to`]).
+    /// A copy of a block held here only in L2 or L3: queued for its
+    /// promotion into this node's L1, the copy to follow
+    /// ([`Node::copy_to`]).
     fn promote_for_copy(&mut self, key: &BlockKey, to: ReplicaWire, priority: Priority) -> Result<u64, NodeError> {
-        if !self.locations.ready(key).any(|r| r.tier == Tier::L2Nvme && r.node == self.node) {
-            return Err(NodeError::Field("copy_to: no ready L1 or L2 replica here"));
+        if self.below_l1(key).is_none() {
+            return Err(NodeError::Field("copy_to: no ready replica here"));
         }
         if self.locations.region_of(self.node, Tier::L1Dram).is_none() {
             return Err(NodeError::Field("copy_to: no L1 region here"));
@@ -108,9 +109,9 @@ impl Node {
             if in_flight >= PROMOTIONS_IN_FLIGHT {
                 break;
             }
-            let source = self.locations.ready(&key).find(|r| r.tier == Tier::L2Nvme && r.node == node);
-            let (Some(source), Some((l1, info))) = (source, self.locations.region_of(node, Tier::L1Dram)) else {
-                // Its L2 replica went (evicted, purged): nothing to copy.
+            let (Some(source), Some((l1, info))) = (self.below_l1(&key), self.locations.region_of(node, Tier::L1Dram))
+            else {
+                // Its replica went (evicted, purged): nothing to copy.
                 self.promoting.remove(&key);
                 continue;
             };
@@ -141,6 +142,14 @@ impl Node {
         }
     }
 
+    /// This node's ready replica of `key` below L1 a copy is promoted
+    /// from: its L2 one, else its L3 one.
+    fn below_l1(&self, key: &BlockKey) -> Option<Replica> {
+        let node = self.node;
+        let below = |tier| self.locations.ready(key).find(|r| r.tier == tier && r.node == node);
+        below(Tier::L2Nvme).or_else(|| below(Tier::L3Object))
+    }
+
     /// A promotion for a copy ended (`status` 0: the block is in L1, its
     /// commit reported): one refused is asked again shortly.
     pub(super) fn promotion_done(&mut self, request: u64, status: u32) {
@@ -167,9 +176,12 @@ pub(super) const PULL_BATCH_NS: u64 = 1_000_000;
 impl Node {
     /// An engine's pull of another node's block into this node's L1
     /// (the holder and its tier as the cluster view named them), kept for
-    /// the summary's leader ([`Node::take_pulls`]). Refused where it does
-    /// not name another node and this node's L1, and in a pool keeping
-    /// tenants apart (their engines are shown no other node's blocks).
+    /// the summary's leader ([`Node::take_pulls`]) — or, held there only in
+    /// L3 and this node having an object store, read from the store by
+    /// this node's data plane ([`Node::read_from_store`]). Refused where it
+    /// does not name another node and this node's L1, and in a pool
+    /// keeping tenants apart (their engines are shown no other node's
+    /// blocks).
     pub(super) fn pull(&mut self, transfer: &Transfer) -> Result<(), NodeError> {
         if transfer.target.node != self.node.0 || transfer.target.tier != Tier::L1Dram as u8 {
             return Err(NodeError::Field("pull: into this node's L1"));
@@ -183,7 +195,9 @@ impl Node {
         if self.pulls.len() >= PULLS_MAX {
             return Err(NodeError::Field("pull: too many waiting"));
         }
-        self.pulls.push(*transfer);
+        if !(transfer.source.tier == Tier::L3Object as u8 && self.read_from_store(transfer)) {
+            self.pulls.push(*transfer);
+        }
         let now = unix_ns();
         if self.pulling.len() >= PULLS_MAX * 16 {
             self.pulling.retain(|_, at| now < *at + PULL_LANDS_NS);
@@ -223,6 +237,61 @@ impl Node {
         let cost = unix_ns().saturating_sub(at) / blocks.max(1);
         self.pull_ns_per_block =
             if self.pull_ns_per_block == 0 { cost.max(1) } else { (3 * self.pull_ns_per_block + cost) / 4 };
+    }
+
+    /// Asks this node's data plane to read a pulled block held elsewhere
+    /// only in L3 from its own object store: the pool's nodes share one,
+    /// where the object is named by its namespace (the pull's
+    /// `source.region_epoch`) and key, so the block comes straight from
+    /// the store instead of through its holder. False where this node has
+    /// no L3 (or L1) region, or too many such reads wait.
+    fn read_from_store(&mut self, pull: &Transfer) -> bool {
+        let (Some((l3, _)), Some((l1, l1_info))) =
+            (self.locations.region_of(self.node, Tier::L3Object), self.locations.region_of(self.node, Tier::L1Dram))
+        else {
+            return false;
+        };
+        if self.store_reads.len() >= PULLS_MAX {
+            return false;
+        }
+        let any = |tier: Tier, region, region_epoch| ReplicaWire {
+            tier: tier as u8,
+            reserved: 0,
+            region,
+            node: self.node.0,
+            region_epoch,
+            slot: lake_dp::wire::message::SLOT_ANY,
+            generation: 0,
+        };
+        self.copy_requests += 1;
+        let request = STORE_READ_REQUESTS | self.copy_requests;
+        let read = Transfer {
+            // By name: the namespace in place of the region's epoch.
+            source: any(Tier::L3Object, l3, pull.source.region_epoch),
+            target: any(Tier::L1Dram, l1, l1_info.epoch),
+            key: pull.key,
+            deadline_unix_ns: 0,
+            priority: Priority::CriticalLoad as u8,
+            reserved: [0; 7],
+        };
+        self.copies.push(TierCommand { request, region: l3, action: TierAction::Copy(read) });
+        self.store_reads.insert(request, *pull);
+        true
+    }
+
+    /// A pull's read from the store ended: one that failed (the store has
+    /// no such object — it is not shared with the holder's — or it did not
+    /// check) is relayed to the holder through the summary's leader.
+    pub(super) fn store_read_done(&mut self, request: u64, status: u32) {
+        let Some(pull) = self.store_reads.remove(&request) else { return };
+        if status == 0 {
+            self.store_reads_done += 1;
+            return;
+        }
+        self.store_reads_failed += 1;
+        if self.pulls.len() < PULLS_MAX {
+            self.pulls.push(pull);
+        }
     }
 
     /// The engines' pulls since the last call, for the leader.

@@ -33,6 +33,11 @@ const COPY_REQUESTS: u64 = 1 << 62;
 /// another node (of a block held here only in L2): apart from both.
 const PROMOTE_REQUESTS: u64 = 1 << 61;
 
+/// Request ids of engines' pulls read from the object store this node
+/// shares with the block's L3 holder ([`Node::pull`]): apart from all
+/// three.
+const STORE_READ_REQUESTS: u64 = 1 << 60;
+
 /// Copies to other nodes tracked while out, at most (one past it still
 /// goes; it cannot be taken back).
 const COPIES_OUT_MAX: usize = 1 << 16;
@@ -238,6 +243,15 @@ pub struct Node {
     /// Engines' pulls of other nodes' blocks into this node's L1, for the
     /// summary's leader to relay ([`Node::take_pulls`]).
     pulls: Vec<Transfer>,
+    /// Engines' pulls of blocks another node holds in L3, asked of this
+    /// node's own data plane — a read of the object from the store — by
+    /// request: relayed as the others are if the read fails.
+    store_reads: HashMap<u64, Transfer>,
+    /// Such pulls read from the store, and those that failed (then
+    /// relayed).
+    pub store_reads_done: u64,
+    /// See `store_reads_done`.
+    pub store_reads_failed: u64,
     /// Blocks pulled lately and when each was asked: the copy that lands
     /// within [`copy::PULL_LANDS_NS`] is a pulled-in copy
     /// ([`crate::tier::Tiers::pulled_in`]).
@@ -324,6 +338,9 @@ impl Node {
             promoting: HashMap::new(),
             copies_out: HashMap::new(),
             pulls: Vec::new(),
+            store_reads: HashMap::new(),
+            store_reads_done: 0,
+            store_reads_failed: 0,
             pulling: HashMap::new(),
             pull_batches: HashMap::new(),
             pull_batch_at: 0,
@@ -477,10 +494,12 @@ impl Node {
         self.waiting_count
     }
 
-    /// A command's answer: a promotion for a copy, a copy to another node,
-    /// or a tier move (`status` 0: done).
+    /// A command's answer: a pull read from the store, a promotion for a
+    /// copy, a copy to another node, or a tier move (`status` 0: done).
     fn transfer_done(&mut self, request: u64, status: u32) {
-        if request & PROMOTE_REQUESTS != 0 {
+        if request & STORE_READ_REQUESTS != 0 {
+            self.store_read_done(request, status);
+        } else if request & PROMOTE_REQUESTS != 0 {
             // A promotion for a copy: the copy goes once its L1 replica is
             // reported (a commit).
             self.promotion_done(request, status);
@@ -666,10 +685,20 @@ impl Node {
             return Err(NodeError::Field("block.replica.node: another node's replica"));
         }
         let kind = ObjectKind::from_u16(block.kind).ok_or(NodeError::Field("block.kind"))?;
-        // A block continuing a copy pulled in from another node is a root
-        // here: the copy, first to go, is not held back as its parent.
-        let after_pulled = self.tiers.is_pulled_in(&block.parent_key) && !self.pulling.contains_key(&block.key);
-        let parent = (!block.parent_key.is_none() && !as_root && !after_pulled).then_some(block.parent_key);
+        let parent = match self.locations.parent_of(&block.key) {
+            // Held already: another replica joins the block where the
+            // index has it (a root of its own, say, where it landed
+            // before its parent — pulled blocks land in any order — or
+            // outlived it).
+            Some(held) => held,
+            None => {
+                // A new block continuing a copy pulled in from another
+                // node is a root here: the copy, first to go, is not held
+                // back as its parent.
+                let after_pulled = self.tiers.is_pulled_in(&block.parent_key) && !self.pulling.contains_key(&block.key);
+                (!block.parent_key.is_none() && !as_root && !after_pulled).then_some(block.parent_key)
+            }
+        };
         let existing = self.locations.ready(&block.key).find(|r| r.region == replica.region);
         if let Some(existing) = existing
             && (existing.slot, existing.generation) != (replica.slot, replica.generation)
@@ -747,18 +776,6 @@ impl Node {
                 // Committed after its parent was evicted: a root of its own.
                 self.counters.rooted += 1;
                 self.add_as(block, readopted, true)
-            }
-            Err(LocationError::Index(IndexError::ParentMismatch)) if !readopted && !as_root => {
-                // The pool holds this block as a root (committed once after
-                // its parent left): this copy joins it there.
-                self.add_as(block, readopted, true)
-            }
-            Err(LocationError::Index(IndexError::ParentMismatch)) if !readopted => {
-                // Held under another parent: this copy cannot be indexed,
-                // yet its data plane published it. It is freed like a
-                // duplicate rather than left in its slot unseen.
-                self.tiers.duplicate(block.key, replica);
-                Ok(())
             }
             Err(e) => Err(e.into()),
         }

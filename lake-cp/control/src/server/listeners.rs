@@ -316,6 +316,8 @@ impl Server {
                 refused: c.view_refused,
                 pulls_sent: c.pulls_sent,
                 pulls_dropped: c.pulls_dropped,
+                pulls_from_store: self.node.store_reads_done,
+                pulls_from_store_failed: self.node.store_reads_failed,
                 pull_ns_per_block: self.node.pull_ns_per_block,
             })
         });

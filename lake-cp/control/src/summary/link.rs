@@ -731,16 +731,24 @@ impl Aggregator {
     /// Relays the pulls nodes sent this pass: each asks the node the
     /// engine named (or, where it no longer offers the block, another
     /// member that does) to copy the block into the puller's L1, from its
-    /// L1 or, promoting it first, its L2.
+    /// L1 or, promoting it first, its L2 — or, where no member holds it
+    /// there, its L3 (a connected node's: it reads the object, then sends
+    /// it).
     fn relay_pulls(&mut self) {
         let mut plan = Vec::new();
+        let connected: Vec<u32> = self.connections.iter().filter_map(|c| c.node).collect();
         for pull in core::mem::take(&mut self.pulls) {
             let (to, puller) = (self.summary.l1_target(pull.target.node), pull.target.node);
             let holders = self.summary.replicas(&pull.key);
             let from = holders
                 .iter()
-                .filter(|r| matches!(r.tier, Tier::L1Dram | Tier::L2Nvme) && r.node.0 != puller)
-                .min_by_key(|r| (r.node.0 != pull.source.node, r.tier as u8));
+                .filter(|r| r.node.0 != puller)
+                .filter(|r| match r.tier {
+                    Tier::L1Dram | Tier::L2Nvme => true,
+                    Tier::L3Object => connected.contains(&r.node.0),
+                    Tier::L0Hbm => false,
+                })
+                .min_by_key(|r| (r.tier == Tier::L3Object, r.node.0 != pull.source.node, r.tier as u8));
             match (to, from) {
                 (Some(to), Some(&from)) => plan.push(Replication { key: pull.key, from, to }),
                 _ => self.counters.pulls_unheld += 1,
