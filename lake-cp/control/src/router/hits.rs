@@ -82,9 +82,10 @@ impl PoolReader {
     }
 
     /// The hit view of `keys` (a prompt's blocks, in order): every node's
-    /// leading run in each tier, and the pool's prefix in L1 and L2 in
-    /// runs by fastest holder — the nodes of `down` left out, their
-    /// blocks as good as gone. Empty where the pool cannot be read.
+    /// leading run in each tier, and the pool's prefix in runs by fastest
+    /// holder — the nodes of `down` left out, their blocks as good as gone
+    /// but for those in L3 (the store's, read by any node). Empty where
+    /// the pool cannot be read.
     pub(super) fn hits(&mut self, keys: &[BlockKey], down: &[NodeId]) -> HitView {
         self.refresh();
         let mut hits = Hits::default();
@@ -98,7 +99,7 @@ impl PoolReader {
                 holders.push((here, entry.tier));
             }
             holders.extend(remote.iter().map(|h| (h.node, h.tier)));
-            holders.retain(|(node, _)| !down.contains(node));
+            holders.retain(|(node, tier)| !down.contains(node) || *tier == Tier::L3Object);
             !holders.is_empty() && hits.add(u32::try_from(i).unwrap_or(u32::MAX), &holders)
         });
         hits.into_view()
@@ -131,15 +132,12 @@ impl Hits {
                 going |= open[t];
             }
         }
-        // The pool's run: the fastest L1 or L2 holder (the lowest node
-        // among equals); a block only in HBM or L3 ends it.
+        // The pool's run: the fastest holder below HBM (the lowest node
+        // among equals); a block only in HBM ends it.
         if block == 0 {
             self.pool_going = true;
         }
-        let best = holders
-            .iter()
-            .filter(|(_, t)| matches!(t, Tier::L1Dram | Tier::L2Nvme))
-            .min_by_key(|&&(node, tier)| (tier as u8, node.0));
+        let best = holders.iter().filter(|(_, t)| *t != Tier::L0Hbm).min_by_key(|&&(node, tier)| (tier as u8, node.0));
         match best {
             Some(&(node, tier)) if self.pool_going => match self.pool.last_mut() {
                 Some(run) if run.node == node && run.tier == tier && run.last == block => run.last += 1,
@@ -164,17 +162,27 @@ mod tests {
     fn each_nodes_leading_runs_and_the_pools_runs_by_fastest_holder() {
         let (a, b) = (NodeId(1), NodeId(2));
         let mut hits = Hits::default();
-        // Block 0: a in L1, b in L2; 1: a in L2; 2: b in L1; 3: b in L3.
+        // Block 0: a in L1, b in L2; 1: a in L2; 2: b in L1; 3: b in L3;
+        // 4: a in HBM only.
         assert!(hits.add(0, &[(a, Tier::L1Dram), (b, Tier::L2Nvme)]));
         assert!(hits.add(1, &[(a, Tier::L2Nvme)]));
         assert!(hits.add(2, &[(b, Tier::L1Dram)]));
-        assert!(!hits.add(3, &[(b, Tier::L3Object)]), "no run goes on past an L3-only block held by one node");
+        assert!(hits.add(3, &[(b, Tier::L3Object)]), "the pool's run goes on through the store");
+        assert!(!hits.add(4, &[(a, Tier::L0Hbm)]), "no run goes on past a block only in one engine's HBM");
         let view = hits.into_view();
         assert_eq!(
             view.nodes,
             [NodeHits { node: a, through: [0, 1, 2, 2] }, NodeHits { node: b, through: [0, 0, 1, 1] }]
         );
         let run = |first, last, node, tier| PoolRun { first, last, node, tier };
-        assert_eq!(view.pool, [run(0, 1, a, Tier::L1Dram), run(1, 2, a, Tier::L2Nvme), run(2, 3, b, Tier::L1Dram)]);
+        assert_eq!(
+            view.pool,
+            [
+                run(0, 1, a, Tier::L1Dram),
+                run(1, 2, a, Tier::L2Nvme),
+                run(2, 3, b, Tier::L1Dram),
+                run(3, 4, b, Tier::L3Object)
+            ]
+        );
     }
 }

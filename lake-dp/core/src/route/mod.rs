@@ -89,16 +89,17 @@ pub struct PoolRun {
 
 /// The hit view: per node, what it holds of the prefix. Nodes absent hold
 /// nothing. L3 is the cluster's: `l3_through` blocks any node may read.
-/// `pool` is the prefix as the whole pool holds it in L1 and L2, block 0
-/// on, in runs by holder (one holder a block: the fastest): what a node
-/// may pull past its own.
+/// `pool` is the prefix as the whole pool holds it, block 0 on, in runs by
+/// holder (one holder a block: the fastest): what a node may pull past
+/// its own — from another node's L1 or L2, or, a run some node holds in
+/// L3, from the object store every node shares.
 #[derive(Clone, Debug, Default)]
 pub struct HitView {
     /// Per node.
     pub nodes: Vec<NodeHits>,
     /// Prefix blocks in the object store.
     pub l3_through: u32,
-    /// The pool's prefix in L1 and L2, in runs from block 0.
+    /// The pool's prefix in L1, L2 and L3, in runs from block 0.
     pub pool: Vec<PoolRun>,
 }
 
@@ -295,7 +296,10 @@ fn prefill_on(request: &Request, hits: &HitView, node: &NodeLoad) -> Prefill {
         if !going || run.first > runs.covered {
             break;
         }
-        let (per_block, network) = if run.node == node.node {
+        let (per_block, network) = if run.tier == Tier::L3Object {
+            // The store is every node's: read as this node reads its own.
+            (node.load_ns_per_block[3], Network::Storage)
+        } else if run.node == node.node {
             (node.load_ns_per_block[run.tier as usize], Network::Local)
         } else {
             (node.pull_ns_per_block, Network::Storage)

@@ -177,3 +177,27 @@ fn past_its_own_prefix_a_node_pulls_the_pools_runs_where_that_beats_recomputing(
     assert_eq!(plan.moves[0].network, Network::Local);
     assert_eq!(plan.blocks_moved_between_nodes(), 0);
 }
+
+#[test]
+fn a_run_only_in_another_nodes_l3_is_read_from_the_shared_store_at_the_nodes_own_l3_rate() {
+    // Node 1 holds 10 of 100 blocks in L1; blocks 10..40 are only in node
+    // 2's L3. A pull costs node 1 more than recomputing (1 ms), an L3 read
+    // (0.3 ms here) less: it reads the 30 from the store, as it reads its
+    // own L3, and computes the last 60.
+    let mut one = node(1, 0);
+    one.pull_ns_per_block = MS;
+    one.load_ns_per_block[3] = 3 * MS / 10;
+    let pool = vec![run(0, 10, 1, Tier::L1Dram), run(10, 40, 2, Tier::L3Object)];
+    let view = HitView { nodes: vec![hits(1, [0, 10, 10, 10])], l3_through: 0, pool };
+    let plan = route(&request(100), &view, &LoadView { nodes: vec![one] }, Policy::Any).unwrap();
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (40, 60), "{plan:?}");
+    let read =
+        Move { first: 10, last: 40, from: (NodeId(2), Tier::L3Object), to: NodeId(1), network: Network::Storage };
+    assert_eq!(plan.moves[1], read, "{plan:?}");
+    // Where its own L3 reads cost more than recomputing, the run is not
+    // read.
+    let mut slow = one;
+    slow.load_ns_per_block[3] = MS;
+    let plan = route(&request(100), &view, &LoadView { nodes: vec![slow] }, Policy::Any).unwrap();
+    assert_eq!(plan.hit_blocks, 10, "{plan:?}");
+}
