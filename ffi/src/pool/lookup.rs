@@ -471,7 +471,9 @@ fn cluster_places(pool: &LakePool, keys: &[BlockKey]) -> Vec<Where> {
 /// `timeout_ms`: of its longest prefix held anywhere
 /// (`lake_lookup_cluster`), the blocks only other nodes hold are asked
 /// for — the summary's leader has each holder copy its block over the
-/// storage network into this node's L1, where it lands checked — and the
+/// storage network into this node's L1, or, a block held only in L3, this
+/// node reads it from the object store the nodes share; it lands checked
+/// — and the
 /// call waits until that prefix is in this node's mirror or the time is
 /// up. This node's hit then goes to `hits`: look it up and load it as
 /// `lake_lookup`'s. A block that left its holder before it was copied
