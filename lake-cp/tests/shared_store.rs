@@ -1,10 +1,12 @@
 //! One object store shared by the pool's nodes, across processes: three
 //! `lake serve` nodes (members of a cluster in a real etcd, streaming to a
-//! `lake summary` leader) where nodes 2 and 3 keep L3 in one directory
-//! store and node 1 in a store of its own. What node 2 wrote outlives it:
+//! `lake summary` leader) where nodes 2 and 3 keep L3 in one store — a
+//! directory, or a bucket of a real S3 server (moto) — and node 1 in a
+//! store of its own. What node 2 wrote outlives it:
 //! killed, its L3 blocks stay in every node's view, node 3's engine pulls
 //! them and node 3's data plane reads them from the store by name, byte
-//! for byte — all but one damaged in the store, where the hit ends — while
+//! for byte — in the directory, all but one damaged there, where the hit
+//! ends — while
 //! node 1 — whose store lacks them, and whose pull the
 //! dead holder cannot serve — gets a clean miss. Node 2 started again on
 //! a new directory finds the store's objects by its scan, holds them in
@@ -105,10 +107,19 @@ fn free_address() -> String {
     format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port())
 }
 
+/// Where the nodes keep L3.
+enum Stores {
+    /// Directories under the test's own.
+    Dir,
+    /// Buckets of the S3 server at this endpoint.
+    S3(String),
+}
+
 struct Cluster {
     endpoint: String,
     listen: String,
     base: std::path::PathBuf,
+    stores: Stores,
 }
 
 impl Cluster {
@@ -122,23 +133,51 @@ impl Cluster {
         args.extend(["--block-bytes", "16384", "--summary-to", &self.listen].map(String::from));
         args.extend(["--etcd", &self.endpoint, "--cluster", "store", "--member-ttl", "2"].map(String::from));
         args.extend(extra.iter().cloned());
-        let proc = Proc::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        // moto takes any key.
+        let keys = [("LAKE_S3_ACCESS_KEY", "lake-test"), ("LAKE_S3_SECRET_KEY", "lake-test")];
+        let proc = Proc::start_with(&args.iter().map(String::as_str).collect::<Vec<_>>(), &keys);
         let serving = proc
             .wait_for(&format!("node {node} serves"), Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
         (proc, serving)
     }
 
-    fn store_flags(&self) -> Vec<String> {
-        vec!["--l3-dir".into(), self.base.join("store").display().to_string()]
+    /// The flags of store `name`.
+    fn store_flags(&self, name: &str) -> Vec<String> {
+        match &self.stores {
+            Stores::Dir => vec!["--l3-dir".into(), self.base.join(name).display().to_string()],
+            Stores::S3(endpoint) => ["--l3-endpoint", endpoint, "--l3-bucket", name, "--l3-create-bucket"]
+                .iter()
+                .map(ToString::to_string)
+                .chain(["--l3-region".into(), "eu-west-1".into()])
+                .collect(),
+        }
     }
 }
 
 #[test]
-fn an_object_one_node_wrote_is_read_by_every_node_sharing_the_store_and_served_by_its_holder_to_the_others() {
-    let Some(etcd) = etcd_server::EtcdServer::start("store") else { return };
-    let base = std::env::temp_dir().join(format!("lake-shared-store-{}", std::process::id()));
+fn a_directory_store_shared_by_the_nodes() {
+    shared_store(Stores::Dir, "dir");
+}
+
+#[test]
+fn an_s3_bucket_shared_by_the_nodes() {
+    let Some(moto) = lake_tests::moto::moto_server() else {
+        assert!(std::env::var_os("CI").is_none(), "no moto_server: .ci/run installs it");
+        println!("SKIPPED: no moto_server (LAKE_MOTO_SERVER, or ~/.cache/lake-moto)");
+        return;
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let server = lake_tests::moto::Server::start(moto, port);
+    shared_store(Stores::S3(format!("http://127.0.0.1:{}", server.port)), "s3");
+}
+
+/// An object one node wrote is read by every node sharing the store, and
+/// served by its holder to the others.
+fn shared_store(stores: Stores, name: &str) {
+    let Some(etcd) = etcd_server::EtcdServer::start(&format!("store-{name}")) else { return };
+    let base = std::env::temp_dir().join(format!("lake-shared-store-{name}-{}", std::process::id()));
     let _scratch = Scratch(base.clone(), Vec::new());
-    let cluster = Cluster { endpoint: etcd.endpoint(), listen: free_address(), base: base.clone() };
+    let cluster = Cluster { endpoint: etcd.endpoint(), listen: free_address(), base: base.clone(), stores };
     let summary = ["summary", "--listen", &cluster.listen, "--etcd", &cluster.endpoint, "--cluster", "store"];
     let leader = Proc::start(&[&summary[..], &["--id", "leader", "--ttl", "2"]].concat());
     leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
@@ -147,13 +186,13 @@ fn an_object_one_node_wrote_is_read_by_every_node_sharing_the_store_and_served_b
     // to the shared store at once; node 3 shares it. Node 2 sends blocks
     // to node 1.
     let transport = free_address();
-    let own_store = base.join("store-one").display().to_string();
-    let one_flags = ["--transport-listen".into(), transport.clone(), "--l3-dir".into(), own_store];
+    let mut one_flags = cluster.store_flags("lake-one");
+    one_flags.extend(["--transport-listen".into(), transport.clone()]);
     let (_one, serving_one) = cluster.node(1, &base.join("node1"), &one_flags);
-    let mut two_flags = cluster.store_flags();
+    let mut two_flags = cluster.store_flags("lake-shared");
     two_flags.extend(["--l3-write-back".into(), "eager".into(), "--transport-peer".into(), format!("1={transport}")]);
     let (mut two, serving_two) = cluster.node(2, &base.join("node2"), &two_flags);
-    let (_three, serving_three) = cluster.node(3, &base.join("node3"), &cluster.store_flags());
+    let (_three, serving_three) = cluster.node(3, &base.join("node3"), &cluster.store_flags("lake-shared"));
 
     // Node 2 saves two chains; both reach the store.
     save(&serving_two, 0xa);
@@ -174,30 +213,37 @@ fn an_object_one_node_wrote_is_read_by_every_node_sharing_the_store_and_served_b
         assert!(places.len() == 12 && places.iter().all(|w| *w == in_store), "{places:?}");
     }
 
-    // Block 6 of chain A is damaged in the store (a payload byte).
-    let name = lake_dp::l3::object_name("lake", NamespaceId(47), &key(0xa, 6));
-    let object = base.join("store").join(name);
-    let mut bytes = std::fs::read(&object).unwrap();
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0x40;
-    std::fs::write(&object, bytes).unwrap();
+    // In the directory, block 6 of chain A is damaged (a payload byte).
+    let damaged = matches!(cluster.stores, Stores::Dir);
+    if damaged {
+        let object = base.join("lake-shared").join(lake_dp::l3::object_name("lake", NamespaceId(47), &key(0xa, 6)));
+        let mut bytes = std::fs::read(&object).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        std::fs::write(&object, bytes).unwrap();
+    }
 
     // Node 3 shares the store: its data plane reads the objects by name.
-    // The damaged one never lands (nor does its relay to the dead
-    // holder): node 3's hit is the six before it, each byte for byte.
+    // A damaged one never lands (nor does its relay to the dead holder):
+    // node 3's hit is the six before it, each byte for byte.
     let read = Instant::now();
-    assert_eq!(pull_and_read(&serving_three, 0xa, Duration::from_secs(3)), 6);
-    println!("store: a dead node's blocks read from the shared store into node 3's L1 in {:?}", read.elapsed());
+    let (hit, read_ok) = if damaged { (6, 11) } else { (12, 12) };
+    assert_eq!(pull_and_read(&serving_three, 0xa, Duration::from_secs(3)), hit);
+    println!(
+        "store ({name}): a dead node's blocks read from the shared store into node 3's L1 in {:?}",
+        read.elapsed()
+    );
     let metrics = metrics_of(&serving_three);
-    assert!(metrics.contains("lake_cluster_pulls_total{result=\"store\"} 11\n"), "{metrics}");
-    assert!(metrics.contains("lake_cluster_pulls_total{result=\"store_failed\"} 1\n"), "{metrics}");
+    assert!(metrics.contains(&format!("lake_cluster_pulls_total{{result=\"store\"}} {read_ok}\n")), "{metrics}");
+    let failed = 12 - read_ok;
+    assert!(metrics.contains(&format!("lake_cluster_pulls_total{{result=\"store_failed\"}} {failed}\n")), "{metrics}");
     // Read and checked, the objects are node 3's L3 too (its catalog and
     // its control plane's index), as its own scan would have found them.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while tier_blocks(&serving_three, "L3") < 11 && Instant::now() < deadline {
+    while tier_blocks(&serving_three, "L3") < read_ok && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(tier_blocks(&serving_three, "L3"), 11, "{}", metrics_of(&serving_three));
+    assert_eq!(tier_blocks(&serving_three, "L3"), read_ok, "{}", metrics_of(&serving_three));
     // Node 1's store lacks them and node 2 is gone: a clean miss, no
     // wrong bytes.
     assert_eq!(pull_and_read(&serving_one, 0xc, Duration::from_millis(1500)), 0);
@@ -207,7 +253,7 @@ fn an_object_one_node_wrote_is_read_by_every_node_sharing_the_store_and_served_b
     // Node 2 again, on a new directory: its scan of the store finds every
     // object, so it holds chain C in L3 only; node 1's pull has it read
     // the objects into its L1 and send them over the transport.
-    let mut again_flags = cluster.store_flags();
+    let mut again_flags = cluster.store_flags("lake-shared");
     again_flags.extend(["--transport-peer".into(), format!("1={transport}")]);
     let (_two, _serving_two) = cluster.node(2, &base.join("node2-again"), &again_flags);
     let places = wait_places(&serving_one, &chain(0xc), |p| p.len() == 12 && p.iter().all(|w| *w == in_store));
@@ -220,7 +266,7 @@ fn an_object_one_node_wrote_is_read_by_every_node_sharing_the_store_and_served_b
         hit = pull_and_read(&serving_one, 0xc, Duration::from_secs(3));
     }
     assert_eq!(hit, 12, "node 2 read its L3 objects and sent them");
-    println!("store: node 2's 12 L3-only blocks sent to node 1 (another store) within {:?}", pulled.elapsed());
+    println!("store ({name}): node 2's 12 L3-only blocks sent to node 1 (another store) in {:?}", pulled.elapsed());
     let metrics = metrics_of(&serving_one);
     assert!(metrics.contains("lake_cluster_pulls_total{result=\"store\"} 0\n"), "{metrics}");
 }

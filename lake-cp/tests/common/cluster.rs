@@ -14,8 +14,14 @@ pub(crate) struct Proc {
 
 impl Proc {
     pub(crate) fn start(args: &[&str]) -> Self {
+        Self::start_with(args, &[])
+    }
+
+    /// Started with `env` added to its environment.
+    pub(crate) fn start_with(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
