@@ -196,7 +196,7 @@ impl Node {
             return Err(NodeError::Field("pull: too many waiting"));
         }
         if !(transfer.source.tier == Tier::L3Object as u8 && self.read_from_store(transfer)) {
-            self.pulls.push(*transfer);
+            self.relay(transfer);
         }
         let now = unix_ns();
         if self.pulling.len() >= PULLS_MAX * 16 {
@@ -290,8 +290,21 @@ impl Node {
         }
         self.store_reads_failed += 1;
         if self.pulls.len() < PULLS_MAX {
-            self.pulls.push(pull);
+            self.relay(&pull);
         }
+    }
+
+    /// Keeps `pull` for the summary's leader, its target naming this
+    /// node's L1 region and epoch: the leader learns them from the
+    /// membership, or a block held there, only a moment after the node
+    /// starts, and till then could send no copy here.
+    fn relay(&mut self, pull: &Transfer) {
+        let mut pull = *pull;
+        if let Some((region, info)) = self.locations.region_of(self.node, Tier::L1Dram) {
+            pull.target.region = region;
+            pull.target.region_epoch = info.epoch;
+        }
+        self.pulls.push(pull);
     }
 
     /// The engines' pulls since the last call, for the leader.

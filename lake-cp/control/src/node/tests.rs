@@ -236,3 +236,66 @@ fn another_replica_of_a_block_that_landed_before_its_parent_joins_it_where_the_i
         assert_eq!(tiers.len(), 2, "block {k}: {tiers:?}");
     }
 }
+
+#[test]
+fn a_pull_goes_to_the_leader_naming_this_nodes_l1_and_one_held_only_in_l3_is_read_from_the_store() {
+    let mut node = Node::new(NodeId(3), 1, None);
+    node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+    let any = |tier: Tier, node: u32, region_epoch| ReplicaWire {
+        tier: tier as u8,
+        node,
+        region_epoch,
+        slot: lake_dp::wire::message::SLOT_ANY,
+        ..ReplicaWire::default()
+    };
+    let pull = |key, tier| Transfer {
+        // The agent names the holder, its tier and the block's namespace.
+        source: any(tier, 2, 77),
+        target: any(Tier::L1Dram, 3, 0),
+        key,
+        deadline_unix_ns: 0,
+        priority: Priority::CriticalLoad as u8,
+        reserved: [0; 7],
+    };
+    node.on_agent(1, 1, &Message::CopyBlock(pull(key(1), Tier::L1Dram)), 0).unwrap();
+    let pulls = node.take_pulls();
+    assert_eq!(pulls.len(), 1);
+    assert_eq!((pulls[0].target.region, pulls[0].target.region_epoch), (1, 5), "this node's L1");
+    // No L3 here: a block held elsewhere only in L3 goes to the leader.
+    node.on_agent(1, 2, &Message::CopyBlock(pull(key(2), Tier::L3Object)), 0).unwrap();
+    assert_eq!(node.take_pulls().len(), 1);
+    // With an L3 region, the data plane reads it by name: (namespace 77,
+    // key) from the store, into any L1 slot; no pull goes to the leader.
+    node.on_data_plane(0, &Message::RegisterRegion(region(9, Tier::L3Object, 5))).unwrap();
+    node.on_agent(1, 3, &Message::CopyBlock(pull(key(3), Tier::L3Object)), 0).unwrap();
+    assert!(node.take_pulls().is_empty());
+    let mut commands = Vec::new();
+    node.plan(1, &mut commands);
+    let reads: Vec<(u64, Transfer)> = commands
+        .iter()
+        .filter_map(|c| match c.action {
+            crate::tier::TierAction::Copy(t) if t.key == key(3) => Some((c.request, t)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reads.len(), 1, "{commands:?}");
+    let (request, read) = reads[0];
+    assert_eq!((read.source.tier, read.source.region, read.source.region_epoch), (Tier::L3Object as u8, 9, 77));
+    assert_eq!(read.source.slot, lake_dp::wire::message::SLOT_ANY);
+    assert_eq!(
+        (read.target.region, read.target.region_epoch, read.target.slot),
+        (1, 5, lake_dp::wire::message::SLOT_ANY)
+    );
+    // The store lacks it: the pull goes to the leader after all.
+    let done = lake_dp::wire::message::TransferDone {
+        status: lake_dp::wire::message::ErrorCode::StaleGeneration as u32,
+        reserved: 0,
+        target: read.target,
+        bytes: 0,
+    };
+    node.on_data_plane(request, &Message::TransferDone(done)).unwrap();
+    let relayed = node.take_pulls();
+    assert_eq!(relayed.len(), 1);
+    assert_eq!((relayed[0].key, relayed[0].target.region), (key(3), 1));
+    assert_eq!((node.store_reads_done, node.store_reads_failed), (0, 1));
+}

@@ -730,7 +730,9 @@ impl Aggregator {
 
     /// Relays the pulls nodes sent this pass: each asks the node the
     /// engine named (or, where it no longer offers the block, another
-    /// member that does) to copy the block into the puller's L1, from its
+    /// member that does) to copy the block into the puller's L1 (the
+    /// region and epoch the pull names, where it names them: the puller
+    /// knows its own best; else the summary's), from its
     /// L1 or, promoting it first, its L2 — or, where no member holds it
     /// there, its L3 (a connected node's: it reads the object, then sends
     /// it).
@@ -738,7 +740,13 @@ impl Aggregator {
         let mut plan = Vec::new();
         let connected: Vec<u32> = self.connections.iter().filter_map(|c| c.node).collect();
         for pull in core::mem::take(&mut self.pulls) {
-            let (to, puller) = (self.summary.l1_target(pull.target.node), pull.target.node);
+            let puller = pull.target.node;
+            let to = if pull.target.region_epoch != 0 && pull.target.tier == Tier::L1Dram as u8 {
+                let any = lake_dp::wire::message::SLOT_ANY;
+                Some(lake_dp::model::replica::ReplicaWire { slot: any, generation: 0, ..pull.target })
+            } else {
+                self.summary.l1_target(puller)
+            };
             let holders = self.summary.replicas(&pull.key);
             let from = holders
                 .iter()

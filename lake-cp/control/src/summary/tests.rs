@@ -421,6 +421,18 @@ fn the_leader_streams_each_node_the_other_nodes_blocks_and_a_new_leader_starts_t
     assert_eq!((copy.target.region, copy.target.region_epoch), l1_of_two, "node 2's L1");
     assert_eq!(copy.priority, lake_dp::Priority::CriticalLoad as u8);
     assert_eq!((aggregator.counters.pulls_relayed, aggregator.counters.pulls_unheld), (1, 1));
+    // A pull naming the puller's L1 region and epoch (its `lake-cp` does:
+    // the leader learns them only a moment after a node starts) is copied
+    // there.
+    let named = lake_dp::wire::message::Transfer {
+        target: lake_dp::model::replica::ReplicaWire { region: 7, region_epoch: 9, ..pull(key(3)).target },
+        ..pull(key(3))
+    };
+    assert!(up_two.pull(&named));
+    pump(&mut one, &mut two, &mut up_one, &mut up_two, &mut aggregator);
+    let copies = up_one.take_copies();
+    assert_eq!(copies.len(), 1, "{copies:?}");
+    assert_eq!((copies[0].target.node, copies[0].target.region, copies[0].target.region_epoch), (2, 7, 9));
     // Removals flow down too.
     one.remove(&key(5), 0).unwrap();
     pump(&mut one, &mut two, &mut up_one, &mut up_two, &mut aggregator);
