@@ -127,10 +127,11 @@ class Engine:
     def run(self, phases, block_size=128, connector=None, kv_cache_tokens=16384, max_model_len=4096,
             prefix_caching=True, multiprocess=False, expect_kill=False, expect_failure=False, max_num_seqs=8,
             model=None, dtype="float32", kv_cache_bytes=None, load_failure_policy="fail", speculative=None,
-            kv_role="kv_both"):
+            kv_role="kv_both", metrics_port=None):
         """``model``, ``dtype``, ``kv_cache_bytes``: another model than the
         tiny Qwen3 (its KV cache then sized in bytes); ``speculative``:
-        vLLM's ``speculative_config``."""
+        vLLM's ``speculative_config``; ``metrics_port``: where the process
+        serves vLLM's metrics while it runs."""
         self.runs += 1
         name = f"engine-{self.runs}"
         spec = {
@@ -145,6 +146,7 @@ class Engine:
             "load_failure_policy": load_failure_policy,
             "speculative": speculative,
             "kv_role": kv_role,
+            "metrics_port": metrics_port,
             "phases": phases,
         }
         spec_path, out, log = (self.workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))

@@ -11,7 +11,10 @@ wall time and vLLM's own counters after it. A phase may say
 ``"kill_after_tokens": N``: the process then SIGKILLs itself once the
 first request has produced N tokens (what a crashed engine leaves
 behind); ``"abort_after_steps": N``: the first request is aborted after N
-engine steps (a client gone), the others run to their end. Run with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the tests set it)."""
+engine steps (a client gone), the others run to their end. With
+``"metrics_port": P`` the process serves vLLM's Prometheus registry —
+what its OpenAI server exposes at /metrics — on 127.0.0.1:P while it
+runs. Run with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the tests set it)."""
 
 from __future__ import annotations
 
@@ -88,6 +91,10 @@ def main(spec_path: str, out_path: str) -> None:
         disable_log_stats=False,
         seed=0,
     )
+    if spec.get("metrics_port"):
+        from prometheus_client import start_http_server
+
+        start_http_server(spec["metrics_port"], addr="127.0.0.1")
     results = {"phases": []}
     for phase in spec["phases"]:
         params = SamplingParams(

@@ -34,6 +34,7 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -176,13 +177,16 @@ def pool_paths(pool: Pool) -> dict:
     return {"DP_SOCKET": record["dp_socket"], "MIRROR": record["mirror"], "CP_SOCKET": record["cp_socket"]}
 
 
-def router_for(lake_bin, cluster, base, fingerprint: str) -> Proc:
+def router_for(lake_bin, cluster, base, fingerprint: str, engines=None) -> Proc:
     """`lake route` beside node 2: node 1 prefills and decodes, node 2
     decodes, node 3 prefills; 10 ms to compute a block of the tiny model
-    here, 0.2 ms to load one from L1, 1 ms to pull one."""
+    here, 0.2 ms to load one from L1, 1 ms to pull one. ``engines``: the
+    address of a node's vLLM metrics, by node."""
+    engines = engines or {}
     nodes = "".join(
         f'[[nodes]]\nid = {node}\nroles = {roles}\nlake_metrics = "{cluster[node].record["metrics"]}"\n'
-        "compute_ns_per_block = 10000000\nload_ns_per_block = [0, 200000, 1000000, 20000000]\n"
+        + (f'engine_metrics = "{engines[node]}"\n' if node in engines else "")
+        + "compute_ns_per_block = 10000000\nload_ns_per_block = [0, 200000, 1000000, 20000000]\n"
         "pull_ns_per_block = 1000000\ncnic_ns_per_block = 1000000\n\n"
         for node, roles in ((1, '["prefill", "decode"]'), (2, '["decode"]'), (3, '["prefill"]'))
     )
@@ -281,6 +285,69 @@ def test_prefill_decode_and_the_next_turn_on_three_nodes_through_the_pool(
         assert only(third, 0) == only(reference, 2)
     finally:
         router_proc.stop()
+
+
+def router_nodes(router: str) -> dict:
+    """GET /nodes: each node's signals as the router last read them, by
+    node."""
+    with urllib.request.urlopen(f"http://{router}/nodes", timeout=10) as r:
+        return {n["node"]: n for n in json.loads(r.read())["nodes"]}
+
+
+def test_the_router_reads_a_running_vllms_queue_from_its_metrics(engine, lake_bin, cluster, tmp_path):
+    """The router's load signal from a real vLLM as it runs: its
+    Prometheus registry — what vLLM's OpenAI server exposes at /metrics,
+    served here from the engine's process by prometheus_client, the
+    library vLLM's server serves it with — read for node 1. Once a
+    prefill has run the router has its mean; with one request running and
+    three queued behind it (``max_num_seqs`` 1) it sees them waiting and
+    prices node 1's queue at waiting × mean prefill; the engine gone, node
+    1 is down."""
+    port = free_port()
+    release = tmp_path / "release"
+    queued = [tokens(60 + i, 2 * BLOCK) for i in range(4)]
+    phases = [phase([PROMPT], 1), phase(queued, 150, wait_for=str(release))]
+    ran = {}
+    worker = threading.Thread(target=lambda: ran.update(engine.run(phases, max_num_seqs=1, metrics_port=port)))
+    worker.start()
+    router_proc = None
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{release}.ready"):
+            assert worker.is_alive() and time.monotonic() < deadline, "the engine never finished its first phase"
+            time.sleep(0.05)
+        router_proc = router_for(lake_bin, cluster, tmp_path, "0" * 64, engines={1: f"127.0.0.1:{port}"})
+        router = json.loads(router_proc.wait_for('"routing"'))["listen"]
+        deadline = time.monotonic() + 20
+        while (one := router_nodes(router)[1])["prefill_ns"] == 0:
+            assert time.monotonic() < deadline, one
+            time.sleep(0.1)
+        assert one["down"] is None and one["waiting"] == 0 and one["queue_ns"] == 0, one
+        mean_prefill = one["prefill_ns"]
+        # Four requests, one at a time: the router sees the others wait.
+        release.touch()
+        seen = None
+        while worker.is_alive() and seen is None:
+            one = router_nodes(router)[1]
+            if one["waiting"] > 0:
+                seen = one
+            time.sleep(0.05)
+        assert seen is not None, "the router never saw a request waiting"
+        assert 1 <= seen["waiting"] <= 3 and seen["queue_ns"] == seen["waiting"] * seen["prefill_ns"], seen
+        print(f"router: node 1's vLLM had {seen['waiting']} waiting, mean prefill {mean_prefill / 1e6:.1f} ms")
+        worker.join(timeout=300)
+        assert len(ran["phases"][1]["requests"]) == 4, ran.get("phases")
+        # The engine gone: node 1 is down, and why.
+        deadline = time.monotonic() + 20
+        while (one := router_nodes(router)[1])["down"] is None:
+            assert time.monotonic() < deadline, one
+            time.sleep(0.1)
+        assert one["down"].startswith(f"engine at 127.0.0.1:{port}"), one
+    finally:
+        release.touch()
+        worker.join(timeout=300)
+        if router_proc is not None:
+            router_proc.stop()
 
 
 def test_sglangs_prefetch_on_one_node_pulls_what_another_node_backed_up(cluster):

@@ -105,6 +105,7 @@ impl Router {
                     "prefill": node.roles.contains(&config::Role::Prefill),
                     "decode": node.roles.contains(&config::Role::Decode),
                     "waiting": signal.waiting,
+                    "prefill_ns": signal.prefill_ns,
                     "queue_ns": signal.queue_ns(),
                     "pull_ns_per_block": pull_ns,
                     "pull_cost": if measured { "measured" } else { "configured" },
