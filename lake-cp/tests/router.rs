@@ -74,6 +74,24 @@ fn ask(router: &str, head: &str, body: &[u8]) -> (u16, Value) {
     (status, serde_json::from_str(body).unwrap_or(Value::Null))
 }
 
+/// `GET /metrics`: Prometheus text.
+fn router_metrics(router: &str) -> String {
+    let mut stream = TcpStream::connect(router).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: lake\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    assert!(head.starts_with("HTTP/1.1 200") && head.contains("Content-Type: text/plain; version=0.0.4"), "{head}");
+    body.to_owned()
+}
+
+/// The value of the sample `name` (with its labels) in `metrics`.
+fn metric_value(metrics: &str, name: &str) -> u64 {
+    let prefix = format!("{name} ");
+    metrics.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
 fn route(router: &str, request: &Value) -> (u16, Value) {
     ask(router, "POST /route HTTP/1.1", request.to_string().as_bytes())
 }
@@ -245,6 +263,16 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     let (status, nodes) = ask(&router, "GET /nodes HTTP/1.1", b"");
     assert_eq!(status, 200);
     assert!(nodes["nodes"][0]["down"].is_null() && nodes["nodes"][1]["down"].is_string(), "{nodes}");
+    // Its own metrics say so too, with what it answered.
+    let metrics = router_metrics(&router);
+    for line in ["lake_router_node_down{node=\"1\"} 0\n", "lake_router_node_down{node=\"2\"} 1\n"] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
+    assert!(metrics.contains("lake_router_pool_read{what=\"mirror\"} 1\n"), "{metrics}");
+    assert!(metrics.contains("lake_router_answers_total{class=\"5xx\"} 1\n"), "the one 503: {metrics}");
+    let routed = metric_value(&metrics, "lake_router_routed_total");
+    assert!(routed >= 5 && metric_value(&metrics, "lake_router_answers_total{class=\"2xx\"}") > routed, "{metrics}");
+    assert!(metric_value(&metrics, "lake_router_routed_ns_total") > routed * 1_000, "{metrics}");
 
     // A stop: the router exits 0 and says what it answered.
     // SAFETY: a child process of this test, still running.

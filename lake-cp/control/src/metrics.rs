@@ -87,7 +87,9 @@ pub fn respond(
     Some(out.into_bytes())
 }
 
-fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
+/// One metric in the Prometheus text format: its help, type and samples
+/// (labels, value).
+pub(crate) fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
     for (labels, value) in samples {

@@ -15,6 +15,7 @@
 //! |---|---|
 //! | `POST /route` `{"keys": ["<32 hex>", …]}` or `{"tokens": [u32, …]}`, with `"blocks"`, `"avoid"`, `"policy"` optional | the plan, or `{"error"}`: 400 bad request, 503 no node may run it |
 //! | `GET /nodes` | every node: its roles, queue, whether it may be routed to (why not) |
+//! | `GET /metrics` | the router's own figures, Prometheus text: answers by class, routing time, each node's signals, whether the pool is read |
 //! | `GET /healthz` | `ok` while the router runs |
 
 pub mod config;
@@ -45,6 +46,11 @@ pub struct Router {
     signals: Signals,
     /// Answers given, by status class (2xx, 4xx, 5xx).
     pub answered: [u64; 3],
+    /// Routes planned (`POST /route` answered 200), and the time they
+    /// took in all.
+    routed: u64,
+    /// See `routed`.
+    routed_ns: u64,
 }
 
 /// An answer: HTTP status and JSON body.
@@ -60,7 +66,7 @@ impl Router {
         let namespace = config.check()?;
         let signals = Signals::start(&config.nodes, Duration::from_millis(config.scrape_ms));
         let pool = PoolReader::new(&config.pool_dir);
-        Ok(Self { config, namespace, pool, signals, answered: [0; 3] })
+        Ok(Self { config, namespace, pool, signals, answered: [0; 3], routed: 0, routed_ns: 0 })
     }
 
     /// Its settings.
@@ -73,9 +79,12 @@ impl Router {
         let answer = match (method, path) {
             ("POST", "/route") => self.route(body),
             ("GET", "/nodes") => (200, self.nodes()),
+            ("GET", "/metrics") => (200, Value::String(self.metrics())),
             ("GET", "/healthz") => (200, json!({ "ok": true })),
-            (_, "/route" | "/nodes" | "/healthz") => refuse(405, format!("{method} {path}: not a method it takes")),
-            _ => refuse(404, format!("{path}: only POST /route, GET /nodes and GET /healthz")),
+            (_, "/route" | "/nodes" | "/metrics" | "/healthz") => {
+                refuse(405, format!("{method} {path}: not a method it takes"))
+            }
+            _ => refuse(404, format!("{path}: only POST /route, GET /nodes, GET /metrics and GET /healthz")),
         };
         let class = match answer.0 {
             200..=299 => 0,
@@ -152,8 +161,39 @@ impl Router {
         let mut body = plan_json(&plan, blocks);
         body["down"] = Value::Array(down);
         body["pool"] = pool;
-        body["answer_ns"] = json!(u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.routed += 1;
+        self.routed_ns = self.routed_ns.saturating_add(took);
+        body["answer_ns"] = json!(took);
         (200, body)
+    }
+
+    /// The router's figures in the Prometheus text format.
+    fn metrics(&mut self) -> String {
+        use crate::metrics::metric;
+        let mut out = String::new();
+        let [ok, refused, failed] = self.answered;
+        let classes = [("class=\"2xx\"", ok), ("class=\"4xx\"", refused), ("class=\"5xx\"", failed)];
+        metric(&mut out, "lake_router_answers_total", "counter", "Answers given, by status class.", &classes);
+        let help = "Requests routed (a plan answered), and the time planning them took in all (hits, loads, route).";
+        metric(&mut out, "lake_router_routed_total", "counter", help, &[("", self.routed)]);
+        metric(&mut out, "lake_router_routed_ns_total", "counter", help, &[("", self.routed_ns)]);
+        let (read, view) = self.pool.state().map_or((0, 0), |(_, view)| (1, u64::from(view)));
+        let help = "Whether the pool's mirror is read (1), and its cluster view (every other node's blocks).";
+        metric(&mut out, "lake_router_pool_read", "gauge", help, &[("what=\"mirror\"", read), ("what=\"view\"", view)]);
+        let nodes: Vec<(String, signals::Signal)> = (0..self.config.nodes.len())
+            .map(|i| (format!("node=\"{}\"", self.config.nodes[i].id), self.signals.get(i)))
+            .collect();
+        let per_node = |f: &dyn Fn(&signals::Signal) -> u64| -> Vec<(&str, u64)> {
+            nodes.iter().map(|(labels, signal)| (labels.as_str(), f(signal))).collect()
+        };
+        let help = "Whether the node is left out of routing (its pool not ready, its engine's metrics not read).";
+        metric(&mut out, "lake_router_node_down", "gauge", help, &per_node(&|s| u64::from(s.down.is_some())));
+        let help = "The node's engine's waiting requests, as last read.";
+        metric(&mut out, "lake_router_node_waiting", "gauge", help, &per_node(&|s| s.waiting));
+        let help = "The node's queue as the router prices it: waiting requests times the mean prefill.";
+        metric(&mut out, "lake_router_node_queue_ns", "gauge", help, &per_node(&|s| s.queue_ns()));
+        out
     }
 
     /// The nodes that may run requests now, with their loads; the others,

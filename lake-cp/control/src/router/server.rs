@@ -263,9 +263,13 @@ fn render((status, body): &Answer, close: bool) -> Vec<u8> {
         503 => "Service Unavailable",
         _ => "",
     };
-    let text = format!("{body}\n");
+    // A text body (the metrics) goes as it is; every other is JSON.
+    let (text, kind) = match body {
+        serde_json::Value::String(text) => (text.clone(), "text/plain; version=0.0.4"),
+        body => (format!("{body}\n"), "application/json"),
+    };
     let mut out = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n",
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\n{}\r\n",
         text.len(),
         if close { "Connection: close\r\n" } else { "" }
     )
