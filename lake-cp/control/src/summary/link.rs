@@ -42,7 +42,7 @@ use lake_dp::auth::{AuthError, LinkKey, RecordLink};
 use lake_dp::constants::DELTA_ENTRIES_MAX;
 use lake_dp::mirror::view::ViewWriter;
 use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
-use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SnapshotRequest};
+use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SLOT_ANY, SnapshotRequest};
 use lake_dp::wire::{
     FEATURE_CLUSTER_VIEW, FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame, decode_frame,
 };
@@ -742,8 +742,7 @@ impl Aggregator {
         for pull in core::mem::take(&mut self.pulls) {
             let puller = pull.target.node;
             let to = if pull.target.region_epoch != 0 && pull.target.tier == Tier::L1Dram as u8 {
-                let any = lake_dp::wire::message::SLOT_ANY;
-                Some(lake_dp::model::replica::ReplicaWire { slot: any, generation: 0, ..pull.target })
+                Some(lake_dp::model::replica::ReplicaWire { slot: SLOT_ANY, generation: 0, ..pull.target })
             } else {
                 self.summary.l1_target(puller)
             };
