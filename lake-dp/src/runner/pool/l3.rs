@@ -91,7 +91,7 @@ enum Read {
     Entry { entry: u32, generation: u32 },
     /// An object the catalog does not hold, by its name (another node
     /// wrote it): adopted into the catalog once it is read and checked.
-    Named,
+    Named { namespace: u64, key: BlockKey },
 }
 
 /// What the L3 tier has done.
@@ -234,6 +234,17 @@ impl L3Tier {
         }
         self.free_ops.push(index);
         Some(op)
+    }
+
+    /// Whether object (`namespace`, `key`) is being written, or read by
+    /// name: the catalog takes it when that ends, so another write or
+    /// read by name waits (it would take a second entry for it).
+    fn busy_with(&self, namespace: u64, key: &BlockKey) -> bool {
+        self.ops.iter().flatten().any(|op| match op {
+            Op::Put { meta, .. } => meta.namespace.0 == namespace && meta.key == *key,
+            Op::Get { read: Read::Named { namespace: ns, key: k }, .. } => *ns == namespace && k == key,
+            _ => false,
+        })
     }
 
     fn deleting(&self, namespace: u64, key: &BlockKey) -> bool {
@@ -458,7 +469,7 @@ impl Pool {
         // maps the bytes on their way.
         let partition = self.partition_of(meta.namespace.0);
         let Some(tier) = self.l3.as_mut() else { return Err(ErrorCode::NoSuchBlock) };
-        if tier.deleting(meta.namespace.0, &meta.key) {
+        if tier.deleting(meta.namespace.0, &meta.key) || tier.busy_with(meta.namespace.0, &meta.key) {
             return Err(ErrorCode::QueueFull);
         }
         if let Some(&entry) = tier.by_key.get(&(meta.namespace.0, meta.key)) {
@@ -740,7 +751,7 @@ impl Pool {
             let generation = tier.catalog[entry as usize].map_or(0, |m| m.generation);
             return self.promote_l3(to, key, &tier.replica(node, epoch, entry, generation), parts);
         }
-        if tier.deleting(namespace, &key) {
+        if tier.deleting(namespace, &key) || tier.busy_with(namespace, &key) {
             return Err(AgentError::Stale);
         }
         let bytes = match tier.payload_max.get(&namespace) {
@@ -750,7 +761,7 @@ impl Pool {
                 parts.table.slot_bytes_max(partition).ok_or(AgentError::Invalid)?
             }
         };
-        self.read_l3(to, key, namespace, bytes, Read::Named, parts)
+        self.read_l3(to, key, namespace, bytes, Read::Named { namespace, key }, parts)
     }
 
     /// Starts the store's read of (`namespace`, `key`) into a new L1 slot
@@ -887,7 +898,7 @@ impl Pool {
                 }
             }
             Op::Get { to, read, l1_slot, l1_generation } => {
-                let named = matches!(read, Read::Named);
+                let named = matches!(read, Read::Named { .. });
                 tier.stats.named_reads += u64::from(named);
                 let result = match &completion.result {
                     Ok(bytes) => {
@@ -942,7 +953,7 @@ impl Pool {
                         }
                         Err(AgentError::Corrupt)
                     }
-                    (Err(AgentError::Corrupt), Read::Named) => {
+                    (Err(AgentError::Corrupt), Read::Named { .. }) => {
                         // Damaged in the store: never served, left alone
                         // (the catalog never held it).
                         if let Some(tier) = self.l3.as_mut() {
