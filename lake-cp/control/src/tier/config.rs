@@ -212,6 +212,9 @@ pub struct TierCounters {
     pub l3_copies: u64,
     /// Eager write-backs let go because the queue was full.
     pub l3_copies_dropped: u64,
+    /// Eager write-backs the data plane could not take at once (its
+    /// store's queue full), queued again.
+    pub l3_copies_deferred: u64,
     /// Write-backs asked (L1→L2, the L1 copy kept: [`Tiers::persist`]).
     pub l2_write_backs: u64,
     /// Drops asked, by the tier dropped from (`Tier as usize`).

@@ -687,6 +687,21 @@ impl Tiers {
                 && !p.frees
                 && p.to == Some(Tier::L2Nvme)
         });
+        // An eager write-back to L3 the data plane could not take now
+        // (its store's queue full, no L1 slot to stage an L2 block in):
+        // queued again, so L3 comes to hold every block as promised.
+        let transient = [lake_dp::wire::message::ErrorCode::QueueFull, lake_dp::wire::message::ErrorCode::NoSpace];
+        let again = self
+            .pending
+            .get(&request)
+            .filter(|p| transient.iter().any(|&c| c as u32 == code) && p.to == Some(Tier::L3Object) && !p.frees);
+        if let Some(&pending) = again {
+            self.counters.l3_copies_deferred += 1;
+            self.pending.remove(&request);
+            self.pending_of.remove(&(pending.key, pending.region));
+            self.write_back.push_back((pending.key, pending.namespace));
+            return;
+        }
         if let Some(&pending) = deferred {
             self.counters.write_backs_deferred += 1;
             self.pending.remove(&request);

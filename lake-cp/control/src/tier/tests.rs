@@ -613,10 +613,16 @@ fn l2_victims_go_to_l3_and_eager_write_back_copies_every_saved_block() {
     assert_eq!(world.tiers.usage(Tier::L1Dram).pending_bytes, 0);
     assert!(world.plan().is_empty(), "asked once");
     // Refused, it is not asked again by itself (the next save of the
-    // block, or its eviction, writes L3).
+    // block, or its eviction, writes L3)...
     world.tiers.done(copies[0].request, false);
     assert!(world.plan().is_empty());
     assert_eq!(world.tiers.counters.l3_copies, 2);
+    // ...but one the data plane could not take yet (its store's queue
+    // full) is asked again.
+    world.tiers.refused(copies[1].request, lake_dp::wire::message::ErrorCode::QueueFull as u32);
+    let again = world.plan();
+    assert_eq!(keys_of(&again), vec![(2, "copy")]);
+    assert_eq!(world.tiers.counters.l3_copies_deferred, 1);
 }
 
 #[test]
