@@ -60,19 +60,19 @@ pub(crate) struct ClusterHitsArgs {
 }
 
 const NODES: usize = 3;
-const BLOCK_BYTES: usize = 16 * 1024;
+pub(crate) const BLOCK_BYTES: usize = 16 * 1024;
 const SYSTEM_BLOCKS: u32 = 8;
-const NAMESPACE: u64 = 0x4854;
+pub(crate) const NAMESPACE: u64 = 0x4854;
 
 /// A process of the deployment: its stdout lines on a channel; stopped
 /// (SIGTERM, then SIGKILL) when dropped.
-struct Proc {
-    child: Child,
+pub(crate) struct Proc {
+    pub(crate) child: Child,
     lines: Receiver<String>,
 }
 
 impl Proc {
-    fn start(mut command: std::process::Command) -> Result<Self, String> {
+    pub(crate) fn start(mut command: std::process::Command) -> Result<Self, String> {
         let mut child = command.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().map_err(|e| e.to_string())?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
         let (tx, lines) = channel();
@@ -86,7 +86,7 @@ impl Proc {
         Ok(Self { child, lines })
     }
 
-    fn wait_for(&self, what: &str, want: impl Fn(&str) -> bool) -> Result<String, String> {
+    pub(crate) fn wait_for(&self, what: &str, want: impl Fn(&str) -> bool) -> Result<String, String> {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -101,6 +101,9 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         // A stop as a service manager asks it (its shared memory goes).
         let _ = std::process::Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -120,7 +123,7 @@ fn field(line: &str, name: &str) -> Result<String, String> {
     value[name].as_str().map(str::to_owned).ok_or_else(|| format!("no {name} in {line}"))
 }
 
-fn agent(serving: &str) -> Result<Agent, String> {
+pub(crate) fn agent(serving: &str) -> Result<Agent, String> {
     let (dp, cp, mirror) = (field(serving, "dp_socket")?, field(serving, "cp_socket")?, field(serving, "mirror")?);
     let config = AgentConfig {
         arena: Path::new("/nonexistent"),
@@ -135,7 +138,7 @@ fn agent(serving: &str) -> Result<Agent, String> {
     Agent::connect(&config, Path::new(&dp)).map_err(|e| e.to_string())
 }
 
-fn key(conversation: u32, i: u32) -> BlockKey {
+pub(crate) fn key(conversation: u32, i: u32) -> BlockKey {
     let mut bytes = [0x48; 16];
     // The system prompt's blocks are every conversation's.
     let owner = if i < SYSTEM_BLOCKS { 0 } else { conversation + 1 };
@@ -146,7 +149,7 @@ fn key(conversation: u32, i: u32) -> BlockKey {
 
 /// Saves blocks `from..` of `keys` (each continuing the one before), a
 /// save refused for room offered again a few times. Returns how many.
-fn save(agent: &mut Agent, keys: &[BlockKey], from: usize) -> usize {
+pub(crate) fn save(agent: &mut Agent, keys: &[BlockKey], from: usize) -> usize {
     save_lacking(agent, keys, from, |_, _| false)
 }
 
@@ -291,7 +294,7 @@ fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<
 }
 
 /// A copy of `command` (its program and arguments), to start again.
-fn command_again(command: &std::process::Command) -> std::process::Command {
+pub(crate) fn command_again(command: &std::process::Command) -> std::process::Command {
     let mut again = std::process::Command::new(command.get_program());
     again.args(command.get_args());
     again
@@ -428,7 +431,7 @@ fn remote_loads(args: &ClusterHitsArgs, deployment: &Deployment) -> Result<(Vec<
 
 /// Pulls every one of `keys` (not a chain: each alone) as one batch: all
 /// asked at once, then waited for. Returns how many landed.
-fn pull_each(agent: &mut Agent, keys: &[BlockKey], table: &mut Vec<lake_dp::mirror::MirrorEntry>) -> usize {
+pub(crate) fn pull_each(agent: &mut Agent, keys: &[BlockKey], table: &mut Vec<lake_dp::mirror::MirrorEntry>) -> usize {
     let mut places = Vec::new();
     let mut pulls = Vec::with_capacity(keys.len());
     for k in keys {

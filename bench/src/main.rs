@@ -25,6 +25,7 @@ mod qos;
 mod report;
 mod route_sim;
 mod router;
+mod store_pull;
 mod tcp;
 mod tenants;
 mod trace;
@@ -78,6 +79,10 @@ enum Bench {
     /// them, as three islands and as one pool of their capacity; remote
     /// loads against raw TCP between the namespaces.
     ClusterHits(cluster_hits::ClusterHitsArgs),
+    /// (etcd) Blocks another node holds only in L3 pulled from the object
+    /// store two nodes share (by name, checked, into L1), one at a time and
+    /// as a batch, against reading the same objects' files straight.
+    StorePull(store_pull::StorePullArgs),
     /// Two tenants, the same prompts: B's lookups of prompts A cached
     /// against prompts nobody cached (no hit; the timing ratio), and A's hits.
     Tenants(tenants::TenantsArgs),
@@ -131,6 +136,7 @@ fn main() -> ExitCode {
         Bench::CpScale(args) => cp_scale::run(&args),
         Bench::ClusterView(args) => cluster_view::run(&args),
         Bench::ClusterHits(args) => cluster_hits::run(&args),
+        Bench::StorePull(args) => store_pull::run(&args),
         Bench::Tenants(args) => tenants::run(&args),
         Bench::Lookup(args) => lookup::run(&args),
         Bench::Ffi(args) => ffi::run(&args),
