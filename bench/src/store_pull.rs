@@ -105,68 +105,18 @@ pub(crate) fn run(args: &StorePullArgs) -> Result<Report, String> {
     }
     let names: Vec<PathBuf> =
         keys.iter().map(|k| store.join(lake_dp::l3::object_name("lake", NamespaceId(NAMESPACE), k))).collect();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while names.iter().any(|n| !n.exists()) {
-        if Instant::now() > deadline {
-            let there = names.iter().filter(|n| n.exists()).count();
-            let listed = std::fs::read_dir(store.join("lake")).map(|d| d.count()).unwrap_or(0);
-            return Err(format!(
-                "{there} of node 2's {} blocks reached the store ({listed} namespaces there)",
-                names.len()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_stored(&names)?;
     drop(writer);
     // SIGKILLed: its membership lapses, its L3 blocks stay in the view.
     let mut two = two;
     let _ = two.child.kill();
     let _ = two.child.wait();
     let mut puller = agent(&serving_one)?;
-    let in_store = Where::Remote(Holder { node: NodeId(2), tier: Tier::L3Object });
-    let mut places = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while keys.iter().any(|k| puller.lookup_cluster(std::slice::from_ref(k), &mut places) != 1 || places[0] != in_store)
-    {
-        if Instant::now() > deadline {
-            return Err("node 2's blocks never showed in node 1's view as L3 only".into());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_in_store_only(&mut puller, &keys)?;
     drop(two);
     cleanup_killed(&serving_two);
-
-    let mut table = Vec::new();
-    let mut singles = Vec::with_capacity(count);
-    for k in &keys[..count] {
-        let started = Instant::now();
-        if puller.pull_cluster(std::slice::from_ref(k), Duration::from_secs(5), &mut table) != 1 {
-            return Err("a pull from the store did not land".into());
-        }
-        singles.push(started.elapsed().as_nanos() as f64);
-    }
-    let started = Instant::now();
-    let batch = &keys[count..];
-    let landed = pull_each(&mut puller, batch, &mut table);
-    let batch_s = started.elapsed().as_secs_f64();
-    if landed != batch.len() {
-        return Err(format!("{landed} of {} blocks pulled from the store landed", batch.len()));
-    }
-    // The raw operation: the same objects' files read (and checked, as
-    // the store's reads are), one at a time, then all of them.
-    let mut raw = Vec::with_capacity(count);
-    for (name, k) in names[..count].iter().zip(&keys) {
-        let started = Instant::now();
-        let bytes = std::fs::read(name).map_err(|e| e.to_string())?;
-        lake_dp::l3::verify(&bytes, NamespaceId(NAMESPACE), k).map_err(|e| e.to_string())?;
-        raw.push(started.elapsed().as_nanos() as f64);
-    }
-    let started = Instant::now();
-    for (name, k) in names[count..].iter().zip(&keys[count..]) {
-        let bytes = std::fs::read(name).map_err(|e| e.to_string())?;
-        lake_dp::l3::verify(&bytes, NamespaceId(NAMESPACE), k).map_err(|e| e.to_string())?;
-    }
-    let raw_batch_s = started.elapsed().as_secs_f64();
+    let (mut singles, batch_s) = pulls(&mut puller, &keys, count)?;
+    let (mut raw, raw_batch_s) = raw_reads(&names, &keys, count)?;
 
     let mut report = Report::new("store-pull");
     report.int("blocks", u64::from(args.pulls));
@@ -181,6 +131,76 @@ pub(crate) fn run(args: &StorePullArgs) -> Result<Report, String> {
     report.float("raw_read_batch_ns_per_block", raw_batch_s * 1e9 / blocks);
     report.float("raw_read_batch_mb_per_s", blocks * BLOCK_BYTES as f64 / raw_batch_s / 1e6);
     Ok(report)
+}
+
+/// Waits until every object of `names` is in the store.
+fn wait_stored(names: &[PathBuf]) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while names.iter().any(|n| !n.exists()) {
+        if Instant::now() > deadline {
+            let there = names.iter().filter(|n| n.exists()).count();
+            return Err(format!("{there} of node 2's {} blocks reached the store", names.len()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// Waits until `puller`'s view shows each of `keys` only in node 2's L3.
+fn wait_in_store_only(puller: &mut lake_agent::Agent, keys: &[BlockKey]) -> Result<(), String> {
+    let in_store = Where::Remote(Holder { node: NodeId(2), tier: Tier::L3Object });
+    let mut places = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while keys.iter().any(|k| puller.lookup_cluster(std::slice::from_ref(k), &mut places) != 1 || places[0] != in_store)
+    {
+        if Instant::now() > deadline {
+            return Err("node 2's blocks never showed in node 1's view as L3 only".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// The first `count` of `keys` pulled one at a time (ns each), the rest
+/// as one batch (seconds).
+fn pulls(puller: &mut lake_agent::Agent, keys: &[BlockKey], count: usize) -> Result<(Vec<f64>, f64), String> {
+    let mut table = Vec::new();
+    let mut singles = Vec::with_capacity(count);
+    for k in &keys[..count] {
+        let started = Instant::now();
+        if puller.pull_cluster(std::slice::from_ref(k), Duration::from_secs(5), &mut table) != 1 {
+            return Err("a pull from the store did not land".into());
+        }
+        singles.push(started.elapsed().as_nanos() as f64);
+    }
+    let started = Instant::now();
+    let batch = &keys[count..];
+    let landed = pull_each(puller, batch, &mut table);
+    if landed != batch.len() {
+        return Err(format!("{landed} of {} blocks pulled from the store landed", batch.len()));
+    }
+    Ok((singles, started.elapsed().as_secs_f64()))
+}
+
+/// The raw operation: the same objects' files read (and checked, as the
+/// store's reads are), the first `count` one at a time (ns each), the
+/// rest all together (seconds).
+fn raw_reads(names: &[PathBuf], keys: &[BlockKey], count: usize) -> Result<(Vec<f64>, f64), String> {
+    let read = |name: &PathBuf, key: &BlockKey| -> Result<(), String> {
+        let bytes = std::fs::read(name).map_err(|e| e.to_string())?;
+        lake_dp::l3::verify(&bytes, NamespaceId(NAMESPACE), key).map_err(|e| e.to_string())
+    };
+    let mut raw = Vec::with_capacity(count);
+    for (name, key) in names[..count].iter().zip(keys) {
+        let started = Instant::now();
+        read(name, key)?;
+        raw.push(started.elapsed().as_nanos() as f64);
+    }
+    let started = Instant::now();
+    for (name, key) in names[count..].iter().zip(&keys[count..]) {
+        read(name, key)?;
+    }
+    Ok((raw, started.elapsed().as_secs_f64()))
 }
 
 /// Removes the shared memory the SIGKILLed node left (its arena, mirror
