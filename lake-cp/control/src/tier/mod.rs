@@ -689,12 +689,13 @@ impl Tiers {
         });
         // An eager write-back to L3 the data plane could not take now
         // (its store's queue full, no L1 slot to stage an L2 block in):
-        // queued again, so L3 comes to hold every block as promised.
+        // queued again, so L3 comes to hold every block as promised. (A
+        // victim's write below ahead of demand, out of its cache while it
+        // is written, goes back there as any refused one does.)
         let transient = [lake_dp::wire::message::ErrorCode::QueueFull, lake_dp::wire::message::ErrorCode::NoSpace];
-        let again = self
-            .pending
-            .get(&request)
-            .filter(|p| transient.iter().any(|&c| c as u32 == code) && p.to == Some(Tier::L3Object) && !p.frees);
+        let again = self.pending.get(&request).filter(|p| {
+            transient.iter().any(|&c| c as u32 == code) && p.to == Some(Tier::L3Object) && !p.frees && !p.cleans
+        });
         if let Some(&pending) = again {
             self.counters.l3_copies_deferred += 1;
             self.pending.remove(&request);
