@@ -186,7 +186,7 @@ fn save_lacking(
 }
 
 /// The deployment's scratch: its directory, removed when dropped.
-struct Scratch(PathBuf);
+pub(crate) struct Scratch(pub(crate) PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {

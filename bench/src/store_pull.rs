@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NamespaceId, NodeId, Tier};
 
-use crate::cluster_hits::{BLOCK_BYTES, NAMESPACE, Proc, agent, command_again, key, pull_each, save};
+use crate::cluster_hits::{BLOCK_BYTES, NAMESPACE, Proc, Scratch, agent, command_again, key, pull_each, save};
 use crate::report::{Report, percentile};
 
 /// This benchmark's flags.
@@ -29,15 +29,6 @@ pub(crate) struct StorePullArgs {
     /// Blocks pulled one at a time, and as one batch.
     #[arg(long, default_value_t = 64)]
     pub(crate) pulls: u32,
-}
-
-/// The scratch directory, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn free_port() -> Result<u16, String> {

@@ -115,11 +115,6 @@ pub struct L3Stats {
     pub bytes_read: u64,
     /// Reads cancelled before a worker took them (their reader went).
     pub cancelled: u64,
-    /// Objects the catalog did not hold read by name (written by another
-    /// node sharing the store), and of them those the store did not have.
-    pub named_reads: u64,
-    /// See `named_reads`.
-    pub named_missing: u64,
 }
 
 /// The L3 tier of a pool. See the module docs.
@@ -899,7 +894,6 @@ impl Pool {
             }
             Op::Get { to, read, l1_slot, l1_generation } => {
                 let named = matches!(read, Read::Named { .. });
-                tier.stats.named_reads += u64::from(named);
                 let result = match &completion.result {
                     Ok(bytes) => {
                         tier.stats.reads += 1;
@@ -924,10 +918,7 @@ impl Pool {
                     }
                     // Not in the store (it shares none with the writer, or
                     // the object went), or past the room made for it.
-                    Err(L3Error::NotFound | L3Error::TooLarge(_)) if named => {
-                        tier.stats.named_missing += 1;
-                        Err(AgentError::Stale)
-                    }
+                    Err(L3Error::NotFound | L3Error::TooLarge(_)) if named => Err(AgentError::Stale),
                     Err(_) => Err(AgentError::Corrupt),
                 };
                 let result = match (result, read) {
