@@ -236,6 +236,9 @@ pub struct Tiers {
     /// rather than written below — the pool keeps one copy of a
     /// block, at its holder, not one per node that read it.
     pulled_in: HashSet<BlockKey>,
+    /// Of them, copies of blocks saved here and placed in their homes
+    /// elsewhere: dropped as soon as they may be.
+    placed_away: std::collections::VecDeque<BlockKey>,
     /// What each such region's data plane was last told of victims left
     /// (absent: more may come, as a data plane assumes).
     victims_left: HashMap<u16, bool>,
@@ -345,6 +348,7 @@ impl Tiers {
             victims_left: HashMap::new(),
             unwanted: HashMap::new(),
             pulled_in: HashSet::new(),
+            placed_away: std::collections::VecDeque::new(),
             marked: HashMap::new(),
             mark_order: std::collections::VecDeque::new(),
             unmarks: Vec::new(),
@@ -623,6 +627,31 @@ impl Tiers {
             self.pulled_in.insert(key);
             self.space(Tier::L1Dram, namespace).cache.make_cold(&key);
         }
+    }
+
+    /// This node's L1 copy of `key` was placed in its home, another node,
+    /// whose copy is the pool's now: it becomes a copy as one pulled in
+    /// is (first in line, dropped rather than written below), and is
+    /// dropped at once where it may be (see `plan_placed_away`): its room
+    /// goes to the blocks this node keeps for the pool. Whether it was in
+    /// an L1 cache here.
+    pub fn placed_away(&mut self, key: &BlockKey) -> bool {
+        if self.pulled_in.len() >= PULLED_IN_MAX {
+            return false;
+        }
+        if self.marked.contains_key(key) || self.pending_of.keys().any(|(k, _)| k == key) {
+            // Out of its cache, on its way out or down already: the copy
+            // it leaves below is dropped once there.
+            self.pulled_in.insert(*key);
+            self.placed_away.push_back(*key);
+            return true;
+        }
+        let space = self.spaces.iter_mut().find(|((tier, _), s)| *tier == Tier::L1Dram && s.cache.index.contains(key));
+        let Some((_, space)) = space else { return false };
+        space.cache.make_cold(key);
+        self.pulled_in.insert(*key);
+        self.placed_away.push_back(*key);
+        true
     }
 
     /// Whether `key`'s L1 copy here was pulled in from another node.

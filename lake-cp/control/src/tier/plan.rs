@@ -40,6 +40,7 @@ impl Tiers {
         self.plan_persist(locations, now_ns, out);
         self.plan_purges(locations, leases, now_ns, start, out);
         self.plan_drains(locations, leases, now_ns, start, out);
+        self.plan_placed_away(locations, leases, now_ns, out);
         for tier in [Tier::L1Dram, Tier::L2Nvme, Tier::L3Object] {
             if !self.regions.values().any(|r| r.tier == tier) {
                 continue;
@@ -201,6 +202,45 @@ impl Tiers {
             frees: true,
             to: None,
             cleans: false,
+        }
+    }
+
+    /// Drops the copies placed in their homes on other nodes
+    /// ([`Tiers::placed_away`]), a few a pass — the L1 copy, and the L2
+    /// one cleaning may have written ahead: the home keeps the block —
+    /// each once it is a leaf here and no engine holds it (until then it
+    /// waits, first in line).
+    fn plan_placed_away(&mut self, locations: &Locations, leases: &Leases, now_ns: u64, out: &mut Vec<TierCommand>) {
+        for _ in 0..self.placed_away.len().min(COMMANDS_PER_PASS) {
+            let Some(key) = self.placed_away.pop_front() else { break };
+            let mut waits = false;
+            for tier in [Tier::L1Dram, Tier::L2Nvme] {
+                let Some(source) = locations.ready(&key).find(|r| r.tier == tier) else { continue };
+                let region = source.region.0;
+                if self.pending_of.contains_key(&(key, region))
+                    || (tier == Tier::L1Dram && self.marked.contains_key(&key))
+                {
+                    // On its way out, or down (its copy below is dropped
+                    // once there).
+                    waits = true;
+                    continue;
+                }
+                let space = self.spaces.iter_mut().find(|((t, _), s)| *t == tier && s.cache.index.contains(&key));
+                let Some(((_, namespace), space)) = space else { continue };
+                let namespace = *namespace;
+                // A parent here (the node saved more after it) goes after
+                // its children; one an engine reads, after its read.
+                if leases.is_held(&key, region) || !space.cache.remove(&key) {
+                    waits = true;
+                    continue;
+                }
+                let pending = self.leaving(locations, key, (namespace, tier), region, now_ns);
+                self.counters.drops[tier as usize] += 1;
+                self.ask(pending, TierAction::Evict(evict_body(&source, &key, EvictReason::Capacity)), out);
+            }
+            if waits {
+                self.placed_away.push_back(key);
+            }
         }
     }
 
@@ -367,10 +407,13 @@ impl Tiers {
             self.to_clean.pop_front();
             let Some(source) = locations.ready(&key).find(|r| r.region.0 == region) else { continue };
             let (parent, kind) = parent_and_kind(locations, &key);
+            // A copy pulled in, or placed in its home elsewhere, is
+            // another node's to keep: never written below here.
             if held_below(locations, &key)
                 || !self.worth_l2(&key, parent)
                 || self.pending_of.contains_key(&(key, region))
                 || self.marked.contains_key(&key)
+                || self.pulled_in.contains(&key)
             {
                 continue;
             }

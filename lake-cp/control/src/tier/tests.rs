@@ -750,3 +750,32 @@ fn copies_pulled_in_from_other_nodes_go_first_and_are_dropped_not_written_below(
         assert_eq!(world.tiers.usage(Tier::L2Nvme).bytes, 0, "nothing written below");
     }
 }
+
+#[test]
+fn l1_is_cleaned_ahead_into_l2_but_never_a_copy_another_node_keeps() {
+    let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
+    let mut world = World::new(config);
+    world.tiers.takes_marks(0);
+    // Own blocks 1..=4; block 10 pulled in, block 11 placed in its home
+    // on another node: 6 of 10 slots, 5 once block 11 goes, where
+    // cleaning starts.
+    for k in 1..=4 {
+        world.add(0, 7, (k > 1).then(|| k - 1), k);
+    }
+    world.add(0, 7, None, 10);
+    world.tiers.pulled_in(7, key(10));
+    world.add(0, 7, None, 11);
+    assert!(world.tiers.placed_away(&key(11)));
+    let mut out = Vec::new();
+    // A placed copy is dropped at once; the rest are cleaned once they
+    // are 100 ms old.
+    world.tiers.plan(&world.locations, &world.leases, 1_000_000_000, &mut out);
+    let cleaned: Vec<(u8, &str)> = keys_of(&out).into_iter().filter(|(_, what)| *what == "copy").collect();
+    assert_eq!(cleaned, vec![(1, "copy"), (2, "copy"), (3, "copy"), (4, "copy")], "{:?}", keys_of(&out));
+    assert!(keys_of(&out).contains(&(11, "evict")), "{:?}", keys_of(&out));
+    for command in &out {
+        if let TierAction::Copy(copy) = command.action {
+            assert_eq!((copy.source.tier, copy.target.tier), (Tier::L1Dram as u8, Tier::L2Nvme as u8));
+        }
+    }
+}
