@@ -48,6 +48,9 @@ fn control(lake: &Path, etcd: &Path, base: &Path) -> Result<(Proc, Proc, String,
     let summary_at = format!("127.0.0.1:{}", free_port()?);
     let mut command = std::process::Command::new(lake);
     command.args(["summary", "--listen", &summary_at, "--etcd", &client, "--cluster", "store", "--ttl", "2"]);
+    // The blocks stay with the node that saved them, to be left in the
+    // store when it dies.
+    command.args(["--placement", "saved"]);
     // etcd may take a moment to answer: the summary retries its start.
     for _ in 0..50 {
         std::thread::sleep(Duration::from_millis(100));

@@ -117,7 +117,21 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     let _scratch = Scratch(base.clone(), Vec::new());
     let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let listen = format!("127.0.0.1:{}", port());
-    let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "rt", "--ttl", "2"]);
+    // Blocks stay where they were saved: the routes asserted name the
+    // node that saved each prefix.
+    let leader = Proc::start(&[
+        "summary",
+        "--listen",
+        &listen,
+        "--etcd",
+        &endpoint,
+        "--cluster",
+        "rt",
+        "--ttl",
+        "2",
+        "--placement",
+        "saved",
+    ]);
     leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
     let transports = [format!("127.0.0.1:{}", port()), format!("127.0.0.1:{}", port())];
     // Each node listens for the other's transport and dials it: a node

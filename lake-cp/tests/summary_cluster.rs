@@ -116,6 +116,10 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
                 "300".into(),
                 "--replicate-children".into(),
                 "3".into(),
+                // Blocks stay where they were saved: this test counts
+                // each node's replicas.
+                "--placement".into(),
+                "saved".into(),
             ])
             .collect()
     };
@@ -266,7 +270,21 @@ fn a_drained_nodes_blocks_move_to_another_member_and_it_answers_not_ready() {
     let _scratch = Scratch(base.clone(), Vec::new());
     let listen =
         format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
-    let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "drn", "--ttl", "2"]);
+    // Blocks stay where they were saved: node 1 must hold blocks only it
+    // has when it is drained.
+    let leader = Proc::start(&[
+        "summary",
+        "--listen",
+        &listen,
+        "--etcd",
+        &endpoint,
+        "--cluster",
+        "drn",
+        "--ttl",
+        "2",
+        "--placement",
+        "saved",
+    ]);
     leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let transport = format!("127.0.0.1:{port}");
@@ -384,4 +402,160 @@ fn a_drained_nodes_blocks_move_to_another_member_and_it_answers_not_ready() {
     // A bad node number is refused by name.
     let (ok, said) = drain_node(&["--etcd", &endpoint, "--cluster", "drn", "one"]);
     assert!(!ok && said.contains("invalid value 'one' for '<NODE>'"), "{said}");
+}
+
+/// The value of the sample `name` (no labels) in `/metrics` at `address`.
+fn sample(address: &str, name: &str) -> u64 {
+    let metrics = http_get(address, "/metrics").1;
+    metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// The tier `serving`'s own mirror holds `key` in (none: not here).
+fn tier_here(serving: &str, key: BlockKey) -> Option<lake_dp::Tier> {
+    let mut table = Vec::new();
+    (agent(serving).mirror().lookup(&[key], &mut table) == 1).then(|| table[0].tier)
+}
+
+#[test]
+fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_first() {
+    let Some(etcd) = etcd_server::EtcdServer::start("placement") else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-placement-{}", std::process::id()));
+    let _scratch = Scratch(base.clone(), Vec::new());
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{}", port());
+    let leader = Proc::start(&[
+        "summary",
+        "--listen",
+        &listen,
+        "--etcd",
+        &endpoint,
+        "--cluster",
+        "plc",
+        "--ttl",
+        "2",
+        "--placement",
+        "home",
+    ]);
+    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let transports: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", port())).collect();
+    let nodes: Vec<(Proc, String)> = (1..=3u32)
+        .map(|node| {
+            let dir = base.join(format!("node{node}")).display().to_string();
+            let name = node.to_string();
+            let mut args = vec!["serve", "--metrics", "127.0.0.1:0", "--node", &name, "--dir", &dir];
+            // Node 1's L1 is small: saving a second chain evicts the first.
+            args.extend(["--block-bytes", "16384", "--l1-slots", if node == 1 { "80" } else { "256" }]);
+            args.extend(["--summary-to", &listen, "--etcd", &endpoint, "--cluster", "plc", "--member-ttl", "2"]);
+            let mut owned: Vec<String> = vec!["--transport-listen".into(), transports[node as usize - 1].clone()];
+            for other in (1..=3u32).filter(|&o| o != node) {
+                owned.push("--transport-peer".into());
+                owned.push(format!("{other}={}", transports[other as usize - 1]));
+            }
+            args.extend(owned.iter().map(String::as_str));
+            let proc = Proc::start(&args);
+            let serving = proc.wait_for("a node serves", Duration::from_secs(20), |l| l.contains("\"serving\""));
+            (proc, serving)
+        })
+        .collect();
+    let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
+    let metrics_one = field(serving[0], "metrics");
+    // Every node's L1 announced before the first save.
+    leader.wait_for("three members taking placements", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"")
+            && (1..=3).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"takes_placements\":true")))
+    });
+
+    // Chain A: 60 blocks saved on node 1.
+    let chain_a: Vec<BlockKey> = (0..60).map(|i| key(1, i)).collect();
+    save(serving[0], 1, 0..60);
+    // Each lands in its home; node 1's copy of those placed elsewhere is
+    // a copy now (counted once landed).
+    let homes_of = |keys: &[BlockKey]| -> Vec<Vec<usize>> {
+        keys.iter().map(|&k| (1..3).filter(|&n| tier_here(serving[n], k).is_some()).collect()).collect()
+    };
+    // Placed, and counted by node 1 as each copy's landing is answered.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut placed, mut counted, mut still) = (0, 0, 0);
+    while Instant::now() < deadline && still < 8 {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = homes_of(&chain_a).iter().filter(|h| !h.is_empty()).count() as u64;
+        let count = sample(&metrics_one, "lake_blocks_placed_away_total");
+        still = if now > 0 && (now, count) == (placed, counted) { still + 1 } else { 0 };
+        (placed, counted) = (now, count);
+    }
+    let homes = homes_of(&chain_a);
+    let to = [1, 2].map(|n| homes.iter().filter(|h| h.contains(&n)).count());
+    println!("placement: of 60 saved on node 1, {} went to node 2, {} to node 3, {counted} counted", to[0], to[1]);
+    assert!(homes.iter().all(|h| h.len() <= 1), "a block placed twice: {homes:?}");
+    assert!((10..=30).contains(&to[0]) && (10..=30).contains(&to[1]), "spread by room (equal): {to:?}");
+    // A copy whose answer came back late (its deadline passed) is placed
+    // but not counted: its copy here stays the pool's, nothing is lost.
+    assert!(counted <= placed && counted * 10 >= placed * 9, "{counted} of {placed} counted");
+    // Node 2's engine reads what was placed there from its own L1.
+    let there: Vec<usize> = (0..60).filter(|&i| homes[i].contains(&1)).collect();
+    let mut reader = agent(serving[1]);
+    let mut table = Vec::new();
+    for &i in there.iter().take(5) {
+        assert_eq!(reader.lookup(&chain_a[i..=i], &mut table), 1);
+        assert_eq!(table[0].tier, lake_dp::Tier::L1Dram);
+        let got = reader.fetch(&chain_a[i..=i], &table, |_, bytes| assert_eq!(bytes, &payload(1)[..]));
+        assert_eq!(got, 1, "{:?}", reader.last_fetch_failure());
+    }
+    drop(reader);
+
+    // Chain B on node 1 fills its L1: the copies placed away go first,
+    // dropped, never written to its L2; the blocks whose home is node 1
+    // are demoted as any.
+    let mut saver = agent(serving[0]);
+    let bytes = payload(1);
+    for i in 100..160 {
+        let block = SaveBlock {
+            key: key(1, i),
+            parent: if i == 100 { BlockKey::NONE } else { key(1, i - 1) },
+            block_index: i - 100,
+            payload: SavePayload::Bytes(&bytes),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while saver.save(&[block]) == 0 {
+            assert!(Instant::now() < deadline, "node 1 block {i} not saved in 20 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    drop(saver);
+    let chain_b: Vec<BlockKey> = (100..160).map(|i| key(1, i)).collect();
+    std::thread::sleep(Duration::from_secs(2));
+    let (mut dropped, mut below, mut in_l2) = (0, 0, 0);
+    for (i, &k) in chain_a.iter().enumerate() {
+        let here = tier_here(serving[0], k);
+        if homes[i].is_empty() {
+            // Its home is node 1: kept here, in some tier.
+            assert!(here.is_some(), "block {i}, home node 1, lost");
+            in_l2 += usize::from(here == Some(lake_dp::Tier::L2Nvme));
+        } else {
+            below += usize::from(here == Some(lake_dp::Tier::L2Nvme));
+            dropped += usize::from(here.is_none());
+        }
+    }
+    println!(
+        "placement: chain B saved; of chain A's copies on node 1, {dropped} dropped, {below} in L2; {in_l2} of its own in L2"
+    );
+    assert!(dropped > 0, "node 1's L1 of 80 holds 120 blocks: copies must have gone");
+    // A copy node 1 counted placed is never written below; one it did
+    // not count (above) is its block as any.
+    assert!(below as u64 <= placed - counted, "{below} copies placed elsewhere written to node 1's L2");
+    // Nothing is lost: node 3's engine finds both chains whole in the pool.
+    let mut places = Vec::new();
+    let mut finder = agent(serving[2]);
+    for chain in [&chain_a, &chain_b] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while finder.lookup_cluster(chain, &mut places) < chain.len() {
+            assert!(Instant::now() < deadline, "the pool holds {} of 60", finder.lookup_cluster(chain, &mut places));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let summary =
+        leader.wait_for("placements counted", Duration::from_secs(5), |l| l.contains("\"event\":\"summary\""));
+    let asked = summary.split("\"placements_asked\":").nth(1).and_then(|v| v.split(',').next()?.parse::<u64>().ok());
+    assert!(asked.is_some_and(|asked| asked >= placed), "{summary}");
 }

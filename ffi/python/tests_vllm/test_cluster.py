@@ -145,7 +145,10 @@ def cluster(lake_bin, tmp_path_factory):
     etcd = Etcd(base)
     summary_at = f"127.0.0.1:{free_port()}"
     summary = Proc(
-        [lake_bin, "summary", "--listen", summary_at, "--etcd", etcd.endpoint, "--cluster", "vllm", "--ttl", "2"],
+        # Blocks stay on the node whose engine saved them: the flows below
+        # name where each prefix is pulled from.
+        [lake_bin, "summary", "--listen", summary_at, "--etcd", etcd.endpoint, "--cluster", "vllm", "--ttl", "2",
+         "--placement", "saved"],
         base / "summary.log",
     )
     nodes = {}

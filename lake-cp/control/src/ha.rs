@@ -11,8 +11,9 @@
 //!   own lease: a node that stops renewing leaves the membership when the
 //!   lease runs out (its L1 replicas leave the summary; its L2 ones are
 //!   unavailable until it returns). Once its data plane registered its
-//!   L1, the value says where other nodes' copies go: `ADDRESS
-//!   l1=REGION:EPOCH` ([`member_l1`]).
+//!   L1, the value says where other nodes' copies go and how much its L1
+//!   and L2 hold: `ADDRESS room=BYTES l1=REGION:EPOCH` ([`member_l1`],
+//!   [`member_room`]).
 //! - `/lake/{cluster}/drain/{node}` — an operator drains the node (`lake
 //!   drain-node`); `/lake/{cluster}/drain-left/{node}` — the leader's
 //!   count of the blocks only it still holds, written only while that
@@ -303,9 +304,10 @@ impl Member<'_> {
     }
 
     /// Says, under its lease, where node `node` takes copies from other
-    /// nodes: its L1 `(region, epoch)`, after its `address`.
-    pub fn announce(&self, node: u32, address: &str, (region, epoch): (u16, u64)) -> Result<(), EtcdError> {
-        let value = format!("{address} l1={region}:{epoch}");
+    /// nodes — its L1 `(region, epoch)`, after its `address` — and the
+    /// bytes its L1 and L2 hold (its weight in placement).
+    pub fn announce(&self, node: u32, address: &str, room: u64, (region, epoch): (u16, u64)) -> Result<(), EtcdError> {
+        let value = format!("{address} room={room} l1={region}:{epoch}");
         self.cluster.etcd.put(&self.cluster.key(&format!("nodes/{node:010}")), value.as_bytes(), Some(self.lease))?;
         Ok(())
     }
@@ -317,6 +319,13 @@ pub fn member_l1(value: &str) -> Option<(u16, u64)> {
     let (_, space) = value.rsplit_once(" l1=")?;
     let (region, epoch) = space.split_once(':')?;
     Some((region.parse().ok()?, epoch.parse().ok()?))
+}
+
+/// A member's room in bytes, from its membership value, if it announced
+/// it ([`Member::announce`]).
+pub fn member_room(value: &str) -> Option<u64> {
+    let (_, rest) = value.split_once(" room=")?;
+    rest.split(' ').next()?.parse().ok()
 }
 
 fn unix_ms() -> u64 {

@@ -156,6 +156,13 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
     );
     metric(
         &mut out,
+        "lake_blocks_placed_away_total",
+        "counter",
+        "Blocks saved here that the pool placed in their home node: this node's copy became a copy, first to go.",
+        &[("", node.placed_away)],
+    );
+    metric(
+        &mut out,
         "lake_copy_promotions_total",
         "counter",
         "Blocks held here only in L2 promoted into L1 to be copied to another node (a drain).",

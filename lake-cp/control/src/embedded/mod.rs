@@ -374,6 +374,15 @@ impl EmbeddedConfig {
         tenants.chain(namespaces).collect()
     }
 
+    /// The payload bytes its L1 and L2 hold together: what it announces to
+    /// the cluster as its room (its weight in placement).
+    pub fn room_bytes(&self) -> u64 {
+        let l1: u64 = self.l1_size_classes().map(|(payload, slots)| payload.saturating_mul(u64::from(slots))).sum();
+        let largest = self.l1_size_classes().map(|(payload, _)| payload).max().unwrap_or(0);
+        let l2 = (self.l2_paths().len() as u64).saturating_mul(u64::from(self.l2_slots_per_file));
+        l1.saturating_add(l2.saturating_mul(largest))
+    }
+
     /// The pool's L2 files: those configured, else two in its directory.
     pub fn l2_paths(&self) -> Vec<PathBuf> {
         if self.l2_files.is_empty() {

@@ -46,6 +46,24 @@ impl Node {
         Ok(request)
     }
 
+    /// The pool's placement: block `key`, saved here, belongs in another
+    /// node's L1 (`to`: its home, `lake-cp::summary::place`). Copied
+    /// there as a write-back from its L1 replica here (none: nothing is
+    /// done — a block already demoted is not promoted to be placed); once
+    /// the home has it, this node's copy is a copy as a pulled one is
+    /// ([`crate::tier::Tiers::placed_away`]). A copy the home refuses (no
+    /// room, its tenant's cap) leaves the block here as it was.
+    pub fn place_to(&mut self, key: &BlockKey, to: ReplicaWire) -> Result<u64, NodeError> {
+        if !self.locations.ready(key).any(|r| r.tier == Tier::L1Dram && r.node == self.node) {
+            return Err(NodeError::Field("place_to: not in L1 here"));
+        }
+        let request = self.copy_to(key, to, Priority::WriteBack)?;
+        if self.placing.len() < COPIES_OUT_MAX {
+            self.placing.insert(request, *key);
+        }
+        Ok(request)
+    }
+
     /// Takes back copy `request` ([`Node::copy_to`]): its data plane drops
     /// it if it has not gone out yet — it is answered `Cancelled` — and
     /// lets it finish if it has. Whether it was a copy still out.

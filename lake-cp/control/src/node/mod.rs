@@ -240,6 +240,9 @@ pub struct Node {
     /// yet: the source's region, and whether asked while the node was
     /// drained.
     copies_out: HashMap<u64, (u16, bool)>,
+    /// Copies placing a block saved here in its home ([`Node::place_to`]),
+    /// by request: once landed, this node's copy is a copy.
+    placing: HashMap<u64, BlockKey>,
     /// Engines' pulls of other nodes' blocks into this node's L1, for the
     /// summary's leader to relay ([`Node::take_pulls`]).
     pulls: Vec<Transfer>,
@@ -276,6 +279,9 @@ pub struct Node {
     pub copies_landed: u64,
     /// See `copies_landed`.
     pub copies_failed: u64,
+    /// Of the copies landed, those that placed a block saved here in its
+    /// home: this node's copy became a copy.
+    pub placed_away: u64,
     /// Blocks engines hold in their own GPU memory (advisory L0).
     pub l0: crate::l0::L0,
     /// Each engine's compute-network rails, by its connection, as it last
@@ -337,6 +343,7 @@ impl Node {
             copy_requests: 0,
             promoting: HashMap::new(),
             copies_out: HashMap::new(),
+            placing: HashMap::new(),
             pulls: Vec::new(),
             store_reads: HashMap::new(),
             store_reads_done: 0,
@@ -349,6 +356,7 @@ impl Node {
             copy_promotions: 0,
             copy_promotions_failed: 0,
             copies_landed: 0,
+            placed_away: 0,
             copies_failed: 0,
             history: std::collections::VecDeque::new(),
             draining: false,
@@ -505,6 +513,12 @@ impl Node {
             self.promotion_done(request, status);
         } else if request & COPY_REQUESTS != 0 {
             self.copies_out.remove(&request);
+            if let Some(key) = self.placing.remove(&request)
+                && status == 0
+                && self.tiers.placed_away(&key)
+            {
+                self.placed_away += 1;
+            }
             if status == lake_dp::wire::message::ErrorCode::Cancelled as u32 {
                 self.copies_cancelled += 1;
             } else if status == 0 {

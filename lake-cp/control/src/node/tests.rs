@@ -299,3 +299,60 @@ fn a_pull_goes_to_the_leader_naming_this_nodes_l1_and_one_held_only_in_l3_is_rea
     assert_eq!((relayed[0].key, relayed[0].target.region), (key(3), 1));
     assert_eq!((node.store_reads_done, node.store_reads_failed), (0, 1));
 }
+
+#[test]
+fn a_block_placed_in_its_home_becomes_a_copy_here_once_it_landed_there() {
+    let mut node = Node::new(NodeId(3), 1, None);
+    node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+    node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(1, None, Tier::L1Dram, 1, 5, 0))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(2, None, Tier::L1Dram, 1, 5, 1))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(4, None, Tier::L2Nvme, 2, 5, 0))).unwrap();
+    let home = ReplicaWire {
+        tier: Tier::L1Dram as u8,
+        node: 4,
+        region: 1,
+        region_epoch: 9,
+        slot: lake_dp::wire::message::SLOT_ANY,
+        ..ReplicaWire::default()
+    };
+    // Only a block in L1 here is placed: one demoted is not promoted for it.
+    assert!(node.place_to(&key(4), home).is_err());
+    let placed = node.place_to(&key(1), home).unwrap();
+    let refused = node.place_to(&key(2), home).unwrap();
+    let mut commands = Vec::new();
+    node.plan(1, &mut commands);
+    let copies: Vec<(u64, Transfer)> = commands
+        .iter()
+        .filter_map(|c| match c.action {
+            crate::tier::TierAction::Copy(t) => Some((c.request, t)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(copies.len(), 2, "{commands:?}");
+    for (_, copy) in &copies {
+        assert_eq!(copy.priority, Priority::WriteBack as u8);
+        assert_eq!((copy.source.tier, copy.source.region), (Tier::L1Dram as u8, 1));
+        assert_eq!((copy.target.node, copy.target.region, copy.target.region_epoch), (4, 1, 9));
+    }
+    assert!(!node.tiers.is_pulled_in(&key(1)), "still the pool's copy until the home has it");
+    let done = |status: u32| lake_dp::wire::message::TransferDone { status, reserved: 0, target: home, bytes: 0 };
+    node.on_data_plane(placed, &Message::TransferDone(done(0))).unwrap();
+    // The home refused the other (no room there): it stays the pool's here.
+    node.on_data_plane(refused, &Message::TransferDone(done(lake_dp::wire::message::ErrorCode::NoSpace as u32)))
+        .unwrap();
+    assert!(node.tiers.is_pulled_in(&key(1)), "a copy now: dropped rather than written below");
+    assert!(!node.tiers.is_pulled_in(&key(2)));
+    assert_eq!((node.placed_away, node.copies_landed, node.copies_failed), (1, 1, 1));
+    // Its room goes to the blocks this node keeps: dropped at once.
+    let mut commands = Vec::new();
+    node.plan(2, &mut commands);
+    let dropped: Vec<BlockKey> = commands
+        .iter()
+        .filter_map(|c| match c.action {
+            crate::tier::TierAction::Evict(e) => Some(e.key),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(dropped, vec![key(1)], "{commands:?}");
+}

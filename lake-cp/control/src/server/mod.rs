@@ -570,7 +570,14 @@ impl Server {
                     // copy is the one the pool keeps.
                     self.node.tiers.read_remotely(&transfer.key);
                 }
-                if self.node.copy_to(&transfer.key, transfer.target, priority).is_err() {
+                // A write-back: the pool places a block saved here in its
+                // home.
+                let asked = if priority == lake_dp::Priority::WriteBack {
+                    self.node.place_to(&transfer.key, transfer.target)
+                } else {
+                    self.node.copy_to(&transfer.key, transfer.target, priority)
+                };
+                if asked.is_err() {
                     self.counters.refused += 1;
                 }
             }

@@ -48,6 +48,7 @@ use lake_dp::wire::{
 };
 use lake_dp::{BlockKey, Durability, ObjectKind, Replica, Tier};
 
+pub use super::AggregatorCounters;
 use super::view::{ViewCopy, append_view_frame, view_snapshot};
 use super::{Outcome, Replication, Summary};
 use crate::location::{Change, ChangeOp, Locations};
@@ -544,51 +545,6 @@ impl Uplink {
     }
 }
 
-/// What the aggregator has done.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AggregatorCounters {
-    /// Node connections accepted.
-    pub accepted: u64,
-    /// Deltas applied.
-    pub applied: u64,
-    /// Snapshot frames applied.
-    pub snapshot_frames: u64,
-    /// Gaps found (a snapshot asked for).
-    pub gaps: u64,
-    /// Deltas dropped as older than what the summary holds.
-    pub stale: u64,
-    /// Connections closed for a bad frame.
-    pub bad_frames: u64,
-    /// Replication copies asked of nodes.
-    pub copies_asked: u64,
-    /// Copies asked of draining nodes (their blocks to other members).
-    pub drain_copies_asked: u64,
-    /// Engines' pulls relayed to the blocks' holders, and not relayed (no
-    /// member offers the block, or the puller's L1 is not known yet).
-    pub pulls_relayed: u64,
-    /// See `pulls_relayed`.
-    pub pulls_unheld: u64,
-    /// Connections closed for failing their authentication (no handshake,
-    /// another key, a bad proof, a record's tag).
-    pub refused: u64,
-    /// Connections closed as they came: [`Aggregator::connections_max`]
-    /// were open.
-    pub over_cap: u64,
-    /// Connections closed for saying no hello within [`HELLO_DEADLINE`].
-    pub no_hello: u64,
-    /// Accepts that failed (out of file descriptors, most often); the
-    /// connection waits in the kernel's queue for a later pass.
-    pub accept_failed: u64,
-    /// Cluster view delta frames made (each sent to every node taking
-    /// the view and not too far behind).
-    pub view_deltas: u64,
-    /// Cluster view snapshots sent.
-    pub view_snapshots: u64,
-    /// View deltas not sent to a node too far behind (a snapshot
-    /// follows once it catches up).
-    pub view_skipped: u64,
-}
-
 /// A node's connection has this long to say its hello.
 pub const HELLO_DEADLINE: Duration = Duration::from_secs(5);
 
@@ -618,6 +574,8 @@ pub struct Aggregator {
     asked: std::collections::HashMap<(BlockKey, u32), Instant>,
     /// Drain copies asked, and when.
     drain_asked: std::collections::HashMap<(BlockKey, u32), Instant>,
+    /// Placement copies asked, when, of which node, and how many times.
+    placed: std::collections::VecDeque<(Instant, u32, BlockKey, u8)>,
     key: Option<LinkKey>,
     security_events: std::collections::VecDeque<String>,
     /// Nodes' pulls received this pass, relayed at its end.
@@ -661,6 +619,7 @@ impl Aggregator {
             local,
             asked: std::collections::HashMap::new(),
             drain_asked: std::collections::HashMap::new(),
+            placed: std::collections::VecDeque::new(),
             key: None,
             security_events: std::collections::VecDeque::new(),
             pulls: Vec::new(),
@@ -707,6 +666,36 @@ impl Aggregator {
         self.counters.copies_asked += sent.len() as u64;
         for copy in &sent {
             self.asked.insert(*copy, now);
+        }
+        sent.len()
+    }
+
+    /// Asks the nodes for the copies of [`Summary::placement_plan`] (the
+    /// blocks they saved, to their homes), at most `max` a call, as
+    /// write-backs: the saving node's copy is dropped once the home has
+    /// it. A block asked `again` ago is looked at anew (the copy failed,
+    /// or its node was not connected: asked again while the node holds it
+    /// in L1 and its home does not), three times at most. Returns how
+    /// many were asked.
+    pub fn place(&mut self, max: usize, again: Duration) -> usize {
+        let now = Instant::now();
+        let mut tried = std::collections::HashMap::new();
+        while let Some(&(at, node, key, tries)) = self.placed.front()
+            && now.duration_since(at) >= again
+        {
+            self.placed.pop_front();
+            self.summary.place_again(node, key);
+            tried.insert(key, tries);
+        }
+        let plan = self.summary.placement_plan(max, |_, _| false);
+        let planned: Vec<(u32, BlockKey)> = plan.iter().map(|c| (c.from.node.0, c.key)).collect();
+        let sent = self.ask_copies(plan, lake_dp::Priority::WriteBack);
+        self.counters.placements_asked += sent.len() as u64;
+        for (node, key) in planned {
+            let tries = tried.get(&key).copied().unwrap_or(0) + 1;
+            if tries < 3 && self.placed.len() < super::place::PLACING_MAX {
+                self.placed.push_back((now, node, key, tries));
+            }
         }
         sent.len()
     }

@@ -34,6 +34,7 @@
 //! [`Message::Snapshot`]: lake_dp::wire::Message::Snapshot
 
 pub mod link;
+mod place;
 mod view;
 
 use std::collections::HashMap;
@@ -83,6 +84,9 @@ struct NodeView {
     /// Its L1 `(region, epoch)`, as its membership announced it: where
     /// copies to it go, before it holds any L1 replica.
     l1: Option<(u16, u64)>,
+    /// The bytes its L1 and L2 hold, as its membership announced them
+    /// (0: not said): its weight in placement.
+    room: u64,
     /// The snapshot being received: its (term, sequence).
     receiving: Option<(u64, u64)>,
     /// Its replicas, by block (one per region).
@@ -115,6 +119,9 @@ pub struct NodeFigures {
     pub draining: bool,
     /// See `draining` (0 when not draining).
     pub drain_left: u64,
+    /// Whether blocks are placed in it: a member, not draining, its L1
+    /// known (announced, or holding a block there).
+    pub takes_placements: bool,
     /// Replicas per tier (`Tier as usize`).
     pub replicas: [u64; 4],
     /// Of them, offered to readers (L2 of a lapsed node is not).
@@ -172,6 +179,54 @@ impl core::fmt::Display for CheckpointError {
 
 impl std::error::Error for CheckpointError {}
 
+/// What the aggregator has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AggregatorCounters {
+    /// Node connections accepted.
+    pub accepted: u64,
+    /// Deltas applied.
+    pub applied: u64,
+    /// Snapshot frames applied.
+    pub snapshot_frames: u64,
+    /// Gaps found (a snapshot asked for).
+    pub gaps: u64,
+    /// Deltas dropped as older than what the summary holds.
+    pub stale: u64,
+    /// Connections closed for a bad frame.
+    pub bad_frames: u64,
+    /// Replication copies asked of nodes.
+    pub copies_asked: u64,
+    /// Copies asked of draining nodes (their blocks to other members).
+    pub drain_copies_asked: u64,
+    /// Blocks a node saved asked to be copied to their home
+    /// ([`Summary::placement_plan`]).
+    pub placements_asked: u64,
+    /// Engines' pulls relayed to the blocks' holders, and not relayed (no
+    /// member offers the block, or the puller's L1 is not known yet).
+    pub pulls_relayed: u64,
+    /// See `pulls_relayed`.
+    pub pulls_unheld: u64,
+    /// Connections closed for failing their authentication (no handshake,
+    /// another key, a bad proof, a record's tag).
+    pub refused: u64,
+    /// Connections closed as they came: [`Aggregator::connections_max`]
+    /// were open.
+    pub over_cap: u64,
+    /// Connections closed for saying no hello within [`HELLO_DEADLINE`].
+    pub no_hello: u64,
+    /// Accepts that failed (out of file descriptors, most often); the
+    /// connection waits in the kernel's queue for a later pass.
+    pub accept_failed: u64,
+    /// Cluster view delta frames made (each sent to every node taking
+    /// the view and not too far behind).
+    pub view_deltas: u64,
+    /// Cluster view snapshots sent.
+    pub view_snapshots: u64,
+    /// View deltas not sent to a node too far behind (a snapshot
+    /// follows once it catches up).
+    pub view_skipped: u64,
+}
+
 const MAGIC: [u8; 8] = *b"LAKESUM\0";
 const VERSION: u32 = 1;
 const HEAD_BYTES: usize = 8 + 4 + 4 + 8;
@@ -185,6 +240,9 @@ pub struct Summary {
     /// The cluster view's changes since they were last taken, where they
     /// are noted ([`Summary::track_view`]).
     view: view::Pending,
+    /// Blocks newly held in a node's L1, to be placed, where they are
+    /// noted ([`Summary::track_placement`]).
+    placing: place::Pending,
 }
 
 fn tier_of(entry: &DeltaEntry) -> Option<Tier> {
@@ -226,6 +284,7 @@ impl Summary {
         }
         for entry in entries {
             view::note(&mut self.view, head.node, view, &entry.key);
+            place::note(&mut self.placing, head.node, &entry);
             apply(view, &entry);
         }
         view.sequence = last;
@@ -318,23 +377,13 @@ impl Summary {
     }
 
     /// Draining nodes' blocks that only they hold, each to be copied into
-    /// the L1 of a member that is not draining (chosen by the block's key,
-    /// so copies spread): from the node's L1 replica, or its L2 one (the
+    /// the L1 of its home among the members not draining (see
+    /// [`Summary::home`]): from the node's L1 replica, or its L2 one (the
     /// node promotes it first). `skip(key, node)` leaves out copies asked
     /// lately. At most `max`.
     pub fn drain_plan(&self, max: usize, mut skip: impl FnMut(&BlockKey, u32) -> bool) -> Vec<Replication> {
         let mut out = Vec::new();
-        let targets: Vec<(u32, ReplicaWire)> = self
-            .nodes()
-            .into_iter()
-            .filter_map(|node| {
-                let view = &self.nodes[&node];
-                if !view.member || view.draining {
-                    return None;
-                }
-                Some((node, self.l1_target(node)?))
-            })
-            .collect();
+        let targets = self.homes();
         if targets.is_empty() || max == 0 {
             return out;
         }
@@ -356,8 +405,7 @@ impl Summary {
                     .into_iter()
                     .find_map(|tier| held.iter().find(|h| tier_of(&h.entry) == Some(tier)));
                 let Some(from) = fastest.and_then(|h| Replica::from_wire(&h.entry.replica)) else { continue };
-                let pick = usize::from(key.0[0]) % targets.len();
-                let (target, to) = targets[pick];
+                let Some(&(target, _, to)) = place::pick(key, &targets) else { continue };
                 if skip(key, target) {
                     continue;
                 }
@@ -389,6 +437,7 @@ impl Summary {
             draining: view.draining,
             ..NodeFigures::default()
         };
+        figures.takes_placements = view.member && !view.draining && self.l1_target(node).is_some();
         if view.draining {
             figures.drain_left = view.replicas.keys().filter(|key| !self.kept_elsewhere(key, node)).count() as u64;
         }

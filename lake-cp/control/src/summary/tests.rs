@@ -532,3 +532,92 @@ fn a_node_that_sees_a_gap_in_the_view_asks_for_a_snapshot_and_applies_nothing_un
     assert_eq!([held(1), held(2), held(3), held(4)], [true, false, false, true], "the snapshot replaced the view");
     assert_eq!(uplink.view_figures().map(|f| (f.0, f.1)), Some((5, 6)));
 }
+
+fn numbered(i: u32) -> BlockKey {
+    let mut bytes = [0x5c; 16];
+    bytes[..4].copy_from_slice(&i.to_le_bytes());
+    BlockKey(bytes)
+}
+
+#[test]
+fn blocks_a_node_saves_are_planned_into_their_homes_in_proportion_to_the_members_room() {
+    let mut summary = Summary::new();
+    summary.track_placement();
+    // Node 1 saves 400 blocks; node 3 holds block 7 already (in L2);
+    // nodes 2 and 3 hold an L1 block of their own (so their L1 is known).
+    let mut one = view(1, 1);
+    for i in 0..400 {
+        one.adopt(None, numbered(i), lake_dp::ObjectKind::KvBlock, 0, 5, i, 1).unwrap();
+    }
+    let mut two = view(2, 1);
+    two.adopt(None, key(1), lake_dp::ObjectKind::KvBlock, 0, 5, 1, 1).unwrap();
+    let mut three = view(3, 1);
+    three.adopt(None, numbered(7), lake_dp::ObjectKind::KvBlock, 1, 5, 1, 1).unwrap();
+    three.adopt(None, key(2), lake_dp::ObjectKind::KvBlock, 0, 5, 1, 1).unwrap();
+    for (node, locations) in [(2, &mut two), (3, &mut three), (1, &mut one)] {
+        let changes: Vec<_> = locations.drain_changes().collect();
+        apply_all(&mut summary, deltas(node, locations, &changes));
+    }
+    // Rooms are read with the membership, after the nodes first report.
+    summary.rooms(&[(1, 1 << 30), (2, 1 << 30), (3, 2 << 30)]);
+    assert_eq!(summary.placing(), (402, 0), "every new L1 replica waits to be placed");
+    // At most `max` a call; the rest wait.
+    let first = summary.placement_plan(10, |_, _| false);
+    assert_eq!(first.len(), 10);
+    let mut plan = first;
+    plan.extend(summary.placement_plan(1000, |_, _| false));
+    assert_eq!(summary.placing().0, 0);
+    let homes: Vec<Option<u32>> = (0..400).map(|i| summary.home(&numbered(i))).collect();
+    for copy in &plan {
+        assert_eq!(Some(copy.to.node), summary.home(&copy.key), "{copy:?}");
+        let saver = match copy.key {
+            k if k == key(1) => 2,
+            k if k == key(2) => 3,
+            _ => 1,
+        };
+        assert_eq!((copy.from.node.0, copy.from.tier), (saver, Tier::L1Dram));
+        assert_eq!((copy.to.tier, copy.to.slot), (Tier::L1Dram as u8, lake_dp::wire::message::SLOT_ANY));
+    }
+    // Nodes 2 and 3 saved one block each: placed too where not home.
+    plan.retain(|c| c.from.node.0 == 1);
+    let away = homes.iter().filter(|h| **h != Some(1)).count();
+    let at_three_already = usize::from(homes[7] == Some(3));
+    assert_eq!(plan.len(), away - at_three_already, "each block not at home once, none held there already");
+    assert!(!plan.iter().any(|c| c.key == numbered(7) && c.to.node == 3));
+    // In proportion to room (1:1:2): a quarter stays, half goes to node 3.
+    let counts = [1, 2, 3].map(|n| homes.iter().filter(|h| **h == Some(n)).count());
+    assert!((70..=130).contains(&counts[0]) && (170..=230).contains(&counts[2]), "{counts:?}");
+    // Taken: nothing again until a node saves more.
+    assert!(summary.placement_plan(1000, |_, _| false).is_empty());
+
+    // Node 3 drained: only the blocks whose home it was find another
+    // (the rendezvous hash moves nothing else).
+    summary.draining(&[3]);
+    for i in 0..400 {
+        let now = summary.home(&numbered(i));
+        if homes[i as usize] == Some(3) {
+            assert!(matches!(now, Some(1 | 2)));
+        } else {
+            assert_eq!(now, homes[i as usize]);
+        }
+    }
+    // A block saved, asked lately (`skip`), or gone before the plan, is
+    // not planned; one saved by a lapsed node neither.
+    summary.draining(&[]);
+    let saved: Vec<u32> = (400..440).filter(|&i| summary.home(&numbered(i)) == Some(2)).collect();
+    for &i in &saved {
+        one.adopt(None, numbered(i), lake_dp::ObjectKind::KvBlock, 0, 5, i, 1).unwrap();
+    }
+    one.remove(&numbered(saved[0]), 0).unwrap();
+    let changes: Vec<_> = one.drain_changes().collect();
+    apply_all(&mut summary, deltas(1, &one, &changes));
+    let plan = summary.placement_plan(1000, |k, _| *k == numbered(saved[1]));
+    let keys: Vec<BlockKey> = plan.iter().map(|c| c.key).collect();
+    let want: Vec<BlockKey> = saved[2..].iter().map(|&i| numbered(i)).collect();
+    assert_eq!(keys, want);
+    one.adopt(None, numbered(1000), lake_dp::ObjectKind::KvBlock, 0, 5, 1000, 1).unwrap();
+    let changes: Vec<_> = one.drain_changes().collect();
+    apply_all(&mut summary, deltas(1, &one, &changes));
+    summary.membership(&[2, 3]);
+    assert!(summary.placement_plan(1000, |_, _| false).is_empty());
+}

@@ -73,6 +73,12 @@ pub(super) struct SummaryArgs {
     /// (0: none).
     #[arg(long, value_name = "K", default_value_t = 0)]
     replicate_children: usize,
+    /// Where the blocks engines save are kept: `saved`, on the node that
+    /// saved them; `home`, each in the member a rendezvous hash of its key
+    /// picks, weighted by the members' room (the saving node's copy is
+    /// dropped once the home has it): one copy a block, spread by room.
+    #[arg(long, value_name = "WHERE", default_value = "saved", value_parser = ["saved", "home"])]
+    placement: String,
     /// The cluster link key: nodes' links are authenticated with it.
     #[arg(long, value_name = "FILE")]
     link_key: Option<PathBuf>,
@@ -294,6 +300,9 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     use lake_cp::summary::link::Aggregator;
     use lake_dp::l3::ObjectStore;
 
+    /// Placement copies asked in one pass of the leader's loop, at most
+    /// (a pass is 2 ms or less).
+    const PLACE_PER_PASS: usize = 256;
     let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (listen, etcd, cluster, id, dir) =
         (args.listen, &args.etcd, &args.cluster, args.id.clone(), &args.checkpoint_dir);
@@ -359,6 +368,10 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
         }
     }
     let mut aggregator = Aggregator::bind(listen, summary).map_err(|e| format!("--listen {listen}: {e}"))?;
+    let placing = args.placement == "home";
+    if placing {
+        aggregator.summary.track_placement();
+    }
     aggregator.connections_max = args.connections_max as usize;
     if let Some(key) = key {
         aggregator.authenticate(key);
@@ -375,6 +388,10 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     let mut drain_marks: Vec<(u32, i64)> = Vec::new();
     while signals.take().is_none() {
         aggregator.pump();
+        if placing {
+            // The blocks saved since the last pass, to their homes.
+            aggregator.place(PLACE_PER_PASS, Duration::from_secs(3));
+        }
         for what in aggregator.take_security_events() {
             say(serde_json::json!({"event": "link_refused", "what": what}).to_string());
         }
@@ -411,6 +428,11 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                             .filter_map(|(node, value)| lake_cp::ha::member_l1(value).map(|l1| (*node, l1)))
                             .collect();
                         aggregator.summary.l1_spaces(&spaces);
+                        let rooms: Vec<(u32, u64)> = members
+                            .iter()
+                            .filter_map(|(node, value)| lake_cp::ha::member_room(value).map(|room| (*node, room)))
+                            .collect();
+                        aggregator.summary.rooms(&rooms);
                     }
                     Err(e) => tracing::warn!(event = "members_unread", error = %e),
                 }
@@ -473,13 +495,16 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
             }
             let c = aggregator.counters;
             say(format!(
-                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"shed\":{{\"over_cap\":{},\"no_hello\":{},\"accept_failed\":{}}},\"nodes\":{}}}",
+                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"placements_asked\":{},\"placing\":{},\"placing_dropped\":{},\"shed\":{{\"over_cap\":{},\"no_hello\":{},\"accept_failed\":{}}},\"nodes\":{}}}",
                 aggregator.connected(),
                 c.applied,
                 c.snapshot_frames,
                 c.gaps,
                 c.copies_asked,
                 c.drain_copies_asked,
+                c.placements_asked,
+                aggregator.summary.placing().0,
+                aggregator.summary.placing().1,
                 c.over_cap,
                 c.no_hello,
                 c.accept_failed,
@@ -500,8 +525,16 @@ pub(super) fn nodes_json(summary: &lake_cp::summary::Summary) -> String {
         .filter_map(|node| summary.figures(node).map(|f| (node, f)))
         .map(|(node, f)| {
             format!(
-                "{{\"node\":{node},\"term\":{},\"sequence\":{},\"member\":{},\"gap\":{},\"draining\":{},\"drain_left\":{},\"replicas\":{:?},\"available\":{:?}}}",
-                f.term, f.sequence, f.member, f.gap, f.draining, f.drain_left, f.replicas, f.available
+                "{{\"node\":{node},\"term\":{},\"sequence\":{},\"member\":{},\"gap\":{},\"draining\":{},\"drain_left\":{},\"takes_placements\":{},\"replicas\":{:?},\"available\":{:?}}}",
+                f.term,
+                f.sequence,
+                f.member,
+                f.gap,
+                f.draining,
+                f.drain_left,
+                f.takes_placements,
+                f.replicas,
+                f.available
             )
         })
         .collect();

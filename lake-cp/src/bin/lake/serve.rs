@@ -109,7 +109,7 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
                 && space != announced
                 && let (Some(current), Some(space)) = (&member, space)
             {
-                match current.announce(config.node, &address, space) {
+                match current.announce(config.node, &address, config.room_bytes(), space) {
                     Ok(()) => announced = Some(space),
                     Err(e) => tracing::warn!(event = "l1_announce_failed", error = %e),
                 }
