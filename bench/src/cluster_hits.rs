@@ -8,6 +8,8 @@
 //!
 //! - **cluster**: the whole pool (`lookup_cluster`), and pulls the blocks
 //!   only other nodes hold (`pull_cluster`) — its hit is what landed here;
+//!   once with blocks kept where they were saved (`lake summary`'s
+//!   default), once kept in their homes (`--placement home`);
 //! - **islands** (three fresh nodes, no view, no pulls): its node's mirror;
 //! - **one pool** (one node with the three nodes' L1 and L2 together):
 //!   its mirror;
@@ -197,9 +199,18 @@ impl Drop for Scratch {
 /// How turns ask the pool.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
+    /// Blocks kept where they were saved (`lake summary`'s default).
     Cluster,
+    /// Blocks kept in their homes (`--placement home`).
+    ClusterHome,
     Islands,
     OnePool,
+}
+
+impl Mode {
+    fn cluster(self) -> bool {
+        matches!(self, Self::Cluster | Self::ClusterHome)
+    }
 }
 
 /// What one replay measured.
@@ -240,7 +251,7 @@ struct Deployment {
 }
 
 fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<Deployment, String> {
-    let cluster = mode == Mode::Cluster;
+    let cluster = mode.cluster();
     let (etcd, summary, endpoint, summary_at) = if cluster {
         let host = switch.address(0);
         let client = format!("http://{host}:2379");
@@ -255,6 +266,7 @@ fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<
         let summary_at = format!("{host}:7100");
         let mut command = switch.command(0, &args.lake);
         command.args(["summary", "--listen", &summary_at, "--etcd", &client, "--cluster", "hits", "--ttl", "2"]);
+        command.args(["--placement", if mode == Mode::ClusterHome { "home" } else { "saved" }]);
         // etcd may take a moment to answer: the summary retries its start.
         let mut summary = None;
         for _ in 0..50 {
@@ -328,7 +340,7 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             let agent = &mut agents[at];
             let asked = &prompt[..context as usize];
             let hit = match mode {
-                Mode::Cluster => {
+                Mode::Cluster | Mode::ClusterHome => {
                     let anywhere = agent.lookup_cluster(asked, &mut places);
                     let remote = places.iter().filter(|p| matches!(p, Where::Remote(_))).count();
                     if remote > 0 {
@@ -345,7 +357,7 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             };
             out.asked += u64::from(context);
             out.hit += hit as u64;
-            if mode == Mode::Cluster && hit < asked.len() {
+            if mode.cluster() && hit < asked.len() {
                 if holders(&agents, &asked[hit]) == 0 {
                     out.ended_gone += 1;
                 } else {
@@ -360,7 +372,7 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             let held = |agent: &mut Agent, key: &BlockKey| {
                 let one = std::slice::from_ref(key);
                 match mode {
-                    Mode::Cluster => agent.lookup_cluster(one, &mut Vec::new()) == 1,
+                    Mode::Cluster | Mode::ClusterHome => agent.lookup_cluster(one, &mut Vec::new()) == 1,
                     Mode::Islands | Mode::OnePool => agent.lookup(one, &mut Vec::new()) == 1,
                 }
             };
@@ -515,15 +527,16 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
     report.int("turns", u64::from(args.conversations * args.turns));
     report.int("l1_slots_per_node", u64::from(args.l1_slots));
     report.int("l2_slots_per_node", 2 * u64::from(args.l2_slots));
-    let mut ratios = [0.0; 3];
-    for (i, mode) in [Mode::OnePool, Mode::Islands, Mode::Cluster].into_iter().enumerate() {
+    let mut ratios = [0.0; 4];
+    let modes = [Mode::OnePool, Mode::Islands, Mode::Cluster, Mode::ClusterHome];
+    for (i, mode) in modes.into_iter().enumerate() {
         let deployment = deploy(&paths, &switch, mode, &base.0)?;
-        if mode == Mode::Cluster {
+        if mode.cluster() {
             // Every node in the leader's view before the first turn.
             std::thread::sleep(Duration::from_secs(1));
         }
         let replay = replay(args, &deployment, mode)?;
-        let name = ["one_pool", "islands", "cluster"][i];
+        let name = ["one_pool", "islands", "cluster", "cluster_home"][i];
         ratios[i] = replay.hit as f64 / replay.asked as f64;
         report.int(&format!("{name}_context_blocks"), replay.asked);
         report.float(&format!("{name}_hit_ratio"), ratios[i]);
@@ -531,12 +544,14 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
         report.int(&format!("{name}_blocks_held_at_end"), replay.distinct_held);
         report.int(&format!("{name}_copies_held_at_end"), replay.copies_held);
         report.int(&format!("{name}_prefix_blocks_held_at_end"), replay.prefix_held);
-        if mode == Mode::Cluster {
-            report.int("cluster_blocks_pulled", replay.pulled);
-            report.int("cluster_turns_ended_at_a_block_gone", replay.ended_gone);
-            report.int("cluster_turns_ended_at_a_block_elsewhere", replay.ended_elsewhere);
+        if mode.cluster() {
+            report.int(&format!("{name}_blocks_pulled"), replay.pulled);
+            report.int(&format!("{name}_turns_ended_at_a_block_gone"), replay.ended_gone);
+            report.int(&format!("{name}_turns_ended_at_a_block_elsewhere"), replay.ended_elsewhere);
             let mut ns = replay.pull_ns;
-            report.float("cluster_turn_pull_p50_ns_per_block", percentile(&mut ns, 500));
+            report.float(&format!("{name}_turn_pull_p50_ns_per_block"), percentile(&mut ns, 500));
+        }
+        if mode == Mode::Cluster {
             let (mut singles, batch_s) = remote_loads(args, &deployment)?;
             report.float("remote_load_p50_ns", percentile(&mut singles, 500));
             report.float("remote_load_p99_ns", percentile(&mut singles, 990));
@@ -546,6 +561,7 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
         }
     }
     report.float("cluster_vs_one_pool", ratios[2] / ratios[0]);
+    report.float("cluster_home_vs_one_pool", ratios[3] / ratios[0]);
     report.float("islands_vs_one_pool", ratios[1] / ratios[0]);
     let (mut singles, batch_s) = raw_tcp(&switch, args.pulls as usize, args.pulls as usize)?;
     report.float("raw_tcp_block_p50_ns", percentile(&mut singles, 500));
