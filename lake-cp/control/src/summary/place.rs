@@ -138,9 +138,14 @@ impl Summary {
     /// `max`; the rest wait for the next call. A block gone from the node
     /// since, or already home, needs nothing.
     pub fn placement_plan(&mut self, max: usize, mut skip: impl FnMut(&BlockKey, u32) -> bool) -> Vec<Replication> {
-        let homes = self.homes();
         let mut out = Vec::new();
+        // Called every pass of the leader's loop: nothing to do, nothing
+        // looked at.
+        if self.placing.queue.as_ref().is_none_or(VecDeque::is_empty) {
+            return out;
+        }
         let Some(mut queue) = self.placing.queue.take() else { return out };
+        let homes = self.homes();
         if homes.len() < 2 {
             // One node: every block is home.
             queue.clear();

@@ -639,16 +639,14 @@ impl Tiers {
         if self.pulled_in.len() >= PULLED_IN_MAX {
             return false;
         }
-        if self.marked.contains_key(key) || self.pending_of.keys().any(|(k, _)| k == key) {
+        let space = self.spaces.iter_mut().find(|((tier, _), s)| *tier == Tier::L1Dram && s.cache.index.contains(key));
+        match space {
+            Some((_, space)) => space.cache.make_cold(key),
             // Out of its cache, on its way out or down already: the copy
             // it leaves below is dropped once there.
-            self.pulled_in.insert(*key);
-            self.placed_away.push_back(*key);
-            return true;
+            None if self.marked.contains_key(key) || self.pending_of.keys().any(|(k, _)| k == key) => {}
+            None => return false,
         }
-        let space = self.spaces.iter_mut().find(|((tier, _), s)| *tier == Tier::L1Dram && s.cache.index.contains(key));
-        let Some((_, space)) = space else { return false };
-        space.cache.make_cold(key);
         self.pulled_in.insert(*key);
         self.placed_away.push_back(*key);
         true
