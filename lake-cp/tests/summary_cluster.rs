@@ -9,7 +9,8 @@
 //! the leader's replication into node 2's L1, over the nodes' transport,
 //! and node 2's engine reads it there byte for byte. The leader streams
 //! its view back: each node's engines find the other node's blocks with
-//! where they are, and lose them when that node leaves.
+//! where they are, and lose them when that node leaves. With the default
+//! placement a chain one node pulls moves there: the holder's copies go.
 
 #[path = "common/cluster.rs"]
 mod cluster;
@@ -558,4 +559,81 @@ fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_fir
         leader.wait_for("placements counted", Duration::from_secs(5), |l| l.contains("\"event\":\"summary\""));
     let asked = summary.split("\"placements_asked\":").nth(1).and_then(|v| v.split(',').next()?.parse::<u64>().ok());
     assert!(asked.is_some_and(|asked| asked >= placed), "{summary}");
+}
+
+#[test]
+fn a_chain_another_node_reads_moves_to_it_and_back_and_the_pool_keeps_one_copy() {
+    let Some(etcd) = etcd_server::EtcdServer::start("moves") else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-moves-{}", std::process::id()));
+    let _scratch = Scratch(base.clone(), Vec::new());
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{}", port());
+    // `lake summary`'s default placement: a block stays where it was last
+    // read.
+    let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "mv", "--ttl", "2"]);
+    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let transports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", port())).collect();
+    let nodes: Vec<(Proc, String)> = (1..=2u32)
+        .map(|node| {
+            let dir = base.join(format!("node{node}")).display().to_string();
+            let (name, other) = (node.to_string(), 3 - node);
+            let peer = format!("{other}={}", transports[other as usize - 1]);
+            let proc = Proc::start(&[
+                "serve",
+                "--metrics",
+                "127.0.0.1:0",
+                "--node",
+                &name,
+                "--dir",
+                &dir,
+                "--block-bytes",
+                "16384",
+                "--summary-to",
+                &listen,
+                "--etcd",
+                &endpoint,
+                "--cluster",
+                "mv",
+                "--member-ttl",
+                "2",
+                "--transport-listen",
+                &transports[node as usize - 1],
+                "--transport-peer",
+                &peer,
+            ]);
+            let serving = proc.wait_for("a node serves", Duration::from_secs(20), |l| l.contains("\"serving\""));
+            (proc, serving)
+        })
+        .collect();
+    let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
+    let metrics: Vec<String> = serving.iter().map(|s| field(s, "metrics")).collect();
+    let chain: Vec<BlockKey> = (0..8).map(|i| key(1, i)).collect();
+    save(serving[0], 1, 0..8);
+    let on = |node| Where::Remote(Holder { node: NodeId(node), tier: lake_dp::Tier::L1Dram });
+    let seen = wait_places(serving[1], &chain, Duration::from_secs(20), |p| p.iter().all(|w| *w == on(1)));
+    assert!(seen.iter().all(|w| *w == on(1)), "node 2's engines see node 1's chain: {seen:?}");
+
+    // Each reader in turn pulls the chain, reads it byte for byte from its
+    // own L1, and the chain then lives there only: the holder's copies go.
+    for (reader, holder, reader_node) in [(1usize, 0usize, 2u32), (0, 1, 1)] {
+        let mut agent = agent(serving[reader]);
+        let mut table = Vec::new();
+        let landed = agent.pull_cluster(&chain, Duration::from_secs(5), &mut table);
+        assert_eq!(landed, 8, "node {} pulled {landed} of 8", reader + 1);
+        let got = agent.fetch(&chain, &table, |_, bytes| assert_eq!(bytes, &payload(1)[..]));
+        assert_eq!(got, 8, "{:?}", agent.last_fetch_failure());
+        drop(agent);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while chain.iter().any(|&k| tier_here(serving[holder], k).is_some()) {
+            assert!(Instant::now() < deadline, "node {}'s copies stayed after the chain moved", holder + 1);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(chain.iter().all(|&k| tier_here(serving[reader], k) == Some(lake_dp::Tier::L1Dram)));
+        assert_eq!(sample(&metrics[holder], "lake_blocks_moved_to_readers_total"), 8);
+        // The old holder's engines find it on the reader now.
+        let seen =
+            wait_places(serving[holder], &chain, Duration::from_secs(10), |p| p.iter().all(|w| *w == on(reader_node)));
+        assert!(seen.iter().all(|w| *w == on(reader_node)), "{seen:?}");
+    }
 }

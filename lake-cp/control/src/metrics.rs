@@ -163,6 +163,13 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
     );
     metric(
         &mut out,
+        "lake_blocks_moved_to_readers_total",
+        "counter",
+        "Blocks another node pulled, where pulls move blocks: the reader's copy became the pool's, this node's a copy, first to go.",
+        &[("", node.moved_to_readers)],
+    );
+    metric(
+        &mut out,
         "lake_copy_promotions_total",
         "counter",
         "Blocks held here only in L2 promoted into L1 to be copied to another node (a drain).",

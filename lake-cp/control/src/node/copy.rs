@@ -43,6 +43,11 @@ impl Node {
         if self.copies_out.len() < COPIES_OUT_MAX {
             self.copies_out.insert(request, (source.region.0, self.draining));
         }
+        // A pull's copy, where pulls move blocks: the reader's copy is the
+        // pool's once it landed (a block promoted for it comes here too).
+        if priority == Priority::CriticalLoad && self.pulls_move && self.placing.len() < COPIES_OUT_MAX {
+            self.placing.insert(request, (*key, true));
+        }
         Ok(request)
     }
 
@@ -59,7 +64,7 @@ impl Node {
         }
         let request = self.copy_to(key, to, Priority::WriteBack)?;
         if self.placing.len() < COPIES_OUT_MAX {
-            self.placing.insert(request, *key);
+            self.placing.insert(request, (*key, false));
         }
         Ok(request)
     }

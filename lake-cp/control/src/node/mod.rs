@@ -241,8 +241,15 @@ pub struct Node {
     /// drained.
     copies_out: HashMap<u64, (u16, bool)>,
     /// Copies placing a block saved here in its home ([`Node::place_to`]),
-    /// by request: once landed, this node's copy is a copy.
-    placing: HashMap<u64, BlockKey>,
+    /// or moving it to the node that pulled it (`true`; see
+    /// `pulls_move`), by request: once landed, this node's copy is a copy.
+    placing: HashMap<u64, (BlockKey, bool)>,
+    /// Whether a pull moves the block to its reader, as the summary's
+    /// leader says ([`lake_dp::wire::FEATURE_PULLS_MOVE`]): the pulled
+    /// copy here is the pool's, and a copy this node sends to a puller
+    /// leaves this node's a copy once it landed. Else a pulled copy is
+    /// one, first to go, and the holder's stays.
+    pub pulls_move: bool,
     /// Engines' pulls of other nodes' blocks into this node's L1, for the
     /// summary's leader to relay ([`Node::take_pulls`]).
     pulls: Vec<Transfer>,
@@ -282,6 +289,9 @@ pub struct Node {
     /// Of the copies landed, those that placed a block saved here in its
     /// home: this node's copy became a copy.
     pub placed_away: u64,
+    /// Of the copies landed, those that moved a block to the node that
+    /// pulled it ([`Node::pulls_move`]): this node's copy became a copy.
+    pub moved_to_readers: u64,
     /// Blocks engines hold in their own GPU memory (advisory L0).
     pub l0: crate::l0::L0,
     /// Each engine's compute-network rails, by its connection, as it last
@@ -344,6 +354,7 @@ impl Node {
             promoting: HashMap::new(),
             copies_out: HashMap::new(),
             placing: HashMap::new(),
+            pulls_move: false,
             pulls: Vec::new(),
             store_reads: HashMap::new(),
             store_reads_done: 0,
@@ -357,6 +368,7 @@ impl Node {
             copy_promotions_failed: 0,
             copies_landed: 0,
             placed_away: 0,
+            moved_to_readers: 0,
             copies_failed: 0,
             history: std::collections::VecDeque::new(),
             draining: false,
@@ -513,11 +525,15 @@ impl Node {
             self.promotion_done(request, status);
         } else if request & COPY_REQUESTS != 0 {
             self.copies_out.remove(&request);
-            if let Some(key) = self.placing.remove(&request)
+            if let Some((key, to_reader)) = self.placing.remove(&request)
                 && status == 0
                 && self.tiers.placed_away(&key)
             {
-                self.placed_away += 1;
+                if to_reader {
+                    self.moved_to_readers += 1;
+                } else {
+                    self.placed_away += 1;
+                }
             }
             if status == lake_dp::wire::message::ErrorCode::Cancelled as u32 {
                 self.copies_cancelled += 1;
@@ -766,7 +782,7 @@ impl Node {
                     }
                     _ => false,
                 };
-                if new && replica.tier == Tier::L1Dram && pulled {
+                if new && replica.tier == Tier::L1Dram && pulled && !self.pulls_move {
                     self.tiers.pulled_in(block.namespace, block.key);
                 }
                 if let Some(tenant) = self.tenant_mirrors.iter().position(|(ns, _)| ns.contains(&block.namespace)) {

@@ -356,3 +356,66 @@ fn a_block_placed_in_its_home_becomes_a_copy_here_once_it_landed_there() {
         .collect();
     assert_eq!(dropped, vec![key(1)], "{commands:?}");
 }
+
+#[test]
+fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_once_it_landed() {
+    let l1 = |node: u32, region_epoch| ReplicaWire {
+        tier: Tier::L1Dram as u8,
+        node,
+        region: 1,
+        region_epoch,
+        slot: lake_dp::wire::message::SLOT_ANY,
+        ..ReplicaWire::default()
+    };
+    let done = |target| lake_dp::wire::message::TransferDone { status: 0, reserved: 0, target, bytes: 0 };
+    // The holder: a pull's copy leaves its block a copy once it landed,
+    // where the leader moves pulled blocks; else its block stays the pool's.
+    let mut holder = Node::new(NodeId(3), 1, None);
+    holder.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+    holder.on_data_plane(0, &Message::BlockCommitted(block(1, None, Tier::L1Dram, 1, 5, 0))).unwrap();
+    holder.on_data_plane(0, &Message::BlockCommitted(block(2, None, Tier::L1Dram, 1, 5, 1))).unwrap();
+    holder.pulls_move = true;
+    let moved = holder.copy_to(&key(1), l1(4, 9), Priority::CriticalLoad).unwrap();
+    holder.pulls_move = false;
+    let copied = holder.copy_to(&key(2), l1(4, 9), Priority::CriticalLoad).unwrap();
+    let mut commands = Vec::new();
+    holder.plan(1, &mut commands);
+    assert_eq!(commands.iter().filter(|c| matches!(c.action, crate::tier::TierAction::Copy(_))).count(), 2);
+    holder.on_data_plane(moved, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    holder.on_data_plane(copied, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    assert!(holder.tiers.is_pulled_in(&key(1)), "moved: a copy here now");
+    assert!(!holder.tiers.is_pulled_in(&key(2)), "copied: still the pool's here");
+    assert_eq!((holder.moved_to_readers, holder.placed_away, holder.copies_landed), (1, 0, 2));
+    let mut commands = Vec::new();
+    holder.plan(2, &mut commands);
+    let dropped: Vec<BlockKey> = commands
+        .iter()
+        .filter_map(|c| match c.action {
+            crate::tier::TierAction::Evict(e) => Some(e.key),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(dropped, vec![key(1)], "{commands:?}");
+
+    // The reader: the block it pulled is its own where pulls move blocks,
+    // a copy (first to go) where they do not.
+    let mut reader = Node::new(NodeId(3), 1, None);
+    reader.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 9))).unwrap();
+    let pull = |key| Transfer {
+        source: ReplicaWire { tier: Tier::L1Dram as u8, node: 2, ..ReplicaWire::default() },
+        target: l1(3, 0),
+        key,
+        deadline_unix_ns: 0,
+        priority: Priority::CriticalLoad as u8,
+        reserved: [0; 7],
+    };
+    reader.pulls_move = true;
+    reader.on_agent(1, 1, &Message::CopyBlock(pull(key(1))), 0).unwrap();
+    reader.on_data_plane(0, &Message::BlockCommitted(block(1, None, Tier::L1Dram, 1, 9, 0))).unwrap();
+    reader.pulls_move = false;
+    reader.on_agent(1, 2, &Message::CopyBlock(pull(key(2))), 0).unwrap();
+    reader.on_data_plane(0, &Message::BlockCommitted(block(2, None, Tier::L1Dram, 1, 9, 1))).unwrap();
+    assert_eq!(reader.take_pulls().len(), 2);
+    assert!(!reader.tiers.is_pulled_in(&key(1)), "moved here: the pool's copy");
+    assert!(reader.tiers.is_pulled_in(&key(2)), "copied here: a copy");
+}

@@ -560,14 +560,15 @@ impl Server {
         self.counters.refused += (pulls.len() - relayed) as u64;
         if let Some(uplink) = &mut self.uplink {
             uplink.pump(&self.node.locations, &self.changes);
+            self.node.pulls_move = uplink.pulls_move();
             // Replication the leader asked: copies of this node's L1
             // blocks into other nodes' L1, sent with the next plan.
             let copies = uplink.take_copies();
             for transfer in &copies {
                 let priority = lake_dp::Priority::from_u8(transfer.priority).unwrap_or(lake_dp::Priority::Replication);
-                if priority == lake_dp::Priority::CriticalLoad {
-                    // A pull: another node reads the block, and this
-                    // copy is the one the pool keeps.
+                if priority == lake_dp::Priority::CriticalLoad && !self.node.pulls_move {
+                    // A pull that leaves the block here: another node
+                    // reads it, and this copy is the one the pool keeps.
                     self.node.tiers.read_remotely(&transfer.key);
                 }
                 // A write-back: the pool places a block saved here in its

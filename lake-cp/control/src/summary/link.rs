@@ -44,12 +44,13 @@ use lake_dp::mirror::view::ViewWriter;
 use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
 use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SLOT_ANY, SnapshotRequest};
 use lake_dp::wire::{
-    FEATURE_CLUSTER_VIEW, FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame, decode_frame,
+    FEATURE_CLUSTER_VIEW, FEATURE_PULLS_MOVE, FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame,
+    decode_frame,
 };
 use lake_dp::{BlockKey, Durability, ObjectKind, Replica, Tier};
 
-pub use super::AggregatorCounters;
 use super::view::{ViewCopy, append_view_frame, view_snapshot};
+pub use super::{AggregatorCounters, UplinkCounters};
 use super::{Outcome, Replication, Summary};
 use crate::location::{Change, ChangeOp, Locations};
 
@@ -235,38 +236,6 @@ impl Wire {
     }
 }
 
-/// What an uplink has done.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct UplinkCounters {
-    /// Connections made to the leader.
-    pub connects: u64,
-    /// Delta frames sent.
-    pub deltas: u64,
-    /// Snapshots sent (one per connection, and one per request).
-    pub snapshots: u64,
-    /// Changes dropped while no leader was connected (a snapshot follows).
-    pub dropped: u64,
-    /// Copies to other nodes the leader asked of this node.
-    pub copies_asked: u64,
-    /// Connections closed because the leader failed its authentication
-    /// (another key, a bad proof, a record's tag).
-    pub refused: u64,
-    /// Cluster view deltas applied.
-    pub view_deltas: u64,
-    /// Cluster view snapshots received.
-    pub view_snapshots: u64,
-    /// Gaps seen in the view stream (a view snapshot asked for).
-    pub view_gaps: u64,
-    /// View entries the node's view could not take (its table full, or
-    /// every node slot taken): those blocks read as misses.
-    pub view_refused: u64,
-    /// Engines' pulls sent to the leader, and dropped (no leader streaming
-    /// the view connected).
-    pub pulls_sent: u64,
-    /// See `pulls_sent`.
-    pub pulls_dropped: u64,
-}
-
 /// A node's link to the leader's aggregator. See the module docs.
 #[derive(Debug)]
 pub struct Uplink {
@@ -289,6 +258,9 @@ pub struct Uplink {
     link_version: u8,
     /// The cluster view it keeps, where it keeps one.
     view: Option<ViewCopy>,
+    /// Whether the leader last connected moves pulled blocks to their
+    /// readers ([`FEATURE_PULLS_MOVE`] in its ack).
+    pulls_move: bool,
     /// What it has done.
     pub counters: UplinkCounters,
 }
@@ -311,8 +283,16 @@ impl Uplink {
             request: 0,
             link_version: lake_dp::auth::handshake::AUTH_VERSION,
             view: None,
+            pulls_move: false,
             counters: UplinkCounters::default(),
         }
+    }
+
+    /// Whether a pull moves the block to its reader: the leader last
+    /// connected said so ([`FEATURE_PULLS_MOVE`]). Else the reader's copy
+    /// is a copy and the holder's stays.
+    pub fn pulls_move(&self) -> bool {
+        self.pulls_move
     }
 
     /// Keeps the leader's cluster view in `writer` (offered in every
@@ -396,7 +376,7 @@ impl Uplink {
             node: self.node,
             pid: std::process::id(),
             region_epoch: 0,
-            features: if self.view.is_some() { FEATURE_CLUSTER_VIEW } else { 0 },
+            features: if self.view.is_some() { FEATURE_CLUSTER_VIEW | FEATURE_PULLS_MOVE } else { 0 },
             name: "lake-cp",
         };
         let Ok(local) = hello::hello(&identity) else { return };
@@ -510,7 +490,10 @@ impl Uplink {
             let used = frame.len();
             let mut ask_view = None;
             let again = match frame.message {
-                Message::HelloAck(_) => false,
+                Message::HelloAck(ack) => {
+                    self.pulls_move = ack.features & FEATURE_PULLS_MOVE != 0;
+                    false
+                }
                 Message::ViewDelta(head, entries) if self.view.is_some() => {
                     ask_view = self.view.as_mut().and_then(|v| v.delta(&head, entries.iter(), &mut self.counters));
                     false
@@ -635,6 +618,13 @@ impl Aggregator {
     /// `key`: a node without it gets no frame applied.
     pub fn authenticate(&mut self, key: LinkKey) {
         self.key = Some(key);
+    }
+
+    /// Pulls move blocks to their readers ([`FEATURE_PULLS_MOVE`], acked
+    /// to every node that connects from now on): the pool keeps a block
+    /// where it was last read.
+    pub fn move_pulled_blocks(&mut self) {
+        self.local.features |= FEATURE_PULLS_MOVE;
     }
 
     /// What was refused since the last call, one line each, oldest first:

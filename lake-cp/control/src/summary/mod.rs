@@ -179,6 +179,38 @@ impl core::fmt::Display for CheckpointError {
 
 impl std::error::Error for CheckpointError {}
 
+/// What an uplink has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UplinkCounters {
+    /// Connections made to the leader.
+    pub connects: u64,
+    /// Delta frames sent.
+    pub deltas: u64,
+    /// Snapshots sent (one per connection, and one per request).
+    pub snapshots: u64,
+    /// Changes dropped while no leader was connected (a snapshot follows).
+    pub dropped: u64,
+    /// Copies to other nodes the leader asked of this node.
+    pub copies_asked: u64,
+    /// Connections closed because the leader failed its authentication
+    /// (another key, a bad proof, a record's tag).
+    pub refused: u64,
+    /// Cluster view deltas applied.
+    pub view_deltas: u64,
+    /// Cluster view snapshots received.
+    pub view_snapshots: u64,
+    /// Gaps seen in the view stream (a view snapshot asked for).
+    pub view_gaps: u64,
+    /// View entries the node's view could not take (its table full, or
+    /// every node slot taken): those blocks read as misses.
+    pub view_refused: u64,
+    /// Engines' pulls sent to the leader, and dropped (no leader streaming
+    /// the view connected).
+    pub pulls_sent: u64,
+    /// See `pulls_sent`.
+    pub pulls_dropped: u64,
+}
+
 /// What the aggregator has done.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AggregatorCounters {

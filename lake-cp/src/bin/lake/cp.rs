@@ -73,11 +73,15 @@ pub(super) struct SummaryArgs {
     /// (0: none).
     #[arg(long, value_name = "K", default_value_t = 0)]
     replicate_children: usize,
-    /// Where the blocks engines save are kept: `saved`, on the node that
-    /// saved them; `home`, each in the member a rendezvous hash of its key
-    /// picks, weighted by the members' room (the saving node's copy is
-    /// dropped once the home has it): one copy a block, spread by room.
-    #[arg(long, value_name = "WHERE", default_value = "saved", value_parser = ["saved", "home"])]
+    /// Where the pool keeps a block: `read`, on the node that saved it
+    /// until another node pulls it, then on that one (the holder's copy is
+    /// dropped once the reader has it): a prefix gathers where it was
+    /// last read; `saved`, on the node that saved it (a pulled copy is a
+    /// copy, first to go); `home`, each in the member a rendezvous hash of
+    /// its key picks, weighted by the members' room (the saving node's
+    /// copy is dropped once the home has it). One copy a block either way,
+    /// besides hot prefixes' replicas.
+    #[arg(long, value_name = "WHERE", default_value = "read", value_parser = ["read", "saved", "home"])]
     placement: String,
     /// The cluster link key: nodes' links are authenticated with it.
     #[arg(long, value_name = "FILE")]
@@ -371,6 +375,9 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     let placing = args.placement == "home";
     if placing {
         aggregator.summary.track_placement();
+    }
+    if args.placement == "read" {
+        aggregator.move_pulled_blocks();
     }
     aggregator.connections_max = args.connections_max as usize;
     if let Some(key) = key {

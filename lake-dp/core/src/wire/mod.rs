@@ -153,6 +153,15 @@ pub const FEATURE_CLUSTER_VIEW: u64 = 1 << 17;
 /// only through a leader that streams it the cluster view.
 pub const FEATURE_PULL: u64 = 1 << 18;
 
+/// Feature bit (the summary link): a pull moves the block. The reader's
+/// copy is the one the pool keeps; the holder lets its own go once the
+/// copy landed (a block read on another node follows its reader, so a
+/// prefix gathers where it was last read). Offered by a node's `lake-cp`;
+/// a leader acks it where the pool keeps blocks where they are read.
+/// Without it a pulled copy is a copy, first to go, and the holder's
+/// stays.
+pub const FEATURE_PULLS_MOVE: u64 = 1 << 19;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -175,7 +184,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 19] = [
+pub const FEATURE_NAMES: [(u64, &str); 20] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -195,6 +204,7 @@ pub const FEATURE_NAMES: [(u64, &str); 19] = [
     (FEATURE_PARTITIONS, "partitions"),
     (FEATURE_CLUSTER_VIEW, "cluster_view"),
     (FEATURE_PULL, "pull"),
+    (FEATURE_PULLS_MOVE, "pulls_move"),
 ];
 
 /// Bytes in a frame header.
