@@ -8,8 +8,9 @@
 //!
 //! - **cluster**: the whole pool (`lookup_cluster`), and pulls the blocks
 //!   only other nodes hold (`pull_cluster`) — its hit is what landed here;
-//!   once with blocks kept where they were saved (`lake summary`'s
-//!   default), once kept in their homes (`--placement home`);
+//!   once with each block kept where it was last read (`lake summary`'s
+//!   default, `--placement read`), once where it was saved (`saved`), once
+//!   in its home (`home`);
 //! - **islands** (three fresh nodes, no view, no pulls): its node's mirror;
 //! - **one pool** (one node with the three nodes' L1 and L2 together):
 //!   its mirror;
@@ -199,8 +200,10 @@ impl Drop for Scratch {
 /// How turns ask the pool.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
-    /// Blocks kept where they were saved (`lake summary`'s default).
+    /// Blocks kept where they were last read (`lake summary`'s default).
     Cluster,
+    /// Blocks kept where they were saved (`--placement saved`).
+    ClusterSaved,
     /// Blocks kept in their homes (`--placement home`).
     ClusterHome,
     Islands,
@@ -209,7 +212,16 @@ enum Mode {
 
 impl Mode {
     fn cluster(self) -> bool {
-        matches!(self, Self::Cluster | Self::ClusterHome)
+        matches!(self, Self::Cluster | Self::ClusterSaved | Self::ClusterHome)
+    }
+
+    /// `lake summary --placement` (a cluster's).
+    fn placement(self) -> &'static str {
+        match self {
+            Self::ClusterSaved => "saved",
+            Self::ClusterHome => "home",
+            _ => "read",
+        }
     }
 }
 
@@ -266,7 +278,7 @@ fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<
         let summary_at = format!("{host}:7100");
         let mut command = switch.command(0, &args.lake);
         command.args(["summary", "--listen", &summary_at, "--etcd", &client, "--cluster", "hits", "--ttl", "2"]);
-        command.args(["--placement", if mode == Mode::ClusterHome { "home" } else { "saved" }]);
+        command.args(["--placement", mode.placement()]);
         // etcd may take a moment to answer: the summary retries its start.
         let mut summary = None;
         for _ in 0..50 {
@@ -340,7 +352,7 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             let agent = &mut agents[at];
             let asked = &prompt[..context as usize];
             let hit = match mode {
-                Mode::Cluster | Mode::ClusterHome => {
+                Mode::Cluster | Mode::ClusterSaved | Mode::ClusterHome => {
                     let anywhere = agent.lookup_cluster(asked, &mut places);
                     let remote = places.iter().filter(|p| matches!(p, Where::Remote(_))).count();
                     if remote > 0 {
@@ -372,7 +384,9 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             let held = |agent: &mut Agent, key: &BlockKey| {
                 let one = std::slice::from_ref(key);
                 match mode {
-                    Mode::Cluster | Mode::ClusterHome => agent.lookup_cluster(one, &mut Vec::new()) == 1,
+                    Mode::Cluster | Mode::ClusterSaved | Mode::ClusterHome => {
+                        agent.lookup_cluster(one, &mut Vec::new()) == 1
+                    }
                     Mode::Islands | Mode::OnePool => agent.lookup(one, &mut Vec::new()) == 1,
                 }
             };
@@ -527,8 +541,8 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
     report.int("turns", u64::from(args.conversations * args.turns));
     report.int("l1_slots_per_node", u64::from(args.l1_slots));
     report.int("l2_slots_per_node", 2 * u64::from(args.l2_slots));
-    let mut ratios = [0.0; 4];
-    let modes = [Mode::OnePool, Mode::Islands, Mode::Cluster, Mode::ClusterHome];
+    let mut ratios = [0.0; 5];
+    let modes = [Mode::OnePool, Mode::Islands, Mode::Cluster, Mode::ClusterSaved, Mode::ClusterHome];
     for (i, mode) in modes.into_iter().enumerate() {
         let deployment = deploy(&paths, &switch, mode, &base.0)?;
         if mode.cluster() {
@@ -536,7 +550,7 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
             std::thread::sleep(Duration::from_secs(1));
         }
         let replay = replay(args, &deployment, mode)?;
-        let name = ["one_pool", "islands", "cluster", "cluster_home"][i];
+        let name = ["one_pool", "islands", "cluster", "cluster_saved", "cluster_home"][i];
         ratios[i] = replay.hit as f64 / replay.asked as f64;
         report.int(&format!("{name}_context_blocks"), replay.asked);
         report.float(&format!("{name}_hit_ratio"), ratios[i]);
@@ -561,7 +575,8 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
         }
     }
     report.float("cluster_vs_one_pool", ratios[2] / ratios[0]);
-    report.float("cluster_home_vs_one_pool", ratios[3] / ratios[0]);
+    report.float("cluster_saved_vs_one_pool", ratios[3] / ratios[0]);
+    report.float("cluster_home_vs_one_pool", ratios[4] / ratios[0]);
     report.float("islands_vs_one_pool", ratios[1] / ratios[0]);
     let (mut singles, batch_s) = raw_tcp(&switch, args.pulls as usize, args.pulls as usize)?;
     report.float("raw_tcp_block_p50_ns", percentile(&mut singles, 500));
