@@ -13,11 +13,13 @@ nothing tells a connector where a block is but the pool.
 - P→D: a prefill (``kv_producer``) on node 1 computes the prompt; the
   router names node 2 to decode; the decode (``kv_consumer``) on node 2
   finds the prompt's blocks in node 1's pool through its view, pulls them
-  and loads them.
+  and loads them; the pool keeps a block where it was last read, so they
+  move to node 2.
 - D→pool: the decode saves the blocks its tokens fill as it goes; it is
   SIGKILLed part way. Asked again with node 2 avoided, the router sends
-  the request to node 1, pulling what the dead decode saved; the
-  successor there resumes from the pool, pulling that block.
+  the request to node 1, pulling the prompt and what the dead decode
+  saved from node 2's pool; the successor there resumes from the pool,
+  pulling them back.
 - D→P: the next turn's prefill, with node 1 taken out of rotation,
   goes to node 3, which computed none of the conversation: it pulls the
   prompt's and both decodes' blocks from nodes 1 and 2 and reuses them.
@@ -145,10 +147,9 @@ def cluster(lake_bin, tmp_path_factory):
     etcd = Etcd(base)
     summary_at = f"127.0.0.1:{free_port()}"
     summary = Proc(
-        # Blocks stay on the node whose engine saved them: the flows below
-        # name where each prefix is pulled from.
-        [lake_bin, "summary", "--listen", summary_at, "--etcd", etcd.endpoint, "--cluster", "vllm", "--ttl", "2",
-         "--placement", "saved"],
+        # The default placement: a pulled block moves to its reader (the
+        # flows below name where each prefix is pulled from).
+        [lake_bin, "summary", "--listen", summary_at, "--etcd", etcd.endpoint, "--cluster", "vllm", "--ttl", "2"],
         base / "summary.log",
     )
     nodes = {}
@@ -252,14 +253,17 @@ def test_prefill_decode_and_the_next_turn_on_three_nodes_through_the_pool(
         assert pool_gauge(cluster[2], sent) > pulls_before
 
         # F4: the same question with the failed node avoided. Node 1 runs
-        # the rest: its own ten blocks, and the block the dead decode
-        # saved, pulled from node 2's pool (alive: only its engine died).
+        # the rest: the prompt's ten blocks, moved to node 2 by the
+        # decode's pull, and the block the dead decode saved, all pulled
+        # from node 2's pool (alive: only its engine died).
         resumed_prompt = PROMPT + streamed
         rerouted = route_until(
-            router, {"tokens": resumed_prompt, "avoid": [2]}, lambda a: a["hit_blocks"] == 11
+            router,
+            {"tokens": resumed_prompt, "avoid": [2]},
+            lambda a: a["hit_blocks"] == 11 and a["pulled_blocks"] == 11,
         )
-        assert (rerouted["prefill"], rerouted["decode"], rerouted["pulled_blocks"]) == (1, 1, 1), rerouted
-        assert {"first": 10, "last": 11, "from_node": 2, "from_tier": "l1", "to": 1, "network": "storage"} in (
+        assert (rerouted["prefill"], rerouted["decode"], rerouted["pulled_blocks"]) == (1, 1, 11), rerouted
+        assert {"first": 0, "last": 11, "from_node": 2, "from_tier": "l1", "to": 1, "network": "storage"} in (
             rerouted["moves"]
         ), rerouted
         successor = engine.run([phase([resumed_prompt], DECODE_TOKENS - KILLED_AT)], connector=connector(1))
@@ -270,9 +274,10 @@ def test_prefill_decode_and_the_next_turn_on_three_nodes_through_the_pool(
 
         # D→P: the next turn (the prompt, the whole answer, 50 more
         # tokens) reuses the prompt's blocks and both decodes' (blocks 10
-        # and 11). Node 1, which holds them all, is out of rotation (as a
-        # gateway takes out a node it drains): the router names node 3,
-        # which holds none and pulls all twelve from nodes 1 and 2.
+        # and 11). Node 1, which holds them all (the successor's pull moved
+        # them back), is out of rotation (as a gateway takes out a node it
+        # drains): the router names node 3, which holds none and pulls all
+        # twelve.
         turn = reference["phases"][2]["prompts"][0]
         assert turn[: len(PROMPT) + DECODE_TOKENS] == PROMPT + expected["tokens"]
         answer = route_until(
