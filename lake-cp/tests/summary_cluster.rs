@@ -413,6 +413,38 @@ fn tier_here(serving: &str, key: BlockKey) -> Option<lake_dp::Tier> {
     (agent(serving).mirror().lookup(&[key], &mut table) == 1).then(|| table[0].tier)
 }
 
+/// `count` `lake serve` nodes (1 to `count`, 16 KiB blocks, `l1_slots(node)`
+/// L1 slots each), members of `cluster` in etcd at `endpoint` reporting to
+/// the summary at `listen`, each a transport peer of the others: each
+/// process and its `serving` line.
+fn start_nodes(
+    base: &std::path::Path,
+    (listen, endpoint, cluster): (&str, &str, &str),
+    count: u32,
+    l1_slots: impl Fn(u32) -> &'static str,
+) -> Vec<(Proc, String)> {
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let transports: Vec<String> = (0..count).map(|_| format!("127.0.0.1:{}", port())).collect();
+    (1..=count)
+        .map(|node| {
+            let dir = base.join(format!("node{node}")).display().to_string();
+            let name = node.to_string();
+            let mut args = vec!["serve", "--metrics", "127.0.0.1:0", "--node", &name, "--dir", &dir];
+            args.extend(["--block-bytes", "16384", "--l1-slots", l1_slots(node)]);
+            args.extend(["--summary-to", listen, "--etcd", endpoint, "--cluster", cluster, "--member-ttl", "2"]);
+            let mut owned: Vec<String> = vec!["--transport-listen".into(), transports[node as usize - 1].clone()];
+            for other in (1..=count).filter(|&o| o != node) {
+                owned.push("--transport-peer".into());
+                owned.push(format!("{other}={}", transports[other as usize - 1]));
+            }
+            args.extend(owned.iter().map(String::as_str));
+            let proc = Proc::start(&args);
+            let serving = proc.wait_for("a node serves", Duration::from_secs(20), |l| l.contains("\"serving\""));
+            (proc, serving)
+        })
+        .collect()
+}
+
 #[test]
 fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_first() {
     let Some(etcd) = etcd_server::EtcdServer::start("placement") else { return };
@@ -435,26 +467,8 @@ fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_fir
         "home",
     ]);
     leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
-    let transports: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", port())).collect();
-    let nodes: Vec<(Proc, String)> = (1..=3u32)
-        .map(|node| {
-            let dir = base.join(format!("node{node}")).display().to_string();
-            let name = node.to_string();
-            let mut args = vec!["serve", "--metrics", "127.0.0.1:0", "--node", &name, "--dir", &dir];
-            // Node 1's L1 is small: saving a second chain evicts the first.
-            args.extend(["--block-bytes", "16384", "--l1-slots", if node == 1 { "80" } else { "256" }]);
-            args.extend(["--summary-to", &listen, "--etcd", &endpoint, "--cluster", "plc", "--member-ttl", "2"]);
-            let mut owned: Vec<String> = vec!["--transport-listen".into(), transports[node as usize - 1].clone()];
-            for other in (1..=3u32).filter(|&o| o != node) {
-                owned.push("--transport-peer".into());
-                owned.push(format!("{other}={}", transports[other as usize - 1]));
-            }
-            args.extend(owned.iter().map(String::as_str));
-            let proc = Proc::start(&args);
-            let serving = proc.wait_for("a node serves", Duration::from_secs(20), |l| l.contains("\"serving\""));
-            (proc, serving)
-        })
-        .collect();
+    // Node 1's L1 is small: saving a second chain evicts the first.
+    let nodes = start_nodes(&base, (&listen, &endpoint, "plc"), 3, |node| if node == 1 { "80" } else { "256" });
     let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
     let metrics_one = field(serving[0], "metrics");
     // Every node's L1 announced before the first save.
@@ -573,46 +587,23 @@ fn a_chain_another_node_reads_moves_to_it_and_back_and_the_pool_keeps_one_copy()
     // read.
     let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "mv", "--ttl", "2"]);
     leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
-    let transports: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", port())).collect();
-    let nodes: Vec<(Proc, String)> = (1..=2u32)
-        .map(|node| {
-            let dir = base.join(format!("node{node}")).display().to_string();
-            let (name, other) = (node.to_string(), 3 - node);
-            let peer = format!("{other}={}", transports[other as usize - 1]);
-            let proc = Proc::start(&[
-                "serve",
-                "--metrics",
-                "127.0.0.1:0",
-                "--node",
-                &name,
-                "--dir",
-                &dir,
-                "--block-bytes",
-                "16384",
-                "--summary-to",
-                &listen,
-                "--etcd",
-                &endpoint,
-                "--cluster",
-                "mv",
-                "--member-ttl",
-                "2",
-                "--transport-listen",
-                &transports[node as usize - 1],
-                "--transport-peer",
-                &peer,
-            ]);
-            let serving = proc.wait_for("a node serves", Duration::from_secs(20), |l| l.contains("\"serving\""));
-            (proc, serving)
-        })
-        .collect();
+    let nodes = start_nodes(&base, (&listen, &endpoint, "mv"), 2, |_| "256");
     let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
     let metrics: Vec<String> = serving.iter().map(|s| field(s, "metrics")).collect();
     let chain: Vec<BlockKey> = (0..8).map(|i| key(1, i)).collect();
     save(serving[0], 1, 0..8);
-    let on = |node| Where::Remote(Holder { node: NodeId(node), tier: lake_dp::Tier::L1Dram });
-    let seen = wait_places(serving[1], &chain, Duration::from_secs(20), |p| p.iter().all(|w| *w == on(1)));
-    assert!(seen.iter().all(|w| *w == on(1)), "node 2's engines see node 1's chain: {seen:?}");
+    // Both members (a node's blocks are offered to the others once it is).
+    leader.wait_for("two members", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"")
+            && (1..=2).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
+    });
+    // The whole chain on `node`, as another node's engines see the pool.
+    let all_on = |places: &[Where], node| {
+        places.len() == chain.len()
+            && places.iter().all(|w| *w == Where::Remote(Holder { node: NodeId(node), tier: lake_dp::Tier::L1Dram }))
+    };
+    let seen = wait_places(serving[1], &chain, Duration::from_secs(20), |p| all_on(p, 1));
+    assert!(all_on(&seen, 1), "node 2's engines see node 1's chain: {seen:?}");
 
     // Each reader in turn pulls the chain, reads it byte for byte from its
     // own L1, and the chain then lives there only: the holder's copies go.
@@ -632,8 +623,7 @@ fn a_chain_another_node_reads_moves_to_it_and_back_and_the_pool_keeps_one_copy()
         assert!(chain.iter().all(|&k| tier_here(serving[reader], k) == Some(lake_dp::Tier::L1Dram)));
         assert_eq!(sample(&metrics[holder], "lake_blocks_moved_to_readers_total"), 8);
         // The old holder's engines find it on the reader now.
-        let seen =
-            wait_places(serving[holder], &chain, Duration::from_secs(10), |p| p.iter().all(|w| *w == on(reader_node)));
-        assert!(seen.iter().all(|w| *w == on(reader_node)), "{seen:?}");
+        let seen = wait_places(serving[holder], &chain, Duration::from_secs(10), |p| all_on(p, reader_node));
+        assert!(all_on(&seen, reader_node), "{seen:?}");
     }
 }

@@ -345,16 +345,20 @@ fn a_block_placed_in_its_home_becomes_a_copy_here_once_it_landed_there() {
     assert!(!node.tiers.is_pulled_in(&key(2)));
     assert_eq!((node.placed_away, node.copies_landed, node.copies_failed), (1, 1, 1));
     // Its room goes to the blocks this node keeps: dropped at once.
+    assert_eq!(dropped_next(&mut node, 2), vec![key(1)]);
+}
+
+/// The blocks `node`'s next plan (at `now_ns`) drops.
+fn dropped_next(node: &mut Node, now_ns: u64) -> Vec<BlockKey> {
     let mut commands = Vec::new();
-    node.plan(2, &mut commands);
-    let dropped: Vec<BlockKey> = commands
+    node.plan(now_ns, &mut commands);
+    commands
         .iter()
         .filter_map(|c| match c.action {
             crate::tier::TierAction::Evict(e) => Some(e.key),
             _ => None,
         })
-        .collect();
-    assert_eq!(dropped, vec![key(1)], "{commands:?}");
+        .collect()
 }
 
 #[test]
@@ -386,16 +390,7 @@ fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_on
     assert!(holder.tiers.is_pulled_in(&key(1)), "moved: a copy here now");
     assert!(!holder.tiers.is_pulled_in(&key(2)), "copied: still the pool's here");
     assert_eq!((holder.moved_to_readers, holder.placed_away, holder.copies_landed), (1, 0, 2));
-    let mut commands = Vec::new();
-    holder.plan(2, &mut commands);
-    let dropped: Vec<BlockKey> = commands
-        .iter()
-        .filter_map(|c| match c.action {
-            crate::tier::TierAction::Evict(e) => Some(e.key),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(dropped, vec![key(1)], "{commands:?}");
+    assert_eq!(dropped_next(&mut holder, 2), vec![key(1)]);
 
     // The reader: the block it pulled is its own where pulls move blocks,
     // a copy (first to go) where they do not.
