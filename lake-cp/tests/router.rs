@@ -28,7 +28,7 @@ use lake_agent::{SaveBlock, SavePayload};
 use lake_dp::{BlockKey, KeyChain, KeyScheme, Namespace, TenantKey};
 use serde_json::{Value, json};
 
-use cluster::{Proc, agent_of, field};
+use cluster::{Proc, agent_of, field, leader};
 use scratch::Scratch;
 
 const BLOCK_TOKENS: u32 = 16;
@@ -119,20 +119,7 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     let listen = format!("127.0.0.1:{}", port());
     // Blocks stay where they were saved: the routes asserted name the
     // node that saved each prefix.
-    let leader = Proc::start(&[
-        "summary",
-        "--listen",
-        &listen,
-        "--etcd",
-        &endpoint,
-        "--cluster",
-        "rt",
-        "--ttl",
-        "2",
-        "--placement",
-        "saved",
-    ]);
-    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let leader = leader(&listen, &endpoint, "rt", Some("saved"), &[]);
     let transports = [format!("127.0.0.1:{}", port()), format!("127.0.0.1:{}", port())];
     // Each node listens for the other's transport and dials it: a node
     // sends blocks over the connections it dials, and a pull goes either

@@ -29,7 +29,7 @@ use lake_agent::{Agent, SaveBlock, SavePayload};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NamespaceId, NodeId, Tier};
 
-use cluster::{Proc, agent_of, field, http_get};
+use cluster::{Proc, agent_of, field, http_get, leader};
 use scratch::Scratch;
 
 fn key(chain: u8, i: u32) -> BlockKey {
@@ -180,19 +180,7 @@ fn shared_store(stores: Stores, name: &str) {
     let cluster = Cluster { endpoint: etcd.endpoint(), listen: free_address(), base: base.clone(), stores };
     // Blocks stay where they were saved: node 2's blocks must be only its
     // own (and the store's) when it is killed.
-    let summary = [
-        "summary",
-        "--listen",
-        &cluster.listen,
-        "--etcd",
-        &cluster.endpoint,
-        "--cluster",
-        "store",
-        "--placement",
-        "saved",
-    ];
-    let leader = Proc::start(&[&summary[..], &["--id", "leader", "--ttl", "2"]].concat());
-    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let _leader = leader(&cluster.listen, &cluster.endpoint, "store", Some("saved"), &["--id", "leader"]);
 
     // Node 1 has a store of its own; node 2 writes every block it saves
     // to the shared store at once; node 3 shares it. Node 2 sends blocks

@@ -29,7 +29,7 @@ use lake_agent::{Agent, SaveBlock, SavePayload};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NamespaceId, NodeId};
 
-use cluster::{Proc, agent_of, field, http_get};
+use cluster::{Proc, agent_of, field, http_get, leader};
 use scratch::Scratch;
 
 /// `node`'s entry in a summary line: its JSON object.
@@ -273,20 +273,7 @@ fn a_drained_nodes_blocks_move_to_another_member_and_it_answers_not_ready() {
         format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
     // Blocks stay where they were saved: node 1 must hold blocks only it
     // has when it is drained.
-    let leader = Proc::start(&[
-        "summary",
-        "--listen",
-        &listen,
-        "--etcd",
-        &endpoint,
-        "--cluster",
-        "drn",
-        "--ttl",
-        "2",
-        "--placement",
-        "saved",
-    ]);
-    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let leader = leader(&listen, &endpoint, "drn", Some("saved"), &[]);
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let transport = format!("127.0.0.1:{port}");
     let node = |node: u32, l1: &str, flags: [&str; 2]| {
@@ -453,20 +440,7 @@ fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_fir
     let _scratch = Scratch(base.clone(), Vec::new());
     let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let listen = format!("127.0.0.1:{}", port());
-    let leader = Proc::start(&[
-        "summary",
-        "--listen",
-        &listen,
-        "--etcd",
-        &endpoint,
-        "--cluster",
-        "plc",
-        "--ttl",
-        "2",
-        "--placement",
-        "home",
-    ]);
-    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let leader = leader(&listen, &endpoint, "plc", Some("home"), &[]);
     // Node 1's L1 is small: saving a second chain evicts the first.
     let nodes = start_nodes(&base, (&listen, &endpoint, "plc"), 3, |node| if node == 1 { "80" } else { "256" });
     let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
@@ -585,8 +559,7 @@ fn a_chain_another_node_reads_moves_to_it_and_back_and_the_pool_keeps_one_copy()
     let listen = format!("127.0.0.1:{}", port());
     // `lake summary`'s default placement: a block stays where it was last
     // read.
-    let leader = Proc::start(&["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "mv", "--ttl", "2"]);
-    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let leader = leader(&listen, &endpoint, "mv", None, &[]);
     let nodes = start_nodes(&base, (&listen, &endpoint, "mv"), 2, |_| "256");
     let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
     let metrics: Vec<String> = serving.iter().map(|s| field(s, "metrics")).collect();

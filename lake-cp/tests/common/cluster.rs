@@ -65,6 +65,18 @@ impl Drop for Proc {
     }
 }
 
+/// A `lake summary` leader of `cluster` in etcd at `endpoint`, listening
+/// on `listen` (lease 2 s), keeping blocks by `placement` (`None`: its
+/// default), with `extra` flags: once it leads.
+pub(crate) fn leader(listen: &str, endpoint: &str, cluster: &str, placement: Option<&str>, extra: &[&str]) -> Proc {
+    let mut args = vec!["summary", "--listen", listen, "--etcd", endpoint, "--cluster", cluster, "--ttl", "2"];
+    args.extend(placement.map(|p| ["--placement", p]).iter().flatten());
+    args.extend(extra);
+    let leader = Proc::start(&args);
+    leader.wait_for("the summary leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    leader
+}
+
 pub(crate) fn field(line: &str, name: &str) -> String {
     let start = line.find(&format!("\"{name}\":\"")).unwrap_or_else(|| panic!("{name} in {line}")) + name.len() + 4;
     line[start..start + line[start..].find('"').unwrap()].to_owned()

@@ -500,7 +500,7 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                     }
                 }
             }
-            let c = aggregator.counters;
+            let (c, (placing, placing_dropped)) = (aggregator.counters, aggregator.summary.placing());
             say(format!(
                 "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"placements_asked\":{},\"placing\":{},\"placing_dropped\":{},\"shed\":{{\"over_cap\":{},\"no_hello\":{},\"accept_failed\":{}}},\"nodes\":{}}}",
                 aggregator.connected(),
@@ -510,8 +510,8 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                 c.copies_asked,
                 c.drain_copies_asked,
                 c.placements_asked,
-                aggregator.summary.placing().0,
-                aggregator.summary.placing().1,
+                placing,
+                placing_dropped,
                 c.over_cap,
                 c.no_hello,
                 c.accept_failed,
