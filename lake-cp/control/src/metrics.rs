@@ -498,6 +498,18 @@ fn tier_metrics(out: &mut String, node: &Node) {
             ("event=\"taken_dropped\"", t.taken_dropped),
         ],
     );
+    metric(
+        out,
+        "lake_l1_spills_total",
+        "counter",
+        "L1 victims with no room below offered to the pool rather than dropped: offered, placed in another member \
+         (this node's copy then goes), and not placed (dropped).",
+        &[
+            ("event=\"offered\"", t.spills),
+            ("event=\"landed\"", t.spills_landed),
+            ("event=\"unplaced\"", t.spills_unplaced),
+        ],
+    );
     let drains = node.tiers.drains();
     let left: Vec<(String, u64)> = drains.iter().map(|d| (format!("region=\"{}\"", d.region), d.blocks_left)).collect();
     metric(

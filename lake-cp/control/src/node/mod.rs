@@ -525,14 +525,15 @@ impl Node {
             self.promotion_done(request, status);
         } else if request & COPY_REQUESTS != 0 {
             self.copies_out.remove(&request);
-            if let Some((key, to_reader)) = self.placing.remove(&request)
-                && status == 0
-                && self.tiers.placed_away(&key)
-            {
-                if to_reader {
-                    self.moved_to_readers += 1;
-                } else {
-                    self.placed_away += 1;
+            if let Some((key, to_reader)) = self.placing.remove(&request) {
+                let spilled = self.tiers.spill_done(&key, status == 0);
+                if status == 0 && self.tiers.placed_away(&key) {
+                    // A spill is counted by the tiers.
+                    if to_reader {
+                        self.moved_to_readers += 1;
+                    } else if !spilled {
+                        self.placed_away += 1;
+                    }
                 }
             }
             if status == lake_dp::wire::message::ErrorCode::Cancelled as u32 {

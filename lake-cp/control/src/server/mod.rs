@@ -559,13 +559,28 @@ impl Server {
         };
         self.counters.refused += (pulls.len() - relayed) as u64;
         if let Some(uplink) = &mut self.uplink {
+            // Victims with no room here, offered to the pool.
+            let node = self.node.node();
+            for key in self.node.tiers.take_spills() {
+                let source =
+                    self.node.locations.ready(&key).find(|r| r.tier == lake_dp::Tier::L1Dram && r.node == node);
+                if !source.is_some_and(|source| uplink.spill(&key, source.to_wire())) {
+                    self.node.tiers.spill_done(&key, false);
+                }
+            }
             uplink.pump(&self.node.locations, &self.changes);
             self.node.pulls_move = uplink.pulls_move();
+            self.node.tiers.set_spills(uplink.spills());
             // Replication the leader asked: copies of this node's L1
             // blocks into other nodes' L1, sent with the next plan.
             let copies = uplink.take_copies();
             for transfer in &copies {
                 let priority = lake_dp::Priority::from_u8(transfer.priority).unwrap_or(lake_dp::Priority::Replication);
+                if priority == lake_dp::Priority::WriteBack && transfer.target.node == node.0 {
+                    // A spill no member has room for.
+                    self.node.tiers.spill_done(&transfer.key, false);
+                    continue;
+                }
                 if priority == lake_dp::Priority::CriticalLoad && !self.node.pulls_move {
                     // A pull that leaves the block here: another node
                     // reads it, and this copy is the one the pool keeps.

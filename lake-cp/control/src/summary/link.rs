@@ -34,7 +34,7 @@
 //! changes (counted) and sends a snapshot when it is back, so what the
 //! leader misses is bounded by one snapshot, never by a queue.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
@@ -44,11 +44,12 @@ use lake_dp::mirror::view::ViewWriter;
 use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
 use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SLOT_ANY, SnapshotRequest};
 use lake_dp::wire::{
-    FEATURE_CLUSTER_VIEW, FEATURE_PULLS_MOVE, FLAG_REPLY, FrameMeta, Limits, Message, WireError, append_frame,
-    decode_frame,
+    FEATURE_CLUSTER_VIEW, FEATURE_PULLS_MOVE, FEATURE_SPILLS, FLAG_REPLY, FrameMeta, Limits, Message, WireError,
+    append_frame, decode_frame,
 };
 use lake_dp::{BlockKey, Durability, ObjectKind, Replica, Tier};
 
+use super::conn::Wire;
 use super::view::{ViewCopy, append_view_frame, view_snapshot};
 pub use super::{AggregatorCounters, UplinkCounters};
 use super::{Outcome, Replication, Summary};
@@ -67,14 +68,46 @@ const PULLS_MAX: usize = 1 << 16;
 /// are counted unheld).
 fn take_pull(
     pulls: &mut Vec<lake_dp::wire::message::Transfer>,
-    counters: &mut AggregatorCounters,
+    unheld: &mut u64,
     pull: lake_dp::wire::message::Transfer,
 ) {
     if pulls.len() < PULLS_MAX {
         pulls.push(pull);
     } else {
-        counters.pulls_unheld += 1;
+        *unheld += 1;
     }
+}
+
+/// Whether `transfer`, from node `from`, is a spill: it names the node
+/// itself as source and target (the leader picks where it goes).
+fn is_spill(from: Option<u32>, transfer: &lake_dp::wire::message::Transfer) -> bool {
+    from == Some(transfer.source.node) && transfer.target.node == transfer.source.node
+}
+
+/// Applies a node's delta, or its snapshot's frame (`head`, whether a
+/// snapshot), to `summary`: the snapshot to ask it for, where there is a
+/// gap.
+fn apply_report(
+    summary: &mut Summary,
+    counters: &mut AggregatorCounters,
+    (head, snapshot): (&Delta, bool),
+    entries: impl IntoIterator<Item = DeltaEntry>,
+) -> Option<SnapshotRequest> {
+    let outcome = if snapshot {
+        counters.snapshot_frames += 1;
+        summary.snapshot(head, entries)
+    } else {
+        summary.delta(head, entries)
+    };
+    match outcome {
+        Outcome::Applied { .. } => counters.applied += 1,
+        Outcome::Stale => counters.stale += 1,
+        Outcome::NeedSnapshot { node, term } => {
+            counters.gaps += 1;
+            return Some(SnapshotRequest { node, reserved: 0, term });
+        }
+    }
+    None
 }
 
 /// A node's connection with more than this unsent gets no more view
@@ -150,91 +183,12 @@ pub(super) fn meta(request_id: u64) -> FrameMeta {
     FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id, leader_term: 0 }
 }
 
-/// Writes what `stream` takes of `output` now; false when it closed.
-fn write_some(stream: &mut TcpStream, output: &mut Vec<u8>) -> bool {
-    while !output.is_empty() {
-        match stream.write(output) {
-            Ok(0) => return false,
-            Ok(n) => {
-                output.drain(..n);
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
-        }
-    }
-    true
-}
-
-/// Reads what `stream` has into `input`; false when it closed.
-fn read_some(stream: &mut TcpStream, input: &mut Vec<u8>) -> bool {
-    let mut buf = [0u8; 64 * 1024];
-    loop {
-        match stream.read(&mut buf) {
-            Ok(0) => return false,
-            Ok(n) => input.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
-        }
-    }
-}
-
 /// Bytes a record of the link carries at most (a snapshot frame of
 /// [`DELTA_ENTRIES_MAX`] entries is far smaller).
 const RECORD_MAX: usize = 16 << 20;
 
 /// Security events an aggregator keeps for its caller, at most.
 const SECURITY_EVENTS_MAX: usize = 64;
-
-/// One connection's bytes: plain frames in and out, through the link's
-/// authentication where a key is set.
-#[derive(Debug)]
-struct Wire {
-    stream: TcpStream,
-    link: Option<RecordLink>,
-    /// Frames to send.
-    output: Vec<u8>,
-    /// Bytes for the socket: handshake and sealed records.
-    sealed: Vec<u8>,
-    /// Frames received (checked, where authenticated).
-    input: Vec<u8>,
-}
-
-impl Wire {
-    fn new(stream: TcpStream, link: Option<(RecordLink, Vec<u8>)>) -> Self {
-        let (link, sealed) = match link {
-            Some((link, first)) => (Some(link), first),
-            None => (None, Vec::new()),
-        };
-        Self { stream, link, output: Vec::new(), sealed, input: Vec::new() }
-    }
-
-    /// Reads what the socket has into `input`: `Ok(false)` when it closed,
-    /// an error when the peer failed its authentication.
-    fn read(&mut self) -> Result<bool, AuthError> {
-        let Some(link) = &mut self.link else { return Ok(read_some(&mut self.stream, &mut self.input)) };
-        let mut raw = Vec::new();
-        let open = read_some(&mut self.stream, &mut raw);
-        link.receive(&raw, &mut self.input, &mut self.sealed)?;
-        Ok(open)
-    }
-
-    /// Writes what the socket takes; false when it closed.
-    fn write(&mut self) -> bool {
-        let Some(link) = &mut self.link else { return write_some(&mut self.stream, &mut self.output) };
-        if !self.output.is_empty() {
-            link.send(&self.output, &mut self.sealed);
-            self.output.clear();
-        }
-        write_some(&mut self.stream, &mut self.sealed)
-    }
-
-    /// Bytes not yet written.
-    fn unsent(&self) -> usize {
-        self.output.len() + self.sealed.len()
-    }
-}
 
 /// A node's link to the leader's aggregator. See the module docs.
 #[derive(Debug)]
@@ -261,6 +215,9 @@ pub struct Uplink {
     /// Whether the leader last connected moves pulled blocks to their
     /// readers ([`FEATURE_PULLS_MOVE`] in its ack).
     pulls_move: bool,
+    /// Whether the leader last connected places this node's spills
+    /// ([`FEATURE_SPILLS`] in its ack).
+    spills: bool,
     /// What it has done.
     pub counters: UplinkCounters,
 }
@@ -284,6 +241,7 @@ impl Uplink {
             link_version: lake_dp::auth::handshake::AUTH_VERSION,
             view: None,
             pulls_move: false,
+            spills: false,
             counters: UplinkCounters::default(),
         }
     }
@@ -327,6 +285,39 @@ impl Uplink {
         true
     }
 
+    /// Whether the leader connected now places this node's spills
+    /// ([`FEATURE_SPILLS`]): a victim that would be dropped may be offered
+    /// ([`Uplink::spill`]).
+    pub fn spills(&self) -> bool {
+        self.spills && self.wire.is_some()
+    }
+
+    /// Offers the leader L1 victim `key` (its `source` replica here) to be
+    /// placed in another member with room; false where no leader placing
+    /// spills is connected (the block is dropped, as it would have been).
+    pub fn spill(&mut self, key: &BlockKey, source: lake_dp::model::replica::ReplicaWire) -> bool {
+        let Some(wire) = self.wire.as_mut().filter(|_| self.spills) else {
+            self.counters.spills_dropped += 1;
+            return false;
+        };
+        // Source and target both this node: the leader picks the target.
+        let target = lake_dp::model::replica::ReplicaWire { slot: SLOT_ANY, generation: 0, ..source };
+        let transfer = lake_dp::wire::message::Transfer {
+            source,
+            target,
+            key: *key,
+            deadline_unix_ns: 0,
+            priority: lake_dp::Priority::WriteBack as u8,
+            reserved: [0; 7],
+        };
+        if append_frame(&mut wire.output, meta(0), &Message::CopyBlock(transfer)).is_err() {
+            self.counters.spills_dropped += 1;
+            return false;
+        }
+        self.counters.spills_sent += 1;
+        true
+    }
+
     /// The cluster view it keeps: (term, last frame applied, blocks,
     /// nodes named).
     pub fn view_figures(&self) -> Option<(u64, u64, u64, usize)> {
@@ -352,6 +343,8 @@ impl Uplink {
 
     fn close(&mut self) {
         self.wire = None;
+        // The next leader says anew.
+        self.spills = false;
         // The leader may come back upgraded: the next handshake offers the
         // latest again (a refusal naming an older one steps down after).
         self.link_version = lake_dp::auth::handshake::AUTH_VERSION;
@@ -376,7 +369,7 @@ impl Uplink {
             node: self.node,
             pid: std::process::id(),
             region_epoch: 0,
-            features: if self.view.is_some() { FEATURE_CLUSTER_VIEW | FEATURE_PULLS_MOVE } else { 0 },
+            features: if self.view.is_some() { FEATURE_CLUSTER_VIEW | FEATURE_PULLS_MOVE | FEATURE_SPILLS } else { 0 },
             name: "lake-cp",
         };
         let Ok(local) = hello::hello(&identity) else { return };
@@ -492,6 +485,7 @@ impl Uplink {
             let again = match frame.message {
                 Message::HelloAck(ack) => {
                     self.pulls_move = ack.features & FEATURE_PULLS_MOVE != 0;
+                    self.spills = ack.features & FEATURE_SPILLS != 0;
                     false
                 }
                 Message::ViewDelta(head, entries) if self.view.is_some() => {
@@ -539,6 +533,8 @@ struct NodeConnection {
     since: Instant,
     /// It takes the cluster view (its hello offered it).
     view: bool,
+    /// It spills its victims here (both ends offered [`FEATURE_SPILLS`]).
+    spills: bool,
     /// A view snapshot is owed to it (it connected, asked, or fell behind).
     view_snapshot_due: bool,
     /// Bytes of the last view snapshot queued for it: its output may hold
@@ -563,6 +559,8 @@ pub struct Aggregator {
     security_events: std::collections::VecDeque<String>,
     /// Nodes' pulls received this pass, relayed at its end.
     pulls: Vec<lake_dp::wire::message::Transfer>,
+    /// Nodes' spills received this pass, placed at its end.
+    spills: Vec<lake_dp::wire::message::Transfer>,
     /// The view stream's term: this aggregator's start in ms since the
     /// epoch, so a node never takes a later leader's stream for the last.
     view_term: u64,
@@ -606,6 +604,7 @@ impl Aggregator {
             key: None,
             security_events: std::collections::VecDeque::new(),
             pulls: Vec::new(),
+            spills: Vec::new(),
             view_term,
             view_sequence: 0,
             connections_max: 256,
@@ -744,6 +743,27 @@ impl Aggregator {
         self.counters.pulls_relayed += sent.len() as u64;
     }
 
+    /// Full nodes spill their victims into the pool: each node that
+    /// offers [`FEATURE_SPILLS`] sends its L1 victims that would be
+    /// dropped, and the leader asks it to place each in the member with
+    /// the most room ([`Summary::spill_target`]), as a write-back — its
+    /// own copy is dropped once that member has the block. A spill no
+    /// member has room for is answered with the node itself as the
+    /// target: the node drops the block.
+    pub fn place_spills_in_room(&mut self) {
+        self.local.features |= FEATURE_SPILLS;
+    }
+
+    /// Places the spills nodes sent this pass ([`Aggregator::place_spills_in_room`]).
+    fn place_spills(&mut self) {
+        if self.spills.is_empty() {
+            return;
+        }
+        let spills = core::mem::take(&mut self.spills);
+        let plan = self.summary.spill_plan(&spills, &mut self.counters);
+        self.ask_copies(plan, lake_dp::Priority::WriteBack);
+    }
+
     /// Sends each copy to its source node's connection: the (block,
     /// target) of those that went.
     fn ask_copies(&mut self, plan: Vec<Replication>, priority: lake_dp::Priority) -> Vec<(BlockKey, u32)> {
@@ -795,6 +815,7 @@ impl Aggregator {
                             node: None,
                             since: Instant::now(),
                             view: false,
+                            spills: false,
                             view_snapshot_due: false,
                             view_allowance: 0,
                         };
@@ -824,6 +845,7 @@ impl Aggregator {
             }
         }
         self.relay_pulls();
+        self.place_spills();
         self.stream_view();
         // What this pass queued goes now, not with the next pass (a
         // pull's copy is waited on); a connection that fails is closed by
@@ -935,6 +957,7 @@ impl Aggregator {
                     };
                     connection.node = Some(remote.node);
                     connection.view = remote.features & FEATURE_CLUSTER_VIEW != 0;
+                    connection.spills = ack.features & FEATURE_SPILLS != 0;
                     connection.view_snapshot_due = connection.view;
                     if append_frame(&mut connection.wire.output, reply, &Message::HelloAck(ack)).is_err() {
                         return false;
@@ -943,28 +966,21 @@ impl Aggregator {
                 Message::SnapshotRequest(request) if connection.view && connection.node == Some(request.node) => {
                     connection.view_snapshot_due = true;
                 }
+                Message::CopyBlock(spill) if connection.spills && is_spill(connection.node, &spill) => {
+                    take_pull(&mut self.spills, &mut self.counters.spills_unplaced, spill);
+                }
                 Message::CopyBlock(pull) if connection.view && connection.node == Some(pull.target.node) => {
-                    take_pull(&mut self.pulls, &mut self.counters, pull);
+                    take_pull(&mut self.pulls, &mut self.counters.pulls_unheld, pull);
                 }
                 Message::Delta(head, entries) | Message::Snapshot(head, entries)
                     if connection.node == Some(head.node) =>
                 {
-                    let outcome = if matches!(frame.message, Message::Snapshot(..)) {
-                        self.counters.snapshot_frames += 1;
-                        self.summary.snapshot(&head, entries.iter())
-                    } else {
-                        self.summary.delta(&head, entries.iter())
-                    };
-                    match outcome {
-                        Outcome::Applied { .. } => self.counters.applied += 1,
-                        Outcome::Stale => self.counters.stale += 1,
-                        Outcome::NeedSnapshot { node, term } => {
-                            self.counters.gaps += 1;
-                            let request = Message::SnapshotRequest(SnapshotRequest { node, reserved: 0, term });
-                            if append_frame(&mut connection.wire.output, reply, &request).is_err() {
-                                return false;
-                            }
-                        }
+                    let snapshot = matches!(frame.message, Message::Snapshot(..));
+                    let gap = apply_report(&mut self.summary, &mut self.counters, (&head, snapshot), entries.iter());
+                    if let Some(request) = gap
+                        && append_frame(&mut connection.wire.output, reply, &Message::SnapshotRequest(request)).is_err()
+                    {
+                        return false;
                     }
                 }
                 _ => {

@@ -33,6 +33,7 @@
 //!
 //! [`Message::Snapshot`]: lake_dp::wire::Message::Snapshot
 
+mod conn;
 pub mod link;
 mod place;
 mod view;
@@ -91,6 +92,9 @@ struct NodeView {
     receiving: Option<(u64, u64)>,
     /// Its replicas, by block (one per region).
     replicas: HashMap<BlockKey, Vec<Held>>,
+    /// Of its blocks, those in its L1 or L2 (one in both counts once: its
+    /// L1 copy goes free): what it fills of its room.
+    cached: u64,
 }
 
 impl NodeView {
@@ -100,6 +104,11 @@ impl NodeView {
 
     fn count(&self) -> usize {
         self.replicas.values().map(Vec::len).sum()
+    }
+
+    fn clear(&mut self) {
+        self.replicas.clear();
+        self.cached = 0;
     }
 }
 
@@ -209,6 +218,11 @@ pub struct UplinkCounters {
     pub pulls_sent: u64,
     /// See `pulls_sent`.
     pub pulls_dropped: u64,
+    /// L1 victims offered to the leader to be placed elsewhere (the node
+    /// full), and not offered (no leader placing spills connected).
+    pub spills_sent: u64,
+    /// See `spills_sent`.
+    pub spills_dropped: u64,
 }
 
 /// What the aggregator has done.
@@ -238,6 +252,11 @@ pub struct AggregatorCounters {
     pub pulls_relayed: u64,
     /// See `pulls_relayed`.
     pub pulls_unheld: u64,
+    /// Spills (a full node's victims) placed in a member with room, and
+    /// not placed (no member had room enough).
+    pub spills_placed: u64,
+    /// See `spills_placed`.
+    pub spills_unplaced: u64,
     /// Connections closed for failing their authentication (no handshake,
     /// another key, a bad proof, a record's tag).
     pub refused: u64,
@@ -300,7 +319,7 @@ impl Summary {
             view::note_all(&mut self.view, head.node, view);
             view.term = head.term;
             view.sequence = 0;
-            view.replicas.clear();
+            view.clear();
             view.gap = head.sequence != 1;
         }
         if view.gap {
@@ -334,7 +353,7 @@ impl Summary {
         if view.receiving != Some((head.term, head.sequence)) {
             view.receiving = Some((head.term, head.sequence));
             view::note_all(&mut self.view, head.node, view);
-            view.replicas.clear();
+            view.clear();
         }
         view.term = head.term;
         view.sequence = head.sequence;
@@ -361,6 +380,7 @@ impl Summary {
                     held.retain(|h| tier_of(&h.entry) != Some(Tier::L1Dram));
                 }
                 view.replicas.retain(|_, held| !held.is_empty());
+                view.cached = view.replicas.values().filter(|list| cached(list)).count() as u64;
             }
             view.member = member;
         }
@@ -669,7 +689,11 @@ impl Summary {
                 if held.iter().any(|h| h.entry.replica.region == entry.replica.region) {
                     return Err(CheckpointError::Field("entry (a region twice)"));
                 }
+                let before = cached(held);
                 held.push(Held { entry });
+                if !before && cached(held) {
+                    view.cached += 1;
+                }
             }
             if summary.nodes.insert(node, view).is_some() {
                 return Err(CheckpointError::Field("node (twice)"));
@@ -704,21 +728,34 @@ fn available(view: &NodeView, tier: Tier) -> bool {
     view.member || tier == Tier::L3Object
 }
 
+/// Whether a block's replicas on a node fill one of its L1 or L2 slots.
+fn cached(list: &[Held]) -> bool {
+    list.iter().any(|h| matches!(tier_of(&h.entry), Some(Tier::L1Dram | Tier::L2Nvme)))
+}
+
 fn apply(view: &mut NodeView, entry: &DeltaEntry) {
     let region = entry.replica.region;
     match DeltaOp::from_u8(entry.op) {
         Some(DeltaOp::Add | DeltaOp::Update) => {
             let held = Held { entry: DeltaEntry { op: DeltaOp::Add as u8, ..*entry } };
             let list = view.replicas.entry(entry.key).or_insert_with(one_replica);
+            let before = cached(list);
             match list.iter_mut().find(|h| h.entry.replica.region == region) {
                 Some(old) => *old = held,
                 None => list.push(held),
+            }
+            if !before && cached(list) {
+                view.cached += 1;
             }
         }
         Some(DeltaOp::Remove) => {
             let Some(list) = view.replicas.get_mut(&entry.key) else { return };
             // Only the replica it names: a later one in the region stays.
+            let before = cached(list);
             list.retain(|h| h.entry.replica.region != region || !same_replica(&h.entry.replica, &entry.replica));
+            if before && !cached(list) {
+                view.cached = view.cached.saturating_sub(1);
+            }
             if list.is_empty() {
                 view.replicas.remove(&entry.key);
             }

@@ -15,13 +15,13 @@
 //! already placed stay where they are. Draining nodes' blocks go to their
 //! homes among the others ([`Summary::drain_plan`]).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use lake_dp::model::replica::ReplicaWire;
-use lake_dp::wire::message::{DeltaEntry, DeltaOp};
+use lake_dp::wire::message::{DeltaEntry, DeltaOp, Transfer};
 use lake_dp::{BlockKey, Replica, Tier};
 
-use super::{Replication, Summary, tier_of};
+use super::{AggregatorCounters, Replication, Summary, tier_of};
 
 /// Blocks waiting to be placed, at most: past it, a node's new blocks
 /// stay where they were saved (counted).
@@ -124,6 +124,55 @@ impl Summary {
                 Some((node, view.room, self.l1_target(node)?))
             })
             .collect()
+    }
+
+    /// Where a victim of full node `from` spills to: the member taking
+    /// placements that fills the least of its room — blocks held in L1 or
+    /// L2 per byte announced (a block in both counts once: its L1 copy
+    /// goes free), counting `promised` spills sent it since its blocks
+    /// were counted — where that is under nineteen twentieths of what
+    /// `from` fills of its own (a member about as full would only drop a
+    /// block of its own for it). Both must have announced their room.
+    pub fn spill_target(&self, from: u32, promised: &HashMap<u32, u64>) -> Option<(u32, ReplicaWire)> {
+        let spiller = self.nodes.get(&from).filter(|v| v.room > 0)?;
+        let fill = |node: u32| {
+            let held = self.nodes.get(&node).map_or(0, |v| v.cached);
+            u128::from(held.saturating_add(promised.get(&node).copied().unwrap_or(0)))
+        };
+        // a/b < c/d as a·d < c·b: no rounding, no float.
+        let (node, room, to) = self
+            .homes()
+            .into_iter()
+            .filter(|&(node, room, _)| node != from && room > 0)
+            .min_by(|a, b| (fill(a.0) * u128::from(b.1)).cmp(&(fill(b.0) * u128::from(a.1))))?;
+        let roomier = fill(node) * u128::from(spiller.room) * 20 < u128::from(spiller.cached) * u128::from(room) * 19;
+        roomier.then_some((node, to))
+    }
+
+    /// The copies that answer nodes' `spills` (each a victim the node has
+    /// no room for, its replica the source): into the L1 of
+    /// [`Summary::spill_target`]'s member, or, where none has room, to the
+    /// spilling node itself — the node then drops the block. Counted in
+    /// `counters`.
+    pub fn spill_plan(&self, spills: &[Transfer], counters: &mut AggregatorCounters) -> Vec<Replication> {
+        let mut promised = HashMap::new();
+        let mut plan = Vec::with_capacity(spills.len());
+        for spill in spills {
+            let Some(from) = Replica::from_wire(&spill.source) else { continue };
+            let to = match self.spill_target(spill.source.node, &promised) {
+                Some((node, to)) => {
+                    *promised.entry(node).or_insert(0u64) += 1;
+                    counters.spills_placed += 1;
+                    to
+                }
+                None => {
+                    counters.spills_unplaced += 1;
+                    spill.source
+                }
+            };
+            plan.push(Replication { key: spill.key, from, to });
+        }
+        plan
     }
 
     /// Where the pool keeps `key`: its home among the members now.

@@ -621,3 +621,72 @@ fn blocks_a_node_saves_are_planned_into_their_homes_in_proportion_to_the_members
     summary.membership(&[2, 3]);
     assert!(summary.placement_plan(1000, |_, _| false).is_empty());
 }
+
+/// Sends what `locations` changed since the last call to `summary`.
+fn report(summary: &mut Summary, node: u32, locations: &mut Locations) {
+    let changes: Vec<_> = locations.drain_changes().collect();
+    apply_all(summary, deltas(node, locations, &changes));
+}
+
+#[test]
+fn a_full_nodes_spill_goes_to_the_member_that_fills_the_least_of_its_room() {
+    let mut summary = Summary::new();
+    let kind = lake_dp::ObjectKind::KvBlock;
+    // Node 1: 100 blocks in L1. Node 2: 60, each in L1 and in L2 (a block
+    // counts once). Node 3: 80 in L1, with twice the room.
+    let (mut one, mut two, mut three) = (view(1, 1), view(2, 1), view(3, 1));
+    for i in 0..100 {
+        one.adopt(None, numbered(i), kind, 0, 5, i, 1).unwrap();
+    }
+    for i in 0..60 {
+        two.adopt(None, numbered(1000 + i), kind, 0, 5, i, 1).unwrap();
+        two.adopt(None, numbered(1000 + i), kind, 1, 5, i, 1).unwrap();
+    }
+    for i in 0..80 {
+        three.adopt(None, numbered(2000 + i), kind, 0, 5, i, 1).unwrap();
+    }
+    report(&mut summary, 1, &mut one);
+    report(&mut summary, 2, &mut two);
+    report(&mut summary, 3, &mut three);
+    let none = std::collections::HashMap::new();
+    assert_eq!(summary.spill_target(1, &none), None, "no member said its room");
+    summary.rooms(&[(1, 1 << 30), (2, 1 << 30), (3, 2 << 30)]);
+
+    // Node 3 fills 40 of node 1's 100 for the same room: the target, in
+    // its L1, any slot.
+    let (node, to) = summary.spill_target(1, &none).unwrap();
+    assert_eq!((node, to.node, to.tier, to.slot), (3, 3, Tier::L1Dram as u8, lake_dp::wire::message::SLOT_ANY));
+    // Spills promised count: node 3 at 62.5 is past node 2's 60.
+    let promised = |two: u64, three: u64| [(2, two), (3, three)].into_iter().collect();
+    assert_eq!(summary.spill_target(1, &promised(0, 45)).map(|t| t.0), Some(2));
+    assert_eq!(summary.spill_target(1, &promised(40, 45)).map(|t| t.0), Some(3));
+    // Both about as full as node 1 (96 of its 100): none.
+    assert_eq!(summary.spill_target(1, &promised(36, 112)), None);
+    // Never the node itself; from node 2 the roomiest is node 3.
+    assert_eq!(summary.spill_target(2, &none).map(|t| t.0), Some(3));
+
+    // A checkpoint restored counts the same.
+    let (restored, _) = Summary::restore(&summary.checkpoint(1)).unwrap();
+    let mut restored = restored;
+    restored.rooms(&[(1, 1 << 30), (2, 1 << 30), (3, 2 << 30)]);
+    assert_eq!(restored.spill_target(1, &promised(0, 45)).map(|t| t.0), Some(2));
+
+    // Node 2 gives up its L2 copies: still 60 (in L1). All but one of
+    // its L1 ones too (its L1 stays known): the roomiest.
+    for i in 0..60 {
+        two.remove(&numbered(1000 + i), 1).unwrap();
+    }
+    report(&mut summary, 2, &mut two);
+    assert_eq!(summary.spill_target(1, &promised(0, 45)).map(|t| t.0), Some(2));
+    assert_eq!(summary.spill_target(1, &promised(0, 5)).map(|t| t.0), Some(3));
+    for i in 1..60 {
+        two.remove(&numbered(1000 + i), 0).unwrap();
+    }
+    report(&mut summary, 2, &mut two);
+    assert_eq!(summary.spill_target(1, &promised(0, 5)).map(|t| t.0), Some(2));
+
+    // Draining or lapsed members take none; node 1 is left alone.
+    summary.draining(&[2]);
+    summary.membership(&[1, 2]);
+    assert_eq!(summary.spill_target(1, &none), None);
+}

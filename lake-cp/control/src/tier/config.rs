@@ -280,4 +280,11 @@ pub struct TierCounters {
     pub taken_clean: u64,
     /// See [`TierCounters::taken_clean`].
     pub taken_dropped: u64,
+    /// L1 victims offered to the pool rather than dropped (no room below
+    /// here), those placed in another member, and those not (dropped).
+    pub spills: u64,
+    /// See [`TierCounters::spills`].
+    pub spills_landed: u64,
+    /// See [`TierCounters::spills`].
+    pub spills_unplaced: u64,
 }

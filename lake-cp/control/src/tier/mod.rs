@@ -61,6 +61,7 @@ mod drain;
 mod invariants;
 mod plan;
 mod quota;
+mod spill;
 #[cfg(test)]
 mod tests;
 mod writeback;
@@ -259,6 +260,8 @@ pub struct Tiers {
     /// L1 blocks to write below ahead of demand, oldest first: (when
     /// added, key, region, namespace).
     to_clean: std::collections::VecDeque<(u64, BlockKey, u16, u64)>,
+    /// L1 victims offered to the pool rather than dropped.
+    spills: spill::Spills,
     /// What it has done.
     pub counters: TierCounters,
 }
@@ -357,6 +360,7 @@ impl Tiers {
             recent: std::collections::VecDeque::new(),
             recent_keys: HashMap::new(),
             to_clean: std::collections::VecDeque::new(),
+            spills: spill::Spills::default(),
             counters: TierCounters::default(),
         }
     }

@@ -10,6 +10,7 @@ impl Tiers {
     /// exceeded, appending the commands to `out`.
     pub fn plan(&mut self, locations: &Locations, leases: &Leases, now_ns: u64, out: &mut Vec<TierCommand>) {
         self.now_ns = now_ns;
+        self.expire_spills(locations);
         let mut at = 0;
         while at < self.cooling.len() {
             if self.cooling[at].0 <= now_ns {
@@ -510,7 +511,8 @@ impl Tiers {
             .map(|(&region, &info)| (region, info))
             .collect();
         for (region, info) in regions {
-            let mut cleaning = self.l1_copies_below(Some(region));
+            // Victims on their way below, or to another member.
+            let mut cleaning = self.l1_copies_below(Some(region)) + self.spills_from(region, locations);
             let l2 = self.l2_written_to(info.node);
             let l3 = self.l3_target(info.node);
             let mut namespaces: Vec<(u64, u64)> = self
@@ -530,6 +532,7 @@ impl Tiers {
                     // Room below: L2 under its mark (a block written
                     // there past it would push out another, or soon itself).
                     let room_below = l2.is_some_and(|(_, info)| self.l2_pressure(info.slot_bytes) == (false, false));
+                    let drops = !room_below && l3.is_none();
                     if (room_below || l3.is_some()) && cleaning >= CLEANING_IN_FLIGHT {
                         // Its victims would wait to be written below.
                         capped = true;
@@ -539,7 +542,6 @@ impl Tiers {
                     // ones are (a save's own blocks are not the victims of
                     // the rest of it); where nothing has room below (the
                     // victim would be dropped), not at all.
-                    let drops = !room_below && l3.is_none();
                     let key = self.take_l1_victim(region, namespace, false, locations, leases).or_else(|| {
                         if drops { None } else { self.take_l1_victim(region, namespace, true, locations, leases) }
                     });
@@ -578,6 +580,10 @@ impl Tiers {
                             // Not worth an L2 write, and new: not dropped yet.
                             self.space(Tier::L1Dram, namespace).cache.add(parent, key, kind);
                         }
+                        // No room for it here: another member may have.
+                        (false, None) if drops && !pulled && self.spills_instead(&key) => {
+                            self.spill(key, (parent, kind), namespace);
+                        }
                         (false, None) => self.mark(key, marked(EvictReason::Capacity), out),
                     }
                 }
@@ -586,7 +592,8 @@ impl Tiers {
             // out or below: a save that finds no slot here would wait for
             // nothing.
             let held = self.marked.values().any(|m| m.replica.region.0 == region);
-            let moving = self.pending.values().any(|p| p.region == region && p.tier == Tier::L1Dram);
+            let moving = self.pending.values().any(|p| p.region == region && p.tier == Tier::L1Dram)
+                || self.spills_from(region, locations) > 0;
             let exhausted = budget > 0 && !capped && !held && !moving;
             self.say_victims_left(region, !exhausted, out);
         }
@@ -615,11 +622,13 @@ impl Tiers {
         leases: &Leases,
     ) -> Option<BlockKey> {
         let (pending_of, recent, pulled) = (&self.pending_of, &self.recent_keys, &self.pulled_in);
+        let spilling = &self.spills.waiting;
         let space = self.spaces.get_mut(&(Tier::L1Dram, namespace))?;
         space.cache.take_victim(64, |key| {
             let Some(replica) = locations.ready(key).find(|r| r.tier == Tier::L1Dram) else { return Verdict::Gone };
             if replica.region.0 != region
                 || pending_of.contains_key(&(*key, replica.region.0))
+                || spilling.contains_key(key)
                 || leases.is_held(key, replica.region.0)
                 || (!recent_too && recent.contains_key(key) && !pulled.contains(key))
             {

@@ -779,3 +779,69 @@ fn l1_is_cleaned_ahead_into_l2_but_never_a_copy_another_node_keeps() {
         }
     }
 }
+
+#[test]
+fn a_victim_with_no_room_below_is_offered_to_the_pool_and_dropped_only_where_no_member_takes_it() {
+    // L1 at 9 of 10 slots (over its 80% mark) of blocks no longer new,
+    // L2 at its mark: each victim would be dropped.
+    let config = TierConfig { high_percent: 80, low_percent: 60, policy: PolicyKind::Lru, ..TierConfig::default() };
+    let mut world = World::new(config);
+    world.tiers.takes_marks(0);
+    for k in 1..=8 {
+        world.add(1, 7, None, 100 + k);
+    }
+    for k in 1..=9 {
+        world.add(0, 7, None, k);
+    }
+    let marks = |out: &[TierCommand]| -> Vec<u8> {
+        out.iter()
+            .filter_map(|c| match c.action {
+                TierAction::Mark(m) => Some(m.key.0[0]),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut now = 1 + MARK_AFTER_NS + 1;
+    let mut plan = |world: &mut World, after: u64| {
+        now += after;
+        let mut out = Vec::new();
+        world.tiers.plan(&world.locations, &world.leases, now, &mut out);
+        world.tiers.assert_invariants();
+        out
+    };
+    // A leader places spills: the two oldest are offered instead of
+    // marked (L1's target of victims ahead: a quarter of its slots).
+    world.tiers.set_spills(true);
+    let out = plan(&mut world, 0);
+    assert_eq!(marks(&out), Vec::<u8>::new(), "{:?}", keys_of(&out));
+    assert_eq!(world.tiers.take_spills(), vec![key(1), key(2)]);
+    assert!(!out.iter().any(|c| matches!(c.action, TierAction::VictimsLeft(v) if v.left == 0)), "more will come");
+    // Waiting, they count against the target: nothing more.
+    let out = plan(&mut world, 1_000_000);
+    assert!(marks(&out).is_empty() && world.tiers.take_spills().is_empty(), "{:?}", keys_of(&out));
+
+    // Block 1 landed in another member: this node's copy goes; block 3
+    // is offered in its stead.
+    assert!(world.tiers.spill_done(&key(1), true));
+    assert!(world.tiers.placed_away(&key(1)));
+    let out = plan(&mut world, 1_000_000);
+    assert!(keys_of(&out).contains(&(1, "evict")), "{:?}", keys_of(&out));
+    assert_eq!(world.tiers.take_spills(), vec![key(3)]);
+    for command in &out {
+        world.carry_out(command);
+    }
+
+    // No member had room for block 2: it goes first, marked to be
+    // dropped, and for a while nothing is offered (block 4 is marked).
+    assert!(world.tiers.spill_done(&key(2), false));
+    assert!(!world.tiers.spill_done(&key(2), false), "once");
+    let out = plan(&mut world, 1_000_000);
+    assert_eq!(marks(&out), vec![2], "{:?}", keys_of(&out));
+    assert!(world.tiers.take_spills().is_empty());
+    // Block 3's answer never comes: once its wait runs out it is dropped
+    // as it would have been.
+    let out = plan(&mut world, spill::SPILL_WAIT_NS);
+    assert!(marks(&out).contains(&3), "{:?}", keys_of(&out));
+    let c = world.tiers.counters;
+    assert_eq!((c.spills, c.spills_landed, c.spills_unplaced), (3, 1, 2));
+}

@@ -83,6 +83,11 @@ pub(super) struct SummaryArgs {
     /// besides hot prefixes' replicas.
     #[arg(long, value_name = "WHERE", default_value = "read", value_parser = ["read", "saved", "home"])]
     placement: String,
+    /// A full node drops the L1 victims it has no room below for, rather
+    /// than spilling them into the member with the most room (which nodes
+    /// do by default: the pool's capacity is every member's).
+    #[arg(long)]
+    no_spills: bool,
     /// The cluster link key: nodes' links are authenticated with it.
     #[arg(long, value_name = "FILE")]
     link_key: Option<PathBuf>,
@@ -379,6 +384,9 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     if args.placement == "read" {
         aggregator.move_pulled_blocks();
     }
+    if !args.no_spills {
+        aggregator.place_spills_in_room();
+    }
     aggregator.connections_max = args.connections_max as usize;
     if let Some(key) = key {
         aggregator.authenticate(key);
@@ -502,7 +510,7 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
             }
             let (c, (placing, placing_dropped)) = (aggregator.counters, aggregator.summary.placing());
             say(format!(
-                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"placements_asked\":{},\"placing\":{},\"placing_dropped\":{},\"shed\":{{\"over_cap\":{},\"no_hello\":{},\"accept_failed\":{}}},\"nodes\":{}}}",
+                "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"placements_asked\":{},\"placing\":{},\"placing_dropped\":{},\"spills\":{{\"placed\":{},\"unplaced\":{}}},\"shed\":{{\"over_cap\":{},\"no_hello\":{},\"accept_failed\":{}}},\"nodes\":{}}}",
                 aggregator.connected(),
                 c.applied,
                 c.snapshot_frames,
@@ -512,6 +520,8 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                 c.placements_asked,
                 placing,
                 placing_dropped,
+                c.spills_placed,
+                c.spills_unplaced,
                 c.over_cap,
                 c.no_hello,
                 c.accept_failed,

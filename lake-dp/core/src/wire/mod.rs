@@ -162,6 +162,14 @@ pub const FEATURE_PULL: u64 = 1 << 18;
 /// stays.
 pub const FEATURE_PULLS_MOVE: u64 = 1 << 19;
 
+/// Feature bit (the summary link): a full node spills. An L1 victim that
+/// would be dropped (no room below it, no L3) is offered to the leader
+/// instead, which asks the node to place it in another member's L1 with
+/// room — the pool's capacity is every member's. Offered by a node's
+/// `lake-cp`; acked by a leader that places spills. Without it the victim
+/// is dropped.
+pub const FEATURE_SPILLS: u64 = 1 << 20;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -184,7 +192,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 20] = [
+pub const FEATURE_NAMES: [(u64, &str); 21] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -205,6 +213,7 @@ pub const FEATURE_NAMES: [(u64, &str); 20] = [
     (FEATURE_CLUSTER_VIEW, "cluster_view"),
     (FEATURE_PULL, "pull"),
     (FEATURE_PULLS_MOVE, "pulls_move"),
+    (FEATURE_SPILLS, "spills"),
 ];
 
 /// Bytes in a frame header.
