@@ -60,6 +60,10 @@ pub(crate) struct ClusterHitsArgs {
     /// Blocks pulled one at a time, and as one batch.
     #[arg(long, default_value_t = 64)]
     pub(crate) pulls: u32,
+    /// The modes replayed (default: all); `one_pool` is always, as the
+    /// baseline.
+    #[arg(long, value_delimiter = ',', value_parser = MODE_NAMES)]
+    pub(crate) modes: Vec<String>,
 }
 
 const NODES: usize = 3;
@@ -98,6 +102,22 @@ impl Proc {
                 Ok(_) => {}
                 Err(_) => return Err(format!("{what}: not within 30 s")),
             }
+        }
+    }
+}
+
+impl Proc {
+    /// The last line `want` takes of those printed so far, or the next.
+    pub(crate) fn latest(&self, what: &str, want: impl Fn(&str) -> bool) -> Result<String, String> {
+        let mut last = None;
+        while let Ok(line) = self.lines.try_recv() {
+            if want(&line) {
+                last = Some(line);
+            }
+        }
+        match last {
+            Some(line) => Ok(line),
+            None => self.wait_for(what, want),
         }
     }
 }
@@ -200,8 +220,11 @@ impl Drop for Scratch {
 /// How turns ask the pool.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
-    /// Blocks kept where they were last read (`lake summary`'s default).
+    /// Blocks kept where they were last read (`lake summary`'s default),
+    /// a full node's victims spilled into the member with most room.
     Cluster,
+    /// As `Cluster`, a full node's victims dropped (`--no-spills`).
+    ClusterNoSpills,
     /// Blocks kept where they were saved (`--placement saved`).
     ClusterSaved,
     /// Blocks kept in their homes (`--placement home`).
@@ -210,9 +233,14 @@ enum Mode {
     OnePool,
 }
 
+/// The modes in the order they run, and their names in the report.
+const MODES: [Mode; 6] =
+    [Mode::OnePool, Mode::Islands, Mode::Cluster, Mode::ClusterNoSpills, Mode::ClusterSaved, Mode::ClusterHome];
+const MODE_NAMES: [&str; 6] = ["one_pool", "islands", "cluster", "cluster_no_spills", "cluster_saved", "cluster_home"];
+
 impl Mode {
     fn cluster(self) -> bool {
-        matches!(self, Self::Cluster | Self::ClusterSaved | Self::ClusterHome)
+        matches!(self, Self::Cluster | Self::ClusterNoSpills | Self::ClusterSaved | Self::ClusterHome)
     }
 
     /// `lake summary --placement` (a cluster's).
@@ -258,7 +286,7 @@ fn holders(agents: &[Agent], key: &BlockKey) -> u64 {
 /// A deployment: etcd and the summary in host 0's namespace, the pools.
 struct Deployment {
     nodes: Vec<(Proc, String)>,
-    _summary: Option<Proc>,
+    summary: Option<Proc>,
     _etcd: Option<Proc>,
 }
 
@@ -279,6 +307,9 @@ fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<
         let mut command = switch.command(0, &args.lake);
         command.args(["summary", "--listen", &summary_at, "--etcd", &client, "--cluster", "hits", "--ttl", "2"]);
         command.args(["--placement", mode.placement()]);
+        if mode == Mode::ClusterNoSpills {
+            command.arg("--no-spills");
+        }
         // etcd may take a moment to answer: the summary retries its start.
         let mut summary = None;
         for _ in 0..50 {
@@ -314,7 +345,7 @@ fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<
         let serving = proc.wait_for("a node serves", |l| l.contains("\"serving\""))?;
         nodes.push((proc, serving));
     }
-    Ok(Deployment { nodes, _summary: summary, _etcd: etcd })
+    Ok(Deployment { nodes, summary, _etcd: etcd })
 }
 
 /// A copy of `command` (its program and arguments), to start again.
@@ -352,7 +383,7 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             let agent = &mut agents[at];
             let asked = &prompt[..context as usize];
             let hit = match mode {
-                Mode::Cluster | Mode::ClusterSaved | Mode::ClusterHome => {
+                Mode::Cluster | Mode::ClusterNoSpills | Mode::ClusterSaved | Mode::ClusterHome => {
                     let anywhere = agent.lookup_cluster(asked, &mut places);
                     let remote = places.iter().filter(|p| matches!(p, Where::Remote(_))).count();
                     if remote > 0 {
@@ -384,7 +415,7 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
             let held = |agent: &mut Agent, key: &BlockKey| {
                 let one = std::slice::from_ref(key);
                 match mode {
-                    Mode::Cluster | Mode::ClusterSaved | Mode::ClusterHome => {
+                    Mode::Cluster | Mode::ClusterNoSpills | Mode::ClusterSaved | Mode::ClusterHome => {
                         agent.lookup_cluster(one, &mut Vec::new()) == 1
                     }
                     Mode::Islands | Mode::OnePool => agent.lookup(one, &mut Vec::new()) == 1,
@@ -524,6 +555,19 @@ fn raw_tcp(switch: &Switch, count: usize, batch: usize) -> Result<(Vec<f64>, f64
     Ok(measured)
 }
 
+/// The leader's count of full nodes' victims it placed in other members,
+/// and of those no member had room for, into `report` as `name`'s.
+fn spills(deployment: &Deployment, name: &str, report: &mut Report) -> Result<(), String> {
+    let Some(summary) = &deployment.summary else { return Ok(()) };
+    let line = summary.latest("the summary's report", |l| l.contains("\"event\":\"summary\""))?;
+    let value: serde_json::Value = serde_json::from_str(&line).map_err(|e| e.to_string())?;
+    for what in ["placed", "unplaced"] {
+        let count = value["spills"][what].as_u64().ok_or_else(|| format!("no spills in {line}"))?;
+        report.int(&format!("{name}_spills_{what}"), count);
+    }
+    Ok(())
+}
+
 pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
     let lake = match &args.lake {
         Some(path) => path.clone(),
@@ -541,16 +585,17 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
     report.int("turns", u64::from(args.conversations * args.turns));
     report.int("l1_slots_per_node", u64::from(args.l1_slots));
     report.int("l2_slots_per_node", 2 * u64::from(args.l2_slots));
-    let mut ratios = [0.0; 5];
-    let modes = [Mode::OnePool, Mode::Islands, Mode::Cluster, Mode::ClusterSaved, Mode::ClusterHome];
-    for (i, mode) in modes.into_iter().enumerate() {
+    let mut ratios = [f64::NAN; MODES.len()];
+    for (i, (mode, name)) in MODES.into_iter().zip(MODE_NAMES).enumerate() {
+        if i > 0 && !args.modes.is_empty() && !args.modes.iter().any(|m| m == name) {
+            continue;
+        }
         let deployment = deploy(&paths, &switch, mode, &base.0)?;
         if mode.cluster() {
             // Every node in the leader's view before the first turn.
             std::thread::sleep(Duration::from_secs(1));
         }
         let replay = replay(args, &deployment, mode)?;
-        let name = ["one_pool", "islands", "cluster", "cluster_saved", "cluster_home"][i];
         ratios[i] = replay.hit as f64 / replay.asked as f64;
         report.int(&format!("{name}_context_blocks"), replay.asked);
         report.float(&format!("{name}_hit_ratio"), ratios[i]);
@@ -564,6 +609,7 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
             report.int(&format!("{name}_turns_ended_at_a_block_elsewhere"), replay.ended_elsewhere);
             let mut ns = replay.pull_ns;
             report.float(&format!("{name}_turn_pull_p50_ns_per_block"), percentile(&mut ns, 500));
+            spills(&deployment, name, &mut report)?;
         }
         if mode == Mode::Cluster {
             let (mut singles, batch_s) = remote_loads(args, &deployment)?;
@@ -574,10 +620,11 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
             report.float("remote_load_batch_blocks_per_s", blocks / batch_s);
         }
     }
-    report.float("cluster_vs_one_pool", ratios[2] / ratios[0]);
-    report.float("cluster_saved_vs_one_pool", ratios[3] / ratios[0]);
-    report.float("cluster_home_vs_one_pool", ratios[4] / ratios[0]);
-    report.float("islands_vs_one_pool", ratios[1] / ratios[0]);
+    for (i, name) in MODE_NAMES.into_iter().enumerate().skip(1) {
+        if !ratios[i].is_nan() {
+            report.float(&format!("{name}_vs_one_pool"), ratios[i] / ratios[0]);
+        }
+    }
     let (mut singles, batch_s) = raw_tcp(&switch, args.pulls as usize, args.pulls as usize)?;
     report.float("raw_tcp_block_p50_ns", percentile(&mut singles, 500));
     report.float("raw_tcp_block_p99_ns", percentile(&mut singles, 990));
