@@ -47,6 +47,18 @@ impl World {
         world
     }
 
+    /// L1 taking marks, L2 at its 80% mark (8 of 10 blocks): an L1
+    /// victim would be dropped (LRU).
+    fn l2_at_its_mark() -> Self {
+        let config = TierConfig { high_percent: 80, low_percent: 60, policy: PolicyKind::Lru, ..TierConfig::default() };
+        let mut world = Self::new(config);
+        world.tiers.takes_marks(0);
+        for k in 1..=8 {
+            world.add(1, 7, None, 100 + k);
+        }
+        world
+    }
+
     fn plan(&mut self) -> Vec<TierCommand> {
         let mut out = Vec::new();
         self.tiers.plan(&self.locations, &self.leases, 0, &mut out);
@@ -115,6 +127,16 @@ fn keys_of(commands: &[TierCommand]) -> Vec<(u8, &'static str)> {
             TierAction::Mark(m) => (m.key.0[0], "mark"),
             TierAction::Unmark(m) => (m.key.0[0], "unmark"),
             TierAction::VictimsLeft(v) => (v.left, "victims_left"),
+        })
+        .collect()
+}
+
+/// The blocks `out` marks evictable, in order.
+fn marks(out: &[TierCommand]) -> Vec<u8> {
+    out.iter()
+        .filter_map(|c| match c.action {
+            TierAction::Mark(m) => Some(m.key.0[0]),
+            _ => None,
         })
         .collect()
 }
@@ -208,24 +230,13 @@ fn an_l1_over_its_mark_whose_victims_would_be_dropped_still_marks_them() {
     // ahead of a save's need, so room comes only from victims marked
     // for saves to take. Without them L1 stood full and every save was
     // refused.
-    let config = TierConfig { high_percent: 80, low_percent: 60, policy: PolicyKind::Lru, ..TierConfig::default() };
-    let mut world = World::new(config);
-    world.tiers.takes_marks(0);
-    for k in 1..=8 {
-        world.add(1, 7, None, 100 + k);
-    }
+    let mut world = World::l2_at_its_mark();
     for k in 1..=9 {
         world.add(0, 7, (k > 1).then(|| k - 1), k);
     }
     let mut out = Vec::new();
     world.tiers.plan(&world.locations, &world.leases, 1 + MARK_AFTER_NS + 1, &mut out);
-    let marked: Vec<u8> = out
-        .iter()
-        .filter_map(|c| match c.action {
-            TierAction::Mark(m) => Some(m.key.0[0]),
-            _ => None,
-        })
-        .collect();
+    let marked = marks(&out);
     assert!(!marked.is_empty(), "nothing marked: {:?}", keys_of(&out));
     assert_eq!(marked[0], 9, "the chain's leaf first: {:?}", keys_of(&out));
     assert!(!out.iter().any(|c| matches!(c.action, TierAction::Evict(_))), "nothing dropped ahead of need");
@@ -784,23 +795,10 @@ fn l1_is_cleaned_ahead_into_l2_but_never_a_copy_another_node_keeps() {
 fn a_victim_with_no_room_below_is_offered_to_the_pool_and_dropped_only_where_no_member_takes_it() {
     // L1 at 9 of 10 slots (over its 80% mark) of blocks no longer new,
     // L2 at its mark: each victim would be dropped.
-    let config = TierConfig { high_percent: 80, low_percent: 60, policy: PolicyKind::Lru, ..TierConfig::default() };
-    let mut world = World::new(config);
-    world.tiers.takes_marks(0);
-    for k in 1..=8 {
-        world.add(1, 7, None, 100 + k);
-    }
+    let mut world = World::l2_at_its_mark();
     for k in 1..=9 {
         world.add(0, 7, None, k);
     }
-    let marks = |out: &[TierCommand]| -> Vec<u8> {
-        out.iter()
-            .filter_map(|c| match c.action {
-                TierAction::Mark(m) => Some(m.key.0[0]),
-                _ => None,
-            })
-            .collect()
-    };
     let mut now = 1 + MARK_AFTER_NS + 1;
     let mut plan = |world: &mut World, after: u64| {
         now += after;
