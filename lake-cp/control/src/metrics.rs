@@ -156,6 +156,13 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
     );
     metric(
         &mut out,
+        "lake_copies_asked_again_total",
+        "counter",
+        "Copies into other nodes asked of the data plane again: every send it has was taken.",
+        &[("", node.copies_asked_again)],
+    );
+    metric(
+        &mut out,
         "lake_blocks_placed_away_total",
         "counter",
         "Blocks saved here that the pool placed in their home node: this node's copy became a copy, first to go.",

@@ -41,7 +41,7 @@ impl Node {
         };
         self.copies.push(TierCommand { request, region: source.region.0, action: TierAction::Copy(transfer) });
         if self.copies_out.len() < COPIES_OUT_MAX {
-            self.copies_out.insert(request, (source.region.0, self.draining));
+            self.copies_out.insert(request, (source.region.0, self.draining, transfer));
         }
         // A pull's copy, where pulls move blocks: the reader's copy is the
         // pool's once it landed (a block promoted for it comes here too).
@@ -73,9 +73,65 @@ impl Node {
     /// it if it has not gone out yet — it is answered `Cancelled` — and
     /// lets it finish if it has. Whether it was a copy still out.
     pub fn cancel_copy(&mut self, request: u64) -> bool {
-        let Some(&(region, _)) = self.copies_out.get(&request) else { return false };
+        let Some(&(region, _, _)) = self.copies_out.get(&request) else { return false };
+        if self.copies_again.get(&request).is_some_and(|again| again.waiting) {
+            // Not at its data plane: answered here.
+            self.copies_again.remove(&request);
+            self.transfer_done(request, lake_dp::wire::message::ErrorCode::Cancelled as u32);
+            return true;
+        }
         self.copies.push(TierCommand { request, region, action: TierAction::Cancel });
         true
+    }
+
+    /// Copy `request`'s answer, `status`: refused because every send of
+    /// its data plane was taken (`QueueFull` — a pull of a long prefix
+    /// asks more at once), it is asked again shortly, until its deadline
+    /// ([`COPY_AGAIN_FOR_NS`] where it has none), rather than failed.
+    /// Whether it was kept to be asked again.
+    pub(super) fn copy_again(&mut self, request: u64, status: u32) -> bool {
+        if status != lake_dp::wire::message::ErrorCode::QueueFull as u32 {
+            if !self.copies_again.is_empty() {
+                self.copies_again.remove(&request);
+            }
+            return false;
+        }
+        let Some(&(_, _, transfer)) = self.copies_out.get(&request) else { return false };
+        let now = unix_ns();
+        let again = self.copies_again.entry(request).or_insert(CopyAgain {
+            at_ns: 0,
+            until_ns: if transfer.deadline_unix_ns == 0 {
+                now.saturating_add(COPY_AGAIN_FOR_NS)
+            } else {
+                transfer.deadline_unix_ns
+            },
+            waiting: false,
+        });
+        if now >= again.until_ns {
+            self.copies_again.remove(&request);
+            return false;
+        }
+        again.at_ns = now.saturating_add(COPY_AGAIN_NS);
+        again.waiting = true;
+        self.copies_asked_again += 1;
+        true
+    }
+
+    /// The copies refused for want of a send whose wait is over go to
+    /// the data plane again.
+    pub(super) fn copies_due(&mut self) {
+        if self.copies_again.is_empty() {
+            return;
+        }
+        let now = unix_ns();
+        for (&request, again) in &mut self.copies_again {
+            if !again.waiting || now < again.at_ns {
+                continue;
+            }
+            let Some(&(region, _, transfer)) = self.copies_out.get(&request) else { continue };
+            again.waiting = false;
+            self.copies.push(TierCommand { request, region, action: TierAction::Copy(transfer) });
+        }
     }
 
     /// A copy of a block held here only in L2 or L3: queued for its
@@ -183,6 +239,21 @@ impl Node {
             waiting.retry_at_ns = self.now_ns.saturating_add(PROMOTION_RETRY_NS);
         }
     }
+}
+
+/// How soon a copy that found no send free is asked again (ns).
+const COPY_AGAIN_NS: u64 = 2_000_000;
+
+/// How long a copy with no deadline is asked again (ns).
+const COPY_AGAIN_FOR_NS: u64 = 10_000_000_000;
+
+/// A copy its data plane refused for want of a send: asked again at
+/// `at_ns` (`waiting`: not at the data plane now) until `until_ns`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CopyAgain {
+    at_ns: u64,
+    until_ns: u64,
+    waiting: bool,
 }
 
 /// Pulls an engine may have waiting for the leader at once.

@@ -237,9 +237,11 @@ pub struct Node {
     /// L1 first — the target, class and when the wait ends.
     promoting: HashMap<BlockKey, Promoting>,
     /// Copies to other nodes asked of the data plane and not answered
-    /// yet: the source's region, and whether asked while the node was
-    /// drained.
-    copies_out: HashMap<u64, (u16, bool)>,
+    /// yet: the source's region, whether asked while the node was
+    /// drained, and the copy (asked again if it found no send free).
+    copies_out: HashMap<u64, (u16, bool, Transfer)>,
+    /// Of them, those refused for want of a send (`copy::CopyAgain`).
+    copies_again: HashMap<u64, copy::CopyAgain>,
     /// Copies placing a block saved here in its home ([`Node::place_to`]),
     /// or moving it to the node that pulled it (`true`; see
     /// `pulls_move`), by request: once landed, this node's copy is a copy.
@@ -277,6 +279,8 @@ pub struct Node {
     pub pull_ns_per_block: u64,
     /// Copies taken back before they went ([`Node::cancel_copy`]).
     pub copies_cancelled: u64,
+    /// Copies asked again: their data plane had no send free.
+    pub copies_asked_again: u64,
     /// Promotions asked for such copies.
     pub copy_promotions: u64,
     /// Of them, refused by the data plane (no L1 slot free, the L2
@@ -353,6 +357,7 @@ impl Node {
             copy_requests: 0,
             promoting: HashMap::new(),
             copies_out: HashMap::new(),
+            copies_again: HashMap::new(),
             placing: HashMap::new(),
             pulls_move: false,
             pulls: Vec::new(),
@@ -364,6 +369,7 @@ impl Node {
             pull_batch_at: 0,
             pull_ns_per_block: 0,
             copies_cancelled: 0,
+            copies_asked_again: 0,
             copy_promotions: 0,
             copy_promotions_failed: 0,
             copies_landed: 0,
@@ -400,6 +406,7 @@ impl Node {
     pub fn plan(&mut self, now_ns: u64, out: &mut Vec<TierCommand>) {
         self.now_ns = now_ns;
         self.copy_promoted(now_ns);
+        self.copies_due();
         out.append(&mut self.copies);
         self.root_orphans(|since| since.saturating_add(ORPHAN_WAIT_NS) < now_ns);
         let from = out.len();
@@ -524,6 +531,9 @@ impl Node {
             // reported (a commit).
             self.promotion_done(request, status);
         } else if request & COPY_REQUESTS != 0 {
+            if self.copy_again(request, status) {
+                return;
+            }
             self.copies_out.remove(&request);
             if let Some((key, to_reader)) = self.placing.remove(&request) {
                 let spilled = self.tiers.spill_done(&key, status == 0);
