@@ -689,3 +689,58 @@ fn a_full_nodes_victims_spill_into_the_member_with_room_and_the_pool_loses_none(
     let summary = leader.wait_for("spills counted", Duration::from_secs(5), |l| l.contains("\"event\":\"summary\""));
     assert!(summary.contains("\"spills\":{\"placed\":"), "{summary}");
 }
+
+#[test]
+fn a_prefix_whose_front_moves_away_while_its_tail_is_pulled_still_lands_whole() {
+    let Some(etcd) = etcd_server::EtcdServer::start("front") else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-front-{}", std::process::id()));
+    let _scratch = Scratch(base.clone(), Vec::new());
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{}", port());
+    let leader = leader(&listen, &endpoint, "fr", None, &[]);
+    let nodes = start_nodes(&base, (&listen, &endpoint, "fr"), 2, |_| &["--l1-slots", "2048"]);
+    let serving: Vec<String> = nodes.iter().map(|(_, s)| s.clone()).collect();
+    leader.wait_for("two members", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"")
+            && (1..=2).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
+    });
+    let mut two = agent(&serving[1]);
+    let mut table = Vec::new();
+    // Each round: a chain whose tail node 2 read (it moved there). Node
+    // 1's engine asks for the whole chain: it holds the front, and pulls
+    // the tail — and while the tail comes, node 2 reads the front, which
+    // leaves node 1. It is pulled back from node 2.
+    for round in 10..13 {
+        let chain: Vec<BlockKey> = (0..401).map(|i| key(round, i)).collect();
+        save(&serving[0], round, 0..401);
+        let seen = wait_places(&serving[1], &chain, Duration::from_secs(20), |p| p.len() == chain.len());
+        assert_eq!(seen.len(), chain.len(), "node 2's engines see node 1's chain");
+        // More blocks at once than the holder's data plane has sends.
+        let landed = two.pull_cluster(&chain[1..], Duration::from_secs(10), &mut table);
+        assert_eq!(landed, 400, "round {round}: node 2 landed {landed} of the tail's 400");
+        // Node 1 may keep copies of the tail it marked to go; the rest it
+        // sees on node 2.
+        let seen = wait_places(&serving[0], &chain[1..], Duration::from_secs(20), |p| p.len() == 400);
+        assert_eq!(seen.len(), 400, "node 1's engines see the tail");
+        assert_eq!(tier_here(&serving[0], chain[0]), Some(lake_dp::Tier::L1Dram));
+        let asking = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let reader = {
+            let (serving, chain, asking) = (serving[0].clone(), chain.clone(), asking.clone());
+            std::thread::spawn(move || {
+                let mut one = agent(&serving);
+                let mut table = Vec::new();
+                asking.wait();
+                let started = Instant::now();
+                let landed = one.pull_cluster(&chain, Duration::from_secs(10), &mut table);
+                let got = one.fetch(&chain[..landed], &table, |_, bytes| assert_eq!(bytes, &payload(round)[..]));
+                (landed, got, started.elapsed())
+            })
+        };
+        asking.wait();
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(two.pull_cluster(&chain[..1], Duration::from_secs(10), &mut table), 1);
+        let (landed, got, took) = reader.join().unwrap();
+        assert_eq!((landed, got), (401, 401), "round {round}: node 1 landed {landed} of 401 in {took:?}");
+    }
+}

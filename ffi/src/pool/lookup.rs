@@ -3,7 +3,7 @@
 //! shards; and lookups that pin their L1 hits, with the loads from them.
 
 use super::*;
-use lake_dp::mirror::view::{ViewOpener, Where, lookup as cluster_lookup};
+use lake_dp::mirror::view::{PullWait, ViewOpener, Where, lookup as cluster_lookup};
 
 /// L1 blocks pinned by a lookup (see [`lake_lookup_pinned`]): they stay
 /// in L1, unchanged, until released, whatever eviction decides meanwhile.
@@ -475,7 +475,11 @@ fn cluster_places(pool: &LakePool, keys: &[BlockKey]) -> Vec<Where> {
 /// node reads it from the object store the nodes share; it lands checked
 /// — and the
 /// call waits until that prefix is in this node's mirror or the time is
-/// up. This node's hit then goes to `hits`: look it up and load it as
+/// up. While it waits the view is read again: a block of this node's that
+/// went meanwhile (moved to another reader), or one whose holder changed,
+/// is asked for where it is now, and a block seen nowhere for a while
+/// (gone from the pool, not moving) ends the wait before it
+/// (`lake_dp::mirror::view::PullWait`). This node's hit then goes to `hits`: look it up and load it as
 /// `lake_lookup`'s. A block that left its holder before it was copied
 /// never lands; the hit ends before it and the engine computes the rest.
 /// A pool keeping no cluster view, or whose control plane takes no pulls,
@@ -499,17 +503,26 @@ pub unsafe extern "C" fn lake_pull(
             if hits.is_null() || (keys.is_null() && count > 0) {
                 return Err(fail(LakeStatus::LakeNullArgument, "lake_pull: a required pointer is null"));
             }
-            let deadline = std::time::Instant::now() + Duration::from_millis(u64::from(timeout_ms));
             let keys = read_keys(pool, keys, count);
-            let found = cluster_places(pool, &keys);
-            let pulls = lake_dp::mirror::view::remote(&keys, &found);
-            let asked = !pulls.is_empty()
-                && pool.has_control_plane
-                && pool.jobs.as_ref().is_some_and(|jobs| jobs.push(true, Job::Pull { pulls }).is_ok());
-            let mut table = Vec::with_capacity(found.len());
+            let mut wait = PullWait::new(&keys, Duration::from_millis(u64::from(timeout_ms)));
+            let (mut places, mut table) = (Vec::new(), Vec::with_capacity(keys.len()));
             let hit = loop {
-                let hit = pool.mirror.lookup(&keys[..found.len()], &mut table);
-                if hit >= found.len() || !asked || std::time::Instant::now() >= deadline {
+                let lookup = |keys: &[BlockKey], out: &mut Vec<Where>| {
+                    *out = cluster_places(pool, keys);
+                    out.len()
+                };
+                let pulls = wait.look(&keys, lookup, &mut places);
+                if !pulls.is_empty() && pool.has_control_plane {
+                    let asked = pool
+                        .jobs
+                        .as_ref()
+                        .is_some_and(|jobs| jobs.push(true, Job::Pull { pulls: pulls.clone() }).is_ok());
+                    if asked {
+                        wait.asked(&pulls);
+                    }
+                }
+                let hit = pool.mirror.lookup(&keys[..wait.found()], &mut table);
+                if wait.over(hit) {
                     break hit;
                 }
                 std::thread::sleep(Duration::from_micros(200));

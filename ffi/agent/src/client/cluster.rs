@@ -2,9 +2,9 @@
 //! then the cluster view of what every other node holds; and pulls of
 //! blocks only other nodes hold into this node's L1.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lake_core::mirror::view::{self, Holder, Where};
+use lake_core::mirror::view::{self, Holder, PullWait, Where};
 use lake_core::model::key::BlockKey;
 
 use super::Agent;
@@ -44,25 +44,32 @@ impl Agent {
     /// Makes as much of `keys` this node's as the pool can within
     /// `within`: the blocks of its longest prefix held anywhere that only
     /// other nodes hold are pulled ([`Agent::pull`]), and this waits until
-    /// that prefix is in this node's mirror or the time is up. Returns this
-    /// node's hit then, its block table into `table`: load it as
-    /// [`Agent::lookup`]'s. A block that went from its holder before it was
-    /// copied never lands: the hit ends before it, and the engine computes
-    /// the rest — never wrong bytes (a copy lands checked).
+    /// that prefix is in this node's mirror or the time is up. While it
+    /// waits the view is read again: a block of this node's that went
+    /// meanwhile (moved to another reader), or one whose holder changed,
+    /// is pulled from where it is now; a block seen nowhere for a while
+    /// (not moving: gone from the pool) ends the wait before it
+    /// ([`PullWait`]). Returns this node's hit then, its block table into
+    /// `table`: load it as [`Agent::lookup`]'s. A block that went from its
+    /// holder before it was copied never lands: the hit ends before it,
+    /// and the engine computes the rest — never wrong bytes (a copy lands
+    /// checked).
     pub fn pull_cluster(
         &mut self,
         keys: &[BlockKey],
         within: Duration,
         table: &mut Vec<lake_core::mirror::MirrorEntry>,
     ) -> usize {
-        let deadline = Instant::now() + within;
+        let mut wait = PullWait::new(keys, within);
         let mut places = Vec::new();
-        let found = view::lookup(&self.mirror, self.cluster.reader(), keys, &mut places);
-        let remote = view::remote(keys, &places);
-        let asked = !remote.is_empty() && self.pull(&remote) > 0;
         loop {
-            let hit = self.mirror.lookup(&keys[..found], table);
-            if hit >= found || !asked || Instant::now() >= deadline {
+            let (mirror, view) = (&self.mirror, self.cluster.reader());
+            let pulls = wait.look(keys, |keys, out| view::lookup(mirror, view, keys, out), &mut places);
+            if !pulls.is_empty() && self.pull(&pulls) > 0 {
+                wait.asked(&pulls);
+            }
+            let hit = self.mirror.lookup(&keys[..wait.found()], table);
+            if wait.over(hit) {
                 self.report_access(keys, hit);
                 return hit;
             }

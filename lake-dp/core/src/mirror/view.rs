@@ -456,6 +456,98 @@ pub fn remote(keys: &[BlockKey], places: &[Where]) -> Vec<(BlockKey, Holder)> {
         .collect()
 }
 
+/// How often a pull's wait reads the cluster view again.
+const VIEW_AGAIN: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// How long a block of a pulled prefix is seen nowhere before it is taken
+/// for gone from the pool (a block moving between nodes is unseen while
+/// the view catches up).
+const GONE_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// An engine's wait for a pulled prefix to land in its node's mirror.
+/// The view is read again every 20 ms while it waits: a block of the
+/// node's own that went meanwhile (moved to another reader), or one whose
+/// holder changed, is asked from where it is now; a block seen nowhere for
+/// 200 ms — gone from the pool, not moving — ends the prefix before it.
+#[derive(Debug)]
+pub struct PullWait {
+    /// The prefix waited for: held somewhere, as the view last said.
+    found: usize,
+    asked: std::collections::HashMap<BlockKey, Holder>,
+    /// Since when a block of the prefix is seen nowhere.
+    unseen_since: Option<std::time::Instant>,
+    look_at: std::time::Instant,
+    deadline: std::time::Instant,
+    first: bool,
+}
+
+impl PullWait {
+    /// A wait of at most `within`, for a prefix of `keys` (the first
+    /// [`PullWait::look`] finds it).
+    pub fn new(keys: &[BlockKey], within: std::time::Duration) -> Self {
+        let now = std::time::Instant::now();
+        Self {
+            found: keys.len(),
+            asked: std::collections::HashMap::new(),
+            unseen_since: None,
+            look_at: now,
+            deadline: now + within,
+            first: true,
+        }
+    }
+
+    /// The prefix waited for: look its blocks up in the mirror.
+    pub fn found(&self) -> usize {
+        self.found
+    }
+
+    /// Where it is time, reads where the prefix's blocks are — `lookup`
+    /// ([`lookup`] over the keys given, into `places`, returning how many
+    /// are held anywhere) — and returns those to pull: held only by
+    /// another node, and not asked of that one yet. Tell the wait which
+    /// were asked ([`PullWait::asked`]).
+    pub fn look(
+        &mut self,
+        keys: &[BlockKey],
+        lookup: impl FnOnce(&[BlockKey], &mut Vec<Where>) -> usize,
+        places: &mut Vec<Where>,
+    ) -> Vec<(BlockKey, Holder)> {
+        let now = std::time::Instant::now();
+        if now < self.look_at {
+            return Vec::new();
+        }
+        self.look_at = now + VIEW_AGAIN;
+        let seen = lookup(&keys[..self.found], places).min(self.found);
+        if self.first {
+            self.first = false;
+            self.found = seen;
+        }
+        // A block seen nowhere may be on its way to another node, not in
+        // this node's view yet: gone once it stays unseen.
+        self.unseen_since = if seen < self.found { Some(self.unseen_since.unwrap_or(now)) } else { None };
+        if self.unseen_since.is_some_and(|since| now.duration_since(since) >= GONE_AFTER) {
+            self.found = seen;
+        }
+        let mut pulls = remote(&keys[..seen], places);
+        pulls.retain(|(key, holder)| self.asked.get(key) != Some(holder));
+        pulls
+    }
+
+    /// `pulls` were asked.
+    pub fn asked(&mut self, pulls: &[(BlockKey, Holder)]) {
+        self.asked.extend(pulls.iter().copied());
+    }
+
+    /// Whether the wait is over, the node's mirror holding `hit` blocks of
+    /// the prefix: all of it, nothing asked and nothing moving, or the
+    /// time is up.
+    pub fn over(&self, hit: usize) -> bool {
+        hit >= self.found
+            || (self.asked.is_empty() && self.unseen_since.is_none())
+            || std::time::Instant::now() >= self.deadline
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -555,5 +647,56 @@ mod tests {
         let remote = Where::Remote(Holder { node: NodeId(2), tier: Tier::L2Nvme });
         assert_eq!(out, vec![Where::Local(entry), Where::Local(entry), remote, remote]);
         assert_eq!(lookup(&reader, None, &keys, &mut out), 2, "without a view: this node's only");
+    }
+
+    #[test]
+    fn a_pull_wait_asks_again_for_a_block_that_moved_and_ends_the_prefix_at_one_gone_a_while() {
+        let entry = MirrorEntry {
+            kind: ObjectKind::KvBlock,
+            tier: Tier::L1Dram,
+            tiers: 1 << Tier::L1Dram as u8,
+            region: crate::model::replica::RegionId(0),
+            epoch_tag: 1,
+            slot: 4,
+            generation: 2,
+        };
+        let on = |node| Where::Remote(Holder { node: NodeId(node), tier: Tier::L1Dram });
+        let keys: Vec<BlockKey> = (1..=4).map(key).collect();
+        let mut wait = PullWait::new(&keys, std::time::Duration::from_secs(10));
+        let mut places = Vec::new();
+        // The view, as the wait reads it in turn.
+        let answer = |places: Vec<Where>| {
+            move |keys: &[BlockKey], out: &mut Vec<Where>| {
+                *out = places.into_iter().take(keys.len()).collect();
+                out.len()
+            }
+        };
+        // The front here, the rest on node 2: three held anywhere.
+        let pulls = wait.look(&keys, answer(vec![Where::Local(entry), on(2), on(2)]), &mut places);
+        assert_eq!(pulls, vec![(keys[1], on_holder(2)), (keys[2], on_holder(2))]);
+        wait.asked(&pulls);
+        assert_eq!(wait.found(), 3);
+        assert!(!wait.over(1));
+        // Read again only once the time comes.
+        assert!(wait.look(&keys, answer(vec![]), &mut places).is_empty());
+        std::thread::sleep(VIEW_AGAIN);
+        // The front moved to node 3: asked there; the asked ones not again.
+        let pulls = wait.look(&keys, answer(vec![on(3), on(2), on(2)]), &mut places);
+        assert_eq!(pulls, vec![(keys[0], on_holder(3))]);
+        wait.asked(&pulls);
+        // The last block is seen nowhere: moving, for a while.
+        std::thread::sleep(VIEW_AGAIN);
+        assert!(wait.look(&keys, answer(vec![on(3), on(2)]), &mut places).is_empty());
+        assert_eq!(wait.found(), 3);
+        assert!(!wait.over(2));
+        // Then gone: the prefix ends before it, and two landed are all.
+        std::thread::sleep(GONE_AFTER);
+        assert!(wait.look(&keys, answer(vec![on(3), on(2)]), &mut places).is_empty());
+        assert_eq!(wait.found(), 2);
+        assert!(wait.over(2));
+    }
+
+    fn on_holder(node: u32) -> Holder {
+        Holder { node: NodeId(node), tier: Tier::L1Dram }
     }
 }
