@@ -433,6 +433,33 @@ fn start_nodes(
         .collect()
 }
 
+/// A cluster `name` of `count` nodes (`room(node)` their flags) led by a
+/// `lake summary` with its default placement, every node a member; its
+/// parts stop in the order they are declared.
+struct Members {
+    nodes: Vec<(Proc, String)>,
+    _leader: Proc,
+    _scratch: Scratch,
+    _etcd: etcd_server::EtcdServer,
+}
+
+/// [`Members`], or none where no etcd runs here.
+fn members(name: &str, count: u32, room: impl Fn(u32) -> &'static [&'static str]) -> Option<Members> {
+    let etcd = etcd_server::EtcdServer::start(name)?;
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-{name}-{}", std::process::id()));
+    let scratch = Scratch(base.clone(), Vec::new());
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{port}");
+    let leader = leader(&listen, &endpoint, name, None, &[]);
+    let nodes = start_nodes(&base, (&listen, &endpoint, name), count, room);
+    leader.wait_for("every node a member", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"")
+            && (1..=count).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
+    });
+    Some(Members { nodes, _leader: leader, _scratch: scratch, _etcd: etcd })
+}
+
 #[test]
 fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_first() {
     let Some(etcd) = etcd_server::EtcdServer::start("placement") else { return };
@@ -555,25 +582,13 @@ fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_fir
 
 #[test]
 fn a_chain_another_node_reads_moves_to_it_and_back_and_the_pool_keeps_one_copy() {
-    let Some(etcd) = etcd_server::EtcdServer::start("moves") else { return };
-    let endpoint = etcd.endpoint();
-    let base = std::env::temp_dir().join(format!("lake-moves-{}", std::process::id()));
-    let _scratch = Scratch(base.clone(), Vec::new());
-    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let listen = format!("127.0.0.1:{}", port());
     // `lake summary`'s default placement: a block stays where it was last
     // read.
-    let leader = leader(&listen, &endpoint, "mv", None, &[]);
-    let nodes = start_nodes(&base, (&listen, &endpoint, "mv"), 2, |_| &["--l1-slots", "256"]);
-    let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
+    let Some(pool) = members("moves", 2, |_| &["--l1-slots", "256"]) else { return };
+    let serving: Vec<&str> = pool.nodes.iter().map(|(_, s)| s.as_str()).collect();
     let metrics: Vec<String> = serving.iter().map(|s| field(s, "metrics")).collect();
     let chain: Vec<BlockKey> = (0..8).map(|i| key(1, i)).collect();
     save(serving[0], 1, 0..8);
-    // Both members (a node's blocks are offered to the others once it is).
-    leader.wait_for("two members", Duration::from_secs(20), |l| {
-        l.contains("\"event\":\"summary\"")
-            && (1..=2).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
-    });
     // The whole chain on `node`, as another node's engines see the pool.
     let all_on = |places: &[Where], node| {
         places.len() == chain.len()
@@ -692,19 +707,8 @@ fn a_full_nodes_victims_spill_into_the_member_with_room_and_the_pool_loses_none(
 
 #[test]
 fn a_prefix_whose_front_moves_away_while_its_tail_is_pulled_still_lands_whole() {
-    let Some(etcd) = etcd_server::EtcdServer::start("front") else { return };
-    let endpoint = etcd.endpoint();
-    let base = std::env::temp_dir().join(format!("lake-front-{}", std::process::id()));
-    let _scratch = Scratch(base.clone(), Vec::new());
-    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let listen = format!("127.0.0.1:{}", port());
-    let leader = leader(&listen, &endpoint, "fr", None, &[]);
-    let nodes = start_nodes(&base, (&listen, &endpoint, "fr"), 2, |_| &["--l1-slots", "2048"]);
-    let serving: Vec<String> = nodes.iter().map(|(_, s)| s.clone()).collect();
-    leader.wait_for("two members", Duration::from_secs(20), |l| {
-        l.contains("\"event\":\"summary\"")
-            && (1..=2).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
-    });
+    let Some(pool) = members("front", 2, |_| &["--l1-slots", "2048"]) else { return };
+    let serving: Vec<String> = pool.nodes.iter().map(|(_, s)| s.clone()).collect();
     let mut two = agent(&serving[1]);
     let mut table = Vec::new();
     // Each round: a chain whose tail node 2 read (it moved there). Node

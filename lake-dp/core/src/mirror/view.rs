@@ -623,15 +623,7 @@ mod tests {
         let view_path = scratch("lookup-view");
         let mut mirror = MirrorWriter::create(&config(&mirror_path.0, 1)).unwrap();
         let mut view = ViewWriter::create(&config(&view_path.0, 1)).unwrap();
-        let entry = MirrorEntry {
-            kind: ObjectKind::KvBlock,
-            tier: Tier::L1Dram,
-            tiers: 1 << Tier::L1Dram as u8,
-            region: crate::model::replica::RegionId(0),
-            epoch_tag: 1,
-            slot: 4,
-            generation: 2,
-        };
+        let entry = l1_entry();
         let keys: Vec<BlockKey> = (1..=6).map(key).collect();
         for key in &keys[..2] {
             mirror.upsert(key, &entry).unwrap();
@@ -651,15 +643,7 @@ mod tests {
 
     #[test]
     fn a_pull_wait_asks_again_for_a_block_that_moved_and_ends_the_prefix_at_one_gone_a_while() {
-        let entry = MirrorEntry {
-            kind: ObjectKind::KvBlock,
-            tier: Tier::L1Dram,
-            tiers: 1 << Tier::L1Dram as u8,
-            region: crate::model::replica::RegionId(0),
-            epoch_tag: 1,
-            slot: 4,
-            generation: 2,
-        };
+        let entry = l1_entry();
         let on = |node| Where::Remote(Holder { node: NodeId(node), tier: Tier::L1Dram });
         let keys: Vec<BlockKey> = (1..=4).map(key).collect();
         let mut wait = PullWait::new(&keys, std::time::Duration::from_secs(10));
@@ -694,6 +678,19 @@ mod tests {
         assert!(wait.look(&keys, answer(vec![on(3), on(2)]), &mut places).is_empty());
         assert_eq!(wait.found(), 2);
         assert!(wait.over(2));
+    }
+
+    /// A block's entry in this node's L1.
+    fn l1_entry() -> MirrorEntry {
+        MirrorEntry {
+            kind: ObjectKind::KvBlock,
+            tier: Tier::L1Dram,
+            tiers: 1 << Tier::L1Dram as u8,
+            region: crate::model::replica::RegionId(0),
+            epoch_tag: 1,
+            slot: 4,
+            generation: 2,
+        }
     }
 
     fn on_holder(node: u32) -> Holder {
