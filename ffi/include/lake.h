@@ -1317,7 +1317,11 @@ enum LakeStatus lake_lookup_cluster(const struct LakePool *pool,
  node reads it from the object store the nodes share; it lands checked
  — and the
  call waits until that prefix is in this node's mirror or the time is
- up. This node's hit then goes to `hits`: look it up and load it as
+ up. While it waits the view is read again: a block of this node's that
+ went meanwhile (moved to another reader), or one whose holder changed,
+ is asked for where it is now, and a block seen nowhere for a while
+ (gone from the pool, not moving) ends the wait before it
+ (`lake_dp::mirror::view::PullWait`). This node's hit then goes to `hits`: look it up and load it as
  `lake_lookup`'s. A block that left its holder before it was copied
  never lands; the hit ends before it and the engine computes the rest.
  A pool keeping no cluster view, or whose control plane takes no pulls,
