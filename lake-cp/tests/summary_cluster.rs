@@ -438,7 +438,7 @@ fn start_nodes(
 /// parts stop in the order they are declared.
 struct Members {
     nodes: Vec<(Proc, String)>,
-    _leader: Proc,
+    leader: Proc,
     _scratch: Scratch,
     _etcd: etcd_server::EtcdServer,
 }
@@ -457,7 +457,7 @@ fn members(name: &str, count: u32, room: impl Fn(u32) -> &'static [&'static str]
         l.contains("\"event\":\"summary\"")
             && (1..=count).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
     });
-    Some(Members { nodes, _leader: leader, _scratch: scratch, _etcd: etcd })
+    Some(Members { nodes, leader, _scratch: scratch, _etcd: etcd })
 }
 
 #[test]
@@ -629,18 +629,14 @@ fn sample_of(address: &str, name: &str, label: &str) -> u64 {
 
 #[test]
 fn a_full_nodes_victims_spill_into_the_member_with_room_and_the_pool_loses_none() {
-    let Some(etcd) = etcd_server::EtcdServer::start("spills") else { return };
-    let endpoint = etcd.endpoint();
-    let base = std::env::temp_dir().join(format!("lake-spills-{}", std::process::id()));
-    let _scratch = Scratch(base.clone(), Vec::new());
-    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let listen = format!("127.0.0.1:{}", port());
-    let leader = leader(&listen, &endpoint, "spl", None, &[]);
     // Node 1 holds 64 blocks in L1 and 2 × 16 in L2; node 2, ten times
     // that.
-    let nodes = start_nodes(&base, (&listen, &endpoint, "spl"), 2, |node| {
+    let Some(pool) = members("spills", 2, |node| {
         if node == 1 { &["--l1-slots", "64", "--l2-slots", "16"] } else { &["--l1-slots", "640", "--l2-slots", "160"] }
-    });
+    }) else {
+        return;
+    };
+    let (nodes, leader) = (&pool.nodes, &pool.leader);
     let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
     let metrics: Vec<String> = serving.iter().map(|s| field(s, "metrics")).collect();
     leader.wait_for("two members taking placements", Duration::from_secs(20), |l| {
