@@ -42,11 +42,15 @@ class Pool:
 
     def __init__(
         self, binary: str, directory: Path, block_bytes: int, l1_slots: int, l2_slots: int, extra_args=(),
+        on=(), metrics_host="127.0.0.1",
     ):
+        """``on``: the prefix that runs it on a host of a ``netns.Switch``
+        (its metrics then served at that host's address,
+        ``metrics_host``)."""
         self.dir = directory
         self.log = directory.parent / f"{directory.name}.log"
         self.args = [
-            binary, "serve", "--metrics", "127.0.0.1:0", "--dir", str(directory), "--block-bytes", str(block_bytes),
+            *on, binary, "serve", "--metrics", f"{metrics_host}:0", "--dir", str(directory), "--block-bytes", str(block_bytes),
             "--l1-slots", str(l1_slots), "--l2-slots", str(l2_slots), *extra_args,
         ]
         self.process = None
@@ -127,11 +131,12 @@ class Engine:
     def run(self, phases, block_size=128, connector=None, kv_cache_tokens=16384, max_model_len=4096,
             prefix_caching=True, multiprocess=False, expect_kill=False, expect_failure=False, max_num_seqs=8,
             model=None, dtype="float32", kv_cache_bytes=None, load_failure_policy="fail", speculative=None,
-            kv_role="kv_both", metrics_port=None):
+            kv_role="kv_both", metrics_port=None, on=(), metrics_host="127.0.0.1"):
         """``model``, ``dtype``, ``kv_cache_bytes``: another model than the
         tiny Qwen3 (its KV cache then sized in bytes); ``speculative``:
         vLLM's ``speculative_config``; ``metrics_port``: where the process
-        serves vLLM's metrics while it runs."""
+        serves vLLM's metrics while it runs (at ``metrics_host``); ``on``:
+        the prefix that runs it on a host of a ``netns.Switch``."""
         self.runs += 1
         name = f"engine-{self.runs}"
         spec = {
@@ -147,6 +152,7 @@ class Engine:
             "speculative": speculative,
             "kv_role": kv_role,
             "metrics_port": metrics_port,
+            "metrics_host": metrics_host,
             "phases": phases,
         }
         spec_path, out, log = (self.workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
@@ -155,7 +161,7 @@ class Engine:
         started = time.monotonic()
         with open(log, "w") as f:
             code = subprocess.run(
-                [sys.executable, str(HERE / "engine.py"), str(spec_path), str(out)],
+                [*on, sys.executable, str(HERE / "engine.py"), str(spec_path), str(out)],
                 stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600,
             ).returncode
         took = time.monotonic() - started

@@ -13,8 +13,8 @@ first request has produced N tokens (what a crashed engine leaves
 behind); ``"abort_after_steps": N``: the first request is aborted after N
 engine steps (a client gone), the others run to their end. With
 ``"metrics_port": P`` the process serves vLLM's Prometheus registry —
-what its OpenAI server exposes at /metrics — on 127.0.0.1:P while it
-runs. Run with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the tests set it)."""
+what its OpenAI server exposes at /metrics — on P of
+``"metrics_host"`` (127.0.0.1 unless given) while it runs. Run with VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the tests set it)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("metrics_port"):
         from prometheus_client import start_http_server
 
-        start_http_server(spec["metrics_port"], addr="127.0.0.1")
+        start_http_server(spec["metrics_port"], addr=spec.get("metrics_host") or "127.0.0.1")
     results = {"phases": []}
     for phase in spec["phases"]:
         params = SamplingParams(

@@ -2,13 +2,17 @@
 Lake, and a decode engine SIGKILLed mid-request resumed where `lake
 route` sends it (F4).
 
-Three `lake serve` nodes are members of a cluster in a real etcd, with a
-`lake summary` leader streaming each node's blocks back to the others
-(their cluster views) and transports between them; `lake route` runs
-beside node 2, reading that pool. Node 1 runs prefill and decode, node 2
-decode only, node 3 prefill only. Every vLLM is a process of its own on
-the node the router names, its connector attached to that node's pool;
-nothing tells a connector where a block is but the pool.
+Three `lake serve` nodes, each on a host of its own (a network namespace
+on one switch, `netns.Switch`), are members of a cluster in a real etcd,
+with a `lake summary` leader streaming each node's blocks back to the
+others (their cluster views) and transports between them over the
+switch; etcd and the summary run in the test's own namespace, on the
+switch too. `lake route` runs beside node 2, on its host, reading that
+pool. Node 1 runs prefill and decode, node 2 decode only, node 3 prefill
+only. Every vLLM is a process of its own on the host of the node the
+router names, its connector attached to that node's pool; nothing tells
+a connector where a block is but the pool, and a block reaches another
+node only over the switch.
 
 - P→D: a prefill (``kv_producer``) on node 1 computes the prompt; the
   router names node 2 to decode; the decode (``kv_consumer``) on node 2
@@ -43,6 +47,7 @@ import urllib.request
 
 import pytest
 
+import netns
 from conftest import KV_BYTES_PER_TOKEN, Pool
 from test_real_vllm import external_hits, only, phase, pool_gauge, tokens
 
@@ -60,9 +65,14 @@ NEXT = tokens(52, 50)
 NODES = (1, 2, 3)
 
 
-def free_port() -> int:
+# The port each host's transport listens on, and node 1's vLLM metrics.
+TRANSPORT_PORT = 7200
+ENGINE_METRICS_PORT = 7300
+
+
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -91,13 +101,13 @@ class Proc:
 
 
 class Etcd(Proc):
-    def __init__(self, directory):
+    def __init__(self, directory, host: str):
         binary = os.environ.get("LAKE_ETCD") or shutil.which("etcd") or "/usr/bin/etcd"
         if not os.path.exists(binary):
             if os.environ.get("CI"):
                 raise AssertionError("no etcd binary: .ci/run installs etcd-server")
             pytest.skip("no etcd binary (apt install etcd-server, or LAKE_ETCD=path)")
-        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        client, peer = f"http://{host}:{free_port(host)}", f"http://127.0.0.1:{free_port()}"
         self.endpoint = client
         super().__init__(
             [
@@ -139,23 +149,50 @@ def route_until(router: str, request: dict, done, within: float = 20) -> dict:
         time.sleep(0.1)
 
 
+class Cluster(dict):
+    """The nodes' pools by node, and the switch whose hosts they run on
+    (node n on host n - 1)."""
+
+    def __init__(self, switch: netns.Switch):
+        super().__init__()
+        self.switch = switch
+
+    def on(self, node: int) -> list[str]:
+        """The prefix that runs a command on node ``node``'s host."""
+        return self.switch.on(node - 1)
+
+    def address(self, node: int) -> str:
+        return self.switch.address(node - 1)
+
+
 @pytest.fixture(scope="module")
 def cluster(lake_bin, tmp_path_factory):
-    """etcd, a summary leader, nodes 1 to 3 (each a pool listening for
-    the others' transports), as their operator would start them."""
+    """etcd, a summary leader, nodes 1 to 3 each on a host of its own (a
+    pool listening for the others' transports), as their operator would
+    start them."""
+    try:
+        switch = netns.Switch(len(NODES))
+    except OSError as e:
+        if os.environ.get("CI"):
+            raise AssertionError(f"network namespaces (CI runs as root): {e}") from e
+        pytest.skip(f"network namespaces (root?): {e}")
     base = tmp_path_factory.mktemp("cluster")
-    etcd = Etcd(base)
-    summary_at = f"127.0.0.1:{free_port()}"
+    nodes = Cluster(switch)
+    try:
+        etcd = Etcd(base, switch.here)
+    except BaseException:
+        switch.close()
+        raise
+    summary_at = f"{switch.here}:{free_port(switch.here)}"
     summary = Proc(
         # The default placement: a pulled block moves to its reader (the
         # flows below name where each prefix is pulled from).
         [lake_bin, "summary", "--listen", summary_at, "--etcd", etcd.endpoint, "--cluster", "vllm", "--ttl", "2"],
         base / "summary.log",
     )
-    nodes = {}
     try:
         summary.wait_for('"event":"leading"')
-        transports = {node: f"127.0.0.1:{free_port()}" for node in NODES}
+        transports = {node: f"{nodes.address(node)}:{TRANSPORT_PORT}" for node in NODES}
         for node in NODES:
             peers = [
                 arg for other in NODES if other != node for arg in ("--transport-peer", f"{other}={transports[other]}")
@@ -166,6 +203,7 @@ def cluster(lake_bin, tmp_path_factory):
                     "--node", str(node), "--etcd", etcd.endpoint, "--cluster", "vllm", "--summary-to", summary_at,
                     "--member-ttl", "2", "--transport-listen", transports[node], *peers,
                 ],
+                on=nodes.on(node), metrics_host=nodes.address(node),
             )
         yield nodes
     finally:
@@ -173,6 +211,7 @@ def cluster(lake_bin, tmp_path_factory):
             pool.stop()
         summary.stop()
         etcd.stop(9)
+        switch.close()
 
 
 def pool_paths(pool: Pool) -> dict:
@@ -182,7 +221,7 @@ def pool_paths(pool: Pool) -> dict:
 
 
 def router_for(lake_bin, cluster, base, fingerprint: str, engines=None) -> Proc:
-    """`lake route` beside node 2: node 1 prefills and decodes, node 2
+    """`lake route` beside node 2, on its host: node 1 prefills and decodes, node 2
     decodes, node 3 prefills; 10 ms to compute a block of the tiny model
     here, 0.2 ms to load one from L1, 1 ms to pull one. ``engines``: the
     address of a node's vLLM metrics, by node."""
@@ -196,11 +235,11 @@ def router_for(lake_bin, cluster, base, fingerprint: str, engines=None) -> Proc:
     )
     config = base / "route.toml"
     config.write_text(
-        f'listen = "127.0.0.1:0"\npool_dir = "{cluster[2].dir}"\nscrape_ms = 100\n\n'
+        f'listen = "{cluster.address(2)}:0"\npool_dir = "{cluster[2].dir}"\nscrape_ms = 100\n\n'
         f'[namespace]\ntenant_key = "{TENANT}"\nblock_tokens = {BLOCK}\nmodel_fingerprint = "{fingerprint}"\n\n'
         + nodes
     )
-    return Proc([lake_bin, "route", "--config", str(config)], base / "route.log")
+    return Proc([*cluster.on(2), lake_bin, "route", "--config", str(config)], base / "route.log")
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +261,14 @@ def test_prefill_decode_and_the_next_turn_on_three_nodes_through_the_pool(
     def connector(node):
         return {"pool_dir": str(cluster[node].dir), "tenant_key": TENANT}
 
+    def on(node):
+        """A vLLM with its connector attached to node ``node``'s pool, on
+        that node's host."""
+        return {"connector": connector(node), "on": cluster.on(node)}
+
     # P: the prefill on node 1 computes the prompt; its ten full blocks
     # go to node 1's pool.
-    prefill = engine.run([phase([PROMPT], 1)], connector=connector(1), kv_role="kv_producer")
+    prefill = engine.run([phase([PROMPT], 1)], **on(1), kv_role="kv_producer")
     assert only(prefill, 0) == only(reference, 0)
     # The router chains tokens as the engines do: the namespace the
     # connector logged at its start.
@@ -243,7 +287,7 @@ def test_prefill_decode_and_the_next_turn_on_three_nodes_through_the_pool(
         sent = 'lake_cluster_pulls_total{result="sent"}'
         pulls_before = pool_gauge(cluster[2], sent)
         killed = engine.run(
-            [phase([PROMPT], DECODE_TOKENS, kill_after_tokens=KILLED_AT)], connector=connector(2),
+            [phase([PROMPT], DECODE_TOKENS, kill_after_tokens=KILLED_AT)], **on(2),
             kv_role="kv_consumer", expect_kill=True,
         )
         streamed = killed["streamed"][:KILLED_AT]
@@ -266,7 +310,7 @@ def test_prefill_decode_and_the_next_turn_on_three_nodes_through_the_pool(
         assert {"first": 0, "last": 11, "from_node": 2, "from_tier": "l1", "to": 1, "network": "storage"} in (
             rerouted["moves"]
         ), rerouted
-        successor = engine.run([phase([resumed_prompt], DECODE_TOKENS - KILLED_AT)], connector=connector(1))
+        successor = engine.run([phase([resumed_prompt], DECODE_TOKENS - KILLED_AT)], **on(1))
         assert external_hits(successor, 0) == 11 * BLOCK
         resumed = only(successor, 0)
         assert resumed["tokens"] == expected["tokens"][KILLED_AT:]
@@ -287,7 +331,7 @@ def test_prefill_decode_and_the_next_turn_on_three_nodes_through_the_pool(
         pulls = [move for move in answer["moves"] if move["network"] == "storage"]
         assert pulls and all(move["to"] == 3 and move["from_node"] in (1, 2) for move in pulls), answer
         pulls_before = pool_gauge(cluster[3], sent)
-        third = engine.run([phase([turn], 8)], connector=connector(3), kv_role="kv_producer")
+        third = engine.run([phase([turn], 8)], **on(3), kv_role="kv_producer")
         assert external_hits(third, 0) == 12 * BLOCK
         assert pool_gauge(cluster[3], sent) > pulls_before
         assert only(third, 0) == only(reference, 2)
@@ -310,13 +354,14 @@ def test_the_router_reads_a_running_vllms_queue_from_its_metrics(engine, lake_bi
     prefill has run the router has its mean; with one request running and
     three queued behind it (``max_num_seqs`` 1) it sees them waiting and
     prices node 1's queue at waiting × mean prefill; the engine gone, node
-    1 is down."""
-    port = free_port()
+    1 is down. The engine runs on node 1's host, the router on node 2's."""
+    port, host = ENGINE_METRICS_PORT, cluster.address(1)
     release = tmp_path / "release"
     queued = [tokens(60 + i, 2 * BLOCK) for i in range(4)]
     phases = [phase([PROMPT], 1), phase(queued, 150, wait_for=str(release))]
     ran = {}
-    worker = threading.Thread(target=lambda: ran.update(engine.run(phases, max_num_seqs=1, metrics_port=port)))
+    worker = threading.Thread(target=lambda: ran.update(engine.run(
+        phases, max_num_seqs=1, metrics_port=port, metrics_host=host, on=cluster.on(1))))
     worker.start()
     router_proc = None
     try:
@@ -324,7 +369,7 @@ def test_the_router_reads_a_running_vllms_queue_from_its_metrics(engine, lake_bi
         while not os.path.exists(f"{release}.ready"):
             assert worker.is_alive() and time.monotonic() < deadline, "the engine never finished its first phase"
             time.sleep(0.05)
-        router_proc = router_for(lake_bin, cluster, tmp_path, "0" * 64, engines={1: f"127.0.0.1:{port}"})
+        router_proc = router_for(lake_bin, cluster, tmp_path, "0" * 64, engines={1: f"{host}:{port}"})
         router = json.loads(router_proc.wait_for('"routing"'))["listen"]
         deadline = time.monotonic() + 20
         while (one := router_nodes(router)[1])["prefill_ns"] == 0:
@@ -350,7 +395,7 @@ def test_the_router_reads_a_running_vllms_queue_from_its_metrics(engine, lake_bi
         while (one := router_nodes(router)[1])["down"] is None:
             assert time.monotonic() < deadline, one
             time.sleep(0.1)
-        assert one["down"].startswith(f"engine at 127.0.0.1:{port}"), one
+        assert one["down"].startswith(f"engine at {host}:{port}"), one
     finally:
         release.touch()
         worker.join(timeout=300)
