@@ -581,7 +581,7 @@ fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_fir
 }
 
 #[test]
-fn a_chain_another_node_reads_moves_to_it_and_back_and_the_pool_keeps_one_copy() {
+fn a_chain_another_node_reads_moves_to_it_and_back_and_a_shared_prefix_is_copied_to_it() {
     // `lake summary`'s default placement: a block stays where it was last
     // read.
     let Some(pool) = members("moves", 2, |_| &["--l1-slots", "256"]) else { return };
@@ -618,6 +618,31 @@ fn a_chain_another_node_reads_moves_to_it_and_back_and_the_pool_keeps_one_copy()
         let seen = wait_places(serving[holder], &chain, Duration::from_secs(10), |p| all_on(p, reader_node));
         assert!(all_on(&seen, reader_node), "{seen:?}");
     }
+
+    // A shared prefix: a root two requests continue on node 1. Node 2
+    // pulls the root and one continuation: the continuation moves, the
+    // root is copied — node 1's other request still starts with it.
+    let root = key(1, 999);
+    save_shared(serving[0], 1, root, 2);
+    let read = [root, key(1, 1000)];
+    let seen = wait_places(serving[1], &read, Duration::from_secs(20), |p| p.len() == 2);
+    assert_eq!(seen.len(), 2, "node 2's engines see node 1's shared prefix: {seen:?}");
+    let mut reader = agent(serving[1]);
+    let mut table = Vec::new();
+    assert_eq!(reader.pull_cluster(&read, Duration::from_secs(5), &mut table), 2);
+    assert_eq!(reader.fetch(&read, &table, |_, bytes| assert_eq!(bytes, &payload(1)[..])), 2);
+    drop(reader);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tier_here(serving[0], key(1, 1000)).is_some() {
+        assert!(Instant::now() < deadline, "node 1's copy of the continuation stayed after it moved");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(sample(&metrics[0], "lake_blocks_moved_to_readers_total"), 9);
+    assert_eq!(sample(&metrics[0], "lake_pulled_blocks_kept_total"), 1);
+    for (node, serving) in [(1, serving[0]), (2, serving[1])] {
+        assert_eq!(tier_here(serving, root), Some(lake_dp::Tier::L1Dram), "the root on node {node}");
+    }
+    assert_eq!(tier_here(serving[0], key(1, 1001)), Some(lake_dp::Tier::L1Dram), "the other request's block");
 }
 
 /// The sample of `name` with label `label` in `/metrics` at `address`.

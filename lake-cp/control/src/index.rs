@@ -409,6 +409,11 @@ impl Index {
         self.nodes[block.0 as usize].children == 0
     }
 
+    /// How many cached blocks continue this one.
+    pub fn children(&self, block: BlockRef) -> u32 {
+        self.nodes[block.0 as usize].children
+    }
+
     /// Sets a block's last access time back to `at` (a block the policy
     /// would not have let in goes in as if long unused).
     pub fn set_touched(&mut self, block: BlockRef, at: u32) {

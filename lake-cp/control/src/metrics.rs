@@ -177,6 +177,13 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
     );
     metric(
         &mut out,
+        "lake_pulled_blocks_kept_total",
+        "counter",
+        "Blocks another node pulled that two or more chains here continue (a shared prefix), where pulls move blocks: copied to the reader, this node's kept.",
+        &[("", node.pulls_kept_shared)],
+    );
+    metric(
+        &mut out,
         "lake_copy_promotions_total",
         "counter",
         "Blocks held here only in L2 promoted into L1 to be copied to another node (a drain).",

@@ -45,10 +45,22 @@ impl Node {
         }
         // A pull's copy, where pulls move blocks: the reader's copy is the
         // pool's once it landed (a block promoted for it comes here too).
-        if priority == Priority::CriticalLoad && self.pulls_move && self.placing.len() < COPIES_OUT_MAX {
-            self.placing.insert(request, (*key, true));
+        // A block two or more chains here continue (a shared prefix) is
+        // read here too: it is copied, and this node's stays the pool's.
+        if priority == Priority::CriticalLoad && self.pulls_move {
+            if self.continued_here(key) >= 2 {
+                self.pulls_kept_shared += 1;
+            } else if self.placing.len() < COPIES_OUT_MAX {
+                self.placing.insert(request, (*key, true));
+            }
         }
         Ok(request)
+    }
+
+    /// How many blocks held here continue `key`.
+    fn continued_here(&self, key: &BlockKey) -> u32 {
+        let index = &self.locations.index;
+        index.get(key).map_or(0, |block| index.children(block))
     }
 
     /// The pool's placement: block `key`, saved here, belongs in another

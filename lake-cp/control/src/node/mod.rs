@@ -296,6 +296,10 @@ pub struct Node {
     /// Of the copies landed, those that moved a block to the node that
     /// pulled it ([`Node::pulls_move`]): this node's copy became a copy.
     pub moved_to_readers: u64,
+    /// Copies to nodes that pulled a block two or more chains here
+    /// continue (a shared prefix), where pulls move blocks: kept here
+    /// too, the reader's copy the pool's as well.
+    pub pulls_kept_shared: u64,
     /// Blocks engines hold in their own GPU memory (advisory L0).
     pub l0: crate::l0::L0,
     /// Each engine's compute-network rails, by its connection, as it last
@@ -375,6 +379,7 @@ impl Node {
             copies_landed: 0,
             placed_away: 0,
             moved_to_readers: 0,
+            pulls_kept_shared: 0,
             copies_failed: 0,
             history: std::collections::VecDeque::new(),
             draining: false,

@@ -362,7 +362,7 @@ fn dropped_next(node: &mut Node, now_ns: u64) -> Vec<BlockKey> {
 }
 
 #[test]
-fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_once_it_landed() {
+fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_unless_chains_here_continue_it() {
     let l1 = |node: u32, region_epoch| ReplicaWire {
         tier: Tier::L1Dram as u8,
         node,
@@ -391,6 +391,21 @@ fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_on
     assert!(!holder.tiers.is_pulled_in(&key(2)), "copied: still the pool's here");
     assert_eq!((holder.moved_to_readers, holder.placed_away, holder.copies_landed), (1, 0, 2));
     assert_eq!(dropped_next(&mut holder, 2), vec![key(1)]);
+
+    // A shared prefix: block 3, which blocks 4 and 5 continue here, is
+    // copied to its reader and stays the pool's here, where pulls move
+    // blocks; block 4, continued by none, moves.
+    holder.on_data_plane(0, &Message::BlockCommitted(block(3, None, Tier::L1Dram, 1, 5, 2))).unwrap();
+    holder.on_data_plane(0, &Message::BlockCommitted(block(4, Some(3), Tier::L1Dram, 1, 5, 3))).unwrap();
+    holder.on_data_plane(0, &Message::BlockCommitted(block(5, Some(3), Tier::L1Dram, 1, 5, 4))).unwrap();
+    holder.pulls_move = true;
+    let shared = holder.copy_to(&key(3), l1(4, 9), Priority::CriticalLoad).unwrap();
+    let tail = holder.copy_to(&key(4), l1(4, 9), Priority::CriticalLoad).unwrap();
+    holder.on_data_plane(shared, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    holder.on_data_plane(tail, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    assert!(!holder.tiers.is_pulled_in(&key(3)), "a shared prefix: still the pool's here");
+    assert!(holder.tiers.is_pulled_in(&key(4)), "moved: a copy here now");
+    assert_eq!((holder.moved_to_readers, holder.pulls_kept_shared, holder.copies_landed), (2, 1, 4));
 
     // The reader: the block it pulled is its own where pulls move blocks,
     // a copy (first to go) where they do not.
