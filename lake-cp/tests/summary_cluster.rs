@@ -619,18 +619,25 @@ fn a_chain_another_node_reads_moves_to_it_and_back_and_a_shared_prefix_is_copied
         assert!(all_on(&seen, reader_node), "{seen:?}");
     }
 
-    // A shared prefix: a root two requests continue on node 1. Node 2
-    // pulls the root and one continuation: the continuation moves, the
-    // root is copied — node 1's other request still starts with it.
-    let root = key(1, 999);
-    save_shared(serving[0], 1, root, 2);
-    let read = [root, key(1, 1000)];
-    let seen = wait_places(serving[1], &read, Duration::from_secs(20), |p| p.len() == 2);
-    assert_eq!(seen.len(), 2, "node 2's engines see node 1's shared prefix: {seen:?}");
+    // A shared prefix: a system prompt of two blocks that two requests
+    // continue on node 1. Node 2 pulls the prompt and one continuation:
+    // the continuation moves, the prompt is copied — node 1's other
+    // request still starts with it.
+    let prompt = [key(1, 998), key(1, 999)];
+    let mut saver = agent(serving[0]);
+    let bytes = payload(1);
+    let block = |key, parent, block_index| SaveBlock { key, parent, block_index, payload: SavePayload::Bytes(&bytes) };
+    assert_eq!(saver.save(&[block(prompt[0], BlockKey::NONE, 0), block(prompt[1], prompt[0], 1)]), 2);
+    assert_eq!(saver.save(&[block(key(1, 1000), prompt[1], 2)]), 1);
+    assert_eq!(saver.save(&[block(key(1, 1001), prompt[1], 2)]), 1);
+    drop(saver);
+    let read = [prompt[0], prompt[1], key(1, 1000)];
+    let seen = wait_places(serving[1], &read, Duration::from_secs(20), |p| p.len() == 3);
+    assert_eq!(seen.len(), 3, "node 2's engines see node 1's shared prefix: {seen:?}");
     let mut reader = agent(serving[1]);
     let mut table = Vec::new();
-    assert_eq!(reader.pull_cluster(&read, Duration::from_secs(5), &mut table), 2);
-    assert_eq!(reader.fetch(&read, &table, |_, bytes| assert_eq!(bytes, &payload(1)[..])), 2);
+    assert_eq!(reader.pull_cluster(&read, Duration::from_secs(5), &mut table), 3);
+    assert_eq!(reader.fetch(&read, &table, |_, bytes| assert_eq!(bytes, &payload(1)[..])), 3);
     drop(reader);
     let deadline = Instant::now() + Duration::from_secs(10);
     while tier_here(serving[0], key(1, 1000)).is_some() {
@@ -638,9 +645,11 @@ fn a_chain_another_node_reads_moves_to_it_and_back_and_a_shared_prefix_is_copied
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(sample(&metrics[0], "lake_blocks_moved_to_readers_total"), 9);
-    assert_eq!(sample(&metrics[0], "lake_pulled_blocks_kept_total"), 1);
+    assert_eq!(sample(&metrics[0], "lake_pulled_blocks_kept_total"), 2);
     for (node, serving) in [(1, serving[0]), (2, serving[1])] {
-        assert_eq!(tier_here(serving, root), Some(lake_dp::Tier::L1Dram), "the root on node {node}");
+        for key in prompt {
+            assert_eq!(tier_here(serving, key), Some(lake_dp::Tier::L1Dram), "the prompt on node {node}");
+        }
     }
     assert_eq!(tier_here(serving[0], key(1, 1001)), Some(lake_dp::Tier::L1Dram), "the other request's block");
 }

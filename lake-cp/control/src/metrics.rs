@@ -179,8 +179,8 @@ pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> St
         &mut out,
         "lake_pulled_blocks_kept_total",
         "counter",
-        "Blocks another node pulled that two or more chains here continue (a shared prefix), where pulls move blocks: copied to the reader, this node's kept.",
-        &[("", node.pulls_kept_shared)],
+        "Blocks another node pulled that two or more chains here continue (a shared prefix, every block of it), where pulls move blocks: copied to the reader, this node's kept.",
+        &[("", node.shared.kept)],
     );
     metric(
         &mut out,

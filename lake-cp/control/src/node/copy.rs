@@ -5,6 +5,55 @@
 
 use super::*;
 
+/// Shared prefixes kept, at most: past it, the oldest marks are let go of
+/// (such a block then moves when pulled, as any).
+const SHARED_MAX: usize = 1 << 16;
+
+/// The blocks of this node that two or more chains here continue: a
+/// block with two or more children here, and every block above it (a
+/// system prompt of several blocks is read by every request that starts
+/// with it, not only its last block). A pull copies such a block to its
+/// reader and the holder keeps its own, where pulls move blocks. A block
+/// stays marked while it is held, though the chains under it go: it was
+/// read by several.
+#[derive(Debug, Default)]
+pub struct Shared {
+    marked: std::collections::HashSet<BlockKey>,
+    order: std::collections::VecDeque<BlockKey>,
+    /// Pulls of such blocks copied rather than moved.
+    pub kept: u64,
+}
+
+impl Shared {
+    /// A block was added under `parent`: where `parent` is continued by
+    /// two or more blocks now, it and the blocks above it are marked.
+    pub(super) fn continued(&mut self, index: &crate::index::Index, parent: Option<BlockKey>) {
+        let Some(mut at) = parent.and_then(|key| index.get(&key)) else { return };
+        if index.children(at) < 2 {
+            return;
+        }
+        loop {
+            let key = index.key(at);
+            if !self.marked.insert(key) {
+                return; // Its ancestors were marked with it.
+            }
+            self.order.push_back(key);
+            if self.order.len() > SHARED_MAX
+                && let Some(oldest) = self.order.pop_front()
+            {
+                self.marked.remove(&oldest);
+            }
+            let Some(up) = index.parent(at) else { return };
+            at = up;
+        }
+    }
+
+    /// Whether `key`, held here, is a shared prefix.
+    pub(super) fn contains(&self, index: &crate::index::Index, key: &BlockKey) -> bool {
+        self.marked.contains(key) && index.get(key).is_some()
+    }
+}
+
 impl Node {
     /// Asks this node's `lake-dp` to copy block `key` (its ready L1
     /// replica here) into any slot of another node's L1 (`to`: its node,
@@ -44,23 +93,24 @@ impl Node {
             self.copies_out.insert(request, (source.region.0, self.draining, transfer));
         }
         // A pull's copy, where pulls move blocks: the reader's copy is the
-        // pool's once it landed (a block promoted for it comes here too).
-        // A block two or more chains here continue (a shared prefix) is
-        // read here too: it is copied, and this node's stays the pool's.
-        if priority == Priority::CriticalLoad && self.pulls_move {
-            if self.continued_here(key) >= 2 {
-                self.pulls_kept_shared += 1;
-            } else if self.placing.len() < COPIES_OUT_MAX {
-                self.placing.insert(request, (*key, true));
-            }
+        // pool's once it landed (a block promoted for it comes here too),
+        // and this node's a copy unless it is a shared prefix then.
+        if priority == Priority::CriticalLoad && self.pulls_move && self.placing.len() < COPIES_OUT_MAX {
+            self.placing.insert(request, (*key, true));
         }
         Ok(request)
     }
 
-    /// How many blocks held here continue `key`.
-    fn continued_here(&self, key: &BlockKey) -> u32 {
-        let index = &self.locations.index;
-        index.get(key).map_or(0, |block| index.children(block))
+    /// A copy of `key` placing it elsewhere landed (`to_reader`: moving it
+    /// to the node that pulled it): whether this node's copy is a copy now
+    /// ([`crate::tier::Tiers::placed_away`]). A shared prefix pulled stays
+    /// the pool's here too: it is read here as well.
+    pub(super) fn goes_from_here(&mut self, key: &BlockKey, to_reader: bool) -> bool {
+        if to_reader && self.shared.contains(&self.locations.index, key) {
+            self.shared.kept += 1;
+            return false;
+        }
+        self.tiers.placed_away(key)
     }
 
     /// The pool's placement: block `key`, saved here, belongs in another

@@ -296,10 +296,9 @@ pub struct Node {
     /// Of the copies landed, those that moved a block to the node that
     /// pulled it ([`Node::pulls_move`]): this node's copy became a copy.
     pub moved_to_readers: u64,
-    /// Copies to nodes that pulled a block two or more chains here
-    /// continue (a shared prefix), where pulls move blocks: kept here
-    /// too, the reader's copy the pool's as well.
-    pub pulls_kept_shared: u64,
+    /// Shared prefixes here: blocks two or more chains here continue,
+    /// which a pull copies rather than moves ([`copy::Shared`]).
+    pub shared: copy::Shared,
     /// Blocks engines hold in their own GPU memory (advisory L0).
     pub l0: crate::l0::L0,
     /// Each engine's compute-network rails, by its connection, as it last
@@ -379,7 +378,7 @@ impl Node {
             copies_landed: 0,
             placed_away: 0,
             moved_to_readers: 0,
-            pulls_kept_shared: 0,
+            shared: copy::Shared::default(),
             copies_failed: 0,
             history: std::collections::VecDeque::new(),
             draining: false,
@@ -542,7 +541,7 @@ impl Node {
             self.copies_out.remove(&request);
             if let Some((key, to_reader)) = self.placing.remove(&request) {
                 let spilled = self.tiers.spill_done(&key, status == 0);
-                if status == 0 && self.tiers.placed_away(&key) {
+                if status == 0 && self.goes_from_here(&key, to_reader) {
                     // A spill is counted by the tiers.
                     if to_reader {
                         self.moved_to_readers += 1;
@@ -811,6 +810,7 @@ impl Node {
                     self.tiers.reused(&[block.key]);
                 }
                 self.publish(&block.key);
+                self.shared.continued(&self.locations.index, parent);
                 self.release_children(block.key);
                 Ok(())
             }

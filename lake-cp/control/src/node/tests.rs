@@ -405,7 +405,21 @@ fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_un
     holder.on_data_plane(tail, &Message::TransferDone(done(l1(4, 9)))).unwrap();
     assert!(!holder.tiers.is_pulled_in(&key(3)), "a shared prefix: still the pool's here");
     assert!(holder.tiers.is_pulled_in(&key(4)), "moved: a copy here now");
-    assert_eq!((holder.moved_to_readers, holder.pulls_kept_shared, holder.copies_landed), (2, 1, 4));
+    assert_eq!((holder.moved_to_readers, holder.shared.kept, holder.copies_landed), (2, 1, 4));
+    // A system prompt of two blocks, 6 then 7, which 8 and 9 continue:
+    // block 6, continued by 7 alone, is shared too.
+    holder.on_data_plane(0, &Message::BlockCommitted(block(6, None, Tier::L1Dram, 1, 5, 5))).unwrap();
+    holder.on_data_plane(0, &Message::BlockCommitted(block(7, Some(6), Tier::L1Dram, 1, 5, 6))).unwrap();
+    holder.on_data_plane(0, &Message::BlockCommitted(block(8, Some(7), Tier::L1Dram, 1, 5, 7))).unwrap();
+    let before = holder.copy_to(&key(6), l1(4, 9), Priority::CriticalLoad).unwrap();
+    holder.on_data_plane(0, &Message::BlockCommitted(block(9, Some(7), Tier::L1Dram, 1, 5, 8))).unwrap();
+    let after = holder.copy_to(&key(6), l1(4, 9), Priority::CriticalLoad).unwrap();
+    holder.on_data_plane(after, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    // Asked while one chain continued it, landed once two did: what holds
+    // when it lands decides.
+    holder.on_data_plane(before, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    assert!(!holder.tiers.is_pulled_in(&key(6)), "above a shared block: still the pool's here");
+    assert_eq!((holder.moved_to_readers, holder.shared.kept, holder.copies_landed), (2, 3, 6));
 
     // The reader: the block it pulled is its own where pulls move blocks,
     // a copy (first to go) where they do not.
