@@ -288,6 +288,7 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
             "marked_clean": t.marked_clean,
             "marked_drop": t.marked_drop,
             "unmarked": t.unmarked,
+            "continued": t.victims_continued,
             "taken_clean": t.taken_clean,
             "taken_dropped": t.taken_dropped,
         },

@@ -503,11 +503,12 @@ fn tier_metrics(out: &mut String, node: &Node) {
         "lake_l1_victims_total",
         "counter",
         "L1 victims chosen ahead of demand: marked evictable (with a copy below, or to be dropped), marks taken back, \
-         and those a save or load took on the spot.",
+         victims taken back because a new block continued them, and those a save or load took on the spot.",
         &[
             ("event=\"marked_clean\"", t.marked_clean),
             ("event=\"marked_drop\"", t.marked_drop),
             ("event=\"unmarked\"", t.unmarked),
+            ("event=\"continued\"", t.victims_continued),
             ("event=\"taken_clean\"", t.taken_clean),
             ("event=\"taken_dropped\"", t.taken_dropped),
         ],

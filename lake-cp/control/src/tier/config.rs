@@ -275,6 +275,9 @@ pub struct TierCounters {
     pub marked_drop: u64,
     /// Marks taken back (the block wanted again, its copy below gone).
     pub unmarked: u64,
+    /// Victims (marked, or being written below to be marked) taken back
+    /// because a new block continued them: no leaf any more.
+    pub victims_continued: u64,
     /// Marked blocks a save took on the spot, by their data plane: with a
     /// copy below, and dropped.
     pub taken_clean: u64,

@@ -438,6 +438,7 @@ impl Tiers {
     ) {
         let Some(info) = self.regions.get(&region).copied() else { return };
         if new && info.tier == Tier::L1Dram {
+            self.continued_in_l1(parent, region);
             self.recent.push_back((self.now_ns, key));
             self.recent_keys.insert(key, self.now_ns);
             if self.marks_taken.contains(&region) {

@@ -363,6 +363,67 @@ impl Tiers {
         }
     }
 
+    /// A new block in L1 `region` continues `parent`: a parent taken out
+    /// of its cache as a victim — marked evictable, being written below
+    /// to be marked, or written and waiting for its mark — is no leaf now
+    /// and no victim. It goes back in its cache, and so do its ancestors
+    /// taken with it (victims go leaf first), top down, so each is under
+    /// its parent again and the new block under it: left out, the new
+    /// block would start a subtree of its own and leave L1 before the
+    /// chain it continues.
+    pub(super) fn continued_in_l1(&mut self, parent: Option<BlockKey>, region: u16) {
+        enum Taken {
+            Marked,
+            Cleaning(u64),
+            Cleaned(usize),
+        }
+        let mut line = Vec::new();
+        let mut at = parent;
+        while let Some(key) = at {
+            if let Some(marked) = self.marked.get(&key) {
+                line.push((key, Taken::Marked));
+                at = marked.parent;
+            } else if let Some(&request) = self.pending_of.get(&(key, region))
+                && let Some(pending) = self.pending.get(&request).filter(|p| p.cleans)
+            {
+                line.push((key, Taken::Cleaning(request)));
+                at = pending.parent;
+            } else if let Some(i) = self.cleaned.iter().position(|p| p.key == key && p.region == region) {
+                line.push((key, Taken::Cleaned(i)));
+                at = self.cleaned[i].parent;
+            } else {
+                break;
+            }
+        }
+        let mut cleaned = Vec::new();
+        for (key, taken) in line.into_iter().rev() {
+            self.counters.victims_continued += 1;
+            let back = match taken {
+                Taken::Marked => {
+                    self.unmark(key);
+                    continue;
+                }
+                // Its write below goes on (a copy kept there), but it is
+                // not marked once done.
+                Taken::Cleaning(request) => self.pending.get_mut(&request).map(|p| {
+                    p.cleans = false;
+                    *p
+                }),
+                Taken::Cleaned(i) => {
+                    cleaned.push(i);
+                    self.cleaned.get(i).copied()
+                }
+            };
+            if let Some(p) = back {
+                self.space(Tier::L1Dram, p.namespace).cache.add(p.parent, p.key, p.kind);
+            }
+        }
+        cleaned.sort_unstable_by(|a, b| b.cmp(a));
+        for i in cleaned {
+            self.cleaned.swap_remove(i);
+        }
+    }
+
     /// L1 blocks being written below with their L1 copy kept (of `region`,
     /// if given).
     fn l1_copies_below(&self, region: Option<u16>) -> usize {

@@ -843,3 +843,33 @@ fn a_victim_with_no_room_below_is_offered_to_the_pool_and_dropped_only_where_no_
     let c = world.tiers.counters;
     assert_eq!((c.spills, c.spills_landed, c.spills_unplaced), (3, 1, 2));
 }
+
+#[test]
+fn a_marked_victim_a_new_block_continues_goes_back_under_its_parent_and_the_new_leaf_goes_first() {
+    // L1 taking marks, L2 at its mark: the chain 1..=9's victims are
+    // marked to be dropped, leaf first.
+    let mut world = World::l2_at_its_mark();
+    for k in 1..=9 {
+        world.add(0, 7, (k > 1).then(|| k - 1), k);
+    }
+    let later = 1 + MARK_AFTER_NS + 1;
+    let mut out = Vec::new();
+    world.tiers.plan(&world.locations, &world.leases, later, &mut out);
+    world.tiers.assert_invariants();
+    let first = marks(&out);
+    assert_eq!(first.first(), Some(&9), "{:?}", keys_of(&out));
+    // The engine saves block 10 after 9 (a slow save: its parent was old
+    // enough to be a victim). 9 and the victims above it are no leaves
+    // now: their marks are taken back, and 10 leaves first.
+    world.add(0, 7, Some(9), 10);
+    world.tiers.assert_invariants();
+    out.clear();
+    world.tiers.plan(&world.locations, &world.leases, later + MARK_AFTER_NS + 1, &mut out);
+    world.tiers.assert_invariants();
+    let commands = keys_of(&out);
+    for k in &first {
+        assert!(commands.contains(&(*k, "unmark")), "{k} stays marked: {commands:?}");
+    }
+    assert_eq!(marks(&out).first(), Some(&10), "the chain's new leaf first: {commands:?}");
+    assert_eq!(world.tiers.counters.victims_continued, first.len() as u64);
+}
