@@ -85,15 +85,21 @@ fn wait_places(serving: &str, keys: &[BlockKey], within: Duration, done: impl Fn
     }
 }
 
-/// A shared prefix on `node`: block `root`, continued by `children` blocks.
-fn save_shared(serving: &str, node: u32, root: BlockKey, children: u32) {
+/// A shared prefix on `node`: the chain `prompt`, its last block
+/// continued by `children` blocks (`node`'s blocks 1000 on).
+fn save_shared(serving: &str, node: u32, prompt: &[BlockKey], children: u32) {
     let mut agent = agent(serving);
     let payload = payload(node);
     let block =
         |key, parent, block_index| SaveBlock { key, parent, block_index, payload: SavePayload::Bytes(&payload) };
-    assert_eq!(agent.save(&[block(root, BlockKey::NONE, 0)]), 1);
+    let mut parent = BlockKey::NONE;
+    for (i, &key) in (0..).zip(prompt) {
+        assert_eq!(agent.save(&[block(key, parent, i)]), 1);
+        parent = key;
+    }
+    let at = u32::try_from(prompt.len()).unwrap();
     for c in 0..children {
-        assert_eq!(agent.save(&[block(key(node, 1000 + c), root, 1)]), 1);
+        assert_eq!(agent.save(&[block(key(node, 1000 + c), parent, at)]), 1);
     }
 }
 
@@ -155,7 +161,7 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     // copies it into node 2's L1 (node 2 holds 30 + 1 then).
     let root = key(1, 999);
     let replicated = Instant::now();
-    save_shared(&serving_one, 1, root, 3);
+    save_shared(&serving_one, 1, &[root], 3);
     let has = |line: &str, node: u32, l1: u64, member: bool| {
         node_in(line, node).is_some_and(|n| {
             n.contains(&format!("\"replicas\":[0, {l1}, 0, 0]")) && n.contains(&format!("\"member\":{member}"))
@@ -624,13 +630,7 @@ fn a_chain_another_node_reads_moves_to_it_and_back_and_a_shared_prefix_is_copied
     // the continuation moves, the prompt is copied — node 1's other
     // request still starts with it.
     let prompt = [key(1, 998), key(1, 999)];
-    let mut saver = agent(serving[0]);
-    let bytes = payload(1);
-    let block = |key, parent, block_index| SaveBlock { key, parent, block_index, payload: SavePayload::Bytes(&bytes) };
-    assert_eq!(saver.save(&[block(prompt[0], BlockKey::NONE, 0), block(prompt[1], prompt[0], 1)]), 2);
-    assert_eq!(saver.save(&[block(key(1, 1000), prompt[1], 2)]), 1);
-    assert_eq!(saver.save(&[block(key(1, 1001), prompt[1], 2)]), 1);
-    drop(saver);
+    save_shared(serving[0], 1, &prompt, 2);
     let read = [prompt[0], prompt[1], key(1, 1000)];
     let seen = wait_places(serving[1], &read, Duration::from_secs(20), |p| p.len() == 3);
     assert_eq!(seen.len(), 3, "node 2's engines see node 1's shared prefix: {seen:?}");

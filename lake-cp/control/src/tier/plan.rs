@@ -372,55 +372,41 @@ impl Tiers {
     /// block would start a subtree of its own and leave L1 before the
     /// chain it continues.
     pub(super) fn continued_in_l1(&mut self, parent: Option<BlockKey>, region: u16) {
-        enum Taken {
-            Marked,
-            Cleaning(u64),
-            Cleaned(usize),
-        }
-        let mut line = Vec::new();
+        // Taken with their marks (`None`: put back by `unmark`), or to put
+        // back as they are, leaf first.
+        let mut line: Vec<(BlockKey, Option<Pending>)> = Vec::new();
         let mut at = parent;
         while let Some(key) = at {
             if let Some(marked) = self.marked.get(&key) {
-                line.push((key, Taken::Marked));
                 at = marked.parent;
-            } else if let Some(&request) = self.pending_of.get(&(key, region))
-                && let Some(pending) = self.pending.get(&request).filter(|p| p.cleans)
+                line.push((key, None));
+            } else if let Some(pending) = self
+                .pending_of
+                .get(&(key, region))
+                .and_then(|request| self.pending.get_mut(request))
+                .filter(|p| p.cleans)
             {
-                line.push((key, Taken::Cleaning(request)));
+                // Its write below goes on (a copy kept there), but it is
+                // not marked once done.
+                pending.cleans = false;
                 at = pending.parent;
+                line.push((key, Some(*pending)));
             } else if let Some(i) = self.cleaned.iter().position(|p| p.key == key && p.region == region) {
-                line.push((key, Taken::Cleaned(i)));
-                at = self.cleaned[i].parent;
+                let pending = self.cleaned.swap_remove(i);
+                at = pending.parent;
+                line.push((key, Some(pending)));
             } else {
                 break;
             }
         }
-        let mut cleaned = Vec::new();
         for (key, taken) in line.into_iter().rev() {
             self.counters.victims_continued += 1;
-            let back = match taken {
-                Taken::Marked => {
-                    self.unmark(key);
-                    continue;
+            match taken {
+                None => self.unmark(key),
+                Some(p) => {
+                    self.space(Tier::L1Dram, p.namespace).cache.add(p.parent, p.key, p.kind);
                 }
-                // Its write below goes on (a copy kept there), but it is
-                // not marked once done.
-                Taken::Cleaning(request) => self.pending.get_mut(&request).map(|p| {
-                    p.cleans = false;
-                    *p
-                }),
-                Taken::Cleaned(i) => {
-                    cleaned.push(i);
-                    self.cleaned.get(i).copied()
-                }
-            };
-            if let Some(p) = back {
-                self.space(Tier::L1Dram, p.namespace).cache.add(p.parent, p.key, p.kind);
             }
-        }
-        cleaned.sort_unstable_by(|a, b| b.cmp(a));
-        for i in cleaned {
-            self.cleaned.swap_remove(i);
         }
     }
 
