@@ -778,3 +778,176 @@ fn a_prefix_whose_front_moves_away_while_its_tail_is_pulled_still_lands_whole() 
         assert_eq!((landed, got), (401, 401), "round {round}: node 1 landed {landed} of 401 in {took:?}");
     }
 }
+
+/// A node run as the design draws one — `lake cp --config lake.toml` and
+/// `lake-dp --config lake.toml`, two processes under one file — beside a
+/// `lake serve` node: a member of the cluster, reporting to the summary;
+/// its engines see node 1's blocks and pull them, node 1's engines see its
+/// blocks and pull them, byte for byte; drained by the operator, what only
+/// it holds moves to node 1; its control plane SIGKILLed, the standby
+/// beside it takes the node over in the pool; its control plane's stop
+/// takes it out of the members and its blocks out of node 1's view.
+#[test]
+fn a_node_of_lake_cp_and_lake_dp_processes_is_a_member_of_the_pool() {
+    let name = "split";
+    let Some(etcd) = etcd_server::EtcdServer::start(name) else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-{name}-{}", std::process::id()));
+    let dir = base.join("node2");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Node 2's shared memory, named from its directory: its data plane's
+    // arena and its control plane's mirror and view stay for a successor.
+    let (arena, mirror) = lake_cp::embedded::EmbeddedConfig::new(dir.clone()).shared_memory();
+    let view = lake_dp::mirror::view::ViewOpener::path_beside(&mirror);
+    let _scratch = Scratch(base.clone(), vec![arena, mirror.clone(), view]);
+    let port =
+        || format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let (listen, one, two) = (port(), port(), port());
+    let leader = leader(&listen, &endpoint, name, None, &[]);
+
+    let dir1 = base.join("node1").display().to_string();
+    let peer = format!("2={two}");
+    let mut args = vec!["serve", "--metrics", "127.0.0.1:0", "--node", "1", "--dir", &dir1, "--block-bytes", "16384"];
+    args.extend(["--l1-slots", "256", "--summary-to", &listen, "--etcd", &endpoint, "--cluster", name]);
+    args.extend(["--member-ttl", "2", "--transport-listen", &one, "--transport-peer", &peer]);
+    let node1 = Proc::start(&args);
+    let serving1 = node1.wait_for("node 1 serves", Duration::from_secs(20), |l| l.contains("\"serving\""));
+
+    let file = dir.join("lake.toml");
+    let text = format!(
+        "dir = {:?}\nnode = 2\nblock-bytes = \"16KiB\"\nl1-slots = 256\nsummary-to = [{listen:?}]\n\
+         etcd = {endpoint:?}\ncluster = {name:?}\nmember-ttl = 2\ntransport-listen = {two:?}\n\
+         transport-peer = [\"1={one}\"]\n",
+        dir.display().to_string()
+    );
+    std::fs::write(&file, text).unwrap();
+    let cp_socket = dir.join("cp.sock");
+    let (file_arg, socket_arg) = (file.display().to_string(), cp_socket.display().to_string());
+    let mut cp = Proc::start(&[
+        "cp",
+        "--config",
+        &file_arg,
+        "--socket",
+        &socket_arg,
+        "--etcd",
+        &endpoint,
+        "--cluster",
+        "split-node2",
+        "--id",
+        "cp-a",
+        "--ttl",
+        "2",
+    ]);
+    let leading = cp.wait_for("node 2's control plane leads", Duration::from_secs(20), |l| l.contains("\"leading\""));
+    assert!(leading.contains("\"node\":2"), "{leading}");
+    let mut dp = Command::new(env!("CARGO_BIN_EXE_lake-dp"));
+    dp.arg("--config").arg(&file);
+    let dp = Proc::spawn(dp);
+    dp.wait_for("node 2's data plane serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
+    // What an engine of node 2 attaches with: its data plane's socket, its
+    // control plane's, the mirror.
+    let serving2 = format!(
+        "{{\"dp_socket\":\"{}\",\"cp_socket\":\"{socket_arg}\",\"mirror\":\"{}\"}}",
+        dir.join("dp.sock").display(),
+        mirror.display()
+    );
+    leader.wait_for("both nodes members", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"")
+            && (1..=2).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
+    });
+
+    // Each way: the blocks one node saved, seen and pulled by the other's
+    // engine, and read there byte for byte.
+    let on = |places: &[Where], node, count| {
+        places.len() == count
+            && places.iter().all(|w| *w == Where::Remote(Holder { node: NodeId(node), tier: lake_dp::Tier::L1Dram }))
+    };
+    for (saver, reader, node) in [(&serving1, &serving2, 1), (&serving2, &serving1, 2)] {
+        let chain: Vec<BlockKey> = (0..4).map(|i| key(node, i)).collect();
+        save(saver, node, 0..4);
+        let seen = wait_places(reader, &chain, Duration::from_secs(20), |p| on(p, node, 4));
+        assert!(on(&seen, node, 4), "node {node}'s chain as the other node's engines see it: {seen:?}");
+        let mut agent = agent(reader);
+        let mut table = Vec::new();
+        assert_eq!(agent.pull_cluster(&chain, Duration::from_secs(5), &mut table), 4, "node {node}'s chain pulled");
+        let got = agent.fetch(&chain, &table, |_, bytes| assert_eq!(bytes, &payload(node)[..]));
+        assert_eq!(got, 4, "{:?}", agent.last_fetch_failure());
+    }
+
+    // Drained by the operator: what only node 2 holds is copied to node
+    // 1, which then holds it itself.
+    let only: Vec<BlockKey> = (10..12).map(|i| key(2, i)).collect();
+    save(&serving2, 2, 10..12);
+    let seen = wait_places(&serving1, &only, Duration::from_secs(20), |p| on(p, 2, 2));
+    assert!(on(&seen, 2, 2), "{seen:?}");
+    let (ok, said) = drain_node(&["--etcd", &endpoint, "--cluster", name, "--wait", "20", "2"]);
+    assert!(ok && said.contains("\"event\":\"drained\""), "{said}");
+    cp.wait_for("node 2 drains", Duration::from_secs(10), |l| l.contains("\"draining\"") && l.contains("\"on\":true"));
+    assert!(only.iter().all(|&k| tier_here(&serving1, k) == Some(lake_dp::Tier::L1Dram)), "node 1 holds the drained");
+    let mut reader = agent(&serving1);
+    let mut table = Vec::new();
+    assert_eq!(reader.lookup(&only, &mut table), 2);
+    assert_eq!(reader.fetch(&only, &table, |_, bytes| assert_eq!(bytes, &payload(2)[..])), 2);
+    drop(reader);
+    let (ok, said) = drain_node(&["--etcd", &endpoint, "--cluster", name, "--undo", "2"]);
+    assert!(ok, "{said}");
+    cp.wait_for("node 2 undrained", Duration::from_secs(10), |l| {
+        l.contains("\"draining\"") && l.contains("\"on\":false")
+    });
+
+    // Node 2's control plane SIGKILLed with a standby beside it: the
+    // standby leads, reports node 2 under its own term, and the blocks
+    // node 2's data plane held are the pool's again: node 1 pulls them.
+    let held: Vec<BlockKey> = (20..22).map(|i| key(2, i)).collect();
+    save(&serving2, 2, 20..22);
+    let seen = wait_places(&serving1, &held, Duration::from_secs(20), |p| on(p, 2, 2));
+    assert!(on(&seen, 2, 2), "{seen:?}");
+    let standby = Proc::start(&[
+        "cp",
+        "--config",
+        &file_arg,
+        "--socket",
+        &socket_arg,
+        "--etcd",
+        &endpoint,
+        "--cluster",
+        "split-node2",
+        "--id",
+        "cp-b",
+        "--ttl",
+        "2",
+    ]);
+    standby.wait_for("a standby", Duration::from_secs(20), |l| l.contains("\"standby\""));
+    cp.kill();
+    let leading = standby.wait_for("the standby leads", Duration::from_secs(20), |l| l.contains("\"leading\""));
+    let term = leading.split("\"term\":").nth(1).and_then(|t| t.split([',', '}']).next()).unwrap().to_owned();
+    leader.wait_for("node 2 under the new term", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"")
+            && node_in(l, 2).is_some_and(|v| v.contains("\"member\":true") && v.contains(&format!("\"term\":{term},")))
+    });
+    let seen = wait_places(&serving1, &held, Duration::from_secs(20), |p| on(p, 2, 2));
+    assert!(on(&seen, 2, 2), "node 2's blocks under its new control plane: {seen:?}");
+    let mut reader = agent(&serving1);
+    assert_eq!(reader.pull_cluster(&held, Duration::from_secs(5), &mut table), 2);
+    assert_eq!(reader.fetch(&held, &table, |_, bytes| assert_eq!(bytes, &payload(2)[..])), 2);
+    drop(reader);
+    // Node 2's engines read the new control plane's view.
+    let moved: Vec<BlockKey> = (0..4).map(|i| key(2, i)).collect();
+    let seen = wait_places(&serving2, &moved, Duration::from_secs(20), |p| on(p, 1, 4));
+    assert!(on(&seen, 1, 4), "node 2's engines see node 1's blocks again: {seen:?}");
+
+    // Blocks only node 2 holds, then its control plane stopped: node 2
+    // leaves the members and its blocks leave node 1's view.
+    let kept: Vec<BlockKey> = (30..32).map(|i| key(2, i)).collect();
+    save(&serving2, 2, 30..32);
+    let seen = wait_places(&serving1, &kept, Duration::from_secs(20), |p| on(p, 2, 2));
+    assert!(on(&seen, 2, 2), "{seen:?}");
+    let mut cp = standby;
+    supervise::stop(&mut cp.child);
+    cp.wait_for("node 2's control plane resigns", Duration::from_secs(5), |l| l.contains("\"resigned\""));
+    leader.wait_for("node 2 no member", Duration::from_secs(20), |l| {
+        l.contains("\"event\":\"summary\"") && node_in(l, 2).is_none_or(|v| v.contains("\"member\":false"))
+    });
+    let seen = wait_places(&serving1, &kept, Duration::from_secs(20), <[Where]>::is_empty);
+    assert!(seen.is_empty(), "node 2's blocks stayed in node 1's view after it left: {seen:?}");
+}

@@ -111,6 +111,12 @@ impl Cluster {
         Ok(Member { cluster: self, lease })
     }
 
+    /// The membership under `lease` (one [`Member::lease`] gave), for a
+    /// holder that keeps the lease rather than the borrow.
+    pub fn member_under(&self, lease: Lease) -> Member<'_> {
+        Member { cluster: self, lease }
+    }
+
     /// The nodes whose leases stand: `(node, address)`, by node.
     pub fn members(&self) -> Result<Vec<(u32, String)>, EtcdError> {
         let prefix = self.key("nodes/");
@@ -296,6 +302,11 @@ impl Member<'_> {
     /// must join again, and its replicas are re-adopted).
     pub fn keep_alive(&self) -> Result<bool, EtcdError> {
         Ok(self.cluster.etcd.keep_alive(self.lease)? > 0)
+    }
+
+    /// Its lease (see [`Cluster::member_under`]).
+    pub fn lease(&self) -> Lease {
+        self.lease
     }
 
     /// Leaves now.

@@ -19,13 +19,14 @@ impl Proc {
 
     /// Started with `env` added to its environment.
     pub(crate) fn start_with(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_lake"));
+        command.args(args).envs(env.iter().copied());
+        Self::spawn(command)
+    }
+
+    /// `command` started, its stdout read line by line.
+    pub(crate) fn spawn(mut command: Command) -> Self {
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
         let stdout = child.stdout.take().unwrap();
         let (tx, lines) = channel();
         std::thread::spawn(move || {

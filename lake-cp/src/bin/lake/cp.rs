@@ -35,9 +35,9 @@ pub(super) struct CpArgs {
     /// Seconds the leadership lease lasts without renewal.
     #[arg(long, value_name = "SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     ttl: u32,
-    /// The node it controls.
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    node: u32,
+    /// The node it controls. Default: the `--config` file's `node`, else 0.
+    #[arg(long, value_name = "N")]
+    node: Option<u32>,
     /// Entries the mirror holds.
     #[arg(long, value_name = "N", default_value_t = 1 << 20)]
     entries: u64,
@@ -146,16 +146,16 @@ pub(super) fn drain_node(
 
 /// `lake cp`: one control plane of a node, standing for leadership.
 pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use lake_cp::etcd::Etcd;
     use lake_cp::ha::Cluster;
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
-    let NodeSettings { mirror, tiers, tenants } = node_settings(args)?;
+    let NodeSettings { node, mirror, tiers, tenants, cluster: joins } = node_settings(args)?;
     let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (socket, mirror, etcd, cluster, id) = (&args.socket, &mirror, &args.etcd, &args.cluster, &args.id);
-    let (ttl, node, entries) = (i64::from(args.ttl), args.node, args.entries);
+    let (ttl, entries) = (i64::from(args.ttl), args.entries);
     let endpoints: Vec<&str> = etcd.split(',').collect();
     let client = Etcd::with_tls(&endpoints, Duration::from_secs(2), &args.etcd_tls.tls()).map_err(|e| e.to_string())?;
     let cluster = Cluster::new(client, cluster).map_err(|e| e.to_string())?;
@@ -218,15 +218,58 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
         .with_tenant_mirrors(tenant_mirrors);
     let mut server =
         lake_cp::server::Server::bind(socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;
-    say(serde_json::json!({"event": "leading", "id": id, "term": term, "socket": socket, "mirror": mirror}).to_string());
+    // A node of a cluster: its replicas to the leader's summary, the
+    // other nodes' back into the view beside the mirror, and its
+    // membership held while it leads (a standby's node is this one).
+    let mut membership = None;
+    if let Some(joins) = &joins {
+        if !joins.summary_to.is_empty() {
+            let view = match joins.view_blocks {
+                0 => None,
+                blocks => {
+                    let path = lake_dp::mirror::view::ViewOpener::path_beside(mirror);
+                    let config = MirrorConfig {
+                        node: lake_dp::NodeId(node),
+                        ..MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), blocks)
+                    };
+                    let view = lake_dp::mirror::view::ViewWriter::create(&config)
+                        .map_err(|e| format!("cluster view {}: {e}", path.display()))?;
+                    Some(view)
+                }
+            };
+            server.report_to(joins.summary_to.clone(), joins.link_key.clone(), view);
+        }
+        membership = Membership::join(joins, node)?;
+    }
+    say(serde_json::json!({"event": "leading", "id": id, "term": term, "socket": socket, "mirror": mirror, "node": node})
+        .to_string());
+    let led = lead(&mut candidate, &mut server, membership.as_mut(), (id, term, ttl), &signals);
+    if let Some(membership) = membership {
+        membership.leave();
+    }
+    led?;
+    // Handing over now: the standby need not wait out the lease.
+    let _ = candidate.resign();
+    say(serde_json::json!({"event": "resigned", "id": id, "term": term}).to_string());
+    Ok(())
+}
+
+/// Serves as the leader of term `term` until a signal says stop (`Ok`:
+/// the caller resigns) or the lease is lost (an error).
+fn lead(
+    candidate: &mut lake_cp::ha::Candidate<'_>,
+    server: &mut lake_cp::server::Server,
+    mut membership: Option<&mut Membership>,
+    (id, term, ttl): (&str, u64, i64),
+    signals: &lake_dp::os::Signals,
+) -> Result<(), String> {
+    use std::time::{Duration, Instant};
+    let say = |line: String| say!("{line}");
     let renew = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 3);
     let lease = Duration::from_secs(u64::try_from(ttl).unwrap_or(1));
     let (mut last_renewal, mut confirmed) = (Instant::now(), Instant::now());
     loop {
         if signals.take().is_some() {
-            // Handing over now: the standby need not wait out the lease.
-            let _ = candidate.resign();
-            say(serde_json::json!({"event": "resigned", "id": id, "term": term}).to_string());
             return Ok(());
         }
         // Renewed before serving: a leader that was stopped (SIGSTOP, a
@@ -251,26 +294,55 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
                 return Err(format!("deposed: {why}; stopping"));
             }
         }
+        if let Some(membership) = membership.as_deref_mut() {
+            membership.tend(server);
+        }
         server.poll_once(Some(Duration::from_millis(5))).map_err(|e| format!("serving: {e}"))?;
     }
 }
 
 /// What `lake cp` serves with, from its arguments.
 struct NodeSettings {
+    /// The node it controls.
+    node: u32,
     /// The pool's mirror.
     mirror: PathBuf,
     /// The tier manager's settings.
     tiers: lake_cp::tier::TierConfig,
     /// The mirror of each tenant kept apart, and its namespaces.
     tenants: Vec<(Vec<u64>, PathBuf)>,
+    /// The cluster the node is part of, where its file names one.
+    cluster: Option<ClusterSettings>,
+}
+
+/// A node of a cluster, as its file (`lake.toml`) says, as `lake serve`
+/// reads it: the leader's summary it reports to (and the view of other
+/// nodes' blocks it keeps beside the mirror), and the membership it holds
+/// in etcd while it leads.
+struct ClusterSettings {
+    /// The leader's summary aggregators (`summary-to`).
+    summary_to: Vec<std::net::SocketAddr>,
+    /// The cluster link key.
+    link_key: Option<lake_dp::auth::LinkKey>,
+    /// Blocks of other nodes the view holds (0: no view).
+    view_blocks: u64,
+    /// etcd endpoints and the cluster's name (`etcd`, `cluster`), the
+    /// TLS to speak to them, and the membership lease in seconds.
+    members: Option<(Vec<String>, String, lake_cp::etcd::EtcdTls, i64)>,
+    /// What the membership names: the data plane's transport
+    /// (`transport-listen`), where other nodes send blocks.
+    address: Option<std::net::SocketAddr>,
+    /// The node's room in bytes (L1 and L2), for the leader's placement.
+    room: u64,
 }
 
 /// The settings of `lake cp`'s arguments: without `--config`, the tier
-/// manager's defaults and no tenant's mirror.
+/// manager's defaults, no tenant's mirror and no cluster.
 fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     let Some(file) = &args.config else {
         let mirror = args.mirror.clone().ok_or("--mirror or --config is needed")?;
-        return Ok(NodeSettings { mirror, tiers: lake_cp::tier::TierConfig::default(), tenants: Vec::new() });
+        let (tiers, node) = (lake_cp::tier::TierConfig::default(), args.node.unwrap_or(0));
+        return Ok(NodeSettings { node, mirror, tiers, tenants: Vec::new(), cluster: None });
     };
     let argv = ["--config".to_owned(), file.display().to_string()];
     let settings = lake_cp::config::ServeArgs::parse(&argv).map_err(|e| e.to_string())?;
@@ -279,7 +351,14 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     if let Some(dir) = &settings.dir {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: dir {}: {e}", file.display(), dir.display()))?;
     }
-    let pool = settings.resolve()?.pool;
+    let lake_cp::config::Serve { pool, cluster, etcd_tls, member_ttl, .. } = settings.resolve()?;
+    // The node its `lake-dp` registers as: the file's.
+    let node = match args.node {
+        Some(node) if node != pool.node => {
+            return Err(format!("--node {node}: the lake-dp of {} is node {}", file.display(), pool.node));
+        }
+        _ => pool.node,
+    };
     // The mirror its `lake-dp` gives engines: the one of its directory.
     let theirs = settings.dir.is_some().then(|| pool.shared_memory().1);
     let mirror = match (&args.mirror, theirs) {
@@ -297,7 +376,101 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     };
     let tiers = pool.tier_config()?;
     let tenants = pool.tenant_mirrors(&mirror)?;
-    Ok(NodeSettings { mirror, tiers, tenants })
+    let cluster = (!pool.summary_to.is_empty() || cluster.is_some()).then(|| ClusterSettings {
+        summary_to: pool.summary_to.clone(),
+        link_key: pool.link_key.clone(),
+        view_blocks: if pool.cluster_view().is_some() { pool.cluster_view_blocks } else { 0 },
+        members: cluster.map(|(endpoints, name)| (endpoints, name, etcd_tls, member_ttl)),
+        address: pool.transport_listen,
+        room: pool.room_bytes(),
+    });
+    Ok(NodeSettings { node, mirror, tiers, tenants, cluster })
+}
+
+/// A leading `lake cp`'s membership of its node's cluster: its key in etcd
+/// under a lease it renews, naming the data plane's transport and, once
+/// the data plane registered it, its L1 (where other nodes' copies go);
+/// and the operator's drain mark, read back into the node.
+struct Membership {
+    cluster: lake_cp::ha::Cluster,
+    node: u32,
+    address: String,
+    room: u64,
+    ttl: i64,
+    /// The membership's lease.
+    lease: lake_cp::etcd::Lease,
+    /// The L1 `(region, epoch)` the value names now.
+    announced: Option<(u16, u64)>,
+    renewed: std::time::Instant,
+}
+
+impl Membership {
+    /// Joins the cluster of `settings` as `node` (none: the file names no
+    /// etcd).
+    fn join(settings: &ClusterSettings, node: u32) -> Result<Option<Self>, String> {
+        let Some((endpoints, name, tls, ttl)) = &settings.members else { return Ok(None) };
+        let Some(address) = settings.address else {
+            return Err("a member of a cluster needs transport-listen: other nodes send its blocks there".into());
+        };
+        let list: Vec<&str> = endpoints.iter().map(String::as_str).collect();
+        let client = lake_cp::etcd::Etcd::with_tls(&list, std::time::Duration::from_secs(2), tls)
+            .map_err(|e| format!("etcd {}: {e}", endpoints.join(",")))?;
+        let cluster = lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("cluster {name}: {e}"))?;
+        let (address, ttl) = (address.to_string(), *ttl);
+        let lease = cluster.join(node, &address, ttl).map_err(|e| format!("joining cluster {name}: {e}"))?.lease();
+        let renewed = std::time::Instant::now();
+        Ok(Some(Self { cluster, node, address, room: settings.room, ttl, lease, announced: None, renewed }))
+    }
+
+    /// Every third of the lease: renews it (joins again where it lapsed),
+    /// names the node's L1 once its data plane registered one, and sets
+    /// the node draining as the operator's mark says.
+    fn tend(&mut self, server: &mut lake_cp::server::Server) {
+        let every = std::time::Duration::from_millis(u64::try_from(self.ttl).unwrap_or(1) * 1000 / 3);
+        if self.renewed.elapsed() < every {
+            return;
+        }
+        self.renewed = std::time::Instant::now();
+        match self.cluster.member_under(self.lease).keep_alive() {
+            Ok(true) => {}
+            // Lapsed (a long stall): joined again; the summary gets the
+            // node's replicas back from its next snapshot.
+            Ok(false) => match self.cluster.join(self.node, &self.address, self.ttl) {
+                Ok(member) => {
+                    self.lease = member.lease();
+                    self.announced = None;
+                }
+                Err(e) => tracing::warn!(event = "membership_renewal_failed", error = %e),
+            },
+            Err(e) => tracing::warn!(event = "membership_renewal_failed", error = %e),
+        }
+        let node = server.node();
+        let space = node.locations.region_of(node.node(), lake_dp::Tier::L1Dram).map(|(r, info)| (r, info.epoch));
+        if let Some(space) = space
+            && self.announced != Some(space)
+        {
+            match self.cluster.member_under(self.lease).announce(self.node, &self.address, self.room, space) {
+                Ok(()) => self.announced = Some(space),
+                Err(e) => tracing::warn!(event = "l1_announce_failed", error = %e),
+            }
+        }
+        match self.cluster.draining() {
+            Ok(marks) => {
+                let draining = marks.iter().any(|&(node, _)| node == self.node);
+                if server.node().draining != draining {
+                    server.node_mut().set_draining(draining);
+                    say!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", self.node);
+                }
+            }
+            Err(e) => tracing::warn!(event = "drain_marks_unread", error = %e),
+        }
+    }
+
+    /// Leaves the cluster at once: its blocks leave the leader's view now,
+    /// not when the lease runs out.
+    fn leave(self) {
+        let _ = self.cluster.member_under(self.lease).leave();
+    }
 }
 
 /// `lake summary`: the leader's cluster summary (see `lake_cp::summary`).

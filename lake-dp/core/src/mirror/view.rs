@@ -353,9 +353,14 @@ impl ViewOpener {
 
     /// The view beside the mirror at `mirror` (`<mirror>.cluster`).
     pub fn beside(mirror: &Path) -> Self {
+        Self { path: Self::path_beside(mirror), reader: None, next_check: std::time::Instant::now() }
+    }
+
+    /// Where the view of the mirror at `mirror` is: `<mirror>.cluster`.
+    pub fn path_beside(mirror: &Path) -> std::path::PathBuf {
         let mut path = mirror.as_os_str().to_owned();
         path.push(".cluster");
-        Self { path: path.into(), reader: None, next_check: std::time::Instant::now() }
+        path.into()
     }
 
     /// The view, where there is one now.
