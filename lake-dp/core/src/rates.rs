@@ -50,32 +50,40 @@ struct Bucket {
     bytes_per_s: u64,
     burst: i64,
     tokens: i64,
+    /// Earned up to `last_ns` and `carry` / `bytes_per_s` of a nanosecond
+    /// past it: the time the bytes earned so far took, kept exactly.
     last_ns: u64,
+    carry: u64,
 }
 
 impl Bucket {
     fn new(bytes_per_s: u64) -> Self {
+        let bytes_per_s = bytes_per_s.max(1);
         let burst = i64::try_from(bytes_per_s / 10).unwrap_or(i64::MAX).max(1);
-        Self { bytes_per_s, burst, tokens: burst, last_ns: 0 }
+        Self { bytes_per_s, burst, tokens: burst, last_ns: 0, carry: 0 }
     }
 
     fn refill(&mut self, now_ns: u64) {
-        let elapsed = now_ns.saturating_sub(self.last_ns);
-        let earned = u128::from(elapsed) * u128::from(self.bytes_per_s) / 1_000_000_000;
+        const NS: u128 = 1_000_000_000;
+        let rate = u128::from(self.bytes_per_s);
+        // In bytes of a billionth: the time since what was earned, at the rate.
+        let credit = (u128::from(now_ns.saturating_sub(self.last_ns)) * rate).saturating_sub(u128::from(self.carry));
+        let earned = credit / NS;
         if earned == 0 {
             // Less than a byte's worth: the time is kept for the next call
             // (a bucket asked every microsecond would otherwise never fill
             // at a low rate).
             return;
         }
-        let earned = i64::try_from(earned).unwrap_or(i64::MAX);
-        self.tokens = self.tokens.saturating_add(earned).min(self.burst);
+        self.tokens = self.tokens.saturating_add(i64::try_from(earned).unwrap_or(i64::MAX)).min(self.burst);
         if self.tokens >= self.burst {
-            self.last_ns = now_ns;
+            (self.last_ns, self.carry) = (now_ns, 0);
         } else {
-            // Only the time those bytes took is spent; the rest counts on.
-            let spent = u128::try_from(earned).unwrap_or(0) * 1_000_000_000 / u128::from(self.bytes_per_s.max(1));
-            self.last_ns = self.last_ns.saturating_add(u64::try_from(spent).unwrap_or(elapsed).min(elapsed));
+            // Only the time those bytes took is spent, to the fraction of a
+            // nanosecond; the rest counts on.
+            let spent = earned * NS + u128::from(self.carry);
+            self.last_ns = self.last_ns.saturating_add(u64::try_from(spent / rate).unwrap_or(u64::MAX)).min(now_ns);
+            self.carry = u64::try_from(spent % rate).unwrap_or(0);
         }
     }
 }
@@ -213,6 +221,31 @@ mod tests {
             now += 10_000;
         }
         assert!((1_900..=2_200).contains(&got), "{got} bytes in 2 s at 1000 B/s");
+    }
+
+    #[test]
+    fn a_bucket_asked_every_few_nanoseconds_never_passes_its_rate() {
+        // 400 MB/s: a byte every 2.5 ns, asked for two bytes every 3 ns.
+        // The time a refill's bytes took is 2.5 ns a byte: rounding it down
+        // each call would give the half-nanoseconds back again and again.
+        let tenant = TenantRate {
+            name: "a".into(),
+            namespaces: vec![7],
+            bytes_per_s: [None, None, None, None, Some(400_000_000), None],
+        };
+        let mut rates = TenantRates::new(&[tenant]);
+        // The burst (40 MB) spent at once.
+        assert!(rates.admit(7, RatePath::NetSend, 40_000_000, 1));
+        let (mut now, mut got) = (1u64, 0u64);
+        while now < 3_000_001 {
+            now += 3;
+            if rates.admit(7, RatePath::NetSend, 2, now) {
+                got += 2;
+            }
+        }
+        // 3 ms at 400 MB/s, and the bytes of debt.
+        assert!(got <= 1_200_002, "{got} bytes in 3 ms at 400 MB/s");
+        assert!(got >= 1_199_000, "{got} bytes in 3 ms at 400 MB/s");
     }
 
     #[test]
