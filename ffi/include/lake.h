@@ -795,7 +795,10 @@ typedef struct LakeRouteRequest {
    */
   uint32_t policy;
   /*
-   Other nodes' hits (`others_count`), as the caller knows them.
+   Other nodes' hits (`others_count`), as the caller knows them. None
+   (0): as this pool's cluster view has them, where it keeps one — the
+   view names nodes by the pool's ids, which `local_node` and `loads`
+   then use too.
    */
   const struct LakeNodeHits *others;
   /*
@@ -1616,7 +1619,8 @@ enum LakeStatus lake_poll(const struct LakePool *pool,
 
 /*
  Where `request` should run: this node's hits read from its mirror
- (the longest prefix in L1, then in L1 or L2), the rest as given; the
+ (the longest prefix in L1, then in L1 or L2), other nodes' as given or,
+ none given, as the pool's cluster view has them, the rest as given; the
  plan into `plan`, its moves into `moves` (room for `moves_capacity`;
  `plan->moves` says how many there are). `LAKE_UNAVAILABLE` when no node
  may run it (every one avoided, or none with the roles a mode needs).

@@ -82,7 +82,10 @@ pub struct LakeRouteRequest {
     pub l3_blocks: u32,
     /// 0: whatever is fastest; 1: PD only; 2: colocated only.
     pub policy: u32,
-    /// Other nodes' hits (`others_count`), as the caller knows them.
+    /// Other nodes' hits (`others_count`), as the caller knows them. None
+    /// (0): as this pool's cluster view has them, where it keeps one — the
+    /// view names nodes by the pool's ids, which `local_node` and `loads`
+    /// then use too.
     pub others: *const LakeNodeHits,
     /// See `others`.
     pub others_count: usize,
@@ -170,7 +173,8 @@ unsafe fn entries<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], L
 }
 
 /// Where `request` should run: this node's hits read from its mirror
-/// (the longest prefix in L1, then in L1 or L2), the rest as given; the
+/// (the longest prefix in L1, then in L1 or L2), other nodes' as given or,
+/// none given, as the pool's cluster view has them, the rest as given; the
 /// plan into `plan`, its moves into `moves` (room for `moves_capacity`;
 /// `plan->moves` says how many there are). `LAKE_UNAVAILABLE` when no node
 /// may run it (every one avoided, or none with the roles a mode needs).
@@ -237,6 +241,14 @@ pub unsafe extern "C" fn lake_route(
                 HitView { nodes: Vec::with_capacity(others.len() + 1), l3_through: r.l3_blocks, pool: Vec::new() };
             view.nodes.push(NodeHits { node: NodeId(r.local_node), through: [l0, l1.max(l0), l2.max(l1).max(l0), 0] });
             view.nodes.extend(others.iter().map(|h| NodeHits { node: NodeId(h.node), through: h.through }));
+            // None given: the other nodes' hits as this pool's cluster view
+            // has them (none without a view), the avoided left out.
+            if others.is_empty() {
+                let down: Vec<NodeId> = avoid.iter().map(|&n| NodeId(n)).collect();
+                let seen = crate::pool::cluster_hit_view(pool, &keys, &down);
+                let here = [NodeId(pool.mirror.header().node), NodeId(r.local_node)];
+                view.nodes.extend(seen.nodes.into_iter().filter(|n| !here.contains(&n.node)));
+            }
             // Measured costs are this node's alone.
             for load in loads {
                 let asks = load.compute_ns_per_block == LAKE_COST_MEASURED

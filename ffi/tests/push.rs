@@ -626,6 +626,44 @@ fn a_cluster_lookup_names_this_nodes_blocks_then_the_blocks_only_another_node_ho
         assert_eq!((place.node, place.tier, place.local), (5, 2, 0));
         assert_eq!(place.location, lake::pool::LakeLocation::default(), "no block-table entry here");
     }
+    // Routed with no other nodes' hits given: the view's. Node 5 holds all
+    // eight in L2, this node six in L1; loading the eight from node 5's L2
+    // beats computing two here, so node 5 runs it.
+    let load = |node| LakeNodeLoad {
+        node,
+        roles: LAKE_ROLE_PREFILL | LAKE_ROLE_DECODE,
+        queue_ns: 0,
+        compute_ns_per_block: 500_000,
+        load_ns_per_block: [0, 50_000, 100_000, 3_000_000],
+        cnic_ns_per_block: 100_000,
+    };
+    let loads = [load(0), load(5)];
+    let route = |avoid: &[u32]| {
+        let request = LakeRouteRequest {
+            struct_size: size_of::<LakeRouteRequest>(),
+            keys: keys.as_ptr(),
+            count: 8,
+            local_node: 0,
+            local_l0_blocks: 0,
+            l3_blocks: 0,
+            policy: 0,
+            others: core::ptr::null(),
+            others_count: 0,
+            loads: loads.as_ptr(),
+            loads_count: loads.len(),
+            avoid: avoid.as_ptr(),
+            avoid_count: avoid.len(),
+        };
+        let mut plan = LakeRoutePlan::default();
+        // SAFETY: a request whose arrays hold their counts; a writable plan.
+        ok(unsafe { lake_route(p, &raw const request, &raw mut plan, core::ptr::null_mut(), 0) }, "route");
+        plan
+    };
+    let plan = route(&[]);
+    assert_eq!((plan.prefill_node, plan.hit_blocks, plan.recomputed_blocks), (5, 8, 0), "{plan:?}");
+    // Node 5 failed it: routed around it, this node's six load.
+    let plan = route(&[5]);
+    assert_eq!((plan.prefill_node, plan.hit_blocks, plan.recomputed_blocks), (0, 6, 2), "{plan:?}");
     // Too little room: the hit is said, with the status.
     let (status, hits, _) = ask(7);
     assert_eq!((status, hits), (LakeStatus::LakeBufferTooSmall, 8));

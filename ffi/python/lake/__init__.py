@@ -1099,7 +1099,8 @@ class Pool:
     def route(self, keys, loads, others=(), local_node=0, local_l0_blocks=0, l3_blocks=0, avoid=(), policy="any"):
         """Where a request with block ``keys`` should run (``lake_route``):
         this node's hits from its mirror, ``others`` as ``{"node": n,
-        "through": [l0, l1, l2, l3]}``, every node in ``loads`` as
+        "through": [l0, l1, l2, l3]}`` (none: the pool's cluster view
+        gives them, where it keeps one), every node in ``loads`` as
         ``{"node", "prefill", "decode", "queue_ns", "compute_ns_per_block",
         "load_ns_per_block": [l0, l1, l2, l3], "cnic_ns_per_block"}``;
         ``avoid``: nodes a failed execution ran on. Returns the plan as a

@@ -467,6 +467,19 @@ fn cluster_places(pool: &LakePool, keys: &[BlockKey]) -> Vec<Where> {
     found
 }
 
+/// The hit view of `keys` this pool reads: every node's leading runs, from
+/// its mirror and its cluster view (none: this node's alone), the nodes of
+/// `down` left out ([`lake_dp::route::hits::hit_view`]).
+pub(crate) fn cluster_hit_view(
+    pool: &LakePool,
+    keys: &[BlockKey],
+    down: &[lake_dp::NodeId],
+) -> lake_dp::route::HitView {
+    let mut cluster = pool.cluster.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let view = cluster.as_mut().and_then(ViewOpener::reader);
+    lake_dp::route::hits::hit_view(&pool.mirror, view, keys, down)
+}
+
 /// Makes as much of `keys` (`count`) this node's as the pool can within
 /// `timeout_ms`: of its longest prefix held anywhere
 /// (`lake_lookup_cluster`), the blocks only other nodes hold are asked

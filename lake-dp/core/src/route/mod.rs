@@ -29,6 +29,8 @@
 
 use crate::{NodeId, Tier};
 
+pub mod hits;
+
 /// What is asked: a prompt of `blocks` blocks (its leading blocks are the
 /// prefix the pool may hold) and the nodes not to use.
 #[derive(Clone, Debug, Default)]
