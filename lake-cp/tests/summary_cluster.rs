@@ -823,21 +823,12 @@ fn a_node_of_lake_cp_and_lake_dp_processes_is_a_member_of_the_pool() {
     std::fs::write(&file, text).unwrap();
     let cp_socket = dir.join("cp.sock");
     let (file_arg, socket_arg) = (file.display().to_string(), cp_socket.display().to_string());
-    let mut cp = Proc::start(&[
-        "cp",
-        "--config",
-        &file_arg,
-        "--socket",
-        &socket_arg,
-        "--etcd",
-        &endpoint,
-        "--cluster",
-        "split-node2",
-        "--id",
-        "cp-a",
-        "--ttl",
-        "2",
-    ]);
+    // Node 2's control planes, standing for its leadership.
+    let control_plane = |id: &str| {
+        let args = ["--config", &file_arg, "--socket", &socket_arg, "--etcd", &endpoint, "--cluster", "split-node2"];
+        Proc::start(&[&["cp"][..], &args, &["--id", id, "--ttl", "2"]].concat())
+    };
+    let mut cp = control_plane("cp-a");
     let leading = cp.wait_for("node 2's control plane leads", Duration::from_secs(20), |l| l.contains("\"leading\""));
     assert!(leading.contains("\"node\":2"), "{leading}");
     let mut dp = Command::new(env!("CARGO_BIN_EXE_lake-dp"));
@@ -902,21 +893,7 @@ fn a_node_of_lake_cp_and_lake_dp_processes_is_a_member_of_the_pool() {
     save(&serving2, 2, 20..22);
     let seen = wait_places(&serving1, &held, Duration::from_secs(20), |p| on(p, 2, 2));
     assert!(on(&seen, 2, 2), "{seen:?}");
-    let standby = Proc::start(&[
-        "cp",
-        "--config",
-        &file_arg,
-        "--socket",
-        &socket_arg,
-        "--etcd",
-        &endpoint,
-        "--cluster",
-        "split-node2",
-        "--id",
-        "cp-b",
-        "--ttl",
-        "2",
-    ]);
+    let standby = control_plane("cp-b");
     standby.wait_for("a standby", Duration::from_secs(20), |l| l.contains("\"standby\""));
     cp.kill();
     let leading = standby.wait_for("the standby leads", Duration::from_secs(20), |l| l.contains("\"leading\""));
