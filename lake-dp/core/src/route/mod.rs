@@ -29,6 +29,7 @@
 
 use crate::{NodeId, Tier};
 
+#[cfg(not(loom))]
 pub mod hits;
 
 /// What is asked: a prompt of `blocks` blocks (its leading blocks are the
