@@ -111,12 +111,6 @@ impl Cluster {
         Ok(Member { cluster: self, lease })
     }
 
-    /// The membership under `lease` (one [`Member::lease`] gave), for a
-    /// holder that keeps the lease rather than the borrow.
-    pub fn member_under(&self, lease: Lease) -> Member<'_> {
-        Member { cluster: self, lease }
-    }
-
     /// The nodes whose leases stand: `(node, address)`, by node.
     pub fn members(&self) -> Result<Vec<(u32, String)>, EtcdError> {
         let prefix = self.key("nodes/");
@@ -304,11 +298,6 @@ impl Member<'_> {
         Ok(self.cluster.etcd.keep_alive(self.lease)? > 0)
     }
 
-    /// Its lease (see [`Cluster::member_under`]).
-    pub fn lease(&self) -> Lease {
-        self.lease
-    }
-
     /// Leaves now.
     pub fn leave(self) -> Result<(), EtcdError> {
         self.cluster.etcd.revoke(self.lease)
@@ -321,6 +310,77 @@ impl Member<'_> {
         let value = format!("{address} room={room} l1={region}:{epoch}");
         self.cluster.etcd.put(&self.cluster.key(&format!("nodes/{node:010}")), value.as_bytes(), Some(self.lease))?;
         Ok(())
+    }
+}
+
+/// A serving node's membership, held for as long as it serves (`lake
+/// serve`, a leading `lake cp`): its key under a lease renewed every
+/// third of it and taken again where it lapsed, naming where its L1 takes
+/// copies once that is known, and the operator's drain mark read back.
+#[derive(Debug)]
+pub struct Membership {
+    cluster: Cluster,
+    node: u32,
+    address: String,
+    room: u64,
+    ttl: i64,
+    lease: Lease,
+    /// The L1 `(region, epoch)` the value names now.
+    announced: Option<(u16, u64)>,
+    renewed: Instant,
+}
+
+impl Membership {
+    /// Node `node` joins `cluster` at `address` (where other nodes send
+    /// it blocks), `room` bytes in its L1 and L2, under a lease of `ttl`
+    /// seconds.
+    pub fn join(cluster: Cluster, node: u32, address: String, room: u64, ttl: i64) -> Result<Self, EtcdError> {
+        let lease = cluster.join(node, &address, ttl)?.lease;
+        Ok(Self { cluster, node, address, room, ttl, lease, announced: None, renewed: Instant::now() })
+    }
+
+    /// Every third of the lease, else nothing: renews it (joins again
+    /// where it lapsed: the summary gets the node's replicas back from its
+    /// next snapshot), names `l1` — the node's L1 `(region, epoch)`, once
+    /// its data plane registered it — where it changed, and returns
+    /// whether the operator marks the node draining (`None`: not read).
+    pub fn tend(&mut self, l1: Option<(u16, u64)>) -> Option<bool> {
+        let every = Duration::from_millis(u64::try_from(self.ttl).unwrap_or(1) * 1000 / 3);
+        if self.renewed.elapsed() < every {
+            return None;
+        }
+        self.renewed = Instant::now();
+        let member = Member { cluster: &self.cluster, lease: self.lease };
+        match member.keep_alive() {
+            Ok(true) => {}
+            Ok(false) => match self.cluster.join(self.node, &self.address, self.ttl) {
+                Ok(member) => (self.lease, self.announced) = (member.lease, None),
+                Err(e) => tracing::warn!(event = "membership_renewal_failed", error = %e),
+            },
+            Err(e) => tracing::warn!(event = "membership_renewal_failed", error = %e),
+        }
+        if let Some(space) = l1
+            && self.announced != Some(space)
+        {
+            let member = Member { cluster: &self.cluster, lease: self.lease };
+            match member.announce(self.node, &self.address, self.room, space) {
+                Ok(()) => self.announced = Some(space),
+                Err(e) => tracing::warn!(event = "l1_announce_failed", error = %e),
+            }
+        }
+        match self.cluster.draining() {
+            Ok(marks) => Some(marks.iter().any(|&(node, _)| node == self.node)),
+            Err(e) => {
+                tracing::warn!(event = "drain_marks_unread", error = %e);
+                None
+            }
+        }
+    }
+
+    /// Leaves now: the node's blocks leave the leader's view at once, not
+    /// when the lease runs out.
+    pub fn leave(self) -> Result<(), EtcdError> {
+        self.cluster.etcd.revoke(self.lease)
     }
 }
 

@@ -239,13 +239,13 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
             };
             server.report_to(joins.summary_to.clone(), joins.link_key.clone(), view);
         }
-        membership = Membership::join(joins, node)?;
+        membership = join(joins, node)?;
     }
     say(serde_json::json!({"event": "leading", "id": id, "term": term, "socket": socket, "mirror": mirror, "node": node})
         .to_string());
     let led = lead(&mut candidate, &mut server, membership.as_mut(), (id, term, ttl), &signals);
     if let Some(membership) = membership {
-        membership.leave();
+        let _ = membership.leave();
     }
     led?;
     // Handing over now: the standby need not wait out the lease.
@@ -259,7 +259,7 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
 fn lead(
     candidate: &mut lake_cp::ha::Candidate<'_>,
     server: &mut lake_cp::server::Server,
-    mut membership: Option<&mut Membership>,
+    mut membership: Option<&mut lake_cp::ha::Membership>,
     (id, term, ttl): (&str, u64, i64),
     signals: &lake_dp::os::Signals,
 ) -> Result<(), String> {
@@ -295,7 +295,14 @@ fn lead(
             }
         }
         if let Some(membership) = membership.as_deref_mut() {
-            membership.tend(server);
+            let node = server.node();
+            let l1 = node.locations.region_of(node.node(), lake_dp::Tier::L1Dram).map(|(r, info)| (r, info.epoch));
+            if let Some(draining) = membership.tend(l1)
+                && server.node().draining != draining
+            {
+                server.node_mut().set_draining(draining);
+                say(format!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", server.node().node().0));
+            }
         }
         server.poll_once(Some(Duration::from_millis(5))).map_err(|e| format!("serving: {e}"))?;
     }
@@ -387,90 +394,20 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     Ok(NodeSettings { node, mirror, tiers, tenants, cluster })
 }
 
-/// A leading `lake cp`'s membership of its node's cluster: its key in etcd
-/// under a lease it renews, naming the data plane's transport and, once
-/// the data plane registered it, its L1 (where other nodes' copies go);
-/// and the operator's drain mark, read back into the node.
-struct Membership {
-    cluster: lake_cp::ha::Cluster,
-    node: u32,
-    address: String,
-    room: u64,
-    ttl: i64,
-    /// The membership's lease.
-    lease: lake_cp::etcd::Lease,
-    /// The L1 `(region, epoch)` the value names now.
-    announced: Option<(u16, u64)>,
-    renewed: std::time::Instant,
-}
-
-impl Membership {
-    /// Joins the cluster of `settings` as `node` (none: the file names no
-    /// etcd).
-    fn join(settings: &ClusterSettings, node: u32) -> Result<Option<Self>, String> {
-        let Some((endpoints, name, tls, ttl)) = &settings.members else { return Ok(None) };
-        let Some(address) = settings.address else {
-            return Err("a member of a cluster needs transport-listen: other nodes send its blocks there".into());
-        };
-        let list: Vec<&str> = endpoints.iter().map(String::as_str).collect();
-        let client = lake_cp::etcd::Etcd::with_tls(&list, std::time::Duration::from_secs(2), tls)
-            .map_err(|e| format!("etcd {}: {e}", endpoints.join(",")))?;
-        let cluster = lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("cluster {name}: {e}"))?;
-        let (address, ttl) = (address.to_string(), *ttl);
-        let lease = cluster.join(node, &address, ttl).map_err(|e| format!("joining cluster {name}: {e}"))?.lease();
-        let renewed = std::time::Instant::now();
-        Ok(Some(Self { cluster, node, address, room: settings.room, ttl, lease, announced: None, renewed }))
-    }
-
-    /// Every third of the lease: renews it (joins again where it lapsed),
-    /// names the node's L1 once its data plane registered one, and sets
-    /// the node draining as the operator's mark says.
-    fn tend(&mut self, server: &mut lake_cp::server::Server) {
-        let every = std::time::Duration::from_millis(u64::try_from(self.ttl).unwrap_or(1) * 1000 / 3);
-        if self.renewed.elapsed() < every {
-            return;
-        }
-        self.renewed = std::time::Instant::now();
-        match self.cluster.member_under(self.lease).keep_alive() {
-            Ok(true) => {}
-            // Lapsed (a long stall): joined again; the summary gets the
-            // node's replicas back from its next snapshot.
-            Ok(false) => match self.cluster.join(self.node, &self.address, self.ttl) {
-                Ok(member) => {
-                    self.lease = member.lease();
-                    self.announced = None;
-                }
-                Err(e) => tracing::warn!(event = "membership_renewal_failed", error = %e),
-            },
-            Err(e) => tracing::warn!(event = "membership_renewal_failed", error = %e),
-        }
-        let node = server.node();
-        let space = node.locations.region_of(node.node(), lake_dp::Tier::L1Dram).map(|(r, info)| (r, info.epoch));
-        if let Some(space) = space
-            && self.announced != Some(space)
-        {
-            match self.cluster.member_under(self.lease).announce(self.node, &self.address, self.room, space) {
-                Ok(()) => self.announced = Some(space),
-                Err(e) => tracing::warn!(event = "l1_announce_failed", error = %e),
-            }
-        }
-        match self.cluster.draining() {
-            Ok(marks) => {
-                let draining = marks.iter().any(|&(node, _)| node == self.node);
-                if server.node().draining != draining {
-                    server.node_mut().set_draining(draining);
-                    say!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", self.node);
-                }
-            }
-            Err(e) => tracing::warn!(event = "drain_marks_unread", error = %e),
-        }
-    }
-
-    /// Leaves the cluster at once: its blocks leave the leader's view now,
-    /// not when the lease runs out.
-    fn leave(self) {
-        let _ = self.cluster.member_under(self.lease).leave();
-    }
+/// Joins the cluster `settings` names, as `node` (none: the file names no
+/// etcd).
+fn join(settings: &ClusterSettings, node: u32) -> Result<Option<lake_cp::ha::Membership>, String> {
+    let Some((endpoints, name, tls, ttl)) = &settings.members else { return Ok(None) };
+    let Some(address) = settings.address else {
+        return Err("a member of a cluster needs transport-listen: other nodes send its blocks there".into());
+    };
+    let list: Vec<&str> = endpoints.iter().map(String::as_str).collect();
+    let client = lake_cp::etcd::Etcd::with_tls(&list, std::time::Duration::from_secs(2), tls)
+        .map_err(|e| format!("etcd {}: {e}", endpoints.join(",")))?;
+    let cluster = lake_cp::ha::Cluster::new(client, name).map_err(|e| format!("cluster {name}: {e}"))?;
+    lake_cp::ha::Membership::join(cluster, node, address.to_string(), settings.room, *ttl)
+        .map(Some)
+        .map_err(|e| format!("joining cluster {name}: {e}"))
 }
 
 /// `lake summary`: the leader's cluster summary (see `lake_cp::summary`).

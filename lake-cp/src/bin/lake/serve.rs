@@ -33,18 +33,13 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     };
     let mut pool = EmbeddedPool::start(&config)?;
     let address = config.transport_listen.map_or_else(|| pool.cp_socket.display().to_string(), |a| a.to_string());
-    let mut member = match &cluster {
+    let mut member = match cluster {
         Some(cluster) => Some(
-            cluster
-                .join(config.node, &address, member_ttl)
+            lake_cp::ha::Membership::join(cluster, config.node, address, config.room_bytes(), member_ttl)
                 .map_err(|error| ServeError::Cluster { what: "joining".into(), error })?,
         ),
         None => None,
     };
-    let renew_every = std::time::Duration::from_millis(u64::try_from(member_ttl).unwrap_or(1) * 1000 / 3);
-    let mut renewed = std::time::Instant::now();
-    // The L1 (region, epoch) the membership value names.
-    let mut announced: Option<(u16, u64)> = None;
     let serving = serde_json::json!({
         "event": "serving",
         // Which process: a record left by a killed one is told apart.
@@ -88,43 +83,14 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
             None => {}
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
-        if renewed.elapsed() >= renew_every
-            && let (Some(cluster), Some(current)) = (&cluster, &member)
+        // Where other nodes' copies go (the leader's drains and
+        // replication target it by this), once the L1 is registered; an
+        // operator's drain (`lake drain-node`): not ready for new
+        // requests, the leader moves its blocks away.
+        if let Some(draining) = member.as_mut().and_then(|m| m.tend(pool.gauges.l1_space()))
+            && pool.draining.swap(draining, std::sync::atomic::Ordering::Relaxed) != draining
         {
-            renewed = std::time::Instant::now();
-            match current.keep_alive() {
-                Ok(true) => {}
-                // Lapsed (a long stall): join again; the summary gets this
-                // node's replicas back from its next snapshot.
-                Ok(false) => {
-                    member = cluster.join(config.node, &address, member_ttl).ok();
-                    announced = None;
-                }
-                Err(e) => tracing::warn!(event = "membership_renewal_failed", error = %e),
-            }
-            // Where other nodes' copies go (the leader's drains and
-            // replication target it by this), once the L1 is registered.
-            let space = pool.gauges.l1_space();
-            if space.is_some()
-                && space != announced
-                && let (Some(current), Some(space)) = (&member, space)
-            {
-                match current.announce(config.node, &address, config.room_bytes(), space) {
-                    Ok(()) => announced = Some(space),
-                    Err(e) => tracing::warn!(event = "l1_announce_failed", error = %e),
-                }
-            }
-            // Drained by an operator (`lake drain-node`): not ready for new
-            // requests; the leader moves its blocks away.
-            match cluster.draining() {
-                Ok(marks) => {
-                    let draining = marks.iter().any(|&(node, _)| node == config.node);
-                    if pool.draining.swap(draining, std::sync::atomic::Ordering::Relaxed) != draining {
-                        say!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", config.node);
-                    }
-                }
-                Err(e) => tracing::warn!(event = "drain_marks_unread", error = %e),
-            }
+            say!("{{\"event\":\"draining\",\"node\":{},\"on\":{draining}}}", config.node);
         }
     }
     notify_service_manager("STOPPING=1");
