@@ -14,9 +14,9 @@
 //! instead of queueing. Removal shifts the cluster back (no tombstones),
 //! so probe lengths do not decay under churn.
 //!
-//! The hash is the key's own first eight bytes (a BLAKE3 output is
-//! uniform); the table asks the index for a node's hash when it moves an
-//! entry.
+//! The hash is the index's fold of the key's two words (a BLAKE3 output
+//! is uniform; the fold spreads keys that are not); the table asks the
+//! index for a node's hash when it moves an entry.
 
 const EMPTY: u8 = 0x80;
 
@@ -78,6 +78,17 @@ impl KeyTable {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// The longest distance an entry lies from its home (`hash_of`
+    /// names each entry's hash).
+    #[cfg(test)]
+    pub(crate) fn longest_probe(&self, hash_of: impl Fn(u32) -> u64) -> usize {
+        (0..self.ctrl.len())
+            .filter(|&pos| self.ctrl[pos] != EMPTY)
+            .map(|pos| self.distance(self.home(hash_of(self.slots[pos])), pos))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Heap bytes held.
