@@ -166,8 +166,7 @@ fn an_s3_bucket_shared_by_the_nodes() {
         println!("SKIPPED: no moto_server (LAKE_MOTO_SERVER, or ~/.cache/lake-moto)");
         return;
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let server = lake_tests::moto::Server::start(moto, port);
+    let server = lake_tests::moto::Server::start(moto, lake_tests::moto::free_port());
     shared_store(Stores::S3(format!("http://127.0.0.1:{}", server.port)), "s3");
 }
 

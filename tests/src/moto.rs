@@ -1,9 +1,43 @@
 //! A real S3-compatible server for the tests: moto's `moto_server` (from
 //! PyPI; `.ci/run` installs it), started on a free local port.
 
+use std::collections::HashSet;
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// A free port on 127.0.0.1 that this process has not handed out before:
+/// tests run side by side, and a port one of them just let go of is the
+/// kernel's to give the next — whose moto server would then find it
+/// taken, or whose check would find the other's listener.
+pub fn free_port() -> u16 {
+    static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    let mut given = GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let given = given.get_or_insert_with(HashSet::new);
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        if given.insert(port) {
+            return port;
+        }
+    }
+}
+
+/// Whether an HTTP server answers on 127.0.0.1:`port`: a listener that
+/// takes the connection but says nothing (another test's port being
+/// chosen) is not one.
+fn answers_http(port: u16) -> bool {
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut head = [0u8; 5];
+    stream.write_all(b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_ok()
+        && stream.read_exact(&mut head).is_ok()
+        && &head == b"HTTP/"
+}
 
 /// The moto server program: `$LAKE_MOTO_SERVER`, or the one `.ci/run`
 /// installs in `~/.cache/lake-moto`; `None` if neither exists.
@@ -27,7 +61,7 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts `binary` on 127.0.0.1:`port`; returns once it listens. A
+    /// Starts `binary` on 127.0.0.1:`port`; returns once it answers HTTP. A
     /// server that exits meanwhile (the port taken by another process
     /// between its choice and the server's bind: what answered was not
     /// this server) is started again on another free port — `port` then
@@ -43,7 +77,7 @@ impl Server {
                 .expect("starting moto_server");
             let deadline = Instant::now() + Duration::from_secs(30);
             let mut exited = false;
-            while !exited && std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            while !exited && !answers_http(port) {
                 assert!(Instant::now() < deadline, "moto_server did not listen on {port} within 30 s");
                 std::thread::sleep(Duration::from_millis(50));
                 exited = matches!(child.try_wait(), Ok(Some(_)));
@@ -55,10 +89,7 @@ impl Server {
             }
             let _ = child.kill();
             let _ = child.wait();
-            port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map(|a| a.port())
-                .expect("a free port");
+            port = free_port();
         }
         panic!("moto_server exited at start five times (see its output: run it by hand)");
     }

@@ -8,13 +8,12 @@
 
 #![allow(clippy::cast_possible_truncation)] // small test sizes and ids
 
-use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use lake_dp::l3::s3::{S3Config, S3Store};
 use lake_dp::l3::{L3Client, L3Completion, L3Config, L3Error, L3Request, ObjectStore, StoreError, object_name};
 use lake_dp::{BlockKey, NamespaceId};
-use lake_tests::moto::{Server, moto_server};
+use lake_tests::moto::{Server, free_port, moto_server};
 use lake_tests::transport::object;
 
 fn wait(client: &mut L3Client, want: usize, within: Duration) -> Vec<L3Completion> {
@@ -40,7 +39,7 @@ fn blocks_round_trip_through_a_real_s3_server() {
         );
         return;
     };
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = free_port();
     let mut server = Server::start(binary, port);
     let config = S3Config {
         endpoint: format!("http://127.0.0.1:{}", server.port),
@@ -152,7 +151,7 @@ fn the_pool_moves_blocks_past_l2_into_a_real_s3_bucket_and_reads_them_back() {
         println!("SKIPPED: no moto_server (see blocks_round_trip_through_a_real_s3_server)");
         return;
     };
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = free_port();
     let server = Server::start(binary, port);
     let endpoint = format!("http://127.0.0.1:{}", server.port);
     let l3 = L3Section {
