@@ -203,16 +203,19 @@ mod tests {
         assert!(waits[0].1[0] > 0 && waits[0].1[1] == 0, "{waits:?}");
     }
 
+    /// Rates where namespace 7's tenant sends over the network at
+    /// `bytes_per_s` at most.
+    fn sending_capped_at(bytes_per_s: u64) -> TenantRates {
+        let mut capped = [None; RATE_PATHS];
+        capped[RatePath::NetSend as usize] = Some(bytes_per_s);
+        TenantRates::new(&[TenantRate { name: "a".into(), namespaces: vec![7], bytes_per_s: capped }])
+    }
+
     #[test]
     fn a_bucket_asked_every_few_microseconds_at_a_low_rate_still_fills() {
         // 1000 B/s asked every 10 µs: a hundredth of a byte earned a call.
         // Dropping the fraction each call would never refill it.
-        let tenant = TenantRate {
-            name: "a".into(),
-            namespaces: vec![7],
-            bytes_per_s: [None, None, None, None, Some(1000), None],
-        };
-        let mut rates = TenantRates::new(&[tenant]);
+        let mut rates = sending_capped_at(1000);
         let (mut now, mut got) = (1u64, 0u64);
         while now < 2_000_000_000 {
             if rates.admit(7, RatePath::NetSend, 100, now) {
@@ -228,12 +231,7 @@ mod tests {
         // 400 MB/s: a byte every 2.5 ns, asked for two bytes every 3 ns.
         // The time a refill's bytes took is 2.5 ns a byte: rounding it down
         // each call would give the half-nanoseconds back again and again.
-        let tenant = TenantRate {
-            name: "a".into(),
-            namespaces: vec![7],
-            bytes_per_s: [None, None, None, None, Some(400_000_000), None],
-        };
-        let mut rates = TenantRates::new(&[tenant]);
+        let mut rates = sending_capped_at(400_000_000);
         // The burst (40 MB) spent at once.
         assert!(rates.admit(7, RatePath::NetSend, 40_000_000, 1));
         let (mut now, mut got) = (1u64, 0u64);

@@ -639,14 +639,10 @@ impl EmbeddedPool {
         server.serve_admin(&admin_socket).map_err(ServeError::io(admin_socket.display()))?;
         if !config.summary_to.is_empty() {
             let view = match config.cluster_view() {
-                Some(path) => {
-                    let backing = MirrorBacking::Shm(path);
-                    let view = MirrorConfig {
-                        node: NodeId(config.node),
-                        ..MirrorConfig::for_entries(backing, config.cluster_view_blocks)
-                    };
-                    Some(lake_dp::mirror::view::ViewWriter::create(&view).map_err(ServeError::Mirror)?)
-                }
+                Some(path) => Some(
+                    lake_dp::mirror::view::ViewWriter::create_at(path, NodeId(config.node), config.cluster_view_blocks)
+                        .map_err(ServeError::Mirror)?,
+                ),
                 None => None,
             };
             server.report_to(config.summary_to.clone(), config.link_key.clone(), view);

@@ -105,7 +105,7 @@ impl EmbeddedConfig {
     /// show every tenant's blocks to each).
     pub fn cluster_view(&self) -> Option<PathBuf> {
         let kept = !self.summary_to.is_empty() && self.cluster_view_blocks > 0 && self.partitions.is_empty();
-        kept.then(|| beside(&self.shared_memory().1, "cluster"))
+        kept.then(|| lake_dp::mirror::view::ViewOpener::path_beside(&self.shared_memory().1))
     }
 
     /// Tenant `tenant`'s own mirror: the pool's, named with `.<tenant>`.

@@ -228,12 +228,9 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
                 0 => None,
                 blocks => {
                     let path = lake_dp::mirror::view::ViewOpener::path_beside(mirror);
-                    let config = MirrorConfig {
-                        node: lake_dp::NodeId(node),
-                        ..MirrorConfig::for_entries(MirrorBacking::Shm(path.clone()), blocks)
-                    };
-                    let view = lake_dp::mirror::view::ViewWriter::create(&config)
-                        .map_err(|e| format!("cluster view {}: {e}", path.display()))?;
+                    let view =
+                        lake_dp::mirror::view::ViewWriter::create_at(path.clone(), lake_dp::NodeId(node), blocks)
+                            .map_err(|e| format!("cluster view {}: {e}", path.display()))?;
                     Some(view)
                 }
             };

@@ -140,6 +140,13 @@ impl ViewWriter {
         Ok(Self { table, own: config.node, slots: [None; VIEW_NODES_MAX] })
     }
 
+    /// [`ViewWriter::create`] for node `node`'s control plane: a view of
+    /// up to `blocks` other nodes' blocks in shared memory at `path`
+    /// (engines find it beside their mirror: [`ViewOpener::path_beside`]).
+    pub fn create_at(path: std::path::PathBuf, node: NodeId, blocks: u64) -> Result<Self, MirrorError> {
+        Self::create(&MirrorConfig { node, ..MirrorConfig::for_entries(super::MirrorBacking::Shm(path), blocks) })
+    }
+
     fn slot_of(&self, node: NodeId) -> Option<usize> {
         self.slots.iter().position(|s| s.is_some_and(|(n, _)| n == node))
     }
