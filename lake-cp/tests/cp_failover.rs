@@ -420,3 +420,41 @@ fn etcd_restarted_under_a_running_pool_keeps_its_leader_and_every_block() {
     rig.load_everything("the etcd restart", 0);
     assert_eq!(rig.stop_dp().cp_reconnects, 0, "the data plane kept its link");
 }
+
+#[test]
+fn a_socket_path_holding_a_file_not_lakes_is_refused_and_the_file_kept() {
+    let Some(etcd) = EtcdServer::start("not-a-socket") else { return };
+    let dir = std::env::temp_dir().join(format!("lake-not-a-socket-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mirror = PathBuf::from(format!("/dev/shm/lake-mirror-not-a-socket-{}", std::process::id()));
+    let _scratch = Scratch(dir.clone(), vec![mirror.clone()]);
+    // An operator's file where `--socket` points.
+    let socket = dir.join("cp.sock");
+    std::fs::write(&socket, "the operator's notes\n").unwrap();
+    let mut cp = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["cp", "--socket"])
+        .arg(&socket)
+        .arg("--mirror")
+        .arg(&mirror)
+        .args(["--etcd", &etcd.endpoint(), "--cluster", "not-a-socket", "--id", "cp-a", "--entries", "4096"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = cp.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = cp.kill();
+            let _ = cp.wait();
+            panic!("lake cp serves in place of the operator's file: {:?}", std::fs::read_to_string(&socket));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut cp.stderr.take().unwrap(), &mut said).unwrap();
+    assert!(!status.success() && said.contains("not a socket"), "{status}: {said}");
+    assert_eq!(std::fs::read_to_string(&socket).unwrap(), "the operator's notes\n");
+}

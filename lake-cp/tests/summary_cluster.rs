@@ -817,7 +817,7 @@ fn a_node_of_lake_cp_and_lake_dp_processes_is_a_member_of_the_pool() {
     let text = format!(
         "dir = {:?}\nnode = 2\nblock-bytes = \"16KiB\"\nl1-slots = 256\nsummary-to = [{listen:?}]\n\
          etcd = {endpoint:?}\ncluster = {name:?}\nmember-ttl = 2\ntransport-listen = {two:?}\n\
-         transport-peer = [\"1={one}\"]\n",
+         transport-peer = [\"1={one}\"]\nmetrics = \"127.0.0.1:0\"\n",
         dir.display().to_string()
     );
     std::fs::write(&file, text).unwrap();
@@ -831,6 +831,10 @@ fn a_node_of_lake_cp_and_lake_dp_processes_is_a_member_of_the_pool() {
     let mut cp = control_plane("cp-a");
     let leading = cp.wait_for("node 2's control plane leads", Duration::from_secs(20), |l| l.contains("\"leading\""));
     assert!(leading.contains("\"node\":2"), "{leading}");
+    // It serves the file's metrics, not ready until its data plane is.
+    let metrics = field(&leading, "metrics");
+    let (status, body) = http_get(&metrics, "/readyz");
+    assert!(status.contains("503") && body.contains("no data plane"), "{status}: {body}");
     let mut dp = Command::new(env!("CARGO_BIN_EXE_lake-dp"));
     dp.arg("--config").arg(&file);
     let dp = Proc::spawn(dp);
@@ -846,6 +850,7 @@ fn a_node_of_lake_cp_and_lake_dp_processes_is_a_member_of_the_pool() {
         l.contains("\"event\":\"summary\"")
             && (1..=2).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
     });
+    serves_as_lake_serve_does(&metrics, &dir);
 
     // Each way: the blocks one node saved, seen and pulled by the other's
     // engine, and read there byte for byte.
@@ -898,6 +903,8 @@ fn a_node_of_lake_cp_and_lake_dp_processes_is_a_member_of_the_pool() {
     cp.kill();
     let leading = standby.wait_for("the standby leads", Duration::from_secs(20), |l| l.contains("\"leading\""));
     let term = leading.split("\"term\":").nth(1).and_then(|t| t.split([',', '}']).next()).unwrap().to_owned();
+    // The operator's socket its predecessor left is taken over.
+    serves_as_lake_serve_does(&field(&leading, "metrics"), &dir);
     leader.wait_for("node 2 under the new term", Duration::from_secs(20), |l| {
         l.contains("\"event\":\"summary\"")
             && node_in(l, 2).is_some_and(|v| v.contains("\"member\":true") && v.contains(&format!("\"term\":{term},")))
@@ -927,4 +934,28 @@ fn a_node_of_lake_cp_and_lake_dp_processes_is_a_member_of_the_pool() {
     });
     let seen = wait_places(&serving1, &kept, Duration::from_secs(20), <[Where]>::is_empty);
     assert!(seen.is_empty(), "node 2's blocks stayed in node 1's view after it left: {seen:?}");
+}
+
+/// A node's leading `lake cp` serves what `lake serve` does: `/readyz`
+/// once its data plane registered its L1, `/metrics` with the data
+/// plane's and the cluster view's figures, and the operator's socket in
+/// the node's directory (`lake peers --dir`), naming its data plane.
+fn serves_as_lake_serve_does(metrics: &str, dir: &std::path::Path) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !http_get(metrics, "/readyz").0.contains("200") {
+        assert!(std::time::Instant::now() < deadline, "not ready: {:?}", http_get(metrics, "/readyz"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The data plane sends its figures every so often.
+    let mut body = http_get(metrics, "/metrics").1;
+    while !body.contains("lake_dp_poller_seconds_total{state=") {
+        assert!(std::time::Instant::now() < deadline, "the data plane's figures: {body}");
+        std::thread::sleep(Duration::from_millis(50));
+        body = http_get(metrics, "/metrics").1;
+    }
+    assert!(body.contains("\nlake_cluster_view_blocks "), "the cluster view's: {body}");
+    let peers =
+        Command::new(env!("CARGO_BIN_EXE_lake")).arg("peers").arg("--dir").arg(dir).arg("--json").output().unwrap();
+    let said = String::from_utf8_lossy(&peers.stdout);
+    assert!(peers.status.success() && said.contains("\"role\":\"data_plane\""), "{peers:?}");
 }

@@ -3,7 +3,8 @@
 //! its data plane `lake-dp --config lake.toml` (the same file, with two
 //! tenants kept apart), and two tenants' engines — the real agent library,
 //! in processes of their own, run by this test as two users (`nobody` and
-//! 65533). The data plane refuses a tenant's engine while its tenant's
+//! 65533), attached to both processes as the file allows them
+//! (`allow-uid`, `socket-mode`). The data plane refuses a tenant's engine while its tenant's
 //! mirror is not there, rather than give it the pool's. Once `lake cp`
 //! leads, each tenant's blocks are published in its own mirror alone: the
 //! other tenant's engine finds none of its keys, and the pool's mirror
@@ -65,10 +66,12 @@ fn payload(namespace: u64, i: usize) -> Vec<u8> {
 fn engine_child(spec: &str) {
     let [dp, mirror, namespace, action] = spec.split('|').collect::<Vec<_>>()[..] else { panic!("{spec}") };
     let namespace = u64::from_str_radix(namespace, 16).unwrap();
+    // Attached as an engine attaches: to the node's control plane too.
+    let cp = Path::new(dp).with_file_name("cp.sock");
     let config = AgentConfig {
         arena: Path::new("/nonexistent"),
         mirror: Path::new(mirror),
-        cp_socket: None,
+        cp_socket: Some(&cp),
         name: "tenant-engine",
         namespace: lake_dp::NamespaceId(namespace),
         layout_fingerprint: 1,
@@ -205,6 +208,7 @@ fn lake_cp_publishes_each_tenant_kept_apart_in_its_own_mirror_and_takes_them_ove
         &config,
         format!(
             "dir = {:?}\nblock-bytes = \"64KiB\"\nl1-slots = 32\nl2-slots = 64\nsocket-mode = \"666\"\n\
+             metrics = \"127.0.0.1:0\"\n\
              allow-uid = [{ACME_UID}, {BOLT_UID}]\ntenant = [\"acme={ACME:x}\", \"bolt={BOLT:x}\"]\n\
              tenant-quota = [\"acme:l1=1MiB\", \"bolt:l1=1MiB\"]\n\
              tenant-partition = [\"acme:uid={ACME_UID}\", \"bolt:uid={BOLT_UID}\"]\n",

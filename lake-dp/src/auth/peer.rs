@@ -104,6 +104,23 @@ pub fn restrict(path: &Path, mode: u32, gid: Option<u32>) -> std::io::Result<()>
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
 }
 
+/// Makes room for a socket at `path`: a socket file there (one a process
+/// that died left, or a predecessor's it takes over) is removed; anything
+/// else there — a file, a directory, a link — is not Lake's to replace,
+/// and is refused (`AlreadyExists`, naming it) and left as it is.
+pub fn clear_stale_socket(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path),
+        Ok(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!("{} is there and is not a socket: not replaced", path.display()),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// A group by name or number (`"lake"`, `"1001"`).
 pub fn group_id(name: &str) -> Result<u32, String> {
     if let Ok(gid) = name.parse::<u32>() {

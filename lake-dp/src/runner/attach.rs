@@ -150,15 +150,16 @@ impl core::fmt::Debug for AttachServer {
 }
 
 impl AttachServer {
-    /// Listens on `path` (a stale socket file is replaced) for agents of
-    /// the ports in `ports`. The file appears only once it is listening
+    /// Listens on `path` (a stale socket file is replaced; anything else
+    /// there is refused) for agents of the ports in `ports`. The file appears only once it is listening
     /// (bound under another name, then renamed): whoever sees it (an
     /// embedder waiting for readiness, an engine) can connect at once.
     pub fn bind(path: &Path, ports: Arc<PortFile>, identity: &Identity<'_>, arena_region: u16) -> io::Result<Self> {
         let mut building = path.as_os_str().to_owned();
         building.push(format!(".{}", std::process::id()));
         let building = std::path::PathBuf::from(building);
-        let _ = std::fs::remove_file(&building);
+        crate::auth::peer::clear_stale_socket(path)?;
+        crate::auth::peer::clear_stale_socket(&building)?;
         let listener = UnixListener::bind(&building)?;
         if let Err(e) = std::fs::rename(&building, path) {
             let _ = std::fs::remove_file(&building);

@@ -177,6 +177,21 @@ pub struct LocalAccess {
     pub ports_per_uid: Option<u32>,
 }
 
+impl LocalAccess {
+    /// The control plane's socket as the data plane's agents section makes
+    /// its own: the file's group, its mode, and who may connect.
+    pub fn of_sockets(&self) -> Result<(Option<u32>, u32, lake_dp::auth::PeerPolicy), String> {
+        let agents = lake_dp::runner::config::AgentsSection {
+            allow_uids: self.allow_uids.clone(),
+            allow_gids: self.allow_gids.clone(),
+            group: self.group.clone(),
+            socket_mode: self.socket_mode,
+            ..lake_dp::runner::config::AgentsSection::default()
+        };
+        agents.access().map_err(|e| e.0)
+    }
+}
+
 /// The load reserve the data plane is given (see
 /// [`EmbeddedConfig::l1_load_reserve`]): saves stop that many slots short
 /// of a full L1, and the tier manager must see L1 over its high-water mark
@@ -625,14 +640,7 @@ impl EmbeddedPool {
             .with_tenant_mirrors(tenant_mirrors);
         let mut server = Server::bind(&cp_socket, node, 1).map_err(ServeError::io(cp_socket.display()))?;
         server.set_caps(budget.caps.server);
-        let agents = lake_dp::runner::config::AgentsSection {
-            allow_uids: config.access.allow_uids.clone(),
-            allow_gids: config.access.allow_gids.clone(),
-            group: config.access.group.clone(),
-            socket_mode: config.access.socket_mode,
-            ..lake_dp::runner::config::AgentsSection::default()
-        };
-        let (gid, mode, policy) = agents.access().map_err(|e| ServeError::Settings(e.0))?;
+        let (gid, mode, policy) = config.access.of_sockets().map_err(ServeError::Settings)?;
         server
             .restrict(policy, mode, gid)
             .map_err(ServeError::io(format!("{}: mode and group", cp_socket.display())))?;

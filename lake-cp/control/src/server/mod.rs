@@ -377,10 +377,11 @@ impl core::fmt::Debug for Server {
 }
 
 impl Server {
-    /// Listens on the Unix socket `path` (a stale socket file is replaced)
-    /// for `node`, acting under leader `term`.
+    /// Listens on the Unix socket `path` (a stale socket file is replaced;
+    /// anything else there is refused) for `node`, acting under leader
+    /// `term`.
     pub fn bind(path: &Path, node: Node, term: u64) -> io::Result<Self> {
-        let _ = std::fs::remove_file(path);
+        lake_dp::auth::peer::clear_stale_socket(path)?;
         let mut listener = UnixListener::bind(path)?;
         let poll = Poll::new()?;
         poll.registry().register(&mut listener, Listener::Cp.token(), Interest::READABLE)?;
@@ -445,10 +446,10 @@ impl Server {
     }
 
     /// Serves the operator's socket ([`crate::admin`]) at `path` (a stale
-    /// file is replaced) from this loop: mode 0600, this user and root
-    /// only.
+    /// socket is replaced; anything else there is refused) from this
+    /// loop: mode 0600, this user and root only.
     pub fn serve_admin(&mut self, path: &Path) -> io::Result<()> {
-        let _ = std::fs::remove_file(path);
+        lake_dp::auth::peer::clear_stale_socket(path)?;
         let mut listener = UnixListener::bind(path)?;
         lake_dp::auth::peer::restrict(path, 0o600, None)?;
         self.poll.registry().register(&mut listener, Listener::Admin.token(), Interest::READABLE)?;

@@ -17,7 +17,10 @@ pub(super) struct CpArgs {
     /// the tier manager keeps its quotas, tenants and marks, and each
     /// tenant kept apart (`tenant-partition`) has its blocks published
     /// in a mirror of its own, `<mirror>.<tenant>`, the one `lake-dp`
-    /// gives that tenant's engines, and in no other.
+    /// gives that tenant's engines, and in no other. While it leads it
+    /// serves, as `lake serve` does, its socket to the users the file
+    /// allows, `/metrics` at the file's `metrics` and the operator's
+    /// socket `DIR/admin.sock`.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// etcd endpoints, comma-separated.
@@ -152,7 +155,7 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     use lake_cp::ha::Cluster;
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
-    let NodeSettings { node, mirror, tiers, tenants, cluster: joins } = node_settings(args)?;
+    let NodeSettings { node, mirror, tiers, tenants, cluster: joins, serving } = node_settings(args)?;
     let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (socket, mirror, etcd, cluster, id) = (&args.socket, &mirror, &args.etcd, &args.cluster, &args.id);
     let (ttl, entries) = (i64::from(args.ttl), args.entries);
@@ -216,8 +219,17 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer))
         .with_tiers(tiers)
         .with_tenant_mirrors(tenant_mirrors);
-    let mut server =
-        lake_cp::server::Server::bind(socket, state, term).map_err(|e| format!("{}: {e}", socket.display()))?;
+    let bound = lake_cp::server::Server::bind(socket, state, term)
+        .map_err(|e| format!("{}: {e}", socket.display()))
+        .and_then(|mut server| Ok((serve_beside(&mut server, socket, serving.as_ref())?, server)));
+    let (metrics, mut server) = match bound {
+        Ok(bound) => bound,
+        Err(why) => {
+            // The standby need not wait out the lease of one that cannot serve.
+            let _ = candidate.resign();
+            return Err(why);
+        }
+    };
     // A node of a cluster: its replicas to the leader's summary, the
     // other nodes' back into the view beside the mirror, and its
     // membership held while it leads (a standby's node is this one).
@@ -238,8 +250,10 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
         }
         membership = join(joins, node)?;
     }
-    say(serde_json::json!({"event": "leading", "id": id, "term": term, "socket": socket, "mirror": mirror, "node": node})
-        .to_string());
+    let admin = serving.as_ref().and_then(|s| s.admin.as_ref());
+    say(serde_json::json!({"event": "leading", "id": id, "term": term, "socket": socket, "mirror": mirror, "node": node,
+        "metrics": metrics.map(|m| m.to_string()), "admin": admin})
+    .to_string());
     let led = lead(&mut candidate, &mut server, membership.as_mut(), (id, term, ttl), &signals);
     if let Some(membership) = membership {
         let _ = membership.leave();
@@ -305,6 +319,42 @@ fn lead(
     }
 }
 
+/// Serves beside the cp socket what the node's file asks, as `lake serve`
+/// does: who may connect (and the socket's mode and group), how many at
+/// once, the operator's socket and `/metrics`. The address metrics are
+/// served at.
+fn serve_beside(
+    server: &mut lake_cp::server::Server,
+    socket: &std::path::Path,
+    serving: Option<&Serving>,
+) -> Result<Option<std::net::SocketAddr>, String> {
+    let Some(serving) = serving else { return Ok(None) };
+    let (gid, mode, policy) = serving.access.clone();
+    server.set_caps(serving.caps);
+    server.restrict(policy, mode, gid).map_err(|e| format!("{}: mode and group: {e}", socket.display()))?;
+    if let Some(admin) = &serving.admin {
+        server.serve_admin(admin).map_err(|e| format!("{}: {e}", admin.display()))?;
+    }
+    serving
+        .metrics
+        .map(|address| server.serve_metrics(address).map_err(|e| format!("metrics on {address}: {e}")))
+        .transpose()
+}
+
+/// How a node's file has its control plane serve (see [`serve_beside`]).
+struct Serving {
+    /// The socket's group and mode, and who may connect.
+    access: (Option<u32>, u32, lake_dp::auth::PeerPolicy),
+    /// Connections each listener holds at once.
+    caps: lake_cp::server::ConnectionCaps,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (the file's
+    /// `metrics`), if anywhere.
+    metrics: Option<std::net::SocketAddr>,
+    /// The operator's socket, `DIR/admin.sock` where the file names a
+    /// `dir` (`lake top --dir DIR` finds it there).
+    admin: Option<PathBuf>,
+}
+
 /// What `lake cp` serves with, from its arguments.
 struct NodeSettings {
     /// The node it controls.
@@ -317,6 +367,9 @@ struct NodeSettings {
     tenants: Vec<(Vec<u64>, PathBuf)>,
     /// The cluster the node is part of, where its file names one.
     cluster: Option<ClusterSettings>,
+    /// How it serves beside its socket (none without a file: its own
+    /// user alone, no metrics, no operator's socket).
+    serving: Option<Serving>,
 }
 
 /// A node of a cluster, as its file (`lake.toml`) says, as `lake serve`
@@ -346,7 +399,7 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     let Some(file) = &args.config else {
         let mirror = args.mirror.clone().ok_or("--mirror or --config is needed")?;
         let (tiers, node) = (lake_cp::tier::TierConfig::default(), args.node.unwrap_or(0));
-        return Ok(NodeSettings { node, mirror, tiers, tenants: Vec::new(), cluster: None });
+        return Ok(NodeSettings { node, mirror, tiers, tenants: Vec::new(), cluster: None, serving: None });
     };
     let argv = ["--config".to_owned(), file.display().to_string()];
     let settings = lake_cp::config::ServeArgs::parse(&argv).map_err(|e| e.to_string())?;
@@ -388,7 +441,13 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
         address: pool.transport_listen,
         room: pool.room_bytes(),
     });
-    Ok(NodeSettings { node, mirror, tiers, tenants, cluster })
+    let serving = Serving {
+        access: pool.access.of_sockets().map_err(|e| format!("{}: {e}", file.display()))?,
+        caps: pool.caps.server,
+        metrics: pool.metrics,
+        admin: settings.dir.is_some().then(|| pool.dir.join("admin.sock")),
+    };
+    Ok(NodeSettings { node, mirror, tiers, tenants, cluster, serving: Some(serving) })
 }
 
 /// Joins the cluster `settings` names, as `node` (none: the file names no
