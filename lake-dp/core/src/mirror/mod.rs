@@ -585,11 +585,8 @@ impl MirrorWriter {
             table.bucket(position).write(snapshot);
             return Ok(());
         }
-        if (self.live + 1) * 10 > table.len() * 9 {
+        if (self.live + 1) * 10 > table.len() * 9 || !table.insert(snapshot) {
             return Err(MirrorError::Full);
-        }
-        if !table.insert(snapshot) {
-            return Err(MirrorError::Entry("key: too many keys alike in their first eight bytes lie near its home"));
         }
         self.live += 1;
         self.publish_counts();

@@ -34,15 +34,6 @@ pub const MISS_ATTEMPTS: u32 = 32;
 #[cfg(loom)]
 pub const MISS_ATTEMPTS: u32 = 2;
 
-/// The farthest from its home an insert may put an entry, its own or one
-/// it carries on. Uniform keys never come near it (with 9/10 of the
-/// buckets live the longest displacement is about 50); keys alike in
-/// their first eight bytes share one home, and would otherwise pile into
-/// one cluster that every probe through it walks whole — readers' and
-/// the writer's. The bound keeps such a cluster this short: a key past
-/// it is not published (a miss, never a wrong hit).
-pub const DISPLACEMENT_MAX: u64 = 256;
-
 /// The home bucket of a key: its first eight bytes (a keyed BLAKE3
 /// output, uniform) scaled to the bucket count.
 #[inline]
@@ -174,32 +165,10 @@ impl Table<'_> {
 
     /// Writer: inserts `snapshot`, whose key is absent (see
     /// [`Table::position`]), the Robin Hood way. The table must have an
-    /// empty bucket. False, with nothing changed, where the insert would
-    /// put an entry more than [`DISPLACEMENT_MAX`] from its home.
+    /// empty bucket. False, with nothing changed, only if a displacement
+    /// would not fit the probe bound's 32 bits.
     pub fn insert(&self, snapshot: Snapshot) -> bool {
-        self.fits(&snapshot) && self.insert_inner(snapshot, true)
-    }
-
-    /// Whether inserting `snapshot` puts every entry it places (its own,
-    /// and those it carries on) within [`DISPLACEMENT_MAX`] of its home:
-    /// the insert's walk, without its writes.
-    fn fits(&self, snapshot: &Snapshot) -> bool {
-        let mut position = home(snapshot.words[0], self.len());
-        let mut distance = 0u64;
-        loop {
-            if distance > DISPLACEMENT_MAX {
-                return false;
-            }
-            let seen = self.bucket(position).peek();
-            if seen.meta & 3 != STATE_LIVE {
-                return true;
-            }
-            // A richer entry is carried on from here, the one before
-            // placed where it stands.
-            distance = distance.min(self.displacement(&seen, position));
-            position = self.next(position);
-            distance += 1;
-        }
+        self.insert_inner(snapshot, true)
     }
 
     /// [`Table::insert`]; `guard`: raise the move count around carrying

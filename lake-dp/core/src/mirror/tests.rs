@@ -152,53 +152,6 @@ fn churn_keeps_probes_short_and_every_key_found() {
     assert!(writer.max_probe() < 128, "probe bound {}", writer.max_probe());
 }
 
-#[test]
-fn keys_alike_in_their_first_bytes_stay_within_the_displacement_bound() {
-    use super::table::DISPLACEMENT_MAX;
-    let scratch = Scratch::new("alike");
-    let mut writer = MirrorWriter::create(&config(&scratch, 8192)).unwrap();
-    let reader = MirrorReader::attach(&scratch.0).unwrap();
-    // 2,000 keys of one home (their first eight bytes equal: an engine's
-    // own keys, or counters), among 4,000 uniform ones.
-    let alike = |i: u64| {
-        let mut k = [0u8; 16];
-        k[..8].copy_from_slice(&0x00c0_ffee_u64.to_le_bytes());
-        k[8..].copy_from_slice(&(i + 1).to_le_bytes());
-        BlockKey(k)
-    };
-    for i in 0..2000 {
-        writer.upsert(&key(i), &entry(i as u32)).unwrap();
-    }
-    let mut published = Vec::new();
-    for i in 0..2000 {
-        match writer.upsert(&alike(i), &entry(7)) {
-            Ok(()) => published.push(i),
-            Err(MirrorError::Entry(why)) => assert!(why.contains("alike"), "{why}"),
-            Err(e) => panic!("{e}"),
-        }
-    }
-    for i in 2000..4000 {
-        writer.upsert(&key(i), &entry(i as u32)).unwrap();
-    }
-    // No probe walks past the bound, readers' or the writer's.
-    assert!(u64::from(writer.max_probe()) <= DISPLACEMENT_MAX, "probe bound {}", writer.max_probe());
-    assert!(published.len() > 200, "{} of the alike published", published.len());
-    // Every uniform key is found; each alike one is found where it was
-    // published and is a miss where not, never another's entry.
-    for i in 0..4000 {
-        assert_eq!(reader.get(&key(i)), Lookup::Hit(entry(i as u32)), "key {i}");
-    }
-    for i in 0..2000 {
-        let expected = if published.contains(&i) { Lookup::Hit(entry(7)) } else { Lookup::Miss };
-        assert_eq!(reader.get(&alike(i)), expected, "alike {i}");
-    }
-    // Removing the published ones leaves room for the rest.
-    for &i in &published {
-        assert!(writer.remove(&alike(i)));
-    }
-    assert!(writer.upsert(&alike(1999), &entry(7)).is_ok());
-}
-
 fn chain(from: u64, len: u64) -> Vec<BlockKey> {
     (from..from + len).map(key).collect()
 }
