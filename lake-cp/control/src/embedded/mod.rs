@@ -639,12 +639,13 @@ impl EmbeddedPool {
             .with_tiers(tiers)
             .with_tenant_mirrors(tenant_mirrors);
         let mut server = Server::bind(&cp_socket, node, 1).map_err(ServeError::io(cp_socket.display()))?;
-        server.set_caps(budget.caps.server);
-        let (gid, mode, policy) = config.access.of_sockets().map_err(ServeError::Settings)?;
-        server
-            .restrict(policy, mode, gid)
-            .map_err(ServeError::io(format!("{}: mode and group", cp_socket.display())))?;
-        server.serve_admin(&admin_socket).map_err(ServeError::io(admin_socket.display()))?;
+        let beside = crate::server::Beside {
+            access: config.access.of_sockets().map_err(ServeError::Settings)?,
+            caps: budget.caps.server,
+            admin: Some(admin_socket.clone()),
+            metrics: config.metrics,
+        };
+        let metrics = server.serve_beside(&beside).map_err(|(what, error)| ServeError::Io { what, error })?;
         if !config.summary_to.is_empty() {
             let view = match config.cluster_view() {
                 Some(path) => Some(
@@ -655,12 +656,6 @@ impl EmbeddedPool {
             };
             server.report_to(config.summary_to.clone(), config.link_key.clone(), view);
         }
-        let metrics = match config.metrics {
-            Some(address) => {
-                Some(server.serve_metrics(address).map_err(ServeError::io(format!("metrics on {address}")))?)
-            }
-            None => None,
-        };
         let gauges = Arc::new(Gauges { l1_region: std::sync::atomic::AtomicU32::new(u32::MAX), ..Gauges::default() });
         let stop_cp = Arc::new(AtomicBool::new(false));
         let (requests, asked) = std::sync::mpsc::channel::<CpRequest>();

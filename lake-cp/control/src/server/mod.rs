@@ -315,6 +315,20 @@ fn encode_into(out: &mut Vec<u8>, request: u64, message: &Message<'_>, version: 
     let _ = lake_dp::wire::append_frame(out, meta, message);
 }
 
+/// What a node serves beside its cp socket ([`Server::serve_beside`]), as
+/// its settings say (`lake serve`'s, or the file a `lake cp` is given).
+#[derive(Clone, Debug)]
+pub struct Beside {
+    /// The socket's group and mode, and who may connect.
+    pub access: (Option<u32>, u32, lake_dp::auth::PeerPolicy),
+    /// Connections each listener holds at once.
+    pub caps: ConnectionCaps,
+    /// The operator's socket, if any.
+    pub admin: Option<PathBuf>,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served, if anywhere.
+    pub metrics: Option<std::net::SocketAddr>,
+}
+
 /// What the server has seen, for metrics and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ServerCounters {
@@ -443,6 +457,19 @@ impl Server {
         let bound = listener.local_addr()?;
         self.metrics = Some(listener);
         Ok(bound)
+    }
+
+    /// Serves beside the cp socket what a node's settings ask (see
+    /// [`Beside`]). Returns the address `/metrics` is served at; an error
+    /// names what could not be served.
+    pub fn serve_beside(&mut self, beside: &Beside) -> Result<Option<std::net::SocketAddr>, (String, io::Error)> {
+        let (gid, mode, policy) = beside.access.clone();
+        self.set_caps(beside.caps);
+        self.restrict(policy, mode, gid).map_err(|e| (format!("{}: mode and group", self.path.display()), e))?;
+        if let Some(admin) = &beside.admin {
+            self.serve_admin(admin).map_err(|e| (admin.display().to_string(), e))?;
+        }
+        beside.metrics.map(|at| self.serve_metrics(at).map_err(|e| (format!("metrics on {at}"), e))).transpose()
     }
 
     /// Serves the operator's socket ([`crate::admin`]) at `path` (a stale

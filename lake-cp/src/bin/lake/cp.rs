@@ -221,7 +221,12 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
         .with_tenant_mirrors(tenant_mirrors);
     let bound = lake_cp::server::Server::bind(socket, state, term)
         .map_err(|e| format!("{}: {e}", socket.display()))
-        .and_then(|mut server| Ok((serve_beside(&mut server, socket, serving.as_ref())?, server)));
+        .and_then(|mut server| match &serving {
+            Some(beside) => {
+                server.serve_beside(beside).map(|at| (at, server)).map_err(|(what, e)| format!("{what}: {e}"))
+            }
+            None => Ok((None, server)),
+        });
     let (metrics, mut server) = match bound {
         Ok(bound) => bound,
         Err(why) => {
@@ -319,42 +324,6 @@ fn lead(
     }
 }
 
-/// Serves beside the cp socket what the node's file asks, as `lake serve`
-/// does: who may connect (and the socket's mode and group), how many at
-/// once, the operator's socket and `/metrics`. The address metrics are
-/// served at.
-fn serve_beside(
-    server: &mut lake_cp::server::Server,
-    socket: &std::path::Path,
-    serving: Option<&Serving>,
-) -> Result<Option<std::net::SocketAddr>, String> {
-    let Some(serving) = serving else { return Ok(None) };
-    let (gid, mode, policy) = serving.access.clone();
-    server.set_caps(serving.caps);
-    server.restrict(policy, mode, gid).map_err(|e| format!("{}: mode and group: {e}", socket.display()))?;
-    if let Some(admin) = &serving.admin {
-        server.serve_admin(admin).map_err(|e| format!("{}: {e}", admin.display()))?;
-    }
-    serving
-        .metrics
-        .map(|address| server.serve_metrics(address).map_err(|e| format!("metrics on {address}: {e}")))
-        .transpose()
-}
-
-/// How a node's file has its control plane serve (see [`serve_beside`]).
-struct Serving {
-    /// The socket's group and mode, and who may connect.
-    access: (Option<u32>, u32, lake_dp::auth::PeerPolicy),
-    /// Connections each listener holds at once.
-    caps: lake_cp::server::ConnectionCaps,
-    /// Where `/metrics`, `/healthz` and `/readyz` are served (the file's
-    /// `metrics`), if anywhere.
-    metrics: Option<std::net::SocketAddr>,
-    /// The operator's socket, `DIR/admin.sock` where the file names a
-    /// `dir` (`lake top --dir DIR` finds it there).
-    admin: Option<PathBuf>,
-}
-
 /// What `lake cp` serves with, from its arguments.
 struct NodeSettings {
     /// The node it controls.
@@ -367,9 +336,11 @@ struct NodeSettings {
     tenants: Vec<(Vec<u64>, PathBuf)>,
     /// The cluster the node is part of, where its file names one.
     cluster: Option<ClusterSettings>,
-    /// How it serves beside its socket (none without a file: its own
-    /// user alone, no metrics, no operator's socket).
-    serving: Option<Serving>,
+    /// What it serves beside its socket, as the file says (none without
+    /// a file: its own user alone, no metrics, no operator's socket; the
+    /// operator's socket is `DIR/admin.sock` where the file names a
+    /// `dir`, where `lake top --dir DIR` finds it).
+    serving: Option<lake_cp::server::Beside>,
 }
 
 /// A node of a cluster, as its file (`lake.toml`) says, as `lake serve`
@@ -441,11 +412,11 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
         address: pool.transport_listen,
         room: pool.room_bytes(),
     });
-    let serving = Serving {
+    let serving = lake_cp::server::Beside {
         access: pool.access.of_sockets().map_err(|e| format!("{}: {e}", file.display()))?,
         caps: pool.caps.server,
-        metrics: pool.metrics,
         admin: settings.dir.is_some().then(|| pool.dir.join("admin.sock")),
+        metrics: pool.metrics,
     };
     Ok(NodeSettings { node, mirror, tiers, tenants, cluster, serving: Some(serving) })
 }
