@@ -512,10 +512,14 @@ fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_fir
     println!("placement: of 60 saved on node 1, {} went to node 2, {} to node 3, {counted} counted", to[0], to[1]);
     assert!(homes.iter().all(|h| h.len() <= 1), "a block placed twice: {homes:?}");
     assert!((10..=30).contains(&to[0]) && (10..=30).contains(&to[1]), "spread by room (equal): {to:?}");
-    // A copy whose answer came back late (its deadline passed) is placed
-    // but not counted: its copy here stays the pool's, nothing is lost
-    // (32 to 38 of 38 counted on a busy 2-core machine).
-    assert!(counted <= placed && counted * 5 >= placed * 4, "{counted} of {placed} counted");
+    // A copy whose answer has not come back within the wait is placed
+    // but not counted yet: its copy here stays the pool's until then,
+    // nothing is lost (38 of 38 counted here, also beside two busy
+    // loops; 29 of 38 once in CI before node 1 counted a block whose L1
+    // copy had gone before its answer).
+    let copies = http_get(&metrics_one, "/metrics").1;
+    let copies: Vec<&str> = copies.lines().filter(|l| l.starts_with("lake_copies_to_nodes_total")).collect();
+    assert!(counted <= placed && counted * 5 >= placed * 4, "{counted} of {placed} counted: {copies:?}");
     // Node 2's engine reads what was placed there from its own L1.
     let there: Vec<usize> = (0..60).filter(|&i| homes[i].contains(&1)).collect();
     let mut reader = agent(serving[1]);

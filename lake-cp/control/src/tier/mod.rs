@@ -638,19 +638,26 @@ impl Tiers {
     /// whose copy is the pool's now: it becomes a copy as one pulled in
     /// is (first in line, dropped rather than written below), and is
     /// dropped at once where it may be (see `plan_placed_away`): its room
-    /// goes to the blocks this node keeps for the pool. Whether it was in
-    /// an L1 cache here.
+    /// goes to the blocks this node keeps for the pool. Where its L1 copy
+    /// went before the home had it (taken as a victim while the copy was
+    /// under way), the one it left in L2 is dropped the same way. Whether
+    /// this node held it.
     pub fn placed_away(&mut self, key: &BlockKey) -> bool {
         if self.pulled_in.len() >= PULLED_IN_MAX {
             return false;
         }
-        let space = self.spaces.iter_mut().find(|((tier, _), s)| *tier == Tier::L1Dram && s.cache.index.contains(key));
-        match space {
-            Some((_, space)) => space.cache.make_cold(key),
-            // Out of its cache, on its way out or down already: the copy
-            // it leaves below is dropped once there.
-            None if self.marked.contains_key(key) || self.pending_of.keys().any(|(k, _)| k == key) => {}
-            None => return false,
+        let held_in = |tiers: &Tiers, tier: Tier| {
+            tiers.spaces.iter().find(|((t, _), s)| *t == tier && s.cache.index.contains(key)).map(|(&at, _)| at)
+        };
+        if let Some(at) = held_in(self, Tier::L1Dram) {
+            self.space(at.0, at.1).cache.make_cold(key);
+        } else if !(self.marked.contains_key(key)
+            || self.pending_of.keys().any(|(k, _)| k == key)
+            || held_in(self, Tier::L2Nvme).is_some())
+        {
+            // Not on its way out or down (the copy it leaves below is
+            // dropped once there), nor below only.
+            return false;
         }
         self.pulled_in.insert(*key);
         self.placed_away.push_back(*key);

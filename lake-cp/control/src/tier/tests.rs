@@ -873,3 +873,24 @@ fn a_marked_victim_a_new_block_continues_goes_back_under_its_parent_and_the_new_
     assert_eq!(marks(&out).first(), Some(&10), "the chain's new leaf first: {commands:?}");
     assert_eq!(world.tiers.counters.victims_continued, first.len() as u64);
 }
+
+#[test]
+fn a_block_placed_in_its_home_after_its_l1_copy_here_went_leaves_no_pool_copy_in_l2() {
+    let mut world = World::new(TierConfig::default());
+    // Block 5 saved here, cleaned ahead into L2, then its L1 copy taken
+    // as a victim before its copy to its home landed.
+    world.add(0, 7, None, 5);
+    world.add(1, 7, None, 5);
+    world.locations.remove(&key(5), 0).unwrap();
+    world.tiers.removed(0, &key(5));
+    // The home has it now: the copy here is a copy, and the one in L2 goes.
+    assert!(world.tiers.placed_away(&key(5)));
+    let out = world.plan();
+    assert_eq!(keys_of(&out), vec![(5, "evict")]);
+    let TierAction::Evict(evict) = out[0].action else { unreachable!() };
+    assert_eq!(evict.replica.region, 1);
+    world.carry_out(&out[0]);
+    assert_eq!(world.tiers.usage(Tier::L2Nvme).bytes, 0);
+    // A block not held here at all is no copy of this node's.
+    assert!(!world.tiers.placed_away(&key(6)));
+}
