@@ -413,3 +413,27 @@ fn lake_dp_serves_engines_under_a_control_plane_in_another_process() {
     assert_eq!(number(&stopped, "ops_failed"), 0, "{stopped}");
     assert_eq!(cp.stop().counters.bad_frames, 0);
 }
+
+/// An operator's file where the engines' socket goes is not Lake's to
+/// delete: `lake-dp` refuses to start, says why, and leaves it.
+#[test]
+fn a_file_not_a_socket_at_the_engines_socket_path_is_refused_and_kept() {
+    let dir = dir("not-a-socket");
+    let _cp = ControlPlane::start(&dir);
+    let socket = dir.0.join("dp.sock");
+    std::fs::write(&socket, "the operator's notes\n").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_lake-dp"))
+        .arg("--config")
+        .arg(config(&dir, ""))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut daemon = Daemon(Some(child));
+    let mut stderr = daemon.0.as_mut().unwrap().stderr.take().unwrap();
+    let status = wait(daemon, Duration::from_secs(20));
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut said).unwrap();
+    assert!(!status.success() && said.contains("not a socket"), "{status}: {said}");
+    assert_eq!(std::fs::read_to_string(&socket).unwrap(), "the operator's notes\n");
+}
