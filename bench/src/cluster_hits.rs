@@ -512,11 +512,13 @@ pub(crate) fn pull_each(agent: &mut Agent, keys: &[BlockKey], table: &mut Vec<la
     // own lookups share the machine with the nodes.
     let mut waiting = keys.to_vec();
     loop {
+        let writes = agent.mirror().writes();
         waiting.retain(|k| agent.lookup(std::slice::from_ref(k), table) != 1);
         if waiting.is_empty() || Instant::now() > deadline {
             return keys.len() - waiting.len();
         }
-        std::thread::sleep(Duration::from_micros(200));
+        // Woken as node 1's `lake-cp` publishes, as an engine's pull is.
+        agent.mirror().wait_for_writes(writes, Duration::from_micros(200));
     }
 }
 

@@ -482,6 +482,33 @@ fn a_save_larger_than_the_port_is_saved_whole() {
     pool.stop().unwrap();
 }
 
+/// An engine waiting for a block to be published (a pull's wait) sleeps on
+/// the mirror and is woken as `lake-cp` publishes it, not at its timeout.
+#[test]
+fn a_reader_waiting_on_the_mirror_is_woken_when_the_pool_publishes_a_block() {
+    let mut pool = EmbeddedPool::start(&one_engine_pool("wake")).unwrap();
+    let mut agent = attach(&mut pool);
+    let reader = lake_dp::mirror::MirrorReader::attach(&pool.mirror).unwrap();
+    let key = key(3, 0);
+    let waiter = std::thread::spawn(move || {
+        let start = Instant::now();
+        loop {
+            let seen = reader.writes();
+            if reader.get(&key).is_hit() {
+                return start.elapsed();
+            }
+            reader.wait_for_writes(seen, Duration::from_secs(10));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let payloads = [payload(&key)];
+    assert_eq!(agent.save(&chain(&[key], &payloads)), 1);
+    let waited = waiter.join().unwrap();
+    assert!(waited < Duration::from_secs(5), "woken at its timeout, not as the block was published: {waited:?}");
+    drop(agent);
+    pool.stop().unwrap();
+}
+
 /// A pool that began to stop (it writes L1 down before its data plane
 /// goes) takes no new save: a block acked then would be lost with L1.
 /// Each is refused `Stopping`, the agent sees the pool under save

@@ -520,6 +520,7 @@ pub unsafe extern "C" fn lake_pull(
             let mut wait = PullWait::new(&keys, Duration::from_millis(u64::from(timeout_ms)));
             let (mut places, mut table) = (Vec::new(), Vec::with_capacity(keys.len()));
             let hit = loop {
+                let writes = pool.mirror.writes();
                 let lookup = |keys: &[BlockKey], out: &mut Vec<Where>| {
                     *out = cluster_places(pool, keys);
                     out.len()
@@ -538,7 +539,9 @@ pub unsafe extern "C" fn lake_pull(
                 if wait.over(hit) {
                     break hit;
                 }
-                std::thread::sleep(Duration::from_micros(200));
+                // Woken as `lake-cp` publishes; the view read again at
+                // least this often.
+                pool.mirror.wait_for_writes(writes, Duration::from_micros(200));
             };
             // SAFETY: writable (contract).
             unsafe { hits.write(hit) };

@@ -1,10 +1,11 @@
 //! The operating-system edges of the runner: core pinning, the wake-up
-//! eventfd, the termination signals as a file descriptor, and parking on
-//! both. The one place of the runner with `unsafe`.
+//! eventfd, the termination signals as a file descriptor, parking on
+//! both, and the futex a mirror's readers sleep on. The one place of the
+//! runner with `unsafe`.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 
 fn check(rc: libc::c_int) -> io::Result<libc::c_int> {
     if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(rc) }
@@ -218,6 +219,31 @@ pub fn wait_readable(fds: &[RawFd], timeout: std::time::Duration) -> io::Result<
     }
     let error = io::Error::last_os_error();
     if error.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(error) }
+}
+
+/// Sleeps while `word` holds `seen`, at most `timeout`: a futex shared
+/// between processes (the word lies in a mapping several map). Returns
+/// at the timeout, on a wake, on a signal, or at once where the word no
+/// longer holds `seen`; the caller looks again whichever it was.
+pub fn futex_wait(word: &AtomicU32, seen: u32, timeout: std::time::Duration) {
+    let timeout = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos().cast_signed()),
+    };
+    // SAFETY: `word` is a live, aligned u32 for the call's length; a
+    // FUTEX_WAIT only reads it (a read-only mapping serves).
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, seen, &raw const timeout, 0usize, 0u32);
+    }
+}
+
+/// Wakes every process sleeping on `word` ([`futex_wait`]).
+pub fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned u32; a FUTEX_WAKE uses only its
+    // address.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
+    }
 }
 
 /// Descriptors besides the wake-up and the signals a park waits on, at

@@ -63,6 +63,7 @@ impl Agent {
         let mut wait = PullWait::new(keys, within);
         let mut places = Vec::new();
         loop {
+            let writes = self.mirror.writes();
             let (mirror, view) = (&self.mirror, self.cluster.reader());
             let pulls = wait.look(keys, |keys, out| view::lookup(mirror, view, keys, out), &mut places);
             if !pulls.is_empty() && self.pull(&pulls) > 0 {
@@ -76,7 +77,9 @@ impl Agent {
             if let Some(cp) = &mut self.cp {
                 let _ = cp.pump();
             }
-            std::thread::sleep(Duration::from_micros(200));
+            // Woken as the node's `lake-cp` publishes; the view (a holder
+            // changed, a block gone) is read again at least this often.
+            self.mirror.wait_for_writes(writes, Duration::from_micros(200));
         }
     }
 }

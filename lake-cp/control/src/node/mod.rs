@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 
-use lake_dp::mirror::{MirrorEntry, MirrorError, MirrorWriter, RegionRecord};
+use lake_dp::mirror::{MirrorWriter, RegionRecord};
 use lake_dp::model::replica::ReplicaWire;
 use lake_dp::wire::message::{BlockEvicted, BlockRecord, RegisterRegion, Transfer};
 use lake_dp::wire::{Message, MessageKind};
@@ -958,42 +958,9 @@ impl Node {
         self.publish(&evicted.key);
         Ok(())
     }
-
-    /// Republishes `key` in the mirror: its fastest ready replica and every
-    /// tier holding one, or nothing if none is ready.
-    fn publish(&mut self, key: &BlockKey) {
-        let tenant = self.tenant_of.get(key).copied();
-        let mirror = match tenant {
-            Some(tenant) => self.tenant_mirrors.get_mut(tenant).map(|(_, mirror)| mirror),
-            None => self.mirror.as_mut(),
-        };
-        let Some(mirror) = mirror else { return };
-        let ready: Vec<Replica> = self.locations.ready(key).collect();
-        let Some(best) = ready.iter().min_by_key(|r| r.tier as u8) else {
-            mirror.remove(key);
-            self.tenant_of.remove(key);
-            return;
-        };
-        let tiers = ready.iter().fold(0u8, |bits, r| bits | 1 << (r.tier as u8));
-        let kind = self.locations.index.get(key).map_or(ObjectKind::KvBlock, |b| self.locations.index.kind(b));
-        let epoch_tag = self.locations.region(best.region.0).map_or(0, |info| info.epoch_tag());
-        let entry = MirrorEntry {
-            kind,
-            tier: best.tier,
-            tiers,
-            region: best.region,
-            epoch_tag,
-            slot: best.slot,
-            generation: best.generation,
-        };
-        match mirror.upsert(key, &entry) {
-            Ok(()) => {}
-            Err(MirrorError::Full | MirrorError::Entry(_)) => self.counters.mirror_skipped += 1,
-            Err(_) => self.counters.mirror_skipped += 1,
-        }
-    }
 }
 
 mod copy;
+mod publish;
 #[cfg(test)]
 mod tests;

@@ -566,6 +566,7 @@ impl Server {
         }
         self.sweep();
         self.send_commands();
+        self.node.wake_readers();
         // The location view's changes go to the leader's summary, or away.
         self.changes.clear();
         self.node.take_changes(&mut self.changes);

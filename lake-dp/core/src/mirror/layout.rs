@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! 0        MirrorHeader (immutable once ready, CRC'd)
-//! 2048     MirrorControl (state, writer pid, term, probe bound, counters)
+//! 2048     MirrorControl (state, writer pid, term, probe bound, counters,
+//!          the futex word of writes)
 //! 4096     region records: REGIONS_MAX buckets of 32 bytes (seqlocked)
 //! buckets  the table: `buckets` buckets of 32 bytes (seqlocked)
 //! ```
@@ -101,11 +102,12 @@ pub struct MirrorHeader {
 const _: () = assert!(size_of::<MirrorHeader>() == 72);
 const _: () = assert!(offset_of!(MirrorHeader, crc) == 64);
 
-/// The words in page 0 that change while the mirror lives, on three cache
+/// The words in page 0 that change while the mirror lives, on four cache
 /// lines by how often the writer stores them: every probe reads the first
 /// (which changes almost never), a miss the second (changed by every
-/// removal), reports the third (changed by every write) — so a busy
-/// writer does not pull the probe's line away from the readers.
+/// removal), reports the third (changed by every write), a waiting reader
+/// the fourth (changed once a batch of writes) — so a busy writer does not
+/// pull the probe's line away from the readers.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub struct MirrorControl {
@@ -127,10 +129,17 @@ pub struct MirrorControl {
     pub live: AtomicU64,
     /// Buckets found mid-update and repaired by a later writer, in all.
     pub repaired: AtomicU64,
+    _pad_c: [u8; 48],
+    /// Bumped after each batch of entries the writer published, a futex
+    /// word its readers may wait on ([`super::MirrorReader::wait_for_writes`]).
+    /// Zero forever where the writer is of a build before it: a waiting
+    /// reader then wakes at its timeout, as it would have polled.
+    pub writes: AtomicU32,
 }
 
 const _: () = assert!(offset_of!(MirrorControl, moves) == 64);
 const _: () = assert!(offset_of!(MirrorControl, live) == 128);
+const _: () = assert!(offset_of!(MirrorControl, writes) == 192);
 const _: () = assert!(CONTROL_OFFSET + size_of::<MirrorControl>() <= HEADER_BYTES as usize);
 const _: () = assert!(size_of::<Bucket>() == BUCKET_BYTES as usize);
 

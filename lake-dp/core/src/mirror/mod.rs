@@ -35,9 +35,11 @@
 //! Layout in [`layout`]; `docs/formats.md` has the same in prose.
 
 pub mod layout;
+mod raw;
 pub mod seqlock;
 pub mod table;
 pub mod view;
+mod wake;
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -417,6 +419,8 @@ pub struct MirrorWriter {
     file: File,
     path: Option<PathBuf>,
     live: u64,
+    /// An entry published since the readers were last woken.
+    published: bool,
 }
 
 impl core::fmt::Debug for MirrorWriter {
@@ -483,6 +487,7 @@ impl MirrorWriter {
             file,
             path: target.map(Path::to_path_buf),
             live: 0,
+            published: false,
         };
         let control = writer.shared.control();
         control.term.store(config.term, Ordering::Relaxed);
@@ -520,8 +525,14 @@ impl MirrorWriter {
             .len(crate::usize_from(header.total_bytes))
             .map_raw(&file)
             .map_err(io_error("mapping", Some(path)))?;
-        let mut writer =
-            Self { shared: Shared { base: map.as_ptr(), header }, map, file, path: Some(path.to_path_buf()), live: 0 };
+        let mut writer = Self {
+            shared: Shared { base: map.as_ptr(), header },
+            map,
+            file,
+            path: Some(path.to_path_buf()),
+            live: 0,
+            published: false,
+        };
         let control = writer.shared.control();
         match control.state.load(Ordering::Acquire) {
             STATE_READY => {}
@@ -583,12 +594,14 @@ impl MirrorWriter {
         let table = self.shared.table();
         if let Some(position) = self.position(key) {
             table.bucket(position).write(snapshot);
+            self.published = true;
             return Ok(());
         }
         if (self.live + 1) * 10 > table.len() * 9 || !table.insert(snapshot) {
             return Err(MirrorError::Full);
         }
         self.live += 1;
+        self.published = true;
         self.publish_counts();
         Ok(())
     }
@@ -854,28 +867,6 @@ impl MirrorReader {
             Ok(None) => Lookup::Miss,
             Err(()) => Lookup::Unreadable,
         }
-    }
-
-    /// The raw operation beneath a probe, for benchmarks: loads each named
-    /// bucket's words (no sequence check, no key compare) and sums their
-    /// first word.
-    #[doc(hidden)]
-    pub fn raw_bucket_sum(&self, positions: &[u64]) -> u64 {
-        let buckets = self.shared.header.buckets;
-        positions.iter().map(|&p| u64::from(self.shared.bucket(p % buckets).peek().meta)).fold(0, u64::wrapping_add)
-    }
-
-    /// The raw latency beneath one cold probe, for benchmarks: `count`
-    /// bucket loads, each address depending on the word loaded before (a
-    /// chase, so no two overlap).
-    #[doc(hidden)]
-    pub fn raw_bucket_chase(&self, mut position: u64, count: usize) -> u64 {
-        let buckets = self.shared.header.buckets;
-        for step in 0..count as u64 {
-            let word = self.shared.bucket(position % buckets).peek().words[2];
-            position = position.wrapping_add(word | 1).wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(step) >> 11;
-        }
-        position
     }
 
     /// The bucket words published for `key`: `Err(())` where that could not

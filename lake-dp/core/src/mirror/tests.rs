@@ -357,3 +357,39 @@ fn entries_moved_back_by_removals_are_never_missed() {
     // that is reported as such, and stays rare.
     assert!(untold * 100 < lookups, "{untold} of {lookups} lookups could not tell");
 }
+
+#[test]
+fn a_reader_waiting_for_writes_wakes_when_the_writer_publishes_not_at_its_timeout() {
+    use std::time::{Duration, Instant};
+    let scratch = Scratch::new("wake");
+    let mut writer = MirrorWriter::create(&config(&scratch, 64)).unwrap();
+    let reader = MirrorReader::attach(&scratch.0).unwrap();
+    // Nothing published: no wake, the wait runs to its timeout.
+    let seen = reader.writes();
+    writer.wake_readers();
+    let start = Instant::now();
+    reader.wait_for_writes(seen, Duration::from_millis(50));
+    assert!(start.elapsed() >= Duration::from_millis(40), "woken with nothing published");
+    // Published while the reader sleeps: it wakes long before its
+    // timeout, and finds the entry.
+    let waiter = std::thread::spawn(move || {
+        let start = Instant::now();
+        loop {
+            let seen = reader.writes();
+            if reader.get(&key(1)) == Lookup::Hit(entry(1)) {
+                return start.elapsed();
+            }
+            reader.wait_for_writes(seen, Duration::from_secs(10));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    writer.upsert(&key(1), &entry(1)).unwrap();
+    writer.wake_readers();
+    let waited = waiter.join().unwrap();
+    assert!(waited < Duration::from_secs(5), "woken at its timeout, not by the write: {waited:?}");
+    // A wait begun after the write it waits for returns at once.
+    let reader = MirrorReader::attach(&scratch.0).unwrap();
+    let start = Instant::now();
+    reader.wait_for_writes(reader.writes().wrapping_sub(1), Duration::from_secs(10));
+    assert!(start.elapsed() < Duration::from_secs(1));
+}
