@@ -539,9 +539,7 @@ pub unsafe extern "C" fn lake_pull(
                 if wait.over(hit) {
                     break hit;
                 }
-                // Woken as `lake-cp` publishes; the view read again at
-                // least this often.
-                pool.mirror.wait_for_writes(writes, Duration::from_micros(200));
+                wait.sleep(&pool.mirror, writes);
             };
             // SAFETY: writable (contract).
             unsafe { hits.write(hit) };

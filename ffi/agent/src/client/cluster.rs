@@ -77,9 +77,7 @@ impl Agent {
             if let Some(cp) = &mut self.cp {
                 let _ = cp.pump();
             }
-            // Woken as the node's `lake-cp` publishes; the view (a holder
-            // changed, a block gone) is read again at least this often.
-            self.mirror.wait_for_writes(writes, Duration::from_micros(200));
+            wait.sleep(&self.mirror, writes);
         }
     }
 }

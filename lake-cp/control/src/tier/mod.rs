@@ -646,14 +646,12 @@ impl Tiers {
         if self.pulled_in.len() >= PULLED_IN_MAX {
             return false;
         }
-        let held_in = |tiers: &Tiers, tier: Tier| {
-            tiers.spaces.iter().find(|((t, _), s)| *t == tier && s.cache.index.contains(key)).map(|(&at, _)| at)
-        };
-        if let Some(at) = held_in(self, Tier::L1Dram) {
-            self.space(at.0, at.1).cache.make_cold(key);
+        let in_l1 = self.spaces.iter_mut().find(|((tier, _), s)| *tier == Tier::L1Dram && s.cache.index.contains(key));
+        if let Some((_, space)) = in_l1 {
+            space.cache.make_cold(key);
         } else if !(self.marked.contains_key(key)
             || self.pending_of.keys().any(|(k, _)| k == key)
-            || held_in(self, Tier::L2Nvme).is_some())
+            || self.spaces.iter().any(|((tier, _), s)| *tier == Tier::L2Nvme && s.cache.index.contains(key)))
         {
             // Not on its way out or down (the copy it leaves below is
             // dropped once there), nor below only.

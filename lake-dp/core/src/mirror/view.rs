@@ -545,6 +545,14 @@ impl PullWait {
         pulls
     }
 
+    /// Sleeps until the node's `lake-cp` publishes in `mirror` past
+    /// `writes` (its [`MirrorReader::writes`] taken before this round's
+    /// lookups), at most 200 µs, so that the wait's deadline and its next
+    /// reading of the view are not slept through.
+    pub fn sleep(&self, mirror: &MirrorReader, writes: u32) {
+        mirror.wait_for_writes(writes, std::time::Duration::from_micros(200));
+    }
+
     /// `pulls` were asked.
     pub fn asked(&mut self, pulls: &[(BlockKey, Holder)]) {
         self.asked.extend(pulls.iter().copied());
