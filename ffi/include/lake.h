@@ -821,6 +821,17 @@ typedef struct LakeRouteRequest {
    See `avoid`.
    */
   uintptr_t avoid_count;
+  /*
+   Pulling one block only other nodes hold into the node that
+   computes the prompt, over the storage network (ns): the runs of
+   such blocks in this pool's cluster view (`others` none) are weighed
+   at it, and pulled only where that beats computing them. 0: none
+   is pulled. [`LAKE_COST_MEASURED`]: into this node, what this pool
+   measured on its own pulls (`lake_pull_cost`; none measured yet:
+   none is pulled); into another node, none. A request whose
+   `struct_size` ends before this field: 0.
+   */
+  uint64_t pull_ns_per_block;
 } LakeRouteRequest;
 
 /*
@@ -1340,6 +1351,21 @@ enum LakeStatus lake_pull(const struct LakePool *pool,
                           uintptr_t count,
                           uint32_t timeout_ms,
                           uintptr_t *hits);
+
+/*
+ What a block pulled into this node has cost, as this pool measured its
+ pulls (`lake_pull`: from the ask to the last block landing, over the
+ blocks that landed; ns, a moving average; 0 none measured yet), into
+ `*out` — the cost `lake_route` weighs pulls into this node at where
+ its request's `pull_ns_per_block` is `LAKE_COST_MEASURED`. An engine
+ may pull only where it is below what computing a block costs it.
+ Thread-safe.
+
+ # Safety
+
+ `pool` from `lake_attach`; `out` writable.
+ */
+enum LakeStatus lake_pull_cost(const struct LakePool *pool, uint64_t *out);
 
 /*
  Registers `block_count` engine blocks of `block_bytes` each at `base`

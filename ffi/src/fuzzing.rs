@@ -588,8 +588,7 @@ impl PoolHarness {
                     REGISTERED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(memory);
                 }
                 14 => {
-                    // A routing question: this node's hits from its mirror
-                    // (the keys above: some may hit), the rest any values.
+                    // A routing question: hits from the mirror, the rest any values.
                     use crate::route::{
                         LAKE_COST_MEASURED, LakeNodeHits, LakeNodeLoad, LakeRouteMove, LakeRoutePlan, LakeRouteRequest,
                         lake_route,
@@ -634,6 +633,7 @@ impl PoolHarness {
                         loads_count: loads.len(),
                         avoid: avoid.as_ptr(),
                         avoid_count: avoid.len(),
+                        pull_ns_per_block: cost(&mut input),
                     };
                     let mut moves = vec![LakeRouteMove::default(); capacity % 9];
                     let mut plan = LakeRoutePlan { mode: u32::MAX, ..LakeRoutePlan::default() };

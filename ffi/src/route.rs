@@ -97,7 +97,20 @@ pub struct LakeRouteRequest {
     pub avoid: *const u32,
     /// See `avoid`.
     pub avoid_count: usize,
+    /// Pulling one block only other nodes hold into the node that
+    /// computes the prompt, over the storage network (ns): the runs of
+    /// such blocks in this pool's cluster view (`others` none) are weighed
+    /// at it, and pulled only where that beats computing them. 0: none
+    /// is pulled. [`LAKE_COST_MEASURED`]: into this node, what this pool
+    /// measured on its own pulls (`lake_pull_cost`; none measured yet:
+    /// none is pulled); into another node, none. A request whose
+    /// `struct_size` ends before this field: 0.
+    pub pull_ns_per_block: u64,
 }
+
+/// The size of a [`LakeRouteRequest`] built before
+/// [`LakeRouteRequest::pull_ns_per_block`]: still taken, as pulling none.
+const ROUTE_REQUEST_BEFORE_PULLS: usize = core::mem::offset_of!(LakeRouteRequest, pull_ns_per_block);
 
 /// [`LakeRoutePlan::mode`].
 pub const LAKE_MODE_COLOCATED: u32 = 0;
@@ -202,11 +215,16 @@ pub unsafe extern "C" fn lake_route(
             // SAFETY: non-null; the caller's struct (contract), read only
             // as far as its stated size says it goes.
             let size = unsafe { (*request).struct_size };
-            if size != size_of::<LakeRouteRequest>() {
+            if size != size_of::<LakeRouteRequest>() && size != ROUTE_REQUEST_BEFORE_PULLS {
                 return Err(fail(LakeStatus::LakeInvalidArgument, format!("lake_route: struct_size {size}")));
             }
-            // SAFETY: as above, the whole struct.
-            let r = unsafe { *request };
+            let mut whole = core::mem::MaybeUninit::<LakeRouteRequest>::zeroed();
+            // SAFETY: the caller's struct is `size` bytes (contract), at
+            // most this one's; the fields it ends before stay zero.
+            unsafe { core::ptr::copy_nonoverlapping(request.cast::<u8>(), whole.as_mut_ptr().cast::<u8>(), size) };
+            // SAFETY: every field is an integer or a pointer, for which
+            // zero is a value: initialised whole.
+            let r = unsafe { whole.assume_init() };
             let policy = match r.policy {
                 0 => Policy::Any,
                 1 => Policy::AlwaysPd,
@@ -241,13 +259,15 @@ pub unsafe extern "C" fn lake_route(
                 HitView { nodes: Vec::with_capacity(others.len() + 1), l3_through: r.l3_blocks, pool: Vec::new() };
             view.nodes.push(NodeHits { node: NodeId(r.local_node), through: [l0, l1.max(l0), l2.max(l1).max(l0), 0] });
             view.nodes.extend(others.iter().map(|h| NodeHits { node: NodeId(h.node), through: h.through }));
-            // None given: the other nodes' hits as this pool's cluster view
-            // has them (none without a view), the avoided left out.
+            // None given: the other nodes' hits, and the runs of blocks
+            // only other nodes hold, as this pool's cluster view has them
+            // (none without a view), the avoided left out.
             if others.is_empty() {
                 let down: Vec<NodeId> = avoid.iter().map(|&n| NodeId(n)).collect();
                 let seen = crate::pool::cluster_hit_view(pool, &keys, &down);
                 let here = [NodeId(pool.mirror.header().node), NodeId(r.local_node)];
                 view.nodes.extend(seen.nodes.into_iter().filter(|n| !here.contains(&n.node)));
+                view.pool = seen.pool;
             }
             // Measured costs are this node's alone.
             for load in loads {
@@ -283,6 +303,17 @@ pub unsafe extern "C" fn lake_route(
                 }
                 costs
             };
+            // Pulls into a node as the request prices them (`u64::MAX`:
+            // none).
+            let pull = |l: &LakeNodeLoad| match r.pull_ns_per_block {
+                0 => u64::MAX,
+                LAKE_COST_MEASURED if l.node != r.local_node => u64::MAX,
+                LAKE_COST_MEASURED => match pool.pull_ns_per_block.load(Ordering::Acquire) {
+                    0 => u64::MAX,
+                    measured => measured,
+                },
+                given => given,
+            };
             let load_view = LoadView {
                 nodes: loads
                     .iter()
@@ -294,8 +325,7 @@ pub unsafe extern "C" fn lake_route(
                         compute_ns_per_block: compute(l),
                         load_ns_per_block: live(l),
                         cnic_ns_per_block: l.cnic_ns_per_block,
-                        // Its caller gives no pool runs to pull.
-                        pull_ns_per_block: u64::MAX,
+                        pull_ns_per_block: pull(l),
                     })
                     .collect(),
             };

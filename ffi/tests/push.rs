@@ -21,12 +21,13 @@ use std::time::{Duration, Instant};
 use lake::pool::{
     LakeBlockKey, LakeBlockWhere, LakeNamespace, LakeNamespaceOptions, lake_cancel, lake_compute_cost, lake_detach,
     lake_keychain_extend, lake_keychain_free, lake_keychain_new, lake_load_costs, lake_lookup_cluster,
-    lake_namespace_free, lake_namespace_new, lake_pull, lake_push, lake_push_rails, lake_register_host_memory,
-    lake_report_prefill, lake_slot_space, lake_submit_load, lake_submit_save,
+    lake_namespace_free, lake_namespace_new, lake_pull, lake_pull_cost, lake_push, lake_push_rails,
+    lake_register_host_memory, lake_report_prefill, lake_slot_space, lake_submit_load, lake_submit_save,
 };
 use lake::route::{
-    LAKE_COST_MEASURED, LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_ROLE_DECODE,
-    LAKE_ROLE_PREFILL, LakeNodeHits, LakeNodeLoad, LakeRouteMove, LakeRoutePlan, LakeRouteRequest, lake_route,
+    LAKE_COST_MEASURED, LAKE_MODE_COLOCATED, LAKE_MODE_DDIRECT, LAKE_NETWORK_LOCAL, LAKE_NETWORK_STORAGE,
+    LAKE_ROLE_DECODE, LAKE_ROLE_PREFILL, LakeNodeHits, LakeNodeLoad, LakeRouteMove, LakeRoutePlan, LakeRouteRequest,
+    lake_route,
 };
 use lake::status::LakeStatus;
 
@@ -264,6 +265,7 @@ fn the_router_reads_this_nodes_hits_from_its_mirror() {
             loads_count: loads.len(),
             avoid: avoid.as_ptr(),
             avoid_count: avoid.len(),
+            pull_ns_per_block: 0,
         };
         let mut plan = LakeRoutePlan::default();
         let mut moves = [LakeRouteMove::default(); 4];
@@ -638,9 +640,9 @@ fn a_cluster_lookup_names_this_nodes_blocks_then_the_blocks_only_another_node_ho
         cnic_ns_per_block: 100_000,
     };
     let loads = [load(0), load(5)];
-    let route = |avoid: &[u32]| {
+    let route_on = |loads: &[LakeNodeLoad], avoid: &[u32], pull_ns_per_block: u64, struct_size: usize| {
         let request = LakeRouteRequest {
-            struct_size: size_of::<LakeRouteRequest>(),
+            struct_size,
             keys: keys.as_ptr(),
             count: 8,
             local_node: 0,
@@ -653,17 +655,42 @@ fn a_cluster_lookup_names_this_nodes_blocks_then_the_blocks_only_another_node_ho
             loads_count: loads.len(),
             avoid: avoid.as_ptr(),
             avoid_count: avoid.len(),
+            pull_ns_per_block,
         };
-        let mut plan = LakeRoutePlan::default();
-        // SAFETY: a request whose arrays hold their counts; a writable plan.
-        ok(unsafe { lake_route(p, &raw const request, &raw mut plan, core::ptr::null_mut(), 0) }, "route");
-        plan
+        let (mut plan, mut moves) = (LakeRoutePlan::default(), [LakeRouteMove::default(); 4]);
+        // SAFETY: a request whose arrays hold their counts; a writable
+        // plan and four writable moves.
+        ok(unsafe { lake_route(p, &raw const request, &raw mut plan, moves.as_mut_ptr(), moves.len()) }, "route");
+        (plan, moves)
     };
+    let whole = size_of::<LakeRouteRequest>();
+    let route = |avoid: &[u32]| route_on(&loads, avoid, 0, whole).0;
     let plan = route(&[]);
     assert_eq!((plan.prefill_node, plan.hit_blocks, plan.recomputed_blocks), (5, 8, 0), "{plan:?}");
     // Node 5 failed it: routed around it, this node's six load.
     let plan = route(&[5]);
     assert_eq!((plan.prefill_node, plan.hit_blocks, plan.recomputed_blocks), (0, 6, 2), "{plan:?}");
+    // Only this node may run it: its six load, and the two only node 5
+    // holds are pulled where the request prices a pull below computing.
+    let here = [load(0)];
+    let (plan, moves) = route_on(&here, &[], 100_000, whole);
+    assert_eq!((plan.prefill_node, plan.hit_blocks, plan.recomputed_blocks), (0, 8, 0), "{plan:?}");
+    let pulled = moves[..plan.moves as usize].iter().find(|m| m.network == LAKE_NETWORK_STORAGE);
+    let pulled = pulled.map(|m| (m.first, m.last, m.from_node, m.from_tier, m.to_node));
+    assert_eq!(pulled, Some((6, 8, 5, 2, 0)), "{moves:?}");
+    // Dearer than computing, not pulled; nor where the request prices no
+    // pull, nor at this pool's measure before it pulled anything, nor
+    // from a request built before pulls were priced (its size ends
+    // before the field, whatever lies past it).
+    let costs = [1_000_000, 0, LAKE_COST_MEASURED];
+    for (pull, size) in costs.into_iter().map(|c| (c, whole)).chain([(100_000, whole - size_of::<u64>())]) {
+        let (plan, _) = route_on(&here, &[], pull, size);
+        assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (6, 2), "pull {pull}, size {size}: {plan:?}");
+    }
+    let mut cost = u64::MAX;
+    // SAFETY: `cost` writable.
+    ok(unsafe { lake_pull_cost(p, &raw mut cost) }, "pull cost");
+    assert_eq!(cost, 0, "nothing pulled, nothing measured");
     // Too little room: the hit is said, with the status.
     let (status, hits, _) = ask(7);
     assert_eq!((status, hits), (LakeStatus::LakeBufferTooSmall, 8));

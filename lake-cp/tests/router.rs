@@ -243,6 +243,8 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
         std::thread::sleep(Duration::from_millis(50));
     }
 
+    an_engine_through_the_c_abi_pulls_where_its_measured_pull_beats_computing(&serving_one, &serving_two);
+
     // Both avoided: no node may run it, and the answer says so.
     let (status, none) = route(&router, &json!({ "tokens": tokens, "avoid": [1, 2] }));
     assert_eq!((status, none["error"].as_str()), (503, Some("no node may run the request")), "{none}");
@@ -283,6 +285,133 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     assert!(stopped.contains("\"over_cap\":"), "{stopped}");
     drop(one);
     drop(leader);
+}
+
+/// An engine on node 1 attached through the C ABI pulls a prompt only
+/// node 2 holds (`lake_pull`): its pool measures what a pulled block
+/// cost (`lake_pull_cost`), and `lake_route`, asked to weigh pulls into
+/// node 1 at that measure, pulls another prompt node 2 holds where it is
+/// below node 1's compute, and computes it where it is above.
+fn an_engine_through_the_c_abi_pulls_where_its_measured_pull_beats_computing(serving_one: &str, serving_two: &str) {
+    use lake::pool::{
+        LakeAttachOptions, LakeBlockKey, LakeNamespaceOptions, lake_attach, lake_detach, lake_lookup_cluster,
+        lake_namespace_free, lake_namespace_new, lake_pull, lake_pull_cost,
+    };
+    use lake::route::{
+        LAKE_COST_MEASURED, LAKE_NETWORK_STORAGE, LAKE_ROLE_DECODE, LAKE_ROLE_PREFILL, LakeNodeLoad, LakeRouteMove,
+        LakeRoutePlan, LakeRouteRequest, lake_route,
+    };
+    use lake::status::LakeStatus;
+
+    let ok = |status: LakeStatus, what: &str| assert_eq!(status, LakeStatus::LakeOk, "{what}");
+    let options = LakeNamespaceOptions {
+        struct_size: size_of::<LakeNamespaceOptions>(),
+        tenant_key: [0x42; 32],
+        block_tokens: BLOCK_TOKENS,
+        model_fingerprint: [0x17; 32],
+        extra_keys_digest: [0; 32],
+        key_scheme: 1,
+    };
+    let mut namespace = core::ptr::null_mut();
+    // SAFETY: valid options, a writable handle.
+    ok(unsafe { lake_namespace_new(&raw const options, &raw mut namespace) }, "namespace");
+    let paths: Vec<std::ffi::CString> = ["dp_socket", "mirror", "cp_socket"]
+        .iter()
+        .map(|name| std::ffi::CString::new(field(serving_one, name)).unwrap())
+        .collect();
+    let attach = LakeAttachOptions {
+        struct_size: size_of::<LakeAttachOptions>(),
+        dp_socket: paths[0].as_ptr(),
+        mirror_path: paths[1].as_ptr(),
+        cp_socket: paths[2].as_ptr(),
+        name: c"router-test-c".as_ptr(),
+        namespace,
+        layout_fingerprint: 11,
+        segment_bytes: 16 * 1024,
+        pin_agent: 0,
+        agent_core: 0,
+        copy_threads: 0,
+        shard_code: 0,
+        object_kind: 1,
+        block_bytes: 0,
+    };
+    let mut pool = core::ptr::null_mut();
+    // SAFETY: valid options whose strings outlive the pool; a writable handle.
+    ok(unsafe { lake_attach(&raw const attach, &raw mut pool) }, "attach");
+    let p = pool.cast_const();
+    let c_keys = |keys: &[BlockKey]| keys.iter().map(|k| LakeBlockKey { bytes: k.0 }).collect::<Vec<_>>();
+    // Two more prompts only node 2 holds, once node 1's view shows them.
+    let (pulled, routed) = (c_keys(&prompt(3, 8).1), c_keys(&prompt(4, 8).1));
+    save(serving_two, &prompt(3, 8).1);
+    save(serving_two, &prompt(4, 8).1);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for keys in [&pulled, &routed] {
+        let mut places = vec![lake::pool::LakeBlockWhere::default(); 8];
+        loop {
+            let mut held = 0;
+            // SAFETY: 8 keys, 8 writable places, `held` writable.
+            let status = unsafe { lake_lookup_cluster(p, keys.as_ptr(), 8, places.as_mut_ptr(), 8, &raw mut held) };
+            if status == LakeStatus::LakeOk && held == 8 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "node 2's prompts never showed in node 1's view");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let mut cost = u64::MAX;
+    // SAFETY: `cost` writable.
+    ok(unsafe { lake_pull_cost(p, &raw mut cost) }, "pull cost");
+    assert_eq!(cost, 0, "no pull yet");
+    let mut hits = 0;
+    // SAFETY: 8 keys; `hits` writable.
+    ok(unsafe { lake_pull(p, pulled.as_ptr(), 8, 10_000, &raw mut hits) }, "pull");
+    assert_eq!(hits, 8, "the pulled prompt is node 1's now");
+    // SAFETY: `cost` writable.
+    ok(unsafe { lake_pull_cost(p, &raw mut cost) }, "pull cost");
+    println!("router: node 1's engine measured a pulled block at {cost} ns");
+    assert!(cost > 0 && cost < 10_000_000_000, "{cost}");
+    // Node 1 alone may run the other prompt.
+    let route = |compute_ns_per_block: u64| {
+        let loads = [LakeNodeLoad {
+            node: 1,
+            roles: LAKE_ROLE_PREFILL | LAKE_ROLE_DECODE,
+            queue_ns: 0,
+            compute_ns_per_block,
+            load_ns_per_block: [0, 50_000, 400_000, 3_000_000],
+            cnic_ns_per_block: 100_000,
+        }];
+        let request = LakeRouteRequest {
+            struct_size: size_of::<LakeRouteRequest>(),
+            keys: routed.as_ptr(),
+            count: 8,
+            local_node: 1,
+            local_l0_blocks: 0,
+            l3_blocks: 0,
+            policy: 0,
+            others: core::ptr::null(),
+            others_count: 0,
+            loads: loads.as_ptr(),
+            loads_count: 1,
+            avoid: core::ptr::null(),
+            avoid_count: 0,
+            pull_ns_per_block: LAKE_COST_MEASURED,
+        };
+        let (mut plan, mut moves) = (LakeRoutePlan::default(), [LakeRouteMove::default(); 2]);
+        // SAFETY: a request whose arrays hold their counts; a writable
+        // plan and two writable moves.
+        ok(unsafe { lake_route(p, &raw const request, &raw mut plan, moves.as_mut_ptr(), 2) }, "route");
+        (plan, moves)
+    };
+    let (plan, moves) = route(cost.saturating_mul(4));
+    assert_eq!((plan.prefill_node, plan.hit_blocks, plan.moves), (1, 8, 1), "{plan:?}");
+    let pull = (moves[0].first, moves[0].last, moves[0].from_node, moves[0].to_node, moves[0].network);
+    assert_eq!(pull, (0, 8, 2, 1, LAKE_NETWORK_STORAGE), "{moves:?}");
+    let (plan, _) = route(cost / 4);
+    assert_eq!((plan.hit_blocks, plan.recomputed_blocks), (0, 8), "a pull dearer than computing: {plan:?}");
+    // SAFETY: from lake_attach, detached once.
+    unsafe { lake_detach(pool) };
+    // SAFETY: from lake_namespace_new, freed once.
+    unsafe { lake_namespace_free(namespace) };
 }
 
 fn bad_requests_are_refused_by_name(router: &str) {

@@ -372,6 +372,7 @@ def _library():
         "lake_load_costs": ([p, ctypes.POINTER(u64), sz], ctypes.c_int),
         "lake_report_prefill": ([p, u64, u64], ctypes.c_int),
         "lake_compute_cost": ([p, ctypes.POINTER(u64)], ctypes.c_int),
+        "lake_pull_cost": ([p, ctypes.POINTER(u64)], ctypes.c_int),
         "lake_cancel": ([p, u64], ctypes.c_int),
         "lake_poll": ([p, p, sz, ctypes.POINTER(sz)], ctypes.c_int),
         "lake_stats": ([p, p], ctypes.c_int),
@@ -427,6 +428,7 @@ class _RouteRequest(ctypes.Structure):
         ("loads_count", ctypes.c_size_t),
         ("avoid", ctypes.c_void_p),
         ("avoid_count", ctypes.c_size_t),
+        ("pull_ns_per_block", ctypes.c_uint64),
     ]
 
 
@@ -1096,15 +1098,21 @@ class Pool:
             _check(_library().lake_push_rails(self._h(), _ptr(out), count.value, ctypes.byref(count)))
         return out[: count.value]
 
-    def route(self, keys, loads, others=(), local_node=0, local_l0_blocks=0, l3_blocks=0, avoid=(), policy="any"):
+    def route(
+        self, keys, loads, others=(), local_node=0, local_l0_blocks=0, l3_blocks=0, avoid=(), policy="any",
+        pull_ns_per_block=0,
+    ):
         """Where a request with block ``keys`` should run (``lake_route``):
         this node's hits from its mirror, ``others`` as ``{"node": n,
         "through": [l0, l1, l2, l3]}`` (none: the pool's cluster view
         gives them, where it keeps one), every node in ``loads`` as
         ``{"node", "prefill", "decode", "queue_ns", "compute_ns_per_block",
         "load_ns_per_block": [l0, l1, l2, l3], "cnic_ns_per_block"}``;
-        ``avoid``: nodes a failed execution ran on. Returns the plan as a
-        dict (``mode``: "colocated", "pd" or "d_direct"; its ``moves``)."""
+        ``avoid``: nodes a failed execution ran on; ``pull_ns_per_block``:
+        what pulling a block only other nodes hold costs (0: none is
+        pulled; ``COST_MEASURED``: into this node, what this pool measured,
+        :meth:`pull_cost`). Returns the plan as a dict (``mode``:
+        "colocated", "pd" or "d_direct"; its ``moves``)."""
         if policy not in ROUTE_POLICIES:
             raise ValueError(f"policy {policy!r}: one of {sorted(ROUTE_POLICIES)}")
         keys = _keys(keys)
@@ -1123,6 +1131,7 @@ class Pool:
             ctypes.sizeof(_RouteRequest), _ptr(keys), keys.shape[0], local_node, local_l0_blocks, l3_blocks,
             ROUTE_POLICIES[policy], ctypes.cast(other_array, ctypes.c_void_p), len(others),
             ctypes.cast(load_array, ctypes.c_void_p), len(loads), ctypes.cast(avoid_array, ctypes.c_void_p), len(avoid),
+            pull_ns_per_block,
         )
         plan = _RoutePlan()
         moves = (_RouteMove * 16)()
@@ -1224,6 +1233,13 @@ class Pool:
         prefills, in ns (0: none reported yet)."""
         out = ctypes.c_uint64()
         _check(_library().lake_compute_cost(self._h(), ctypes.byref(out)))
+        return out.value
+
+    def pull_cost(self) -> int:
+        """What a block pulled into this node has cost, as this pool
+        measured its pulls (:meth:`pull`), in ns (0: none measured yet)."""
+        out = ctypes.c_uint64()
+        _check(_library().lake_pull_cost(self._h(), ctypes.byref(out)))
         return out.value
 
     def stats(self) -> dict:

@@ -107,6 +107,7 @@ def test_a_cluster_lookup_of_a_single_node_pool_names_this_nodes_blocks_as_looku
         started = time.monotonic()
         assert pool.pull(keys, timeout_s=5.0) == 4
         assert time.monotonic() - started < 1.0
+        assert pool.pull_cost() == 0, "nothing pulled, nothing measured"
 
 
 def test_a_pool_that_refuses_saves_says_so_and_a_save_is_skipped_whole(closed_paths):

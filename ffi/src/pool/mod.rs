@@ -231,6 +231,10 @@ pub struct LakePool {
     /// reported its prefills ([`lake_report_prefill`]; ns, a moving
     /// average; 0 not reported yet).
     pub(crate) compute_ns_per_block: AtomicU64,
+    /// What a block pulled into this node has cost, as this pool measured
+    /// its pulls ([`lake_pull`]; ns, a moving average; 0 none measured
+    /// yet).
+    pub(crate) pull_ns_per_block: AtomicU64,
 }
 
 impl LakePool {

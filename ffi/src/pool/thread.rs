@@ -188,6 +188,7 @@ pub(super) fn start(
         layers,
         next_request: AtomicU64::new(1),
         compute_ns_per_block: AtomicU64::new(0),
+        pull_ns_per_block: AtomicU64::new(0),
         thread: Some(thread),
         stop,
         push_rails,
