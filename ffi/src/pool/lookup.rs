@@ -519,7 +519,6 @@ pub unsafe extern "C" fn lake_pull(
             let keys = read_keys(pool, keys, count);
             let mut wait = PullWait::new(&keys, Duration::from_millis(u64::from(timeout_ms)));
             let (mut places, mut table) = (Vec::new(), Vec::with_capacity(keys.len()));
-            let mut clock = PullClock::default();
             let hit = loop {
                 let writes = pool.mirror.writes();
                 let lookup = |keys: &[BlockKey], out: &mut Vec<Where>| {
@@ -534,17 +533,16 @@ pub unsafe extern "C" fn lake_pull(
                         .is_some_and(|jobs| jobs.push(true, Job::Pull { pulls: pulls.clone() }).is_ok());
                     if asked {
                         wait.asked(&pulls);
-                        clock.asked(&pulls);
                     }
                 }
                 let hit = pool.mirror.lookup(&keys[..wait.found()], &mut table);
-                clock.saw(&keys, hit);
+                wait.saw(&keys, hit);
                 if wait.over(hit) {
                     break hit;
                 }
                 wait.sleep(&pool.mirror, writes);
             };
-            if let Some(per_block) = clock.per_block() {
+            if let Some(per_block) = wait.per_block() {
                 // The closure always answers Some: the update cannot fail.
                 let _ = pool.pull_ns_per_block.fetch_update(Ordering::AcqRel, Ordering::Acquire, |average| {
                     Some(lake_agent::fold_load_cost(average, per_block))
@@ -555,45 +553,6 @@ pub unsafe extern "C" fn lake_pull(
             Ok(())
         })())
     })
-}
-
-/// A pull's cost as [`lake_pull`] waits for it: from its first ask to the
-/// last of its blocks landing, over the blocks asked that landed.
-#[derive(Default)]
-struct PullClock {
-    asked_at: Option<std::time::Instant>,
-    asked: HashSet<BlockKey>,
-    /// The hit last seen, the asked blocks in it, and when the last of
-    /// them was seen landed.
-    hit: usize,
-    landed: u32,
-    landed_at: Option<std::time::Instant>,
-}
-
-impl PullClock {
-    fn asked(&mut self, pulls: &[(BlockKey, lake_dp::mirror::view::Holder)]) {
-        self.asked_at.get_or_insert_with(std::time::Instant::now);
-        self.asked.extend(pulls.iter().map(|(key, _)| *key));
-    }
-
-    /// This node's hit of `keys` is `hit` now.
-    fn saw(&mut self, keys: &[BlockKey], hit: usize) {
-        if hit <= self.hit {
-            return;
-        }
-        let landed = keys[self.hit..hit].iter().filter(|key| self.asked.contains(key)).count();
-        self.hit = hit;
-        if landed > 0 {
-            self.landed = self.landed.saturating_add(u32::try_from(landed).unwrap_or(u32::MAX));
-            self.landed_at = Some(std::time::Instant::now());
-        }
-    }
-
-    /// What one block landed cost (none landed: none).
-    fn per_block(&self) -> Option<Duration> {
-        let (asked_at, landed_at) = (self.asked_at?, self.landed_at?);
-        (self.landed > 0).then(|| landed_at.duration_since(asked_at) / self.landed)
-    }
 }
 
 /// What a block pulled into this node has cost, as this pool measured its

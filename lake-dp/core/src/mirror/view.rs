@@ -491,6 +491,12 @@ pub struct PullWait {
     look_at: std::time::Instant,
     deadline: std::time::Instant,
     first: bool,
+    /// When the first block was asked; the hit last seen, the asked
+    /// blocks that landed in it, and when the last of them was seen.
+    asked_at: Option<std::time::Instant>,
+    hit: usize,
+    landed: u32,
+    landed_at: Option<std::time::Instant>,
 }
 
 impl PullWait {
@@ -505,6 +511,10 @@ impl PullWait {
             look_at: now,
             deadline: now + within,
             first: true,
+            asked_at: None,
+            hit: 0,
+            landed: 0,
+            landed_at: None,
         }
     }
 
@@ -555,7 +565,30 @@ impl PullWait {
 
     /// `pulls` were asked.
     pub fn asked(&mut self, pulls: &[(BlockKey, Holder)]) {
+        self.asked_at.get_or_insert_with(std::time::Instant::now);
         self.asked.extend(pulls.iter().copied());
+    }
+
+    /// The node's mirror holds `hit` blocks of `keys` now: the asked
+    /// ones among those new to it landed (see [`PullWait::per_block`]).
+    pub fn saw(&mut self, keys: &[BlockKey], hit: usize) {
+        if hit <= self.hit {
+            return;
+        }
+        let landed = keys[self.hit..hit].iter().filter(|key| self.asked.contains_key(key)).count();
+        self.hit = hit;
+        if landed > 0 {
+            self.landed = self.landed.saturating_add(u32::try_from(landed).unwrap_or(u32::MAX));
+            self.landed_at = Some(std::time::Instant::now());
+        }
+    }
+
+    /// What one pulled block cost: the time from the first ask to the
+    /// last asked block seen landed ([`PullWait::saw`]), over the asked
+    /// blocks that landed (none landed: none).
+    pub fn per_block(&self) -> Option<std::time::Duration> {
+        let (asked_at, landed_at) = (self.asked_at?, self.landed_at?);
+        (self.landed > 0).then(|| landed_at.duration_since(asked_at) / self.landed)
     }
 
     /// Whether the wait is over, the node's mirror holding `hit` blocks of
