@@ -187,6 +187,48 @@ def pull_settings(extra: dict, where: str) -> tuple[bool, float, int]:
     return pull, float(timeout), compute
 
 
+# A pull found dearer than computing is tried again after this long: what
+# a pull costs changes with the network's and the holders' load.
+PULL_REMEASURE_S = 30.0
+
+
+class PullGate:
+    """Whether an engine pulls other nodes' blocks: what a pulled block
+    cost, as the engine measured its own pulls, against what computing one
+    costs it (``compute_ns_per_block``; 0, unknown: every pull is worth
+    it). Once pulls are found dearer, none is asked until the figure is
+    ``PULL_REMEASURE_S`` old; the next pull measures it again."""
+
+    def __init__(self, compute_ns_per_block: int):
+        self.compute_ns = compute_ns_per_block
+        # What a pulled block costs as measured (ns; 0: none yet).
+        self.ns_per_block = 0
+        self.measured_at = 0.0
+
+    def dearer(self) -> bool:
+        """Whether a pulled block, as last measured, costs more than
+        computing one."""
+        return bool(self.compute_ns) and self.ns_per_block > self.compute_ns
+
+    def shut(self, now: float) -> bool:
+        """Whether no pull is asked at ``now`` (``time.monotonic()``):
+        pulls are dearer, as measured lately."""
+        return self.dearer() and now - self.measured_at < PULL_REMEASURE_S
+
+    def measured(self, now: float, seconds: float, blocks: int):
+        """A pull brought ``blocks`` in ``seconds``. Measured again after
+        a pause, the new figure replaces the old one, which no pull could
+        change meanwhile; otherwise it moves the figure a quarter way."""
+        if blocks <= 0:
+            return
+        cost = int(seconds * 1e9) // blocks
+        if not self.ns_per_block or self.dearer():
+            self.ns_per_block = cost
+        else:
+            self.ns_per_block = (3 * self.ns_per_block + cost) // 4
+        self.measured_at = now
+
+
 class LakeError(Exception):
     """A call returned a status other than ``LAKE_OK``."""
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -141,10 +142,12 @@ class LakeStore(HiCacheStorage):
         self.page_size = 0
         self.timeout = float(extra.get("timeout_s", 30.0))
         # A prefix other nodes hold is pulled here in batch_exists (SGLang's
-        # prefetch thread asks it, off the scheduler's path). Not under
-        # tensor parallelism: a pull brings a block, not every rank's shard.
-        pull, self.pull_timeout_s, _ = lake.pull_settings(extra, "lake.sglang: the extra config")
+        # prefetch thread asks it, off the scheduler's path), where pulls
+        # are worth it. Not under tensor parallelism: a pull brings a
+        # block, not every rank's shard.
+        pull, self.pull_timeout_s, compute_ns = lake.pull_settings(extra, "lake.sglang: the extra config")
         self.pull = pull and self.tp_size == 1
+        self.pull_gate = lake.PullGate(compute_ns)
 
     # ---------------- registration ----------------
 
@@ -213,16 +216,21 @@ class LakeStore(HiCacheStorage):
         shared-memory mirror: no round trip). On a node of a cluster, the
         pages past them that other nodes hold are pulled here first, for
         at most ``pull_timeout_s`` (a page that left its holder ends the
-        run there)."""
+        run there), unless the pull gate is shut (a pulled page, as
+        measured here, costs more than computing one)."""
         if not keys:
             return 0
         try:
             lake_keys = self._keys(keys)
             hits, _ = self.pool.lookup(lake_keys)
-            if self.pull and hits < len(lake_keys):
+            if self.pull and hits < len(lake_keys) and not self.pull_gate.shut(time.monotonic()):
                 held, _ = self.pool.lookup_cluster(lake_keys)
                 if held > hits:
-                    hits = self.pool.pull(lake_keys[:held], timeout_s=self.pull_timeout_s)
+                    started = time.monotonic()
+                    landed = self.pool.pull(lake_keys[:held], timeout_s=self.pull_timeout_s)
+                    now = time.monotonic()
+                    self.pull_gate.measured(now, now - started, landed - hits)
+                    hits = landed
             return int(hits)
         except Exception as error:  # never into SGLang's threads
             logger.error("lake.sglang: batch_exists failed: %s", error)

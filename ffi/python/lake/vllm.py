@@ -52,9 +52,6 @@ logger = logging.getLogger("lake.vllm")
 
 # A load not done in this long is cancelled and its blocks recomputed.
 LOAD_TIMEOUT_S = 30
-# A pull found dearer than computing is tried again after this long: what
-# a pull costs changes with the network's and the holders' load.
-PULL_REMEASURE_S = 30.0
 
 try:  # pragma: no cover - exercised only where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -579,15 +576,14 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("kv_connector_extra_config['trace_every'] is 0 (none) or N (one request in N)")
         self._traced: dict[int, str] = {}
         # Scheduler: pulls of other nodes' blocks by waiting request, and
-        # what a pulled block has cost as measured (ns, 0: none yet).
-        self._pull, self._pull_timeout_s, self._compute_ns = lake.pull_settings(extra, "kv_connector_extra_config")
+        # whether they are worth asking.
+        self._pull, self._pull_timeout_s, compute_ns = lake.pull_settings(extra, "kv_connector_extra_config")
         if self.groups.hybrid or self._shards is not None:
             # A pull brings KV blocks by key: not a hybrid's state
             # checkpoints, nor every tensor-parallel shard of a block.
             self._pull = False
         self._pulls: dict[str, _Pull] = {}
-        self.pull_ns_per_block = 0
-        self._pull_measured_at = 0.0
+        self.pull_gate = lake.PullGate(compute_ns)
 
     def _attach(self, layout, name):
         return lake.Pool(
@@ -658,11 +654,6 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._local_hits[request.request_id] = num_computed_tokens
         return extra, self._load_async and extra > 0
 
-    def _pull_dearer(self) -> bool:
-        """Whether a pulled block, as last measured, costs more than
-        computing one (``compute_ns_per_block``; 0: unknown, never)."""
-        return bool(self._compute_ns) and self.pull_ns_per_block > self._compute_ns
-
     def _pulled(self, request_id: str, keys, matched: int) -> int | None:
         """The hit in tokens once the blocks of the request's prefix that
         only other nodes hold are here: a pull of them is asked once (the
@@ -670,9 +661,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         other requests) and ``None`` (vLLM asks again next step) is the
         answer until they landed or ``pull_timeout_s`` passed. A block that
         left its holder meanwhile never lands: the hit ends before it, and
-        vLLM computes the rest. No pull where a pulled block, as measured,
-        costs more than computing one (``compute_ns_per_block``), until
-        it is measured again ``PULL_REMEASURE_S`` later."""
+        vLLM computes the rest. No pull where the pull gate is shut."""
         local = matched // self.block_size
         pull = self._pulls.get(request_id)
         now = time.monotonic()
@@ -680,8 +669,7 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
             # This node holds the whole prefix, or pulls cost more than
             # computing (as last measured, lately): nothing to ask the
             # cluster view.
-            dearer = self._pull_dearer() and now - self._pull_measured_at < PULL_REMEASURE_S
-            if local >= len(keys) or dearer:
+            if local >= len(keys) or self.pull_gate.shut(now):
                 return matched
             try:
                 held, _ = self.pool.lookup_cluster(keys)
@@ -697,19 +685,11 @@ class LakeConnector(KVConnectorBase_V1, SupportsHMA):
         if local < pull.held and now < pull.deadline:
             return None
         del self._pulls[request_id]
-        if local > pull.local:
-            # The pull's cost: its wait spread over the blocks it brought.
-            cost = int((now - pull.started) * 1e9) // (local - pull.local)
-            # Measured again after a pause: the new figure replaces the old
-            # one, which no pull could change meanwhile.
-            if not self.pull_ns_per_block or self._pull_dearer():
-                self.pull_ns_per_block = cost
-            else:
-                self.pull_ns_per_block = (3 * self.pull_ns_per_block + cost) // 4
-            self._pull_measured_at = now
+        # The pull's cost: its wait spread over the blocks it brought.
+        self.pull_gate.measured(now, now - pull.started, local - pull.local)
         logger.debug(
             "lake.vllm: request %s: pulled %d blocks in %.3f s; a pulled block costs %d ns",
-            request_id, local - pull.local, now - pull.started, self.pull_ns_per_block,
+            request_id, local - pull.local, now - pull.started, self.pull_gate.ns_per_block,
         )
         if local < pull.held:
             logger.info(

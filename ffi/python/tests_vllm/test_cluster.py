@@ -47,6 +47,7 @@ import urllib.request
 
 import pytest
 
+import lake
 import netns
 from conftest import KV_BYTES_PER_TOKEN, Pool
 from test_real_vllm import external_hits, only, phase, pool_gauge, tokens
@@ -449,6 +450,55 @@ def test_sglangs_prefetch_on_one_node_pulls_what_another_node_backed_up(cluster)
         store.close()
 
 
+def test_sglangs_prefetch_stops_pulling_once_a_pulled_page_costs_more_than_computing_one(cluster, monkeypatch):
+    # SGLang's HiCache calls against two nodes, as above: an instance on
+    # node 1 backs up two prefixes. On node 2, told that computing a page
+    # costs 1 ns, the prefetch's batch_exists pulls the first (and
+    # measures what a pulled page cost); for the second it answers node
+    # 2's own hit, none, and asks no pull, until its figure is old.
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import test_sglang as sg
+
+    def config(node, **extra):
+        return sg.storage_config(pool_paths(cluster[node]), "test/sglang-pull-cost", **extra)
+
+    prefixes = [sg.page_hashes((np.arange(7 * sg.PAGE) * k + 1).tolist()) for k in (17, 19)]
+    saver = sg.lake_sglang.LakeStore(config(1), {})
+    saver.register_mem_pool_host(sg.host_pool("layer_first", fill=np.random.default_rng(6)))
+    for i, keys in enumerate(prefixes):
+        sg.write_back(saver, keys, list(range(7 * i, 7 * i + 7)))
+        sg.wait_held(saver, keys, 7)
+    thrifty = sg.lake_sglang.LakeStore(config(2, compute_ns_per_block=1), {})
+    thrifty.register_mem_pool_host(sg.host_pool("page_first"))
+    for keys in prefixes:
+        deadline = time.monotonic() + 20
+        while thrifty.pool.lookup_cluster(thrifty._keys(keys))[0] < 7:
+            assert time.monotonic() < deadline, "node 1's pages never reached node 2's view"
+            time.sleep(0.05)
+
+    sent = 'lake_cluster_pulls_total{result="sent"}'
+    before = pool_gauge(cluster[2], sent)
+    assert thrifty.batch_exists(prefixes[0]) == 7
+    after_first = pool_gauge(cluster[2], sent)
+    assert after_first > before
+    assert thrifty.batch_exists(prefixes[1]) == 0, "a pull dearer than computing was asked"
+    assert pool_gauge(cluster[2], sent) == after_first
+    assert thrifty.pull_gate.ns_per_block > 1
+    # Measured again once its figure is old: it pulls (and finds pulls
+    # still dearer than 1 ns a page).
+    monkeypatch.setattr(lake, "PULL_REMEASURE_S", 0.0)
+    assert thrifty.batch_exists(prefixes[1]) == 7
+    assert pool_gauge(cluster[2], sent) > after_first
+    assert thrifty.pull_gate.ns_per_block > 1
+    for store in (saver, thrifty):
+        store.close()
+
+
 def test_the_vllm_connector_stops_pulling_once_a_pulled_block_costs_more_than_computing_one(cluster, monkeypatch):
     # vLLM's scheduler-side calls, as ffi/python/tests/test_vllm_worker.py
     # replays them, against the real connector on two of the nodes: an
@@ -506,7 +556,7 @@ def test_the_vllm_connector_stops_pulling_once_a_pulled_block_costs_more_than_co
     sent = 'lake_cluster_pulls_total{result="sent"}'
     before = pool_gauge(cluster[2], sent)
     assert hit(thrifty, "first", prompts[0]) == 4 * vw.BLOCK
-    assert thrifty.pull_ns_per_block > 1
+    assert thrifty.pull_gate.ns_per_block > 1
     after_first = pool_gauge(cluster[2], sent)
     assert after_first > before
     assert hit(thrifty, "second", prompts[1]) == 0
@@ -518,9 +568,9 @@ def test_the_vllm_connector_stops_pulling_once_a_pulled_block_costs_more_than_co
     assert after_third > after_first
     # Measured again once its figure is old: the thrifty one pulls (and
     # finds pulls still dearer than 1 ns a block).
-    monkeypatch.setattr(lake_vllm, "PULL_REMEASURE_S", 0.0)
+    monkeypatch.setattr(lake, "PULL_REMEASURE_S", 0.0)
     assert hit(thrifty, "second again", prompts[1]) == 4 * vw.BLOCK
-    assert thrifty.pull_ns_per_block > 1
+    assert thrifty.pull_gate.ns_per_block > 1
     assert pool_gauge(cluster[2], sent) > after_third
     for connector in (saver, worker, thrifty, eager):
         connector.shutdown()
