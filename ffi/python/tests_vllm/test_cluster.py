@@ -34,16 +34,19 @@ logprobs must agree bitwise."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -404,19 +407,31 @@ def test_the_router_reads_a_running_vllms_queue_from_its_metrics(engine, lake_bi
             router_proc.stop()
 
 
+def replayed(name: str):
+    """A module of ``ffi/python/tests``, whose helpers replay an engine's
+    calls (SGLang does not install here)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    return importlib.import_module(name)
+
+
+def wait_in_view(store, keys, count: int):
+    """Until ``count`` leading pages of ``keys`` are in the cluster view of
+    ``store``'s node."""
+    deadline = time.monotonic() + 20
+    while store.pool.lookup_cluster(store._keys(keys))[0] < count:
+        assert time.monotonic() < deadline, "node 1's pages never reached node 2's view"
+        time.sleep(0.05)
+
+
 def test_sglangs_prefetch_on_one_node_pulls_what_another_node_backed_up(cluster):
     # SGLang's HiCache calls (as ffi/python/tests/test_sglang.py replays
     # them: SGLang itself does not install here) against two nodes:
     # an instance on node 1 backs pages up; one on node 2 finds them in
     # node 1's pool, pulls them in its prefetch's batch_exists, and loads
     # them bit-exact. With "pull": false it finds none.
-    import sys
-    from pathlib import Path
-
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import test_sglang as sg
+    sg = replayed("test_sglang")
 
     def config(node, **extra):
         paths = pool_paths(cluster[node])
@@ -433,10 +448,7 @@ def test_sglangs_prefetch_on_one_node_pulls_what_another_node_backed_up(cluster)
 
     alone = sg.lake_sglang.LakeStore(config(2, pull=False), {})
     alone.register_mem_pool_host(sg.host_pool("page_first"))
-    deadline = time.monotonic() + 20
-    while alone.pool.lookup_cluster(alone._keys(keys))[0] < 7:
-        assert time.monotonic() < deadline, "node 1's pages never reached node 2's view"
-        time.sleep(0.05)
+    wait_in_view(alone, keys, 7)
     assert alone.batch_exists(keys) == 0
 
     b = sg.lake_sglang.LakeStore(config(2), {})
@@ -456,13 +468,9 @@ def test_sglangs_prefetch_stops_pulling_once_a_pulled_page_costs_more_than_compu
     # costs 1 ns, the prefetch's batch_exists pulls the first (and
     # measures what a pulled page cost); for the second it answers node
     # 2's own hit, none, and asks no pull, until its figure is old.
-    import sys
-    from pathlib import Path
-
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import test_sglang as sg
+    sg = replayed("test_sglang")
 
     def config(node, **extra):
         return sg.storage_config(pool_paths(cluster[node]), "test/sglang-pull-cost", **extra)
@@ -476,10 +484,7 @@ def test_sglangs_prefetch_stops_pulling_once_a_pulled_page_costs_more_than_compu
     thrifty = sg.lake_sglang.LakeStore(config(2, compute_ns_per_block=1), {})
     thrifty.register_mem_pool_host(sg.host_pool("page_first"))
     for keys in prefixes:
-        deadline = time.monotonic() + 20
-        while thrifty.pool.lookup_cluster(thrifty._keys(keys))[0] < 7:
-            assert time.monotonic() < deadline, "node 1's pages never reached node 2's view"
-            time.sleep(0.05)
+        wait_in_view(thrifty, keys, 7)
 
     sent = 'lake_cluster_pulls_total{result="sent"}'
     before = pool_gauge(cluster[2], sent)
@@ -507,14 +512,11 @@ def test_the_vllm_connector_stops_pulling_once_a_pulled_block_costs_more_than_co
     # that computing a block costs 1 ns, the connector asks no pull for
     # the second prompt (vLLM computes it) until its figure is old; told
     # nothing, it pulls.
-    import sys
-    from pathlib import Path
-
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import test_vllm_worker as vw
     from lake import vllm as lake_vllm
+
+    vw = replayed("test_vllm_worker")
 
     model = "test/pull-cost"
 
