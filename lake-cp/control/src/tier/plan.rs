@@ -721,14 +721,14 @@ impl Tiers {
 
     /// Whether an L1 victim would now be dropped: no L3, and L2 missing
     /// or over its mark.
-    fn l1_victims_dropped(&self) -> bool {
+    pub(super) fn l1_victims_dropped(&self) -> bool {
         !self.regions.values().any(|r| r.tier == Tier::L3Object)
             && self.regions.values().find(|r| r.tier == Tier::L2Nvme).is_none_or(|r| self.l2_pressure(r.slot_bytes).0)
     }
 
     /// Whether L1 holds more than its high-water mark (counting what is on
     /// its way out as gone).
-    fn l1_over_high(&self) -> bool {
+    pub(super) fn l1_over_high(&self) -> bool {
         self.shared_live(Tier::L1Dram) > percent_of(self.shared_capacity(Tier::L1Dram), self.config.high_percent)
     }
 

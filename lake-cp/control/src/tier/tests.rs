@@ -66,6 +66,12 @@ impl World {
         out
     }
 
+    /// The parent the index has for `key`.
+    fn parent_of(&self, key: &BlockKey) -> Option<BlockKey> {
+        let index = &self.locations.index;
+        index.get(key).and_then(|b| index.parent(b)).map(|p| index.key(p))
+    }
+
     /// The data plane carried `command` out.
     fn carry_out(&mut self, command: &TierCommand) {
         match command.action {
@@ -82,12 +88,7 @@ impl World {
             }
             TierAction::Move(transfer) => {
                 let source = Replica::from_wire(&transfer.source).unwrap();
-                let parent = self
-                    .locations
-                    .index
-                    .get(&transfer.key)
-                    .and_then(|b| self.locations.index.parent(b))
-                    .map(|p| self.locations.index.key(p));
+                let parent = self.parent_of(&transfer.key);
                 self.next_slot += 1;
                 self.locations.adopt(parent, transfer.key, ObjectKind::KvBlock, 1, 5, self.next_slot, 1).unwrap();
                 self.tiers.added(1, 7, parent, transfer.key, ObjectKind::KvBlock, true, 0);
@@ -98,12 +99,13 @@ impl World {
                 self.locations.remove(&evict.key, evict.replica.region).unwrap();
                 self.tiers.removed(evict.replica.region, &evict.key);
             }
-            // Copies it plans are eager write-backs to L3 (region 9).
+            // Write-backs, the block's copy in its source kept.
             TierAction::Copy(transfer) => {
+                let parent = self.parent_of(&transfer.key);
                 self.next_slot += 1;
                 let target = transfer.target.region;
-                self.locations.adopt(None, transfer.key, ObjectKind::KvBlock, target, 5, self.next_slot, 1).unwrap();
-                self.tiers.added(target, 7, None, transfer.key, ObjectKind::KvBlock, true, 0);
+                self.locations.adopt(parent, transfer.key, ObjectKind::KvBlock, target, 5, self.next_slot, 1).unwrap();
+                self.tiers.added(target, 7, parent, transfer.key, ObjectKind::KvBlock, true, 0);
             }
             TierAction::Drain(_)
             | TierAction::Cancel
@@ -262,6 +264,43 @@ fn failed_commands_are_counted_by_why() {
     assert_eq!((c.refused[code as usize], c.refused[0], c.unrouted, c.link_lost), (1, 1, 1, 1), "{c:?}");
     assert_eq!(c.failed, 4);
     assert_eq!(c.failed, c.refused.iter().sum::<u64>() + c.unrouted + c.link_lost + c.timed_out);
+}
+
+/// L1 over its mark, its one victim (the leaf of a chain) among blocks
+/// queued to be written to L2 while they stay in L1. Each such write
+/// stages its block in a free L1 slot, of which there is none: asked, it
+/// is refused for want of one and asked again, pass after pass — and a
+/// block being written is no victim, so the eviction that would free a
+/// slot never comes. None is asked while L1 is over its mark and its
+/// evictions make room.
+#[test]
+fn l1s_evictions_go_ahead_of_write_backs_that_need_a_free_l1_slot() {
+    let config = TierConfig { high_percent: 80, low_percent: 50, policy: PolicyKind::Lru, ..TierConfig::default() };
+    let mut world = World::new(config);
+    // L1 full (ten of ten), blocks 1 and 2 in L2 too: eight to write.
+    for k in 1..=10 {
+        world.add(0, 7, (k > 1).then(|| k - 1), k);
+    }
+    for k in 1..=2 {
+        world.add(1, 7, (k > 1).then(|| k - 1), k);
+    }
+    assert_eq!(world.tiers.persist(&world.locations, None), 8);
+    let no_slot = lake_dp::wire::message::ErrorCode::NoSpace as u32;
+    for _ in 0..3 {
+        for command in world.plan() {
+            match command.action {
+                TierAction::Copy(_) if world.tiers.usage(Tier::L1Dram).blocks == 10 => {
+                    world.tiers.refused(command.request, no_slot);
+                }
+                _ => world.carry_out(&command),
+            }
+        }
+    }
+    // Down to its low mark, leaf first; then the three left in L1 only
+    // written below, none asked while there was no slot to stage it in.
+    let c = world.tiers.counters;
+    assert_eq!((c.demotions, world.tiers.usage(Tier::L1Dram).blocks), (5, 5), "{c:?}");
+    assert_eq!((c.l2_write_backs, c.write_backs_deferred), (3, 0), "{c:?}");
 }
 
 #[test]

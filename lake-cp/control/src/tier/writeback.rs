@@ -116,7 +116,16 @@ impl Tiers {
     /// still in L1 only, a bounded number per pass, while L2 has room.
     pub(super) fn plan_persist(&mut self, locations: &Locations, now_ns: u64, out: &mut Vec<TierCommand>) {
         // Each write-back stages its block in a free L1 slot: a few at a
-        // time, so they do not take the slots saves and loads need.
+        // time, so they do not take the slots saves and loads need, and
+        // none while L1 is over its mark and its evictions make room (its
+        // victims moved to L2, not dropped). A block being written is no
+        // victim: a write asked into a full L1 would be refused for want
+        // of a slot and asked again, pass after pass, while the eviction
+        // that would free one waits on it. (Where victims would be
+        // dropped, marks make room, and a write stages in a marked slot.)
+        if self.l1_over_high() && !self.l1_victims_dropped() {
+            return;
+        }
         let in_flight =
             self.pending.values().filter(|p| p.tier == Tier::L1Dram && p.to == Some(Tier::L2Nvme) && !p.frees).count();
         let mut asked = 0;
