@@ -206,6 +206,7 @@ impl<T: Links> Pusher<T> {
     /// Moves bytes; each ended transfer's pin is released and its
     /// completion (landed in which slot, or why not) goes to `out`.
     pub fn poll(&mut self, now_ns: u64, out: &mut Vec<Completion>) -> bool {
+        let entered = std::time::Instant::now();
         self.send_waiting(now_ns);
         self.landed.append(&mut self.cancelled);
         let busy = self.transport.poll(&mut Sends, now_ns, &mut self.landed);
@@ -226,7 +227,11 @@ impl<T: Links> Pusher<T> {
                 if self.spans.len() >= PUSH_SPANS_KEPT {
                     self.spans.pop_front();
                 }
-                let took_ns = now_ns.saturating_sub(started_ns);
+                // Timed when its completion was seen: this thread may
+                // have waited for a core since `now_ns` was read, while
+                // the peer landed the block and acked it.
+                let seen_ns = now_ns.saturating_add(u64::try_from(entered.elapsed().as_nanos()).unwrap_or(u64::MAX));
+                let took_ns = seen_ns.saturating_sub(started_ns);
                 self.spans.push_back(PushSpan { trace, key, result: completion.result.clone(), took_ns, peer_us });
             }
             out.push(completion);
