@@ -34,6 +34,14 @@ const BLOCKS: u32 = 40;
 mod scratch;
 use scratch::Scratch;
 
+#[path = "common/cluster.rs"]
+#[allow(dead_code)] // its processes and engines are the cluster tests'
+mod cluster;
+use cluster::http_get;
+#[path = "common/supervise.rs"]
+#[allow(dead_code)]
+mod supervise;
+
 /// A `lake cp` child and its event lines.
 struct Cp {
     child: Child,
@@ -42,12 +50,18 @@ struct Cp {
 
 impl Cp {
     fn start(etcd: &str, socket: &Path, mirror: &Path, id: &str, ttl: u32) -> Self {
+        Self::start_with(etcd, socket, mirror, id, ttl, &[])
+    }
+
+    /// Started with `extra` arguments.
+    fn start_with(etcd: &str, socket: &Path, mirror: &Path, id: &str, ttl: u32, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_lake"))
             .args(["cp", "--socket"])
             .arg(socket)
             .arg("--mirror")
             .arg(mirror)
             .args(["--etcd", etcd, "--cluster", "failover", "--id", id, "--ttl", &ttl.to_string(), "--entries", "4096"])
+            .args(extra)
             .stdout(Stdio::piped())
             .spawn()
             .expect("lake cp starts");
@@ -457,4 +471,62 @@ fn a_socket_path_holding_a_file_not_lakes_is_refused_and_the_file_kept() {
     std::io::Read::read_to_string(&mut cp.stderr.take().unwrap(), &mut said).unwrap();
     assert!(!status.success() && said.contains("not a socket"), "{status}: {said}");
     assert_eq!(std::fs::read_to_string(&socket).unwrap(), "the operator's notes\n");
+}
+
+/// A node's control planes, each serving health checks at its own
+/// `--metrics` address, with no file: the standby says it is alive but
+/// not ready (a supervisor keeps it, a load balancer sends it nothing)
+/// and leads nothing; once it takes over, the same address serves the
+/// pool's metrics. An address it cannot bind stops it, saying why.
+#[test]
+fn a_standby_answers_health_checks_at_its_own_address_and_serves_the_pool_there_once_it_leads() {
+    let Some(etcd) = EtcdServer::start("cp-health") else { return };
+    let pid = std::process::id();
+    let dir = std::env::temp_dir().join(format!("lake-cp-health-{pid}"));
+    let mirror = PathBuf::from(format!("/dev/shm/lake-cp-health-mirror-{pid}"));
+    let _scratch = Scratch(dir.clone(), vec![mirror.clone()]);
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("cp.sock");
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let (at_a, at_b) = (free(), free());
+
+    // An address taken already: refused before it stands for anything.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_at = taken.local_addr().unwrap().to_string();
+    let refused = Command::new(env!("CARGO_BIN_EXE_lake"))
+        .args(["cp", "--socket"])
+        .arg(&socket)
+        .arg("--mirror")
+        .arg(&mirror)
+        .args(["--etcd", &etcd.endpoint(), "--cluster", "failover", "--id", "cp-x", "--metrics", &taken_at])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains(&format!("--metrics {taken_at}")), "{said}");
+
+    let mut a = Cp::start_with(&etcd.endpoint(), &socket, &mirror, "cp-a", 2, &["--metrics", &at_a]);
+    a.wait_for("leading");
+    let mut b = Cp::start_with(&etcd.endpoint(), &socket, &mirror, "cp-b", 2, &["--metrics", &at_b]);
+    b.wait_for("standby");
+    assert_eq!(http_get(&at_b, "/healthz"), ("HTTP/1.1 200 OK".to_owned(), "ok\n".to_owned()));
+    let (status, body) = http_get(&at_b, "/readyz");
+    assert!(status.contains(" 503 ") && body.contains("standing by"), "{status}: {body}");
+    let (_, metrics) = http_get(&at_b, "/metrics");
+    assert!(metrics.contains("lake_cp_leading 0\n") && !metrics.contains("lake_cp_blocks"), "{metrics}");
+    let (_, metrics) = http_get(&at_a, "/metrics");
+    assert!(metrics.contains("lake_cp_leading 1\n") && metrics.contains("lake_cp_blocks "), "{metrics}");
+
+    // A client that connects and says nothing holds up neither the
+    // standby's answers nor its takeover.
+    let _silent = std::net::TcpStream::connect(&at_b).unwrap();
+    assert_eq!(http_get(&at_b, "/healthz").0, "HTTP/1.1 200 OK");
+    let _ = a.child.kill();
+    let _ = a.child.wait();
+    b.wait_for("leading");
+    let (_, metrics) = http_get(&at_b, "/metrics");
+    assert!(metrics.contains("lake_cp_leading 1\n") && metrics.contains("lake_cp_blocks "), "{metrics}");
+    assert_eq!(http_get(&at_b, "/healthz").0, "HTTP/1.1 200 OK");
+    // Ready once a data plane registers with it; none has.
+    let (status, body) = http_get(&at_b, "/readyz");
+    assert!(status.contains(" 503 ") && !body.contains("standing by"), "{status}: {body}");
 }

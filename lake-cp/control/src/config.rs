@@ -185,7 +185,8 @@ pub enum Metrics {
     At(SocketAddr),
 }
 
-fn parse_metrics(text: &str) -> Result<Metrics, String> {
+/// Parses `IP:PORT` or `off`.
+pub fn parse_metrics(text: &str) -> Result<Metrics, String> {
     if text == "off" {
         return Ok(Metrics::Off);
     }

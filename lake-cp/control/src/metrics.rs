@@ -106,9 +106,24 @@ fn borrowed(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
     samples.iter().map(|(labels, value)| (labels.as_str(), *value)).collect()
 }
 
+/// Whether this control plane leads its node: `lake cp`'s candidates
+/// serve one each, a standby's `0` (and nothing else).
+fn leading(out: &mut String, leads: bool) {
+    let help = "Whether this control plane leads its node (0: a standby of lake cp).";
+    metric(out, "lake_cp_leading", "gauge", help, &[("", u64::from(leads))]);
+}
+
+/// A standby's exposition: it leads nothing, and holds nothing.
+pub fn standby() -> String {
+    let mut out = String::new();
+    leading(&mut out, false);
+    out
+}
+
 /// The exposition of the node and the server.
 pub fn render(node: &Node, server: &ServerCounters, gauges: &ServerGauges) -> String {
     let mut out = String::new();
+    leading(&mut out, true);
     connection_metrics(&mut out, server, gauges);
     if let Some(view) = &gauges.view {
         view_metrics(&mut out, view);

@@ -452,7 +452,15 @@ impl Server {
     /// `address` from this loop. Returns the bound address (port 0 picks
     /// one).
     pub fn serve_metrics(&mut self, address: std::net::SocketAddr) -> io::Result<std::net::SocketAddr> {
-        let mut listener = mio::net::TcpListener::bind(address)?;
+        self.serve_metrics_on(std::net::TcpListener::bind(address)?)
+    }
+
+    /// [`Server::serve_metrics`] on a listener bound already (a standby's,
+    /// which answered health checks until it led); connections it has
+    /// not accepted yet are served too.
+    pub fn serve_metrics_on(&mut self, listener: std::net::TcpListener) -> io::Result<std::net::SocketAddr> {
+        listener.set_nonblocking(true)?;
+        let mut listener = mio::net::TcpListener::from_std(listener);
         self.poll.registry().register(&mut listener, Listener::Metrics.token(), Interest::READABLE)?;
         let bound = listener.local_addr()?;
         self.metrics = Some(listener);

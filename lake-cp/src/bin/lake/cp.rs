@@ -19,10 +19,18 @@ pub(super) struct CpArgs {
     /// in a mirror of its own, `<mirror>.<tenant>`, the one `lake-dp`
     /// gives that tenant's engines, and in no other. While it leads it
     /// serves, as `lake serve` does, its socket to the users the file
-    /// allows, `/metrics` at the file's `metrics` and the operator's
-    /// socket `DIR/admin.sock`.
+    /// allows, `/metrics` at the file's `metrics` (unless `--metrics`)
+    /// and the operator's socket `DIR/admin.sock`.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Where this process serves `/metrics`, `/healthz` and `/readyz`,
+    /// from its start: a standby answers `/healthz` (ok) and `/readyz`
+    /// (503, standing by) and `lake_cp_leading 0`; once it leads, what
+    /// the pool serves. `off`: none. Default: the `--config` file's
+    /// `metrics`, served once it leads (the candidates of one host share
+    /// the file, and its port); without a file, none.
+    #[arg(long, value_name = "IP:PORT|off", value_parser = lake_cp::config::parse_metrics)]
+    metrics: Option<lake_cp::config::Metrics>,
     /// etcd endpoints, comma-separated.
     #[arg(long, value_name = "URL[,URL...]")]
     etcd: String,
@@ -155,7 +163,23 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     use lake_cp::ha::Cluster;
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
-    let NodeSettings { node, mirror, tiers, tenants, cluster: joins, serving } = node_settings(args)?;
+    let NodeSettings { node, mirror, tiers, tenants, cluster: joins, mut serving } = node_settings(args)?;
+    // Its own metrics address: bound now, answered while it stands by,
+    // and the pool's once it leads (the file's is not served then).
+    let own_metrics = match args.metrics {
+        None => None,
+        Some(flag) => {
+            if let Some(beside) = &mut serving {
+                beside.metrics = None;
+            }
+            match flag {
+                lake_cp::config::Metrics::Off => None,
+                lake_cp::config::Metrics::At(at) => {
+                    Some(std::net::TcpListener::bind(at).map_err(|e| format!("--metrics {at}: {e}"))?)
+                }
+            }
+        }
+    };
     let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (socket, mirror, etcd, cluster, id) = (&args.socket, &mirror, &args.etcd, &args.cluster, &args.id);
     let (ttl, entries) = (i64::from(args.ttl), args.entries);
@@ -165,8 +189,12 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     let mut candidate = cluster.candidate(id, ttl).map_err(|e| e.to_string())?;
     let every = Duration::from_millis(u64::try_from(ttl).unwrap_or(1) * 1000 / 4).max(Duration::from_millis(50));
     let say = |line: String| say!("{line}");
-    // A standby until it leads (or is told to stop).
-    let Some(term) = stand_by(&mut candidate, id, every, &signals, "lake cp") else { return Ok(()) };
+    // A standby until it leads (or is told to stop), answering health
+    // checks at its own address meanwhile.
+    let health = own_metrics.map(StandbyHealth::start).transpose()?;
+    let elected = stand_by(&mut candidate, id, every, &signals, "lake cp");
+    let own_metrics = health.map(StandbyHealth::stop).transpose()?;
+    let Some(term) = elected else { return Ok(()) };
     // The mirrors engines already read are taken over (their mappings stay
     // good) and emptied: the view is rebuilt from what the data planes
     // re-adopt. One that is not there, or not a mirror, is made anew. One
@@ -227,6 +255,13 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
             }
             None => Ok((None, server)),
         });
+    let bound = bound.and_then(|(at, mut server)| match own_metrics {
+        Some(listener) => {
+            let at = server.serve_metrics_on(listener).map_err(|e| format!("metrics: {e}"))?;
+            Ok((Some(at), server))
+        }
+        None => Ok((at, server)),
+    });
     let (metrics, mut server) = match bound {
         Ok(bound) => bound,
         Err(why) => {
@@ -337,7 +372,8 @@ struct NodeSettings {
     /// The cluster the node is part of, where its file names one.
     cluster: Option<ClusterSettings>,
     /// What it serves beside its socket, as the file says (none without
-    /// a file: its own user alone, no metrics, no operator's socket; the
+    /// a file: its own user alone, no metrics but `--metrics`, no
+    /// operator's socket; the
     /// operator's socket is `DIR/admin.sock` where the file names a
     /// `dir`, where `lake top --dir DIR` finds it).
     serving: Option<lake_cp::server::Beside>,
@@ -693,6 +729,71 @@ pub(super) fn nodes_json(summary: &lake_cp::summary::Summary) -> String {
         })
         .collect();
     format!("[{}]", nodes.join(","))
+}
+
+/// A standby's answers to health checks, on a thread of their own (a
+/// slow or hostile client delays no campaign): `/healthz` ok, `/readyz`
+/// 503, `/metrics` `lake_cp_leading 0`. One request per connection, as
+/// the pool's metrics port takes them.
+struct StandbyHealth {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<std::net::TcpListener>,
+}
+
+impl StandbyHealth {
+    /// How long a client may take to send its request, or to take the
+    /// answer.
+    const CLIENT_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+    fn start(listener: std::net::TcpListener) -> Result<Self, String> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        listener.set_nonblocking(true).map_err(|e| format!("metrics: {e}"))?;
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let stopped = std::sync::Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("lake-cp-standby-health".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::Acquire) {
+                    match listener.accept() {
+                        Ok((stream, _)) => Self::answer(stream),
+                        Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+                    }
+                }
+                listener
+            })
+            .map_err(|e| format!("metrics thread: {e}"))?;
+        Ok(Self { stop, thread })
+    }
+
+    fn answer(mut stream: std::net::TcpStream) {
+        use std::io::{Read, Write};
+        let waits = stream.set_nonblocking(false).and_then(|()| {
+            stream.set_read_timeout(Some(Self::CLIENT_WAIT))?;
+            stream.set_write_timeout(Some(Self::CLIENT_WAIT))
+        });
+        if waits.is_err() {
+            return;
+        }
+        let mut request = Vec::new();
+        let mut buffer = [0u8; 1024];
+        while request.len() < lake_cp::metrics::REQUEST_BYTES_MAX {
+            match stream.read(&mut buffer) {
+                Ok(n) if n > 0 => request.extend_from_slice(&buffer[..n]),
+                _ => return,
+            }
+            let ready = || Err("standing by: another control plane leads this node".to_owned());
+            if let Some(response) = lake_cp::metrics::respond(&request, lake_cp::metrics::standby, ready) {
+                let _ = stream.write_all(&response);
+                return;
+            }
+        }
+    }
+
+    /// Stops answering; the listener, for the leader's server.
+    fn stop(self) -> Result<std::net::TcpListener, String> {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.thread.join().map_err(|_| "the metrics thread panicked".to_owned())
+    }
 }
 
 /// Campaigns every `every` until `candidate` leads (printing `standby`
