@@ -163,22 +163,14 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     use lake_cp::ha::Cluster;
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
-    let NodeSettings { node, mirror, tiers, tenants, cluster: joins, mut serving } = node_settings(args)?;
+    let NodeSettings { node, mirror, tiers, tenants, cluster: joins, serving } = node_settings(args)?;
     // Its own metrics address: bound now, answered while it stands by,
-    // and the pool's once it leads (the file's is not served then).
+    // and the pool's once it leads.
     let own_metrics = match args.metrics {
-        None => None,
-        Some(flag) => {
-            if let Some(beside) = &mut serving {
-                beside.metrics = None;
-            }
-            match flag {
-                lake_cp::config::Metrics::Off => None,
-                lake_cp::config::Metrics::At(at) => {
-                    Some(std::net::TcpListener::bind(at).map_err(|e| format!("--metrics {at}: {e}"))?)
-                }
-            }
+        Some(lake_cp::config::Metrics::At(at)) => {
+            Some(std::net::TcpListener::bind(at).map_err(|e| format!("--metrics {at}: {e}"))?)
         }
+        _ => None,
     };
     let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (socket, mirror, etcd, cluster, id) = (&args.socket, &mirror, &args.etcd, &args.cluster, &args.id);
@@ -249,19 +241,17 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
         .with_tenant_mirrors(tenant_mirrors);
     let bound = lake_cp::server::Server::bind(socket, state, term)
         .map_err(|e| format!("{}: {e}", socket.display()))
-        .and_then(|mut server| match &serving {
-            Some(beside) => {
-                server.serve_beside(beside).map(|at| (at, server)).map_err(|(what, e)| format!("{what}: {e}"))
-            }
-            None => Ok((None, server)),
+        .and_then(|mut server| {
+            let at = match &serving {
+                Some(beside) => server.serve_beside(beside).map_err(|(what, e)| format!("{what}: {e}"))?,
+                None => None,
+            };
+            let at = match own_metrics {
+                Some(listener) => Some(server.serve_metrics_on(listener).map_err(|e| format!("metrics: {e}"))?),
+                None => at,
+            };
+            Ok((at, server))
         });
-    let bound = bound.and_then(|(at, mut server)| match own_metrics {
-        Some(listener) => {
-            let at = server.serve_metrics_on(listener).map_err(|e| format!("metrics: {e}"))?;
-            Ok((Some(at), server))
-        }
-        None => Ok((at, server)),
-    });
     let (metrics, mut server) = match bound {
         Ok(bound) => bound,
         Err(why) => {
@@ -452,7 +442,8 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
         access: pool.access.of_sockets().map_err(|e| format!("{}: {e}", file.display()))?,
         caps: pool.caps.server,
         admin: settings.dir.is_some().then(|| pool.dir.join("admin.sock")),
-        metrics: pool.metrics,
+        // `--metrics` (an address or `off`) takes the file's place.
+        metrics: pool.metrics.filter(|_| args.metrics.is_none()),
     };
     Ok(NodeSettings { node, mirror, tiers, tenants, cluster, serving: Some(serving) })
 }
