@@ -9,13 +9,18 @@
 //! the leader's replication into node 2's L1, over the nodes' transport,
 //! and node 2's engine reads it there byte for byte. The leader streams
 //! its view back: each node's engines find the other node's blocks with
-//! where they are, and lose them when that node leaves. With the default
-//! placement a chain one node pulls moves there: the holder's copies go.
+//! where they are, and lose them when that node leaves. The leader places
+//! blocks in their homes; a drained node's blocks move to another member;
+//! a node of `lake cp` and `lake-dp` processes is a member like any.
+//! Where blocks move between nodes under the default placement:
+//! `pool_moves.rs`.
 
 #[path = "common/cluster.rs"]
 mod cluster;
 #[path = "common/etcd.rs"]
 mod etcd_server;
+#[path = "common/pool.rs"]
+mod pool;
 #[path = "common/scratch.rs"]
 mod scratch;
 #[path = "common/supervise.rs"]
@@ -25,83 +30,13 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use lake_agent::{Agent, SaveBlock, SavePayload};
+use lake_agent::{SaveBlock, SavePayload};
 use lake_dp::mirror::view::{Holder, Where};
-use lake_dp::{BlockKey, NamespaceId, NodeId};
+use lake_dp::{BlockKey, NodeId};
 
-use cluster::{Proc, agent_of, field, http_get, leader};
+use cluster::{Proc, field, http_get, leader};
+use pool::{agent, key, node_in, payload, sample, save, save_shared, start_nodes, tier_here, wait_places};
 use scratch::Scratch;
-
-/// `node`'s entry in a summary line: its JSON object.
-fn node_in(line: &str, node: u32) -> Option<String> {
-    let start = line.find(&format!("{{\"node\":{node},"))?;
-    let end = start + line[start..].find('}')?;
-    Some(line[start..=end].to_owned())
-}
-
-fn key(node: u32, i: u32) -> BlockKey {
-    let mut bytes = [0x77; 16];
-    bytes[..4].copy_from_slice(&node.to_le_bytes());
-    bytes[4..8].copy_from_slice(&i.to_le_bytes());
-    BlockKey(bytes)
-}
-
-fn agent(serving: &str) -> Agent {
-    agent_of(serving, NamespaceId(31), "summary-test")
-}
-
-fn payload(node: u32) -> Vec<u8> {
-    vec![node.to_le_bytes()[0]; 16 * 1024]
-}
-
-/// Saves the chain of `node`'s blocks `blocks` (each continues the one
-/// before).
-fn save(serving: &str, node: u32, blocks: std::ops::Range<u32>) {
-    let mut agent = agent(serving);
-    let payload = payload(node);
-    for i in blocks {
-        let block = SaveBlock {
-            key: key(node, i),
-            parent: if i == 0 { BlockKey::NONE } else { key(node, i - 1) },
-            block_index: i,
-            payload: SavePayload::Bytes(&payload),
-        };
-        assert_eq!(agent.save(&[block]), 1, "node {node} block {i}");
-    }
-}
-
-/// Where the blocks of `keys` are, as an engine of the pool `serving` sees
-/// the whole pool, once `done` holds (within `within`).
-fn wait_places(serving: &str, keys: &[BlockKey], within: Duration, done: impl Fn(&[Where]) -> bool) -> Vec<Where> {
-    let mut agent = agent(serving);
-    let mut places = Vec::new();
-    let deadline = Instant::now() + within;
-    loop {
-        agent.lookup_cluster(keys, &mut places);
-        if done(&places) || Instant::now() > deadline {
-            return places;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// A shared prefix on `node`: the chain `prompt`, its last block
-/// continued by `children` blocks (`node`'s blocks 1000 on).
-fn save_shared(serving: &str, node: u32, prompt: &[BlockKey], children: u32) {
-    let mut agent = agent(serving);
-    let payload = payload(node);
-    let block =
-        |key, parent, block_index| SaveBlock { key, parent, block_index, payload: SavePayload::Bytes(&payload) };
-    let mut parent = BlockKey::NONE;
-    for (i, &key) in (0..).zip(prompt) {
-        assert_eq!(agent.save(&[block(key, parent, i)]), 1);
-        parent = key;
-    }
-    let at = u32::try_from(prompt.len()).unwrap();
-    for c in 0..children {
-        assert_eq!(agent.save(&[block(key(node, 1000 + c), parent, at)]), 1);
-    }
-}
 
 #[test]
 fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_death() {
@@ -394,78 +329,6 @@ fn a_drained_nodes_blocks_move_to_another_member_and_it_answers_not_ready() {
     assert!(!ok && said.contains("invalid value 'one' for '<NODE>'"), "{said}");
 }
 
-/// The value of the sample `name` (no labels) in `/metrics` at `address`.
-fn sample(address: &str, name: &str) -> u64 {
-    let metrics = http_get(address, "/metrics").1;
-    metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.parse().ok()).unwrap_or(0)
-}
-
-/// The tier `serving`'s own mirror holds `key` in (none: not here).
-fn tier_here(serving: &str, key: BlockKey) -> Option<lake_dp::Tier> {
-    let mut table = Vec::new();
-    (agent(serving).mirror().lookup(&[key], &mut table) == 1).then(|| table[0].tier)
-}
-
-/// `count` `lake serve` nodes (1 to `count`, 16 KiB blocks, `room(node)`
-/// their flags for L1 and L2 slots), members of `cluster` in etcd at
-/// `endpoint` reporting to the summary at `listen`, each a transport peer
-/// of the others: each process and its `serving` line.
-fn start_nodes(
-    base: &std::path::Path,
-    (listen, endpoint, cluster): (&str, &str, &str),
-    count: u32,
-    room: impl Fn(u32) -> &'static [&'static str],
-) -> Vec<(Proc, String)> {
-    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let transports: Vec<String> = (0..count).map(|_| format!("127.0.0.1:{}", port())).collect();
-    (1..=count)
-        .map(|node| {
-            let dir = base.join(format!("node{node}")).display().to_string();
-            let name = node.to_string();
-            let mut args = vec!["serve", "--metrics", "127.0.0.1:0", "--node", &name, "--dir", &dir];
-            args.extend(["--block-bytes", "16384"]);
-            args.extend(room(node));
-            args.extend(["--summary-to", listen, "--etcd", endpoint, "--cluster", cluster, "--member-ttl", "2"]);
-            let mut owned: Vec<String> = vec!["--transport-listen".into(), transports[node as usize - 1].clone()];
-            for other in (1..=count).filter(|&o| o != node) {
-                owned.push("--transport-peer".into());
-                owned.push(format!("{other}={}", transports[other as usize - 1]));
-            }
-            args.extend(owned.iter().map(String::as_str));
-            let proc = Proc::start(&args);
-            let serving = proc.wait_for("a node serves", Duration::from_secs(20), |l| l.contains("\"serving\""));
-            (proc, serving)
-        })
-        .collect()
-}
-
-/// A cluster `name` of `count` nodes (`room(node)` their flags) led by a
-/// `lake summary` with its default placement, every node a member; its
-/// parts stop in the order they are declared.
-struct Members {
-    nodes: Vec<(Proc, String)>,
-    leader: Proc,
-    _scratch: Scratch,
-    _etcd: etcd_server::EtcdServer,
-}
-
-/// [`Members`], or none where no etcd runs here.
-fn members(name: &str, count: u32, room: impl Fn(u32) -> &'static [&'static str]) -> Option<Members> {
-    let etcd = etcd_server::EtcdServer::start(name)?;
-    let endpoint = etcd.endpoint();
-    let base = std::env::temp_dir().join(format!("lake-{name}-{}", std::process::id()));
-    let scratch = Scratch(base.clone(), Vec::new());
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let listen = format!("127.0.0.1:{port}");
-    let leader = leader(&listen, &endpoint, name, None, &[]);
-    let nodes = start_nodes(&base, (&listen, &endpoint, name), count, room);
-    leader.wait_for("every node a member", Duration::from_secs(20), |l| {
-        l.contains("\"event\":\"summary\"")
-            && (1..=count).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"member\":true")))
-    });
-    Some(Members { nodes, leader, _scratch: scratch, _etcd: etcd })
-}
-
 #[test]
 fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_first() {
     let Some(etcd) = etcd_server::EtcdServer::start("placement") else { return };
@@ -588,199 +451,6 @@ fn the_pool_keeps_each_saved_block_in_its_home_once_and_the_savers_copy_goes_fir
         leader.wait_for("placements counted", Duration::from_secs(5), |l| l.contains("\"event\":\"summary\""));
     let asked = summary.split("\"placements_asked\":").nth(1).and_then(|v| v.split(',').next()?.parse::<u64>().ok());
     assert!(asked.is_some_and(|asked| asked >= placed), "{summary}");
-}
-
-#[test]
-fn a_chain_another_node_reads_moves_to_it_and_back_and_a_shared_prefix_is_copied_to_it() {
-    // `lake summary`'s default placement: a block stays where it was last
-    // read.
-    let Some(pool) = members("moves", 2, |_| &["--l1-slots", "256"]) else { return };
-    let serving: Vec<&str> = pool.nodes.iter().map(|(_, s)| s.as_str()).collect();
-    let metrics: Vec<String> = serving.iter().map(|s| field(s, "metrics")).collect();
-    let chain: Vec<BlockKey> = (0..8).map(|i| key(1, i)).collect();
-    save(serving[0], 1, 0..8);
-    // The whole chain on `node`, as another node's engines see the pool.
-    let all_on = |places: &[Where], node| {
-        places.len() == chain.len()
-            && places.iter().all(|w| *w == Where::Remote(Holder { node: NodeId(node), tier: lake_dp::Tier::L1Dram }))
-    };
-    let seen = wait_places(serving[1], &chain, Duration::from_secs(20), |p| all_on(p, 1));
-    assert!(all_on(&seen, 1), "node 2's engines see node 1's chain: {seen:?}");
-
-    // Each reader in turn pulls the chain, reads it byte for byte from its
-    // own L1, and the chain then lives there only: the holder's copies go.
-    for (reader, holder, reader_node) in [(1usize, 0usize, 2u32), (0, 1, 1)] {
-        let mut agent = agent(serving[reader]);
-        let mut table = Vec::new();
-        let landed = agent.pull_cluster(&chain, Duration::from_secs(5), &mut table);
-        assert_eq!(landed, 8, "node {} pulled {landed} of 8", reader + 1);
-        let got = agent.fetch(&chain, &table, |_, bytes| assert_eq!(bytes, &payload(1)[..]));
-        assert_eq!(got, 8, "{:?}", agent.last_fetch_failure());
-        drop(agent);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while chain.iter().any(|&k| tier_here(serving[holder], k).is_some()) {
-            assert!(Instant::now() < deadline, "node {}'s copies stayed after the chain moved", holder + 1);
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        assert!(chain.iter().all(|&k| tier_here(serving[reader], k) == Some(lake_dp::Tier::L1Dram)));
-        assert_eq!(sample(&metrics[holder], "lake_blocks_moved_to_readers_total"), 8);
-        // The old holder's engines find it on the reader now.
-        let seen = wait_places(serving[holder], &chain, Duration::from_secs(10), |p| all_on(p, reader_node));
-        assert!(all_on(&seen, reader_node), "{seen:?}");
-    }
-
-    // A shared prefix: a system prompt of two blocks that two requests
-    // continue on node 1. Node 2 pulls the prompt and one continuation:
-    // the continuation moves, the prompt is copied — node 1's other
-    // request still starts with it.
-    let prompt = [key(1, 998), key(1, 999)];
-    save_shared(serving[0], 1, &prompt, 2);
-    let read = [prompt[0], prompt[1], key(1, 1000)];
-    let seen = wait_places(serving[1], &read, Duration::from_secs(20), |p| p.len() == 3);
-    assert_eq!(seen.len(), 3, "node 2's engines see node 1's shared prefix: {seen:?}");
-    let mut reader = agent(serving[1]);
-    let mut table = Vec::new();
-    assert_eq!(reader.pull_cluster(&read, Duration::from_secs(5), &mut table), 3);
-    assert_eq!(reader.fetch(&read, &table, |_, bytes| assert_eq!(bytes, &payload(1)[..])), 3);
-    drop(reader);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while tier_here(serving[0], key(1, 1000)).is_some() {
-        assert!(Instant::now() < deadline, "node 1's copy of the continuation stayed after it moved");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert_eq!(sample(&metrics[0], "lake_blocks_moved_to_readers_total"), 9);
-    assert_eq!(sample(&metrics[0], "lake_pulled_blocks_kept_total"), 2);
-    for (node, serving) in [(1, serving[0]), (2, serving[1])] {
-        for key in prompt {
-            assert_eq!(tier_here(serving, key), Some(lake_dp::Tier::L1Dram), "the prompt on node {node}");
-        }
-    }
-    assert_eq!(tier_here(serving[0], key(1, 1001)), Some(lake_dp::Tier::L1Dram), "the other request's block");
-}
-
-/// The sample of `name` with label `label` in `/metrics` at `address`.
-fn sample_of(address: &str, name: &str, label: &str) -> u64 {
-    let metrics = http_get(address, "/metrics").1;
-    let prefix = format!("{name}{{{label}}} ");
-    metrics.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok()).unwrap_or(0)
-}
-
-#[test]
-fn a_full_nodes_victims_spill_into_the_member_with_room_and_the_pool_loses_none() {
-    // Node 1 holds 64 blocks in L1 and 2 × 16 in L2; node 2, ten times
-    // that.
-    let Some(pool) = members("spills", 2, |node| {
-        if node == 1 { &["--l1-slots", "64", "--l2-slots", "16"] } else { &["--l1-slots", "640", "--l2-slots", "160"] }
-    }) else {
-        return;
-    };
-    let (nodes, leader) = (&pool.nodes, &pool.leader);
-    let serving: Vec<&str> = nodes.iter().map(|(_, s)| s.as_str()).collect();
-    let metrics: Vec<String> = serving.iter().map(|s| field(s, "metrics")).collect();
-    leader.wait_for("two members taking placements", Duration::from_secs(20), |l| {
-        l.contains("\"event\":\"summary\"")
-            && (1..=2).all(|n| node_in(l, n).is_some_and(|v| v.contains("\"takes_placements\":true")))
-    });
-
-    // 100 prompts of two blocks each, saved on node 1: twice what it holds.
-    let mut saver = agent(serving[0]);
-    let bytes = payload(1);
-    let mut keys = Vec::new();
-    for p in 0..100 {
-        for i in 0..2 {
-            let block = SaveBlock {
-                key: key(1, p * 2 + i),
-                parent: if i == 0 { BlockKey::NONE } else { key(1, p * 2) },
-                block_index: i,
-                payload: SavePayload::Bytes(&bytes),
-            };
-            keys.push(block.key);
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while saver.save(&[block]) == 0 {
-                assert!(Instant::now() < deadline, "prompt {p} block {i} not saved in 20 s");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-    }
-    drop(saver);
-
-    // Every block is in the pool once the spills settled (each offered
-    // answered): node 1's victims went to node 2, whose engines read them
-    // from their own L1 byte for byte.
-    let spills = |event: &str| sample_of(&metrics[0], "lake_l1_spills_total", &format!("event=\"{event}\""));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut last = (0, 0);
-    loop {
-        std::thread::sleep(Duration::from_millis(500));
-        let now = (spills("offered"), spills("landed") + spills("unplaced"));
-        if (now.0 == now.1 && now == last) || Instant::now() > deadline {
-            break;
-        }
-        last = now;
-    }
-    let (landed, unplaced) = (spills("landed"), spills("unplaced"));
-    let mut finder = agent(serving[1]);
-    let mut places = Vec::new();
-    let held = keys.iter().filter(|k| finder.lookup_cluster(std::slice::from_ref(k), &mut places) == 1).count();
-    let on_two: Vec<BlockKey> = keys.iter().copied().filter(|&k| tier_here(serving[1], k).is_some()).collect();
-    let on_one = keys.iter().filter(|&&k| tier_here(serving[0], k).is_some()).count();
-    println!("spills: {} of 200 on node 1, {} on node 2; {landed} spills landed, {unplaced} not", on_one, on_two.len());
-    assert_eq!(held, keys.len(), "the pool lost blocks node 1 had no room for");
-    assert!(on_one <= 96 && on_two.len() >= 100, "node 1 holds {on_one}, node 2 {}", on_two.len());
-    assert!(landed >= on_two.len() as u64 && unplaced == 0, "{landed} landed, {unplaced} unplaced");
-    let mut reader = agent(serving[1]);
-    let mut table = Vec::new();
-    for k in on_two.iter().take(8) {
-        assert_eq!(reader.lookup(std::slice::from_ref(k), &mut table), 1);
-        let got = reader.fetch(std::slice::from_ref(k), &table, |_, b| assert_eq!(b, &payload(1)[..]));
-        assert_eq!(got, 1, "{:?}", reader.last_fetch_failure());
-    }
-    let summary = leader.wait_for("spills counted", Duration::from_secs(5), |l| l.contains("\"event\":\"summary\""));
-    assert!(summary.contains("\"spills\":{\"placed\":"), "{summary}");
-}
-
-#[test]
-fn a_prefix_whose_front_moves_away_while_its_tail_is_pulled_still_lands_whole() {
-    let Some(pool) = members("front", 2, |_| &["--l1-slots", "2048"]) else { return };
-    let serving: Vec<String> = pool.nodes.iter().map(|(_, s)| s.clone()).collect();
-    let mut two = agent(&serving[1]);
-    let mut table = Vec::new();
-    // Each round: a chain whose tail node 2 read (it moved there). Node
-    // 1's engine asks for the whole chain: it holds the front, and pulls
-    // the tail — and while the tail comes, node 2 reads the front, which
-    // leaves node 1. It is pulled back from node 2.
-    for round in 10..13 {
-        let chain: Vec<BlockKey> = (0..401).map(|i| key(round, i)).collect();
-        save(&serving[0], round, 0..401);
-        let seen = wait_places(&serving[1], &chain, Duration::from_secs(20), |p| p.len() == chain.len());
-        assert_eq!(seen.len(), chain.len(), "node 2's engines see node 1's chain");
-        // More blocks at once than the holder's data plane has sends.
-        let landed = two.pull_cluster(&chain[1..], Duration::from_secs(10), &mut table);
-        assert_eq!(landed, 400, "round {round}: node 2 landed {landed} of the tail's 400");
-        // Node 1 may keep copies of the tail it marked to go; the rest it
-        // sees on node 2.
-        let seen = wait_places(&serving[0], &chain[1..], Duration::from_secs(20), |p| p.len() == 400);
-        assert_eq!(seen.len(), 400, "node 1's engines see the tail");
-        assert_eq!(tier_here(&serving[0], chain[0]), Some(lake_dp::Tier::L1Dram));
-        let asking = std::sync::Arc::new(std::sync::Barrier::new(2));
-        let reader = {
-            let (serving, chain, asking) = (serving[0].clone(), chain.clone(), asking.clone());
-            std::thread::spawn(move || {
-                let mut one = agent(&serving);
-                let mut table = Vec::new();
-                asking.wait();
-                let started = Instant::now();
-                let landed = one.pull_cluster(&chain, Duration::from_secs(10), &mut table);
-                let got = one.fetch(&chain[..landed], &table, |_, bytes| assert_eq!(bytes, &payload(round)[..]));
-                (landed, got, started.elapsed())
-            })
-        };
-        asking.wait();
-        std::thread::sleep(Duration::from_millis(2));
-        assert_eq!(two.pull_cluster(&chain[..1], Duration::from_secs(10), &mut table), 1);
-        let (landed, got, took) = reader.join().unwrap();
-        assert_eq!((landed, got), (401, 401), "round {round}: node 1 landed {landed} of 401 in {took:?}");
-    }
 }
 
 /// A node run as the design draws one — `lake cp --config lake.toml` and

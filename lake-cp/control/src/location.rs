@@ -16,7 +16,7 @@
 //! (they are dropped as they are met, and never served).
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 
 use lake_dp::{BlockKey, NodeId, ObjectKind, Replica, Tier};
 
@@ -126,6 +126,12 @@ pub struct Locations {
     term: u64,
     sequence: u64,
     changes: Vec<Change>,
+    /// Blocks whose replicas here are copies of one the pool keeps on
+    /// another node (moved to its reader, placed in its home, spilled),
+    /// waiting to go: their changes are not recorded and snapshots leave
+    /// them out, so no other node reads them from here. Forgotten once
+    /// none of their replicas is left.
+    withheld: HashSet<BlockKey>,
 }
 
 impl Locations {
@@ -139,6 +145,7 @@ impl Locations {
             term,
             sequence: 0,
             changes: Vec::new(),
+            withheld: HashSet::new(),
         }
     }
 
@@ -153,6 +160,13 @@ impl Locations {
                 info.tag = info.tag.wrapping_add(1);
                 info.tier = tier;
                 info.node = node;
+                // Its replicas are stale now: blocks withheld for them alone
+                // are forgotten.
+                let gone: Vec<BlockKey> =
+                    self.withheld.iter().filter(|key| self.ready(key).next().is_none()).copied().collect();
+                for key in gone {
+                    self.withheld.remove(&key);
+                }
                 Ok(())
             }
             None => {
@@ -194,6 +208,9 @@ impl Locations {
     }
 
     fn record(&mut self, op: ChangeOp, key: BlockKey, loc: Loc) {
+        if !self.withheld.is_empty() && self.withheld.contains(&key) {
+            return;
+        }
         if let Some(replica) = self.replica(loc) {
             self.sequence += 1;
             self.changes.push(Change { term: self.term, sequence: self.sequence, op, key, replica });
@@ -391,7 +408,36 @@ impl Locations {
         }
         self.reservations.remove(&(block, region));
         self.drop_if_empty_leaf(block);
+        if !self.withheld.is_empty() && self.ready(key).next().is_none() {
+            self.withheld.remove(key);
+        }
         Ok(())
+    }
+
+    /// `key`'s replicas here are copies of one the pool keeps on another
+    /// node, to be dropped: each is recorded removed now, and until none
+    /// is left no change of `key` is recorded and snapshots leave it out
+    /// (see [`Locations::offered_all`]). Nothing where none is ready.
+    pub fn withhold(&mut self, key: &BlockKey) {
+        let ready: Vec<Loc> = self
+            .index
+            .get(key)
+            .into_iter()
+            .flat_map(|block| self.index.replicas(block))
+            .filter(|loc| loc.state == LocState::Ready && self.is_current(loc))
+            .collect();
+        if ready.is_empty() || self.withheld.contains(key) {
+            return;
+        }
+        for loc in ready {
+            self.record(ChangeOp::Removed, *key, loc);
+        }
+        self.withheld.insert(*key);
+    }
+
+    /// Whether `key`'s replicas here are withheld ([`Locations::withhold`]).
+    pub fn is_withheld(&self, key: &BlockKey) -> bool {
+        !self.withheld.is_empty() && self.withheld.contains(key)
     }
 
     /// The term its changes are numbered in.
@@ -404,9 +450,10 @@ impl Locations {
         self.sequence
     }
 
-    /// Every ready, current replica of every block.
-    pub fn ready_all(&self) -> impl Iterator<Item = (BlockKey, Replica)> + '_ {
-        self.index.blocks().flat_map(move |block| {
+    /// Every ready, current replica of every block but those withheld
+    /// ([`Locations::withhold`]): what the cluster summary is offered.
+    pub fn offered_all(&self) -> impl Iterator<Item = (BlockKey, Replica)> + '_ {
+        self.index.blocks().filter(|&block| !self.is_withheld(&self.index.key(block))).flat_map(move |block| {
             let key = self.index.key(block);
             self.ready(&key).map(move |replica| (key, replica)).collect::<Vec<_>>()
         })
@@ -459,6 +506,34 @@ mod tests {
         v.remove(&key(1), 1).unwrap();
         assert_eq!(v.drain_changes().map(|c| (c.sequence, c.op)).collect::<Vec<_>>(), vec![(2, ChangeOp::Removed)]);
         assert!(!v.index.contains(&key(1)), "the block went with its last replica");
+    }
+
+    #[test]
+    fn a_withheld_blocks_replicas_are_recorded_removed_and_left_out_until_the_last_goes() {
+        let mut v = view();
+        v.adopt(None, key(1), ObjectKind::KvBlock, 1, 10, 4, 9).unwrap();
+        v.adopt(None, key(1), ObjectKind::KvBlock, 2, 10, 5, 9).unwrap();
+        v.adopt(None, key(2), ObjectKind::KvBlock, 1, 10, 6, 9).unwrap();
+        assert_eq!(v.drain_changes().len(), 3);
+        v.withhold(&key(1));
+        let changes: Vec<_> = v.drain_changes().map(|c| (c.op, c.key, c.replica.slot)).collect();
+        assert_eq!(changes, vec![(ChangeOp::Removed, key(1), 4), (ChangeOp::Removed, key(1), 5)]);
+        // Still served here; no longer offered.
+        assert_eq!(v.ready(&key(1)).count(), 2);
+        assert_eq!(v.offered_all().map(|(k, r)| (k, r.slot)).collect::<Vec<_>>(), vec![(key(2), 6)]);
+        // Withheld again: nothing more. Its replicas' changes go unrecorded
+        // (a new one, a removal), another block's do not.
+        v.withhold(&key(1));
+        v.adopt(None, key(1), ObjectKind::KvBlock, 1, 10, 7, 1).unwrap();
+        v.remove(&key(1), 2).unwrap();
+        v.remove(&key(2), 1).unwrap();
+        assert_eq!(v.drain_changes().map(|c| (c.op, c.key)).collect::<Vec<_>>(), vec![(ChangeOp::Removed, key(2))]);
+        // Its last replica gone, it is forgotten: a new one is offered.
+        v.remove(&key(1), 1).unwrap();
+        assert!(!v.is_withheld(&key(1)));
+        v.adopt(None, key(1), ObjectKind::KvBlock, 1, 10, 8, 1).unwrap();
+        assert_eq!(v.drain_changes().map(|c| (c.op, c.replica.slot)).collect::<Vec<_>>(), vec![(ChangeOp::Ready, 8)]);
+        assert_eq!(v.offered_all().count(), 1);
     }
 
     #[test]

@@ -540,6 +540,14 @@ fn tier_metrics(out: &mut String, node: &Node) {
             ("event=\"unplaced\"", t.spills_unplaced),
         ],
     );
+    metric(
+        out,
+        "lake_tier_placed_away_waiting",
+        "gauge",
+        "Copies of blocks the pool keeps on another node, still held here: each goes once it is a leaf here and no \
+         engine reads it.",
+        &[("", node.tiers.placed_away_waiting() as u64)],
+    );
     let drains = node.tiers.drains();
     let left: Vec<(String, u64)> = drains.iter().map(|d| (format!("region=\"{}\"", d.region), d.blocks_left)).collect();
     metric(

@@ -54,6 +54,7 @@ impl Proc {
         }
     }
 
+    #[allow(dead_code)] // not every cluster test kills a process
     pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

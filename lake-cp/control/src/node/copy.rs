@@ -104,13 +104,19 @@ impl Node {
     /// A copy of `key` placing it elsewhere landed (`to_reader`: moving it
     /// to the node that pulled it): whether this node's copy is a copy now
     /// ([`crate::tier::Tiers::placed_away`]). A shared prefix pulled stays
-    /// the pool's here too: it is read here as well.
+    /// the pool's here too: it is read here as well. A copy is withheld
+    /// from the cluster summary at once ([`crate::location::Locations::
+    /// withhold`]): while it waits to go, other nodes read the pool's.
     pub(super) fn goes_from_here(&mut self, key: &BlockKey, to_reader: bool) -> bool {
         if to_reader && self.shared.contains(&self.locations.index, key) {
             self.shared.kept += 1;
             return false;
         }
-        self.tiers.placed_away(key)
+        let placed = self.tiers.placed_away(key);
+        if placed {
+            self.locations.withhold(key);
+        }
+        placed
     }
 
     /// The pool's placement: block `key`, saved here, belongs in another

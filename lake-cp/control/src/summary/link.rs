@@ -162,11 +162,11 @@ pub fn deltas(node: u32, locations: &Locations, changes: &[Change]) -> Vec<(Delt
     out
 }
 
-/// `node`'s whole view as snapshot frames: every ready replica, at the
-/// view's latest sequence.
+/// `node`'s whole view as snapshot frames: every ready replica it offers
+/// the cluster, at the view's latest sequence.
 pub fn snapshot(node: u32, locations: &Locations) -> Vec<(Delta, Vec<DeltaEntry>)> {
     let entries: Vec<DeltaEntry> =
-        locations.ready_all().map(|(key, replica)| entry_of(locations, &key, &replica, DeltaOp::Add)).collect();
+        locations.offered_all().map(|(key, replica)| entry_of(locations, &key, &replica, DeltaOp::Add)).collect();
     let head = |count: usize| Delta {
         term: locations.term(),
         sequence: locations.sequence(),

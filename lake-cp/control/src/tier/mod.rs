@@ -662,6 +662,11 @@ impl Tiers {
         true
     }
 
+    /// Copies placed away ([`Tiers::placed_away`]) not dropped yet.
+    pub fn placed_away_waiting(&self) -> usize {
+        self.placed_away.len()
+    }
+
     /// Whether `key`'s L1 copy here was pulled in from another node.
     pub fn is_pulled_in(&self, key: &BlockKey) -> bool {
         !self.pulled_in.is_empty() && self.pulled_in.contains(key)
