@@ -126,11 +126,12 @@ pub struct Locations {
     term: u64,
     sequence: u64,
     changes: Vec<Change>,
-    /// Blocks whose replicas here are copies of one the pool keeps on
-    /// another node (moved to its reader, placed in its home, spilled),
-    /// waiting to go: their changes are not recorded and snapshots leave
-    /// them out, so no other node reads them from here. Forgotten once
-    /// none of their replicas is left.
+    /// Blocks whose L1 and L2 replicas here are copies of one the pool
+    /// keeps on another node (moved to its reader, placed in its home,
+    /// spilled), waiting to go: their changes are not recorded and
+    /// snapshots leave them out, so no other node reads them from here.
+    /// An L3 replica, the store's, is offered as ever. Forgotten once
+    /// none of those replicas is left.
     withheld: HashSet<BlockKey>,
 }
 
@@ -163,7 +164,7 @@ impl Locations {
                 // Its replicas are stale now: blocks withheld for them alone
                 // are forgotten.
                 let gone: Vec<BlockKey> =
-                    self.withheld.iter().filter(|key| self.ready(key).next().is_none()).copied().collect();
+                    self.withheld.iter().filter(|key| self.ready_copies(key).next().is_none()).copied().collect();
                 for key in gone {
                     self.withheld.remove(&key);
                 }
@@ -208,7 +209,7 @@ impl Locations {
     }
 
     fn record(&mut self, op: ChangeOp, key: BlockKey, loc: Loc) {
-        if !self.withheld.is_empty() && self.withheld.contains(&key) {
+        if self.is_withheld(&key) && self.is_copy(&loc) {
             return;
         }
         if let Some(replica) = self.replica(loc) {
@@ -408,24 +409,34 @@ impl Locations {
         }
         self.reservations.remove(&(block, region));
         self.drop_if_empty_leaf(block);
-        if !self.withheld.is_empty() && self.ready(key).next().is_none() {
+        if self.is_withheld(key) && self.ready_copies(key).next().is_none() {
             self.withheld.remove(key);
         }
         Ok(())
     }
 
-    /// `key`'s replicas here are copies of one the pool keeps on another
-    /// node, to be dropped: each is recorded removed now, and until none
-    /// is left no change of `key` is recorded and snapshots leave it out
-    /// (see [`Locations::offered_all`]). Nothing where none is ready.
-    pub fn withhold(&mut self, key: &BlockKey) {
-        let ready: Vec<Loc> = self
-            .index
+    /// Whether `loc` is in L1 or L2: a copy [`Locations::withhold`] may
+    /// take out of what the cluster sees.
+    fn is_copy(&self, loc: &Loc) -> bool {
+        self.regions.get(&loc.region).is_some_and(|info| matches!(info.tier, Tier::L1Dram | Tier::L2Nvme))
+    }
+
+    /// `key`'s ready, current L1 and L2 replicas here.
+    fn ready_copies(&self, key: &BlockKey) -> impl Iterator<Item = Loc> + '_ {
+        self.index
             .get(key)
             .into_iter()
             .flat_map(|block| self.index.replicas(block))
-            .filter(|loc| loc.state == LocState::Ready && self.is_current(loc))
-            .collect();
+            .filter(|loc| loc.state == LocState::Ready && self.is_current(loc) && self.is_copy(loc))
+    }
+
+    /// `key`'s L1 and L2 replicas here are copies of one the pool keeps
+    /// on another node, to be dropped: each is recorded removed now, and
+    /// until none is left no change of them is recorded and snapshots
+    /// leave them out (see [`Locations::offered_all`]). An L3 replica
+    /// stays offered. Nothing where none is ready.
+    pub fn withhold(&mut self, key: &BlockKey) {
+        let ready: Vec<Loc> = self.ready_copies(key).collect();
         if ready.is_empty() || self.withheld.contains(key) {
             return;
         }
@@ -450,12 +461,17 @@ impl Locations {
         self.sequence
     }
 
-    /// Every ready, current replica of every block but those withheld
-    /// ([`Locations::withhold`]): what the cluster summary is offered.
+    /// Every ready, current replica of every block but the copies
+    /// withheld ([`Locations::withhold`]): what the cluster summary is
+    /// offered.
     pub fn offered_all(&self) -> impl Iterator<Item = (BlockKey, Replica)> + '_ {
-        self.index.blocks().filter(|&block| !self.is_withheld(&self.index.key(block))).flat_map(move |block| {
+        self.index.blocks().flat_map(move |block| {
             let key = self.index.key(block);
-            self.ready(&key).map(move |replica| (key, replica)).collect::<Vec<_>>()
+            let withheld = self.is_withheld(&key);
+            self.ready(&key)
+                .filter(move |replica| !(withheld && matches!(replica.tier, Tier::L1Dram | Tier::L2Nvme)))
+                .map(move |replica| (key, replica))
+                .collect::<Vec<_>>()
         })
     }
 
@@ -528,9 +544,17 @@ mod tests {
         v.remove(&key(1), 2).unwrap();
         v.remove(&key(2), 1).unwrap();
         assert_eq!(v.drain_changes().map(|c| (c.op, c.key)).collect::<Vec<_>>(), vec![(ChangeOp::Removed, key(2))]);
-        // Its last replica gone, it is forgotten: a new one is offered.
+        // An L3 replica, the store's, is offered as ever: its own changes
+        // recorded, and in snapshots.
+        v.register_region(3, Tier::L3Object, NodeId(3), 10).unwrap();
+        v.adopt(None, key(1), ObjectKind::KvBlock, 3, 10, 9, 1).unwrap();
+        assert_eq!(v.drain_changes().map(|c| (c.op, c.replica.slot)).collect::<Vec<_>>(), vec![(ChangeOp::Ready, 9)]);
+        assert_eq!(v.offered_all().map(|(k, r)| (k, r.slot)).collect::<Vec<_>>(), vec![(key(1), 9)]);
+        // Its last copy gone, it is forgotten: a new one is offered.
         v.remove(&key(1), 1).unwrap();
         assert!(!v.is_withheld(&key(1)));
+        v.remove(&key(1), 3).unwrap();
+        assert_eq!(v.drain_changes().map(|c| (c.op, c.replica.slot)).collect::<Vec<_>>(), vec![(ChangeOp::Removed, 9)]);
         v.adopt(None, key(1), ObjectKind::KvBlock, 1, 10, 8, 1).unwrap();
         assert_eq!(v.drain_changes().map(|c| (c.op, c.replica.slot)).collect::<Vec<_>>(), vec![(ChangeOp::Ready, 8)]);
         assert_eq!(v.offered_all().count(), 1);
