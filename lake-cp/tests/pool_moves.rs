@@ -23,7 +23,7 @@ use lake_agent::{SaveBlock, SavePayload};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NodeId};
 
-use cluster::{Proc, field, http_get, leader};
+use cluster::{Proc, field, leader};
 use etcd_server::EtcdServer;
 use pool::{agent, key, node_in, payload, sample, save, save_shared, start_nodes, tier_here, wait_places};
 use scratch::Scratch;
@@ -57,9 +57,7 @@ fn members(name: &str, count: u32, room: impl Fn(u32) -> &'static [&'static str]
 
 /// The sample of `name` with label `label` in `/metrics` at `address`.
 fn sample_of(address: &str, name: &str, label: &str) -> u64 {
-    let metrics = http_get(address, "/metrics").1;
-    let prefix = format!("{name}{{{label}}} ");
-    metrics.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok()).unwrap_or(0)
+    sample(address, &format!("{name}{{{label}}}"))
 }
 
 #[test]

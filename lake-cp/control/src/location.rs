@@ -418,7 +418,7 @@ impl Locations {
     /// Whether `loc` is in L1 or L2: a copy [`Locations::withhold`] may
     /// take out of what the cluster sees.
     fn is_copy(&self, loc: &Loc) -> bool {
-        self.regions.get(&loc.region).is_some_and(|info| matches!(info.tier, Tier::L1Dram | Tier::L2Nvme))
+        self.regions.get(&loc.region).is_some_and(|info| withholds(info.tier))
     }
 
     /// `key`'s ready, current L1 and L2 replicas here.
@@ -436,8 +436,11 @@ impl Locations {
     /// leave them out (see [`Locations::offered_all`]). An L3 replica
     /// stays offered. Nothing where none is ready.
     pub fn withhold(&mut self, key: &BlockKey) {
+        if self.withheld.contains(key) {
+            return;
+        }
         let ready: Vec<Loc> = self.ready_copies(key).collect();
-        if ready.is_empty() || self.withheld.contains(key) {
+        if ready.is_empty() {
             return;
         }
         for loc in ready {
@@ -469,7 +472,7 @@ impl Locations {
             let key = self.index.key(block);
             let withheld = self.is_withheld(&key);
             self.ready(&key)
-                .filter(move |replica| !(withheld && matches!(replica.tier, Tier::L1Dram | Tier::L2Nvme)))
+                .filter(move |replica| !(withheld && withholds(replica.tier)))
                 .map(move |replica| (key, replica))
                 .collect::<Vec<_>>()
         })
@@ -484,6 +487,12 @@ impl Locations {
     pub fn reservations(&self) -> usize {
         self.reservations.len()
     }
+}
+
+/// Whether a replica in `tier` is a copy [`Locations::withhold`] takes
+/// out of what the cluster sees: L1 and L2, not L3 (the store's).
+fn withholds(tier: Tier) -> bool {
+    matches!(tier, Tier::L1Dram | Tier::L2Nvme)
 }
 
 #[cfg(test)]

@@ -87,7 +87,8 @@ pub(crate) fn save_shared(serving: &str, node: u32, prompt: &[BlockKey], childre
     }
 }
 
-/// The value of the sample `name` (no labels) in `/metrics` at `address`.
+/// The value of the sample `name` (with its labels, as exposed) in
+/// `/metrics` at `address`.
 pub(crate) fn sample(address: &str, name: &str) -> u64 {
     let metrics = http_get(address, "/metrics").1;
     metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.parse().ok()).unwrap_or(0)
