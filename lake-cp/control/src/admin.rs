@@ -249,6 +249,10 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
         "leases": node.leases.len(),
         "sessions": peers,
         "waiting_for_parent": node.waiting(),
+        // Blocks that waited for their parent (re-adopted, pulled), and
+        // those applied without it, as roots of their own.
+        "blocks_waited": c.waited,
+        "blocks_rooted": c.rooted,
         "lookups": { "requested_blocks": c.requested_blocks, "hit_blocks": c.hit_blocks, "hit_ratio": hit_ratio },
         "blocks_committed": c.committed,
         // Blocks in L1 alone: lost with the host (a clean stop writes

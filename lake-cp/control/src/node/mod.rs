@@ -4,10 +4,12 @@
 //! changed is republished in the shared-memory mirror.
 //!
 //! A re-adopted block whose parent is not known yet (a `lake-dp`
-//! re-adopts its files in disk order, not prefix order) waits under its
-//! parent's key, in a bounded set, and is applied as soon as the parent
-//! is. One whose parent never comes (it was evicted before the restart)
-//! is applied as a root of its own after [`ORPHAN_WAIT_NS`]; so is a
+//! re-adopts its files in disk order, not prefix order), and a pulled
+//! block whose parent is still being pulled (copies land in any order),
+//! waits under its parent's key, in a bounded set, and is applied as
+//! soon as the parent is. One whose parent never comes (it was evicted
+//! before the restart, its pull failed) is applied as a root of its own
+//! after [`ORPHAN_WAIT_NS`]; so is a
 //! committed block whose parent was evicted while it was being saved. A
 //! block the data plane holds is never left unknown to the control plane:
 //! that would hold its slot forever.
@@ -75,8 +77,8 @@ struct Promoting {
 /// waiting ones are applied as roots (and counted).
 pub const PENDING_MAX: usize = 1 << 16;
 
-/// How long a re-adopted block waits for its parent before it is applied
-/// as a root of its own.
+/// How long a block waits for its parent (re-adopted, or pulled) before
+/// it is applied as a root of its own.
 pub const ORPHAN_WAIT_NS: u64 = 2_000_000_000;
 
 /// Why a report was not applied. The connection stays up: the report is
@@ -814,7 +816,14 @@ impl Node {
                 self.release_children(block.key);
                 Ok(())
             }
-            Err(LocationError::Index(IndexError::NoParent)) if readopted => {
+            // Re-adopted in disk order, or pulled with its parent (pulled
+            // blocks land in any order): it waits for the parent, so the
+            // chain stays one here. Applied as a root on its own, it
+            // would leave the parent a leaf, which goes first — a hole at
+            // the front of a chain whose end stays.
+            Err(LocationError::Index(IndexError::NoParent))
+                if readopted || (!self.pulling.is_empty() && self.pulling.contains_key(&block.parent_key)) =>
+            {
                 self.wait(block, readopted);
                 Ok(())
             }

@@ -443,3 +443,41 @@ fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_un
     assert!(!reader.tiers.is_pulled_in(&key(1)), "moved here: the pool's copy");
     assert!(reader.tiers.is_pulled_in(&key(2)), "copied here: a copy");
 }
+
+#[test]
+fn a_pulled_block_landing_before_its_pulled_parent_waits_for_it_so_the_chain_stays_one_chain() {
+    let mut reader = Node::new(NodeId(3), 1, None);
+    reader.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 9))).unwrap();
+    reader.pulls_move = true;
+    let pull = |key| Transfer {
+        source: ReplicaWire { tier: Tier::L1Dram as u8, node: 2, ..ReplicaWire::default() },
+        target: ReplicaWire {
+            tier: Tier::L1Dram as u8,
+            node: 3,
+            slot: lake_dp::wire::message::SLOT_ANY,
+            ..ReplicaWire::default()
+        },
+        key,
+        deadline_unix_ns: 0,
+        priority: Priority::CriticalLoad as u8,
+        reserved: [0; 7],
+    };
+    // An engine pulls the chain 1 → 2 → 3 (and 5, whose parent 4 it does
+    // not pull); the copies land last first.
+    for k in [1, 2, 3, 5] {
+        reader.on_agent(1, u64::from(k), &Message::CopyBlock(pull(key(k))), 0).unwrap();
+    }
+    reader.on_data_plane(0, &Message::BlockCommitted(block(3, Some(2), Tier::L1Dram, 1, 9, 2))).unwrap();
+    reader.on_data_plane(0, &Message::BlockCommitted(block(2, Some(1), Tier::L1Dram, 1, 9, 1))).unwrap();
+    assert_eq!(reader.waiting(), 2, "each waits for its parent, still being pulled");
+    reader.on_data_plane(0, &Message::BlockCommitted(block(1, None, Tier::L1Dram, 1, 9, 0))).unwrap();
+    assert_eq!(reader.waiting(), 0);
+    let index = &reader.locations.index;
+    let at = |k| index.get(&key(k)).unwrap();
+    assert_eq!(index.parent(at(3)), Some(at(2)));
+    assert_eq!(index.parent(at(2)), Some(at(1)));
+    assert!(!index.is_leaf(at(1)) && !index.is_leaf(at(2)), "the chain's front is no leaf");
+    // A block whose parent is pulled by none is a root at once.
+    reader.on_data_plane(0, &Message::BlockCommitted(block(5, Some(4), Tier::L1Dram, 1, 9, 4))).unwrap();
+    assert_eq!((reader.waiting(), reader.counters.rooted), (0, 1));
+}
