@@ -633,3 +633,96 @@ fn serves_as_lake_serve_does(metrics: &str, dir: &std::path::Path) {
     let said = String::from_utf8_lossy(&peers.stdout);
     assert!(peers.status.success() && said.contains("\"role\":\"data_plane\""), "{peers:?}");
 }
+
+/// Two `lake summary` candidates, each with its own `--metrics` address:
+/// the standby says it is alive but not ready and leads nothing; the
+/// leader is ready and serves the cluster as its summary holds it (a real
+/// node's membership, link and replicas). A silent client holds up
+/// neither; the leader SIGKILLed, the standby takes over and serves the
+/// same figures at its own address. An address a candidate cannot bind
+/// stops it, saying why.
+#[test]
+fn summary_candidates_answer_health_checks_at_their_own_address_and_the_leader_serves_the_clusters_figures() {
+    let Some(etcd) = etcd_server::EtcdServer::start("summary-health") else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-summary-health-{}", std::process::id()));
+    let _scratch = Scratch(base.clone(), Vec::new());
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let (listen, at_a, at_b) = (free(), free(), free());
+    let candidate = |id: &str, at: &str| -> Vec<String> {
+        ["summary", "--listen", &listen, "--etcd", &endpoint, "--cluster", "health", "--id", id, "--ttl", "2"]
+            .into_iter()
+            .chain(["--metrics", at])
+            .map(String::from)
+            .collect()
+    };
+
+    // An address taken already: refused before it stands for anything.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_at = taken.local_addr().unwrap().to_string();
+    let refused = Command::new(env!("CARGO_BIN_EXE_lake")).args(candidate("summary-x", &taken_at)).output().unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains(&format!("--metrics {taken_at}")), "{said}");
+
+    let first = candidate("summary-a", &at_a);
+    let mut a = Proc::start(&first.iter().map(String::as_str).collect::<Vec<_>>());
+    a.wait_for("a leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    let second = candidate("summary-b", &at_b);
+    let b = Proc::start(&second.iter().map(String::as_str).collect::<Vec<_>>());
+    b.wait_for("b stands by", Duration::from_secs(20), |l| l.contains("\"event\":\"standby\""));
+    assert_eq!(http_get(&at_b, "/healthz"), ("HTTP/1.1 200 OK".to_owned(), "ok\n".to_owned()));
+    let (status, body) = http_get(&at_b, "/readyz");
+    assert!(status.contains(" 503 ") && body.contains("standing by"), "{status}: {body}");
+    let (_, metrics) = http_get(&at_b, "/metrics");
+    assert!(metrics.contains("lake_summary_leading 0\n") && !metrics.contains("lake_summary_term"), "{metrics}");
+    assert_eq!(http_get(&at_a, "/readyz"), ("HTTP/1.1 200 OK".to_owned(), "ready\n".to_owned()));
+
+    // A real node joins and saves 10 blocks: the leader's figures say so.
+    let nodes = start_nodes(&base, (&listen, &endpoint, "health"), 1, |_| &[]);
+    save(&nodes[0].1, 1, 0..10);
+    let figures = |at: &str| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let (_, metrics) = http_get(at, "/metrics");
+            let node = ["member", "connected"].map(|what| format!("lake_summary_node_{what}{{node=\"1\"}} 1\n"));
+            if node.iter().all(|n| metrics.contains(n.as_str()))
+                && metrics.contains("lake_summary_node_replicas{node=\"1\",tier=\"l1\"} 10\n")
+                && metrics.contains("lake_summary_nodes_connected 1\n")
+            {
+                return metrics;
+            }
+            assert!(Instant::now() < deadline, "the node's figures at {at}: {metrics}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let metrics = figures(&at_a);
+    assert!(metrics.contains("lake_summary_leading 1\n"), "{metrics}");
+    assert!(sample(&at_a, "lake_summary_deltas_applied_total") > 0, "{metrics}");
+
+    // A client that connects and says nothing holds up neither the
+    // standby's answers nor its takeover; one that trickles its request
+    // holds them a second at most.
+    let _silent = std::net::TcpStream::connect(&at_b).unwrap();
+    assert_eq!(http_get(&at_b, "/healthz").0, "HTTP/1.1 200 OK");
+    let trickling = at_b.clone();
+    std::thread::spawn(move || {
+        let mut stream = std::net::TcpStream::connect(&trickling).unwrap();
+        for _ in 0..40 {
+            if std::io::Write::write_all(&mut stream, b"G").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(150));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let asked = Instant::now();
+    assert_eq!(http_get(&at_b, "/healthz").0, "HTTP/1.1 200 OK");
+    assert!(asked.elapsed() < Duration::from_secs(4), "held up {:?} by a trickling client", asked.elapsed());
+    a.kill();
+    b.wait_for("b leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    assert_eq!(http_get(&at_b, "/readyz").0, "HTTP/1.1 200 OK");
+    // The node reconnects to it and sends its snapshot.
+    let metrics = figures(&at_b);
+    assert!(metrics.contains("lake_summary_leading 1\n") && metrics.contains("lake_summary_term "), "{metrics}");
+    drop(nodes);
+}

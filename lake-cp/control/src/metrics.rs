@@ -102,7 +102,7 @@ pub(crate) fn metric(out: &mut String, name: &str, kind: &str, help: &str, sampl
 }
 
 /// Samples with labels made at run time, as `metric` takes them.
-fn borrowed(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
+pub(crate) fn borrowed(samples: &[(String, u64)]) -> Vec<(&str, u64)> {
     samples.iter().map(|(labels, value)| (labels.as_str(), *value)).collect()
 }
 

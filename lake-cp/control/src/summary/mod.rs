@@ -35,6 +35,7 @@
 
 mod conn;
 pub mod link;
+pub mod metrics;
 mod place;
 mod view;
 

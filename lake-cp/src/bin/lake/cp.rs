@@ -3,6 +3,7 @@
 //! a node through etcd.
 
 use super::*;
+use crate::health::{Answers, HealthServer};
 
 #[derive(Args, Debug)]
 pub(super) struct CpArgs {
@@ -106,6 +107,12 @@ pub(super) struct SummaryArgs {
     /// and one that says no hello within 5 s is closed.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     connections_max: u32,
+    /// Where this candidate serves `/metrics`, `/healthz` and `/readyz`:
+    /// bound at start, answered while it stands by (`/readyz` 503
+    /// `standing by`, `lake_summary_leading 0`) and once it leads (ready,
+    /// the cluster's figures).
+    #[arg(long, value_name = "IP:PORT")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 /// `lake drain-node`: marks a node draining in etcd (or takes it back);
@@ -183,9 +190,13 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     let say = |line: String| say!("{line}");
     // A standby until it leads (or is told to stop), answering health
     // checks at its own address meanwhile.
-    let health = own_metrics.map(StandbyHealth::start).transpose()?;
+    let standing_by = Answers {
+        metrics: lake_cp::metrics::standby(),
+        ready: Err("standing by: another control plane leads this node".to_owned()),
+    };
+    let health = own_metrics.map(|listener| HealthServer::start(listener, standing_by)).transpose()?;
     let elected = stand_by(&mut candidate, id, every, &signals, "lake cp");
-    let own_metrics = health.map(StandbyHealth::stop).transpose()?;
+    let own_metrics = health.map(HealthServer::stop).transpose()?;
     let Some(term) = elected else { return Ok(()) };
     // The mirrors engines already read are taken over (their mappings stay
     // good) and emptied: the view is rebuilt from what the data planes
@@ -476,6 +487,19 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     /// Placement copies asked in one pass of the leader's loop, at most
     /// (a pass is 2 ms or less).
     const PLACE_PER_PASS: usize = 256;
+    // Its health checks: bound now, answered while it stands by and
+    // once it leads.
+    let health = match args.metrics {
+        Some(at) => {
+            let listener = std::net::TcpListener::bind(at).map_err(|e| format!("--metrics {at}: {e}"))?;
+            let standing_by = Answers {
+                metrics: lake_cp::summary::metrics::standby(),
+                ready: Err("standing by: another candidate leads the summary".to_owned()),
+            };
+            Some(HealthServer::start(listener, standing_by)?)
+        }
+        None => None,
+    };
     let signals = lake_dp::os::Signals::new().map_err(|e| format!("signals: {e}"))?;
     let (listen, etcd, cluster, id, dir) =
         (args.listen, &args.etcd, &args.cluster, args.id.clone(), &args.checkpoint_dir);
@@ -559,6 +583,13 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
         "{{\"event\":\"leading\",\"listen\":\"{}\",\"term\":{term}}}",
         aggregator.local_addr().map_err(|e| e.to_string())?
     ));
+    let leading = |aggregator: &Aggregator| Answers {
+        metrics: lake_cp::summary::metrics::render(aggregator, term),
+        ready: Ok(()),
+    };
+    if let Some(health) = &health {
+        health.set(leading(&aggregator));
+    }
     let (mut last_report, mut last_checkpoint, mut last_renew) = (Instant::now(), Instant::now(), Instant::now());
     let mut last_answer = Instant::now();
     let mut written = 0u64;
@@ -653,6 +684,9 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
         }
         if last_report.elapsed() >= Duration::from_secs(1) {
             last_report = Instant::now();
+            if let Some(health) = &health {
+                health.set(leading(&aggregator));
+            }
             // Hot prefixes into every member's L1 (each copy asked at most
             // once per 10 s: it shows in the summary once it lands).
             aggregator.replicate(replicate_children, 64, Duration::from_secs(10));
@@ -720,71 +754,6 @@ pub(super) fn nodes_json(summary: &lake_cp::summary::Summary) -> String {
         })
         .collect();
     format!("[{}]", nodes.join(","))
-}
-
-/// A standby's answers to health checks, on a thread of their own (a
-/// slow or hostile client delays no campaign): `/healthz` ok, `/readyz`
-/// 503, `/metrics` `lake_cp_leading 0`. One request per connection, as
-/// the pool's metrics port takes them.
-struct StandbyHealth {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<std::net::TcpListener>,
-}
-
-impl StandbyHealth {
-    /// How long a client may take to send its request, or to take the
-    /// answer.
-    const CLIENT_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
-
-    fn start(listener: std::net::TcpListener) -> Result<Self, String> {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        listener.set_nonblocking(true).map_err(|e| format!("metrics: {e}"))?;
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let stopped = std::sync::Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name("lake-cp-standby-health".into())
-            .spawn(move || {
-                while !stopped.load(Ordering::Acquire) {
-                    match listener.accept() {
-                        Ok((stream, _)) => Self::answer(stream),
-                        Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
-                    }
-                }
-                listener
-            })
-            .map_err(|e| format!("metrics thread: {e}"))?;
-        Ok(Self { stop, thread })
-    }
-
-    fn answer(mut stream: std::net::TcpStream) {
-        use std::io::{Read, Write};
-        let waits = stream.set_nonblocking(false).and_then(|()| {
-            stream.set_read_timeout(Some(Self::CLIENT_WAIT))?;
-            stream.set_write_timeout(Some(Self::CLIENT_WAIT))
-        });
-        if waits.is_err() {
-            return;
-        }
-        let mut request = Vec::new();
-        let mut buffer = [0u8; 1024];
-        while request.len() < lake_cp::metrics::REQUEST_BYTES_MAX {
-            match stream.read(&mut buffer) {
-                Ok(n) if n > 0 => request.extend_from_slice(&buffer[..n]),
-                _ => return,
-            }
-            let ready = || Err("standing by: another control plane leads this node".to_owned());
-            if let Some(response) = lake_cp::metrics::respond(&request, lake_cp::metrics::standby, ready) {
-                let _ = stream.write_all(&response);
-                return;
-            }
-        }
-    }
-
-    /// Stops answering; the listener, for the leader's server.
-    fn stop(self) -> Result<std::net::TcpListener, String> {
-        self.stop.store(true, std::sync::atomic::Ordering::Release);
-        self.thread.join().map_err(|_| "the metrics thread panicked".to_owned())
-    }
 }
 
 /// Campaigns every `every` until `candidate` leads (printing `standby`

@@ -36,6 +36,7 @@ macro_rules! show {
 
 mod cp;
 mod demo;
+mod health;
 mod operator;
 mod route;
 mod serve;
