@@ -590,11 +590,11 @@ fn spills(deployment: &Deployment, name: &str, report: &mut Report) -> Result<()
     Ok(())
 }
 
-/// `field` of the nodes' `top` (their admin sockets), summed: how a
-/// node's index took the blocks that landed there.
-fn nodes_top(deployment: &Deployment, field: &str) -> Result<u64, String> {
+/// `fields` of the nodes' `top` (their admin sockets), each summed over
+/// the nodes: how a node's index took the blocks that landed there.
+fn nodes_top<const N: usize>(deployment: &Deployment, fields: [&str; N]) -> Result<[u64; N], String> {
     use std::io::{BufRead, Write};
-    let mut sum = 0;
+    let mut sums = [0; N];
     for (_, serving) in &deployment.nodes {
         let record: serde_json::Value = serde_json::from_str(serving).map_err(|e| e.to_string())?;
         let path = record["admin_socket"].as_str().ok_or_else(|| format!("no admin socket in {serving}"))?;
@@ -603,9 +603,11 @@ fn nodes_top(deployment: &Deployment, field: &str) -> Result<u64, String> {
         let mut line = String::new();
         std::io::BufReader::new(stream).read_line(&mut line).map_err(|e| format!("{path}: {e}"))?;
         let top: serde_json::Value = serde_json::from_str(&line).map_err(|e| format!("{path}: {e}"))?;
-        sum += top[field].as_u64().ok_or_else(|| format!("{path}: no {field} in top"))?;
+        for (sum, field) in sums.iter_mut().zip(fields) {
+            *sum += top[field].as_u64().ok_or_else(|| format!("{path}: no {field} in top"))?;
+        }
     }
-    Ok(sum)
+    Ok(sums)
 }
 
 pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
@@ -650,10 +652,9 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
             let mut ns = replay.pull_ns;
             report.float(&format!("{name}_turn_pull_p50_ns_per_block"), percentile(&mut ns, 500));
             spills(&deployment, name, &mut report)?;
-            for (what, field) in [("waited_for_their_parent", "blocks_waited"), ("applied_as_roots", "blocks_rooted")] {
-                let count = nodes_top(&deployment, field)?;
-                report.int(&format!("{name}_blocks_{what}"), count);
-            }
+            let [waited, rooted] = nodes_top(&deployment, ["blocks_waited", "blocks_rooted"])?;
+            report.int(&format!("{name}_blocks_waited_for_their_parent"), waited);
+            report.int(&format!("{name}_blocks_applied_as_roots"), rooted);
         }
         if mode == Mode::Cluster {
             let (mut singles, batch_s) = remote_loads(args, &deployment)?;

@@ -822,7 +822,7 @@ impl Node {
             // would leave the parent a leaf, which goes first — a hole at
             // the front of a chain whose end stays.
             Err(LocationError::Index(IndexError::NoParent))
-                if readopted || (!self.pulling.is_empty() && self.pulling.contains_key(&block.parent_key)) =>
+                if readopted || self.pulling.contains_key(&block.parent_key) =>
             {
                 self.wait(block, readopted);
                 Ok(())

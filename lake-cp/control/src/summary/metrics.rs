@@ -28,24 +28,22 @@ pub fn standby() -> String {
     out
 }
 
-/// The leader's exposition, of its `term`.
-pub fn render(aggregator: &Aggregator, term: u64) -> String {
+/// The leader's exposition, of its `term`, with its nodes' `figures`
+/// ([`super::Summary::all_figures`]).
+pub fn render(aggregator: &Aggregator, term: u64, figures: &[(u32, NodeFigures)]) -> String {
     let mut out = String::new();
     leading(&mut out, true);
     metric(&mut out, "lake_summary_term", "gauge", "The term this leader leads in.", &[("", term)]);
-    nodes(&mut out, aggregator);
+    nodes(&mut out, aggregator, figures);
     counters(&mut out, &aggregator.counters);
     out
 }
 
 /// Each node as the summary holds it: its standing, and its replicas.
-fn nodes(out: &mut String, aggregator: &Aggregator) {
+fn nodes(out: &mut String, aggregator: &Aggregator, figures: &[(u32, NodeFigures)]) {
     let connected = aggregator.connected();
     let help = "Nodes whose link to this leader is up.";
     metric(out, "lake_summary_nodes_connected", "gauge", help, &[("", connected.len() as u64)]);
-    let summary = &aggregator.summary;
-    let figures: Vec<(u32, NodeFigures)> =
-        summary.nodes().into_iter().filter_map(|node| summary.figures(node).map(|f| (node, f))).collect();
     let per_node = |value: Figure<'_>| -> Vec<(String, u64)> {
         figures.iter().map(|(node, f)| (format!("node=\"{node}\""), value(*node, f))).collect()
     };

@@ -479,6 +479,12 @@ impl Summary {
         nodes
     }
 
+    /// Every node's figures, by node: each walks the node's replicas, so
+    /// a caller reporting them in several forms takes them once.
+    pub fn all_figures(&self) -> Vec<(u32, NodeFigures)> {
+        self.nodes().into_iter().filter_map(|node| self.figures(node).map(|f| (node, f))).collect()
+    }
+
     /// One node's figures.
     pub fn figures(&self, node: u32) -> Option<NodeFigures> {
         let view = self.nodes.get(&node)?;

@@ -551,7 +551,7 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                     say(format!(
                         "{{\"event\":\"restored\",\"location\":\"{}\",\"term\":{written_in},\"nodes\":{}}}",
                         pointer.location,
-                        nodes_json(&summary)
+                        nodes_json(&summary.all_figures())
                     ));
                 }
                 Err(e) => {
@@ -583,12 +583,12 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
         "{{\"event\":\"leading\",\"listen\":\"{}\",\"term\":{term}}}",
         aggregator.local_addr().map_err(|e| e.to_string())?
     ));
-    let leading = |aggregator: &Aggregator| Answers {
-        metrics: lake_cp::summary::metrics::render(aggregator, term),
+    let leading = |aggregator: &Aggregator, figures: &[(u32, lake_cp::summary::NodeFigures)]| Answers {
+        metrics: lake_cp::summary::metrics::render(aggregator, term, figures),
         ready: Ok(()),
     };
     if let Some(health) = &health {
-        health.set(leading(&aggregator));
+        health.set(leading(&aggregator, &aggregator.summary.all_figures()));
     }
     let (mut last_report, mut last_checkpoint, mut last_renew) = (Instant::now(), Instant::now(), Instant::now());
     let mut last_answer = Instant::now();
@@ -684,9 +684,6 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
         }
         if last_report.elapsed() >= Duration::from_secs(1) {
             last_report = Instant::now();
-            if let Some(health) = &health {
-                health.set(leading(&aggregator));
-            }
             // Hot prefixes into every member's L1 (each copy asked at most
             // once per 10 s: it shows in the summary once it lands).
             aggregator.replicate(replicate_children, 64, Duration::from_secs(10));
@@ -694,19 +691,23 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
             // (each copy asked again after 3 s until it shows), and how
             // much is left, for `lake drain-node --wait`.
             aggregator.drain(256, Duration::from_secs(3));
+            let figures = aggregator.summary.all_figures();
             if let Some(cluster) = &cluster {
                 for &(node, mark) in &drain_marks {
                     // Not while the node's view waits for a snapshot (a
                     // gap, a leader just restored): it may be short of
                     // blocks, and "none left" must not be said early.
-                    let figures = aggregator.summary.figures(node).filter(|f| !f.gap);
-                    let Some(left) = figures.map(|f| f.drain_left) else { continue };
+                    let of_node = figures.iter().find(|(n, f)| *n == node && !f.gap);
+                    let Some(left) = of_node.map(|(_, f)| f.drain_left) else { continue };
                     if let Err(e) = cluster.drain_progress(node, mark, left) {
                         tracing::warn!(event = "drain_progress_unwritten", node, error = %e);
                     }
                 }
             }
             let (c, (placing, placing_dropped)) = (aggregator.counters, aggregator.summary.placing());
+            if let Some(health) = &health {
+                health.set(leading(&aggregator, &figures));
+            }
             say(format!(
                 "{{\"event\":\"summary\",\"connected\":{:?},\"applied\":{},\"snapshot_frames\":{},\"gaps\":{},\"copies_asked\":{},\"drain_copies_asked\":{},\"placements_asked\":{},\"placing\":{},\"placing_dropped\":{},\"spills\":{{\"placed\":{},\"unplaced\":{}}},\"shed\":{{\"over_cap\":{},\"no_hello\":{},\"accept_failed\":{}}},\"nodes\":{}}}",
                 aggregator.connected(),
@@ -723,7 +724,7 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
                 c.over_cap,
                 c.no_hello,
                 c.accept_failed,
-                nodes_json(&aggregator.summary)
+                nodes_json(&figures)
             ));
         }
     }
@@ -733,11 +734,11 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
     Ok(())
 }
 
-pub(super) fn nodes_json(summary: &lake_cp::summary::Summary) -> String {
-    let nodes: Vec<String> = summary
-        .nodes()
-        .into_iter()
-        .filter_map(|node| summary.figures(node).map(|f| (node, f)))
+/// The nodes' `figures` ([`lake_cp::summary::Summary::all_figures`]) as
+/// the `summary` and `restored` lines give them.
+pub(super) fn nodes_json(figures: &[(u32, lake_cp::summary::NodeFigures)]) -> String {
+    let nodes: Vec<String> = figures
+        .iter()
         .map(|(node, f)| {
             format!(
                 "{{\"node\":{node},\"term\":{},\"sequence\":{},\"member\":{},\"gap\":{},\"draining\":{},\"drain_left\":{},\"takes_placements\":{},\"replicas\":{:?},\"available\":{:?}}}",
