@@ -590,8 +590,23 @@ fn spills(deployment: &Deployment, name: &str, report: &mut Report) -> Result<()
     Ok(())
 }
 
-/// `fields` of the nodes' `top` (their admin sockets), each summed over
-/// the nodes: how a node's index took the blocks that landed there.
+/// What a cluster's replay pulled, and how its nodes took it.
+fn cluster_figures(deployment: &Deployment, name: &str, replay: Replay, report: &mut Report) -> Result<(), String> {
+    report.int(&format!("{name}_blocks_pulled"), replay.pulled);
+    report.int(&format!("{name}_turns_ended_at_a_block_gone"), replay.ended_gone);
+    report.int(&format!("{name}_turns_ended_at_a_block_elsewhere"), replay.ended_elsewhere);
+    let mut ns = replay.pull_ns;
+    report.float(&format!("{name}_turn_pull_p50_ns_per_block"), percentile(&mut ns, 500));
+    spills(deployment, name, report)?;
+    let [waited, rooted, again] = nodes_top(deployment, ["/blocks_waited", "/blocks_rooted", "/copies_asked_again"])?;
+    report.int(&format!("{name}_blocks_waited_for_their_parent"), waited);
+    report.int(&format!("{name}_blocks_applied_as_roots"), rooted);
+    report.int(&format!("{name}_copies_asked_again"), again);
+    Ok(())
+}
+
+/// The nodes' `top` (their admin sockets) at `fields` (JSON pointers),
+/// each summed over the nodes.
 fn nodes_top<const N: usize>(deployment: &Deployment, fields: [&str; N]) -> Result<[u64; N], String> {
     use std::io::{BufRead, Write};
     let mut sums = [0; N];
@@ -604,7 +619,10 @@ fn nodes_top<const N: usize>(deployment: &Deployment, fields: [&str; N]) -> Resu
         std::io::BufReader::new(stream).read_line(&mut line).map_err(|e| format!("{path}: {e}"))?;
         let top: serde_json::Value = serde_json::from_str(&line).map_err(|e| format!("{path}: {e}"))?;
         for (sum, field) in sums.iter_mut().zip(fields) {
-            *sum += top[field].as_u64().ok_or_else(|| format!("{path}: no {field} in top"))?;
+            *sum += top
+                .pointer(field)
+                .and_then(serde_json::Value::as_u64)
+                .ok_or_else(|| format!("{path}: no {field} in top"))?;
         }
     }
     Ok(sums)
@@ -645,16 +663,12 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
         report.int(&format!("{name}_blocks_held_at_end"), replay.distinct_held);
         report.int(&format!("{name}_copies_held_at_end"), replay.copies_held);
         report.int(&format!("{name}_prefix_blocks_held_at_end"), replay.prefix_held);
+        let [indexed, l1, l2] = nodes_top(&deployment, ["/blocks", "/tiers/0/blocks", "/tiers/1/blocks"])?;
+        report.int(&format!("{name}_blocks_indexed_at_end"), indexed);
+        report.int(&format!("{name}_l1_blocks_at_end"), l1);
+        report.int(&format!("{name}_l2_blocks_at_end"), l2);
         if mode.cluster() {
-            report.int(&format!("{name}_blocks_pulled"), replay.pulled);
-            report.int(&format!("{name}_turns_ended_at_a_block_gone"), replay.ended_gone);
-            report.int(&format!("{name}_turns_ended_at_a_block_elsewhere"), replay.ended_elsewhere);
-            let mut ns = replay.pull_ns;
-            report.float(&format!("{name}_turn_pull_p50_ns_per_block"), percentile(&mut ns, 500));
-            spills(&deployment, name, &mut report)?;
-            let [waited, rooted] = nodes_top(&deployment, ["blocks_waited", "blocks_rooted"])?;
-            report.int(&format!("{name}_blocks_waited_for_their_parent"), waited);
-            report.int(&format!("{name}_blocks_applied_as_roots"), rooted);
+            cluster_figures(&deployment, name, replay, &mut report)?;
         }
         if mode == Mode::Cluster {
             let (mut singles, batch_s) = remote_loads(args, &deployment)?;

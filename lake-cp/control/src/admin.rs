@@ -253,6 +253,9 @@ fn top(node: &Node, server: &ServerCounters, peers: usize) -> Value {
         // those applied without it, as roots of their own.
         "blocks_waited": c.waited,
         "blocks_rooted": c.rooted,
+        // Copies to other nodes refused for want of a send or a slot
+        // there, and asked again.
+        "copies_asked_again": node.copies_asked_again,
         "lookups": { "requested_blocks": c.requested_blocks, "hit_blocks": c.hit_blocks, "hit_ratio": hit_ratio },
         "blocks_committed": c.committed,
         // Blocks in L1 alone: lost with the host (a clean stop writes

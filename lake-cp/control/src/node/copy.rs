@@ -153,9 +153,12 @@ impl Node {
     }
 
     /// Copy `request`'s answer, `status`: refused because every send of
-    /// its data plane was taken (`QueueFull` — a pull of a long prefix
-    /// asks more at once), it is asked again shortly, until its deadline
-    /// ([`COPY_AGAIN_FOR_NS`] where it has none), rather than failed.
+    /// its data plane was taken, or the target had no slot free yet
+    /// (`QueueFull` — a pull of a long prefix asks more at once than the
+    /// puller has victims marked), it is asked again shortly — after
+    /// [`COPY_AGAIN_FIRST_NS`], doubling to [`COPY_AGAIN_NS`] — until its
+    /// deadline ([`COPY_AGAIN_FOR_NS`] where it has none), rather than
+    /// failed.
     /// Whether it was kept to be asked again.
     pub(super) fn copy_again(&mut self, request: u64, status: u32) -> bool {
         if status != lake_dp::wire::message::ErrorCode::QueueFull as u32 {
@@ -174,15 +177,25 @@ impl Node {
                 transfer.deadline_unix_ns
             },
             waiting: false,
+            asked: 0,
         });
         if now >= again.until_ns {
             self.copies_again.remove(&request);
             return false;
         }
-        again.at_ns = now.saturating_add(COPY_AGAIN_NS);
+        let wait =
+            COPY_AGAIN_FIRST_NS.checked_shl(u32::from(again.asked)).map_or(COPY_AGAIN_NS, |w| w.min(COPY_AGAIN_NS));
+        again.at_ns = now.saturating_add(wait);
+        again.asked = again.asked.saturating_add(1);
         again.waiting = true;
         self.copies_asked_again += 1;
         true
+    }
+
+    /// When the first copy refused for want of a send is due to be asked
+    /// again (Unix ns), if any waits: the event loop waits no longer.
+    pub fn copy_again_due(&self) -> Option<u64> {
+        self.copies_again.values().filter(|again| again.waiting).map(|again| again.at_ns).min()
     }
 
     /// The copies refused for want of a send whose wait is over go to
@@ -309,8 +322,14 @@ impl Node {
     }
 }
 
-/// How soon a copy that found no send free is asked again (ns).
-const COPY_AGAIN_NS: u64 = 2_000_000;
+/// How soon a copy that found no send free is asked again the first
+/// time (ns): the puller's control plane marks more victims within a
+/// pass of hearing its data plane ran out.
+pub(super) const COPY_AGAIN_FIRST_NS: u64 = 250_000;
+
+/// The longest wait between two asks of a copy that found no send free
+/// (ns).
+pub(super) const COPY_AGAIN_NS: u64 = 2_000_000;
 
 /// How long a copy with no deadline is asked again (ns).
 const COPY_AGAIN_FOR_NS: u64 = 10_000_000_000;
@@ -322,6 +341,8 @@ pub(super) struct CopyAgain {
     at_ns: u64,
     until_ns: u64,
     waiting: bool,
+    /// Times asked again so far.
+    asked: u8,
 }
 
 /// Pulls an engine may have waiting for the leader at once.

@@ -481,3 +481,59 @@ fn a_pulled_block_landing_before_its_pulled_parent_waits_for_it_so_the_chain_sta
     reader.on_data_plane(0, &Message::BlockCommitted(block(5, Some(4), Tier::L1Dram, 1, 9, 4))).unwrap();
     assert_eq!((reader.waiting(), reader.counters.rooted), (0, 1));
 }
+
+#[test]
+fn a_copy_refused_for_want_of_a_slot_is_asked_again_within_a_quarter_millisecond_then_less_often() {
+    use super::copy::{COPY_AGAIN_FIRST_NS, COPY_AGAIN_NS};
+    let target = ReplicaWire {
+        tier: Tier::L1Dram as u8,
+        node: 4,
+        region: 1,
+        region_epoch: 9,
+        slot: lake_dp::wire::message::SLOT_ANY,
+        ..ReplicaWire::default()
+    };
+    let full = lake_dp::wire::message::TransferDone {
+        status: lake_dp::wire::message::ErrorCode::QueueFull as u32,
+        reserved: 0,
+        target,
+        bytes: 0,
+    };
+    let mut holder = Node::new(NodeId(3), 1, None);
+    holder.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+    holder.on_data_plane(0, &Message::BlockCommitted(block(1, None, Tier::L1Dram, 1, 5, 0))).unwrap();
+    let request = holder.copy_to(&key(1), target, Priority::CriticalLoad).unwrap();
+    let mut commands = Vec::new();
+    holder.plan(1, &mut commands);
+    assert_eq!(holder.copy_again_due(), None, "nothing refused yet");
+    let mut waits = Vec::new();
+    for _ in 0..6 {
+        let before = super::unix_ns();
+        holder.on_data_plane(request, &Message::TransferDone(full)).unwrap();
+        let after = super::unix_ns();
+        let due = holder.copy_again_due().expect("a refused copy waits to be asked again");
+        assert!(due >= before, "due {due} before the refusal {before}");
+        waits.push((due - before, due - after));
+        // Not asked before it is due; asked once it is.
+        commands.clear();
+        holder.plan(1, &mut commands);
+        let asked = commands.iter().filter(|c| c.request == request).count();
+        if super::unix_ns() < due {
+            assert_eq!(asked, 0, "asked again before its wait was over");
+        }
+        while super::unix_ns() < due {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        commands.clear();
+        holder.plan(1, &mut commands);
+        assert_eq!(commands.iter().filter(|c| c.request == request).count(), 1, "not asked again once due");
+        assert_eq!(holder.copy_again_due(), None, "at the data plane again, it waits for nothing");
+    }
+    // The first wait a quarter millisecond, each next one twice the last,
+    // up to 2 ms.
+    let expected = [1, 2, 4, 8, 8, 8].map(|k| (COPY_AGAIN_FIRST_NS * k).min(COPY_AGAIN_NS));
+    for ((at_most, at_least), expected) in waits.iter().zip(expected) {
+        assert!((*at_least..=*at_most).contains(&expected), "waits {waits:?}, expected {expected} in each");
+    }
+    assert_eq!(holder.copies_asked_again, 6);
+}

@@ -538,8 +538,14 @@ impl Server {
     }
 
     /// One pass: accepts, reads and applies whatever is ready, writes what
-    /// is queued; waits at most `timeout` for something to happen.
+    /// is queued; waits at most `timeout` for something to happen, and no
+    /// longer than the node's next copy to ask again is due.
     pub fn poll_once(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        let due = self.node.copy_again_due().map(|at| Duration::from_nanos(at.saturating_sub(unix_ns())));
+        let timeout = match (timeout, due) {
+            (Some(timeout), Some(due)) => Some(timeout.min(due)),
+            (timeout, due) => timeout.or(due),
+        };
         match self.poll.poll(&mut self.events, timeout) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
