@@ -300,6 +300,19 @@ fn a_pull_goes_to_the_leader_naming_this_nodes_l1_and_one_held_only_in_l3_is_rea
     assert_eq!((node.store_reads_done, node.store_reads_failed), (0, 1));
 }
 
+/// Another node's L1 (region 1 there, epoch `region_epoch`), any slot:
+/// where a copy or placement from here lands.
+fn another_l1(node: u32, region_epoch: u64) -> ReplicaWire {
+    ReplicaWire {
+        tier: Tier::L1Dram as u8,
+        node,
+        region: 1,
+        region_epoch,
+        slot: lake_dp::wire::message::SLOT_ANY,
+        ..ReplicaWire::default()
+    }
+}
+
 #[test]
 fn a_block_placed_in_its_home_becomes_a_copy_here_once_it_landed_there() {
     let mut node = Node::new(NodeId(3), 1, None);
@@ -308,14 +321,7 @@ fn a_block_placed_in_its_home_becomes_a_copy_here_once_it_landed_there() {
     node.on_data_plane(0, &Message::BlockCommitted(block(1, None, Tier::L1Dram, 1, 5, 0))).unwrap();
     node.on_data_plane(0, &Message::BlockCommitted(block(2, None, Tier::L1Dram, 1, 5, 1))).unwrap();
     node.on_data_plane(0, &Message::BlockCommitted(block(4, None, Tier::L2Nvme, 2, 5, 0))).unwrap();
-    let home = ReplicaWire {
-        tier: Tier::L1Dram as u8,
-        node: 4,
-        region: 1,
-        region_epoch: 9,
-        slot: lake_dp::wire::message::SLOT_ANY,
-        ..ReplicaWire::default()
-    };
+    let home = another_l1(4, 9);
     // Only a block in L1 here is placed: one demoted is not promoted for it.
     assert!(node.place_to(&key(4), home).is_err());
     let placed = node.place_to(&key(1), home).unwrap();
@@ -363,14 +369,8 @@ fn dropped_next(node: &mut Node, now_ns: u64) -> Vec<BlockKey> {
 
 #[test]
 fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_unless_chains_here_continue_it() {
-    let l1 = |node: u32, region_epoch| ReplicaWire {
-        tier: Tier::L1Dram as u8,
-        node,
-        region: 1,
-        region_epoch,
-        slot: lake_dp::wire::message::SLOT_ANY,
-        ..ReplicaWire::default()
-    };
+    // Node 4's L1, where the reader pulls to.
+    let reader = another_l1(4, 9);
     let done = |target| lake_dp::wire::message::TransferDone { status: 0, reserved: 0, target, bytes: 0 };
     // The holder: a pull's copy leaves its block a copy once it landed,
     // where the leader moves pulled blocks; else its block stays the pool's.
@@ -379,14 +379,14 @@ fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_un
     holder.on_data_plane(0, &Message::BlockCommitted(block(1, None, Tier::L1Dram, 1, 5, 0))).unwrap();
     holder.on_data_plane(0, &Message::BlockCommitted(block(2, None, Tier::L1Dram, 1, 5, 1))).unwrap();
     holder.pulls_move = true;
-    let moved = holder.copy_to(&key(1), l1(4, 9), Priority::CriticalLoad).unwrap();
+    let moved = holder.copy_to(&key(1), reader, Priority::CriticalLoad).unwrap();
     holder.pulls_move = false;
-    let copied = holder.copy_to(&key(2), l1(4, 9), Priority::CriticalLoad).unwrap();
+    let copied = holder.copy_to(&key(2), reader, Priority::CriticalLoad).unwrap();
     let mut commands = Vec::new();
     holder.plan(1, &mut commands);
     assert_eq!(commands.iter().filter(|c| matches!(c.action, crate::tier::TierAction::Copy(_))).count(), 2);
-    holder.on_data_plane(moved, &Message::TransferDone(done(l1(4, 9)))).unwrap();
-    holder.on_data_plane(copied, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    holder.on_data_plane(moved, &Message::TransferDone(done(reader))).unwrap();
+    holder.on_data_plane(copied, &Message::TransferDone(done(reader))).unwrap();
     assert!(holder.tiers.is_pulled_in(&key(1)), "moved: a copy here now");
     assert!(!holder.tiers.is_pulled_in(&key(2)), "copied: still the pool's here");
     assert_eq!((holder.moved_to_readers, holder.placed_away, holder.copies_landed), (1, 0, 2));
@@ -399,10 +399,10 @@ fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_un
     holder.on_data_plane(0, &Message::BlockCommitted(block(4, Some(3), Tier::L1Dram, 1, 5, 3))).unwrap();
     holder.on_data_plane(0, &Message::BlockCommitted(block(5, Some(3), Tier::L1Dram, 1, 5, 4))).unwrap();
     holder.pulls_move = true;
-    let shared = holder.copy_to(&key(3), l1(4, 9), Priority::CriticalLoad).unwrap();
-    let tail = holder.copy_to(&key(4), l1(4, 9), Priority::CriticalLoad).unwrap();
-    holder.on_data_plane(shared, &Message::TransferDone(done(l1(4, 9)))).unwrap();
-    holder.on_data_plane(tail, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    let shared = holder.copy_to(&key(3), reader, Priority::CriticalLoad).unwrap();
+    let tail = holder.copy_to(&key(4), reader, Priority::CriticalLoad).unwrap();
+    holder.on_data_plane(shared, &Message::TransferDone(done(reader))).unwrap();
+    holder.on_data_plane(tail, &Message::TransferDone(done(reader))).unwrap();
     assert!(!holder.tiers.is_pulled_in(&key(3)), "a shared prefix: still the pool's here");
     assert!(holder.tiers.is_pulled_in(&key(4)), "moved: a copy here now");
     assert_eq!((holder.moved_to_readers, holder.shared.kept, holder.copies_landed), (2, 1, 4));
@@ -411,13 +411,13 @@ fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_un
     holder.on_data_plane(0, &Message::BlockCommitted(block(6, None, Tier::L1Dram, 1, 5, 5))).unwrap();
     holder.on_data_plane(0, &Message::BlockCommitted(block(7, Some(6), Tier::L1Dram, 1, 5, 6))).unwrap();
     holder.on_data_plane(0, &Message::BlockCommitted(block(8, Some(7), Tier::L1Dram, 1, 5, 7))).unwrap();
-    let before = holder.copy_to(&key(6), l1(4, 9), Priority::CriticalLoad).unwrap();
+    let before = holder.copy_to(&key(6), reader, Priority::CriticalLoad).unwrap();
     holder.on_data_plane(0, &Message::BlockCommitted(block(9, Some(7), Tier::L1Dram, 1, 5, 8))).unwrap();
-    let after = holder.copy_to(&key(6), l1(4, 9), Priority::CriticalLoad).unwrap();
-    holder.on_data_plane(after, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    let after = holder.copy_to(&key(6), reader, Priority::CriticalLoad).unwrap();
+    holder.on_data_plane(after, &Message::TransferDone(done(reader))).unwrap();
     // Asked while one chain continued it, landed once two did: what holds
     // when it lands decides.
-    holder.on_data_plane(before, &Message::TransferDone(done(l1(4, 9)))).unwrap();
+    holder.on_data_plane(before, &Message::TransferDone(done(reader))).unwrap();
     assert!(!holder.tiers.is_pulled_in(&key(6)), "above a shared block: still the pool's here");
     assert_eq!((holder.moved_to_readers, holder.shared.kept, holder.copies_landed), (2, 3, 6));
 
@@ -427,7 +427,7 @@ fn where_pulls_move_blocks_the_readers_copy_is_the_pools_and_the_holders_goes_un
     reader.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 9))).unwrap();
     let pull = |key| Transfer {
         source: ReplicaWire { tier: Tier::L1Dram as u8, node: 2, ..ReplicaWire::default() },
-        target: l1(3, 0),
+        target: another_l1(3, 0),
         key,
         deadline_unix_ns: 0,
         priority: Priority::CriticalLoad as u8,
@@ -485,14 +485,7 @@ fn a_pulled_block_landing_before_its_pulled_parent_waits_for_it_so_the_chain_sta
 #[test]
 fn a_copy_refused_for_want_of_a_slot_is_asked_again_within_a_quarter_millisecond_then_less_often() {
     use super::copy::{COPY_AGAIN_FIRST_NS, COPY_AGAIN_NS};
-    let target = ReplicaWire {
-        tier: Tier::L1Dram as u8,
-        node: 4,
-        region: 1,
-        region_epoch: 9,
-        slot: lake_dp::wire::message::SLOT_ANY,
-        ..ReplicaWire::default()
-    };
+    let target = another_l1(4, 9);
     let full = lake_dp::wire::message::TransferDone {
         status: lake_dp::wire::message::ErrorCode::QueueFull as u32,
         reserved: 0,
