@@ -177,16 +177,14 @@ impl Node {
                 transfer.deadline_unix_ns
             },
             waiting: false,
-            asked: 0,
+            wait_ns: 0,
         });
         if now >= again.until_ns {
             self.copies_again.remove(&request);
             return false;
         }
-        let wait =
-            COPY_AGAIN_FIRST_NS.checked_shl(u32::from(again.asked)).map_or(COPY_AGAIN_NS, |w| w.min(COPY_AGAIN_NS));
-        again.at_ns = now.saturating_add(wait);
-        again.asked = again.asked.saturating_add(1);
+        again.wait_ns = (again.wait_ns * 2).clamp(COPY_AGAIN_FIRST_NS, COPY_AGAIN_NS);
+        again.at_ns = now.saturating_add(again.wait_ns);
         again.waiting = true;
         self.copies_asked_again += 1;
         true
@@ -341,8 +339,8 @@ pub(super) struct CopyAgain {
     at_ns: u64,
     until_ns: u64,
     waiting: bool,
-    /// Times asked again so far.
-    asked: u8,
+    /// The last wait (ns; 0 before the first).
+    wait_ns: u64,
 }
 
 /// Pulls an engine may have waiting for the leader at once.

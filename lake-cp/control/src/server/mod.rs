@@ -542,10 +542,7 @@ impl Server {
     /// longer than the node's next copy to ask again is due.
     pub fn poll_once(&mut self, timeout: Option<Duration>) -> io::Result<()> {
         let due = self.node.copy_again_due().map(|at| Duration::from_nanos(at.saturating_sub(unix_ns())));
-        let timeout = match (timeout, due) {
-            (Some(timeout), Some(due)) => Some(timeout.min(due)),
-            (timeout, due) => timeout.or(due),
-        };
+        let timeout = timeout.into_iter().chain(due).min();
         match self.poll.poll(&mut self.events, timeout) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
