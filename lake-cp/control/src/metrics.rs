@@ -369,7 +369,7 @@ fn view_metrics(out: &mut String, view: &ViewGauges) {
         out,
         "lake_cluster_view_refused_total",
         "counter",
-        "View entries not taken (the view full, or naming 32 other nodes already): those blocks read as misses.",
+        "View entries not taken (the view full, or naming 1,024 other nodes already): those blocks read as misses.",
         &[("", view.refused)],
     );
     metric(

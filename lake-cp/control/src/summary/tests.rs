@@ -466,6 +466,47 @@ fn the_leader_streams_each_node_the_other_nodes_blocks_and_a_new_leader_starts_t
 }
 
 #[test]
+fn a_node_sees_the_blocks_of_forty_other_nodes_and_the_fastest_holders_of_one_they_all_hold() {
+    use lake_dp::ObjectKind::KvBlock;
+    use lake_dp::mirror::view::{HOLDERS_KEPT, Holder, ViewReader};
+    const OTHERS: u32 = 40;
+    let mut aggregator = Aggregator::bind("127.0.0.1:0".parse().unwrap(), Summary::new()).unwrap();
+    let address = aggregator.local_addr().unwrap();
+    let (path, writer) = scratch_view("forty", 100);
+    let mut watcher = (view(100, 1), Uplink::new(100, vec![address]).with_view(writer));
+    let mut others: Vec<(Locations, Uplink)> =
+        (1..=OTHERS).map(|n| (view(n, 1), Uplink::new(n, vec![address]))).collect();
+    let shared = numbered(0);
+    for (n, (locations, _)) in (1..=OTHERS).zip(&mut others) {
+        // Its own block in its L1; the shared one in L1 on nodes 1 to 3,
+        // in L2 on the others.
+        locations.adopt(None, numbered(n), KvBlock, 0, 5, 1, 1).unwrap();
+        locations.adopt(None, shared, KvBlock, if n <= 3 { 0 } else { 1 }, 5, 2, 1).unwrap();
+    }
+    let reader = ViewReader::attach(&path.0).unwrap();
+    for _ in 0..500 {
+        for (locations, uplink) in others.iter_mut().chain(std::iter::once(&mut watcher)) {
+            let changes: Vec<_> = locations.drain_changes().collect();
+            uplink.pump(locations, &changes);
+        }
+        aggregator.pump();
+        if reader.live() == u64::from(OTHERS) + 1 && reader.holders(&shared).len() == HOLDERS_KEPT {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for n in 1..=OTHERS {
+        let on_n = Some(Holder { node: NodeId(n), tier: Tier::L1Dram });
+        assert_eq!(reader.best(&numbered(n)), on_n, "node {n}'s block");
+    }
+    let holders = reader.holders(&shared);
+    assert_eq!(holders.len(), HOLDERS_KEPT, "{holders:?}");
+    let in_l1: Vec<u32> = holders.iter().filter(|h| h.tier == Tier::L1Dram).map(|h| h.node.0).collect();
+    assert_eq!(in_l1.len(), 3, "the three L1 holders first: {holders:?}");
+    assert_eq!(watcher.1.counters.view_refused, 0, "{:?}", watcher.1.counters);
+}
+
+#[test]
 fn a_node_that_sees_a_gap_in_the_view_asks_for_a_snapshot_and_applies_nothing_until_it_comes() {
     use lake_dp::mirror::view::{Holder, ViewReader};
     use lake_dp::wire::{Limits, Message, append_frame, decode_frame};

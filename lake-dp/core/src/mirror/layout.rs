@@ -39,6 +39,23 @@ pub const MIRROR_MAGIC: [u8; 8] = *b"LAKEMIR\0";
 /// The layout version this build creates and reads.
 pub const MIRROR_VERSION: u32 = 1;
 
+/// What a table of this layout is: the magic its file starts with, the
+/// version of it a build writes, and the oldest it still reads (what
+/// changes between versions is what a bucket's words mean, never where
+/// they lie).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableKind {
+    /// The first eight bytes.
+    pub magic: [u8; 8],
+    /// The version written.
+    pub version: u32,
+    /// The oldest version read.
+    pub oldest: u32,
+}
+
+/// A node's mirror.
+pub const MIRROR: TableKind = TableKind { magic: MIRROR_MAGIC, version: MIRROR_VERSION, oldest: MIRROR_VERSION };
+
 /// Bytes of page 0 (header and control).
 pub const HEADER_BYTES: u32 = 4096;
 
@@ -71,9 +88,9 @@ pub const STATE_RETIRED: u32 = 0x4552_5452; // "RTRE"
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
 pub struct MirrorHeader {
-    /// [`MIRROR_MAGIC`].
+    /// [`MIRROR_MAGIC`] (or another [`TableKind`]'s).
     pub magic: [u8; 8],
-    /// [`MIRROR_VERSION`].
+    /// [`MIRROR_VERSION`] (or another [`TableKind`]'s).
     pub version: u32,
     /// [`HEADER_BYTES`].
     pub header_bytes: u32,
@@ -150,19 +167,19 @@ pub fn header_crc(header: &MirrorHeader) -> u32 {
 
 /// The header of a mirror of `buckets` buckets for `node`.
 pub fn plan(buckets: u64, node: u32) -> Result<MirrorHeader, MirrorError> {
-    plan_as(MIRROR_MAGIC, buckets, node)
+    plan_as(MIRROR, buckets, node)
 }
 
-/// The header of a table of this layout under another `magic` (the
-/// cluster view's, [`super::view::VIEW_MAGIC`]).
-pub fn plan_as(magic: [u8; 8], buckets: u64, node: u32) -> Result<MirrorHeader, MirrorError> {
+/// The header of a table of this layout of another kind (the cluster
+/// view, [`super::view::VIEW`]).
+pub fn plan_as(kind: TableKind, buckets: u64, node: u32) -> Result<MirrorHeader, MirrorError> {
     if buckets == 0 || buckets > BUCKETS_MAX {
         return Err(MirrorError::Config("buckets: between 1 and 2^32"));
     }
     let total_bytes = BUCKETS_OFFSET + buckets * u64::from(BUCKET_BYTES);
     let mut header = MirrorHeader {
-        magic,
-        version: MIRROR_VERSION,
+        magic: kind.magic,
+        version: kind.version,
         header_bytes: HEADER_BYTES,
         bucket_bytes: BUCKET_BYTES,
         regions_max: REGIONS_MAX,
@@ -182,23 +199,24 @@ pub fn plan_as(magic: [u8; 8], buckets: u64, node: u32) -> Result<MirrorHeader, 
 /// Checks a mirror's page 0 against the file's size; names the first bad
 /// field.
 pub fn decode_header(page: &[u8], file_bytes: u64) -> Result<MirrorHeader, MirrorError> {
-    decode_header_as(MIRROR_MAGIC, page, file_bytes)
+    decode_header_as(MIRROR, page, file_bytes)
 }
 
-/// [`decode_header`] of a table under another `magic`.
-pub fn decode_header_as(magic: [u8; 8], page: &[u8], file_bytes: u64) -> Result<MirrorHeader, MirrorError> {
+/// [`decode_header`] of a table of another kind: any version of it from
+/// its oldest read to the one written.
+pub fn decode_header_as(kind: TableKind, page: &[u8], file_bytes: u64) -> Result<MirrorHeader, MirrorError> {
     let bad = MirrorError::Header;
     let bytes = page.get(..size_of::<MirrorHeader>()).ok_or(bad("too short to hold a mirror header"))?;
     let header: MirrorHeader = bytemuck::pod_read_unaligned(bytes);
-    if header.magic != magic {
-        return Err(bad(if magic == MIRROR_MAGIC {
+    if header.magic != kind.magic {
+        return Err(bad(if kind.magic == MIRROR_MAGIC {
             "magic: not a Lake mirror"
         } else {
             "magic: not a Lake cluster view"
         }));
     }
-    if header.version != MIRROR_VERSION {
-        return Err(MirrorError::Version { found: header.version, supported: MIRROR_VERSION });
+    if !(kind.oldest..=kind.version).contains(&header.version) {
+        return Err(MirrorError::Version { found: header.version, supported: kind.version });
     }
     if header.crc != header_crc(&header) {
         return Err(bad("crc: the header is damaged"));

@@ -439,14 +439,14 @@ impl MirrorWriter {
     /// whose writer is alive is refused; one whose writer is gone is
     /// replaced.
     pub fn create(config: &MirrorConfig) -> Result<Self, MirrorError> {
-        Self::create_as(config, layout::MIRROR_MAGIC)
+        Self::create_as(config, layout::MIRROR)
     }
 
-    /// [`MirrorWriter::create`] of a table of this layout under another
-    /// magic (the cluster view).
-    pub(crate) fn create_as(config: &MirrorConfig, magic: [u8; 8]) -> Result<Self, MirrorError> {
+    /// [`MirrorWriter::create`] of a table of this layout of another kind
+    /// (the cluster view).
+    pub(crate) fn create_as(config: &MirrorConfig, kind: layout::TableKind) -> Result<Self, MirrorError> {
         let (file, target, building) = open_backing(config)?;
-        let result = Self::build(config, magic, file, target.as_deref(), building.as_deref());
+        let result = Self::build(config, kind, file, target.as_deref(), building.as_deref());
         if result.is_err()
             && let Some(building) = &building
         {
@@ -457,7 +457,7 @@ impl MirrorWriter {
 
     fn build(
         config: &MirrorConfig,
-        magic: [u8; 8],
+        kind: layout::TableKind,
         file: File,
         target: Option<&Path>,
         building: Option<&Path>,
@@ -470,7 +470,7 @@ impl MirrorWriter {
         // Fill the last page with buckets.
         let bytes = (BUCKETS_OFFSET + config.buckets.saturating_mul(u64::from(BUCKET_BYTES))).next_multiple_of(page);
         let buckets = (bytes - BUCKETS_OFFSET) / u64::from(BUCKET_BYTES);
-        let header = layout::plan_as(magic, buckets, config.node.0)?;
+        let header = layout::plan_as(kind, buckets, config.node.0)?;
         file.set_len(header.total_bytes).map_err(io_error("sizing", building))?;
         if !lock::try_lock(&file, WRITER_LOCK_BYTE).map_err(io_error("locking", building))? {
             return Err(MirrorError::Config("backing: another process locked the new mirror file"));
@@ -789,15 +789,15 @@ impl MirrorReader {
         Self::attach_file(File::from(fd), None)
     }
 
-    /// Maps the table of this layout at `path` made under another magic
-    /// (the cluster view).
-    pub(crate) fn attach_as(path: &Path, magic: [u8; 8]) -> Result<Self, MirrorError> {
+    /// Maps the table of this layout of another kind at `path` (the
+    /// cluster view).
+    pub(crate) fn attach_as(path: &Path, kind: layout::TableKind) -> Result<Self, MirrorError> {
         let file = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(io_error("opening", Some(path)))?;
-        Self::attach_file_as(file, Some(path), magic)
+        Self::attach_file_as(file, Some(path), kind)
     }
 
     /// Maps the same mirror again, through a copy of its descriptor (for
@@ -807,14 +807,14 @@ impl MirrorReader {
     }
 
     fn attach_file(file: File, path: Option<&Path>) -> Result<Self, MirrorError> {
-        Self::attach_file_as(file, path, layout::MIRROR_MAGIC)
+        Self::attach_file_as(file, path, layout::MIRROR)
     }
 
-    fn attach_file_as(file: File, path: Option<&Path>, magic: [u8; 8]) -> Result<Self, MirrorError> {
+    fn attach_file_as(file: File, path: Option<&Path>, kind: layout::TableKind) -> Result<Self, MirrorError> {
         let size = file.metadata().map_err(io_error("reading", path))?.len();
         let mut page = vec![0u8; size_of::<MirrorHeader>()];
         read_exact_at(&file, &mut page, 0).map_err(io_error("reading the header of", path))?;
-        let header = layout::decode_header_as(magic, &page, size)?;
+        let header = layout::decode_header_as(kind, &page, size)?;
         // SAFETY: the file is a mirror of `size` bytes (checked above);
         // mapped shared and read-only, it is only ever read through
         // atomics, so the writer's concurrent stores are no data race.

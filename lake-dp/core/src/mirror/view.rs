@@ -6,27 +6,36 @@
 //! The table is the mirror's (the same header, region records, seqlocked
 //! 32-byte buckets, probing and repair) under its own magic, `LAKEVIEW`,
 //! so neither is ever taken for the other. A bucket holds a block's key
-//! and, for each of up to [`VIEW_NODES_MAX`] node slots, the fastest tier
-//! that node holds it in:
+//! and up to [`HOLDERS_KEPT`] other nodes holding it, each with the
+//! fastest tier it holds it in, fastest first:
 //!
 //! ```text
 //! meta      bits 0-1 state (as the mirror's), 2-3 kind, 4-7 the tiers
 //!           held anywhere (bit per tier), 8-31 zero
 //! words[0]  key bytes 0..8      words[1]  key bytes 8..16
-//! words[2]  two bits per node slot (slot i: bits 2i, 2i+1): 0 not held,
-//!           1 L1, 2 L2, 3 L3
+//! words[2]  holder i at bits 12i..12i+11 (i below 5): bits 0-1 its tier
+//!           (1 L1, 2 L2, 3 L3; 0 ends the list), 2-11 its node slot;
+//!           by tier, then slot
 //! ```
 //!
-//! Region record `i` (below [`VIEW_NODES_MAX`]) names slot `i`'s node:
-//! meta bit 0 present, `words[0]` the node id. A slot keeps its node while
-//! any entry names it, and a slot no entry names goes to another node only
-//! once every slot has been taken; a reader that read an entry just before
-//! may then take its block for the new node's — a pull there finds
-//! nothing, a miss, never another block. The node's own blocks are not in
-//! its view: its mirror has them, with their slots.
+//! Region record `i` (below [`VIEW_NODES_MAX`], 1024) names slot `i`'s
+//! node: meta bit 0 present, `words[0]` the node id. A slot keeps its
+//! node while any entry names it, and a slot no entry names goes to
+//! another node only once every slot has been taken; a reader that read
+//! an entry just before may then take its block for the new node's — a
+//! pull there finds nothing, a miss, never another block. A block held by
+//! more nodes than a bucket names shows the fastest; its writer keeps the
+//! rest, and names the next when one of those goes. The node's own blocks
+//! are not in its view: its mirror has them, with their slots.
+//!
+//! Version 1 of the view (still read) named at most 32 nodes, two bits a
+//! node slot in `words[2]` (slot i: bits 2i, 2i+1, its tier as above).
 
 use std::path::Path;
 
+use std::collections::HashMap;
+
+use super::layout::{REGIONS_MAX, TableKind};
 use super::seqlock::Snapshot;
 use super::table::STATE_LIVE;
 use super::{MirrorConfig, MirrorEntry, MirrorError, MirrorReader, MirrorWriter, kind_bits};
@@ -36,8 +45,14 @@ use crate::model::replica::{NodeId, ObjectKind, Tier};
 /// The first eight bytes of every cluster view.
 pub const VIEW_MAGIC: [u8; 8] = *b"LAKEVIEW";
 
-/// Nodes one view names (besides its own).
-pub const VIEW_NODES_MAX: usize = 32;
+/// The cluster view's kind: this build writes version 2 and reads 1 too.
+pub const VIEW: TableKind = TableKind { magic: VIEW_MAGIC, version: 2, oldest: 1 };
+
+/// Nodes one view names (besides its own): a region record each.
+pub const VIEW_NODES_MAX: usize = REGIONS_MAX as usize;
+
+/// Holders a bucket names: the fastest.
+pub const HOLDERS_KEPT: usize = 5;
 
 /// Another node holding a block, and its fastest tier of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,9 +101,6 @@ impl From<MirrorError> for ViewError {
     }
 }
 
-const TIER_BITS: u32 = 2;
-const SLOT_MASK: u64 = 3;
-
 fn tier_code(tier: Tier) -> Option<u64> {
     match tier {
         Tier::L0Hbm => None,
@@ -107,14 +119,33 @@ fn tier_of_code(code: u64) -> Option<Tier> {
     }
 }
 
-/// Where slot `slot`'s two bits lie in the holders word.
-#[allow(clippy::cast_possible_truncation)] // a slot is below VIEW_NODES_MAX (32)
-fn shift_of(slot: usize) -> u32 {
-    (slot % VIEW_NODES_MAX) as u32 * TIER_BITS
+/// A holder as a bucket names it: its tier's code (1 L1, 2 L2, 3 L3),
+/// then its node slot — in the order a bucket keeps them, fastest first.
+type Named = (u64, usize);
+
+/// Bits of one holder in a version 2 bucket's `words[2]`.
+const HOLDER_BITS: usize = 12;
+
+/// The holders word of `named` (its first [`HOLDERS_KEPT`], in order).
+fn pack(named: &[Named]) -> u64 {
+    named
+        .iter()
+        .take(HOLDERS_KEPT)
+        .enumerate()
+        .fold(0, |word, (i, &(code, slot))| word | (code | (slot as u64) << 2) << (HOLDER_BITS * i))
 }
 
-fn slot_code(holders: u64, slot: usize) -> u64 {
-    (holders >> shift_of(slot)) & SLOT_MASK
+/// The holders a version 2 holders word names, fastest first.
+fn unpack(word: u64) -> impl Iterator<Item = Named> {
+    (0..HOLDERS_KEPT)
+        .map(move |i| (word >> (HOLDER_BITS * i)) & 0xfff)
+        .take_while(|holder| holder & 3 != 0)
+        .map(|holder| (holder & 3, crate::usize_from(holder >> 2)))
+}
+
+/// The tiers `named` hold, a bit per tier.
+fn tiers_held(named: &[Named]) -> u32 {
+    named.iter().filter_map(|&(code, _)| tier_of_code(code)).fold(0, |bits, tier| bits | 1 << tier as u32)
 }
 
 /// The node's writer of its view: the node's `lake-cp`, applying what the
@@ -122,8 +153,15 @@ fn slot_code(holders: u64, slot: usize) -> u64 {
 pub struct ViewWriter {
     table: MirrorWriter,
     own: NodeId,
-    /// Each slot's node and how many entries name it.
-    slots: [Option<(NodeId, u64)>; VIEW_NODES_MAX],
+    /// Each slot's node and how many blocks name it (in the table, or
+    /// among those a bucket has no room for).
+    slots: Vec<Option<(NodeId, u64)>>,
+    /// Each node's slot.
+    by_node: HashMap<NodeId, usize>,
+    /// Of blocks more nodes hold than a bucket names, the slower ones.
+    overflow: HashMap<BlockKey, Vec<Named>>,
+    /// A block's holders while a change is made (reused).
+    scratch: Vec<Named>,
 }
 
 impl core::fmt::Debug for ViewWriter {
@@ -136,8 +174,15 @@ impl ViewWriter {
     /// Builds a new view for node `config.node` (published at its path
     /// when ready; a file there whose writer is gone is replaced).
     pub fn create(config: &MirrorConfig) -> Result<Self, MirrorError> {
-        let table = MirrorWriter::create_as(config, VIEW_MAGIC)?;
-        Ok(Self { table, own: config.node, slots: [None; VIEW_NODES_MAX] })
+        let table = MirrorWriter::create_as(config, VIEW)?;
+        Ok(Self {
+            table,
+            own: config.node,
+            slots: vec![None; VIEW_NODES_MAX],
+            by_node: HashMap::new(),
+            overflow: HashMap::new(),
+            scratch: Vec::new(),
+        })
     }
 
     /// [`ViewWriter::create`] for node `node`'s control plane: a view of
@@ -147,17 +192,16 @@ impl ViewWriter {
         Self::create(&MirrorConfig { node, ..MirrorConfig::for_entries(super::MirrorBacking::Shm(path), blocks) })
     }
 
-    fn slot_of(&self, node: NodeId) -> Option<usize> {
-        self.slots.iter().position(|s| s.is_some_and(|(n, _)| n == node))
-    }
-
     fn bind(&mut self, node: NodeId) -> Result<usize, ViewError> {
         // A slot never used first; then one no entry names any more.
         let free = self.slots.iter().position(Option::is_none);
         let slot = free.or_else(|| self.slots.iter().position(|s| s.is_some_and(|(_, n)| n == 0)));
         let slot = slot.ok_or(ViewError::NodesFull)?;
         self.table.set_record_raw(slot, Snapshot { meta: 1, words: [u64::from(node.0), 0, 0] })?;
-        self.slots[slot] = Some((node, 0));
+        if let Some((before, _)) = self.slots[slot].replace((node, 0)) {
+            self.by_node.remove(&before);
+        }
+        self.by_node.insert(node, slot);
         Ok(slot)
     }
 
@@ -177,26 +221,24 @@ impl ViewWriter {
             Some(tier) => tier_code(tier).ok_or(ViewError::Tier)?,
             None => 0,
         };
-        let slot = match self.slot_of(node) {
-            Some(slot) => slot,
+        let slot = match self.by_node.get(&node) {
+            Some(&slot) => slot,
             None if code == 0 => return Ok(true),
             None => self.bind(node)?,
         };
-        let current = self.table.get_raw(key).filter(|s| s.meta & 3 == STATE_LIVE);
-        let holders = current.map_or(0, |s| s.words[2]);
-        let shift = shift_of(slot);
-        let was = (holders >> shift) & SLOT_MASK;
-        if was == code {
-            return Ok(true);
+        let mut named = core::mem::take(&mut self.scratch);
+        named.clear();
+        if let Some(current) = self.table.get_raw(key).filter(|s| s.meta & 3 == STATE_LIVE) {
+            named.extend(unpack(current.words[2]));
         }
-        let holders = (holders & !(SLOT_MASK << shift)) | code << shift;
-        if holders == 0 {
-            self.table.remove(key);
-        } else {
-            let (lo, hi) = super::key_words(key);
-            let meta = STATE_LIVE | kind_bits(kind) << 2 | tiers_held(holders) << 4;
-            self.table.upsert_raw(key, Snapshot { meta, words: [lo, hi, holders] })?;
+        if let Some(slower) = self.overflow.get(key) {
+            named.extend_from_slice(slower);
         }
+        let at = named.iter().position(|&(_, s)| s == slot);
+        let was = at.map_or(0, |i| named[i].0);
+        let result = if was == code { Ok(()) } else { self.store(key, kind, &mut named, at, (code, slot)) };
+        self.scratch = named;
+        result?;
         if let Some((_, count)) = &mut self.slots[slot] {
             match (was, code) {
                 (0, _) => *count += 1,
@@ -207,10 +249,50 @@ impl ViewWriter {
         Ok(true)
     }
 
+    /// Stores `key`'s holders, `named` (holder `at` of them, if any, the
+    /// one changed) with `holder` in its place: the fastest in the bucket,
+    /// the rest aside.
+    fn store(
+        &mut self,
+        key: &BlockKey,
+        kind: ObjectKind,
+        named: &mut Vec<Named>,
+        at: Option<usize>,
+        holder: Named,
+    ) -> Result<(), ViewError> {
+        match at {
+            Some(i) if holder.0 == 0 => {
+                named.remove(i);
+            }
+            Some(i) => named[i] = holder,
+            None => named.push(holder),
+        }
+        named.sort_unstable();
+        if named.is_empty() {
+            self.table.remove(key);
+        } else {
+            let (lo, hi) = super::key_words(key);
+            let meta = STATE_LIVE | kind_bits(kind) << 2 | tiers_held(named) << 4;
+            self.table.upsert_raw(key, Snapshot { meta, words: [lo, hi, pack(named)] })?;
+        }
+        match named.get(HOLDERS_KEPT..) {
+            Some(slower) if !slower.is_empty() => {
+                self.overflow.insert(*key, slower.to_vec());
+            }
+            _ if !self.overflow.is_empty() => {
+                self.overflow.remove(key);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// Withdraws every entry and frees every slot (a snapshot of the
     /// leader's view follows). Readers see misses meanwhile.
     pub fn clear(&mut self) {
         self.table.clear();
+        self.overflow.clear();
+        self.by_node.clear();
         for slot in 0..VIEW_NODES_MAX {
             if self.slots[slot].take().is_some() {
                 let _ = self.table.set_record_raw(slot, Snapshot { meta: 0, words: [0; 3] });
@@ -244,38 +326,43 @@ impl ViewWriter {
     }
 }
 
-/// Each tier's holders in a holders word, as masks of slots (a slot's
-/// low bit set in its tier's mask): the low and high bit of every slot's
-/// code side by side, fastest tier first.
-fn tier_masks(holders: u64) -> [(u64, Tier); 3] {
+/// Each tier's holders in a version 1 holders word, as masks of slots (a
+/// slot's low bit set in its tier's mask): the low and high bit of every
+/// slot's code side by side, fastest tier first.
+fn tier_masks_v1(holders: u64) -> [(u64, Tier); 3] {
     const LOW: u64 = 0x5555_5555_5555_5555;
     let (low, high) = (holders & LOW, (holders >> 1) & LOW);
     [(low & !high, Tier::L1Dram), (high & !low, Tier::L2Nvme), (low & high, Tier::L3Object)]
 }
 
-/// The fastest tier in a holders word and the lowest slot holding it there.
-fn fastest(holders: u64) -> Option<(Tier, usize)> {
-    tier_masks(holders)
-        .into_iter()
-        .find(|&(slots, _)| slots != 0)
-        .map(|(slots, tier)| (tier, slots.trailing_zeros() as usize / 2))
-}
-
-/// The tiers held anywhere in a holders word, a bit per tier.
-fn tiers_held(holders: u64) -> u32 {
-    tier_masks(holders).into_iter().filter(|&(slots, _)| slots != 0).fold(0, |bits, (_, tier)| bits | 1 << tier as u32)
+/// The holders a version 1 holders word names, fastest first (by tier,
+/// then slot).
+fn unpack_v1(holders: u64) -> impl Iterator<Item = Named> {
+    tier_masks_v1(holders).into_iter().flat_map(|(mut slots, tier)| {
+        core::iter::from_fn(move || {
+            (slots != 0).then(|| {
+                let slot = slots.trailing_zeros() as usize / 2;
+                slots &= slots - 1;
+                (tier_code(tier).unwrap_or(0), slot)
+            })
+        })
+    })
 }
 
 /// An engine's (or a router's) reader of a node's view; maps it read-only.
 #[derive(Debug)]
 pub struct ViewReader {
     table: MirrorReader,
+    /// Version 1: two bits a node slot.
+    v1: bool,
 }
 
 impl ViewReader {
     /// Maps the view at `path`.
     pub fn attach(path: &Path) -> Result<Self, MirrorError> {
-        Ok(Self { table: MirrorReader::attach_as(path, VIEW_MAGIC)? })
+        let table = MirrorReader::attach_as(path, VIEW)?;
+        let v1 = table.header().version == 1;
+        Ok(Self { table, v1 })
     }
 
     /// Whether the view is valid (its writer has not retired it).
@@ -302,12 +389,13 @@ impl ViewReader {
     /// none where no other node holds it or it could not be told.
     #[inline]
     pub fn best(&self, key: &BlockKey) -> Option<Holder> {
-        let snapshot = self.table.get_raw(key).ok()??;
-        let (tier, slot) = fastest(snapshot.words[2])?;
-        Some(Holder { node: self.slot_node(slot)?, tier })
+        let word = self.table.get_raw(key).ok()??.words[2];
+        let (code, slot) = if self.v1 { unpack_v1(word).next()? } else { unpack(word).next()? };
+        Some(Holder { node: self.slot_node(slot)?, tier: tier_of_code(code)? })
     }
 
-    /// Every other node holding `key`, with its fastest tier.
+    /// Every other node holding `key` that its bucket names (the
+    /// [`HOLDERS_KEPT`] fastest), with its fastest tier, fastest first.
     pub fn holders(&self, key: &BlockKey) -> Vec<Holder> {
         let mut out = Vec::new();
         self.holders_into(key, &mut out);
@@ -318,16 +406,19 @@ impl ViewReader {
     /// reused from block to block).
     pub fn holders_into(&self, key: &BlockKey, out: &mut Vec<Holder>) {
         let Ok(Some(snapshot)) = self.table.get_raw(key) else { return };
-        let mut codes = snapshot.words[2];
-        while codes != 0 {
-            let slot = (codes.trailing_zeros() / 2) as usize;
-            codes &= !(0b11 << (2 * slot));
-            if let Some(tier) = tier_of_code(slot_code(snapshot.words[2], slot))
+        for (code, slot) in self.named(snapshot.words[2]) {
+            if let Some(tier) = tier_of_code(code)
                 && let Some(node) = self.slot_node(slot)
             {
                 out.push(Holder { node, tier });
             }
         }
+    }
+
+    /// The holders a bucket's `words[2]` names, in this view's version.
+    fn named(&self, word: u64) -> impl Iterator<Item = Named> {
+        let (v1, v2) = if self.v1 { (Some(unpack_v1(word)), None) } else { (None, Some(unpack(word))) };
+        v1.into_iter().flatten().chain(v2.into_iter().flatten())
     }
 
     fn slot_node(&self, slot: usize) -> Option<NodeId> {
@@ -652,22 +743,93 @@ mod tests {
     }
 
     #[test]
-    fn a_view_names_at_most_its_slots_of_nodes_and_reuses_a_slot_no_entry_names() {
+    fn a_view_names_a_thousand_and_twenty_four_nodes_and_reuses_a_slot_no_entry_names() {
         let path = scratch("slots");
-        let mut writer = ViewWriter::create(&config(&path.0, 0)).unwrap();
+        let mut writer = ViewWriter::create(&MirrorConfig {
+            node: NodeId(0),
+            ..MirrorConfig::for_entries(MirrorBacking::Shm(path.0.clone()), 2000)
+        })
+        .unwrap();
         let kv = ObjectKind::KvBlock;
-        for node in 1..=VIEW_NODES_MAX as u32 {
+        let nodes = u32::try_from(VIEW_NODES_MAX).unwrap();
+        assert_eq!(nodes, 1024);
+        for node in 1..=nodes {
             writer.set(&key(node), NodeId(node), Some(Tier::L1Dram), kv).unwrap();
         }
-        assert_eq!(writer.set(&key(100), NodeId(100), Some(Tier::L1Dram), kv), Err(ViewError::NodesFull));
-        writer.set(&key(3), NodeId(3), None, kv).unwrap();
-        writer.set(&key(100), NodeId(100), Some(Tier::L3Object), kv).unwrap();
         let reader = ViewReader::attach(&path.0).unwrap();
-        assert_eq!(reader.best(&key(100)), Some(Holder { node: NodeId(100), tier: Tier::L3Object }));
+        for node in 1..=nodes {
+            assert_eq!(reader.best(&key(node)), Some(Holder { node: NodeId(node), tier: Tier::L1Dram }));
+        }
+        let past = nodes + 100;
+        assert_eq!(writer.set(&key(past), NodeId(past), Some(Tier::L1Dram), kv), Err(ViewError::NodesFull));
+        writer.set(&key(3), NodeId(3), None, kv).unwrap();
+        writer.set(&key(past), NodeId(past), Some(Tier::L3Object), kv).unwrap();
+        assert_eq!(reader.best(&key(past)), Some(Holder { node: NodeId(past), tier: Tier::L3Object }));
         assert_eq!(writer.nodes().len(), VIEW_NODES_MAX);
+        // Node 3's slot is node `past`'s now: node 3 comes back in another.
+        writer.set(&key(3), NodeId(3), Some(Tier::L2Nvme), kv).unwrap_err();
+        writer.set(&key(5), NodeId(5), None, kv).unwrap();
+        writer.set(&key(3), NodeId(3), Some(Tier::L2Nvme), kv).unwrap();
+        assert_eq!(reader.best(&key(3)), Some(Holder { node: NodeId(3), tier: Tier::L2Nvme }));
+        assert_eq!(reader.best(&key(past)), Some(Holder { node: NodeId(past), tier: Tier::L3Object }));
         writer.clear();
         assert_eq!((writer.live(), writer.nodes().len()), (0, 0));
-        assert_eq!(reader.best(&key(100)), None);
+        assert_eq!(reader.best(&key(past)), None);
+    }
+
+    #[test]
+    fn a_block_more_nodes_hold_than_a_bucket_names_shows_the_fastest_and_the_next_when_one_goes() {
+        let path = scratch("overflow");
+        let mut writer = ViewWriter::create(&config(&path.0, 0)).unwrap();
+        let reader = ViewReader::attach(&path.0).unwrap();
+        let kv = ObjectKind::KvBlock;
+        // Nine holders: 1..=3 in L3, 4..=6 in L2, 7..=9 in L1, set slowest
+        // first, so each faster one pushes a slower one out of the bucket.
+        let tier = |node: u32| [Tier::L3Object, Tier::L2Nvme, Tier::L1Dram][(node as usize - 1) / 3];
+        for node in 1..=9 {
+            writer.set(&key(1), NodeId(node), Some(tier(node)), kv).unwrap();
+        }
+        let on = |node: u32| Holder { node: NodeId(node), tier: tier(node) };
+        let shown = |nodes: &[u32]| nodes.iter().map(|&n| on(n)).collect::<Vec<_>>();
+        assert_eq!(reader.holders(&key(1)), shown(&[7, 8, 9, 4, 5]));
+        assert_eq!(reader.best(&key(1)), Some(on(7)));
+        // The fastest go: the slower ones named again, in turn.
+        for node in [7, 8, 9, 4] {
+            writer.set(&key(1), NodeId(node), None, kv).unwrap();
+        }
+        assert_eq!(reader.holders(&key(1)), shown(&[5, 6, 1, 2, 3]));
+        // One moves up a tier; one of those never in the bucket goes.
+        writer.set(&key(1), NodeId(2), Some(Tier::L1Dram), kv).unwrap();
+        writer.set(&key(1), NodeId(3), None, kv).unwrap();
+        assert_eq!(reader.best(&key(1)), Some(Holder { node: NodeId(2), tier: Tier::L1Dram }));
+        assert_eq!(reader.holders(&key(1)).len(), 4);
+        for node in [1, 2, 5, 6] {
+            writer.set(&key(1), NodeId(node), None, kv).unwrap();
+        }
+        assert_eq!((reader.best(&key(1)), writer.live(), writer.nodes().len()), (None, 0, 0));
+    }
+
+    #[test]
+    fn a_version_one_view_is_read_as_it_was_written() {
+        let path = scratch("v1");
+        let v1 = TableKind { version: 1, ..VIEW };
+        let mut table = MirrorWriter::create_as(&config(&path.0, 0), v1).unwrap();
+        for (slot, node) in [(0, 7u64), (3, 9)] {
+            table.set_record_raw(slot, Snapshot { meta: 1, words: [node, 0, 0] }).unwrap();
+        }
+        // Slot 0 in L2, slot 3 in L1: two bits a slot.
+        let (lo, hi) = super::super::key_words(&key(1));
+        let meta = STATE_LIVE | kind_bits(ObjectKind::KvBlock) << 2;
+        table.upsert_raw(&key(1), Snapshot { meta, words: [lo, hi, 2 | 1 << 6] }).unwrap();
+        let reader = ViewReader::attach(&path.0).unwrap();
+        let (on_9, on_7) =
+            (Holder { node: NodeId(9), tier: Tier::L1Dram }, Holder { node: NodeId(7), tier: Tier::L2Nvme });
+        assert_eq!(reader.best(&key(1)), Some(on_9));
+        assert_eq!(reader.holders(&key(1)), vec![on_9, on_7]);
+        // A version this build does not know is refused, not misread.
+        let path_3 = scratch("v3");
+        let _table = MirrorWriter::create_as(&config(&path_3.0, 0), TableKind { version: 3, ..VIEW }).unwrap();
+        assert_eq!(ViewReader::attach(&path_3.0).err(), Some(MirrorError::Version { found: 3, supported: 2 }));
     }
 
     #[test]
