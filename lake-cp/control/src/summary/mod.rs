@@ -561,8 +561,11 @@ impl Summary {
     /// distinct blocks continue, anywhere in the cluster (a shared system
     /// prompt, a popular few-shot preamble: what many requests start
     /// with), is copied from a member's L1 into the L1 of every other
-    /// member that holds no L1 copy of it. `skip(key, node)` leaves out
-    /// copies already asked. At most `max`, the most continued first.
+    /// member that holds no L1 copy of it — the copies shared out among
+    /// the members holding one, in turn, so that no one node sends them
+    /// all (and each copy landed is a source for the next plan).
+    /// `skip(key, node)` leaves out copies already asked. At most `max`,
+    /// the most continued first.
     ///
     /// The children are counted over every node's replicas on each call
     /// (a pass over the summary).
@@ -591,22 +594,30 @@ impl Summary {
             let in_l1 = |view: &NodeView| {
                 view.replicas.get(&key).is_some_and(|l| l.iter().any(|h| tier_of(&h.entry) == Some(Tier::L1Dram)))
             };
-            let source = self.nodes().into_iter().find_map(|node| {
-                let view = &self.nodes[&node];
-                if !view.member {
-                    return None;
-                }
-                let held = view.replicas.get(&key)?.iter().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram))?;
-                Replica::from_wire(&held.entry.replica)
-            });
-            let Some(from) = source else { continue };
+            let sources: Vec<Replica> = self
+                .nodes()
+                .into_iter()
+                .filter_map(|node| {
+                    let view = &self.nodes[&node];
+                    if !view.member {
+                        return None;
+                    }
+                    let held = view.replicas.get(&key)?.iter().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram))?;
+                    Replica::from_wire(&held.entry.replica)
+                })
+                .collect();
+            if sources.is_empty() {
+                continue;
+            }
+            let mut turn = 0;
             for node in self.nodes() {
                 let view = &self.nodes[&node];
-                if node == from.node.0 || !view.member || view.draining || in_l1(view) || skip(&key, node) {
+                if !view.member || view.draining || in_l1(view) || skip(&key, node) {
                     continue;
                 }
                 let Some(to) = self.l1_target(node) else { continue };
-                out.push(Replication { key, from, to });
+                out.push(Replication { key, from: sources[turn % sources.len()], to });
+                turn += 1;
                 if out.len() >= max {
                     return out;
                 }

@@ -244,6 +244,35 @@ fn a_prefix_many_blocks_continue_is_planned_into_every_other_members_l1() {
 }
 
 #[test]
+fn a_hot_prefixs_copies_are_shared_out_among_the_members_holding_it_in_l1() {
+    let mut summary = Summary::new();
+    // Nodes 1 and 2 hold the root in L1, with its three children; nodes 3
+    // to 8 hold a block of their own in L1 (their L1 regions are known).
+    for node in 1..=8u32 {
+        let mut locations = view(node, 1);
+        if node <= 2 {
+            locations.adopt(None, key(1), lake_dp::ObjectKind::KvBlock, 0, 5, 1, 1).unwrap();
+            for child in 2..=4 {
+                locations
+                    .adopt(Some(key(1)), key(child), lake_dp::ObjectKind::KvBlock, 0, 5, u32::from(child), 1)
+                    .unwrap();
+            }
+        } else {
+            locations.adopt(None, numbered(node), lake_dp::ObjectKind::KvBlock, 0, 5, 1, 1).unwrap();
+        }
+        let changes: Vec<_> = locations.drain_changes().collect();
+        apply_all(&mut summary, deltas(node, &locations, &changes));
+    }
+    let plan = summary.replication_plan(3, 100, |_, _| false);
+    let mut targets: Vec<u32> = plan.iter().map(|c| c.to.node).collect();
+    targets.sort_unstable();
+    assert_eq!(targets, [3, 4, 5, 6, 7, 8], "{plan:?}");
+    assert!(plan.iter().all(|c| c.key == key(1) && c.from.tier == Tier::L1Dram));
+    let from = |node: u32| plan.iter().filter(|c| c.from.node.0 == node).count();
+    assert_eq!((from(1), from(2)), (3, 3), "each holder sends half: {plan:?}");
+}
+
+#[test]
 fn a_draining_nodes_blocks_no_one_else_keeps_are_planned_into_other_members_l1() {
     let mut summary = Summary::new();
     // Node 1 (drained): key 1 in L1, key 2 only in L2, key 3 also in L3,
