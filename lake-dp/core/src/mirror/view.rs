@@ -31,9 +31,8 @@
 //! Version 1 of the view (still read) named at most 32 nodes, two bits a
 //! node slot in `words[2]` (slot i: bits 2i, 2i+1, its tier as above).
 
-use std::path::Path;
-
 use std::collections::HashMap;
+use std::path::Path;
 
 use super::layout::{REGIONS_MAX, TableKind};
 use super::seqlock::Snapshot;
