@@ -591,20 +591,15 @@ impl Summary {
         hot.sort_unstable_by(|a, b| b.cmp(a));
         let mut out = Vec::new();
         for (_, key) in hot {
-            let in_l1 = |view: &NodeView| {
-                view.replicas.get(&key).is_some_and(|l| l.iter().any(|h| tier_of(&h.entry) == Some(Tier::L1Dram)))
-            };
+            fn l1_copy<'a>(view: &'a NodeView, key: &BlockKey) -> Option<&'a Held> {
+                view.replicas.get(key)?.iter().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram))
+            }
             let sources: Vec<Replica> = self
                 .nodes()
                 .into_iter()
-                .filter_map(|node| {
-                    let view = &self.nodes[&node];
-                    if !view.member {
-                        return None;
-                    }
-                    let held = view.replicas.get(&key)?.iter().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram))?;
-                    Replica::from_wire(&held.entry.replica)
-                })
+                .map(|node| &self.nodes[&node])
+                .filter(|view| view.member)
+                .filter_map(|view| Replica::from_wire(&l1_copy(view, &key)?.entry.replica))
                 .collect();
             if sources.is_empty() {
                 continue;
@@ -612,7 +607,7 @@ impl Summary {
             let mut turn = 0;
             for node in self.nodes() {
                 let view = &self.nodes[&node];
-                if !view.member || view.draining || in_l1(view) || skip(&key, node) {
+                if !view.member || view.draining || l1_copy(view, &key).is_some() || skip(&key, node) {
                     continue;
                 }
                 let Some(to) = self.l1_target(node) else { continue };

@@ -274,14 +274,10 @@ impl ViewWriter {
             let meta = STATE_LIVE | kind_bits(kind) << 2 | tiers_held(named) << 4;
             self.table.upsert_raw(key, Snapshot { meta, words: [lo, hi, pack(named)] })?;
         }
-        match named.get(HOLDERS_KEPT..) {
-            Some(slower) if !slower.is_empty() => {
-                self.overflow.insert(*key, slower.to_vec());
-            }
-            _ if !self.overflow.is_empty() => {
-                self.overflow.remove(key);
-            }
-            _ => {}
+        if named.len() > HOLDERS_KEPT {
+            self.overflow.insert(*key, named[HOLDERS_KEPT..].to_vec());
+        } else if !self.overflow.is_empty() {
+            self.overflow.remove(key);
         }
         Ok(())
     }
@@ -326,23 +322,23 @@ impl ViewWriter {
 }
 
 /// Each tier's holders in a version 1 holders word, as masks of slots (a
-/// slot's low bit set in its tier's mask): the low and high bit of every
-/// slot's code side by side, fastest tier first.
-fn tier_masks_v1(holders: u64) -> [(u64, Tier); 3] {
+/// slot's low bit set in its tier's mask) with the tier's code: the low
+/// and high bit of every slot's code side by side, fastest tier first.
+fn tier_masks_v1(holders: u64) -> [(u64, u64); 3] {
     const LOW: u64 = 0x5555_5555_5555_5555;
     let (low, high) = (holders & LOW, (holders >> 1) & LOW);
-    [(low & !high, Tier::L1Dram), (high & !low, Tier::L2Nvme), (low & high, Tier::L3Object)]
+    [(low & !high, 1), (high & !low, 2), (low & high, 3)]
 }
 
 /// The holders a version 1 holders word names, fastest first (by tier,
 /// then slot).
 fn unpack_v1(holders: u64) -> impl Iterator<Item = Named> {
-    tier_masks_v1(holders).into_iter().flat_map(|(mut slots, tier)| {
+    tier_masks_v1(holders).into_iter().flat_map(|(mut slots, code)| {
         core::iter::from_fn(move || {
             (slots != 0).then(|| {
                 let slot = slots.trailing_zeros() as usize / 2;
                 slots &= slots - 1;
-                (tier_code(tier).unwrap_or(0), slot)
+                (code, slot)
             })
         })
     })
