@@ -104,7 +104,7 @@ fn a_chain_another_node_reads_moves_to_it_and_back_and_a_shared_prefix_is_copied
     // the continuation moves, the prompt is copied — node 1's other
     // request still starts with it.
     let prompt = [key(1, 998), key(1, 999)];
-    save_shared(serving[0], 1, &prompt, 2);
+    save_shared(agent(serving[0]), 1, &prompt, 2);
     let read = [prompt[0], prompt[1], key(1, 1000)];
     let seen = wait_places(serving[1], &read, Duration::from_secs(20), |p| p.len() == 3);
     assert_eq!(seen.len(), 3, "node 2's engines see node 1's shared prefix: {seen:?}");

@@ -34,7 +34,7 @@ use lake_agent::{SaveBlock, SavePayload};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NodeId};
 
-use cluster::{Proc, field, http_get, leader};
+use cluster::{Proc, agent_of, field, http_get, leader};
 use pool::{agent, key, node_in, payload, sample, save, save_shared, start_nodes, tier_here, wait_places};
 use scratch::Scratch;
 
@@ -96,14 +96,19 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     // copies it into node 2's L1 (node 2 holds 30 + 1 then).
     let root = key(1, 999);
     let replicated = Instant::now();
-    save_shared(&serving_one, 1, &[root], 3);
+    save_shared(agent(&serving_one), 1, &[root], 3);
+    // Another model's system prompt, three requests continue, on node 1
+    // too: no engine on node 2 serves that model, so it is not copied
+    // there.
+    let other_model = key(3, 999);
+    save_shared(agent_of(&serving_one, lake_dp::NamespaceId(32), "other-model"), 3, &[other_model], 3);
     let has = |line: &str, node: u32, l1: u64, member: bool| {
         node_in(line, node).is_some_and(|n| {
             n.contains(&format!("\"replicas\":[0, {l1}, 0, 0]")) && n.contains(&format!("\"member\":{member}"))
         })
     };
     leader.wait_for("both nodes' blocks in the summary, the shared root replicated", Duration::from_secs(20), |l| {
-        l.contains("\"event\":\"summary\"") && has(l, 1, 24, true) && has(l, 2, 31, true)
+        l.contains("\"event\":\"summary\"") && has(l, 1, 28, true) && has(l, 2, 31, true)
     });
     println!("summary: node 1's shared root in node 2's L1 within {:?} of its save", replicated.elapsed());
     let mut reader = agent(&serving_two);
@@ -125,10 +130,10 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     assert!(places[..5].iter().all(|p| matches!(p, Where::Local(_))), "{places:?}");
     assert!(places[5..].iter().all(|p| *p == on_one), "{places:?}");
     println!("cluster view: node 1's chain found from node 2 within {:?}", viewed.elapsed());
-    // Node 1's 24 blocks (its chain, the root and its three children) in
+    // Node 1's 28 blocks (its chain, the two roots and their children) in
     // node 2's view, as its metrics say.
     let (_, metrics) = http_get(&field(&serving_two, "metrics"), "/metrics");
-    assert!(metrics.contains("lake_cluster_view_blocks 24\n"), "{metrics}");
+    assert!(metrics.contains("lake_cluster_view_blocks 28\n"), "{metrics}");
     assert!(metrics.contains("lake_cluster_view_nodes 1\n"), "{metrics}");
     assert!(field(&serving_two, "cluster_view").ends_with(".cluster"), "{serving_two}");
     // Pulled: node 1's 15 blocks copied into node 2's L1 (node 1's data
@@ -147,6 +152,9 @@ fn the_leader_summary_follows_its_nodes_drops_a_lapsed_one_and_survives_its_own_
     assert!(metrics.contains("lake_cluster_pulls_total{result=\"sent\"} 15\n"), "{metrics}");
     let node_two = wait_places(&serving_one, &[key(2, 0), key(2, 1)], Duration::from_secs(10), |p| p.len() == 2);
     assert_eq!(node_two, [Where::Remote(Holder { node: NodeId(2), tier: lake_dp::Tier::L1Dram }); 2]);
+    // Seconds after it was saved, the other model's prompt is still only
+    // node 1's: node 2 reads none of that model.
+    assert_eq!(tier_here(&serving_two, other_model), None, "another model's prompt copied to node 2");
 
     // Node 1 dies: once its membership lease (2 s) runs out, its L1
     // replicas leave the summary.

@@ -75,7 +75,8 @@ struct Node {
     /// Logical time of the last access (eviction policies read it).
     touched: u32,
     /// Bit 0-1: object kind; bit 2: a recurrent-state checkpoint hangs
-    /// under this block; bits 8..32: accesses (saturating).
+    /// under this block; bits 3..16: its namespace's mark (0: not known);
+    /// bits 16..32: accesses (saturating).
     meta: u32,
 }
 
@@ -83,8 +84,14 @@ const _: () = assert!(size_of::<Node>() <= 56);
 
 const META_KIND_MASK: u32 = 0b11;
 const META_HAS_STATE: u32 = 0b100;
-const META_HITS_SHIFT: u32 = 8;
-const META_HITS_MAX: u32 = (1 << 24) - 1;
+const META_NAMESPACE_SHIFT: u32 = 3;
+const META_NAMESPACE_MASK: u32 = ((1 << 13) - 1) << META_NAMESPACE_SHIFT;
+const META_HITS_SHIFT: u32 = 16;
+const META_HITS_MAX: u32 = (1 << 16) - 1;
+
+/// Namespaces an index tells its blocks' of: a block of one more reads
+/// as of none known.
+pub const NAMESPACES_MAX: usize = (1 << 13) - 1;
 
 fn kind_bits(kind: ObjectKind) -> u32 {
     match kind {
@@ -150,6 +157,10 @@ pub struct Index {
     table: KeyTable,
     len: usize,
     clock: u32,
+    /// The namespaces blocks were said to be of ([`Index::set_namespace`]):
+    /// a block's mark is its position here, plus one.
+    namespaces: Vec<u64>,
+    marks: std::collections::HashMap<u64, u32>,
 }
 
 impl Index {
@@ -157,7 +168,7 @@ impl Index {
     pub fn with_capacity(blocks: usize) -> Self {
         let nodes = Vec::with_capacity(blocks);
         crate::huge::advise(&nodes);
-        Self { nodes, free: Vec::new(), table: KeyTable::with_capacity(blocks), len: 0, clock: 0 }
+        Self { nodes, table: KeyTable::with_capacity(blocks), ..Self::default() }
     }
 
     /// Blocks cached.
@@ -404,6 +415,29 @@ impl Index {
     pub fn parent(&self, block: BlockRef) -> Option<BlockRef> {
         let parent = self.nodes[block.0 as usize].parent;
         (parent != NONE).then_some(BlockRef(parent))
+    }
+
+    /// Notes that `block` is of `namespace` (0, or one past
+    /// [`NAMESPACES_MAX`] others: not known).
+    pub fn set_namespace(&mut self, block: BlockRef, namespace: u64) {
+        let mark = match self.marks.get(&namespace) {
+            Some(&mark) => mark,
+            None if namespace != 0 && self.namespaces.len() < NAMESPACES_MAX => {
+                self.namespaces.push(namespace);
+                let mark = u32::try_from(self.namespaces.len()).unwrap_or(0);
+                self.marks.insert(namespace, mark);
+                mark
+            }
+            None => 0,
+        };
+        let node = &mut self.nodes[block.0 as usize];
+        node.meta = (node.meta & !META_NAMESPACE_MASK) | mark << META_NAMESPACE_SHIFT;
+    }
+
+    /// The namespace `block` was said to be of (0: not known).
+    pub fn namespace(&self, block: BlockRef) -> u64 {
+        let mark = (self.nodes[block.0 as usize].meta & META_NAMESPACE_MASK) >> META_NAMESPACE_SHIFT;
+        mark.checked_sub(1).map_or(0, |at| self.namespaces[at as usize])
     }
 
     /// Whether a node has no cached children (only leaves are evictable).
@@ -658,5 +692,32 @@ mod tests {
         index.touch(r);
         index.touch(r);
         assert_eq!((index.touched(r), index.hits(r)), (1, 2));
+    }
+
+    #[test]
+    fn a_blocks_namespace_is_kept_beside_its_kind_and_hits() {
+        let mut index = Index::default();
+        let a = index.insert(None, key(1), ObjectKind::KvBlock).unwrap();
+        let b = index.insert(Some(key(1)), key(2), ObjectKind::RecurrentState).unwrap();
+        assert_eq!(index.namespace(a), 0, "not said: not known");
+        index.set_namespace(a, 0x00de_adbe_ef00_0001);
+        index.set_namespace(b, 0x00de_adbe_ef00_0001);
+        index.set_hits(b, u32::MAX);
+        index.touch(a);
+        assert_eq!((index.namespace(a), index.namespace(b)), (0x00de_adbe_ef00_0001, 0x00de_adbe_ef00_0001));
+        assert_eq!((index.kind(b), index.hits(b), index.hits(a)), (ObjectKind::RecurrentState, META_HITS_MAX, 1));
+        index.set_namespace(b, 7);
+        assert_eq!((index.namespace(a), index.namespace(b)), (0x00de_adbe_ef00_0001, 7));
+        // A block in a freed node's place starts with none.
+        index.remove(b).unwrap();
+        let c = index.insert(Some(key(1)), key(3), ObjectKind::KvBlock).unwrap();
+        assert_eq!((c, index.namespace(c)), (b, 0));
+        // Past the namespaces it can tell, a block's is not known.
+        for namespace in 8..=NAMESPACES_MAX as u64 + 5 {
+            index.set_namespace(c, namespace);
+        }
+        assert_eq!(index.namespace(c), NAMESPACES_MAX as u64 + 5, "the last it can tell");
+        index.set_namespace(c, u64::MAX);
+        assert_eq!((index.namespace(c), index.namespace(a)), (0, 0x00de_adbe_ef00_0001));
     }
 }

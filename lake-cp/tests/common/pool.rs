@@ -69,10 +69,9 @@ pub(crate) fn wait_places(
     }
 }
 
-/// A shared prefix on `node`: the chain `prompt`, its last block
-/// continued by `children` blocks (`node`'s blocks 1000 on).
-pub(crate) fn save_shared(serving: &str, node: u32, prompt: &[BlockKey], children: u32) {
-    let mut agent = agent(serving);
+/// A shared prefix `agent` saves on `node`: the chain `prompt`, its last
+/// block continued by `children` blocks (`node`'s blocks 1000 on).
+pub(crate) fn save_shared(mut agent: Agent, node: u32, prompt: &[BlockKey], children: u32) {
     let payload = payload(node);
     let block =
         |key, parent, block_index| SaveBlock { key, parent, block_index, payload: SavePayload::Bytes(&payload) };

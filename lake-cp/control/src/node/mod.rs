@@ -779,7 +779,9 @@ impl Node {
             replica.generation,
         );
         match result {
-            Ok(_) => {
+            Ok(at) => {
+                // The summary's leader learns whose engines read it.
+                self.locations.index.set_namespace(at, block.namespace);
                 if readopted {
                     self.counters.readopted += 1;
                 } else {

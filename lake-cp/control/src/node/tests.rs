@@ -105,6 +105,31 @@ fn reports_reach_the_view_and_the_mirror() {
 }
 
 #[test]
+fn the_summary_is_told_each_blocks_namespace() {
+    let mut node = Node::new(NodeId(3), 1, None);
+    node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+    node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();
+    node.on_data_plane(0, &Message::BlockCommitted(block(1, None, Tier::L1Dram, 1, 5, 3))).unwrap();
+    let other = BlockRecord { namespace: 0x77, ..block(2, Some(1), Tier::L2Nvme, 2, 5, 4) };
+    node.on_data_plane(0, &Message::BlockReadopted(other)).unwrap();
+    let mut changes = Vec::new();
+    node.take_changes(&mut changes);
+    let sent: Vec<(BlockKey, u64)> = crate::summary::link::deltas(3, &node.locations, &changes)
+        .into_iter()
+        .flat_map(|(_, entries)| entries)
+        .map(|e| (e.key, e.namespace))
+        .collect();
+    assert_eq!(sent, [(key(1), 1), (key(2), 0x77)]);
+    let snapshot: Vec<u64> = crate::summary::link::snapshot(3, &node.locations)
+        .into_iter()
+        .flat_map(|(_, e)| e)
+        .map(|e| e.namespace)
+        .collect();
+    assert_eq!(snapshot.len(), 2);
+    assert!(snapshot.contains(&1) && snapshot.contains(&0x77), "{snapshot:?}");
+}
+
+#[test]
 fn waiting_blocks_are_bounded() {
     let mut node = Node::new(NodeId(3), 1, None);
     node.on_data_plane(0, &Message::RegisterRegion(region(2, Tier::L2Nvme, 5))).unwrap();

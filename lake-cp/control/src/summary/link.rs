@@ -131,7 +131,7 @@ pub fn entry_of(locations: &Locations, key: &BlockKey, replica: &Replica, op: De
         block_index: 0,
         key: *key,
         parent_key: parent,
-        namespace: 0,
+        namespace: block.map_or(0, |b| locations.index.namespace(b)),
         layout_fingerprint: 0,
         replica: replica.to_wire(),
     }

@@ -39,7 +39,7 @@ pub mod metrics;
 mod place;
 mod view;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use lake_dp::model::replica::ReplicaWire;
 use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp};
@@ -441,7 +441,7 @@ impl Summary {
             return out;
         }
         // A block two drained nodes hold is copied once.
-        let mut planned = std::collections::HashSet::new();
+        let mut planned = HashSet::new();
         for node in self.nodes() {
             let view = &self.nodes[&node];
             if !view.draining || !view.member {
@@ -561,14 +561,16 @@ impl Summary {
     /// distinct blocks continue, anywhere in the cluster (a shared system
     /// prompt, a popular few-shot preamble: what many requests start
     /// with), is copied from a member's L1 into the L1 of every other
-    /// member that holds no L1 copy of it — the copies shared out among
-    /// the members holding one, in turn, so that no one node sends them
-    /// all (and each copy landed is a source for the next plan).
-    /// `skip(key, node)` leaves out copies already asked. At most `max`,
-    /// the most continued first.
+    /// member that reads its namespace (holds any block of it: its
+    /// engines serve that model and tenant; a block of no known namespace,
+    /// from a node that does not say, goes to every member) and holds no
+    /// L1 copy of it — the copies shared out among the members holding
+    /// one, in turn, so that no one node sends them all (and each copy
+    /// landed is a source for the next plan). `skip(key, node)` leaves out
+    /// copies already asked. At most `max`, the most continued first.
     ///
-    /// The children are counted over every node's replicas on each call
-    /// (a pass over the summary).
+    /// The children and each member's namespaces are counted over every
+    /// node's replicas on each call (a pass over the summary).
     pub fn replication_plan(
         &self,
         min_children: usize,
@@ -578,11 +580,18 @@ impl Summary {
         if min_children == 0 || max == 0 {
             return Vec::new();
         }
-        let mut children: HashMap<BlockKey, std::collections::HashSet<BlockKey>> = HashMap::new();
-        for view in self.nodes.values() {
+        let mut children: HashMap<BlockKey, HashSet<BlockKey>> = HashMap::new();
+        let mut reads: HashSet<(u32, u64)> = HashSet::new();
+        for (&node, view) in &self.nodes {
+            let mut last = None;
             for held in view.held() {
                 if !held.entry.parent_key.is_none() {
                     children.entry(held.entry.parent_key).or_default().insert(held.entry.key);
+                }
+                // A node's blocks are mostly of one namespace or a few.
+                if last != Some(held.entry.namespace) {
+                    last = Some(held.entry.namespace);
+                    reads.insert((node, held.entry.namespace));
                 }
             }
         }
@@ -594,20 +603,27 @@ impl Summary {
             fn l1_copy<'a>(view: &'a NodeView, key: &BlockKey) -> Option<&'a Held> {
                 view.replicas.get(key)?.iter().find(|h| tier_of(&h.entry) == Some(Tier::L1Dram))
             }
-            let sources: Vec<Replica> = self
+            let copies: Vec<&Held> = self
                 .nodes()
                 .into_iter()
                 .map(|node| &self.nodes[&node])
                 .filter(|view| view.member)
-                .filter_map(|view| Replica::from_wire(&l1_copy(view, &key)?.entry.replica))
+                .filter_map(|view| l1_copy(view, &key))
                 .collect();
+            let sources: Vec<Replica> = copies.iter().filter_map(|h| Replica::from_wire(&h.entry.replica)).collect();
             if sources.is_empty() {
                 continue;
             }
+            let namespace = copies[0].entry.namespace;
             let mut turn = 0;
             for node in self.nodes() {
                 let view = &self.nodes[&node];
-                if !view.member || view.draining || l1_copy(view, &key).is_some() || skip(&key, node) {
+                if !view.member
+                    || view.draining
+                    || (namespace != 0 && !reads.contains(&(node, namespace)))
+                    || l1_copy(view, &key).is_some()
+                    || skip(&key, node)
+                {
                     continue;
                 }
                 let Some(to) = self.l1_target(node) else { continue };

@@ -273,6 +273,64 @@ fn a_hot_prefixs_copies_are_shared_out_among_the_members_holding_it_in_l1() {
 }
 
 #[test]
+fn a_hot_prefix_is_copied_only_to_the_members_whose_engines_read_its_namespace() {
+    const MODEL_A: u64 = 0xa1;
+    const MODEL_B: u64 = 0xb2;
+    fn adopt(locations: &mut Locations, parent: Option<BlockKey>, key: BlockKey, slot: u32, namespace: u64) {
+        let at = locations.adopt(parent, key, lake_dp::ObjectKind::KvBlock, 0, 5, slot, 1).unwrap();
+        locations.index.set_namespace(at, namespace);
+    }
+    fn send(summary: &mut Summary, node: u32, locations: &mut Locations) {
+        let changes: Vec<_> = locations.drain_changes().collect();
+        apply_all(summary, deltas(node, locations, &changes));
+    }
+    let targets = |summary: &Summary| {
+        let mut targets: Vec<u32> = summary.replication_plan(3, 100, |_, _| false).iter().map(|c| c.to.node).collect();
+        targets.sort_unstable();
+        targets
+    };
+    let mut summary = Summary::new();
+    // Node 1 holds model A's system prompt, continued by three blocks;
+    // nodes 2 and 3 serve model A too (one block each), nodes 4 and 5
+    // model B only, node 6 says no namespace (an older node).
+    let mut nodes: Vec<Locations> = (1..=6).map(|node| view(node, 1)).collect();
+    adopt(&mut nodes[0], None, key(1), 1, MODEL_A);
+    for child in 2..=4u8 {
+        adopt(&mut nodes[0], Some(key(1)), key(child), u32::from(child), MODEL_A);
+    }
+    for (node, namespace) in [(2, MODEL_A), (3, MODEL_A), (4, MODEL_B), (5, MODEL_B), (6, 0)] {
+        adopt(&mut nodes[node as usize - 1], None, numbered(node), 1, namespace);
+    }
+    for (node, locations) in (1..).zip(&mut nodes) {
+        send(&mut summary, node, locations);
+    }
+    let plan = summary.replication_plan(3, 100, |_, _| false);
+    assert!(plan.iter().all(|c| c.key == key(1) && c.from.node.0 == 1), "{plan:?}");
+    assert_eq!(targets(&summary), [2, 3], "model B's nodes, and one of no known namespace, read none of it");
+    // An engine on node 4 saves a block of model A: node 4 reads model A
+    // now, and is sent the prompt too.
+    adopt(&mut nodes[3], None, numbered(40), 2, MODEL_A);
+    send(&mut summary, 4, &mut nodes[3]);
+    assert_eq!(targets(&summary), [2, 3, 4]);
+
+    // A hot prefix of no known namespace (its holder does not say) goes
+    // to every member, as before nodes said.
+    let mut summary = Summary::new();
+    let mut nodes: Vec<Locations> = (1..=3).map(|node| view(node, 1)).collect();
+    adopt(&mut nodes[0], None, key(1), 1, 0);
+    for child in 2..=4u8 {
+        adopt(&mut nodes[0], Some(key(1)), key(child), u32::from(child), 0);
+    }
+    for node in [2, 3] {
+        adopt(&mut nodes[node as usize - 1], None, numbered(node), 1, MODEL_B);
+    }
+    for (node, locations) in (1..).zip(&mut nodes) {
+        send(&mut summary, node, locations);
+    }
+    assert_eq!(targets(&summary), [2, 3]);
+}
+
+#[test]
 fn a_draining_nodes_blocks_no_one_else_keeps_are_planned_into_other_members_l1() {
     let mut summary = Summary::new();
     // Node 1 (drained): key 1 in L1, key 2 only in L2, key 3 also in L3,

@@ -81,8 +81,8 @@ pub(super) struct SummaryArgs {
     /// Milliseconds between checkpoints (at least 10).
     #[arg(long, value_name = "MS", default_value_t = 1000)]
     checkpoint_ms: u64,
-    /// A block K or more blocks continue is copied into every member's L1
-    /// (0: none).
+    /// A block K or more blocks continue is copied into the L1 of every
+    /// member whose engines read its namespace (0: none).
     #[arg(long, value_name = "K", default_value_t = 0)]
     replicate_children: usize,
     /// Where the pool keeps a block: `read`, on the node that saved it
