@@ -137,7 +137,8 @@ fn leader(keys: &[BlockKey], nodes: u32) -> Result<Leader, String> {
             frame.clear();
             let head = Delta { term: 1, sequence: 1, node: *node, count: u32::try_from(chunk.len()).unwrap_or(0) };
             let meta = FrameMeta { version: 1, flags: 0, request_id: 0, leader_term: 0 };
-            append_frame(&mut frame, meta, &Message::ViewSnapshot(head, Records::<ViewEntry>::from_slice(chunk)))
+            let plain: Vec<ViewEntry> = chunk.iter().map(|e| e.plain()).collect();
+            append_frame(&mut frame, meta, &Message::ViewSnapshot(head, Records::from_slice(&plain)))
                 .map_err(|e| e.to_string())?;
             bytes += frame.len() as u64;
         }

@@ -42,18 +42,19 @@ use lake_dp::auth::{AuthError, LinkKey, RecordLink};
 use lake_dp::constants::DELTA_ENTRIES_MAX;
 use lake_dp::mirror::view::ViewWriter;
 use lake_dp::wire::hello::{self, HELLO_WIRE_VERSION, Identity};
-use lake_dp::wire::message::{Delta, DeltaEntry, DeltaOp, Records, Role, SLOT_ANY, SnapshotRequest};
+use lake_dp::wire::message::{Delta, DeltaEntry, Records, Role, SLOT_ANY, SnapshotRequest};
 use lake_dp::wire::{
-    FEATURE_CLUSTER_VIEW, FEATURE_PULLS_MOVE, FEATURE_SPILLS, FLAG_REPLY, FrameMeta, Limits, Message, WireError,
-    append_frame, decode_frame,
+    FEATURE_CLUSTER_VIEW, FEATURE_PULLS_MOVE, FEATURE_SPILLS, FEATURE_VIEW_NAMESPACES, FLAG_REPLY, FrameMeta, Limits,
+    Message, WireError, append_frame, decode_frame,
 };
-use lake_dp::{BlockKey, Durability, ObjectKind, Replica, Tier};
+use lake_dp::{BlockKey, Tier};
 
 use super::conn::Wire;
-use super::view::{ViewCopy, append_view_frame, view_snapshot};
+pub use super::report::{deltas, entry_of, snapshot};
+use super::view::{ViewCopy, append_view_frame, unnamed, view_snapshot};
 pub use super::{AggregatorCounters, UplinkCounters};
 use super::{Outcome, Replication, Summary};
-use crate::location::{Change, ChangeOp, Locations};
+use crate::location::{Change, Locations};
 
 /// A connection's output past this is cut (the peer does not read): the
 /// node reconnects and sends a snapshot. A view snapshot queued for it
@@ -113,71 +114,6 @@ fn apply_report(
 /// A node's connection with more than this unsent gets no more view
 /// deltas: a view snapshot once it has caught up instead.
 pub const VIEW_BEHIND_MAX: usize = 16 << 20;
-
-/// The wire record of `replica` of `key`, as `locations` knows the block.
-pub fn entry_of(locations: &Locations, key: &BlockKey, replica: &Replica, op: DeltaOp) -> DeltaEntry {
-    let block = locations.index.get(key);
-    let parent = block.and_then(|b| locations.index.parent(b)).map_or(BlockKey::NONE, |p| locations.index.key(p));
-    let kind = block.map_or(ObjectKind::KvBlock, |b| locations.index.kind(b));
-    let durability = match replica.tier {
-        Tier::L0Hbm | Tier::L1Dram => Durability::Volatile,
-        Tier::L2Nvme => Durability::Acked,
-        Tier::L3Object => Durability::Durable,
-    };
-    DeltaEntry {
-        op: op as u8,
-        durability: durability as u8,
-        kind: kind as u16,
-        block_index: 0,
-        key: *key,
-        parent_key: parent,
-        namespace: block.map_or(0, |b| locations.index.namespace(b)),
-        layout_fingerprint: 0,
-        replica: replica.to_wire(),
-    }
-}
-
-/// The deltas of `changes` (in sequence order) for `node`: runs of
-/// consecutive sequences of one term, at most [`DELTA_ENTRIES_MAX`] each.
-pub fn deltas(node: u32, locations: &Locations, changes: &[Change]) -> Vec<(Delta, Vec<DeltaEntry>)> {
-    let mut out: Vec<(Delta, Vec<DeltaEntry>)> = Vec::new();
-    for change in changes {
-        let op = match change.op {
-            ChangeOp::Ready => DeltaOp::Add,
-            ChangeOp::Removed => DeltaOp::Remove,
-        };
-        let entry = entry_of(locations, &change.key, &change.replica, op);
-        match out.last_mut() {
-            Some((head, entries))
-                if head.term == change.term
-                    && head.sequence + u64::from(head.count) == change.sequence
-                    && entries.len() < DELTA_ENTRIES_MAX =>
-            {
-                entries.push(entry);
-                head.count += 1;
-            }
-            _ => out.push((Delta { term: change.term, sequence: change.sequence, node, count: 1 }, vec![entry])),
-        }
-    }
-    out
-}
-
-/// `node`'s whole view as snapshot frames: every ready replica it offers
-/// the cluster, at the view's latest sequence.
-pub fn snapshot(node: u32, locations: &Locations) -> Vec<(Delta, Vec<DeltaEntry>)> {
-    let entries: Vec<DeltaEntry> =
-        locations.offered_all().map(|(key, replica)| entry_of(locations, &key, &replica, DeltaOp::Add)).collect();
-    let head = |count: usize| Delta {
-        term: locations.term(),
-        sequence: locations.sequence(),
-        node,
-        count: u32::try_from(count).unwrap_or(u32::MAX),
-    };
-    if entries.is_empty() {
-        return vec![(head(0), Vec::new())];
-    }
-    entries.chunks(DELTA_ENTRIES_MAX).map(|chunk| (head(chunk.len()), chunk.to_vec())).collect()
-}
 
 pub(super) fn meta(request_id: u64) -> FrameMeta {
     FrameMeta { version: HELLO_WIRE_VERSION, flags: 0, request_id, leader_term: 0 }
@@ -257,7 +193,28 @@ impl Uplink {
     /// hello; the leader streams it back).
     #[must_use]
     pub fn with_view(mut self, writer: ViewWriter) -> Self {
-        self.view = Some(ViewCopy { writer, term: 0, sequence: 0, gap: false, receiving: None, streaming: false });
+        self.view = Some(ViewCopy {
+            writer,
+            tenants: Vec::new(),
+            term: 0,
+            sequence: 0,
+            gap: false,
+            receiving: None,
+            streaming: false,
+        });
+        self
+    }
+
+    /// Shows the blocks of each tenant's namespaces in that tenant's own
+    /// view, and only there (with [`Uplink::with_view`], which then shows
+    /// only the other namespaces' blocks, and none of no known namespace):
+    /// each block's namespace is asked of the leader
+    /// ([`FEATURE_VIEW_NAMESPACES`]).
+    #[must_use]
+    pub fn with_tenant_views(mut self, views: Vec<(Vec<u64>, ViewWriter)>) -> Self {
+        if let Some(view) = &mut self.view {
+            view.tenants = views;
+        }
         self
     }
 
@@ -369,7 +326,11 @@ impl Uplink {
             node: self.node,
             pid: std::process::id(),
             region_epoch: 0,
-            features: if self.view.is_some() { FEATURE_CLUSTER_VIEW | FEATURE_PULLS_MOVE | FEATURE_SPILLS } else { 0 },
+            features: match &self.view {
+                None => 0,
+                Some(view) if view.tenants.is_empty() => FEATURE_CLUSTER_VIEW | FEATURE_PULLS_MOVE | FEATURE_SPILLS,
+                Some(_) => FEATURE_CLUSTER_VIEW | FEATURE_VIEW_NAMESPACES | FEATURE_PULLS_MOVE | FEATURE_SPILLS,
+            },
             name: "lake-cp",
         };
         let Ok(local) = hello::hello(&identity) else { return };
@@ -489,10 +450,21 @@ impl Uplink {
                     false
                 }
                 Message::ViewDelta(head, entries) if self.view.is_some() => {
+                    let entries = entries.iter().map(unnamed);
+                    ask_view = self.view.as_mut().and_then(|v| v.delta(&head, entries, &mut self.counters));
+                    false
+                }
+                Message::ViewDeltaNamed(head, entries) if self.view.is_some() => {
                     ask_view = self.view.as_mut().and_then(|v| v.delta(&head, entries.iter(), &mut self.counters));
                     false
                 }
                 Message::ViewSnapshot(head, entries) if self.view.is_some() => {
+                    if let Some(view) = self.view.as_mut() {
+                        view.snapshot(&head, entries.iter().map(unnamed), &mut self.counters);
+                    }
+                    false
+                }
+                Message::ViewSnapshotNamed(head, entries) if self.view.is_some() => {
                     if let Some(view) = self.view.as_mut() {
                         view.snapshot(&head, entries.iter(), &mut self.counters);
                     }
@@ -533,6 +505,8 @@ struct NodeConnection {
     since: Instant,
     /// It takes the cluster view (its hello offered it).
     view: bool,
+    /// With each block's namespace ([`FEATURE_VIEW_NAMESPACES`]).
+    view_named: bool,
     /// It spills its victims here (both ends offered [`FEATURE_SPILLS`]).
     spills: bool,
     /// A view snapshot is owed to it (it connected, asked, or fell behind).
@@ -585,7 +559,7 @@ impl Aggregator {
             node: 0,
             pid: std::process::id(),
             region_epoch: 0,
-            features: 0,
+            features: FEATURE_VIEW_NAMESPACES,
             name: "lake-leader",
         };
         let local = hello::hello(&identity).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
@@ -815,6 +789,7 @@ impl Aggregator {
                             node: None,
                             since: Instant::now(),
                             view: false,
+                            view_named: false,
                             spills: false,
                             view_snapshot_due: false,
                             view_allowance: 0,
@@ -867,22 +842,31 @@ impl Aggregator {
     /// far behind gets no deltas, and a snapshot once it has caught up.
     fn stream_view(&mut self) {
         let changes = self.summary.take_view_changes();
-        let mut deltas = Vec::new();
+        // The deltas in each form a connection takes: without namespaces,
+        // and with them ([`FEATURE_VIEW_NAMESPACES`]).
+        let wants = |named: bool| self.connections.iter().any(|c| c.view && c.view_named == named);
+        let mut deltas = [wants(false).then(Vec::new), wants(true).then(Vec::new)];
         for (node, entries) in &changes {
             for chunk in entries.chunks(DELTA_ENTRIES_MAX) {
                 self.view_sequence += 1;
                 let head = Delta { term: self.view_term, sequence: self.view_sequence, node: *node, count: 0 };
-                if append_view_frame(&mut deltas, head, chunk, false).is_err() {
-                    return;
+                for (out, named) in deltas.iter_mut().zip([false, true]) {
+                    if let Some(out) = out
+                        && append_view_frame(out, head, chunk, false, named).is_err()
+                    {
+                        return;
+                    }
                 }
                 self.counters.view_deltas += 1;
             }
         }
-        let mut snapshot: Option<Vec<u8>> = None;
+        let mut snapshots: [Option<Vec<u8>>; 2] = [None, None];
         for connection in &mut self.connections {
             if !connection.view {
                 continue;
             }
+            let named = connection.view_named;
+            let deltas = deltas[usize::from(named)].as_deref().unwrap_or_default();
             let unsent = connection.wire.unsent();
             if unsent <= OUTPUT_MAX {
                 connection.view_allowance = 0;
@@ -897,15 +881,15 @@ impl Aggregator {
                 }
                 // The snapshot is taken after this pass's changes: it covers
                 // them, and carries the last sequence made.
-                let bytes = snapshot.get_or_insert_with(|| {
-                    view_snapshot(&self.summary, self.view_term, self.view_sequence).unwrap_or_default()
+                let bytes = snapshots[usize::from(named)].get_or_insert_with(|| {
+                    view_snapshot(&self.summary, self.view_term, self.view_sequence, named).unwrap_or_default()
                 });
                 connection.wire.output.extend_from_slice(bytes);
                 connection.view_allowance = bytes.len();
                 connection.view_snapshot_due = false;
                 self.counters.view_snapshots += 1;
             } else {
-                connection.wire.output.extend_from_slice(&deltas);
+                connection.wire.output.extend_from_slice(deltas);
             }
         }
     }
@@ -957,6 +941,7 @@ impl Aggregator {
                     };
                     connection.node = Some(remote.node);
                     connection.view = remote.features & FEATURE_CLUSTER_VIEW != 0;
+                    connection.view_named = ack.features & FEATURE_VIEW_NAMESPACES != 0;
                     connection.spills = ack.features & FEATURE_SPILLS != 0;
                     connection.view_snapshot_due = connection.view;
                     if append_frame(&mut connection.wire.output, reply, &Message::HelloAck(ack)).is_err() {

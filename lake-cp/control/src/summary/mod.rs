@@ -37,6 +37,7 @@ mod conn;
 pub mod link;
 pub mod metrics;
 mod place;
+mod report;
 mod view;
 
 use std::collections::{HashMap, HashSet};
@@ -214,6 +215,9 @@ pub struct UplinkCounters {
     /// View entries the node's view could not take (its table full, or
     /// every node slot taken): those blocks read as misses.
     pub view_refused: u64,
+    /// View entries of no known namespace on a node keeping tenants apart
+    /// (its holder, or its leader, older): shown to no engine there.
+    pub view_unnamed: u64,
     /// Engines' pulls sent to the leader, and dropped (no leader streaming
     /// the view connected).
     pub pulls_sent: u64,

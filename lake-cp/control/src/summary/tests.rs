@@ -2,7 +2,7 @@ use super::link::{Aggregator, Uplink, deltas, snapshot};
 use super::*;
 use crate::location::Locations;
 use lake_dp::NodeId;
-use lake_dp::wire::message::ViewEntry;
+use lake_dp::wire::message::{NamedViewEntry, ViewEntry};
 use std::time::Duration;
 
 fn key(i: u8) -> BlockKey {
@@ -405,7 +405,7 @@ fn scratch_view(name: &str, node: u32) -> (ScratchView, lake_dp::mirror::view::V
     (ScratchView(path), writer)
 }
 
-fn view_tiers(changes: &[(u32, Vec<ViewEntry>)]) -> Vec<(u32, u8, u8)> {
+fn view_tiers(changes: &[(u32, Vec<NamedViewEntry>)]) -> Vec<(u32, u8, u8)> {
     changes.iter().flat_map(|(node, entries)| entries.iter().map(move |e| (*node, e.key.0[0], e.tier))).collect()
 }
 
@@ -550,6 +550,60 @@ fn the_leader_streams_each_node_the_other_nodes_blocks_and_a_new_leader_starts_t
     assert_eq!(reader_two.best(&key(4)), None, "removed while no leader was there");
     assert_eq!(reader_one.best(&key(40)), Some(Holder { node: NodeId(2), tier: Tier::L2Nvme }));
     assert_eq!(up_two.counters.view_gaps, 0, "{:?}", up_two.counters);
+}
+
+#[test]
+fn a_node_keeping_tenants_apart_shows_each_tenant_only_its_namespaces_blocks_of_other_nodes() {
+    use lake_dp::mirror::view::{Holder, ViewReader};
+    const TENANT: u64 = 0x7e;
+    const OTHER: u64 = 0x0b;
+    let mut aggregator = Aggregator::bind("127.0.0.1:0".parse().unwrap(), Summary::new()).unwrap();
+    let address = aggregator.local_addr().unwrap();
+    // Node 1 holds a block of the tenant's namespace, one of another, and
+    // one of no known namespace. Node 2 keeps the tenant apart: its own
+    // view for the tenant's engines, the pool's for the others. Node 3
+    // keeps no tenant apart.
+    let mut one = (view(1, 1), Uplink::new(1, vec![address]));
+    for (i, namespace) in [(1u8, TENANT), (2, OTHER), (3, 0)] {
+        let at = one.0.adopt(None, key(i), lake_dp::ObjectKind::KvBlock, 0, 5, u32::from(i), 1).unwrap();
+        one.0.index.set_namespace(at, namespace);
+    }
+    let (pool_path, pool_view) = scratch_view("tenants-pool", 2);
+    let (tenant_path, tenant_view) = scratch_view("tenants-tenant", 2);
+    let (plain_path, plain_view) = scratch_view("tenants-plain", 3);
+    let tenants = vec![(vec![TENANT], tenant_view)];
+    let mut two = (view(2, 1), Uplink::new(2, vec![address]).with_view(pool_view).with_tenant_views(tenants));
+    let mut three = (view(3, 1), Uplink::new(3, vec![address]).with_view(plain_view));
+    let (pool, tenant, plain) = (
+        ViewReader::attach(&pool_path.0).unwrap(),
+        ViewReader::attach(&tenant_path.0).unwrap(),
+        ViewReader::attach(&plain_path.0).unwrap(),
+    );
+    let mut pump = |one: &mut (Locations, Uplink), done: &dyn Fn() -> bool| {
+        for _ in 0..500 {
+            for (locations, uplink) in [&mut *one, &mut two, &mut three] {
+                let changes: Vec<_> = locations.drain_changes().collect();
+                uplink.pump(locations, &changes);
+            }
+            aggregator.pump();
+            if done() {
+                return (two.1.counters, three.1.counters);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        panic!("views: tenant {}, pool {}, plain {}", tenant.live(), pool.live(), plain.live());
+    };
+    let (counters, plain_counters) = pump(&mut one, &|| plain.live() == 3 && pool.live() == 1 && tenant.live() == 1);
+    let on_one = Some(Holder { node: NodeId(1), tier: Tier::L1Dram });
+    let seen = |reader: &ViewReader| [1, 2, 3].map(|i| reader.best(&key(i)) == on_one);
+    assert_eq!(seen(&tenant), [true, false, false], "the tenant's view: its namespace's block alone");
+    assert_eq!(seen(&pool), [false, true, false], "the pool's: neither the tenant's nor one of no known namespace");
+    assert_eq!(seen(&plain), [true, true, true], "a node keeping no tenant apart shows them all");
+    assert_eq!((counters.view_unnamed, plain_counters.view_unnamed), (1, 0));
+    // A removal reaches the tenant's view.
+    one.0.remove(&key(1), 0).unwrap();
+    pump(&mut one, &|| tenant.live() == 0 && plain.live() == 2);
+    assert_eq!(seen(&pool), [false, true, false]);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use lake_dp::constants::DELTA_ENTRIES_MAX;
 use lake_dp::mirror::view::ViewWriter;
-use lake_dp::wire::message::{Delta, Records, VIEW_TIER_NONE, ViewEntry};
+use lake_dp::wire::message::{Delta, NamedViewEntry, Records, VIEW_TIER_NONE, ViewEntry};
 use lake_dp::wire::{Message, WireError, append_frame};
 use lake_dp::{BlockKey, NodeId, ObjectKind, Tier};
 
@@ -17,20 +17,23 @@ use super::link::{UplinkCounters, meta};
 use super::{NodeView, Summary, available, tier_of};
 
 /// What a (node, block) was when a change first touched it since the last
-/// take: its offered tier and kind.
+/// take: its offered tier, kind and namespace.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Before {
     tier: Option<Tier>,
     kind: u8,
+    namespace: u64,
 }
 
 /// The fastest tier of `view`'s replicas of `key` offered to readers (L0
-/// is no other node's to read), and the block's kind.
-fn offered(view: &NodeView, key: &BlockKey) -> (Option<Tier>, u8) {
+/// is no other node's to read), and the block's kind and namespace.
+fn offered(view: &NodeView, key: &BlockKey) -> Before {
     let mut best = None;
     let mut kind = ObjectKind::KvBlock as u8;
+    let mut namespace = 0;
     for held in view.replicas.get(key).into_iter().flatten() {
         kind = u8::try_from(held.entry.kind).unwrap_or(kind);
+        namespace = held.entry.namespace;
         if let Some(tier) = tier_of(&held.entry)
             && tier != Tier::L0Hbm
             && available(view, tier)
@@ -39,11 +42,12 @@ fn offered(view: &NodeView, key: &BlockKey) -> (Option<Tier>, u8) {
             best = Some(tier);
         }
     }
-    (best, kind)
+    Before { tier: best, kind, namespace }
 }
 
-fn entry(key: BlockKey, tier: Option<Tier>, kind: u8) -> ViewEntry {
-    ViewEntry { key, tier: tier.map_or(VIEW_TIER_NONE, |t| t as u8), kind, reserved: [0; 6] }
+fn entry(key: BlockKey, shown: Before) -> NamedViewEntry {
+    let Before { tier, kind, namespace } = shown;
+    NamedViewEntry { key, namespace, tier: tier.map_or(VIEW_TIER_NONE, |t| t as u8), kind, reserved: [0; 6] }
 }
 
 /// Room the record of changes keeps between takes (a burst's is given
@@ -57,10 +61,7 @@ pub(super) type Pending = Option<HashMap<(u32, BlockKey), Before>>;
 /// next take compares with).
 pub(super) fn note(pending: &mut Pending, node: u32, view: &NodeView, key: &BlockKey) {
     if let Some(pending) = pending {
-        pending.entry((node, *key)).or_insert_with(|| {
-            let (tier, kind) = offered(view, key);
-            Before { tier, kind }
-        });
+        pending.entry((node, *key)).or_insert_with(|| offered(view, key));
     }
 }
 
@@ -85,24 +86,26 @@ impl Summary {
     /// The cluster view's changes since the last call, by node (in node
     /// order): each block whose fastest offered tier on that node is not
     /// what it was ([`VIEW_TIER_NONE`]: it holds it no more).
-    pub fn take_view_changes(&mut self) -> Vec<(u32, Vec<ViewEntry>)> {
+    pub fn take_view_changes(&mut self) -> Vec<(u32, Vec<NamedViewEntry>)> {
         let Some(pending) = self.view.as_mut() else { return Vec::new() };
         let mut changes: Vec<((u32, BlockKey), Before)> = pending.drain().collect();
         // A burst (a node's snapshot, a lapse) leaves no room behind it.
         pending.shrink_to(PENDING_KEPT);
         changes.sort_unstable_by_key(|&(at, _)| at);
-        let mut out: Vec<(u32, Vec<ViewEntry>)> = Vec::new();
+        let mut out: Vec<(u32, Vec<NamedViewEntry>)> = Vec::new();
         for ((node, key), before) in changes {
-            let (tier, kind) = match self.nodes.get(&node) {
+            let now = match self.nodes.get(&node) {
                 Some(view) => offered(view, &key),
-                None => (None, before.kind),
+                None => Before { tier: None, ..before },
             };
-            if tier == before.tier {
+            if now.tier == before.tier {
                 continue;
             }
+            // A block gone keeps the namespace it had.
+            let now = if now.tier.is_none() { Before { tier: None, ..before } } else { now };
             match out.last_mut() {
-                Some((n, entries)) if *n == node => entries.push(entry(key, tier, kind)),
-                _ => out.push((node, vec![entry(key, tier, kind)])),
+                Some((n, entries)) if *n == node => entries.push(entry(key, now)),
+                _ => out.push((node, vec![entry(key, now)])),
             }
         }
         out
@@ -110,16 +113,16 @@ impl Summary {
 
     /// The whole cluster view, by node: every block each node offers, with
     /// its fastest tier (a snapshot for a node that connects or saw a gap).
-    pub fn view_entries(&self) -> Vec<(u32, Vec<ViewEntry>)> {
+    pub fn view_entries(&self) -> Vec<(u32, Vec<NamedViewEntry>)> {
         let mut out = Vec::new();
         for node in self.nodes() {
             let view = &self.nodes[&node];
-            let mut entries: Vec<ViewEntry> = view
+            let mut entries: Vec<NamedViewEntry> = view
                 .replicas
                 .keys()
-                .filter_map(|key| match offered(view, key) {
-                    (Some(tier), kind) => Some(entry(*key, Some(tier), kind)),
-                    (None, _) => None,
+                .filter_map(|key| {
+                    let shown = offered(view, key);
+                    shown.tier.is_some().then(|| entry(*key, shown))
                 })
                 .collect();
             if !entries.is_empty() {
@@ -135,6 +138,10 @@ impl Summary {
 #[derive(Debug)]
 pub(super) struct ViewCopy {
     pub(super) writer: ViewWriter,
+    /// Each tenant kept apart: its namespaces, and its own view, the only
+    /// one that shows their blocks. With any, a block of no known
+    /// namespace is shown in none.
+    pub(super) tenants: Vec<(Vec<u64>, ViewWriter)>,
     pub(super) term: u64,
     /// The last frame applied.
     pub(super) sequence: u64,
@@ -153,7 +160,7 @@ impl ViewCopy {
     pub(super) fn delta(
         &mut self,
         head: &Delta,
-        entries: impl IntoIterator<Item = ViewEntry>,
+        entries: impl IntoIterator<Item = NamedViewEntry>,
         counters: &mut UplinkCounters,
     ) -> Option<u64> {
         self.receiving = None;
@@ -175,54 +182,85 @@ impl ViewCopy {
     pub(super) fn snapshot(
         &mut self,
         head: &Delta,
-        entries: impl IntoIterator<Item = ViewEntry>,
+        entries: impl IntoIterator<Item = NamedViewEntry>,
         counters: &mut UplinkCounters,
     ) {
         if self.receiving != Some((head.term, head.sequence)) {
             self.receiving = Some((head.term, head.sequence));
             self.writer.clear();
+            for (_, writer) in &mut self.tenants {
+                writer.clear();
+            }
             counters.view_snapshots += 1;
         }
         (self.term, self.sequence, self.gap, self.streaming) = (head.term, head.sequence, false, true);
         self.apply(head.node, entries, counters);
     }
 
-    fn apply(&mut self, node: u32, entries: impl IntoIterator<Item = ViewEntry>, counters: &mut UplinkCounters) {
+    fn apply(&mut self, node: u32, entries: impl IntoIterator<Item = NamedViewEntry>, counters: &mut UplinkCounters) {
         for entry in entries {
+            let writer = if self.tenants.is_empty() {
+                &mut self.writer
+            } else if entry.namespace == 0 {
+                counters.view_unnamed += 1;
+                continue;
+            } else {
+                match self.tenants.iter_mut().find(|(namespaces, _)| namespaces.contains(&entry.namespace)) {
+                    Some((_, writer)) => writer,
+                    None => &mut self.writer,
+                }
+            };
             let tier = if entry.tier == VIEW_TIER_NONE { None } else { Tier::from_u8(entry.tier) };
             let kind = ObjectKind::from_u16(u16::from(entry.kind)).unwrap_or(ObjectKind::KvBlock);
-            if self.writer.set(&entry.key, NodeId(node), tier, kind).is_err() {
+            if writer.set(&entry.key, NodeId(node), tier, kind).is_err() {
                 counters.view_refused += 1;
             }
         }
     }
 }
 
-/// Appends one view frame of `entries` under `head` (its count set here).
+/// An entry of a view frame without namespaces (an older leader's), as
+/// one of no known namespace.
+pub(super) fn unnamed(entry: ViewEntry) -> NamedViewEntry {
+    let ViewEntry { key, tier, kind, reserved } = entry;
+    NamedViewEntry { key, namespace: 0, tier, kind, reserved }
+}
+
+/// Appends one view frame of `entries` under `head` (its count set here):
+/// `named`, with each block's namespace (kinds 39 and 40), else without.
 pub(super) fn append_view_frame(
     out: &mut Vec<u8>,
     head: Delta,
-    entries: &[ViewEntry],
+    entries: &[NamedViewEntry],
     snapshot: bool,
+    named: bool,
 ) -> Result<(), WireError> {
     let head = Delta { count: u32::try_from(entries.len()).unwrap_or(u32::MAX), ..head };
-    let records = Records::from_slice(entries);
+    if named {
+        let records = Records::from_slice(entries);
+        let message =
+            if snapshot { Message::ViewSnapshotNamed(head, records) } else { Message::ViewDeltaNamed(head, records) };
+        return append_frame(out, meta(0), &message).map(|_| ());
+    }
+    let plain: Vec<ViewEntry> = entries.iter().map(NamedViewEntry::plain).collect();
+    let records = Records::from_slice(&plain);
     let message = if snapshot { Message::ViewSnapshot(head, records) } else { Message::ViewDelta(head, records) };
     append_frame(out, meta(0), &message).map(|_| ())
 }
 
-/// The whole view as snapshot frames at `(term, sequence)`: at least one
-/// (an empty view is one empty frame, which starts the node's over).
-pub(super) fn view_snapshot(summary: &Summary, term: u64, sequence: u64) -> Result<Vec<u8>, WireError> {
+/// The whole view as snapshot frames at `(term, sequence)` (`named`: see
+/// [`append_view_frame`]): at least one (an empty view is one empty
+/// frame, which starts the node's over).
+pub(super) fn view_snapshot(summary: &Summary, term: u64, sequence: u64, named: bool) -> Result<Vec<u8>, WireError> {
     let mut out = Vec::new();
     let head = |node| Delta { term, sequence, node, count: 0 };
     let nodes = summary.view_entries();
     if nodes.is_empty() {
-        append_view_frame(&mut out, head(0), &[], true)?;
+        append_view_frame(&mut out, head(0), &[], true, named)?;
     }
     for (node, entries) in &nodes {
         for chunk in entries.chunks(DELTA_ENTRIES_MAX) {
-            append_view_frame(&mut out, head(*node), chunk, true)?;
+            append_view_frame(&mut out, head(*node), chunk, true, named)?;
         }
     }
     Ok(out)

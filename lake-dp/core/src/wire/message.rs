@@ -1135,6 +1135,8 @@ messages! {
         TenantWaits(TenantThrottles, TenantWait) = 31,
         ViewDelta(Delta, ViewEntry) = 37,
         ViewSnapshot(Delta, ViewEntry) = 38,
+        ViewDeltaNamed(Delta, NamedViewEntry) = 39,
+        ViewSnapshotNamed(Delta, NamedViewEntry) = 40,
     }
 }
 
@@ -1164,9 +1166,6 @@ const _: () = assert!(size_of::<PushCaps>() == 8);
 const _: () = assert!(size_of::<PushCap>() == 24);
 const _: () = assert!(size_of::<PathEntry>() == 24 + 8 * LATENCY_BUCKETS);
 const _: () = assert!(size_of::<LookupEntry>() == 48);
-const _: () = assert!(size_of::<DeltaEntry>() == 80);
-const _: () = assert!(size_of::<ViewEntry>() == 24);
-const _: () = assert!(size_of::<SnapshotRequest>() == 16);
 const _: () = assert!(size_of::<DrainRegion>() == 8);
 const _: () = assert!(size_of::<ErrorBody>() == 64);
 // Every fixed body fits the smallest frame limit a peer may announce.

@@ -170,6 +170,15 @@ pub const FEATURE_PULLS_MOVE: u64 = 1 << 19;
 /// is dropped.
 pub const FEATURE_SPILLS: u64 = 1 << 20;
 
+/// Feature bit (the summary link): the node's `lake-cp` takes the
+/// cluster view with each block's namespace —
+/// [`message::Message::ViewDeltaNamed`] and
+/// [`message::Message::ViewSnapshotNamed`] (kinds 39 and 40) in place of
+/// kinds 37 and 38 — to show each tenant it keeps apart only its own
+/// namespaces' blocks. Offered with [`FEATURE_CLUSTER_VIEW`]; a leader
+/// that acks it sends the named kinds, an older one the plain ones.
+pub const FEATURE_VIEW_NAMESPACES: u64 = 1 << 21;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -192,7 +201,7 @@ pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 21] = [
+pub const FEATURE_NAMES: [(u64, &str); 22] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -214,6 +223,7 @@ pub const FEATURE_NAMES: [(u64, &str); 21] = [
     (FEATURE_PULL, "pull"),
     (FEATURE_PULLS_MOVE, "pulls_move"),
     (FEATURE_SPILLS, "spills"),
+    (FEATURE_VIEW_NAMESPACES, "view_namespaces"),
 ];
 
 /// Bytes in a frame header.

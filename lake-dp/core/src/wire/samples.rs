@@ -261,6 +261,14 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
         meta(41),
         Message::ViewSnapshot(Delta { term: 7, sequence: 13, node: 2, count: 1 }, Records::from_slice(&view[..1])),
     );
+    let named = [
+        NamedViewEntry { key: key(5), namespace: 0x5eed, tier: Tier::L2Nvme as u8, kind: 1, reserved: [0; 6] },
+        NamedViewEntry { key: key(6), namespace: 31, tier: VIEW_TIER_NONE, kind: 1, reserved: [0; 6] },
+    ];
+    let head = Delta { term: 7, sequence: 14, node: 3, count: 2 };
+    visit(meta(42), Message::ViewDeltaNamed(head, Records::from_slice(&named)));
+    let head = Delta { sequence: 15, count: 1, ..head };
+    visit(meta(43), Message::ViewSnapshotNamed(head, Records::from_slice(&named[1..])));
 }
 
 /// [`each_message`] encoded: one frame per kind.

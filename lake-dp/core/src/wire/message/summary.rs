@@ -135,15 +135,61 @@ pub const VIEW_TIER_NONE: u8 = 0xff;
 
 impl Record for ViewEntry {
     fn validate(&self) -> Result<(), WireError> {
-        match Tier::from_u8(self.tier) {
-            Some(Tier::L1Dram | Tier::L2Nvme | Tier::L3Object) => {}
-            _ if self.tier == VIEW_TIER_NONE => {}
-            _ => return Err(field_err("view_entry.tier", self.tier)),
-        }
-        ObjectKind::from_u16(u16::from(self.kind)).ok_or(field_err("view_entry.kind", self.kind))?;
-        if self.reserved != [0; 6] {
-            return Err(field_err("view_entry.reserved", 1u8));
-        }
-        Ok(())
+        check_view_entry(self.tier, self.kind, self.reserved)
     }
 }
+
+/// A [`ViewEntry`] with the block's namespace, in a
+/// [`Message::ViewDeltaNamed`] or [`Message::ViewSnapshotNamed`]: what a
+/// leader sends, in place of those, a node whose hello offered
+/// [`FEATURE_VIEW_NAMESPACES`] (one keeping tenants apart, which shows
+/// each tenant's engines only its own namespaces' blocks).
+///
+/// [`Message::ViewDeltaNamed`]: super::Message::ViewDeltaNamed
+/// [`Message::ViewSnapshotNamed`]: super::Message::ViewSnapshotNamed
+/// [`FEATURE_VIEW_NAMESPACES`]: crate::wire::FEATURE_VIEW_NAMESPACES
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct NamedViewEntry {
+    /// The block.
+    pub key: BlockKey,
+    /// Its namespace (0: its holder did not say).
+    pub namespace: u64,
+    /// [`Tier`] code (L1, L2 or L3), or [`VIEW_TIER_NONE`].
+    pub tier: u8,
+    /// [`ObjectKind`] code (its low byte).
+    pub kind: u8,
+    /// Zero.
+    pub reserved: [u8; 6],
+}
+
+impl NamedViewEntry {
+    /// The entry without its namespace.
+    pub fn plain(&self) -> ViewEntry {
+        ViewEntry { key: self.key, tier: self.tier, kind: self.kind, reserved: self.reserved }
+    }
+}
+
+impl Record for NamedViewEntry {
+    fn validate(&self) -> Result<(), WireError> {
+        check_view_entry(self.tier, self.kind, self.reserved)
+    }
+}
+
+fn check_view_entry(tier: u8, kind: u8, reserved: [u8; 6]) -> Result<(), WireError> {
+    match Tier::from_u8(tier) {
+        Some(Tier::L1Dram | Tier::L2Nvme | Tier::L3Object) => {}
+        _ if tier == VIEW_TIER_NONE => {}
+        _ => return Err(field_err("view_entry.tier", tier)),
+    }
+    ObjectKind::from_u16(u16::from(kind)).ok_or(field_err("view_entry.kind", kind))?;
+    if reserved != [0; 6] {
+        return Err(field_err("view_entry.reserved", 1u8));
+    }
+    Ok(())
+}
+
+const _: () = assert!(size_of::<SnapshotRequest>() == 16);
+const _: () = assert!(size_of::<DeltaEntry>() == 80);
+const _: () = assert!(size_of::<ViewEntry>() == 24);
+const _: () = assert!(size_of::<NamedViewEntry>() == 32);
