@@ -16,10 +16,11 @@ use lake_dp::{BlockKey, NodeId, ObjectKind, Tier};
 use super::link::{UplinkCounters, meta};
 use super::{NodeView, Summary, available, tier_of};
 
-/// What a (node, block) was when a change first touched it since the last
-/// take: its offered tier, kind and namespace.
+/// What a (node, block) shows readers: its offered tier, kind and
+/// namespace. The record of changes keeps what it showed when a change
+/// first touched it since the last take.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Before {
+pub(super) struct Shown {
     tier: Option<Tier>,
     kind: u8,
     namespace: u64,
@@ -27,7 +28,7 @@ pub(super) struct Before {
 
 /// The fastest tier of `view`'s replicas of `key` offered to readers (L0
 /// is no other node's to read), and the block's kind and namespace.
-fn offered(view: &NodeView, key: &BlockKey) -> Before {
+fn offered(view: &NodeView, key: &BlockKey) -> Shown {
     let mut best = None;
     let mut kind = ObjectKind::KvBlock as u8;
     let mut namespace = 0;
@@ -42,11 +43,11 @@ fn offered(view: &NodeView, key: &BlockKey) -> Before {
             best = Some(tier);
         }
     }
-    Before { tier: best, kind, namespace }
+    Shown { tier: best, kind, namespace }
 }
 
-fn entry(key: BlockKey, shown: Before) -> NamedViewEntry {
-    let Before { tier, kind, namespace } = shown;
+fn entry(key: BlockKey, shown: Shown) -> NamedViewEntry {
+    let Shown { tier, kind, namespace } = shown;
     NamedViewEntry { key, namespace, tier: tier.map_or(VIEW_TIER_NONE, |t| t as u8), kind, reserved: [0; 6] }
 }
 
@@ -55,7 +56,7 @@ fn entry(key: BlockKey, shown: Before) -> NamedViewEntry {
 const PENDING_KEPT: usize = 1 << 16;
 
 /// The changes noted since the last take, where the summary notes them.
-pub(super) type Pending = Option<HashMap<(u32, BlockKey), Before>>;
+pub(super) type Pending = Option<HashMap<(u32, BlockKey), Shown>>;
 
 /// Notes `key` of `node` as about to change (its state now is what the
 /// next take compares with).
@@ -88,21 +89,18 @@ impl Summary {
     /// what it was ([`VIEW_TIER_NONE`]: it holds it no more).
     pub fn take_view_changes(&mut self) -> Vec<(u32, Vec<NamedViewEntry>)> {
         let Some(pending) = self.view.as_mut() else { return Vec::new() };
-        let mut changes: Vec<((u32, BlockKey), Before)> = pending.drain().collect();
+        let mut changes: Vec<((u32, BlockKey), Shown)> = pending.drain().collect();
         // A burst (a node's snapshot, a lapse) leaves no room behind it.
         pending.shrink_to(PENDING_KEPT);
         changes.sort_unstable_by_key(|&(at, _)| at);
         let mut out: Vec<(u32, Vec<NamedViewEntry>)> = Vec::new();
         for ((node, key), before) in changes {
-            let now = match self.nodes.get(&node) {
-                Some(view) => offered(view, &key),
-                None => Before { tier: None, ..before },
-            };
+            // A block gone keeps the kind and namespace it had.
+            let now = self.nodes.get(&node).map(|view| offered(view, &key)).filter(|now| now.tier.is_some());
+            let now = now.unwrap_or(Shown { tier: None, ..before });
             if now.tier == before.tier {
                 continue;
             }
-            // A block gone keeps the namespace it had.
-            let now = if now.tier.is_none() { Before { tier: None, ..before } } else { now };
             match out.last_mut() {
                 Some((n, entries)) if *n == node => entries.push(entry(key, now)),
                 _ => out.push((node, vec![entry(key, now)])),
