@@ -520,6 +520,13 @@ impl Agent {
         &self.mirror
     }
 
+    /// The cluster view this agent reads, opened again for another
+    /// reader (the one passed at attach mapped again, and the same path
+    /// to look for one at).
+    pub fn reopen_cluster_view(&self) -> lake_core::mirror::view::ViewOpener {
+        self.cluster.reopen()
+    }
+
     /// The longest cached prefix of `keys` and its block table (into
     /// `table`); reports the request to `lake-cp` for eviction.
     pub fn lookup(&mut self, keys: &[BlockKey], table: &mut Vec<MirrorEntry>) -> usize {

@@ -384,6 +384,7 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
             // The agent's mirror (passed over the socket, or opened by its
             // path), mapped again for the pool's own reads.
             let mirror = agent.mirror().reopen().map_err(|e| fail(LakeStatus::LakeNotAttached, e.to_string()))?;
+            let cluster = agent.reopen_cluster_view();
             let pins = agent.claim_pin_array().map_err(|e| fail(LakeStatus::LakeBusy, e.to_string()))?;
 
             if o.copy_threads > COPY_THREADS_MAX {
@@ -397,7 +398,7 @@ pub unsafe extern "C" fn lake_attach(options: *const LakeAttachOptions, out: *mu
             let mut pool = start(agent, mirror, pins, reader, agent_core, lane_pins)?;
             pool.shard_code = o.shard_code;
             pool.shard = ShardMask::from_code(o.shard_code);
-            pool.cluster = Mutex::new(Some(lake_dp::mirror::view::ViewOpener::beside(&mirror_path)));
+            pool.cluster = Mutex::new(Some(cluster));
             // SAFETY: writable (contract).
             unsafe { out.write(Box::into_raw(Box::new(pool))) };
             Ok(())

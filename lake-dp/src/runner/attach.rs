@@ -484,15 +484,13 @@ impl AttachServer {
         len += encode_frame(meta, &Message::Attached(attached), &mut bytes[len..]).map_err(|_| ())?;
         // An agent that takes descriptors of its own gets a fresh open of
         // the arena (its records' locks are its own, apart from this
-        // process's) and the mirror as it is now (a control plane that
-        // restarted made a new one). A mirror that cannot be opened is left
-        // out: the agent opens it itself, saying why it could not either.
+        // process's).
         let own = ack.features & crate::wire::FEATURE_OWN_FDS != 0;
         let arena = if own { Some(crate::lock::reopen_fd(arena_fd).map_err(|_| ())?) } else { None };
-        let mirror = tenant_mirror.or_else(|| self.mirror.as_ref().filter(|_| own).and_then(|p| File::open(p).ok()));
+        let passed = self.mirror_files(tenant_mirror, own, ack.features);
         let mut fds = vec![arena.as_ref().map_or(arena_fd, AsRawFd::as_raw_fd), self.ports.file().as_raw_fd(), wakeup];
         fds.extend(partition_file);
-        fds.extend(mirror.as_ref().map(AsRawFd::as_raw_fd));
+        fds.extend(passed.iter().flatten().map(AsRawFd::as_raw_fd));
         // Small enough to go in one piece on a fresh socket (a few KiB at
         // most, with push caps).
         match os::send_with_fds(stream.as_raw_fd(), &bytes[..len], &fds) {
@@ -501,18 +499,37 @@ impl AttachServer {
         }
     }
 
+    /// The mirror an agent is passed: its tenant's (`tenant_mirror`), or,
+    /// to one that takes descriptors of its own (`own`), the pool's as it
+    /// is now (a control plane that restarted made a new one). A mirror
+    /// that cannot be opened is left out: the agent opens it itself,
+    /// saying why it could not either. Then the cluster view beside it,
+    /// where the agent takes it (`features`) and the node keeps one.
+    fn mirror_files(&self, tenant_mirror: Option<MirrorFile<'_>>, own: bool, features: u64) -> [Option<File>; 2] {
+        let pool = || self.mirror.as_deref().filter(|_| own).and_then(|p| Some((File::open(p).ok()?, p)));
+        let Some((mirror, path)) = tenant_mirror.or_else(pool) else { return [None, None] };
+        let view = (features & crate::wire::FEATURE_VIEW_FD != 0)
+            .then(|| File::open(crate::mirror::view::ViewOpener::path_beside(path)).ok())
+            .flatten();
+        [Some(mirror), view]
+    }
+
     /// Partition `partition`'s file and its tenant's mirror, opened (past
     /// partition 0), in a partitioned arena. A tenant's engines read its
     /// own mirror, never the pool's: one that cannot be opened (its
     /// control plane has not made it) refuses the attach, saying why.
-    fn partition_files(&self, stream: &UnixStream, partition: u8) -> Result<(Option<RawFd>, Option<File>), ()> {
+    fn partition_files(
+        &self,
+        stream: &UnixStream,
+        partition: u8,
+    ) -> Result<(Option<RawFd>, Option<MirrorFile<'_>>), ()> {
         let Some((partitions, files)) = &self.partitions else { return Ok((None, None)) };
         let file = files.get(usize::from(partition)).ok_or(())?.as_raw_fd();
         let Some(path) = usize::from(partition).checked_sub(1).and_then(|tenant| partitions.mirrors.get(tenant)) else {
             return Ok((Some(file), None));
         };
         match File::open(path) {
-            Ok(mirror) => Ok((Some(file), Some(mirror))),
+            Ok(mirror) => Ok((Some(file), Some((mirror, path.as_path())))),
             Err(e) => {
                 tracing::warn!(event = "tenant_mirror_unopened", path = %path.display(), partition, error = %e);
                 refuse(stream, ErrorCode::Io, "its tenant's mirror cannot be opened yet");
@@ -534,6 +551,10 @@ impl Drop for AttachServer {
         let _ = std::fs::remove_file(&self.path);
     }
 }
+
+/// A mirror opened for an agent, and where it lies (its view lies beside
+/// it).
+type MirrorFile<'a> = (File, &'a Path);
 
 /// A port's number (ports are fewer than 2^32: the file says so).
 fn port_number(port: usize) -> u32 {

@@ -169,12 +169,14 @@ impl Agent {
         // The arena, the port file, the wake-up eventfd, the file of the
         // partition this agent maps (in a partitioned arena: one is named,
         // as its number plus 1), and the mirror where the data plane
-        // passes it.
-        let partitions = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_PARTITIONS != 0);
+        // passes it, then the cluster view where it passes that too.
+        let takes = |feature: u64| ack.is_some_and(|ack| ack.features & feature != 0);
+        let partitions = takes(lake_core::wire::FEATURE_PARTITIONS);
         let named = if partitions { usize::from(attached.partition).checked_sub(1) } else { None };
         let least = 3 + usize::from(named.is_some());
-        if !(least..=least + 1).contains(&fds.len()) {
-            let why = format_args!("expected {least} or {}, got {}", least + 1, fds.len());
+        let most = least + 1 + usize::from(takes(lake_core::wire::FEATURE_VIEW_FD));
+        if !(least..=most).contains(&fds.len()) {
+            let why = format_args!("expected {least} to {most}, got {}", fds.len());
             return Err(protocol("descriptors", &why));
         }
         let mut fds = fds.into_iter();
@@ -183,11 +185,23 @@ impl Agent {
         };
         let partition_fd = if named.is_some() { fds.next() } else { None };
         let mirror = fds.next();
+        let view = fds.next();
+        // A tenant's engine (partition past 0) reads the view passed, its
+        // tenant's, and never opens one by its path: the one beside the
+        // pool's mirror shows the pool's blocks, not its tenant's. A view
+        // that cannot be mapped is none (lookups find this node's blocks
+        // only), not a failed attach.
+        let tenant = named.is_some_and(|partition| partition > 0);
+        let fallback = (!tenant).then(|| lake_core::mirror::view::ViewOpener::path_beside(config.mirror));
+        let cluster = lake_core::mirror::view::ViewOpener::passed(
+            view.and_then(|fd| lake_core::mirror::view::ViewReader::attach_fd(fd).ok()),
+            fallback,
+        );
         let ports = File::from(ports);
         // An open of the arena made for this agent where the data plane
         // makes one (its records' locks are taken on it), mapped with only
         // the partition it is given.
-        let own = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_OWN_FDS != 0);
+        let own = takes(lake_core::wire::FEATURE_OWN_FDS);
         let arena = match (own, partitions) {
             (true, true) => Arena::attach_partition(arena_fd, named.unwrap_or(0), partition_fd),
             (true, false) => Arena::attach_own_fd(arena_fd),
@@ -199,10 +213,11 @@ impl Agent {
         }
         let port = AgentShmPort::attach(ports, attached.port).map_err(|e| AttachError::Memory(e.to_string()))?;
         // A data plane built before trace ids refuses a request carrying one.
-        let traces_taken = ack.is_some_and(|ack| ack.features & lake_core::wire::FEATURE_TRACE != 0);
+        let traces_taken = takes(lake_core::wire::FEATURE_TRACE);
         let shared = AgentPort::Shared { port, wakeup };
         let mut agent = Self::with(config, (arena, mirror), shared, Some(stream), traces_taken)?;
         agent.push_caps = push_caps;
+        agent.cluster = cluster;
         Ok(agent)
     }
 

@@ -803,7 +803,18 @@ impl MirrorReader {
     /// Maps the same mirror again, through a copy of its descriptor (for
     /// another thread's reads).
     pub fn reopen(&self) -> Result<Self, MirrorError> {
-        Self::attach_file(self.file.try_clone().map_err(io_error("duplicating", None))?, None)
+        self.reopen_as(layout::MIRROR)
+    }
+
+    /// Maps the table behind `fd` (passed over a socket), of this layout
+    /// of another kind (the cluster view).
+    pub(crate) fn attach_fd_as(fd: OwnedFd, kind: layout::TableKind) -> Result<Self, MirrorError> {
+        Self::attach_file_as(File::from(fd), None, kind)
+    }
+
+    /// [`MirrorReader::reopen`] of a table of this layout of another kind.
+    pub(crate) fn reopen_as(&self, kind: layout::TableKind) -> Result<Self, MirrorError> {
+        Self::attach_file_as(self.file.try_clone().map_err(io_error("duplicating", None))?, None, kind)
     }
 
     fn attach_file(file: File, path: Option<&Path>) -> Result<Self, MirrorError> {

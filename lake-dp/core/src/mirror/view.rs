@@ -355,9 +355,23 @@ pub struct ViewReader {
 impl ViewReader {
     /// Maps the view at `path`.
     pub fn attach(path: &Path) -> Result<Self, MirrorError> {
-        let table = MirrorReader::attach_as(path, VIEW)?;
+        Ok(Self::of(MirrorReader::attach_as(path, VIEW)?))
+    }
+
+    /// Maps the view behind `fd` (passed over a socket at attach).
+    pub fn attach_fd(fd: std::os::fd::OwnedFd) -> Result<Self, MirrorError> {
+        Ok(Self::of(MirrorReader::attach_fd_as(fd, VIEW)?))
+    }
+
+    /// Maps the same view again, through a copy of its descriptor (for
+    /// another thread's reads).
+    pub fn reopen(&self) -> Result<Self, MirrorError> {
+        Ok(Self::of(self.table.reopen_as(VIEW)?))
+    }
+
+    fn of(table: MirrorReader) -> Self {
         let v1 = table.header().version == 1;
-        Ok(Self { table, v1 })
+        Self { table, v1 }
     }
 
     /// Whether the view is valid (its writer has not retired it).
@@ -428,14 +442,16 @@ impl ViewReader {
     }
 }
 
-/// A node's cluster view for an engine: opened by its path when first
-/// asked for, and opened again when its writer retired it or is gone (a
-/// restarted pool publishes a new one) — tried at most once per
+/// A node's cluster view for an engine: the one its data plane passed
+/// at attach, or opened by its path when first asked for — and opened
+/// again by that path when its writer retired it or is gone (a restarted
+/// pool publishes a new one), tried at most once per
 /// [`ViewOpener::RETRY`], so a pool without a view costs a lookup nothing
-/// more.
+/// more. One with no path (a tenant's engine: its view comes only as
+/// passed) never opens one itself.
 #[derive(Debug)]
 pub struct ViewOpener {
-    path: std::path::PathBuf,
+    path: Option<std::path::PathBuf>,
     reader: Option<ViewReader>,
     next_check: std::time::Instant,
 }
@@ -446,7 +462,14 @@ impl ViewOpener {
 
     /// The view beside the mirror at `mirror` (`<mirror>.cluster`).
     pub fn beside(mirror: &Path) -> Self {
-        Self { path: Self::path_beside(mirror), reader: None, next_check: std::time::Instant::now() }
+        Self::passed(None, Some(Self::path_beside(mirror)))
+    }
+
+    /// The view `passed` at attach, if any; then, where it is gone or
+    /// none came, the one at `path` (none: no other).
+    pub fn passed(passed: Option<ViewReader>, path: Option<std::path::PathBuf>) -> Self {
+        let next_check = std::time::Instant::now() + if passed.is_some() { Self::RETRY } else { Default::default() };
+        Self { path, reader: passed, next_check }
     }
 
     /// Where the view of the mirror at `mirror` is: `<mirror>.cluster`.
@@ -456,6 +479,12 @@ impl ViewOpener {
         path.into()
     }
 
+    /// The same view, mapped again (for another thread's reads), and
+    /// looked for at the same path.
+    pub fn reopen(&self) -> Self {
+        Self::passed(self.reader.as_ref().and_then(|r| r.reopen().ok()), self.path.clone())
+    }
+
     /// The view, where there is one now.
     pub fn reader(&mut self) -> Option<&ViewReader> {
         let now = std::time::Instant::now();
@@ -463,7 +492,7 @@ impl ViewOpener {
             self.next_check = now + Self::RETRY;
             let stale = self.reader.as_ref().is_none_or(|r| !r.is_ready() || !r.writer_alive());
             if stale {
-                self.reader = ViewReader::attach(&self.path).ok();
+                self.reader = self.path.as_deref().and_then(|path| ViewReader::attach(path).ok());
             }
         }
         self.reader.as_ref()

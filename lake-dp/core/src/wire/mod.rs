@@ -179,6 +179,15 @@ pub const FEATURE_SPILLS: u64 = 1 << 20;
 /// that acks it sends the named kinds, an older one the plain ones.
 pub const FEATURE_VIEW_NAMESPACES: u64 = 1 << 21;
 
+/// Feature bit (attach): the agent takes the cluster view it is to read
+/// as a descriptor, after the mirror: its tenant's own view where it maps
+/// a tenant's partition, else the pool's. Passed only with the mirror, so
+/// an agent gets the three descriptors (and the partition's), then none,
+/// the mirror, or the mirror and the view. The views can then stay their
+/// owner's alone (mode 0600) and still be read by the engines of other
+/// users, each shown only what its tenant may see.
+pub const FEATURE_VIEW_FD: u64 = 1 << 22;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -197,11 +206,12 @@ pub const FEATURES: u64 = FEATURE_RAIL_STATS
 
 /// The feature bits this build's data plane offers an agent at attach, and
 /// its agent takes.
-pub const ATTACH_FEATURES: u64 = FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN_FDS | FEATURE_PARTITIONS;
+pub const ATTACH_FEATURES: u64 =
+    FEATURE_TRACE | FEATURE_PUSH_CAPS | FEATURE_OWN_FDS | FEATURE_PARTITIONS | FEATURE_VIEW_FD;
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 22] = [
+pub const FEATURE_NAMES: [(u64, &str); 23] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -224,6 +234,7 @@ pub const FEATURE_NAMES: [(u64, &str); 22] = [
     (FEATURE_PULLS_MOVE, "pulls_move"),
     (FEATURE_SPILLS, "spills"),
     (FEATURE_VIEW_NAMESPACES, "view_namespaces"),
+    (FEATURE_VIEW_FD, "view_fd"),
 ];
 
 /// Bytes in a frame header.
