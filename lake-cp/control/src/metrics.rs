@@ -37,6 +37,9 @@ pub struct ViewGauges {
     pub gaps: u64,
     /// See `deltas`.
     pub refused: u64,
+    /// Entries of no known namespace, shown in no view of a node keeping
+    /// tenants apart.
+    pub unnamed: u64,
     /// Engines' pulls sent to the summary's leader, and dropped (no
     /// leader streaming the view connected).
     pub pulls_sent: u64,
@@ -48,6 +51,8 @@ pub struct ViewGauges {
     pub pulls_from_store: u64,
     /// See `pulls_from_store`.
     pub pulls_from_store_failed: u64,
+    /// Pulls refused: of a namespace not the asking engine's tenant's.
+    pub pulls_refused: u64,
     /// What a pulled block costs this node, as measured (0: not yet).
     pub pull_ns_per_block: u64,
 }
@@ -374,16 +379,26 @@ fn view_metrics(out: &mut String, view: &ViewGauges) {
     );
     metric(
         out,
+        "lake_cluster_view_unnamed_total",
+        "counter",
+        "View entries of no known namespace (from a node or leader built before namespaces reached the view): a node \
+         keeping tenants apart shows them in no view, so those blocks read as misses.",
+        &[("", view.unnamed)],
+    );
+    metric(
+        out,
         "lake_cluster_pulls_total",
         "counter",
         "Engines' pulls of other nodes' blocks into this node's L1: sent to the summary's leader, or dropped (none \
          streaming the view connected); of blocks held only in L3, read from the object store the nodes share \
-         (store), or not found there and sent to the leader (store_failed).",
+         (store), or not found there and sent to the leader (store_failed); refused, of a namespace not the asking \
+         engine's tenant's (refused).",
         &[
             ("result=\"sent\"", view.pulls_sent),
             ("result=\"dropped\"", view.pulls_dropped),
             ("result=\"store\"", view.pulls_from_store),
             ("result=\"store_failed\"", view.pulls_from_store_failed),
+            ("result=\"refused\"", view.pulls_refused),
         ],
     );
     metric(

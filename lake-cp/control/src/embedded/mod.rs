@@ -583,7 +583,7 @@ impl EmbeddedPool {
         let mut files: Vec<PathBuf> =
             [(!partitioned).then(|| arena.clone()), Some(mirror.clone())].into_iter().flatten().collect();
         files.extend(config.partitions.iter().map(|p| config.tenant_mirror(&p.tenant)));
-        files.extend(config.cluster_view());
+        files.extend(config.cluster_views());
         created.record(&files.iter().map(PathBuf::as_path).collect::<Vec<_>>())?;
         let cp_socket = config.dir.join("cp.sock");
         let dp_socket = config.dir.join("dp.sock");
@@ -637,7 +637,8 @@ impl EmbeddedPool {
         let tiers = config.tier_config().map_err(ServeError::Settings)?;
         let node = Node::new(NodeId(config.node), incarnation, Some(writer))
             .with_tiers(tiers)
-            .with_tenant_mirrors(tenant_mirrors);
+            .with_tenant_mirrors(tenant_mirrors)
+            .with_tenant_engines(config.tenant_engines().map_err(ServeError::Settings)?);
         let mut server = Server::bind(&cp_socket, node, 1).map_err(ServeError::io(cp_socket.display()))?;
         let beside = crate::server::Beside {
             access: config.access.of_sockets().map_err(ServeError::Settings)?,
@@ -647,14 +648,19 @@ impl EmbeddedPool {
         };
         let metrics = server.serve_beside(&beside).map_err(|(what, error)| ServeError::Io { what, error })?;
         if !config.summary_to.is_empty() {
-            let view = match config.cluster_view() {
-                Some(path) => Some(
-                    lake_dp::mirror::view::ViewWriter::create_at(path, NodeId(config.node), config.cluster_view_blocks)
-                        .map_err(ServeError::Mirror)?,
+            let views = match config.cluster_view() {
+                Some(_) => Some(
+                    crate::summary::link::NodeViews::create(
+                        NodeId(config.node),
+                        config.cluster_view_blocks,
+                        &mirror,
+                        &config.tenant_mirrors(&mirror).map_err(ServeError::Settings)?,
+                    )
+                    .map_err(ServeError::Mirror)?,
                 ),
                 None => None,
             };
-            server.report_to(config.summary_to.clone(), config.link_key.clone(), view);
+            server.report_to(config.summary_to.clone(), config.link_key.clone(), views);
         }
         let gauges = Arc::new(Gauges { l1_region: std::sync::atomic::AtomicU32::new(u32::MAX), ..Gauges::default() });
         let stop_cp = Arc::new(AtomicBool::new(false));

@@ -81,10 +81,21 @@ impl EmbeddedConfig {
     pub fn tenant_mirrors(&self, mirror: &Path) -> Result<Vec<(Vec<u64>, PathBuf)>, String> {
         let partitions = self.l1_partitions()?;
         let mirrors = partitions.into_iter().map(|partition| {
-            let namespaces = partition.namespaces.iter().filter_map(|n| u64::from_str_radix(n, 16).ok()).collect();
+            let namespaces = namespaces_of(&partition);
             (namespaces, beside(mirror, &partition.name))
         });
         Ok(mirrors.collect())
+    }
+
+    /// The tenants kept apart as the data plane tells their engines
+    /// apart: each one's namespaces, users and groups, in the order of
+    /// [`EmbeddedConfig::tenant_mirrors`].
+    pub fn tenant_engines(&self) -> Result<lake_dp::runner::config::Partitions, String> {
+        let each = self.l1_partitions()?.into_iter().map(|partition| {
+            let namespaces = namespaces_of(&partition);
+            (namespaces, partition.uids, partition.gids)
+        });
+        Ok(lake_dp::runner::config::Partitions { each: each.collect(), mirrors: Vec::new() })
     }
 
     /// The tier manager's settings: the tenants' partitions of L1 (each
@@ -93,7 +104,7 @@ impl EmbeddedConfig {
         let slot_bytes: u64 = self.l1_size_classes().map(|(payload, _)| lake_dp::stored::object_bytes(payload)).sum();
         let mut tiers = self.tiers.clone();
         for partition in self.l1_partitions()? {
-            let namespaces = partition.namespaces.iter().filter_map(|n| u64::from_str_radix(n, 16).ok()).collect();
+            let namespaces = namespaces_of(&partition);
             tiers.l1_partitions.push((u64::from(partition.slots) * slot_bytes, namespaces));
         }
         Ok(tiers)
@@ -101,17 +112,34 @@ impl EmbeddedConfig {
 
     /// The node's cluster view, beside the pool's mirror
     /// (`<mirror>.cluster`), where it keeps one: it reports to a summary,
-    /// with room for blocks, and keeps no tenant apart (the view would
-    /// show every tenant's blocks to each).
+    /// with room for blocks. Each tenant kept apart has one of its own
+    /// beside its mirror ([`EmbeddedConfig::cluster_views`]).
     pub fn cluster_view(&self) -> Option<PathBuf> {
-        let kept = !self.summary_to.is_empty() && self.cluster_view_blocks > 0 && self.partitions.is_empty();
+        let kept = !self.summary_to.is_empty() && self.cluster_view_blocks > 0;
         kept.then(|| lake_dp::mirror::view::ViewOpener::path_beside(&self.shared_memory().1))
+    }
+
+    /// Every cluster view the node keeps: the pool's, then each tenant's
+    /// kept apart (`<mirror>.<tenant>.cluster`), which its data plane
+    /// gives that tenant's engines alone.
+    pub fn cluster_views(&self) -> Vec<PathBuf> {
+        let Some(pool) = self.cluster_view() else { return Vec::new() };
+        let tenants = self
+            .partitions
+            .iter()
+            .map(|p| lake_dp::mirror::view::ViewOpener::path_beside(&self.tenant_mirror(&p.tenant)));
+        std::iter::once(pool).chain(tenants).collect()
     }
 
     /// Tenant `tenant`'s own mirror: the pool's, named with `.<tenant>`.
     pub fn tenant_mirror(&self, tenant: &str) -> PathBuf {
         beside(&self.shared_memory().1, tenant)
     }
+}
+
+/// A partition's namespaces (as its section names them, in hex).
+fn namespaces_of(partition: &lake_dp::runner::config::PartitionSection) -> Vec<u64> {
+    partition.namespaces.iter().filter_map(|n| u64::from_str_radix(n, 16).ok()).collect()
 }
 
 /// `path` with `.<name>` added: a tenant's file beside the pool's.

@@ -360,18 +360,20 @@ impl Node {
     /// the summary's leader ([`Node::take_pulls`]) — or, held there only in
     /// L3 and this node having an object store, read from the store by
     /// this node's data plane ([`Node::read_from_store`]). Refused where it
-    /// does not name another node and this node's L1, and in a pool
-    /// keeping tenants apart (their engines are shown no other node's
-    /// blocks).
-    pub(super) fn pull(&mut self, transfer: &Transfer) -> Result<(), NodeError> {
+    /// does not name another node and this node's L1, and where the
+    /// engine asking (connection `peer`) may not read the block's
+    /// namespace ([`Node::may_pull`]).
+    pub(super) fn pull(&mut self, peer: u64, transfer: &Transfer) -> Result<(), NodeError> {
         if transfer.target.node != self.node.0 || transfer.target.tier != Tier::L1Dram as u8 {
             return Err(NodeError::Field("pull: into this node's L1"));
         }
         if transfer.source.node == self.node.0 {
             return Err(NodeError::Field("pull: from another node"));
         }
-        if !self.tenant_mirrors.is_empty() {
-            return Err(NodeError::Field("pull: not in a pool keeping tenants apart"));
+        // The namespace rides in the source's region epoch.
+        if !self.may_pull(peer, transfer.source.region_epoch) {
+            self.pulls_refused += 1;
+            return Err(NodeError::Field("pull: a namespace of a tenant not this engine's"));
         }
         if self.pulls.len() >= PULLS_MAX {
             return Err(NodeError::Field("pull: too many waiting"));
@@ -402,6 +404,39 @@ impl Node {
             }
         }
         Ok(())
+    }
+
+    /// Tells the node how the data plane tells the engines of the tenants
+    /// kept apart ([`Node::with_tenant_mirrors`]) apart: each one's
+    /// namespaces, users and groups, in the same order.
+    #[must_use]
+    pub fn with_tenant_engines(mut self, partitions: lake_dp::runner::config::Partitions) -> Self {
+        self.tenant_engines = partitions;
+        self
+    }
+
+    /// An engine connected on `peer` as user `uid` and group `gid`, as the
+    /// kernel saw it connect: a tenant's, where the data plane gives that
+    /// user (or, failing it, that group) a tenant's partition.
+    pub fn engine_came(&mut self, peer: u64, uid: u32, gid: u32) {
+        let partition = self.tenant_engines.of_peer(uid, gid);
+        if partition > 0 {
+            self.engine_tenants.insert(peer, partition);
+        }
+    }
+
+    /// Whether the engine on `peer` may pull a block of `namespace`: in a
+    /// pool keeping tenants apart, only into the partition it maps (a
+    /// tenant's engine, its tenant's namespaces; any other, the pool's).
+    /// A pull would land the block in its namespace's partition, taking
+    /// that tenant's room for a read its engines never asked. A node not
+    /// told whose engines are whose takes no pull there.
+    fn may_pull(&self, peer: u64, namespace: u64) -> bool {
+        if self.tenant_mirrors.is_empty() {
+            return true;
+        }
+        let asker = self.engine_tenants.get(&peer).copied().unwrap_or(0);
+        !self.tenant_engines.each.is_empty() && asker == self.tenant_engines.of_namespace(namespace)
     }
 
     /// A block pulled in a batch asked at `at` landed: once the batch's

@@ -204,6 +204,11 @@ pub struct Node {
     tenant_mirrors: Vec<(Vec<u64>, MirrorWriter)>,
     /// The keys of those tenants' blocks, and the mirror of each.
     tenant_of: HashMap<BlockKey, usize>,
+    /// Those tenants as the data plane tells their engines apart (each
+    /// one's namespaces, users and groups, in the mirrors' order), and
+    /// the partition of each engine connected that is a tenant's.
+    tenant_engines: lake_dp::runner::config::Partitions,
+    engine_tenants: HashMap<u64, usize>,
     node: NodeId,
     /// Blocks waiting for their parent, by the parent's key.
     waiting: HashMap<BlockKey, Vec<(BlockRecord, bool)>>,
@@ -266,6 +271,8 @@ pub struct Node {
     pub store_reads_done: u64,
     /// See `store_reads_done`.
     pub store_reads_failed: u64,
+    /// Pulls refused for asking a namespace not the engine's tenant's.
+    pub pulls_refused: u64,
     /// Blocks pulled lately and when each was asked: the copy that lands
     /// within [`copy::PULL_LANDS_NS`] is a pulled-in copy
     /// ([`crate::tier::Tiers::pulled_in`]).
@@ -339,6 +346,8 @@ impl Node {
             mirror,
             tenant_mirrors: Vec::new(),
             tenant_of: HashMap::new(),
+            tenant_engines: lake_dp::runner::config::Partitions::default(),
+            engine_tenants: HashMap::new(),
             node,
             waiting: HashMap::new(),
             waiting_count: 0,
@@ -369,6 +378,7 @@ impl Node {
             store_reads: HashMap::new(),
             store_reads_done: 0,
             store_reads_failed: 0,
+            pulls_refused: 0,
             pulling: HashMap::new(),
             pull_batches: HashMap::new(),
             pull_batch_at: 0,
@@ -483,6 +493,7 @@ impl Node {
     /// Engine `peer`'s connection closed: its path histograms are kept in
     /// the totals.
     pub fn engine_gone(&mut self, peer: u64) {
+        self.engine_tenants.remove(&peer);
         let Some(at) = self.engine_paths.iter().position(|(p, _)| *p == peer) else { return };
         let (_, entries) = self.engine_paths.swap_remove(at);
         for entry in &entries {
@@ -671,7 +682,7 @@ impl Node {
                 Ok(None)
             }
             Message::CopyBlock(transfer) => {
-                self.pull(transfer)?;
+                self.pull(peer, transfer)?;
                 Ok(None)
             }
             Message::Accessed(head, keys) => {

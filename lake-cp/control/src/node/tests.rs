@@ -555,3 +555,58 @@ fn a_copy_refused_for_want_of_a_slot_is_asked_again_within_a_quarter_millisecond
     }
     assert_eq!(holder.copies_asked_again, 6);
 }
+
+#[test]
+fn in_a_pool_keeping_tenants_apart_an_engine_pulls_only_its_own_partitions_namespaces() {
+    let scratch = Scratch(format!("/dev/shm/lake-test-node-tenant-pulls-{}", std::process::id()).into());
+    let tenant = MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(scratch.0.clone()), 100)).unwrap();
+    // Tenant acme (namespace 0xa1) is uid 1001's; namespace 0xc1 is the
+    // pool's.
+    let partitions =
+        lake_dp::runner::config::Partitions { each: vec![(vec![0xa1], vec![1001], Vec::new())], mirrors: Vec::new() };
+    let serving = || {
+        let mut node = Node::new(NodeId(3), 1, None);
+        node.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 5))).unwrap();
+        node
+    };
+    let mut node = serving().with_tenant_mirrors(vec![(vec![0xa1], tenant)]).with_tenant_engines(partitions);
+    let pull = |key, namespace| Transfer {
+        source: ReplicaWire { tier: Tier::L1Dram as u8, node: 2, region_epoch: namespace, ..ReplicaWire::default() },
+        target: ReplicaWire {
+            tier: Tier::L1Dram as u8,
+            node: 3,
+            slot: lake_dp::wire::message::SLOT_ANY,
+            ..ReplicaWire::default()
+        },
+        key,
+        deadline_unix_ns: 0,
+        priority: Priority::CriticalLoad as u8,
+        reserved: [0; 7],
+    };
+    // Connection 1 is acme's engine, connection 2 another user's.
+    node.engine_came(1, 1001, 1001);
+    node.engine_came(2, 1002, 1002);
+    node.on_agent(1, 1, &Message::CopyBlock(pull(key(1), 0xa1)), 0).unwrap();
+    node.on_agent(2, 2, &Message::CopyBlock(pull(key(2), 0xc1)), 0).unwrap();
+    assert!(node.on_agent(1, 3, &Message::CopyBlock(pull(key(3), 0xc1)), 0).is_err(), "the pool's, asked by acme");
+    assert!(node.on_agent(2, 4, &Message::CopyBlock(pull(key(4), 0xa1)), 0).is_err(), "acme's, asked by another");
+    let pulled: Vec<BlockKey> = node.take_pulls().iter().map(|p| p.key).collect();
+    assert_eq!(pulled, [key(1), key(2)]);
+    assert_eq!(node.pulls_refused, 2);
+    // Its connection gone, a tenant's engine's id is no one's.
+    node.engine_gone(1);
+    assert!(node.on_agent(1, 5, &Message::CopyBlock(pull(key(5), 0xa1)), 0).is_err());
+
+    // A node keeping tenants apart but not told whose engines are whose
+    // takes no pull; one keeping none apart takes every one.
+    let scratch_two = Scratch(format!("/dev/shm/lake-test-node-tenant-pulls-2-{}", std::process::id()).into());
+    let tenant =
+        MirrorWriter::create(&MirrorConfig::for_entries(MirrorBacking::Shm(scratch_two.0.clone()), 100)).unwrap();
+    let mut untold = serving().with_tenant_mirrors(vec![(vec![0xa1], tenant)]);
+    untold.engine_came(1, 1001, 1001);
+    assert!(untold.on_agent(1, 1, &Message::CopyBlock(pull(key(1), 0xa1)), 0).is_err());
+    let mut plain = serving();
+    plain.engine_came(1, 1001, 1001);
+    plain.on_agent(1, 1, &Message::CopyBlock(pull(key(1), 0xa1)), 0).unwrap();
+    assert_eq!(plain.take_pulls().len(), 1);
+}

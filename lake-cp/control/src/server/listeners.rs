@@ -271,15 +271,19 @@ impl Server {
                 Accepted::Next => continue,
                 Accepted::Done => return,
             };
-            if let Err(why) = self.policy.check(&stream) {
-                self.counters.strangers += 1;
-                if self.refusals.len() < 64 {
-                    self.refusals.push(format!("{}: {why}", self.path.display()));
+            let peer = match self.policy.check(&stream) {
+                Ok(peer) => peer,
+                Err(why) => {
+                    self.counters.strangers += 1;
+                    if self.refusals.len() < 64 {
+                        self.refusals.push(format!("{}: {why}", self.path.display()));
+                    }
+                    continue;
                 }
-                continue;
-            }
+            };
             let Some(token) = self.register(Listener::Cp, &mut stream) else { continue };
             let session = Session::new(token.0 as u64);
+            self.node.engine_came(token.0 as u64, peer.uid, peer.gid);
             self.peers.insert(token, Peer { stream, session, output: Vec::new(), since: Instant::now() });
             self.counters.accepted += 1;
         }
@@ -314,10 +318,12 @@ impl Server {
                 snapshots: c.view_snapshots,
                 gaps: c.view_gaps,
                 refused: c.view_refused,
+                unnamed: c.view_unnamed,
                 pulls_sent: c.pulls_sent,
                 pulls_dropped: c.pulls_dropped,
                 pulls_from_store: self.node.store_reads_done,
                 pulls_from_store_failed: self.node.store_reads_failed,
+                pulls_refused: self.node.pulls_refused,
                 pull_ns_per_block: self.node.pull_ns_per_block,
             })
         });

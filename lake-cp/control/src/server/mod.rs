@@ -495,19 +495,20 @@ impl Server {
     /// Reports this node's replicas to the leader's summary at whichever
     /// of `leaders` accepts (see [`crate::summary::link`]).
     /// With `key`, the link is authenticated (the leader must hold it too).
-    /// With `view`, it keeps the cluster view the leader streams back.
+    /// With `views`, it keeps the cluster view the leader streams back,
+    /// each tenant's blocks in its tenant's view alone.
     pub fn report_to(
         &mut self,
         leaders: Vec<std::net::SocketAddr>,
         key: Option<lake_dp::auth::LinkKey>,
-        view: Option<lake_dp::mirror::view::ViewWriter>,
+        views: Option<crate::summary::link::NodeViews>,
     ) {
         let mut uplink = crate::summary::link::Uplink::new(self.node.node().0, leaders);
         if let Some(key) = key {
             uplink = uplink.authenticated(key);
         }
-        if let Some(view) = view {
-            uplink = uplink.with_view(view);
+        if let Some(views) = views {
+            uplink = uplink.with_view(views.pool).with_tenant_views(views.tenants);
         }
         self.uplink = Some(uplink);
     }

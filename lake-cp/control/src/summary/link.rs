@@ -51,6 +51,7 @@ use lake_dp::{BlockKey, Tier};
 
 use super::conn::Wire;
 pub use super::report::{deltas, entry_of, snapshot};
+pub use super::view::NodeViews;
 use super::view::{ViewCopy, append_view_frame, unnamed, view_snapshot};
 pub use super::{AggregatorCounters, UplinkCounters};
 use super::{Outcome, Replication, Summary};
@@ -278,7 +279,10 @@ impl Uplink {
     /// The cluster view it keeps: (term, last frame applied, blocks,
     /// nodes named).
     pub fn view_figures(&self) -> Option<(u64, u64, u64, usize)> {
-        self.view.as_ref().map(|v| (v.term, v.sequence, v.writer.live(), v.writer.nodes().len()))
+        self.view.as_ref().map(|v| {
+            let (blocks, nodes) = v.figures();
+            (v.term, v.sequence, blocks, nodes)
+        })
     }
 
     /// Authenticates every connection to the leader with `key`.

@@ -6,9 +6,10 @@
 //! and a node's snapshot replacing its view sends only what differs.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
 use lake_dp::constants::DELTA_ENTRIES_MAX;
-use lake_dp::mirror::view::ViewWriter;
+use lake_dp::mirror::view::{ViewOpener, ViewWriter};
 use lake_dp::wire::message::{Delta, NamedViewEntry, Records, VIEW_TIER_NONE, ViewEntry};
 use lake_dp::wire::{Message, WireError, append_frame};
 use lake_dp::{BlockKey, NodeId, ObjectKind, Tier};
@@ -132,6 +133,34 @@ impl Summary {
     }
 }
 
+/// A node's cluster views, where its engines are given them: the pool's
+/// beside its mirror (`<mirror>.cluster`), and each tenant kept apart's
+/// beside that tenant's own mirror, showing its namespaces' blocks alone.
+#[derive(Debug)]
+pub struct NodeViews {
+    /// The pool's.
+    pub pool: ViewWriter,
+    /// Each tenant's namespaces and view.
+    pub tenants: Vec<(Vec<u64>, ViewWriter)>,
+}
+
+impl NodeViews {
+    /// Views of up to `blocks` other nodes' blocks each for node `node`:
+    /// beside `mirror`, and beside each tenant's mirror of `tenants`
+    /// (its namespaces, its mirror's path).
+    pub fn create(
+        node: NodeId,
+        blocks: u64,
+        mirror: &Path,
+        tenants: &[(Vec<u64>, PathBuf)],
+    ) -> Result<Self, lake_dp::mirror::MirrorError> {
+        let beside = |mirror: &Path| ViewWriter::create_at(ViewOpener::path_beside(mirror), node, blocks);
+        let pool = beside(mirror)?;
+        let tenants = tenants.iter().map(|(namespaces, path)| beside(path).map(|view| (namespaces.clone(), view)));
+        Ok(Self { pool, tenants: tenants.collect::<Result<_, _>>()? })
+    }
+}
+
 /// The node's copy of the leader's cluster view.
 #[derive(Debug)]
 pub(super) struct ViewCopy {
@@ -153,6 +182,14 @@ pub(super) struct ViewCopy {
 }
 
 impl ViewCopy {
+    /// Other nodes' blocks its views show, and the other nodes they name.
+    pub(super) fn figures(&self) -> (u64, usize) {
+        let writers = || std::iter::once(&self.writer).chain(self.tenants.iter().map(|(_, writer)| writer));
+        let nodes: std::collections::HashSet<NodeId> =
+            writers().flat_map(|writer| writer.nodes().into_iter().map(|(node, _)| node)).collect();
+        (writers().map(ViewWriter::live).sum(), nodes.len())
+    }
+
     /// Applies a view delta frame: the view's term asked for a snapshot
     /// of where it does not follow the last.
     pub(super) fn delta(

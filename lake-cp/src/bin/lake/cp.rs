@@ -170,7 +170,7 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     use lake_cp::ha::Cluster;
     use lake_dp::mirror::{MirrorBacking, MirrorConfig, MirrorWriter};
 
-    let NodeSettings { node, mirror, tiers, tenants, cluster: joins, serving } = node_settings(args)?;
+    let NodeSettings { node, mirror, tiers, tenants, tenant_engines, cluster: joins, serving } = node_settings(args)?;
     // Its own metrics address: bound now, answered while it stands by,
     // and the pool's once it leads.
     let own_metrics = match args.metrics {
@@ -240,16 +240,17 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
         return Ok(());
     };
     let mut tenant_mirrors = Vec::with_capacity(tenants.len());
-    for (namespaces, path) in tenants {
-        let Some(tenant) = take_over(&path, &mut candidate)? else {
+    for (namespaces, path) in &tenants {
+        let Some(tenant) = take_over(path, &mut candidate)? else {
             let _ = candidate.resign();
             return Ok(());
         };
-        tenant_mirrors.push((namespaces, tenant));
+        tenant_mirrors.push((namespaces.clone(), tenant));
     }
     let state = lake_cp::node::Node::new(lake_dp::NodeId(node), term, Some(writer))
         .with_tiers(tiers)
-        .with_tenant_mirrors(tenant_mirrors);
+        .with_tenant_mirrors(tenant_mirrors)
+        .with_tenant_engines(tenant_engines);
     let bound = lake_cp::server::Server::bind(socket, state, term)
         .map_err(|e| format!("{}: {e}", socket.display()))
         .and_then(|mut server| {
@@ -277,17 +278,14 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
     let mut membership = None;
     if let Some(joins) = &joins {
         if !joins.summary_to.is_empty() {
-            let view = match joins.view_blocks {
+            let views = match joins.view_blocks {
                 0 => None,
-                blocks => {
-                    let path = lake_dp::mirror::view::ViewOpener::path_beside(mirror);
-                    let view =
-                        lake_dp::mirror::view::ViewWriter::create_at(path.clone(), lake_dp::NodeId(node), blocks)
-                            .map_err(|e| format!("cluster view {}: {e}", path.display()))?;
-                    Some(view)
-                }
+                blocks => Some(
+                    lake_cp::summary::link::NodeViews::create(lake_dp::NodeId(node), blocks, mirror, &tenants)
+                        .map_err(|e| format!("cluster view beside {}: {e}", mirror.display()))?,
+                ),
             };
-            server.report_to(joins.summary_to.clone(), joins.link_key.clone(), view);
+            server.report_to(joins.summary_to.clone(), joins.link_key.clone(), views);
         }
         membership = join(joins, node)?;
     }
@@ -370,6 +368,9 @@ struct NodeSettings {
     tiers: lake_cp::tier::TierConfig,
     /// The mirror of each tenant kept apart, and its namespaces.
     tenants: Vec<(Vec<u64>, PathBuf)>,
+    /// Who each of those tenants' engines are, as the data plane tells
+    /// them apart.
+    tenant_engines: lake_dp::runner::config::Partitions,
     /// The cluster the node is part of, where its file names one.
     cluster: Option<ClusterSettings>,
     /// What it serves beside its socket, as the file says (none without
@@ -407,7 +408,15 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     let Some(file) = &args.config else {
         let mirror = args.mirror.clone().ok_or("--mirror or --config is needed")?;
         let (tiers, node) = (lake_cp::tier::TierConfig::default(), args.node.unwrap_or(0));
-        return Ok(NodeSettings { node, mirror, tiers, tenants: Vec::new(), cluster: None, serving: None });
+        return Ok(NodeSettings {
+            node,
+            mirror,
+            tiers,
+            tenants: Vec::new(),
+            tenant_engines: lake_dp::runner::config::Partitions::default(),
+            cluster: None,
+            serving: None,
+        });
     };
     let argv = ["--config".to_owned(), file.display().to_string()];
     let settings = lake_cp::config::ServeArgs::parse(&argv).map_err(|e| e.to_string())?;
@@ -441,6 +450,7 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     };
     let tiers = pool.tier_config()?;
     let tenants = pool.tenant_mirrors(&mirror)?;
+    let tenant_engines = pool.tenant_engines()?;
     let cluster = (!pool.summary_to.is_empty() || cluster.is_some()).then(|| ClusterSettings {
         summary_to: pool.summary_to.clone(),
         link_key: pool.link_key.clone(),
@@ -456,7 +466,7 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
         // `--metrics` (an address or `off`) takes the file's place.
         metrics: pool.metrics.filter(|_| args.metrics.is_none()),
     };
-    Ok(NodeSettings { node, mirror, tiers, tenants, cluster, serving: Some(serving) })
+    Ok(NodeSettings { node, mirror, tiers, tenants, tenant_engines, cluster, serving: Some(serving) })
 }
 
 /// Joins the cluster `settings` names, as `node` (none: the file names no

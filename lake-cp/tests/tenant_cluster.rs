@@ -1,0 +1,272 @@
+//! Tenants kept apart across a cluster: two `lake serve` nodes, members of
+//! one cluster in a real etcd under a `lake summary` leader, each keeping
+//! tenants `acme` and `bolt` in partitions of their own, with engines —
+//! the real agent library, in processes of their own — run by this test
+//! as three unprivileged users: acme's, bolt's, and one of the pool's
+//! other namespaces. What one tenant's engine saved on node 1, the same
+//! tenant's engine on node 2 finds in its own cluster view (handed to it
+//! at attach, as its mirror is: the views are the pool user's, mode
+//! 0600), pulls and loads byte for byte; the other tenant's engine and
+//! the pool's find none of it, and a pull of it by another tenant's
+//! engine is refused, nothing copied. The pool's engine, unprivileged
+//! too, finds and pulls the pool's blocks of node 1 through the pool's
+//! view. Needs root to run processes as other users: skipped, with the
+//! reason printed, otherwise.
+
+#[path = "common/cluster.rs"]
+mod cluster;
+#[path = "common/etcd.rs"]
+mod etcd_server;
+#[path = "common/pool.rs"]
+#[allow(dead_code)] // its nodes and metrics only, not its chains
+mod pool;
+#[path = "common/scratch.rs"]
+mod scratch;
+#[path = "common/supervise.rs"]
+mod supervise;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_dp::mirror::MirrorReader;
+use lake_dp::mirror::view::{Holder, Where};
+use lake_dp::{BlockKey, NodeId};
+
+use cluster::{field, leader};
+use pool::{sample, start_nodes};
+use scratch::Scratch;
+
+const ACME_UID: u32 = 65_534;
+const BOLT_UID: u32 = 65_533;
+/// A user of no tenant: its engines map the pool's partition.
+const POOL_UID: u32 = 65_532;
+const ACME: u64 = 0xa1;
+const BOLT: u64 = 0xb1;
+/// A namespace no tenant kept apart holds: the pool's.
+const OTHER: u64 = 0xc1;
+const BLOCKS: usize = 4;
+const ENGINE: &str = "LAKE_TENANT_CLUSTER_ENGINE";
+const THIS_TEST: &str = "a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone";
+
+/// Each node's flags: two tenants kept apart, their users let in.
+const TENANTS: &[&str] = &[
+    "--allow-uid",
+    "65534,65533,65532",
+    "--socket-mode",
+    "666",
+    "--tenant",
+    "acme=a1",
+    "--tenant",
+    "bolt=b1",
+    "--tenant-quota",
+    "acme:l1=1MiB",
+    "--tenant-quota",
+    "bolt:l1=1MiB",
+    "--tenant-partition",
+    "acme:uid=65534",
+    "--tenant-partition",
+    "bolt:uid=65533",
+];
+
+fn keys(namespace: u64) -> Vec<BlockKey> {
+    (0..BLOCKS)
+        .map(|i| {
+            let mut key = [0x5au8; 16];
+            key[..8].copy_from_slice(&namespace.to_le_bytes());
+            key[8] = u8::try_from(i).unwrap();
+            BlockKey(key)
+        })
+        .collect()
+}
+
+fn payload(namespace: u64, i: usize) -> Vec<u8> {
+    vec![namespace.to_le_bytes()[0] ^ u8::try_from(i).unwrap(); 16 * 1024]
+}
+
+/// The engine, in the child process: `DP|CP|MIRROR|NAMESPACE|ACTION`.
+/// `save` saves the namespace's chain and loads it; `peek` looks it up
+/// across the pool once; `pull` pulls it here and loads it; `steal` asks
+/// node 1's copies of it pulled here, whatever the view shows. Says what
+/// it saw on lines starting `engine:`.
+fn engine_child(spec: &str) {
+    let [dp, cp, mirror, namespace, action] = spec.split('|').collect::<Vec<_>>()[..] else { panic!("{spec}") };
+    let namespace = u64::from_str_radix(namespace, 16).unwrap();
+    let config = AgentConfig {
+        arena: Path::new("/nonexistent"),
+        mirror: Path::new(mirror),
+        cp_socket: Some(Path::new(cp)),
+        name: "tenant-engine",
+        namespace: lake_dp::NamespaceId(namespace),
+        layout_fingerprint: 1,
+        segment_bytes: 8192,
+        object_kind: lake_dp::ObjectKind::KvBlock,
+    };
+    let mut agent = match Agent::connect(&config, Path::new(dp)) {
+        Ok(agent) => agent,
+        Err(e) => return println!("engine: refused: {e}"),
+    };
+    let keys = keys(namespace);
+    let mut table = Vec::new();
+    let load = |agent: &mut Agent, hits: usize, table: &[lake_dp::mirror::MirrorEntry]| {
+        let mut exact = true;
+        let loaded =
+            agent.fetch(&keys[..hits], &table[..hits], |i, bytes| exact &= bytes == &payload(namespace, i)[..]);
+        println!("engine: loaded {loaded} {}", if exact { "exact" } else { "differs" });
+    };
+    match action {
+        "save" => {
+            let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(|i| payload(namespace, i)).collect();
+            let blocks: Vec<SaveBlock<'_>> = (0..BLOCKS)
+                .map(|i| SaveBlock {
+                    key: keys[i],
+                    parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
+                    block_index: u32::try_from(i).unwrap(),
+                    payload: SavePayload::Bytes(&payloads[i]),
+                })
+                .collect();
+            println!("engine: saved {}", agent.save(&blocks));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut hits = agent.lookup(&keys, &mut table);
+            while hits < BLOCKS && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+                hits = agent.lookup(&keys, &mut table);
+            }
+            load(&mut agent, hits, &table);
+        }
+        "peek" => {
+            let mut places = Vec::new();
+            let found = agent.lookup_cluster(&keys, &mut places);
+            let remote = places.iter().filter(|p| matches!(p, Where::Remote(_))).count();
+            println!("engine: found {found} remote {remote}");
+        }
+        "pull" => {
+            let hits = agent.pull_cluster(&keys, Duration::from_secs(10), &mut table);
+            println!("engine: hits {hits}");
+            load(&mut agent, hits, &table);
+        }
+        "steal" => {
+            let holder = Holder { node: NodeId(1), tier: lake_dp::Tier::L1Dram };
+            let pulls: Vec<(BlockKey, Holder)> = keys.iter().map(|&key| (key, holder)).collect();
+            println!("engine: asked {}", agent.pull(&pulls));
+            // Long enough for the control plane to have read the asks.
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        other => panic!("{other}"),
+    }
+}
+
+/// Runs the engine as `uid` against the node whose serving line is
+/// `serving`: what it said.
+fn engine(uid: u32, serving: &str, namespace: u64, action: &str) -> String {
+    let spec = ["dp_socket", "cp_socket", "mirror"].map(|name| field(serving, name)).join("|");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", THIS_TEST, "--nocapture", "--test-threads", "1"])
+        .env(ENGINE, format!("{spec}|{namespace:x}|{action}"))
+        .uid(uid)
+        .gid(uid)
+        .current_dir("/")
+        .output()
+        .unwrap();
+    let said: Vec<&str> =
+        std::str::from_utf8(&out.stdout).unwrap().lines().filter_map(|l| Some(&l[l.find("engine:")?..])).collect();
+    assert!(out.status.success(), "engine: {}", String::from_utf8_lossy(&out.stderr));
+    let said = said.join("\n");
+    println!("uid {uid}, namespace {namespace:x}, {action}:\n{said}");
+    said
+}
+
+/// How many of `keys` the mirror at `path` publishes.
+fn published(path: &Path, keys: &[BlockKey]) -> usize {
+    let Ok(reader) = MirrorReader::attach(path) else { return 0 };
+    let mut table = Vec::new();
+    if reader.is_ready() { reader.lookup(keys, &mut table) } else { 0 }
+}
+
+fn beside(path: &Path, name: &str) -> PathBuf {
+    PathBuf::from(format!("{}.{name}", path.display()))
+}
+
+#[test]
+fn a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone() {
+    if let Ok(spec) = std::env::var(ENGINE) {
+        return engine_child(&spec);
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIPPED: running processes as other users needs root");
+        return;
+    }
+    let Some(etcd) = etcd_server::EtcdServer::start("tenant-cluster") else { return };
+    let endpoint = etcd.endpoint();
+    let base = std::env::temp_dir().join(format!("lake-tenant-cluster-{}", std::process::id()));
+    let _scratch = Scratch(base.clone(), Vec::new());
+    std::fs::create_dir_all(&base).unwrap();
+    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let listen =
+        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    // Blocks stay where they were saved: node 2 holds none until pulled.
+    let _leader = leader(&listen, &endpoint, "tenants", Some("saved"), &[]);
+    let nodes = start_nodes(&base, (&listen, &endpoint, "tenants"), 2, |_| TENANTS);
+    let (one, two) = (&nodes[0].1, &nodes[1].1);
+    let metrics = field(two, "metrics");
+
+    // Each tenant, and the pool's other namespace, saves its chain on
+    // node 1 (as its own user).
+    for (uid, namespace) in [(ACME_UID, ACME), (BOLT_UID, BOLT), (POOL_UID, OTHER)] {
+        let said = engine(uid, one, namespace, "save");
+        assert!(said.contains("saved 4") && said.contains("loaded 4 exact"), "{said}");
+    }
+    // Node 2's views hold the twelve, each in its own.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sample(&metrics, "lake_cluster_view_blocks") < 12 {
+        assert!(Instant::now() < deadline, "node 2's views: {}", sample(&metrics, "lake_cluster_view_blocks"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mirror_two = PathBuf::from(field(two, "mirror"));
+    for view in
+        [beside(&mirror_two, "cluster"), beside(&mirror_two, "acme.cluster"), beside(&mirror_two, "bolt.cluster")]
+    {
+        let meta = std::fs::metadata(&view).unwrap_or_else(|e| panic!("{}: {e}", view.display()));
+        assert_eq!(meta.mode() & 0o777, 0o600, "{}: the pool's user's alone", view.display());
+    }
+
+    // Each engine on node 2 sees its own namespace's blocks on node 1,
+    // and none of another's.
+    assert!(engine(ACME_UID, two, ACME, "peek").contains("found 4 remote 4"));
+    assert!(engine(BOLT_UID, two, BOLT, "peek").contains("found 4 remote 4"));
+    assert!(engine(POOL_UID, two, OTHER, "peek").contains("found 4 remote 4"));
+    assert!(engine(BOLT_UID, two, ACME, "peek").contains("found 0"), "acme's, in bolt's view");
+    assert!(engine(POOL_UID, two, ACME, "peek").contains("found 0"), "acme's, in the pool's view");
+    assert!(engine(ACME_UID, two, OTHER, "peek").contains("found 0"), "the pool's, in acme's view");
+
+    // Bolt's engine asks for acme's blocks all the same: refused, and
+    // nothing of them lands on node 2.
+    assert!(engine(BOLT_UID, two, ACME, "steal").contains("asked 4"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let refused = "lake_cluster_pulls_total{result=\"refused\"}";
+    while sample(&metrics, refused) < 4 {
+        assert!(Instant::now() < deadline, "the pulls refused: {}", sample(&metrics, refused));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let acme_two = beside(&mirror_two, "acme");
+    assert_eq!(published(&acme_two, &keys(ACME)), 0, "nothing of acme's pulled by bolt's engine");
+    assert_eq!(sample(&metrics, "lake_cluster_pulls_total{result=\"sent\"}"), 0);
+
+    // Acme's engine pulls them: copied from node 1 into acme's partition
+    // on node 2, published in acme's mirror there, loaded byte for byte.
+    let said = engine(ACME_UID, two, ACME, "pull");
+    assert!(said.contains("hits 4") && said.contains("loaded 4 exact"), "{said}");
+    assert_eq!(published(&acme_two, &keys(ACME)), BLOCKS);
+    assert_eq!(published(&mirror_two, &keys(ACME)), 0, "acme's blocks in acme's mirror alone");
+    // So does the pool's engine, of the pool's blocks, through the pool's
+    // view.
+    let said = engine(POOL_UID, two, OTHER, "pull");
+    assert!(said.contains("hits 4") && said.contains("loaded 4 exact"), "{said}");
+    assert_eq!(sample(&metrics, "lake_cluster_pulls_total{result=\"sent\"}"), 8);
+    assert_eq!(sample(&metrics, refused), 4);
+}
