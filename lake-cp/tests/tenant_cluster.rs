@@ -13,6 +13,8 @@
 //! view. Needs root to run processes as other users: skipped, with the
 //! reason printed, otherwise.
 
+#[path = "common/as_user.rs"]
+mod as_user;
 #[path = "common/cluster.rs"]
 mod cluster;
 #[path = "common/etcd.rs"]
@@ -26,16 +28,14 @@ mod scratch;
 mod supervise;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
-use lake_dp::mirror::MirrorReader;
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NodeId};
 
+use as_user::{published, run_engine};
 use cluster::{field, leader};
 use pool::{sample, start_nodes};
 use scratch::Scratch;
@@ -163,27 +163,9 @@ fn engine_child(spec: &str) {
 /// `serving`: what it said.
 fn engine(uid: u32, serving: &str, namespace: u64, action: &str) -> String {
     let spec = ["dp_socket", "cp_socket", "mirror"].map(|name| field(serving, name)).join("|");
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", THIS_TEST, "--nocapture", "--test-threads", "1"])
-        .env(ENGINE, format!("{spec}|{namespace:x}|{action}"))
-        .uid(uid)
-        .gid(uid)
-        .current_dir("/")
-        .output()
-        .unwrap();
-    let said: Vec<&str> =
-        std::str::from_utf8(&out.stdout).unwrap().lines().filter_map(|l| Some(&l[l.find("engine:")?..])).collect();
-    assert!(out.status.success(), "engine: {}", String::from_utf8_lossy(&out.stderr));
-    let said = said.join("\n");
+    let said = run_engine(THIS_TEST, ENGINE, uid, &format!("{spec}|{namespace:x}|{action}"));
     println!("uid {uid}, namespace {namespace:x}, {action}:\n{said}");
     said
-}
-
-/// How many of `keys` the mirror at `path` publishes.
-fn published(path: &Path, keys: &[BlockKey]) -> usize {
-    let Ok(reader) = MirrorReader::attach(path) else { return 0 };
-    let mut table = Vec::new();
-    if reader.is_ready() { reader.lookup(keys, &mut table) } else { 0 }
 }
 
 fn beside(path: &Path, name: &str) -> PathBuf {

@@ -15,7 +15,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,7 +22,6 @@ use std::time::{Duration, Instant};
 use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_cp::embedded::EmbeddedConfig;
 use lake_dp::BlockKey;
-use lake_dp::mirror::MirrorReader;
 
 #[path = "common/etcd.rs"]
 mod etcd_server;
@@ -32,6 +30,10 @@ use etcd_server::EtcdServer;
 #[path = "common/scratch.rs"]
 mod scratch;
 use scratch::Scratch;
+
+#[path = "common/as_user.rs"]
+mod as_user;
+use as_user::{published, run_engine};
 
 const ACME_UID: u32 = 65_534;
 const BOLT_UID: u32 = 65_533;
@@ -114,27 +116,10 @@ fn engine_child(spec: &str) {
 
 /// Runs the engine as `uid`: what it said.
 fn engine(uid: u32, dp: &Path, mirror: &Path, namespace: u64, action: &str) -> String {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", THIS_TEST, "--nocapture", "--test-threads", "1"])
-        .env(ENGINE, format!("{}|{}|{namespace:x}|{action}", dp.display(), mirror.display()))
-        .uid(uid)
-        .gid(uid)
-        .current_dir("/")
-        .output()
-        .unwrap();
-    let said: Vec<&str> =
-        std::str::from_utf8(&out.stdout).unwrap().lines().filter_map(|l| Some(&l[l.find("engine:")?..])).collect();
-    assert!(out.status.success(), "engine: {}", String::from_utf8_lossy(&out.stderr));
-    let said = said.join("\n");
+    let spec = format!("{}|{}|{namespace:x}|{action}", dp.display(), mirror.display());
+    let said = run_engine(THIS_TEST, ENGINE, uid, &spec);
     println!("uid {uid}, namespace {namespace:x}, {action}:\n{said}");
     said
-}
-
-/// How many of `keys` the mirror at `path` publishes.
-fn published(path: &Path, keys: &[BlockKey]) -> usize {
-    let Ok(reader) = MirrorReader::attach(path) else { return 0 };
-    let mut table = Vec::new();
-    if reader.is_ready() { reader.lookup(keys, &mut table) } else { 0 }
 }
 
 /// A child, with what it has said on stdout (read as it comes, so it

@@ -45,6 +45,24 @@ fn block(k: u8, parent: Option<u8>, tier: Tier, region: u16, epoch: u64, slot: u
     }
 }
 
+/// An engine's pull of node 2's L1 copy of `key` (of `namespace`) into
+/// node 3's L1.
+fn pull_into_node_3(key: BlockKey, namespace: u64) -> Transfer {
+    Transfer {
+        source: ReplicaWire { tier: Tier::L1Dram as u8, node: 2, region_epoch: namespace, ..ReplicaWire::default() },
+        target: ReplicaWire {
+            tier: Tier::L1Dram as u8,
+            node: 3,
+            slot: lake_dp::wire::message::SLOT_ANY,
+            ..ReplicaWire::default()
+        },
+        key,
+        deadline_unix_ns: 0,
+        priority: Priority::CriticalLoad as u8,
+        reserved: [0; 7],
+    }
+}
+
 struct Scratch(std::path::PathBuf);
 impl Drop for Scratch {
     fn drop(&mut self) {
@@ -474,19 +492,7 @@ fn a_pulled_block_landing_before_its_pulled_parent_waits_for_it_so_the_chain_sta
     let mut reader = Node::new(NodeId(3), 1, None);
     reader.on_data_plane(0, &Message::RegisterRegion(region(1, Tier::L1Dram, 9))).unwrap();
     reader.pulls_move = true;
-    let pull = |key| Transfer {
-        source: ReplicaWire { tier: Tier::L1Dram as u8, node: 2, ..ReplicaWire::default() },
-        target: ReplicaWire {
-            tier: Tier::L1Dram as u8,
-            node: 3,
-            slot: lake_dp::wire::message::SLOT_ANY,
-            ..ReplicaWire::default()
-        },
-        key,
-        deadline_unix_ns: 0,
-        priority: Priority::CriticalLoad as u8,
-        reserved: [0; 7],
-    };
+    let pull = |key| pull_into_node_3(key, 0);
     // An engine pulls the chain 1 → 2 → 3 (and 5, whose parent 4 it does
     // not pull); the copies land last first.
     for k in [1, 2, 3, 5] {
@@ -570,19 +576,7 @@ fn in_a_pool_keeping_tenants_apart_an_engine_pulls_only_its_own_partitions_names
         node
     };
     let mut node = serving().with_tenant_mirrors(vec![(vec![0xa1], tenant)]).with_tenant_engines(partitions);
-    let pull = |key, namespace| Transfer {
-        source: ReplicaWire { tier: Tier::L1Dram as u8, node: 2, region_epoch: namespace, ..ReplicaWire::default() },
-        target: ReplicaWire {
-            tier: Tier::L1Dram as u8,
-            node: 3,
-            slot: lake_dp::wire::message::SLOT_ANY,
-            ..ReplicaWire::default()
-        },
-        key,
-        deadline_unix_ns: 0,
-        priority: Priority::CriticalLoad as u8,
-        reserved: [0; 7],
-    };
+    let pull = pull_into_node_3;
     // Connection 1 is acme's engine, connection 2 another user's.
     node.engine_came(1, 1001, 1001);
     node.engine_came(2, 1002, 1002);
