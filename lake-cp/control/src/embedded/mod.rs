@@ -619,11 +619,12 @@ impl EmbeddedPool {
         let writer = MirrorWriter::create(&table(MirrorBacking::Shm(mirror.clone()))).map_err(ServeError::Mirror)?;
         // Each tenant kept apart has a mirror of its own, as large (it may
         // hold as much in L2 and L3).
-        let mut tenant_mirrors = Vec::new();
-        for (namespaces, path) in config.tenant_mirrors(&mirror).map_err(ServeError::Settings)? {
+        let tenants = config.tenant_mirrors(&mirror).map_err(ServeError::Settings)?;
+        let mut tenant_mirrors = Vec::with_capacity(tenants.len());
+        for (namespaces, path) in &tenants {
             tenant_mirrors.push((
-                namespaces,
-                MirrorWriter::create(&table(MirrorBacking::Shm(path))).map_err(ServeError::Mirror)?,
+                namespaces.clone(),
+                MirrorWriter::create(&table(MirrorBacking::Shm(path.clone()))).map_err(ServeError::Mirror)?,
             ));
         }
         // Checked at the start (`check`): here only its value.
@@ -648,18 +649,12 @@ impl EmbeddedPool {
         };
         let metrics = server.serve_beside(&beside).map_err(|(what, error)| ServeError::Io { what, error })?;
         if !config.summary_to.is_empty() {
-            let views = match config.cluster_view() {
-                Some(_) => Some(
-                    crate::summary::link::NodeViews::create(
-                        NodeId(config.node),
-                        config.cluster_view_blocks,
-                        &mirror,
-                        &config.tenant_mirrors(&mirror).map_err(ServeError::Settings)?,
-                    )
-                    .map_err(ServeError::Mirror)?,
-                ),
-                None => None,
-            };
+            let blocks = config.cluster_view_blocks;
+            let views = config
+                .cluster_view()
+                .map(|_| crate::summary::link::NodeViews::create(NodeId(config.node), blocks, &mirror, &tenants))
+                .transpose()
+                .map_err(ServeError::Mirror)?;
             server.report_to(config.summary_to.clone(), config.link_key.clone(), views);
         }
         let gauges = Arc::new(Gauges { l1_region: std::sync::atomic::AtomicU32::new(u32::MAX), ..Gauges::default() });
