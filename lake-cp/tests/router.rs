@@ -28,7 +28,7 @@ use lake_agent::{SaveBlock, SavePayload};
 use lake_dp::{BlockKey, KeyChain, KeyScheme, Namespace, TenantKey};
 use serde_json::{Value, json};
 
-use cluster::{Proc, agent_of, field, leader};
+use cluster::{Proc, agent_of, field, http_ask as ask, leader};
 use scratch::Scratch;
 
 const BLOCK_TOKENS: u32 = 16;
@@ -57,21 +57,6 @@ fn save(serving: &str, keys: &[BlockKey]) {
         };
         assert_eq!(agent.save(&[block]), 1, "block {i}");
     }
-}
-
-/// One request on a connection of its own: the status and the body (0
-/// and null where the connection was closed unanswered).
-fn ask(router: &str, head: &str, body: &[u8]) -> (u16, Value) {
-    let mut stream = TcpStream::connect(router).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut request = format!("{head}\r\nHost: lake\r\nConnection: close\r\nContent-Length: {}\r\n\r\n", body.len());
-    request.push_str(std::str::from_utf8(body).unwrap());
-    let _ = stream.write_all(request.as_bytes());
-    let mut text = String::new();
-    let _ = stream.read_to_string(&mut text);
-    let (status_line, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = status_line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
 }
 
 /// `GET /metrics`: Prometheus text.
@@ -180,7 +165,7 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     let local = json!({ "first": 0, "last": 40, "from_node": 2, "from_tier": "l1", "to": 2, "network": "local" });
     assert_eq!(answer["moves"], json!([local]), "{answer}");
     assert_eq!(answer["ttft_ns"], 5_000_000u64);
-    assert_eq!(answer["pool"], json!({ "node": 1, "cluster_view": true }));
+    assert_eq!(answer["pool"], json!({ "node": 1, "cluster_view": true, "partitions": 0 }));
     // The same prompt by its keys: the same plan.
     let hex: Vec<String> = keys.iter().map(|k| k.0.iter().map(|b| format!("{b:02x}")).collect()).collect();
     let by_keys = route(&router, &json!({ "keys": hex, "blocks": 50 })).1;

@@ -34,9 +34,10 @@ use std::time::{Duration, Instant};
 use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NodeId};
+use serde_json::json;
 
 use as_user::{published, run_engine};
-use cluster::{field, leader};
+use cluster::{Proc, field, http_ask, leader};
 use pool::{sample, start_nodes};
 use scratch::Scratch;
 
@@ -168,6 +169,48 @@ fn engine(uid: u32, serving: &str, namespace: u64, action: &str) -> String {
     said
 }
 
+/// `lake route` beside node 2 reads its pool, every tenant's partition
+/// with the pool's: each namespace's chain, saved on node 1, is a hit
+/// there, in node 1's L1.
+fn a_router_beside_node_2_finds_every_partitions_blocks(base: &Path, one: &str, two: &str) {
+    let nodes: String = [(1, one), (2, two)]
+        .iter()
+        .map(|(id, serving)| {
+            format!(
+                "[[nodes]]\nid = {id}\nroles = [\"prefill\", \"decode\"]\nlake_metrics = \"{}\"\n\
+                 compute_ns_per_block = 500000\nload_ns_per_block = [0, 50000, 400000, 3000000]\n\
+                 pull_ns_per_block = 100000\ncnic_ns_per_block = 100000\n\n",
+                field(serving, "metrics")
+            )
+        })
+        .collect();
+    let config = base.join("route.toml");
+    let pool_dir = base.join("node2");
+    std::fs::write(&config, format!("listen = \"127.0.0.1:0\"\npool_dir = \"{}\"\n\n{nodes}", pool_dir.display()))
+        .unwrap();
+    let router = Proc::start(&["route", "--config", &config.display().to_string()]);
+    let routing = router.wait_for("the router listens", Duration::from_secs(20), |l| l.contains("\"routing\""));
+    let address = field(&routing, "listen");
+    for namespace in [ACME, BOLT, OTHER] {
+        let hex: Vec<String> =
+            keys(namespace).iter().map(|k| k.0.iter().map(|b| format!("{b:02x}")).collect()).collect();
+        let request = json!({ "keys": hex }).to_string();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let answer = loop {
+            let (status, answer) = http_ask(&address, "POST /route HTTP/1.1", request.as_bytes());
+            if status == 200 && answer["down"] == json!([]) {
+                break answer;
+            }
+            assert!(Instant::now() < deadline, "namespace {namespace:x}: {status} {answer}");
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        println!("router, namespace {namespace:x}: {answer}");
+        assert_eq!(answer["pool"], json!({ "node": 2, "cluster_view": true, "partitions": 2 }), "{answer}");
+        assert_eq!(answer["hit_blocks"], 4, "namespace {namespace:x}: {answer}");
+        assert_eq!(answer["moves"][0]["from_node"], 1, "namespace {namespace:x}: {answer}");
+    }
+}
+
 fn beside(path: &Path, name: &str) -> PathBuf {
     PathBuf::from(format!("{}.{name}", path.display()))
 }
@@ -215,6 +258,8 @@ fn a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone() {
         let meta = std::fs::metadata(&view).unwrap_or_else(|e| panic!("{}: {e}", view.display()));
         assert_eq!(meta.mode() & 0o777, 0o600, "{}: the pool's user's alone", view.display());
     }
+
+    a_router_beside_node_2_finds_every_partitions_blocks(&base, one, two);
 
     // Each engine on node 2 sees its own namespace's blocks on node 1,
     // and none of another's.

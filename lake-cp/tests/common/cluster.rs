@@ -96,6 +96,24 @@ pub(crate) fn http_get(address: &str, path: &str) -> (String, String) {
     (head.lines().next().unwrap_or("").to_owned(), body.to_owned())
 }
 
+/// One request (`head`: its request line) on a connection of its own:
+/// the status and the JSON body (0 and null where the connection was
+/// closed unanswered).
+#[allow(dead_code)] // not every cluster test asks a router
+pub(crate) fn http_ask(address: &str, head: &str, body: &[u8]) -> (u16, serde_json::Value) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut request = format!("{head}\r\nHost: lake\r\nConnection: close\r\nContent-Length: {}\r\n\r\n", body.len());
+    request.push_str(std::str::from_utf8(body).unwrap());
+    let _ = stream.write_all(request.as_bytes());
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text);
+    let (status_line, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = status_line.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, serde_json::from_str(body).unwrap_or(serde_json::Value::Null))
+}
+
 /// An engine's agent of the pool whose serving line is `serving`, saving
 /// into `namespace` as `name`.
 #[allow(dead_code)] // not every cluster test attaches an engine

@@ -106,8 +106,8 @@ pub struct EmbeddedConfig {
     /// The leader's summary aggregators this node reports its replicas to
     /// (whichever accepts; none: it reports to none).
     pub summary_to: Vec<std::net::SocketAddr>,
-    /// Blocks of other nodes the cluster view holds (0: none; kept only
-    /// where the node reports to a summary and has no tenant partitions).
+    /// Blocks of other nodes each cluster view holds (0: none; kept only
+    /// where the node reports to a summary).
     pub cluster_view_blocks: u64,
     /// The cluster's link key: the transport's connections and the summary
     /// link are authenticated with it (every peer must hold it).

@@ -123,12 +123,21 @@ impl EmbeddedConfig {
     /// kept apart (`<mirror>.<tenant>.cluster`), which its data plane
     /// gives that tenant's engines alone.
     pub fn cluster_views(&self) -> Vec<PathBuf> {
-        let Some(pool) = self.cluster_view() else { return Vec::new() };
-        let tenants = self
-            .partitions
-            .iter()
-            .map(|p| lake_dp::mirror::view::ViewOpener::path_beside(&self.tenant_mirror(&p.tenant)));
-        std::iter::once(pool).chain(tenants).collect()
+        let tenants = self.partition_files().into_iter().filter_map(|(_, _, view)| view);
+        self.cluster_view().into_iter().chain(tenants).collect()
+    }
+
+    /// Each tenant kept apart: its name, its mirror and its cluster view
+    /// (where the node keeps views), as `pool.json` lists them for
+    /// readers of the pool's shared memory other than its engines.
+    pub fn partition_files(&self) -> Vec<(String, PathBuf, Option<PathBuf>)> {
+        let kept = self.cluster_view().is_some();
+        let each = self.partitions.iter().map(|p| {
+            let mirror = self.tenant_mirror(&p.tenant);
+            let view = kept.then(|| lake_dp::mirror::view::ViewOpener::path_beside(&mirror));
+            (p.tenant.clone(), mirror, view)
+        });
+        each.collect()
     }
 
     /// Tenant `tenant`'s own mirror: the pool's, named with `.<tenant>`.

@@ -98,7 +98,9 @@ impl Router {
     /// Which pool the hits come from, or why none.
     fn pool_state(&mut self) -> Value {
         match self.pool.state() {
-            Ok((node, cluster)) => json!({ "node": node.0, "cluster_view": cluster }),
+            Ok((node, cluster, partitions)) => {
+                json!({ "node": node.0, "cluster_view": cluster, "partitions": partitions })
+            }
             Err(why) => json!({ "error": why }),
         }
     }
@@ -178,9 +180,12 @@ impl Router {
         let help = "Requests routed (a plan answered), and the time planning them took in all (hits, loads, route).";
         metric(&mut out, "lake_router_routed_total", "counter", help, &[("", self.routed)]);
         metric(&mut out, "lake_router_routed_ns_total", "counter", help, &[("", self.routed_ns)]);
-        let (read, view) = self.pool.state().map_or((0, 0), |(_, view)| (1, u64::from(view)));
-        let help = "Whether the pool's mirror is read (1), and its cluster view (every other node's blocks).";
-        metric(&mut out, "lake_router_pool_read", "gauge", help, &[("what=\"mirror\"", read), ("what=\"view\"", view)]);
+        let (read, view, partitions) =
+            self.pool.state().map_or((0, 0, 0), |(_, view, partitions)| (1, u64::from(view), partitions as u64));
+        let help = "Whether the pool's mirror is read (1), its cluster view (every other node's blocks), \
+                    and how many tenants' partitions (each a mirror and a view of its own).";
+        let read = [("what=\"mirror\"", read), ("what=\"view\"", view), ("what=\"partitions\"", partitions)];
+        metric(&mut out, "lake_router_pool_read", "gauge", help, &read);
         let nodes: Vec<(String, signals::Signal)> = (0..self.config.nodes.len())
             .map(|i| (format!("node=\"{}\"", self.config.nodes[i].id), self.signals.get(i)))
             .collect();

@@ -52,6 +52,11 @@ pub(super) fn serve(args: &ServeArgs) -> Result<(), ServeError> {
         // The other nodes' blocks, where this node keeps the cluster view
         // (the mirror's path with `.cluster`; null: none).
         "cluster_view": config.cluster_view(),
+        // Each tenant kept apart: its mirror and view, which its engines
+        // are handed at attach; a router reads them by these names.
+        "partitions": config.partition_files().into_iter().map(|(tenant, mirror, view)| {
+            serde_json::json!({ "tenant": tenant, "mirror": mirror, "cluster_view": view })
+        }).collect::<Vec<_>>(),
         "metrics": pool.metrics.map_or_else(String::new, |a| a.to_string()),
         "block_bytes": config.block_bytes,
         // Every L1 size class as [payload bytes, slots]: an engine checks
