@@ -184,7 +184,7 @@ fn mix(mut x: u64) -> u64 {
 /// Saves blocks `from..` of `keys` (each continuing the one before), a
 /// save refused for room offered again a few times. Returns how many.
 pub(crate) fn save(agent: &mut Agent, keys: &[BlockKey], from: usize) -> usize {
-    save_lacking(agent, keys, from, |_, _| false)
+    save_lacking(agent, keys, from, BLOCK_BYTES, |_, _| false)
 }
 
 /// [`save`], but a block `held(agent, key)` says the pool holds already
@@ -193,9 +193,10 @@ fn save_lacking(
     agent: &mut Agent,
     keys: &[BlockKey],
     from: usize,
+    block_bytes: usize,
     mut held: impl FnMut(&mut Agent, &BlockKey) -> bool,
 ) -> usize {
-    let payload = vec![0x5a; BLOCK_BYTES];
+    let payload = vec![0x5a; block_bytes];
     let mut saved = 0;
     for i in from..keys.len() {
         if held(agent, &keys[i]) {
@@ -230,7 +231,7 @@ impl Drop for Scratch {
 
 /// How turns ask the pool.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Mode {
+pub(crate) enum Mode {
     /// Blocks kept where they were last read (`lake summary`'s default),
     /// a full node's victims spilled into the member with most room.
     Cluster,
@@ -295,13 +296,13 @@ fn holders(agents: &[Agent], key: &BlockKey) -> u64 {
 }
 
 /// A deployment: etcd and the summary in host 0's namespace, the pools.
-struct Deployment {
+pub(crate) struct Deployment {
     nodes: Vec<(Proc, String)>,
     summary: Option<Proc>,
     _etcd: Option<Proc>,
 }
 
-fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<Deployment, String> {
+pub(crate) fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<Deployment, String> {
     let cluster = mode.cluster();
     let (etcd, summary, endpoint, summary_at) = if cluster {
         let host = switch.address(0);
@@ -342,7 +343,7 @@ fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<
         let mut command = switch.command(host, &args.lake);
         let dir = base.join(format!("{mode:?}-{host}"));
         command.args(["serve", "--metrics", "off", "--node", &(host + 1).to_string(), "--dir"]).arg(&dir);
-        command.args(["--block-bytes", &BLOCK_BYTES.to_string()]);
+        command.args(["--block-bytes", &args.block_bytes.to_string()]);
         command.args(["--l1-slots", &(args.l1_slots * scale).to_string()]);
         command.args(["--l2-slots", &(args.l2_slots * scale).to_string()]);
         if cluster {
@@ -359,6 +360,18 @@ fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path) -> Result<
     Ok(Deployment { nodes, summary, _etcd: etcd })
 }
 
+/// The `lake` binary: `given`, or the one beside this bench.
+pub(crate) fn lake_binary(given: Option<&PathBuf>) -> Result<PathBuf, String> {
+    let lake = match given {
+        Some(path) => path.clone(),
+        None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("lake"),
+    };
+    if !lake.is_file() {
+        return Err(format!("{}: no lake binary (cargo build --release -p lake-cp --bin lake)", lake.display()));
+    }
+    Ok(lake)
+}
+
 /// A copy of `command` (its program and arguments), to start again.
 pub(crate) fn command_again(command: &std::process::Command) -> std::process::Command {
     let mut again = std::process::Command::new(command.get_program());
@@ -367,11 +380,12 @@ pub(crate) fn command_again(command: &std::process::Command) -> std::process::Co
 }
 
 /// What a deployment runs, and each node's room.
-struct ArgsPaths {
-    lake: PathBuf,
-    etcd: PathBuf,
-    l1_slots: u32,
-    l2_slots: u32,
+pub(crate) struct ArgsPaths {
+    pub(crate) lake: PathBuf,
+    pub(crate) etcd: PathBuf,
+    pub(crate) l1_slots: u32,
+    pub(crate) l2_slots: u32,
+    pub(crate) block_bytes: usize,
 }
 
 /// The turns, in the order they arrive: every conversation's first turn,
@@ -432,7 +446,7 @@ fn replay(args: &ClusterHitsArgs, deployment: &Deployment, mode: Mode) -> Result
                     Mode::Islands | Mode::OnePool => agent.lookup(one, &mut Vec::new()) == 1,
                 }
             };
-            out.unsaved += (whole.len() - hit - save_lacking(agent, &whole, hit, held)) as u64;
+            out.unsaved += (whole.len() - hit - save_lacking(agent, &whole, hit, BLOCK_BYTES, held)) as u64;
             lengths[c as usize] = context + message + reply;
         }
     }
@@ -461,15 +475,18 @@ fn held_at_end(agents: &[Agent], lengths: &[u32], out: &mut Replay) {
 
 /// Blocks held only on node 2 pulled into node 1: one at a time (ns a
 /// block each), then as one batch (the batch's seconds).
-fn remote_loads(args: &ClusterHitsArgs, deployment: &Deployment) -> Result<(Vec<f64>, f64), String> {
+/// Blocks of `block_bytes` held only on node 2 pulled into node 1:
+/// `pulls` one at a time (ns each), then `pulls` more as one batch
+/// (seconds).
+pub(crate) fn remote_loads(pulls: u32, block_bytes: usize, deployment: &Deployment) -> Result<(Vec<f64>, f64), String> {
     let mut holder = agent(&deployment.nodes[1].1)?;
     let mut puller = agent(&deployment.nodes[0].1)?;
-    let count = args.pulls as usize;
-    let keys: Vec<BlockKey> = (0..2 * args.pulls).map(|i| key(1_000_000, SYSTEM_BLOCKS + i)).collect();
-    // Node 2 is full after the replay: a save finds room as it evicts.
+    let count = pulls as usize;
+    let keys: Vec<BlockKey> = (0..2 * pulls).map(|i| key(1_000_000, SYSTEM_BLOCKS + i)).collect();
+    // Node 2 is full after a replay: a save finds room as it evicts.
     let deadline = Instant::now() + Duration::from_secs(10);
     for i in 0..keys.len() {
-        while save(&mut holder, &keys[..=i], i) == 0 {
+        while save_lacking(&mut holder, &keys[..=i], i, block_bytes, |_, _| false) == 0 {
             if Instant::now() > deadline {
                 return Err(format!("node 2 took {i} of the {} blocks to pull in 10 s", keys.len()));
             }
@@ -530,7 +547,12 @@ pub(crate) fn pull_each(agent: &mut Agent, keys: &[BlockKey], table: &mut Vec<la
 
 /// Raw TCP between node 2's namespace and node 1's: a block's bytes asked
 /// for and sent back (ns each), and `batch` blocks streamed (seconds).
-fn raw_tcp(switch: &Switch, count: usize, batch: usize) -> Result<(Vec<f64>, f64), String> {
+pub(crate) fn raw_tcp(
+    switch: &Switch,
+    count: usize,
+    batch: usize,
+    block_bytes: usize,
+) -> Result<(Vec<f64>, f64), String> {
     let (server_ns, address) = (switch.hosts[1].clone(), format!("{}:7300", switch.address(1)));
     let (ready_tx, ready) = channel();
     let server = std::thread::spawn(move || -> Result<(), String> {
@@ -539,7 +561,7 @@ fn raw_tcp(switch: &Switch, count: usize, batch: usize) -> Result<(Vec<f64>, f64
         let _ = ready_tx.send(());
         let (mut stream, _) = listener.accept().map_err(|e| e.to_string())?;
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
-        let block = vec![0x5a; BLOCK_BYTES];
+        let block = vec![0x5a; block_bytes];
         let mut ask = [0u8; 16];
         for _ in 0..count {
             stream.read_exact(&mut ask).map_err(|e| e.to_string())?;
@@ -557,7 +579,7 @@ fn raw_tcp(switch: &Switch, count: usize, batch: usize) -> Result<(Vec<f64>, f64
         enter(&client_ns)?;
         let mut stream = std::net::TcpStream::connect(&address).map_err(|e| e.to_string())?;
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
-        let mut block = vec![0u8; BLOCK_BYTES];
+        let mut block = vec![0u8; block_bytes];
         let mut singles = Vec::with_capacity(count);
         for _ in 0..count {
             let started = Instant::now();
@@ -629,14 +651,14 @@ fn nodes_top<const N: usize>(deployment: &Deployment, fields: [&str; N]) -> Resu
 }
 
 pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
-    let lake = match &args.lake {
-        Some(path) => path.clone(),
-        None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("lake"),
+    let lake = lake_binary(args.lake.as_ref())?;
+    let paths = ArgsPaths {
+        lake,
+        etcd: args.etcd.clone(),
+        l1_slots: args.l1_slots,
+        l2_slots: args.l2_slots,
+        block_bytes: BLOCK_BYTES,
     };
-    if !lake.is_file() {
-        return Err(format!("{}: no lake binary (cargo build --release -p lake-cp --bin lake)", lake.display()));
-    }
-    let paths = ArgsPaths { lake, etcd: args.etcd.clone(), l1_slots: args.l1_slots, l2_slots: args.l2_slots };
     let switch = Switch::new(NODES, 1).map_err(|e| format!("network namespaces (root?): {e}"))?;
     let base = Scratch(std::env::temp_dir().join(format!("lake-bench-hits-{}", std::process::id())));
     std::fs::create_dir_all(&base.0).map_err(|e| e.to_string())?;
@@ -671,7 +693,7 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
             cluster_figures(&deployment, name, replay, &mut report)?;
         }
         if mode == Mode::Cluster {
-            let (mut singles, batch_s) = remote_loads(args, &deployment)?;
+            let (mut singles, batch_s) = remote_loads(args.pulls, BLOCK_BYTES, &deployment)?;
             report.float("remote_load_p50_ns", percentile(&mut singles, 500));
             report.float("remote_load_p99_ns", percentile(&mut singles, 990));
             let blocks = f64::from(args.pulls);
@@ -684,7 +706,7 @@ pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
             report.float(&format!("{name}_vs_one_pool"), ratios[i] / ratios[0]);
         }
     }
-    let (mut singles, batch_s) = raw_tcp(&switch, args.pulls as usize, args.pulls as usize)?;
+    let (mut singles, batch_s) = raw_tcp(&switch, args.pulls as usize, args.pulls as usize, BLOCK_BYTES)?;
     report.float("raw_tcp_block_p50_ns", percentile(&mut singles, 500));
     report.float("raw_tcp_block_p99_ns", percentile(&mut singles, 990));
     let blocks = f64::from(args.pulls);

@@ -22,6 +22,7 @@ mod l2;
 mod l3;
 mod lookup;
 mod qos;
+mod remote_load;
 mod report;
 mod route_sim;
 mod router;
@@ -83,6 +84,10 @@ enum Bench {
     /// store two nodes share (by name, checked, into L1), one at a time and
     /// as a batch, against reading the same objects' files straight.
     StorePull(store_pull::StorePullArgs),
+    /// (etcd) Blocks only another node holds pulled into this node's L1,
+    /// one at a time and as a batch, at several block sizes, against raw
+    /// TCP between the same network namespaces.
+    RemoteLoad(remote_load::RemoteLoadArgs),
     /// Two tenants, the same prompts: B's lookups of prompts A cached
     /// against prompts nobody cached (no hit; the timing ratio), and A's hits.
     Tenants(tenants::TenantsArgs),
@@ -137,6 +142,7 @@ fn main() -> ExitCode {
         Bench::ClusterView(args) => cluster_view::run(&args),
         Bench::ClusterHits(args) => cluster_hits::run(&args),
         Bench::StorePull(args) => store_pull::run(&args),
+        Bench::RemoteLoad(args) => remote_load::run(&args),
         Bench::Tenants(args) => tenants::run(&args),
         Bench::Lookup(args) => lookup::run(&args),
         Bench::Ffi(args) => ffi::run(&args),

@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NamespaceId, NodeId, Tier};
 
-use crate::cluster_hits::{BLOCK_BYTES, NAMESPACE, Proc, Scratch, agent, command_again, key, pull_each, save};
+use crate::cluster_hits::{
+    BLOCK_BYTES, NAMESPACE, Proc, Scratch, agent, command_again, key, lake_binary, pull_each, save,
+};
 use crate::report::{Report, percentile};
 
 /// This benchmark's flags.
@@ -63,13 +65,7 @@ fn control(lake: &Path, etcd: &Path, base: &Path) -> Result<(Proc, Proc, String,
 }
 
 pub(crate) fn run(args: &StorePullArgs) -> Result<Report, String> {
-    let lake = match &args.lake {
-        Some(path) => path.clone(),
-        None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("lake"),
-    };
-    if !lake.is_file() {
-        return Err(format!("{}: no lake binary (cargo build --release -p lake-cp --bin lake)", lake.display()));
-    }
+    let lake = lake_binary(args.lake.as_ref())?;
     let base = Scratch(std::env::temp_dir().join(format!("lake-bench-store-{}", std::process::id())));
     std::fs::create_dir_all(&base.0).map_err(|e| e.to_string())?;
     let store = base.0.join("store");

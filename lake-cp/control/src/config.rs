@@ -453,7 +453,8 @@ pub struct ServeArgs {
     /// --summary-to, the leader streams what every other node holds, and
     /// the view is published beside the mirror (`<mirror>.cluster`) for
     /// the engines' cluster lookups; about 46 bytes of shared memory a
-    /// block. 0: no view. A pool with tenant partitions keeps none.
+    /// block. 0: no view. Each tenant kept apart has a view of its own,
+    /// as large (`<mirror>.<tenant>.cluster`).
     #[arg(long, value_name = "BLOCKS", default_value_t = 1 << 20, help_heading = "Cluster")]
     pub cluster_view_blocks: u64,
 
