@@ -39,12 +39,9 @@ use crate::report::{Report, percentile};
 /// This benchmark's flags.
 #[derive(clap::Args, Debug)]
 pub(crate) struct ClusterHitsArgs {
-    /// The `lake` binary (default: beside this one).
-    #[arg(long)]
-    pub(crate) lake: Option<PathBuf>,
-    /// The etcd binary.
-    #[arg(long, default_value = "etcd")]
-    pub(crate) etcd: PathBuf,
+    /// The `lake` and etcd binaries.
+    #[command(flatten)]
+    pub(crate) binaries: Binaries,
     /// Conversations.
     #[arg(long, default_value_t = 60)]
     pub(crate) conversations: u32,
@@ -64,6 +61,31 @@ pub(crate) struct ClusterHitsArgs {
     /// baseline.
     #[arg(long, value_delimiter = ',', value_parser = MODE_NAMES)]
     pub(crate) modes: Vec<String>,
+}
+
+/// The binaries a deployment runs.
+#[derive(clap::Args, Debug)]
+pub(crate) struct Binaries {
+    /// The `lake` binary (default: beside this one).
+    #[arg(long)]
+    pub(crate) lake: Option<PathBuf>,
+    /// The etcd binary.
+    #[arg(long, default_value = "etcd")]
+    pub(crate) etcd: PathBuf,
+}
+
+impl Binaries {
+    /// The `lake` binary: as given, or the one beside this bench.
+    pub(crate) fn lake(&self) -> Result<PathBuf, String> {
+        let lake = match &self.lake {
+            Some(path) => path.clone(),
+            None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("lake"),
+        };
+        if !lake.is_file() {
+            return Err(format!("{}: no lake binary (cargo build --release -p lake-cp --bin lake)", lake.display()));
+        }
+        Ok(lake)
+    }
 }
 
 const NODES: usize = 3;
@@ -360,18 +382,6 @@ pub(crate) fn deploy(args: &ArgsPaths, switch: &Switch, mode: Mode, base: &Path)
     Ok(Deployment { nodes, summary, _etcd: etcd })
 }
 
-/// The `lake` binary: `given`, or the one beside this bench.
-pub(crate) fn lake_binary(given: Option<&PathBuf>) -> Result<PathBuf, String> {
-    let lake = match given {
-        Some(path) => path.clone(),
-        None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("lake"),
-    };
-    if !lake.is_file() {
-        return Err(format!("{}: no lake binary (cargo build --release -p lake-cp --bin lake)", lake.display()));
-    }
-    Ok(lake)
-}
-
 /// A copy of `command` (its program and arguments), to start again.
 pub(crate) fn command_again(command: &std::process::Command) -> std::process::Command {
     let mut again = std::process::Command::new(command.get_program());
@@ -651,10 +661,10 @@ fn nodes_top<const N: usize>(deployment: &Deployment, fields: [&str; N]) -> Resu
 }
 
 pub(crate) fn run(args: &ClusterHitsArgs) -> Result<Report, String> {
-    let lake = lake_binary(args.lake.as_ref())?;
+    let lake = args.binaries.lake()?;
     let paths = ArgsPaths {
         lake,
-        etcd: args.etcd.clone(),
+        etcd: args.binaries.etcd.clone(),
         l1_slots: args.l1_slots,
         l2_slots: args.l2_slots,
         block_bytes: BLOCK_BYTES,

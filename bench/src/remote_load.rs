@@ -7,33 +7,29 @@
 //! leader, as `cluster-hits` deploys them; a fresh deployment per size.
 //! Needs root and etcd.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use lake_tests::netns::Switch;
 
-use crate::cluster_hits::{ArgsPaths, Mode, Scratch, deploy, lake_binary, raw_tcp, remote_loads};
+use crate::cluster_hits::{ArgsPaths, Binaries, Mode, Scratch, deploy, raw_tcp, remote_loads};
 use crate::report::{Report, percentile};
 
 /// This benchmark's flags.
 #[derive(clap::Args, Debug)]
 pub(crate) struct RemoteLoadArgs {
-    /// The `lake` binary (default: beside this one).
-    #[arg(long)]
-    pub(crate) lake: Option<PathBuf>,
-    /// The etcd binary.
-    #[arg(long, default_value = "etcd")]
-    pub(crate) etcd: PathBuf,
+    /// The `lake` and etcd binaries.
+    #[command(flatten)]
+    pub(crate) binaries: Binaries,
     /// Blocks pulled one at a time, and as one batch, at each size.
     #[arg(long, default_value_t = 64)]
     pub(crate) pulls: u32,
     /// The block sizes, in bytes.
-    #[arg(long, value_delimiter = ',', default_value = "16384,262144,2097152")]
+    #[arg(long, value_delimiter = ',', default_value = "16384,262144,1048576,2097152")]
     pub(crate) block_bytes: Vec<usize>,
 }
 
 pub(crate) fn run(args: &RemoteLoadArgs) -> Result<Report, String> {
-    let lake = lake_binary(args.lake.as_ref())?;
+    let lake = args.binaries.lake()?;
     let switch = Switch::new(3, 1).map_err(|e| format!("network namespaces (root?): {e}"))?;
     let base = Scratch(std::env::temp_dir().join(format!("lake-bench-remote-{}", std::process::id())));
     std::fs::create_dir_all(&base.0).map_err(|e| e.to_string())?;
@@ -47,7 +43,7 @@ pub(crate) fn run(args: &RemoteLoadArgs) -> Result<Report, String> {
         // Room for the blocks pulled (both rounds) on each node, and a few.
         let paths = ArgsPaths {
             lake: lake.clone(),
-            etcd: args.etcd.clone(),
+            etcd: args.binaries.etcd.clone(),
             l1_slots: 2 * args.pulls + 32,
             l2_slots: 8,
             block_bytes,

@@ -15,19 +15,16 @@ use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NamespaceId, NodeId, Tier};
 
 use crate::cluster_hits::{
-    BLOCK_BYTES, NAMESPACE, Proc, Scratch, agent, command_again, key, lake_binary, pull_each, save,
+    BLOCK_BYTES, Binaries, NAMESPACE, Proc, Scratch, agent, command_again, key, pull_each, save,
 };
 use crate::report::{Report, percentile};
 
 /// This benchmark's flags.
 #[derive(clap::Args, Debug)]
 pub(crate) struct StorePullArgs {
-    /// The `lake` binary (default: beside this one).
-    #[arg(long)]
-    pub(crate) lake: Option<PathBuf>,
-    /// The etcd binary.
-    #[arg(long, default_value = "etcd")]
-    pub(crate) etcd: PathBuf,
+    /// The `lake` and etcd binaries.
+    #[command(flatten)]
+    pub(crate) binaries: Binaries,
     /// Blocks pulled one at a time, and as one batch.
     #[arg(long, default_value_t = 64)]
     pub(crate) pulls: u32,
@@ -65,11 +62,11 @@ fn control(lake: &Path, etcd: &Path, base: &Path) -> Result<(Proc, Proc, String,
 }
 
 pub(crate) fn run(args: &StorePullArgs) -> Result<Report, String> {
-    let lake = lake_binary(args.lake.as_ref())?;
+    let lake = args.binaries.lake()?;
     let base = Scratch(std::env::temp_dir().join(format!("lake-bench-store-{}", std::process::id())));
     std::fs::create_dir_all(&base.0).map_err(|e| e.to_string())?;
     let store = base.0.join("store");
-    let (_etcd, _summary, endpoint, summary_at) = control(&lake, &args.etcd, &base.0)?;
+    let (_etcd, _summary, endpoint, summary_at) = control(&lake, &args.binaries.etcd, &base.0)?;
     let node = |id: u32, extra: &[&str]| -> Result<(Proc, String), String> {
         let mut command = std::process::Command::new(&lake);
         command

@@ -28,7 +28,7 @@ use lake_agent::{SaveBlock, SavePayload};
 use lake_dp::{BlockKey, KeyChain, KeyScheme, Namespace, TenantKey};
 use serde_json::{Value, json};
 
-use cluster::{Proc, agent_of, field, http_ask as ask, leader};
+use cluster::{Proc, agent_of, field, http_ask as ask, leader, start_router};
 use scratch::Scratch;
 
 const BLOCK_TOKENS: u32 = 16;
@@ -123,31 +123,15 @@ fn the_router_sends_a_request_where_its_prefix_is_and_around_a_failed_node() {
     let serving_one = one.wait_for("node 1 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
     let serving_two = two.wait_for("node 2 serves", Duration::from_secs(20), |l| l.contains("\"event\":\"serving\""));
 
-    // The router beside node 1: both nodes run prefill and decode; 0.5 ms
-    // to compute a block, 0.05 ms to load one from L1, 0.1 ms to pull one.
-    let config = base.join("route.toml");
-    let nodes: String = [(1, &serving_one), (2, &serving_two)]
-        .iter()
-        .map(|(id, serving)| {
-            format!(
-                "[[nodes]]\nid = {id}\nroles = [\"prefill\", \"decode\"]\nlake_metrics = \"{}\"\n\
-                 compute_ns_per_block = 500000\nload_ns_per_block = [0, 50000, 400000, 3000000]\n\
-                 pull_ns_per_block = 100000\ncnic_ns_per_block = 100000\n\n",
-                field(serving, "metrics")
-            )
-        })
-        .collect();
-    let settings = format!(
-        "listen = \"127.0.0.1:0\"\npool_dir = \"{}\"\nscrape_ms = 200\nconnections_max = 8\n\n\
-         [namespace]\ntenant_key = \"{}\"\nblock_tokens = {BLOCK_TOKENS}\nmodel_fingerprint = \"{}\"\n\n{nodes}",
-        base.join("node1").display(),
+    // The router beside node 1: both nodes run prefill and decode.
+    let chain = format!(
+        "scrape_ms = 200\nconnections_max = 8\n\n\
+         [namespace]\ntenant_key = \"{}\"\nblock_tokens = {BLOCK_TOKENS}\nmodel_fingerprint = \"{}\"\n",
         "42".repeat(32),
         "17".repeat(32),
     );
-    std::fs::write(&config, settings).unwrap();
-    let mut router_proc = Proc::start(&["route", "--config", &config.display().to_string()]);
-    let routing = router_proc.wait_for("the router listens", Duration::from_secs(20), |l| l.contains("\"routing\""));
-    let router = field(&routing, "listen");
+    let nodes = [(1, serving_one.as_str()), (2, serving_two.as_str())];
+    let (mut router_proc, router) = start_router(&base.join("route.toml"), &base.join("node1"), &nodes, &chain);
 
     // A 50-block prompt, its first 40 blocks saved on node 2 only.
     let (tokens, keys) = prompt(1, 50);

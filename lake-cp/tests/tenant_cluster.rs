@@ -37,7 +37,7 @@ use lake_dp::{BlockKey, NodeId};
 use serde_json::json;
 
 use as_user::{published, run_engine};
-use cluster::{Proc, field, http_ask, leader};
+use cluster::{field, http_ask, leader, start_router};
 use pool::{sample, start_nodes};
 use scratch::Scratch;
 
@@ -173,24 +173,7 @@ fn engine(uid: u32, serving: &str, namespace: u64, action: &str) -> String {
 /// with the pool's: each namespace's chain, saved on node 1, is a hit
 /// there, in node 1's L1.
 fn a_router_beside_node_2_finds_every_partitions_blocks(base: &Path, one: &str, two: &str) {
-    let nodes: String = [(1, one), (2, two)]
-        .iter()
-        .map(|(id, serving)| {
-            format!(
-                "[[nodes]]\nid = {id}\nroles = [\"prefill\", \"decode\"]\nlake_metrics = \"{}\"\n\
-                 compute_ns_per_block = 500000\nload_ns_per_block = [0, 50000, 400000, 3000000]\n\
-                 pull_ns_per_block = 100000\ncnic_ns_per_block = 100000\n\n",
-                field(serving, "metrics")
-            )
-        })
-        .collect();
-    let config = base.join("route.toml");
-    let pool_dir = base.join("node2");
-    std::fs::write(&config, format!("listen = \"127.0.0.1:0\"\npool_dir = \"{}\"\n\n{nodes}", pool_dir.display()))
-        .unwrap();
-    let router = Proc::start(&["route", "--config", &config.display().to_string()]);
-    let routing = router.wait_for("the router listens", Duration::from_secs(20), |l| l.contains("\"routing\""));
-    let address = field(&routing, "listen");
+    let (_router, address) = start_router(&base.join("route.toml"), &base.join("node2"), &[(1, one), (2, two)], "");
     for namespace in [ACME, BOLT, OTHER] {
         let hex: Vec<String> =
             keys(namespace).iter().map(|k| k.0.iter().map(|b| format!("{b:02x}")).collect()).collect();

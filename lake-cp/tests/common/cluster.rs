@@ -96,6 +96,37 @@ pub(crate) fn http_get(address: &str, path: &str) -> (String, String) {
     (head.lines().next().unwrap_or("").to_owned(), body.to_owned())
 }
 
+/// `lake route` over the pool whose home is `pool_dir` (its settings in
+/// `config`), every node of `nodes` (its id and serving line) running
+/// prefill and decode — 0.5 ms to compute a block, 0.05 ms to load one
+/// from L1, 0.1 ms to pull one — with `extra` settings before the
+/// nodes': the process, and the address it answers at once it listens.
+#[allow(dead_code)] // not every cluster test runs a router
+pub(crate) fn start_router(
+    config: &std::path::Path,
+    pool_dir: &std::path::Path,
+    nodes: &[(u32, &str)],
+    extra: &str,
+) -> (Proc, String) {
+    let nodes: String = nodes
+        .iter()
+        .map(|(id, serving)| {
+            format!(
+                "[[nodes]]\nid = {id}\nroles = [\"prefill\", \"decode\"]\nlake_metrics = \"{}\"\n\
+                 compute_ns_per_block = 500000\nload_ns_per_block = [0, 50000, 400000, 3000000]\n\
+                 pull_ns_per_block = 100000\ncnic_ns_per_block = 100000\n\n",
+                field(serving, "metrics")
+            )
+        })
+        .collect();
+    let settings = format!("listen = \"127.0.0.1:0\"\npool_dir = \"{}\"\n{extra}\n{nodes}", pool_dir.display());
+    std::fs::write(config, settings).unwrap();
+    let router = Proc::start(&["route", "--config", &config.display().to_string()]);
+    let routing = router.wait_for("the router listens", Duration::from_secs(20), |l| l.contains("\"routing\""));
+    let address = field(&routing, "listen");
+    (router, address)
+}
+
 /// One request (`head`: its request line) on a connection of its own:
 /// the status and the JSON body (0 and null where the connection was
 /// closed unanswered).
