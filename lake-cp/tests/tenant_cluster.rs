@@ -31,12 +31,12 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_agent::{Agent, AgentConfig};
 use lake_dp::mirror::view::{Holder, Where};
 use lake_dp::{BlockKey, NodeId};
 use serde_json::json;
 
-use as_user::{published, run_engine};
+use as_user::{load_and_say, published, run_engine, save_at_once};
 use cluster::{field, http_ask, leader, start_router};
 use pool::{sample, start_nodes};
 use scratch::Scratch;
@@ -113,23 +113,11 @@ fn engine_child(spec: &str) {
     let keys = keys(namespace);
     let mut table = Vec::new();
     let load = |agent: &mut Agent, hits: usize, table: &[lake_dp::mirror::MirrorEntry]| {
-        let mut exact = true;
-        let loaded =
-            agent.fetch(&keys[..hits], &table[..hits], |i, bytes| exact &= bytes == &payload(namespace, i)[..]);
-        println!("engine: loaded {loaded} {}", if exact { "exact" } else { "differs" });
+        load_and_say(agent, &keys, table, hits, |i| payload(namespace, i));
     };
     match action {
         "save" => {
-            let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(|i| payload(namespace, i)).collect();
-            let blocks: Vec<SaveBlock<'_>> = (0..BLOCKS)
-                .map(|i| SaveBlock {
-                    key: keys[i],
-                    parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-                    block_index: u32::try_from(i).unwrap(),
-                    payload: SavePayload::Bytes(&payloads[i]),
-                })
-                .collect();
-            println!("engine: saved {}", agent.save(&blocks));
+            println!("engine: saved {}", save_at_once(&mut agent, &keys, |i| payload(namespace, i)));
             let deadline = Instant::now() + Duration::from_secs(10);
             let mut hits = agent.lookup(&keys, &mut table);
             while hits < BLOCKS && Instant::now() < deadline {

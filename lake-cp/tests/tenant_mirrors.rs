@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use lake_agent::{Agent, AgentConfig, SaveBlock, SavePayload};
+use lake_agent::{Agent, AgentConfig};
 use lake_cp::embedded::EmbeddedConfig;
 use lake_dp::BlockKey;
 
@@ -33,7 +33,7 @@ use scratch::Scratch;
 
 #[path = "common/as_user.rs"]
 mod as_user;
-use as_user::{published, run_engine};
+use as_user::{load_and_say, published, run_engine, save_at_once};
 
 const ACME_UID: u32 = 65_534;
 const BOLT_UID: u32 = 65_533;
@@ -86,16 +86,7 @@ fn engine_child(spec: &str) {
     };
     let keys = keys(namespace);
     if action == "save" {
-        let payloads: Vec<Vec<u8>> = (0..BLOCKS).map(|i| payload(namespace, i)).collect();
-        let blocks: Vec<SaveBlock<'_>> = (0..BLOCKS)
-            .map(|i| SaveBlock {
-                key: keys[i],
-                parent: if i == 0 { BlockKey::NONE } else { keys[i - 1] },
-                block_index: u32::try_from(i).unwrap(),
-                payload: SavePayload::Bytes(&payloads[i]),
-            })
-            .collect();
-        println!("engine: saved {}", agent.save(&blocks));
+        println!("engine: saved {}", save_at_once(&mut agent, &keys, |i| payload(namespace, i)));
     }
     let wait = if action == "peek" { Duration::ZERO } else { Duration::from_secs(10) };
     let deadline = Instant::now() + wait;
@@ -107,10 +98,7 @@ fn engine_child(spec: &str) {
     }
     println!("engine: hits {hits}");
     if action != "peek" {
-        let mut exact = true;
-        let loaded =
-            agent.fetch(&keys[..hits], &table[..hits], |i, bytes| exact &= bytes == &payload(namespace, i)[..]);
-        println!("engine: loaded {loaded} {}", if exact { "exact" } else { "differs" });
+        load_and_say(&mut agent, &keys, &table, hits, |i| payload(namespace, i));
     }
 }
 
