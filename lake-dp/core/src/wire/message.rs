@@ -1137,6 +1137,7 @@ messages! {
         ViewSnapshot(Delta, ViewEntry) = 38,
         ViewDeltaNamed(Delta, NamedViewEntry) = 39,
         ViewSnapshotNamed(Delta, NamedViewEntry) = 40,
+        KeptApart(KeptApart, KeptApartEntry) = 41,
     }
 }
 

@@ -188,6 +188,16 @@ pub const FEATURE_VIEW_NAMESPACES: u64 = 1 << 21;
 /// users, each shown only what its tenant may see.
 pub const FEATURE_VIEW_FD: u64 = 1 << 22;
 
+/// Feature bit (the summary link): the node says which tenants it keeps
+/// apart ([`message::Message::KeptApart`], kind 41: each namespace and its
+/// tenant), once the leader acked the bit and before its first report.
+/// The leader then moves a block of a namespace its holder keeps apart
+/// only to a node that keeps that namespace apart for the same tenant, and
+/// shows it in no other node's view. Offered by a node keeping tenants
+/// apart; a leader that acks it takes none of the node's reports before
+/// the list.
+pub const FEATURE_KEPT_APART: u64 = 1 << 23;
+
 /// The feature bits this build offers on a link to `lake-cp`.
 pub const FEATURES: u64 = FEATURE_RAIL_STATS
     | FEATURE_PATH_LATENCY
@@ -211,7 +221,7 @@ pub const ATTACH_FEATURES: u64 =
 
 /// Each feature bit this build knows and its name for an operator (what
 /// `lake-cp`'s `peers` shows of each session).
-pub const FEATURE_NAMES: [(u64, &str); 23] = [
+pub const FEATURE_NAMES: [(u64, &str); 24] = [
     (FEATURE_RAIL_STATS, "rail_stats"),
     (FEATURE_PATH_LATENCY, "path_latency"),
     (FEATURE_DRAIN, "drain"),
@@ -235,6 +245,7 @@ pub const FEATURE_NAMES: [(u64, &str); 23] = [
     (FEATURE_SPILLS, "spills"),
     (FEATURE_VIEW_NAMESPACES, "view_namespaces"),
     (FEATURE_VIEW_FD, "view_fd"),
+    (FEATURE_KEPT_APART, "kept_apart"),
 ];
 
 /// Bytes in a frame header.

@@ -269,6 +269,11 @@ pub fn each_message(mut visit: impl FnMut(FrameMeta, Message<'_>)) {
     visit(meta(42), Message::ViewDeltaNamed(head, Records::from_slice(&named)));
     let head = Delta { sequence: 15, count: 1, ..head };
     visit(meta(43), Message::ViewSnapshotNamed(head, Records::from_slice(&named[1..])));
+    let apart = [
+        KeptApartEntry { namespace: 0xa1, tenant: KeptApartEntry::tenant_of("acme") },
+        KeptApartEntry { namespace: 0xa2, tenant: KeptApartEntry::tenant_of("acme") },
+    ];
+    visit(meta(0), Message::KeptApart(KeptApart { count: 2, reserved: 0 }, Records::from_slice(&apart)));
 }
 
 /// [`each_message`] encoded: one frame per kind.

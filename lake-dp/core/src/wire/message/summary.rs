@@ -4,7 +4,7 @@
 
 use bytemuck::{Pod, Zeroable};
 
-use super::{DeltaOp, ListHead, Record, check_replica, field_err};
+use super::{DeltaOp, ListHead, Record, check_replica, field_err, reserved_zero};
 use crate::constants::DELTA_ENTRIES_MAX;
 use crate::model::key::BlockKey;
 use crate::model::replica::{Durability, ObjectKind, ReplicaWire, Tier};
@@ -189,6 +189,75 @@ fn check_view_entry(tier: u8, kind: u8, reserved: [u8; 6]) -> Result<(), WireErr
     Ok(())
 }
 
+/// The tenants a node keeps apart, said to its leader once, right after
+/// the leader's ack and before the node's first report, on a link where
+/// both offered [`FEATURE_KEPT_APART`]: one [`KeptApartEntry`] for each
+/// namespace the node keeps apart, with its tenant.
+///
+/// [`FEATURE_KEPT_APART`]: crate::wire::FEATURE_KEPT_APART
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct KeptApart {
+    /// Entries that follow.
+    pub count: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+impl Record for KeptApart {
+    fn validate(&self) -> Result<(), WireError> {
+        reserved_zero("kept_apart.reserved", &self.reserved.to_le_bytes())
+    }
+}
+
+impl ListHead for KeptApart {
+    const RECORDS_MAX: usize = KEPT_APART_MAX;
+    fn count(&self) -> u32 {
+        self.count
+    }
+}
+
+/// Namespaces one [`KeptApart`] names at most (a node keeping more apart
+/// is refused at its start).
+pub const KEPT_APART_MAX: usize = 16_384;
+
+/// A namespace a node keeps apart, and the tenant it keeps it for (its
+/// name's [`KeptApartEntry::tenant_of`]): two nodes keep a namespace apart
+/// alike when they name the same tenant for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct KeptApartEntry {
+    /// The namespace (never 0).
+    pub namespace: u64,
+    /// Its tenant (never 0).
+    pub tenant: u64,
+}
+
+impl KeptApartEntry {
+    /// The 64 bits that stand for tenant `name` on the wire: the first
+    /// eight bytes of its BLAKE3 hash (never 0).
+    pub fn tenant_of(name: &str) -> u64 {
+        let hash = blake3::hash(name.as_bytes());
+        let mut head = [0u8; 8];
+        head.copy_from_slice(&hash.as_bytes()[..8]);
+        u64::from_le_bytes(head).max(1)
+    }
+}
+
+impl Record for KeptApartEntry {
+    fn validate(&self) -> Result<(), WireError> {
+        if self.namespace == 0 {
+            return Err(field_err("kept_apart.namespace", 0u8));
+        }
+        if self.tenant == 0 {
+            return Err(field_err("kept_apart.tenant", 0u8));
+        }
+        Ok(())
+    }
+}
+
+const _: () = assert!(size_of::<KeptApart>() == 8);
+const _: () = assert!(size_of::<KeptApartEntry>() == 16);
 const _: () = assert!(size_of::<SnapshotRequest>() == 16);
 const _: () = assert!(size_of::<DeltaEntry>() == 80);
 const _: () = assert!(size_of::<ViewEntry>() == 24);
