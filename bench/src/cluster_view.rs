@@ -128,7 +128,7 @@ fn leader(keys: &[BlockKey], nodes: u32) -> Result<Leader, String> {
     // What the leader keeps between passes: the summary alone.
     let rss_after = rss_bytes();
     // The snapshot a node is sent when it connects: its frames' bytes.
-    let whole = summary.view_entries();
+    let whole = summary.view_entries(&lake_cp::summary::apart::Apart::new());
     let entries: u64 = whole.iter().map(|(_, e)| e.len() as u64).sum();
     let mut bytes = 0u64;
     let mut frame = Vec::new();

@@ -10,8 +10,10 @@
 //! the pool's find none of it, and a pull of it by another tenant's
 //! engine is refused, nothing copied. The pool's engine, unprivileged
 //! too, finds and pulls the pool's blocks of node 1 through the pool's
-//! view. Needs root to run processes as other users: skipped, with the
-//! reason printed, otherwise.
+//! view. And a node of the cluster that keeps no tenant apart is shown
+//! none of the tenants' blocks of the others, and sent none when asked.
+//! Needs root to run processes as other users: skipped, with the reason
+//! printed, otherwise.
 
 #[path = "common/as_user.rs"]
 mod as_user;
@@ -186,27 +188,52 @@ fn beside(path: &Path, name: &str) -> PathBuf {
     PathBuf::from(format!("{}.{name}", path.display()))
 }
 
+fn free_address() -> String {
+    format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port())
+}
+
+/// A cluster of `count` `lake serve` nodes (`flags` of each) under a
+/// `lake summary` leader (blocks stay where they were saved; its metrics
+/// at `leader_metrics`) in a real etcd, in a scratch directory that
+/// other users may enter: `None` (said why) where it cannot run here.
+struct Deployment {
+    leader: cluster::Proc,
+    nodes: Vec<(cluster::Proc, String)>,
+    base: PathBuf,
+    _scratch: Scratch,
+    _etcd: etcd_server::EtcdServer,
+}
+
+fn deploy(
+    name: &str,
+    count: u32,
+    flags: impl Fn(u32) -> &'static [&'static str],
+    leader_metrics: &str,
+) -> Option<Deployment> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIPPED: running processes as other users needs root");
+        return None;
+    }
+    let etcd = etcd_server::EtcdServer::start(name)?;
+    let base = std::env::temp_dir().join(format!("lake-{name}-{}", std::process::id()));
+    let scratch = Scratch(base.clone(), Vec::new());
+    std::fs::create_dir_all(&base).unwrap();
+    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let listen = free_address();
+    let leader = leader(&listen, &etcd.endpoint(), name, Some("saved"), &["--metrics", leader_metrics]);
+    let nodes = start_nodes(&base, (&listen, &etcd.endpoint(), name), count, flags);
+    Some(Deployment { leader, nodes, base, _scratch: scratch, _etcd: etcd })
+}
+
 #[test]
 fn a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone() {
     if let Ok(spec) = std::env::var(ENGINE) {
         return engine_child(&spec);
     }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("SKIPPED: running processes as other users needs root");
-        return;
-    }
-    let Some(etcd) = etcd_server::EtcdServer::start("tenant-cluster") else { return };
-    let endpoint = etcd.endpoint();
-    let base = std::env::temp_dir().join(format!("lake-tenant-cluster-{}", std::process::id()));
-    let _scratch = Scratch(base.clone(), Vec::new());
-    std::fs::create_dir_all(&base).unwrap();
-    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let listen =
-        format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
     // Blocks stay where they were saved: node 2 holds none until pulled.
-    let _leader = leader(&listen, &endpoint, "tenants", Some("saved"), &[]);
-    let nodes = start_nodes(&base, (&listen, &endpoint, "tenants"), 2, |_| TENANTS);
+    let Some(deployment) = deploy("tenant-cluster", 2, |_| TENANTS, &free_address()) else { return };
+    let (base, nodes) = (&deployment.base, &deployment.nodes);
     let (one, two) = (&nodes[0].1, &nodes[1].1);
     let metrics = field(two, "metrics");
 
@@ -230,7 +257,7 @@ fn a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone() {
         assert_eq!(meta.mode() & 0o777, 0o600, "{}: the pool's user's alone", view.display());
     }
 
-    a_router_beside_node_2_finds_every_partitions_blocks(&base, one, two);
+    a_router_beside_node_2_finds_every_partitions_blocks(base, one, two);
 
     // Each engine on node 2 sees its own namespace's blocks on node 1,
     // and none of another's.
@@ -267,4 +294,54 @@ fn a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone() {
     assert!(said.contains("hits 4") && said.contains("loaded 4 exact"), "{said}");
     assert_eq!(sample(&metrics, "lake_cluster_pulls_total{result=\"sent\"}"), 8);
     assert_eq!(sample(&metrics, refused), 4);
+}
+
+/// A node's flags that keep no tenant apart, and let the tests' users in.
+const POOL_ONLY: &[&str] = &["--allow-uid", "65534,65533,65532", "--socket-mode", "666"];
+
+/// Three nodes, of which node 2 keeps no tenant apart: acme's blocks saved
+/// on node 1 are shown in node 3's acme view, and in no view of node 2's,
+/// and when node 2's pool engine asks for them all the same the leader
+/// asks no copy, and nothing of them lands there. The pool's blocks pass
+/// everywhere.
+#[test]
+fn a_node_not_keeping_a_tenant_apart_is_shown_and_sent_none_of_its_blocks() {
+    let leader_metrics = free_address();
+    let flags = |node| if node == 2 { POOL_ONLY } else { TENANTS };
+    let Some(deployment) = deploy("tenant-unlike", 3, flags, &leader_metrics) else { return };
+    let [(_, one), (_, two), (_, three)] = &deployment.nodes[..] else { unreachable!() };
+    for (uid, namespace) in [(ACME_UID, ACME), (POOL_UID, OTHER)] {
+        let said = engine(uid, one, namespace, "save");
+        assert!(said.contains("saved 4") && said.contains("loaded 4 exact"), "{said}");
+    }
+    let (metrics_two, metrics_three) = (field(two, "metrics"), field(three, "metrics"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sample(&metrics_three, "lake_cluster_view_blocks") < 8 {
+        assert!(Instant::now() < deadline, "node 3's views: {}", sample(&metrics_three, "lake_cluster_view_blocks"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The same leader's stream, a moment more: node 2 holds the pool's
+    // four alone.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(sample(&metrics_two, "lake_cluster_view_blocks"), 4, "node 2's view: the pool's blocks alone");
+    assert!(engine(POOL_UID, two, ACME, "peek").contains("found 0"), "acme's, on a node not keeping acme apart");
+    assert!(engine(POOL_UID, two, OTHER, "peek").contains("found 4 remote 4"));
+    assert!(engine(ACME_UID, three, ACME, "peek").contains("found 4 remote 4"), "acme's, where kept apart alike");
+
+    // Node 2's pool engine asks for acme's blocks all the same: node 2
+    // relays the pulls (it keeps nothing apart), the leader asks no copy.
+    assert!(engine(POOL_UID, two, ACME, "steal").contains("asked 4"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let refused = "lake_summary_copies_kept_apart_total";
+    while sample(&leader_metrics, refused) < 4 {
+        assert!(Instant::now() < deadline, "copies not asked: {}", sample(&leader_metrics, refused));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(published(Path::new(&field(two, "mirror")), &keys(ACME)), 0, "nothing of acme's landed on node 2");
+    let said = deployment.leader.wait_for("the leader says", Duration::from_secs(5), |l| l.contains("tenants_unlike"));
+    assert!(said.contains("\"node\":2") || said.contains("\"unlike\":[2"), "{said}");
+    // The pool's blocks pass as ever.
+    let said = engine(POOL_UID, two, OTHER, "pull");
+    assert!(said.contains("hits 4") && said.contains("loaded 4 exact"), "{said}");
 }

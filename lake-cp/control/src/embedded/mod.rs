@@ -655,7 +655,8 @@ impl EmbeddedPool {
                 .map(|_| crate::summary::link::NodeViews::create(NodeId(config.node), blocks, &mirror, &tenants))
                 .transpose()
                 .map_err(ServeError::Mirror)?;
-            server.report_to(config.summary_to.clone(), config.link_key.clone(), views);
+            let kept_apart = config.kept_apart().map_err(ServeError::Settings)?;
+            server.report_to(config.summary_to.clone(), config.link_key.clone(), views, &kept_apart);
         }
         let gauges = Arc::new(Gauges { l1_region: std::sync::atomic::AtomicU32::new(u32::MAX), ..Gauges::default() });
         let stop_cp = Arc::new(AtomicBool::new(false));

@@ -87,6 +87,21 @@ impl EmbeddedConfig {
         Ok(mirrors.collect())
     }
 
+    /// Each tenant kept apart, by name, with its namespaces: what the node
+    /// says to its leader, which moves a block kept apart only between
+    /// nodes keeping it apart alike. More namespaces than one list holds
+    /// are refused.
+    pub fn kept_apart(&self) -> Result<Vec<(String, Vec<u64>)>, String> {
+        let kept: Vec<(String, Vec<u64>)> =
+            self.l1_partitions()?.into_iter().map(|p| (p.name.clone(), namespaces_of(&p))).collect();
+        let count: usize = kept.iter().map(|(_, namespaces)| namespaces.len()).sum();
+        let most = lake_dp::wire::message::KEPT_APART_MAX;
+        if count > most {
+            return Err(format!("tenant partitions keep {count} namespaces apart; a node keeps at most {most}"));
+        }
+        Ok(kept)
+    }
+
     /// The tenants kept apart as the data plane tells their engines
     /// apart: each one's namespaces, users and groups, in the order of
     /// [`EmbeddedConfig::tenant_mirrors`].

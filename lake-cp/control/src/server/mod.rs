@@ -496,14 +496,17 @@ impl Server {
     /// of `leaders` accepts (see [`crate::summary::link`]).
     /// With `key`, the link is authenticated (the leader must hold it too).
     /// With `views`, it keeps the cluster view the leader streams back,
-    /// each tenant's blocks in its tenant's view alone.
+    /// each tenant's blocks in its tenant's view alone. It says to the
+    /// leader which tenants it keeps apart (`kept_apart`: each one's name
+    /// and namespaces; [`crate::summary::apart`]).
     pub fn report_to(
         &mut self,
         leaders: Vec<std::net::SocketAddr>,
         key: Option<lake_dp::auth::LinkKey>,
         views: Option<crate::summary::link::NodeViews>,
+        kept_apart: &[(String, Vec<u64>)],
     ) {
-        let mut uplink = crate::summary::link::Uplink::new(self.node.node().0, leaders);
+        let mut uplink = crate::summary::link::Uplink::new(self.node.node().0, leaders).with_kept_apart(kept_apart);
         if let Some(key) = key {
             uplink = uplink.authenticated(key);
         }

@@ -84,7 +84,7 @@ fn nodes(out: &mut String, aggregator: &Aggregator, figures: &[(u32, NodeFigures
 
 /// What the leader applied, and asked of the nodes.
 fn counters(out: &mut String, c: &AggregatorCounters) {
-    let counters: [Counter<'_>; 9] = [
+    let counters: [Counter<'_>; 10] = [
         ("lake_summary_deltas_applied_total", "Nodes' deltas applied.", &[("", c.applied)]),
         ("lake_summary_snapshot_frames_total", "Nodes' snapshot frames applied.", &[("", c.snapshot_frames)]),
         ("lake_summary_gaps_total", "Gaps found in a node's deltas (a snapshot asked for).", &[("", c.gaps)]),
@@ -100,6 +100,11 @@ fn counters(out: &mut String, c: &AggregatorCounters) {
             ],
         ),
         ("lake_summary_spills_unplaced_total", "Spills no member had room for.", &[("", c.spills_unplaced)]),
+        (
+            "lake_summary_copies_kept_apart_total",
+            "Copies not asked: the block's holder keeps its namespace apart, and the target does not keep it apart for the same tenant.",
+            &[("", c.copies_kept_apart)],
+        ),
         (
             "lake_summary_pulls_total",
             "Engines' pulls: relayed to the block's holder, or held by no member that offers it.",

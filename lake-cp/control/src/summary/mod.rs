@@ -33,6 +33,8 @@
 //!
 //! [`Message::Snapshot`]: lake_dp::wire::Message::Snapshot
 
+mod aggregator;
+pub mod apart;
 mod conn;
 pub mod link;
 pub mod metrics;
@@ -281,6 +283,9 @@ pub struct AggregatorCounters {
     /// View deltas not sent to a node too far behind (a snapshot
     /// follows once it catches up).
     pub view_skipped: u64,
+    /// Copies not asked: the block's holder keeps it apart, and the
+    /// target does not keep it apart alike ([`apart`]).
+    pub copies_kept_apart: u64,
 }
 
 const MAGIC: [u8; 8] = *b"LAKESUM\0";
@@ -299,6 +304,9 @@ pub struct Summary {
     /// Blocks newly held in a node's L1, to be placed, where they are
     /// noted ([`Summary::track_placement`]).
     placing: place::Pending,
+    /// What each node keeping tenants apart keeps apart
+    /// ([`Summary::kept_apart`]).
+    apart: HashMap<u32, apart::Apart>,
 }
 
 fn tier_of(entry: &DeltaEntry) -> Option<Tier> {
@@ -462,7 +470,15 @@ impl Summary {
                     .into_iter()
                     .find_map(|tier| held.iter().find(|h| tier_of(&h.entry) == Some(tier)));
                 let Some(from) = fastest.and_then(|h| Replica::from_wire(&h.entry.replica)) else { continue };
-                let Some(&(target, _, to)) = place::pick(key, &targets) else { continue };
+                // Among the members that keep the block's tenant apart alike.
+                let alike: Vec<(u32, u64, ReplicaWire)>;
+                let targets = if self.keeps_any_apart() {
+                    alike = targets.iter().filter(|t| self.may_move(key, node, t.0)).copied().collect();
+                    &alike
+                } else {
+                    &targets
+                };
+                let Some(&(target, _, to)) = place::pick(key, targets) else { continue };
                 if skip(key, target) {
                     continue;
                 }

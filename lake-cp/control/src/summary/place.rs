@@ -132,8 +132,10 @@ impl Summary {
     /// goes free), counting `promised` spills sent it since its blocks
     /// were counted — where that is under nineteen twentieths of what
     /// `from` fills of its own (a member about as full would only drop a
-    /// block of its own for it). Both must have announced their room.
-    pub fn spill_target(&self, from: u32, promised: &HashMap<u32, u64>) -> Option<(u32, ReplicaWire)> {
+    /// block of its own for it). Both must have announced their room, and
+    /// the member must keep `key`'s tenant apart as `from` does, where
+    /// `from` keeps it apart ([`super::apart`]).
+    pub fn spill_target(&self, key: &BlockKey, from: u32, promised: &HashMap<u32, u64>) -> Option<(u32, ReplicaWire)> {
         let spiller = self.nodes.get(&from).filter(|v| v.room > 0)?;
         let fill = |node: u32| {
             let held = self.nodes.get(&node).map_or(0, |v| v.cached);
@@ -143,7 +145,7 @@ impl Summary {
         let (node, room, to) = self
             .homes()
             .into_iter()
-            .filter(|&(node, room, _)| node != from && room > 0)
+            .filter(|&(node, room, _)| node != from && room > 0 && self.may_move(key, from, node))
             .min_by(|a, b| (fill(a.0) * u128::from(b.1)).cmp(&(fill(b.0) * u128::from(a.1))))?;
         let roomier = fill(node) * u128::from(spiller.room) * 20 < u128::from(spiller.cached) * u128::from(room) * 19;
         roomier.then_some((node, to))
@@ -159,7 +161,7 @@ impl Summary {
         let mut plan = Vec::with_capacity(spills.len());
         for spill in spills {
             let Some(from) = Replica::from_wire(&spill.source) else { continue };
-            let to = match self.spill_target(spill.source.node, &promised) {
+            let to = match self.spill_target(&spill.key, spill.source.node, &promised) {
                 Some((node, to)) => {
                     *promised.entry(node).or_insert(0u64) += 1;
                     counters.spills_placed += 1;

@@ -447,7 +447,7 @@ fn the_view_changes_name_each_nodes_fastest_offered_tier_and_only_what_changed()
         summary.snapshot(&head, entries);
     }
     assert_eq!(view_tiers(&summary.take_view_changes()), [(1, 3, NONE)]);
-    let whole = summary.view_entries();
+    let whole = summary.view_entries(&super::apart::Apart::new());
     assert_eq!(view_tiers(&whole), [(1, 1, l2), (1, 2, l2)]);
 }
 
@@ -831,27 +831,27 @@ fn a_full_nodes_spill_goes_to_the_member_that_fills_the_least_of_its_room() {
     report(&mut summary, 2, &mut two);
     report(&mut summary, 3, &mut three);
     let none = std::collections::HashMap::new();
-    assert_eq!(summary.spill_target(1, &none), None, "no member said its room");
+    assert_eq!(summary.spill_target(&key(9), 1, &none), None, "no member said its room");
     summary.rooms(&[(1, 1 << 30), (2, 1 << 30), (3, 2 << 30)]);
 
     // Node 3 fills 40 of node 1's 100 for the same room: the target, in
     // its L1, any slot.
-    let (node, to) = summary.spill_target(1, &none).unwrap();
+    let (node, to) = summary.spill_target(&key(9), 1, &none).unwrap();
     assert_eq!((node, to.node, to.tier, to.slot), (3, 3, Tier::L1Dram as u8, lake_dp::wire::message::SLOT_ANY));
     // Spills promised count: node 3 at 62.5 is past node 2's 60.
     let promised = |two: u64, three: u64| [(2, two), (3, three)].into_iter().collect();
-    assert_eq!(summary.spill_target(1, &promised(0, 45)).map(|t| t.0), Some(2));
-    assert_eq!(summary.spill_target(1, &promised(40, 45)).map(|t| t.0), Some(3));
+    assert_eq!(summary.spill_target(&key(9), 1, &promised(0, 45)).map(|t| t.0), Some(2));
+    assert_eq!(summary.spill_target(&key(9), 1, &promised(40, 45)).map(|t| t.0), Some(3));
     // Both about as full as node 1 (96 of its 100): none.
-    assert_eq!(summary.spill_target(1, &promised(36, 112)), None);
+    assert_eq!(summary.spill_target(&key(9), 1, &promised(36, 112)), None);
     // Never the node itself; from node 2 the roomiest is node 3.
-    assert_eq!(summary.spill_target(2, &none).map(|t| t.0), Some(3));
+    assert_eq!(summary.spill_target(&key(9), 2, &none).map(|t| t.0), Some(3));
 
     // A checkpoint restored counts the same.
     let (restored, _) = Summary::restore(&summary.checkpoint(1)).unwrap();
     let mut restored = restored;
     restored.rooms(&[(1, 1 << 30), (2, 1 << 30), (3, 2 << 30)]);
-    assert_eq!(restored.spill_target(1, &promised(0, 45)).map(|t| t.0), Some(2));
+    assert_eq!(restored.spill_target(&key(9), 1, &promised(0, 45)).map(|t| t.0), Some(2));
 
     // Node 2 gives up its L2 copies: still 60 (in L1). All but one of
     // its L1 ones too (its L1 stays known): the roomiest.
@@ -859,16 +859,104 @@ fn a_full_nodes_spill_goes_to_the_member_that_fills_the_least_of_its_room() {
         two.remove(&numbered(1000 + i), 1).unwrap();
     }
     report(&mut summary, 2, &mut two);
-    assert_eq!(summary.spill_target(1, &promised(0, 45)).map(|t| t.0), Some(2));
-    assert_eq!(summary.spill_target(1, &promised(0, 5)).map(|t| t.0), Some(3));
+    assert_eq!(summary.spill_target(&key(9), 1, &promised(0, 45)).map(|t| t.0), Some(2));
+    assert_eq!(summary.spill_target(&key(9), 1, &promised(0, 5)).map(|t| t.0), Some(3));
     for i in 1..60 {
         two.remove(&numbered(1000 + i), 0).unwrap();
     }
     report(&mut summary, 2, &mut two);
-    assert_eq!(summary.spill_target(1, &promised(0, 5)).map(|t| t.0), Some(2));
+    assert_eq!(summary.spill_target(&key(9), 1, &promised(0, 5)).map(|t| t.0), Some(2));
 
     // Draining or lapsed members take none; node 1 is left alone.
     summary.draining(&[2]);
     summary.membership(&[1, 2]);
-    assert_eq!(summary.spill_target(1, &none), None);
+    assert_eq!(summary.spill_target(&key(9), 1, &none), None);
+}
+
+#[test]
+fn blocks_a_node_keeps_apart_go_only_to_nodes_keeping_them_apart_alike() {
+    use lake_dp::mirror::view::{Holder, ViewReader};
+    const ACME: u64 = 0xa1;
+    const OTHER: u64 = 0x0b;
+    let mut aggregator = Aggregator::bind("127.0.0.1:0".parse().unwrap(), Summary::new()).unwrap();
+    let address = aggregator.local_addr().unwrap();
+    // Node 1 keeps acme apart and holds a block of acme's, one of the
+    // pool's, and one of no known namespace. Node 2 keeps acme apart
+    // too; node 3 keeps nothing apart; node 4 keeps acme's namespace
+    // apart for another tenant.
+    let acme = [("acme".to_owned(), vec![ACME])];
+    let mut one = (view(1, 1), Uplink::new(1, vec![address]).with_kept_apart(&acme));
+    for (i, namespace) in [(1u8, ACME), (2, OTHER), (3, 0)] {
+        let at = one.0.adopt(None, key(i), lake_dp::ObjectKind::KvBlock, 0, 5, u32::from(i), 1).unwrap();
+        one.0.index.set_namespace(at, namespace);
+    }
+    let (pool_path, pool_view) = scratch_view("apart-pool", 2);
+    let (acme_path, acme_view) = scratch_view("apart-acme", 2);
+    let (plain_path, plain_view) = scratch_view("apart-plain", 3);
+    let (bolt_path, bolt_view) = scratch_view("apart-bolt", 4);
+    let (bolt_pool_path, bolt_pool_view) = scratch_view("apart-bolt-pool", 4);
+    let two = Uplink::new(2, vec![address]).with_view(pool_view).with_tenant_views(vec![(vec![ACME], acme_view)]);
+    let three = Uplink::new(3, vec![address]).with_view(plain_view);
+    let four = Uplink::new(4, vec![address]).with_view(bolt_pool_view).with_tenant_views(vec![(vec![ACME], bolt_view)]);
+    let mut others = [
+        (view(2, 1), two.with_kept_apart(&acme)),
+        (view(3, 1), three),
+        (view(4, 1), four.with_kept_apart(&[("bolt".to_owned(), vec![ACME])])),
+    ];
+    let readers = [&acme_path, &pool_path, &plain_path, &bolt_path, &bolt_pool_path]
+        .map(|path| ViewReader::attach(&path.0).unwrap());
+    let [acme_two, pool_two, plain, bolt, bolt_pool] = &readers;
+    let on_one = Some(Holder { node: NodeId(1), tier: Tier::L1Dram });
+    let seen = |reader: &ViewReader| [1, 2, 3].map(|i| reader.best(&key(i)) == on_one);
+    let mut done = false;
+    for _ in 0..500 {
+        for (locations, uplink) in std::iter::once(&mut one).chain(others.iter_mut()) {
+            let changes: Vec<_> = locations.drain_changes().collect();
+            uplink.pump(locations, &changes);
+        }
+        aggregator.pump();
+        done = [acme_two, pool_two, plain, bolt_pool].iter().all(|r| r.live() == 1);
+        if done {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let live = readers.each_ref().map(ViewReader::live);
+    assert!(done, "views: {live:?}");
+    assert_eq!(seen(acme_two), [true, false, false], "acme's view on a node keeping acme apart alike");
+    assert_eq!(seen(pool_two), [false, true, false]);
+    assert_eq!(seen(plain), [false, true, false], "a node keeping nothing apart: the pool's block alone");
+    assert_eq!((seen(bolt), seen(bolt_pool)), ([false; 3], [false, true, false]), "kept apart for another tenant");
+    let summary = &aggregator.summary;
+    let moves = |i: u8| [2, 3, 4].map(|to| summary.may_move(&key(i), 1, to));
+    assert_eq!(moves(1), [true, false, false], "acme's block to node 2 alone");
+    assert_eq!(moves(2), [true; 3], "the pool's anywhere");
+    assert_eq!(moves(3), [true, false, false], "one of no known namespace where all is kept apart alike");
+    assert_eq!(summary.unlike(3), vec![1, 2, 4]);
+    assert_eq!(summary.unlike(2), vec![3, 4]);
+    // Said for the leader's log, of whichever of the two spoke last.
+    let said = aggregator.take_unlike();
+    assert!(said.iter().any(|(node, unlike)| *node == 3 || unlike.contains(&3)), "{said:?}");
+
+    // Node 3 comes to keep acme apart alike (restarted so): acme's block
+    // is sent to it again, and shown in its tenant's view.
+    let (acme_three_path, acme_three_view) = scratch_view("apart-acme-3", 3);
+    let (pool_three_path, pool_three_view) = scratch_view("apart-pool-3", 3);
+    let three = Uplink::new(3, vec![address]).with_view(pool_three_view);
+    others[1] = (view(3, 2), three.with_tenant_views(vec![(vec![ACME], acme_three_view)]).with_kept_apart(&acme));
+    let acme_three = ViewReader::attach(&acme_three_path.0).unwrap();
+    for _ in 0..500 {
+        for (locations, uplink) in std::iter::once(&mut one).chain(others.iter_mut()) {
+            let changes: Vec<_> = locations.drain_changes().collect();
+            uplink.pump(locations, &changes);
+        }
+        aggregator.pump();
+        if acme_three.live() == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(seen(&acme_three), [true, false, false]);
+    assert_eq!(seen(&ViewReader::attach(&pool_three_path.0).unwrap()), [false, true, false]);
+    assert!(aggregator.summary.may_move(&key(1), 1, 3));
 }

@@ -14,6 +14,7 @@ use lake_dp::wire::message::{Delta, NamedViewEntry, Records, VIEW_TIER_NONE, Vie
 use lake_dp::wire::{Message, WireError, append_frame};
 use lake_dp::{BlockKey, NodeId, ObjectKind, Tier};
 
+use super::apart::{Apart, alike};
 use super::link::{UplinkCounters, meta};
 use super::{NodeView, Summary, available, tier_of};
 
@@ -25,6 +26,8 @@ pub(super) struct Shown {
     tier: Option<Tier>,
     kind: u8,
     namespace: u64,
+    /// Sent again whatever it shows now (who may see it changed).
+    resend: bool,
 }
 
 /// The fastest tier of `view`'s replicas of `key` offered to readers (L0
@@ -44,11 +47,11 @@ fn offered(view: &NodeView, key: &BlockKey) -> Shown {
             best = Some(tier);
         }
     }
-    Shown { tier: best, kind, namespace }
+    Shown { tier: best, kind, namespace, resend: false }
 }
 
 fn entry(key: BlockKey, shown: Shown) -> NamedViewEntry {
-    let Shown { tier, kind, namespace } = shown;
+    let Shown { tier, kind, namespace, .. } = shown;
     NamedViewEntry { key, namespace, tier: tier.map_or(VIEW_TIER_NONE, |t| t as u8), kind, reserved: [0; 6] }
 }
 
@@ -77,6 +80,16 @@ pub(super) fn note_all(pending: &mut Pending, node: u32, view: &NodeView) {
     }
 }
 
+/// Notes every block of `node` to be sent again, whatever it shows
+/// (which nodes may see it changed).
+pub(super) fn resend_all(pending: &mut Pending, node: u32, view: &NodeView) {
+    if let Some(pending) = pending {
+        for key in view.replicas.keys() {
+            pending.entry((node, *key)).or_insert_with(|| offered(view, key)).resend = true;
+        }
+    }
+}
+
 impl Summary {
     /// Notes the changes of the cluster view from now on
     /// ([`Summary::take_view_changes`]): the leader streaming it calls
@@ -99,7 +112,7 @@ impl Summary {
             // A block gone keeps the kind and namespace it had.
             let now = self.nodes.get(&node).map(|view| offered(view, &key)).filter(|now| now.tier.is_some());
             let now = now.unwrap_or(Shown { tier: None, ..before });
-            if now.tier == before.tier {
+            if now.tier == before.tier && !before.resend {
                 continue;
             }
             match out.last_mut() {
@@ -110,18 +123,21 @@ impl Summary {
         out
     }
 
-    /// The whole cluster view, by node: every block each node offers, with
-    /// its fastest tier (a snapshot for a node that connects or saw a gap).
-    pub fn view_entries(&self) -> Vec<(u32, Vec<NamedViewEntry>)> {
+    /// The whole cluster view, by node, as a node keeping `to` apart is to
+    /// see it ([`super::apart`]): every block each node offers, with its
+    /// fastest tier (a snapshot for a node that connects or saw a gap).
+    pub fn view_entries(&self, to: &Apart) -> Vec<(u32, Vec<NamedViewEntry>)> {
         let mut out = Vec::new();
         for node in self.nodes() {
             let view = &self.nodes[&node];
+            let held = self.apart_of(node);
             let mut entries: Vec<NamedViewEntry> = view
                 .replicas
                 .keys()
                 .filter_map(|key| {
                     let shown = offered(view, key);
-                    shown.tier.is_some().then(|| entry(*key, shown))
+                    let seen = shown.tier.is_some() && alike(held, shown.namespace, to);
+                    seen.then(|| entry(*key, shown))
                 })
                 .collect();
             if !entries.is_empty() {
@@ -284,12 +300,18 @@ pub(super) fn append_view_frame(
 }
 
 /// The whole view as snapshot frames at `(term, sequence)` (`named`: see
-/// [`append_view_frame`]): at least one (an empty view is one empty
-/// frame, which starts the node's over).
-pub(super) fn view_snapshot(summary: &Summary, term: u64, sequence: u64, named: bool) -> Result<Vec<u8>, WireError> {
+/// [`append_view_frame`]), as a node keeping `to` apart is to see it: at
+/// least one (an empty view is one empty frame, which starts the node's
+/// over).
+pub(super) fn view_snapshot(
+    summary: &Summary,
+    (term, sequence): (u64, u64),
+    named: bool,
+    to: &Apart,
+) -> Result<Vec<u8>, WireError> {
     let mut out = Vec::new();
     let head = |node| Delta { term, sequence, node, count: 0 };
-    let nodes = summary.view_entries();
+    let nodes = summary.view_entries(to);
     if nodes.is_empty() {
         append_view_frame(&mut out, head(0), &[], true, named)?;
     }

@@ -285,7 +285,7 @@ pub(super) fn control_plane(args: &CpArgs) -> Result<(), String> {
                         .map_err(|e| format!("cluster view beside {}: {e}", mirror.display()))?,
                 ),
             };
-            server.report_to(joins.summary_to.clone(), joins.link_key.clone(), views);
+            server.report_to(joins.summary_to.clone(), joins.link_key.clone(), views, &joins.kept_apart);
         }
         membership = join(joins, node)?;
     }
@@ -400,6 +400,8 @@ struct ClusterSettings {
     address: Option<std::net::SocketAddr>,
     /// The node's room in bytes (L1 and L2), for the leader's placement.
     room: u64,
+    /// Each tenant kept apart, with its namespaces, as said to the leader.
+    kept_apart: Vec<(String, Vec<u64>)>,
 }
 
 /// The settings of `lake cp`'s arguments: without `--config`, the tier
@@ -451,6 +453,7 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
     let tiers = pool.tier_config()?;
     let tenants = pool.tenant_mirrors(&mirror)?;
     let tenant_engines = pool.tenant_engines()?;
+    let kept_apart = pool.kept_apart()?;
     let cluster = (!pool.summary_to.is_empty() || cluster.is_some()).then(|| ClusterSettings {
         summary_to: pool.summary_to.clone(),
         link_key: pool.link_key.clone(),
@@ -458,6 +461,7 @@ fn node_settings(args: &CpArgs) -> Result<NodeSettings, String> {
         members: cluster.map(|(endpoints, name)| (endpoints, name, etcd_tls, member_ttl)),
         address: pool.transport_listen,
         room: pool.room_bytes(),
+        kept_apart,
     });
     let serving = lake_cp::server::Beside {
         access: pool.access.of_sockets().map_err(|e| format!("{}: {e}", file.display()))?,
@@ -614,6 +618,11 @@ pub(super) fn summary_leader(args: &SummaryArgs) -> Result<(), String> {
         }
         for what in aggregator.take_security_events() {
             say(serde_json::json!({"event": "link_refused", "what": what}).to_string());
+        }
+        // Blocks kept apart pass only between nodes keeping them apart
+        // alike: said of each node that connects unlike others.
+        for (node, unlike) in aggregator.take_unlike() {
+            say(serde_json::json!({"event": "tenants_unlike", "node": node, "unlike": unlike}).to_string());
         }
         aggregator.wait(Duration::from_millis(2));
         if last_renew.elapsed() >= every {
