@@ -188,6 +188,16 @@ fn beside(path: &Path, name: &str) -> PathBuf {
     PathBuf::from(format!("{}.{name}", path.display()))
 }
 
+/// Waits (20 s at most) for the sample `name` of the metrics at `address`
+/// to reach `least`.
+fn wait_for_sample(address: &str, name: &str, least: u64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sample(address, name) < least {
+        assert!(Instant::now() < deadline, "{what}: {} of {least}", sample(address, name));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn free_address() -> String {
     format!("127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port())
 }
@@ -244,11 +254,7 @@ fn a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone() {
         assert!(said.contains("saved 4") && said.contains("loaded 4 exact"), "{said}");
     }
     // Node 2's views hold the twelve, each in its own.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while sample(&metrics, "lake_cluster_view_blocks") < 12 {
-        assert!(Instant::now() < deadline, "node 2's views: {}", sample(&metrics, "lake_cluster_view_blocks"));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_sample(&metrics, "lake_cluster_view_blocks", 12, "node 2's views");
     let mirror_two = PathBuf::from(field(two, "mirror"));
     for view in
         [beside(&mirror_two, "cluster"), beside(&mirror_two, "acme.cluster"), beside(&mirror_two, "bolt.cluster")]
@@ -271,12 +277,8 @@ fn a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone() {
     // Bolt's engine asks for acme's blocks all the same: refused, and
     // nothing of them lands on node 2.
     assert!(engine(BOLT_UID, two, ACME, "steal").contains("asked 4"));
-    let deadline = Instant::now() + Duration::from_secs(10);
     let refused = "lake_cluster_pulls_total{result=\"refused\"}";
-    while sample(&metrics, refused) < 4 {
-        assert!(Instant::now() < deadline, "the pulls refused: {}", sample(&metrics, refused));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_sample(&metrics, refused, 4, "the pulls refused");
     std::thread::sleep(Duration::from_millis(500));
     let acme_two = beside(&mirror_two, "acme");
     assert_eq!(published(&acme_two, &keys(ACME)), 0, "nothing of acme's pulled by bolt's engine");
@@ -315,11 +317,7 @@ fn a_node_not_keeping_a_tenant_apart_is_shown_and_sent_none_of_its_blocks() {
         assert!(said.contains("saved 4") && said.contains("loaded 4 exact"), "{said}");
     }
     let (metrics_two, metrics_three) = (field(two, "metrics"), field(three, "metrics"));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while sample(&metrics_three, "lake_cluster_view_blocks") < 8 {
-        assert!(Instant::now() < deadline, "node 3's views: {}", sample(&metrics_three, "lake_cluster_view_blocks"));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_sample(&metrics_three, "lake_cluster_view_blocks", 8, "node 3's views");
     // The same leader's stream, a moment more: node 2 holds the pool's
     // four alone.
     std::thread::sleep(Duration::from_millis(500));
@@ -331,12 +329,7 @@ fn a_node_not_keeping_a_tenant_apart_is_shown_and_sent_none_of_its_blocks() {
     // Node 2's pool engine asks for acme's blocks all the same: node 2
     // relays the pulls (it keeps nothing apart), the leader asks no copy.
     assert!(engine(POOL_UID, two, ACME, "steal").contains("asked 4"));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let refused = "lake_summary_copies_kept_apart_total";
-    while sample(&leader_metrics, refused) < 4 {
-        assert!(Instant::now() < deadline, "copies not asked: {}", sample(&leader_metrics, refused));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_sample(&leader_metrics, "lake_summary_copies_kept_apart_total", 4, "copies not asked");
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(published(Path::new(&field(two, "mirror")), &keys(ACME)), 0, "nothing of acme's landed on node 2");
     let said = deployment.leader.wait_for("the leader says", Duration::from_secs(5), |l| l.contains("tenants_unlike"));
