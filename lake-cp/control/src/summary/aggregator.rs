@@ -333,7 +333,12 @@ impl Aggregator {
                     Tier::L3Object => connected.contains(&r.node.0),
                     Tier::L0Hbm => false,
                 })
-                .min_by_key(|r| (r.tier == Tier::L3Object, r.node.0 != pull.source.node, r.tier as u8));
+                // A holder that may send it here first (else the copy is
+                // refused, counted, in `ask_copies`).
+                .min_by_key(|r| {
+                    let unlike = !self.summary.may_move(&pull.key, r.node.0, puller);
+                    (unlike, r.tier == Tier::L3Object, r.node.0 != pull.source.node, r.tier as u8)
+                });
             match (to, from) {
                 (Some(to), Some(&from)) => plan.push(Replication { key: pull.key, from, to }),
                 _ => self.counters.pulls_unheld += 1,

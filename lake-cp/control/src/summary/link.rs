@@ -69,7 +69,7 @@ pub(super) fn meta(request_id: u64) -> FrameMeta {
 }
 
 /// Bytes a record of the link carries at most (a snapshot frame of
-/// [`DELTA_ENTRIES_MAX`] entries is far smaller).
+/// [`lake_dp::constants::DELTA_ENTRIES_MAX`] entries is far smaller).
 pub(super) const RECORD_MAX: usize = 16 << 20;
 
 /// Security events an aggregator keeps for its caller, at most.
