@@ -45,11 +45,10 @@ impl Summary {
     /// Node `node` keeps `entries` apart (none: it keeps nothing apart).
     /// Where that changes, each of its blocks is sent again in the view
     /// (to the nodes it is shown to now, and as gone to the others).
-    /// Returns whether it changed.
-    pub fn kept_apart(&mut self, node: u32, entries: impl IntoIterator<Item = KeptApartEntry>) -> bool {
+    pub fn kept_apart(&mut self, node: u32, entries: impl IntoIterator<Item = KeptApartEntry>) {
         let apart: Apart = entries.into_iter().map(|e| (e.namespace, e.tenant)).collect();
         if self.apart_of(node) == &apart {
-            return false;
+            return;
         }
         if apart.is_empty() {
             self.apart.remove(&node);
@@ -59,7 +58,6 @@ impl Summary {
         if let Some(view) = self.nodes.get(&node) {
             view::resend_all(&mut self.view, node, view);
         }
-        true
     }
 
     /// What node `node` keeps apart, as it said.
@@ -97,13 +95,7 @@ impl Summary {
             .keys()
             .chain(self.apart.keys())
             .copied()
-            .filter(|&other| other != node)
-            .filter(|&other| {
-                let theirs = self.apart_of(other);
-                let differ =
-                    |a: &Apart, b: &Apart| a.iter().any(|(namespace, tenant)| b.get(namespace) != Some(tenant));
-                differ(mine, theirs) || differ(theirs, mine)
-            })
+            .filter(|&other| other != node && self.apart_of(other) != mine)
             .collect();
         out.sort_unstable();
         out.dedup();
@@ -119,7 +111,7 @@ impl Summary {
         to: &Apart,
     ) -> std::borrow::Cow<'e, [NamedViewEntry]> {
         let held = self.apart_of(holder);
-        if entries.iter().all(|e| alike(held, e.namespace, to)) {
+        if held.is_empty() || entries.iter().all(|e| alike(held, e.namespace, to)) {
             return std::borrow::Cow::Borrowed(entries);
         }
         let hide = |e: &NamedViewEntry| {
