@@ -98,8 +98,9 @@ fn cp_session_seeds_are_current() {
     assert_eq!(count, seeds.len());
 }
 
-/// The `summary_checkpoint` target's seed: a checkpoint of two nodes, one
-/// a lapsed member, written by this build.
+/// The `summary_checkpoint` target's seeds: a checkpoint of two nodes, one
+/// a lapsed member, written by this build (`seed-00`); the same with node
+/// 1 keeping a tenant's namespace apart (`seed-01`).
 #[test]
 fn summary_checkpoint_seeds_are_current() {
     use lake_cp::summary::Summary;
@@ -135,15 +136,19 @@ fn summary_checkpoint_seeds_are_current() {
         summary.delta(&head, entries);
     }
     summary.membership(&[2]);
-    let seed = summary.checkpoint(11);
-    if std::env::var_os("LAKE_UPDATE_SEEDS").is_some() {
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("seed-00"), &seed).unwrap();
+    let plain = summary.checkpoint(11);
+    let acme = lake_dp::wire::message::KeptApartEntry { namespace: 0xa1, tenant: 0xac };
+    summary.kept_apart(1, [acme]);
+    for (name, seed) in [("seed-00", plain), ("seed-01", summary.checkpoint(11))] {
+        if std::env::var_os("LAKE_UPDATE_SEEDS").is_some() {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join(name), &seed).unwrap();
+        }
+        let committed = std::fs::read(dir.join(name)).unwrap();
+        assert_eq!(committed, seed, "stale seed {name} in {}", dir.display());
+        let (back, term) = Summary::restore(&committed).unwrap();
+        assert_eq!((term, back.nodes()), (11, vec![1, 2]));
     }
-    let committed = std::fs::read(dir.join("seed-00")).unwrap();
-    assert_eq!(committed, seed, "stale seed in {}", dir.display());
-    let (back, term) = Summary::restore(&committed).unwrap();
-    assert_eq!((term, back.nodes()), (11, vec![1, 2]));
 }
 
 /// The `config_toml` seeds are files this build takes (`lake serve`'s, or

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use lake_agent::{Agent, AgentConfig};
 use lake_dp::mirror::view::{Holder, Where};
-use lake_dp::{BlockKey, NodeId};
+use lake_dp::{BlockKey, NodeId, Tier};
 use serde_json::json;
 
 use as_user::{load_and_say, published, run_engine, save_at_once};
@@ -132,7 +132,8 @@ fn engine_child(spec: &str) {
             let mut places = Vec::new();
             let found = agent.lookup_cluster(&keys, &mut places);
             let remote = places.iter().filter(|p| matches!(p, Where::Remote(_))).count();
-            println!("engine: found {found} remote {remote}");
+            let store = places.iter().filter(|p| matches!(p, Where::Remote(h) if h.tier == Tier::L3Object)).count();
+            println!("engine: found {found} remote {remote} in L3 {store}");
         }
         "pull" => {
             let hits = agent.pull_cluster(&keys, Duration::from_secs(10), &mut table);
@@ -203,22 +204,29 @@ fn free_address() -> String {
 }
 
 /// A cluster of `count` `lake serve` nodes (`flags` of each) under a
-/// `lake summary` leader (blocks stay where they were saved; its metrics
-/// at `leader_metrics`) in a real etcd, in a scratch directory that
-/// other users may enter: `None` (said why) where it cannot run here.
+/// `lake summary` leader (blocks stay where they were saved; `leader_flags`
+/// its others) in a real etcd, in a scratch directory that other users
+/// may enter ([`base`]): `None` (said why) where it cannot run here.
 struct Deployment {
     leader: cluster::Proc,
     nodes: Vec<(cluster::Proc, String)>,
     base: PathBuf,
+    /// Where the leader listens, and etcd.
+    listen: String,
+    etcd: etcd_server::EtcdServer,
     _scratch: Scratch,
-    _etcd: etcd_server::EtcdServer,
+}
+
+/// The scratch directory of deployment `name`.
+fn base(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("lake-{name}-{}", std::process::id()))
 }
 
 fn deploy(
     name: &str,
     count: u32,
     flags: impl Fn(u32) -> &'static [&'static str],
-    leader_metrics: &str,
+    leader_flags: &[&str],
 ) -> Option<Deployment> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -226,14 +234,14 @@ fn deploy(
         return None;
     }
     let etcd = etcd_server::EtcdServer::start(name)?;
-    let base = std::env::temp_dir().join(format!("lake-{name}-{}", std::process::id()));
+    let base = base(name);
     let scratch = Scratch(base.clone(), Vec::new());
     std::fs::create_dir_all(&base).unwrap();
     std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
     let listen = free_address();
-    let leader = leader(&listen, &etcd.endpoint(), name, Some("saved"), &["--metrics", leader_metrics]);
+    let leader = leader(&listen, &etcd.endpoint(), name, Some("saved"), leader_flags);
     let nodes = start_nodes(&base, (&listen, &etcd.endpoint(), name), count, flags);
-    Some(Deployment { leader, nodes, base, _scratch: scratch, _etcd: etcd })
+    Some(Deployment { leader, nodes, base, listen, etcd, _scratch: scratch })
 }
 
 #[test]
@@ -242,7 +250,7 @@ fn a_tenants_blocks_are_seen_and_pulled_across_nodes_by_its_engines_alone() {
         return engine_child(&spec);
     }
     // Blocks stay where they were saved: node 2 holds none until pulled.
-    let Some(deployment) = deploy("tenant-cluster", 2, |_| TENANTS, &free_address()) else { return };
+    let Some(deployment) = deploy("tenant-cluster", 2, |_| TENANTS, &[]) else { return };
     let (base, nodes) = (&deployment.base, &deployment.nodes);
     let (one, two) = (&nodes[0].1, &nodes[1].1);
     let metrics = field(two, "metrics");
@@ -310,7 +318,7 @@ const POOL_ONLY: &[&str] = &["--allow-uid", "65534,65533,65532", "--socket-mode"
 fn a_node_not_keeping_a_tenant_apart_is_shown_and_sent_none_of_its_blocks() {
     let leader_metrics = free_address();
     let flags = |node| if node == 2 { POOL_ONLY } else { TENANTS };
-    let Some(deployment) = deploy("tenant-unlike", 3, flags, &leader_metrics) else { return };
+    let Some(deployment) = deploy("tenant-unlike", 3, flags, &["--metrics", &leader_metrics]) else { return };
     let [(_, one), (_, two), (_, three)] = &deployment.nodes[..] else { unreachable!() };
     for (uid, namespace) in [(ACME_UID, ACME), (POOL_UID, OTHER)] {
         let said = engine(uid, one, namespace, "save");
@@ -337,4 +345,65 @@ fn a_node_not_keeping_a_tenant_apart_is_shown_and_sent_none_of_its_blocks() {
     // The pool's blocks pass as ever.
     let said = engine(POOL_UID, two, OTHER, "pull");
     assert!(said.contains("hits 4") && said.contains("loaded 4 exact"), "{said}");
+}
+
+/// Node 1 keeps acme apart and writes its blocks to L3 as it saves them;
+/// node 2 keeps no tenant apart. Node 1 dies — its L3 blocks, the store's,
+/// stay in every view — and then the leader: the standby that takes over
+/// from its checkpoint still keeps acme's blocks from node 2, though node
+/// 1 never connects to it to say what it keeps apart. Node 3, keeping
+/// acme apart alike, sees them.
+#[test]
+fn a_leader_restored_from_its_checkpoint_keeps_a_gone_nodes_tenant_blocks_apart() {
+    let name = "tenant-restored";
+    let checkpoints = base(name).join("checkpoints").display().to_string();
+    let summary_flags = ["--checkpoint-dir", checkpoints.as_str(), "--checkpoint-ms", "100"];
+    let store = base(name).join("node1-l3").display().to_string();
+    let writer: &'static [&'static str] = [TENANTS, &["--l3-write-back", "eager", "--l3-dir"]].concat().leak();
+    let writer: &'static [&'static str] = [writer, &[String::leak(store)]].concat().leak();
+    let flags = |node| match node {
+        1 => writer,
+        2 => POOL_ONLY,
+        _ => TENANTS,
+    };
+    let Some(mut deployment) = deploy(name, 3, flags, &summary_flags) else { return };
+    let mut standby_args = vec!["summary", "--listen", &deployment.listen, "--cluster", name, "--ttl", "2"];
+    let endpoint = deployment.etcd.endpoint();
+    standby_args.extend(["--etcd", &endpoint, "--placement", "saved"]);
+    standby_args.extend(summary_flags);
+    let standby = cluster::Proc::start(&standby_args);
+    let [(one_proc, one), (_, two), (_, three)] = &mut deployment.nodes[..] else { unreachable!() };
+    for (uid, namespace) in [(ACME_UID, ACME), (POOL_UID, OTHER)] {
+        let said = engine(uid, one, namespace, "save");
+        assert!(said.contains("saved 4") && said.contains("loaded 4 exact"), "{said}");
+    }
+    let (metrics_two, metrics_three) = (field(two, "metrics"), field(three, "metrics"));
+    wait_for_sample(&metrics_three, "lake_cluster_view_blocks", 8, "node 3's views");
+
+    // Node 1 dies: once its membership lapses its blocks are seen in L3
+    // alone, on node 3 (acme's) and on node 2 (the pool's).
+    one_proc.kill();
+    let in_store = |uid, serving: &str, namespace| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !engine(uid, serving, namespace, "peek").contains("found 4 remote 4 in L3 4") {
+            assert!(Instant::now() < deadline, "node 1's blocks of {namespace:x}, in L3 alone");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    in_store(ACME_UID, three, ACME);
+    in_store(POOL_UID, two, OTHER);
+    // A checkpoint of it, and the leader dies: the standby leads from it.
+    std::thread::sleep(Duration::from_millis(500));
+    let snapshot = "lake_cluster_view_frames_total{kind=\"snapshot\"}";
+    let snapshots = [&metrics_two, &metrics_three].map(|m| sample(m, snapshot));
+    deployment.leader.kill();
+    standby.wait_for("the standby leads", Duration::from_secs(20), |l| l.contains("\"event\":\"leading\""));
+    for (metrics, before) in [&metrics_two, &metrics_three].into_iter().zip(snapshots) {
+        wait_for_sample(metrics, snapshot, before + 1, "a view snapshot from the new leader");
+    }
+    wait_for_sample(&metrics_three, "lake_cluster_view_blocks", 8, "node 3's views, from the new leader");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(sample(&metrics_two, "lake_cluster_view_blocks"), 4, "node 2's view: the pool's blocks alone");
+    assert!(engine(POOL_UID, two, ACME, "peek").contains("found 0"), "acme's, on a node not keeping acme apart");
+    assert!(engine(ACME_UID, three, ACME, "peek").contains("found 4 remote 4 in L3 4"));
 }

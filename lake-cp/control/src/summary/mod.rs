@@ -26,7 +26,8 @@
 //!
 //! **Checkpoint**: [`Summary::checkpoint`] writes the whole summary in a
 //! self-checking format (magic, version, every node's term and sequence,
-//! its replicas as wire [`DeltaEntry`] records, a CRC over all of it) to
+//! its replicas as wire [`DeltaEntry`] records, what each node keeps
+//! apart ([`apart`]), a CRC over all of it) to
 //! be stored on L2 or L3 — never in etcd, which holds only its pointer.
 //! A new leader starts from it ([`Summary::restore`]) and the nodes'
 //! snapshots bring it up to date.
@@ -289,7 +290,9 @@ pub struct AggregatorCounters {
 }
 
 const MAGIC: [u8; 8] = *b"LAKESUM\0";
-const VERSION: u32 = 1;
+/// The version written where any node keeps anything apart (its list
+/// follows the nodes); else 1, as builds before it wrote and read.
+const VERSION: u32 = 2;
 const HEAD_BYTES: usize = 8 + 4 + 4 + 8;
 const NODE_BYTES: usize = 4 + 4 + 8 + 8 + 8;
 const ENTRY_BYTES: usize = size_of::<DeltaEntry>();
@@ -663,7 +666,8 @@ impl Summary {
         let entries: usize = self.nodes.values().map(NodeView::count).sum();
         let mut out = Vec::with_capacity(HEAD_BYTES + self.nodes.len() * NODE_BYTES + entries * ENTRY_BYTES + 4);
         out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        let version = if self.apart.is_empty() { 1 } else { VERSION };
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&u32::try_from(self.nodes.len()).unwrap_or(u32::MAX).to_le_bytes());
         out.extend_from_slice(&term.to_le_bytes());
         for node in self.nodes() {
@@ -679,6 +683,7 @@ impl Summary {
                 out.extend_from_slice(bytemuck::bytes_of(&h.entry));
             }
         }
+        self.write_apart(&mut out);
         let crc = crc32fast::hash(&out);
         out.extend_from_slice(&crc.to_le_bytes());
         out
@@ -709,8 +714,8 @@ impl Summary {
         let u32_at = |b: &[u8]| u32::from_le_bytes(b.try_into().unwrap_or([0; 4]));
         let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
         let version = u32_at(take(4)?);
-        if version != VERSION {
-            return Err(CheckpointError::Format(format!("version {version} (this build reads {VERSION})")));
+        if version != 1 && version != VERSION {
+            return Err(CheckpointError::Format(format!("version {version} (this build reads 1 to {VERSION})")));
         }
         let nodes = u32_at(take(4)?);
         let term = u64_at(take(8)?);
@@ -748,8 +753,11 @@ impl Summary {
                 return Err(CheckpointError::Field("node (twice)"));
             }
         }
+        if version == VERSION {
+            summary.read_apart(&mut take)?;
+        }
         if at != body.len() {
-            return Err(CheckpointError::Format("bytes after the last node".into()));
+            return Err(CheckpointError::Format("bytes after the last section".into()));
         }
         Ok((summary, term))
     }

@@ -5,13 +5,13 @@ use lake_dp::NodeId;
 use lake_dp::wire::message::{NamedViewEntry, ViewEntry};
 use std::time::Duration;
 
-fn key(i: u8) -> BlockKey {
+pub(super) fn key(i: u8) -> BlockKey {
     BlockKey([i; 16])
 }
 
 /// Node `node`'s location view with an L1 (region 0), an L2 (1) and an L3
 /// (9) region, under control-plane term `term`.
-fn view(node: u32, term: u64) -> Locations {
+pub(super) fn view(node: u32, term: u64) -> Locations {
     let mut locations = Locations::new(term);
     for (region, tier) in [(0, Tier::L1Dram), (1, Tier::L2Nvme), (9, Tier::L3Object)] {
         locations.register_region(region, tier, NodeId(node), 5).unwrap();
@@ -805,7 +805,7 @@ fn blocks_a_node_saves_are_planned_into_their_homes_in_proportion_to_the_members
 }
 
 /// Sends what `locations` changed since the last call to `summary`.
-fn report(summary: &mut Summary, node: u32, locations: &mut Locations) {
+pub(super) fn report(summary: &mut Summary, node: u32, locations: &mut Locations) {
     let changes: Vec<_> = locations.drain_changes().collect();
     apply_all(summary, deltas(node, locations, &changes));
 }
