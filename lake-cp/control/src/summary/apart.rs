@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use lake_dp::BlockKey;
 use lake_dp::wire::message::{KEPT_APART_MAX, KeptApartEntry, NamedViewEntry, VIEW_TIER_NONE};
 
-use super::{CheckpointError, Summary, view};
+use super::{CheckpointError, Summary, u32_at, u64_at, view};
 
 /// What one node keeps apart: each namespace's tenant
 /// ([`KeptApartEntry::tenant_of`]).
@@ -119,9 +119,7 @@ impl Summary {
         };
         std::borrow::Cow::Owned(entries.iter().map(hide).collect())
     }
-}
 
-impl Summary {
     /// What each node keeps apart, as a checkpoint's last section: the
     /// nodes u32, then each (in id order) its id u32, its count u32 and
     /// that many (namespace u64, tenant u64) in namespace order. Nothing
@@ -151,8 +149,6 @@ impl Summary {
         &mut self,
         take: &mut impl FnMut(usize) -> Result<&'a [u8], CheckpointError>,
     ) -> Result<(), CheckpointError> {
-        let u32_at = |b: &[u8]| u32::from_le_bytes(b.try_into().unwrap_or([0; 4]));
-        let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
         let nodes = u32_at(take(4)?);
         if nodes == 0 {
             return Err(CheckpointError::Field("apart.nodes (none)"));

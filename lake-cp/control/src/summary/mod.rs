@@ -711,8 +711,6 @@ impl Summary {
             at = end;
             Ok(part)
         };
-        let u32_at = |b: &[u8]| u32::from_le_bytes(b.try_into().unwrap_or([0; 4]));
-        let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
         let version = u32_at(take(4)?);
         if version != 1 && version != VERSION {
             return Err(CheckpointError::Format(format!("version {version} (this build reads 1 to {VERSION})")));
@@ -761,6 +759,16 @@ impl Summary {
         }
         Ok((summary, term))
     }
+}
+
+/// A checkpoint's little-endian u32 at the start of `b` (0 where short).
+fn u32_at(b: &[u8]) -> u32 {
+    u32::from_le_bytes(b.try_into().unwrap_or([0; 4]))
+}
+
+/// A checkpoint's little-endian u64 at the start of `b` (0 where short).
+fn u64_at(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))
 }
 
 fn check_entry(entry: &DeltaEntry, node: u32) -> Result<(), CheckpointError> {
